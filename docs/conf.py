@@ -1,0 +1,83 @@
+"""Sphinx configuration for the kvdoc site.
+
+Every page under docs/ is a MyST-NB text notebook executed at build time. The build is
+strict: a cell that raises, a cell that runs past the timeout, a missing glue key or any
+other warning fails it (the Makefile passes -W --keep-going).
+"""
+
+from __future__ import annotations
+
+import os
+
+project = "kvdoc"
+author = "the kvdoc authors"
+copyright = "2026, the kvdoc authors"
+
+extensions = [
+    "myst_nb",  # also provides the MyST parser; do not add myst_parser beside it
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.doctest",
+    "sphinx.ext.mathjax",
+    "sphinx_copybutton",
+]
+
+exclude_patterns = ["_build", "**.ipynb_checkpoints", "README.md"]
+
+# Working on one page: KVDOC_PAGES="part1/2-operations part3/*" builds the landing page, the
+# part indexes and the pages named (globs allowed), skipping the rest. Never set in CI.
+if os.environ.get("KVDOC_PAGES"):
+    import fnmatch
+    import pathlib
+
+    _here = pathlib.Path(__file__).parent
+    _wanted = os.environ["KVDOC_PAGES"].split()
+    for _path in _here.rglob("*.md"):
+        _doc = _path.relative_to(_here).with_suffix("").as_posix()
+        if _doc.startswith("_build") or _doc == "index" or _doc.endswith("/index"):
+            continue
+        if not any(fnmatch.fnmatch(_doc, pattern) for pattern in _wanted):
+            exclude_patterns.append(_doc + ".md")
+    suppress_warnings = ["toc.excluded", "toc.not_readable"]
+templates_path = ["_templates"]
+html_static_path = ["_static"]
+
+# --- notebooks -------------------------------------------------------------------------
+# Cached locally (jupyter-cache re-runs a page only when its code changes); forced in CI,
+# where every page runs from scratch.
+nb_execution_mode = "force" if os.environ.get("CI") else "cache"
+# A cell that raises becomes a warning carrying the page name and the cell's traceback, and
+# -W turns it into a failed build. (raise_on_error=True would abort without the traceback.)
+nb_execution_raise_on_error = False
+nb_execution_timeout = int(os.environ.get("KVDOC_CELL_TIMEOUT", "300"))  # seconds per cell
+nb_merge_streams = True
+nb_execution_show_tb = True
+myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist", "substitution"]
+myst_heading_anchors = 3
+
+# --- API reference ---------------------------------------------------------------------
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+
+# --- doctest builder ---------------------------------------------------------------------
+# Only the pages' {doctest} blocks run here; docstring examples pulled in by autodoc are run by
+# pytest --doctest-modules in the package's own namespace.
+doctest_test_doctest_blocks = ""
+doctest_global_setup = """
+import torch
+torch.manual_seed(0)
+"""
+
+# --- HTML ---------------------------------------------------------------------------------
+html_theme = "sphinx_book_theme"
+html_title = "kvdoc: the KV cache, derived and proved"
+html_theme_options = {
+    "show_toc_level": 2,
+    "use_download_button": False,
+    "use_fullscreen_button": False,
+}
+html_last_updated_fmt = None  # no build timestamps: two builds of one commit should match
+copybutton_prompt_text = r">>> |\.\.\. "
+copybutton_prompt_is_regexp = True

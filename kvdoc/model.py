@@ -1,0 +1,265 @@
+"""A GPT-2 decoder whose one forward serves both paths: full recompute and cached continuation.
+
+Read top to bottom: the MLP, causal self-attention (where the cache is used), the block, the
+decoder, then ``prefill`` / ``decode_step`` / ``generate``. Parameter names are GPT-2's
+(``wte, wpe, h, ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, ln_f, lm_head``),
+so a transformers checkpoint maps by key (:mod:`kvdoc.interop`).
+
+Shapes: ``B`` batch, ``C`` new tokens in this call, ``P`` positions already cached,
+``T = P + C``, ``d`` = ``n_embd``, ``H`` query heads, ``H_kv`` K/V heads, ``D_h`` head size,
+``V`` vocabulary. K and V are always ``[B, H_kv, T, D_h]``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import DynamicCache, KVCache, StaticCache
+from .config import GPTConfig
+from .mask import offset_causal_mask
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: ``c_proj(gelu_tanh(c_fc(x)))``; row ``t`` of the output needs row ``t`` only."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, config.n_inner)
+        self.c_proj = nn.Linear(config.n_inner, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, d] -> [B, C, d]
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's "gelu_new"
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head (or grouped-query) causal self-attention that reads and extends a K/V cache."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.split = (config.n_embd, config.kv_dim, config.kv_dim)
+        self.c_attn = nn.Linear(config.n_embd, sum(self.split))  # Q, K, V in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def mask(self, past_len: int, new_len: int, device: torch.device) -> torch.Tensor | None:
+        """Keys each new query may read: ``[C, P + C]`` bool, or None when every key is visible."""
+        if new_len == 1:
+            return None  # one query at position P after keys 0..P: nothing to hide
+        return offset_causal_mask(past_len, new_len, device)  # not is_causal=True: see kvdoc.mask
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int) -> torch.Tensor:
+        B, C, d = x.shape
+        q, k, v = self.c_attn(x).split(self.split, dim=2)
+        q = q.view(B, C, self.n_head, self.head_dim).transpose(1, 2)  # [B, H, C, D_h]
+        k = k.view(B, C, self.n_kv_head, self.head_dim).transpose(1, 2)  # [B, H_kv, C, D_h]
+        v = v.view(B, C, self.n_kv_head, self.head_dim).transpose(1, 2)  # [B, H_kv, C, D_h]
+        if cache is not None:
+            # Only the new rows were projected; the old K/V come from this layer's cache.
+            k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h]
+        y = F.scaled_dot_product_attention(  # scores [B, H, C, P + C], scaled by 1/sqrt(D_h)
+            q, k, v, attn_mask=self.mask(start, C, x.device), enable_gqa=self.n_kv_head != self.n_head)
+        y = y.transpose(1, 2).reshape(B, C, d)  # merge heads: [B, C, H * D_h]
+        return self.c_proj(y)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer_idx, start)
+        return x + self.mlp(self.ln_2(x))
+
+
+class DecoderOutput(NamedTuple):
+    """What :meth:`Decoder.forward` returns."""
+
+    logits: torch.Tensor
+    """``[B, C, V]``: ``logits[:, i]`` predicts the token after new token ``i`` (``[B, 1, V]`` with ``last_only``)."""
+    cache: KVCache | None
+    """The cache holding positions ``0 .. P + C - 1``, or None when none was passed."""
+
+
+class Decoder(nn.Module):
+    """A GPT-2 decoder: embeddings, ``n_layer`` pre-norm blocks, final LayerNorm, untied LM head.
+
+    ``forward(idx)`` recomputes every position of ``idx``. ``forward(idx, cache)`` treats
+    ``idx`` as the continuation of what ``cache`` holds: it embeds and projects only the new
+    tokens, at absolute positions ``P .. P + C - 1`` where ``P = cache.seq_len``, attends over
+    cached + new K/V, and returns the updated cache. Both are the same function of the token
+    sequence; :mod:`kvdoc.verify` proves it.
+
+    Weights use PyTorch's default initialisation (seed with ``torch.manual_seed``) or come
+    from :meth:`from_gpt2`. The model is never trained: the site checks that two ways of
+    computing one function agree, which needs no language ability.
+
+    >>> _ = torch.manual_seed(0)
+    >>> model = Decoder(GPTConfig())
+    >>> model.num_parameters()
+    145280
+    >>> ids = torch.tensor([[12, 7, 31, 4, 9, 18]])
+    >>> full = model(ids).logits                        # [1, 6, 97]
+    >>> _, cache = model(ids[:, :4], DynamicCache.empty(model.config, 1))
+    >>> step = model(ids[:, 4:], cache).logits          # [1, 2, 97], positions 4 and 5
+    >>> torch.allclose(step, full[:, 4:], atol=1e-5)
+    True
+    """
+
+    def __init__(self, config: GPTConfig | None = None) -> None:
+        super().__init__()
+        self.config = config = config or GPTConfig()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embeddings
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)  # learned absolute positions
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def num_parameters(self) -> int:
+        """Number of parameters (the LM head is untied, so it counts separately from ``wte``)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def positions(self, start: int, new_len: int, device: torch.device) -> torch.Tensor:
+        """Absolute positions of the new tokens: ``start .. start + new_len - 1``."""
+        return torch.arange(start, start + new_len, device=device)
+
+    def check_input(self, idx: torch.Tensor, cache: KVCache | None) -> None:
+        """Raise ``ValueError`` (before anything is computed or written) unless ``idx`` can continue ``cache``."""
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+            shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+            raise ValueError(f"idx must be a [B, C] tensor of token ids, got {shape}")
+        if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+            raise ValueError(f"idx must hold integer token ids, got dtype {idx.dtype}")
+        B, C = idx.shape
+        if C == 0 or B == 0:
+            raise ValueError(f"empty input: idx has shape {tuple(idx.shape)}; pass at least one token per row")
+        weight = self.wte.weight
+        if idx.device != weight.device:
+            raise ValueError(f"idx is on {idx.device}, model is on {weight.device}")
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is outside the vocabulary 0..{self.config.vocab_size - 1}")
+        if cache is not None and not isinstance(cache, KVCache):
+            raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}")
+        past = 0 if cache is None else cache.seq_len
+        if past + C > self.config.n_positions:
+            raise ValueError(f"sequence too long: {past} cached + {C} new = {past + C} positions, "
+                             f"model has {self.config.n_positions}")
+        if cache is not None:
+            cache.check_compatible(self.config, B, weight.dtype, weight.device, C)
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False) -> DecoderOutput:
+        """Logits for the ``C`` new tokens in ``idx`` (``[B, C]``), continuing ``cache`` if given.
+
+        Args:
+            idx: token ids ``[B, C]``, the tokens after the ``P`` positions ``cache`` holds.
+            cache: per-layer K/V of positions ``0 .. P - 1``, or None to recompute from position 0.
+                A :class:`~kvdoc.cache.DynamicCache` passed in is left unchanged; a
+                :class:`~kvdoc.cache.StaticCache` is written in place.
+            last_only: project only the last position to the vocabulary (what generation needs).
+
+        Returns:
+            ``DecoderOutput(logits, cache)``: logits ``[B, C, V]`` (``[B, 1, V]`` if ``last_only``)
+            and the cache now holding ``P + C`` positions (None if none was passed).
+
+        Raises:
+            ValueError: bad ids, shapes, lengths, or a cache that does not fit this model and
+                input. Nothing has been written when it is raised.
+        """
+        self.check_input(idx, cache)
+        B, C = idx.shape
+        start = 0 if cache is None else cache.seq_len
+        work = None if cache is None else cache.begin()
+        x = self.wte(idx) + self.wpe(self.positions(start, C, idx.device))  # [B, C, d]
+        for layer_idx, block in enumerate(self.h):
+            x = block(x, work, layer_idx, start)  # [B, C, d]
+        if work is not None:
+            work.finish(start + C)
+        if last_only:
+            x = x[:, -1:, :]  # [B, 1, d]: only the last row feeds next-token prediction
+        return DecoderOutput(self.lm_head(self.ln_f(x)), work)  # [B, C, V]
+
+    def new_cache(self, batch_size: int, kind: Literal["dynamic", "static"] = "dynamic",
+                  capacity: int | None = None) -> KVCache:
+        """An empty cache matching this model's config, dtype and device.
+
+        ``capacity`` (static only) defaults to ``n_positions``.
+        """
+        dtype, device = self.wte.weight.dtype, self.wte.weight.device
+        if kind == "dynamic":
+            return DynamicCache.empty(self.config, batch_size, dtype, device)
+        if kind == "static":
+            return StaticCache(self.config, batch_size, capacity or self.config.n_positions, dtype, device)
+        raise ValueError(f"unknown cache kind {kind!r}; use 'dynamic' or 'static'")
+
+    @classmethod
+    def from_gpt2(cls, model_or_state_dict) -> Decoder:
+        """A decoder with the weights of a transformers ``GPT2LMHeadModel`` (see :mod:`kvdoc.interop`)."""
+        from .interop import decoder_from_gpt2
+
+        return decoder_from_gpt2(model_or_state_dict)
+
+
+@torch.no_grad()
+def prefill(model: Decoder, idx: torch.Tensor, cache: KVCache | None = None) -> DecoderOutput:
+    """Run the prompt ``idx`` (``[B, P]``) through the model once, filling a cache.
+
+    Returns the last position's logits ``[B, 1, V]`` and the cache (a new dynamic one unless given).
+    """
+    cache = model.new_cache(idx.shape[0]) if cache is None else cache
+    return model(idx, cache, last_only=True)
+
+
+@torch.no_grad()
+def decode_step(model: Decoder, token: torch.Tensor, cache: KVCache) -> DecoderOutput:
+    """Feed exactly one new token per row (``[B]`` or ``[B, 1]``) after what ``cache`` holds.
+
+    Returns logits ``[B, 1, V]`` for the position after it, and the cache one position longer.
+    """
+    token = token.reshape(token.shape[0], -1) if token.dim() == 1 else token
+    if token.dim() != 2 or token.shape[1] != 1:
+        raise ValueError(f"decode_step takes one token per row, got shape {tuple(token.shape)}")
+    return model(token, cache)
+
+
+@torch.no_grad()
+def generate(model: Decoder, idx: torch.Tensor, max_new_tokens: int,
+             cache: Literal["dynamic", "static"] = "dynamic") -> torch.Tensor:
+    """Greedy generation: one prefill, then ``max_new_tokens - 1`` decode steps.
+
+    Returns ``[B, P + max_new_tokens]``: the prompt followed by the chosen tokens.
+
+    >>> _ = torch.manual_seed(0)
+    >>> model = Decoder(GPTConfig())
+    >>> prompt = torch.tensor([[1, 2, 3]])
+    >>> out = generate(model, prompt, 5)
+    >>> out.shape
+    torch.Size([1, 8])
+    >>> torch.equal(out, generate(model, prompt, 5, cache="static"))
+    True
+    """
+    model.check_input(idx, None)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    total = idx.shape[1] + max_new_tokens
+    if total > model.config.n_positions:
+        raise ValueError(f"prompt of {idx.shape[1]} + {max_new_tokens} new tokens = {total} positions, "
+                         f"model has {model.config.n_positions}")
+    logits, kv = prefill(model, idx, model.new_cache(idx.shape[0], cache, capacity=total))
+    out = [idx]
+    for step in range(max_new_tokens):
+        token = logits[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
+        out.append(token)
+        if step + 1 < max_new_tokens:
+            logits, kv = decode_step(model, token, kv)
+    return torch.cat(out, dim=1)

@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvdoc import Decoder, GPTConfig
+
+
+@pytest.fixture
+def model() -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(GPTConfig()).eval()
+
+
+@pytest.fixture
+def stream() -> torch.Tensor:
+    """A fixed 24-token stream for batch 2."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, GPTConfig().vocab_size, (2, 24), generator=g)

@@ -1,0 +1,231 @@
+"""The core promise: the cached path computes the same function as full recompute."""
+
+import copy
+
+import pytest
+import torch
+
+from kvdoc import Decoder, DynamicCache, GPTConfig, StaticCache, decode_step, generate, prefill
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+def chunked(model, ids, chunk, kind):
+    """Feed ids in chunks of `chunk` (the last may be short); return logits [B, T, V] and the cache."""
+    cache = model.new_cache(ids.shape[0], kind)
+    out = []
+    for s in range(0, ids.shape[1], chunk):
+        logits, cache = model(ids[:, s:s + chunk], cache)
+        out.append(logits)
+    return torch.cat(out, dim=1), cache
+
+
+def full_kv(model, ids):
+    """Every layer's K and V of a full forward, read off the attention projections."""
+    _, cache = model(ids, model.new_cache(ids.shape[0], "dynamic"))
+    return [cache.layer(i) for i in range(model.config.n_layer)]
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_cached_equals_full(model, stream, kind, dtype, chunk, batch):
+    model = model.to(dtype)
+    ids = stream[:batch]
+    with torch.no_grad():
+        full = model(ids).logits
+        cached, cache = chunked(model, ids, chunk, kind)
+        # K/V: a single full pass through a fresh cache, against the chunked cache.
+        reference = full_kv(model, ids)
+    tol = TOL[dtype]
+    assert cached.shape == full.shape == (batch, 24, 97)
+    torch.testing.assert_close(cached, full, atol=tol, rtol=tol)
+    assert cache.seq_len == 24
+    for layer, (k_ref, v_ref) in enumerate(reference):
+        k, v = cache.layer(layer)
+        assert k.shape == v.shape == (batch, 4, 24, 16)
+        torch.testing.assert_close(k, k_ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(v, v_ref, atol=tol, rtol=tol)
+
+
+def test_cached_path_is_not_trivially_equal(model, stream):
+    """The comparison above can fail: feeding a chunk at the wrong position changes the logits."""
+    with torch.no_grad():
+        full = model(stream[:1]).logits
+        _, cache = model(stream[:1, :4], model.new_cache(1))
+        restarted = model(stream[:1, 4:6]).logits  # same tokens, positions 0-1 instead of 4-5
+    assert (restarted - full[:, 4:6]).abs().max() > 1e-2
+
+
+def test_dynamic_cache_passed_in_is_unchanged(model, stream):
+    with torch.no_grad():
+        _, cache = model(stream[:, :6], model.new_cache(2))
+        before = [tuple(t.clone() for t in cache.layer(i)) for i in range(2)]
+        _, after = model(stream[:, 6:9], cache)
+    assert cache.seq_len == 6 and after.seq_len == 9 and after is not cache
+    for i in range(2):
+        for old, now in zip(before[i], cache.layer(i)):
+            assert torch.equal(old, now)
+
+
+def test_static_cache_keeps_rows_below_write_position(model, stream):
+    cache = model.new_cache(2, "static", capacity=16)
+    with torch.no_grad():
+        model(stream[:, :6], cache)
+        before = [tuple(t.clone() for t in cache.layer(i)) for i in range(2)]
+        _, same = model(stream[:, 6:9], cache)
+    assert same is cache and cache.seq_len == 9
+    for i in range(2):
+        k, v = cache.layer(i)
+        assert torch.equal(k[:, :, :6], before[i][0]) and torch.equal(v[:, :, :6], before[i][1])
+
+
+def test_last_only_matches_last_row(model, stream):
+    with torch.no_grad():
+        full = model(stream).logits
+        last = model(stream, last_only=True).logits
+    assert last.shape == (2, 1, 97)
+    torch.testing.assert_close(last, full[:, -1:])
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_generate_equals_argmax_of_full_recompute(model, kind):
+    prompt = torch.tensor([[5, 9, 2], [1, 1, 1]])
+    out = generate(model, prompt, 6, cache=kind)
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(6):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, ids)
+
+
+def test_prefill_and_decode_step(model, stream):
+    with torch.no_grad():
+        logits, cache = prefill(model, stream[:, :5])
+        assert logits.shape == (2, 1, 97) and cache.seq_len == 5
+        step, cache = decode_step(model, stream[:, 5], cache)
+        torch.testing.assert_close(step[:, 0], model(stream[:, :6]).logits[:, -1], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="one token per row"):
+        decode_step(model, stream[:, 6:8], cache)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_grouped_query_attention(kv_heads):
+    torch.manual_seed(3)
+    model = Decoder(GPTConfig(n_kv_head=kv_heads)).double()
+    ids = torch.randint(0, 97, (2, 11))
+    with torch.no_grad():
+        full = model(ids).logits
+        cached, cache = chunked(model, ids, 3, "static")
+    assert cache.layer(0)[0].shape == (2, kv_heads, 11, 16)
+    torch.testing.assert_close(cached, full, atol=1e-10, rtol=1e-10)
+
+
+# --- bad input: a clear error, and the cache exactly as it was --------------------------------
+
+def snapshot(cache):
+    return cache.seq_len, [tuple(t.clone() for t in cache.layer(i)) for i in range(cache.n_layer)]
+
+
+def assert_unchanged(cache, snap):
+    length, layers = snap
+    assert cache.seq_len == length
+    for i, (k, v) in enumerate(layers):
+        assert torch.equal(cache.layer(i)[0], k) and torch.equal(cache.layer(i)[1], v)
+
+
+BAD_INPUTS = {
+    "id too large": (lambda m: torch.tensor([[3, 97]]), "token id 97 is outside the vocabulary 0..96"),
+    "negative id": (lambda m: torch.tensor([[-1, 3]]), "token id -1 is outside the vocabulary"),
+    "float ids": (lambda m: torch.tensor([[1.0, 2.0]]), "integer token ids"),
+    "1-d ids": (lambda m: torch.tensor([1, 2]), r"idx must be a \[B, C\] tensor"),
+    "empty chunk": (lambda m: torch.empty(1, 0, dtype=torch.long), "empty input"),
+    "too long": (lambda m: torch.zeros(1, 510, dtype=torch.long), "sequence too long: 4 cached \\+ 510 new = 514"),
+    "batch mismatch": (lambda m: torch.zeros(3, 1, dtype=torch.long), "batch size 1, input has batch size 3"),
+}
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_refused_and_cache_untouched(model, kind, case):
+    make_ids, message = BAD_INPUTS[case]
+    with torch.no_grad():
+        _, cache = model(torch.tensor([[1, 2, 3, 4]]), model.new_cache(1, kind))
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match=message):
+        model(make_ids(model), cache)
+    assert_unchanged(cache, snap)
+
+
+@pytest.mark.parametrize(
+    "other, message",
+    [
+        (GPTConfig(n_layer=3), r"another model: \(layers, K/V heads, head size\) = \(3, 4, 16\), model has \(2, 4, 16\)"),
+        (GPTConfig(n_head=2), r"another model"),
+        (GPTConfig(n_kv_head=2), r"another model"),
+    ],
+)
+def test_cache_from_another_model_is_refused(model, other, message):
+    torch.manual_seed(0)
+    foreign = Decoder(other)
+    with torch.no_grad():
+        _, cache = foreign(torch.tensor([[1, 2]]), foreign.new_cache(1))
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match=message):
+        model(torch.tensor([[3]]), cache)
+    assert_unchanged(cache, snap)
+
+
+def test_dtype_mismatch_is_refused(model):
+    cache = DynamicCache.empty(model.config, 1, dtype=torch.float64)
+    with pytest.raises(ValueError, match="cache dtype is torch.float64, model dtype is torch.float32"):
+        model(torch.tensor([[1]]), cache)
+    assert cache.seq_len == 0
+
+
+def test_device_mismatch_is_refused(model):
+    cache = DynamicCache.empty(model.config, 1, device="meta")
+    with pytest.raises(ValueError, match="cache is on meta, model is on cpu"):
+        model(torch.tensor([[1]]), cache)
+    ids_elsewhere = torch.tensor([[1]], device="meta")
+    with pytest.raises(ValueError, match="idx is on meta, model is on cpu"):
+        model(ids_elsewhere)
+
+
+def test_static_cache_over_capacity_is_refused(model):
+    cache = StaticCache(model.config, 1, capacity=5)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4]]), cache)
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match="over capacity: holds 4 of 5 positions, 2 more do not fit"):
+        model(torch.tensor([[5, 6]]), cache)
+    assert_unchanged(cache, snap)
+
+
+def test_wrong_cache_type_and_kind(model):
+    with pytest.raises(ValueError, match="cache must be a KVCache"):
+        model(torch.tensor([[1]]), [(torch.zeros(1), torch.zeros(1))])
+    with pytest.raises(ValueError, match="unknown cache kind 'paged'"):
+        model.new_cache(1, "paged")
+
+
+def test_generate_rejects_bad_lengths(model):
+    with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
+        generate(model, torch.tensor([[1]]), 0)
+    with pytest.raises(ValueError, match="= 513 positions, model has 512"):
+        generate(model, torch.zeros(1, 500, dtype=torch.long), 13)
+
+
+def test_crop(model, stream):
+    with torch.no_grad():
+        _, dyn = model(stream[:, :8], model.new_cache(2))
+        short = dyn.crop(3)
+        assert dyn.seq_len == 8 and short.seq_len == 3
+        static = model.new_cache(2, "static", capacity=10)
+        model(stream[:, :8], static)
+        assert static.crop(3) is static and static.seq_len == 3
+        for i in range(2):
+            torch.testing.assert_close(static.layer(i)[0], short.layer(i)[0])
+        with pytest.raises(ValueError, match="cannot crop"):
+            dyn.crop(9)
