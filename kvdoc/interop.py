@@ -32,7 +32,8 @@ def gpt2_config(config: GPTConfig) -> Any:
         vocab_size=config.vocab_size, n_positions=config.n_positions, n_embd=config.n_embd,
         n_layer=config.n_layer, n_head=config.n_head, n_inner=config.n_inner,
         activation_function="gelu_new", layer_norm_epsilon=config.layer_norm_epsilon,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False)
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None)  # GPT-2's 50256 lies outside a small vocabulary
 
 
 def config_from_gpt2(hf_config: Any) -> GPTConfig:
