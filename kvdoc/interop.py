@@ -23,6 +23,13 @@ def gpt2_config(config: GPTConfig) -> Any:
     """The transformers ``GPT2Config`` of the same model: GELU-tanh, no dropout, untied head.
 
     Only multi-head attention maps onto GPT-2: ``n_kv_head`` must equal ``n_head``.
+
+    >>> from transformers import GPT2LMHeadModel
+    >>> hf = GPT2LMHeadModel(gpt2_config(GPTConfig()))
+    >>> sum(p.numel() for p in hf.parameters())
+    145280
+    >>> config_from_gpt2(hf.config) == GPTConfig()
+    True
     """
     from transformers import GPT2Config
 
@@ -66,6 +73,14 @@ def decoder_from_gpt2(model_or_state_dict: Any, config: GPTConfig | None = None)
 
     Raises:
         ValueError: a missing config, or keys or shapes that do not match the config.
+
+    >>> from transformers import GPT2LMHeadModel
+    >>> _ = torch.manual_seed(0)
+    >>> hf = GPT2LMHeadModel(gpt2_config(GPTConfig())).eval()
+    >>> ids = torch.tensor([[1, 2, 3]])
+    >>> ours = decoder_from_gpt2(hf)
+    >>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
+    True
     """
     if isinstance(model_or_state_dict, Mapping):
         state = model_or_state_dict

@@ -24,7 +24,11 @@ from .mask import offset_causal_mask
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward: ``c_proj(gelu_tanh(c_fc(x)))``; row ``t`` of the output needs row ``t`` only."""
+    """Position-wise feed-forward: ``c_proj(gelu_tanh(c_fc(x)))``; row ``t`` of the output needs row ``t`` only.
+
+    >>> MLP(GPTConfig())(torch.zeros(2, 5, 64)).shape  # [B, C, d] -> [B, C, d]
+    torch.Size([2, 5, 64])
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -36,7 +40,21 @@ class MLP(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head (or grouped-query) causal self-attention that reads and extends a K/V cache."""
+    """Multi-head (or grouped-query) causal self-attention that reads and extends a K/V cache.
+
+    ``forward(x, cache, layer_idx, start)`` takes the new rows ``x`` (``[B, C, d]``) at absolute
+    positions ``start .. start + C - 1``, projects them to Q, K and V, stores K and V in layer
+    ``layer_idx`` of ``cache`` and attends over every cached and new key.
+
+    >>> from kvdoc.cache import DynamicCache
+    >>> _ = torch.manual_seed(0)
+    >>> attn = CausalSelfAttention(GPTConfig(n_kv_head=2))
+    >>> work = DynamicCache.empty(GPTConfig(n_kv_head=2), batch_size=1).begin()
+    >>> attn(torch.randn(1, 3, 64), work, layer_idx=0, start=0).shape
+    torch.Size([1, 3, 64])
+    >>> work.layer(0)[0].shape  # K: [B, H_kv, T, D_h]
+    torch.Size([1, 2, 3, 16])
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -67,7 +85,11 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder layer: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+    """Pre-norm decoder layer: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``.
+
+    >>> Block(GPTConfig())(torch.zeros(1, 4, 64), None, layer_idx=0, start=0).shape
+    torch.Size([1, 4, 64])
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -145,7 +167,7 @@ class Decoder(nn.Module):
         weight = self.wte.weight
         if idx.device != weight.device:
             raise ValueError(f"idx is on {idx.device}, model is on {weight.device}")
-        lo, hi = int(idx.min()), int(idx.max())
+        lo, hi = (int(t) for t in idx.aminmax())
         if lo < 0 or hi >= self.config.vocab_size:
             bad = lo if lo < 0 else hi
             raise ValueError(f"token id {bad} is outside the vocabulary 0..{self.config.vocab_size - 1}")
@@ -215,6 +237,12 @@ def prefill(model: Decoder, idx: torch.Tensor, cache: KVCache | None = None) -> 
     """Run the prompt ``idx`` (``[B, P]``) through the model once, filling a cache.
 
     Returns the last position's logits ``[B, 1, V]`` and the cache (a new dynamic one unless given).
+
+    >>> _ = torch.manual_seed(0)
+    >>> model = Decoder(GPTConfig())
+    >>> logits, cache = prefill(model, torch.tensor([[5, 6, 7]]))
+    >>> logits.shape, cache.seq_len
+    (torch.Size([1, 1, 97]), 3)
     """
     cache = model.new_cache(idx.shape[0]) if cache is None else cache
     return model(idx, cache, last_only=True)
@@ -225,6 +253,13 @@ def decode_step(model: Decoder, token: torch.Tensor, cache: KVCache) -> DecoderO
     """Feed exactly one new token per row (``[B]`` or ``[B, 1]``) after what ``cache`` holds.
 
     Returns logits ``[B, 1, V]`` for the position after it, and the cache one position longer.
+
+    >>> _ = torch.manual_seed(0)
+    >>> model = Decoder(GPTConfig())
+    >>> _, cache = prefill(model, torch.tensor([[5, 6, 7]]))
+    >>> logits, cache = decode_step(model, torch.tensor([8]), cache)
+    >>> logits.shape, cache.seq_len
+    (torch.Size([1, 1, 97]), 4)
     """
     token = token.reshape(token.shape[0], -1) if token.dim() == 1 else token
     if token.dim() != 2 or token.shape[1] != 1:
