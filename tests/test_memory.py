@@ -1,0 +1,182 @@
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvdoc import Decoder, GPTConfig, generate
+from kvdoc.__main__ import main as cli
+from kvdoc.memory import (
+    PRESETS, CopyMeter, binary_size, decimal_size, element_size, kv_bytes, kv_bytes_for_config,
+    kv_bytes_per_layer, measured_bytes, preset, resolve_dtype,
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def random_configs(n: int, seed: int) -> list[GPTConfig]:
+    rng = random.Random(seed)
+    configs = []
+    for _ in range(n):
+        kv = rng.choice([1, 2, 3])
+        heads = kv * rng.choice([1, 2, 4])  # MHA, GQA and MQA all occur
+        configs.append(GPTConfig(vocab_size=11, n_positions=64, n_layer=rng.randint(1, 3), n_head=heads,
+                                 n_embd=heads * rng.choice([2, 4, 8]), n_inner=16, n_kv_head=kv))
+    return configs
+
+
+def brute_force_bytes(B: int, L: int, T: int, H: int, D: int, dtype: torch.dtype) -> int:
+    """Allocate the tensors a cache would hold and count their bytes."""
+    return sum(torch.empty(B, H, T, D, dtype=dtype).nbytes for _ in range(2 * L))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_formula_equals_measured_cache_random_configs(dtype: torch.dtype, kind: str) -> None:
+    rng = random.Random(10 * DTYPES.index(dtype) + ["dynamic", "static"].index(kind))
+    for config in random_configs(4, seed=rng.randint(0, 10**6)):
+        torch.manual_seed(0)
+        model = Decoder(config).to(dtype)
+        B, T = rng.randint(1, 3), rng.randint(1, 9)
+        ids = torch.randint(0, config.vocab_size, (B, T))
+        _, cache = model(ids, model.new_cache(B, kind, capacity=T))
+        assert cache.layer(0)[0].shape == (B, config.n_kv_head, T, config.head_dim)
+        expected = kv_bytes_for_config(config, B, T, dtype)
+        assert measured_bytes(cache) == expected == cache.nbytes()
+        assert expected == 2 * B * config.n_layer * T * config.n_kv_head * config.head_dim * dtype.itemsize
+        if config.n_kv_head != config.n_head:  # GQA/MQA: the query head count would overstate it
+            wrong = kv_bytes(B, config.n_layer, T, config.n_head, config.head_dim, dtype)
+            assert wrong > measured_bytes(cache)
+
+
+def test_formula_against_allocated_tensors() -> None:
+    rng = random.Random(7)
+    for _ in range(20):
+        B, L, T, H, D = (rng.randint(1, 4) for _ in range(5))
+        dtype = rng.choice(DTYPES + [torch.float8_e4m3fn, torch.int8])
+        assert kv_bytes(B, L, T, H, D, dtype) == brute_force_bytes(B, L, T, H, D, dtype)
+
+
+def test_linear_in_each_size() -> None:
+    base = dict(batch=2, layers=3, seq_len=5, kv_heads=2, head_dim=8, dtype="bf16")
+    b0 = kv_bytes(**base)
+    for name in ("batch", "layers", "seq_len", "kv_heads", "head_dim"):
+        assert kv_bytes(**{**base, name: base[name] * 2}) == 2 * b0
+
+
+def test_the_512_mib_example() -> None:
+    n = kv_bytes(1, 32, 4096, 8, 128, "float16")
+    assert n == 512 * 2**20
+    assert binary_size(n) == "512 MiB"
+    assert decimal_size(n) == f"{n / 1e6:.3f} MB"
+
+
+def test_sliding_window_caps_each_layer() -> None:
+    full = kv_bytes(1, 4, 100, 2, 8, "float32")
+    assert kv_bytes(1, 4, 100, 2, 8, "float32", window=200) == full
+    assert kv_bytes(1, 4, 100, 2, 8, "float32", window=25) == full // 4
+    per_layer = kv_bytes_per_layer(1, 100, 2, 8, "float32", [None, 10, None, 50])
+    assert per_layer[1] * 10 == per_layer[0] and per_layer[3] * 2 == per_layer[2]
+
+
+def test_units() -> None:
+    assert binary_size(1023) == "1,023 bytes" and decimal_size(999) == "999 bytes"
+    assert binary_size(1024) == "1 KiB" and decimal_size(1000) == "1 kB"
+    assert binary_size(3 * 2**30 // 2) == "1.5 GiB"
+    assert decimal_size(2 * 10**9) == "2 GB"
+
+
+def test_bad_input_raises() -> None:
+    with pytest.raises(ValueError, match="layers"):
+        kv_bytes(1, 0, 4, 1, 1, "float32")
+    with pytest.raises(ValueError, match="batch"):
+        kv_bytes(-1, 1, 4, 1, 1, "float32")
+    with pytest.raises(ValueError, match="seq_len"):
+        kv_bytes(1, 1, -4, 1, 1, "float32")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        element_size("float13")
+    with pytest.raises(ValueError, match="unknown model"):
+        preset("gpt-5")
+    assert resolve_dtype("FP16") is torch.float16
+
+
+def test_presets_are_consistent() -> None:
+    for p in PRESETS.values():
+        assert p.heads % p.kv_heads == 0 and p.source
+        assert p.kv_bytes(1000) == 1000 * p.bytes_per_token()
+    assert preset("falcon-7b").attention == "MQA" and preset("llama-2-7b").attention == "MHA"
+
+
+def test_copy_meter_dynamic_copies_old_rows_static_none(model: Decoder) -> None:
+    prompt, new = 5, 6
+    ids = torch.randint(0, model.config.vocab_size, (2, prompt + new), generator=torch.Generator().manual_seed(3))
+    copied = {}
+    for kind in ("dynamic", "static"):
+        meter = CopyMeter()
+        cache = meter.watch(model.new_cache(2, kind, capacity=prompt + new))
+        _, cache = model(ids[:, :prompt], cache)
+        for t in range(prompt, prompt + new):
+            _, cache = model(ids[:, t:t + 1], cache)
+        assert cache.seq_len == prompt + new
+        assert len(meter.records) == model.config.n_layer * (1 + new)
+        copied[kind] = meter.old_bytes_copied()
+        for P, written, old in meter.per_step():
+            assert written - old == kv_bytes_for_config(model.config, 2, 1 if P else prompt)
+    per_token = kv_bytes_for_config(model.config, 2, 1)
+    assert copied["static"] == 0
+    assert copied["dynamic"] == per_token * sum(range(prompt, prompt + new))
+
+
+def test_copy_meter_leaves_results_unchanged(model: Decoder) -> None:
+    prompt = torch.tensor([[1, 2, 3]])
+    plain = generate(model, prompt, 4)
+    meter = CopyMeter()
+    cache = meter.watch(model.new_cache(1))
+    logits, cache = model(prompt, cache, last_only=True)
+    out = [prompt]
+    for _ in range(4):
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(token)
+        logits, cache = model(token, cache)
+    assert torch.equal(torch.cat(out, 1), plain)
+
+
+def test_cli_512_mib(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli(["memory", "--batch", "1", "--layers", "32", "--seq-len", "4096", "--kv-heads", "8",
+              "--head-dim", "128", "--dtype", "float16"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "536,870,912 bytes" in out and "512 MiB" in out and "536.871 MB" in out
+
+
+def test_cli_model(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["memory", "--model", "Llama-3-8B", "--seq-len", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert f"{kv_bytes(1, 32, 8192, 8, 128, 'float16'):,} bytes" in out and "Llama-3-8B" in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "nope", "--seq-len", "8"],
+    ["--layers", "2", "--seq-len", "8", "--kv-heads", "1", "--head-dim", "4", "--dtype", "float13"],
+    ["--layers", "0", "--seq-len", "8", "--kv-heads", "1", "--head-dim", "4"],
+    ["--layers", "2", "--seq-len", "-8", "--kv-heads", "1", "--head-dim", "4"],
+    ["--layers", "2", "--seq-len", "8"],
+    ["--model", "falcon-7b", "--seq-len", "8", "--layers", "3"],
+    ["--model", "falcon-7b"],
+])
+def test_cli_bad_input_exits_2_quietly(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        rc = cli(["memory", *argv])
+    except SystemExit as exc:  # argparse's own errors
+        rc = exc.code
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == "" and "error" in captured.err
+
+
+def test_cli_as_module() -> None:
+    run = subprocess.run([sys.executable, "-m", "kvdoc", "memory", "--model", "nope", "--seq-len", "1"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and run.stdout == "" and "unknown model" in run.stderr
