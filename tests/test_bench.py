@@ -1,0 +1,194 @@
+"""kvdoc.bench on tiny settings: structure, counts against closed forms, the CLI. No speed is asserted."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvdoc import Decoder, GPTConfig
+from kvdoc.__main__ import main as cli
+from kvdoc.bench import (BenchSettings, RowCounter, counts_table, flops_table, growth_figure,
+                         measure_bandwidth, percentile, projected_positions_full, roofline_table,
+                         run_bench, run_flops, step_bytes, step_flops, time_paths, timings_table,
+                         timings_figure)
+
+TINY_ROOF = GPTConfig(vocab_size=101, n_positions=64, n_layer=2, n_head=2, n_embd=32, n_inner=64)
+PREFIXES = (3, 8)
+G = 4
+
+
+def tiny(**kw) -> BenchSettings:
+    base = dict(prefix_lens=PREFIXES, new_tokens=G, samples=3, warmup=1, growth_lengths=(4, 8, 16),
+                growth_samples=2, roofline_model=TINY_ROOF, roofline_context=8, roofline_steps=2,
+                roofline_samples=2, bandwidth_mib=8)
+    base.update(kw)
+    return BenchSettings(**base)
+
+
+@pytest.fixture(scope="module")
+def result():
+    return run_bench(tiny())
+
+
+def test_ratios_present_and_positive(result):
+    for key in ("cached_vs_transformers", "cached_vs_full_all_positions", "bandwidth_fraction",
+                "bandwidth_fraction_transformers", "cached_vs_full_last_position"):
+        value = result.ratios[key]
+        assert isinstance(value, float) and math.isfinite(value) and value > 0, key
+
+
+def test_ratios_follow_from_samples(result):
+    P = max(PREFIXES)
+    best = min(result.p50(P, "dynamic"), result.p50(P, "static"))
+    assert result.ratios["cached_vs_full_all_positions"] == pytest.approx(result.p50(P, "full_all") / best)
+    assert result.ratios["cached_vs_transformers"] == pytest.approx(result.p50(P, "transformers") / best)
+
+
+def test_raw_samples_and_summary(result):
+    data = json.loads(json.dumps(result.to_json()))  # JSON round trip: plain types only
+    assert set(data) >= {"ratios", "config", "environment", "timestamp", "samples_ms", "summary",
+                         "counts", "flops", "growth", "roofline", "final_kv_kib", "max_abs_logit_diff"}
+    assert set(data["environment"]) >= {"cpu", "python", "torch", "transformers", "threads"}
+    assert data["environment"]["threads"] == 1
+    assert data["config"]["samples"] == 3 and data["config"]["prefix_lens"] == list(PREFIXES)
+    for P in PREFIXES:
+        samples = data["samples_ms"][str(P)]
+        assert set(samples) == {"prefill", "full_all", "full_last", "dynamic", "static", "transformers"}
+        for path, values in samples.items():
+            assert len(values) == 3 and all(v > 0 for v in values), path
+            s = data["summary"][str(P)][path]
+            assert min(values) <= s["p50_ms"] <= s["p95_ms"] <= max(values)
+
+
+def test_thread_count_restored():
+    before = torch.get_num_threads()
+    run_bench(tiny(prefix_lens=(2,), samples=1, warmup=0, transformers=False, roofline=False,
+                   growth_lengths=(4, 8), growth_samples=1, threads=1))
+    assert torch.get_num_threads() == before
+
+
+def test_every_path_computes_the_same_logits(result):
+    for P in PREFIXES:
+        for path, diff in result.max_abs_diff[P].items():
+            assert diff < 1e-4, (P, path, diff)
+
+
+def test_counted_rows_match_closed_forms(result):
+    for P in PREFIXES:
+        c = result.counts[P]
+        full = G * P + G * (G + 1) // 2
+        assert c["formula_full"] == full == projected_positions_full(P, G)
+        assert c["full_all_c_attn"] == c["full_last_c_attn"] == c["full_all_lm_head"] == full
+        assert c["full_last_lm_head"] == G
+        for kind in ("dynamic", "static"):
+            assert c[f"{kind}_c_attn"] == c[f"{kind}_lm_head"] == G
+
+
+def test_issue_example_count():
+    assert projected_positions_full(256, 16) == 4232
+
+
+def test_row_counter_counts_batch_rows_and_detaches():
+    torch.manual_seed(0)
+    model = Decoder(GPTConfig()).eval()
+    ids = torch.randint(0, 97, (2, 5))
+    with RowCounter(model) as rows:
+        model(ids, last_only=True)
+    assert rows.counts == {"c_attn": 10, "lm_head": 2}
+    model(ids)
+    assert rows.counts == {"c_attn": 10, "lm_head": 2}  # hooks removed on exit
+
+
+def test_kv_kib_matches_formula(result):
+    cfg = GPTConfig()
+    for P in PREFIXES:
+        T = P + G
+        assert result.kv_kib[P] == 2 * cfg.n_layer * T * cfg.kv_dim * 4 / 1024
+
+
+def test_flop_model_scaling():
+    cfg = GPTConfig()
+    one, two = step_flops(cfg, 0, 100), step_flops(cfg, 0, 200)
+    assert two["linear"] == 2 * one["linear"]  # ~ T d^2
+    assert two["attention"] == 4 * one["attention"]  # ~ T^2 d
+    c1, c2 = step_flops(cfg, 99, 1), step_flops(cfg, 199, 1)
+    assert c1["linear"] == c2["linear"]  # ~ d^2, independent of T
+    assert c2["attention"] == 2 * c1["attention"]  # ~ T d
+    f = run_flops(cfg, 10, 3)
+    assert f["cached"] < f["full_last"] < f["full_all"]
+    assert f["full_all"] == pytest.approx(sum(step_flops(cfg, 0, 10 + j)["total"] for j in (1, 2, 3)))
+
+
+def test_step_bytes_tied_and_untied():
+    cfg = TINY_ROOF
+    torch.manual_seed(0)
+    model = Decoder(cfg)
+    untied = step_bytes(model, 9)
+    model.lm_head.weight = model.wte.weight
+    assert step_bytes(model, 9) == untied  # the head matrix is read either way
+    kv = 2 * cfg.n_layer * 10 * cfg.kv_dim * 4
+    weights = sum(p.numel() for n, p in Decoder(cfg).named_parameters() if n not in ("wte.weight", "wpe.weight"))
+    assert untied == (weights + 2 * cfg.n_embd) * 4 + kv
+
+
+def test_roofline_structure(result):
+    r = result.roofline
+    assert r["floor_ms_per_token"] > 0 and r["bandwidth"]["gb_per_s"] > 0
+    assert set(r["fraction"]) == {"dynamic", "static", "transformers"}
+    assert result.ratios["bandwidth_fraction"] == max(r["fraction"]["dynamic"], r["fraction"]["static"])
+
+
+def test_growth_structure(result):
+    g = result.growth
+    assert g["lengths"] == [4, 8, 16]
+    for path in ("full_all", "dynamic", "static"):
+        assert len(g["p50_ms"][path]) == 3 and math.isfinite(g["slopes"][path])
+
+
+def test_tables_and_figures(result):
+    table = timings_table(result)
+    assert table.count("\n") == 1 + len(PREFIXES) and "KiB" in table
+    assert "4" in counts_table(result) and "MFLOP" in flops_table(result) and "GB/s" in roofline_table(result)
+    import matplotlib.pyplot as plt
+
+    for fig in (growth_figure(result), timings_figure(result)):
+        assert fig.axes[0].get_xlabel() and fig.axes[0].get_ylabel()
+        plt.close(fig)
+
+
+def test_time_paths_rotates_order():
+    order = []
+    paths = {name: (lambda n=name: (lambda: order.append(n))) for name in "abc"}
+    time_paths(paths, samples=3, warmup=0)
+    assert order == list("abc") + list("bca") + list("cab")
+
+
+def test_percentile_and_bandwidth():
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    with pytest.raises(ValueError):
+        percentile([], 50)
+    assert measure_bandwidth(1, samples=1)["gb_per_s"] > 0
+
+
+@pytest.mark.parametrize("kw", [dict(samples=0), dict(prefix_lens=(510,)), dict(prefix_lens=()),
+                                dict(growth_lengths=(1,)), dict(warmup=-1)])
+def test_bad_settings_raise(kw):
+    with pytest.raises(ValueError):
+        BenchSettings(**kw)
+
+
+def test_cli_writes_json_and_prints_ratios(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    rc = cli(["bench", "--json", str(path), "--prefix-lens", "2,4", "--new-tokens", "2", "--samples", "1",
+              "--warmup", "0", "--growth-lengths", "4,8", "--no-roofline", "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "cached_vs_transformers" in out and "cached_vs_full_all_positions" in out
+    data = json.loads(path.read_text())
+    assert data["config"]["prefix_lens"] == [2, 4] and data["ratios"]["cached_vs_transformers"] > 0
+
+
+def test_cli_rejects_bad_settings(capsys):
+    assert cli(["bench", "--samples", "0", "--no-progress"]) == 2
+    assert "samples" in capsys.readouterr().err
