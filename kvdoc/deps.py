@@ -13,7 +13,9 @@ and :func:`compare_maps` checks that they agree. Both return a :class:`Dependenc
 ``[T_out, T_in]`` matrix plus the magnitude of each block (its Frobenius norm), which renders
 as a heatmap (:meth:`DependencyMap.heatmap`) or a Markdown table (:meth:`DependencyMap.to_markdown`).
 Everything runs in float64 so that "does not depend" means an exact zero, and "depends" means a
-magnitude above ``rtol`` times the largest one.
+magnitude above ``rtol`` times the largest one. A map is local: it describes ``f`` at the given
+``x``. Structural zeros (a row that is never read) are zero at every ``x``; a saturated softmax
+can also make a block vanish at one particular ``x``, so analyse inputs of moderate size.
 
 Inside the real decoder the inputs of interest are intermediate tensors (one layer's Q, K or V,
 the residual stream before a block, the final LayerNorm's input). :func:`decoder_function`
@@ -130,8 +132,7 @@ class DependencyMap:
         dep = self.depends.cpu().numpy()
         top = mag.max() if mag.size and mag.max() > 0 else 1.0
         shown = np.where(dep, np.log10(np.maximum(mag / top, 1e-300)) if log else mag / top, np.nan)
-        cmap = plt.get_cmap("viridis").copy()
-        cmap.set_bad("white")
+        cmap = plt.get_cmap("viridis").with_extremes(bad="white")
         vmin = max(-6.0, float(np.nanmin(shown))) if log and dep.any() else (None if log else 0.0)
         im = ax.imshow(np.ma.masked_invalid(shown), cmap=cmap, aspect="equal",
                        vmin=vmin, vmax=0.0 if log else 1.0)
