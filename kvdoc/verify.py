@@ -1,0 +1,564 @@
+"""Prove that the cached path equals full recompute, and that the proof catches broken variants.
+
+:func:`verify` runs the equivalence grid: batch 1 and 2, chunks of 1, 2 and 5 tokens (the last
+chunk may be short), FP32 and FP64 (the same initial weights converted), a dynamic and a static
+cache, over a 24-token stream. For each combination it compares, at every consumed position and
+over the whole vocabulary, the logits of the chunked cached path with those of one full forward;
+each layer's cached K and V (content and shape ``[B, H_kv, T, D_h]``) with the K and V that the
+full forward projects; causality (changing the last token leaves every earlier position's logits
+unchanged, on both paths); and the cache's lifecycle (a dynamic cache passed into a call is
+unchanged afterwards; a static cache's rows below the write position are unchanged).
+Tolerances are ``atol = rtol = 1e-5`` in FP32 and ``1e-10`` in FP64.
+
+:func:`verify_all` also runs every variant of :mod:`kvdoc.broken` through the same grid and
+fails unless each one is caught. :func:`cross_check_transformers` compares kvdoc with Hugging
+Face transformers' GPT-2 on the same random weights. ``python -m kvdoc verify`` prints the tables
+and exits non-zero on any failure; ``--variant NAME`` points it at a broken variant.
+
+>>> report = verify(batches=(1,), chunks=(2,), dtypes=(torch.float32,), kinds=("dynamic",))
+>>> report.passed, len(report.rows)
+(True, 1)
+>>> verify(variant="positions-restart", batches=(1,), chunks=(2,), dtypes=(torch.float32,),
+...        kinds=("dynamic",)).passed
+False
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .broken import VARIANTS, BrokenVariant, stale_prefix
+from .cache import KVCache
+from .config import GPTConfig
+from .model import Decoder
+
+TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float64: 1e-10}
+"""``atol = rtol`` for each dtype."""
+
+DTYPE_NAMES: dict[torch.dtype, str] = {torch.float32: "FP32", torch.float64: "FP64"}
+
+CHECKS = ("logits", "kv", "kv_shape", "causality", "lifecycle")
+"""The checks of every grid row, in the order they are reported."""
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b|`` as a Python float; ``inf`` if the shapes differ or a value is NaN."""
+    if a.shape != b.shape:
+        return math.inf
+    if a.numel() == 0:
+        return 0.0
+    err = (a - b).abs().max().item()
+    return math.inf if math.isnan(err) else float(err)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    return a.shape == b.shape and bool(torch.allclose(a, b, atol=tol, rtol=tol))
+
+
+def chunk_lengths(total: int, chunk: int | Sequence[int]) -> list[int]:
+    """Split ``total`` tokens into chunks: every ``chunk`` tokens (the last may be short), or the given lengths.
+
+    >>> chunk_lengths(24, 5)
+    [5, 5, 5, 5, 4]
+    >>> chunk_lengths(6, [4, 2])
+    [4, 2]
+    """
+    if isinstance(chunk, int):
+        if chunk < 1:
+            raise ValueError(f"chunk size must be positive, got {chunk}")
+        return [min(chunk, total - s) for s in range(0, total, chunk)]
+    lengths = [int(c) for c in chunk]
+    if any(c < 1 for c in lengths) or sum(lengths) != total:
+        raise ValueError(f"chunk lengths {lengths} must be positive and sum to {total}")
+    return lengths
+
+
+def _snapshot(cache: KVCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [tuple(t.clone() for t in cache.layer(i)) for i in range(cache.n_layer)]
+
+
+def _changed(before: list[tuple[torch.Tensor, torch.Tensor]], cache: KVCache, rows: int) -> float:
+    """Largest change of the first ``rows`` positions of ``cache`` since ``before`` (inf if shapes differ)."""
+    err = 0.0
+    for i, pair in enumerate(before):
+        for old, now in zip(pair, cache.layer(i)):
+            if now.shape[2] < rows:
+                return math.inf
+            err = max(err, _max_abs(old[:, :, :rows], now[:, :, :rows]))
+    return err
+
+
+@dataclass(frozen=True)
+class CachedRun:
+    """What :func:`run_cached` returns.
+
+    Attributes:
+        logits: ``[B, T, V]``, the logits of every consumed position, chunk after chunk.
+        cache: the cache after the last chunk (``T`` positions).
+        lifecycle_error: the largest change, over all calls, of what the cache held before the call
+            (the whole dynamic cache passed in; a static cache's rows below the write position).
+    """
+
+    logits: torch.Tensor
+    cache: KVCache
+    lifecycle_error: float
+
+
+@torch.no_grad()
+def run_cached(model: Decoder, ids: torch.Tensor, chunk: int | Sequence[int], kind: str = "dynamic",
+               first_chunk_ids: torch.Tensor | None = None) -> CachedRun:
+    """Feed ``ids`` (``[B, T]``) through ``model`` chunk by chunk, continuing one cache.
+
+    Args:
+        model: the decoder under test.
+        ids: token ids ``[B, T]``.
+        chunk: chunk size (the last chunk may be short) or the list of chunk lengths.
+        kind: ``"dynamic"`` or ``"static"`` (capacity ``T``).
+        first_chunk_ids: if given (``[B, T]``), the first chunk is taken from it instead of ``ids``
+            (the stale-cache scenario of :mod:`kvdoc.broken`).
+
+    Returns:
+        A :class:`CachedRun`.
+
+    >>> _ = torch.manual_seed(0)
+    >>> model = Decoder(GPTConfig()).eval()
+    >>> ids = torch.tensor([[12, 7, 31, 4, 9, 18]])
+    >>> run = run_cached(model, ids, [4, 2], "static")
+    >>> tuple(run.logits.shape), run.cache.seq_len, run.lifecycle_error
+    ((1, 6, 97), 6, 0.0)
+    """
+    if ids.dim() != 2:
+        raise ValueError(f"ids must be [B, T], got {tuple(ids.shape)}")
+    B, T = ids.shape
+    cache = model.new_cache(B, kind, capacity=T) if kind == "static" else model.new_cache(B, kind)
+    out, lifecycle, start = [], 0.0, 0
+    for n, length in enumerate(chunk_lengths(T, chunk)):
+        source = first_chunk_ids if (n == 0 and first_chunk_ids is not None) else ids
+        before = _snapshot(cache)
+        logits, new = model(source[:, start:start + length], cache)
+        lifecycle = max(lifecycle, _changed(before, cache, start))  # the object passed in
+        if kind == "dynamic" and cache.seq_len != start:
+            lifecycle = math.inf  # a dynamic cache passed in must keep its length
+        out.append(logits)
+        cache, start = new, start + length
+    return CachedRun(torch.cat(out, dim=1), cache, lifecycle)
+
+
+@torch.no_grad()
+def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """One full forward (no cache): its logits ``[B, T, V]`` and each layer's K and V ``[B, H_kv, T, D_h]``.
+
+    K and V are read off each layer's ``c_attn`` output with forward hooks, so they come from the
+    full recompute itself and not from any cache code.
+
+    >>> _ = torch.manual_seed(0)
+    >>> model = Decoder(GPTConfig()).eval()
+    >>> logits, kv = full_forward_kv(model, torch.tensor([[1, 2, 3]]))
+    >>> tuple(logits.shape), len(kv), tuple(kv[0][0].shape)
+    ((1, 3, 97), 2, (1, 4, 3, 16))
+    """
+    cfg = model.config
+    captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def hook(module, inputs, output):  # output: [B, T, d + 2 * kv_dim]
+        B, T, _ = output.shape
+        _, k, v = output.split((cfg.n_embd, cfg.kv_dim, cfg.kv_dim), dim=2)
+        shape = (B, T, cfg.n_kv_head, cfg.head_dim)
+        captured.append((k.reshape(shape).transpose(1, 2), v.reshape(shape).transpose(1, 2)))
+
+    handles = [block.attn.c_attn.register_forward_hook(hook) for block in model.h]
+    try:
+        logits = model(ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return logits, captured
+
+
+@dataclass(frozen=True)
+class GridRow:
+    """One combination of the grid and what was measured.
+
+    Errors are maximum absolute differences (``inf`` for a shape mismatch or NaN).
+
+    Attributes:
+        kind, batch, chunk, dtype: the combination (``dtype`` is ``"FP32"`` or ``"FP64"``).
+        tol: ``atol = rtol`` used.
+        logit_error: cached vs full logits, every position, whole vocabulary.
+        kv_error: cached K/V vs the full forward's K/V, every layer.
+        kv_shape_ok: every layer's cached K and V have shape ``[B, H_kv, T, D_h]``.
+        causal_error: change of positions ``0 .. T - 2`` when token ``T - 1`` changes (both paths).
+        lifecycle_error: change of what a cache held before a call, after the call.
+        per_position: the logit error of each consumed position (max over batch and vocabulary).
+        checks: name -> passed, for ``logits``, ``kv``, ``kv_shape``, ``causality``, ``lifecycle``.
+    """
+
+    kind: str
+    batch: int
+    chunk: int
+    dtype: str
+    tol: float
+    logit_error: float
+    kv_error: float
+    kv_shape_ok: bool
+    causal_error: float
+    lifecycle_error: float
+    per_position: tuple[float, ...]
+    checks: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        """All checks passed."""
+        return all(self.checks.values())
+
+    @property
+    def failed(self) -> list[str]:
+        """Names of the checks that failed."""
+        return [name for name, ok in self.checks.items() if not ok]
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The grid's rows for one implementation (the real one, or a broken variant).
+
+    Attributes:
+        variant: None for the real implementation, else the broken variant's name.
+        rows: one :class:`GridRow` per combination.
+    """
+
+    variant: str | None
+    rows: list[GridRow]
+
+    @property
+    def passed(self) -> bool:
+        """Every row passed every check."""
+        return all(row.passed for row in self.rows)
+
+    def max_error(self, dtype: str | None = None) -> float:
+        """Largest logit error over the rows (of one dtype, ``"FP32"`` or ``"FP64"``, if given)."""
+        return max((r.logit_error for r in self.rows if dtype in (None, r.dtype)), default=0.0)
+
+    def failed_checks(self) -> list[str]:
+        """Names of the checks that failed in at least one row, in check order."""
+        failed = {name for row in self.rows for name in row.failed}
+        return [name for name in CHECKS if name in failed]
+
+    def row(self, kind: str, batch: int, chunk: int, dtype: str) -> GridRow:
+        """The row of one combination."""
+        for r in self.rows:
+            if (r.kind, r.batch, r.chunk, r.dtype) == (kind, batch, chunk, dtype):
+                return r
+        raise KeyError((kind, batch, chunk, dtype))
+
+    def to_markdown(self) -> str:
+        """The grid as a Markdown table (errors are max absolute differences of logits or K/V)."""
+        head = ["cache", "batch", "chunk (tokens)", "dtype", "tolerance", "max logit error",
+                "max K/V error", "causality error", "lifecycle change", "result"]
+        body = [[r.kind, r.batch, r.chunk, r.dtype, f"{r.tol:.0e}", f"{r.logit_error:.2e}",
+                 f"{r.kv_error:.2e}" if r.kv_shape_ok else "shape", f"{r.causal_error:.2e}",
+                 f"{r.lifecycle_error:.2e}", "pass" if r.passed else "FAIL: " + ", ".join(r.failed)]
+                for r in self.rows]
+        return markdown_table(head, body)
+
+
+def markdown_table(head: Sequence[str], body: Sequence[Sequence[object]]) -> str:
+    """A GitHub-style Markdown table (cells are ``str()``-ed; ``|`` is escaped).
+
+    >>> print(markdown_table(["a", "b"], [[1, "x|y"]]))
+    | a | b |
+    |---|---|
+    | 1 | x\\|y |
+    """
+    def cell(value: object) -> str:
+        return str(value).replace("|", "\\|")
+    lines = ["| " + " | ".join(cell(h) for h in head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def default_model(seed: int = 0, config: GPTConfig | None = None) -> Decoder:
+    """The site's model: ``torch.manual_seed(seed)``, then a :class:`Decoder` (default config), in eval mode."""
+    torch.manual_seed(seed)
+    return Decoder(config or GPTConfig()).eval()
+
+
+def default_stream(seed: int = 1, batch: int = 2, length: int = 24, vocab_size: int = 97) -> torch.Tensor:
+    """The token stream the grid consumes: ``[batch, length]`` ids from a generator seeded with ``seed``."""
+    return torch.randint(0, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def check_combination(model: Decoder, ids: torch.Tensor, chunk: int, kind: str,
+                      variant: BrokenVariant | None = None, under_test: Decoder | None = None) -> GridRow:
+    """Run every check for one model (already in its dtype), one stream ``[B, T]``, one chunk size and cache kind.
+
+    Args:
+        model: the correct decoder; ``variant.build(model)`` is tested if a variant is given.
+        ids: token ids ``[B, T]``.
+        chunk: tokens per call (the last call may get fewer).
+        kind: ``"dynamic"`` or ``"static"``.
+        variant: a broken variant of :mod:`kvdoc.broken`, or None for the real implementation.
+        under_test: ``variant.build(model)`` if already built (saves rebuilding it per combination).
+
+    Returns:
+        A :class:`GridRow`.
+    """
+    dtype = model.wte.weight.dtype
+    if dtype not in TOLERANCE:
+        raise ValueError(f"no tolerance for dtype {dtype}; use float32 or float64")
+    tol = TOLERANCE[dtype]
+    if under_test is None:
+        under_test = model if variant is None else variant.build(model)
+    B, T = ids.shape
+    first = stale_prefix(ids, model.config.vocab_size) if variant is not None and variant.stale_prefix else None
+
+    full, full_kv = full_forward_kv(under_test, ids)
+    run = run_cached(under_test, ids, chunk, kind, first_chunk_ids=first)
+    per_position = tuple(_max_abs(run.logits[:, t], full[:, t]) if run.logits.shape == full.shape
+                         else math.inf for t in range(T))
+
+    expected_shape = (B, model.config.n_kv_head, T, model.config.head_dim)
+    kv_shape_ok = all(t.shape == expected_shape for i in range(model.config.n_layer) for t in run.cache.layer(i))
+    kv_error, kv_ok = 0.0, kv_shape_ok
+    for i, (k_ref, v_ref) in enumerate(full_kv):
+        for got, ref in zip(run.cache.layer(i), (k_ref, v_ref)):
+            kv_error = max(kv_error, _max_abs(got, ref))
+            kv_ok = kv_ok and _close(got, ref, tol)
+
+    edited = ids.clone()
+    edited[:, -1] = (ids[:, -1] + 1) % model.config.vocab_size
+    full_edited = under_test(edited).logits
+    cached_edited = run_cached(under_test, edited, chunk, kind, first_chunk_ids=first).logits
+    causal_error = max(_max_abs(full_edited[:, :-1], full[:, :-1]),
+                       _max_abs(cached_edited[:, :-1], run.logits[:, :-1]))
+    causal_ok = (_close(full_edited[:, :-1], full[:, :-1], tol)
+                 and _close(cached_edited[:, :-1], run.logits[:, :-1], tol))
+
+    checks = {
+        "logits": _close(run.logits, full, tol),
+        "kv": kv_ok,
+        "kv_shape": kv_shape_ok,
+        "causality": causal_ok,
+        "lifecycle": run.lifecycle_error == 0.0,  # bitwise: nothing may write to what a cache held
+    }
+    return GridRow(kind, B, chunk, DTYPE_NAMES[dtype], tol, _max_abs(run.logits, full), kv_error,
+                   kv_shape_ok, causal_error, run.lifecycle_error, per_position, checks)
+
+
+def verify(variant: str | None = None, *, model: Decoder | None = None, ids: torch.Tensor | None = None,
+           batches: Sequence[int] = (1, 2), chunks: Sequence[int] = (1, 2, 5),
+           dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64),
+           kinds: Sequence[str] = ("dynamic", "static")) -> VerifyReport:
+    """Run the equivalence grid on the real implementation, or on the broken variant ``variant``.
+
+    Args:
+        variant: a key of :data:`kvdoc.broken.VARIANTS`, or None for the real implementation.
+        model: the FP32 decoder to start from (default :func:`default_model`); FP64 runs use a
+            converted copy of the same weights.
+        ids: the stream ``[B_max, T]`` (default :func:`default_stream`: 2 rows of 24 tokens); batch
+            ``b`` uses its first ``b`` rows.
+        batches, chunks, dtypes, kinds: the grid's axes.
+
+    Returns:
+        A :class:`VerifyReport` with one row per (kind, batch, chunk, dtype), in that nesting order.
+
+    Raises:
+        ValueError: an unknown variant, or a batch larger than ``ids`` has rows.
+    """
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    model = default_model() if model is None else model
+    ids = default_stream(vocab_size=model.config.vocab_size) if ids is None else ids
+    if max(batches) > ids.shape[0]:
+        raise ValueError(f"batch {max(batches)} needs {max(batches)} rows of ids, got {ids.shape[0]}")
+    broken = None if variant is None else VARIANTS[variant]
+    converted = {dt: copy.deepcopy(model).to(dt).eval() for dt in dtypes}
+    built = {dt: m if broken is None else broken.build(m) for dt, m in converted.items()}
+    rows = [check_combination(converted[dt], ids[:b], c, kind, broken, built[dt])
+            for kind in kinds for b in batches for c in chunks for dt in dtypes]
+    return VerifyReport(variant, rows)
+
+
+@dataclass(frozen=True)
+class VariantResult:
+    """How one broken variant fared on the grid.
+
+    Attributes:
+        name, breaks: from :class:`kvdoc.broken.BrokenVariant`.
+        report: its full grid.
+        caught: at least one check failed (what must happen).
+        logit_error: largest logit error over the grid (``inf`` for NaN or a shape mismatch).
+        failed_checks: the checks that caught it.
+    """
+
+    name: str
+    breaks: str
+    report: VerifyReport
+    caught: bool
+    logit_error: float
+    failed_checks: list[str]
+
+
+@dataclass(frozen=True)
+class FullReport:
+    """:func:`verify_all`'s result: the real implementation's grid and every broken variant's."""
+
+    real: VerifyReport
+    variants: list[VariantResult]
+
+    @property
+    def passed(self) -> bool:
+        """The real implementation passed and every broken variant was caught."""
+        return self.real.passed and all(v.caught for v in self.variants)
+
+    def variants_markdown(self) -> str:
+        """One row per broken variant: what it breaks, its largest logit error, which checks caught it."""
+        head = ["variant", "what it breaks", "max logit error", "checks that failed", "caught"]
+        body = [[f"`{v.name}`", v.breaks, f"{v.logit_error:.3g}", ", ".join(v.failed_checks) or "none",
+                 "yes" if v.caught else "NO"] for v in self.variants]
+        return markdown_table(head, body)
+
+
+def verify_all(variants: Sequence[str] | None = None, **grid) -> FullReport:
+    """The real implementation's grid, and the same grid for each broken variant (all by default).
+
+    ``grid`` is passed to :func:`verify` (``model``, ``ids`` and the axes).
+    """
+    names = list(VARIANTS) if variants is None else list(variants)
+    real = verify(None, **grid)
+    results = []
+    for name in names:
+        rep = verify(name, **grid)
+        results.append(VariantResult(name, VARIANTS[name].breaks, rep, not rep.passed,
+                                     rep.max_error(), rep.failed_checks()))
+    return FullReport(real, results)
+
+
+@torch.no_grad()
+def split_error(model: Decoder, ids: torch.Tensor, cached: int, variant: str | None = None,
+                kind: str = "dynamic") -> float:
+    """Max logit error of the new positions when ``ids`` (``[B, T]``) is fed as ``cached`` tokens, then the rest.
+
+    This is the source document's experiment (4 cached + 2 new) for one implementation.
+
+    >>> model = default_model()
+    >>> ids = torch.tensor([[12, 7, 31, 4, 9, 18]])
+    >>> split_error(model, ids, 4) < 1e-5 < split_error(model, ids, 4, "top-left-mask")
+    True
+    """
+    if not 0 < cached < ids.shape[1]:
+        raise ValueError(f"cached must be between 1 and {ids.shape[1] - 1}, got {cached}")
+    broken = None if variant is None else VARIANTS[variant]
+    under_test = model if broken is None else broken.build(model)
+    first = stale_prefix(ids, model.config.vocab_size) if broken is not None and broken.stale_prefix else None
+    run = run_cached(under_test, ids, [cached, ids.shape[1] - cached], kind, first_chunk_ids=first)
+    return _max_abs(run.logits[:, cached:], model(ids).logits[:, cached:])
+
+
+@dataclass(frozen=True)
+class CrossCheck:
+    """kvdoc against transformers' GPT-2 on the same random weights (max absolute logit errors).
+
+    Attributes:
+        n_parameters: parameter count of (kvdoc, transformers).
+        full: kvdoc full forward vs transformers' full forward.
+        cached: ``(kind, chunk) ->`` kvdoc cached path vs transformers' full forward.
+        hf_cached: transformers' own cached decode (prefill ``prefill_len``, then one token at a
+            time) vs transformers' full forward.
+        prefill_len: tokens in transformers' prefill.
+        logit_scale: ``max |logits|`` of transformers' full forward (the weights are not degenerate).
+    """
+
+    n_parameters: tuple[int, int]
+    full: float
+    cached: dict[tuple[str, int], float]
+    hf_cached: float
+    prefill_len: int
+    logit_scale: float
+
+
+@torch.no_grad()
+def cross_check_transformers(seed: int = 0, ids: torch.Tensor | None = None, chunks: Sequence[int] = (1, 2, 5),
+                             kinds: Sequence[str] = ("dynamic", "static"), prefill_len: int = 8) -> CrossCheck:
+    """Build a random transformers ``GPT2LMHeadModel``, load its weights into kvdoc, compare logits.
+
+    Args:
+        seed: ``torch.manual_seed`` before building the transformers model.
+        ids: the stream ``[B, T]`` (default :func:`default_stream`).
+        chunks, kinds: kvdoc's cached runs.
+        prefill_len: tokens in transformers' own prefill before one-token decode steps.
+
+    Returns:
+        A :class:`CrossCheck`.
+    """
+    from transformers import GPT2LMHeadModel
+
+    from .interop import gpt2_config
+
+    ids = default_stream() if ids is None else ids
+    if not 0 < prefill_len < ids.shape[1]:
+        raise ValueError(f"prefill_len must be between 1 and {ids.shape[1] - 1}, got {prefill_len}")
+    torch.manual_seed(seed)
+    hf = GPT2LMHeadModel(gpt2_config(GPTConfig())).eval()
+    ours = Decoder.from_gpt2(hf)
+    expected = hf(ids).logits
+    cached = {(kind, c): _max_abs(run_cached(ours, ids, c, kind).logits, expected) for kind in kinds for c in chunks}
+    out = hf(ids[:, :prefill_len], use_cache=True)
+    logits, cache = [out.logits], out.cache
+    for t in range(prefill_len, ids.shape[1]):
+        out = hf(ids[:, t:t + 1], cache=cache, use_cache=True)
+        logits.append(out.logits)
+        cache = out.cache
+    return CrossCheck((sum(p.numel() for p in hf.parameters()), ours.num_parameters()),
+                      _max_abs(ours(ids).logits, expected), cached,
+                      _max_abs(torch.cat(logits, dim=1), expected), prefill_len,
+                      float(expected.abs().max().item()))
+
+
+# --- command line -----------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``python -m kvdoc verify``."""
+    parser.add_argument("--variant", choices=list(VARIANTS), default=None,
+                        help="test this broken variant instead of the real implementation (must fail)")
+    parser.add_argument("--list", action="store_true", help="list the broken variants and exit")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model's random weights (default 0)")
+    parser.add_argument("--no-variants", action="store_true",
+                        help="skip the broken variants (by default each must be caught)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print the grid (and the broken variants' table); return 0 only if everything that must pass passed."""
+    torch.set_num_threads(1)  # tiny tensors: one thread is faster than several that contend
+    if args.list:
+        for v in VARIANTS.values():
+            print(f"{v.name:20s} {v.breaks}")
+        return 0
+    model = default_model(args.seed)
+    if args.variant is not None:
+        report = verify(args.variant, model=model)
+        print(f"Broken variant {args.variant!r}: {VARIANTS[args.variant].breaks}\n")
+        print(report.to_markdown())
+        print(f"\n{'PASS' if report.passed else 'FAIL'}: max logit error {report.max_error():.3g}")
+        return 0 if report.passed else 1
+    if args.no_variants:
+        report = verify(model=model)
+        print(report.to_markdown())
+        print(f"\n{'PASS' if report.passed else 'FAIL'}")
+        return 0 if report.passed else 1
+    full = verify_all(model=model)
+    print(full.real.to_markdown())
+    print(f"\nReal implementation: {'PASS' if full.real.passed else 'FAIL'} "
+          f"(max logit error FP32 {full.real.max_error('FP32'):.3g}, FP64 {full.real.max_error('FP64'):.3g})\n")
+    print(full.variants_markdown())
+    missed = [v.name for v in full.variants if not v.caught]
+    print(f"\nBroken variants: {len(full.variants) - len(missed)} of {len(full.variants)} caught"
+          + (f"; NOT caught: {', '.join(missed)}" if missed else ""))
+    print("PASS" if full.passed else "FAIL")
+    return 0 if full.passed else 1
