@@ -8,6 +8,11 @@ other warning fails it (the Makefile passes -W --keep-going).
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE / "_ext"))
 
 project = "kvdoc"
 author = "the kvdoc authors"
@@ -20,9 +25,10 @@ extensions = [
     "sphinx.ext.doctest",
     "sphinx.ext.mathjax",
     "sphinx_copybutton",
+    "kvdoc_checks",  # docs/_ext: every image needs alt text
 ]
 
-exclude_patterns = ["_build", "**.ipynb_checkpoints", "README.md"]
+exclude_patterns = ["_build", "_static", "_ext", "_templates", "**.ipynb_checkpoints", "README.md"]
 
 # Working on one page: KVDOC_PAGES="part1/2-operations part3/*" builds the landing page, the
 # part indexes and the pages named (globs allowed), skipping the rest. Never set in CI.
@@ -55,6 +61,12 @@ nb_execution_show_tb = True
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist", "substitution"]
 myst_heading_anchors = 3
 
+# Reproducible output: the kernel inherits this environment. A fixed hash seed makes set and
+# dict-of-str ordering (and so anything printed from them) the same from build to build; the
+# matplotlibrc beside the extension fixes matplotlib's SVG ids (svg.hashsalt).
+os.environ["PYTHONHASHSEED"] = "0"
+os.environ["MATPLOTLIBRC"] = str(_HERE / "_ext" / "matplotlibrc")
+
 # --- API reference ---------------------------------------------------------------------
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
@@ -78,6 +90,10 @@ html_theme_options = {
     "use_download_button": False,
     "use_fullscreen_button": False,
 }
+html_context = {"default_mode": "auto"}  # without it a first visit logs "Got invalid theme mode"
+html_favicon = "_static/favicon.svg"  # else browsers ask for /favicon.ico, which does not exist
+# Self-contained pages: MathJax is served from _static/mathjax (see its README), never a CDN.
+mathjax_path = "mathjax/tex-chtml-full.js"
 html_last_updated_fmt = None  # no build timestamps: two builds of one commit should match
 copybutton_prompt_text = r">>> |\.\.\. "
 copybutton_prompt_is_regexp = True

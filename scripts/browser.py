@@ -1,0 +1,391 @@
+"""Load the built site in headless Chromium, offline, and report what a reader's browser does.
+
+No Python dependency beyond the standard library: Chromium is driven over the DevTools protocol
+through a pipe (``--remote-debugging-pipe``: JSON messages separated by NUL bytes on fds 3/4).
+Every request the page makes is intercepted (``Fetch``): requests to the local server go on,
+every other one is blocked and recorded as external; the host resolver also maps every name
+but 127.0.0.1 to "not found", so nothing leaves the machine.
+
+Used by ``tests/test_site.py`` (the browser test) and by ``make screenshots``::
+
+    python scripts/browser.py check docs/_build/html            # every page; exit 1 on a problem
+    python scripts/browser.py screenshots docs/_build/html OUT  # one PNG per main page
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import functools
+import http.server
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+INSTALL_HINT = "install it with `apt-get update && apt-get install -y chromium` (as root), or set KVDOC_CHROMIUM"
+# Sphinx's generated pages that are not the site's content (they hold no maths or figures, but
+# are still loaded and checked: search.html runs the search index script).
+SKIP_SCREENSHOT = {"genindex.html", "search.html", "py-modindex.html"}
+
+
+def find_chromium() -> str | None:
+    """The Chromium executable: ``$KVDOC_CHROMIUM``, else the first of CHROMIUM_NAMES on PATH."""
+    if os.environ.get("KVDOC_CHROMIUM"):
+        return os.environ["KVDOC_CHROMIUM"]
+    for name in CHROMIUM_NAMES:
+        if path := shutil.which(name):
+            return path
+    return None
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the stdlib's name
+        pass
+
+
+@contextlib.contextmanager
+def serve(root: Path) -> Iterator[str]:
+    """Serve ``root`` on 127.0.0.1 (a free port) for the duration; yields the origin URL."""
+    handler = functools.partial(_QuietHandler, directory=str(root))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@dataclass
+class PageReport:
+    """What one page load did. ``problems()`` is empty for a page that holds."""
+
+    url: str
+    requests: list[str] = field(default_factory=list)
+    external: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    console_errors: list[str] = field(default_factory=list)
+    maths: int = 0
+    maths_unrendered: int = 0
+    math_errors: int = 0
+    mathjax_loaded: bool = False
+    images: int = 0
+    images_broken: list[str] = field(default_factory=list)
+    images_without_alt: list[str] = field(default_factory=list)
+
+    def problems(self) -> list[str]:
+        out = [f"external request (blocked): {u}" for u in self.external]
+        out += [f"failed request: {f}" for f in self.failed]
+        out += [f"console error: {e}" for e in self.console_errors]
+        if self.maths and not self.mathjax_loaded:
+            out.append(f"{self.maths} maths elements but MathJax did not load")
+        if self.maths_unrendered:
+            out.append(f"{self.maths_unrendered} of {self.maths} maths elements not rendered by MathJax")
+        if self.math_errors:
+            out.append(f"{self.math_errors} MathJax errors (bad TeX)")
+        out += [f"image did not load: {u}" for u in self.images_broken]
+        out += [f"image without alt text: {u}" for u in self.images_without_alt]
+        return out
+
+
+# Runs in the page after the load event: waits for MathJax and every image, then counts.
+_INSPECT = r"""
+(async () => {
+  const imgs = [...document.images];
+  for (const i of imgs) { i.loading = "eager"; }
+  await Promise.all(imgs.map(i => (i.complete ? null : new Promise(r => { i.onload = i.onerror = r; }))));
+  const mj = window.MathJax && window.MathJax.startup && window.MathJax.startup.promise;
+  if (mj) { await window.MathJax.startup.promise; }
+  await document.fonts.ready;
+  const maths = [...document.querySelectorAll(".math")];
+  return JSON.stringify({
+    mathjax: !!(window.MathJax && window.MathJax.version),
+    maths: maths.length,
+    unrendered: maths.filter(e => !e.querySelector("mjx-container")).length,
+    errors: document.querySelectorAll("mjx-merror").length,
+    images: imgs.map(i => ({src: i.currentSrc || i.src, ok: i.complete && i.naturalWidth > 0,
+                            alt: (i.getAttribute("alt") || "").trim()})),
+  });
+})()
+"""
+
+
+class Chromium:
+    """A headless Chromium driven over a DevTools pipe; allows requests to ``origin`` only."""
+
+    FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--no-default-browser-check", "--disable-background-networking", "--disable-component-update",
+             "--disable-sync", "--disable-extensions", "--disable-default-apps", "--mute-audio",
+             "--hide-scrollbars", "--remote-debugging-pipe", "--window-size=1280,900",
+             "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1")
+
+    def __init__(self, executable: str, origin: str, timeout_s: float = 60.0) -> None:
+        self.origin, self.timeout_s = origin, timeout_s
+        self.profile = tempfile.mkdtemp(prefix="kvdoc-chromium-")
+        to_chrome_r, self._w = os.pipe()
+        self._r, from_chrome_w = os.pipe()
+        script = f'exec "$0" "$@" 3<&{to_chrome_r} 4>&{from_chrome_w}'
+        self.proc = subprocess.Popen(
+            ["bash", "-c", script, executable, *self.FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
+            pass_fds=(to_chrome_r, from_chrome_w), stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        os.close(to_chrome_r)
+        os.close(from_chrome_w)
+        self._buf = b""
+        self._id = 0
+        self.events: list[dict] = []
+        self.blocked: list[str] = []
+        self.version = self.send("Browser.getVersion")["product"]
+
+    # -- protocol ------------------------------------------------------------------------------
+    def _post(self, method: str, params: dict | None = None, session: str | None = None) -> int:
+        self._id += 1
+        msg: dict = {"id": self._id, "method": method, "params": params or {}}
+        if session:
+            msg["sessionId"] = session
+        os.write(self._w, json.dumps(msg).encode() + b"\0")
+        return self._id
+
+    def _read(self, deadline: float) -> dict | None:
+        while b"\0" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._r], [], [], left)[0]:
+                return None
+            chunk = os.read(self._r, 1 << 20)
+            if not chunk:
+                err = self.proc.stderr.read().decode(errors="replace")[-2000:] if self.proc.stderr else ""
+                raise RuntimeError(f"Chromium closed the DevTools pipe (exit {self.proc.poll()}): {err}")
+            self._buf += chunk
+        raw, self._buf = self._buf.split(b"\0", 1)
+        return json.loads(raw)
+
+    def _event(self, msg: dict) -> None:
+        if msg["method"] == "Fetch.requestPaused":  # answer at once, or the page stalls
+            url = msg["params"]["request"]["url"]
+            rid = msg["params"]["requestId"]
+            if self.allowed(url):
+                self._post("Fetch.continueRequest", {"requestId": rid}, msg.get("sessionId"))
+            else:
+                self.blocked.append(url)
+                self._post("Fetch.failRequest", {"requestId": rid, "errorReason": "BlockedByClient"},
+                           msg.get("sessionId"))
+        self.events.append(msg)
+
+    def send(self, method: str, params: dict | None = None, session: str | None = None) -> dict:
+        """Send a command and wait for its answer, handling the events that arrive meanwhile."""
+        mid = self._post(method, params, session)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            msg = self._read(deadline)
+            if msg is None:
+                raise TimeoutError(f"Chromium did not answer {method} within {self.timeout_s} s")
+            if msg.get("id") == mid:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg.get("result", {})
+            if "method" in msg:
+                self._event(msg)
+
+    def pump(self, seconds: float, until: str | None = None, session: str | None = None) -> bool:
+        """Handle events for ``seconds``, or until event ``until`` of ``session``; True if it came."""
+        deadline = time.monotonic() + seconds
+        while (msg := self._read(deadline)) is not None:
+            if "method" in msg:
+                self._event(msg)
+                if msg["method"] == until and msg.get("sessionId") == session:
+                    return True
+        return False
+
+    def allowed(self, url: str) -> bool:
+        return url.startswith((self.origin + "/", "data:", "blob:", "about:"))
+
+    # -- pages -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def tab(self, width: int = 1280, height: int = 900) -> Iterator[str]:
+        target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        for method, params in (("Fetch.enable", {"patterns": [{"urlPattern": "*"}]}), ("Network.enable", {}),
+                               ("Runtime.enable", {}), ("Log.enable", {}), ("Page.enable", {}),
+                               ("Network.setCacheDisabled", {"cacheDisabled": True}),
+                               ("Emulation.setDeviceMetricsOverride",
+                                {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})):
+            self.send(method, params, session)
+        try:
+            yield session
+        finally:
+            self.send("Target.closeTarget", {"targetId": target})
+
+    def load(self, session: str, url: str) -> PageReport:
+        """Navigate, wait for the load event, MathJax and every image; report what happened."""
+        self.events.clear()
+        self.blocked.clear()
+        self.send("Page.navigate", {"url": url}, session)
+        if not self.pump(self.timeout_s, until="Page.loadEventFired", session=session):
+            raise TimeoutError(f"{url} did not finish loading within {self.timeout_s} s")
+        result = self.send("Runtime.evaluate", {"expression": _INSPECT, "awaitPromise": True,
+                                                "returnByValue": True}, session)
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"inspecting {url} failed: {result['exceptionDetails']}")
+        seen = json.loads(result["result"]["value"])
+        self.pump(0.3)  # late requests (fonts, lazy scripts)
+        return self._report(url, session, seen)
+
+    def _report(self, url: str, session: str, seen: dict) -> PageReport:
+        report = PageReport(url=url, mathjax_loaded=seen["mathjax"], maths=seen["maths"],
+                            maths_unrendered=seen["unrendered"], math_errors=seen["errors"],
+                            images=len(seen["images"]), external=sorted(set(self.blocked)))
+        report.images_broken = [i["src"] for i in seen["images"] if not i["ok"]]
+        report.images_without_alt = [i["src"] for i in seen["images"] if not i["alt"]]
+        urls: dict[str, str] = {}
+        for ev in self.events:
+            if ev.get("sessionId") != session:
+                continue
+            p = ev.get("params", {})
+            match ev["method"]:
+                case "Network.requestWillBeSent":
+                    urls[p["requestId"]] = p["request"]["url"]
+                    report.requests.append(p["request"]["url"])
+                case "Network.responseReceived" if p["response"]["status"] >= 400:
+                    report.failed.append(f"{p['response']['url']}: HTTP {p['response']['status']}")
+                case "Network.loadingFailed" if not p.get("errorText", "").startswith("net::ERR_BLOCKED_BY_CLIENT"):
+                    report.failed.append(f"{urls.get(p['requestId'], '?')}: {p.get('errorText')}")
+                case "Runtime.exceptionThrown":
+                    d = p["exceptionDetails"]
+                    report.console_errors.append(d.get("exception", {}).get("description") or d.get("text", "?"))
+                case "Runtime.consoleAPICalled" if p["type"] in ("error", "assert"):
+                    report.console_errors.append(" ".join(str(a.get("value", a.get("description", "")))
+                                                          for a in p["args"]))
+                case "Log.entryAdded" if p["entry"]["level"] == "error":
+                    report.console_errors.append(f"{p['entry']['text']} ({p['entry'].get('url', '')})")
+        return report
+
+    def screenshot(self, session: str, path: Path, max_height: int = 12000) -> None:
+        """Save the whole page (up to ``max_height`` CSS pixels tall) as a PNG."""
+        size = self.send("Page.getLayoutMetrics", {}, session)["cssContentSize"]
+        clip = {"x": 0, "y": 0, "width": size["width"], "height": min(size["height"], max_height), "scale": 1}
+        data = self.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True,
+                                                    "clip": clip}, session)["data"]
+        path.write_bytes(base64.b64decode(data))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._post("Browser.close")
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        for fd in (self._r, self._w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if self.proc.stderr:
+            self.proc.stderr.close()
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+
+def pages_of(site: Path) -> list[str]:
+    """Every HTML page of a built site, relative to it, sorted."""
+    return sorted(p.relative_to(site).as_posix() for p in site.rglob("*.html")
+                  if not p.relative_to(site).parts[0].startswith("_"))
+
+
+@dataclass
+class SiteReport:
+    pages: list[PageReport]
+    browser: str
+
+    @property
+    def failures(self) -> dict[str, list[str]]:
+        return {p.url: p.problems() for p in self.pages if p.problems()}
+
+    def summary(self) -> str:
+        n_req = sum(len(p.requests) for p in self.pages)
+        n_ext = sum(len(p.external) for p in self.pages)
+        n_fail = sum(len(p.failed) for p in self.pages)
+        return (f"{self.browser}: {len(self.pages)} pages checked, {n_req} requests seen "
+                f"({n_ext} external, {n_fail} failed), "
+                f"{sum(len(p.console_errors) for p in self.pages)} console errors, "
+                f"{sum(p.maths - p.maths_unrendered for p in self.pages)}/{sum(p.maths for p in self.pages)} "
+                f"maths rendered, {sum(p.images - len(p.images_broken) for p in self.pages)}/"
+                f"{sum(p.images for p in self.pages)} images loaded")
+
+
+def check_site(site: Path, executable: str, pages: list[str] | None = None) -> SiteReport:
+    """Load every page of ``site`` (or ``pages``, relative paths) from a local server."""
+    pages = pages_of(site) if pages is None else pages
+    with serve(site) as origin:
+        browser = Chromium(executable, origin)
+        try:
+            reports = []
+            with browser.tab() as session:
+                for page in pages:
+                    reports.append(browser.load(session, f"{origin}/{page}"))
+            return SiteReport(reports, browser.version)
+        finally:
+            browser.close()
+
+
+def screenshots(site: Path, out: Path, executable: str, pages: list[str] | None = None) -> list[Path]:
+    """One full-page PNG per page (default: every page but Sphinx's index/search pages)."""
+    pages = [p for p in pages_of(site) if p not in SKIP_SCREENSHOT] if pages is None else pages
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    with serve(site) as origin:
+        browser = Chromium(executable, origin)
+        try:
+            with browser.tab() as session:
+                for page in pages:
+                    report = browser.load(session, f"{origin}/{page}")
+                    for problem in report.problems():
+                        print(f"warning: {page}: {problem}", file=sys.stderr)
+                    path = out / (page.removesuffix(".html").replace("/", "__") + ".png")
+                    browser.screenshot(session, path)
+                    written.append(path)
+        finally:
+            browser.close()
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="load every page; exit 1 on any problem")
+    check.add_argument("site", type=Path)
+    shots = sub.add_parser("screenshots", help="render pages to PNG")
+    shots.add_argument("site", type=Path)
+    shots.add_argument("out", type=Path)
+    shots.add_argument("pages", nargs="*", help="pages relative to the site (default: the main pages)")
+    args = parser.parse_args(argv)
+    if not (args.site / "index.html").is_file():
+        print(f"no built site at {args.site}: run `make html` first", file=sys.stderr)
+        return 2
+    executable = find_chromium()
+    if executable is None:
+        print(f"Chromium not found: {INSTALL_HINT}", file=sys.stderr)
+        return 2
+    if args.command == "screenshots":
+        for path in screenshots(args.site, args.out, executable, args.pages or None):
+            print(path)
+        return 0
+    report = check_site(args.site, executable)
+    for url, problems in report.failures.items():
+        print(f"FAIL {url}", *(f"  {p}" for p in problems), sep="\n")
+    print(report.summary())
+    print(f"{len(report.pages) - len(report.failures)} passed, {len(report.failures)} failed")
+    return 1 if report.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The built site holds in a reader's browser: headless Chromium, network limited to a local server.
+
+For each page: no request to any host but the local server, no failed request, no console error,
+every maths element rendered by the site's own MathJax, every image loaded (and with alt text).
+
+- ``test_browser_check_catches_a_bad_page``: the check itself can fail (a page that breaks every rule).
+- ``test_throwaway_site_holds``: a one-page site built with the project's conf.py, _ext and
+  _static (maths, a glued figure, code) passes: the configuration makes self-contained pages.
+- ``test_every_built_page``: every page of the built site (``$KVDOC_SITE``, default
+  docs/_build/html). ``make test`` runs it after ``make html`` (``make site-check``); ``make
+  pytest`` deselects it, because the site is not built yet then.
+
+Without Chromium these tests are skipped with a loud reason outside CI, and fail under CI
+(``CI`` set), where ``.ci/run`` installs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("kvdoc_browser", ROOT / "scripts" / "browser.py")
+browser = importlib.util.module_from_spec(_spec)
+sys.modules["kvdoc_browser"] = browser
+_spec.loader.exec_module(browser)
+
+
+def chromium() -> str:
+    """The Chromium executable, or a loud skip (outside CI) / failure (under CI) without one."""
+    exe = browser.find_chromium()
+    if exe is None:
+        message = f"BROWSER TEST NOT RUN: Chromium not found; {browser.INSTALL_HINT}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        sys.stderr.write(f"\n*** {message} ***\n")
+        pytest.skip(message)
+    return exe
+
+
+BAD_PAGE = r"""<!doctype html>
+<html><head><meta charset="utf-8"><title>bad</title>
+<link rel="icon" href="data:,">
+<script src="https://cdn.example.org/mathjax.js"></script>
+</head><body>
+<p>Inline maths that nothing renders: <span class="math">\(x^2\)</span></p>
+<img src="_images/missing.png" alt="a figure that is not there">
+<img src="ok.svg">
+<script>console.error("boom from the page");</script>
+</body></html>
+"""
+OK_SVG = '<svg xmlns="http://www.w3.org/2000/svg" width="4" height="4"><rect width="4" height="4"/></svg>'
+
+
+def test_browser_check_catches_a_bad_page(tmp_path):
+    exe = chromium()
+    (tmp_path / "index.html").write_text(BAD_PAGE)
+    (tmp_path / "ok.svg").write_text(OK_SVG)
+    report = browser.check_site(tmp_path, exe)
+    (page,) = report.pages
+    assert page.external == ["https://cdn.example.org/mathjax.js"], page
+    assert any("missing.png" in f and "404" in f for f in page.failed), page
+    assert any("boom from the page" in e for e in page.console_errors), page
+    assert (page.maths, page.maths_unrendered, page.mathjax_loaded) == (1, 1, False), page
+    assert page.images == 2 and [u.rsplit("/", 1)[1] for u in page.images_broken] == ["missing.png"], page
+    assert [u.rsplit("/", 1)[1] for u in page.images_without_alt] == ["ok.svg"], page
+    assert len(page.problems()) >= 6 and report.failures
+
+
+PAGE = textwrap.dedent("""\
+    ---
+    file_format: mystnb
+    kernelspec:
+      name: python3
+      display_name: Python 3
+    ---
+
+    # Throwaway
+
+    Inline $a^2 + b^2 = c^2$ and display maths with an AMS environment:
+
+    $$
+    \\operatorname{softmax}\\!\\left(\\frac{QK^\\top}{\\sqrt{d_k}}\\right) V
+    $$
+
+    ```{code-cell} python
+    import matplotlib.pyplot as plt
+    from myst_nb import glue
+
+    fig, ax = plt.subplots(figsize=(3, 2))
+    ax.plot([0, 1, 2], [0, 1, 4])
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("bytes")
+    glue("fig-line", fig, display=False)
+    plt.close(fig)
+    ```
+
+    ```{glue:figure} fig-line
+    :alt: a rising line
+    :name: fig-line
+
+    A line.
+    ```
+    """)
+
+
+@pytest.mark.sphinx
+def test_throwaway_site_holds(tmp_path):
+    exe = chromium()
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(ROOT / "docs" / "conf.py", src / "conf.py")
+    for folder in ("_ext", "_static", "_templates"):
+        if (ROOT / "docs" / folder).is_dir():
+            shutil.copytree(ROOT / "docs" / folder, src / folder)
+    (src / "index.md").write_text(PAGE)
+    result = subprocess.run(
+        ["make", "--no-print-directory", "-C", str(ROOT), "html", f"DOCS={src}", f"BUILDDIR={tmp_path / 'build'}"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "CI": "true"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = browser.check_site(tmp_path / "build" / "html", exe)
+    assert not report.failures, report.failures
+    index = next(p for p in report.pages if p.url.endswith("/index.html"))
+    assert index.mathjax_loaded and index.maths == 2 and index.maths_unrendered == 0, index
+    assert index.images == 1 and not index.images_broken, index
+    assert any("/_static/mathjax/" in u for u in index.requests), index.requests  # ours, not a CDN
+
+
+def test_every_built_page():
+    """Every page of the built site; run by ``make site-check`` (part of ``make test``)."""
+    site = Path(os.environ.get("KVDOC_SITE", ROOT / "docs" / "_build" / "html"))
+    if not (site / "index.html").is_file():
+        message = f"SITE NOT BUILT at {site}: run `make html` first (`make test` runs this check after it)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    exe = chromium()
+    pages = browser.pages_of(site)
+    sources = sorted(p.relative_to(site / "_sources").as_posix().removesuffix(".txt")
+                     for p in (site / "_sources").rglob("*.txt"))
+    missing = [s for s in sources if s.removesuffix(".md").removesuffix(".ipynb") + ".html" not in pages]
+    assert not missing, f"pages with a source but no HTML: {missing}"
+    report = browser.check_site(site, exe, pages)
+    print("\n" + report.summary())
+    assert len(report.pages) == len(pages)
+    assert not report.failures, "\n".join(f"{url}:\n  " + "\n  ".join(p) for url, p in report.failures.items())
