@@ -42,6 +42,8 @@ __all__ = [
     "SourceComparison",
     "compare_with_source",
     "latex_matrix",
+    "naive_latex",
+    "cached_latex",
     "html_table",
     "Counts",
     "ToyWeights",
@@ -53,6 +55,7 @@ __all__ = [
     "check_against_full",
     "expected_counts",
     "ScenarioCounts",
+    "SOURCE_COUNTS",
     "common_prefix_len",
     "counts_table",
     "EditResult",
@@ -351,6 +354,57 @@ def html_table(headers: Sequence[str], rows: Sequence[Sequence[object]], caption
     return f'<table class="table kvdoc-table">{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
+def naive_latex(s: WorkedStep, decimals: int = 3) -> str:
+    """The naive path of one step as an ``aligned`` LaTeX block generated from the values.
+
+    >>> print(naive_latex(worked_example()[0]).splitlines()[1])
+    Q = K = V &= \\begin{bmatrix}1.000 & 2.000\\end{bmatrix} \\\\
+    """
+    n = s.naive
+    m = lambda t: latex_matrix(t, decimals)  # noqa: E731
+    if torch.equal(n.Q, n.K) and torch.equal(n.K, n.V):
+        proj = rf"Q = K = V &= {m(n.Q)} \\"
+    else:
+        proj = rf"Q &= {m(n.Q)},\; K = {m(n.K)},\; V = {m(n.V)} \\"
+    lines = [
+        r"\begin{aligned}",
+        proj,
+        rf"\text{{scores}} = QK^\top/\sqrt{{2}} &= {m(n.scores)} \\",
+        rf"\text{{masked}} &= {m(n.masked)} \\",
+        rf"\text{{weights}} = \operatorname{{softmax}}(\text{{masked}}) &= {m(n.weights)} \\",
+        rf"\text{{output}} = \text{{weights}}\, V &= {m(n.output)} \\",
+        rf"\text{{output}}[-1] &= {m(n.last)}",
+        r"\end{aligned}",
+    ]
+    return "\n".join(lines)
+
+
+def cached_latex(s: WorkedStep, decimals: int = 3) -> str:
+    """The cached path of one step as an ``aligned`` LaTeX block generated from the values.
+
+    >>> print(cached_latex(worked_example()[1]).splitlines()[1])
+    q = k = v &= \\begin{bmatrix}3.000 & 1.000\\end{bmatrix} \\\\
+    """
+    c = s.cached
+    m = lambda t: latex_matrix(t, decimals)  # noqa: E731
+    if torch.equal(c.q, c.k) and torch.equal(c.k, c.v):
+        proj = rf"q = k = v &= {m(c.q)} \\"
+    else:
+        proj = rf"q &= {m(c.q)},\; k = {m(c.k)},\; v = {m(c.v)} \\"
+    kv = (rf"K_\text{{full}} = V_\text{{full}} &= {m(c.K_full)} \\" if torch.equal(c.K_full, c.V_full)
+          else rf"K_\text{{full}} &= {m(c.K_full)},\; V_\text{{full}} = {m(c.V_full)} \\")
+    lines = [
+        r"\begin{aligned}",
+        proj,
+        kv,
+        rf"\text{{scores}} = q K_\text{{full}}^\top/\sqrt{{2}} &= {m(c.scores)} \\",
+        rf"\text{{weights}} = \operatorname{{softmax}}(\text{{scores}}) &= {m(c.weights)} \\",
+        rf"\text{{output}} = \text{{weights}}\, V_\text{{full}} &= {m(c.output)}",
+        r"\end{aligned}",
+    ]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
 # The two-layer toy lab (plain Python floats, instrumented)
 # ---------------------------------------------------------------------------------------------
@@ -630,6 +684,14 @@ class ScenarioCounts:
     full: Counts
     cached: Counts
     check: CheckResult
+
+
+SOURCE_COUNTS: dict[str, dict[str, int]] = {
+    "first input A B C": {"full_kv": 6, "cached_kv": 6, "full_dots": 12, "cached_dots": 12},
+    "append D": {"full_kv": 8, "cached_kv": 2, "full_dots": 20, "cached_dots": 8},
+    "edit B to X, recompute suffix": {"full_kv": 8, "cached_kv": 6, "full_dots": 20, "cached_dots": 18},
+}
+"""The source's table of work counts for the three scenarios, kept as data to compare with."""
 
 
 def common_prefix_len(a: Sequence[str], b: Sequence[str]) -> int:
