@@ -57,3 +57,18 @@ def test_js_stepper_matches_worked_example():
         for key, ref in (("scores", py.cached.scores[0]), ("weights", py.cached.weights[0]), ("output", py.cached.output)):
             diff = (torch.tensor(js[key], dtype=torch.float64) - ref).abs().max().item()
             assert diff < 1e-12, (py.step, key, diff)
+
+
+def test_page_reference_cell_uses_the_sliders_initial_values():
+    import re
+
+    page = (JS.parents[1] / "part2" / "3-explorer.md").read_text()
+    js = JS.read_text()
+    p0 = re.search(r'max: "12", value: "(\d+)", id: "kvx-p"', js)
+    c0 = re.search(r'max: "6", value: "(\d+)", id: "kvx-c"', js)
+    cell = re.search(r"P, C = (\d+), (\d+)  # the explorer's initial slider values", page)
+    assert p0 and c0 and cell
+    assert (int(p0.group(1)), int(c0.group(1))) == (int(cell.group(1)), int(cell.group(2)))
+    # The sliders' ranges are the grid the mask test covers.
+    assert 'min: "0", max: "12"' in js and 'min: "1", max: "6"' in js
+    assert max(p for p, _ in GRID) == 12 and max(c for _, c in GRID) == 6

@@ -99,7 +99,7 @@
         tr.appendChild(el("td", { "class": cls, text: on ? "\u2713" : "\u00b7",
                                   title: "query at position " + (P + i) + ", key " + k + ": " + (on ? "visible" : "hidden") }));
       }
-      tr.appendChild(el("td", { "class": "kvx-count", text: n + " keys" }));
+      tr.appendChild(el("td", { "class": "kvx-count", text: n + (n === 1 ? " key" : " keys") }));
       table.appendChild(tr);
     }
     return el("figure", { "class": "kvx-mask" }, [el("figcaption", { text: title }), table]);
