@@ -10,7 +10,13 @@ DOCS ?= docs
 BUILDDIR ?= $(DOCS)/_build
 DOCTREES = $(BUILDDIR)/doctrees
 
-.PHONY: help html test pytest doctest sphinx-html page clean distclean venv
+# The browser check of every built page needs the built site, so `make pytest` leaves it out
+# and `make test` runs it (site-check) after the HTML build.
+SITE_TEST := tests/test_site.py::test_every_built_page
+# Compared with a second clean build by repro-check; empty: build both.
+REPRO_REF ?=
+
+.PHONY: help html test pytest doctest sphinx-html page clean distclean venv site-check repro-check screenshots
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14
@@ -31,9 +37,21 @@ doctest: $(STAMP)  ## run the {doctest} blocks of the pages with Sphinx's doctes
 	$(SPHINXBUILD) -b doctest $(SPHINXOPTS) -d $(DOCTREES) $(DOCS) $(BUILDDIR)/doctest
 
 pytest: $(STAMP)  ## unit tests and the docstring examples of the kvdoc package
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --deselect $(SITE_TEST)
 
-test: pytest html doctest  ## pytest, then the strict HTML build, then the pages' doctests
+site-check: $(STAMP)  ## load every built page in headless Chromium, offline (needs make html)
+	KVDOC_SITE=$(BUILDDIR)/html $(BIN)/python -m pytest -s -p no:cacheprovider $(SITE_TEST)
+
+test: pytest html doctest site-check  ## pytest, the strict HTML build, the pages' doctests, the browser check
+
+repro-check: $(STAMP)  ## two clean builds must write the same site (REPRO_REF=dir reuses one build)
+	rm -rf $(BUILDDIR)/repro
+	$(if $(REPRO_REF),,$(MAKE) --no-print-directory html BUILDDIR=$(BUILDDIR)/repro/a)
+	$(MAKE) --no-print-directory html BUILDDIR=$(BUILDDIR)/repro/b
+	$(BIN)/python scripts/compare_builds.py $(or $(REPRO_REF),$(BUILDDIR)/repro/a/html) $(BUILDDIR)/repro/b/html
+
+screenshots: $(STAMP)  ## render the built pages to PNG in docs/_build/screenshots (needs make html)
+	$(BIN)/python scripts/browser.py screenshots $(BUILDDIR)/html $(BUILDDIR)/screenshots $(PAGES)
 
 page: $(STAMP)  ## build the landing page and one page only: make page PAGE=part1/1-question
 	@test -n "$(PAGE)" || { echo "usage: make page PAGE=part1/1-question (globs allowed)"; exit 2; }

@@ -6,6 +6,9 @@ every maths element rendered by the site's own MathJax, every image loaded (and 
 - ``test_browser_check_catches_a_bad_page``: the check itself can fail (a page that breaks every rule).
 - ``test_throwaway_site_holds``: a one-page site built with the project's conf.py, _ext and
   _static (maths, a glued figure, code) passes: the configuration makes self-contained pages.
+- ``test_compare_builds_exempts_timing_pages_only``: the reproducibility comparison of
+  ``make repro-check`` (scripts/compare_builds.py; ``.ci/run`` runs it on the whole site) flags
+  any difference except on the timing pages.
 - ``test_every_built_page``: every page of the built site (``$KVDOC_SITE``, default
   docs/_build/html). ``make test`` runs it after ``make html`` (``make site-check``); ``make
   pytest`` deselects it, because the site is not built yet then.
@@ -31,6 +34,9 @@ _spec = importlib.util.spec_from_file_location("kvdoc_browser", ROOT / "scripts"
 browser = importlib.util.module_from_spec(_spec)
 sys.modules["kvdoc_browser"] = browser
 _spec.loader.exec_module(browser)
+_spec = importlib.util.spec_from_file_location("kvdoc_compare_builds", ROOT / "scripts" / "compare_builds.py")
+compare_builds = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare_builds)
 
 
 def chromium() -> str:
@@ -111,6 +117,15 @@ PAGE = textwrap.dedent("""\
     """)
 
 
+def build_site(src: Path, build: Path) -> Path:
+    """Build ``src`` with the Makefile's own html target, as CI does; returns the HTML folder."""
+    result = subprocess.run(
+        ["make", "--no-print-directory", "-C", str(ROOT), "html", f"DOCS={src}", f"BUILDDIR={build}"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "CI": "true"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    return build / "html"
+
+
 @pytest.mark.sphinx
 def test_throwaway_site_holds(tmp_path):
     exe = chromium()
@@ -121,16 +136,32 @@ def test_throwaway_site_holds(tmp_path):
         if (ROOT / "docs" / folder).is_dir():
             shutil.copytree(ROOT / "docs" / folder, src / folder)
     (src / "index.md").write_text(PAGE)
-    result = subprocess.run(
-        ["make", "--no-print-directory", "-C", str(ROOT), "html", f"DOCS={src}", f"BUILDDIR={tmp_path / 'build'}"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "CI": "true"})
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = browser.check_site(tmp_path / "build" / "html", exe)
+    report = browser.check_site(build_site(src, tmp_path / "build"), exe)
     assert not report.failures, report.failures
     index = next(p for p in report.pages if p.url.endswith("/index.html"))
     assert index.mathjax_loaded and index.maths == 2 and index.maths_unrendered == 0, index
     assert index.images == 1 and not index.images_broken, index
     assert any("/_static/mathjax/" in u for u in index.requests), index.requests  # ours, not a CDN
+
+
+def test_compare_builds_exempts_timing_pages_only(tmp_path):
+    def site(name: str, timing: str, other: str) -> Path:
+        root = tmp_path / name
+        (root / "part3").mkdir(parents=True)
+        (root / "_images").mkdir()
+        (root / "index.html").write_text(f"<p>{other}</p>")
+        (root / "part3" / "7-savings.html").write_text(f'<p>{timing} ms</p><img src="../_images/{timing}.png">')
+        (root / "_images" / f"{timing}.png").write_text(timing)
+        return root
+
+    a, b = site("a", "1.5", "same"), site("b", "1.7", "same")
+    problems, notes = compare_builds.compare(a, b)
+    assert problems == [] and notes == ["exempt (shows timings): part3/7-savings.html"]
+    c = site("c", "1.5", "changed")
+    problems, _ = compare_builds.compare(a, c)
+    assert [p.split(":")[0] for p in problems] == ["index.html"]
+    problems, _ = compare_builds.compare(a, b, timing_pages=())  # nothing exempt: both differences show
+    assert sorted(p.split(":")[0] for p in problems) == ["_images/1.5.png", "_images/1.7.png", "part3/7-savings.html"]
 
 
 def test_every_built_page():
