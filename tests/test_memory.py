@@ -180,3 +180,16 @@ def test_cli_as_module() -> None:
     run = subprocess.run([sys.executable, "-m", "kvdoc", "memory", "--model", "nope", "--seq-len", "1"],
                          capture_output=True, text=True)
     assert run.returncode == 2 and run.stdout == "" and "unknown model" in run.stderr
+
+
+def test_cli_window(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["memory", "--model", "Mistral-7B-v0.1", "--seq-len", "32768"]) == 0
+    out = capsys.readouterr().out
+    capped = preset("mistral-7b-v0.1").kv_bytes(32768, windowed=True)
+    assert capped == preset("mistral-7b-v0.1").kv_bytes(4096)
+    assert f"windowed   {capped:,} bytes" in out
+    assert cli(["memory", "--layers", "2", "--seq-len", "100", "--kv-heads", "1", "--head-dim", "4",
+                "--dtype", "float32", "--window", "10"]) == 0
+    out = capsys.readouterr().out
+    assert f"{kv_bytes(1, 2, 100, 1, 4, 'float32'):,} bytes" in out
+    assert f"windowed   {kv_bytes(1, 2, 10, 1, 4, 'float32'):,} bytes" in out
