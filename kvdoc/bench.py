@@ -486,8 +486,15 @@ def _bench_roofline(settings: BenchSettings, tick: Callable[[], None], build_thr
     C, S = settings.roofline_context, settings.roofline_steps
     ids = _token_stream(model.config, C + S, settings.seed + 1)
     prepare, _ = _decode_paths(model, hf, ids, C, S, full=False)
+    # Bandwidth is one more path of the rotation, so it sees the same machine state as decode.
+    x = torch.ones(settings.bandwidth_mib * 2**20 // 4, dtype=torch.float32)
+    prepare["bandwidth"] = lambda: x.sum
     samples = time_paths(prepare, settings.roofline_samples, min(settings.warmup, 1), tick)
-    bandwidth = measure_bandwidth(settings.bandwidth_mib)
+    bw_times = [t / 1e3 for t in samples.pop("bandwidth")]
+    nbytes = x.numel() * x.element_size()
+    del x
+    bandwidth = {"bytes": nbytes, "kernel": "torch.sum over a float32 tensor", "samples_s": bw_times,
+                 "gb_per_s": nbytes / percentile(bw_times, 50) / 1e9}
     mean_bytes = sum(step_bytes(model, C + j) for j in range(S)) / S
     floor_ms = mean_bytes / (bandwidth["gb_per_s"] * 1e9) * 1e3
     per_token = {path: percentile(v, 50) / S for path, v in samples.items()}
@@ -516,12 +523,12 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
     ['cached_vs_full_all_positions', 'cached_vs_full_last_position', 'static_vs_dynamic']
     """
     settings = settings or BenchSettings()
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     n_paths = 4 + int(settings.transformers)
     total = (len(settings.prefix_lens) * settings.samples * (n_paths + 1)
              + len(settings.growth_lengths) * settings.growth_samples * 3
-             + (settings.roofline_samples * (2 + int(settings.transformers)) if settings.roofline else 0))
+             + (settings.roofline_samples * (3 + int(settings.transformers)) if settings.roofline else 0))
     threads = torch.get_num_threads()
     bar = tqdm(total=total, disable=not progress, file=sys.stderr, unit="sample", desc="kvdoc bench")
     try:
@@ -577,13 +584,38 @@ def ratios(result: BenchResult) -> dict[str, float]:
 # --------------------------------------------------------------------------- tables and figures
 
 
-def _markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+@dataclass(frozen=True)
+class Table:
+    """A small table of strings: ``str()`` gives Markdown (for the CLI), ``_repr_html_`` HTML (for pages).
+
+    >>> print(Table(["a (ms)", "b"], [["1.0", "x"]]))
+    | a (ms) | b |
+    |---:|---:|
+    | 1.0 | x |
+    """
+
+    header: list[str]
+    rows: list[list[str]]
+
+    def markdown(self) -> str:
+        """The table as GitHub-flavoured Markdown."""
+        lines = ["| " + " | ".join(self.header) + " |", "|" + "|".join("---:" for _ in self.header) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in self.rows])
+
+    def __str__(self) -> str:
+        return self.markdown()
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        head = "".join(f"<th style='text-align:right'>{escape(h)}</th>" for h in self.header)
+        body = "".join("<tr>" + "".join(f"<td style='text-align:right'>{escape(c)}</td>" for c in r) + "</tr>"
+                       for r in self.rows)
+        return f"<table class='table'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def timings_table(result: BenchResult) -> str:
-    """Markdown: per prefix, prefill p50, full recompute and cached p50 / p95 (ms for all G steps), final K/V KiB."""
+def timings_table(result: BenchResult) -> Table:
+    """Table: per prefix, prefill p50, full recompute and cached p50 / p95 (ms for all G steps), final K/V KiB."""
     header = ["prefix P", "prefill p50 (ms)", "full, all positions p50 / p95 (ms)",
               "full, last position p50 / p95 (ms)", "dynamic cache p50 / p95 (ms)",
               "static cache p50 / p95 (ms)"]
@@ -598,22 +630,22 @@ def timings_table(result: BenchResult) -> str:
         row += [f"{result.p50(P, p):.3f} / {result.p95(P, p):.3f}" for p in paths]
         row.append(f"{result.kv_kib[P]:g}")
         rows.append(row)
-    return _markdown(header, rows)
+    return Table(header, rows)
 
 
-def counts_table(result: BenchResult) -> str:
-    """Markdown: rows counted by hooks on layer 0's ``c_attn`` and on ``lm_head``, against the closed forms."""
+def counts_table(result: BenchResult) -> Table:
+    """Table: rows counted by hooks on layer 0's ``c_attn`` and on ``lm_head``, against the closed forms."""
     header = ["prefix P", "full recompute: c_attn rows (counted)", "G P + G(G+1)/2",
               "full, all positions: lm_head rows", "full, last position: lm_head rows",
               "cached: c_attn rows (counted)", "cached: lm_head rows", "G"]
     rows = [[str(P), f"{c['full_all_c_attn']:,}", f"{c['formula_full']:,}", f"{c['full_all_lm_head']:,}",
              f"{c['full_last_lm_head']:,}", f"{c['static_c_attn']:,}", f"{c['static_lm_head']:,}",
              f"{c['formula_cached']:,}"] for P, c in result.counts.items()]
-    return _markdown(header, rows)
+    return Table(header, rows)
 
 
-def flops_table(result: BenchResult) -> str:
-    """Markdown: modelled MFLOPs of the G steps per path, split into linear layers, attention and LM head."""
+def flops_table(result: BenchResult) -> Table:
+    """Table: modelled MFLOPs of the G steps per path, split into linear layers, attention and LM head."""
     header = ["prefix P", "path", "linear (MFLOP)", "attention (MFLOP)", "LM head (MFLOP)", "total (MFLOP)"]
     rows = []
     for P, f in result.flops.items():
@@ -622,11 +654,11 @@ def flops_table(result: BenchResult) -> str:
             rows.append([str(P), label] + [f"{f[f'{path}_{part}'] / 1e6:.2f}"
                                            for part in ("linear", "attention", "lm_head")]
                         + [f"{f[path] / 1e6:.2f}"])
-    return _markdown(header, rows)
+    return Table(header, rows)
 
 
-def roofline_table(result: BenchResult) -> str:
-    """Markdown: per decode path of the roofline model, ms per token, the floor, and the fraction reached."""
+def roofline_table(result: BenchResult) -> Table:
+    """Table: per decode path of the roofline model, ms per token, the floor, and the fraction reached."""
     r = result.roofline
     if r is None:
         raise ValueError("this run has no roofline (settings.roofline was False)")
@@ -635,7 +667,7 @@ def roofline_table(result: BenchResult) -> str:
     rows = [[path, f"{t:.2f}", f"{r['floor_ms_per_token']:.2f}",
              f"{r['bytes_per_step'] / (t / 1e3) / 1e9:.2f}", f"{r['fraction'][path]:.2f}"]
             for path, t in r["p50_ms_per_token"].items()]
-    return _markdown(header, rows)
+    return Table(header, rows)
 
 
 def growth_figure(result: BenchResult):
