@@ -133,7 +133,7 @@ class DependencyMap:
         top = mag.max() if mag.size and mag.max() > 0 else 1.0
         shown = np.where(dep, np.log10(np.maximum(mag / top, 1e-300)) if log else mag / top, np.nan)
         cmap = plt.get_cmap("viridis").with_extremes(bad="white")
-        vmin = max(-6.0, float(np.nanmin(shown))) if log and dep.any() else (None if log else 0.0)
+        vmin = -4.0 if log else 0.0  # one scale for every map, so panels compare
         im = ax.imshow(np.ma.masked_invalid(shown), cmap=cmap, aspect="equal",
                        vmin=vmin, vmax=0.0 if log else 1.0)
         ax.set_xticks(range(self.shape[1]), self.in_labels)
