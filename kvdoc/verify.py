@@ -535,7 +535,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Print the grid (and the broken variants' table); return 0 only if everything that must pass passed."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: one thread is faster than several that contend
+    try:
+        return _main(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _main(args: argparse.Namespace) -> int:
     if args.list:
         for v in VARIANTS.values():
             print(f"{v.name:20s} {v.breaks}")
