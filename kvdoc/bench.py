@@ -132,6 +132,7 @@ class BenchResult:
     flops: dict[int, dict[str, float]]
     growth: dict[str, Any]
     roofline: dict[str, Any] | None
+    ops: dict[str, int]
     ratios: dict[str, float]
 
     def p50(self, prefix_len: int, path: str) -> float:
@@ -160,6 +161,7 @@ class BenchResult:
             "flops": {str(p): v for p, v in self.flops.items()},
             "growth": self.growth,
             "roofline": self.roofline,
+            "aten_ops_per_step": self.ops,
         }
 
 
@@ -273,6 +275,44 @@ def run_flops(config: GPTConfig, prefix_len: int, new_tokens: int) -> dict[str, 
     parts = [step_flops(config, prefix_len + j - 1, 1) for j in range(1, new_tokens + 1)]
     for part in ("linear", "attention", "lm_head", "total"):
         out[f"cached_{part}" if part != "total" else "cached"] = sum(p[part] for p in parts)
+    return out
+
+
+def count_ops(call: Callable[[], Any]) -> dict[str, int]:
+    """ATen operators dispatched while ``call()`` runs, by name (what a step costs in dispatches).
+
+    >>> ops = count_ops(lambda: torch.ones(2) + 1)
+    >>> ops["aten.add.Tensor"]
+    1
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: dict[str, int] = {}
+
+    class Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            counts[str(func)] = counts.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        call()
+    return counts
+
+
+def ops_per_step(model: Decoder, hf: Any, prefix_len: int, seed: int = 0) -> dict[str, int]:
+    """ATen operators of one decode step after ``prefix_len`` cached positions, per path.
+
+    ``full_all`` is one full-recompute step over ``prefix_len + 1`` positions.
+    """
+    ids = _token_stream(model.config, prefix_len + 1, seed)
+    prompt, token = ids[:, :prefix_len], ids[:, prefix_len:]
+    out = {"full_all": sum(count_ops(lambda: model(ids)).values())}
+    for kind in ("dynamic", "static"):
+        cache = model(prompt, model.new_cache(1, kind, capacity=prefix_len + 1))[1]
+        out[kind] = sum(count_ops(lambda: model(token, cache)).values())
+    if hf is not None:
+        hf_cache = hf(prompt, use_cache=True).cache
+        out["transformers"] = sum(count_ops(lambda: hf(token, cache=hf_cache, use_cache=True)).values())
     return out
 
 
@@ -542,6 +582,7 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
                 bar.set_postfix_str(f"P={P}")
                 timings[P], kv_kib[P], diffs[P], counts[P] = _bench_prefix(model, hf, settings, P, bar.update)
                 flops[P] = run_flops(settings.model, P, settings.new_tokens)
+            ops = ops_per_step(model, hf, max(settings.prefix_lens), settings.seed)
             bar.set_postfix_str("growth")
             growth = _bench_growth(model, settings, bar.update)
             del model, hf
@@ -552,7 +593,7 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
     finally:
         torch.set_num_threads(threads)
         bar.close()
-    result = BenchResult(settings, env, stamp, timings, kv_kib, diffs, counts, flops, growth, roofline, {})
+    result = BenchResult(settings, env, stamp, timings, kv_kib, diffs, counts, flops, growth, roofline, ops, {})
     result.ratios = ratios(result)
     return result
 

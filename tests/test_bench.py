@@ -8,7 +8,7 @@ import torch
 
 from kvdoc import Decoder, GPTConfig
 from kvdoc.__main__ import main as cli
-from kvdoc.bench import (BenchSettings, RowCounter, counts_table, flops_table, growth_figure,
+from kvdoc.bench import (BenchSettings, RowCounter, count_ops, counts_table, flops_table, growth_figure,
                          measure_bandwidth, percentile, projected_positions_full, roofline_table,
                          run_bench, run_flops, step_bytes, step_flops, time_paths, timings_table,
                          timings_figure)
@@ -48,7 +48,8 @@ def test_ratios_follow_from_samples(result):
 def test_raw_samples_and_summary(result):
     data = json.loads(json.dumps(result.to_json()))  # JSON round trip: plain types only
     assert set(data) >= {"ratios", "config", "environment", "timestamp", "samples_ms", "summary",
-                         "counts", "flops", "growth", "roofline", "final_kv_kib", "max_abs_logit_diff"}
+                         "counts", "flops", "growth", "roofline", "final_kv_kib", "max_abs_logit_diff",
+                         "aten_ops_per_step"}
     assert set(data["environment"]) >= {"cpu", "python", "torch", "transformers", "threads"}
     assert data["environment"]["threads"] == 1
     assert data["config"]["samples"] == 3 and data["config"]["prefix_lens"] == list(PREFIXES)
@@ -83,6 +84,14 @@ def test_counted_rows_match_closed_forms(result):
         assert c["full_last_lm_head"] == G
         for kind in ("dynamic", "static"):
             assert c[f"{kind}_c_attn"] == c[f"{kind}_lm_head"] == G
+
+
+def test_ops_per_step(result):
+    ops = result.ops
+    assert set(ops) == {"full_all", "dynamic", "static", "transformers"}
+    assert all(isinstance(n, int) and n > 0 for n in ops.values())
+    assert count_ops(lambda: torch.ones(3).sum() * 2) == {"aten.ones.default": 1, "aten.sum.default": 1,
+                                                            "aten.mul.Tensor": 1}
 
 
 def test_issue_example_count():
