@@ -256,6 +256,34 @@ class VerifyReport:
                 return r
         raise KeyError((kind, batch, chunk, dtype))
 
+    def logit_table(self) -> str:
+        """One Markdown row per (batch, chunk, dtype): the max logit error of each cache strategy."""
+        kinds = list(dict.fromkeys(r.kind for r in self.rows))
+        combos = list(dict.fromkeys((r.batch, r.chunk, r.dtype) for r in self.rows))
+        head = ["batch", "chunk (tokens)", "dtype", *[f"max logit error, {k}" for k in kinds],
+                "tolerance", "all checks"]
+        body = []
+        for b, c, d in combos:
+            rows = [self.row(k, b, c, d) for k in kinds]
+            body.append([b, c, d, *[f"{r.logit_error:.2e}" for r in rows], f"{rows[0].tol:.0e}",
+                         "pass" if all(r.passed for r in rows) else "FAIL"])
+        return markdown_table(head, body)
+
+    def checks_table(self) -> str:
+        """One Markdown row per check: what it compares, its largest error over the grid, rows passed."""
+        what = {"logits": ("cached vs full logits, every position, whole vocabulary", "logit_error"),
+                "kv": ("each layer's cached K and V vs the full forward's", "kv_error"),
+                "kv_shape": ("each layer's K and V are [B, H_kv, T, D_h]", None),
+                "causality": ("earlier positions' logits after the last token changes", "causal_error"),
+                "lifecycle": ("what a cache held before a call, after it (bitwise)", "lifecycle_error")}
+        body = []
+        for name in CHECKS:
+            text, attr = what[name]
+            worst = "" if attr is None else f"{max(getattr(r, attr) for r in self.rows):.2e}"
+            passed = sum(r.checks[name] for r in self.rows)
+            body.append([name, text, worst, f"{passed} of {len(self.rows)}"])
+        return markdown_table(["check", "compares", "largest difference", "rows passed"], body)
+
     def to_markdown(self) -> str:
         """The grid as a Markdown table (errors are max absolute differences of logits or K/V)."""
         head = ["cache", "batch", "chunk (tokens)", "dtype", "tolerance", "max logit error",
