@@ -471,11 +471,15 @@ def _bench_growth(model: Decoder, settings: BenchSettings, tick: Callable[[], No
         prepare = {"full_all": prepare["full_all"], "dynamic": prepare["dynamic"], "static": prepare["static"]}
         per_len[str(T)] = time_paths(prepare, settings.growth_samples, settings.warmup, tick)
     lengths = np.log(np.asarray(settings.growth_lengths, dtype=float))
+    upper = len(lengths) // 2  # the longer half (at least two points), where fixed costs matter least
     slopes: dict[str, float | None] = {}
+    slopes_upper: dict[str, float | None] = {}
     for path in ("full_all", "dynamic", "static"):
-        p50 = [percentile(per_len[str(T)][path], 50) for T in settings.growth_lengths]
-        slopes[path] = float(np.polyfit(lengths, np.log(p50), 1)[0]) if len(lengths) >= 2 else None
+        p50 = np.log([percentile(per_len[str(T)][path], 50) for T in settings.growth_lengths])
+        slopes[path] = float(np.polyfit(lengths, p50, 1)[0]) if len(lengths) >= 2 else None
+        slopes_upper[path] = float(np.polyfit(lengths[upper:], p50[upper:], 1)[0]) if len(lengths) >= 4 else None
     return {"lengths": list(settings.growth_lengths), "samples_ms": per_len, "slopes": slopes,
+            "slopes_upper": slopes_upper, "upper_from": settings.growth_lengths[upper],
             "p50_ms": {path: [percentile(per_len[str(T)][path], 50) for T in settings.growth_lengths]
                        for path in ("full_all", "dynamic", "static")}}
 
@@ -715,20 +719,35 @@ def growth_figure(result: BenchResult):
     """Log-log plot of per-step p50 against total length, with the fitted slopes in the legend."""
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
     g = result.growth
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(6.6, 4.4))
     labels = {"full_all": "full recompute (all positions)", "dynamic": "cached, dynamic",
               "static": "cached, static"}
     for path, marker in (("full_all", "o"), ("dynamic", "s"), ("static", "^")):
-        ax.loglog(g["lengths"], g["p50_ms"][path], marker=marker, base=2,
-                  label=f"{labels[path]}: slope {g['slopes'][path]:.2f}")
+        label = f"{labels[path]}: slope {g['slopes'][path]:.2f}"
+        if g["slopes_upper"][path] is not None:
+            label += f" (T ≥ {g['upper_from']}: {g['slopes_upper'][path]:.2f})"
+        ax.plot(g["lengths"], g["p50_ms"][path], marker=marker, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(g["lengths"], [str(t) for t in g["lengths"]])
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("total length T (positions)")
     ax.set_ylabel("one step, p50 (ms)")
     ax.set_title("Per-step time against length (log-log)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     return fig
+
+
+PATH_LABELS = {"prefill": "prefill", "full_all": "full, all positions", "full_last": "full, last position",
+               "transformers": "transformers, cached", "dynamic": "kvdoc, dynamic cache",
+               "static": "kvdoc, static cache"}
+"""Readable names of the timed paths, for tables and figures."""
 
 
 def timings_figure(result: BenchResult):
@@ -742,9 +761,13 @@ def timings_figure(result: BenchResult):
     width = 0.8 / len(paths)
     for i, path in enumerate(paths):
         xs = [k + (i - (len(paths) - 1) / 2) * width for k in range(len(prefixes))]
-        ax.bar(xs, [result.p50(P, path) for P in prefixes], width, label=path)
+        ax.bar(xs, [result.p50(P, path) for P in prefixes], width, label=PATH_LABELS[path])
     ax.set_xticks(range(len(prefixes)), [str(P) for P in prefixes])
     ax.set_yscale("log")
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:g}" if str(y)[0] in "25" else ""))
     ax.set_xlabel("prefix length P (tokens)")
     ax.set_ylabel(f"{result.settings.new_tokens} steps, p50 (ms)")
     ax.set_title("Consuming G fixed tokens after the prefix")
