@@ -1,8 +1,10 @@
 """The site's build is strict: each failure mode below must make the build (so `make test`) fail.
 
-Each test writes a one-page throwaway Sphinx project with the site's own conf.py and runs it
-through the Makefile's own targets (`make html` / `make doctest` with DOCS pointing at it), so
-the flags under test are the ones `make test` uses. A good page is built first as a control.
+Each test writes a throwaway Sphinx project with the site's own conf.py, extensions and static
+files (a landing page and one page, ``broken-page``, holding the failure) and runs it through the
+Makefile's own targets (`make html` / `make doctest` with DOCS pointing at it), so the flags
+under test are the ones `make test` uses. Each failure must name the page: a warning or error
+line of the log says ``broken-page``. A good page is built first as a control.
 """
 
 from __future__ import annotations
@@ -27,15 +29,21 @@ FRONT = textwrap.dedent("""\
     # Throwaway
 
     """)
+PAGE = "broken-page"  # the page that holds the failure; every failure message must name it
+INDEX = FRONT + f"```{{toctree}}\n{PAGE}\n```\n"
 
 pytestmark = pytest.mark.sphinx
 
 
 def build(tmp_path: Path, body: str, target: str = "html", timeout_s: int = 60) -> subprocess.CompletedProcess:
     src = tmp_path / "src"
-    (src / "_static").mkdir(parents=True)
+    src.mkdir(parents=True)
     shutil.copy(ROOT / "docs" / "conf.py", src / "conf.py")
-    (src / "index.md").write_text(FRONT + textwrap.dedent(body))
+    for folder in ("_ext", "_static", "_templates"):
+        if (ROOT / "docs" / folder).is_dir():
+            shutil.copytree(ROOT / "docs" / folder, src / folder)
+    (src / "index.md").write_text(INDEX)
+    (src / f"{PAGE}.md").write_text(FRONT + textwrap.dedent(body))
     env = {**os.environ, "KVDOC_CELL_TIMEOUT": str(timeout_s), "CI": "true"}
     return subprocess.run(
         ["make", "--no-print-directory", "-C", str(ROOT), target, f"DOCS={src}", f"BUILDDIR={tmp_path / 'build'}"],
@@ -45,7 +53,11 @@ def build(tmp_path: Path, body: str, target: str = "html", timeout_s: int = 60) 
 def assert_fails_naming_page(result: subprocess.CompletedProcess, *needles: str) -> None:
     log = result.stdout + result.stderr
     assert result.returncode != 0, log
-    assert "index" in log, log  # the message names the page
+    # a Sphinx warning/error line, or the doctest builder's 'File "broken-page.md", line N'
+    naming = [line for line in log.splitlines()
+              if PAGE in line and ("WARNING" in line or "ERROR" in line or f'File "{PAGE}.md", line' in line)]
+    assert naming, f"no warning or error line names {PAGE}:\n{log}"
+    print(*naming, sep="\n")
     for needle in needles:
         assert needle in log, log
 
@@ -65,7 +77,7 @@ def test_good_page_builds(tmp_path):
         ```
         """)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert 'The answer is <span class="pasted-text">42</span>' in (tmp_path / "build" / "html" / "index.html").read_text()
+    assert 'The answer is <span class="pasted-text">42</span>' in (tmp_path / "build" / "html" / f"{PAGE}.html").read_text()
     assert build(tmp_path / "again", "```{doctest}\n>>> 6 * 7\n42\n```\n", "doctest").returncode == 0
 
 
@@ -116,3 +128,39 @@ def test_any_warning_fails_the_build(tmp_path):
         See {doc}`a-page-that-does-not-exist`.
         """)
     assert_fails_naming_page(result, "a-page-that-does-not-exist")
+
+
+FIGURE_CELL = textwrap.dedent("""
+    ```{code-cell} python
+    import matplotlib.pyplot as plt
+    from myst_nb import glue
+
+    fig, ax = plt.subplots(figsize=(2, 2))
+    ax.plot([0, 1], [0, 1])
+    glue("fig-line", fig, display=False)
+    plt.close(fig)
+    ```
+    """)
+
+
+def test_figure_without_alt_text_fails_the_build(tmp_path):
+    result = build(tmp_path, FIGURE_CELL + textwrap.dedent("""
+        ```{glue:figure} fig-line
+        :name: fig-line
+
+        A figure a screen reader cannot describe.
+        ```
+        """))
+    assert_fails_naming_page(result, "image without alt text")
+
+
+def test_figure_glued_as_text_fails_the_build(tmp_path):
+    result = build(tmp_path, FIGURE_CELL.replace("import matplotlib.pyplot", "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot") + textwrap.dedent("""
+        ```{glue:figure} fig-line
+        :alt: a line
+        :name: fig-line
+
+        A figure that the Agg backend glued as text only.
+        ```
+        """))
+    assert_fails_naming_page(result, "figure without an image")

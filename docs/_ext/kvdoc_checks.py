@@ -15,13 +15,20 @@ from sphinx.util import logging
 logger = logging.getLogger(__name__)
 
 
+def _located(node: nodes.Node) -> nodes.Node:
+    """The node itself or its nearest ancestor that knows its line (output images do not)."""
+    while node.line is None and node.parent is not None:
+        node = node.parent
+    return node
+
+
 def check_figures(app: Sphinx, doctree: nodes.document, docname: str) -> None:
     """Warn about every image of ``docname`` without alt text, and every figure without an image."""
     for image in doctree.findall(nodes.image):
         if not str(image.get("alt", "")).strip():
             uri = image.get("uri", "?")
             logger.warning(f"image without alt text in {docname}: {uri}; add :alt: to its figure",
-                           location=image, type="kvdoc", subtype="alt")
+                           location=_located(image), type="kvdoc", subtype="alt")
     for figure in doctree.findall(nodes.figure):
         if not any(True for _ in figure.findall(nodes.image)):
             logger.warning(f"figure without an image in {docname}: {figure.astext()[:80]!r}; "
