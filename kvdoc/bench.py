@@ -357,24 +357,43 @@ def _token_stream(config: GPTConfig, length: int, seed: int) -> torch.Tensor:
 def build_models(config: GPTConfig, seed: int, transformers: bool, tie: bool = False) -> tuple[Decoder, Any]:
     """A kvdoc decoder and, if asked, transformers' GPT-2 with the same random weights (both eval).
 
-    With ``tie`` the LM head shares ``wte``'s weight, as in GPT-2's checkpoints.
+    kvdoc's decoder is initialised (seeded); transformers' model is created without initialising
+    (on the meta device) and receives the decoder's weights, with ``c_attn``, ``c_proj`` and
+    ``c_fc`` transposed into GPT-2's ``Conv1D`` layout. That skips a second random
+    initialisation, which costs seconds at GPT-2 small's size. With ``tie`` the LM head shares
+    ``wte``'s weight, as in GPT-2's checkpoints. Raises ``RuntimeError`` if the two models'
+    logits disagree on a short input.
     """
     torch.manual_seed(seed)
+    model = Decoder(config).eval()
+    if tie:
+        model.lm_head.weight = model.wte.weight
     if not transformers:
-        model = Decoder(config).eval()
-        if tie:
-            model.lm_head.weight = model.wte.weight
         return model, None
     from transformers import GPT2LMHeadModel
 
-    from .interop import decoder_from_gpt2, gpt2_config
+    from .interop import gpt2_config
 
     hf_config = gpt2_config(config)
     hf_config.tie_word_embeddings = tie
-    hf = GPT2LMHeadModel(hf_config).eval()
-    model = decoder_from_gpt2(hf)
+    with torch.device("meta"):
+        hf = GPT2LMHeadModel(hf_config)
+    hf = hf.to_empty(device="cpu")
+    ours = model.state_dict()
+    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    state = {}
+    for key in hf.state_dict():
+        name = key.removeprefix("transformer.")
+        state[key] = ours[name].t() if name.endswith(conv1d) else ours[name]
+    hf.load_state_dict(state)
     if tie:
-        model.lm_head.weight = model.wte.weight
+        hf.tie_weights()
+    hf.eval()
+    with torch.inference_mode():
+        ids = _token_stream(config, 5, seed)
+        diff = float((hf(ids).logits - model(ids).logits).abs().max())
+    if not diff < 1e-4:
+        raise RuntimeError(f"transformers' GPT-2 and kvdoc disagree after copying weights: {diff:.3e}")
     return model, hf
 
 
