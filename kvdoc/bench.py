@@ -31,6 +31,7 @@ import math
 import platform
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -370,7 +371,9 @@ def build_models(config: GPTConfig, seed: int, transformers: bool, tie: bool = F
         model.lm_head.weight = model.wte.weight
     if not transformers:
         return model, None
-    from transformers import GPT2LMHeadModel
+    with warnings.catch_warnings():  # transformers imports tqdm.auto, which warns inside a notebook
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        from transformers import GPT2LMHeadModel
 
     from .interop import gpt2_config
 
