@@ -271,12 +271,23 @@ class Chromium:
                     report.console_errors.append(f"{p['entry']['text']} ({p['entry'].get('url', '')})")
         return report
 
-    def screenshot(self, session: str, path: Path, max_height: int = 12000) -> None:
-        """Save the whole page (up to ``max_height`` CSS pixels tall) as a PNG."""
+    def screenshot(self, session: str, path: Path, width: int = 1280, height: int = 900,
+                   max_height: int = 16000) -> None:
+        """Save the whole page (up to ``max_height`` CSS pixels tall) as a PNG, ``width`` wide.
+
+        The viewport is stretched to the page's height for the capture (so the layout is the one a
+        ``width``-wide window shows), then put back.
+        """
         size = self.send("Page.getLayoutMetrics", {}, session)["cssContentSize"]
-        clip = {"x": 0, "y": 0, "width": size["width"], "height": min(size["height"], max_height), "scale": 1}
-        data = self.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True,
-                                                    "clip": clip}, session)["data"]
+        full = max(height, min(int(size["height"]) + 1, max_height))
+        metrics = {"width": width, "deviceScaleFactor": 1, "mobile": False}
+        self.send("Emulation.setDeviceMetricsOverride", {**metrics, "height": full}, session)
+        try:
+            self.send("Runtime.evaluate", {"expression": "new Promise(r => requestAnimationFrame(() => r(1)))",
+                                           "awaitPromise": True}, session)
+            data = self.send("Page.captureScreenshot", {"format": "png"}, session)["data"]
+        finally:
+            self.send("Emulation.setDeviceMetricsOverride", {**metrics, "height": height}, session)
         path.write_bytes(base64.b64decode(data))
 
     def close(self) -> None:
