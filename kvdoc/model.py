@@ -59,8 +59,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.split = (config.n_embd, config.kv_dim, config.kv_dim)
-        self.c_attn = nn.Linear(config.n_embd, sum(self.split))  # Q, K, V in one matmul
+        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.kv_dim)  # Q, K, V in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
     def mask(self, past_len: int, new_len: int, device: torch.device) -> torch.Tensor | None:
@@ -71,10 +70,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int) -> torch.Tensor:
         B, C, d = x.shape
-        q, k, v = self.c_attn(x).split(self.split, dim=2)
-        q = q.view(B, C, self.n_head, self.head_dim).transpose(1, 2)  # [B, H, C, D_h]
-        k = k.view(B, C, self.n_kv_head, self.head_dim).transpose(1, 2)  # [B, H_kv, C, D_h]
-        v = v.view(B, C, self.n_kv_head, self.head_dim).transpose(1, 2)  # [B, H_kv, C, D_h]
+        # c_attn's output columns are H query heads, then H_kv key heads, then H_kv value heads,
+        # each D_h wide: one view splits all heads at once.
+        heads = self.c_attn(x).view(B, C, self.n_head + 2 * self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k, v = heads.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=1)
+        # q: [B, H, C, D_h]; k, v: [B, H_kv, C, D_h]
         if cache is not None:
             # Only the new rows were projected; the old K/V come from this layer's cache.
             k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h]
