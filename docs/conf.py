@@ -57,6 +57,9 @@ nb_execution_mode = "force" if os.environ.get("CI") else "cache"
 nb_execution_raise_on_error = False
 nb_execution_timeout = int(os.environ.get("KVDOC_CELL_TIMEOUT", "300"))  # seconds per cell
 nb_merge_streams = True
+# Markdown outputs (the tables pages build with IPython.display.Markdown) are parsed as MyST:
+# pipe tables and $maths$ render; CommonMark, the default, has no tables.
+nb_render_markdown_format = "myst"
 nb_execution_show_tb = True
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist", "substitution"]
 myst_heading_anchors = 3

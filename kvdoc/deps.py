@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .model import Decoder
+from .tables import markdown_table  # re-exported: pages import it from here
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -45,27 +46,6 @@ DEFAULT_RTOL = 1e-10
 # --------------------------------------------------------------------------------------------
 # The result and its renderers
 # --------------------------------------------------------------------------------------------
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A GitHub-flavoured Markdown table (what the pages display with ``IPython.display.Markdown``).
-
-    >>> print(markdown_table(["a", "b"], [[1, "x"], [2, "y"]]))
-    | a | b |
-    |---|---|
-    | 1 | x |
-    | 2 | y |
-    """
-    if any(len(r) != len(headers) for r in rows):
-        raise ValueError("every row needs one cell per header")
-
-    def cell(value: object) -> str:
-        return str(value).replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| " + " | ".join(cell(h) for h in headers) + " |",
-             "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
-    return "\n".join(lines)
-
 
 @dataclass(frozen=True)
 class DependencyMap:

@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .cache import DynamicCache, KVCache, StaticCache
 from .config import GPTConfig
+from .tables import markdown_table  # re-exported: pages import it from here
 
 # --- dtypes ------------------------------------------------------------------------------
 
@@ -298,19 +299,6 @@ def preset(name: str) -> ModelPreset:
     except (KeyError, AttributeError):
         known = ", ".join(p.name for p in PRESETS.values())
         raise ValueError(f"unknown model {name!r}; known models: {known}") from None
-
-
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    """A Markdown table (for pages: ``IPython.display.Markdown(markdown_table(...))``).
-
-    >>> print(markdown_table(["a", "b"], [[1, "x"]]))
-    | a | b |
-    | --- | --- |
-    | 1 | x |
-    """
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 # --- measuring what a cache update writes ----------------------------------------------------

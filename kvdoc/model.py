@@ -221,7 +221,8 @@ class Decoder(nn.Module):
         if kind == "dynamic":
             return DynamicCache.empty(self.config, batch_size, dtype, device)
         if kind == "static":
-            return StaticCache(self.config, batch_size, capacity or self.config.n_positions, dtype, device)
+            capacity = self.config.n_positions if capacity is None else capacity
+            return StaticCache(self.config, batch_size, capacity, dtype, device)
         raise ValueError(f"unknown cache kind {kind!r}; use 'dynamic' or 'static'")
 
     @classmethod

@@ -28,6 +28,7 @@ from .cache import DynamicCache, KVCache, StaticCache
 from .config import GPTConfig
 from .mask import offset_causal_mask, top_left_causal_mask
 from .model import Decoder, decode_step, generate, prefill
+from .tables import markdown_table
 
 
 class CommandError(Exception):
@@ -259,6 +260,9 @@ CATALOGUE: list[Refusal] = [
        "batch_size must be positive, got 0", lambda fx: fx.model.new_cache(0)),
     _r("static-negative-capacity", "caches", "a negative capacity", "StaticCache(model.config, 1, capacity=-8)",
        VE, "capacity must be positive, got -8", lambda fx: StaticCache(fx.model.config, 1, capacity=-8)),
+    _r("static-zero-capacity", "caches", "a static cache with room for nothing",
+       "model.new_cache(1, 'static', capacity=0)", VE, "capacity must be positive, got 0",
+       lambda fx: fx.model.new_cache(1, "static", capacity=0)),
     _r("crop-longer", "caches", "cropping a cache to more than it holds", "dynamic.crop(10)", VE,
        "cannot crop a cache of 4 positions to 10", lambda fx: fx.dynamic.crop(10)),
     _r("crop-negative", "caches", "cropping to a negative length", "static.crop(-1)", VE,
@@ -344,16 +348,14 @@ def _add_cli_entries() -> None:
 _add_cli_entries()
 
 
-def markdown_table(outcomes: list[Outcome], width: int = 110) -> str:
+def outcomes_table(outcomes: list[Outcome], width: int = 110) -> str:
     """The outcomes as a Markdown table: area, what is wrong, the call, the error and its message."""
-    def cell(text: str) -> str:
-        text = text if len(text) <= width else text[: width - 3] + "..."
-        return text.replace("|", "\\|").replace("\n", " ")
+    def clip(text: str) -> str:
+        return text if len(text) <= width else text[: width - 3] + "..."
 
-    rows = ["| # | area | bad input | call | refused with | caches unchanged |", "|---|---|---|---|---|---|"]
+    rows = []
     for i, o in enumerate(outcomes, 1):
         r = o.refusal
         said = f"{o.raised}: {o.message}" if o.raised else "accepted (not refused!)"
-        rows.append(f"| {i} | {r.area} | {cell(r.bad)} | `{cell(r.call)}` | {cell(said)} | "
-                    f"{'yes' if o.caches_unchanged else 'NO'} |")
-    return "\n".join(rows)
+        rows.append([i, r.area, clip(r.bad), f"`{clip(r.call)}`", clip(said), "yes" if o.caches_unchanged else "NO"])
+    return markdown_table(["#", "area", "bad input", "call", "refused with", "caches unchanged"], rows)

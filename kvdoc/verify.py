@@ -37,6 +37,7 @@ from .broken import VARIANTS, BrokenVariant, stale_prefix
 from .cache import KVCache
 from .config import GPTConfig
 from .model import Decoder
+from .tables import markdown_table  # re-exported: pages import it from here
 
 TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float64: 1e-10}
 """``atol = rtol`` for each dtype."""
@@ -293,21 +294,6 @@ class VerifyReport:
                  f"{r.lifecycle_error:.2e}", "pass" if r.passed else "FAIL: " + ", ".join(r.failed)]
                 for r in self.rows]
         return markdown_table(head, body)
-
-
-def markdown_table(head: Sequence[str], body: Sequence[Sequence[object]]) -> str:
-    """A GitHub-style Markdown table (cells are ``str()``-ed; ``|`` is escaped).
-
-    >>> print(markdown_table(["a", "b"], [[1, "x|y"]]))
-    | a | b |
-    |---|---|
-    | 1 | x\\|y |
-    """
-    def cell(value: object) -> str:
-        return str(value).replace("|", "\\|")
-    lines = ["| " + " | ".join(cell(h) for h in head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in body]
-    return "\n".join(lines)
 
 
 def default_model(seed: int = 0, config: GPTConfig | None = None) -> Decoder:

@@ -1,0 +1,34 @@
+"""Tables for pages and the command line: one Markdown renderer shared by every module.
+
+Pages display the result with ``IPython.display.Markdown``; the site parses Markdown outputs as
+MyST, so pipe tables render and ``$maths$`` in a cell is typeset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A pipe table: ``str()`` of each cell, ``|`` escaped, newlines folded to spaces.
+
+    Raises:
+        ValueError: a row without exactly one cell per header.
+
+    >>> print(markdown_table(["a", "b"], [[1, "x"], [2, "y|z"]]))
+    | a | b |
+    |---|---|
+    | 1 | x |
+    | 2 | y\\|z |
+    """
+    rows = [list(r) for r in rows]
+    if any(len(r) != len(headers) for r in rows):
+        raise ValueError(f"every row needs one cell per header ({len(headers)})")
+
+    def cell(value: object) -> str:
+        return str(value).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cell(h) for h in headers) + " |",
+             "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
