@@ -28,7 +28,7 @@ extensions = [
     "kvdoc_checks",  # docs/_ext: every image needs alt text
 ]
 
-exclude_patterns = ["_build", "_static", "_ext", "_templates", "**.ipynb_checkpoints", "README.md"]
+exclude_patterns = ["_build", "_static", "_ext", "_templates", "_ipython", "**.ipynb_checkpoints", "README.md"]
 
 # Working on one page: KVDOC_PAGES="part1/2-operations part3/*" builds the landing page, the
 # part indexes and the pages named (globs allowed), skipping the rest. Never set in CI.
@@ -57,6 +57,8 @@ nb_execution_mode = "force" if os.environ.get("CI") else "cache"
 nb_execution_raise_on_error = False
 nb_execution_timeout = int(os.environ.get("KVDOC_CELL_TIMEOUT", "300"))  # seconds per cell
 nb_merge_streams = True
+# The kernels read docs/_ipython/profile_default/ipython_kernel_config.py (quiet start-up).
+os.environ["IPYTHONDIR"] = str(Path(__file__).parent / "_ipython")
 # Markdown outputs (the tables pages build with IPython.display.Markdown) are parsed as MyST:
 # pipe tables and $maths$ render; CommonMark, the default, has no tables.
 nb_render_markdown_format = "myst"
