@@ -12,11 +12,13 @@ from kvdoc.verify import TOLERANCE, full_forward_kv, run_cached
 
 
 @st.composite
-def configs(draw) -> GPTConfig:
+def configs(draw, min_width: int = 1) -> GPTConfig:
     n_kv_head = draw(st.integers(1, 3))
     n_head = n_kv_head * draw(st.integers(1, 3))  # MHA, GQA and MQA
+    head_dim = draw(st.integers(1, 8))
+    n_embd = max(n_head * head_dim, n_head * -(-min_width // n_head))  # a multiple of n_head, >= min_width
     return GPTConfig(vocab_size=draw(st.integers(2, 31)), n_positions=16, n_layer=draw(st.integers(1, 3)),
-                     n_head=n_head, n_kv_head=n_kv_head, n_embd=n_head * draw(st.integers(1, 8)),
+                     n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
                      n_inner=draw(st.integers(1, 32)))
 
 
@@ -47,9 +49,13 @@ def test_cached_equals_full(config, chunks, batch, seed, kind, dtype):
 
 
 @settings(max_examples=10, deadline=None)
-@given(config=configs(), chunks=splits().filter(lambda c: len(c) > 1), seed=st.integers(0, 2**16))
+@given(config=configs(min_width=2), chunks=splits().filter(lambda c: len(c) > 1), seed=st.integers(0, 2**16))
 def test_the_property_fails_for_a_broken_variant(config, chunks, seed):
-    """The property can fail: with positions restarted at 0 on each call, cached differs from full."""
+    """The property can fail: with positions restarted at 0 on each call, cached differs from full.
+
+    Width 1 is left out: LayerNorm over a single feature outputs its bias whatever the input,
+    so such a model ignores positions altogether and no position bug can show.
+    """
     torch.manual_seed(seed)
     model = Decoder(config).to(torch.float64).eval()
     ids = torch.randint(0, config.vocab_size, (1, sum(chunks)))
