@@ -21,10 +21,11 @@ REPRO_REF ?=
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14
 
-# The environment is rebuilt whenever the package metadata or the pins change.
+# The environment is rebuilt whenever the package metadata or the pins change. pip runs at -qq:
+# errors still show, its warnings about this machine's absent local index folders do not.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[docs,test]'
+	$(BIN)/python -m pip install -qq --disable-pip-version-check -c constraints.txt -e '.[docs,test]'
 	touch $@
 
 venv: $(STAMP)  ## create .venv and install kvdoc with its docs and test extras
