@@ -354,6 +354,14 @@ def html_table(headers: Sequence[str], rows: Sequence[Sequence[object]], caption
     return f'<table class="table kvdoc-table">{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
+def _projection_line(names: tuple[str, str, str], values: tuple[torch.Tensor, ...], decimals: int) -> str:
+    """``Q = K = V &= [...]`` when the three projections are equal (W_q = W_k = W_v), else one each."""
+    m = lambda t: latex_matrix(t, decimals)  # noqa: E731
+    if torch.equal(values[0], values[1]) and torch.equal(values[1], values[2]):
+        return rf"{names[0]} = {names[1]} = {names[2]} &= {m(values[0])} \\"
+    return rf"{names[0]} &= {m(values[0])},\; {names[1]} = {m(values[1])},\; {names[2]} = {m(values[2])} \\"
+
+
 def naive_latex(s: WorkedStep, decimals: int = 3) -> str:
     """The naive path of one step as an ``aligned`` LaTeX block generated from the values.
 
@@ -362,10 +370,7 @@ def naive_latex(s: WorkedStep, decimals: int = 3) -> str:
     """
     n = s.naive
     m = lambda t: latex_matrix(t, decimals)  # noqa: E731
-    if torch.equal(n.Q, n.K) and torch.equal(n.K, n.V):
-        proj = rf"Q = K = V &= {m(n.Q)} \\"
-    else:
-        proj = rf"Q &= {m(n.Q)},\; K = {m(n.K)},\; V = {m(n.V)} \\"
+    proj = _projection_line(("Q", "K", "V"), (n.Q, n.K, n.V), decimals)
     lines = [
         r"\begin{aligned}",
         proj,
@@ -387,10 +392,7 @@ def cached_latex(s: WorkedStep, decimals: int = 3) -> str:
     """
     c = s.cached
     m = lambda t: latex_matrix(t, decimals)  # noqa: E731
-    if torch.equal(c.q, c.k) and torch.equal(c.k, c.v):
-        proj = rf"q = k = v &= {m(c.q)} \\"
-    else:
-        proj = rf"q &= {m(c.q)},\; k = {m(c.k)},\; v = {m(c.v)} \\"
+    proj = _projection_line(("q", "k", "v"), (c.q, c.k, c.v), decimals)
     kv = (rf"K_\text{{full}} = V_\text{{full}} &= {m(c.K_full)} \\" if torch.equal(c.K_full, c.V_full)
           else rf"K_\text{{full}} &= {m(c.K_full)},\; V_\text{{full}} = {m(c.V_full)} \\")
     lines = [
