@@ -50,8 +50,9 @@ html_static_path = ["_static"]
 
 # --- notebooks -------------------------------------------------------------------------
 # Cached locally (jupyter-cache re-runs a page only when its code changes); forced in CI,
-# where every page runs from scratch.
-nb_execution_mode = "force" if os.environ.get("CI") else "cache"
+# where every page runs from scratch, and by KVDOC_EXECUTE=force (make numeric-check).
+_force = os.environ.get("CI") or os.environ.get("KVDOC_EXECUTE") == "force"
+nb_execution_mode = "force" if _force else "cache"
 # A cell that raises becomes a warning carrying the page name and the cell's traceback, and
 # -W turns it into a failed build. (raise_on_error=True would abort without the traceback.)
 nb_execution_raise_on_error = False
