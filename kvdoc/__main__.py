@@ -1,14 +1,13 @@
 """``python -m kvdoc <command>``: each command lives in the module of the same name.
 
 A module ``kvdoc.<command>`` that defines ``add_arguments(parser)`` and ``main(args) -> int``
-is a command; ``python -m kvdoc --help`` lists those present.
+is a command, listed in ``COMMANDS``; ``python -m kvdoc --help`` lists them.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 
 COMMANDS = ("verify", "memory", "bench")
@@ -18,8 +17,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvdoc", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
-        if importlib.util.find_spec(f"kvdoc.{name}") is None:
-            continue
         module = importlib.import_module(f"kvdoc.{name}")
         doc = (module.__doc__ or name).strip().splitlines()[0]
         command = sub.add_parser(name, help=doc, description=doc)

@@ -308,44 +308,23 @@ CATALOGUE: list[Refusal] = [
        "invalid choice: 'train'", lambda fx: run_cli("train")),
     _r("cli-no-command", "CLI", "no subcommand", "python -m kvdoc", CommandError,
        "the following arguments are required: COMMAND", lambda fx: run_cli()),
+    _r("cli-memory-model", "CLI", "an unknown model name", "python -m kvdoc memory --model gpt-9 --seq-len 10",
+       CommandError, "unknown model 'gpt-9'", lambda fx: run_cli("memory", "--model", "gpt-9", "--seq-len", "10")),
+    _r("cli-memory-negative", "CLI", "a negative length",
+       "python -m kvdoc memory --model llama-3-8b --seq-len -5", CommandError, "expected a positive integer, got '-5'",
+       lambda fx: run_cli("memory", "--model", "llama-3-8b", "--seq-len", "-5")),
+    _r("cli-memory-dtype", "CLI", "an unknown dtype",
+       "python -m kvdoc memory --layers 2 --kv-heads 4 --head-dim 16 --seq-len 8 --dtype float7", CommandError,
+       "unknown dtype 'float7'", lambda fx: run_cli("memory", "--layers", "2", "--kv-heads", "4", "--head-dim",
+                                                     "16", "--seq-len", "8", "--dtype", "float7")),
+    _r("cli-memory-missing", "CLI", "sizes missing", "python -m kvdoc memory --layers 2 --seq-len 8",
+       CommandError, "missing --kv-heads, --head-dim", lambda fx: run_cli("memory", "--layers", "2", "--seq-len", "8")),
+    _r("cli-verify-variant", "CLI", "an unknown broken variant", "python -m kvdoc verify --variant nope",
+       CommandError, "invalid choice: 'nope'", lambda fx: run_cli("verify", "--variant", "nope")),
+    _r("cli-bench-lengths", "CLI", "a prompt length that is not a number", "python -m kvdoc bench --prefix-lens 4,x",
+       CommandError, "expected comma-separated integers, got '4,x'",
+       lambda fx: run_cli("bench", "--prefix-lens", "4,x")),
 ]
-
-# Entries for the commands that exist: ``python -m kvdoc`` lists only the modules present.
-_CLI_EXTRA = {
-    "memory": [
-        _r("cli-memory-model", "CLI", "an unknown model name", "python -m kvdoc memory --model gpt-9 --seq-len 10",
-           CommandError, "unknown model 'gpt-9'", lambda fx: run_cli("memory", "--model", "gpt-9", "--seq-len", "10")),
-        _r("cli-memory-negative", "CLI", "a negative length",
-           "python -m kvdoc memory --model llama-3-8b --seq-len -5", CommandError, "expected a positive integer, got '-5'",
-           lambda fx: run_cli("memory", "--model", "llama-3-8b", "--seq-len", "-5")),
-        _r("cli-memory-dtype", "CLI", "an unknown dtype",
-           "python -m kvdoc memory --layers 2 --kv-heads 4 --head-dim 16 --seq-len 8 --dtype float7", CommandError,
-           "unknown dtype 'float7'", lambda fx: run_cli("memory", "--layers", "2", "--kv-heads", "4", "--head-dim",
-                                                         "16", "--seq-len", "8", "--dtype", "float7")),
-        _r("cli-memory-missing", "CLI", "sizes missing", "python -m kvdoc memory --layers 2 --seq-len 8",
-           CommandError, "missing --kv-heads, --head-dim", lambda fx: run_cli("memory", "--layers", "2", "--seq-len", "8")),
-    ],
-    "verify": [
-        _r("cli-verify-variant", "CLI", "an unknown broken variant", "python -m kvdoc verify --variant nope",
-           CommandError, "invalid choice: 'nope'", lambda fx: run_cli("verify", "--variant", "nope")),
-    ],
-    "bench": [
-        _r("cli-bench-lengths", "CLI", "a prompt length that is not a number", "python -m kvdoc bench --prefix-lens 4,x",
-           CommandError, "expected comma-separated integers, got '4,x'",
-           lambda fx: run_cli("bench", "--prefix-lens", "4,x")),
-    ],
-}
-
-
-def _add_cli_entries() -> None:
-    import importlib.util
-
-    for command, entries in _CLI_EXTRA.items():
-        if importlib.util.find_spec(f"kvdoc.{command}") is not None:
-            CATALOGUE.extend(entries)
-
-
-_add_cli_entries()
 
 
 def outcomes_table(outcomes: list[Outcome], width: int = 110) -> str:
