@@ -142,7 +142,8 @@ class Int8Row:
         batch, chunk, dtype: the combination.
         logit_error: max ``|int8 cached - full|`` over every position and the whole vocabulary.
         logit_scale: max ``|full logit|``, for scale.
-        kv_error: max ``|dequantised - exact|`` over every layer's K and V.
+        kv_error: max ``|dequantised - exact cache|`` over every layer's K and V (after layer 0 this
+            includes the drift of the layer's inputs, which passed through int8 attention).
         agree: positions whose greedy (argmax) token is the same on both paths.
         positions: positions compared (``B * T``).
     """
