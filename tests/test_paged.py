@@ -6,12 +6,10 @@ import pytest
 import torch
 
 from kvdoc import Decoder, GPTConfig
-from kvdoc.paged import BlockPool, PagedCache, SharedPrefixCache, new_paged_cache, new_shared_prefix_cache
+from kvdoc.paged import FACTORIES, BlockPool, PagedCache, SharedPrefixCache, new_shared_prefix_cache
 from kvdoc.quant import run_chunks
-from kvdoc.verify import TOLERANCE
+from kvdoc.verify import TOLERANCE, verify
 from kvdoc.workload import measure_mix, request_mix
-
-FACTORIES = {"paged": new_paged_cache, "shared-prefix": new_shared_prefix_cache}
 
 
 def gqa_model(n_kv_head: int) -> Decoder:
@@ -49,14 +47,14 @@ def test_equals_dynamic_cache(stream, kind, n_kv_head, chunk, block_size):
 
 def test_float64_and_rows_use_separate_blocks(stream):
     model = gqa_model(2).double()
-    cache = new_paged_cache(model, 2, 24, block_size=5)
+    cache = FACTORIES["paged"](model, 2, 24, block_size=5)
     got, cache = run_chunks(model, stream, 5, cache)
     assert torch.allclose(got, model(stream).logits, atol=1e-10, rtol=1e-10)
     assert not set(cache.tables[0]) & set(cache.tables[1])
 
 
 def test_out_of_blocks_is_refused_and_changes_nothing(model, stream):
-    cache = new_paged_cache(model, 2, 8, block_size=4)  # 4 blocks: 8 positions per row
+    cache = FACTORIES["paged"](model, 2, 8, block_size=4)  # 4 blocks: 8 positions per row
     _, cache = model(stream[:, :6], cache)
     before, tables, free = snapshot(cache), [list(t) for t in cache.tables], cache.pool.num_free
     with pytest.raises(ValueError, match="out of blocks"):
@@ -68,7 +66,7 @@ def test_out_of_blocks_is_refused_and_changes_nothing(model, stream):
 
 
 def test_bad_writes_are_refused(model):
-    cache = new_paged_cache(model, 1, 8)
+    cache = FACTORIES["paged"](model, 1, 8)
     k = torch.zeros(1, 4, 2, 16)
     with pytest.raises(ValueError, match="write starts at 3"):
         cache.update(0, k, k, start=3)
@@ -143,3 +141,22 @@ def test_request_mix_memory(model):
     assert m.saved_by_sharing == ((6 - 1) * 2 - 1) * 4 * m.position_bytes
     assert all(0 <= s.unused_bytes for s in m.strategies)
     assert paged.unused_bytes < 6 * 4 * m.position_bytes  # less than one block per request
+
+
+def test_through_the_verify_grid(monkeypatch):
+    """The whole equivalence grid (logits, K/V, shapes, causality, lifecycle), both dtypes.
+
+    Until kvdoc.verify builds these kinds itself, the model's cache constructor is routed to
+    the factories for the duration of this test.
+    """
+    original = Decoder.new_cache
+
+    def new_cache(self, batch_size, kind="dynamic", capacity=None):
+        if kind in FACTORIES:
+            return FACTORIES[kind](self, batch_size, capacity or self.config.n_positions)
+        return original(self, batch_size, kind, capacity)
+
+    monkeypatch.setattr(Decoder, "new_cache", new_cache)
+    report = verify(kinds=tuple(FACTORIES))
+    assert report.passed and len(report.rows) == 2 * 2 * 3 * 2, report.failed_checks()
+    assert not verify("positions-restart", kinds=tuple(FACTORIES), dtypes=(torch.float32,)).passed
