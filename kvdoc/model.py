@@ -68,7 +68,8 @@ class CausalSelfAttention(nn.Module):
             return None  # one query at position P after keys 0..P: nothing to hide
         return offset_causal_mask(past_len, new_len, device)  # not is_causal=True: see kvdoc.mask
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, C, d = x.shape
         # c_attn's output columns are H query heads, then H_kv key heads, then H_kv value heads,
         # each D_h wide: one view splits all heads at once.
@@ -78,8 +79,10 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             # Only the new rows were projected; the old K/V come from this layer's cache.
             k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h]
+        # attn_mask [B, C, P + C] (padded batches) -> [B, 1, C, P + C], the same for every head
+        mask = self.mask(start, C, x.device) if attn_mask is None else attn_mask[:, None]
         y = F.scaled_dot_product_attention(  # scores [B, H, C, P + C], scaled by 1/sqrt(D_h)
-            q, k, v, attn_mask=self.mask(start, C, x.device), enable_gqa=self.n_kv_head != self.n_head)
+            q, k, v, attn_mask=mask, enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).reshape(B, C, d)  # merge heads: [B, C, H * D_h]
         return self.c_proj(y)
 
@@ -98,8 +101,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer_idx, start)
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer_idx, start, attn_mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -180,7 +184,8 @@ class Decoder(nn.Module):
         if cache is not None:
             cache.check_compatible(self.config, B, weight.dtype, weight.device, C)
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False) -> DecoderOutput:
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False,
+                positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> DecoderOutput:
         """Logits for the ``C`` new tokens in ``idx`` (``[B, C]``), continuing ``cache`` if given.
 
         Args:
@@ -189,6 +194,9 @@ class Decoder(nn.Module):
                 A :class:`~kvdoc.cache.DynamicCache` passed in is left unchanged; a
                 :class:`~kvdoc.cache.StaticCache` is written in place.
             last_only: project only the last position to the vocabulary (what generation needs).
+            positions: ``[B, C]`` per-row positions replacing ``P .. P + C - 1`` (left-padded
+                batches, :mod:`kvdoc.batching`).
+            attn_mask: ``[B, C, P + C]`` bool replacing the offset causal mask (True: may read).
 
         Returns:
             ``DecoderOutput(logits, cache)``: logits ``[B, C, V]`` (``[B, 1, V]`` if ``last_only``)
@@ -202,9 +210,10 @@ class Decoder(nn.Module):
         B, C = idx.shape
         start = 0 if cache is None else cache.seq_len
         work = None if cache is None else cache.begin()
-        x = self.wte(idx) + self.wpe(self.positions(start, C, idx.device))  # [B, C, d]
+        pos = self.positions(start, C, idx.device) if positions is None else positions
+        x = self.wte(idx) + self.wpe(pos)  # [B, C, d]
         for layer_idx, block in enumerate(self.h):
-            x = block(x, work, layer_idx, start)  # [B, C, d]
+            x = block(x, work, layer_idx, start, attn_mask)  # [B, C, d]
         if work is not None:
             work.finish(start + C)
         if last_only:

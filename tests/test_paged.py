@@ -1,0 +1,162 @@
+"""The paged cache and the shared-prefix cache against the dynamic cache, and their refusals."""
+
+import gc
+
+import pytest
+import torch
+
+from kvdoc import Decoder, GPTConfig
+from kvdoc.paged import FACTORIES, BlockPool, PagedCache, SharedPrefixCache, new_shared_prefix_cache
+from kvdoc.quant import run_chunks
+from kvdoc.verify import TOLERANCE, verify
+from kvdoc.workload import measure_mix, request_mix
+
+
+def gqa_model(n_kv_head: int) -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(GPTConfig(n_kv_head=n_kv_head)).eval()
+
+
+def snapshot(cache):
+    return [tuple(t.clone() for t in cache.layer(i)) for i in range(cache.n_layer)]
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(x, y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1])
+@pytest.mark.parametrize("chunk", [1, 3, 24])
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_equals_dynamic_cache(stream, kind, n_kv_head, chunk, block_size):
+    model = gqa_model(n_kv_head)
+    T = stream.shape[1]
+    paged_cache = FACTORIES[kind](model, 2, T, block_size=block_size)
+    got, paged_cache = run_chunks(model, stream, chunk, paged_cache)
+    ref, dynamic = run_chunks(model, stream, chunk, model.new_cache(2))
+    tol = TOLERANCE[torch.float32]
+    assert torch.allclose(got, ref, atol=tol, rtol=tol)
+    assert paged_cache.seq_len == T
+    for i in range(model.config.n_layer):
+        for a, b in zip(paged_cache.layer(i), dynamic.layer(i)):
+            assert a.shape == b.shape == (2, n_kv_head, T, 16)  # [B, H_kv, T, D_h]
+            assert torch.allclose(a, b, atol=tol, rtol=tol)
+    assert len(paged_cache.tables[0]) == -(-T // block_size)  # streams cross many blocks
+
+
+def test_float64_and_rows_use_separate_blocks(stream):
+    model = gqa_model(2).double()
+    cache = FACTORIES["paged"](model, 2, 24, block_size=5)
+    got, cache = run_chunks(model, stream, 5, cache)
+    assert torch.allclose(got, model(stream).logits, atol=1e-10, rtol=1e-10)
+    assert not set(cache.tables[0]) & set(cache.tables[1])
+
+
+def test_out_of_blocks_is_refused_and_changes_nothing(model, stream):
+    cache = FACTORIES["paged"](model, 2, 8, block_size=4)  # 4 blocks: 8 positions per row
+    _, cache = model(stream[:, :6], cache)
+    before, tables, free = snapshot(cache), [list(t) for t in cache.tables], cache.pool.num_free
+    with pytest.raises(ValueError, match="out of blocks"):
+        model(stream[:, 6:9], cache)
+    assert cache.seq_len == 6 and cache.tables == tables and cache.pool.num_free == free
+    assert same(before, snapshot(cache))
+    model(stream[:, 6:8], cache)  # what fits is still accepted
+    assert cache.seq_len == 8
+
+
+def test_bad_writes_are_refused(model):
+    cache = FACTORIES["paged"](model, 1, 8)
+    k = torch.zeros(1, 4, 2, 16)
+    with pytest.raises(ValueError, match="write starts at 3"):
+        cache.update(0, k, k, start=3)
+    with pytest.raises(ValueError, match=r"\[B, H_kv, C, D_h\]"):
+        cache.update(0, k[:, :2], k[:, :2], start=0)
+    with pytest.raises(ValueError, match="must be torch.float32"):
+        cache.update(0, k.double(), k.double(), start=0)
+    with pytest.raises(ValueError, match="batch size"):
+        model(torch.zeros(2, 1, dtype=torch.long), cache)
+    assert cache.seq_len == 0 and cache.pool.num_free == cache.pool.num_blocks
+    with pytest.raises(ValueError, match="fork rows"):
+        cache.fork([1])
+    with pytest.raises(ValueError):
+        BlockPool(GPTConfig(), num_blocks=0, block_size=4)
+
+
+def test_fork_shares_prefix_and_copies_on_write(model, stream):
+    pool = BlockPool(model.config, num_blocks=16, block_size=4)
+    prefix = PagedCache(pool, 1)
+    model(stream[:1, :6], prefix)  # one full block, one half-filled block
+    kept = snapshot(prefix)
+    a, b = prefix.fork(), prefix.fork()
+    assert pool.refs(prefix.tables[0][0]) == 3 and pool.num_used == 2
+    logits_a = model(stream[:1, 6:20], a).logits
+    logits_b = model(stream[1:, 6:20], b).logits
+    # The full block stays shared; the half-filled one was copied by each fork when it wrote.
+    assert a.tables[0][0] == b.tables[0][0] == prefix.tables[0][0]
+    assert len({a.tables[0][1], b.tables[0][1], prefix.tables[0][1]}) == 3
+    assert same(kept, snapshot(prefix))
+    tol = TOLERANCE[torch.float32]
+    for row, logits in ((stream[:1], logits_a), (torch.cat((stream[:1, :6], stream[1:, 6:]), 1), logits_b)):
+        alone = model(row[:, :20]).logits[:, 6:]  # each request equals itself run alone
+        assert torch.allclose(logits, alone, atol=tol, rtol=tol)
+    used = pool.num_used
+    b.release()
+    assert pool.num_used == used - 4  # b's four own blocks; the shared one stays with a and prefix
+    del a
+    gc.collect()
+    prefix.release()
+    assert pool.num_free == pool.num_blocks
+
+
+def test_shared_prefix_cache_leaves_the_cache_passed_in_unchanged(model, stream):
+    prefix = new_shared_prefix_cache(model, 2, 24, block_size=4)
+    _, prefix = model(stream[:, :10], prefix)
+    kept, tables = snapshot(prefix), [list(t) for t in prefix.tables]
+    _, longer = model(stream[:, 10:], prefix)
+    assert isinstance(longer, SharedPrefixCache) and longer.seq_len == 24 and prefix.seq_len == 10
+    assert prefix.tables == tables and same(kept, snapshot(prefix))
+    assert [t[:2] for t in longer.tables] == [t[:2] for t in tables]  # two full blocks shared per row
+
+
+def test_shared_prefix_out_of_blocks_refused_before_the_forward(model, stream):
+    prefix = new_shared_prefix_cache(model, 1, 4, block_size=4)  # 1 block + 1 spare
+    _, prefix = model(stream[:1, :2], prefix)
+    with pytest.raises(ValueError, match="out of blocks"):
+        model(stream[:1, 2:7], prefix)  # a copy of the half block and a new one: 2 > 1 free
+    assert prefix.pool.num_used == 1 and prefix.seq_len == 2
+
+
+def test_request_mix_memory(model):
+    mix = request_mix(n=6, prefix_len=10, user_lens=(3, 20), output_lens=(1, 20))
+    m = measure_mix(model, mix, block_size=4)
+    contiguous, paged, shared = m.strategies
+    assert m.all_equal
+    assert m.positions == sum(mix.lengths())
+    assert contiguous.filled_bytes == paged.filled_bytes == m.positions * m.position_bytes
+    blocks = sum(-(-n // 4) for n in mix.lengths())
+    assert paged.reserved_bytes == blocks * 4 * m.position_bytes
+    # Sharing stores the two full prefix blocks once instead of six times; the prefix keeps its own
+    # half-filled third block, which every request copied before writing into it.
+    assert m.saved_by_sharing == ((6 - 1) * 2 - 1) * 4 * m.position_bytes
+    assert all(0 <= s.unused_bytes for s in m.strategies)
+    assert paged.unused_bytes < 6 * 4 * m.position_bytes  # less than one block per request
+
+
+def test_through_the_verify_grid(monkeypatch):
+    """The whole equivalence grid (logits, K/V, shapes, causality, lifecycle), both dtypes.
+
+    Until kvdoc.verify builds these kinds itself, the model's cache constructor is routed to
+    the factories for the duration of this test.
+    """
+    original = Decoder.new_cache
+
+    def new_cache(self, batch_size, kind="dynamic", capacity=None):
+        if kind in FACTORIES:
+            return FACTORIES[kind](self, batch_size, capacity or self.config.n_positions)
+        return original(self, batch_size, kind, capacity)
+
+    monkeypatch.setattr(Decoder, "new_cache", new_cache)
+    report = verify(kinds=tuple(FACTORIES))
+    assert report.passed and len(report.rows) == 2 * 2 * 3 * 2, report.failed_checks()
+    assert not verify("positions-restart", kinds=tuple(FACTORIES), dtypes=(torch.float32,)).passed
