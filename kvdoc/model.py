@@ -104,7 +104,7 @@ class CausalSelfAttention(nn.Module):
             q, k = self.rotary(q, k, start)  # RoPE at positions start..start+C-1: K is cached rotated
         if cache is not None:
             # Only the new rows were projected; the old K/V come from this layer's cache.
-            k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h]
+            k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h] (a ring: fewer)
         mask = self.mask(start, C, x.device)
         if mask is not None and k.shape[2] < start + C:
             mask = mask[:, -k.shape[2]:]  # a window cache returns only the last positions, in order
@@ -222,8 +222,8 @@ class Decoder(nn.Module):
         Args:
             idx: token ids ``[B, C]``, the tokens after the ``P`` positions ``cache`` holds.
             cache: per-layer K/V of positions ``0 .. P - 1``, or None to recompute from position 0.
-                A :class:`~kvdoc.cache.DynamicCache` passed in is left unchanged; a
-                :class:`~kvdoc.cache.StaticCache` is written in place.
+                A :class:`~kvdoc.cache.DynamicCache` or :class:`~kvdoc.window.SlidingWindowCache`
+                passed in is left unchanged; a :class:`~kvdoc.cache.StaticCache` is written in place.
             last_only: project only the last position to the vocabulary (what generation needs).
 
         Returns:

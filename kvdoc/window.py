@@ -15,6 +15,8 @@ cache passed in is never modified.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .cache import KV, KVCache, _check_kv
@@ -81,8 +83,7 @@ class SlidingWindowCache(KVCache):
         return self._ordered(self._k[idx]), self._ordered(self._v[idx])
 
     def begin(self) -> SlidingWindowCache:
-        work = object.__new__(SlidingWindowCache)
-        work.__dict__.update(self.__dict__)
+        work = copy.copy(self)
         work._k = [t.clone() for t in self._k]  # W rows per layer: a copy keeps the caller's cache intact
         work._v = [t.clone() for t in self._v]
         return work
