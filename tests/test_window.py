@@ -108,3 +108,15 @@ def test_dynamic_and_static_caches_also_serve_a_windowed_model(ids):
         full = model(ids).logits
     for kind in ("dynamic", "static"):
         torch.testing.assert_close(run_cached(model, ids, 9, kind).logits, full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_tiny_windows(window):
+    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1))
+    model = make(window=window)
+    with torch.no_grad():
+        full = model(ids).logits
+    for chunk in (1, 2, 7):
+        run = run_cached(model, ids, chunk, "window")
+        torch.testing.assert_close(run.logits, full, atol=1e-5, rtol=1e-5)
+        assert run.cache.layer(0)[0].shape[2] == window
