@@ -8,8 +8,8 @@ on the positions only through ``m - n``.
 For the cache this means: K is rotated *before* it is stored, at its own absolute position,
 so a cached key never needs touching again; a chunk of ``C`` new tokens after ``P`` cached
 ones rotates its Q and K at positions ``P .. P + C - 1``. The angles are computed in float64
-from integer positions and then rounded to the model's dtype, so the same position always
-gets bitwise the same rotation, whichever call computes it.
+from integer positions and only then rounded to the model's dtype, so a position's rotation
+does not depend on which call computes it beyond float64 rounding.
 """
 
 from __future__ import annotations
