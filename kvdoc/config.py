@@ -1,8 +1,14 @@
-"""The model configuration: one frozen dataclass, validated on construction."""
+"""The model configuration: one frozen dataclass, validated on construction.
+
+The defaults are GPT-2. Five switches turn it into a Llama-style decoder (:func:`llama_config`):
+rotary positions instead of learned ones, RMSNorm instead of LayerNorm, a SwiGLU MLP, no biases,
+and optionally a tied LM head; ``sliding_window`` makes it Mistral-style (:func:`mistral_config`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -22,11 +28,21 @@ class GPTConfig:
         n_inner: hidden width of the MLP (GPT-2 uses ``4 * n_embd``).
         n_kv_head: K/V heads. ``None`` means ``n_head`` (multi-head attention); fewer gives
             grouped-query attention, 1 gives multi-query attention. Must divide ``n_head``.
-        layer_norm_epsilon: the epsilon of every LayerNorm.
+        layer_norm_epsilon: the epsilon of every LayerNorm (or RMSNorm).
+        position: ``"learned"`` adds a learned position embedding ``wpe`` (GPT-2);
+            ``"rope"`` rotates Q and K by their absolute positions instead (Llama).
+        rope_theta: the RoPE base; head-dimension pair ``i`` turns by ``pos * theta**(-2i / D_h)``.
+        norm: ``"layernorm"`` (GPT-2) or ``"rmsnorm"`` (Llama: no mean, no bias).
+        mlp: ``"gelu"`` (GPT-2: GELU-tanh) or ``"swiglu"`` (Llama: ``silu(gate) * up``).
+        bias: whether the attention and MLP projections have biases (Llama has none).
+        tie_word_embeddings: the LM head reuses ``wte``'s weight.
+        sliding_window: ``W``; query ``i`` reads keys ``j`` with ``i - W < j <= i`` (W keys,
+            its own included, as in transformers' Mistral). ``None``: every earlier key.
 
     Raises:
         ValueError: a size is not a positive integer, ``n_embd`` is not divisible by
-            ``n_head``, or ``n_head`` is not divisible by ``n_kv_head``.
+            ``n_head``, ``n_head`` is not divisible by ``n_kv_head``, RoPE with an odd
+            head size, or an unknown choice.
 
     >>> cfg = GPTConfig()
     >>> cfg.head_dim, cfg.n_kv_head
@@ -45,6 +61,13 @@ class GPTConfig:
     n_inner: int = 256
     n_kv_head: int | None = field(default=None)
     layer_norm_epsilon: float = 1e-5
+    position: Literal["learned", "rope"] = "learned"
+    rope_theta: float = 10000.0
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    bias: bool = True
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -59,6 +82,17 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
+        for name, allowed in (("position", ("learned", "rope")), ("norm", ("layernorm", "rmsnorm")),
+                              ("mlp", ("gelu", "swiglu"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE rotates pairs of features: head_dim={self.head_dim} must be even")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta!r}")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {window!r}")
 
     @property
     def head_dim(self) -> int:
@@ -69,3 +103,30 @@ class GPTConfig:
     def kv_dim(self) -> int:
         """Width of all K (or all V) heads together, ``n_kv_head * head_dim``."""
         return self.n_kv_head * self.head_dim
+
+
+def llama_config(**overrides: object) -> GPTConfig:
+    """A tiny Llama-style configuration: RoPE, RMSNorm (eps 1e-6), SwiGLU, no biases, GQA 4/2.
+
+    Same width, depth, heads and vocabulary as the default GPT-2 of :class:`GPTConfig`; the
+    SwiGLU MLP has hidden width 128. ``overrides`` replace any field (e.g. ``n_kv_head=1`` for
+    multi-query attention, ``n_kv_head=4`` for multi-head).
+
+    >>> cfg = llama_config()
+    >>> cfg.position, cfg.norm, cfg.mlp, cfg.n_head, cfg.n_kv_head
+    ('rope', 'rmsnorm', 'swiglu', 4, 2)
+    >>> llama_config(n_kv_head=1).n_kv_head
+    1
+    """
+    base = GPTConfig(n_inner=128, n_kv_head=2, layer_norm_epsilon=1e-6, position="rope",
+                     norm="rmsnorm", mlp="swiglu", bias=False)
+    return replace(base, **overrides)
+
+
+def mistral_config(sliding_window: int = 32, **overrides: object) -> GPTConfig:
+    """:func:`llama_config` with a sliding window of ``sliding_window`` keys (Mistral-style).
+
+    >>> mistral_config().sliding_window
+    32
+    """
+    return llama_config(sliding_window=sliding_window, **overrides)

@@ -1,13 +1,16 @@
-"""Loading the weights of a Hugging Face transformers GPT-2 into :class:`kvdoc.Decoder`.
+"""Loading transformers' GPT-2, Llama and Mistral models into :class:`kvdoc.Decoder`.
 
-GPT-2's checkpoints store ``c_attn``, ``c_proj`` and ``c_fc`` as ``Conv1D`` weights of shape
+:func:`from_transformers` takes any of the three. GPT-2's checkpoints store ``c_attn``, ``c_proj`` and ``c_fc`` as ``Conv1D`` weights of shape
 ``[in, out]``, the transpose of ``nn.Linear``'s ``[out, in]``; everything else maps by key
 once the ``transformer.`` prefix is dropped. transformers is imported only when needed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import types
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -109,3 +112,277 @@ def decoder_from_gpt2(model_or_state_dict: Any, config: GPTConfig | None = None)
                              f"config expects {tuple(expected[name].shape)}")
     decoder.load_state_dict({k: v.contiguous() for k, v in mapped.items()})
     return decoder.eval()
+
+
+# --- Llama and Mistral ------------------------------------------------------------------------
+
+def transformers_config(config: GPTConfig) -> Any:
+    """The transformers config of the same model: ``GPT2Config``, ``LlamaConfig`` or ``MistralConfig``.
+
+    A learned-position config maps to GPT-2 (:func:`gpt2_config`); a Llama-style one
+    (:func:`kvdoc.config.llama_config`) to Llama, or to Mistral when it has a sliding window.
+
+    >>> from transformers import MistralForCausalLM
+    >>> from kvdoc.config import mistral_config
+    >>> hf = MistralForCausalLM(transformers_config(mistral_config()))
+    >>> hf.config.sliding_window, config_from_transformers(hf.config) == mistral_config()
+    (32, True)
+    """
+    if config.position == "learned":
+        return gpt2_config(config)
+    from transformers import LlamaConfig, MistralConfig
+
+    if (config.norm, config.mlp, config.bias) != ("rmsnorm", "swiglu", False):
+        raise ValueError("Llama and Mistral use RMSNorm, a SwiGLU MLP and no biases with RoPE")
+    common = dict(
+        vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.n_inner,
+        num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
+        num_key_value_heads=config.n_kv_head, max_position_embeddings=config.n_positions,
+        rms_norm_eps=config.layer_norm_epsilon, hidden_act="silu",
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        tie_word_embeddings=config.tie_word_embeddings, attention_dropout=0.0,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if config.sliding_window is None:
+        return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+    return MistralConfig(sliding_window=config.sliding_window, **common)
+
+
+def config_from_transformers(hf_config: Any) -> GPTConfig:
+    """The :class:`GPTConfig` of a transformers GPT-2, Llama or Mistral config.
+
+    Raises:
+        ValueError: another model type, or a variant kvdoc lacks (scaled RoPE, another
+            activation, a head size other than ``hidden_size / num_attention_heads``, biases).
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type == "gpt2":
+        return config_from_gpt2(hf_config)
+    if model_type not in ("llama", "mistral"):
+        raise ValueError(f"kvdoc loads gpt2, llama and mistral models, not {model_type!r}")
+    rope = dict(hf_config.rope_parameters or {})
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    unsupported = {
+        "rope_type": (rope.get("rope_type", "default"), ("default",)),
+        "hidden_act": (hf_config.hidden_act, ("silu",)),
+        "head_dim": (head_dim, (hf_config.hidden_size // hf_config.num_attention_heads,)),
+        "attention_bias": (getattr(hf_config, "attention_bias", False), (False,)),
+        "mlp_bias": (getattr(hf_config, "mlp_bias", False), (False,)),
+        "pretraining_tp": (getattr(hf_config, "pretraining_tp", 1) or 1, (1,)),
+    }
+    for name, (value, allowed) in unsupported.items():
+        if value not in allowed:
+            raise ValueError(f"{model_type} config has {name}={value!r}; kvdoc supports {allowed}")
+    window = getattr(hf_config, "sliding_window", None) if model_type == "mistral" else None
+    return GPTConfig(
+        vocab_size=hf_config.vocab_size, n_positions=hf_config.max_position_embeddings,
+        n_layer=hf_config.num_hidden_layers, n_head=hf_config.num_attention_heads,
+        n_embd=hf_config.hidden_size, n_inner=hf_config.intermediate_size,
+        n_kv_head=hf_config.num_key_value_heads or hf_config.num_attention_heads,
+        layer_norm_epsilon=hf_config.rms_norm_eps, position="rope",
+        rope_theta=float(rope.get("rope_theta", 10000.0)), norm="rmsnorm", mlp="swiglu", bias=False,
+        tie_word_embeddings=bool(hf_config.tie_word_embeddings), sliding_window=window)
+
+
+def _llama_state(state: Mapping[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:
+    """Llama/Mistral weights under kvdoc's GPT-2 names: Q, K, V (and gate, up) fused by rows."""
+    mapped = {"wte.weight": state["model.embed_tokens.weight"], "ln_f.weight": state["model.norm.weight"],
+              "lm_head.weight": state.get("lm_head.weight", state["model.embed_tokens.weight"])}
+    for i in range(n_layer):
+        src = f"model.layers.{i}."
+        get = lambda name: state[src + name]  # noqa: E731
+        mapped.update({
+            f"h.{i}.ln_1.weight": get("input_layernorm.weight"),
+            f"h.{i}.attn.c_attn.weight": torch.cat([get(f"self_attn.{p}_proj.weight") for p in "qkv"]),
+            f"h.{i}.attn.c_proj.weight": get("self_attn.o_proj.weight"),
+            f"h.{i}.ln_2.weight": get("post_attention_layernorm.weight"),
+            f"h.{i}.mlp.c_fc.weight": torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]),
+            f"h.{i}.mlp.c_proj.weight": get("mlp.down_proj.weight"),
+        })
+    return mapped
+
+
+def from_transformers(hf_model: Any) -> Decoder:
+    """A :class:`Decoder` with the weights of transformers' ``GPT2LMHeadModel``,
+    ``LlamaForCausalLM`` or ``MistralForCausalLM``, in the model's dtype, in eval mode.
+
+    For Llama and Mistral, ``q_proj``, ``k_proj`` and ``v_proj`` are stacked into ``c_attn``
+    and ``gate_proj``, ``up_proj`` into ``c_fc``; ``new_cache(batch)`` of a Mistral model gives
+    a :class:`~kvdoc.window.SlidingWindowCache`.
+
+    Raises:
+        ValueError: another model type, or a configuration kvdoc does not implement.
+
+    >>> from transformers import LlamaForCausalLM
+    >>> from kvdoc.config import llama_config
+    >>> _ = torch.manual_seed(0)
+    >>> hf = LlamaForCausalLM(transformers_config(llama_config())).eval()
+    >>> ours = from_transformers(hf)
+    >>> ids = torch.tensor([[1, 2, 3, 4]])
+    >>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
+    True
+    """
+    config = config_from_transformers(hf_model.config)
+    if config.position == "learned":
+        return decoder_from_gpt2(hf_model, config)
+    state = hf_model.state_dict()
+    try:
+        mapped = _llama_state(state, config.n_layer)
+    except KeyError as missing:
+        raise ValueError(f"{hf_model.config.model_type} weights lack {missing}") from None
+    decoder = Decoder(config).to(mapped["wte.weight"].dtype)
+    expected = decoder.state_dict()
+    for name, value in mapped.items():
+        if value.shape != expected[name].shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)}, config expects "
+                             f"{tuple(expected[name].shape)}")
+    decoder.load_state_dict({k: v.contiguous() for k, v in mapped.items()})
+    return decoder.to(mapped["wte.weight"].device).eval()
+
+
+@contextmanager
+def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
+    """Within the block, transformers' Llama/Mistral compute RMSNorm and RoPE in the model's dtype.
+
+    transformers computes both in float32 whatever the model's dtype (an upcast meant for half
+    precision), so an FP64 Llama is only float32-accurate there and differs from an exact FP64
+    computation by about 1e-7. Inside this block the RMSNorms and the rotary tables follow the
+    model's dtype, so an FP64 comparison measures FP64 rounding. Nothing changes for GPT-2 or
+    for FP32 models beyond rounding of the rotary angles (float64 here, as in :mod:`kvdoc.rope`).
+    """
+    from .rope import rope_angles
+
+    def rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def rotary(self: Any, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = torch.stack([rope_angles(row, head_dim, theta) for row in position_ids])  # [B, C, D_h]
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+    config = hf_model.config
+    patched = []
+    if getattr(config, "model_type", None) in ("llama", "mistral"):
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        theta = float(config.rope_parameters["rope_theta"])
+        for module in hf_model.modules():
+            name = type(module).__name__
+            if name.endswith("RMSNorm"):
+                patched.append(module)
+                module.forward = types.MethodType(rms_norm, module)
+            elif name.endswith("RotaryEmbedding"):
+                patched.append(module)
+                module.forward = types.MethodType(rotary, module)
+    try:
+        yield hf_model
+    finally:
+        for module in patched:
+            del module.forward  # back to the class's method
+
+
+@dataclass(frozen=True)
+class TransformersMatch:
+    """kvdoc against one transformers model on one stream: maximum absolute logit differences.
+
+    Attributes:
+        family: transformers' ``model_type`` (``"gpt2"``, ``"llama"``, ``"mistral"``).
+        dtype: ``"FP32"`` or ``"FP64"``.
+        n_parameters: ``(transformers, kvdoc)``.
+        full: kvdoc's full forward against transformers' full forward.
+        cached: ``(cache kind, chunk) -> error`` of kvdoc's cached path against the same.
+        hf_cached: transformers' own cache (a prefill, then one token at a time) against its full forward.
+        logit_scale: the largest ``|logit|`` of transformers' full forward.
+        lifted: whether transformers ran with its float32 RMSNorm/RoPE lifted to the model's dtype
+            (:func:`float64_islands_lifted`).
+    """
+
+    family: str
+    dtype: str
+    n_parameters: tuple[int, int]
+    full: float
+    cached: dict[tuple[str, int], float]
+    hf_cached: float
+    logit_scale: float
+    lifted: bool
+
+    def worst(self) -> float:
+        """The largest error of kvdoc's paths, full and cached."""
+        return max(self.full, *self.cached.values())
+
+
+@torch.no_grad()
+def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] = (1, 5),
+                       kinds: Sequence[str] | None = None, prefill_len: int = 8,
+                       lift: bool | None = None) -> TransformersMatch:
+    """Load ``hf_model`` with :func:`from_transformers` and compare logits over the stream ``ids`` (``[B, T]``).
+
+    Args:
+        hf_model: a transformers GPT-2, Llama or Mistral model in eval mode, FP32 or FP64.
+        ids: token ids ``[B, T]``.
+        chunks: chunk sizes of kvdoc's cached runs.
+        kinds: cache kinds (default dynamic and static, and window for a windowed model).
+        prefill_len: tokens in transformers' own prefill before its one-token decode steps.
+        lift: run transformers under :func:`float64_islands_lifted` (default: only in FP64).
+
+    Returns:
+        A :class:`TransformersMatch`.
+
+    >>> from transformers import MistralForCausalLM
+    >>> from kvdoc.config import mistral_config
+    >>> _ = torch.manual_seed(0)
+    >>> hf = MistralForCausalLM(transformers_config(mistral_config(sliding_window=4))).eval()
+    >>> m = match_transformers(hf, torch.tensor([[5, 1, 4, 1, 5, 9, 2, 6, 5, 3]]), prefill_len=3)
+    >>> sorted(m.cached), m.worst() < 1e-5
+    ([('dynamic', 1), ('dynamic', 5), ('static', 1), ('static', 5), ('window', 1), ('window', 5)], True)
+    """
+    from .verify import DTYPE_NAMES, _max_abs, run_cached
+
+    if not 0 < prefill_len < ids.shape[1]:
+        raise ValueError(f"prefill_len must be between 1 and {ids.shape[1] - 1}, got {prefill_len}")
+    ours = from_transformers(hf_model)
+    dtype = ours.wte.weight.dtype
+    lift = dtype == torch.float64 if lift is None else lift
+    if kinds is None:
+        kinds = ("dynamic", "static") + (("window",) if ours.config.sliding_window else ())
+    with float64_islands_lifted(hf_model) if lift else nullcontext():
+        expected = hf_model(ids).logits
+        out = hf_model(ids[:, :prefill_len], use_cache=True)
+        logits, cache = [out.logits], out.cache
+        for t in range(prefill_len, ids.shape[1]):
+            out = hf_model(ids[:, t:t + 1], cache=cache, use_cache=True)
+            logits.append(out.logits)
+            cache = out.cache
+    cached = {(kind, c): _max_abs(run_cached(ours, ids, c, kind).logits, expected) for kind in kinds for c in chunks}
+    return TransformersMatch(
+        hf_model.config.model_type, DTYPE_NAMES[dtype],
+        (sum(p.numel() for p in hf_model.parameters()), ours.num_parameters()),
+        _max_abs(ours(ids).logits, expected), cached, _max_abs(torch.cat(logits, dim=1), expected),
+        float(expected.abs().max().item()), lift and hf_model.config.model_type in ("llama", "mistral"))
+
+
+def transformers_model(family: str, config: GPTConfig | None = None, seed: int = 0,
+                       dtype: torch.dtype = torch.float32) -> Any:
+    """A transformers model with random weights, built offline from a kvdoc config, in eval mode.
+
+    Args:
+        family: ``"gpt2"``, ``"llama"`` or ``"mistral"``.
+        config: default :class:`GPTConfig` (GPT-2), :func:`~kvdoc.config.llama_config` or
+            :func:`~kvdoc.config.mistral_config` (window 32).
+        seed: ``torch.manual_seed`` before the weights are drawn.
+        dtype: the model's dtype.
+
+    >>> transformers_model("llama").config.num_key_value_heads
+    2
+    """
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM
+
+    from .config import llama_config, mistral_config
+
+    builders = {"gpt2": (GPT2LMHeadModel, GPTConfig), "llama": (LlamaForCausalLM, llama_config),
+                "mistral": (MistralForCausalLM, mistral_config)}
+    if family not in builders:
+        raise ValueError(f"family must be one of {', '.join(builders)}, got {family!r}")
+    cls, default = builders[family]
+    hf_config = transformers_config(config or default())
+    if hf_config.model_type != family:
+        raise ValueError(f"this config builds a {hf_config.model_type} model, not {family}")
+    torch.manual_seed(seed)
+    return cls(hf_config).to(dtype).eval()

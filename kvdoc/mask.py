@@ -7,6 +7,9 @@ read key ``j`` iff ``j <= P + i``: the diagonal is shifted right by ``P``.
 PyTorch's ``scaled_dot_product_attention(is_causal=True)`` (and ``torch.tril`` on the
 ``[C, P + C]`` score matrix) aligns the triangle to the top-left corner instead, i.e. it
 assumes ``P = 0``; with one new token it lets that token read key 0 only.
+
+A sliding window of ``W`` keys (Mistral) also hides keys that are too old: query ``i`` reads
+key ``j`` iff ``P + i - W < j <= P + i``, the convention of transformers' Mistral.
 """
 
 from __future__ import annotations
@@ -21,26 +24,36 @@ def _check_lengths(past_len: int, new_len: int) -> None:
         raise ValueError(f"new_len must be a positive integer, got {new_len!r}")
 
 
-def offset_causal_mask(past_len: int, new_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+def offset_causal_mask(past_len: int, new_len: int, device: torch.device | str | None = None, *,
+                       window: int | None = None) -> torch.Tensor:
     """Which keys each new query may read, for ``new_len`` queries after ``past_len`` cached keys.
 
     Args:
         past_len: ``P``, positions already in the cache (0 for a full forward).
         new_len: ``C``, new tokens in this call (at least 1).
         device: where to build the mask.
+        window: ``W``, the most keys a query reads (its own included), or None for no limit.
 
     Returns:
         A bool tensor ``[C, P + C]``; ``mask[i, j]`` is True iff key ``j`` is visible to
-        query ``i``, i.e. ``j <= P + i``.
+        query ``i``, i.e. ``j <= P + i`` (and ``j > P + i - W`` with a window).
 
     >>> offset_causal_mask(2, 2).int()
     tensor([[1, 1, 1, 0],
             [1, 1, 1, 1]], dtype=torch.int32)
+    >>> offset_causal_mask(2, 2, window=2).int()
+    tensor([[0, 1, 1, 0],
+            [0, 0, 1, 1]], dtype=torch.int32)
     """
     _check_lengths(past_len, new_len)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive integer or None, got {window!r}")
     query_pos = past_len + torch.arange(new_len, device=device)  # absolute positions of the queries
     key_pos = torch.arange(past_len + new_len, device=device)
-    return key_pos[None, :] <= query_pos[:, None]
+    allowed = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        allowed &= key_pos[None, :] > query_pos[:, None] - window
+    return allowed
 
 
 def top_left_causal_mask(past_len: int, new_len: int, device: torch.device | str | None = None) -> torch.Tensor:

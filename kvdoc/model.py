@@ -5,6 +5,11 @@ decoder, then ``prefill`` / ``decode_step`` / ``generate``. Parameter names are 
 (``wte, wpe, h, ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, ln_f, lm_head``),
 so a transformers checkpoint maps by key (:mod:`kvdoc.interop`).
 
+The same classes build a Llama-style decoder (:func:`kvdoc.config.llama_config`): the config
+switches RoPE for ``wpe`` (:mod:`kvdoc.rope`), RMSNorm for LayerNorm, SwiGLU for GELU, and a
+sliding window for the plain causal mask. The cache, the attention over it and the decoding
+loop are the same code for both.
+
 Shapes: ``B`` batch, ``C`` new tokens in this call, ``P`` positions already cached,
 ``T = P + C``, ``d`` = ``n_embd``, ``H`` query heads, ``H_kv`` K/V heads, ``D_h`` head size,
 ``V`` vocabulary. K and V are always ``[B, H_kv, T, D_h]``.
@@ -21,10 +26,22 @@ from torch import nn
 from .cache import DynamicCache, KVCache, StaticCache
 from .config import GPTConfig
 from .mask import offset_causal_mask
+from .rope import Rotary
+from .window import SlidingWindowCache
+
+
+def norm(config: GPTConfig) -> nn.Module:
+    """The normalisation of ``ln_1``, ``ln_2`` and ``ln_f``: LayerNorm (GPT-2) or RMSNorm (Llama)."""
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)  # x / rms(x) * weight
+    return nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
 
 class MLP(nn.Module):
     """Position-wise feed-forward: ``c_proj(gelu_tanh(c_fc(x)))``; row ``t`` of the output needs row ``t`` only.
+
+    With ``config.mlp == "swiglu"`` (Llama) ``c_fc`` is twice as wide and its two halves are the
+    gate and the up projection: ``c_proj(silu(gate) * up)``.
 
     >>> MLP(GPTConfig())(torch.zeros(2, 5, 64)).shape  # [B, C, d] -> [B, C, d]
     torch.Size([2, 5, 64])
@@ -32,10 +49,15 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, config.n_inner)
-        self.c_proj = nn.Linear(config.n_inner, config.n_embd)
+        self.swiglu = config.mlp == "swiglu"
+        width = 2 * config.n_inner if self.swiglu else config.n_inner
+        self.c_fc = nn.Linear(config.n_embd, width, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_inner, config.n_embd, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, d] -> [B, C, d]
+        if self.swiglu:
+            gate, up = self.c_fc(x).chunk(2, dim=-1)  # [B, C, n_inner] each
+            return self.c_proj(F.silu(gate) * up)
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's "gelu_new"
 
 
@@ -59,14 +81,17 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.kv_dim)  # Q, K, V in one matmul
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.window = config.sliding_window
+        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.kv_dim,  # Q, K, V in one matmul
+                                bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.rotary = Rotary(config.rope_theta) if config.position == "rope" else None
 
     def mask(self, past_len: int, new_len: int, device: torch.device) -> torch.Tensor | None:
         """Keys each new query may read: ``[C, P + C]`` bool, or None when every key is visible."""
-        if new_len == 1:
+        if new_len == 1 and self.window is None:
             return None  # one query at position P after keys 0..P: nothing to hide
-        return offset_causal_mask(past_len, new_len, device)  # not is_causal=True: see kvdoc.mask
+        return offset_causal_mask(past_len, new_len, device, window=self.window)  # see kvdoc.mask
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,11 +101,17 @@ class CausalSelfAttention(nn.Module):
         heads = self.c_attn(x).view(B, C, self.n_head + 2 * self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k, v = heads.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=1)
         # q: [B, H, C, D_h]; k, v: [B, H_kv, C, D_h]
+        if self.rotary is not None:
+            q, k = self.rotary(q, k, start)  # RoPE at positions start..start+C-1: K is cached rotated
         if cache is not None:
             # Only the new rows were projected; the old K/V come from this layer's cache.
-            k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h]
-        # attn_mask [B, C, P + C] (padded batches) -> [B, 1, C, P + C], the same for every head
-        mask = self.mask(start, C, x.device) if attn_mask is None else attn_mask[:, None]
+            k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h] (a ring: fewer)
+        if attn_mask is not None:
+            mask = attn_mask[:, None]  # padded batches: [B, C, P + C] -> [B, 1, C, P + C], every head
+        else:
+            mask = self.mask(start, C, x.device)
+            if mask is not None and k.shape[2] < start + C:
+                mask = mask[:, -k.shape[2]:]  # a window cache returns only the last positions, in order
         y = F.scaled_dot_product_attention(  # scores [B, H, C, P + C], scaled by 1/sqrt(D_h)
             q, k, v, attn_mask=mask, enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).reshape(B, C, d)  # merge heads: [B, C, H * D_h]
@@ -96,9 +127,9 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.ln_1 = norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.ln_2 = norm(config)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
@@ -118,6 +149,9 @@ class DecoderOutput(NamedTuple):
 
 class Decoder(nn.Module):
     """A GPT-2 decoder: embeddings, ``n_layer`` pre-norm blocks, final LayerNorm, untied LM head.
+
+    With a Llama-style config (:func:`kvdoc.config.llama_config`) there is no ``wpe`` (RoPE turns
+    Q and K inside the attention instead), the norms are RMSNorms and the head may be tied.
 
     ``forward(idx)`` recomputes every position of ``idx``. ``forward(idx, cache)`` treats
     ``idx`` as the continuation of what ``cache`` holds: it embeds and projects only the new
@@ -145,13 +179,16 @@ class Decoder(nn.Module):
         super().__init__()
         self.config = config = config or GPTConfig()
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embeddings
-        self.wpe = nn.Embedding(config.n_positions, config.n_embd)  # learned absolute positions
+        self.wpe = (nn.Embedding(config.n_positions, config.n_embd)  # learned absolute positions
+                    if config.position == "learned" else None)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.ln_f = norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.wte.weight  # one [V, d] matrix embeds and predicts
 
     def num_parameters(self) -> int:
-        """Number of parameters (the LM head is untied, so it counts separately from ``wte``)."""
+        """Number of parameters (an untied LM head counts separately from ``wte``, a tied one once)."""
         return sum(p.numel() for p in self.parameters())
 
     def positions(self, start: int, new_len: int, device: torch.device) -> torch.Tensor:
@@ -191,11 +228,11 @@ class Decoder(nn.Module):
         Args:
             idx: token ids ``[B, C]``, the tokens after the ``P`` positions ``cache`` holds.
             cache: per-layer K/V of positions ``0 .. P - 1``, or None to recompute from position 0.
-                A :class:`~kvdoc.cache.DynamicCache` passed in is left unchanged; a
-                :class:`~kvdoc.cache.StaticCache` is written in place.
+                A :class:`~kvdoc.cache.DynamicCache` or :class:`~kvdoc.window.SlidingWindowCache`
+                passed in is left unchanged; a :class:`~kvdoc.cache.StaticCache` is written in place.
             last_only: project only the last position to the vocabulary (what generation needs).
             positions: ``[B, C]`` per-row positions replacing ``P .. P + C - 1`` (left-padded
-                batches, :mod:`kvdoc.batching`).
+                batches, :mod:`kvdoc.batching`; learned position embeddings only).
             attn_mask: ``[B, C, P + C]`` bool replacing the offset causal mask (True: may read).
 
         Returns:
@@ -207,11 +244,14 @@ class Decoder(nn.Module):
                 input. Nothing has been written when it is raised.
         """
         self.check_input(idx, cache)
+        if positions is not None and self.wpe is None:
+            raise ValueError("per-row positions need learned position embeddings; this model uses RoPE")
         B, C = idx.shape
         start = 0 if cache is None else cache.seq_len
         work = None if cache is None else cache.begin()
-        pos = self.positions(start, C, idx.device) if positions is None else positions
-        x = self.wte(idx) + self.wpe(pos)  # [B, C, d]
+        x = self.wte(idx)  # [B, C, d]
+        if self.wpe is not None:  # RoPE models turn Q and K instead
+            x = x + self.wpe(self.positions(start, C, idx.device) if positions is None else positions)
         for layer_idx, block in enumerate(self.h):
             x = block(x, work, layer_idx, start, attn_mask)  # [B, C, d]
         if work is not None:
@@ -220,19 +260,25 @@ class Decoder(nn.Module):
             x = x[:, -1:, :]  # [B, 1, d]: only the last row feeds next-token prediction
         return DecoderOutput(self.lm_head(self.ln_f(x)), work)  # [B, C, V]
 
-    def new_cache(self, batch_size: int, kind: Literal["dynamic", "static"] = "dynamic",
+    def new_cache(self, batch_size: int, kind: Literal["dynamic", "static", "window"] | None = None,
                   capacity: int | None = None) -> KVCache:
         """An empty cache matching this model's config, dtype and device.
 
-        ``capacity`` (static only) defaults to ``n_positions``.
+        ``kind`` defaults to ``"window"`` (:class:`~kvdoc.window.SlidingWindowCache`) for a model
+        with a sliding window and to ``"dynamic"`` otherwise. ``capacity`` (static only) defaults
+        to ``n_positions``; a window cache always holds ``config.sliding_window`` positions.
         """
         dtype, device = self.wte.weight.dtype, self.wte.weight.device
+        if kind is None:
+            kind = "dynamic" if self.config.sliding_window is None else "window"
+        if kind == "window":
+            return SlidingWindowCache(self.config, batch_size, dtype=dtype, device=device)
         if kind == "dynamic":
             return DynamicCache.empty(self.config, batch_size, dtype, device)
         if kind == "static":
             capacity = self.config.n_positions if capacity is None else capacity
             return StaticCache(self.config, batch_size, capacity, dtype, device)
-        raise ValueError(f"unknown cache kind {kind!r}; use 'dynamic' or 'static'")
+        raise ValueError(f"unknown cache kind {kind!r}; use 'dynamic', 'static' or 'window'")
 
     @classmethod
     def from_gpt2(cls, model_or_state_dict) -> Decoder:
@@ -279,7 +325,7 @@ def decode_step(model: Decoder, token: torch.Tensor, cache: KVCache) -> DecoderO
 
 @torch.no_grad()
 def generate(model: Decoder, idx: torch.Tensor, max_new_tokens: int,
-             cache: Literal["dynamic", "static"] = "dynamic") -> torch.Tensor:
+             cache: Literal["dynamic", "static", "window"] | None = None) -> torch.Tensor:
     """Greedy generation: one prefill, then ``max_new_tokens - 1`` decode steps.
 
     Returns ``[B, P + max_new_tokens]``: the prompt followed by the chosen tokens.

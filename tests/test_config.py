@@ -39,3 +39,42 @@ def test_config_is_frozen():
 def test_invalid_configs_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GPTConfig(**kwargs)
+
+
+def test_llama_and_mistral_configs():
+    from kvdoc.config import llama_config, mistral_config
+
+    cfg = llama_config()
+    assert (cfg.position, cfg.norm, cfg.mlp, cfg.bias, cfg.sliding_window) == ("rope", "rmsnorm", "swiglu", False, None)
+    assert (cfg.n_head, cfg.n_kv_head, cfg.head_dim) == (4, 2, 16)
+    assert mistral_config(sliding_window=8).sliding_window == 8
+    assert llama_config(n_kv_head=1).n_kv_head == 1
+    assert GPTConfig() == GPTConfig(position="learned", norm="layernorm", mlp="gelu", bias=True)
+
+
+def test_llama_parameter_count_matches_closed_form():
+    from kvdoc.config import llama_config
+
+    for tied in (False, True):
+        cfg = llama_config(tie_word_embeddings=tied)
+        d, kv, f = cfg.n_embd, cfg.kv_dim, cfg.n_inner
+        per_layer = 2 * d + d * (d + 2 * kv) + d * d + d * 2 * f + f * d  # two RMSNorms, no biases
+        expected = cfg.vocab_size * d * (1 if tied else 2) + cfg.n_layer * per_layer + d
+        assert Decoder(cfg).num_parameters() == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(position="alibi"), "position must be one of"),
+        (dict(norm="batchnorm"), "norm must be one of"),
+        (dict(mlp="relu"), "mlp must be one of"),
+        (dict(position="rope", n_embd=60, n_head=4), "head_dim=15 must be even"),
+        (dict(rope_theta=0.0), "rope_theta must be positive"),
+        (dict(sliding_window=0), "sliding_window must be a positive integer"),
+        (dict(sliding_window=2.0), "sliding_window must be a positive integer"),
+    ],
+)
+def test_bad_llama_choices_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**kwargs)

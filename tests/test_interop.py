@@ -90,3 +90,71 @@ def test_unsupported_variants_are_refused(pair):
         config_from_gpt2(cfg)
     with pytest.raises(ValueError, match="no grouped-query attention"):
         gpt2_config(GPTConfig(n_kv_head=2))
+
+
+# --- Llama and Mistral (random weights, built offline from a config) ---------------------------
+
+from kvdoc.config import llama_config, mistral_config  # noqa: E402
+from kvdoc.interop import (config_from_transformers, float64_islands_lifted, from_transformers,  # noqa: E402
+                           match_transformers, transformers_config, transformers_model)
+
+LONG = torch.randint(0, 97, (2, 96), generator=torch.Generator().manual_seed(6))  # crosses window 32 three times
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
+@pytest.mark.parametrize("family, config", [
+    ("gpt2", None), ("llama", None), ("llama", llama_config(n_kv_head=1, tie_word_embeddings=True)),
+    ("llama", llama_config(n_kv_head=4)), ("mistral", None)], ids=["gpt2", "llama-gqa", "llama-mqa-tied",
+                                                                  "llama-mha", "mistral-w32"])
+def test_all_families_match_transformers_full_and_cached(family, config, dtype, tol):
+    hf = transformers_model(family, config, seed=1, dtype=dtype)
+    m = match_transformers(hf, LONG.to(hf.device), chunks=(1, 7), prefill_len=10)
+    assert m.n_parameters[0] == m.n_parameters[1]
+    assert m.logit_scale > 0.1  # the logits are not all near zero
+    assert m.worst() <= tol and m.hf_cached <= tol
+    expected_kinds = {"dynamic", "static"} | ({"window"} if family == "mistral" else set())
+    assert {kind for kind, _ in m.cached} == expected_kinds
+
+
+def test_mistral_window_changes_transformers_logits_too():
+    """The cross-check is not vacuous: transformers' Mistral without its window gives other logits."""
+    hf = transformers_model("mistral", seed=1)
+    ours = from_transformers(hf)
+    assert ours.new_cache(2).window == 32
+    plain = transformers_model("mistral", mistral_config(sliding_window=512), seed=1)
+    with torch.no_grad():
+        assert not torch.allclose(ours(LONG).logits[:, 32:], plain(LONG).logits[:, 32:], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ours(LONG).logits[:, :32], plain(LONG).logits[:, :32], atol=1e-5, rtol=1e-5)
+
+
+def test_config_round_trip():
+    for cfg in (GPTConfig(), llama_config(), llama_config(n_kv_head=1, tie_word_embeddings=True), mistral_config(8)):
+        assert config_from_transformers(transformers_config(cfg)) == cfg
+
+
+def test_unsupported_llama_variants_are_refused():
+    hf_cfg = transformers_config(llama_config())
+    hf_cfg.rope_parameters = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ValueError, match="rope_type='linear'"):
+        config_from_transformers(hf_cfg)
+    hf_cfg = transformers_config(llama_config())
+    hf_cfg.mlp_bias = True
+    with pytest.raises(ValueError, match="mlp_bias=True"):
+        config_from_transformers(hf_cfg)
+    from transformers import BertConfig
+    with pytest.raises(ValueError, match="not 'bert'"):
+        config_from_transformers(BertConfig())
+    with pytest.raises(ValueError, match="RMSNorm"):
+        transformers_config(GPTConfig(position="rope"))
+    with pytest.raises(ValueError, match="family must be"):
+        transformers_model("gpt-j")
+
+
+def test_lifting_restores_transformers_afterwards():
+    hf = transformers_model("llama", dtype=torch.float64)
+    with torch.no_grad():
+        before = hf(LONG).logits
+        with float64_islands_lifted(hf):
+            pass
+        assert torch.equal(hf(LONG).logits, before)
+    assert all("forward" not in vars(m) for m in hf.modules())

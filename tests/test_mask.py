@@ -54,3 +54,25 @@ def test_sdpa_is_causal_right_without_cache():
     q, k, v = (torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64) for _ in range(3))
     assert torch.allclose(F.scaled_dot_product_attention(q, k, v, is_causal=True),
                           _explicit_attention(q, k, v, offset_causal_mask(0, 5)), atol=1e-12)
+
+
+@pytest.mark.parametrize("past, new, window", [(0, 6, 2), (4, 3, 3), (40, 1, 32), (30, 10, 32), (3, 2, 1)])
+def test_window_mask_rule(past, new, window):
+    """Query P + i reads key j iff P + i - W < j <= P + i (transformers' Mistral convention)."""
+    mask = offset_causal_mask(past, new, window=window)
+    assert mask.shape == (new, past + new)
+    for i in range(new):
+        q = past + i
+        assert mask[i].nonzero().flatten().tolist() == [j for j in range(past + new) if q - window < j <= q]
+    assert mask.sum(dim=1).tolist() == [min(window, past + i + 1) for i in range(new)]
+
+
+def test_a_window_longer_than_the_sequence_changes_nothing():
+    assert torch.equal(offset_causal_mask(5, 4, window=9), offset_causal_mask(5, 4))
+    assert not torch.equal(offset_causal_mask(5, 4, window=8), offset_causal_mask(5, 4))
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, True])
+def test_bad_window_is_refused(window):
+    with pytest.raises(ValueError, match="window"):
+        offset_causal_mask(2, 2, window=window)

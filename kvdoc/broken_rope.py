@@ -1,0 +1,92 @@
+"""Deliberately wrong RoPE caches, kept so that the equivalence check can be seen to fail.
+
+Two ways to get rotary positions wrong with a cache, each a small change to a correct
+Llama-style :class:`~kvdoc.model.Decoder` (same weights), in the style of :mod:`kvdoc.broken`:
+
+* ``unrotated-k-cache``: K goes into the cache *before* RoPE, and only the rows a call has just
+  computed are rotated; keys read back from the cache were never turned.
+* ``rope-restart``: each call rotates its new Q and K at positions ``0 .. C - 1``, as if the chunk
+  began the sequence, instead of at ``P .. P + C - 1``.
+
+A full forward (one call from position 0) is correct for both, so only the cached path is wrong.
+
+>>> import torch
+>>> from kvdoc import Decoder
+>>> from kvdoc.config import llama_config
+>>> _ = torch.manual_seed(0)
+>>> model = Decoder(llama_config()).eval()
+>>> broken = ROPE_VARIANTS["unrotated-k-cache"].build(model)
+>>> ids = torch.tensor([[12, 7, 31, 4, 9, 18]])
+>>> with torch.no_grad():
+...     same = (broken(ids).logits - model(ids).logits).abs().max().item()
+...     _, cache = broken(ids[:, :4], broken.new_cache(1))
+...     wrong = broken(ids[:, 4:], cache).logits
+...     right = model(ids).logits[:, 4:]
+>>> same, bool((wrong - right).abs().max() > 1e-3)
+(0.0, True)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .broken import BrokenVariant, _copy_as
+from .cache import KVCache
+from .model import CausalSelfAttention, Decoder
+from .rope import Rotary
+
+
+class UnrotatedKeyAttention(CausalSelfAttention):
+    """BROKEN: caches K before RoPE, then rotates only this call's rows of what the cache returns."""
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int) -> torch.Tensor:
+        B, C, d = x.shape
+        heads = self.c_attn(x).view(B, C, self.n_head + 2 * self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k, v = heads.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=1)
+        if cache is not None:
+            k, v = cache.update(layer_idx, k, v, start)  # BUG: K is stored unrotated
+        q, new_k = self.rotary(q, k[:, :, -C:], start)   # the cached rows are never turned
+        k = torch.cat((k[:, :, :-C], new_k), dim=2)
+        mask = self.mask(start, C, x.device)
+        if mask is not None and k.shape[2] < start + C:
+            mask = mask[:, -k.shape[2]:]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_head != self.n_head)
+        return self.c_proj(y.transpose(1, 2).reshape(B, C, d))
+
+
+class RopeRestartRotary(Rotary):
+    """BROKEN: rotates the new rows at positions ``0 .. C - 1`` whatever the cache holds."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().forward(q, k, 0)  # BUG: should be `start`
+
+
+def _unrotated_k(model: Decoder) -> Decoder:
+    _require_rope(model)
+    clone = _copy_as(model, Decoder)
+    for block in clone.h:
+        block.attn.__class__ = UnrotatedKeyAttention
+    return clone
+
+
+def _rope_restart(model: Decoder) -> Decoder:
+    _require_rope(model)
+    clone = _copy_as(model, Decoder)
+    for block in clone.h:
+        block.attn.rotary = RopeRestartRotary(block.attn.rotary.theta)
+    return clone
+
+
+def _require_rope(model: Decoder) -> None:
+    if model.config.position != "rope":
+        raise ValueError("this variant breaks RoPE: build it from a model with position='rope'")
+
+
+ROPE_VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
+    BrokenVariant("unrotated-k-cache", "K is cached before RoPE; keys read back from the cache are never rotated",
+                  _unrotated_k),
+    BrokenVariant("rope-restart", "RoPE turns each call's Q and K at positions 0..C-1 instead of at the cache length",
+                  _rope_restart),
+)}
+"""The RoPE broken variants, by name (for a Llama-style model)."""

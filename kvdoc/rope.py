@@ -1,0 +1,79 @@
+"""Rotary position embedding (RoPE): Q and K rotated by their absolute positions.
+
+RoPE has no position table added to the input. Instead each head's features are taken in
+pairs ``(x[i], x[i + D_h/2])`` (the "rotate half" layout of Llama and transformers), and the
+pair is turned by the angle ``pos * theta**(-2i / D_h)``. A score ``q_m . k_n`` then depends
+on the positions only through ``m - n``.
+
+For the cache this means: K is rotated *before* it is stored, at its own absolute position,
+so a cached key never needs touching again; a chunk of ``C`` new tokens after ``P`` cached
+ones rotates its Q and K at positions ``P .. P + C - 1``. The angles are computed in float64
+from integer positions and only then rounded to the model's dtype, so a position's rotation
+does not depend on which call computes it beyond float64 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``(x1, x2) -> (-x2, x1)`` on the two halves of the last dimension.
+
+    >>> rotate_half(torch.tensor([1., 2., 3., 4.]))
+    tensor([-3., -4.,  1.,  2.])
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_angles(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """Rotation angles ``[len(positions), D_h]`` in float64 (each pair's angle appears twice).
+
+    >>> rope_angles(torch.tensor([0, 1]), head_dim=4, theta=100.0)
+    tensor([[0.0000, 0.0000, 0.0000, 0.0000],
+            [1.0000, 0.1000, 1.0000, 0.1000]], dtype=torch.float64)
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim
+    inv_freq = theta ** -exponents  # [D_h / 2]
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [C, D_h / 2]
+    return torch.cat((angles, angles), dim=-1)  # [C, D_h]
+
+
+def apply_rope(x: torch.Tensor, start: int, theta: float = 10000.0) -> torch.Tensor:
+    """Rotate ``x`` (``[B, H, C, D_h]``) as the rows at absolute positions ``start .. start + C - 1``.
+
+    >>> x = torch.randn(1, 2, 3, 8, generator=torch.Generator().manual_seed(0))
+    >>> torch.equal(apply_rope(x, 0)[:, :, 0], x[:, :, 0])  # position 0 is not turned
+    True
+    >>> torch.allclose(apply_rope(x, 5).norm(dim=-1), x.norm(dim=-1))  # a rotation keeps lengths
+    True
+    """
+    C, D = x.shape[2], x.shape[3]
+    angles = rope_angles(torch.arange(start, start + C, device=x.device), D, theta)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # [C, D_h], broadcast over B, H
+    return x * cos + rotate_half(x) * sin
+
+
+class Rotary(nn.Module):
+    """RoPE for one attention layer: rotates new Q and K at positions ``start .. start + C - 1``.
+
+    A module (without parameters) so that a forward hook can read the rotated K, which is what
+    the cache stores.
+
+    >>> rotary = Rotary(theta=10000.0)
+    >>> q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)  # [B, H, C, D_h], [B, H_kv, C, D_h]
+    >>> [t.shape for t in rotary(q, k, start=7)]
+    [torch.Size([1, 4, 3, 16]), torch.Size([1, 2, 3, 16])]
+    """
+
+    def __init__(self, theta: float) -> None:
+        super().__init__()
+        self.theta = theta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rope(q, start, self.theta), apply_rope(k, start, self.theta)
+
+    def extra_repr(self) -> str:
+        return f"theta={self.theta}"

@@ -1,0 +1,122 @@
+"""The sliding-window ring cache against a windowed full forward, over streams that cross the window."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvdoc import Decoder
+from kvdoc.config import llama_config, mistral_config
+from kvdoc.verify import run_cached
+from kvdoc.window import SlidingWindowCache
+
+W, T = 32, 100
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+def make(dtype=torch.float32, window=W) -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(mistral_config(sliding_window=window)).to(dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 97, (2, T), generator=torch.Generator().manual_seed(4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("chunk", [1, 5, 31, 32, 33, 70, [3, 40, 1, 56]])
+def test_window_cache_equals_windowed_full_forward(ids, dtype, chunk):
+    model = make(dtype)
+    with torch.no_grad():
+        full = model(ids).logits  # no cache: the offset mask with the window
+    run = run_cached(model, ids, chunk, "window")
+    torch.testing.assert_close(run.logits, full, atol=TOL[dtype], rtol=TOL[dtype])
+    assert run.cache.seq_len == T and list(run.cache.held()) == list(range(T - W, T))
+
+
+def test_the_window_matters(ids):
+    """Same weights without the window: equal before position W, different after (the test can fail)."""
+    windowed = make()
+    unwindowed = Decoder(dataclasses.replace(windowed.config, sliding_window=None)).eval()
+    unwindowed.load_state_dict(windowed.state_dict())
+    with torch.no_grad():
+        a, b = windowed(ids).logits, unwindowed(ids).logits
+    torch.testing.assert_close(a[:, :W], b[:, :W], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(a[:, W:], b[:, W:], atol=1e-4, rtol=1e-4)
+
+
+def test_ring_slots_and_flat_memory(ids):
+    model = make()
+    cache = model.new_cache(2)
+    assert isinstance(cache, SlidingWindowCache)
+    cfg = model.config
+    expected_bytes = 2 * cfg.n_layer * 2 * cfg.n_kv_head * W * cfg.head_dim * 4
+    with torch.no_grad():
+        for t in range(T):
+            _, cache = model(ids[:, t:t + 1], cache)
+            assert cache.nbytes() == expected_bytes  # the same at every step, before and after W
+            assert list(cache.held()) == list(range(max(0, t + 1 - W), t + 1))
+    assert [cache.slot(p) for p in (0, 31, 32, 33, 99)] == [0, 31, 0, 1, 3]
+
+
+def test_layer_holds_the_last_w_rotated_keys_in_order(ids):
+    """What the ring holds equals the full forward's rotated K and V at the held positions."""
+    model = make()
+    captured = []
+    handles = [b.attn.rotary.register_forward_hook(lambda m, i, out: captured.append(out[1])) for b in model.h]
+    with torch.no_grad():
+        model(ids)
+    for h in handles:
+        h.remove()
+    run = run_cached(model, ids, 7, "window")
+    for layer, k_full in enumerate(captured):
+        torch.testing.assert_close(run.cache.layer(layer)[0], k_full[:, :, T - W:], atol=1e-5, rtol=1e-5)
+        assert tuple(run.cache.layer(layer)[1].shape) == (2, model.config.n_kv_head, W, model.config.head_dim)
+
+
+def test_a_forward_call_leaves_the_cache_passed_in_unchanged(ids):
+    model = make()
+    with torch.no_grad():
+        _, cache = model(ids[:, :50], model.new_cache(2))
+        before = [tuple(t.clone() for t in cache.layer(i)) for i in range(2)]
+        _, after = model(ids[:, 50:53], cache)
+    assert cache.seq_len == 50 and after.seq_len == 53
+    for i in range(2):
+        for old, now in zip(before[i], cache.layer(i)):
+            assert torch.equal(old, now)
+
+
+def test_window_cache_refuses_what_it_cannot_serve():
+    torch.manual_seed(0)
+    no_window = Decoder(llama_config()).eval()
+    with pytest.raises(ValueError, match="needs a window"):
+        no_window.new_cache(1, "window")
+    small = SlidingWindowCache(mistral_config(sliding_window=8), 1)
+    with pytest.raises(ValueError, match="cannot serve"):
+        small.check_compatible(make().config, 1, torch.float32, torch.device("cpu"), 1)
+    cache = make().new_cache(1)
+    with pytest.raises(ValueError, match="write starts at 3"):
+        cache.update(0, torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), 3)
+    with pytest.raises(ValueError, match="window must be a positive integer"):
+        SlidingWindowCache(mistral_config(), 1, window=0)
+
+
+def test_dynamic_and_static_caches_also_serve_a_windowed_model(ids):
+    model = make()
+    with torch.no_grad():
+        full = model(ids).logits
+    for kind in ("dynamic", "static"):
+        torch.testing.assert_close(run_cached(model, ids, 9, kind).logits, full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_tiny_windows(window):
+    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1))
+    model = make(window=window)
+    with torch.no_grad():
+        full = model(ids).logits
+    for chunk in (1, 2, 7):
+        run = run_cached(model, ids, chunk, "window")
+        torch.testing.assert_close(run.logits, full, atol=1e-5, rtol=1e-5)
+        assert run.cache.layer(0)[0].shape[2] == window
