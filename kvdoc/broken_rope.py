@@ -40,7 +40,8 @@ from .rope import Rotary
 class UnrotatedKeyAttention(CausalSelfAttention):
     """BROKEN: caches K before RoPE, then rotates only this call's rows of what the cache returns."""
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, C, d = x.shape
         heads = self.c_attn(x).view(B, C, self.n_head + 2 * self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k, v = heads.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=1)
