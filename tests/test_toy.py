@@ -7,25 +7,20 @@ import itertools
 import pytest
 import torch
 
+from kvdoc.render import html_table, latex_matrix, token_ids, token_label, token_text
 from kvdoc.toy import (
-    SOURCE_FIGURES,
-    WORKED_INPUTS,
     Counts,
     ToyCache,
     ToyLab,
     check_against_full,
     common_prefix_len,
-    compare_with_source,
     counts_table,
     expected_counts,
     full_forward,
-    html_table,
-    latex_matrix,
     mask_exercise,
-    naive_step,
     prefix_edit,
-    worked_example,
 )
+from kvdoc.worked import SOURCE_FIGURES, WORKED_INPUTS, compare_with_source, naive_step, worked_example
 
 
 def _explicit_attention_last_row(x: torch.Tensor) -> torch.Tensor:
@@ -162,3 +157,14 @@ def test_render_helpers():
     with pytest.raises(ValueError):
         html_table(["a", "b"], [[1]])
     assert Counts(1, 2) + Counts(3, 4) == Counts(4, 6)
+
+
+def test_token_helpers_round_trip_and_refuse_bad_text():
+    text = "AXCD"
+    ids = token_ids(text)
+    assert ids.shape == (1, len(text))
+    assert token_text(ids[0]).replace(" ", "") == text  # capital letters come back as themselves
+    assert token_label(ord("l") - 32) == f"id {ord('l') - 32}"  # anything else is shown as its id
+    for bad in ("", "é", "a\n"):
+        with pytest.raises(ValueError):
+            token_ids(bad)
