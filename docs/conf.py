@@ -31,7 +31,8 @@ extensions = [
 exclude_patterns = ["_build", "_static", "_ext", "_templates", "_ipython", "**.ipynb_checkpoints", "README.md"]
 
 # Working on one page: KVDOC_PAGES="part1/2-operations part3/*" builds the landing page, the
-# part indexes and the pages named (globs allowed), skipping the rest. Never set in CI.
+# on-ramp (the part indexes link to it), the part indexes and the pages named (globs allowed),
+# skipping the rest. Never set in CI.
 if os.environ.get("KVDOC_PAGES"):
     import fnmatch
     import pathlib
@@ -40,13 +41,14 @@ if os.environ.get("KVDOC_PAGES"):
     _wanted = os.environ["KVDOC_PAGES"].split()
     for _path in _here.rglob("*.md"):
         _doc = _path.relative_to(_here).with_suffix("").as_posix()
-        if _doc.startswith("_build") or _doc == "index" or _doc.endswith("/index"):
+        if _doc.startswith("_build") or _doc in ("index", "attention") or _doc.endswith("/index"):
             continue
         if not any(fnmatch.fnmatch(_doc, pattern) for pattern in _wanted):
             exclude_patterns.append(_doc + ".md")
     suppress_warnings = ["toc.excluded", "toc.not_readable"]
 templates_path = ["_templates"]
 html_static_path = ["_static"]
+html_css_files = ["kvdoc.css"]  # small dependency maps (kvdoc.render.map_table)
 
 # --- notebooks -------------------------------------------------------------------------
 # Cached locally (jupyter-cache re-runs a page only when its code changes); forced in CI,
