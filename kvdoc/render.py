@@ -61,7 +61,8 @@ def token_text(ids: Sequence[int] | torch.Tensor) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def map_table(m: CheckedMap | DependencyMap, labels: Sequence[str],
-              out_labels: Sequence[str] | None = None, corner: str = "out \\ in") -> str:
+              out_labels: Sequence[str] | None = None, corner: str = "out \\ in",
+              caption: str | None = None) -> str:
     """A dependency map as a small HTML table: ``●`` where the output row needs the input row.
 
     ``labels`` name the input rows; the output rows take the labels of their indices unless
@@ -79,7 +80,7 @@ def map_table(m: CheckedMap | DependencyMap, labels: Sequence[str],
     dm = dm.relabel(list(labels), outs)
     rows = [[outs[t]] + ["●" if bool(dm.depends[t, s]) else "·" for s in range(dm.shape[1])]
             for t in range(dm.shape[0])]
-    return html_table([corner, *labels], rows, css_class="kvdoc-map")
+    return html_table([corner, *labels], rows, caption=caption, css_class="kvdoc-map")
 
 
 # ---------------------------------------------------------------------------------------------
