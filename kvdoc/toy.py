@@ -4,7 +4,7 @@ Two layers of single-head causal attention over 2-d vectors with residual connec
 additive position vector, in plain Python floats with counters in the inner loops, so the work
 counts (K/V pairs computed, ``q . k`` dot products) are *measured*. :func:`full_forward`
 recomputes everything; :meth:`ToyLab.extend` continues a per-layer cache; :func:`check_against_full`
-compares the two; :func:`counts_table` runs the three scenarios (first input, append one token,
+compares the two; :func:`work_counts` runs the three scenarios (first input, append one token,
 edit a prefix token and recompute the suffix); :func:`prefix_edit` shows which cached keys an
 edit invalidates. Layers are numbered from 0, as in :mod:`kvdoc.model`.
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from .mask import offset_causal_mask, top_left_causal_mask
 
-__all__ = ["ToyLab", "ToyCache", "full_forward", "check_against_full", "counts_table",
+__all__ = ["ToyLab", "ToyCache", "full_forward", "check_against_full", "work_counts",
            "prefix_edit", "mask_exercise"]
 
 # ---------------------------------------------------------------------------------------------
@@ -326,13 +326,13 @@ def common_prefix_len(a: Sequence[str], b: Sequence[str]) -> int:
     return n
 
 
-def counts_table(weights: ToyWeights | None = None) -> list[ScenarioCounts]:
+def work_counts(weights: ToyWeights | None = None) -> list[ScenarioCounts]:
     """Run the three scenarios: (a) first input A B C, (b) append D, (c) edit B to X.
 
     (a) feeds A, B, C one at a time into an empty cache; (b) appends D; (c) truncates every
     layer's cache to the common prefix of A B C D and A X C D (just A) and recomputes X, C, D.
 
-    >>> [(r.cached.kv_pairs, r.cached.dot_products) for r in counts_table()]
+    >>> [(r.cached.kv_pairs, r.cached.dot_products) for r in work_counts()]
     [(6, 12), (2, 8), (6, 18)]
     """
     lab = ToyLab(weights)

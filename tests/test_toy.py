@@ -14,7 +14,7 @@ from kvdoc.toy import (
     ToyLab,
     check_against_full,
     common_prefix_len,
-    counts_table,
+    work_counts,
     expected_counts,
     full_forward,
     mask_exercise,
@@ -107,8 +107,8 @@ def test_check_detects_a_wrong_cache():
     assert not check_against_full(r).ok
 
 
-def test_counts_table_rows_obey_closed_forms():
-    rows = counts_table()
+def test_work_counts_rows_obey_closed_forms():
+    rows = work_counts()
     assert [r.sequence for r in rows] == ["ABC", "ABCD", "AXCD"]
     for r in rows:
         T = len(r.sequence)
