@@ -126,8 +126,8 @@ def test_prefix_edit_keeps_layer1_key_and_changes_layer2_key():
     e = prefix_edit(before, "AXCD", lab)
     assert e.prefix_len == common_prefix_len("ABCD", "AXCD") == 1
     assert e.key_changed(0, 0) == 0.0 and e.key_changed(1, 0) == 0.0  # A: untouched prefix
-    assert e.key_changed(0, 2) == 0.0  # C in layer 1: its own embedding and position only
-    assert e.key_changed(1, 2) > 1e-3  # C in layer 2: it read X instead of B
+    assert e.key_changed(0, 2) == 0.0  # C in layer 0: its own embedding and position only
+    assert e.key_changed(1, 2) > 1e-3  # C in layer 1: it read X instead of B
     assert check_against_full(e.result).ok
     with pytest.raises(ValueError):
         prefix_edit(before, "AB", lab)
