@@ -120,7 +120,7 @@ def test_work_counts_rows_obey_closed_forms():
     assert rows[1].cached.kv_pairs == 2 and rows[1].cached.dot_products == 2 * 4
 
 
-def test_prefix_edit_keeps_layer1_key_and_changes_layer2_key():
+def test_prefix_edit_keeps_layer0_key_and_changes_layer1_key():
     lab = ToyLab()
     before = lab.extend(ToyCache.empty(2), "ABCD").cache
     e = prefix_edit(before, "AXCD", lab)
