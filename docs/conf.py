@@ -31,7 +31,8 @@ extensions = [
 exclude_patterns = ["_build", "_static", "_ext", "_templates", "_ipython", "**.ipynb_checkpoints", "README.md"]
 
 # Working on one page: KVDOC_PAGES="part1/2-operations part3/*" builds the landing page, the
-# part indexes and the pages named (globs allowed), skipping the rest. Never set in CI.
+# on-ramp (the part indexes link to it), the part indexes and the pages named (globs allowed),
+# skipping the rest. Never set in CI.
 if os.environ.get("KVDOC_PAGES"):
     import fnmatch
     import pathlib
@@ -40,13 +41,14 @@ if os.environ.get("KVDOC_PAGES"):
     _wanted = os.environ["KVDOC_PAGES"].split()
     for _path in _here.rglob("*.md"):
         _doc = _path.relative_to(_here).with_suffix("").as_posix()
-        if _doc.startswith("_build") or _doc == "index" or _doc.endswith("/index"):
+        if _doc.startswith("_build") or _doc in ("index", "attention") or _doc.endswith("/index"):
             continue
         if not any(fnmatch.fnmatch(_doc, pattern) for pattern in _wanted):
             exclude_patterns.append(_doc + ".md")
     suppress_warnings = ["toc.excluded", "toc.not_readable"]
 templates_path = ["_templates"]
 html_static_path = ["_static"]
+html_css_files = ["kvdoc.css"]  # small dependency maps (kvdoc.render.map_table)
 
 # --- notebooks -------------------------------------------------------------------------
 # Cached locally (jupyter-cache re-runs a page only when its code changes); forced in CI,
@@ -93,7 +95,7 @@ html_theme = "sphinx_book_theme"
 html_title = "kvdoc: the KV cache, derived and proved"
 html_theme_options = {
     "show_toc_level": 2,
-    "use_download_button": False,
+    "use_download_button": True,  # .ipynb (see _offer_notebook), .md source, print to PDF
     "use_fullscreen_button": False,
 }
 html_context = {"default_mode": "auto"}  # without it a first visit logs "Got invalid theme mode"
@@ -103,3 +105,28 @@ mathjax_path = "mathjax/tex-chtml-full.js"
 html_last_updated_fmt = None  # no build timestamps: two builds of one commit should match
 copybutton_prompt_text = r">>> |\.\.\. "
 copybutton_prompt_is_regexp = True
+
+
+# --- downloads -------------------------------------------------------------------------------
+# The theme offers a page's executed notebook only when a launch service (Binder, Colab) is set,
+# and those are external hosts. This offers it without one: the notebook MyST-NB wrote for the
+# page is copied beside the page's source in _sources/, without per-cell execution timestamps, so
+# two builds write the same file. Runs before the theme's header buttons (priority 501).
+def _offer_notebook(app, pagename, templatename, context, doctree):
+    import json
+
+    executed = Path(app.outdir).parent / "jupyter_execute" / f"{pagename}.ipynb"
+    if doctree is None or not executed.is_file():
+        return
+    notebook = json.loads(executed.read_text(encoding="utf-8"))
+    for cell in notebook.get("cells", []):
+        cell.get("metadata", {}).pop("execution", None)
+    target = Path(app.outdir) / "_sources" / f"{pagename}.ipynb"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(notebook, indent=1, sort_keys=True, ensure_ascii=False) + "\n",
+                      encoding="utf-8")
+    context["ipynb_source"] = f"{pagename}.ipynb"
+
+
+def setup(app):
+    app.connect("html-page-context", _offer_notebook, priority=500)

@@ -8,17 +8,14 @@ import torch
 from kvdoc import Decoder, GPTConfig
 from kvdoc.deps import (
     compare_maps,
-    decoder_function,
-    decoder_sites,
-    decoder_values,
     dependency_map,
     jacobian_map,
     lower_triangular,
-    markdown_table,
     perturbation_map,
-    prefix_edit,
     token_dependency_map,
 )
+from kvdoc.sites import decoder_function, decoder_sites, decoder_values, kv_rows_changed
+from kvdoc.tables import markdown_table
 
 SMALL = GPTConfig(vocab_size=11, n_positions=16, n_layer=2, n_head=2, n_embd=8, n_inner=16)
 
@@ -162,13 +159,13 @@ def test_pinning_k_and_v_leaves_only_the_last_row(model):
     assert dependency_map(fn, k0, out_rows=[-1]).rows_needed() == [0, 1, 2, 3]
 
 
-def test_token_map_and_prefix_edit(model):
+def test_token_map_and_kv_rows_changed(model):
     idx = torch.tensor([[1, 2, 3, 4]])
     m = token_dependency_map(lambda i: model(i).logits, idx, SMALL.vocab_size)
     assert torch.equal(m.depends, lower_triangular(4))
-    e = prefix_edit(model, idx, torch.tensor([[1, 7, 3, 4]]))
+    e = kv_rows_changed(model, idx, torch.tensor([[1, 7, 3, 4]]))
     assert e.k_changed[0].tolist() == [False, True, False, False]  # layer 0 K is row-local
     assert e.k_changed[1].tolist() == [False, True, True, True]  # layer 1 K saw the edit
     assert torch.equal(e.k_changed, e.v_changed)
     with pytest.raises(ValueError):
-        prefix_edit(model, idx, idx[:, :3])
+        kv_rows_changed(model, idx, idx[:, :3])

@@ -39,7 +39,7 @@ def build(tmp_path: Path, body: str, target: str = "html", timeout_s: int = 60) 
     src = tmp_path / "src"
     src.mkdir(parents=True)
     shutil.copy(ROOT / "docs" / "conf.py", src / "conf.py")
-    for folder in ("_ext", "_static", "_templates"):
+    for folder in ("_ext", "_static", "_templates", "_ipython"):
         if (ROOT / "docs" / folder).is_dir():
             shutil.copytree(ROOT / "docs" / folder, src / folder)
     (src / "index.md").write_text(INDEX)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvdoc import offset_causal_mask, top_left_causal_mask
-from kvdoc.toy import WORKED_INPUTS, worked_example
+from kvdoc.worked import WORKED_INPUTS, worked_example
 
 JS = Path(__file__).resolve().parents[1] / "docs" / "_static" / "kvdoc-explorer.js"
 GRID = [(p, c) for p in range(0, 13) for c in range(1, 7)]  # the page's slider ranges
@@ -62,7 +62,7 @@ def test_js_stepper_matches_worked_example():
 def test_page_reference_cell_uses_the_sliders_initial_values():
     import re
 
-    page = (JS.parents[1] / "part2" / "3-explorer.md").read_text()
+    page = (JS.parents[1] / "part1" / "4-explorer.md").read_text()
     js = JS.read_text()
     p0 = re.search(r'max: "12", value: "(\d+)", id: "kvx-p"', js)
     c0 = re.search(r'max: "6", value: "(\d+)", id: "kvx-c"', js)

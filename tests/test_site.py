@@ -5,7 +5,8 @@ every maths element rendered by the site's own MathJax, every image loaded (and 
 
 - ``test_browser_check_catches_a_bad_page``: the check itself can fail (a page that breaks every rule).
 - ``test_throwaway_site_holds``: a one-page site built with the project's conf.py, _ext and
-  _static (maths, a glued figure, code) passes: the configuration makes self-contained pages.
+  _static (maths, a glued figure, code) passes: the configuration makes self-contained pages,
+  and the download button's notebook is part of the site.
 - ``test_compare_builds_exempts_timing_pages_only``: the reproducibility comparison of
   ``make repro-check`` (scripts/compare_builds.py; ``.ci/run`` runs it on the whole site) flags
   any difference except on the timing pages.
@@ -20,6 +21,7 @@ Without Chromium these tests are skipped with a loud reason outside CI, and fail
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -132,11 +134,18 @@ def test_throwaway_site_holds(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     shutil.copy(ROOT / "docs" / "conf.py", src / "conf.py")
-    for folder in ("_ext", "_static", "_templates"):
+    for folder in ("_ext", "_static", "_templates", "_ipython"):
         if (ROOT / "docs" / folder).is_dir():
             shutil.copytree(ROOT / "docs" / folder, src / folder)
     (src / "index.md").write_text(PAGE)
-    report = browser.check_site(build_site(src, tmp_path / "build"), exe)
+    site = build_site(src, tmp_path / "build")
+    # The download button offers the executed notebook, served from the site itself.
+    notebook = json.loads((site / "_sources" / "index.ipynb").read_text())
+    code = [c for c in notebook["cells"] if c["cell_type"] == "code"]
+    assert len(code) == 1 and "fig-line" in "".join(code[0]["source"])  # this page's cell
+    assert not any("execution" in c["metadata"] for c in notebook["cells"])  # no timestamps
+    assert 'href="_sources/index.ipynb"' in (site / "index.html").read_text()
+    report = browser.check_site(site, exe)
     assert not report.failures, report.failures
     index = next(p for p in report.pages if p.url.endswith("/index.html"))
     assert index.mathjax_loaded and index.maths == 2 and index.maths_unrendered == 0, index

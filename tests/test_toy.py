@@ -7,25 +7,20 @@ import itertools
 import pytest
 import torch
 
+from kvdoc.render import html_table, latex_matrix, token_ids, token_label, token_text
 from kvdoc.toy import (
-    SOURCE_FIGURES,
-    WORKED_INPUTS,
     Counts,
     ToyCache,
     ToyLab,
     check_against_full,
     common_prefix_len,
-    compare_with_source,
-    counts_table,
+    work_counts,
     expected_counts,
     full_forward,
-    html_table,
-    latex_matrix,
     mask_exercise,
-    naive_step,
     prefix_edit,
-    worked_example,
 )
+from kvdoc.worked import SOURCE_FIGURES, WORKED_INPUTS, compare_with_source, naive_step, worked_example
 
 
 def _explicit_attention_last_row(x: torch.Tensor) -> torch.Tensor:
@@ -112,8 +107,8 @@ def test_check_detects_a_wrong_cache():
     assert not check_against_full(r).ok
 
 
-def test_counts_table_rows_obey_closed_forms():
-    rows = counts_table()
+def test_work_counts_rows_obey_closed_forms():
+    rows = work_counts()
     assert [r.sequence for r in rows] == ["ABC", "ABCD", "AXCD"]
     for r in rows:
         T = len(r.sequence)
@@ -125,14 +120,14 @@ def test_counts_table_rows_obey_closed_forms():
     assert rows[1].cached.kv_pairs == 2 and rows[1].cached.dot_products == 2 * 4
 
 
-def test_prefix_edit_keeps_layer1_key_and_changes_layer2_key():
+def test_prefix_edit_keeps_layer0_key_and_changes_layer1_key():
     lab = ToyLab()
     before = lab.extend(ToyCache.empty(2), "ABCD").cache
     e = prefix_edit(before, "AXCD", lab)
     assert e.prefix_len == common_prefix_len("ABCD", "AXCD") == 1
     assert e.key_changed(0, 0) == 0.0 and e.key_changed(1, 0) == 0.0  # A: untouched prefix
-    assert e.key_changed(0, 2) == 0.0  # C in layer 1: its own embedding and position only
-    assert e.key_changed(1, 2) > 1e-3  # C in layer 2: it read X instead of B
+    assert e.key_changed(0, 2) == 0.0  # C in layer 0: its own embedding and position only
+    assert e.key_changed(1, 2) > 1e-3  # C in layer 1: it read X instead of B
     assert check_against_full(e.result).ok
     with pytest.raises(ValueError):
         prefix_edit(before, "AB", lab)
@@ -162,3 +157,14 @@ def test_render_helpers():
     with pytest.raises(ValueError):
         html_table(["a", "b"], [[1]])
     assert Counts(1, 2) + Counts(3, 4) == Counts(4, 6)
+
+
+def test_token_helpers_round_trip_and_refuse_bad_text():
+    text = "AXCD"
+    ids = token_ids(text)
+    assert ids.shape == (1, len(text))
+    assert token_text(ids[0]).replace(" ", "") == text  # capital letters come back as themselves
+    assert token_label(ord("l") - 32) == f"id {ord('l') - 32}"  # anything else is shown as its id
+    for bad in ("", "é", "a\n"):
+        with pytest.raises(ValueError):
+            token_ids(bad)
