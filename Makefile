@@ -65,8 +65,8 @@ numeric-check: $(STAMP)  ## execute every page again in a second numeric setting
 screenshots: $(STAMP)  ## render the built pages to PNG in docs/_build/screenshots (needs make html)
 	$(BIN)/python scripts/browser.py screenshots $(BUILDDIR)/html $(BUILDDIR)/screenshots $(PAGES)
 
-page: $(STAMP)  ## build the landing page and one page only: make page PAGE=part1/1-question
-	@test -n "$(PAGE)" || { echo "usage: make page PAGE=part1/1-question (globs allowed)"; exit 2; }
+page: $(STAMP)  ## build the landing page and one page only: make page PAGE=part2/1-question
+	@test -n "$(PAGE)" || { echo "usage: make page PAGE=part2/1-question (globs allowed)"; exit 2; }
 	rm -rf $(BUILDDIR)/page
 	KVDOC_PAGES="$(PAGE)" $(SPHINXBUILD) -b html -E $(SPHINXOPTS) -d $(BUILDDIR)/page-doctrees $(DOCS) $(BUILDDIR)/page
 	@echo "Page: $(BUILDDIR)/page/$(PAGE).html"

@@ -30,7 +30,7 @@ extensions = [
 
 exclude_patterns = ["_build", "_static", "_ext", "_templates", "_ipython", "**.ipynb_checkpoints", "README.md"]
 
-# Working on one page: KVDOC_PAGES="part1/2-operations part3/*" builds the landing page, the
+# Working on one page: KVDOC_PAGES="part2/2-operations part3/*" builds the landing page, the
 # on-ramp (the part indexes link to it), the part indexes and the pages named (globs allowed),
 # skipping the rest. Never set in CI.
 if os.environ.get("KVDOC_PAGES"):
