@@ -15,6 +15,7 @@ per layer, then ``work.finish(start + C)``, and returns ``work``.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 
 import torch
@@ -229,3 +230,49 @@ class StaticCache(KVCache):
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self._k, *self._v]
+
+
+class CacheWrapper(KVCache):
+    """A cache that delegates everything to another one; subclasses change ``update``.
+
+    What a wrapper adds (measuring the bytes an update writes, or a deliberate bug) stays out of
+    the real caches. ``begin`` wraps what the inner cache's ``begin`` returns, so a wrapped
+    dynamic cache is still never modified by a call, and a wrapped static cache is still
+    written in place.
+
+    >>> from kvdoc import GPTConfig
+    >>> inner = StaticCache(GPTConfig(), batch_size=1, capacity=4)
+    >>> wrapped = CacheWrapper(inner)
+    >>> wrapped.seq_len, wrapped.begin().inner is inner
+    (0, True)
+    """
+
+    def __init__(self, inner: KVCache) -> None:
+        self.inner = inner
+        for name in ("n_layer", "batch_size", "n_kv_head", "head_dim", "dtype", "device"):
+            setattr(self, name, getattr(inner, name))
+
+    @property
+    def seq_len(self) -> int:
+        return self.inner.seq_len
+
+    def layer(self, idx: int) -> KV:
+        return self.inner.layer(idx)
+
+    def begin(self) -> CacheWrapper:
+        work = copy.copy(self)  # keeps what a subclass holds (a meter, a saved layer)
+        work.inner = self.inner.begin()
+        return work
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        return self.inner.update(layer_idx, k, v, start)
+
+    def finish(self, end: int) -> None:
+        self.inner.finish(end)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.inner.tensors()
+
+    def check_compatible(self, config: GPTConfig, batch_size: int, dtype: torch.dtype,
+                         device: torch.device, new_len: int) -> None:
+        self.inner.check_compatible(config, batch_size, dtype, device, new_len)

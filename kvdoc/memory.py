@@ -8,8 +8,8 @@ A conventional cache keeps, for every decoder layer, one K and one V tensor of s
 with ``L`` layers and ``s`` bytes per element. This module computes that count
 (:func:`kv_bytes`, :func:`kv_bytes_for_config`), measures real caches the same way
 (:func:`measured_bytes`), formats byte counts in binary and decimal units side by side
-(:func:`format_bytes`), holds published model configurations (:data:`PRESETS`), and counts the
-bytes a cache writes per update by instrumenting the tensor operations (:class:`CopyMeter`).
+(:func:`format_bytes`) and holds published model configurations (:data:`PRESETS`). What a cache
+writes per update is measured by :class:`kvdoc.copymeter.CopyMeter`.
 
 It is also the ``python -m kvdoc memory`` command (:func:`add_arguments`, :func:`main`)::
 
@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from .cache import DynamicCache, KVCache, StaticCache
+from .cache import KVCache
 from .config import GPTConfig
 from .tables import markdown_table  # re-exported: pages import it from here
 
@@ -152,6 +151,7 @@ def kv_bytes_for_config(config: GPTConfig, batch: int, seq_len: int,
 def measured_bytes(cache: KVCache | Iterable[torch.Tensor]) -> int:
     """Bytes of real tensors: ``sum(t.numel() * t.element_size())`` over a cache's tensors.
 
+    >>> from kvdoc.cache import StaticCache
     >>> cache = StaticCache(GPTConfig(), batch_size=1, capacity=272)
     >>> measured_bytes(cache) == kv_bytes_for_config(GPTConfig(), 1, 272)
     True
@@ -299,137 +299,6 @@ def preset(name: str) -> ModelPreset:
     except (KeyError, AttributeError):
         known = ", ".join(p.name for p in PRESETS.values())
         raise ValueError(f"unknown model {name!r}; known models: {known}") from None
-
-
-# --- measuring what a cache update writes ----------------------------------------------------
-
-def _tensor_bytes(t: object) -> int:
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
-class _WriteCounter(TorchDispatchMode):
-    """Adds up the bytes every aten op writes: outputs of functional ops, targets of in-place ops."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written = 0
-        self.allocated = 0  # bytes of freshly created output tensors
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func.is_view:
-            return out  # a view writes nothing
-        if func._schema.is_mutable:
-            values = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
-            for spec, value in zip(func._schema.arguments, values):
-                if spec.alias_info is not None and spec.alias_info.is_write:
-                    self.written += _tensor_bytes(value)
-        else:
-            outs = out if isinstance(out, (tuple, list)) else (out,)
-            fresh = sum(_tensor_bytes(t) for t in outs)
-            self.written += fresh
-            self.allocated += fresh
-        return out
-
-
-@dataclass
-class UpdateRecord:
-    """What one ``cache.update(layer, k, v, start)`` wrote, measured by :class:`CopyMeter`."""
-
-    layer: int
-    start: int
-    """``P``: positions held before the update."""
-    new_rows: int
-    """``C``: positions added."""
-    new_bytes: int
-    """Bytes of the new K and V rows passed in."""
-    written: int
-    """Bytes every tensor operation inside the update wrote."""
-    allocated: int
-    """Bytes of tensors the update created."""
-
-    @property
-    def old_bytes_copied(self) -> int:
-        """Bytes written beyond the new rows: old content copied again."""
-        return self.written - self.new_bytes
-
-
-@dataclass
-class CopyMeter:
-    """A log of instrumented cache updates, shared by every cache object one generation creates.
-
-    Wrap a cache with :meth:`watch`; each ``update`` then runs under a
-    ``TorchDispatchMode`` that adds up the bytes of every aten operation it performs, so
-    ``torch.cat`` in a :class:`~kvdoc.cache.DynamicCache` and the slice ``copy_`` in a
-    :class:`~kvdoc.cache.StaticCache` are counted by what they actually write.
-
-    >>> from kvdoc import Decoder
-    >>> _ = torch.manual_seed(0)
-    >>> model = Decoder(GPTConfig())
-    >>> meter = CopyMeter()
-    >>> cache = meter.watch(model.new_cache(1, "dynamic"))
-    >>> _, cache = model(torch.tensor([[1, 2, 3]]), cache)        # prefill 3 positions
-    >>> _, cache = model(torch.tensor([[4]]), cache)              # decode: cat copies 3 old rows
-    >>> meter.old_bytes_copied(start=3) == kv_bytes_for_config(model.config, 1, 3)
-    True
-    """
-
-    records: list[UpdateRecord] = field(default_factory=list)
-
-    def watch(self, cache: KVCache) -> KVCache:
-        """An instrumented cache holding ``cache``'s content and storage, logging into this meter.
-
-        Continue with the returned cache (for a static cache it shares the preallocated tensors).
-        """
-        if isinstance(cache, DynamicCache):
-            return _MeteredDynamic([cache.layer(i) for i in range(cache.n_layer)], self)
-        if isinstance(cache, StaticCache):
-            metered = _MeteredStatic.__new__(_MeteredStatic)
-            metered.__dict__.update(cache.__dict__)  # the same preallocated tensors; use the returned cache
-            metered._meter = self
-            return metered
-        raise ValueError(f"cannot watch a {type(cache).__name__}")
-
-    def _run(self, update, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int):
-        counter = _WriteCounter()
-        with counter:
-            kv = update(layer_idx, k, v, start)
-        self.records.append(UpdateRecord(layer_idx, start, k.shape[2], _tensor_bytes(k) + _tensor_bytes(v),
-                                         counter.written, counter.allocated))
-        return kv
-
-    def old_bytes_copied(self, start: int | None = None) -> int:
-        """Old-content bytes copied, over all updates (or those that started at position ``start``)."""
-        return sum(r.old_bytes_copied for r in self.records if start is None or r.start == start)
-
-    def per_step(self) -> list[tuple[int, int, int]]:
-        """``(P, bytes written, old bytes copied)`` per forward call, summed over layers, in call order."""
-        steps: dict[int, list[int]] = {}
-        for r in self.records:
-            acc = steps.setdefault(r.start, [0, 0])
-            acc[0] += r.written
-            acc[1] += r.old_bytes_copied
-        return [(p, w, o) for p, (w, o) in steps.items()]
-
-
-class _MeteredDynamic(DynamicCache):
-    def __init__(self, layers, meter: CopyMeter) -> None:
-        super().__init__(layers)
-        self._meter = meter
-
-    def begin(self) -> _MeteredDynamic:
-        return _MeteredDynamic(self._kv, self._meter)
-
-    def update(self, layer_idx, k, v, start):
-        return self._meter._run(super().update, layer_idx, k, v, start)
-
-
-class _MeteredStatic(StaticCache):
-    _meter: CopyMeter
-
-    def update(self, layer_idx, k, v, start):
-        return self._meter._run(super().update, layer_idx, k, v, start)
 
 
 # --- the command line -------------------------------------------------------------------------

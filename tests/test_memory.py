@@ -9,8 +9,9 @@ import torch
 
 from kvdoc import Decoder, GPTConfig, generate
 from kvdoc.__main__ import main as cli
+from kvdoc.copymeter import CopyMeter
 from kvdoc.memory import (
-    PRESETS, CopyMeter, binary_size, decimal_size, element_size, kv_bytes, kv_bytes_for_config,
+    PRESETS, binary_size, decimal_size, element_size, kv_bytes, kv_bytes_for_config,
     kv_bytes_per_layer, measured_bytes, preset, resolve_dtype,
 )
 

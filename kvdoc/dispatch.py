@@ -1,0 +1,52 @@
+"""Counting what ATen operations do, through torch's dispatch mode.
+
+``TorchDispatchMode`` (``torch.utils._python_dispatch``) and an operator's ``_schema`` are
+private PyTorch APIs. kvdoc uses them for measurements only (how many bytes a cache update
+writes, how many operators a decode step runs), and keeps every use in this one module, so a
+PyTorch release that moves them breaks one file.
+
+>>> import torch
+>>> a, b = torch.zeros(2, 3), torch.zeros(1, 3)
+>>> with WriteCounter() as counter:
+...     _ = torch.cat((a, b))  # writes a new 3 x 3 FP32 tensor: 36 bytes
+>>> counter.written, counter.allocated
+(36, 36)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def tensor_bytes(t: object) -> int:
+    """``numel * element_size`` of a tensor; 0 for anything else."""
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+class WriteCounter(TorchDispatchMode):
+    """Adds up the bytes every ATen op writes: outputs of functional ops, targets of in-place ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = 0
+        self.allocated = 0  # bytes of freshly created output tensors
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view:
+            return out  # a view writes nothing
+        if func._schema.is_mutable:
+            values = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+            for spec, value in zip(func._schema.arguments, values):
+                if spec.alias_info is not None and spec.alias_info.is_write:
+                    self.written += tensor_bytes(value)
+        else:
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            fresh = sum(tensor_bytes(t) for t in outs)
+            self.written += fresh
+            self.allocated += fresh
+        return out
