@@ -184,6 +184,28 @@ class NewBeforeOldStaticCache(StaticCache):
         return self._k[layer_idx][:, :, :end], self._v[layer_idx][:, :, :end]
 
 
+class FP32DynamicCache(DynamicCache):
+    """BROKEN: rounds every K/V it stores to FP32, whatever the model's dtype (a cache allocated in
+    the default dtype). Invisible in FP32; in FP64 the cached path is only FP32-accurate."""
+
+    def begin(self) -> FP32DynamicCache:
+        return FP32DynamicCache(self._kv)
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        k, v = k.float().to(k.dtype), v.float().to(v.dtype)  # BUG: precision lost on the way in
+        return super().update(layer_idx, k, v, start)
+
+
+class FP32CacheDecoder(Decoder):
+    """A decoder whose dynamic caches are :class:`FP32DynamicCache` (static ones are right)."""
+
+    def new_cache(self, batch_size: int, kind: str = "dynamic", capacity: int | None = None) -> KVCache:
+        if kind != "dynamic":
+            return super().new_cache(batch_size, kind, capacity)
+        weight = self.wte.weight
+        return FP32DynamicCache(DynamicCache.empty(self.config, batch_size, weight.dtype, weight.device)._kv)
+
+
 class CrossLayerDecoder(Decoder):
     """A decoder whose new caches are :class:`CrossLayerCache` (see there)."""
 
@@ -438,6 +460,8 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   lambda m: _copy_as(m, NewBeforeOldDecoder), "cache storage"),
     BrokenVariant("stale-cache", "a cache filled before a prefix edit (token 0 changed) is reused after it",
                   lambda m: _copy_as(m, Decoder), "cache storage", stale_prefix=True),
+    BrokenVariant("fp32-cache", "a dynamic cache rounds the K/V it stores to FP32, also in an FP64 model",
+                  lambda m: _copy_as(m, FP32CacheDecoder), "cache storage"),
     BrokenVariant("modulo-slots", "a static cache writes position t into slot t % 32 and reads slots as linear",
                   lambda m: _copy_as(m, ModuloDecoder), "long stream"),
     BrokenVariant("window-32", "a dynamic cache silently keeps only the newest 32 positions",

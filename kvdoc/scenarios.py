@@ -163,7 +163,7 @@ def _generate(case: Case, out: list) -> None:
 
 def _crop(case: Case, out: list) -> None:
     ids, T = case.ids, case.ids.shape[1]
-    fill, keep = T - 20, T // 2 - 5
+    fill, keep = T - T // 4, T // 2 - 5
     _, cache = _feed(case.call, case.new_cache(), ids[:, :fill], case.chunks[-1])
     if not hasattr(cache, "crop"):
         out.append(("crop", None, 0.0, "the cache has no crop"))

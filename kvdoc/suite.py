@@ -163,8 +163,8 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
         raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     if any(dt not in TOLERANCE for dt in dtypes):
         raise ValueError(f"dtypes must be float32 or float64, got {list(dtypes)}")
-    if length < 30 or batch < 1 or not chunks or min(chunks) < 1:
-        raise ValueError(f"need length >= 30, batch >= 1 and positive chunks; got {length}, {batch}, {chunks}")
+    if length < 24 or batch < 1 or not chunks or min(chunks) < 1:
+        raise ValueError(f"need length >= 24, batch >= 1 and positive chunks; got {length}, {batch}, {chunks}")
     start, results = time.perf_counter(), []
     broken = None if variant is None else VARIANTS[variant]
     for seed in seeds:

@@ -43,7 +43,8 @@ def test_real_implementation_passes_the_equivalence_grid():
 
 
 @pytest.mark.parametrize("name", [n for n, v in VARIANTS.items() if v.bug_class in ("mask and positions",
-                                                                                     "cache storage")])
+                                                                                     "cache storage")
+                                  and n != "fp32-cache"])  # FP64 only: see test_each_axis_is_needed
 def test_the_grid_catches_the_mask_and_storage_variants(name):
     report = verify(name, **SMALL)
     assert not report.passed, report.to_markdown()
@@ -103,7 +104,7 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="non-empty"):
         stale_prefix(torch.tensor([1, 2]), 97)
     for kwargs, match in (({"models": ("nope",)}, "unknown model"), ({"kinds": ("paged",)}, "unknown cache kind"),
-                          ({"variant": "nope"}, "unknown variant"), ({"length": 10}, "length >= 30"),
+                          ({"variant": "nope"}, "unknown variant"), ({"length": 10}, "length >= 24"),
                           ({"dtypes": (torch.float16,)}, "float32 or float64")):
         with pytest.raises(ValueError, match=match):
             run_suite(**kwargs)
@@ -150,7 +151,9 @@ def test_each_axis_is_needed():
     assert run_suite("gqa-tiled-cached", models=("mha", "mqa"), **FP32).passed  # tiling = grouping for MQA
     assert not run_suite("gqa-tiled-cached", models=("gqa",), **FP32).passed
     assert run_suite("modulo-slots", kinds=("dynamic",), **FP32).passed
-    assert run_suite("window-32", length=30, models=("mha",), **FP32).passed  # 30 positions fit 32 slots
+    assert run_suite("fp32-cache", **FP32).passed  # invisible unless the model is FP64
+    assert not run_suite("fp32-cache", models=("mqa",), dtypes=(torch.float64,)).passed
+    assert run_suite("window-32", length=24, models=("mha",), **FP32).passed  # 24 positions fit 32 slots
     assert not run_suite("window-32", length=40, models=("mha",), **FP32).passed
 
 
