@@ -45,7 +45,7 @@ from .references import mha_reference, transformers_reference
 
 STREAM_LENGTH = 83
 """Tokens in the default stream: past 32 and 64, and prime, so no chunk size above 1 divides it."""
-CHUNKS = (1, 5, 13)
+CHUNKS = (1, 2, 5, 13)
 """Chunk sizes of the default ``logits`` check."""
 THOROUGH = dict(length=150, chunks=(1, 2, 3, 5, 7, 16, 17, 31, 32, 33, 64), batch=3, seeds=(0, 1))
 """The ``--thorough`` grid: a stream past 128, more chunk sizes, batch 3, two seeds."""

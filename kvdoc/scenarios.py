@@ -5,12 +5,14 @@ tolerances are :data:`kvdoc.verify.TOLERANCE` (``atol = rtol``, 1e-5 in FP32, 1e
 
 * ``logits``, ``kv``, ``lifecycle`` (scenario ``stream``): a stream of
   :data:`kvdoc.grid.STREAM_LENGTH` tokens (past positions 32 and 64) fed in chunks of each of
-  :data:`kvdoc.grid.CHUNKS` tokens, none of which divides it except 1: the logits of every
+  :data:`kvdoc.grid.CHUNKS` tokens, none of which divides it except 1 (and once more with batch
+  1, in the middle chunk size): the logits of every
   position, each layer's cached K/V ``[B, H_kv, T, D_h]`` against the K/V the full forward
   projects, and what a cache held before each call (bitwise).
 * ``causality``: changing the last token leaves every earlier position unchanged, on both paths.
 * ``last_only``: ``last_only=True`` returns the last position, full and cached.
-* ``prefill_decode``: ``kvdoc.model.prefill`` of 7 tokens, then ``decode_step`` per token.
+* ``prefill_decode``: ``kvdoc.model.prefill`` of 7 tokens, then ``decode_step`` per token
+  (ids ``[B]`` and ``[B, 1]`` in turn); ``prefill`` without a cache too.
 * ``generate``: every token ``kvdoc.model.generate`` picks is the greedy argmax of one full
   forward over its output (a near tie within the tolerance counts as either token).
 * ``crop``: fill, crop to a shorter length, continue with other tokens.
@@ -92,18 +94,21 @@ def _kv_error(model: nn.Module, ids: torch.Tensor, cache: KVCache, tol: float) -
 
 
 def _stream(case: Case, out: list) -> None:
-    full = case.full(case.ids)
+    B, T = case.ids.shape
     first = stale_prefix(case.ids, case.model.config.vocab_size) if case.stale else None
+    runs = [(B, chunk) for chunk in case.chunks] + ([(1, case.chunks[len(case.chunks) // 2])] if B > 1 else [])
     logit_ok, logit_err, life, kv = True, 0.0, 0.0, (True, 0.0)
-    for chunk in case.chunks:
-        run = run_cached(case.call, case.ids, chunk, first_chunk_ids=first, cache=case.new_cache(),
-                         in_place=case.cache.in_place)
-        logit_ok = logit_ok and _close(run.logits, full, case.tol) and run.cache.seq_len == case.ids.shape[1]
+    for rows, chunk in runs:
+        ids = case.ids[:rows]
+        full = case.full(ids)
+        run = run_cached(case.call, ids, chunk, first_chunk_ids=None if first is None else first[:rows],
+                         cache=case.new_cache(rows), in_place=case.cache.in_place)
+        logit_ok = logit_ok and _close(run.logits, full, case.tol) and run.cache.seq_len == T
         logit_err, life = max(logit_err, _max_abs(run.logits, full)), max(life, run.lifecycle_error)
-        found = _kv_error(case.model, case.ids, run.cache, case.tol)
-        kv = None if found is None else (kv[0] and found[0], max(kv[1], found[1]))
-    sizes = ", ".join(map(str, case.chunks))
-    out.append(("logits", logit_ok, logit_err, f"{case.ids.shape[1]} tokens in chunks of {sizes}"))
+        found = _kv_error(case.model, ids, run.cache, case.tol)
+        kv = None if found is None or kv is None else (kv[0] and found[0], max(kv[1], found[1]))
+    what = ", ".join(f"{c}" + (f" (batch {r})" if r != B else "") for r, c in runs)
+    out.append(("logits", logit_ok, logit_err, f"{T} tokens, batch {B}, in chunks of {what}"))
     out.append(("kv", None if kv is None else kv[0], 0.0 if kv is None else kv[1], "each layer's K/V"))
     out.append(("lifecycle", life == 0.0, life, "what a cache held before a call"))
 
@@ -136,11 +141,17 @@ def _prefill_decode(case: Case, out: list) -> None:
     logits, cache = _model.prefill(case.call, ids[:, :prompt], case.new_cache())
     steps = [logits]
     for t in range(prompt, ids.shape[1] - 1):
-        logits, cache = _model.decode_step(case.call, ids[:, t], cache)
+        token = ids[:, t] if t % 2 else ids[:, t:t + 1]  # decode_step takes [B] and [B, 1]
+        logits, cache = _model.decode_step(case.call, token, cache)
         steps.append(logits)
     got, want = torch.cat(steps, dim=1), full[:, prompt - 1:-1]
     name, ok, err, _ = _compare("prefill_decode", got, want, case.tol, "")
-    out.append((name, ok and cache.seq_len == ids.shape[1] - 1, err, f"prefill {prompt}, then decode_step"))
+    ok = ok and cache.seq_len == ids.shape[1] - 1
+    if case.impl == "model" and case.kind == "dynamic":  # prefill makes its own (dynamic) cache
+        own, own_cache = _model.prefill(case.model, ids[:, :prompt])
+        ok = ok and _close(own, full[:, prompt - 1:prompt], case.tol) and own_cache.seq_len == prompt
+        err = max(err, _max_abs(own, full[:, prompt - 1:prompt]))
+    out.append((name, ok, err, f"prefill {prompt}, then decode_step"))
 
 
 def _generate(case: Case, out: list) -> None:
