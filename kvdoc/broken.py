@@ -1,13 +1,15 @@
-"""Deliberately wrong KV-cache implementations, kept so that the equivalence check can be seen to fail.
+"""Deliberately wrong KV-cache implementations, kept so that the verification can be seen to fail.
 
 Each variant is a small change to the real :class:`~kvdoc.model.Decoder`, made without editing
-it: a subclass that overrides :meth:`~kvdoc.model.Decoder.positions`, an attention module whose
-:meth:`~kvdoc.model.CausalSelfAttention.mask` is swapped, or a cache (a :class:`~kvdoc.cache.KVCache`)
-whose ``update`` returns or stores the wrong K/V. One variant is a scenario rather than code: a
-cache filled before a prefix edit and reused after it.
+it: a subclass that overrides :meth:`~kvdoc.model.Decoder.positions` or ``forward``, attention
+modules whose ``mask`` or ``forward`` is changed, or caches (a :class:`~kvdoc.cache.KVCache`)
+that store, return or count the wrong thing. One variant is a scenario rather than code: a
+cache filled before a prefix edit and reused after it. Each belongs to one of
+:data:`BUG_CLASSES`: some show only in long streams, in grouped-query models, in FP64, after a
+crop or a failed call, or only against an independent reference.
 
-Every variant here is **wrong on purpose**. :data:`VARIANTS` lists them by name;
-:func:`kvdoc.verify.verify` (``python -m kvdoc verify --variant NAME``) must fail on each.
+Every variant here is **wrong on purpose**. :data:`VARIANTS` lists them by name; the suite
+(:mod:`kvdoc.suite`, ``python -m kvdoc verify --variant NAME``) must fail on each.
 
 >>> import torch
 >>> from kvdoc import Decoder, GPTConfig
@@ -184,6 +186,22 @@ class NewBeforeOldStaticCache(StaticCache):
         return self._k[layer_idx][:, :, :end], self._v[layer_idx][:, :, :end]
 
 
+class CacheKindsDecoder(Decoder):
+    """A decoder whose new caches are of the classes ``dynamic_cache`` and ``static_cache``."""
+
+    dynamic_cache: type[DynamicCache] = DynamicCache
+    static_cache: type[StaticCache] = StaticCache
+
+    def new_cache(self, batch_size: int, kind: str = "dynamic", capacity: int | None = None) -> KVCache:
+        weight = self.wte.weight
+        if kind == "dynamic":
+            return self.dynamic_cache.empty(self.config, batch_size, weight.dtype, weight.device)
+        if kind == "static":
+            return self.static_cache(self.config, batch_size, capacity or self.config.n_positions,
+                                     weight.dtype, weight.device)
+        raise ValueError(f"unknown cache kind {kind!r}; use 'dynamic' or 'static'")
+
+
 class FP32DynamicCache(DynamicCache):
     """BROKEN: rounds every K/V it stores to FP32, whatever the model's dtype (a cache allocated in
     the default dtype). Invisible in FP32; in FP64 the cached path is only FP32-accurate."""
@@ -196,14 +214,10 @@ class FP32DynamicCache(DynamicCache):
         return super().update(layer_idx, k, v, start)
 
 
-class FP32CacheDecoder(Decoder):
+class FP32CacheDecoder(CacheKindsDecoder):
     """A decoder whose dynamic caches are :class:`FP32DynamicCache` (static ones are right)."""
 
-    def new_cache(self, batch_size: int, kind: str = "dynamic", capacity: int | None = None) -> KVCache:
-        if kind != "dynamic":
-            return super().new_cache(batch_size, kind, capacity)
-        weight = self.wte.weight
-        return FP32DynamicCache(DynamicCache.empty(self.config, batch_size, weight.dtype, weight.device)._kv)
+    dynamic_cache = FP32DynamicCache
 
 
 class CrossLayerDecoder(Decoder):
@@ -213,17 +227,10 @@ class CrossLayerDecoder(Decoder):
         return CrossLayerCache(super().new_cache(batch_size, kind, capacity))
 
 
-class NewBeforeOldDecoder(Decoder):
+class NewBeforeOldDecoder(CacheKindsDecoder):
     """A decoder whose new caches place new K/V before the old (see :class:`NewBeforeOldDynamicCache`)."""
 
-    def new_cache(self, batch_size: int, kind: str = "dynamic", capacity: int | None = None) -> KVCache:
-        weight = self.wte.weight
-        if kind == "dynamic":
-            return NewBeforeOldDynamicCache.empty(self.config, batch_size, weight.dtype, weight.device)
-        if kind == "static":
-            return NewBeforeOldStaticCache(self.config, batch_size, capacity or self.config.n_positions,
-                                           weight.dtype, weight.device)
-        raise ValueError(f"unknown cache kind {kind!r}; use 'dynamic' or 'static'")
+    dynamic_cache, static_cache = NewBeforeOldDynamicCache, NewBeforeOldStaticCache
 
 
 # --- bugs that show only in long streams ----------------------------------------------------
@@ -274,29 +281,17 @@ class WindowDynamicCache(DynamicCache):
     def finish(self, end: int) -> None:
         self._len = end
 
-    def crop(self, length: int) -> WindowDynamicCache:
-        return WindowDynamicCache([(k[:, :, :length], v[:, :, :length]) for k, v in self._kv], length)
 
-
-class ModuloDecoder(Decoder):
+class ModuloDecoder(CacheKindsDecoder):
     """A decoder whose static caches are :class:`ModuloStaticCache` (dynamic ones are right)."""
 
-    def new_cache(self, batch_size: int, kind: str = "dynamic", capacity: int | None = None) -> KVCache:
-        if kind != "static":
-            return super().new_cache(batch_size, kind, capacity)
-        weight = self.wte.weight
-        return ModuloStaticCache(self.config, batch_size, capacity or self.config.n_positions,
-                                 weight.dtype, weight.device)
+    static_cache = ModuloStaticCache
 
 
-class WindowDecoder(Decoder):
+class WindowDecoder(CacheKindsDecoder):
     """A decoder whose dynamic caches are :class:`WindowDynamicCache` (static ones are right)."""
 
-    def new_cache(self, batch_size: int, kind: str = "dynamic", capacity: int | None = None) -> KVCache:
-        if kind != "dynamic":
-            return super().new_cache(batch_size, kind, capacity)
-        weight = self.wte.weight
-        return WindowDynamicCache(DynamicCache.empty(self.config, batch_size, weight.dtype, weight.device)._kv)
+    dynamic_cache = WindowDynamicCache
 
 
 class ClampedPositionsDecoder(Decoder):
@@ -385,25 +380,16 @@ class InPlaceDynamicCache(DynamicCache):
         return self  # BUG: no copy
 
 
-class EarlyLengthDecoder(Decoder):
+class EarlyLengthDecoder(CacheKindsDecoder):
     """A decoder whose static caches are :class:`EarlyLengthStaticCache` (dynamic ones are right)."""
 
-    def new_cache(self, batch_size: int, kind: str = "dynamic", capacity: int | None = None) -> KVCache:
-        if kind != "static":
-            return super().new_cache(batch_size, kind, capacity)
-        weight = self.wte.weight
-        return EarlyLengthStaticCache(self.config, batch_size, capacity or self.config.n_positions,
-                                      weight.dtype, weight.device)
+    static_cache = EarlyLengthStaticCache
 
 
-class InPlaceDecoder(Decoder):
+class InPlaceDecoder(CacheKindsDecoder):
     """A decoder whose dynamic caches are :class:`InPlaceDynamicCache` (static ones are right)."""
 
-    def new_cache(self, batch_size: int, kind: str = "dynamic", capacity: int | None = None) -> KVCache:
-        if kind != "dynamic":
-            return super().new_cache(batch_size, kind, capacity)
-        weight = self.wte.weight
-        return InPlaceDynamicCache(DynamicCache.empty(self.config, batch_size, weight.dtype, weight.device)._kv)
+    dynamic_cache = InPlaceDynamicCache
 
 
 # --- the registry ---------------------------------------------------------------------------
