@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from .cache import KV, DynamicCache, KVCache, StaticCache
 from .config import GPTConfig
-from .mask import offset_causal_mask, top_left_causal_mask
+from .mask import top_left_causal_mask
 from .model import CausalSelfAttention, Decoder, DecoderOutput
 
 

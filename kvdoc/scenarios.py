@@ -40,6 +40,7 @@ from .cache import KVCache
 from .grid import CacheSpec, ModelSpec
 from .verify import TOLERANCE, _changed, _close, _max_abs, _snapshot, full_forward_kv, run_cached
 
+
 @dataclass
 class Case:
     """One combination of the grid, with its model (in its dtype), cached call and streams."""

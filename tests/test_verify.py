@@ -13,7 +13,8 @@ from kvdoc import grid
 from kvdoc.__main__ import main as cli
 from kvdoc.broken import BUG_CLASSES, VARIANTS, stale_prefix
 from kvdoc.suite import run_suite, sweep_variants, variants_table
-from kvdoc.verify import _max_abs, chunk_lengths, cross_check_transformers, default_model, run_cached, split_error, verify
+from kvdoc.verify import (_max_abs, chunk_lengths, cross_check_transformers, default_model, run_cached,
+                          split_error, verify)
 
 SMALL = dict(batches=(2,), chunks=(1, 2), dtypes=(torch.float32,))
 FP32 = dict(dtypes=(torch.float32,))
