@@ -173,11 +173,11 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
                 try:
                     model = copy.deepcopy(grid.MODELS[name].build(seed)).to(dt).eval()
                     model = model if broken is None else broken.build(model)
+                    ids, alt = _streams(seed, batch, length, model.config.vocab_size)
                 except Exception as exc:
                     results.append(CheckResult("build", name, "", "", DTYPE_NAMES[dt], False, float("inf"),
                                                f"raised {type(exc).__name__}: {exc}"))
                     continue
-                ids, alt = _streams(seed, batch, length, model.config.vocab_size)
                 for kind in kinds:
                     for impl in impls:
                         try:
