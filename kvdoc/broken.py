@@ -1,13 +1,15 @@
-"""Deliberately wrong KV-cache implementations, kept so that the equivalence check can be seen to fail.
+"""Deliberately wrong KV-cache implementations, kept so that the verification can be seen to fail.
 
 Each variant is a small change to the real :class:`~kvdoc.model.Decoder`, made without editing
-it: a subclass that overrides :meth:`~kvdoc.model.Decoder.positions`, an attention module whose
-:meth:`~kvdoc.model.CausalSelfAttention.mask` is swapped, or a cache (a :class:`~kvdoc.cache.KVCache`)
-whose ``update`` returns or stores the wrong K/V. One variant is a scenario rather than code: a
-cache filled before a prefix edit and reused after it.
+it: a subclass that overrides :meth:`~kvdoc.model.Decoder.positions` or ``forward``, attention
+modules whose ``mask`` or ``forward`` is changed, or caches (a :class:`~kvdoc.cache.KVCache`)
+that store, return or count the wrong thing. One variant is a scenario rather than code: a
+cache filled before a prefix edit and reused after it. Each belongs to one of
+:data:`BUG_CLASSES`: some show only in long streams, in grouped-query models, in FP64, after a
+crop or a failed call, or only against an independent reference.
 
-Every variant here is **wrong on purpose**. :data:`VARIANTS` lists them by name;
-:func:`kvdoc.verify.verify` (``python -m kvdoc verify --variant NAME``) must fail on each.
+Every variant here is **wrong on purpose**. :data:`VARIANTS` lists them by name; the suite
+(:mod:`kvdoc.suite`, ``python -m kvdoc verify --variant NAME``) must fail on each.
 
 >>> import torch
 >>> from kvdoc import Decoder, GPTConfig
@@ -25,24 +27,37 @@ True
 
 from __future__ import annotations
 
-import copy
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .cache import KV, DynamicCache, KVCache, StaticCache
 from .config import GPTConfig
-from .mask import offset_causal_mask, top_left_causal_mask
-from .model import CausalSelfAttention, Decoder
+from .mask import top_left_causal_mask
+from .model import CausalSelfAttention, Decoder, DecoderOutput
 
 
 def _copy_as(model: Decoder, cls: type[Decoder]) -> Decoder:
-    """A model of class ``cls`` with ``model``'s config, weights, dtype and device, in eval mode."""
-    clone = copy.deepcopy(model)  # no fresh initialisation: fast, and the global RNG is left alone
-    clone.__class__ = cls  # the variants add methods, never state
+    """A new model of class ``cls`` with ``model``'s config, weights, dtype and device, in eval mode."""
+    weight = model.wte.weight
+    with torch.random.fork_rng():  # the fresh initialisation is overwritten; leave the global RNG alone
+        clone = cls(model.config).to(weight.dtype).to(weight.device)
+    clone.load_state_dict(model.state_dict())
     return clone.eval()
+
+
+def _with_attention(model: Decoder, cls: type[CausalSelfAttention]) -> Decoder:
+    """A copy of ``model`` whose every attention module is a ``cls`` holding the same weights."""
+    clone = _copy_as(model, Decoder)
+    weight = model.wte.weight
+    for block in clone.h:
+        attn = cls(model.config).to(weight.dtype).to(weight.device)
+        attn.load_state_dict(block.attn.state_dict())
+        block.attn = attn
+    return clone
 
 
 def _with_mask(model: Decoder, mask: Callable[..., torch.Tensor | None]) -> Decoder:
@@ -115,6 +130,9 @@ class _CacheWrapper(KVCache):
     def finish(self, end: int) -> None:
         self.inner.finish(end)
 
+    def crop(self, length: int) -> _CacheWrapper:
+        return type(self)(self.inner.crop(length))
+
     def tensors(self) -> list[torch.Tensor]:
         return self.inner.tensors()
 
@@ -168,6 +186,40 @@ class NewBeforeOldStaticCache(StaticCache):
         return self._k[layer_idx][:, :, :end], self._v[layer_idx][:, :, :end]
 
 
+class CacheKindsDecoder(Decoder):
+    """A decoder whose new caches are of the classes ``dynamic_cache`` and ``static_cache``."""
+
+    dynamic_cache: type[DynamicCache] = DynamicCache
+    static_cache: type[StaticCache] = StaticCache
+
+    def new_cache(self, batch_size: int, kind: str = "dynamic", capacity: int | None = None) -> KVCache:
+        weight = self.wte.weight
+        if kind == "dynamic":
+            return self.dynamic_cache.empty(self.config, batch_size, weight.dtype, weight.device)
+        if kind == "static":
+            return self.static_cache(self.config, batch_size, capacity or self.config.n_positions,
+                                     weight.dtype, weight.device)
+        raise ValueError(f"unknown cache kind {kind!r}; use 'dynamic' or 'static'")
+
+
+class FP32DynamicCache(DynamicCache):
+    """BROKEN: rounds every K/V it stores to FP32, whatever the model's dtype (a cache allocated in
+    the default dtype). Invisible in FP32; in FP64 the cached path is only FP32-accurate."""
+
+    def begin(self) -> FP32DynamicCache:
+        return FP32DynamicCache(self._kv)
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        k, v = k.float().to(k.dtype), v.float().to(v.dtype)  # BUG: precision lost on the way in
+        return super().update(layer_idx, k, v, start)
+
+
+class FP32CacheDecoder(CacheKindsDecoder):
+    """A decoder whose dynamic caches are :class:`FP32DynamicCache` (static ones are right)."""
+
+    dynamic_cache = FP32DynamicCache
+
+
 class CrossLayerDecoder(Decoder):
     """A decoder whose new caches are :class:`CrossLayerCache` (see there)."""
 
@@ -175,17 +227,169 @@ class CrossLayerDecoder(Decoder):
         return CrossLayerCache(super().new_cache(batch_size, kind, capacity))
 
 
-class NewBeforeOldDecoder(Decoder):
+class NewBeforeOldDecoder(CacheKindsDecoder):
     """A decoder whose new caches place new K/V before the old (see :class:`NewBeforeOldDynamicCache`)."""
 
-    def new_cache(self, batch_size: int, kind: str = "dynamic", capacity: int | None = None) -> KVCache:
-        weight = self.wte.weight
-        if kind == "dynamic":
-            return NewBeforeOldDynamicCache.empty(self.config, batch_size, weight.dtype, weight.device)
-        if kind == "static":
-            return NewBeforeOldStaticCache(self.config, batch_size, capacity or self.config.n_positions,
-                                           weight.dtype, weight.device)
-        raise ValueError(f"unknown cache kind {kind!r}; use 'dynamic' or 'static'")
+    dynamic_cache, static_cache = NewBeforeOldDynamicCache, NewBeforeOldStaticCache
+
+
+# --- bugs that show only in long streams ----------------------------------------------------
+
+WINDOW = 32
+"""The slot count of the long-stream variants: their bugs show only past this many positions."""
+
+
+class ModuloStaticCache(StaticCache):
+    """BROKEN: writes position ``t`` into slot ``t % 32`` (a ring buffer) but reads the slots as if linear.
+
+    Right while the stream is at most 32 positions long; past that, new rows overwrite old ones
+    and the rows read back past slot 31 were never written.
+    """
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        end = start + k.shape[2]
+        if start != self._len or end > self.capacity:
+            raise ValueError(f"cannot write positions {start}..{end - 1}: cache holds {self._len}")
+        slots = torch.arange(start, end, device=k.device) % WINDOW  # BUG: ring slots, linear reads
+        self._k[layer_idx][:, :, slots] = k
+        self._v[layer_idx][:, :, slots] = v
+        return self._k[layer_idx][:, :, :end], self._v[layer_idx][:, :, :end]
+
+
+class WindowDynamicCache(DynamicCache):
+    """BROKEN: silently keeps only the newest 32 positions of each layer while reporting the full length."""
+
+    def __init__(self, layers: list[KV], length: int | None = None) -> None:
+        super().__init__(layers)
+        self._len = self._kv[0][0].shape[2] if length is None else length
+
+    @property
+    def seq_len(self) -> int:
+        return self._len
+
+    def begin(self) -> WindowDynamicCache:
+        return WindowDynamicCache(self._kv, self._len)
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        if start != self._len:
+            raise ValueError(f"cache holds {self._len} positions, write starts at {start}")
+        past_k, past_v = self._kv[layer_idx]
+        kv = (torch.cat((past_k, k), dim=2)[:, :, -WINDOW:], torch.cat((past_v, v), dim=2)[:, :, -WINDOW:])  # BUG
+        self._kv[layer_idx] = kv
+        return kv
+
+    def finish(self, end: int) -> None:
+        self._len = end
+
+
+class ModuloDecoder(CacheKindsDecoder):
+    """A decoder whose static caches are :class:`ModuloStaticCache` (dynamic ones are right)."""
+
+    static_cache = ModuloStaticCache
+
+
+class WindowDecoder(CacheKindsDecoder):
+    """A decoder whose dynamic caches are :class:`WindowDynamicCache` (static ones are right)."""
+
+    dynamic_cache = WindowDynamicCache
+
+
+class ClampedPositionsDecoder(Decoder):
+    """BROKEN, in code both paths share: positions past 31 are clamped to 31, in every forward.
+
+    Cached and full compute the same wrong function, so only an independent reference sees it.
+    """
+
+    def positions(self, start: int, new_len: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(start, start + new_len, device=device).clamp(max=WINDOW - 1)  # BUG
+
+
+# --- grouped-query attention ----------------------------------------------------------------
+
+class TiledGQAAttention(CausalSelfAttention):
+    """BROKEN: shares K/V heads by tiling (query head ``h`` reads K/V head ``h % H_kv``), not by group
+    (``h // (H / H_kv)``), on cached calls only. With one K/V head (MQA) both rules agree.
+    """
+
+    shared = False  # True: the same bug in the full forward too
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int) -> torch.Tensor:
+        B, C, d = x.shape
+        heads = self.c_attn(x).view(B, C, self.n_head + 2 * self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k, v = heads.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=1)
+        if cache is not None:
+            k, v = cache.update(layer_idx, k, v, start)
+        if cache is not None or self.shared:
+            group = self.n_head // self.n_kv_head
+            k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)  # BUG: repeat, not repeat_interleave
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(start, C, x.device),
+                                           enable_gqa=k.shape[1] != self.n_head)
+        return self.c_proj(y.transpose(1, 2).reshape(B, C, d))
+
+
+class SharedTiledGQAAttention(TiledGQAAttention):
+    """BROKEN: :class:`TiledGQAAttention`'s head sharing in every forward, cached or not."""
+
+    shared = True
+
+
+# --- generation, crop and branch ------------------------------------------------------------
+
+class LastOnlyFirstRowDecoder(Decoder):
+    """BROKEN: ``last_only=True`` returns the first new position's logits, not the last one's."""
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False):
+        logits, cache = super().forward(idx, cache)
+        return DecoderOutput(logits[:, :1] if last_only else logits, cache)  # BUG: row 0, not row -1
+
+
+class PositionCounterDecoder(Decoder):
+    """BROKEN: numbers new tokens from a counter on the model (reset by a call from position 0),
+    not from the cache's length. Right for one stream fed in order; wrong after a crop, for a
+    second branch of one prefix, and after a call that failed.
+    """
+
+    def positions(self, start: int, new_len: int, device: torch.device) -> torch.Tensor:
+        first = 0 if start == 0 else getattr(self, "_counter", 0)  # BUG: ignores start
+        self._counter = first + new_len
+        return torch.arange(first, first + new_len, device=device)
+
+
+# --- a call that fails midway ---------------------------------------------------------------
+
+class EarlyLengthStaticCache(StaticCache):
+    """BROKEN: advances its length as soon as layer 0 is written, not after every layer succeeded."""
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        if layer_idx == 0:
+            self._start = self._len
+        end = start + k.shape[2]
+        if start != self._start or end > self.capacity:
+            raise ValueError(f"cannot write positions {start}..{end - 1}: cache holds {self._start}")
+        self._k[layer_idx][:, :, start:end] = k
+        self._v[layer_idx][:, :, start:end] = v
+        self._len = end  # BUG: before the other layers ran
+        return self._k[layer_idx][:, :, :end], self._v[layer_idx][:, :, :end]
+
+
+class InPlaceDynamicCache(DynamicCache):
+    """BROKEN: a call writes into the dynamic cache passed in (``begin`` returns ``self``), so a call
+    that fails after layer 0 leaves layer 0 one chunk longer than the others."""
+
+    def begin(self) -> InPlaceDynamicCache:
+        return self  # BUG: no copy
+
+
+class EarlyLengthDecoder(CacheKindsDecoder):
+    """A decoder whose static caches are :class:`EarlyLengthStaticCache` (dynamic ones are right)."""
+
+    static_cache = EarlyLengthStaticCache
+
+
+class InPlaceDecoder(CacheKindsDecoder):
+    """A decoder whose dynamic caches are :class:`InPlaceDynamicCache` (static ones are right)."""
+
+    dynamic_cache = InPlaceDynamicCache
 
 
 # --- the registry ---------------------------------------------------------------------------
@@ -211,6 +415,7 @@ class BrokenVariant:
         name: the key in :data:`VARIANTS` and the value of ``--variant``.
         breaks: one sentence: what is wrong.
         build: makes the broken model from a correct one (same weights, dtype, device).
+        bug_class: the kind of mistake, one of :data:`BUG_CLASSES`.
         stale_prefix: a scenario, not code: the cached path's first chunk is fed the prefix as it
             was before an edit (:func:`stale_prefix`), the rest the current tokens.
     """
@@ -218,8 +423,13 @@ class BrokenVariant:
     name: str
     breaks: str
     build: Callable[[Decoder], Decoder]
+    bug_class: str = "mask and positions"
     stale_prefix: bool = False
 
+
+BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-query attention",
+               "last_only and generation", "crop and branch", "shared path", "failure mid-call")
+"""The kinds of mistake the variants stand for."""
 
 VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     BrokenVariant("positions-restart", "position ids restart at 0 on every call instead of at the cache length",
@@ -231,10 +441,30 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     BrokenVariant("off-by-one-mask", "the mask allows j <= P + i + 1: each query also reads the next token",
                   lambda m: _with_mask(m, _off_by_one_mask)),
     BrokenVariant("cross-layer-cache", "every layer attends over layer 0's K/V instead of its own",
-                  lambda m: _copy_as(m, CrossLayerDecoder)),
+                  lambda m: _copy_as(m, CrossLayerDecoder), "cache storage"),
     BrokenVariant("new-before-old", "new K/V are concatenated before the cached ones, not after",
-                  lambda m: _copy_as(m, NewBeforeOldDecoder)),
+                  lambda m: _copy_as(m, NewBeforeOldDecoder), "cache storage"),
     BrokenVariant("stale-cache", "a cache filled before a prefix edit (token 0 changed) is reused after it",
-                  lambda m: _copy_as(m, Decoder), stale_prefix=True),
+                  lambda m: _copy_as(m, Decoder), "cache storage", stale_prefix=True),
+    BrokenVariant("fp32-cache", "a dynamic cache rounds the K/V it stores to FP32, also in an FP64 model",
+                  lambda m: _copy_as(m, FP32CacheDecoder), "cache storage"),
+    BrokenVariant("modulo-slots", "a static cache writes position t into slot t % 32 and reads slots as linear",
+                  lambda m: _copy_as(m, ModuloDecoder), "long stream"),
+    BrokenVariant("window-32", "a dynamic cache silently keeps only the newest 32 positions",
+                  lambda m: _copy_as(m, WindowDecoder), "long stream"),
+    BrokenVariant("gqa-tiled-cached", "cached calls share K/V heads by tiling (h % H_kv), not by group",
+                  lambda m: _with_attention(m, TiledGQAAttention), "grouped-query attention"),
+    BrokenVariant("gqa-tiled-shared", "every call shares K/V heads by tiling (h % H_kv), not by group",
+                  lambda m: _with_attention(m, SharedTiledGQAAttention), "grouped-query attention"),
+    BrokenVariant("last-only-first-row", "last_only=True returns the first new position's logits",
+                  lambda m: _copy_as(m, LastOnlyFirstRowDecoder), "last_only and generation"),
+    BrokenVariant("position-counter", "positions come from a counter on the model, not the cache length",
+                  lambda m: _copy_as(m, PositionCounterDecoder), "crop and branch"),
+    BrokenVariant("clamped-positions", "positions past 31 are clamped to 31 in every forward, full or cached",
+                  lambda m: _copy_as(m, ClampedPositionsDecoder), "shared path"),
+    BrokenVariant("static-early-length", "a static cache's length advances before every layer succeeded",
+                  lambda m: _copy_as(m, EarlyLengthDecoder), "failure mid-call"),
+    BrokenVariant("dynamic-in-place", "a dynamic cache is written in place, so a failed call leaves a partial write",
+                  lambda m: _copy_as(m, InPlaceDecoder), "failure mid-call"),
 )}
 """Every broken variant, by name."""

@@ -1,19 +1,22 @@
-"""Prove that the cached path equals full recompute, and that the proof catches broken variants.
+"""Prove that the cached path equals full recompute: the equivalence grid and its building blocks.
 
-:func:`verify` runs the equivalence grid: batch 1 and 2, chunks of 1, 2 and 5 tokens (the last
-chunk may be short), FP32 and FP64 (the same initial weights converted), a dynamic and a static
-cache, over a 24-token stream. For each combination it compares, at every consumed position and
-over the whole vocabulary, the logits of the chunked cached path with those of one full forward;
-each layer's cached K and V (content and shape ``[B, H_kv, T, D_h]``) with the K and V that the
-full forward projects; causality (changing the last token leaves every earlier position's logits
-unchanged, on both paths); and the cache's lifecycle (a dynamic cache passed into a call is
-unchanged afterwards; a static cache's rows below the write position are unchanged).
-Tolerances are ``atol = rtol = 1e-5`` in FP32 and ``1e-10`` in FP64.
+:func:`verify` runs the equivalence grid: batch 1 and 2, chunks of 1, 2, 5 and 13 tokens (the
+last chunk may be short), FP32 and FP64 (the same initial weights converted), a dynamic and a
+static cache, over a stream of :data:`kvdoc.grid.STREAM_LENGTH` tokens (past positions 32 and
+64). For each combination it compares, at every consumed position and over the whole
+vocabulary, the logits of the chunked cached path with those of one full forward; each layer's
+cached K and V (content and shape ``[B, H_kv, T, D_h]``) with the K and V that the full forward
+projects; causality (changing the last token leaves every earlier position's logits unchanged,
+on both paths); and the cache's lifecycle (a dynamic cache passed into a call is unchanged
+afterwards; a static cache's rows below the write position are unchanged). Tolerances are
+``atol = rtol = 1e-5`` in FP32 and ``1e-10`` in FP64.
 
-:func:`verify_all` also runs every variant of :mod:`kvdoc.broken` through the same grid and
-fails unless each one is caught. :func:`cross_check_transformers` compares kvdoc with Hugging
-Face transformers' GPT-2 on the same random weights. ``python -m kvdoc verify`` prints the tables
-and exits non-zero on any failure; ``--variant NAME`` points it at a broken variant.
+This grid is one part of the verification suite (:mod:`kvdoc.suite`), which adds GQA and MQA
+models, ``last_only``, prefill and decode, generation, crop, branches, failures mid-call and
+independent references, on axes that other implementations plug into (:mod:`kvdoc.grid`).
+``python -m kvdoc verify`` runs the suite and every broken variant of :mod:`kvdoc.broken`, and
+exits non-zero with a verdict unless the implementation passes and every variant is caught.
+:func:`cross_check_transformers` (:mod:`kvdoc.crosscheck`) compares kvdoc with transformers.
 
 >>> report = verify(batches=(1,), chunks=(2,), dtypes=(torch.float32,), kinds=("dynamic",))
 >>> report.passed, len(report.rows)
@@ -33,10 +36,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import model as _model  # looked up at call time, so a patched Decoder is the one built
 from .broken import VARIANTS, BrokenVariant, stale_prefix
 from .cache import KVCache
 from .config import GPTConfig
-from .model import Decoder
+from .grid import STREAM_LENGTH
+from .model import Decoder  # for annotations only
 from .tables import markdown_table  # re-exported: pages import it from here
 
 TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -113,7 +118,8 @@ class CachedRun:
 
 @torch.no_grad()
 def run_cached(model: Decoder, ids: torch.Tensor, chunk: int | Sequence[int], kind: str = "dynamic",
-               first_chunk_ids: torch.Tensor | None = None) -> CachedRun:
+               first_chunk_ids: torch.Tensor | None = None, *, cache: KVCache | None = None,
+               in_place: bool | None = None) -> CachedRun:
     """Feed ``ids`` (``[B, T]``) through ``model`` chunk by chunk, continuing one cache.
 
     Args:
@@ -123,6 +129,10 @@ def run_cached(model: Decoder, ids: torch.Tensor, chunk: int | Sequence[int], ki
         kind: ``"dynamic"`` or ``"static"`` (capacity ``T``).
         first_chunk_ids: if given (``[B, T]``), the first chunk is taken from it instead of ``ids``
             (the stale-cache scenario of :mod:`kvdoc.broken`).
+        cache: the empty cache to start from (default ``model.new_cache(B, kind)``); then ``model``
+            may be any callable ``(idx, cache) -> (logits, cache)``.
+        in_place: whether a call may write into the cache passed in (rows at and after its length
+            only); default: ``kind == "static"``. Otherwise the cache passed in must be unchanged.
 
     Returns:
         A :class:`CachedRun`.
@@ -137,15 +147,17 @@ def run_cached(model: Decoder, ids: torch.Tensor, chunk: int | Sequence[int], ki
     if ids.dim() != 2:
         raise ValueError(f"ids must be [B, T], got {tuple(ids.shape)}")
     B, T = ids.shape
-    cache = model.new_cache(B, kind, capacity=T) if kind == "static" else model.new_cache(B, kind)
+    if cache is None:
+        cache = model.new_cache(B, kind, capacity=T) if kind == "static" else model.new_cache(B, kind)
+    in_place = kind == "static" if in_place is None else in_place
     out, lifecycle, start = [], 0.0, 0
     for n, length in enumerate(chunk_lengths(T, chunk)):
         source = first_chunk_ids if (n == 0 and first_chunk_ids is not None) else ids
         before = _snapshot(cache)
         logits, new = model(source[:, start:start + length], cache)
         lifecycle = max(lifecycle, _changed(before, cache, start))  # the object passed in
-        if kind == "dynamic" and cache.seq_len != start:
-            lifecycle = math.inf  # a dynamic cache passed in must keep its length
+        if not in_place and cache.seq_len != start:
+            lifecycle = math.inf  # a cache not written in place must keep its length
         out.append(logits)
         cache, start = new, start + length
     return CachedRun(torch.cat(out, dim=1), cache, lifecycle)
@@ -299,7 +311,7 @@ class VerifyReport:
 def default_model(seed: int = 0, config: GPTConfig | None = None) -> Decoder:
     """The site's model: ``torch.manual_seed(seed)``, then a :class:`Decoder` (default config), in eval mode."""
     torch.manual_seed(seed)
-    return Decoder(config or GPTConfig()).eval()
+    return _model.Decoder(config or GPTConfig()).eval()
 
 
 def default_stream(seed: int = 1, batch: int = 2, length: int = 24, vocab_size: int = 97) -> torch.Tensor:
@@ -366,7 +378,7 @@ def check_combination(model: Decoder, ids: torch.Tensor, chunk: int, kind: str,
 
 
 def verify(variant: str | None = None, *, model: Decoder | None = None, ids: torch.Tensor | None = None,
-           batches: Sequence[int] = (1, 2), chunks: Sequence[int] = (1, 2, 5),
+           batches: Sequence[int] = (1, 2), chunks: Sequence[int] = (1, 2, 5, 13),
            dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64),
            kinds: Sequence[str] = ("dynamic", "static")) -> VerifyReport:
     """Run the equivalence grid on the real implementation, or on the broken variant ``variant``.
@@ -375,7 +387,7 @@ def verify(variant: str | None = None, *, model: Decoder | None = None, ids: tor
         variant: a key of :data:`kvdoc.broken.VARIANTS`, or None for the real implementation.
         model: the FP32 decoder to start from (default :func:`default_model`); FP64 runs use a
             converted copy of the same weights.
-        ids: the stream ``[B_max, T]`` (default :func:`default_stream`: 2 rows of 24 tokens); batch
+        ids: the stream ``[B_max, T]`` (default :func:`default_stream` of ``STREAM_LENGTH`` tokens, 2 rows); batch
             ``b`` uses its first ``b`` rows.
         batches, chunks, dtypes, kinds: the grid's axes.
 
@@ -388,7 +400,7 @@ def verify(variant: str | None = None, *, model: Decoder | None = None, ids: tor
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     model = default_model() if model is None else model
-    ids = default_stream(vocab_size=model.config.vocab_size) if ids is None else ids
+    ids = default_stream(length=STREAM_LENGTH, vocab_size=model.config.vocab_size) if ids is None else ids
     if max(batches) > ids.shape[0]:
         raise ValueError(f"batch {max(batches)} needs {max(batches)} rows of ids, got {ids.shape[0]}")
     broken = None if variant is None else VARIANTS[variant]
@@ -397,61 +409,6 @@ def verify(variant: str | None = None, *, model: Decoder | None = None, ids: tor
     rows = [check_combination(converted[dt], ids[:b], c, kind, broken, built[dt])
             for kind in kinds for b in batches for c in chunks for dt in dtypes]
     return VerifyReport(variant, rows)
-
-
-@dataclass(frozen=True)
-class VariantResult:
-    """How one broken variant fared on the grid.
-
-    Attributes:
-        name, breaks: from :class:`kvdoc.broken.BrokenVariant`.
-        report: its full grid.
-        caught: at least one check failed (what must happen).
-        logit_error: largest logit error over the grid (``inf`` for NaN or a shape mismatch).
-        failed_checks: the checks that caught it.
-    """
-
-    name: str
-    breaks: str
-    report: VerifyReport
-    caught: bool
-    logit_error: float
-    failed_checks: list[str]
-
-
-@dataclass(frozen=True)
-class FullReport:
-    """:func:`verify_all`'s result: the real implementation's grid and every broken variant's."""
-
-    real: VerifyReport
-    variants: list[VariantResult]
-
-    @property
-    def passed(self) -> bool:
-        """The real implementation passed and every broken variant was caught."""
-        return self.real.passed and all(v.caught for v in self.variants)
-
-    def variants_markdown(self) -> str:
-        """One row per broken variant: what it breaks, its largest logit error, which checks caught it."""
-        head = ["variant", "what it breaks", "max logit error", "checks that failed", "caught"]
-        body = [[f"`{v.name}`", v.breaks, f"{v.logit_error:.3g}", ", ".join(v.failed_checks) or "none",
-                 "yes" if v.caught else "NO"] for v in self.variants]
-        return markdown_table(head, body)
-
-
-def verify_all(variants: Sequence[str] | None = None, **grid) -> FullReport:
-    """The real implementation's grid, and the same grid for each broken variant (all by default).
-
-    ``grid`` is passed to :func:`verify` (``model``, ``ids`` and the axes).
-    """
-    names = list(VARIANTS) if variants is None else list(variants)
-    real = verify(None, **grid)
-    results = []
-    for name in names:
-        rep = verify(name, **grid)
-        results.append(VariantResult(name, VARIANTS[name].breaks, rep, not rep.passed,
-                                     rep.max_error(), rep.failed_checks()))
-    return FullReport(real, results)
 
 
 @torch.no_grad()
@@ -475,112 +432,20 @@ def split_error(model: Decoder, ids: torch.Tensor, cached: int, variant: str | N
     return _max_abs(run.logits[:, cached:], model(ids).logits[:, cached:])
 
 
-@dataclass(frozen=True)
-class CrossCheck:
-    """kvdoc against transformers' GPT-2 on the same random weights (max absolute logit errors).
-
-    Attributes:
-        n_parameters: parameter count of (kvdoc, transformers).
-        full: kvdoc full forward vs transformers' full forward.
-        cached: ``(kind, chunk) ->`` kvdoc cached path vs transformers' full forward.
-        hf_cached: transformers' own cached decode (prefill ``prefill_len``, then one token at a
-            time) vs transformers' full forward.
-        prefill_len: tokens in transformers' prefill.
-        logit_scale: ``max |logits|`` of transformers' full forward (the weights are not degenerate).
-    """
-
-    n_parameters: tuple[int, int]
-    full: float
-    cached: dict[tuple[str, int], float]
-    hf_cached: float
-    prefill_len: int
-    logit_scale: float
-
-
-@torch.no_grad()
-def cross_check_transformers(seed: int = 0, ids: torch.Tensor | None = None, chunks: Sequence[int] = (1, 2, 5),
-                             kinds: Sequence[str] = ("dynamic", "static"), prefill_len: int = 8) -> CrossCheck:
-    """Build a random transformers ``GPT2LMHeadModel``, load its weights into kvdoc, compare logits.
-
-    Args:
-        seed: ``torch.manual_seed`` before building the transformers model.
-        ids: the stream ``[B, T]`` (default :func:`default_stream`).
-        chunks, kinds: kvdoc's cached runs.
-        prefill_len: tokens in transformers' own prefill before one-token decode steps.
-
-    Returns:
-        A :class:`CrossCheck`.
-    """
-    from transformers import GPT2LMHeadModel
-
-    from .interop import gpt2_config
-
-    ids = default_stream() if ids is None else ids
-    if not 0 < prefill_len < ids.shape[1]:
-        raise ValueError(f"prefill_len must be between 1 and {ids.shape[1] - 1}, got {prefill_len}")
-    torch.manual_seed(seed)
-    hf = GPT2LMHeadModel(gpt2_config(GPTConfig())).eval()
-    ours = Decoder.from_gpt2(hf)
-    expected = hf(ids).logits
-    cached = {(kind, c): _max_abs(run_cached(ours, ids, c, kind).logits, expected) for kind in kinds for c in chunks}
-    out = hf(ids[:, :prefill_len], use_cache=True)
-    logits, cache = [out.logits], out.cache
-    for t in range(prefill_len, ids.shape[1]):
-        out = hf(ids[:, t:t + 1], cache=cache, use_cache=True)
-        logits.append(out.logits)
-        cache = out.cache
-    return CrossCheck((sum(p.numel() for p in hf.parameters()), ours.num_parameters()),
-                      _max_abs(ours(ids).logits, expected), cached,
-                      _max_abs(torch.cat(logits, dim=1), expected), prefill_len,
-                      float(expected.abs().max().item()))
-
-
-# --- command line -----------------------------------------------------------------------------
+# --- command line: ``python -m kvdoc verify`` runs the suite (kvdoc.suite) -----------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``python -m kvdoc verify``."""
-    parser.add_argument("--variant", choices=list(VARIANTS), default=None,
-                        help="test this broken variant instead of the real implementation (must fail)")
-    parser.add_argument("--list", action="store_true", help="list the broken variants and exit")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the model's random weights (default 0)")
-    parser.add_argument("--no-variants", action="store_true",
-                        help="skip the broken variants (by default each must be caught)")
+    """Options of ``python -m kvdoc verify`` (see :func:`kvdoc.suite.add_arguments`)."""
+    from .suite import add_arguments as suite_arguments
+
+    suite_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    """Print the grid (and the broken variants' table); return 0 only if everything that must pass passed."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: one thread is faster than several that contend
-    try:
-        return _main(args)
-    finally:
-        torch.set_num_threads(threads)
+    """Run the verification suite (see :func:`kvdoc.suite.main`)."""
+    from .suite import main as suite_main
+
+    return suite_main(args)
 
 
-def _main(args: argparse.Namespace) -> int:
-    if args.list:
-        for v in VARIANTS.values():
-            print(f"{v.name:20s} {v.breaks}")
-        return 0
-    model = default_model(args.seed)
-    if args.variant is not None:
-        report = verify(args.variant, model=model)
-        print(f"Broken variant {args.variant!r}: {VARIANTS[args.variant].breaks}\n")
-        print(report.to_markdown())
-        print(f"\n{'PASS' if report.passed else 'FAIL'}: max logit error {report.max_error():.3g}")
-        return 0 if report.passed else 1
-    if args.no_variants:
-        report = verify(model=model)
-        print(report.to_markdown())
-        print(f"\n{'PASS' if report.passed else 'FAIL'}")
-        return 0 if report.passed else 1
-    full = verify_all(model=model)
-    print(full.real.to_markdown())
-    print(f"\nReal implementation: {'PASS' if full.real.passed else 'FAIL'} "
-          f"(max logit error FP32 {full.real.max_error('FP32'):.3g}, FP64 {full.real.max_error('FP64'):.3g})\n")
-    print(full.variants_markdown())
-    missed = [v.name for v in full.variants if not v.caught]
-    print(f"\nBroken variants: {len(full.variants) - len(missed)} of {len(full.variants)} caught"
-          + (f"; NOT caught: {', '.join(missed)}" if missed else ""))
-    print("PASS" if full.passed else "FAIL")
-    return 0 if full.passed else 1
+from .crosscheck import CrossCheck, cross_check_transformers  # noqa: E402  (re-exported; it uses run_cached)

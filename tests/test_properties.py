@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from kvdoc import Decoder, GPTConfig
 from kvdoc.broken import VARIANTS
+from kvdoc.references import mha_reference
 from kvdoc.verify import TOLERANCE, full_forward_kv, run_cached
 
 
@@ -62,3 +63,14 @@ def test_the_property_fails_for_a_broken_variant(config, chunks, seed):
     full = model(ids).logits
     run = run_cached(VARIANTS["positions-restart"].build(model), ids, chunks)
     assert not torch.allclose(run.logits, full, atol=1e-10, rtol=1e-10)
+
+
+@settings(max_examples=15, deadline=None)
+@given(config=configs(), seed=st.integers(0, 2**16), length=st.integers(1, 16))
+def test_gqa_equals_mha_with_copied_kv_heads(config, seed, length):
+    """The independent GQA reference: copying each K/V head over its group of query heads changes nothing."""
+    torch.manual_seed(seed)
+    model = Decoder(config).to(torch.float64).eval()
+    ids = torch.randint(0, config.vocab_size, (2, length))
+    with torch.no_grad():
+        torch.testing.assert_close(mha_reference(model)(ids), model(ids).logits, atol=1e-10, rtol=1e-10)
