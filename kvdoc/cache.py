@@ -47,6 +47,10 @@ class KVCache(ABC):
     def layer(self, idx: int) -> KV:
         """The filled ``(K, V)`` of layer ``idx``, each ``[B, H_kv, T, D_h]``."""
 
+    def held(self) -> range:
+        """The absolute positions whose K/V :meth:`layer` returns (all of them, unless a window drops some)."""
+        return range(self.seq_len)
+
     @abstractmethod
     def begin(self) -> KVCache:
         """The object one forward call writes into (a copy for dynamic, ``self`` for static)."""
@@ -258,6 +262,9 @@ class CacheWrapper(KVCache):
 
     def layer(self, idx: int) -> KV:
         return self.inner.layer(idx)
+
+    def held(self) -> range:
+        return self.inner.held()
 
     def begin(self) -> CacheWrapper:
         work = copy.copy(self)  # keeps what a subclass holds (a meter, a saved layer)

@@ -24,8 +24,10 @@ For example, a wrapper registers itself with
 The factories look classes up when called (``kvdoc.model.Decoder``, ``model.new_cache``), never
 at import, so a class patched at run time is the one verified.
 
->>> sorted(MODELS), sorted(CACHES), sorted(IMPLEMENTATIONS)
-(['gqa', 'mha', 'mqa'], ['dynamic', 'static'], ['model'])
+>>> sorted(MODELS)
+['gqa', 'llama', 'mha', 'mistral', 'mqa']
+>>> sorted(CACHES), sorted(IMPLEMENTATIONS)
+(['dynamic', 'paged', 'shared-prefix', 'static', 'window'], ['model'])
 >>> MODELS["gqa"].build(0).config.n_kv_head
 2
 """
@@ -40,22 +42,33 @@ from torch import nn
 
 from . import model as _model  # looked up at call time: see the module docstring
 from .cache import KVCache
-from .config import GPTConfig
+from .config import GPTConfig, llama_config, mistral_config
 from .references import mha_reference, transformers_reference
 
 STREAM_LENGTH = 83
 """Tokens in the default stream: past 32 and 64, and prime, so no chunk size above 1 divides it."""
+WINDOW = 16
+"""The Mistral-style model's window: the default stream crosses it five times."""
 CHUNKS = (1, 2, 5, 13)
 """Chunk sizes of the default ``logits`` check."""
 THOROUGH = dict(length=150, chunks=(1, 2, 3, 5, 7, 16, 17, 31, 32, 33, 64), batch=3, seeds=(0, 1))
 """The ``--thorough`` grid: a stream past 128, more chunk sizes, batch 3, two seeds."""
 
 
-def _gpt2(n_kv_head: int | None) -> Callable[[int], nn.Module]:
+def _decoder(config: GPTConfig) -> Callable[[int], nn.Module]:
     def build(seed: int) -> nn.Module:
         torch.manual_seed(seed)
-        return _model.Decoder(GPTConfig(n_kv_head=n_kv_head)).eval()
+        return _model.Decoder(config).eval()
     return build
+
+
+def _paged(shared: bool) -> Callable[[nn.Module, int, int], KVCache]:
+    def new(model: nn.Module, batch: int, capacity: int) -> KVCache:
+        from . import paged  # looked up at call time, like the model
+
+        make = paged.new_shared_prefix_cache if shared else paged.new_paged_cache
+        return make(model, batch, capacity)
+    return new
 
 
 @dataclass(frozen=True)
@@ -78,25 +91,37 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """One cache kind: ``new(model, batch, capacity)`` and whether a call writes into the cache passed in."""
+    """One cache kind: ``new(model, batch, capacity)``, whether a call writes into the cache passed
+    in, and which model configurations it serves (the grid skips the others)."""
 
     new: Callable[[nn.Module, int, int], KVCache]
     in_place: bool
+    serves: Callable[[GPTConfig], bool] = lambda config: True
+    """Which models it can serve (a ring of ``W`` positions only a model with that window)."""
 
 
 MODELS: dict[str, ModelSpec] = {
-    "mha": ModelSpec("GPT-2, 4 query heads, 4 K/V heads", _gpt2(None), transformers_reference,
+    "mha": ModelSpec("GPT-2, 4 query heads, 4 K/V heads", _decoder(GPTConfig()), transformers_reference,
                      "transformers GPT-2, same weights"),
-    "gqa": ModelSpec("GPT-2, 4 query heads, 2 K/V heads", _gpt2(2), mha_reference,
+    "gqa": ModelSpec("GPT-2, 4 query heads, 2 K/V heads", _decoder(GPTConfig(n_kv_head=2)), mha_reference,
                      "MHA with each K/V head copied over its group"),
-    "mqa": ModelSpec("GPT-2, 4 query heads, 1 K/V head", _gpt2(1), mha_reference,
+    "mqa": ModelSpec("GPT-2, 4 query heads, 1 K/V head", _decoder(GPTConfig(n_kv_head=1)), mha_reference,
                      "MHA with the K/V head copied over all query heads"),
+    "llama": ModelSpec("Llama-style: RoPE, RMSNorm, SwiGLU, 4 query heads, 2 K/V heads",
+                       _decoder(llama_config()), transformers_reference, "transformers Llama, same weights"),
+    "mistral": ModelSpec(f"Mistral-style: Llama with a sliding window of {WINDOW} positions",
+                         _decoder(mistral_config(sliding_window=WINDOW)), transformers_reference,
+                         "transformers Mistral, same weights"),
 }
 """Model configurations by name."""
 
 CACHES: dict[str, CacheSpec] = {
     "dynamic": CacheSpec(lambda m, b, cap: m.new_cache(b, "dynamic"), in_place=False),
     "static": CacheSpec(lambda m, b, cap: m.new_cache(b, "static", cap), in_place=True),
+    "window": CacheSpec(lambda m, b, cap: m.new_cache(b, "window"), in_place=False,
+                        serves=lambda config: config.sliding_window is not None),
+    "paged": CacheSpec(_paged(shared=False), in_place=True),
+    "shared-prefix": CacheSpec(_paged(shared=True), in_place=False),
 }
 """Cache kinds by name."""
 

@@ -239,6 +239,53 @@ def from_transformers(hf_model: Any) -> Decoder:
     return decoder.to(mapped["wte.weight"].device).eval()
 
 
+def to_transformers(model: Decoder) -> Any:
+    """The transformers model of the same family holding ``model``'s weights: the inverse of
+    :func:`from_transformers`, in the model's dtype, in eval mode. The global RNG is left as it was.
+
+    It is how :mod:`kvdoc.references` builds an implementation that shares no code with kvdoc.
+
+    >>> from kvdoc.config import llama_config
+    >>> _ = torch.manual_seed(0)
+    >>> ours = Decoder(llama_config()).eval()
+    >>> ids = torch.tensor([[1, 2, 3, 4]])
+    >>> torch.allclose(to_transformers(ours)(ids).logits, ours(ids).logits, atol=1e-5)
+    True
+    """
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM
+
+    config, state = model.config, model.state_dict()
+    hf_config = transformers_config(config)
+    family = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM, "mistral": MistralForCausalLM}
+    with torch.random.fork_rng():
+        hf = family[hf_config.model_type](hf_config)
+    if hf_config.model_type == "gpt2":
+        mapped = {("" if name.startswith("lm_head.") else "transformer.") + name:
+                  (value.t() if name.endswith(_CONV1D) else value) for name, value in state.items()}
+    else:
+        d, kv = config.n_embd, config.kv_dim
+        mapped = {"model.embed_tokens.weight": state["wte.weight"], "model.norm.weight": state["ln_f.weight"],
+                  "lm_head.weight": state["lm_head.weight"]}
+        for i in range(config.n_layer):
+            q, k, v = state[f"h.{i}.attn.c_attn.weight"].split((d, kv, kv))
+            gate, up = state[f"h.{i}.mlp.c_fc.weight"].chunk(2)
+            dst = f"model.layers.{i}."
+            mapped.update({
+                dst + "input_layernorm.weight": state[f"h.{i}.ln_1.weight"],
+                dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
+                dst + "self_attn.v_proj.weight": v, dst + "self_attn.o_proj.weight": state[f"h.{i}.attn.c_proj.weight"],
+                dst + "post_attention_layernorm.weight": state[f"h.{i}.ln_2.weight"],
+                dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up,
+                dst + "mlp.down_proj.weight": state[f"h.{i}.mlp.c_proj.weight"],
+            })
+    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in mapped.items()}, strict=False)
+    missing = [k for k in missing if not k.endswith(_BUFFERS)]
+    if missing or unexpected:
+        raise ValueError(f"weights do not map onto {hf_config.model_type}: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    return hf.to(next(model.parameters()).dtype).eval()
+
+
 @contextmanager
 def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
     """Within the block, transformers' Llama/Mistral compute RMSNorm and RoPE in the model's dtype.

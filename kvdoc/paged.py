@@ -180,6 +180,17 @@ class PagedCache(KVCache):
         child._len = self._len
         return child
 
+    def crop(self, length: int) -> PagedCache:
+        """Forget every position from ``length`` on, in place, giving back the blocks past it; returns ``self``."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._len:
+            raise ValueError(f"cannot crop a cache of {self._len} positions to {length!r}")
+        keep = math.ceil(length / self.block_size)
+        for table in self.tables:
+            self.pool.release(table[keep:])
+            del table[keep:]
+        self._len = length
+        return self
+
     def _blocks_needed(self, end: int) -> int:
         """Blocks to allocate or copy so every sequence can write positions ``seq_len .. end - 1``."""
         first, last = self._len // self.block_size, math.ceil(end / self.block_size)
@@ -290,6 +301,12 @@ class SharedPrefixCache(PagedCache):
 
     def begin(self) -> SharedPrefixCache:
         return self.fork()
+
+    def crop(self, length: int) -> SharedPrefixCache:
+        """A new cache sharing this one's first ``length`` positions; this one is unchanged."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._len:
+            raise ValueError(f"cannot crop a cache of {self._len} positions to {length!r}")
+        return PagedCache.crop(self.fork(), length)
 
 
 def _pool_for(model: Decoder, batch: int, capacity: int, block_size: int, spare: int) -> BlockPool:

@@ -3,8 +3,8 @@
 Cached-versus-full cannot see a bug in code that both paths run (positions clamped in every
 forward, K/V heads shared wrongly by every attention call). These references can:
 
-* :func:`transformers_reference`: Hugging Face transformers' GPT-2 holding the same weights
-  (multi-head attention only);
+* :func:`transformers_reference`: Hugging Face transformers' GPT-2, Llama or Mistral holding
+  the same weights (:func:`kvdoc.interop.to_transformers`);
 * :func:`mha_reference`: for a grouped-query (GQA) or multi-query (MQA) model, the multi-head
   model whose K/V projection of each query head is a copy of the K/V head of its group. The
   two compute the same function, but the MHA model never shares a K/V head.
@@ -25,6 +25,7 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -37,9 +38,6 @@ from . import model as _model  # looked up at call time, so a patched Decoder is
 
 Reference = Callable[[torch.Tensor], torch.Tensor]
 """``ids [B, T] -> logits [B, T, V]``."""
-
-_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
 
 def _dtype(model: nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
@@ -77,18 +75,19 @@ def mha_reference(model: nn.Module) -> Reference:
 
 
 def transformers_reference(model: nn.Module) -> Reference:
-    """transformers' ``GPT2LMHeadModel`` holding ``model``'s weights (``Conv1D`` weights transposed)."""
-    from transformers import GPT2LMHeadModel
+    """transformers' model of the same family (GPT-2, Llama or Mistral) holding ``model``'s weights.
 
-    from .interop import gpt2_config
+    In FP64, transformers' Llama and Mistral would still compute RMSNorm and the rotary angles in
+    FP32; there :func:`kvdoc.interop.float64_islands_lifted` makes them follow the model's dtype,
+    so the comparison can use the FP64 tolerance. In FP32 transformers runs as shipped.
+    """
+    from .interop import float64_islands_lifted, to_transformers
 
-    with torch.random.fork_rng():
-        hf = GPT2LMHeadModel(gpt2_config(model.config))
-    state = {("" if name.startswith("lm_head.") else "transformer.") + name:
-             (value.t() if name.endswith(_CONV1D) else value) for name, value in model.state_dict().items()}
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]
-    if missing or unexpected:
-        raise ValueError(f"weights do not map onto GPT-2: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    hf = hf.to(_dtype(model)).eval()
-    return lambda ids: hf(ids).logits
+    hf = to_transformers(model)
+    lift = float64_islands_lifted if _dtype(model) == torch.float64 else contextlib.nullcontext
+
+    def reference(ids: torch.Tensor) -> torch.Tensor:
+        with lift(hf):
+            return hf(ids).logits
+
+    return reference

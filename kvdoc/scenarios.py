@@ -91,9 +91,11 @@ def _kv_error(model: nn.Module, ids: torch.Tensor, cache: KVCache, tol: float) -
     if not all(hasattr(getattr(b, "attn", None), "c_attn") for b in getattr(model, "h", [None])):
         return None
     _, full_kv = full_forward_kv(model, ids)
+    held = cache.held()  # a window cache holds only the last positions
     ok, err = True, 0.0
     for i, pair in enumerate(full_kv):
         for got, ref in zip(cache.layer(i), pair):
+            ref = ref[:, :, held.start:held.stop]
             ok, err = ok and _close(got, ref, tol), max(err, _max_abs(got, ref))
     return ok, err
 
@@ -246,8 +248,9 @@ def _failure(case: Case, out: list) -> None:
         raised = True
     finally:
         handle.remove()
-    same_shape = cache.seq_len == length and all(
-        tuple(now.shape) == tuple(old.shape) for i, pair in enumerate(before) for old, now in zip(pair, cache.layer(i)))
+    same_shape = cache.seq_len == length and all(tuple(now.shape) == tuple(old.shape)
+                                                 for i, pair in enumerate(before.layers)
+                                                 for old, now in zip(pair, cache.layer(i)))
     changed = _changed(before, cache, length) if same_shape else float("inf")
     logits, _ = case.call(ids[:, P:P + 5], cache)
     _, good, err, _ = _compare("", logits, case.full(ids)[:, P:P + 5], case.tol, "")

@@ -179,6 +179,8 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
                                                f"raised {type(exc).__name__}: {exc}"))
                     continue
                 for kind in kinds:
+                    if not grid.CACHES[kind].serves(model.config):
+                        continue  # e.g. a ring cache for a model without a window
                     for impl in impls:
                         try:
                             call = grid.IMPLEMENTATIONS[impl](model)

@@ -85,18 +85,36 @@ def chunk_lengths(total: int, chunk: int | Sequence[int]) -> list[int]:
     return lengths
 
 
-def _snapshot(cache: KVCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [tuple(t.clone() for t in cache.layer(i)) for i in range(cache.n_layer)]
+@dataclass(frozen=True)
+class Snapshot:
+    """A copy of what a cache holds: its positions (``cache.held()``) and each layer's K and V."""
+
+    held: range
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def _changed(before: list[tuple[torch.Tensor, torch.Tensor]], cache: KVCache, rows: int) -> float:
-    """Largest change of the first ``rows`` positions of ``cache`` since ``before`` (inf if shapes differ)."""
+def _snapshot(cache: KVCache) -> Snapshot:
+    return Snapshot(cache.held(), [tuple(t.clone() for t in cache.layer(i)) for i in range(cache.n_layer)])
+
+
+def _changed(before: Snapshot, cache: KVCache, rows: int) -> float:
+    """Largest change, since ``before``, of the positions below ``rows`` that ``cache`` held then.
+
+    ``inf`` if the cache no longer holds one of them (or a layer's shape disagrees with its
+    positions). A window cache holds only its last positions; the others hold ``0 .. T - 1``.
+    """
+    now = cache.held()
+    keep = range(before.held.start, min(before.held.stop, rows))
+    if len(keep) and (keep.start < now.start or keep.stop > now.stop):
+        return math.inf
     err = 0.0
-    for i, pair in enumerate(before):
-        for old, now in zip(pair, cache.layer(i)):
-            if now.shape[2] < rows:
+    for i, pair in enumerate(before.layers):
+        for old, cur in zip(pair, cache.layer(i)):
+            if cur.shape[2] != len(now):
                 return math.inf
-            err = max(err, _max_abs(old[:, :, :rows], now[:, :, :rows]))
+            a = old[:, :, keep.start - before.held.start: keep.stop - before.held.start]
+            b = cur[:, :, keep.start - now.start: keep.stop - now.start]
+            err = max(err, _max_abs(a, b))
     return err
 
 
@@ -167,8 +185,8 @@ def run_cached(model: Decoder, ids: torch.Tensor, chunk: int | Sequence[int], ki
 def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """One full forward (no cache): its logits ``[B, T, V]`` and each layer's K and V ``[B, H_kv, T, D_h]``.
 
-    K and V are read off each layer's ``c_attn`` output with forward hooks, so they come from the
-    full recompute itself and not from any cache code.
+    K and V are read off each layer's ``c_attn`` output (K after RoPE, for rotary models) with
+    forward hooks, so they come from the full recompute itself and not from any cache code.
 
     >>> _ = torch.manual_seed(0)
     >>> model = Decoder(GPTConfig()).eval()
@@ -183,15 +201,20 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
         B, T, _ = output.shape
         _, k, v = output.split((cfg.n_embd, cfg.kv_dim, cfg.kv_dim), dim=2)
         shape = (B, T, cfg.n_kv_head, cfg.head_dim)
-        captured.append((k.reshape(shape).transpose(1, 2), v.reshape(shape).transpose(1, 2)))
+        captured.append([k.reshape(shape).transpose(1, 2), v.reshape(shape).transpose(1, 2)])
+
+    def rotated(module, inputs, output):  # RoPE's (q, k): the K a cache holds is the rotated one
+        captured[-1][0] = output[1]
 
     handles = [block.attn.c_attn.register_forward_hook(hook) for block in model.h]
+    handles += [block.attn.rotary.register_forward_hook(rotated)
+                for block in model.h if getattr(block.attn, "rotary", None) is not None]
     try:
         logits = model(ids).logits
     finally:
         for handle in handles:
             handle.remove()
-    return logits, captured
+    return logits, [(k, v) for k, v in captured]
 
 
 @dataclass(frozen=True)
