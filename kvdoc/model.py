@@ -78,8 +78,10 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             # Only the new rows were projected; the old K/V come from this layer's cache.
             k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h]
-        y = F.scaled_dot_product_attention(  # scores [B, H, C, P + C], scaled by 1/sqrt(D_h)
-            q, k, v, attn_mask=self.mask(start, C, x.device), enable_gqa=self.n_kv_head != self.n_head)
+        # scores [B, H, C, P + C], scaled by 1/sqrt(D_h); enable_gqa only when it is needed, as
+        # the keyword alone slows SDPA down
+        gqa = {"enable_gqa": True} if self.n_kv_head != self.n_head else {}
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(start, C, x.device), **gqa)
         y = y.transpose(1, 2).reshape(B, C, d)  # merge heads: [B, C, H * D_h]
         return self.c_proj(y)
 
@@ -101,6 +103,26 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache, layer_idx, start)
         return x + self.mlp(self.ln_2(x))
+
+
+def embed_tokens(wte: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
+    """``wte(idx)``, with an id outside the vocabulary refused as a ``ValueError`` naming it.
+
+    The lookup itself finds a bad id, so valid input costs no host sync; only a refusal
+    reads the ids back to name the offender.
+
+    >>> embed_tokens(nn.Embedding(5, 2), torch.tensor([[1, 7]]))
+    Traceback (most recent call last):
+    ...
+    ValueError: token id 7 is outside the vocabulary 0..4
+    """
+    try:
+        return wte(idx)  # [B, C] -> [B, C, d]
+    except IndexError:
+        vocab = wte.num_embeddings
+        lo, hi = (int(t) for t in idx.aminmax())
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} is outside the vocabulary 0..{vocab - 1}") from None
 
 
 class DecoderOutput(NamedTuple):
@@ -167,10 +189,6 @@ class Decoder(nn.Module):
         weight = self.wte.weight
         if idx.device != weight.device:
             raise ValueError(f"idx is on {idx.device}, model is on {weight.device}")
-        lo, hi = (int(t) for t in idx.aminmax())
-        if lo < 0 or hi >= self.config.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"token id {bad} is outside the vocabulary 0..{self.config.vocab_size - 1}")
         if cache is not None and not isinstance(cache, KVCache):
             raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}")
         past = 0 if cache is None else cache.seq_len
@@ -179,6 +197,8 @@ class Decoder(nn.Module):
                              f"model has {self.config.n_positions}")
         if cache is not None:
             cache.check_compatible(self.config, B, weight.dtype, weight.device, C)
+        # Token ids are range-checked by the embedding lookup itself (embed_tokens), which needs
+        # no host sync; it runs before anything is written.
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False) -> DecoderOutput:
         """Logits for the ``C`` new tokens in ``idx`` (``[B, C]``), continuing ``cache`` if given.
@@ -202,7 +222,7 @@ class Decoder(nn.Module):
         B, C = idx.shape
         start = 0 if cache is None else cache.seq_len
         work = None if cache is None else cache.begin()
-        x = self.wte(idx) + self.wpe(self.positions(start, C, idx.device))  # [B, C, d]
+        x = embed_tokens(self.wte, idx) + self.wpe(self.positions(start, C, idx.device))  # [B, C, d]
         for layer_idx, block in enumerate(self.h):
             x = block(x, work, layer_idx, start)  # [B, C, d]
         if work is not None:
