@@ -59,6 +59,14 @@ class FastDecoder:
 
     Args:
         model: the decoder whose function this computes; it stays the source of truth.
+        pretranspose: store each weight as ``[in, out]`` (else as the model's ``[out, in]``, read
+            through a transposed view, which is what ``F.linear`` does).
+        fold_scale: fold ``1 / sqrt(D_h)`` into the query weights (else scale the scores).
+        bmm_attention: attend with ``bmm``, ``softmax``, ``bmm`` (else with
+            ``F.scaled_dot_product_attention``, as the model does).
+
+    The three switches exist to measure what each change buys (the savings page's ablation);
+    the defaults are the fast step.
 
     >>> from kvdoc import Decoder, GPTConfig
     >>> _ = torch.manual_seed(0)
@@ -73,7 +81,8 @@ class FastDecoder:
     True
     """
 
-    def __init__(self, model: Decoder) -> None:
+    def __init__(self, model: Decoder, *, pretranspose: bool = True, fold_scale: bool = True,
+                 bmm_attention: bool = True) -> None:
         if not isinstance(model, Decoder):
             raise ValueError(f"FastDecoder wraps a kvdoc Decoder, got {type(model).__name__}")
         if any(p.is_inference() for p in model.parameters()):
@@ -82,28 +91,31 @@ class FastDecoder:
                              "outside inference mode")
         self.model = model
         self.config = model.config
+        self.pretranspose, self.fold_scale, self.bmm_attention = pretranspose, fold_scale, bmm_attention
         self.refresh()
 
     def refresh(self) -> None:
         """Copy the model's weights again (done automatically when they change)."""
         m, cfg = self.model, self.model.config
-        d, kv, scale = cfg.n_embd, cfg.kv_dim, 1.0 / math.sqrt(cfg.head_dim)
+        d, kv = cfg.n_embd, cfg.kv_dim
+        self._scale = scale = 1.0 / math.sqrt(cfg.head_dim)
         self._params = list(m.parameters())
         self._slots = [(mod._parameters, name, p) for mod in m.modules() for name, p in mod._parameters.items()]
         self._slots += [(mod._modules, name, c) for mod in m.modules() for name, c in mod._modules.items()]
         self._stamp = self._fingerprint()
         with torch.no_grad():
             q_scale = torch.ones(d + 2 * kv, dtype=m.wte.weight.dtype, device=m.wte.weight.device)
-            q_scale[:d] = scale  # only the query columns: scores come out already scaled
+            q_scale[:d] = scale if self.fold_scale else 1.0  # only the query columns
 
-            def t(linear: torch.nn.Linear) -> torch.Tensor:
-                return linear.weight.detach().t().contiguous()  # [out, in] -> [in, out]
+            def t(linear: torch.nn.Linear) -> torch.Tensor:  # [out, in] -> [in, out]
+                w = linear.weight.detach()
+                return w.t().contiguous() if self.pretranspose else w.clone().t()
 
             def norm(ln: torch.nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
                 return ln.weight.detach().clone(), ln.bias.detach().clone()
 
             self._layers = [
-                _Layer(norm(b.ln_1), (t(b.attn.c_attn) * q_scale).contiguous(),
+                _Layer(norm(b.ln_1), t(b.attn.c_attn).mul_(q_scale),
                        (b.attn.c_attn.bias.detach() * q_scale).view(1, -1), t(b.attn.c_proj),
                        b.attn.c_proj.bias.detach().clone(), norm(b.ln_2), t(b.mlp.c_fc),
                        b.mlp.c_fc.bias.detach().view(1, -1).clone(), t(b.mlp.c_proj), b.mlp.c_proj.bias.detach().clone())
@@ -157,14 +169,22 @@ class FastDecoder:
         for layer_idx, w in enumerate(self._layers):
             h = torch.layer_norm(x, (d,), *w.ln_1, eps)
             qkv = torch.addmm(w.b_qkv, h, w.w_qkv)  # [B, d + 2 kv]: Q (pre-scaled), K, V
-            # a K/V head's query heads become rows of one matrix: [B H_kv, group, D_h]
-            q = qkv[:, :d].reshape(B * H_kv, group, D_h)
             k = qkv[:, d:d + kv].view(B, H_kv, 1, D_h)
             v = qkv[:, d + kv:].view(B, H_kv, 1, D_h)
             k, v = work.update(layer_idx, k, v, P)  # [B, H_kv, P + 1, D_h]
-            k, v = k.reshape(B * H_kv, P + 1, D_h), v.reshape(B * H_kv, P + 1, D_h)  # views
-            att = torch.softmax(torch.bmm(q, k.transpose(1, 2)), dim=-1)  # [B H_kv, group, P + 1]
-            y = torch.bmm(att, v).view(B, d)  # heads merged: [B, H * D_h]
+            if self.bmm_attention:
+                # a K/V head's query heads become the rows of one matrix: [B H_kv, group, D_h]
+                q = qkv[:, :d].reshape(B * H_kv, group, D_h)
+                k, v = k.reshape(B * H_kv, P + 1, D_h), v.reshape(B * H_kv, P + 1, D_h)  # views
+                scores = torch.bmm(q, k.transpose(1, 2))  # [B H_kv, group, P + 1]
+                if not self.fold_scale:
+                    scores = scores.mul_(self._scale)
+                y = torch.bmm(torch.softmax(scores, dim=-1), v).view(B, d)  # heads merged: [B, d]
+            else:
+                q = qkv[:, :d].view(B, H_kv * group, 1, D_h)
+                gqa = {"enable_gqa": True} if group > 1 else {}  # as the model passes it
+                y = F.scaled_dot_product_attention(q, k, v, scale=1.0 if self.fold_scale else None,
+                                                   **gqa).view(B, d)
             x = torch.addmm(x, y, w.w_o).add_(w.b_o)  # residual + attention output
             h = torch.layer_norm(x, (d,), *w.ln_2, eps)
             u = F.gelu(torch.addmm(w.b_fc, h, w.w_fc), approximate="tanh")  # [B, n_inner]

@@ -146,3 +146,10 @@ def test_single_token_refusals_leave_the_cache_unchanged():
             model(bad, cache)
         assert str(ours.value) == str(theirs.value) and "outside the vocabulary 0..96" in str(ours.value)
     assert cache.seq_len == 3 and all(torch.equal(a, b) for a, b in zip(before, cache.tensors()))
+
+
+@pytest.mark.parametrize("switch", ["pretranspose", "fold_scale", "bmm_attention"])
+@pytest.mark.parametrize("n_kv_head", [4, 1], ids=["mha", "mqa"])
+def test_ablation_variants_compute_the_same_function(switch, n_kv_head):
+    model = _model(n_kv_head=n_kv_head)
+    _check_follows(model, FastDecoder(model, **{switch: False}))
