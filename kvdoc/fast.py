@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from operator import attrgetter
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +135,11 @@ class FastDecoder:
         # ``model.lm_head.weight = model.wte.weight``), with the same storage and version.
         if not all(slots[name] is obj for slots, name, obj in self._slots) or self._fingerprint() != self._stamp:
             self.refresh()
+
+    def new_cache(self, batch_size: int, kind: Literal["dynamic", "static"] = "dynamic",
+                  capacity: int | None = None) -> KVCache:
+        """The model's :meth:`~kvdoc.model.Decoder.new_cache`: the fast step reads and writes the same caches."""
+        return self.model.new_cache(batch_size, kind, capacity)
 
     def __call__(self, idx: torch.Tensor, cache: KVCache | None = None, *,
                  last_only: bool = False) -> DecoderOutput:

@@ -153,3 +153,23 @@ def test_single_token_refusals_leave_the_cache_unchanged():
 def test_ablation_variants_compute_the_same_function(switch, n_kv_head):
     model = _model(n_kv_head=n_kv_head)
     _check_follows(model, FastDecoder(model, **{switch: False}))
+
+
+def test_runs_through_the_verify_harness():
+    """What kvdoc.verify needs to run the fast step as one more implementation: chunked runs
+    through ``run_cached`` agree with the model's full forward, K/V included, and never write
+    to what a cache already held."""
+    from kvdoc.verify import default_stream, full_forward_kv, run_cached
+
+    model = _model()
+    fast = FastDecoder(model)
+    ids = default_stream()
+    full, full_kv = full_forward_kv(model, ids)
+    for kind in ("dynamic", "static"):
+        for chunk in (1, 2, 5):
+            run = run_cached(fast, ids, chunk, kind)
+            torch.testing.assert_close(run.logits, full, atol=TOL[torch.float32], rtol=0)
+            assert run.lifecycle_error == 0.0
+            for layer, (k, v) in enumerate(full_kv):
+                torch.testing.assert_close(run.cache.layer(layer)[0], k, atol=TOL[torch.float32], rtol=0)
+                torch.testing.assert_close(run.cache.layer(layer)[1], v, atol=TOL[torch.float32], rtol=0)
