@@ -16,7 +16,8 @@ The fast step does what the reference model leaves out for clarity:
 * attention of the one query per head is ``bmm``, ``softmax``, ``bmm``, with the query heads
   of one K/V head stacked as rows (grouped-query and multi-query need no copies of K and V).
 
-Because it copies the weights, it checks on every call that the model's parameters are the
+It is for inference: its logits carry no autograd graph (the model's own calls, which it
+delegates to, do). Because it copies the weights, it checks on every call that the model's parameters are the
 ones it copied (the same tensors, unchanged storage, unchanged version counters) and copies
 them again if not, so it never serves stale weights. An edit through ``param.data`` bypasses
 version counters; call :meth:`FastDecoder.refresh` after one.
