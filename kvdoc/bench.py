@@ -80,7 +80,7 @@ class BenchSettings:
 
     prefix_lens: tuple[int, ...] = (16, 64, 128, 256)
     new_tokens: int = 16
-    samples: int = 15
+    samples: int = 31
     warmup: int = 3
     threads: int = 1
     seed: int = 0
