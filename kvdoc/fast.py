@@ -17,10 +17,11 @@ The fast step does what the reference model leaves out for clarity:
   of one K/V head stacked as rows (grouped-query and multi-query need no copies of K and V).
 
 It is for inference: its logits carry no autograd graph (the model's own calls, which it
-delegates to, do). Because it copies the weights, it checks on every call that the model's parameters are the
-ones it copied (the same tensors, unchanged storage, unchanged version counters) and copies
-them again if not, so it never serves stale weights. An edit through ``param.data`` bypasses
-version counters; call :meth:`FastDecoder.refresh` after one.
+delegates to, do). Its copies cost a second set of weights in memory. Because it copies them,
+it checks on every call that the model's modules and parameters are the ones it copied (same
+objects, same storage, same version counters) and copies them again if not, so it never
+serves stale weights. An in-place edit through ``param.data`` (``p.data.mul_(2)``) bypasses
+version counters and cannot be seen; call :meth:`FastDecoder.refresh` after one.
 
 :mod:`kvdoc.verify` and ``tests/test_fast.py`` prove it computes the model's function.
 """

@@ -173,3 +173,11 @@ def test_runs_through_the_verify_harness():
             for layer, (k, v) in enumerate(full_kv):
                 torch.testing.assert_close(run.cache.layer(layer)[0], k, atol=TOL[torch.float32], rtol=0)
                 torch.testing.assert_close(run.cache.layer(layer)[1], v, atol=TOL[torch.float32], rtol=0)
+
+
+def test_refresh_after_an_edit_through_data():
+    model = _model()
+    fast = FastDecoder(model)
+    model.h[0].mlp.c_proj.weight.data.mul_(3.0)  # bypasses version counters, as documented
+    fast.refresh()
+    _check_follows(model, fast)
