@@ -80,7 +80,14 @@ def roofline_table(result: BenchResult) -> str:
 
 def ablation_table(ablation: dict) -> str:
     """Per variant of the decode step (``result.ablation`` or ``result.roofline["ablation"]``):
-    p50 per step (µs) and its time relative to the fast step."""
+    p50 per step (µs) and its time relative to the fast step.
+
+    >>> print(ablation_table({"p50_us_per_step": {"reference": 150.0, "fast": 100.0}}))
+    | decode step | p50 (µs / step) | time relative to the fast step |
+    |---|---|---|
+    | reference step: the model's forward, static cache | 150.0 | 1.50 |
+    | fast step (all changes) | 100.0 | 1.00 |
+    """
     per_step = ablation["p50_us_per_step"]
     rows = [[ABLATION_LABELS[name], f"{t:,.1f}", f"{t / per_step['fast']:.2f}"] for name, t in per_step.items()]
     return markdown_table(["decode step", "p50 (µs / step)", "time relative to the fast step"], rows)

@@ -99,7 +99,21 @@ def static_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor, p
 
 def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, steps: int, full: bool,
                   fast: FastDecoder | None) -> tuple[dict[str, Prepare], dict[str, Callable[[], torch.Tensor]]]:
-    """The timed paths for one prefix, and for each one a call returning its stacked logits."""
+    """The timed paths for one prefix, and for each one a call returning its stacked logits.
+
+    ``ids`` is ``[1, P + G]``; each decode path consumes its last ``G`` tokens one at a time
+    after a cache holding the first ``P``. ``full`` adds prefill and the two full-recompute
+    paths; ``hf`` (transformers' GPT-2, or None) and ``fast`` add theirs.
+
+    >>> _ = torch.manual_seed(0)
+    >>> model = Decoder(GPTConfig()).eval()
+    >>> ids = token_stream(model.config, 6, seed=0)
+    >>> prepare, runs = decode_paths(model, None, ids, 4, 2, True, FastDecoder(model))
+    >>> sorted(prepare)
+    ['dynamic', 'fast', 'full_all', 'full_last', 'prefill', 'static']
+    >>> runs["fast"]().shape  # [1, G, V]
+    torch.Size([1, 2, 97])
+    """
     P, G = prefix_len, steps
     prompt = ids[:, :P]
     prepare: dict[str, Prepare] = {}
