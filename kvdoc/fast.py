@@ -29,7 +29,7 @@ version counters and cannot be seen; call :meth:`FastDecoder.refresh` after one.
 from __future__ import annotations
 
 import math
-from operator import attrgetter
+from operator import attrgetter, getitem, is_
 from typing import Literal, NamedTuple
 
 import torch
@@ -102,8 +102,9 @@ class FastDecoder:
         d, kv = cfg.n_embd, cfg.kv_dim
         self._scale = scale = 1.0 / math.sqrt(cfg.head_dim)
         self._params = list(m.parameters())
-        self._slots = [(mod._parameters, name, p) for mod in m.modules() for name, p in mod._parameters.items()]
-        self._slots += [(mod._modules, name, c) for mod in m.modules() for name, c in mod._modules.items()]
+        slots = [(mod._parameters, name, p) for mod in m.modules() for name, p in mod._parameters.items()]
+        slots += [(mod._modules, name, c) for mod in m.modules() for name, c in mod._modules.items()]
+        self._slots = tuple(zip(*slots))  # (dicts, names, objects), compared with C-level maps
         self._stamp = self._fingerprint()
         with torch.no_grad():
             q_scale = torch.ones(d + 2 * kv, dtype=m.wte.weight.dtype, device=m.wte.weight.device)
@@ -135,7 +136,8 @@ class FastDecoder:
     def _current(self) -> None:
         # Every module and parameter must still be the object that was copied (catches e.g.
         # ``model.lm_head.weight = model.wte.weight``), with the same storage and version.
-        if not all(slots[name] is obj for slots, name, obj in self._slots) or self._fingerprint() != self._stamp:
+        dicts, names, objects = self._slots
+        if not all(map(is_, map(getitem, dicts, names), objects)) or self._fingerprint() != self._stamp:
             self.refresh()
 
     def new_cache(self, batch_size: int, kind: Literal["dynamic", "static"] = "dynamic",
