@@ -170,8 +170,8 @@ class FastDecoder:
         P = cache.seq_len
         try:
             tok = self._wte.index_select(0, idx.view(B))  # [B, d]
-        except IndexError:
-            embed_tokens(self.model.wte, idx)  # raises the model's own ValueError, nothing written
+        except (IndexError, RuntimeError):  # a bad id, or an index dtype the lookup rejects
+            embed_tokens(self.model.wte, idx)  # raises the model's own error; nothing is written
             raise
         work = cache.begin()
         x = tok + self._wpe[P]  # [B, d]

@@ -181,3 +181,20 @@ def test_refresh_after_an_edit_through_data():
     model.h[0].mlp.c_proj.weight.data.mul_(3.0)  # bypasses version counters, as documented
     fast.refresh()
     _check_follows(model, fast)
+
+
+def test_index_dtypes_behave_as_in_the_model():
+    model = _model()
+    fast = FastDecoder(model)
+    for dtype in (torch.int32, torch.int16):
+        outcomes = []
+        for step in (model, fast):
+            _, cache = model(torch.tensor([[1, 2, 3]]), model.new_cache(1, "static", capacity=8))
+            try:
+                outcomes.append(step(torch.tensor([[4]], dtype=dtype), cache).logits)
+            except Exception as exc:  # noqa: BLE001 - compared below
+                outcomes.append((type(exc), str(exc), cache.seq_len))
+        if isinstance(outcomes[0], torch.Tensor):
+            torch.testing.assert_close(outcomes[1], outcomes[0], atol=1e-5, rtol=0)
+        else:
+            assert outcomes[1] == outcomes[0], dtype
