@@ -145,9 +145,12 @@ class FastDecoder:
         """The model's :meth:`~kvdoc.model.Decoder.new_cache`: the fast step reads and writes the same caches."""
         return self.model.new_cache(batch_size, kind, capacity)
 
-    def __call__(self, idx: torch.Tensor, cache: KVCache | None = None, *,
-                 last_only: bool = False) -> DecoderOutput:
+    def __call__(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False,
+                 **hooks: object) -> DecoderOutput:
         """The model's ``forward(idx, cache, last_only=...)``; fast when ``idx`` is ``[B, 1]`` after a cache.
+
+        Any further keyword the model's forward takes (such as per-row positions or an attention
+        mask for padded batches), when not None, sends the call to the model.
 
         Returns:
             ``DecoderOutput(logits, cache)`` exactly as :meth:`Decoder.forward` does.
@@ -156,8 +159,8 @@ class FastDecoder:
             ValueError: whatever the model refuses, with the same message, before any write.
         """
         self.model.check_input(idx, cache)
-        if cache is None or idx.shape[1] != 1:
-            return self.model(idx, cache, last_only=last_only)  # prompts and chunks: the model's own path
+        if cache is None or idx.shape[1] != 1 or any(v is not None for v in hooks.values()):
+            return self.model(idx, cache, last_only=last_only, **hooks)  # the model's own path
         self._current()
         return self._step(idx, cache)  # no autograd graph: every weight it reads is a detached copy
 

@@ -198,3 +198,14 @@ def test_index_dtypes_behave_as_in_the_model():
             torch.testing.assert_close(outcomes[1], outcomes[0], atol=1e-5, rtol=0)
         else:
             assert outcomes[1] == outcomes[0], dtype
+
+
+def test_other_keywords_go_to_the_model():
+    model = _model()
+    fast = FastDecoder(model)
+    _, cache = model(torch.tensor([[1, 2, 3]]), model.new_cache(1, "static", capacity=8))
+    seen = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(sorted(kwargs)), with_kwargs=True)
+    with pytest.raises(TypeError):  # a keyword the model does not take fails as it does in the model
+        fast(torch.tensor([[4]]), cache, unknown_hook=True)
+    assert seen == [["last_only", "unknown_hook"]] and cache.seq_len == 3
