@@ -1,4 +1,4 @@
-"""What the cache saves: counted work, a FLOP model, timings, growth with length, the bandwidth floor.
+"""What the cache saves, measured: decode paths timed side by side, growth, the bandwidth floor.
 
 Everything here measures one fixed token stream, batch 1, FP32, on the CPU, with a fixed
 thread count (one by default), the model in ``eval()`` and under ``torch.inference_mode()``:
@@ -8,16 +8,16 @@ thread count (one by default), the model in ``eval()`` and under ``torch.inferen
   tokens again, projecting either every position to the vocabulary (``full_all``, the naive
   baseline) or only the last (``full_last``);
 * **cached continuation**, ``G`` steps of one token each, from the prefix cache, with the
-  :class:`~kvdoc.cache.DynamicCache` (``dynamic``) and the :class:`~kvdoc.cache.StaticCache`
-  (``static``);
+  :class:`~kvdoc.cache.DynamicCache` (``dynamic``), the :class:`~kvdoc.cache.StaticCache`
+  (``static``), and :class:`~kvdoc.fast.FastDecoder` over a static cache (``fast``);
 * **transformers**: transformers' ``GPT2LMHeadModel`` on the same weights with its own cache,
   the reference a user would otherwise pick.
 
-Each path is warmed up, then sampled ``samples`` times with the order of the paths rotated
-between rounds; :func:`run_bench` returns every raw sample (milliseconds) with the settings,
-the environment and a timestamp, plus the counts, the FLOP model, the growth fit and the
-memory-bandwidth roofline of a GPT-2-small-sized model. ``python -m kvdoc bench`` prints the
-ratios and writes the JSON. Nothing here asserts a speed: timings are measurements, not facts.
+Paths are timed by :func:`kvdoc.timing.time_paths` (warm-up, then rounds in rotating order);
+:mod:`kvdoc.costs` supplies the counts, FLOPs and bytes; :mod:`kvdoc.bench_tables` renders the
+result. :func:`run_bench` returns every raw sample (milliseconds) with the settings, the
+environment and a timestamp; ``python -m kvdoc bench`` prints the ratios, compares them with
+:data:`TARGETS` and writes the JSON. Nothing here asserts a speed: timings are measurements.
 """
 
 from __future__ import annotations
@@ -25,29 +25,30 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
-import importlib.metadata
 import json
 import math
-import platform
 import sys
-import time
-import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from .bench_tables import ablation_table, roofline_table, timings_table
 from .config import GPTConfig
+from .costs import RowCounter, projected_positions_full, run_flops, step_bytes
+from .decode_paths import ABLATION, ablation_paths, build_models, decode_paths, ops_per_step, static_decode, token_stream
+from .fast import FastDecoder
 from .model import Decoder
-
-PATHS = ("prefill", "full_all", "full_last", "dynamic", "static", "transformers")
-"""Timed paths, in the order of the first sampling round."""
+from .timing import environment, percentile, time_paths
 
 GPT2_SMALL = GPTConfig(vocab_size=50257, n_positions=1024, n_layer=12, n_head=12, n_embd=768, n_inner=3072)
 """GPT-2 small's shape; with the LM head tied to ``wte`` it has 124,439,808 parameters."""
 
+TARGETS = {"fast_vs_transformers": 4.5, "fast_vs_full_all_positions": 17.0,
+           "bandwidth_fraction_fast": 0.6, "fast_vs_transformers_124m": 1.3}
+"""Ratios the fast step aims for (at least), on a quiet machine; ``--json`` records each verdict."""
 
 # --------------------------------------------------------------------------- settings and results
 
@@ -73,11 +74,13 @@ class BenchSettings:
         roofline_steps: decode steps per roofline sample.
         roofline_samples: samples per roofline path.
         bandwidth_mib: size of the tensor whose reduction measures memory bandwidth.
+        ablation: also time the fast step with each of its changes undone, at the largest
+            prefix length and (with ``roofline``) on the roofline model.
     """
 
     prefix_lens: tuple[int, ...] = (16, 64, 128, 256)
     new_tokens: int = 16
-    samples: int = 15
+    samples: int = 31
     warmup: int = 3
     threads: int = 1
     seed: int = 0
@@ -91,6 +94,7 @@ class BenchSettings:
     roofline_steps: int = 8
     roofline_samples: int = 7
     bandwidth_mib: int = 512
+    ablation: bool = True
 
     def __post_init__(self) -> None:
         for name in ("new_tokens", "samples", "threads", "growth_samples", "roofline_steps",
@@ -133,6 +137,7 @@ class BenchResult:
     flops: dict[int, dict[str, float]]
     growth: dict[str, Any]
     roofline: dict[str, Any] | None
+    ablation: dict[str, Any] | None
     ops: dict[str, int]
     ratios: dict[str, float]
 
@@ -151,6 +156,9 @@ class BenchResult:
                             for path in paths} for p, paths in self.timings.items()}
         return {
             "ratios": self.ratios,
+            "targets": {key: {"target": t, "measured": self.ratios.get(key),
+                              "met": key in self.ratios and self.ratios[key] >= t}
+                        for key, t in TARGETS.items()},
             "config": settings,
             "environment": self.environment,
             "timestamp": self.timestamp,
@@ -162,314 +170,19 @@ class BenchResult:
             "flops": {str(p): v for p, v in self.flops.items()},
             "growth": self.growth,
             "roofline": self.roofline,
+            "ablation": self.ablation,
             "aten_ops_per_step": self.ops,
         }
 
 
-def percentile(samples: Iterable[float], q: float) -> float:
-    """The ``q``-th percentile (linear interpolation) of ``samples`` as a Python float.
-
-    >>> percentile([1.0, 2.0, 3.0, 4.0], 50)
-    2.5
-    """
-    values = list(samples)
-    if not values:
-        raise ValueError("no samples")
-    return float(np.percentile(np.asarray(values, dtype=float), q))
+# --------------------------------------------------------------------------- the measurements
 
 
-def environment() -> dict[str, Any]:
-    """CPU model, Python, torch and transformers versions, and torch's current thread count."""
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        tf_version = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a docs/test dependency
-        tf_version = None
-    return {"cpu": cpu, "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": tf_version, "threads": torch.get_num_threads()}
-
-
-# --------------------------------------------------------------------------- counted work and FLOPs
-
-
-def projected_positions_full(prefix_len: int, new_tokens: int) -> int:
-    """Positions full recompute pushes through each layer over ``G`` steps: ``G P + G (G + 1) / 2``.
-
-    >>> projected_positions_full(256, 16)
-    4232
-    """
-    return new_tokens * prefix_len + new_tokens * (new_tokens + 1) // 2
-
-
-class RowCounter:
-    """Forward hooks that count the rows (positions) passing through chosen linear layers.
-
-    >>> _ = torch.manual_seed(0)
-    >>> model = Decoder(GPTConfig()).eval()
-    >>> with RowCounter(model) as rows:
-    ...     _ = model(torch.tensor([[1, 2, 3]]))
-    >>> rows.counts
-    {'c_attn': 3, 'lm_head': 3}
-    """
-
-    def __init__(self, model: Decoder) -> None:
-        self.model = model
-        self.counts = {"c_attn": 0, "lm_head": 0}
-        self._handles: list[Any] = []
-
-    def _hook(self, name: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Linear, inputs: Any, output: torch.Tensor) -> None:
-            self.counts[name] += output.numel() // module.out_features  # rows = B * positions
-        return hook
-
-    def __enter__(self) -> RowCounter:
-        self._handles = [self.model.h[0].attn.c_attn.register_forward_hook(self._hook("c_attn")),
-                         self.model.lm_head.register_forward_hook(self._hook("lm_head"))]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-
-def step_flops(config: GPTConfig, past: int, new: int, last_only: bool = False) -> dict[str, float]:
-    """Multiply-add FLOPs (2 per MAC) of one forward: ``new`` tokens after ``past`` cached ones.
-
-    ``linear`` covers ``c_attn``, ``c_proj`` and the MLP of every layer (~ ``C d^2``);
-    ``attention`` the scores ``Q K^T`` and the weighted sum with ``V`` (~ ``C T d``, with
-    ``T = past + new``; masked entries are counted, as dense attention computes them);
-    ``lm_head`` the vocabulary projection of the projected rows. Norms, GELU and softmax are left out.
-
-    >>> f = step_flops(GPTConfig(), past=0, new=1)
-    >>> f["attention"] == 2 * 2 * 1 * 1 * 64 * 2       # 2 layers, QK^T and PV, 1 query, 1 key
-    True
-    """
-    d, t = config.n_embd, past + new
-    per_token_linear = d * (d + 2 * config.kv_dim) + d * d + 2 * d * config.n_inner
-    linear = 2.0 * config.n_layer * new * per_token_linear
-    attention = 2.0 * config.n_layer * 2 * new * t * d  # H heads x D_h = d, for QK^T and for PV
-    lm_head = 2.0 * (1 if last_only else new) * d * config.vocab_size
-    return {"linear": linear, "attention": attention, "lm_head": lm_head,
-            "total": linear + attention + lm_head}
-
-
-def run_flops(config: GPTConfig, prefix_len: int, new_tokens: int) -> dict[str, float]:
-    """Total FLOPs of the ``G`` decode steps after a ``P``-token prompt, for each path.
-
-    Keys: ``full_all``, ``full_last`` (step ``j`` recomputes ``P + j`` positions) and ``cached``
-    (one position per step over ``P + j - 1`` cached ones), plus their ``linear`` and
-    ``attention`` parts.
-    """
-    out: dict[str, float] = {}
-    for name, kwargs in (("full_all", {"last_only": False}), ("full_last", {"last_only": True})):
-        parts = [step_flops(config, 0, prefix_len + j, **kwargs) for j in range(1, new_tokens + 1)]
-        for part in ("linear", "attention", "lm_head", "total"):
-            out[f"{name}_{part}" if part != "total" else name] = sum(p[part] for p in parts)
-    parts = [step_flops(config, prefix_len + j - 1, 1) for j in range(1, new_tokens + 1)]
-    for part in ("linear", "attention", "lm_head", "total"):
-        out[f"cached_{part}" if part != "total" else "cached"] = sum(p[part] for p in parts)
-    return out
-
-
-def count_ops(call: Callable[[], Any]) -> dict[str, int]:
-    """ATen operators dispatched while ``call()`` runs, by name (what a step costs in dispatches).
-
-    >>> ops = count_ops(lambda: torch.ones(2) + 1)
-    >>> ops["aten.add.Tensor"]
-    1
-    """
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    counts: dict[str, int] = {}
-
-    class Counter(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            counts[str(func)] = counts.get(str(func), 0) + 1
-            return func(*args, **(kwargs or {}))
-
-    with Counter():
-        call()
-    return counts
-
-
-def ops_per_step(model: Decoder, hf: Any, prefix_len: int, seed: int = 0) -> dict[str, int]:
-    """ATen operators of one decode step after ``prefix_len`` cached positions, per path.
-
-    ``full_all`` is one full-recompute step over ``prefix_len + 1`` positions.
-    """
-    ids = _token_stream(model.config, prefix_len + 1, seed)
-    prompt, token = ids[:, :prefix_len], ids[:, prefix_len:]
-    out = {"full_all": sum(count_ops(lambda: model(ids)).values())}
-    for kind in ("dynamic", "static"):
-        cache = model(prompt, model.new_cache(1, kind, capacity=prefix_len + 1))[1]
-        out[kind] = sum(count_ops(lambda: model(token, cache)).values())
-    if hf is not None:
-        hf_cache = hf(prompt, use_cache=True).cache
-        out["transformers"] = sum(count_ops(lambda: hf(token, cache=hf_cache, use_cache=True)).values())
-    return out
-
-
-# --------------------------------------------------------------------------- timing machinery
-
-Prepare = Callable[[], Callable[[], Any]]
-"""Untimed setup that returns the zero-argument call to time."""
-
-
-def time_paths(paths: dict[str, Prepare], samples: int, warmup: int,
-               tick: Callable[[], None] | None = None) -> dict[str, list[float]]:
-    """Time each path ``samples`` times after ``warmup`` runs, rotating the order every round.
-
-    Returns the raw samples in milliseconds, per path. ``tick`` is called after each timed call.
-
-    >>> out = time_paths({"a": lambda: (lambda: None), "b": lambda: (lambda: None)}, samples=3, warmup=1)
-    >>> sorted(out), [len(v) for v in out.values()]
-    (['a', 'b'], [3, 3])
-    """
-    names = list(paths)
-    for name in names:
-        for _ in range(warmup):
-            paths[name]()()
-    out: dict[str, list[float]] = {name: [] for name in names}
-    gc.collect()
-    for s in range(samples):
-        k = s % len(names)
-        for name in names[k:] + names[:k]:  # rotate: no path always runs first or last
-            call = paths[name]()
-            t0 = time.perf_counter()
-            call()
-            out[name].append((time.perf_counter() - t0) * 1e3)
-            if tick is not None:
-                tick()
-    return out
-
-
-def _token_stream(config: GPTConfig, length: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, config.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
-def build_models(config: GPTConfig, seed: int, transformers: bool, tie: bool = False) -> tuple[Decoder, Any]:
-    """A kvdoc decoder and, if asked, transformers' GPT-2 with the same random weights (both eval).
-
-    kvdoc's decoder is initialised (seeded); transformers' model is created without initialising
-    (on the meta device) and receives the decoder's weights, with ``c_attn``, ``c_proj`` and
-    ``c_fc`` transposed into GPT-2's ``Conv1D`` layout. That skips a second random
-    initialisation, which costs seconds at GPT-2 small's size. With ``tie`` the LM head shares
-    ``wte``'s weight, as in GPT-2's checkpoints. Raises ``RuntimeError`` if the two models'
-    logits disagree on a short input.
-    """
-    torch.manual_seed(seed)
-    model = Decoder(config).eval()
-    if tie:
-        model.lm_head.weight = model.wte.weight
-    if not transformers:
-        return model, None
-    with warnings.catch_warnings():  # transformers imports tqdm.auto, which warns inside a notebook
-        warnings.filterwarnings("ignore", message="IProgress not found")
-        from transformers import GPT2LMHeadModel
-
-    from .interop import gpt2_config
-
-    hf_config = gpt2_config(config)
-    hf_config.tie_word_embeddings = tie
-    with torch.device("meta"):
-        hf = GPT2LMHeadModel(hf_config)
-    hf = hf.to_empty(device="cpu")
-    ours = model.state_dict()
-    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-    state = {}
-    for key in hf.state_dict():
-        name = key.removeprefix("transformer.")
-        state[key] = ours[name].t() if name.endswith(conv1d) else ours[name]
-    hf.load_state_dict(state)
-    if tie:
-        hf.tie_weights()
-    hf.eval()
-    with torch.inference_mode():
-        ids = _token_stream(config, 5, seed)
-        diff = float((hf(ids).logits - model(ids).logits).abs().max())
-    if not diff < 1e-4:
-        raise RuntimeError(f"transformers' GPT-2 and kvdoc disagree after copying weights: {diff:.3e}")
-    return model, hf
-
-
-def _decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, steps: int,
-                  full: bool) -> tuple[dict[str, Prepare], dict[str, Callable[[], torch.Tensor]]]:
-    """The timed paths for one prefix, and for each one a call returning its stacked logits."""
-    P, G = prefix_len, steps
-    prompt = ids[:, :P]
-
-    def full_run(last_only: bool) -> Callable[[], torch.Tensor]:
-        def run() -> torch.Tensor:
-            return torch.cat([model(ids[:, :P + j], last_only=last_only).logits[:, -1:]
-                              for j in range(1, G + 1)], 1)
-        return run
-
-    dyn_prefix = model(prompt, model.new_cache(1, "dynamic"))[1]
-    static = model(prompt, model.new_cache(1, "static", capacity=P + G))[1]
-
-    def cached_run(start: Callable[[], Any]) -> Callable[[], torch.Tensor]:
-        def run() -> torch.Tensor:
-            cache, out = start(), []
-            for j in range(G):
-                logits, cache = model(ids[:, P + j:P + j + 1], cache)
-                out.append(logits)
-            return torch.cat(out, 1)
-        return run
-
-    static_run = cached_run(lambda: static)
-    runs: dict[str, Callable[[], torch.Tensor]] = {"dynamic": cached_run(lambda: dyn_prefix)}
-    prepare: dict[str, Prepare] = {}
-    if full:
-        def prefill_prepare() -> Callable[[], Any]:
-            cache = model.new_cache(1, "dynamic")
-            return lambda: model(prompt, cache, last_only=True)
-        prepare["prefill"] = prefill_prepare
-        runs["full_all"], runs["full_last"] = full_run(False), full_run(True)
-        prepare["full_all"] = lambda: runs["full_all"]
-        prepare["full_last"] = lambda: runs["full_last"]
-    prepare["dynamic"] = lambda: runs["dynamic"]
-
-    def static_prepare() -> Callable[[], Any]:
-        static.crop(P)  # back to the prompt, untimed
-        return static_run
-    prepare["static"] = static_prepare
-
-    if hf is not None:
-        hf_cache = hf(prompt, use_cache=True).cache
-
-        def hf_run() -> torch.Tensor:
-            out = []
-            for j in range(G):
-                step = hf(ids[:, P + j:P + j + 1], cache=hf_cache, use_cache=True)
-                out.append(step.logits)
-            return torch.cat(out, 1)
-
-        def hf_prepare() -> Callable[[], Any]:
-            # transformers' cache grows in place; crop takes the (negative) number of positions to drop
-            hf_cache.crop(P - hf_cache.get_seq_length())  # back to the prompt, untimed
-            return hf_run
-        prepare["transformers"] = hf_prepare
-        runs["transformers"] = lambda: hf_prepare()()
-    runs["static"] = lambda: static_prepare()()
-    return prepare, runs
-
-
-# --------------------------------------------------------------------------- the four measurements
-
-
-def _bench_prefix(model: Decoder, hf: Any, settings: BenchSettings, prefix_len: int,
+def _bench_prefix(model: Decoder, fast: FastDecoder, hf: Any, settings: BenchSettings, prefix_len: int,
                   tick: Callable[[], None]) -> tuple[dict[str, list[float]], float, dict[str, float], dict[str, int]]:
     G = settings.new_tokens
-    ids = _token_stream(model.config, prefix_len + G, settings.seed + prefix_len)
-    prepare, runs = _decode_paths(model, hf, ids, prefix_len, G, full=True)
+    ids = token_stream(model.config, prefix_len + G, settings.seed + prefix_len)
+    prepare, runs = decode_paths(model, hf, ids, prefix_len, G, True, fast)
     reference = model(ids).logits[:, prefix_len:]  # [1, G, V]: one full forward of the whole stream
     diffs = {name: float((run() - reference).abs().max()) for name, run in runs.items()}
     counts: dict[str, int] = {}
@@ -484,62 +197,51 @@ def _bench_prefix(model: Decoder, hf: Any, settings: BenchSettings, prefix_len: 
     return samples, final.nbytes() / 1024, diffs, counts
 
 
-def _bench_growth(model: Decoder, settings: BenchSettings, tick: Callable[[], None]) -> dict[str, Any]:
+GROWTH_PATHS = ("full_all", "dynamic", "static", "fast")
+
+
+def _bench_growth(model: Decoder, fast: FastDecoder, settings: BenchSettings,
+                  tick: Callable[[], None]) -> dict[str, Any]:
     """Per-step time at total length ``T``: full recompute of ``T`` positions vs one cached step."""
     per_len: dict[str, dict[str, list[float]]] = {}
     for T in settings.growth_lengths:
-        ids = _token_stream(model.config, T, settings.seed + 7919 + T)
-        prepare, _ = _decode_paths(model, None, ids, T - 1, 1, full=True)
-        prepare = {"full_all": prepare["full_all"], "dynamic": prepare["dynamic"], "static": prepare["static"]}
+        ids = token_stream(model.config, T, settings.seed + 7919 + T)
+        prepare, _ = decode_paths(model, None, ids, T - 1, 1, True, fast)
+        prepare = {path: prepare[path] for path in GROWTH_PATHS}
         per_len[str(T)] = time_paths(prepare, settings.growth_samples, settings.warmup, tick)
     lengths = np.log(np.asarray(settings.growth_lengths, dtype=float))
     upper = len(lengths) // 2  # the longer half (at least two points), where fixed costs matter least
-    slopes: dict[str, float | None] = {}
-    slopes_upper: dict[str, float | None] = {}
-    for path in ("full_all", "dynamic", "static"):
-        p50 = np.log([percentile(per_len[str(T)][path], 50) for T in settings.growth_lengths])
-        slopes[path] = float(np.polyfit(lengths, p50, 1)[0]) if len(lengths) >= 2 else None
-        slopes_upper[path] = float(np.polyfit(lengths[upper:], p50[upper:], 1)[0]) if len(lengths) >= 4 else None
+    p50 = {path: [percentile(per_len[str(T)][path], 50) for T in settings.growth_lengths] for path in GROWTH_PATHS}
+    slopes = {path: float(np.polyfit(lengths, np.log(p50[path]), 1)[0]) for path in GROWTH_PATHS}
+    slopes_upper = {path: float(np.polyfit(lengths[upper:], np.log(p50[path][upper:]), 1)[0])
+                    if len(lengths) >= 4 else None for path in GROWTH_PATHS}
     return {"lengths": list(settings.growth_lengths), "samples_ms": per_len, "slopes": slopes,
-            "slopes_upper": slopes_upper, "upper_from": settings.growth_lengths[upper],
-            "p50_ms": {path: [percentile(per_len[str(T)][path], 50) for T in settings.growth_lengths]
-                       for path in ("full_all", "dynamic", "static")}}
+            "slopes_upper": slopes_upper, "upper_from": settings.growth_lengths[upper], "p50_ms": p50}
 
 
-def measure_bandwidth(mib: int, samples: int = 7) -> dict[str, Any]:
-    """Memory read bandwidth from ``sum`` over a ``mib``-MiB FP32 tensor at the current thread count.
-
-    >>> bw = measure_bandwidth(4, samples=2)
-    >>> bw["bytes"] == 4 * 2**20 and bw["gb_per_s"] > 0
-    True
-    """
-    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    x.sum()  # warm: page the tensor in
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    nbytes = x.numel() * x.element_size()
-    del x
-    return {"bytes": nbytes, "samples_s": times, "gb_per_s": nbytes / percentile(times, 50) / 1e9}
+def _ablation_summary(samples: dict[str, list[float]], steps: int, names: dict[str, str]) -> dict[str, Any]:
+    """Per-step p50 (µs) of the ablation's variants; ``names`` maps variant to timed path."""
+    return {"steps": steps, "p50_us_per_step": {variant: percentile(samples[path], 50) / steps * 1e3
+                                                for variant, path in names.items()}}
 
 
-def step_bytes(model: Decoder, context: int) -> int:
-    """Bytes one decode step must read at ``context`` cached positions: weights plus K/V.
+ABLATION_ROWS = {"reference": "static", "fast": "fast", **{k: k for k in ABLATION}}
+"""Ablation variant -> the timed path it reads (the reference step is the static-cache path)."""
 
-    Every block's weights, ``ln_f`` and the LM head matrix, one row of ``wte`` and ``wpe``,
-    and K and V of every layer over ``context + 1`` positions (FP32 or whatever the dtype is).
-    """
-    cfg, size = model.config, model.wte.weight.element_size()
-    params = {id(p): p for p in model.parameters()}
-    embeddings = {id(model.wte.weight), id(model.wpe.weight)}
-    weights = sum(p.numel() for i, p in params.items() if i not in embeddings)
-    if model.lm_head.weight is model.wte.weight:  # tied: the head reads the whole table
-        weights += model.wte.weight.numel()
-    weights += 2 * cfg.n_embd  # one embedding row each
-    kv = 2 * cfg.n_layer * (context + 1) * cfg.kv_dim
-    return (weights + kv) * size
+
+def _bench_ablation(model: Decoder, fast: FastDecoder, settings: BenchSettings,
+                    tick: Callable[[], None]) -> dict[str, Any]:
+    """The fast step with each change undone, against the reference and the fast step, at the largest P."""
+    P, G = max(settings.prefix_lens), settings.new_tokens
+    ids = token_stream(model.config, P + G, settings.seed + P)
+    prepare, runs = ablation_paths(model, ids, P, G)
+    prepare["static"], runs["static"] = static_decode(model, model, ids, P, G)
+    prepare["fast"], runs["fast"] = static_decode(fast, model, ids, P, G)
+    reference = model(ids).logits[:, P:]
+    diffs = {name: float((run() - reference).abs().max()) for name, run in runs.items()}
+    samples = time_paths(prepare, settings.samples, settings.warmup, tick)
+    return {"prefix_len": P, "samples_ms": samples, "max_abs_logit_diff": diffs,
+            **_ablation_summary(samples, G, ABLATION_ROWS)}
 
 
 def _bench_roofline(settings: BenchSettings, tick: Callable[[], None], build_threads: int) -> dict[str, Any]:
@@ -547,11 +249,14 @@ def _bench_roofline(settings: BenchSettings, tick: Callable[[], None], build_thr
     torch.set_num_threads(build_threads)  # random init of 124M parameters is not what is measured
     try:
         model, hf = build_models(settings.roofline_model, settings.seed, settings.transformers, tie=True)
+        fast = FastDecoder(model)
     finally:
         torch.set_num_threads(timed_threads)
     C, S = settings.roofline_context, settings.roofline_steps
-    ids = _token_stream(model.config, C + S, settings.seed + 1)
-    prepare, _ = _decode_paths(model, hf, ids, C, S, full=False)
+    ids = token_stream(model.config, C + S, settings.seed + 1)
+    prepare, _ = decode_paths(model, hf, ids, C, S, False, fast)
+    if settings.ablation:
+        prepare.update(ablation_paths(model, ids, C, S)[0])
     # Bandwidth is one more path of the rotation, so it sees the same machine state as decode.
     x = torch.ones(settings.bandwidth_mib * 2**20 // 4, dtype=torch.float32)
     prepare["bandwidth"] = lambda: x.sum
@@ -559,6 +264,9 @@ def _bench_roofline(settings: BenchSettings, tick: Callable[[], None], build_thr
     bw_times = [t / 1e3 for t in samples.pop("bandwidth")]
     nbytes = x.numel() * x.element_size()
     del x
+    ablation = _ablation_summary(samples, S, ABLATION_ROWS) if settings.ablation else None
+    for name in ABLATION:
+        samples.pop(name, None)
     bandwidth = {"bytes": nbytes, "kernel": "torch.sum over a float32 tensor", "samples_s": bw_times,
                  "gb_per_s": nbytes / percentile(bw_times, 50) / 1e9}
     mean_bytes = sum(step_bytes(model, C + j) for j in range(S)) / S
@@ -568,8 +276,8 @@ def _bench_roofline(settings: BenchSettings, tick: Callable[[], None], build_thr
     out = {"model": asdict(settings.roofline_model), "parameters": model.num_parameters(),
            "context": C, "steps": S, "samples_ms": samples, "bandwidth": bandwidth,
            "bytes_per_step": mean_bytes, "floor_ms_per_token": floor_ms,
-           "p50_ms_per_token": per_token, "fraction": fraction}
-    del model, hf
+           "p50_ms_per_token": per_token, "fraction": fraction, "ablation": ablation}
+    del model, hf, fast
     gc.collect()
     return out
 
@@ -581,37 +289,47 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
     ``progress`` shows a tqdm bar on stderr.
 
     >>> s = BenchSettings(prefix_lens=(4,), new_tokens=2, samples=2, warmup=0, transformers=False,
-    ...                   growth_lengths=(4, 8), growth_samples=1, roofline=False)
+    ...                   growth_lengths=(4, 8), growth_samples=1, roofline=False, ablation=False)
     >>> r = run_bench(s)
     >>> r.counts[4]["full_all_lm_head"] == projected_positions_full(4, 2) == 2 * 4 + 3
     True
-    >>> sorted(r.ratios)
-    ['cached_vs_full_all_positions', 'cached_vs_full_last_position', 'static_vs_dynamic']
+    >>> sorted(r.ratios)  # doctest: +NORMALIZE_WHITESPACE
+    ['cached_vs_full_all_positions', 'cached_vs_full_last_position', 'fast_vs_full_all_positions',
+     'fast_vs_static', 'static_vs_dynamic']
     """
     settings = settings or BenchSettings()
     from tqdm import tqdm
 
-    n_paths = 4 + int(settings.transformers)
-    total = (len(settings.prefix_lens) * settings.samples * (n_paths + 1)
-             + len(settings.growth_lengths) * settings.growth_samples * 3
-             + (settings.roofline_samples * (3 + int(settings.transformers)) if settings.roofline else 0))
+    n_paths = 6 + int(settings.transformers)
+    total = (len(settings.prefix_lens) * settings.samples * n_paths
+             + len(settings.growth_lengths) * settings.growth_samples * len(GROWTH_PATHS)
+             + (settings.samples * (2 + len(ABLATION)) if settings.ablation else 0)
+             + (settings.roofline_samples * (4 + int(settings.transformers)
+                                             + (len(ABLATION) if settings.ablation else 0))
+                if settings.roofline else 0))
     threads = torch.get_num_threads()
     bar = tqdm(total=total, disable=not progress, file=sys.stderr, unit="sample", desc="kvdoc bench")
     try:
         torch.set_num_threads(settings.threads)
         with torch.inference_mode():
             model, hf = build_models(settings.model, settings.seed, settings.transformers)
+            fast = FastDecoder(model)
             env = environment()
             stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
             timings, kv_kib, diffs, counts, flops = {}, {}, {}, {}, {}
             for P in settings.prefix_lens:
                 bar.set_postfix_str(f"P={P}")
-                timings[P], kv_kib[P], diffs[P], counts[P] = _bench_prefix(model, hf, settings, P, bar.update)
+                timings[P], kv_kib[P], diffs[P], counts[P] = _bench_prefix(model, fast, hf, settings, P, bar.update)
                 flops[P] = run_flops(settings.model, P, settings.new_tokens)
-            ops = ops_per_step(model, hf, max(settings.prefix_lens), settings.seed)
+            P_max = max(settings.prefix_lens)
+            ops = ops_per_step(model, fast, hf, token_stream(model.config, P_max + 1, settings.seed))
+            ablation = None
+            if settings.ablation:
+                bar.set_postfix_str("ablation")
+                ablation = _bench_ablation(model, fast, settings, bar.update)
             bar.set_postfix_str("growth")
-            growth = _bench_growth(model, settings, bar.update)
-            del model, hf
+            growth = _bench_growth(model, fast, settings, bar.update)
+            del model, hf, fast
             roofline = None
             if settings.roofline:
                 bar.set_postfix_str("roofline")
@@ -619,7 +337,8 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
     finally:
         torch.set_num_threads(threads)
         bar.close()
-    result = BenchResult(settings, env, stamp, timings, kv_kib, diffs, counts, flops, growth, roofline, ops, {})
+    result = BenchResult(settings, env, stamp, timings, kv_kib, diffs, counts, flops, growth, roofline,
+                         ablation, ops, {})
     result.ratios = ratios(result)
     return result
 
@@ -627,176 +346,31 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
 def ratios(result: BenchResult) -> dict[str, float]:
     """Headline figures at the largest prefix length, each a speed-up or fraction (higher is better).
 
-    ``cached_vs_*``: the other path's p50 over the faster kvdoc cache's p50 for the ``G`` steps;
-    ``bandwidth_fraction``: the bandwidth floor over kvdoc's faster cached decode time per token
-    (1 would read weights and K/V at the measured bandwidth); ``*_transformers`` the same for
-    transformers' GPT-2.
+    ``cached_vs_*``: the other path's p50 over the faster of kvdoc's two caches' p50 for the
+    ``G`` steps; ``fast_vs_*``: the same over the fast step's p50; ``bandwidth_fraction*``: the
+    bandwidth floor over a path's decode time per token on the roofline model (1 would read
+    weights and K/V at the measured bandwidth); ``*_124m``: on the roofline model.
     """
     P = max(result.timings)
-    best = min(result.p50(P, "dynamic"), result.p50(P, "static"))
-    out = {"cached_vs_full_all_positions": result.p50(P, "full_all") / best,
-           "cached_vs_full_last_position": result.p50(P, "full_last") / best,
-           "static_vs_dynamic": result.p50(P, "dynamic") / result.p50(P, "static")}
-    if "transformers" in result.timings[P]:
-        out["cached_vs_transformers"] = result.p50(P, "transformers") / best
+    p50 = {path: result.p50(P, path) for path in result.timings[P]}
+    best = min(p50["dynamic"], p50["static"])
+    out = {"cached_vs_full_all_positions": p50["full_all"] / best,
+           "cached_vs_full_last_position": p50["full_last"] / best,
+           "static_vs_dynamic": p50["dynamic"] / p50["static"],
+           "fast_vs_full_all_positions": p50["full_all"] / p50["fast"],
+           "fast_vs_static": p50["static"] / p50["fast"]}
+    if "transformers" in p50:
+        out["cached_vs_transformers"] = p50["transformers"] / best
+        out["fast_vs_transformers"] = p50["transformers"] / p50["fast"]
     if result.roofline is not None:
-        fraction = result.roofline["fraction"]
+        fraction, per_token = result.roofline["fraction"], result.roofline["p50_ms_per_token"]
         out["bandwidth_fraction"] = max(fraction["dynamic"], fraction["static"])
+        out["bandwidth_fraction_fast"] = fraction["fast"]
         if "transformers" in fraction:
             out["bandwidth_fraction_transformers"] = fraction["transformers"]
             out["bandwidth_fraction_vs_transformers"] = out["bandwidth_fraction"] / fraction["transformers"]
+            out["fast_vs_transformers_124m"] = per_token["transformers"] / per_token["fast"]
     return {k: float(v) for k, v in out.items()}
-
-
-# --------------------------------------------------------------------------- tables and figures
-
-
-@dataclass(frozen=True)
-class Table:
-    """A small table of strings: ``str()`` gives Markdown (for the CLI), ``_repr_html_`` HTML (for pages).
-
-    >>> print(Table(["a (ms)", "b"], [["1.0", "x"]]))
-    | a (ms) | b |
-    |---:|---:|
-    | 1.0 | x |
-    """
-
-    header: list[str]
-    rows: list[list[str]]
-
-    def markdown(self) -> str:
-        """The table as GitHub-flavoured Markdown."""
-        lines = ["| " + " | ".join(self.header) + " |", "|" + "|".join("---:" for _ in self.header) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in self.rows])
-
-    def __str__(self) -> str:
-        return self.markdown()
-
-    def _repr_html_(self) -> str:
-        from html import escape
-
-        head = "".join(f"<th style='text-align:right'>{escape(h)}</th>" for h in self.header)
-        body = "".join("<tr>" + "".join(f"<td style='text-align:right'>{escape(c)}</td>" for c in r) + "</tr>"
-                       for r in self.rows)
-        return f"<table class='table'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def timings_table(result: BenchResult) -> Table:
-    """Table: per prefix, prefill p50, full recompute and cached p50 / p95 (ms for all G steps), final K/V KiB."""
-    header = ["prefix P", "prefill p50 (ms)", "full, all positions p50 / p95 (ms)",
-              "full, last position p50 / p95 (ms)", "dynamic cache p50 / p95 (ms)",
-              "static cache p50 / p95 (ms)"]
-    has_tf = all("transformers" in v for v in result.timings.values())
-    if has_tf:
-        header.append("transformers cached p50 / p95 (ms)")
-    header.append("final K/V (KiB)")
-    rows = []
-    for P in result.timings:
-        row = [str(P), f"{result.p50(P, 'prefill'):.3f}"]
-        paths = ["full_all", "full_last", "dynamic", "static"] + (["transformers"] if has_tf else [])
-        row += [f"{result.p50(P, p):.3f} / {result.p95(P, p):.3f}" for p in paths]
-        row.append(f"{result.kv_kib[P]:g}")
-        rows.append(row)
-    return Table(header, rows)
-
-
-def counts_table(result: BenchResult) -> Table:
-    """Table: rows counted by hooks on layer 0's ``c_attn`` and on ``lm_head``, against the closed forms."""
-    header = ["prefix P", "full recompute: c_attn rows (counted)", "G P + G(G+1)/2",
-              "full, all positions: lm_head rows", "full, last position: lm_head rows",
-              "cached: c_attn rows (counted)", "cached: lm_head rows", "G"]
-    rows = [[str(P), f"{c['full_all_c_attn']:,}", f"{c['formula_full']:,}", f"{c['full_all_lm_head']:,}",
-             f"{c['full_last_lm_head']:,}", f"{c['static_c_attn']:,}", f"{c['static_lm_head']:,}",
-             f"{c['formula_cached']:,}"] for P, c in result.counts.items()]
-    return Table(header, rows)
-
-
-def flops_table(result: BenchResult) -> Table:
-    """Table: modelled MFLOPs of the G steps per path, split into linear layers, attention and LM head."""
-    header = ["prefix P", "path", "linear (MFLOP)", "attention (MFLOP)", "LM head (MFLOP)", "total (MFLOP)"]
-    rows = []
-    for P, f in result.flops.items():
-        for path, label in (("full_all", "full, all positions"), ("full_last", "full, last position"),
-                            ("cached", "cached")):
-            rows.append([str(P), label] + [f"{f[f'{path}_{part}'] / 1e6:.2f}"
-                                           for part in ("linear", "attention", "lm_head")]
-                        + [f"{f[path] / 1e6:.2f}"])
-    return Table(header, rows)
-
-
-def roofline_table(result: BenchResult) -> Table:
-    """Table: per decode path of the roofline model, ms per token, the floor, and the fraction reached."""
-    r = result.roofline
-    if r is None:
-        raise ValueError("this run has no roofline (settings.roofline was False)")
-    header = ["path", "decode p50 (ms / token)", "floor (ms / token)", "achieved bandwidth (GB/s)",
-              "fraction of measured bandwidth"]
-    rows = [[path, f"{t:.2f}", f"{r['floor_ms_per_token']:.2f}",
-             f"{r['bytes_per_step'] / (t / 1e3) / 1e9:.2f}", f"{r['fraction'][path]:.2f}"]
-            for path, t in r["p50_ms_per_token"].items()]
-    return Table(header, rows)
-
-
-def growth_figure(result: BenchResult):
-    """Log-log plot of per-step p50 against total length, with the fitted slopes in the legend."""
-    import matplotlib.pyplot as plt
-
-    from matplotlib.ticker import FuncFormatter, NullFormatter
-
-    g = result.growth
-    fig, ax = plt.subplots(figsize=(6.6, 4.4))
-    labels = {"full_all": "full recompute (all positions)", "dynamic": "cached, dynamic",
-              "static": "cached, static"}
-    for path, marker in (("full_all", "o"), ("dynamic", "s"), ("static", "^")):
-        label = f"{labels[path]}: slope {g['slopes'][path]:.2f}"
-        if g["slopes_upper"][path] is not None:
-            label += f" (T ≥ {g['upper_from']}: {g['slopes_upper'][path]:.2f})"
-        ax.plot(g["lengths"], g["p50_ms"][path], marker=marker, label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(g["lengths"], [str(t) for t in g["lengths"]])
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("total length T (positions)")
-    ax.set_ylabel("one step, p50 (ms)")
-    ax.set_title("Per-step time against length (log-log)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    return fig
-
-
-PATH_LABELS = {"prefill": "prefill", "full_all": "full, all positions", "full_last": "full, last position",
-               "transformers": "transformers, cached", "dynamic": "kvdoc, dynamic cache",
-               "static": "kvdoc, static cache"}
-"""Readable names of the timed paths, for tables and figures."""
-
-
-def timings_figure(result: BenchResult):
-    """Bar chart of the G-step p50 per path and prefix length (log scale)."""
-    import matplotlib.pyplot as plt
-
-    prefixes = list(result.timings)
-    paths = [p for p in ("full_all", "full_last", "transformers", "dynamic", "static")
-             if all(p in result.timings[P] for P in prefixes)]
-    fig, ax = plt.subplots(figsize=(7.0, 4.2))
-    width = 0.8 / len(paths)
-    for i, path in enumerate(paths):
-        xs = [k + (i - (len(paths) - 1) / 2) * width for k in range(len(prefixes))]
-        ax.bar(xs, [result.p50(P, path) for P in prefixes], width, label=PATH_LABELS[path])
-    ax.set_xticks(range(len(prefixes)), [str(P) for P in prefixes])
-    ax.set_yscale("log")
-    from matplotlib.ticker import FuncFormatter, NullFormatter
-
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
-    ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:g}" if str(y)[0] in "25" else ""))
-    ax.set_xlabel("prefix length P (tokens)")
-    ax.set_ylabel(f"{result.settings.new_tokens} steps, p50 (ms)")
-    ax.set_title("Consuming G fixed tokens after the prefix")
-    ax.grid(True, axis="y", which="both", alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    return fig
 
 
 # --------------------------------------------------------------------------- CLI
@@ -824,6 +398,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' GPT-2")
     parser.add_argument("--no-roofline", action="store_true", help="skip the 124M-parameter bandwidth floor")
     parser.add_argument("--roofline-samples", type=int, default=d.roofline_samples)
+    parser.add_argument("--no-ablation", action="store_true", help="skip the fast step's ablation")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -834,7 +409,8 @@ def main(args: argparse.Namespace) -> int:
             prefix_lens=args.prefix_lens, new_tokens=args.new_tokens, samples=args.samples,
             warmup=args.warmup, threads=args.threads, seed=args.seed,
             transformers=not args.no_transformers, growth_lengths=args.growth_lengths,
-            roofline=not args.no_roofline, roofline_samples=args.roofline_samples)
+            roofline=not args.no_roofline, roofline_samples=args.roofline_samples,
+            ablation=not args.no_ablation)
     except ValueError as err:
         print(f"kvdoc bench: {err}", file=sys.stderr)
         return 2
@@ -843,13 +419,21 @@ def main(args: argparse.Namespace) -> int:
     print(f"kvdoc bench: P={P}, G={settings.new_tokens}, {settings.threads} thread(s), FP32, "
           f"{settings.samples} samples per path; {result.environment['cpu']}")
     print(timings_table(result))
+    if result.ablation is not None:
+        print()
+        print(ablation_table(result.ablation))
     if result.roofline is not None:
         print()
         print(roofline_table(result))
+        if result.roofline["ablation"] is not None:
+            print()
+            print(ablation_table(result.roofline["ablation"]))
     print()
     print("ratios (higher is better):")
     for key, value in result.ratios.items():
-        print(f"  {key:38s} {value:8.3f}")
+        target = f"   target >= {TARGETS[key]:g}: {'met' if value >= TARGETS[key] else 'not met'}" \
+            if key in TARGETS else ""
+        print(f"  {key:38s} {value:8.3f}{target}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result.to_json(), f, indent=1)

@@ -211,9 +211,10 @@ class StaticCache(KVCache):
         if start != self._len or end > self.capacity:
             raise ValueError(f"cannot write positions {start}..{end - 1}: cache holds {self._len} "
                              f"of {self.capacity}")
-        self._k[layer_idx][:, :, start:end] = k  # in place, at absolute positions
-        self._v[layer_idx][:, :, start:end] = v
-        return self._k[layer_idx][:, :, :end], self._v[layer_idx][:, :, :end]
+        k_all, v_all = self._k[layer_idx], self._v[layer_idx]
+        k_all.narrow(2, start, end - start).copy_(k)  # in place, at absolute positions
+        v_all.narrow(2, start, end - start).copy_(v)
+        return k_all.narrow(2, 0, end), v_all.narrow(2, 0, end)
 
     def finish(self, end: int) -> None:
         self._len = end

@@ -112,8 +112,10 @@ class CausalSelfAttention(nn.Module):
             mask = self.mask(start, C, x.device)
             if mask is not None and k.shape[2] < start + C:
                 mask = mask[:, -k.shape[2]:]  # a window cache returns only the last positions, in order
-        y = F.scaled_dot_product_attention(  # scores [B, H, C, P + C], scaled by 1/sqrt(D_h)
-            q, k, v, attn_mask=mask, enable_gqa=self.n_kv_head != self.n_head)
+        # scores [B, H, C, P + C], scaled by 1/sqrt(D_h); enable_gqa only when it is needed, as
+        # the keyword alone slows SDPA down
+        gqa = {"enable_gqa": True} if self.n_kv_head != self.n_head else {}
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
         y = y.transpose(1, 2).reshape(B, C, d)  # merge heads: [B, C, H * D_h]
         return self.c_proj(y)
 
@@ -136,6 +138,26 @@ class Block(nn.Module):
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache, layer_idx, start, attn_mask)
         return x + self.mlp(self.ln_2(x))
+
+
+def embed_tokens(wte: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
+    """``wte(idx)``, with an id outside the vocabulary refused as a ``ValueError`` naming it.
+
+    The lookup itself finds a bad id, so valid input costs no host sync; only a refusal
+    reads the ids back to name the offender.
+
+    >>> embed_tokens(nn.Embedding(5, 2), torch.tensor([[1, 7]]))
+    Traceback (most recent call last):
+    ...
+    ValueError: token id 7 is outside the vocabulary 0..4
+    """
+    try:
+        return wte(idx)  # [B, C] -> [B, C, d]
+    except IndexError:
+        vocab = wte.num_embeddings
+        lo, hi = (int(t) for t in idx.aminmax())
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} is outside the vocabulary 0..{vocab - 1}") from None
 
 
 class DecoderOutput(NamedTuple):
@@ -200,18 +222,14 @@ class Decoder(nn.Module):
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
             shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
             raise ValueError(f"idx must be a [B, C] tensor of token ids, got {shape}")
-        if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
-            raise ValueError(f"idx must hold integer token ids, got dtype {idx.dtype}")
+        if idx.dtype not in (torch.int64, torch.int32):  # what an embedding lookup takes
+            raise ValueError(f"idx must hold integer token ids (int64 or int32), got dtype {idx.dtype}")
         B, C = idx.shape
         if C == 0 or B == 0:
             raise ValueError(f"empty input: idx has shape {tuple(idx.shape)}; pass at least one token per row")
         weight = self.wte.weight
         if idx.device != weight.device:
             raise ValueError(f"idx is on {idx.device}, model is on {weight.device}")
-        lo, hi = (int(t) for t in idx.aminmax())
-        if lo < 0 or hi >= self.config.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"token id {bad} is outside the vocabulary 0..{self.config.vocab_size - 1}")
         if cache is not None and not isinstance(cache, KVCache):
             raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}")
         past = 0 if cache is None else cache.seq_len
@@ -220,6 +238,8 @@ class Decoder(nn.Module):
                              f"model has {self.config.n_positions}")
         if cache is not None:
             cache.check_compatible(self.config, B, weight.dtype, weight.device, C)
+        # Token ids are range-checked by the embedding lookup itself (embed_tokens), which needs
+        # no host sync; it runs before anything is written.
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False,
                 positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> DecoderOutput:
@@ -249,7 +269,7 @@ class Decoder(nn.Module):
         B, C = idx.shape
         start = 0 if cache is None else cache.seq_len
         work = None if cache is None else cache.begin()
-        x = self.wte(idx)  # [B, C, d]
+        x = embed_tokens(self.wte, idx)  # [B, C, d]
         if self.wpe is not None:  # RoPE models turn Q and K instead
             x = x + self.wpe(self.positions(start, C, idx.device) if positions is None else positions)
         for layer_idx, block in enumerate(self.h):

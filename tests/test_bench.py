@@ -1,4 +1,4 @@
-"""kvdoc.bench on tiny settings: structure, counts against closed forms, the CLI. No speed is asserted."""
+"""kvdoc.bench (with costs, timing, decode_paths, bench_tables) on tiny settings. No speed is asserted."""
 
 import json
 import math
@@ -8,10 +8,12 @@ import torch
 
 from kvdoc import Decoder, GPTConfig
 from kvdoc.__main__ import main as cli
-from kvdoc.bench import (BenchSettings, RowCounter, count_ops, counts_table, flops_table, growth_figure,
-                         measure_bandwidth, percentile, projected_positions_full, roofline_table,
-                         run_bench, run_flops, step_bytes, step_flops, time_paths, timings_table,
-                         timings_figure)
+from kvdoc.bench import TARGETS, BenchSettings, run_bench
+from kvdoc.bench_tables import (ablation_table, counts_table, flops_table, growth_figure, roofline_table,
+                                timings_figure, timings_table)
+from kvdoc.costs import RowCounter, count_ops, projected_positions_full, run_flops, step_bytes, step_flops
+from kvdoc.decode_paths import ABLATION
+from kvdoc.timing import percentile, time_paths
 
 TINY_ROOF = GPTConfig(vocab_size=101, n_positions=64, n_layer=2, n_head=2, n_embd=32, n_inner=64)
 PREFIXES = (3, 8)
@@ -33,7 +35,7 @@ def result():
 
 def test_ratios_present_and_positive(result):
     for key in ("cached_vs_transformers", "cached_vs_full_all_positions", "bandwidth_fraction",
-                "bandwidth_fraction_transformers", "cached_vs_full_last_position"):
+                "bandwidth_fraction_transformers", "cached_vs_full_last_position", *TARGETS):
         value = result.ratios[key]
         assert isinstance(value, float) and math.isfinite(value) and value > 0, key
 
@@ -43,19 +45,28 @@ def test_ratios_follow_from_samples(result):
     best = min(result.p50(P, "dynamic"), result.p50(P, "static"))
     assert result.ratios["cached_vs_full_all_positions"] == pytest.approx(result.p50(P, "full_all") / best)
     assert result.ratios["cached_vs_transformers"] == pytest.approx(result.p50(P, "transformers") / best)
+    fast = result.p50(P, "fast")
+    assert result.ratios["fast_vs_transformers"] == pytest.approx(result.p50(P, "transformers") / fast)
+    assert result.ratios["fast_vs_full_all_positions"] == pytest.approx(result.p50(P, "full_all") / fast)
+    per_token = result.roofline["p50_ms_per_token"]
+    assert result.ratios["fast_vs_transformers_124m"] == pytest.approx(per_token["transformers"] / per_token["fast"])
+    assert result.ratios["bandwidth_fraction_fast"] == result.roofline["fraction"]["fast"]
 
 
 def test_raw_samples_and_summary(result):
     data = json.loads(json.dumps(result.to_json()))  # JSON round trip: plain types only
     assert set(data) >= {"ratios", "config", "environment", "timestamp", "samples_ms", "summary",
                          "counts", "flops", "growth", "roofline", "final_kv_kib", "max_abs_logit_diff",
-                         "aten_ops_per_step"}
+                         "aten_ops_per_step", "ablation", "targets"}
+    for key, target in TARGETS.items():
+        verdict = data["targets"][key]
+        assert verdict["target"] == target and verdict["met"] == (verdict["measured"] >= target)
     assert set(data["environment"]) >= {"cpu", "python", "torch", "transformers", "threads"}
     assert data["environment"]["threads"] == 1
     assert data["config"]["samples"] == 3 and data["config"]["prefix_lens"] == list(PREFIXES)
     for P in PREFIXES:
         samples = data["samples_ms"][str(P)]
-        assert set(samples) == {"prefill", "full_all", "full_last", "dynamic", "static", "transformers"}
+        assert set(samples) == {"prefill", "full_all", "full_last", "dynamic", "static", "fast", "transformers"}
         for path, values in samples.items():
             assert len(values) == 3 and all(v > 0 for v in values), path
             s = data["summary"][str(P)][path]
@@ -65,7 +76,7 @@ def test_raw_samples_and_summary(result):
 def test_thread_count_restored():
     before = torch.get_num_threads()
     run_bench(tiny(prefix_lens=(2,), samples=1, warmup=0, transformers=False, roofline=False,
-                   growth_lengths=(4, 8), growth_samples=1, threads=1))
+                   growth_lengths=(4, 8), growth_samples=1, threads=1, ablation=False))
     assert torch.get_num_threads() == before
 
 
@@ -88,7 +99,7 @@ def test_counted_rows_match_closed_forms(result):
 
 def test_ops_per_step(result):
     ops = result.ops
-    assert set(ops) == {"full_all", "dynamic", "static", "transformers"}
+    assert set(ops) == {"full_all", "dynamic", "static", "fast", "transformers"}
     assert all(isinstance(n, int) and n > 0 for n in ops.values())
     assert count_ops(lambda: torch.ones(3).sum() * 2) == {"aten.ones.default": 1, "aten.sum.default": 1,
                                                             "aten.mul.Tensor": 1}
@@ -144,23 +155,26 @@ def test_step_bytes_tied_and_untied():
 def test_roofline_structure(result):
     r = result.roofline
     assert r["floor_ms_per_token"] > 0 and r["bandwidth"]["gb_per_s"] > 0
-    assert set(r["fraction"]) == {"dynamic", "static", "transformers"}
+    assert set(r["fraction"]) == {"dynamic", "static", "fast", "transformers"}
     assert result.ratios["bandwidth_fraction"] == max(r["fraction"]["dynamic"], r["fraction"]["static"])
 
 
 def test_growth_structure(result):
     g = result.growth
     assert g["lengths"] == [4, 8, 16]
-    for path in ("full_all", "dynamic", "static"):
+    for path in ("full_all", "dynamic", "static", "fast"):
         assert len(g["p50_ms"][path]) == 3 and math.isfinite(g["slopes"][path])
 
 
 def test_tables_and_figures(result):
-    table = str(timings_table(result))
-    assert table.count("\n") == 1 + len(PREFIXES) and "KiB" in table
-    assert "4" in str(counts_table(result)) and "MFLOP" in str(flops_table(result))
-    html = roofline_table(result)._repr_html_()
-    assert "GB/s" in html and html.count("<tr>") == 1 + 3  # header and three decode paths
+    table = timings_table(result)
+    assert table.count("\n") == 1 + len(PREFIXES) and "KiB" in table and "fast step" in table
+    assert "4" in counts_table(result) and "MFLOP" in flops_table(result)
+    roof = roofline_table(result)
+    assert "GB/s" in roof and roof.count("\n") == 1 + 4  # header rule and four decode paths
+    for ablation in (result.ablation, result.roofline["ablation"]):
+        table = ablation_table(ablation)
+        assert table.count("\n") == 1 + 2 + len(ABLATION) and "µs" in table
     import matplotlib.pyplot as plt
 
     for fig in (growth_figure(result), timings_figure(result)):
@@ -175,11 +189,21 @@ def test_time_paths_rotates_order():
     assert order == list("abc") + list("bca") + list("cab")
 
 
-def test_percentile_and_bandwidth():
+def test_percentile():
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     with pytest.raises(ValueError):
         percentile([], 50)
-    assert measure_bandwidth(1, samples=1)["gb_per_s"] > 0
+
+
+def test_ablation_structure(result):
+    a = result.ablation
+    assert a["prefix_len"] == max(PREFIXES) and a["steps"] == G
+    assert set(a["p50_us_per_step"]) == {"reference", "fast", *ABLATION}
+    assert a["p50_us_per_step"]["reference"] == percentile(a["samples_ms"]["static"], 50) / G * 1e3
+    for name, diff in a["max_abs_logit_diff"].items():  # every variant computes the same function
+        assert diff < 1e-4, (name, diff)
+    assert set(result.roofline["ablation"]["p50_us_per_step"]) == {"reference", "fast", *ABLATION}
+    assert set(result.roofline["samples_ms"]) == {"dynamic", "static", "fast", "transformers"}
 
 
 @pytest.mark.parametrize("kw", [dict(samples=0), dict(prefix_lens=(510,)), dict(prefix_lens=()),
@@ -195,7 +219,7 @@ def test_cli_writes_json_and_prints_ratios(tmp_path, capsys):
               "--warmup", "0", "--growth-lengths", "4,8", "--no-roofline", "--no-progress"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "cached_vs_transformers" in out and "cached_vs_full_all_positions" in out
+    assert "fast_vs_transformers" in out and "cached_vs_full_all_positions" in out and "target >= 4.5" in out
     data = json.loads(path.read_text())
     assert data["config"]["prefix_lens"] == [2, 4] and data["ratios"]["cached_vs_transformers"] > 0
 
