@@ -5,17 +5,18 @@ it: a subclass that overrides :meth:`~kvdoc.model.Decoder.positions` or ``forwar
 modules whose ``mask`` or ``forward`` is changed, or caches (a :class:`~kvdoc.cache.KVCache`)
 that store, return or count the wrong thing. One variant is a scenario rather than code: a
 cache filled before a prefix edit and reused after it. Each belongs to one of
-:data:`BUG_CLASSES`: some show only in long streams, in grouped-query models, in FP64, after a
-crop or a failed call, or only against an independent reference.
+:data:`kvdoc.variants.BUG_CLASSES`: some show only in long streams, in grouped-query models, in
+FP64, after a crop or a failed call, or only against an independent reference. The RoPE
+mistakes are in :mod:`kvdoc.broken_rope`.
 
-Every variant here is **wrong on purpose**. :data:`VARIANTS` lists them by name; the suite
-(:mod:`kvdoc.suite`, ``python -m kvdoc verify --variant NAME``) must fail on each.
+Every variant here is **wrong on purpose**. :data:`kvdoc.variants.VARIANTS` lists them by name;
+the suite (:mod:`kvdoc.suite`, ``python -m kvdoc verify --variant NAME``) must fail on each.
 
 >>> import torch
 >>> from kvdoc import Decoder, GPTConfig
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(GPTConfig()).eval()
->>> broken = VARIANTS["positions-restart"].build(model)
+>>> broken = copy_as(model, PositionsRestartDecoder)
 >>> ids = torch.tensor([[12, 7, 31, 4, 9, 18]])
 >>> with torch.no_grad():
 ...     _, cache = broken(ids[:, :4], broken.new_cache(1))
@@ -29,18 +30,16 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .cache import KV, DynamicCache, KVCache, StaticCache
-from .config import GPTConfig
+from .cache import KV, CacheWrapper, DynamicCache, KVCache, StaticCache
 from .mask import top_left_causal_mask
 from .model import CausalSelfAttention, Decoder, DecoderOutput
 
 
-def _copy_as(model: Decoder, cls: type[Decoder]) -> Decoder:
+def copy_as(model: Decoder, cls: type[Decoder]) -> Decoder:
     """A new model of class ``cls`` with ``model``'s config, weights, dtype and device, in eval mode."""
     weight = model.wte.weight
     with torch.random.fork_rng():  # the fresh initialisation is overwritten; leave the global RNG alone
@@ -49,9 +48,9 @@ def _copy_as(model: Decoder, cls: type[Decoder]) -> Decoder:
     return clone.eval()
 
 
-def _with_attention(model: Decoder, cls: type[CausalSelfAttention]) -> Decoder:
+def with_attention(model: Decoder, cls: type[CausalSelfAttention]) -> Decoder:
     """A copy of ``model`` whose every attention module is a ``cls`` holding the same weights."""
-    clone = _copy_as(model, Decoder)
+    clone = copy_as(model, Decoder)
     weight = model.wte.weight
     for block in clone.h:
         attn = cls(model.config).to(weight.dtype).to(weight.device)
@@ -60,9 +59,9 @@ def _with_attention(model: Decoder, cls: type[CausalSelfAttention]) -> Decoder:
     return clone
 
 
-def _with_mask(model: Decoder, mask: Callable[..., torch.Tensor | None]) -> Decoder:
+def with_mask(model: Decoder, mask: Callable[..., torch.Tensor | None]) -> Decoder:
     """A copy of ``model`` whose every attention module uses ``mask(self, past_len, new_len, device)``."""
-    clone = _copy_as(model, Decoder)
+    clone = copy_as(model, Decoder)
     for block in clone.h:
         block.attn.mask = types.MethodType(mask, block.attn)
     return clone
@@ -83,18 +82,18 @@ class PositionsRestartDecoder(Decoder):
 
 # --- wrong masks ----------------------------------------------------------------------------
 
-def _top_left_mask(self: CausalSelfAttention, past_len: int, new_len: int,
+def top_left_mask(self: CausalSelfAttention, past_len: int, new_len: int,
                    device: torch.device) -> torch.Tensor:
     """BROKEN: ``is_causal=True``'s top-left triangle; new query ``i`` reads keys ``0 .. i`` only."""
     return top_left_causal_mask(past_len, new_len, device)  # BUG: no offset by past_len
 
 
-def _no_mask(self: CausalSelfAttention, past_len: int, new_len: int, device: torch.device) -> None:
+def no_mask(self: CausalSelfAttention, past_len: int, new_len: int, device: torch.device) -> None:
     """BROKEN: no mask at all, also for chunks of several new tokens, which then read each other's future."""
     return None  # BUG: right only when new_len == 1
 
 
-def _off_by_one_mask(self: CausalSelfAttention, past_len: int, new_len: int,
+def off_by_one_mask(self: CausalSelfAttention, past_len: int, new_len: int,
                      device: torch.device) -> torch.Tensor | None:
     """BROKEN: ``j <= P + i + 1``: each query of a chunk also reads the token after it."""
     if new_len == 1:
@@ -106,42 +105,7 @@ def _off_by_one_mask(self: CausalSelfAttention, past_len: int, new_len: int,
 
 # --- wrong caches -------------------------------------------------------------------------
 
-class _CacheWrapper(KVCache):
-    """A cache that delegates to a real one; subclasses change what ``update`` returns."""
-
-    def __init__(self, inner: KVCache) -> None:
-        self.inner = inner
-        for name in ("n_layer", "batch_size", "n_kv_head", "head_dim", "dtype", "device"):
-            setattr(self, name, getattr(inner, name))
-
-    @property
-    def seq_len(self) -> int:
-        return self.inner.seq_len
-
-    def layer(self, idx: int) -> KV:
-        return self.inner.layer(idx)
-
-    def begin(self) -> _CacheWrapper:
-        return type(self)(self.inner.begin())
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        return self.inner.update(layer_idx, k, v, start)
-
-    def finish(self, end: int) -> None:
-        self.inner.finish(end)
-
-    def crop(self, length: int) -> _CacheWrapper:
-        return type(self)(self.inner.crop(length))
-
-    def tensors(self) -> list[torch.Tensor]:
-        return self.inner.tensors()
-
-    def check_compatible(self, config: GPTConfig, batch_size: int, dtype: torch.dtype,
-                         device: torch.device, new_len: int) -> None:
-        self.inner.check_compatible(config, batch_size, dtype, device, new_len)
-
-
-class CrossLayerCache(_CacheWrapper):
+class CrossLayerCache(CacheWrapper):
     """BROKEN: stores each layer's K/V correctly, but every layer attends over layer 0's K/V.
 
     The cache's content is right, so a check of K/V alone passes; only the logits show the bug.
@@ -313,7 +277,8 @@ class TiledGQAAttention(CausalSelfAttention):
 
     shared = False  # True: the same bug in the full forward too
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, C, d = x.shape
         heads = self.c_attn(x).view(B, C, self.n_head + 2 * self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k, v = heads.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=1)
@@ -338,8 +303,9 @@ class SharedTiledGQAAttention(TiledGQAAttention):
 class LastOnlyFirstRowDecoder(Decoder):
     """BROKEN: ``last_only=True`` returns the first new position's logits, not the last one's."""
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False):
-        logits, cache = super().forward(idx, cache)
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False,
+                **hooks: torch.Tensor | None) -> DecoderOutput:
+        logits, cache = super().forward(idx, cache, **hooks)
         return DecoderOutput(logits[:, :1] if last_only else logits, cache)  # BUG: row 0, not row -1
 
 
@@ -392,7 +358,7 @@ class InPlaceDecoder(CacheKindsDecoder):
     dynamic_cache = InPlaceDynamicCache
 
 
-# --- the registry ---------------------------------------------------------------------------
+# --- scenarios ------------------------------------------------------------------------------
 
 def stale_prefix(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """The prefix as it was before an edit: ``ids`` (``[B, T]``) with token 0 of every row replaced.
@@ -405,66 +371,3 @@ def stale_prefix(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     old = ids.clone()
     old[:, 0] = (ids[:, 0] + 1) % vocab_size
     return old
-
-
-@dataclass(frozen=True)
-class BrokenVariant:
-    """One deliberately wrong implementation.
-
-    Attributes:
-        name: the key in :data:`VARIANTS` and the value of ``--variant``.
-        breaks: one sentence: what is wrong.
-        build: makes the broken model from a correct one (same weights, dtype, device).
-        bug_class: the kind of mistake, one of :data:`BUG_CLASSES`.
-        stale_prefix: a scenario, not code: the cached path's first chunk is fed the prefix as it
-            was before an edit (:func:`stale_prefix`), the rest the current tokens.
-    """
-
-    name: str
-    breaks: str
-    build: Callable[[Decoder], Decoder]
-    bug_class: str = "mask and positions"
-    stale_prefix: bool = False
-
-
-BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-query attention",
-               "last_only and generation", "crop and branch", "shared path", "failure mid-call")
-"""The kinds of mistake the variants stand for."""
-
-VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
-    BrokenVariant("positions-restart", "position ids restart at 0 on every call instead of at the cache length",
-                  lambda m: _copy_as(m, PositionsRestartDecoder)),
-    BrokenVariant("top-left-mask", "the causal mask is not offset by the cache length (is_causal=True's top-left "
-                  "triangle), also for one-token decode", lambda m: _with_mask(m, _top_left_mask)),
-    BrokenVariant("no-mask", "no mask at all, so a chunk of several tokens reads its own future",
-                  lambda m: _with_mask(m, _no_mask)),
-    BrokenVariant("off-by-one-mask", "the mask allows j <= P + i + 1: each query also reads the next token",
-                  lambda m: _with_mask(m, _off_by_one_mask)),
-    BrokenVariant("cross-layer-cache", "every layer attends over layer 0's K/V instead of its own",
-                  lambda m: _copy_as(m, CrossLayerDecoder), "cache storage"),
-    BrokenVariant("new-before-old", "new K/V are concatenated before the cached ones, not after",
-                  lambda m: _copy_as(m, NewBeforeOldDecoder), "cache storage"),
-    BrokenVariant("stale-cache", "a cache filled before a prefix edit (token 0 changed) is reused after it",
-                  lambda m: _copy_as(m, Decoder), "cache storage", stale_prefix=True),
-    BrokenVariant("fp32-cache", "a dynamic cache rounds the K/V it stores to FP32, also in an FP64 model",
-                  lambda m: _copy_as(m, FP32CacheDecoder), "cache storage"),
-    BrokenVariant("modulo-slots", "a static cache writes position t into slot t % 32 and reads slots as linear",
-                  lambda m: _copy_as(m, ModuloDecoder), "long stream"),
-    BrokenVariant("window-32", "a dynamic cache silently keeps only the newest 32 positions",
-                  lambda m: _copy_as(m, WindowDecoder), "long stream"),
-    BrokenVariant("gqa-tiled-cached", "cached calls share K/V heads by tiling (h % H_kv), not by group",
-                  lambda m: _with_attention(m, TiledGQAAttention), "grouped-query attention"),
-    BrokenVariant("gqa-tiled-shared", "every call shares K/V heads by tiling (h % H_kv), not by group",
-                  lambda m: _with_attention(m, SharedTiledGQAAttention), "grouped-query attention"),
-    BrokenVariant("last-only-first-row", "last_only=True returns the first new position's logits",
-                  lambda m: _copy_as(m, LastOnlyFirstRowDecoder), "last_only and generation"),
-    BrokenVariant("position-counter", "positions come from a counter on the model, not the cache length",
-                  lambda m: _copy_as(m, PositionCounterDecoder), "crop and branch"),
-    BrokenVariant("clamped-positions", "positions past 31 are clamped to 31 in every forward, full or cached",
-                  lambda m: _copy_as(m, ClampedPositionsDecoder), "shared path"),
-    BrokenVariant("static-early-length", "a static cache's length advances before every layer succeeded",
-                  lambda m: _copy_as(m, EarlyLengthDecoder), "failure mid-call"),
-    BrokenVariant("dynamic-in-place", "a dynamic cache is written in place, so a failed call leaves a partial write",
-                  lambda m: _copy_as(m, InPlaceDecoder), "failure mid-call"),
-)}
-"""Every broken variant, by name."""

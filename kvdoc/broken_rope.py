@@ -15,7 +15,7 @@ A full forward (one call from position 0) is correct for both, so only the cache
 >>> from kvdoc.config import llama_config
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(llama_config()).eval()
->>> broken = ROPE_VARIANTS["unrotated-k-cache"].build(model)
+>>> broken = unrotated_k(model)
 >>> ids = torch.tensor([[12, 7, 31, 4, 9, 18]])
 >>> with torch.no_grad():
 ...     same = (broken(ids).logits - model(ids).logits).abs().max().item()
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .broken import BrokenVariant, _copy_as
+from .broken import copy_as, with_attention
 from .cache import KVCache
 from .model import CausalSelfAttention, Decoder
 from .rope import Rotary
@@ -63,17 +63,16 @@ class RopeRestartRotary(Rotary):
         return super().forward(q, k, 0)  # BUG: should be `start`
 
 
-def _unrotated_k(model: Decoder) -> Decoder:
+def unrotated_k(model: Decoder) -> Decoder:
+    """A copy of a RoPE ``model`` whose attention caches K before rotating it."""
     _require_rope(model)
-    clone = _copy_as(model, Decoder)
-    for block in clone.h:
-        block.attn.__class__ = UnrotatedKeyAttention
-    return clone
+    return with_attention(model, UnrotatedKeyAttention)
 
 
-def _rope_restart(model: Decoder) -> Decoder:
+def rope_restart(model: Decoder) -> Decoder:
+    """A copy of a RoPE ``model`` whose every call rotates its rows from position 0."""
     _require_rope(model)
-    clone = _copy_as(model, Decoder)
+    clone = copy_as(model, Decoder)
     for block in clone.h:
         block.attn.rotary = RopeRestartRotary(block.attn.rotary.theta)
     return clone
@@ -82,12 +81,3 @@ def _rope_restart(model: Decoder) -> Decoder:
 def _require_rope(model: Decoder) -> None:
     if model.config.position != "rope":
         raise ValueError("this variant breaks RoPE: build it from a model with position='rope'")
-
-
-ROPE_VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
-    BrokenVariant("unrotated-k-cache", "K is cached before RoPE; keys read back from the cache are never rotated",
-                  _unrotated_k),
-    BrokenVariant("rope-restart", "RoPE turns each call's Q and K at positions 0..C-1 instead of at the cache length",
-                  _rope_restart),
-)}
-"""The RoPE broken variants, by name (for a Llama-style model)."""

@@ -93,28 +93,6 @@ def run_flops(config: GPTConfig, prefix_len: int, new_tokens: int) -> dict[str, 
     return out
 
 
-def count_ops(call: Callable[[], Any]) -> dict[str, int]:
-    """ATen operators dispatched while ``call()`` runs, by name (what a step costs in dispatches).
-
-    >>> ops = count_ops(lambda: torch.ones(2) + 1)
-    >>> ops["aten.add.Tensor"]
-    1
-    """
-    # torch has no public hook that sees every ATen call; its dispatch mode is private API
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    counts: dict[str, int] = {}
-
-    class Counter(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            counts[str(func)] = counts.get(str(func), 0) + 1
-            return func(*args, **(kwargs or {}))
-
-    with Counter():
-        call()
-    return counts
-
-
 def step_bytes(model: Decoder, context: int) -> int:
     """Bytes one decode step must read at ``context`` cached positions: weights plus K/V.
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .config import GPTConfig
-from .costs import count_ops
+from .dispatch import count_ops
 from .fast import FastDecoder
 from .model import Decoder
 from .timing import Prepare

@@ -15,7 +15,8 @@ PyTorch release that moves them breaks one file.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -50,3 +51,22 @@ class WriteCounter(TorchDispatchMode):
             self.written += fresh
             self.allocated += fresh
         return out
+
+
+def count_ops(call: Callable[[], Any]) -> dict[str, int]:
+    """ATen operators dispatched while ``call()`` runs, by name (what a step costs in dispatches).
+
+    >>> ops = count_ops(lambda: torch.ones(2) + 1)
+    >>> ops["aten.add.Tensor"]
+    1
+    """
+    counts: dict[str, int] = {}
+
+    class Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[str(func)] = counts.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        call()
+    return counts

@@ -16,6 +16,9 @@ The fast step does what the reference model leaves out for clarity:
 * attention of the one query per head is ``bmm``, ``softmax``, ``bmm``, with the query heads
   of one K/V head stacked as rows (grouped-query and multi-query need no copies of K and V).
 
+It serves every configuration the model does: GPT-2 (learned positions, LayerNorm, GELU) and
+Llama-style (RoPE at position ``P``, RMSNorm, SwiGLU, no biases, a sliding window).
+
 It is for inference: its logits carry no autograd graph (the model's own calls, which it
 delegates to, do). Its copies cost a second set of weights in memory. Because it copies them,
 it checks on every call that the model's modules and parameters are the ones it copied (same
@@ -37,23 +40,28 @@ import torch.nn.functional as F
 
 from .cache import KVCache
 from .model import Decoder, DecoderOutput, embed_tokens
+from .rope import apply_rope
 
 _VERSION = attrgetter("_version")
 
 
 class _Layer(NamedTuple):
-    """One block's weights, each matrix ``[in, out]`` and contiguous."""
+    """One block's weights, each matrix ``[in, out]`` and contiguous; a bias is None without one."""
 
-    ln_1: tuple[torch.Tensor, torch.Tensor]
+    ln_1: tuple[torch.Tensor, torch.Tensor | None]
     w_qkv: torch.Tensor  # [d, d + 2 kv_dim], query columns scaled by 1/sqrt(D_h)
-    b_qkv: torch.Tensor  # [1, d + 2 kv_dim]: a 2-D bias is a little cheaper for addmm
+    b_qkv: torch.Tensor | None  # [1, d + 2 kv_dim]: a 2-D bias is a little cheaper for addmm
     w_o: torch.Tensor  # [d, d]
-    b_o: torch.Tensor
-    ln_2: tuple[torch.Tensor, torch.Tensor]
-    w_fc: torch.Tensor  # [d, n_inner]
-    b_fc: torch.Tensor  # [1, n_inner]
+    b_o: torch.Tensor | None
+    ln_2: tuple[torch.Tensor, torch.Tensor | None]
+    w_fc: torch.Tensor  # [d, n_inner] ([d, 2 n_inner] for SwiGLU: gate, then up)
+    b_fc: torch.Tensor | None  # [1, n_inner]
     w_proj: torch.Tensor  # [n_inner, d]
-    b_proj: torch.Tensor
+    b_proj: torch.Tensor | None
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
 
 
 class FastDecoder:
@@ -114,19 +122,25 @@ class FastDecoder:
                 w = linear.weight.detach()
                 return w.t().contiguous() if self.pretranspose else w.clone().t()
 
-            def norm(ln: torch.nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
-                return ln.weight.detach().clone(), ln.bias.detach().clone()
+            def norm(ln: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:  # LayerNorm or RMSNorm
+                bias = getattr(ln, "bias", None)
+                return ln.weight.detach().clone(), None if bias is None else bias.detach().clone()
+
+            def bias(linear: torch.nn.Linear, scale: torch.Tensor | None = None) -> torch.Tensor | None:
+                if linear.bias is None:
+                    return None
+                b = linear.bias.detach() * (1.0 if scale is None else scale)
+                return b.view(1, -1).clone()
 
             self._layers = [
-                _Layer(norm(b.ln_1), t(b.attn.c_attn).mul_(q_scale),
-                       (b.attn.c_attn.bias.detach() * q_scale).view(1, -1), t(b.attn.c_proj),
-                       b.attn.c_proj.bias.detach().clone(), norm(b.ln_2), t(b.mlp.c_fc),
-                       b.mlp.c_fc.bias.detach().view(1, -1).clone(), t(b.mlp.c_proj), b.mlp.c_proj.bias.detach().clone())
+                _Layer(norm(b.ln_1), t(b.attn.c_attn).mul_(q_scale), bias(b.attn.c_attn, q_scale),
+                       t(b.attn.c_proj), bias(b.attn.c_proj), norm(b.ln_2), t(b.mlp.c_fc), bias(b.mlp.c_fc),
+                       t(b.mlp.c_proj), bias(b.mlp.c_proj))
                 for b in m.h]
             self._ln_f = norm(m.ln_f)
             self._w_head = t(m.lm_head)  # [d, V]
             self._wte = m.wte.weight.detach()  # [V, d]: a lookup reads it as it is
-            self._wpe = m.wpe.weight.detach()  # [n_positions, d]
+            self._wpe = None if m.wpe is None else m.wpe.weight.detach()  # [n_positions, d]; None with RoPE
 
     def _fingerprint(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         # Version counters catch in-place edits (optimizer steps, load_state_dict); data_ptr
@@ -140,7 +154,7 @@ class FastDecoder:
         if not all(map(is_, map(getitem, dicts, names), objects)) or self._fingerprint() != self._stamp:
             self.refresh()
 
-    def new_cache(self, batch_size: int, kind: Literal["dynamic", "static"] = "dynamic",
+    def new_cache(self, batch_size: int, kind: Literal["dynamic", "static", "window"] | None = None,
                   capacity: int | None = None) -> KVCache:
         """The model's :meth:`~kvdoc.model.Decoder.new_cache`: the fast step reads and writes the same caches."""
         return self.model.new_cache(batch_size, kind, capacity)
@@ -167,7 +181,7 @@ class FastDecoder:
     def _step(self, idx: torch.Tensor, cache: KVCache) -> DecoderOutput:
         """One new token per row after ``cache``: logits ``[B, 1, V]`` and the cache one position longer."""
         cfg = self.config
-        B, d, eps = idx.shape[0], cfg.n_embd, cfg.layer_norm_epsilon
+        B, d, window = idx.shape[0], cfg.n_embd, cfg.sliding_window
         H_kv, D_h, kv = cfg.n_kv_head, cfg.head_dim, cfg.kv_dim
         group = cfg.n_head // H_kv  # query heads that read one K/V head
         P = cache.seq_len
@@ -177,30 +191,48 @@ class FastDecoder:
             embed_tokens(self.model.wte, idx)  # raises the model's own error; nothing is written
             raise
         work = cache.begin()
-        x = tok + self._wpe[P]  # [B, d]
+        x = tok if self._wpe is None else tok + self._wpe[P]  # [B, d]
         for layer_idx, w in enumerate(self._layers):
-            h = torch.layer_norm(x, (d,), *w.ln_1, eps)
-            qkv = torch.addmm(w.b_qkv, h, w.w_qkv)  # [B, d + 2 kv]: Q (pre-scaled), K, V
+            h = self._norm(x, w.ln_1)
+            qkv = _linear(h, w.w_qkv, w.b_qkv)  # [B, d + 2 kv]: Q (pre-scaled), K, V
+            q = qkv[:, :d].view(B, cfg.n_head, 1, D_h)
             k = qkv[:, d:d + kv].view(B, H_kv, 1, D_h)
             v = qkv[:, d + kv:].view(B, H_kv, 1, D_h)
-            k, v = work.update(layer_idx, k, v, P)  # [B, H_kv, P + 1, D_h]
+            if cfg.position == "rope":  # a rotation: it commutes with the folded scale
+                q, k = apply_rope(q, P, cfg.rope_theta), apply_rope(k, P, cfg.rope_theta)
+            k, v = work.update(layer_idx, k, v, P)  # [B, H_kv, P + 1, D_h] (a ring: at most W)
+            if window is not None and k.shape[2] > window:  # the last W keys (a ring holds only those)
+                k, v = k[:, :, -window:], v[:, :, -window:]
+            T = k.shape[2]
             if self.bmm_attention:
                 # a K/V head's query heads become the rows of one matrix: [B H_kv, group, D_h]
-                q = qkv[:, :d].reshape(B * H_kv, group, D_h)
-                k, v = k.reshape(B * H_kv, P + 1, D_h), v.reshape(B * H_kv, P + 1, D_h)  # views
-                scores = torch.bmm(q, k.transpose(1, 2))  # [B H_kv, group, P + 1]
+                q = q.reshape(B * H_kv, group, D_h)
+                k, v = k.reshape(B * H_kv, T, D_h), v.reshape(B * H_kv, T, D_h)  # views when contiguous
+                scores = torch.bmm(q, k.transpose(1, 2))  # [B H_kv, group, T]
                 if not self.fold_scale:
                     scores = scores.mul_(self._scale)
                 y = torch.bmm(torch.softmax(scores, dim=-1), v).view(B, d)  # heads merged: [B, d]
             else:
-                q = qkv[:, :d].view(B, H_kv * group, 1, D_h)
                 gqa = {"enable_gqa": True} if group > 1 else {}  # as the model passes it
                 y = F.scaled_dot_product_attention(q, k, v, scale=1.0 if self.fold_scale else None,
-                                                   **gqa).view(B, d)
-            x = torch.addmm(x, y, w.w_o).add_(w.b_o)  # residual + attention output
-            h = torch.layer_norm(x, (d,), *w.ln_2, eps)
-            u = F.gelu(torch.addmm(w.b_fc, h, w.w_fc), approximate="tanh")  # [B, n_inner]
-            x = torch.addmm(x, u, w.w_proj).add_(w.b_proj)
+                                                   **gqa).reshape(B, d)
+            x = torch.addmm(x, y, w.w_o)  # residual + attention output
+            x = x if w.b_o is None else x.add_(w.b_o)
+            h = self._norm(x, w.ln_2)
+            u = _linear(h, w.w_fc, w.b_fc)  # [B, n_inner] ([B, 2 n_inner] for SwiGLU)
+            if cfg.mlp == "swiglu":
+                gate, up = u.chunk(2, dim=-1)
+                u = F.silu(gate) * up
+            else:
+                u = F.gelu(u, approximate="tanh")
+            x = torch.addmm(x, u, w.w_proj)
+            x = x if w.b_proj is None else x.add_(w.b_proj)
         work.finish(P + 1)
-        h = torch.layer_norm(x, (d,), *self._ln_f, eps)
+        h = self._norm(x, self._ln_f)
         return DecoderOutput(torch.mm(h, self._w_head).view(B, 1, -1), work)  # [B, 1, V]
+
+    def _norm(self, x: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        cfg = self.config
+        if cfg.norm == "rmsnorm":
+            return F.rms_norm(x, (cfg.n_embd,), weights[0], cfg.layer_norm_epsilon)
+        return torch.layer_norm(x, (cfg.n_embd,), *weights, cfg.layer_norm_epsilon)

@@ -28,7 +28,6 @@ import torch
 
 from .cache import KVCache
 from .config import GPTConfig
-from .tables import markdown_table  # re-exported: pages import it from here
 
 # --- dtypes ------------------------------------------------------------------------------
 

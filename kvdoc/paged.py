@@ -332,7 +332,3 @@ def new_shared_prefix_cache(model: Decoder, batch: int, capacity: int,
     one returned both exist, and the returned one may hold a copy of the last shared block.
     """
     return SharedPrefixCache(_pool_for(model, batch, capacity, block_size, spare=1), batch)
-
-
-FACTORIES = {"paged": new_paged_cache, "shared-prefix": new_shared_prefix_cache}
-"""Cache kind -> ``(model, batch, capacity) -> KVCache``, for the equivalence grid's kinds."""

@@ -168,7 +168,7 @@ def _prefill_decode(case: Case, out: list) -> None:
 
 
 def _generate(case: Case, out: list) -> None:
-    if case.impl != "model" or case.kind not in ("dynamic", "static"):
+    if case.impl != "model" or case.kind not in ("dynamic", "static", "window"):
         out.append(("generate", None, 0.0, "generate() takes the model and a kind it knows"))
         return
     ok, gap = True, 0.0

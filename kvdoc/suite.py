@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from . import grid
-from .broken import VARIANTS
+from .variants import VARIANTS
 from .scenarios import CHECKS, SCENARIO_CHECK, SCENARIOS, WHAT, Case
 from .tables import markdown_table
 from .verify import DTYPE_NAMES, TOLERANCE
@@ -137,7 +137,7 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
     """Run the scenarios on every combination of models, cache kinds, implementations and dtypes.
 
     Args:
-        variant: a key of :data:`kvdoc.broken.VARIANTS` to test instead of the implementation as it is.
+        variant: a key of :data:`kvdoc.variants.VARIANTS` to test instead of the implementation as it is.
         models, kinds, impls: keys of :data:`kvdoc.grid.MODELS`, ``CACHES``, ``IMPLEMENTATIONS``
             (default: all of each, as registered when called).
         dtypes: FP32 and/or FP64 (FP64 converts a copy of the FP32 weights).
@@ -218,14 +218,21 @@ def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = 
                    **axes) -> list[VariantOutcome]:
     """Run each broken variant (all by default) through :func:`run_suite` with the same ``axes``.
 
+    A variant built for some models only (:attr:`~kvdoc.variants.BrokenVariant.models`) runs on
+    those among ``axes["models"]``, and is left out when there are none.
+
     With ``stop_at_first`` (the default) each run stops at its first failed check, which is all
     a verdict needs; without it, every check runs, which shows everything that catches a variant.
     """
     outcomes = []
     for name in (list(VARIANTS) if names is None else list(names)):
         v = VARIANTS[name]
+        models = list(axes.get("models") or grid.MODELS)
+        models = [m for m in models if v.models is None or m in v.models]  # e.g. RoPE variants: RoPE models
+        if not models:
+            continue  # nothing on these axes it can be built from
         outcomes.append(VariantOutcome(name, v.breaks, v.bug_class,
-                                       run_suite(name, stop_at_first=stop_at_first, **axes)))
+                                       run_suite(name, stop_at_first=stop_at_first, **{**axes, "models": models})))
     return outcomes
 
 

@@ -16,7 +16,7 @@ models, ``last_only``, prefill and decode, generation, crop, branches, failures 
 independent references, on axes that other implementations plug into (:mod:`kvdoc.grid`).
 ``python -m kvdoc verify`` runs the suite and every broken variant of :mod:`kvdoc.broken`, and
 exits non-zero with a verdict unless the implementation passes and every variant is caught.
-:func:`cross_check_transformers` (:mod:`kvdoc.crosscheck`) compares kvdoc with transformers.
+:func:`kvdoc.crosscheck.cross_check_transformers` compares kvdoc with transformers.
 
 >>> report = verify(batches=(1,), chunks=(2,), dtypes=(torch.float32,), kinds=("dynamic",))
 >>> report.passed, len(report.rows)
@@ -37,12 +37,13 @@ from dataclasses import dataclass, field
 import torch
 
 from . import model as _model  # looked up at call time, so a patched Decoder is the one built
-from .broken import VARIANTS, BrokenVariant, stale_prefix
+from .broken import stale_prefix
+from .variants import VARIANTS, BrokenVariant
 from .cache import KVCache
 from .config import GPTConfig
 from .grid import STREAM_LENGTH
+from .tables import markdown_table
 from .model import Decoder  # for annotations only
-from .tables import markdown_table  # re-exported: pages import it from here
 
 TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float64: 1e-10}
 """``atol = rtol`` for each dtype."""
@@ -367,7 +368,7 @@ def check_combination(model: Decoder, ids: torch.Tensor, chunk: int, kind: str,
     B, T = ids.shape
     first = stale_prefix(ids, model.config.vocab_size) if variant is not None and variant.stale_prefix else None
 
-    full, full_kv = full_forward_kv(under_test, ids)
+    full, full_kv = full_forward_kv(getattr(under_test, "model", under_test), ids)  # a wrapper's model
     run = run_cached(under_test, ids, chunk, kind, first_chunk_ids=first)
     per_position = tuple(_max_abs(run.logits[:, t], full[:, t]) if run.logits.shape == full.shape
                          else math.inf for t in range(T))
@@ -407,7 +408,7 @@ def verify(variant: str | None = None, *, model: Decoder | None = None, ids: tor
     """Run the equivalence grid on the real implementation, or on the broken variant ``variant``.
 
     Args:
-        variant: a key of :data:`kvdoc.broken.VARIANTS`, or None for the real implementation.
+        variant: a key of :data:`kvdoc.variants.VARIANTS`, or None for the real implementation.
         model: the FP32 decoder to start from (default :func:`default_model`); FP64 runs use a
             converted copy of the same weights.
         ids: the stream ``[B_max, T]`` (default :func:`default_stream` of ``STREAM_LENGTH`` tokens, 2 rows); batch
@@ -471,4 +472,3 @@ def main(args: argparse.Namespace) -> int:
     return suite_main(args)
 
 
-from .crosscheck import CrossCheck, cross_check_transformers  # noqa: E402  (re-exported; it uses run_cached)

@@ -11,7 +11,8 @@ from kvdoc.__main__ import main as cli
 from kvdoc.bench import TARGETS, BenchSettings, run_bench
 from kvdoc.bench_tables import (ablation_table, counts_table, flops_table, growth_figure, roofline_table,
                                 timings_figure, timings_table)
-from kvdoc.costs import RowCounter, count_ops, projected_positions_full, run_flops, step_bytes, step_flops
+from kvdoc.dispatch import count_ops
+from kvdoc.costs import RowCounter, projected_positions_full, run_flops, step_bytes, step_flops
 from kvdoc.decode_paths import ABLATION
 from kvdoc.timing import percentile, time_paths
 

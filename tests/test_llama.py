@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvdoc import Decoder
-from kvdoc.broken_rope import ROPE_VARIANTS
+from kvdoc.variants import VARIANTS
 from kvdoc.config import llama_config
 from kvdoc.rope import apply_rope, rope_angles
 from kvdoc.verify import run_cached
@@ -79,6 +79,9 @@ def test_tied_head_shares_the_embedding():
     assert tied.lm_head.weight is tied.wte.weight
     assert untied.num_parameters() - tied.num_parameters() == 97 * 64
     assert tied.wpe is None
+
+
+ROPE_VARIANTS = {n: v for n, v in VARIANTS.items() if v.bug_class == "rotary positions"}
 
 
 @pytest.mark.parametrize("name", sorted(ROPE_VARIANTS))

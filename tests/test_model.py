@@ -1,11 +1,9 @@
 """The core promise: the cached path computes the same function as full recompute."""
 
-import copy
-
 import pytest
 import torch
 
-from kvdoc import Decoder, DynamicCache, GPTConfig, StaticCache, decode_step, generate, prefill
+from kvdoc import Decoder, GPTConfig, decode_step, generate, prefill
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 

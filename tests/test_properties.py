@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvdoc import Decoder, GPTConfig
-from kvdoc.broken import VARIANTS
+from kvdoc.variants import VARIANTS
 from kvdoc.references import mha_reference
 from kvdoc.verify import TOLERANCE, full_forward_kv, run_cached
 
