@@ -1,7 +1,7 @@
-"""``python -m kvdoc <command>``: each command lives in the module of the same name.
+"""``python -m kvdoc <command>``: the equivalence proof, the memory formula, the timings.
 
-A module ``kvdoc.<command>`` that defines ``add_arguments(parser)`` and ``main(args) -> int``
-is a command, listed in ``COMMANDS``; ``python -m kvdoc --help`` lists them.
+Each command is a module that defines ``add_arguments(parser)`` and ``main(args) -> int``,
+listed in ``COMMANDS``; ``python -m kvdoc --help`` lists them.
 """
 
 from __future__ import annotations
@@ -10,14 +10,15 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("verify", "memory", "bench")
+COMMANDS = {"verify": "suite", "memory": "memory", "bench": "bench"}
+"""Command name -> the module ``kvdoc.<module>`` that implements it."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvdoc", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMANDS:
-        module = importlib.import_module(f"kvdoc.{name}")
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(f"kvdoc.{module_name}")
         doc = (module.__doc__ or name).strip().splitlines()[0]
         command = sub.add_parser(name, help=doc, description=doc)
         module.add_arguments(command)

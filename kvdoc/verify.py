@@ -28,7 +28,6 @@ False
 
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 from collections.abc import Sequence
@@ -454,21 +453,3 @@ def split_error(model: Decoder, ids: torch.Tensor, cached: int, variant: str | N
     first = stale_prefix(ids, model.config.vocab_size) if broken is not None and broken.stale_prefix else None
     run = run_cached(under_test, ids, [cached, ids.shape[1] - cached], kind, first_chunk_ids=first)
     return _max_abs(run.logits[:, cached:], model(ids).logits[:, cached:])
-
-
-# --- command line: ``python -m kvdoc verify`` runs the suite (kvdoc.suite) -----------------------
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``python -m kvdoc verify`` (see :func:`kvdoc.suite.add_arguments`)."""
-    from .suite import add_arguments as suite_arguments
-
-    suite_arguments(parser)
-
-
-def main(args: argparse.Namespace) -> int:
-    """Run the verification suite (see :func:`kvdoc.suite.main`)."""
-    from .suite import main as suite_main
-
-    return suite_main(args)
-
-
