@@ -1,24 +1,30 @@
-"""kvdoc: a GPT-2 decoder with a per-layer K/V cache, and the tools that prove it correct.
+"""kvdoc: a decoder (GPT-2 or Llama-style) with per-layer K/V caches, and the tools that prove it correct.
 
 >>> import kvdoc
 >>> kvdoc.Decoder(kvdoc.GPTConfig()).num_parameters()
 145280
+>>> kvdoc.Decoder(kvdoc.mistral_config()).new_cache(1).window
+32
 """
 
 from .cache import DynamicCache, KVCache, StaticCache
-from .config import GPTConfig
+from .config import GPTConfig, llama_config, mistral_config
 from .mask import offset_causal_mask, top_left_causal_mask
 from .model import Decoder, DecoderOutput, decode_step, generate, prefill
+from .window import SlidingWindowCache
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GPTConfig",
+    "llama_config",
+    "mistral_config",
     "Decoder",
     "DecoderOutput",
     "KVCache",
     "DynamicCache",
     "StaticCache",
+    "SlidingWindowCache",
     "offset_causal_mask",
     "top_left_causal_mask",
     "prefill",

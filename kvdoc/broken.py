@@ -32,7 +32,6 @@ import types
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from .cache import KV, CacheWrapper, DynamicCache, KVCache, StaticCache
 from .mask import top_left_causal_mask
@@ -156,14 +155,14 @@ class CacheKindsDecoder(Decoder):
     dynamic_cache: type[DynamicCache] = DynamicCache
     static_cache: type[StaticCache] = StaticCache
 
-    def new_cache(self, batch_size: int, kind: str = "dynamic", capacity: int | None = None) -> KVCache:
+    def new_cache(self, batch_size: int, kind: str | None = None, capacity: int | None = None) -> KVCache:
         weight = self.wte.weight
         if kind == "dynamic":
             return self.dynamic_cache.empty(self.config, batch_size, weight.dtype, weight.device)
         if kind == "static":
             return self.static_cache(self.config, batch_size, capacity or self.config.n_positions,
                                      weight.dtype, weight.device)
-        raise ValueError(f"unknown cache kind {kind!r}; use 'dynamic' or 'static'")
+        return super().new_cache(batch_size, kind, capacity)  # other kinds are not what this bug is about
 
 
 class FP32DynamicCache(DynamicCache):
@@ -279,17 +278,15 @@ class TiledGQAAttention(CausalSelfAttention):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        B, C, d = x.shape
-        heads = self.c_attn(x).view(B, C, self.n_head + 2 * self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k, v = heads.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=1)
-        if cache is not None:
-            k, v = cache.update(layer_idx, k, v, start)
-        if cache is not None or self.shared:
+        self._tile = cache is not None or self.shared
+        return super().forward(x, cache, layer_idx, start, attn_mask)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self._tile:
             group = self.n_head // self.n_kv_head
             k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)  # BUG: repeat, not repeat_interleave
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(start, C, x.device),
-                                           enable_gqa=k.shape[1] != self.n_head)
-        return self.c_proj(y.transpose(1, 2).reshape(B, C, d))
+        return super().attend(q, k, v, start, attn_mask)
 
 
 class SharedTiledGQAAttention(TiledGQAAttention):

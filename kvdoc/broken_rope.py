@@ -29,7 +29,6 @@ A full forward (one call from position 0) is correct for both, so only the cache
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .broken import copy_as, with_attention
 from .cache import KVCache
@@ -49,10 +48,7 @@ class UnrotatedKeyAttention(CausalSelfAttention):
             k, v = cache.update(layer_idx, k, v, start)  # BUG: K is stored unrotated
         q, new_k = self.rotary(q, k[:, :, -C:], start)   # the cached rows are never turned
         k = torch.cat((k[:, :, :-C], new_k), dim=2)
-        mask = self.mask(start, C, x.device)
-        if mask is not None and k.shape[2] < start + C:
-            mask = mask[:, -k.shape[2]:]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_head != self.n_head)
+        y = self.attend(q, k, v, start, attn_mask)
         return self.c_proj(y.transpose(1, 2).reshape(B, C, d))
 
 

@@ -106,18 +106,27 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             # Only the new rows were projected; the old K/V come from this layer's cache.
             k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h] (a ring: fewer)
+        y = self.attend(q, k, v, start, attn_mask)  # [B, H, C, D_h]
+        y = y.transpose(1, 2).reshape(B, C, d)  # merge heads: [B, C, H * D_h]
+        return self.c_proj(y)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``softmax(q k^T / sqrt(D_h) + mask) v`` for queries at ``start ..``: ``[B, H, C, D_h]``.
+
+        ``k`` and ``v`` (``[B, H_kv, T, D_h]``) hold the positions up to the last query's; a window
+        cache passes only the last ones, so the mask keeps its last ``T`` columns.
+        """
+        C = q.shape[2]
         if attn_mask is not None:
             mask = attn_mask[:, None]  # padded batches: [B, C, P + C] -> [B, 1, C, P + C], every head
         else:
-            mask = self.mask(start, C, x.device)
+            mask = self.mask(start, C, q.device)
             if mask is not None and k.shape[2] < start + C:
                 mask = mask[:, -k.shape[2]:]  # a window cache returns only the last positions, in order
-        # scores [B, H, C, P + C], scaled by 1/sqrt(D_h); enable_gqa only when it is needed, as
-        # the keyword alone slows SDPA down
-        gqa = {"enable_gqa": True} if self.n_kv_head != self.n_head else {}
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
-        y = y.transpose(1, 2).reshape(B, C, d)  # merge heads: [B, C, H * D_h]
-        return self.c_proj(y)
+        # scores [B, H, C, T]; enable_gqa only when it is needed, as the keyword alone slows SDPA
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
 
 
 class Block(nn.Module):

@@ -3,7 +3,7 @@
 :func:`run_suite` runs the scenarios of :mod:`kvdoc.scenarios` on every combination of the axes
 of :mod:`kvdoc.grid` (model configurations, cache kinds, implementations) and of FP32 and FP64,
 and returns a :class:`SuiteReport`. :func:`sweep_variants` runs every broken variant of
-:mod:`kvdoc.broken` through it, each of which must be caught. ``python -m kvdoc verify`` does
+:mod:`kvdoc.variants` through it, each of which must be caught. ``python -m kvdoc verify`` does
 both and ends with a verdict line; its exit status is 0 only if the implementation passed and
 every variant was caught.
 
@@ -11,8 +11,8 @@ An exception raised by the code under test (also while a model is built) is a fa
 carrying its message; the suite itself does not raise.
 
 >>> report = run_suite(models=("gqa",), kinds=("static",), dtypes=(torch.float32,), length=40)
->>> report.passed, len(report.combinations), report.failed_checks()
-(True, 1, [])
+>>> report.passed, report.combinations, report.failed_checks()  # the model itself, and FastDecoder
+(True, [('gqa', 'static', 'model', 'FP32'), ('gqa', 'static', 'fast', 'FP32')], [])
 >>> run_suite("position-counter", models=("mha",), kinds=("dynamic",), dtypes=(torch.float32,),
 ...           length=40).failed_checks()
 ['crop', 'branch', 'failure']
@@ -139,7 +139,8 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
     Args:
         variant: a key of :data:`kvdoc.variants.VARIANTS` to test instead of the implementation as it is.
         models, kinds, impls: keys of :data:`kvdoc.grid.MODELS`, ``CACHES``, ``IMPLEMENTATIONS``
-            (default: all of each, as registered when called).
+            (default: all of each, as registered when called; for a variant, ``impls`` defaults
+            to ``("model",)``, the broken model itself).
         dtypes: FP32 and/or FP64 (FP64 converts a copy of the FP32 weights).
         length, chunks, batch, seeds: the stream, the ``logits`` check's chunk sizes, the batch
             size, and the model seeds.
@@ -153,7 +154,9 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
         ValueError: an unknown name on an axis, a bad dtype, or a stream too short for the scenarios.
     """
     models, kinds = list(models or grid.MODELS), list(kinds or grid.CACHES)
-    impls, scenarios = list(impls or grid.IMPLEMENTATIONS), list(scenarios or SCENARIOS)
+    # a broken variant is the implementation under test: by default it runs as itself, not wrapped
+    impls = list(impls or (grid.IMPLEMENTATIONS if variant is None else ("model",)))
+    scenarios = list(scenarios or SCENARIOS)
     for axis, names, known in (("model", models, grid.MODELS), ("cache kind", kinds, grid.CACHES),
                                ("implementation", impls, grid.IMPLEMENTATIONS), ("scenario", scenarios, SCENARIOS)):
         unknown = [n for n in names if n not in known]

@@ -105,7 +105,7 @@ def test_bad_input_is_refused():
         split_error(default_model(), torch.tensor([[1, 2]]), 2)
     with pytest.raises(ValueError, match="non-empty"):
         stale_prefix(torch.tensor([1, 2]), 97)
-    for kwargs, match in (({"models": ("nope",)}, "unknown model"), ({"kinds": ("paged",)}, "unknown cache kind"),
+    for kwargs, match in (({"models": ("nope",)}, "unknown model"), ({"kinds": ("nope",)}, "unknown cache kind"),
                           ({"variant": "nope"}, "unknown variant"), ({"length": 10}, "length >= 24"),
                           ({"dtypes": (torch.float16,)}, "float32 or float64")):
         with pytest.raises(ValueError, match=match):
@@ -178,15 +178,15 @@ def test_cli_passes_and_fails_with_a_verdict(capsys):
 
 
 def test_thorough_grid_runs():
-    report = run_suite(**grid.THOROUGH, models=("mqa",), kinds=("static",), dtypes=(torch.float64,),
-                       scenarios=("stream", "failure"))
+    report = run_suite(**grid.THOROUGH, models=("mqa",), kinds=("static",), impls=("model",),
+                       dtypes=(torch.float64,), scenarios=("stream", "failure"))
     assert report.passed and len(report.results) == 2 * 4  # two seeds x (logits, kv, lifecycle, failure)
 
 
 # --- held-out-like bugs: patch kvdoc's own classes, as an outside test would -----------------------
 
 def _fails(**axes) -> list[str]:
-    report = run_suite(**{"dtypes": (torch.float32,), **axes})
+    report = run_suite(**{"dtypes": (torch.float32,), "impls": ("model",), **axes})
     assert not report.passed
     return report.failed_checks()
 
