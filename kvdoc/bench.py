@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from .bench_tables import ablation_table, roofline_table, timings_table
-from .config import GPTConfig
+from .config import GPTConfig, check_int
 from .costs import RowCounter, projected_positions_full, run_flops, step_bytes
 from .decode_paths import ABLATION, ablation_paths, build_models, decode_paths, ops_per_step, static_decode, token_stream
 from .fast import FastDecoder
@@ -99,11 +99,8 @@ class BenchSettings:
     def __post_init__(self) -> None:
         for name in ("new_tokens", "samples", "threads", "growth_samples", "roofline_steps",
                      "roofline_samples", "bandwidth_mib", "roofline_context"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"warmup must be a non-negative integer, got {self.warmup!r}")
+            check_int(name, getattr(self, name))
+        check_int("warmup", self.warmup, minimum=0)
         object.__setattr__(self, "prefix_lens", tuple(self.prefix_lens))
         object.__setattr__(self, "growth_lengths", tuple(self.growth_lengths))
         if not self.prefix_lens:

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from .config import GPTConfig
+from .config import GPTConfig, check_int
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -127,8 +127,7 @@ class DynamicCache(KVCache):
     def empty(cls, config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> DynamicCache:
         """A cache with no positions yet, for a model with ``config``."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        check_int("batch_size", batch_size)
         shape = (batch_size, config.n_kv_head, 0, config.head_dim)
         return cls([(torch.empty(shape, dtype=dtype, device=device),
                      torch.empty(shape, dtype=dtype, device=device)) for _ in range(config.n_layer)])
@@ -183,10 +182,8 @@ class StaticCache(KVCache):
 
     def __init__(self, config: GPTConfig, batch_size: int, capacity: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
-        if capacity < 1:
-            raise ValueError(f"capacity must be positive, got {capacity}")
+        check_int("batch_size", batch_size)
+        check_int("capacity", capacity)
         shape = (batch_size, config.n_kv_head, capacity, config.head_dim)
         self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]

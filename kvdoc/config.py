@@ -11,6 +11,24 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 
+def check_int(name: str, value: object, minimum: int = 1) -> int:
+    """``value``, if it is an integer (not a bool) of at least ``minimum``; else a ``ValueError``.
+
+    The one check behind every size, length and count kvdoc takes.
+
+    >>> check_int("batch_size", 2)
+    2
+    >>> check_int("past_len", -1, minimum=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: past_len must be a non-negative integer, got -1
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     """Sizes of a GPT-2-style decoder.
@@ -73,9 +91,7 @@ class GPTConfig:
         if self.n_kv_head is None:
             object.__setattr__(self, "n_kv_head", self.n_head)
         for name in ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd", "n_inner", "n_kv_head"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_int(name, getattr(self, name))
         if not self.layer_norm_epsilon > 0:
             raise ValueError(f"layer_norm_epsilon must be positive, got {self.layer_norm_epsilon!r}")
         if self.n_embd % self.n_head:
@@ -90,9 +106,8 @@ class GPTConfig:
             raise ValueError(f"RoPE rotates pairs of features: head_dim={self.head_dim} must be even")
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta!r}")
-        window = self.sliding_window
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"sliding_window must be a positive integer or None, got {window!r}")
+        if self.sliding_window is not None:
+            check_int("sliding_window", self.sliding_window)
 
     @property
     def head_dim(self) -> int:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import torch
 
+from .config import check_int
+
 
 def _check_lengths(past_len: int, new_len: int) -> None:
-    if isinstance(past_len, bool) or not isinstance(past_len, int) or past_len < 0:
-        raise ValueError(f"past_len must be a non-negative integer, got {past_len!r}")
-    if isinstance(new_len, bool) or not isinstance(new_len, int) or new_len < 1:
-        raise ValueError(f"new_len must be a positive integer, got {new_len!r}")
+    check_int("past_len", past_len, minimum=0)
+    check_int("new_len", new_len)
 
 
 def offset_causal_mask(past_len: int, new_len: int, device: torch.device | str | None = None, *,
@@ -46,8 +46,8 @@ def offset_causal_mask(past_len: int, new_len: int, device: torch.device | str |
             [0, 0, 1, 1]], dtype=torch.int32)
     """
     _check_lengths(past_len, new_len)
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive integer or None, got {window!r}")
+    if window is not None:
+        check_int("window", window)
     query_pos = past_len + torch.arange(new_len, device=device)  # absolute positions of the queries
     key_pos = torch.arange(past_len + new_len, device=device)
     allowed = key_pos[None, :] <= query_pos[:, None]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import KVCache
-from .config import GPTConfig
+from .config import GPTConfig, check_int
 
 # --- dtypes ------------------------------------------------------------------------------
 
@@ -74,15 +74,9 @@ def dtype_name(dtype: str | torch.dtype) -> str:
 
 # --- the formula ---------------------------------------------------------------------------
 
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def _held(seq_len: int, window: int | None) -> int:
     """Positions a layer holds after ``seq_len`` tokens: all of them, or the last ``window``."""
-    return seq_len if window is None else min(seq_len, _positive("window", window))
+    return seq_len if window is None else min(seq_len, check_int("window", window))
 
 
 def kv_bytes_per_layer(batch: int, seq_len: int, kv_heads: int, head_dim: int,
@@ -107,8 +101,8 @@ def kv_bytes_per_layer(batch: int, seq_len: int, kv_heads: int, head_dim: int,
     [640, 512]
     """
     for name, value in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
-        _positive(name, value)
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        check_int(name, value)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:  # 0: an empty cache
         raise ValueError(f"seq_len must be a non-negative integer, got {seq_len!r}")
     if not windows:
         raise ValueError("need at least one layer")
@@ -133,7 +127,7 @@ def kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim: int
     >>> kv_bytes(batch=1, layers=32, seq_len=4096, kv_heads=8, head_dim=128, dtype="float16")
     536870912
     """
-    _positive("layers", layers)
+    check_int("layers", layers)
     return sum(kv_bytes_per_layer(batch, seq_len, kv_heads, head_dim, dtype, [window] * layers))
 
 
@@ -232,7 +226,7 @@ class ModelPreset:
 
     def __post_init__(self) -> None:
         for name in ("layers", "heads", "kv_heads", "head_dim", "max_positions"):
-            _positive(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         if self.heads % self.kv_heads:
             raise ValueError(f"{self.name}: heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
 

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import torch
 
 from .cache import KV, KVCache
-from .config import GPTConfig
+from .config import GPTConfig, check_int
 from .model import Decoder
 
 
@@ -63,8 +63,8 @@ class BlockPool:
 
     def __init__(self, config: GPTConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        check_int("num_blocks", num_blocks)
+        check_int("block_size", block_size)
         shape = (num_blocks, config.n_kv_head, block_size, config.head_dim)  # [N, H_kv, S, D_h]
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
@@ -144,8 +144,7 @@ class PagedCache(KVCache):
     """
 
     def __init__(self, pool: BlockPool, batch_size: int) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        check_int("batch_size", batch_size)
         cfg = pool.config
         self.pool, self.block_size = pool, pool.block_size
         self.n_layer, self.batch_size, self.n_kv_head, self.head_dim = (

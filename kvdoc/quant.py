@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import KV, DynamicCache, KVCache
-from .config import GPTConfig
+from .config import GPTConfig, check_int
 from .model import Decoder
 from .verify import DTYPE_NAMES, chunk_lengths
 
@@ -78,8 +78,7 @@ class Int8Cache(KVCache):
     def empty(cls, config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> Int8Cache:
         """A cache with no positions yet, for a model with ``config`` computing in ``dtype``."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        check_int("batch_size", batch_size)
         shape = (batch_size, config.n_kv_head, 0, config.head_dim)
         q = torch.empty(shape, dtype=torch.int8, device=device)
         s = torch.empty((*shape[:3], 1), dtype=dtype, device=device)

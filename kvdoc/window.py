@@ -20,7 +20,7 @@ import copy
 import torch
 
 from .cache import KV, KVCache, _check_kv
-from .config import GPTConfig
+from .config import GPTConfig, check_int
 
 
 class SlidingWindowCache(KVCache):
@@ -45,10 +45,8 @@ class SlidingWindowCache(KVCache):
         window = config.sliding_window if window is None else window
         if window is None:
             raise ValueError("a sliding-window cache needs a window: the config has sliding_window=None")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive integer, got {window!r}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        check_int("window", window)
+        check_int("batch_size", batch_size)
         shape = (batch_size, config.n_kv_head, window, config.head_dim)
         self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
         self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
