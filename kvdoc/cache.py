@@ -74,6 +74,16 @@ class KVCache(ABC):
         """Bytes of the tensors the cache owns: ``sum(numel * element_size)``."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def check_rows(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless ``k`` and ``v`` are new rows for this cache: ``[B, H_kv, C, D_h]``
+        with its ``B``, ``H_kv``, ``D_h`` and dtype."""
+        expected = (self.batch_size, self.n_kv_head, self.head_dim)
+        if k.dim() != 4 or k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != expected:
+            raise ValueError(f"K and V must both be [B, H_kv, C, D_h] with (B, H_kv, D_h) = {expected}, "
+                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.dtype != self.dtype or v.dtype != self.dtype:
+            raise ValueError(f"K and V must be {self.dtype}, got {k.dtype} and {v.dtype}")
+
     def check_compatible(self, config: GPTConfig, batch_size: int, dtype: torch.dtype,
                          device: torch.device, new_len: int) -> None:
         """Raise ``ValueError`` unless ``new_len`` tokens from a model with ``config`` fit this cache."""
@@ -143,6 +153,7 @@ class DynamicCache(KVCache):
         return DynamicCache(self._kv)  # a new list of the same tensors; cat never touches them
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        self.check_rows(k, v)
         past_k, past_v = self._kv[layer_idx]
         if past_k.shape[2] != start:
             raise ValueError(f"layer {layer_idx} holds {past_k.shape[2]} positions, write starts at {start}")
@@ -204,6 +215,7 @@ class StaticCache(KVCache):
         return self
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        self.check_rows(k, v)
         end = start + k.shape[2]
         if start != self._len or end > self.capacity:
             raise ValueError(f"cannot write positions {start}..{end - 1}: cache holds {self._len} "

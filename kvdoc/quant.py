@@ -96,12 +96,7 @@ class Int8Cache(KVCache):
         return Int8Cache(self._kv)
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        expected = (self.batch_size, self.n_kv_head, self.head_dim)
-        if k.dim() != 4 or k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != expected:
-            raise ValueError(f"K and V must both be [B, H_kv, C, D_h] with (B, H_kv, D_h) = {expected}, "
-                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
-        if k.dtype != self.dtype or v.dtype != self.dtype:
-            raise ValueError(f"K and V must be {self.dtype}, got {k.dtype} and {v.dtype}")
+        self.check_rows(k, v)
         old = self._kv[layer_idx]
         if start != old[0].shape[2]:
             raise ValueError(f"layer {layer_idx} holds {old[0].shape[2]} positions, write starts at {start}")

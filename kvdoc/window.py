@@ -19,7 +19,7 @@ import copy
 
 import torch
 
-from .cache import KV, KVCache, _check_kv
+from .cache import KV, KVCache
 from .config import GPTConfig, check_int
 
 
@@ -87,7 +87,7 @@ class SlidingWindowCache(KVCache):
         return work
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        _check_kv(k, v)
+        self.check_rows(k, v)
         if start != self._len:
             raise ValueError(f"layer {layer_idx}: cache has seen {self._len} positions, write starts at {start}")
         old_k, old_v = self.layer(layer_idx)
