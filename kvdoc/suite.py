@@ -99,6 +99,20 @@ class SuiteReport:
                          f"{worst:.2e}" if ran else ""])
         return markdown_table(["check", "compares", "passed", "not applicable", "largest difference"], body)
 
+    def references_table(self) -> str:
+        """One Markdown row per model and dtype: its independent reference (transformers' GPT-2, Llama
+        or Mistral, or the MHA copy of a GQA model) against kvdoc, full and cached, over every cache
+        kind and implementation."""
+        body = []
+        for model, dtype in dict.fromkeys((r.model, r.dtype) for r in self.results if r.check == "reference"):
+            rows = [r for r in self.results if r.check == "reference" and (r.model, r.dtype) == (model, dtype)]
+            ran = [r for r in rows if r.passed is not None]
+            if ran:
+                body.append([model, ran[0].detail, dtype, f"{sum(bool(r.passed) for r in ran)} of {len(ran)}",
+                             f"{max(r.error for r in ran):.2e}"])
+        return markdown_table(["model", "independent reference", "dtype", "passed (full and cached)",
+                               "largest difference"], body)
+
     def failures_table(self, limit: int = 12) -> str:
         """The first ``limit`` failures as a Markdown table."""
         body = [[r.check, r.model, r.kind, r.impl, r.dtype, f"{r.error:.2e}", r.detail[:120]]
@@ -290,6 +304,7 @@ def _main(args: argparse.Namespace) -> int:
           f"{len(report.results)} checks, "
           f"{report.seconds:.1f} s\n")
     print(report.summary_table())
+    print(f"\nIndependent references, full and cached:\n\n{report.references_table()}")
     if report.failures:
         print(f"\n{len(report.failures)} failed checks (first {min(12, len(report.failures))}):\n")
         print(report.failures_table())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -171,7 +172,10 @@ def test_variants_table_names_every_variant():
 
 def test_cli_passes_and_fails_with_a_verdict(capsys):
     assert cli(["verify", "--no-variants"]) == 0
-    assert capsys.readouterr().out.rstrip().splitlines()[-1] == "VERDICT: PASS"
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1] == "VERDICT: PASS"
+    for family in ("GPT-2", "Llama", "Mistral"):  # every transformers family matched, full and cached
+        assert re.search(rf"\| transformers {family}, same weights \| FP(32|64) \| (\d+) of \2 \|", out), family
     assert cli(["verify", "--variant", "static-early-length"]) == 1
     out = capsys.readouterr().out
     assert "VERDICT: FAIL" in out and "caught by failure" in out
