@@ -1,80 +1,102 @@
-"""kvdoc against Hugging Face transformers' GPT-2 on the same random weights.
+"""kvdoc against Hugging Face transformers' GPT-2, Llama and Mistral on the same random weights.
 
-:func:`cross_check_transformers` builds a random ``GPT2LMHeadModel``, loads its weights into a
-:class:`~kvdoc.model.Decoder`, and compares logits: kvdoc's full forward and cached runs against
-transformers' full forward, and transformers' own cached decode against its full forward. The
-verification suite runs the same comparison as its ``reference`` check for the MHA model
-(:func:`kvdoc.references.transformers_reference`), on the longer stream, in FP32 and FP64.
+:func:`match_transformers` loads a transformers model into a :class:`~kvdoc.model.Decoder`
+(:func:`kvdoc.interop.from_transformers`) and compares logits over one stream: kvdoc's full
+forward and cached runs (every cache kind, several chunk sizes) against transformers' full
+forward, and transformers' own cached decode against its full forward. The verification suite
+runs the same comparison as its ``reference`` check (:func:`kvdoc.references.transformers_reference`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from . import model as _model
-from .config import GPTConfig
-from .verify import _max_abs, default_stream, run_cached
+from .interop import float64_islands_lifted, from_transformers
+from .verify import DTYPE_NAMES, _max_abs, run_cached
 
 
 @dataclass(frozen=True)
-class CrossCheck:
-    """kvdoc against transformers' GPT-2 on the same random weights (max absolute logit errors).
+class TransformersMatch:
+    """kvdoc against one transformers model on one stream: maximum absolute logit differences.
 
     Attributes:
-        n_parameters: parameter count of (kvdoc, transformers).
-        full: kvdoc full forward vs transformers' full forward.
-        cached: ``(kind, chunk) ->`` kvdoc cached path vs transformers' full forward.
-        hf_cached: transformers' own cached decode (prefill ``prefill_len``, then one token at a
-            time) vs transformers' full forward.
-        prefill_len: tokens in transformers' prefill.
-        logit_scale: ``max |logits|`` of transformers' full forward (the weights are not degenerate).
+        family: transformers' ``model_type`` (``"gpt2"``, ``"llama"``, ``"mistral"``).
+        dtype: ``"FP32"`` or ``"FP64"``.
+        n_parameters: ``(transformers, kvdoc)``.
+        full: kvdoc's full forward against transformers' full forward.
+        cached: ``(cache kind, chunk) -> error`` of kvdoc's cached path against the same.
+        hf_cached: transformers' own cache (a prefill, then one token at a time) against its full forward.
+        logit_scale: the largest ``|logit|`` of transformers' full forward.
+        lifted: whether transformers ran with its float32 RMSNorm/RoPE lifted to the model's dtype
+            (:func:`~kvdoc.interop.float64_islands_lifted`).
+        prefill_len: tokens in transformers' own prefill before its one-token decode steps.
     """
 
+    family: str
+    dtype: str
     n_parameters: tuple[int, int]
     full: float
     cached: dict[tuple[str, int], float]
     hf_cached: float
-    prefill_len: int
     logit_scale: float
+    lifted: bool
+    prefill_len: int
+
+    def worst(self) -> float:
+        """The largest error of kvdoc's paths, full and cached."""
+        return max(self.full, *self.cached.values())
 
 
 @torch.no_grad()
-def cross_check_transformers(seed: int = 0, ids: torch.Tensor | None = None, chunks: Sequence[int] = (1, 2, 5),
-                             kinds: Sequence[str] = ("dynamic", "static"), prefill_len: int = 8,
-                             dtype: torch.dtype = torch.float32) -> CrossCheck:
-    """Build a random transformers ``GPT2LMHeadModel``, load its weights into kvdoc, compare logits.
+def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] = (1, 5),
+                       kinds: Sequence[str] | None = None, prefill_len: int = 8,
+                       lift: bool | None = None) -> TransformersMatch:
+    """Load ``hf_model`` with :func:`~kvdoc.interop.from_transformers` and compare logits over ``ids`` (``[B, T]``).
 
     Args:
-        seed: ``torch.manual_seed`` before building the transformers model.
-        ids: the stream ``[B, T]`` (default :func:`default_stream`).
-        chunks, kinds: kvdoc's cached runs.
-        prefill_len: tokens in transformers' own prefill before one-token decode steps.
+        hf_model: a transformers GPT-2, Llama or Mistral model in eval mode, FP32 or FP64.
+        ids: token ids ``[B, T]``.
+        chunks: chunk sizes of kvdoc's cached runs.
+        kinds: cache kinds (default dynamic and static, and window for a windowed model).
+        prefill_len: tokens in transformers' own prefill before its one-token decode steps.
+        lift: run transformers under :func:`~kvdoc.interop.float64_islands_lifted` (default: only in FP64).
 
     Returns:
-        A :class:`CrossCheck`.
+        A :class:`TransformersMatch`.
+
+    >>> from transformers import MistralForCausalLM
+    >>> from kvdoc.config import mistral_config
+    >>> from kvdoc.interop import transformers_config
+    >>> _ = torch.manual_seed(0)
+    >>> hf = MistralForCausalLM(transformers_config(mistral_config(sliding_window=4))).eval()
+    >>> m = match_transformers(hf, torch.tensor([[5, 1, 4, 1, 5, 9, 2, 6, 5, 3]]), prefill_len=3)
+    >>> sorted(m.cached), m.worst() < 1e-5
+    ([('dynamic', 1), ('dynamic', 5), ('static', 1), ('static', 5), ('window', 1), ('window', 5)], True)
     """
-    from transformers import GPT2LMHeadModel
-
-    from .interop import gpt2_config
-
-    ids = default_stream() if ids is None else ids
     if not 0 < prefill_len < ids.shape[1]:
         raise ValueError(f"prefill_len must be between 1 and {ids.shape[1] - 1}, got {prefill_len}")
-    torch.manual_seed(seed)
-    hf = GPT2LMHeadModel(gpt2_config(GPTConfig())).to(dtype).eval()
-    ours = _model.Decoder.from_gpt2(hf)
-    expected = hf(ids).logits
+    ours = from_transformers(hf_model)
+    dtype = ours.wte.weight.dtype
+    lift = dtype == torch.float64 if lift is None else lift
+    if kinds is None:
+        kinds = ("dynamic", "static") + (("window",) if ours.config.sliding_window else ())
+    with float64_islands_lifted(hf_model) if lift else nullcontext():
+        expected = hf_model(ids).logits
+        out = hf_model(ids[:, :prefill_len], use_cache=True)
+        logits, cache = [out.logits], out.cache
+        for t in range(prefill_len, ids.shape[1]):
+            out = hf_model(ids[:, t:t + 1], cache=cache, use_cache=True)
+            logits.append(out.logits)
+            cache = out.cache
     cached = {(kind, c): _max_abs(run_cached(ours, ids, c, kind).logits, expected) for kind in kinds for c in chunks}
-    out = hf(ids[:, :prefill_len], use_cache=True)
-    logits, cache = [out.logits], out.cache
-    for t in range(prefill_len, ids.shape[1]):
-        out = hf(ids[:, t:t + 1], cache=cache, use_cache=True)
-        logits.append(out.logits)
-        cache = out.cache
-    return CrossCheck((sum(p.numel() for p in hf.parameters()), ours.num_parameters()),
-                      _max_abs(ours(ids).logits, expected), cached,
-                      _max_abs(torch.cat(logits, dim=1), expected), prefill_len,
-                      float(expected.abs().max().item()))
+    return TransformersMatch(
+        hf_model.config.model_type, DTYPE_NAMES[dtype],
+        (sum(p.numel() for p in hf_model.parameters()), ours.num_parameters()),
+        _max_abs(ours(ids).logits, expected), cached, _max_abs(torch.cat(logits, dim=1), expected),
+        float(expected.abs().max().item()), lift and hf_model.config.model_type in ("llama", "mistral"),
+        prefill_len)

@@ -8,15 +8,15 @@ once the ``transformer.`` prefix is dropped. transformers is imported only when 
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from .config import GPTConfig
-from .model import Decoder
+from . import model as _model  # looked up at call time, so a patched Decoder is the one built
+from .model import Decoder  # for annotations
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers some versions keep in the state dict
@@ -100,7 +100,7 @@ def decoder_from_gpt2(model_or_state_dict: Any, config: GPTConfig | None = None)
         if name.endswith(_BUFFERS):
             continue
         mapped[name] = value.t() if name.endswith(_CONV1D) else value
-    decoder = Decoder(config).to(next(iter(mapped.values())).dtype)
+    decoder = _model.Decoder(config).to(next(iter(mapped.values())).dtype)
     expected = decoder.state_dict()
     missing = sorted(set(expected) - set(mapped))
     unexpected = sorted(set(mapped) - set(expected))
@@ -229,7 +229,7 @@ def from_transformers(hf_model: Any) -> Decoder:
         mapped = _llama_state(state, config.n_layer)
     except KeyError as missing:
         raise ValueError(f"{hf_model.config.model_type} weights lack {missing}") from None
-    decoder = Decoder(config).to(mapped["wte.weight"].dtype)
+    decoder = _model.Decoder(config).to(mapped["wte.weight"].dtype)
     expected = decoder.state_dict()
     for name, value in mapped.items():
         if value.shape != expected[name].shape:
@@ -323,86 +323,6 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
     finally:
         for module in patched:
             del module.forward  # back to the class's method
-
-
-@dataclass(frozen=True)
-class TransformersMatch:
-    """kvdoc against one transformers model on one stream: maximum absolute logit differences.
-
-    Attributes:
-        family: transformers' ``model_type`` (``"gpt2"``, ``"llama"``, ``"mistral"``).
-        dtype: ``"FP32"`` or ``"FP64"``.
-        n_parameters: ``(transformers, kvdoc)``.
-        full: kvdoc's full forward against transformers' full forward.
-        cached: ``(cache kind, chunk) -> error`` of kvdoc's cached path against the same.
-        hf_cached: transformers' own cache (a prefill, then one token at a time) against its full forward.
-        logit_scale: the largest ``|logit|`` of transformers' full forward.
-        lifted: whether transformers ran with its float32 RMSNorm/RoPE lifted to the model's dtype
-            (:func:`float64_islands_lifted`).
-    """
-
-    family: str
-    dtype: str
-    n_parameters: tuple[int, int]
-    full: float
-    cached: dict[tuple[str, int], float]
-    hf_cached: float
-    logit_scale: float
-    lifted: bool
-
-    def worst(self) -> float:
-        """The largest error of kvdoc's paths, full and cached."""
-        return max(self.full, *self.cached.values())
-
-
-@torch.no_grad()
-def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] = (1, 5),
-                       kinds: Sequence[str] | None = None, prefill_len: int = 8,
-                       lift: bool | None = None) -> TransformersMatch:
-    """Load ``hf_model`` with :func:`from_transformers` and compare logits over the stream ``ids`` (``[B, T]``).
-
-    Args:
-        hf_model: a transformers GPT-2, Llama or Mistral model in eval mode, FP32 or FP64.
-        ids: token ids ``[B, T]``.
-        chunks: chunk sizes of kvdoc's cached runs.
-        kinds: cache kinds (default dynamic and static, and window for a windowed model).
-        prefill_len: tokens in transformers' own prefill before its one-token decode steps.
-        lift: run transformers under :func:`float64_islands_lifted` (default: only in FP64).
-
-    Returns:
-        A :class:`TransformersMatch`.
-
-    >>> from transformers import MistralForCausalLM
-    >>> from kvdoc.config import mistral_config
-    >>> _ = torch.manual_seed(0)
-    >>> hf = MistralForCausalLM(transformers_config(mistral_config(sliding_window=4))).eval()
-    >>> m = match_transformers(hf, torch.tensor([[5, 1, 4, 1, 5, 9, 2, 6, 5, 3]]), prefill_len=3)
-    >>> sorted(m.cached), m.worst() < 1e-5
-    ([('dynamic', 1), ('dynamic', 5), ('static', 1), ('static', 5), ('window', 1), ('window', 5)], True)
-    """
-    from .verify import DTYPE_NAMES, _max_abs, run_cached
-
-    if not 0 < prefill_len < ids.shape[1]:
-        raise ValueError(f"prefill_len must be between 1 and {ids.shape[1] - 1}, got {prefill_len}")
-    ours = from_transformers(hf_model)
-    dtype = ours.wte.weight.dtype
-    lift = dtype == torch.float64 if lift is None else lift
-    if kinds is None:
-        kinds = ("dynamic", "static") + (("window",) if ours.config.sliding_window else ())
-    with float64_islands_lifted(hf_model) if lift else nullcontext():
-        expected = hf_model(ids).logits
-        out = hf_model(ids[:, :prefill_len], use_cache=True)
-        logits, cache = [out.logits], out.cache
-        for t in range(prefill_len, ids.shape[1]):
-            out = hf_model(ids[:, t:t + 1], cache=cache, use_cache=True)
-            logits.append(out.logits)
-            cache = out.cache
-    cached = {(kind, c): _max_abs(run_cached(ours, ids, c, kind).logits, expected) for kind in kinds for c in chunks}
-    return TransformersMatch(
-        hf_model.config.model_type, DTYPE_NAMES[dtype],
-        (sum(p.numel() for p in hf_model.parameters()), ours.num_parameters()),
-        _max_abs(ours(ids).logits, expected), cached, _max_abs(torch.cat(logits, dim=1), expected),
-        float(expected.abs().max().item()), lift and hf_model.config.model_type in ("llama", "mistral"))
 
 
 def transformers_model(family: str, config: GPTConfig | None = None, seed: int = 0,

@@ -191,7 +191,7 @@ class Decoder(nn.Module):
     sequence; :mod:`kvdoc.verify` proves it.
 
     Weights use PyTorch's default initialisation (seed with ``torch.manual_seed``) or come
-    from :meth:`from_gpt2`. The model is never trained: the site checks that two ways of
+    from :func:`kvdoc.interop.from_transformers`. The model is never trained: the site checks that two ways of
     computing one function agree, which needs no language ability.
 
     >>> _ = torch.manual_seed(0)
@@ -308,13 +308,6 @@ class Decoder(nn.Module):
             capacity = self.config.n_positions if capacity is None else capacity
             return StaticCache(self.config, batch_size, capacity, dtype, device)
         raise ValueError(f"unknown cache kind {kind!r}; use 'dynamic', 'static' or 'window'")
-
-    @classmethod
-    def from_gpt2(cls, model_or_state_dict) -> Decoder:
-        """A decoder with the weights of a transformers ``GPT2LMHeadModel`` (see :mod:`kvdoc.interop`)."""
-        from .interop import decoder_from_gpt2
-
-        return decoder_from_gpt2(model_or_state_dict)
 
 
 @torch.no_grad()

@@ -5,15 +5,15 @@ import torch
 from transformers import DynamicCache as HFDynamicCache
 from transformers import GPT2LMHeadModel
 
-from kvdoc import Decoder, GPTConfig
-from kvdoc.interop import config_from_gpt2, decoder_from_gpt2, gpt2_config
+from kvdoc import GPTConfig
+from kvdoc.interop import config_from_gpt2, decoder_from_gpt2, from_transformers, gpt2_config
 
 
 @pytest.fixture(scope="module")
 def pair():
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(gpt2_config(GPTConfig())).eval()
-    return hf, Decoder.from_gpt2(hf)
+    return hf, from_transformers(hf)
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +95,9 @@ def test_unsupported_variants_are_refused(pair):
 # --- Llama and Mistral (random weights, built offline from a config) ---------------------------
 
 from kvdoc.config import llama_config, mistral_config  # noqa: E402
-from kvdoc.interop import (config_from_transformers, float64_islands_lifted, from_transformers,  # noqa: E402
-                           match_transformers, transformers_config, transformers_model)
+from kvdoc.crosscheck import match_transformers  # noqa: E402
+from kvdoc.interop import (config_from_transformers, float64_islands_lifted,  # noqa: E402
+                           transformers_config, transformers_model)
 
 LONG = torch.randint(0, 97, (2, 96), generator=torch.Generator().manual_seed(6))  # crosses window 32 three times
 

@@ -15,7 +15,8 @@ from kvdoc.__main__ import main as cli
 from kvdoc.broken import stale_prefix
 from kvdoc.variants import BUG_CLASSES, VARIANTS
 from kvdoc.suite import run_suite, sweep_variants, variants_table
-from kvdoc.crosscheck import cross_check_transformers
+from kvdoc.crosscheck import match_transformers
+from kvdoc.interop import transformers_model
 from kvdoc.verify import _max_abs, chunk_lengths, default_model, run_cached, split_error, verify
 
 SMALL = dict(batches=(2,), chunks=(1, 2), dtypes=(torch.float32,))
@@ -88,7 +89,7 @@ def test_source_experiment_four_cached_two_new():
 def test_transformers_cross_check_fp32_and_fp64():
     ids = torch.randint(0, 97, (1, grid.STREAM_LENGTH), generator=torch.Generator().manual_seed(5))
     for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-10)):
-        result = cross_check_transformers(ids=ids, chunks=(5,), kinds=("static",), dtype=dtype)
+        result = match_transformers(transformers_model("gpt2", dtype=dtype), ids, chunks=(5,), kinds=("static",))
         assert result.n_parameters == (145_280, 145_280)
         assert max(result.full, result.hf_cached, *result.cached.values()) < tol
 
