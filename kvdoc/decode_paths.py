@@ -51,7 +51,7 @@ def build_models(config: GPTConfig, seed: int, transformers: bool, tie: bool = F
         warnings.filterwarnings("ignore", message="IProgress not found")
         from transformers import GPT2LMHeadModel
 
-    from .interop import gpt2_config
+    from .interop import CONV1D_WEIGHTS, gpt2_config
 
     hf_config = gpt2_config(config)
     hf_config.tie_word_embeddings = tie
@@ -60,11 +60,10 @@ def build_models(config: GPTConfig, seed: int, transformers: bool, tie: bool = F
     with torch.inference_mode(False):
         hf = hf.to_empty(device="cpu")
     ours = model.state_dict()
-    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
     state = {}
     for key in hf.state_dict():
         name = key.removeprefix("transformer.")
-        state[key] = ours[name].t() if name.endswith(conv1d) else ours[name]
+        state[key] = ours[name].t() if name.endswith(CONV1D_WEIGHTS) else ours[name]
     with torch.inference_mode(False):
         hf.load_state_dict(state)
     if tie:
@@ -72,8 +71,11 @@ def build_models(config: GPTConfig, seed: int, transformers: bool, tie: bool = F
     hf.eval()
     with torch.inference_mode():
         ids = token_stream(config, 5, seed)
-        diff = float((hf(ids).logits - model(ids).logits).abs().max())
-    if not diff < 1e-4:
+        ours_logits = model(ids).logits
+        diff = float((hf(ids).logits - ours_logits).abs().max())
+    # A weight copied wrongly changes the logits by their own size; FP32 rounding over 12 layers
+    # of width 768 moves them by far less than a thousandth of it, on any CPU.
+    if not diff <= 1e-3 * max(1.0, float(ours_logits.abs().max())):
         raise RuntimeError(f"transformers' GPT-2 and kvdoc disagree after copying weights: {diff:.3e}")
     return model, hf
 

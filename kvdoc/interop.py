@@ -18,7 +18,8 @@ from .config import GPTConfig
 from . import model as _model  # looked up at call time, so a patched Decoder is the one built
 from .model import Decoder  # for annotations
 
-_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+"""GPT-2's weights stored as ``Conv1D`` (``[in, out]``, the transpose of ``nn.Linear``'s)."""
 _BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers some versions keep in the state dict
 
 
@@ -99,7 +100,7 @@ def decoder_from_gpt2(model_or_state_dict: Any, config: GPTConfig | None = None)
         name = key.removeprefix("transformer.")
         if name.endswith(_BUFFERS):
             continue
-        mapped[name] = value.t() if name.endswith(_CONV1D) else value
+        mapped[name] = value.t() if name.endswith(CONV1D_WEIGHTS) else value
     decoder = _model.Decoder(config).to(next(iter(mapped.values())).dtype)
     expected = decoder.state_dict()
     missing = sorted(set(expected) - set(mapped))
@@ -261,7 +262,7 @@ def to_transformers(model: Decoder) -> Any:
         hf = family[hf_config.model_type](hf_config)
     if hf_config.model_type == "gpt2":
         mapped = {("" if name.startswith("lm_head.") else "transformer.") + name:
-                  (value.t() if name.endswith(_CONV1D) else value) for name, value in state.items()}
+                  (value.t() if name.endswith(CONV1D_WEIGHTS) else value) for name, value in state.items()}
     else:
         d, kv = config.n_embd, config.kv_dim
         mapped = {"model.embed_tokens.weight": state["wte.weight"], "model.norm.weight": state["ln_f.weight"],
