@@ -55,9 +55,10 @@ repro-check: $(STAMP)  ## two clean builds must write the same site (REPRO_REF=d
 	$(BIN)/python scripts/compare_builds.py $(or $(REPRO_REF),$(BUILDDIR)/repro/a/html) $(BUILDDIR)/repro/b/html
 
 # A second numeric setting: ATen's portable kernels instead of this CPU's vector ones, MKL's
-# conditional-numerical-reproducibility path, two threads. The last bits of every float change
-# (as they do on another CPU), so a page that asserts this machine's rounding fails here.
-NUMERIC_ENV := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE OMP_NUM_THREADS=2 KVDOC_EXECUTE=force
+# conditional-numerical-reproducibility path, two threads in every page's kernel (docs/_ipython).
+# The last bits of every float change (as they do on another CPU), so a page that asserts this
+# machine's rounding fails here.
+NUMERIC_ENV := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE KVDOC_THREADS=2 KVDOC_EXECUTE=force
 numeric-check: $(STAMP)  ## execute every page again in a second numeric setting (strict, into _build/numeric)
 	rm -rf $(BUILDDIR)/numeric
 	$(NUMERIC_ENV) $(SPHINXBUILD) -b html -E $(SPHINXOPTS) -d $(BUILDDIR)/numeric/doctrees $(DOCS) $(BUILDDIR)/numeric/html

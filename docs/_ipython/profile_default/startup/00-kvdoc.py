@@ -1,0 +1,10 @@
+# Run by every kernel that executes a page (docs/conf.py points IPYTHONDIR here), so pages carry
+# only what a reader needs. A downloaded page runs the same without it: threads change speed,
+# not what a page asserts. (Fixed SVG ids come from docs/_ext/matplotlibrc.)
+import os
+
+import torch
+
+# Tiny tensors: one thread is fastest and keeps a shared machine quiet. `make numeric-check`
+# asks for two, one of the ways it changes the last bits of every float.
+torch.set_num_threads(int(os.environ.get("KVDOC_THREADS", "1")))
