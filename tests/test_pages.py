@@ -3,11 +3,8 @@
 - Code lines in code cells fit the page: at most 88 characters.
 - Checks are hidden, never removed: a ``remove-cell`` cell holds glue plumbing, not ``assert``.
 - No page repeats the kernel set-up (docs/_ipython) or writes its own ``ord(ch) - 32`` tokenizer.
-- Every page of the on-ramp and Parts I and II (and the Part III pages listed) ends a
-  self-check question with a hidden answer that the build computes: a dropdown with a glued value.
-
-Pages listed in ``NOT_YET`` predate a rule and are exempt from it until their owner updates them;
-a listed page that already complies fails the test, so the list can only shrink.
+- Every page of the on-ramp and Parts I to III ends a self-check question with a hidden answer
+  that the build computes: a dropdown with a glued value.
 """
 
 from __future__ import annotations
@@ -18,20 +15,11 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-PAGES = sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts and p.read_text().startswith(
-    "---\nfile_format: mystnb"))
+PAGES = sorted(p for p in DOCS.rglob("*.md")
+               if "_build" not in p.parts and p.read_text().startswith("---\nfile_format: mystnb"))
 CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(.*?)^```", re.S | re.M)
-NOT_YET = {
-    "long-lines": {"part3/3-equivalence", "part3/4-broken-variants", "part3/5-cross-check",
-                   "part3/7-savings", "reference/refuses"},
-    "removed-checks": {"part3/3-equivalence", "part3/4-broken-variants", "part3/5-cross-check",
-                       "part3/7-savings"},
-    "page-setup": {"part3/3-equivalence", "part3/4-broken-variants", "part3/5-cross-check",
-                   "part3/7-savings"},
-}
-SELF_CHECK = ["attention", *(f"part{n}/{p.stem}" for n in (1, 2)
-                             for p in sorted((DOCS / f"part{n}").glob("[0-9]*.md"))),
-              "part3/1-decoder", "part3/2-offset-mask", "part3/6-memory"]
+SELF_CHECK = ["attention", *(f"part{n}/{p.stem}" for n in (1, 2, 3)
+                             for p in sorted((DOCS / f"part{n}").glob("[0-9]*.md")))]
 
 
 def name(page: Path) -> str:
@@ -68,13 +56,12 @@ def has_self_check(page: Path) -> bool:
                                          ("page-setup", page_setup)])
 def test_rule_holds_on_every_page(rule, check):
     assert len(PAGES) > 10  # the glob found the site
-    broken = {name(p) for p in PAGES if check(p)}
-    assert broken <= NOT_YET[rule], f"{rule}: {sorted(broken - NOT_YET[rule])}"
-    assert not NOT_YET[rule] - broken, f"comply now, drop from NOT_YET: {sorted(NOT_YET[rule] - broken)}"
+    broken = sorted(name(p) for p in PAGES if check(p))
+    assert not broken, f"{rule}: {broken}"
 
 
 def test_learner_pages_end_with_a_computed_self_check():
-    assert len(SELF_CHECK) >= 12
+    assert len(SELF_CHECK) >= 17  # the on-ramp and every page of Parts I to III
     missing = [p for p in SELF_CHECK if not has_self_check(DOCS / f"{p}.md")]
     assert not missing, missing
 
