@@ -51,9 +51,12 @@ class KVCache(ABC):
         """The absolute positions whose K/V :meth:`layer` returns (all of them, unless a window drops some)."""
         return range(self.seq_len)
 
-    @abstractmethod
     def begin(self) -> KVCache:
-        """The object one forward call writes into (a copy for dynamic, ``self`` for static)."""
+        """The object one forward call writes into: the cache itself, for a cache written in place.
+
+        A cache that a call must leave unchanged (:class:`DynamicCache`) returns a copy instead.
+        """
+        return self
 
     @abstractmethod
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
@@ -62,9 +65,12 @@ class KVCache(ABC):
         Returns the layer's K and V over positions ``0 .. start + C - 1`` to attend over.
         """
 
-    @abstractmethod
     def finish(self, end: int) -> None:
-        """Mark positions ``0 .. end - 1`` as held, after every layer has been updated."""
+        """Mark positions ``0 .. end - 1`` as held, once every layer has been updated.
+
+        Nothing to do for a cache whose length is its tensors' length; a preallocated cache
+        advances its length here, so a call that fails midway leaves it as it was.
+        """
 
     @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
@@ -161,9 +167,6 @@ class DynamicCache(KVCache):
         self._kv[layer_idx] = kv
         return kv
 
-    def finish(self, end: int) -> None:
-        assert all(k.shape[2] == end for k, _ in self._kv), "every layer must hold the same positions"
-
     def crop(self, length: int) -> DynamicCache:
         """A new cache holding the first ``length`` positions (e.g. the common prefix after an edit)."""
         if not 0 <= length <= self.seq_len:
@@ -210,9 +213,6 @@ class StaticCache(KVCache):
 
     def layer(self, idx: int) -> KV:
         return self._k[idx][:, :, : self._len], self._v[idx][:, :, : self._len]
-
-    def begin(self) -> StaticCache:
-        return self
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)

@@ -220,9 +220,6 @@ class PagedCache(KVCache):
             raise ValueError(f"out of blocks: {new_len} more positions need {needed} more blocks, "
                              f"{self.pool.num_free} free of {self.pool.num_blocks}")
 
-    def begin(self) -> PagedCache:
-        return self
-
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
         if start != self._len:

@@ -104,9 +104,6 @@ class Int8Cache(KVCache):
         self._kv[layer_idx] = tuple(torch.cat((a, b), dim=2) for a, b in zip(old, new))
         return self.layer(layer_idx)
 
-    def finish(self, end: int) -> None:
-        assert all(layer[0].shape[2] == end for layer in self._kv), "every layer must hold the same positions"
-
     def tensors(self) -> list[torch.Tensor]:
         return [t for layer in self._kv for t in layer]
 
