@@ -69,10 +69,10 @@ def with_mask(model: Decoder, mask: Callable[..., torch.Tensor | None]) -> Decod
 # --- wrong positions ---------------------------------------------------------------------------
 
 class PositionsRestartDecoder(Decoder):
-    """BROKEN: every call numbers its new tokens from 0, as if each chunk began the sequence.
+    """BROKEN: each call numbers its new tokens from 0, as if it began the sequence.
 
-    A full forward starts at 0 anyway, so it is right; every continuation of a cache embeds its
-    tokens at positions ``0 .. C - 1`` instead of ``P .. P + C - 1``.
+    A full forward starts at 0 anyway, so it is right; every continuation of a cache
+    embeds its tokens at positions ``0 .. C - 1`` instead of ``P .. P + C - 1``.
     """
 
     def positions(self, start: int, new_len: int, device: torch.device) -> torch.Tensor:
@@ -124,11 +124,15 @@ class NewBeforeOldDynamicCache(DynamicCache):
     def begin(self) -> NewBeforeOldDynamicCache:
         return NewBeforeOldDynamicCache(self._kv)
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+               start: int) -> KV:
+        self.check_rows(k, v)
         past_k, past_v = self._kv[layer_idx]
         if past_k.shape[2] != start:
-            raise ValueError(f"layer {layer_idx} holds {past_k.shape[2]} positions, write starts at {start}")
-        kv = (torch.cat((k, past_k), dim=2), torch.cat((v, past_v), dim=2))  # BUG: new rows first
+            raise ValueError(f"layer {layer_idx} holds {past_k.shape[2]} positions, "
+                             f"write starts at {start}")
+        # BUG: new rows first, then the old ones
+        kv = (torch.cat((k, past_k), dim=2), torch.cat((v, past_v), dim=2))
         self._kv[layer_idx] = kv
         return kv
 
@@ -323,12 +327,14 @@ class PositionCounterDecoder(Decoder):
 class EarlyLengthStaticCache(StaticCache):
     """BROKEN: advances its length as soon as layer 0 is written, not after every layer succeeded."""
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+               start: int) -> KV:
         if layer_idx == 0:
             self._start = self._len
         end = start + k.shape[2]
         if start != self._start or end > self.capacity:
-            raise ValueError(f"cannot write positions {start}..{end - 1}: cache holds {self._start}")
+            raise ValueError(f"cannot write positions {start}..{end - 1}: "
+                             f"cache holds {self._start}")
         self._k[layer_idx][:, :, start:end] = k
         self._v[layer_idx][:, :, start:end] = v
         self._len = end  # BUG: before the other layers ran

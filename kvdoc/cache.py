@@ -158,12 +158,15 @@ class DynamicCache(KVCache):
     def begin(self) -> DynamicCache:
         return DynamicCache(self._kv)  # a new list of the same tensors; cat never touches them
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+               start: int) -> KV:
         self.check_rows(k, v)
         past_k, past_v = self._kv[layer_idx]
         if past_k.shape[2] != start:
-            raise ValueError(f"layer {layer_idx} holds {past_k.shape[2]} positions, write starts at {start}")
-        kv = (torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2))  # old rows first
+            raise ValueError(f"layer {layer_idx} holds {past_k.shape[2]} positions, "
+                             f"write starts at {start}")
+        # old rows first, then the new ones: [B, H_kv, P + C, D_h]
+        kv = (torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2))
         self._kv[layer_idx] = kv
         return kv
 
@@ -214,12 +217,13 @@ class StaticCache(KVCache):
     def layer(self, idx: int) -> KV:
         return self._k[idx][:, :, : self._len], self._v[idx][:, :, : self._len]
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+               start: int) -> KV:
         self.check_rows(k, v)
         end = start + k.shape[2]
         if start != self._len or end > self.capacity:
-            raise ValueError(f"cannot write positions {start}..{end - 1}: cache holds {self._len} "
-                             f"of {self.capacity}")
+            raise ValueError(f"cannot write positions {start}..{end - 1}: cache holds "
+                             f"{self._len} of {self.capacity}")
         k_all, v_all = self._k[layer_idx], self._v[layer_idx]
         k_all.narrow(2, start, end - start).copy_(k)  # in place, at absolute positions
         v_all.narrow(2, start, end - start).copy_(v)

@@ -56,15 +56,17 @@ class TransformersMatch:
 def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] = (1, 5),
                        kinds: Sequence[str] | None = None, prefill_len: int = 8,
                        lift: bool | None = None) -> TransformersMatch:
-    """Load ``hf_model`` with :func:`~kvdoc.interop.from_transformers` and compare logits over ``ids`` (``[B, T]``).
+    """Load ``hf_model`` into kvdoc and compare logits over ``ids`` (``[B, T]``).
 
     Args:
-        hf_model: a transformers GPT-2, Llama or Mistral model in eval mode, FP32 or FP64.
+        hf_model: a transformers GPT-2, Llama or Mistral model in eval mode, FP32 or
+            FP64; kvdoc loads it with :func:`~kvdoc.interop.from_transformers`.
         ids: token ids ``[B, T]``.
         chunks: chunk sizes of kvdoc's cached runs.
-        kinds: cache kinds (default dynamic and static, and window for a windowed model).
-        prefill_len: tokens in transformers' own prefill before its one-token decode steps.
-        lift: run transformers under :func:`~kvdoc.interop.float64_islands_lifted` (default: only in FP64).
+        kinds: cache kinds (default dynamic and static, and window with a window).
+        prefill_len: tokens in transformers' prefill before its one-token decode steps.
+        lift: run transformers under :func:`~kvdoc.interop.float64_islands_lifted`
+            (default: only in FP64).
 
     Returns:
         A :class:`TransformersMatch`.
@@ -73,18 +75,22 @@ def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] =
     >>> from kvdoc.config import mistral_config
     >>> from kvdoc.interop import transformers_config
     >>> _ = torch.manual_seed(0)
-    >>> hf = MistralForCausalLM(transformers_config(mistral_config(sliding_window=4))).eval()
-    >>> m = match_transformers(hf, torch.tensor([[5, 1, 4, 1, 5, 9, 2, 6, 5, 3]]), prefill_len=3)
-    >>> sorted(m.cached), m.worst() < 1e-5
-    ([('dynamic', 1), ('dynamic', 5), ('static', 1), ('static', 5), ('window', 1), ('window', 5)], True)
+    >>> config = transformers_config(mistral_config(sliding_window=4))
+    >>> hf = MistralForCausalLM(config).eval()
+    >>> ids = torch.tensor([[5, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    >>> m = match_transformers(hf, ids, prefill_len=3)
+    >>> sorted(kind for kind, chunk in m.cached if chunk == 1), m.worst() < 1e-5
+    (['dynamic', 'static', 'window'], True)
     """
     if not 0 < prefill_len < ids.shape[1]:
-        raise ValueError(f"prefill_len must be between 1 and {ids.shape[1] - 1}, got {prefill_len}")
+        raise ValueError(f"prefill_len must be between 1 and {ids.shape[1] - 1}, "
+                         f"got {prefill_len}")
     ours = from_transformers(hf_model)
     dtype = ours.wte.weight.dtype
     lift = dtype == torch.float64 if lift is None else lift
     if kinds is None:
-        kinds = ("dynamic", "static") + (("window",) if ours.config.sliding_window else ())
+        windowed = ours.config.sliding_window is not None
+        kinds = ("dynamic", "static") + (("window",) if windowed else ())
     with float64_islands_lifted(hf_model) if lift else nullcontext():
         expected = hf_model(ids).logits
         out = hf_model(ids[:, :prefill_len], use_cache=True)
@@ -93,10 +99,13 @@ def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] =
             out = hf_model(ids[:, t:t + 1], cache=cache, use_cache=True)
             logits.append(out.logits)
             cache = out.cache
-    cached = {(kind, c): _max_abs(run_cached(ours, ids, c, kind).logits, expected) for kind in kinds for c in chunks}
+    cached = {(kind, c): _max_abs(run_cached(ours, ids, c, kind).logits, expected)
+              for kind in kinds for c in chunks}
+    family = hf_model.config.model_type
+    n_hf = sum(p.numel() for p in hf_model.parameters())
     return TransformersMatch(
-        hf_model.config.model_type, DTYPE_NAMES[dtype],
-        (sum(p.numel() for p in hf_model.parameters()), ours.num_parameters()),
-        _max_abs(ours(ids).logits, expected), cached, _max_abs(torch.cat(logits, dim=1), expected),
-        float(expected.abs().max().item()), lift and hf_model.config.model_type in ("llama", "mistral"),
+        family, DTYPE_NAMES[dtype], (n_hf, ours.num_parameters()),
+        _max_abs(ours(ids).logits, expected), cached,
+        _max_abs(torch.cat(logits, dim=1), expected),
+        float(expected.abs().max().item()), lift and family in ("llama", "mistral"),
         prefill_len)

@@ -179,7 +179,7 @@ class FastDecoder:
         return self._step(idx, cache)  # no autograd graph: every weight it reads is a detached copy
 
     def _step(self, idx: torch.Tensor, cache: KVCache) -> DecoderOutput:
-        """One new token per row after ``cache``: logits ``[B, 1, V]`` and the cache one position longer."""
+        """One token per row after ``cache``: logits ``[B, 1, V]``, cache one longer."""
         cfg = self.config
         B, d, window = idx.shape[0], cfg.n_embd, cfg.sliding_window
         H_kv, D_h, kv = cfg.n_kv_head, cfg.head_dim, cfg.kv_dim
@@ -187,8 +187,8 @@ class FastDecoder:
         P = cache.seq_len
         try:
             tok = self._wte.index_select(0, idx.view(B))  # [B, d]
-        except (IndexError, RuntimeError):  # a bad id, or an index dtype the lookup rejects
-            embed_tokens(self.model.wte, idx)  # raises the model's own error; nothing is written
+        except (IndexError, RuntimeError):  # a bad id, or an index dtype it rejects
+            embed_tokens(self.model.wte, idx)  # the model's own error; nothing written
             raise
         work = cache.begin()
         x = tok if self._wpe is None else tok + self._wpe[P]  # [B, d]
@@ -198,24 +198,26 @@ class FastDecoder:
             q = qkv[:, :d].view(B, cfg.n_head, 1, D_h)
             k = qkv[:, d:d + kv].view(B, H_kv, 1, D_h)
             v = qkv[:, d + kv:].view(B, H_kv, 1, D_h)
-            if cfg.position == "rope":  # a rotation: it commutes with the folded scale
-                q, k = apply_rope(q, P, cfg.rope_theta), apply_rope(k, P, cfg.rope_theta)
-            k, v = work.update(layer_idx, k, v, P)  # [B, H_kv, P + 1, D_h] (a ring: at most W)
-            if window is not None and k.shape[2] > window:  # the last W keys (a ring holds only those)
+            if cfg.position == "rope":  # a rotation commutes with the folded scale
+                theta = cfg.rope_theta
+                q, k = apply_rope(q, P, theta), apply_rope(k, P, theta)
+            k, v = work.update(layer_idx, k, v, P)  # [B, H_kv, P + 1, D_h]
+            if window is not None and k.shape[2] > window:  # a ring holds only W
                 k, v = k[:, :, -window:], v[:, :, -window:]
             T = k.shape[2]
             if self.bmm_attention:
-                # a K/V head's query heads become the rows of one matrix: [B H_kv, group, D_h]
+                # a K/V head's query heads as rows of one matrix: [B H_kv, group, D_h]
                 q = q.reshape(B * H_kv, group, D_h)
-                k, v = k.reshape(B * H_kv, T, D_h), v.reshape(B * H_kv, T, D_h)  # views when contiguous
+                k, v = k.reshape(B * H_kv, T, D_h), v.reshape(B * H_kv, T, D_h)
                 scores = torch.bmm(q, k.transpose(1, 2))  # [B H_kv, group, T]
                 if not self.fold_scale:
                     scores = scores.mul_(self._scale)
-                y = torch.bmm(torch.softmax(scores, dim=-1), v).view(B, d)  # heads merged: [B, d]
+                y = torch.bmm(torch.softmax(scores, dim=-1), v).view(B, d)  # merged
             else:
-                gqa = {"enable_gqa": True} if group > 1 else {}  # as the model passes it
-                y = F.scaled_dot_product_attention(q, k, v, scale=1.0 if self.fold_scale else None,
-                                                   **gqa).reshape(B, d)
+                gqa = {"enable_gqa": True} if group > 1 else {}  # as the model does
+                scale = 1.0 if self.fold_scale else None
+                y = F.scaled_dot_product_attention(q, k, v, scale=scale, **gqa)
+                y = y.reshape(B, d)
             x = torch.addmm(x, y, w.w_o)  # residual + attention output
             x = x if w.b_o is None else x.add_(w.b_o)
             h = self._norm(x, w.ln_2)
@@ -229,7 +231,8 @@ class FastDecoder:
             x = x if w.b_proj is None else x.add_(w.b_proj)
         work.finish(P + 1)
         h = self._norm(x, self._ln_f)
-        return DecoderOutput(torch.mm(h, self._w_head).view(B, 1, -1), work)  # [B, 1, V]
+        logits = torch.mm(h, self._w_head).view(B, 1, -1)  # [B, 1, V]
+        return DecoderOutput(logits, work)
 
     def _norm(self, x: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
         cfg = self.config

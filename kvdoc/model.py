@@ -93,19 +93,20 @@ class CausalSelfAttention(nn.Module):
             return None  # one query at position P after keys 0..P: nothing to hide
         return offset_causal_mask(past_len, new_len, device, window=self.window)  # see kvdoc.mask
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int,
+                start: int, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, C, d = x.shape
-        # c_attn's output columns are H query heads, then H_kv key heads, then H_kv value heads,
-        # each D_h wide: one view splits all heads at once.
-        heads = self.c_attn(x).view(B, C, self.n_head + 2 * self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k, v = heads.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=1)
+        # c_attn's output columns are H query heads, then H_kv key heads, then H_kv
+        # value heads, each D_h wide: one view splits all heads at once.
+        H, H_kv = self.n_head, self.n_kv_head
+        heads = self.c_attn(x).view(B, C, H + 2 * H_kv, self.head_dim).transpose(1, 2)
+        q, k, v = heads.split((H, H_kv, H_kv), dim=1)
         # q: [B, H, C, D_h]; k, v: [B, H_kv, C, D_h]
-        if self.rotary is not None:
-            q, k = self.rotary(q, k, start)  # RoPE at positions start..start+C-1: K is cached rotated
+        if self.rotary is not None:  # RoPE at positions start .. start + C - 1
+            q, k = self.rotary(q, k, start)  # so K is cached rotated
         if cache is not None:
-            # Only the new rows were projected; the old K/V come from this layer's cache.
-            k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h] (a ring: fewer)
+            # Only the new rows were projected; old K/V come from this layer's cache.
+            k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h]
         y = self.attend(q, k, v, start, attn_mask)  # [B, H, C, D_h]
         y = y.transpose(1, 2).reshape(B, C, d)  # merge heads: [B, C, H * D_h]
         return self.c_proj(y)

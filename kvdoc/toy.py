@@ -184,20 +184,23 @@ class ToyLab:
         self.weights = weights or ToyWeights()
 
     def extend(self, cache: ToyCache, tokens: Sequence[str]) -> ForwardResult:
-        """Process ``tokens`` at positions ``P .. P + C - 1`` after the ``P`` cached ones.
+        """Process ``tokens`` at positions ``P .. P + C - 1`` after ``P`` cached ones.
 
-        New token ``i`` is embedded at absolute position ``P + i``; in every layer only the new
-        rows are projected, their K/V appended to a copy of the cache, and query ``i`` reads keys
-        ``0 .. P + i`` (the offset causal mask). The cache passed in is not modified.
+        New token ``i`` is embedded at absolute position ``P + i``; in every layer only
+        the new rows are projected, their K/V appended to a copy of the cache, and query
+        ``i`` reads keys ``0 .. P + i`` (the offset causal mask). The cache passed in is
+        not modified.
         """
         w = self.weights
         if len(cache.keys) != w.n_layer:
-            raise ValueError(f"cache has {len(cache.keys)} layers, model has {w.n_layer}")
+            raise ValueError(f"cache has {len(cache.keys)} layers, "
+                             f"model has {w.n_layer}")
         if len(tokens) < 1:
             raise ValueError("need at least one new token")
         P = cache.seq_len
         h = [w.embed(t, P + i) for i, t in enumerate(tokens)]
-        new = ToyCache([list(k) for k in cache.keys], [list(v) for v in cache.values], cache.tokens + list(tokens))
+        new = ToyCache([list(k) for k in cache.keys], [list(v) for v in cache.values],
+                       cache.tokens + list(tokens))
         per_layer = []
         for layer, (w_q, w_k, w_v) in enumerate(w.layers):
             c = Counts()
@@ -206,7 +209,8 @@ class ToyLab:
                 new.values[layer].append(_matvec(x, w_v))
                 c.kv_pairs += 1
             K, V = new.keys[layer], new.values[layer]
-            att = [_attend(_matvec(x, w_q), K[: P + i + 1], V[: P + i + 1], c) for i, x in enumerate(h)]
+            att = [_attend(_matvec(x, w_q), K[: P + i + 1], V[: P + i + 1], c)
+                   for i, x in enumerate(h)]  # query i reads keys 0 .. P + i
             h = [(x[0] + a[0], x[1] + a[1]) for x, a in zip(h, att)]
             per_layer.append(c)
         return ForwardResult(h, new, sum(per_layer, Counts()), per_layer)

@@ -1,6 +1,7 @@
 """The page sources follow the site's rules (read as text: no build, no kernel, fast).
 
-- Code lines in code cells fit the page: at most 88 characters.
+- Code lines in code cells fit the page: at most 88 characters; so do the lines of package code
+  a page includes with ``literalinclude`` and ``:pyobject:``.
 - Checks are hidden, never removed: a ``remove-cell`` cell holds glue plumbing, not ``assert``.
 - No page repeats the kernel set-up (docs/_ipython) or writes its own ``ord(ch) - 32`` tokenizer.
 - Every page of the on-ramp and Parts I to III ends a self-check question with a hidden answer
@@ -9,6 +10,8 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -73,3 +76,28 @@ def test_the_checks_can_fail(tmp_path):
                     ":::{admonition} Answer\n:class: dropdown\nno glue\n:::\n")
     assert removed_checks(page) and long_lines(page) and page_setup(page)
     assert not has_self_check(page)
+
+
+INCLUDE = re.compile(r"```\{literalinclude\} \.\./\.\./kvdoc/(\w+)\.py\n:pyobject: ([\w.]+)")
+
+
+def included_long_lines(text: str) -> list[str]:
+    """Lines over 88 characters in the package objects a page includes with ``:pyobject:``."""
+    long = []
+    for module, name in INCLUDE.findall(text):
+        obj = importlib.import_module(f"kvdoc.{module}")
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        long += [f"{name}: {line}" for line in inspect.getsource(obj).splitlines() if len(line) > 88]
+    return long
+
+
+def test_included_package_code_fits_the_page():
+    includes = {name(p): INCLUDE.findall(p.read_text()) for p in PAGES}
+    assert sum(map(len, includes.values())) >= 8  # the pages do include the real code
+    broken = {name(p): lines for p in PAGES if (lines := included_long_lines(p.read_text()))}
+    assert not broken, broken
+
+
+def test_the_include_rule_can_fail():
+    assert included_long_lines("```{literalinclude} ../../kvdoc/model.py\n:pyobject: Decoder\n")
