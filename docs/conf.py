@@ -110,8 +110,9 @@ copybutton_prompt_is_regexp = True
 # --- downloads -------------------------------------------------------------------------------
 # The theme offers a page's executed notebook only when a launch service (Binder, Colab) is set,
 # and those are external hosts. This offers it without one: the notebook MyST-NB wrote for the
-# page is copied beside the page's source in _sources/, without per-cell execution timestamps, so
-# two builds write the same file. Runs before the theme's header buttons (priority 501).
+# page is copied beside the page's source in _sources/, without per-cell execution timestamps and
+# with numbered cell ids, so two builds write the same file. Runs before the theme's header
+# buttons (priority 501).
 def _offer_notebook(app, pagename, templatename, context, doctree):
     import json
 
@@ -119,8 +120,10 @@ def _offer_notebook(app, pagename, templatename, context, doctree):
     if doctree is None or not executed.is_file():
         return
     notebook = json.loads(executed.read_text(encoding="utf-8"))
-    for cell in notebook.get("cells", []):
+    for number, cell in enumerate(notebook.get("cells", [])):
         cell.get("metadata", {}).pop("execution", None)
+        if "id" in cell:
+            cell["id"] = f"cell-{number}"  # MyST-NB draws random cell ids on every build
     target = Path(app.outdir) / "_sources" / f"{pagename}.ipynb"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(notebook, indent=1, sort_keys=True, ensure_ascii=False) + "\n",
