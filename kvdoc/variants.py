@@ -63,7 +63,7 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     BrokenVariant("new-before-old", "new K/V are concatenated before the cached ones, not after",
                   lambda m: broken.copy_as(m, broken.NewBeforeOldDecoder), "cache storage"),
     BrokenVariant("stale-cache", "a cache filled before a prefix edit (token 0 changed) is reused after it",
-                  lambda m: broken.copy_as(m, broken.Decoder), "cache storage", stale_prefix=True),
+                  lambda m: broken.copy_as(m, Decoder), "cache storage", stale_prefix=True),
     BrokenVariant("fp32-cache", "a dynamic cache rounds the K/V it stores to FP32, also in an FP64 model",
                   lambda m: broken.copy_as(m, broken.FP32CacheDecoder), "cache storage"),
     BrokenVariant("modulo-slots", "a static cache writes position t into slot t % 32 and reads slots as linear",
