@@ -109,6 +109,9 @@ class FastDecoder:
         m, cfg = self.model, self.model.config
         d, kv = cfg.n_embd, cfg.kv_dim
         self._scale = scale = 1.0 / math.sqrt(cfg.head_dim)
+        # decided once, not per layer and step: a step is only ~100 us on the site's model
+        self._rope, self._swiglu = cfg.position == "rope", cfg.mlp == "swiglu"
+        self._norm_args = ((d,), cfg.layer_norm_epsilon, cfg.norm == "rmsnorm")
         self._params = list(m.parameters())
         slots = [(mod._parameters, name, p) for mod in m.modules() for name, p in mod._parameters.items()]
         slots += [(mod._modules, name, c) for mod in m.modules() for name, c in mod._modules.items()]
@@ -198,7 +201,7 @@ class FastDecoder:
             q = qkv[:, :d].view(B, cfg.n_head, 1, D_h)
             k = qkv[:, d:d + kv].view(B, H_kv, 1, D_h)
             v = qkv[:, d + kv:].view(B, H_kv, 1, D_h)
-            if cfg.position == "rope":  # a rotation commutes with the folded scale
+            if self._rope:  # a rotation commutes with the folded scale
                 theta = cfg.rope_theta
                 q, k = apply_rope(q, P, theta), apply_rope(k, P, theta)
             k, v = work.update(layer_idx, k, v, P)  # [B, H_kv, P + 1, D_h]
@@ -222,7 +225,7 @@ class FastDecoder:
             x = x if w.b_o is None else x.add_(w.b_o)
             h = self._norm(x, w.ln_2)
             u = _linear(h, w.w_fc, w.b_fc)  # [B, n_inner] ([B, 2 n_inner] for SwiGLU)
-            if cfg.mlp == "swiglu":
+            if self._swiglu:
                 gate, up = u.chunk(2, dim=-1)
                 u = F.silu(gate) * up
             else:
@@ -235,7 +238,7 @@ class FastDecoder:
         return DecoderOutput(logits, work)
 
     def _norm(self, x: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-        cfg = self.config
-        if cfg.norm == "rmsnorm":
-            return F.rms_norm(x, (cfg.n_embd,), weights[0], cfg.layer_norm_epsilon)
-        return torch.layer_norm(x, (cfg.n_embd,), *weights, cfg.layer_norm_epsilon)
+        shape, eps, rms = self._norm_args
+        if rms:
+            return F.rms_norm(x, shape, weights[0], eps)
+        return torch.layer_norm(x, shape, weights[0], weights[1], eps)
