@@ -80,6 +80,18 @@ class KVCache(ABC):
         """Bytes of the tensors the cache owns: ``sum(numel * element_size)``."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def _preallocate(self, config: GPTConfig, batch_size: int, length: int,
+                     dtype: torch.dtype, device: torch.device | str) -> None:
+        """Zeroed K and V of ``length`` positions per layer (``self._k``, ``self._v``), nothing
+        held yet, and the sizes every cache states: for caches written in place."""
+        self.n_layer, self.batch_size = config.n_layer, check_int("batch_size", batch_size)
+        self.n_kv_head, self.head_dim = config.n_kv_head, config.head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (batch_size, config.n_kv_head, length, config.head_dim)
+        self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self._len = 0
+
     def check_rows(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise ``ValueError`` unless ``k`` and ``v`` are new rows for this cache: ``[B, H_kv, C, D_h]``
         with its ``B``, ``H_kv``, ``D_h`` and dtype."""
@@ -199,16 +211,8 @@ class StaticCache(KVCache):
 
     def __init__(self, config: GPTConfig, batch_size: int, capacity: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        check_int("batch_size", batch_size)
-        check_int("capacity", capacity)
-        shape = (batch_size, config.n_kv_head, capacity, config.head_dim)
-        self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self._len = 0
-        self.capacity = capacity
-        self.n_layer, self.batch_size = config.n_layer, batch_size
-        self.n_kv_head, self.head_dim = config.n_kv_head, config.head_dim
-        self.dtype, self.device = dtype, torch.device(device)
+        self.capacity = check_int("capacity", capacity)
+        self._preallocate(config, batch_size, capacity, dtype, device)
 
     @property
     def seq_len(self) -> int:

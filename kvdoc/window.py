@@ -45,16 +45,8 @@ class SlidingWindowCache(KVCache):
         window = config.sliding_window if window is None else window
         if window is None:
             raise ValueError("a sliding-window cache needs a window: the config has sliding_window=None")
-        check_int("window", window)
-        check_int("batch_size", batch_size)
-        shape = (batch_size, config.n_kv_head, window, config.head_dim)
-        self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self._len = 0
-        self.window = window
-        self.n_layer, self.batch_size = config.n_layer, batch_size
-        self.n_kv_head, self.head_dim = config.n_kv_head, config.head_dim
-        self.dtype, self.device = dtype, torch.device(device)
+        self.window = check_int("window", window)
+        self._preallocate(config, batch_size, window, dtype, device)  # the ring: W slots
 
     @property
     def seq_len(self) -> int:
