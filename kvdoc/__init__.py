@@ -7,11 +7,11 @@
 32
 """
 
-from .cache import DynamicCache, KVCache, StaticCache
-from .config import GPTConfig, llama_config, mistral_config
-from .mask import offset_causal_mask, top_left_causal_mask
-from .model import Decoder, DecoderOutput, decode_step, generate, prefill
-from .window import SlidingWindowCache
+from .core.cache import DynamicCache, KVCache, StaticCache
+from .core.config import GPTConfig, llama_config, mistral_config
+from .core.mask import offset_causal_mask, top_left_causal_mask
+from .core.model import Decoder, DecoderOutput, decode_step, generate, prefill
+from .core.window import SlidingWindowCache
 
 __version__ = "0.1.0"
 

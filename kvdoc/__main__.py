@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = {"verify": "suite", "memory": "memory", "bench": "bench"}
+COMMANDS = {"verify": "proofs.suite", "memory": "measure.memory", "bench": "measure.bench"}
 """Command name -> the module ``kvdoc.<module>`` that implements it."""
 
 

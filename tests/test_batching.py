@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvdoc import Decoder, GPTConfig
-from kvdoc.batching import compare_with_alone, generate_padded, left_pad, padded_mask, padded_positions
+from kvdoc.serving.batching import compare_with_alone, generate_padded, left_pad, padded_mask, padded_positions
 
 
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:

@@ -42,7 +42,7 @@ def test_invalid_configs_raise(kwargs, message):
 
 
 def test_llama_and_mistral_configs():
-    from kvdoc.config import llama_config, mistral_config
+    from kvdoc.core.config import llama_config, mistral_config
 
     cfg = llama_config()
     assert (cfg.position, cfg.norm, cfg.mlp, cfg.bias, cfg.sliding_window) == ("rope", "rmsnorm", "swiglu", False, None)
@@ -53,7 +53,7 @@ def test_llama_and_mistral_configs():
 
 
 def test_llama_parameter_count_matches_closed_form():
-    from kvdoc.config import llama_config
+    from kvdoc.core.config import llama_config
 
     for tied in (False, True):
         cfg = llama_config(tie_word_embeddings=tied)

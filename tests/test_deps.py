@@ -1,4 +1,4 @@
-"""Tests for kvdoc.deps: both methods must find the same dependencies, including hidden ones."""
+"""Tests for kvdoc.proofs.deps: both methods must find the same dependencies, including hidden ones."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvdoc import Decoder, GPTConfig
-from kvdoc.deps import (
+from kvdoc.proofs.deps import (
     compare_maps,
     dependency_map,
     jacobian_map,
@@ -14,8 +14,8 @@ from kvdoc.deps import (
     perturbation_map,
     token_dependency_map,
 )
-from kvdoc.sites import decoder_function, decoder_sites, decoder_values, kv_rows_changed
-from kvdoc.tables import markdown_table
+from kvdoc.proofs.sites import decoder_function, decoder_sites, decoder_values, kv_rows_changed
+from kvdoc.measure.tables import markdown_table
 
 SMALL = GPTConfig(vocab_size=11, n_positions=16, n_layer=2, n_head=2, n_embd=8, n_inner=16)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvdoc import offset_causal_mask, top_left_causal_mask
-from kvdoc.worked import WORKED_INPUTS, worked_example
+from kvdoc.teach.worked import WORKED_INPUTS, worked_example
 
 JS = Path(__file__).resolve().parents[1] / "docs" / "_static" / "kvdoc-explorer.js"
 GRID = [(p, c) for p in range(0, 13) for c in range(1, 7)]  # the page's slider ranges

@@ -1,4 +1,4 @@
-"""kvdoc.fast: the fast decode step computes the model's function, follows its weights, refuses alike."""
+"""kvdoc.core.fast: the fast decode step computes the model's function, follows its weights, refuses alike."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvdoc import Decoder, GPTConfig
-from kvdoc import refusals
-from kvdoc.fast import FastDecoder
+from kvdoc.proofs import refusals
+from kvdoc.core.fast import FastDecoder
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
@@ -156,10 +156,10 @@ def test_ablation_variants_compute_the_same_function(switch, n_kv_head):
 
 
 def test_runs_through_the_verify_harness():
-    """What kvdoc.verify needs to run the fast step as one more implementation: chunked runs
+    """What kvdoc.proofs.verify needs to run the fast step as one more implementation: chunked runs
     through ``run_cached`` agree with the model's full forward, K/V included, and never write
     to what a cache already held."""
-    from kvdoc.verify import default_stream, full_forward_kv, run_cached
+    from kvdoc.proofs.verify import default_stream, full_forward_kv, run_cached
 
     model = _model()
     fast = FastDecoder(model)

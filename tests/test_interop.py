@@ -6,7 +6,7 @@ from transformers import DynamicCache as HFDynamicCache
 from transformers import GPT2LMHeadModel
 
 from kvdoc import GPTConfig
-from kvdoc.interop import config_from_gpt2, decoder_from_gpt2, from_transformers, gpt2_config
+from kvdoc.interop.hf import config_from_gpt2, decoder_from_gpt2, from_transformers, gpt2_config
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +94,9 @@ def test_unsupported_variants_are_refused(pair):
 
 # --- Llama and Mistral (random weights, built offline from a config) ---------------------------
 
-from kvdoc.config import llama_config, mistral_config  # noqa: E402
-from kvdoc.crosscheck import match_transformers  # noqa: E402
-from kvdoc.interop import (config_from_transformers, float64_islands_lifted,  # noqa: E402
+from kvdoc.core.config import llama_config, mistral_config  # noqa: E402
+from kvdoc.proofs.crosscheck import match_transformers  # noqa: E402
+from kvdoc.interop.hf import (config_from_transformers, float64_islands_lifted,  # noqa: E402
                            transformers_config, transformers_model)
 
 LONG = torch.randint(0, 97, (2, 96), generator=torch.Generator().manual_seed(6))  # crosses window 32 three times

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from kvdoc import Decoder
-from kvdoc.variants import VARIANTS
-from kvdoc.config import llama_config
-from kvdoc.rope import apply_rope, rope_angles
-from kvdoc.verify import run_cached
+from kvdoc.proofs.variants import VARIANTS
+from kvdoc.core.config import llama_config
+from kvdoc.core.rope import apply_rope, rope_angles
+from kvdoc.proofs.verify import run_cached
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 

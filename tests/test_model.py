@@ -121,7 +121,7 @@ def test_grouped_query_attention(kv_heads):
 
 
 # Bad input (a clear error, the cache exactly as it was) is tested from the catalogue in
-# kvdoc.refusals, by tests/test_bad_inputs.py.
+# kvdoc.proofs.refusals, by tests/test_bad_inputs.py.
 
 
 def test_crop(model, stream):

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from kvdoc import Decoder, GPTConfig
-from kvdoc.paged import BlockPool, PagedCache, SharedPrefixCache, new_paged_cache, new_shared_prefix_cache
+from kvdoc.serving.paged import BlockPool, PagedCache, SharedPrefixCache, new_paged_cache, new_shared_prefix_cache
 
 FACTORIES = {"paged": new_paged_cache, "shared-prefix": new_shared_prefix_cache}
-from kvdoc.quant import run_chunks
-from kvdoc.verify import TOLERANCE
-from kvdoc.workload import measure_mix, request_mix
+from kvdoc.serving.quant import run_chunks
+from kvdoc.proofs.verify import TOLERANCE
+from kvdoc.serving.workload import measure_mix, request_mix
 
 
 def gqa_model(n_kv_head: int) -> Decoder:

@@ -43,7 +43,7 @@ def removed_checks(page: Path) -> list[str]:
 
 
 def page_setup(page: Path) -> list[str]:
-    """Kernel set-up (docs/_ipython does it) or a tokenizer of its own (kvdoc.render has one)."""
+    """Kernel set-up (docs/_ipython does it) or a tokenizer of its own (kvdoc.teach.render has one)."""
     text = page.read_text()
     return [p for p in ("set_num_threads", "svg.hashsalt", "ord(ch) - 32") if p in text]
 
@@ -78,14 +78,14 @@ def test_the_checks_can_fail(tmp_path):
     assert not has_self_check(page)
 
 
-INCLUDE = re.compile(r"```\{literalinclude\} \.\./\.\./kvdoc/(\w+)\.py\n:pyobject: ([\w.]+)")
+INCLUDE = re.compile(r"```\{literalinclude\} \.\./\.\./kvdoc/(\w+/\w+)\.py\n:pyobject: ([\w.]+)")
 
 
 def included_long_lines(text: str) -> list[str]:
     """Lines over 88 characters in the package objects a page includes with ``:pyobject:``."""
     long = []
     for module, name in INCLUDE.findall(text):
-        obj = importlib.import_module(f"kvdoc.{module}")
+        obj = importlib.import_module("kvdoc." + module.replace("/", "."))
         for part in name.split("."):
             obj = getattr(obj, part)
         long += [f"{name}: {line}" for line in inspect.getsource(obj).splitlines() if len(line) > 88]
@@ -100,4 +100,4 @@ def test_included_package_code_fits_the_page():
 
 
 def test_the_include_rule_can_fail():
-    assert included_long_lines("```{literalinclude} ../../kvdoc/model.py\n:pyobject: Decoder\n")
+    assert included_long_lines("```{literalinclude} ../../kvdoc/core/model.py\n:pyobject: Decoder\n")

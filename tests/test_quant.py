@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvdoc import GPTConfig
-from kvdoc.quant import Int8Cache, cache_bytes, dequantize, measure_int8, new_int8_cache, quantize, run_chunks
+from kvdoc.serving.quant import Int8Cache, cache_bytes, dequantize, measure_int8, new_int8_cache, quantize, run_chunks
 
 
 def test_round_trip_within_half_a_step():

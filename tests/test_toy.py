@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from kvdoc.render import html_table, latex_matrix, token_ids, token_label, token_text
-from kvdoc.toy import (
+from kvdoc.teach.render import html_table, latex_matrix, token_ids, token_label, token_text
+from kvdoc.teach.toy import (
     Counts,
     ToyCache,
     ToyLab,
@@ -20,7 +20,7 @@ from kvdoc.toy import (
     mask_exercise,
     prefix_edit,
 )
-from kvdoc.worked import SOURCE_FIGURES, WORKED_INPUTS, compare_with_source, naive_step, worked_example
+from kvdoc.teach.worked import SOURCE_FIGURES, WORKED_INPUTS, compare_with_source, naive_step, worked_example
 
 
 def _explicit_attention_last_row(x: torch.Tensor) -> torch.Tensor:

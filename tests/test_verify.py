@@ -8,16 +8,16 @@ import re
 import pytest
 import torch
 
-import kvdoc.model
-from kvdoc import cache as kvcache
-from kvdoc import grid
+import kvdoc.core.model
+from kvdoc.core import cache as kvcache
+from kvdoc.proofs import grid
 from kvdoc.__main__ import main as cli
-from kvdoc.broken import stale_prefix
-from kvdoc.variants import BUG_CLASSES, VARIANTS
-from kvdoc.suite import run_suite, sweep_variants, variants_table
-from kvdoc.crosscheck import match_transformers
-from kvdoc.interop import transformers_model
-from kvdoc.verify import _max_abs, chunk_lengths, default_model, run_cached, split_error, verify
+from kvdoc.proofs.broken import stale_prefix
+from kvdoc.proofs.variants import BUG_CLASSES, VARIANTS
+from kvdoc.proofs.suite import run_suite, sweep_variants, variants_table
+from kvdoc.proofs.crosscheck import match_transformers
+from kvdoc.interop.hf import transformers_model
+from kvdoc.proofs.verify import _max_abs, chunk_lengths, default_model, run_cached, split_error, verify
 
 SMALL = dict(batches=(2,), chunks=(1, 2), dtypes=(torch.float32,))
 FP32 = dict(dtypes=(torch.float32,))
@@ -232,7 +232,7 @@ def test_patched_static_cache_that_advances_early_is_caught(monkeypatch):
 
 
 def test_patched_positions_clamped_everywhere_is_caught_by_the_reference(monkeypatch):
-    monkeypatch.setattr(kvdoc.model.Decoder, "positions",
+    monkeypatch.setattr(kvdoc.core.model.Decoder, "positions",
                         lambda self, start, n, device: torch.arange(start, start + n, device=device).clamp(max=40))
     assert _fails(models=("mha",), kinds=("dynamic",)) == ["reference"]
 
@@ -243,12 +243,12 @@ def test_patched_position_counter_is_caught(monkeypatch):
         self.__dict__["_count"] = first + n
         return torch.arange(first, first + n, device=device)
 
-    monkeypatch.setattr(kvdoc.model.Decoder, "positions", positions)
+    monkeypatch.setattr(kvdoc.core.model.Decoder, "positions", positions)
     assert {"crop", "branch"} <= set(_fails(models=("gqa",), kinds=("dynamic",)))
 
 
 def test_patched_gqa_sharing_in_both_paths_is_caught(monkeypatch):
-    real = kvdoc.model.F.scaled_dot_product_attention
+    real = kvdoc.core.model.F.scaled_dot_product_attention
 
     def tiled(q, k, v, attn_mask=None, enable_gqa=False, **kw):
         if k.shape[1] != q.shape[1]:  # share K/V heads by tiling instead of by group
@@ -256,12 +256,12 @@ def test_patched_gqa_sharing_in_both_paths_is_caught(monkeypatch):
             k, v = k.repeat(1, rep, 1, 1), v.repeat(1, rep, 1, 1)
         return real(q, k, v, attn_mask=attn_mask, **kw)
 
-    monkeypatch.setattr(kvdoc.model.F, "scaled_dot_product_attention", tiled)
+    monkeypatch.setattr(kvdoc.core.model.F, "scaled_dot_product_attention", tiled)
     assert _fails(models=("gqa",), kinds=("static",)) == ["reference"]
 
 
 def test_patched_attention_gqa_in_cached_path_is_caught(monkeypatch):
-    real = kvdoc.model.CausalSelfAttention.forward
+    real = kvdoc.core.model.CausalSelfAttention.forward
 
     def forward(self, x, cache, layer_idx, start):
         if cache is not None and self.n_kv_head != self.n_head:
@@ -272,14 +272,14 @@ def test_patched_attention_gqa_in_cached_path_is_caught(monkeypatch):
                 self.n_kv_head, self.n_head = self.n_head, self.n_kv_head
         return real(self, x, cache, layer_idx, start)
 
-    monkeypatch.setattr(kvdoc.model.CausalSelfAttention, "forward", forward)
+    monkeypatch.setattr(kvdoc.core.model.CausalSelfAttention, "forward", forward)
     failed = _fails(models=("gqa",), kinds=("dynamic",))
     assert "logits" in failed  # it raises inside the call: a failed check, not a crash
 
 
 def test_patched_last_only_and_generate_are_caught(monkeypatch):
-    real = kvdoc.model.Decoder.forward
-    monkeypatch.setattr(kvdoc.model.Decoder, "forward",
+    real = kvdoc.core.model.Decoder.forward
+    monkeypatch.setattr(kvdoc.core.model.Decoder, "forward",
                         lambda self, idx, cache=None, *, last_only=False: real(self, idx, cache))
     assert "last_only" in _fails(models=("mqa",), kinds=("static",))
     monkeypatch.undo()
@@ -290,16 +290,16 @@ def test_patched_last_only_and_generate_are_caught(monkeypatch):
             out = torch.cat((out, model(out).logits[:, -1:].argmin(-1)), dim=1)  # argmin: wrong on purpose
         return out
 
-    monkeypatch.setattr(kvdoc.model, "generate", worst)
+    monkeypatch.setattr(kvdoc.core.model, "generate", worst)
     assert _fails(models=("mha",), kinds=("dynamic",)) == ["generate"]
 
 
 def test_a_replaced_decoder_class_is_the_one_verified(monkeypatch):
-    class Restart(kvdoc.model.Decoder):
+    class Restart(kvdoc.core.model.Decoder):
         def positions(self, start, n, device):
             return torch.arange(n, device=device)
 
-    monkeypatch.setattr(kvdoc.model, "Decoder", Restart)
+    monkeypatch.setattr(kvdoc.core.model, "Decoder", Restart)
     assert "logits" in _fails(models=("mha",), kinds=("dynamic",))
 
 
@@ -307,7 +307,7 @@ def test_the_verifier_never_crashes_on_code_that_raises(monkeypatch, capsys):
     def broken_init(self, config=None):
         raise RuntimeError("init exploded")
 
-    monkeypatch.setattr(kvdoc.model.Decoder, "__init__", broken_init)
+    monkeypatch.setattr(kvdoc.core.model.Decoder, "__init__", broken_init)
     assert cli(["verify", "--no-variants"]) == 1
     out = capsys.readouterr().out
     assert "init exploded" in out and out.rstrip().splitlines()[-1].startswith("VERDICT: FAIL")

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvdoc import Decoder
-from kvdoc.config import llama_config, mistral_config
-from kvdoc.verify import run_cached
-from kvdoc.window import SlidingWindowCache
+from kvdoc.core.config import llama_config, mistral_config
+from kvdoc.proofs.verify import run_cached
+from kvdoc.core.window import SlidingWindowCache
 
 W, T = 32, 100
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}

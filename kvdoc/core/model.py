@@ -1,0 +1,379 @@
+"""A GPT-2 decoder whose one forward serves both paths: full recompute and cached continuation.
+
+Read top to bottom: the MLP, causal self-attention (where the cache is used), the block, the
+decoder, then ``prefill`` / ``decode_step`` / ``generate``. Parameter names are GPT-2's
+(``wte, wpe, h, ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, ln_f, lm_head``),
+so a transformers checkpoint maps by key (:mod:`kvdoc.interop.hf`).
+
+The same classes build a Llama-style decoder (:func:`kvdoc.core.config.llama_config`): the config
+switches RoPE for ``wpe`` (:mod:`kvdoc.core.rope`), RMSNorm for LayerNorm, SwiGLU for GELU, and a
+sliding window for the plain causal mask. The cache, the attention over it and the decoding
+loop are the same code for both.
+
+Shapes: ``B`` batch, ``C`` new tokens in this call, ``P`` positions already cached,
+``T = P + C``, ``d`` = ``n_embd``, ``H`` query heads, ``H_kv`` K/V heads, ``D_h`` head size,
+``V`` vocabulary. K and V are always ``[B, H_kv, T, D_h]``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import DynamicCache, KVCache, StaticCache
+from .config import GPTConfig
+from .mask import offset_causal_mask
+from .rope import Rotary
+from .window import SlidingWindowCache
+
+
+def norm(config: GPTConfig) -> nn.Module:
+    """The normalisation of ``ln_1``, ``ln_2`` and ``ln_f``: LayerNorm (GPT-2) or RMSNorm (Llama)."""
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)  # x / rms(x) * weight
+    return nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: ``c_proj(gelu_tanh(c_fc(x)))``; row ``t`` of the output needs row ``t`` only.
+
+    With ``config.mlp == "swiglu"`` (Llama) ``c_fc`` is twice as wide and its two halves are the
+    gate and the up projection: ``c_proj(silu(gate) * up)``.
+
+    >>> MLP(GPTConfig())(torch.zeros(2, 5, 64)).shape  # [B, C, d] -> [B, C, d]
+    torch.Size([2, 5, 64])
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.swiglu = config.mlp == "swiglu"
+        width = 2 * config.n_inner if self.swiglu else config.n_inner
+        self.c_fc = nn.Linear(config.n_embd, width, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_inner, config.n_embd, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, d] -> [B, C, d]
+        if self.swiglu:
+            gate, up = self.c_fc(x).chunk(2, dim=-1)  # [B, C, n_inner] each
+            return self.c_proj(F.silu(gate) * up)
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's "gelu_new"
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head (or grouped-query) causal self-attention that reads and extends a K/V cache.
+
+    ``forward(x, cache, layer_idx, start)`` takes the new rows ``x`` (``[B, C, d]``) at absolute
+    positions ``start .. start + C - 1``, projects them to Q, K and V, stores K and V in layer
+    ``layer_idx`` of ``cache`` and attends over every cached and new key.
+
+    >>> from kvdoc.core.cache import DynamicCache
+    >>> _ = torch.manual_seed(0)
+    >>> attn = CausalSelfAttention(GPTConfig(n_kv_head=2))
+    >>> work = DynamicCache.empty(GPTConfig(n_kv_head=2), batch_size=1).begin()
+    >>> attn(torch.randn(1, 3, 64), work, layer_idx=0, start=0).shape
+    torch.Size([1, 3, 64])
+    >>> work.layer(0)[0].shape  # K: [B, H_kv, T, D_h]
+    torch.Size([1, 2, 3, 16])
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.window = config.sliding_window
+        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.kv_dim,  # Q, K, V in one matmul
+                                bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.rotary = Rotary(config.rope_theta) if config.position == "rope" else None
+
+    def mask(self, past_len: int, new_len: int, device: torch.device) -> torch.Tensor | None:
+        """Keys each new query may read: ``[C, P + C]`` bool, or None when every key is visible."""
+        if new_len == 1 and self.window is None:
+            return None  # one query at position P after keys 0..P: nothing to hide
+        return offset_causal_mask(past_len, new_len, device, window=self.window)  # see kvdoc.core.mask
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int,
+                start: int, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, C, d = x.shape
+        # c_attn's output columns are H query heads, then H_kv key heads, then H_kv
+        # value heads, each D_h wide: one view splits all heads at once.
+        H, H_kv = self.n_head, self.n_kv_head
+        heads = self.c_attn(x).view(B, C, H + 2 * H_kv, self.head_dim).transpose(1, 2)
+        q, k, v = heads.split((H, H_kv, H_kv), dim=1)
+        # q: [B, H, C, D_h]; k, v: [B, H_kv, C, D_h]
+        if self.rotary is not None:  # RoPE at positions start .. start + C - 1
+            q, k = self.rotary(q, k, start)  # so K is cached rotated
+        if cache is not None:
+            # Only the new rows were projected; old K/V come from this layer's cache.
+            k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h]
+        y = self.attend(q, k, v, start, attn_mask)  # [B, H, C, D_h]
+        y = y.transpose(1, 2).reshape(B, C, d)  # merge heads: [B, C, H * D_h]
+        return self.c_proj(y)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``softmax(q k^T / sqrt(D_h) + mask) v`` for queries at ``start ..``: ``[B, H, C, D_h]``.
+
+        ``k`` and ``v`` (``[B, H_kv, T, D_h]``) hold the positions up to the last query's; a window
+        cache passes only the last ones, so the mask keeps its last ``T`` columns.
+        """
+        C = q.shape[2]
+        if attn_mask is not None:
+            mask = attn_mask[:, None]  # padded batches: [B, C, P + C] -> [B, 1, C, P + C], every head
+        else:
+            mask = self.mask(start, C, q.device)
+            if mask is not None and k.shape[2] < start + C:
+                mask = mask[:, -k.shape[2]:]  # a window cache returns only the last positions, in order
+        # scores [B, H, C, T]; enable_gqa only when it is needed, as the keyword alone slows SDPA
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``.
+
+    >>> Block(GPTConfig())(torch.zeros(1, 4, 64), None, layer_idx=0, start=0).shape
+    torch.Size([1, 4, 64])
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = norm(config)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer_idx, start, attn_mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+def embed_tokens(wte: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
+    """``wte(idx)``, with an id outside the vocabulary refused as a ``ValueError`` naming it.
+
+    The lookup itself finds a bad id, so valid input costs no host sync; only a refusal
+    reads the ids back to name the offender.
+
+    >>> embed_tokens(nn.Embedding(5, 2), torch.tensor([[1, 7]]))
+    Traceback (most recent call last):
+    ...
+    ValueError: token id 7 is outside the vocabulary 0..4
+    """
+    try:
+        return wte(idx)  # [B, C] -> [B, C, d]
+    except IndexError:
+        vocab = wte.num_embeddings
+        lo, hi = (int(t) for t in idx.aminmax())
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} is outside the vocabulary 0..{vocab - 1}") from None
+
+
+class DecoderOutput(NamedTuple):
+    """What :meth:`Decoder.forward` returns."""
+
+    logits: torch.Tensor
+    """``[B, C, V]``: ``logits[:, i]`` predicts the token after new token ``i`` (``[B, 1, V]`` with ``last_only``)."""
+    cache: KVCache | None
+    """The cache holding positions ``0 .. P + C - 1``, or None when none was passed."""
+
+
+class Decoder(nn.Module):
+    """A GPT-2 decoder: embeddings, ``n_layer`` pre-norm blocks, final LayerNorm, untied LM head.
+
+    With a Llama-style config (:func:`kvdoc.core.config.llama_config`) there is no ``wpe`` (RoPE turns
+    Q and K inside the attention instead), the norms are RMSNorms and the head may be tied.
+
+    ``forward(idx)`` recomputes every position of ``idx``. ``forward(idx, cache)`` treats
+    ``idx`` as the continuation of what ``cache`` holds: it embeds and projects only the new
+    tokens, at absolute positions ``P .. P + C - 1`` where ``P = cache.seq_len``, attends over
+    cached + new K/V, and returns the updated cache. Both are the same function of the token
+    sequence; :mod:`kvdoc.proofs.verify` proves it.
+
+    Weights use PyTorch's default initialisation (seed with ``torch.manual_seed``) or come
+    from :func:`kvdoc.interop.hf.from_transformers`. The model is never trained: the site checks that two ways of
+    computing one function agree, which needs no language ability.
+
+    >>> _ = torch.manual_seed(0)
+    >>> model = Decoder(GPTConfig())
+    >>> model.num_parameters()
+    145280
+    >>> ids = torch.tensor([[12, 7, 31, 4, 9, 18]])
+    >>> full = model(ids).logits                        # [1, 6, 97]
+    >>> _, cache = model(ids[:, :4], DynamicCache.empty(model.config, 1))
+    >>> step = model(ids[:, 4:], cache).logits          # [1, 2, 97], positions 4 and 5
+    >>> torch.allclose(step, full[:, 4:], atol=1e-5)
+    True
+    """
+
+    def __init__(self, config: GPTConfig | None = None) -> None:
+        super().__init__()
+        self.config = config = config or GPTConfig()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embeddings
+        self.wpe = (nn.Embedding(config.n_positions, config.n_embd)  # learned absolute positions
+                    if config.position == "learned" else None)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = norm(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.wte.weight  # one [V, d] matrix embeds and predicts
+
+    def num_parameters(self) -> int:
+        """Number of parameters (an untied LM head counts separately from ``wte``, a tied one once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def positions(self, start: int, new_len: int, device: torch.device) -> torch.Tensor:
+        """Absolute positions of the new tokens: ``start .. start + new_len - 1``."""
+        return torch.arange(start, start + new_len, device=device)
+
+    def check_input(self, idx: torch.Tensor, cache: KVCache | None) -> None:
+        """Raise ``ValueError`` (before anything is computed or written) unless ``idx`` can continue ``cache``."""
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+            shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+            raise ValueError(f"idx must be a [B, C] tensor of token ids, got {shape}")
+        if idx.dtype not in (torch.int64, torch.int32):  # what an embedding lookup takes
+            raise ValueError(f"idx must hold integer token ids (int64 or int32), got dtype {idx.dtype}")
+        B, C = idx.shape
+        if C == 0 or B == 0:
+            raise ValueError(f"empty input: idx has shape {tuple(idx.shape)}; pass at least one token per row")
+        weight = self.wte.weight
+        if idx.device != weight.device:
+            raise ValueError(f"idx is on {idx.device}, model is on {weight.device}")
+        if cache is not None and not isinstance(cache, KVCache):
+            raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}")
+        past = 0 if cache is None else cache.seq_len
+        if past + C > self.config.n_positions:
+            raise ValueError(f"sequence too long: {past} cached + {C} new = {past + C} positions, "
+                             f"model has {self.config.n_positions}")
+        if cache is not None:
+            cache.check_compatible(self.config, B, weight.dtype, weight.device, C)
+        # Token ids are range-checked by the embedding lookup itself (embed_tokens), which needs
+        # no host sync; it runs before anything is written.
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False,
+                positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> DecoderOutput:
+        """Logits for the ``C`` new tokens in ``idx`` (``[B, C]``), continuing ``cache`` if given.
+
+        Args:
+            idx: token ids ``[B, C]``, the tokens after the ``P`` positions ``cache`` holds.
+            cache: per-layer K/V of positions ``0 .. P - 1``, or None to recompute from position 0.
+                A :class:`~kvdoc.core.cache.DynamicCache` or :class:`~kvdoc.core.window.SlidingWindowCache`
+                passed in is left unchanged; a :class:`~kvdoc.core.cache.StaticCache` is written in place.
+            last_only: project only the last position to the vocabulary (what generation needs).
+            positions: ``[B, C]`` per-row positions replacing ``P .. P + C - 1`` (left-padded
+                batches, :mod:`kvdoc.serving.batching`; learned position embeddings only).
+            attn_mask: ``[B, C, P + C]`` bool replacing the offset causal mask (True: may read).
+
+        Returns:
+            ``DecoderOutput(logits, cache)``: logits ``[B, C, V]`` (``[B, 1, V]`` if ``last_only``)
+            and the cache now holding ``P + C`` positions (None if none was passed).
+
+        Raises:
+            ValueError: bad ids, shapes, lengths, or a cache that does not fit this model and
+                input. Nothing has been written when it is raised.
+        """
+        self.check_input(idx, cache)
+        if positions is not None and self.wpe is None:
+            raise ValueError("per-row positions need learned position embeddings; this model uses RoPE")
+        B, C = idx.shape
+        start = 0 if cache is None else cache.seq_len
+        work = None if cache is None else cache.begin()
+        x = embed_tokens(self.wte, idx)  # [B, C, d]
+        if self.wpe is not None:  # RoPE models turn Q and K instead
+            x = x + self.wpe(self.positions(start, C, idx.device) if positions is None else positions)
+        for layer_idx, block in enumerate(self.h):
+            x = block(x, work, layer_idx, start, attn_mask)  # [B, C, d]
+        if work is not None:
+            work.finish(start + C)
+        if last_only:
+            x = x[:, -1:, :]  # [B, 1, d]: only the last row feeds next-token prediction
+        return DecoderOutput(self.lm_head(self.ln_f(x)), work)  # [B, C, V]
+
+    def new_cache(self, batch_size: int, kind: Literal["dynamic", "static", "window"] | None = None,
+                  capacity: int | None = None) -> KVCache:
+        """An empty cache matching this model's config, dtype and device.
+
+        ``kind`` defaults to ``"window"`` (:class:`~kvdoc.core.window.SlidingWindowCache`) for a model
+        with a sliding window and to ``"dynamic"`` otherwise. ``capacity`` (static only) defaults
+        to ``n_positions``; a window cache always holds ``config.sliding_window`` positions.
+        """
+        dtype, device = self.wte.weight.dtype, self.wte.weight.device
+        if kind is None:
+            kind = "dynamic" if self.config.sliding_window is None else "window"
+        if kind == "window":
+            return SlidingWindowCache(self.config, batch_size, dtype=dtype, device=device)
+        if kind == "dynamic":
+            return DynamicCache.empty(self.config, batch_size, dtype, device)
+        if kind == "static":
+            capacity = self.config.n_positions if capacity is None else capacity
+            return StaticCache(self.config, batch_size, capacity, dtype, device)
+        raise ValueError(f"unknown cache kind {kind!r}; use 'dynamic', 'static' or 'window'")
+
+
+@torch.no_grad()
+def prefill(model: Decoder, idx: torch.Tensor, cache: KVCache | None = None) -> DecoderOutput:
+    """Run the prompt ``idx`` (``[B, P]``) through the model once, filling a cache.
+
+    Returns the last position's logits ``[B, 1, V]`` and the cache (a new dynamic one unless given).
+
+    >>> _ = torch.manual_seed(0)
+    >>> model = Decoder(GPTConfig())
+    >>> logits, cache = prefill(model, torch.tensor([[5, 6, 7]]))
+    >>> logits.shape, cache.seq_len
+    (torch.Size([1, 1, 97]), 3)
+    """
+    cache = model.new_cache(idx.shape[0]) if cache is None else cache
+    return model(idx, cache, last_only=True)
+
+
+@torch.no_grad()
+def decode_step(model: Decoder, token: torch.Tensor, cache: KVCache) -> DecoderOutput:
+    """Feed exactly one new token per row (``[B]`` or ``[B, 1]``) after what ``cache`` holds.
+
+    Returns logits ``[B, 1, V]`` for the position after it, and the cache one position longer.
+
+    >>> _ = torch.manual_seed(0)
+    >>> model = Decoder(GPTConfig())
+    >>> _, cache = prefill(model, torch.tensor([[5, 6, 7]]))
+    >>> logits, cache = decode_step(model, torch.tensor([8]), cache)
+    >>> logits.shape, cache.seq_len
+    (torch.Size([1, 1, 97]), 4)
+    """
+    token = token.reshape(token.shape[0], -1) if token.dim() == 1 else token
+    if token.dim() != 2 or token.shape[1] != 1:
+        raise ValueError(f"decode_step takes one token per row, got shape {tuple(token.shape)}")
+    return model(token, cache)
+
+
+@torch.no_grad()
+def generate(model: Decoder, idx: torch.Tensor, max_new_tokens: int,
+             cache: Literal["dynamic", "static", "window"] | None = None) -> torch.Tensor:
+    """Greedy generation: one prefill, then ``max_new_tokens - 1`` decode steps.
+
+    Returns ``[B, P + max_new_tokens]``: the prompt followed by the chosen tokens.
+
+    >>> _ = torch.manual_seed(0)
+    >>> model = Decoder(GPTConfig())
+    >>> prompt = torch.tensor([[1, 2, 3]])
+    >>> out = generate(model, prompt, 5)
+    >>> out.shape
+    torch.Size([1, 8])
+    >>> torch.equal(out, generate(model, prompt, 5, cache="static"))
+    True
+    """
+    model.check_input(idx, None)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    total = idx.shape[1] + max_new_tokens
+    if total > model.config.n_positions:
+        raise ValueError(f"prompt of {idx.shape[1]} + {max_new_tokens} new tokens = {total} positions, "
+                         f"model has {model.config.n_positions}")
+    logits, kv = prefill(model, idx, model.new_cache(idx.shape[0], cache, capacity=total))
+    out = [idx]
+    for step in range(max_new_tokens):
+        token = logits[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
+        out.append(token)
+        if step + 1 < max_new_tokens:
+            logits, kv = decode_step(model, token, kv)
+    return torch.cat(out, dim=1)

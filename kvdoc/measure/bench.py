@@ -1,0 +1,439 @@
+"""What the cache saves, measured: decode paths timed side by side, growth, the bandwidth floor.
+
+Everything here measures one fixed token stream, batch 1, FP32, on the CPU, with a fixed
+thread count (one by default), the model in ``eval()`` and under ``torch.inference_mode()``:
+
+* **prefill**: ``P`` prompt tokens in one call, filling a cache;
+* **full recompute**, ``G`` steps: step ``j`` (1-based) runs the whole prefix of ``P + j``
+  tokens again, projecting either every position to the vocabulary (``full_all``, the naive
+  baseline) or only the last (``full_last``);
+* **cached continuation**, ``G`` steps of one token each, from the prefix cache, with the
+  :class:`~kvdoc.core.cache.DynamicCache` (``dynamic``), the :class:`~kvdoc.core.cache.StaticCache`
+  (``static``), and :class:`~kvdoc.core.fast.FastDecoder` over a static cache (``fast``);
+* **transformers**: transformers' ``GPT2LMHeadModel`` on the same weights with its own cache,
+  the reference a user would otherwise pick.
+
+Paths are timed by :func:`kvdoc.measure.timing.time_paths` (warm-up, then rounds in rotating order);
+:mod:`kvdoc.measure.costs` supplies the counts, FLOPs and bytes; :mod:`kvdoc.measure.bench_tables` renders the
+result. :func:`run_bench` returns every raw sample (milliseconds) with the settings, the
+environment and a timestamp; ``python -m kvdoc bench`` prints the ratios, compares them with
+:data:`TARGETS` and writes the JSON. Nothing here asserts a speed: timings are measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .bench_tables import ablation_table, roofline_table, timings_table
+from kvdoc.core.config import GPTConfig, check_int
+from .costs import RowCounter, projected_positions_full, run_flops, step_bytes
+from .decode_paths import ABLATION, ablation_paths, build_models, decode_paths, ops_per_step, static_decode, token_stream
+from kvdoc.core.fast import FastDecoder
+from kvdoc.core.model import Decoder
+from .timing import environment, percentile, time_paths
+
+GPT2_SMALL = GPTConfig(vocab_size=50257, n_positions=1024, n_layer=12, n_head=12, n_embd=768, n_inner=3072)
+"""GPT-2 small's shape; with the LM head tied to ``wte`` it has 124,439,808 parameters."""
+
+TARGETS = {"fast_vs_transformers": 4.5, "fast_vs_full_all_positions": 17.0,
+           "bandwidth_fraction_fast": 0.6, "fast_vs_transformers_124m": 1.3}
+"""Ratios the fast step aims for (at least), on a quiet machine; ``--json`` records each verdict."""
+
+# --------------------------------------------------------------------------- settings and results
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What to measure. The defaults are the CLI's; pages and tests pass smaller ones.
+
+    Args:
+        prefix_lens: prompt lengths ``P`` (each ``P + new_tokens`` must fit the model).
+        new_tokens: ``G``, fixed tokens consumed after the prompt.
+        samples: timed samples per path (after ``warmup`` untimed runs).
+        warmup: untimed runs per path before sampling.
+        threads: torch intra-op threads during the measurement (restored afterwards).
+        seed: seeds the weights and the token stream.
+        model: the model timed for the table, counts and growth (default: the 145,280-parameter one).
+        transformers: also time transformers' GPT-2 (needs ``transformers``).
+        growth_lengths: total lengths ``T`` at which one step of each path is timed.
+        growth_samples: samples per path and length for the growth fit.
+        roofline: also run the memory-bandwidth floor on ``roofline_model``.
+        roofline_model: the model for the floor (default: GPT-2 small's shape, tied head, random init).
+        roofline_context: prompt length before the timed decode steps of the floor.
+        roofline_steps: decode steps per roofline sample.
+        roofline_samples: samples per roofline path.
+        bandwidth_mib: size of the tensor whose reduction measures memory bandwidth.
+        ablation: also time the fast step with each of its changes undone, at the largest
+            prefix length and (with ``roofline``) on the roofline model.
+    """
+
+    prefix_lens: tuple[int, ...] = (16, 64, 128, 256)
+    new_tokens: int = 16
+    samples: int = 31
+    warmup: int = 3
+    threads: int = 1
+    seed: int = 0
+    model: GPTConfig = field(default_factory=GPTConfig)
+    transformers: bool = True
+    growth_lengths: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+    growth_samples: int = 15
+    roofline: bool = True
+    roofline_model: GPTConfig = GPT2_SMALL
+    roofline_context: int = 128
+    roofline_steps: int = 8
+    roofline_samples: int = 7
+    bandwidth_mib: int = 512
+    ablation: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("new_tokens", "samples", "threads", "growth_samples", "roofline_steps",
+                     "roofline_samples", "bandwidth_mib", "roofline_context"):
+            check_int(name, getattr(self, name))
+        check_int("warmup", self.warmup, minimum=0)
+        object.__setattr__(self, "prefix_lens", tuple(self.prefix_lens))
+        object.__setattr__(self, "growth_lengths", tuple(self.growth_lengths))
+        if not self.prefix_lens:
+            raise ValueError("prefix_lens is empty")
+        for p in self.prefix_lens:
+            if not isinstance(p, int) or p < 1 or p + self.new_tokens > self.model.n_positions:
+                raise ValueError(f"prefix length {p!r} + {self.new_tokens} new tokens does not fit "
+                                 f"1 .. {self.model.n_positions} positions")
+        for t in self.growth_lengths:
+            if not isinstance(t, int) or t < 2 or t > self.model.n_positions:
+                raise ValueError(f"growth length {t!r} must lie in 2 .. {self.model.n_positions}")
+        if self.roofline_context + self.roofline_steps > self.roofline_model.n_positions:
+            raise ValueError("roofline_context + roofline_steps exceeds the roofline model's positions")
+
+
+@dataclass
+class BenchResult:
+    """Everything one run measured; :meth:`to_json` is what ``--json`` writes.
+
+    ``timings[P][path]`` holds the raw samples in milliseconds (a whole ``G``-step run for the
+    decode paths, one call for prefill); ``ratios`` holds the headline figures (higher is better).
+    """
+
+    settings: BenchSettings
+    environment: dict[str, Any]
+    timestamp: str
+    timings: dict[int, dict[str, list[float]]]
+    kv_kib: dict[int, float]
+    max_abs_diff: dict[int, dict[str, float]]
+    counts: dict[int, dict[str, int]]
+    flops: dict[int, dict[str, float]]
+    growth: dict[str, Any]
+    roofline: dict[str, Any] | None
+    ablation: dict[str, Any] | None
+    ops: dict[str, int]
+    ratios: dict[str, float]
+
+    def p50(self, prefix_len: int, path: str) -> float:
+        """Median of a path's samples at one prefix length, in ms."""
+        return percentile(self.timings[prefix_len][path], 50)
+
+    def p95(self, prefix_len: int, path: str) -> float:
+        """95th percentile of a path's samples at one prefix length, in ms."""
+        return percentile(self.timings[prefix_len][path], 95)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict: configuration, environment, timestamp, raw samples, summaries, ratios."""
+        settings = asdict(self.settings)
+        summary = {str(p): {path: {"p50_ms": self.p50(p, path), "p95_ms": self.p95(p, path)}
+                            for path in paths} for p, paths in self.timings.items()}
+        return {
+            "ratios": self.ratios,
+            "targets": {key: {"target": t, "measured": self.ratios.get(key),
+                              "met": key in self.ratios and self.ratios[key] >= t}
+                        for key, t in TARGETS.items()},
+            "config": settings,
+            "environment": self.environment,
+            "timestamp": self.timestamp,
+            "summary": summary,
+            "samples_ms": {str(p): paths for p, paths in self.timings.items()},
+            "final_kv_kib": {str(p): v for p, v in self.kv_kib.items()},
+            "max_abs_logit_diff": {str(p): v for p, v in self.max_abs_diff.items()},
+            "counts": {str(p): v for p, v in self.counts.items()},
+            "flops": {str(p): v for p, v in self.flops.items()},
+            "growth": self.growth,
+            "roofline": self.roofline,
+            "ablation": self.ablation,
+            "aten_ops_per_step": self.ops,
+        }
+
+
+# --------------------------------------------------------------------------- the measurements
+
+
+def _bench_prefix(model: Decoder, fast: FastDecoder, hf: Any, settings: BenchSettings, prefix_len: int,
+                  tick: Callable[[], None]) -> tuple[dict[str, list[float]], float, dict[str, float], dict[str, int]]:
+    G = settings.new_tokens
+    ids = token_stream(model.config, prefix_len + G, settings.seed + prefix_len)
+    prepare, runs = decode_paths(model, hf, ids, prefix_len, G, True, fast)
+    reference = model(ids).logits[:, prefix_len:]  # [1, G, V]: one full forward of the whole stream
+    diffs = {name: float((run() - reference).abs().max()) for name, run in runs.items()}
+    counts: dict[str, int] = {}
+    for name in ("full_all", "full_last", "dynamic", "static"):
+        with RowCounter(model) as rows:
+            runs[name]()
+        counts[f"{name}_c_attn"], counts[f"{name}_lm_head"] = rows.counts["c_attn"], rows.counts["lm_head"]
+    counts["formula_full"] = projected_positions_full(prefix_len, G)
+    counts["formula_cached"] = G
+    final = model(ids, model.new_cache(1, "dynamic"))[1]
+    samples = time_paths(prepare, settings.samples, settings.warmup, tick)
+    return samples, final.nbytes() / 1024, diffs, counts
+
+
+GROWTH_PATHS = ("full_all", "dynamic", "static", "fast")
+
+
+def _bench_growth(model: Decoder, fast: FastDecoder, settings: BenchSettings,
+                  tick: Callable[[], None]) -> dict[str, Any]:
+    """Per-step time at total length ``T``: full recompute of ``T`` positions vs one cached step."""
+    per_len: dict[str, dict[str, list[float]]] = {}
+    for T in settings.growth_lengths:
+        ids = token_stream(model.config, T, settings.seed + 7919 + T)
+        prepare, _ = decode_paths(model, None, ids, T - 1, 1, True, fast)
+        prepare = {path: prepare[path] for path in GROWTH_PATHS}
+        per_len[str(T)] = time_paths(prepare, settings.growth_samples, settings.warmup, tick)
+    lengths = np.log(np.asarray(settings.growth_lengths, dtype=float))
+    upper = len(lengths) // 2  # the longer half (at least two points), where fixed costs matter least
+    p50 = {path: [percentile(per_len[str(T)][path], 50) for T in settings.growth_lengths] for path in GROWTH_PATHS}
+    slopes = {path: float(np.polyfit(lengths, np.log(p50[path]), 1)[0]) for path in GROWTH_PATHS}
+    slopes_upper = {path: float(np.polyfit(lengths[upper:], np.log(p50[path][upper:]), 1)[0])
+                    if len(lengths) >= 4 else None for path in GROWTH_PATHS}
+    return {"lengths": list(settings.growth_lengths), "samples_ms": per_len, "slopes": slopes,
+            "slopes_upper": slopes_upper, "upper_from": settings.growth_lengths[upper], "p50_ms": p50}
+
+
+def _ablation_summary(samples: dict[str, list[float]], steps: int, names: dict[str, str]) -> dict[str, Any]:
+    """Per-step p50 (µs) of the ablation's variants; ``names`` maps variant to timed path."""
+    return {"steps": steps, "p50_us_per_step": {variant: percentile(samples[path], 50) / steps * 1e3
+                                                for variant, path in names.items()}}
+
+
+ABLATION_ROWS = {"reference": "static", "fast": "fast", **{k: k for k in ABLATION}}
+"""Ablation variant -> the timed path it reads (the reference step is the static-cache path)."""
+
+
+def _bench_ablation(model: Decoder, fast: FastDecoder, settings: BenchSettings,
+                    tick: Callable[[], None]) -> dict[str, Any]:
+    """The fast step with each change undone, against the reference and the fast step, at the largest P."""
+    P, G = max(settings.prefix_lens), settings.new_tokens
+    ids = token_stream(model.config, P + G, settings.seed + P)
+    prepare, runs = ablation_paths(model, ids, P, G)
+    prepare["static"], runs["static"] = static_decode(model, model, ids, P, G)
+    prepare["fast"], runs["fast"] = static_decode(fast, model, ids, P, G)
+    reference = model(ids).logits[:, P:]
+    diffs = {name: float((run() - reference).abs().max()) for name, run in runs.items()}
+    samples = time_paths(prepare, settings.samples, settings.warmup, tick)
+    return {"prefix_len": P, "samples_ms": samples, "max_abs_logit_diff": diffs,
+            **_ablation_summary(samples, G, ABLATION_ROWS)}
+
+
+def _bench_roofline(settings: BenchSettings, tick: Callable[[], None], build_threads: int) -> dict[str, Any]:
+    timed_threads = torch.get_num_threads()
+    torch.set_num_threads(build_threads)  # random init of 124M parameters is not what is measured
+    try:
+        model, hf = build_models(settings.roofline_model, settings.seed, settings.transformers, tie=True)
+        fast = FastDecoder(model)
+    finally:
+        torch.set_num_threads(timed_threads)
+    C, S = settings.roofline_context, settings.roofline_steps
+    ids = token_stream(model.config, C + S, settings.seed + 1)
+    prepare, _ = decode_paths(model, hf, ids, C, S, False, fast)
+    if settings.ablation:
+        prepare.update(ablation_paths(model, ids, C, S)[0])
+    # Bandwidth is one more path of the rotation, so it sees the same machine state as decode.
+    x = torch.ones(settings.bandwidth_mib * 2**20 // 4, dtype=torch.float32)
+    prepare["bandwidth"] = lambda: x.sum
+    samples = time_paths(prepare, settings.roofline_samples, min(settings.warmup, 1), tick)
+    bw_times = [t / 1e3 for t in samples.pop("bandwidth")]
+    nbytes = x.numel() * x.element_size()
+    del x
+    ablation = _ablation_summary(samples, S, ABLATION_ROWS) if settings.ablation else None
+    for name in ABLATION:
+        samples.pop(name, None)
+    bandwidth = {"bytes": nbytes, "kernel": "torch.sum over a float32 tensor", "samples_s": bw_times,
+                 "gb_per_s": nbytes / percentile(bw_times, 50) / 1e9}
+    mean_bytes = sum(step_bytes(model, C + j) for j in range(S)) / S
+    floor_ms = mean_bytes / (bandwidth["gb_per_s"] * 1e9) * 1e3
+    per_token = {path: percentile(v, 50) / S for path, v in samples.items()}
+    fraction = {path: floor_ms / t for path, t in per_token.items()}
+    out = {"model": asdict(settings.roofline_model), "parameters": model.num_parameters(),
+           "context": C, "steps": S, "samples_ms": samples, "bandwidth": bandwidth,
+           "bytes_per_step": mean_bytes, "floor_ms_per_token": floor_ms,
+           "p50_ms_per_token": per_token, "fraction": fraction, "ablation": ablation}
+    del model, hf, fast
+    gc.collect()
+    return out
+
+
+def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> BenchResult:
+    """Run every measurement once and return the raw results and the headline ratios.
+
+    Sets ``torch``'s thread count to ``settings.threads`` and restores it afterwards.
+    ``progress`` shows a tqdm bar on stderr.
+
+    >>> s = BenchSettings(prefix_lens=(4,), new_tokens=2, samples=2, warmup=0, transformers=False,
+    ...                   growth_lengths=(4, 8), growth_samples=1, roofline=False, ablation=False)
+    >>> r = run_bench(s)
+    >>> r.counts[4]["full_all_lm_head"] == projected_positions_full(4, 2) == 2 * 4 + 3
+    True
+    >>> sorted(r.ratios)  # doctest: +NORMALIZE_WHITESPACE
+    ['cached_vs_full_all_positions', 'cached_vs_full_last_position', 'fast_vs_full_all_positions',
+     'fast_vs_static', 'static_vs_dynamic']
+    """
+    settings = settings or BenchSettings()
+    from tqdm import tqdm
+
+    n_paths = 6 + int(settings.transformers)
+    total = (len(settings.prefix_lens) * settings.samples * n_paths
+             + len(settings.growth_lengths) * settings.growth_samples * len(GROWTH_PATHS)
+             + (settings.samples * (2 + len(ABLATION)) if settings.ablation else 0)
+             + (settings.roofline_samples * (4 + int(settings.transformers)
+                                             + (len(ABLATION) if settings.ablation else 0))
+                if settings.roofline else 0))
+    threads = torch.get_num_threads()
+    bar = tqdm(total=total, disable=not progress, file=sys.stderr, unit="sample", desc="kvdoc bench")
+    try:
+        torch.set_num_threads(settings.threads)
+        with torch.inference_mode():
+            model, hf = build_models(settings.model, settings.seed, settings.transformers)
+            fast = FastDecoder(model)
+            env = environment()
+            stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+            timings, kv_kib, diffs, counts, flops = {}, {}, {}, {}, {}
+            for P in settings.prefix_lens:
+                bar.set_postfix_str(f"P={P}")
+                timings[P], kv_kib[P], diffs[P], counts[P] = _bench_prefix(model, fast, hf, settings, P, bar.update)
+                flops[P] = run_flops(settings.model, P, settings.new_tokens)
+            P_max = max(settings.prefix_lens)
+            ops = ops_per_step(model, fast, hf, token_stream(model.config, P_max + 1, settings.seed))
+            ablation = None
+            if settings.ablation:
+                bar.set_postfix_str("ablation")
+                ablation = _bench_ablation(model, fast, settings, bar.update)
+            bar.set_postfix_str("growth")
+            growth = _bench_growth(model, fast, settings, bar.update)
+            del model, hf, fast
+            roofline = None
+            if settings.roofline:
+                bar.set_postfix_str("roofline")
+                roofline = _bench_roofline(settings, bar.update, threads)
+    finally:
+        torch.set_num_threads(threads)
+        bar.close()
+    result = BenchResult(settings, env, stamp, timings, kv_kib, diffs, counts, flops, growth, roofline,
+                         ablation, ops, {})
+    result.ratios = ratios(result)
+    return result
+
+
+def ratios(result: BenchResult) -> dict[str, float]:
+    """Headline figures at the largest prefix length, each a speed-up or fraction (higher is better).
+
+    ``cached_vs_*``: the other path's p50 over the faster of kvdoc's two caches' p50 for the
+    ``G`` steps; ``fast_vs_*``: the same over the fast step's p50; ``bandwidth_fraction*``: the
+    bandwidth floor over a path's decode time per token on the roofline model (1 would read
+    weights and K/V at the measured bandwidth); ``*_124m``: on the roofline model.
+    """
+    P = max(result.timings)
+    p50 = {path: result.p50(P, path) for path in result.timings[P]}
+    best = min(p50["dynamic"], p50["static"])
+    out = {"cached_vs_full_all_positions": p50["full_all"] / best,
+           "cached_vs_full_last_position": p50["full_last"] / best,
+           "static_vs_dynamic": p50["dynamic"] / p50["static"],
+           "fast_vs_full_all_positions": p50["full_all"] / p50["fast"],
+           "fast_vs_static": p50["static"] / p50["fast"]}
+    if "transformers" in p50:
+        out["cached_vs_transformers"] = p50["transformers"] / best
+        out["fast_vs_transformers"] = p50["transformers"] / p50["fast"]
+    if result.roofline is not None:
+        fraction, per_token = result.roofline["fraction"], result.roofline["p50_ms_per_token"]
+        out["bandwidth_fraction"] = max(fraction["dynamic"], fraction["static"])
+        out["bandwidth_fraction_fast"] = fraction["fast"]
+        if "transformers" in fraction:
+            out["bandwidth_fraction_transformers"] = fraction["transformers"]
+            out["bandwidth_fraction_vs_transformers"] = out["bandwidth_fraction"] / fraction["transformers"]
+            out["fast_vs_transformers_124m"] = per_token["transformers"] / per_token["fast"]
+    return {k: float(v) for k, v in out.items()}
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` command's options."""
+    d = BenchSettings()
+    parser.add_argument("--json", metavar="PATH", help="write the full results (raw samples included) here")
+    parser.add_argument("--prefix-lens", type=_ints, default=d.prefix_lens, metavar="P,P,...",
+                        help=f"prompt lengths (default {','.join(map(str, d.prefix_lens))})")
+    parser.add_argument("--new-tokens", type=int, default=d.new_tokens, help=f"G (default {d.new_tokens})")
+    parser.add_argument("--samples", type=int, default=d.samples, help=f"timed samples per path (default {d.samples})")
+    parser.add_argument("--warmup", type=int, default=d.warmup, help=f"warm-up runs per path (default {d.warmup})")
+    parser.add_argument("--threads", type=int, default=d.threads, help=f"torch threads (default {d.threads})")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--growth-lengths", type=_ints, default=d.growth_lengths, metavar="T,T,...")
+    parser.add_argument("--no-transformers", action="store_true", help="skip transformers' GPT-2")
+    parser.add_argument("--no-roofline", action="store_true", help="skip the 124M-parameter bandwidth floor")
+    parser.add_argument("--roofline-samples", type=int, default=d.roofline_samples)
+    parser.add_argument("--no-ablation", action="store_true", help="skip the fast step's ablation")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark, print the ratios, write ``--json``; returns the exit status."""
+    try:
+        settings = BenchSettings(
+            prefix_lens=args.prefix_lens, new_tokens=args.new_tokens, samples=args.samples,
+            warmup=args.warmup, threads=args.threads, seed=args.seed,
+            transformers=not args.no_transformers, growth_lengths=args.growth_lengths,
+            roofline=not args.no_roofline, roofline_samples=args.roofline_samples,
+            ablation=not args.no_ablation)
+    except ValueError as err:
+        print(f"kvdoc bench: {err}", file=sys.stderr)
+        return 2
+    result = run_bench(settings, progress=not args.no_progress)
+    P = max(result.timings)
+    print(f"kvdoc bench: P={P}, G={settings.new_tokens}, {settings.threads} thread(s), FP32, "
+          f"{settings.samples} samples per path; {result.environment['cpu']}")
+    print(timings_table(result))
+    if result.ablation is not None:
+        print()
+        print(ablation_table(result.ablation))
+    if result.roofline is not None:
+        print()
+        print(roofline_table(result))
+        if result.roofline["ablation"] is not None:
+            print()
+            print(ablation_table(result.roofline["ablation"]))
+    print()
+    print("ratios (higher is better):")
+    for key, value in result.ratios.items():
+        target = f"   target >= {TARGETS[key]:g}: {'met' if value >= TARGETS[key] else 'not met'}" \
+            if key in TARGETS else ""
+        print(f"  {key:38s} {value:8.3f}{target}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result.to_json(), f, indent=1)
+        print(f"wrote {args.json}")
+    bad = [k for k, v in result.ratios.items() if not (math.isfinite(v) and v > 0)]
+    return 1 if bad else 0

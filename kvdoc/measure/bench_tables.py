@@ -1,0 +1,147 @@
+"""Tables and figures of a :class:`~kvdoc.measure.bench.BenchResult`, for the savings page and the CLI.
+
+Tables are Markdown strings from :func:`kvdoc.measure.tables.markdown_table` (pages show them with
+``IPython.display.Markdown``); figures are matplotlib figures the page glues.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .tables import markdown_table
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from .bench import BenchResult
+
+PATH_LABELS = {"prefill": "prefill", "full_all": "full, all positions", "full_last": "full, last position",
+               "transformers": "transformers, cached", "dynamic": "kvdoc, dynamic cache",
+               "static": "kvdoc, static cache", "fast": "kvdoc, fast step"}
+"""Readable names of the timed paths, for tables and figures."""
+
+ABLATION_LABELS = {
+    "reference": "reference step: the model's forward, static cache",
+    "fast": "fast step (all changes)",
+    "no_pretranspose": "fast step, weights kept [out, in] (read transposed, as F.linear does)",
+    "no_fold_scale": "fast step, scores scaled instead of folding 1/sqrt(D_h) into W_q",
+    "no_bmm_attention": "fast step, SDPA instead of bmm / softmax / bmm",
+}
+"""Readable names of the ablation's variants."""
+
+
+def timings_table(result: BenchResult) -> str:
+    """Per prefix: prefill p50, then p50 / p95 (ms for all G steps) of each decode path, final K/V KiB."""
+    paths = [p for p in ("full_all", "full_last", "dynamic", "static", "fast", "transformers")
+             if all(p in v for v in result.timings.values())]
+    header = ["prefix P", "prefill p50 (ms)"] + [f"{PATH_LABELS[p]} p50 / p95 (ms)" for p in paths]
+    rows = [[P, f"{result.p50(P, 'prefill'):.3f}"]
+            + [f"{result.p50(P, p):.3f} / {result.p95(P, p):.3f}" for p in paths]
+            + [f"{result.kv_kib[P]:g}"] for P in result.timings]
+    return markdown_table(header + ["final K/V (KiB)"], rows)
+
+
+def counts_table(result: BenchResult) -> str:
+    """Rows counted by hooks on layer 0's ``c_attn`` and on ``lm_head``, against the closed forms."""
+    header = ["prefix P", "full recompute: c_attn rows (counted)", "G P + G(G+1)/2",
+              "full, all positions: lm_head rows", "full, last position: lm_head rows",
+              "cached: c_attn rows (counted)", "cached: lm_head rows", "G"]
+    rows = [[P, f"{c['full_all_c_attn']:,}", f"{c['formula_full']:,}", f"{c['full_all_lm_head']:,}",
+             f"{c['full_last_lm_head']:,}", f"{c['static_c_attn']:,}", f"{c['static_lm_head']:,}",
+             f"{c['formula_cached']:,}"] for P, c in result.counts.items()]
+    return markdown_table(header, rows)
+
+
+def flops_table(result: BenchResult) -> str:
+    """Modelled MFLOPs of the G steps per path, split into linear layers, attention and LM head."""
+    header = ["prefix P", "path", "linear (MFLOP)", "attention (MFLOP)", "LM head (MFLOP)", "total (MFLOP)"]
+    rows = []
+    for P, f in result.flops.items():
+        for path, label in (("full_all", "full, all positions"), ("full_last", "full, last position"),
+                            ("cached", "cached")):
+            rows.append([P, label] + [f"{f[f'{path}_{part}'] / 1e6:.2f}"
+                                      for part in ("linear", "attention", "lm_head")]
+                        + [f"{f[path] / 1e6:.2f}"])
+    return markdown_table(header, rows)
+
+
+def roofline_table(result: BenchResult) -> str:
+    """Per decode path of the roofline model: ms per token, the floor, and the fraction reached."""
+    r = result.roofline
+    if r is None:
+        raise ValueError("this run has no roofline (settings.roofline was False)")
+    header = ["path", "decode p50 (ms / token)", "floor (ms / token)", "achieved bandwidth (GB/s)",
+              "fraction of measured bandwidth"]
+    rows = [[PATH_LABELS[path], f"{t:.2f}", f"{r['floor_ms_per_token']:.2f}",
+             f"{r['bytes_per_step'] / (t / 1e3) / 1e9:.2f}", f"{r['fraction'][path]:.2f}"]
+            for path, t in r["p50_ms_per_token"].items()]
+    return markdown_table(header, rows)
+
+
+def ablation_table(ablation: dict) -> str:
+    """Per variant of the decode step (``result.ablation`` or ``result.roofline["ablation"]``):
+    p50 per step (µs) and its time relative to the fast step.
+
+    >>> print(ablation_table({"p50_us_per_step": {"reference": 150.0, "fast": 100.0}}))
+    | decode step | p50 (µs / step) | time relative to the fast step |
+    |---|---|---|
+    | reference step: the model's forward, static cache | 150.0 | 1.50 |
+    | fast step (all changes) | 100.0 | 1.00 |
+    """
+    per_step = ablation["p50_us_per_step"]
+    rows = [[ABLATION_LABELS[name], f"{t:,.1f}", f"{t / per_step['fast']:.2f}"] for name, t in per_step.items()]
+    return markdown_table(["decode step", "p50 (µs / step)", "time relative to the fast step"], rows)
+
+
+def growth_figure(result: BenchResult) -> Figure:
+    """Log-log plot of per-step p50 against total length, with the fitted slopes in the legend."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    g = result.growth
+    fig, ax = plt.subplots(figsize=(6.6, 4.4))
+    labels = {"full_all": "full recompute (all positions)", "dynamic": "cached, dynamic",
+              "static": "cached, static", "fast": "cached, fast step"}
+    for path, marker in zip(g["p50_ms"], "os^D"):
+        label = f"{labels[path]}: slope {g['slopes'][path]:.2f}"
+        if g["slopes_upper"][path] is not None:
+            label += f" (T ≥ {g['upper_from']}: {g['slopes_upper'][path]:.2f})"
+        ax.plot(g["lengths"], g["p50_ms"][path], marker=marker, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(g["lengths"], [str(t) for t in g["lengths"]])
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("total length T (positions)")
+    ax.set_ylabel("one step, p50 (ms)")
+    ax.set_title("Per-step time against length (log-log)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def timings_figure(result: BenchResult) -> Figure:
+    """Bar chart of the G-step p50 per path and prefix length (log scale)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    prefixes = list(result.timings)
+    paths = [p for p in ("full_all", "full_last", "transformers", "dynamic", "static", "fast")
+             if all(p in result.timings[P] for P in prefixes)]
+    fig, ax = plt.subplots(figsize=(7.0, 4.2))
+    width = 0.8 / len(paths)
+    for i, path in enumerate(paths):
+        xs = [k + (i - (len(paths) - 1) / 2) * width for k in range(len(prefixes))]
+        ax.bar(xs, [result.p50(P, path) for P in prefixes], width, label=PATH_LABELS[path])
+    ax.set_xticks(range(len(prefixes)), [str(P) for P in prefixes])
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:g}" if str(y)[0] in "25" else ""))
+    ax.set_xlabel("prefix length P (tokens)")
+    ax.set_ylabel(f"{result.settings.new_tokens} steps, p50 (ms)")
+    ax.set_title("Consuming G fixed tokens after the prefix")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig

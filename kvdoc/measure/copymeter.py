@@ -1,0 +1,91 @@
+"""What a cache update writes, measured rather than trusted.
+
+:class:`CopyMeter` wraps a cache so that each ``update`` runs under
+:class:`kvdoc.measure.dispatch.WriteCounter`, which adds up the bytes every tensor operation writes:
+``torch.cat`` in a :class:`~kvdoc.core.cache.DynamicCache` and the slice copy in a
+:class:`~kvdoc.core.cache.StaticCache` are counted by what they actually do. Bytes written beyond
+the new rows are old content copied again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvdoc.core.cache import KV, CacheWrapper, KVCache
+from .dispatch import WriteCounter, tensor_bytes
+
+
+@dataclass
+class UpdateRecord:
+    """What one ``cache.update(layer, k, v, start)`` wrote, measured by :class:`CopyMeter`."""
+
+    layer: int
+    start: int
+    """``P``: positions held before the update."""
+    new_rows: int
+    """``C``: positions added."""
+    new_bytes: int
+    """Bytes of the new K and V rows passed in."""
+    written: int
+    """Bytes every tensor operation inside the update wrote."""
+    allocated: int
+    """Bytes of tensors the update created."""
+
+    @property
+    def old_bytes_copied(self) -> int:
+        """Bytes written beyond the new rows: old content copied again."""
+        return self.written - self.new_bytes
+
+
+@dataclass
+class CopyMeter:
+    """A log of measured cache updates, shared by every cache object one generation creates.
+
+    >>> from kvdoc import Decoder, GPTConfig
+    >>> from kvdoc.measure.memory import kv_bytes_for_config
+    >>> _ = torch.manual_seed(0)
+    >>> model = Decoder(GPTConfig())
+    >>> meter = CopyMeter()
+    >>> cache = meter.watch(model.new_cache(1, "dynamic"))
+    >>> _, cache = model(torch.tensor([[1, 2, 3]]), cache)        # prefill 3 positions
+    >>> _, cache = model(torch.tensor([[4]]), cache)              # decode: cat copies 3 old rows
+    >>> meter.old_bytes_copied(start=3) == kv_bytes_for_config(model.config, 1, 3)
+    True
+    """
+
+    records: list[UpdateRecord] = field(default_factory=list)
+
+    def watch(self, cache: KVCache) -> KVCache:
+        """``cache``, wrapped so that its updates are measured into this meter.
+
+        Continue with the returned cache; a static cache inside it is still written in place.
+        """
+        return _MeteredCache(cache, self)
+
+    def old_bytes_copied(self, start: int | None = None) -> int:
+        """Old-content bytes copied, over all updates (or those that started at position ``start``)."""
+        return sum(r.old_bytes_copied for r in self.records if start is None or r.start == start)
+
+    def per_step(self) -> list[tuple[int, int, int]]:
+        """``(P, bytes written, old bytes copied)`` per forward call, summed over layers, in call order."""
+        steps: dict[int, list[int]] = {}
+        for r in self.records:
+            acc = steps.setdefault(r.start, [0, 0])
+            acc[0] += r.written
+            acc[1] += r.old_bytes_copied
+        return [(p, w, o) for p, (w, o) in steps.items()]
+
+
+class _MeteredCache(CacheWrapper):
+    def __init__(self, inner: KVCache, meter: CopyMeter) -> None:
+        super().__init__(inner)
+        self.meter = meter
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        with WriteCounter() as counter:
+            kv = self.inner.update(layer_idx, k, v, start)
+        self.meter.records.append(UpdateRecord(layer_idx, start, k.shape[2], tensor_bytes(k) + tensor_bytes(v),
+                                               counter.written, counter.allocated))
+        return kv

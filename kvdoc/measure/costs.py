@@ -1,0 +1,110 @@
+"""The cost model of a decode: positions counted on real tensors, modelled FLOPs, bytes read, operators.
+
+These are facts about the computation, not about the machine: counts and closed forms that
+hold on every CPU, which the savings page asserts, beside the timings it only reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvdoc.core.config import GPTConfig
+from kvdoc.core.model import Decoder
+
+def projected_positions_full(prefix_len: int, new_tokens: int) -> int:
+    """Positions full recompute pushes through each layer over ``G`` steps: ``G P + G (G + 1) / 2``.
+
+    >>> projected_positions_full(256, 16)
+    4232
+    """
+    return new_tokens * prefix_len + new_tokens * (new_tokens + 1) // 2
+
+
+class RowCounter:
+    """Forward hooks that count the rows (positions) passing through chosen linear layers.
+
+    >>> _ = torch.manual_seed(0)
+    >>> model = Decoder(GPTConfig()).eval()
+    >>> with RowCounter(model) as rows:
+    ...     _ = model(torch.tensor([[1, 2, 3]]))
+    >>> rows.counts
+    {'c_attn': 3, 'lm_head': 3}
+    """
+
+    def __init__(self, model: Decoder) -> None:
+        self.model = model
+        self.counts = {"c_attn": 0, "lm_head": 0}
+        self._handles: list[Any] = []
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Linear, inputs: Any, output: torch.Tensor) -> None:
+            self.counts[name] += output.numel() // module.out_features  # rows = B * positions
+        return hook
+
+    def __enter__(self) -> RowCounter:
+        self._handles = [self.model.h[0].attn.c_attn.register_forward_hook(self._hook("c_attn")),
+                         self.model.lm_head.register_forward_hook(self._hook("lm_head"))]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def step_flops(config: GPTConfig, past: int, new: int, last_only: bool = False) -> dict[str, float]:
+    """Multiply-add FLOPs (2 per MAC) of one forward: ``new`` tokens after ``past`` cached ones.
+
+    ``linear`` covers ``c_attn``, ``c_proj`` and the MLP of every layer (~ ``C d^2``);
+    ``attention`` the scores ``Q K^T`` and the weighted sum with ``V`` (~ ``C T d``, with
+    ``T = past + new``; masked entries are counted, as dense attention computes them);
+    ``lm_head`` the vocabulary projection of the projected rows. Norms, GELU and softmax are left out.
+
+    >>> f = step_flops(GPTConfig(), past=0, new=1)
+    >>> f["attention"] == 2 * 2 * 1 * 1 * 64 * 2       # 2 layers, QK^T and PV, 1 query, 1 key
+    True
+    """
+    d, t = config.n_embd, past + new
+    per_token_linear = d * (d + 2 * config.kv_dim) + d * d + 2 * d * config.n_inner
+    linear = 2.0 * config.n_layer * new * per_token_linear
+    attention = 2.0 * config.n_layer * 2 * new * t * d  # H heads x D_h = d, for QK^T and for PV
+    lm_head = 2.0 * (1 if last_only else new) * d * config.vocab_size
+    return {"linear": linear, "attention": attention, "lm_head": lm_head,
+            "total": linear + attention + lm_head}
+
+
+def run_flops(config: GPTConfig, prefix_len: int, new_tokens: int) -> dict[str, float]:
+    """Total FLOPs of the ``G`` decode steps after a ``P``-token prompt, for each path.
+
+    Keys: ``full_all``, ``full_last`` (step ``j`` recomputes ``P + j`` positions) and ``cached``
+    (one position per step over ``P + j - 1`` cached ones), plus their ``linear`` and
+    ``attention`` parts.
+    """
+    out: dict[str, float] = {}
+    for name, kwargs in (("full_all", {"last_only": False}), ("full_last", {"last_only": True})):
+        parts = [step_flops(config, 0, prefix_len + j, **kwargs) for j in range(1, new_tokens + 1)]
+        for part in ("linear", "attention", "lm_head", "total"):
+            out[f"{name}_{part}" if part != "total" else name] = sum(p[part] for p in parts)
+    parts = [step_flops(config, prefix_len + j - 1, 1) for j in range(1, new_tokens + 1)]
+    for part in ("linear", "attention", "lm_head", "total"):
+        out[f"cached_{part}" if part != "total" else "cached"] = sum(p[part] for p in parts)
+    return out
+
+
+def step_bytes(model: Decoder, context: int) -> int:
+    """Bytes one decode step must read at ``context`` cached positions: weights plus K/V.
+
+    Every block's weights, ``ln_f`` and the LM head matrix, one row of ``wte`` and ``wpe``,
+    and K and V of every layer over ``context + 1`` positions (FP32 or whatever the dtype is).
+    """
+    cfg, size = model.config, model.wte.weight.element_size()
+    params = {id(p): p for p in model.parameters()}
+    embeddings = {id(model.wte.weight), id(model.wpe.weight)}
+    weights = sum(p.numel() for i, p in params.items() if i not in embeddings)
+    if model.lm_head.weight is model.wte.weight:  # tied: the head reads the whole table
+        weights += model.wte.weight.numel()
+    weights += 2 * cfg.n_embd  # one embedding row each
+    kv = 2 * cfg.n_layer * (context + 1) * cfg.kv_dim
+    return (weights + kv) * size

@@ -1,0 +1,187 @@
+"""The decode paths the benchmark times: one model, one token stream, each path a prepare/run pair.
+
+:func:`build_models` makes kvdoc's decoder and transformers' GPT-2 with the same random
+weights; :func:`decode_paths` returns, per path, an untimed ``prepare`` that resets its cache
+and returns the call to time (for :func:`kvdoc.measure.timing.time_paths`), and a call that returns
+the path's stacked logits (to check every timed path computes the same function).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvdoc.core.config import GPTConfig
+from .dispatch import count_ops
+from kvdoc.core.fast import FastDecoder
+from kvdoc.core.model import Decoder
+from .timing import Prepare
+
+ABLATION = {"no_pretranspose": {"pretranspose": False}, "no_fold_scale": {"fold_scale": False},
+            "no_bmm_attention": {"bmm_attention": False}}
+"""The fast step with one change undone: :class:`~kvdoc.core.fast.FastDecoder` switches per variant."""
+
+
+def token_stream(config: GPTConfig, length: int, seed: int) -> torch.Tensor:
+    """A seeded ``[1, length]`` stream of token ids."""
+    return torch.randint(0, config.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def build_models(config: GPTConfig, seed: int, transformers: bool, tie: bool = False) -> tuple[Decoder, Any]:
+    """A kvdoc decoder and, if asked, transformers' GPT-2 with the same random weights (both eval).
+
+    kvdoc's decoder is initialised (seeded); transformers' model is created without initialising
+    (on the meta device) and receives the decoder's weights, with ``c_attn``, ``c_proj`` and
+    ``c_fc`` transposed into GPT-2's ``Conv1D`` layout. That skips a second random
+    initialisation, which costs seconds at GPT-2 small's size. With ``tie`` the LM head shares
+    ``wte``'s weight, as in GPT-2's checkpoints. Raises ``RuntimeError`` if the two models'
+    logits disagree on a short input.
+    """
+    torch.manual_seed(seed)
+    with torch.inference_mode(False):  # parameters with version counters, which FastDecoder watches
+        model = Decoder(config).eval()
+    if tie:
+        model.lm_head.weight = model.wte.weight
+    if not transformers:
+        return model, None
+    with warnings.catch_warnings():  # transformers imports tqdm.auto, which warns inside a notebook
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        from transformers import GPT2LMHeadModel
+
+    from kvdoc.interop.hf import CONV1D_WEIGHTS, gpt2_config
+
+    hf_config = gpt2_config(config)
+    hf_config.tie_word_embeddings = tie
+    with torch.device("meta"):
+        hf = GPT2LMHeadModel(hf_config)
+    with torch.inference_mode(False):
+        hf = hf.to_empty(device="cpu")
+    ours = model.state_dict()
+    state = {}
+    for key in hf.state_dict():
+        name = key.removeprefix("transformer.")
+        state[key] = ours[name].t() if name.endswith(CONV1D_WEIGHTS) else ours[name]
+    with torch.inference_mode(False):
+        hf.load_state_dict(state)
+    if tie:
+        hf.tie_weights()
+    hf.eval()
+    with torch.inference_mode():
+        ids = token_stream(config, 5, seed)
+        ours_logits = model(ids).logits
+        diff = float((hf(ids).logits - ours_logits).abs().max())
+    # A weight copied wrongly changes the logits by their own size; FP32 rounding over 12 layers
+    # of width 768 moves them by far less than a thousandth of it, on any CPU.
+    if not diff <= 1e-3 * max(1.0, float(ours_logits.abs().max())):
+        raise RuntimeError(f"transformers' GPT-2 and kvdoc disagree after copying weights: {diff:.3e}")
+    return model, hf
+
+
+def static_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor, prefix_len: int,
+                   steps: int) -> tuple[Prepare, Callable[[], torch.Tensor]]:
+    """``steps`` single-token calls of ``step`` (the model or a fast step) from a static cache holding the prompt."""
+    P, G = prefix_len, steps
+    cache = model(ids[:, :P], model.new_cache(1, "static", capacity=P + G))[1]
+
+    def run() -> torch.Tensor:
+        work, out = cache, []
+        for j in range(G):
+            logits, work = step(ids[:, P + j:P + j + 1], work)
+            out.append(logits)
+        return torch.cat(out, 1)
+
+    def prepare() -> Callable[[], torch.Tensor]:
+        cache.crop(P)  # back to the prompt, untimed
+        return run
+    return prepare, lambda: prepare()()
+
+
+def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, steps: int, full: bool,
+                  fast: FastDecoder | None) -> tuple[dict[str, Prepare], dict[str, Callable[[], torch.Tensor]]]:
+    """The timed paths for one prefix, and for each one a call returning its stacked logits.
+
+    ``ids`` is ``[1, P + G]``; each decode path consumes its last ``G`` tokens one at a time
+    after a cache holding the first ``P``. ``full`` adds prefill and the two full-recompute
+    paths; ``hf`` (transformers' GPT-2, or None) and ``fast`` add theirs.
+
+    >>> _ = torch.manual_seed(0)
+    >>> model = Decoder(GPTConfig()).eval()
+    >>> ids = token_stream(model.config, 6, seed=0)
+    >>> prepare, runs = decode_paths(model, None, ids, 4, 2, True, FastDecoder(model))
+    >>> sorted(prepare)
+    ['dynamic', 'fast', 'full_all', 'full_last', 'prefill', 'static']
+    >>> runs["fast"]().shape  # [1, G, V]
+    torch.Size([1, 2, 97])
+    """
+    P, G = prefix_len, steps
+    prompt = ids[:, :P]
+    prepare: dict[str, Prepare] = {}
+    runs: dict[str, Callable[[], torch.Tensor]] = {}
+    if full:
+        def full_run(last_only: bool) -> Callable[[], torch.Tensor]:
+            return lambda: torch.cat([model(ids[:, :P + j], last_only=last_only).logits[:, -1:]
+                                      for j in range(1, G + 1)], 1)
+
+        def prefill_prepare() -> Callable[[], Any]:
+            cache = model.new_cache(1, "dynamic")
+            return lambda: model(prompt, cache, last_only=True)
+        prepare["prefill"] = prefill_prepare
+        for name, last_only in (("full_all", False), ("full_last", True)):
+            runs[name] = full_run(last_only)
+            prepare[name] = lambda run=runs[name]: run
+    dyn_prefix = model(prompt, model.new_cache(1, "dynamic"))[1]
+
+    def dynamic_run() -> torch.Tensor:
+        cache, out = dyn_prefix, []
+        for j in range(G):
+            logits, cache = model(ids[:, P + j:P + j + 1], cache)
+            out.append(logits)
+        return torch.cat(out, 1)
+    runs["dynamic"] = dynamic_run
+    prepare["dynamic"] = lambda: dynamic_run
+    prepare["static"], runs["static"] = static_decode(model, model, ids, P, G)
+    if fast is not None:
+        prepare["fast"], runs["fast"] = static_decode(fast, model, ids, P, G)
+    if hf is not None:
+        hf_cache = hf(prompt, use_cache=True).cache
+
+        def hf_run() -> torch.Tensor:
+            out = []
+            for j in range(G):
+                out.append(hf(ids[:, P + j:P + j + 1], cache=hf_cache, use_cache=True).logits)
+            return torch.cat(out, 1)
+
+        def hf_prepare() -> Callable[[], Any]:
+            # transformers' cache grows in place; crop takes the (negative) number of positions to drop
+            hf_cache.crop(P - hf_cache.get_seq_length())  # back to the prompt, untimed
+            return hf_run
+        prepare["transformers"] = hf_prepare
+        runs["transformers"] = lambda: hf_prepare()()
+    return prepare, runs
+
+
+def ablation_paths(model: Decoder, ids: torch.Tensor, prefix_len: int,
+                   steps: int) -> tuple[dict[str, Prepare], dict[str, Callable[[], torch.Tensor]]]:
+    """Per :data:`ABLATION` variant, the fast step with that change undone, as in :func:`decode_paths`."""
+    pairs = {name: static_decode(FastDecoder(model, **switches), model, ids, prefix_len, steps)
+             for name, switches in ABLATION.items()}
+    return {k: p for k, (p, _) in pairs.items()}, {k: r for k, (_, r) in pairs.items()}
+
+
+def ops_per_step(model: Decoder, fast: FastDecoder, hf: Any, ids: torch.Tensor) -> dict[str, int]:
+    """ATen operators of one decode step of the last token of ``ids`` ([1, P + 1]), per path.
+
+    ``full_all`` is one full-recompute step over all ``P + 1`` positions.
+    """
+    prompt, token = ids[:, :-1], ids[:, -1:]
+    out = {"full_all": sum(count_ops(lambda: model(ids)).values())}
+    for name, kind, step in (("dynamic", "dynamic", model), ("static", "static", model), ("fast", "static", fast)):
+        cache = model(prompt, model.new_cache(1, kind, capacity=ids.shape[1]))[1]
+        out[name] = sum(count_ops(lambda: step(token, cache)).values())
+    if hf is not None:
+        hf_cache = hf(prompt, use_cache=True).cache
+        out["transformers"] = sum(count_ops(lambda: hf(token, cache=hf_cache, use_cache=True)).values())
+    return out

@@ -1,0 +1,390 @@
+"""K/V cache memory: the byte formula, published model presets, and measured bytes.
+
+A conventional cache keeps, for every decoder layer, one K and one V tensor of shape
+``[B, H_kv, T, D]`` (batch, K/V heads, cached positions, head size). Its payload is therefore
+
+    bytes = 2 x B x L x T x H_kv x D x s
+
+with ``L`` layers and ``s`` bytes per element. This module computes that count
+(:func:`kv_bytes`, :func:`kv_bytes_for_config`), measures real caches the same way
+(:func:`measured_bytes`), formats byte counts in binary and decimal units side by side
+(:func:`format_bytes`) and holds published model configurations (:data:`PRESETS`). What a cache
+writes per update is measured by :class:`kvdoc.measure.copymeter.CopyMeter`.
+
+It is also the ``python -m kvdoc memory`` command (:func:`add_arguments`, :func:`main`)::
+
+    python -m kvdoc memory --batch 1 --layers 32 --seq-len 4096 --kv-heads 8 --head-dim 128 --dtype float16
+    python -m kvdoc memory --model Llama-3-8B --seq-len 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvdoc.core.cache import KVCache
+from kvdoc.core.config import GPTConfig, check_int
+
+# --- dtypes ------------------------------------------------------------------------------
+
+#: Names accepted for ``dtype`` arguments and ``--dtype`` (case-insensitive), and their torch dtype.
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2, "fp8": torch.float8_e4m3fn,
+    "int8": torch.int8,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The torch dtype for a name in :data:`DTYPES` (or a torch dtype, returned as is).
+
+    Raises:
+        ValueError: an unknown name.
+
+    >>> resolve_dtype("bf16")
+    torch.bfloat16
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+
+
+def element_size(dtype: str | torch.dtype) -> int:
+    """``s``: bytes per element of ``dtype``, as torch stores it.
+
+    >>> element_size("float16"), element_size(torch.float32)
+    (2, 4)
+    """
+    return torch.empty((), dtype=resolve_dtype(dtype)).element_size()
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """The canonical name of a dtype, e.g. ``"float16"`` for ``"fp16"``."""
+    return str(resolve_dtype(dtype)).removeprefix("torch.")
+
+
+# --- the formula ---------------------------------------------------------------------------
+
+def _held(seq_len: int, window: int | None) -> int:
+    """Positions a layer holds after ``seq_len`` tokens: all of them, or the last ``window``."""
+    return seq_len if window is None else min(seq_len, check_int("window", window))
+
+
+def kv_bytes_per_layer(batch: int, seq_len: int, kv_heads: int, head_dim: int,
+                       dtype: str | torch.dtype, windows: Sequence[int | None]) -> list[int]:
+    """Bytes of each layer's K and V together, one entry per layer.
+
+    Layer ``l`` holds ``min(T, windows[l])`` positions (``None``: all ``T``), so a
+    sliding-window layer stops growing at its window.
+
+    Args:
+        batch: ``B``, sequences of equal length.
+        seq_len: ``T``, tokens seen per sequence (0 for an empty cache).
+        kv_heads: ``H_kv``, K/V heads per layer (not the query heads).
+        head_dim: ``D``, size of one head.
+        dtype: element type; ``s = element_size(dtype)``.
+        windows: one entry per layer: ``None`` (full attention) or a window ``W``.
+
+    Raises:
+        ValueError: a size that is not a positive integer (``seq_len`` may be 0), or no layers.
+
+    >>> kv_bytes_per_layer(1, 10, 2, 4, "float32", [None, 8])  # 2 x 1 x T_l x 2 x 4 x 4
+    [640, 512]
+    """
+    for name, value in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+        check_int(name, value)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:  # 0: an empty cache
+        raise ValueError(f"seq_len must be a non-negative integer, got {seq_len!r}")
+    if not windows:
+        raise ValueError("need at least one layer")
+    s = element_size(dtype)
+    return [2 * batch * _held(seq_len, w) * kv_heads * head_dim * s for w in windows]
+
+
+def kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim: int,
+             dtype: str | torch.dtype, *, window: int | None = None) -> int:
+    """``2 x B x L x T x H_kv x D x s``: bytes of a conventional per-layer K/V cache.
+
+    Args:
+        batch: ``B``. layers: ``L``. seq_len: ``T`` (positions cached per sequence).
+        kv_heads: ``H_kv`` (K/V heads, not query heads). head_dim: ``D``.
+        dtype: element type, a name from :data:`DTYPES` or a torch dtype (``s`` bytes).
+        window: if given, every layer keeps only the last ``window`` positions
+            (``T`` becomes ``min(T, window)``).
+
+    Raises:
+        ValueError: a size that is not a positive integer, or an unknown dtype.
+
+    >>> kv_bytes(batch=1, layers=32, seq_len=4096, kv_heads=8, head_dim=128, dtype="float16")
+    536870912
+    """
+    check_int("layers", layers)
+    return sum(kv_bytes_per_layer(batch, seq_len, kv_heads, head_dim, dtype, [window] * layers))
+
+
+def kv_bytes_for_config(config: GPTConfig, batch: int, seq_len: int,
+                        dtype: str | torch.dtype = torch.float32) -> int:
+    """:func:`kv_bytes` with ``L``, ``H_kv`` and ``D`` taken from a :class:`~kvdoc.core.config.GPTConfig`.
+
+    >>> kv_bytes_for_config(GPTConfig(), batch=1, seq_len=272)  # the toy decoder, float32
+    278528
+    """
+    return kv_bytes(batch, config.n_layer, seq_len, config.n_kv_head, config.head_dim, dtype)
+
+
+def measured_bytes(cache: KVCache | Iterable[torch.Tensor]) -> int:
+    """Bytes of real tensors: ``sum(t.numel() * t.element_size())`` over a cache's tensors.
+
+    >>> from kvdoc.core.cache import StaticCache
+    >>> cache = StaticCache(GPTConfig(), batch_size=1, capacity=272)
+    >>> measured_bytes(cache) == kv_bytes_for_config(GPTConfig(), 1, 272)
+    True
+    """
+    tensors = cache.tensors() if isinstance(cache, KVCache) else list(cache)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# --- units -----------------------------------------------------------------------------------
+
+BINARY_UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB")  # powers of 1024
+DECIMAL_UNITS = ("bytes", "kB", "MB", "GB", "TB", "PB")  # powers of 1000
+
+
+def _scaled(n: int, base: int, units: tuple[str, ...], digits: int) -> str:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"a byte count must be a non-negative integer, got {n!r}")
+    power = 0
+    while power + 1 < len(units) and n >= base ** (power + 1):
+        power += 1
+    if power == 0:
+        return f"{n:,} bytes"
+    text = f"{n / base ** power:,.{digits}f}".rstrip("0").rstrip(".")
+    return f"{text} {units[power]}"
+
+
+def binary_size(n: int, digits: int = 3) -> str:
+    """``n`` bytes in the largest binary unit (KiB = 1024 bytes, MiB = 1024**2, ...).
+
+    >>> binary_size(536870912), binary_size(278528), binary_size(1536)
+    ('512 MiB', '272 KiB', '1.5 KiB')
+    """
+    return _scaled(n, 1024, BINARY_UNITS, digits)
+
+
+def decimal_size(n: int, digits: int = 3) -> str:
+    """``n`` bytes in the largest decimal unit (kB = 1000 bytes, MB = 1000**2, ...).
+
+    >>> decimal_size(536870912), decimal_size(278528)
+    ('536.871 MB', '278.528 kB')
+    """
+    return _scaled(n, 1000, DECIMAL_UNITS, digits)
+
+
+def format_bytes(n: int) -> str:
+    """Exact bytes, then binary and decimal units side by side.
+
+    >>> format_bytes(536870912)
+    '536,870,912 bytes = 512 MiB = 536.871 MB'
+    """
+    return f"{n:,} bytes = {binary_size(n)} = {decimal_size(n)}"
+
+
+# --- published model configurations ----------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """The sizes of a published model that decide its K/V cache.
+
+    Attributes:
+        name: short name used by ``--model`` (case-insensitive).
+        layers: ``L``, decoder layers.
+        heads: query heads ``H``.
+        kv_heads: ``H_kv``; ``== heads`` is MHA, ``1`` is MQA, in between is GQA.
+        head_dim: ``D``.
+        max_positions: the context length the release was configured for.
+        source: where the numbers come from (the official config.json or paper).
+        sliding_window: ``W`` if the attention layers see only the last ``W`` positions.
+    """
+
+    name: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    max_positions: int
+    source: str
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "heads", "kv_heads", "head_dim", "max_positions"):
+            check_int(name, getattr(self, name))
+        if self.heads % self.kv_heads:
+            raise ValueError(f"{self.name}: heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
+
+    @property
+    def attention(self) -> str:
+        """``"MHA"``, ``"GQA"`` or ``"MQA"``."""
+        if self.kv_heads == self.heads:
+            return "MHA"
+        return "MQA" if self.kv_heads == 1 else "GQA"
+
+    @property
+    def group_size(self) -> int:
+        """Query heads that share one K/V head, ``H / H_kv``."""
+        return self.heads // self.kv_heads
+
+    def kv_bytes(self, seq_len: int, batch: int = 1, dtype: str | torch.dtype = "float16",
+                 windowed: bool = False) -> int:
+        """K/V bytes at ``seq_len``; with ``windowed`` each layer holds at most ``sliding_window``."""
+        window = self.sliding_window if windowed else None
+        return kv_bytes(batch, self.layers, seq_len, self.kv_heads, self.head_dim, dtype, window=window)
+
+    def bytes_per_token(self, dtype: str | torch.dtype = "float16") -> int:
+        """Bytes one more cached position adds, ``2 x L x H_kv x D x s`` (batch 1, no window)."""
+        return self.kv_bytes(1, 1, dtype)
+
+
+#: Published configurations, keyed by lower-case name. Each ``source`` names the file the sizes come from.
+PRESETS: dict[str, ModelPreset] = {p.name.lower(): p for p in (
+    ModelPreset("GPT-2-small", layers=12, heads=12, kv_heads=12, head_dim=64, max_positions=1024,
+                source="openai-community/gpt2 config.json (n_layer 12, n_head 12, n_embd 768); "
+                       "Radford et al. 2019, 'Language Models are Unsupervised Multitask Learners'"),
+    ModelPreset("Llama-2-7B", layers=32, heads=32, kv_heads=32, head_dim=128, max_positions=4096,
+                source="meta-llama/Llama-2-7b-hf config.json (num_hidden_layers 32, num_attention_heads 32, "
+                       "num_key_value_heads 32, hidden_size 4096); Touvron et al. 2023, 'Llama 2'"),
+    ModelPreset("Llama-2-70B", layers=80, heads=64, kv_heads=8, head_dim=128, max_positions=4096,
+                source="meta-llama/Llama-2-70b-hf config.json (num_hidden_layers 80, num_attention_heads 64, "
+                       "num_key_value_heads 8, hidden_size 8192); Touvron et al. 2023, 'Llama 2'"),
+    ModelPreset("Llama-3-8B", layers=32, heads=32, kv_heads=8, head_dim=128, max_positions=8192,
+                source="meta-llama/Meta-Llama-3-8B config.json (num_hidden_layers 32, num_attention_heads 32, "
+                       "num_key_value_heads 8, hidden_size 4096)"),
+    ModelPreset("Mistral-7B-v0.1", layers=32, heads=32, kv_heads=8, head_dim=128, max_positions=32768,
+                sliding_window=4096,
+                source="mistralai/Mistral-7B-v0.1 config.json (num_hidden_layers 32, num_attention_heads 32, "
+                       "num_key_value_heads 8, hidden_size 4096, sliding_window 4096); "
+                       "Jiang et al. 2023, 'Mistral 7B' (rolling buffer cache)"),
+    ModelPreset("Falcon-7B", layers=32, heads=71, kv_heads=1, head_dim=64, max_positions=2048,
+                source="tiiuae/falcon-7b config.json (n_layer 32, n_head 71, hidden_size 4544, "
+                       "multi_query true)"),
+)}
+
+
+def preset(name: str) -> ModelPreset:
+    """The preset called ``name`` (case-insensitive).
+
+    Raises:
+        ValueError: no such preset; the message lists the known names.
+
+    >>> preset("llama-3-8b").attention
+    'GQA'
+    """
+    try:
+        return PRESETS[name.lower()]
+    except (KeyError, AttributeError):
+        known = ", ".join(p.name for p in PRESETS.values())
+        raise ValueError(f"unknown model {name!r}; known models: {known}") from None
+
+
+# --- the command line -------------------------------------------------------------------------
+
+def _positive_arg(text: str) -> int:
+    try:
+        value = int(text.replace(",", "").replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _dtype_arg(text: str) -> torch.dtype:
+    try:
+        return resolve_dtype(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _model_arg(text: str) -> ModelPreset:
+    try:
+        return preset(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``python -m kvdoc memory``."""
+    parser.description = ("K/V cache bytes = 2 x B x L x T x H_kv x D x s, from explicit sizes "
+                          "or a published model's config.")
+    parser.add_argument("--model", type=_model_arg, metavar="NAME",
+                        help="a published config: " + ", ".join(p.name for p in PRESETS.values()))
+    parser.add_argument("--batch", type=_positive_arg, default=1, metavar="B", help="sequences (default 1)")
+    parser.add_argument("--layers", type=_positive_arg, metavar="L", help="decoder layers")
+    parser.add_argument("--seq-len", type=_positive_arg, metavar="T", help="cached positions per sequence")
+    parser.add_argument("--kv-heads", type=_positive_arg, metavar="H", help="K/V heads per layer (not query heads)")
+    parser.add_argument("--head-dim", type=_positive_arg, metavar="D", help="size of one head")
+    parser.add_argument("--dtype", type=_dtype_arg, default=torch.float16, metavar="NAME",
+                        help="element type: float32, float16, bfloat16, float8_e4m3fn, ... (default float16)")
+    parser.add_argument("--window", type=_positive_arg, metavar="W",
+                        help="sliding window: each layer keeps only the last W positions "
+                             "(default: the model's own window, if it has one)")
+    parser.add_argument("--list-models", action="store_true", help="list the published configs and exit")
+
+
+def _error(message: str) -> int:
+    print(f"python -m kvdoc memory: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print the K/V bytes for the sizes in ``args``; 2 (nothing on stdout) on inconsistent options."""
+    if getattr(args, "list_models", False):
+        for p in PRESETS.values():
+            window = f", window {p.sliding_window:,}" if p.sliding_window else ""
+            print(f"{p.name:16} {p.attention}  L={p.layers} H={p.heads} H_kv={p.kv_heads} D={p.head_dim} "
+                  f"context {p.max_positions:,}{window}  [{p.source}]")
+        return 0
+    sizes = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
+    if args.seq_len is None:
+        return _error("--seq-len is required")
+    model: ModelPreset | None = args.model
+    if model is not None:
+        given = [name for name, value in sizes.items() if value is not None]
+        if given:
+            return _error(f"--model sets the sizes itself; drop {', '.join(given)}")
+        layers, kv_heads, head_dim = model.layers, model.kv_heads, model.head_dim
+        window = args.window if args.window is not None else model.sliding_window
+    else:
+        missing = [name for name, value in sizes.items() if value is None]
+        if missing:
+            return _error(f"give --model NAME or all of --layers, --kv-heads, --head-dim (missing {', '.join(missing)})")
+        layers, kv_heads, head_dim = args.layers, args.kv_heads, args.head_dim
+        window = args.window
+    B, T, s = args.batch, args.seq_len, element_size(args.dtype)
+    total = kv_bytes(B, layers, T, kv_heads, head_dim, args.dtype)
+    lines = []
+    if model is not None:
+        lines.append(f"model      {model.name} ({model.attention}, {model.heads} query heads; source: {model.source})")
+    lines += [
+        f"formula    2 x B x L x T x H_kv x D x s = 2 x {B:,} x {layers:,} x {T:,} x {kv_heads:,} x {head_dim:,} "
+        f"x {s} ({dtype_name(args.dtype)})",
+        f"bytes      {total:,} bytes",
+        f"binary     {binary_size(total)}",
+        f"decimal    {decimal_size(total)}",
+        f"per token  {format_bytes(total // (B * T))} (per sequence)",
+    ]
+    if window is not None:
+        held = min(T, window)
+        windowed = kv_bytes(B, layers, T, kv_heads, head_dim, args.dtype, window=window)
+        lines += [f"window     each layer keeps the last {window:,} positions: holds min(T, W) = {held:,}",
+                  f"windowed   {format_bytes(windowed)}"]
+    print("\n".join(lines))
+    return 0

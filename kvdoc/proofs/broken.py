@@ -1,0 +1,376 @@
+"""Deliberately wrong KV-cache implementations, kept so that the verification can be seen to fail.
+
+Each variant is a small change to the real :class:`~kvdoc.core.model.Decoder`, made without editing
+it: a subclass that overrides :meth:`~kvdoc.core.model.Decoder.positions` or ``forward``, attention
+modules whose ``mask`` or ``forward`` is changed, or caches (a :class:`~kvdoc.core.cache.KVCache`)
+that store, return or count the wrong thing. One variant is a scenario rather than code: a
+cache filled before a prefix edit and reused after it. Each belongs to one of
+:data:`kvdoc.proofs.variants.BUG_CLASSES`: some show only in long streams, in grouped-query models, in
+FP64, after a crop or a failed call, or only against an independent reference. The RoPE
+mistakes are in :mod:`kvdoc.proofs.broken_rope`.
+
+Every variant here is **wrong on purpose**. :data:`kvdoc.proofs.variants.VARIANTS` lists them by name;
+the suite (:mod:`kvdoc.proofs.suite`, ``python -m kvdoc verify --variant NAME``) must fail on each.
+
+>>> import torch
+>>> from kvdoc import Decoder, GPTConfig
+>>> _ = torch.manual_seed(0)
+>>> model = Decoder(GPTConfig()).eval()
+>>> broken = copy_as(model, PositionsRestartDecoder)
+>>> ids = torch.tensor([[12, 7, 31, 4, 9, 18]])
+>>> with torch.no_grad():
+...     _, cache = broken(ids[:, :4], broken.new_cache(1))
+...     wrong = broken(ids[:, 4:], cache).logits      # positions 0, 1 instead of 4, 5
+...     right = model(ids).logits[:, 4:]
+>>> bool((wrong - right).abs().max() > 1e-2)
+True
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import torch
+
+from kvdoc.core.cache import KV, CacheWrapper, DynamicCache, KVCache, StaticCache
+from kvdoc.core.mask import top_left_causal_mask
+from kvdoc.core.model import CausalSelfAttention, Decoder, DecoderOutput
+
+
+def copy_as(model: Decoder, cls: type[Decoder]) -> Decoder:
+    """A new model of class ``cls`` with ``model``'s config, weights, dtype and device, in eval mode."""
+    weight = model.wte.weight
+    with torch.random.fork_rng():  # the fresh initialisation is overwritten; leave the global RNG alone
+        clone = cls(model.config).to(weight.dtype).to(weight.device)
+    clone.load_state_dict(model.state_dict())
+    return clone.eval()
+
+
+def with_attention(model: Decoder, cls: type[CausalSelfAttention]) -> Decoder:
+    """A copy of ``model`` whose every attention module is a ``cls`` holding the same weights."""
+    clone = copy_as(model, Decoder)
+    weight = model.wte.weight
+    for block in clone.h:
+        attn = cls(model.config).to(weight.dtype).to(weight.device)
+        attn.load_state_dict(block.attn.state_dict())
+        block.attn = attn
+    return clone
+
+
+def with_mask(model: Decoder, mask: Callable[..., torch.Tensor | None]) -> Decoder:
+    """A copy of ``model`` whose every attention module uses ``mask(self, past_len, new_len, device)``."""
+    clone = copy_as(model, Decoder)
+    for block in clone.h:
+        block.attn.mask = types.MethodType(mask, block.attn)
+    return clone
+
+
+# --- wrong positions ---------------------------------------------------------------------------
+
+class PositionsRestartDecoder(Decoder):
+    """BROKEN: each call numbers its new tokens from 0, as if it began the sequence.
+
+    A full forward starts at 0 anyway, so it is right; every continuation of a cache
+    embeds its tokens at positions ``0 .. C - 1`` instead of ``P .. P + C - 1``.
+    """
+
+    def positions(self, start: int, new_len: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(0, new_len, device=device)  # BUG: ignores start
+
+
+# --- wrong masks ----------------------------------------------------------------------------
+
+def top_left_mask(self: CausalSelfAttention, past_len: int, new_len: int,
+                   device: torch.device) -> torch.Tensor:
+    """BROKEN: ``is_causal=True``'s top-left triangle; new query ``i`` reads keys ``0 .. i`` only."""
+    return top_left_causal_mask(past_len, new_len, device)  # BUG: no offset by past_len
+
+
+def no_mask(self: CausalSelfAttention, past_len: int, new_len: int, device: torch.device) -> None:
+    """BROKEN: no mask at all, also for chunks of several new tokens, which then read each other's future."""
+    return None  # BUG: right only when new_len == 1
+
+
+def off_by_one_mask(self: CausalSelfAttention, past_len: int, new_len: int,
+                     device: torch.device) -> torch.Tensor | None:
+    """BROKEN: ``j <= P + i + 1``: each query of a chunk also reads the token after it."""
+    if new_len == 1:
+        return None
+    query_pos = past_len + torch.arange(new_len, device=device)
+    key_pos = torch.arange(past_len + new_len, device=device)
+    return key_pos[None, :] <= query_pos[:, None] + 1  # BUG: one key too many
+
+
+# --- wrong caches -------------------------------------------------------------------------
+
+class CrossLayerCache(CacheWrapper):
+    """BROKEN: stores each layer's K/V correctly, but every layer attends over layer 0's K/V.
+
+    The cache's content is right, so a check of K/V alone passes; only the logits show the bug.
+    """
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        own = self.inner.update(layer_idx, k, v, start)  # stored correctly
+        if layer_idx == 0:
+            self._layer0 = own  # layer 0 runs first in every call, so this holds rows 0 .. start + C - 1
+            return own
+        return self._layer0  # BUG: another layer's keys and values
+
+
+class NewBeforeOldDynamicCache(DynamicCache):
+    """BROKEN: concatenates the new K/V before the cached ones, ``cat((new, old))``, and stores that order."""
+
+    def begin(self) -> NewBeforeOldDynamicCache:
+        return NewBeforeOldDynamicCache(self._kv)
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+               start: int) -> KV:
+        self.check_rows(k, v)
+        past_k, past_v = self._kv[layer_idx]
+        if past_k.shape[2] != start:
+            raise ValueError(f"layer {layer_idx} holds {past_k.shape[2]} positions, "
+                             f"write starts at {start}")
+        # BUG: new rows first, then the old ones
+        kv = (torch.cat((k, past_k), dim=2), torch.cat((v, past_v), dim=2))
+        self._kv[layer_idx] = kv
+        return kv
+
+
+class NewBeforeOldStaticCache(StaticCache):
+    """BROKEN: the static twin of :class:`NewBeforeOldDynamicCache`: it rewrites rows ``0 .. P + C - 1``
+    in place as new-then-old, so the rows below the write position change too."""
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        end = start + k.shape[2]
+        if start != self._len or end > self.capacity:
+            raise ValueError(f"cannot write positions {start}..{end - 1}: cache holds {self._len} "
+                             f"of {self.capacity}")
+        for store, new in ((self._k[layer_idx], k), (self._v[layer_idx], v)):
+            old = store[:, :, :start].clone()
+            store[:, :, : end - start] = new  # BUG: new rows first, old rows pushed behind them
+            store[:, :, end - start: end] = old
+        return self._k[layer_idx][:, :, :end], self._v[layer_idx][:, :, :end]
+
+
+class CacheKindsDecoder(Decoder):
+    """A decoder whose new caches are of the classes ``dynamic_cache`` and ``static_cache``."""
+
+    dynamic_cache: type[DynamicCache] = DynamicCache
+    static_cache: type[StaticCache] = StaticCache
+
+    def new_cache(self, batch_size: int, kind: str | None = None, capacity: int | None = None) -> KVCache:
+        weight = self.wte.weight
+        if kind == "dynamic":
+            return self.dynamic_cache.empty(self.config, batch_size, weight.dtype, weight.device)
+        if kind == "static":
+            return self.static_cache(self.config, batch_size, capacity or self.config.n_positions,
+                                     weight.dtype, weight.device)
+        return super().new_cache(batch_size, kind, capacity)  # other kinds are not what this bug is about
+
+
+class FP32DynamicCache(DynamicCache):
+    """BROKEN: rounds every K/V it stores to FP32, whatever the model's dtype (a cache allocated in
+    the default dtype). Invisible in FP32; in FP64 the cached path is only FP32-accurate."""
+
+    def begin(self) -> FP32DynamicCache:
+        return FP32DynamicCache(self._kv)
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        k, v = k.float().to(k.dtype), v.float().to(v.dtype)  # BUG: precision lost on the way in
+        return super().update(layer_idx, k, v, start)
+
+
+class FP32CacheDecoder(CacheKindsDecoder):
+    """A decoder whose dynamic caches are :class:`FP32DynamicCache` (static ones are right)."""
+
+    dynamic_cache = FP32DynamicCache
+
+
+class CrossLayerDecoder(Decoder):
+    """A decoder whose new caches are :class:`CrossLayerCache` (see there)."""
+
+    def new_cache(self, batch_size: int, kind: str = "dynamic", capacity: int | None = None) -> KVCache:
+        return CrossLayerCache(super().new_cache(batch_size, kind, capacity))
+
+
+class NewBeforeOldDecoder(CacheKindsDecoder):
+    """A decoder whose new caches place new K/V before the old (see :class:`NewBeforeOldDynamicCache`)."""
+
+    dynamic_cache, static_cache = NewBeforeOldDynamicCache, NewBeforeOldStaticCache
+
+
+# --- bugs that show only in long streams ----------------------------------------------------
+
+WINDOW = 32
+"""The slot count of the long-stream variants: their bugs show only past this many positions."""
+
+
+class ModuloStaticCache(StaticCache):
+    """BROKEN: writes position ``t`` into slot ``t % 32`` (a ring buffer) but reads the slots as if linear.
+
+    Right while the stream is at most 32 positions long; past that, new rows overwrite old ones
+    and the rows read back past slot 31 were never written.
+    """
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        end = start + k.shape[2]
+        if start != self._len or end > self.capacity:
+            raise ValueError(f"cannot write positions {start}..{end - 1}: cache holds {self._len}")
+        slots = torch.arange(start, end, device=k.device) % WINDOW  # BUG: ring slots, linear reads
+        self._k[layer_idx][:, :, slots] = k
+        self._v[layer_idx][:, :, slots] = v
+        return self._k[layer_idx][:, :, :end], self._v[layer_idx][:, :, :end]
+
+
+class WindowDynamicCache(DynamicCache):
+    """BROKEN: silently keeps only the newest 32 positions of each layer while reporting the full length."""
+
+    def __init__(self, layers: list[KV], length: int | None = None) -> None:
+        super().__init__(layers)
+        self._len = self._kv[0][0].shape[2] if length is None else length
+
+    @property
+    def seq_len(self) -> int:
+        return self._len
+
+    def begin(self) -> WindowDynamicCache:
+        return WindowDynamicCache(self._kv, self._len)
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        if start != self._len:
+            raise ValueError(f"cache holds {self._len} positions, write starts at {start}")
+        past_k, past_v = self._kv[layer_idx]
+        kv = (torch.cat((past_k, k), dim=2)[:, :, -WINDOW:], torch.cat((past_v, v), dim=2)[:, :, -WINDOW:])  # BUG
+        self._kv[layer_idx] = kv
+        return kv
+
+    def finish(self, end: int) -> None:
+        self._len = end
+
+
+class ModuloDecoder(CacheKindsDecoder):
+    """A decoder whose static caches are :class:`ModuloStaticCache` (dynamic ones are right)."""
+
+    static_cache = ModuloStaticCache
+
+
+class WindowDecoder(CacheKindsDecoder):
+    """A decoder whose dynamic caches are :class:`WindowDynamicCache` (static ones are right)."""
+
+    dynamic_cache = WindowDynamicCache
+
+
+class ClampedPositionsDecoder(Decoder):
+    """BROKEN, in code both paths share: positions past 31 are clamped to 31, in every forward.
+
+    Cached and full compute the same wrong function, so only an independent reference sees it.
+    """
+
+    def positions(self, start: int, new_len: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(start, start + new_len, device=device).clamp(max=WINDOW - 1)  # BUG
+
+
+# --- grouped-query attention ----------------------------------------------------------------
+
+class TiledGQAAttention(CausalSelfAttention):
+    """BROKEN: shares K/V heads by tiling (query head ``h`` reads K/V head ``h % H_kv``), not by group
+    (``h // (H / H_kv)``), on cached calls only. With one K/V head (MQA) both rules agree.
+    """
+
+    shared = False  # True: the same bug in the full forward too
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        self._tile = cache is not None or self.shared
+        return super().forward(x, cache, layer_idx, start, attn_mask)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self._tile:
+            group = self.n_head // self.n_kv_head
+            k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)  # BUG: repeat, not repeat_interleave
+        return super().attend(q, k, v, start, attn_mask)
+
+
+class SharedTiledGQAAttention(TiledGQAAttention):
+    """BROKEN: :class:`TiledGQAAttention`'s head sharing in every forward, cached or not."""
+
+    shared = True
+
+
+# --- generation, crop and branch ------------------------------------------------------------
+
+class LastOnlyFirstRowDecoder(Decoder):
+    """BROKEN: ``last_only=True`` returns the first new position's logits, not the last one's."""
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False,
+                **hooks: torch.Tensor | None) -> DecoderOutput:
+        logits, cache = super().forward(idx, cache, **hooks)
+        return DecoderOutput(logits[:, :1] if last_only else logits, cache)  # BUG: row 0, not row -1
+
+
+class PositionCounterDecoder(Decoder):
+    """BROKEN: numbers new tokens from a counter on the model (reset by a call from position 0),
+    not from the cache's length. Right for one stream fed in order; wrong after a crop, for a
+    second branch of one prefix, and after a call that failed.
+    """
+
+    def positions(self, start: int, new_len: int, device: torch.device) -> torch.Tensor:
+        first = 0 if start == 0 else getattr(self, "_counter", 0)  # BUG: ignores start
+        self._counter = first + new_len
+        return torch.arange(first, first + new_len, device=device)
+
+
+# --- a call that fails midway ---------------------------------------------------------------
+
+class EarlyLengthStaticCache(StaticCache):
+    """BROKEN: advances its length as soon as layer 0 is written, not after every layer succeeded."""
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+               start: int) -> KV:
+        if layer_idx == 0:
+            self._start = self._len
+        end = start + k.shape[2]
+        if start != self._start or end > self.capacity:
+            raise ValueError(f"cannot write positions {start}..{end - 1}: "
+                             f"cache holds {self._start}")
+        self._k[layer_idx][:, :, start:end] = k
+        self._v[layer_idx][:, :, start:end] = v
+        self._len = end  # BUG: before the other layers ran
+        return self._k[layer_idx][:, :, :end], self._v[layer_idx][:, :, :end]
+
+
+class InPlaceDynamicCache(DynamicCache):
+    """BROKEN: a call writes into the dynamic cache passed in (``begin`` returns ``self``), so a call
+    that fails after layer 0 leaves layer 0 one chunk longer than the others."""
+
+    def begin(self) -> InPlaceDynamicCache:
+        return self  # BUG: no copy
+
+
+class EarlyLengthDecoder(CacheKindsDecoder):
+    """A decoder whose static caches are :class:`EarlyLengthStaticCache` (dynamic ones are right)."""
+
+    static_cache = EarlyLengthStaticCache
+
+
+class InPlaceDecoder(CacheKindsDecoder):
+    """A decoder whose dynamic caches are :class:`InPlaceDynamicCache` (static ones are right)."""
+
+    dynamic_cache = InPlaceDynamicCache
+
+
+# --- scenarios ------------------------------------------------------------------------------
+
+def stale_prefix(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The prefix as it was before an edit: ``ids`` (``[B, T]``) with token 0 of every row replaced.
+
+    The stale-cache scenario fills the cache from this old prefix, then continues with the edited
+    (current) tokens, as if a cache were reused after the user changed the first word.
+    """
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise ValueError(f"ids must be a non-empty [B, T] tensor, got {tuple(ids.shape)}")
+    old = ids.clone()
+    old[:, 0] = (ids[:, 0] + 1) % vocab_size
+    return old

@@ -1,0 +1,111 @@
+"""kvdoc against Hugging Face transformers' GPT-2, Llama and Mistral on the same random weights.
+
+:func:`match_transformers` loads a transformers model into a :class:`~kvdoc.core.model.Decoder`
+(:func:`kvdoc.interop.hf.from_transformers`) and compares logits over one stream: kvdoc's full
+forward and cached runs (every cache kind, several chunk sizes) against transformers' full
+forward, and transformers' own cached decode against its full forward. The verification suite
+runs the same comparison as its ``reference`` check (:func:`kvdoc.proofs.references.transformers_reference`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvdoc.interop.hf import float64_islands_lifted, from_transformers
+from .verify import DTYPE_NAMES, _max_abs, run_cached
+
+
+@dataclass(frozen=True)
+class TransformersMatch:
+    """kvdoc against one transformers model on one stream: maximum absolute logit differences.
+
+    Attributes:
+        family: transformers' ``model_type`` (``"gpt2"``, ``"llama"``, ``"mistral"``).
+        dtype: ``"FP32"`` or ``"FP64"``.
+        n_parameters: ``(transformers, kvdoc)``.
+        full: kvdoc's full forward against transformers' full forward.
+        cached: ``(cache kind, chunk) -> error`` of kvdoc's cached path against the same.
+        hf_cached: transformers' own cache (a prefill, then one token at a time) against its full forward.
+        logit_scale: the largest ``|logit|`` of transformers' full forward.
+        lifted: whether transformers ran with its float32 RMSNorm/RoPE lifted to the model's dtype
+            (:func:`~kvdoc.interop.hf.float64_islands_lifted`).
+        prefill_len: tokens in transformers' own prefill before its one-token decode steps.
+    """
+
+    family: str
+    dtype: str
+    n_parameters: tuple[int, int]
+    full: float
+    cached: dict[tuple[str, int], float]
+    hf_cached: float
+    logit_scale: float
+    lifted: bool
+    prefill_len: int
+
+    def worst(self) -> float:
+        """The largest error of kvdoc's paths, full and cached."""
+        return max(self.full, *self.cached.values())
+
+
+@torch.no_grad()
+def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] = (1, 5),
+                       kinds: Sequence[str] | None = None, prefill_len: int = 8,
+                       lift: bool | None = None) -> TransformersMatch:
+    """Load ``hf_model`` into kvdoc and compare logits over ``ids`` (``[B, T]``).
+
+    Args:
+        hf_model: a transformers GPT-2, Llama or Mistral model in eval mode, FP32 or
+            FP64; kvdoc loads it with :func:`~kvdoc.interop.hf.from_transformers`.
+        ids: token ids ``[B, T]``.
+        chunks: chunk sizes of kvdoc's cached runs.
+        kinds: cache kinds (default dynamic and static, and window with a window).
+        prefill_len: tokens in transformers' prefill before its one-token decode steps.
+        lift: run transformers under :func:`~kvdoc.interop.hf.float64_islands_lifted`
+            (default: only in FP64).
+
+    Returns:
+        A :class:`TransformersMatch`.
+
+    >>> from transformers import MistralForCausalLM
+    >>> from kvdoc.core.config import mistral_config
+    >>> from kvdoc.interop.hf import transformers_config
+    >>> _ = torch.manual_seed(0)
+    >>> config = transformers_config(mistral_config(sliding_window=4))
+    >>> hf = MistralForCausalLM(config).eval()
+    >>> ids = torch.tensor([[5, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    >>> m = match_transformers(hf, ids, prefill_len=3)
+    >>> sorted(kind for kind, chunk in m.cached if chunk == 1), m.worst() < 1e-5
+    (['dynamic', 'static', 'window'], True)
+    """
+    if not 0 < prefill_len < ids.shape[1]:
+        raise ValueError(f"prefill_len must be between 1 and {ids.shape[1] - 1}, "
+                         f"got {prefill_len}")
+    ours = from_transformers(hf_model)
+    dtype = ours.wte.weight.dtype
+    lift = dtype == torch.float64 if lift is None else lift
+    if kinds is None:
+        windowed = ours.config.sliding_window is not None
+        kinds = ("dynamic", "static") + (("window",) if windowed else ())
+    with float64_islands_lifted(hf_model) if lift else nullcontext():
+        expected = hf_model(ids).logits
+        out = hf_model(ids[:, :prefill_len], use_cache=True)
+        logits, cache = [out.logits], out.cache
+        for t in range(prefill_len, ids.shape[1]):
+            out = hf_model(ids[:, t:t + 1], cache=cache, use_cache=True)
+            logits.append(out.logits)
+            cache = out.cache
+    cached = {(kind, c): _max_abs(run_cached(ours, ids, c, kind).logits, expected)
+              for kind in kinds for c in chunks}
+    family = hf_model.config.model_type
+    n_hf = sum(p.numel() for p in hf_model.parameters())
+    return TransformersMatch(
+        family, DTYPE_NAMES[dtype], (n_hf, ours.num_parameters()),
+        _max_abs(ours(ids).logits, expected), cached,
+        _max_abs(torch.cat(logits, dim=1), expected),
+        float(expected.abs().max().item()), lift and family in ("llama", "mistral"),
+        prefill_len)

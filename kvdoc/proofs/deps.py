@@ -1,0 +1,356 @@
+"""Dependency maps: which rows of the input does each row of the output depend on?
+
+A *row* is one position: for a tensor ``[T, d]`` or ``[B, T, d]`` it is an index along the
+second-to-last dimension. For a function ``f`` of such a tensor, row ``t`` of the output
+depends on row ``s`` of the input when the Jacobian block ``d f[..., t, :] / d x[..., s, :]``
+is not zero. This module computes that relation two independent ways:
+
+* :func:`jacobian_map`: exactly, from autograd (the full Jacobian, cut into row blocks);
+* :func:`perturbation_map`: by nudging one input row at a time, coordinate by coordinate, and
+  watching which output rows move (finite differences, no autograd at all);
+
+and :func:`compare_maps` checks that they agree. Both return a :class:`DependencyMap`: a bool
+``[T_out, T_in]`` matrix plus the magnitude of each block (its Frobenius norm), which renders
+as a heatmap (:meth:`DependencyMap.heatmap`) or a Markdown table (:meth:`DependencyMap.to_markdown`).
+Everything runs in float64 so that "does not depend" means an exact zero, and "depends" means a
+magnitude above ``rtol`` times the largest one. A map is local: it describes ``f`` at the given
+``x``. Structural zeros (a row that is never read) are zero at every ``x``; a saturated softmax
+can also make a block vanish at one particular ``x``, so analyse inputs of moderate size.
+
+:func:`token_dependency_map` does the same for discrete token ids, by replacing one id at a
+time. To map the tensors *inside* the real decoder, :mod:`kvdoc.proofs.sites` turns any of them into the
+input of a plain function that these maps accept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvdoc.measure.tables import markdown_table
+
+
+Fn = Callable[[torch.Tensor], torch.Tensor]
+
+DEFAULT_RTOL = 1e-10
+"""A block counts as a dependency when its magnitude exceeds this fraction of the largest block."""
+
+
+# --------------------------------------------------------------------------------------------
+# The result and its renderers
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DependencyMap:
+    """Which input rows each output row depends on.
+
+    Attributes:
+        depends: bool ``[T_out, T_in]``; ``depends[t, s]`` is True when output row ``t``
+            changes with input row ``s``.
+        magnitude: float64 ``[T_out, T_in]``, the Frobenius norm of the Jacobian block of
+            output row ``t`` with respect to input row ``s`` (summed over batch and any other
+            dimensions). Zero exactly where there is no dependency.
+        method: how it was computed: ``"jacobian"``, ``"perturbation"`` or ``"token"``.
+        out_rows: the output row indices (non-negative) that the rows of the matrix stand for.
+        in_labels, out_labels: names of the rows for renderers (default: the indices).
+    """
+
+    depends: torch.Tensor
+    magnitude: torch.Tensor
+    method: str
+    out_rows: tuple[int, ...]
+    in_labels: tuple[str, ...]
+    out_labels: tuple[str, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(T_out, T_in)``."""
+        return tuple(self.depends.shape)  # type: ignore[return-value]
+
+    def rows_needed(self, out_row: int = -1) -> list[int]:
+        """Input rows that output row ``out_row`` (an index into the matrix) depends on."""
+        return [int(s) for s in torch.nonzero(self.depends[out_row]).flatten()]
+
+    def relabel(self, in_labels: Sequence[str] | None = None,
+                out_labels: Sequence[str] | None = None) -> DependencyMap:
+        """The same map with other row names."""
+        ins = tuple(in_labels) if in_labels is not None else self.in_labels
+        outs = tuple(out_labels) if out_labels is not None else self.out_labels
+        if len(ins) != self.shape[1] or len(outs) != self.shape[0]:
+            raise ValueError(f"need {self.shape[1]} input and {self.shape[0]} output labels")
+        return DependencyMap(self.depends, self.magnitude, self.method, self.out_rows, ins, outs)
+
+    def to_markdown(self, corner: str = "out \\ in", mark: str = "●", blank: str = "·") -> str:
+        """The boolean matrix as a Markdown table: ``mark`` where row ``t`` needs row ``s``."""
+        rows = [[self.out_labels[t]] + [mark if bool(self.depends[t, s]) else blank
+                                        for s in range(self.shape[1])]
+                for t in range(self.shape[0])]
+        return markdown_table([corner, *self.in_labels], rows)
+
+    def heatmap(self, ax=None, title: str | None = None, xlabel: str = "input row",
+                ylabel: str = "output row", log: bool = True):
+        """Draw the magnitudes on a log scale, leaving cells without a dependency white.
+
+        Returns the matplotlib figure. Cells without a dependency are white; the others are
+        coloured by ``log10`` of their magnitude relative to the largest block.
+        """
+        import matplotlib.pyplot as plt
+        import numpy as np
+
+        if ax is None:
+            fig, ax = plt.subplots(figsize=(0.45 * self.shape[1] + 2.2, 0.45 * self.shape[0] + 1.4))
+        else:
+            fig = ax.figure
+        mag = self.magnitude.detach().cpu().numpy()
+        dep = self.depends.cpu().numpy()
+        top = mag.max() if mag.size and mag.max() > 0 else 1.0
+        shown = np.where(dep, np.log10(np.maximum(mag / top, 1e-300)) if log else mag / top, np.nan)
+        cmap = plt.get_cmap("viridis").with_extremes(bad="white")
+        vmin = -4.0 if log else 0.0  # one scale for every map, so panels compare
+        im = ax.imshow(np.ma.masked_invalid(shown), cmap=cmap, aspect="equal",
+                       vmin=vmin, vmax=0.0 if log else 1.0)
+        ax.set_xticks(range(self.shape[1]), self.in_labels)
+        ax.set_yticks(range(self.shape[0]), self.out_labels)
+        ax.set_xticks(np.arange(-0.5, self.shape[1]), minor=True)
+        ax.set_yticks(np.arange(-0.5, self.shape[0]), minor=True)
+        ax.grid(which="minor", color="0.8", linewidth=0.5)
+        ax.tick_params(which="minor", length=0)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if title:
+            ax.set_title(title, fontsize=10)
+        bar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+        bar.set_label("log10(block norm / largest)" if log else "block norm / largest")
+        return fig
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"the input must be a [T, d] or [B, T, d] tensor (rows on dim -2), got {shape}")
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"the input must be floating point, got {x.dtype}")
+    return x.detach().to(torch.float64)
+
+
+def _out_rows(y: torch.Tensor, out_rows: Sequence[int] | None, row_dim: int | None) -> tuple[int, ...]:
+    n = 1 if row_dim is None else y.shape[row_dim]
+    rows = range(n) if out_rows is None else out_rows
+    picked = tuple(int(r) % n if -n <= int(r) < n else -1 for r in rows)
+    if -1 in picked:
+        raise ValueError(f"output rows {list(rows)} out of range for {n} rows")
+    return picked
+
+
+def _row_view(y: torch.Tensor, row_dim: int | None) -> torch.Tensor:
+    """``y`` with rows first and everything else flattened: ``[T_out, -1]``."""
+    if row_dim is None:
+        return y.reshape(1, -1)
+    return y.movedim(row_dim, 0).reshape(y.shape[row_dim], -1)
+
+
+def _finish(mag: torch.Tensor, method: str, rows: tuple[int, ...], rtol: float,
+            labels: tuple[Sequence[str] | None, Sequence[str] | None]) -> DependencyMap:
+    top = float(mag.max()) if mag.numel() else 0.0
+    depends = mag > rtol * top if top > 0 else torch.zeros_like(mag, dtype=torch.bool)
+    ins = tuple(labels[0]) if labels[0] is not None else tuple(str(s) for s in range(mag.shape[1]))
+    outs = tuple(labels[1]) if labels[1] is not None else tuple(str(t) for t in rows)
+    return DependencyMap(depends, torch.where(depends, mag, torch.zeros_like(mag)), method, rows, ins, outs)
+
+
+# --------------------------------------------------------------------------------------------
+# Two independent ways to compute a map
+# --------------------------------------------------------------------------------------------
+
+def jacobian_map(fn: Fn, x: torch.Tensor, *, out_rows: Sequence[int] | None = None,
+                 out_row_dim: int | None = -2, rtol: float = DEFAULT_RTOL,
+                 in_labels: Sequence[str] | None = None,
+                 out_labels: Sequence[str] | None = None) -> DependencyMap:
+    """The dependency map of ``fn`` at ``x``, exactly, from the autograd Jacobian.
+
+    Args:
+        fn: a function of a tensor shaped like ``x``, differentiable by autograd.
+        x: ``[T, d]`` or ``[B, T, d]`` (any leading dims); rows are along dim -2. It is
+            converted to float64 (``fn`` must accept float64).
+        out_rows: output rows to analyse (default all); negative indices count from the end.
+        out_row_dim: the output dimension that holds rows (default -2, so ``[B, H, T, D_h]``
+            has rows along ``T``); None treats the whole output as one row (e.g. ``x[:, -1, :]``).
+        rtol: a block depends when its norm exceeds ``rtol`` times the largest block.
+        in_labels, out_labels: row names for the renderers.
+
+    Returns:
+        A :class:`DependencyMap` with ``method == "jacobian"``.
+
+    >>> x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    >>> m = jacobian_map(lambda x: x.cumsum(dim=0), x)     # row t is the sum of rows 0..t
+    >>> m.depends.int()
+    tensor([[1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [1, 1, 1, 0],
+            [1, 1, 1, 1]], dtype=torch.int32)
+    """
+    x = _as_rows(x)
+    rows = _out_rows(fn(x), out_rows, out_row_dim)
+    index = torch.tensor(rows)
+
+    def picked(z: torch.Tensor) -> torch.Tensor:
+        return _row_view(fn(z), out_row_dim)[index]  # [T_sel, k]
+
+    try:
+        jac = torch.autograd.functional.jacobian(picked, x, vectorize=True)
+    except RuntimeError:  # an op without a batching rule: fall back to one backward per element
+        jac = torch.autograd.functional.jacobian(picked, x)
+    # jac: [T_sel, k, *x.shape] -> rows of x first: [T_sel, k, T_in, rest]
+    jac = jac.movedim(2 + x.dim() - 2, 2).reshape(len(rows), -1, x.shape[-2], x[..., 0, :].numel())
+    mag = jac.pow(2).sum(dim=(1, 3)).sqrt()  # [T_sel, T_in]
+    return _finish(mag, "jacobian", rows, rtol, (in_labels, out_labels))
+
+
+@torch.no_grad()
+def perturbation_map(fn: Fn, x: torch.Tensor, *, out_rows: Sequence[int] | None = None,
+                     out_row_dim: int | None = -2, rtol: float = DEFAULT_RTOL, eps: float = 1e-7,
+                     in_labels: Sequence[str] | None = None,
+                     out_labels: Sequence[str] | None = None) -> DependencyMap:
+    """The dependency map of ``fn`` at ``x``, by perturbing one input row at a time.
+
+    Each coordinate of input row ``s`` in turn is moved by ``eps``; the forward difference of
+    every output row estimates one column of the Jacobian, without autograd (one call of ``fn``
+    per coordinate). An output row that does not read input row ``s`` does not move at all (its
+    difference is exactly zero), so the boolean map is exact; in float64 the magnitudes match
+    :func:`jacobian_map` to about ``eps`` (relative).
+
+    Args and Returns: as :func:`jacobian_map`, plus ``eps`` (the step); ``method == "perturbation"``.
+
+    >>> x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    >>> m = perturbation_map(lambda x: x.cumsum(dim=0), x)
+    >>> m.rows_needed(-1), m.rows_needed(0)
+    ([0, 1, 2, 3], [0])
+    """
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    x = _as_rows(x)
+    base = fn(x).to(torch.float64)
+    rows = _out_rows(base, out_rows, out_row_dim)
+    index = torch.tensor(rows)
+    n_in = x.shape[-2]
+    mag = torch.zeros(len(rows), n_in, dtype=torch.float64)
+    for s in range(n_in):
+        row_shape = x[..., s, :].shape  # the leading dims and d
+        for flat in range(x[..., s, :].numel()):
+            *lead, j = torch.unravel_index(torch.tensor(flat), row_shape)
+            delta = torch.zeros_like(x)
+            delta[(*lead, s, j)] = eps  # one coordinate of input row s
+            diff = _row_view(fn(x + delta).to(torch.float64) - base, out_row_dim)
+            mag[:, s] += (diff[index] / eps).pow(2).sum(dim=1)
+    return _finish(mag.sqrt(), "perturbation", rows, rtol, (in_labels, out_labels))
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The result of :func:`compare_maps`.
+
+    Attributes:
+        same_pattern: the two boolean matrices are equal.
+        max_rel_diff: the largest ``|a - b| / max|a|`` over the magnitudes.
+        ok: ``same_pattern`` and ``max_rel_diff <= rtol``.
+    """
+
+    same_pattern: bool
+    max_rel_diff: float
+    ok: bool
+
+    def check(self) -> Agreement:
+        """Return ``self``, or raise ``AssertionError`` when the two methods disagree."""
+        if not self.ok:
+            raise AssertionError(f"dependency maps disagree: same pattern {self.same_pattern}, "
+                                 f"largest relative magnitude difference {self.max_rel_diff:.3e}")
+        return self
+
+
+def compare_maps(a: DependencyMap, b: DependencyMap, rtol: float = 1e-5) -> Agreement:
+    """Do two maps of the same function agree, in pattern exactly and in magnitude within ``rtol``?"""
+    if a.shape != b.shape or a.out_rows != b.out_rows:
+        raise ValueError(f"maps of different rows: {a.shape} {a.out_rows} vs {b.shape} {b.out_rows}")
+    same = bool(torch.equal(a.depends, b.depends))
+    top = float(a.magnitude.abs().max()) or 1.0
+    rel = float((a.magnitude - b.magnitude).abs().max()) / top if a.magnitude.numel() else 0.0
+    return Agreement(same, rel, same and rel <= rtol)
+
+
+@dataclass(frozen=True)
+class CheckedMap:
+    """What :func:`dependency_map` returns: the exact map, the perturbation map, and their agreement."""
+
+    jacobian: DependencyMap
+    perturbation: DependencyMap
+    agreement: Agreement
+
+    @property
+    def depends(self) -> torch.Tensor:
+        """The agreed boolean ``[T_out, T_in]`` matrix."""
+        return self.jacobian.depends
+
+    def rows_needed(self, out_row: int = -1) -> list[int]:
+        """Input rows that output row ``out_row`` (an index into the matrix) depends on."""
+        return self.jacobian.rows_needed(out_row)
+
+
+def dependency_map(fn: Fn, x: torch.Tensor, **kwargs) -> CheckedMap:
+    """Both maps of ``fn`` at ``x``, checked to agree (raises ``AssertionError`` if not).
+
+    Takes the keyword arguments of :func:`jacobian_map`.
+
+    >>> W = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    >>> x = torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(1))   # [B, T, d]
+    >>> m = dependency_map(lambda x: x @ W, x)       # a matmul by a fixed weight: row-local
+    >>> bool(torch.equal(m.depends, torch.eye(4, dtype=torch.bool)))
+    True
+    """
+    a = jacobian_map(fn, x, **kwargs)
+    b = perturbation_map(fn, x, **kwargs)
+    return CheckedMap(a, b, compare_maps(a, b).check())
+
+
+def lower_triangular(n_out: int, n_in: int | None = None) -> torch.Tensor:
+    """The causal pattern: bool ``[n_out, n_in]``, True where ``s <= t + (n_in - n_out)``."""
+    n_in = n_out if n_in is None else n_in
+    return torch.ones(n_out, n_in, dtype=torch.bool).tril(diagonal=n_in - n_out)
+
+
+# --------------------------------------------------------------------------------------------
+# Discrete inputs: token ids
+# --------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def token_dependency_map(fn: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor, vocab_size: int,
+                         *, out_row_dim: int | None = -2, in_labels: Sequence[str] | None = None,
+                         out_labels: Sequence[str] | None = None) -> DependencyMap:
+    """Which token positions each output row depends on, by replacing one token id at a time.
+
+    Position ``s`` of ``idx`` (``[B, T]``) is replaced by ``(id + 1) % vocab_size`` in every batch
+    row; output row ``t`` depends on ``s`` when it changes. The magnitude is the norm of the
+    change. A function that ignores a token never changes; one that reads it changes for almost
+    any replacement (this is one replacement, so a zero here is evidence, not proof).
+
+    >>> emb = torch.nn.Embedding(10, 4)
+    >>> m = token_dependency_map(emb, torch.tensor([[1, 2, 3]]), 10)   # a lookup is row-local
+    >>> m.depends.int().tolist()
+    [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
+    """
+    if idx.dim() != 2 or idx.dtype.is_floating_point:
+        raise ValueError(f"idx must be [B, T] integer token ids, got {tuple(idx.shape)} {idx.dtype}")
+    base = fn(idx).to(torch.float64)
+    rows = _out_rows(base, None, out_row_dim)
+    T = idx.shape[1]
+    mag = torch.zeros(len(rows), T, dtype=torch.float64)
+    for s in range(T):
+        edited = idx.clone()
+        edited[:, s] = (edited[:, s] + 1) % vocab_size
+        diff = _row_view(fn(edited).to(torch.float64) - base, out_row_dim)
+        mag[:, s] = diff.pow(2).sum(dim=1).sqrt()
+    depends = mag > 0
+    ins = tuple(in_labels) if in_labels is not None else tuple(str(s) for s in range(T))
+    outs = tuple(out_labels) if out_labels is not None else tuple(str(t) for t in rows)
+    return DependencyMap(depends, mag, "token", rows, ins, outs)

@@ -1,0 +1,138 @@
+"""The axes of the verification grid: model configurations, cache kinds, implementations.
+
+This is the one place to plug something new into ``python -m kvdoc verify``: one entry in one
+mapping puts it on the default grid of :func:`kvdoc.proofs.suite.run_suite`, where every scenario of
+:mod:`kvdoc.proofs.scenarios` runs on it.
+
+* :data:`MODELS`: name -> :class:`ModelSpec`: a factory ``seed -> model`` (FP32, eval mode) with
+  the :class:`~kvdoc.core.model.Decoder` interface: ``model(idx, cache=None, last_only=False) ->
+  (logits, cache)``, ``model.new_cache(batch, kind, capacity)``, ``model.config`` (with
+  ``vocab_size``), layers in ``model.h`` or ``model.layers`` (the ``failure`` scenario raises in
+  the last one); optionally an independent reference ``model -> (ids -> logits)`` built from the
+  model's weights (:mod:`kvdoc.proofs.references`).
+* :data:`CACHES`: name -> :class:`CacheSpec`: a factory ``(model, batch, capacity) -> KVCache``
+  and whether a call writes into the cache passed in (as a static cache does) or must leave it
+  unchanged (as a dynamic cache must). Crop is ``cache.crop(length)`` (returning the cache).
+* :data:`IMPLEMENTATIONS`: name -> ``model -> call``: how a cached call is made, the model
+  itself or a wrapper such as a fused decoder, called ``call(idx, cache, last_only=False) ->
+  (logits, cache)`` (also with ``cache=None`` for a full forward). ``generate`` is checked for
+  ``"model"`` only, since it takes a model.
+
+For example, :class:`kvdoc.core.fast.FastDecoder` is registered as ``IMPLEMENTATIONS["fast"]``: the
+speed of its decode step is proved not to cost correctness on every model and cache kind.
+
+The factories look classes up when called (``kvdoc.core.model.Decoder``, ``model.new_cache``), never
+at import, so a class patched at run time is the one verified.
+
+>>> sorted(MODELS)
+['gqa', 'llama', 'mha', 'mistral', 'mqa']
+>>> sorted(CACHES), sorted(IMPLEMENTATIONS)
+(['dynamic', 'paged', 'shared-prefix', 'static', 'window'], ['fast', 'model'])
+>>> MODELS["gqa"].build(0).config.n_kv_head
+2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvdoc.core import model as _model  # looked up at call time: see the module docstring
+from kvdoc.core.cache import KVCache
+from kvdoc.core.config import GPTConfig, llama_config, mistral_config
+from .references import mha_reference, transformers_reference
+
+STREAM_LENGTH = 83
+"""Tokens in the default stream: past 32 and 64, and prime, so no chunk size above 1 divides it."""
+WINDOW = 16
+"""The Mistral-style model's window: the default stream crosses it five times."""
+CHUNKS = (1, 2, 5, 13)
+"""Chunk sizes of the default ``logits`` check."""
+THOROUGH = dict(length=150, chunks=(1, 2, 3, 5, 7, 16, 17, 31, 32, 33, 64), batch=3, seeds=(0, 1))
+"""The ``--thorough`` grid: a stream past 128, more chunk sizes, batch 3, two seeds."""
+
+
+def _decoder(config: GPTConfig) -> Callable[[int], nn.Module]:
+    def build(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return _model.Decoder(config).eval()
+    return build
+
+
+def _paged(shared: bool) -> Callable[[nn.Module, int, int], KVCache]:
+    def new(model: nn.Module, batch: int, capacity: int) -> KVCache:
+        from kvdoc.serving import paged  # looked up at call time, like the model
+
+        make = paged.new_shared_prefix_cache if shared else paged.new_paged_cache
+        return make(model, batch, capacity)
+    return new
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model configuration of the grid.
+
+    Attributes:
+        describe: a few words for tables.
+        build: ``seed -> model`` in FP32 and eval mode (FP64 runs convert a copy).
+        reference: ``model -> (ids -> logits)``, an implementation independent of the model's
+            code, built from its weights; None if there is none.
+        reference_name: what the reference is, for tables.
+    """
+
+    describe: str
+    build: Callable[[int], nn.Module]
+    reference: Callable[[nn.Module], Callable[[torch.Tensor], torch.Tensor]] | None = None
+    reference_name: str = ""
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """One cache kind: ``new(model, batch, capacity)``, whether a call writes into the cache passed
+    in, and which model configurations it serves (the grid skips the others)."""
+
+    new: Callable[[nn.Module, int, int], KVCache]
+    in_place: bool
+    serves: Callable[[GPTConfig], bool] = lambda config: True
+    """Which models it can serve (a ring of ``W`` positions only a model with that window)."""
+
+
+MODELS: dict[str, ModelSpec] = {
+    "mha": ModelSpec("GPT-2, 4 query heads, 4 K/V heads", _decoder(GPTConfig()), transformers_reference,
+                     "transformers GPT-2, same weights"),
+    "gqa": ModelSpec("GPT-2, 4 query heads, 2 K/V heads", _decoder(GPTConfig(n_kv_head=2)), mha_reference,
+                     "MHA with each K/V head copied over its group"),
+    "mqa": ModelSpec("GPT-2, 4 query heads, 1 K/V head", _decoder(GPTConfig(n_kv_head=1)), mha_reference,
+                     "MHA with the K/V head copied over all query heads"),
+    "llama": ModelSpec("Llama-style: RoPE, RMSNorm, SwiGLU, 4 query heads, 2 K/V heads",
+                       _decoder(llama_config()), transformers_reference, "transformers Llama, same weights"),
+    "mistral": ModelSpec(f"Mistral-style: Llama with a sliding window of {WINDOW} positions",
+                         _decoder(mistral_config(sliding_window=WINDOW)), transformers_reference,
+                         "transformers Mistral, same weights"),
+}
+"""Model configurations by name."""
+
+CACHES: dict[str, CacheSpec] = {
+    "dynamic": CacheSpec(lambda m, b, cap: m.new_cache(b, "dynamic"), in_place=False),
+    "static": CacheSpec(lambda m, b, cap: m.new_cache(b, "static", cap), in_place=True),
+    "window": CacheSpec(lambda m, b, cap: m.new_cache(b, "window"), in_place=False,
+                        serves=lambda config: config.sliding_window is not None),
+    "paged": CacheSpec(_paged(shared=False), in_place=True),
+    "shared-prefix": CacheSpec(_paged(shared=True), in_place=False),
+}
+"""Cache kinds by name."""
+
+def _fast(model: nn.Module) -> Callable:
+    from kvdoc.core.fast import FastDecoder  # looked up at call time, like the model
+
+    return FastDecoder(model)
+
+
+IMPLEMENTATIONS: dict[str, Callable[[nn.Module], Callable]] = {
+    "model": lambda m: m,
+    "fast": _fast,
+}
+"""How a cached call is made, by name: ``model -> call``."""

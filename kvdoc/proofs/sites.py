@@ -1,0 +1,208 @@
+"""Sites inside the real decoder: any intermediate tensor as the input of a plain function.
+
+:func:`decoder_function` turns a *site* of a :class:`~kvdoc.core.model.Decoder` (one layer's Q, K or
+V, the residual stream before a block, the final LayerNorm's input, ...; :func:`decoder_sites`
+lists them) into a function of that tensor, by replacing the site's value with forward hooks so
+that the real modules do the computing. It can also *pin* other sites, holding them at their
+values from a normal run: that is how "given every layer's K and V" is expressed.
+:func:`decoder_values` records every site of one forward, and :func:`kv_rows_changed` shows which
+layers' cached K/V rows an edit of the prompt changes. Layers are numbered from 0 (``h0``, ``h1``).
+The maps themselves are computed by :mod:`kvdoc.proofs.deps`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvdoc.core.model import Decoder
+
+Fn = Callable[[torch.Tensor], torch.Tensor]
+
+def _site_spec(model: Decoder, site: str) -> tuple[str, str, slice | None]:
+    """``(module name, "in" | "out", column slice)`` for a site name."""
+    cfg = model.config
+    fixed = {"embed": ("h.0", "in"), "wte": ("wte", "out"), "wpe": ("wpe", "out"),
+             "ln_f.in": ("ln_f", "in"), "ln_f.out": ("lm_head", "in"), "logits": ("lm_head", "out")}
+    if site in fixed:
+        return (*fixed[site], None)
+    layer, _, part = site.partition(".")
+    if not (layer.startswith("h") and layer[1:].isdigit() and int(layer[1:]) < cfg.n_layer):
+        raise ValueError(f"unknown site {site!r}; see decoder_sites()")
+    h = f"h.{int(layer[1:])}"
+    d, kv = cfg.n_embd, cfg.kv_dim
+    parts = {"in": (h, "in", None), "ln_1": (f"{h}.ln_1", "out", None),
+             "q": (f"{h}.attn.c_attn", "out", slice(0, d)),
+             "k": (f"{h}.attn.c_attn", "out", slice(d, d + kv)),
+             "v": (f"{h}.attn.c_attn", "out", slice(d + kv, d + 2 * kv)),
+             "heads": (f"{h}.attn.c_proj", "in", None), "attn": (f"{h}.attn", "out", None),
+             "mid": (f"{h}.ln_2", "in", None), "ln_2": (f"{h}.ln_2", "out", None),
+             "fc": (f"{h}.mlp.c_fc", "out", None), "mlp": (f"{h}.mlp", "out", None),
+             "out": (h, "out", None)}
+    if part not in parts:
+        raise ValueError(f"unknown site {site!r}; see decoder_sites()")
+    return parts[part]
+
+
+def decoder_sites(model: Decoder) -> list[str]:
+    """Every site name :func:`decoder_function` accepts, in the order the forward pass meets them.
+
+    ``embed`` is ``wte + wpe`` (the first block's input); ``h{l}.q/k/v`` are one layer's Q, K,
+    V with heads merged (``[B, T, H * D_h]``, ``[B, T, H_kv * D_h]``); ``h{l}.heads`` is the
+    attention output before ``c_proj``; ``h{l}.mid`` the residual stream between attention and
+    MLP; ``ln_f.out`` the LM head's input.
+    """
+    per = ["in", "ln_1", "q", "k", "v", "heads", "attn", "mid", "ln_2", "fc", "mlp", "out"]
+    return (["wte", "wpe", "embed"] + [f"h{i}.{p}" for i in range(model.config.n_layer) for p in per]
+            + ["ln_f.in", "ln_f.out", "logits"])
+
+
+class _Hooks:
+    """Forward hooks that record and replace sites of a decoder for one call."""
+
+    def __init__(self, model: Decoder, replace: dict[str, torch.Tensor], record: Sequence[str]) -> None:
+        self.model, self.values, self.handles = model, {}, []
+        modules = dict(model.named_modules())
+        by_module: dict[tuple[str, str], list[tuple[str, slice | None, torch.Tensor | None]]] = {}
+        for site in set(replace) | set(record):
+            name, where, cols = _site_spec(model, site)
+            by_module.setdefault((name, where), []).append((site, cols, replace.get(site)))
+        for (name, where), items in by_module.items():
+            mod = modules[name]
+            if where == "in":
+                self.handles.append(mod.register_forward_pre_hook(self._pre(items)))
+            else:
+                self.handles.append(mod.register_forward_hook(self._post(items)))
+
+    def _apply(self, t: torch.Tensor, items) -> torch.Tensor:
+        for site, cols, new in items:
+            if new is not None:
+                if cols is None:
+                    t = new.expand_as(t) if new.shape != t.shape else new
+                else:
+                    t = torch.cat([t[..., : cols.start], new, t[..., cols.stop:]], dim=-1)
+        for site, cols, _ in items:
+            self.values[site] = t if cols is None else t[..., cols]
+        return t
+
+    def _pre(self, items):
+        def hook(module, args):
+            return (self._apply(args[0], items), *args[1:])
+        return hook
+
+    def _post(self, items):
+        def hook(module, args, output):
+            return self._apply(output, items)
+        return hook
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def float64_copy(model: Decoder) -> Decoder:
+    """A float64 copy of ``model`` in eval mode (the original is untouched)."""
+    return copy.deepcopy(model).to(torch.float64).eval()
+
+
+def decoder_values(model: Decoder, idx: torch.Tensor, sites: Sequence[str] | None = None,
+                   replace: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Run ``model(idx)`` (full recompute) and return the value of each site (default: all).
+
+    ``replace`` substitutes tensors for sites during the run (shapes as recorded).
+
+    >>> from kvdoc import GPTConfig
+    >>> _ = torch.manual_seed(0)
+    >>> values = decoder_values(Decoder(GPTConfig()), torch.tensor([[5, 6, 7]]), ["h0.k", "logits"])
+    >>> tuple(values["h0.k"].shape), tuple(values["logits"].shape)
+    ((1, 3, 64), (1, 3, 97))
+    """
+    sites = decoder_sites(model) if sites is None else list(sites)
+    hooks = _Hooks(model, replace or {}, sites)
+    try:
+        model(idx)
+    finally:
+        hooks.close()
+    return {s: hooks.values[s] for s in sites}
+
+
+def decoder_function(model: Decoder, idx: torch.Tensor, site: str, output: str = "logits",
+                     pin: Sequence[str] = ()) -> tuple[Fn, torch.Tensor]:
+    """The decoder as a function of one internal tensor, for :func:`dependency_map`.
+
+    Runs ``model(idx)`` once to record every site. Returns ``(fn, x0)``: ``x0`` is the value of
+    ``site`` in that run (float64), and ``fn(x)`` reruns the real model with ``site`` replaced by
+    ``x`` and each site in ``pin`` held at its recorded value, returning ``output``. Pinning
+    every layer's K and V is what a cache does: it answers "given the cached K and V, what does
+    this output still depend on?"
+
+    Args:
+        model: a decoder; it is copied to float64 (the original is not modified).
+        idx: token ids ``[B, T]``.
+        site, output: names from :func:`decoder_sites`.
+        pin: sites to hold constant (e.g. ``["h0.k", "h0.v", "h1.k", "h1.v"]``).
+
+    >>> from kvdoc import GPTConfig
+    >>> _ = torch.manual_seed(0)
+    >>> from kvdoc.proofs.deps import dependency_map
+    >>> small = Decoder(GPTConfig(n_embd=8, n_head=2, n_inner=16))
+    >>> fn, k0 = decoder_function(small, torch.tensor([[5, 6, 7]]), "h1.k")
+    >>> m = dependency_map(fn, k0, out_rows=[-1])      # last logits row over layer 1's K rows
+    >>> m.rows_needed()
+    [0, 1, 2]
+    """
+    model = float64_copy(model)
+    recorded = decoder_values(model, idx, [site, output, *pin])
+    fixed = {p: recorded[p].detach() for p in pin if p != site}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return decoder_values(model, idx, [output], {**fixed, site: x})[output]
+
+    return fn, recorded[site].detach()
+
+
+# --------------------------------------------------------------------------------------------
+# Prefix edits
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KVRowChanges:
+    """Which cached K/V rows an edit of the prompt changes.
+
+    Attributes:
+        k_change, v_change: float64 ``[L, T]``, the largest absolute difference of layer ``l``'s
+            K (or V) at position ``t`` between the original and the edited prompt.
+        k_changed, v_changed: bool ``[L, T]``, where the change is above ``atol``.
+    """
+
+    k_change: torch.Tensor
+    v_change: torch.Tensor
+    k_changed: torch.Tensor
+    v_changed: torch.Tensor
+
+
+@torch.no_grad()
+def kv_rows_changed(model: Decoder, idx: torch.Tensor, edited: torch.Tensor, atol: float = 0.0) -> KVRowChanges:
+    """Prefill both prompts (``[B, T]``, same shape) and compare every layer's cached K and V rows.
+
+    Runs in float64 on a copy of ``model``; with the default ``atol=0`` a row "changed" unless it
+    is bit-for-bit equal.
+
+    >>> from kvdoc import GPTConfig
+    >>> _ = torch.manual_seed(0)
+    >>> e = kv_rows_changed(Decoder(GPTConfig()), torch.tensor([[1, 2, 3]]), torch.tensor([[1, 9, 3]]))
+    >>> e.k_changed.int().tolist()     # layer 0: only the edited row; layer 1: it and every later row
+    [[0, 1, 0], [0, 1, 1]]
+    """
+    if idx.shape != edited.shape:
+        raise ValueError(f"the prompts must have one shape, got {tuple(idx.shape)} and {tuple(edited.shape)}")
+    m = float64_copy(model)
+    a, b = (m(ids, m.new_cache(ids.shape[0])).cache for ids in (idx, edited))
+    diffs = []
+    for which in (0, 1):  # K, V: [B, H_kv, T, D_h] -> largest change per position: [L, T]
+        diffs.append(torch.stack([(a.layer(l)[which] - b.layer(l)[which]).abs().amax(dim=(0, 1, 3))
+                                  for l in range(m.config.n_layer)]))
+    return KVRowChanges(diffs[0], diffs[1], diffs[0] > atol, diffs[1] > atol)

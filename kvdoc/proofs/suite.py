@@ -1,0 +1,324 @@
+"""The verification suite: every scenario on every combination of the grid, and its verdict.
+
+:func:`run_suite` runs the scenarios of :mod:`kvdoc.proofs.scenarios` on every combination of the axes
+of :mod:`kvdoc.proofs.grid` (model configurations, cache kinds, implementations) and of FP32 and FP64,
+and returns a :class:`SuiteReport`. :func:`sweep_variants` runs every broken variant of
+:mod:`kvdoc.proofs.variants` through it, each of which must be caught. ``python -m kvdoc verify`` does
+both and ends with a verdict line; its exit status is 0 only if the implementation passed and
+every variant was caught.
+
+An exception raised by the code under test (also while a model is built) is a failed check
+carrying its message; the suite itself does not raise.
+
+>>> report = run_suite(models=("gqa",), kinds=("static",), dtypes=(torch.float32,), length=40)
+>>> report.passed, report.combinations, report.failed_checks()  # the model itself, and FastDecoder
+(True, [('gqa', 'static', 'model', 'FP32'), ('gqa', 'static', 'fast', 'FP32')], [])
+>>> run_suite("position-counter", models=("mha",), kinds=("dynamic",), dtypes=(torch.float32,),
+...           length=40).failed_checks()
+['crop', 'branch', 'failure']
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import grid
+from .variants import VARIANTS
+from .scenarios import CHECKS, SCENARIO_CHECK, SCENARIOS, WHAT, Case
+from kvdoc.measure.tables import markdown_table
+from .verify import DTYPE_NAMES, TOLERANCE
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check on one combination. ``passed`` is None when the check does not apply."""
+
+    check: str
+    model: str
+    kind: str
+    impl: str
+    dtype: str
+    passed: bool | None
+    error: float
+    detail: str
+
+
+@dataclass(frozen=True)
+class SuiteReport:
+    """Every :class:`CheckResult` of one run of the suite.
+
+    Attributes:
+        variant: None for the implementation as it is, else the broken variant's name.
+        results: one per check and combination (a scenario that raised gives one failed result,
+            with the exception's message as its detail; a model that could not be built, one
+            failed ``build`` result).
+        seconds: wall-clock time of the run (an observation).
+    """
+
+    variant: str | None
+    results: list[CheckResult]
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        """Something ran and nothing failed (checks that do not apply are neither)."""
+        return bool(self.results) and all(r.passed is not False for r in self.results)
+
+    @property
+    def failures(self) -> list[CheckResult]:
+        """The failed results, in run order."""
+        return [r for r in self.results if r.passed is False]
+
+    @property
+    def combinations(self) -> list[tuple[str, str, str, str]]:
+        """The distinct ``(model, kind, implementation, dtype)`` combinations run."""
+        return list(dict.fromkeys((r.model, r.kind, r.impl, r.dtype) for r in self.results))
+
+    def failed_checks(self) -> list[str]:
+        """Names of the checks that failed at least once, in report order."""
+        names = list(dict.fromkeys(r.check for r in self.failures))
+        return sorted(names, key=lambda n: CHECKS.index(n) if n in CHECKS else len(CHECKS))
+
+    def summary_table(self) -> str:
+        """One Markdown row per check: what it compares, combinations passed, largest difference."""
+        names = [n for n in CHECKS if any(r.check == n for r in self.results)]
+        names += [n for n in dict.fromkeys(r.check for r in self.results) if n not in names]
+        body = []
+        for name in names:
+            rows = [r for r in self.results if r.check == name]
+            ran = [r for r in rows if r.passed is not None]
+            worst = max((r.error for r in ran), default=0.0)
+            body.append([name, WHAT.get(name, "raised an exception"),
+                         f"{sum(bool(r.passed) for r in ran)} of {len(ran)}", len(rows) - len(ran),
+                         f"{worst:.2e}" if ran else ""])
+        return markdown_table(["check", "compares", "passed", "not applicable", "largest difference"], body)
+
+    def references_table(self) -> str:
+        """One Markdown row per model and dtype: its independent reference (transformers' GPT-2, Llama
+        or Mistral, or the MHA copy of a GQA model) against kvdoc, full and cached, over every cache
+        kind and implementation."""
+        body = []
+        for model, dtype in dict.fromkeys((r.model, r.dtype) for r in self.results if r.check == "reference"):
+            rows = [r for r in self.results if r.check == "reference" and (r.model, r.dtype) == (model, dtype)]
+            ran = [r for r in rows if r.passed is not None]
+            if ran:
+                body.append([model, ran[0].detail, dtype, f"{sum(bool(r.passed) for r in ran)} of {len(ran)}",
+                             f"{max(r.error for r in ran):.2e}"])
+        return markdown_table(["model", "independent reference", "dtype", "passed (full and cached)",
+                               "largest difference"], body)
+
+    def failures_table(self, limit: int = 12) -> str:
+        """The first ``limit`` failures as a Markdown table."""
+        body = [[r.check, r.model, r.kind, r.impl, r.dtype, f"{r.error:.2e}", r.detail[:120]]
+                for r in self.failures[:limit]]
+        return markdown_table(["check", "model", "cache", "implementation", "dtype", "difference", "detail"],
+                              body)
+
+
+def _streams(seed: int, batch: int, length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stream ``[batch, length]`` and an unrelated one (other continuations for crop and branch)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    return torch.randint(0, vocab, (batch, length), generator=g), torch.randint(0, vocab, (batch, length), generator=g)
+
+
+def _run_case(case: Case, scenarios: Sequence[str], results: list, stop_at_first: bool) -> bool:
+    """Run the scenarios on one combination, appending to ``results``; True if it should stop."""
+    for name in scenarios:
+        found: list = []
+        try:
+            with torch.no_grad():
+                SCENARIOS[name](case, found)
+        except Exception as exc:  # the code under test failed: a failed check, not a crash
+            found.append((SCENARIO_CHECK.get(name, name), False, float("inf"), f"raised {type(exc).__name__}: {exc}"))
+        results.extend(CheckResult(c, case.model_name, case.kind, case.impl, DTYPE_NAMES[case.dtype], p, e, d)
+                       for c, p, e, d in found)
+        if stop_at_first and any(p is False for _, p, _, _ in found):
+            return True
+    return False
+
+
+def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None,
+              kinds: Sequence[str] | None = None, impls: Sequence[str] | None = None,
+              dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64), length: int = grid.STREAM_LENGTH,
+              chunks: Sequence[int] = grid.CHUNKS, batch: int = 2, seeds: Sequence[int] = (0,),
+              scenarios: Sequence[str] | None = None, stop_at_first: bool = False) -> SuiteReport:
+    """Run the scenarios on every combination of models, cache kinds, implementations and dtypes.
+
+    Args:
+        variant: a key of :data:`kvdoc.proofs.variants.VARIANTS` to test instead of the implementation as it is.
+        models, kinds, impls: keys of :data:`kvdoc.proofs.grid.MODELS`, ``CACHES``, ``IMPLEMENTATIONS``
+            (default: all of each, as registered when called; for a variant, ``impls`` defaults
+            to ``("model",)``, the broken model itself).
+        dtypes: FP32 and/or FP64 (FP64 converts a copy of the FP32 weights).
+        length, chunks, batch, seeds: the stream, the ``logits`` check's chunk sizes, the batch
+            size, and the model seeds.
+        scenarios: keys of :data:`kvdoc.proofs.scenarios.SCENARIOS` (default all).
+        stop_at_first: return at the first failed check (how broken variants are swept).
+
+    Returns:
+        A :class:`SuiteReport`.
+
+    Raises:
+        ValueError: an unknown name on an axis, a bad dtype, or a stream too short for the scenarios.
+    """
+    models, kinds = list(models or grid.MODELS), list(kinds or grid.CACHES)
+    # a broken variant is the implementation under test: by default it runs as itself, not wrapped
+    impls = list(impls or (grid.IMPLEMENTATIONS if variant is None else ("model",)))
+    scenarios = list(scenarios or SCENARIOS)
+    for axis, names, known in (("model", models, grid.MODELS), ("cache kind", kinds, grid.CACHES),
+                               ("implementation", impls, grid.IMPLEMENTATIONS), ("scenario", scenarios, SCENARIOS)):
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ValueError(f"unknown {axis} {unknown[0]!r}; choose from {', '.join(known)}")
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    if any(dt not in TOLERANCE for dt in dtypes):
+        raise ValueError(f"dtypes must be float32 or float64, got {list(dtypes)}")
+    if length < 24 or batch < 1 or not chunks or min(chunks) < 1:
+        raise ValueError(f"need length >= 24, batch >= 1 and positive chunks; got {length}, {batch}, {chunks}")
+    start, results = time.perf_counter(), []
+    broken = None if variant is None else VARIANTS[variant]
+    for seed in seeds:
+        for name in models:
+            for dt in dtypes:
+                try:
+                    model = copy.deepcopy(grid.MODELS[name].build(seed)).to(dt).eval()
+                    model = model if broken is None else broken.build(model)
+                    ids, alt = _streams(seed, batch, length, model.config.vocab_size)
+                except Exception as exc:
+                    results.append(CheckResult("build", name, "", "", DTYPE_NAMES[dt], False, float("inf"),
+                                               f"raised {type(exc).__name__}: {exc}"))
+                    continue
+                for kind in kinds:
+                    if not grid.CACHES[kind].serves(model.config):
+                        continue  # e.g. a ring cache for a model without a window
+                    for impl in impls:
+                        try:
+                            call = grid.IMPLEMENTATIONS[impl](model)
+                        except Exception as exc:
+                            results.append(CheckResult("build", name, kind, impl, DTYPE_NAMES[dt], False,
+                                                       float("inf"), f"raised {type(exc).__name__}: {exc}"))
+                            continue
+                        case = Case(name, kind, impl, dt, grid.MODELS[name], grid.CACHES[kind], model, call,
+                                    ids, alt, tuple(chunks), broken is not None and broken.stale_prefix)
+                        if _run_case(case, scenarios, results, stop_at_first):
+                            return SuiteReport(variant, results, time.perf_counter() - start)
+    return SuiteReport(variant, results, time.perf_counter() - start)
+
+
+@dataclass(frozen=True)
+class VariantOutcome:
+    """How one broken variant fared: ``caught`` if any check failed; where the first failure was."""
+
+    name: str
+    breaks: str
+    bug_class: str
+    report: SuiteReport
+
+    @property
+    def caught(self) -> bool:
+        return not self.report.passed
+
+    @property
+    def first(self) -> CheckResult | None:
+        failures = self.report.failures
+        return failures[0] if failures else None
+
+
+def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = True,
+                   **axes) -> list[VariantOutcome]:
+    """Run each broken variant (all by default) through :func:`run_suite` with the same ``axes``.
+
+    A variant built for some models only (:attr:`~kvdoc.proofs.variants.BrokenVariant.models`) runs on
+    those among ``axes["models"]``, and is left out when there are none.
+
+    With ``stop_at_first`` (the default) each run stops at its first failed check, which is all
+    a verdict needs; without it, every check runs, which shows everything that catches a variant.
+    """
+    outcomes = []
+    for name in (list(VARIANTS) if names is None else list(names)):
+        v = VARIANTS[name]
+        models = list(axes.get("models") or grid.MODELS)
+        models = [m for m in models if v.models is None or m in v.models]  # e.g. RoPE variants: RoPE models
+        if not models:
+            continue  # nothing on these axes it can be built from
+        outcomes.append(VariantOutcome(name, v.breaks, v.bug_class,
+                                       run_suite(name, stop_at_first=stop_at_first, **{**axes, "models": models})))
+    return outcomes
+
+
+def variants_table(outcomes: Sequence[VariantOutcome]) -> str:
+    """One Markdown row per variant: its class, whether it was caught, and by which check where."""
+    body = []
+    for o in outcomes:
+        f = o.first
+        where = "" if f is None else f"{f.check} ({f.model}, {f.kind}, {f.dtype})"
+        body.append([f"`{o.name}`", o.bug_class, "yes" if o.caught else "NO", where])
+    return markdown_table(["variant", "bug class", "caught", "first failed check"], body)
+
+
+# --- command line -----------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``python -m kvdoc verify``."""
+    parser.add_argument("--variant", choices=list(VARIANTS), default=None,
+                        help="run the suite on this broken variant instead (it must fail)")
+    parser.add_argument("--list", action="store_true", help="list the broken variants and exit")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the models' random weights (default 0)")
+    parser.add_argument("--no-variants", action="store_true",
+                        help="skip the broken variants (by default each must be caught)")
+    parser.add_argument("--thorough", action="store_true",
+                        help=f"a longer stream ({grid.THOROUGH['length']} tokens), more chunk sizes, "
+                             "batch 3, two seeds (slower; CI runs it)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the suite, print its tables and a verdict line; return 0 only if everything is as expected."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: one thread is faster than several that contend
+    try:
+        return _main(args)
+    except Exception as exc:  # the verifier's own failure still ends in a verdict
+        print(f"VERDICT: FAIL (the verifier stopped: {type(exc).__name__}: {exc})")
+        return 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.list:
+        for v in VARIANTS.values():
+            print(f"{v.name:22s} {v.bug_class:26s} {v.breaks}")
+        return 0
+    axes = dict(grid.THOROUGH, seeds=(args.seed, args.seed + 1)) if args.thorough else dict(seeds=(args.seed,))
+    report = run_suite(args.variant, **axes)
+    combos = len(report.combinations)
+    print(f"Suite on {'broken variant ' + repr(args.variant) if args.variant else 'the implementation'}: "
+          f"{combos} combinations x {len(SCENARIOS)} scenarios x {len(axes['seeds'])} seed(s), "
+          f"{len(report.results)} checks, "
+          f"{report.seconds:.1f} s\n")
+    print(report.summary_table())
+    print(f"\nIndependent references, full and cached:\n\n{report.references_table()}")
+    if report.failures:
+        print(f"\n{len(report.failures)} failed checks (first {min(12, len(report.failures))}):\n")
+        print(report.failures_table())
+    if args.variant is not None:
+        verdict = "FAIL" if report.failures else "PASS"
+        print(f"\nVERDICT: {verdict}: broken variant {args.variant!r} "
+              + (f"caught by {', '.join(report.failed_checks())}" if report.failures else "NOT caught"))
+        return 0 if report.passed else 1
+    missed: list[str] = []
+    if not args.no_variants:
+        outcomes = sweep_variants(**axes)  # a verdict needs each variant's first failure only
+        print(f"\nBroken variants (each must be caught):\n\n{variants_table(outcomes)}")
+        missed = [o.name for o in outcomes if not o.caught]
+    problems = ([f"{len(report.failures)} failed checks ({', '.join(report.failed_checks())})"]
+                if not report.passed else []) + ([f"variants not caught: {', '.join(missed)}"] if missed else [])
+    print("\nVERDICT: " + ("PASS" if not problems else "FAIL: " + "; ".join(problems)))
+    return 0 if not problems else 1

@@ -1,0 +1,203 @@
+"""Batched generation of prompts of different lengths: left padding, a pad mask, per-row positions.
+
+A batch is one ``[B, L]`` tensor, so prompts shorter than the longest are padded. Padding on
+the left lines every prompt's last token up in the last column, so each decode step appends one
+column for every row at once. The cache then holds ``pad[b]`` pad slots at the start of row
+``b``; K and V keep the layout ``[B, H_kv, T, D_h]``, slot ``t`` of row ``b`` holding the token at
+position ``t - pad[b]``. Two things make each row the same function as its prompt run alone:
+
+* **positions**: the token in slot ``t`` is embedded at position ``t - pad[b]`` (pad slots at 0);
+* **the mask**: a real query reads keys at slots ``pad[b] .. t`` only. A pad query reads the
+  earlier pad slots, so no row of the softmax is empty; its output is never read.
+
+:func:`generate_padded` runs the batch; :func:`compare_with_alone` checks every row against its
+prompt generated alone. ``shift_positions=False`` is the broken variant: every slot is embedded at
+its own index, so a padded row sees its prompt at the wrong positions.
+
+>>> from kvdoc import Decoder, GPTConfig
+>>> _ = torch.manual_seed(0)
+>>> model = Decoder(GPTConfig()).eval()
+>>> batch = left_pad([[5, 6, 7], [8]])
+>>> batch.ids.tolist(), batch.pad.tolist()
+([[5, 6, 7], [0, 0, 8]], [0, 2])
+>>> rows = compare_with_alone(model, [[5, 6, 7], [8]], max_new_tokens=4)
+>>> [(r.pad, r.same_tokens) for r in rows]
+[(0, True), (2, True)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvdoc.core.model import Decoder, generate
+from kvdoc.proofs.verify import TOLERANCE
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """Prompts padded on the left to one length.
+
+    Attributes:
+        ids: ``[B, L]`` token ids, row ``b`` starting with ``pad[b]`` copies of the pad id.
+        pad: ``[B]`` int64, the number of pad slots at the start of each row.
+    """
+
+    ids: torch.Tensor
+    pad: torch.Tensor
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> PaddedBatch:
+    """Pad ``prompts`` (lists of token ids, each non-empty) on the left to the longest one.
+
+    The pad id is a valid token (it is embedded like any other) because the mask, not its
+    value, keeps it out of every real row's attention.
+
+    Raises:
+        ValueError: no prompts, an empty prompt, or a token id that is not an integer.
+
+    >>> left_pad([[1, 2], [3, 4, 5]], pad_id=9).ids.tolist()
+    [[9, 1, 2], [3, 4, 5]]
+    """
+    if len(prompts) == 0:
+        raise ValueError("left_pad needs at least one prompt")
+    rows = [list(p) for p in prompts]
+    if any(len(r) == 0 for r in rows):
+        raise ValueError("every prompt needs at least one token")
+    if any(isinstance(t, bool) or not isinstance(t, int) for r in rows for t in r):
+        raise ValueError("prompts must be lists of integer token ids")
+    width = max(len(r) for r in rows)
+    pad = [width - len(r) for r in rows]
+    ids = torch.tensor([[pad_id] * n + r for n, r in zip(pad, rows)])
+    return PaddedBatch(ids, torch.tensor(pad))
+
+
+def padded_positions(pad: torch.Tensor, start: int, new_len: int) -> torch.Tensor:
+    """``[B, C]`` positions of slots ``start .. start + C - 1``: slot minus the row's pad, at least 0.
+
+    >>> padded_positions(torch.tensor([0, 2]), start=1, new_len=3).tolist()
+    [[1, 2, 3], [0, 0, 1]]
+    """
+    slots = torch.arange(start, start + new_len, device=pad.device)
+    return (slots[None, :] - pad[:, None]).clamp(min=0)
+
+
+def padded_mask(pad: torch.Tensor, start: int, new_len: int) -> torch.Tensor:
+    """``[B, C, start + C]`` bool: which key slots each new query slot may read.
+
+    The offset causal mask (key ``j <= start + i``), and a real query (slot ``>= pad[b]``) reads
+    real keys only; a pad query reads the pad keys before it.
+
+    >>> padded_mask(torch.tensor([1]), start=0, new_len=3).int()[0]
+    tensor([[1, 0, 0],
+            [0, 1, 0],
+            [0, 1, 1]], dtype=torch.int32)
+    """
+    query = torch.arange(start, start + new_len, device=pad.device)  # slots of the new queries
+    key = torch.arange(start + new_len, device=pad.device)
+    causal = key[None, :] <= query[:, None]  # [C, T]
+    real_key = key[None, None, :] >= pad[:, None, None]  # [B, 1, T]
+    real_query = query[None, :, None] >= pad[:, None, None]  # [B, C, 1]
+    return causal & (real_key == real_query)
+
+
+@dataclass(frozen=True)
+class PaddedGeneration:
+    """What :func:`generate_padded` returns.
+
+    Attributes:
+        tokens: ``[B, N]`` the greedy tokens chosen for each row.
+        logits: ``[B, N, V]`` the logits each choice was made from.
+    """
+
+    tokens: torch.Tensor
+    logits: torch.Tensor
+
+
+@torch.no_grad()
+def generate_padded(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                    shift_positions: bool = True, pad_id: int = 0) -> PaddedGeneration:
+    """Greedy generation for a batch of prompts of different lengths, left-padded, one cache.
+
+    Args:
+        model: the decoder.
+        prompts: token-id lists, any lengths.
+        max_new_tokens: tokens to generate per row (at least 1).
+        shift_positions: False is the broken variant: slots are embedded at their own index.
+        pad_id: the token id placed in pad slots.
+
+    Raises:
+        ValueError: bad prompts, ``max_new_tokens < 1``, or more positions than the model has.
+
+    >>> from kvdoc import Decoder, GPTConfig
+    >>> _ = torch.manual_seed(0)
+    >>> out = generate_padded(Decoder(GPTConfig()).eval(), [[1, 2, 3], [4]], 2)
+    >>> tuple(out.tokens.shape), tuple(out.logits.shape)
+    ((2, 2), (2, 2, 97))
+    """
+    batch = left_pad(prompts, pad_id)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    device = model.wte.weight.device
+    ids, pad = batch.ids.to(device), batch.pad.to(device)
+    if ids.shape[1] + max_new_tokens > model.config.n_positions:
+        raise ValueError(f"{ids.shape[1]} slots + {max_new_tokens} new tokens exceed the model's "
+                         f"{model.config.n_positions} positions")
+    cache, start, chosen, logits = model.new_cache(ids.shape[0]), 0, [], []
+    for _ in range(max_new_tokens):
+        C = ids.shape[1]
+        pos = padded_positions(pad if shift_positions else torch.zeros_like(pad), start, C)
+        out, cache = model(ids, cache, last_only=True, positions=pos,
+                           attn_mask=padded_mask(pad, start, C))
+        logits.append(out[:, -1])
+        ids = out[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]: the next call's input
+        chosen.append(ids)
+        start += C
+    return PaddedGeneration(torch.cat(chosen, dim=1), torch.stack(logits, dim=1))
+
+
+@dataclass(frozen=True)
+class RowCheck:
+    """One row of a padded batch against its prompt generated alone.
+
+    Attributes:
+        length: prompt tokens. pad: pad slots in front of it.
+        logit_error: max ``|batched - alone|`` over every step and the whole vocabulary.
+        logits_close: within ``atol = rtol`` of :data:`kvdoc.proofs.verify.TOLERANCE` for the dtype.
+        same_tokens: the greedy tokens are identical.
+    """
+
+    length: int
+    pad: int
+    logit_error: float
+    logits_close: bool
+    same_tokens: bool
+
+    @property
+    def passed(self) -> bool:
+        return self.logits_close and self.same_tokens
+
+
+@torch.no_grad()
+def compare_with_alone(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                       shift_positions: bool = True) -> list[RowCheck]:
+    """Generate ``prompts`` as one padded batch and each alone (batch 1, no padding); compare rows.
+
+    The alone reference is :func:`kvdoc.core.model.generate` for the tokens and one full forward over
+    prompt + tokens for the logits (the cached path equals it: :mod:`kvdoc.proofs.verify`).
+    """
+    batched = generate_padded(model, prompts, max_new_tokens, shift_positions)
+    batch = left_pad(prompts)
+    tol = TOLERANCE[model.wte.weight.dtype]
+    device = model.wte.weight.device
+    rows = []
+    for b, prompt in enumerate(prompts):
+        alone = generate(model, torch.tensor([list(prompt)], device=device), max_new_tokens)
+        ref = model(alone[:, :-1]).logits[0, len(prompt) - 1:]  # [N, V]: logits behind each choice
+        got = batched.logits[b]
+        rows.append(RowCheck(len(prompt), int(batch.pad[b]), float((got - ref).abs().max()),
+                             bool(torch.allclose(got, ref, atol=tol, rtol=tol)),
+                             bool(torch.equal(batched.tokens[b], alone[0, len(prompt):]))))
+    return rows

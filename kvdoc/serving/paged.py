@@ -1,0 +1,325 @@
+"""A paged K/V cache: fixed-size blocks from one pool, a block table per sequence, a free list.
+
+This is the memory layout of vLLM's PagedAttention (Kwon et al., 2023), written for reading
+rather than speed. A :class:`BlockPool` owns, for every layer, K and V storage of shape
+``[num_blocks, H_kv, block_size, D_h]``; a block id names the same slot in every layer. A
+:class:`PagedCache` maps position ``t`` of sequence ``b`` to offset ``t % block_size`` of block
+``tables[b][t // block_size]``. :meth:`PagedCache.layer` gathers a sequence's blocks back into the
+usual ``[B, H_kv, T, D_h]`` (real engines read the blocks inside the attention kernel instead), so
+the model calls it exactly as it calls the dynamic and static caches.
+
+Blocks are reference-counted, so sequences can share them: :meth:`PagedCache.fork` makes new
+sequences that share every block of existing ones (a common prompt prefix computed once). A write
+into a shared block first copies it (copy-on-write), so no write is ever seen by another sequence.
+:class:`SharedPrefixCache` forks itself at every forward call: the cache passed in stays as it
+was (like :class:`~kvdoc.core.cache.DynamicCache`) and shares its blocks with the one returned.
+
+A block returns to the free list when no sequence holds it; a cache releases its blocks when it
+is garbage-collected or :meth:`PagedCache.release` is called.
+
+>>> from kvdoc import Decoder, GPTConfig
+>>> _ = torch.manual_seed(0)
+>>> model = Decoder(GPTConfig()).eval()
+>>> ids = torch.tensor([[12, 7, 31, 4, 9, 18]])
+>>> cache = new_paged_cache(model, batch=1, capacity=8, block_size=4)
+>>> _, cache = model(ids[:, :5], cache)
+>>> cache.tables, cache.pool.num_free
+([[0, 1]], 0)
+>>> step = model(ids[:, 5:], cache).logits
+>>> torch.allclose(step, model(ids).logits[:, 5:], atol=1e-5)
+True
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from kvdoc.core.cache import KV, KVCache
+from kvdoc.core.config import GPTConfig, check_int
+from kvdoc.core.model import Decoder
+
+
+class BlockPool:
+    """K/V storage cut into ``num_blocks`` blocks of ``block_size`` positions, with a free list.
+
+    Args:
+        config: the model's configuration (layers, K/V heads, head size).
+        num_blocks: blocks in the pool.
+        block_size: positions per block.
+        dtype, device: must match the model's.
+
+    >>> pool = BlockPool(GPTConfig(), num_blocks=3, block_size=4)
+    >>> pool.allocate(2), pool.num_free
+    ([0, 1], 1)
+    >>> pool.allocate(2)
+    Traceback (most recent call last):
+    ...
+    ValueError: out of blocks: 2 needed, 1 free of 3
+    """
+
+    def __init__(self, config: GPTConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        check_int("num_blocks", num_blocks)
+        check_int("block_size", block_size)
+        shape = (num_blocks, config.n_kv_head, block_size, config.head_dim)  # [N, H_kv, S, D_h]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
+        self.dtype, self.device = dtype, torch.device(device)
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
+        self._refs = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        """Blocks on the free list."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks held by at least one sequence."""
+        return self.num_blocks - len(self._free)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block: K and V of every layer."""
+        return 2 * sum(k[0].numel() * k.element_size() for k in self.k)
+
+    def refs(self, block: int) -> int:
+        """How many sequences hold ``block``."""
+        return self._refs[block]
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` blocks off the free list (each then held once); nothing changes if too few."""
+        if n > len(self._free):
+            raise ValueError(f"out of blocks: {n} needed, {len(self._free)} free of {self.num_blocks}")
+        ids = [self._free.pop() for _ in range(n)]
+        for i in ids:
+            self._refs[i] = 1
+        return ids
+
+    def share(self, ids: Sequence[int]) -> None:
+        """One more holder for each block of ``ids``."""
+        for i in ids:
+            self._refs[i] += 1
+
+    def release(self, ids: Sequence[int]) -> None:
+        """One holder fewer for each block of ``ids``; a block nobody holds goes back on the free list."""
+        for i in ids:
+            self._refs[i] -= 1
+            if self._refs[i] == 0:
+                self._free.append(i)
+
+    def copy(self, block: int) -> int:
+        """Copy-on-write: a fresh block with ``block``'s contents (every layer), held once instead of it."""
+        (new,) = self.allocate(1)
+        for store in (*self.k, *self.v):
+            store[new] = store[block]
+        self.release([block])
+        return new
+
+    def nbytes(self) -> int:
+        """Bytes of the whole pool (every block, free or not)."""
+        return self.num_blocks * self.block_nbytes
+
+
+def _release_tables(pool: BlockPool, tables: list[list[int]]) -> None:
+    for table in tables:
+        pool.release(table)
+        table.clear()
+
+
+class PagedCache(KVCache):
+    """``batch_size`` sequences whose K/V live in blocks of a shared :class:`BlockPool`.
+
+    Writes happen in place (:meth:`begin` returns ``self``), at positions from :attr:`seq_len` on;
+    rows already held never change, and neither does any other sequence's data.
+
+    Args:
+        pool: where the blocks come from (its dtype and device are the cache's).
+        batch_size: ``B``, sequences in this cache, each with its own block table.
+    """
+
+    def __init__(self, pool: BlockPool, batch_size: int) -> None:
+        check_int("batch_size", batch_size)
+        cfg = pool.config
+        self.pool, self.block_size = pool, pool.block_size
+        self.n_layer, self.batch_size, self.n_kv_head, self.head_dim = (
+            cfg.n_layer, batch_size, cfg.n_kv_head, cfg.head_dim)
+        self.dtype, self.device = pool.dtype, pool.device
+        self.tables: list[list[int]] = [[] for _ in range(batch_size)]
+        self._len = 0
+        self._finalizer = weakref.finalize(self, _release_tables, pool, self.tables)
+
+    @property
+    def seq_len(self) -> int:
+        return self._len
+
+    def release(self) -> None:
+        """Give every block back (the cache is then empty); also done when the cache is collected."""
+        self._finalizer()
+        self._len = 0
+
+    def fork(self, rows: Sequence[int] | None = None) -> PagedCache:
+        """A new cache whose sequence ``i`` shares every block of this cache's sequence ``rows[i]``.
+
+        Nothing is copied now; a block is copied when either side first writes into it while
+        it is shared. ``rows`` defaults to every sequence once.
+        """
+        rows = list(range(self.batch_size)) if rows is None else list(rows)
+        if not rows or any(not 0 <= r < self.batch_size for r in rows):
+            raise ValueError(f"fork rows must be indices 0..{self.batch_size - 1}, got {rows}")
+        child = type(self)(self.pool, len(rows))
+        for table, r in zip(child.tables, rows):
+            table.extend(self.tables[r])
+            self.pool.share(table)
+        child._len = self._len
+        return child
+
+    def crop(self, length: int) -> PagedCache:
+        """Forget every position from ``length`` on, in place, giving back the blocks past it; returns ``self``."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._len:
+            raise ValueError(f"cannot crop a cache of {self._len} positions to {length!r}")
+        keep = math.ceil(length / self.block_size)
+        for table in self.tables:
+            self.pool.release(table[keep:])
+            del table[keep:]
+        self._len = length
+        return self
+
+    def _blocks_needed(self, end: int) -> int:
+        """Blocks to allocate or copy so every sequence can write positions ``seq_len .. end - 1``."""
+        first, last = self._len // self.block_size, math.ceil(end / self.block_size)
+        needed = 0
+        for table in self.tables:
+            shared = sum(self.pool.refs(b) > 1 for b in table[first:last])
+            needed += max(0, last - len(table)) + shared
+        return needed
+
+    def _reserve(self, end: int) -> None:
+        """Own every block that positions ``seq_len .. end - 1`` fall in: copy shared ones, add new ones."""
+        needed = self._blocks_needed(end)
+        if needed > self.pool.num_free:  # check first: a refused write changes nothing
+            raise ValueError(f"out of blocks: positions {self._len}..{end - 1} need {needed} more "
+                             f"blocks, {self.pool.num_free} free of {self.pool.num_blocks}")
+        first, last = self._len // self.block_size, math.ceil(end / self.block_size)
+        for table in self.tables:
+            for n in range(first, min(last, len(table))):
+                if self.pool.refs(table[n]) > 1:
+                    table[n] = self.pool.copy(table[n])
+            table.extend(self.pool.allocate(max(0, last - len(table))))
+
+    def check_compatible(self, config: GPTConfig, batch_size: int, dtype: torch.dtype,
+                         device: torch.device, new_len: int) -> None:
+        super().check_compatible(config, batch_size, dtype, device, new_len)
+        needed = self._blocks_needed(self._len + new_len)
+        if needed > self.pool.num_free:
+            raise ValueError(f"out of blocks: {new_len} more positions need {needed} more blocks, "
+                             f"{self.pool.num_free} free of {self.pool.num_blocks}")
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        self.check_rows(k, v)
+        if start != self._len:
+            raise ValueError(f"cache holds {self._len} positions, write starts at {start}")
+        end = start + k.shape[2]
+        self._reserve(end)  # a no-op for every layer after the first of a call
+        table = self._table(end)  # [B, blocks]
+        slots = torch.arange(start, end, device=self.device)
+        blocks, offsets = table[:, slots // self.block_size], slots % self.block_size  # [B, C], [C]
+        # Indexing [N, H_kv, S, D_h] by ([B, C], :, [C]) addresses [B, C, H_kv, D_h].
+        self.pool.k[layer_idx][blocks, :, offsets] = k.transpose(1, 2)
+        self.pool.v[layer_idx][blocks, :, offsets] = v.transpose(1, 2)
+        return self._gather(layer_idx, end)
+
+    def finish(self, end: int) -> None:
+        self._len = end
+
+    def _table(self, end: int) -> torch.Tensor:
+        n = math.ceil(end / self.block_size)
+        return torch.tensor([t[:n] for t in self.tables], dtype=torch.long, device=self.device)
+
+    def _gather(self, layer_idx: int, end: int) -> KV:
+        """K and V of positions ``0 .. end - 1`` of every sequence, each ``[B, H_kv, end, D_h]``."""
+        table = self._table(end)
+        B, n = table.shape
+        out = []
+        for store in (self.pool.k[layer_idx], self.pool.v[layer_idx]):
+            blocks = store[table]  # [B, n, H_kv, S, D_h]
+            out.append(blocks.transpose(1, 2).reshape(B, self.n_kv_head, n * self.block_size,
+                                                      self.head_dim)[:, :, :end])
+        return out[0], out[1]
+
+    def layer(self, idx: int) -> KV:
+        return self._gather(idx, self._len)
+
+    def blocks_held(self) -> int:
+        """Distinct blocks this cache's sequences hold (a block shared between them counts once)."""
+        return len({b for t in self.tables for b in t})
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The pool's storage, which this cache shares with every other cache of the pool."""
+        return [*self.pool.k, *self.pool.v]
+
+
+class SharedPrefixCache(PagedCache):
+    """A paged cache that forks at every forward call, so the cache passed in is never modified.
+
+    The cache returned shares every block of the one passed in; the first block it writes into
+    (the partly filled last block, when the call starts inside one) is copied first. Both stay
+    valid: the old one can be continued another way, as a second request with the same prefix.
+
+    >>> from kvdoc import Decoder, GPTConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = Decoder(GPTConfig()).eval()
+    >>> prefix = new_shared_prefix_cache(model, batch=1, capacity=16, block_size=4)
+    >>> _, prefix = model(torch.tensor([[1, 2, 3, 4, 5, 6]]), prefix)  # blocks 0 (full), 1 (half)
+    >>> _, a = model(torch.tensor([[7]]), prefix)
+    >>> _, b = model(torch.tensor([[8]]), prefix)
+    >>> prefix.tables, a.tables, b.tables  # block 0 shared by all three; block 1 copied by each
+    ([[0, 1]], [[0, 2]], [[0, 3]])
+    """
+
+    def check_compatible(self, config: GPTConfig, batch_size: int, dtype: torch.dtype,
+                         device: torch.device, new_len: int) -> None:
+        work = self.fork()  # what the call will write into: its blocks are all shared
+        try:
+            PagedCache.check_compatible(work, config, batch_size, dtype, device, new_len)
+        finally:
+            work.release()
+
+    def begin(self) -> SharedPrefixCache:
+        return self.fork()
+
+    def crop(self, length: int) -> SharedPrefixCache:
+        """A new cache sharing this one's first ``length`` positions; this one is unchanged."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._len:
+            raise ValueError(f"cannot crop a cache of {self._len} positions to {length!r}")
+        return PagedCache.crop(self.fork(), length)
+
+
+def _pool_for(model: Decoder, batch: int, capacity: int, block_size: int, spare: int) -> BlockPool:
+    weight = model.wte.weight
+    blocks = batch * (math.ceil(capacity / block_size) + spare)
+    return BlockPool(model.config, blocks, block_size, weight.dtype, weight.device)
+
+
+def new_paged_cache(model: Decoder, batch: int, capacity: int, block_size: int = 4) -> PagedCache:
+    """An empty :class:`PagedCache` for ``batch`` sequences of up to ``capacity`` positions.
+
+    Its own pool has exactly the blocks that ``capacity`` positions per sequence need. This is
+    the ``(model, batch, capacity) -> KVCache`` factory the equivalence grid calls.
+    """
+    return PagedCache(_pool_for(model, batch, capacity, block_size, spare=0), batch)
+
+
+def new_shared_prefix_cache(model: Decoder, batch: int, capacity: int,
+                            block_size: int = 4) -> SharedPrefixCache:
+    """An empty :class:`SharedPrefixCache` for ``batch`` sequences of up to ``capacity`` positions.
+
+    Its pool has one spare block per sequence: while a call runs, the cache passed in and the
+    one returned both exist, and the returned one may hold a copy of the last shared block.
+    """
+    return SharedPrefixCache(_pool_for(model, batch, capacity, block_size, spare=1), batch)

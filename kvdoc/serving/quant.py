@@ -1,0 +1,188 @@
+"""An int8 K/V cache: an approximation that stores a quarter of FP32's bytes, with its error measured.
+
+Each new row of K and V (one position of one head, ``D_h`` values) is stored as ``D_h`` int8
+values and one scale: ``scale = max|x| / 127`` and ``q = round(x / scale)``, so every value comes
+back as ``q * scale`` within ``scale / 2`` of the original. Scales are per token and per head
+(not per channel), so a row is quantised once, when it is written, and never again as the cache
+grows. Scales are kept in the model's dtype; they count in every byte figure.
+
+The attention reads the dequantised K and V, so the model's logits differ from the exact cache's
+by an amount :func:`measure_int8` measures: the cache is **not** the same function, and nothing
+here claims it is.
+
+Layout: K and V are ``[B, H_kv, T, D_h]`` int8, scales ``[B, H_kv, T, 1]``.
+
+>>> from kvdoc.proofs.verify import default_model
+>>> model = default_model()
+>>> _, cache = model(torch.tensor([[5, 6, 7, 8]]), Int8Cache.empty(model.config, 1))
+>>> k, v = cache.layer(0)
+>>> k.dtype, tuple(k.shape)
+(torch.float32, (1, 4, 4, 16))
+>>> cache.nbytes() == 2 * 2 * 4 * 4 * (16 * 1 + 4)  # K, V x layers x H_kv x T x (D_h int8 + FP32 scale)
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvdoc.core.cache import KV, DynamicCache, KVCache
+from kvdoc.core.config import GPTConfig, check_int
+from kvdoc.core.model import Decoder
+from kvdoc.proofs.verify import DTYPE_NAMES, chunk_lengths
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 over the last dimension: ``(q, scale)`` with ``x ~ q * scale``.
+
+    A row of zeros gets scale 1 (any scale reproduces it exactly).
+
+    >>> q, s = quantize(torch.tensor([[0.5, -1.0, 0.25]]))
+    >>> q.tolist(), round(s.item() * 127, 6)
+    ([[64, -127, 32]], 1.0)
+    """
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``q * scale`` in the scale's dtype."""
+    return q.to(scale.dtype) * scale
+
+
+class Int8Cache(KVCache):
+    """A cache that grows by concatenation and stores K/V as int8 with per-token, per-head scales.
+
+    Like :class:`~kvdoc.core.cache.DynamicCache`, a forward call works on a shallow copy, so the cache
+    passed in is never modified. ``dtype`` is the model's: what :meth:`layer` returns.
+
+    Args:
+        layers: per layer ``(qk, k_scale, qv, v_scale)``: int8 ``[B, H_kv, T, D_h]`` and scales
+            ``[B, H_kv, T, 1]``.
+    """
+
+    def __init__(self, layers: list[tuple[torch.Tensor, ...]]) -> None:
+        if not layers:
+            raise ValueError("a cache needs at least one layer")
+        qk, sk = layers[0][0], layers[0][1]
+        self._kv = list(layers)
+        self.n_layer = len(layers)
+        self.batch_size, self.n_kv_head, _, self.head_dim = qk.shape
+        self.dtype, self.device = sk.dtype, qk.device
+
+    @classmethod
+    def empty(cls, config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> Int8Cache:
+        """A cache with no positions yet, for a model with ``config`` computing in ``dtype``."""
+        check_int("batch_size", batch_size)
+        shape = (batch_size, config.n_kv_head, 0, config.head_dim)
+        q = torch.empty(shape, dtype=torch.int8, device=device)
+        s = torch.empty((*shape[:3], 1), dtype=dtype, device=device)
+        return cls([(q, s, q, s) for _ in range(config.n_layer)])
+
+    @property
+    def seq_len(self) -> int:
+        return self._kv[0][0].shape[2]
+
+    def layer(self, idx: int) -> KV:
+        qk, sk, qv, sv = self._kv[idx]
+        return dequantize(qk, sk), dequantize(qv, sv)
+
+    def begin(self) -> Int8Cache:
+        return Int8Cache(self._kv)
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        self.check_rows(k, v)
+        old = self._kv[layer_idx]
+        if start != old[0].shape[2]:
+            raise ValueError(f"layer {layer_idx} holds {old[0].shape[2]} positions, write starts at {start}")
+        new = (*quantize(k), *quantize(v))
+        self._kv[layer_idx] = tuple(torch.cat((a, b), dim=2) for a, b in zip(old, new))
+        return self.layer(layer_idx)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for layer in self._kv for t in layer]
+
+
+def new_int8_cache(model: Decoder, batch: int, capacity: int | None = None) -> Int8Cache:
+    """An empty :class:`Int8Cache` for ``model`` (``capacity`` is unused: the cache grows)."""
+    weight = model.wte.weight
+    return Int8Cache.empty(model.config, batch, weight.dtype, weight.device)
+
+
+@torch.no_grad()
+def run_chunks(model: Decoder, ids: torch.Tensor, chunk: int, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
+    """Feed ``ids`` (``[B, T]``) chunk by chunk after ``cache``; the logits ``[B, T, V]`` and the last cache."""
+    out, start = [], 0
+    for length in chunk_lengths(ids.shape[1], chunk):
+        logits, cache = model(ids[:, start:start + length], cache)
+        out.append(logits)
+        start += length
+    return torch.cat(out, dim=1), cache
+
+
+@dataclass(frozen=True)
+class Int8Row:
+    """The int8 cache against one full forward, for one (batch, chunk, dtype).
+
+    Attributes:
+        batch, chunk, dtype: the combination.
+        logit_error: max ``|int8 cached - full|`` over every position and the whole vocabulary.
+        logit_scale: max ``|full logit|``, for scale.
+        kv_error: max ``|dequantised - exact cache|`` over every layer's K and V (after layer 0 this
+            includes the drift of the layer's inputs, which passed through int8 attention).
+        agree: positions whose greedy (argmax) token is the same on both paths.
+        positions: positions compared (``B * T``).
+    """
+
+    batch: int
+    chunk: int
+    dtype: str
+    logit_error: float
+    logit_scale: float
+    kv_error: float
+    agree: int
+    positions: int
+
+
+@torch.no_grad()
+def measure_int8(model: Decoder, ids: torch.Tensor, batches: Sequence[int] = (1, 2),
+                 chunks: Sequence[int] = (1, 2, 5)) -> list[Int8Row]:
+    """Run ``ids`` through ``model`` with the int8 cache and with none, over batches and chunk sizes.
+
+    The reference K/V are those of an exact dynamic cache fed the same chunks.
+    """
+    rows = []
+    for b in batches:
+        full = model(ids[:b]).logits
+        for c in chunks:
+            logits, cache = run_chunks(model, ids[:b], c, new_int8_cache(model, b))
+            _, exact = run_chunks(model, ids[:b], c, model.new_cache(b))
+            kv_err = max(float((got - ref).abs().max()) for i in range(model.config.n_layer)
+                         for got, ref in zip(cache.layer(i), exact.layer(i)))
+            rows.append(Int8Row(b, c, DTYPE_NAMES[model.wte.weight.dtype],
+                                float((logits - full).abs().max()), float(full.abs().max()), kv_err,
+                                int((logits.argmax(-1) == full.argmax(-1)).sum()), full.shape[0] * full.shape[1]))
+    return rows
+
+
+def cache_bytes(config: GPTConfig, batch: int, length: int, seed: int = 0) -> dict[str, int]:
+    """Measured bytes of a cache holding ``length`` positions of random K/V: int8, FP16 and FP32.
+
+    >>> b = cache_bytes(GPTConfig(), batch=1, length=8)
+    >>> b["FP32"] == 2 * b["FP16"], b["int8 + FP32 scales"] < b["FP16"]
+    (True, True)
+    """
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, config.n_kv_head, length, config.head_dim)
+    exact = DynamicCache([(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+                          for _ in range(config.n_layer)])
+    int8 = Int8Cache.empty(config, batch).begin()
+    for i in range(config.n_layer):
+        int8.update(i, *exact.layer(i), start=0)
+    half = DynamicCache([tuple(t.half() for t in exact.layer(i)) for i in range(config.n_layer)])
+    return {"int8 + FP32 scales": int8.nbytes(), "FP16": half.nbytes(), "FP32": exact.nbytes()}

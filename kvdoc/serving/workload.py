@@ -1,0 +1,187 @@
+"""A simulated request mix, and the K/V memory that three allocation strategies reserve for it.
+
+Every request is a shared system prompt, its own user text and its own output, with lengths
+drawn from stated uniform distributions by a seeded generator (:func:`request_mix`). The output
+tokens are random ids standing in for generated ones: memory depends only on how many there are.
+:func:`measure_mix` runs every request through the model, all of them held at once as in one
+serving batch, and measures what each strategy reserves:
+
+* **contiguous**: one :class:`~kvdoc.core.cache.StaticCache` of ``n_positions`` per request, since
+  a request's final length is unknown when it is admitted;
+* **paged**: blocks of a :class:`~kvdoc.serving.paged.BlockPool`, one block table per request;
+* **paged + shared prefix**: the system prompt is computed once and its blocks are shared by
+  every request (:meth:`~kvdoc.serving.paged.PagedCache.fork`, copy-on-write at its partly filled last block).
+
+With sharing, it also checks that every request's logits equal one full forward of that request
+alone.
+
+>>> from kvdoc.proofs.verify import default_model
+>>> model = default_model()
+>>> mix = request_mix(n=3, prefix_len=5, user_lens=(2, 4), output_lens=(1, 3))
+>>> m = measure_mix(model, mix, block_size=4)
+>>> m.requests, m.all_equal, m.strategies[0].reserved_bytes == 3 * StaticCache(model.config, 1, 512).nbytes()
+(3, True, True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvdoc.core.cache import StaticCache
+from kvdoc.core.model import Decoder
+from .paged import BlockPool, PagedCache
+from kvdoc.proofs.verify import TOLERANCE
+
+
+@dataclass(frozen=True)
+class RequestMix:
+    """Requests sharing one system prompt.
+
+    Attributes:
+        prefix: the system prompt's token ids, the same for every request.
+        users: each request's own prompt text (token ids) after the prefix.
+        outputs: each request's output tokens (random stand-ins for generated tokens).
+        description: the distributions and seed, in words, for the page.
+    """
+
+    prefix: list[int]
+    users: list[list[int]]
+    outputs: list[list[int]]
+    description: str
+
+    def lengths(self) -> list[int]:
+        """Positions each request holds at the end: prefix + user + output."""
+        return [len(self.prefix) + len(u) + len(o) for u, o in zip(self.users, self.outputs)]
+
+
+def request_mix(n: int = 48, prefix_len: int = 100, user_lens: tuple[int, int] = (16, 160),
+                output_lens: tuple[int, int] = (8, 160), vocab_size: int = 97, seed: int = 0) -> RequestMix:
+    """``n`` requests: a ``prefix_len``-token system prompt, then user and output lengths uniform on
+    the inclusive ranges given, token ids uniform on the vocabulary, all from ``torch.Generator`` seed ``seed``.
+
+    >>> mix = request_mix(n=4, prefix_len=3, user_lens=(1, 2), output_lens=(5, 5))
+    >>> all(9 <= n <= 10 for n in mix.lengths()), mix == request_mix(4, 3, (1, 2), (5, 5))
+    (True, True)
+    """
+    if n < 1 or prefix_len < 0 or not 1 <= user_lens[0] <= user_lens[1] or not 1 <= output_lens[0] <= output_lens[1]:
+        raise ValueError("need n >= 1, prefix_len >= 0 and ranges (lo, hi) with 1 <= lo <= hi")
+    g = torch.Generator().manual_seed(seed)
+
+    def tokens(lo: int, hi: int) -> list[int]:
+        length = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        return torch.randint(0, vocab_size, (length,), generator=g).tolist()
+
+    prefix = torch.randint(0, vocab_size, (prefix_len,), generator=g).tolist()
+    users, outputs = [], []
+    for _ in range(n):
+        users.append(tokens(*user_lens))
+        outputs.append(tokens(*output_lens))
+    text = (f"{n} requests; a shared system prompt of {prefix_len} tokens; user text uniform on "
+            f"{user_lens[0]}..{user_lens[1]} tokens; output uniform on {output_lens[0]}..{output_lens[1]} "
+            f"tokens; token ids uniform; torch.Generator seed {seed}")
+    return RequestMix(prefix, users, outputs, text)
+
+
+@dataclass(frozen=True)
+class StrategyMemory:
+    """What one allocation strategy reserves for the whole mix.
+
+    Attributes:
+        name: the strategy.
+        reserved_bytes: K/V bytes set aside for the requests.
+        filled_bytes: bytes of reserved slots that hold a position (a shared block counts once).
+    """
+
+    name: str
+    reserved_bytes: int
+    filled_bytes: int
+
+    @property
+    def unused_bytes(self) -> int:
+        """Reserved slots that hold nothing: the waste."""
+        return self.reserved_bytes - self.filled_bytes
+
+
+@dataclass(frozen=True)
+class MixMemory:
+    """What :func:`measure_mix` returns.
+
+    Attributes:
+        requests: how many. positions: positions all requests hold together (prefix counted per request).
+        position_bytes: K/V bytes of one position, every layer.
+        block_size: positions per block.
+        strategies: contiguous, paged, paged + shared prefix.
+        max_logit_error: shared-prefix run vs each request's full forward, over all requests.
+        all_equal: every request within ``atol = rtol`` of :data:`kvdoc.proofs.verify.TOLERANCE`.
+    """
+
+    requests: int
+    positions: int
+    position_bytes: int
+    block_size: int
+    strategies: tuple[StrategyMemory, ...]
+    max_logit_error: float
+    all_equal: bool
+
+    @property
+    def saved_by_sharing(self) -> int:
+        """Bytes the shared prefix saves against paged blocks without sharing."""
+        return self.strategies[1].reserved_bytes - self.strategies[2].reserved_bytes
+
+
+def _filled_slots(caches: list[PagedCache]) -> int:
+    """Slots that hold a position, over the distinct blocks of ``caches`` (a shared block once)."""
+    filled: dict[int, int] = {}
+    for cache in caches:
+        for table in cache.tables:
+            for n, block in enumerate(table):
+                held = min(cache.block_size, cache.seq_len - n * cache.block_size)
+                filled[block] = max(filled.get(block, 0), held)
+    return sum(filled.values())
+
+
+@torch.no_grad()
+def measure_mix(model: Decoder, mix: RequestMix, block_size: int = 16) -> MixMemory:
+    """Run every request of ``mix``, all held at once, under each strategy; see the module docstring."""
+    cfg, weight = model.config, model.wte.weight
+    lengths = mix.lengths()
+    if max(lengths) > cfg.n_positions:
+        raise ValueError(f"a request of {max(lengths)} positions exceeds the model's {cfg.n_positions}")
+    contiguous = sum(StaticCache(cfg, 1, cfg.n_positions, weight.dtype, weight.device).nbytes()
+                     for _ in lengths)
+    blocks = sum(-(-n // block_size) for n in lengths)  # enough for every request without sharing
+    pool = BlockPool(cfg, blocks, block_size, weight.dtype, weight.device)
+    position_bytes = pool.block_nbytes // block_size
+    prefix = torch.tensor([mix.prefix], device=weight.device)
+
+    def run(start: PagedCache | None, user: list[int], output: list[int]) -> tuple[PagedCache, torch.Tensor]:
+        cache = PagedCache(pool, 1) if start is None else start.fork()
+        chunks = [torch.tensor([t], device=weight.device) for t in (user, output)]
+        if start is None:
+            chunks.insert(0, prefix)
+        logits = [model(chunk, cache).logits for chunk in chunks]  # writes in place
+        return cache, torch.cat(logits, dim=1)
+
+    paged = [run(None, u, o)[0] for u, o in zip(mix.users, mix.outputs)]
+    paged_mem = StrategyMemory("paged blocks", pool.num_used * pool.block_nbytes,
+                               _filled_slots(paged) * position_bytes)
+    for cache in paged:
+        cache.release()
+
+    shared_prefix = PagedCache(pool, 1)
+    model(prefix, shared_prefix)
+    tol, err, equal, shared = TOLERANCE[weight.dtype], 0.0, True, [shared_prefix]
+    for u, o in zip(mix.users, mix.outputs):
+        cache, logits = run(shared_prefix, u, o)
+        shared.append(cache)
+        ids = torch.tensor([mix.prefix + u + o], device=weight.device)
+        alone = model(ids).logits[:, len(mix.prefix):]  # the request alone, one full forward
+        err = max(err, float((logits - alone).abs().max()))
+        equal = equal and bool(torch.allclose(logits, alone, atol=tol, rtol=tol))
+    shared_mem = StrategyMemory("paged blocks, shared prefix", pool.num_used * pool.block_nbytes,
+                                _filled_slots(shared) * position_bytes)
+    contiguous_mem = StrategyMemory("contiguous, max length", contiguous, sum(lengths) * position_bytes)
+    return MixMemory(len(lengths), sum(lengths), position_bytes, block_size,
+                     (contiguous_mem, paged_mem, shared_mem), err, equal)

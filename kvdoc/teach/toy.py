@@ -1,0 +1,429 @@
+"""The two-layer toy lab: a cache per layer, in plain Python floats, with the work counted.
+
+Two layers of single-head causal attention over 2-d vectors with residual connections and an
+additive position vector, in plain Python floats with counters in the inner loops, so the work
+counts (K/V pairs computed, ``q . k`` dot products) are *measured*. :func:`full_forward`
+recomputes everything; :meth:`ToyLab.extend` continues a per-layer cache; :func:`check_against_full`
+compares the two; :func:`work_counts` runs the three scenarios (first input, append one token,
+edit a prefix token and recompute the suffix); :func:`prefix_edit` shows which cached keys an
+edit invalidates. Layers are numbered from 0, as in :mod:`kvdoc.core.model`.
+
+One cache entry is a list per layer of per-position 2-d vectors, ``[L][T][2]``: the
+``[B, H_kv, T, D_h]`` layout of :mod:`kvdoc.core.cache` with ``B = H_kv = 1`` and ``D_h = 2``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvdoc.core.mask import offset_causal_mask, top_left_causal_mask
+
+__all__ = ["ToyLab", "ToyCache", "full_forward", "check_against_full", "work_counts",
+           "prefix_edit", "mask_exercise"]
+
+# ---------------------------------------------------------------------------------------------
+# The two-layer toy lab (plain Python floats, instrumented)
+# ---------------------------------------------------------------------------------------------
+
+Vec = tuple[float, float]
+Mat = tuple[Vec, Vec]
+
+
+@dataclass
+class Counts:
+    """Work counters, incremented in the inner loops (never derived from a formula).
+
+    Attributes:
+        kv_pairs: K/V pairs computed; one pair is one position's K and V in one layer.
+        dot_products: ``q . k`` dot products (one per query-key pair that is scored).
+    """
+
+    kv_pairs: int = 0
+    dot_products: int = 0
+
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(self.kv_pairs + other.kv_pairs, self.dot_products + other.dot_products)
+
+
+@dataclass(frozen=True)
+class ToyWeights:
+    """Fixed weights of the toy model: token vectors and per-layer ``(W_q, W_k, W_v)``, all 2-d.
+
+    A row vector ``h`` projects as ``h @ W``. The position vector added to token ``p``'s
+    embedding is ``pos_scale * (sin p, cos p)``.
+    """
+
+    embeddings: dict[str, Vec] = field(default_factory=lambda: {
+        "A": (1.0, 0.0), "B": (0.0, 1.0), "C": (1.0, 1.0), "D": (-1.0, 0.5), "X": (0.5, -1.0)})
+    layers: tuple[tuple[Mat, Mat, Mat], ...] = (
+        (((0.9, 0.2), (-0.3, 0.8)), ((0.7, -0.4), (0.5, 0.6)), ((1.0, 0.3), (0.2, 0.9))),
+        (((0.6, -0.5), (0.4, 0.7)), ((0.8, 0.1), (-0.2, 1.1)), ((0.5, 0.4), (-0.6, 0.8))),
+    )
+    pos_scale: float = 0.5
+
+    @property
+    def n_layer(self) -> int:
+        """Number of attention layers (2 by default)."""
+        return len(self.layers)
+
+    def embed(self, token: str, position: int) -> Vec:
+        """Token vector plus position vector for ``token`` at absolute ``position``."""
+        if token not in self.embeddings:
+            raise ValueError(f"unknown token {token!r}; known: {sorted(self.embeddings)}")
+        e = self.embeddings[token]
+        return (e[0] + self.pos_scale * math.sin(position), e[1] + self.pos_scale * math.cos(position))
+
+
+def _matvec(h: Vec, w: Mat) -> Vec:  # row vector times [2, 2]
+    return (h[0] * w[0][0] + h[1] * w[1][0], h[0] * w[0][1] + h[1] * w[1][1])
+
+
+def _attend(q: Vec, keys: Sequence[Vec], values: Sequence[Vec], counts: Counts) -> Vec:
+    """Softmax attention of one query over the keys it may see; counts every dot product."""
+    scores = []
+    for k in keys:
+        scores.append((q[0] * k[0] + q[1] * k[1]) / math.sqrt(2))
+        counts.dot_products += 1
+    m = max(scores)
+    e = [math.exp(s - m) for s in scores]
+    z = sum(e)
+    return (sum(w * v[0] for w, v in zip(e, values)) / z, sum(w * v[1] for w, v in zip(e, values)) / z)
+
+
+@dataclass
+class ToyCache:
+    """Per-layer K and V rows, ``keys[layer][position]`` is a 2-d vector (``[L][T][2]``).
+
+    Also keeps the tokens it has read, so an edit can find the common prefix.
+    """
+
+    keys: list[list[Vec]]
+    values: list[list[Vec]]
+    tokens: list[str] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, n_layer: int) -> ToyCache:
+        """A cache with ``n_layer`` empty layers."""
+        return cls([[] for _ in range(n_layer)], [[] for _ in range(n_layer)], [])
+
+    @property
+    def seq_len(self) -> int:
+        """Positions held (the same in every layer)."""
+        return len(self.tokens)
+
+    def truncate(self, n: int) -> ToyCache:
+        """A new cache holding positions ``0 .. n - 1`` of every layer (this one is not changed)."""
+        if not 0 <= n <= self.seq_len:
+            raise ValueError(f"cannot truncate a cache of {self.seq_len} positions to {n}")
+        return ToyCache([k[:n] for k in self.keys], [v[:n] for v in self.values], self.tokens[:n])
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """What a forward (full or cached) returns.
+
+    Attributes:
+        outputs: final hidden vectors of the positions this call processed, ``[C][2]``.
+        cache: per-layer K/V of every position ``0 .. P + C - 1``.
+        counts: work measured during this call only.
+        per_layer: the same counts split by layer.
+    """
+
+    outputs: list[Vec]
+    cache: ToyCache
+    counts: Counts
+    per_layer: list[Counts]
+
+
+def full_forward(tokens: Sequence[str], weights: ToyWeights | None = None) -> ForwardResult:
+    """Recompute every layer at every position from scratch (the baseline).
+
+    Each layer projects Q, K, V for all ``T`` positions, then position ``i`` attends to keys
+    ``0 .. i``: ``T`` K/V pairs and ``T (T + 1) / 2`` dot products per layer.
+
+    >>> r = full_forward("ABC")
+    >>> r.counts.kv_pairs, r.counts.dot_products
+    (6, 12)
+    """
+    w = weights or ToyWeights()
+    if len(tokens) < 1:
+        raise ValueError("need at least one token")
+    h = [w.embed(t, p) for p, t in enumerate(tokens)]
+    cache = ToyCache.empty(w.n_layer)
+    cache.tokens = list(tokens)
+    per_layer = []
+    for layer, (w_q, w_k, w_v) in enumerate(w.layers):
+        c = Counts()
+        Q = [_matvec(x, w_q) for x in h]
+        K, V = [], []
+        for x in h:
+            K.append(_matvec(x, w_k))
+            V.append(_matvec(x, w_v))
+            c.kv_pairs += 1
+        cache.keys[layer], cache.values[layer] = K, V
+        att = [_attend(Q[i], K[: i + 1], V[: i + 1], c) for i in range(len(h))]  # causal: keys 0..i
+        h = [(x[0] + a[0], x[1] + a[1]) for x, a in zip(h, att)]  # residual
+        per_layer.append(c)
+    total = sum(per_layer, Counts())
+    return ForwardResult(h, cache, total, per_layer)
+
+
+class ToyLab:
+    """The cached path of the toy model: continue a :class:`ToyCache` with new tokens.
+
+    >>> lab = ToyLab()
+    >>> r = lab.extend(ToyCache.empty(2), "ABC")
+    >>> r2 = lab.extend(r.cache, "D")
+    >>> r2.counts.kv_pairs, r2.counts.dot_products
+    (2, 8)
+    """
+
+    def __init__(self, weights: ToyWeights | None = None) -> None:
+        self.weights = weights or ToyWeights()
+
+    def extend(self, cache: ToyCache, tokens: Sequence[str]) -> ForwardResult:
+        """Process ``tokens`` at positions ``P .. P + C - 1`` after ``P`` cached ones.
+
+        New token ``i`` is embedded at absolute position ``P + i``; in every layer only
+        the new rows are projected, their K/V appended to a copy of the cache, and query
+        ``i`` reads keys ``0 .. P + i`` (the offset causal mask). The cache passed in is
+        not modified.
+        """
+        w = self.weights
+        if len(cache.keys) != w.n_layer:
+            raise ValueError(f"cache has {len(cache.keys)} layers, "
+                             f"model has {w.n_layer}")
+        if len(tokens) < 1:
+            raise ValueError("need at least one new token")
+        P = cache.seq_len
+        h = [w.embed(t, P + i) for i, t in enumerate(tokens)]
+        new = ToyCache([list(k) for k in cache.keys], [list(v) for v in cache.values],
+                       cache.tokens + list(tokens))
+        per_layer = []
+        for layer, (w_q, w_k, w_v) in enumerate(w.layers):
+            c = Counts()
+            for x in h:  # only the new positions get K/V
+                new.keys[layer].append(_matvec(x, w_k))
+                new.values[layer].append(_matvec(x, w_v))
+                c.kv_pairs += 1
+            K, V = new.keys[layer], new.values[layer]
+            att = [_attend(_matvec(x, w_q), K[: P + i + 1], V[: P + i + 1], c)
+                   for i, x in enumerate(h)]  # query i reads keys 0 .. P + i
+            h = [(x[0] + a[0], x[1] + a[1]) for x, a in zip(h, att)]
+            per_layer.append(c)
+        return ForwardResult(h, new, sum(per_layer, Counts()), per_layer)
+
+    def append_token(self, cache: ToyCache, token: str) -> ForwardResult:
+        """Decode step: :meth:`extend` with one token."""
+        return self.extend(cache, [token])
+
+    def run_token_by_token(self, tokens: Sequence[str], cache: ToyCache | None = None) -> ForwardResult:
+        """Feed ``tokens`` one at a time (as the source's lab does); counts are summed.
+
+        Returns the last call's outputs with the final cache and the total counts.
+        """
+        cache = cache if cache is not None else ToyCache.empty(self.weights.n_layer)
+        total, per_layer, outputs = Counts(), [Counts() for _ in range(self.weights.n_layer)], []
+        for t in tokens:
+            r = self.append_token(cache, t)
+            cache, total, outputs = r.cache, total + r.counts, r.outputs
+            per_layer = [a + b for a, b in zip(per_layer, r.per_layer)]
+        return ForwardResult(outputs, cache, total, per_layer)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """Cached vs full: the last output and every layer's K/V at every position.
+
+    Attributes:
+        output_diff: ``max |cached last output - full last output|``.
+        kv_diff: largest difference over every layer, position and coordinate of K and V.
+        positions: positions compared.
+        ok: both differences below ``tol``.
+    """
+
+    output_diff: float
+    kv_diff: float
+    positions: int
+    tol: float
+
+    @property
+    def ok(self) -> bool:
+        return self.output_diff < self.tol and self.kv_diff < self.tol
+
+
+def check_against_full(cached: ForwardResult, weights: ToyWeights | None = None, tol: float = 1e-12) -> CheckResult:
+    """Recompute ``cached.cache.tokens`` from scratch and compare with the cached result.
+
+    >>> lab = ToyLab()
+    >>> check_against_full(lab.append_token(lab.extend(ToyCache.empty(2), "ABC").cache, "D")).ok
+    True
+    """
+    full = full_forward(cached.cache.tokens, weights)
+    out = max(abs(a - b) for a, b in zip(cached.outputs[-1], full.outputs[-1]))
+    if full.cache.seq_len != cached.cache.seq_len:
+        raise ValueError("caches hold different lengths")
+    kv = 0.0
+    for which in ("keys", "values"):
+        for lc, lf in zip(getattr(cached.cache, which), getattr(full.cache, which)):
+            for vc, vf in zip(lc, lf, strict=True):
+                kv = max(kv, abs(vc[0] - vf[0]), abs(vc[1] - vf[1]))
+    return CheckResult(out, kv, full.cache.seq_len, tol)
+
+
+def expected_counts(past_len: int, new_len: int, n_layer: int = 2) -> Counts:
+    """Closed forms: per layer, new K/V pairs = ``C`` and dot products = ``sum_i (P + i + 1)``.
+
+    >>> expected_counts(3, 1)
+    Counts(kv_pairs=2, dot_products=8)
+    """
+    if past_len < 0 or new_len < 0 or n_layer < 1:
+        raise ValueError("lengths must be non-negative and n_layer positive")
+    visible = sum(past_len + i + 1 for i in range(new_len))
+    return Counts(n_layer * new_len, n_layer * visible)
+
+
+@dataclass(frozen=True)
+class ScenarioCounts:
+    """One row of the counts table: full recompute vs the cached path, measured.
+
+    Attributes:
+        name: the scenario.
+        sequence: the tokens the model has read at the end.
+        past_len: cached positions reused (``P``).
+        new_len: positions the cached path processed (``C``).
+        full: counts of :func:`full_forward` over ``sequence``.
+        cached: counts of the cached path.
+        check: cached vs full comparison.
+    """
+
+    name: str
+    sequence: str
+    past_len: int
+    new_len: int
+    full: Counts
+    cached: Counts
+    check: CheckResult
+
+
+SOURCE_COUNTS: dict[str, dict[str, int]] = {
+    "first input A B C": {"full_kv": 6, "cached_kv": 6, "full_dots": 12, "cached_dots": 12},
+    "append D": {"full_kv": 8, "cached_kv": 2, "full_dots": 20, "cached_dots": 8},
+    "edit B to X, recompute suffix": {"full_kv": 8, "cached_kv": 6, "full_dots": 20, "cached_dots": 18},
+}
+"""The source's table of work counts for the three scenarios, kept as data to compare with."""
+
+
+def common_prefix_len(a: Sequence[str], b: Sequence[str]) -> int:
+    """Length of the longest common prefix of two token sequences.
+
+    >>> common_prefix_len("ABCD", "AXCD")
+    1
+    """
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def work_counts(weights: ToyWeights | None = None) -> list[ScenarioCounts]:
+    """Run the three scenarios: (a) first input A B C, (b) append D, (c) edit B to X.
+
+    (a) feeds A, B, C one at a time into an empty cache; (b) appends D; (c) truncates every
+    layer's cache to the common prefix of A B C D and A X C D (just A) and recomputes X, C, D.
+
+    >>> [(r.cached.kv_pairs, r.cached.dot_products) for r in work_counts()]
+    [(6, 12), (2, 8), (6, 18)]
+    """
+    lab = ToyLab(weights)
+    rows = []
+    a = lab.run_token_by_token("ABC")
+    rows.append(ScenarioCounts("first input A B C", "ABC", 0, 3, full_forward("ABC", lab.weights).counts,
+                               a.counts, check_against_full(a, lab.weights)))
+    b = lab.append_token(a.cache, "D")
+    rows.append(ScenarioCounts("append D", "ABCD", 3, 1, full_forward("ABCD", lab.weights).counts,
+                               b.counts, check_against_full(b, lab.weights)))
+    edit = prefix_edit(b.cache, "AXCD", lab)
+    rows.append(ScenarioCounts("edit B to X, recompute suffix", "AXCD", edit.prefix_len, 4 - edit.prefix_len,
+                               full_forward("AXCD", lab.weights).counts, edit.result.counts,
+                               check_against_full(edit.result, lab.weights)))
+    return rows
+
+
+@dataclass(frozen=True)
+class EditResult:
+    """A prefix edit: the cache truncated to the common prefix, then the suffix recomputed.
+
+    Attributes:
+        prefix_len: positions kept.
+        result: the cached path's result over the new suffix.
+        before, after: the caches before and after the edit.
+    """
+
+    prefix_len: int
+    result: ForwardResult
+    before: ToyCache
+    after: ToyCache
+
+    def key_changed(self, layer: int, position: int) -> float:
+        """``max |K_after - K_before|`` at ``(layer, position)``; 0.0 means unchanged bit for bit."""
+        a, b = self.after.keys[layer][position], self.before.keys[layer][position]
+        return max(abs(a[0] - b[0]), abs(a[1] - b[1]))
+
+
+def prefix_edit(cache: ToyCache, new_tokens: Sequence[str], lab: ToyLab | None = None) -> EditResult:
+    """Replace the sequence in ``cache`` by ``new_tokens``: keep the common prefix, recompute the rest.
+
+    >>> lab = ToyLab()
+    >>> e = prefix_edit(lab.extend(ToyCache.empty(2), "ABCD").cache, "AXCD", lab)
+    >>> e.prefix_len, e.key_changed(0, 2) == 0.0, e.key_changed(1, 2) > 0
+    (1, True, True)
+    """
+    lab = lab or ToyLab()
+    n = common_prefix_len(cache.tokens, new_tokens)
+    if n == len(new_tokens):
+        raise ValueError("nothing to recompute: the new sequence is a prefix of the cached one")
+    result = lab.extend(cache.truncate(n), list(new_tokens[n:]))
+    return EditResult(n, result, cache, result.cache)
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercises
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MaskExercise:
+    """Answers for ``C`` new tokens after ``P`` cached ones.
+
+    Attributes:
+        query_positions: absolute positions of the new queries, ``P .. P + C - 1``.
+        scores_shape: last two dimensions of the scores, ``(C, P + C)``.
+        keys_offset: keys each query may read with the offset mask.
+        keys_top_left: keys each query may read with a top-left (``is_causal=True``) mask.
+    """
+
+    query_positions: list[int]
+    scores_shape: tuple[int, int]
+    keys_offset: list[int]
+    keys_top_left: list[int]
+
+
+def mask_exercise(past_len: int, new_len: int) -> MaskExercise:
+    """Compute the exercise's answers from :mod:`kvdoc.core.mask`.
+
+    >>> mask_exercise(10, 3).keys_offset
+    [11, 12, 13]
+    """
+    off = offset_causal_mask(past_len, new_len)
+    tl = top_left_causal_mask(past_len, new_len)
+    return MaskExercise(
+        list(range(past_len, past_len + new_len)),
+        (int(off.shape[0]), int(off.shape[1])),
+        [int(n) for n in off.sum(dim=1)],
+        [int(n) for n in tl.sum(dim=1)],
+    )
