@@ -1,1 +1,7 @@
-"""proofs"""
+"""The evidence that the cached path computes the model's function, and that bad input is
+refused: dependency maps, the verification suite (``python -m kvdoc verify``) with its axes,
+independent references and the cross-check with transformers, the broken variants the suite
+must catch, and the bad-input catalogue.
+
+A finite grid is a test, not a proof in general: each check names the axes it ran on.
+"""
