@@ -1,0 +1,129 @@
+"""Split-K attention (Flash-Decoding): keys in chunks, a partial softmax per chunk, merged exactly.
+
+A decode step has one query row per head. A GPU kernel that gives each (sequence, head) pair
+one block of threads then runs ``B * H`` blocks, too few to fill the chip when ``B`` is small
+and the context long. Splitting the ``T`` cached keys into chunks of ``S`` gives
+``B * H * ceil(T / S)`` independent pieces of work; each returns its unnormalised output
+together with the two numbers that let the pieces be merged afterwards, the largest score
+``m`` and the sum ``l`` of ``exp(score - m)``:
+
+    m = max_c m_c,   l = sum_c l_c exp(m_c - m),   out = sum_c o_c exp(m_c - m) / l
+
+where ``o_c = sum_j exp(s_j - m_c) v_j`` over chunk ``c``. The merge is an identity of
+arithmetic, not an approximation: the result is softmax attention over all ``T`` keys, up to
+the rounding of a different summation order. ``m + log l`` is the log-sum-exp of the scores.
+
+Shapes: ``q`` is ``[B, H, C, D_h]``, ``k`` and ``v`` are ``[B, H_kv, T, D_h]`` (``H`` a multiple
+of ``H_kv``: grouped-query and multi-query attention read one K/V head from several query heads),
+``mask`` is ``[C, T]`` bool (True: may read), as :func:`kvdoc.core.mask.offset_causal_mask`
+builds it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+
+class Partial(NamedTuple):
+    """One chunk's share of the attention, for every query row: what a split-K kernel writes."""
+
+    out: torch.Tensor
+    """``[B, H, C, D_h]``: ``sum_j exp(s_j - m) v_j`` over the chunk, before dividing by ``l``."""
+    m: torch.Tensor
+    """``[B, H, C]``: the chunk's largest visible score (``-inf`` if the chunk hides every key)."""
+    l: torch.Tensor  # noqa: E741 (the name the papers use)
+    """``[B, H, C]``: ``sum_j exp(s_j - m)`` over the chunk's visible keys."""
+
+
+def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None = None) -> Partial:
+    """Attention of ``q`` over one chunk of keys, unnormalised, with its max and sum.
+
+    >>> q, k, v = torch.ones(1, 1, 1, 2), torch.zeros(1, 1, 3, 2), torch.ones(1, 1, 3, 2)
+    >>> part = partial_attention(q, k, v)   # three equal scores of 0
+    >>> part.m.item(), part.l.item(), part.out.flatten().tolist()
+    (0.0, 3.0, [3.0, 3.0])
+    """
+    B, H, C, D = q.shape
+    H_kv = k.shape[1]
+    group = H // H_kv
+    # a K/V head's query heads side by side: [B, H_kv, group * C, D_h], no copy of K or V
+    qg = q.reshape(B, H_kv, group * C, D)
+    scores = (qg @ k.transpose(-1, -2)).mul_(1.0 / math.sqrt(D))  # [B, H_kv, group * C, T_c]
+    scores = scores.view(B, H_kv, group, C, -1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)  # mask [C, T_c] broadcasts over heads
+    m = scores.amax(dim=-1)  # [B, H_kv, group, C]
+    # a chunk that hides every key from a row has m = -inf; shift by 0 there so exp gives 0, not NaN
+    p = torch.exp(scores - torch.where(m.isinf(), 0.0, m)[..., None])
+    out = (p.view(B, H_kv, group * C, -1) @ v).view(B, H, C, D)
+    return Partial(out, m.reshape(B, H, C), p.sum(dim=-1).reshape(B, H, C))
+
+
+def merge(parts: list[Partial]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partials into the output ``[B, H, C, D_h]`` and its log-sum-exp ``[B, H, C]``.
+
+    Raises:
+        ValueError: no partials, or a query row that no chunk lets read any key.
+
+    >>> q, k, v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    >>> out, _ = merge([partial_attention(q, k[:, :, :2], v[:, :, :2]),
+    ...                 partial_attention(q, k[:, :, 2:], v[:, :, 2:])])
+    >>> ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    >>> torch.allclose(out, ref, atol=1e-6)
+    True
+    """
+    if not parts:
+        raise ValueError("merge needs at least one partial")
+    m = torch.stack([p.m for p in parts]).amax(dim=0)  # [B, H, C]
+    if m.isinf().any():
+        raise ValueError("a query row reads no key in any chunk; its softmax is undefined")
+    weights = [torch.exp(p.m - m) for p in parts]  # exp(-inf) = 0 for a chunk that hid everything
+    l = sum(w * p.l for w, p in zip(weights, parts, strict=True))  # noqa: E741
+    out = sum(w[..., None] * p.out for w, p in zip(weights, parts, strict=True))
+    return out / l[..., None], m + torch.log(l)
+
+
+def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(D_h) + mask) v`` over chunks of ``split`` keys.
+
+    Args:
+        q: ``[B, H, C, D_h]`` queries (``C = 1`` for a decode step).
+        k, v: ``[B, H_kv, T, D_h]`` keys and values, ``H`` a multiple of ``H_kv``.
+        split: keys per chunk, at least 1; need not divide ``T``.
+        mask: ``[C, T]`` bool, True where a query may read a key; None: every key is visible.
+
+    Returns:
+        ``[B, H, C, D_h]``, equal to :func:`torch.nn.functional.scaled_dot_product_attention`
+        with the same mask up to rounding.
+
+    Raises:
+        ValueError: shapes that do not fit, a ``split`` below 1, or a row with no visible key.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q = torch.randn(1, 4, 1, 8, generator=g)                      # one decode query, 4 heads
+    >>> k, v = torch.randn(2, 1, 2, 10, 8, generator=g)               # 2 K/V heads, 10 keys
+    >>> ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    >>> torch.allclose(split_k_attention(q, k, v, split=3), ref, atol=1e-6)  # 3 does not divide 10
+    True
+    """
+    if isinstance(split, bool) or not isinstance(split, int) or split < 1:
+        raise ValueError(f"split must be a positive integer, got {split!r}")
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"q must be [B, H, C, D_h] and k, v both [B, H_kv, T, D_h], got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
+    B, H, C, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D or k.shape[1] == 0 or H % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)}: batch and head size "
+                         "must match, and H must be a multiple of H_kv")
+    T = k.shape[2]
+    if mask is not None and tuple(mask.shape) != (C, T):
+        raise ValueError(f"mask must be [C, T] = [{C}, {T}], got {tuple(mask.shape)}")
+    starts = range(0, T, split)
+    parts = [partial_attention(q, k[:, :, s:s + split], v[:, :, s:s + split],
+                               None if mask is None else mask[:, s:s + split]) for s in starts]
+    return merge(parts)[0]

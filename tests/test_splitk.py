@@ -1,0 +1,89 @@
+"""Split-K attention equals one softmax over every key: a grid of splits, heads, masks, dtypes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvdoc.core.mask import offset_causal_mask
+from kvdoc.proofs.verify import TOLERANCE
+from kvdoc.serving.splitk import merge, partial_attention, split_k_attention
+
+
+def qkv(B: int, H: int, H_kv: int, C: int, T: int, D: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, C, D, generator=g, dtype=torch.float64).to(dtype)
+    k, v = torch.randn(2, B, H_kv, T, D, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v
+
+
+def reference(q, k, v, mask):
+    gqa = k.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+# with 12 keys: splits that divide, that do not, one chunk exactly, one chunk with room
+@pytest.mark.parametrize("split", [1, 3, 4, 5, 12, 40])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("past, new", [(11, 1), (7, 5)], ids=["decode", "chunk"])
+def test_split_k_equals_one_softmax(dtype, heads, split, window, past, new):
+    H, H_kv = heads
+    q, k, v = qkv(2, H, H_kv, new, past + new, 8, dtype)
+    mask = offset_causal_mask(past, new, window=window)
+    tol = TOLERANCE[dtype]
+    got = split_k_attention(q, k, v, split, mask)
+    torch.testing.assert_close(got, reference(q, k, v, mask), atol=tol, rtol=tol)
+
+
+def test_log_sum_exp_is_that_of_the_scores():
+    q, k, v = qkv(1, 2, 2, 1, 9, 4, torch.float64)
+    _, lse = merge([partial_attention(q, k[:, :, s:s + 4], v[:, :, s:s + 4]) for s in (0, 4, 8)])
+    scores = q @ k.transpose(-1, -2) / math.sqrt(4)
+    torch.testing.assert_close(lse, scores.logsumexp(dim=-1), atol=1e-12, rtol=1e-12)
+
+
+def test_a_chunk_that_hides_every_key_adds_nothing():
+    q, k, v = qkv(1, 2, 2, 1, 8, 4, torch.float64)
+    mask = torch.zeros(1, 8, dtype=torch.bool)
+    mask[:, 4:] = True  # the first chunk of 4 is wholly hidden
+    got = split_k_attention(q, k, v, 4, mask)
+    torch.testing.assert_close(got, reference(q, k, v, mask), atol=1e-12, rtol=1e-12)
+    assert not got.isnan().any()
+
+
+def test_merging_in_another_order_gives_the_same_output():
+    q, k, v = qkv(1, 4, 2, 1, 10, 8, torch.float64)
+    parts = [partial_attention(q, k[:, :, s:s + 3], v[:, :, s:s + 3]) for s in range(0, 10, 3)]
+    forward, _ = merge(parts)
+    backward, _ = merge(parts[::-1])
+    torch.testing.assert_close(forward, backward, atol=1e-12, rtol=1e-12)
+
+
+def test_a_wrong_merge_is_caught():
+    # dropping the rescaling by exp(m_c - m) is the classic split-K bug: the check must see it
+    q, k, v = qkv(1, 2, 2, 1, 10, 4, torch.float64)
+    q = q * 4  # spread the scores so that chunks' maxima differ
+    parts = [partial_attention(q, k[:, :, s:s + 5], v[:, :, s:s + 5]) for s in (0, 5)]
+    wrong = sum(p.out for p in parts) / sum(p.l for p in parts)[..., None]
+    assert not torch.allclose(wrong, reference(q, k, v, None), atol=1e-5)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda q, k, v: split_k_attention(q, k, v, 0), "split must be a positive integer"),
+    (lambda q, k, v: split_k_attention(q, k, v, 2.0), "split must be a positive integer"),
+    (lambda q, k, v: split_k_attention(q, k[:, :1, :3], v, 2), "k, v both"),
+    (lambda q, k, v: split_k_attention(q[:, :3], k, v, 2), "H must be a multiple of H_kv"),
+    (lambda q, k, v: split_k_attention(q, k, v, 2, torch.ones(1, 5, dtype=torch.bool)),
+     r"mask must be \[C, T\] = \[1, 6\]"),
+    (lambda q, k, v: split_k_attention(q, k, v, 2, torch.zeros(1, 6, dtype=torch.bool)),
+     "reads no key"),
+])
+def test_bad_input_is_refused(call, message):
+    q, k, v = qkv(1, 4, 2, 1, 6, 4, torch.float32)
+    with pytest.raises(ValueError, match=message):
+        call(q, k, v)
