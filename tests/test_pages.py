@@ -4,7 +4,7 @@
   a page includes with ``literalinclude`` and ``:pyobject:``.
 - Checks are hidden, never removed: a ``remove-cell`` cell holds glue plumbing, not ``assert``.
 - No page repeats the kernel set-up (docs/_ipython) or writes its own ``ord(ch) - 32`` tokenizer.
-- Every page of the on-ramp and Parts I to III ends a self-check question with a hidden answer
+- Every page of the on-ramp and Parts I to III and V ends a self-check question with a hidden answer
   that the build computes: a dropdown with a glued value.
 """
 
@@ -21,7 +21,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 PAGES = sorted(p for p in DOCS.rglob("*.md")
                if "_build" not in p.parts and p.read_text().startswith("---\nfile_format: mystnb"))
 CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(.*?)^```", re.S | re.M)
-SELF_CHECK = ["attention", *(f"part{n}/{p.stem}" for n in (1, 2, 3)
+SELF_CHECK = ["attention", *(f"part{n}/{p.stem}" for n in (1, 2, 3, 5)
                              for p in sorted((DOCS / f"part{n}").glob("[0-9]*.md")))]
 
 
@@ -64,7 +64,7 @@ def test_rule_holds_on_every_page(rule, check):
 
 
 def test_learner_pages_end_with_a_computed_self_check():
-    assert len(SELF_CHECK) >= 17  # the on-ramp and every page of Parts I to III
+    assert len(SELF_CHECK) >= 18  # the on-ramp and every page of Parts I to III and V
     missing = [p for p in SELF_CHECK if not has_self_check(DOCS / f"{p}.md")]
     assert not missing, missing
 
