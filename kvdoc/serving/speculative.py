@@ -1,0 +1,218 @@
+"""Speculative decoding: a draft model proposes ``k`` tokens, the target checks them in one call.
+
+Each round starts with a *pending* token: the last token of the sequence, not yet fed to
+either model, whose caches hold every earlier position. Then
+
+1. the draft feeds the pending token and its own proposals one at a time, greedily, and
+   proposes ``d_1 .. d_k``;
+2. the target feeds ``[pending, d_1, .., d_k]`` as one chunk of ``k + 1`` tokens after its
+   cache, and so gets its own next-token logits at every one of those positions at once;
+3. proposals are accepted while they agree with the target (greedy: equal to its argmax;
+   sampling: the acceptance rule below); the first disagreement is replaced by the target's
+   token, and if all ``k`` agree the target's next token is added as a bonus;
+4. both caches are cropped back to the positions that were kept (the rejected suffix never
+   happened), and the last new token becomes the next round's pending token.
+
+So every round costs one target call and yields between 1 and ``k + 1`` tokens, and the output
+is the target's own: under greedy decoding token for token, under sampling in distribution
+(Leviathan et al. 2023, Chen et al. 2023). The caches must be able to roll back: a cache with
+``crop`` (dynamic, static, paged). A sliding-window ring cannot, since writing the rejected
+proposals overwrote rows that later queries still read.
+
+Batch 1 only: rows of a batch accept different numbers of tokens, which needs ragged caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from kvdoc.core.cache import KVCache
+from kvdoc.core.model import Decoder
+
+
+@dataclass
+class SpeculativeRun:
+    """What :func:`speculative_generate` returns."""
+
+    tokens: torch.Tensor
+    """``[1, P + max_new_tokens]``: the prompt and the generated tokens."""
+    prompt_len: int
+    """``P``."""
+    accepted: list[int] = field(default_factory=list)
+    """Proposals accepted in each round, each between 0 and ``k``."""
+    target_calls: int = 0
+    """Forward calls of the target, the prompt's included."""
+    draft_calls: int = 0
+    """Forward calls of the draft, the prompt's included."""
+
+    @property
+    def rounds(self) -> int:
+        """Verify calls of the target: one per round."""
+        return len(self.accepted)
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Generated tokens per verify call of the target (1.0 would be plain decoding)."""
+        return (self.tokens.shape[1] - self.prompt_len) / self.rounds
+
+
+def acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance rule for one proposed token: ``min(1, p/q)`` and the residual distribution.
+
+    ``p`` and ``q`` are the target's and the draft's next-token probabilities ``[V]``. A token
+    ``x`` drawn from ``q`` is kept with probability ``min(1, p(x) / q(x))``; on a rejection the
+    replacement is drawn from ``max(0, p - q)``, normalised. The result is distributed as ``p``:
+
+    >>> p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.2, 0.6])
+    >>> keep, residual = acceptance(p, q)
+    >>> reject = 1 - (q * keep).sum()
+    >>> torch.allclose(q * keep + reject * residual, p)
+    True
+    """
+    keep = torch.where(q > 0, (p / q).clamp(max=1.0), torch.zeros_like(p))
+    excess = (p - q).clamp(min=0.0)
+    total = excess.sum()
+    residual = excess / total if total > 0 else p  # p == q: nothing is ever rejected
+    return keep, residual
+
+
+def truncated_draft(target: Decoder, n_layer: int) -> Decoder:
+    """A draft made of the target's first ``n_layer`` layers, its final norm and its LM head.
+
+    A self-speculative draft (as in LayerSkip): no second model to train or load, and it tends
+    to agree with the target more often than an unrelated small model does.
+
+    >>> from kvdoc import GPTConfig
+    >>> draft = truncated_draft(Decoder(GPTConfig()), 1)
+    >>> draft.config.n_layer, draft.num_parameters() < Decoder(GPTConfig()).num_parameters()
+    (1, True)
+    """
+    layers = target.config.n_layer
+    if isinstance(n_layer, bool) or not isinstance(n_layer, int) or not 1 <= n_layer <= layers:
+        raise ValueError(f"n_layer must be between 1 and {layers}, got {n_layer!r}")
+    weight = target.wte.weight
+    draft = Decoder(replace(target.config, n_layer=n_layer)).to(weight.dtype)
+    draft.load_state_dict({k: v for k, v in target.state_dict().items() if k in draft.state_dict()})
+    return draft.to(weight.device).eval()
+
+
+def _checked(cache: KVCache) -> KVCache:
+    if not hasattr(cache, "crop"):
+        raise ValueError(f"speculative decoding rolls back rejected tokens, and a "
+                         f"{type(cache).__name__} cannot crop; use a dynamic or static cache")
+    return cache
+
+
+def _sync(model: Decoder, cache: KVCache, tokens: torch.Tensor) -> tuple[KVCache, int]:
+    """Crop ``cache`` to the kept positions and feed what it lacks, all but the pending token."""
+    keep = tokens.shape[1] - 1
+    calls = 0
+    if cache.seq_len > keep:
+        cache = cache.crop(keep)
+    if cache.seq_len < keep:  # the draft never fed its own last proposal
+        _, cache = model(tokens[:, cache.seq_len:keep], cache)
+        calls = 1
+    return cache, calls
+
+
+@torch.no_grad()
+def speculative_generate(target: Decoder, draft: Decoder, prompt: torch.Tensor,
+                         max_new_tokens: int, k: int = 4, *, cache: str = "dynamic",
+                         generator: torch.Generator | None = None) -> SpeculativeRun:
+    """``max_new_tokens`` tokens after ``prompt`` (``[1, P]``), the draft proposing ``k`` a round.
+
+    Args:
+        target: the model whose output this is.
+        draft: a cheaper model with the same vocabulary that proposes tokens.
+        prompt: ``[1, P]`` token ids, ``P >= 1``.
+        max_new_tokens: tokens to generate (the last round stops early to give exactly this many).
+        k: proposals per round, at least 1.
+        cache: the kind of cache both models use (``"dynamic"``, ``"static"``).
+        generator: sample with the acceptance rule, drawing from this generator; None: greedy.
+
+    Returns:
+        A :class:`SpeculativeRun`; under greedy decoding ``run.tokens`` equals
+        ``generate(target, prompt, max_new_tokens)``.
+
+    Raises:
+        ValueError: a batch other than 1, ``k`` or ``max_new_tokens`` below 1, models with
+            different vocabularies, a length past either model, or a cache that cannot crop.
+
+    >>> from kvdoc import GPTConfig, generate
+    >>> _ = torch.manual_seed(0)
+    >>> target, draft = Decoder(GPTConfig()).eval(), Decoder(GPTConfig(n_layer=1)).eval()
+    >>> prompt = torch.tensor([[5, 6, 7]])
+    >>> run = speculative_generate(target, draft, prompt, 12, k=3)
+    >>> torch.equal(run.tokens, generate(target, prompt, 12))
+    True
+    """
+    for name, value in (("k", k), ("max_new_tokens", max_new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    target.check_input(prompt, None)
+    if prompt.shape[0] != 1:
+        raise ValueError(f"speculative decoding here takes one sequence, "
+                         f"got batch {prompt.shape[0]}")
+    if target.config.vocab_size != draft.config.vocab_size:
+        raise ValueError(f"target and draft vocabularies differ: {target.config.vocab_size} "
+                         f"and {draft.config.vocab_size}")
+    total = prompt.shape[1] + max_new_tokens
+    # the target's verify call reaches k positions past the last kept token
+    for who, model in (("target", target), ("draft", draft)):
+        if total + k > model.config.n_positions:
+            raise ValueError(f"prompt of {prompt.shape[1]} + {max_new_tokens} new tokens + {k} "
+                             f"proposals exceed the {who}'s {model.config.n_positions} positions")
+    capacity = total + k
+    t_cache = _checked(target.new_cache(1, cache, capacity=capacity))
+    d_cache = _checked(draft.new_cache(1, cache, capacity=capacity))
+    run = SpeculativeRun(prompt, prompt.shape[1])
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:  # [1, V] -> [1, 1]
+        if generator is None:
+            return logits.argmax(dim=-1, keepdim=True)
+        return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+
+    # the prompt, all but its last token, fills both caches; the last token is pending
+    tokens = prompt
+    if prompt.shape[1] > 1:
+        _, t_cache = target(prompt[:, :-1], t_cache)
+        _, d_cache = draft(prompt[:, :-1], d_cache)
+        run.target_calls, run.draft_calls = 1, 1
+    while tokens.shape[1] < total:
+        want = total - tokens.shape[1]  # tokens still to produce; a round gives at most k + 1
+        steps = min(k, want - 1) if want > 1 else 0
+        proposals, q_probs = [], []
+        token = tokens[:, -1:]
+        for _ in range(steps):
+            logits, d_cache = draft(token, d_cache)
+            run.draft_calls += 1
+            q_probs.append(logits[0, -1].softmax(dim=-1))
+            token = pick(logits[:, -1])
+            proposals.append(token)
+        chunk = torch.cat([tokens[:, -1:], *proposals], dim=1)  # [1, steps + 1]
+        logits, t_cache = target(chunk, t_cache)  # logits[:, i] predicts the token after chunk[i]
+        run.target_calls += 1
+        kept = []
+        for i, proposal in enumerate(proposals):
+            if generator is None:
+                ok = bool(proposal.item() == logits[0, i].argmax().item())
+            else:
+                keep, residual = acceptance(logits[0, i].softmax(dim=-1), q_probs[i])
+                ok = bool(torch.rand(1, generator=generator).item() < keep[proposal.item()].item())
+            if not ok:
+                break
+            kept.append(proposal)
+        a = len(kept)
+        if a < len(proposals) and generator is not None:
+            last = torch.multinomial(residual, 1, generator=generator).view(1, 1)
+        else:
+            last = pick(logits[:, a])  # the target's token after the last kept one
+        run.accepted.append(a)
+        tokens = torch.cat([tokens, *kept, last], dim=1)
+        t_cache, _ = _sync(target, t_cache, tokens)
+        d_cache, calls = _sync(draft, d_cache, tokens)
+        run.draft_calls += calls
+    run.tokens = tokens
+    return run
