@@ -213,6 +213,9 @@ class ModelPreset:
         max_positions: the context length the release was configured for.
         source: where the numbers come from (the official config.json or paper).
         sliding_window: ``W`` if the attention layers see only the last ``W`` positions.
+        hidden, intermediate, vocab: ``d_model``, the MLP's width and the vocabulary, for the
+            Llama-family presets whose weights :mod:`kvdoc.measure.batch_decode` counts
+            (None where the architecture is another).
     """
 
     name: str
@@ -223,6 +226,9 @@ class ModelPreset:
     max_positions: int
     source: str
     sliding_window: int | None = None
+    hidden: int | None = None
+    intermediate: int | None = None
+    vocab: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "heads", "kv_heads", "head_dim", "max_positions"):
@@ -259,18 +265,25 @@ PRESETS: dict[str, ModelPreset] = {p.name.lower(): p for p in (
                 source="openai-community/gpt2 config.json (n_layer 12, n_head 12, n_embd 768); "
                        "Radford et al. 2019, 'Language Models are Unsupervised Multitask Learners'"),
     ModelPreset("Llama-2-7B", layers=32, heads=32, kv_heads=32, head_dim=128, max_positions=4096,
+                hidden=4096, intermediate=11008, vocab=32000,
                 source="meta-llama/Llama-2-7b-hf config.json (num_hidden_layers 32, num_attention_heads 32, "
-                       "num_key_value_heads 32, hidden_size 4096); Touvron et al. 2023, 'Llama 2'"),
+                       "num_key_value_heads 32, hidden_size 4096, intermediate_size 11008, "
+                       "vocab_size 32000); Touvron et al. 2023, 'Llama 2'"),
     ModelPreset("Llama-2-70B", layers=80, heads=64, kv_heads=8, head_dim=128, max_positions=4096,
+                hidden=8192, intermediate=28672, vocab=32000,
                 source="meta-llama/Llama-2-70b-hf config.json (num_hidden_layers 80, num_attention_heads 64, "
-                       "num_key_value_heads 8, hidden_size 8192); Touvron et al. 2023, 'Llama 2'"),
+                       "num_key_value_heads 8, hidden_size 8192, intermediate_size 28672, "
+                       "vocab_size 32000); Touvron et al. 2023, 'Llama 2'"),
     ModelPreset("Llama-3-8B", layers=32, heads=32, kv_heads=8, head_dim=128, max_positions=8192,
+                hidden=4096, intermediate=14336, vocab=128256,
                 source="meta-llama/Meta-Llama-3-8B config.json (num_hidden_layers 32, num_attention_heads 32, "
-                       "num_key_value_heads 8, hidden_size 4096)"),
+                       "num_key_value_heads 8, hidden_size 4096, intermediate_size 14336, "
+                       "vocab_size 128256)"),
     ModelPreset("Mistral-7B-v0.1", layers=32, heads=32, kv_heads=8, head_dim=128, max_positions=32768,
-                sliding_window=4096,
+                sliding_window=4096, hidden=4096, intermediate=14336, vocab=32000,
                 source="mistralai/Mistral-7B-v0.1 config.json (num_hidden_layers 32, num_attention_heads 32, "
-                       "num_key_value_heads 8, hidden_size 4096, sliding_window 4096); "
+                       "num_key_value_heads 8, hidden_size 4096, intermediate_size 14336, "
+                       "vocab_size 32000, sliding_window 4096); "
                        "Jiang et al. 2023, 'Mistral 7B' (rolling buffer cache)"),
     ModelPreset("Falcon-7B", layers=32, heads=71, kv_heads=1, head_dim=64, max_positions=2048,
                 source="tiiuae/falcon-7b config.json (n_layer 32, n_head 71, hidden_size 4544, "

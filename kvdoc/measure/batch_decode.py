@@ -1,0 +1,216 @@
+"""Decode at batch ``B``: what one step reads, how its time grows with ``B``, what fits on a device.
+
+One decode step of ``B`` sequences reads every weight once, whatever ``B`` is, and the K/V of
+every sequence: ``bytes(B) = W + B * kv(T)``. Its work grows with ``B`` throughout:
+``flops(B) = B * flops(1)``. So the arithmetic intensity ``flops / bytes`` rises with ``B``
+while the weights dominate the bytes and levels off once the caches do; the batch at which
+``B * kv(T) = W`` is where the cache starts to outweigh the weights.
+
+For a published model on an accelerator whose memory and bandwidth are parameters, the largest
+batch that fits at context ``T`` is ``(usable memory - all weights) / kv(T)``, and a step that is
+bound by memory bandwidth takes at least ``bytes(B) / bandwidth``. Under tensor parallelism of
+degree ``t``, each device holds ``H_kv / t`` K/V heads, or, when ``t > H_kv``, one head that
+``t / H_kv`` devices hold alike (vLLM's ``QKVParallelLinear`` replicates them so).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvdoc.core.config import GPTConfig, check_int
+from kvdoc.core.fast import FastDecoder
+from kvdoc.core.model import Decoder
+
+from .costs import step_bytes, step_flops
+from .memory import ModelPreset, element_size
+from .timing import Prepare, time_paths
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """A device's memory and bandwidth, as its maker states them (parameters, not measurements)."""
+
+    name: str
+    memory_bytes: int
+    bandwidth: float
+    """Peak memory bandwidth, bytes per second."""
+    source: str
+
+
+H100_SXM = Accelerator("H100 SXM", 80 * 10**9, 3.35e12,
+                       "NVIDIA H100 Tensor Core GPU datasheet: 80 GB HBM3, 3.35 TB/s")
+"""The accelerator the pages use for worked figures."""
+
+
+def kv_per_sequence(config: GPTConfig, context: int, size: int) -> int:
+    """K/V bytes one sequence adds to a step that attends over ``context + 1`` positions.
+
+    >>> kv_per_sequence(GPTConfig(), 9, 4)  # 2 (K, V) x 2 layers x 10 positions x 64 x 4 bytes
+    10240
+    """
+    return 2 * config.n_layer * (context + 1) * config.kv_dim * size
+
+
+@dataclass(frozen=True)
+class StepTraffic:
+    """Bytes and FLOPs of one decode step of ``batch`` sequences at ``context`` cached positions."""
+
+    batch: int
+    context: int
+    weight_bytes: int
+    kv_bytes: int
+    flops: float
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte read."""
+        return self.flops / self.bytes
+
+
+def step_traffic(model: Decoder, batch: int, context: int) -> StepTraffic:
+    """What a decode step of ``batch`` sequences must read and compute (the cost model).
+
+    >>> small = step_traffic(Decoder(GPTConfig()), 1, 15)
+    >>> big = step_traffic(Decoder(GPTConfig()), 8, 15)
+    >>> big.weight_bytes == small.weight_bytes, big.kv_bytes == 8 * small.kv_bytes
+    (True, True)
+    """
+    check_int("batch", batch)
+    check_int("context", context, minimum=0)
+    size = model.wte.weight.element_size()
+    kv = kv_per_sequence(model.config, context, size)
+    weights = step_bytes(model, context) - kv  # the cost model's bytes for one sequence
+    flops = batch * step_flops(model.config, context, 1, last_only=True)["total"]
+    return StepTraffic(batch, context, weights, batch * kv, flops)
+
+
+def time_batches(model: Decoder, context: int, batches: tuple[int, ...], steps: int,
+                 samples: int, seed: int = 0) -> dict[int, list[float]]:
+    """Milliseconds per decode step of the fast step, per batch size, at ``context`` cached positions.
+
+    Each sample runs ``steps`` single-token steps from a static cache holding ``context``
+    positions and reports their mean; the batch sizes are timed in rotating order.
+    """
+    fast = FastDecoder(model)
+    g = torch.Generator().manual_seed(seed)
+    paths: dict[str, Prepare] = {}
+    for batch in batches:
+        ids = torch.randint(0, model.config.vocab_size, (batch, context + steps), generator=g)
+        with torch.no_grad():
+            _, cache = model(ids[:, :context], model.new_cache(batch, "static", context + steps))
+
+        def prepare(ids: torch.Tensor = ids, cache=cache):
+            cache.crop(context)  # back to the prompt, untimed
+
+            def run() -> None:
+                work = cache
+                for j in range(steps):
+                    _, work = fast(ids[:, context + j:context + j + 1], work)
+            return run
+        paths[str(batch)] = prepare
+    times = time_paths(paths, samples=samples, warmup=1)
+    return {int(b): [t / steps for t in ts] for b, ts in times.items()}
+
+
+# --- published models on an accelerator ---------------------------------------------------------
+
+def weight_bytes(parameters: int, embedding: int, dtype: str = "bfloat16") -> tuple[int, int]:
+    """``(read per step, resident)`` weight bytes: a lookup reads one row of the embedding table.
+
+    ``parameters`` counts every weight, ``embedding`` the input table's (untied) share of it.
+    """
+    size = element_size(dtype)
+    return (parameters - embedding) * size, parameters * size
+
+
+def largest_batch(device: Accelerator, resident_weights: int, kv_sequence: int,
+                  usable: float = 0.9) -> int:
+    """Sequences whose caches fit beside the weights in ``usable`` of the device's memory.
+
+    An upper bound: activations and the runtime's own buffers also take memory. ``usable=0.9``
+    is vLLM's default ``gpu_memory_utilization``. Zero when the weights alone do not fit.
+
+    >>> largest_batch(Accelerator("toy", 100, 1.0, ""), 50, 10, usable=1.0)
+    5
+    """
+    free = int(device.memory_bytes * usable) - resident_weights
+    return max(0, free // kv_sequence)
+
+
+def bandwidth_bound_ms(device: Accelerator, bytes_per_step: int) -> float:
+    """The least time a step can take if it is bound by reading ``bytes_per_step`` from memory."""
+    return bytes_per_step / device.bandwidth * 1e3
+
+
+def kv_heads_per_device(kv_heads: int, degree: int) -> tuple[int, int]:
+    """``(K/V heads each device holds, devices that hold each head)`` under tensor parallelism.
+
+    Raises:
+        ValueError: ``degree`` and ``kv_heads`` such that neither divides the other.
+
+    >>> kv_heads_per_device(8, 2), kv_heads_per_device(8, 16), kv_heads_per_device(1, 4)
+    ((4, 1), (1, 2), (1, 4))
+    """
+    check_int("kv_heads", kv_heads)
+    check_int("degree", degree)
+    if degree <= kv_heads:
+        if kv_heads % degree:
+            raise ValueError(f"{kv_heads} K/V heads cannot be split evenly over {degree} devices")
+        return kv_heads // degree, 1
+    if degree % kv_heads:
+        raise ValueError(f"{degree} devices cannot each hold one of {kv_heads} K/V heads "
+                         "replicated evenly")
+    return 1, degree // kv_heads
+
+
+def preset_kv_per_sequence(preset: ModelPreset, context: int, dtype: str = "bfloat16",
+                           degree: int = 1) -> int:
+    """K/V bytes one sequence at ``context`` positions puts on each of ``degree`` devices.
+
+    >>> from kvdoc.measure.memory import preset
+    >>> llama = preset("Llama-3-8B")
+    >>> preset_kv_per_sequence(llama, 1000, degree=2) * 2 == preset_kv_per_sequence(llama, 1000)
+    True
+    """
+    heads, _ = kv_heads_per_device(preset.kv_heads, degree)
+    held = context if preset.sliding_window is None else min(context, preset.sliding_window)
+    return 2 * preset.layers * held * heads * preset.head_dim * element_size(dtype)
+
+
+def crossover_batch(weights: int, kv_sequence: int) -> int:
+    """The smallest batch whose caches outweigh the weights a step reads.
+
+    >>> crossover_batch(100, 30)
+    4
+    """
+    return math.floor(weights / kv_sequence) + 1
+
+
+def llama_family_parameters(preset: ModelPreset) -> tuple[int, int]:
+    """``(every parameter, the input embedding's)`` of a Llama-family preset, untied head.
+
+    Counted by building transformers' model on the meta device: no memory, no download.
+
+    Raises:
+        ValueError: a preset without ``hidden``, ``intermediate`` and ``vocab``.
+    """
+    if None in (preset.hidden, preset.intermediate, preset.vocab):
+        raise ValueError(f"{preset.name} does not give hidden, intermediate and vocab sizes")
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    family = (MistralConfig, MistralForCausalLM) if preset.sliding_window else (
+        LlamaConfig, LlamaForCausalLM)
+    config = family[0](hidden_size=preset.hidden, intermediate_size=preset.intermediate,
+                       vocab_size=preset.vocab, num_hidden_layers=preset.layers,
+                       num_attention_heads=preset.heads, num_key_value_heads=preset.kv_heads,
+                       head_dim=preset.head_dim, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = family[1](config)
+    return sum(p.numel() for p in model.parameters()), model.get_input_embeddings().weight.numel()
