@@ -93,7 +93,7 @@ def step_traffic(model: Decoder, batch: int, context: int) -> StepTraffic:
 
 def time_batches(model: Decoder, context: int, batches: tuple[int, ...], steps: int,
                  samples: int, seed: int = 0) -> dict[int, list[float]]:
-    """Milliseconds per decode step of the fast step, per batch size, at ``context`` cached positions.
+    """Milliseconds per decode step of the fast step, per batch size, at ``context`` positions.
 
     Each sample runs ``steps`` single-token steps from a static cache holding ``context``
     positions and reports their mean; the batch sizes are timed in rotating order.
