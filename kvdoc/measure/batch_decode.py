@@ -96,15 +96,23 @@ def time_batches(model: Decoder, context: int, batches: tuple[int, ...], steps: 
     """Milliseconds per decode step of the fast step, per batch size, at ``context`` positions.
 
     Each sample runs ``steps`` single-token steps from a static cache holding ``context``
-    positions and reports their mean; the batch sizes are timed in rotating order.
+    positions and reports their mean; the batch sizes are timed in rotating order. The cached
+    rows are zeros written through the cache's own ``update``, not a prefill: a step does the
+    same work whatever the values, and a prefill of ``B * context`` tokens would take far
+    longer than the steps.
     """
     fast = FastDecoder(model)
     g = torch.Generator().manual_seed(seed)
+    weight = model.wte.weight
     paths: dict[str, Prepare] = {}
     for batch in batches:
         ids = torch.randint(0, model.config.vocab_size, (batch, context + steps), generator=g)
-        with torch.no_grad():
-            _, cache = model(ids[:, :context], model.new_cache(batch, "static", context + steps))
+        cache = model.new_cache(batch, "static", context + steps)
+        rows = torch.zeros(batch, model.config.n_kv_head, context, model.config.head_dim,
+                           dtype=weight.dtype, device=weight.device)
+        for layer in range(model.config.n_layer):
+            cache.update(layer, rows, rows, 0)
+        cache.finish(context)
 
         def prepare(ids: torch.Tensor = ids, cache=cache):
             cache.crop(context)  # back to the prompt, untimed
@@ -214,3 +222,30 @@ def llama_family_parameters(preset: ModelPreset) -> tuple[int, int]:
     with torch.device("meta"):
         model = family[1](config)
     return sum(p.numel() for p in model.parameters()), model.get_input_embeddings().weight.numel()
+
+
+def batch_figure(times: dict[int, list[float]]):
+    """Median milliseconds per step and per token against batch size (log-log)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    from .timing import percentile
+
+    batches = sorted(times)
+    step = [percentile(times[b], 50) for b in batches]
+    fig, ax = plt.subplots(figsize=(6.6, 4.2))
+    ax.plot(batches, step, marker="o", label="one step (all B sequences)")
+    ax.plot(batches, [s / b for s, b in zip(step, batches, strict=True)], marker="s",
+            label="per token (step / B)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("batch size B (sequences decoded together)")
+    ax.set_ylabel("time, median (ms)")
+    ax.set_title("Decode step time against batch size (log-log)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
