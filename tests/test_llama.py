@@ -7,9 +7,8 @@ from kvdoc import Decoder
 from kvdoc.proofs.variants import VARIANTS
 from kvdoc.core.config import llama_config
 from kvdoc.core.rope import apply_rope, rope_angles
-from kvdoc.proofs.verify import run_cached
+from kvdoc.proofs.verify import TOLERANCE, run_cached
 
-TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 
 def make(dtype=torch.float32, **overrides) -> Decoder:
@@ -62,7 +61,7 @@ def test_cached_equals_full(ids, dtype, overrides):
     for kind in ("dynamic", "static"):
         for chunk in (1, 5, [17, 1, 22]):
             torch.testing.assert_close(run_cached(model, ids, chunk, kind).logits, full,
-                                       atol=TOL[dtype], rtol=TOL[dtype])
+                                       atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("n_kv_head", [4, 2, 1])

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kvdoc import Decoder, GPTConfig, decode_step, generate, prefill
+from kvdoc.proofs.verify import TOLERANCE
 
-TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 
 def chunked(model, ids, chunk, kind):
@@ -36,7 +36,7 @@ def test_cached_equals_full(model, stream, kind, dtype, chunk, batch):
         cached, cache = chunked(model, ids, chunk, kind)
         # K/V: a single full pass through a fresh cache, against the chunked cache.
         reference = full_kv(model, ids)
-    tol = TOL[dtype]
+    tol = TOLERANCE[dtype]
     assert cached.shape == full.shape == (batch, 24, 97)
     torch.testing.assert_close(cached, full, atol=tol, rtol=tol)
     assert cache.seq_len == 24

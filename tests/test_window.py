@@ -7,11 +7,11 @@ import torch
 
 from kvdoc import Decoder
 from kvdoc.core.config import llama_config, mistral_config
-from kvdoc.proofs.verify import run_cached
+from kvdoc.core.rope import apply_rope
+from kvdoc.proofs.verify import TOLERANCE, run_cached
 from kvdoc.core.window import SlidingWindowCache
 
 W, T = 32, 100
-TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 
 def make(dtype=torch.float32, window=W) -> Decoder:
@@ -31,7 +31,7 @@ def test_window_cache_equals_windowed_full_forward(ids, dtype, chunk):
     with torch.no_grad():
         full = model(ids).logits  # no cache: the offset mask with the window
     run = run_cached(model, ids, chunk, "window")
-    torch.testing.assert_close(run.logits, full, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(run.logits, full, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     assert run.cache.seq_len == T and list(run.cache.held()) == list(range(T - W, T))
 
 
@@ -63,13 +63,20 @@ def test_ring_slots_and_flat_memory(ids):
 def test_layer_holds_the_last_w_rotated_keys_in_order(ids):
     """What the ring holds equals the full forward's rotated K and V at the held positions."""
     model = make()
+    cfg = model.config
     captured = []
-    handles = [b.attn.rotary.register_forward_hook(lambda m, i, out: captured.append(out[1])) for b in model.h]
+
+    def rotated_k(module, inputs, out):  # c_attn's K columns, turned at positions 0 .. T - 1
+        k = out[..., cfg.n_embd:cfg.n_embd + cfg.kv_dim].unflatten(-1, (cfg.n_kv_head, cfg.head_dim))
+        captured.append(apply_rope(k.transpose(1, 2), 0, cfg.rope_theta))  # [B, H_kv, T, D_h]
+
+    handles = [b.attn.c_attn.register_forward_hook(rotated_k) for b in model.h]
     with torch.no_grad():
         model(ids)
     for h in handles:
         h.remove()
     run = run_cached(model, ids, 7, "window")
+    assert len(captured) == cfg.n_layer
     for layer, k_full in enumerate(captured):
         torch.testing.assert_close(run.cache.layer(layer)[0], k_full[:, :, T - W:], atol=1e-5, rtol=1e-5)
         assert tuple(run.cache.layer(layer)[1].shape) == (2, model.config.n_kv_head, W, model.config.head_dim)

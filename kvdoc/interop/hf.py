@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from kvdoc.core.config import GPTConfig
-from kvdoc.core import model as _model  # looked up at call time, so a patched Decoder is the one built
-from kvdoc.core.model import Decoder  # for annotations
+from kvdoc.core.model import Decoder
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 """GPT-2's weights stored as ``Conv1D`` (``[in, out]``, the transpose of ``nn.Linear``'s)."""
@@ -101,7 +100,7 @@ def decoder_from_gpt2(model_or_state_dict: Any, config: GPTConfig | None = None)
         if name.endswith(_BUFFERS):
             continue
         mapped[name] = value.t() if name.endswith(CONV1D_WEIGHTS) else value
-    decoder = _model.Decoder(config).to(next(iter(mapped.values())).dtype)
+    decoder = Decoder(config).to(next(iter(mapped.values())).dtype)
     expected = decoder.state_dict()
     missing = sorted(set(expected) - set(mapped))
     unexpected = sorted(set(mapped) - set(expected))
@@ -230,7 +229,7 @@ def from_transformers(hf_model: Any) -> Decoder:
         mapped = _llama_state(state, config.n_layer)
     except KeyError as missing:
         raise ValueError(f"{hf_model.config.model_type} weights lack {missing}") from None
-    decoder = _model.Decoder(config).to(mapped["wte.weight"].dtype)
+    decoder = Decoder(config).to(mapped["wte.weight"].dtype)
     expected = decoder.state_dict()
     for name, value in mapped.items():
         if value.shape != expected[name].shape:

@@ -33,8 +33,7 @@ import torch
 from torch import nn
 
 from kvdoc.core.config import GPTConfig
-
-from kvdoc.core import model as _model  # looked up at call time, so a patched Decoder is the one built
+from kvdoc.core.model import Decoder
 
 Reference = Callable[[torch.Tensor], torch.Tensor]
 """``ids [B, T] -> logits [B, T, V]``."""
@@ -69,7 +68,7 @@ def mha_reference(model: nn.Module) -> Reference:
     config = model.config
     mha_config = dataclasses.replace(config, n_kv_head=config.n_head)
     with torch.random.fork_rng():
-        ref = _model.Decoder(mha_config).to(_dtype(model)).eval()
+        ref = Decoder(mha_config).to(_dtype(model)).eval()
     ref.load_state_dict(mha_weights(model.state_dict(), config))
     return lambda ids: ref(ids)[0]
 

@@ -26,7 +26,7 @@ import torch
 
 from kvdoc.core.cache import DynamicCache, KVCache, StaticCache
 from kvdoc.core.config import GPTConfig
-from kvdoc.core.mask import offset_causal_mask, top_left_causal_mask
+from kvdoc.core.mask import offset_causal_mask
 from kvdoc.core.model import Decoder, decode_step, generate, prefill
 from kvdoc.measure.tables import markdown_table
 
@@ -46,7 +46,7 @@ def run_cli(*argv: str) -> str:
     ...
     kvdoc.proofs.refusals.CommandError: exit 2: python -m kvdoc: error: argument COMMAND: invalid choice: 'frobnicate' ...
     """
-    from kvdoc.__main__ import main
+    from .cli import main  # imports every command's module: only when a CLI entry runs
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -281,8 +281,8 @@ CATALOGUE: list[Refusal] = [
        "past_len must be a non-negative integer, got -1", lambda fx: offset_causal_mask(-1, 2)),
     _r("mask-no-queries", "masks", "zero new queries", "offset_causal_mask(3, 0)", VE,
        "new_len must be a positive integer, got 0", lambda fx: offset_causal_mask(3, 0)),
-    _r("mask-float-length", "masks", "a float length", "top_left_causal_mask(2.0, 1)", VE,
-       "past_len must be a non-negative integer, got 2.0", lambda fx: top_left_causal_mask(2.0, 1)),
+    _r("mask-float-length", "masks", "a float length", "offset_causal_mask(2.0, 1)", VE,
+       "past_len must be a non-negative integer, got 2.0", lambda fx: offset_causal_mask(2.0, 1)),
     # --- generation -------------------------------------------------------------------------------
     _r("decode-two-tokens", "generation", "two tokens in one decode step", "decode_step(model, torch.tensor([[1, 2]]), dynamic)",
        VE, "decode_step takes one token per row", lambda fx: decode_step(fx.model, torch.tensor([[1, 2]]), fx.dynamic)),
