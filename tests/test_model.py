@@ -9,7 +9,7 @@ from kvdoc.proofs.verify import TOLERANCE
 
 
 def chunked(model, ids, chunk, kind):
-    """Feed ids in chunks of `chunk` (the last may be short); return logits [B, T, V] and the cache."""
+    """Feed ids in chunks of `chunk` (the last may be short); return logits [B, T, V], cache."""
     cache = model.new_cache(ids.shape[0], kind)
     out = []
     for s in range(0, ids.shape[1], chunk):
@@ -103,7 +103,8 @@ def test_prefill_and_decode_step(model, stream):
         logits, cache = prefill(model, stream[:, :5])
         assert logits.shape == (2, 1, 97) and cache.seq_len == 5
         step, cache = decode_step(model, stream[:, 5], cache)
-        torch.testing.assert_close(step[:, 0], model(stream[:, :6]).logits[:, -1], atol=1e-5, rtol=1e-5)
+        full = model(stream[:, :6]).logits[:, -1]
+        torch.testing.assert_close(step[:, 0], full, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="one token per row"):
         decode_step(model, stream[:, 6:8], cache)
 

@@ -1,4 +1,4 @@
-"""The sliding-window ring cache against a windowed full forward, over streams that cross the window."""
+"""The sliding-window ring cache against a windowed full forward, over streams past the window."""
 
 import dataclasses
 
@@ -36,7 +36,7 @@ def test_window_cache_equals_windowed_full_forward(ids, dtype, chunk):
 
 
 def test_the_window_matters(ids):
-    """Same weights without the window: equal before position W, different after (the test can fail)."""
+    """Same weights without the window: equal before position W, different after (it can fail)."""
     windowed = make()
     unwindowed = Decoder(dataclasses.replace(windowed.config, sliding_window=None)).eval()
     unwindowed.load_state_dict(windowed.state_dict())
@@ -67,8 +67,9 @@ def test_layer_holds_the_last_w_rotated_keys_in_order(ids):
     captured = []
 
     def rotated_k(module, inputs, out):  # c_attn's K columns, turned at positions 0 .. T - 1
-        k = out[..., cfg.n_embd:cfg.n_embd + cfg.kv_dim].unflatten(-1, (cfg.n_kv_head, cfg.head_dim))
-        captured.append(apply_rope(k.transpose(1, 2), 0, cfg.rope_theta))  # [B, H_kv, T, D_h]
+        k = out[..., cfg.n_embd:cfg.n_embd + cfg.kv_dim]  # [B, T, H_kv * D_h]
+        k = k.unflatten(-1, (cfg.n_kv_head, cfg.head_dim)).transpose(1, 2)  # [B, H_kv, T, D_h]
+        captured.append(apply_rope(k, 0, cfg.rope_theta))
 
     handles = [b.attn.c_attn.register_forward_hook(rotated_k) for b in model.h]
     with torch.no_grad():
@@ -78,8 +79,9 @@ def test_layer_holds_the_last_w_rotated_keys_in_order(ids):
     run = run_cached(model, ids, 7, "window")
     assert len(captured) == cfg.n_layer
     for layer, k_full in enumerate(captured):
-        torch.testing.assert_close(run.cache.layer(layer)[0], k_full[:, :, T - W:], atol=1e-5, rtol=1e-5)
-        assert tuple(run.cache.layer(layer)[1].shape) == (2, model.config.n_kv_head, W, model.config.head_dim)
+        k, v = run.cache.layer(layer)
+        torch.testing.assert_close(k, k_full[:, :, T - W:], atol=1e-5, rtol=1e-5)
+        assert tuple(v.shape) == (2, cfg.n_kv_head, W, cfg.head_dim)
 
 
 def test_a_forward_call_leaves_the_cache_passed_in_unchanged(ids):
@@ -114,7 +116,8 @@ def test_dynamic_and_static_caches_also_serve_a_windowed_model(ids):
     with torch.no_grad():
         full = model(ids).logits
     for kind in ("dynamic", "static"):
-        torch.testing.assert_close(run_cached(model, ids, 9, kind).logits, full, atol=1e-5, rtol=1e-5)
+        cached = run_cached(model, ids, 9, kind).logits
+        torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [1, 2, 3])
