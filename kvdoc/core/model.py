@@ -85,7 +85,7 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.window = config.sliding_window
         self.rope_theta = config.rope_theta if config.position == "rope" else None
-        # Q, K and V in one matmul: H query heads, then H_kv key and H_kv value heads
+        # Q, K and V in one matmul (split into heads in forward)
         self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.kv_dim,
                                 bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
