@@ -1,4 +1,4 @@
-"""kvdoc: a decoder (GPT-2 or Llama-style) with per-layer K/V caches, and the tools that prove it correct.
+"""kvdoc: a GPT-2 or Llama-style decoder with per-layer K/V caches, and the tools that prove it.
 
 >>> import kvdoc
 >>> kvdoc.Decoder(kvdoc.GPTConfig()).num_parameters()
@@ -9,7 +9,7 @@
 
 from .core.cache import DynamicCache, KVCache, StaticCache
 from .core.config import GPTConfig, llama_config, mistral_config
-from .core.mask import offset_causal_mask, top_left_causal_mask
+from .core.mask import offset_causal_mask
 from .core.model import Decoder, DecoderOutput, decode_step, generate, prefill
 from .core.window import SlidingWindowCache
 
@@ -26,7 +26,6 @@ __all__ = [
     "StaticCache",
     "SlidingWindowCache",
     "offset_causal_mask",
-    "top_left_causal_mask",
     "prefill",
     "decode_step",
     "generate",

@@ -1,4 +1,4 @@
-"""Every entry of the bad-input catalogue (kvdoc.proofs.refusals) is refused as catalogued, caches intact.
+"""Every entry of the bad-input catalogue (kvdoc.proofs.refusals) is refused, caches intact.
 
 The same catalogue feeds the reference page "What kvdoc refuses". The last tests check the
 checker: an accepted call, a wrong message and a refusal that touched a cache are all caught.
@@ -37,7 +37,8 @@ def test_fixture_caches_hold_the_prompt():
 
 
 def test_cli_refusal_is_the_same_out_of_process():
-    result = subprocess.run([sys.executable, "-m", "kvdoc", "train"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "kvdoc", "train"], capture_output=True,
+                            text=True, timeout=120)
     assert result.returncode == 2 and "invalid choice: 'train'" in result.stderr, result
     with pytest.raises(CommandError, match="exit 2: .*invalid choice: 'train'"):
         refusals.run_cli("train")
@@ -54,7 +55,9 @@ def test_checker_catches_an_accepted_call():
 
 def test_checker_catches_a_wrong_message_or_type():
     assert not attempt(_entry(lambda fx: GPTConfig_bad(), fragment="something else")).ok
-    outcome = attempt(_entry(lambda fx: fx.model(torch.tensor([[1]]), fx.dynamic.tensors()), fragment="nope"))
+    not_a_cache = _entry(lambda fx: fx.model(torch.tensor([[1]]), fx.dynamic.tensors()),
+                         fragment="nope")
+    outcome = attempt(not_a_cache)
     assert outcome.raised == "ValueError" and not outcome.matches and not outcome.ok
     type_error = attempt(_entry(lambda fx: (_ for _ in ()).throw(TypeError("boom"))))
     assert type_error.raised == "TypeError" and not type_error.ok

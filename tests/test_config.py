@@ -7,14 +7,18 @@ from kvdoc import Decoder, GPTConfig
 
 def test_default_model_is_the_source_model():
     cfg = GPTConfig()
-    assert (cfg.vocab_size, cfg.n_positions, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.n_inner) == (97, 512, 2, 4, 64, 256)
+    sizes = (cfg.vocab_size, cfg.n_positions, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.n_inner)
+    assert sizes == (97, 512, 2, 4, 64, 256)
     assert cfg.n_kv_head == cfg.n_head and cfg.head_dim == 16
 
 
 def test_parameter_count_matches_closed_form():
-    for cfg in (GPTConfig(), GPTConfig(n_layer=3, n_embd=32, n_head=2, n_inner=64, n_kv_head=1, vocab_size=11)):
+    small = GPTConfig(n_layer=3, n_embd=32, n_head=2, n_inner=64, n_kv_head=1, vocab_size=11)
+    for cfg in (GPTConfig(), small):
         d, kv = cfg.n_embd, cfg.kv_dim
-        per_layer = 4 * d + (d * (d + 2 * kv) + d + 2 * kv) + (d * d + d) + (d * cfg.n_inner + cfg.n_inner) + (cfg.n_inner * d + d)
+        attn = (d * (d + 2 * kv) + d + 2 * kv) + (d * d + d)  # c_attn, c_proj
+        mlp = (d * cfg.n_inner + cfg.n_inner) + (cfg.n_inner * d + d)  # c_fc, c_proj
+        per_layer = 4 * d + attn + mlp  # + two LayerNorms
         expected = cfg.vocab_size * d * 2 + cfg.n_positions * d + cfg.n_layer * per_layer + 2 * d
         assert Decoder(cfg).num_parameters() == expected
 
@@ -45,7 +49,8 @@ def test_llama_and_mistral_configs():
     from kvdoc.core.config import llama_config, mistral_config
 
     cfg = llama_config()
-    assert (cfg.position, cfg.norm, cfg.mlp, cfg.bias, cfg.sliding_window) == ("rope", "rmsnorm", "swiglu", False, None)
+    switches = (cfg.position, cfg.norm, cfg.mlp, cfg.bias, cfg.sliding_window)
+    assert switches == ("rope", "rmsnorm", "swiglu", False, None)
     assert (cfg.n_head, cfg.n_kv_head, cfg.head_dim) == (4, 2, 16)
     assert mistral_config(sliding_window=8).sliding_window == 8
     assert llama_config(n_kv_head=1).n_kv_head == 1

@@ -1,4 +1,4 @@
-"""Tests for kvdoc.proofs.deps: both methods must find the same dependencies, including hidden ones."""
+"""Tests for kvdoc.proofs.deps: both methods must find the same dependencies, hidden ones too."""
 
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def test_causal_attention_is_lower_triangular_and_magnitudes_agree():
     Wq, Wk, Wv = (0.2 * rand(8, 8, seed=s) for s in (5, 6, 7))
 
     def attn(x):
-        return torch.nn.functional.scaled_dot_product_attention(x @ Wq, x @ Wk, x @ Wv, is_causal=True)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        return sdpa(x @ Wq, x @ Wk, x @ Wv, is_causal=True)
 
     m = dependency_map(attn, x)
     assert torch.equal(m.depends, lower_triangular(6))

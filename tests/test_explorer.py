@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvdoc import offset_causal_mask, top_left_causal_mask
+from kvdoc import offset_causal_mask
+from kvdoc.proofs.broken import top_left_causal_mask
 from kvdoc.teach.worked import WORKED_INPUTS, worked_example
 
 JS = Path(__file__).resolve().parents[1] / "docs" / "_static" / "kvdoc-explorer.js"
@@ -21,18 +22,22 @@ GRID = [(p, c) for p in range(0, 13) for c in range(1, 7)]  # the page's slider 
 def _node(script: str) -> object:
     node = shutil.which("node")
     if node is None:  # node is part of this project's machine image: never skip
-        pytest.fail("node is not on PATH; the explorer test needs it" + (" (CI is set)" if os.environ.get("CI") else ""))
-    done = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60, check=False)
+        ci = " (CI is set)" if os.environ.get("CI") else ""
+        pytest.fail("node is not on PATH; the explorer test needs it" + ci)
+    done = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60,
+                          check=False)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
 
 def _evaluate(expr: str) -> object:
-    return _node(f"const m = require({json.dumps(str(JS))}); process.stdout.write(JSON.stringify({expr}));")
+    return _node(f"const m = require({json.dumps(str(JS))}); "
+                 f"process.stdout.write(JSON.stringify({expr}));")
 
 
 def test_js_masks_match_kvdoc_masks():
-    got = _evaluate(f"{json.dumps(GRID)}.map(([p, c]) => [m.offsetMask(p, c), m.topLeftMask(p, c)])")
+    got = _evaluate(f"{json.dumps(GRID)}.map(([p, c]) => "
+                    "[m.offsetMask(p, c), m.topLeftMask(p, c)])")
     assert len(got) == len(GRID)
     for (p, c), (off, tl) in zip(GRID, got):
         assert off == offset_causal_mask(p, c).tolist(), (p, c)
@@ -42,7 +47,8 @@ def test_js_masks_match_kvdoc_masks():
 
 
 def test_js_masks_reject_bad_lengths():
-    got = _evaluate("[[-1, 1], [2, 0], [1.5, 1]].map(([p, c]) => { try { m.offsetMask(p, c); return 'ok'; } "
+    got = _evaluate("[[-1, 1], [2, 0], [1.5, 1]].map(([p, c]) => "
+                    "{ try { m.offsetMask(p, c); return 'ok'; } "
                     "catch (e) { return e.name; } })")
     assert got == ["RangeError"] * 3
 
@@ -53,8 +59,11 @@ def test_js_stepper_matches_worked_example():
     assert len(got) == len(steps)
     for js, py in zip(got, steps):
         assert js["step"] == py.step
-        assert torch.allclose(torch.tensor(js["K"], dtype=torch.float64), py.cached.K_full, atol=0, rtol=0)
-        for key, ref in (("scores", py.cached.scores[0]), ("weights", py.cached.weights[0]), ("output", py.cached.output)):
+        K = torch.tensor(js["K"], dtype=torch.float64)
+        assert torch.allclose(K, py.cached.K_full, atol=0, rtol=0)
+        refs = (("scores", py.cached.scores[0]), ("weights", py.cached.weights[0]),
+                ("output", py.cached.output))
+        for key, ref in refs:
             diff = (torch.tensor(js[key], dtype=torch.float64) - ref).abs().max().item()
             assert diff < 1e-12, (py.step, key, diff)
 

@@ -98,16 +98,19 @@ from kvdoc.core.config import llama_config, mistral_config  # noqa: E402
 from kvdoc.proofs.crosscheck import match_transformers  # noqa: E402
 from kvdoc.interop.hf import (config_from_transformers, float64_islands_lifted,  # noqa: E402
                            transformers_config, transformers_model)
+from kvdoc.proofs.verify import TOLERANCE  # noqa: E402
 
-LONG = torch.randint(0, 97, (2, 96), generator=torch.Generator().manual_seed(6))  # crosses window 32 three times
+# crosses window 32 three times
+LONG = torch.randint(0, 97, (2, 96), generator=torch.Generator().manual_seed(6))
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("family, config", [
     ("gpt2", None), ("llama", None), ("llama", llama_config(n_kv_head=1, tie_word_embeddings=True)),
-    ("llama", llama_config(n_kv_head=4)), ("mistral", None)], ids=["gpt2", "llama-gqa", "llama-mqa-tied",
-                                                                  "llama-mha", "mistral-w32"])
-def test_all_families_match_transformers_full_and_cached(family, config, dtype, tol):
+    ("llama", llama_config(n_kv_head=4)), ("mistral", None)],
+    ids=["gpt2", "llama-gqa", "llama-mqa-tied", "llama-mha", "mistral-w32"])
+def test_all_families_match_transformers_full_and_cached(family, config, dtype):
+    tol = TOLERANCE[dtype]
     hf = transformers_model(family, config, seed=1, dtype=dtype)
     m = match_transformers(hf, LONG.to(hf.device), chunks=(1, 7), prefill_len=10)
     assert m.n_parameters[0] == m.n_parameters[1]
@@ -118,18 +121,20 @@ def test_all_families_match_transformers_full_and_cached(family, config, dtype, 
 
 
 def test_mistral_window_changes_transformers_logits_too():
-    """The cross-check is not vacuous: transformers' Mistral without its window gives other logits."""
+    """The cross-check is not vacuous: transformers' Mistral without its window differs."""
     hf = transformers_model("mistral", seed=1)
     ours = from_transformers(hf)
     assert ours.new_cache(2).window == 32
     plain = transformers_model("mistral", mistral_config(sliding_window=512), seed=1)
     with torch.no_grad():
-        assert not torch.allclose(ours(LONG).logits[:, 32:], plain(LONG).logits[:, 32:], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(ours(LONG).logits[:, :32], plain(LONG).logits[:, :32], atol=1e-5, rtol=1e-5)
+        windowed, unwindowed = ours(LONG).logits, plain(LONG).logits
+        assert not torch.allclose(windowed[:, 32:], unwindowed[:, 32:], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(windowed[:, :32], unwindowed[:, :32], atol=1e-5, rtol=1e-5)
 
 
 def test_config_round_trip():
-    for cfg in (GPTConfig(), llama_config(), llama_config(n_kv_head=1, tie_word_embeddings=True), mistral_config(8)):
+    for cfg in (GPTConfig(), llama_config(), llama_config(n_kv_head=1, tie_word_embeddings=True),
+                mistral_config(8)):
         assert config_from_transformers(transformers_config(cfg)) == cfg
 
 

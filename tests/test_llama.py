@@ -7,9 +7,8 @@ from kvdoc import Decoder
 from kvdoc.proofs.variants import VARIANTS
 from kvdoc.core.config import llama_config
 from kvdoc.core.rope import apply_rope, rope_angles
-from kvdoc.proofs.verify import run_cached
+from kvdoc.proofs.verify import TOLERANCE, run_cached
 
-TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 
 def make(dtype=torch.float32, **overrides) -> Decoder:
@@ -24,10 +23,11 @@ def ids():
 
 def test_rope_scores_depend_only_on_the_distance():
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(1, 1, 1, 16, generator=g, dtype=torch.float64), torch.randn(1, 1, 1, 16, generator=g, dtype=torch.float64)
+    q, k = (torch.randn(1, 1, 1, 16, generator=g, dtype=torch.float64) for _ in range(2))
     scores = [(apply_rope(q, m) * apply_rope(k, m - 3)).sum().item() for m in (3, 10, 200)]
-    assert scores[0] == pytest.approx(scores[1], abs=1e-12) and scores[0] == pytest.approx(scores[2], abs=1e-12)
-    assert (q * k).sum().item() != pytest.approx(scores[0], abs=1e-3)  # distance 3 does turn the pair
+    assert scores[0] == pytest.approx(scores[1], abs=1e-12)
+    assert scores[0] == pytest.approx(scores[2], abs=1e-12)
+    assert (q * k).sum().item() != pytest.approx(scores[0], abs=1e-3)  # distance 3 does turn it
 
 
 def test_rope_of_a_chunk_is_rope_at_its_absolute_positions():
@@ -38,23 +38,26 @@ def test_rope_of_a_chunk_is_rope_at_its_absolute_positions():
 
 
 def test_the_cache_holds_rotated_keys(ids):
-    """Layer 0's cached K is the rotated projection: c_attn's K columns turned at positions 0..T-1."""
+    """Layer 0's cached K is the rotated projection: c_attn's K columns turned at 0 .. T - 1."""
     model = make()
     seen = {}
-    handle = model.h[0].attn.c_attn.register_forward_hook(lambda m, i, out: seen.setdefault("qkv", out))
+    handle = model.h[0].attn.c_attn.register_forward_hook(
+        lambda m, i, out: seen.setdefault("qkv", out))
     with torch.no_grad():
         _, cache = model(ids, model.new_cache(2))
     handle.remove()
     cfg = model.config
     B, T, _ = seen["qkv"].shape
-    raw_k = seen["qkv"][..., cfg.n_embd:cfg.n_embd + cfg.kv_dim].view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
+    k_columns = seen["qkv"][..., cfg.n_embd:cfg.n_embd + cfg.kv_dim]  # [B, T, H_kv * D_h]
+    raw_k = k_columns.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
     torch.testing.assert_close(cache.layer(0)[0], apply_rope(raw_k, 0), atol=1e-6, rtol=1e-6)
     assert not torch.allclose(cache.layer(0)[0], raw_k, atol=1e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("overrides", [dict(n_kv_head=4), dict(n_kv_head=2), dict(n_kv_head=1),
-                                       dict(tie_word_embeddings=True)], ids=["mha", "gqa", "mqa", "tied"])
+                                       dict(tie_word_embeddings=True)],
+                         ids=["mha", "gqa", "mqa", "tied"])
 def test_cached_equals_full(ids, dtype, overrides):
     model = make(dtype, **overrides)
     with torch.no_grad():
@@ -62,7 +65,7 @@ def test_cached_equals_full(ids, dtype, overrides):
     for kind in ("dynamic", "static"):
         for chunk in (1, 5, [17, 1, 22]):
             torch.testing.assert_close(run_cached(model, ids, chunk, kind).logits, full,
-                                       atol=TOL[dtype], rtol=TOL[dtype])
+                                       atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("n_kv_head", [4, 2, 1])
@@ -71,7 +74,8 @@ def test_gqa_divides_cache_bytes(ids, n_kv_head):
     cache = run_cached(model, ids, 8).cache
     cfg = model.config
     assert cache.nbytes() == 2 * cfg.n_layer * 2 * n_kv_head * ids.shape[1] * cfg.head_dim * 4
-    assert tuple(cache.layer(1)[0].shape) == (2, n_kv_head, ids.shape[1], cfg.head_dim)  # [B, H_kv, T, D_h]
+    # [B, H_kv, T, D_h]
+    assert tuple(cache.layer(1)[0].shape) == (2, n_kv_head, ids.shape[1], cfg.head_dim)
 
 
 def test_tied_head_shares_the_embedding():
@@ -90,7 +94,8 @@ def test_rope_broken_variants_are_caught(ids, name):
     broken = ROPE_VARIANTS[name].build(model)
     with torch.no_grad():
         full = model(ids).logits
-        torch.testing.assert_close(broken(ids).logits, full, atol=1e-5, rtol=1e-5)  # one call: correct
+        # one call from position 0: correct
+        torch.testing.assert_close(broken(ids).logits, full, atol=1e-5, rtol=1e-5)
     for chunk in (1, 5):
         assert not torch.allclose(run_cached(broken, ids, chunk).logits, full, atol=1e-5, rtol=1e-5)
 

@@ -1,4 +1,4 @@
-"""The sliding-window ring cache against a windowed full forward, over streams that cross the window."""
+"""The sliding-window ring cache against a windowed full forward, over streams past the window."""
 
 import dataclasses
 
@@ -7,11 +7,11 @@ import torch
 
 from kvdoc import Decoder
 from kvdoc.core.config import llama_config, mistral_config
-from kvdoc.proofs.verify import run_cached
+from kvdoc.core.rope import apply_rope
+from kvdoc.proofs.verify import TOLERANCE, run_cached
 from kvdoc.core.window import SlidingWindowCache
 
 W, T = 32, 100
-TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 
 def make(dtype=torch.float32, window=W) -> Decoder:
@@ -31,12 +31,12 @@ def test_window_cache_equals_windowed_full_forward(ids, dtype, chunk):
     with torch.no_grad():
         full = model(ids).logits  # no cache: the offset mask with the window
     run = run_cached(model, ids, chunk, "window")
-    torch.testing.assert_close(run.logits, full, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(run.logits, full, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     assert run.cache.seq_len == T and list(run.cache.held()) == list(range(T - W, T))
 
 
 def test_the_window_matters(ids):
-    """Same weights without the window: equal before position W, different after (the test can fail)."""
+    """Same weights without the window: equal before position W, different after (it can fail)."""
     windowed = make()
     unwindowed = Decoder(dataclasses.replace(windowed.config, sliding_window=None)).eval()
     unwindowed.load_state_dict(windowed.state_dict())
@@ -63,16 +63,25 @@ def test_ring_slots_and_flat_memory(ids):
 def test_layer_holds_the_last_w_rotated_keys_in_order(ids):
     """What the ring holds equals the full forward's rotated K and V at the held positions."""
     model = make()
+    cfg = model.config
     captured = []
-    handles = [b.attn.rotary.register_forward_hook(lambda m, i, out: captured.append(out[1])) for b in model.h]
+
+    def rotated_k(module, inputs, out):  # c_attn's K columns, turned at positions 0 .. T - 1
+        k = out[..., cfg.n_embd:cfg.n_embd + cfg.kv_dim]  # [B, T, H_kv * D_h]
+        k = k.unflatten(-1, (cfg.n_kv_head, cfg.head_dim)).transpose(1, 2)  # [B, H_kv, T, D_h]
+        captured.append(apply_rope(k, 0, cfg.rope_theta))
+
+    handles = [b.attn.c_attn.register_forward_hook(rotated_k) for b in model.h]
     with torch.no_grad():
         model(ids)
     for h in handles:
         h.remove()
     run = run_cached(model, ids, 7, "window")
+    assert len(captured) == cfg.n_layer
     for layer, k_full in enumerate(captured):
-        torch.testing.assert_close(run.cache.layer(layer)[0], k_full[:, :, T - W:], atol=1e-5, rtol=1e-5)
-        assert tuple(run.cache.layer(layer)[1].shape) == (2, model.config.n_kv_head, W, model.config.head_dim)
+        k, v = run.cache.layer(layer)
+        torch.testing.assert_close(k, k_full[:, :, T - W:], atol=1e-5, rtol=1e-5)
+        assert tuple(v.shape) == (2, cfg.n_kv_head, W, cfg.head_dim)
 
 
 def test_a_forward_call_leaves_the_cache_passed_in_unchanged(ids):
@@ -107,7 +116,8 @@ def test_dynamic_and_static_caches_also_serve_a_windowed_model(ids):
     with torch.no_grad():
         full = model(ids).logits
     for kind in ("dynamic", "static"):
-        torch.testing.assert_close(run_cached(model, ids, 9, kind).logits, full, atol=1e-5, rtol=1e-5)
+        cached = run_cached(model, ids, 9, kind).logits
+        torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [1, 2, 3])

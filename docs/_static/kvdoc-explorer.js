@@ -2,8 +2,8 @@
  * through token-by-token K/V reuse. Runs in the reader's browser; fetches nothing.
  *
  * The pure functions at the top (offsetMask, topLeftMask, cachedSteps) carry no DOM code, so
- * tests/test_explorer.py evaluates them with node and compares them with kvdoc.core.mask and
- * kvdoc.teach.toy. Everything below "DOM" only draws.
+ * tests/test_explorer.py evaluates them with node and compares them with kvdoc's masks
+ * (kvdoc.core.mask, kvdoc.proofs.broken) and kvdoc.teach.toy. Everything below "DOM" only draws.
  */
 (function () {
   "use strict";
@@ -22,7 +22,7 @@
   }
 
   /* The triangle aligned to the top-left corner (is_causal=True): row i may read key j iff
-   * j <= i. Same rule as kvdoc.core.mask.top_left_causal_mask; wrong whenever P > 0. */
+   * j <= i. Same rule as kvdoc.proofs.broken.top_left_causal_mask; wrong whenever P > 0. */
   function topLeftMask(P, C) {
     checkLengths(P, C);
     var rows = [];

@@ -15,7 +15,6 @@ per layer, then ``work.finish(start + C)``, and returns ``work``.
 
 from __future__ import annotations
 
-import copy
 from abc import ABC, abstractmethod
 
 import torch
@@ -48,7 +47,11 @@ class KVCache(ABC):
         """The filled ``(K, V)`` of layer ``idx``, each ``[B, H_kv, T, D_h]``."""
 
     def held(self) -> range:
-        """The absolute positions whose K/V :meth:`layer` returns (all of them, unless a window drops some)."""
+        """The absolute positions whose K/V :meth:`layer` returns.
+
+        All of them, ``range(seq_len)``, unless the cache drops old ones: a sliding-window
+        cache (:mod:`kvdoc.core.window`) holds only the last ``W``, and this says which.
+        """
         return range(self.seq_len)
 
     def begin(self) -> KVCache:
@@ -82,8 +85,8 @@ class KVCache(ABC):
 
     def _preallocate(self, config: GPTConfig, batch_size: int, length: int,
                      dtype: torch.dtype, device: torch.device | str) -> None:
-        """Zeroed K and V of ``length`` positions per layer (``self._k``, ``self._v``), nothing
-        held yet, and the sizes every cache states: for caches written in place."""
+        """For caches written in place: zeroed K and V of ``length`` positions per layer
+        (``self._k``, ``self._v``), nothing held yet, and the sizes every cache states."""
         self.n_layer, self.batch_size = config.n_layer, check_int("batch_size", batch_size)
         self.n_kv_head, self.head_dim = config.n_kv_head, config.head_dim
         self.dtype, self.device = dtype, torch.device(device)
@@ -93,18 +96,18 @@ class KVCache(ABC):
         self._len = 0
 
     def check_rows(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Raise ``ValueError`` unless ``k`` and ``v`` are new rows for this cache: ``[B, H_kv, C, D_h]``
-        with its ``B``, ``H_kv``, ``D_h`` and dtype."""
+        """Raise ``ValueError`` unless ``k`` and ``v`` are new rows for this cache:
+        ``[B, H_kv, C, D_h]`` with its ``B``, ``H_kv``, ``D_h`` and dtype."""
         expected = (self.batch_size, self.n_kv_head, self.head_dim)
         if k.dim() != 4 or k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != expected:
-            raise ValueError(f"K and V must both be [B, H_kv, C, D_h] with (B, H_kv, D_h) = {expected}, "
-                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+            raise ValueError("K and V must both be [B, H_kv, C, D_h] with (B, H_kv, D_h) = "
+                             f"{expected}, got {tuple(k.shape)} and {tuple(v.shape)}")
         if k.dtype != self.dtype or v.dtype != self.dtype:
             raise ValueError(f"K and V must be {self.dtype}, got {k.dtype} and {v.dtype}")
 
     def check_compatible(self, config: GPTConfig, batch_size: int, dtype: torch.dtype,
                          device: torch.device, new_len: int) -> None:
-        """Raise ``ValueError`` unless ``new_len`` tokens from a model with ``config`` fit this cache."""
+        """Raise ``ValueError`` unless ``new_len`` tokens of a model with ``config`` fit here."""
         expected = (config.n_layer, config.n_kv_head, config.head_dim)
         found = (self.n_layer, self.n_kv_head, self.head_dim)
         if found != expected:
@@ -112,7 +115,8 @@ class KVCache(ABC):
                 "cache was built for another model: (layers, K/V heads, head size) = "
                 f"{found}, model has {expected}")
         if self.batch_size != batch_size:
-            raise ValueError(f"cache holds batch size {self.batch_size}, input has batch size {batch_size}")
+            raise ValueError(f"cache holds batch size {self.batch_size}, "
+                             f"input has batch size {batch_size}")
         if self.dtype != dtype:
             raise ValueError(f"cache dtype is {self.dtype}, model dtype is {dtype}")
         if torch.device(self.device) != torch.device(device):
@@ -121,7 +125,8 @@ class KVCache(ABC):
 
 def _check_kv(k: torch.Tensor, v: torch.Tensor) -> None:
     if k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"K and V must both be [B, H_kv, T, D_h], got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError("K and V must both be [B, H_kv, T, D_h], "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.dtype != v.dtype or k.device != v.device:
         raise ValueError("K and V must share dtype and device")
 
@@ -157,8 +162,9 @@ class DynamicCache(KVCache):
         """A cache with no positions yet, for a model with ``config``."""
         check_int("batch_size", batch_size)
         shape = (batch_size, config.n_kv_head, 0, config.head_dim)
-        return cls([(torch.empty(shape, dtype=dtype, device=device),
-                     torch.empty(shape, dtype=dtype, device=device)) for _ in range(config.n_layer)])
+        layers = [(torch.empty(shape, dtype=dtype, device=device),
+                   torch.empty(shape, dtype=dtype, device=device)) for _ in range(config.n_layer)]
+        return cls(layers)
 
     @property
     def seq_len(self) -> int:
@@ -183,7 +189,7 @@ class DynamicCache(KVCache):
         return kv
 
     def crop(self, length: int) -> DynamicCache:
-        """A new cache holding the first ``length`` positions (e.g. the common prefix after an edit)."""
+        """A new cache of the first ``length`` positions (e.g. the common prefix after an edit)."""
         if not 0 <= length <= self.seq_len:
             raise ValueError(f"cannot crop a cache of {self.seq_len} positions to {length}")
         return DynamicCache([(k[:, :, :length], v[:, :, :length]) for k, v in self._kv])
@@ -205,7 +211,8 @@ class StaticCache(KVCache):
     >>> cache = StaticCache(GPTConfig(), batch_size=1, capacity=8)
     >>> cache.seq_len, cache.capacity
     (0, 8)
-    >>> cache.nbytes() == 2 * 2 * 1 * 4 * 8 * 16 * 4  # K and V x layers x B x H_kv x capacity x D_h x 4 bytes
+    >>> # K and V x layers x B x H_kv x capacity x D_h x 4 bytes
+    >>> cache.nbytes() == 2 * 2 * 1 * 4 * 8 * 16 * 4
     True
     """
 
@@ -253,51 +260,3 @@ class StaticCache(KVCache):
     def tensors(self) -> list[torch.Tensor]:
         return [*self._k, *self._v]
 
-
-class CacheWrapper(KVCache):
-    """A cache that delegates everything to another one; subclasses change ``update``.
-
-    What a wrapper adds (measuring the bytes an update writes, or a deliberate bug) stays out of
-    the real caches. ``begin`` wraps what the inner cache's ``begin`` returns, so a wrapped
-    dynamic cache is still never modified by a call, and a wrapped static cache is still
-    written in place.
-
-    >>> from kvdoc import GPTConfig
-    >>> inner = StaticCache(GPTConfig(), batch_size=1, capacity=4)
-    >>> wrapped = CacheWrapper(inner)
-    >>> wrapped.seq_len, wrapped.begin().inner is inner
-    (0, True)
-    """
-
-    def __init__(self, inner: KVCache) -> None:
-        self.inner = inner
-        for name in ("n_layer", "batch_size", "n_kv_head", "head_dim", "dtype", "device"):
-            setattr(self, name, getattr(inner, name))
-
-    @property
-    def seq_len(self) -> int:
-        return self.inner.seq_len
-
-    def layer(self, idx: int) -> KV:
-        return self.inner.layer(idx)
-
-    def held(self) -> range:
-        return self.inner.held()
-
-    def begin(self) -> CacheWrapper:
-        work = copy.copy(self)  # keeps what a subclass holds (a meter, a saved layer)
-        work.inner = self.inner.begin()
-        return work
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        return self.inner.update(layer_idx, k, v, start)
-
-    def finish(self, end: int) -> None:
-        self.inner.finish(end)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return self.inner.tensors()
-
-    def check_compatible(self, config: GPTConfig, batch_size: int, dtype: torch.dtype,
-                         device: torch.device, new_len: int) -> None:
-        self.inner.check_compatible(config, batch_size, dtype, device, new_len)

@@ -24,7 +24,8 @@ def check_int(name: str, value: object, minimum: int = 1) -> int:
     ValueError: past_len must be a non-negative integer, got -1
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
+        kinds = {0: "a non-negative integer", 1: "a positive integer"}
+        kind = kinds.get(minimum, f"an integer >= {minimum}")
         raise ValueError(f"{name} must be {kind}, got {value!r}")
     return value
 
@@ -90,10 +91,12 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
             object.__setattr__(self, "n_kv_head", self.n_head)
-        for name in ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd", "n_inner", "n_kv_head"):
+        for name in ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd", "n_inner",
+                     "n_kv_head"):
             check_int(name, getattr(self, name))
         if not self.layer_norm_epsilon > 0:
-            raise ValueError(f"layer_norm_epsilon must be positive, got {self.layer_norm_epsilon!r}")
+            raise ValueError("layer_norm_epsilon must be positive, "
+                             f"got {self.layer_norm_epsilon!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
@@ -103,7 +106,8 @@ class GPTConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.position == "rope" and self.head_dim % 2:
-            raise ValueError(f"RoPE rotates pairs of features: head_dim={self.head_dim} must be even")
+            raise ValueError("RoPE rotates pairs of features: "
+                             f"head_dim={self.head_dim} must be even")
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta!r}")
         if self.sliding_window is not None:

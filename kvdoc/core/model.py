@@ -26,19 +26,19 @@ from torch import nn
 from .cache import DynamicCache, KVCache, StaticCache
 from .config import GPTConfig
 from .mask import offset_causal_mask
-from .rope import Rotary
+from .rope import apply_rope
 from .window import SlidingWindowCache
 
 
 def norm(config: GPTConfig) -> nn.Module:
-    """The normalisation of ``ln_1``, ``ln_2`` and ``ln_f``: LayerNorm (GPT-2) or RMSNorm (Llama)."""
+    """The normalisation of ``ln_1``, ``ln_2`` and ``ln_f``: LayerNorm (GPT-2) or RMSNorm."""
     if config.norm == "rmsnorm":
         return nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)  # x / rms(x) * weight
     return nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward: ``c_proj(gelu_tanh(c_fc(x)))``; row ``t`` of the output needs row ``t`` only.
+    """Position-wise feed-forward: ``c_proj(gelu_tanh(c_fc(x)))``; output row ``t`` needs row ``t``.
 
     With ``config.mlp == "swiglu"`` (Llama) ``c_fc`` is twice as wide and its two halves are the
     gate and the up projection: ``c_proj(silu(gate) * up)``.
@@ -66,7 +66,8 @@ class CausalSelfAttention(nn.Module):
 
     ``forward(x, cache, layer_idx, start)`` takes the new rows ``x`` (``[B, C, d]``) at absolute
     positions ``start .. start + C - 1``, projects them to Q, K and V, stores K and V in layer
-    ``layer_idx`` of ``cache`` and attends over every cached and new key.
+    ``layer_idx`` of ``cache`` and attends over every cached and new key. ``attn_mask`` is for
+    left-padded batches (:mod:`kvdoc.serving.batching`); see :meth:`attend`.
 
     >>> from kvdoc.core.cache import DynamicCache
     >>> _ = torch.manual_seed(0)
@@ -80,18 +81,14 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_dim = config.head_dim
         self.window = config.sliding_window
-        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.kv_dim,  # Q, K, V in one matmul
+        self.rope_theta = config.rope_theta if config.position == "rope" else None
+        # Q, K and V in one matmul (split into heads in forward)
+        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.kv_dim,
                                 bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.rotary = Rotary(config.rope_theta) if config.position == "rope" else None
-
-    def mask(self, past_len: int, new_len: int, device: torch.device) -> torch.Tensor | None:
-        """Keys each new query may read: ``[C, P + C]`` bool, or None when every key is visible."""
-        if new_len == 1 and self.window is None:
-            return None  # one query at position P after keys 0..P: nothing to hide
-        return offset_causal_mask(past_len, new_len, device, window=self.window)  # see kvdoc.core.mask
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int,
                 start: int, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -102,8 +99,9 @@ class CausalSelfAttention(nn.Module):
         heads = self.c_attn(x).view(B, C, H + 2 * H_kv, self.head_dim).transpose(1, 2)
         q, k, v = heads.split((H, H_kv, H_kv), dim=1)
         # q: [B, H, C, D_h]; k, v: [B, H_kv, C, D_h]
-        if self.rotary is not None:  # RoPE at positions start .. start + C - 1
-            q, k = self.rotary(q, k, start)  # so K is cached rotated
+        if self.rope_theta is not None:  # turn the new rows before K is cached
+            q = apply_rope(q, start, self.rope_theta)  # at start .. start + C - 1
+            k = apply_rope(k, start, self.rope_theta)
         if cache is not None:
             # Only the new rows were projected; old K/V come from this layer's cache.
             k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h]
@@ -115,16 +113,19 @@ class CausalSelfAttention(nn.Module):
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``softmax(q k^T / sqrt(D_h) + mask) v`` for queries at ``start ..``: ``[B, H, C, D_h]``.
 
-        ``k`` and ``v`` (``[B, H_kv, T, D_h]``) hold the positions up to the last query's; a window
-        cache passes only the last ones, so the mask keeps its last ``T`` columns.
+        The mask is the offset causal mask of :mod:`kvdoc.core.mask` (with the model's window),
+        unless ``attn_mask`` (``[B, C, P + C]`` bool, True: may read) replaces it: a left-padded
+        batch (:mod:`kvdoc.serving.batching`) hides each row's padding that way. ``k`` and
+        ``v`` (``[B, H_kv, T, D_h]``) hold the positions up to the last query's; a window cache
+        returns only the last ``T`` of them, in order, so the mask keeps its last ``T`` columns.
         """
-        C = q.shape[2]
+        C, T = q.shape[2], k.shape[2]
         if attn_mask is not None:
-            mask = attn_mask[:, None]  # padded batches: [B, C, P + C] -> [B, 1, C, P + C], every head
+            mask = attn_mask[:, None, :, -T:]  # [B, 1, C, T]: the same for every head
+        elif C == 1 and self.window is None:
+            mask = None  # one query at position P after keys 0 .. P: nothing to hide
         else:
-            mask = self.mask(start, C, q.device)
-            if mask is not None and k.shape[2] < start + C:
-                mask = mask[:, -k.shape[2]:]  # a window cache returns only the last positions, in order
+            mask = offset_causal_mask(start, C, q.device, window=self.window)[:, -T:]  # [C, T]
         # scores [B, H, C, T]; enable_gqa only when it is needed, as the keyword alone slows SDPA
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
@@ -132,6 +133,9 @@ class CausalSelfAttention(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm decoder layer: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``.
+
+    ``attn_mask`` goes to the attention unchanged (left-padded batches, see
+    :meth:`CausalSelfAttention.attend`).
 
     >>> Block(GPTConfig())(torch.zeros(1, 4, 64), None, layer_idx=0, start=0).shape
     torch.Size([1, 4, 64])
@@ -174,7 +178,8 @@ class DecoderOutput(NamedTuple):
     """What :meth:`Decoder.forward` returns."""
 
     logits: torch.Tensor
-    """``[B, C, V]``: ``logits[:, i]`` predicts the token after new token ``i`` (``[B, 1, V]`` with ``last_only``)."""
+    """``[B, C, V]`` (``[B, 1, V]`` with ``last_only``): ``logits[:, i]`` predicts the token
+    after new token ``i``."""
     cache: KVCache | None
     """The cache holding positions ``0 .. P + C - 1``, or None when none was passed."""
 
@@ -182,8 +187,8 @@ class DecoderOutput(NamedTuple):
 class Decoder(nn.Module):
     """A GPT-2 decoder: embeddings, ``n_layer`` pre-norm blocks, final LayerNorm, untied LM head.
 
-    With a Llama-style config (:func:`kvdoc.core.config.llama_config`) there is no ``wpe`` (RoPE turns
-    Q and K inside the attention instead), the norms are RMSNorms and the head may be tied.
+    With a Llama-style config (:func:`kvdoc.core.config.llama_config`) there is no ``wpe`` (RoPE
+    turns Q and K inside the attention instead), the norms are RMSNorms and the head may be tied.
 
     ``forward(idx)`` recomputes every position of ``idx``. ``forward(idx, cache)`` treats
     ``idx`` as the continuation of what ``cache`` holds: it embeds and projects only the new
@@ -192,8 +197,8 @@ class Decoder(nn.Module):
     sequence; :mod:`kvdoc.proofs.verify` proves it.
 
     Weights use PyTorch's default initialisation (seed with ``torch.manual_seed``) or come
-    from :func:`kvdoc.interop.hf.from_transformers`. The model is never trained: the site checks that two ways of
-    computing one function agree, which needs no language ability.
+    from :func:`kvdoc.interop.hf.from_transformers`. The model is never trained: the site checks
+    that two ways of computing one function agree, which needs no language ability.
 
     >>> _ = torch.manual_seed(0)
     >>> model = Decoder(GPTConfig())
@@ -220,23 +225,21 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.wte.weight  # one [V, d] matrix embeds and predicts
 
     def num_parameters(self) -> int:
-        """Number of parameters (an untied LM head counts separately from ``wte``, a tied one once)."""
+        """Number of parameters (an untied LM head counts apart from ``wte``, a tied one once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def positions(self, start: int, new_len: int, device: torch.device) -> torch.Tensor:
-        """Absolute positions of the new tokens: ``start .. start + new_len - 1``."""
-        return torch.arange(start, start + new_len, device=device)
-
     def check_input(self, idx: torch.Tensor, cache: KVCache | None) -> None:
-        """Raise ``ValueError`` (before anything is computed or written) unless ``idx`` can continue ``cache``."""
+        """Raise ``ValueError`` unless ``idx`` can continue ``cache`` (called before any write)."""
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
             shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
             raise ValueError(f"idx must be a [B, C] tensor of token ids, got {shape}")
         if idx.dtype not in (torch.int64, torch.int32):  # what an embedding lookup takes
-            raise ValueError(f"idx must hold integer token ids (int64 or int32), got dtype {idx.dtype}")
+            raise ValueError("idx must hold integer token ids (int64 or int32), "
+                             f"got dtype {idx.dtype}")
         B, C = idx.shape
         if C == 0 or B == 0:
-            raise ValueError(f"empty input: idx has shape {tuple(idx.shape)}; pass at least one token per row")
+            raise ValueError(f"empty input: idx has shape {tuple(idx.shape)}; "
+                             "pass at least one token per row")
         weight = self.wte.weight
         if idx.device != weight.device:
             raise ValueError(f"idx is on {idx.device}, model is on {weight.device}")
@@ -251,19 +254,23 @@ class Decoder(nn.Module):
         # Token ids are range-checked by the embedding lookup itself (embed_tokens), which needs
         # no host sync; it runs before anything is written.
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False,
-                positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> DecoderOutput:
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
+                last_only: bool = False, positions: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None) -> DecoderOutput:
         """Logits for the ``C`` new tokens in ``idx`` (``[B, C]``), continuing ``cache`` if given.
 
         Args:
             idx: token ids ``[B, C]``, the tokens after the ``P`` positions ``cache`` holds.
             cache: per-layer K/V of positions ``0 .. P - 1``, or None to recompute from position 0.
-                A :class:`~kvdoc.core.cache.DynamicCache` or :class:`~kvdoc.core.window.SlidingWindowCache`
-                passed in is left unchanged; a :class:`~kvdoc.core.cache.StaticCache` is written in place.
+                A :class:`~kvdoc.core.cache.DynamicCache` or
+                :class:`~kvdoc.core.window.SlidingWindowCache` passed in is left unchanged; a
+                :class:`~kvdoc.core.cache.StaticCache` is written in place.
             last_only: project only the last position to the vocabulary (what generation needs).
-            positions: ``[B, C]`` per-row positions replacing ``P .. P + C - 1`` (left-padded
-                batches, :mod:`kvdoc.serving.batching`; learned position embeddings only).
-            attn_mask: ``[B, C, P + C]`` bool replacing the offset causal mask (True: may read).
+            positions: ``[B, C]`` per-row positions replacing ``P .. P + C - 1``, for learned
+                position embeddings only. With ``attn_mask`` it serves left-padded batches
+                (:mod:`kvdoc.serving.batching`), where each row's tokens start after its padding.
+            attn_mask: ``[B, C, P + C]`` bool replacing the offset causal mask (True: may read);
+                a left-padded batch hides each row's padding with it.
 
         Returns:
             ``DecoderOutput(logits, cache)``: logits ``[B, C, V]`` (``[B, 1, V]`` if ``last_only``)
@@ -275,13 +282,16 @@ class Decoder(nn.Module):
         """
         self.check_input(idx, cache)
         if positions is not None and self.wpe is None:
-            raise ValueError("per-row positions need learned position embeddings; this model uses RoPE")
+            raise ValueError("per-row positions need learned position embeddings; "
+                             "this model uses RoPE")
         B, C = idx.shape
         start = 0 if cache is None else cache.seq_len
         work = None if cache is None else cache.begin()
         x = embed_tokens(self.wte, idx)  # [B, C, d]
         if self.wpe is not None:  # RoPE models turn Q and K instead
-            x = x + self.wpe(self.positions(start, C, idx.device) if positions is None else positions)
+            if positions is None:
+                positions = torch.arange(start, start + C, device=idx.device)  # [C]
+            x = x + self.wpe(positions)
         for layer_idx, block in enumerate(self.h):
             x = block(x, work, layer_idx, start, attn_mask)  # [B, C, d]
         if work is not None:
@@ -294,9 +304,10 @@ class Decoder(nn.Module):
                   capacity: int | None = None) -> KVCache:
         """An empty cache matching this model's config, dtype and device.
 
-        ``kind`` defaults to ``"window"`` (:class:`~kvdoc.core.window.SlidingWindowCache`) for a model
-        with a sliding window and to ``"dynamic"`` otherwise. ``capacity`` (static only) defaults
-        to ``n_positions``; a window cache always holds ``config.sliding_window`` positions.
+        ``kind`` defaults to ``"window"`` (:class:`~kvdoc.core.window.SlidingWindowCache`) for a
+        model with a sliding window and to ``"dynamic"`` otherwise. ``capacity`` (static only)
+        defaults to ``n_positions``; a window cache always holds ``config.sliding_window``
+        positions.
         """
         dtype, device = self.wte.weight.dtype, self.wte.weight.device
         if kind is None:
@@ -367,8 +378,8 @@ def generate(model: Decoder, idx: torch.Tensor, max_new_tokens: int,
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     total = idx.shape[1] + max_new_tokens
     if total > model.config.n_positions:
-        raise ValueError(f"prompt of {idx.shape[1]} + {max_new_tokens} new tokens = {total} positions, "
-                         f"model has {model.config.n_positions}")
+        raise ValueError(f"prompt of {idx.shape[1]} + {max_new_tokens} new tokens = {total} "
+                         f"positions, model has {model.config.n_positions}")
     logits, kv = prefill(model, idx, model.new_cache(idx.shape[0], cache, capacity=total))
     out = [idx]
     for step in range(max_new_tokens):

@@ -15,7 +15,6 @@ does not depend on which call computes it beyond float64 rounding.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -28,21 +27,25 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rope_angles(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+def rope_angles(positions: torch.Tensor, head_dim: int,
+                theta: float = 10000.0) -> torch.Tensor:
     """Rotation angles ``[len(positions), D_h]`` in float64 (each pair's angle appears twice).
 
     >>> rope_angles(torch.tensor([0, 1]), head_dim=4, theta=100.0)
     tensor([[0.0000, 0.0000, 0.0000, 0.0000],
             [1.0000, 0.1000, 1.0000, 0.1000]], dtype=torch.float64)
     """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim
-    inv_freq = theta ** -exponents  # [D_h / 2]
+    pairs = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
+    inv_freq = theta ** -(pairs / head_dim)  # [D_h / 2]
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [C, D_h / 2]
     return torch.cat((angles, angles), dim=-1)  # [C, D_h]
 
 
 def apply_rope(x: torch.Tensor, start: int, theta: float = 10000.0) -> torch.Tensor:
-    """Rotate ``x`` (``[B, H, C, D_h]``) as the rows at absolute positions ``start .. start + C - 1``.
+    """Rotate ``x`` (``[B, H, C, D_h]``) as the rows at positions ``start .. start + C - 1``.
+
+    The attention calls it on the new Q and on the new K (before K is cached), with the same
+    ``start`` for both.
 
     >>> x = torch.randn(1, 2, 3, 8, generator=torch.Generator().manual_seed(0))
     >>> torch.equal(apply_rope(x, 0)[:, :, 0], x[:, :, 0])  # position 0 is not turned
@@ -55,25 +58,3 @@ def apply_rope(x: torch.Tensor, start: int, theta: float = 10000.0) -> torch.Ten
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # [C, D_h], broadcast over B, H
     return x * cos + rotate_half(x) * sin
 
-
-class Rotary(nn.Module):
-    """RoPE for one attention layer: rotates new Q and K at positions ``start .. start + C - 1``.
-
-    A module (without parameters) so that a forward hook can read the rotated K, which is what
-    the cache stores.
-
-    >>> rotary = Rotary(theta=10000.0)
-    >>> q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)  # [B, H, C, D_h], [B, H_kv, C, D_h]
-    >>> [t.shape for t in rotary(q, k, start=7)]
-    [torch.Size([1, 4, 3, 16]), torch.Size([1, 2, 3, 16])]
-    """
-
-    def __init__(self, theta: float) -> None:
-        super().__init__()
-        self.theta = theta
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rope(q, start, self.theta), apply_rope(k, start, self.theta)
-
-    def extra_repr(self) -> str:
-        return f"theta={self.theta}"

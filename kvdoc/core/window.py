@@ -29,14 +29,16 @@ class SlidingWindowCache(KVCache):
     Args:
         config: the model's configuration (layers, K/V heads, head size).
         batch_size: ``B``.
-        window: ring capacity ``W`` (default ``config.sliding_window``); at least the model's window.
+        window: ring capacity ``W`` (default ``config.sliding_window``); at least the model's
+            window.
         dtype, device: must match the model's.
 
     >>> from kvdoc.core.config import mistral_config
     >>> cache = SlidingWindowCache(mistral_config(sliding_window=4), batch_size=1)
     >>> cache.window, cache.slot(9), cache.held()
     (4, 1, range(0, 0))
-    >>> cache.nbytes() == 2 * 2 * 1 * 2 * 4 * 16 * 4  # K and V x layers x B x H_kv x W x D_h x 4 bytes
+    >>> # K and V x layers x B x H_kv x W x D_h x 4 bytes
+    >>> cache.nbytes() == 2 * 2 * 1 * 2 * 4 * 16 * 4
     True
     """
 
@@ -44,7 +46,8 @@ class SlidingWindowCache(KVCache):
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         window = config.sliding_window if window is None else window
         if window is None:
-            raise ValueError("a sliding-window cache needs a window: the config has sliding_window=None")
+            raise ValueError("a sliding-window cache needs a window: "
+                             "the config has sliding_window=None")
         self.window = check_int("window", window)
         self._preallocate(config, batch_size, window, dtype, device)  # the ring: W slots
 
@@ -74,21 +77,25 @@ class SlidingWindowCache(KVCache):
 
     def begin(self) -> SlidingWindowCache:
         work = copy.copy(self)
-        work._k = [t.clone() for t in self._k]  # W rows per layer: a copy keeps the caller's cache intact
+        # W rows per layer: copying them keeps the caller's cache intact
+        work._k = [t.clone() for t in self._k]
         work._v = [t.clone() for t in self._v]
         return work
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
         if start != self._len:
-            raise ValueError(f"layer {layer_idx}: cache has seen {self._len} positions, write starts at {start}")
+            raise ValueError(f"layer {layer_idx}: cache has seen {self._len} positions, "
+                             f"write starts at {start}")
         old_k, old_v = self.layer(layer_idx)
-        keep = self.window - 1  # query `start` reads keys start - W + 1 .. start: W - 1 of them are old
+        # query `start` reads keys start - W + 1 .. start: W - 1 of them are old
+        keep = self.window - 1
         full_k = torch.cat((old_k[:, :, old_k.shape[2] - min(keep, old_k.shape[2]):], k), dim=2)
         full_v = torch.cat((old_v[:, :, old_v.shape[2] - min(keep, old_v.shape[2]):], v), dim=2)
         C = k.shape[2]
         last = min(C, self.window)  # of a long chunk only its last W rows survive
-        slots = torch.tensor([self.slot(p) for p in range(start + C - last, start + C)], device=k.device)
+        kept = range(start + C - last, start + C)
+        slots = torch.tensor([self.slot(p) for p in kept], device=k.device)
         self._k[layer_idx].index_copy_(2, slots, k[:, :, C - last:])
         self._v[layer_idx].index_copy_(2, slots, v[:, :, C - last:])
         return full_k, full_v  # positions start + C - len .. start + C - 1, in order
@@ -104,4 +111,5 @@ class SlidingWindowCache(KVCache):
         super().check_compatible(config, batch_size, dtype, device, new_len)
         if config.sliding_window is None or config.sliding_window > self.window:
             raise ValueError(f"a ring of {self.window} positions cannot serve a model with "
-                             f"sliding_window={config.sliding_window}: it would drop keys the model reads")
+                             f"sliding_window={config.sliding_window}: "
+                             "it would drop keys the model reads")

@@ -1,8 +1,9 @@
 """Loading transformers' GPT-2, Llama and Mistral models into :class:`kvdoc.Decoder`.
 
-:func:`from_transformers` takes any of the three. GPT-2's checkpoints store ``c_attn``, ``c_proj`` and ``c_fc`` as ``Conv1D`` weights of shape
-``[in, out]``, the transpose of ``nn.Linear``'s ``[out, in]``; everything else maps by key
-once the ``transformer.`` prefix is dropped. transformers is imported only when needed.
+:func:`from_transformers` takes any of the three. GPT-2's checkpoints store ``c_attn``,
+``c_proj`` and ``c_fc`` as ``Conv1D`` weights of shape ``[in, out]``, the transpose of
+``nn.Linear``'s ``[out, in]``; everything else maps by key once the ``transformer.`` prefix is
+dropped. transformers is imported only when needed.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from typing import Any
 import torch
 
 from kvdoc.core.config import GPTConfig
-from kvdoc.core import model as _model  # looked up at call time, so a patched Decoder is the one built
-from kvdoc.core.model import Decoder  # for annotations
+from kvdoc.core.model import Decoder
 
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                  "mlp.c_proj.weight")
 """GPT-2's weights stored as ``Conv1D`` (``[in, out]``, the transpose of ``nn.Linear``'s)."""
-_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers some versions keep in the state dict
+_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers some versions keep
 
 
 def gpt2_config(config: GPTConfig) -> Any:
@@ -48,7 +49,7 @@ def gpt2_config(config: GPTConfig) -> Any:
 
 
 def config_from_gpt2(hf_config: Any) -> GPTConfig:
-    """The :class:`GPTConfig` of a transformers ``GPT2Config``; raises if it uses a variant kvdoc lacks."""
+    """The :class:`GPTConfig` of a transformers ``GPT2Config``; raises for a variant kvdoc lacks."""
     unsupported = {
         "activation_function": (hf_config.activation_function, ("gelu_new", "gelu_pytorch_tanh")),
         "scale_attn_weights": (hf_config.scale_attn_weights, (True,)),
@@ -59,9 +60,10 @@ def config_from_gpt2(hf_config: Any) -> GPTConfig:
         if value not in allowed:
             raise ValueError(f"GPT-2 config has {name}={value!r}; kvdoc supports {allowed}")
     return GPTConfig(
-        vocab_size=hf_config.vocab_size, n_positions=hf_config.n_positions, n_layer=hf_config.n_layer,
-        n_head=hf_config.n_head, n_embd=hf_config.n_embd,
-        n_inner=hf_config.n_inner or 4 * hf_config.n_embd, layer_norm_epsilon=hf_config.layer_norm_epsilon)
+        vocab_size=hf_config.vocab_size, n_positions=hf_config.n_positions,
+        n_layer=hf_config.n_layer, n_head=hf_config.n_head, n_embd=hf_config.n_embd,
+        n_inner=hf_config.n_inner or 4 * hf_config.n_embd,
+        layer_norm_epsilon=hf_config.layer_norm_epsilon)
 
 
 def decoder_from_gpt2(model_or_state_dict: Any, config: GPTConfig | None = None) -> Decoder:
@@ -89,7 +91,8 @@ def decoder_from_gpt2(model_or_state_dict: Any, config: GPTConfig | None = None)
     if isinstance(model_or_state_dict, Mapping):
         state = model_or_state_dict
         if config is None:
-            raise ValueError("a bare state dict does not say how many heads the model has: pass config=")
+            raise ValueError("a bare state dict does not say how many heads the model has: "
+                             "pass config=")
     else:
         state = model_or_state_dict.state_dict()
         config = config or config_from_gpt2(model_or_state_dict.config)
@@ -101,12 +104,13 @@ def decoder_from_gpt2(model_or_state_dict: Any, config: GPTConfig | None = None)
         if name.endswith(_BUFFERS):
             continue
         mapped[name] = value.t() if name.endswith(CONV1D_WEIGHTS) else value
-    decoder = _model.Decoder(config).to(next(iter(mapped.values())).dtype)
+    decoder = Decoder(config).to(next(iter(mapped.values())).dtype)
     expected = decoder.state_dict()
     missing = sorted(set(expected) - set(mapped))
     unexpected = sorted(set(mapped) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"GPT-2 weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(f"GPT-2 weights do not match the config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
     for name, value in mapped.items():
         if value.shape != expected[name].shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)}, "
@@ -118,7 +122,8 @@ def decoder_from_gpt2(model_or_state_dict: Any, config: GPTConfig | None = None)
 # --- Llama and Mistral ------------------------------------------------------------------------
 
 def transformers_config(config: GPTConfig) -> Any:
-    """The transformers config of the same model: ``GPT2Config``, ``LlamaConfig`` or ``MistralConfig``.
+    """The transformers config of the same model: ``GPT2Config``, ``LlamaConfig`` or
+    ``MistralConfig``.
 
     A learned-position config maps to GPT-2 (:func:`gpt2_config`); a Llama-style one
     (:func:`kvdoc.core.config.llama_config`) to Llama, or to Mistral when it has a sliding window.
@@ -161,11 +166,12 @@ def config_from_transformers(hf_config: Any) -> GPTConfig:
     if model_type not in ("llama", "mistral"):
         raise ValueError(f"kvdoc loads gpt2, llama and mistral models, not {model_type!r}")
     rope = dict(hf_config.rope_parameters or {})
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    split_width = hf_config.hidden_size // hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or split_width
     unsupported = {
         "rope_type": (rope.get("rope_type", "default"), ("default",)),
         "hidden_act": (hf_config.hidden_act, ("silu",)),
-        "head_dim": (head_dim, (hf_config.hidden_size // hf_config.num_attention_heads,)),
+        "head_dim": (head_dim, (split_width,)),
         "attention_bias": (getattr(hf_config, "attention_bias", False), (False,)),
         "mlp_bias": (getattr(hf_config, "mlp_bias", False), (False,)),
         "pretraining_tp": (getattr(hf_config, "pretraining_tp", 1) or 1, (1,)),
@@ -180,23 +186,26 @@ def config_from_transformers(hf_config: Any) -> GPTConfig:
         n_embd=hf_config.hidden_size, n_inner=hf_config.intermediate_size,
         n_kv_head=hf_config.num_key_value_heads or hf_config.num_attention_heads,
         layer_norm_epsilon=hf_config.rms_norm_eps, position="rope",
-        rope_theta=float(rope.get("rope_theta", 10000.0)), norm="rmsnorm", mlp="swiglu", bias=False,
-        tie_word_embeddings=bool(hf_config.tie_word_embeddings), sliding_window=window)
+        rope_theta=float(rope.get("rope_theta", 10000.0)), norm="rmsnorm", mlp="swiglu",
+        bias=False, tie_word_embeddings=bool(hf_config.tie_word_embeddings), sliding_window=window)
 
 
 def _llama_state(state: Mapping[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:
     """Llama/Mistral weights under kvdoc's GPT-2 names: Q, K, V (and gate, up) fused by rows."""
-    mapped = {"wte.weight": state["model.embed_tokens.weight"], "ln_f.weight": state["model.norm.weight"],
-              "lm_head.weight": state.get("lm_head.weight", state["model.embed_tokens.weight"])}
+    wte = state["model.embed_tokens.weight"]
+    mapped = {"wte.weight": wte, "ln_f.weight": state["model.norm.weight"],
+              "lm_head.weight": state.get("lm_head.weight", wte)}  # absent: tied
     for i in range(n_layer):
         src = f"model.layers.{i}."
         get = lambda name: state[src + name]  # noqa: E731
         mapped.update({
             f"h.{i}.ln_1.weight": get("input_layernorm.weight"),
-            f"h.{i}.attn.c_attn.weight": torch.cat([get(f"self_attn.{p}_proj.weight") for p in "qkv"]),
+            f"h.{i}.attn.c_attn.weight": torch.cat([get(f"self_attn.{p}_proj.weight")
+                                                     for p in "qkv"]),
             f"h.{i}.attn.c_proj.weight": get("self_attn.o_proj.weight"),
             f"h.{i}.ln_2.weight": get("post_attention_layernorm.weight"),
-            f"h.{i}.mlp.c_fc.weight": torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]),
+            f"h.{i}.mlp.c_fc.weight": torch.cat([get("mlp.gate_proj.weight"),
+                                                  get("mlp.up_proj.weight")]),
             f"h.{i}.mlp.c_proj.weight": get("mlp.down_proj.weight"),
         })
     return mapped
@@ -230,7 +239,7 @@ def from_transformers(hf_model: Any) -> Decoder:
         mapped = _llama_state(state, config.n_layer)
     except KeyError as missing:
         raise ValueError(f"{hf_model.config.model_type} weights lack {missing}") from None
-    decoder = _model.Decoder(config).to(mapped["wte.weight"].dtype)
+    decoder = Decoder(config).to(mapped["wte.weight"].dtype)
     expected = decoder.state_dict()
     for name, value in mapped.items():
         if value.shape != expected[name].shape:
@@ -242,9 +251,11 @@ def from_transformers(hf_model: Any) -> Decoder:
 
 def to_transformers(model: Decoder) -> Any:
     """The transformers model of the same family holding ``model``'s weights: the inverse of
-    :func:`from_transformers`, in the model's dtype, in eval mode. The global RNG is left as it was.
+    :func:`from_transformers`, in the model's dtype, in eval mode. The global RNG is left as it
+    was.
 
-    It is how :mod:`kvdoc.proofs.references` builds an implementation that shares no code with kvdoc.
+    It is how :mod:`kvdoc.proofs.references` builds an implementation that shares no code with
+    kvdoc.
 
     >>> from kvdoc.core.config import llama_config
     >>> _ = torch.manual_seed(0)
@@ -262,10 +273,12 @@ def to_transformers(model: Decoder) -> Any:
         hf = family[hf_config.model_type](hf_config)
     if hf_config.model_type == "gpt2":
         mapped = {("" if name.startswith("lm_head.") else "transformer.") + name:
-                  (value.t() if name.endswith(CONV1D_WEIGHTS) else value) for name, value in state.items()}
+                  (value.t() if name.endswith(CONV1D_WEIGHTS) else value)
+                  for name, value in state.items()}
     else:
         d, kv = config.n_embd, config.kv_dim
-        mapped = {"model.embed_tokens.weight": state["wte.weight"], "model.norm.weight": state["ln_f.weight"],
+        mapped = {"model.embed_tokens.weight": state["wte.weight"],
+                  "model.norm.weight": state["ln_f.weight"],
                   "lm_head.weight": state["lm_head.weight"]}
         for i in range(config.n_layer):
             q, k, v = state[f"h.{i}.attn.c_attn.weight"].split((d, kv, kv))
@@ -274,12 +287,14 @@ def to_transformers(model: Decoder) -> Any:
             mapped.update({
                 dst + "input_layernorm.weight": state[f"h.{i}.ln_1.weight"],
                 dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
-                dst + "self_attn.v_proj.weight": v, dst + "self_attn.o_proj.weight": state[f"h.{i}.attn.c_proj.weight"],
+                dst + "self_attn.v_proj.weight": v,
+                dst + "self_attn.o_proj.weight": state[f"h.{i}.attn.c_proj.weight"],
                 dst + "post_attention_layernorm.weight": state[f"h.{i}.ln_2.weight"],
                 dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up,
                 dst + "mlp.down_proj.weight": state[f"h.{i}.mlp.c_proj.weight"],
             })
-    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in mapped.items()}, strict=False)
+    contiguous = {k: v.contiguous() for k, v in mapped.items()}
+    missing, unexpected = hf.load_state_dict(contiguous, strict=False)
     missing = [k for k in missing if not k.endswith(_BUFFERS)]
     if missing or unexpected:
         raise ValueError(f"weights do not map onto {hf_config.model_type}: missing {missing[:3]}, "
@@ -295,21 +310,26 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
     precision), so an FP64 Llama is only float32-accurate there and differs from an exact FP64
     computation by about 1e-7. Inside this block the RMSNorms and the rotary tables follow the
     model's dtype, so an FP64 comparison measures FP64 rounding. Nothing changes for GPT-2 or
-    for FP32 models beyond rounding of the rotary angles (float64 here, as in :mod:`kvdoc.core.rope`).
+    for FP32 models beyond rounding of the rotary angles (float64 here, as in
+    :mod:`kvdoc.core.rope`).
     """
     from kvdoc.core.rope import rope_angles
 
     def rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+        mean_square = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(mean_square + self.variance_epsilon))
 
-    def rotary(self: Any, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = torch.stack([rope_angles(row, head_dim, theta) for row in position_ids])  # [B, C, D_h]
+    def rotary(self: Any, x: torch.Tensor,
+               position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = torch.stack([rope_angles(row, head_dim, theta)
+                              for row in position_ids])  # [B, C, D_h]
         return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
 
     config = hf_model.config
     patched = []
     if getattr(config, "model_type", None) in ("llama", "mistral"):
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        split_width = config.hidden_size // config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or split_width
         theta = float(config.rope_parameters["rope_theta"])
         for module in hf_model.modules():
             name = type(module).__name__

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvdoc.core.cache import KV, CacheWrapper, KVCache
+from kvdoc.core.cache import KV, KVCache
 from .dispatch import WriteCounter, tensor_bytes
+from .wrapper import CacheWrapper
 
 
 @dataclass
@@ -65,11 +66,11 @@ class CopyMeter:
         return _MeteredCache(cache, self)
 
     def old_bytes_copied(self, start: int | None = None) -> int:
-        """Old-content bytes copied, over all updates (or those that started at position ``start``)."""
+        """Old-content bytes copied, over all updates (or those that started at ``start``)."""
         return sum(r.old_bytes_copied for r in self.records if start is None or r.start == start)
 
     def per_step(self) -> list[tuple[int, int, int]]:
-        """``(P, bytes written, old bytes copied)`` per forward call, summed over layers, in call order."""
+        """``(P, bytes written, old bytes copied)`` per forward call, layers summed, in order."""
         steps: dict[int, list[int]] = {}
         for r in self.records:
             acc = steps.setdefault(r.start, [0, 0])
@@ -86,6 +87,7 @@ class _MeteredCache(CacheWrapper):
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         with WriteCounter() as counter:
             kv = self.inner.update(layer_idx, k, v, start)
-        self.meter.records.append(UpdateRecord(layer_idx, start, k.shape[2], tensor_bytes(k) + tensor_bytes(v),
+        new_bytes = tensor_bytes(k) + tensor_bytes(v)
+        self.meter.records.append(UpdateRecord(layer_idx, start, k.shape[2], new_bytes,
                                                counter.written, counter.allocated))
         return kv

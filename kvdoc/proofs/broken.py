@@ -1,16 +1,18 @@
 """Deliberately wrong KV-cache implementations, kept so that the verification can be seen to fail.
 
-Each variant is a small change to the real :class:`~kvdoc.core.model.Decoder`, made without editing
-it: a subclass that overrides :meth:`~kvdoc.core.model.Decoder.positions` or ``forward``, attention
-modules whose ``mask`` or ``forward`` is changed, or caches (a :class:`~kvdoc.core.cache.KVCache`)
-that store, return or count the wrong thing. One variant is a scenario rather than code: a
-cache filled before a prefix edit and reused after it. Each belongs to one of
-:data:`kvdoc.proofs.variants.BUG_CLASSES`: some show only in long streams, in grouped-query models, in
-FP64, after a crop or a failed call, or only against an independent reference. The RoPE
-mistakes are in :mod:`kvdoc.proofs.broken_rope`.
+Each variant is a small change to the real :class:`~kvdoc.core.model.Decoder`, made without
+editing it and through nothing but its public interface: a subclass whose ``forward`` hands
+wrong positions through the real ``positions=`` keyword, attention subclasses that hand a wrong
+mask to the real ``attend`` or share K/V heads wrongly, or caches (a
+:class:`~kvdoc.core.cache.KVCache`) that store, return or count the wrong thing. One variant is a
+scenario rather than code: a cache filled before a prefix edit and reused after it. Each
+belongs to one of :data:`kvdoc.proofs.variants.BUG_CLASSES`: some show only in long streams, in
+grouped-query models, in FP64, after a crop or a failed call, or only against an independent
+reference. The RoPE mistakes are in :mod:`kvdoc.proofs.broken_rope`.
 
-Every variant here is **wrong on purpose**. :data:`kvdoc.proofs.variants.VARIANTS` lists them by name;
-the suite (:mod:`kvdoc.proofs.suite`, ``python -m kvdoc verify --variant NAME``) must fail on each.
+Every variant here is **wrong on purpose**. :data:`kvdoc.proofs.variants.VARIANTS` lists them by
+name; the suite (:mod:`kvdoc.proofs.suite`, ``python -m kvdoc verify --variant NAME``) must fail
+on each.
 
 >>> import torch
 >>> from kvdoc import Decoder, GPTConfig
@@ -28,20 +30,18 @@ True
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable
-
 import torch
 
-from kvdoc.core.cache import KV, CacheWrapper, DynamicCache, KVCache, StaticCache
-from kvdoc.core.mask import top_left_causal_mask
+from kvdoc.core.cache import KV, DynamicCache, KVCache, StaticCache
+from kvdoc.core.config import check_int
 from kvdoc.core.model import CausalSelfAttention, Decoder, DecoderOutput
+from kvdoc.measure.wrapper import CacheWrapper
 
 
 def copy_as(model: Decoder, cls: type[Decoder]) -> Decoder:
-    """A new model of class ``cls`` with ``model``'s config, weights, dtype and device, in eval mode."""
+    """A new ``cls`` with ``model``'s config, weights, dtype and device, in eval mode."""
     weight = model.wte.weight
-    with torch.random.fork_rng():  # the fresh initialisation is overwritten; leave the global RNG alone
+    with torch.random.fork_rng():  # the fresh weights are overwritten: leave the global RNG alone
         clone = cls(model.config).to(weight.dtype).to(weight.device)
     clone.load_state_dict(model.state_dict())
     return clone.eval()
@@ -58,14 +58,6 @@ def with_attention(model: Decoder, cls: type[CausalSelfAttention]) -> Decoder:
     return clone
 
 
-def with_mask(model: Decoder, mask: Callable[..., torch.Tensor | None]) -> Decoder:
-    """A copy of ``model`` whose every attention module uses ``mask(self, past_len, new_len, device)``."""
-    clone = copy_as(model, Decoder)
-    for block in clone.h:
-        block.attn.mask = types.MethodType(mask, block.attn)
-    return clone
-
-
 # --- wrong positions ---------------------------------------------------------------------------
 
 class PositionsRestartDecoder(Decoder):
@@ -75,31 +67,61 @@ class PositionsRestartDecoder(Decoder):
     embeds its tokens at positions ``0 .. C - 1`` instead of ``P .. P + C - 1``.
     """
 
-    def positions(self, start: int, new_len: int, device: torch.device) -> torch.Tensor:
-        return torch.arange(0, new_len, device=device)  # BUG: ignores start
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
+                **options: object) -> DecoderOutput:
+        # BUG: positions 0 .. C - 1, as if no cache came before, not P .. P + C - 1
+        restart = torch.arange(idx.shape[1], device=idx.device)
+        return super().forward(idx, cache, positions=restart.expand_as(idx), **options)
 
 
 # --- wrong masks ----------------------------------------------------------------------------
 
-def top_left_mask(self: CausalSelfAttention, past_len: int, new_len: int,
-                   device: torch.device) -> torch.Tensor:
-    """BROKEN: ``is_causal=True``'s top-left triangle; new query ``i`` reads keys ``0 .. i`` only."""
-    return top_left_causal_mask(past_len, new_len, device)  # BUG: no offset by past_len
+def top_left_causal_mask(past_len: int, new_len: int,
+                         device: torch.device | str | None = None) -> torch.Tensor:
+    """WRONG whenever ``past_len > 0``: the mask ``is_causal=True`` builds for ``C`` new queries.
+
+    It is ``tril`` of the ``[C, P + C]`` matrix, so local query ``i`` is treated as absolute
+    position ``i`` and reads keys ``0 .. i`` only; right for a full forward (``P = 0``). Kept for
+    contrast with :func:`kvdoc.core.mask.offset_causal_mask`, the mask the model uses.
+
+    >>> top_left_causal_mask(2, 2).int()
+    tensor([[1, 0, 0, 0],
+            [1, 1, 0, 0]], dtype=torch.int32)
+    """
+    check_int("past_len", past_len, minimum=0)
+    check_int("new_len", new_len)
+    return torch.ones(new_len, past_len + new_len, dtype=torch.bool, device=device).tril()
 
 
-def no_mask(self: CausalSelfAttention, past_len: int, new_len: int, device: torch.device) -> None:
-    """BROKEN: no mask at all, also for chunks of several new tokens, which then read each other's future."""
-    return None  # BUG: right only when new_len == 1
+class TopLeftMaskAttention(CausalSelfAttention):
+    """BROKEN: ``is_causal=True``'s top-left triangle; new query ``i`` reads keys ``0 .. i`` only,
+    also in one-token decode."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        mask = top_left_causal_mask(start, q.shape[2], q.device)  # BUG: no offset by start
+        return super().attend(q, k, v, start, mask[None])  # [1, C, P + C]: every batch row alike
 
 
-def off_by_one_mask(self: CausalSelfAttention, past_len: int, new_len: int,
-                     device: torch.device) -> torch.Tensor | None:
+class NoMaskAttention(CausalSelfAttention):
+    """BROKEN: no mask at all, also for chunks of several new tokens, which then read each
+    other's future. Right only for one new token without a window."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        everything = torch.ones(1, q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+        return super().attend(q, k, v, start, everything)  # BUG: every key visible
+
+
+class OffByOneMaskAttention(CausalSelfAttention):
     """BROKEN: ``j <= P + i + 1``: each query of a chunk also reads the token after it."""
-    if new_len == 1:
-        return None
-    query_pos = past_len + torch.arange(new_len, device=device)
-    key_pos = torch.arange(past_len + new_len, device=device)
-    return key_pos[None, :] <= query_pos[:, None] + 1  # BUG: one key too many
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        query_pos = start + torch.arange(q.shape[2], device=q.device)
+        key_pos = torch.arange(start + q.shape[2], device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None] + 1  # BUG: one key too many
+        return super().attend(q, k, v, start, mask[None])
 
 
 # --- wrong caches -------------------------------------------------------------------------
@@ -113,13 +135,14 @@ class CrossLayerCache(CacheWrapper):
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         own = self.inner.update(layer_idx, k, v, start)  # stored correctly
         if layer_idx == 0:
-            self._layer0 = own  # layer 0 runs first in every call, so this holds rows 0 .. start + C - 1
+            self._layer0 = own  # layer 0 runs first in every call: rows 0 .. start + C - 1
             return own
         return self._layer0  # BUG: another layer's keys and values
 
 
 class NewBeforeOldDynamicCache(DynamicCache):
-    """BROKEN: concatenates the new K/V before the cached ones, ``cat((new, old))``, and stores that order."""
+    """BROKEN: concatenates the new K/V before the cached ones, ``cat((new, old))``, and stores
+    that order."""
 
     def begin(self) -> NewBeforeOldDynamicCache:
         return NewBeforeOldDynamicCache(self._kv)
@@ -138,8 +161,9 @@ class NewBeforeOldDynamicCache(DynamicCache):
 
 
 class NewBeforeOldStaticCache(StaticCache):
-    """BROKEN: the static twin of :class:`NewBeforeOldDynamicCache`: it rewrites rows ``0 .. P + C - 1``
-    in place as new-then-old, so the rows below the write position change too."""
+    """BROKEN: the static twin of :class:`NewBeforeOldDynamicCache`: it rewrites rows
+    ``0 .. P + C - 1`` in place as new-then-old, so the rows below the write position change
+    too."""
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         end = start + k.shape[2]
@@ -159,14 +183,15 @@ class CacheKindsDecoder(Decoder):
     dynamic_cache: type[DynamicCache] = DynamicCache
     static_cache: type[StaticCache] = StaticCache
 
-    def new_cache(self, batch_size: int, kind: str | None = None, capacity: int | None = None) -> KVCache:
+    def new_cache(self, batch_size: int, kind: str | None = None,
+                  capacity: int | None = None) -> KVCache:
         weight = self.wte.weight
         if kind == "dynamic":
             return self.dynamic_cache.empty(self.config, batch_size, weight.dtype, weight.device)
         if kind == "static":
             return self.static_cache(self.config, batch_size, capacity or self.config.n_positions,
                                      weight.dtype, weight.device)
-        return super().new_cache(batch_size, kind, capacity)  # other kinds are not what this bug is about
+        return super().new_cache(batch_size, kind, capacity)  # other kinds: not this bug
 
 
 class FP32DynamicCache(DynamicCache):
@@ -190,12 +215,13 @@ class FP32CacheDecoder(CacheKindsDecoder):
 class CrossLayerDecoder(Decoder):
     """A decoder whose new caches are :class:`CrossLayerCache` (see there)."""
 
-    def new_cache(self, batch_size: int, kind: str = "dynamic", capacity: int | None = None) -> KVCache:
+    def new_cache(self, batch_size: int, kind: str = "dynamic",
+                  capacity: int | None = None) -> KVCache:
         return CrossLayerCache(super().new_cache(batch_size, kind, capacity))
 
 
 class NewBeforeOldDecoder(CacheKindsDecoder):
-    """A decoder whose new caches place new K/V before the old (see :class:`NewBeforeOldDynamicCache`)."""
+    """A decoder whose new caches put new K/V before the old (:class:`NewBeforeOldDynamicCache`)."""
 
     dynamic_cache, static_cache = NewBeforeOldDynamicCache, NewBeforeOldStaticCache
 
@@ -207,7 +233,7 @@ WINDOW = 32
 
 
 class ModuloStaticCache(StaticCache):
-    """BROKEN: writes position ``t`` into slot ``t % 32`` (a ring buffer) but reads the slots as if linear.
+    """BROKEN: writes position ``t`` into slot ``t % 32`` (a ring buffer) but reads slots as linear.
 
     Right while the stream is at most 32 positions long; past that, new rows overwrite old ones
     and the rows read back past slot 31 were never written.
@@ -224,7 +250,8 @@ class ModuloStaticCache(StaticCache):
 
 
 class WindowDynamicCache(DynamicCache):
-    """BROKEN: silently keeps only the newest 32 positions of each layer while reporting the full length."""
+    """BROKEN: silently keeps only the newest 32 positions of each layer, yet reports the full
+    length."""
 
     def __init__(self, layers: list[KV], length: int | None = None) -> None:
         super().__init__(layers)
@@ -241,7 +268,8 @@ class WindowDynamicCache(DynamicCache):
         if start != self._len:
             raise ValueError(f"cache holds {self._len} positions, write starts at {start}")
         past_k, past_v = self._kv[layer_idx]
-        kv = (torch.cat((past_k, k), dim=2)[:, :, -WINDOW:], torch.cat((past_v, v), dim=2)[:, :, -WINDOW:])  # BUG
+        kv = (torch.cat((past_k, k), dim=2)[:, :, -WINDOW:],  # BUG: drops the oldest rows
+              torch.cat((past_v, v), dim=2)[:, :, -WINDOW:])
         self._kv[layer_idx] = kv
         return kv
 
@@ -267,15 +295,19 @@ class ClampedPositionsDecoder(Decoder):
     Cached and full compute the same wrong function, so only an independent reference sees it.
     """
 
-    def positions(self, start: int, new_len: int, device: torch.device) -> torch.Tensor:
-        return torch.arange(start, start + new_len, device=device).clamp(max=WINDOW - 1)  # BUG
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
+                **options: object) -> DecoderOutput:
+        start = 0 if cache is None else cache.seq_len
+        positions = torch.arange(start, start + idx.shape[1], device=idx.device)
+        clamped = positions.clamp(max=WINDOW - 1)  # BUG
+        return super().forward(idx, cache, positions=clamped.expand_as(idx), **options)
 
 
 # --- grouped-query attention ----------------------------------------------------------------
 
 class TiledGQAAttention(CausalSelfAttention):
-    """BROKEN: shares K/V heads by tiling (query head ``h`` reads K/V head ``h % H_kv``), not by group
-    (``h // (H / H_kv)``), on cached calls only. With one K/V head (MQA) both rules agree.
+    """BROKEN: shares K/V heads by tiling (query head ``h`` reads K/V head ``h % H_kv``), not by
+    group (``h // (H / H_kv)``), on cached calls only. With one K/V head (MQA) both rules agree.
     """
 
     shared = False  # True: the same bug in the full forward too
@@ -289,7 +321,8 @@ class TiledGQAAttention(CausalSelfAttention):
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self._tile:
             group = self.n_head // self.n_kv_head
-            k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)  # BUG: repeat, not repeat_interleave
+            # BUG: repeat, not repeat_interleave
+            k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)
         return super().attend(q, k, v, start, attn_mask)
 
 
@@ -304,10 +337,10 @@ class SharedTiledGQAAttention(TiledGQAAttention):
 class LastOnlyFirstRowDecoder(Decoder):
     """BROKEN: ``last_only=True`` returns the first new position's logits, not the last one's."""
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False,
-                **hooks: torch.Tensor | None) -> DecoderOutput:
-        logits, cache = super().forward(idx, cache, **hooks)
-        return DecoderOutput(logits[:, :1] if last_only else logits, cache)  # BUG: row 0, not row -1
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
+                last_only: bool = False, **options: object) -> DecoderOutput:
+        logits, cache = super().forward(idx, cache, **options)
+        return DecoderOutput(logits[:, :1] if last_only else logits, cache)  # BUG: row 0, not -1
 
 
 class PositionCounterDecoder(Decoder):
@@ -316,16 +349,19 @@ class PositionCounterDecoder(Decoder):
     second branch of one prefix, and after a call that failed.
     """
 
-    def positions(self, start: int, new_len: int, device: torch.device) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
+                **options: object) -> DecoderOutput:
+        start = 0 if cache is None else cache.seq_len
         first = 0 if start == 0 else getattr(self, "_counter", 0)  # BUG: ignores start
-        self._counter = first + new_len
-        return torch.arange(first, first + new_len, device=device)
+        self._counter = first + idx.shape[1]
+        counted = torch.arange(first, self._counter, device=idx.device)
+        return super().forward(idx, cache, positions=counted.expand_as(idx), **options)
 
 
 # --- a call that fails midway ---------------------------------------------------------------
 
 class EarlyLengthStaticCache(StaticCache):
-    """BROKEN: advances its length as soon as layer 0 is written, not after every layer succeeded."""
+    """BROKEN: advances its length once layer 0 is written, not after every layer succeeded."""
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
                start: int) -> KV:
@@ -342,15 +378,15 @@ class EarlyLengthStaticCache(StaticCache):
 
 
 class InPlaceDynamicCache(DynamicCache):
-    """BROKEN: a call writes into the dynamic cache passed in (``begin`` returns ``self``), so a call
-    that fails after layer 0 leaves layer 0 one chunk longer than the others."""
+    """BROKEN: a call writes into the dynamic cache passed in (``begin`` returns ``self``), so a
+    call that fails after layer 0 leaves layer 0 one chunk longer than the others."""
 
     def begin(self) -> InPlaceDynamicCache:
         return self  # BUG: no copy
 
 
 class EarlyLengthDecoder(CacheKindsDecoder):
-    """A decoder whose static caches are :class:`EarlyLengthStaticCache` (dynamic ones are right)."""
+    """A decoder whose static caches are :class:`EarlyLengthStaticCache` (dynamic: right)."""
 
     static_cache = EarlyLengthStaticCache
 
@@ -364,7 +400,7 @@ class InPlaceDecoder(CacheKindsDecoder):
 # --- scenarios ------------------------------------------------------------------------------
 
 def stale_prefix(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The prefix as it was before an edit: ``ids`` (``[B, T]``) with token 0 of every row replaced.
+    """The prefix as it was before an edit: ``ids`` (``[B, T]``), token 0 of every row replaced.
 
     The stale-cache scenario fills the cache from this old prefix, then continues with the edited
     (current) tokens, as if a cache were reused after the user changed the first word.

@@ -1,12 +1,13 @@
 """Deliberately wrong RoPE caches, kept so that the equivalence check can be seen to fail.
 
-Two ways to get rotary positions wrong with a cache, each a small change to a correct
-Llama-style :class:`~kvdoc.core.model.Decoder` (same weights), in the style of :mod:`kvdoc.proofs.broken`:
+Two ways to get rotary positions wrong with a cache, each a correct Llama-style
+:class:`~kvdoc.core.model.Decoder` (same weights) whose attention modules are replaced by a
+subclass with one mistake in its ``forward``, in the style of :mod:`kvdoc.proofs.broken`:
 
 * ``unrotated-k-cache``: K goes into the cache *before* RoPE, and only the rows a call has just
   computed are rotated; keys read back from the cache were never turned.
-* ``rope-restart``: each call rotates its new Q and K at positions ``0 .. C - 1``, as if the chunk
-  began the sequence, instead of at ``P .. P + C - 1``.
+* ``rope-restart``: each call rotates its new Q and K at positions ``0 .. C - 1``, as if the
+  chunk began the sequence, instead of at ``P .. P + C - 1``.
 
 A full forward (one call from position 0) is correct for both, so only the cached path is wrong.
 
@@ -30,33 +31,51 @@ from __future__ import annotations
 
 import torch
 
-from .broken import copy_as, with_attention
+from .broken import with_attention
 from kvdoc.core.cache import KVCache
 from kvdoc.core.model import CausalSelfAttention, Decoder
-from kvdoc.core.rope import Rotary
+from kvdoc.core.rope import apply_rope
+
+
+def _split_heads(attn: CausalSelfAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Unrotated Q ``[B, H, C, D_h]``, K and V ``[B, H_kv, C, D_h]`` of the rows ``x``
+    (``[B, C, d]``), split from ``attn.c_attn`` as the real attention splits them."""
+    B, C, _ = x.shape
+    H, H_kv = attn.n_head, attn.n_kv_head
+    heads = attn.c_attn(x).view(B, C, H + 2 * H_kv, attn.head_dim).transpose(1, 2)
+    return heads.split((H, H_kv, H_kv), dim=1)
 
 
 class UnrotatedKeyAttention(CausalSelfAttention):
-    """BROKEN: caches K before RoPE, then rotates only this call's rows of what the cache returns."""
+    """BROKEN: caches K before RoPE, then rotates only this call's rows of what the cache
+    returns."""
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, C, d = x.shape
-        heads = self.c_attn(x).view(B, C, self.n_head + 2 * self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k, v = heads.split((self.n_head, self.n_kv_head, self.n_kv_head), dim=1)
+        q, k, v = _split_heads(self, x)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v, start)  # BUG: K is stored unrotated
-        q, new_k = self.rotary(q, k[:, :, -C:], start)   # the cached rows are never turned
+        q = apply_rope(q, start, self.rope_theta)
+        new_k = apply_rope(k[:, :, -C:], start, self.rope_theta)  # cached rows are never turned
         k = torch.cat((k[:, :, :-C], new_k), dim=2)
         y = self.attend(q, k, v, start, attn_mask)
         return self.c_proj(y.transpose(1, 2).reshape(B, C, d))
 
 
-class RopeRestartRotary(Rotary):
+class RopeRestartAttention(CausalSelfAttention):
     """BROKEN: rotates the new rows at positions ``0 .. C - 1`` whatever the cache holds."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return super().forward(q, k, 0)  # BUG: should be `start`
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, C, d = x.shape
+        q, k, v = _split_heads(self, x)
+        q = apply_rope(q, 0, self.rope_theta)  # BUG: should be `start`
+        k = apply_rope(k, 0, self.rope_theta)
+        if cache is not None:
+            k, v = cache.update(layer_idx, k, v, start)
+        y = self.attend(q, k, v, start, attn_mask)
+        return self.c_proj(y.transpose(1, 2).reshape(B, C, d))
 
 
 def unrotated_k(model: Decoder) -> Decoder:
@@ -68,10 +87,7 @@ def unrotated_k(model: Decoder) -> Decoder:
 def rope_restart(model: Decoder) -> Decoder:
     """A copy of a RoPE ``model`` whose every call rotates its rows from position 0."""
     _require_rope(model)
-    clone = copy_as(model, Decoder)
-    for block in clone.h:
-        block.attn.rotary = RopeRestartRotary(block.attn.rotary.theta)
-    return clone
+    return with_attention(model, RopeRestartAttention)
 
 
 def _require_rope(model: Decoder) -> None:

@@ -33,18 +33,19 @@ import torch
 from torch import nn
 
 from kvdoc.core.config import GPTConfig
-
-from kvdoc.core import model as _model  # looked up at call time, so a patched Decoder is the one built
+from kvdoc.core.model import Decoder
 
 Reference = Callable[[torch.Tensor], torch.Tensor]
 """``ids [B, T] -> logits [B, T, V]``."""
+
 
 def _dtype(model: nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
 def mha_weights(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """The state dict of the MHA model equivalent to a GQA/MQA one: each K/V head copied over its group.
+    """The state dict of the MHA model equivalent to a GQA/MQA one: each K/V head copied over
+    its group.
 
     ``c_attn``'s output rows are ``H`` query heads, then ``H_kv`` key heads, then ``H_kv`` value
     heads, each ``D_h`` rows; query head ``h`` reads K/V head ``h // (H / H_kv)``.
@@ -54,7 +55,8 @@ def mha_weights(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, 
 
     def grow(t: torch.Tensor) -> torch.Tensor:  # [H_kv * D_h, ...] -> [H * D_h, ...]
         rest = t.shape[1:]
-        return t.reshape(config.n_kv_head, dh, *rest).repeat_interleave(group, dim=0).reshape(d, *rest)
+        per_head = t.reshape(config.n_kv_head, dh, *rest)  # [H_kv, D_h, ...]
+        return per_head.repeat_interleave(group, dim=0).reshape(d, *rest)
 
     out = dict(state)
     for name, value in state.items():
@@ -65,11 +67,11 @@ def mha_weights(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, 
 
 
 def mha_reference(model: nn.Module) -> Reference:
-    """The multi-head model with ``model``'s weights, K/V heads copied over each group (see module doc)."""
+    """The multi-head model with ``model``'s weights, K/V heads copied over each group."""
     config = model.config
     mha_config = dataclasses.replace(config, n_kv_head=config.n_head)
     with torch.random.fork_rng():
-        ref = _model.Decoder(mha_config).to(_dtype(model)).eval()
+        ref = Decoder(mha_config).to(_dtype(model)).eval()
     ref.load_state_dict(mha_weights(model.state_dict(), config))
     return lambda ids: ref(ids)[0]
 

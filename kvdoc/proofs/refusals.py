@@ -26,13 +26,14 @@ import torch
 
 from kvdoc.core.cache import DynamicCache, KVCache, StaticCache
 from kvdoc.core.config import GPTConfig
-from kvdoc.core.mask import offset_causal_mask, top_left_causal_mask
+from kvdoc.core.mask import offset_causal_mask
 from kvdoc.core.model import Decoder, decode_step, generate, prefill
+from kvdoc.interop import hf
 from kvdoc.measure.tables import markdown_table
 
 
 class CommandError(Exception):
-    """``python -m kvdoc ...`` exited with a non-zero status; the message is what it printed on stderr."""
+    """``python -m kvdoc ...`` exited non-zero; the message is what it printed on stderr."""
 
 
 def run_cli(*argv: str) -> str:
@@ -44,9 +45,9 @@ def run_cli(*argv: str) -> str:
     >>> run_cli("frobnicate")
     Traceback (most recent call last):
     ...
-    kvdoc.proofs.refusals.CommandError: exit 2: python -m kvdoc: error: argument COMMAND: invalid choice: 'frobnicate' ...
+    kvdoc.proofs.refusals.CommandError: exit 2: python -m kvdoc: error: ... 'frobnicate' ...
     """
-    from kvdoc.__main__ import main
+    from .cli import main  # imports every command's module: only when a CLI entry runs
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -55,7 +56,8 @@ def run_cli(*argv: str) -> str:
         except SystemExit as exit_:
             status = exit_.code if isinstance(exit_.code, int) else 1
     if status:
-        lines = [line for line in err.getvalue().splitlines() if line and not line.startswith((" ", "usage:"))]
+        lines = [line for line in err.getvalue().splitlines()
+                 if line and not line.startswith((" ", "usage:"))]  # the error, not the usage
         raise CommandError(f"exit {status}: " + " ".join(lines))
     return out.getvalue()
 
@@ -102,7 +104,8 @@ def _same(cache: KVCache, snap: tuple[int, list[torch.Tensor]]) -> bool:
     length, tensors = snap
     now = cache.tensors()
     return cache.seq_len == length and len(now) == len(tensors) and all(
-        a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(now, tensors))
+        a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+        for a, b in zip(now, tensors))
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,7 @@ class Refusal:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What :func:`attempt` saw. ``ok`` is True only for the catalogued refusal with caches unchanged."""
+    """What :func:`attempt` saw. ``ok``: the catalogued refusal, with caches unchanged."""
 
     refusal: Refusal
     raised: str | None
@@ -148,7 +151,8 @@ class Outcome:
         """Why the outcome is not ok (empty when it is)."""
         r = self.refusal
         if self.raised is None:
-            return f"{r.key}: {r.call} was accepted; expected {r.error.__name__} with {r.fragment!r}"
+            return (f"{r.key}: {r.call} was accepted; "
+                    f"expected {r.error.__name__} with {r.fragment!r}")
         if not self.matches:
             return (f"{r.key}: {r.call} raised {self.raised}: {self.message!r}; "
                     f"expected {r.error.__name__} with {r.fragment!r}")
@@ -183,15 +187,19 @@ def _zeros(*shape: int) -> torch.Tensor:
 def _interop_shape_mismatch(fx: Fixtures) -> object:
     from transformers import GPT2LMHeadModel
 
-    from kvdoc.interop.hf import decoder_from_gpt2, gpt2_config
-
-    hf = GPT2LMHeadModel(gpt2_config(GPTConfig()))
-    return decoder_from_gpt2(hf.state_dict(), GPTConfig(n_inner=128))
+    gpt2 = GPT2LMHeadModel(hf.gpt2_config(GPTConfig()))
+    return hf.decoder_from_gpt2(gpt2.state_dict(), GPTConfig(n_inner=128))
 
 
 def _r(key: str, area: str, bad: str, call: str, error: type[Exception], fragment: str,
        run: Callable[[Fixtures], object]) -> Refusal:
     return Refusal(key, area, bad, call, error, fragment, run)
+
+
+def _cli(key: str, bad: str, command: str, fragment: str) -> Refusal:
+    """A refusal of ``python -m kvdoc COMMAND``: the call shown is the call made."""
+    return Refusal(key, "CLI", bad, f"python -m kvdoc {command}".rstrip(), CommandError, fragment,
+                   lambda fx: run_cli(*command.split()))
 
 
 VE = ValueError
@@ -203,57 +211,71 @@ CATALOGUE: list[Refusal] = [
        "n_head must be a positive integer", lambda fx: GPTConfig(n_head=-4)),
     _r("config-float-width", "GPTConfig", "a width that is a float", "GPTConfig(n_embd=64.0)", VE,
        "n_embd must be a positive integer", lambda fx: GPTConfig(n_embd=64.0)),
-    _r("config-bool-vocab", "GPTConfig", "a bool where a size belongs", "GPTConfig(vocab_size=True)", VE,
-       "vocab_size must be a positive integer", lambda fx: GPTConfig(vocab_size=True)),
-    _r("config-width-heads", "GPTConfig", "a width the heads do not divide", "GPTConfig(n_embd=60, n_head=8)", VE,
-       "n_embd=60 is not divisible by n_head=8", lambda fx: GPTConfig(n_embd=60, n_head=8)),
-    _r("config-gqa-groups", "GPTConfig", "query heads not a multiple of K/V heads", "GPTConfig(n_kv_head=3)", VE,
-       "n_head=4 is not divisible by n_kv_head=3", lambda fx: GPTConfig(n_kv_head=3)),
-    _r("config-epsilon", "GPTConfig", "a LayerNorm epsilon of zero", "GPTConfig(layer_norm_epsilon=0.0)", VE,
-       "layer_norm_epsilon must be positive", lambda fx: GPTConfig(layer_norm_epsilon=0.0)),
+    _r("config-bool-vocab", "GPTConfig", "a bool where a size belongs",
+       "GPTConfig(vocab_size=True)", VE, "vocab_size must be a positive integer",
+       lambda fx: GPTConfig(vocab_size=True)),
+    _r("config-width-heads", "GPTConfig", "a width the heads do not divide",
+       "GPTConfig(n_embd=60, n_head=8)", VE, "n_embd=60 is not divisible by n_head=8",
+       lambda fx: GPTConfig(n_embd=60, n_head=8)),
+    _r("config-gqa-groups", "GPTConfig", "query heads not a multiple of K/V heads",
+       "GPTConfig(n_kv_head=3)", VE, "n_head=4 is not divisible by n_kv_head=3",
+       lambda fx: GPTConfig(n_kv_head=3)),
+    _r("config-epsilon", "GPTConfig", "a LayerNorm epsilon of zero",
+       "GPTConfig(layer_norm_epsilon=0.0)", VE, "layer_norm_epsilon must be positive",
+       lambda fx: GPTConfig(layer_norm_epsilon=0.0)),
     # --- the model's input ------------------------------------------------------------------------
     _r("ids-1d", "Decoder", "ids without a batch dimension", "model(torch.tensor([3, 1, 4]))", VE,
        "idx must be a [B, C] tensor", lambda fx: fx.model(torch.tensor([3, 1, 4]))),
     _r("ids-list", "Decoder", "a Python list instead of a tensor", "model([[3, 1, 4]])", VE,
        "got list", lambda fx: fx.model([[3, 1, 4]])),
     _r("ids-float", "Decoder", "float token ids", "model(torch.zeros(1, 3))", VE,
-       "integer token ids (int64 or int32), got dtype torch.float32", lambda fx: fx.model(torch.zeros(1, 3))),
+       "integer token ids (int64 or int32), got dtype torch.float32",
+       lambda fx: fx.model(torch.zeros(1, 3))),
     _r("ids-bool", "Decoder", "bool token ids", "model(torch.ones(1, 3, dtype=torch.bool))", VE,
        "integer token ids (int64 or int32), got dtype torch.bool",
        lambda fx: fx.model(torch.ones(1, 3, dtype=torch.bool))),
     _r("ids-int16", "Decoder", "token ids of a type the embedding cannot index with",
        "model(torch.ones(1, 3, dtype=torch.int16))", VE, "(int64 or int32), got dtype torch.int16",
        lambda fx: fx.model(torch.ones(1, 3, dtype=torch.int16))),
-    _r("ids-empty", "Decoder", "no tokens", "model(torch.zeros(1, 0, dtype=torch.long), dynamic)", VE,
-       "empty input", lambda fx: fx.model(_zeros(1, 0), fx.dynamic)),
-    _r("ids-past-vocab", "Decoder", "a token id past the vocabulary", "model(torch.tensor([[5, 97]]), dynamic)", VE,
-       "token id 97 is outside the vocabulary 0..96", lambda fx: fx.model(torch.tensor([[5, 97]]), fx.dynamic)),
-    _r("ids-negative", "Decoder", "a negative token id", "model(torch.tensor([[-1]]), static)", VE,
-       "token id -1 is outside the vocabulary", lambda fx: fx.model(torch.tensor([[-1]]), fx.static)),
+    _r("ids-empty", "Decoder", "no tokens",
+       "model(torch.zeros(1, 0, dtype=torch.long), dynamic)", VE, "empty input",
+       lambda fx: fx.model(_zeros(1, 0), fx.dynamic)),
+    _r("ids-past-vocab", "Decoder", "a token id past the vocabulary",
+       "model(torch.tensor([[5, 97]]), dynamic)", VE, "token id 97 is outside the vocabulary 0..96",
+       lambda fx: fx.model(torch.tensor([[5, 97]]), fx.dynamic)),
+    _r("ids-negative", "Decoder", "a negative token id",
+       "model(torch.tensor([[-1]]), static)", VE, "token id -1 is outside the vocabulary",
+       lambda fx: fx.model(torch.tensor([[-1]]), fx.static)),
     _r("ids-device", "Decoder", "ids on another device than the model", "model(ids.to('meta'))", VE,
        "idx is on meta, model is on cpu", lambda fx: fx.model(fx.ids.to("meta"))),
-    _r("ids-too-long", "Decoder", "more tokens than learned positions", "model(torch.zeros(1, 513, dtype=torch.long))",
-       VE, "513 positions, model has 512", lambda fx: fx.model(_zeros(1, 513))),
+    _r("ids-too-long", "Decoder", "more tokens than learned positions",
+       "model(torch.zeros(1, 513, dtype=torch.long))", VE, "513 positions, model has 512",
+       lambda fx: fx.model(_zeros(1, 513))),
     _r("cache-past-positions", "Decoder", "a continuation that runs past the last position",
        "model(torch.zeros(1, 509, dtype=torch.long), dynamic)", VE,
        "4 cached + 509 new = 513 positions", lambda fx: fx.model(_zeros(1, 509), fx.dynamic)),
     # --- caches ---------------------------------------------------------------------------------
-    _r("cache-not-a-cache", "caches", "K/V tensors where a cache belongs", "model(ids, dynamic.tensors())", VE,
-       "cache must be a KVCache, got list", lambda fx: fx.model(fx.ids, fx.dynamic.tensors())),
+    _r("cache-not-a-cache", "caches", "K/V tensors where a cache belongs",
+       "model(ids, dynamic.tensors())", VE, "cache must be a KVCache, got list",
+       lambda fx: fx.model(fx.ids, fx.dynamic.tensors())),
     _r("cache-batch", "caches", "a cache of batch 1 continued with batch 2",
-       "model(torch.zeros(2, 1, dtype=torch.long), dynamic)", VE,
-       "cache holds batch size 1, input has batch size 2", lambda fx: fx.model(_zeros(2, 1), fx.dynamic)),
+       "model(torch.zeros(2, 1, dtype=torch.long), dynamic)",
+       VE, "cache holds batch size 1, input has batch size 2",
+       lambda fx: fx.model(_zeros(2, 1), fx.dynamic)),
     _r("cache-other-model", "caches", "a cache filled by another model (2 K/V heads, not 4)",
-       "model(ids, foreign)", VE, "cache was built for another model", lambda fx: fx.model(fx.ids, fx.foreign)),
+       "model(ids, foreign)", VE, "cache was built for another model",
+       lambda fx: fx.model(fx.ids, fx.foreign)),
     _r("cache-other-depth", "caches", "a cache for a 3-layer model",
-       "model(ids, DynamicCache.empty(GPTConfig(n_layer=3), 1))", VE, "cache was built for another model",
+       "model(ids, DynamicCache.empty(GPTConfig(n_layer=3), 1))",
+       VE, "cache was built for another model",
        lambda fx: fx.model(fx.ids, DynamicCache.empty(GPTConfig(n_layer=3), 1))),
     _r("cache-dtype", "caches", "a float64 cache for a float32 model",
        "model(ids, DynamicCache.empty(model.config, 1, torch.float64))", VE,
        "cache dtype is torch.float64, model dtype is torch.float32",
        lambda fx: fx.model(fx.ids, DynamicCache.empty(fx.model.config, 1, torch.float64))),
     _r("cache-device", "caches", "a cache on another device than the model",
-       "model(ids, DynamicCache.empty(model.config, 1, device='meta'))", VE, "cache is on meta, model is on cpu",
+       "model(ids, DynamicCache.empty(model.config, 1, device='meta'))",
+       VE, "cache is on meta, model is on cpu",
        lambda fx: fx.model(fx.ids, DynamicCache.empty(fx.model.config, 1, device="meta"))),
     _r("static-over-capacity", "caches", "5 more positions into a static cache with room for 4",
        "model(torch.zeros(1, 5, dtype=torch.long), static)", VE, "static cache over capacity",
@@ -262,8 +284,10 @@ CATALOGUE: list[Refusal] = [
        "unknown cache kind 'paged'", lambda fx: fx.model.new_cache(1, "paged")),
     _r("cache-zero-batch", "caches", "a cache for zero sequences", "model.new_cache(0)", VE,
        "batch_size must be a positive integer, got 0", lambda fx: fx.model.new_cache(0)),
-    _r("static-negative-capacity", "caches", "a negative capacity", "StaticCache(model.config, 1, capacity=-8)",
-       VE, "capacity must be a positive integer, got -8", lambda fx: StaticCache(fx.model.config, 1, capacity=-8)),
+    _r("static-negative-capacity", "caches", "a negative capacity",
+       "StaticCache(model.config, 1, capacity=-8)",
+       VE, "capacity must be a positive integer, got -8",
+       lambda fx: StaticCache(fx.model.config, 1, capacity=-8)),
     _r("static-zero-capacity", "caches", "a static cache with room for nothing",
        "model.new_cache(1, 'static', capacity=0)", VE, "capacity must be a positive integer, got 0",
        lambda fx: fx.model.new_cache(1, "static", capacity=0)),
@@ -272,7 +296,8 @@ CATALOGUE: list[Refusal] = [
     _r("crop-negative", "caches", "cropping to a negative length", "static.crop(-1)", VE,
        "cannot crop a cache of 4 positions to -1", lambda fx: fx.static.crop(-1)),
     _r("cache-kv-shapes", "caches", "K and V of different shapes",
-       "DynamicCache([(K, V[:, :, :2])]) with K, V = dynamic.layer(0)", VE, "K and V must both be [B, H_kv, T, D_h]",
+       "DynamicCache([(K, V[:, :, :2])]) with K, V = dynamic.layer(0)",
+       VE, "K and V must both be [B, H_kv, T, D_h]",
        lambda fx: DynamicCache([(fx.dynamic.layer(0)[0], fx.dynamic.layer(0)[1][:, :, :2])])),
     _r("cache-no-layers", "caches", "a cache with no layers", "DynamicCache([])", VE,
        "a cache needs at least one layer", lambda fx: DynamicCache([])),
@@ -281,58 +306,58 @@ CATALOGUE: list[Refusal] = [
        "past_len must be a non-negative integer, got -1", lambda fx: offset_causal_mask(-1, 2)),
     _r("mask-no-queries", "masks", "zero new queries", "offset_causal_mask(3, 0)", VE,
        "new_len must be a positive integer, got 0", lambda fx: offset_causal_mask(3, 0)),
-    _r("mask-float-length", "masks", "a float length", "top_left_causal_mask(2.0, 1)", VE,
-       "past_len must be a non-negative integer, got 2.0", lambda fx: top_left_causal_mask(2.0, 1)),
+    _r("mask-float-length", "masks", "a float length", "offset_causal_mask(2.0, 1)", VE,
+       "past_len must be a non-negative integer, got 2.0", lambda fx: offset_causal_mask(2.0, 1)),
     # --- generation -------------------------------------------------------------------------------
-    _r("decode-two-tokens", "generation", "two tokens in one decode step", "decode_step(model, torch.tensor([[1, 2]]), dynamic)",
-       VE, "decode_step takes one token per row", lambda fx: decode_step(fx.model, torch.tensor([[1, 2]]), fx.dynamic)),
+    _r("decode-two-tokens", "generation", "two tokens in one decode step",
+       "decode_step(model, torch.tensor([[1, 2]]), dynamic)",
+       VE, "decode_step takes one token per row",
+       lambda fx: decode_step(fx.model, torch.tensor([[1, 2]]), fx.dynamic)),
     _r("prefill-past-vocab", "generation", "a prompt with an id past the vocabulary",
-       "prefill(model, torch.tensor([[1, 200]]), static)", VE, "token id 200 is outside the vocabulary",
+       "prefill(model, torch.tensor([[1, 200]]), static)",
+       VE, "token id 200 is outside the vocabulary",
        lambda fx: prefill(fx.model, torch.tensor([[1, 200]]), fx.static)),
     _r("generate-nothing", "generation", "asking for no new tokens", "generate(model, ids, 0)", VE,
        "max_new_tokens must be at least 1, got 0", lambda fx: generate(fx.model, fx.ids, 0)),
-    _r("generate-absurd", "generation", "asking for more tokens than positions", "generate(model, ids, 10**6)",
-       VE, "= 1000004 positions, model has 512", lambda fx: generate(fx.model, fx.ids, 10**6)),
-    _r("generate-cache-kind", "generation", "an unknown cache kind", "generate(model, ids, 3, cache='paged')", VE,
-       "unknown cache kind 'paged'", lambda fx: generate(fx.model, fx.ids, 3, cache="paged")),
+    _r("generate-absurd", "generation", "asking for more tokens than positions",
+       "generate(model, ids, 10**6)", VE, "= 1000004 positions, model has 512",
+       lambda fx: generate(fx.model, fx.ids, 10**6)),
+    _r("generate-cache-kind", "generation", "an unknown cache kind",
+       "generate(model, ids, 3, cache='paged')", VE, "unknown cache kind 'paged'",
+       lambda fx: generate(fx.model, fx.ids, 3, cache="paged")),
     # --- transformers interop ---------------------------------------------------------------------
     _r("interop-gqa", "interop", "a grouped-query config for GPT-2, which has none",
        "gpt2_config(GPTConfig(n_kv_head=2))", VE, "GPT-2 has no grouped-query attention",
-       lambda fx: __import__("kvdoc.interop.hf", fromlist=["x"]).gpt2_config(GPTConfig(n_kv_head=2))),
+       lambda fx: hf.gpt2_config(GPTConfig(n_kv_head=2))),
     _r("interop-bare-state-dict", "interop", "a bare state dict without a config",
        "decoder_from_gpt2(model.state_dict())", VE, "pass config=",
-       lambda fx: __import__("kvdoc.interop.hf", fromlist=["x"]).decoder_from_gpt2(fx.model.state_dict())),
+       lambda fx: hf.decoder_from_gpt2(fx.model.state_dict())),
     _r("interop-empty", "interop", "an empty state dict", "decoder_from_gpt2({}, GPTConfig())", VE,
-       "empty state dict", lambda fx: __import__("kvdoc.interop.hf", fromlist=["x"]).decoder_from_gpt2({}, GPTConfig())),
+       "empty state dict", lambda fx: hf.decoder_from_gpt2({}, GPTConfig())),
     _r("interop-shapes", "interop", "GPT-2 weights for another MLP width",
        "decoder_from_gpt2(hf.state_dict(), GPTConfig(n_inner=128))", VE, "checkpoint shape",
        _interop_shape_mismatch),
     # --- the command line -------------------------------------------------------------------------
-    _r("cli-unknown-command", "CLI", "an unknown subcommand", "python -m kvdoc train", CommandError,
-       "invalid choice: 'train'", lambda fx: run_cli("train")),
-    _r("cli-no-command", "CLI", "no subcommand", "python -m kvdoc", CommandError,
-       "the following arguments are required: COMMAND", lambda fx: run_cli()),
-    _r("cli-memory-model", "CLI", "an unknown model name", "python -m kvdoc memory --model gpt-9 --seq-len 10",
-       CommandError, "unknown model 'gpt-9'", lambda fx: run_cli("memory", "--model", "gpt-9", "--seq-len", "10")),
-    _r("cli-memory-negative", "CLI", "a negative length",
-       "python -m kvdoc memory --model llama-3-8b --seq-len -5", CommandError, "expected a positive integer, got '-5'",
-       lambda fx: run_cli("memory", "--model", "llama-3-8b", "--seq-len", "-5")),
-    _r("cli-memory-dtype", "CLI", "an unknown dtype",
-       "python -m kvdoc memory --layers 2 --kv-heads 4 --head-dim 16 --seq-len 8 --dtype float7", CommandError,
-       "unknown dtype 'float7'", lambda fx: run_cli("memory", "--layers", "2", "--kv-heads", "4", "--head-dim",
-                                                     "16", "--seq-len", "8", "--dtype", "float7")),
-    _r("cli-memory-missing", "CLI", "sizes missing", "python -m kvdoc memory --layers 2 --seq-len 8",
-       CommandError, "missing --kv-heads, --head-dim", lambda fx: run_cli("memory", "--layers", "2", "--seq-len", "8")),
-    _r("cli-verify-variant", "CLI", "an unknown broken variant", "python -m kvdoc verify --variant nope",
-       CommandError, "invalid choice: 'nope'", lambda fx: run_cli("verify", "--variant", "nope")),
-    _r("cli-bench-lengths", "CLI", "a prompt length that is not a number", "python -m kvdoc bench --prefix-lens 4,x",
-       CommandError, "expected comma-separated integers, got '4,x'",
-       lambda fx: run_cli("bench", "--prefix-lens", "4,x")),
+    _cli("cli-unknown-command", "an unknown subcommand", "train", "invalid choice: 'train'"),
+    _cli("cli-no-command", "no subcommand", "", "the following arguments are required: COMMAND"),
+    _cli("cli-memory-model", "an unknown model name", "memory --model gpt-9 --seq-len 10",
+         "unknown model 'gpt-9'"),
+    _cli("cli-memory-negative", "a negative length", "memory --model llama-3-8b --seq-len -5",
+         "expected a positive integer, got '-5'"),
+    _cli("cli-memory-dtype", "an unknown dtype",
+         "memory --layers 2 --kv-heads 4 --head-dim 16 --seq-len 8 --dtype float7",
+         "unknown dtype 'float7'"),
+    _cli("cli-memory-missing", "sizes missing", "memory --layers 2 --seq-len 8",
+         "missing --kv-heads, --head-dim"),
+    _cli("cli-verify-variant", "an unknown broken variant", "verify --variant nope",
+         "invalid choice: 'nope'"),
+    _cli("cli-bench-lengths", "a prompt length that is not a number", "bench --prefix-lens 4,x",
+         "expected comma-separated integers, got '4,x'"),
 ]
 
 
 def outcomes_table(outcomes: list[Outcome], width: int = 110) -> str:
-    """The outcomes as a Markdown table: area, what is wrong, the call, the error and its message."""
+    """The outcomes as a Markdown table: area, what is wrong, the call, the error, its message."""
     def clip(text: str) -> str:
         return text if len(text) <= width else text[: width - 3] + "..."
 
@@ -340,5 +365,7 @@ def outcomes_table(outcomes: list[Outcome], width: int = 110) -> str:
     for i, o in enumerate(outcomes, 1):
         r = o.refusal
         said = f"{o.raised}: {o.message}" if o.raised else "accepted (not refused!)"
-        rows.append([i, r.area, clip(r.bad), f"`{clip(r.call)}`", clip(said), "yes" if o.caches_unchanged else "NO"])
-    return markdown_table(["#", "area", "bad input", "call", "refused with", "caches unchanged"], rows)
+        unchanged = "yes" if o.caches_unchanged else "NO"
+        rows.append([i, r.area, clip(r.bad), f"`{clip(r.call)}`", clip(said), unchanged])
+    header = ["#", "area", "bad input", "call", "refused with", "caches unchanged"]
+    return markdown_table(header, rows)

@@ -1,10 +1,10 @@
 """The broken variants by name: what each gets wrong, and the kind of mistake it stands for.
 
-The code of each is in :mod:`kvdoc.proofs.broken` (and :mod:`kvdoc.proofs.broken_rope` for RoPE); this
-module is the list the suite sweeps (``python -m kvdoc verify`` must catch every entry) and the
-pages show.
+The code of each is in :mod:`kvdoc.proofs.broken` (and :mod:`kvdoc.proofs.broken_rope` for
+RoPE); this module is the list the suite sweeps (``python -m kvdoc verify`` must catch every
+entry) and the pages show.
 
->>> len(VARIANTS) == len(set(VARIANTS)) and all(v.bug_class in BUG_CLASSES for v in VARIANTS.values())
+>>> all(v.bug_class in BUG_CLASSES for v in VARIANTS.values())
 True
 >>> VARIANTS["rope-restart"].models
 ('llama', 'mistral')
@@ -20,6 +20,9 @@ from kvdoc.core.model import Decoder
 
 ROPE_MODELS = ("llama", "mistral")
 """The grid's RoPE models: the only ones a RoPE variant can be built from."""
+LEARNED_MODELS = ("mha", "gqa", "mqa")
+"""The grid's models with learned positions (``wpe``): the only ones whose position ids a variant
+can get wrong, through ``Decoder.forward(positions=...)``."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,8 @@ class BrokenVariant:
         build: makes the broken model from a correct one (same weights, dtype, device).
         bug_class: the kind of mistake, one of :data:`BUG_CLASSES`.
         stale_prefix: a scenario, not code: the cached path's first chunk is fed the prefix as it
-            was before an edit (:func:`kvdoc.proofs.broken.stale_prefix`), the rest the current tokens.
+            was before an edit (:func:`kvdoc.proofs.broken.stale_prefix`), the rest the current
+            tokens.
     """
 
     name: str
@@ -49,44 +53,66 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "rotary positions")
 """The kinds of mistake the variants stand for."""
 
+def _copy(cls: type[Decoder]) -> Callable[[Decoder], Decoder]:
+    return lambda m: broken.copy_as(m, cls)
+
+
+def _attention(cls: type) -> Callable[[Decoder], Decoder]:
+    return lambda m: broken.with_attention(m, cls)
+
+
 VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
-    BrokenVariant("positions-restart", "position ids restart at 0 on every call instead of at the cache length",
-                  lambda m: broken.copy_as(m, broken.PositionsRestartDecoder)),
-    BrokenVariant("top-left-mask", "the causal mask is not offset by the cache length (is_causal=True's top-left "
-                  "triangle), also for one-token decode", lambda m: broken.with_mask(m, broken.top_left_mask)),
+    BrokenVariant("positions-restart",
+                  "position ids restart at 0 on every call instead of at the cache length",
+                  _copy(broken.PositionsRestartDecoder), models=LEARNED_MODELS),
+    BrokenVariant("top-left-mask",
+                  "the causal mask is not offset by the cache length (is_causal=True's top-left "
+                  "triangle), also for one-token decode", _attention(broken.TopLeftMaskAttention)),
     BrokenVariant("no-mask", "no mask at all, so a chunk of several tokens reads its own future",
-                  lambda m: broken.with_mask(m, broken.no_mask)),
-    BrokenVariant("off-by-one-mask", "the mask allows j <= P + i + 1: each query also reads the next token",
-                  lambda m: broken.with_mask(m, broken.off_by_one_mask)),
+                  _attention(broken.NoMaskAttention)),
+    BrokenVariant("off-by-one-mask",
+                  "the mask allows j <= P + i + 1: each query also reads the next token",
+                  _attention(broken.OffByOneMaskAttention)),
     BrokenVariant("cross-layer-cache", "every layer attends over layer 0's K/V instead of its own",
-                  lambda m: broken.copy_as(m, broken.CrossLayerDecoder), "cache storage"),
+                  _copy(broken.CrossLayerDecoder), "cache storage"),
     BrokenVariant("new-before-old", "new K/V are concatenated before the cached ones, not after",
-                  lambda m: broken.copy_as(m, broken.NewBeforeOldDecoder), "cache storage"),
-    BrokenVariant("stale-cache", "a cache filled before a prefix edit (token 0 changed) is reused after it",
-                  lambda m: broken.copy_as(m, Decoder), "cache storage", stale_prefix=True),
-    BrokenVariant("fp32-cache", "a dynamic cache rounds the K/V it stores to FP32, also in an FP64 model",
-                  lambda m: broken.copy_as(m, broken.FP32CacheDecoder), "cache storage"),
-    BrokenVariant("modulo-slots", "a static cache writes position t into slot t % 32 and reads slots as linear",
-                  lambda m: broken.copy_as(m, broken.ModuloDecoder), "long stream"),
+                  _copy(broken.NewBeforeOldDecoder), "cache storage"),
+    BrokenVariant("stale-cache",
+                  "a cache filled before a prefix edit (token 0 changed) is reused after it",
+                  _copy(Decoder), "cache storage", stale_prefix=True),
+    BrokenVariant("fp32-cache",
+                  "a dynamic cache rounds the K/V it stores to FP32, also in an FP64 model",
+                  _copy(broken.FP32CacheDecoder), "cache storage"),
+    BrokenVariant("modulo-slots",
+                  "a static cache writes position t into slot t % 32 and reads slots as linear",
+                  _copy(broken.ModuloDecoder), "long stream"),
     BrokenVariant("window-32", "a dynamic cache silently keeps only the newest 32 positions",
-                  lambda m: broken.copy_as(m, broken.WindowDecoder), "long stream"),
-    BrokenVariant("gqa-tiled-cached", "cached calls share K/V heads by tiling (h % H_kv), not by group",
-                  lambda m: broken.with_attention(m, broken.TiledGQAAttention), "grouped-query attention"),
-    BrokenVariant("gqa-tiled-shared", "every call shares K/V heads by tiling (h % H_kv), not by group",
-                  lambda m: broken.with_attention(m, broken.SharedTiledGQAAttention), "grouped-query attention"),
+                  _copy(broken.WindowDecoder), "long stream"),
+    BrokenVariant("gqa-tiled-cached",
+                  "cached calls share K/V heads by tiling (h % H_kv), not by group",
+                  _attention(broken.TiledGQAAttention), "grouped-query attention"),
+    BrokenVariant("gqa-tiled-shared",
+                  "every call shares K/V heads by tiling (h % H_kv), not by group",
+                  _attention(broken.SharedTiledGQAAttention), "grouped-query attention"),
     BrokenVariant("last-only-first-row", "last_only=True returns the first new position's logits",
-                  lambda m: broken.copy_as(m, broken.LastOnlyFirstRowDecoder), "last_only and generation"),
-    BrokenVariant("position-counter", "positions come from a counter on the model, not the cache length",
-                  lambda m: broken.copy_as(m, broken.PositionCounterDecoder), "crop and branch"),
-    BrokenVariant("clamped-positions", "positions past 31 are clamped to 31 in every forward, full or cached",
-                  lambda m: broken.copy_as(m, broken.ClampedPositionsDecoder), "shared path"),
-    BrokenVariant("static-early-length", "a static cache's length advances before every layer succeeded",
-                  lambda m: broken.copy_as(m, broken.EarlyLengthDecoder), "failure mid-call"),
-    BrokenVariant("dynamic-in-place", "a dynamic cache is written in place, so a failed call leaves a partial write",
-                  lambda m: broken.copy_as(m, broken.InPlaceDecoder), "failure mid-call"),
-    BrokenVariant("unrotated-k-cache", "K is cached before RoPE; keys read back from the cache are never rotated",
+                  _copy(broken.LastOnlyFirstRowDecoder), "last_only and generation"),
+    BrokenVariant("position-counter",
+                  "positions come from a counter on the model, not the cache length",
+                  _copy(broken.PositionCounterDecoder), "crop and branch", models=LEARNED_MODELS),
+    BrokenVariant("clamped-positions",
+                  "positions past 31 are clamped to 31 in every forward, full or cached",
+                  _copy(broken.ClampedPositionsDecoder), "shared path", models=LEARNED_MODELS),
+    BrokenVariant("static-early-length",
+                  "a static cache's length advances before every layer succeeded",
+                  _copy(broken.EarlyLengthDecoder), "failure mid-call"),
+    BrokenVariant("dynamic-in-place",
+                  "a dynamic cache is written in place, so a failed call leaves a partial write",
+                  _copy(broken.InPlaceDecoder), "failure mid-call"),
+    BrokenVariant("unrotated-k-cache",
+                  "K is cached before RoPE; keys read back from the cache are never rotated",
                   broken_rope.unrotated_k, "rotary positions", models=ROPE_MODELS),
-    BrokenVariant("rope-restart", "RoPE turns each call's Q and K at positions 0..C-1, not at the cache length",
+    BrokenVariant("rope-restart",
+                  "RoPE turns each call's Q and K at positions 0..C-1, not at the cache length",
                   broken_rope.rope_restart, "rotary positions", models=ROPE_MODELS),
 )}
 """Every broken variant, by name."""

@@ -18,7 +18,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvdoc.core.mask import offset_causal_mask, top_left_causal_mask
+from kvdoc.core.mask import offset_causal_mask
+from kvdoc.proofs.broken import top_left_causal_mask
 
 __all__ = ["ToyLab", "ToyCache", "full_forward", "check_against_full", "work_counts",
            "prefix_edit", "mask_exercise"]
@@ -73,7 +74,8 @@ class ToyWeights:
         if token not in self.embeddings:
             raise ValueError(f"unknown token {token!r}; known: {sorted(self.embeddings)}")
         e = self.embeddings[token]
-        return (e[0] + self.pos_scale * math.sin(position), e[1] + self.pos_scale * math.cos(position))
+        return (e[0] + self.pos_scale * math.sin(position),
+                e[1] + self.pos_scale * math.cos(position))
 
 
 def _matvec(h: Vec, w: Mat) -> Vec:  # row vector times [2, 2]
@@ -89,7 +91,8 @@ def _attend(q: Vec, keys: Sequence[Vec], values: Sequence[Vec], counts: Counts) 
     m = max(scores)
     e = [math.exp(s - m) for s in scores]
     z = sum(e)
-    return (sum(w * v[0] for w, v in zip(e, values)) / z, sum(w * v[1] for w, v in zip(e, values)) / z)
+    return (sum(w * v[0] for w, v in zip(e, values)) / z,
+            sum(w * v[1] for w, v in zip(e, values)) / z)
 
 
 @dataclass
@@ -219,7 +222,8 @@ class ToyLab:
         """Decode step: :meth:`extend` with one token."""
         return self.extend(cache, [token])
 
-    def run_token_by_token(self, tokens: Sequence[str], cache: ToyCache | None = None) -> ForwardResult:
+    def run_token_by_token(self, tokens: Sequence[str],
+                           cache: ToyCache | None = None) -> ForwardResult:
         """Feed ``tokens`` one at a time (as the source's lab does); counts are summed.
 
         Returns the last call's outputs with the final cache and the total counts.
@@ -254,7 +258,8 @@ class CheckResult:
         return self.output_diff < self.tol and self.kv_diff < self.tol
 
 
-def check_against_full(cached: ForwardResult, weights: ToyWeights | None = None, tol: float = 1e-12) -> CheckResult:
+def check_against_full(cached: ForwardResult, weights: ToyWeights | None = None,
+                       tol: float = 1e-12) -> CheckResult:
     """Recompute ``cached.cache.tokens`` from scratch and compare with the cached result.
 
     >>> lab = ToyLab()
@@ -311,7 +316,8 @@ class ScenarioCounts:
 SOURCE_COUNTS: dict[str, dict[str, int]] = {
     "first input A B C": {"full_kv": 6, "cached_kv": 6, "full_dots": 12, "cached_dots": 12},
     "append D": {"full_kv": 8, "cached_kv": 2, "full_dots": 20, "cached_dots": 8},
-    "edit B to X, recompute suffix": {"full_kv": 8, "cached_kv": 6, "full_dots": 20, "cached_dots": 18},
+    "edit B to X, recompute suffix": {"full_kv": 8, "cached_kv": 6, "full_dots": 20,
+                                      "cached_dots": 18},
 }
 """The source's table of work counts for the three scenarios, kept as data to compare with."""
 
@@ -342,14 +348,16 @@ def work_counts(weights: ToyWeights | None = None) -> list[ScenarioCounts]:
     lab = ToyLab(weights)
     rows = []
     a = lab.run_token_by_token("ABC")
-    rows.append(ScenarioCounts("first input A B C", "ABC", 0, 3, full_forward("ABC", lab.weights).counts,
-                               a.counts, check_against_full(a, lab.weights)))
+    rows.append(ScenarioCounts("first input A B C", "ABC", 0, 3,
+                               full_forward("ABC", lab.weights).counts, a.counts,
+                               check_against_full(a, lab.weights)))
     b = lab.append_token(a.cache, "D")
     rows.append(ScenarioCounts("append D", "ABCD", 3, 1, full_forward("ABCD", lab.weights).counts,
                                b.counts, check_against_full(b, lab.weights)))
     edit = prefix_edit(b.cache, "AXCD", lab)
-    rows.append(ScenarioCounts("edit B to X, recompute suffix", "AXCD", edit.prefix_len, 4 - edit.prefix_len,
-                               full_forward("AXCD", lab.weights).counts, edit.result.counts,
+    rows.append(ScenarioCounts("edit B to X, recompute suffix", "AXCD", edit.prefix_len,
+                               4 - edit.prefix_len, full_forward("AXCD", lab.weights).counts,
+                               edit.result.counts,
                                check_against_full(edit.result, lab.weights)))
     return rows
 
@@ -370,13 +378,15 @@ class EditResult:
     after: ToyCache
 
     def key_changed(self, layer: int, position: int) -> float:
-        """``max |K_after - K_before|`` at ``(layer, position)``; 0.0 means unchanged bit for bit."""
+        """``max |K_after - K_before|`` at ``(layer, position)``; 0.0: unchanged bit for bit."""
         a, b = self.after.keys[layer][position], self.before.keys[layer][position]
         return max(abs(a[0] - b[0]), abs(a[1] - b[1]))
 
 
-def prefix_edit(cache: ToyCache, new_tokens: Sequence[str], lab: ToyLab | None = None) -> EditResult:
-    """Replace the sequence in ``cache`` by ``new_tokens``: keep the common prefix, recompute the rest.
+def prefix_edit(cache: ToyCache, new_tokens: Sequence[str],
+                lab: ToyLab | None = None) -> EditResult:
+    """Replace the sequence in ``cache`` by ``new_tokens``: keep the common prefix, recompute the
+    rest.
 
     >>> lab = ToyLab()
     >>> e = prefix_edit(lab.extend(ToyCache.empty(2), "ABCD").cache, "AXCD", lab)
@@ -414,7 +424,8 @@ class MaskExercise:
 
 
 def mask_exercise(past_len: int, new_len: int) -> MaskExercise:
-    """Compute the exercise's answers from :mod:`kvdoc.core.mask`.
+    """Compute the exercise's answers from :mod:`kvdoc.core.mask` (and, for the top-left mask,
+    :func:`kvdoc.proofs.broken.top_left_causal_mask`).
 
     >>> mask_exercise(10, 3).keys_offset
     [11, 12, 13]
