@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from kvdoc.core.mask import offset_causal_mask
 from kvdoc.proofs.verify import TOLERANCE
-from kvdoc.serving.splitk import merge, partial_attention, split_k_attention
+from kvdoc import Decoder, GPTConfig, mistral_config
+from kvdoc.serving.splitk import merge, partial_attention, split_k_attention, split_k_decoder
 
 
 def qkv(B: int, H: int, H_kv: int, C: int, T: int, D: int, dtype: torch.dtype, seed: int = 0):
@@ -87,3 +88,38 @@ def test_bad_input_is_refused(call, message):
     q, k, v = qkv(1, 4, 2, 1, 6, 4, torch.float32)
     with pytest.raises(ValueError, match=message):
         call(q, k, v)
+
+
+@pytest.mark.parametrize("config", [GPTConfig(n_kv_head=2), mistral_config(sliding_window=6)],
+                         ids=["gqa", "window"])
+@pytest.mark.parametrize("split", [1, 4, 7])
+def test_split_k_decoder_continues_every_cache_kind_like_the_model(config, split):
+    torch.manual_seed(0)
+    model = Decoder(config).double().eval()
+    fast = split_k_decoder(model, split)
+    ids = torch.randint(0, config.vocab_size, (2, 15))
+    full = model(ids).logits
+    for kind in ("dynamic", "static", *(("window",) if config.sliding_window else ())):
+        cache, out = fast.new_cache(2, kind, capacity=15), []
+        for s in (0, 5, 6, 11):  # a prompt of 5, one decode step, chunks of 5 and 4
+            e = {0: 5, 5: 6, 6: 11, 11: 15}[s]
+            logits, cache = fast(ids[:, s:e], cache)
+            out.append(logits)
+        torch.testing.assert_close(torch.cat(out, 1), full, atol=1e-10, rtol=1e-10)
+
+
+def test_split_k_decoder_takes_padded_batches():
+    from kvdoc.serving.batching import left_pad, padded_mask, padded_positions
+
+    torch.manual_seed(0)
+    model = Decoder(GPTConfig()).double().eval()
+    batch = left_pad([[5, 6, 7, 8, 9], [1, 2]])
+    C = batch.ids.shape[1]
+    kwargs = dict(positions=padded_positions(batch.pad, 0, C), attn_mask=padded_mask(batch.pad, 0, C))
+    got = split_k_decoder(model, 2)(batch.ids, **kwargs).logits
+    torch.testing.assert_close(got, model(batch.ids, **kwargs).logits, atol=1e-10, rtol=1e-10)
+
+
+def test_a_split_below_one_is_refused():
+    with pytest.raises(ValueError, match="split"):
+        split_k_decoder(Decoder(GPTConfig()), 0)

@@ -16,7 +16,11 @@ the rounding of a different summation order. ``m + log l`` is the log-sum-exp of
 Shapes: ``q`` is ``[B, H, C, D_h]``, ``k`` and ``v`` are ``[B, H_kv, T, D_h]`` (``H`` a multiple
 of ``H_kv``: grouped-query and multi-query attention read one K/V head from several query heads),
 ``mask`` is ``[C, T]`` bool (True: may read), as :func:`kvdoc.core.mask.offset_causal_mask`
-builds it.
+builds it, or ``[B, C, T]`` with a mask per row (left-padded batches).
+
+:class:`SplitKAttention` puts the same computation inside the decoder, and
+:func:`split_k_decoder` builds a copy of a model that attends that way, so the verification
+grid runs it as one more implementation of the model's function.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ import math
 from typing import NamedTuple
 
 import torch
+
+from kvdoc.core.config import GPTConfig, check_int
+from kvdoc.core.mask import offset_causal_mask
+from kvdoc.core.model import CausalSelfAttention, Decoder
 
 
 class Partial(NamedTuple):
@@ -54,8 +62,9 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     qg = q.reshape(B, H_kv, group * C, D)
     scores = (qg @ k.transpose(-1, -2)).mul_(1.0 / math.sqrt(D))  # [B, H_kv, group * C, T_c]
     scores = scores.view(B, H_kv, group, C, -1)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, -math.inf)  # mask [C, T_c] broadcasts over heads
+    if mask is not None:  # [C, T_c], or [B, C, T_c] per row: the same for every head
+        rows = mask if mask.dim() == 2 else mask[:, None, None]
+        scores = scores.masked_fill(~rows, -math.inf)
     m = scores.amax(dim=-1)  # [B, H_kv, group, C]
     # a chunk that hides every key from a row has m = -inf; shift by 0 there so exp gives 0, not NaN
     p = torch.exp(scores - torch.where(m.isinf(), 0.0, m)[..., None])
@@ -121,9 +130,49 @@ def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: 
         raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)}: batch and head size "
                          "must match, and H must be a multiple of H_kv")
     T = k.shape[2]
-    if mask is not None and tuple(mask.shape) != (C, T):
-        raise ValueError(f"mask must be [C, T] = [{C}, {T}], got {tuple(mask.shape)}")
+    if mask is not None and tuple(mask.shape) not in ((C, T), (B, C, T)):
+        raise ValueError(f"mask must be [C, T] = [{C}, {T}] or [B, C, T], got {tuple(mask.shape)}")
     starts = range(0, T, split)
     parts = [partial_attention(q, k[:, :, s:s + split], v[:, :, s:s + split],
-                               None if mask is None else mask[:, s:s + split]) for s in starts]
+                               None if mask is None else mask[..., s:s + split]) for s in starts]
     return merge(parts)[0]
+
+
+class SplitKAttention(CausalSelfAttention):
+    """The decoder's attention with softmax over chunks of ``split`` keys, merged exactly.
+
+    Same weights, projections, RoPE and cache as :class:`~kvdoc.core.model.CausalSelfAttention`;
+    only the attention over the keys is computed the split-K way.
+    """
+
+    def __init__(self, config: GPTConfig, split: int) -> None:
+        super().__init__(config)
+        self.split = check_int("split", split)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        C, T = q.shape[2], k.shape[2]
+        if attn_mask is not None:
+            mask = attn_mask[..., -T:]  # [B, C, T]: each row's own, as the model's attend
+        else:  # a window cache returns only the last T keys: keep the mask's last T columns
+            mask = offset_causal_mask(start, C, q.device, window=self.window)[:, -T:]
+        return split_k_attention(q, k, v, self.split, mask)
+
+
+def split_k_decoder(model: Decoder, split: int) -> Decoder:
+    """A copy of ``model`` (weights, dtype, device) whose attention is :class:`SplitKAttention`.
+
+    >>> from kvdoc import GPTConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = Decoder(GPTConfig()).eval()
+    >>> ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    >>> torch.allclose(split_k_decoder(model, 3)(ids).logits, model(ids).logits, atol=1e-5)
+    True
+    """
+    weight = model.wte.weight
+    with torch.random.fork_rng():  # the fresh weights are overwritten: leave the global RNG alone
+        clone = Decoder(model.config)
+        for block in clone.h:
+            block.attn = SplitKAttention(model.config, split)
+    clone.load_state_dict(model.state_dict())
+    return clone.to(weight.dtype).to(weight.device).eval()
