@@ -1,4 +1,4 @@
-"""A lean decode step, the floor :class:`~kvdoc.core.fast.FastDecoder` is timed against; its ablation.
+"""The lean decode step that :class:`~kvdoc.core.fast.FastDecoder` is timed against; its ablation.
 
 :class:`LeanStep` is the fast step's arithmetic and nothing else: no input checks, no watch on
 the model's weights, no delegation, no :class:`~kvdoc.core.cache.KVCache` (it writes its own

@@ -238,8 +238,8 @@ def _split_ablation(samples: dict[str, list[float]], diffs: dict[str, float] | N
     rows = {row: samples[path] for row, path in ABLATION_ROWS.items()}
     for name in ABLATION:
         del samples[name]
-    out: dict[str, Any] = {"steps": steps, "samples_ms": rows,
-                           "p50_us_per_step": {row: percentile(v, 50) / steps * 1e3 for row, v in rows.items()}}
+    per_step = {row: percentile(v, 50) / steps * 1e3 for row, v in rows.items()}
+    out: dict[str, Any] = {"steps": steps, "samples_ms": rows, "p50_us_per_step": per_step}
     if diffs is not None:
         out["max_abs_logit_diff"] = {row: diffs.pop(path) if path in ABLATION else diffs[path]
                                      for row, path in ABLATION_ROWS.items()}

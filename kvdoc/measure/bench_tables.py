@@ -33,8 +33,8 @@ ABLATION_LABELS = {
 
 def timings_table(result: BenchResult) -> str:
     """Per prefix: prefill p50, then p50 / p95 (ms for all G steps) of each decode path, final K/V KiB."""
-    paths = [p for p in ("full_all", "full_last", "dynamic", "static", "fast", "lean", "transformers")
-             if all(p in v for v in result.timings.values())]
+    order = ("full_all", "full_last", "dynamic", "static", "fast", "lean", "transformers")
+    paths = [p for p in order if all(p in v for v in result.timings.values())]
     header = ["prefix P", "prefill p50 (ms)"] + [f"{PATH_LABELS[p]} p50 / p95 (ms)" for p in paths]
     rows = [[P, f"{result.p50(P, 'prefill'):.3f}"]
             + [f"{result.p50(P, p):.3f} / {result.p95(P, p):.3f}" for p in paths]
@@ -83,7 +83,8 @@ def ablation_table(ablation: dict) -> str:
     """Per variant of the decode step (``result.ablation`` or ``result.roofline["ablation"]``):
     p50 per step (µs) and its time relative to the lean step.
 
-    >>> print(ablation_table({"p50_us_per_step": {"reference": 150.0, "fast": 110.0, "lean": 100.0}}))
+    >>> print(ablation_table({"p50_us_per_step": {"reference": 150.0, "fast": 110.0,
+    ...                                           "lean": 100.0}}))
     | decode step | p50 (µs / step) | time relative to the lean step |
     |---|---|---|
     | reference step: the model's forward, static cache | 150.0 | 1.50 |
@@ -91,8 +92,10 @@ def ablation_table(ablation: dict) -> str:
     | lean step: the fast step's arithmetic, no checks | 100.0 | 1.00 |
     """
     per_step = ablation["p50_us_per_step"]
-    rows = [[ABLATION_LABELS[name], f"{t:,.1f}", f"{t / per_step['lean']:.2f}"] for name, t in per_step.items()]
-    return markdown_table(["decode step", "p50 (µs / step)", "time relative to the lean step"], rows)
+    rows = [[ABLATION_LABELS[name], f"{t:,.1f}", f"{t / per_step['lean']:.2f}"]
+            for name, t in per_step.items()]
+    header = ["decode step", "p50 (µs / step)", "time relative to the lean step"]
+    return markdown_table(header, rows)
 
 
 def growth_figure(result: BenchResult) -> Figure:

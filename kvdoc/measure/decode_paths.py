@@ -99,16 +99,19 @@ def static_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor, p
 
 def lean_decode(lean: LeanStep, model: Decoder, ids: torch.Tensor, prefix_len: int,
                 steps: int) -> tuple[Prepare, Callable[[], torch.Tensor]]:
-    """``steps`` calls of a :class:`~kvdoc.measure.ablation.LeanStep` after the prompt's K/V,
-    which ``prepare`` copies into it (untimed)."""
+    """``steps`` calls of a :class:`~kvdoc.measure.ablation.LeanStep` after the prompt's K/V.
+
+    The prompt's K/V is copied in once; ``prepare`` rewinds the lean step to position ``P``
+    (untimed), as :func:`static_decode` crops its cache, so both read K/V written equally long ago.
+    """
     P, G = prefix_len, steps
-    cache = model(ids[:, :P], model.new_cache(1, "static", capacity=P))[1]
+    lean.start(model(ids[:, :P], model.new_cache(1, "static", capacity=P))[1])
 
     def run() -> torch.Tensor:
         return torch.cat([lean(ids[:, P + j:P + j + 1]) for j in range(G)], 1)
 
     def prepare() -> Callable[[], torch.Tensor]:
-        lean.start(cache)
+        lean.pos = P  # back to the prompt; the positions after it are written again
         return run
     return prepare, lambda: prepare()()
 
