@@ -105,7 +105,7 @@ class FastDecoder:
         self._dicts, self._names = tuple(s[0] for s in slots), tuple(s[1] for s in slots)
         self._held = tuple(map(getitem, self._dicts, self._names))
         self._params = tuple(m.parameters())
-        self._stamp = self._versions()
+        self._stamp = self._versions_and_storage()
         # Decided once, not per layer and step: a step of the site's model is ~100 us.
         self._rope, self._swiglu = cfg.position == "rope", cfg.mlp == "swiglu"
         self._norm = torch.rms_norm if cfg.norm == "rmsnorm" else torch.layer_norm
@@ -133,14 +133,14 @@ class FastDecoder:
             self._wte = m.wte.weight.detach()  # [V, d]: a lookup reads it as it is
             self._wpe = None if m.wpe is None else m.wpe.weight.detach()  # [n_positions, d]
 
-    def _versions(self) -> list[int]:
+    def _versions_and_storage(self) -> list[int]:
         return [*map(_VERSION, self._params), *map(_DATA_PTR, self._params)]
 
     def _stale(self) -> bool:
         """Whether the model's weights changed since :meth:`refresh` (C-level maps: ~50 ns a
         parameter or module)."""
         held = map(getitem, self._dicts, self._names)
-        return not all(map(is_, held, self._held)) or self._versions() != self._stamp
+        return not all(map(is_, held, self._held)) or self._versions_and_storage() != self._stamp
 
     def new_cache(self, batch_size: int, kind: Literal["dynamic", "static", "window"] | None = None,
                   capacity: int | None = None) -> KVCache:
