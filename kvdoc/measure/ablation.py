@@ -99,7 +99,8 @@ class LeanStep:
             K.narrow(2, P, 1).copy_(k)
             V.narrow(2, P, 1).copy_(v)
             k, v = K.narrow(2, 0, P + 1), V.narrow(2, 0, P + 1)  # [B, H_kv, P + 1, D_h]
-            q = q.view(B, -1, group, D_h)  # [B, H_kv, group, D_h]
+            if group > 1:  # a K/V head's query heads as rows: [B, H_kv, group, D_h]
+                q = q.view(B, -1, group, D_h)
             if self.attention == "sdpa":
                 y = F.scaled_dot_product_attention(q, k, v)
             else:
