@@ -13,7 +13,7 @@ from kvdoc.measure.bench_tables import (ablation_table, counts_table, flops_tabl
                                 timings_figure, timings_table)
 from kvdoc.measure.dispatch import count_ops
 from kvdoc.measure.costs import RowCounter, projected_positions_full, run_flops, step_bytes, step_flops
-from kvdoc.measure.decode_paths import ABLATION
+from kvdoc.measure.ablation import ABLATION, LeanStep
 from kvdoc.measure.timing import percentile, time_paths
 
 TINY_ROOF = GPTConfig(vocab_size=101, n_positions=64, n_layer=2, n_head=2, n_embd=32, n_inner=64)
@@ -41,6 +41,26 @@ def test_ratios_present_and_positive(result):
         assert isinstance(value, float) and math.isfinite(value) and value > 0, key
 
 
+@pytest.mark.parametrize("kw", [{}, *ABLATION.values()], ids=["lean", *ABLATION])
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_lean_step_and_its_variants_compute_the_models_function(kw, n_kv_head):
+    torch.manual_seed(0)
+    model = Decoder(GPTConfig(n_kv_head=n_kv_head)).eval()
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    lean = LeanStep(model, capacity=9, **kw)
+    with torch.inference_mode():
+        lean.start(model(ids[:, :5], model.new_cache(2, "static", capacity=5)).cache)
+        logits = torch.cat([lean(ids[:, j:j + 1]) for j in range(5, 9)], 1)
+        torch.testing.assert_close(logits, model(ids).logits[:, 5:], atol=1e-5, rtol=0)
+
+
+def test_lean_step_refuses_other_architectures():
+    from kvdoc.core.config import llama_config
+
+    with pytest.raises(ValueError, match="GPT-2's architecture"):
+        LeanStep(Decoder(llama_config()), capacity=4)
+
+
 def test_ratios_follow_from_samples(result):
     P = max(PREFIXES)
     best = min(result.p50(P, "dynamic"), result.p50(P, "static"))
@@ -52,6 +72,7 @@ def test_ratios_follow_from_samples(result):
     per_token = result.roofline["p50_ms_per_token"]
     assert result.ratios["fast_vs_transformers_124m"] == pytest.approx(per_token["transformers"] / per_token["fast"])
     assert result.ratios["bandwidth_fraction_fast"] == result.roofline["fraction"]["fast"]
+    assert result.ratios["fast_vs_lean"] == pytest.approx(result.p50(P, "lean") / fast)
 
 
 def test_raw_samples_and_summary(result):
@@ -67,7 +88,8 @@ def test_raw_samples_and_summary(result):
     assert data["config"]["samples"] == 3 and data["config"]["prefix_lens"] == list(PREFIXES)
     for P in PREFIXES:
         samples = data["samples_ms"][str(P)]
-        assert set(samples) == {"prefill", "full_all", "full_last", "dynamic", "static", "fast", "transformers"}
+        assert set(samples) == {"prefill", "full_all", "full_last", "dynamic", "static", "fast", "lean",
+                                "transformers"}
         for path, values in samples.items():
             assert len(values) == 3 and all(v > 0 for v in values), path
             s = data["summary"][str(P)][path]
@@ -100,7 +122,7 @@ def test_counted_rows_match_closed_forms(result):
 
 def test_ops_per_step(result):
     ops = result.ops
-    assert set(ops) == {"full_all", "dynamic", "static", "fast", "transformers"}
+    assert set(ops) == {"full_all", "dynamic", "static", "fast", "lean", "transformers"}
     assert all(isinstance(n, int) and n > 0 for n in ops.values())
     assert count_ops(lambda: torch.ones(3).sum() * 2) == {"aten.ones.default": 1, "aten.sum.default": 1,
                                                             "aten.mul.Tensor": 1}
@@ -156,7 +178,7 @@ def test_step_bytes_tied_and_untied():
 def test_roofline_structure(result):
     r = result.roofline
     assert r["floor_ms_per_token"] > 0 and r["bandwidth"]["gb_per_s"] > 0
-    assert set(r["fraction"]) == {"dynamic", "static", "fast", "transformers"}
+    assert set(r["fraction"]) == {"dynamic", "static", "fast", "lean", "transformers"}
     assert result.ratios["bandwidth_fraction"] == max(r["fraction"]["dynamic"], r["fraction"]["static"])
 
 
@@ -172,10 +194,10 @@ def test_tables_and_figures(result):
     assert table.count("\n") == 1 + len(PREFIXES) and "KiB" in table and "fast step" in table
     assert "4" in counts_table(result) and "MFLOP" in flops_table(result)
     roof = roofline_table(result)
-    assert "GB/s" in roof and roof.count("\n") == 1 + 4  # header rule and four decode paths
+    assert "GB/s" in roof and roof.count("\n") == 1 + 5  # header rule and five decode paths
     for ablation in (result.ablation, result.roofline["ablation"]):
         table = ablation_table(ablation)
-        assert table.count("\n") == 1 + 2 + len(ABLATION) and "µs" in table
+        assert table.count("\n") == 1 + 3 + len(ABLATION) and "µs" in table
     import matplotlib.pyplot as plt
 
     for fig in (growth_figure(result), timings_figure(result)):
@@ -199,12 +221,17 @@ def test_percentile():
 def test_ablation_structure(result):
     a = result.ablation
     assert a["prefix_len"] == max(PREFIXES) and a["steps"] == G
-    assert set(a["p50_us_per_step"]) == {"reference", "fast", *ABLATION}
-    assert a["p50_us_per_step"]["reference"] == percentile(a["samples_ms"]["static"], 50) / G * 1e3
+    assert set(a["p50_us_per_step"]) == {"reference", "fast", "lean", *ABLATION}
+    assert a["p50_us_per_step"]["reference"] == percentile(a["samples_ms"]["reference"], 50) / G * 1e3
+    # the rows were timed in the prefix's own rotation: reference and fast are its samples
+    P = max(PREFIXES)
+    assert a["samples_ms"]["reference"] == result.timings[P]["static"]
+    assert a["samples_ms"]["fast"] == result.timings[P]["fast"]
+    assert not set(ABLATION) & set(result.timings[P]) and not set(ABLATION) & set(result.max_abs_diff[P])
     for name, diff in a["max_abs_logit_diff"].items():  # every variant computes the same function
         assert diff < 1e-4, (name, diff)
-    assert set(result.roofline["ablation"]["p50_us_per_step"]) == {"reference", "fast", *ABLATION}
-    assert set(result.roofline["samples_ms"]) == {"dynamic", "static", "fast", "transformers"}
+    assert set(result.roofline["ablation"]["p50_us_per_step"]) == {"reference", "fast", "lean", *ABLATION}
+    assert set(result.roofline["samples_ms"]) == {"dynamic", "static", "fast", "lean", "transformers"}
 
 
 @pytest.mark.parametrize("kw", [dict(samples=0), dict(prefix_lens=(510,)), dict(prefix_lens=()),

@@ -9,7 +9,8 @@ thread count (one by default), the model in ``eval()`` and under ``torch.inferen
   baseline) or only the last (``full_last``);
 * **cached continuation**, ``G`` steps of one token each, from the prefix cache, with the
   :class:`~kvdoc.core.cache.DynamicCache` (``dynamic``), the :class:`~kvdoc.core.cache.StaticCache`
-  (``static``), and :class:`~kvdoc.core.fast.FastDecoder` over a static cache (``fast``);
+  (``static``), :class:`~kvdoc.core.fast.FastDecoder` over a static cache (``fast``), and the
+  same arithmetic without checks, :class:`~kvdoc.measure.ablation.LeanStep` (``lean``);
 * **transformers**: transformers' ``GPT2LMHeadModel`` on the same weights with its own cache,
   the reference a user would otherwise pick.
 
@@ -35,12 +36,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from .bench_tables import ablation_table, roofline_table, timings_table
 from kvdoc.core.config import GPTConfig, check_int
-from .costs import RowCounter, projected_positions_full, run_flops, step_bytes
-from .decode_paths import ABLATION, ablation_paths, build_models, decode_paths, ops_per_step, static_decode, token_stream
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import Decoder
+
+from .ablation import ABLATION
+from .bench_tables import ablation_table, roofline_table, timings_table
+from .costs import RowCounter, projected_positions_full, run_flops, step_bytes
+from .decode_paths import ablation_paths, build_models, decode_paths, ops_per_step, token_stream
 from .timing import environment, percentile, time_paths
 
 GPT2_SMALL = GPTConfig(vocab_size=50257, n_positions=1024, n_layer=12, n_head=12, n_embd=768, n_inner=3072)
@@ -74,8 +77,8 @@ class BenchSettings:
         roofline_steps: decode steps per roofline sample.
         roofline_samples: samples per roofline path.
         bandwidth_mib: size of the tensor whose reduction measures memory bandwidth.
-        ablation: also time the fast step with each of its changes undone, at the largest
-            prefix length and (with ``roofline``) on the roofline model.
+        ablation: also time the lean step with each of the fast step's changes undone, in the
+            rotation of the largest prefix length and (with ``roofline``) of the roofline model.
     """
 
     prefix_lens: tuple[int, ...] = (16, 64, 128, 256)
@@ -176,10 +179,16 @@ class BenchResult:
 
 
 def _bench_prefix(model: Decoder, fast: FastDecoder, hf: Any, settings: BenchSettings, prefix_len: int,
-                  tick: Callable[[], None]) -> tuple[dict[str, list[float]], float, dict[str, float], dict[str, int]]:
+                  tick: Callable[[], None], ablation: bool = False
+                  ) -> tuple[dict[str, list[float]], float, dict[str, float], dict[str, int]]:
+    """One prefix length's paths in one rotation; ``ablation`` adds the ablation's variants."""
     G = settings.new_tokens
     ids = token_stream(model.config, prefix_len + G, settings.seed + prefix_len)
     prepare, runs = decode_paths(model, hf, ids, prefix_len, G, True, fast)
+    if ablation:
+        more = ablation_paths(model, ids, prefix_len, G)
+        prepare.update(more[0])
+        runs.update(more[1])
     reference = model(ids).logits[:, prefix_len:]  # [1, G, V]: one full forward of the whole stream
     diffs = {name: float((run() - reference).abs().max()) for name, run in runs.items()}
     counts: dict[str, int] = {}
@@ -216,29 +225,25 @@ def _bench_growth(model: Decoder, fast: FastDecoder, settings: BenchSettings,
             "slopes_upper": slopes_upper, "upper_from": settings.growth_lengths[upper], "p50_ms": p50}
 
 
-def _ablation_summary(samples: dict[str, list[float]], steps: int, names: dict[str, str]) -> dict[str, Any]:
-    """Per-step p50 (µs) of the ablation's variants; ``names`` maps variant to timed path."""
-    return {"steps": steps, "p50_us_per_step": {variant: percentile(samples[path], 50) / steps * 1e3
-                                                for variant, path in names.items()}}
+ABLATION_ROWS = {"reference": "static", "fast": "fast", "lean": "lean", **{k: k for k in ABLATION}}
+"""Ablation row -> the timed path it reads (the reference step is the static-cache path)."""
 
 
-ABLATION_ROWS = {"reference": "static", "fast": "fast", **{k: k for k in ABLATION}}
-"""Ablation variant -> the timed path it reads (the reference step is the static-cache path)."""
+def _split_ablation(samples: dict[str, list[float]], diffs: dict[str, float] | None,
+                    steps: int) -> dict[str, Any]:
+    """Take the ablation's variants out of one rotation's samples; the ablation's summary.
 
-
-def _bench_ablation(model: Decoder, fast: FastDecoder, settings: BenchSettings,
-                    tick: Callable[[], None]) -> dict[str, Any]:
-    """The fast step with each change undone, against the reference and the fast step, at the largest P."""
-    P, G = max(settings.prefix_lens), settings.new_tokens
-    ids = token_stream(model.config, P + G, settings.seed + P)
-    prepare, runs = ablation_paths(model, ids, P, G)
-    prepare["static"], runs["static"] = static_decode(model, model, ids, P, G)
-    prepare["fast"], runs["fast"] = static_decode(fast, model, ids, P, G)
-    reference = model(ids).logits[:, P:]
-    diffs = {name: float((run() - reference).abs().max()) for name, run in runs.items()}
-    samples = time_paths(prepare, settings.samples, settings.warmup, tick)
-    return {"prefix_len": P, "samples_ms": samples, "max_abs_logit_diff": diffs,
-            **_ablation_summary(samples, G, ABLATION_ROWS)}
+    Every row was timed in the same rotation as the other paths, so all saw the same load.
+    """
+    rows = {row: samples[path] for row, path in ABLATION_ROWS.items()}
+    for name in ABLATION:
+        del samples[name]
+    per_step = {row: percentile(v, 50) / steps * 1e3 for row, v in rows.items()}
+    out: dict[str, Any] = {"steps": steps, "samples_ms": rows, "p50_us_per_step": per_step}
+    if diffs is not None:
+        out["max_abs_logit_diff"] = {row: diffs.pop(path) if path in ABLATION else diffs[path]
+                                     for row, path in ABLATION_ROWS.items()}
+    return out
 
 
 def _bench_roofline(settings: BenchSettings, tick: Callable[[], None], build_threads: int) -> dict[str, Any]:
@@ -261,9 +266,7 @@ def _bench_roofline(settings: BenchSettings, tick: Callable[[], None], build_thr
     bw_times = [t / 1e3 for t in samples.pop("bandwidth")]
     nbytes = x.numel() * x.element_size()
     del x
-    ablation = _ablation_summary(samples, S, ABLATION_ROWS) if settings.ablation else None
-    for name in ABLATION:
-        samples.pop(name, None)
+    ablation = _split_ablation(samples, None, S) if settings.ablation else None
     bandwidth = {"bytes": nbytes, "kernel": "torch.sum over a float32 tensor", "samples_s": bw_times,
                  "gb_per_s": nbytes / percentile(bw_times, 50) / 1e9}
     mean_bytes = sum(step_bytes(model, C + j) for j in range(S)) / S
@@ -292,17 +295,16 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
     True
     >>> sorted(r.ratios)  # doctest: +NORMALIZE_WHITESPACE
     ['cached_vs_full_all_positions', 'cached_vs_full_last_position', 'fast_vs_full_all_positions',
-     'fast_vs_static', 'static_vs_dynamic']
+     'fast_vs_lean', 'fast_vs_static', 'static_vs_dynamic']
     """
     settings = settings or BenchSettings()
     from tqdm import tqdm
 
-    n_paths = 6 + int(settings.transformers)
-    total = (len(settings.prefix_lens) * settings.samples * n_paths
+    n_paths = 7 + int(settings.transformers)
+    n_ablation = len(ABLATION) if settings.ablation else 0
+    total = (len(settings.prefix_lens) * settings.samples * n_paths + settings.samples * n_ablation
              + len(settings.growth_lengths) * settings.growth_samples * len(GROWTH_PATHS)
-             + (settings.samples * (2 + len(ABLATION)) if settings.ablation else 0)
-             + (settings.roofline_samples * (4 + int(settings.transformers)
-                                             + (len(ABLATION) if settings.ablation else 0))
+             + (settings.roofline_samples * (5 + int(settings.transformers) + n_ablation)
                 if settings.roofline else 0))
     threads = torch.get_num_threads()
     bar = tqdm(total=total, disable=not progress, file=sys.stderr, unit="sample", desc="kvdoc bench")
@@ -314,16 +316,17 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
             env = environment()
             stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
             timings, kv_kib, diffs, counts, flops = {}, {}, {}, {}, {}
+            P_max, ablation = max(settings.prefix_lens), None
             for P in settings.prefix_lens:
                 bar.set_postfix_str(f"P={P}")
-                timings[P], kv_kib[P], diffs[P], counts[P] = _bench_prefix(model, fast, hf, settings, P, bar.update)
+                with_ablation = settings.ablation and P == P_max
+                timings[P], kv_kib[P], diffs[P], counts[P] = _bench_prefix(
+                    model, fast, hf, settings, P, bar.update, with_ablation)
+                if with_ablation:
+                    ablation = {"prefix_len": P, **_split_ablation(timings[P], diffs[P],
+                                                                   settings.new_tokens)}
                 flops[P] = run_flops(settings.model, P, settings.new_tokens)
-            P_max = max(settings.prefix_lens)
             ops = ops_per_step(model, fast, hf, token_stream(model.config, P_max + 1, settings.seed))
-            ablation = None
-            if settings.ablation:
-                bar.set_postfix_str("ablation")
-                ablation = _bench_ablation(model, fast, settings, bar.update)
             bar.set_postfix_str("growth")
             growth = _bench_growth(model, fast, settings, bar.update)
             del model, hf, fast
@@ -344,9 +347,11 @@ def ratios(result: BenchResult) -> dict[str, float]:
     """Headline figures at the largest prefix length, each a speed-up or fraction (higher is better).
 
     ``cached_vs_*``: the other path's p50 over the faster of kvdoc's two caches' p50 for the
-    ``G`` steps; ``fast_vs_*``: the same over the fast step's p50; ``bandwidth_fraction*``: the
-    bandwidth floor over a path's decode time per token on the roofline model (1 would read
-    weights and K/V at the measured bandwidth); ``*_124m``: on the roofline model.
+    ``G`` steps; ``fast_vs_*``: the same over the fast step's p50 (``fast_vs_lean``, below 1, is
+    the share of the lean step's speed the fast step keeps with its checks);
+    ``bandwidth_fraction*``: the bandwidth floor over a path's decode time per token on the
+    roofline model (1 would read weights and K/V at the measured bandwidth); ``*_124m``: on
+    the roofline model.
     """
     P = max(result.timings)
     p50 = {path: result.p50(P, path) for path in result.timings[P]}
@@ -355,7 +360,8 @@ def ratios(result: BenchResult) -> dict[str, float]:
            "cached_vs_full_last_position": p50["full_last"] / best,
            "static_vs_dynamic": p50["dynamic"] / p50["static"],
            "fast_vs_full_all_positions": p50["full_all"] / p50["fast"],
-           "fast_vs_static": p50["static"] / p50["fast"]}
+           "fast_vs_static": p50["static"] / p50["fast"],
+           "fast_vs_lean": p50["lean"] / p50["fast"]}
     if "transformers" in p50:
         out["cached_vs_transformers"] = p50["transformers"] / best
         out["fast_vs_transformers"] = p50["transformers"] / p50["fast"]
@@ -363,6 +369,8 @@ def ratios(result: BenchResult) -> dict[str, float]:
         fraction, per_token = result.roofline["fraction"], result.roofline["p50_ms_per_token"]
         out["bandwidth_fraction"] = max(fraction["dynamic"], fraction["static"])
         out["bandwidth_fraction_fast"] = fraction["fast"]
+        out["bandwidth_fraction_lean"] = fraction["lean"]
+        out["fast_vs_lean_124m"] = per_token["lean"] / per_token["fast"]
         if "transformers" in fraction:
             out["bandwidth_fraction_transformers"] = fraction["transformers"]
             out["bandwidth_fraction_vs_transformers"] = out["bandwidth_fraction"] / fraction["transformers"]
@@ -395,7 +403,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' GPT-2")
     parser.add_argument("--no-roofline", action="store_true", help="skip the 124M-parameter bandwidth floor")
     parser.add_argument("--roofline-samples", type=int, default=d.roofline_samples)
-    parser.add_argument("--no-ablation", action="store_true", help="skip the fast step's ablation")
+    parser.add_argument("--no-ablation", action="store_true", help="skip the lean step's ablation")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

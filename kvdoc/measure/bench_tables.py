@@ -17,23 +17,24 @@ if TYPE_CHECKING:
 
 PATH_LABELS = {"prefill": "prefill", "full_all": "full, all positions", "full_last": "full, last position",
                "transformers": "transformers, cached", "dynamic": "kvdoc, dynamic cache",
-               "static": "kvdoc, static cache", "fast": "kvdoc, fast step"}
+               "static": "kvdoc, static cache", "fast": "kvdoc, fast step",
+               "lean": "lean step (no checks)"}
 """Readable names of the timed paths, for tables and figures."""
 
 ABLATION_LABELS = {
     "reference": "reference step: the model's forward, static cache",
-    "fast": "fast step (all changes)",
-    "no_pretranspose": "fast step, weights kept [out, in] (read transposed, as F.linear does)",
-    "no_fold_scale": "fast step, scores scaled instead of folding 1/sqrt(D_h) into W_q",
-    "no_bmm_attention": "fast step, SDPA instead of bmm / softmax / bmm",
+    "fast": "fast step: FastDecoder, with its checks",
+    "lean": "lean step: the fast step's arithmetic, no checks",
+    "no_pretranspose": "lean step, weights kept [out, in] (read transposed, as F.linear does)",
+    "matmul_attention": "lean step, matmul / scale / softmax / matmul instead of one SDPA call",
 }
 """Readable names of the ablation's variants."""
 
 
 def timings_table(result: BenchResult) -> str:
     """Per prefix: prefill p50, then p50 / p95 (ms for all G steps) of each decode path, final K/V KiB."""
-    paths = [p for p in ("full_all", "full_last", "dynamic", "static", "fast", "transformers")
-             if all(p in v for v in result.timings.values())]
+    order = ("full_all", "full_last", "dynamic", "static", "fast", "lean", "transformers")
+    paths = [p for p in order if all(p in v for v in result.timings.values())]
     header = ["prefix P", "prefill p50 (ms)"] + [f"{PATH_LABELS[p]} p50 / p95 (ms)" for p in paths]
     rows = [[P, f"{result.p50(P, 'prefill'):.3f}"]
             + [f"{result.p50(P, p):.3f} / {result.p95(P, p):.3f}" for p in paths]
@@ -80,17 +81,21 @@ def roofline_table(result: BenchResult) -> str:
 
 def ablation_table(ablation: dict) -> str:
     """Per variant of the decode step (``result.ablation`` or ``result.roofline["ablation"]``):
-    p50 per step (µs) and its time relative to the fast step.
+    p50 per step (µs) and its time relative to the lean step.
 
-    >>> print(ablation_table({"p50_us_per_step": {"reference": 150.0, "fast": 100.0}}))
-    | decode step | p50 (µs / step) | time relative to the fast step |
+    >>> print(ablation_table({"p50_us_per_step": {"reference": 150.0, "fast": 110.0,
+    ...                                           "lean": 100.0}}))
+    | decode step | p50 (µs / step) | time relative to the lean step |
     |---|---|---|
     | reference step: the model's forward, static cache | 150.0 | 1.50 |
-    | fast step (all changes) | 100.0 | 1.00 |
+    | fast step: FastDecoder, with its checks | 110.0 | 1.10 |
+    | lean step: the fast step's arithmetic, no checks | 100.0 | 1.00 |
     """
     per_step = ablation["p50_us_per_step"]
-    rows = [[ABLATION_LABELS[name], f"{t:,.1f}", f"{t / per_step['fast']:.2f}"] for name, t in per_step.items()]
-    return markdown_table(["decode step", "p50 (µs / step)", "time relative to the fast step"], rows)
+    rows = [[ABLATION_LABELS[name], f"{t:,.1f}", f"{t / per_step['lean']:.2f}"]
+            for name, t in per_step.items()]
+    header = ["decode step", "p50 (µs / step)", "time relative to the lean step"]
+    return markdown_table(header, rows)
 
 
 def growth_figure(result: BenchResult) -> Figure:

@@ -15,14 +15,12 @@ from typing import Any
 import torch
 
 from kvdoc.core.config import GPTConfig
-from .dispatch import count_ops
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import Decoder
-from .timing import Prepare
 
-ABLATION = {"no_pretranspose": {"pretranspose": False}, "no_fold_scale": {"fold_scale": False},
-            "no_bmm_attention": {"bmm_attention": False}}
-"""The fast step with one change undone: :class:`~kvdoc.core.fast.FastDecoder` switches per variant."""
+from .ablation import ABLATION, LeanStep
+from .dispatch import count_ops
+from .timing import Prepare
 
 
 def token_stream(config: GPTConfig, length: int, seed: int) -> torch.Tensor:
@@ -99,20 +97,40 @@ def static_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor, p
     return prepare, lambda: prepare()()
 
 
+def lean_decode(lean: LeanStep, model: Decoder, ids: torch.Tensor, prefix_len: int,
+                steps: int) -> tuple[Prepare, Callable[[], torch.Tensor]]:
+    """``steps`` calls of a :class:`~kvdoc.measure.ablation.LeanStep` after the prompt's K/V.
+
+    The prompt's K/V is copied in once; ``prepare`` rewinds the lean step to position ``P``
+    (untimed), as :func:`static_decode` crops its cache, so both read K/V written equally long ago.
+    """
+    P, G = prefix_len, steps
+    lean.start(model(ids[:, :P], model.new_cache(1, "static", capacity=P))[1])
+
+    def run() -> torch.Tensor:
+        return torch.cat([lean(ids[:, P + j:P + j + 1]) for j in range(G)], 1)
+
+    def prepare() -> Callable[[], torch.Tensor]:
+        lean.pos = P  # back to the prompt; the positions after it are written again
+        return run
+    return prepare, lambda: prepare()()
+
+
 def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, steps: int, full: bool,
                   fast: FastDecoder | None) -> tuple[dict[str, Prepare], dict[str, Callable[[], torch.Tensor]]]:
     """The timed paths for one prefix, and for each one a call returning its stacked logits.
 
     ``ids`` is ``[1, P + G]``; each decode path consumes its last ``G`` tokens one at a time
     after a cache holding the first ``P``. ``full`` adds prefill and the two full-recompute
-    paths; ``hf`` (transformers' GPT-2, or None) and ``fast`` add theirs.
+    paths; ``hf`` (transformers' GPT-2, or None) adds its path, and ``fast`` adds the fast
+    step and the lean step it is measured against.
 
     >>> _ = torch.manual_seed(0)
     >>> model = Decoder(GPTConfig()).eval()
     >>> ids = token_stream(model.config, 6, seed=0)
     >>> prepare, runs = decode_paths(model, None, ids, 4, 2, True, FastDecoder(model))
     >>> sorted(prepare)
-    ['dynamic', 'fast', 'full_all', 'full_last', 'prefill', 'static']
+    ['dynamic', 'fast', 'full_all', 'full_last', 'lean', 'prefill', 'static']
     >>> runs["fast"]().shape  # [1, G, V]
     torch.Size([1, 2, 97])
     """
@@ -145,6 +163,8 @@ def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, st
     prepare["static"], runs["static"] = static_decode(model, model, ids, P, G)
     if fast is not None:
         prepare["fast"], runs["fast"] = static_decode(fast, model, ids, P, G)
+        lean = LeanStep(model, capacity=P + G)
+        prepare["lean"], runs["lean"] = lean_decode(lean, model, ids, P, G)
     if hf is not None:
         hf_cache = hf(prompt, use_cache=True).cache
 
@@ -165,22 +185,28 @@ def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, st
 
 def ablation_paths(model: Decoder, ids: torch.Tensor, prefix_len: int,
                    steps: int) -> tuple[dict[str, Prepare], dict[str, Callable[[], torch.Tensor]]]:
-    """Per :data:`ABLATION` variant, the fast step with that change undone, as in :func:`decode_paths`."""
-    pairs = {name: static_decode(FastDecoder(model, **switches), model, ids, prefix_len, steps)
-             for name, switches in ABLATION.items()}
+    """Per :data:`~kvdoc.measure.ablation.ABLATION` variant, the lean step with that change
+    undone, as in :func:`decode_paths`."""
+    capacity = prefix_len + steps
+    pairs = {name: lean_decode(LeanStep(model, capacity, **kw), model, ids, prefix_len, steps)
+             for name, kw in ABLATION.items()}
     return {k: p for k, (p, _) in pairs.items()}, {k: r for k, (_, r) in pairs.items()}
 
 
 def ops_per_step(model: Decoder, fast: FastDecoder, hf: Any, ids: torch.Tensor) -> dict[str, int]:
     """ATen operators of one decode step of the last token of ``ids`` ([1, P + 1]), per path.
 
-    ``full_all`` is one full-recompute step over all ``P + 1`` positions.
+    ``full_all`` is one full-recompute step over all ``P + 1`` positions; ``lean`` is
+    :class:`~kvdoc.measure.ablation.LeanStep`.
     """
     prompt, token = ids[:, :-1], ids[:, -1:]
     out = {"full_all": sum(count_ops(lambda: model(ids)).values())}
     for name, kind, step in (("dynamic", "dynamic", model), ("static", "static", model), ("fast", "static", fast)):
         cache = model(prompt, model.new_cache(1, kind, capacity=ids.shape[1]))[1]
         out[name] = sum(count_ops(lambda: step(token, cache)).values())
+    lean = LeanStep(model, capacity=ids.shape[1])
+    lean.start(model(prompt, model.new_cache(1, "static", capacity=ids.shape[1]))[1])
+    out["lean"] = sum(count_ops(lambda: lean(token)).values())
     if hf is not None:
         hf_cache = hf(prompt, use_cache=True).cache
         out["transformers"] = sum(count_ops(lambda: hf(token, cache=hf_cache, use_cache=True)).values())
