@@ -119,7 +119,7 @@ class KVCache(ABC):
                              f"input has batch size {batch_size}")
         if self.dtype != dtype:
             raise ValueError(f"cache dtype is {self.dtype}, model dtype is {dtype}")
-        if torch.device(self.device) != torch.device(device):
+        if self.device != device:  # both torch.device: every cache stores one
             raise ValueError(f"cache is on {self.device}, model is on {device}")
 
 
