@@ -227,8 +227,8 @@ def llama_family_parameters(preset: ModelPreset) -> tuple[int, int]:
 def batch_figure(times: dict[int, list[float]]):
     """Median milliseconds per step and per token against batch size (log-log)."""
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, NullFormatter
 
+    from .bench_tables import log_log
     from .timing import percentile
 
     batches = sorted(times)
@@ -237,15 +237,7 @@ def batch_figure(times: dict[int, list[float]]):
     ax.plot(batches, step, marker="o", label="one step (all B sequences)")
     ax.plot(batches, [s / b for s, b in zip(step, batches, strict=True)], marker="s",
             label="per token (step / B)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(batches, [str(b) for b in batches])
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("batch size B (sequences decoded together)")
-    ax.set_ylabel("time, median (ms)")
-    ax.set_title("Decode step time against batch size (log-log)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
+    log_log(ax, batches, "batch size B (sequences decoded together)", "time, median (ms)",
+            "Decode step time against batch size (log-log)")
     fig.tight_layout()
     return fig

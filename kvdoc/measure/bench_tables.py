@@ -101,7 +101,6 @@ def ablation_table(ablation: dict) -> str:
 def growth_figure(result: BenchResult) -> Figure:
     """Log-log plot of per-step p50 against total length, with the fitted slopes in the legend."""
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     g = result.growth
     fig, ax = plt.subplots(figsize=(6.6, 4.4))
@@ -112,18 +111,26 @@ def growth_figure(result: BenchResult) -> Figure:
         if g["slopes_upper"][path] is not None:
             label += f" (T ≥ {g['upper_from']}: {g['slopes_upper'][path]:.2f})"
         ax.plot(g["lengths"], g["p50_ms"][path], marker=marker, label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(g["lengths"], [str(t) for t in g["lengths"]])
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("total length T (positions)")
-    ax.set_ylabel("one step, p50 (ms)")
-    ax.set_title("Per-step time against length (log-log)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
+    log_log(ax, g["lengths"], "total length T (positions)", "one step, p50 (ms)",
+            "Per-step time against length (log-log)")
     fig.tight_layout()
     return fig
+
+
+def log_log(ax, ticks: list[int], xlabel: str, ylabel: str, title: str) -> None:
+    """The site's log-log axes: powers of two along x labelled as plain numbers, a legend."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
 
 
 def timings_figure(result: BenchResult) -> Figure:
