@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -35,6 +36,17 @@ INDEX = FRONT + f"```{{toctree}}\n{PAGE}\n```\n"
 pytestmark = pytest.mark.sphinx
 
 
+def make(target: str) -> list[str]:
+    """`make TARGET` in the repository with the environment running these tests.
+
+    VENV is this interpreter's environment and ``-o`` marks its set-up stamp as done, so a test
+    never creates or reinstalls a venv (the venv of `make test` is this one anyway).
+    """
+    venv = Path(sys.prefix)
+    return ["make", "--no-print-directory", "-C", str(ROOT), target, f"VENV={venv}",
+            "-o", str(venv / ".installed")]
+
+
 def build(tmp_path: Path, body: str, target: str = "html", timeout_s: int = 60) -> subprocess.CompletedProcess:
     src = tmp_path / "src"
     src.mkdir(parents=True)
@@ -46,7 +58,7 @@ def build(tmp_path: Path, body: str, target: str = "html", timeout_s: int = 60) 
     (src / f"{PAGE}.md").write_text(FRONT + textwrap.dedent(body))
     env = {**os.environ, "KVDOC_CELL_TIMEOUT": str(timeout_s), "CI": "true"}
     return subprocess.run(
-        ["make", "--no-print-directory", "-C", str(ROOT), target, f"DOCS={src}", f"BUILDDIR={tmp_path / 'build'}"],
+        [*make(target), f"DOCS={src}", f"BUILDDIR={tmp_path / 'build'}"],
         capture_output=True, text=True, env=env, timeout=600)
 
 

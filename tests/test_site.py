@@ -30,6 +30,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from test_docs_build import make
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("kvdoc_browser", ROOT / "scripts" / "browser.py")
@@ -122,7 +123,7 @@ PAGE = textwrap.dedent("""\
 def build_site(src: Path, build: Path) -> Path:
     """Build ``src`` with the Makefile's own html target, as CI does; returns the HTML folder."""
     result = subprocess.run(
-        ["make", "--no-print-directory", "-C", str(ROOT), "html", f"DOCS={src}", f"BUILDDIR={build}"],
+        [*make("html"), f"DOCS={src}", f"BUILDDIR={build}"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "CI": "true"})
     assert result.returncode == 0, result.stdout + result.stderr
     return build / "html"
