@@ -26,11 +26,14 @@ help:  ## list the targets
 
 # The environment is rebuilt whenever the package metadata or the pins change. pip runs at -qq:
 # errors still show, its warnings about this machine's absent local index folders do not.
-# --no-compile: writing bytecode for every module of torch and transformers took half of pip's
-# time; Python compiles the few modules a run imports on first import instead.
+# Compiling the installed modules to bytecode is half of pip's work and pip does it on one core;
+# compileall does the same on every core. (Skipping it costs more than it saves: where
+# PYTHONDONTWRITEBYTECODE is set, as on the project's machines, every kernel would compile torch
+# and transformers again at each import.)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -qq --disable-pip-version-check --no-compile -c constraints.txt -e '.[docs,test]'
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib
 	touch $@
 
 venv: $(STAMP)  ## create .venv and install kvdoc with its docs and test extras
