@@ -28,7 +28,9 @@ extensions = [
     "kvdoc_checks",  # docs/_ext: every image needs alt text
 ]
 
-exclude_patterns = ["_build", "_static", "_ext", "_templates", "_ipython", "**.ipynb_checkpoints", "README.md"]
+exclude_patterns = [
+    "_build", "_static", "_ext", "_templates", "_ipython", "**.ipynb_checkpoints", "README.md",
+]
 
 # Working on one page: KVDOC_PAGES="part2/2-operations part3/*" builds the landing page, the
 # on-ramp (the part indexes link to it), the part indexes and the pages named (globs allowed),

@@ -4,11 +4,11 @@ import pytest
 import torch
 from hypothesis import settings
 
+from kvdoc import Decoder, GPTConfig
+
 # Property tests draw the same examples on every run: CI must not pass or fail by luck.
 settings.register_profile("kvdoc", derandomize=True, deadline=None)
 settings.load_profile("kvdoc")
-
-from kvdoc import Decoder, GPTConfig
 
 
 @pytest.fixture

@@ -47,7 +47,8 @@ def make(target: str) -> list[str]:
             "-o", str(venv / ".installed")]
 
 
-def build(tmp_path: Path, body: str, target: str = "html", timeout_s: int = 60) -> subprocess.CompletedProcess:
+def build(tmp_path: Path, body: str, target: str = "html",
+          timeout_s: int = 60) -> subprocess.CompletedProcess:
     src = tmp_path / "src"
     src.mkdir(parents=True)
     shutil.copy(ROOT / "docs" / "conf.py", src / "conf.py")
@@ -67,7 +68,8 @@ def assert_fails_naming_page(result: subprocess.CompletedProcess, *needles: str)
     assert result.returncode != 0, log
     # a Sphinx warning/error line, or the doctest builder's 'File "broken-page.md", line N'
     naming = [line for line in log.splitlines()
-              if PAGE in line and ("WARNING" in line or "ERROR" in line or f'File "{PAGE}.md", line' in line)]
+              if PAGE in line
+              and ("WARNING" in line or "ERROR" in line or f'File "{PAGE}.md", line' in line)]
     assert naming, f"no warning or error line names {PAGE}:\n{log}"
     print(*naming, sep="\n")
     for needle in needles:
@@ -89,8 +91,10 @@ def test_good_page_builds(tmp_path):
         ```
         """)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert 'The answer is <span class="pasted-text">42</span>' in (tmp_path / "build" / "html" / f"{PAGE}.html").read_text()
-    assert build(tmp_path / "again", "```{doctest}\n>>> 6 * 7\n42\n```\n", "doctest").returncode == 0
+    html = (tmp_path / "build" / "html" / f"{PAGE}.html").read_text()
+    assert 'The answer is <span class="pasted-text">42</span>' in html
+    doctest = "```{doctest}\n>>> 6 * 7\n42\n```\n"
+    assert build(tmp_path / "again", doctest, "doctest").returncode == 0
 
 
 def test_cell_that_raises_fails_the_build(tmp_path):
@@ -167,7 +171,9 @@ def test_figure_without_alt_text_fails_the_build(tmp_path):
 
 
 def test_figure_glued_as_text_fails_the_build(tmp_path):
-    result = build(tmp_path, FIGURE_CELL.replace("import matplotlib.pyplot", "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot") + textwrap.dedent("""
+    agg = "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot"
+    agg_cell = FIGURE_CELL.replace("import matplotlib.pyplot", agg)
+    result = build(tmp_path, agg_cell + textwrap.dedent("""
         ```{glue:figure} fig-line
         :alt: a line
         :name: fig-line
