@@ -27,13 +27,14 @@ help:  ## list the targets
 # The environment is rebuilt whenever the package metadata or the pins change. pip runs at -qq:
 # errors still show, its warnings about this machine's absent local index folders do not.
 # Compiling the installed modules to bytecode is half of pip's work and pip does it on one core;
-# compileall does the same on every core. (Skipping it costs more than it saves: where
+# compileall does the same on every core. Like pip it ignores a file this Python cannot compile
+# (torch ships one in 3.12 syntax). Skipping it costs more than it saves: where
 # PYTHONDONTWRITEBYTECODE is set, as on the project's machines, every kernel would compile torch
-# and transformers again at each import.)
+# and transformers again at each import.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -qq --disable-pip-version-check --no-compile -c constraints.txt -e '.[docs,test]'
-	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib
+	$(BIN)/python -c 'import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)' $(VENV)/lib
 	touch $@
 
 venv: $(STAMP)  ## create .venv and install kvdoc with its docs and test extras
