@@ -52,8 +52,10 @@ doctest: $(STAMP)  ## run the {doctest} blocks of the pages with Sphinx's doctes
 lint: $(STAMP)  ## ruff: style, import order, likely bugs (rules in pyproject.toml)
 	$(BIN)/ruff check .
 
+# On $(JOBS) cores, each worker on one torch thread (tests/conftest.py). worksteal: an idle worker
+# takes tests queued for a busy one, since one verification-suite test runs for minutes.
 pytest: $(STAMP)  ## unit tests and the docstring examples of the kvdoc package
-	$(BIN)/python -m pytest --deselect $(SITE_TEST)
+	$(BIN)/python -m pytest -n $(JOBS) --dist worksteal --deselect $(SITE_TEST)
 
 site-check: $(STAMP)  ## load every built page in headless Chromium, offline (needs make html)
 	KVDOC_SITE=$(BUILDDIR)/html $(BIN)/python -m pytest -s -p no:cacheprovider $(SITE_TEST)
