@@ -4,7 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-SPHINXOPTS ?= -W --keep-going
+# Sphinx executes this many pages at once, each kernel on one torch thread (docs/_ipython): one a
+# core, at most 4, so a large machine does not hold 27 kernels and their models in memory at once.
+JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+SPHINXOPTS ?= -W --keep-going -j $(JOBS)
 SPHINXBUILD := $(BIN)/sphinx-build
 DOCS ?= docs
 BUILDDIR ?= $(DOCS)/_build
@@ -16,16 +19,22 @@ SITE_TEST := tests/test_site.py::test_every_built_page
 # Compared with a second clean build by repro-check; empty: build both.
 REPRO_REF ?=
 
-.PHONY: help html test pytest doctest sphinx-html page clean distclean venv site-check repro-check numeric-check screenshots
+.PHONY: help html test lint pytest doctest sphinx-html page clean distclean venv site-check repro-check numeric-check screenshots
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14
 
 # The environment is rebuilt whenever the package metadata or the pins change. pip runs at -qq:
 # errors still show, its warnings about this machine's absent local index folders do not.
+# Compiling the installed modules to bytecode is half of pip's work and pip does it on one core;
+# compileall does the same on every core. Like pip it ignores a file this Python cannot compile
+# (torch ships one in 3.12 syntax). Skipping it costs more than it saves: where
+# PYTHONDONTWRITEBYTECODE is set, as on the project's machines, every kernel would compile torch
+# and transformers again at each import.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -qq --disable-pip-version-check -c constraints.txt -e '.[docs,test]'
+	$(BIN)/python -m pip install -qq --disable-pip-version-check --no-compile -c constraints.txt -e '.[docs,test]'
+	$(BIN)/python -c 'import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)' $(VENV)/lib
 	touch $@
 
 venv: $(STAMP)  ## create .venv and install kvdoc with its docs and test extras
@@ -40,13 +49,20 @@ html: $(STAMP)  ## build the site into docs/_build/html (every notebook page exe
 doctest: $(STAMP)  ## run the {doctest} blocks of the pages with Sphinx's doctest builder
 	$(SPHINXBUILD) -b doctest $(SPHINXOPTS) -d $(DOCTREES) $(DOCS) $(BUILDDIR)/doctest
 
+lint: $(STAMP)  ## ruff: style, import order, likely bugs (rules in pyproject.toml)
+	$(BIN)/ruff check .
+
+# On $(JOBS) cores, each worker on one torch thread (tests/conftest.py). worksteal: an idle worker
+# takes tests queued for a busy one, since one verification-suite test runs for minutes.
 pytest: $(STAMP)  ## unit tests and the docstring examples of the kvdoc package
-	$(BIN)/python -m pytest --deselect $(SITE_TEST)
+	$(BIN)/python -m pytest -n $(JOBS) --dist worksteal --deselect $(SITE_TEST)
 
 site-check: $(STAMP)  ## load every built page in headless Chromium, offline (needs make html)
 	KVDOC_SITE=$(BUILDDIR)/html $(BIN)/python -m pytest -s -p no:cacheprovider $(SITE_TEST)
 
-test: pytest html doctest site-check  ## pytest, the strict HTML build, the pages' doctests, the browser check
+# doctest reuses the environment html pickled in $(DOCTREES): it runs the pages' {doctest} blocks
+# without executing a notebook again.
+test: lint pytest html doctest site-check  ## lint, pytest, the strict HTML build, the pages' doctests, the browser check
 
 repro-check: $(STAMP)  ## two clean builds must write the same site (REPRO_REF=dir reuses one build)
 	rm -rf $(BUILDDIR)/repro

@@ -28,7 +28,9 @@ extensions = [
     "kvdoc_checks",  # docs/_ext: every image needs alt text
 ]
 
-exclude_patterns = ["_build", "_static", "_ext", "_templates", "_ipython", "**.ipynb_checkpoints", "README.md"]
+exclude_patterns = [
+    "_build", "_static", "_ext", "_templates", "_ipython", "**.ipynb_checkpoints", "README.md",
+]
 
 # Working on one page: KVDOC_PAGES="part2/2-operations part3/*" builds the landing page, the
 # on-ramp (the part indexes link to it), the part indexes and the pages named (globs allowed),
@@ -131,5 +133,40 @@ def _offer_notebook(app, pagename, templatename, context, doctree):
     context["ipynb_source"] = f"{pagename}.ipynb"
 
 
+# --- parallel reads ------------------------------------------------------------------------------
+# `sphinx-build -j N` (the Makefile passes it) executes N pages' notebooks at once, each in a
+# one-thread kernel (docs/_ipython). Sphinx gives each worker a fixed slice of pages in name order
+# (about sqrt(10 pages / N) of them), which put the heavy part3 pages into one slice and left the
+# other worker idle; one page per task lets whichever worker is free take the next page.
+def _one_page_per_task(docnames, nproc, maxbatch=10):
+    return [[name] for name in docnames]
+
+
+def _before_reading(app, env, docnames):
+    import sphinx.builders
+
+    # Sphinx 9 names the chunking function in its builders module; another version may not.
+    if hasattr(sphinx.builders, "make_chunks"):
+        app._kvdoc_make_chunks = sphinx.builders.make_chunks
+        sphinx.builders.make_chunks = _one_page_per_task
+    # jupyter-cache creates its folder and database on first use without a lock (a second worker
+    # doing the same at once fails): create them here, before the workers start.
+    config = env.mystnb_config
+    if config.execution_mode == "cache":
+        from jupyter_cache import get_cache
+
+        get_cache(config.execution_cache_path).db  # noqa: B018 (creates the database)
+
+
+def _after_reading(app, env):
+    # Writing keeps Sphinx's own slices: writing a page is quick, a task per page would not be.
+    if hasattr(app, "_kvdoc_make_chunks"):
+        import sphinx.builders
+
+        sphinx.builders.make_chunks = app._kvdoc_make_chunks
+
+
 def setup(app):
     app.connect("html-page-context", _offer_notebook, priority=500)
+    app.connect("env-before-read-docs", _before_reading)
+    app.connect("env-updated", _after_reading)

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
-INSTALL_HINT = "install it with `apt-get update && apt-get install -y chromium` (as root), or set KVDOC_CHROMIUM"
+INSTALL_HINT = ("install it with `apt-get update && apt-get install -y chromium` (as root), "
+                "or set KVDOC_CHROMIUM")
 # Sphinx's generated pages that are not the site's content (they hold no maths or figures, but
 # are still loaded and checked: search.html runs the search index script).
 SKIP_SCREENSHOT = {"genindex.html", "search.html", "py-modindex.html"}
@@ -50,7 +51,7 @@ def find_chromium() -> str | None:
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the stdlib's name
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
 
@@ -92,7 +93,8 @@ class PageReport:
         if self.maths and not self.mathjax_loaded:
             out.append(f"{self.maths} maths elements but MathJax did not load")
         if self.maths_unrendered:
-            out.append(f"{self.maths_unrendered} of {self.maths} maths elements not rendered by MathJax")
+            out.append(f"{self.maths_unrendered} of {self.maths} maths elements "
+                       "not rendered by MathJax")
         if self.math_errors:
             out.append(f"{self.math_errors} MathJax errors (bad TeX)")
         out += [f"image did not load: {u}" for u in self.images_broken]
@@ -105,7 +107,8 @@ _INSPECT = r"""
 (async () => {
   const imgs = [...document.images];
   for (const i of imgs) { i.loading = "eager"; }
-  await Promise.all(imgs.map(i => (i.complete ? null : new Promise(r => { i.onload = i.onerror = r; }))));
+  await Promise.all(imgs.map(i => (i.complete ? null
+                                 : new Promise(r => { i.onload = i.onerror = r; }))));
   const mj = window.MathJax && window.MathJax.startup && window.MathJax.startup.promise;
   if (mj) { await window.MathJax.startup.promise; }
   await document.fonts.ready;
@@ -126,7 +129,8 @@ class Chromium:
     """A headless Chromium driven over a DevTools pipe; allows requests to ``origin`` only."""
 
     FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--no-default-browser-check", "--disable-background-networking", "--disable-component-update",
+             "--no-default-browser-check", "--disable-background-networking",
+             "--disable-component-update",
              "--disable-sync", "--disable-extensions", "--disable-default-apps", "--mute-audio",
              "--hide-scrollbars", "--remote-debugging-pipe", "--window-size=1280,900",
              "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1")
@@ -138,7 +142,8 @@ class Chromium:
         self._r, from_chrome_w = os.pipe()
         script = f'exec "$0" "$@" 3<&{to_chrome_r} 4>&{from_chrome_w}'
         self.proc = subprocess.Popen(
-            ["bash", "-c", script, executable, *self.FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
+            ["bash", "-c", script, executable, *self.FLAGS, f"--user-data-dir={self.profile}",
+             "about:blank"],
             pass_fds=(to_chrome_r, from_chrome_w), stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         os.close(to_chrome_r)
@@ -165,8 +170,10 @@ class Chromium:
                 return None
             chunk = os.read(self._r, 1 << 20)
             if not chunk:
-                err = self.proc.stderr.read().decode(errors="replace")[-2000:] if self.proc.stderr else ""
-                raise RuntimeError(f"Chromium closed the DevTools pipe (exit {self.proc.poll()}): {err}")
+                stderr = self.proc.stderr
+                err = stderr.read().decode(errors="replace")[-2000:] if stderr else ""
+                raise RuntimeError(
+                    f"Chromium closed the DevTools pipe (exit {self.proc.poll()}): {err}")
             self._buf += chunk
         raw, self._buf = self._buf.split(b"\0", 1)
         return json.loads(raw)
@@ -179,7 +186,8 @@ class Chromium:
                 self._post("Fetch.continueRequest", {"requestId": rid}, msg.get("sessionId"))
             else:
                 self.blocked.append(url)
-                self._post("Fetch.failRequest", {"requestId": rid, "errorReason": "BlockedByClient"},
+                self._post("Fetch.failRequest",
+                           {"requestId": rid, "errorReason": "BlockedByClient"},
                            msg.get("sessionId"))
         self.events.append(msg)
 
@@ -199,7 +207,10 @@ class Chromium:
                 self._event(msg)
 
     def pump(self, seconds: float, until: str | None = None, session: str | None = None) -> bool:
-        """Handle events for ``seconds``, or until event ``until`` of ``session``; True if it came."""
+        """Handle events for ``seconds``, or until event ``until`` of ``session``.
+
+        True if that event came.
+        """
         deadline = time.monotonic() + seconds
         while (msg := self._read(deadline)) is not None:
             if "method" in msg:
@@ -215,12 +226,15 @@ class Chromium:
     @contextlib.contextmanager
     def tab(self, width: int = 1280, height: int = 900) -> Iterator[str]:
         target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
-        session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
-        for method, params in (("Fetch.enable", {"patterns": [{"urlPattern": "*"}]}), ("Network.enable", {}),
+        session = self.send("Target.attachToTarget",
+                            {"targetId": target, "flatten": True})["sessionId"]
+        for method, params in (("Fetch.enable", {"patterns": [{"urlPattern": "*"}]}),
+                               ("Network.enable", {}),
                                ("Runtime.enable", {}), ("Log.enable", {}), ("Page.enable", {}),
                                ("Network.setCacheDisabled", {"cacheDisabled": True}),
                                ("Emulation.setDeviceMetricsOverride",
-                                {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})):
+                                {"width": width, "height": height, "deviceScaleFactor": 1,
+                                 "mobile": False})):
             self.send(method, params, session)
         try:
             yield session
@@ -259,16 +273,19 @@ class Chromium:
                     report.requests.append(p["request"]["url"])
                 case "Network.responseReceived" if p["response"]["status"] >= 400:
                     report.failed.append(f"{p['response']['url']}: HTTP {p['response']['status']}")
-                case "Network.loadingFailed" if not p.get("errorText", "").startswith("net::ERR_BLOCKED_BY_CLIENT"):
+                case "Network.loadingFailed" if not p.get("errorText", "").startswith(
+                        "net::ERR_BLOCKED_BY_CLIENT"):
                     report.failed.append(f"{urls.get(p['requestId'], '?')}: {p.get('errorText')}")
                 case "Runtime.exceptionThrown":
                     d = p["exceptionDetails"]
-                    report.console_errors.append(d.get("exception", {}).get("description") or d.get("text", "?"))
+                    report.console_errors.append(
+                        d.get("exception", {}).get("description") or d.get("text", "?"))
                 case "Runtime.consoleAPICalled" if p["type"] in ("error", "assert"):
-                    report.console_errors.append(" ".join(str(a.get("value", a.get("description", "")))
-                                                          for a in p["args"]))
+                    report.console_errors.append(
+                        " ".join(str(a.get("value", a.get("description", ""))) for a in p["args"]))
                 case "Log.entryAdded" if p["entry"]["level"] == "error":
-                    report.console_errors.append(f"{p['entry']['text']} ({p['entry'].get('url', '')})")
+                    entry = p["entry"]
+                    report.console_errors.append(f"{entry['text']} ({entry.get('url', '')})")
         return report
 
     def screenshot(self, session: str, path: Path, width: int = 1280, height: int = 900,
@@ -283,8 +300,8 @@ class Chromium:
         metrics = {"width": width, "deviceScaleFactor": 1, "mobile": False}
         self.send("Emulation.setDeviceMetricsOverride", {**metrics, "height": full}, session)
         try:
-            self.send("Runtime.evaluate", {"expression": "new Promise(r => requestAnimationFrame(() => r(1)))",
-                                           "awaitPromise": True}, session)
+            frame = "new Promise(r => requestAnimationFrame(() => r(1)))"
+            self.send("Runtime.evaluate", {"expression": frame, "awaitPromise": True}, session)
             data = self.send("Page.captureScreenshot", {"format": "png"}, session)["data"]
         finally:
             self.send("Emulation.setDeviceMetricsOverride", {**metrics, "height": height}, session)
@@ -328,7 +345,8 @@ class SiteReport:
         return (f"{self.browser}: {len(self.pages)} pages checked, {n_req} requests seen "
                 f"({n_ext} external, {n_fail} failed), "
                 f"{sum(len(p.console_errors) for p in self.pages)} console errors, "
-                f"{sum(p.maths - p.maths_unrendered for p in self.pages)}/{sum(p.maths for p in self.pages)} "
+                f"{sum(p.maths - p.maths_unrendered for p in self.pages)}/"
+                f"{sum(p.maths for p in self.pages)} "
                 f"maths rendered, {sum(p.images - len(p.images_broken) for p in self.pages)}/"
                 f"{sum(p.images for p in self.pages)} images loaded")
 
@@ -348,7 +366,8 @@ def check_site(site: Path, executable: str, pages: list[str] | None = None) -> S
             browser.close()
 
 
-def screenshots(site: Path, out: Path, executable: str, pages: list[str] | None = None) -> list[Path]:
+def screenshots(site: Path, out: Path, executable: str,
+                pages: list[str] | None = None) -> list[Path]:
     """One full-page PNG per page (default: every page but Sphinx's index/search pages)."""
     pages = [p for p in pages_of(site) if p not in SKIP_SCREENSHOT] if pages is None else pages
     out.mkdir(parents=True, exist_ok=True)
@@ -377,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     shots = sub.add_parser("screenshots", help="render pages to PNG")
     shots.add_argument("site", type=Path)
     shots.add_argument("out", type=Path)
-    shots.add_argument("pages", nargs="*", help="pages relative to the site (default: the main pages)")
+    shots.add_argument("pages", nargs="*",
+                       help="pages relative to the site (default: the main pages)")
     args = parser.parse_args(argv)
     if not (args.site / "index.html").is_file():
         print(f"no built site at {args.site}: run `make html` first", file=sys.stderr)

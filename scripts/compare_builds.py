@@ -22,7 +22,8 @@ TIMING_PAGES = ("part3/7-savings.html",)
 
 
 def files_of(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {p.relative_to(root).as_posix(): p.read_bytes()
+            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def referenced_only_by_exempt(name: str, files: dict[str, bytes], exempt: set[str]) -> bool:
@@ -49,11 +50,13 @@ def search_index(data: bytes, exempt: set[str]) -> dict:
 
 def first_difference(a: bytes, b: bytes) -> str:
     la, lb = a.decode(errors="replace").splitlines(), b.decode(errors="replace").splitlines()
-    diff = [line for line in difflib.unified_diff(la, lb, lineterm="", n=0) if not line.startswith(("---", "+++"))]
+    diff = [line for line in difflib.unified_diff(la, lb, lineterm="", n=0)
+            if not line.startswith(("---", "+++"))]
     return "\n".join(re.sub(r"(.{200}).*", r"\1...", line) for line in diff[:6])
 
 
-def compare(a_root: Path, b_root: Path, timing_pages: tuple[str, ...] = TIMING_PAGES) -> tuple[list[str], list[str]]:
+def compare(a_root: Path, b_root: Path,
+            timing_pages: tuple[str, ...] = TIMING_PAGES) -> tuple[list[str], list[str]]:
     """Return (problems, notes) for two built sites."""
     a, b = files_of(a_root), files_of(b_root)
     exempt = {p for p in timing_pages if p in a or p in b}
@@ -72,7 +75,8 @@ def compare(a_root: Path, b_root: Path, timing_pages: tuple[str, ...] = TIMING_P
             continue
         if a[name] == b[name]:
             continue
-        if name == "searchindex.js" and exempt and search_index(a[name], exempt) == search_index(b[name], exempt):
+        if (name == "searchindex.js" and exempt
+                and search_index(a[name], exempt) == search_index(b[name], exempt)):
             continue
         if exempt and referenced_only_by_exempt(name, a, exempt):
             continue

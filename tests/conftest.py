@@ -1,14 +1,21 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import settings
+
+from kvdoc import Decoder, GPTConfig
 
 # Property tests draw the same examples on every run: CI must not pass or fail by luck.
 settings.register_profile("kvdoc", derandomize=True, deadline=None)
 settings.load_profile("kvdoc")
 
-from kvdoc import Decoder, GPTConfig
+# Under pytest-xdist (`make pytest` runs one worker a core) a worker's torch threads would contend
+# with the other workers for the same cores; tiny tensors run fastest on one thread anyway.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 @pytest.fixture

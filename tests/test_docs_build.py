@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -35,7 +36,19 @@ INDEX = FRONT + f"```{{toctree}}\n{PAGE}\n```\n"
 pytestmark = pytest.mark.sphinx
 
 
-def build(tmp_path: Path, body: str, target: str = "html", timeout_s: int = 60) -> subprocess.CompletedProcess:
+def make(target: str) -> list[str]:
+    """`make TARGET` in the repository with the environment running these tests.
+
+    VENV is this interpreter's environment and ``-o`` marks its set-up stamp as done, so a test
+    never creates or reinstalls a venv (the venv of `make test` is this one anyway).
+    """
+    venv = Path(sys.prefix)
+    return ["make", "--no-print-directory", "-C", str(ROOT), target, f"VENV={venv}",
+            "-o", str(venv / ".installed")]
+
+
+def build(tmp_path: Path, body: str, target: str = "html",
+          timeout_s: int = 60) -> subprocess.CompletedProcess:
     src = tmp_path / "src"
     src.mkdir(parents=True)
     shutil.copy(ROOT / "docs" / "conf.py", src / "conf.py")
@@ -46,7 +59,7 @@ def build(tmp_path: Path, body: str, target: str = "html", timeout_s: int = 60) 
     (src / f"{PAGE}.md").write_text(FRONT + textwrap.dedent(body))
     env = {**os.environ, "KVDOC_CELL_TIMEOUT": str(timeout_s), "CI": "true"}
     return subprocess.run(
-        ["make", "--no-print-directory", "-C", str(ROOT), target, f"DOCS={src}", f"BUILDDIR={tmp_path / 'build'}"],
+        [*make(target), f"DOCS={src}", f"BUILDDIR={tmp_path / 'build'}"],
         capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -55,7 +68,8 @@ def assert_fails_naming_page(result: subprocess.CompletedProcess, *needles: str)
     assert result.returncode != 0, log
     # a Sphinx warning/error line, or the doctest builder's 'File "broken-page.md", line N'
     naming = [line for line in log.splitlines()
-              if PAGE in line and ("WARNING" in line or "ERROR" in line or f'File "{PAGE}.md", line' in line)]
+              if PAGE in line
+              and ("WARNING" in line or "ERROR" in line or f'File "{PAGE}.md", line' in line)]
     assert naming, f"no warning or error line names {PAGE}:\n{log}"
     print(*naming, sep="\n")
     for needle in needles:
@@ -77,8 +91,10 @@ def test_good_page_builds(tmp_path):
         ```
         """)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert 'The answer is <span class="pasted-text">42</span>' in (tmp_path / "build" / "html" / f"{PAGE}.html").read_text()
-    assert build(tmp_path / "again", "```{doctest}\n>>> 6 * 7\n42\n```\n", "doctest").returncode == 0
+    html = (tmp_path / "build" / "html" / f"{PAGE}.html").read_text()
+    assert 'The answer is <span class="pasted-text">42</span>' in html
+    doctest = "```{doctest}\n>>> 6 * 7\n42\n```\n"
+    assert build(tmp_path / "again", doctest, "doctest").returncode == 0
 
 
 def test_cell_that_raises_fails_the_build(tmp_path):
@@ -155,7 +171,9 @@ def test_figure_without_alt_text_fails_the_build(tmp_path):
 
 
 def test_figure_glued_as_text_fails_the_build(tmp_path):
-    result = build(tmp_path, FIGURE_CELL.replace("import matplotlib.pyplot", "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot") + textwrap.dedent("""
+    agg = "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot"
+    agg_cell = FIGURE_CELL.replace("import matplotlib.pyplot", agg)
+    result = build(tmp_path, agg_cell + textwrap.dedent("""
         ```{glue:figure} fig-line
         :alt: a line
         :name: fig-line

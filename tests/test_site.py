@@ -3,7 +3,8 @@
 For each page: no request to any host but the local server, no failed request, no console error,
 every maths element rendered by the site's own MathJax, every image loaded (and with alt text).
 
-- ``test_browser_check_catches_a_bad_page``: the check itself can fail (a page that breaks every rule).
+- ``test_browser_check_catches_a_bad_page``: the check itself can fail (a page that breaks every
+  rule).
 - ``test_throwaway_site_holds``: a one-page site built with the project's conf.py, _ext and
   _static (maths, a glued figure, code) passes: the configuration makes self-contained pages,
   and the download button's notebook is part of the site.
@@ -30,13 +31,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from test_docs_build import make
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("kvdoc_browser", ROOT / "scripts" / "browser.py")
 browser = importlib.util.module_from_spec(_spec)
 sys.modules["kvdoc_browser"] = browser
 _spec.loader.exec_module(browser)
-_spec = importlib.util.spec_from_file_location("kvdoc_compare_builds", ROOT / "scripts" / "compare_builds.py")
+_spec = importlib.util.spec_from_file_location(
+    "kvdoc_compare_builds", ROOT / "scripts" / "compare_builds.py")
 compare_builds = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(compare_builds)
 
@@ -64,7 +67,8 @@ BAD_PAGE = r"""<!doctype html>
 <script>console.error("boom from the page");</script>
 </body></html>
 """
-OK_SVG = '<svg xmlns="http://www.w3.org/2000/svg" width="4" height="4"><rect width="4" height="4"/></svg>'
+OK_SVG = ('<svg xmlns="http://www.w3.org/2000/svg" width="4" height="4">'
+          '<rect width="4" height="4"/></svg>')
 
 
 def test_browser_check_catches_a_bad_page(tmp_path):
@@ -77,7 +81,8 @@ def test_browser_check_catches_a_bad_page(tmp_path):
     assert any("missing.png" in f and "404" in f for f in page.failed), page
     assert any("boom from the page" in e for e in page.console_errors), page
     assert (page.maths, page.maths_unrendered, page.mathjax_loaded) == (1, 1, False), page
-    assert page.images == 2 and [u.rsplit("/", 1)[1] for u in page.images_broken] == ["missing.png"], page
+    assert page.images == 2, page
+    assert [u.rsplit("/", 1)[1] for u in page.images_broken] == ["missing.png"], page
     assert [u.rsplit("/", 1)[1] for u in page.images_without_alt] == ["ok.svg"], page
     assert len(page.problems()) >= 6 and report.failures
 
@@ -122,7 +127,7 @@ PAGE = textwrap.dedent("""\
 def build_site(src: Path, build: Path) -> Path:
     """Build ``src`` with the Makefile's own html target, as CI does; returns the HTML folder."""
     result = subprocess.run(
-        ["make", "--no-print-directory", "-C", str(ROOT), "html", f"DOCS={src}", f"BUILDDIR={build}"],
+        [*make("html"), f"DOCS={src}", f"BUILDDIR={build}"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "CI": "true"})
     assert result.returncode == 0, result.stdout + result.stderr
     return build / "html"
@@ -159,7 +164,8 @@ def test_compare_builds_exempts_timing_pages_only(tmp_path):
         (root / "part3").mkdir(parents=True)
         (root / "_images").mkdir()
         (root / "index.html").write_text(f"<p>{other}</p>")
-        (root / "part3" / "7-savings.html").write_text(f'<p>{timing} ms</p><img src="../_images/{timing}.png">')
+        (root / "part3" / "7-savings.html").write_text(
+            f'<p>{timing} ms</p><img src="../_images/{timing}.png">')
         (root / "_images" / f"{timing}.png").write_text(timing)
         return root
 
@@ -169,15 +175,17 @@ def test_compare_builds_exempts_timing_pages_only(tmp_path):
     c = site("c", "1.5", "changed")
     problems, _ = compare_builds.compare(a, c)
     assert [p.split(":")[0] for p in problems] == ["index.html"]
-    problems, _ = compare_builds.compare(a, b, timing_pages=())  # nothing exempt: both differences show
-    assert sorted(p.split(":")[0] for p in problems) == ["_images/1.5.png", "_images/1.7.png", "part3/7-savings.html"]
+    problems, _ = compare_builds.compare(a, b, timing_pages=())  # nothing exempt: both show
+    assert sorted(p.split(":")[0] for p in problems) == [
+        "_images/1.5.png", "_images/1.7.png", "part3/7-savings.html"]
 
 
 def test_every_built_page():
     """Every page of the built site; run by ``make site-check`` (part of ``make test``)."""
     site = Path(os.environ.get("KVDOC_SITE", ROOT / "docs" / "_build" / "html"))
     if not (site / "index.html").is_file():
-        message = f"SITE NOT BUILT at {site}: run `make html` first (`make test` runs this check after it)"
+        message = (f"SITE NOT BUILT at {site}: run `make html` first "
+                   "(`make test` runs this check after it)")
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
@@ -185,9 +193,11 @@ def test_every_built_page():
     pages = browser.pages_of(site)
     sources = sorted(p.relative_to(site / "_sources").as_posix().removesuffix(".txt")
                      for p in (site / "_sources").rglob("*.txt"))
-    missing = [s for s in sources if s.removesuffix(".md").removesuffix(".ipynb") + ".html" not in pages]
+    missing = [s for s in sources
+               if s.removesuffix(".md").removesuffix(".ipynb") + ".html" not in pages]
     assert not missing, f"pages with a source but no HTML: {missing}"
     report = browser.check_site(site, exe, pages)
     print("\n" + report.summary())
     assert len(report.pages) == len(pages)
-    assert not report.failures, "\n".join(f"{url}:\n  " + "\n  ".join(p) for url, p in report.failures.items())
+    assert not report.failures, "\n".join(
+        f"{url}:\n  " + "\n  ".join(p) for url, p in report.failures.items())
