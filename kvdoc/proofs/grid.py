@@ -55,7 +55,8 @@ CHUNKS = (1, 2, 5, 13)
 """Chunk sizes of the default stream checks."""
 BATCHES = (2,)
 """Batch sizes of the default stream checks (other scenarios also run batch 1 where it matters)."""
-THOROUGH = dict(length=150, chunks=(1, 2, 3, 5, 7, 16, 17, 31, 32, 33, 64), batches=(3, 1), seeds=(0, 1))
+THOROUGH = dict(length=150, chunks=(1, 2, 3, 5, 7, 16, 17, 31, 32, 33, 64), batches=(3, 1),
+                seeds=(0, 1))
 """The ``--thorough`` grid: a stream past 128, more chunk sizes, batch 3 and 1, two seeds."""
 GRID = dict(kinds=("dynamic", "static"), impls=("model",), batches=(1, 2), scenarios=("stream",))
 """The equivalence grid: the stream checks at batch 1 and 2, every chunk size, FP32 and FP64, on

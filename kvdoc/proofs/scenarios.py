@@ -20,7 +20,8 @@ otherwise; tolerances are :data:`kvdoc.proofs.verify.TOLERANCE` (``atol = rtol``
   the prefix cache is unchanged (a cache written in place is cropped back between branches).
 * ``failure``: the last layer raises mid-call; the cache is exactly as before (length and
   content), and continuing afterwards is right.
-* ``reference``: the model's independent reference (:mod:`kvdoc.proofs.references`), full and cached.
+* ``reference``: the model's independent reference (:mod:`kvdoc.proofs.references`), full and
+  cached.
 
 A scenario appends :class:`CheckResult` s (made by :meth:`Case.result`); ``passed`` is None when
 a check does not apply.
@@ -38,7 +39,8 @@ from kvdoc.core.cache import KVCache
 from kvdoc.core.model import decode_step, generate, prefill
 from .broken import stale_prefix
 from .grid import CacheSpec, ModelSpec
-from .verify import DTYPE_NAMES, TOLERANCE, CachedRun, Snapshot, close, full_forward_kv, max_abs, run_cached
+from .verify import (DTYPE_NAMES, TOLERANCE, CachedRun, Snapshot, close, full_forward_kv, max_abs,
+                     run_cached)
 
 SPARE = 8
 """Positions of capacity beyond the stream that a cache is built with (for kinds that take one)."""
@@ -169,7 +171,8 @@ def _stream(case: Case, out: list) -> None:
                 causal_ok = causal_ok and close(again, run.logits[:, :-1], case.tol)
                 causal = max(causal, max_abs(again, run.logits[:, :-1]))
             add("causality", causal_ok, causal, "last token edited, earlier positions compared")
-            add("lifecycle", run.lifecycle_error == 0.0, run.lifecycle_error, "what a cache held before a call")
+            add("lifecycle", run.lifecycle_error == 0.0, run.lifecycle_error,
+                "what a cache held before a call")
 
 
 def _last_only(case: Case, out: list) -> None:
@@ -179,12 +182,13 @@ def _last_only(case: Case, out: list) -> None:
     cache = case.feed(ids[:, :split], case.chunks[-1]).cache
     cached, cache = case.call(ids[:, split:], cache, last_only=True)
     ok = close(whole, full[:, -1:], case.tol) and close(cached, full[:, -1:], case.tol)
-    out.append(case.result("last_only", ok and cache.seq_len == ids.shape[1],
-                           max(max_abs(whole, full[:, -1:]), max_abs(cached, full[:, -1:])), "full and cached"))
+    err = max(max_abs(whole, full[:, -1:]), max_abs(cached, full[:, -1:]))
+    ok = ok and cache.seq_len == ids.shape[1]
+    out.append(case.result("last_only", ok, err, "full and cached"))
 
 
 def _batches(case: Case) -> list[torch.Tensor]:
-    """The stream at its full batch and, if that is larger, at batch 1 (bugs that squeeze a dim of 1)."""
+    """The stream at its full batch and, if larger, at batch 1 (bugs that squeeze a dim of 1)."""
     return [case.ids] + ([case.ids[:1]] if case.ids.shape[0] > 1 else [])
 
 
@@ -203,15 +207,17 @@ def _prefill_decode(case: Case, out: list) -> None:
         err = max(err, max_abs(got, want))
         if case.impl == "model" and case.kind == "dynamic":  # prefill makes its own (dynamic) cache
             own, own_cache = prefill(case.model, ids[:, :prompt])
-            ok = ok and close(own, full[:, prompt - 1:prompt], case.tol) and own_cache.seq_len == prompt
-            err = max(err, max_abs(own, full[:, prompt - 1:prompt]))
+            want = full[:, prompt - 1:prompt]
+            ok = ok and close(own, want, case.tol) and own_cache.seq_len == prompt
+            err = max(err, max_abs(own, want))
     out.append(case.result("prefill_decode", ok, err,
                            f"prefill {prompt}, then decode_step; batch {case.ids.shape[0]} and 1"))
 
 
 def _generate(case: Case, out: list) -> None:
     if case.impl != "model" or case.kind not in ("dynamic", "static", "window"):
-        out.append(case.result("generate", None, 0.0, "generate() takes the model and a kind it knows"))
+        out.append(case.result("generate", None, 0.0,
+                               "generate() takes the model and a kind it knows"))
         return
     ok, gap = True, 0.0
     for ids in _batches(case):
@@ -219,16 +225,19 @@ def _generate(case: Case, out: list) -> None:
         new = ids.shape[1] - prompt.shape[1]
         tokens = generate(case.model, prompt, new, cache=case.kind)
         if tuple(tokens.shape) != tuple(ids.shape) or not torch.equal(tokens[:, :5], prompt):
-            out.append(case.result("generate", False, float("inf"), f"returned shape {tuple(tokens.shape)}"))
+            out.append(case.result("generate", False, float("inf"),
+                                   f"returned shape {tuple(tokens.shape)}"))
             return
         logits = case.full(tokens)[:, 4:-1]  # position t predicts token t + 1
         best = logits.max(dim=-1).values
         chosen = logits.gather(-1, tokens[:, 5:, None]).squeeze(-1)
         worst = float((best - chosen).max().item())  # 0 when every pick is the argmax
-        ok = ok and worst <= 2 * case.tol * (1 + float(best.abs().max().item()))  # a near tie may go either way
+        # a near tie may go either way
+        ok = ok and worst <= 2 * case.tol * (1 + float(best.abs().max().item()))
         gap = max(gap, worst)
     out.append(case.result("generate", ok, gap,
-                           f"{new} tokens vs argmax of one full forward; batch {case.ids.shape[0]} and 1"))
+                           f"{new} tokens vs argmax of one full forward; "
+                           f"batch {case.ids.shape[0]} and 1"))
 
 
 def _crop(case: Case, out: list) -> None:
@@ -238,8 +247,9 @@ def _crop(case: Case, out: list) -> None:
     if not hasattr(cache, "crop"):
         out.append(case.result("crop", None, 0.0, "the cache has no crop"))
         return
+    cache = cache.crop(keep)  # a shared-prefix cache's pool holds the filled one or the cropped one
     target = torch.cat((ids[:, :keep], case.alt[:, keep:]), dim=1)
-    run = case.feed(target[:, keep:], 5, cache.crop(keep))
+    run = case.feed(target[:, keep:], 5, cache)
     want = case.full(target)[:, keep:]
     out.append(case.result("crop", close(run.logits, want, case.tol) and run.cache.seq_len == T,
                            max_abs(run.logits, want), f"fill {fill}, crop to {keep}, continue"))
@@ -256,7 +266,7 @@ def _branch(case: Case, out: list) -> None:
         want = case.full(torch.cat((ids[:, :P], tail), dim=1))[:, P:]
         ok, err = ok and close(logits, want, case.tol), max(err, max_abs(logits, want))
         if case.cache.in_place:
-            prefix = prefix.crop(P)  # the documented way back to the prefix of a cache written in place
+            prefix = prefix.crop(P)  # the way back to the prefix of a cache written in place
         if prefix.seq_len != P:
             changed = float("inf")
         changed = max(changed, before.changed(prefix, P))
@@ -276,7 +286,8 @@ def _failure(case: Case, out: list) -> None:
     ids, P = case.ids, case.ids.shape[1] // 2
     layers = _layers(case.model)
     if len(layers) == 0:
-        out.append(case.result("failure", None, 0.0, "no layer list (model.h or model.layers) to inject into"))
+        out.append(case.result("failure", None, 0.0,
+                               "no layer list (model.h or model.layers) to inject into"))
         return
     cache = case.feed(ids[:, :P], case.chunks[-1]).cache
     before, length = Snapshot.of(cache), cache.seq_len
@@ -298,7 +309,8 @@ def _failure(case: Case, out: list) -> None:
     changed = before.changed(cache, length) if same_shape else float("inf")
     logits, _ = case.call(ids[:, P:P + 5], cache)
     want = case.full(ids)[:, P:P + 5]
-    detail = f"last layer raises on a call after {P} positions" if raised else "the injected failure never fired"
+    detail = (f"last layer raises on a call after {P} positions" if raised
+              else "the injected failure never fired")
     out.append(case.result("failure", raised and changed == 0.0 and close(logits, want, case.tol),
                            max(changed, max_abs(logits, want)), detail))
 
@@ -316,8 +328,9 @@ def _reference(case: Case, out: list) -> None:
 
 
 SCENARIOS: dict[str, Callable[[Case, list], None]] = {
-    "stream": _stream, "last_only": _last_only, "prefill_decode": _prefill_decode, "generate": _generate,
-    "crop": _crop, "branch": _branch, "failure": _failure, "reference": _reference}
+    "stream": _stream, "last_only": _last_only, "prefill_decode": _prefill_decode,
+    "generate": _generate, "crop": _crop, "branch": _branch, "failure": _failure,
+    "reference": _reference}
 """Scenario name -> function that appends :class:`CheckResult` s."""
 
 SCENARIO_CHECK = {"stream": "logits"}

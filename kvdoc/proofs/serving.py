@@ -33,7 +33,7 @@ from .verify import DTYPE_NAMES, TOLERANCE, close, max_abs, run_cached
 
 
 class UnshiftedPositionsDecoder(Decoder):
-    """BROKEN: ignores per-row positions, so slot ``t`` of a padded row is embedded at position ``t``.
+    """BROKEN: ignores per-row positions: slot ``t`` of a padded row is embedded at position ``t``.
 
     The pad mask still holds, but a row with ``pad`` slots in front sees its prompt at positions
     ``pad ..`` instead of ``0 ..``: wrong for every padded row, right for a row without padding.
@@ -42,13 +42,14 @@ class UnshiftedPositionsDecoder(Decoder):
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False,
                 positions: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None) -> DecoderOutput:
-        return super().forward(idx, cache, last_only=last_only, attn_mask=attn_mask)  # BUG: drops positions
+        # BUG: drops positions
+        return super().forward(idx, cache, last_only=last_only, attn_mask=attn_mask)
 
 
 def unshifted_positions(model: Decoder) -> UnshiftedPositionsDecoder:
     """An :class:`UnshiftedPositionsDecoder` with ``model``'s config, weights, dtype and device."""
     weight = model.wte.weight
-    with torch.random.fork_rng():  # the fresh initialisation is overwritten; leave the global RNG alone
+    with torch.random.fork_rng():  # the initialisation is overwritten: leave the global RNG alone
         clone = UnshiftedPositionsDecoder(model.config).to(weight.dtype).to(weight.device)
     clone.load_state_dict(model.state_dict())
     return clone.eval()
@@ -99,13 +100,15 @@ def compare_with_alone(model: Decoder, prompts: Sequence[Sequence[int]], max_new
 
 
 @torch.no_grad()
-def compare_mix_with_alone(model: Decoder, mix: RequestMix, memory: MixMemory) -> tuple[float, bool]:
+def compare_mix_with_alone(model: Decoder, mix: RequestMix,
+                           memory: MixMemory) -> tuple[float, bool]:
     """``(max error, all within tolerance)`` of each request's shared-prefix logits
     (``memory.logits``) against one full forward of prefix + user + output alone."""
     tol, device = TOLERANCE[model.wte.weight.dtype], model.wte.weight.device
     err, ok = 0.0, len(memory.logits) == len(mix.users)
     for user, output, got in zip(mix.users, mix.outputs, memory.logits):
-        alone = model(torch.tensor([mix.prefix + user + output], device=device)).logits[:, len(mix.prefix):]
+        ids = torch.tensor([mix.prefix + user + output], device=device)
+        alone = model(ids).logits[:, len(mix.prefix):]
         err, ok = max(err, max_abs(got, alone)), ok and close(got, alone, tol)
     return err, ok
 
@@ -137,7 +140,7 @@ class Int8Row:
 @torch.no_grad()
 def measure_int8(model: Decoder, ids: torch.Tensor, batches: Sequence[int] = (1, 2),
                  chunks: Sequence[int] = (1, 2, 5)) -> list[Int8Row]:
-    """Run ``ids`` through ``model`` with the int8 cache and with none, over batches and chunk sizes.
+    """Run ``ids`` through ``model`` with the int8 cache and with none, per batch and chunk size.
 
     The reference K/V are those of an exact dynamic cache fed the same chunks.
     """
@@ -149,8 +152,8 @@ def measure_int8(model: Decoder, ids: torch.Tensor, batches: Sequence[int] = (1,
             exact = run_cached(model, ids[:b], c).cache
             kv_err = max(max_abs(got, ref) for i in range(model.config.n_layer)
                          for got, ref in zip(int8.cache.layer(i), exact.layer(i)))
-            rows.append(Int8Row(b, c, DTYPE_NAMES[model.wte.weight.dtype], max_abs(int8.logits, full),
-                                float(full.abs().max()), kv_err,
+            rows.append(Int8Row(b, c, DTYPE_NAMES[model.wte.weight.dtype],
+                                max_abs(int8.logits, full), float(full.abs().max()), kv_err,
                                 int((int8.logits.argmax(-1) == full.argmax(-1)).sum()),
                                 full.shape[0] * full.shape[1]))
     return rows

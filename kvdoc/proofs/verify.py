@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdoc.core.cache import KVCache
+from kvdoc.core.cache import KV, KVCache
 from kvdoc.core.config import GPTConfig
 from kvdoc.core.model import Decoder
 from kvdoc.core.rope import apply_rope
@@ -60,7 +60,7 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
 
 
 def chunk_lengths(total: int, chunk: int | Sequence[int]) -> list[int]:
-    """Split ``total`` tokens into chunks: every ``chunk`` tokens (the last may be short), or the given lengths.
+    """Split ``total`` tokens into chunks of ``chunk`` (the last may be short) or of given lengths.
 
     >>> chunk_lengths(24, 5)
     [5, 5, 5, 5, 4]
@@ -86,7 +86,8 @@ class Snapshot:
 
     @classmethod
     def of(cls, cache: KVCache) -> Snapshot:
-        return cls(cache.held(), [tuple(t.clone() for t in cache.layer(i)) for i in range(cache.n_layer)])
+        return cls(cache.held(), [tuple(t.clone() for t in cache.layer(i))
+                                  for i in range(cache.n_layer)])
 
     def changed(self, cache: KVCache, rows: int | None = None) -> float:
         """Largest change in ``cache`` of the positions below ``rows`` (default all) held then.
@@ -126,13 +127,13 @@ class CachedRun:
 
 
 @torch.no_grad()
-def run_cached(model: Callable, ids: torch.Tensor, chunk: int | Sequence[int], kind: str = "dynamic",
-               first_chunk_ids: torch.Tensor | None = None, *, cache: KVCache | None = None,
-               in_place: bool | None = None) -> CachedRun:
+def run_cached(model: Callable, ids: torch.Tensor, chunk: int | Sequence[int],
+               kind: str = "dynamic", first_chunk_ids: torch.Tensor | None = None, *,
+               cache: KVCache | None = None, in_place: bool | None = None) -> CachedRun:
     """Feed ``ids`` (``[B, T]``) through ``model`` chunk by chunk, continuing one cache.
 
     Args:
-        model: the decoder, or any callable ``(idx, cache) -> (logits, cache)`` if ``cache`` is given.
+        model: the decoder, or any ``(idx, cache) -> (logits, cache)`` if ``cache`` is given.
         ids: token ids ``[B, T]``, fed after what ``cache`` holds.
         chunk: chunk size (the last chunk may be short) or the list of chunk lengths.
         kind: the cache ``model.new_cache(B, kind)`` makes when ``cache`` is None
@@ -151,7 +152,7 @@ def run_cached(model: Callable, ids: torch.Tensor, chunk: int | Sequence[int], k
         raise ValueError(f"ids must be [B, T], got {tuple(ids.shape)}")
     B, T = ids.shape
     if cache is None:
-        cache = model.new_cache(B, kind, capacity=T) if kind == "static" else model.new_cache(B, kind)
+        cache = model.new_cache(B, kind, capacity=T if kind == "static" else None)
         in_place = kind == "static" if in_place is None else in_place
     out, lifecycle, fed = [], 0.0, 0
     for n, length in enumerate(chunk_lengths(T, chunk)):
@@ -167,8 +168,8 @@ def run_cached(model: Callable, ids: torch.Tensor, chunk: int | Sequence[int], k
 
 
 @torch.no_grad()
-def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """One full forward (no cache): its logits ``[B, T, V]`` and each layer's K and V ``[B, H_kv, T, D_h]``.
+def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
+    """One full forward (no cache): logits ``[B, T, V]``, every layer's K and V ``[B, H_kv, T, D_h]``.
 
     K and V are read off each layer's ``c_attn`` output with forward hooks (and K rotated at
     positions ``0 .. T - 1`` for a RoPE model, as a cache stores it), so they come from the full
@@ -180,7 +181,7 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
     ((1, 3, 97), 2, (1, 4, 3, 16))
     """
     cfg = model.config
-    captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+    captured: list[KV] = []
 
     def hook(module, inputs, output):
         # c_attn's columns: H query heads, then H_kv key heads, then H_kv value heads, D_h each
@@ -201,20 +202,23 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
 
 
 def default_model(seed: int = 0, config: GPTConfig | None = None) -> Decoder:
-    """The site's model: ``torch.manual_seed(seed)``, then a :class:`Decoder` (default config), in eval mode."""
+    """The site's model: ``torch.manual_seed(seed)``, then a :class:`Decoder` in eval mode."""
     torch.manual_seed(seed)
     return Decoder(config or GPTConfig()).eval()
 
 
-def default_stream(seed: int = 1, batch: int = 2, length: int = 24, vocab_size: int = 97) -> torch.Tensor:
+def default_stream(seed: int = 1, batch: int = 2, length: int = 24,
+                   vocab_size: int = 97) -> torch.Tensor:
     """A token stream ``[batch, length]``: ids from a generator seeded with ``seed``."""
-    return torch.randint(0, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, length), generator=g)
 
 
 @torch.no_grad()
 def split_error(model: Decoder, ids: torch.Tensor, cached: int, variant: str | None = None,
                 kind: str = "dynamic") -> float:
-    """Max logit error of the new positions when ``ids`` (``[B, T]``) is fed as ``cached`` tokens, then the rest.
+    """Max logit error of the new positions when ``ids`` (``[B, T]``) is fed as ``cached`` tokens,
+    then the rest.
 
     This is the source document's experiment (4 cached + 2 new) for one implementation, the
     correct one or the broken variant ``variant`` (a key of :data:`kvdoc.proofs.variants.VARIANTS`).
@@ -223,6 +227,7 @@ def split_error(model: Decoder, ids: torch.Tensor, cached: int, variant: str | N
         raise ValueError(f"cached must be between 1 and {ids.shape[1] - 1}, got {cached}")
     broken = None if variant is None else VARIANTS[variant]
     under_test = model if broken is None else broken.build(model)
-    first = stale_prefix(ids, model.config.vocab_size) if broken is not None and broken.stale_prefix else None
+    stale = broken is not None and broken.stale_prefix
+    first = stale_prefix(ids, model.config.vocab_size) if stale else None
     run = run_cached(under_test, ids, [cached, ids.shape[1] - cached], kind, first_chunk_ids=first)
     return max_abs(run.logits[:, cached:], model(ids).logits[:, cached:])
