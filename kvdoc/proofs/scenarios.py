@@ -156,7 +156,8 @@ def _stream(case: Case, out: list) -> None:
             held = run.cache.held()  # a window cache holds only the last positions
             got = [run.cache.layer(i) for i in range(cfg.n_layer)]
             want = (batch, cfg.n_kv_head, len(held), cfg.head_dim)
-            add("kv_shape", all(tuple(t.shape) == want for pair in got for t in pair), 0.0,
+            shapes_ok = all(tuple(t.shape) == want for pair in got for t in pair)
+            add("kv_shape", shapes_ok, 0.0 if shapes_ok else float("inf"),
                 f"each layer's K and V {list(want)}")
             if full_kv is None:
                 add("kv", None, 0.0, "no c_attn to read the full forward's K/V from")
