@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from kvdoc import Decoder, GPTConfig
-from kvdoc.serving.batching import compare_with_alone, generate_padded, left_pad, padded_mask, padded_positions
+from kvdoc.proofs.serving import compare_with_alone, unshifted_positions
+from kvdoc.proofs.verify import TOLERANCE
+from kvdoc.serving.batching import generate_padded, left_pad, padded_mask, padded_positions
 
 
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -24,15 +26,15 @@ def test_each_row_equals_its_prompt_alone(lengths, n_kv_head):
 
 def test_float64(model):
     rows = compare_with_alone(model.double(), prompts(2, [2, 8]), max_new_tokens=4)
-    assert all(r.passed for r in rows) and max(r.logit_error for r in rows) <= 1e-10
+    assert all(r.passed for r in rows) and max(r.logit_error for r in rows) <= TOLERANCE[torch.float64]
 
 
 def test_unshifted_positions_are_caught(model):
     lengths = [3, 9, 1, 6]
-    rows = compare_with_alone(model, prompts(1, lengths), max_new_tokens=6, shift_positions=False)
-    for r in rows:
-        # A row without padding is untouched by the bug; every padded row fails the check.
-        assert r.passed == (r.pad == 0)
+    rows = compare_with_alone(model, prompts(1, lengths), max_new_tokens=6,
+                              under_test=unshifted_positions(model))
+    # A row without padding is untouched by the bug; every padded row fails the check.
+    assert [r.passed for r in rows] == [n == max(lengths) for n in lengths]
 
 
 def test_mask_and_positions():

@@ -6,25 +6,17 @@ import pytest
 import torch
 
 from kvdoc import Decoder, GPTConfig
+from kvdoc.proofs.serving import compare_mix_with_alone
+from kvdoc.proofs.verify import TOLERANCE, Snapshot, run_cached
 from kvdoc.serving.paged import BlockPool, PagedCache, SharedPrefixCache, new_paged_cache, new_shared_prefix_cache
+from kvdoc.serving.workload import measure_mix, request_mix
 
 FACTORIES = {"paged": new_paged_cache, "shared-prefix": new_shared_prefix_cache}
-from kvdoc.serving.quant import run_chunks
-from kvdoc.proofs.verify import TOLERANCE
-from kvdoc.serving.workload import measure_mix, request_mix
 
 
 def gqa_model(n_kv_head: int) -> Decoder:
     torch.manual_seed(0)
     return Decoder(GPTConfig(n_kv_head=n_kv_head)).eval()
-
-
-def snapshot(cache):
-    return [tuple(t.clone() for t in cache.layer(i)) for i in range(cache.n_layer)]
-
-
-def same(a, b) -> bool:
-    return all(torch.equal(x, y) for pa, pb in zip(a, b) for x, y in zip(pa, pb))
 
 
 @pytest.mark.parametrize("kind", FACTORIES)
@@ -35,8 +27,11 @@ def test_equals_dynamic_cache(stream, kind, n_kv_head, chunk, block_size):
     model = gqa_model(n_kv_head)
     T = stream.shape[1]
     paged_cache = FACTORIES[kind](model, 2, T, block_size=block_size)
-    got, paged_cache = run_chunks(model, stream, chunk, paged_cache)
-    ref, dynamic = run_chunks(model, stream, chunk, model.new_cache(2))
+    paged = run_cached(model, stream, chunk, cache=paged_cache, in_place=kind == "paged")
+    ref = run_cached(model, stream, chunk)
+    got, paged_cache, dynamic = paged.logits, paged.cache, ref.cache
+    assert paged.lifecycle_error == 0.0  # no call changed a row already held (nor, shared, the length)
+    ref = ref.logits
     tol = TOLERANCE[torch.float32]
     assert torch.allclose(got, ref, atol=tol, rtol=tol)
     assert paged_cache.seq_len == T
@@ -50,19 +45,21 @@ def test_equals_dynamic_cache(stream, kind, n_kv_head, chunk, block_size):
 def test_float64_and_rows_use_separate_blocks(stream):
     model = gqa_model(2).double()
     cache = FACTORIES["paged"](model, 2, 24, block_size=5)
-    got, cache = run_chunks(model, stream, 5, cache)
-    assert torch.allclose(got, model(stream).logits, atol=1e-10, rtol=1e-10)
+    run = run_cached(model, stream, 5, cache=cache)
+    got, cache = run.logits, run.cache
+    tol = TOLERANCE[torch.float64]
+    assert torch.allclose(got, model(stream).logits, atol=tol, rtol=tol)
     assert not set(cache.tables[0]) & set(cache.tables[1])
 
 
 def test_out_of_blocks_is_refused_and_changes_nothing(model, stream):
     cache = FACTORIES["paged"](model, 2, 8, block_size=4)  # 4 blocks: 8 positions per row
     _, cache = model(stream[:, :6], cache)
-    before, tables, free = snapshot(cache), [list(t) for t in cache.tables], cache.pool.num_free
+    before, tables, free = Snapshot.of(cache), [list(t) for t in cache.tables], cache.pool.num_free
     with pytest.raises(ValueError, match="out of blocks"):
         model(stream[:, 6:9], cache)
     assert cache.seq_len == 6 and cache.tables == tables and cache.pool.num_free == free
-    assert same(before, snapshot(cache))
+    assert before.changed(cache) == 0.0
     model(stream[:, 6:8], cache)  # what fits is still accepted
     assert cache.seq_len == 8
 
@@ -81,7 +78,7 @@ def test_bad_writes_are_refused(model):
     assert cache.seq_len == 0 and cache.pool.num_free == cache.pool.num_blocks
     with pytest.raises(ValueError, match="fork rows"):
         cache.fork([1])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="num_blocks"):
         BlockPool(GPTConfig(), num_blocks=0, block_size=4)
 
 
@@ -89,7 +86,7 @@ def test_fork_shares_prefix_and_copies_on_write(model, stream):
     pool = BlockPool(model.config, num_blocks=16, block_size=4)
     prefix = PagedCache(pool, 1)
     model(stream[:1, :6], prefix)  # one full block, one half-filled block
-    kept = snapshot(prefix)
+    kept = Snapshot.of(prefix)
     a, b = prefix.fork(), prefix.fork()
     assert pool.refs(prefix.tables[0][0]) == 3 and pool.num_used == 2
     logits_a = model(stream[:1, 6:20], a).logits
@@ -97,7 +94,7 @@ def test_fork_shares_prefix_and_copies_on_write(model, stream):
     # The full block stays shared; the half-filled one was copied by each fork when it wrote.
     assert a.tables[0][0] == b.tables[0][0] == prefix.tables[0][0]
     assert len({a.tables[0][1], b.tables[0][1], prefix.tables[0][1]}) == 3
-    assert same(kept, snapshot(prefix))
+    assert kept.changed(prefix) == 0.0 and prefix.seq_len == 6
     tol = TOLERANCE[torch.float32]
     for row, logits in ((stream[:1], logits_a), (torch.cat((stream[:1, :6], stream[1:, 6:]), 1), logits_b)):
         alone = model(row[:, :20]).logits[:, 6:]  # each request equals itself run alone
@@ -114,10 +111,10 @@ def test_fork_shares_prefix_and_copies_on_write(model, stream):
 def test_shared_prefix_cache_leaves_the_cache_passed_in_unchanged(model, stream):
     prefix = new_shared_prefix_cache(model, 2, 24, block_size=4)
     _, prefix = model(stream[:, :10], prefix)
-    kept, tables = snapshot(prefix), [list(t) for t in prefix.tables]
+    kept, tables = Snapshot.of(prefix), [list(t) for t in prefix.tables]
     _, longer = model(stream[:, 10:], prefix)
     assert isinstance(longer, SharedPrefixCache) and longer.seq_len == 24 and prefix.seq_len == 10
-    assert prefix.tables == tables and same(kept, snapshot(prefix))
+    assert prefix.tables == tables and kept.changed(prefix) == 0.0
     assert [t[:2] for t in longer.tables] == [t[:2] for t in tables]  # two full blocks shared per row
 
 
@@ -133,7 +130,9 @@ def test_request_mix_memory(model):
     mix = request_mix(n=6, prefix_len=10, user_lens=(3, 20), output_lens=(1, 20))
     m = measure_mix(model, mix, block_size=4)
     contiguous, paged, shared = m.strategies
-    assert m.all_equal
+    assert compare_mix_with_alone(model, mix, m)[1]  # each request as if alone
+    other = request_mix(n=6, prefix_len=10, user_lens=(3, 20), output_lens=(1, 20), seed=1)
+    assert not compare_mix_with_alone(model, other, m)[1]  # the check can fail
     assert m.positions == sum(mix.lengths())
     assert contiguous.filled_bytes == paged.filled_bytes == m.positions * m.position_bytes
     blocks = sum(-(-n // 4) for n in mix.lengths())

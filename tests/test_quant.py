@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from kvdoc import GPTConfig
-from kvdoc.serving.quant import Int8Cache, cache_bytes, dequantize, measure_int8, new_int8_cache, quantize, run_chunks
+from kvdoc.proofs.serving import measure_int8
+from kvdoc.proofs.verify import run_cached
+from kvdoc.serving.quant import Int8Cache, cache_bytes, dequantize, new_int8_cache, quantize
 
 
 def test_round_trip_within_half_a_step():
@@ -23,8 +25,8 @@ def test_cache_error_is_bounded_by_the_step(stream, n_kv_head):
     torch.manual_seed(0)
     from kvdoc import Decoder
     model = Decoder(GPTConfig(n_kv_head=n_kv_head)).eval()
-    _, cache = run_chunks(model, stream, 5, new_int8_cache(model, 2))
-    _, exact = run_chunks(model, stream, 5, model.new_cache(2))
+    cache = run_cached(model, stream, 5, cache=new_int8_cache(model, 2)).cache
+    exact = run_cached(model, stream, 5).cache
     for i in range(model.config.n_layer):
         for got, ref in zip(cache.layer(i), exact.layer(i)):
             assert got.shape == ref.shape == (2, n_kv_head, 24, 16)  # [B, H_kv, T, D_h]

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvdoc.interop.hf import float64_islands_lifted, from_transformers
-from .verify import DTYPE_NAMES, _max_abs, run_cached
+from .verify import DTYPE_NAMES, max_abs, run_cached
 
 
 @dataclass(frozen=True)
@@ -99,13 +99,13 @@ def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] =
             out = hf_model(ids[:, t:t + 1], cache=cache, use_cache=True)
             logits.append(out.logits)
             cache = out.cache
-    cached = {(kind, c): _max_abs(run_cached(ours, ids, c, kind).logits, expected)
+    cached = {(kind, c): max_abs(run_cached(ours, ids, c, kind).logits, expected)
               for kind in kinds for c in chunks}
     family = hf_model.config.model_type
     n_hf = sum(p.numel() for p in hf_model.parameters())
     return TransformersMatch(
         family, DTYPE_NAMES[dtype], (n_hf, ours.num_parameters()),
-        _max_abs(ours(ids).logits, expected), cached,
-        _max_abs(torch.cat(logits, dim=1), expected),
+        max_abs(ours(ids).logits, expected), cached,
+        max_abs(torch.cat(logits, dim=1), expected),
         float(expected.abs().max().item()), lift and family in ("llama", "mistral"),
         prefill_len)

@@ -21,8 +21,8 @@ mapping puts it on the default grid of :func:`kvdoc.proofs.suite.run_suite`, whe
 For example, :class:`kvdoc.core.fast.FastDecoder` is registered as ``IMPLEMENTATIONS["fast"]``: the
 speed of its decode step is proved not to cost correctness on every model and cache kind.
 
-The factories look classes up when called (``kvdoc.core.model.Decoder``, ``model.new_cache``), never
-at import, so a class patched at run time is the one verified.
+To verify something that is not registered, pass it in: ``run_suite(model=...)`` runs every
+scenario on a given model, and :data:`GRID` is the equivalence grid of the site's model.
 
 >>> sorted(MODELS)
 ['gqa', 'llama', 'mha', 'mistral', 'mqa']
@@ -40,9 +40,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvdoc.core import model as _model  # looked up at call time: see the module docstring
 from kvdoc.core.cache import KVCache
 from kvdoc.core.config import GPTConfig, llama_config, mistral_config
+from kvdoc.core.fast import FastDecoder
+from kvdoc.core.model import Decoder
+from kvdoc.serving.paged import new_paged_cache, new_shared_prefix_cache
 from .references import mha_reference, transformers_reference
 
 STREAM_LENGTH = 83
@@ -50,25 +52,22 @@ STREAM_LENGTH = 83
 WINDOW = 16
 """The Mistral-style model's window: the default stream crosses it five times."""
 CHUNKS = (1, 2, 5, 13)
-"""Chunk sizes of the default ``logits`` check."""
-THOROUGH = dict(length=150, chunks=(1, 2, 3, 5, 7, 16, 17, 31, 32, 33, 64), batch=3, seeds=(0, 1))
-"""The ``--thorough`` grid: a stream past 128, more chunk sizes, batch 3, two seeds."""
+"""Chunk sizes of the default stream checks."""
+BATCHES = (2,)
+"""Batch sizes of the default stream checks (other scenarios also run batch 1 where it matters)."""
+THOROUGH = dict(length=150, chunks=(1, 2, 3, 5, 7, 16, 17, 31, 32, 33, 64), batches=(3, 1),
+                seeds=(0, 1))
+"""The ``--thorough`` grid: a stream past 128, more chunk sizes, batch 3 and 1, two seeds."""
+GRID = dict(kinds=("dynamic", "static"), impls=("model",), batches=(1, 2), scenarios=("stream",))
+"""The equivalence grid: the stream checks at batch 1 and 2, every chunk size, FP32 and FP64, on
+a dynamic and a static cache (``run_suite(**GRID, model=...)`` for a given model)."""
 
 
 def _decoder(config: GPTConfig) -> Callable[[int], nn.Module]:
     def build(seed: int) -> nn.Module:
         torch.manual_seed(seed)
-        return _model.Decoder(config).eval()
+        return Decoder(config).eval()
     return build
-
-
-def _paged(shared: bool) -> Callable[[nn.Module, int, int], KVCache]:
-    def new(model: nn.Module, batch: int, capacity: int) -> KVCache:
-        from kvdoc.serving import paged  # looked up at call time, like the model
-
-        make = paged.new_shared_prefix_cache if shared else paged.new_paged_cache
-        return make(model, batch, capacity)
-    return new
 
 
 @dataclass(frozen=True)
@@ -120,19 +119,14 @@ CACHES: dict[str, CacheSpec] = {
     "static": CacheSpec(lambda m, b, cap: m.new_cache(b, "static", cap), in_place=True),
     "window": CacheSpec(lambda m, b, cap: m.new_cache(b, "window"), in_place=False,
                         serves=lambda config: config.sliding_window is not None),
-    "paged": CacheSpec(_paged(shared=False), in_place=True),
-    "shared-prefix": CacheSpec(_paged(shared=True), in_place=False),
+    "paged": CacheSpec(new_paged_cache, in_place=True),
+    "shared-prefix": CacheSpec(new_shared_prefix_cache, in_place=False),
 }
 """Cache kinds by name."""
-
-def _fast(model: nn.Module) -> Callable:
-    from kvdoc.core.fast import FastDecoder  # looked up at call time, like the model
-
-    return FastDecoder(model)
 
 
 IMPLEMENTATIONS: dict[str, Callable[[nn.Module], Callable]] = {
     "model": lambda m: m,
-    "fast": _fast,
+    "fast": FastDecoder,
 }
 """How a cached call is made, by name: ``model -> call``."""

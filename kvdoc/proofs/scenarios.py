@@ -1,15 +1,15 @@
-"""The scenarios of the verification suite: what is checked on each combination of the grid.
+"""The checks of the verification suite, and the scenarios that make them on one combination.
 
-Each scenario compares against one full forward of the same model unless said otherwise;
-tolerances are :data:`kvdoc.proofs.verify.TOLERANCE` (``atol = rtol``, 1e-5 in FP32, 1e-10 in FP64).
+Each check compares against one full forward of the same model unless :data:`CHECKS` says
+otherwise; tolerances are :data:`kvdoc.proofs.verify.TOLERANCE` (``atol = rtol``, 1e-5 in FP32,
+1e-10 in FP64).
 
-* ``logits``, ``kv``, ``lifecycle`` (scenario ``stream``): a stream of
-  :data:`kvdoc.proofs.grid.STREAM_LENGTH` tokens (past positions 32 and 64) fed in chunks of each of
-  :data:`kvdoc.proofs.grid.CHUNKS` tokens, none of which divides it except 1 (and once more with batch
-  1, in the middle chunk size): the logits of every
-  position, each layer's cached K/V ``[B, H_kv, T, D_h]`` against the K/V the full forward
-  projects, and what a cache held before each call (bitwise).
-* ``causality``: changing the last token leaves every earlier position unchanged, on both paths.
+* ``stream`` makes ``logits``, ``kv``, ``kv_shape``, ``causality`` and ``lifecycle`` for every
+  batch size and chunk size of the case: a stream of :data:`kvdoc.proofs.grid.STREAM_LENGTH`
+  tokens (past positions 32 and 64) fed in chunks of each of :data:`kvdoc.proofs.grid.CHUNKS`
+  tokens, none of which divides it except 1. Causality edits the last token: the full forward
+  and the cached path must keep every earlier position (the cached path is rerun for chunks of
+  two or more tokens; with one token per call, no earlier call ever sees the last token).
 * ``last_only``: ``last_only=True`` returns the last position, full and cached.
 * ``prefill_decode``: ``kvdoc.core.model.prefill`` of 7 tokens, then ``decode_step`` per token
   (ids ``[B]`` and ``[B, 1]`` in turn); ``prefill`` without a cache too.
@@ -20,10 +20,11 @@ tolerances are :data:`kvdoc.proofs.verify.TOLERANCE` (``atol = rtol``, 1e-5 in F
   the prefix cache is unchanged (a cache written in place is cropped back between branches).
 * ``failure``: the last layer raises mid-call; the cache is exactly as before (length and
   content), and continuing afterwards is right.
-* ``reference``: the model's independent reference (:mod:`kvdoc.proofs.references`), full and cached.
+* ``reference``: the model's independent reference (:mod:`kvdoc.proofs.references`), full and
+  cached.
 
-A scenario appends ``(check, passed, error, detail)`` tuples; ``passed`` is None when it does not
-apply. ``kvdoc.core.model``'s functions are looked up when a scenario runs, never at import.
+A scenario appends :class:`CheckResult` s (made by :meth:`Case.result`); ``passed`` is None when
+a check does not apply.
 """
 
 from __future__ import annotations
@@ -34,14 +35,52 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvdoc.core import model as _model  # looked up at call time, so a patched prefill/generate is the one checked
-from .broken import stale_prefix
 from kvdoc.core.cache import KVCache
+from kvdoc.core.model import decode_step, generate, prefill
+from .broken import stale_prefix
 from .grid import CacheSpec, ModelSpec
-from .verify import TOLERANCE, _changed, _close, _max_abs, _snapshot, full_forward_kv, run_cached
+from .verify import (DTYPE_NAMES, TOLERANCE, CachedRun, Snapshot, close, full_forward_kv, max_abs,
+                     run_cached)
 
 SPARE = 8
 """Positions of capacity beyond the stream that a cache is built with (for kinds that take one)."""
+
+CHECKS: dict[str, str] = {
+    "logits": "cached vs full logits, every position, whole vocabulary",
+    "kv": "each layer's cached K and V vs the full forward's projections",
+    "kv_shape": "each layer's cached K and V are [B, H_kv, T, D_h]",
+    "causality": "earlier positions after the last token changes, both paths",
+    "lifecycle": "what a cache held before a call, after it (bitwise)",
+    "last_only": "last_only=True vs the full forward's last position",
+    "prefill_decode": "prefill, then decode_step per token, vs the full forward",
+    "generate": "generate()'s picks vs the argmax of one full forward",
+    "crop": "crop a filled cache, continue with other tokens",
+    "branch": "two continuations of one prefix cache; the prefix unchanged",
+    "failure": "a layer raises mid-call: caches unchanged, continuing is right",
+    "reference": "full and cached vs an independent implementation",
+}
+"""Every check by name, in report order, with what it compares."""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check on one combination. ``passed`` is None when the check does not apply.
+
+    ``batch`` and ``chunk`` are set for the checks of one stream run (``chunk`` is None for
+    the other checks); ``error`` is the largest difference (``inf`` for a shape mismatch, NaN,
+    or code that raised).
+    """
+
+    check: str
+    model: str
+    kind: str
+    impl: str
+    dtype: str
+    passed: bool | None
+    error: float
+    detail: str
+    batch: int | None = None
+    chunk: int | None = None
 
 
 @dataclass
@@ -58,6 +97,7 @@ class Case:
     call: Callable
     ids: torch.Tensor
     alt: torch.Tensor
+    batches: Sequence[int]
     chunks: Sequence[int]
     stale: bool
 
@@ -65,85 +105,91 @@ class Case:
     def tol(self) -> float:
         return TOLERANCE[self.dtype]
 
+    def result(self, check: str, passed: bool | None, error: float, detail: str,
+               batch: int | None = None, chunk: int | None = None) -> CheckResult:
+        return CheckResult(check, self.model_name, self.kind, self.impl, DTYPE_NAMES[self.dtype],
+                           passed, error, detail, batch, chunk)
+
     def new_cache(self, batch: int | None = None) -> KVCache:
         # spare capacity: a cache that reads past its filled rows then reads rows never written
         return self.cache.new(self.model, batch or self.ids.shape[0], self.ids.shape[1] + SPARE)
+
+    def feed(self, tokens: torch.Tensor, chunk: int, cache: KVCache | None = None,
+             first: torch.Tensor | None = None) -> CachedRun:
+        """``tokens`` fed through the cached call after ``cache`` (default a new one)."""
+        cache = self.new_cache(tokens.shape[0]) if cache is None else cache
+        return run_cached(self.call, tokens, chunk, first_chunk_ids=first, cache=cache,
+                          in_place=self.cache.in_place)
 
     def full(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model(ids)[0]
 
 
-def _feed(call: Callable, cache: KVCache, tokens: torch.Tensor, chunk: int) -> tuple[torch.Tensor, KVCache]:
-    """Feed ``tokens`` ``[B, C]`` after ``cache`` in calls of ``chunk`` tokens: all logits and the last cache."""
-    out = []
-    for s in range(0, tokens.shape[1], chunk):
-        logits, cache = call(tokens[:, s:s + chunk], cache)
-        out.append(logits)
-    return torch.cat(out, dim=1), cache
-
-
-def _compare(name: str, got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> tuple:
-    return (name, _close(got, want, tol), _max_abs(got, want), what)
-
-
-def _kv_error(model: nn.Module, ids: torch.Tensor, cache: KVCache, tol: float) -> tuple[bool, float] | None:
-    """Cached K/V against the full forward's projections (None if the model has no GPT-2 ``c_attn``)."""
-    if not all(hasattr(getattr(b, "attn", None), "c_attn") for b in getattr(model, "h", [None])):
-        return None
-    _, full_kv = full_forward_kv(model, ids)
-    held = cache.held()  # a window cache holds only the last positions
-    ok, err = True, 0.0
-    for i, pair in enumerate(full_kv):
-        for got, ref in zip(cache.layer(i), pair):
-            ref = ref[:, :, held.start:held.stop]
-            ok, err = ok and _close(got, ref, tol), max(err, _max_abs(got, ref))
-    return ok, err
+def _has_c_attn(model: nn.Module) -> bool:
+    return all(hasattr(getattr(b, "attn", None), "c_attn") for b in getattr(model, "h", [None]))
 
 
 def _stream(case: Case, out: list) -> None:
-    B, T = case.ids.shape
-    first = stale_prefix(case.ids, case.model.config.vocab_size) if case.stale else None
-    runs = [(B, chunk) for chunk in case.chunks] + ([(1, case.chunks[len(case.chunks) // 2])] if B > 1 else [])
-    logit_ok, logit_err, life, kv = True, 0.0, 0.0, (True, 0.0)
-    for rows, chunk in runs:
-        ids = case.ids[:rows]
-        full = case.full(ids)
-        run = run_cached(case.call, ids, chunk, first_chunk_ids=None if first is None else first[:rows],
-                         cache=case.new_cache(rows), in_place=case.cache.in_place)
-        logit_ok = logit_ok and _close(run.logits, full, case.tol) and run.cache.seq_len == T
-        logit_err, life = max(logit_err, _max_abs(run.logits, full)), max(life, run.lifecycle_error)
-        found = _kv_error(case.model, ids, run.cache, case.tol)
-        kv = None if found is None or kv is None else (kv[0] and found[0], max(kv[1], found[1]))
-    what = ", ".join(f"{c}" + (f" (batch {r})" if r != B else "") for r, c in runs)
-    out.append(("logits", logit_ok, logit_err, f"{T} tokens, batch {B}, in chunks of {what}"))
-    out.append(("kv", None if kv is None else kv[0], 0.0 if kv is None else kv[1], "each layer's K/V"))
-    out.append(("lifecycle", life == 0.0, life, "what a cache held before a call"))
+    T, vocab = case.ids.shape[1], case.model.config.vocab_size
+    cfg = case.model.config
+    for batch in case.batches:
+        ids = case.ids[:batch]
+        edited = ids.clone()
+        edited[:, -1] = (ids[:, -1] + 1) % vocab
+        if _has_c_attn(case.model):
+            full, full_kv = full_forward_kv(case.model, ids)
+        else:
+            full, full_kv = case.full(ids), None
+        full_edited = case.full(edited)
+        full_causal = max_abs(full_edited[:, :-1], full[:, :-1])
+        full_causal_ok = close(full_edited[:, :-1], full[:, :-1], case.tol)
+        first, first_edited = ((stale_prefix(ids, vocab), stale_prefix(edited, vocab)) if case.stale
+                               else (None, None))
+        for chunk in case.chunks:
+            run = case.feed(ids, chunk, first=first)
 
+            def add(check, passed, error, detail):
+                out.append(case.result(check, passed, error, detail, batch, chunk))
 
-def _causality(case: Case, out: list) -> None:
-    ids, chunk = case.ids, case.chunks[-1]
-    edited = ids.clone()
-    edited[:, -1] = (ids[:, -1] + 1) % case.model.config.vocab_size
-    before = [case.full(ids), _feed(case.call, case.new_cache(), ids, chunk)[0]]
-    after = [case.full(edited), _feed(case.call, case.new_cache(), edited, chunk)[0]]
-    err = max(_max_abs(a[:, :-1], b[:, :-1]) for a, b in zip(after, before))
-    ok = all(_close(a[:, :-1], b[:, :-1], case.tol) for a, b in zip(after, before))
-    out.append(("causality", ok, err, "last token edited, earlier positions compared"))
+            add("logits", close(run.logits, full, case.tol) and run.cache.seq_len == T,
+                max_abs(run.logits, full), f"{T} tokens in chunks of {chunk}")
+            held = run.cache.held()  # a window cache holds only the last positions
+            got = [run.cache.layer(i) for i in range(cfg.n_layer)]
+            want = (batch, cfg.n_kv_head, len(held), cfg.head_dim)
+            shapes_ok = all(tuple(t.shape) == want for pair in got for t in pair)
+            add("kv_shape", shapes_ok, 0.0 if shapes_ok else float("inf"),
+                f"each layer's K and V {list(want)}")
+            if full_kv is None:
+                add("kv", None, 0.0, "no c_attn to read the full forward's K/V from")
+            else:
+                pairs = [(g, r[:, :, held.start:held.stop])
+                         for gp, rp in zip(got, full_kv) for g, r in zip(gp, rp)]
+                add("kv", all(close(g, r, case.tol) for g, r in pairs),
+                    max((max_abs(g, r) for g, r in pairs), default=0.0), "each layer's K/V")
+            causal_ok, causal = full_causal_ok, full_causal
+            if chunk > 1:  # with one token per call the last token reaches no earlier call
+                again = case.feed(edited, chunk, first=first_edited).logits[:, :-1]
+                causal_ok = causal_ok and close(again, run.logits[:, :-1], case.tol)
+                causal = max(causal, max_abs(again, run.logits[:, :-1]))
+            add("causality", causal_ok, causal, "last token edited, earlier positions compared")
+            add("lifecycle", run.lifecycle_error == 0.0, run.lifecycle_error,
+                "what a cache held before a call")
 
 
 def _last_only(case: Case, out: list) -> None:
     ids, split = case.ids, case.ids.shape[1] // 2
     full = case.full(ids)
     whole = case.call(ids, None, last_only=True)[0]
-    _, cache = _feed(case.call, case.new_cache(), ids[:, :split], case.chunks[-1])
+    cache = case.feed(ids[:, :split], case.chunks[-1]).cache
     cached, cache = case.call(ids[:, split:], cache, last_only=True)
-    ok = _close(whole, full[:, -1:], case.tol) and _close(cached, full[:, -1:], case.tol)
-    out.append(("last_only", ok and cache.seq_len == ids.shape[1],
-                max(_max_abs(whole, full[:, -1:]), _max_abs(cached, full[:, -1:])), "full and cached"))
+    ok = close(whole, full[:, -1:], case.tol) and close(cached, full[:, -1:], case.tol)
+    err = max(max_abs(whole, full[:, -1:]), max_abs(cached, full[:, -1:]))
+    ok = ok and cache.seq_len == ids.shape[1]
+    out.append(case.result("last_only", ok, err, "full and cached"))
 
 
 def _batches(case: Case) -> list[torch.Tensor]:
-    """The stream at its full batch and, if that is larger, at batch 1 (bugs that squeeze a dim of 1)."""
+    """The stream at its full batch and, if larger, at batch 1 (bugs that squeeze a dim of 1)."""
     return [case.ids] + ([case.ids[:1]] if case.ids.shape[0] > 1 else [])
 
 
@@ -151,73 +197,82 @@ def _prefill_decode(case: Case, out: list) -> None:
     prompt, ok, err = 7, True, 0.0
     for ids in _batches(case):
         full = case.full(ids)
-        logits, cache = _model.prefill(case.call, ids[:, :prompt], case.new_cache(ids.shape[0]))
+        logits, cache = prefill(case.call, ids[:, :prompt], case.new_cache(ids.shape[0]))
         steps = [logits]
         for t in range(prompt, ids.shape[1] - 1):
             token = ids[:, t] if t % 2 else ids[:, t:t + 1]  # decode_step takes [B] and [B, 1]
-            logits, cache = _model.decode_step(case.call, token, cache)
+            logits, cache = decode_step(case.call, token, cache)
             steps.append(logits)
         got, want = torch.cat(steps, dim=1), full[:, prompt - 1:-1]
-        ok = ok and _close(got, want, case.tol) and cache.seq_len == ids.shape[1] - 1
-        err = max(err, _max_abs(got, want))
+        ok = ok and close(got, want, case.tol) and cache.seq_len == ids.shape[1] - 1
+        err = max(err, max_abs(got, want))
         if case.impl == "model" and case.kind == "dynamic":  # prefill makes its own (dynamic) cache
-            own, own_cache = _model.prefill(case.model, ids[:, :prompt])
-            ok = ok and _close(own, full[:, prompt - 1:prompt], case.tol) and own_cache.seq_len == prompt
-            err = max(err, _max_abs(own, full[:, prompt - 1:prompt]))
-    out.append(("prefill_decode", ok, err, f"prefill {prompt}, then decode_step; batch {case.ids.shape[0]} and 1"))
+            own, own_cache = prefill(case.model, ids[:, :prompt])
+            want = full[:, prompt - 1:prompt]
+            ok = ok and close(own, want, case.tol) and own_cache.seq_len == prompt
+            err = max(err, max_abs(own, want))
+    out.append(case.result("prefill_decode", ok, err,
+                           f"prefill {prompt}, then decode_step; batch {case.ids.shape[0]} and 1"))
 
 
 def _generate(case: Case, out: list) -> None:
     if case.impl != "model" or case.kind not in ("dynamic", "static", "window"):
-        out.append(("generate", None, 0.0, "generate() takes the model and a kind it knows"))
+        out.append(case.result("generate", None, 0.0,
+                               "generate() takes the model and a kind it knows"))
         return
     ok, gap = True, 0.0
     for ids in _batches(case):
         prompt = ids[:, :5]
         new = ids.shape[1] - prompt.shape[1]
-        tokens = _model.generate(case.model, prompt, new, cache=case.kind)
+        tokens = generate(case.model, prompt, new, cache=case.kind)
         if tuple(tokens.shape) != tuple(ids.shape) or not torch.equal(tokens[:, :5], prompt):
-            out.append(("generate", False, float("inf"), f"returned shape {tuple(tokens.shape)}"))
+            out.append(case.result("generate", False, float("inf"),
+                                   f"returned shape {tuple(tokens.shape)}"))
             return
         logits = case.full(tokens)[:, 4:-1]  # position t predicts token t + 1
         best = logits.max(dim=-1).values
         chosen = logits.gather(-1, tokens[:, 5:, None]).squeeze(-1)
         worst = float((best - chosen).max().item())  # 0 when every pick is the argmax
-        ok = ok and worst <= 2 * case.tol * (1 + float(best.abs().max().item()))  # a near tie may go either way
+        # a near tie may go either way
+        ok = ok and worst <= 2 * case.tol * (1 + float(best.abs().max().item()))
         gap = max(gap, worst)
-    out.append(("generate", ok, gap, f"{new} tokens vs argmax of one full forward; batch {case.ids.shape[0]} and 1"))
+    out.append(case.result("generate", ok, gap,
+                           f"{new} tokens vs argmax of one full forward; "
+                           f"batch {case.ids.shape[0]} and 1"))
 
 
 def _crop(case: Case, out: list) -> None:
     ids, T = case.ids, case.ids.shape[1]
     fill, keep = T - T // 4, T // 2 - 5
-    _, cache = _feed(case.call, case.new_cache(), ids[:, :fill], case.chunks[-1])
+    cache = case.feed(ids[:, :fill], case.chunks[-1]).cache
     if not hasattr(cache, "crop"):
-        out.append(("crop", None, 0.0, "the cache has no crop"))
+        out.append(case.result("crop", None, 0.0, "the cache has no crop"))
         return
-    cache = cache.crop(keep)
+    cache = cache.crop(keep)  # a shared-prefix cache's pool holds the filled one or the cropped one
     target = torch.cat((ids[:, :keep], case.alt[:, keep:]), dim=1)
-    logits, cache = _feed(case.call, cache, target[:, keep:], 5)
-    name, ok, err, _ = _compare("crop", logits, case.full(target)[:, keep:], case.tol, "")
-    out.append((name, ok and cache.seq_len == T, err, f"fill {fill}, crop to {keep}, continue"))
+    run = case.feed(target[:, keep:], 5, cache)
+    want = case.full(target)[:, keep:]
+    out.append(case.result("crop", close(run.logits, want, case.tol) and run.cache.seq_len == T,
+                           max_abs(run.logits, want), f"fill {fill}, crop to {keep}, continue"))
 
 
 def _branch(case: Case, out: list) -> None:
     ids, T = case.ids, case.ids.shape[1]
     P = T // 2
-    _, prefix = _feed(case.call, case.new_cache(), ids[:, :P], case.chunks[-1])
-    before = _snapshot(prefix)
+    prefix = case.feed(ids[:, :P], case.chunks[-1]).cache
+    before = Snapshot.of(prefix)
     ok, err, changed = True, 0.0, 0.0
     for tail in (ids[:, P:], case.alt[:, P:]):
-        logits, _ = _feed(case.call, prefix, tail, 5)
-        _, good, e, _ = _compare("", logits, case.full(torch.cat((ids[:, :P], tail), dim=1))[:, P:], case.tol, "")
-        ok, err = ok and good, max(err, e)
+        logits = case.feed(tail, 5, prefix).logits
+        want = case.full(torch.cat((ids[:, :P], tail), dim=1))[:, P:]
+        ok, err = ok and close(logits, want, case.tol), max(err, max_abs(logits, want))
         if case.cache.in_place:
-            prefix = prefix.crop(P)  # the documented way back to the prefix of a cache written in place
+            prefix = prefix.crop(P)  # the way back to the prefix of a cache written in place
         if prefix.seq_len != P:
             changed = float("inf")
-        changed = max(changed, _changed(before, prefix, P))
-    out.append(("branch", ok and changed == 0.0, max(err, changed), f"two continuations of a {P}-token prefix"))
+        changed = max(changed, before.changed(prefix, P))
+    out.append(case.result("branch", ok and changed == 0.0, max(err, changed),
+                           f"two continuations of a {P}-token prefix"))
 
 
 class InjectedFailure(RuntimeError):
@@ -232,10 +287,11 @@ def _failure(case: Case, out: list) -> None:
     ids, P = case.ids, case.ids.shape[1] // 2
     layers = _layers(case.model)
     if len(layers) == 0:
-        out.append(("failure", None, 0.0, "no layer list (model.h or model.layers) to inject into"))
+        out.append(case.result("failure", None, 0.0,
+                               "no layer list (model.h or model.layers) to inject into"))
         return
-    _, cache = _feed(case.call, case.new_cache(), ids[:, :P], case.chunks[-1])
-    before, length = _snapshot(cache), cache.seq_len
+    cache = case.feed(ids[:, :P], case.chunks[-1]).cache
+    before, length = Snapshot.of(cache), cache.seq_len
 
     def fail(module, args):
         raise InjectedFailure("injected failure in the last layer")
@@ -251,47 +307,32 @@ def _failure(case: Case, out: list) -> None:
     same_shape = cache.seq_len == length and all(tuple(now.shape) == tuple(old.shape)
                                                  for i, pair in enumerate(before.layers)
                                                  for old, now in zip(pair, cache.layer(i)))
-    changed = _changed(before, cache, length) if same_shape else float("inf")
+    changed = before.changed(cache, length) if same_shape else float("inf")
     logits, _ = case.call(ids[:, P:P + 5], cache)
-    _, good, err, _ = _compare("", logits, case.full(ids)[:, P:P + 5], case.tol, "")
-    detail = f"last layer raises on a call after {P} positions" if raised else "the injected failure never fired"
-    out.append(("failure", raised and changed == 0.0 and good, max(changed, err), detail))
+    want = case.full(ids)[:, P:P + 5]
+    detail = (f"last layer raises on a call after {P} positions" if raised
+              else "the injected failure never fired")
+    out.append(case.result("failure", raised and changed == 0.0 and close(logits, want, case.tol),
+                           max(changed, max_abs(logits, want)), detail))
 
 
 def _reference(case: Case, out: list) -> None:
     if case.spec.reference is None:
-        out.append(("reference", None, 0.0, "no independent reference for this model"))
+        out.append(case.result("reference", None, 0.0, "no independent reference for this model"))
         return
     want = case.spec.reference(case.model)(case.ids)
     full = case.full(case.ids)
-    cached, _ = _feed(case.call, case.new_cache(), case.ids, case.chunks[-1])
-    ok = _close(full, want, case.tol) and _close(cached, want, case.tol)
-    out.append(("reference", ok, max(_max_abs(full, want), _max_abs(cached, want)), case.spec.reference_name))
+    cached = case.feed(case.ids, case.chunks[-1]).logits
+    ok = close(full, want, case.tol) and close(cached, want, case.tol)
+    out.append(case.result("reference", ok, max(max_abs(full, want), max_abs(cached, want)),
+                           case.spec.reference_name))
 
 
 SCENARIOS: dict[str, Callable[[Case, list], None]] = {
-    "stream": _stream, "causality": _causality, "last_only": _last_only, "prefill_decode": _prefill_decode,
-    "generate": _generate, "crop": _crop, "branch": _branch, "failure": _failure, "reference": _reference}
-"""Scenario name -> function that appends ``(check, passed, error, detail)`` tuples."""
-
-CHECKS = ("logits", "kv", "lifecycle", "causality", "last_only", "prefill_decode", "generate", "crop",
-          "branch", "failure", "reference")
-"""Every check name, in report order."""
+    "stream": _stream, "last_only": _last_only, "prefill_decode": _prefill_decode,
+    "generate": _generate, "crop": _crop, "branch": _branch, "failure": _failure,
+    "reference": _reference}
+"""Scenario name -> function that appends :class:`CheckResult` s."""
 
 SCENARIO_CHECK = {"stream": "logits"}
 """The check a scenario's exception is reported under, where it differs from the scenario's name."""
-
-WHAT: dict[str, str] = {
-    "logits": "cached vs full logits, every position, whole vocabulary",
-    "kv": "each layer's cached K and V vs the full forward's projections",
-    "lifecycle": "what a cache held before a call, after it (bitwise)",
-    "causality": "earlier positions after the last token changes, both paths",
-    "last_only": "last_only=True vs the full forward's last position",
-    "prefill_decode": "prefill, then decode_step per token, vs the full forward",
-    "generate": "generate()'s picks vs the argmax of one full forward",
-    "crop": "crop a filled cache, continue with other tokens",
-    "branch": "two continuations of one prefix cache; the prefix unchanged",
-    "failure": "a layer raises mid-call: caches unchanged, continuing is right",
-    "reference": "full and cached vs an independent implementation",
-}
-"""What each check compares, for tables."""

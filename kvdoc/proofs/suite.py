@@ -30,34 +30,23 @@ import torch
 
 from . import grid
 from .variants import VARIANTS
-from .scenarios import CHECKS, SCENARIO_CHECK, SCENARIOS, WHAT, Case
+from .scenarios import CHECKS, SCENARIO_CHECK, SCENARIOS, Case, CheckResult
 from kvdoc.measure.tables import markdown_table
 from .verify import DTYPE_NAMES, TOLERANCE
 
-
-@dataclass(frozen=True)
-class CheckResult:
-    """One check on one combination. ``passed`` is None when the check does not apply."""
-
-    check: str
-    model: str
-    kind: str
-    impl: str
-    dtype: str
-    passed: bool | None
-    error: float
-    detail: str
+ORDER = list(CHECKS)
+_DTYPES = {name: dt for dt, name in DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True)
 class SuiteReport:
-    """Every :class:`CheckResult` of one run of the suite.
+    """Every :class:`~kvdoc.proofs.scenarios.CheckResult` of one run of the suite.
 
     Attributes:
         variant: None for the implementation as it is, else the broken variant's name.
-        results: one per check and combination (a scenario that raised gives one failed result,
-            with the exception's message as its detail; a model that could not be built, one
-            failed ``build`` result).
+        results: one per check and combination (and per batch and chunk size for the stream's
+            checks; a scenario that raised gives one failed result, with the exception's message
+            as its detail; a model that could not be built, one failed ``build`` result).
         seconds: wall-clock time of the run (an observation).
     """
 
@@ -83,30 +72,59 @@ class SuiteReport:
     def failed_checks(self) -> list[str]:
         """Names of the checks that failed at least once, in report order."""
         names = list(dict.fromkeys(r.check for r in self.failures))
-        return sorted(names, key=lambda n: CHECKS.index(n) if n in CHECKS else len(CHECKS))
+        return sorted(names, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER))
+
+    def select(self, check: str, **where) -> list[CheckResult]:
+        """The results of ``check`` whose fields equal ``where`` (e.g. ``kind="static", chunk=5``)."""
+        return [r for r in self.results if r.check == check
+                and all(getattr(r, k) == v for k, v in where.items())]
+
+    def result(self, check: str, **where) -> CheckResult:
+        """The one result of ``check`` matching ``where``; KeyError unless exactly one matches."""
+        found = self.select(check, **where)
+        if len(found) != 1:
+            raise KeyError(f"{len(found)} results of {check!r} match {where}")
+        return found[0]
+
+    def max_error(self, check: str = "logits", **where) -> float:
+        """Largest error of ``check`` over the results matching ``where`` (e.g. ``dtype="FP32"``)."""
+        return max((r.error for r in self.select(check, **where)), default=0.0)
 
     def summary_table(self) -> str:
-        """One Markdown row per check: what it compares, combinations passed, largest difference."""
-        names = [n for n in CHECKS if any(r.check == n for r in self.results)]
+        """One Markdown row per check: what it compares, results passed, largest difference."""
+        names = [n for n in ORDER if any(r.check == n for r in self.results)]
         names += [n for n in dict.fromkeys(r.check for r in self.results) if n not in names]
         body = []
         for name in names:
-            rows = [r for r in self.results if r.check == name]
+            rows = self.select(name)
             ran = [r for r in rows if r.passed is not None]
             worst = max((r.error for r in ran), default=0.0)
-            body.append([name, WHAT.get(name, "raised an exception"),
+            body.append([name, CHECKS.get(name, "raised an exception"),
                          f"{sum(bool(r.passed) for r in ran)} of {len(ran)}", len(rows) - len(ran),
                          f"{worst:.2e}" if ran else ""])
         return markdown_table(["check", "compares", "passed", "not applicable", "largest difference"], body)
+
+    def grid_table(self, check: str = "logits") -> str:
+        """One Markdown row per (batch, chunk, dtype) of the stream: ``check``'s error for each
+        cache kind, and whether every stream check of the row passed."""
+        kinds = list(dict.fromkeys(r.kind for r in self.select(check)))
+        combos = list(dict.fromkeys((r.batch, r.chunk, r.dtype) for r in self.select(check)))
+        body = []
+        for b, c, d in combos:
+            row = [r for r in self.results if (r.batch, r.chunk, r.dtype) == (b, c, d)]
+            errors = [f"{self.result(check, kind=k, batch=b, chunk=c, dtype=d).error:.2e}" for k in kinds]
+            body.append([b, c, d, *errors, f"{TOLERANCE[_DTYPES[d]]:.0e}",
+                         "pass" if all(r.passed is not False for r in row) else "FAIL"])
+        return markdown_table(["batch", "chunk (tokens)", "dtype", *[f"max {check} error, {k}" for k in kinds],
+                               "tolerance", "all checks"], body)
 
     def references_table(self) -> str:
         """One Markdown row per model and dtype: its independent reference (transformers' GPT-2, Llama
         or Mistral, or the MHA copy of a GQA model) against kvdoc, full and cached, over every cache
         kind and implementation."""
         body = []
-        for model, dtype in dict.fromkeys((r.model, r.dtype) for r in self.results if r.check == "reference"):
-            rows = [r for r in self.results if r.check == "reference" and (r.model, r.dtype) == (model, dtype)]
-            ran = [r for r in rows if r.passed is not None]
+        for model, dtype in dict.fromkeys((r.model, r.dtype) for r in self.select("reference")):
+            ran = [r for r in self.select("reference", model=model, dtype=dtype) if r.passed is not None]
             if ran:
                 body.append([model, ran[0].detail, dtype, f"{sum(bool(r.passed) for r in ran)} of {len(ran)}",
                              f"{max(r.error for r in ran):.2e}"])
@@ -127,18 +145,24 @@ def _streams(seed: int, batch: int, length: int, vocab: int) -> tuple[torch.Tens
     return torch.randint(0, vocab, (batch, length), generator=g), torch.randint(0, vocab, (batch, length), generator=g)
 
 
+def _failed(case_fields: tuple, exc: Exception, check: str = "build") -> CheckResult:
+    name, kind, impl, dtype = case_fields
+    return CheckResult(check, name, kind, impl, DTYPE_NAMES[dtype], False, float("inf"),
+                       f"raised {type(exc).__name__}: {exc}")
+
+
 def _run_case(case: Case, scenarios: Sequence[str], results: list, stop_at_first: bool) -> bool:
     """Run the scenarios on one combination, appending to ``results``; True if it should stop."""
     for name in scenarios:
-        found: list = []
+        found: list[CheckResult] = []
         try:
             with torch.no_grad():
                 SCENARIOS[name](case, found)
         except Exception as exc:  # the code under test failed: a failed check, not a crash
-            found.append((SCENARIO_CHECK.get(name, name), False, float("inf"), f"raised {type(exc).__name__}: {exc}"))
-        results.extend(CheckResult(c, case.model_name, case.kind, case.impl, DTYPE_NAMES[case.dtype], p, e, d)
-                       for c, p, e, d in found)
-        if stop_at_first and any(p is False for _, p, _, _ in found):
+            found.append(_failed((case.model_name, case.kind, case.impl, case.dtype), exc,
+                                 SCENARIO_CHECK.get(name, name)))
+        results.extend(found)
+        if stop_at_first and any(r.passed is False for r in found):
             return True
     return False
 
@@ -146,8 +170,10 @@ def _run_case(case: Case, scenarios: Sequence[str], results: list, stop_at_first
 def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None,
               kinds: Sequence[str] | None = None, impls: Sequence[str] | None = None,
               dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64), length: int = grid.STREAM_LENGTH,
-              chunks: Sequence[int] = grid.CHUNKS, batch: int = 2, seeds: Sequence[int] = (0,),
-              scenarios: Sequence[str] | None = None, stop_at_first: bool = False) -> SuiteReport:
+              chunks: Sequence[int] = grid.CHUNKS, batches: Sequence[int] = grid.BATCHES,
+              seeds: Sequence[int] = (0,), scenarios: Sequence[str] | None = None,
+              stop_at_first: bool = False, model: torch.nn.Module | None = None,
+              ids: torch.Tensor | None = None) -> SuiteReport:
     """Run the scenarios on every combination of models, cache kinds, implementations and dtypes.
 
     Args:
@@ -156,10 +182,14 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
             (default: all of each, as registered when called; for a variant, ``impls`` defaults
             to ``("model",)``, the broken model itself).
         dtypes: FP32 and/or FP64 (FP64 converts a copy of the FP32 weights).
-        length, chunks, batch, seeds: the stream, the ``logits`` check's chunk sizes, the batch
-            size, and the model seeds.
+        length, chunks, batches, seeds: the stream, the stream checks' chunk and batch sizes
+            (every pair), and the model seeds.
         scenarios: keys of :data:`kvdoc.proofs.scenarios.SCENARIOS` (default all).
         stop_at_first: return at the first failed check (how broken variants are swept).
+        model: a model (FP32, with the :class:`~kvdoc.core.model.Decoder` interface) to verify
+            instead of the grid's models; reported as model ``"given"``, without a reference.
+        ids: the stream ``[B, T]`` to use instead of a random one of ``length`` tokens
+            (``B >= max(batches)``; a batch ``b`` uses its first ``b`` rows).
 
     Returns:
         A :class:`SuiteReport`.
@@ -167,11 +197,12 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
     Raises:
         ValueError: an unknown name on an axis, a bad dtype, or a stream too short for the scenarios.
     """
-    models, kinds = list(models or grid.MODELS), list(kinds or grid.CACHES)
+    specs = {"given": grid.ModelSpec("the model given", lambda seed: model)} if model is not None else grid.MODELS
+    models, kinds = list(models or specs), list(kinds or grid.CACHES)
     # a broken variant is the implementation under test: by default it runs as itself, not wrapped
     impls = list(impls or (grid.IMPLEMENTATIONS if variant is None else ("model",)))
     scenarios = list(scenarios or SCENARIOS)
-    for axis, names, known in (("model", models, grid.MODELS), ("cache kind", kinds, grid.CACHES),
+    for axis, names, known in (("model", models, specs), ("cache kind", kinds, grid.CACHES),
                                ("implementation", impls, grid.IMPLEMENTATIONS), ("scenario", scenarios, SCENARIOS)):
         unknown = [n for n in names if n not in known]
         if unknown:
@@ -180,33 +211,37 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
         raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     if any(dt not in TOLERANCE for dt in dtypes):
         raise ValueError(f"dtypes must be float32 or float64, got {list(dtypes)}")
-    if length < 24 or batch < 1 or not chunks or min(chunks) < 1:
-        raise ValueError(f"need length >= 24, batch >= 1 and positive chunks; got {length}, {batch}, {chunks}")
+    length = length if ids is None else ids.shape[1]
+    if length < 24 or not batches or min(batches) < 1 or not chunks or min(chunks) < 1:
+        raise ValueError(f"need a stream of >= 24 tokens and positive batches and chunks; "
+                         f"got {length}, {list(batches)}, {list(chunks)}")
+    if ids is not None and max(batches) > ids.shape[0]:
+        raise ValueError(f"batch {max(batches)} needs {max(batches)} rows of ids, got {ids.shape[0]}")
     start, results = time.perf_counter(), []
     broken = None if variant is None else VARIANTS[variant]
     for seed in seeds:
         for name in models:
             for dt in dtypes:
                 try:
-                    model = copy.deepcopy(grid.MODELS[name].build(seed)).to(dt).eval()
-                    model = model if broken is None else broken.build(model)
-                    ids, alt = _streams(seed, batch, length, model.config.vocab_size)
+                    under_test = copy.deepcopy(specs[name].build(seed)).to(dt).eval()
+                    under_test = under_test if broken is None else broken.build(under_test)
+                    stream, alt = _streams(seed, max(batches), length, under_test.config.vocab_size)
+                    stream = stream if ids is None else ids[:max(batches)]
                 except Exception as exc:
-                    results.append(CheckResult("build", name, "", "", DTYPE_NAMES[dt], False, float("inf"),
-                                               f"raised {type(exc).__name__}: {exc}"))
+                    results.append(_failed((name, "", "", dt), exc))
                     continue
                 for kind in kinds:
-                    if not grid.CACHES[kind].serves(model.config):
+                    if not grid.CACHES[kind].serves(under_test.config):
                         continue  # e.g. a ring cache for a model without a window
                     for impl in impls:
                         try:
-                            call = grid.IMPLEMENTATIONS[impl](model)
+                            call = grid.IMPLEMENTATIONS[impl](under_test)
                         except Exception as exc:
-                            results.append(CheckResult("build", name, kind, impl, DTYPE_NAMES[dt], False,
-                                                       float("inf"), f"raised {type(exc).__name__}: {exc}"))
+                            results.append(_failed((name, kind, impl, dt), exc))
                             continue
-                        case = Case(name, kind, impl, dt, grid.MODELS[name], grid.CACHES[kind], model, call,
-                                    ids, alt, tuple(chunks), broken is not None and broken.stale_prefix)
+                        case = Case(name, kind, impl, dt, specs[name], grid.CACHES[kind], under_test, call,
+                                    stream, alt, tuple(batches), tuple(chunks),
+                                    broken is not None and broken.stale_prefix)
                         if _run_case(case, scenarios, results, stop_at_first):
                             return SuiteReport(variant, results, time.perf_counter() - start)
     return SuiteReport(variant, results, time.perf_counter() - start)
@@ -275,7 +310,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the broken variants (by default each must be caught)")
     parser.add_argument("--thorough", action="store_true",
                         help=f"a longer stream ({grid.THOROUGH['length']} tokens), more chunk sizes, "
-                             "batch 3, two seeds (slower; CI runs it)")
+                             "batch 3 and 1, two seeds (slower; CI runs it)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -10,9 +10,8 @@ position ``t - pad[b]``. Two things make each row the same function as its promp
 * **the mask**: a real query reads keys at slots ``pad[b] .. t`` only. A pad query reads the
   earlier pad slots, so no row of the softmax is empty; its output is never read.
 
-:func:`generate_padded` runs the batch; :func:`compare_with_alone` checks every row against its
-prompt generated alone. ``shift_positions=False`` is the broken variant: every slot is embedded at
-its own index, so a padded row sees its prompt at the wrong positions.
+:func:`generate_padded` runs the batch; :func:`kvdoc.proofs.serving.compare_with_alone`
+checks every row against its prompt generated alone.
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> _ = torch.manual_seed(0)
@@ -20,9 +19,9 @@ its own index, so a padded row sees its prompt at the wrong positions.
 >>> batch = left_pad([[5, 6, 7], [8]])
 >>> batch.ids.tolist(), batch.pad.tolist()
 ([[5, 6, 7], [0, 0, 8]], [0, 2])
->>> rows = compare_with_alone(model, [[5, 6, 7], [8]], max_new_tokens=4)
->>> [(r.pad, r.same_tokens) for r in rows]
-[(0, True), (2, True)]
+>>> out = generate_padded(model, [[5, 6, 7], [8]], max_new_tokens=4)
+>>> torch.equal(out.tokens[1], generate(model, torch.tensor([[8]]), 4)[0, 1:])  # as if alone
+True
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.core.model import Decoder, generate
-from kvdoc.proofs.verify import TOLERANCE
 
 
 @dataclass(frozen=True)
@@ -118,14 +116,13 @@ class PaddedGeneration:
 
 @torch.no_grad()
 def generate_padded(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                    shift_positions: bool = True, pad_id: int = 0) -> PaddedGeneration:
+                    pad_id: int = 0) -> PaddedGeneration:
     """Greedy generation for a batch of prompts of different lengths, left-padded, one cache.
 
     Args:
         model: the decoder.
         prompts: token-id lists, any lengths.
         max_new_tokens: tokens to generate per row (at least 1).
-        shift_positions: False is the broken variant: slots are embedded at their own index.
         pad_id: the token id placed in pad slots.
 
     Raises:
@@ -148,56 +145,10 @@ def generate_padded(model: Decoder, prompts: Sequence[Sequence[int]], max_new_to
     cache, start, chosen, logits = model.new_cache(ids.shape[0]), 0, [], []
     for _ in range(max_new_tokens):
         C = ids.shape[1]
-        pos = padded_positions(pad if shift_positions else torch.zeros_like(pad), start, C)
-        out, cache = model(ids, cache, last_only=True, positions=pos,
+        out, cache = model(ids, cache, last_only=True, positions=padded_positions(pad, start, C),
                            attn_mask=padded_mask(pad, start, C))
         logits.append(out[:, -1])
         ids = out[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]: the next call's input
         chosen.append(ids)
         start += C
     return PaddedGeneration(torch.cat(chosen, dim=1), torch.stack(logits, dim=1))
-
-
-@dataclass(frozen=True)
-class RowCheck:
-    """One row of a padded batch against its prompt generated alone.
-
-    Attributes:
-        length: prompt tokens. pad: pad slots in front of it.
-        logit_error: max ``|batched - alone|`` over every step and the whole vocabulary.
-        logits_close: within ``atol = rtol`` of :data:`kvdoc.proofs.verify.TOLERANCE` for the dtype.
-        same_tokens: the greedy tokens are identical.
-    """
-
-    length: int
-    pad: int
-    logit_error: float
-    logits_close: bool
-    same_tokens: bool
-
-    @property
-    def passed(self) -> bool:
-        return self.logits_close and self.same_tokens
-
-
-@torch.no_grad()
-def compare_with_alone(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                       shift_positions: bool = True) -> list[RowCheck]:
-    """Generate ``prompts`` as one padded batch and each alone (batch 1, no padding); compare rows.
-
-    The alone reference is :func:`kvdoc.core.model.generate` for the tokens and one full forward over
-    prompt + tokens for the logits (the cached path equals it: :mod:`kvdoc.proofs.verify`).
-    """
-    batched = generate_padded(model, prompts, max_new_tokens, shift_positions)
-    batch = left_pad(prompts)
-    tol = TOLERANCE[model.wte.weight.dtype]
-    device = model.wte.weight.device
-    rows = []
-    for b, prompt in enumerate(prompts):
-        alone = generate(model, torch.tensor([list(prompt)], device=device), max_new_tokens)
-        ref = model(alone[:, :-1]).logits[0, len(prompt) - 1:]  # [N, V]: logits behind each choice
-        got = batched.logits[b]
-        rows.append(RowCheck(len(prompt), int(batch.pad[b]), float((got - ref).abs().max()),
-                             bool(torch.allclose(got, ref, atol=tol, rtol=tol)),
-                             bool(torch.equal(batched.tokens[b], alone[0, len(prompt):]))))
-    return rows

@@ -7,13 +7,14 @@ back as ``q * scale`` within ``scale / 2`` of the original. Scales are per token
 grows. Scales are kept in the model's dtype; they count in every byte figure.
 
 The attention reads the dequantised K and V, so the model's logits differ from the exact cache's
-by an amount :func:`measure_int8` measures: the cache is **not** the same function, and nothing
-here claims it is.
+by an amount :func:`kvdoc.proofs.serving.measure_int8` measures: the cache is **not** the same
+function, and nothing here claims it is.
 
 Layout: K and V are ``[B, H_kv, T, D_h]`` int8, scales ``[B, H_kv, T, 1]``.
 
->>> from kvdoc.proofs.verify import default_model
->>> model = default_model()
+>>> from kvdoc.core.model import Decoder
+>>> _ = torch.manual_seed(0)
+>>> model = Decoder(GPTConfig()).eval()
 >>> _, cache = model(torch.tensor([[5, 6, 7, 8]]), Int8Cache.empty(model.config, 1))
 >>> k, v = cache.layer(0)
 >>> k.dtype, tuple(k.shape)
@@ -24,15 +25,11 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 import torch
 
 from kvdoc.core.cache import KV, DynamicCache, KVCache
 from kvdoc.core.config import GPTConfig, check_int
 from kvdoc.core.model import Decoder
-from kvdoc.proofs.verify import DTYPE_NAMES, chunk_lengths
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,62 +109,6 @@ def new_int8_cache(model: Decoder, batch: int, capacity: int | None = None) -> I
     """An empty :class:`Int8Cache` for ``model`` (``capacity`` is unused: the cache grows)."""
     weight = model.wte.weight
     return Int8Cache.empty(model.config, batch, weight.dtype, weight.device)
-
-
-@torch.no_grad()
-def run_chunks(model: Decoder, ids: torch.Tensor, chunk: int, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
-    """Feed ``ids`` (``[B, T]``) chunk by chunk after ``cache``; the logits ``[B, T, V]`` and the last cache."""
-    out, start = [], 0
-    for length in chunk_lengths(ids.shape[1], chunk):
-        logits, cache = model(ids[:, start:start + length], cache)
-        out.append(logits)
-        start += length
-    return torch.cat(out, dim=1), cache
-
-
-@dataclass(frozen=True)
-class Int8Row:
-    """The int8 cache against one full forward, for one (batch, chunk, dtype).
-
-    Attributes:
-        batch, chunk, dtype: the combination.
-        logit_error: max ``|int8 cached - full|`` over every position and the whole vocabulary.
-        logit_scale: max ``|full logit|``, for scale.
-        kv_error: max ``|dequantised - exact cache|`` over every layer's K and V (after layer 0 this
-            includes the drift of the layer's inputs, which passed through int8 attention).
-        agree: positions whose greedy (argmax) token is the same on both paths.
-        positions: positions compared (``B * T``).
-    """
-
-    batch: int
-    chunk: int
-    dtype: str
-    logit_error: float
-    logit_scale: float
-    kv_error: float
-    agree: int
-    positions: int
-
-
-@torch.no_grad()
-def measure_int8(model: Decoder, ids: torch.Tensor, batches: Sequence[int] = (1, 2),
-                 chunks: Sequence[int] = (1, 2, 5)) -> list[Int8Row]:
-    """Run ``ids`` through ``model`` with the int8 cache and with none, over batches and chunk sizes.
-
-    The reference K/V are those of an exact dynamic cache fed the same chunks.
-    """
-    rows = []
-    for b in batches:
-        full = model(ids[:b]).logits
-        for c in chunks:
-            logits, cache = run_chunks(model, ids[:b], c, new_int8_cache(model, b))
-            _, exact = run_chunks(model, ids[:b], c, model.new_cache(b))
-            kv_err = max(float((got - ref).abs().max()) for i in range(model.config.n_layer)
-                         for got, ref in zip(cache.layer(i), exact.layer(i)))
-            rows.append(Int8Row(b, c, DTYPE_NAMES[model.wte.weight.dtype],
-                                float((logits - full).abs().max()), float(full.abs().max()), kv_err,
-                                int((logits.argmax(-1) == full.argmax(-1)).sum()), full.shape[0] * full.shape[1]))
-    return rows
 
 
 def cache_bytes(config: GPTConfig, batch: int, length: int, seed: int = 0) -> dict[str, int]:

@@ -1,0 +1,159 @@
+"""Checks and measurements of the serving features of :mod:`kvdoc.serving`, against recompute.
+
+* :func:`compare_with_alone`: each row of a left-padded batch
+  (:func:`kvdoc.serving.batching.generate_padded`) against its prompt generated alone;
+  :class:`UnshiftedPositionsDecoder` is the broken variant it must catch.
+* :func:`compare_mix_with_alone`: every request of a shared-prefix run
+  (:func:`kvdoc.serving.workload.measure_mix`) against one full forward of that request alone.
+* :func:`measure_int8`: how far the int8 cache (:mod:`kvdoc.serving.quant`) moves the logits
+  and K/V; an approximation, so this measures and claims nothing.
+
+>>> from kvdoc.proofs.verify import default_model
+>>> model = default_model()
+>>> [(r.pad, r.passed) for r in compare_with_alone(model, [[5, 6, 7], [8]], max_new_tokens=4)]
+[(0, True), (2, True)]
+>>> broken = unshifted_positions(model)
+>>> [(r.pad, r.passed) for r in compare_with_alone(model, [[5, 6, 7], [8]], 4, under_test=broken)]
+[(0, True), (2, False)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvdoc.core.cache import KVCache
+from kvdoc.core.model import Decoder, DecoderOutput, generate
+from kvdoc.serving.batching import generate_padded, left_pad
+from kvdoc.serving.quant import new_int8_cache
+from kvdoc.serving.workload import MixMemory, RequestMix
+from .verify import DTYPE_NAMES, TOLERANCE, close, max_abs, run_cached
+
+
+class UnshiftedPositionsDecoder(Decoder):
+    """BROKEN: ignores per-row positions: slot ``t`` of a padded row is embedded at position ``t``.
+
+    The pad mask still holds, but a row with ``pad`` slots in front sees its prompt at positions
+    ``pad ..`` instead of ``0 ..``: wrong for every padded row, right for a row without padding.
+    """
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False,
+                positions: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None) -> DecoderOutput:
+        # BUG: drops positions
+        return super().forward(idx, cache, last_only=last_only, attn_mask=attn_mask)
+
+
+def unshifted_positions(model: Decoder) -> UnshiftedPositionsDecoder:
+    """An :class:`UnshiftedPositionsDecoder` with ``model``'s config, weights, dtype and device."""
+    weight = model.wte.weight
+    with torch.random.fork_rng():  # the initialisation is overwritten: leave the global RNG alone
+        clone = UnshiftedPositionsDecoder(model.config).to(weight.dtype).to(weight.device)
+    clone.load_state_dict(model.state_dict())
+    return clone.eval()
+
+
+@dataclass(frozen=True)
+class RowCheck:
+    """One row of a padded batch against its prompt generated alone.
+
+    Attributes:
+        length: prompt tokens. pad: pad slots in front of it.
+        logit_error: max ``|batched - alone|`` over every step and the whole vocabulary.
+        logits_close: within ``atol = rtol`` of :data:`kvdoc.proofs.verify.TOLERANCE` for the dtype.
+        same_tokens: the greedy tokens are identical.
+    """
+
+    length: int
+    pad: int
+    logit_error: float
+    logits_close: bool
+    same_tokens: bool
+
+    @property
+    def passed(self) -> bool:
+        return self.logits_close and self.same_tokens
+
+
+@torch.no_grad()
+def compare_with_alone(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                       under_test: Decoder | None = None) -> list[RowCheck]:
+    """Generate ``prompts`` as one padded batch with ``under_test`` (default ``model``) and each
+    alone with ``model`` (batch 1, no padding); compare row by row.
+
+    The alone reference is :func:`kvdoc.core.model.generate` for the tokens and one full forward
+    over prompt + tokens for the logits.
+    """
+    batched = generate_padded(model if under_test is None else under_test, prompts, max_new_tokens)
+    pad = left_pad(prompts).pad
+    tol, device = TOLERANCE[model.wte.weight.dtype], model.wte.weight.device
+    rows = []
+    for b, prompt in enumerate(prompts):
+        alone = generate(model, torch.tensor([list(prompt)], device=device), max_new_tokens)
+        ref = model(alone[:, :-1]).logits[0, len(prompt) - 1:]  # [N, V]: logits behind each choice
+        got = batched.logits[b]
+        rows.append(RowCheck(len(prompt), int(pad[b]), max_abs(got, ref), close(got, ref, tol),
+                             bool(torch.equal(batched.tokens[b], alone[0, len(prompt):]))))
+    return rows
+
+
+@torch.no_grad()
+def compare_mix_with_alone(model: Decoder, mix: RequestMix,
+                           memory: MixMemory) -> tuple[float, bool]:
+    """``(max error, all within tolerance)`` of each request's shared-prefix logits
+    (``memory.logits``) against one full forward of prefix + user + output alone."""
+    tol, device = TOLERANCE[model.wte.weight.dtype], model.wte.weight.device
+    err, ok = 0.0, len(memory.logits) == len(mix.users)
+    for user, output, got in zip(mix.users, mix.outputs, memory.logits):
+        ids = torch.tensor([mix.prefix + user + output], device=device)
+        alone = model(ids).logits[:, len(mix.prefix):]
+        err, ok = max(err, max_abs(got, alone)), ok and close(got, alone, tol)
+    return err, ok
+
+
+@dataclass(frozen=True)
+class Int8Row:
+    """The int8 cache against one full forward, for one (batch, chunk, dtype).
+
+    Attributes:
+        batch, chunk, dtype: the combination.
+        logit_error: max ``|int8 cached - full|`` over every position and the whole vocabulary.
+        logit_scale: max ``|full logit|``, for scale.
+        kv_error: max ``|dequantised - exact cache|`` over every layer's K and V (after layer 0 this
+            includes the drift of the layer's inputs, which passed through int8 attention).
+        agree: positions whose greedy (argmax) token is the same on both paths.
+        positions: positions compared (``B * T``).
+    """
+
+    batch: int
+    chunk: int
+    dtype: str
+    logit_error: float
+    logit_scale: float
+    kv_error: float
+    agree: int
+    positions: int
+
+
+@torch.no_grad()
+def measure_int8(model: Decoder, ids: torch.Tensor, batches: Sequence[int] = (1, 2),
+                 chunks: Sequence[int] = (1, 2, 5)) -> list[Int8Row]:
+    """Run ``ids`` through ``model`` with the int8 cache and with none, per batch and chunk size.
+
+    The reference K/V are those of an exact dynamic cache fed the same chunks.
+    """
+    rows = []
+    for b in batches:
+        full = model(ids[:b]).logits
+        for c in chunks:
+            int8 = run_cached(model, ids[:b], c, cache=new_int8_cache(model, b))
+            exact = run_cached(model, ids[:b], c).cache
+            kv_err = max(max_abs(got, ref) for i in range(model.config.n_layer)
+                         for got, ref in zip(int8.cache.layer(i), exact.layer(i)))
+            rows.append(Int8Row(b, c, DTYPE_NAMES[model.wte.weight.dtype],
+                                max_abs(int8.logits, full), float(full.abs().max()), kv_err,
+                                int((int8.logits.argmax(-1) == full.argmax(-1)).sum()),
+                                full.shape[0] * full.shape[1]))
+    return rows
