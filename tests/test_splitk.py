@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from kvdoc.core.mask import offset_causal_mask
 from kvdoc.proofs.verify import TOLERANCE
 from kvdoc import Decoder, GPTConfig, mistral_config
-from kvdoc.serving.splitk import merge, partial_attention, split_k_attention, split_k_decoder
+from kvdoc.serving.splitk import (all_partials, merge, partial_attention, split_k_attention,
+                                   split_k_decoder)
 
 
 def qkv(B: int, H: int, H_kv: int, C: int, T: int, D: int, dtype: torch.dtype, seed: int = 0):
@@ -123,3 +124,14 @@ def test_split_k_decoder_takes_padded_batches():
 def test_a_split_below_one_is_refused():
     with pytest.raises(ValueError, match="split"):
         split_k_decoder(Decoder(GPTConfig()), 0)
+
+
+@pytest.mark.parametrize("split", [3, 4])
+def test_all_partials_are_the_chunks_partials(split):
+    q, k, v = qkv(2, 4, 2, 3, 10, 4, torch.float64)
+    mask = offset_causal_mask(7, 3, window=6)
+    stacked = all_partials(q, k, v, split, mask)
+    for i, s in enumerate(range(0, 10, split)):
+        one = partial_attention(q, k[:, :, s:s + split], v[:, :, s:s + split], mask[:, s:s + split])
+        for got, want in zip(stacked, one, strict=True):
+            torch.testing.assert_close(got[i], want, atol=1e-12, rtol=1e-12)

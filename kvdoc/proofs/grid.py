@@ -25,7 +25,7 @@ To verify something that is not registered, pass it in: ``run_suite(model=...)``
 scenario on a given model, and :data:`GRID` is the equivalence grid of the site's model.
 
 >>> sorted(MODELS)
-['gqa', 'llama', 'mha', 'mistral', 'mqa']
+['gqa', 'llama', 'mha', 'mistral', 'mqa', 'split-k']
 >>> sorted(CACHES), sorted(IMPLEMENTATIONS)
 (['dynamic', 'paged', 'shared-prefix', 'static', 'window'], ['fast', 'model'])
 >>> MODELS["gqa"].build(0).config.n_kv_head
@@ -45,12 +45,15 @@ from kvdoc.core.config import GPTConfig, llama_config, mistral_config
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import Decoder
 from kvdoc.serving.paged import new_paged_cache, new_shared_prefix_cache
+from kvdoc.serving.splitk import split_k_decoder
 from .references import mha_reference, transformers_reference
 
 STREAM_LENGTH = 83
 """Tokens in the default stream: past 32 and 64, and prime, so no chunk size above 1 divides it."""
 WINDOW = 16
 """The Mistral-style model's window: the default stream crosses it five times."""
+SPLIT = 5
+"""Keys per chunk of the split-K model: divides neither the window nor the stream."""
 CHUNKS = (1, 2, 5, 13)
 """Chunk sizes of the default stream checks."""
 BATCHES = (2,)
@@ -111,6 +114,12 @@ MODELS: dict[str, ModelSpec] = {
     "mistral": ModelSpec(f"Mistral-style: Llama with a sliding window of {WINDOW} positions",
                          _decoder(mistral_config(sliding_window=WINDOW)), transformers_reference,
                          "transformers Mistral, same weights"),
+    # split-K attention is an implementation of attention, not of a call: the model attends that
+    # way in its full forward too, so the reference (SDPA throughout) is what tells it apart
+    "split-k": ModelSpec(f"Mistral-style, split-K attention over chunks of {SPLIT} keys",
+                         lambda seed: split_k_decoder(
+                             _decoder(mistral_config(sliding_window=WINDOW))(seed), SPLIT),
+                         transformers_reference, "transformers Mistral, same weights"),
 }
 """Model configurations by name."""
 

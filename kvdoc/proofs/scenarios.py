@@ -37,6 +37,7 @@ from torch import nn
 
 from kvdoc.core.cache import KVCache
 from kvdoc.core.model import decode_step, generate, prefill
+from kvdoc.serving.speculative import speculative_generate, truncated_draft
 from .broken import stale_prefix
 from .grid import CacheSpec, ModelSpec
 from .verify import (DTYPE_NAMES, TOLERANCE, CachedRun, Snapshot, close, full_forward_kv, max_abs,
@@ -54,6 +55,7 @@ CHECKS: dict[str, str] = {
     "last_only": "last_only=True vs the full forward's last position",
     "prefill_decode": "prefill, then decode_step per token, vs the full forward",
     "generate": "generate()'s picks vs the argmax of one full forward",
+    "speculative": "speculative decoding's tokens (draft, verify, crop) vs that argmax",
     "crop": "crop a filled cache, continue with other tokens",
     "branch": "two continuations of one prefix cache; the prefix unchanged",
     "failure": "a layer raises mid-call: caches unchanged, continuing is right",
@@ -229,16 +231,37 @@ def _generate(case: Case, out: list) -> None:
             out.append(case.result("generate", False, float("inf"),
                                    f"returned shape {tuple(tokens.shape)}"))
             return
-        logits = case.full(tokens)[:, 4:-1]  # position t predicts token t + 1
-        best = logits.max(dim=-1).values
-        chosen = logits.gather(-1, tokens[:, 5:, None]).squeeze(-1)
-        worst = float((best - chosen).max().item())  # 0 when every pick is the argmax
-        # a near tie may go either way
-        ok = ok and worst <= 2 * case.tol * (1 + float(best.abs().max().item()))
-        gap = max(gap, worst)
+        passed, worst = _greedy(case, tokens, 5)
+        ok, gap = ok and passed, max(gap, worst)
     out.append(case.result("generate", ok, gap,
                            f"{new} tokens vs argmax of one full forward; "
                            f"batch {case.ids.shape[0]} and 1"))
+
+
+def _greedy(case: Case, tokens: torch.Tensor, prompt: int) -> tuple[bool, float]:
+    """Whether every token after ``prompt`` is the argmax of one full forward (a near tie,
+    within the dtype's tolerance, may go either way), and the largest logit gap."""
+    logits = case.full(tokens)[:, prompt - 1:-1]  # position t predicts token t + 1
+    best = logits.max(dim=-1).values
+    chosen = logits.gather(-1, tokens[:, prompt:, None]).squeeze(-1)
+    worst = float((best - chosen).max().item())  # 0 when every pick is the argmax
+    return worst <= 2 * case.tol * (1 + float(best.abs().max().item())), worst
+
+
+def _speculative(case: Case, out: list) -> None:
+    if case.impl != "model" or case.kind not in ("dynamic", "static"):
+        out.append(case.result("speculative", None, 0.0,
+                               "speculative_generate takes the model and a kind that crops"))
+        return
+    prompt, k = case.ids[:1, :5], 3
+    new = case.ids.shape[1] - 5 - k  # the verify call reaches k positions past the last token
+    run = speculative_generate(case.model, truncated_draft(case.model, 1), prompt, new, k=k,
+                               cache=case.kind)
+    ok, gap = _greedy(case, run.tokens, 5)
+    ok = ok and run.tokens.shape[1] == 5 + new and sum(run.accepted) + run.rounds == new
+    out.append(case.result("speculative", ok, gap,
+                           f"{new} tokens, a 1-layer draft proposing {k} a round, "
+                           f"{sum(run.accepted)} kept; vs argmax of one full forward"))
 
 
 def _crop(case: Case, out: list) -> None:
@@ -330,7 +353,7 @@ def _reference(case: Case, out: list) -> None:
 
 SCENARIOS: dict[str, Callable[[Case, list], None]] = {
     "stream": _stream, "last_only": _last_only, "prefill_decode": _prefill_decode,
-    "generate": _generate, "crop": _crop, "branch": _branch, "failure": _failure,
+    "generate": _generate, "speculative": _speculative, "crop": _crop, "branch": _branch, "failure": _failure,
     "reference": _reference}
 """Scenario name -> function that appends :class:`CheckResult` s."""
 

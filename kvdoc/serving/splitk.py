@@ -29,6 +29,7 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from kvdoc.core.config import GPTConfig, check_int
 from kvdoc.core.mask import offset_causal_mask
@@ -72,8 +73,11 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return Partial(out, m.reshape(B, H, C), p.sum(dim=-1).reshape(B, H, C))
 
 
-def merge(parts: list[Partial]) -> tuple[torch.Tensor, torch.Tensor]:
+def merge(parts: list[Partial] | Partial) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge partials into the output ``[B, H, C, D_h]`` and its log-sum-exp ``[B, H, C]``.
+
+    ``parts`` is a list of chunks' partials, or one :class:`Partial` whose fields carry the
+    chunks along a leading dimension (what :func:`split_k_attention` computes at once).
 
     Raises:
         ValueError: no partials, or a query row that no chunk lets read any key.
@@ -85,15 +89,48 @@ def merge(parts: list[Partial]) -> tuple[torch.Tensor, torch.Tensor]:
     >>> torch.allclose(out, ref, atol=1e-6)
     True
     """
-    if not parts:
-        raise ValueError("merge needs at least one partial")
-    m = torch.stack([p.m for p in parts]).amax(dim=0)  # [B, H, C]
+    if not isinstance(parts, Partial):
+        if not parts:
+            raise ValueError("merge needs at least one partial")
+        parts = Partial(*(torch.stack(field) for field in zip(*parts, strict=True)))
+    m = parts.m.amax(dim=0)  # [B, H, C]
     if m.isinf().any():
         raise ValueError("a query row reads no key in any chunk; its softmax is undefined")
-    weights = [torch.exp(p.m - m) for p in parts]  # exp(-inf) = 0 for a chunk that hid everything
-    l = sum(w * p.l for w, p in zip(weights, parts, strict=True))  # noqa: E741
-    out = sum(w[..., None] * p.out for w, p in zip(weights, parts, strict=True))
+    w = torch.exp(parts.m - m)  # [chunks, B, H, C]; exp(-inf) = 0 for a chunk that hid everything
+    l = (w * parts.l).sum(dim=0)  # noqa: E741
+    out = (w[..., None] * parts.out).sum(dim=0)
     return out / l[..., None], m + torch.log(l)
+
+
+def all_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int,
+                 mask: torch.Tensor | None = None) -> Partial:
+    """Every chunk's :func:`partial_attention` at once, chunks along a leading dimension.
+
+    What a split-K kernel does in parallel: the keys are padded to whole chunks (the padding
+    hidden by the mask) and every chunk is one slice of one batched computation.
+    """
+    B, H, C, D = q.shape
+    H_kv, T = k.shape[1], k.shape[2]
+    n = math.ceil(T / split)
+    pad = n * split - T
+    visible = torch.ones(C, T, dtype=torch.bool, device=q.device) if mask is None else mask
+    visible = F.pad(visible, (0, pad))  # padded keys are never visible
+    if visible.dim() == 2:  # [C, n S] -> [n, 1, C, S], against scores [B, H_kv, n, g, C, S]
+        rows = visible.view(C, n, split).transpose(0, 1)[:, None]
+    else:  # a mask per row: [B, C, n S] -> [B, 1, n, 1, C, S]
+        rows = visible.view(B, C, n, split).transpose(1, 2)[:, None, :, None]
+    k = F.pad(k, (0, 0, 0, pad)).view(B, H_kv, n, split, D)
+    v = F.pad(v, (0, 0, 0, pad)).view(B, H_kv, n, split, D)
+    qg = q.reshape(B, H_kv, 1, (H // H_kv) * C, D)  # a K/V head's query rows side by side
+    scores = (qg @ k.transpose(-1, -2)).mul_(1.0 / math.sqrt(D))  # [B, H_kv, n, g C, S]
+    scores = scores.view(B, H_kv, n, H // H_kv, C, split).masked_fill(~rows, -math.inf)
+    m = scores.amax(dim=-1)  # [B, H_kv, n, g, C]
+    p = torch.exp(scores - torch.where(m.isinf(), 0.0, m)[..., None])
+    out = p.view(B, H_kv, n, -1, split) @ v  # [B, H_kv, n, g C, D]
+
+    def chunks_first(x: torch.Tensor, *tail: int) -> torch.Tensor:  # [B, H_kv, n, ...] -> [n, B, H, ...]
+        return x.movedim(2, 0).reshape(n, B, H, *tail)
+    return Partial(chunks_first(out, C, D), chunks_first(m, C), chunks_first(p.sum(dim=-1), C))
 
 
 def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int,
@@ -132,10 +169,7 @@ def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: 
     T = k.shape[2]
     if mask is not None and tuple(mask.shape) not in ((C, T), (B, C, T)):
         raise ValueError(f"mask must be [C, T] = [{C}, {T}] or [B, C, T], got {tuple(mask.shape)}")
-    starts = range(0, T, split)
-    parts = [partial_attention(q, k[:, :, s:s + split], v[:, :, s:s + split],
-                               None if mask is None else mask[..., s:s + split]) for s in starts]
-    return merge(parts)[0]
+    return merge(all_partials(q, k, v, split, mask))[0]
 
 
 class SplitKAttention(CausalSelfAttention):
