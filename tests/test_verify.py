@@ -12,7 +12,7 @@ import kvdoc.core.model
 from kvdoc.core import cache as kvcache
 from kvdoc.proofs import grid
 from kvdoc.__main__ import main as cli
-from kvdoc.proofs.broken import stale_prefix
+from kvdoc.proofs.broken import PositionsRestartDecoder, copy_as, stale_prefix
 from kvdoc.proofs.variants import BUG_CLASSES, VARIANTS
 from kvdoc.proofs.scenarios import CHECKS
 from kvdoc.proofs.suite import run_suite, sweep_variants, variants_table
@@ -158,7 +158,7 @@ def test_the_suite_catches_every_variant(name):
     ("gqa-tiled-shared", {"reference"}),         # shared path: cached equals full
     ("clamped-positions", {"reference"}),
     ("static-early-length", {"failure"}),        # right unless a call fails midway
-    ("position-counter", {"crop", "branch", "failure"}),  # right for one stream fed in order
+    ("position-counter", {"crop", "branch", "failure", "speculative"}),  # one stream, in order
     ("last-only-first-row", {"last_only", "prefill_decode", "generate"}),
 ])
 def test_some_variants_escape_all_but_one_kind_of_check(name, only):
@@ -247,22 +247,6 @@ def test_patched_static_cache_that_advances_early_is_caught(monkeypatch):
     assert _fails(models=("mha",), kinds=("static",)) == ["failure"]
 
 
-def test_patched_positions_clamped_everywhere_is_caught_by_the_reference(monkeypatch):
-    monkeypatch.setattr(kvdoc.core.model.Decoder, "positions",
-                        lambda self, start, n, device: torch.arange(start, start + n, device=device).clamp(max=40))
-    assert _fails(models=("mha",), kinds=("dynamic",)) == ["reference"]
-
-
-def test_patched_position_counter_is_caught(monkeypatch):
-    def positions(self, start, n, device):
-        first = 0 if start == 0 else self.__dict__.get("_count", 0)
-        self.__dict__["_count"] = first + n
-        return torch.arange(first, first + n, device=device)
-
-    monkeypatch.setattr(kvdoc.core.model.Decoder, "positions", positions)
-    assert {"crop", "branch"} <= set(_fails(models=("gqa",), kinds=("dynamic",)))
-
-
 def test_patched_gqa_sharing_in_both_paths_is_caught(monkeypatch):
     real = kvdoc.core.model.F.scaled_dot_product_attention
 
@@ -300,13 +284,8 @@ def test_patched_last_only_is_caught(monkeypatch):
 
 
 def test_a_model_passed_in_is_the_one_verified():
-    class Restart(kvdoc.core.model.Decoder):
-        def positions(self, start, n, device):
-            return torch.arange(n, device=device)
-
     right = default_model()
-    restart = Restart(right.config).eval()
-    restart.load_state_dict(right.state_dict())
+    restart = copy_as(right, PositionsRestartDecoder)  # same weights, positions restart at 0
     assert "logits" in _fails(model=restart, kinds=("dynamic",))
     assert run_suite(model=right, kinds=("dynamic",), impls=("model",), **FP32).passed  # same weights
 

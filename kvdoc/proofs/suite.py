@@ -198,6 +198,8 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
         ValueError: an unknown name on an axis, a bad dtype, or a stream too short for the scenarios.
     """
     specs = {"given": grid.ModelSpec("the model given", lambda seed: model)} if model is not None else grid.MODELS
+    if variant in VARIANTS and models is None and model is None and VARIANTS[variant].models:
+        models = VARIANTS[variant].models  # built for some models only (e.g. learned positions)
     models, kinds = list(models or specs), list(kinds or grid.CACHES)
     # a broken variant is the implementation under test: by default it runs as itself, not wrapped
     impls = list(impls or (grid.IMPLEMENTATIONS if variant is None else ("model",)))
