@@ -77,7 +77,7 @@ def test_checker_catches_a_refusal_that_changed_a_cache():
         assert outcome.matches and not outcome.caches_unchanged and not outcome.ok, outcome
 
 
-def GPTConfig_bad() -> None:  # noqa: N802 - named for what it imitates
+def GPTConfig_bad() -> None:
     from kvdoc import GPTConfig
 
     GPTConfig(n_layer=0)

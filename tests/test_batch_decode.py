@@ -7,8 +7,18 @@ import torch
 
 from kvdoc import Decoder, GPTConfig, StaticCache
 from kvdoc.measure.batch_decode import (
-    H100_SXM, Accelerator, crossover_batch, kv_heads_per_device, kv_per_sequence, largest_batch,
-    llama_family_parameters, preset_kv_per_sequence, step_traffic, time_batches, weight_bytes)
+    H100_SXM,
+    Accelerator,
+    crossover_batch,
+    kv_heads_per_device,
+    kv_per_sequence,
+    largest_batch,
+    llama_family_parameters,
+    preset_kv_per_sequence,
+    step_traffic,
+    time_batches,
+    weight_bytes,
+)
 from kvdoc.measure.memory import PRESETS
 
 LLAMA_FAMILY = [p for p in PRESETS.values() if p.hidden is not None]

@@ -8,12 +8,25 @@ import torch
 
 from kvdoc import Decoder, GPTConfig
 from kvdoc.__main__ import main as cli
-from kvdoc.measure.bench import TARGETS, BenchSettings, run_bench
-from kvdoc.measure.bench_tables import (ablation_table, counts_table, flops_table, growth_figure, roofline_table,
-                                timings_figure, timings_table)
-from kvdoc.measure.dispatch import count_ops
-from kvdoc.measure.costs import RowCounter, projected_positions_full, run_flops, step_bytes, step_flops
 from kvdoc.measure.ablation import ABLATION, LeanStep
+from kvdoc.measure.bench import TARGETS, BenchSettings, run_bench
+from kvdoc.measure.bench_tables import (
+    ablation_table,
+    counts_table,
+    flops_table,
+    growth_figure,
+    roofline_table,
+    timings_figure,
+    timings_table,
+)
+from kvdoc.measure.costs import (
+    RowCounter,
+    projected_positions_full,
+    run_flops,
+    step_bytes,
+    step_flops,
+)
+from kvdoc.measure.dispatch import count_ops
 from kvdoc.measure.timing import percentile, time_paths
 
 TINY_ROOF = GPTConfig(vocab_size=101, n_positions=64, n_layer=2, n_head=2, n_embd=32, n_inner=64)

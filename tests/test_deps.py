@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvdoc import Decoder, GPTConfig
+from kvdoc.measure.tables import markdown_table
 from kvdoc.proofs.deps import (
     compare_maps,
     dependency_map,
@@ -15,7 +16,6 @@ from kvdoc.proofs.deps import (
     token_dependency_map,
 )
 from kvdoc.proofs.sites import decoder_function, decoder_sites, decoder_values, kv_rows_changed
-from kvdoc.measure.tables import markdown_table
 
 SMALL = GPTConfig(vocab_size=11, n_positions=16, n_layer=2, n_head=2, n_embd=8, n_inner=16)
 

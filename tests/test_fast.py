@@ -184,7 +184,7 @@ def test_index_dtypes_behave_as_in_the_model():
             _, cache = model(torch.tensor([[1, 2, 3]]), model.new_cache(1, "static", capacity=8))
             try:
                 outcomes.append(step(torch.tensor([[4]], dtype=dtype), cache).logits)
-            except Exception as exc:  # noqa: BLE001 - compared below
+            except Exception as exc:
                 outcomes.append((type(exc), str(exc), cache.seq_len))
         if isinstance(outcomes[0], torch.Tensor):
             torch.testing.assert_close(outcomes[1], outcomes[0], atol=1e-5, rtol=0)

@@ -95,9 +95,13 @@ def test_unsupported_variants_are_refused(pair):
 # --- Llama and Mistral (random weights, built offline from a config) ---------------------------
 
 from kvdoc.core.config import llama_config, mistral_config  # noqa: E402
+from kvdoc.interop.hf import (  # noqa: E402
+    config_from_transformers,
+    float64_islands_lifted,
+    transformers_config,
+    transformers_model,
+)
 from kvdoc.proofs.crosscheck import match_transformers  # noqa: E402
-from kvdoc.interop.hf import (config_from_transformers, float64_islands_lifted,  # noqa: E402
-                           transformers_config, transformers_model)
 from kvdoc.proofs.verify import TOLERANCE  # noqa: E402
 
 # crosses window 32 three times

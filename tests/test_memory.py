@@ -11,8 +11,16 @@ from kvdoc import Decoder, GPTConfig, generate
 from kvdoc.__main__ import main as cli
 from kvdoc.measure.copymeter import CopyMeter
 from kvdoc.measure.memory import (
-    PRESETS, binary_size, decimal_size, element_size, kv_bytes, kv_bytes_for_config,
-    kv_bytes_per_layer, measured_bytes, preset, resolve_dtype,
+    PRESETS,
+    binary_size,
+    decimal_size,
+    element_size,
+    kv_bytes,
+    kv_bytes_for_config,
+    kv_bytes_per_layer,
+    measured_bytes,
+    preset,
+    resolve_dtype,
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]

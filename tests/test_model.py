@@ -7,7 +7,6 @@ from kvdoc import Decoder, GPTConfig, decode_step, generate, prefill
 from kvdoc.proofs.verify import TOLERANCE
 
 
-
 def chunked(model, ids, chunk, kind):
     """Feed ids in chunks of `chunk` (the last may be short); return logits [B, T, V], cache."""
     cache = model.new_cache(ids.shape[0], kind)

@@ -8,7 +8,13 @@ import torch
 from kvdoc import Decoder, GPTConfig
 from kvdoc.proofs.serving import compare_mix_with_alone
 from kvdoc.proofs.verify import TOLERANCE, Snapshot, run_cached
-from kvdoc.serving.paged import BlockPool, PagedCache, SharedPrefixCache, new_paged_cache, new_shared_prefix_cache
+from kvdoc.serving.paged import (
+    BlockPool,
+    PagedCache,
+    SharedPrefixCache,
+    new_paged_cache,
+    new_shared_prefix_cache,
+)
 from kvdoc.serving.workload import measure_mix, request_mix
 
 FACTORIES = {"paged": new_paged_cache, "shared-prefix": new_shared_prefix_cache}

@@ -8,11 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvdoc import Decoder, GPTConfig, mistral_config
 from kvdoc.core.mask import offset_causal_mask
 from kvdoc.proofs.verify import TOLERANCE
-from kvdoc import Decoder, GPTConfig, mistral_config
-from kvdoc.serving.splitk import (all_partials, merge, partial_attention, split_k_attention,
-                                   split_k_decoder)
+from kvdoc.serving.splitk import (
+    all_partials,
+    merge,
+    partial_attention,
+    split_k_attention,
+    split_k_decoder,
+)
 
 
 def qkv(B: int, H: int, H_kv: int, C: int, T: int, D: int, dtype: torch.dtype, seed: int = 0):

@@ -14,13 +14,19 @@ from kvdoc.teach.toy import (
     ToyLab,
     check_against_full,
     common_prefix_len,
-    work_counts,
     expected_counts,
     full_forward,
     mask_exercise,
     prefix_edit,
+    work_counts,
 )
-from kvdoc.teach.worked import SOURCE_FIGURES, WORKED_INPUTS, compare_with_source, naive_step, worked_example
+from kvdoc.teach.worked import (
+    SOURCE_FIGURES,
+    WORKED_INPUTS,
+    compare_with_source,
+    naive_step,
+    worked_example,
+)
 
 
 def _explicit_attention_last_row(x: torch.Tensor) -> torch.Tensor:

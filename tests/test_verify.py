@@ -9,17 +9,24 @@ import pytest
 import torch
 
 import kvdoc.core.model
-from kvdoc.core import cache as kvcache
-from kvdoc.proofs import grid
 from kvdoc.__main__ import main as cli
+from kvdoc.core import cache as kvcache
+from kvdoc.interop.hf import transformers_model
+from kvdoc.proofs import grid
 from kvdoc.proofs.broken import PositionsRestartDecoder, copy_as, stale_prefix
-from kvdoc.proofs.variants import BUG_CLASSES, VARIANTS
+from kvdoc.proofs.crosscheck import match_transformers
 from kvdoc.proofs.scenarios import CHECKS
 from kvdoc.proofs.suite import run_suite, sweep_variants, variants_table
-from kvdoc.proofs.crosscheck import match_transformers
-from kvdoc.interop.hf import transformers_model
-from kvdoc.proofs.verify import (TOLERANCE, chunk_lengths, default_model, default_stream, max_abs,
-                                 run_cached, split_error)
+from kvdoc.proofs.variants import BUG_CLASSES, VARIANTS
+from kvdoc.proofs.verify import (
+    TOLERANCE,
+    chunk_lengths,
+    default_model,
+    default_stream,
+    max_abs,
+    run_cached,
+    split_error,
+)
 
 SMALL = dict(batches=(2,), chunks=(1, 2), dtypes=(torch.float32,))
 FP32 = dict(dtypes=(torch.float32,))

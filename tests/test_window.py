@@ -8,8 +8,8 @@ import torch
 from kvdoc import Decoder
 from kvdoc.core.config import llama_config, mistral_config
 from kvdoc.core.rope import apply_rope
-from kvdoc.proofs.verify import TOLERANCE, run_cached
 from kvdoc.core.window import SlidingWindowCache
+from kvdoc.proofs.verify import TOLERANCE, run_cached
 
 W, T = 32, 100
 

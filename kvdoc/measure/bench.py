@@ -314,7 +314,7 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
             model, hf = build_models(settings.model, settings.seed, settings.transformers)
             fast = FastDecoder(model)
             env = environment()
-            stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+            stamp = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
             timings, kv_kib, diffs, counts, flops = {}, {}, {}, {}, {}
             P_max, ablation = max(settings.prefix_lens), None
             for P in settings.prefix_lens:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvdoc.core.cache import KV, KVCache
+
 from .dispatch import WriteCounter, tensor_bytes
 from .wrapper import CacheWrapper
 

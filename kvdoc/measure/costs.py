@@ -14,6 +14,7 @@ import torch
 from kvdoc.core.config import GPTConfig
 from kvdoc.core.model import Decoder
 
+
 def projected_positions_full(prefix_len: int, new_tokens: int) -> int:
     """Positions full recompute pushes through each layer over ``G`` steps: ``G P + G (G + 1) / 2``.
 

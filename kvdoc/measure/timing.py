@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+
 def percentile(samples: Iterable[float], q: float) -> float:
     """The ``q``-th percentile (linear interpolation) of ``samples`` as a Python float.
 

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import torch
 
-from .broken import with_attention
 from kvdoc.core.cache import KVCache
 from kvdoc.core.model import CausalSelfAttention, Decoder
 from kvdoc.core.rope import apply_rope
+
+from .broken import with_attention
 
 
 def _split_heads(attn: CausalSelfAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

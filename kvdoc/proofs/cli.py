@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from kvdoc.measure import bench, memory
+
 from . import suite
 
 COMMANDS = {"verify": suite, "memory": memory, "bench": bench}

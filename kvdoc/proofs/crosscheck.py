@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvdoc.interop.hf import float64_islands_lifted, from_transformers
+
 from .verify import DTYPE_NAMES, max_abs, run_cached
 
 

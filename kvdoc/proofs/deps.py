@@ -31,7 +31,6 @@ import torch
 
 from kvdoc.measure.tables import markdown_table
 
-
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
 DEFAULT_RTOL = 1e-10

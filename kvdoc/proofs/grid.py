@@ -46,6 +46,7 @@ from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import Decoder
 from kvdoc.serving.paged import new_paged_cache, new_shared_prefix_cache
 from kvdoc.serving.splitk import split_k_decoder
+
 from .references import mha_reference, transformers_reference
 
 STREAM_LENGTH = 83

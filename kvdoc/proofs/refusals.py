@@ -168,7 +168,7 @@ def attempt(refusal: Refusal) -> Outcome:
     raised, message, matches = None, "", False
     try:
         refusal.run(fx)
-    except Exception as exc:  # noqa: BLE001 - recorded and judged below
+    except Exception as exc:
         raised, message = type(exc).__name__, str(exc)
         matches = isinstance(exc, refusal.error) and refusal.fragment in message
     unchanged = all(_same(cache, snaps[name]) for name, cache in fx.caches().items())

@@ -38,10 +38,19 @@ from torch import nn
 from kvdoc.core.cache import KVCache
 from kvdoc.core.model import decode_step, generate, prefill
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
+
 from .broken import stale_prefix
 from .grid import CacheSpec, ModelSpec
-from .verify import (DTYPE_NAMES, TOLERANCE, CachedRun, Snapshot, close, full_forward_kv, max_abs,
-                     run_cached)
+from .verify import (
+    DTYPE_NAMES,
+    TOLERANCE,
+    CachedRun,
+    Snapshot,
+    close,
+    full_forward_kv,
+    max_abs,
+    run_cached,
+)
 
 SPARE = 8
 """Positions of capacity beyond the stream that a cache is built with (for kinds that take one)."""

@@ -29,6 +29,7 @@ from kvdoc.core.model import Decoder, DecoderOutput, generate
 from kvdoc.serving.batching import generate_padded, left_pad
 from kvdoc.serving.quant import new_int8_cache
 from kvdoc.serving.workload import MixMemory, RequestMix
+
 from .verify import DTYPE_NAMES, TOLERANCE, close, max_abs, run_cached
 
 

@@ -28,10 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import grid
-from .variants import VARIANTS
-from .scenarios import CHECKS, SCENARIO_CHECK, SCENARIOS, Case, CheckResult
 from kvdoc.measure.tables import markdown_table
+
+from . import grid
+from .scenarios import CHECKS, SCENARIO_CHECK, SCENARIOS, Case, CheckResult
+from .variants import VARIANTS
 from .verify import DTYPE_NAMES, TOLERANCE
 
 ORDER = list(CHECKS)

@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import broken, broken_rope
 from kvdoc.core.model import Decoder
+
+from . import broken, broken_rope
 
 ROPE_MODELS = ("llama", "mistral")
 """The grid's RoPE models: the only ones a RoPE variant can be built from."""

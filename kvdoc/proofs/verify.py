@@ -31,6 +31,7 @@ from kvdoc.core.cache import KV, KVCache
 from kvdoc.core.config import GPTConfig
 from kvdoc.core.model import Decoder
 from kvdoc.core.rope import apply_rope
+
 from .broken import stale_prefix
 from .variants import VARIANTS
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdoc.core.model import Decoder, generate
+from kvdoc.core.model import Decoder
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ import torch
 
 from kvdoc.core.cache import StaticCache
 from kvdoc.core.model import Decoder
+
 from .paged import BlockPool, PagedCache
 
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdoc.proofs.deps import CheckedMap, DependencyMap
 from kvdoc.core.model import Decoder
+from kvdoc.proofs.deps import CheckedMap, DependencyMap
 from kvdoc.proofs.sites import decoder_values
-from .worked import WorkedStep
 
+from .worked import WorkedStep
 
 # ---------------------------------------------------------------------------------------------
 # Tokens
