@@ -2,9 +2,14 @@
 # only what a reader needs. A downloaded page runs the same without it: threads change speed,
 # not what a page asserts. (Fixed SVG ids come from docs/_ext/matplotlibrc.)
 import os
+import warnings
 
 import torch
 
 # Tiny tensors: one thread is fastest and keeps a shared machine quiet. `make numeric-check`
 # asks for two, one of the ways it changes the last bits of every float.
 torch.set_num_threads(int(os.environ.get("KVDOC_THREADS", "1")))
+
+# transformers' progress bars ask for ipywidgets, which the build does not install; the warning
+# says nothing about a page
+warnings.filterwarnings("ignore", message="IProgress not found")
