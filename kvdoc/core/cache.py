@@ -68,7 +68,7 @@ class KVCache(ABC):
         Returns the layer's K and V over positions ``0 .. start + C - 1`` to attend over.
         """
 
-    def finish(self, end: int) -> None:
+    def finish(self, end: int) -> None:  # noqa: B027 (an optional hook, deliberately a no-op)
         """Mark positions ``0 .. end - 1`` as held, once every layer has been updated.
 
         Nothing to do for a cache whose length is its tensors' length; a preallocated cache

@@ -197,7 +197,7 @@ def _llama_state(state: Mapping[str, torch.Tensor], n_layer: int) -> dict[str, t
               "lm_head.weight": state.get("lm_head.weight", wte)}  # absent: tied
     for i in range(n_layer):
         src = f"model.layers.{i}."
-        get = lambda name: state[src + name]  # noqa: E731
+        get = lambda name, src=src: state[src + name]  # noqa: E731
         mapped.update({
             f"h.{i}.ln_1.weight": get("input_layernorm.weight"),
             f"h.{i}.attn.c_attn.weight": torch.cat([get(f"self_attn.{p}_proj.weight")

@@ -14,11 +14,12 @@ thread count (one by default), the model in ``eval()`` and under ``torch.inferen
 * **transformers**: transformers' ``GPT2LMHeadModel`` on the same weights with its own cache,
   the reference a user would otherwise pick.
 
-Paths are timed by :func:`kvdoc.measure.timing.time_paths` (warm-up, then rounds in rotating order);
-:mod:`kvdoc.measure.costs` supplies the counts, FLOPs and bytes; :mod:`kvdoc.measure.bench_tables` renders the
-result. :func:`run_bench` returns every raw sample (milliseconds) with the settings, the
-environment and a timestamp; ``python -m kvdoc bench`` prints the ratios, compares them with
-:data:`TARGETS` and writes the JSON. Nothing here asserts a speed: timings are measurements.
+Paths are timed by :func:`kvdoc.measure.timing.time_paths` (warm-up, then rounds in rotating
+order); :mod:`kvdoc.measure.costs` supplies the counts, FLOPs and bytes;
+:mod:`kvdoc.measure.bench_tables` renders the result. :func:`run_bench` returns every raw sample
+(milliseconds) with the settings, the environment and a timestamp; ``python -m kvdoc bench``
+prints the ratios, compares them with :data:`TARGETS` and writes the JSON. Nothing here asserts
+a speed: timings are measurements.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from .costs import RowCounter, projected_positions_full, run_flops, step_bytes
 from .decode_paths import ablation_paths, build_models, decode_paths, ops_per_step, token_stream
 from .timing import environment, percentile, time_paths
 
-GPT2_SMALL = GPTConfig(vocab_size=50257, n_positions=1024, n_layer=12, n_head=12, n_embd=768, n_inner=3072)
+GPT2_SMALL = GPTConfig(vocab_size=50257, n_positions=1024, n_layer=12, n_head=12, n_embd=768,
+                       n_inner=3072)
 """GPT-2 small's shape; with the LM head tied to ``wte`` it has 124,439,808 parameters."""
 
 TARGETS = {"fast_vs_transformers": 4.5, "fast_vs_full_all_positions": 17.0,
@@ -67,12 +69,14 @@ class BenchSettings:
         warmup: untimed runs per path before sampling.
         threads: torch intra-op threads during the measurement (restored afterwards).
         seed: seeds the weights and the token stream.
-        model: the model timed for the table, counts and growth (default: the 145,280-parameter one).
+        model: the model timed for the table, counts and growth (default: the 145,280-parameter
+            one).
         transformers: also time transformers' GPT-2 (needs ``transformers``).
         growth_lengths: total lengths ``T`` at which one step of each path is timed.
         growth_samples: samples per path and length for the growth fit.
         roofline: also run the memory-bandwidth floor on ``roofline_model``.
-        roofline_model: the model for the floor (default: GPT-2 small's shape, tied head, random init).
+        roofline_model: the model for the floor (default: GPT-2 small's shape, tied head, random
+            init).
         roofline_context: prompt length before the timed decode steps of the floor.
         roofline_steps: decode steps per roofline sample.
         roofline_samples: samples per roofline path.
@@ -116,7 +120,8 @@ class BenchSettings:
             if not isinstance(t, int) or t < 2 or t > self.model.n_positions:
                 raise ValueError(f"growth length {t!r} must lie in 2 .. {self.model.n_positions}")
         if self.roofline_context + self.roofline_steps > self.roofline_model.n_positions:
-            raise ValueError("roofline_context + roofline_steps exceeds the roofline model's positions")
+            raise ValueError("roofline_context + roofline_steps exceeds the roofline model's "
+                             "positions")
 
 
 @dataclass
@@ -150,7 +155,8 @@ class BenchResult:
         return percentile(self.timings[prefix_len][path], 95)
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict: configuration, environment, timestamp, raw samples, summaries, ratios."""
+        """A JSON-ready dict: configuration, environment, timestamp, raw samples, summaries,
+        ratios."""
         settings = asdict(self.settings)
         summary = {str(p): {path: {"p50_ms": self.p50(p, path), "p95_ms": self.p95(p, path)}
                             for path in paths} for p, paths in self.timings.items()}
@@ -178,8 +184,8 @@ class BenchResult:
 # --------------------------------------------------------------------------- the measurements
 
 
-def _bench_prefix(model: Decoder, fast: FastDecoder, hf: Any, settings: BenchSettings, prefix_len: int,
-                  tick: Callable[[], None], ablation: bool = False
+def _bench_prefix(model: Decoder, fast: FastDecoder, hf: Any, settings: BenchSettings,
+                  prefix_len: int, tick: Callable[[], None], ablation: bool = False
                   ) -> tuple[dict[str, list[float]], float, dict[str, float], dict[str, int]]:
     """One prefix length's paths in one rotation; ``ablation`` adds the ablation's variants."""
     G = settings.new_tokens
@@ -195,7 +201,8 @@ def _bench_prefix(model: Decoder, fast: FastDecoder, hf: Any, settings: BenchSet
     for name in ("full_all", "full_last", "dynamic", "static"):
         with RowCounter(model) as rows:
             runs[name]()
-        counts[f"{name}_c_attn"], counts[f"{name}_lm_head"] = rows.counts["c_attn"], rows.counts["lm_head"]
+        counts[f"{name}_c_attn"] = rows.counts["c_attn"]
+        counts[f"{name}_lm_head"] = rows.counts["lm_head"]
     counts["formula_full"] = projected_positions_full(prefix_len, G)
     counts["formula_cached"] = G
     final = model(ids, model.new_cache(1, "dynamic"))[1]
@@ -216,13 +223,16 @@ def _bench_growth(model: Decoder, fast: FastDecoder, settings: BenchSettings,
         prepare = {path: prepare[path] for path in GROWTH_PATHS}
         per_len[str(T)] = time_paths(prepare, settings.growth_samples, settings.warmup, tick)
     lengths = np.log(np.asarray(settings.growth_lengths, dtype=float))
-    upper = len(lengths) // 2  # the longer half (at least two points), where fixed costs matter least
-    p50 = {path: [percentile(per_len[str(T)][path], 50) for T in settings.growth_lengths] for path in GROWTH_PATHS}
+    # the longer half (at least two points), where fixed costs matter least
+    upper = len(lengths) // 2
+    p50 = {path: [percentile(per_len[str(T)][path], 50) for T in settings.growth_lengths]
+           for path in GROWTH_PATHS}
     slopes = {path: float(np.polyfit(lengths, np.log(p50[path]), 1)[0]) for path in GROWTH_PATHS}
     slopes_upper = {path: float(np.polyfit(lengths[upper:], np.log(p50[path][upper:]), 1)[0])
                     if len(lengths) >= 4 else None for path in GROWTH_PATHS}
     return {"lengths": list(settings.growth_lengths), "samples_ms": per_len, "slopes": slopes,
-            "slopes_upper": slopes_upper, "upper_from": settings.growth_lengths[upper], "p50_ms": p50}
+            "slopes_upper": slopes_upper, "upper_from": settings.growth_lengths[upper],
+            "p50_ms": p50}
 
 
 ABLATION_ROWS = {"reference": "static", "fast": "fast", "lean": "lean", **{k: k for k in ABLATION}}
@@ -246,11 +256,13 @@ def _split_ablation(samples: dict[str, list[float]], diffs: dict[str, float] | N
     return out
 
 
-def _bench_roofline(settings: BenchSettings, tick: Callable[[], None], build_threads: int) -> dict[str, Any]:
+def _bench_roofline(settings: BenchSettings, tick: Callable[[], None],
+                    build_threads: int) -> dict[str, Any]:
     timed_threads = torch.get_num_threads()
     torch.set_num_threads(build_threads)  # random init of 124M parameters is not what is measured
     try:
-        model, hf = build_models(settings.roofline_model, settings.seed, settings.transformers, tie=True)
+        model, hf = build_models(settings.roofline_model, settings.seed, settings.transformers,
+                                 tie=True)
         fast = FastDecoder(model)
     finally:
         torch.set_num_threads(timed_threads)
@@ -261,13 +273,15 @@ def _bench_roofline(settings: BenchSettings, tick: Callable[[], None], build_thr
         prepare.update(ablation_paths(model, ids, C, S)[0])
     # Bandwidth is one more path of the rotation, so it sees the same machine state as decode.
     x = torch.ones(settings.bandwidth_mib * 2**20 // 4, dtype=torch.float32)
-    prepare["bandwidth"] = lambda: x.sum
-    samples = time_paths(prepare, settings.roofline_samples, min(settings.warmup, 1), tick)
-    bw_times = [t / 1e3 for t in samples.pop("bandwidth")]
     nbytes = x.numel() * x.element_size()
-    del x
+    prepare["bandwidth"] = lambda x=x: x.sum
+    del x  # the bandwidth path holds the only reference; dropped after the timing below
+    samples = time_paths(prepare, settings.roofline_samples, min(settings.warmup, 1), tick)
+    del prepare["bandwidth"]  # frees the tensor
+    bw_times = [t / 1e3 for t in samples.pop("bandwidth")]
     ablation = _split_ablation(samples, None, S) if settings.ablation else None
-    bandwidth = {"bytes": nbytes, "kernel": "torch.sum over a float32 tensor", "samples_s": bw_times,
+    bandwidth = {"bytes": nbytes, "kernel": "torch.sum over a float32 tensor",
+                 "samples_s": bw_times,
                  "gb_per_s": nbytes / percentile(bw_times, 50) / 1e9}
     mean_bytes = sum(step_bytes(model, C + j) for j in range(S)) / S
     floor_ms = mean_bytes / (bandwidth["gb_per_s"] * 1e9) * 1e3
@@ -307,7 +321,8 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
              + (settings.roofline_samples * (5 + int(settings.transformers) + n_ablation)
                 if settings.roofline else 0))
     threads = torch.get_num_threads()
-    bar = tqdm(total=total, disable=not progress, file=sys.stderr, unit="sample", desc="kvdoc bench")
+    bar = tqdm(total=total, disable=not progress, file=sys.stderr, unit="sample",
+               desc="kvdoc bench")
     try:
         torch.set_num_threads(settings.threads)
         with torch.inference_mode():
@@ -326,7 +341,8 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
                     ablation = {"prefix_len": P, **_split_ablation(timings[P], diffs[P],
                                                                    settings.new_tokens)}
                 flops[P] = run_flops(settings.model, P, settings.new_tokens)
-            ops = ops_per_step(model, fast, hf, token_stream(model.config, P_max + 1, settings.seed))
+            ops = ops_per_step(model, fast, hf,
+                               token_stream(model.config, P_max + 1, settings.seed))
             bar.set_postfix_str("growth")
             growth = _bench_growth(model, fast, settings, bar.update)
             del model, hf, fast
@@ -337,14 +353,15 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
     finally:
         torch.set_num_threads(threads)
         bar.close()
-    result = BenchResult(settings, env, stamp, timings, kv_kib, diffs, counts, flops, growth, roofline,
-                         ablation, ops, {})
+    result = BenchResult(settings, env, stamp, timings, kv_kib, diffs, counts, flops, growth,
+                         roofline, ablation, ops, {})
     result.ratios = ratios(result)
     return result
 
 
 def ratios(result: BenchResult) -> dict[str, float]:
-    """Headline figures at the largest prefix length, each a speed-up or fraction (higher is better).
+    """Headline figures at the largest prefix length, each a speed-up or fraction (higher is
+    better).
 
     ``cached_vs_*``: the other path's p50 over the faster of kvdoc's two caches' p50 for the
     ``G`` steps; ``fast_vs_*``: the same over the fast step's p50 (``fast_vs_lean``, below 1, is
@@ -373,7 +390,8 @@ def ratios(result: BenchResult) -> dict[str, float]:
         out["fast_vs_lean_124m"] = per_token["lean"] / per_token["fast"]
         if "transformers" in fraction:
             out["bandwidth_fraction_transformers"] = fraction["transformers"]
-            out["bandwidth_fraction_vs_transformers"] = out["bandwidth_fraction"] / fraction["transformers"]
+            out["bandwidth_fraction_vs_transformers"] = (out["bandwidth_fraction"]
+                                                         / fraction["transformers"])
             out["fast_vs_transformers_124m"] = per_token["transformers"] / per_token["fast"]
     return {k: float(v) for k, v in out.items()}
 
@@ -385,23 +403,30 @@ def _ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from err
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` command's options."""
     d = BenchSettings()
-    parser.add_argument("--json", metavar="PATH", help="write the full results (raw samples included) here")
+    parser.add_argument("--json", metavar="PATH",
+                        help="write the full results (raw samples included) here")
     parser.add_argument("--prefix-lens", type=_ints, default=d.prefix_lens, metavar="P,P,...",
                         help=f"prompt lengths (default {','.join(map(str, d.prefix_lens))})")
-    parser.add_argument("--new-tokens", type=int, default=d.new_tokens, help=f"G (default {d.new_tokens})")
-    parser.add_argument("--samples", type=int, default=d.samples, help=f"timed samples per path (default {d.samples})")
-    parser.add_argument("--warmup", type=int, default=d.warmup, help=f"warm-up runs per path (default {d.warmup})")
-    parser.add_argument("--threads", type=int, default=d.threads, help=f"torch threads (default {d.threads})")
+    parser.add_argument("--new-tokens", type=int, default=d.new_tokens,
+                        help=f"G (default {d.new_tokens})")
+    parser.add_argument("--samples", type=int, default=d.samples,
+                        help=f"timed samples per path (default {d.samples})")
+    parser.add_argument("--warmup", type=int, default=d.warmup,
+                        help=f"warm-up runs per path (default {d.warmup})")
+    parser.add_argument("--threads", type=int, default=d.threads,
+                        help=f"torch threads (default {d.threads})")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--growth-lengths", type=_ints, default=d.growth_lengths, metavar="T,T,...")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' GPT-2")
-    parser.add_argument("--no-roofline", action="store_true", help="skip the 124M-parameter bandwidth floor")
+    parser.add_argument("--no-roofline", action="store_true",
+                        help="skip the 124M-parameter bandwidth floor")
     parser.add_argument("--roofline-samples", type=int, default=d.roofline_samples)
     parser.add_argument("--no-ablation", action="store_true", help="skip the lean step's ablation")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

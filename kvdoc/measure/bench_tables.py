@@ -1,7 +1,8 @@
-"""Tables and figures of a :class:`~kvdoc.measure.bench.BenchResult`, for the savings page and the CLI.
+"""Tables and figures of a :class:`~kvdoc.measure.bench.BenchResult`, for the savings page and
+the CLI.
 
-Tables are Markdown strings from :func:`kvdoc.measure.tables.markdown_table` (pages show them with
-``IPython.display.Markdown``); figures are matplotlib figures the page glues.
+Tables are Markdown strings from :func:`kvdoc.measure.tables.markdown_table` (pages show them
+with ``IPython.display.Markdown``); figures are matplotlib figures the page glues.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ if TYPE_CHECKING:
 
     from .bench import BenchResult
 
-PATH_LABELS = {"prefill": "prefill", "full_all": "full, all positions", "full_last": "full, last position",
-               "transformers": "transformers, cached", "dynamic": "kvdoc, dynamic cache",
-               "static": "kvdoc, static cache", "fast": "kvdoc, fast step",
-               "lean": "lean step (no checks)"}
+PATH_LABELS = {"prefill": "prefill", "full_all": "full, all positions",
+               "full_last": "full, last position", "transformers": "transformers, cached",
+               "dynamic": "kvdoc, dynamic cache", "static": "kvdoc, static cache",
+               "fast": "kvdoc, fast step", "lean": "lean step (no checks)"}
 """Readable names of the timed paths, for tables and figures."""
 
 ABLATION_LABELS = {
@@ -32,7 +33,8 @@ ABLATION_LABELS = {
 
 
 def timings_table(result: BenchResult) -> str:
-    """Per prefix: prefill p50, then p50 / p95 (ms for all G steps) of each decode path, final K/V KiB."""
+    """Per prefix: prefill p50, then p50 / p95 (ms for all G steps) of each decode path, final
+    K/V KiB."""
     order = ("full_all", "full_last", "dynamic", "static", "fast", "lean", "transformers")
     paths = [p for p in order if all(p in v for v in result.timings.values())]
     header = ["prefix P", "prefill p50 (ms)"] + [f"{PATH_LABELS[p]} p50 / p95 (ms)" for p in paths]
@@ -43,7 +45,8 @@ def timings_table(result: BenchResult) -> str:
 
 
 def counts_table(result: BenchResult) -> str:
-    """Rows counted by hooks on layer 0's ``c_attn`` and on ``lm_head``, against the closed forms."""
+    """Rows counted by hooks on layer 0's ``c_attn`` and on ``lm_head``, against the closed
+    forms."""
     header = ["prefix P", "full recompute: c_attn rows (counted)", "G P + G(G+1)/2",
               "full, all positions: lm_head rows", "full, last position: lm_head rows",
               "cached: c_attn rows (counted)", "cached: lm_head rows", "G"]
@@ -55,11 +58,12 @@ def counts_table(result: BenchResult) -> str:
 
 def flops_table(result: BenchResult) -> str:
     """Modelled MFLOPs of the G steps per path, split into linear layers, attention and LM head."""
-    header = ["prefix P", "path", "linear (MFLOP)", "attention (MFLOP)", "LM head (MFLOP)", "total (MFLOP)"]
+    header = ["prefix P", "path", "linear (MFLOP)", "attention (MFLOP)", "LM head (MFLOP)",
+              "total (MFLOP)"]
     rows = []
     for P, f in result.flops.items():
-        for path, label in (("full_all", "full, all positions"), ("full_last", "full, last position"),
-                            ("cached", "cached")):
+        for path, label in (("full_all", "full, all positions"),
+                            ("full_last", "full, last position"), ("cached", "cached")):
             rows.append([P, label] + [f"{f[f'{path}_{part}'] / 1e6:.2f}"
                                       for part in ("linear", "attention", "lm_head")]
                         + [f"{f[path] / 1e6:.2f}"])
@@ -106,7 +110,7 @@ def growth_figure(result: BenchResult) -> Figure:
     fig, ax = plt.subplots(figsize=(6.6, 4.4))
     labels = {"full_all": "full recompute (all positions)", "dynamic": "cached, dynamic",
               "static": "cached, static", "fast": "cached, fast step"}
-    for path, marker in zip(g["p50_ms"], "os^D"):
+    for path, marker in zip(g["p50_ms"], "os^D", strict=True):
         label = f"{labels[path]}: slope {g['slopes'][path]:.2f}"
         if g["slopes_upper"][path] is not None:
             label += f" (T ≥ {g['upper_from']}: {g['slopes_upper'][path]:.2f})"

@@ -1,4 +1,5 @@
-"""The cost model of a decode: positions counted on real tensors, modelled FLOPs, bytes read, operators.
+"""The cost model of a decode: positions counted on real tensors, modelled FLOPs, bytes read,
+operators.
 
 These are facts about the computation, not about the machine: counts and closed forms that
 hold on every CPU, which the savings page asserts, beside the timings it only reports.
@@ -61,7 +62,8 @@ def step_flops(config: GPTConfig, past: int, new: int, last_only: bool = False) 
     ``linear`` covers ``c_attn``, ``c_proj`` and the MLP of every layer (~ ``C d^2``);
     ``attention`` the scores ``Q K^T`` and the weighted sum with ``V`` (~ ``C T d``, with
     ``T = past + new``; masked entries are counted, as dense attention computes them);
-    ``lm_head`` the vocabulary projection of the projected rows. Norms, GELU and softmax are left out.
+    ``lm_head`` the vocabulary projection of the projected rows. Norms, GELU and softmax are
+    left out.
 
     >>> f = step_flops(GPTConfig(), past=0, new=1)
     >>> f["attention"] == 2 * 2 * 1 * 1 * 64 * 2       # 2 layers, QK^T and PV, 1 query, 1 key

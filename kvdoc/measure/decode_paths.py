@@ -25,10 +25,12 @@ from .timing import Prepare
 
 def token_stream(config: GPTConfig, length: int, seed: int) -> torch.Tensor:
     """A seeded ``[1, length]`` stream of token ids."""
-    return torch.randint(0, config.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, config.vocab_size, (1, length),
+                         generator=torch.Generator().manual_seed(seed))
 
 
-def build_models(config: GPTConfig, seed: int, transformers: bool, tie: bool = False) -> tuple[Decoder, Any]:
+def build_models(config: GPTConfig, seed: int, transformers: bool,
+                 tie: bool = False) -> tuple[Decoder, Any]:
     """A kvdoc decoder and, if asked, transformers' GPT-2 with the same random weights (both eval).
 
     kvdoc's decoder is initialised (seeded); transformers' model is created without initialising
@@ -74,13 +76,15 @@ def build_models(config: GPTConfig, seed: int, transformers: bool, tie: bool = F
     # A weight copied wrongly changes the logits by their own size; FP32 rounding over 12 layers
     # of width 768 moves them by far less than a thousandth of it, on any CPU.
     if not diff <= 1e-3 * max(1.0, float(ours_logits.abs().max())):
-        raise RuntimeError(f"transformers' GPT-2 and kvdoc disagree after copying weights: {diff:.3e}")
+        raise RuntimeError("transformers' GPT-2 and kvdoc disagree after copying weights: "
+                           f"{diff:.3e}")
     return model, hf
 
 
 def static_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor, prefix_len: int,
                    steps: int) -> tuple[Prepare, Callable[[], torch.Tensor]]:
-    """``steps`` single-token calls of ``step`` (the model or a fast step) from a static cache holding the prompt."""
+    """``steps`` single-token calls of ``step`` (the model or a fast step) from a static cache
+    holding the prompt."""
     P, G = prefix_len, steps
     cache = model(ids[:, :P], model.new_cache(1, "static", capacity=P + G))[1]
 
@@ -116,8 +120,9 @@ def lean_decode(lean: LeanStep, model: Decoder, ids: torch.Tensor, prefix_len: i
     return prepare, lambda: prepare()()
 
 
-def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, steps: int, full: bool,
-                  fast: FastDecoder | None) -> tuple[dict[str, Prepare], dict[str, Callable[[], torch.Tensor]]]:
+def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, steps: int,
+                 full: bool, fast: FastDecoder | None
+                 ) -> tuple[dict[str, Prepare], dict[str, Callable[[], torch.Tensor]]]:
     """The timed paths for one prefix, and for each one a call returning its stacked logits.
 
     ``ids`` is ``[1, P + G]``; each decode path consumes its last ``G`` tokens one at a time
@@ -175,7 +180,8 @@ def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, st
             return torch.cat(out, 1)
 
         def hf_prepare() -> Callable[[], Any]:
-            # transformers' cache grows in place; crop takes the (negative) number of positions to drop
+            # transformers' cache grows in place; crop takes the (negative) number of positions
+            # to drop
             hf_cache.crop(P - hf_cache.get_seq_length())  # back to the prompt, untimed
             return hf_run
         prepare["transformers"] = hf_prepare
@@ -201,13 +207,15 @@ def ops_per_step(model: Decoder, fast: FastDecoder, hf: Any, ids: torch.Tensor) 
     """
     prompt, token = ids[:, :-1], ids[:, -1:]
     out = {"full_all": sum(count_ops(lambda: model(ids)).values())}
-    for name, kind, step in (("dynamic", "dynamic", model), ("static", "static", model), ("fast", "static", fast)):
+    for name, kind, step in (("dynamic", "dynamic", model), ("static", "static", model),
+                             ("fast", "static", fast)):
         cache = model(prompt, model.new_cache(1, kind, capacity=ids.shape[1]))[1]
-        out[name] = sum(count_ops(lambda: step(token, cache)).values())
+        out[name] = sum(count_ops(lambda step=step, cache=cache: step(token, cache)).values())
     lean = LeanStep(model, capacity=ids.shape[1])
     lean.start(model(prompt, model.new_cache(1, "static", capacity=ids.shape[1]))[1])
     out["lean"] = sum(count_ops(lambda: lean(token)).values())
     if hf is not None:
         hf_cache = hf(prompt, use_cache=True).cache
-        out["transformers"] = sum(count_ops(lambda: hf(token, cache=hf_cache, use_cache=True)).values())
+        out["transformers"] = sum(
+            count_ops(lambda: hf(token, cache=hf_cache, use_cache=True)).values())
     return out

@@ -28,7 +28,8 @@ def tensor_bytes(t: object) -> int:
 
 
 class WriteCounter(TorchDispatchMode):
-    """Adds up the bytes every ATen op writes: outputs of functional ops, targets of in-place ops."""
+    """Adds up the bytes every ATen op writes: outputs of functional ops, targets of in-place
+    ops."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -42,7 +43,7 @@ class WriteCounter(TorchDispatchMode):
             return out  # a view writes nothing
         if func._schema.is_mutable:
             values = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
-            for spec, value in zip(func._schema.arguments, values):
+            for spec, value in zip(func._schema.arguments, values, strict=True):
                 if spec.alias_info is not None and spec.alias_info.is_write:
                     self.written += tensor_bytes(value)
         else:

@@ -13,7 +13,8 @@ writes per update is measured by :class:`kvdoc.measure.copymeter.CopyMeter`.
 
 It is also the ``python -m kvdoc memory`` command (:func:`add_arguments`, :func:`main`)::
 
-    python -m kvdoc memory --batch 1 --layers 32 --seq-len 4096 --kv-heads 8 --head-dim 128 --dtype float16
+    python -m kvdoc memory --batch 1 --layers 32 --seq-len 4096 --kv-heads 8 --head-dim 128 \\
+        --dtype float16
     python -m kvdoc memory --model Llama-3-8B --seq-len 8192
 """
 
@@ -37,7 +38,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2, "fp8": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+    "fp8": torch.float8_e4m3fn,
     "int8": torch.int8,
 }
 
@@ -102,7 +104,8 @@ def kv_bytes_per_layer(batch: int, seq_len: int, kv_heads: int, head_dim: int,
     """
     for name, value in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
         check_int(name, value)
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:  # 0: an empty cache
+    # 0 is allowed: an empty cache
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
         raise ValueError(f"seq_len must be a non-negative integer, got {seq_len!r}")
     if not windows:
         raise ValueError("need at least one layer")
@@ -133,7 +136,8 @@ def kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim: int
 
 def kv_bytes_for_config(config: GPTConfig, batch: int, seq_len: int,
                         dtype: str | torch.dtype = torch.float32) -> int:
-    """:func:`kv_bytes` with ``L``, ``H_kv`` and ``D`` taken from a :class:`~kvdoc.core.config.GPTConfig`.
+    """:func:`kv_bytes` with ``L``, ``H_kv`` and ``D`` taken from a
+    :class:`~kvdoc.core.config.GPTConfig`.
 
     >>> kv_bytes_for_config(GPTConfig(), batch=1, seq_len=272)  # the toy decoder, float32
     278528
@@ -234,7 +238,8 @@ class ModelPreset:
         for name in ("layers", "heads", "kv_heads", "head_dim", "max_positions"):
             check_int(name, getattr(self, name))
         if self.heads % self.kv_heads:
-            raise ValueError(f"{self.name}: heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
+            raise ValueError(f"{self.name}: heads={self.heads} is not divisible by "
+                             f"kv_heads={self.kv_heads}")
 
     @property
     def attention(self) -> str:
@@ -250,39 +255,48 @@ class ModelPreset:
 
     def kv_bytes(self, seq_len: int, batch: int = 1, dtype: str | torch.dtype = "float16",
                  windowed: bool = False) -> int:
-        """K/V bytes at ``seq_len``; with ``windowed`` each layer holds at most ``sliding_window``."""
+        """K/V bytes at ``seq_len``; with ``windowed`` each layer holds at most
+        ``sliding_window``."""
         window = self.sliding_window if windowed else None
-        return kv_bytes(batch, self.layers, seq_len, self.kv_heads, self.head_dim, dtype, window=window)
+        return kv_bytes(batch, self.layers, seq_len, self.kv_heads, self.head_dim, dtype,
+                        window=window)
 
     def bytes_per_token(self, dtype: str | torch.dtype = "float16") -> int:
         """Bytes one more cached position adds, ``2 x L x H_kv x D x s`` (batch 1, no window)."""
         return self.kv_bytes(1, 1, dtype)
 
 
-#: Published configurations, keyed by lower-case name. Each ``source`` names the file the sizes come from.
+#: Published configurations, keyed by lower-case name. Each ``source`` names the file the sizes
+#: come from.
 PRESETS: dict[str, ModelPreset] = {p.name.lower(): p for p in (
     ModelPreset("GPT-2-small", layers=12, heads=12, kv_heads=12, head_dim=64, max_positions=1024,
                 source="openai-community/gpt2 config.json (n_layer 12, n_head 12, n_embd 768); "
-                       "Radford et al. 2019, 'Language Models are Unsupervised Multitask Learners'"),
+                       "Radford et al. 2019, 'Language Models are Unsupervised Multitask "
+                       "Learners'"),
     ModelPreset("Llama-2-7B", layers=32, heads=32, kv_heads=32, head_dim=128, max_positions=4096,
                 hidden=4096, intermediate=11008, vocab=32000,
-                source="meta-llama/Llama-2-7b-hf config.json (num_hidden_layers 32, num_attention_heads 32, "
-                       "num_key_value_heads 32, hidden_size 4096, intermediate_size 11008, "
+                source="meta-llama/Llama-2-7b-hf config.json (num_hidden_layers 32, "
+                       "num_attention_heads 32, num_key_value_heads 32, "
+                       "hidden_size 4096, intermediate_size 11008, "
                        "vocab_size 32000); Touvron et al. 2023, 'Llama 2'"),
     ModelPreset("Llama-2-70B", layers=80, heads=64, kv_heads=8, head_dim=128, max_positions=4096,
                 hidden=8192, intermediate=28672, vocab=32000,
-                source="meta-llama/Llama-2-70b-hf config.json (num_hidden_layers 80, num_attention_heads 64, "
-                       "num_key_value_heads 8, hidden_size 8192, intermediate_size 28672, "
+                source="meta-llama/Llama-2-70b-hf config.json (num_hidden_layers 80, "
+                       "num_attention_heads 64, num_key_value_heads 8, "
+                       "hidden_size 8192, intermediate_size 28672, "
                        "vocab_size 32000); Touvron et al. 2023, 'Llama 2'"),
     ModelPreset("Llama-3-8B", layers=32, heads=32, kv_heads=8, head_dim=128, max_positions=8192,
                 hidden=4096, intermediate=14336, vocab=128256,
-                source="meta-llama/Meta-Llama-3-8B config.json (num_hidden_layers 32, num_attention_heads 32, "
-                       "num_key_value_heads 8, hidden_size 4096, intermediate_size 14336, "
+                source="meta-llama/Meta-Llama-3-8B config.json (num_hidden_layers 32, "
+                       "num_attention_heads 32, num_key_value_heads 8, "
+                       "hidden_size 4096, intermediate_size 14336, "
                        "vocab_size 128256)"),
-    ModelPreset("Mistral-7B-v0.1", layers=32, heads=32, kv_heads=8, head_dim=128, max_positions=32768,
-                sliding_window=4096, hidden=4096, intermediate=14336, vocab=32000,
-                source="mistralai/Mistral-7B-v0.1 config.json (num_hidden_layers 32, num_attention_heads 32, "
-                       "num_key_value_heads 8, hidden_size 4096, intermediate_size 14336, "
+    ModelPreset("Mistral-7B-v0.1", layers=32, heads=32, kv_heads=8, head_dim=128,
+                max_positions=32768, sliding_window=4096, hidden=4096, intermediate=14336,
+                vocab=32000,
+                source="mistralai/Mistral-7B-v0.1 config.json (num_hidden_layers 32, "
+                       "num_attention_heads 32, num_key_value_heads 8, "
+                       "hidden_size 4096, intermediate_size 14336, "
                        "vocab_size 32000, sliding_window 4096); "
                        "Jiang et al. 2023, 'Mistral 7B' (rolling buffer cache)"),
     ModelPreset("Falcon-7B", layers=32, heads=71, kv_heads=1, head_dim=64, max_positions=2048,
@@ -339,17 +353,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "or a published model's config.")
     parser.add_argument("--model", type=_model_arg, metavar="NAME",
                         help="a published config: " + ", ".join(p.name for p in PRESETS.values()))
-    parser.add_argument("--batch", type=_positive_arg, default=1, metavar="B", help="sequences (default 1)")
+    parser.add_argument("--batch", type=_positive_arg, default=1, metavar="B",
+                        help="sequences (default 1)")
     parser.add_argument("--layers", type=_positive_arg, metavar="L", help="decoder layers")
-    parser.add_argument("--seq-len", type=_positive_arg, metavar="T", help="cached positions per sequence")
-    parser.add_argument("--kv-heads", type=_positive_arg, metavar="H", help="K/V heads per layer (not query heads)")
+    parser.add_argument("--seq-len", type=_positive_arg, metavar="T",
+                        help="cached positions per sequence")
+    parser.add_argument("--kv-heads", type=_positive_arg, metavar="H",
+                        help="K/V heads per layer (not query heads)")
     parser.add_argument("--head-dim", type=_positive_arg, metavar="D", help="size of one head")
     parser.add_argument("--dtype", type=_dtype_arg, default=torch.float16, metavar="NAME",
-                        help="element type: float32, float16, bfloat16, float8_e4m3fn, ... (default float16)")
+                        help="element type: float32, float16, bfloat16, float8_e4m3fn, ... "
+                             "(default float16)")
     parser.add_argument("--window", type=_positive_arg, metavar="W",
                         help="sliding window: each layer keeps only the last W positions "
                              "(default: the model's own window, if it has one)")
-    parser.add_argument("--list-models", action="store_true", help="list the published configs and exit")
+    parser.add_argument("--list-models", action="store_true",
+                        help="list the published configs and exit")
 
 
 def _error(message: str) -> int:
@@ -358,12 +377,13 @@ def _error(message: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Print the K/V bytes for the sizes in ``args``; 2 (nothing on stdout) on inconsistent options."""
+    """Print the K/V bytes for the sizes in ``args``; 2 (nothing on stdout) on inconsistent
+    options."""
     if getattr(args, "list_models", False):
         for p in PRESETS.values():
             window = f", window {p.sliding_window:,}" if p.sliding_window else ""
-            print(f"{p.name:16} {p.attention}  L={p.layers} H={p.heads} H_kv={p.kv_heads} D={p.head_dim} "
-                  f"context {p.max_positions:,}{window}  [{p.source}]")
+            print(f"{p.name:16} {p.attention}  L={p.layers} H={p.heads} H_kv={p.kv_heads} "
+                  f"D={p.head_dim} context {p.max_positions:,}{window}  [{p.source}]")
         return 0
     sizes = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
     if args.seq_len is None:
@@ -378,17 +398,19 @@ def main(args: argparse.Namespace) -> int:
     else:
         missing = [name for name, value in sizes.items() if value is None]
         if missing:
-            return _error(f"give --model NAME or all of --layers, --kv-heads, --head-dim (missing {', '.join(missing)})")
+            return _error("give --model NAME or all of --layers, --kv-heads, --head-dim "
+                          f"(missing {', '.join(missing)})")
         layers, kv_heads, head_dim = args.layers, args.kv_heads, args.head_dim
         window = args.window
     B, T, s = args.batch, args.seq_len, element_size(args.dtype)
     total = kv_bytes(B, layers, T, kv_heads, head_dim, args.dtype)
     lines = []
     if model is not None:
-        lines.append(f"model      {model.name} ({model.attention}, {model.heads} query heads; source: {model.source})")
+        lines.append(f"model      {model.name} ({model.attention}, {model.heads} query heads; "
+                     f"source: {model.source})")
     lines += [
-        f"formula    2 x B x L x T x H_kv x D x s = 2 x {B:,} x {layers:,} x {T:,} x {kv_heads:,} x {head_dim:,} "
-        f"x {s} ({dtype_name(args.dtype)})",
+        f"formula    2 x B x L x T x H_kv x D x s = 2 x {B:,} x {layers:,} x {T:,} "
+        f"x {kv_heads:,} x {head_dim:,} x {s} ({dtype_name(args.dtype)})",
         f"bytes      {total:,} bytes",
         f"binary     {binary_size(total)}",
         f"decimal    {decimal_size(total)}",
@@ -397,7 +419,8 @@ def main(args: argparse.Namespace) -> int:
     if window is not None:
         held = min(T, window)
         windowed = kv_bytes(B, layers, T, kv_heads, head_dim, args.dtype, window=window)
-        lines += [f"window     each layer keeps the last {window:,} positions: holds min(T, W) = {held:,}",
+        lines += [f"window     each layer keeps the last {window:,} positions: "
+                  f"holds min(T, W) = {held:,}",
                   f"windowed   {format_bytes(windowed)}"]
     print("\n".join(lines))
     return 0

@@ -47,7 +47,8 @@ def environment() -> dict[str, Any]:
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a docs/test dependency
         tf_version = None
     return {"cpu": cpu, "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": tf_version, "threads": torch.get_num_threads()}
+            "torch": torch.__version__, "transformers": tf_version,
+            "threads": torch.get_num_threads()}
 
 
 Prepare = Callable[[], Callable[[], Any]]
@@ -60,7 +61,8 @@ def time_paths(paths: dict[str, Prepare], samples: int, warmup: int,
 
     Returns the raw samples in milliseconds, per path. ``tick`` is called after each timed call.
 
-    >>> out = time_paths({"a": lambda: (lambda: None), "b": lambda: (lambda: None)}, samples=3, warmup=1)
+    >>> out = time_paths({"a": lambda: (lambda: None), "b": lambda: (lambda: None)},
+    ...                  samples=3, warmup=1)
     >>> sorted(out), [len(v) for v in out.values()]
     (['a', 'b'], [3, 3])
     """

@@ -117,21 +117,26 @@ def html_table(headers: Sequence[str], rows: Sequence[Sequence[object]], caption
 
     >>> html_table(["a"], [[1]])
     '<table class="table kvdoc-table"><thead><tr><th>a</th></tr></thead><tbody><tr><td>1</td></tr></tbody></table>'
-    """
+    """  # noqa: E501 (a doctest output line)
     if any(len(r) != len(headers) for r in rows):
         raise ValueError("every row must have one cell per header")
     cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
     head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
-    return f'<table class="{css_class}">{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>"
+                   for r in rows)
+    return (f'<table class="{css_class}">{cap}<thead><tr>{head}</tr></thead>'
+            f"<tbody>{body}</tbody></table>")
 
 
-def _projection_line(names: tuple[str, str, str], values: tuple[torch.Tensor, ...], decimals: int) -> str:
-    """``Q = K = V &= [...]`` when the three projections are equal (W_q = W_k = W_v), else one each."""
+def _projection_line(names: tuple[str, str, str], values: tuple[torch.Tensor, ...],
+                     decimals: int) -> str:
+    """``Q = K = V &= [...]`` when the three projections are equal (W_q = W_k = W_v), else one
+    each."""
     m = lambda t: latex_matrix(t, decimals)  # noqa: E731
     if torch.equal(values[0], values[1]) and torch.equal(values[1], values[2]):
         return rf"{names[0]} = {names[1]} = {names[2]} &= {m(values[0])} \\"
-    return rf"{names[0]} &= {m(values[0])},\; {names[1]} = {m(values[1])},\; {names[2]} = {m(values[2])} \\"
+    return (rf"{names[0]} &= {m(values[0])},\; {names[1]} = {m(values[1])},\; "
+            rf"{names[2]} = {m(values[2])} \\")
 
 
 def naive_latex(s: WorkedStep, decimals: int = 3) -> str:
@@ -167,8 +172,10 @@ def cached_latex(s: WorkedStep, decimals: int = 3) -> str:
     c = s.cached
     m = lambda t: latex_matrix(t, decimals)  # noqa: E731
     proj = _projection_line(("q", "k", "v"), (c.q, c.k, c.v), decimals)
-    kv = (rf"K_\text{{full}} = V_\text{{full}} &= {m(c.K_full)} \\" if torch.equal(c.K_full, c.V_full)
-          else rf"K_\text{{full}} &= {m(c.K_full)},\; V_\text{{full}} = {m(c.V_full)} \\")
+    if torch.equal(c.K_full, c.V_full):
+        kv = rf"K_\text{{full}} = V_\text{{full}} &= {m(c.K_full)} \\"
+    else:
+        kv = rf"K_\text{{full}} &= {m(c.K_full)},\; V_\text{{full}} = {m(c.V_full)} \\"
     lines = [
         r"\begin{aligned}",
         proj,
@@ -204,7 +211,7 @@ def draw_boxes(labels: Sequence[str], notes: Sequence[str] | None = None, title:
     ax.set_xlim(0, 10)
     ax.set_ylim(-0.6, n - 0.2)
     ax.axis("off")
-    for i, (label, note, color) in enumerate(zip(labels, notes, colors)):
+    for i, (label, note, color) in enumerate(zip(labels, notes, colors, strict=True)):
         ax.add_patch(FancyBboxPatch((0.3, i - 0.18), 4.8, 0.36, boxstyle="round,pad=0.04",
                                     facecolor=color, edgecolor="0.3"))
         ax.text(2.7, i, label, ha="center", va="center", fontsize=9)
@@ -234,7 +241,8 @@ class ShapeRow:
 
 
 def gpt2_shapes(model: Decoder, idx: torch.Tensor, layer: int = 0) -> list[ShapeRow]:
-    """The shapes of one full forward of ``idx`` (``[B, T]``), measured on ``model``, in forward order.
+    """The shapes of one full forward of ``idx`` (``[B, T]``), measured on ``model``, in forward
+    order.
 
     The decoder layer is shown once (layer ``layer``); the head split, the scores and the
     attention weights are measured on that layer's real Q and K. Ends with the last-row slice
@@ -259,27 +267,32 @@ def gpt2_shapes(model: Decoder, idx: torch.Tensor, layer: int = 0) -> list[Shape
     h = f"h{layer}"
     return [
         ShapeRow("token ids", "input", tuple(idx.shape), "B, T"),
-        ShapeRow("token embedding wte", "lookup (row-local)", tuple(v["wte"].shape), "T, d_model (broadcast over B)"
-                 if v["wte"].dim() == 2 else "B, T, d_model"),
-        ShapeRow("position embedding wpe", "lookup (row-local)", tuple(v["wpe"].shape), "T, d_model"),
+        ShapeRow("token embedding wte", "lookup (row-local)", tuple(v["wte"].shape),
+                 "T, d_model (broadcast over B)" if v["wte"].dim() == 2 else "B, T, d_model"),
+        ShapeRow("position embedding wpe", "lookup (row-local)", tuple(v["wpe"].shape),
+                 "T, d_model"),
         ShapeRow("wte + wpe", "element-wise", tuple(v["embed"].shape), "B, T, d_model"),
         ShapeRow(f"{h}: ln_1", "row-wise", tuple(v[f"{h}.ln_1"].shape), "B, T, d_model"),
-        ShapeRow(f"{h}: Q = ln_1 @ W_q", "matmul by a weight", tuple(v[f"{h}.q"].shape), "B, T, H·d_k"),
-        ShapeRow(f"{h}: K = ln_1 @ W_k", "matmul by a weight", tuple(v[f"{h}.k"].shape), "B, T, H_kv·d_k"),
-        ShapeRow(f"{h}: V = ln_1 @ W_v", "matmul by a weight", tuple(v[f"{h}.v"].shape), "B, T, H_kv·d_k"),
+        ShapeRow(f"{h}: Q = ln_1 @ W_q", "matmul by a weight", tuple(v[f"{h}.q"].shape),
+                 "B, T, H·d_k"),
+        ShapeRow(f"{h}: K = ln_1 @ W_k", "matmul by a weight", tuple(v[f"{h}.k"].shape),
+                 "B, T, H_kv·d_k"),
+        ShapeRow(f"{h}: V = ln_1 @ W_v", "matmul by a weight", tuple(v[f"{h}.v"].shape),
+                 "B, T, H_kv·d_k"),
         ShapeRow(f"{h}: split heads of Q", "reshape (row-local)", tuple(q.shape), "B, H, T, d_k"),
-        ShapeRow(f"{h}: scores = Q K^T / sqrt(d_k)", "matmul of two activations", tuple(scores.shape),
-                 "B, H, T, T"),
+        ShapeRow(f"{h}: scores = Q K^T / sqrt(d_k)", "matmul of two activations",
+                 tuple(scores.shape), "B, H, T, T"),
         ShapeRow(f"{h}: softmax(masked scores) @ V, heads merged", "matmul of two activations",
                  tuple(v[f"{h}.heads"].shape), "B, T, d_model"),
-        ShapeRow(f"{h}: c_proj, + residual", "matmul by a weight; element-wise", tuple(v[f"{h}.mid"].shape),
-                 "B, T, d_model"),
+        ShapeRow(f"{h}: c_proj, + residual", "matmul by a weight; element-wise",
+                 tuple(v[f"{h}.mid"].shape), "B, T, d_model"),
         ShapeRow(f"{h}: ln_2", "row-wise", tuple(v[f"{h}.ln_2"].shape), "B, T, d_model"),
-        ShapeRow(f"{h}: MLP up c_fc, GELU", "matmul by a weight; element-wise", tuple(v[f"{h}.fc"].shape),
-                 "B, T, d_ff"),
+        ShapeRow(f"{h}: MLP up c_fc, GELU", "matmul by a weight; element-wise",
+                 tuple(v[f"{h}.fc"].shape), "B, T, d_ff"),
         ShapeRow(f"{h}: MLP down c_proj, + residual", "matmul by a weight; element-wise",
                  tuple(v[f"{h}.out"].shape), "B, T, d_model"),
-        ShapeRow("ln_f (after the last layer)", "row-wise", tuple(v["ln_f.out"].shape), "B, T, d_model"),
+        ShapeRow("ln_f (after the last layer)", "row-wise", tuple(v["ln_f.out"].shape),
+                 "B, T, d_model"),
         ShapeRow("last row x[:, -1, :]", "slice", tuple(last.shape), "B, d_model"),
         ShapeRow("LM head", "matmul by a weight", tuple(logits.shape), "B, V"),
     ]

@@ -91,8 +91,8 @@ def _attend(q: Vec, keys: Sequence[Vec], values: Sequence[Vec], counts: Counts) 
     m = max(scores)
     e = [math.exp(s - m) for s in scores]
     z = sum(e)
-    return (sum(w * v[0] for w, v in zip(e, values)) / z,
-            sum(w * v[1] for w, v in zip(e, values)) / z)
+    return (sum(w * v[0] for w, v in zip(e, values, strict=True)) / z,
+            sum(w * v[1] for w, v in zip(e, values, strict=True)) / z)
 
 
 @dataclass
@@ -167,7 +167,7 @@ def full_forward(tokens: Sequence[str], weights: ToyWeights | None = None) -> Fo
             c.kv_pairs += 1
         cache.keys[layer], cache.values[layer] = K, V
         att = [_attend(Q[i], K[: i + 1], V[: i + 1], c) for i in range(len(h))]  # causal: keys 0..i
-        h = [(x[0] + a[0], x[1] + a[1]) for x, a in zip(h, att)]  # residual
+        h = [(x[0] + a[0], x[1] + a[1]) for x, a in zip(h, att, strict=True)]  # residual
         per_layer.append(c)
     total = sum(per_layer, Counts())
     return ForwardResult(h, cache, total, per_layer)
@@ -214,7 +214,7 @@ class ToyLab:
             K, V = new.keys[layer], new.values[layer]
             att = [_attend(_matvec(x, w_q), K[: P + i + 1], V[: P + i + 1], c)
                    for i, x in enumerate(h)]  # query i reads keys 0 .. P + i
-            h = [(x[0] + a[0], x[1] + a[1]) for x, a in zip(h, att)]
+            h = [(x[0] + a[0], x[1] + a[1]) for x, a in zip(h, att, strict=True)]
             per_layer.append(c)
         return ForwardResult(h, new, sum(per_layer, Counts()), per_layer)
 
@@ -233,7 +233,7 @@ class ToyLab:
         for t in tokens:
             r = self.append_token(cache, t)
             cache, total, outputs = r.cache, total + r.counts, r.outputs
-            per_layer = [a + b for a, b in zip(per_layer, r.per_layer)]
+            per_layer = [a + b for a, b in zip(per_layer, r.per_layer, strict=True)]
         return ForwardResult(outputs, cache, total, per_layer)
 
 
@@ -267,12 +267,13 @@ def check_against_full(cached: ForwardResult, weights: ToyWeights | None = None,
     True
     """
     full = full_forward(cached.cache.tokens, weights)
-    out = max(abs(a - b) for a, b in zip(cached.outputs[-1], full.outputs[-1]))
+    out = max(abs(a - b) for a, b in zip(cached.outputs[-1], full.outputs[-1], strict=True))
     if full.cache.seq_len != cached.cache.seq_len:
         raise ValueError("caches hold different lengths")
     kv = 0.0
     for which in ("keys", "values"):
-        for lc, lf in zip(getattr(cached.cache, which), getattr(full.cache, which)):
+        for lc, lf in zip(getattr(cached.cache, which), getattr(full.cache, which),
+                          strict=True):
             for vc, vf in zip(lc, lf, strict=True):
                 kv = max(kv, abs(vc[0] - vf[0]), abs(vc[1] - vf[1]))
     return CheckResult(out, kv, full.cache.seq_len, tol)
@@ -329,7 +330,7 @@ def common_prefix_len(a: Sequence[str], b: Sequence[str]) -> int:
     1
     """
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):  # the sequences may differ in length
         if x != y:
             break
         n += 1

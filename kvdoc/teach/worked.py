@@ -7,8 +7,9 @@ V_full`` from the cache. :func:`worked_example` runs both in float64, and
 :func:`compare_with_source` sets the source's hand-computed figures beside the computed ones.
 
 Shapes: ``T = t + 1`` tokens at step ``t``; ``Q, K, V`` are ``[T, 2]``, scores and weights
-``[T, T]`` (naive) or ``[1, T]`` (cached): the ``[B, H_kv, T, D_h]`` layout of :mod:`kvdoc.core.cache`
-with ``B = H_kv = 1`` and ``D_h = 2``, the two leading dimensions dropped.
+``[T, T]`` (naive) or ``[1, T]`` (cached): the ``[B, H_kv, T, D_h]`` layout of
+:mod:`kvdoc.core.cache` with ``B = H_kv = 1`` and ``D_h = 2``, the two leading dimensions
+dropped.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ WORKED_INPUTS: tuple[tuple[float, float], ...] = ((1.0, 2.0), (3.0, 1.0), (2.0, 
 SOURCE_FIGURES: dict[int, dict[str, tuple[float, ...]]] = {
     0: {"scores": (3.536,), "weights": (1.000,), "output": (1.000, 2.000)},
     1: {"scores": (3.536, 7.071), "weights": (0.030, 0.970), "output": (2.940, 1.030)},
-    2: {"scores": (5.657, 6.364, 9.192), "weights": (0.007, 0.028, 0.965), "output": (2.014, 2.930)},
+    2: {"scores": (5.657, 6.364, 9.192), "weights": (0.007, 0.028, 0.965),
+        "output": (2.014, 2.930)},
     3: {"scores": (4.243, 9.192, 7.778, 12.021), "weights": (0.000, 0.007, 0.001, 0.991),
         "output": (3.980, 1.010)},
 }
 """The source's hand-computed figures for the last row at each step (3 decimals), kept as data
-to compare with: they are *not* authoritative (:func:`compare_with_source` says where they are wrong)."""
+to compare with: they are *not* authoritative (:func:`compare_with_source` says where they are
+wrong)."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,8 @@ class WorkedStep:
         return float((self.naive.last - self.cached.output).abs().max())
 
 
-def _projections(w: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _projections(w: Sequence[torch.Tensor] | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if w is None:
         eye = torch.eye(2, dtype=torch.float64)
         return eye, eye, eye
@@ -254,13 +258,16 @@ def compare_with_source(
             src = torch.tensor(fig[name], dtype=torch.float64)
             comp = computed[name]
             if src.shape != comp.shape:
-                raise ValueError(f"step {s.step} {name}: source has {src.numel()} values, computed {comp.numel()}")
+                raise ValueError(f"step {s.step} {name}: source has {src.numel()} values, "
+                                 f"computed {comp.numel()}")
             diff = float((src - comp).abs().max())
             implied = None
             if name == "weights":
-                implied = tuple(torch.tensor(fig["scores"], dtype=torch.float64).softmax(-1).tolist())
+                scores = torch.tensor(fig["scores"], dtype=torch.float64)
+                implied = tuple(scores.softmax(-1).tolist())
             elif name == "output":
-                implied = tuple((torch.tensor(fig["weights"], dtype=torch.float64) @ s.cached.V_full).tolist())
-            out.append(SourceComparison(s.step, name, tuple(src.tolist()), tuple(comp.tolist()), diff,
-                                        diff <= 0.0005 + 1e-9, implied))
+                weights = torch.tensor(fig["weights"], dtype=torch.float64)
+                implied = tuple((weights @ s.cached.V_full).tolist())
+            out.append(SourceComparison(s.step, name, tuple(src.tolist()), tuple(comp.tolist()),
+                                        diff, diff <= 0.0005 + 1e-9, implied))
     return out
