@@ -40,7 +40,7 @@ def test_cli_refusal_is_the_same_out_of_process():
     result = subprocess.run([sys.executable, "-m", "kvdoc", "train"], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 2 and "invalid choice: 'train'" in result.stderr, result
-    with pytest.raises(CommandError, match="exit 2: .*invalid choice: 'train'"):
+    with pytest.raises(CommandError, match=r"exit 2: .*invalid choice: 'train'"):
         refusals.run_cli("train")
 
 

@@ -1,4 +1,5 @@
-"""Left-padded batches: each row equals its prompt run alone; the unshifted-positions variant is caught."""
+"""Left-padded batches: each row equals its prompt run alone; the unshifted-positions variant is
+caught."""
 
 import pytest
 import torch
@@ -26,7 +27,8 @@ def test_each_row_equals_its_prompt_alone(lengths, n_kv_head):
 
 def test_float64(model):
     rows = compare_with_alone(model.double(), prompts(2, [2, 8]), max_new_tokens=4)
-    assert all(r.passed for r in rows) and max(r.logit_error for r in rows) <= TOLERANCE[torch.float64]
+    assert all(r.passed for r in rows)
+    assert max(r.logit_error for r in rows) <= TOLERANCE[torch.float64]
 
 
 def test_unshifted_positions_are_caught(model):

@@ -1,7 +1,11 @@
-"""kvdoc.measure.bench (with costs, timing, decode_paths, bench_tables) on tiny settings. No speed is asserted."""
+"""kvdoc.measure.bench (with costs, timing, decode_paths, bench_tables) on tiny settings.
+
+No speed is asserted.
+"""
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -77,13 +81,15 @@ def test_lean_step_refuses_other_architectures():
 def test_ratios_follow_from_samples(result):
     P = max(PREFIXES)
     best = min(result.p50(P, "dynamic"), result.p50(P, "static"))
-    assert result.ratios["cached_vs_full_all_positions"] == pytest.approx(result.p50(P, "full_all") / best)
-    assert result.ratios["cached_vs_transformers"] == pytest.approx(result.p50(P, "transformers") / best)
+    ratios = result.ratios
+    assert ratios["cached_vs_full_all_positions"] == pytest.approx(result.p50(P, "full_all") / best)
+    assert ratios["cached_vs_transformers"] == pytest.approx(result.p50(P, "transformers") / best)
     fast = result.p50(P, "fast")
-    assert result.ratios["fast_vs_transformers"] == pytest.approx(result.p50(P, "transformers") / fast)
-    assert result.ratios["fast_vs_full_all_positions"] == pytest.approx(result.p50(P, "full_all") / fast)
+    assert ratios["fast_vs_transformers"] == pytest.approx(result.p50(P, "transformers") / fast)
+    assert ratios["fast_vs_full_all_positions"] == pytest.approx(result.p50(P, "full_all") / fast)
     per_token = result.roofline["p50_ms_per_token"]
-    assert result.ratios["fast_vs_transformers_124m"] == pytest.approx(per_token["transformers"] / per_token["fast"])
+    assert ratios["fast_vs_transformers_124m"] == pytest.approx(
+        per_token["transformers"] / per_token["fast"])
     assert result.ratios["bandwidth_fraction_fast"] == result.roofline["fraction"]["fast"]
     assert result.ratios["fast_vs_lean"] == pytest.approx(result.p50(P, "lean") / fast)
 
@@ -91,8 +97,8 @@ def test_ratios_follow_from_samples(result):
 def test_raw_samples_and_summary(result):
     data = json.loads(json.dumps(result.to_json()))  # JSON round trip: plain types only
     assert set(data) >= {"ratios", "config", "environment", "timestamp", "samples_ms", "summary",
-                         "counts", "flops", "growth", "roofline", "final_kv_kib", "max_abs_logit_diff",
-                         "aten_ops_per_step", "ablation", "targets"}
+                         "counts", "flops", "growth", "roofline", "final_kv_kib",
+                         "max_abs_logit_diff", "aten_ops_per_step", "ablation", "targets"}
     for key, target in TARGETS.items():
         verdict = data["targets"][key]
         assert verdict["target"] == target and verdict["met"] == (verdict["measured"] >= target)
@@ -101,8 +107,8 @@ def test_raw_samples_and_summary(result):
     assert data["config"]["samples"] == 3 and data["config"]["prefix_lens"] == list(PREFIXES)
     for P in PREFIXES:
         samples = data["samples_ms"][str(P)]
-        assert set(samples) == {"prefill", "full_all", "full_last", "dynamic", "static", "fast", "lean",
-                                "transformers"}
+        assert set(samples) == {"prefill", "full_all", "full_last", "dynamic", "static", "fast",
+                                "lean", "transformers"}
         for path, values in samples.items():
             assert len(values) == 3 and all(v > 0 for v in values), path
             s = data["summary"][str(P)][path]
@@ -137,8 +143,8 @@ def test_ops_per_step(result):
     ops = result.ops
     assert set(ops) == {"full_all", "dynamic", "static", "fast", "lean", "transformers"}
     assert all(isinstance(n, int) and n > 0 for n in ops.values())
-    assert count_ops(lambda: torch.ones(3).sum() * 2) == {"aten.ones.default": 1, "aten.sum.default": 1,
-                                                            "aten.mul.Tensor": 1}
+    assert count_ops(lambda: torch.ones(3).sum() * 2) == {
+        "aten.ones.default": 1, "aten.sum.default": 1, "aten.mul.Tensor": 1}
 
 
 def test_issue_example_count():
@@ -173,7 +179,8 @@ def test_flop_model_scaling():
     assert c2["attention"] == 2 * c1["attention"]  # ~ T d
     f = run_flops(cfg, 10, 3)
     assert f["cached"] < f["full_last"] < f["full_all"]
-    assert f["full_all"] == pytest.approx(sum(step_flops(cfg, 0, 10 + j)["total"] for j in (1, 2, 3)))
+    assert f["full_all"] == pytest.approx(
+        sum(step_flops(cfg, 0, 10 + j)["total"] for j in (1, 2, 3)))
 
 
 def test_step_bytes_tied_and_untied():
@@ -184,7 +191,8 @@ def test_step_bytes_tied_and_untied():
     model.lm_head.weight = model.wte.weight
     assert step_bytes(model, 9) == untied  # the head matrix is read either way
     kv = 2 * cfg.n_layer * 10 * cfg.kv_dim * 4
-    weights = sum(p.numel() for n, p in Decoder(cfg).named_parameters() if n not in ("wte.weight", "wpe.weight"))
+    weights = sum(p.numel() for n, p in Decoder(cfg).named_parameters()
+                  if n not in ("wte.weight", "wpe.weight"))
     assert untied == (weights + 2 * cfg.n_embd) * 4 + kv
 
 
@@ -192,7 +200,8 @@ def test_roofline_structure(result):
     r = result.roofline
     assert r["floor_ms_per_token"] > 0 and r["bandwidth"]["gb_per_s"] > 0
     assert set(r["fraction"]) == {"dynamic", "static", "fast", "lean", "transformers"}
-    assert result.ratios["bandwidth_fraction"] == max(r["fraction"]["dynamic"], r["fraction"]["static"])
+    assert result.ratios["bandwidth_fraction"] == max(r["fraction"]["dynamic"],
+                                                      r["fraction"]["static"])
 
 
 def test_growth_structure(result):
@@ -227,7 +236,7 @@ def test_time_paths_rotates_order():
 
 def test_percentile():
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="no samples"):
         percentile([], 50)
 
 
@@ -235,32 +244,42 @@ def test_ablation_structure(result):
     a = result.ablation
     assert a["prefix_len"] == max(PREFIXES) and a["steps"] == G
     assert set(a["p50_us_per_step"]) == {"reference", "fast", "lean", *ABLATION}
-    assert a["p50_us_per_step"]["reference"] == percentile(a["samples_ms"]["reference"], 50) / G * 1e3
+    assert a["p50_us_per_step"]["reference"] == (
+        percentile(a["samples_ms"]["reference"], 50) / G * 1e3)
     # the rows were timed in the prefix's own rotation: reference and fast are its samples
     P = max(PREFIXES)
     assert a["samples_ms"]["reference"] == result.timings[P]["static"]
     assert a["samples_ms"]["fast"] == result.timings[P]["fast"]
-    assert not set(ABLATION) & set(result.timings[P]) and not set(ABLATION) & set(result.max_abs_diff[P])
+    assert not set(ABLATION) & set(result.timings[P])
+    assert not set(ABLATION) & set(result.max_abs_diff[P])
     for name, diff in a["max_abs_logit_diff"].items():  # every variant computes the same function
         assert diff < 1e-4, (name, diff)
-    assert set(result.roofline["ablation"]["p50_us_per_step"]) == {"reference", "fast", "lean", *ABLATION}
-    assert set(result.roofline["samples_ms"]) == {"dynamic", "static", "fast", "lean", "transformers"}
+    roofline = result.roofline
+    assert set(roofline["ablation"]["p50_us_per_step"]) == {"reference", "fast", "lean", *ABLATION}
+    assert set(roofline["samples_ms"]) == {"dynamic", "static", "fast", "lean", "transformers"}
 
 
-@pytest.mark.parametrize("kw", [dict(samples=0), dict(prefix_lens=(510,)), dict(prefix_lens=()),
-                                dict(growth_lengths=(1,)), dict(warmup=-1)])
-def test_bad_settings_raise(kw):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("kw, message", [
+    (dict(samples=0), "samples must be a positive integer, got 0"),
+    (dict(prefix_lens=(510,)), "prefix length 510 + 16 new tokens does not fit 1 .. 512 positions"),
+    (dict(prefix_lens=()), "prefix_lens is empty"),
+    (dict(growth_lengths=(1,)), "growth length 1 must lie in 2 .. 512"),
+    (dict(warmup=-1), "warmup must be a non-negative integer, got -1"),
+])
+def test_bad_settings_raise(kw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         BenchSettings(**kw)
 
 
 def test_cli_writes_json_and_prints_ratios(tmp_path, capsys):
     path = tmp_path / "bench.json"
-    rc = cli(["bench", "--json", str(path), "--prefix-lens", "2,4", "--new-tokens", "2", "--samples", "1",
-              "--warmup", "0", "--growth-lengths", "4,8", "--no-roofline", "--no-progress"])
+    rc = cli(["bench", "--json", str(path), "--prefix-lens", "2,4", "--new-tokens", "2",
+              "--samples", "1", "--warmup", "0", "--growth-lengths", "4,8", "--no-roofline",
+              "--no-progress"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "fast_vs_transformers" in out and "cached_vs_full_all_positions" in out and "target >= 4.5" in out
+    assert "fast_vs_transformers" in out and "cached_vs_full_all_positions" in out
+    assert "target >= 4.5" in out
     data = json.loads(path.read_text())
     assert data["config"]["prefix_lens"] == [2, 4] and data["ratios"]["cached_vs_transformers"] > 0
 

@@ -99,17 +99,17 @@ def test_output_rows_and_single_row_outputs():
 
 
 def test_bad_input_raises_value_error():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"must be a \[T, d\] or \[B, T, d\] tensor"):
         jacobian_map(lambda x: x, torch.ones(3))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must be floating point"):
         perturbation_map(lambda x: x, torch.ones(3, 2, dtype=torch.long))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"output rows \[5\] out of range"):
         jacobian_map(lambda x: x, rand(3, 2), out_rows=[5])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="eps must be positive"):
         perturbation_map(lambda x: x, rand(3, 2), eps=0.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"unknown site 'h9\.k'"):
         decoder_function(Decoder(SMALL), torch.tensor([[1, 2]]), "h9.k")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="one cell per header"):
         markdown_table(["a"], [[1, 2]])
 
 
@@ -149,7 +149,7 @@ def test_decoder_logits_are_causal_over_embeddings(model):
 
 def test_pinning_k_and_v_leaves_only_the_last_row(model):
     idx = torch.tensor([[1, 2, 3, 4]])
-    kv = [f"h{l}.{p}" for l in range(SMALL.n_layer) for p in "kv"]
+    kv = [f"h{layer}.{p}" for layer in range(SMALL.n_layer) for p in "kv"]
     free, x0 = decoder_function(model, idx, "h0.q")
     pinned, _ = decoder_function(model, idx, "h0.q", pin=kv)
     # Without pinning, earlier Q rows of layer 0 reach the last logits through layer 1's K/V,
@@ -168,5 +168,5 @@ def test_token_map_and_kv_rows_changed(model):
     assert e.k_changed[0].tolist() == [False, True, False, False]  # layer 0 K is row-local
     assert e.k_changed[1].tolist() == [False, True, True, True]  # layer 1 K saw the edit
     assert torch.equal(e.k_changed, e.v_changed)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="the prompts must have one shape"):
         kv_rows_changed(model, idx, idx[:, :3])

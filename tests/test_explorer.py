@@ -39,7 +39,7 @@ def test_js_masks_match_kvdoc_masks():
     got = _evaluate(f"{json.dumps(GRID)}.map(([p, c]) => "
                     "[m.offsetMask(p, c), m.topLeftMask(p, c)])")
     assert len(got) == len(GRID)
-    for (p, c), (off, tl) in zip(GRID, got):
+    for (p, c), (off, tl) in zip(GRID, got, strict=True):
         assert off == offset_causal_mask(p, c).tolist(), (p, c)
         assert tl == top_left_causal_mask(p, c).tolist(), (p, c)
     # The grid does exercise a difference between the two (else the comparison would be weak).
@@ -57,7 +57,7 @@ def test_js_stepper_matches_worked_example():
     got = _evaluate(f"m.cachedSteps({json.dumps([list(x) for x in WORKED_INPUTS])})")
     steps = worked_example()
     assert len(got) == len(steps)
-    for js, py in zip(got, steps):
+    for js, py in zip(got, steps, strict=True):
         assert js["step"] == py.step
         K = torch.tensor(js["K"], dtype=torch.float64)
         assert torch.allclose(K, py.cached.K_full, atol=0, rtol=0)

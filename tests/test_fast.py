@@ -1,4 +1,5 @@
-"""kvdoc.core.fast: the fast decode step computes the model's function, follows its weights, refuses alike."""
+"""kvdoc.core.fast: the fast decode step computes the model's function, follows its weights,
+refuses alike."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ def _model(dtype: torch.dtype = torch.float32, **cfg) -> Decoder:
     return Decoder(GPTConfig(**cfg)).eval().to(dtype)
 
 
-def _decode(step, model: Decoder, ids: torch.Tensor, prompt: int, kind: str) -> tuple[torch.Tensor, object]:
-    """Prefill ``prompt`` tokens, then feed the rest one at a time through ``step``; stacked logits."""
+def _decode(step, model: Decoder, ids: torch.Tensor, prompt: int,
+            kind: str) -> tuple[torch.Tensor, object]:
+    """Prefill ``prompt`` tokens, then feed the rest one at a time through ``step``; stacked
+    logits."""
     _, cache = model(ids[:, :prompt], model.new_cache(ids.shape[0], kind, capacity=ids.shape[1]))
     out = []
     for j in range(prompt, ids.shape[1]):
@@ -42,7 +45,7 @@ def test_equals_the_full_forward(dtype, n_kv_head, kind, batch):
     _, reference = _decode(model, model, ids, 6, kind)
     assert type(cache) is type(reference) and cache.seq_len == reference.seq_len == 11
     for layer in range(model.config.n_layer):
-        for mine, theirs in zip(cache.layer(layer), reference.layer(layer)):
+        for mine, theirs in zip(cache.layer(layer), reference.layer(layer), strict=True):
             assert mine.shape == theirs.shape == (batch, n_kv_head, 11, model.config.head_dim)
             torch.testing.assert_close(mine, theirs, atol=TOL[dtype], rtol=0)
 
@@ -66,7 +69,8 @@ def test_same_cache_semantics_as_the_model():
     before = [t.clone() for t in dynamic.tensors()]
     _, longer = fast(torch.tensor([[4]]), dynamic)
     assert longer is not dynamic and dynamic.seq_len == 3 and longer.seq_len == 4
-    assert all(torch.equal(a, b) for a, b in zip(before, dynamic.tensors()))  # passed-in cache untouched
+    # the passed-in cache is untouched
+    assert all(torch.equal(a, b) for a, b in zip(before, dynamic.tensors(), strict=True))
     static = model.new_cache(1, "static", capacity=8)
     _, static = model(torch.tensor([[1, 2, 3]]), static)
     _, same = fast(torch.tensor([[4]]), static)
@@ -81,7 +85,8 @@ def _check_follows(model: Decoder, fast: FastDecoder) -> None:
     torch.testing.assert_close(logits, model(ids).logits[:, 3:], atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("change", ["in-place", "load_state_dict", "tie", "dtype", "data", "module"])
+@pytest.mark.parametrize("change",
+                         ["in-place", "load_state_dict", "tie", "dtype", "data", "module"])
 def test_never_serves_stale_weights(change):
     model = _model()
     fast = FastDecoder(model)
@@ -139,12 +144,14 @@ def test_single_token_refusals_leave_the_cache_unchanged():
     _, cache = model(torch.tensor([[1, 2, 3]]), model.new_cache(1, "static", capacity=4))
     before = [t.clone() for t in cache.tensors()]
     for bad in (torch.tensor([[97]]), torch.tensor([[-3]])):
-        with pytest.raises(ValueError) as ours:
+        with pytest.raises(ValueError, match="outside the vocabulary") as ours:
             fast(bad, cache)
-        with pytest.raises(ValueError) as theirs:
+        with pytest.raises(ValueError, match="outside the vocabulary") as theirs:
             model(bad, cache)
-        assert str(ours.value) == str(theirs.value) and "outside the vocabulary 0..96" in str(ours.value)
-    assert cache.seq_len == 3 and all(torch.equal(a, b) for a, b in zip(before, cache.tensors()))
+        assert str(ours.value) == str(theirs.value)
+        assert "outside the vocabulary 0..96" in str(ours.value)
+    assert cache.seq_len == 3
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.tensors(), strict=True))
 
 
 def test_runs_through_the_verify_harness():
@@ -163,8 +170,9 @@ def test_runs_through_the_verify_harness():
             torch.testing.assert_close(run.logits, full, atol=TOL[torch.float32], rtol=0)
             assert run.lifecycle_error == 0.0
             for layer, (k, v) in enumerate(full_kv):
-                torch.testing.assert_close(run.cache.layer(layer)[0], k, atol=TOL[torch.float32], rtol=0)
-                torch.testing.assert_close(run.cache.layer(layer)[1], v, atol=TOL[torch.float32], rtol=0)
+                got_k, got_v = run.cache.layer(layer)
+                torch.testing.assert_close(got_k, k, atol=TOL[torch.float32], rtol=0)
+                torch.testing.assert_close(got_v, v, atol=TOL[torch.float32], rtol=0)
 
 
 def test_refresh_after_an_edit_through_data():
@@ -199,12 +207,14 @@ def test_padding_keywords_go_to_the_model():
     seen = []
     hook = model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs),
                                            with_kwargs=True)
-    token, positions, mask = torch.tensor([[4]]), torch.tensor([[3]]), torch.ones(1, 1, 4, dtype=torch.bool)
+    token, positions = torch.tensor([[4]]), torch.tensor([[3]])
+    mask = torch.ones(1, 1, 4, dtype=torch.bool)
     logits, cache = fast(token, cache, positions=positions, attn_mask=mask)
     assert len(seen) == 1 and seen[0]["positions"] is positions and seen[0]["attn_mask"] is mask
     hook.remove()
     _, reference = model(torch.tensor([[1, 2, 3]]), model.new_cache(1, "static", capacity=8))
-    torch.testing.assert_close(logits, model(token, reference).logits, atol=TOL[torch.float32], rtol=0)
+    torch.testing.assert_close(logits, model(token, reference).logits, atol=TOL[torch.float32],
+                               rtol=0)
     with pytest.raises(TypeError):  # a keyword neither takes
         fast(torch.tensor([[5]]), cache, unknown_hook=True)
     assert cache.seq_len == 4

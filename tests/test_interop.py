@@ -70,7 +70,8 @@ def test_state_dict_needs_config(pair):
     with pytest.raises(ValueError, match="pass config="):
         decoder_from_gpt2(hf.state_dict())
     loaded = decoder_from_gpt2(hf.state_dict(), config=GPTConfig())
-    for (name, a), (_, b) in zip(loaded.state_dict().items(), ours.state_dict().items()):
+    for (name, a), (_, b) in zip(loaded.state_dict().items(), ours.state_dict().items(),
+                                 strict=True):
         assert torch.equal(a, b), name
 
 

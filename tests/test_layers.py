@@ -54,7 +54,8 @@ def violations(source: str, module: str) -> list[str]:
         if layer is None:
             top = name.split(".")[0]
             if own == "core" and top not in CORE_THIRD_PARTY and top not in sys.stdlib_module_names:
-                found.append(f"{module} imports {name}: core needs only torch and the standard library")
+                found.append(f"{module} imports {name}: "
+                             "core needs only torch and the standard library")
         elif layer == "top" or LAYERS.index(layer) > rank:
             found.append(f"{module} ({own}) imports {name} ({layer})")
     return found

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,9 +26,14 @@ def test_masks_agree_only_without_a_cache():
     assert top_left_causal_mask(9, 1).tolist() == [[True] + [False] * 9]
 
 
-@pytest.mark.parametrize("bad", [(-1, 2), (2, 0), (1.5, 1), (True, 1)])
-def test_mask_rejects_bad_lengths(bad):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("bad, message", [
+    ((-1, 2), "past_len must be a non-negative integer, got -1"),
+    ((2, 0), "new_len must be a positive integer, got 0"),
+    ((1.5, 1), "past_len must be a non-negative integer, got 1.5"),
+    ((True, 1), "past_len must be a non-negative integer, got True"),
+])
+def test_mask_rejects_bad_lengths(bad, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         offset_causal_mask(*bad)
 
 

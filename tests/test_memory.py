@@ -32,8 +32,9 @@ def random_configs(n: int, seed: int) -> list[GPTConfig]:
     for _ in range(n):
         kv = rng.choice([1, 2, 3])
         heads = kv * rng.choice([1, 2, 4])  # MHA, GQA and MQA all occur
-        configs.append(GPTConfig(vocab_size=11, n_positions=64, n_layer=rng.randint(1, 3), n_head=heads,
-                                 n_embd=heads * rng.choice([2, 4, 8]), n_inner=16, n_kv_head=kv))
+        configs.append(GPTConfig(vocab_size=11, n_positions=64, n_layer=rng.randint(1, 3),
+                                 n_head=heads, n_embd=heads * rng.choice([2, 4, 8]), n_inner=16,
+                                 n_kv_head=kv))
     return configs
 
 
@@ -55,7 +56,8 @@ def test_formula_equals_measured_cache_random_configs(dtype: torch.dtype, kind: 
         assert cache.layer(0)[0].shape == (B, config.n_kv_head, T, config.head_dim)
         expected = kv_bytes_for_config(config, B, T, dtype)
         assert measured_bytes(cache) == expected == cache.nbytes()
-        assert expected == 2 * B * config.n_layer * T * config.n_kv_head * config.head_dim * dtype.itemsize
+        assert expected == (2 * B * config.n_layer * T * config.n_kv_head * config.head_dim
+                            * dtype.itemsize)
         if config.n_kv_head != config.n_head:  # GQA/MQA: the query head count would overstate it
             wrong = kv_bytes(B, config.n_layer, T, config.n_head, config.head_dim, dtype)
             assert wrong > measured_bytes(cache)
@@ -121,7 +123,8 @@ def test_presets_are_consistent() -> None:
 
 def test_copy_meter_dynamic_copies_old_rows_static_none(model: Decoder) -> None:
     prompt, new = 5, 6
-    ids = torch.randint(0, model.config.vocab_size, (2, prompt + new), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, model.config.vocab_size, (2, prompt + new),
+                        generator=torch.Generator().manual_seed(3))
     copied = {}
     for kind in ("dynamic", "static"):
         meter = CopyMeter()
@@ -186,8 +189,8 @@ def test_cli_bad_input_exits_2_quietly(argv: list[str], capsys: pytest.CaptureFi
 
 
 def test_cli_as_module() -> None:
-    run = subprocess.run([sys.executable, "-m", "kvdoc", "memory", "--model", "nope", "--seq-len", "1"],
-                         capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-m", "kvdoc", "memory", "--model", "nope",
+                          "--seq-len", "1"], capture_output=True, text=True)
     assert run.returncode == 2 and run.stdout == "" and "unknown model" in run.stderr
 
 

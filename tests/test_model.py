@@ -62,7 +62,7 @@ def test_dynamic_cache_passed_in_is_unchanged(model, stream):
         _, after = model(stream[:, 6:9], cache)
     assert cache.seq_len == 6 and after.seq_len == 9 and after is not cache
     for i in range(2):
-        for old, now in zip(before[i], cache.layer(i)):
+        for old, now in zip(before[i], cache.layer(i), strict=True):
             assert torch.equal(old, now)
 
 

@@ -36,13 +36,14 @@ def test_equals_dynamic_cache(stream, kind, n_kv_head, chunk, block_size):
     paged = run_cached(model, stream, chunk, cache=paged_cache, in_place=kind == "paged")
     ref = run_cached(model, stream, chunk)
     got, paged_cache, dynamic = paged.logits, paged.cache, ref.cache
-    assert paged.lifecycle_error == 0.0  # no call changed a row already held (nor, shared, the length)
+    # no call changed a row already held (nor, shared, the length)
+    assert paged.lifecycle_error == 0.0
     ref = ref.logits
     tol = TOLERANCE[torch.float32]
     assert torch.allclose(got, ref, atol=tol, rtol=tol)
     assert paged_cache.seq_len == T
     for i in range(model.config.n_layer):
-        for a, b in zip(paged_cache.layer(i), dynamic.layer(i)):
+        for a, b in zip(paged_cache.layer(i), dynamic.layer(i), strict=True):
             assert a.shape == b.shape == (2, n_kv_head, T, 16)  # [B, H_kv, T, D_h]
             assert torch.allclose(a, b, atol=tol, rtol=tol)
     assert len(paged_cache.tables[0]) == -(-T // block_size)  # streams cross many blocks
@@ -77,7 +78,7 @@ def test_bad_writes_are_refused(model):
         cache.update(0, k, k, start=3)
     with pytest.raises(ValueError, match=r"\[B, H_kv, C, D_h\]"):
         cache.update(0, k[:, :2], k[:, :2], start=0)
-    with pytest.raises(ValueError, match="must be torch.float32"):
+    with pytest.raises(ValueError, match=r"must be torch\.float32"):
         cache.update(0, k.double(), k.double(), start=0)
     with pytest.raises(ValueError, match="batch size"):
         model(torch.zeros(2, 1, dtype=torch.long), cache)
@@ -102,7 +103,8 @@ def test_fork_shares_prefix_and_copies_on_write(model, stream):
     assert len({a.tables[0][1], b.tables[0][1], prefix.tables[0][1]}) == 3
     assert kept.changed(prefix) == 0.0 and prefix.seq_len == 6
     tol = TOLERANCE[torch.float32]
-    for row, logits in ((stream[:1], logits_a), (torch.cat((stream[:1, :6], stream[1:, 6:]), 1), logits_b)):
+    row_b = torch.cat((stream[:1, :6], stream[1:, 6:]), 1)
+    for row, logits in ((stream[:1], logits_a), (row_b, logits_b)):
         alone = model(row[:, :20]).logits[:, 6:]  # each request equals itself run alone
         assert torch.allclose(logits, alone, atol=tol, rtol=tol)
     used = pool.num_used
@@ -121,7 +123,8 @@ def test_shared_prefix_cache_leaves_the_cache_passed_in_unchanged(model, stream)
     _, longer = model(stream[:, 10:], prefix)
     assert isinstance(longer, SharedPrefixCache) and longer.seq_len == 24 and prefix.seq_len == 10
     assert prefix.tables == tables and kept.changed(prefix) == 0.0
-    assert [t[:2] for t in longer.tables] == [t[:2] for t in tables]  # two full blocks shared per row
+    # two full blocks shared per row
+    assert [t[:2] for t in longer.tables] == [t[:2] for t in tables]
 
 
 def test_shared_prefix_out_of_blocks_refused_before_the_forward(model, stream):

@@ -43,7 +43,8 @@ def removed_checks(page: Path) -> list[str]:
 
 
 def page_setup(page: Path) -> list[str]:
-    """Kernel set-up (docs/_ipython does it) or a tokenizer of its own (kvdoc.teach.render has one)."""
+    """Kernel set-up (docs/_ipython does it) or a tokenizer of its own (kvdoc.teach.render has
+    one)."""
     text = page.read_text()
     return [p for p in ("set_num_threads", "svg.hashsalt", "ord(ch) - 32") if p in text]
 
@@ -88,7 +89,8 @@ def included_long_lines(text: str) -> list[str]:
         obj = importlib.import_module("kvdoc." + module.replace("/", "."))
         for part in name.split("."):
             obj = getattr(obj, part)
-        long += [f"{name}: {line}" for line in inspect.getsource(obj).splitlines() if len(line) > 88]
+        long += [f"{name}: {line}" for line in inspect.getsource(obj).splitlines()
+                 if len(line) > 88]
     return long
 
 
@@ -100,4 +102,5 @@ def test_included_package_code_fits_the_page():
 
 
 def test_the_include_rule_can_fail():
-    assert included_long_lines("```{literalinclude} ../../kvdoc/core/model.py\n:pyobject: Decoder\n")
+    assert included_long_lines("```{literalinclude} ../../kvdoc/core/model.py\n"
+                               ":pyobject: Decoder\n")

@@ -1,4 +1,5 @@
-"""Property-based: for random small decoders and random ways to cut a stream into chunks, cached equals full."""
+"""Property-based: for random small decoders and random ways to cut a stream into chunks, cached
+equals full."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ def configs(draw, min_width: int = 1) -> GPTConfig:
     n_kv_head = draw(st.integers(1, 3))
     n_head = n_kv_head * draw(st.integers(1, 3))  # MHA, GQA and MQA
     head_dim = draw(st.integers(1, 8))
-    n_embd = max(n_head * head_dim, n_head * -(-min_width // n_head))  # a multiple of n_head, >= min_width
-    return GPTConfig(vocab_size=draw(st.integers(2, 31)), n_positions=16, n_layer=draw(st.integers(1, 3)),
-                     n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
-                     n_inner=draw(st.integers(1, 32)))
+    # a multiple of n_head, >= min_width
+    n_embd = max(n_head * head_dim, n_head * -(-min_width // n_head))
+    return GPTConfig(vocab_size=draw(st.integers(2, 31)), n_positions=16,
+                     n_layer=draw(st.integers(1, 3)), n_head=n_head, n_kv_head=n_kv_head,
+                     n_embd=n_embd, n_inner=draw(st.integers(1, 32)))
 
 
 @st.composite
@@ -31,7 +33,8 @@ def splits(draw) -> list[int]:
 
 @settings(max_examples=30, deadline=None)
 @given(config=configs(), chunks=splits(), batch=st.integers(1, 3), seed=st.integers(0, 2**16),
-       kind=st.sampled_from(["dynamic", "static"]), dtype=st.sampled_from([torch.float32, torch.float64]))
+       kind=st.sampled_from(["dynamic", "static"]),
+       dtype=st.sampled_from([torch.float32, torch.float64]))
 def test_cached_equals_full(config, chunks, batch, seed, kind, dtype):
     torch.manual_seed(seed)
     model = Decoder(config).to(dtype).eval()
@@ -50,7 +53,8 @@ def test_cached_equals_full(config, chunks, batch, seed, kind, dtype):
 
 
 @settings(max_examples=10, deadline=None)
-@given(config=configs(min_width=2), chunks=splits().filter(lambda c: len(c) > 1), seed=st.integers(0, 2**16))
+@given(config=configs(min_width=2), chunks=splits().filter(lambda c: len(c) > 1),
+       seed=st.integers(0, 2**16))
 def test_the_property_fails_for_a_broken_variant(config, chunks, seed):
     """The property can fail: with positions restarted at 0 on each call, cached differs from full.
 
@@ -69,7 +73,8 @@ def test_the_property_fails_for_a_broken_variant(config, chunks, seed):
 @settings(max_examples=15, deadline=None)
 @given(config=configs(), seed=st.integers(0, 2**16), length=st.integers(1, 16))
 def test_gqa_equals_mha_with_copied_kv_heads(config, seed, length):
-    """The independent GQA reference: copying each K/V head over its group of query heads changes nothing."""
+    """The independent GQA reference: copying each K/V head over its group of query heads changes
+    nothing."""
     torch.manual_seed(seed)
     model = Decoder(config).to(torch.float64).eval()
     ids = torch.randint(0, config.vocab_size, (2, length))

@@ -28,11 +28,11 @@ def test_cache_error_is_bounded_by_the_step(stream, n_kv_head):
     cache = run_cached(model, stream, 5, cache=new_int8_cache(model, 2)).cache
     exact = run_cached(model, stream, 5).cache
     for i in range(model.config.n_layer):
-        for got, ref in zip(cache.layer(i), exact.layer(i)):
+        for got, ref in zip(cache.layer(i), exact.layer(i), strict=True):
             assert got.shape == ref.shape == (2, n_kv_head, 24, 16)  # [B, H_kv, T, D_h]
     # Layer 0 projects the exact embeddings, so its K/V are off by rounding alone; later layers'
     # inputs have already passed through int8 attention, so theirs drift further (measured).
-    for got, ref in zip(cache.layer(0), exact.layer(0)):
+    for got, ref in zip(cache.layer(0), exact.layer(0), strict=True):
         step = ref.abs().amax(-1, keepdim=True) / 127
         assert bool(((got - ref).abs() <= step * (0.5 + 1e-4) + 1e-6).all())
 
@@ -59,11 +59,12 @@ def test_cache_passed_in_is_unchanged_and_bad_writes_refused(model, stream):
     _, cache = model(stream[:, :4], new_int8_cache(model, 2))
     before = [t.clone() for t in cache.tensors()]
     model(stream[:, 4:8], cache)
-    assert cache.seq_len == 4 and all(torch.equal(a, b) for a, b in zip(before, cache.tensors()))
+    assert cache.seq_len == 4
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.tensors(), strict=True))
     k = torch.zeros(2, 4, 1, 16)
     with pytest.raises(ValueError, match="write starts at 0"):
         cache.update(0, k, k, start=0)
-    with pytest.raises(ValueError, match="must be torch.float32"):
+    with pytest.raises(ValueError, match=r"must be torch\.float32"):
         cache.begin().update(0, k.double(), k.double(), start=4)
     with pytest.raises(ValueError, match="batch_size"):
         Int8Cache.empty(GPTConfig(), 0)

@@ -121,7 +121,8 @@ def test_split_k_decoder_takes_padded_batches():
     model = Decoder(GPTConfig()).double().eval()
     batch = left_pad([[5, 6, 7, 8, 9], [1, 2]])
     C = batch.ids.shape[1]
-    kwargs = dict(positions=padded_positions(batch.pad, 0, C), attn_mask=padded_mask(batch.pad, 0, C))
+    kwargs = dict(positions=padded_positions(batch.pad, 0, C),
+                  attn_mask=padded_mask(batch.pad, 0, C))
     got = split_k_decoder(model, 2)(batch.ids, **kwargs).logits
     torch.testing.assert_close(got, model(batch.ids, **kwargs).logits, atol=1e-10, rtol=1e-10)
 

@@ -1,4 +1,5 @@
-"""The worked example and the two-layer toy lab: equalities, measured counts vs closed forms, the edit."""
+"""The worked example and the two-layer toy lab: equalities, measured counts vs closed forms, the
+edit."""
 
 from __future__ import annotations
 
@@ -61,9 +62,9 @@ def test_worked_example_with_other_projections_still_agrees():
 
 
 def test_bad_worked_inputs_raise():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"must be a non-empty \[T, 2\] array"):
         worked_example([[1.0, 2.0, 3.0]])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"projections must be three \[2, 2\] matrices"):
         naive_step(torch.zeros(2, 2, dtype=torch.float64), [torch.eye(3)] * 3)
 
 
@@ -72,18 +73,22 @@ def test_source_comparison_flags_exactly_the_wrong_figures():
     assert len(rows) == 3 * len(SOURCE_FIGURES)
     for r in rows:
         rounded = tuple(round(v, 3) for v in r.computed)
-        # agrees iff every hand figure is within half a unit of the third decimal of the computed value
-        assert r.agrees == all(abs(a - b) <= 0.0005 + 1e-9 for a, b in zip(r.source, r.computed))
+        # agrees iff every hand figure is within half a unit of the third decimal of the computed
+        # value
+        assert r.agrees == all(abs(a - b) <= 0.0005 + 1e-9
+                               for a, b in zip(r.source, r.computed, strict=True))
         if r.agrees:
-            assert all(abs(a - b) <= 0.001 + 1e-9 for a, b in zip(r.source, rounded))
-    # The scores are all right (they are plain dot products); the source's softmax at steps 2 and 3 is not.
+            assert all(abs(a - b) <= 0.001 + 1e-9 for a, b in zip(r.source, rounded, strict=True))
+    # The scores are all right (they are plain dot products); the source's softmax at steps 2 and 3
+    # is not.
     assert all(r.agrees for r in rows if r.quantity == "scores")
     bad = {(r.step, r.quantity) for r in rows if not r.agrees}
     assert {(2, "weights"), (3, "weights"), (2, "output"), (3, "output")} <= bad
     # The source's weights do not follow from its own scores at steps 2 and 3.
     for r in rows:
         if r.quantity == "weights" and r.step in (2, 3):
-            assert max(abs(a - b) for a, b in zip(r.from_source_inputs, r.source)) > 0.01
+            assert max(abs(a - b)
+                       for a, b in zip(r.from_source_inputs, r.source, strict=True)) > 0.01
 
 
 def test_full_forward_counts_match_closed_forms():
@@ -135,16 +140,16 @@ def test_prefix_edit_keeps_layer0_key_and_changes_layer1_key():
     assert e.key_changed(0, 2) == 0.0  # C in layer 0: its own embedding and position only
     assert e.key_changed(1, 2) > 1e-3  # C in layer 1: it read X instead of B
     assert check_against_full(e.result).ok
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="nothing to recompute"):
         prefix_edit(before, "AB", lab)
 
 
 def test_toy_rejects_bad_input():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown token 'Q'"):
         full_forward("AQ")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cache has 3 layers, model has 2"):
         ToyLab().extend(ToyCache.empty(3), "A")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cannot truncate a cache of 0 positions to 1"):
         ToyCache.empty(2).truncate(1)
 
 
@@ -158,9 +163,10 @@ def test_mask_exercise(past, new):
 
 
 def test_render_helpers():
-    assert latex_matrix(torch.tensor([-0.0001, 2.0])) == r"\begin{bmatrix}0.000 & 2.000\end{bmatrix}"
+    assert latex_matrix(torch.tensor([-0.0001, 2.0])) == (
+        r"\begin{bmatrix}0.000 & 2.000\end{bmatrix}")
     assert "<td>a&amp;b</td>" in html_table(["h"], [["a&b"]])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="one cell per header"):
         html_table(["a", "b"], [[1]])
     assert Counts(1, 2) + Counts(3, 4) == Counts(4, 6)
 
@@ -172,5 +178,5 @@ def test_token_helpers_round_trip_and_refuse_bad_text():
     assert token_text(ids[0]).replace(" ", "") == text  # capital letters come back as themselves
     assert token_label(ord("l") - 32) == f"id {ord('l') - 32}"  # anything else is shown as its id
     for bad in ("", "é", "a\n"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="non-empty string of printable ASCII"):
             token_ids(bad)

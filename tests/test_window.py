@@ -92,7 +92,7 @@ def test_a_forward_call_leaves_the_cache_passed_in_unchanged(ids):
         _, after = model(ids[:, 50:53], cache)
     assert cache.seq_len == 50 and after.seq_len == 53
     for i in range(2):
-        for old, now in zip(before[i], cache.layer(i)):
+        for old, now in zip(before[i], cache.layer(i), strict=True):
             assert torch.equal(old, now)
 
 
