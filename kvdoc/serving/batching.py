@@ -13,7 +13,7 @@ position ``t - pad[b]``. Two things make each row the same function as its promp
 :func:`generate_padded` runs the batch; :func:`kvdoc.proofs.serving.compare_with_alone`
 checks every row against its prompt generated alone.
 
->>> from kvdoc import Decoder, GPTConfig
+>>> from kvdoc import Decoder, GPTConfig, generate
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(GPTConfig()).eval()
 >>> batch = left_pad([[5, 6, 7], [8]])
