@@ -4,7 +4,8 @@
 (:func:`kvdoc.interop.hf.from_transformers`) and compares logits over one stream: kvdoc's full
 forward and cached runs (every cache kind, several chunk sizes) against transformers' full
 forward, and transformers' own cached decode against its full forward. The verification suite
-runs the same comparison as its ``reference`` check (:func:`kvdoc.proofs.references.transformers_reference`).
+runs the same comparison as its ``reference`` check
+(:func:`kvdoc.proofs.references.transformers_reference`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class TransformersMatch:
         n_parameters: ``(transformers, kvdoc)``.
         full: kvdoc's full forward against transformers' full forward.
         cached: ``(cache kind, chunk) -> error`` of kvdoc's cached path against the same.
-        hf_cached: transformers' own cache (a prefill, then one token at a time) against its full forward.
+        hf_cached: transformers' own cache (a prefill, then one token at a time) against its full
+            forward.
         logit_scale: the largest ``|logit|`` of transformers' full forward.
         lifted: whether transformers ran with its float32 RMSNorm/RoPE lifted to the model's dtype
             (:func:`~kvdoc.interop.hf.float64_islands_lifted`).

@@ -11,15 +11,16 @@ is not zero. This module computes that relation two independent ways:
 
 and :func:`compare_maps` checks that they agree. Both return a :class:`DependencyMap`: a bool
 ``[T_out, T_in]`` matrix plus the magnitude of each block (its Frobenius norm), which renders
-as a heatmap (:meth:`DependencyMap.heatmap`) or a Markdown table (:meth:`DependencyMap.to_markdown`).
+as a heatmap (:meth:`DependencyMap.heatmap`) or a Markdown table
+(:meth:`DependencyMap.to_markdown`).
 Everything runs in float64 so that "does not depend" means an exact zero, and "depends" means a
 magnitude above ``rtol`` times the largest one. A map is local: it describes ``f`` at the given
 ``x``. Structural zeros (a row that is never read) are zero at every ``x``; a saturated softmax
 can also make a block vanish at one particular ``x``, so analyse inputs of moderate size.
 
 :func:`token_dependency_map` does the same for discrete token ids, by replacing one id at a
-time. To map the tensors *inside* the real decoder, :mod:`kvdoc.proofs.sites` turns any of them into the
-input of a plain function that these maps accept.
+time. To map the tensors *inside* the real decoder, :mod:`kvdoc.proofs.sites` turns any of
+them into the input of a plain function that these maps accept.
 """
 
 from __future__ import annotations
@@ -128,13 +129,15 @@ class DependencyMap:
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.dim() < 2:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"the input must be a [T, d] or [B, T, d] tensor (rows on dim -2), got {shape}")
+        raise ValueError("the input must be a [T, d] or [B, T, d] tensor (rows on dim -2), "
+                         f"got {shape}")
     if not x.dtype.is_floating_point:
         raise ValueError(f"the input must be floating point, got {x.dtype}")
     return x.detach().to(torch.float64)
 
 
-def _out_rows(y: torch.Tensor, out_rows: Sequence[int] | None, row_dim: int | None) -> tuple[int, ...]:
+def _out_rows(y: torch.Tensor, out_rows: Sequence[int] | None,
+              row_dim: int | None) -> tuple[int, ...]:
     n = 1 if row_dim is None else y.shape[row_dim]
     rows = range(n) if out_rows is None else out_rows
     picked = tuple(int(r) % n if -n <= int(r) < n else -1 for r in rows)
@@ -156,7 +159,8 @@ def _finish(mag: torch.Tensor, method: str, rows: tuple[int, ...], rtol: float,
     depends = mag > rtol * top if top > 0 else torch.zeros_like(mag, dtype=torch.bool)
     ins = tuple(labels[0]) if labels[0] is not None else tuple(str(s) for s in range(mag.shape[1]))
     outs = tuple(labels[1]) if labels[1] is not None else tuple(str(t) for t in rows)
-    return DependencyMap(depends, torch.where(depends, mag, torch.zeros_like(mag)), method, rows, ins, outs)
+    return DependencyMap(depends, torch.where(depends, mag, torch.zeros_like(mag)), method, rows,
+                         ins, outs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,7 +224,8 @@ def perturbation_map(fn: Fn, x: torch.Tensor, *, out_rows: Sequence[int] | None 
     difference is exactly zero), so the boolean map is exact; in float64 the magnitudes match
     :func:`jacobian_map` to about ``eps`` (relative).
 
-    Args and Returns: as :func:`jacobian_map`, plus ``eps`` (the step); ``method == "perturbation"``.
+    Args and Returns: as :func:`jacobian_map`, plus ``eps`` (the step);
+    ``method == "perturbation"``.
 
     >>> x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
     >>> m = perturbation_map(lambda x: x.cumsum(dim=0), x)
@@ -269,9 +274,11 @@ class Agreement:
 
 
 def compare_maps(a: DependencyMap, b: DependencyMap, rtol: float = 1e-5) -> Agreement:
-    """Do two maps of the same function agree, in pattern exactly and in magnitude within ``rtol``?"""
+    """Do two maps of the same function agree, in pattern exactly and in magnitude within
+    ``rtol``?"""
     if a.shape != b.shape or a.out_rows != b.out_rows:
-        raise ValueError(f"maps of different rows: {a.shape} {a.out_rows} vs {b.shape} {b.out_rows}")
+        raise ValueError(f"maps of different rows: {a.shape} {a.out_rows} "
+                         f"vs {b.shape} {b.out_rows}")
     same = bool(torch.equal(a.depends, b.depends))
     top = float(a.magnitude.abs().max()) or 1.0
     rel = float((a.magnitude - b.magnitude).abs().max()) / top if a.magnitude.numel() else 0.0
@@ -280,7 +287,8 @@ def compare_maps(a: DependencyMap, b: DependencyMap, rtol: float = 1e-5) -> Agre
 
 @dataclass(frozen=True)
 class CheckedMap:
-    """What :func:`dependency_map` returns: the exact map, the perturbation map, and their agreement."""
+    """What :func:`dependency_map` returns: the exact map, the perturbation map, and their
+    agreement."""
 
     jacobian: DependencyMap
     perturbation: DependencyMap
@@ -323,8 +331,9 @@ def lower_triangular(n_out: int, n_in: int | None = None) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def token_dependency_map(fn: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor, vocab_size: int,
-                         *, out_row_dim: int | None = -2, in_labels: Sequence[str] | None = None,
+def token_dependency_map(fn: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor,
+                         vocab_size: int, *, out_row_dim: int | None = -2,
+                         in_labels: Sequence[str] | None = None,
                          out_labels: Sequence[str] | None = None) -> DependencyMap:
     """Which token positions each output row depends on, by replacing one token id at a time.
 
@@ -339,7 +348,8 @@ def token_dependency_map(fn: Callable[[torch.Tensor], torch.Tensor], idx: torch.
     [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
     """
     if idx.dim() != 2 or idx.dtype.is_floating_point:
-        raise ValueError(f"idx must be [B, T] integer token ids, got {tuple(idx.shape)} {idx.dtype}")
+        raise ValueError("idx must be [B, T] integer token ids, "
+                         f"got {tuple(idx.shape)} {idx.dtype}")
     base = fn(idx).to(torch.float64)
     rows = _out_rows(base, None, out_row_dim)
     T = idx.shape[1]

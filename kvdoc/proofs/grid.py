@@ -104,14 +104,15 @@ class CacheSpec:
 
 
 MODELS: dict[str, ModelSpec] = {
-    "mha": ModelSpec("GPT-2, 4 query heads, 4 K/V heads", _decoder(GPTConfig()), transformers_reference,
-                     "transformers GPT-2, same weights"),
-    "gqa": ModelSpec("GPT-2, 4 query heads, 2 K/V heads", _decoder(GPTConfig(n_kv_head=2)), mha_reference,
-                     "MHA with each K/V head copied over its group"),
-    "mqa": ModelSpec("GPT-2, 4 query heads, 1 K/V head", _decoder(GPTConfig(n_kv_head=1)), mha_reference,
-                     "MHA with the K/V head copied over all query heads"),
+    "mha": ModelSpec("GPT-2, 4 query heads, 4 K/V heads", _decoder(GPTConfig()),
+                     transformers_reference, "transformers GPT-2, same weights"),
+    "gqa": ModelSpec("GPT-2, 4 query heads, 2 K/V heads", _decoder(GPTConfig(n_kv_head=2)),
+                     mha_reference, "MHA with each K/V head copied over its group"),
+    "mqa": ModelSpec("GPT-2, 4 query heads, 1 K/V head", _decoder(GPTConfig(n_kv_head=1)),
+                     mha_reference, "MHA with the K/V head copied over all query heads"),
     "llama": ModelSpec("Llama-style: RoPE, RMSNorm, SwiGLU, 4 query heads, 2 K/V heads",
-                       _decoder(llama_config()), transformers_reference, "transformers Llama, same weights"),
+                       _decoder(llama_config()), transformers_reference,
+                       "transformers Llama, same weights"),
     "mistral": ModelSpec(f"Mistral-style: Llama with a sliding window of {WINDOW} positions",
                          _decoder(mistral_config(sliding_window=WINDOW)), transformers_reference,
                          "transformers Mistral, same weights"),

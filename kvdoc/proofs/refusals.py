@@ -105,7 +105,7 @@ def _same(cache: KVCache, snap: tuple[int, list[torch.Tensor]]) -> bool:
     now = cache.tensors()
     return cache.seq_len == length and len(now) == len(tensors) and all(
         a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-        for a, b in zip(now, tensors))
+        for a, b in zip(now, tensors, strict=True))
 
 
 @dataclass(frozen=True)

@@ -159,7 +159,7 @@ def _stream(case: Case, out: list) -> None:
         for chunk in case.chunks:
             run = case.feed(ids, chunk, first=first)
 
-            def add(check, passed, error, detail):
+            def add(check, passed, error, detail, batch=batch, chunk=chunk):
                 out.append(case.result(check, passed, error, detail, batch, chunk))
 
             add("logits", close(run.logits, full, case.tol) and run.cache.seq_len == T,
@@ -174,7 +174,8 @@ def _stream(case: Case, out: list) -> None:
                 add("kv", None, 0.0, "no c_attn to read the full forward's K/V from")
             else:
                 pairs = [(g, r[:, :, held.start:held.stop])
-                         for gp, rp in zip(got, full_kv) for g, r in zip(gp, rp)]
+                         for gp, rp in zip(got, full_kv, strict=True)
+                         for g, r in zip(gp, rp, strict=True)]
                 add("kv", all(close(g, r, case.tol) for g, r in pairs),
                     max((max_abs(g, r) for g, r in pairs), default=0.0), "each layer's K/V")
             causal_ok, causal = full_causal_ok, full_causal
@@ -336,9 +337,10 @@ def _failure(case: Case, out: list) -> None:
         raised = True
     finally:
         handle.remove()
-    same_shape = cache.seq_len == length and all(tuple(now.shape) == tuple(old.shape)
-                                                 for i, pair in enumerate(before.layers)
-                                                 for old, now in zip(pair, cache.layer(i)))
+    same_shape = cache.seq_len == length and all(
+        tuple(now.shape) == tuple(old.shape)
+        for i, pair in enumerate(before.layers)
+        for old, now in zip(pair, cache.layer(i), strict=True))
     changed = before.changed(cache, length) if same_shape else float("inf")
     logits, _ = case.call(ids[:, P:P + 5], cache)
     want = case.full(ids)[:, P:P + 5]
@@ -362,8 +364,8 @@ def _reference(case: Case, out: list) -> None:
 
 SCENARIOS: dict[str, Callable[[Case, list], None]] = {
     "stream": _stream, "last_only": _last_only, "prefill_decode": _prefill_decode,
-    "generate": _generate, "speculative": _speculative, "crop": _crop, "branch": _branch, "failure": _failure,
-    "reference": _reference}
+    "generate": _generate, "speculative": _speculative, "crop": _crop, "branch": _branch,
+    "failure": _failure, "reference": _reference}
 """Scenario name -> function that appends :class:`CheckResult` s."""
 
 SCENARIO_CHECK = {"stream": "logits"}

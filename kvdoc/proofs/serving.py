@@ -107,7 +107,8 @@ def compare_mix_with_alone(model: Decoder, mix: RequestMix,
     (``memory.logits``) against one full forward of prefix + user + output alone."""
     tol, device = TOLERANCE[model.wte.weight.dtype], model.wte.weight.device
     err, ok = 0.0, len(memory.logits) == len(mix.users)
-    for user, output, got in zip(mix.users, mix.outputs, memory.logits):
+    # not strict: a memory with missing logits is reported by ``ok`` above, not raised
+    for user, output, got in zip(mix.users, mix.outputs, memory.logits, strict=False):
         ids = torch.tensor([mix.prefix + user + output], device=device)
         alone = model(ids).logits[:, len(mix.prefix):]
         err, ok = max(err, max_abs(got, alone)), ok and close(got, alone, tol)
@@ -152,7 +153,7 @@ def measure_int8(model: Decoder, ids: torch.Tensor, batches: Sequence[int] = (1,
             int8 = run_cached(model, ids[:b], c, cache=new_int8_cache(model, b))
             exact = run_cached(model, ids[:b], c).cache
             kv_err = max(max_abs(got, ref) for i in range(model.config.n_layer)
-                         for got, ref in zip(int8.cache.layer(i), exact.layer(i)))
+                         for got, ref in zip(int8.cache.layer(i), exact.layer(i), strict=True))
             rows.append(Int8Row(b, c, DTYPE_NAMES[model.wte.weight.dtype],
                                 max_abs(int8.logits, full), float(full.abs().max()), kv_err,
                                 int((int8.logits.argmax(-1) == full.argmax(-1)).sum()),

@@ -56,14 +56,16 @@ def decoder_sites(model: Decoder) -> list[str]:
     MLP; ``ln_f.out`` the LM head's input.
     """
     per = ["in", "ln_1", "q", "k", "v", "heads", "attn", "mid", "ln_2", "fc", "mlp", "out"]
-    return (["wte", "wpe", "embed"] + [f"h{i}.{p}" for i in range(model.config.n_layer) for p in per]
+    return (["wte", "wpe", "embed"]
+            + [f"h{i}.{p}" for i in range(model.config.n_layer) for p in per]
             + ["ln_f.in", "ln_f.out", "logits"])
 
 
 class _Hooks:
     """Forward hooks that record and replace sites of a decoder for one call."""
 
-    def __init__(self, model: Decoder, replace: dict[str, torch.Tensor], record: Sequence[str]) -> None:
+    def __init__(self, model: Decoder, replace: dict[str, torch.Tensor],
+                 record: Sequence[str]) -> None:
         self.model, self.values, self.handles = model, {}, []
         modules = dict(model.named_modules())
         by_module: dict[tuple[str, str], list[tuple[str, slice | None, torch.Tensor | None]]] = {}
@@ -78,7 +80,7 @@ class _Hooks:
                 self.handles.append(mod.register_forward_hook(self._post(items)))
 
     def _apply(self, t: torch.Tensor, items) -> torch.Tensor:
-        for site, cols, new in items:
+        for _site, cols, new in items:
             if new is not None:
                 if cols is None:
                     t = new.expand_as(t) if new.shape != t.shape else new
@@ -185,7 +187,8 @@ class KVRowChanges:
 
 
 @torch.no_grad()
-def kv_rows_changed(model: Decoder, idx: torch.Tensor, edited: torch.Tensor, atol: float = 0.0) -> KVRowChanges:
+def kv_rows_changed(model: Decoder, idx: torch.Tensor, edited: torch.Tensor,
+                    atol: float = 0.0) -> KVRowChanges:
     """Prefill both prompts (``[B, T]``, same shape) and compare every layer's cached K and V rows.
 
     Runs in float64 on a copy of ``model``; with the default ``atol=0`` a row "changed" unless it
@@ -193,16 +196,19 @@ def kv_rows_changed(model: Decoder, idx: torch.Tensor, edited: torch.Tensor, ato
 
     >>> from kvdoc import GPTConfig
     >>> _ = torch.manual_seed(0)
-    >>> e = kv_rows_changed(Decoder(GPTConfig()), torch.tensor([[1, 2, 3]]), torch.tensor([[1, 9, 3]]))
-    >>> e.k_changed.int().tolist()     # layer 0: only the edited row; layer 1: it and every later row
+    >>> e = kv_rows_changed(Decoder(GPTConfig()), torch.tensor([[1, 2, 3]]),
+    ...                     torch.tensor([[1, 9, 3]]))
+    >>> # layer 0: only the edited row; layer 1: it and every later row
+    >>> e.k_changed.int().tolist()
     [[0, 1, 0], [0, 1, 1]]
     """
     if idx.shape != edited.shape:
-        raise ValueError(f"the prompts must have one shape, got {tuple(idx.shape)} and {tuple(edited.shape)}")
+        raise ValueError(f"the prompts must have one shape, got {tuple(idx.shape)} "
+                         f"and {tuple(edited.shape)}")
     m = float64_copy(model)
     a, b = (m(ids, m.new_cache(ids.shape[0])).cache for ids in (idx, edited))
     diffs = []
     for which in (0, 1):  # K, V: [B, H_kv, T, D_h] -> largest change per position: [L, T]
-        diffs.append(torch.stack([(a.layer(l)[which] - b.layer(l)[which]).abs().amax(dim=(0, 1, 3))
-                                  for l in range(m.config.n_layer)]))
+        diffs.append(torch.stack([(a.layer(i)[which] - b.layer(i)[which]).abs().amax(dim=(0, 1, 3))
+                                  for i in range(m.config.n_layer)]))
     return KVRowChanges(diffs[0], diffs[1], diffs[0] > atol, diffs[1] > atol)

@@ -1,11 +1,11 @@
 """The verification suite: every scenario on every combination of the grid, and its verdict.
 
-:func:`run_suite` runs the scenarios of :mod:`kvdoc.proofs.scenarios` on every combination of the axes
-of :mod:`kvdoc.proofs.grid` (model configurations, cache kinds, implementations) and of FP32 and FP64,
-and returns a :class:`SuiteReport`. :func:`sweep_variants` runs every broken variant of
-:mod:`kvdoc.proofs.variants` through it, each of which must be caught. ``python -m kvdoc verify`` does
-both and ends with a verdict line; its exit status is 0 only if the implementation passed and
-every variant was caught.
+:func:`run_suite` runs the scenarios of :mod:`kvdoc.proofs.scenarios` on every combination of
+the axes of :mod:`kvdoc.proofs.grid` (model configurations, cache kinds, implementations) and of
+FP32 and FP64, and returns a :class:`SuiteReport`. :func:`sweep_variants` runs every broken
+variant of :mod:`kvdoc.proofs.variants` through it, each of which must be caught.
+``python -m kvdoc verify`` does both and ends with a verdict line; its exit status is 0 only if
+the implementation passed and every variant was caught.
 
 An exception raised by the code under test (also while a model is built) is a failed check
 carrying its message; the suite itself does not raise.
@@ -15,7 +15,7 @@ carrying its message; the suite itself does not raise.
 (True, [('gqa', 'static', 'model', 'FP32'), ('gqa', 'static', 'fast', 'FP32')], [])
 >>> run_suite("position-counter", models=("mha",), kinds=("dynamic",), dtypes=(torch.float32,),
 ...           length=40).failed_checks()
-['crop', 'branch', 'failure']
+['speculative', 'crop', 'branch', 'failure']
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ class SuiteReport:
         return sorted(names, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER))
 
     def select(self, check: str, **where) -> list[CheckResult]:
-        """The results of ``check`` whose fields equal ``where`` (e.g. ``kind="static", chunk=5``)."""
+        """The results of ``check`` whose fields equal ``where``
+        (e.g. ``kind="static", chunk=5``)."""
         return [r for r in self.results if r.check == check
                 and all(getattr(r, k) == v for k, v in where.items())]
 
@@ -88,7 +89,8 @@ class SuiteReport:
         return found[0]
 
     def max_error(self, check: str = "logits", **where) -> float:
-        """Largest error of ``check`` over the results matching ``where`` (e.g. ``dtype="FP32"``)."""
+        """Largest error of ``check`` over the results matching ``where``
+        (e.g. ``dtype="FP32"``)."""
         return max((r.error for r in self.select(check, **where)), default=0.0)
 
     def summary_table(self) -> str:
@@ -103,7 +105,8 @@ class SuiteReport:
             body.append([name, CHECKS.get(name, "raised an exception"),
                          f"{sum(bool(r.passed) for r in ran)} of {len(ran)}", len(rows) - len(ran),
                          f"{worst:.2e}" if ran else ""])
-        return markdown_table(["check", "compares", "passed", "not applicable", "largest difference"], body)
+        return markdown_table(["check", "compares", "passed", "not applicable",
+                               "largest difference"], body)
 
     def grid_table(self, check: str = "logits") -> str:
         """One Markdown row per (batch, chunk, dtype) of the stream: ``check``'s error for each
@@ -113,37 +116,43 @@ class SuiteReport:
         body = []
         for b, c, d in combos:
             row = [r for r in self.results if (r.batch, r.chunk, r.dtype) == (b, c, d)]
-            errors = [f"{self.result(check, kind=k, batch=b, chunk=c, dtype=d).error:.2e}" for k in kinds]
+            errors = [f"{self.result(check, kind=k, batch=b, chunk=c, dtype=d).error:.2e}"
+                      for k in kinds]
             body.append([b, c, d, *errors, f"{TOLERANCE[_DTYPES[d]]:.0e}",
                          "pass" if all(r.passed is not False for r in row) else "FAIL"])
-        return markdown_table(["batch", "chunk (tokens)", "dtype", *[f"max {check} error, {k}" for k in kinds],
+        return markdown_table(["batch", "chunk (tokens)", "dtype",
+                               *[f"max {check} error, {k}" for k in kinds],
                                "tolerance", "all checks"], body)
 
     def references_table(self) -> str:
-        """One Markdown row per model and dtype: its independent reference (transformers' GPT-2, Llama
-        or Mistral, or the MHA copy of a GQA model) against kvdoc, full and cached, over every cache
-        kind and implementation."""
+        """One Markdown row per model and dtype: its independent reference (transformers' GPT-2,
+        Llama or Mistral, or the MHA copy of a GQA model) against kvdoc, full and cached, over
+        every cache kind and implementation."""
         body = []
         for model, dtype in dict.fromkeys((r.model, r.dtype) for r in self.select("reference")):
-            ran = [r for r in self.select("reference", model=model, dtype=dtype) if r.passed is not None]
+            ran = [r for r in self.select("reference", model=model, dtype=dtype)
+                   if r.passed is not None]
             if ran:
-                body.append([model, ran[0].detail, dtype, f"{sum(bool(r.passed) for r in ran)} of {len(ran)}",
+                body.append([model, ran[0].detail, dtype,
+                             f"{sum(bool(r.passed) for r in ran)} of {len(ran)}",
                              f"{max(r.error for r in ran):.2e}"])
-        return markdown_table(["model", "independent reference", "dtype", "passed (full and cached)",
-                               "largest difference"], body)
+        return markdown_table(["model", "independent reference", "dtype",
+                               "passed (full and cached)", "largest difference"], body)
 
     def failures_table(self, limit: int = 12) -> str:
         """The first ``limit`` failures as a Markdown table."""
         body = [[r.check, r.model, r.kind, r.impl, r.dtype, f"{r.error:.2e}", r.detail[:120]]
                 for r in self.failures[:limit]]
-        return markdown_table(["check", "model", "cache", "implementation", "dtype", "difference", "detail"],
-                              body)
+        return markdown_table(["check", "model", "cache", "implementation", "dtype", "difference",
+                               "detail"], body)
 
 
 def _streams(seed: int, batch: int, length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stream ``[batch, length]`` and an unrelated one (other continuations for crop and branch)."""
+    """The stream ``[batch, length]`` and an unrelated one (other continuations for crop and
+    branch)."""
     g = torch.Generator().manual_seed(1000 + seed)
-    return torch.randint(0, vocab, (batch, length), generator=g), torch.randint(0, vocab, (batch, length), generator=g)
+    return (torch.randint(0, vocab, (batch, length), generator=g),
+            torch.randint(0, vocab, (batch, length), generator=g))
 
 
 def _failed(case_fields: tuple, exc: Exception, check: str = "build") -> CheckResult:
@@ -170,7 +179,8 @@ def _run_case(case: Case, scenarios: Sequence[str], results: list, stop_at_first
 
 def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None,
               kinds: Sequence[str] | None = None, impls: Sequence[str] | None = None,
-              dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64), length: int = grid.STREAM_LENGTH,
+              dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64),
+              length: int = grid.STREAM_LENGTH,
               chunks: Sequence[int] = grid.CHUNKS, batches: Sequence[int] = grid.BATCHES,
               seeds: Sequence[int] = (0,), scenarios: Sequence[str] | None = None,
               stop_at_first: bool = False, model: torch.nn.Module | None = None,
@@ -178,10 +188,11 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
     """Run the scenarios on every combination of models, cache kinds, implementations and dtypes.
 
     Args:
-        variant: a key of :data:`kvdoc.proofs.variants.VARIANTS` to test instead of the implementation as it is.
-        models, kinds, impls: keys of :data:`kvdoc.proofs.grid.MODELS`, ``CACHES``, ``IMPLEMENTATIONS``
-            (default: all of each, as registered when called; for a variant, ``impls`` defaults
-            to ``("model",)``, the broken model itself).
+        variant: a key of :data:`kvdoc.proofs.variants.VARIANTS` to test instead of the
+            implementation as it is.
+        models, kinds, impls: keys of :data:`kvdoc.proofs.grid.MODELS`, ``CACHES``,
+            ``IMPLEMENTATIONS`` (default: all of each, as registered when called; for a variant,
+            ``impls`` defaults to ``("model",)``, the broken model itself).
         dtypes: FP32 and/or FP64 (FP64 converts a copy of the FP32 weights).
         length, chunks, batches, seeds: the stream, the stream checks' chunk and batch sizes
             (every pair), and the model seeds.
@@ -196,9 +207,11 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
         A :class:`SuiteReport`.
 
     Raises:
-        ValueError: an unknown name on an axis, a bad dtype, or a stream too short for the scenarios.
+        ValueError: an unknown name on an axis, a bad dtype, or a stream too short for the
+            scenarios.
     """
-    specs = {"given": grid.ModelSpec("the model given", lambda seed: model)} if model is not None else grid.MODELS
+    specs = ({"given": grid.ModelSpec("the model given", lambda seed: model)} if model is not None
+             else grid.MODELS)
     if variant in VARIANTS and models is None and model is None and VARIANTS[variant].models:
         models = VARIANTS[variant].models  # built for some models only (e.g. learned positions)
     models, kinds = list(models or specs), list(kinds or grid.CACHES)
@@ -206,7 +219,8 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
     impls = list(impls or (grid.IMPLEMENTATIONS if variant is None else ("model",)))
     scenarios = list(scenarios or SCENARIOS)
     for axis, names, known in (("model", models, specs), ("cache kind", kinds, grid.CACHES),
-                               ("implementation", impls, grid.IMPLEMENTATIONS), ("scenario", scenarios, SCENARIOS)):
+                               ("implementation", impls, grid.IMPLEMENTATIONS),
+                               ("scenario", scenarios, SCENARIOS)):
         unknown = [n for n in names if n not in known]
         if unknown:
             raise ValueError(f"unknown {axis} {unknown[0]!r}; choose from {', '.join(known)}")
@@ -219,7 +233,8 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
         raise ValueError(f"need a stream of >= 24 tokens and positive batches and chunks; "
                          f"got {length}, {list(batches)}, {list(chunks)}")
     if ids is not None and max(batches) > ids.shape[0]:
-        raise ValueError(f"batch {max(batches)} needs {max(batches)} rows of ids, got {ids.shape[0]}")
+        raise ValueError(f"batch {max(batches)} needs {max(batches)} rows of ids, "
+                         f"got {ids.shape[0]}")
     start, results = time.perf_counter(), []
     broken = None if variant is None else VARIANTS[variant]
     for seed in seeds:
@@ -242,8 +257,8 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
                         except Exception as exc:
                             results.append(_failed((name, kind, impl, dt), exc))
                             continue
-                        case = Case(name, kind, impl, dt, specs[name], grid.CACHES[kind], under_test, call,
-                                    stream, alt, tuple(batches), tuple(chunks),
+                        case = Case(name, kind, impl, dt, specs[name], grid.CACHES[kind],
+                                    under_test, call, stream, alt, tuple(batches), tuple(chunks),
                                     broken is not None and broken.stale_prefix)
                         if _run_case(case, scenarios, results, stop_at_first):
                             return SuiteReport(variant, results, time.perf_counter() - start)
@@ -273,8 +288,8 @@ def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = 
                    **axes) -> list[VariantOutcome]:
     """Run each broken variant (all by default) through :func:`run_suite` with the same ``axes``.
 
-    A variant built for some models only (:attr:`~kvdoc.proofs.variants.BrokenVariant.models`) runs on
-    those among ``axes["models"]``, and is left out when there are none.
+    A variant built for some models only (:attr:`~kvdoc.proofs.variants.BrokenVariant.models`)
+    runs on those among ``axes["models"]``, and is left out when there are none.
 
     With ``stop_at_first`` (the default) each run stops at its first failed check, which is all
     a verdict needs; without it, every check runs, which shows everything that catches a variant.
@@ -283,11 +298,12 @@ def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = 
     for name in (list(VARIANTS) if names is None else list(names)):
         v = VARIANTS[name]
         models = list(axes.get("models") or grid.MODELS)
-        models = [m for m in models if v.models is None or m in v.models]  # e.g. RoPE variants: RoPE models
+        # e.g. RoPE variants: RoPE models
+        models = [m for m in models if v.models is None or m in v.models]
         if not models:
             continue  # nothing on these axes it can be built from
-        outcomes.append(VariantOutcome(name, v.breaks, v.bug_class,
-                                       run_suite(name, stop_at_first=stop_at_first, **{**axes, "models": models})))
+        report = run_suite(name, stop_at_first=stop_at_first, **{**axes, "models": models})
+        outcomes.append(VariantOutcome(name, v.breaks, v.bug_class, report))
     return outcomes
 
 
@@ -308,16 +324,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", choices=list(VARIANTS), default=None,
                         help="run the suite on this broken variant instead (it must fail)")
     parser.add_argument("--list", action="store_true", help="list the broken variants and exit")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the models' random weights (default 0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the models' random weights (default 0)")
     parser.add_argument("--no-variants", action="store_true",
                         help="skip the broken variants (by default each must be caught)")
     parser.add_argument("--thorough", action="store_true",
-                        help=f"a longer stream ({grid.THOROUGH['length']} tokens), more chunk sizes, "
-                             "batch 3 and 1, two seeds (slower; CI runs it)")
+                        help=f"a longer stream ({grid.THOROUGH['length']} tokens), "
+                             "more chunk sizes, batch 3 and 1, two seeds (slower; CI runs it)")
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the suite, print its tables and a verdict line; return 0 only if everything is as expected."""
+    """Run the suite, print its tables and a verdict line; return 0 only if everything is as
+    expected."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: one thread is faster than several that contend
     try:
@@ -334,10 +352,12 @@ def _main(args: argparse.Namespace) -> int:
         for v in VARIANTS.values():
             print(f"{v.name:22s} {v.bug_class:26s} {v.breaks}")
         return 0
-    axes = dict(grid.THOROUGH, seeds=(args.seed, args.seed + 1)) if args.thorough else dict(seeds=(args.seed,))
+    axes = (dict(grid.THOROUGH, seeds=(args.seed, args.seed + 1)) if args.thorough
+            else dict(seeds=(args.seed,)))
     report = run_suite(args.variant, **axes)
     combos = len(report.combinations)
-    print(f"Suite on {'broken variant ' + repr(args.variant) if args.variant else 'the implementation'}: "
+    subject = f"broken variant {args.variant!r}" if args.variant else "the implementation"
+    print(f"Suite on {subject}: "
           f"{combos} combinations x {len(SCENARIOS)} scenarios x {len(axes['seeds'])} seed(s), "
           f"{len(report.results)} checks, "
           f"{report.seconds:.1f} s\n")
@@ -349,7 +369,8 @@ def _main(args: argparse.Namespace) -> int:
     if args.variant is not None:
         verdict = "FAIL" if report.failures else "PASS"
         print(f"\nVERDICT: {verdict}: broken variant {args.variant!r} "
-              + (f"caught by {', '.join(report.failed_checks())}" if report.failures else "NOT caught"))
+              + (f"caught by {', '.join(report.failed_checks())}" if report.failures
+                 else "NOT caught"))
         return 0 if report.passed else 1
     missed: list[str] = []
     if not args.no_variants:
@@ -357,6 +378,7 @@ def _main(args: argparse.Namespace) -> int:
         print(f"\nBroken variants (each must be caught):\n\n{variants_table(outcomes)}")
         missed = [o.name for o in outcomes if not o.caught]
     problems = ([f"{len(report.failures)} failed checks ({', '.join(report.failed_checks())})"]
-                if not report.passed else []) + ([f"variants not caught: {', '.join(missed)}"] if missed else [])
+                if not report.passed else [])
+    problems += [f"variants not caught: {', '.join(missed)}"] if missed else []
     print("\nVERDICT: " + ("PASS" if not problems else "FAIL: " + "; ".join(problems)))
     return 0 if not problems else 1

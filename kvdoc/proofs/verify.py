@@ -102,7 +102,7 @@ class Snapshot:
             return math.inf
         err = 0.0
         for i, pair in enumerate(self.layers):
-            for old, cur in zip(pair, cache.layer(i)):
+            for old, cur in zip(pair, cache.layer(i), strict=True):
                 if cur.shape[2] != len(now):
                     return math.inf
                 a = old[:, :, keep.start - self.held.start: keep.stop - self.held.start]
@@ -170,7 +170,8 @@ def run_cached(model: Callable, ids: torch.Tensor, chunk: int | Sequence[int],
 
 @torch.no_grad()
 def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
-    """One full forward (no cache): logits ``[B, T, V]``, every layer's K and V ``[B, H_kv, T, D_h]``.
+    """One full forward (no cache): logits ``[B, T, V]``, every layer's K and V
+    ``[B, H_kv, T, D_h]``.
 
     K and V are read off each layer's ``c_attn`` output with forward hooks (and K rotated at
     positions ``0 .. T - 1`` for a RoPE model, as a cache stores it), so they come from the full

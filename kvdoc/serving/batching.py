@@ -13,7 +13,7 @@ position ``t - pad[b]``. Two things make each row the same function as its promp
 :func:`generate_padded` runs the batch; :func:`kvdoc.proofs.serving.compare_with_alone`
 checks every row against its prompt generated alone.
 
->>> from kvdoc import Decoder, GPTConfig
+>>> from kvdoc import Decoder, GPTConfig, generate
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(GPTConfig()).eval()
 >>> batch = left_pad([[5, 6, 7], [8]])
@@ -68,12 +68,13 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> PaddedBatch:
         raise ValueError("prompts must be lists of integer token ids")
     width = max(len(r) for r in rows)
     pad = [width - len(r) for r in rows]
-    ids = torch.tensor([[pad_id] * n + r for n, r in zip(pad, rows)])
+    ids = torch.tensor([[pad_id] * n + r for n, r in zip(pad, rows, strict=True)])
     return PaddedBatch(ids, torch.tensor(pad))
 
 
 def padded_positions(pad: torch.Tensor, start: int, new_len: int) -> torch.Tensor:
-    """``[B, C]`` positions of slots ``start .. start + C - 1``: slot minus the row's pad, at least 0.
+    """``[B, C]`` positions of slots ``start .. start + C - 1``: slot minus the row's pad, at
+    least 0.
 
     >>> padded_positions(torch.tensor([0, 2]), start=1, new_len=3).tolist()
     [[1, 2, 3], [0, 0, 1]]

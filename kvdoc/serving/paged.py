@@ -95,7 +95,8 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks off the free list (each then held once); nothing changes if too few."""
         if n > len(self._free):
-            raise ValueError(f"out of blocks: {n} needed, {len(self._free)} free of {self.num_blocks}")
+            raise ValueError(f"out of blocks: {n} needed, "
+                             f"{len(self._free)} free of {self.num_blocks}")
         ids = [self._free.pop() for _ in range(n)]
         for i in ids:
             self._refs[i] = 1
@@ -107,14 +108,16 @@ class BlockPool:
             self._refs[i] += 1
 
     def release(self, ids: Sequence[int]) -> None:
-        """One holder fewer for each block of ``ids``; a block nobody holds goes back on the free list."""
+        """One holder fewer for each block of ``ids``; a block nobody holds goes back on the free
+        list."""
         for i in ids:
             self._refs[i] -= 1
             if self._refs[i] == 0:
                 self._free.append(i)
 
     def copy(self, block: int) -> int:
-        """Copy-on-write: a fresh block with ``block``'s contents (every layer), held once instead of it."""
+        """Copy-on-write: a fresh block with ``block``'s contents (every layer), held once instead
+        of it."""
         (new,) = self.allocate(1)
         for store in (*self.k, *self.v):
             store[new] = store[block]
@@ -159,7 +162,8 @@ class PagedCache(KVCache):
         return self._len
 
     def release(self) -> None:
-        """Give every block back (the cache is then empty); also done when the cache is collected."""
+        """Give every block back (the cache is then empty); also done when the cache is
+        collected."""
         self._finalizer()
         self._len = 0
 
@@ -173,14 +177,15 @@ class PagedCache(KVCache):
         if not rows or any(not 0 <= r < self.batch_size for r in rows):
             raise ValueError(f"fork rows must be indices 0..{self.batch_size - 1}, got {rows}")
         child = type(self)(self.pool, len(rows))
-        for table, r in zip(child.tables, rows):
+        for table, r in zip(child.tables, rows, strict=True):
             table.extend(self.tables[r])
             self.pool.share(table)
         child._len = self._len
         return child
 
     def crop(self, length: int) -> PagedCache:
-        """Forget every position from ``length`` on, in place, giving back the blocks past it; returns ``self``."""
+        """Forget every position from ``length`` on, in place, giving back the blocks past it;
+        returns ``self``."""
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._len:
             raise ValueError(f"cannot crop a cache of {self._len} positions to {length!r}")
         keep = math.ceil(length / self.block_size)
@@ -191,7 +196,8 @@ class PagedCache(KVCache):
         return self
 
     def _blocks_needed(self, end: int) -> int:
-        """Blocks to allocate or copy so every sequence can write positions ``seq_len .. end - 1``."""
+        """Blocks to allocate or copy so every sequence can write positions
+        ``seq_len .. end - 1``."""
         first, last = self._len // self.block_size, math.ceil(end / self.block_size)
         needed = 0
         for table in self.tables:
@@ -200,7 +206,8 @@ class PagedCache(KVCache):
         return needed
 
     def _reserve(self, end: int) -> None:
-        """Own every block that positions ``seq_len .. end - 1`` fall in: copy shared ones, add new ones."""
+        """Own every block that positions ``seq_len .. end - 1`` fall in: copy shared ones, add
+        new ones."""
         needed = self._blocks_needed(end)
         if needed > self.pool.num_free:  # check first: a refused write changes nothing
             raise ValueError(f"out of blocks: positions {self._len}..{end - 1} need {needed} more "

@@ -1,4 +1,5 @@
-"""An int8 K/V cache: an approximation that stores a quarter of FP32's bytes, with its error measured.
+"""An int8 K/V cache: an approximation that stores a quarter of FP32's bytes, with its error
+measured.
 
 Each new row of K and V (one position of one head, ``D_h`` values) is stored as ``D_h`` int8
 values and one scale: ``scale = max|x| / 127`` and ``q = round(x / scale)``, so every value comes
@@ -19,7 +20,8 @@ Layout: K and V are ``[B, H_kv, T, D_h]`` int8, scales ``[B, H_kv, T, 1]``.
 >>> k, v = cache.layer(0)
 >>> k.dtype, tuple(k.shape)
 (torch.float32, (1, 4, 4, 16))
->>> cache.nbytes() == 2 * 2 * 4 * 4 * (16 * 1 + 4)  # K, V x layers x H_kv x T x (D_h int8 + FP32 scale)
+>>> # K, V x layers x H_kv x T x (D_h int8 + FP32 scale)
+>>> cache.nbytes() == 2 * 2 * 4 * 4 * (16 * 1 + 4)
 True
 """
 
@@ -54,8 +56,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class Int8Cache(KVCache):
     """A cache that grows by concatenation and stores K/V as int8 with per-token, per-head scales.
 
-    Like :class:`~kvdoc.core.cache.DynamicCache`, a forward call works on a shallow copy, so the cache
-    passed in is never modified. ``dtype`` is the model's: what :meth:`layer` returns.
+    Like :class:`~kvdoc.core.cache.DynamicCache`, a forward call works on a shallow copy, so the
+    cache passed in is never modified. ``dtype`` is the model's: what :meth:`layer` returns.
 
     Args:
         layers: per layer ``(qk, k_scale, qv, v_scale)``: int8 ``[B, H_kv, T, D_h]`` and scales
@@ -96,9 +98,10 @@ class Int8Cache(KVCache):
         self.check_rows(k, v)
         old = self._kv[layer_idx]
         if start != old[0].shape[2]:
-            raise ValueError(f"layer {layer_idx} holds {old[0].shape[2]} positions, write starts at {start}")
+            raise ValueError(f"layer {layer_idx} holds {old[0].shape[2]} positions, "
+                             f"write starts at {start}")
         new = (*quantize(k), *quantize(v))
-        self._kv[layer_idx] = tuple(torch.cat((a, b), dim=2) for a, b in zip(old, new))
+        self._kv[layer_idx] = tuple(torch.cat((a, b), dim=2) for a, b in zip(old, new, strict=True))
         return self.layer(layer_idx)
 
     def tensors(self) -> list[torch.Tensor]:

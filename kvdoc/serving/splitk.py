@@ -128,7 +128,8 @@ def all_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int,
     p = torch.exp(scores - torch.where(m.isinf(), 0.0, m)[..., None])
     out = p.view(B, H_kv, n, -1, split) @ v  # [B, H_kv, n, g C, D]
 
-    def chunks_first(x: torch.Tensor, *tail: int) -> torch.Tensor:  # [B, H_kv, n, ...] -> [n, B, H, ...]
+    # [B, H_kv, n, ...] -> [n, B, H, ...]
+    def chunks_first(x: torch.Tensor, *tail: int) -> torch.Tensor:
         return x.movedim(2, 0).reshape(n, B, H, *tail)
     return Partial(chunks_first(out, C, D), chunks_first(m, C), chunks_first(p.sum(dim=-1), C))
 

@@ -10,7 +10,8 @@ serving batch, and measures what each strategy reserves:
   a request's final length is unknown when it is admitted;
 * **paged**: blocks of a :class:`~kvdoc.serving.paged.BlockPool`, one block table per request;
 * **paged + shared prefix**: the system prompt is computed once and its blocks are shared by
-  every request (:meth:`~kvdoc.serving.paged.PagedCache.fork`, copy-on-write at its partly filled last block).
+  every request (:meth:`~kvdoc.serving.paged.PagedCache.fork`, copy-on-write at its partly
+  filled last block).
 
 With sharing it keeps each request's logits, which
 :func:`kvdoc.proofs.serving.compare_mix_with_alone` compares with one full forward of that
@@ -21,7 +22,8 @@ request alone.
 >>> model = Decoder(GPTConfig()).eval()
 >>> mix = request_mix(n=3, prefix_len=5, user_lens=(2, 4), output_lens=(1, 3))
 >>> m = measure_mix(model, mix, block_size=4)
->>> m.requests, len(m.logits), m.strategies[0].reserved_bytes == 3 * StaticCache(model.config, 1, 512).nbytes()
+>>> m.requests, len(m.logits), (m.strategies[0].reserved_bytes
+...                               == 3 * StaticCache(model.config, 1, 512).nbytes())
 (3, 3, True)
 """
 
@@ -55,19 +57,23 @@ class RequestMix:
 
     def lengths(self) -> list[int]:
         """Positions each request holds at the end: prefix + user + output."""
-        return [len(self.prefix) + len(u) + len(o) for u, o in zip(self.users, self.outputs)]
+        return [len(self.prefix) + len(u) + len(o)
+                for u, o in zip(self.users, self.outputs, strict=True)]
 
 
 def request_mix(n: int = 48, prefix_len: int = 100, user_lens: tuple[int, int] = (16, 160),
-                output_lens: tuple[int, int] = (8, 160), vocab_size: int = 97, seed: int = 0) -> RequestMix:
-    """``n`` requests: a ``prefix_len``-token system prompt, then user and output lengths uniform on
-    the inclusive ranges given, token ids uniform on the vocabulary, all from ``torch.Generator`` seed ``seed``.
+                output_lens: tuple[int, int] = (8, 160), vocab_size: int = 97,
+                seed: int = 0) -> RequestMix:
+    """``n`` requests: a ``prefix_len``-token system prompt, then user and output lengths
+    uniform on the inclusive ranges given, token ids uniform on the vocabulary, all from
+    ``torch.Generator`` seed ``seed``.
 
     >>> mix = request_mix(n=4, prefix_len=3, user_lens=(1, 2), output_lens=(5, 5))
     >>> all(9 <= n <= 10 for n in mix.lengths()), mix == request_mix(4, 3, (1, 2), (5, 5))
     (True, True)
     """
-    if n < 1 or prefix_len < 0 or not 1 <= user_lens[0] <= user_lens[1] or not 1 <= output_lens[0] <= output_lens[1]:
+    if (n < 1 or prefix_len < 0 or not 1 <= user_lens[0] <= user_lens[1]
+            or not 1 <= output_lens[0] <= output_lens[1]):
         raise ValueError("need n >= 1, prefix_len >= 0 and ranges (lo, hi) with 1 <= lo <= hi")
     g = torch.Generator().manual_seed(seed)
 
@@ -81,8 +87,9 @@ def request_mix(n: int = 48, prefix_len: int = 100, user_lens: tuple[int, int] =
         users.append(tokens(*user_lens))
         outputs.append(tokens(*output_lens))
     text = (f"{n} requests; a shared system prompt of {prefix_len} tokens; user text uniform on "
-            f"{user_lens[0]}..{user_lens[1]} tokens; output uniform on {output_lens[0]}..{output_lens[1]} "
-            f"tokens; token ids uniform; torch.Generator seed {seed}")
+            f"{user_lens[0]}..{user_lens[1]} tokens; "
+            f"output uniform on {output_lens[0]}..{output_lens[1]} tokens; "
+            f"token ids uniform; torch.Generator seed {seed}")
     return RequestMix(prefix, users, outputs, text)
 
 
@@ -111,7 +118,8 @@ class MixMemory:
     """What :func:`measure_mix` returns.
 
     Attributes:
-        requests: how many. positions: positions all requests hold together (prefix counted per request).
+        requests: how many. positions: positions all requests hold together (prefix counted per
+            request).
         position_bytes: K/V bytes of one position, every layer.
         block_size: positions per block.
         strategies: contiguous, paged, paged + shared prefix.
@@ -144,11 +152,13 @@ def _filled_slots(caches: list[PagedCache]) -> int:
 
 @torch.no_grad()
 def measure_mix(model: Decoder, mix: RequestMix, block_size: int = 16) -> MixMemory:
-    """Run every request of ``mix``, all held at once, under each strategy; see the module docstring."""
+    """Run every request of ``mix``, all held at once, under each strategy; see the module
+    docstring."""
     cfg, weight = model.config, model.wte.weight
     lengths = mix.lengths()
     if max(lengths) > cfg.n_positions:
-        raise ValueError(f"a request of {max(lengths)} positions exceeds the model's {cfg.n_positions}")
+        raise ValueError(f"a request of {max(lengths)} positions exceeds the model's "
+                         f"{cfg.n_positions}")
     contiguous = sum(StaticCache(cfg, 1, cfg.n_positions, weight.dtype, weight.device).nbytes()
                      for _ in lengths)
     blocks = sum(-(-n // block_size) for n in lengths)  # enough for every request without sharing
@@ -156,7 +166,8 @@ def measure_mix(model: Decoder, mix: RequestMix, block_size: int = 16) -> MixMem
     position_bytes = pool.block_nbytes // block_size
     prefix = torch.tensor([mix.prefix], device=weight.device)
 
-    def run(start: PagedCache | None, user: list[int], output: list[int]) -> tuple[PagedCache, torch.Tensor]:
+    def run(start: PagedCache | None, user: list[int],
+            output: list[int]) -> tuple[PagedCache, torch.Tensor]:
         cache = PagedCache(pool, 1) if start is None else start.fork()
         chunks = [torch.tensor([t], device=weight.device) for t in (user, output)]
         if start is None:
@@ -164,7 +175,7 @@ def measure_mix(model: Decoder, mix: RequestMix, block_size: int = 16) -> MixMem
         logits = [model(chunk, cache).logits for chunk in chunks]  # writes in place
         return cache, torch.cat(logits, dim=1)
 
-    paged = [run(None, u, o)[0] for u, o in zip(mix.users, mix.outputs)]
+    paged = [run(None, u, o)[0] for u, o in zip(mix.users, mix.outputs, strict=True)]
     paged_mem = StrategyMemory("paged blocks", pool.num_used * pool.block_nbytes,
                                _filled_slots(paged) * position_bytes)
     for cache in paged:
@@ -173,12 +184,13 @@ def measure_mix(model: Decoder, mix: RequestMix, block_size: int = 16) -> MixMem
     shared_prefix = PagedCache(pool, 1)
     model(prefix, shared_prefix)
     shared, logits = [shared_prefix], []
-    for u, o in zip(mix.users, mix.outputs):
+    for u, o in zip(mix.users, mix.outputs, strict=True):
         cache, out = run(shared_prefix, u, o)
         shared.append(cache)
         logits.append(out)
     shared_mem = StrategyMemory("paged blocks, shared prefix", pool.num_used * pool.block_nbytes,
                                 _filled_slots(shared) * position_bytes)
-    contiguous_mem = StrategyMemory("contiguous, max length", contiguous, sum(lengths) * position_bytes)
+    contiguous_mem = StrategyMemory("contiguous, max length", contiguous,
+                                    sum(lengths) * position_bytes)
     return MixMemory(len(lengths), sum(lengths), position_bytes, block_size,
                      (contiguous_mem, paged_mem, shared_mem), tuple(logits))
