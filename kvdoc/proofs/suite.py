@@ -285,7 +285,7 @@ class VariantOutcome:
 
 
 def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = True,
-                   **axes) -> list[VariantOutcome]:
+                   workers: int = 1, **axes) -> list[VariantOutcome]:
     """Run each broken variant (all by default) through :func:`run_suite` with the same ``axes``.
 
     A variant built for some models only (:attr:`~kvdoc.proofs.variants.BrokenVariant.models`)
@@ -293,18 +293,36 @@ def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = 
 
     With ``stop_at_first`` (the default) each run stops at its first failed check, which is all
     a verdict needs; without it, every check runs, which shows everything that catches a variant.
+    ``workers > 1`` runs the variants in that many fresh processes, each with this process's
+    torch thread count; the outcomes are the same, in the same order.
     """
-    outcomes = []
+    runs = []
     for name in (list(VARIANTS) if names is None else list(names)):
         v = VARIANTS[name]
-        models = list(axes.get("models") or grid.MODELS)
-        # e.g. RoPE variants: RoPE models
-        models = [m for m in models if v.models is None or m in v.models]
-        if not models:
-            continue  # nothing on these axes it can be built from
-        report = run_suite(name, stop_at_first=stop_at_first, **{**axes, "models": models})
-        outcomes.append(VariantOutcome(name, v.breaks, v.bug_class, report))
-    return outcomes
+        # e.g. RoPE variants run on the RoPE models only
+        models = [m for m in (axes.get("models") or grid.MODELS)
+                  if v.models is None or m in v.models]
+        if models:  # else nothing on these axes it can be built from
+            runs.append((name, stop_at_first, {**axes, "models": models}))
+    if workers > 1 and len(runs) > 1:
+        import multiprocessing
+
+        # spawn, not fork: a forked child of a process that ran OpenMP threads can hang
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(workers, _set_threads, (torch.get_num_threads(),)) as pool:
+            return pool.map(_sweep_one, runs, chunksize=1)
+    return [_sweep_one(run) for run in runs]
+
+
+def _set_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def _sweep_one(run: tuple[str, bool, dict]) -> VariantOutcome:
+    name, stop_at_first, axes = run
+    v = VARIANTS[name]
+    return VariantOutcome(name, v.breaks, v.bug_class,
+                          run_suite(name, stop_at_first=stop_at_first, **axes))
 
 
 def variants_table(outcomes: Sequence[VariantOutcome]) -> str:
