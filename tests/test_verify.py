@@ -154,7 +154,8 @@ def test_suite_passes_on_the_real_implementation():
     assert len(report.combinations) == served * len(grid.IMPLEMENTATIONS) * 2  # FP32 and FP64
     assert {r.check for r in report.results} == set(CHECKS)
     assert all(r.passed is not False for r in report.results)
-    assert all(r.passed is not None for r in report.results if r.check not in ("generate", "crop", "speculative"))
+    not_everywhere = ("generate", "crop", "speculative")  # each skips kinds or impls it cannot take
+    assert all(r.passed is not None for r in report.results if r.check not in not_everywhere)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
