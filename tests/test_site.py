@@ -170,10 +170,12 @@ def test_compare_builds_exempts_timing_pages_only(tmp_path):
         return root
 
     a, b = site("a", "1.5", "same"), site("b", "1.7", "same")
-    problems, notes = compare_builds.compare(a, b)
+    problems, notes = compare_builds.compare(a, b, timing_pages=("part3/7-savings.html",))
     assert problems == [] and notes == ["exempt (shows timings): part3/7-savings.html"]
+    _, notes = compare_builds.compare(a, b, timing_pages=("part3/7-savings.html", "gone.html"))
+    assert notes[1].startswith("note: exempt page gone.html is not in the build")
     c = site("c", "1.5", "changed")
-    problems, _ = compare_builds.compare(a, c)
+    problems, _ = compare_builds.compare(a, c, timing_pages=("part3/7-savings.html",))
     assert [p.split(":")[0] for p in problems] == ["index.html"]
     problems, _ = compare_builds.compare(a, b, timing_pages=())  # nothing exempt: both show
     assert sorted(p.split(":")[0] for p in problems) == [
