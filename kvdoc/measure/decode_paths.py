@@ -81,12 +81,13 @@ def build_models(config: GPTConfig, seed: int, transformers: bool,
     return model, hf
 
 
-def static_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor, prefix_len: int,
-                   steps: int) -> tuple[Prepare, Callable[[], torch.Tensor]]:
-    """``steps`` single-token calls of ``step`` (the model or a fast step) from a static cache
-    holding the prompt."""
+def cached_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor, prefix_len: int,
+                  steps: int, kind: str = "static") -> tuple[Prepare, Callable[[], torch.Tensor]]:
+    """``steps`` single-token calls of ``step`` (the model or a fast step) from a cache of
+    ``kind`` holding the prompt, cropped back to it before each run (untimed; a dynamic cache,
+    which no call changes, already holds just the prompt)."""
     P, G = prefix_len, steps
-    cache = model(ids[:, :P], model.new_cache(1, "static", capacity=P + G))[1]
+    cache = model(ids[:, :P], model.new_cache(1, kind, capacity=P + G))[1]
 
     def run() -> torch.Tensor:
         work, out = cache, []
@@ -106,7 +107,7 @@ def lean_decode(lean: LeanStep, model: Decoder, ids: torch.Tensor, prefix_len: i
     """``steps`` calls of a :class:`~kvdoc.measure.ablation.LeanStep` after the prompt's K/V.
 
     The prompt's K/V is copied in once; ``prepare`` rewinds the lean step to position ``P``
-    (untimed), as :func:`static_decode` crops its cache, so both read K/V written equally long ago.
+    (untimed), as :func:`cached_decode` crops its cache, so both read K/V written equally long ago.
     """
     P, G = prefix_len, steps
     lean.start(model(ids[:, :P], model.new_cache(1, "static", capacity=P))[1])
@@ -155,19 +156,10 @@ def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, st
         for name, last_only in (("full_all", False), ("full_last", True)):
             runs[name] = full_run(last_only)
             prepare[name] = lambda run=runs[name]: run
-    dyn_prefix = model(prompt, model.new_cache(1, "dynamic"))[1]
-
-    def dynamic_run() -> torch.Tensor:
-        cache, out = dyn_prefix, []
-        for j in range(G):
-            logits, cache = model(ids[:, P + j:P + j + 1], cache)
-            out.append(logits)
-        return torch.cat(out, 1)
-    runs["dynamic"] = dynamic_run
-    prepare["dynamic"] = lambda: dynamic_run
-    prepare["static"], runs["static"] = static_decode(model, model, ids, P, G)
+    prepare["dynamic"], runs["dynamic"] = cached_decode(model, model, ids, P, G, "dynamic")
+    prepare["static"], runs["static"] = cached_decode(model, model, ids, P, G)
     if fast is not None:
-        prepare["fast"], runs["fast"] = static_decode(fast, model, ids, P, G)
+        prepare["fast"], runs["fast"] = cached_decode(fast, model, ids, P, G)
         lean = LeanStep(model, capacity=P + G)
         prepare["lean"], runs["lean"] = lean_decode(lean, model, ids, P, G)
     if hf is not None:
