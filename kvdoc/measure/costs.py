@@ -59,7 +59,8 @@ class RowCounter:
 def step_flops(config: GPTConfig, past: int, new: int, last_only: bool = False) -> dict[str, float]:
     """Multiply-add FLOPs (2 per MAC) of one forward: ``new`` tokens after ``past`` cached ones.
 
-    ``linear`` covers ``c_attn``, ``c_proj`` and the MLP of every layer (~ ``C d^2``);
+    ``linear`` covers ``c_attn``, ``c_proj`` and the MLP of every layer (~ ``C d^2``; a SwiGLU
+    MLP has three matrices, gate, up and down, where GELU's has two);
     ``attention`` the scores ``Q K^T`` and the weighted sum with ``V`` (~ ``C T d``, with
     ``T = past + new``; masked entries are counted, as dense attention computes them);
     ``lm_head`` the vocabulary projection of the projected rows. Norms, GELU and softmax are
@@ -68,9 +69,14 @@ def step_flops(config: GPTConfig, past: int, new: int, last_only: bool = False) 
     >>> f = step_flops(GPTConfig(), past=0, new=1)
     >>> f["attention"] == 2 * 2 * 1 * 1 * 64 * 2       # 2 layers, QK^T and PV, 1 query, 1 key
     True
+    >>> from kvdoc.core.config import llama_config
+    >>> c = llama_config()
+    >>> step_flops(c, 0, 1)["linear"] == 2 * 2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128)
+    True
     """
     d, t = config.n_embd, past + new
-    per_token_linear = d * (d + 2 * config.kv_dim) + d * d + 2 * d * config.n_inner
+    mlp_matrices = 3 if config.mlp == "swiglu" else 2
+    per_token_linear = d * (d + 2 * config.kv_dim) + d * d + mlp_matrices * d * config.n_inner
     linear = 2.0 * config.n_layer * new * per_token_linear
     attention = 2.0 * config.n_layer * 2 * new * t * d  # H heads x D_h = d, for QK^T and for PV
     lm_head = 2.0 * (1 if last_only else new) * d * config.vocab_size
