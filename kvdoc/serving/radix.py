@@ -47,7 +47,7 @@ root
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -161,8 +161,10 @@ class RadixCache:
         length = min(length, len(prompt) - 1)  # the last prompt token is always computed
         blocks = blocks[:math.ceil(length / self.block_size)]
         needed = math.ceil((len(prompt) + max_new) / self.block_size) - length // self.block_size
+        node = self._cut(node, len(blocks))
         self._lock(node, +1)  # before making room: eviction must not take this path
-        evictable = sum(len(n.blocks) for n in self.nodes() if self._evictable(n))
+        # an unlocked node's whole subtree is unlocked: leaf by leaf, all of it can go
+        evictable = sum(len(n.blocks) for n in self.nodes() if self._may_evict(n))
         if needed > self.pool.num_free + evictable:
             self._lock(node, -1)
             raise ValueError(f"out of blocks: a request of {len(prompt)} + {max_new} positions "
@@ -221,6 +223,25 @@ class RadixCache:
             node, pos = child, pos + whole * S
         return 0
 
+    def _cut(self, node: Node, used: int) -> Node:
+        """The node whose path from the root holds exactly the first ``used`` blocks of
+        ``node``'s path, splitting ``node`` if they end inside its edge: a request locks only what
+        it uses, and eviction can still take the rest."""
+        start = sum(len(n.blocks) for n in self._path(node)) - len(node.blocks)
+        while node is not self.root and used <= start:
+            node = node.parent
+            start -= len(node.blocks)
+        if node is not self.root and used - start < len(node.blocks):
+            node = self._split(node, used - start)
+        return node
+
+    def _path(self, node: Node) -> list[Node]:
+        path = []
+        while node is not None:
+            path.append(node)
+            node = node.parent
+        return path
+
     def _split(self, child: Node, whole: int) -> Node:
         """Cut ``child``'s edge after ``whole`` blocks; returns the new upper node."""
         S = self.block_size
@@ -239,31 +260,39 @@ class RadixCache:
             node.last_used = self.clock
             node = node.parent
 
+    def _may_evict(self, node: Node) -> bool:
+        """No running request uses it."""
+        return node.lock == 0
+
     def _evictable(self, node: Node) -> bool:
-        """A leaf no running request uses."""
-        return node is not self.root and not node.children and node.lock == 0
+        return not node.children and self._may_evict(node)
 
     def evict(self, blocks: int) -> int:
         """Evict least recently used unlocked leaves until ``blocks`` blocks are freed or none
-        is left; returns the blocks freed."""
+        is left; returns the blocks freed (counted in :attr:`evicted_blocks`)."""
         freed = 0
         while freed < blocks:
             leaves = [n for n in self.nodes() if self._evictable(n)]
             if not leaves:
                 break
-            leaf = min(leaves, key=lambda n: n.last_used)
-            del leaf.parent.children[leaf.tokens[:self.block_size]]
-            self.pool.release(leaf.blocks)
-            freed += len(leaf.blocks)
-            self.evicted_nodes, self.evicted_blocks = (self.evicted_nodes + 1,
-                                                       self.evicted_blocks + len(leaf.blocks))
+            freed += self._remove(min(leaves, key=lambda n: n.last_used))
+            self.evicted_nodes += 1
+        self.evicted_blocks += freed
         return freed
 
+    def _remove(self, leaf: Node) -> int:
+        del leaf.parent.children[leaf.tokens[:self.block_size]]
+        self.pool.release(leaf.blocks)
+        return len(leaf.blocks)
+
     def clear(self) -> None:
-        """Evict everything; only when no request is running."""
+        """Give back every block the tree holds (not counted as evictions); only when no request
+        is running."""
         if self.running:
             raise ValueError(f"{len(self.running)} requests are still running")
-        self.evict(self.pool.num_blocks + 1)
+        for node in list(self.nodes()):
+            self.pool.release(node.blocks)
+        self.root.children.clear()
 
     def nodes(self) -> Iterator[Node]:
         """Every node but the root, depth first."""
@@ -385,10 +414,11 @@ def chat_workload(seed: int = 0, conversations: int = 2, turns: int = 3,
 
 
 def prefix_workload(seed: int = 0) -> list[Turn]:
-    """The page's workload: :func:`few_shot_workload`, then :func:`chat_workload`."""
+    """The page's workload: :func:`few_shot_workload` (``seed``), then :func:`chat_workload`
+    (``seed + 1``)."""
     few = few_shot_workload(seed)
     chat = [Turn(t.text, t.max_new, t.kind, None if t.after is None else t.after + len(few))
-            for t in chat_workload(seed)]
+            for t in chat_workload(seed + 1)]  # another seed: its ids must not repeat few-shot's
     return few + chat
 
 
@@ -420,8 +450,10 @@ class WorkloadRun:
 
 def run_workload(model: Decoder, turns: Sequence[Turn], num_blocks: int, block_size: int = 4,
                  granularity: Literal["token", "block"] = "token",
-                 tree_cls: type[RadixCache] = RadixCache) -> WorkloadRun:
-    """Serve ``turns`` one after another through a new tree over a pool of ``num_blocks``."""
+                 tree_cls: type[RadixCache] = RadixCache,
+                 after: Callable[[RadixCache], None] | None = None) -> WorkloadRun:
+    """Serve ``turns`` one after another through a new tree over a pool of ``num_blocks``,
+    calling ``after(tree)`` after each (the proofs check invariants there)."""
     weight = model.wte.weight
     pool = BlockPool(model.config, num_blocks, block_size, weight.dtype, weight.device)
     tree = tree_cls(pool, granularity)
@@ -429,4 +461,6 @@ def run_workload(model: Decoder, turns: Sequence[Turn], num_blocks: int, block_s
     for turn in turns:
         before = () if turn.after is None else served[turn.after].tokens
         served.append(serve(model, tree, before + turn.text, turn.max_new))
+        if after is not None:
+            after(tree)
     return WorkloadRun(served, tree)
