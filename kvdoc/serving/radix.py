@@ -151,7 +151,8 @@ class RadixCache:
 
         Raises:
             ValueError: an empty prompt, or too few blocks even after evicting every unlocked
-                node (the tree is then as it was).
+                node (the tree then holds what it held; an edge may have been cut in two at the
+                match).
         """
         prompt = tuple(int(t) for t in prompt)
         if not prompt or max_new < 0:
@@ -189,7 +190,8 @@ class RadixCache:
         cache = request.cache
         if request not in self.running:
             raise ValueError("this request is not running in this tree")
-        if len(tokens) != cache.seq_len or tokens[:len(request.prompt)] != request.prompt:
+        overlap = min(len(tokens), len(request.prompt))
+        if len(tokens) != cache.seq_len or tokens[:overlap] != request.prompt[:overlap]:
             raise ValueError(f"tokens must be the {cache.seq_len} ids the cache holds, starting "
                              f"with the prompt; got {len(tokens)}")
         whole = cache.seq_len // self.block_size
