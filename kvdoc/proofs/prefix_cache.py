@@ -1,0 +1,190 @@
+"""Checks of the radix-tree prefix cache (:mod:`kvdoc.serving.radix`), and broken trees they catch.
+
+* :func:`compare_workload`: every request served through the tree against the same request run
+  alone without it: its computed logits against one full forward (within
+  :data:`kvdoc.proofs.verify.TOLERANCE`), its greedy tokens against
+  :func:`kvdoc.core.model.generate` of its prompt alone; :func:`invariant_errors` after every
+  request, and every block free once the tree is cleared.
+* :func:`invariant_errors`: each block's reference count is its number of holders (tree nodes and
+  running requests); free and held blocks add up to the pool; a block on the free list is held by
+  nobody; every running request's path is still in the tree and each node's lock counts the
+  requests through it; the bytes the tree reports are those of its blocks in the pool's tensors.
+* :func:`check_locked_eviction`: a request that needs more blocks than the unlocked nodes can
+  free is refused, and its own matched path is not evicted to make room.
+
+:data:`BROKEN_TREES` are deliberately wrong trees each check must catch:
+
+>>> from kvdoc.proofs.verify import default_model
+>>> from kvdoc.serving.radix import few_shot_workload
+>>> model, turns = default_model(), few_shot_workload(requests=3)
+>>> all(r.passed for r in compare_workload(model, turns, num_blocks=64).requests)
+True
+>>> all(r.passed for r in compare_workload(model, turns, 64, tree_cls=WholeBlockMatch).requests)
+False
+>>> check_locked_eviction(model).passed, check_locked_eviction(model, EvictLocked).passed
+(True, False)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from kvdoc.core.model import Decoder, generate
+from kvdoc.serving.paged import BlockPool
+from kvdoc.serving.radix import RadixCache, Turn, WorkloadRun, run_workload, serve
+
+from .verify import TOLERANCE, close, max_abs
+
+
+class WholeBlockMatch(RadixCache):
+    """BROKEN: matches at token granularity, then takes the partly matched last block as if all
+    of it were the request's own: the match is rounded up to the block's end (within the prompt),
+    so the request skips prefilling positions whose K/V belong to another sequence."""
+
+    def match(self, tokens):
+        length, blocks, node = super().match(tokens)
+        end = len(blocks) * self.block_size
+        if length % self.block_size and end < len(tokens):
+            length = end  # BUG: the tail of the last block is another request's
+        return length, blocks, node
+
+
+class EvictLocked(RadixCache):
+    """BROKEN: eviction ignores locks, so making room for a request may evict the very path it
+    matched; its blocks go back on the free list while the request is handed them."""
+
+    def _may_evict(self, node):
+        return True  # BUG: node.lock not consulted
+
+
+BROKEN_TREES: dict[str, type[RadixCache]] = {"whole-block": WholeBlockMatch,
+                                             "evict-locked": EvictLocked}
+"""The broken trees by name."""
+
+
+def invariant_errors(tree: RadixCache) -> list[str]:
+    """What is wrong with ``tree`` and its pool's bookkeeping (empty when nothing is)."""
+    pool, errors = tree.pool, []
+    holders = Counter(b for n in tree.nodes() for b in n.blocks)
+    holders.update(b for r in tree.running for b in r.cache.tables[0])
+    wrong = [b for b in range(pool.num_blocks) if pool.refs(b) != holders[b]]
+    if wrong:
+        errors.append(f"blocks {wrong}: reference count is not the number of holders")
+    free = pool._free  # the free list itself, read to check it
+    held = sum(pool.refs(b) > 0 for b in range(pool.num_blocks))
+    if len(set(free)) != len(free) or len(free) + held != pool.num_blocks:
+        errors.append(f"{len(free)} on the free list + {held} held != {pool.num_blocks} blocks")
+    if any(pool.refs(b) for b in free):
+        errors.append("a block on the free list is held")
+    in_tree = set(map(id, tree.nodes())) | {id(tree.root)}
+    locks: Counter = Counter()
+    for request in tree.running:
+        node = request.node
+        while node is not None:
+            if id(node) not in in_tree:
+                errors.append("a node locked by a running request is no longer in the tree")
+                break
+            locks[id(node)] += 1
+            node = node.parent
+    if any(n.lock != locks[id(n)] for n in tree.nodes()):
+        errors.append("a node's lock is not the number of running requests through it")
+    if any(len(n.tokens) != len(n.blocks) * tree.block_size for n in tree.nodes()):
+        errors.append("a node's tokens are not whole blocks")
+    blocks = [b for n in tree.nodes() for b in n.blocks]
+    measured = sum(t[blocks].numel() * t.element_size() for t in (*pool.k, *pool.v))
+    if tree.nbytes() != measured:
+        errors.append(f"the tree reports {tree.nbytes()} bytes, its blocks hold {measured}")
+    return errors
+
+
+@dataclass(frozen=True)
+class RequestCheck:
+    """One request with the tree against the same request alone.
+
+    Attributes:
+        kind: the workload's label. prompt_len, matched: prompt tokens, and those found in the
+            tree. logit_error: max ``|tree - full forward|`` over the positions computed and the
+            whole vocabulary. logits_close: within the dtype's tolerance. same_tokens: its
+            greedy tokens equal ``generate`` of its prompt alone. invariants: what
+            :func:`invariant_errors` found after it.
+    """
+
+    kind: str
+    prompt_len: int
+    matched: int
+    logit_error: float
+    logits_close: bool
+    same_tokens: bool
+    invariants: tuple[str, ...]
+
+    @property
+    def passed(self) -> bool:
+        return self.logits_close and self.same_tokens and not self.invariants
+
+
+@dataclass(frozen=True)
+class WorkloadCheck:
+    """:func:`compare_workload`'s result: the run, one check per request, and whether every block
+    was free after the tree was cleared."""
+
+    run: WorkloadRun
+    requests: list[RequestCheck]
+    all_free_after_clear: bool
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.requests) and self.all_free_after_clear
+
+
+@torch.no_grad()
+def compare_workload(model: Decoder, turns: list[Turn], num_blocks: int, block_size: int = 4,
+                     granularity: str = "token",
+                     tree_cls: type[RadixCache] = RadixCache) -> WorkloadCheck:
+    """Serve ``turns`` through a tree (:func:`kvdoc.serving.radix.run_workload`) and check every
+    request against itself alone; the tree is cleared at the end."""
+    after: list[tuple[str, ...]] = []
+    run = run_workload(model, turns, num_blocks, block_size, granularity, tree_cls,
+                       after=lambda tree: after.append(tuple(invariant_errors(tree))))
+    tol, device = TOLERANCE[model.wte.weight.dtype], model.wte.weight.device
+    checks = []
+    for turn, served, errors in zip(turns, run.served, after, strict=True):
+        ids = torch.tensor([served.tokens], device=device)
+        full = model(ids[:, :-1]).logits[:, served.matched:]
+        alone = generate(model, ids[:, :served.prompt_len], turn.max_new)
+        checks.append(RequestCheck(turn.kind, served.prompt_len, served.matched,
+                                   max_abs(served.logits, full), close(served.logits, full, tol),
+                                   bool(torch.equal(alone, ids)), errors))
+    run.tree.clear()
+    return WorkloadCheck(run, checks, run.tree.pool.num_free == run.tree.pool.num_blocks
+                         and not invariant_errors(run.tree))
+
+
+@dataclass(frozen=True)
+class EvictionCheck:
+    passed: bool
+    detail: str
+
+
+def check_locked_eviction(model: Decoder, tree_cls: type[RadixCache] = RadixCache,
+                          block_size: int = 4) -> EvictionCheck:
+    """A pool of 6 blocks; the tree holds two sequences of 2 blocks each. A request matching the
+    first and needing 5 more blocks must be refused (2 free + 2 evictable), its matched path
+    kept, and the bookkeeping sound."""
+    weight = model.wte.weight
+    tree = tree_cls(BlockPool(model.config, 6, block_size, weight.dtype, weight.device))
+    first, other = list(range(1, 9)), list(range(20, 28))
+    serve(model, tree, first, max_new=1)
+    serve(model, tree, other, max_new=1)
+    before = tree.render()
+    try:
+        request = tree.admit(first + list(range(40, 56)), max_new=4)
+    except ValueError as refused:
+        errors = invariant_errors(tree)
+        ok = not errors and tree.render() == before
+        return EvictionCheck(ok, f"refused ({refused}); {'; '.join(errors) or 'tree as before'}")
+    errors = invariant_errors(tree)
+    return EvictionCheck(False, f"admitted {request.matched} matched positions; "
+                                f"{'; '.join(errors) or 'no invariant broken'}")

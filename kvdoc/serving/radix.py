@@ -1,0 +1,468 @@
+"""A radix-tree prefix cache over token ids whose nodes own blocks of a paged pool.
+
+This is the idea of SGLang's RadixAttention (Zheng et al., 2023, arXiv 2312.07104), written for
+reading rather than speed. A finished request leaves its K/V behind in a :class:`RadixCache`: a
+tree whose edges are runs of token ids and whose nodes own the
+:class:`~kvdoc.serving.paged.BlockPool` blocks that hold those tokens' K/V. A new request first
+looks up the longest prefix of its prompt in the tree; its
+:class:`~kvdoc.serving.paged.PagedCache` starts from those blocks, shared, and only the rest of
+the prompt is prefilled.
+
+Rules this module keeps:
+
+* **Whole blocks in the tree.** A node's edge is a whole number of blocks, so every block
+  belongs to exactly one node; a finished request's partly filled last block is not kept.
+* **Matching at token granularity** (the default): the match may end inside a block. The request
+  then shares that block too and holds ``matched`` positions of it; its first write, at position
+  ``matched``, copies the block first (the paged cache's copy-on-write), so the positions past
+  the match, which belong to another sequence, are overwritten in the copy and the tree's block
+  never changes. ``granularity="block"`` keeps only whole matched blocks, as vLLM's automatic
+  prefix caching does; it recomputes up to ``block_size - 1`` tokens more per request and copies
+  nothing.
+* **At least one token to compute.** A prompt found whole in the tree still has its last token
+  prefilled, since its logits are what the next token is chosen from.
+* **Reference counts.** Every holder of a block, tree node or running request, holds one
+  reference in the pool. A running request also locks its path from the root, so eviction never
+  takes a node in use (and the lock is taken before :meth:`RadixCache.admit` makes room).
+* **LRU eviction** of unlocked leaves, whole nodes, oldest use first, when the pool lacks the
+  blocks a request needs: the pool is the budget.
+
+>>> from kvdoc import Decoder, GPTConfig
+>>> _ = torch.manual_seed(0)
+>>> model = Decoder(GPTConfig()).eval()
+>>> tree = RadixCache(BlockPool(model.config, num_blocks=8, block_size=4))
+>>> a = serve(model, tree, [5, 6, 7, 8, 9, 10], max_new=3)  # 8 tokens held: two blocks kept
+>>> b = serve(model, tree, [5, 6, 7, 8, 9, 11, 12], max_new=2)
+>>> a.matched, b.matched  # b shares block 0 whole and one position of block 1 (then copied)
+(0, 5)
+>>> print(tree.render(width=2))  # b's copy of block 1 is block 2
+root
+└── 4 tokens [5 6 ...], blocks [0]
+    ├── 4 tokens [9 10 ...], blocks [1]
+    └── 4 tokens [9 11 ...], blocks [2]
+>>> tree.clear(); tree.pool.num_free
+8
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from kvdoc.core.model import Decoder
+
+from .paged import BlockPool, PagedCache
+
+
+@dataclass(eq=False)
+class Node:
+    """A node of the tree: the edge from its parent (``tokens``) and the blocks holding them.
+
+    ``len(tokens) == len(blocks) * block_size``. ``lock`` counts the running requests whose
+    matched prefix runs through this node; ``last_used`` is the tree's clock at its last match.
+    """
+
+    tokens: tuple[int, ...]
+    blocks: list[int]
+    parent: Node | None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)  # by first block's ids
+    lock: int = 0
+    last_used: int = 0
+
+
+@dataclass(eq=False)
+class Request:
+    """A request admitted by :meth:`RadixCache.admit`: its cache starts ``matched`` positions in."""
+
+    prompt: tuple[int, ...]
+    matched: int
+    cache: PagedCache
+    node: Node  # the deepest node locked for it (the root if nothing matched)
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of ``a`` and ``b``."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class RadixCache:
+    """A radix tree over token ids whose nodes own blocks of ``pool``.
+
+    Args:
+        pool: where every block comes from; its size is the budget eviction works under.
+        granularity: ``"token"`` (a match may end inside a block, which is then copied on write)
+            or ``"block"`` (whole blocks only).
+    """
+
+    def __init__(self, pool: BlockPool, granularity: Literal["token", "block"] = "token") -> None:
+        if granularity not in ("token", "block"):
+            raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
+        self.pool, self.block_size, self.granularity = pool, pool.block_size, granularity
+        self.root = Node((), [], None)
+        self.running: list[Request] = []
+        self.clock = 0
+        self.evicted_nodes = self.evicted_blocks = 0
+
+    # --- looking up -----------------------------------------------------------------------
+    def match(self, tokens: Sequence[int]) -> tuple[int, list[int], Node]:
+        """The longest prefix of ``tokens`` held: ``(length, blocks, deepest node)``.
+
+        ``blocks`` covers positions ``0 .. length - 1`` (``ceil(length / block_size)`` blocks;
+        the last may hold positions past ``length`` that belong to another sequence).
+        """
+        S, node, pos, blocks = self.block_size, self.root, 0, []
+        while True:
+            child = node.children.get(tuple(tokens[pos:pos + S]))
+            if child is None:  # no whole first block agrees: at most part of one child's
+                rest = tokens[pos:pos + S]
+                best = max(node.children.values(), default=None,
+                           key=lambda c: _common(c.tokens[:S], rest))
+                if best is not None and _common(best.tokens[:S], rest) > 0:
+                    pos += _common(best.tokens[:S], rest)
+                    blocks.append(best.blocks[0])
+                    node = best
+                break
+            n = _common(child.tokens, tokens[pos:])
+            blocks += child.blocks[:math.ceil(n / S)]
+            pos, node = pos + n, child
+            if n < len(child.tokens):
+                break
+        if self.granularity == "block":
+            pos = pos // S * S
+            blocks = blocks[:pos // S]
+        return pos, blocks, node
+
+    # --- a request's life -----------------------------------------------------------------
+    def admit(self, prompt: Sequence[int], max_new: int = 0) -> Request:
+        """Match ``prompt``, lock its path, make room for it, and give it a cache.
+
+        The cache holds the matched positions (shared blocks) and is to be continued with
+        ``prompt[request.matched:]``. Eviction makes the free list cover the blocks the request
+        will write into (``len(prompt) + max_new`` positions), counted for this request alone.
+
+        Raises:
+            ValueError: an empty prompt, or too few blocks even after evicting every unlocked
+                node (the tree then holds what it held; an edge may have been cut in two at the
+                match).
+        """
+        prompt = tuple(int(t) for t in prompt)
+        if not prompt or max_new < 0:
+            raise ValueError(f"need a non-empty prompt and max_new >= 0, got {len(prompt)} tokens "
+                             f"and max_new={max_new}")
+        length, blocks, node = self.match(prompt)
+        length = min(length, len(prompt) - 1)  # the last prompt token is always computed
+        blocks = blocks[:math.ceil(length / self.block_size)]
+        needed = math.ceil((len(prompt) + max_new) / self.block_size) - length // self.block_size
+        node = self._cut(node, len(blocks))
+        self._lock(node, +1)  # before making room: eviction must not take this path
+        # an unlocked node's whole subtree is unlocked: leaf by leaf, all of it can go
+        evictable = sum(len(n.blocks) for n in self.nodes() if self._may_evict(n))
+        if needed > self.pool.num_free + evictable:
+            self._lock(node, -1)
+            raise ValueError(f"out of blocks: a request of {len(prompt)} + {max_new} positions "
+                             f"needs {needed} blocks, {self.pool.num_free} free and {evictable} "
+                             f"evictable of {self.pool.num_blocks}")
+        self.evict(needed - self.pool.num_free)
+        cache = PagedCache(self.pool, 1)
+        cache.tables[0].extend(blocks)
+        self.pool.share(blocks)
+        cache._len = length  # the shared blocks hold exactly these positions
+        request = Request(prompt, length, cache, node)
+        self.running.append(request)
+        return request
+
+    def finish(self, request: Request, tokens: Sequence[int]) -> int:
+        """Keep the K/V of a finished request, unlock its path, release its cache.
+
+        ``tokens`` are the ids whose K/V its cache holds (prompt, then every generated token
+        fed back). Its whole blocks go into the tree; returns how many blocks the tree gained.
+        """
+        tokens = tuple(int(t) for t in tokens)
+        cache = request.cache
+        if request not in self.running:
+            raise ValueError("this request is not running in this tree")
+        overlap = min(len(tokens), len(request.prompt))
+        if len(tokens) != cache.seq_len or tokens[:overlap] != request.prompt[:overlap]:
+            raise ValueError(f"tokens must be the {cache.seq_len} ids the cache holds, starting "
+                             f"with the prompt; got {len(tokens)}")
+        whole = cache.seq_len // self.block_size
+        gained = self.insert(tokens[:whole * self.block_size], cache.tables[0][:whole])
+        self._lock(request.node, -1)
+        self.running.remove(request)
+        cache.release()
+        return gained
+
+    # --- the tree -------------------------------------------------------------------------
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> int:
+        """Put ``tokens`` (whole blocks, held in ``blocks``) into the tree; the tree takes a
+        reference to each block it did not hold a copy of already. Returns blocks gained."""
+        S = self.block_size
+        if len(tokens) != len(blocks) * S:
+            raise ValueError(f"{len(tokens)} tokens are not the {len(blocks)} whole blocks given")
+        node, pos = self.root, 0
+        self.clock += 1
+        while pos < len(tokens):
+            child = node.children.get(tuple(tokens[pos:pos + S]))
+            if child is None:
+                new = Node(tuple(tokens[pos:]), list(blocks[pos // S:]), node,
+                           last_used=self.clock)
+                node.children[new.tokens[:S]] = new
+                self.pool.share(new.blocks)
+                return len(new.blocks)
+            whole = _common(child.tokens, tokens[pos:]) // S  # >= 1: the first block agrees
+            if whole < len(child.blocks):
+                child = self._split(child, whole)
+            child.last_used = self.clock
+            node, pos = child, pos + whole * S
+        return 0
+
+    def _cut(self, node: Node, used: int) -> Node:
+        """The node whose path from the root holds exactly the first ``used`` blocks of
+        ``node``'s path, splitting ``node`` if they end inside its edge: a request locks only what
+        it uses, and eviction can still take the rest."""
+        start = sum(len(n.blocks) for n in self._path(node)) - len(node.blocks)
+        while node is not self.root and used <= start:
+            node = node.parent
+            start -= len(node.blocks)
+        if node is not self.root and used - start < len(node.blocks):
+            node = self._split(node, used - start)
+        return node
+
+    def _path(self, node: Node) -> list[Node]:
+        path = []
+        while node is not None:
+            path.append(node)
+            node = node.parent
+        return path
+
+    def _split(self, child: Node, whole: int) -> Node:
+        """Cut ``child``'s edge after ``whole`` blocks; returns the new upper node."""
+        S = self.block_size
+        upper = Node(child.tokens[:whole * S], child.blocks[:whole], child.parent,
+                     lock=child.lock, last_used=child.last_used)
+        child.parent.children[upper.tokens[:S]] = upper
+        child.tokens, child.blocks, child.parent = (child.tokens[whole * S:],
+                                                    child.blocks[whole:], upper)
+        upper.children[child.tokens[:S]] = child
+        return upper
+
+    def _lock(self, node: Node, delta: int) -> None:
+        self.clock += 1
+        while node is not None:
+            node.lock += delta
+            node.last_used = self.clock
+            node = node.parent
+
+    def _may_evict(self, node: Node) -> bool:
+        """No running request uses it."""
+        return node.lock == 0
+
+    def _evictable(self, node: Node) -> bool:
+        return not node.children and self._may_evict(node)
+
+    def evict(self, blocks: int) -> int:
+        """Evict least recently used unlocked leaves until ``blocks`` blocks are freed or none
+        is left; returns the blocks freed (counted in :attr:`evicted_blocks`)."""
+        freed = 0
+        while freed < blocks:
+            leaves = [n for n in self.nodes() if self._evictable(n)]
+            if not leaves:
+                break
+            freed += self._remove(min(leaves, key=lambda n: n.last_used))
+            self.evicted_nodes += 1
+        self.evicted_blocks += freed
+        return freed
+
+    def _remove(self, leaf: Node) -> int:
+        del leaf.parent.children[leaf.tokens[:self.block_size]]
+        self.pool.release(leaf.blocks)
+        return len(leaf.blocks)
+
+    def clear(self) -> None:
+        """Give back every block the tree holds (not counted as evictions); only when no request
+        is running."""
+        if self.running:
+            raise ValueError(f"{len(self.running)} requests are still running")
+        for node in list(self.nodes()):
+            self.pool.release(node.blocks)
+        self.root.children.clear()
+
+    def nodes(self) -> Iterator[Node]:
+        """Every node but the root, depth first."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def blocks_held(self) -> int:
+        """Blocks the tree holds."""
+        return sum(len(n.blocks) for n in self.nodes())
+
+    def nbytes(self) -> int:
+        """Bytes of the blocks the tree holds (K and V of every layer)."""
+        return self.blocks_held() * self.pool.block_nbytes
+
+    def render(self, width: int = 6) -> str:
+        """The tree as text: each node's length, first ``width`` token ids and blocks."""
+        lines = ["root"]
+
+        def walk(node: Node, indent: str) -> None:
+            kids = sorted(node.children.values(), key=lambda n: n.tokens)
+            for i, kid in enumerate(kids):
+                last = i == len(kids) - 1
+                ids = " ".join(map(str, kid.tokens[:width]))
+                more = " ..." if len(kid.tokens) > width else ""
+                lock = f", locked by {kid.lock}" if kid.lock else ""
+                lines.append(f"{indent}{'└── ' if last else '├── '}{len(kid.tokens)} tokens "
+                             f"[{ids}{more}], blocks [{' '.join(map(str, kid.blocks))}]{lock}")
+                walk(kid, indent + ("    " if last else "│   "))
+
+        walk(self.root, "")
+        return "\n".join(lines)
+
+
+# --- using it ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Served:
+    """One request served through the tree.
+
+    Attributes:
+        tokens: prompt, then the greedy tokens generated.
+        prompt_len: tokens of the prompt.
+        matched: prompt positions found in the tree (not computed).
+        logits: ``[1, N, V]`` for positions ``matched .. len(tokens) - 2``, the ones computed.
+    """
+
+    tokens: tuple[int, ...]
+    prompt_len: int
+    matched: int
+    logits: torch.Tensor
+
+
+@torch.no_grad()
+def serve(model: Decoder, tree: RadixCache, prompt: Sequence[int], max_new: int) -> Served:
+    """Admit ``prompt``, prefill only what the tree lacks, decode ``max_new`` greedy tokens,
+    and leave the result in the tree."""
+    if max_new < 1:
+        raise ValueError(f"max_new must be at least 1, got {max_new}")
+    request = tree.admit(prompt, max_new)
+    device = model.wte.weight.device
+    tokens = list(request.prompt)
+    logits, cache = model(torch.tensor([tokens[request.matched:]], device=device), request.cache)
+    steps = [logits]
+    while True:
+        tokens.append(int(logits[0, -1].argmax()))
+        if len(tokens) == len(prompt) + max_new:
+            break
+        logits, cache = model(torch.tensor([tokens[-1:]], device=device), cache)
+        steps.append(logits)
+    tree.finish(request, tokens[:-1])  # the last token was never fed: its K/V is not held
+    return Served(tuple(tokens), len(prompt), request.matched, torch.cat(steps, dim=1))
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request of a workload: ``text`` after the whole sequence (prompt and generated tokens)
+    of request number ``after``, if given; ``kind`` labels it for tables."""
+
+    text: tuple[int, ...]
+    max_new: int
+    kind: str
+    after: int | None = None
+
+
+def few_shot_workload(seed: int = 0, requests: int = 6, vocab: int = 97) -> list[Turn]:
+    """Few-shot prompts: two tasks, each a shared instruction (10 tokens) and three examples
+    (7 tokens each), then a question of 3 to 6 tokens; the task is drawn per request."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(torch.randint(0, vocab, (n,), generator=g).tolist())
+
+    tasks = [ids(10) + ids(7) + ids(7) + ids(7) for _ in range(2)]
+    out = []
+    for _ in range(requests):
+        task = tasks[int(torch.randint(0, 2, (), generator=g))]
+        out.append(Turn(task + ids(int(torch.randint(3, 7, (), generator=g))), 3, "few-shot"))
+    return out
+
+
+def chat_workload(seed: int = 0, conversations: int = 2, turns: int = 3,
+                  vocab: int = 97) -> list[Turn]:
+    """Multi-turn chat: conversations sharing a system prompt (9 tokens); each turn is a user
+    message of 3 to 6 tokens after the whole previous turn; conversations take turns."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(torch.randint(0, vocab, (n,), generator=g).tolist())
+
+    system, out, last = ids(9), [], [None] * conversations
+    for _ in range(turns):
+        for c in range(conversations):
+            user = ids(int(torch.randint(3, 7, (), generator=g)))
+            out.append(Turn(user if last[c] is not None else system + user, 4, "chat", last[c]))
+            last[c] = len(out) - 1
+    return out
+
+
+def prefix_workload(seed: int = 0) -> list[Turn]:
+    """The page's workload: :func:`few_shot_workload` (``seed``), then :func:`chat_workload`
+    (``seed + 1``)."""
+    few = few_shot_workload(seed)
+    chat = [Turn(t.text, t.max_new, t.kind, None if t.after is None else t.after + len(few))
+            for t in chat_workload(seed + 1)]  # another seed: its ids must not repeat few-shot's
+    return few + chat
+
+
+@dataclass(frozen=True)
+class WorkloadRun:
+    """Every request of a workload served through one tree, and the tree afterwards."""
+
+    served: list[Served]
+    tree: RadixCache
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(s.prompt_len for s in self.served)
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt positions found in the tree: not prefilled."""
+        return sum(s.matched for s in self.served)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.reused_tokens / self.prompt_tokens
+
+    @property
+    def blocks_saved(self) -> int:
+        """Whole blocks shared instead of written (a partly matched block is copied)."""
+        return sum(s.matched // self.tree.block_size for s in self.served)
+
+
+def run_workload(model: Decoder, turns: Sequence[Turn], num_blocks: int, block_size: int = 4,
+                 granularity: Literal["token", "block"] = "token",
+                 tree_cls: type[RadixCache] = RadixCache,
+                 after: Callable[[RadixCache], None] | None = None) -> WorkloadRun:
+    """Serve ``turns`` one after another through a new tree over a pool of ``num_blocks``,
+    calling ``after(tree)`` after each (the proofs check invariants there)."""
+    weight = model.wte.weight
+    pool = BlockPool(model.config, num_blocks, block_size, weight.dtype, weight.device)
+    tree = tree_cls(pool, granularity)
+    served: list[Served] = []
+    for turn in turns:
+        before = () if turn.after is None else served[turn.after].tokens
+        served.append(serve(model, tree, before + turn.text, turn.max_new))
+        if after is not None:
+            after(tree)
+    return WorkloadRun(served, tree)
