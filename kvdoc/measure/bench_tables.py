@@ -32,6 +32,16 @@ ABLATION_LABELS = {
 """Readable names of the ablation's variants."""
 
 
+def two_figures(x: float) -> str:
+    """A measured ratio to two significant figures: few samples on a shared machine carry no
+    third.
+
+    >>> two_figures(1.046), two_figures(12.34), two_figures(0.4567), two_figures(123.4)
+    ('1', '12', '0.46', '120')
+    """
+    return f"{float(f'{x:.2g}'):g}"
+
+
 def timings_table(result: BenchResult) -> str:
     """Per prefix: prefill p50, then p50 / p95 (ms for all G steps) of each decode path, final
     K/V KiB."""
@@ -78,7 +88,7 @@ def roofline_table(result: BenchResult) -> str:
     header = ["path", "decode p50 (ms / token)", "floor (ms / token)", "achieved bandwidth (GB/s)",
               "fraction of measured bandwidth"]
     rows = [[PATH_LABELS[path], f"{t:.2f}", f"{r['floor_ms_per_token']:.2f}",
-             f"{r['bytes_per_step'] / (t / 1e3) / 1e9:.2f}", f"{r['fraction'][path]:.2f}"]
+             f"{r['bytes_per_step'] / (t / 1e3) / 1e9:.2f}", two_figures(r["fraction"][path])]
             for path, t in r["p50_ms_per_token"].items()]
     return markdown_table(header, rows)
 
@@ -91,12 +101,12 @@ def ablation_table(ablation: dict) -> str:
     ...                                           "lean": 100.0}}))
     | decode step | p50 (µs / step) | time relative to the lean step |
     |---|---|---|
-    | reference step: the model's forward, static cache | 150.0 | 1.50 |
-    | fast step: FastDecoder, with its checks | 110.0 | 1.10 |
-    | lean step: the fast step's arithmetic, no checks | 100.0 | 1.00 |
+    | reference step: the model's forward, static cache | 150.0 | 1.5 |
+    | fast step: FastDecoder, with its checks | 110.0 | 1.1 |
+    | lean step: the fast step's arithmetic, no checks | 100.0 | 1 |
     """
     per_step = ablation["p50_us_per_step"]
-    rows = [[ABLATION_LABELS[name], f"{t:,.1f}", f"{t / per_step['lean']:.2f}"]
+    rows = [[ABLATION_LABELS[name], f"{t:,.1f}", two_figures(t / per_step["lean"])]
             for name, t in per_step.items()]
     header = ["decode step", "p50 (µs / step)", "time relative to the lean step"]
     return markdown_table(header, rows)
@@ -123,13 +133,9 @@ def growth_figure(result: BenchResult) -> Figure:
 
 def log_log(ax, ticks: list[int], xlabel: str, ylabel: str, title: str) -> None:
     """The site's log-log axes: powers of two along x labelled as plain numbers, a legend."""
-    from matplotlib.ticker import FuncFormatter, NullFormatter
-
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
     ax.set_xticks(ticks, [str(t) for t in ticks])
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
+    _log_y(ax)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -137,23 +143,36 @@ def log_log(ax, ticks: list[int], xlabel: str, ylabel: str, title: str) -> None:
     ax.legend(fontsize="small")
 
 
+def _log_y(ax) -> None:
+    """A log y axis labelled at 1, 2 and 5 of every decade, so that even a range narrower than
+    a decade carries several labels."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
 def timings_figure(result: BenchResult) -> Figure:
-    """Bar chart of the G-step p50 per path and prefix length (log scale)."""
+    """Dot plot of the G-step p50 per path and prefix length, on a log axis.
+
+    Dots, not bars: a bar's length on a log axis starts from an arbitrary floor, so its length
+    says nothing; a dot's height is read off the axis.
+    """
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
 
     prefixes = list(result.timings)
     paths = [p for p in ("full_all", "full_last", "transformers", "dynamic", "static", "fast")
              if all(p in result.timings[P] for P in prefixes)]
     fig, ax = plt.subplots(figsize=(7.0, 4.2))
     width = 0.8 / len(paths)
-    for i, path in enumerate(paths):
+    for i, (path, marker) in enumerate(zip(paths, "osD^vP", strict=False)):
         xs = [k + (i - (len(paths) - 1) / 2) * width for k in range(len(prefixes))]
-        ax.bar(xs, [result.p50(P, path) for P in prefixes], width, label=PATH_LABELS[path])
+        ax.plot(xs, [result.p50(P, path) for P in prefixes], ls="none", marker=marker, ms=7,
+                label=PATH_LABELS[path])
     ax.set_xticks(range(len(prefixes)), [str(P) for P in prefixes])
-    ax.set_yscale("log")
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
-    ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:g}" if str(y)[0] in "25" else ""))
+    _log_y(ax)
     ax.set_xlabel("prefix length P (tokens)")
     ax.set_ylabel(f"{result.settings.new_tokens} steps, p50 (ms)")
     ax.set_title("Consuming G fixed tokens after the prefix")

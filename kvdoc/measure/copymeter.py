@@ -1,10 +1,12 @@
 """What a cache update writes, measured rather than trusted.
 
 :class:`CopyMeter` wraps a cache so that each ``update`` runs under
-:class:`kvdoc.measure.dispatch.WriteCounter`, which adds up the bytes every tensor operation writes:
+:class:`kvdoc.measure.dispatch.WriteCounter`, which adds up the bytes every tensor operation
+writes and reads:
 ``torch.cat`` in a :class:`~kvdoc.core.cache.DynamicCache` and the slice copy in a
 :class:`~kvdoc.core.cache.StaticCache` are counted by what they actually do. Bytes written beyond
-the new rows are old content copied again.
+the new rows are old content copied again, and a copy reads every byte it writes, so memory
+traffic is the sum of the two.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class UpdateRecord:
     """Bytes of the new K and V rows passed in."""
     written: int
     """Bytes every tensor operation inside the update wrote."""
+    read: int
+    """Bytes of the tensors those operations read (a copy's source, ``cat``'s inputs)."""
     allocated: int
     """Bytes of tensors the update created."""
 
@@ -55,6 +59,8 @@ class CopyMeter:
     >>> _, cache = model(torch.tensor([[4]]), cache)              # decode: cat copies 3 old rows
     >>> meter.old_bytes_copied(start=3) == kv_bytes_for_config(model.config, 1, 3)
     True
+    >>> meter.bytes_read(start=3) == meter.bytes_written(start=3)  # cat reads what it writes
+    True
     """
 
     records: list[UpdateRecord] = field(default_factory=list)
@@ -69,6 +75,14 @@ class CopyMeter:
     def old_bytes_copied(self, start: int | None = None) -> int:
         """Old-content bytes copied, over all updates (or those that started at ``start``)."""
         return sum(r.old_bytes_copied for r in self.records if start is None or r.start == start)
+
+    def bytes_written(self, start: int | None = None) -> int:
+        """Bytes written, over all updates (or those that started at ``start``)."""
+        return sum(r.written for r in self.records if start is None or r.start == start)
+
+    def bytes_read(self, start: int | None = None) -> int:
+        """Bytes read, over all updates (or those that started at ``start``)."""
+        return sum(r.read for r in self.records if start is None or r.start == start)
 
     def per_step(self) -> list[tuple[int, int, int]]:
         """``(P, bytes written, old bytes copied)`` per forward call, layers summed, in order."""
@@ -90,5 +104,5 @@ class _MeteredCache(CacheWrapper):
             kv = self.inner.update(layer_idx, k, v, start)
         new_bytes = tensor_bytes(k) + tensor_bytes(v)
         self.meter.records.append(UpdateRecord(layer_idx, start, k.shape[2], new_bytes,
-                                               counter.written, counter.allocated))
+                                               counter.written, counter.read, counter.allocated))
         return kv

@@ -8,9 +8,9 @@ PyTorch release that moves them breaks one file.
 >>> import torch
 >>> a, b = torch.zeros(2, 3), torch.zeros(1, 3)
 >>> with WriteCounter() as counter:
-...     _ = torch.cat((a, b))  # writes a new 3 x 3 FP32 tensor: 36 bytes
->>> counter.written, counter.allocated
-(36, 36)
+...     _ = torch.cat((a, b))  # reads 24 + 12 bytes, writes a new 3 x 3 FP32 tensor: 36 bytes
+>>> counter.read, counter.written, counter.allocated
+(36, 36, 36)
 """
 
 from __future__ import annotations
@@ -27,13 +27,24 @@ def tensor_bytes(t: object) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
+def _tensors(values: object) -> list[torch.Tensor]:
+    """The tensors among an op's arguments, looking into lists and tuples (``cat`` takes one)."""
+    if isinstance(values, torch.Tensor):
+        return [values]
+    if isinstance(values, (list, tuple)):
+        return [t for v in values for t in _tensors(v)]
+    return []
+
+
 class WriteCounter(TorchDispatchMode):
-    """Adds up the bytes every ATen op writes: outputs of functional ops, targets of in-place
-    ops."""
+    """Adds up the bytes every ATen op writes (outputs of functional ops, targets of in-place
+    ops) and reads (its tensor inputs other than a target it overwrites: a copy reads its
+    source as it writes its destination)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.written = 0
+        self.read = 0
         self.allocated = 0  # bytes of freshly created output tensors
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -46,7 +57,10 @@ class WriteCounter(TorchDispatchMode):
             for spec, value in zip(func._schema.arguments, values, strict=True):
                 if spec.alias_info is not None and spec.alias_info.is_write:
                     self.written += tensor_bytes(value)
+                else:
+                    self.read += sum(tensor_bytes(t) for t in _tensors(value))
         else:
+            self.read += sum(tensor_bytes(t) for t in _tensors([args, list(kwargs.values())]))
             outs = out if isinstance(out, (tuple, list)) else (out,)
             fresh = sum(tensor_bytes(t) for t in outs)
             self.written += fresh
