@@ -28,11 +28,6 @@ BUILTINS = set(dir(builtins)) | {"__file__", "__name__", "display", "get_ipython
 # Offenders in pages this test's author did not own when it was written; each entry is
 # (page, "name" or "assert") and is to be fixed in the page and deleted here. None may be stale.
 ALLOWED: set[tuple[str, str]] = {
-    ("attention", "assert"),                   # a main cell asserts
-    ("part1/1-generation", "Markdown"),        # imported in a removed cell only
-    ("part1/1-generation", "glue"),            # imported in a removed cell only
-    ("part1/1-generation", "markdown_table"),  # imported in a removed cell only
-    ("part1/2-worked-example", "html_table"),  # imported in a removed cell only
     ("part3/4-broken-variants", "DROPS"),      # bound in a removed cell, used in a check cell
     ("part3/4-broken-variants", "VARIANTS"),   # imported in a removed cell only
     ("part3/4-broken-variants", "escapes_short"),  # bound in a removed cell only
