@@ -197,7 +197,7 @@ class RaggedStep(KVCache):
 
 
 @dataclass
-class _Live:
+class LiveRequest:
     """A request the scheduler holds: its blocks, positions written, and what it produced."""
 
     req: Request
@@ -227,8 +227,8 @@ class StepRecord:
     Attributes:
         step: its index. rows: ``(rid, new tokens, "prefill" or "decode")`` per row of the forward.
         waiting: rids arrived but not admitted. holding: rids admitted, not in this forward.
-        blocks_held: ``pool.num_used`` after the step. blocks_named: distinct blocks the live
-            requests' tables name. blocks_free: ``pool.num_free``.
+        blocks_held: ``pool.num_used`` after the step (finished requests retired).
+        blocks_named: distinct blocks the live requests' tables name. blocks_free: the free list.
         lengths_ok: every live request's table covers exactly its written positions, and a
             decoding request has written prompt + tokens - 1 of them.
     """
@@ -332,7 +332,7 @@ class Scheduler:
     def blocks_for(self, positions: int) -> int:
         return math.ceil(positions / self.pool.block_size)
 
-    def retire(self, live: _Live) -> None:
+    def retire(self, live: LiveRequest) -> None:
         """Give a finished request's blocks back and forget its table."""
         self.pool.release(live.table)
         live.table.clear()
@@ -351,7 +351,7 @@ class Scheduler:
             if not r.prompt or r.output_len < 1:
                 raise ValueError(f"request {r.rid} needs a prompt and at least one output token")
 
-    def _admit(self, waiting: list[Request], live: list[_Live], step: int) -> None:
+    def _admit(self, waiting: list[Request], live: list[LiveRequest], step: int) -> None:
         """Admit arrived requests in order while the blocks not yet promised cover them."""
         if self.policy == "static" and live:
             return
@@ -361,10 +361,10 @@ class Scheduler:
             full = self.max_batch is not None and len(live) >= self.max_batch
             if full or need > self.pool.num_free - promised:
                 return
-            live.append(_Live(waiting.pop(0)))
+            live.append(LiveRequest(waiting.pop(0)))
             promised += need
 
-    def _compose(self, live: list[_Live]) -> list[tuple[_Live, list[int]]]:
+    def _compose(self, live: list[LiveRequest]) -> list[tuple[LiveRequest, list[int]]]:
         """Which requests feed what this step."""
         prefilling = [x for x in live if x.fed < len(x.req.prompt)]
         decoding = [x for x in live if x.fed >= len(x.req.prompt) and not x.done]
@@ -380,7 +380,7 @@ class Scheduler:
         return rows
 
     @torch.no_grad()
-    def _forward(self, rows: list[tuple[_Live, list[int]]], step: int) -> None:
+    def _forward(self, rows: list[tuple[LiveRequest, list[int]]], step: int) -> None:
         for x, ids in rows:  # own the blocks the new positions fall in
             x.table.extend(self.pool.allocate(self.blocks_for(x.fed + len(ids)) - len(x.table)))
         view = RaggedStep(self.pool, [x.table for x, _ in rows], [x.fed for x, _ in rows],
@@ -396,7 +396,7 @@ class Scheduler:
                 x.tokens.append(int(logits[b, len(ids) - 1].argmax()))
                 x.emitted.append(step)
 
-    def _lengths_ok(self, live: list[_Live]) -> bool:
+    def _lengths_ok(self, live: list[LiveRequest]) -> bool:
         L = [len(x.req.prompt) for x in live]
         return all(len(x.table) == self.blocks_for(x.fed)
                    and (not x.tokens or x.fed == n + len(x.tokens) - 1)
@@ -407,18 +407,22 @@ class Scheduler:
         record of every step."""
         self._check(trace)
         waiting = sorted(trace, key=lambda r: (r.arrival, r.rid))
-        live: list[_Live] = []
-        done: dict[int, _Live] = {}
+        live: list[LiveRequest] = []
+        done: dict[int, LiveRequest] = {}
         steps: list[StepRecord] = []
         while waiting or live:
             step = len(steps)
             self._admit(waiting, live, step)
+            if not live and waiting and waiting[0].arrival <= step:  # nothing will free blocks
+                raise ValueError(f"request {waiting[0].rid} cannot be admitted: "
+                                 f"{self.pool.num_free} blocks free of {self.pool.num_blocks}")
             rows = self._compose(live) if live else []
             kinds = tuple((x.req.rid, len(ids), "prefill" if x.fed < len(x.req.prompt)
                            else "decode") for x, ids in rows)
             if rows:
                 self._forward(rows, step)
             in_step = {x.req.rid for x, _ in rows}
+            holding = tuple(x.req.rid for x in live if x.req.rid not in in_step)
             finished = [x for x in live if x.done]
             if self.policy == "continuous" or len(finished) == len(live):
                 for x in finished:
@@ -428,8 +432,7 @@ class Scheduler:
             named = {b for x in live for b in x.table}
             steps.append(StepRecord(
                 step, kinds,
-                tuple(r.rid for r in waiting if r.arrival <= step),
-                tuple(x.req.rid for x in live if x.req.rid not in in_step),
+                tuple(r.rid for r in waiting if r.arrival <= step), holding,
                 self.pool.num_used, len(named), self.pool.num_free, self._lengths_ok(live)))
         return ServeRun(self.policy, self.token_budget, self.pool.num_blocks,
                         self.pool.block_nbytes, {r: x.tokens for r, x in sorted(done.items())},
