@@ -78,5 +78,20 @@ def test_refusals(model):
         serve(model, [Request(0, (1,) * 9, 2, 0)], num_blocks=2)
     with pytest.raises(ValueError, match="policy='continuous'"):
         Scheduler(model, num_blocks=4, policy="static", token_budget=4)
+    with pytest.raises(ValueError, match="token_budget must be a positive integer, got 0"):
+        Scheduler(model, num_blocks=4, token_budget=0)
     with pytest.raises(ValueError, match="unknown policy"):
         Scheduler(model, num_blocks=4, policy="eager")
+
+
+def test_scenario_runs_on_the_grid(monkeypatch):
+    from kvdoc.proofs import scenarios, suite
+    from kvdoc.proofs.scheduling import scheduling_scenario
+
+    monkeypatch.setitem(scenarios.SCENARIOS, "scheduling", scheduling_scenario)
+    monkeypatch.setitem(scenarios.CHECKS, "scheduling", "each served request vs its solo run")
+    report = suite.run_suite(models=["mha", "llama"], kinds=["paged", "dynamic"],
+                             impls=["model"], dtypes=(torch.float32,), scenarios=["scheduling"])
+    verdicts = {(r.model, r.kind): r.passed for r in report.results}
+    assert verdicts == {("mha", "paged"): True, ("mha", "dynamic"): None,
+                        ("llama", "paged"): None, ("llama", "dynamic"): None}

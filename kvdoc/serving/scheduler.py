@@ -319,9 +319,10 @@ class Scheduler:
                              "which kvdoc.core.rope.apply_rope turns from one start per batch")
         if policy not in ("continuous", "static"):
             raise ValueError(f"unknown policy {policy!r}; use 'continuous' or 'static'")
-        if token_budget is not None and (policy == "static" or check_int(
-                "token_budget", token_budget) < 1):
-            raise ValueError("a token budget needs policy='continuous'")
+        if token_budget is not None:
+            check_int("token_budget", token_budget)
+            if policy == "static":
+                raise ValueError("a token budget needs policy='continuous'")
         if max_batch is not None:
             check_int("max_batch", max_batch)
         weight = model.wte.weight
