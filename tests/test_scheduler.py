@@ -1,6 +1,8 @@
 """The scheduler (kvdoc.serving.scheduler): every request equals its solo run, the blocks add up,
 and the policies compose their steps as they say; broken schedulers are caught."""
 
+import copy
+
 import pytest
 import torch
 
@@ -25,8 +27,7 @@ def model():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_every_policy_equals_solo_runs(model, dtype):
-    checks = check_policies(model.to(dtype), TRACE)
-    model.float()
+    checks = check_policies(copy.deepcopy(model).to(dtype), TRACE)
     assert [(c.policy, c.token_budget) for c in checks] == [
         ("static", None), ("continuous", None), ("continuous", 6)]
     assert all(c.requests_equal for c in checks), checks
