@@ -131,6 +131,12 @@ class RaggedStep(KVCache):
     The blocks for the new positions must already be in the tables (the scheduler allocates);
     :attr:`seq_len` is ``T - C``, so the model's mask and new tokens span the ``T`` gathered
     columns.
+
+    >>> from kvdoc.core.config import GPTConfig
+    >>> pool = BlockPool(GPTConfig(), num_blocks=3, block_size=4)
+    >>> step = RaggedStep(pool, tables=[[0, 1], [2]], past=[5, 0], new=[1, 3])
+    >>> step.seq_len, step.positions().tolist()  # T = 6 columns, C = 3 new
+    (3, [[5, 0, 0], [0, 1, 2]])
     """
 
     def __init__(self, pool: BlockPool, tables: Sequence[list[int]], past: Sequence[int],
@@ -140,6 +146,8 @@ class RaggedStep(KVCache):
         self.n_layer, self.batch_size, self.n_kv_head, self.head_dim = (
             cfg.n_layer, len(tables), cfg.n_kv_head, cfg.head_dim)
         self.dtype, self.device = pool.dtype, pool.device
+        if not tables or min(self.new) < 1 or min(self.past) < 0:
+            raise ValueError("a step needs rows, each with at least one new token")
         self.width = max(p + n for p, n in zip(past, new, strict=True))  # T
         if any(len(t) * S < p + n for t, p, n in zip(tables, past, new, strict=True)):
             raise ValueError("every row needs blocks for its new positions before the step")
@@ -160,6 +168,8 @@ class RaggedStep(KVCache):
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
+        if start != self.seq_len:
+            raise ValueError(f"a ragged step writes at {self.seq_len}, not at {start}")
         # the real new rows only: [M, H_kv, D_h] into (block, :, offset) of each row's blocks
         for store, new in ((self.pool.k[layer_idx], k), (self.pool.v[layer_idx], v)):
             store[self._blocks, :, self._offsets] = new[self._rows, :, self._cols]
