@@ -31,11 +31,15 @@ softmax row is empty; their outputs are never read. This needs learned positions
 one start, so a RoPE model is refused rather than run wrong.
 
 Real engines do not pad. vLLM flattens the step's tokens of every sequence into one packed batch
-and attends with variable-length kernels that read each sequence's blocks through its block
-table (FlashAttention's ``flash_attn_varlen_func`` with cumulative lengths ``cu_seqlens``;
-PyTorch's ``torch.nn.attention.varlen.varlen_attn`` takes ``cu_seq_q``, ``cu_seq_k`` and a
-``block_table``); SGLang does the same with FlashInfer. Linear layers see ``sum n_b`` tokens, the
-same packing Orca called selective batching. The padding here costs time, not correctness.
+(each sequence's start in it is ``query_start_loc``, a cumulative sum) and attends with
+variable-length kernels that read each sequence's blocks through its block table
+(FlashAttention's ``flash_attn_varlen_func`` with cumulative lengths ``cu_seqlens``; PyTorch's
+``torch.nn.attention.varlen.varlen_attn`` takes ``cu_seq_q``, ``cu_seq_k`` and a
+``block_table``); SGLang does the same with FlashInfer's
+``BatchPrefillWithPagedKVCacheWrapper`` (``qo_indptr``, page indices). Linear layers then see
+``sum n_b`` tokens; Orca called this selective batching: every operation batched over the
+packed tokens except attention, which is computed per request. The padding here costs time,
+not correctness.
 
 Admission never over-commits: a request is admitted only if the free blocks, less those the
 running requests will still need, cover its whole final length (prompt + output - 1 positions),
