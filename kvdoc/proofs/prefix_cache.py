@@ -34,9 +34,16 @@ import torch
 
 from kvdoc.core.model import Decoder, generate
 from kvdoc.serving.paged import BlockPool
-from kvdoc.serving.radix import RadixCache, Turn, WorkloadRun, run_workload, serve
+from kvdoc.serving.radix import (
+    RadixCache,
+    Turn,
+    WorkloadRun,
+    few_shot_workload,
+    run_workload,
+    serve,
+)
 
-from .verify import TOLERANCE, close, max_abs
+from .verify import DTYPE_NAMES, TOLERANCE, close, max_abs
 
 
 class WholeBlockMatch(RadixCache):
@@ -188,3 +195,24 @@ def check_locked_eviction(model: Decoder, tree_cls: type[RadixCache] = RadixCach
     errors = invariant_errors(tree)
     return EvictionCheck(False, f"admitted {request.matched} matched positions; "
                                 f"{'; '.join(errors) or 'no invariant broken'}")
+
+
+def prefix_cache_scenario(case, out: list) -> None:
+    """The ``prefix-cache`` check on one combination of the grid (a scenario of
+    :mod:`kvdoc.proofs.scenarios`): a few-shot workload served through a tree, token- and
+    block-granular, against each request alone, and the locked-eviction refusal; for the paged
+    kind of the model implementation (the tree owns paged blocks), not applicable elsewhere."""
+    if case.impl != "model" or case.kind != "paged":
+        out.append(case.result("prefix-cache", None, 0.0,
+                               "the tree serves the model itself from paged blocks"))
+        return
+    turns = few_shot_workload(requests=3, vocab=case.model.config.vocab_size)
+    checks = [compare_workload(case.model, turns, num_blocks=32, granularity=g)
+              for g in ("token", "block")]
+    eviction = check_locked_eviction(case.model)
+    ok = all(c.passed for c in checks) and eviction.passed
+    error = max(r.logit_error for c in checks for r in c.requests)
+    out.append(case.result("prefix-cache", ok, error,
+                           "3 few-shot requests through a radix tree (token and block matches) "
+                           f"vs each alone ({DTYPE_NAMES[case.dtype]}); refcounts == holders; "
+                           f"locked eviction: {eviction.detail}"))
