@@ -34,6 +34,7 @@ import torch
 
 from kvdoc.core.cache import KV, DynamicCache, KVCache, StaticCache
 from kvdoc.core.config import check_int
+from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import CausalSelfAttention, Decoder, DecoderOutput
 from kvdoc.measure.wrapper import CacheWrapper
 
@@ -395,6 +396,39 @@ class InPlaceDecoder(CacheKindsDecoder):
     """A decoder whose dynamic caches are :class:`InPlaceDynamicCache` (static ones are right)."""
 
     dynamic_cache = InPlaceDynamicCache
+
+
+# --- padded batches ------------------------------------------------------------------------
+
+class DecodeWithoutPadMaskDecoder(Decoder):
+    """BROKEN: the pad mask is honoured on the prompt call but dropped on one-token decode steps,
+    so a left-padded row's decode steps read its pad slots. Right for every unpadded call."""
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
+                **options: object) -> DecoderOutput:
+        if cache is not None and idx.shape[1] == 1:
+            options.pop("attn_mask", None)  # BUG: a decode step without the pad mask
+        return super().forward(idx, cache, **options)
+
+
+class _PaddingBlindFast(FastDecoder):
+    def __call__(self, idx: torch.Tensor, cache: KVCache | None = None, *,
+                 last_only: bool = False, **padding: object) -> DecoderOutput:
+        return super().__call__(idx, cache, last_only=last_only)  # BUG: padding dropped
+
+
+class PaddingBlindFastDecoder(Decoder):
+    """BROKEN: one-token calls after a cache go through a fast step (:class:`FastDecoder`'s) that
+    ignores ``positions`` and ``attn_mask``; every other call is the model's own. Right for
+    every unpadded call."""
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
+                last_only: bool = False, **padding: object) -> DecoderOutput:
+        if cache is None or idx.shape[1] != 1:
+            return super().forward(idx, cache, last_only=last_only, **padding)
+        if "_fast" not in self.__dict__:
+            self.__dict__["_fast"] = _PaddingBlindFast(self)
+        return self.__dict__["_fast"](idx, cache, last_only=last_only, **padding)
 
 
 # --- scenarios ------------------------------------------------------------------------------
