@@ -34,6 +34,7 @@ import torch
 
 from kvdoc.core.cache import KV, DynamicCache, KVCache, StaticCache
 from kvdoc.core.config import check_int
+from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import CausalSelfAttention, Decoder, DecoderOutput
 from kvdoc.measure.wrapper import CacheWrapper
 
@@ -69,6 +70,8 @@ class PositionsRestartDecoder(Decoder):
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
                 **options: object) -> DecoderOutput:
+        if options.get("positions") is not None:  # a padded batch's own positions: not this bug
+            return super().forward(idx, cache, **options)
         # BUG: positions 0 .. C - 1, as if no cache came before, not P .. P + C - 1
         restart = torch.arange(idx.shape[1], device=idx.device)
         return super().forward(idx, cache, positions=restart.expand_as(idx), **options)
@@ -297,6 +300,8 @@ class ClampedPositionsDecoder(Decoder):
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
                 **options: object) -> DecoderOutput:
+        if options.get("positions") is not None:  # a padded batch's own positions: not this bug
+            return super().forward(idx, cache, **options)
         start = 0 if cache is None else cache.seq_len
         positions = torch.arange(start, start + idx.shape[1], device=idx.device)
         clamped = positions.clamp(max=WINDOW - 1)  # BUG
@@ -351,6 +356,8 @@ class PositionCounterDecoder(Decoder):
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
                 **options: object) -> DecoderOutput:
+        if options.get("positions") is not None:  # a padded batch's own positions: not this bug
+            return super().forward(idx, cache, **options)
         start = 0 if cache is None else cache.seq_len
         first = 0 if start == 0 else getattr(self, "_counter", 0)  # BUG: ignores start
         self._counter = first + idx.shape[1]
@@ -395,6 +402,39 @@ class InPlaceDecoder(CacheKindsDecoder):
     """A decoder whose dynamic caches are :class:`InPlaceDynamicCache` (static ones are right)."""
 
     dynamic_cache = InPlaceDynamicCache
+
+
+# --- padded batches ------------------------------------------------------------------------
+
+class DecodeWithoutPadMaskDecoder(Decoder):
+    """BROKEN: the pad mask is honoured on the prompt call but dropped on one-token decode steps,
+    so a left-padded row's decode steps read its pad slots. Right for every unpadded call."""
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
+                **options: object) -> DecoderOutput:
+        if cache is not None and idx.shape[1] == 1:
+            options.pop("attn_mask", None)  # BUG: a decode step without the pad mask
+        return super().forward(idx, cache, **options)
+
+
+class _PaddingBlindFast(FastDecoder):
+    def __call__(self, idx: torch.Tensor, cache: KVCache | None = None, *,
+                 last_only: bool = False, **padding: object) -> DecoderOutput:
+        return super().__call__(idx, cache, last_only=last_only)  # BUG: padding dropped
+
+
+class PaddingBlindFastDecoder(Decoder):
+    """BROKEN: one-token calls after a cache go through a fast step (:class:`FastDecoder`'s) that
+    ignores ``positions`` and ``attn_mask``; every other call is the model's own. Right for
+    every unpadded call."""
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
+                last_only: bool = False, **padding: object) -> DecoderOutput:
+        if cache is None or idx.shape[1] != 1:
+            return super().forward(idx, cache, last_only=last_only, **padding)
+        if "_fast" not in self.__dict__:
+            self.__dict__["_fast"] = _PaddingBlindFast(self)
+        return self.__dict__["_fast"](idx, cache, last_only=last_only, **padding)
 
 
 # --- scenarios ------------------------------------------------------------------------------

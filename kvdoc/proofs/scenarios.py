@@ -29,8 +29,8 @@ a check does not apply.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ from kvdoc.core.cache import KVCache
 from kvdoc.core.model import decode_step, generate, prefill
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
+from . import invariants
 from .broken import stale_prefix
 from .grid import CacheSpec, ModelSpec
 from .verify import (
@@ -71,6 +72,7 @@ CHECKS: dict[str, str] = {
     "reference": "full and cached vs an independent implementation",
 }
 """Every check by name, in report order, with what it compares."""
+CHECKS.update(invariants.CHECKS)  # bytes, int8, edges, padded: cache invariants and edges
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,8 @@ class Case:
     batches: Sequence[int]
     chunks: Sequence[int]
     stale: bool
+    caches: Mapping[str, Callable[[nn.Module, int, int], KVCache]] = field(default_factory=dict)
+    """Cache factories a broken variant puts in place of the real ones, by kind (or ``"int8"``)."""
 
     @property
     def tol(self) -> float:
@@ -123,7 +127,8 @@ class Case:
 
     def new_cache(self, batch: int | None = None) -> KVCache:
         # spare capacity: a cache that reads past its filled rows then reads rows never written
-        return self.cache.new(self.model, batch or self.ids.shape[0], self.ids.shape[1] + SPARE)
+        new = self.caches.get(self.kind, self.cache.new)
+        return new(self.model, batch or self.ids.shape[0], self.ids.shape[1] + SPARE)
 
     def feed(self, tokens: torch.Tensor, chunk: int, cache: KVCache | None = None,
              first: torch.Tensor | None = None) -> CachedRun:
@@ -369,6 +374,7 @@ SCENARIOS: dict[str, Callable[[Case, list], None]] = {
     "generate": _generate, "speculative": _speculative, "crop": _crop, "branch": _branch,
     "failure": _failure, "reference": _reference}
 """Scenario name -> function that appends :class:`CheckResult` s."""
+SCENARIOS.update(invariants.SCENARIOS)
 
 SCENARIO_CHECK = {"stream": "logits"}
 """The check a scenario's exception is reported under, where it differs from the scenario's name."""

@@ -15,7 +15,7 @@ carrying its message; the suite itself does not raise.
 (True, [('gqa', 'static', 'model', 'FP32'), ('gqa', 'static', 'fast', 'FP32')], [])
 >>> run_suite("position-counter", models=("mha",), kinds=("dynamic",), dtypes=(torch.float32,),
 ...           length=40).failed_checks()
-['speculative', 'crop', 'branch', 'failure']
+['speculative', 'crop', 'branch', 'failure', 'edges']
 """
 
 from __future__ import annotations
@@ -214,6 +214,8 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
              else grid.MODELS)
     if variant in VARIANTS and models is None and model is None and VARIANTS[variant].models:
         models = VARIANTS[variant].models  # built for some models only (e.g. learned positions)
+    if variant in VARIANTS and kinds is None and VARIANTS[variant].kinds:
+        kinds = VARIANTS[variant].kinds  # its broken caches replace these kinds
     models, kinds = list(models or specs), list(kinds or grid.CACHES)
     # a broken variant is the implementation under test: by default it runs as itself, not wrapped
     impls = list(impls or (grid.IMPLEMENTATIONS if variant is None else ("model",)))
@@ -259,7 +261,8 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
                             continue
                         case = Case(name, kind, impl, dt, specs[name], grid.CACHES[kind],
                                     under_test, call, stream, alt, tuple(batches), tuple(chunks),
-                                    broken is not None and broken.stale_prefix)
+                                    broken is not None and broken.stale_prefix,
+                                    {} if broken is None else broken.caches)
                         if _run_case(case, scenarios, results, stop_at_first):
                             return SuiteReport(variant, results, time.perf_counter() - start)
     return SuiteReport(variant, results, time.perf_counter() - start)
@@ -303,8 +306,10 @@ def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = 
         # e.g. RoPE variants run on the RoPE models only
         models = [m for m in (axes.get("models") or grid.MODELS)
                   if v.models is None or m in v.models]
-        if models:  # else nothing on these axes it can be built from
-            runs.append((name, stop_at_first, {**axes, "models": models}))
+        kinds = [k for k in (axes.get("kinds") or grid.CACHES) if v.kinds is None or k in v.kinds]
+        if models and kinds:  # else nothing on these axes it can be built from
+            runs.append((name, stop_at_first,
+                         {**axes, "models": models, **({"kinds": kinds} if v.kinds else {})}))
     if workers > 1 and len(runs) > 1:
         import multiprocessing
 

@@ -12,12 +12,12 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from kvdoc.core.model import Decoder
 
-from . import broken, broken_rope
+from . import broken, broken_caches, broken_rope
 
 ROPE_MODELS = ("llama", "mistral")
 """The grid's RoPE models: the only ones a RoPE variant can be built from."""
@@ -47,11 +47,17 @@ class BrokenVariant:
     stale_prefix: bool = False
     models: tuple[str, ...] | None = None
     """The grid's models (:data:`kvdoc.proofs.grid.MODELS`) it is built for; None: every model."""
+    caches: Mapping[str, Callable] = field(default_factory=dict)
+    """Broken cache factories ``(model, batch, capacity) -> cache`` in place of the real ones, by
+    kind of :data:`kvdoc.proofs.grid.CACHES` (or ``"int8"``, the ``int8`` scenario's cache)."""
+    kinds: tuple[str, ...] | None = None
+    """The cache kinds it runs on (those its broken caches replace); None: every kind."""
 
 
 BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-query attention",
                "last_only and generation", "crop and branch", "shared path", "failure mid-call",
-               "rotary positions")
+               "rotary positions", "byte accounting", "int8 contract", "ring and block edges",
+               "padded batches")
 """The kinds of mistake the variants stand for."""
 
 def _copy(cls: type[Decoder]) -> Callable[[Decoder], Decoder]:
@@ -115,5 +121,34 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     BrokenVariant("rope-restart",
                   "RoPE turns each call's Q and K at positions 0..C-1, not at the cache length",
                   broken_rope.rope_restart, "rotary positions", models=ROPE_MODELS),
+    BrokenVariant("pool-counts-k-only", "a paged pool's byte figures count K's bytes, not V's",
+                  _copy(Decoder), "byte accounting", models=("mha",), kinds=("paged",),
+                  caches={"paged": broken_caches.k_only_paged_cache}),
+    BrokenVariant("int8-requantise",
+                  "the int8 cache re-quantises every held row on each append, one scale a tensor",
+                  _copy(Decoder), "int8 contract", models=("gqa",), kinds=("dynamic",),
+                  caches={"int8": broken_caches.requantising_int8_cache}),
+    BrokenVariant("ring-long-chunk",
+                  "a chunk longer than the window puts its first W rows in the ring, not its last",
+                  _copy(Decoder), "ring and block edges", models=("mistral",), kinds=("window",),
+                  caches={"window": broken_caches.long_chunk_ring_cache}),
+    BrokenVariant("ring-shared-until-wrap",
+                  "a call shares the ring it continues until a held slot would be overwritten, so "
+                  "two branches before the wrap write into one ring",
+                  _copy(Decoder), "ring and block edges", models=("mistral",), kinds=("window",),
+                  caches={"window": broken_caches.lazy_ring_cache}),
+    BrokenVariant("prefix-late-copy",
+                  "copy-on-write skips the shared, partly filled block a write continues",
+                  _copy(Decoder), "ring and block edges", models=("mha",),
+                  kinds=("shared-prefix",),
+                  caches={"shared-prefix": broken_caches.late_copy_shared_prefix_cache}),
+    BrokenVariant("decode-without-pad-mask",
+                  "a padded batch's pad mask is passed on the prompt call, not on decode steps",
+                  _copy(broken.DecodeWithoutPadMaskDecoder), "padded batches",
+                  models=("mha",), kinds=("dynamic",)),
+    BrokenVariant("fast-ignores-padding",
+                  "the fast decode step ignores the padding arguments (positions, pad mask)",
+                  _copy(broken.PaddingBlindFastDecoder), "padded batches", models=("gqa",),
+                  kinds=("static",)),
 )}
 """Every broken variant, by name."""

@@ -1,0 +1,341 @@
+"""Cache invariants and edges: bytes, held rows and lengths, the int8 contract, ring and block
+edges, padded batches.
+
+The scenarios here are registered in :data:`kvdoc.proofs.scenarios.SCENARIOS` and run on every
+combination of the grid like the others (each says where it does not apply):
+
+* ``bytes``: after every call of a short stream, :meth:`~kvdoc.core.cache.KVCache.nbytes` equals
+  the bytes (``numel * element_size``) of the tensors found in the cache object itself
+  (:func:`held_tensors`, not :meth:`~kvdoc.core.cache.KVCache.tensors`) and the kind's formula
+  (:func:`expected_bytes`); a paged pool's ``nbytes()`` and ``block_nbytes`` agree with its
+  tensors too; every layer's K and V are ``[B, H_kv, len(held()), D_h]``, and a kind's own
+  lengths agree with its tensors (:func:`shape_problems`).
+* ``int8``: the int8 cache (:mod:`kvdoc.serving.quant`) is lossy, so it is held to its contract,
+  not to the FP32 tolerance: rows it holds never change after an append (bitwise), each new row's
+  scale is its own ``max|x| / 127`` (every value a multiple of it, within ``[-127, 127]`` steps,
+  the largest at 127), each value within half a step of what was written, and its bytes are
+  ``2 L B H_kv T (D_h + scale bytes)``.
+* ``edges``: on a model with a window ``W``, a chunk of ``W + 4`` tokens after a short prefix,
+  then a single token; on a cache a call leaves unchanged, two branches of one prefix fed in
+  turn (a chunk of 5 each, then a token each), from a prefix of 9 tokens (before a ring of 16
+  wraps) and, on a ring, of 23 (after), both off the paged block size of 4 (copy-on-write of a
+  shared, partly filled block).
+* ``padded``: a left-padded batch of prompts of different lengths (:mod:`kvdoc.serving.batching`),
+  prefill and decode steps each with the pad mask and per-row positions; every row equals its
+  prompt run alone, for the model and the fast step (learned positions only: per-row positions
+  need them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvdoc.core.cache import DynamicCache, KVCache, StaticCache
+from kvdoc.core.window import SlidingWindowCache
+from kvdoc.measure.wrapper import CacheWrapper
+from kvdoc.serving.batching import left_pad, padded_mask, padded_positions
+from kvdoc.serving.paged import BlockPool, PagedCache
+from kvdoc.serving.quant import Int8Cache, new_int8_cache
+
+from .verify import Snapshot, close, max_abs
+
+if TYPE_CHECKING:
+    from .scenarios import Case
+
+BYTES_CHUNKS = (5, 1, 13)
+"""Chunks of the ``bytes`` scenario: past the Mistral window (16) and several paged blocks (4)."""
+INT8_CHUNKS = (5, 1, 1, 9, 1)
+"""Chunks of the ``int8`` scenario: single tokens (the fast step) and chunks."""
+BRANCH_PREFIXES = (9, 23)
+"""Prefixes of the ``edges`` branches: before and after a ring of 16 wraps, neither a multiple of
+the paged block size (4)."""
+
+
+def _objects(obj: object, seen: set[int]) -> Iterator[object]:
+    """``obj`` and everything reachable through its attributes, lists, tuples and dicts, walking
+    into kvdoc's own objects only (a cache's pool, a wrapper's inner cache)."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    yield obj
+    if isinstance(obj, (list, tuple)):
+        children = list(obj)
+    elif isinstance(obj, dict):
+        children = list(obj.values())
+    elif type(obj).__module__.startswith("kvdoc") and hasattr(obj, "__dict__"):
+        children = list(vars(obj).values())
+    else:
+        children = []
+    for child in children:
+        yield from _objects(child, seen)
+
+
+def held_tensors(cache: object) -> list[torch.Tensor]:
+    """Every tensor the cache object holds, found in its attributes (not through ``tensors()``);
+    a view of a tensor already found is not counted again.
+
+    >>> from kvdoc import GPTConfig
+    >>> len(held_tensors(StaticCache(GPTConfig(), batch_size=1, capacity=4)))  # K, V x 2 layers
+    4
+    """
+    found = [t for t in _objects(cache, set()) if isinstance(t, torch.Tensor)]
+    ids = {id(t) for t in found}
+    return [t for t in found if t._base is None or id(t._base) not in ids]
+
+
+def tensor_bytes(tensors: list[torch.Tensor]) -> int:
+    """``sum(numel * element_size)``."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def expected_bytes(cache: KVCache) -> int | None:
+    """The kind's documented byte count, from its sizes alone (None for a kind not known here).
+
+    >>> from kvdoc import GPTConfig
+    >>> expected_bytes(StaticCache(GPTConfig(), batch_size=1, capacity=8)) == 2 * 2 * 4 * 8 * 16 * 4
+    True
+    """
+    per_row = 2 * cache.n_layer * cache.n_kv_head * cache.head_dim  # K and V, every layer
+    size = torch.empty((), dtype=cache.dtype).element_size()
+    if isinstance(cache, PagedCache):
+        return per_row * cache.pool.num_blocks * cache.block_size * size
+    if isinstance(cache, Int8Cache):  # int8 values and one scale per row
+        rows = 2 * cache.n_layer * cache.batch_size * cache.n_kv_head * cache.seq_len
+        return rows * (cache.head_dim + size)
+    if isinstance(cache, SlidingWindowCache):
+        return per_row * cache.batch_size * cache.window * size
+    if isinstance(cache, StaticCache):
+        return per_row * cache.batch_size * cache.capacity * size
+    if isinstance(cache, DynamicCache):
+        return per_row * cache.batch_size * cache.seq_len * size
+    return None
+
+
+def _pool_problems(pool: BlockPool, tables: list[list[int]]) -> list[str]:
+    problems = []
+    tensors = [*pool.k, *pool.v]
+    block = pool.block_nbytes
+    if pool.nbytes() != tensor_bytes(tensors) or block * pool.num_blocks != tensor_bytes(tensors):
+        problems.append(f"pool reports {pool.nbytes()} bytes ({block} a block), "
+                        f"its tensors hold {tensor_bytes(tensors)}")
+    if pool.num_free + pool.num_used != pool.num_blocks:
+        problems.append(f"{pool.num_free} free + {pool.num_used} used != {pool.num_blocks} blocks")
+    held = {b for t in tables for b in t}
+    if any(pool.refs(b) < 1 for b in held):
+        problems.append("a block in a table is not held")
+    return problems
+
+
+def shape_problems(cache: KVCache) -> list[str]:
+    """What disagrees between the cache's lengths and its tensors' shapes (empty when nothing)."""
+    problems = []
+    held, T = cache.held(), cache.seq_len
+    if held.stop != T or held.start < 0:
+        problems.append(f"held() is {held} for seq_len {T}")
+    want = (cache.batch_size, cache.n_kv_head, len(held), cache.head_dim)
+    for i in range(cache.n_layer):
+        for t in cache.layer(i):
+            if tuple(t.shape) != want or t.dtype != cache.dtype:
+                problems.append(f"layer {i}: {tuple(t.shape)} {t.dtype}, want {want} {cache.dtype}")
+                break
+    if isinstance(cache, SlidingWindowCache) and held.start != max(0, T - cache.window):
+        problems.append(f"a ring of {cache.window} holds {held} after {T} positions")
+    if isinstance(cache, StaticCache) and not T <= cache.capacity:
+        problems.append(f"{T} positions in a capacity of {cache.capacity}")
+    if isinstance(cache, PagedCache):
+        blocks = math.ceil(T / cache.block_size)
+        if any(len(t) != blocks for t in cache.tables):
+            problems.append(f"tables of {[len(t) for t in cache.tables]} blocks for {T} positions")
+        problems += _pool_problems(cache.pool, cache.tables)
+    return problems
+
+
+def byte_problems(cache: KVCache) -> list[str]:
+    """What disagrees between the cache's byte figures, its tensors and its formula."""
+    reported, found = cache.nbytes(), tensor_bytes(held_tensors(cache))
+    problems = [] if reported == found else [f"nbytes() {reported}, its tensors hold {found}"]
+    formula = expected_bytes(cache)
+    if formula is not None and formula != reported:
+        problems.append(f"nbytes() {reported}, the formula gives {formula}")
+    return problems + shape_problems(cache)
+
+
+def _bytes(case: Case, out: list) -> None:
+    cache, fed, problems = case.new_cache(), 0, []
+    problems += byte_problems(cache)
+    for n in BYTES_CHUNKS:
+        _, cache = case.call(case.ids[:, fed:fed + n], cache)
+        fed += n
+        problems += [f"after {fed}: {p}" for p in byte_problems(cache)]
+    detail = problems[0] if problems else (f"empty and after {len(BYTES_CHUNKS)} calls "
+                                           f"({fed} positions): {cache.nbytes()} bytes")
+    out.append(case.result("bytes", not problems, 0.0 if not problems else math.inf, detail))
+
+
+# --- the int8 contract ----------------------------------------------------------------------
+
+class _Recorder(CacheWrapper):
+    """Delegates to the cache under test and records the K/V every ``update`` was given."""
+
+    def __init__(self, inner: KVCache, written: dict) -> None:
+        super().__init__(inner)
+        self.written = written
+
+    def begin(self) -> _Recorder:
+        return _Recorder(self.inner.begin(), self.written)
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int):
+        self.written[layer_idx] = (k.clone(), v.clone())
+        return self.inner.update(layer_idx, k, v, start)
+
+
+def _row_problems(got: torch.Tensor, written: torch.Tensor) -> float:
+    """The worst breach, in steps of a row's own scale ``max|x| / 127``, of: ``got`` is an integer
+    number of steps within ``[-127, 127]``, the largest at 127, and within half a step of
+    ``written``. 0 when the rows keep the contract."""
+    amax = written.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    steps = got / scale
+    off_grid = (steps - steps.round()).abs().amax().item()
+    beyond = max(0.0, steps.abs().amax().item() - 127)
+    top = (127 - steps.abs().amax(dim=-1))[amax[..., 0] > 0]
+    not_top = top.abs().amax().item() if top.numel() else 0.0
+    error = ((got - written).abs() / scale).amax().item()
+    slack = 1e-3  # rounding of x / scale and q * scale: far below one step
+    worst = max(off_grid - slack, beyond - slack, not_top - slack, error - 0.5 - slack, 0.0)
+    return math.inf if math.isnan(worst) else worst
+
+
+def _int8(case: Case, out: list) -> None:
+    if case.kind != "dynamic":  # the int8 cache grows as a dynamic one does: run it once
+        out.append(case.result("int8", None, 0.0, "run with the dynamic kind only"))
+        return
+    B = case.ids.shape[0]
+    new = case.caches.get("int8", new_int8_cache)
+    written: dict = {}
+    cache: KVCache = _Recorder(new(case.model, B, case.ids.shape[1]), written)
+    fed, changed, breach, problems = 0, 0.0, 0.0, []
+    for n in INT8_CHUNKS:
+        before = Snapshot.of(cache)
+        _, new_cache = case.call(case.ids[:, fed:fed + n], cache)
+        # rows held before the call: bitwise the same in the cache passed in and the new one
+        changed = max(changed, before.changed(cache, fed), before.changed(new_cache, fed))
+        for i in range(new_cache.n_layer):
+            for got, wrote in zip(new_cache.layer(i), written[i], strict=True):
+                breach = max(breach, _row_problems(got[:, :, fed:fed + n], wrote))
+        cache, fed = new_cache, fed + n
+        problems += [f"after {fed}: {p}" for p in byte_problems(cache.inner)]
+    ok = changed == 0.0 and breach == 0.0 and not problems
+    detail = (problems[0] if problems else
+              f"{fed} positions in {len(INT8_CHUNKS)} calls: held rows changed by {changed:.1e}, "
+              f"worst breach of a row's step {breach:.1e}")
+    out.append(case.result("int8", ok, max(changed, breach, math.inf if problems else 0.0),
+                           detail))
+
+
+# --- ring and block edges -------------------------------------------------------------------
+
+def _long_chunk(case: Case) -> tuple[bool, float, str]:
+    W = case.model.config.sliding_window
+    chunks = (3, W + 4, 1)
+    ids = case.ids[:, :sum(chunks)]
+    run = case.feed(ids, list(chunks))
+    want = case.full(ids)
+    ok = close(run.logits, want, case.tol) and run.cache.seq_len == ids.shape[1]
+    return ok, max_abs(run.logits, want), f"chunks {list(chunks)} past a window of {W}"
+
+
+def _live_branches(case: Case, P: int) -> tuple[bool, float]:
+    """Two branches of one ``P``-token prefix fed in turn (a chunk of 5 each, which copies a shared
+    block, then a step each, which reads it): both right, the prefix unchanged."""
+    ids, alt = case.ids, case.alt
+    prefix = case.feed(ids[:, :P], P).cache
+    before = Snapshot.of(prefix)
+    tails = (ids[:, P:P + 6], alt[:, P:P + 6])
+    heads, logits = [prefix, prefix], [[], []]
+    for start, stop in ((0, 5), (5, 6)):
+        for b in (0, 1):
+            got, heads[b] = case.call(tails[b][:, start:stop], heads[b])
+            logits[b].append(got)
+    ok, err = True, 0.0
+    for b in (0, 1):
+        want = case.full(torch.cat((ids[:, :P], tails[b]), dim=1))[:, P:]
+        got = torch.cat(logits[b], dim=1)
+        ok, err = ok and close(got, want, case.tol), max(err, max_abs(got, want))
+    changed = before.changed(prefix)
+    return ok and changed == 0.0, max(err, changed)
+
+
+def _edges(case: Case, out: list) -> None:
+    ok, err, parts = True, 0.0, []
+    W = case.model.config.sliding_window
+    if W is not None:
+        passed, e, detail = _long_chunk(case)
+        ok, err = ok and passed, max(err, e)
+        parts.append(detail)
+    if not case.cache.in_place:  # branches of a cache written in place cannot both live
+        # before the ring wraps and, for a ring, after; both off the paged block size
+        prefixes = BRANCH_PREFIXES if case.kind == "window" else BRANCH_PREFIXES[:1]
+        for P in prefixes:
+            passed, e = _live_branches(case, P)
+            ok, err = ok and passed, max(err, e)
+        parts.append(f"two live branches of {' and '.join(map(str, prefixes))} tokens")
+    if not parts:
+        out.append(case.result("edges", None, 0.0, "no window, and a cache written in place"))
+        return
+    out.append(case.result("edges", ok, err, "; ".join(parts)))
+
+
+# --- padded batches -------------------------------------------------------------------------
+
+PROMPTS = (7, 3, 5)
+"""Prompt lengths of the padded batch's rows (cycled over the batch)."""
+STEPS = 3
+"""Decode steps after the padded prefill."""
+
+
+def _padded(case: Case, out: list) -> None:
+    B = case.ids.shape[0]
+    if getattr(case.model, "wpe", None) is None or B < 2:
+        out.append(case.result("padded", None, 0.0,
+                               "per-row positions need learned positions and a batch of 2+"))
+        return
+    lengths = [PROMPTS[b % len(PROMPTS)] for b in range(B)]
+    rows = [case.ids[b, :lengths[b] + STEPS] for b in range(B)]
+    batch = left_pad([r[:n].tolist() for r, n in zip(rows, lengths, strict=True)])
+    ids, pad = batch.ids.to(case.ids.device), batch.pad.to(case.ids.device)
+    cache, start, got = case.new_cache(B), 0, []
+    for s in range(STEPS + 1):
+        step = ids if s == 0 else torch.stack([r[lengths[b] + s - 1] for b, r in enumerate(rows)])
+        step = step.view(B, -1)
+        C = step.shape[1]
+        logits, cache = case.call(step, cache, positions=padded_positions(pad, start, C),
+                                  attn_mask=padded_mask(pad, start, C))
+        got.append(logits)
+        start += C
+    got_all = torch.cat(got, dim=1)  # [B, L + STEPS, V]: row b's real slots from pad[b] on
+    ok, err = cache.seq_len == ids.shape[1] + STEPS, 0.0
+    for b, r in enumerate(rows):
+        want = case.full(r[None])  # the row alone: its prompt and continuation, no padding
+        mine = got_all[b:b + 1, int(pad[b]):]
+        ok, err = ok and close(mine, want, case.tol), max(err, max_abs(mine, want))
+    out.append(case.result("padded", ok, err,
+                           f"prompts of {lengths} tokens, left-padded, then {STEPS} decode steps"))
+
+
+CHECKS = {
+    "bytes": "nbytes() and a pool's figures vs the tensors held and the formula; held rows and "
+             "lengths vs the tensors' shapes",
+    "int8": "int8 cache: held rows never change, each row's own scale, half a step of error",
+    "edges": "a chunk longer than the window; two live branches before and after the ring wraps, "
+             "off the block size",
+    "padded": "a left-padded batch, prefill and decode steps: each row vs its prompt alone",
+}
+"""The checks of this module, in report order, with what each compares."""
+
+SCENARIOS = {"bytes": _bytes, "int8": _int8, "edges": _edges, "padded": _padded}
+"""Scenario name -> function appending :class:`~kvdoc.proofs.scenarios.CheckResult` s."""

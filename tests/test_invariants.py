@@ -1,0 +1,85 @@
+"""The cache invariants and edges of kvdoc.proofs.invariants: each passes on the real code and
+fails on the broken variant made for it, which no older scenario catches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvdoc.proofs import invariants
+from kvdoc.proofs.broken_caches import k_only_paged_cache, requantising_int8_cache
+from kvdoc.proofs.scenarios import SCENARIOS
+from kvdoc.proofs.suite import run_suite, sweep_variants
+from kvdoc.proofs.variants import VARIANTS
+from kvdoc.proofs.verify import default_model
+from kvdoc.serving.paged import new_paged_cache
+from kvdoc.serving.quant import new_int8_cache
+
+FP32 = dict(dtypes=(torch.float32,))
+OLD = [s for s in SCENARIOS if s not in invariants.SCENARIOS]
+
+# variant -> the check made for it
+MADE_FOR = {"pool-counts-k-only": "bytes", "int8-requantise": "int8",
+            "ring-long-chunk": "edges", "ring-shared-until-wrap": "edges",
+            "prefix-late-copy": "edges", "decode-without-pad-mask": "padded",
+            "fast-ignores-padding": "padded"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("check", list(invariants.SCENARIOS))
+def test_each_new_check_passes_on_the_real_code_and_applies_somewhere(check):
+    models = ("mha", "mistral")
+    report = run_suite(models=models, scenarios=(check,), **FP32)
+    assert report.passed, report.failures_table()
+    ran = [r for r in report.results if r.passed is not None]
+    assert ran and all(r.check == check for r in report.results)
+
+
+@pytest.mark.parametrize("variant", list(MADE_FOR))
+def test_each_variant_is_caught_by_its_check_only(variant):
+    check = MADE_FOR[variant]
+    caught = run_suite(variant, scenarios=(check,), **FP32)
+    assert caught.failed_checks() == [check], caught.failures_table()
+    # none of the older scenarios sees it: the new check is what catches it
+    assert run_suite(variant, scenarios=OLD, **FP32).passed
+
+
+def test_the_sweep_catches_the_new_variants():
+    assert {VARIANTS[v].bug_class for v in MADE_FOR} == {
+        "byte accounting", "int8 contract", "ring and block edges", "padded batches"}
+    outcomes = sweep_variants(list(MADE_FOR), **FP32)
+    assert [o.name for o in outcomes] == list(MADE_FOR)
+    assert all(o.caught for o in outcomes)
+    assert [o.first.check for o in outcomes] == list(MADE_FOR.values())
+
+
+def test_held_tensors_and_bytes_of_a_paged_cache():
+    model = default_model()
+    cache = new_paged_cache(model, batch=2, capacity=10)
+    _, cache = model(torch.tensor([[1, 2, 3, 4, 5]] * 2), cache)
+    pool = cache.pool
+    assert invariants.byte_problems(cache) == []
+    assert invariants.tensor_bytes(invariants.held_tensors(cache)) == pool.nbytes()
+    broken = k_only_paged_cache(model, batch=2, capacity=10)
+    assert any("pool reports" in p for p in invariants.byte_problems(broken))
+
+
+def test_int8_rows_keep_their_own_scale_and_half_a_step():
+    torch.manual_seed(0)
+    written = torch.randn(1, 2, 3, 16)
+    model = default_model()
+    real = new_int8_cache(model, 1).begin()
+    for cache, ok in ((real, True), (requantising_int8_cache(model, 1).begin(), False)):
+        cache.update(0, torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16), 0)
+        k = torch.randn(1, 4, 3, 16)
+        cache.update(0, k, k, 2)
+        got = cache.layer(0)[0][:, :, 2:]
+        assert (invariants._row_problems(got, k) == 0.0) is ok
+    assert invariants._row_problems(written, written) > 0  # values off the grid of steps
