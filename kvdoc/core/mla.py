@@ -30,11 +30,11 @@ SwiGLU MLP. Its caches (:class:`DynamicLatentCache`, :class:`StaticLatentCache`)
 >>> full = model(ids).logits
 >>> _, cache = model(ids[:, :4], model.new_cache(1))
 >>> [tuple(t.shape) for t in cache.layer(0)]             # c_KV and k_rope of layer 0
-[(1, 1, 4, 16), (1, 1, 4, 8)]
+[(1, 1, 4, 32), (1, 1, 4, 8)]
 >>> torch.allclose(model(ids[:, 4:], cache).logits, full[:, 4:], atol=1e-5)
 True
->>> MLAConfig().bytes_per_token(torch.float32)          # 2 layers x (16 + 8) x 4 bytes
-192
+>>> MLAConfig().bytes_per_token(torch.float32)          # 2 layers x (32 + 8) x 4 bytes
+320
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class MLAConfig:
 
     >>> cfg = MLAConfig()
     >>> cfg.qk_head_dim, cfg.latent_dim, round(cfg.softmax_scale, 4)
-    (24, 24, 0.2041)
+    (24, 40, 0.2041)
     >>> MLAConfig(qk_rope_head_dim=3)
     Traceback (most recent call last):
     ...
@@ -91,7 +91,7 @@ class MLAConfig:
     n_embd: int = 64
     n_inner: int = 128
     q_lora_rank: int | None = None
-    kv_lora_rank: int = 16
+    kv_lora_rank: int = 32
     qk_nope_head_dim: int = 16
     qk_rope_head_dim: int = 8
     v_head_dim: int = 16
@@ -184,7 +184,7 @@ class DynamicLatentCache(LatentCache):
 
     >>> cache = DynamicLatentCache.empty(MLAConfig(), batch_size=2)
     >>> cache.seq_len, [tuple(t.shape) for t in cache.layer(1)]
-    (0, [(2, 1, 0, 16), (2, 1, 0, 8)])
+    (0, [(2, 1, 0, 32), (2, 1, 0, 8)])
     """
 
     def __init__(self, layers: list[KV]) -> None:
@@ -411,7 +411,7 @@ class MLADecoder(Decoder):
     blocks, final RMSNorm, LM head) and input checks, with latent caches.
 
     >>> MLADecoder(MLAConfig()).num_parameters()
-    89568
+    95744
     """
 
     def __init__(self, config: MLAConfig | None = None) -> None:
@@ -455,7 +455,7 @@ def attention_macs_per_key(config: MLAConfig, absorbed: bool) -> int:
 
     >>> cfg = MLAConfig()
     >>> attention_macs_per_key(cfg, absorbed=False), attention_macs_per_key(cfg, absorbed=True)
-    (2208, 160)
+    (4256, 288)
     """
     c = config
     if absorbed:

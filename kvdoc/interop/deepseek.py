@@ -209,7 +209,7 @@ def deepseek_model(config: MLAConfig | None = None, seed: int = 0,
     :class:`MLAConfig`), built offline, in eval mode.
 
     >>> deepseek_model().config.kv_lora_rank
-    16
+    32
     """
     torch.manual_seed(seed)
     from transformers import DeepseekV3ForCausalLM

@@ -132,7 +132,7 @@ MODELS: dict[str, ModelSpec] = {
                          transformers_reference, "transformers Mistral, same weights"),
     # MLA: a full forward up-projects the latent; the cached calls do too ("mla") or attend in
     # latent space ("mla-absorbed"), so cached-vs-full compares the absorbed path with the plain
-    "mla": ModelSpec("MLA (DeepSeek-V3), latent 16 + rotary key 8, 4 heads, plain decode",
+    "mla": ModelSpec("MLA (DeepSeek-V3), latent 32 + rotary key 8, 4 heads, plain decode",
                      _decoder(MLAConfig(q_lora_rank=12)), deepseek_reference,
                      "transformers DeepSeek-V3, same weights"),
     "mla-absorbed": ModelSpec("MLA, the same model, cached calls absorbed into the latent",
