@@ -114,6 +114,10 @@ class KVCache(ABC):
             raise ValueError(
                 "cache was built for another model: (layers, K/V heads, head size) = "
                 f"{found}, model has {expected}")
+        self.check_placement(batch_size, dtype, device)
+
+    def check_placement(self, batch_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Raise ``ValueError`` unless the input's batch size, dtype and device are the cache's."""
         if self.batch_size != batch_size:
             raise ValueError(f"cache holds batch size {self.batch_size}, "
                              f"input has batch size {batch_size}")

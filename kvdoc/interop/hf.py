@@ -304,7 +304,8 @@ def to_transformers(model: Decoder) -> Any:
 
 @contextmanager
 def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
-    """Within the block, transformers' Llama/Mistral compute RMSNorm and RoPE in the model's dtype.
+    """Within the block, transformers' Llama, Mistral and DeepSeek-V3 compute RMSNorm and RoPE in
+    the model's dtype.
 
     transformers computes both in float32 whatever the model's dtype (an upcast meant for half
     precision), so an FP64 Llama is only float32-accurate there and differs from an exact FP64
@@ -327,7 +328,7 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
 
     config = hf_model.config
     patched = []
-    if getattr(config, "model_type", None) in ("llama", "mistral"):
+    if getattr(config, "model_type", None) in ("llama", "mistral", "deepseek_v3"):
         split_width = config.hidden_size // config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or split_width
         theta = float(config.rope_parameters["rope_theta"])

@@ -25,16 +25,18 @@ To verify something that is not registered, pass it in: ``run_suite(model=...)``
 scenario on a given model, and :data:`GRID` is the equivalence grid of the site's model.
 
 >>> sorted(MODELS)
-['gqa', 'llama', 'mha', 'mistral', 'mqa', 'split-k']
+['gqa', 'llama', 'mha', 'mistral', 'mla', 'mla-absorbed', 'mqa', 'split-k']
 >>> sorted(CACHES), sorted(IMPLEMENTATIONS)
 (['dynamic', 'paged', 'shared-prefix', 'static', 'window'], ['fast', 'model'])
 >>> MODELS["gqa"].build(0).config.n_kv_head
 2
+>>> served(MODELS["mla"].build(0).config)  # K/V caches and FastDecoder do not serve MLA
+[('dynamic', 'model'), ('static', 'model')]
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,11 +45,12 @@ from torch import nn
 from kvdoc.core.cache import KVCache
 from kvdoc.core.config import GPTConfig, llama_config, mistral_config
 from kvdoc.core.fast import FastDecoder
+from kvdoc.core.mla import MLAConfig, MLADecoder
 from kvdoc.core.model import Decoder
 from kvdoc.serving.paged import new_paged_cache, new_shared_prefix_cache
 from kvdoc.serving.splitk import split_k_decoder
 
-from .references import mha_reference, transformers_reference
+from .references import deepseek_reference, mha_reference, transformers_reference
 
 STREAM_LENGTH = 83
 """Tokens in the default stream: past 32 and 64, and prime, so no chunk size above 1 divides it."""
@@ -67,11 +70,16 @@ GRID = dict(kinds=("dynamic", "static"), impls=("model",), batches=(1, 2), scena
 a dynamic and a static cache (``run_suite(**GRID, model=...)`` for a given model)."""
 
 
-def _decoder(config: GPTConfig) -> Callable[[int], nn.Module]:
+def _decoder(config: GPTConfig | MLAConfig) -> Callable[[int], nn.Module]:
     def build(seed: int) -> nn.Module:
         torch.manual_seed(seed)
-        return Decoder(config).eval()
+        return (MLADecoder if isinstance(config, MLAConfig) else Decoder)(config).eval()
     return build
+
+
+def _kv(config: GPTConfig | MLAConfig) -> bool:
+    """Whether the model caches K and V (an MLA model caches a latent instead)."""
+    return isinstance(config, GPTConfig)
 
 
 @dataclass(frozen=True)
@@ -99,7 +107,7 @@ class CacheSpec:
 
     new: Callable[[nn.Module, int, int], KVCache]
     in_place: bool
-    serves: Callable[[GPTConfig], bool] = lambda config: True
+    serves: Callable[[GPTConfig | MLAConfig], bool] = lambda config: True
     """Which models it can serve (a ring of ``W`` positions only a model with that window)."""
 
 
@@ -122,6 +130,14 @@ MODELS: dict[str, ModelSpec] = {
                          lambda seed: split_k_decoder(
                              _decoder(mistral_config(sliding_window=WINDOW))(seed), SPLIT),
                          transformers_reference, "transformers Mistral, same weights"),
+    # MLA: a full forward up-projects the latent; the cached calls do too ("mla") or attend in
+    # latent space ("mla-absorbed"), so cached-vs-full compares the absorbed path with the plain
+    "mla": ModelSpec("MLA (DeepSeek-V3), latent 32 + rotary key 8, 4 heads, plain decode",
+                     _decoder(MLAConfig(q_lora_rank=12)), deepseek_reference,
+                     "transformers DeepSeek-V3, same weights"),
+    "mla-absorbed": ModelSpec("MLA, the same model, cached calls absorbed into the latent",
+                              _decoder(MLAConfig(q_lora_rank=12, absorb=True)),
+                              deepseek_reference, "transformers DeepSeek-V3, same weights"),
 }
 """Model configurations by name."""
 
@@ -129,9 +145,9 @@ CACHES: dict[str, CacheSpec] = {
     "dynamic": CacheSpec(lambda m, b, cap: m.new_cache(b, "dynamic"), in_place=False),
     "static": CacheSpec(lambda m, b, cap: m.new_cache(b, "static", cap), in_place=True),
     "window": CacheSpec(lambda m, b, cap: m.new_cache(b, "window"), in_place=False,
-                        serves=lambda config: config.sliding_window is not None),
-    "paged": CacheSpec(new_paged_cache, in_place=True),
-    "shared-prefix": CacheSpec(new_shared_prefix_cache, in_place=False),
+                        serves=lambda config: _kv(config) and config.sliding_window is not None),
+    "paged": CacheSpec(new_paged_cache, in_place=True, serves=_kv),
+    "shared-prefix": CacheSpec(new_shared_prefix_cache, in_place=False, serves=_kv),
 }
 """Cache kinds by name."""
 
@@ -141,3 +157,14 @@ IMPLEMENTATIONS: dict[str, Callable[[nn.Module], Callable]] = {
     "fast": FastDecoder,
 }
 """How a cached call is made, by name: ``model -> call``."""
+
+IMPLEMENTATION_SERVES: dict[str, Callable[[GPTConfig | MLAConfig], bool]] = {"fast": _kv}
+"""Which models an implementation serves, where not all (FastDecoder fuses K/V attention)."""
+
+
+def served(config: GPTConfig | MLAConfig, kinds: Sequence[str] | None = None,
+           impls: Sequence[str] | None = None) -> list[tuple[str, str]]:
+    """The (cache kind, implementation) pairs of the grid that serve a model with ``config``."""
+    return [(kind, impl) for kind in (kinds or CACHES) if CACHES[kind].serves(config)
+            for impl in (impls or IMPLEMENTATIONS)
+            if IMPLEMENTATION_SERVES.get(impl, lambda c: True)(config)]

@@ -5,6 +5,8 @@ forward, K/V heads shared wrongly by every attention call). These references can
 
 * :func:`transformers_reference`: Hugging Face transformers' GPT-2, Llama or Mistral holding
   the same weights (:func:`kvdoc.interop.hf.to_transformers`);
+* :func:`deepseek_reference`: transformers' DeepSeek-V3 holding an MLA model's weights
+  (:func:`kvdoc.interop.deepseek.to_deepseek`, interleaved rotary pairs as DeepSeek stores them);
 * :func:`mha_reference`: for a grouped-query (GQA) or multi-query (MQA) model, the multi-head
   model whose K/V projection of each query head is a copy of the K/V head of its group. The
   two compute the same function, but the MHA model never shares a K/V head.
@@ -86,6 +88,25 @@ def transformers_reference(model: nn.Module) -> Reference:
     from kvdoc.interop.hf import float64_islands_lifted, to_transformers
 
     hf = to_transformers(model)
+    lift = float64_islands_lifted if _dtype(model) == torch.float64 else contextlib.nullcontext
+
+    def reference(ids: torch.Tensor) -> torch.Tensor:
+        with lift(hf):
+            return hf(ids).logits
+
+    return reference
+
+
+def deepseek_reference(model: nn.Module) -> Reference:
+    """transformers' DeepSeek-V3 holding an :class:`~kvdoc.core.mla.MLADecoder`'s weights.
+
+    Its attention up-projects the latent to K and V in every call, whichever way the kvdoc model
+    attends; in FP64 its RMSNorm and rotary angles are lifted to FP64 as for Llama.
+    """
+    from kvdoc.interop.deepseek import to_deepseek
+    from kvdoc.interop.hf import float64_islands_lifted
+
+    hf = to_deepseek(model)
     lift = float64_islands_lifted if _dtype(model) == torch.float64 else contextlib.nullcontext
 
     def reference(ids: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ SPARE = 8
 CHECKS: dict[str, str] = {
     "logits": "cached vs full logits, every position, whole vocabulary",
     "kv": "each layer's cached K and V vs the full forward's projections",
-    "kv_shape": "each layer's cached K and V are [B, H_kv, T, D_h]",
+    "kv_shape": "each layer's cached K and V are [B, H_kv, T, D_h] (MLA: c_KV and k_rope)",
     "causality": "earlier positions after the last token changes, both paths",
     "lifecycle": "what a cache held before a call, after it (bitwise)",
     "last_only": "last_only=True vs the full forward's last position",
@@ -142,7 +142,19 @@ class Case:
 
 
 def _has_c_attn(model: nn.Module) -> bool:
-    return all(hasattr(getattr(b, "attn", None), "c_attn") for b in getattr(model, "h", [None]))
+    """Whether :func:`~kvdoc.proofs.verify.full_forward_kv` can read the model's K/V (or
+    latent) projections."""
+    return all(hasattr(a, "c_attn") or hasattr(a, "kv_a_proj_with_mqa")
+               for a in (getattr(b, "attn", None) for b in getattr(model, "h", [None])))
+
+
+def _cached_shapes(config, batch: int, length: int) -> tuple[tuple[int, ...], ...]:
+    """What each layer caches: K and V ``[B, H_kv, T, D_h]``, or the shapes the config states
+    (an MLA config's ``c_KV`` and ``k_rope``, :meth:`kvdoc.core.mla.MLAConfig.cached_shapes`)."""
+    if hasattr(config, "cached_shapes"):
+        return tuple(config.cached_shapes(batch, length))
+    shape = (batch, config.n_kv_head, length, config.head_dim)
+    return shape, shape
 
 
 def _stream(case: Case, out: list) -> None:
@@ -171,10 +183,10 @@ def _stream(case: Case, out: list) -> None:
                 max_abs(run.logits, full), f"{T} tokens in chunks of {chunk}")
             held = run.cache.held()  # a window cache holds only the last positions
             got = [run.cache.layer(i) for i in range(cfg.n_layer)]
-            want = (batch, cfg.n_kv_head, len(held), cfg.head_dim)
-            shapes_ok = all(tuple(t.shape) == want for pair in got for t in pair)
+            want = _cached_shapes(cfg, batch, len(held))
+            shapes_ok = all(tuple(tuple(t.shape) for t in pair) == want for pair in got)
             add("kv_shape", shapes_ok, 0.0 if shapes_ok else float("inf"),
-                f"each layer's K and V {list(want)}")
+                f"each layer's two cached tensors {' and '.join(str(list(w)) for w in want)}")
             if full_kv is None:
                 add("kv", None, 0.0, "no c_attn to read the full forward's K/V from")
             else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from kvdoc.core.config import GPTConfig
 from kvdoc.core.model import Decoder
 
 from . import broken, broken_caches, broken_rope
@@ -46,7 +47,11 @@ class BrokenVariant:
     bug_class: str = "mask and positions"
     stale_prefix: bool = False
     models: tuple[str, ...] | None = None
-    """The grid's models (:data:`kvdoc.proofs.grid.MODELS`) it is built for; None: every model."""
+    """The grid's models (:data:`kvdoc.proofs.grid.MODELS`) it is built for; None: every model
+    it :attr:`serves`."""
+    serves: Callable[[object], bool] = lambda config: isinstance(config, GPTConfig)
+    """Which model configurations it can be built from: every variant here breaks a K/V
+    :class:`~kvdoc.core.model.Decoder`, so not an MLA model (:mod:`kvdoc.core.mla`)."""
     caches: Mapping[str, Callable] = field(default_factory=dict)
     """Broken cache factories ``(model, batch, capacity) -> cache`` in place of the real ones, by
     kind of :data:`kvdoc.proofs.grid.CACHES` (or ``"int8"``, the ``int8`` scenario's cache)."""

@@ -175,7 +175,9 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
 
     K and V are read off each layer's ``c_attn`` output with forward hooks (and K rotated at
     positions ``0 .. T - 1`` for a RoPE model, as a cache stores it), so they come from the full
-    recompute itself and not from any cache code.
+    recompute itself and not from any cache code. For an MLA model (:mod:`kvdoc.core.mla`) the
+    pair is what it caches instead: ``c_KV`` ``[B, 1, T, r]`` and ``k_rope`` ``[B, 1, T, d_R]``,
+    read off ``kv_a_proj_with_mqa``.
 
     >>> model = default_model()
     >>> logits, kv = full_forward_kv(model, torch.tensor([[1, 2, 3]]))
@@ -194,7 +196,18 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
             k = apply_rope(k, 0, cfg.rope_theta)
         captured.append((k, v))
 
-    handles = [block.attn.c_attn.register_forward_hook(hook) for block in model.h]
+    def latent_hook(attn):
+        # an MLA layer's kv_a_proj_with_mqa: the latent (normalised by the layer's own norm),
+        # then the rotary key shared by all heads, each as one head [B, 1, T, .] as cached
+        def hook(module, inputs, output):
+            c_kv, k_rope = output.split((cfg.kv_lora_rank, cfg.qk_rope_head_dim), dim=-1)
+            captured.append((attn.kv_a_layernorm(c_kv)[:, None],
+                             apply_rope(k_rope[:, None], 0, cfg.rope_theta)))
+        return hook
+
+    handles = [block.attn.kv_a_proj_with_mqa.register_forward_hook(latent_hook(block.attn))
+               if hasattr(block.attn, "kv_a_proj_with_mqa")
+               else block.attn.c_attn.register_forward_hook(hook) for block in model.h]
     try:
         logits = model(ids).logits
     finally:

@@ -93,7 +93,7 @@ def truncated_draft(target: Decoder, n_layer: int) -> Decoder:
     if isinstance(n_layer, bool) or not isinstance(n_layer, int) or not 1 <= n_layer <= layers:
         raise ValueError(f"n_layer must be between 1 and {layers}, got {n_layer!r}")
     weight = target.wte.weight
-    draft = Decoder(replace(target.config, n_layer=n_layer)).to(weight.dtype)
+    draft = type(target)(replace(target.config, n_layer=n_layer)).to(weight.dtype)  # MLA too
     draft.load_state_dict({k: v for k, v in target.state_dict().items() if k in draft.state_dict()})
     return draft.to(weight.device).eval()
 

@@ -1,0 +1,464 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3): a decoder that caches a latent, not K and V.
+
+Each layer projects a token down to a latent ``c_KV`` of ``kv_lora_rank`` values (RMS-normalised)
+and one rotary key ``k_rope`` of ``qk_rope_head_dim`` values shared by every head. Those two are
+all the cache holds. Per-head keys and values are up-projections of the latent: the key of head
+``h`` is ``[W_UK[h] c_KV, k_rope]`` (``qk_nope_head_dim + qk_rope_head_dim`` wide), its value
+``W_UV[h] c_KV`` (``v_head_dim`` wide); queries are split the same way, and only the rotary
+part of a query or key is turned by RoPE (:mod:`kvdoc.core.rope`, half-split pairs). The softmax
+scale is ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``, DeepSeek-V3's without YaRN scaling.
+
+A cached call attends one of two ways, which compute the same function:
+
+* plain (``absorb=False``): up-project every cached latent to K and V, then ordinary attention;
+* absorbed (``absorb=True``): fold ``W_UK`` into the query (``q_nope W_UK[h]`` is a query in
+  latent space) and apply ``W_UV`` after attention, so attention runs over the cached latent
+  itself: multi-query attention with one K head ``[c_KV, k_rope]`` and one V head ``c_KV``.
+
+A full forward (no cache) always up-projects, so the grid's cached-versus-full comparison
+checks the absorbed path against the plain one.
+
+:class:`MLADecoder` is a :class:`~kvdoc.core.model.Decoder` (same forward, input checks and
+``prefill``/``decode_step``/``generate``) whose blocks attend this way, with Llama's RMSNorm and
+SwiGLU MLP. Its caches (:class:`DynamicLatentCache`, :class:`StaticLatentCache`) hold per layer
+``c_KV`` ``[B, 1, T, kv_lora_rank]`` and ``k_rope`` ``[B, 1, T, qk_rope_head_dim]``: one shared
+"head", the ``[B, H_kv, T, D_h]`` layout with ``H_kv = 1`` (as transformers' DeepseekV3 stores it).
+
+>>> _ = torch.manual_seed(0)
+>>> model = MLADecoder(MLAConfig()).eval()
+>>> ids = torch.tensor([[12, 7, 31, 4, 9, 18]])
+>>> full = model(ids).logits
+>>> _, cache = model(ids[:, :4], model.new_cache(1))
+>>> [tuple(t.shape) for t in cache.layer(0)]             # c_KV and k_rope of layer 0
+[(1, 1, 4, 32), (1, 1, 4, 8)]
+>>> torch.allclose(model(ids[:, 4:], cache).logits, full[:, 4:], atol=1e-5)
+True
+>>> MLAConfig().bytes_per_token(torch.float32)          # 2 layers x (32 + 8) x 4 bytes
+320
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KV, KVCache
+from .config import GPTConfig, check_int
+from .mask import offset_causal_mask
+from .model import MLP, Decoder
+from .rope import apply_rope
+
+LATENT_NORM_EPS = 1e-6
+"""Epsilon of the RMSNorms on the latents (transformers' DeepseekV3RMSNorm default there)."""
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Sizes of an MLA decoder (DeepSeek-V3's dense layers; names as in its ``config.json``).
+
+    Args:
+        vocab_size, n_positions, n_layer, n_embd: as in :class:`~kvdoc.core.config.GPTConfig`.
+        n_head: ``H``, attention heads (each has its own up-projected K and V).
+        n_inner: hidden width of the SwiGLU MLP.
+        q_lora_rank: width of the query's own low-rank bottleneck (RMS-normalised), or None for
+            one projection ``d -> H x (qk_nope_head_dim + qk_rope_head_dim)``.
+        kv_lora_rank: ``r``, width of the cached latent ``c_KV``.
+        qk_nope_head_dim: per-head width of the key (and query) part without position.
+        qk_rope_head_dim: width of the rotary part; the rotary key is one for all heads.
+        v_head_dim: per-head width of V.
+        layer_norm_epsilon: the epsilon of the block norms and the final norm.
+        rope_theta: the RoPE base.
+        tie_word_embeddings: the LM head reuses ``wte``'s weight.
+        absorb: cached calls attend in latent space (see the module docstring).
+
+    >>> cfg = MLAConfig()
+    >>> cfg.qk_head_dim, cfg.latent_dim, round(cfg.softmax_scale, 4)
+    (24, 40, 0.2041)
+    >>> MLAConfig(qk_rope_head_dim=3)
+    Traceback (most recent call last):
+    ...
+    ValueError: RoPE rotates pairs of features: qk_rope_head_dim=3 must be even
+    """
+
+    vocab_size: int = 97
+    n_positions: int = 512
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    n_inner: int = 128
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    layer_norm_epsilon: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    absorb: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd", "n_inner",
+                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            check_int(name, getattr(self, name))
+        if self.q_lora_rank is not None:
+            check_int("q_lora_rank", self.q_lora_rank)
+        if self.qk_rope_head_dim % 2:
+            raise ValueError("RoPE rotates pairs of features: "
+                             f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+        for name in ("layer_norm_epsilon", "rope_theta"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of one head's query and key: ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per layer and token: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """``1 / sqrt(qk_head_dim)``: the absorbed path's wider dot products keep this scale."""
+        return self.qk_head_dim ** -0.5
+
+    def cached_shapes(self, batch: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of one layer's cached ``c_KV`` and ``k_rope`` after ``length`` positions."""
+        return ((batch, 1, length, self.kv_lora_rank), (batch, 1, length, self.qk_rope_head_dim))
+
+    def bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes one more cached position adds: ``n_layer x latent_dim x element size``."""
+        return self.n_layer * self.latent_dim * torch.empty((), dtype=dtype).element_size()
+
+
+# --- the caches ----------------------------------------------------------------------------------
+
+class LatentCache(KVCache):
+    """What both latent caches share: per layer ``c_KV`` ``[B, 1, T, r]`` and ``k_rope``
+    ``[B, 1, T, d_R]``, and the checks that new rows and a model fit them."""
+
+    kv_lora_rank: int
+    rope_dim: int
+
+    def _sizes(self, n_layer: int, batch: int, rank: int, rope_dim: int, dtype: torch.dtype,
+               device: torch.device | str) -> None:
+        self.n_layer, self.batch_size = n_layer, check_int("batch_size", batch)
+        self.n_kv_head, self.head_dim = 1, rank  # the latent is one head shared by all
+        self.kv_lora_rank, self.rope_dim = rank, rope_dim
+        self.dtype, self.device = dtype, torch.device(device)
+
+    def check_rows(self, c_kv: torch.Tensor, k_rope: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless the new rows are ``[B, 1, C, r]`` and ``[B, 1, C, d_R]``."""
+        want = ((self.batch_size, 1, self.kv_lora_rank), (self.batch_size, 1, self.rope_dim))
+        got = [(t.shape[0], t.shape[1], t.shape[-1]) if t.dim() == 4 else tuple(t.shape)
+               for t in (c_kv, k_rope)]
+        if got != list(want) or c_kv.shape[2] != k_rope.shape[2]:
+            sizes = (self.batch_size, self.kv_lora_rank, self.rope_dim)
+            raise ValueError("c_KV and k_rope must be [B, 1, C, r] and [B, 1, C, d_R] with "
+                             f"(B, r, d_R) = {sizes}, got {tuple(c_kv.shape)} and "
+                             f"{tuple(k_rope.shape)}")
+        if c_kv.dtype != self.dtype or k_rope.dtype != self.dtype:
+            raise ValueError(f"c_KV and k_rope must be {self.dtype}, "
+                             f"got {c_kv.dtype} and {k_rope.dtype}")
+
+    def check_compatible(self, config: GPTConfig | MLAConfig, batch_size: int,
+                         dtype: torch.dtype, device: torch.device, new_len: int) -> None:
+        if not isinstance(config, MLAConfig):
+            raise ValueError("a latent cache serves an MLA model; this model caches K and V")
+        found = (self.n_layer, self.kv_lora_rank, self.rope_dim)
+        expected = (config.n_layer, config.kv_lora_rank, config.qk_rope_head_dim)
+        if found != expected:
+            raise ValueError("cache was built for another model: (layers, kv_lora_rank, "
+                             f"qk_rope_head_dim) = {found}, model has {expected}")
+        self.check_placement(batch_size, dtype, device)
+
+
+class DynamicLatentCache(LatentCache):
+    """A latent cache that grows by concatenation; a call never modifies the object passed in.
+
+    >>> cache = DynamicLatentCache.empty(MLAConfig(), batch_size=2)
+    >>> cache.seq_len, [tuple(t.shape) for t in cache.layer(1)]
+    (0, [(2, 1, 0, 32), (2, 1, 0, 8)])
+    """
+
+    def __init__(self, layers: list[KV]) -> None:
+        if not layers:
+            raise ValueError("a cache needs at least one layer")
+        c0, r0 = layers[0]
+        if c0.dim() != 4 or r0.dim() != 4 or c0.shape[:3] != r0.shape[:3] or c0.shape[1] != 1:
+            raise ValueError("c_KV and k_rope must be [B, 1, T, r] and [B, 1, T, d_R], "
+                             f"got {tuple(c0.shape)} and {tuple(r0.shape)}")
+        if any((c.shape, r.shape) != (c0.shape, r0.shape) for c, r in layers):
+            raise ValueError("every layer's c_KV and k_rope must have the same shapes")
+        self._kv: list[KV] = list(layers)
+        self._sizes(len(layers), c0.shape[0], c0.shape[3], r0.shape[3], c0.dtype, c0.device)
+
+    @classmethod
+    def empty(cls, config: MLAConfig, batch_size: int, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> DynamicLatentCache:
+        """A cache with no positions yet, for a model with ``config``."""
+        shapes = config.cached_shapes(check_int("batch_size", batch_size), 0)
+        return cls([tuple(torch.empty(s, dtype=dtype, device=device) for s in shapes)
+                    for _ in range(config.n_layer)])
+
+    @property
+    def seq_len(self) -> int:
+        return self._kv[0][0].shape[2]
+
+    def layer(self, idx: int) -> KV:
+        return self._kv[idx]
+
+    def begin(self) -> DynamicLatentCache:
+        return DynamicLatentCache(self._kv)
+
+    def update(self, layer_idx: int, c_kv: torch.Tensor, k_rope: torch.Tensor,
+               start: int) -> KV:
+        self.check_rows(c_kv, k_rope)
+        past_c, past_r = self._kv[layer_idx]
+        if past_c.shape[2] != start:
+            raise ValueError(f"layer {layer_idx} holds {past_c.shape[2]} positions, "
+                             f"write starts at {start}")
+        new = (torch.cat((past_c, c_kv), dim=2), torch.cat((past_r, k_rope), dim=2))
+        self._kv[layer_idx] = new
+        return new
+
+    def crop(self, length: int) -> DynamicLatentCache:
+        """A new cache of the first ``length`` positions."""
+        if not 0 <= length <= self.seq_len:
+            raise ValueError(f"cannot crop a cache of {self.seq_len} positions to {length}")
+        return DynamicLatentCache([(c[:, :, :length], r[:, :, :length]) for c, r in self._kv])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for pair in self._kv for t in pair]
+
+
+class StaticLatentCache(LatentCache):
+    """A preallocated latent cache of ``capacity`` positions, written in place.
+
+    >>> cache = StaticLatentCache(MLAConfig(), batch_size=1, capacity=8)
+    >>> cache.nbytes() == 8 * MLAConfig().bytes_per_token()    # capacity x bytes per token
+    True
+    """
+
+    def __init__(self, config: MLAConfig, batch_size: int, capacity: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.capacity = check_int("capacity", capacity)
+        self._sizes(config.n_layer, batch_size, config.kv_lora_rank, config.qk_rope_head_dim,
+                    dtype, device)
+        shapes = config.cached_shapes(batch_size, capacity)
+        self._c, self._r = ([torch.zeros(s, dtype=dtype, device=device)
+                             for _ in range(config.n_layer)] for s in shapes)
+        self._len = 0
+
+    @property
+    def seq_len(self) -> int:
+        return self._len
+
+    def layer(self, idx: int) -> KV:
+        return self._c[idx][:, :, :self._len], self._r[idx][:, :, :self._len]
+
+    def update(self, layer_idx: int, c_kv: torch.Tensor, k_rope: torch.Tensor,
+               start: int) -> KV:
+        self.check_rows(c_kv, k_rope)
+        end = start + c_kv.shape[2]
+        if start != self._len or end > self.capacity:
+            raise ValueError(f"cannot write positions {start}..{end - 1}: cache holds "
+                             f"{self._len} of {self.capacity}")
+        c_all, r_all = self._c[layer_idx], self._r[layer_idx]
+        c_all.narrow(2, start, end - start).copy_(c_kv)
+        r_all.narrow(2, start, end - start).copy_(k_rope)
+        return c_all.narrow(2, 0, end), r_all.narrow(2, 0, end)
+
+    def finish(self, end: int) -> None:
+        self._len = end
+
+    def crop(self, length: int) -> StaticLatentCache:
+        """Forget every position from ``length`` on, in place; returns ``self``."""
+        if not 0 <= length <= self._len:
+            raise ValueError(f"cannot crop a cache of {self._len} positions to {length}")
+        self._len = length
+        return self
+
+    def check_compatible(self, config: GPTConfig | MLAConfig, batch_size: int,
+                         dtype: torch.dtype, device: torch.device, new_len: int) -> None:
+        super().check_compatible(config, batch_size, dtype, device, new_len)
+        if self._len + new_len > self.capacity:
+            raise ValueError(f"static cache over capacity: holds {self._len} of {self.capacity} "
+                             f"positions, {new_len} more do not fit")
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self._c, *self._r]
+
+
+# --- the model -----------------------------------------------------------------------------------
+
+class LatentAttention(nn.Module):
+    """MLA for new rows ``x`` (``[B, C, d]``) at positions ``start ..``, reading a latent cache.
+
+    Weights (names as transformers' DeepseekV3Attention): ``q_proj`` (or ``q_a_proj``,
+    ``q_a_layernorm``, ``q_b_proj``), ``kv_a_proj_with_mqa`` (``d -> r + d_R``: the latent's
+    down-projection ``W_DKV`` and the rotary key's ``W_KR``), ``kv_a_layernorm``, ``kv_b_proj``
+    (``r -> H x (d_nope + d_v)``: per head ``W_UK`` then ``W_UV``) and ``o_proj``.
+
+    >>> attn = LatentAttention(MLAConfig())
+    >>> attn(torch.zeros(2, 3, 64), None, layer_idx=0, start=0).shape
+    torch.Size([2, 3, 64])
+    """
+
+    def __init__(self, config: MLAConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        H, d = c.n_head, c.n_embd
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, H * c.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, c.q_lora_rank, bias=False)
+            self.q_a_layernorm = nn.RMSNorm(c.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, H * c.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = nn.RMSNorm(c.kv_lora_rank, eps=LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim),
+                                   bias=False)
+        self.o_proj = nn.Linear(H * c.v_head_dim, d, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        c = self.config
+        B, C, _ = x.shape
+        q = self.q_proj(x) if c.q_lora_rank is None else \
+            self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, C, c.n_head, c.qk_head_dim).transpose(1, 2)  # [B, H, C, d_nope + d_R]
+        q_nope, q_rope = q.split((c.qk_nope_head_dim, c.qk_rope_head_dim), dim=-1)
+        q_rope = apply_rope(q_rope, start, c.rope_theta)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split((c.kv_lora_rank, c.qk_rope_head_dim),
+                                                        dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)[:, None]  # [B, 1, C, r]: one head, shared by all
+        k_rope = apply_rope(k_rope[:, None], start, c.rope_theta)  # [B, 1, C, d_R], turned once
+        if cache is not None:
+            c_kv, k_rope = cache.update(layer_idx, c_kv, k_rope, start)  # [B, 1, P + C, .]
+        mask = self.mask(start, C, c_kv.shape[2], attn_mask, x.device)
+        attend = self.attend_absorbed if c.absorb and cache is not None else self.attend_plain
+        y = attend(q_nope, q_rope, c_kv, k_rope, mask)  # [B, H, C, d_v]
+        return self.o_proj(y.transpose(1, 2).reshape(B, C, c.n_head * c.v_head_dim))
+
+    @staticmethod
+    def mask(start: int, C: int, T: int, attn_mask: torch.Tensor | None,
+             device: torch.device) -> torch.Tensor | None:
+        """The offset causal mask ``[C, T]`` (None for one query, which reads every key), or
+        ``attn_mask`` (``[B, C, T]``, True: may read) as ``[B, 1, C, T]``."""
+        if attn_mask is not None:
+            return attn_mask[:, None, :, -T:]
+        return None if C == 1 else offset_causal_mask(start, C, device)
+
+    def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_UK`` ``[H, d_nope, r]`` and ``W_UV`` ``[H, d_v, r]``: views of ``kv_b_proj``."""
+        c = self.config
+        w = self.kv_b_proj.weight.view(c.n_head, c.qk_nope_head_dim + c.v_head_dim,
+                                       c.kv_lora_rank)
+        return w.split((c.qk_nope_head_dim, c.v_head_dim), dim=1)
+
+    def attend_plain(self, q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
+                     k_rope: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Up-project every cached latent to per-head K and V, then attend: ``[B, H, C, d_v]``."""
+        c = self.config
+        B, _, T, _ = c_kv.shape
+        kv = self.kv_b_proj(c_kv[:, 0]).view(B, T, c.n_head, -1).transpose(1, 2)
+        k_nope, v = kv.split((c.qk_nope_head_dim, c.v_head_dim), dim=-1)  # [B, H, T, .]
+        k = torch.cat((k_nope, k_rope.expand(B, c.n_head, T, -1)), dim=-1)
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c.softmax_scale)
+
+    def attend_absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor,
+                        k_rope: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention over the latent itself: ``W_UK`` folded into the query, ``W_UV`` applied to
+        each head's latent output. ``q_nope . (W_UK c) = (W_UK^T q_nope) . c``, and the weighted
+        sum of ``W_UV c_j`` is ``W_UV`` times the weighted sum of ``c_j``."""
+        w_uk, w_uv = self.up_projections()
+        q_latent = torch.einsum("bhcn,hnr->bhcr", q_nope, w_uk)  # [B, H, C, r]
+        q = torch.cat((q_latent, q_rope), dim=-1)  # [B, H, C, r + d_R]
+        k = torch.cat((c_kv, k_rope), dim=-1)  # [B, 1, T, r + d_R]: one K head for all H
+        out = F.scaled_dot_product_attention(q, k, c_kv, attn_mask=mask, enable_gqa=True,
+                                             scale=self.config.softmax_scale)  # [B, H, C, r]
+        return torch.einsum("bhcr,hvr->bhcv", out, w_uv)  # [B, H, C, d_v]
+
+
+class LatentBlock(nn.Module):
+    """Pre-norm decoder layer with latent attention: ``x + attn(ln_1(x))``, ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, config: MLAConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = LatentAttention(config)
+        self.ln_2 = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        # Llama's SwiGLU MLP: the same class, sized by a GPTConfig of this width
+        self.mlp = MLP(GPTConfig(n_embd=config.n_embd, n_head=1, n_inner=config.n_inner,
+                                 mlp="swiglu", bias=False))
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer_idx, start, attn_mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class MLADecoder(Decoder):
+    """A decoder of :class:`LatentBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward (embed,
+    blocks, final RMSNorm, LM head) and input checks, with latent caches.
+
+    >>> MLADecoder(MLAConfig()).num_parameters()
+    95744
+    """
+
+    def __init__(self, config: MLAConfig | None = None) -> None:
+        nn.Module.__init__(self)  # not Decoder.__init__: it would build GPT-2 blocks
+        self.config = config = config or MLAConfig()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = None  # positions come from RoPE inside the attention
+        self.h = nn.ModuleList(LatentBlock(config) for _ in range(config.n_layer))
+        self.ln_f = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    def check_input(self, idx: torch.Tensor, cache: KVCache | None) -> None:
+        if cache is not None and not isinstance(cache, LatentCache):
+            raise ValueError(f"an MLA model caches c_KV and k_rope, not K and V: pass a latent "
+                             f"cache (model.new_cache), not a {type(cache).__name__}")
+        super().check_input(idx, cache)
+
+    def new_cache(self, batch_size: int, kind: Literal["dynamic", "static"] | None = None,
+                  capacity: int | None = None) -> LatentCache:
+        """An empty latent cache: ``"dynamic"`` (the default) or ``"static"`` (``capacity``
+        positions, default ``n_positions``)."""
+        dtype, device = self.wte.weight.dtype, self.wte.weight.device
+        if kind in (None, "dynamic"):
+            return DynamicLatentCache.empty(self.config, batch_size, dtype, device)
+        if kind == "static":
+            capacity = self.config.n_positions if capacity is None else capacity
+            return StaticLatentCache(self.config, batch_size, capacity, dtype, device)
+        raise ValueError(f"unknown cache kind {kind!r} for an MLA model; use 'dynamic' or "
+                         "'static'")
+
+
+def attention_macs_per_key(config: MLAConfig, absorbed: bool) -> int:
+    """Multiply-adds one decode step spends per cached position and layer, all heads together.
+
+    Plain: up-project the latent (``r x H (d_nope + d_v)``), then the score and the weighted sum
+    (``H (d_nope + d_R + d_v)``). Absorbed: the score over ``r + d_R`` and the weighted sum over
+    ``r``, per head (``H (2 r + d_R)``); folding ``W_UK`` and applying ``W_UV`` cost per query,
+    not per key.
+
+    >>> cfg = MLAConfig()
+    >>> attention_macs_per_key(cfg, absorbed=False), attention_macs_per_key(cfg, absorbed=True)
+    (4256, 288)
+    """
+    c = config
+    if absorbed:
+        return c.n_head * (2 * c.kv_lora_rank + c.qk_rope_head_dim)
+    up = c.kv_lora_rank * c.n_head * (c.qk_nope_head_dim + c.v_head_dim)
+    return up + c.n_head * (c.qk_head_dim + c.v_head_dim)

@@ -1,0 +1,218 @@
+"""transformers' DeepSeek-V3 (dense layers) to and from :class:`kvdoc.core.mla.MLADecoder`.
+
+Weights map by name: the attention's are transformers' own (``q_proj`` or ``q_a_proj``,
+``q_a_layernorm``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``,
+``o_proj``); the rest take kvdoc's names (``wte``, ``h.i.ln_1``, ``h.i.mlp.c_fc`` = gate and up
+stacked, ``ln_f``), as :mod:`kvdoc.interop.hf` does for Llama.
+
+One convention differs. DeepSeek's checkpoints store each rotary vector in interleaved pairs
+``(x0, x1), (x2, x3), ..`` (``rope_interleave=True``, transformers' default for DeepseekV3);
+kvdoc's RoPE (:mod:`kvdoc.core.rope`) pairs ``x[i]`` with ``x[i + d_R/2]``. transformers
+computes the interleaved rotation as the half-split one of ``[x0, x2, .., x1, x3, ..]``, so
+permuting the rotary rows of ``q_proj`` (``q_b_proj``) and ``kv_a_proj_with_mqa`` that way makes
+the two models compute the same numbers; with ``rope_interleave=False`` no rows move.
+
+Only dense models load: every layer's MLP must be the dense one (``first_k_dense_replace`` at
+least ``num_hidden_layers``); mixture-of-experts layers are not part of kvdoc. No YaRN scaling
+(``rope_type`` "default") and no attention biases.
+
+>>> _ = torch.manual_seed(0)
+>>> hf = deepseek_model(MLAConfig(q_lora_rank=12))
+>>> ours = from_deepseek(hf)
+>>> ids = torch.tensor([[1, 2, 3, 4, 5]])
+>>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from kvdoc.core.mla import MLAConfig, MLADecoder
+
+_ATTENTION = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
+              "kv_a_layernorm", "kv_b_proj", "o_proj")
+_BLOCK = {"input_layernorm": "ln_1", "post_attention_layernorm": "ln_2",
+          "mlp.down_proj": "mlp.c_proj"}
+
+PUBLISHED: dict[str, dict[str, Any]] = {
+    "DeepSeek-V3": dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                        num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536,
+                        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128, max_position_embeddings=163840),
+    "DeepSeek-V2": dict(vocab_size=102400, hidden_size=5120, intermediate_size=12288,
+                        num_hidden_layers=60, num_attention_heads=128, q_lora_rank=1536,
+                        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128, max_position_embeddings=163840),
+}
+"""Attention sizes from the published ``config.json`` files (deepseek-ai/DeepSeek-V3 and
+deepseek-ai/DeepSeek-V2; ``intermediate_size`` is the dense layers' MLP width). Their other
+layers are mixture-of-experts, which :func:`published_config` leaves out: the cache does not
+depend on them."""
+
+
+def published_config(name: str) -> MLAConfig:
+    """The :class:`MLAConfig` of a :data:`PUBLISHED` model (its cache sizes; MLP dense).
+
+    >>> cfg = published_config("DeepSeek-V3")
+    >>> cfg.latent_dim, cfg.bytes_per_token(torch.bfloat16)  # 61 layers x (512 + 64) x 2 bytes
+    (576, 70272)
+    """
+    if name not in PUBLISHED:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(PUBLISHED)}")
+    return _config(PUBLISHED[name])
+
+
+def _config(c: Mapping[str, Any]) -> MLAConfig:
+    return MLAConfig(
+        vocab_size=c["vocab_size"], n_positions=c["max_position_embeddings"],
+        n_layer=c["num_hidden_layers"], n_head=c["num_attention_heads"],
+        n_embd=c["hidden_size"], n_inner=c["intermediate_size"], q_lora_rank=c["q_lora_rank"],
+        kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
+        qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
+        layer_norm_epsilon=c.get("rms_norm_eps", 1e-6),
+        rope_theta=float(c.get("rope_theta", 10000.0)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
+
+
+def deepseek_config(config: MLAConfig, rope_interleave: bool = True) -> Any:
+    """The transformers ``DeepseekV3Config`` of the same model: every layer dense, no dropout.
+
+    >>> hf_config = deepseek_config(MLAConfig())
+    >>> hf_config.first_k_dense_replace >= hf_config.num_hidden_layers
+    True
+    >>> config_from_deepseek(hf_config) == MLAConfig()
+    True
+    """
+    from transformers import DeepseekV3Config
+
+    c = config
+    return DeepseekV3Config(
+        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.n_inner,
+        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_head,
+        q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
+        qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
+        v_head_dim=c.v_head_dim, first_k_dense_replace=c.n_layer,  # no MoE layer
+        max_position_embeddings=c.n_positions, rms_norm_eps=c.layer_norm_epsilon,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        rope_interleave=rope_interleave, tie_word_embeddings=c.tie_word_embeddings,
+        attention_bias=False, attention_dropout=0.0, hidden_act="silu",
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def config_from_deepseek(hf_config: Any) -> MLAConfig:
+    """The :class:`MLAConfig` of a transformers ``DeepseekV3Config``.
+
+    Raises:
+        ValueError: another model type, MoE layers, YaRN or other scaled RoPE, attention
+            biases, another activation.
+    """
+    if getattr(hf_config, "model_type", None) != "deepseek_v3":
+        raise ValueError(f"expected a deepseek_v3 config, got {hf_config.model_type!r}")
+    rope = dict(hf_config.rope_parameters or {})
+    unsupported = {
+        "first_k_dense_replace": (hf_config.first_k_dense_replace >= hf_config.num_hidden_layers,
+                                  (True,)),
+        "rope_type": (rope.get("rope_type", "default"), ("default",)),
+        "attention_bias": (hf_config.attention_bias, (False,)),
+        "hidden_act": (hf_config.hidden_act, ("silu",)),
+    }
+    for name, (value, allowed) in unsupported.items():
+        if value not in allowed:
+            detail = ("MoE layers (first_k_dense_replace < num_hidden_layers)"
+                      if name == "first_k_dense_replace" else f"{name}={value!r}")
+            raise ValueError(f"DeepseekV3 config has {detail}; kvdoc loads dense layers, "
+                             "default RoPE, no attention bias, SiLU")
+    return _config({**hf_config.to_dict(), "rope_theta": rope.get("rope_theta", 10000.0)})
+
+
+def _rope_rows(config: MLAConfig, interleaved_to_split: bool) -> tuple[torch.Tensor, ...]:
+    """Row orders of the query and ``kv_a_proj_with_mqa`` weights that move each head's rotary
+    rows between the interleaved and the half-split layout."""
+    d_r, d_qk, r = config.qk_rope_head_dim, config.qk_head_dim, config.kv_lora_rank
+    perm = torch.cat((torch.arange(0, d_r, 2), torch.arange(1, d_r, 2)))  # evens, then odds
+    perm = perm if interleaved_to_split else perm.argsort()
+    q = torch.arange(config.n_head * d_qk).view(config.n_head, d_qk)
+    q[:, -d_r:] = q[:, -d_r:][:, perm]
+    kv = torch.arange(r + d_r)
+    kv[r:] = kv[r:][perm]
+    return q.flatten(), kv
+
+
+def _move_rope(state: dict[str, torch.Tensor], config: MLAConfig, prefix: str,
+               interleaved_to_split: bool) -> None:
+    q_rows, kv_rows = _rope_rows(config, interleaved_to_split)
+    q = prefix + ("q_proj.weight" if config.q_lora_rank is None else "q_b_proj.weight")
+    state[q] = state[q][q_rows]
+    state[prefix + "kv_a_proj_with_mqa.weight"] = state[prefix + "kv_a_proj_with_mqa.weight"][
+        kv_rows]
+
+
+def from_deepseek(hf_model: Any) -> MLADecoder:
+    """An :class:`MLADecoder` with the weights of transformers' ``DeepseekV3ForCausalLM``
+    (dense layers only), in the model's dtype, in eval mode."""
+    config = config_from_deepseek(hf_model.config)
+    state = hf_model.state_dict()
+    wte = state["model.embed_tokens.weight"]
+    mapped = {"wte.weight": wte, "ln_f.weight": state["model.norm.weight"],
+              "lm_head.weight": state.get("lm_head.weight", wte)}
+    for i in range(config.n_layer):
+        src, dst = f"model.layers.{i}.", f"h.{i}."
+        mapped.update({dst + ours + ".weight": state[src + theirs + ".weight"]
+                       for theirs, ours in _BLOCK.items()})
+        mapped.update({f"{dst}attn.{name}.weight": state[f"{src}self_attn.{name}.weight"]
+                       for name in _ATTENTION if f"{src}self_attn.{name}.weight" in state})
+        mapped[dst + "mlp.c_fc.weight"] = torch.cat((state[src + "mlp.gate_proj.weight"],
+                                                     state[src + "mlp.up_proj.weight"]))
+        if hf_model.config.rope_interleave:
+            _move_rope(mapped, config, dst + "attn.", interleaved_to_split=True)
+    model = MLADecoder(config).to(wte.dtype)
+    model.load_state_dict({k: v.contiguous() for k, v in mapped.items()})
+    return model.to(wte.device).eval()
+
+
+def to_deepseek(model: MLADecoder, rope_interleave: bool = True) -> Any:
+    """transformers' ``DeepseekV3ForCausalLM`` holding ``model``'s weights (the inverse of
+    :func:`from_deepseek`), in the model's dtype, in eval mode; the global RNG is left as it was.
+    """
+    from transformers import DeepseekV3ForCausalLM
+
+    config, state = model.config, dict(model.state_dict())
+    with torch.random.fork_rng():
+        hf = DeepseekV3ForCausalLM(deepseek_config(config, rope_interleave))
+    mapped = {"model.embed_tokens.weight": state["wte.weight"],
+              "model.norm.weight": state["ln_f.weight"], "lm_head.weight": state["lm_head.weight"]}
+    for i in range(config.n_layer):
+        src, dst = f"h.{i}.", f"model.layers.{i}."
+        if rope_interleave:
+            _move_rope(state, config, src + "attn.", interleaved_to_split=False)
+        mapped.update({dst + theirs + ".weight": state[src + ours + ".weight"]
+                       for theirs, ours in _BLOCK.items()})
+        mapped.update({f"{dst}self_attn.{name}.weight": state[f"{src}attn.{name}.weight"]
+                       for name in _ATTENTION if f"{src}attn.{name}.weight" in state})
+        gate, up = state[src + "mlp.c_fc.weight"].chunk(2)
+        mapped.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
+    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in mapped.items()},
+                                             strict=False)
+    if missing or unexpected:
+        raise ValueError(f"weights do not map onto DeepseekV3: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    return hf.to(next(model.parameters()).dtype).eval()
+
+
+def deepseek_model(config: MLAConfig | None = None, seed: int = 0,
+                   dtype: torch.dtype = torch.float32, rope_interleave: bool = True) -> Any:
+    """A transformers ``DeepseekV3ForCausalLM`` with random weights from ``config`` (default
+    :class:`MLAConfig`), built offline, in eval mode.
+
+    >>> deepseek_model().config.kv_lora_rank
+    32
+    """
+    torch.manual_seed(seed)
+    from transformers import DeepseekV3ForCausalLM
+
+    hf_config = deepseek_config(config or MLAConfig(), rope_interleave)
+    return DeepseekV3ForCausalLM(hf_config).to(dtype).eval()
