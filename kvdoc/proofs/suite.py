@@ -15,7 +15,7 @@ carrying its message; the suite itself does not raise.
 (True, [('gqa', 'static', 'model', 'FP32'), ('gqa', 'static', 'fast', 'FP32')], [])
 >>> run_suite("position-counter", models=("mha",), kinds=("dynamic",), dtypes=(torch.float32,),
 ...           length=40).failed_checks()
-['speculative', 'crop', 'branch', 'failure']
+['speculative', 'crop', 'branch', 'failure', 'failure_after']
 """
 
 from __future__ import annotations
@@ -243,6 +243,9 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
                 try:
                     under_test = copy.deepcopy(specs[name].build(seed)).to(dt).eval()
                     under_test = under_test if broken is None else broken.build(under_test)
+                    # before any call: what the ``fresh`` scenario copies
+                    pristine = copy.deepcopy(under_test)
+                    shared: dict = {}
                     stream, alt = _streams(seed, max(batches), length, under_test.config.vocab_size)
                     stream = stream if ids is None else ids[:max(batches)]
                 except Exception as exc:
@@ -259,7 +262,9 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
                             continue
                         case = Case(name, kind, impl, dt, specs[name], grid.CACHES[kind],
                                     under_test, call, stream, alt, tuple(batches), tuple(chunks),
-                                    broken is not None and broken.stale_prefix)
+                                    broken is not None and broken.stale_prefix,
+                                    lambda pristine=pristine: copy.deepcopy(pristine),
+                                    grid.IMPLEMENTATIONS[impl], shared)
                         if _run_case(case, scenarios, results, stop_at_first):
                             return SuiteReport(variant, results, time.perf_counter() - start)
     return SuiteReport(variant, results, time.perf_counter() - start)
