@@ -173,7 +173,9 @@ def test_the_suite_catches_every_variant(name):
     ("clamped-positions", {"reference"}),
     ("static-early-length", {"failure", "failure_after"}),  # right unless a call fails midway
     ("static-last-layer-length", {"failure_after"}),  # ... after the last attention
-    ("position-counter", {"crop", "branch", "failure", "failure_after", "speculative"}),
+    # in order it is right; the causality rerun of the last call is a second branch
+    ("position-counter", {"causality", "crop", "branch", "failure", "failure_after",
+                          "speculative"}),
     ("rope-table-growth", {"fresh"}),            # right after a full forward over the stream
     ("fast-step-snapshot", {"weights"}),         # right until the weights change in place
     ("last-only-first-row", {"last_only", "prefill_decode", "generate"}),

@@ -67,7 +67,7 @@ GRID = dict(kinds=("dynamic", "static"), impls=("model",), batches=(1, 2), scena
 a dynamic and a static cache (``run_suite(**GRID, model=...)`` for a given model)."""
 
 
-LLAMA = llama_config(vocab_size=89, n_positions=256, n_layer=3, n_head=6, n_embd=96,
+LLAMA = llama_config(vocab_size=89, n_positions=256, n_layer=1, n_head=6, n_embd=96,
                      n_kv_head=2, rope_theta=500000.0, tie_word_embeddings=True)
 """The Llama-style model's config: every size and switch off :class:`GPTConfig`'s default."""
 
@@ -124,7 +124,7 @@ MODELS: dict[str, ModelSpec] = {
     "mqa": ModelSpec("GPT-2, 4 query heads, 1 K/V head, norm eps 1e-4",
                      _decoder(GPTConfig(n_kv_head=1, layer_norm_epsilon=1e-4)),
                      mha_reference, "MHA with the K/V head copied over all query heads"),
-    "llama": ModelSpec("Llama-style: RoPE base 5e5, RMSNorm, SwiGLU, 3 layers, width 96, "
+    "llama": ModelSpec("Llama-style: RoPE base 5e5, RMSNorm, SwiGLU, 1 layer, width 96, "
                        "6 query heads, 2 K/V heads, tied LM head",
                        _decoder(LLAMA), transformers_reference, "transformers Llama, same weights"),
     "mistral": ModelSpec(f"Mistral-style: Llama with a sliding window of {WINDOW} positions",

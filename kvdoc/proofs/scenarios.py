@@ -13,11 +13,12 @@ otherwise; tolerances are :data:`kvdoc.proofs.verify.TOLERANCE` (``atol = rtol``
   it was before that call; with one token per call, no earlier call ever sees the last token).
 * ``last_only``: ``last_only=True`` returns the last position, full and cached.
 * ``prefill_decode``: ``kvdoc.core.model.prefill`` of 7 tokens, then ``decode_step`` per token
-  (ids ``[B]`` and ``[B, 1]`` in turn) to the stream's end at batch 1; at the full batch 12
-  steps, when the stream checks already made one-token calls there to the end; ``prefill``
-  without a cache too.
+  (ids ``[B]`` and ``[B, 1]`` in turn) to the stream's end at batch 1 (at the full batch to
+  :data:`DECODE_CUT` tokens, when the stream checks made one-token calls there to the end);
+  ``prefill`` without a cache too.
 * ``generate``: every token ``kvdoc.core.model.generate`` picks is the greedy argmax of one full
-  forward over its output (a near tie within the tolerance counts as either token).
+  forward over its output (a near tie within the tolerance counts as either token); batch 1
+  and the full batch, cut as in ``prefill_decode``.
 * ``crop``: fill, crop to a shorter length, continue with other tokens.
 * ``branch``: two continuations from one prefix cache; each equals its own full forward, and
   the prefix cache is unchanged (a cache written in place is cropped back between branches).
@@ -243,18 +244,27 @@ def _batches(case: Case) -> list[torch.Tensor]:
     return [case.ids] + ([case.ids[:1]] if case.ids.shape[0] > 1 else [])
 
 
+DECODE_CUT = 20
+"""Tokens of the full-batch stream that ``prefill_decode`` and ``generate`` run, when the stream
+checks already made one-token calls at that batch to the stream's end (the same calls)."""
+
+
+def _decode_batches(case: Case) -> list[torch.Tensor]:
+    """:func:`_batches`, the full batch cut to :data:`DECODE_CUT` tokens where the stream checks
+    ran one token per call at it (batch 1 always runs the whole stream)."""
+    batches = _batches(case)
+    if len(batches) > 1 and 1 in case.chunks:
+        batches[0] = batches[0][:, :DECODE_CUT]
+    return batches
+
+
 def _prefill_decode(case: Case, out: list) -> None:
     prompt, ok, err = 7, True, 0.0
-    for ids in _batches(case):
-        end = ids.shape[1] - 1
-        if ids.shape[0] > 1 and 1 in case.chunks:
-            # the stream checks made one-token calls at this batch size up to the end already
-            end = min(end, prompt + 12)
-        ids = ids[:, :end + 1]
+    for ids in _decode_batches(case):
         full = case.full(ids)
         logits, cache = prefill(case.call, ids[:, :prompt], case.new_cache(ids.shape[0]))
         steps = [logits]
-        for t in range(prompt, end):
+        for t in range(prompt, ids.shape[1] - 1):
             token = ids[:, t] if t % 2 else ids[:, t:t + 1]  # decode_step takes [B] and [B, 1]
             logits, cache = decode_step(case.call, token, cache)
             steps.append(logits)
@@ -276,7 +286,7 @@ def _generate(case: Case, out: list) -> None:
                                "generate() takes the model and a kind it knows"))
         return
     ok, gap = True, 0.0
-    for ids in _batches(case):
+    for ids in _decode_batches(case):
         prompt = ids[:, :5]
         new = ids.shape[1] - prompt.shape[1]
         tokens = generate(case.model, prompt, new, cache=case.kind)
@@ -287,8 +297,8 @@ def _generate(case: Case, out: list) -> None:
         passed, worst = _greedy(case, tokens, 5)
         ok, gap = ok and passed, max(gap, worst)
     out.append(case.result("generate", ok, gap,
-                           f"{new} tokens vs argmax of one full forward; "
-                           f"batch {case.ids.shape[0]} and 1"))
+                           f"{new} tokens at batch 1 vs argmax of one full forward; "
+                           f"also batch {case.ids.shape[0]}"))
 
 
 def _greedy(case: Case, tokens: torch.Tensor, prompt: int) -> tuple[bool, float]:
@@ -366,7 +376,8 @@ def _failure_points(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
     layers = _layers(model)
     if len(layers) == 0:
         return []
-    inside = {"the first layer": layers[0], "the last layer": layers[-1]}
+    inside = {"the first layer": layers[0], "the last layer": layers[-1]} if len(layers) > 1 else {
+        "the only layer": layers[0]}
     after = {"the last layer's MLP": getattr(layers[-1], "mlp", None),
              "the final norm": getattr(model, "ln_f", None),
              "the LM head": getattr(model, "lm_head", None)}

@@ -15,7 +15,7 @@ carrying its message; the suite itself does not raise.
 (True, [('gqa', 'static', 'model', 'FP32'), ('gqa', 'static', 'fast', 'FP32')], [])
 >>> run_suite("position-counter", models=("mha",), kinds=("dynamic",), dtypes=(torch.float32,),
 ...           length=40).failed_checks()
-['speculative', 'crop', 'branch', 'failure', 'failure_after']
+['causality', 'speculative', 'crop', 'branch', 'failure', 'failure_after']
 """
 
 from __future__ import annotations
