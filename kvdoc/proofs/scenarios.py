@@ -210,21 +210,23 @@ def _stream(case: Case, out: list) -> None:
                          for g, r in zip(gp, rp, strict=True)]
                 add("kv", all(close(g, r, case.tol) for g, r in pairs),
                     max((max_abs(g, r) for g, r in pairs), default=0.0), "each layer's K/V")
-            causal_ok, causal = full_causal_ok, full_causal
+            add("lifecycle", run.lifecycle_error == 0.0, run.lifecycle_error,
+                "what a cache held before a call")
+            causal_ok, causal, logits = full_causal_ok, full_causal, run.logits
             if chunk > 1:  # with one token per call the last token reaches no earlier call
                 if last and case.cache.in_place:  # the last call wrote into the kept cache
                     fork = run.cache.crop(last) if hasattr(run.cache, "crop") else None
+                # the stream's own cache goes first: a paged pool is sized for one stream
+                run = tail = got = None
                 if last and fork is not None:  # earlier calls never see the last token
                     again = case.feed(edited[:, last:], chunk, fork).logits[:, :-1]
-                    before = run.logits[:, last:-1]
+                    before = logits[:, last:-1]
                 else:
                     again = case.feed(edited, chunk, first=first_edited).logits[:, :-1]
-                    before = run.logits[:, :-1]
+                    before = logits[:, :-1]
                 causal_ok = causal_ok and close(again, before, case.tol)
                 causal = max(causal, max_abs(again, before))
             add("causality", causal_ok, causal, "last token edited, earlier positions compared")
-            add("lifecycle", run.lifecycle_error == 0.0, run.lifecycle_error,
-                "what a cache held before a call")
 
 
 def _last_only(case: Case, out: list) -> None:
