@@ -211,5 +211,5 @@ class FastDecoder:
             if w.b_proj is not None:
                 x = x.add_(w.b_proj)
         logits = torch.mm(norm(x, shape, *self._ln_f, eps), self._w_head)  # [B, V]
-        work.finish(P + 1)  # after the head: a call that fails in it leaves the cache as it was
+        work.finish(P + 1)  # after the head: a failure there leaves the cache as it was
         return DecoderOutput(logits.view(B, 1, -1), work)

@@ -297,7 +297,7 @@ class Decoder(nn.Module):
         if last_only:
             x = x[:, -1:, :]  # [B, 1, d]: only the last row feeds next-token prediction
         logits = self.lm_head(self.ln_f(x))  # [B, C, V]
-        if work is not None:  # only now: a call that fails in the head leaves the cache as it was
+        if work is not None:  # after the head: a call failing there leaves the cache as it was
             work.finish(start + C)
         return DecoderOutput(logits, work)
 

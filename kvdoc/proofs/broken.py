@@ -418,8 +418,8 @@ class LastLayerLengthDecoder(CacheKindsDecoder):
 # --- a fast step that keeps its first copy of the weights ---------------------------------------
 
 class SnapshotFastDecoder(FastDecoder):
-    """BROKEN: the weights copied at construction are used for good; a change made in place
-    afterwards (an optimiser step, ``load_state_dict``) is never seen."""
+    """BROKEN: the weights copied at construction are used for good; a change made
+    in place afterwards (an optimiser step, ``load_state_dict``) is never seen."""
 
     def _stale(self) -> bool:
         return False  # BUG: never compares the model's weights with the copies

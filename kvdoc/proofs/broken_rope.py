@@ -94,9 +94,9 @@ class GrowingTableAttention(CausalSelfAttention):
     def _table(self, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         have = 0 if getattr(self, "_cos", None) is None else self._cos.shape[0]
         if end > have:
-            # BUG: arange(end - have) restarts at 0; the new rows are positions have .. end - 1
-            angles = rope_angles(torch.arange(end - have, device=like.device), self.head_dim,
-                                 self.rope_theta)
+            # BUG: restarts at 0; the new rows are positions have .. end - 1
+            positions = torch.arange(end - have, device=like.device)
+            angles = rope_angles(positions, self.head_dim, self.rope_theta)
             cos, sin = angles.cos().to(like.dtype), angles.sin().to(like.dtype)
             grown = have > 0
             self._cos = torch.cat((self._cos, cos)) if grown else cos  # [end, D_h]
