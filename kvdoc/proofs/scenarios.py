@@ -429,7 +429,7 @@ def _failure(case: Case, out: list) -> None:
     for check, tried in found.items():
         bad = [where for where, changed in tried if changed != 0.0]
         detail = (f"cache changed or no failure: {', '.join(bad)}" if bad else
-                  f"raised in {', '.join(w for w, _ in tried)} after {P} positions")
+                  f"injected in {', '.join(w for w, _ in tried)} after {P} positions")
         out.append(case.result(check, not bad and right,
                                max(max(c for _, c in tried), max_abs(logits, want)), detail))
 
