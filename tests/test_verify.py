@@ -171,8 +171,13 @@ def test_the_suite_catches_every_variant(name):
 @pytest.mark.parametrize("name, only", [
     ("gqa-tiled-shared", {"reference"}),         # shared path: cached equals full
     ("clamped-positions", {"reference"}),
-    ("static-early-length", {"failure"}),        # right unless a call fails midway
-    ("position-counter", {"crop", "branch", "failure", "speculative", "edges"}),  # one stream
+    ("static-early-length", {"failure", "failure_after"}),  # right unless a call fails midway
+    ("static-last-layer-length", {"failure_after"}),  # ... after the last attention
+    # in order it is right; the causality rerun of the last call is a second branch
+    ("position-counter", {"causality", "crop", "branch", "failure", "failure_after",
+                          "speculative", "edges"}),
+    ("rope-table-growth", {"fresh"}),            # right after a full forward over the stream
+    ("fast-step-snapshot", {"weights"}),         # right until the weights change in place
     ("last-only-first-row", {"last_only", "prefill_decode", "generate"}),
 ])
 def test_some_variants_escape_all_but_one_kind_of_check(name, only):
@@ -189,6 +194,9 @@ def test_each_axis_is_needed():
     assert run_suite("modulo-slots", kinds=("dynamic",), **FP32).passed
     assert run_suite("fp32-cache", **FP32).passed  # invisible unless the model is FP64
     assert not run_suite("fp32-cache", models=("mqa",), dtypes=(torch.float64,)).passed
+    # a RoPE base ignored shows only on a model whose base is not the default
+    assert run_suite("rope-default-base", models=("mistral",), kinds=("dynamic",), **FP32).passed
+    assert not run_suite("rope-default-base", models=("llama",), kinds=("dynamic",), **FP32).passed
     # 24 positions fit 32 slots
     assert run_suite("window-32", length=24, models=("mha",), **FP32).passed
     assert not run_suite("window-32", length=40, models=("mha",), **FP32).passed
@@ -218,8 +226,8 @@ def test_thorough_grid_runs():
                        dtypes=(torch.float64,), scenarios=("stream", "failure"))
     # every batch and chunk size
     runs = len(grid.THOROUGH["batches"]) * len(grid.THOROUGH["chunks"])
-    # two seeds, each: 5 stream checks per run, one failure check
-    assert report.passed and len(report.results) == 2 * (5 * runs + 1)
+    # two seeds, each: 5 stream checks per run, the failure checks in and after the layers
+    assert report.passed and len(report.results) == 2 * (5 * runs + 2)
 
 
 # --- held-out-like bugs: patch kvdoc's own classes, as an outside test would ---------------------
@@ -265,7 +273,7 @@ def test_patched_static_cache_that_advances_early_is_caught(monkeypatch):
         return self._k[layer_idx][:, :, :end], self._v[layer_idx][:, :, :end]
 
     monkeypatch.setattr(kvcache.StaticCache, "update", update)
-    assert _fails(models=("mha",), kinds=("static",)) == ["failure"]
+    assert _fails(models=("mha",), kinds=("static",)) == ["failure", "failure_after"]
 
 
 def test_patched_gqa_sharing_in_both_paths_is_caught(monkeypatch):

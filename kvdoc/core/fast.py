@@ -210,6 +210,6 @@ class FastDecoder:
             x = torch.addmm(x, u, w.w_proj)
             if w.b_proj is not None:
                 x = x.add_(w.b_proj)
-        work.finish(P + 1)
         logits = torch.mm(norm(x, shape, *self._ln_f, eps), self._w_head)  # [B, V]
+        work.finish(P + 1)  # after the head: a failure there leaves the cache as it was
         return DecoderOutput(logits.view(B, 1, -1), work)

@@ -294,11 +294,12 @@ class Decoder(nn.Module):
             x = x + self.wpe(positions)
         for layer_idx, block in enumerate(self.h):
             x = block(x, work, layer_idx, start, attn_mask)  # [B, C, d]
-        if work is not None:
-            work.finish(start + C)
         if last_only:
             x = x[:, -1:, :]  # [B, 1, d]: only the last row feeds next-token prediction
-        return DecoderOutput(self.lm_head(self.ln_f(x)), work)  # [B, C, V]
+        logits = self.lm_head(self.ln_f(x))  # [B, C, V]
+        if work is not None:  # after the head: a call failing there leaves the cache as it was
+            work.finish(start + C)
+        return DecoderOutput(logits, work)
 
     def new_cache(self, batch_size: int, kind: Literal["dynamic", "static", "window"] | None = None,
                   capacity: int | None = None) -> KVCache:

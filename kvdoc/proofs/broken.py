@@ -392,6 +392,17 @@ class InPlaceDynamicCache(DynamicCache):
         return self  # BUG: no copy
 
 
+class LastLayerLengthStaticCache(StaticCache):
+    """BROKEN: advances its length in the last layer's update, not in ``finish``: right unless the
+    call fails after the last attention (its MLP, the final norm, the LM head)."""
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        kv = super().update(layer_idx, k, v, start)
+        if layer_idx == self.n_layer - 1:
+            self._len = start + k.shape[2]  # BUG: the call has not finished yet
+        return kv
+
+
 class EarlyLengthDecoder(CacheKindsDecoder):
     """A decoder whose static caches are :class:`EarlyLengthStaticCache` (dynamic: right)."""
 
@@ -435,6 +446,35 @@ class PaddingBlindFastDecoder(Decoder):
         if "_fast" not in self.__dict__:
             self.__dict__["_fast"] = _PaddingBlindFast(self)
         return self.__dict__["_fast"](idx, cache, last_only=last_only, **padding)
+
+
+class LastLayerLengthDecoder(CacheKindsDecoder):
+    """A decoder whose static caches are :class:`LastLayerLengthStaticCache` (dynamic: right)."""
+
+    static_cache = LastLayerLengthStaticCache
+
+
+# --- a fast step that keeps its first copy of the weights ---------------------------------------
+
+class SnapshotFastDecoder(FastDecoder):
+    """BROKEN: the weights copied at construction are used for good; a change made
+    in place afterwards (an optimiser step, ``load_state_dict``) is never seen."""
+
+    def _stale(self) -> bool:
+        return False  # BUG: never compares the model's weights with the copies
+
+
+class SnapshotFastStepDecoder(Decoder):
+    """A decoder whose one-token cached calls run :class:`SnapshotFastDecoder`'s step, made on the
+    first such call (every other call: the model itself)."""
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
+                **options: object) -> DecoderOutput:
+        if cache is None or idx.dim() != 2 or idx.shape[1] != 1 or any(options.values()):
+            return super().forward(idx, cache, **options)
+        if getattr(self, "_fast", None) is None:
+            self._fast = SnapshotFastDecoder(self)  # its other calls come back to super().forward
+        return self._fast(idx, cache)
 
 
 # --- scenarios ------------------------------------------------------------------------------

@@ -10,6 +10,12 @@ subclass with one mistake in its ``forward``, in the style of :mod:`kvdoc.proofs
   chunk began the sequence, instead of at ``P .. P + C - 1``.
 
 A full forward (one call from position 0) is correct for both, so only the cached path is wrong.
+Two more are wrong in code both paths share:
+
+* ``rope-table-growth``: cos and sin come from a table built on the first call and grown later,
+  and the grown rows restart at position 0; right whenever the first call was the longest.
+* ``rope-default-base``: RoPE turns at the default base 10000, not the config's; right on any
+  model whose base is the default.
 
 >>> import torch
 >>> from kvdoc import Decoder
@@ -33,7 +39,7 @@ import torch
 
 from kvdoc.core.cache import KVCache
 from kvdoc.core.model import CausalSelfAttention, Decoder
-from kvdoc.core.rope import apply_rope
+from kvdoc.core.rope import apply_rope, rope_angles, rotate_half
 
 from .broken import with_attention
 
@@ -79,6 +85,51 @@ class RopeRestartAttention(CausalSelfAttention):
         return self.c_proj(y.transpose(1, 2).reshape(B, C, d))
 
 
+class GrowingTableAttention(CausalSelfAttention):
+    """BROKEN: RoPE's cos and sin come from a table built on the first call for the positions it
+    needs, and grown when a later call needs more; the grown rows are computed from position 0,
+    not from where the table ended. Right as long as the first call was the longest, as a full
+    forward over the whole stream is."""
+
+    def _table(self, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        have = 0 if getattr(self, "_cos", None) is None else self._cos.shape[0]
+        if end > have:
+            # BUG: restarts at 0; the new rows are positions have .. end - 1
+            positions = torch.arange(end - have, device=like.device)
+            angles = rope_angles(positions, self.head_dim, self.rope_theta)
+            cos, sin = angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+            grown = have > 0
+            self._cos = torch.cat((self._cos, cos)) if grown else cos  # [end, D_h]
+            self._sin = torch.cat((self._sin, sin)) if grown else sin
+        return self._cos, self._sin
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, C, d = x.shape
+        q, k, v = _split_heads(self, x)
+        cos, sin = (t[start:start + C] for t in self._table(start + C, x))
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.update(layer_idx, k, v, start)
+        y = self.attend(q, k, v, start, attn_mask)
+        return self.c_proj(y.transpose(1, 2).reshape(B, C, d))
+
+
+class DefaultBaseAttention(CausalSelfAttention):
+    """BROKEN: calls ``apply_rope`` without the model's base, so RoPE turns at the default 10000
+    whatever ``config.rope_theta`` says, in every call, full or cached."""
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, C, d = x.shape
+        q, k, v = _split_heads(self, x)
+        q, k = apply_rope(q, start), apply_rope(k, start)  # BUG: no self.rope_theta
+        if cache is not None:
+            k, v = cache.update(layer_idx, k, v, start)
+        y = self.attend(q, k, v, start, attn_mask)
+        return self.c_proj(y.transpose(1, 2).reshape(B, C, d))
+
+
 def unrotated_k(model: Decoder) -> Decoder:
     """A copy of a RoPE ``model`` whose attention caches K before rotating it."""
     _require_rope(model)
@@ -89,6 +140,18 @@ def rope_restart(model: Decoder) -> Decoder:
     """A copy of a RoPE ``model`` whose every call rotates its rows from position 0."""
     _require_rope(model)
     return with_attention(model, RopeRestartAttention)
+
+
+def growing_table(model: Decoder) -> Decoder:
+    """A copy of a RoPE ``model`` whose rotation table grows wrongly after its first call."""
+    _require_rope(model)
+    return with_attention(model, GrowingTableAttention)
+
+
+def default_base(model: Decoder) -> Decoder:
+    """A copy of a RoPE ``model`` that turns at the default base, not ``config.rope_theta``."""
+    _require_rope(model)
+    return with_attention(model, DefaultBaseAttention)
 
 
 def _require_rope(model: Decoder) -> None:

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvdoc.core.cache import DynamicCache, KVCache, StaticCache
+from kvdoc.core.config import GPTConfig
+from kvdoc.core.mla import LatentCache, StaticLatentCache
 from kvdoc.core.window import SlidingWindowCache
 from kvdoc.measure.wrapper import CacheWrapper
 from kvdoc.serving.batching import left_pad, padded_mask, padded_positions
@@ -101,6 +103,10 @@ def expected_bytes(cache: KVCache) -> int | None:
     """
     per_row = 2 * cache.n_layer * cache.n_kv_head * cache.head_dim  # K and V, every layer
     size = torch.empty((), dtype=cache.dtype).element_size()
+    if isinstance(cache, LatentCache):  # c_KV and k_rope, every layer
+        rows = cache.capacity if isinstance(cache, StaticLatentCache) else cache.seq_len
+        width = cache.kv_lora_rank + cache.rope_dim
+        return cache.n_layer * cache.batch_size * rows * width * size
     if isinstance(cache, PagedCache):
         return per_row * cache.pool.num_blocks * cache.block_size * size
     if isinstance(cache, Int8Cache):  # int8 values and one scale per row
@@ -137,8 +143,12 @@ def shape_problems(cache: KVCache) -> list[str]:
     if held.stop != T or held.start < 0:
         problems.append(f"held() is {held} for seq_len {T}")
     want = (cache.batch_size, cache.n_kv_head, len(held), cache.head_dim)
+    # K and V share one shape; a latent cache's c_KV and k_rope are one shared head each
+    wants = ([(cache.batch_size, 1, len(held), width)
+              for width in (cache.kv_lora_rank, cache.rope_dim)]
+             if isinstance(cache, LatentCache) else [want, want])
     for i in range(cache.n_layer):
-        for t in cache.layer(i):
+        for t, want in zip(cache.layer(i), wants, strict=True):
             if tuple(t.shape) != want or t.dtype != cache.dtype:
                 problems.append(f"layer {i}: {tuple(t.shape)} {t.dtype}, want {want} {cache.dtype}")
                 break
@@ -214,6 +224,9 @@ def _int8(case: Case, out: list) -> None:
     if case.kind != "dynamic":  # the int8 cache grows as a dynamic one does: run it once
         out.append(case.result("int8", None, 0.0, "run with the dynamic kind only"))
         return
+    if not isinstance(case.model.config, GPTConfig):
+        out.append(case.result("int8", None, 0.0, "an int8 K/V cache; this model caches a latent"))
+        return
     B = case.ids.shape[0]
     new = case.caches.get("int8", new_int8_cache)
     written: dict = {}
@@ -272,7 +285,7 @@ def _live_branches(case: Case, P: int) -> tuple[bool, float]:
 
 def _edges(case: Case, out: list) -> None:
     ok, err, parts = True, 0.0, []
-    W = case.model.config.sliding_window
+    W = getattr(case.model.config, "sliding_window", None)  # an MLA config has none
     if W is not None:
         passed, e, detail = _long_chunk(case)
         ok, err = ok and passed, max(err, e)

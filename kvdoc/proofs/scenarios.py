@@ -8,20 +8,41 @@ otherwise; tolerances are :data:`kvdoc.proofs.verify.TOLERANCE` (``atol = rtol``
   batch size and chunk size of the case: a stream of :data:`kvdoc.proofs.grid.STREAM_LENGTH`
   tokens (past positions 32 and 64) fed in chunks of each of :data:`kvdoc.proofs.grid.CHUNKS`
   tokens, none of which divides it except 1. Causality edits the last token: the full forward
-  and the cached path must keep every earlier position (the cached path is rerun for chunks of
-  two or more tokens; with one token per call, no earlier call ever sees the last token).
+  and the cached path must keep every earlier position (for chunks of two or more tokens the
+  last call, the only one that sees the last token, is rerun with it edited from the cache as
+  it was before that call; with one token per call, no earlier call ever sees the last token).
 * ``last_only``: ``last_only=True`` returns the last position, full and cached.
 * ``prefill_decode``: ``kvdoc.core.model.prefill`` of 7 tokens, then ``decode_step`` per token
-  (ids ``[B]`` and ``[B, 1]`` in turn); ``prefill`` without a cache too.
+  (ids ``[B]`` and ``[B, 1]`` in turn) to the stream's end at batch 1 (at the full batch to
+  :data:`DECODE_CUT` tokens, when the stream checks made one-token calls there to the end);
+  ``prefill`` without a cache too.
 * ``generate``: every token ``kvdoc.core.model.generate`` picks is the greedy argmax of one full
-  forward over its output (a near tie within the tolerance counts as either token).
+  forward over its output (a near tie within the tolerance counts as either token); batch 1
+  and the full batch, cut as in ``prefill_decode``.
 * ``crop``: fill, crop to a shorter length, continue with other tokens.
 * ``branch``: two continuations from one prefix cache; each equals its own full forward, and
   the prefix cache is unchanged (a cache written in place is cropped back between branches).
-* ``failure``: the last layer raises mid-call; the cache is exactly as before (length and
-  content), and continuing afterwards is right.
+* ``failure`` and ``failure_after``: a call raises at each stage of a forward, inside the layers
+  (the first layer, the last layer: ``failure``) and after the last attention (the last layer's
+  MLP, the final norm, the LM head: ``failure_after``); each time the cache is exactly as before
+  (length and content), and continuing afterwards is right.
+* ``fresh``: the cached path on a copy of the model as it was built, before any call ran on it
+  (a prompt of 3 tokens, 4 one-token steps, then longer chunks past every earlier call), vs the
+  full forward of another copy: a table or buffer built on the first call and extended wrongly
+  later shows only here, since every other scenario starts with a full forward.
+* ``weights``: the weights change in place after the cached call was built and used (``add_`` on
+  two parameters, then ``load_state_dict`` of other weights); a prompt and one-token steps must
+  equal the full forward of the changed model (a fast step that copied the weights must see it).
 * ``reference``: the model's independent reference (:mod:`kvdoc.proofs.references`), full and
   cached.
+* ``bytes``, ``int8``, ``edges``, ``padded``: the cache invariants of
+  :mod:`kvdoc.proofs.invariants`.
+* ``scheduling``: static, continuous and chunked-prefill schedules of a short arrival trace
+  (:func:`kvdoc.proofs.scheduling.check_policies`), each request vs its solo run; on the paged
+  kind of the learned-position models.
+* ``prefix-cache``: a few-shot workload through a radix tree
+  (:func:`kvdoc.proofs.prefix_cache.prefix_cache_scenario`), each request vs itself alone; on
+  the paged kind.
 
 A scenario appends :class:`CheckResult` s (made by :meth:`Case.result`); ``passed`` is None when
 a check does not apply.
@@ -42,6 +63,8 @@ from kvdoc.serving.speculative import speculative_generate, truncated_draft
 from . import invariants
 from .broken import stale_prefix
 from .grid import CacheSpec, ModelSpec
+from .prefix_cache import prefix_cache_scenario
+from .scheduling import scheduling_scenario
 from .verify import (
     DTYPE_NAMES,
     TOLERANCE,
@@ -69,10 +92,17 @@ CHECKS: dict[str, str] = {
     "crop": "crop a filled cache, continue with other tokens",
     "branch": "two continuations of one prefix cache; the prefix unchanged",
     "failure": "a layer raises mid-call: caches unchanged, continuing is right",
+    "failure_after": "raises after the last attention (MLP, final norm, LM head): caches unchanged",
+    "fresh": "the cached path on a model no call has run on yet, vs the full forward",
+    "weights": "weights changed in place after the call was built: vs the changed model",
     "reference": "full and cached vs an independent implementation",
 }
 """Every check by name, in report order, with what it compares."""
 CHECKS.update(invariants.CHECKS)  # bytes, int8, edges, padded: cache invariants and edges
+CHECKS.update({
+    "scheduling": "static, continuous and chunked-prefill runs: each request vs its solo run",
+    "prefix-cache": "requests served through a radix prefix cache vs each request alone",
+})
 
 
 @dataclass(frozen=True)
@@ -113,6 +143,12 @@ class Case:
     batches: Sequence[int]
     chunks: Sequence[int]
     stale: bool
+    fresh: Callable[[], nn.Module]
+    """A copy of the model as it was built, before any call ran on it (a new copy each call)."""
+    implementation: Callable[[nn.Module], Callable]
+    """How the cached call is made from a model (``grid.IMPLEMENTATIONS[impl]``)."""
+    shared: dict = field(default_factory=dict)
+    """What every case of this model, dtype and stream computes alike (the reference's logits)."""
     caches: Mapping[str, Callable[[nn.Module, int, int], KVCache]] = field(default_factory=dict)
     """Cache factories a broken variant puts in place of the real ones, by kind (or ``"int8"``)."""
 
@@ -174,7 +210,17 @@ def _stream(case: Case, out: list) -> None:
         first, first_edited = ((stale_prefix(ids, vocab), stale_prefix(edited, vocab)) if case.stale
                                else (None, None))
         for chunk in case.chunks:
-            run = case.feed(ids, chunk, first=first)
+            # the last call, the only one that sees the last token, starts at `last`: the cache
+            # before it is kept, so the causality rerun repeats that call alone
+            last = (T - 1) // chunk * chunk if chunk > 1 else 0
+            if last:
+                head = case.feed(ids[:, :last], chunk, first=first)
+                fork = head.cache
+                tail = case.feed(ids[:, last:], chunk, head.cache)
+                run = CachedRun(torch.cat((head.logits, tail.logits), dim=1), tail.cache,
+                                max(head.lifecycle_error, tail.lifecycle_error))
+            else:
+                run = case.feed(ids, chunk, first=first)
 
             def add(check, passed, error, detail, batch=batch, chunk=chunk):
                 out.append(case.result(check, passed, error, detail, batch, chunk))
@@ -195,14 +241,23 @@ def _stream(case: Case, out: list) -> None:
                          for g, r in zip(gp, rp, strict=True)]
                 add("kv", all(close(g, r, case.tol) for g, r in pairs),
                     max((max_abs(g, r) for g, r in pairs), default=0.0), "each layer's K/V")
-            causal_ok, causal = full_causal_ok, full_causal
-            if chunk > 1:  # with one token per call the last token reaches no earlier call
-                again = case.feed(edited, chunk, first=first_edited).logits[:, :-1]
-                causal_ok = causal_ok and close(again, run.logits[:, :-1], case.tol)
-                causal = max(causal, max_abs(again, run.logits[:, :-1]))
-            add("causality", causal_ok, causal, "last token edited, earlier positions compared")
             add("lifecycle", run.lifecycle_error == 0.0, run.lifecycle_error,
                 "what a cache held before a call")
+            causal_ok, causal, logits = full_causal_ok, full_causal, run.logits
+            if chunk > 1:  # with one token per call the last token reaches no earlier call
+                if last and case.cache.in_place:  # the last call wrote into the kept cache
+                    fork = run.cache.crop(last) if hasattr(run.cache, "crop") else None
+                # the stream's own cache goes first: a paged pool is sized for one stream
+                run = tail = got = None
+                if last and fork is not None:  # earlier calls never see the last token
+                    again = case.feed(edited[:, last:], chunk, fork).logits[:, :-1]
+                    before = logits[:, last:-1]
+                else:
+                    again = case.feed(edited, chunk, first=first_edited).logits[:, :-1]
+                    before = logits[:, :-1]
+                causal_ok = causal_ok and close(again, before, case.tol)
+                causal = max(causal, max_abs(again, before))
+            add("causality", causal_ok, causal, "last token edited, earlier positions compared")
 
 
 def _last_only(case: Case, out: list) -> None:
@@ -222,9 +277,23 @@ def _batches(case: Case) -> list[torch.Tensor]:
     return [case.ids] + ([case.ids[:1]] if case.ids.shape[0] > 1 else [])
 
 
+DECODE_CUT = 20
+"""Tokens of the full-batch stream that ``prefill_decode`` and ``generate`` run, when the stream
+checks already made one-token calls at that batch to the stream's end (the same calls)."""
+
+
+def _decode_batches(case: Case) -> list[torch.Tensor]:
+    """:func:`_batches`, the full batch cut to :data:`DECODE_CUT` tokens where the stream checks
+    ran one token per call at it (batch 1 always runs the whole stream)."""
+    batches = _batches(case)
+    if len(batches) > 1 and 1 in case.chunks:
+        batches[0] = batches[0][:, :DECODE_CUT]
+    return batches
+
+
 def _prefill_decode(case: Case, out: list) -> None:
     prompt, ok, err = 7, True, 0.0
-    for ids in _batches(case):
+    for ids in _decode_batches(case):
         full = case.full(ids)
         logits, cache = prefill(case.call, ids[:, :prompt], case.new_cache(ids.shape[0]))
         steps = [logits]
@@ -250,7 +319,7 @@ def _generate(case: Case, out: list) -> None:
                                "generate() takes the model and a kind it knows"))
         return
     ok, gap = True, 0.0
-    for ids in _batches(case):
+    for ids in _decode_batches(case):
         prompt = ids[:, :5]
         new = ids.shape[1] - prompt.shape[1]
         tokens = generate(case.model, prompt, new, cache=case.kind)
@@ -261,8 +330,8 @@ def _generate(case: Case, out: list) -> None:
         passed, worst = _greedy(case, tokens, 5)
         ok, gap = ok and passed, max(gap, worst)
     out.append(case.result("generate", ok, gap,
-                           f"{new} tokens vs argmax of one full forward; "
-                           f"batch {case.ids.shape[0]} and 1"))
+                           f"{new} tokens at batch 1 vs argmax of one full forward; "
+                           f"also batch {case.ids.shape[0]}"))
 
 
 def _greedy(case: Case, tokens: torch.Tensor, prompt: int) -> tuple[bool, float]:
@@ -328,52 +397,130 @@ def _branch(case: Case, out: list) -> None:
 
 
 class InjectedFailure(RuntimeError):
-    """Raised inside a layer by the ``failure`` scenario."""
+    """Raised inside a forward by the ``failure`` scenario."""
 
 
 def _layers(model: nn.Module) -> Sequence[nn.Module]:
     return getattr(model, "h", None) or getattr(model, "layers", None) or []
 
 
+def _failure_points(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
+    """``(check, where, module)``: where the ``failure`` scenario raises, in forward order."""
+    layers = _layers(model)
+    if len(layers) == 0:
+        return []
+    inside = {"the first layer": layers[0], "the last layer": layers[-1]} if len(layers) > 1 else {
+        "the only layer": layers[0]}
+    after = {"the last layer's MLP": getattr(layers[-1], "mlp", None),
+             "the final norm": getattr(model, "ln_f", None),
+             "the LM head": getattr(model, "lm_head", None)}
+    return ([("failure", where, m) for where, m in inside.items()]
+            + [("failure_after", where, m) for where, m in after.items() if m is not None])
+
+
 def _failure(case: Case, out: list) -> None:
     ids, P = case.ids, case.ids.shape[1] // 2
-    layers = _layers(case.model)
-    if len(layers) == 0:
-        out.append(case.result("failure", None, 0.0,
-                               "no layer list (model.h or model.layers) to inject into"))
+    points = _failure_points(case.model)
+    if not points:
+        for check in ("failure", "failure_after"):
+            out.append(case.result(check, None, 0.0,
+                                   "no layer list (model.h or model.layers) to inject into"))
         return
-    cache = case.feed(ids[:, :P], case.chunks[-1]).cache
-    before, length = Snapshot.of(cache), cache.seq_len
+
+    def prefix() -> tuple[KVCache, Snapshot]:
+        cache = case.feed(ids[:, :P], case.chunks[-1]).cache
+        return cache, Snapshot.of(cache)
 
     def fail(module, args):
-        raise InjectedFailure("injected failure in the last layer")
+        raise InjectedFailure("injected failure")
 
-    handle = layers[-1].register_forward_pre_hook(fail)
-    try:
-        case.call(ids[:, P:P + 5], cache)
-        raised = False
-    except InjectedFailure:
-        raised = True
-    finally:
-        handle.remove()
-    same_shape = cache.seq_len == length and all(
-        tuple(now.shape) == tuple(old.shape)
-        for i, pair in enumerate(before.layers)
-        for old, now in zip(pair, cache.layer(i), strict=True))
-    changed = before.changed(cache, length) if same_shape else float("inf")
+    cache, before = prefix()
+    found: dict[str, list[tuple[str, float]]] = {}  # check -> (where, change) per point
+    for check, where, module in points:
+        handle = module.register_forward_pre_hook(fail)
+        try:
+            case.call(ids[:, P:P + 5], cache)
+            changed = float("inf")  # the injected failure never fired
+        except InjectedFailure:
+            same_shape = cache.seq_len == P and all(
+                tuple(now.shape) == tuple(old.shape)
+                for i, pair in enumerate(before.layers)
+                for old, now in zip(pair, cache.layer(i), strict=True))
+            changed = before.changed(cache, P) if same_shape else float("inf")
+        except Exception:  # what the code under test raised instead: a failure too
+            changed = float("inf")
+        finally:
+            handle.remove()
+        found.setdefault(check, []).append((where, changed))
+        if changed != 0.0:  # the next point starts from a cache as it should be
+            cache, before = prefix()
     logits, _ = case.call(ids[:, P:P + 5], cache)
     want = case.full(ids)[:, P:P + 5]
-    detail = (f"last layer raises on a call after {P} positions" if raised
-              else "the injected failure never fired")
-    out.append(case.result("failure", raised and changed == 0.0 and close(logits, want, case.tol),
-                           max(changed, max_abs(logits, want)), detail))
+    right = close(logits, want, case.tol)
+    for check, tried in found.items():
+        bad = [where for where, changed in tried if changed != 0.0]
+        detail = (f"cache changed or no failure: {', '.join(bad)}" if bad else
+                  f"injected in {', '.join(w for w, _ in tried)} after {P} positions")
+        out.append(case.result(check, not bad and right,
+                               max(max(c for _, c in tried), max_abs(logits, want)), detail))
+
+
+def _fresh(case: Case, out: list) -> None:
+    model = case.fresh()  # no call has run on it: nothing built on a first call exists yet
+    call = case.implementation(model)
+    ok, err = True, 0.0
+    for ids in _batches(case):  # batch 1 after the full batch: the copy is no longer fresh
+        T = ids.shape[1]
+        lengths = [3, 1, 1, 1, 1, 13, T - 20]  # each call reaches past every earlier one
+        cache = case.cache.new(model, ids.shape[0], T + SPARE)
+        run = run_cached(call, ids, lengths, cache=cache, in_place=case.cache.in_place)
+        want = case.full(ids)  # another copy of the model
+        ok = (ok and close(run.logits, want, case.tol) and run.cache.seq_len == T
+              and run.lifecycle_error == 0.0)
+        err = max(err, max_abs(run.logits, want), run.lifecycle_error)
+    out.append(case.result("fresh", ok, err,
+                           f"a copy no call ran on: calls of {lengths}; batch "
+                           f"{case.ids.shape[0]} and 1"))
+
+
+def _weights(case: Case, out: list) -> None:
+    model, ids = case.model, case.ids[:, :12]
+    params = list(model.parameters())
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(21)
+
+    def shift_two():  # in place, as an optimiser step does
+        for p in (params[len(params) // 2], params[-1]):
+            p.add_(0.05)
+
+    def load_other():
+        model.load_state_dict({
+            k: v * (1 + 0.1 * torch.randn(v.shape, generator=g, dtype=v.dtype).to(v.device))
+            if v.is_floating_point() else v for k, v in saved.items()})
+
+    ok, err = True, 0.0
+    try:
+        case.feed(ids, 1)  # the call has run, and made any copy it makes, before the change
+        for change in (shift_two, load_other):
+            change()
+            run = case.feed(ids, [5] + [1] * (ids.shape[1] - 5))
+            want = case.full(ids)
+            ok = ok and close(run.logits, want, case.tol)
+            err = max(err, max_abs(run.logits, want))
+    finally:
+        model.load_state_dict(saved)
+    out.append(case.result("weights", ok, err,
+                           "add_ on two parameters, then load_state_dict of other weights; "
+                           "a prompt of 5, then one-token steps"))
 
 
 def _reference(case: Case, out: list) -> None:
     if case.spec.reference is None:
         out.append(case.result("reference", None, 0.0, "no independent reference for this model"))
         return
-    want = case.spec.reference(case.model)(case.ids)
+    want = case.shared.get("reference")
+    if want is None:  # built from the weights, which every case of this model shares
+        want = case.shared["reference"] = case.spec.reference(case.model)(case.ids)
     full = case.full(case.ids)
     cached = case.feed(case.ids, case.chunks[-1]).logits
     ok = close(full, want, case.tol) and close(cached, want, case.tol)
@@ -384,9 +531,10 @@ def _reference(case: Case, out: list) -> None:
 SCENARIOS: dict[str, Callable[[Case, list], None]] = {
     "stream": _stream, "last_only": _last_only, "prefill_decode": _prefill_decode,
     "generate": _generate, "speculative": _speculative, "crop": _crop, "branch": _branch,
-    "failure": _failure, "reference": _reference}
+    "failure": _failure, "fresh": _fresh, "weights": _weights, "reference": _reference}
 """Scenario name -> function that appends :class:`CheckResult` s."""
 SCENARIOS.update(invariants.SCENARIOS)
+SCENARIOS.update({"scheduling": scheduling_scenario, "prefix-cache": prefix_cache_scenario})
 
 SCENARIO_CHECK = {"stream": "logits"}
 """The check a scenario's exception is reported under, where it differs from the scenario's name."""

@@ -15,7 +15,7 @@ carrying its message; the suite itself does not raise.
 (True, [('gqa', 'static', 'model', 'FP32'), ('gqa', 'static', 'fast', 'FP32')], [])
 >>> run_suite("position-counter", models=("mha",), kinds=("dynamic",), dtypes=(torch.float32,),
 ...           length=40).failed_checks()
-['speculative', 'crop', 'branch', 'failure', 'edges']
+['causality', 'speculative', 'crop', 'branch', 'failure', 'failure_after', 'edges']
 """
 
 from __future__ import annotations
@@ -247,6 +247,9 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
                     if broken is not None and not broken.serves(under_test.config):
                         break  # e.g. a K/V cache bug on an MLA model: nothing to build
                     under_test = under_test if broken is None else broken.build(under_test)
+                    # before any call: what the ``fresh`` scenario copies
+                    pristine = copy.deepcopy(under_test)
+                    shared: dict = {}
                     stream, alt = _streams(seed, max(batches), length, under_test.config.vocab_size)
                     stream = stream if ids is None else ids[:max(batches)]
                 except Exception as exc:
@@ -263,6 +266,8 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
                     case = Case(name, kind, impl, dt, specs[name], grid.CACHES[kind],
                                 under_test, call, stream, alt, tuple(batches), tuple(chunks),
                                 broken is not None and broken.stale_prefix,
+                                lambda pristine=pristine: copy.deepcopy(pristine),
+                                grid.IMPLEMENTATIONS[impl], shared,
                                 {} if broken is None else broken.caches)
                     if _run_case(case, scenarios, results, stop_at_first):
                         return SuiteReport(variant, results, time.perf_counter() - start)

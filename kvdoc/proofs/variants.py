@@ -61,8 +61,8 @@ class BrokenVariant:
 
 BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-query attention",
                "last_only and generation", "crop and branch", "shared path", "failure mid-call",
-               "rotary positions", "byte accounting", "int8 contract", "ring and block edges",
-               "padded batches")
+               "rotary positions", "state across calls", "configuration value", "stale weights",
+               "byte accounting", "int8 contract", "ring and block edges", "padded batches")
 """The kinds of mistake the variants stand for."""
 
 def _copy(cls: type[Decoder]) -> Callable[[Decoder], Decoder]:
@@ -120,6 +120,12 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     BrokenVariant("dynamic-in-place",
                   "a dynamic cache is written in place, so a failed call leaves a partial write",
                   _copy(broken.InPlaceDecoder), "failure mid-call"),
+    BrokenVariant("static-last-layer-length",
+                  "a static cache's length advances in the last layer's update, before the call "
+                  "finished", _copy(broken.LastLayerLengthDecoder), "failure mid-call"),
+    BrokenVariant("fast-step-snapshot",
+                  "the fast decode step keeps the weights it copied first, never seeing a change",
+                  _copy(broken.SnapshotFastStepDecoder), "stale weights"),
     BrokenVariant("unrotated-k-cache",
                   "K is cached before RoPE; keys read back from the cache are never rotated",
                   broken_rope.unrotated_k, "rotary positions", models=ROPE_MODELS),
@@ -155,5 +161,11 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   "the fast decode step ignores the padding arguments (positions, pad mask)",
                   _copy(broken.PaddingBlindFastDecoder), "padded batches", models=("gqa",),
                   kinds=("static",)),
+    BrokenVariant("rope-table-growth",
+                  "RoPE's cos/sin table, built on the first call, grows with rows from position 0",
+                  broken_rope.growing_table, "state across calls", models=ROPE_MODELS),
+    BrokenVariant("rope-default-base",
+                  "RoPE turns at the default base 10000, not config.rope_theta",
+                  broken_rope.default_base, "configuration value", models=ROPE_MODELS),
 )}
 """Every broken variant, by name."""
