@@ -25,15 +25,6 @@ REMOVED = {"remove-cell", "remove-input"}
 OPENABLE = {"hide-cell", "hide-input"}
 BUILTINS = set(dir(builtins)) | {"__file__", "__name__", "display", "get_ipython"}
 
-# Offenders in pages this test's author did not own when it was written; each entry is
-# (page, "name" or "assert") and is to be fixed in the page and deleted here. None may be stale.
-ALLOWED: set[tuple[str, str]] = {
-    ("part3/4-broken-variants", "DROPS"),      # bound in a removed cell, used in a check cell
-    ("part3/4-broken-variants", "VARIANTS"),   # imported in a removed cell only
-    ("part3/4-broken-variants", "escapes_short"),  # bound in a removed cell only
-    ("part3/4-broken-variants", "torch"),      # imported in a removed cell only
-}
-
 
 @dataclass
 class Cell:
@@ -111,13 +102,8 @@ def name(page: Path) -> str:
 
 @pytest.mark.parametrize("page", PAGES, ids=name)
 def test_visible_code_runs_as_shown(page):
-    problems = [p for p in offenders(page.read_text()) if (name(page), p) not in ALLOWED]
+    problems = offenders(page.read_text())
     assert not problems, f"{name(page)}: visible code needs names from removed cells or asserts"
-
-
-def test_allow_list_is_not_stale():
-    live = {(name(p), o) for p in PAGES for o in offenders(p.read_text())}
-    assert ALLOWED <= live, f"fixed, delete from ALLOWED: {sorted(ALLOWED - live)}"
 
 
 def page(*cells: tuple[str, str]) -> str:

@@ -470,7 +470,9 @@ class SnapshotFastStepDecoder(Decoder):
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
                 **options: object) -> DecoderOutput:
-        if cache is None or idx.dim() != 2 or idx.shape[1] != 1 or any(options.values()):
+        # last_only, positions or a pad mask: the model's own path (tensors have no truth value)
+        if (cache is None or idx.dim() != 2 or idx.shape[1] != 1
+                or any(v is not None and v is not False for v in options.values())):
             return super().forward(idx, cache, **options)
         if getattr(self, "_fast", None) is None:
             self._fast = SnapshotFastDecoder(self)  # its other calls come back to super().forward
