@@ -2,8 +2,8 @@
 
 ``config`` (one frozen config), ``mask`` (the offset causal mask), ``rope`` (rotary positions),
 ``cache`` (the cache interface, dynamic and static caches), ``window`` (a ring buffer for
-sliding windows), ``model`` (one forward for full recompute and cached continuation) and
-``fast`` (the same single-token step written the way serving engines write it), and ``mla``
+sliding windows), ``model`` (one forward for full recompute and cached continuation),
+``fast`` (the same single-token step written the way serving engines write it) and ``mla``
 (DeepSeek's multi-head latent attention, whose cache holds a latent instead of K and V).
 
 This folder imports nothing but torch and the standard library, and nothing in it exists only
