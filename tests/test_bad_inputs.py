@@ -81,11 +81,3 @@ def GPTConfig_bad() -> None:
     from kvdoc import GPTConfig
 
     GPTConfig(n_layer=0)
-
-
-def test_outcomes_table_lists_every_outcome():
-    outcomes = [attempt(r) for r in CATALOGUE[:3]] + [attempt(_entry(lambda fx: None))]
-    table = refusals.outcomes_table(outcomes).splitlines()
-    assert len(table) == 2 + 4
-    assert "ValueError: n_layer must be a positive integer" in table[2]
-    assert table[-1].endswith("| accepted (not refused!) | yes |")

@@ -29,7 +29,6 @@ from kvdoc.core.config import GPTConfig
 from kvdoc.core.mask import offset_causal_mask
 from kvdoc.core.model import Decoder, decode_step, generate, prefill
 from kvdoc.interop import hf
-from kvdoc.measure.tables import markdown_table
 
 
 class CommandError(Exception):
@@ -354,18 +353,3 @@ CATALOGUE: list[Refusal] = [
     _cli("cli-bench-lengths", "a prompt length that is not a number", "bench --prefix-lens 4,x",
          "expected comma-separated integers, got '4,x'"),
 ]
-
-
-def outcomes_table(outcomes: list[Outcome], width: int = 110) -> str:
-    """The outcomes as a Markdown table: area, what is wrong, the call, the error, its message."""
-    def clip(text: str) -> str:
-        return text if len(text) <= width else text[: width - 3] + "..."
-
-    rows = []
-    for i, o in enumerate(outcomes, 1):
-        r = o.refusal
-        said = f"{o.raised}: {o.message}" if o.raised else "accepted (not refused!)"
-        unchanged = "yes" if o.caches_unchanged else "NO"
-        rows.append([i, r.area, clip(r.bad), f"`{clip(r.call)}`", clip(said), unchanged])
-    header = ["#", "area", "bad input", "call", "refused with", "caches unchanged"]
-    return markdown_table(header, rows)

@@ -36,7 +36,6 @@ from .variants import VARIANTS
 from .verify import DTYPE_NAMES, TOLERANCE
 
 ORDER = list(CHECKS)
-_DTYPES = {name: dt for dt, name in DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -107,22 +106,6 @@ class SuiteReport:
                          f"{worst:.2e}" if ran else ""])
         return markdown_table(["check", "compares", "passed", "not applicable",
                                "largest difference"], body)
-
-    def grid_table(self, check: str = "logits") -> str:
-        """One Markdown row per (batch, chunk, dtype) of the stream: ``check``'s error for each
-        cache kind, and whether every stream check of the row passed."""
-        kinds = list(dict.fromkeys(r.kind for r in self.select(check)))
-        combos = list(dict.fromkeys((r.batch, r.chunk, r.dtype) for r in self.select(check)))
-        body = []
-        for b, c, d in combos:
-            row = [r for r in self.results if (r.batch, r.chunk, r.dtype) == (b, c, d)]
-            errors = [f"{self.result(check, kind=k, batch=b, chunk=c, dtype=d).error:.2e}"
-                      for k in kinds]
-            body.append([b, c, d, *errors, f"{TOLERANCE[_DTYPES[d]]:.0e}",
-                         "pass" if all(r.passed is not False for r in row) else "FAIL"])
-        return markdown_table(["batch", "chunk (tokens)", "dtype",
-                               *[f"max {check} error, {k}" for k in kinds],
-                               "tolerance", "all checks"], body)
 
     def references_table(self) -> str:
         """One Markdown row per model and dtype: its independent reference (transformers' GPT-2,
