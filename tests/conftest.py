@@ -19,6 +19,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 @pytest.fixture
+def one_thread():
+    """Tiny tensors run faster on one thread than on two that contend with other processes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def model() -> Decoder:
     torch.manual_seed(0)
     return Decoder(GPTConfig()).eval()

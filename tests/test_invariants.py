@@ -25,12 +25,7 @@ MADE_FOR = {"pool-counts-k-only": "bytes", "int8-requantise": "int8",
             "fast-ignores-padding": "padded"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("check", list(invariants.SCENARIOS))

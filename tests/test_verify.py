@@ -39,13 +39,7 @@ def equivalence_grid(variant=None, **axes):
     return run_suite(variant, **{**grid.GRID, "model": default_model(), "ids": ids, **axes})
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors run faster on one thread than on two that contend with other processes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --- the equivalence grid -----------------------------------------------------------------------
