@@ -16,7 +16,7 @@ from kvdoc.interop.hf import transformers_model
 from kvdoc.proofs import grid
 from kvdoc.proofs.broken import PositionsRestartDecoder, copy_as, stale_prefix
 from kvdoc.proofs.crosscheck import match_transformers
-from kvdoc.proofs.scenarios import CHECKS
+from kvdoc.proofs.scenarios import CHECKS, SCENARIOS
 from kvdoc.proofs.suite import run_suite, sweep_variants, variants_table
 from kvdoc.proofs.variants import BUG_CLASSES, VARIANTS
 from kvdoc.proofs.verify import (
@@ -206,6 +206,12 @@ def test_cli_passes_and_fails_with_a_verdict(capsys):
     assert cli(["verify", "--no-variants"]) == 0
     out = capsys.readouterr().out
     assert out.rstrip().splitlines()[-1] == "VERDICT: PASS"
+    # it says what it ran: every registered model, cache kind, implementation and scenario
+    lines = {line.strip().split(":")[0]: line.split(":", 1)[1].strip()
+             for line in out.splitlines() if line.startswith("  ") and ":" in line}
+    for axis, names in (("models", grid.MODELS), ("cache kinds", grid.CACHES),
+                        ("implementations", grid.IMPLEMENTATIONS), ("scenarios", SCENARIOS)):
+        assert sorted(lines[axis].split(", ")) == sorted(names), axis
     # every transformers family matched, full and cached
     for family in ("GPT-2", "Llama", "Mistral"):
         assert re.search(rf"\| transformers {family}, same weights "

@@ -374,7 +374,12 @@ def _main(args: argparse.Namespace) -> int:
     print(f"Suite on {subject}: "
           f"{combos} combinations x {len(SCENARIOS)} scenarios x {len(axes['seeds'])} seed(s), "
           f"{len(report.results)} checks, "
-          f"{report.seconds:.1f} s\n")
+          f"{report.seconds:.1f} s")
+    ran = list(zip(*report.combinations, strict=True)) or [(), (), (), ()]
+    for axis, values in zip(("models", "cache kinds", "implementations", "dtypes"), ran,
+                            strict=True):
+        print(f"  {axis}: {', '.join(dict.fromkeys(values))}")
+    print(f"  scenarios: {', '.join(SCENARIOS)}\n")
     print(report.summary_table())
     print(f"\nIndependent references, full and cached:\n\n{report.references_table()}")
     if report.failures:
