@@ -6,7 +6,6 @@ import io
 import pytest
 import torch
 
-from kvdoc.core.cache import DynamicCache
 from kvdoc.core.config import GPTConfig
 from kvdoc.proofs.handover import (
     check_dtypes,
