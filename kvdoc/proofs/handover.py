@@ -1,0 +1,104 @@
+"""Checks of the prefill/decode hand-over (:mod:`kvdoc.serving.handover`).
+
+* :func:`check_handover`: one :func:`~kvdoc.serving.handover.disaggregated_generate` run
+  against :func:`kvdoc.core.model.generate` on the same prompt (the tokens) and one full forward
+  over prompt + tokens (the logits behind each choice, within
+  :data:`kvdoc.proofs.verify.TOLERANCE`), and the K/V bytes moved against the byte formula
+  :func:`kvdoc.measure.memory.kv_bytes_for_config`.
+* :func:`check_dtypes`: the same in FP32 and FP64.
+* Broken packers the check must catch: :func:`pack_off_by_one` (ships one position too few,
+  so decoding starts a position early) and :func:`pack_zeroed_last_v` (the last layer's V
+  replaced by zeros: the right byte count, the wrong values).
+
+>>> import torch
+>>> from kvdoc.proofs.verify import default_model
+>>> model, prompt = default_model(), torch.tensor([[5, 6, 7, 8]])
+>>> [c.passed for c in check_dtypes(model, prompt, 4)]
+[True, True]
+>>> check_handover(model, prompt, 4, packer=pack_off_by_one).passed
+False
+>>> check = check_handover(model, prompt, 4, packer=pack_zeroed_last_v)
+>>> check.bytes_match, check.passed
+(True, False)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvdoc.core.cache import DynamicCache, KVCache
+from kvdoc.core.model import Decoder, generate
+from kvdoc.measure.memory import kv_bytes_for_config
+from kvdoc.serving.handover import disaggregated_generate, pack
+
+from .verify import DTYPE_NAMES, TOLERANCE, close, max_abs
+
+
+def pack_off_by_one(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
+    """BROKEN: ships positions ``0 .. T - 2``; the decoder then writes the first new token at
+    ``T - 1``, over the prompt's last position."""
+    return pack(DynamicCache([cache.layer(i) for i in range(cache.n_layer)]).crop(
+        cache.seq_len - 1), logits)
+
+
+def pack_zeroed_last_v(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
+    """BROKEN: the last layer's V is sent as zeros (a packer that skipped it): every size is
+    right, so only the values can show it."""
+    layers = [cache.layer(i) for i in range(cache.n_layer)]
+    layers[-1] = (layers[-1][0], torch.zeros_like(layers[-1][1]))
+    return pack(DynamicCache(layers), logits)
+
+
+@dataclass(frozen=True)
+class HandoverCheck:
+    """One hand-over run against the single-process run and the byte formula."""
+
+    dtype: str
+    tokens_equal: bool
+    logits_error: float
+    """``max |hand-over logits - full-forward logits|`` over every generated position."""
+    logits_close: bool
+    kv_bytes: int
+    formula_bytes: int
+    """``2 x n_layer x B x H_kv x T x D_h x element_size`` for the prompt's ``T`` positions."""
+    logits_bytes: int
+    overhead_bytes: int
+    payload_bytes: int
+
+    @property
+    def bytes_match(self) -> bool:
+        return self.kv_bytes == self.formula_bytes
+
+    @property
+    def passed(self) -> bool:
+        return self.tokens_equal and self.logits_close and self.bytes_match
+
+
+def check_handover(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, *,
+                   in_process: bool = True,
+                   packer: Callable[..., bytes] = pack) -> HandoverCheck:
+    """Run the hand-over once and compare it with one process doing everything."""
+    dtype = next(model.parameters()).dtype
+    run = disaggregated_generate(model, prompt, max_new_tokens, in_process=in_process,
+                                 packer=packer)
+    alone = generate(model, prompt, max_new_tokens)
+    with torch.no_grad():  # logits[:, i] predicts token i + 1: those behind the chosen tokens
+        full = model(alone[:, :-1]).logits[:, prompt.shape[1] - 1:]
+    tol = TOLERANCE[dtype]
+    return HandoverCheck(
+        DTYPE_NAMES[dtype], torch.equal(run.tokens, alone), max_abs(run.logits, full),
+        close(run.logits, full, tol), run.kv_bytes,
+        kv_bytes_for_config(model.config, prompt.shape[0], prompt.shape[1], dtype),
+        run.logits_bytes, run.overhead_bytes, run.payload_bytes)
+
+
+def check_dtypes(model: Decoder, prompt: torch.Tensor, max_new_tokens: int,
+                 dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64),
+                 **kwargs) -> list[HandoverCheck]:
+    """:func:`check_handover` on a copy of ``model`` in each of ``dtypes``."""
+    return [check_handover(copy.deepcopy(model).to(d), prompt, max_new_tokens, **kwargs)
+            for d in dtypes]

@@ -1,0 +1,215 @@
+"""Prefill/decode hand-over (disaggregation): prefill in one process, decode in another.
+
+A prefill worker runs the prompt once and sends what decoding needs: every layer's K and V for
+the prompt's positions, and the logits of the position after it (the first new token's). The
+decode worker rebuilds a :class:`~kvdoc.core.cache.DynamicCache` from them and carries on as if
+it had run the prompt itself.
+
+* :func:`pack`: a cache (+ optional next-token logits) to one self-describing ``bytes``
+  payload (``torch.save`` of a dict of sizes, a dtype name and tensors).
+* :func:`unpack`: the payload back to ``(cache, logits)``, checked against the decoding model's
+  config and dtype; a payload that does not fit (or does not load) raises ``ValueError``.
+* :func:`disaggregated_generate`: greedy generation with the prefill in a spawned process
+  (one torch thread) and the decode here, or both here with ``in_process=True``.
+
+>>> from kvdoc.core.config import GPTConfig
+>>> from kvdoc.core.model import Decoder, generate
+>>> _ = torch.manual_seed(0)
+>>> model = Decoder(GPTConfig()).eval()
+>>> prompt = torch.tensor([[5, 6, 7, 8]])
+>>> run = disaggregated_generate(model, prompt, 5, in_process=True)
+>>> torch.equal(run.tokens, generate(model, prompt, 5))
+True
+>>> run.kv_bytes == 2 * 2 * 1 * 4 * 4 * 16 * 4  # K and V x layers x B x H_kv x T x D_h x 4
+True
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from kvdoc.core.cache import DynamicCache, KVCache
+from kvdoc.core.config import GPTConfig
+from kvdoc.core.model import Decoder, decode_step, prefill
+
+FORMAT = "kvdoc-handover/1"
+"""The payload's ``format`` field: what :func:`unpack` accepts."""
+
+_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    # torch.save writes a view's whole storage: a clone holds only the rows shipped
+    return t.detach().clone(memory_format=torch.contiguous_format)
+
+
+def pack(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
+    """One payload holding every layer's K and V and, if given, the next-token ``logits``.
+
+    Raises ``ValueError`` for a cache that does not hold every position it has seen (a
+    sliding window): the decode side would attend over positions it does not have.
+
+    >>> from kvdoc.core.config import GPTConfig
+    >>> cache = DynamicCache.empty(GPTConfig(), batch_size=1)
+    >>> unpack(pack(cache), GPTConfig())[0].seq_len
+    0
+    """
+    if cache.held() != range(cache.seq_len) or str(cache.dtype) not in _DTYPES:
+        raise ValueError("pack ships caches that hold every position in a floating dtype, got "
+                         f"{type(cache).__name__} holding {cache.held()} in {cache.dtype}")
+    layers = [cache.layer(i) for i in range(cache.n_layer)]
+    body = {"format": FORMAT, "n_layer": cache.n_layer, "batch_size": cache.batch_size,
+            "n_kv_head": cache.n_kv_head, "seq_len": cache.seq_len, "head_dim": cache.head_dim,
+            "dtype": str(cache.dtype), "k": [_own(k) for k, _ in layers],
+            "v": [_own(v) for _, v in layers],
+            "logits": None if logits is None else _own(logits)}
+    buffer = io.BytesIO()
+    torch.save(body, buffer)
+    return buffer.getvalue()
+
+
+def _load(payload: bytes) -> dict:
+    try:  # weights_only: a payload from elsewhere can hold tensors and plain data, no code
+        body = torch.load(io.BytesIO(payload), weights_only=True)
+    except Exception as err:  # truncated or not a torch.save file at all
+        raise ValueError(f"not a hand-over payload ({len(payload)} bytes): {err}") from err
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        raise ValueError(f"not a {FORMAT} payload")
+    return body
+
+
+def unpack(payload: bytes, config: GPTConfig,
+           dtype: torch.dtype | None = None) -> tuple[DynamicCache, torch.Tensor | None]:
+    """The cache and the next-token logits that :func:`pack` shipped, for a model with
+    ``config`` (and ``dtype``, when given). Checks everything before building anything.
+
+    Raises:
+        ValueError: a payload that does not load, or whose layers, K/V heads, head size,
+            dtype, positions or tensor shapes are not what the model and its own sizes say.
+
+    >>> from kvdoc.core.config import GPTConfig
+    >>> payload = pack(DynamicCache.empty(GPTConfig(), batch_size=1))
+    >>> unpack(payload, GPTConfig(n_kv_head=2))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: payload is for another model: ... = (2, 4, 16), model has (2, 2, 16)
+    """
+    body = _load(payload)
+    found = (body["n_layer"], body["n_kv_head"], body["head_dim"])
+    expected = (config.n_layer, config.n_kv_head, config.head_dim)
+    if found != expected:
+        raise ValueError("payload is for another model: (layers, K/V heads, head size) = "
+                         f"{found}, model has {expected}")
+    stated = _DTYPES.get(body["dtype"])
+    if stated is None or (dtype is not None and stated != dtype):
+        raise ValueError(f"payload dtype is {body['dtype']}, model dtype is {dtype}")
+    if not 0 <= body["seq_len"] <= config.n_positions:
+        raise ValueError(f"payload holds {body['seq_len']} positions, "
+                         f"model has {config.n_positions}")
+    shape = (body["batch_size"], config.n_kv_head, body["seq_len"], config.head_dim)
+    tensors = list(body["k"]) + list(body["v"])
+    if len(body["k"]) != config.n_layer or len(body["v"]) != config.n_layer or any(
+            tuple(t.shape) != shape or t.dtype != stated for t in tensors):
+        raise ValueError(f"payload must hold {config.n_layer} K and {config.n_layer} V tensors "
+                         f"of shape {list(shape)} in {stated}, got K {_shapes(body['k'])} "
+                         f"and V {_shapes(body['v'])}")
+    logits = body["logits"]
+    if logits is not None and tuple(logits.shape) != (shape[0], 1, config.vocab_size):
+        raise ValueError(f"payload logits must be [{shape[0]}, 1, {config.vocab_size}], "
+                         f"got {list(logits.shape)}")
+    return DynamicCache(list(zip(body["k"], body["v"], strict=True))), logits
+
+
+def _shapes(tensors: list) -> list:
+    return [(list(t.shape), str(t.dtype)) for t in tensors]
+
+
+class HandoverRun(NamedTuple):
+    """What :func:`disaggregated_generate` returns."""
+
+    tokens: torch.Tensor
+    """``[B, P + max_new_tokens]``: the prompt followed by the chosen tokens."""
+    logits: torch.Tensor
+    """``[B, max_new_tokens, V]``: the logits behind each chosen token (the first shipped)."""
+    payload_bytes: int
+    """Length of the payload moved from the prefill process to the decode one."""
+    kv_bytes: int
+    """Of those, the K and V tensors' elements: ``sum(numel * element_size)`` as unpacked."""
+    logits_bytes: int
+    """Of those, the shipped next-token logits' elements."""
+
+    @property
+    def overhead_bytes(self) -> int:
+        """The rest of the payload: sizes, names and ``torch.save``'s framing."""
+        return self.payload_bytes - self.kv_bytes - self.logits_bytes
+
+
+def _prefill_payload(config: GPTConfig, state: dict, dtype: torch.dtype, prompt: torch.Tensor,
+                     packer: Callable[..., bytes]) -> bytes:
+    model = Decoder(config).to(dtype).eval()
+    model.load_state_dict(state)
+    logits, cache = prefill(model, prompt)
+    return packer(cache, logits)
+
+
+def _prefill_worker(conn, *args) -> None:
+    torch.set_num_threads(1)  # a worker per core, not every worker on every core
+    try:
+        conn.send_bytes(_prefill_payload(*args))
+    finally:
+        conn.close()
+
+
+def disaggregated_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, *,
+                           in_process: bool = False,
+                           packer: Callable[..., bytes] = pack) -> HandoverRun:
+    """Greedy generation whose prefill runs in another process and whose decode runs here.
+
+    The prefill process gets the model's config and weights and the prompt, runs
+    :func:`~kvdoc.core.model.prefill` and sends back ``packer(cache, logits)`` (default
+    :func:`pack`) through a pipe; this process :func:`unpack`\\ s it and decodes. With
+    ``in_process=True`` the prefill runs here (same payload, no process): for doctests and speed.
+    ``packer`` is the seam :mod:`kvdoc.proofs.handover` uses to ship a broken payload.
+    """
+    model.check_input(prompt, None)
+    total = prompt.shape[1] + max_new_tokens
+    if max_new_tokens < 1 or total > model.config.n_positions:
+        raise ValueError(f"need 1 <= max_new_tokens and prompt + new tokens <= "
+                         f"{model.config.n_positions}, got {prompt.shape[1]} + {max_new_tokens}")
+    dtype = next(model.parameters()).dtype
+    args = (model.config, model.state_dict(), dtype, prompt, packer)
+    if in_process:
+        payload = _prefill_payload(*args)
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        here, there = ctx.Pipe(duplex=False)
+        worker = ctx.Process(target=_prefill_worker, args=(there, *args))
+        worker.start()
+        there.close()
+        try:
+            payload = here.recv_bytes()
+        except EOFError as err:
+            worker.join()
+            raise RuntimeError("prefill process ended without a payload "
+                               f"(exit code {worker.exitcode})") from err
+        worker.join()
+    cache, logits = unpack(payload, model.config, dtype)
+    if logits is None:
+        raise ValueError("payload carries no next-token logits to start decoding from")
+    kv_bytes = sum(t.numel() * t.element_size() for t in cache.tensors())
+    logits_bytes = logits.numel() * logits.element_size()
+    out, steps = [prompt], [logits]
+    with torch.no_grad():
+        for step in range(max_new_tokens):
+            token = steps[-1][:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
+            out.append(token)
+            if step + 1 < max_new_tokens:
+                next_logits, cache = decode_step(model, token, cache)
+                steps.append(next_logits)
+    return HandoverRun(torch.cat(out, dim=1), torch.cat(steps, dim=1), len(payload), kv_bytes,
+                       logits_bytes)

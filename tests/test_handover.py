@@ -1,0 +1,113 @@
+"""The prefill/decode hand-over: equal to one process, bytes equal to the formula, bad payloads
+refused with ValueError."""
+
+import io
+
+import pytest
+import torch
+
+from kvdoc.core.config import GPTConfig
+from kvdoc.proofs.handover import (
+    check_dtypes,
+    check_handover,
+    pack_off_by_one,
+    pack_zeroed_last_v,
+)
+from kvdoc.proofs.verify import default_model
+from kvdoc.serving.handover import disaggregated_generate, pack, unpack
+
+PROMPT = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 4, 11]])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return default_model()
+
+
+def test_cross_process_equals_one_process(model):
+    # the one test that pays for a spawned process (~3 s)
+    check = check_handover(model, PROMPT, 4, in_process=False)
+    assert check.passed, check
+
+
+@pytest.mark.parametrize("config", [GPTConfig(), GPTConfig(n_kv_head=2)])
+def test_equal_in_fp32_and_fp64(config):
+    checks = check_dtypes(default_model(config=config), PROMPT, 5)
+    assert [c.dtype for c in checks] == ["FP32", "FP64"]
+    for c in checks:
+        assert c.passed, c
+        # 2 x layers x B x H_kv x T x D_h x element size, as numbers, not the function
+        assert c.kv_bytes == 2 * 2 * 2 * config.n_kv_head * 5 * 16 * (4 if c.dtype == "FP32"
+                                                                       else 8)
+
+
+def test_broken_packers_are_caught(model):
+    off = check_handover(model, PROMPT, 4, packer=pack_off_by_one)
+    assert not off.bytes_match and not off.passed
+    zeroed = check_handover(model, PROMPT, 4, packer=pack_zeroed_last_v)
+    assert zeroed.bytes_match and not zeroed.logits_close and not zeroed.passed
+
+
+def _prefilled(model, length=3):
+    logits, cache = model(PROMPT[:, :length], model.new_cache(2), last_only=True)
+    return cache, logits
+
+
+def test_round_trip_is_exact(model):
+    cache, logits = _prefilled(model)
+    back, back_logits = unpack(pack(cache, logits), model.config, torch.float32)
+    assert torch.equal(back_logits, logits)
+    for i in range(model.config.n_layer):
+        assert all(torch.equal(a, b) for a, b in zip(back.layer(i), cache.layer(i), strict=True))
+
+
+def test_static_cache_ships_only_held_rows(model):
+    static = model.new_cache(2, "static", capacity=32)
+    _, static = model(PROMPT[:, :3], static)
+    back, _ = unpack(pack(static), model.config)
+    assert back.seq_len == 3 and back.nbytes() == static.nbytes() * 3 // 32
+
+
+@pytest.mark.parametrize("config, dtype, match", [
+    (GPTConfig(n_layer=3), None, "another model"),
+    (GPTConfig(n_kv_head=2), None, "another model"),
+    (GPTConfig(n_embd=128), None, "another model"),  # head size 32
+    (GPTConfig(), torch.float64, "dtype"),
+    (GPTConfig(n_positions=2), None, "positions"),
+    (GPTConfig(vocab_size=50), None, "logits"),
+])
+def test_wrong_config_refused(model, config, dtype, match):
+    cache, logits = _prefilled(model)
+    with pytest.raises(ValueError, match=match):
+        unpack(pack(cache, logits), config, dtype)
+
+
+@pytest.mark.parametrize("cut", [0, 10, 0.5, -1])
+def test_truncated_payload_refused(model, cut):
+    payload = pack(*_prefilled(model))
+    end = int(len(payload) * cut) if isinstance(cut, float) else cut
+    with pytest.raises(ValueError, match="not a hand-over payload"):
+        unpack(payload[:end], model.config)
+
+
+def test_tensor_shapes_checked_against_stated_sizes(model):
+    # right header, last layer's V one position short: refused, nothing built
+    body = torch.load(io.BytesIO(pack(*_prefilled(model))), weights_only=True)
+    body["v"][-1] = body["v"][-1][:, :, :-1].clone()
+    buffer = io.BytesIO()
+    torch.save(body, buffer)
+    with pytest.raises(ValueError, match="must hold 2 K and 2 V tensors"):
+        unpack(buffer.getvalue(), model.config)
+
+
+def test_window_cache_refused():
+    model = default_model(config=GPTConfig(sliding_window=4))
+    _, cache = model(PROMPT, model.new_cache(2, "window"))
+    with pytest.raises(ValueError, match="every position"):
+        pack(cache)
+
+
+def test_no_logits_no_decode(model):
+    with pytest.raises(ValueError, match="no next-token logits"):
+        disaggregated_generate(model, PROMPT, 2, in_process=True,
+                               packer=lambda cache, logits: pack(cache))
