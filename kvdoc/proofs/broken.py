@@ -70,7 +70,8 @@ class PositionsRestartDecoder(Decoder):
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
                 **options: object) -> DecoderOutput:
-        if options.get("positions") is not None:  # a padded batch's own positions: not this bug
+        # a padded batch's own positions: not this bug
+        if options.get("positions") is not None:
             return super().forward(idx, cache, **options)
         # BUG: positions 0 .. C - 1, as if no cache came before, not P .. P + C - 1
         restart = torch.arange(idx.shape[1], device=idx.device)
@@ -300,7 +301,8 @@ class ClampedPositionsDecoder(Decoder):
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
                 **options: object) -> DecoderOutput:
-        if options.get("positions") is not None:  # a padded batch's own positions: not this bug
+        # a padded batch's own positions: not this bug
+        if options.get("positions") is not None:
             return super().forward(idx, cache, **options)
         start = 0 if cache is None else cache.seq_len
         positions = torch.arange(start, start + idx.shape[1], device=idx.device)
@@ -356,7 +358,8 @@ class PositionCounterDecoder(Decoder):
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
                 **options: object) -> DecoderOutput:
-        if options.get("positions") is not None:  # a padded batch's own positions: not this bug
+        # a padded batch's own positions: not this bug
+        if options.get("positions") is not None:
             return super().forward(idx, cache, **options)
         start = 0 if cache is None else cache.seq_len
         first = 0 if start == 0 else getattr(self, "_counter", 0)  # BUG: ignores start
