@@ -148,7 +148,8 @@ def test_suite_passes_on_the_real_implementation():
     assert {r.check for r in report.results} == set(CHECKS)
     assert all(r.passed is not False for r in report.results)
     # each skips kinds, impls or models it cannot take
-    not_everywhere = ("generate", "crop", "speculative", "int8", "edges", "padded")
+    not_everywhere = ("generate", "crop", "speculative", "int8", "edges", "padded",
+                      "scheduling", "prefix-cache", "handover")
     assert all(r.passed is not None for r in report.results if r.check not in not_everywhere)
 
 
@@ -169,10 +170,11 @@ def test_the_suite_catches_every_variant(name):
     ("static-last-layer-length", {"failure_after"}),  # ... after the last attention
     # in order it is right; the causality rerun of the last call is a second branch
     ("position-counter", {"causality", "crop", "branch", "failure", "failure_after",
-                          "speculative", "edges"}),
+                          "speculative", "edges", "prefix-cache"}),
     ("rope-table-growth", {"fresh"}),            # right after a full forward over the stream
     ("fast-step-snapshot", {"weights"}),         # right until the weights change in place
-    ("last-only-first-row", {"last_only", "prefill_decode", "generate"}),
+    ("last-only-first-row", {"last_only", "prefill_decode", "generate", "scheduling",
+                             "prefix-cache", "handover"}),
 ])
 def test_some_variants_escape_all_but_one_kind_of_check(name, only):
     report = run_suite(name, **FP32)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.core.cache import DynamicCache, KVCache
+from kvdoc.core.config import GPTConfig
 from kvdoc.core.model import Decoder, generate
 from kvdoc.measure.memory import kv_bytes_for_config
 from kvdoc.serving.handover import disaggregated_generate, pack
@@ -102,3 +103,20 @@ def check_dtypes(model: Decoder, prompt: torch.Tensor, max_new_tokens: int,
     """:func:`check_handover` on a copy of ``model`` in each of ``dtypes``."""
     return [check_handover(copy.deepcopy(model).to(d), prompt, max_new_tokens, **kwargs)
             for d in dtypes]
+
+
+def handover_scenario(case, out: list) -> None:
+    """The ``handover`` check on one combination of the grid (a scenario of
+    :mod:`kvdoc.proofs.scenarios`): a prompt of the stream prefilled, packed, unpacked and
+    decoded (in one process: the payload is the same bytes either way), against ``generate``;
+    for the dynamic kind of the model implementation of a K/V model, not applicable elsewhere."""
+    if case.impl != "model" or case.kind != "dynamic" or not isinstance(case.model.config,
+                                                                          GPTConfig):
+        out.append(case.result("handover", None, 0.0,
+                               "a K/V model's own dynamic cache is what a prefill worker ships"))
+        return
+    check = check_handover(case.model, case.ids[:, :9], max_new_tokens=4)
+    out.append(case.result("handover", check.passed, check.logits_error,
+                           f"prefill of 9, packed ({check.payload_bytes} bytes), unpacked, 4 "
+                           f"decode steps vs generate; K/V bytes {check.kv_bytes} == formula "
+                           f"{check.formula_bytes}"))

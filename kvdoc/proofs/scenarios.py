@@ -43,6 +43,8 @@ otherwise; tolerances are :data:`kvdoc.proofs.verify.TOLERANCE` (``atol = rtol``
 * ``prefix-cache``: a few-shot workload through a radix tree
   (:func:`kvdoc.proofs.prefix_cache.prefix_cache_scenario`), each request vs itself alone; on
   the paged kind.
+* ``handover``: a prefill's cache packed, unpacked and decoded from
+  (:func:`kvdoc.proofs.handover.check_handover`); on the dynamic kind of the K/V models.
 
 A scenario appends :class:`CheckResult` s (made by :meth:`Case.result`); ``passed`` is None when
 a check does not apply.
@@ -63,6 +65,7 @@ from kvdoc.serving.speculative import speculative_generate, truncated_draft
 from . import invariants
 from .broken import stale_prefix
 from .grid import CacheSpec, ModelSpec
+from .handover import handover_scenario
 from .prefix_cache import prefix_cache_scenario
 from .scheduling import scheduling_scenario
 from .verify import (
@@ -102,6 +105,7 @@ CHECKS.update(invariants.CHECKS)  # bytes, int8, edges, padded: cache invariants
 CHECKS.update({
     "scheduling": "static, continuous and chunked-prefill runs: each request vs its solo run",
     "prefix-cache": "requests served through a radix prefix cache vs each request alone",
+    "handover": "prefill, cache packed and unpacked, decode vs generate; K/V bytes vs formula",
 })
 
 
@@ -534,7 +538,8 @@ SCENARIOS: dict[str, Callable[[Case, list], None]] = {
     "failure": _failure, "fresh": _fresh, "weights": _weights, "reference": _reference}
 """Scenario name -> function that appends :class:`CheckResult` s."""
 SCENARIOS.update(invariants.SCENARIOS)
-SCENARIOS.update({"scheduling": scheduling_scenario, "prefix-cache": prefix_cache_scenario})
+SCENARIOS.update({"scheduling": scheduling_scenario, "prefix-cache": prefix_cache_scenario,
+                  "handover": handover_scenario})
 
 SCENARIO_CHECK = {"stream": "logits"}
 """The check a scenario's exception is reported under, where it differs from the scenario's name."""

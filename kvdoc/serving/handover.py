@@ -149,10 +149,8 @@ class HandoverRun(NamedTuple):
         return self.payload_bytes - self.kv_bytes - self.logits_bytes
 
 
-def _prefill_payload(config: GPTConfig, state: dict, dtype: torch.dtype, prompt: torch.Tensor,
+def _prefill_payload(model: Decoder, prompt: torch.Tensor,
                      packer: Callable[..., bytes]) -> bytes:
-    model = Decoder(config).to(dtype).eval()
-    model.load_state_dict(state)
     logits, cache = prefill(model, prompt)
     return packer(cache, logits)
 
@@ -170,7 +168,8 @@ def disaggregated_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens:
                            packer: Callable[..., bytes] = pack) -> HandoverRun:
     """Greedy generation whose prefill runs in another process and whose decode runs here.
 
-    The prefill process gets the model's config and weights and the prompt, runs
+    The prefill process gets the model (pickled: its class, config and weights, as a prefill
+    worker holds the same model as the decode worker) and the prompt, runs
     :func:`~kvdoc.core.model.prefill` and sends back ``packer(cache, logits)`` (default
     :func:`pack`) through a pipe; this process :func:`unpack`\\ s it and decodes. With
     ``in_process=True`` the prefill runs here (same payload, no process): for doctests and speed.
@@ -182,7 +181,7 @@ def disaggregated_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens:
         raise ValueError(f"need 1 <= max_new_tokens and prompt + new tokens <= "
                          f"{model.config.n_positions}, got {prompt.shape[1]} + {max_new_tokens}")
     dtype = next(model.parameters()).dtype
-    args = (model.config, model.state_dict(), dtype, prompt, packer)
+    args = (model, prompt, packer)
     if in_process:
         payload = _prefill_payload(*args)
     else:
