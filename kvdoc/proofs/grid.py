@@ -36,6 +36,7 @@ scenario on a given model, and :data:`GRID` is the equivalence grid of the site'
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -73,6 +74,11 @@ a dynamic and a static cache (``run_suite(**GRID, model=...)`` for a given model
 LLAMA = llama_config(vocab_size=89, n_positions=256, n_layer=1, n_head=6, n_embd=96,
                      n_kv_head=2, rope_theta=500000.0, tie_word_embeddings=True)
 """The Llama-style model's config: every size and switch off :class:`GPTConfig`'s default."""
+MLA = MLAConfig(vocab_size=89, n_positions=256, n_layer=1, n_head=3, n_embd=48, n_inner=96,
+                q_lora_rank=12, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=4,
+                v_head_dim=20, layer_norm_epsilon=1e-5, rope_theta=500000.0)
+"""The MLA models' config: every size off :class:`~kvdoc.core.mla.MLAConfig`'s default (V's head
+width differs from the non-rotary key's, so a path that swaps them cannot pass)."""
 
 
 def _decoder(config: GPTConfig | MLAConfig) -> Callable[[int], nn.Module]:
@@ -146,11 +152,10 @@ MODELS: dict[str, ModelSpec] = {
                          transformers_reference, "transformers Mistral, same weights"),
     # MLA: a full forward up-projects the latent; the cached calls do too ("mla") or attend in
     # latent space ("mla-absorbed"), so cached-vs-full compares the absorbed path with the plain
-    "mla": ModelSpec("MLA (DeepSeek-V3), latent 32 + rotary key 8, 4 heads, plain decode",
-                     _decoder(MLAConfig(q_lora_rank=12)), deepseek_reference,
-                     "transformers DeepSeek-V3, same weights"),
+    "mla": ModelSpec("MLA (DeepSeek-V3), latent 24 + rotary key 4, 3 heads, plain decode",
+                     _decoder(MLA), deepseek_reference, "transformers DeepSeek-V3, same weights"),
     "mla-absorbed": ModelSpec("MLA, the same model, cached calls absorbed into the latent",
-                              _decoder(MLAConfig(q_lora_rank=12, absorb=True)),
+                              _decoder(dataclasses.replace(MLA, absorb=True)),
                               deepseek_reference, "transformers DeepSeek-V3, same weights"),
 }
 """Model configurations by name."""
