@@ -74,7 +74,7 @@ repro-check: $(STAMP)  ## two clean builds must write the same site (REPRO_REF=d
 # conditional-numerical-reproducibility path, two threads in every page's kernel (docs/_ipython).
 # The last bits of every float change (as they do on another CPU), so a page that asserts this
 # machine's rounding fails here. The portable kernels are slower, and this check is about
-# numbers, not speed: a cell may take three times the usual limit.
+# numbers, not speed: a cell may take 900 s (600 s elsewhere).
 NUMERIC_ENV := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE KVDOC_THREADS=2 KVDOC_EXECUTE=force \
 	KVDOC_CELL_TIMEOUT=900
 numeric-check: $(STAMP)  ## execute every page again in a second numeric setting (strict, into _build/numeric)

@@ -63,7 +63,7 @@ nb_execution_mode = "force" if _force else "cache"
 # A cell that raises becomes a warning carrying the page name and the cell's traceback, and
 # -W turns it into a failed build. (raise_on_error=True would abort without the traceback.)
 nb_execution_raise_on_error = False
-nb_execution_timeout = int(os.environ.get("KVDOC_CELL_TIMEOUT", "300"))  # seconds per cell
+nb_execution_timeout = int(os.environ.get("KVDOC_CELL_TIMEOUT", "600"))  # seconds per cell
 nb_merge_streams = True
 # The kernels read docs/_ipython/profile_default/ipython_kernel_config.py (quiet start-up).
 os.environ["IPYTHONDIR"] = str(Path(__file__).parent / "_ipython")
