@@ -85,16 +85,9 @@ def transformers_reference(model: nn.Module) -> Reference:
     FP32; there :func:`kvdoc.interop.hf.float64_islands_lifted` makes them follow the model's dtype,
     so the comparison can use the FP64 tolerance. In FP32 transformers runs as shipped.
     """
-    from kvdoc.interop.hf import float64_islands_lifted, to_transformers
+    from kvdoc.interop.hf import to_transformers
 
-    hf = to_transformers(model)
-    lift = float64_islands_lifted if _dtype(model) == torch.float64 else contextlib.nullcontext
-
-    def reference(ids: torch.Tensor) -> torch.Tensor:
-        with lift(hf):
-            return hf(ids).logits
-
-    return reference
+    return _lifted(to_transformers(model), model)
 
 
 def deepseek_reference(model: nn.Module) -> Reference:
@@ -104,9 +97,15 @@ def deepseek_reference(model: nn.Module) -> Reference:
     attends; in FP64 its RMSNorm and rotary angles are lifted to FP64 as for Llama.
     """
     from kvdoc.interop.deepseek import to_deepseek
+
+    return _lifted(to_deepseek(model), model)
+
+
+def _lifted(hf: nn.Module, model: nn.Module) -> Reference:
+    """``ids -> logits`` of the transformers model ``hf``, its FP32 islands lifted to FP64 when
+    ``model`` is FP64."""
     from kvdoc.interop.hf import float64_islands_lifted
 
-    hf = to_deepseek(model)
     lift = float64_islands_lifted if _dtype(model) == torch.float64 else contextlib.nullcontext
 
     def reference(ids: torch.Tensor) -> torch.Tensor:
