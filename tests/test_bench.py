@@ -212,9 +212,15 @@ def test_growth_structure(result):
 
 
 def test_tables_and_figures(result):
-    table = timings_table(result)
-    assert table.count("\n") == 1 + len(PREFIXES) and "KiB" in table and "fast step" in table
-    assert "4" in counts_table(result) and "MFLOP" in flops_table(result)
+    paths = 1 + 8   # header rule; prefill and the seven decode paths
+    for stat in ("p50", "p95"):
+        table = timings_table(result, stat)
+        assert table.count("\n") == paths and "fast step" in table and f"({stat})" in table
+        assert all(f"P = {P} (ms)" in table for P in PREFIXES)
+    with pytest.raises(ValueError, match="p50"):
+        timings_table(result, "mean")
+    counts = counts_table(result)
+    assert counts.count("\n") == 1 + 3 * len(PREFIXES) and "MFLOP" in flops_table(result)
     roof = roofline_table(result)
     assert "GB/s" in roof and roof.count("\n") == 1 + 5  # header rule and five decode paths
     for ablation in (result.ablation, result.roofline["ablation"]):

@@ -448,7 +448,9 @@ def main(args: argparse.Namespace) -> int:
     P = max(result.timings)
     print(f"kvdoc bench: P={P}, G={settings.new_tokens}, {settings.threads} thread(s), FP32, "
           f"{settings.samples} samples per path; {result.environment['cpu']}")
-    print(timings_table(result))
+    print(timings_table(result, "p50"))
+    print()
+    print(timings_table(result, "p95"))
     if result.ablation is not None:
         print()
         print(ablation_table(result.ablation))

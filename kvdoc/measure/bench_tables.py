@@ -42,27 +42,35 @@ def two_figures(x: float) -> str:
     return f"{float(f'{x:.2g}'):g}"
 
 
-def timings_table(result: BenchResult) -> str:
-    """Per prefix: prefill p50, then p50 / p95 (ms for all G steps) of each decode path, final
-    K/V KiB."""
-    order = ("full_all", "full_last", "dynamic", "static", "fast", "lean", "transformers")
+def timings_table(result: BenchResult, stat: str = "p50") -> str:
+    """One row per path (prefill first), one column per prefix P: the ``stat`` ("p50" or "p95")
+    in ms of one prefill call, or of all G steps of a decode path.
+
+    Paths are rows so that the table stays as narrow as the number of prefix lengths.
+    """
+    if stat not in ("p50", "p95"):
+        raise ValueError(f"stat must be 'p50' or 'p95', not {stat!r}")
+    value = result.p50 if stat == "p50" else result.p95
+    order = ("prefill", "full_all", "full_last", "dynamic", "static", "fast", "lean",
+             "transformers")
     paths = [p for p in order if all(p in v for v in result.timings.values())]
-    header = ["prefix P", "prefill p50 (ms)"] + [f"{PATH_LABELS[p]} p50 / p95 (ms)" for p in paths]
-    rows = [[P, f"{result.p50(P, 'prefill'):.3f}"]
-            + [f"{result.p50(P, p):.3f} / {result.p95(P, p):.3f}" for p in paths]
-            + [f"{result.kv_kib[P]:g}"] for P in result.timings]
-    return markdown_table(header + ["final K/V (KiB)"], rows)
+    header = [f"path ({stat})"] + [f"P = {P} (ms)" for P in result.timings]
+    rows = [[PATH_LABELS[p]] + [f"{value(P, p):.3f}" for P in result.timings] for p in paths]
+    return markdown_table(header, rows)
 
 
 def counts_table(result: BenchResult) -> str:
-    """Rows counted by hooks on layer 0's ``c_attn`` and on ``lm_head``, against the closed
-    forms."""
-    header = ["prefix P", "full recompute: c_attn rows (counted)", "G P + G(G+1)/2",
-              "full, all positions: lm_head rows", "full, last position: lm_head rows",
-              "cached: c_attn rows (counted)", "cached: lm_head rows", "G"]
-    rows = [[P, f"{c['full_all_c_attn']:,}", f"{c['formula_full']:,}", f"{c['full_all_lm_head']:,}",
-             f"{c['full_last_lm_head']:,}", f"{c['static_c_attn']:,}", f"{c['static_lm_head']:,}",
-             f"{c['formula_cached']:,}"] for P, c in result.counts.items()]
+    """Rows counted by hooks on layer 0's ``c_attn`` and on ``lm_head`` over the G steps, per
+    prefix and path, beside the closed form of the ``c_attn`` count."""
+    header = ["prefix P", "path", "c_attn (rows, counted)", "c_attn (rows, closed form)",
+              "lm_head (rows, counted)"]
+    rows = []
+    for P, c in result.counts.items():
+        for path, label, formula in (("full_all", "full, all positions", "formula_full"),
+                                     ("full_last", "full, last position", "formula_full"),
+                                     ("static", "cached", "formula_cached")):
+            rows.append([P, label, f"{c[f'{path}_c_attn']:,}", f"{c[formula]:,}",
+                         f"{c[f'{path}_lm_head']:,}"])
     return markdown_table(header, rows)
 
 
