@@ -173,7 +173,7 @@ def timings_figure(result: BenchResult) -> Figure:
     prefixes = list(result.timings)
     paths = [p for p in ("full_all", "full_last", "transformers", "dynamic", "static", "fast")
              if all(p in result.timings[P] for P in prefixes)]
-    fig, ax = plt.subplots(figsize=(7.0, 4.2))
+    fig, ax = plt.subplots(figsize=(7.0, 4.8))
     width = 0.8 / len(paths)
     for i, (path, marker) in enumerate(zip(paths, "osD^vP", strict=False)):
         xs = [k + (i - (len(paths) - 1) / 2) * width for k in range(len(prefixes))]
@@ -185,6 +185,7 @@ def timings_figure(result: BenchResult) -> Figure:
     ax.set_ylabel(f"{result.settings.new_tokens} steps, p50 (ms)")
     ax.set_title("Consuming G fixed tokens after the prefix")
     ax.grid(True, axis="y", which="both", alpha=0.3)
-    ax.legend(fontsize="small")
+    # below the axes: inside, it would hide the dots of the shortest prefix
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
     fig.tight_layout()
     return fig
