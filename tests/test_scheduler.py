@@ -8,10 +8,14 @@ import torch
 
 from kvdoc.core.config import llama_config
 from kvdoc.core.model import Decoder
+from kvdoc.proofs.broken_caches import ForkWithoutCopy, ResumeWithoutRecompute
 from kvdoc.proofs.scheduling import (
+    PREEMPTION_TRACE,
     LeakingScheduler,
     SharedStartScheduler,
+    check_forks,
     check_policies,
+    check_preemption,
     compare_trace_with_alone,
 )
 from kvdoc.proofs.verify import default_model
@@ -96,3 +100,70 @@ def test_scenario_runs_on_the_grid(monkeypatch):
     verdicts = {(r.model, r.kind): r.passed for r in report.results}
     assert verdicts == {("mha", "paged"): True, ("mha", "dynamic"): None,
                         ("llama", "paged"): None, ("llama", "dynamic"): None}
+
+
+# --- preemption by recompute and forks ----------------------------------------------------------
+
+def test_preemption_by_recompute_equals_solo_runs(model):
+    check = check_preemption(model)
+    assert check.passed, check
+    for tight, roomy in zip(check.tight, check.roomy, strict=True):
+        assert tight.preemptions > 0 and tight.recomputed > 0
+        assert roomy.preemptions == 0 == roomy.recomputed
+        assert tight.blocks_peak <= 8 < roomy.blocks_peak
+        assert len(tight.steps) > len(roomy.steps)  # recomputing costs steps
+        kinds = {kind for s in tight.steps for _, _, kind in s.rows}
+        assert "recompute" in kinds and 5 in tight.composition(arrival_trace(
+            **PREEMPTION_TRACE)).unique().tolist()
+
+
+def test_the_victim_is_the_most_recently_admitted(model):
+    # two requests admitted in steps 0 and 1 fill 2 blocks of 3; both grow: the later one goes
+    trace = [Request(0, (1,) * 4, 6, 0), Request(1, (2,) * 4, 6, 1)]
+    run = serve(model, trace, num_blocks=3, preempt=True)
+    first = next(s for s in run.steps if s.preempted)
+    assert first.preempted == ((1, 4),)  # request 1, its 4 positions discarded
+    assert run.tokens[0] == serve(model, trace[:1], num_blocks=3).tokens[0]
+    assert run.invariants_hold
+
+
+def test_broken_preemption_and_forks_are_caught(model):
+    check = check_preemption(model, ResumeWithoutRecompute)
+    assert not check.requests_equal and check.invariants_hold  # the blocks add up; K/V do not
+    forks = check_forks(model, ForkWithoutCopy)
+    assert not forks.samples_equal and forks.invariants_hold
+
+
+def test_forks_share_the_prompt_and_equal_each_sample_alone(model):
+    check = check_forks(model, samples=4, prompt_len=10, output_len=6)
+    assert check.passed, check
+    # 2 full prompt blocks shared; each fork owns a copy of the half-filled third and one more
+    assert check.forked.blocks_peak == 2 + 4 * 2 == Request(
+        0, (0,) * 10, 6, 0, samples=4, seed=0).blocks_needed(4)
+    assert check.copies.blocks_peak == 4 * 4
+    assert len(set(map(tuple, check.forked.samples.values()))) > 1  # the samples differ
+    prefill_tokens = sum(n for s in check.forked.steps for _, n, k in s.rows if k == "prefill")
+    assert prefill_tokens == 10  # the prompt once, not once per sample
+
+
+def test_forks_of_a_block_aligned_prompt_copy_nothing(model):
+    run = serve(model, [Request(0, (3,) * 8, 3, 0, samples=3, seed=1)], num_blocks=16)
+    assert run.invariants_hold and run.blocks_peak == 2 + 3 * 1
+
+
+def test_forks_are_preempted_and_recomputed_alone(model):
+    trace = [Request(0, (1,) * 6, 8, 0, samples=3, seed=2), Request(1, (5,) * 5, 8, 0)]
+    run = serve(model, trace, num_blocks=10, preempt=True)  # the request alone needs 10
+    assert run.preemptions > 0 and run.invariants_hold
+    assert all(c.passed for c in compare_trace_with_alone(model, trace, run))
+
+
+def test_bad_preemption_and_fork_configurations(model):
+    with pytest.raises(ValueError, match="request 0 needs 5 blocks, the pool has 4"):
+        serve(model, [Request(0, (1,) * 10, 10, 0)], num_blocks=4, preempt=True)
+    with pytest.raises(ValueError, match="needs 5 blocks, the pool has 4"):  # 1 + 4 * 1
+        serve(model, [Request(0, (1,) * 6, 1, 0, samples=4, seed=0)], num_blocks=4)
+    with pytest.raises(ValueError, match="need a seed"):
+        serve(model, [Request(0, (1,) * 6, 2, 0, samples=2)], num_blocks=8)
+    with pytest.raises(ValueError, match="preemption needs policy='continuous'"):
+        Scheduler(model, num_blocks=4, policy="static", preempt=True)

@@ -38,7 +38,9 @@ otherwise; tolerances are :data:`kvdoc.proofs.verify.TOLERANCE` (``atol = rtol``
 * ``bytes``, ``int8``, ``edges``, ``padded``: the cache invariants of
   :mod:`kvdoc.proofs.invariants`.
 * ``scheduling``: static, continuous and chunked-prefill schedules of a short arrival trace
-  (:func:`kvdoc.proofs.scheduling.check_policies`), each request vs its solo run; on the paged
+  (:func:`kvdoc.proofs.scheduling.check_policies`), preemption by recompute on a small pool
+  (:func:`~kvdoc.proofs.scheduling.check_preemption`) and seeded forks of one prompt
+  (:func:`~kvdoc.proofs.scheduling.check_forks`), each request vs its solo run; on the paged
   kind of the learned-position models.
 * ``prefix-cache``: a few-shot workload through a radix tree
   (:func:`kvdoc.proofs.prefix_cache.prefix_cache_scenario`), each request vs itself alone; on
@@ -103,7 +105,8 @@ CHECKS: dict[str, str] = {
 """Every check by name, in report order, with what it compares."""
 CHECKS.update(invariants.CHECKS)  # bytes, int8, edges, padded: cache invariants and edges
 CHECKS.update({
-    "scheduling": "static, continuous and chunked-prefill runs: each request vs its solo run",
+    "scheduling": "static, continuous, chunked-prefill, preempting and forking runs: each "
+                  "request vs its solo run",
     "prefix-cache": "requests served through a radix prefix cache vs each request alone",
     "handover": "prefill, cache packed and unpacked, decode vs generate; K/V bytes vs formula",
 })

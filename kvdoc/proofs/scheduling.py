@@ -5,11 +5,22 @@
   prompt + tokens (the logits behind each choice, within :data:`kvdoc.proofs.verify.TOLERANCE`).
 * :func:`check_policies`: static, continuous and chunked-prefill runs of one trace, each compared
   so, with the block invariants of :attr:`~kvdoc.serving.scheduler.ServeRun.invariants_hold`.
+* :func:`check_preemption`: a trace on a pool too small for all its running requests, with
+  preemption by recompute, against a pool large enough: every request as alone, the counts.
+* :func:`check_forks`: a request forked into seeded samples against each sample alone (its own
+  dynamic cache, the same generator seed) and against independent requests; blocks held.
 * Broken schedulers the checks must catch: :class:`SharedStartScheduler` (a newly admitted row
-  embedded from the step's common start instead of its own length) and
-  :class:`LeakingScheduler` (a finished request's table cleared, its blocks never given back).
-* :func:`scheduling_scenario`: the check as a scenario of the verification grid
-  (:mod:`kvdoc.proofs.scenarios` signature), on the paged kind of the learned-position models.
+  embedded from the step's common start instead of its own length),
+  :class:`LeakingScheduler` (a finished request's table cleared, its blocks never given back);
+  in :mod:`kvdoc.proofs.broken_caches`, since they are variants (:mod:`kvdoc.proofs.verify`
+  imports the variants, and this module imports it),
+  :class:`~kvdoc.proofs.broken_caches.ResumeWithoutRecompute` (a preempted request keeps its
+  count of written positions, so it resumes over blocks it gave back) and
+  :class:`~kvdoc.proofs.broken_caches.ForkWithoutCopy` (a fork writes into the block it shares,
+  so its siblings read its K/V).
+* :func:`scheduling_scenario`: the checks as a scenario of the verification grid
+  (:mod:`kvdoc.proofs.scenarios` signature), on the paged kind of the learned-position models;
+  a broken variant's scheduler class comes in as ``case.caches["scheduler"]``.
 
 >>> from kvdoc.proofs.verify import default_model
 >>> from kvdoc.serving.scheduler import arrival_trace, serve
@@ -22,6 +33,11 @@ True
 False
 >>> LeakingScheduler(model, num_blocks=12).run(trace).invariants_hold
 False
+>>> from kvdoc.proofs.broken_caches import ForkWithoutCopy, ResumeWithoutRecompute
+>>> check_preemption(model).passed, check_preemption(model, ResumeWithoutRecompute).passed
+(True, False)
+>>> check_forks(model).passed, check_forks(model, ForkWithoutCopy).passed
+(True, False)
 """
 
 from __future__ import annotations
@@ -31,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdoc.core.model import Decoder, generate
+from kvdoc.core.model import Decoder, decode_step, generate, prefill
 from kvdoc.serving.scheduler import (
     LiveRequest,
     RaggedStep,
@@ -39,6 +55,8 @@ from kvdoc.serving.scheduler import (
     Scheduler,
     ServeRun,
     arrival_trace,
+    choose,
+    sample_generator,
 )
 
 from .verify import DTYPE_NAMES, TOLERANCE, close, max_abs
@@ -65,39 +83,55 @@ class RequestCheck:
     """One served request against its prompt generated alone.
 
     Attributes:
-        rid: the request. logit_error: max ``|served - alone|`` over its steps and the vocabulary.
+        rid, sample: the request and its sample.
+        logit_error: max ``|served - alone|`` over its steps and the vocabulary.
         logits_close: within ``atol = rtol`` of :data:`kvdoc.proofs.verify.TOLERANCE`.
-        same_tokens: the greedy tokens are identical.
+        same_tokens: the tokens (greedy, or drawn with the sample's seed) are identical.
     """
 
     rid: int
     logit_error: float
     logits_close: bool
     same_tokens: bool
+    sample: int = 0
 
     @property
     def passed(self) -> bool:
         return self.logits_close and self.same_tokens
 
 
-def _alone(model: Decoder, request: Request) -> tuple[list[int], torch.Tensor]:
-    """``generate``'s tokens for the prompt alone, and the full forward's logits behind them."""
+def _alone(model: Decoder, request: Request, sample: int = 0) -> tuple[list[int], torch.Tensor]:
+    """The request's tokens alone: ``generate`` (greedy), or for a seeded request, a prefill and
+    decode steps on its own dynamic cache choosing with its sample's generator; and the full
+    forward's logits behind them."""
     device, L = model.wte.weight.device, len(request.prompt)
-    out = generate(model, torch.tensor([request.prompt], device=device), request.output_len)
+    prompt, g = torch.tensor([request.prompt], device=device), sample_generator(request, sample)
+    if g is None:
+        out = generate(model, prompt, request.output_len)
+    else:
+        logits, cache = prefill(model, prompt)
+        tokens = []
+        for _ in range(request.output_len):
+            tokens.append(choose(logits[0, -1], g))
+            if len(tokens) < request.output_len:
+                logits, cache = decode_step(model, torch.tensor([tokens[-1]], device=device),
+                                            cache)
+        out = torch.cat((prompt, torch.tensor([tokens], device=device)), dim=1)
     return out[0, L:].tolist(), model(out[:, :-1]).logits[0, L - 1:]
 
 
 @torch.no_grad()
 def compare_trace_with_alone(model: Decoder, trace: Sequence[Request], run: ServeRun,
                              alone: dict | None = None) -> list[RequestCheck]:
-    """Each request of ``trace`` in ``run`` against ``model`` on its prompt alone (``alone``:
-    rid -> (tokens, logits), to reuse references over several runs)."""
+    """Each sample of each request of ``trace`` in ``run`` against ``model`` on its prompt alone
+    (``alone``: ``(rid, sample)`` -> (tokens, logits), to reuse references over several runs)."""
     tol, checks = TOLERANCE[model.wte.weight.dtype], []
     for r in trace:
-        tokens, ref = alone[r.rid] if alone else _alone(model, r)
-        got = run.logits.get(r.rid, torch.empty(0))
-        checks.append(RequestCheck(r.rid, max_abs(got, ref), close(got, ref, tol),
-                                   run.tokens.get(r.rid) == tokens))
+        for j in range(r.samples):
+            tokens, ref = alone[r.rid, j] if alone else _alone(model, r, j)
+            got = run.sample_logits.get((r.rid, j), torch.empty(0))
+            checks.append(RequestCheck(r.rid, max_abs(got, ref), close(got, ref, tol),
+                                       run.samples.get((r.rid, j)) == tokens, j))
     return checks
 
 
@@ -124,7 +158,8 @@ POLICIES: tuple[dict, ...] = (dict(policy="static", max_batch=4), dict(),
 
 @torch.no_grad()
 def check_policies(model: Decoder, trace: Sequence[Request] | None = None,
-                   num_blocks: int = 16, block_size: int = 4) -> list[PolicyCheck]:
+                   num_blocks: int = 16, block_size: int = 4,
+                   scheduler: type[Scheduler] = Scheduler) -> list[PolicyCheck]:
     """Serve ``trace`` (default: 5 requests, seed 0) under each of :data:`POLICIES`; compare every
     request with its solo run.
 
@@ -133,10 +168,10 @@ def check_policies(model: Decoder, trace: Sequence[Request] | None = None,
     [('static', None, True), ('continuous', None, True), ('continuous', 6, True)]
     """
     trace = trace or arrival_trace(5, prompt_lens=(2, 8), output_lens=(1, 5), max_gap=2)
-    alone = {r.rid: _alone(model, r) for r in trace}
+    alone = {(r.rid, 0): _alone(model, r) for r in trace}
     checks = []
     for options in POLICIES:
-        run = Scheduler(model, num_blocks, block_size, **options).run(trace)
+        run = scheduler(model, num_blocks, block_size, **options).run(trace)
         rows = compare_trace_with_alone(model, trace, run, alone)
         checks.append(PolicyCheck(run.policy, run.token_budget,
                                   max(c.logit_error for c in rows), all(c.passed for c in rows),
@@ -144,18 +179,119 @@ def check_policies(model: Decoder, trace: Sequence[Request] | None = None,
     return checks
 
 
+PREEMPTION_TRACE = dict(n=5, prompt_lens=(4, 8), output_lens=(6, 10), max_gap=1, seed=2)
+""":func:`check_preemption`'s default trace: requests that grow past what a small pool holds."""
+
+
+@dataclass(frozen=True)
+class PreemptionCheck:
+    """A trace served with preemption on a ``tight`` pool (each run: with and without a token
+    budget) against the same on a ``roomy`` one (no preemption), each request vs its solo run.
+
+    Attributes:
+        tight, roomy: the runs, chunked prefill (``token_budget``) first, then prefill-first.
+        requests_equal, invariants_hold: over every run. logit_error: the largest.
+    """
+
+    tight: tuple[ServeRun, ...]
+    roomy: tuple[ServeRun, ...]
+    requests_equal: bool
+    invariants_hold: bool
+    logit_error: float
+
+    @property
+    def passed(self) -> bool:
+        """Every request as alone, the blocks sound, and the tight pool did preempt."""
+        return (self.requests_equal and self.invariants_hold
+                and all(run.preemptions > 0 for run in self.tight))
+
+
+@torch.no_grad()
+def check_preemption(model: Decoder, scheduler: type[Scheduler] = Scheduler,
+                     trace: Sequence[Request] | None = None, tight: int = 8, roomy: int = 32,
+                     block_size: int = 4, token_budget: int = 6) -> PreemptionCheck:
+    """Serve ``trace`` (default :data:`PREEMPTION_TRACE`) with ``preempt=True`` on ``tight`` and
+    ``roomy`` blocks, with and without ``token_budget``; compare every request with its solo
+    run."""
+    trace = trace or arrival_trace(**PREEMPTION_TRACE)
+    alone = {(r.rid, 0): _alone(model, r) for r in trace}
+    runs = {blocks: tuple(scheduler(model, blocks, block_size, token_budget=b, preempt=True)
+                          .run(trace) for b in (token_budget, None)) for blocks in (tight, roomy)}
+    rows = [c for group in runs.values() for run in group
+            for c in compare_trace_with_alone(model, trace, run, alone)]
+    return PreemptionCheck(runs[tight], runs[roomy], all(c.passed for c in rows),
+                           all(run.invariants_hold for g in runs.values() for run in g),
+                           max(c.logit_error for c in rows))
+
+
+@dataclass(frozen=True)
+class ForkCheck:
+    """One request forked into seeded samples vs each sample alone, and vs independent requests.
+
+    Attributes:
+        forked: the run of the forked request. copies: the same samples as independent
+            requests (request ``j``: seed ``seed + j``, so its generator is sample ``j``'s).
+        samples_equal: every sample's tokens and logits equal the sample run alone.
+        copies_equal: sample ``j``'s tokens equal request ``j``'s. invariants_hold: both runs.
+    """
+
+    forked: ServeRun
+    copies: ServeRun
+    samples_equal: bool
+    copies_equal: bool
+    invariants_hold: bool
+    logit_error: float
+
+    @property
+    def passed(self) -> bool:
+        return self.samples_equal and self.copies_equal and self.invariants_hold
+
+
+@torch.no_grad()
+def check_forks(model: Decoder, scheduler: type[Scheduler] = Scheduler, samples: int = 4,
+                prompt_len: int = 10, output_len: int = 6, seed: int = 5, num_blocks: int = 32,
+                block_size: int = 4) -> ForkCheck:
+    """A request of ``prompt_len`` tokens forked into ``samples`` (a prompt length that is not
+    a multiple of ``block_size`` leaves its last block partly filled: every fork but the last
+    writer copies it)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = tuple(torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g).tolist())
+    request = Request(0, prompt, output_len, 0, samples=samples, seed=seed)
+    copies = [Request(j, prompt, output_len, 0, seed=seed + j) for j in range(samples)]
+    forked = scheduler(model, num_blocks, block_size).run([request])
+    alone = scheduler(model, num_blocks, block_size).run(copies)
+    rows = compare_trace_with_alone(model, [request], forked)
+    same = all(forked.samples[0, j] == alone.tokens[j] for j in range(samples))
+    return ForkCheck(forked, alone, all(c.passed for c in rows), same,
+                     forked.invariants_hold and alone.invariants_hold,
+                     max(c.logit_error for c in rows))
+
+
 def scheduling_scenario(case, out: list) -> None:
-    """The ``scheduling`` check on one combination of the grid (a scenario of
-    :mod:`kvdoc.proofs.scenarios`): :func:`check_policies` on the case's model, for the paged
-    kind of the model implementation of a learned-position model; not applicable elsewhere."""
+    """The ``scheduling`` checks on one combination of the grid (a scenario of
+    :mod:`kvdoc.proofs.scenarios`): :func:`check_policies`, :func:`check_preemption` and
+    :func:`check_forks` on the case's model, for the paged kind of the model implementation of a
+    learned-position model; not applicable elsewhere. A broken variant's scheduler class is
+    ``case.caches["scheduler"]``."""
     model = case.model
     if case.impl != "model" or case.kind != "paged" or getattr(model, "wpe", None) is None:
         out.append(case.result("scheduling", None, 0.0,
                                "the scheduler runs the model itself, paged, learned positions"))
         return
-    checks = check_policies(model)
-    ok = all(c.passed for c in checks)
-    out.append(case.result("scheduling", ok, max(c.logit_error for c in checks),
+    scheduler, name = case.caches.get("scheduler", Scheduler), DTYPE_NAMES[case.dtype]
+    checks = check_policies(model, scheduler=scheduler)
+    out.append(case.result("scheduling", all(c.passed for c in checks),
+                           max(c.logit_error for c in checks),
                            "static, continuous and chunked-prefill runs of a 5-request trace, "
-                           f"each request vs its solo run ({DTYPE_NAMES[case.dtype]}); "
+                           f"each request vs its solo run ({name}); "
                            "blocks held == blocks named, free + held == pool"))
+    pre = check_preemption(model, scheduler)
+    out.append(case.result("scheduling", pre.passed, pre.logit_error,
+                           f"preemption by recompute on {pre.tight[0].num_blocks} blocks "
+                           f"({', '.join(str(r.preemptions) for r in pre.tight)} preemptions), "
+                           f"each request vs its solo run ({name}); refcounts == holders"))
+    forks = check_forks(model, scheduler)
+    out.append(case.result("scheduling", forks.passed, forks.logit_error,
+                           f"{len(forks.forked.samples)} seeded forks of one prompt, copy-on-write"
+                           f", each vs its sample alone and vs an independent request ({name}); "
+                           f"blocks {forks.forked.blocks_peak} vs {forks.copies.blocks_peak}"))

@@ -54,7 +54,9 @@ class BrokenVariant:
     :class:`~kvdoc.core.model.Decoder`, so not an MLA model (:mod:`kvdoc.core.mla`)."""
     caches: Mapping[str, Callable] = field(default_factory=dict)
     """Broken cache factories ``(model, batch, capacity) -> cache`` in place of the real ones, by
-    kind of :data:`kvdoc.proofs.grid.CACHES` (or ``"int8"``, the ``int8`` scenario's cache)."""
+    kind of :data:`kvdoc.proofs.grid.CACHES` (or ``"int8"``, the ``int8`` scenario's cache; or
+    ``"scheduler"``, the ``scheduling`` scenario's :class:`~kvdoc.serving.scheduler.Scheduler`
+    class)."""
     kinds: tuple[str, ...] | None = None
     """The cache kinds it runs on (those its broken caches replace); None: every kind."""
 
@@ -62,7 +64,8 @@ class BrokenVariant:
 BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-query attention",
                "last_only and generation", "crop and branch", "shared path", "failure mid-call",
                "rotary positions", "state across calls", "configuration value", "stale weights",
-               "byte accounting", "int8 contract", "ring and block edges", "padded batches")
+               "byte accounting", "int8 contract", "ring and block edges", "padded batches",
+               "preemption and forks")
 """The kinds of mistake the variants stand for."""
 
 def _copy(cls: type[Decoder]) -> Callable[[Decoder], Decoder]:
@@ -161,6 +164,15 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   "the fast decode step ignores the padding arguments (positions, pad mask)",
                   _copy(broken.PaddingBlindFastDecoder), "padded batches", models=("gqa",),
                   kinds=("static",)),
+    BrokenVariant("preempt-without-recompute",
+                  "a preempted request gives its blocks back but keeps its count of written "
+                  "positions, so it resumes without re-prefilling prompt and tokens",
+                  _copy(Decoder), "preemption and forks", models=("mha",), kinds=("paged",),
+                  caches={"scheduler": broken_caches.ResumeWithoutRecompute}),
+    BrokenVariant("fork-without-copy",
+                  "a fork writes into the prompt block it shares with its siblings, no copy",
+                  _copy(Decoder), "preemption and forks", models=("mha",), kinds=("paged",),
+                  caches={"scheduler": broken_caches.ForkWithoutCopy}),
     BrokenVariant("rope-table-growth",
                   "RoPE's cos/sin table, built on the first call, grows with rows from position 0",
                   broken_rope.growing_table, "state across calls", models=ROPE_MODELS),

@@ -41,10 +41,23 @@ variable-length kernels that read each sequence's blocks through its block table
 packed tokens except attention, which is computed per request. The padding here costs time,
 not correctness.
 
-Admission never over-commits: a request is admitted only if the free blocks, less those the
-running requests will still need, cover its whole final length (prompt + output - 1 positions),
-so no request is ever preempted. Blocks are still taken as positions are written, so the
-memory held per step is what is filled, rounded up to blocks.
+**Admission and preemption.** By default admission never over-commits: a request is admitted
+only if the free blocks, less those the running requests will still need, cover its whole final
+length (prompt + output - 1 positions, :meth:`Request.blocks_needed`), so no request is ever
+preempted. With ``preempt=True`` a request is admitted when the free blocks cover what it and
+the running requests write next, as vLLM admits; when a row then cannot get a block, the most
+recently admitted request (vLLM's policy) is preempted by recompute: all its blocks are given
+back, it goes to the front of the waiting queue with its prompt and the tokens it has chosen,
+and when admitted again it prefills that whole sequence (its tokens are kept, never chosen
+again). Either way blocks are taken as positions are written, so the memory held per step is
+what is filled, rounded up to blocks.
+
+**Forks.** A request with ``samples=n`` (and a ``seed``) prefills its prompt once; when the
+prompt's last position has its logits, it forks into ``n`` sequences that share every block of
+the prompt (one reference each, :meth:`BlockPool.share`). Each draws its tokens with its own
+generator (:func:`sample_generator`, :func:`choose`); the first write of a fork into a shared
+block, the prompt's partly filled last block, copies it first (copy-on-write,
+:meth:`BlockPool.copy`), as vLLM's block manager did for parallel sampling and beam search.
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> _ = torch.manual_seed(0)
@@ -66,6 +79,7 @@ True
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -94,11 +108,48 @@ class Request:
     prompt: tuple[int, ...]
     output_len: int
     arrival: int
+    samples: int = 1
+    """Sequences it forks into once its prompt is in (parallel sampling), each ``output_len``."""
+    seed: int | None = None
+    """None: greedy; else sample ``j`` draws from generator seed ``seed + j``."""
 
     @property
     def final_len(self) -> int:
         """Positions its cache holds when it finishes: the last token is chosen, never fed."""
         return len(self.prompt) + self.output_len - 1
+
+    def blocks_needed(self, block_size: int) -> int:
+        """Most blocks it holds at once: the prompt's full blocks once, shared by its samples,
+        and every other block of its final length once per sample.
+
+        >>> Request(0, (1,) * 6, 3, 0, samples=4, seed=0).blocks_needed(4)  # 1 + 4 * (2 - 1)
+        5
+        """
+        shared = len(self.prompt) // block_size
+        return shared + self.samples * (math.ceil(self.final_len / block_size) - shared)
+
+
+def sample_generator(request: Request, sample: int = 0) -> torch.Generator | None:
+    """The generator sample ``sample`` of ``request`` draws from (None: greedy)."""
+    if request.seed is None:
+        return None
+    return torch.Generator().manual_seed(request.seed + sample)
+
+
+def choose(logits: torch.Tensor, generator: torch.Generator | None) -> int:
+    """The next token from ``[V]`` logits: the argmax without a generator; with one, a draw
+    from ``softmax(logits)`` by the Gumbel-max trick, ``argmax(logits - log(-log U))`` with
+    ``U`` uniform from ``generator`` (float64 on the CPU, so the draw is the same on any device
+    and for the same generator state; the logits decide only through their argmax).
+
+    >>> logits = torch.tensor([0.0, 3.0, 1.0])
+    >>> choose(logits, None), choose(logits, torch.Generator().manual_seed(0))
+    (1, 1)
+    """
+    if generator is None:
+        return int(logits.argmax())
+    u = torch.rand(logits.shape[-1], generator=generator, dtype=torch.float64)
+    return int((logits.detach().double().cpu() - torch.log(-torch.log(u))).argmax())
 
 
 def arrival_trace(n: int = 8, prompt_lens: tuple[int, int] = (2, 16),
@@ -210,28 +261,42 @@ class RaggedStep(KVCache):
         return torch.where(j < new, past + j, 0)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the scheduler finds it in its lists
 class LiveRequest:
-    """A request the scheduler holds: its blocks, positions written, and what it produced."""
+    """One sequence the scheduler holds (a request, or one sample of it): its blocks, positions
+    written, and what it produced."""
 
     req: Request
+    sample: int = 0
+    generator: torch.Generator | None = None
     table: list[int] = field(default_factory=list)
     fed: int = 0
     tokens: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     emitted: list[int] = field(default_factory=list)  # the step of each token
+    preemptions: int = 0
+    forks_pending: bool = False
 
     @property
     def done(self) -> bool:
         return len(self.tokens) == self.req.output_len
 
+    @property
+    def seq(self) -> list[int]:
+        """Its prompt and the tokens chosen so far: what a recompute prefills."""
+        return [*self.req.prompt, *self.tokens]
+
+    @property
+    def decoding(self) -> bool:
+        """Every position but its last token's is written: it feeds that one token next."""
+        return bool(self.tokens) and self.fed == len(self.req.prompt) + len(self.tokens) - 1
+
     def next_ids(self, budget: int | None) -> list[int]:
-        """What it feeds next: (a chunk of) its prompt, or its last token."""
-        L = len(self.req.prompt)
-        if self.fed < L:
-            end = L if budget is None else min(L, self.fed + budget)
-            return list(self.req.prompt[self.fed:end])
-        return [self.tokens[-1]]
+        """What it feeds next: (a chunk of) what it has not written yet, which is its last token
+        when decoding, its prompt (and, after a preemption, its tokens) otherwise."""
+        seq = self.seq
+        end = len(seq) if budget is None else min(len(seq), self.fed + budget)
+        return seq[self.fed:end]
 
 
 @dataclass(frozen=True)
@@ -239,12 +304,16 @@ class StepRecord:
     """One step of a run.
 
     Attributes:
-        step: its index. rows: ``(rid, new tokens, "prefill" or "decode")`` per row of the forward.
+        step: its index. rows: ``(rid, new tokens, kind)`` per row of the forward, kind
+            ``"prefill"``, ``"recompute"`` (a preempted request prefilling again) or
+            ``"decode"``.
         waiting: rids arrived but not admitted. holding: rids admitted, not in this forward.
         blocks_held: ``pool.num_used`` after the step (finished requests retired).
         blocks_named: distinct blocks the live requests' tables name. blocks_free: the free list.
-        lengths_ok: every live request's table covers exactly its written positions, and a
-            decoding request has written prompt + tokens - 1 of them.
+        lengths_ok: every live request's table covers exactly its written positions, and one
+            that has tokens and was never preempted has written prompt + tokens - 1 of them.
+        refs_ok: every block's reference count is the number of live tables naming it.
+        preempted: ``(rid, positions discarded)`` per request preempted in this step.
     """
 
     step: int
@@ -255,6 +324,8 @@ class StepRecord:
     blocks_named: int
     blocks_free: int
     lengths_ok: bool
+    refs_ok: bool = True
+    preempted: tuple[tuple[int, int], ...] = ()
 
     @property
     def occupancy(self) -> int:
@@ -273,8 +344,11 @@ class ServeRun:
 
     Attributes:
         policy, token_budget: how it was scheduled. num_blocks, block_nbytes: the pool.
-        tokens: rid -> its greedy tokens. logits: rid -> ``[output_len, V]``, behind each token.
-        emitted: rid -> the step each token came out. steps: one :class:`StepRecord` per step.
+        tokens: rid -> its tokens (its first sample's). logits: rid -> ``[output_len, V]``,
+            behind each token. emitted: rid -> the step each token came out.
+        steps: one :class:`StepRecord` per step.
+        samples, sample_logits: ``(rid, sample)`` -> tokens and logits, every sample of every
+            request.
     """
 
     policy: str
@@ -285,13 +359,32 @@ class ServeRun:
     logits: dict[int, torch.Tensor]
     emitted: dict[int, list[int]]
     steps: list[StepRecord]
+    samples: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    sample_logits: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @property
     def invariants_hold(self) -> bool:
-        """At every step: blocks held == blocks the tables name, free + held == the pool, and
-        every request's cache length is its tokens so far (:attr:`StepRecord.lengths_ok`)."""
+        """At every step: blocks held == blocks the tables name, free + held == the pool,
+        reference counts == holders (:attr:`StepRecord.refs_ok`), every request's cache length
+        is its tokens so far (:attr:`StepRecord.lengths_ok`); at the end every block free."""
         return all(s.blocks_held == s.blocks_named and s.blocks_free + s.blocks_held
-                   == self.num_blocks and s.lengths_ok for s in self.steps)
+                   == self.num_blocks and s.lengths_ok and s.refs_ok for s in self.steps
+                   ) and self.steps[-1].blocks_free == self.num_blocks
+
+    @property
+    def preemptions(self) -> int:
+        """Requests preempted over the run (one request may be preempted more than once)."""
+        return sum(len(s.preempted) for s in self.steps)
+
+    @property
+    def recomputed(self) -> int:
+        """Positions whose K/V a preemption discarded and a later prefill computed again."""
+        return sum(n for s in self.steps for _, n in s.preempted)
+
+    @property
+    def blocks_peak(self) -> int:
+        """Most blocks held after any step."""
+        return max(s.blocks_held for s in self.steps)
 
     def decode_gaps(self) -> list[int]:
         """Steps between consecutive tokens of one request, over every request."""
@@ -303,13 +396,13 @@ class ServeRun:
 
     def composition(self, trace: Sequence[Request]) -> torch.Tensor:
         """``[requests, steps]`` int: 0 not arrived or gone, 1 waiting, 2 holding blocks outside
-        the forward, 3 prefill, 4 decode (the batch's composition over time)."""
+        the forward, 3 prefill, 4 decode, 5 recompute (the batch's composition over time)."""
         grid = torch.zeros(len(trace), len(self.steps), dtype=torch.long)
         for s in self.steps:
             grid[list(s.waiting), s.step] = 1
             grid[list(s.holding), s.step] = 2
             for rid, _, kind in s.rows:
-                grid[rid, s.step] = 3 if kind == "prefill" else 4
+                grid[rid, s.step] = {"prefill": 3, "decode": 4, "recompute": 5}[kind]
         return grid
 
 
@@ -320,14 +413,17 @@ class Scheduler:
     Args:
         model: a decoder with learned positions (GPT-2 style).
         num_blocks, block_size: the pool.
-        max_batch: most requests admitted at once (default: as many as the blocks allow).
+        max_batch: most sequences admitted at once (default: as many as the blocks allow; a
+            request's forks join it regardless).
         token_budget: new tokens per step (continuous only): chunked prefill.
         policy: ``"continuous"`` or ``"static"``.
+        preempt: admit on what the next step writes and preempt by recompute when blocks run
+            out (continuous only), instead of admitting only what fits to the end.
     """
 
     def __init__(self, model: Decoder, num_blocks: int, block_size: int = 4,
                  max_batch: int | None = None, token_budget: int | None = None,
-                 policy: Policy = "continuous") -> None:
+                 policy: Policy = "continuous", preempt: bool = False) -> None:
         if model.wpe is None:
             raise ValueError("a ragged step needs per-row positions; this model uses RoPE, "
                              "which kvdoc.core.rope.apply_rope turns from one start per batch")
@@ -337,12 +433,15 @@ class Scheduler:
             check_int("token_budget", token_budget)
             if policy == "static":
                 raise ValueError("a token budget needs policy='continuous'")
+        if preempt and policy == "static":
+            raise ValueError("preemption needs policy='continuous'")
         if max_batch is not None:
             check_int("max_batch", max_batch)
         weight = model.wte.weight
         self.model, self.config = model, model.config
         self.pool = BlockPool(model.config, num_blocks, block_size, weight.dtype, weight.device)
         self.max_batch, self.token_budget, self.policy = max_batch, token_budget, policy
+        self.preempt_on = preempt
 
     def blocks_for(self, positions: int) -> int:
         return math.ceil(positions / self.pool.block_size)
@@ -352,6 +451,35 @@ class Scheduler:
         self.pool.release(live.table)
         live.table.clear()
 
+    def preempt(self, live: LiveRequest) -> int:
+        """Preemption by recompute: give every block back and forget every written position (its
+        tokens stay); returns the positions discarded."""
+        discarded = live.fed
+        self.pool.release(live.table)
+        live.table.clear()
+        live.fed = 0
+        live.preemptions += 1
+        return discarded
+
+    def blocks_to_write(self, live: LiveRequest, end: int) -> int:
+        """Blocks to copy or allocate before ``live`` writes positions ``fed .. end - 1``."""
+        first, last = live.fed // self.pool.block_size, self.blocks_for(end)
+        shared = sum(self.pool.refs(b) > 1 for b in live.table[first:last])
+        return max(0, last - len(live.table)) + shared
+
+    def reserve(self, live: LiveRequest, end: int) -> bool:
+        """Own every block positions ``fed .. end - 1`` of ``live`` fall in: a block it shares is
+        copied first (copy-on-write), missing ones are allocated. False, changing nothing, when
+        the pool has too few free blocks."""
+        if self.blocks_to_write(live, end) > self.pool.num_free:
+            return False
+        first, last = live.fed // self.pool.block_size, self.blocks_for(end)
+        for n in range(first, min(last, len(live.table))):
+            if self.pool.refs(live.table[n]) > 1:
+                live.table[n] = self.pool.copy(live.table[n])
+        live.table.extend(self.pool.allocate(max(0, last - len(live.table))))
+        return True
+
     def positions(self, view: RaggedStep) -> torch.Tensor:
         return view.positions()
 
@@ -360,29 +488,44 @@ class Scheduler:
             if r.final_len > self.config.n_positions:
                 raise ValueError(f"request {r.rid} needs {r.final_len} positions, the model has "
                                  f"{self.config.n_positions}")
-            if self.blocks_for(r.final_len) > self.pool.num_blocks:
-                raise ValueError(f"request {r.rid} needs {self.blocks_for(r.final_len)} blocks, "
-                                 f"the pool has {self.pool.num_blocks}")
             if not r.prompt or r.output_len < 1:
                 raise ValueError(f"request {r.rid} needs a prompt and at least one output token")
+            check_int("samples", r.samples)
+            if r.samples > 1 and r.seed is None:
+                raise ValueError(f"request {r.rid} forks {r.samples} samples; they need a seed "
+                                 "(greedy samples would all be the same)")
+            need = r.blocks_needed(self.pool.block_size)
+            if need > self.pool.num_blocks:
+                raise ValueError(f"request {r.rid} needs {need} blocks, "
+                                 f"the pool has {self.pool.num_blocks}")
 
-    def _admit(self, waiting: list[Request], live: list[LiveRequest], step: int) -> None:
+    def _admit(self, waiting: list[LiveRequest], live: list[LiveRequest], step: int) -> None:
         """Admit arrived requests in order while the blocks not yet promised cover them."""
         if self.policy == "static" and live:
             return
-        promised = sum(self.blocks_for(x.req.final_len) - len(x.table) for x in live)
-        while waiting and waiting[0].arrival <= step:
-            need = self.blocks_for(waiting[0].final_len)
+        S = self.pool.block_size
+        if self.preempt_on:  # what the running requests write next
+            promised = sum(self.blocks_to_write(x, len(x.seq)) for x in live)
+        else:  # what they hold at most, to the end, less what they hold now
+            held: dict[int, set[int]] = {}
+            for x in live:
+                held.setdefault(x.req.rid, set()).update(x.table)
+            reqs = {x.req.rid: x.req for x in live}
+            promised = sum(r.blocks_needed(S) - len(held[rid]) for rid, r in reqs.items())
+        while waiting and waiting[0].req.arrival <= step:
+            x = waiting[0]
+            need = (self.blocks_for(len(x.seq)) if self.preempt_on
+                    else x.req.blocks_needed(S))
             full = self.max_batch is not None and len(live) >= self.max_batch
             if full or need > self.pool.num_free - promised:
                 return
-            live.append(LiveRequest(waiting.pop(0)))
+            live.append(waiting.pop(0))
             promised += need
 
     def _compose(self, live: list[LiveRequest]) -> list[tuple[LiveRequest, list[int]]]:
         """Which requests feed what this step."""
-        prefilling = [x for x in live if x.fed < len(x.req.prompt)]
-        decoding = [x for x in live if x.fed >= len(x.req.prompt) and not x.done]
+        prefilling = [x for x in live if not x.decoding]
+        decoding = [x for x in live if x.decoding and not x.done]
         if self.token_budget is None:
             # prefill first (static batching's first step is all prefill too)
             return [(x, x.next_ids(None)) for x in (prefilling or decoding)]
@@ -394,10 +537,23 @@ class Scheduler:
             budget -= len(rows[-1][1])
         return rows
 
+    def _make_room(self, rows: list[tuple[LiveRequest, list[int]]], live: list[LiveRequest],
+                   waiting: list[LiveRequest]) -> list[tuple[int, int]]:
+        """Reserve every row's blocks, oldest admitted first; while one cannot get them, preempt
+        the most recently admitted sequence (vLLM's policy), which may be that row itself. A
+        preempted row leaves ``rows``; returns ``(rid, positions discarded)`` per preemption."""
+        preempted = []
+        for x, ids in sorted(rows, key=lambda row: live.index(row[0])):
+            while x in live and not self.reserve(x, x.fed + len(ids)):
+                victim = live.pop()
+                preempted.append((victim.req.rid, self.preempt(victim)))
+                waiting.insert(0, victim)  # first in line, as vLLM puts it back
+        rows[:] = [(x, ids) for x, ids in rows if x in live]
+        return preempted
+
     @torch.no_grad()
-    def _forward(self, rows: list[tuple[LiveRequest, list[int]]], step: int) -> None:
-        for x, ids in rows:  # own the blocks the new positions fall in
-            x.table.extend(self.pool.allocate(self.blocks_for(x.fed + len(ids)) - len(x.table)))
+    def _forward(self, rows: list[tuple[LiveRequest, list[int]]], live: list[LiveRequest],
+                 step: int) -> None:
         view = RaggedStep(self.pool, [x.table for x, _ in rows], [x.fed for x, _ in rows],
                           [len(ids) for _, ids in rows])
         C, device = max(view.new), self.model.wte.weight.device
@@ -406,53 +562,71 @@ class Scheduler:
                             attn_mask=view.mask()).logits  # [B, C, V]
         for b, (x, ids) in enumerate(rows):
             x.fed += len(ids)
-            if x.fed >= len(x.req.prompt):  # the prompt is in: this row chooses a token
-                x.logits.append(logits[b, len(ids) - 1])
-                x.tokens.append(int(logits[b, len(ids) - 1].argmax()))
-                x.emitted.append(step)
+            if x.fed < len(x.seq):
+                continue  # a chunk: more to prefill before this row chooses a token
+            row = logits[b, len(ids) - 1]
+            x.logits.append(row)
+            x.tokens.append(choose(row, x.generator))
+            x.emitted.append(step)
+            if x.forks_pending:  # the prompt is in: fork its samples off its blocks
+                x.forks_pending = False
+                forks = [LiveRequest(x.req, j, g, list(x.table), x.fed, [choose(row, g)], [row],
+                                     [step]) for j in range(1, x.req.samples)
+                         for g in [sample_generator(x.req, j)]]
+                for y in forks:
+                    self.pool.share(y.table)
+                at = live.index(x) + 1
+                live[at:at] = forks
 
     def _lengths_ok(self, live: list[LiveRequest]) -> bool:
-        L = [len(x.req.prompt) for x in live]
-        return all(len(x.table) == self.blocks_for(x.fed)
-                   and (not x.tokens or x.fed == n + len(x.tokens) - 1)
-                   for x, n in zip(live, L, strict=True))
+        return all(len(x.table) == self.blocks_for(x.fed) and x.fed < len(x.seq)
+                   and (x.decoding or not x.tokens or x.preemptions > 0) for x in live)
+
+    def _refs_ok(self, live: list[LiveRequest]) -> bool:
+        holders = Counter(b for x in live for b in x.table)
+        return all(self.pool.refs(b) == holders[b] for b in range(self.pool.num_blocks))
 
     def run(self, trace: Sequence[Request]) -> ServeRun:
         """Serve ``trace`` until every request has its tokens; returns what each produced and a
         record of every step."""
         self._check(trace)
-        waiting = sorted(trace, key=lambda r: (r.arrival, r.rid))
+        waiting = [LiveRequest(r, 0, sample_generator(r, 0), forks_pending=r.samples > 1)
+                   for r in sorted(trace, key=lambda r: (r.arrival, r.rid))]
         live: list[LiveRequest] = []
-        done: dict[int, LiveRequest] = {}
+        done: dict[tuple[int, int], LiveRequest] = {}
         steps: list[StepRecord] = []
         while waiting or live:
             step = len(steps)
             self._admit(waiting, live, step)
-            if not live and waiting and waiting[0].arrival <= step:  # nothing will free blocks
-                raise ValueError(f"request {waiting[0].rid} cannot be admitted: "
+            if not live and waiting and waiting[0].req.arrival <= step:  # nothing frees blocks
+                raise ValueError(f"request {waiting[0].req.rid} cannot be admitted: "
                                  f"{self.pool.num_free} blocks free of {self.pool.num_blocks}")
             rows = self._compose(live) if live else []
-            kinds = tuple((x.req.rid, len(ids), "prefill" if x.fed < len(x.req.prompt)
-                           else "decode") for x, ids in rows)
+            preempted = self._make_room(rows, live, waiting)
+            kinds = tuple((x.req.rid, len(ids), "decode" if x.decoding else
+                           "recompute" if x.preemptions else "prefill") for x, ids in rows)
             if rows:
-                self._forward(rows, step)
-            in_step = {x.req.rid for x, _ in rows}
-            holding = tuple(x.req.rid for x in live if x.req.rid not in in_step)
+                self._forward(rows, live, step)
+            in_step = {id(x) for x, _ in rows}
+            holding = tuple(x.req.rid for x in live if id(x) not in in_step)
             finished = [x for x in live if x.done]
             if self.policy == "continuous" or len(finished) == len(live):
                 for x in finished:
-                    done[x.req.rid] = x
+                    done[x.req.rid, x.sample] = x
                     self.retire(x)
                 live = [x for x in live if not x.done]
             named = {b for x in live for b in x.table}
             steps.append(StepRecord(
-                step, kinds,
-                tuple(r.rid for r in waiting if r.arrival <= step), holding,
-                self.pool.num_used, len(named), self.pool.num_free, self._lengths_ok(live)))
+                step, kinds, tuple(x.req.rid for x in waiting if x.req.arrival <= step),
+                holding, self.pool.num_used, len(named), self.pool.num_free,
+                self._lengths_ok(live), self._refs_ok(live), tuple(preempted)))
+        first = {rid: x for (rid, j), x in sorted(done.items()) if j == 0}
         return ServeRun(self.policy, self.token_budget, self.pool.num_blocks,
-                        self.pool.block_nbytes, {r: x.tokens for r, x in sorted(done.items())},
-                        {r: torch.stack(x.logits) for r, x in sorted(done.items())},
-                        {r: x.emitted for r, x in sorted(done.items())}, steps)
+                        self.pool.block_nbytes, {r: x.tokens for r, x in first.items()},
+                        {r: torch.stack(x.logits) for r, x in first.items()},
+                        {r: x.emitted for r, x in first.items()}, steps,
+                        {k: x.tokens for k, x in sorted(done.items())},
+                        {k: torch.stack(x.logits) for k, x in sorted(done.items())})
 
 
 def serve(model: Decoder, trace: Sequence[Request], num_blocks: int, block_size: int = 4,
