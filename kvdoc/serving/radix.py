@@ -1,8 +1,8 @@
 """A radix-tree prefix cache over token ids whose nodes own blocks of a paged pool.
 
-This is the idea of SGLang's RadixAttention (Zheng et al., 2023, arXiv 2312.07104), written for
-reading rather than speed. A finished request leaves its K/V behind in a :class:`RadixCache`: a
-tree whose edges are runs of token ids and whose nodes own the
+This is the idea of SGLang's RadixAttention (Zheng et al., NeurIPS 2024; arXiv 2312.07104),
+written for reading rather than speed. A finished request leaves its K/V behind in a
+:class:`RadixCache`: a tree whose edges are runs of token ids and whose nodes own the
 :class:`~kvdoc.serving.paged.BlockPool` blocks that hold those tokens' K/V. A new request first
 looks up the longest prefix of its prompt in the tree; its
 :class:`~kvdoc.serving.paged.PagedCache` starts from those blocks, shared, and only the rest of
