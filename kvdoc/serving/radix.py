@@ -1,8 +1,8 @@
 """A radix-tree prefix cache over token ids whose nodes own blocks of a paged pool.
 
-This is the idea of SGLang's RadixAttention (Zheng et al., 2023, arXiv 2312.07104), written for
-reading rather than speed. A finished request leaves its K/V behind in a :class:`RadixCache`: a
-tree whose edges are runs of token ids and whose nodes own the
+This is the idea of SGLang's RadixAttention (Zheng et al., NeurIPS 2024; arXiv 2312.07104),
+written for reading rather than speed. A finished request leaves its K/V behind in a
+:class:`RadixCache`: a tree whose edges are runs of token ids and whose nodes own the
 :class:`~kvdoc.serving.paged.BlockPool` blocks that hold those tokens' K/V. A new request first
 looks up the longest prefix of its prompt in the tree; its
 :class:`~kvdoc.serving.paged.PagedCache` starts from those blocks, shared, and only the rest of
@@ -381,36 +381,42 @@ class Turn:
     after: int | None = None
 
 
-def few_shot_workload(seed: int = 0, requests: int = 6, vocab: int = 97) -> list[Turn]:
-    """Few-shot prompts: two tasks, each a shared instruction (10 tokens) and three examples
-    (7 tokens each), then a question of 3 to 6 tokens; the task is drawn per request."""
+def few_shot_workload(seed: int = 0, requests: int = 6, vocab: int = 97, tasks: int = 2,
+                      instruction: int = 10, examples: int = 3, example_len: int = 7,
+                      question: tuple[int, int] = (3, 6), max_new: int = 3) -> list[Turn]:
+    """Few-shot prompts: ``tasks`` tasks, each a shared instruction and ``examples`` examples,
+    then a question of ``question`` tokens (least, most); the task is drawn per request."""
     g = torch.Generator().manual_seed(seed)
 
     def ids(n: int) -> tuple[int, ...]:
         return tuple(torch.randint(0, vocab, (n,), generator=g).tolist())
 
-    tasks = [ids(10) + ids(7) + ids(7) + ids(7) for _ in range(2)]
+    prefixes = [ids(instruction) + sum((ids(example_len) for _ in range(examples)), ())
+                for _ in range(tasks)]
     out = []
     for _ in range(requests):
-        task = tasks[int(torch.randint(0, 2, (), generator=g))]
-        out.append(Turn(task + ids(int(torch.randint(3, 7, (), generator=g))), 3, "few-shot"))
+        task = prefixes[int(torch.randint(0, tasks, (), generator=g))]
+        n = int(torch.randint(question[0], question[1] + 1, (), generator=g))
+        out.append(Turn(task + ids(n), max_new, "few-shot"))
     return out
 
 
-def chat_workload(seed: int = 0, conversations: int = 2, turns: int = 3,
-                  vocab: int = 97) -> list[Turn]:
-    """Multi-turn chat: conversations sharing a system prompt (9 tokens); each turn is a user
-    message of 3 to 6 tokens after the whole previous turn; conversations take turns."""
+def chat_workload(seed: int = 0, conversations: int = 2, turns: int = 3, vocab: int = 97,
+                  system: int = 9, message: tuple[int, int] = (3, 6),
+                  max_new: int = 4) -> list[Turn]:
+    """Multi-turn chat: conversations sharing a system prompt; each turn is a user message of
+    ``message`` tokens (least, most) after the whole previous turn; conversations take turns."""
     g = torch.Generator().manual_seed(seed)
 
     def ids(n: int) -> tuple[int, ...]:
         return tuple(torch.randint(0, vocab, (n,), generator=g).tolist())
 
-    system, out, last = ids(9), [], [None] * conversations
+    shared, out, last = ids(system), [], [None] * conversations
     for _ in range(turns):
         for c in range(conversations):
-            user = ids(int(torch.randint(3, 7, (), generator=g)))
-            out.append(Turn(user if last[c] is not None else system + user, 4, "chat", last[c]))
+            user = ids(int(torch.randint(message[0], message[1] + 1, (), generator=g)))
+            out.append(Turn(user if last[c] is not None else shared + user, max_new, "chat",
+                            last[c]))
             last[c] = len(out) - 1
     return out
 
