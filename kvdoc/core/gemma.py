@@ -108,7 +108,7 @@ class Gemma3Config:
     n_embd: int = 64
     n_inner: int = 128
     head_dim: int = 16
-    query_pre_attn_scalar: float = 16.0
+    query_pre_attn_scalar: int = 16
     sliding_window: int = 32
     layer_types: tuple[str, ...] = (SLIDING, GLOBAL)
     layer_norm_epsilon: float = 1e-6
@@ -119,7 +119,7 @@ class Gemma3Config:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_positions", "n_head", "n_kv_head", "n_embd", "n_inner",
-                     "head_dim", "sliding_window"):
+                     "head_dim", "query_pre_attn_scalar", "sliding_window"):
             check_int(name, getattr(self, name))
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} must be a multiple of "
@@ -133,7 +133,7 @@ class Gemma3Config:
         for i, kind in enumerate(self.layer_types):
             if kind not in (SLIDING, GLOBAL):
                 raise ValueError(f"layer_types[{i}] is {kind!r}; use {SLIDING!r} or {GLOBAL!r}")
-        for name in ("query_pre_attn_scalar", "layer_norm_epsilon", "rope_theta",
+        for name in ("layer_norm_epsilon", "rope_theta",
                      "rope_local_base_freq"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
