@@ -1,6 +1,7 @@
 """A Gemma-3-style decoder: sliding-window and global attention layers in one model.
 
-Each layer is of one of two types (``config.layer_types``, as in Gemma 3's ``config.json``):
+Each layer is of one of two types (``config.layer_types``, as transformers names them; every
+``sliding_window_pattern``-th layer is global, the others slide, as in Gemma 3's ``config.json``):
 
 * ``"sliding_attention"``: query ``i`` reads keys ``i - W < j <= i`` only (``W`` =
   ``sliding_window``, :mod:`kvdoc.core.mask`'s convention, which is transformers'), and RoPE turns
@@ -81,9 +82,11 @@ class Gemma3Config:
         n_inner: hidden width of the GeGLU MLP (``intermediate_size``).
         head_dim: ``D_h``, the width of every query, key and value head.
         query_pre_attn_scalar: the softmax scale is ``query_pre_attn_scalar ** -0.5``.
+        n_layer: decoder layers.
         sliding_window: ``W``, the keys a window layer's query reads, its own included.
-        layer_types: one of ``"sliding_attention"``, ``"full_attention"`` per layer; their
-            number is ``n_layer`` (see :func:`gemma_layer_types`).
+        sliding_window_pattern: every ``sliding_window_pattern``-th layer (the last of each
+            group) is global, the others are window layers (:attr:`layer_types`); Gemma 3 has 6,
+            Gemma 2 2; 1 makes every layer global.
         layer_norm_epsilon: the epsilon of every RMSNorm (``rms_norm_eps``).
         rope_theta: the RoPE base of the global layers.
         rope_local_base_freq: the RoPE base of the window layers.
@@ -91,14 +94,14 @@ class Gemma3Config:
         tie_word_embeddings: the LM head reuses ``wte``'s weight (Gemma's checkpoints do).
 
     >>> cfg = Gemma3Config()
-    >>> cfg.n_layer, cfg.layer_windows
-    (2, (32, None))
+    >>> cfg.layer_types, cfg.layer_windows
+    (('sliding_attention', 'full_attention'), (32, None))
     >>> cfg.kv_bytes(10), cfg.kv_bytes(10, preallocated=True)   # 10 + 10 rows, or 32 + 10
     (5120, 10752)
-    >>> Gemma3Config(layer_types=("sliding_attention", "global"))
+    >>> Gemma3Config(sliding_window_pattern=0)
     Traceback (most recent call last):
     ...
-    ValueError: layer_types[1] is 'global'; use 'sliding_attention' or 'full_attention'
+    ValueError: sliding_window_pattern must be a positive integer, got 0
     """
 
     vocab_size: int = 97
@@ -109,8 +112,9 @@ class Gemma3Config:
     n_inner: int = 128
     head_dim: int = 16
     query_pre_attn_scalar: int = 16
+    n_layer: int = 2
     sliding_window: int = 32
-    layer_types: tuple[str, ...] = (SLIDING, GLOBAL)
+    sliding_window_pattern: int = 2
     layer_norm_epsilon: float = 1e-6
     rope_theta: float = 1_000_000.0
     rope_local_base_freq: float = 10_000.0
@@ -119,7 +123,8 @@ class Gemma3Config:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_positions", "n_head", "n_kv_head", "n_embd", "n_inner",
-                     "head_dim", "query_pre_attn_scalar", "sliding_window"):
+                     "head_dim", "query_pre_attn_scalar", "n_layer", "sliding_window",
+                     "sliding_window_pattern"):
             check_int(name, getattr(self, name))
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} must be a multiple of "
@@ -127,12 +132,6 @@ class Gemma3Config:
         if self.head_dim % 2:
             raise ValueError(f"RoPE rotates pairs of features: head_dim={self.head_dim} "
                              "must be even")
-        if not isinstance(self.layer_types, tuple) or not self.layer_types:
-            raise ValueError("layer_types must be a non-empty tuple, one type per layer, got "
-                             f"{self.layer_types!r}")
-        for i, kind in enumerate(self.layer_types):
-            if kind not in (SLIDING, GLOBAL):
-                raise ValueError(f"layer_types[{i}] is {kind!r}; use {SLIDING!r} or {GLOBAL!r}")
         for name in ("layer_norm_epsilon", "rope_theta",
                      "rope_local_base_freq"):
             if not getattr(self, name) > 0:
@@ -142,9 +141,9 @@ class Gemma3Config:
             raise ValueError(f"final_logit_softcapping must be positive or None, got {cap!r}")
 
     @property
-    def n_layer(self) -> int:
-        """Decoder layers: one per entry of ``layer_types``."""
-        return len(self.layer_types)
+    def layer_types(self) -> tuple[str, ...]:
+        """Each layer's type, ``"sliding_attention"`` or ``"full_attention"``."""
+        return gemma_layer_types(self.n_layer, self.sliding_window_pattern)
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:

@@ -4,7 +4,8 @@ Inside a layer the weights keep transformers' names (``self_attn.q_proj``, ``sel
 ``input_layernorm``, ``mlp.gate_proj`` ..); only the prefixes move: ``model.layers.i.`` is
 ``h.i.``, ``model.embed_tokens`` is ``wte``, ``model.norm`` is ``ln_f``. Both RoPE bases come from
 ``rope_parameters`` (``full_attention`` and ``sliding_attention``), the window layers from
-``layer_types``. :func:`kvdoc.interop.hf.from_transformers` dispatches a ``gemma3_text`` model
+``layer_types`` (which must follow a ``sliding_window_pattern``, as every published Gemma 2
+and 3 does). :func:`kvdoc.interop.hf.from_transformers` dispatches a ``gemma3_text`` model
 here, and :func:`kvdoc.interop.hf.to_transformers` a :class:`~kvdoc.core.gemma.Gemma3Decoder`.
 
 Not loaded: scaled RoPE (the larger Gemma 3 checkpoints scale the global base linearly),
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder
+from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, gemma_layer_types
 
 _OUTER = {"model.embed_tokens.weight": "wte.weight", "model.norm.weight": "ln_f.weight",
           "lm_head.weight": "lm_head.weight"}
@@ -82,12 +83,27 @@ def config_from_gemma(hf_config: Any) -> Gemma3Config:
         n_head=hf_config.num_attention_heads, n_kv_head=hf_config.num_key_value_heads,
         n_embd=hf_config.hidden_size, n_inner=hf_config.intermediate_size,
         head_dim=hf_config.head_dim, query_pre_attn_scalar=int(hf_config.query_pre_attn_scalar),
-        sliding_window=hf_config.sliding_window, layer_types=tuple(hf_config.layer_types),
+        n_layer=hf_config.num_hidden_layers, sliding_window=hf_config.sliding_window,
+        sliding_window_pattern=_pattern(list(hf_config.layer_types)),
         layer_norm_epsilon=hf_config.rms_norm_eps,
         rope_theta=float(rope[GLOBAL].get("rope_theta", 1_000_000.0)),
         rope_local_base_freq=float(rope[SLIDING].get("rope_theta", 10_000.0)),
         final_logit_softcapping=hf_config.final_logit_softcapping,
         tie_word_embeddings=bool(hf_config.tie_word_embeddings))
+
+
+def _pattern(layer_types: list[str]) -> int:
+    """The ``sliding_window_pattern`` whose layers are ``layer_types``; ``ValueError`` if none is.
+
+    >>> _pattern(["sliding_attention", "sliding_attention", "full_attention"])
+    3
+    """
+    n = len(layer_types)
+    pattern = layer_types.index(GLOBAL) + 1 if GLOBAL in layer_types else n + 1
+    if list(gemma_layer_types(n, pattern)) != layer_types:
+        raise ValueError(f"layer_types {layer_types} are not every k-th layer global; kvdoc "
+                         "builds Gemma's pattern (sliding_window_pattern) only")
+    return pattern
 
 
 def from_gemma(hf_model: Any) -> Gemma3Decoder:

@@ -80,32 +80,33 @@ def chunk_lengths(total: int, chunk: int | Sequence[int]) -> list[int]:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A copy of what a cache holds: its positions (``cache.held()``) and each layer's K and V."""
+    """A copy of what a cache holds: each layer's positions (``cache.held(i)``) and K and V."""
 
-    held: range
+    held: list[range]
     layers: list[tuple[torch.Tensor, torch.Tensor]]
 
     @classmethod
     def of(cls, cache: KVCache) -> Snapshot:
-        return cls(cache.held(), [tuple(t.clone() for t in cache.layer(i))
-                                  for i in range(cache.n_layer)])
+        return cls([cache.held(i) for i in range(cache.n_layer)],
+                   [tuple(t.clone() for t in cache.layer(i)) for i in range(cache.n_layer)])
 
     def changed(self, cache: KVCache, rows: int | None = None) -> float:
         """Largest change in ``cache`` of the positions below ``rows`` (default all) held then.
 
         ``inf`` if the cache no longer holds one of them (or a layer's shape disagrees with its
-        positions). A window cache holds only its last positions; the others hold ``0 .. T - 1``.
+        positions). A window cache (or a hybrid cache's window layer) holds only its last positions;
+        the others hold ``0 .. T - 1``.
         """
-        now = cache.held()
-        keep = range(self.held.start, min(self.held.stop, self.held.stop if rows is None else rows))
-        if len(keep) and (keep.start < now.start or keep.stop > now.stop):
-            return math.inf
         err = 0.0
-        for i, pair in enumerate(self.layers):
+        for i, (pair, was) in enumerate(zip(self.layers, self.held, strict=True)):
+            now = cache.held(i)  # a window layer holds only its last positions
+            keep = range(was.start, min(was.stop, was.stop if rows is None else rows))
+            if len(keep) and (keep.start < now.start or keep.stop > now.stop):
+                return math.inf
             for old, cur in zip(pair, cache.layer(i), strict=True):
                 if cur.shape[2] != len(now):
                     return math.inf
-                a = old[:, :, keep.start - self.held.start: keep.stop - self.held.start]
+                a = old[:, :, keep.start - was.start: keep.stop - was.start]
                 b = cur[:, :, keep.start - now.start: keep.stop - now.start]
                 err = max(err, max_abs(a, b))
         return err
