@@ -184,8 +184,9 @@ class Case:
 def _has_c_attn(model: nn.Module) -> bool:
     """Whether :func:`~kvdoc.proofs.verify.full_forward_kv` can read the model's K/V (or
     latent) projections."""
-    return all(hasattr(a, "c_attn") or hasattr(a, "kv_a_proj_with_mqa")
-               for a in (getattr(b, "attn", None) for b in getattr(model, "h", [None])))
+    return all(hasattr(a, "c_attn") or hasattr(a, "kv_a_proj_with_mqa") or hasattr(a, "k_norm")
+               for a in (getattr(b, "attn", None) or getattr(b, "self_attn", None)
+                         for b in getattr(model, "h", [None])))
 
 
 def _cached_shapes(config, batch: int, length: int) -> tuple[tuple[int, ...], ...]:

@@ -178,7 +178,8 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
     positions ``0 .. T - 1`` for a RoPE model, as a cache stores it), so they come from the full
     recompute itself and not from any cache code. For an MLA model (:mod:`kvdoc.core.mla`) the
     pair is what it caches instead: ``c_KV`` ``[B, 1, T, r]`` and ``k_rope`` ``[B, 1, T, d_R]``,
-    read off ``kv_a_proj_with_mqa``.
+    read off ``kv_a_proj_with_mqa``. For a Gemma model (:mod:`kvdoc.core.gemma`) K is read off each
+    layer's ``k_norm`` and V off its ``v_proj``.
 
     >>> model = default_model()
     >>> logits, kv = full_forward_kv(model, torch.tensor([[1, 2, 3]]))
@@ -206,9 +207,30 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
                              apply_rope(k_rope[:, None], 0, cfg.rope_theta)))
         return hook
 
-    handles = [block.attn.kv_a_proj_with_mqa.register_forward_hook(latent_hook(block.attn))
-               if hasattr(block.attn, "kv_a_proj_with_mqa")
-               else block.attn.c_attn.register_forward_hook(hook) for block in model.h]
+    def gemma_hooks(attn):
+        # a Gemma layer (:mod:`kvdoc.core.gemma`): K off its k_norm (then rotated at the layer's
+        # own base), V off v_proj, which runs after it
+        found = {}
+
+        def k_hook(module, inputs, output):
+            found["k"] = apply_rope(output, 0, attn.rope_theta)
+
+        def v_hook(module, inputs, output):
+            B, T, _ = output.shape
+            v = output.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
+            captured.append((found.pop("k"), v))
+        return [attn.k_norm.register_forward_hook(k_hook),
+                attn.v_proj.register_forward_hook(v_hook)]
+
+    handles = []
+    for block in model.h:
+        attn = getattr(block, "attn", None) or block.self_attn
+        if hasattr(attn, "kv_a_proj_with_mqa"):
+            handles.append(attn.kv_a_proj_with_mqa.register_forward_hook(latent_hook(attn)))
+        elif hasattr(attn, "k_norm"):
+            handles += gemma_hooks(attn)
+        else:
+            handles.append(attn.c_attn.register_forward_hook(hook))
     try:
         logits = model(ids).logits
     finally:
