@@ -46,11 +46,14 @@ class KVCache(ABC):
     def layer(self, idx: int) -> KV:
         """The filled ``(K, V)`` of layer ``idx``, each ``[B, H_kv, T, D_h]``."""
 
-    def held(self) -> range:
-        """The absolute positions whose K/V :meth:`layer` returns.
+    def held(self, layer_idx: int | None = None) -> range:
+        """The absolute positions whose K/V :meth:`layer` returns for layer ``layer_idx``.
 
         All of them, ``range(seq_len)``, unless the cache drops old ones: a sliding-window
-        cache (:mod:`kvdoc.core.window`) holds only the last ``W``, and this says which.
+        cache (:mod:`kvdoc.core.window`) holds only the last ``W``, and this says which. The
+        same for every layer, except in a hybrid cache (:mod:`kvdoc.core.hybrid`), whose window
+        layers hold fewer than its global ones; None answers for every layer at once (the
+        positions each of them holds).
         """
         return range(self.seq_len)
 

@@ -60,8 +60,8 @@ class SlidingWindowCache(KVCache):
         """The ring slot that holds ``position``: ``position mod W``."""
         return position % self.window
 
-    def held(self) -> range:
-        """The absolute positions the cache holds: the last ``min(seq_len, W)``."""
+    def held(self, layer_idx: int | None = None) -> range:
+        """The absolute positions the cache holds, in every layer: the last ``min(seq_len, W)``."""
         return range(max(0, self._len - self.window), self._len)
 
     def _ordered(self, ring: torch.Tensor) -> torch.Tensor:

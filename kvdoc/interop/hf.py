@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kvdoc.core.config import GPTConfig
+from kvdoc.core.gemma import Gemma3Decoder
 from kvdoc.core.model import Decoder
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
@@ -213,7 +214,9 @@ def _llama_state(state: Mapping[str, torch.Tensor], n_layer: int) -> dict[str, t
 
 def from_transformers(hf_model: Any) -> Decoder:
     """A :class:`Decoder` with the weights of transformers' ``GPT2LMHeadModel``,
-    ``LlamaForCausalLM`` or ``MistralForCausalLM``, in the model's dtype, in eval mode.
+    ``LlamaForCausalLM``, ``MistralForCausalLM`` or ``Gemma3ForCausalLM`` (a
+    :class:`~kvdoc.core.gemma.Gemma3Decoder`, :func:`kvdoc.interop.gemma.from_gemma`), in the
+    model's dtype, in eval mode.
 
     For Llama and Mistral, ``q_proj``, ``k_proj`` and ``v_proj`` are stacked into ``c_attn``
     and ``gate_proj``, ``up_proj`` into ``c_fc``; ``new_cache(batch)`` of a Mistral model gives
@@ -231,6 +234,11 @@ def from_transformers(hf_model: Any) -> Decoder:
     >>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
     True
     """
+    model_type = getattr(hf_model.config, "model_type", None)
+    if model_type == "gemma3_text":  # window and global layers: a decoder of its own
+        from kvdoc.interop.gemma import from_gemma
+
+        return from_gemma(hf_model)
     config = config_from_transformers(hf_model.config)
     if config.position == "learned":
         return decoder_from_gpt2(hf_model, config)
@@ -250,8 +258,9 @@ def from_transformers(hf_model: Any) -> Decoder:
 
 
 def to_transformers(model: Decoder) -> Any:
-    """The transformers model of the same family holding ``model``'s weights: the inverse of
-    :func:`from_transformers`, in the model's dtype, in eval mode. The global RNG is left as it
+    """The transformers model of the same family (GPT-2, Llama, Mistral or Gemma 3) holding
+    ``model``'s weights: the inverse of :func:`from_transformers`, in the model's dtype, in eval
+    mode. The global RNG is left as it
     was.
 
     It is how :mod:`kvdoc.proofs.references` builds an implementation that shares no code with
@@ -266,6 +275,10 @@ def to_transformers(model: Decoder) -> Any:
     """
     from transformers import GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM
 
+    if isinstance(model, Gemma3Decoder):
+        from kvdoc.interop.gemma import to_gemma
+
+        return to_gemma(model)
     config, state = model.config, model.state_dict()
     hf_config = transformers_config(config)
     family = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM, "mistral": MistralForCausalLM}
@@ -304,8 +317,8 @@ def to_transformers(model: Decoder) -> Any:
 
 @contextmanager
 def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
-    """Within the block, transformers' Llama, Mistral and DeepSeek-V3 compute RMSNorm and RoPE in
-    the model's dtype.
+    """Within the block, transformers' Llama, Mistral, DeepSeek-V3 and Gemma 3 compute RMSNorm and
+    RoPE in the model's dtype.
 
     transformers computes both in float32 whatever the model's dtype (an upcast meant for half
     precision), so an FP64 Llama is only float32-accurate there and differs from an exact FP64
@@ -326,8 +339,24 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
                               for row in position_ids])  # [B, C, D_h]
         return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
 
+    def gemma_rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+    def gemma_rotary(self: Any, x: torch.Tensor, position_ids: torch.Tensor,
+                     layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+        theta = float(config.rope_parameters[layer_type]["rope_theta"])  # a base per layer type
+        angles = torch.stack([rope_angles(row, config.head_dim, theta) for row in position_ids])
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
     config = hf_model.config
     patched = []
+    if getattr(config, "model_type", None) == "gemma3_text":
+        for module in hf_model.modules():
+            name = type(module).__name__
+            if name.endswith(("RMSNorm", "RotaryEmbedding")):
+                patched.append(module)
+                lifted = gemma_rms_norm if name.endswith("RMSNorm") else gemma_rotary
+                module.forward = types.MethodType(lifted, module)
     if getattr(config, "model_type", None) in ("llama", "mistral", "deepseek_v3"):
         split_width = config.hidden_size // config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or split_width

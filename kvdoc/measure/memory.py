@@ -8,8 +8,10 @@ A conventional cache keeps, for every decoder layer, one K and one V tensor of s
 with ``L`` layers and ``s`` bytes per element. This module computes that count
 (:func:`kv_bytes`, :func:`kv_bytes_for_config`), measures real caches the same way
 (:func:`measured_bytes`), formats byte counts in binary and decimal units side by side
-(:func:`format_bytes`) and holds published model configurations (:data:`PRESETS`). What a cache
-writes per update is measured by :class:`kvdoc.measure.copymeter.CopyMeter`.
+(:func:`format_bytes`) and holds published model configurations (:data:`PRESETS`, and
+:data:`HYBRID_PRESETS` for Gemma 2 and 3, whose window and global layers alternate:
+:func:`hybrid_vs_global`). What a cache writes per update is measured by
+:class:`kvdoc.measure.copymeter.CopyMeter`.
 
 It is also the ``python -m kvdoc memory`` command (:func:`add_arguments`, :func:`main`)::
 
@@ -24,11 +26,13 @@ import argparse
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kvdoc.core.cache import KVCache
 from kvdoc.core.config import GPTConfig, check_int
+from kvdoc.core.gemma import Gemma3Config, gemma_layer_types
 
 # --- dtypes ------------------------------------------------------------------------------
 
@@ -319,6 +323,121 @@ def preset(name: str) -> ModelPreset:
     except (KeyError, AttributeError):
         known = ", ".join(p.name for p in PRESETS.values())
         raise ValueError(f"unknown model {name!r}; known models: {known}") from None
+
+
+# --- published hybrid configurations: window and global layers ------------------------------
+
+@dataclass(frozen=True)
+class HybridPreset:
+    """The cache-deciding sizes of a published model whose layers alternate sliding-window and
+    global attention: every ``sliding_window_pattern``-th layer is global, the rest keep the last
+    ``sliding_window`` positions (:func:`kvdoc.core.gemma.gemma_layer_types`).
+
+    Attributes:
+        name: short name (case-insensitive in :func:`hybrid_preset`).
+        layers, heads, kv_heads, head_dim, hidden: ``num_hidden_layers``,
+            ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``hidden_size``.
+        sliding_window: ``W``.
+        sliding_window_pattern: Gemma 3: 6 (five window layers, then a global one); Gemma 2: 2.
+        max_positions: ``max_position_embeddings``.
+        source: the ``config.json`` the numbers come from.
+    """
+
+    name: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    sliding_window: int
+    sliding_window_pattern: int
+    max_positions: int
+    source: str
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Per layer ``W`` (a window layer) or None (a global one)."""
+        types = gemma_layer_types(self.layers, self.sliding_window_pattern)
+        return [self.sliding_window if t == "sliding_attention" else None for t in types]
+
+    def config(self) -> Gemma3Config:
+        """A :class:`~kvdoc.core.gemma.Gemma3Config` of these sizes (the rest at its defaults:
+        they do not change the cache)."""
+        return Gemma3Config(n_head=self.heads, n_kv_head=self.kv_heads, n_embd=self.hidden,
+                            head_dim=self.head_dim, n_layer=self.layers,
+                            n_positions=self.max_positions, sliding_window=self.sliding_window,
+                            sliding_window_pattern=self.sliding_window_pattern)
+
+
+#: Published Gemma 2 and Gemma 3 text configurations, keyed by lower-case name. Gemma 2's
+#: config.json has no pattern field: transformers' Gemma2 alternates window and global layers.
+HYBRID_PRESETS: dict[str, HybridPreset] = {p.name.lower(): p for p in (
+    HybridPreset("Gemma-2-2B", layers=26, heads=8, kv_heads=4, head_dim=256, hidden=2304,
+                 sliding_window=4096, sliding_window_pattern=2, max_positions=8192,
+                 source="https://huggingface.co/google/gemma-2-2b/blob/main/config.json"),
+    HybridPreset("Gemma-2-9B", layers=42, heads=16, kv_heads=8, head_dim=256, hidden=3584,
+                 sliding_window=4096, sliding_window_pattern=2, max_positions=8192,
+                 source="https://huggingface.co/google/gemma-2-9b/blob/main/config.json"),
+    HybridPreset("Gemma-2-27B", layers=46, heads=32, kv_heads=16, head_dim=128, hidden=4608,
+                 sliding_window=4096, sliding_window_pattern=2, max_positions=8192,
+                 source="https://huggingface.co/google/gemma-2-27b/blob/main/config.json"),
+    HybridPreset("Gemma-3-1B", layers=26, heads=4, kv_heads=1, head_dim=256, hidden=1152,
+                 sliding_window=512, sliding_window_pattern=6, max_positions=32768,
+                 source="https://huggingface.co/google/gemma-3-1b-pt/blob/main/config.json"),
+    HybridPreset("Gemma-3-4B", layers=34, heads=8, kv_heads=4, head_dim=256, hidden=2560,
+                 sliding_window=1024, sliding_window_pattern=6, max_positions=131072,
+                 source="https://huggingface.co/google/gemma-3-4b-pt/blob/main/config.json "
+                        "(text_config)"),
+    HybridPreset("Gemma-3-12B", layers=48, heads=16, kv_heads=8, head_dim=256, hidden=3840,
+                 sliding_window=1024, sliding_window_pattern=6, max_positions=131072,
+                 source="https://huggingface.co/google/gemma-3-12b-pt/blob/main/config.json "
+                        "(text_config)"),
+    HybridPreset("Gemma-3-27B", layers=62, heads=32, kv_heads=16, head_dim=128, hidden=5376,
+                 sliding_window=1024, sliding_window_pattern=6, max_positions=131072,
+                 source="https://huggingface.co/google/gemma-3-27b-pt/blob/main/config.json "
+                        "(text_config)"),
+)}
+
+
+def hybrid_preset(name: str) -> HybridPreset:
+    """The :data:`HYBRID_PRESETS` entry called ``name`` (case-insensitive).
+
+    Raises:
+        ValueError: no such preset; the message lists the known names.
+    """
+    try:
+        return HYBRID_PRESETS[name.lower()]
+    except (KeyError, AttributeError):
+        known = ", ".join(p.name for p in HYBRID_PRESETS.values())
+        raise ValueError(f"unknown hybrid model {name!r}; known models: {known}") from None
+
+
+class HybridBytes(NamedTuple):
+    """What :func:`hybrid_vs_global` returns."""
+
+    hybrid: int
+    """K/V bytes with the window layers holding ``min(T, W)`` positions."""
+    all_global: int
+    """K/V bytes were every layer global (holding all ``T``)."""
+
+
+def hybrid_vs_global(model: str | HybridPreset, seq_len: int, batch: int = 1,
+                     dtype: str | torch.dtype = "bfloat16") -> HybridBytes:
+    """K/V bytes of a published hybrid model at ``seq_len``, and of the same model with every
+    layer global (:func:`kv_bytes_per_layer` over its per-layer windows, or none).
+
+    >>> small = hybrid_vs_global("Gemma-3-1B", seq_len=512)   # within the window: no saving
+    >>> small.hybrid == small.all_global
+    True
+    >>> big = hybrid_vs_global("Gemma-3-1B", seq_len=32768)
+    >>> big.all_global // big.hybrid                           # 4 global layers of 26 hold T
+    5
+    """
+    p = hybrid_preset(model) if isinstance(model, str) else model
+    per_layer = kv_bytes_per_layer(batch, seq_len, p.kv_heads, p.head_dim, dtype,
+                                   p.layer_windows)
+    everything = kv_bytes(batch, p.layers, seq_len, p.kv_heads, p.head_dim, dtype)
+    return HybridBytes(sum(per_layer), everything)
 
 
 # --- the command line -------------------------------------------------------------------------

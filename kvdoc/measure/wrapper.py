@@ -42,8 +42,8 @@ class CacheWrapper(KVCache):
     def layer(self, idx: int) -> KV:
         return self.inner.layer(idx)
 
-    def held(self) -> range:
-        return self.inner.held()
+    def held(self, layer_idx: int | None = None) -> range:
+        return self.inner.held(layer_idx)
 
     def begin(self) -> CacheWrapper:
         work = copy.copy(self)  # keeps what a subclass holds (a meter, a saved layer)

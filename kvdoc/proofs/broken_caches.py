@@ -13,10 +13,12 @@ catches it:
 * :class:`LazyRingCache`: a window ring shared with the cache it continues until a write would
   overwrite a held position, so two branches before the ring has wrapped write into one ring;
 * :class:`ResumeWithoutRecompute`: a scheduler whose preemption gives the blocks back but keeps
-  the count of written positions (the ``scheduling`` scenario's ``"scheduler"``).
-* :class:`ForkWithoutCopy`: a scheduler whose forks write into the blocks they share.
+  the count of written positions (the ``scheduling`` scenario's ``"scheduler"``);
+* :class:`ForkWithoutCopy`: a scheduler whose forks write into the blocks they share;
 * :class:`LateCopySharedPrefixCache`: a shared-prefix cache that copies only the shared blocks
-  a write starts, never the shared, partly filled one it continues.
+  a write starts, never the shared, partly filled one it continues;
+* :class:`RingedGlobalHybridCache`: a hybrid cache (:mod:`kvdoc.core.hybrid`) that rings its
+  global layers too: right until the stream passes the window.
 
 The factories (``(model, batch, capacity) -> cache``) are what
 :attr:`kvdoc.proofs.variants.BrokenVariant.caches` puts in place of a kind's real factory.
@@ -31,12 +33,15 @@ True
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import torch
 from torch import nn
 
 from kvdoc.core.cache import KV
+from kvdoc.core.gemma import Gemma3Config
+from kvdoc.core.hybrid import HybridCache
 from kvdoc.core.window import SlidingWindowCache
 from kvdoc.serving.paged import BlockPool, PagedCache, SharedPrefixCache
 from kvdoc.serving.quant import Int8Cache
@@ -200,3 +205,23 @@ class ForkWithoutCopy(Scheduler):
             return False
         live.table.extend(self.pool.allocate(missing))  # BUG: shared blocks not copied
         return True
+
+
+class RingedGlobalHybridCache(HybridCache):
+    """BROKEN: every layer, global ones included, is a ring of ``W`` slots (the cache still states
+    the model's per-layer windows, so it passes its compatibility check). A global layer's
+    queries then lose every key older than ``W - 1`` positions."""
+
+    def __init__(self, config: Gemma3Config, batch_size: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        # BUG: built as if every layer slid (a pattern longer than the model has no global layer)
+        every_layer_slides = dataclasses.replace(config, sliding_window_pattern=config.n_layer + 1)
+        super().__init__(every_layer_slides, batch_size, dtype, device)
+        self.windows = config.layer_windows  # what it states: the model's windows
+
+
+def ringed_global_hybrid_cache(model: nn.Module, batch: int, capacity: int | None = None
+                               ) -> RingedGlobalHybridCache:
+    """An empty :class:`RingedGlobalHybridCache` for a Gemma ``model``."""
+    weight = model.wte.weight
+    return RingedGlobalHybridCache(model.config, batch, weight.dtype, weight.device)

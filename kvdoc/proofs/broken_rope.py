@@ -16,6 +16,8 @@ Two more are wrong in code both paths share:
   and the grown rows restart at position 0; right whenever the first call was the longest.
 * ``rope-default-base``: RoPE turns at the default base 10000, not the config's; right on any
   model whose base is the default.
+* ``gemma-local-global-base``: a Gemma model's window layers turn at the global base
+  ``rope_theta``, not ``rope_local_base_freq``; right on a model whose two bases are equal.
 
 >>> import torch
 >>> from kvdoc import Decoder
@@ -38,10 +40,11 @@ from __future__ import annotations
 import torch
 
 from kvdoc.core.cache import KVCache
+from kvdoc.core.gemma import Gemma3Decoder
 from kvdoc.core.model import CausalSelfAttention, Decoder
 from kvdoc.core.rope import apply_rope, rope_angles, rotate_half
 
-from .broken import with_attention
+from .broken import copy_as, with_attention
 
 
 def _split_heads(attn: CausalSelfAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -157,3 +160,14 @@ def default_base(model: Decoder) -> Decoder:
 def _require_rope(model: Decoder) -> None:
     if model.config.position != "rope":
         raise ValueError("this variant breaks RoPE: build it from a model with position='rope'")
+
+
+def local_global_base(model: Gemma3Decoder) -> Gemma3Decoder:
+    """A copy of a Gemma ``model`` whose window layers turn at the global RoPE base."""
+    if not isinstance(model, Gemma3Decoder):
+        raise ValueError("this variant breaks a Gemma model's local RoPE base: build it from a "
+                         "Gemma3Decoder")
+    clone = copy_as(model, Gemma3Decoder)
+    for block in clone.h:
+        block.self_attn.rope_theta = model.config.rope_theta  # BUG: window layers too
+    return clone

@@ -25,13 +25,15 @@ To verify something that is not registered, pass it in: ``run_suite(model=...)``
 scenario on a given model, and :data:`GRID` is the equivalence grid of the site's model.
 
 >>> sorted(MODELS)
-['gqa', 'llama', 'mha', 'mistral', 'mla', 'mla-absorbed', 'mqa', 'split-k']
+['gemma3', 'gqa', 'llama', 'mha', 'mistral', 'mla', 'mla-absorbed', 'mqa', 'split-k']
 >>> sorted(CACHES), sorted(IMPLEMENTATIONS)
-(['dynamic', 'paged', 'shared-prefix', 'static', 'window'], ['fast', 'model'])
+(['dynamic', 'hybrid', 'paged', 'shared-prefix', 'static', 'window'], ['fast', 'model'])
 >>> MODELS["gqa"].build(0).config.n_kv_head
 2
 >>> served(MODELS["mla"].build(0).config)  # K/V caches and FastDecoder do not serve MLA
 [('dynamic', 'model'), ('static', 'model')]
+>>> served(MODELS["gemma3"].build(0).config)  # the hybrid cache serves Gemma only
+[('dynamic', 'model'), ('static', 'model'), ('hybrid', 'model')]
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from torch import nn
 from kvdoc.core.cache import KVCache
 from kvdoc.core.config import GPTConfig, llama_config, mistral_config
 from kvdoc.core.fast import FastDecoder
+from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder, GemmaRMSNorm
 from kvdoc.core.mla import MLAConfig, MLADecoder
 from kvdoc.core.model import Decoder
 from kvdoc.serving.paged import new_paged_cache, new_shared_prefix_cache
@@ -79,12 +82,24 @@ MLA = MLAConfig(vocab_size=89, n_positions=256, n_layer=1, n_head=3, n_embd=48, 
                 v_head_dim=20, layer_norm_epsilon=1e-5, rope_theta=500000.0)
 """The MLA models' config: every size off :class:`~kvdoc.core.mla.MLAConfig`'s default (V's head
 width differs from the non-rotary key's, so a path that swaps them cannot pass)."""
+GEMMA = Gemma3Config(vocab_size=89, n_positions=256, n_head=6, n_kv_head=3, n_embd=48, n_inner=96,
+                     head_dim=12, query_pre_attn_scalar=20, n_layer=3, sliding_window=WINDOW,
+                     sliding_window_pattern=3, layer_norm_epsilon=1e-5,
+                     rope_theta=500000.0, rope_local_base_freq=20000.0,
+                     final_logit_softcapping=3.0, tie_word_embeddings=False)
+"""The Gemma model's config: every value off :class:`~kvdoc.core.gemma.Gemma3Config`'s default;
+two window layers, then a global one; ``head_dim`` is not ``n_embd / n_head``, the softmax scale
+not ``head_dim ** -0.5``, the two RoPE bases differ, and the soft cap bends the logits."""
 
 
 def _decoder(config: GPTConfig | MLAConfig) -> Callable[[int], nn.Module]:
     def build(seed: int) -> nn.Module:
         torch.manual_seed(seed)
-        model = (MLADecoder if isinstance(config, MLAConfig) else Decoder)(config).eval()
+        cls = {MLAConfig: MLADecoder, Gemma3Config: Gemma3Decoder}.get(type(config), Decoder)
+        model = cls(config).eval()
+        with torch.no_grad():  # Gemma's norms start at zero weight: norms swapped would not show
+            for norm in (m for m in model.modules() if isinstance(m, GemmaRMSNorm)):
+                norm.weight.normal_(0.0, 0.3)
         if getattr(config, "tie_word_embeddings", False):
             # a head tied to wte at PyTorch's N(0, 1) gives logits ~sqrt(d) wide, where FP32
             # rounding alone nears the tolerance; transformers initialise wte at N(0, 0.02)
@@ -157,6 +172,11 @@ MODELS: dict[str, ModelSpec] = {
     "mla-absorbed": ModelSpec("MLA, the same model, cached calls absorbed into the latent",
                               _decoder(dataclasses.replace(MLA, absorb=True)),
                               deepseek_reference, "transformers DeepSeek-V3, same weights"),
+    # window and global layers in one model, cached in one hybrid cache (and, to compare, in a
+    # dynamic or static one that keeps every position of every layer)
+    "gemma3": ModelSpec(f"Gemma-3-style: 2 window layers of {WINDOW}, then 1 global; q/k norms, "
+                        "GeGLU, soft-capped logits", _decoder(GEMMA), transformers_reference,
+                        "transformers Gemma 3, same weights"),
 }
 """Model configurations by name."""
 
@@ -167,6 +187,8 @@ CACHES: dict[str, CacheSpec] = {
                         serves=lambda config: _kv(config) and config.sliding_window is not None),
     "paged": CacheSpec(new_paged_cache, in_place=True, serves=_kv),
     "shared-prefix": CacheSpec(new_shared_prefix_cache, in_place=False, serves=_kv),
+    "hybrid": CacheSpec(lambda m, b, cap: m.new_cache(b, "hybrid"), in_place=False,
+                        serves=lambda config: hasattr(config, "layer_windows")),
 }
 """Cache kinds by name."""
 

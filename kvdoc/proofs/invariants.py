@@ -8,8 +8,9 @@ combination of the grid like the others (each says where it does not apply):
   the bytes (``numel * element_size``) of the tensors found in the cache object itself
   (:func:`held_tensors`, not :meth:`~kvdoc.core.cache.KVCache.tensors`) and the kind's formula
   (:func:`expected_bytes`); a paged pool's ``nbytes()`` and ``block_nbytes`` agree with its
-  tensors too; every layer's K and V are ``[B, H_kv, len(held()), D_h]``, and a kind's own
-  lengths agree with its tensors (:func:`shape_problems`).
+  tensors too; every layer's K and V are ``[B, H_kv, len(held(layer)), D_h]``, and a kind's own
+  lengths agree with its tensors (:func:`shape_problems`; a hybrid cache's window layers hold
+  their last ``W`` positions, its global layers every one).
 * ``int8``: the int8 cache (:mod:`kvdoc.serving.quant`) is lossy, so it is held to its contract,
   not to the FP32 tolerance: rows it holds never change after an append (bitwise), each new row's
   scale is its own ``max|x| / 127`` (every value a multiple of it, within ``[-127, 127]`` steps,
@@ -36,6 +37,7 @@ import torch
 
 from kvdoc.core.cache import DynamicCache, KVCache, StaticCache
 from kvdoc.core.config import GPTConfig
+from kvdoc.core.hybrid import HybridCache
 from kvdoc.core.mla import LatentCache, StaticLatentCache
 from kvdoc.core.window import SlidingWindowCache
 from kvdoc.measure.wrapper import CacheWrapper
@@ -114,6 +116,9 @@ def expected_bytes(cache: KVCache) -> int | None:
         return rows * (cache.head_dim + size)
     if isinstance(cache, SlidingWindowCache):
         return per_row * cache.batch_size * cache.window * size
+    if isinstance(cache, HybridCache):  # a ring of W slots per window layer, T rows per global
+        rows = sum(cache.seq_len if w is None else w for w in cache.windows)
+        return 2 * rows * cache.batch_size * cache.n_kv_head * cache.head_dim * size
     if isinstance(cache, StaticCache):
         return per_row * cache.batch_size * cache.capacity * size
     if isinstance(cache, DynamicCache):
@@ -142,18 +147,23 @@ def shape_problems(cache: KVCache) -> list[str]:
     held, T = cache.held(), cache.seq_len
     if held.stop != T or held.start < 0:
         problems.append(f"held() is {held} for seq_len {T}")
-    want = (cache.batch_size, cache.n_kv_head, len(held), cache.head_dim)
-    # K and V share one shape; a latent cache's c_KV and k_rope are one shared head each
-    wants = ([(cache.batch_size, 1, len(held), width)
-              for width in (cache.kv_lora_rank, cache.rope_dim)]
-             if isinstance(cache, LatentCache) else [want, want])
     for i in range(cache.n_layer):
+        rows = len(cache.held(i))  # a hybrid cache's window layers hold fewer than its others
+        want = (cache.batch_size, cache.n_kv_head, rows, cache.head_dim)
+        # K and V share one shape; a latent cache's c_KV and k_rope are one shared head each
+        wants = ([(cache.batch_size, 1, rows, width)
+                  for width in (cache.kv_lora_rank, cache.rope_dim)]
+                 if isinstance(cache, LatentCache) else [want, want])
         for t, want in zip(cache.layer(i), wants, strict=True):
             if tuple(t.shape) != want or t.dtype != cache.dtype:
                 problems.append(f"layer {i}: {tuple(t.shape)} {t.dtype}, want {want} {cache.dtype}")
                 break
     if isinstance(cache, SlidingWindowCache) and held.start != max(0, T - cache.window):
         problems.append(f"a ring of {cache.window} holds {held} after {T} positions")
+    if isinstance(cache, HybridCache):  # each window layer its last W, each global layer all
+        for i, w in enumerate(cache.windows):
+            if cache.held(i) != range(0 if w is None else max(0, T - w), T):
+                problems.append(f"layer {i} (window {w}) holds {cache.held(i)} after {T}")
     if isinstance(cache, StaticCache) and not T <= cache.capacity:
         problems.append(f"{T} positions in a capacity of {cache.capacity}")
     if isinstance(cache, PagedCache):
@@ -225,7 +235,7 @@ def _int8(case: Case, out: list) -> None:
         out.append(case.result("int8", None, 0.0, "run with the dynamic kind only"))
         return
     if not isinstance(case.model.config, GPTConfig):
-        out.append(case.result("int8", None, 0.0, "an int8 K/V cache; this model caches a latent"))
+        out.append(case.result("int8", None, 0.0, "an int8 cache of a GPTConfig model's K/V"))
         return
     B = case.ids.shape[0]
     new = case.caches.get("int8", new_int8_cache)
@@ -292,7 +302,7 @@ def _edges(case: Case, out: list) -> None:
         parts.append(detail)
     if not case.cache.in_place:  # branches of a cache written in place cannot both live
         # before the ring wraps and, for a ring, after; both off the paged block size
-        prefixes = BRANCH_PREFIXES if case.kind == "window" else BRANCH_PREFIXES[:1]
+        prefixes = BRANCH_PREFIXES if case.kind in ("window", "hybrid") else BRANCH_PREFIXES[:1]
         for P in prefixes:
             passed, e = _live_branches(case, P)
             ok, err = ok and passed, max(err, e)

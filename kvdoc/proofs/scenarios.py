@@ -187,8 +187,9 @@ class Case:
 def _has_c_attn(model: nn.Module) -> bool:
     """Whether :func:`~kvdoc.proofs.verify.full_forward_kv` can read the model's K/V (or
     latent) projections."""
-    return all(hasattr(a, "c_attn") or hasattr(a, "kv_a_proj_with_mqa")
-               for a in (getattr(b, "attn", None) for b in getattr(model, "h", [None])))
+    return all(hasattr(a, "c_attn") or hasattr(a, "kv_a_proj_with_mqa") or hasattr(a, "k_norm")
+               for a in (getattr(b, "attn", None) or getattr(b, "self_attn", None)
+                         for b in getattr(model, "h", [None])))
 
 
 def _cached_shapes(config, batch: int, length: int) -> tuple[tuple[int, ...], ...]:
@@ -234,17 +235,20 @@ def _stream(case: Case, out: list) -> None:
 
             add("logits", close(run.logits, full, case.tol) and run.cache.seq_len == T,
                 max_abs(run.logits, full), f"{T} tokens in chunks of {chunk}")
-            held = run.cache.held()  # a window cache holds only the last positions
+            # a window cache (a hybrid cache's window layers) holds only the last positions
+            held = [run.cache.held(i) for i in range(cfg.n_layer)]
             got = [run.cache.layer(i) for i in range(cfg.n_layer)]
-            want = _cached_shapes(cfg, batch, len(held))
-            shapes_ok = all(tuple(tuple(t.shape) for t in pair) == want for pair in got)
+            want = _cached_shapes(cfg, batch, len(held[0]))
+            shapes_ok = all(tuple(tuple(t.shape) for t in pair)
+                            == _cached_shapes(cfg, batch, len(h))
+                            for pair, h in zip(got, held, strict=True))
             add("kv_shape", shapes_ok, 0.0 if shapes_ok else float("inf"),
                 f"each layer's two cached tensors {' and '.join(str(list(w)) for w in want)}")
             if full_kv is None:
                 add("kv", None, 0.0, "no c_attn to read the full forward's K/V from")
             else:
-                pairs = [(g, r[:, :, held.start:held.stop])
-                         for gp, rp in zip(got, full_kv, strict=True)
+                pairs = [(g, r[:, :, h.start:h.stop])
+                         for gp, rp, h in zip(got, full_kv, held, strict=True)
                          for g, r in zip(gp, rp, strict=True)]
                 add("kv", all(close(g, r, case.tol) for g, r in pairs),
                     max((max_abs(g, r) for g, r in pairs), default=0.0), "each layer's K/V")
@@ -321,7 +325,7 @@ def _prefill_decode(case: Case, out: list) -> None:
 
 
 def _generate(case: Case, out: list) -> None:
-    if case.impl != "model" or case.kind not in ("dynamic", "static", "window"):
+    if case.impl != "model" or case.kind not in ("dynamic", "static", "window", "hybrid"):
         out.append(case.result("generate", None, 0.0,
                                "generate() takes the model and a kind it knows"))
         return

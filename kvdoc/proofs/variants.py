@@ -16,12 +16,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvdoc.core.config import GPTConfig
+from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder
 from kvdoc.core.model import Decoder
 
 from . import broken, broken_caches, broken_rope
 
 ROPE_MODELS = ("llama", "mistral")
 """The grid's RoPE models: the only ones a RoPE variant can be built from."""
+GEMMA_MODELS = ("gemma3",)
+"""The grid's Gemma model: window and global layers, a hybrid cache."""
 LEARNED_MODELS = ("mha", "gqa", "mqa")
 """The grid's models with learned positions (``wpe``): the only ones whose position ids a variant
 can get wrong, through ``Decoder.forward(positions=...)``."""
@@ -67,6 +70,10 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "byte accounting", "int8 contract", "ring and block edges", "padded batches",
                "preemption and forks")
 """The kinds of mistake the variants stand for."""
+
+def _gemma(config: object) -> bool:
+    return isinstance(config, Gemma3Config)
+
 
 def _copy(cls: type[Decoder]) -> Callable[[Decoder], Decoder]:
     return lambda m: broken.copy_as(m, cls)
@@ -179,5 +186,14 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     BrokenVariant("rope-default-base",
                   "RoPE turns at the default base 10000, not config.rope_theta",
                   broken_rope.default_base, "configuration value", models=ROPE_MODELS),
+    BrokenVariant("hybrid-rings-global",
+                  "the hybrid cache rings the global layers too, so they lose keys past the window",
+                  lambda m: broken.copy_as(m, Gemma3Decoder), "ring and block edges",
+                  models=GEMMA_MODELS, serves=_gemma, kinds=("hybrid",),
+                  caches={"hybrid": broken_caches.ringed_global_hybrid_cache}),
+    BrokenVariant("gemma-local-global-base",
+                  "a Gemma model's window layers turn at the global RoPE base, not the local one",
+                  broken_rope.local_global_base, "configuration value", models=GEMMA_MODELS,
+                  serves=_gemma, kinds=("hybrid",)),
 )}
 """Every broken variant, by name."""

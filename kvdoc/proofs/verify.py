@@ -80,32 +80,33 @@ def chunk_lengths(total: int, chunk: int | Sequence[int]) -> list[int]:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A copy of what a cache holds: its positions (``cache.held()``) and each layer's K and V."""
+    """A copy of what a cache holds: each layer's positions (``cache.held(i)``) and K and V."""
 
-    held: range
+    held: list[range]
     layers: list[tuple[torch.Tensor, torch.Tensor]]
 
     @classmethod
     def of(cls, cache: KVCache) -> Snapshot:
-        return cls(cache.held(), [tuple(t.clone() for t in cache.layer(i))
-                                  for i in range(cache.n_layer)])
+        return cls([cache.held(i) for i in range(cache.n_layer)],
+                   [tuple(t.clone() for t in cache.layer(i)) for i in range(cache.n_layer)])
 
     def changed(self, cache: KVCache, rows: int | None = None) -> float:
         """Largest change in ``cache`` of the positions below ``rows`` (default all) held then.
 
         ``inf`` if the cache no longer holds one of them (or a layer's shape disagrees with its
-        positions). A window cache holds only its last positions; the others hold ``0 .. T - 1``.
+        positions). A window cache (or a hybrid cache's window layer) holds only its last positions;
+        the others hold ``0 .. T - 1``.
         """
-        now = cache.held()
-        keep = range(self.held.start, min(self.held.stop, self.held.stop if rows is None else rows))
-        if len(keep) and (keep.start < now.start or keep.stop > now.stop):
-            return math.inf
         err = 0.0
-        for i, pair in enumerate(self.layers):
+        for i, (pair, was) in enumerate(zip(self.layers, self.held, strict=True)):
+            now = cache.held(i)  # a window layer holds only its last positions
+            keep = range(was.start, min(was.stop, was.stop if rows is None else rows))
+            if len(keep) and (keep.start < now.start or keep.stop > now.stop):
+                return math.inf
             for old, cur in zip(pair, cache.layer(i), strict=True):
                 if cur.shape[2] != len(now):
                     return math.inf
-                a = old[:, :, keep.start - self.held.start: keep.stop - self.held.start]
+                a = old[:, :, keep.start - was.start: keep.stop - was.start]
                 b = cur[:, :, keep.start - now.start: keep.stop - now.start]
                 err = max(err, max_abs(a, b))
         return err
@@ -177,7 +178,8 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
     positions ``0 .. T - 1`` for a RoPE model, as a cache stores it), so they come from the full
     recompute itself and not from any cache code. For an MLA model (:mod:`kvdoc.core.mla`) the
     pair is what it caches instead: ``c_KV`` ``[B, 1, T, r]`` and ``k_rope`` ``[B, 1, T, d_R]``,
-    read off ``kv_a_proj_with_mqa``.
+    read off ``kv_a_proj_with_mqa``. For a Gemma model (:mod:`kvdoc.core.gemma`) K is read off each
+    layer's ``k_norm`` and V off its ``v_proj``.
 
     >>> model = default_model()
     >>> logits, kv = full_forward_kv(model, torch.tensor([[1, 2, 3]]))
@@ -205,9 +207,30 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
                              apply_rope(k_rope[:, None], 0, cfg.rope_theta)))
         return hook
 
-    handles = [block.attn.kv_a_proj_with_mqa.register_forward_hook(latent_hook(block.attn))
-               if hasattr(block.attn, "kv_a_proj_with_mqa")
-               else block.attn.c_attn.register_forward_hook(hook) for block in model.h]
+    def gemma_hooks(attn):
+        # a Gemma layer (:mod:`kvdoc.core.gemma`): K off its k_norm (then rotated at the layer's
+        # own base), V off v_proj, which runs after it
+        found = {}
+
+        def k_hook(module, inputs, output):
+            found["k"] = apply_rope(output, 0, attn.rope_theta)
+
+        def v_hook(module, inputs, output):
+            B, T, _ = output.shape
+            v = output.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
+            captured.append((found.pop("k"), v))
+        return [attn.k_norm.register_forward_hook(k_hook),
+                attn.v_proj.register_forward_hook(v_hook)]
+
+    handles = []
+    for block in model.h:
+        attn = getattr(block, "attn", None) or block.self_attn
+        if hasattr(attn, "kv_a_proj_with_mqa"):
+            handles.append(attn.kv_a_proj_with_mqa.register_forward_hook(latent_hook(attn)))
+        elif hasattr(attn, "k_norm"):
+            handles += gemma_hooks(attn)
+        else:
+            handles.append(attn.c_attn.register_forward_hook(hook))
     try:
         logits = model(ids).logits
     finally:

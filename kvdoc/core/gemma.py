@@ -1,0 +1,333 @@
+"""A Gemma-3-style decoder: sliding-window and global attention layers in one model.
+
+Each layer is of one of two types (``config.layer_types``, as transformers names them; every
+``sliding_window_pattern``-th layer is global, the others slide, as in Gemma 3's ``config.json``):
+
+* ``"sliding_attention"``: query ``i`` reads keys ``i - W < j <= i`` only (``W`` =
+  ``sliding_window``, :mod:`kvdoc.core.mask`'s convention, which is transformers'), and RoPE turns
+  at the local base ``rope_local_base_freq``;
+* ``"full_attention"``: query ``i`` reads every key ``j <= i``, RoPE at the global base
+  ``rope_theta``.
+
+The rest is Gemma 3's, as transformers computes it: token embeddings scaled by ``sqrt(n_embd)``
+(the constant in float32, then cast to the model's dtype), RMSNorms that scale by ``1 + weight``
+(weights start at zero), four of them per layer (before and after the attention, before and
+after the MLP: ``x + post(attn(input(x)))``, then ``x + post_ff(mlp(pre_ff(x)))``), RMSNorms of
+each query and key head (``q_norm``, ``k_norm``, before RoPE), a GeGLU MLP
+(``down(gelu_tanh(gate(x)) * up(x))``), the softmax scale ``query_pre_attn_scalar ** -0.5`` in
+place of ``1 / sqrt(head_dim)``, a head width ``head_dim`` set apart from ``n_embd / n_head``,
+and the final logits soft-capped to ``cap * tanh(logits / cap)`` when
+``final_logit_softcapping`` is set. Parameter names inside a layer are transformers'
+(``self_attn.q_proj``, ``input_layernorm``, ``mlp.gate_proj`` ..), so a checkpoint maps by key
+(:mod:`kvdoc.interop.gemma`).
+
+:class:`Gemma3Decoder` is a :class:`~kvdoc.core.model.Decoder` (the same forward, input checks,
+``prefill``/``decode_step``/``generate``); its default cache is a
+:class:`~kvdoc.core.hybrid.HybridCache`: a ring of ``W`` slots for each window layer, a growing
+cache for each global one. A dynamic or static cache (every layer keeps every position) serves it
+too, which is what the hybrid one is checked against.
+
+>>> _ = torch.manual_seed(0)
+>>> model = Gemma3Decoder(Gemma3Config(sliding_window=4)).eval()
+>>> ids = torch.tensor([[12, 7, 31, 4, 9, 18, 3, 5]])
+>>> full = model(ids).logits
+>>> _, cache = model(ids[:, :6], model.new_cache(1))       # a hybrid cache, past its window
+>>> cache.held(0), cache.held(1)                          # layer 0 slides, layer 1 is global
+(range(2, 6), range(0, 6))
+>>> torch.allclose(model(ids[:, 6:], cache).logits, full[:, 6:], atol=1e-5)
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import DynamicCache, KVCache, StaticCache
+from .config import check_int
+from .hybrid import HybridCache
+from .mask import offset_causal_mask
+from .model import Decoder
+from .rope import apply_rope
+from .window import SlidingWindowCache
+
+SLIDING, GLOBAL = "sliding_attention", "full_attention"
+"""The two layer types, as Gemma 3's ``config.json`` names them."""
+
+
+def gemma_layer_types(n_layer: int, pattern: int = 6) -> tuple[str, ...]:
+    """Layer types of ``n_layer`` layers where every ``pattern``-th is global (the last of each
+    group; Gemma 3: 6, Gemma 2: 2), as transformers reads ``sliding_window_pattern``.
+
+    >>> gemma_layer_types(4, pattern=2)
+    ('sliding_attention', 'full_attention', 'sliding_attention', 'full_attention')
+    """
+    check_int("n_layer", n_layer)
+    check_int("pattern", pattern)
+    return tuple(SLIDING if (i + 1) % pattern else GLOBAL for i in range(n_layer))
+
+
+@dataclass(frozen=True)
+class Gemma3Config:
+    """Sizes of a Gemma-3-style decoder (names as :class:`~kvdoc.core.config.GPTConfig`'s, or as
+    Gemma 3's ``config.json`` where GPT-2 has none).
+
+    Args:
+        vocab_size, n_positions, n_head, n_embd: as in :class:`~kvdoc.core.config.GPTConfig`.
+        n_kv_head: ``H_kv``, K/V heads (``n_head`` a multiple of it).
+        n_inner: hidden width of the GeGLU MLP (``intermediate_size``).
+        head_dim: ``D_h``, the width of every query, key and value head.
+        query_pre_attn_scalar: the softmax scale is ``query_pre_attn_scalar ** -0.5``.
+        n_layer: decoder layers.
+        sliding_window: ``W``, the keys a window layer's query reads, its own included.
+        sliding_window_pattern: every ``sliding_window_pattern``-th layer (the last of each
+            group) is global, the others are window layers (:attr:`layer_types`); Gemma 3 has 6,
+            Gemma 2 2; 1 makes every layer global.
+        layer_norm_epsilon: the epsilon of every RMSNorm (``rms_norm_eps``).
+        rope_theta: the RoPE base of the global layers.
+        rope_local_base_freq: the RoPE base of the window layers.
+        final_logit_softcapping: ``cap`` of ``cap * tanh(logits / cap)``, or None for none.
+        tie_word_embeddings: the LM head reuses ``wte``'s weight (Gemma's checkpoints do).
+
+    >>> cfg = Gemma3Config()
+    >>> cfg.layer_types, cfg.layer_windows
+    (('sliding_attention', 'full_attention'), (32, None))
+    >>> cfg.kv_bytes(10), cfg.kv_bytes(10, preallocated=True)   # 10 + 10 rows, or 32 + 10
+    (5120, 10752)
+    >>> Gemma3Config(sliding_window_pattern=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: sliding_window_pattern must be a positive integer, got 0
+    """
+
+    vocab_size: int = 97
+    n_positions: int = 512
+    n_head: int = 4
+    n_kv_head: int = 2
+    n_embd: int = 64
+    n_inner: int = 128
+    head_dim: int = 16
+    query_pre_attn_scalar: int = 16
+    n_layer: int = 2
+    sliding_window: int = 32
+    sliding_window_pattern: int = 2
+    layer_norm_epsilon: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_local_base_freq: float = 10_000.0
+    final_logit_softcapping: float | None = None
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_positions", "n_head", "n_kv_head", "n_embd", "n_inner",
+                     "head_dim", "query_pre_attn_scalar", "n_layer", "sliding_window",
+                     "sliding_window_pattern"):
+            check_int(name, getattr(self, name))
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} must be a multiple of "
+                             f"n_kv_head={self.n_kv_head}")
+        if self.head_dim % 2:
+            raise ValueError(f"RoPE rotates pairs of features: head_dim={self.head_dim} "
+                             "must be even")
+        for name in ("layer_norm_epsilon", "rope_theta",
+                     "rope_local_base_freq"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        cap = self.final_logit_softcapping
+        if cap is not None and not cap > 0:
+            raise ValueError(f"final_logit_softcapping must be positive or None, got {cap!r}")
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        """Each layer's type, ``"sliding_attention"`` or ``"full_attention"``."""
+        return gemma_layer_types(self.n_layer, self.sliding_window_pattern)
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer ``sliding_window`` for a window layer, None for a global one."""
+        return tuple(self.sliding_window if t == SLIDING else None for t in self.layer_types)
+
+    def kv_bytes(self, length: int, batch_size: int = 1, dtype: torch.dtype = torch.float32,
+                 preallocated: bool = False) -> int:
+        """K and V bytes of every layer after ``length`` positions.
+
+        A global layer holds ``length`` rows, a window layer ``min(length, W)``, or ``W`` from
+        the start with ``preallocated`` (a ring allocated at its full size, as
+        :class:`~kvdoc.core.hybrid.HybridCache`'s): ``2 x B x H_kv x D_h x s x sum of rows``.
+        """
+        check_int("length", length, minimum=0)
+        check_int("batch_size", batch_size)
+        rows = sum(length if w is None else (w if preallocated else min(length, w))
+                   for w in self.layer_windows)
+        size = torch.empty((), dtype=dtype).element_size()
+        return 2 * batch_size * self.n_kv_head * self.head_dim * size * rows
+
+
+class GemmaRMSNorm(nn.Module):
+    """``x / rms(x) * (1 + weight)`` over the last dimension; ``weight`` starts at zero.
+
+    >>> norm = GemmaRMSNorm(2)
+    >>> [round(v, 4) for v in norm(torch.tensor([3., -3.])).tolist()]
+    [1.0, -1.0]
+    >>> with torch.no_grad():
+    ...     _ = norm.weight.fill_(1.0)                  # scales by 1 + 1
+    >>> [round(v, 4) for v in norm(torch.tensor([3., -3.])).tolist()]
+    [2.0, -2.0]
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Token embeddings times ``sqrt(embedding_dim)``, that constant rounded to float32 and then
+    to the weight's dtype, as transformers' Gemma does (in bfloat16 ``sqrt(3072)`` is 55.5)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor(self.embedding_dim ** 0.5, dtype=torch.float32)
+        return super().forward(idx) * scale.to(self.weight.dtype)
+
+
+class SoftCappedHead(nn.Linear):
+    """The LM head, its logits soft-capped to ``cap * tanh(logits / cap)`` when ``cap`` is set."""
+
+    def __init__(self, n_embd: int, vocab_size: int, cap: float | None) -> None:
+        super().__init__(n_embd, vocab_size, bias=False)
+        self.cap = cap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        return logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
+
+
+class GemmaAttention(nn.Module):
+    """Gemma 3's attention of layer ``layer_idx``: its window (or none) and its RoPE base.
+
+    >>> attn = GemmaAttention(Gemma3Config(), layer_idx=0)
+    >>> attn.window, attn.rope_theta, attn(torch.zeros(2, 3, 64), None, 0, start=0).shape
+    (32, 10000.0, torch.Size([2, 3, 64]))
+    """
+
+    def __init__(self, config: Gemma3Config, layer_idx: int) -> None:
+        super().__init__()
+        c = config
+        sliding = c.layer_types[layer_idx] == SLIDING
+        self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
+        self.window = c.sliding_window if sliding else None
+        self.rope_theta = c.rope_local_base_freq if sliding else c.rope_theta
+        self.scale = c.query_pre_attn_scalar ** -0.5
+        self.q_proj = nn.Linear(c.n_embd, c.n_head * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=False)
+        self.q_norm = GemmaRMSNorm(c.head_dim, eps=c.layer_norm_epsilon)
+        self.k_norm = GemmaRMSNorm(c.head_dim, eps=c.layer_norm_epsilon)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, C, _ = x.shape
+
+        def heads(proj: nn.Linear, n: int) -> torch.Tensor:  # [B, C, n D_h] -> [B, n, C, D_h]
+            return proj(x).view(B, C, n, self.head_dim).transpose(1, 2)
+
+        q = apply_rope(self.q_norm(heads(self.q_proj, self.n_head)), start, self.rope_theta)
+        k = apply_rope(self.k_norm(heads(self.k_proj, self.n_kv_head)), start, self.rope_theta)
+        v = heads(self.v_proj, self.n_kv_head)
+        if cache is not None:
+            k, v = cache.update(layer_idx, k, v, start)  # a ring returns the keys in order
+        T = k.shape[2]
+        mask = (None if C == 1 and self.window is None else
+                offset_causal_mask(start, C, x.device, window=self.window)[:, -T:])
+        if attn_mask is not None:  # a padded batch: its pad mask, within the window
+            pad = attn_mask[:, None, :, -T:]
+            mask = pad if mask is None else pad & mask
+        gqa = {"enable_gqa": True} if self.n_kv_head != self.n_head else {}
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **gqa)
+        return self.o_proj(y.transpose(1, 2).reshape(B, C, self.n_head * self.head_dim))
+
+
+class GemmaMLP(nn.Module):
+    """GeGLU: ``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, config: Gemma3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
+        self.down_proj = nn.Linear(config.n_inner, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class GemmaBlock(nn.Module):
+    """A Gemma 3 layer: ``x + post_attention(attn(input(x)))``, then
+    ``x + post_feedforward(mlp(pre_feedforward(x)))``."""
+
+    def __init__(self, config: Gemma3Config, layer_idx: int) -> None:
+        super().__init__()
+        d, eps = config.n_embd, config.layer_norm_epsilon
+        self.input_layernorm = GemmaRMSNorm(d, eps)
+        self.self_attn = GemmaAttention(config, layer_idx)
+        self.post_attention_layernorm = GemmaRMSNorm(d, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(d, eps)
+        self.mlp = GemmaMLP(config)
+        self.post_feedforward_layernorm = GemmaRMSNorm(d, eps)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), cache, layer_idx, start, attn_mask)
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Decoder(Decoder):
+    """A decoder of :class:`GemmaBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward (embed,
+    blocks, final norm, LM head) and input checks, with a hybrid cache by default.
+
+    >>> Gemma3Decoder(Gemma3Config()).num_parameters()   # the head tied to wte
+    80576
+    """
+
+    def __init__(self, config: Gemma3Config | None = None) -> None:
+        nn.Module.__init__(self)  # not Decoder.__init__: it would build GPT-2 blocks
+        self.config = config = config or Gemma3Config()
+        self.wte = ScaledEmbedding(config.vocab_size, config.n_embd)
+        self.wpe = None  # positions come from RoPE inside the attention
+        self.h = nn.ModuleList(GemmaBlock(config, i) for i in range(config.n_layer))
+        self.ln_f = GemmaRMSNorm(config.n_embd, config.layer_norm_epsilon)
+        self.lm_head = SoftCappedHead(config.n_embd, config.vocab_size,
+                                      config.final_logit_softcapping)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    def check_input(self, idx: torch.Tensor, cache: KVCache | None) -> None:
+        if isinstance(cache, SlidingWindowCache) and None in self.config.layer_windows:
+            raise ValueError("a sliding-window cache would ring this model's global layers too, "
+                             "dropping keys they read: pass model.new_cache(batch) (a hybrid "
+                             "cache) or a dynamic or static one")
+        super().check_input(idx, cache)
+
+    def new_cache(self, batch_size: int,
+                  kind: Literal["hybrid", "dynamic", "static"] | None = None,
+                  capacity: int | None = None) -> KVCache:
+        """An empty cache: ``"hybrid"`` (the default, :class:`~kvdoc.core.hybrid.HybridCache`),
+        ``"dynamic"`` or ``"static"`` (every layer keeps every position; ``capacity`` positions,
+        default ``n_positions``)."""
+        dtype, device = self.wte.weight.dtype, self.wte.weight.device
+        if kind in (None, "hybrid"):
+            return HybridCache(self.config, batch_size, dtype, device)
+        if kind == "dynamic":
+            return DynamicCache.empty(self.config, batch_size, dtype, device)
+        if kind == "static":
+            capacity = self.config.n_positions if capacity is None else capacity
+            return StaticCache(self.config, batch_size, capacity, dtype, device)
+        raise ValueError(f"unknown cache kind {kind!r} for a Gemma model; use 'hybrid', "
+                         "'dynamic' or 'static'")

@@ -1,0 +1,158 @@
+"""transformers' Gemma 3 (text) to and from :class:`kvdoc.core.gemma.Gemma3Decoder`.
+
+Inside a layer the weights keep transformers' names (``self_attn.q_proj``, ``self_attn.q_norm``,
+``input_layernorm``, ``mlp.gate_proj`` ..); only the prefixes move: ``model.layers.i.`` is
+``h.i.``, ``model.embed_tokens`` is ``wte``, ``model.norm`` is ``ln_f``. Both RoPE bases come from
+``rope_parameters`` (``full_attention`` and ``sliding_attention``), the window layers from
+``layer_types`` (which must follow a ``sliding_window_pattern``, as every published Gemma 2
+and 3 does). :func:`kvdoc.interop.hf.from_transformers` dispatches a ``gemma3_text`` model
+here, and :func:`kvdoc.interop.hf.to_transformers` a :class:`~kvdoc.core.gemma.Gemma3Decoder`.
+
+Not loaded: scaled RoPE (the larger Gemma 3 checkpoints scale the global base linearly),
+attention biases, bidirectional attention, and ``attn_logit_softcapping`` (Gemma 2's; transformers'
+Gemma 3 never applies it, so a config that sets it would not mean what it says).
+
+>>> _ = torch.manual_seed(0)
+>>> hf = gemma_model(Gemma3Config(sliding_window=4))
+>>> ours = from_gemma(hf)
+>>> ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
+>>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, gemma_layer_types
+
+_OUTER = {"model.embed_tokens.weight": "wte.weight", "model.norm.weight": "ln_f.weight",
+          "lm_head.weight": "lm_head.weight"}
+
+
+def gemma_config(config: Gemma3Config) -> Any:
+    """The transformers ``Gemma3TextConfig`` of the same model: no dropout, no special tokens.
+
+    >>> config_from_gemma(gemma_config(Gemma3Config())) == Gemma3Config()
+    True
+    """
+    from transformers import Gemma3TextConfig
+
+    c = config
+    return Gemma3TextConfig(
+        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.n_inner,
+        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
+        head_dim=c.head_dim, hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=c.n_positions, rms_norm_eps=c.layer_norm_epsilon,
+        tie_word_embeddings=c.tie_word_embeddings,
+        rope_parameters={GLOBAL: {"rope_type": "default", "rope_theta": c.rope_theta},
+                         SLIDING: {"rope_type": "default", "rope_theta": c.rope_local_base_freq}},
+        attention_bias=False, attention_dropout=0.0, query_pre_attn_scalar=c.query_pre_attn_scalar,
+        sliding_window=c.sliding_window, layer_types=list(c.layer_types),
+        final_logit_softcapping=c.final_logit_softcapping, attn_logit_softcapping=None,
+        use_bidirectional_attention=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def config_from_gemma(hf_config: Any) -> Gemma3Config:
+    """The :class:`Gemma3Config` of a transformers ``Gemma3TextConfig``.
+
+    Raises:
+        ValueError: another model type, or a variant kvdoc lacks (scaled RoPE, another
+            activation, attention biases or logit soft-capping, bidirectional attention).
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type != "gemma3_text":
+        raise ValueError(f"expected a gemma3_text config, got {model_type!r}")
+    rope = {kind: dict((hf_config.rope_parameters or {}).get(kind) or {})
+            for kind in (GLOBAL, SLIDING)}
+    unsupported = {
+        "rope_type": (tuple(r.get("rope_type", "default") for r in rope.values()),
+                      (("default", "default"),)),
+        "hidden_activation": (hf_config.hidden_activation, ("gelu_pytorch_tanh",)),
+        "attention_bias": (hf_config.attention_bias, (False,)),
+        "attn_logit_softcapping": (hf_config.attn_logit_softcapping, (None,)),
+        "use_bidirectional_attention": (bool(hf_config.use_bidirectional_attention), (False,)),
+    }
+    for name, (value, allowed) in unsupported.items():
+        if value not in allowed:
+            raise ValueError(f"gemma3_text config has {name}={value!r}; kvdoc supports {allowed}")
+    return Gemma3Config(
+        vocab_size=hf_config.vocab_size, n_positions=hf_config.max_position_embeddings,
+        n_head=hf_config.num_attention_heads, n_kv_head=hf_config.num_key_value_heads,
+        n_embd=hf_config.hidden_size, n_inner=hf_config.intermediate_size,
+        head_dim=hf_config.head_dim, query_pre_attn_scalar=int(hf_config.query_pre_attn_scalar),
+        n_layer=hf_config.num_hidden_layers, sliding_window=hf_config.sliding_window,
+        sliding_window_pattern=_pattern(list(hf_config.layer_types)),
+        layer_norm_epsilon=hf_config.rms_norm_eps,
+        rope_theta=float(rope[GLOBAL].get("rope_theta", 1_000_000.0)),
+        rope_local_base_freq=float(rope[SLIDING].get("rope_theta", 10_000.0)),
+        final_logit_softcapping=hf_config.final_logit_softcapping,
+        tie_word_embeddings=bool(hf_config.tie_word_embeddings))
+
+
+def _pattern(layer_types: list[str]) -> int:
+    """The ``sliding_window_pattern`` whose layers are ``layer_types``; ``ValueError`` if none is.
+
+    >>> _pattern(["sliding_attention", "sliding_attention", "full_attention"])
+    3
+    """
+    n = len(layer_types)
+    pattern = layer_types.index(GLOBAL) + 1 if GLOBAL in layer_types else n + 1
+    if list(gemma_layer_types(n, pattern)) != layer_types:
+        raise ValueError(f"layer_types {layer_types} are not every k-th layer global; kvdoc "
+                         "builds Gemma's pattern (sliding_window_pattern) only")
+    return pattern
+
+
+def from_gemma(hf_model: Any) -> Gemma3Decoder:
+    """A :class:`Gemma3Decoder` with the weights of transformers' ``Gemma3ForCausalLM``, in the
+    model's dtype, in eval mode."""
+    config = config_from_gemma(hf_model.config)
+    state = hf_model.state_dict()
+    wte = state["model.embed_tokens.weight"]
+    mapped = {ours: state.get(theirs, wte) for theirs, ours in _OUTER.items()}  # no head: tied
+    for name, value in state.items():
+        if name.startswith("model.layers."):
+            mapped["h." + name.removeprefix("model.layers.")] = value
+    model = Gemma3Decoder(config).to(wte.dtype)
+    model.load_state_dict({k: v.contiguous() for k, v in mapped.items()})
+    return model.to(wte.device).eval()
+
+
+def to_gemma(model: Gemma3Decoder) -> Any:
+    """transformers' ``Gemma3ForCausalLM`` holding ``model``'s weights (the inverse of
+    :func:`from_gemma`), in the model's dtype, in eval mode; the global RNG is left as it was."""
+    from transformers import Gemma3ForCausalLM
+
+    state = model.state_dict()
+    with torch.random.fork_rng():
+        hf = Gemma3ForCausalLM(gemma_config(model.config))
+    mapped = {theirs: state[ours] for theirs, ours in _OUTER.items()}
+    for name, value in state.items():
+        if name.startswith("h."):
+            mapped["model.layers." + name.removeprefix("h.")] = value
+    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in mapped.items()},
+                                             strict=False)
+    if missing or unexpected:
+        raise ValueError(f"weights do not map onto Gemma3: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    return hf.to(next(model.parameters()).dtype).eval()
+
+
+def gemma_model(config: Gemma3Config | None = None, seed: int = 0,
+                dtype: torch.dtype = torch.float32) -> Any:
+    """A transformers ``Gemma3ForCausalLM`` with random weights from ``config`` (default
+    :class:`Gemma3Config`), built offline, in eval mode.
+
+    Its RMSNorm weights start at zero, as transformers initialises them (each scales by
+    ``1 + weight``).
+
+    >>> gemma_model().config.layer_types
+    ['sliding_attention', 'full_attention']
+    """
+    torch.manual_seed(seed)
+    from transformers import Gemma3ForCausalLM
+
+    return Gemma3ForCausalLM(gemma_config(config or Gemma3Config())).to(dtype).eval()
