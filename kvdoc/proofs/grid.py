@@ -109,12 +109,14 @@ class ModelSpec:
         reference: ``model -> (ids -> logits)``, an implementation independent of the model's
             code, built from its weights; None if there is none.
         reference_name: what the reference is, for tables.
+        impls: the implementations it runs with (None: every one that serves it).
     """
 
     describe: str
     build: Callable[[int], nn.Module]
     reference: Callable[[nn.Module], Callable[[torch.Tensor], torch.Tensor]] | None = None
     reference_name: str = ""
+    impls: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,10 @@ MODELS: dict[str, ModelSpec] = {
     "split-k": ModelSpec(f"Mistral-style, split-K attention over chunks of {SPLIT} keys",
                          lambda seed: split_k_decoder(
                              _decoder(mistral_config(sliding_window=WINDOW))(seed), SPLIT),
-                         transformers_reference, "transformers Mistral, same weights"),
+                         transformers_reference, "transformers Mistral, same weights",
+                         # FastDecoder's step attends with SDPA, not split-K: on this model it
+                         # would be mistral's fast step again
+                         impls=("model",)),
     # MLA: a full forward up-projects the latent; the cached calls do too ("mla") or attend in
     # latent space ("mla-absorbed"), so cached-vs-full compares the absorbed path with the plain
     "mla": ModelSpec("MLA (DeepSeek-V3), latent 24 + rotary key 4, 3 heads, plain decode",
