@@ -53,10 +53,10 @@ from kvdoc.serving.splitk import split_k_decoder
 
 from .references import deepseek_reference, mha_reference, transformers_reference
 
-STREAM_LENGTH = 83
+STREAM_LENGTH = 67
 """Tokens in the default stream: past 32 and 64, and prime, so no chunk size above 1 divides it."""
 WINDOW = 16
-"""The Mistral-style model's window: the default stream crosses it five times."""
+"""The Mistral-style model's window: the default stream crosses it four times."""
 SPLIT = 5
 """Keys per chunk of the split-K model: divides neither the window nor the stream."""
 CHUNKS = (1, 2, 5, 13)

@@ -390,16 +390,19 @@ def run_passes(passes: Sequence[dict], variant: str | None = None) -> SuiteRepor
                        sum(report.seconds for report in reports))
 
 
-def sweep_passes(passes: Sequence[dict]) -> list[VariantOutcome]:
-    """:func:`sweep_variants` pass after pass, each stopping at a variant's first failure, the
-    slowest scenarios last (:func:`sweep_order`); a pass runs only the variants no earlier pass
-    caught. One outcome per variant, in :data:`~kvdoc.proofs.variants.VARIANTS` order."""
+def sweep_passes(passes: Sequence[dict], names: Sequence[str] | None = None
+                 ) -> list[VariantOutcome]:
+    """:func:`sweep_variants` (of ``names``, default all) pass after pass, each stopping at a
+    variant's first failure, the slowest scenarios last (:func:`sweep_order`); a pass runs only
+    the variants no earlier pass caught. One outcome per variant swept, in
+    :data:`~kvdoc.proofs.variants.VARIANTS` order."""
+    names = list(VARIANTS if names is None else names)
     outcomes: dict[str, VariantOutcome] = {}
     for axes in passes:
-        todo = [n for n in VARIANTS if n not in outcomes or not outcomes[n].caught]
+        todo = [n for n in names if n not in outcomes or not outcomes[n].caught]
         order = sweep_order(axes.get("scenarios") or SCENARIOS)
         outcomes.update((o.name, o) for o in sweep_variants(todo, **{**axes, "scenarios": order}))
-    return [outcomes[n] for n in VARIANTS if n in outcomes]
+    return [outcomes[n] for n in names if n in outcomes]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
