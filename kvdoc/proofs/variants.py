@@ -148,6 +148,11 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   "the int8 cache re-quantises every held row on each append, one scale a tensor",
                   _copy(Decoder), "int8 contract", models=("gqa",), kinds=("dynamic",),
                   caches={"int8": broken_caches.requantising_int8_cache}),
+    BrokenVariant("int8-read-v-scale",
+                  "the int8 cache hands attention K dequantised with V's scales (what it stores "
+                  "and layer() returns is right)",
+                  _copy(Decoder), "int8 contract", models=("gqa",), kinds=("dynamic",),
+                  caches={"int8": broken_caches.v_scale_read_int8_cache}),
     BrokenVariant("ring-long-chunk",
                   "a chunk longer than the window puts its first W rows in the ring, not its last",
                   _copy(Decoder), "ring and block edges", models=("mistral",), kinds=("window",),
