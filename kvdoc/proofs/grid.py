@@ -109,7 +109,8 @@ class ModelSpec:
         reference: ``model -> (ids -> logits)``, an implementation independent of the model's
             code, built from its weights; None if there is none.
         reference_name: what the reference is, for tables.
-        impls: the implementations it runs with (None: every one that serves it).
+        impls: the implementations it runs with unless ``run_suite`` is given some (None: every
+            one that serves it).
     """
 
     describe: str
@@ -153,7 +154,7 @@ MODELS: dict[str, ModelSpec] = {
                              _decoder(mistral_config(sliding_window=WINDOW))(seed), SPLIT),
                          transformers_reference, "transformers Mistral, same weights",
                          # FastDecoder's step attends with SDPA, not split-K: on this model it
-                         # would be mistral's fast step again
+                         # is mistral's fast step again (--thorough runs it all the same)
                          impls=("model",)),
     # MLA: a full forward up-projects the latent; the cached calls do too ("mla") or attend in
     # latent space ("mla-absorbed"), so cached-vs-full compares the absorbed path with the plain

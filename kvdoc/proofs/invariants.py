@@ -13,8 +13,10 @@ combination of the grid like the others (each says where it does not apply):
 * ``int8``: the int8 cache (:mod:`kvdoc.serving.quant`) is lossy, so it is held to its contract,
   not to the FP32 tolerance: rows it holds never change after an append (bitwise), each new row's
   scale is its own ``max|x| / 127`` (every value a multiple of it, within ``[-127, 127]`` steps,
-  the largest at 127), each value within half a step of what was written, and its bytes are
-  ``2 L B H_kv T (D_h + scale bytes)``.
+  the largest at 127), each value within half a step of what was written, every attention read
+  of the model's layers within :func:`~kvdoc.serving.quant.read_error_bound` of the same read
+  over the exact K/V (:func:`int8_reads`), and its bytes are ``2 L B H_kv T (D_h + scale
+  bytes)``.
 * ``edges``: on a model with a window ``W``, a chunk of ``W + 4`` tokens after a short prefix,
   then a single token; on a cache a call leaves unchanged, two branches of one prefix fed in
   turn (a chunk of 5 each, then a token each), from a prefix of 9 tokens (before a ring of 16
@@ -45,7 +47,7 @@ from kvdoc.serving.batching import left_pad, padded_mask, padded_positions
 from kvdoc.serving.paged import BlockPool, PagedCache
 from kvdoc.serving.quant import Int8Cache, new_int8_cache, read_error_bound
 
-from .verify import Snapshot, close, max_abs
+from .verify import Snapshot, close, max_abs, run_cached
 
 if TYPE_CHECKING:
     from .scenarios import Case
@@ -289,6 +291,23 @@ def int8_reads(model: torch.nn.Module, exact: dict) -> Iterator[list[Read]]:
                 del attn.attend
             else:
                 attn.attend = own
+
+
+@torch.no_grad()
+def check_int8_reads(model: torch.nn.Module, ids: torch.Tensor, chunk: int) -> list[Read]:
+    """Feed ``ids`` (``[B, T]``) in chunks of ``chunk`` through ``model`` with an int8 cache:
+    every layer's every attention read, against the same read over the exact K/V.
+
+    >>> from kvdoc.proofs.verify import default_model, default_stream
+    >>> reads = check_int8_reads(default_model(), default_stream(length=8), 3)
+    >>> len(reads), max(r.excess for r in reads)   # 2 layers x 3 calls; every bound holds
+    (6, 0.0)
+    """
+    exact: dict = {}
+    cache = _Recorder(new_int8_cache(model, ids.shape[0]), {}, exact)
+    with int8_reads(model, exact) as reads:
+        run_cached(model, ids, chunk, cache=cache)
+    return reads
 
 
 def _int8(case: Case, out: list) -> None:

@@ -176,8 +176,9 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
         variant: a key of :data:`kvdoc.proofs.variants.VARIANTS` to test instead of the
             implementation as it is.
         models, kinds, impls: keys of :data:`kvdoc.proofs.grid.MODELS`, ``CACHES``,
-            ``IMPLEMENTATIONS`` (default: all of each, as registered when called; for a variant,
-            ``impls`` defaults to ``("model",)``, the broken model itself).
+            ``IMPLEMENTATIONS`` (default: all of each, as registered when called, and of those a
+            model's :attr:`~kvdoc.proofs.grid.ModelSpec.impls`; for a variant, ``impls``
+            defaults to ``("model",)``, the broken model itself).
         dtypes: FP32 and/or FP64 (FP64 converts a copy of the FP32 weights).
         length, chunks, batches, seeds: the stream, the stream checks' chunk and batch sizes
             (every pair), and the model seeds.
@@ -204,6 +205,7 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
         kinds = VARIANTS[variant].kinds  # its broken caches replace these kinds
     models, kinds = list(models or specs), list(kinds or grid.CACHES)
     # a broken variant is the implementation under test: by default it runs as itself, not wrapped
+    given_impls = impls is not None  # else a model's own impls (ModelSpec.impls) apply
     impls = list(impls or (grid.IMPLEMENTATIONS if variant is None else ("model",)))
     scenarios = list(scenarios or SCENARIOS)
     for axis, names, known in (("model", models, specs), ("cache kind", kinds, grid.CACHES),
@@ -243,7 +245,8 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
                     continue
                 # skips what does not serve the model, e.g. a ring cache for a model without a
                 # window, K/V caches and FastDecoder for an MLA model
-                own = [i for i in impls if specs[name].impls is None or i in specs[name].impls]
+                own = [i for i in impls
+                       if given_impls or specs[name].impls is None or i in specs[name].impls]
                 for kind, impl in grid.served(under_test.config, kinds, own) if own else ():
                     try:
                         call = grid.IMPLEMENTATIONS[impl](under_test)
@@ -369,23 +372,27 @@ def verify_passes(thorough: bool = False, seed: int = 0) -> list[dict]:
 
     By default every scenario in FP32, then :data:`FP64_SCENARIOS` in FP64 at
     :data:`FP64_CHUNKS`, one seed; ``thorough``, every scenario in both dtypes on
-    :data:`kvdoc.proofs.grid.THOROUGH`, two seeds.
+    :data:`kvdoc.proofs.grid.THOROUGH`, two seeds, every implementation on every model it
+    serves (also those a :attr:`~kvdoc.proofs.grid.ModelSpec.impls` leaves out by default).
 
     >>> [p["dtypes"] for p in verify_passes()], verify_passes()[1]["scenarios"]
     ([(torch.float32,), (torch.float64,)], ('stream', 'reference'))
     >>> len(verify_passes(thorough=True)), verify_passes(True, seed=3)[0]["seeds"]
     (1, (3, 4))
     """
-    if thorough:
-        return [dict(grid.THOROUGH, seeds=(seed, seed + 1), dtypes=DTYPES)]
+    if thorough:  # every implementation on every model that it serves
+        return [dict(grid.THOROUGH, seeds=(seed, seed + 1), dtypes=DTYPES,
+                     impls=tuple(grid.IMPLEMENTATIONS))]
     return [dict(seeds=(seed,), dtypes=(torch.float32,)),
             dict(seeds=(seed,), dtypes=(torch.float64,), scenarios=FP64_SCENARIOS,
                  chunks=FP64_CHUNKS)]
 
 
 def run_passes(passes: Sequence[dict], variant: str | None = None) -> SuiteReport:
-    """:func:`run_suite` once per pass (axes), the results in one :class:`SuiteReport`."""
-    reports = [run_suite(variant, **axes) for axes in passes]
+    """:func:`run_suite` once per pass (axes), the results in one :class:`SuiteReport`; a
+    variant runs as the broken model itself, whatever implementations a pass names."""
+    reports = [run_suite(variant, **{k: v for k, v in axes.items()
+                                     if variant is None or k != "impls"}) for axes in passes]
     return SuiteReport(variant, [r for report in reports for r in report.results],
                        sum(report.seconds for report in reports))
 
@@ -401,7 +408,9 @@ def sweep_passes(passes: Sequence[dict], names: Sequence[str] | None = None
     for axes in passes:
         todo = [n for n in names if n not in outcomes or not outcomes[n].caught]
         order = sweep_order(axes.get("scenarios") or SCENARIOS)
-        outcomes.update((o.name, o) for o in sweep_variants(todo, **{**axes, "scenarios": order}))
+        # a variant runs as the broken model itself, whatever implementations the pass names
+        swept = {k: v for k, v in axes.items() if k != "impls"}
+        outcomes.update((o.name, o) for o in sweep_variants(todo, **{**swept, "scenarios": order}))
     return [outcomes[n] for n in names if n in outcomes]
 
 
@@ -449,8 +458,9 @@ def _main(args: argparse.Namespace) -> int:
     for axis, values in zip(("models", "cache kinds", "implementations", "dtypes"), ran,
                             strict=True):
         print(f"  {axis}: {', '.join(dict.fromkeys(values))}")
-    print("  approximate caches: int8 (scenario int8, on the dynamic kind: its own contract, "
-          "not the tolerance)")
+    print("  approximate caches: int8 (scenario int8, on the dynamic kind; its own contract: "
+          "held rows bitwise, each element within half its row's step, each attention read "
+          "within its derived bound)")
     print("  padded batches: left-padded prompts with a pad mask (scenario padded)")
     print(f"  scenarios: {', '.join(SCENARIOS)}")
     for axes in passes:
