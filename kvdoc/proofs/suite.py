@@ -4,8 +4,10 @@
 the axes of :mod:`kvdoc.proofs.grid` (model configurations, cache kinds, implementations) and of
 FP32 and FP64, and returns a :class:`SuiteReport`. :func:`sweep_variants` runs every broken
 variant of :mod:`kvdoc.proofs.variants` through it, each of which must be caught.
-``python -m kvdoc verify`` does both and ends with a verdict line; its exit status is 0 only if
-the implementation passed and every variant was caught.
+``python -m kvdoc verify`` does both, in the passes of :func:`verify_passes` (by default every
+scenario in FP32, then the stream and the reference in FP64; ``--thorough``, everything in both
+on a longer stream), and ends with a verdict line; its exit status is 0 only if the
+implementation passed and every variant was caught.
 
 An exception raised by the code under test (also while a model is built) is a failed check
 carrying its message; the suite itself does not raise.
