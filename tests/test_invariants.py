@@ -19,7 +19,7 @@ FP32 = dict(dtypes=(torch.float32,))
 OLD = [s for s in SCENARIOS if s not in invariants.SCENARIOS]
 
 # variant -> the check made for it
-MADE_FOR = {"pool-counts-k-only": "bytes", "int8-requantise": "int8",
+MADE_FOR = {"pool-counts-k-only": "bytes", "int8-requantise": "int8", "int8-read-v-scale": "int8",
             "ring-long-chunk": "edges", "ring-shared-until-wrap": "edges",
             "prefix-late-copy": "edges", "decode-without-pad-mask": "padded",
             "fast-ignores-padding": "padded"}

@@ -17,7 +17,13 @@ from kvdoc.proofs import grid
 from kvdoc.proofs.broken import PositionsRestartDecoder, copy_as, stale_prefix
 from kvdoc.proofs.crosscheck import match_transformers
 from kvdoc.proofs.scenarios import CHECKS, SCENARIOS
-from kvdoc.proofs.suite import run_suite, sweep_variants, variants_table
+from kvdoc.proofs.suite import (
+    run_suite,
+    sweep_passes,
+    sweep_variants,
+    variants_table,
+    verify_passes,
+)
 from kvdoc.proofs.variants import BUG_CLASSES, VARIANTS
 from kvdoc.proofs.verify import (
     TOLERANCE,
@@ -143,7 +149,7 @@ def test_errors_are_infinite_on_nan_or_shape_mismatch():
 def test_suite_passes_on_the_real_implementation():
     report = run_suite()
     assert report.passed, report.failures_table()
-    served = sum(len(grid.served(m.build(0).config)) for m in grid.MODELS.values())
+    served = sum(len(grid.served(m.build(0).config, impls=m.impls)) for m in grid.MODELS.values())
     assert len(report.combinations) == served * 2  # FP32 and FP64
     assert {r.check for r in report.results} == set(CHECKS)
     assert all(r.passed is not False for r in report.results)
@@ -154,9 +160,8 @@ def test_suite_passes_on_the_real_implementation():
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_the_suite_catches_every_variant(name):
-    dtype = torch.float64 if name == "fp32-cache" else torch.float32
-    outcome, = sweep_variants([name], dtypes=(dtype,))
+def test_the_default_verify_catches_every_variant(name):
+    outcome, = sweep_passes(verify_passes(), [name])  # as `python -m kvdoc verify` sweeps it
     assert outcome.caught and outcome.first is not None
     assert outcome.bug_class in BUG_CLASSES
     # caught by a comparison, not by the variant's own code failing to run (say, a stale signature)

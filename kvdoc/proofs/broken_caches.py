@@ -8,6 +8,8 @@ catches it:
   would silently halve);
 * :class:`RequantisingInt8Cache`: an int8 cache that re-quantises every row it holds on every
   append, with one scale per tensor;
+* :class:`VScaleReadInt8Cache`: an int8 cache that stores and returns every row right through
+  ``layer()``, but hands the attention K dequantised with V's scales;
 * :class:`LongChunkRingCache`: a window ring that keeps the first ``W`` rows of a chunk longer
   than the window, not the last;
 * :class:`LazyRingCache`: a window ring shared with the cache it continues until a write would
@@ -44,7 +46,7 @@ from kvdoc.core.gemma import Gemma3Config
 from kvdoc.core.hybrid import HybridCache
 from kvdoc.core.window import SlidingWindowCache
 from kvdoc.serving.paged import BlockPool, PagedCache, SharedPrefixCache
-from kvdoc.serving.quant import Int8Cache
+from kvdoc.serving.quant import Int8Cache, dequantize
 from kvdoc.serving.scheduler import LiveRequest, Scheduler
 
 BLOCK = 4
@@ -100,6 +102,26 @@ def requantising_int8_cache(model: nn.Module, batch: int, capacity: int | None =
     """An empty :class:`RequantisingInt8Cache` for ``model``."""
     weight = model.wte.weight
     return RequantisingInt8Cache.empty(model.config, batch, weight.dtype, weight.device)
+
+
+class VScaleReadInt8Cache(Int8Cache):
+    """BROKEN: what ``update`` returns to the attention is K dequantised with the V rows' scales;
+    the rows stored, and what :meth:`layer` returns, are right."""
+
+    def begin(self) -> VScaleReadInt8Cache:
+        return VScaleReadInt8Cache(self._kv)
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        super().update(layer_idx, k, v, start)
+        qk, _, qv, v_scale = self._kv[layer_idx]
+        return dequantize(qk, v_scale), dequantize(qv, v_scale)  # BUG: V's scale for K
+
+
+def v_scale_read_int8_cache(model: nn.Module, batch: int, capacity: int | None = None
+                            ) -> VScaleReadInt8Cache:
+    """An empty :class:`VScaleReadInt8Cache` for ``model``."""
+    weight = model.wte.weight
+    return VScaleReadInt8Cache.empty(model.config, batch, weight.dtype, weight.device)
 
 
 class LongChunkRingCache(SlidingWindowCache):

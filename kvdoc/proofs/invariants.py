@@ -14,8 +14,10 @@ combination of the grid like the others (each says where it does not apply):
 * ``int8``: the int8 cache (:mod:`kvdoc.serving.quant`) is lossy, so it is held to its contract,
   not to the FP32 tolerance: rows it holds never change after an append (bitwise), each new row's
   scale is its own ``max|x| / 127`` (every value a multiple of it, within ``[-127, 127]`` steps,
-  the largest at 127), each value within half a step of what was written, and its bytes are
-  ``2 L B H_kv T (D_h + scale bytes)``.
+  the largest at 127), each value within half a step of what was written, every attention read
+  of the model's layers within :func:`~kvdoc.serving.quant.read_error_bound` of the same read
+  over the exact K/V (:func:`int8_reads`), and its bytes are ``2 L B H_kv T (D_h + scale
+  bytes)``.
 * ``edges``: on a model with a window ``W``, a chunk of ``W + 4`` tokens after a short prefix,
   then a single token; on a cache a call leaves unchanged, two branches of one prefix fed in
   turn (a chunk of 5 each, then a token each), from a prefix of 9 tokens (before a ring of 16
@@ -31,6 +33,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,9 +47,9 @@ from kvdoc.core.window import SlidingWindowCache
 from kvdoc.measure.wrapper import CacheWrapper
 from kvdoc.serving.batching import left_pad, padded_mask, padded_positions
 from kvdoc.serving.paged import BlockPool, PagedCache
-from kvdoc.serving.quant import Int8Cache, new_int8_cache
+from kvdoc.serving.quant import Int8Cache, new_int8_cache, read_error_bound
 
-from .verify import Snapshot, close, max_abs
+from .verify import Snapshot, close, max_abs, run_cached
 
 if TYPE_CHECKING:
     from .scenarios import Case
@@ -199,18 +203,26 @@ def _bytes(case: Case, out: list) -> None:
 # --- the int8 contract ----------------------------------------------------------------------
 
 class _Recorder(CacheWrapper):
-    """Delegates to the cache under test and records the K/V every ``update`` was given."""
+    """Delegates to the cache under test and records the K/V every ``update`` was given: the last
+    rows written per layer (``written``) and every row so far (``exact``)."""
 
-    def __init__(self, inner: KVCache, written: dict) -> None:
+    def __init__(self, inner: KVCache, written: dict, exact: dict) -> None:
         super().__init__(inner)
-        self.written = written
+        self.written, self.exact = written, exact
 
     def begin(self) -> _Recorder:
-        return _Recorder(self.inner.begin(), self.written)
+        return _Recorder(self.inner.begin(), self.written, self.exact)
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int):
         self.written[layer_idx] = (k.clone(), v.clone())
+        old_k, old_v = self.exact.get(layer_idx, (k[:, :, :0], v[:, :, :0]))
+        self.exact[layer_idx] = (torch.cat((old_k, k), dim=2), torch.cat((old_v, v), dim=2))
         return self.inner.update(layer_idx, k, v, start)
+
+
+ROW_SLACK = 1e-3
+"""Slack, in steps, of the element contract: the rounding of ``x / scale`` and ``q * scale``,
+a few units in the last place of 127, is far below it."""
 
 
 def _row_problems(got: torch.Tensor, written: torch.Tensor) -> float:
@@ -225,9 +237,87 @@ def _row_problems(got: torch.Tensor, written: torch.Tensor) -> float:
     top = (127 - steps.abs().amax(dim=-1))[amax[..., 0] > 0]
     not_top = top.abs().amax().item() if top.numel() else 0.0
     error = ((got - written).abs() / scale).amax().item()
-    slack = 1e-3  # rounding of x / scale and q * scale: far below one step
+    slack = ROW_SLACK
     worst = max(off_grid - slack, beyond - slack, not_top - slack, error - 0.5 - slack, 0.0)
     return math.inf if math.isnan(worst) else worst
+
+
+@dataclass(frozen=True)
+class Read:
+    """One attention read of one layer over the int8 cache, against the same read (the same
+    queries, the layer's own ``attend``) over the exact K and V written.
+
+    ``error`` and ``bound`` are the largest ``|int8 read - exact read|`` and the largest bound of
+    :func:`~kvdoc.serving.quant.read_error_bound` (at half a step plus :data:`ROW_SLACK`);
+    ``excess`` the largest amount by which an element's error passes its own bound plus the
+    rounding slack of the two reads (0 when the bound holds everywhere, ``inf`` for shapes that
+    disagree)."""
+
+    layer: int
+    start: int
+    error: float
+    bound: float
+    excess: float
+
+
+def _read(layer: int, attend, q, k, v, start, attn_mask, got, exact) -> Read:
+    K, V = exact
+    if K.shape != k.shape or V.shape != v.shape:
+        return Read(layer, start, math.inf, 0.0, math.inf)
+    want = attend(q, K, V, start, attn_mask)
+    bound = read_error_bound(q, K, V, 0.5 + ROW_SLACK)
+    # each read rounds: a weighted sum of T values and a score of D_h products, a few units in
+    # the last place of the largest value per term
+    slack = 2 * (K.shape[2] + q.shape[-1]) * torch.finfo(q.dtype).eps * float(V.abs().max())
+    err = (got - want).abs()
+    excess = float((err - bound - slack).amax().clamp(min=0)) if err.numel() else 0.0
+    return Read(layer, start, max_abs(got, want), float(bound.max()) if bound.numel() else 0.0,
+                math.inf if math.isnan(excess) else excess)
+
+
+@contextmanager
+def int8_reads(model: torch.nn.Module, exact: dict) -> Iterator[list[Read]]:
+    """Within the block, every ``attend`` of ``model``'s layers is also run over the exact K/V
+    of ``exact`` (layer -> ``(K, V)``, as a :class:`_Recorder` collects them) and yields a
+    :class:`Read` into the list. A one-token step of the fast decoder does not call ``attend``."""
+    reads: list[Read] = []
+    patched = []
+    for i, block in enumerate(getattr(model, "h", [])):
+        attn = block.attn
+        original = attn.attend
+
+        def attend(q, k, v, start, attn_mask=None, i=i, original=original):
+            got = original(q, k, v, start, attn_mask)
+            reads.append(_read(i, original, q, k, v, start, attn_mask, got, exact[i]))
+            return got
+
+        patched.append((attn, vars(attn).get("attend")))
+        attn.attend = attend
+    try:
+        yield reads
+    finally:
+        for attn, own in patched:
+            if own is None:
+                del attn.attend
+            else:
+                attn.attend = own
+
+
+@torch.no_grad()
+def check_int8_reads(model: torch.nn.Module, ids: torch.Tensor, chunk: int) -> list[Read]:
+    """Feed ``ids`` (``[B, T]``) in chunks of ``chunk`` through ``model`` with an int8 cache:
+    every layer's every attention read, against the same read over the exact K/V.
+
+    >>> from kvdoc.proofs.verify import default_model, default_stream
+    >>> reads = check_int8_reads(default_model(), default_stream(length=8), 3)
+    >>> len(reads), max(r.excess for r in reads)   # 2 layers x 3 calls; every bound holds
+    (6, 0.0)
+    """
+    exact: dict = {}
+    cache = _Recorder(new_int8_cache(model, ids.shape[0]), {}, exact)
+    with int8_reads(model, exact) as reads:
+        run_cached(model, ids, chunk, cache=cache)
+    return reads
 
 
 def _int8(case: Case, out: list) -> None:
@@ -240,24 +330,29 @@ def _int8(case: Case, out: list) -> None:
     B = case.ids.shape[0]
     new = case.caches.get("int8", new_int8_cache)
     written: dict = {}
-    cache: KVCache = _Recorder(new(case.model, B, case.ids.shape[1]), written)
+    exact: dict = {}
+    cache: KVCache = _Recorder(new(case.model, B, case.ids.shape[1]), written, exact)
     fed, changed, breach, problems = 0, 0.0, 0.0, []
-    for n in INT8_CHUNKS:
-        before = Snapshot.of(cache)
-        _, new_cache = case.call(case.ids[:, fed:fed + n], cache)
-        # rows held before the call: bitwise the same in the cache passed in and the new one
-        changed = max(changed, before.changed(cache, fed), before.changed(new_cache, fed))
-        for i in range(new_cache.n_layer):
-            for got, wrote in zip(new_cache.layer(i), written[i], strict=True):
-                breach = max(breach, _row_problems(got[:, :, fed:fed + n], wrote))
-        cache, fed = new_cache, fed + n
-        problems += [f"after {fed}: {p}" for p in byte_problems(cache.inner)]
-    ok = changed == 0.0 and breach == 0.0 and not problems
+    with int8_reads(case.model, exact) as reads:
+        for n in INT8_CHUNKS:
+            before = Snapshot.of(cache)
+            _, new_cache = case.call(case.ids[:, fed:fed + n], cache)
+            # rows held before the call: bitwise the same in the cache passed in and the new one
+            changed = max(changed, before.changed(cache, fed), before.changed(new_cache, fed))
+            for i in range(new_cache.n_layer):
+                for got, wrote in zip(new_cache.layer(i), written[i], strict=True):
+                    breach = max(breach, _row_problems(got[:, :, fed:fed + n], wrote))
+            cache, fed = new_cache, fed + n
+            problems += [f"after {fed}: {p}" for p in byte_problems(cache.inner)]
+    excess = max((r.excess for r in reads), default=0.0)
+    ok = changed == 0.0 and breach == 0.0 and excess == 0.0 and bool(reads) and not problems
+    ratio = max((r.error / r.bound for r in reads if r.bound > 0), default=0.0)
     detail = (problems[0] if problems else
               f"{fed} positions in {len(INT8_CHUNKS)} calls: held rows changed by {changed:.1e}, "
-              f"worst breach of a row's step {breach:.1e}")
-    out.append(case.result("int8", ok, max(changed, breach, math.inf if problems else 0.0),
-                           detail))
+              f"worst breach of a row's step {breach:.1e}; {len(reads)} attention reads, "
+              f"error at most {ratio:.2f} of its bound, excess {excess:.1e}")
+    out.append(case.result("int8", ok, max(changed, breach, excess,
+                                           math.inf if problems or not reads else 0.0), detail))
 
 
 # --- ring and block edges -------------------------------------------------------------------
@@ -353,7 +448,8 @@ def _padded(case: Case, out: list) -> None:
 CHECKS = {
     "bytes": "nbytes() and a pool's figures vs the tensors held and the formula; held rows and "
              "lengths vs the tensors' shapes",
-    "int8": "int8 cache: held rows never change, each row's own scale, half a step of error",
+    "int8": "int8 cache: held rows never change, each row's own scale, half a step of error; "
+            "every attention read within its derived bound of the exact read",
     "edges": "a chunk longer than the window; two live branches before and after the ring wraps, "
              "off the block size",
     "padded": "a left-padded batch, prefill and decode steps: each row vs its prompt alone",

@@ -511,7 +511,8 @@ def _weights(case: Case, out: list) -> None:
 
     ok, err = True, 0.0
     try:
-        case.feed(ids, 1)  # the call has run, and made any copy it makes, before the change
+        # the call has run (a prompt, then a step), and made any copy it makes, before the change
+        case.feed(ids[:, :3], [2, 1])
         for change in (shift_two, load_other):
             change()
             run = case.feed(ids, [5] + [1] * (ids.shape[1] - 5))

@@ -4,8 +4,10 @@
 the axes of :mod:`kvdoc.proofs.grid` (model configurations, cache kinds, implementations) and of
 FP32 and FP64, and returns a :class:`SuiteReport`. :func:`sweep_variants` runs every broken
 variant of :mod:`kvdoc.proofs.variants` through it, each of which must be caught.
-``python -m kvdoc verify`` does both and ends with a verdict line; its exit status is 0 only if
-the implementation passed and every variant was caught.
+``python -m kvdoc verify`` does both, in the passes of :func:`verify_passes` (by default every
+scenario in FP32, then the stream and the reference in FP64; ``--thorough``, everything in both
+on a longer stream), and ends with a verdict line; its exit status is 0 only if the
+implementation passed and every variant was caught.
 
 An exception raised by the code under test (also while a model is built) is a failed check
 carrying its message; the suite itself does not raise.
@@ -36,6 +38,8 @@ from .variants import VARIANTS
 from .verify import DTYPE_NAMES, TOLERANCE
 
 ORDER = list(CHECKS)
+DTYPES = (torch.float32, torch.float64)
+"""The dtypes of a run by default."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +166,7 @@ def _run_case(case: Case, scenarios: Sequence[str], results: list, stop_at_first
 
 def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None,
               kinds: Sequence[str] | None = None, impls: Sequence[str] | None = None,
-              dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64),
+              dtypes: Sequence[torch.dtype] = DTYPES,
               length: int = grid.STREAM_LENGTH,
               chunks: Sequence[int] = grid.CHUNKS, batches: Sequence[int] = grid.BATCHES,
               seeds: Sequence[int] = (0,), scenarios: Sequence[str] | None = None,
@@ -174,12 +178,14 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
         variant: a key of :data:`kvdoc.proofs.variants.VARIANTS` to test instead of the
             implementation as it is.
         models, kinds, impls: keys of :data:`kvdoc.proofs.grid.MODELS`, ``CACHES``,
-            ``IMPLEMENTATIONS`` (default: all of each, as registered when called; for a variant,
-            ``impls`` defaults to ``("model",)``, the broken model itself).
+            ``IMPLEMENTATIONS`` (default: all of each, as registered when called, and of those a
+            model's :attr:`~kvdoc.proofs.grid.ModelSpec.impls`; for a variant, ``impls``
+            defaults to ``("model",)``, the broken model itself).
         dtypes: FP32 and/or FP64 (FP64 converts a copy of the FP32 weights).
         length, chunks, batches, seeds: the stream, the stream checks' chunk and batch sizes
             (every pair), and the model seeds.
-        scenarios: keys of :data:`kvdoc.proofs.scenarios.SCENARIOS` (default all).
+        scenarios: keys of :data:`kvdoc.proofs.scenarios.SCENARIOS` (default all), run in this
+            order on each combination.
         stop_at_first: return at the first failed check (how broken variants are swept).
         model: a model (FP32, with the :class:`~kvdoc.core.model.Decoder` interface) to verify
             instead of the grid's models; reported as model ``"given"``, without a reference.
@@ -201,6 +207,7 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
         kinds = VARIANTS[variant].kinds  # its broken caches replace these kinds
     models, kinds = list(models or specs), list(kinds or grid.CACHES)
     # a broken variant is the implementation under test: by default it runs as itself, not wrapped
+    given_impls = impls is not None  # else a model's own impls (ModelSpec.impls) apply
     impls = list(impls or (grid.IMPLEMENTATIONS if variant is None else ("model",)))
     scenarios = list(scenarios or SCENARIOS)
     for axis, names, known in (("model", models, specs), ("cache kind", kinds, grid.CACHES),
@@ -240,7 +247,9 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
                     continue
                 # skips what does not serve the model, e.g. a ring cache for a model without a
                 # window, K/V caches and FastDecoder for an MLA model
-                for kind, impl in grid.served(under_test.config, kinds, impls):
+                own = [i for i in impls
+                       if given_impls or specs[name].impls is None or i in specs[name].impls]
+                for kind, impl in grid.served(under_test.config, kinds, own) if own else ():
                     try:
                         call = grid.IMPLEMENTATIONS[impl](under_test)
                     except Exception as exc:
@@ -280,8 +289,9 @@ def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = 
                    workers: int = 1, **axes) -> list[VariantOutcome]:
     """Run each broken variant (all by default) through :func:`run_suite` with the same ``axes``.
 
-    A variant built for some models only (:attr:`~kvdoc.proofs.variants.BrokenVariant.models`)
-    runs on those among ``axes["models"]``, and is left out when there are none.
+    A variant built for some models, kinds or dtypes only
+    (:attr:`~kvdoc.proofs.variants.BrokenVariant.models`, ``kinds``, ``dtypes``) runs on those
+    among the ``axes``, and is left out when there are none.
 
     With ``stop_at_first`` (the default) each run stops at its first failed check, which is all
     a verdict needs; without it, every check runs, which shows everything that catches a variant.
@@ -296,9 +306,10 @@ def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = 
         models = [m for m in (axes.get("models") or grid.MODELS)
                   if v.models is None or m in v.models]
         kinds = [k for k in (axes.get("kinds") or grid.CACHES) if v.kinds is None or k in v.kinds]
-        if models and kinds:  # else nothing on these axes it can be built from
-            runs.append((name, stop_at_first,
-                         {**axes, "models": models, **({"kinds": kinds} if v.kinds else {})}))
+        dtypes = [d for d in axes.get("dtypes", DTYPES) if v.dtypes is None or d in v.dtypes]
+        if models and kinds and dtypes:  # else nothing on these axes it can be built from
+            runs.append((name, stop_at_first, {**axes, "models": models, "dtypes": dtypes,
+                                               **({"kinds": kinds} if v.kinds else {})}))
     if workers > 1 and len(runs) > 1:
         import multiprocessing
 
@@ -333,6 +344,78 @@ def variants_table(outcomes: Sequence[VariantOutcome]) -> str:
 
 # --- command line -----------------------------------------------------------------------------
 
+FP64_SCENARIOS = ("stream", "reference")
+"""What the default ``verify`` repeats in FP64: the stream's checks and the independent reference,
+at FP64's tolerance, where a path that rounds through FP32 shows. ``--thorough`` runs every
+scenario in both dtypes."""
+FP64_CHUNKS = (2, 13)
+"""The default FP64 stream's chunk sizes: pairs, whose last call is a single token (the fast
+step, at the stream's end), and a chunk near the window that divides neither the stream, the
+window nor a paged block. A path that rounds through FP32 is off by far more than FP64's
+tolerance at any chunk size; FP32 runs every chunk size of :data:`kvdoc.proofs.grid.CHUNKS`."""
+SWEEP_LAST = ("weights", "branch", "reference", "prefill_decode", "stream")
+"""The slowest scenarios, which a sweep that stops at a variant's first failure runs last (in
+this order, after every other scenario in its own order): most variants fail a cheap check
+first, and the verdict is the same in any order."""
+
+
+def sweep_order(names: Sequence[str]) -> list[str]:
+    """``names`` with those of :data:`SWEEP_LAST` moved to the end, in that order.
+
+    >>> sweep_order(["stream", "last_only", "branch", "bytes"])
+    ['last_only', 'bytes', 'branch', 'stream']
+    """
+    return ([n for n in names if n not in SWEEP_LAST]
+            + [n for n in SWEEP_LAST if n in names])
+
+
+def verify_passes(thorough: bool = False, seed: int = 0) -> list[dict]:
+    """The runs of ``python -m kvdoc verify``, each the axes of one :func:`run_suite`.
+
+    By default every scenario in FP32, then :data:`FP64_SCENARIOS` in FP64 at
+    :data:`FP64_CHUNKS`, one seed; ``thorough``, every scenario in both dtypes on
+    :data:`kvdoc.proofs.grid.THOROUGH`, two seeds, every implementation on every model it
+    serves (also those a :attr:`~kvdoc.proofs.grid.ModelSpec.impls` leaves out by default).
+
+    >>> [p["dtypes"] for p in verify_passes()], verify_passes()[1]["scenarios"]
+    ([(torch.float32,), (torch.float64,)], ('stream', 'reference'))
+    >>> len(verify_passes(thorough=True)), verify_passes(True, seed=3)[0]["seeds"]
+    (1, (3, 4))
+    """
+    if thorough:  # every implementation on every model that it serves
+        return [dict(grid.THOROUGH, seeds=(seed, seed + 1), dtypes=DTYPES,
+                     impls=tuple(grid.IMPLEMENTATIONS))]
+    return [dict(seeds=(seed,), dtypes=(torch.float32,)),
+            dict(seeds=(seed,), dtypes=(torch.float64,), scenarios=FP64_SCENARIOS,
+                 chunks=FP64_CHUNKS)]
+
+
+def run_passes(passes: Sequence[dict], variant: str | None = None) -> SuiteReport:
+    """:func:`run_suite` once per pass (axes), the results in one :class:`SuiteReport`; a
+    variant runs as the broken model itself, whatever implementations a pass names."""
+    reports = [run_suite(variant, **{k: v for k, v in axes.items()
+                                     if variant is None or k != "impls"}) for axes in passes]
+    return SuiteReport(variant, [r for report in reports for r in report.results],
+                       sum(report.seconds for report in reports))
+
+
+def sweep_passes(passes: Sequence[dict], names: Sequence[str] | None = None
+                 ) -> list[VariantOutcome]:
+    """:func:`sweep_variants` (of ``names``, default all) pass after pass, each stopping at a
+    variant's first failure, the slowest scenarios last (:func:`sweep_order`); a pass runs only
+    the variants no earlier pass caught. One outcome per variant swept, in
+    :data:`~kvdoc.proofs.variants.VARIANTS` order."""
+    names = list(VARIANTS if names is None else names)
+    outcomes: dict[str, VariantOutcome] = {}
+    for axes in passes:
+        todo = [n for n in names if n not in outcomes or not outcomes[n].caught]
+        order = sweep_order(axes.get("scenarios") or SCENARIOS)
+        # a variant runs as the broken model itself, whatever implementations the pass names
+        swept = {k: v for k, v in axes.items() if k != "impls"}
+        outcomes.update((o.name, o) for o in sweep_variants(todo, **{**swept, "scenarios": order}))
+    return [outcomes[n] for n in names if n in outcomes]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m kvdoc verify``."""
     parser.add_argument("--variant", choices=list(VARIANTS), default=None,
@@ -366,20 +449,30 @@ def _main(args: argparse.Namespace) -> int:
         for v in VARIANTS.values():
             print(f"{v.name:22s} {v.bug_class:26s} {v.breaks}")
         return 0
-    axes = (dict(grid.THOROUGH, seeds=(args.seed, args.seed + 1)) if args.thorough
-            else dict(seeds=(args.seed,)))
-    report = run_suite(args.variant, **axes)
-    combos = len(report.combinations)
+    start = time.perf_counter()
+    passes = verify_passes(args.thorough, args.seed)
+    report = run_passes(passes, args.variant)
     subject = f"broken variant {args.variant!r}" if args.variant else "the implementation"
-    print(f"Suite on {subject}: "
-          f"{combos} combinations x {len(SCENARIOS)} scenarios x {len(axes['seeds'])} seed(s), "
-          f"{len(report.results)} checks, "
-          f"{report.seconds:.1f} s")
+    print(f"Suite on {subject}: {len(report.combinations)} combinations of model, cache kind, "
+          f"implementation and dtype, {len(passes[0]['seeds'])} seed(s), "
+          f"{len(report.results)} checks, {report.seconds:.1f} s")
     ran = list(zip(*report.combinations, strict=True)) or [(), (), (), ()]
     for axis, values in zip(("models", "cache kinds", "implementations", "dtypes"), ran,
                             strict=True):
         print(f"  {axis}: {', '.join(dict.fromkeys(values))}")
-    print(f"  scenarios: {', '.join(SCENARIOS)}\n")
+    print("  approximate caches: int8 (scenario int8, on the dynamic kind; its own contract: "
+          "held rows bitwise, each element within half its row's step, each attention read "
+          "within its derived bound)")
+    print("  padded batches: left-padded prompts with a pad mask (scenario padded)")
+    print(f"  scenarios: {', '.join(SCENARIOS)}")
+    for axes in passes:
+        dtypes = "/".join(DTYPE_NAMES[d] for d in axes["dtypes"])
+        names = axes.get("scenarios")
+        print(f"  {dtypes} run: {', '.join(names) if names else 'every scenario'}; chunks of "
+              f"{', '.join(map(str, axes.get('chunks', grid.CHUNKS)))}, batch "
+              f"{', '.join(map(str, axes.get('batches', grid.BATCHES)))}, "
+              f"{axes.get('length', grid.STREAM_LENGTH)} tokens")
+    print()
     print(report.summary_table())
     print(f"\nIndependent references, full and cached:\n\n{report.references_table()}")
     if report.failures:
@@ -393,11 +486,16 @@ def _main(args: argparse.Namespace) -> int:
         return 0 if report.passed else 1
     missed: list[str] = []
     if not args.no_variants:
-        outcomes = sweep_variants(**axes)  # a verdict needs each variant's first failure only
-        print(f"\nBroken variants (each must be caught):\n\n{variants_table(outcomes)}")
-        missed = [o.name for o in outcomes if not o.caught]
+        swept = time.perf_counter()
+        # a verdict needs each variant's first failure only
+        outcomes = sweep_passes(passes)
+        print(f"\nBroken variants (each must be caught; the slowest scenarios run last), "
+              f"{time.perf_counter() - swept:.1f} s:\n\n{variants_table(outcomes)}")
+        caught = {o.name for o in outcomes if o.caught}
+        missed = [name for name in VARIANTS if name not in caught]  # or never run
     problems = ([f"{len(report.failures)} failed checks ({', '.join(report.failed_checks())})"]
                 if not report.passed else [])
     problems += [f"variants not caught: {', '.join(missed)}"] if missed else []
+    print(f"\nTotal: {time.perf_counter() - start:.1f} s")
     print("\nVERDICT: " + ("PASS" if not problems else "FAIL: " + "; ".join(problems)))
     return 0 if not problems else 1

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import torch
+
 from kvdoc.core.config import GPTConfig
 from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder
 from kvdoc.core.model import Decoder
@@ -28,6 +30,9 @@ GEMMA_MODELS = ("gemma3",)
 LEARNED_MODELS = ("mha", "gqa", "mqa")
 """The grid's models with learned positions (``wpe``): the only ones whose position ids a variant
 can get wrong, through ``Decoder.forward(positions=...)``."""
+GROUPED_MODELS = ("gqa", "llama", "mistral")
+"""The grid's models with ``1 < H_kv < H``: the only ones where sharing K/V heads by tiling
+(``h % H_kv``) differs from sharing them by group (``h // (H / H_kv)``)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,8 @@ class BrokenVariant:
     class)."""
     kinds: tuple[str, ...] | None = None
     """The cache kinds it runs on (those its broken caches replace); None: every kind."""
+    dtypes: tuple[torch.dtype, ...] | None = None
+    """The dtypes a sweep runs it in (those it can show in); None: every dtype swept."""
 
 
 BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-query attention",
@@ -104,7 +111,7 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   _copy(Decoder), "cache storage", stale_prefix=True),
     BrokenVariant("fp32-cache",
                   "a dynamic cache rounds the K/V it stores to FP32, also in an FP64 model",
-                  _copy(broken.FP32CacheDecoder), "cache storage"),
+                  _copy(broken.FP32CacheDecoder), "cache storage", dtypes=(torch.float64,)),
     BrokenVariant("modulo-slots",
                   "a static cache writes position t into slot t % 32 and reads slots as linear",
                   _copy(broken.ModuloDecoder), "long stream"),
@@ -112,10 +119,12 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   _copy(broken.WindowDecoder), "long stream"),
     BrokenVariant("gqa-tiled-cached",
                   "cached calls share K/V heads by tiling (h % H_kv), not by group",
-                  _attention(broken.TiledGQAAttention), "grouped-query attention"),
+                  _attention(broken.TiledGQAAttention), "grouped-query attention",
+                  models=GROUPED_MODELS),
     BrokenVariant("gqa-tiled-shared",
                   "every call shares K/V heads by tiling (h % H_kv), not by group",
-                  _attention(broken.SharedTiledGQAAttention), "grouped-query attention"),
+                  _attention(broken.SharedTiledGQAAttention), "grouped-query attention",
+                  models=GROUPED_MODELS),
     BrokenVariant("last-only-first-row", "last_only=True returns the first new position's logits",
                   _copy(broken.LastOnlyFirstRowDecoder), "last_only and generation"),
     BrokenVariant("position-counter",
@@ -149,6 +158,11 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   "the int8 cache re-quantises every held row on each append, one scale a tensor",
                   _copy(Decoder), "int8 contract", models=("gqa",), kinds=("dynamic",),
                   caches={"int8": broken_caches.requantising_int8_cache}),
+    BrokenVariant("int8-read-v-scale",
+                  "the int8 cache hands attention K dequantised with V's scales (what it stores "
+                  "and layer() returns is right)",
+                  _copy(Decoder), "int8 contract", models=("gqa",), kinds=("dynamic",),
+                  caches={"int8": broken_caches.v_scale_read_int8_cache}),
     BrokenVariant("ring-long-chunk",
                   "a chunk longer than the window puts its first W rows in the ring, not its last",
                   _copy(Decoder), "ring and block edges", models=("mistral",), kinds=("window",),

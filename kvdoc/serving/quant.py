@@ -53,6 +53,44 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.to(scale.dtype) * scale
 
 
+def read_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     half_step: float = 0.5) -> torch.Tensor:
+    """How far one attention read over int8 K and V can be from the read over exact ``k``, ``v``.
+
+    Every key and value element is within ``half_step`` of its row's step ``s = max|row| / 127``.
+    A score ``q . k_j / sqrt(D_h)`` then moves by at most ``e_j = |q|_1 half_step s_j /
+    sqrt(D_h)``; with ``e`` the largest ``e_j``, each softmax weight moves by a factor within
+    ``exp(+-2e)``, so the weights move by at most ``min(exp(2e) - 1, 2)`` in total (L1); the
+    output, ``sum_j p_j v_j``, moves per channel by at most that times half the channel's range
+    over the keys (the weights' change sums to zero), plus the largest value error. Taken over
+    every key (a mask only removes keys), so it holds for any mask.
+
+    Args:
+        q: ``[B, H, C, D_h]`` queries; ``k``, ``v``: exact ``[B, H_kv, T, D_h]``.
+        half_step: the element error in steps (0.5 for rounding to the nearest step).
+
+    Returns:
+        ``[B, H, C, D_h]``: the bound on ``|read(q, int8 K, V) - read(q, K, V)|``, element-wise.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q, k, v = (torch.randn(1, 2, 3, 8, generator=g) for _ in range(3))
+    >>> exact = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    >>> approx = torch.nn.functional.scaled_dot_product_attention(
+    ...     q, dequantize(*quantize(k)), dequantize(*quantize(v)))
+    >>> bool(((approx - exact).abs() <= read_error_bound(q, k, v)).all())
+    True
+    """
+    group = q.shape[1] // k.shape[1]
+    k_step = (k.abs().amax(dim=-1) / 127).repeat_interleave(group, dim=1)  # [B, H, T]
+    v = v.repeat_interleave(group, dim=1)  # [B, H, T, D_h]
+    v_step = v.abs().amax(dim=-1) / 127
+    e = q.abs().sum(dim=-1) * half_step * k_step.amax(dim=-1, keepdim=True) / q.shape[-1] ** 0.5
+    weights = torch.expm1(2 * e).clamp(max=2)  # [B, H, C]: the L1 change of the softmax
+    half_range = (v.amax(dim=2) - v.amin(dim=2)) / 2  # [B, H, D_h]
+    value_error = half_step * v_step.amax(dim=-1)  # [B, H]
+    return weights[..., None] * half_range[:, :, None] + value_error[:, :, None, None]
+
+
 class Int8Cache(KVCache):
     """A cache that grows by concatenation and stores K/V as int8 with per-token, per-head scales.
 
