@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from kvdoc.core.mla import MLAConfig, MLADecoder
+from kvdoc.interop.hf import load_exported
 
 _ATTENTION = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
               "kv_a_layernorm", "kv_b_proj", "o_proj")
@@ -195,12 +196,7 @@ def to_deepseek(model: MLADecoder, rope_interleave: bool = True) -> Any:
                        for name in _ATTENTION if f"{src}attn.{name}.weight" in state})
         gate, up = state[src + "mlp.c_fc.weight"].chunk(2)
         mapped.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
-    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in mapped.items()},
-                                             strict=False)
-    if missing or unexpected:
-        raise ValueError(f"weights do not map onto DeepseekV3: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
-    return hf.to(next(model.parameters()).dtype).eval()
+    return load_exported(hf, mapped, model, "DeepseekV3")
 
 
 def deepseek_model(config: MLAConfig | None = None, seed: int = 0,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, gemma_layer_types
+from kvdoc.interop.hf import load_exported
 
 _OUTER = {"model.embed_tokens.weight": "wte.weight", "model.norm.weight": "ln_f.weight",
           "lm_head.weight": "lm_head.weight"}
@@ -133,12 +134,7 @@ def to_gemma(model: Gemma3Decoder) -> Any:
     for name, value in state.items():
         if name.startswith("h."):
             mapped["model.layers." + name.removeprefix("h.")] = value
-    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in mapped.items()},
-                                             strict=False)
-    if missing or unexpected:
-        raise ValueError(f"weights do not map onto Gemma3: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
-    return hf.to(next(model.parameters()).dtype).eval()
+    return load_exported(hf, mapped, model, "Gemma3")
 
 
 def gemma_model(config: Gemma3Config | None = None, seed: int = 0,

@@ -306,11 +306,21 @@ def to_transformers(model: Decoder) -> Any:
                 dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up,
                 dst + "mlp.down_proj.weight": state[f"h.{i}.mlp.c_proj.weight"],
             })
-    contiguous = {k: v.contiguous() for k, v in mapped.items()}
-    missing, unexpected = hf.load_state_dict(contiguous, strict=False)
+    return load_exported(hf, mapped, model, hf_config.model_type)
+
+
+def load_exported(hf: Any, mapped: Mapping[str, torch.Tensor], model: torch.nn.Module,
+                  family: str) -> Any:
+    """``hf`` holding ``mapped`` (its own parameter names), in ``model``'s dtype, in eval mode.
+
+    Every parameter of ``hf`` must be in ``mapped`` and nothing else (the causal-mask buffers
+    some GPT-2 versions keep aside); otherwise a ``ValueError`` names what did not map.
+    """
+    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in mapped.items()},
+                                             strict=False)
     missing = [k for k in missing if not k.endswith(_BUFFERS)]
     if missing or unexpected:
-        raise ValueError(f"weights do not map onto {hf_config.model_type}: missing {missing[:3]}, "
+        raise ValueError(f"weights do not map onto {family}: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}")
     return hf.to(next(model.parameters()).dtype).eval()
 
