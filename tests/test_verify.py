@@ -18,11 +18,13 @@ from kvdoc.proofs.broken import PositionsRestartDecoder, copy_as, stale_prefix
 from kvdoc.proofs.crosscheck import match_transformers
 from kvdoc.proofs.scenarios import CHECKS, SCENARIOS
 from kvdoc.proofs.suite import (
+    run_passes,
     run_suite,
     sweep_passes,
     sweep_variants,
     variants_table,
     verify_passes,
+    worker_map,
 )
 from kvdoc.proofs.variants import BUG_CLASSES, VARIANTS
 from kvdoc.proofs.verify import (
@@ -333,7 +335,8 @@ def test_the_verifier_never_crashes_on_code_that_raises(monkeypatch, capsys):
         raise RuntimeError("init exploded")
 
     monkeypatch.setattr(kvdoc.core.model.Decoder, "__init__", broken_init)
-    assert cli(["verify", "--no-variants"]) == 1
+    # one process: a patch made here does not reach spawned workers
+    assert cli(["verify", "--no-variants", "--workers", "1"]) == 1
     out = capsys.readouterr().out
     assert "init exploded" in out and out.rstrip().splitlines()[-1].startswith("VERDICT: FAIL")
     monkeypatch.undo()
@@ -363,3 +366,20 @@ def test_a_new_implementation_plugs_in_with_one_entry(monkeypatch):
                                          "handover", "int8", "edges"}
     monkeypatch.setitem(grid.IMPLEMENTATIONS, "wrapper", lambda m: Wrapper(m, skip_last_only=True))
     assert "last_only" in _fails(impls=("wrapper",), models=("gqa",), kinds=("static",))
+
+
+def test_worker_processes_give_the_same_results_in_the_same_order():
+    passes = [dict(models=("mha", "llama"), kinds=("dynamic", "paged"), impls=("model",),
+                   scenarios=("stream", "bytes"), dtypes=(torch.float32,), chunks=(3,)),
+              dict(models=("gqa",), kinds=("static",), impls=("model",), scenarios=("stream",),
+                   dtypes=(torch.float64,), chunks=(3,))]
+
+    def verdicts(report):  # floats may differ in the last bits with the thread count
+        return [(r.check, r.model, r.kind, r.impl, r.dtype, r.passed) for r in report.results]
+
+    alone = run_passes(passes)
+    with worker_map(2) as map_:
+        shared = run_passes(passes, map_=map_)
+    assert verdicts(shared) == verdicts(alone) and len(alone.results) > 10
+    one_call = [run_suite(**axes) for axes in passes]  # the order one call per pass visits
+    assert verdicts(alone) == [v for report in one_call for v in verdicts(report)]

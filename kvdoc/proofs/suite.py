@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -286,7 +288,8 @@ class VariantOutcome:
 
 
 def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = True,
-                   workers: int = 1, **axes) -> list[VariantOutcome]:
+                   workers: int = 1, map_: Callable | None = None,
+                   **axes) -> list[VariantOutcome]:
     """Run each broken variant (all by default) through :func:`run_suite` with the same ``axes``.
 
     A variant built for some models, kinds or dtypes only
@@ -295,9 +298,9 @@ def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = 
 
     With ``stop_at_first`` (the default) each run stops at its first failed check, which is all
     a verdict needs; without it, every check runs, which shows everything that catches a variant.
-    ``workers > 1`` runs the variants in that many fresh processes, which share this process's
-    torch threads (at least one each: two workers of two threads each on two cores ran three
-    times slower than of one); the outcomes are the same, in the same order.
+    ``workers > 1`` runs the variants in that many fresh processes (:func:`worker_map`), or
+    ``map_`` (one of :func:`worker_map`'s) in its processes; the outcomes are the same, in the
+    same order.
     """
     runs = []
     for name in (list(VARIANTS) if names is None else list(names)):
@@ -310,15 +313,29 @@ def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = 
         if models and kinds and dtypes:  # else nothing on these axes it can be built from
             runs.append((name, stop_at_first, {**axes, "models": models, "dtypes": dtypes,
                                                **({"kinds": kinds} if v.kinds else {})}))
-    if workers > 1 and len(runs) > 1:
-        import multiprocessing
+    if map_ is not None:
+        return list(map_(_sweep_one, runs))
+    with worker_map(workers if len(runs) > 1 else 1) as map_:
+        return list(map_(_sweep_one, runs))
 
-        # spawn, not fork: a forked child of a process that ran OpenMP threads can hang
-        context = multiprocessing.get_context("spawn")
-        threads = max(1, torch.get_num_threads() // workers)
-        with context.Pool(workers, _set_threads, (threads,)) as pool:
-            return pool.map(_sweep_one, runs, chunksize=1)
-    return [_sweep_one(run) for run in runs]
+
+@contextmanager
+def worker_map(workers: int) -> Iterator[Callable]:
+    """A ``map`` over ``workers`` fresh processes (the built-in ``map`` for one), in order.
+
+    The workers share this process's torch threads, at least one each: two workers of two
+    threads each on two cores ran three times slower than of one.
+    """
+    if workers <= 1:
+        yield map
+        return
+    import multiprocessing
+
+    # spawn, not fork: a forked child of a process that ran OpenMP threads can hang
+    context = multiprocessing.get_context("spawn")
+    threads = max(1, torch.get_num_threads() // workers)
+    with context.Pool(workers, _set_threads, (threads,)) as pool:
+        yield lambda fn, items: pool.map(fn, items, chunksize=1)
 
 
 def _set_threads(threads: int) -> None:
@@ -390,17 +407,33 @@ def verify_passes(thorough: bool = False, seed: int = 0) -> list[dict]:
                  chunks=FP64_CHUNKS)]
 
 
-def run_passes(passes: Sequence[dict], variant: str | None = None) -> SuiteReport:
+def run_passes(passes: Sequence[dict], variant: str | None = None,
+               map_: Callable = map) -> SuiteReport:
     """:func:`run_suite` once per pass (axes), the results in one :class:`SuiteReport`; a
-    variant runs as the broken model itself, whatever implementations a pass names."""
-    reports = [run_suite(variant, **{k: v for k, v in axes.items()
-                                     if variant is None or k != "impls"}) for axes in passes]
+    variant runs as the broken model itself, whatever implementations a pass names.
+
+    The implementation's passes run one :func:`run_suite` per seed and model through ``map_``
+    (e.g. :func:`worker_map`'s), in the order one call would visit them, so the results are
+    the same whichever ``map_`` runs them; ``seconds`` is the wall time of the whole.
+    """
+    start = time.perf_counter()
+    if variant is None:
+        runs = [{**axes, "seeds": (seed,), "models": (name,)} for axes in passes
+                for seed in axes.get("seeds", (0,)) for name in axes.get("models") or grid.MODELS]
+    else:
+        runs = [{k: v for k, v in axes.items() if k != "impls"} for axes in passes]
+    reports = list(map_(_suite_one, [(variant, axes) for axes in runs]))
     return SuiteReport(variant, [r for report in reports for r in report.results],
-                       sum(report.seconds for report in reports))
+                       time.perf_counter() - start)
 
 
-def sweep_passes(passes: Sequence[dict], names: Sequence[str] | None = None
-                 ) -> list[VariantOutcome]:
+def _suite_one(run: tuple[str | None, dict]) -> SuiteReport:
+    variant, axes = run
+    return run_suite(variant, **axes)
+
+
+def sweep_passes(passes: Sequence[dict], names: Sequence[str] | None = None,
+                 map_: Callable = map) -> list[VariantOutcome]:
     """:func:`sweep_variants` (of ``names``, default all) pass after pass, each stopping at a
     variant's first failure, the slowest scenarios last (:func:`sweep_order`); a pass runs only
     the variants no earlier pass caught. One outcome per variant swept, in
@@ -412,7 +445,8 @@ def sweep_passes(passes: Sequence[dict], names: Sequence[str] | None = None
         order = sweep_order(axes.get("scenarios") or SCENARIOS)
         # a variant runs as the broken model itself, whatever implementations the pass names
         swept = {k: v for k, v in axes.items() if k != "impls"}
-        outcomes.update((o.name, o) for o in sweep_variants(todo, **{**swept, "scenarios": order}))
+        outcomes.update((o.name, o) for o in sweep_variants(todo, map_=map_,
+                                                            **{**swept, "scenarios": order}))
     return [outcomes[n] for n in names if n in outcomes]
 
 
@@ -425,9 +459,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seed of the models' random weights (default 0)")
     parser.add_argument("--no-variants", action="store_true",
                         help="skip the broken variants (by default each must be caught)")
+    parser.add_argument("--workers", type=_positive, default=min(2, os.cpu_count() or 1),
+                        help="processes that share the runs (default: 2, or 1 on one core)")
     parser.add_argument("--thorough", action="store_true",
                         help=f"a longer stream ({grid.THOROUGH['length']} tokens), "
                              "more chunk sizes, batch 3 and 1, two seeds (slower; CI runs it)")
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -451,11 +493,17 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     start = time.perf_counter()
     passes = verify_passes(args.thorough, args.seed)
-    report = run_passes(passes, args.variant)
+    with worker_map(args.workers) as map_:
+        return _report(args, passes, map_, start)
+
+
+def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start: float) -> int:
+    report = run_passes(passes, args.variant, map_)
     subject = f"broken variant {args.variant!r}" if args.variant else "the implementation"
     print(f"Suite on {subject}: {len(report.combinations)} combinations of model, cache kind, "
           f"implementation and dtype, {len(passes[0]['seeds'])} seed(s), "
-          f"{len(report.results)} checks, {report.seconds:.1f} s")
+          f"{len(report.results)} checks, {report.seconds:.1f} s "
+          f"({args.workers} worker process{'es' if args.workers > 1 else ''})")
     ran = list(zip(*report.combinations, strict=True)) or [(), (), (), ()]
     for axis, values in zip(("models", "cache kinds", "implementations", "dtypes"), ran,
                             strict=True):
@@ -488,7 +536,7 @@ def _main(args: argparse.Namespace) -> int:
     if not args.no_variants:
         swept = time.perf_counter()
         # a verdict needs each variant's first failure only
-        outcomes = sweep_passes(passes)
+        outcomes = sweep_passes(passes, map_=map_)
         print(f"\nBroken variants (each must be caught; the slowest scenarios run last), "
               f"{time.perf_counter() - swept:.1f} s:\n\n{variants_table(outcomes)}")
         caught = {o.name for o in outcomes if o.caught}
