@@ -30,6 +30,23 @@ def check_int(name: str, value: object, minimum: int = 1) -> int:
     return value
 
 
+def check_positive(name: str, value: object) -> object:
+    """``value``, if it is a positive number; else a ``ValueError`` naming ``name``.
+
+    The one check behind every epsilon, RoPE base and cap kvdoc takes.
+
+    >>> check_positive("rope_theta", 1e4)
+    10000.0
+    >>> check_positive("layer_norm_epsilon", 0.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: layer_norm_epsilon must be positive, got 0.0
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     """Sizes of a GPT-2-style decoder.
@@ -94,9 +111,8 @@ class GPTConfig:
         for name in ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd", "n_inner",
                      "n_kv_head"):
             check_int(name, getattr(self, name))
-        if not self.layer_norm_epsilon > 0:
-            raise ValueError("layer_norm_epsilon must be positive, "
-                             f"got {self.layer_norm_epsilon!r}")
+        for name in ("layer_norm_epsilon", "rope_theta"):
+            check_positive(name, getattr(self, name))
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
@@ -108,8 +124,6 @@ class GPTConfig:
         if self.position == "rope" and self.head_dim % 2:
             raise ValueError("RoPE rotates pairs of features: "
                              f"head_dim={self.head_dim} must be even")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta must be positive, got {self.rope_theta!r}")
         if self.sliding_window is not None:
             check_int("sliding_window", self.sliding_window)
 

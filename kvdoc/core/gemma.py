@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import DynamicCache, KVCache, StaticCache
-from .config import check_int
+from .config import check_int, check_positive
 from .hybrid import HybridCache
 from .mask import offset_causal_mask
 from .model import Decoder
@@ -132,13 +132,10 @@ class Gemma3Config:
         if self.head_dim % 2:
             raise ValueError(f"RoPE rotates pairs of features: head_dim={self.head_dim} "
                              "must be even")
-        for name in ("layer_norm_epsilon", "rope_theta",
-                     "rope_local_base_freq"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-        cap = self.final_logit_softcapping
-        if cap is not None and not cap > 0:
-            raise ValueError(f"final_logit_softcapping must be positive or None, got {cap!r}")
+        for name in ("layer_norm_epsilon", "rope_theta", "rope_local_base_freq"):
+            check_positive(name, getattr(self, name))
+        if self.final_logit_softcapping is not None:  # None: no cap
+            check_positive("final_logit_softcapping", self.final_logit_softcapping)
 
     @property
     def layer_types(self) -> tuple[str, ...]:

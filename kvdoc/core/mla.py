@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KV, KVCache
-from .config import GPTConfig, check_int
+from .config import GPTConfig, check_int, check_positive
 from .mask import offset_causal_mask
 from .model import MLP, Decoder
 from .rope import apply_rope
@@ -110,8 +110,7 @@ class MLAConfig:
             raise ValueError("RoPE rotates pairs of features: "
                              f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
         for name in ("layer_norm_epsilon", "rope_theta"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+            check_positive(name, getattr(self, name))
 
     @property
     def qk_head_dim(self) -> int:
