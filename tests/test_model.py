@@ -124,15 +124,27 @@ def test_grouped_query_attention(kv_heads):
 # kvdoc.proofs.refusals, by tests/test_bad_inputs.py.
 
 
-def test_crop(model, stream):
+def test_crop_is_in_place_for_every_kind(model, stream):
+    """crop means one thing: forget positions from ``length`` on, in this cache, and return it."""
+    from kvdoc.core.config import mistral_config
+    from kvdoc.serving.paged import new_paged_cache, new_shared_prefix_cache
+    from kvdoc.serving.quant import new_int8_cache
+
     with torch.no_grad():
-        _, dyn = model(stream[:, :8], model.new_cache(2))
-        short = dyn.crop(3)
-        assert dyn.seq_len == 8 and short.seq_len == 3
-        static = model.new_cache(2, "static", capacity=10)
-        model(stream[:, :8], static)
-        assert static.crop(3) is static and static.seq_len == 3
-        for i in range(2):
-            torch.testing.assert_close(static.layer(i)[0], short.layer(i)[0])
-        with pytest.raises(ValueError, match="cannot crop"):
-            dyn.crop(9)
+        want = model(stream[:, :3], model.new_cache(2)).cache
+        caches = [model.new_cache(2), model.new_cache(2, "static", capacity=10),
+                  new_paged_cache(model, 2, 10), new_shared_prefix_cache(model, 2, 10),
+                  new_int8_cache(model, 2)]
+        for empty in caches:
+            cache = model(stream[:, :8], empty).cache
+            assert cache.crop(3) is cache and cache.seq_len == 3, type(cache).__name__
+            if type(cache).__name__ != "Int8Cache":  # int8 rows are rounded
+                for i in range(2):
+                    torch.testing.assert_close(cache.layer(i)[0], want.layer(i)[0])
+            with pytest.raises(ValueError, match="cannot crop"):
+                cache.crop(9)
+        windowed = Decoder(mistral_config(sliding_window=4)).eval()
+        ring = windowed(stream[:, :8], windowed.new_cache(2)).cache
+        with pytest.raises(ValueError, match="cannot go back"):
+            ring.crop(3)
+        assert ring.seq_len == 8

@@ -1,112 +1,146 @@
-"""Per-layer K/V caches: one ``(K, V)`` pair per decoder layer, layout ``[B, H_kv, T, D_h]``.
+"""The K/V cache: a list of per-layer storages (:mod:`kvdoc.core.layers`) and one length.
 
-Two storage strategies sit behind one interface, and the attention code calls both the same
-way (:meth:`KVCache.update` with the absolute start position of the new rows):
+:class:`KVCache` keeps the transaction every kind shares; a layer only stores rows. A forward
+call does ``work = cache.begin()``, then ``work.update(layer, k, v, start)`` once per layer, then
+``work.finish(start + C)`` after the LM head, and returns ``work``:
 
-* :class:`DynamicCache` grows by ``torch.cat``. A forward call works on a shallow copy
-  (:meth:`KVCache.begin`), so the cache object passed in is never modified.
-* :class:`StaticCache` preallocates ``capacity`` positions and writes new rows in place at
-  their absolute positions; its length advances only when the whole call has succeeded, so
-  what it holds below the write position never changes.
+* :meth:`KVCache.begin` gives each layer's :meth:`~kvdoc.core.layers.CacheLayer.fork`: a copy
+  for a layer that grows or rings (the cache passed in is never modified), the layer itself for
+  one written in place (rows from the length on only);
+* the length advances only in :meth:`KVCache.finish`, so a call that fails midway leaves the
+  cache as it was, in place or not.
 
-A forward call does ``work = cache.begin()``, then ``work.update(layer, k, v, start)`` once
-per layer, then ``work.finish(start + C)``, and returns ``work``.
+The named kinds are this class with one kind of layer each: :class:`DynamicCache`
+(:class:`~kvdoc.core.layers.DynamicLayer`) and :class:`StaticCache`
+(:class:`~kvdoc.core.layers.StaticLayer`) here; a window ring, a hybrid of rings and growing
+layers, latent (MLA) layers, int8 layers and paged layers in their own modules. K and V of layer
+``l`` are ``[B, H_kv, T, D_h]``.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+import copy
+from collections.abc import Sequence
 
 import torch
 
 from .config import GPTConfig, check_int
+from .layers import KV, CacheLayer, DynamicLayer, StaticLayer
 
-KV = tuple[torch.Tensor, torch.Tensor]
+__all__ = ["KV", "DynamicCache", "KVCache", "StaticCache"]
 
 
-class KVCache(ABC):
-    """What every cache offers. ``K`` and ``V`` of layer ``l`` are ``[B, H_kv, T, D_h]``."""
+class KVCache:
+    """Layers and a length: ``layers[l]`` stores layer ``l``'s rows, ``seq_len`` positions count.
 
-    n_layer: int
-    batch_size: int
-    n_kv_head: int
-    head_dim: int
-    dtype: torch.dtype
-    device: torch.device
+    Args:
+        layers: one :class:`~kvdoc.core.layers.CacheLayer` per decoder layer, of one batch
+            size, dtype and device.
+        seq_len: positions they already hold.
+
+    >>> cache = KVCache([DynamicLayer.empty(1, 2, (4, 4)), StaticLayer(1, 2, (4, 4), 8)])
+    >>> work = cache.begin()
+    >>> [tuple(work.update(i, *2 * (torch.ones(1, 2, 3, 4),), 0)[0].shape) for i in range(2)]
+    [(1, 2, 3, 4), (1, 2, 3, 4)]
+    >>> work.finish(3)
+    >>> work.seq_len, cache.seq_len     # the caller's cache counts nothing the call wrote
+    (3, 0)
+    """
+
+    def __init__(self, layers: Sequence[CacheLayer], seq_len: int = 0) -> None:
+        if not layers:
+            raise ValueError("a cache needs at least one layer")
+        first = layers[0]
+        for layer in layers:
+            if (layer.batch_size, layer.dtype, layer.device) != (first.batch_size, first.dtype,
+                                                                  first.device):
+                raise ValueError("every layer must share one batch size, dtype and device")
+        self.layers = list(layers)
+        self._len = check_int("seq_len", seq_len, minimum=0)
+        self.n_layer, self.batch_size = len(self.layers), first.batch_size
+        self.n_kv_head, self.head_dim = first.heads, first.widths[0]
+        self.dtype, self.device = first.dtype, first.device
 
     @property
-    @abstractmethod
     def seq_len(self) -> int:
-        """``T``: positions held, which is also the absolute position of the next token."""
+        """``T``: positions seen, which is also the absolute position of the next token."""
+        return self._len
 
     def __len__(self) -> int:
-        return self.seq_len
+        return self._len
 
-    @abstractmethod
+    def _layer(self, idx: int) -> CacheLayer:
+        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < self.n_layer:
+            raise ValueError(f"layer {idx!r} is outside 0..{self.n_layer - 1}")
+        return self.layers[idx]
+
     def layer(self, idx: int) -> KV:
-        """The filled ``(K, V)`` of layer ``idx``, each ``[B, H_kv, T, D_h]``."""
+        """The rows layer ``idx`` holds (the positions :meth:`held`), in position order."""
+        return self._layer(idx).read(self._len)
 
     def held(self, layer_idx: int | None = None) -> range:
-        """The absolute positions whose K/V :meth:`layer` returns for layer ``layer_idx``.
+        """The absolute positions whose rows :meth:`layer` returns for layer ``layer_idx``.
 
-        All of them, ``range(seq_len)``, unless the cache drops old ones: a sliding-window
-        cache (:mod:`kvdoc.core.window`) holds only the last ``W``, and this says which. The
-        same for every layer, except in a hybrid cache (:mod:`kvdoc.core.hybrid`), whose window
-        layers hold fewer than its global ones; None answers for every layer at once (the
-        positions each of them holds).
+        All of them, ``range(seq_len)``, unless a layer drops old ones (a ring holds only the
+        last ``W``); None answers for every layer at once: the positions they all hold.
         """
-        return range(self.seq_len)
+        if layer_idx is not None:
+            return self._layer(layer_idx).held(self._len)
+        return range(max(layer.held(self._len).start for layer in self.layers), self._len)
 
     def begin(self) -> KVCache:
-        """The object one forward call writes into: the cache itself, for a cache written in place.
+        """The object one forward call writes into: this cache if every layer is written in
+        place, else a copy whose layers are forks (the caller's cache then never changes)."""
+        if all(layer.in_place for layer in self.layers):
+            return self
+        work = copy.copy(self)
+        work.layers = [layer.fork() for layer in self.layers]
+        return work
 
-        A cache that a call must leave unchanged (:class:`DynamicCache`) returns a copy instead.
-        """
-        return self
-
-    @abstractmethod
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         """Store new rows ``k, v`` (``[B, H_kv, C, D_h]``) at positions ``start .. start + C - 1``.
 
-        Returns the layer's K and V over positions ``0 .. start + C - 1`` to attend over.
+        Returns what the new queries attend over: the layer's rows up to ``start + C - 1``.
         """
+        layer = self._layer(layer_idx)
+        if start != self._len:
+            raise ValueError(f"layer {layer_idx}: the cache holds {self._len} positions, "
+                             f"write starts at {start}")
+        return layer.write(k, v, start)
 
-    def finish(self, end: int) -> None:  # noqa: B027 (an optional hook, deliberately a no-op)
-        """Mark positions ``0 .. end - 1`` as held, once every layer has been updated.
+    def finish(self, end: int) -> None:
+        """Count positions ``0 .. end - 1`` as held, once every layer has been updated."""
+        self._len = end
 
-        Nothing to do for a cache whose length is its tensors' length; a preallocated cache
-        advances its length here, so a call that fails midway leaves it as it was.
+    def crop(self, length: int) -> KVCache:
+        """Forget every position from ``length`` on, in place; returns this cache.
+
+        >>> from kvdoc import GPTConfig
+        >>> cache = DynamicCache.empty(GPTConfig(), 1)
+        >>> cache.crop(1)
+        Traceback (most recent call last):
+        ...
+        ValueError: cannot crop a cache of 0 positions to 1
         """
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._len:
+            raise ValueError(f"cannot crop a cache of {self._len} positions to {length!r}")
+        self.layers = [layer.crop(length, self._len) for layer in self.layers]
+        self._len = length
+        return self
 
-    @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the cache owns (for byte counts)."""
+        return [t for layer in self.layers for t in layer.tensors()]
 
     def nbytes(self) -> int:
         """Bytes of the tensors the cache owns: ``sum(numel * element_size)``."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        return sum(layer.nbytes() for layer in self.layers)
 
-    def _preallocate(self, config: GPTConfig, batch_size: int, length: int,
-                     dtype: torch.dtype, device: torch.device | str) -> None:
-        """For caches written in place: zeroed K and V of ``length`` positions per layer
-        (``self._k``, ``self._v``), nothing held yet, and the sizes every cache states."""
-        self.n_layer, self.batch_size = config.n_layer, check_int("batch_size", batch_size)
-        self.n_kv_head, self.head_dim = config.n_kv_head, config.head_dim
-        self.dtype, self.device = dtype, torch.device(device)
-        shape = (batch_size, config.n_kv_head, length, config.head_dim)
-        self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self._len = 0
-
-    def check_rows(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Raise ``ValueError`` unless ``k`` and ``v`` are new rows for this cache:
-        ``[B, H_kv, C, D_h]`` with its ``B``, ``H_kv``, ``D_h`` and dtype."""
-        expected = (self.batch_size, self.n_kv_head, self.head_dim)
-        if k.dim() != 4 or k.shape != v.shape or (k.shape[0], k.shape[1], k.shape[3]) != expected:
-            raise ValueError("K and V must both be [B, H_kv, C, D_h] with (B, H_kv, D_h) = "
-                             f"{expected}, got {tuple(k.shape)} and {tuple(v.shape)}")
-        if k.dtype != self.dtype or v.dtype != self.dtype:
-            raise ValueError(f"K and V must be {self.dtype}, got {k.dtype} and {v.dtype}")
+    @property
+    def capacity(self) -> int | None:
+        """The most positions every layer can take (None: no bound but the model's)."""
+        bounds = [layer.capacity for layer in self.layers if hasattr(layer, "capacity")]
+        return min(bounds) if bounds else None
 
     def check_compatible(self, config: GPTConfig, batch_size: int, dtype: torch.dtype,
                          device: torch.device, new_len: int) -> None:
@@ -118,6 +152,14 @@ class KVCache(ABC):
                 "cache was built for another model: (layers, K/V heads, head size) = "
                 f"{found}, model has {expected}")
         self.check_placement(batch_size, dtype, device)
+        self.check_room(new_len)
+
+    def check_room(self, new_len: int) -> None:
+        """Raise ``ValueError`` unless ``new_len`` more positions fit the preallocated layers."""
+        capacity = self.capacity
+        if capacity is not None and self._len + new_len > capacity:
+            raise ValueError(f"static cache over capacity: holds {self._len} of {capacity} "
+                             f"positions, {new_len} more do not fit")
 
     def check_placement(self, batch_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Raise ``ValueError`` unless the input's batch size, dtype and device are the cache's."""
@@ -130,16 +172,9 @@ class KVCache(ABC):
             raise ValueError(f"cache is on {self.device}, model is on {device}")
 
 
-def _check_kv(k: torch.Tensor, v: torch.Tensor) -> None:
-    if k.dim() != 4 or k.shape != v.shape:
-        raise ValueError("K and V must both be [B, H_kv, T, D_h], "
-                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.dtype != v.dtype or k.device != v.device:
-        raise ValueError("K and V must share dtype and device")
-
-
 class DynamicCache(KVCache):
-    """A cache that grows by concatenation; a forward call never modifies the object passed in.
+    """A cache of :class:`~kvdoc.core.layers.DynamicLayer` s: it grows by concatenation, and a
+    forward call never modifies the object passed in.
 
     Args:
         layers: one ``(K, V)`` per layer, each ``[B, H_kv, T, D_h]`` with the same shape.
@@ -154,14 +189,13 @@ class DynamicCache(KVCache):
         if not layers:
             raise ValueError("a cache needs at least one layer")
         for k, v in layers:
-            _check_kv(k, v)
-            if k.shape != layers[0][0].shape:
-                raise ValueError("every layer's K/V must have the same shape")
-        self._kv: list[KV] = list(layers)
-        k0 = layers[0][0]
-        self.n_layer = len(layers)
-        self.batch_size, self.n_kv_head, _, self.head_dim = k0.shape
-        self.dtype, self.device = k0.dtype, k0.device
+            if k.dim() != 4 or k.shape != v.shape:
+                raise ValueError("K and V must both be [B, H_kv, T, D_h], "
+                                 f"got {tuple(k.shape)} and {tuple(v.shape)}")
+        built = [DynamicLayer(k, v) for k, v in layers]
+        if any(t.shape != layers[0][0].shape for kv in layers for t in kv):
+            raise ValueError("every layer's K/V must have the same shape")
+        super().__init__(built, seq_len=built[0].length)
 
     @classmethod
     def empty(cls, config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.float32,
@@ -169,44 +203,15 @@ class DynamicCache(KVCache):
         """A cache with no positions yet, for a model with ``config``."""
         check_int("batch_size", batch_size)
         shape = (batch_size, config.n_kv_head, 0, config.head_dim)
-        layers = [(torch.empty(shape, dtype=dtype, device=device),
-                   torch.empty(shape, dtype=dtype, device=device)) for _ in range(config.n_layer)]
-        return cls(layers)
-
-    @property
-    def seq_len(self) -> int:
-        return self._kv[0][0].shape[2]
-
-    def layer(self, idx: int) -> KV:
-        return self._kv[idx]
-
-    def begin(self) -> DynamicCache:
-        return DynamicCache(self._kv)  # a new list of the same tensors; cat never touches them
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
-               start: int) -> KV:
-        self.check_rows(k, v)
-        past_k, past_v = self._kv[layer_idx]
-        if past_k.shape[2] != start:
-            raise ValueError(f"layer {layer_idx} holds {past_k.shape[2]} positions, "
-                             f"write starts at {start}")
-        # old rows first, then the new ones: [B, H_kv, P + C, D_h]
-        kv = (torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2))
-        self._kv[layer_idx] = kv
-        return kv
-
-    def crop(self, length: int) -> DynamicCache:
-        """A new cache of the first ``length`` positions (e.g. the common prefix after an edit)."""
-        if not 0 <= length <= self.seq_len:
-            raise ValueError(f"cannot crop a cache of {self.seq_len} positions to {length}")
-        return DynamicCache([(k[:, :, :length], v[:, :, :length]) for k, v in self._kv])
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for kv in self._kv for t in kv]
+        return cls([(torch.empty(shape, dtype=dtype, device=device),
+                     torch.empty(shape, dtype=dtype, device=device))
+                    for _ in range(config.n_layer)])
 
 
 class StaticCache(KVCache):
-    """A preallocated cache of ``capacity`` positions, written in place at absolute positions.
+    """A cache of :class:`~kvdoc.core.layers.StaticLayer` s: ``capacity`` preallocated positions,
+    written in place at absolute positions; its length advances only when a whole call has
+    succeeded, so what it holds below the write position never changes.
 
     Args:
         config: the model's configuration (layers, K/V heads, head size).
@@ -225,45 +230,6 @@ class StaticCache(KVCache):
 
     def __init__(self, config: GPTConfig, batch_size: int, capacity: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        self.capacity = check_int("capacity", capacity)
-        self._preallocate(config, batch_size, capacity, dtype, device)
-
-    @property
-    def seq_len(self) -> int:
-        return self._len
-
-    def layer(self, idx: int) -> KV:
-        return self._k[idx][:, :, : self._len], self._v[idx][:, :, : self._len]
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
-               start: int) -> KV:
-        self.check_rows(k, v)
-        end = start + k.shape[2]
-        if start != self._len or end > self.capacity:
-            raise ValueError(f"cannot write positions {start}..{end - 1}: cache holds "
-                             f"{self._len} of {self.capacity}")
-        k_all, v_all = self._k[layer_idx], self._v[layer_idx]
-        k_all.narrow(2, start, end - start).copy_(k)  # in place, at absolute positions
-        v_all.narrow(2, start, end - start).copy_(v)
-        return k_all.narrow(2, 0, end), v_all.narrow(2, 0, end)
-
-    def finish(self, end: int) -> None:
-        self._len = end
-
-    def crop(self, length: int) -> StaticCache:
-        """Forget every position from ``length`` on, in place; returns ``self``."""
-        if not 0 <= length <= self._len:
-            raise ValueError(f"cannot crop a cache of {self._len} positions to {length}")
-        self._len = length
-        return self
-
-    def check_compatible(self, config: GPTConfig, batch_size: int, dtype: torch.dtype,
-                         device: torch.device, new_len: int) -> None:
-        super().check_compatible(config, batch_size, dtype, device, new_len)
-        if self._len + new_len > self.capacity:
-            raise ValueError(f"static cache over capacity: holds {self._len} of {self.capacity} "
-                             f"positions, {new_len} more do not fit")
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [*self._k, *self._v]
-
+        widths = (config.head_dim, config.head_dim)
+        super().__init__([StaticLayer(batch_size, config.n_kv_head, widths, capacity, dtype,
+                                      device) for _ in range(config.n_layer)])

@@ -48,6 +48,7 @@ from torch import nn
 
 from .cache import KV, KVCache
 from .config import GPTConfig, check_int, check_positive
+from .layers import DynamicLayer, StaticLayer
 from .mask import offset_causal_mask
 from .model import MLP, Decoder
 from .rope import apply_rope
@@ -140,31 +141,15 @@ class MLAConfig:
 
 class LatentCache(KVCache):
     """What both latent caches share: per layer ``c_KV`` ``[B, 1, T, r]`` and ``k_rope``
-    ``[B, 1, T, d_R]``, and the checks that new rows and a model fit them."""
+    ``[B, 1, T, d_R]`` (two widths of one shared head), and the check that a model fits them."""
 
-    kv_lora_rank: int
-    rope_dim: int
+    @property
+    def kv_lora_rank(self) -> int:
+        return self.layers[0].widths[0]
 
-    def _sizes(self, n_layer: int, batch: int, rank: int, rope_dim: int, dtype: torch.dtype,
-               device: torch.device | str) -> None:
-        self.n_layer, self.batch_size = n_layer, check_int("batch_size", batch)
-        self.n_kv_head, self.head_dim = 1, rank  # the latent is one head shared by all
-        self.kv_lora_rank, self.rope_dim = rank, rope_dim
-        self.dtype, self.device = dtype, torch.device(device)
-
-    def check_rows(self, c_kv: torch.Tensor, k_rope: torch.Tensor) -> None:
-        """Raise ``ValueError`` unless the new rows are ``[B, 1, C, r]`` and ``[B, 1, C, d_R]``."""
-        want = ((self.batch_size, 1, self.kv_lora_rank), (self.batch_size, 1, self.rope_dim))
-        got = [(t.shape[0], t.shape[1], t.shape[-1]) if t.dim() == 4 else tuple(t.shape)
-               for t in (c_kv, k_rope)]
-        if got != list(want) or c_kv.shape[2] != k_rope.shape[2]:
-            sizes = (self.batch_size, self.kv_lora_rank, self.rope_dim)
-            raise ValueError("c_KV and k_rope must be [B, 1, C, r] and [B, 1, C, d_R] with "
-                             f"(B, r, d_R) = {sizes}, got {tuple(c_kv.shape)} and "
-                             f"{tuple(k_rope.shape)}")
-        if c_kv.dtype != self.dtype or k_rope.dtype != self.dtype:
-            raise ValueError(f"c_KV and k_rope must be {self.dtype}, "
-                             f"got {c_kv.dtype} and {k_rope.dtype}")
+    @property
+    def rope_dim(self) -> int:
+        return self.layers[0].widths[1]
 
     def check_compatible(self, config: GPTConfig | MLAConfig, batch_size: int,
                          dtype: torch.dtype, device: torch.device, new_len: int) -> None:
@@ -176,10 +161,12 @@ class LatentCache(KVCache):
             raise ValueError("cache was built for another model: (layers, kv_lora_rank, "
                              f"qk_rope_head_dim) = {found}, model has {expected}")
         self.check_placement(batch_size, dtype, device)
+        self.check_room(new_len)
 
 
 class DynamicLatentCache(LatentCache):
-    """A latent cache that grows by concatenation; a call never modifies the object passed in.
+    """A latent cache of :class:`~kvdoc.core.layers.DynamicLayer` s; a call never modifies the
+    object passed in.
 
     >>> cache = DynamicLatentCache.empty(MLAConfig(), batch_size=2)
     >>> cache.seq_len, [tuple(t.shape) for t in cache.layer(1)]
@@ -189,56 +176,26 @@ class DynamicLatentCache(LatentCache):
     def __init__(self, layers: list[KV]) -> None:
         if not layers:
             raise ValueError("a cache needs at least one layer")
-        c0, r0 = layers[0]
-        if c0.dim() != 4 or r0.dim() != 4 or c0.shape[:3] != r0.shape[:3] or c0.shape[1] != 1:
+        built = [DynamicLayer(c, r) for c, r in layers]
+        if built[0].heads != 1:
             raise ValueError("c_KV and k_rope must be [B, 1, T, r] and [B, 1, T, d_R], "
-                             f"got {tuple(c0.shape)} and {tuple(r0.shape)}")
-        if any((c.shape, r.shape) != (c0.shape, r0.shape) for c, r in layers):
+                             f"got {tuple(layers[0][0].shape)} and {tuple(layers[0][1].shape)}")
+        if any((c.shape, r.shape) != (layers[0][0].shape, layers[0][1].shape) for c, r in layers):
             raise ValueError("every layer's c_KV and k_rope must have the same shapes")
-        self._kv: list[KV] = list(layers)
-        self._sizes(len(layers), c0.shape[0], c0.shape[3], r0.shape[3], c0.dtype, c0.device)
+        super().__init__(built, seq_len=built[0].length)
 
     @classmethod
     def empty(cls, config: MLAConfig, batch_size: int, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> DynamicLatentCache:
         """A cache with no positions yet, for a model with ``config``."""
-        shapes = config.cached_shapes(check_int("batch_size", batch_size), 0)
-        return cls([tuple(torch.empty(s, dtype=dtype, device=device) for s in shapes)
+        widths = (config.kv_lora_rank, config.qk_rope_head_dim)
+        return cls([DynamicLayer.empty(batch_size, 1, widths, dtype, device).tensors()
                     for _ in range(config.n_layer)])
-
-    @property
-    def seq_len(self) -> int:
-        return self._kv[0][0].shape[2]
-
-    def layer(self, idx: int) -> KV:
-        return self._kv[idx]
-
-    def begin(self) -> DynamicLatentCache:
-        return DynamicLatentCache(self._kv)
-
-    def update(self, layer_idx: int, c_kv: torch.Tensor, k_rope: torch.Tensor,
-               start: int) -> KV:
-        self.check_rows(c_kv, k_rope)
-        past_c, past_r = self._kv[layer_idx]
-        if past_c.shape[2] != start:
-            raise ValueError(f"layer {layer_idx} holds {past_c.shape[2]} positions, "
-                             f"write starts at {start}")
-        new = (torch.cat((past_c, c_kv), dim=2), torch.cat((past_r, k_rope), dim=2))
-        self._kv[layer_idx] = new
-        return new
-
-    def crop(self, length: int) -> DynamicLatentCache:
-        """A new cache of the first ``length`` positions."""
-        if not 0 <= length <= self.seq_len:
-            raise ValueError(f"cannot crop a cache of {self.seq_len} positions to {length}")
-        return DynamicLatentCache([(c[:, :, :length], r[:, :, :length]) for c, r in self._kv])
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for pair in self._kv for t in pair]
 
 
 class StaticLatentCache(LatentCache):
-    """A preallocated latent cache of ``capacity`` positions, written in place.
+    """A latent cache of :class:`~kvdoc.core.layers.StaticLayer` s: ``capacity`` positions,
+    written in place.
 
     >>> cache = StaticLatentCache(MLAConfig(), batch_size=1, capacity=8)
     >>> cache.nbytes() == 8 * MLAConfig().bytes_per_token()    # capacity x bytes per token
@@ -247,52 +204,9 @@ class StaticLatentCache(LatentCache):
 
     def __init__(self, config: MLAConfig, batch_size: int, capacity: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        self.capacity = check_int("capacity", capacity)
-        self._sizes(config.n_layer, batch_size, config.kv_lora_rank, config.qk_rope_head_dim,
-                    dtype, device)
-        shapes = config.cached_shapes(batch_size, capacity)
-        self._c, self._r = ([torch.zeros(s, dtype=dtype, device=device)
-                             for _ in range(config.n_layer)] for s in shapes)
-        self._len = 0
-
-    @property
-    def seq_len(self) -> int:
-        return self._len
-
-    def layer(self, idx: int) -> KV:
-        return self._c[idx][:, :, :self._len], self._r[idx][:, :, :self._len]
-
-    def update(self, layer_idx: int, c_kv: torch.Tensor, k_rope: torch.Tensor,
-               start: int) -> KV:
-        self.check_rows(c_kv, k_rope)
-        end = start + c_kv.shape[2]
-        if start != self._len or end > self.capacity:
-            raise ValueError(f"cannot write positions {start}..{end - 1}: cache holds "
-                             f"{self._len} of {self.capacity}")
-        c_all, r_all = self._c[layer_idx], self._r[layer_idx]
-        c_all.narrow(2, start, end - start).copy_(c_kv)
-        r_all.narrow(2, start, end - start).copy_(k_rope)
-        return c_all.narrow(2, 0, end), r_all.narrow(2, 0, end)
-
-    def finish(self, end: int) -> None:
-        self._len = end
-
-    def crop(self, length: int) -> StaticLatentCache:
-        """Forget every position from ``length`` on, in place; returns ``self``."""
-        if not 0 <= length <= self._len:
-            raise ValueError(f"cannot crop a cache of {self._len} positions to {length}")
-        self._len = length
-        return self
-
-    def check_compatible(self, config: GPTConfig | MLAConfig, batch_size: int,
-                         dtype: torch.dtype, device: torch.device, new_len: int) -> None:
-        super().check_compatible(config, batch_size, dtype, device, new_len)
-        if self._len + new_len > self.capacity:
-            raise ValueError(f"static cache over capacity: holds {self._len} of {self.capacity} "
-                             f"positions, {new_len} more do not fit")
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [*self._c, *self._r]
+        widths = (config.kv_lora_rank, config.qk_rope_head_dim)
+        super().__init__([StaticLayer(batch_size, 1, widths, capacity, dtype, device)
+                          for _ in range(config.n_layer)])
 
 
 # --- the model -----------------------------------------------------------------------------------

@@ -39,6 +39,10 @@ class CacheWrapper(KVCache):
     def seq_len(self) -> int:
         return self.inner.seq_len
 
+    @property
+    def layers(self) -> list:
+        return self.inner.layers
+
     def layer(self, idx: int) -> KV:
         return self.inner.layer(idx)
 
@@ -55,6 +59,10 @@ class CacheWrapper(KVCache):
 
     def finish(self, end: int) -> None:
         self.inner.finish(end)
+
+    def crop(self, length: int) -> CacheWrapper:
+        self.inner.crop(length)
+        return self
 
     def tensors(self) -> list[torch.Tensor]:
         return self.inner.tensors()

@@ -3,8 +3,10 @@
 Each variant is a small change to the real :class:`~kvdoc.core.model.Decoder`, made without
 editing it and through nothing but its public interface: a subclass whose ``forward`` hands
 wrong positions through the real ``positions=`` keyword, attention subclasses that hand a wrong
-mask to the real ``attend`` or share K/V heads wrongly, or caches (a
-:class:`~kvdoc.core.cache.KVCache`) that store, return or count the wrong thing. One variant is a
+mask to the real ``attend`` or share K/V heads wrongly, or caches whose layers (a
+:class:`~kvdoc.core.layers.CacheLayer` subclass swapped in through the cache's public ``layers``,
+:func:`with_layers`) or transaction (``update``, ``begin``, ``finish``) store, return or count the
+wrong thing. One variant is a
 scenario rather than code: a cache filled before a prefix edit and reused after it. Each
 belongs to one of :data:`kvdoc.proofs.variants.BUG_CLASSES`: some show only in long streams, in
 grouped-query models, in FP64, after a crop or a failed call, or only against an independent
@@ -30,11 +32,14 @@ True
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from kvdoc.core.cache import KV, DynamicCache, KVCache, StaticCache
 from kvdoc.core.config import check_int
 from kvdoc.core.fast import FastDecoder
+from kvdoc.core.layers import CacheLayer, DynamicLayer, StaticLayer
 from kvdoc.core.model import CausalSelfAttention, Decoder, DecoderOutput
 from kvdoc.measure.wrapper import CacheWrapper
 
@@ -144,76 +149,87 @@ class CrossLayerCache(CacheWrapper):
         return self._layer0  # BUG: another layer's keys and values
 
 
-class NewBeforeOldDynamicCache(DynamicCache):
+class NewBeforeOldLayer(DynamicLayer):
     """BROKEN: concatenates the new K/V before the cached ones, ``cat((new, old))``, and stores
     that order."""
 
-    def begin(self) -> NewBeforeOldDynamicCache:
-        return NewBeforeOldDynamicCache(self._kv)
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
-               start: int) -> KV:
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
-        past_k, past_v = self._kv[layer_idx]
-        if past_k.shape[2] != start:
-            raise ValueError(f"layer {layer_idx} holds {past_k.shape[2]} positions, "
-                             f"write starts at {start}")
         # BUG: new rows first, then the old ones
-        kv = (torch.cat((k, past_k), dim=2), torch.cat((v, past_v), dim=2))
-        self._kv[layer_idx] = kv
-        return kv
+        self.k, self.v = torch.cat((k, self.k), dim=2), torch.cat((v, self.v), dim=2)
+        return self.k, self.v
 
 
-class NewBeforeOldStaticCache(StaticCache):
-    """BROKEN: the static twin of :class:`NewBeforeOldDynamicCache`: it rewrites rows
+class NewBeforeOldStaticLayer(StaticLayer):
+    """BROKEN: the static twin of :class:`NewBeforeOldLayer`: it rewrites rows
     ``0 .. P + C - 1`` in place as new-then-old, so the rows below the write position change
     too."""
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         end = start + k.shape[2]
-        if start != self._len or end > self.capacity:
-            raise ValueError(f"cannot write positions {start}..{end - 1}: cache holds {self._len} "
-                             f"of {self.capacity}")
-        for store, new in ((self._k[layer_idx], k), (self._v[layer_idx], v)):
+        for store, new in ((self.k, k), (self.v, v)):
             old = store[:, :, :start].clone()
             store[:, :, : end - start] = new  # BUG: new rows first, old rows pushed behind them
             store[:, :, end - start: end] = old
-        return self._k[layer_idx][:, :, :end], self._v[layer_idx][:, :, :end]
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+def with_layers(cache: KVCache, cls: type[CacheLayer]) -> KVCache:
+    """``cache`` with every layer's class swapped for ``cls`` (a broken subclass of it), through
+    the cache's public ``layers``: the same tensors and sizes, the broken ``write``.
+
+    >>> from kvdoc import GPTConfig
+    >>> cache = with_layers(DynamicCache.empty(GPTConfig(), 1), NewBeforeOldLayer)
+    >>> type(cache.layers[0]).__name__
+    'NewBeforeOldLayer'
+    """
+    for layer in cache.layers:
+        if not isinstance(layer, cls.__mro__[1]):
+            raise ValueError(f"{cls.__name__} replaces a {cls.__mro__[1].__name__}, "
+                             f"not a {type(layer).__name__}")
+    cache.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in cache.layers:
+        layer.__class__ = cls
+    return cache
 
 
 class CacheKindsDecoder(Decoder):
-    """A decoder whose new caches are of the classes ``dynamic_cache`` and ``static_cache``."""
+    """A decoder whose new dynamic and static caches have the broken layers ``dynamic_layer`` and
+    ``static_layer`` (None: the real ones), or the cache classes ``dynamic_cache`` and
+    ``static_cache`` (for a bug in the transaction around the layers)."""
 
     dynamic_cache: type[DynamicCache] = DynamicCache
     static_cache: type[StaticCache] = StaticCache
+    dynamic_layer: type[DynamicLayer] | None = None
+    static_layer: type[StaticLayer] | None = None
 
     def new_cache(self, batch_size: int, kind: str | None = None,
                   capacity: int | None = None) -> KVCache:
         weight = self.wte.weight
         if kind == "dynamic":
-            return self.dynamic_cache.empty(self.config, batch_size, weight.dtype, weight.device)
+            cache = self.dynamic_cache.empty(self.config, batch_size, weight.dtype, weight.device)
+            return with_layers(cache, self.dynamic_layer) if self.dynamic_layer else cache
         if kind == "static":
-            return self.static_cache(self.config, batch_size, capacity or self.config.n_positions,
-                                     weight.dtype, weight.device)
+            cache = self.static_cache(self.config, batch_size,
+                                      capacity or self.config.n_positions, weight.dtype,
+                                      weight.device)
+            return with_layers(cache, self.static_layer) if self.static_layer else cache
         return super().new_cache(batch_size, kind, capacity)  # other kinds: not this bug
 
 
-class FP32DynamicCache(DynamicCache):
+class FP32Layer(DynamicLayer):
     """BROKEN: rounds every K/V it stores to FP32, whatever the model's dtype (a cache allocated in
     the default dtype). Invisible in FP32; in FP64 the cached path is only FP32-accurate."""
 
-    def begin(self) -> FP32DynamicCache:
-        return FP32DynamicCache(self._kv)
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         k, v = k.float().to(k.dtype), v.float().to(v.dtype)  # BUG: precision lost on the way in
-        return super().update(layer_idx, k, v, start)
+        return super().write(k, v, start)
 
 
 class FP32CacheDecoder(CacheKindsDecoder):
-    """A decoder whose dynamic caches are :class:`FP32DynamicCache` (static ones are right)."""
+    """A decoder whose dynamic caches have :class:`FP32Layer` s (static ones are right)."""
 
-    dynamic_cache = FP32DynamicCache
+    dynamic_layer = FP32Layer
 
 
 class CrossLayerDecoder(Decoder):
@@ -225,9 +241,9 @@ class CrossLayerDecoder(Decoder):
 
 
 class NewBeforeOldDecoder(CacheKindsDecoder):
-    """A decoder whose new caches put new K/V before the old (:class:`NewBeforeOldDynamicCache`)."""
+    """A decoder whose new caches put new K/V before the old (:class:`NewBeforeOldLayer`)."""
 
-    dynamic_cache, static_cache = NewBeforeOldDynamicCache, NewBeforeOldStaticCache
+    dynamic_layer, static_layer = NewBeforeOldLayer, NewBeforeOldStaticLayer
 
 
 # --- bugs that show only in long streams ----------------------------------------------------
@@ -236,61 +252,42 @@ WINDOW = 32
 """The slot count of the long-stream variants: their bugs show only past this many positions."""
 
 
-class ModuloStaticCache(StaticCache):
+class ModuloStaticLayer(StaticLayer):
     """BROKEN: writes position ``t`` into slot ``t % 32`` (a ring buffer) but reads slots as linear.
 
     Right while the stream is at most 32 positions long; past that, new rows overwrite old ones
     and the rows read back past slot 31 were never written.
     """
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         end = start + k.shape[2]
-        if start != self._len or end > self.capacity:
-            raise ValueError(f"cannot write positions {start}..{end - 1}: cache holds {self._len}")
         slots = torch.arange(start, end, device=k.device) % WINDOW  # BUG: ring slots, linear reads
-        self._k[layer_idx][:, :, slots] = k
-        self._v[layer_idx][:, :, slots] = v
-        return self._k[layer_idx][:, :, :end], self._v[layer_idx][:, :, :end]
+        self.k[:, :, slots] = k
+        self.v[:, :, slots] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
 
 
-class WindowDynamicCache(DynamicCache):
-    """BROKEN: silently keeps only the newest 32 positions of each layer, yet reports the full
-    length."""
+class WindowLayer(DynamicLayer):
+    """BROKEN: silently keeps only the newest 32 positions of each layer, while the cache goes on
+    counting every position."""
 
-    def __init__(self, layers: list[KV], length: int | None = None) -> None:
-        super().__init__(layers)
-        self._len = self._kv[0][0].shape[2] if length is None else length
-
-    @property
-    def seq_len(self) -> int:
-        return self._len
-
-    def begin(self) -> WindowDynamicCache:
-        return WindowDynamicCache(self._kv, self._len)
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        if start != self._len:
-            raise ValueError(f"cache holds {self._len} positions, write starts at {start}")
-        past_k, past_v = self._kv[layer_idx]
-        kv = (torch.cat((past_k, k), dim=2)[:, :, -WINDOW:],  # BUG: drops the oldest rows
-              torch.cat((past_v, v), dim=2)[:, :, -WINDOW:])
-        self._kv[layer_idx] = kv
-        return kv
-
-    def finish(self, end: int) -> None:
-        self._len = end
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        self.check_rows(k, v)
+        self.k = torch.cat((self.k, k), dim=2)[:, :, -WINDOW:]  # BUG: drops the oldest rows
+        self.v = torch.cat((self.v, v), dim=2)[:, :, -WINDOW:]
+        return self.k, self.v
 
 
 class ModuloDecoder(CacheKindsDecoder):
-    """A decoder whose static caches are :class:`ModuloStaticCache` (dynamic ones are right)."""
+    """A decoder whose static caches have :class:`ModuloStaticLayer` s (dynamic ones are right)."""
 
-    static_cache = ModuloStaticCache
+    static_layer = ModuloStaticLayer
 
 
 class WindowDecoder(CacheKindsDecoder):
-    """A decoder whose dynamic caches are :class:`WindowDynamicCache` (static ones are right)."""
+    """A decoder whose dynamic caches have :class:`WindowLayer` s (static ones are right)."""
 
-    dynamic_cache = WindowDynamicCache
+    dynamic_layer = WindowLayer
 
 
 class ClampedPositionsDecoder(Decoder):
@@ -373,18 +370,14 @@ class PositionCounterDecoder(Decoder):
 class EarlyLengthStaticCache(StaticCache):
     """BROKEN: advances its length once layer 0 is written, not after every layer succeeded."""
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
-               start: int) -> KV:
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         if layer_idx == 0:
-            self._start = self._len
-        end = start + k.shape[2]
-        if start != self._start or end > self.capacity:
-            raise ValueError(f"cannot write positions {start}..{end - 1}: "
-                             f"cache holds {self._start}")
-        self._k[layer_idx][:, :, start:end] = k
-        self._v[layer_idx][:, :, start:end] = v
-        self._len = end  # BUG: before the other layers ran
-        return self._k[layer_idx][:, :, :end], self._v[layer_idx][:, :, :end]
+            self.call_start = self.seq_len
+        if start != self.call_start:
+            raise ValueError(f"cannot write at {start}: cache holds {self.call_start}")
+        kv = self.layers[layer_idx].write(k, v, start)
+        self.finish(start + k.shape[2])  # BUG: before the other layers ran
+        return kv
 
 
 class InPlaceDynamicCache(DynamicCache):
@@ -402,7 +395,7 @@ class LastLayerLengthStaticCache(StaticCache):
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         kv = super().update(layer_idx, k, v, start)
         if layer_idx == self.n_layer - 1:
-            self._len = start + k.shape[2]  # BUG: the call has not finished yet
+            self.finish(start + k.shape[2])  # BUG: the call has not finished yet
         return kv
 
 

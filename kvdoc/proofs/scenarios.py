@@ -54,6 +54,7 @@ a check does not apply.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -377,8 +378,15 @@ def _crop(case: Case, out: list) -> None:
     ids, T = case.ids, case.ids.shape[1]
     fill, keep = T - T // 4, T // 2 - 5
     cache = case.feed(ids[:, :fill], case.chunks[-1]).cache
-    if not hasattr(cache, "crop"):
-        out.append(case.result("crop", None, 0.0, "the cache has no crop"))
+    if cache.held().start > 0:  # a ring past its window: the rows a crop needs are overwritten
+        before, refused = Snapshot.of(cache), False
+        try:
+            cache.crop(keep)
+        except ValueError:
+            refused = True
+        changed = before.changed(cache) if cache.seq_len == fill else math.inf
+        out.append(case.result("crop", refused and changed == 0.0, changed,
+                               f"fill {fill}, a crop to {keep} refused, the cache unchanged"))
         return
     cache = cache.crop(keep)  # a shared-prefix cache's pool holds the filled one or the cropped one
     target = torch.cat((ids[:, :keep], case.alt[:, keep:]), dim=1)

@@ -40,6 +40,7 @@ import torch
 
 from kvdoc.core.cache import KV, KVCache
 from kvdoc.core.config import GPTConfig, check_int
+from kvdoc.core.layers import CacheLayer
 from kvdoc.core.model import Decoder
 
 
@@ -129,10 +130,92 @@ class BlockPool:
         return self.num_blocks * self.block_nbytes
 
 
+class BlockTables:
+    """The block table of each of ``batch_size`` sequences over ``pool``, shared by the layers
+    of one :class:`PagedCache` (a block id names the same slot in every layer)."""
+
+    def __init__(self, pool: BlockPool, batch_size: int) -> None:
+        self.pool, self.block_size = pool, pool.block_size
+        self.rows: list[list[int]] = [[] for _ in range(check_int("batch_size", batch_size))]
+
+    def needed(self, start: int, end: int) -> int:
+        """Blocks to allocate or copy so every sequence can write positions ``start .. end - 1``."""
+        first, last = start // self.block_size, math.ceil(end / self.block_size)
+        needed = 0
+        for table in self.rows:
+            shared = sum(self.pool.refs(b) > 1 for b in table[first:last])
+            needed += max(0, last - len(table)) + shared
+        return needed
+
+    def reserve(self, start: int, end: int) -> None:
+        """Own every block that positions ``start .. end - 1`` fall in: copy shared ones, add new
+        ones (nothing to do for every layer after the first of a call)."""
+        needed = self.needed(start, end)
+        if needed > self.pool.num_free:  # check first: a refused write changes nothing
+            raise ValueError(f"out of blocks: positions {start}..{end - 1} need {needed} more "
+                             f"blocks, {self.pool.num_free} free of {self.pool.num_blocks}")
+        first, last = start // self.block_size, math.ceil(end / self.block_size)
+        for table in self.rows:
+            for n in range(first, min(last, len(table))):
+                if self.pool.refs(table[n]) > 1:
+                    table[n] = self.pool.copy(table[n])
+            table.extend(self.pool.allocate(max(0, last - len(table))))
+
+    def tensor(self, end: int) -> torch.Tensor:
+        """``[B, blocks]``: the blocks that hold positions ``0 .. end - 1``."""
+        n = math.ceil(end / self.block_size)
+        return torch.tensor([t[:n] for t in self.rows], dtype=torch.long, device=self.pool.device)
+
+
 def _release_tables(pool: BlockPool, tables: list[list[int]]) -> None:
     for table in tables:
         pool.release(table)
         table.clear()
+
+
+class PagedLayer(CacheLayer):
+    """Layer ``index`` of the pool's storage, read and written through the block tables."""
+
+    in_place = True
+
+    def __init__(self, tables: BlockTables, index: int) -> None:
+        pool = tables.pool
+        cfg = pool.config
+        super().__init__(len(tables.rows), cfg.n_kv_head, (cfg.head_dim, cfg.head_dim),
+                         pool.dtype, pool.device)
+        self.tables, self.index = tables, index
+
+    def fork(self) -> PagedLayer:
+        return self
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        self.check_rows(k, v)
+        end = start + k.shape[2]
+        self.tables.reserve(start, end)
+        size = self.tables.block_size
+        slots = torch.arange(start, end, device=self.device)
+        blocks, offsets = self.tables.tensor(end)[:, slots // size], slots % size  # [B, C], [C]
+        # Indexing [N, H_kv, S, D_h] by ([B, C], :, [C]) addresses [B, C, H_kv, D_h].
+        pool = self.tables.pool
+        pool.k[self.index][blocks, :, offsets] = k.transpose(1, 2)
+        pool.v[self.index][blocks, :, offsets] = v.transpose(1, 2)
+        return self.read(end)
+
+    def read(self, seq_len: int) -> KV:
+        """K and V of positions ``0 .. seq_len - 1`` of every sequence, ``[B, H_kv, T, D_h]``."""
+        table = self.tables.tensor(seq_len)
+        B, n = table.shape
+        pool = self.tables.pool
+        out = []
+        for store in (pool.k[self.index], pool.v[self.index]):
+            blocks = store[table]  # [B, n, H_kv, S, D_h]
+            out.append(blocks.transpose(1, 2).reshape(B, self.heads, n * self.tables.block_size,
+                                                      self.widths[0])[:, :, :seq_len])
+        return out[0], out[1]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """This layer's storage in the pool, which every cache of the pool shares."""
+        return [self.tables.pool.k[self.index], self.tables.pool.v[self.index]]
 
 
 class PagedCache(KVCache):
@@ -146,20 +229,15 @@ class PagedCache(KVCache):
         batch_size: ``B``, sequences in this cache, each with its own block table.
     """
 
-    def __init__(self, pool: BlockPool, batch_size: int) -> None:
-        check_int("batch_size", batch_size)
-        cfg = pool.config
-        self.pool, self.block_size = pool, pool.block_size
-        self.n_layer, self.batch_size, self.n_kv_head, self.head_dim = (
-            cfg.n_layer, batch_size, cfg.n_kv_head, cfg.head_dim)
-        self.dtype, self.device = pool.dtype, pool.device
-        self.tables: list[list[int]] = [[] for _ in range(batch_size)]
-        self._len = 0
-        self._finalizer = weakref.finalize(self, _release_tables, pool, self.tables)
+    block_tables: type[BlockTables] = BlockTables
+    """How the sequences' block tables reserve blocks (a subclass may change it)."""
 
-    @property
-    def seq_len(self) -> int:
-        return self._len
+    def __init__(self, pool: BlockPool, batch_size: int) -> None:
+        self._tables = self.block_tables(pool, batch_size)
+        super().__init__([PagedLayer(self._tables, i) for i in range(pool.config.n_layer)])
+        self.pool, self.block_size = pool, pool.block_size
+        self.tables = self._tables.rows
+        self._finalizer = weakref.finalize(self, _release_tables, pool, self.tables)
 
     def release(self) -> None:
         """Give every block back (the cache is then empty); also done when the cache is
@@ -195,72 +273,11 @@ class PagedCache(KVCache):
         self._len = length
         return self
 
-    def _blocks_needed(self, end: int) -> int:
-        """Blocks to allocate or copy so every sequence can write positions
-        ``seq_len .. end - 1``."""
-        first, last = self._len // self.block_size, math.ceil(end / self.block_size)
-        needed = 0
-        for table in self.tables:
-            shared = sum(self.pool.refs(b) > 1 for b in table[first:last])
-            needed += max(0, last - len(table)) + shared
-        return needed
-
-    def _reserve(self, end: int) -> None:
-        """Own every block that positions ``seq_len .. end - 1`` fall in: copy shared ones, add
-        new ones."""
-        needed = self._blocks_needed(end)
-        if needed > self.pool.num_free:  # check first: a refused write changes nothing
-            raise ValueError(f"out of blocks: positions {self._len}..{end - 1} need {needed} more "
-                             f"blocks, {self.pool.num_free} free of {self.pool.num_blocks}")
-        first, last = self._len // self.block_size, math.ceil(end / self.block_size)
-        for table in self.tables:
-            for n in range(first, min(last, len(table))):
-                if self.pool.refs(table[n]) > 1:
-                    table[n] = self.pool.copy(table[n])
-            table.extend(self.pool.allocate(max(0, last - len(table))))
-
-    def check_compatible(self, config: GPTConfig, batch_size: int, dtype: torch.dtype,
-                         device: torch.device, new_len: int) -> None:
-        super().check_compatible(config, batch_size, dtype, device, new_len)
-        needed = self._blocks_needed(self._len + new_len)
+    def check_room(self, new_len: int) -> None:
+        needed = self._tables.needed(self._len, self._len + new_len)
         if needed > self.pool.num_free:
             raise ValueError(f"out of blocks: {new_len} more positions need {needed} more blocks, "
                              f"{self.pool.num_free} free of {self.pool.num_blocks}")
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        self.check_rows(k, v)
-        if start != self._len:
-            raise ValueError(f"cache holds {self._len} positions, write starts at {start}")
-        end = start + k.shape[2]
-        self._reserve(end)  # a no-op for every layer after the first of a call
-        table = self._table(end)  # [B, blocks]
-        slots = torch.arange(start, end, device=self.device)
-        blocks, offsets = table[:, slots // self.block_size], slots % self.block_size  # [B, C], [C]
-        # Indexing [N, H_kv, S, D_h] by ([B, C], :, [C]) addresses [B, C, H_kv, D_h].
-        self.pool.k[layer_idx][blocks, :, offsets] = k.transpose(1, 2)
-        self.pool.v[layer_idx][blocks, :, offsets] = v.transpose(1, 2)
-        return self._gather(layer_idx, end)
-
-    def finish(self, end: int) -> None:
-        self._len = end
-
-    def _table(self, end: int) -> torch.Tensor:
-        n = math.ceil(end / self.block_size)
-        return torch.tensor([t[:n] for t in self.tables], dtype=torch.long, device=self.device)
-
-    def _gather(self, layer_idx: int, end: int) -> KV:
-        """K and V of positions ``0 .. end - 1`` of every sequence, each ``[B, H_kv, end, D_h]``."""
-        table = self._table(end)
-        B, n = table.shape
-        out = []
-        for store in (self.pool.k[layer_idx], self.pool.v[layer_idx]):
-            blocks = store[table]  # [B, n, H_kv, S, D_h]
-            out.append(blocks.transpose(1, 2).reshape(B, self.n_kv_head, n * self.block_size,
-                                                      self.head_dim)[:, :, :end])
-        return out[0], out[1]
-
-    def layer(self, idx: int) -> KV:
-        return self._gather(idx, self._len)
 
     def blocks_held(self) -> int:
         """Distinct blocks this cache's sequences hold (a block shared between them counts once)."""
@@ -289,22 +306,15 @@ class SharedPrefixCache(PagedCache):
     ([[0, 1]], [[0, 2]], [[0, 3]])
     """
 
-    def check_compatible(self, config: GPTConfig, batch_size: int, dtype: torch.dtype,
-                         device: torch.device, new_len: int) -> None:
+    def check_room(self, new_len: int) -> None:
         work = self.fork()  # what the call will write into: its blocks are all shared
         try:
-            PagedCache.check_compatible(work, config, batch_size, dtype, device, new_len)
+            PagedCache.check_room(work, new_len)
         finally:
             work.release()
 
     def begin(self) -> SharedPrefixCache:
         return self.fork()
-
-    def crop(self, length: int) -> SharedPrefixCache:
-        """A new cache sharing this one's first ``length`` positions; this one is unchanged."""
-        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._len:
-            raise ValueError(f"cannot crop a cache of {self._len} positions to {length!r}")
-        return PagedCache.crop(self.fork(), length)
 
 
 def _pool_for(model: Decoder, batch: int, capacity: int, block_size: int, spare: int) -> BlockPool:

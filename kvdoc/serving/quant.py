@@ -31,6 +31,7 @@ import torch
 
 from kvdoc.core.cache import KV, DynamicCache, KVCache
 from kvdoc.core.config import GPTConfig, check_int
+from kvdoc.core.layers import CacheLayer
 from kvdoc.core.model import Decoder
 
 
@@ -91,59 +92,61 @@ def read_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return weights[..., None] * half_range[:, :, None] + value_error[:, :, None, None]
 
 
-class Int8Cache(KVCache):
-    """A cache that grows by concatenation and stores K/V as int8 with per-token, per-head scales.
+class Int8Layer(CacheLayer):
+    """One layer's K and V as int8 with per-token, per-head scales, grown by concatenation.
 
-    Like :class:`~kvdoc.core.cache.DynamicCache`, a forward call works on a shallow copy, so the
-    cache passed in is never modified. ``dtype`` is the model's: what :meth:`layer` returns.
+    ``dtype`` is the model's: what :meth:`read` returns and the scales are stored in.
 
     Args:
-        layers: per layer ``(qk, k_scale, qv, v_scale)``: int8 ``[B, H_kv, T, D_h]`` and scales
+        rows: ``(qk, k_scale, qv, v_scale)``: int8 ``[B, H_kv, T, D_h]`` and scales
             ``[B, H_kv, T, 1]``.
     """
 
-    def __init__(self, layers: list[tuple[torch.Tensor, ...]]) -> None:
-        if not layers:
-            raise ValueError("a cache needs at least one layer")
-        qk, sk = layers[0][0], layers[0][1]
-        self._kv = list(layers)
-        self.n_layer = len(layers)
-        self.batch_size, self.n_kv_head, _, self.head_dim = qk.shape
-        self.dtype, self.device = sk.dtype, qk.device
+    def __init__(self, rows: tuple[torch.Tensor, ...]) -> None:
+        qk, sk, qv, _ = rows
+        super().__init__(qk.shape[0], qk.shape[1], (qk.shape[3], qv.shape[3]), sk.dtype,
+                         qk.device)
+        self.rows = tuple(rows)
+
+    @classmethod
+    def empty(cls, batch_size: int, heads: int, head_dim: int,
+              dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Int8Layer:
+        shape = (batch_size, heads, 0, head_dim)
+        q = torch.empty(shape, dtype=torch.int8, device=device)
+        s = torch.empty((*shape[:3], 1), dtype=dtype, device=device)
+        return cls((q, s, q, s))
+
+    def read(self, seq_len: int) -> KV:
+        qk, sk, qv, sv = self.rows
+        return dequantize(qk, sk), dequantize(qv, sv)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        self.check_rows(k, v)
+        new = (*quantize(k), *quantize(v))
+        self.rows = tuple(torch.cat((a, b), dim=2) for a, b in zip(self.rows, new, strict=True))
+        return self.read(start + k.shape[2])
+
+    def crop(self, length: int, seq_len: int) -> Int8Layer:
+        return Int8Layer(tuple(t[:, :, :length] for t in self.rows))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.rows)
+
+
+class Int8Cache(KVCache):
+    """A cache of :class:`Int8Layer` s: K/V stored as int8 with per-token, per-head scales.
+
+    Like :class:`~kvdoc.core.cache.DynamicCache`, a forward call works on a copy, so the cache
+    passed in is never modified.
+    """
 
     @classmethod
     def empty(cls, config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> Int8Cache:
         """A cache with no positions yet, for a model with ``config`` computing in ``dtype``."""
         check_int("batch_size", batch_size)
-        shape = (batch_size, config.n_kv_head, 0, config.head_dim)
-        q = torch.empty(shape, dtype=torch.int8, device=device)
-        s = torch.empty((*shape[:3], 1), dtype=dtype, device=device)
-        return cls([(q, s, q, s) for _ in range(config.n_layer)])
-
-    @property
-    def seq_len(self) -> int:
-        return self._kv[0][0].shape[2]
-
-    def layer(self, idx: int) -> KV:
-        qk, sk, qv, sv = self._kv[idx]
-        return dequantize(qk, sk), dequantize(qv, sv)
-
-    def begin(self) -> Int8Cache:
-        return Int8Cache(self._kv)
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        self.check_rows(k, v)
-        old = self._kv[layer_idx]
-        if start != old[0].shape[2]:
-            raise ValueError(f"layer {layer_idx} holds {old[0].shape[2]} positions, "
-                             f"write starts at {start}")
-        new = (*quantize(k), *quantize(v))
-        self._kv[layer_idx] = tuple(torch.cat((a, b), dim=2) for a, b in zip(old, new, strict=True))
-        return self.layer(layer_idx)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for layer in self._kv for t in layer]
+        return cls([Int8Layer.empty(batch_size, config.n_kv_head, config.head_dim, dtype, device)
+                    for _ in range(config.n_layer)])
 
 
 def new_int8_cache(model: Decoder, batch: int, capacity: int | None = None) -> Int8Cache:

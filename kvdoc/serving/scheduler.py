@@ -88,6 +88,7 @@ import torch
 
 from kvdoc.core.cache import KV, KVCache
 from kvdoc.core.config import check_int
+from kvdoc.core.layers import CacheLayer
 from kvdoc.core.model import Decoder
 
 from .paged import BlockPool
@@ -179,6 +180,40 @@ def arrival_trace(n: int = 8, prompt_lens: tuple[int, int] = (2, 16),
     return trace
 
 
+class RaggedLayer(CacheLayer):
+    """Layer ``index`` of a :class:`RaggedStep`: the real new rows go into their rows' blocks,
+    and a read gathers every row's ``T`` columns (the mask hides what a row does not hold)."""
+
+    in_place = True
+
+    def __init__(self, step: RaggedStep, index: int) -> None:
+        cfg, pool = step.pool.config, step.pool
+        super().__init__(len(step.past), cfg.n_kv_head, (cfg.head_dim, cfg.head_dim), pool.dtype,
+                         pool.device)
+        self.step, self.index = step, index
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        self.check_rows(k, v)
+        s = self.step
+        # the real new rows only: [M, H_kv, D_h] into (block, :, offset) of each row's blocks
+        for store, new in ((s.pool.k[self.index], k), (s.pool.v[self.index], v)):
+            store[s.blocks, :, s.offsets] = new[s.rows, :, s.cols]
+        return self.read(start)
+
+    def read(self, seq_len: int) -> KV:
+        s = self.step
+        B, n = s.table.shape
+        out = []
+        for store in (s.pool.k[self.index], s.pool.v[self.index]):
+            blocks = store[s.table]  # [B, n, H_kv, S, D_h]
+            out.append(blocks.transpose(1, 2).reshape(B, self.heads, n * s.pool.block_size,
+                                                      self.widths[0])[:, :, :s.width])
+        return out[0], out[1]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.step.pool.k[self.index], self.step.pool.v[self.index]]
+
+
 class RaggedStep(KVCache):
     """The cache one ragged step writes into and reads from: row ``b``'s blocks ``tables[b]``,
     ``past[b]`` positions held, ``new[b]`` new tokens this step (see the module docstring).
@@ -196,11 +231,8 @@ class RaggedStep(KVCache):
 
     def __init__(self, pool: BlockPool, tables: Sequence[list[int]], past: Sequence[int],
                  new: Sequence[int]) -> None:
-        cfg, S = pool.config, pool.block_size
+        S = pool.block_size
         self.pool, self.past, self.new = pool, list(past), list(new)
-        self.n_layer, self.batch_size, self.n_kv_head, self.head_dim = (
-            cfg.n_layer, len(tables), cfg.n_kv_head, cfg.head_dim)
-        self.dtype, self.device = pool.dtype, pool.device
         if not tables or min(self.new) < 1 or min(self.past) < 0:
             raise ValueError("a step needs rows, each with at least one new token")
         self.width = max(p + n for p, n in zip(past, new, strict=True))  # T
@@ -212,35 +244,12 @@ class RaggedStep(KVCache):
                                    for t in tables], dtype=torch.long, device=pool.device)
         rows = [(b, j) for b, n in enumerate(new) for j in range(n)]
         slots = torch.tensor([self.past[b] + j for b, j in rows], device=pool.device)
-        self._rows = torch.tensor([b for b, _ in rows], device=pool.device)
-        self._cols = torch.tensor([j for _, j in rows], device=pool.device)
-        self._blocks = self.table[self._rows, slots // S]
-        self._offsets = slots % S
-
-    @property
-    def seq_len(self) -> int:
-        return self.width - max(self.new)
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        self.check_rows(k, v)
-        if start != self.seq_len:
-            raise ValueError(f"a ragged step writes at {self.seq_len}, not at {start}")
-        # the real new rows only: [M, H_kv, D_h] into (block, :, offset) of each row's blocks
-        for store, new in ((self.pool.k[layer_idx], k), (self.pool.v[layer_idx], v)):
-            store[self._blocks, :, self._offsets] = new[self._rows, :, self._cols]
-        return self.layer(layer_idx)
-
-    def layer(self, idx: int) -> KV:
-        B, n = self.table.shape
-        out = []
-        for store in (self.pool.k[idx], self.pool.v[idx]):
-            blocks = store[self.table]  # [B, n, H_kv, S, D_h]
-            out.append(blocks.transpose(1, 2).reshape(B, self.n_kv_head, n * self.pool.block_size,
-                                                      self.head_dim)[:, :, :self.width])
-        return out[0], out[1]
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [*self.pool.k, *self.pool.v]
+        self.rows = torch.tensor([b for b, _ in rows], device=pool.device)
+        self.cols = torch.tensor([j for _, j in rows], device=pool.device)
+        self.blocks = self.table[self.rows, slots // S]
+        self.offsets = slots % S
+        super().__init__([RaggedLayer(self, i) for i in range(pool.config.n_layer)],
+                         seq_len=self.width - max(self.new))
 
     def mask(self) -> torch.Tensor:
         """``[B, C, T]`` bool: a real query at position ``P_b + j`` reads keys ``0 .. P_b + j``
