@@ -73,6 +73,7 @@ def test_int8_rows_keep_their_own_scale_and_half_a_step():
     real = new_int8_cache(model, 1).begin()
     for cache, ok in ((real, True), (requantising_int8_cache(model, 1).begin(), False)):
         cache.update(0, torch.randn(1, 4, 2, 16), torch.randn(1, 4, 2, 16), 0)
+        cache.finish(2)
         k = torch.randn(1, 4, 3, 16)
         cache.update(0, k, k, 2)
         got = cache.layer(0)[0][:, :, 2:]

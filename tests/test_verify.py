@@ -12,6 +12,7 @@ import torch
 import kvdoc.core.model
 from kvdoc.__main__ import main as cli
 from kvdoc.core import cache as kvcache
+from kvdoc.core.layers import StaticLayer
 from kvdoc.interop.hf import transformers_model
 from kvdoc.proofs import grid
 from kvdoc.proofs.broken import PositionsRestartDecoder, copy_as, stale_prefix
@@ -261,25 +262,23 @@ def test_patched_dynamic_cache_window_is_caught(monkeypatch):
     assert "logits" in _fails(models=("mha",), kinds=("dynamic",))
 
 
-def test_patched_static_cache_modulo_slots_is_caught(monkeypatch):
-    def modulo(self, layer_idx, k, v, start):
+def test_patched_static_layer_modulo_slots_is_caught(monkeypatch):
+    def modulo(self, k, v, start):
         end = start + k.shape[2]
         slots = torch.arange(start, end) % 32
-        self._k[layer_idx][:, :, slots] = k
-        self._v[layer_idx][:, :, slots] = v
-        return self._k[layer_idx][:, :, :end], self._v[layer_idx][:, :, :end]
+        self.k[:, :, slots] = k
+        self.v[:, :, slots] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
 
-    monkeypatch.setattr(kvcache.StaticCache, "update", modulo)
+    monkeypatch.setattr(StaticLayer, "write", modulo)
     assert "logits" in _fails(models=("mqa",), kinds=("static",))
 
 
 def test_patched_static_cache_that_advances_early_is_caught(monkeypatch):
     def update(self, layer_idx, k, v, start):
-        end = start + k.shape[2]
-        self._k[layer_idx][:, :, start:end] = k
-        self._v[layer_idx][:, :, start:end] = v
-        self._len = end  # before the later layers ran
-        return self._k[layer_idx][:, :, :end], self._v[layer_idx][:, :, :end]
+        kv = self.layers[layer_idx].write(k, v, start)
+        self.finish(start + k.shape[2])  # before the later layers ran
+        return kv
 
     monkeypatch.setattr(kvcache.StaticCache, "update", update)
     assert _fails(models=("mha",), kinds=("static",)) == ["failure", "failure_after"]

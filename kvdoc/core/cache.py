@@ -97,15 +97,18 @@ class KVCache:
         work.layers = [layer.fork() for layer in self.layers]
         return work
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        """Store new rows ``k, v`` (``[B, H_kv, C, D_h]``) at positions ``start .. start + C - 1``.
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+               start: int) -> KV:
+        """Store new rows ``k, v`` (``[B, H_kv, C, D_h]``) at positions
+        ``start .. start + C - 1``.
 
-        Returns what the new queries attend over: the layer's rows up to ``start + C - 1``.
+        Returns what the new queries attend over: the layer's rows up to
+        ``start + C - 1``.
         """
         layer = self._layer(layer_idx)
         if start != self._len:
-            raise ValueError(f"layer {layer_idx}: the cache holds {self._len} positions, "
-                             f"write starts at {start}")
+            raise ValueError(f"layer {layer_idx}: the cache holds {self._len} "
+                             f"positions, write starts at {start}")
         return layer.write(k, v, start)
 
     def finish(self, end: int) -> None:
@@ -135,6 +138,11 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes of the tensors the cache owns: ``sum(numel * element_size)``."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    @property
+    def keeps_every_position(self) -> bool:
+        """Whether every layer keeps every position (a ring does not, so it cannot roll back)."""
+        return all(layer.keeps_every_position for layer in self.layers)
 
     @property
     def capacity(self) -> int | None:

@@ -48,6 +48,8 @@ class CacheLayer(ABC):
 
     in_place: ClassVar[bool] = False
     """Whether a call writes into this layer's own tensors (then :meth:`fork` returns it)."""
+    keeps_every_position: ClassVar[bool] = True
+    """False for a layer that drops old positions (a ring): it cannot be cropped once it has."""
 
     def __init__(self, batch_size: int, heads: int, widths: tuple[int, int],
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
@@ -145,7 +147,8 @@ class DynamicLayer(CacheLayer):
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
         if start != self.length:
-            raise ValueError(f"the layer holds {self.length} positions, write starts at {start}")
+            raise ValueError(f"the layer holds {self.length} positions, "
+                             f"write starts at {start}")
         # old rows first, then the new ones: [B, H, P + C, width]
         self.k, self.v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
         return self.k, self.v
@@ -187,8 +190,8 @@ class StaticLayer(CacheLayer):
         self.check_rows(k, v)
         end = start + k.shape[2]
         if end > self.capacity:
-            raise ValueError(f"cannot write positions {start}..{end - 1}: the layer has "
-                             f"{self.capacity} slots")
+            raise ValueError(f"cannot write positions {start}..{end - 1}: "
+                             f"the layer has {self.capacity} slots")
         self.k.narrow(2, start, end - start).copy_(k)  # in place, at absolute positions
         self.v.narrow(2, start, end - start).copy_(v)
         return self.k.narrow(2, 0, end), self.v.narrow(2, 0, end)
@@ -209,6 +212,8 @@ class RingLayer(CacheLayer):
     read in position order (the last ``W - 1`` held, then the new rows): a contiguous run ending
     at the last new token, so attention knows each key's position from the count alone.
     """
+
+    keeps_every_position = False
 
     def __init__(self, batch_size: int, heads: int, widths: tuple[int, int], window: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:

@@ -141,7 +141,8 @@ class CrossLayerCache(CacheWrapper):
     The cache's content is right, so a check of K/V alone passes; only the logits show the bug.
     """
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+               start: int) -> KV:
         own = self.inner.update(layer_idx, k, v, start)  # stored correctly
         if layer_idx == 0:
             self._layer0 = own  # layer 0 runs first in every call: rows 0 .. start + C - 1
@@ -370,7 +371,8 @@ class PositionCounterDecoder(Decoder):
 class EarlyLengthStaticCache(StaticCache):
     """BROKEN: advances its length once layer 0 is written, not after every layer succeeded."""
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+               start: int) -> KV:
         if layer_idx == 0:
             self.call_start = self.seq_len
         if start != self.call_start:
@@ -392,7 +394,8 @@ class LastLayerLengthStaticCache(StaticCache):
     """BROKEN: advances its length in the last layer's update, not in ``finish``: right unless the
     call fails after the last attention (its MLP, the final norm, the LM head)."""
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+               start: int) -> KV:
         kv = super().update(layer_idx, k, v, start)
         if layer_idx == self.n_layer - 1:
             self.finish(start + k.shape[2])  # BUG: the call has not finished yet

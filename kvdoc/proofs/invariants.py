@@ -41,6 +41,7 @@ import torch
 
 from kvdoc.core.cache import DynamicCache, KVCache, StaticCache
 from kvdoc.core.config import GPTConfig
+from kvdoc.core.feed import feed
 from kvdoc.core.hybrid import HybridCache
 from kvdoc.core.mla import LatentCache, StaticLatentCache
 from kvdoc.core.window import SlidingWindowCache
@@ -189,12 +190,13 @@ def byte_problems(cache: KVCache) -> list[str]:
 
 
 def _bytes(case: Case, out: list) -> None:
-    cache, fed, problems = case.new_cache(), 0, []
-    problems += byte_problems(cache)
-    for n in BYTES_CHUNKS:
-        _, cache = case.call(case.ids[:, fed:fed + n], cache)
-        fed += n
-        problems += [f"after {fed}: {p}" for p in byte_problems(cache)]
+    cache, fed = case.new_cache(), sum(BYTES_CHUNKS)
+    problems = byte_problems(cache)
+
+    def check(start: int, n: int, before: KVCache, after: KVCache) -> None:
+        problems.extend(f"after {start + n}: {p}" for p in byte_problems(after))
+
+    cache = feed(case.call, case.ids[:, :fed], cache, BYTES_CHUNKS, hook=check).cache
     detail = problems[0] if problems else (f"empty and after {len(BYTES_CHUNKS)} calls "
                                            f"({fed} positions): {cache.nbytes()} bytes")
     out.append(case.result("bytes", not problems, 0.0 if not problems else math.inf, detail))
@@ -332,18 +334,21 @@ def _int8(case: Case, out: list) -> None:
     written: dict = {}
     exact: dict = {}
     cache: KVCache = _Recorder(new(case.model, B, case.ids.shape[1]), written, exact)
-    fed, changed, breach, problems = 0, 0.0, 0.0, []
+    fed, changed, breach, problems = sum(INT8_CHUNKS), 0.0, 0.0, []
+    held = [Snapshot.of(cache)]  # what the cache passed to the next call holds
+
+    def check(start: int, n: int, before: KVCache, after: KVCache) -> None:
+        nonlocal changed, breach
+        # rows held before the call: bitwise the same in the cache passed in and the new one
+        changed = max(changed, held[0].changed(before, start), held[0].changed(after, start))
+        for i in range(after.n_layer):
+            for got, wrote in zip(after.layer(i), written[i], strict=True):
+                breach = max(breach, _row_problems(got[:, :, start:start + n], wrote))
+        problems.extend(f"after {start + n}: {p}" for p in byte_problems(after.inner))
+        held[0] = Snapshot.of(after)
+
     with int8_reads(case.model, exact) as reads:
-        for n in INT8_CHUNKS:
-            before = Snapshot.of(cache)
-            _, new_cache = case.call(case.ids[:, fed:fed + n], cache)
-            # rows held before the call: bitwise the same in the cache passed in and the new one
-            changed = max(changed, before.changed(cache, fed), before.changed(new_cache, fed))
-            for i in range(new_cache.n_layer):
-                for got, wrote in zip(new_cache.layer(i), written[i], strict=True):
-                    breach = max(breach, _row_problems(got[:, :, fed:fed + n], wrote))
-            cache, fed = new_cache, fed + n
-            problems += [f"after {fed}: {p}" for p in byte_problems(cache.inner)]
+        feed(case.call, case.ids[:, :fed], cache, INT8_CHUNKS, hook=check)
     excess = max((r.excess for r in reads), default=0.0)
     ok = changed == 0.0 and breach == 0.0 and excess == 0.0 and bool(reads) and not problems
     ratio = max((r.error / r.bound for r in reads if r.bound > 0), default=0.0)

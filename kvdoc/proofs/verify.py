@@ -29,6 +29,7 @@ import torch
 
 from kvdoc.core.cache import KV, KVCache
 from kvdoc.core.config import GPTConfig
+from kvdoc.core.feed import chunk_lengths, feed
 from kvdoc.core.model import Decoder
 from kvdoc.core.rope import apply_rope
 
@@ -58,24 +59,6 @@ def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     """Same shape and ``|a - b| <= tol + tol * |b|`` everywhere."""
     return a.shape == b.shape and bool(torch.allclose(a, b, atol=tol, rtol=tol))
-
-
-def chunk_lengths(total: int, chunk: int | Sequence[int]) -> list[int]:
-    """Split ``total`` tokens into chunks of ``chunk`` (the last may be short) or of given lengths.
-
-    >>> chunk_lengths(24, 5)
-    [5, 5, 5, 5, 4]
-    >>> chunk_lengths(6, [4, 2])
-    [4, 2]
-    """
-    if isinstance(chunk, int):
-        if chunk < 1:
-            raise ValueError(f"chunk size must be positive, got {chunk}")
-        return [min(chunk, total - s) for s in range(0, total, chunk)]
-    lengths = [int(c) for c in chunk]
-    if any(c < 1 for c in lengths) or sum(lengths) != total:
-        raise ValueError(f"chunk lengths {lengths} must be positive and sum to {total}")
-    return lengths
 
 
 @dataclass(frozen=True)
@@ -157,17 +140,24 @@ def run_cached(model: Callable, ids: torch.Tensor, chunk: int | Sequence[int],
     if cache is None:
         cache = model.new_cache(B, kind, capacity=T if kind == "static" else None)
         in_place = kind == "static" if in_place is None else in_place
-    out, lifecycle, fed = [], 0.0, 0
-    for n, length in enumerate(chunk_lengths(T, chunk)):
-        source = first_chunk_ids if (n == 0 and first_chunk_ids is not None) else ids
-        before, start = Snapshot.of(cache), cache.seq_len
-        logits, new = model(source[:, fed:fed + length], cache)
-        lifecycle = max(lifecycle, before.changed(cache, start))  # the object passed in
-        if in_place is False and cache.seq_len != start:
+    lifecycle, state = 0.0, (Snapshot.of(cache), cache.seq_len)
+
+    def watch(_: int, n: int, before: KVCache, after: KVCache) -> None:
+        nonlocal lifecycle, state
+        held, start = state  # what the cache passed in held, and its length, before the call
+        lifecycle = max(lifecycle, held.changed(before, start))
+        if in_place is False and before.seq_len != start:
             lifecycle = math.inf  # a cache not written in place must keep its length
-        out.append(logits)
-        cache, fed = new, fed + length
-    return CachedRun(torch.cat(out, dim=1), cache, lifecycle)
+        state = (Snapshot.of(after), after.seq_len)
+
+    lengths = chunk_lengths(T, chunk)
+    parts = []
+    if first_chunk_ids is not None:  # the first chunk from other tokens (a stale cache)
+        parts.append(feed(model, first_chunk_ids[:, :lengths[0]], cache, lengths[:1], hook=watch))
+        cache, ids, lengths = parts[0].cache, ids[:, lengths[0]:], lengths[1:]
+    if lengths:
+        parts.append(feed(model, ids, cache, lengths, hook=watch))
+    return CachedRun(torch.cat([p.logits for p in parts], dim=1), parts[-1].cache, lifecycle)
 
 
 @torch.no_grad()

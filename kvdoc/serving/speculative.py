@@ -99,7 +99,7 @@ def truncated_draft(target: Decoder, n_layer: int) -> Decoder:
 
 
 def _checked(cache: KVCache) -> KVCache:
-    if not hasattr(cache, "crop"):
+    if not cache.keeps_every_position:
         raise ValueError(f"speculative decoding rolls back rejected tokens, and a "
                          f"{type(cache).__name__} cannot crop; use a dynamic or static cache")
     return cache
