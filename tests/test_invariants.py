@@ -79,3 +79,30 @@ def test_int8_rows_keep_their_own_scale_and_half_a_step():
         got = cache.layer(0)[0][:, :, 2:]
         assert (invariants._row_problems(got, k) == 0.0) is ok
     assert invariants._row_problems(written, written) > 0  # values off the grid of steps
+
+
+def test_registries_refuse_what_they_do_not_know():
+    """A layer kind with no byte formula, or a layer with no K/V probe, is an error, never a
+    check skipped."""
+    from kvdoc.core.cache import KVCache
+    from kvdoc.core.layers import CacheLayer
+    from kvdoc.measure.layer_bytes import expected_bytes
+    from kvdoc.proofs.verify import full_forward_kv
+
+    class Unknown(CacheLayer):
+        def read(self, seq_len):
+            return self.k, self.v
+
+        def write(self, k, v, start):
+            return k, v
+
+        def tensors(self):
+            return []
+
+    with pytest.raises(ValueError, match="no byte formula for a Unknown"):
+        expected_bytes(KVCache([Unknown(1, 2, (4, 4))]))
+    model = default_model()
+    model.h[0].attn = torch.nn.Identity()  # a layout full_forward_kv has no probe for
+    with pytest.raises(ValueError, match="no K/V probe for a Identity"):
+        full_forward_kv(model, torch.tensor([[1, 2]]))
+    assert not any(h for m in model.modules() for h in m._forward_hooks.values())

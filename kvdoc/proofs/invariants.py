@@ -39,16 +39,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvdoc.core.cache import DynamicCache, KVCache, StaticCache
+from kvdoc.core.cache import KVCache, StaticCache
 from kvdoc.core.config import GPTConfig
 from kvdoc.core.feed import feed
 from kvdoc.core.hybrid import HybridCache
-from kvdoc.core.mla import LatentCache, StaticLatentCache
+from kvdoc.core.mla import LatentCache
 from kvdoc.core.window import SlidingWindowCache
+from kvdoc.measure.layer_bytes import expected_bytes
 from kvdoc.measure.wrapper import CacheWrapper
 from kvdoc.serving.batching import left_pad, padded_mask, padded_positions
 from kvdoc.serving.paged import BlockPool, PagedCache
-from kvdoc.serving.quant import Int8Cache, new_int8_cache, read_error_bound
+from kvdoc.serving.quant import new_int8_cache, read_error_bound
 
 from .verify import Snapshot, close, max_abs, run_cached
 
@@ -99,36 +100,6 @@ def held_tensors(cache: object) -> list[torch.Tensor]:
 def tensor_bytes(tensors: list[torch.Tensor]) -> int:
     """``sum(numel * element_size)``."""
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def expected_bytes(cache: KVCache) -> int | None:
-    """The kind's documented byte count, from its sizes alone (None for a kind not known here).
-
-    >>> from kvdoc import GPTConfig
-    >>> expected_bytes(StaticCache(GPTConfig(), batch_size=1, capacity=8)) == 2 * 2 * 4 * 8 * 16 * 4
-    True
-    """
-    per_row = 2 * cache.n_layer * cache.n_kv_head * cache.head_dim  # K and V, every layer
-    size = torch.empty((), dtype=cache.dtype).element_size()
-    if isinstance(cache, LatentCache):  # c_KV and k_rope, every layer
-        rows = cache.capacity if isinstance(cache, StaticLatentCache) else cache.seq_len
-        width = cache.kv_lora_rank + cache.rope_dim
-        return cache.n_layer * cache.batch_size * rows * width * size
-    if isinstance(cache, PagedCache):
-        return per_row * cache.pool.num_blocks * cache.block_size * size
-    if isinstance(cache, Int8Cache):  # int8 values and one scale per row
-        rows = 2 * cache.n_layer * cache.batch_size * cache.n_kv_head * cache.seq_len
-        return rows * (cache.head_dim + size)
-    if isinstance(cache, SlidingWindowCache):
-        return per_row * cache.batch_size * cache.window * size
-    if isinstance(cache, HybridCache):  # a ring of W slots per window layer, T rows per global
-        rows = sum(cache.seq_len if w is None else w for w in cache.windows)
-        return 2 * rows * cache.batch_size * cache.n_kv_head * cache.head_dim * size
-    if isinstance(cache, StaticCache):
-        return per_row * cache.batch_size * cache.capacity * size
-    if isinstance(cache, DynamicCache):
-        return per_row * cache.batch_size * cache.seq_len * size
-    return None
 
 
 def _pool_problems(pool: BlockPool, tables: list[list[int]]) -> list[str]:
@@ -183,8 +154,8 @@ def byte_problems(cache: KVCache) -> list[str]:
     """What disagrees between the cache's byte figures, its tensors and its formula."""
     reported, found = cache.nbytes(), tensor_bytes(held_tensors(cache))
     problems = [] if reported == found else [f"nbytes() {reported}, its tensors hold {found}"]
-    formula = expected_bytes(cache)
-    if formula is not None and formula != reported:
+    formula = expected_bytes(cache)  # refuses a layer kind it has no formula for
+    if formula != reported:
         problems.append(f"nbytes() {reported}, the formula gives {formula}")
     return problems + shape_problems(cache)
 

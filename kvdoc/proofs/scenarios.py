@@ -185,14 +185,6 @@ class Case:
         return self.model(ids)[0]
 
 
-def _has_c_attn(model: nn.Module) -> bool:
-    """Whether :func:`~kvdoc.proofs.verify.full_forward_kv` can read the model's K/V (or
-    latent) projections."""
-    return all(hasattr(a, "c_attn") or hasattr(a, "kv_a_proj_with_mqa") or hasattr(a, "k_norm")
-               for a in (getattr(b, "attn", None) or getattr(b, "self_attn", None)
-                         for b in getattr(model, "h", [None])))
-
-
 def _cached_shapes(config, batch: int, length: int) -> tuple[tuple[int, ...], ...]:
     """What each layer caches: K and V ``[B, H_kv, T, D_h]``, or the shapes the config states
     (an MLA config's ``c_KV`` and ``k_rope``, :meth:`kvdoc.core.mla.MLAConfig.cached_shapes`)."""
@@ -209,10 +201,7 @@ def _stream(case: Case, out: list) -> None:
         ids = case.ids[:batch]
         edited = ids.clone()
         edited[:, -1] = (ids[:, -1] + 1) % vocab
-        if _has_c_attn(case.model):
-            full, full_kv = full_forward_kv(case.model, ids)
-        else:
-            full, full_kv = case.full(ids), None
+        full, full_kv = full_forward_kv(case.model, ids)  # refuses a layout it cannot probe
         full_edited = case.full(edited)
         full_causal = max_abs(full_edited[:, :-1], full[:, :-1])
         full_causal_ok = close(full_edited[:, :-1], full[:, :-1], case.tol)
@@ -245,20 +234,17 @@ def _stream(case: Case, out: list) -> None:
                             for pair, h in zip(got, held, strict=True))
             add("kv_shape", shapes_ok, 0.0 if shapes_ok else float("inf"),
                 f"each layer's two cached tensors {' and '.join(str(list(w)) for w in want)}")
-            if full_kv is None:
-                add("kv", None, 0.0, "no c_attn to read the full forward's K/V from")
-            else:
-                pairs = [(g, r[:, :, h.start:h.stop])
-                         for gp, rp, h in zip(got, full_kv, held, strict=True)
-                         for g, r in zip(gp, rp, strict=True)]
-                add("kv", all(close(g, r, case.tol) for g, r in pairs),
-                    max((max_abs(g, r) for g, r in pairs), default=0.0), "each layer's K/V")
+            pairs = [(g, r[:, :, h.start:h.stop])
+                     for gp, rp, h in zip(got, full_kv, held, strict=True)
+                     for g, r in zip(gp, rp, strict=True)]
+            add("kv", all(close(g, r, case.tol) for g, r in pairs),
+                max((max_abs(g, r) for g, r in pairs), default=0.0), "each layer's K/V")
             add("lifecycle", run.lifecycle_error == 0.0, run.lifecycle_error,
                 "what a cache held before a call")
             causal_ok, causal, logits = full_causal_ok, full_causal, run.logits
             if chunk > 1:  # with one token per call the last token reaches no earlier call
                 if last and case.cache.in_place:  # the last call wrote into the kept cache
-                    fork = run.cache.crop(last) if hasattr(run.cache, "crop") else None
+                    fork = run.cache.crop(last)
                 # the stream's own cache goes first: a paged pool is sized for one stream
                 run = tail = got = None
                 if last and fork is not None:  # earlier calls never see the last token

@@ -220,8 +220,13 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
             handles.append(attn.kv_a_proj_with_mqa.register_forward_hook(latent_hook(attn)))
         elif hasattr(attn, "k_norm"):
             handles += gemma_hooks(attn)
-        else:
+        elif hasattr(attn, "c_attn"):
             handles.append(attn.c_attn.register_forward_hook(hook))
+        else:
+            for handle in handles:
+                handle.remove()
+            raise ValueError(f"no K/V probe for a {type(attn).__name__} (no c_attn, "
+                             "kv_a_proj_with_mqa or k_norm): full_forward_kv must learn it")
     try:
         logits = model(ids).logits
     finally:

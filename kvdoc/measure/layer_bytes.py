@@ -1,0 +1,79 @@
+"""What each kind of cache layer should hold in bytes, from its sizes alone: the one byte formula
+that the verification checks every layer's ``nbytes()`` against.
+
+A formula is registered per layer class; a subclass (a broken variant of a layer, say) is held
+to its real kind's formula, and a class with no formula anywhere in its bases is refused, so a
+new layer kind cannot slip past the bytes check unnoticed.
+
+>>> from kvdoc.core.layers import DynamicLayer, StaticLayer
+>>> expected_layer_bytes(StaticLayer(1, 2, (4, 4), capacity=8), seq_len=3)   # K, V x 2 x 8 x 4 x 4
+512
+>>> class Mystery(DynamicLayer):
+...     pass
+>>> expected_layer_bytes(Mystery.empty(1, 2, (4, 4)), 0)        # a subclass: its base's formula
+0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvdoc.core.cache import KVCache
+from kvdoc.core.layers import CacheLayer, DynamicLayer, RingLayer, StaticLayer
+from kvdoc.serving.paged import PagedLayer
+from kvdoc.serving.quant import Int8Layer
+from kvdoc.serving.scheduler import RaggedLayer
+
+
+def _size(layer: CacheLayer) -> int:
+    return torch.empty((), dtype=layer.dtype).element_size()
+
+
+def _rows(layer: CacheLayer, positions: int) -> int:
+    """Bytes of ``positions`` rows of both tensors: ``B x H x positions x (w_K + w_V) x s``."""
+    return layer.batch_size * layer.heads * positions * sum(layer.widths) * _size(layer)
+
+
+def _pool(layer: PagedLayer | RaggedLayer, seq_len: int) -> int:
+    pool = layer.tables.pool if isinstance(layer, PagedLayer) else layer.step.pool
+    return 2 * pool.num_blocks * pool.block_size * layer.heads * layer.widths[0] * _size(layer)
+
+
+LAYER_BYTES: dict[type[CacheLayer], Callable[[CacheLayer, int], int]] = {
+    DynamicLayer: lambda layer, T: _rows(layer, T),
+    StaticLayer: lambda layer, T: _rows(layer, layer.capacity),
+    RingLayer: lambda layer, T: _rows(layer, layer.window),
+    # int8 values, and one scale in the model's dtype per row of K and of V
+    Int8Layer: lambda layer, T: layer.batch_size * layer.heads * T * (sum(layer.widths)
+                                                                     + 2 * _size(layer)),
+    # a layer's share of the pool: every block, free or held
+    PagedLayer: _pool,
+    RaggedLayer: _pool,
+}
+"""Layer class -> ``(layer, seq_len) -> bytes``."""
+
+
+def expected_layer_bytes(layer: CacheLayer, seq_len: int) -> int:
+    """The bytes ``layer`` should hold once its cache has seen ``seq_len`` positions.
+
+    Raises:
+        ValueError: no formula is registered for the layer's class or any of its bases.
+    """
+    for cls in type(layer).__mro__:
+        if cls in LAYER_BYTES:
+            return LAYER_BYTES[cls](layer, seq_len)
+    raise ValueError(f"no byte formula for a {type(layer).__name__}: register its kind in "
+                     "kvdoc.measure.layer_bytes.LAYER_BYTES")
+
+
+def expected_bytes(cache: KVCache) -> int:
+    """The sum of :func:`expected_layer_bytes` over the cache's layers.
+
+    >>> from kvdoc import GPTConfig
+    >>> from kvdoc.core.cache import StaticCache
+    >>> expected_bytes(StaticCache(GPTConfig(), batch_size=1, capacity=8)) == 2 * 2 * 4 * 8 * 16 * 4
+    True
+    """
+    return sum(expected_layer_bytes(layer, cache.seq_len) for layer in cache.layers)
