@@ -55,11 +55,24 @@ class KVCache:
             if (layer.batch_size, layer.dtype, layer.device) != (first.batch_size, first.dtype,
                                                                   first.device):
                 raise ValueError("every layer must share one batch size, dtype and device")
-        self.layers = list(layers)
+        self.layers = layers
         self._len = check_int("seq_len", seq_len, minimum=0)
         self.n_layer, self.batch_size = len(self.layers), first.batch_size
         self.n_kv_head, self.head_dim = first.heads, first.widths[0]
         self.dtype, self.device = first.dtype, first.device
+
+    @property
+    def layers(self) -> list[CacheLayer]:
+        """One storage per decoder layer (assign a new list to swap them: a broken variant)."""
+        return self._layers
+
+    @layers.setter
+    def layers(self, layers: Sequence[CacheLayer]) -> None:
+        self._layers = list(layers)
+        # decided once, not at every call: a decode step of the site's model is ~100 us
+        self._in_place = all(layer.in_place for layer in self._layers)
+        bounds = [layer.capacity for layer in self._layers if hasattr(layer, "capacity")]
+        self._capacity = min(bounds) if bounds else None
 
     @property
     def seq_len(self) -> int:
@@ -91,7 +104,7 @@ class KVCache:
     def begin(self) -> KVCache:
         """The object one forward call writes into: this cache if every layer is written in
         place, else a copy whose layers are forks (the caller's cache then never changes)."""
-        if all(layer.in_place for layer in self.layers):
+        if self._in_place:
             return self
         work = copy.copy(self)
         work.layers = [layer.fork() for layer in self.layers]
@@ -105,11 +118,12 @@ class KVCache:
         Returns what the new queries attend over: the layer's rows up to
         ``start + C - 1``.
         """
-        layer = self._layer(layer_idx)
+        if not 0 <= layer_idx < self.n_layer:
+            raise ValueError(f"layer {layer_idx!r} is outside 0..{self.n_layer - 1}")
         if start != self._len:
             raise ValueError(f"layer {layer_idx}: the cache holds {self._len} "
                              f"positions, write starts at {start}")
-        return layer.write(k, v, start)
+        return self._layers[layer_idx].write(k, v, start)
 
     def finish(self, end: int) -> None:
         """Count positions ``0 .. end - 1`` as held, once every layer has been updated."""
@@ -147,8 +161,7 @@ class KVCache:
     @property
     def capacity(self) -> int | None:
         """The most positions every layer can take (None: no bound but the model's)."""
-        bounds = [layer.capacity for layer in self.layers if hasattr(layer, "capacity")]
-        return min(bounds) if bounds else None
+        return self._capacity
 
     def check_compatible(self, config: GPTConfig, batch_size: int, dtype: torch.dtype,
                          device: torch.device, new_len: int) -> None:

@@ -65,13 +65,14 @@ class CacheLayer(ABC):
     def check_rows(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise ``ValueError`` unless ``k``, ``v`` are new rows ``[B, H, C, width]`` of this
         layer's sizes and dtype."""
-        want = [(self.batch_size, self.heads, w) for w in self.widths]
-        got = [(t.shape[0], t.shape[1], t.shape[3]) if t.dim() == 4 else None for t in (k, v)]
-        if got != want or k.shape[2] != v.shape[2]:
-            shapes = f"got {tuple(k.shape)} and {tuple(v.shape)}"
+        ks, vs = k.shape, v.shape
+        if (len(ks) != 4 or len(vs) != 4 or ks[0] != self.batch_size or ks[1] != self.heads
+                or ks[3] != self.widths[0] or vs[:3] != ks[:3] or vs[3] != self.widths[1]):
+            shapes = f"got {tuple(ks)} and {tuple(vs)}"
             if self.widths[0] == self.widths[1]:
+                want = (self.batch_size, self.heads, self.widths[0])
                 raise ValueError("K and V must both be [B, H_kv, C, D_h] with (B, H_kv, D_h) = "
-                                 f"{want[0]}, {shapes}")
+                                 f"{want}, {shapes}")
             raise ValueError("c_KV and k_rope must be [B, 1, C, r] and [B, 1, C, d_R] with "
                              f"(B, r, d_R) = {(self.batch_size, *self.widths)}, {shapes}")
         if k.dtype != self.dtype or v.dtype != self.dtype:
