@@ -1,5 +1,5 @@
-"""Cache invariants and edges: bytes, held rows and lengths, the int8 contract, ring and block
-edges, padded batches.
+"""Cache invariants and edges: bytes, held rows and lengths, ring and block edges, padded
+batches (the int8 cache's contract is :mod:`kvdoc.proofs.int8_contract`).
 
 The scenarios here are registered in :data:`kvdoc.proofs.scenarios.SCENARIOS` and run on every
 combination of the grid like the others (each says where it does not apply):
@@ -11,13 +11,6 @@ combination of the grid like the others (each says where it does not apply):
   tensors too; every layer's K and V are ``[B, H_kv, len(held(layer)), D_h]``, and a kind's own
   lengths agree with its tensors (:func:`shape_problems`; a hybrid cache's window layers hold
   their last ``W`` positions, its global layers every one).
-* ``int8``: the int8 cache (:mod:`kvdoc.serving.quant`) is lossy, so it is held to its contract,
-  not to the FP32 tolerance: rows it holds never change after an append (bitwise), each new row's
-  scale is its own ``max|x| / 127`` (every value a multiple of it, within ``[-127, 127]`` steps,
-  the largest at 127), each value within half a step of what was written, every attention read
-  of the model's layers within :func:`~kvdoc.serving.quant.read_error_bound` of the same read
-  over the exact K/V (:func:`int8_reads`), and its bytes are ``2 L B H_kv T (D_h + scale
-  bytes)``.
 * ``edges``: on a model with a window ``W``, a chunk of ``W + 4`` tokens after a short prefix,
   then a single token; on a cache a call leaves unchanged, two branches of one prefix fed in
   turn (a chunk of 5 each, then a token each), from a prefix of 9 tokens (before a ring of 16
@@ -33,33 +26,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvdoc.core.cache import KVCache, StaticCache
-from kvdoc.core.config import GPTConfig
 from kvdoc.core.feed import feed
 from kvdoc.core.hybrid import HybridCache
 from kvdoc.core.mla import LatentCache
 from kvdoc.core.window import SlidingWindowCache
 from kvdoc.measure.layer_bytes import expected_bytes
-from kvdoc.measure.wrapper import CacheWrapper
 from kvdoc.serving.batching import left_pad, padded_mask, padded_positions
 from kvdoc.serving.paged import BlockPool, PagedCache
-from kvdoc.serving.quant import new_int8_cache, read_error_bound
 
-from .verify import Snapshot, close, max_abs, run_cached
+from .verify import Snapshot, close, max_abs
 
 if TYPE_CHECKING:
     from .scenarios import Case
 
 BYTES_CHUNKS = (5, 1, 13)
 """Chunks of the ``bytes`` scenario: past the Mistral window (16) and several paged blocks (4)."""
-INT8_CHUNKS = (5, 1, 1, 9, 1)
-"""Chunks of the ``int8`` scenario: single tokens (the fast step) and chunks."""
 BRANCH_PREFIXES = (9, 23)
 """Prefixes of the ``edges`` branches: before and after a ring of 16 wraps, neither a multiple of
 the paged block size (4)."""
@@ -173,164 +159,6 @@ def _bytes(case: Case, out: list) -> None:
     out.append(case.result("bytes", not problems, 0.0 if not problems else math.inf, detail))
 
 
-# --- the int8 contract ----------------------------------------------------------------------
-
-class _Recorder(CacheWrapper):
-    """Delegates to the cache under test and records the K/V every ``update`` was given: the last
-    rows written per layer (``written``) and every row so far (``exact``)."""
-
-    def __init__(self, inner: KVCache, written: dict, exact: dict) -> None:
-        super().__init__(inner)
-        self.written, self.exact = written, exact
-
-    def begin(self) -> _Recorder:
-        return _Recorder(self.inner.begin(), self.written, self.exact)
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int):
-        self.written[layer_idx] = (k.clone(), v.clone())
-        old_k, old_v = self.exact.get(layer_idx, (k[:, :, :0], v[:, :, :0]))
-        self.exact[layer_idx] = (torch.cat((old_k, k), dim=2), torch.cat((old_v, v), dim=2))
-        return self.inner.update(layer_idx, k, v, start)
-
-
-ROW_SLACK = 1e-3
-"""Slack, in steps, of the element contract: the rounding of ``x / scale`` and ``q * scale``,
-a few units in the last place of 127, is far below it."""
-
-
-def _row_problems(got: torch.Tensor, written: torch.Tensor) -> float:
-    """The worst breach, in steps of a row's own scale ``max|x| / 127``, of: ``got`` is an integer
-    number of steps within ``[-127, 127]``, the largest at 127, and within half a step of
-    ``written``. 0 when the rows keep the contract."""
-    amax = written.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    steps = got / scale
-    off_grid = (steps - steps.round()).abs().amax().item()
-    beyond = max(0.0, steps.abs().amax().item() - 127)
-    top = (127 - steps.abs().amax(dim=-1))[amax[..., 0] > 0]
-    not_top = top.abs().amax().item() if top.numel() else 0.0
-    error = ((got - written).abs() / scale).amax().item()
-    slack = ROW_SLACK
-    worst = max(off_grid - slack, beyond - slack, not_top - slack, error - 0.5 - slack, 0.0)
-    return math.inf if math.isnan(worst) else worst
-
-
-@dataclass(frozen=True)
-class Read:
-    """One attention read of one layer over the int8 cache, against the same read (the same
-    queries, the layer's own ``attend``) over the exact K and V written.
-
-    ``error`` and ``bound`` are the largest ``|int8 read - exact read|`` and the largest bound of
-    :func:`~kvdoc.serving.quant.read_error_bound` (at half a step plus :data:`ROW_SLACK`);
-    ``excess`` the largest amount by which an element's error passes its own bound plus the
-    rounding slack of the two reads (0 when the bound holds everywhere, ``inf`` for shapes that
-    disagree)."""
-
-    layer: int
-    start: int
-    error: float
-    bound: float
-    excess: float
-
-
-def _read(layer: int, attend, q, k, v, start, attn_mask, got, exact) -> Read:
-    K, V = exact
-    if K.shape != k.shape or V.shape != v.shape:
-        return Read(layer, start, math.inf, 0.0, math.inf)
-    want = attend(q, K, V, start, attn_mask)
-    bound = read_error_bound(q, K, V, 0.5 + ROW_SLACK)
-    # each read rounds: a weighted sum of T values and a score of D_h products, a few units in
-    # the last place of the largest value per term
-    slack = 2 * (K.shape[2] + q.shape[-1]) * torch.finfo(q.dtype).eps * float(V.abs().max())
-    err = (got - want).abs()
-    excess = float((err - bound - slack).amax().clamp(min=0)) if err.numel() else 0.0
-    return Read(layer, start, max_abs(got, want), float(bound.max()) if bound.numel() else 0.0,
-                math.inf if math.isnan(excess) else excess)
-
-
-@contextmanager
-def int8_reads(model: torch.nn.Module, exact: dict) -> Iterator[list[Read]]:
-    """Within the block, every ``attend`` of ``model``'s layers is also run over the exact K/V
-    of ``exact`` (layer -> ``(K, V)``, as a :class:`_Recorder` collects them) and yields a
-    :class:`Read` into the list. A one-token step of the fast decoder does not call ``attend``."""
-    reads: list[Read] = []
-    patched = []
-    for i, block in enumerate(getattr(model, "h", [])):
-        attn = block.attn
-        original = attn.attend
-
-        def attend(q, k, v, start, attn_mask=None, i=i, original=original):
-            got = original(q, k, v, start, attn_mask)
-            reads.append(_read(i, original, q, k, v, start, attn_mask, got, exact[i]))
-            return got
-
-        patched.append((attn, vars(attn).get("attend")))
-        attn.attend = attend
-    try:
-        yield reads
-    finally:
-        for attn, own in patched:
-            if own is None:
-                del attn.attend
-            else:
-                attn.attend = own
-
-
-@torch.no_grad()
-def check_int8_reads(model: torch.nn.Module, ids: torch.Tensor, chunk: int) -> list[Read]:
-    """Feed ``ids`` (``[B, T]``) in chunks of ``chunk`` through ``model`` with an int8 cache:
-    every layer's every attention read, against the same read over the exact K/V.
-
-    >>> from kvdoc.proofs.verify import default_model, default_stream
-    >>> reads = check_int8_reads(default_model(), default_stream(length=8), 3)
-    >>> len(reads), max(r.excess for r in reads)   # 2 layers x 3 calls; every bound holds
-    (6, 0.0)
-    """
-    exact: dict = {}
-    cache = _Recorder(new_int8_cache(model, ids.shape[0]), {}, exact)
-    with int8_reads(model, exact) as reads:
-        run_cached(model, ids, chunk, cache=cache)
-    return reads
-
-
-def _int8(case: Case, out: list) -> None:
-    if case.kind != "dynamic":  # the int8 cache grows as a dynamic one does: run it once
-        out.append(case.result("int8", None, 0.0, "run with the dynamic kind only"))
-        return
-    if not isinstance(case.model.config, GPTConfig):
-        out.append(case.result("int8", None, 0.0, "an int8 cache of a GPTConfig model's K/V"))
-        return
-    B = case.ids.shape[0]
-    new = case.caches.get("int8", new_int8_cache)
-    written: dict = {}
-    exact: dict = {}
-    cache: KVCache = _Recorder(new(case.model, B, case.ids.shape[1]), written, exact)
-    fed, changed, breach, problems = sum(INT8_CHUNKS), 0.0, 0.0, []
-    held = [Snapshot.of(cache)]  # what the cache passed to the next call holds
-
-    def check(start: int, n: int, before: KVCache, after: KVCache) -> None:
-        nonlocal changed, breach
-        # rows held before the call: bitwise the same in the cache passed in and the new one
-        changed = max(changed, held[0].changed(before, start), held[0].changed(after, start))
-        for i in range(after.n_layer):
-            for got, wrote in zip(after.layer(i), written[i], strict=True):
-                breach = max(breach, _row_problems(got[:, :, start:start + n], wrote))
-        problems.extend(f"after {start + n}: {p}" for p in byte_problems(after.inner))
-        held[0] = Snapshot.of(after)
-
-    with int8_reads(case.model, exact) as reads:
-        feed(case.call, case.ids[:, :fed], cache, INT8_CHUNKS, hook=check)
-    excess = max((r.excess for r in reads), default=0.0)
-    ok = changed == 0.0 and breach == 0.0 and excess == 0.0 and bool(reads) and not problems
-    ratio = max((r.error / r.bound for r in reads if r.bound > 0), default=0.0)
-    detail = (problems[0] if problems else
-              f"{fed} positions in {len(INT8_CHUNKS)} calls: held rows changed by {changed:.1e}, "
-              f"worst breach of a row's step {breach:.1e}; {len(reads)} attention reads, "
-              f"error at most {ratio:.2f} of its bound, excess {excess:.1e}")
-    out.append(case.result("int8", ok, max(changed, breach, excess,
-                                           math.inf if problems or not reads else 0.0), detail))
-
-
 # --- ring and block edges -------------------------------------------------------------------
 
 def _long_chunk(case: Case) -> tuple[bool, float, str]:
@@ -424,13 +252,11 @@ def _padded(case: Case, out: list) -> None:
 CHECKS = {
     "bytes": "nbytes() and a pool's figures vs the tensors held and the formula; held rows and "
              "lengths vs the tensors' shapes",
-    "int8": "int8 cache: held rows never change, each row's own scale, half a step of error; "
-            "every attention read within its derived bound of the exact read",
     "edges": "a chunk longer than the window; two live branches before and after the ring wraps, "
              "off the block size",
     "padded": "a left-padded batch, prefill and decode steps: each row vs its prompt alone",
 }
 """The checks of this module, in report order, with what each compares."""
 
-SCENARIOS = {"bytes": _bytes, "int8": _int8, "edges": _edges, "padded": _padded}
+SCENARIOS = {"bytes": _bytes, "edges": _edges, "padded": _padded}
 """Scenario name -> function appending :class:`~kvdoc.proofs.scenarios.CheckResult` s."""

@@ -19,24 +19,12 @@ otherwise; tolerances are :data:`kvdoc.proofs.verify.TOLERANCE` (``atol = rtol``
 * ``generate``: every token ``kvdoc.core.model.generate`` picks is the greedy argmax of one full
   forward over its output (a near tie within the tolerance counts as either token); batch 1
   and the full batch, cut as in ``prefill_decode``.
-* ``crop``: fill, crop to a shorter length, continue with other tokens.
-* ``branch``: two continuations from one prefix cache; each equals its own full forward, and
-  the prefix cache is unchanged (a cache written in place is cropped back between branches).
-* ``failure`` and ``failure_after``: a call raises at each stage of a forward, inside the layers
-  (the first layer, the last layer: ``failure``) and after the last attention (the last layer's
-  MLP, the final norm, the LM head: ``failure_after``); each time the cache is exactly as before
-  (length and content), and continuing afterwards is right.
-* ``fresh``: the cached path on a copy of the model as it was built, before any call ran on it
-  (a prompt of 3 tokens, 4 one-token steps, then longer chunks past every earlier call), vs the
-  full forward of another copy: a table or buffer built on the first call and extended wrongly
-  later shows only here, since every other scenario starts with a full forward.
-* ``weights``: the weights change in place after the cached call was built and used (``add_`` on
-  two parameters, then ``load_state_dict`` of other weights); a prompt and one-token steps must
-  equal the full forward of the changed model (a fast step that copied the weights must see it).
+* ``crop``, ``branch``, ``failure`` and ``failure_after``, ``fresh``, ``weights``: what a cache
+  and a model go through between calls (:mod:`kvdoc.proofs.lifecycle`).
 * ``reference``: the model's independent reference (:mod:`kvdoc.proofs.references`), full and
   cached.
-* ``bytes``, ``int8``, ``edges``, ``padded``: the cache invariants of
-  :mod:`kvdoc.proofs.invariants`.
+* ``bytes``, ``edges``, ``padded``: the cache invariants of :mod:`kvdoc.proofs.invariants`;
+  ``int8``: the int8 cache's contract (:mod:`kvdoc.proofs.int8_contract`).
 * ``scheduling``: static, continuous and chunked-prefill schedules of a short arrival trace
   (:func:`kvdoc.proofs.scheduling.check_policies`), preemption by recompute on a small pool
   (:func:`~kvdoc.proofs.scheduling.check_preemption`) and seeded forks of one prompt
@@ -54,7 +42,6 @@ a check does not apply.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -65,7 +52,7 @@ from kvdoc.core.cache import KVCache
 from kvdoc.core.model import decode_step, generate, prefill
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
-from . import invariants
+from . import int8_contract, invariants, lifecycle
 from .broken import stale_prefix
 from .grid import CacheSpec, ModelSpec
 from .handover import handover_scenario
@@ -75,7 +62,6 @@ from .verify import (
     DTYPE_NAMES,
     TOLERANCE,
     CachedRun,
-    Snapshot,
     close,
     full_forward_kv,
     max_abs,
@@ -95,16 +81,12 @@ CHECKS: dict[str, str] = {
     "prefill_decode": "prefill, then decode_step per token, vs the full forward",
     "generate": "generate()'s picks vs the argmax of one full forward",
     "speculative": "speculative decoding's tokens (draft, verify, crop) vs that argmax",
-    "crop": "crop a filled cache, continue with other tokens",
-    "branch": "two continuations of one prefix cache; the prefix unchanged",
-    "failure": "a layer raises mid-call: caches unchanged, continuing is right",
-    "failure_after": "raises after the last attention (MLP, final norm, LM head): caches unchanged",
-    "fresh": "the cached path on a model no call has run on yet, vs the full forward",
-    "weights": "weights changed in place after the call was built: vs the changed model",
+    **lifecycle.CHECKS,  # crop, branch, failure, failure_after, fresh, weights
     "reference": "full and cached vs an independent implementation",
 }
 """Every check by name, in report order, with what it compares."""
-CHECKS.update(invariants.CHECKS)  # bytes, int8, edges, padded: cache invariants and edges
+CHECKS.update({"bytes": invariants.CHECKS["bytes"], "int8": int8_contract.CHECK,
+               **invariants.CHECKS})  # cache invariants, the int8 contract, edges
 CHECKS.update({
     "scheduling": "static, continuous, chunked-prefill, preempting and forking runs: each "
                   "request vs its solo run",
@@ -172,7 +154,7 @@ class Case:
     def new_cache(self, batch: int | None = None) -> KVCache:
         # spare capacity: a cache that reads past its filled rows then reads rows never written
         new = self.caches.get(self.kind, self.cache.new)
-        return new(self.model, batch or self.ids.shape[0], self.ids.shape[1] + SPARE)
+        return new(self.model, batch or self.ids.shape[0], self.capacity)
 
     def feed(self, tokens: torch.Tensor, chunk: int, cache: KVCache | None = None,
              first: torch.Tensor | None = None) -> CachedRun:
@@ -183,6 +165,16 @@ class Case:
 
     def full(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model(ids)[0]
+
+    @property
+    def capacity(self) -> int:
+        """What a new cache of this case is built to hold: the stream and :data:`SPARE`."""
+        return self.ids.shape[1] + SPARE
+
+    def both_batches(self) -> list[torch.Tensor]:
+        """The stream at its full batch and, if larger, at batch 1 (bugs that squeeze a dim of
+        1)."""
+        return [self.ids] + ([self.ids[:1]] if self.ids.shape[0] > 1 else [])
 
 
 def _cached_shapes(config, batch: int, length: int) -> tuple[tuple[int, ...], ...]:
@@ -270,20 +262,15 @@ def _last_only(case: Case, out: list) -> None:
     out.append(case.result("last_only", ok, err, "full and cached"))
 
 
-def _batches(case: Case) -> list[torch.Tensor]:
-    """The stream at its full batch and, if larger, at batch 1 (bugs that squeeze a dim of 1)."""
-    return [case.ids] + ([case.ids[:1]] if case.ids.shape[0] > 1 else [])
-
-
 DECODE_CUT = 20
 """Tokens of the full-batch stream that ``prefill_decode`` and ``generate`` run, when the stream
 checks already made one-token calls at that batch to the stream's end (the same calls)."""
 
 
 def _decode_batches(case: Case) -> list[torch.Tensor]:
-    """:func:`_batches`, the full batch cut to :data:`DECODE_CUT` tokens where the stream checks
-    ran one token per call at it (batch 1 always runs the whole stream)."""
-    batches = _batches(case)
+    """:meth:`Case.both_batches`, the full batch cut to :data:`DECODE_CUT` tokens where the
+    stream checks ran one token per call at it (batch 1 always runs the whole stream)."""
+    batches = case.both_batches()
     if len(batches) > 1 and 1 in case.chunks:
         batches[0] = batches[0][:, :DECODE_CUT]
     return batches
@@ -360,166 +347,6 @@ def _speculative(case: Case, out: list) -> None:
                            f"{sum(run.accepted)} kept; vs argmax of one full forward"))
 
 
-def _crop(case: Case, out: list) -> None:
-    ids, T = case.ids, case.ids.shape[1]
-    fill, keep = T - T // 4, T // 2 - 5
-    cache = case.feed(ids[:, :fill], case.chunks[-1]).cache
-    if cache.held().start > 0:  # a ring past its window: the rows a crop needs are overwritten
-        before, refused = Snapshot.of(cache), False
-        try:
-            cache.crop(keep)
-        except ValueError:
-            refused = True
-        changed = before.changed(cache) if cache.seq_len == fill else math.inf
-        out.append(case.result("crop", refused and changed == 0.0, changed,
-                               f"fill {fill}, a crop to {keep} refused, the cache unchanged"))
-        return
-    cache = cache.crop(keep)  # a shared-prefix cache's pool holds the filled one or the cropped one
-    target = torch.cat((ids[:, :keep], case.alt[:, keep:]), dim=1)
-    run = case.feed(target[:, keep:], 5, cache)
-    want = case.full(target)[:, keep:]
-    out.append(case.result("crop", close(run.logits, want, case.tol) and run.cache.seq_len == T,
-                           max_abs(run.logits, want), f"fill {fill}, crop to {keep}, continue"))
-
-
-def _branch(case: Case, out: list) -> None:
-    ids, T = case.ids, case.ids.shape[1]
-    P = T // 2
-    prefix = case.feed(ids[:, :P], case.chunks[-1]).cache
-    before = Snapshot.of(prefix)
-    ok, err, changed = True, 0.0, 0.0
-    for tail in (ids[:, P:], case.alt[:, P:]):
-        logits = case.feed(tail, 5, prefix).logits
-        want = case.full(torch.cat((ids[:, :P], tail), dim=1))[:, P:]
-        ok, err = ok and close(logits, want, case.tol), max(err, max_abs(logits, want))
-        if case.cache.in_place:
-            prefix = prefix.crop(P)  # the way back to the prefix of a cache written in place
-        if prefix.seq_len != P:
-            changed = float("inf")
-        changed = max(changed, before.changed(prefix, P))
-    out.append(case.result("branch", ok and changed == 0.0, max(err, changed),
-                           f"two continuations of a {P}-token prefix"))
-
-
-class InjectedFailure(RuntimeError):
-    """Raised inside a forward by the ``failure`` scenario."""
-
-
-def _layers(model: nn.Module) -> Sequence[nn.Module]:
-    return getattr(model, "h", None) or getattr(model, "layers", None) or []
-
-
-def _failure_points(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
-    """``(check, where, module)``: where the ``failure`` scenario raises, in forward order."""
-    layers = _layers(model)
-    if len(layers) == 0:
-        return []
-    inside = {"the first layer": layers[0], "the last layer": layers[-1]} if len(layers) > 1 else {
-        "the only layer": layers[0]}
-    after = {"the last layer's MLP": getattr(layers[-1], "mlp", None),
-             "the final norm": getattr(model, "ln_f", None),
-             "the LM head": getattr(model, "lm_head", None)}
-    return ([("failure", where, m) for where, m in inside.items()]
-            + [("failure_after", where, m) for where, m in after.items() if m is not None])
-
-
-def _failure(case: Case, out: list) -> None:
-    ids, P = case.ids, case.ids.shape[1] // 2
-    points = _failure_points(case.model)
-    if not points:
-        for check in ("failure", "failure_after"):
-            out.append(case.result(check, None, 0.0,
-                                   "no layer list (model.h or model.layers) to inject into"))
-        return
-
-    def prefix() -> tuple[KVCache, Snapshot]:
-        cache = case.feed(ids[:, :P], case.chunks[-1]).cache
-        return cache, Snapshot.of(cache)
-
-    def fail(module, args):
-        raise InjectedFailure("injected failure")
-
-    cache, before = prefix()
-    found: dict[str, list[tuple[str, float]]] = {}  # check -> (where, change) per point
-    for check, where, module in points:
-        handle = module.register_forward_pre_hook(fail)
-        try:
-            case.call(ids[:, P:P + 5], cache)
-            changed = float("inf")  # the injected failure never fired
-        except InjectedFailure:
-            same_shape = cache.seq_len == P and all(
-                tuple(now.shape) == tuple(old.shape)
-                for i, pair in enumerate(before.layers)
-                for old, now in zip(pair, cache.layer(i), strict=True))
-            changed = before.changed(cache, P) if same_shape else float("inf")
-        except Exception:  # what the code under test raised instead: a failure too
-            changed = float("inf")
-        finally:
-            handle.remove()
-        found.setdefault(check, []).append((where, changed))
-        if changed != 0.0:  # the next point starts from a cache as it should be
-            cache, before = prefix()
-    logits, _ = case.call(ids[:, P:P + 5], cache)
-    want = case.full(ids)[:, P:P + 5]
-    right = close(logits, want, case.tol)
-    for check, tried in found.items():
-        bad = [where for where, changed in tried if changed != 0.0]
-        detail = (f"cache changed or no failure: {', '.join(bad)}" if bad else
-                  f"injected in {', '.join(w for w, _ in tried)} after {P} positions")
-        out.append(case.result(check, not bad and right,
-                               max(max(c for _, c in tried), max_abs(logits, want)), detail))
-
-
-def _fresh(case: Case, out: list) -> None:
-    model = case.fresh()  # no call has run on it: nothing built on a first call exists yet
-    call = case.implementation(model)
-    ok, err = True, 0.0
-    for ids in _batches(case):  # batch 1 after the full batch: the copy is no longer fresh
-        T = ids.shape[1]
-        lengths = [3, 1, 1, 1, 1, 13, T - 20]  # each call reaches past every earlier one
-        cache = case.cache.new(model, ids.shape[0], T + SPARE)
-        run = run_cached(call, ids, lengths, cache=cache, in_place=case.cache.in_place)
-        want = case.full(ids)  # another copy of the model
-        ok = (ok and close(run.logits, want, case.tol) and run.cache.seq_len == T
-              and run.lifecycle_error == 0.0)
-        err = max(err, max_abs(run.logits, want), run.lifecycle_error)
-    out.append(case.result("fresh", ok, err,
-                           f"a copy no call ran on: calls of {lengths}; batch "
-                           f"{case.ids.shape[0]} and 1"))
-
-
-def _weights(case: Case, out: list) -> None:
-    model, ids = case.model, case.ids[:, :12]
-    params = list(model.parameters())
-    saved = {k: v.clone() for k, v in model.state_dict().items()}
-    g = torch.Generator().manual_seed(21)
-
-    def shift_two():  # in place, as an optimiser step does
-        for p in (params[len(params) // 2], params[-1]):
-            p.add_(0.05)
-
-    def load_other():
-        model.load_state_dict({
-            k: v * (1 + 0.1 * torch.randn(v.shape, generator=g, dtype=v.dtype).to(v.device))
-            if v.is_floating_point() else v for k, v in saved.items()})
-
-    ok, err = True, 0.0
-    try:
-        # the call has run (a prompt, then a step), and made any copy it makes, before the change
-        case.feed(ids[:, :3], [2, 1])
-        for change in (shift_two, load_other):
-            change()
-            run = case.feed(ids, [5] + [1] * (ids.shape[1] - 5))
-            want = case.full(ids)
-            ok = ok and close(run.logits, want, case.tol)
-            err = max(err, max_abs(run.logits, want))
-    finally:
-        model.load_state_dict(saved)
-    out.append(case.result("weights", ok, err,
-                           "add_ on two parameters, then load_state_dict of other weights; "
-                           "a prompt of 5, then one-token steps"))
-
-
 def _reference(case: Case, out: list) -> None:
     if case.spec.reference is None:
         out.append(case.result("reference", None, 0.0, "no independent reference for this model"))
@@ -536,10 +363,11 @@ def _reference(case: Case, out: list) -> None:
 
 SCENARIOS: dict[str, Callable[[Case, list], None]] = {
     "stream": _stream, "last_only": _last_only, "prefill_decode": _prefill_decode,
-    "generate": _generate, "speculative": _speculative, "crop": _crop, "branch": _branch,
-    "failure": _failure, "fresh": _fresh, "weights": _weights, "reference": _reference}
+    "generate": _generate, "speculative": _speculative, **lifecycle.SCENARIOS,
+    "reference": _reference}
 """Scenario name -> function that appends :class:`CheckResult` s."""
 SCENARIOS.update(invariants.SCENARIOS)
+SCENARIOS["int8"] = int8_contract.scenario
 SCENARIOS.update({"scheduling": scheduling_scenario, "prefix-cache": prefix_cache_scenario,
                   "handover": handover_scenario})
 
