@@ -8,6 +8,7 @@ import torch
 
 from kvdoc import Decoder, GPTConfig
 from kvdoc.core.fast import FastDecoder
+from kvdoc.core.feed import feed
 from kvdoc.proofs import refusals
 from kvdoc.proofs.verify import TOLERANCE as TOL
 
@@ -22,11 +23,7 @@ def _decode(step, model: Decoder, ids: torch.Tensor, prompt: int,
     """Prefill ``prompt`` tokens, then feed the rest one at a time through ``step``; stacked
     logits."""
     _, cache = model(ids[:, :prompt], model.new_cache(ids.shape[0], kind, capacity=ids.shape[1]))
-    out = []
-    for j in range(prompt, ids.shape[1]):
-        logits, cache = step(ids[:, j:j + 1], cache)
-        out.append(logits)
-    return torch.cat(out, 1), cache
+    return feed(step, ids[:, prompt:], cache, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])

@@ -6,6 +6,7 @@ from transformers import DynamicCache as HFDynamicCache
 from transformers import GPT2LMHeadModel
 
 from kvdoc import GPTConfig
+from kvdoc.core.feed import feed
 from kvdoc.interop.hf import config_from_gpt2, decoder_from_gpt2, from_transformers, gpt2_config
 
 
@@ -41,12 +42,8 @@ def test_cached_decode_matches_transformers(pair, ids, chunk, kind):
     hf, ours = pair
     with torch.no_grad():
         expected = hf(ids).logits
-        cache = ours.new_cache(2, kind)
-        out = []
-        for s in range(0, ids.shape[1], chunk):
-            logits, cache = ours(ids[:, s:s + chunk], cache)
-            out.append(logits)
-    torch.testing.assert_close(torch.cat(out, 1), expected, atol=1e-5, rtol=1e-5)
+        logits = feed(ours, ids, ours.new_cache(2, kind), chunk).logits
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_transformers_own_cache_agrees(pair, ids):

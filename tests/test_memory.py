@@ -9,6 +9,7 @@ import torch
 
 from kvdoc import Decoder, GPTConfig, generate
 from kvdoc.__main__ import main as cli
+from kvdoc.core.feed import feed
 from kvdoc.measure.copymeter import CopyMeter
 from kvdoc.measure.memory import (
     PRESETS,
@@ -129,9 +130,7 @@ def test_copy_meter_dynamic_copies_old_rows_static_none(model: Decoder) -> None:
     for kind in ("dynamic", "static"):
         meter = CopyMeter()
         cache = meter.watch(model.new_cache(2, kind, capacity=prompt + new))
-        _, cache = model(ids[:, :prompt], cache)
-        for t in range(prompt, prompt + new):
-            _, cache = model(ids[:, t:t + 1], cache)
+        cache = feed(model, ids, cache, [prompt] + [1] * new).cache  # prompt, then steps
         assert cache.seq_len == prompt + new
         assert len(meter.records) == model.config.n_layer * (1 + new)
         copied[kind] = meter.old_bytes_copied()

@@ -7,6 +7,7 @@ import torch
 
 from kvdoc import Decoder
 from kvdoc.core.config import llama_config, mistral_config
+from kvdoc.core.feed import feed
 from kvdoc.core.rope import apply_rope
 from kvdoc.core.window import SlidingWindowCache
 from kvdoc.proofs.verify import TOLERANCE, run_cached
@@ -52,11 +53,11 @@ def test_ring_slots_and_flat_memory(ids):
     assert isinstance(cache, SlidingWindowCache)
     cfg = model.config
     expected_bytes = 2 * cfg.n_layer * 2 * cfg.n_kv_head * W * cfg.head_dim * 4
-    with torch.no_grad():
-        for t in range(T):
-            _, cache = model(ids[:, t:t + 1], cache)
-            assert cache.nbytes() == expected_bytes  # the same at every step, before and after W
-            assert list(cache.held()) == list(range(max(0, t + 1 - W), t + 1))
+    def check(start, n, before, after):
+        assert after.nbytes() == expected_bytes  # the same at every step, before and after W
+        assert list(after.held()) == list(range(max(0, start + 1 - W), start + 1))
+
+    cache = feed(model, ids[:, :T], cache, 1, hook=check).cache
     held, ring = cache.held(), cache.layers[0].k  # [B, H_kv, W, D_h]: position p in slot p % W
     ordered = cache.layer(0)[0]
     for p in held:
