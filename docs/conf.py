@@ -170,6 +170,18 @@ def _after_reading(app, env):
 
 
 def setup(app):
+    # The broken-variant sweep that several pages show runs once a build and is read by every
+    # kernel after that (kvdoc.proofs.sweep_record): kept beside the build's execution cache
+    # (MyST-NB puts jupyter_execute and .jupyter_cache in the output folder's parent), so each
+    # build folder (html, numeric, repro/a, repro/b) has its own and `make clean` removes it.
+    # A forced build runs every page from scratch, and so the sweep (once).
+    if "KVDOC_RECORDS" not in os.environ:
+        records = Path(app.outdir).parent / "records"
+        if _force:
+            import shutil
+
+            shutil.rmtree(records, ignore_errors=True)
+        os.environ["KVDOC_RECORDS"] = str(records)
     app.connect("html-page-context", _offer_notebook, priority=500)
     app.connect("env-before-read-docs", _before_reading)
     app.connect("env-updated", _after_reading)
