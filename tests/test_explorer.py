@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvdoc import offset_causal_mask
-from kvdoc.proofs.broken import top_left_causal_mask
+from kvdoc.proofs.broken.decoders import top_left_causal_mask
 from kvdoc.teach.worked import WORKED_INPUTS, worked_example
 
 JS = Path(__file__).resolve().parents[1] / "docs" / "_static" / "kvdoc-explorer.js"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvdoc.proofs import int8_contract, invariants
-from kvdoc.proofs.broken_caches import k_only_paged_cache, requantising_int8_cache
+from kvdoc.proofs.broken.cache_kinds import k_only_paged_cache, requantising_int8_cache
 from kvdoc.proofs.scenarios import SCENARIOS
 from kvdoc.proofs.suite import run_suite, sweep_variants
 from kvdoc.proofs.variants import VARIANTS

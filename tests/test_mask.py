@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kvdoc import offset_causal_mask
-from kvdoc.proofs.broken import top_left_causal_mask
+from kvdoc.proofs.broken.decoders import top_left_causal_mask
 
 
 @pytest.mark.parametrize("past, new", [(0, 1), (0, 5), (4, 2), (10, 3), (7, 1)])

@@ -8,7 +8,7 @@ import torch
 
 from kvdoc.core.config import llama_config
 from kvdoc.core.model import Decoder
-from kvdoc.proofs.broken_caches import ForkWithoutCopy, ResumeWithoutRecompute
+from kvdoc.proofs.broken.cache_kinds import ForkWithoutCopy, ResumeWithoutRecompute
 from kvdoc.proofs.scheduling import (
     PREEMPTION_TRACE,
     LeakingScheduler,

@@ -15,7 +15,7 @@ from kvdoc.core import cache as kvcache
 from kvdoc.core.layers import StaticLayer
 from kvdoc.interop.hf import transformers_model
 from kvdoc.proofs import grid
-from kvdoc.proofs.broken import PositionsRestartDecoder, copy_as, stale_prefix
+from kvdoc.proofs.broken.decoders import PositionsRestartDecoder, copy_as, stale_prefix
 from kvdoc.proofs.crosscheck import match_transformers
 from kvdoc.proofs.scenarios import CHECKS, SCENARIOS
 from kvdoc.proofs.suite import (

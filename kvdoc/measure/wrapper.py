@@ -3,7 +3,7 @@
 :class:`CacheWrapper` delegates every method of :class:`~kvdoc.core.cache.KVCache` to the cache
 it wraps; a subclass changes ``update``. The copy meter (:mod:`kvdoc.measure.copymeter`) wraps a
 cache to count the bytes each update writes, and some deliberately broken caches
-(:mod:`kvdoc.proofs.broken`) wrap a correct one to misuse what it returns. The real caches in
+(:mod:`kvdoc.proofs.broken.caches`) wrap a correct one to misuse what it returns. The real caches in
 :mod:`kvdoc.core` know nothing of either.
 """
 

@@ -53,7 +53,7 @@ from kvdoc.core.model import decode_step, generate, prefill
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
 from . import int8_contract, invariants, lifecycle
-from .broken import stale_prefix
+from .broken.decoders import stale_prefix
 from .grid import CacheSpec, ModelSpec
 from .handover import handover_scenario
 from .prefix_cache import prefix_cache_scenario

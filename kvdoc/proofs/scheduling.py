@@ -12,11 +12,11 @@
 * Broken schedulers the checks must catch: :class:`SharedStartScheduler` (a newly admitted row
   embedded from the step's common start instead of its own length),
   :class:`LeakingScheduler` (a finished request's table cleared, its blocks never given back);
-  in :mod:`kvdoc.proofs.broken_caches`, since they are variants (:mod:`kvdoc.proofs.verify`
+  in :mod:`kvdoc.proofs.broken.cache_kinds`, since they are variants (:mod:`kvdoc.proofs.verify`
   imports the variants, and this module imports it),
-  :class:`~kvdoc.proofs.broken_caches.ResumeWithoutRecompute` (a preempted request keeps its
+  :class:`~kvdoc.proofs.broken.cache_kinds.ResumeWithoutRecompute` (a preempted request keeps its
   count of written positions, so it resumes over blocks it gave back) and
-  :class:`~kvdoc.proofs.broken_caches.ForkWithoutCopy` (a fork writes into the block it shares,
+  :class:`~kvdoc.proofs.broken.cache_kinds.ForkWithoutCopy` (a fork writes into the block it shares,
   so its siblings read its K/V).
 * :func:`scheduling_scenario`: the checks as a scenario of the verification grid
   (:mod:`kvdoc.proofs.scenarios` signature), on the paged kind of the learned-position models;
@@ -33,7 +33,7 @@ True
 False
 >>> LeakingScheduler(model, num_blocks=12).run(trace).invariants_hold
 False
->>> from kvdoc.proofs.broken_caches import ForkWithoutCopy, ResumeWithoutRecompute
+>>> from kvdoc.proofs.broken.cache_kinds import ForkWithoutCopy, ResumeWithoutRecompute
 >>> check_preemption(model).passed, check_preemption(model, ResumeWithoutRecompute).passed
 (True, False)
 >>> check_forks(model).passed, check_forks(model, ForkWithoutCopy).passed

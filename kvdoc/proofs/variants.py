@@ -1,8 +1,7 @@
 """The broken variants by name: what each gets wrong, and the kind of mistake it stands for.
 
-The code of each is in :mod:`kvdoc.proofs.broken` (and :mod:`kvdoc.proofs.broken_rope` for
-RoPE); this module is the list the suite sweeps (``python -m kvdoc verify`` must catch every
-entry) and the pages show.
+The code of each is in the package :mod:`kvdoc.proofs.broken`; this module is the list the suite
+sweeps (``python -m kvdoc verify`` must catch every entry) and the pages show.
 
 >>> all(v.bug_class in BUG_CLASSES for v in VARIANTS.values())
 True
@@ -21,7 +20,7 @@ from kvdoc.core.config import GPTConfig
 from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder
 from kvdoc.core.model import Decoder
 
-from . import broken, broken_caches, broken_rope
+from .broken import cache_kinds, caches, decoders, rope
 
 ROPE_MODELS = ("llama", "mistral")
 """The grid's RoPE models: the only ones a RoPE variant can be built from."""
@@ -45,8 +44,8 @@ class BrokenVariant:
         build: makes the broken model from a correct one (same weights, dtype, device).
         bug_class: the kind of mistake, one of :data:`BUG_CLASSES`.
         stale_prefix: a scenario, not code: the cached path's first chunk is fed the prefix as it
-            was before an edit (:func:`kvdoc.proofs.broken.stale_prefix`), the rest the current
-            tokens.
+            was before an edit (:func:`kvdoc.proofs.broken.decoders.stale_prefix`), the rest the
+            current tokens.
     """
 
     name: str
@@ -83,131 +82,132 @@ def _gemma(config: object) -> bool:
 
 
 def _copy(cls: type[Decoder]) -> Callable[[Decoder], Decoder]:
-    return lambda m: broken.copy_as(m, cls)
+    return lambda m: decoders.copy_as(m, cls)
 
 
 def _attention(cls: type) -> Callable[[Decoder], Decoder]:
-    return lambda m: broken.with_attention(m, cls)
+    return lambda m: decoders.with_attention(m, cls)
 
 
 VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     BrokenVariant("positions-restart",
                   "position ids restart at 0 on every call instead of at the cache length",
-                  _copy(broken.PositionsRestartDecoder), models=LEARNED_MODELS),
+                  _copy(decoders.PositionsRestartDecoder), models=LEARNED_MODELS),
     BrokenVariant("top-left-mask",
                   "the causal mask is not offset by the cache length (is_causal=True's top-left "
-                  "triangle), also for one-token decode", _attention(broken.TopLeftMaskAttention)),
+                  "triangle), also for one-token decode",
+                  _attention(decoders.TopLeftMaskAttention)),
     BrokenVariant("no-mask", "no mask at all, so a chunk of several tokens reads its own future",
-                  _attention(broken.NoMaskAttention)),
+                  _attention(decoders.NoMaskAttention)),
     BrokenVariant("off-by-one-mask",
                   "the mask allows j <= P + i + 1: each query also reads the next token",
-                  _attention(broken.OffByOneMaskAttention)),
+                  _attention(decoders.OffByOneMaskAttention)),
     BrokenVariant("cross-layer-cache", "every layer attends over layer 0's K/V instead of its own",
-                  _copy(broken.CrossLayerDecoder), "cache storage"),
+                  _copy(caches.CrossLayerDecoder), "cache storage"),
     BrokenVariant("new-before-old", "new K/V are concatenated before the cached ones, not after",
-                  _copy(broken.NewBeforeOldDecoder), "cache storage"),
+                  _copy(caches.NewBeforeOldDecoder), "cache storage"),
     BrokenVariant("stale-cache",
                   "a cache filled before a prefix edit (token 0 changed) is reused after it",
                   _copy(Decoder), "cache storage", stale_prefix=True),
     BrokenVariant("fp32-cache",
                   "a dynamic cache rounds the K/V it stores to FP32, also in an FP64 model",
-                  _copy(broken.FP32CacheDecoder), "cache storage", dtypes=(torch.float64,)),
+                  _copy(caches.FP32CacheDecoder), "cache storage", dtypes=(torch.float64,)),
     BrokenVariant("modulo-slots",
                   "a static cache writes position t into slot t % 32 and reads slots as linear",
-                  _copy(broken.ModuloDecoder), "long stream"),
+                  _copy(caches.ModuloDecoder), "long stream"),
     BrokenVariant("window-32", "a dynamic cache silently keeps only the newest 32 positions",
-                  _copy(broken.WindowDecoder), "long stream"),
+                  _copy(caches.WindowDecoder), "long stream"),
     BrokenVariant("gqa-tiled-cached",
                   "cached calls share K/V heads by tiling (h % H_kv), not by group",
-                  _attention(broken.TiledGQAAttention), "grouped-query attention",
+                  _attention(decoders.TiledGQAAttention), "grouped-query attention",
                   models=GROUPED_MODELS),
     BrokenVariant("gqa-tiled-shared",
                   "every call shares K/V heads by tiling (h % H_kv), not by group",
-                  _attention(broken.SharedTiledGQAAttention), "grouped-query attention",
+                  _attention(decoders.SharedTiledGQAAttention), "grouped-query attention",
                   models=GROUPED_MODELS),
     BrokenVariant("last-only-first-row", "last_only=True returns the first new position's logits",
-                  _copy(broken.LastOnlyFirstRowDecoder), "last_only and generation"),
+                  _copy(decoders.LastOnlyFirstRowDecoder), "last_only and generation"),
     BrokenVariant("position-counter",
                   "positions come from a counter on the model, not the cache length",
-                  _copy(broken.PositionCounterDecoder), "crop and branch", models=LEARNED_MODELS),
+                  _copy(decoders.PositionCounterDecoder), "crop and branch", models=LEARNED_MODELS),
     BrokenVariant("clamped-positions",
                   "positions past 31 are clamped to 31 in every forward, full or cached",
-                  _copy(broken.ClampedPositionsDecoder), "shared path", models=LEARNED_MODELS),
+                  _copy(decoders.ClampedPositionsDecoder), "shared path", models=LEARNED_MODELS),
     BrokenVariant("static-early-length",
                   "a static cache's length advances before every layer succeeded",
-                  _copy(broken.EarlyLengthDecoder), "failure mid-call"),
+                  _copy(caches.EarlyLengthDecoder), "failure mid-call"),
     BrokenVariant("dynamic-in-place",
                   "a dynamic cache is written in place, so a failed call leaves a partial write",
-                  _copy(broken.InPlaceDecoder), "failure mid-call"),
+                  _copy(caches.InPlaceDecoder), "failure mid-call"),
     BrokenVariant("static-last-layer-length",
                   "a static cache's length advances in the last layer's update, before the call "
-                  "finished", _copy(broken.LastLayerLengthDecoder), "failure mid-call"),
+                  "finished", _copy(caches.LastLayerLengthDecoder), "failure mid-call"),
     BrokenVariant("fast-step-snapshot",
                   "the fast decode step keeps the weights it copied first, never seeing a change",
-                  _copy(broken.SnapshotFastStepDecoder), "stale weights"),
+                  _copy(decoders.SnapshotFastStepDecoder), "stale weights"),
     BrokenVariant("unrotated-k-cache",
                   "K is cached before RoPE; keys read back from the cache are never rotated",
-                  broken_rope.unrotated_k, "rotary positions", models=ROPE_MODELS),
+                  rope.unrotated_k, "rotary positions", models=ROPE_MODELS),
     BrokenVariant("rope-restart",
                   "RoPE turns each call's Q and K at positions 0..C-1, not at the cache length",
-                  broken_rope.rope_restart, "rotary positions", models=ROPE_MODELS),
+                  rope.rope_restart, "rotary positions", models=ROPE_MODELS),
     BrokenVariant("pool-counts-k-only", "a paged pool's byte figures count K's bytes, not V's",
                   _copy(Decoder), "byte accounting", models=("mha",), kinds=("paged",),
-                  caches={"paged": broken_caches.k_only_paged_cache}),
+                  caches={"paged": cache_kinds.k_only_paged_cache}),
     BrokenVariant("int8-requantise",
                   "the int8 cache re-quantises every held row on each append, one scale a tensor",
                   _copy(Decoder), "int8 contract", models=("gqa",), kinds=("dynamic",),
-                  caches={"int8": broken_caches.requantising_int8_cache}),
+                  caches={"int8": cache_kinds.requantising_int8_cache}),
     BrokenVariant("int8-read-v-scale",
                   "the int8 cache hands attention K dequantised with V's scales (what it stores "
                   "and layer() returns is right)",
                   _copy(Decoder), "int8 contract", models=("gqa",), kinds=("dynamic",),
-                  caches={"int8": broken_caches.v_scale_read_int8_cache}),
+                  caches={"int8": cache_kinds.v_scale_read_int8_cache}),
     BrokenVariant("ring-long-chunk",
                   "a chunk longer than the window puts its first W rows in the ring, not its last",
                   _copy(Decoder), "ring and block edges", models=("mistral",), kinds=("window",),
-                  caches={"window": broken_caches.long_chunk_ring_cache}),
+                  caches={"window": cache_kinds.long_chunk_ring_cache}),
     BrokenVariant("ring-shared-until-wrap",
                   "a call shares the ring it continues until a held slot would be overwritten, so "
                   "two branches before the wrap write into one ring",
                   _copy(Decoder), "ring and block edges", models=("mistral",), kinds=("window",),
-                  caches={"window": broken_caches.lazy_ring_cache}),
+                  caches={"window": cache_kinds.lazy_ring_cache}),
     BrokenVariant("prefix-late-copy",
                   "copy-on-write skips the shared, partly filled block a write continues",
                   _copy(Decoder), "ring and block edges", models=("mha",),
                   kinds=("shared-prefix",),
-                  caches={"shared-prefix": broken_caches.late_copy_shared_prefix_cache}),
+                  caches={"shared-prefix": cache_kinds.late_copy_shared_prefix_cache}),
     BrokenVariant("decode-without-pad-mask",
                   "a padded batch's pad mask is passed on the prompt call, not on decode steps",
-                  _copy(broken.DecodeWithoutPadMaskDecoder), "padded batches",
+                  _copy(decoders.DecodeWithoutPadMaskDecoder), "padded batches",
                   models=("mha",), kinds=("dynamic",)),
     BrokenVariant("fast-ignores-padding",
                   "the fast decode step ignores the padding arguments (positions, pad mask)",
-                  _copy(broken.PaddingBlindFastDecoder), "padded batches", models=("gqa",),
+                  _copy(decoders.PaddingBlindFastDecoder), "padded batches", models=("gqa",),
                   kinds=("static",)),
     BrokenVariant("preempt-without-recompute",
                   "a preempted request gives its blocks back but keeps its count of written "
                   "positions, so it resumes without re-prefilling prompt and tokens",
                   _copy(Decoder), "preemption and forks", models=("mha",), kinds=("paged",),
-                  caches={"scheduler": broken_caches.ResumeWithoutRecompute}),
+                  caches={"scheduler": cache_kinds.ResumeWithoutRecompute}),
     BrokenVariant("fork-without-copy",
                   "a fork writes into the prompt block it shares with its siblings, no copy",
                   _copy(Decoder), "preemption and forks", models=("mha",), kinds=("paged",),
-                  caches={"scheduler": broken_caches.ForkWithoutCopy}),
+                  caches={"scheduler": cache_kinds.ForkWithoutCopy}),
     BrokenVariant("rope-table-growth",
                   "RoPE's cos/sin table, built on the first call, grows with rows from position 0",
-                  broken_rope.growing_table, "state across calls", models=ROPE_MODELS),
+                  rope.growing_table, "state across calls", models=ROPE_MODELS),
     BrokenVariant("rope-default-base",
                   "RoPE turns at the default base 10000, not config.rope_theta",
-                  broken_rope.default_base, "configuration value", models=ROPE_MODELS),
+                  rope.default_base, "configuration value", models=ROPE_MODELS),
     BrokenVariant("hybrid-rings-global",
                   "the hybrid cache rings the global layers too, so they lose keys past the window",
-                  lambda m: broken.copy_as(m, Gemma3Decoder), "ring and block edges",
+                  lambda m: decoders.copy_as(m, Gemma3Decoder), "ring and block edges",
                   models=GEMMA_MODELS, serves=_gemma, kinds=("hybrid",),
-                  caches={"hybrid": broken_caches.ringed_global_hybrid_cache}),
+                  caches={"hybrid": cache_kinds.ringed_global_hybrid_cache}),
     BrokenVariant("gemma-local-global-base",
                   "a Gemma model's window layers turn at the global RoPE base, not the local one",
-                  broken_rope.local_global_base, "configuration value", models=GEMMA_MODELS,
+                  rope.local_global_base, "configuration value", models=GEMMA_MODELS,
                   serves=_gemma, kinds=("hybrid",)),
 )}
 """Every broken variant, by name."""

@@ -33,7 +33,7 @@ from kvdoc.core.feed import chunk_lengths, feed
 from kvdoc.core.model import Decoder
 from kvdoc.core.rope import apply_rope
 
-from .broken import stale_prefix
+from .broken.decoders import stale_prefix
 from .variants import VARIANTS
 
 TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -125,7 +125,7 @@ def run_cached(model: Callable, ids: torch.Tensor, chunk: int | Sequence[int],
         kind: the cache ``model.new_cache(B, kind)`` makes when ``cache`` is None
             (``"static"`` gets capacity ``T``).
         first_chunk_ids: if given (``[B, T]``), the first chunk is taken from it instead of ``ids``
-            (the stale-cache scenario of :mod:`kvdoc.proofs.broken`).
+            (the stale-cache scenario of :mod:`kvdoc.proofs.broken.decoders`).
         cache: the cache to continue (default a new empty one).
         in_place: whether a call may write into the cache passed in (rows from its length on
             only); otherwise that cache must keep its length too. Default: ``kind == "static"``

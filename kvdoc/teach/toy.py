@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvdoc.core.mask import offset_causal_mask
-from kvdoc.proofs.broken import top_left_causal_mask
+from kvdoc.proofs.broken.decoders import top_left_causal_mask
 
 __all__ = ["ToyLab", "ToyCache", "full_forward", "check_against_full", "work_counts",
            "prefix_edit", "mask_exercise"]
@@ -426,7 +426,7 @@ class MaskExercise:
 
 def mask_exercise(past_len: int, new_len: int) -> MaskExercise:
     """Compute the exercise's answers from :mod:`kvdoc.core.mask` (and, for the top-left mask,
-    :func:`kvdoc.proofs.broken.top_left_causal_mask`).
+    :func:`kvdoc.proofs.broken.decoders.top_left_causal_mask`).
 
     >>> mask_exercise(10, 3).keys_offset
     [11, 12, 13]

@@ -1,7 +1,7 @@
 """Deliberately wrong caches of the serving layer and the window ring, for the broken variants.
 
 Each is a small subclass of a real cache layer, block table or pool, swapped in through a public
-hook (:func:`~kvdoc.proofs.broken.with_layers`, a cache's ``block_tables``), that is right on
+hook (:func:`~kvdoc.proofs.broken.caches.with_layers`, a cache's ``block_tables``), that is right on
 every path the older scenarios take and wrong at one edge or in one figure, so that only a check
 of :mod:`kvdoc.proofs.invariants` catches it:
 
@@ -50,7 +50,7 @@ from kvdoc.serving.paged import BlockPool, BlockTables, PagedCache, SharedPrefix
 from kvdoc.serving.quant import Int8Cache, Int8Layer, dequantize
 from kvdoc.serving.scheduler import LiveRequest, Scheduler
 
-from .broken import with_layers
+from .caches import with_layers
 
 BLOCK = 4
 """Positions per block of the grid's paged caches (:func:`kvdoc.serving.paged.new_paged_cache`)."""

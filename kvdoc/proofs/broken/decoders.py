@@ -1,20 +1,12 @@
-"""Deliberately wrong KV-cache implementations, kept so that the verification can be seen to fail.
+"""Deliberately wrong decoders: positions, masks, grouped-query attention, generation, padded
+batches, a stale fast step, and a stale prefix.
 
-Each variant is a small change to the real :class:`~kvdoc.core.model.Decoder`, made without
-editing it and through nothing but its public interface: a subclass whose ``forward`` hands
-wrong positions through the real ``positions=`` keyword, attention subclasses that hand a wrong
-mask to the real ``attend`` or share K/V heads wrongly, or caches whose layers (a
-:class:`~kvdoc.core.layers.CacheLayer` subclass swapped in through the cache's public ``layers``,
-:func:`with_layers`) or transaction (``update``, ``begin``, ``finish``) store, return or count the
-wrong thing. One variant is a
-scenario rather than code: a cache filled before a prefix edit and reused after it. Each
-belongs to one of :data:`kvdoc.proofs.variants.BUG_CLASSES`: some show only in long streams, in
-grouped-query models, in FP64, after a crop or a failed call, or only against an independent
-reference. The RoPE mistakes are in :mod:`kvdoc.proofs.broken_rope`.
-
-Every variant here is **wrong on purpose**. :data:`kvdoc.proofs.variants.VARIANTS` lists them by
-name; the suite (:mod:`kvdoc.proofs.suite`, ``python -m kvdoc verify --variant NAME``) must fail
-on each.
+Each is a small change to the real :class:`~kvdoc.core.model.Decoder`, made without editing it
+and through nothing but its public interface: a subclass whose ``forward`` hands wrong positions
+through the real ``positions=`` keyword, attention subclasses that hand a wrong mask to the real
+``attend`` or share K/V heads wrongly, a fast step that never sees the weights change.
+:func:`stale_prefix` is a scenario rather than code: a cache filled before a prefix edit and
+reused after it.
 
 >>> import torch
 >>> from kvdoc import Decoder, GPTConfig
@@ -32,16 +24,14 @@ True
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
-from kvdoc.core.cache import KV, DynamicCache, KVCache, StaticCache
+from kvdoc.core.cache import KVCache
 from kvdoc.core.config import check_int
 from kvdoc.core.fast import FastDecoder
-from kvdoc.core.layers import CacheLayer, DynamicLayer, StaticLayer
 from kvdoc.core.model import CausalSelfAttention, Decoder, DecoderOutput
-from kvdoc.measure.wrapper import CacheWrapper
+
+from . import LONG_STREAM
 
 
 def copy_as(model: Decoder, cls: type[Decoder]) -> Decoder:
@@ -66,6 +56,7 @@ def with_attention(model: Decoder, cls: type[CausalSelfAttention]) -> Decoder:
 
 # --- wrong positions ---------------------------------------------------------------------------
 
+
 class PositionsRestartDecoder(Decoder):
     """BROKEN: each call numbers its new tokens from 0, as if it began the sequence.
 
@@ -84,6 +75,7 @@ class PositionsRestartDecoder(Decoder):
 
 
 # --- wrong masks ----------------------------------------------------------------------------
+
 
 def top_left_causal_mask(past_len: int, new_len: int,
                          device: torch.device | str | None = None) -> torch.Tensor:
@@ -133,162 +125,7 @@ class OffByOneMaskAttention(CausalSelfAttention):
         return super().attend(q, k, v, start, mask[None])
 
 
-# --- wrong caches -------------------------------------------------------------------------
-
-class CrossLayerCache(CacheWrapper):
-    """BROKEN: stores each layer's K/V correctly, but every layer attends over layer 0's K/V.
-
-    The cache's content is right, so a check of K/V alone passes; only the logits show the bug.
-    """
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
-               start: int) -> KV:
-        own = self.inner.update(layer_idx, k, v, start)  # stored correctly
-        if layer_idx == 0:
-            self._layer0 = own  # layer 0 runs first in every call: rows 0 .. start + C - 1
-            return own
-        return self._layer0  # BUG: another layer's keys and values
-
-
-class NewBeforeOldLayer(DynamicLayer):
-    """BROKEN: concatenates the new K/V before the cached ones, ``cat((new, old))``, and stores
-    that order."""
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        self.check_rows(k, v)
-        # BUG: new rows first, then the old ones
-        self.k, self.v = torch.cat((k, self.k), dim=2), torch.cat((v, self.v), dim=2)
-        return self.k, self.v
-
-
-class NewBeforeOldStaticLayer(StaticLayer):
-    """BROKEN: the static twin of :class:`NewBeforeOldLayer`: it rewrites rows
-    ``0 .. P + C - 1`` in place as new-then-old, so the rows below the write position change
-    too."""
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        end = start + k.shape[2]
-        for store, new in ((self.k, k), (self.v, v)):
-            old = store[:, :, :start].clone()
-            store[:, :, : end - start] = new  # BUG: new rows first, old rows pushed behind them
-            store[:, :, end - start: end] = old
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-
-def with_layers(cache: KVCache, cls: type[CacheLayer]) -> KVCache:
-    """``cache`` with every layer's class swapped for ``cls`` (a broken subclass of it), through
-    the cache's public ``layers``: the same tensors and sizes, the broken ``write``.
-
-    >>> from kvdoc import GPTConfig
-    >>> cache = with_layers(DynamicCache.empty(GPTConfig(), 1), NewBeforeOldLayer)
-    >>> type(cache.layers[0]).__name__
-    'NewBeforeOldLayer'
-    """
-    for layer in cache.layers:
-        if not isinstance(layer, cls.__mro__[1]):
-            raise ValueError(f"{cls.__name__} replaces a {cls.__mro__[1].__name__}, "
-                             f"not a {type(layer).__name__}")
-    cache.layers = [copy.copy(layer) for layer in cache.layers]
-    for layer in cache.layers:
-        layer.__class__ = cls
-    return cache
-
-
-class CacheKindsDecoder(Decoder):
-    """A decoder whose new dynamic and static caches have the broken layers ``dynamic_layer`` and
-    ``static_layer`` (None: the real ones), or the cache classes ``dynamic_cache`` and
-    ``static_cache`` (for a bug in the transaction around the layers)."""
-
-    dynamic_cache: type[DynamicCache] = DynamicCache
-    static_cache: type[StaticCache] = StaticCache
-    dynamic_layer: type[DynamicLayer] | None = None
-    static_layer: type[StaticLayer] | None = None
-
-    def new_cache(self, batch_size: int, kind: str | None = None,
-                  capacity: int | None = None) -> KVCache:
-        weight = self.wte.weight
-        if kind == "dynamic":
-            cache = self.dynamic_cache.empty(self.config, batch_size, weight.dtype, weight.device)
-            return with_layers(cache, self.dynamic_layer) if self.dynamic_layer else cache
-        if kind == "static":
-            cache = self.static_cache(self.config, batch_size,
-                                      capacity or self.config.n_positions, weight.dtype,
-                                      weight.device)
-            return with_layers(cache, self.static_layer) if self.static_layer else cache
-        return super().new_cache(batch_size, kind, capacity)  # other kinds: not this bug
-
-
-class FP32Layer(DynamicLayer):
-    """BROKEN: rounds every K/V it stores to FP32, whatever the model's dtype (a cache allocated in
-    the default dtype). Invisible in FP32; in FP64 the cached path is only FP32-accurate."""
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        k, v = k.float().to(k.dtype), v.float().to(v.dtype)  # BUG: precision lost on the way in
-        return super().write(k, v, start)
-
-
-class FP32CacheDecoder(CacheKindsDecoder):
-    """A decoder whose dynamic caches have :class:`FP32Layer` s (static ones are right)."""
-
-    dynamic_layer = FP32Layer
-
-
-class CrossLayerDecoder(Decoder):
-    """A decoder whose new caches are :class:`CrossLayerCache` (see there)."""
-
-    def new_cache(self, batch_size: int, kind: str = "dynamic",
-                  capacity: int | None = None) -> KVCache:
-        return CrossLayerCache(super().new_cache(batch_size, kind, capacity))
-
-
-class NewBeforeOldDecoder(CacheKindsDecoder):
-    """A decoder whose new caches put new K/V before the old (:class:`NewBeforeOldLayer`)."""
-
-    dynamic_layer, static_layer = NewBeforeOldLayer, NewBeforeOldStaticLayer
-
-
 # --- bugs that show only in long streams ----------------------------------------------------
-
-WINDOW = 32
-"""The slot count of the long-stream variants: their bugs show only past this many positions."""
-
-
-class ModuloStaticLayer(StaticLayer):
-    """BROKEN: writes position ``t`` into slot ``t % 32`` (a ring buffer) but reads slots as linear.
-
-    Right while the stream is at most 32 positions long; past that, new rows overwrite old ones
-    and the rows read back past slot 31 were never written.
-    """
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        end = start + k.shape[2]
-        slots = torch.arange(start, end, device=k.device) % WINDOW  # BUG: ring slots, linear reads
-        self.k[:, :, slots] = k
-        self.v[:, :, slots] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-
-class WindowLayer(DynamicLayer):
-    """BROKEN: silently keeps only the newest 32 positions of each layer, while the cache goes on
-    counting every position."""
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        self.check_rows(k, v)
-        self.k = torch.cat((self.k, k), dim=2)[:, :, -WINDOW:]  # BUG: drops the oldest rows
-        self.v = torch.cat((self.v, v), dim=2)[:, :, -WINDOW:]
-        return self.k, self.v
-
-
-class ModuloDecoder(CacheKindsDecoder):
-    """A decoder whose static caches have :class:`ModuloStaticLayer` s (dynamic ones are right)."""
-
-    static_layer = ModuloStaticLayer
-
-
-class WindowDecoder(CacheKindsDecoder):
-    """A decoder whose dynamic caches have :class:`WindowLayer` s (static ones are right)."""
-
-    dynamic_layer = WindowLayer
 
 
 class ClampedPositionsDecoder(Decoder):
@@ -304,11 +141,12 @@ class ClampedPositionsDecoder(Decoder):
             return super().forward(idx, cache, **options)
         start = 0 if cache is None else cache.seq_len
         positions = torch.arange(start, start + idx.shape[1], device=idx.device)
-        clamped = positions.clamp(max=WINDOW - 1)  # BUG
+        clamped = positions.clamp(max=LONG_STREAM - 1)  # BUG
         return super().forward(idx, cache, positions=clamped.expand_as(idx), **options)
 
 
 # --- grouped-query attention ----------------------------------------------------------------
+
 
 class TiledGQAAttention(CausalSelfAttention):
     """BROKEN: shares K/V heads by tiling (query head ``h`` reads K/V head ``h % H_kv``), not by
@@ -339,6 +177,7 @@ class SharedTiledGQAAttention(TiledGQAAttention):
 
 # --- generation, crop and branch ------------------------------------------------------------
 
+
 class LastOnlyFirstRowDecoder(Decoder):
     """BROKEN: ``last_only=True`` returns the first new position's logits, not the last one's."""
 
@@ -366,55 +205,8 @@ class PositionCounterDecoder(Decoder):
         return super().forward(idx, cache, positions=counted.expand_as(idx), **options)
 
 
-# --- a call that fails midway ---------------------------------------------------------------
-
-class EarlyLengthStaticCache(StaticCache):
-    """BROKEN: advances its length once layer 0 is written, not after every layer succeeded."""
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
-               start: int) -> KV:
-        if layer_idx == 0:
-            self.call_start = self.seq_len
-        if start != self.call_start:
-            raise ValueError(f"cannot write at {start}: cache holds {self.call_start}")
-        kv = self.layers[layer_idx].write(k, v, start)
-        self.finish(start + k.shape[2])  # BUG: before the other layers ran
-        return kv
-
-
-class InPlaceDynamicCache(DynamicCache):
-    """BROKEN: a call writes into the dynamic cache passed in (``begin`` returns ``self``), so a
-    call that fails after layer 0 leaves layer 0 one chunk longer than the others."""
-
-    def begin(self) -> InPlaceDynamicCache:
-        return self  # BUG: no copy
-
-
-class LastLayerLengthStaticCache(StaticCache):
-    """BROKEN: advances its length in the last layer's update, not in ``finish``: right unless the
-    call fails after the last attention (its MLP, the final norm, the LM head)."""
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
-               start: int) -> KV:
-        kv = super().update(layer_idx, k, v, start)
-        if layer_idx == self.n_layer - 1:
-            self.finish(start + k.shape[2])  # BUG: the call has not finished yet
-        return kv
-
-
-class EarlyLengthDecoder(CacheKindsDecoder):
-    """A decoder whose static caches are :class:`EarlyLengthStaticCache` (dynamic: right)."""
-
-    static_cache = EarlyLengthStaticCache
-
-
-class InPlaceDecoder(CacheKindsDecoder):
-    """A decoder whose dynamic caches are :class:`InPlaceDynamicCache` (static ones are right)."""
-
-    dynamic_cache = InPlaceDynamicCache
-
-
 # --- padded batches ------------------------------------------------------------------------
+
 
 class DecodeWithoutPadMaskDecoder(Decoder):
     """BROKEN: the pad mask is honoured on the prompt call but dropped on one-token decode steps,
@@ -447,13 +239,8 @@ class PaddingBlindFastDecoder(Decoder):
         return self.__dict__["_fast"](idx, cache, last_only=last_only, **padding)
 
 
-class LastLayerLengthDecoder(CacheKindsDecoder):
-    """A decoder whose static caches are :class:`LastLayerLengthStaticCache` (dynamic: right)."""
-
-    static_cache = LastLayerLengthStaticCache
-
-
 # --- a fast step that keeps its first copy of the weights ---------------------------------------
+
 
 class SnapshotFastDecoder(FastDecoder):
     """BROKEN: the weights copied at construction are used for good; a change made
@@ -479,6 +266,7 @@ class SnapshotFastStepDecoder(Decoder):
 
 
 # --- scenarios ------------------------------------------------------------------------------
+
 
 def stale_prefix(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """The prefix as it was before an edit: ``ids`` (``[B, T]``), token 0 of every row replaced.

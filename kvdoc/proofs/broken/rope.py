@@ -2,7 +2,7 @@
 
 Two ways to get rotary positions wrong with a cache, each a correct Llama-style
 :class:`~kvdoc.core.model.Decoder` (same weights) whose attention modules are replaced by a
-subclass with one mistake in its ``forward``, in the style of :mod:`kvdoc.proofs.broken`:
+subclass with one mistake in its ``forward``, in the style of :mod:`kvdoc.proofs.broken.decoders`:
 
 * ``unrotated-k-cache``: K goes into the cache *before* RoPE, and only the rows a call has just
   computed are rotated; keys read back from the cache were never turned.
@@ -44,7 +44,7 @@ from kvdoc.core.gemma import Gemma3Decoder
 from kvdoc.core.model import CausalSelfAttention, Decoder
 from kvdoc.core.rope import apply_rope, rope_angles, rotate_half
 
-from .broken import copy_as, with_attention
+from .decoders import copy_as, with_attention
 
 
 def _split_heads(attn: CausalSelfAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
