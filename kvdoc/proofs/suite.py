@@ -203,8 +203,8 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
     """
     specs = ({"given": grid.ModelSpec("the model given", lambda seed: model)} if model is not None
              else grid.MODELS)
-    if variant in VARIANTS and models is None and model is None and VARIANTS[variant].models:
-        models = VARIANTS[variant].models  # built for some models only (e.g. learned positions)
+    if variant in VARIANTS and models is None and model is None:
+        models = VARIANTS[variant].models_among(list(specs))  # e.g. learned positions only
     if variant in VARIANTS and kinds is None and VARIANTS[variant].kinds:
         kinds = VARIANTS[variant].kinds  # its broken caches replace these kinds
     models, kinds = list(models or specs), list(kinds or grid.CACHES)
@@ -236,7 +236,7 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
             for dt in dtypes:
                 try:
                     under_test = copy.deepcopy(specs[name].build(seed)).to(dt).eval()
-                    if broken is not None and not broken.serves(under_test.config):
+                    if broken is not None and not broken.builds_on(under_test.config):
                         break  # e.g. a K/V cache bug on an MLA model: nothing to build
                     under_test = under_test if broken is None else broken.build(under_test)
                     # before any call: what the ``fresh`` scenario copies
@@ -293,8 +293,8 @@ def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = 
     """Run each broken variant (all by default) through :func:`run_suite` with the same ``axes``.
 
     A variant built for some models, kinds or dtypes only
-    (:attr:`~kvdoc.proofs.variants.BrokenVariant.models`, ``kinds``, ``dtypes``) runs on those
-    among the ``axes``, and is left out when there are none.
+    (:meth:`~kvdoc.proofs.variants.BrokenVariant.models_among`, ``kinds``, ``dtypes``) runs on
+    those among the ``axes``, and is left out when there are none.
 
     With ``stop_at_first`` (the default) each run stops at its first failed check, which is all
     a verdict needs; without it, every check runs, which shows everything that catches a variant.
@@ -306,8 +306,7 @@ def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = 
     for name in (list(VARIANTS) if names is None else list(names)):
         v = VARIANTS[name]
         # e.g. RoPE variants run on the RoPE models only
-        models = [m for m in (axes.get("models") or grid.MODELS)
-                  if v.models is None or m in v.models]
+        models = v.models_among(list(axes.get("models") or grid.MODELS))
         kinds = [k for k in (axes.get("kinds") or grid.CACHES) if v.kinds is None or k in v.kinds]
         dtypes = [d for d in axes.get("dtypes", DTYPES) if v.dtypes is None or d in v.dtypes]
         if models and kinds and dtypes:  # else nothing on these axes it can be built from

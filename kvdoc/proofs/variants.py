@@ -5,33 +5,22 @@ sweeps (``python -m kvdoc verify`` must catch every entry) and the pages show.
 
 >>> all(v.bug_class in BUG_CLASSES for v in VARIANTS.values())
 True
->>> VARIANTS["rope-restart"].models
-('llama', 'mistral')
+>>> VARIANTS["rope-restart"].models_among(["mha", "llama", "mistral", "mla"])
+['llama', 'mistral']
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from kvdoc.core.config import GPTConfig
-from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder
+from kvdoc.core.gemma import Gemma3Decoder
 from kvdoc.core.model import Decoder
 
 from .broken import cache_kinds, caches, decoders, rope
-
-ROPE_MODELS = ("llama", "mistral")
-"""The grid's RoPE models: the only ones a RoPE variant can be built from."""
-GEMMA_MODELS = ("gemma3",)
-"""The grid's Gemma model: window and global layers, a hybrid cache."""
-LEARNED_MODELS = ("mha", "gqa", "mqa")
-"""The grid's models with learned positions (``wpe``): the only ones whose position ids a variant
-can get wrong, through ``Decoder.forward(positions=...)``."""
-GROUPED_MODELS = ("gqa", "llama", "mistral")
-"""The grid's models with ``1 < H_kv < H``: the only ones where sharing K/V heads by tiling
-(``h % H_kv``) differs from sharing them by group (``h // (H / H_kv)``)."""
+from .traits import FAMILIES, check_traits, grid_traits, traits
 
 
 @dataclass(frozen=True)
@@ -53,12 +42,12 @@ class BrokenVariant:
     build: Callable[[Decoder], Decoder]
     bug_class: str = "mask and positions"
     stale_prefix: bool = False
-    models: tuple[str, ...] | None = None
-    """The grid's models (:data:`kvdoc.proofs.grid.MODELS`) it is built for; None: every model
-    it :attr:`serves`."""
-    serves: Callable[[object], bool] = lambda config: isinstance(config, GPTConfig)
-    """Which model configurations it can be built from: every variant here breaks a K/V
-    :class:`~kvdoc.core.model.Decoder`, so not an MLA model (:mod:`kvdoc.core.mla`)."""
+    needs: frozenset[str] = frozenset({"decoder"})
+    """The traits (:data:`kvdoc.proofs.traits.TRAITS`) a model must have for the variant to be
+    built from it: most break a K/V :class:`~kvdoc.core.model.Decoder` of a GPTConfig."""
+    one_model: bool = False
+    """Run on the first model among the axes that has :attr:`needs` only: a bug in a pool, a
+    cache kind or the scheduler shows on any of them, and one keeps the sweep short."""
     caches: Mapping[str, Callable] = field(default_factory=dict)
     """Broken cache factories ``(model, batch, capacity) -> cache`` in place of the real ones, by
     kind of :data:`kvdoc.proofs.grid.CACHES` (or ``"int8"``, the ``int8`` scenario's cache; or
@@ -69,6 +58,23 @@ class BrokenVariant:
     dtypes: tuple[torch.dtype, ...] | None = None
     """The dtypes a sweep runs it in (those it can show in); None: every dtype swept."""
 
+    def __post_init__(self) -> None:
+        needs = check_traits(self.needs)
+        if len(needs & FAMILIES) != 1:
+            raise ValueError(f"variant {self.name!r} must need one family of "
+                             f"{sorted(FAMILIES)}, got {sorted(needs)}")
+        object.__setattr__(self, "needs", needs)
+
+    def builds_on(self, config: object) -> bool:
+        """Whether it can be built from a model with ``config`` (of its family): a model given
+        by name runs it even without the traits it needs to show (to see it escape)."""
+        return self.needs & FAMILIES <= traits(config)
+
+    def models_among(self, names: Sequence[str]) -> list[str]:
+        """The models of ``names`` (of :data:`kvdoc.proofs.grid.MODELS`) it runs on."""
+        hosts = [n for n in names if self.needs <= grid_traits(n)]
+        return hosts[:1] if self.one_model else hosts
+
 
 BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-query attention",
                "last_only and generation", "crop and branch", "shared path", "failure mid-call",
@@ -76,10 +82,6 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "byte accounting", "int8 contract", "ring and block edges", "padded batches",
                "preemption and forks")
 """The kinds of mistake the variants stand for."""
-
-def _gemma(config: object) -> bool:
-    return isinstance(config, Gemma3Config)
-
 
 def _copy(cls: type[Decoder]) -> Callable[[Decoder], Decoder]:
     return lambda m: decoders.copy_as(m, cls)
@@ -92,7 +94,7 @@ def _attention(cls: type) -> Callable[[Decoder], Decoder]:
 VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     BrokenVariant("positions-restart",
                   "position ids restart at 0 on every call instead of at the cache length",
-                  _copy(decoders.PositionsRestartDecoder), models=LEARNED_MODELS),
+                  _copy(decoders.PositionsRestartDecoder), needs={"decoder", "learned"}),
     BrokenVariant("top-left-mask",
                   "the causal mask is not offset by the cache length (is_causal=True's top-left "
                   "triangle), also for one-token decode",
@@ -120,19 +122,21 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     BrokenVariant("gqa-tiled-cached",
                   "cached calls share K/V heads by tiling (h % H_kv), not by group",
                   _attention(decoders.TiledGQAAttention), "grouped-query attention",
-                  models=GROUPED_MODELS),
+                  needs={"decoder", "grouped"}),
     BrokenVariant("gqa-tiled-shared",
                   "every call shares K/V heads by tiling (h % H_kv), not by group",
                   _attention(decoders.SharedTiledGQAAttention), "grouped-query attention",
-                  models=GROUPED_MODELS),
+                  needs={"decoder", "grouped"}),
     BrokenVariant("last-only-first-row", "last_only=True returns the first new position's logits",
                   _copy(decoders.LastOnlyFirstRowDecoder), "last_only and generation"),
     BrokenVariant("position-counter",
                   "positions come from a counter on the model, not the cache length",
-                  _copy(decoders.PositionCounterDecoder), "crop and branch", models=LEARNED_MODELS),
+                  _copy(decoders.PositionCounterDecoder), "crop and branch",
+                  needs={"decoder", "learned"}),
     BrokenVariant("clamped-positions",
                   "positions past 31 are clamped to 31 in every forward, full or cached",
-                  _copy(decoders.ClampedPositionsDecoder), "shared path", models=LEARNED_MODELS),
+                  _copy(decoders.ClampedPositionsDecoder), "shared path",
+                  needs={"decoder", "learned"}),
     BrokenVariant("static-early-length",
                   "a static cache's length advances before every layer succeeded",
                   _copy(caches.EarlyLengthDecoder), "failure mid-call"),
@@ -147,67 +151,72 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   _copy(decoders.SnapshotFastStepDecoder), "stale weights"),
     BrokenVariant("unrotated-k-cache",
                   "K is cached before RoPE; keys read back from the cache are never rotated",
-                  rope.unrotated_k, "rotary positions", models=ROPE_MODELS),
+                  rope.unrotated_k, "rotary positions", needs={"decoder", "rope"}),
     BrokenVariant("rope-restart",
                   "RoPE turns each call's Q and K at positions 0..C-1, not at the cache length",
-                  rope.rope_restart, "rotary positions", models=ROPE_MODELS),
+                  rope.rope_restart, "rotary positions", needs={"decoder", "rope"}),
     BrokenVariant("pool-counts-k-only", "a paged pool's byte figures count K's bytes, not V's",
-                  _copy(Decoder), "byte accounting", models=("mha",), kinds=("paged",),
+                  _copy(Decoder), "byte accounting", one_model=True, kinds=("paged",),
                   caches={"paged": cache_kinds.k_only_paged_cache}),
     BrokenVariant("int8-requantise",
                   "the int8 cache re-quantises every held row on each append, one scale a tensor",
-                  _copy(Decoder), "int8 contract", models=("gqa",), kinds=("dynamic",),
+                  _copy(Decoder), "int8 contract", needs={"decoder", "grouped"}, one_model=True,
+                  kinds=("dynamic",),
                   caches={"int8": cache_kinds.requantising_int8_cache}),
     BrokenVariant("int8-read-v-scale",
                   "the int8 cache hands attention K dequantised with V's scales (what it stores "
                   "and layer() returns is right)",
-                  _copy(Decoder), "int8 contract", models=("gqa",), kinds=("dynamic",),
+                  _copy(Decoder), "int8 contract", needs={"decoder", "grouped"}, one_model=True,
+                  kinds=("dynamic",),
                   caches={"int8": cache_kinds.v_scale_read_int8_cache}),
     BrokenVariant("ring-long-chunk",
                   "a chunk longer than the window puts its first W rows in the ring, not its last",
-                  _copy(Decoder), "ring and block edges", models=("mistral",), kinds=("window",),
+                  _copy(Decoder), "ring and block edges", needs={"decoder", "window"},
+                  one_model=True, kinds=("window",),
                   caches={"window": cache_kinds.long_chunk_ring_cache}),
     BrokenVariant("ring-shared-until-wrap",
                   "a call shares the ring it continues until a held slot would be overwritten, so "
                   "two branches before the wrap write into one ring",
-                  _copy(Decoder), "ring and block edges", models=("mistral",), kinds=("window",),
+                  _copy(Decoder), "ring and block edges", needs={"decoder", "window"},
+                  one_model=True, kinds=("window",),
                   caches={"window": cache_kinds.lazy_ring_cache}),
     BrokenVariant("prefix-late-copy",
                   "copy-on-write skips the shared, partly filled block a write continues",
-                  _copy(Decoder), "ring and block edges", models=("mha",),
+                  _copy(Decoder), "ring and block edges", one_model=True,
                   kinds=("shared-prefix",),
                   caches={"shared-prefix": cache_kinds.late_copy_shared_prefix_cache}),
     BrokenVariant("decode-without-pad-mask",
                   "a padded batch's pad mask is passed on the prompt call, not on decode steps",
                   _copy(decoders.DecodeWithoutPadMaskDecoder), "padded batches",
-                  models=("mha",), kinds=("dynamic",)),
+                  one_model=True, kinds=("dynamic",)),
     BrokenVariant("fast-ignores-padding",
                   "the fast decode step ignores the padding arguments (positions, pad mask)",
-                  _copy(decoders.PaddingBlindFastDecoder), "padded batches", models=("gqa",),
+                  _copy(decoders.PaddingBlindFastDecoder), "padded batches",
+                  needs={"decoder", "learned", "grouped"}, one_model=True,
                   kinds=("static",)),
     BrokenVariant("preempt-without-recompute",
                   "a preempted request gives its blocks back but keeps its count of written "
                   "positions, so it resumes without re-prefilling prompt and tokens",
-                  _copy(Decoder), "preemption and forks", models=("mha",), kinds=("paged",),
+                  _copy(Decoder), "preemption and forks", one_model=True, kinds=("paged",),
                   caches={"scheduler": cache_kinds.ResumeWithoutRecompute}),
     BrokenVariant("fork-without-copy",
                   "a fork writes into the prompt block it shares with its siblings, no copy",
-                  _copy(Decoder), "preemption and forks", models=("mha",), kinds=("paged",),
+                  _copy(Decoder), "preemption and forks", one_model=True, kinds=("paged",),
                   caches={"scheduler": cache_kinds.ForkWithoutCopy}),
     BrokenVariant("rope-table-growth",
                   "RoPE's cos/sin table, built on the first call, grows with rows from position 0",
-                  rope.growing_table, "state across calls", models=ROPE_MODELS),
+                  rope.growing_table, "state across calls", needs={"decoder", "rope"}),
     BrokenVariant("rope-default-base",
                   "RoPE turns at the default base 10000, not config.rope_theta",
-                  rope.default_base, "configuration value", models=ROPE_MODELS),
+                  rope.default_base, "configuration value", needs={"decoder", "rope"}),
     BrokenVariant("hybrid-rings-global",
                   "the hybrid cache rings the global layers too, so they lose keys past the window",
                   lambda m: decoders.copy_as(m, Gemma3Decoder), "ring and block edges",
-                  models=GEMMA_MODELS, serves=_gemma, kinds=("hybrid",),
+                  needs={"gemma", "hybrid"}, kinds=("hybrid",),
                   caches={"hybrid": cache_kinds.ringed_global_hybrid_cache}),
     BrokenVariant("gemma-local-global-base",
                   "a Gemma model's window layers turn at the global RoPE base, not the local one",
-                  rope.local_global_base, "configuration value", models=GEMMA_MODELS,
-                  serves=_gemma, kinds=("hybrid",)),
+                  rope.local_global_base, "configuration value", needs={"gemma", "hybrid"},
+                  kinds=("hybrid",)),
 )}
 """Every broken variant, by name."""

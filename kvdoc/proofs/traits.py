@@ -1,0 +1,75 @@
+"""What a model is, in the words the verification selects models by: its traits.
+
+A broken variant says which traits the model it is built from must have
+(:attr:`kvdoc.proofs.variants.BrokenVariant.needs`), never which models by name, so a model added
+to :data:`kvdoc.proofs.grid.MODELS` is swept by every variant it can host without editing a list.
+
+>>> from kvdoc.core.config import llama_config
+>>> sorted(traits(llama_config(n_kv_head=2)))
+['decoder', 'grouped', 'kv', 'rope']
+>>> check_traits({"rope", "shiny"})
+Traceback (most recent call last):
+...
+ValueError: unknown trait 'shiny'; the traits are decoder, gemma, grouped, ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import cache
+
+from kvdoc.core.config import GPTConfig
+from kvdoc.core.gemma import Gemma3Config
+from kvdoc.core.mla import MLAConfig
+
+from .grid import MODELS
+
+TRAITS: dict[str, str] = {
+    "decoder": "a kvdoc Decoder of a GPTConfig (GPT-2, Llama, Mistral): its attention, blocks and "
+               "positions are the ones the variants subclass",
+    "gemma": "a Gemma 3 decoder (q/k norms, two RoPE bases, soft-capped logits)",
+    "kv": "caches K and V per head (not a latent)",
+    "latent": "caches MLA's latent c_KV and rotary key instead of K and V",
+    "learned": "learned absolute positions (wpe), which Decoder.forward(positions=...) replaces",
+    "rope": "rotary positions, turned inside the attention",
+    "grouped": "1 < H_kv < H: sharing K/V heads by tiling differs from sharing them by group",
+    "window": "a sliding window on every layer",
+    "hybrid": "window and global layers in one model",
+}
+"""Every trait, with what it means."""
+FAMILIES = frozenset({"decoder", "gemma", "latent"})
+"""The traits that say which code a model is: a variant subclasses one family's classes."""
+
+
+def check_traits(names: Iterable[str]) -> frozenset[str]:
+    """``names`` as a frozenset, or ``ValueError`` for a name not in :data:`TRAITS`."""
+    names = frozenset(names)
+    for name in sorted(names):
+        if name not in TRAITS:
+            raise ValueError(f"unknown trait {name!r}; the traits are {', '.join(sorted(TRAITS))}")
+    return names
+
+
+def traits(config: object) -> frozenset[str]:
+    """The traits of a model with ``config``; ``ValueError`` for a config kvdoc does not know."""
+    if isinstance(config, MLAConfig):
+        return frozenset({"latent", "rope"})
+    if isinstance(config, Gemma3Config):
+        found = {"gemma", "kv", "rope"}
+        windows = set(config.layer_windows)
+        found |= {"hybrid"} if None in windows and len(windows) > 1 else set()
+    elif isinstance(config, GPTConfig):
+        found = {"decoder", "kv", "learned" if config.position == "learned" else "rope"}
+        found |= {"window"} if config.sliding_window is not None else set()
+    else:
+        raise ValueError(f"no traits known for a {type(config).__name__}: teach "
+                         "kvdoc.proofs.traits.traits it")
+    if 1 < config.n_kv_head < config.n_head:
+        found.add("grouped")
+    return frozenset(found)
+
+
+@cache
+def grid_traits(name: str) -> frozenset[str]:
+    """The traits of the grid's model ``name`` (:data:`kvdoc.proofs.grid.MODELS`)."""
+    return traits(MODELS[name].build(0).config)
