@@ -4,7 +4,7 @@
   :func:`kvdoc.core.model.generate` on its prompt alone (the tokens) and one full forward over
   prompt + tokens (the logits behind each choice, within :data:`kvdoc.proofs.verify.TOLERANCE`).
 * :func:`check_policies`: static, continuous and chunked-prefill runs of one trace, each compared
-  so, with the block invariants of :attr:`~kvdoc.serving.scheduler.ServeRun.invariants_hold`.
+  so, with the block invariants of :attr:`~kvdoc.serving.runs.ServeRun.invariants_hold`.
 * :func:`check_preemption`: a trace on a pool too small for all its running requests, with
   preemption by recompute, against a pool large enough: every request as alone, the counts.
 * :func:`check_forks`: a request forked into seeded samples against each sample alone (its own

@@ -1,11 +1,11 @@
 """Continuous batching and chunked prefill over a paged cache, against static batching.
 
-Requests arrive over time (:func:`arrival_trace`: prompt length, output length, arrival step,
-from a seeded ``torch.Generator``). A :class:`Scheduler` recomposes the batch at every step:
-it admits arrived requests while the pool has blocks for them, runs one forward of the model
-for every row of the step, then retires the finished requests and frees their blocks. This is
-iteration-level scheduling as Orca (Yu et al., OSDI 2022) named it, over the block tables of
-vLLM's PagedAttention (Kwon et al., 2023).
+Requests arrive over time (:func:`~kvdoc.serving.requests.arrival_trace`: prompt length, output
+length, arrival step, from a seeded ``torch.Generator``). A :class:`Scheduler` recomposes the
+batch at every step: it admits arrived requests while the pool has blocks for them, runs one
+forward of the model for every row of the step, then retires the finished requests and frees
+their blocks. This is iteration-level scheduling as Orca (Yu et al., OSDI 2022) named it, over
+the block tables of vLLM's PagedAttention (Kwon et al., 2023).
 
 Three policies on one loop (``policy``, ``token_budget``):
 
@@ -26,21 +26,22 @@ function of its own sequence, for every decoder of the grid.
 
 **Admission and preemption.** By default admission never over-commits: a request is admitted
 only if the free blocks, less those the running requests will still need, cover its whole final
-length (prompt + output - 1 positions, :meth:`Request.blocks_needed`), so no request is ever
-preempted. With ``preempt=True`` a request is admitted when the free blocks cover what it and
-the running requests write next, as vLLM admits; when a row then cannot get a block, the most
-recently admitted request (vLLM's policy) is preempted by recompute: all its blocks are given
-back, it goes to the front of the waiting queue with its prompt and the tokens it has chosen,
-and when admitted again it prefills that whole sequence (its tokens are kept, never chosen
-again). Either way blocks are taken as positions are written, so the memory held per step is
-what is filled, rounded up to blocks.
+length (prompt + output - 1 positions, :meth:`~kvdoc.serving.requests.Request.blocks_needed`),
+so no request is ever preempted. With ``preempt=True`` a request is admitted when the free
+blocks cover what it and the running requests write next, as vLLM admits; when a row then cannot
+get a block, the most recently admitted request (vLLM's policy) is preempted by recompute: all
+its blocks are given back, it goes to the front of the waiting queue with its prompt and the
+tokens it has chosen, and when admitted again it prefills that whole sequence (its tokens are
+kept, never chosen again). Either way blocks are taken as positions are written, so the memory
+held per step is what is filled, rounded up to blocks.
 
 **Forks.** A request with ``samples=n`` (and a ``seed``) prefills its prompt once; when the
 prompt's last position has its logits, it forks into ``n`` sequences that share every block of
 the prompt (one reference each, :meth:`BlockPool.share`). Each draws its tokens with its own
-generator (:func:`sample_generator`, :func:`choose`); the first write of a fork into a shared
-block, the prompt's partly filled last block, copies it first (copy-on-write,
-:meth:`BlockPool.copy`), as vLLM's block manager did for parallel sampling and beam search.
+generator (:func:`~kvdoc.serving.requests.sample_generator`,
+:func:`~kvdoc.serving.requests.choose`); the first write of a fork into a shared block, the
+prompt's partly filled last block, copies it first (copy-on-write, :meth:`BlockPool.copy`), as
+vLLM's block manager did for parallel sampling and beam search.
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> _ = torch.manual_seed(0)
@@ -73,14 +74,11 @@ from kvdoc.core.config import check_int
 from kvdoc.core.model import Decoder
 
 from .paged import BlockPool
-from .ragged import RaggedLayer, RaggedStep, ragged_step
-from .requests import Request, arrival_trace, choose, sample_generator
+from .ragged import RaggedLayer as RaggedLayer  # re-exported: it was defined here
+from .ragged import RaggedStep, ragged_step
+from .requests import Request, choose, sample_generator
+from .requests import arrival_trace as arrival_trace  # re-exported: it was defined here
 from .runs import ServeRun, StepRecord
-
-__all__ = ["LiveRequest", "Policy", "RaggedLayer", "RaggedStep", "Request", "Scheduler",
-           "ServeRun", "StepRecord", "arrival_trace", "choose", "sample_generator", "serve"]
-"""Also the names of :mod:`~kvdoc.serving.ragged`, :mod:`~kvdoc.serving.requests` and
-:mod:`~kvdoc.serving.runs` the scheduler is used with, importable from here as before."""
 
 Policy = Literal["continuous", "static"]
 
@@ -124,8 +122,9 @@ class LiveRequest:
 
 
 class Scheduler:
-    """Runs a trace of :class:`Request` s on ``model`` over one :class:`BlockPool`, one forward a
-    step; see the module docstring for the policies.
+    """Runs a trace of :class:`~kvdoc.serving.requests.Request` s on ``model`` over one
+    :class:`~kvdoc.serving.paged.BlockPool`, one forward a step; see the module docstring for
+    the policies.
 
     Args:
         model: a decoder of the grid's interface (:class:`~kvdoc.core.model.Decoder`, or its
