@@ -101,7 +101,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = heads.split((H, H_kv, H_kv), dim=1)
         # q: [B, H, C, D_h]; k, v: [B, H_kv, C, D_h]
         if self.rope_theta is not None:  # turn the new rows before K is cached
-            at = start if positions is None else positions  # start .. start + C - 1, or per row
+            # at start .. start + C - 1, or at each row's own positions
+            at = start if positions is None else positions
             q = apply_rope(q, at, self.rope_theta)
             k = apply_rope(k, at, self.rope_theta)
         if cache is not None:
@@ -314,8 +315,9 @@ class Decoder(nn.Module):
         """
         self.check_input(idx, cache)
         B, C = idx.shape
+        rows = positions is None or positions.dim() == 1 or positions.shape[0] in (1, B)
         if positions is not None and (positions.shape[-1:] != (C,) or positions.dim() > 2
-                                      or positions.dim() == 2 and positions.shape[0] not in (1, B)):
+                                      or not rows):
             raise ValueError(f"positions must be [C] or [B, C] with (B, C) = {(B, C)}, "
                              f"got {tuple(positions.shape)}")
         # a RoPE model's attention turns at them; handed over only when given, so an attention
