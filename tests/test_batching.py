@@ -64,3 +64,16 @@ def test_bad_input_is_refused(model):
         generate_padded(model, [[1] * 500], 20)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         generate_padded(model, [[1, 200]], 2)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "split-k", "mla", "mla-absorbed", "gemma3"])
+def test_every_model_padded_equals_each_prompt_alone(name):
+    # RoPE turns each row at its own positions; prompts past the window of 16 check the window
+    from kvdoc.proofs.grid import MODELS
+
+    model = MODELS[name].build(0)
+    g = torch.Generator().manual_seed(4)
+    rows = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+            for n in (23, 4, 40)]
+    checks = compare_with_alone(model, rows, max_new_tokens=5)
+    assert all(r.passed for r in checks), checks

@@ -111,3 +111,33 @@ def test_no_logits_no_decode(model):
     with pytest.raises(ValueError, match="no next-token logits"):
         disaggregated_generate(model, PROMPT, 2, in_process=True,
                                packer=lambda cache, logits: pack(cache))
+
+
+# --- every decoder of the grid: RoPE, a window, Gemma's hybrid layers, MLA's latent -----------
+
+@pytest.fixture(scope="module")
+def grid_models():
+    from kvdoc.proofs.grid import MODELS
+    return {name: MODELS[name].build(0) for name in ("llama", "mistral", "mla", "gemma3")}
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "mla", "gemma3"])
+def test_every_model_hands_over(grid_models, name):
+    model = grid_models[name]
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, model.config.vocab_size, (2, 21), generator=g)  # past the window
+    check = check_handover(model, prompt, 4)
+    assert check.passed, check
+    for broken in (pack_off_by_one, pack_zeroed_last_v):
+        assert not check_handover(model, prompt, 4, packer=broken).passed
+
+
+def test_an_mla_payload_holds_the_latent(grid_models):
+    model = grid_models["mla"]
+    c = model.config
+    _, cache = model(PROMPT, model.new_cache(2))
+    back, _ = unpack(pack(cache), c)
+    assert [tuple(t.shape) for t in back.layer(0)] == [(2, 1, 5, c.kv_lora_rank),
+                                                       (2, 1, 5, c.qk_rope_head_dim)]
+    with pytest.raises(ValueError, match="another model"):  # a latent is not K/V of a K/V model
+        unpack(pack(cache), grid_models["llama"].config)

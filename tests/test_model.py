@@ -148,3 +148,38 @@ def test_crop_is_in_place_for_every_kind(model, stream):
         with pytest.raises(ValueError, match="cannot go back"):
             ring.crop(3)
         assert ring.seq_len == 8
+
+
+# --- per-row positions: RoPE turned at each row's own positions --------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_apply_rope_with_positions_equals_the_int_path_row_by_row(dtype):
+    from kvdoc.core.rope import apply_rope
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 5, 8, generator=g, dtype=dtype)
+    starts = [0, 7, 300]
+    rows = apply_rope(x, torch.tensor([[s + j for j in range(5)] for s in starts]), 500000.0)
+    for b, s in enumerate(starts):
+        assert torch.equal(rows[b], apply_rope(x, s, 500000.0)[b])
+    assert torch.equal(apply_rope(x, torch.arange(7, 12), 10.0), apply_rope(x, 7, 10.0))
+    with pytest.raises(ValueError, match=r"positions must be \[C\] or \[B, C\]"):
+        apply_rope(x, torch.arange(4))
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "mla", "gemma3"])
+def test_positions_turn_a_rope_model_as_its_cache_length_would(name):
+    from kvdoc.proofs.grid import MODELS
+
+    model = MODELS[name].build(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 26),
+                        generator=torch.Generator().manual_seed(5))
+    _, cache = model(ids[:, :20], model.new_cache(2, "dynamic"))
+    step = model(ids[:, 20:], cache).logits
+    # the same call with its positions stated; with other positions it differs
+    stated = model(ids[:, 20:], cache, positions=torch.arange(20, 26).expand(2, 6)).logits
+    assert torch.equal(stated, step)
+    wrong = model(ids[:, 20:], cache, positions=torch.arange(6).expand(2, 6)).logits
+    assert not torch.allclose(wrong, step, atol=1e-3)
+    with pytest.raises(ValueError, match="positions must be"):
+        model(ids[:, 20:], cache, positions=torch.arange(5))

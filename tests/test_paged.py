@@ -151,3 +151,47 @@ def test_request_mix_memory(model):
     assert m.saved_by_sharing == ((6 - 1) * 2 - 1) * 4 * m.position_bytes
     assert all(0 <= s.unused_bytes for s in m.strategies)
     assert paged.unused_bytes < 6 * 4 * m.position_bytes  # less than one block per request
+
+
+# --- every decoder of the grid: RoPE, a window, Gemma's hybrid layers, MLA's latent -----------
+
+GRID_MODELS = ["llama", "mistral", "mla", "mla-absorbed", "gemma3"]
+
+
+@pytest.fixture(scope="module")
+def grid_models():
+    from kvdoc.proofs.grid import MODELS
+    return {name: MODELS[name].build(0) for name in GRID_MODELS}
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize("name", GRID_MODELS)
+def test_every_layout_equals_the_full_forward(grid_models, name, kind):
+    model = grid_models[name]
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 37), generator=g)  # past the window, 16
+    cache = FACTORIES[kind](model, 2, ids.shape[1], block_size=3)
+    run = run_cached(model, ids, 5, cache=cache, in_place=kind == "paged")
+    full = model(ids).logits
+    tol = TOLERANCE[torch.float32]
+    torch.testing.assert_close(run.logits, full, atol=tol, rtol=tol)
+    assert run.lifecycle_error == 0.0
+
+
+def test_an_mla_pool_stores_two_widths(grid_models):
+    model = grid_models["mla"]
+    c = model.config
+    cache = new_paged_cache(model, batch=1, capacity=8, block_size=4)
+    assert [tuple(t.shape) for t in (cache.pool.k[0], cache.pool.v[0])] == [
+        (2, 1, 4, c.kv_lora_rank), (2, 1, 4, c.qk_rope_head_dim)]
+    assert cache.pool.block_nbytes == c.n_layer * 4 * (c.kv_lora_rank + c.qk_rope_head_dim) * 4
+    assert cache.pool.nbytes() == sum(t.numel() * t.element_size() for t in cache.tensors())
+
+
+def test_a_layout_mismatch_is_refused_by_what_is_cached(grid_models):
+    mla, llama = grid_models["mla"], grid_models["llama"]
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="caches c_KV and k_rope, not K and V"):
+        mla(ids, new_paged_cache(llama, batch=1, capacity=8))
+    with pytest.raises(ValueError, match="a latent cache serves an MLA model"):
+        llama(ids, new_paged_cache(mla, batch=1, capacity=8))

@@ -108,3 +108,19 @@ def test_bad_input_leaves_the_tree_as_it_was(model):
     request = tree.admit(A[:5], 1)
     with pytest.raises(ValueError, match="tokens must be"):
         tree.finish(request, A[:3])
+
+
+# --- every decoder of the grid: RoPE, a window, Gemma's hybrid layers, MLA's latent -----------
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "mla", "mla-absorbed", "gemma3"])
+@pytest.mark.parametrize("granularity", ["token", "block"])
+def test_every_model_through_the_tree_equals_each_request_alone(name, granularity):
+    from kvdoc.proofs.grid import MODELS
+    from kvdoc.serving.radix import few_shot_workload
+
+    model = MODELS[name].build(0)
+    turns = few_shot_workload(requests=3, vocab=model.config.vocab_size)  # prompts past 16
+    check = compare_workload(model, turns, num_blocks=32, granularity=granularity)
+    assert check.passed, check.requests
+    assert sum(r.matched for r in check.requests) > 0  # the tree did share a prefix
+    assert check_locked_eviction(model).passed

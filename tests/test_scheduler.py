@@ -6,8 +6,9 @@ import copy
 import pytest
 import torch
 
+from kvdoc.core import model as core_model
 from kvdoc.core.config import llama_config
-from kvdoc.core.model import Decoder
+from kvdoc.core.model import Decoder, generate
 from kvdoc.proofs.broken.cache_kinds import ForkWithoutCopy, ResumeWithoutRecompute
 from kvdoc.proofs.scheduling import (
     PREEMPTION_TRACE,
@@ -76,9 +77,6 @@ def test_static_batches_admit_only_when_the_batch_is_done(model):
 
 
 def test_refusals(model):
-    with pytest.raises(ValueError, match="RoPE"):
-        torch.manual_seed(0)
-        Scheduler(Decoder(llama_config()).eval(), num_blocks=4)
     with pytest.raises(ValueError, match="needs 3 blocks, the pool has 2"):
         serve(model, [Request(0, (1,) * 9, 2, 0)], num_blocks=2)
     with pytest.raises(ValueError, match="policy='continuous'"):
@@ -99,7 +97,7 @@ def test_scenario_runs_on_the_grid(monkeypatch):
                              impls=["model"], dtypes=(torch.float32,), scenarios=["scheduling"])
     verdicts = {(r.model, r.kind): r.passed for r in report.results}
     assert verdicts == {("mha", "paged"): True, ("mha", "dynamic"): None,
-                        ("llama", "paged"): None, ("llama", "dynamic"): None}
+                        ("llama", "paged"): True, ("llama", "dynamic"): None}
 
 
 # --- preemption by recompute and forks ----------------------------------------------------------
@@ -167,3 +165,42 @@ def test_bad_preemption_and_fork_configurations(model):
         serve(model, [Request(0, (1,) * 6, 2, 0, samples=2)], num_blocks=8)
     with pytest.raises(ValueError, match="preemption needs policy='continuous'"):
         Scheduler(model, num_blocks=4, policy="static", preempt=True)
+
+
+# --- every decoder of the grid: RoPE, a window, Gemma's hybrid layers, MLA's latent -----------
+
+GRID_MODELS = ["llama", "mistral", "mla", "mla-absorbed", "gemma3"]
+
+
+@pytest.fixture(scope="module")
+def grid_models():
+    from kvdoc.proofs.grid import MODELS
+    return {name: MODELS[name].build(0) for name in GRID_MODELS}
+
+
+@pytest.mark.parametrize("name", GRID_MODELS)
+def test_every_model_served_equals_its_solo_runs(grid_models, name):
+    model = grid_models[name]
+    checks = check_policies(model)
+    assert all(c.passed for c in checks), checks
+    assert check_preemption(model).passed
+    assert check_forks(model).passed
+
+
+def test_a_rope_model_served_equals_generate():
+    torch.manual_seed(0)
+    llama = Decoder(llama_config()).eval()
+    run = serve(llama, TRACE, num_blocks=40, token_budget=5)
+    for r in TRACE:
+        alone = generate(llama, torch.tensor([r.prompt]), r.output_len)[0, len(r.prompt):]
+        assert run.tokens[r.rid] == alone.tolist()
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_a_window_layer_reads_only_its_window_in_a_ragged_step(grid_models, name, monkeypatch):
+    # the window reaches a ragged step only through the model's mask: without it, caught
+    model = grid_models[name]
+    assert all(c.passed for c in check_policies(model))
+    monkeypatch.setattr(core_model, "last_keys", lambda mask, window: mask)
+    monkeypatch.setattr("kvdoc.core.gemma.last_keys", lambda mask, window: mask)
+    assert not any(c.passed for c in check_policies(model))

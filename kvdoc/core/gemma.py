@@ -51,7 +51,7 @@ from .cache import DynamicCache, KVCache, StaticCache
 from .config import check_int, check_positive
 from .hybrid import HybridCache
 from .mask import offset_causal_mask
-from .model import Decoder
+from .model import Decoder, last_keys
 from .rope import apply_rope
 from .window import SlidingWindowCache
 
@@ -229,23 +229,25 @@ class GemmaAttention(nn.Module):
         self.k_norm = GemmaRMSNorm(c.head_dim, eps=c.layer_norm_epsilon)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         B, C, _ = x.shape
 
         def heads(proj: nn.Linear, n: int) -> torch.Tensor:  # [B, C, n D_h] -> [B, n, C, D_h]
             return proj(x).view(B, C, n, self.head_dim).transpose(1, 2)
 
-        q = apply_rope(self.q_norm(heads(self.q_proj, self.n_head)), start, self.rope_theta)
-        k = apply_rope(self.k_norm(heads(self.k_proj, self.n_kv_head)), start, self.rope_theta)
+        at = start if positions is None else positions  # start .. start + C - 1, or per row
+        q = apply_rope(self.q_norm(heads(self.q_proj, self.n_head)), at, self.rope_theta)
+        k = apply_rope(self.k_norm(heads(self.k_proj, self.n_kv_head)), at, self.rope_theta)
         v = heads(self.v_proj, self.n_kv_head)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v, start)  # a ring returns the keys in order
         T = k.shape[2]
-        mask = (None if C == 1 and self.window is None else
-                offset_causal_mask(start, C, x.device, window=self.window)[:, -T:])
-        if attn_mask is not None:  # a padded batch: its pad mask, within the window
-            pad = attn_mask[:, None, :, -T:]
-            mask = pad if mask is None else pad & mask
+        if attn_mask is not None:  # a padded batch or a ragged step: its rows, in the window
+            mask = last_keys(attn_mask[:, None, :, -T:], self.window)
+        else:
+            mask = (None if C == 1 and self.window is None else
+                    offset_causal_mask(start, C, x.device, window=self.window)[:, -T:])
         gqa = {"enable_gqa": True} if self.n_kv_head != self.n_head else {}
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, C, self.n_head * self.head_dim))
@@ -279,8 +281,9 @@ class GemmaBlock(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(d, eps)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cache, layer_idx, start, attn_mask)
+                attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), cache, layer_idx, start, attn_mask,
+                              **positions)
         x = x + self.post_attention_layernorm(attn)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 

@@ -241,18 +241,20 @@ class LatentAttention(nn.Module):
         self.o_proj = nn.Linear(H * c.v_head_dim, d, bias=False)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         B, C, _ = x.shape
         q = self.q_proj(x) if c.q_lora_rank is None else \
             self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(B, C, c.n_head, c.qk_head_dim).transpose(1, 2)  # [B, H, C, d_nope + d_R]
         q_nope, q_rope = q.split((c.qk_nope_head_dim, c.qk_rope_head_dim), dim=-1)
-        q_rope = apply_rope(q_rope, start, c.rope_theta)
+        at = start if positions is None else positions  # start .. start + C - 1, or per row
+        q_rope = apply_rope(q_rope, at, c.rope_theta)
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split((c.kv_lora_rank, c.qk_rope_head_dim),
                                                         dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)[:, None]  # [B, 1, C, r]: one head, shared by all
-        k_rope = apply_rope(k_rope[:, None], start, c.rope_theta)  # [B, 1, C, d_R], turned once
+        k_rope = apply_rope(k_rope[:, None], at, c.rope_theta)  # [B, 1, C, d_R], turned once
         if cache is not None:
             c_kv, k_rope = cache.update(layer_idx, c_kv, k_rope, start)  # [B, 1, P + C, .]
         mask = self.mask(start, C, c_kv.shape[2], attn_mask, x.device)
@@ -314,8 +316,8 @@ class LatentBlock(nn.Module):
                                  mlp="swiglu", bias=False))
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer_idx, start, attn_mask)
+                attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer_idx, start, attn_mask, **positions)
         return x + self.mlp(self.ln_2(x))
 
 

@@ -91,7 +91,8 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int,
-                start: int, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                start: int, attn_mask: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         B, C, d = x.shape
         # c_attn's output columns are H query heads, then H_kv key heads, then H_kv
         # value heads, each D_h wide: one view splits all heads at once.
@@ -100,8 +101,10 @@ class CausalSelfAttention(nn.Module):
         q, k, v = heads.split((H, H_kv, H_kv), dim=1)
         # q: [B, H, C, D_h]; k, v: [B, H_kv, C, D_h]
         if self.rope_theta is not None:  # turn the new rows before K is cached
-            q = apply_rope(q, start, self.rope_theta)  # at start .. start + C - 1
-            k = apply_rope(k, start, self.rope_theta)
+            # at start .. start + C - 1, or at each row's own positions
+            at = start if positions is None else positions
+            q = apply_rope(q, at, self.rope_theta)
+            k = apply_rope(k, at, self.rope_theta)
         if cache is not None:
             # Only the new rows were projected; old K/V come from this layer's cache.
             k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h]
@@ -113,29 +116,57 @@ class CausalSelfAttention(nn.Module):
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``softmax(q k^T / sqrt(D_h) + mask) v`` for queries at ``start ..``: ``[B, H, C, D_h]``.
 
-        The mask is the offset causal mask of :mod:`kvdoc.core.mask` (with the model's window),
-        unless ``attn_mask`` (``[B, C, P + C]`` bool, True: may read) replaces it: a left-padded
-        batch (:mod:`kvdoc.serving.batching`) hides each row's padding that way. ``k`` and
-        ``v`` (``[B, H_kv, T, D_h]``) hold the positions up to the last query's; a window cache
-        returns only the last ``T`` of them, in order, so the mask keeps its last ``T`` columns.
+        The mask is :meth:`visible`'s. ``k`` and ``v`` (``[B, H_kv, T, D_h]``) hold the
+        positions up to the last query's.
         """
-        C, T = q.shape[2], k.shape[2]
-        if attn_mask is not None:
-            mask = attn_mask[:, None, :, -T:]  # [B, 1, C, T]: the same for every head
-        elif C == 1 and self.window is None:
-            mask = None  # one query at position P after keys 0 .. P: nothing to hide
-        else:
-            mask = offset_causal_mask(start, C, q.device, window=self.window)[:, -T:]  # [C, T]
+        mask = self.visible(start, q.shape[2], k.shape[2], attn_mask, q.device)
+        if mask is not None and mask.dim() == 3:
+            mask = mask[:, None]  # [B, 1, C, T]: the same for every head
         # scores [B, H, C, T]; enable_gqa only when it is needed, as the keyword alone slows SDPA
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+
+    def visible(self, start: int, C: int, T: int, attn_mask: torch.Tensor | None,
+                device: torch.device) -> torch.Tensor | None:
+        """Which of the ``T`` keys each of the ``C`` queries at ``start ..`` reads: ``[C, T]``,
+        ``[B, C, T]`` from ``attn_mask``, or None when nothing is hidden.
+
+        The offset causal mask of :mod:`kvdoc.core.mask` (with the model's window), unless
+        ``attn_mask`` (``[B, C, P + C]`` bool, True: may read) replaces it: a left-padded batch
+        (:mod:`kvdoc.serving.batching`) or a scheduler's ragged step hides what each row does
+        not hold that way, and :func:`last_keys` applies the window to it. A window cache
+        returns only the last ``T`` keys, in order, so the mask keeps its last ``T`` columns.
+        """
+        if attn_mask is not None:
+            return last_keys(attn_mask[..., -T:], self.window)
+        if C == 1 and self.window is None:
+            return None  # one query at position P after keys 0 .. P: nothing to hide
+        return offset_causal_mask(start, C, device, window=self.window)[:, -T:]
+
+
+def last_keys(mask: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``mask`` (``[..., C, T]`` bool, True: may read) with each query reading only the last
+    ``window`` of the keys it may read (all of them for None).
+
+    A row's readable keys are a run of consecutive positions ending at the query's own (its
+    padding or another row's columns hidden), so its last ``W`` are the window ``p - W < j <= p``
+    whatever column each position sits in.
+
+    >>> last_keys(torch.tensor([[False, True, True, True]]), window=2).int()
+    tensor([[0, 0, 1, 1]], dtype=torch.int32)
+    """
+    if window is None:
+        return mask
+    from_right = mask.flip(-1).cumsum(-1).flip(-1)  # readable keys at or after each column
+    return mask & (from_right <= window)
 
 
 class Block(nn.Module):
     """Pre-norm decoder layer: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``.
 
     ``attn_mask`` goes to the attention unchanged (left-padded batches, see
-    :meth:`CausalSelfAttention.attend`).
+    :meth:`CausalSelfAttention.visible`), and so do ``positions`` (a RoPE model's per-row
+    positions).
 
     >>> Block(GPTConfig())(torch.zeros(1, 4, 64), None, layer_idx=0, start=0).shape
     torch.Size([1, 4, 64])
@@ -149,8 +180,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer_idx, start, attn_mask)
+                attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer_idx, start, attn_mask, **positions)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -266,9 +297,11 @@ class Decoder(nn.Module):
                 :class:`~kvdoc.core.window.SlidingWindowCache` passed in is left unchanged; a
                 :class:`~kvdoc.core.cache.StaticCache` is written in place.
             last_only: project only the last position to the vocabulary (what generation needs).
-            positions: ``[B, C]`` per-row positions replacing ``P .. P + C - 1``, for learned
-                position embeddings only. With ``attn_mask`` it serves left-padded batches
-                (:mod:`kvdoc.serving.batching`), where each row's tokens start after its padding.
+            positions: ``[B, C]`` (or ``[C]``) positions replacing ``P .. P + C - 1``: embedded
+                by ``wpe``, or, in a RoPE model, the positions Q and the new K are turned at.
+                With ``attn_mask`` it serves left-padded batches (:mod:`kvdoc.serving.batching`),
+                where each row's tokens start after its padding, and a scheduler's ragged steps
+                (:mod:`kvdoc.serving.ragged`), where each row continues its own length.
             attn_mask: ``[B, C, P + C]`` bool replacing the offset causal mask (True: may read);
                 a left-padded batch hides each row's padding with it.
 
@@ -281,10 +314,15 @@ class Decoder(nn.Module):
                 input. Nothing has been written when it is raised.
         """
         self.check_input(idx, cache)
-        if positions is not None and self.wpe is None:
-            raise ValueError("per-row positions need learned position embeddings; "
-                             "this model uses RoPE")
         B, C = idx.shape
+        rows = positions is None or positions.dim() == 1 or positions.shape[0] in (1, B)
+        if positions is not None and (positions.shape[-1:] != (C,) or positions.dim() > 2
+                                      or not rows):
+            raise ValueError(f"positions must be [C] or [B, C] with (B, C) = {(B, C)}, "
+                             f"got {tuple(positions.shape)}")
+        # a RoPE model's attention turns at them; handed over only when given, so an attention
+        # written for one start per call (five arguments) still serves every other call
+        rotary = {} if positions is None or self.wpe is not None else {"positions": positions}
         start = 0 if cache is None else cache.seq_len
         work = None if cache is None else cache.begin()
         x = embed_tokens(self.wte, idx)  # [B, C, d]
@@ -293,7 +331,7 @@ class Decoder(nn.Module):
                 positions = torch.arange(start, start + C, device=idx.device)  # [C]
             x = x + self.wpe(positions)
         for layer_idx, block in enumerate(self.h):
-            x = block(x, work, layer_idx, start, attn_mask)  # [B, C, d]
+            x = block(x, work, layer_idx, start, attn_mask, **rotary)  # [B, C, d]
         if last_only:
             x = x[:, -1:, :]  # [B, 1, d]: only the last row feeds next-token prediction
         logits = self.lm_head(self.ln_f(x))  # [B, C, V]

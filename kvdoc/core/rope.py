@@ -10,6 +10,10 @@ so a cached key never needs touching again; a chunk of ``C`` new tokens after ``
 ones rotates its Q and K at positions ``P .. P + C - 1``. The angles are computed in float64
 from integer positions and only then rounded to the model's dtype, so a position's rotation
 does not depend on which call computes it beyond float64 rounding.
+
+A batch whose rows sit at different positions (a left-padded batch, a scheduler's ragged step)
+passes the positions themselves, ``[B, C]`` (or ``[C]`` for every row alike), instead of one
+start: each row is turned at its own positions by the same arithmetic.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rope_angles(positions: torch.Tensor, head_dim: int,
                 theta: float = 10000.0) -> torch.Tensor:
-    """Rotation angles ``[len(positions), D_h]`` in float64 (each pair's angle appears twice).
+    """Rotation angles ``[..., D_h]`` in float64 for integer ``positions`` of any shape
+    ``[...]`` (each pair's angle appears twice).
 
     >>> rope_angles(torch.tensor([0, 1]), head_dim=4, theta=100.0)
     tensor([[0.0000, 0.0000, 0.0000, 0.0000],
@@ -37,24 +42,38 @@ def rope_angles(positions: torch.Tensor, head_dim: int,
     """
     pairs = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
     inv_freq = theta ** -(pairs / head_dim)  # [D_h / 2]
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [C, D_h / 2]
-    return torch.cat((angles, angles), dim=-1)  # [C, D_h]
+    angles = positions.to(torch.float64)[..., None] * inv_freq  # [..., D_h / 2]
+    return torch.cat((angles, angles), dim=-1)  # [..., D_h]
 
 
-def apply_rope(x: torch.Tensor, start: int, theta: float = 10000.0) -> torch.Tensor:
-    """Rotate ``x`` (``[B, H, C, D_h]``) as the rows at positions ``start .. start + C - 1``.
+def apply_rope(x: torch.Tensor, start: int | torch.Tensor,
+               theta: float = 10000.0) -> torch.Tensor:
+    """Rotate ``x`` (``[B, H, C, D_h]``) as the rows at positions ``start .. start + C - 1``, or,
+    with a tensor ``start``, at the positions it holds: ``[C]`` for every row of the batch, or
+    ``[B, C]`` per row.
 
     The attention calls it on the new Q and on the new K (before K is cached), with the same
     ``start`` for both.
 
-    >>> x = torch.randn(1, 2, 3, 8, generator=torch.Generator().manual_seed(0))
+    >>> x = torch.randn(2, 2, 3, 8, generator=torch.Generator().manual_seed(0))
     >>> torch.equal(apply_rope(x, 0)[:, :, 0], x[:, :, 0])  # position 0 is not turned
     True
     >>> torch.allclose(apply_rope(x, 5).norm(dim=-1), x.norm(dim=-1))  # a rotation keeps lengths
     True
+    >>> rows = apply_rope(x, torch.tensor([[5, 6, 7], [0, 1, 2]]))  # row 0 from 5, row 1 from 0
+    >>> torch.equal(rows[0], apply_rope(x, 5)[0]), torch.equal(rows[1], apply_rope(x, 0)[1])
+    (True, True)
     """
     C, D = x.shape[2], x.shape[3]
-    angles = rope_angles(torch.arange(start, start + C, device=x.device), D, theta)
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # [C, D_h], broadcast over B, H
+    if isinstance(start, int):  # one start for the batch: the decode step's path, kept lean
+        angles = rope_angles(torch.arange(start, start + C, device=x.device), D, theta)
+    else:
+        if start.shape[-1:] != (C,) or start.dim() > 2 or (
+                start.dim() == 2 and start.shape[0] not in (1, x.shape[0])):
+            raise ValueError(f"positions must be [C] or [B, C] with (B, C) = "
+                             f"{(x.shape[0], C)}, got {tuple(start.shape)}")
+        angles = rope_angles(start, D, theta)  # [C, D_h] or [B, C, D_h]
+        if angles.dim() == 3:
+            angles = angles[:, None]  # [B, 1, C, D_h]: the same for every head of a row
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # broadcast over B, H
     return x * cos + rotate_half(x) * sin
-

@@ -38,7 +38,8 @@ def _rows(layer: CacheLayer, positions: int) -> int:
 
 def _pool(layer: PagedLayer | RaggedLayer, seq_len: int) -> int:
     pool = layer.tables.pool if isinstance(layer, PagedLayer) else layer.step.pool
-    return 2 * pool.num_blocks * pool.block_size * layer.heads * layer.widths[0] * _size(layer)
+    # both stores at their own widths (K and V, or an MLA latent's c_KV and k_rope)
+    return pool.num_blocks * pool.block_size * layer.heads * sum(layer.widths) * _size(layer)
 
 
 LAYER_BYTES: dict[type[CacheLayer], Callable[[CacheLayer, int], int]] = {

@@ -30,10 +30,10 @@ scenario on a given model, and :data:`GRID` is the equivalence grid of the site'
 (['dynamic', 'hybrid', 'paged', 'shared-prefix', 'static', 'window'], ['fast', 'model'])
 >>> MODELS["gqa"].build(0).config.n_kv_head
 2
->>> served(MODELS["mla"].build(0).config)  # K/V caches and FastDecoder do not serve MLA
-[('dynamic', 'model'), ('static', 'model')]
->>> served(MODELS["gemma3"].build(0).config)  # the hybrid cache serves Gemma only
-[('dynamic', 'model'), ('static', 'model'), ('hybrid', 'model')]
+>>> served(MODELS["mla"].build(0).config)  # FastDecoder fuses K/V attention: not MLA's
+[('dynamic', 'model'), ('static', 'model'), ('paged', 'model'), ('shared-prefix', 'model')]
+>>> served(MODELS["gemma3"].build(0).config, kinds=["paged", "window", "hybrid"])
+[('paged', 'model'), ('hybrid', 'model')]
 """
 
 from __future__ import annotations
@@ -191,8 +191,10 @@ CACHES: dict[str, CacheSpec] = {
     "static": CacheSpec(lambda m, b, cap: m.new_cache(b, "static", cap), in_place=True),
     "window": CacheSpec(lambda m, b, cap: m.new_cache(b, "window"), in_place=False,
                         serves=lambda config: _kv(config) and config.sliding_window is not None),
-    "paged": CacheSpec(new_paged_cache, in_place=True, serves=_kv),
-    "shared-prefix": CacheSpec(new_shared_prefix_cache, in_place=False, serves=_kv),
+    # every position of every layer in blocks of the pool's layout (K/V or an MLA latent); a
+    # windowed layer's own mask limits what it reads, as over a dynamic cache
+    "paged": CacheSpec(new_paged_cache, in_place=True),
+    "shared-prefix": CacheSpec(new_shared_prefix_cache, in_place=False),
     "hybrid": CacheSpec(lambda m, b, cap: m.new_cache(b, "hybrid"), in_place=False,
                         serves=lambda config: hasattr(config, "layer_windows")),
 }

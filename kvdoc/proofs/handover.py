@@ -4,7 +4,8 @@
   against :func:`kvdoc.core.model.generate` on the same prompt (the tokens) and one full forward
   over prompt + tokens (the logits behind each choice, within
   :data:`kvdoc.proofs.verify.TOLERANCE`), and the K/V bytes moved against the byte formula
-  :func:`kvdoc.measure.memory.kv_bytes_for_config`.
+  :func:`kvdoc.measure.memory.kv_bytes_for_config` (an MLA model's own
+  :meth:`~kvdoc.core.mla.MLAConfig.bytes_per_token` for its latent).
 * :func:`check_dtypes`: the same in FP32 and FP64.
 * Broken packers the check must catch: :func:`pack_off_by_one` (ships one position too few,
   so decoding starts a position early) and :func:`pack_zeroed_last_v` (the last layer's V
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.core.cache import DynamicCache, KVCache
-from kvdoc.core.config import GPTConfig
+from kvdoc.core.mla import DynamicLatentCache, LatentCache
 from kvdoc.core.model import Decoder, generate
 from kvdoc.measure.memory import kv_bytes_for_config
 from kvdoc.serving.handover import disaggregated_generate, pack
@@ -39,11 +40,16 @@ from kvdoc.serving.handover import disaggregated_generate, pack
 from .verify import DTYPE_NAMES, TOLERANCE, close, max_abs
 
 
+def _rebuilt(cache: KVCache, layers: list) -> KVCache:
+    """A dynamic cache of ``layers`` (K/V, or a latent's two tensors, as ``cache`` holds)."""
+    return (DynamicLatentCache if isinstance(cache, LatentCache) else DynamicCache)(layers)
+
+
 def pack_off_by_one(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
     """BROKEN: ships positions ``0 .. T - 2``; the decoder then writes the first new token at
     ``T - 1``, over the prompt's last position."""
-    return pack(DynamicCache([cache.layer(i) for i in range(cache.n_layer)]).crop(
-        cache.seq_len - 1), logits)
+    layers = [cache.layer(i) for i in range(cache.n_layer)]
+    return pack(_rebuilt(cache, layers).crop(cache.seq_len - 1), logits)
 
 
 def pack_zeroed_last_v(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
@@ -51,7 +57,7 @@ def pack_zeroed_last_v(cache: KVCache, logits: torch.Tensor | None = None) -> by
     right, so only the values can show it."""
     layers = [cache.layer(i) for i in range(cache.n_layer)]
     layers[-1] = (layers[-1][0], torch.zeros_like(layers[-1][1]))
-    return pack(DynamicCache(layers), logits)
+    return pack(_rebuilt(cache, layers), logits)
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,8 @@ class HandoverCheck:
     logits_close: bool
     kv_bytes: int
     formula_bytes: int
-    """``2 x n_layer x B x H_kv x T x D_h x element_size`` for the prompt's ``T`` positions."""
+    """``2 x n_layer x B x H_kv x T x D_h x element_size`` for the prompt's ``T`` positions
+    (for a latent, ``B x T x`` its config's bytes per token)."""
     logits_bytes: int
     overhead_bytes: int
     payload_bytes: int
@@ -92,9 +99,16 @@ def check_handover(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, *,
     tol = TOLERANCE[dtype]
     return HandoverCheck(
         DTYPE_NAMES[dtype], torch.equal(run.tokens, alone), max_abs(run.logits, full),
-        close(run.logits, full, tol), run.kv_bytes,
-        kv_bytes_for_config(model.config, prompt.shape[0], prompt.shape[1], dtype),
+        close(run.logits, full, tol), run.kv_bytes, _formula(model.config, *prompt.shape, dtype),
         run.logits_bytes, run.overhead_bytes, run.payload_bytes)
+
+
+def _formula(config: object, batch: int, seq_len: int, dtype: torch.dtype) -> int:
+    """What ``seq_len`` positions of ``batch`` sequences cache: the config's own figure for a
+    latent (``bytes_per_token``), else the K/V formula."""
+    if hasattr(config, "bytes_per_token"):
+        return batch * seq_len * config.bytes_per_token(dtype)
+    return kv_bytes_for_config(config, batch, seq_len, dtype)
 
 
 def check_dtypes(model: Decoder, prompt: torch.Tensor, max_new_tokens: int,
@@ -105,18 +119,26 @@ def check_dtypes(model: Decoder, prompt: torch.Tensor, max_new_tokens: int,
             for d in dtypes]
 
 
+HANDOVER_PROMPT = 21
+"""Prompt tokens of the ``handover`` scenario: past the grid's window of 16, so the positions a
+window layer no longer reads are shipped too, and decoding starts past the window."""
+
+
 def handover_scenario(case, out: list) -> None:
     """The ``handover`` check on one combination of the grid (a scenario of
-    :mod:`kvdoc.proofs.scenarios`): a prompt of the stream prefilled, packed, unpacked and
-    decoded (in one process: the payload is the same bytes either way), against ``generate``;
-    for the dynamic kind of the model implementation of a K/V model, not applicable elsewhere."""
-    if case.impl != "model" or case.kind != "dynamic" or not isinstance(case.model.config,
-                                                                          GPTConfig):
+    :mod:`kvdoc.proofs.scenarios`): a prompt of the stream, past the grid's window
+    (:data:`HANDOVER_PROMPT`), prefilled, packed, unpacked and decoded (in one process: the
+    payload is the same bytes either way), against ``generate``; for the dynamic kind of the
+    model implementation of every model (what a prefill worker ships is its dynamic cache), not
+    applicable elsewhere."""
+    if case.impl != "model" or case.kind != "dynamic":
         out.append(case.result("handover", None, 0.0,
-                               "a K/V model's own dynamic cache is what a prefill worker ships"))
+                               "a model's own dynamic cache is what a prefill worker ships"))
         return
-    check = check_handover(case.model, case.ids[:, :9], max_new_tokens=4)
+    n = HANDOVER_PROMPT
+    check = check_handover(case.model, case.ids[:, :n], max_new_tokens=4)
     out.append(case.result("handover", check.passed, check.logits_error,
-                           f"prefill of 9, packed ({check.payload_bytes} bytes), unpacked, 4 "
-                           f"decode steps vs generate; K/V bytes {check.kv_bytes} == formula "
+                           f"prefill of {n}, packed ({check.payload_bytes} bytes), unpacked, 4 "
+                           f"decode steps vs generate; cached bytes {check.kv_bytes} == formula "
                            f"{check.formula_bytes}"))
+

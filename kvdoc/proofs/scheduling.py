@@ -4,7 +4,7 @@
   :func:`kvdoc.core.model.generate` on its prompt alone (the tokens) and one full forward over
   prompt + tokens (the logits behind each choice, within :data:`kvdoc.proofs.verify.TOLERANCE`).
 * :func:`check_policies`: static, continuous and chunked-prefill runs of one trace, each compared
-  so, with the block invariants of :attr:`~kvdoc.serving.scheduler.ServeRun.invariants_hold`.
+  so, with the block invariants of :attr:`~kvdoc.serving.runs.ServeRun.invariants_hold`.
 * :func:`check_preemption`: a trace on a pool too small for all its running requests, with
   preemption by recompute, against a pool large enough: every request as alone, the counts.
 * :func:`check_forks`: a request forked into seeded samples against each sample alone (its own
@@ -19,7 +19,7 @@
   :class:`~kvdoc.proofs.broken.cache_kinds.ForkWithoutCopy` (a fork writes into the block it shares,
   so its siblings read its K/V).
 * :func:`scheduling_scenario`: the checks as a scenario of the verification grid
-  (:mod:`kvdoc.proofs.scenarios` signature), on the paged kind of the learned-position models;
+  (:mod:`kvdoc.proofs.scenarios` signature), on the paged kind of every model of the grid;
   a broken variant's scheduler class comes in as ``case.caches["scheduler"]``.
 
 >>> from kvdoc.proofs.verify import default_model
@@ -151,6 +151,10 @@ class PolicyCheck:
         return self.requests_equal and self.invariants_hold
 
 
+POLICY_TRACE = dict(n=5, prompt_lens=(2, 20), output_lens=(1, 6), max_gap=2, seed=0)
+""":func:`check_policies`' default trace: requests of up to 25 positions, past the grid's window
+of 16 (:data:`kvdoc.proofs.grid.WINDOW`), so a ragged step that let a windowed layer read past
+its window would show."""
 POLICIES: tuple[dict, ...] = (dict(policy="static", max_batch=4), dict(),
                               dict(token_budget=6))
 """The runs :func:`check_policies` makes: static batches of 4, continuous, chunked prefill."""
@@ -160,14 +164,14 @@ POLICIES: tuple[dict, ...] = (dict(policy="static", max_batch=4), dict(),
 def check_policies(model: Decoder, trace: Sequence[Request] | None = None,
                    num_blocks: int = 16, block_size: int = 4,
                    scheduler: type[Scheduler] = Scheduler) -> list[PolicyCheck]:
-    """Serve ``trace`` (default: 5 requests, seed 0) under each of :data:`POLICIES`; compare every
-    request with its solo run.
+    """Serve ``trace`` (default :data:`POLICY_TRACE`) under each of :data:`POLICIES`; compare
+    every request with its solo run.
 
     >>> from kvdoc.proofs.verify import default_model
     >>> [(c.policy, c.token_budget, c.passed) for c in check_policies(default_model())]
     [('static', None, True), ('continuous', None, True), ('continuous', 6, True)]
     """
-    trace = trace or arrival_trace(5, prompt_lens=(2, 8), output_lens=(1, 5), max_gap=2)
+    trace = trace or arrival_trace(**POLICY_TRACE, vocab_size=model.config.vocab_size)
     alone = {(r.rid, 0): _alone(model, r) for r in trace}
     checks = []
     for options in POLICIES:
@@ -213,7 +217,7 @@ def check_preemption(model: Decoder, scheduler: type[Scheduler] = Scheduler,
     """Serve ``trace`` (default :data:`PREEMPTION_TRACE`) with ``preempt=True`` on ``tight`` and
     ``roomy`` blocks, with and without ``token_budget``; compare every request with its solo
     run."""
-    trace = trace or arrival_trace(**PREEMPTION_TRACE)
+    trace = trace or arrival_trace(**PREEMPTION_TRACE, vocab_size=model.config.vocab_size)
     alone = {(r.rid, 0): _alone(model, r) for r in trace}
     runs = {blocks: tuple(scheduler(model, blocks, block_size, token_budget=b, preempt=True)
                           .run(trace) for b in (token_budget, None)) for blocks in (tight, roomy)}
@@ -270,13 +274,13 @@ def check_forks(model: Decoder, scheduler: type[Scheduler] = Scheduler, samples:
 def scheduling_scenario(case, out: list) -> None:
     """The ``scheduling`` checks on one combination of the grid (a scenario of
     :mod:`kvdoc.proofs.scenarios`): :func:`check_policies`, :func:`check_preemption` and
-    :func:`check_forks` on the case's model, for the paged kind of the model implementation of a
-    learned-position model; not applicable elsewhere. A broken variant's scheduler class is
+    :func:`check_forks` on the case's model (any positions, layout or window), for the paged kind
+    of the model implementation; not applicable elsewhere. A broken variant's scheduler class is
     ``case.caches["scheduler"]``."""
     model = case.model
-    if case.impl != "model" or case.kind != "paged" or getattr(model, "wpe", None) is None:
+    if case.impl != "model" or case.kind != "paged":
         out.append(case.result("scheduling", None, 0.0,
-                               "the scheduler runs the model itself, paged, learned positions"))
+                               "the scheduler runs the model itself over its own paged blocks"))
         return
     scheduler, name = case.caches.get("scheduler", Scheduler), DTYPE_NAMES[case.dtype]
     checks = check_policies(model, scheduler=scheduler)

@@ -6,9 +6,11 @@ column for every row at once. The cache then holds ``pad[b]`` pad slots at the s
 ``b``; K and V keep the layout ``[B, H_kv, T, D_h]``, slot ``t`` of row ``b`` holding the token at
 position ``t - pad[b]``. Two things make each row the same function as its prompt run alone:
 
-* **positions**: the token in slot ``t`` is embedded at position ``t - pad[b]`` (pad slots at 0);
-* **the mask**: a real query reads keys at slots ``pad[b] .. t`` only. A pad query reads the
-  earlier pad slots, so no row of the softmax is empty; its output is never read.
+* **positions**: the token in slot ``t`` is at position ``t - pad[b]`` (pad slots at 0): embedded
+  there by a learned-position model, its Q and K turned there by a RoPE one;
+* **the mask**: a real query reads keys at slots ``pad[b] .. t`` only (a windowed layer the last
+  ``W`` of them). A pad query reads the earlier pad slots, so no row of the softmax is empty; its
+  output is never read.
 
 :func:`generate_padded` runs the batch; :func:`kvdoc.proofs.serving.compare_with_alone`
 checks every row against its prompt generated alone.

@@ -1,9 +1,12 @@
 """Prefill/decode hand-over (disaggregation): prefill in one process, decode in another.
 
 A prefill worker runs the prompt once and sends what decoding needs: every layer's K and V for
-the prompt's positions, and the logits of the position after it (the first new token's). The
-decode worker rebuilds a :class:`~kvdoc.core.cache.DynamicCache` from them and carries on as if
-it had run the prompt itself.
+the prompt's positions (an MLA model's latent ``c_KV`` and ``k_rope`` instead), and the logits of
+the position after it (the first new token's). The decode worker rebuilds a
+:class:`~kvdoc.core.cache.DynamicCache` (a :class:`~kvdoc.core.mla.DynamicLatentCache`) from them
+and carries on as if it had run the prompt itself. The prefill keeps every position of every
+layer, also for a windowed model (Mistral, Gemma 3): the decode side's mask limits what a window
+layer reads, as over any cache that keeps them all.
 
 * :func:`pack`: a cache (+ optional next-token logits) to one self-describing ``bytes``
   payload (``torch.save`` of a dict of sizes, a dtype name and tensors).
@@ -34,10 +37,12 @@ from typing import NamedTuple
 import torch
 
 from kvdoc.core.cache import DynamicCache, KVCache
-from kvdoc.core.config import GPTConfig
+from kvdoc.core.mla import DynamicLatentCache
 from kvdoc.core.model import Decoder, decode_step, prefill
 
-FORMAT = "kvdoc-handover/1"
+from .layout import cache_layout
+
+FORMAT = "kvdoc-handover/2"
 """The payload's ``format`` field: what :func:`unpack` accepts."""
 
 _DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}
@@ -49,7 +54,8 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
-    """One payload holding every layer's K and V and, if given, the next-token ``logits``.
+    """One payload holding every layer's two tensors (K and V, or c_KV and k_rope), their heads
+    and widths and, if given, the next-token ``logits``.
 
     Raises ``ValueError`` for a cache that does not hold every position it has seen (a
     sliding window): the decode side would attend over positions it does not have.
@@ -63,8 +69,9 @@ def pack(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
         raise ValueError("pack ships caches that hold every position in a floating dtype, got "
                          f"{type(cache).__name__} holding {cache.held()} in {cache.dtype}")
     layers = [cache.layer(i) for i in range(cache.n_layer)]
+    first = cache.layers[0]
     body = {"format": FORMAT, "n_layer": cache.n_layer, "batch_size": cache.batch_size,
-            "n_kv_head": cache.n_kv_head, "seq_len": cache.seq_len, "head_dim": cache.head_dim,
+            "heads": first.heads, "widths": list(first.widths), "seq_len": cache.seq_len,
             "dtype": str(cache.dtype), "k": [_own(k) for k, _ in layers],
             "v": [_own(v) for _, v in layers],
             "logits": None if logits is None else _own(logits)}
@@ -83,27 +90,32 @@ def _load(payload: bytes) -> dict:
     return body
 
 
-def unpack(payload: bytes, config: GPTConfig,
-           dtype: torch.dtype | None = None) -> tuple[DynamicCache, torch.Tensor | None]:
+def unpack(payload: bytes, config: object,
+           dtype: torch.dtype | None = None) -> tuple[KVCache, torch.Tensor | None]:
     """The cache and the next-token logits that :func:`pack` shipped, for a model with
     ``config`` (and ``dtype``, when given). Checks everything before building anything.
 
+    The cache is dynamic: a :class:`~kvdoc.core.cache.DynamicCache`, or a
+    :class:`~kvdoc.core.mla.DynamicLatentCache` for a model that caches a latent
+    (:func:`~kvdoc.serving.layout.cache_layout`).
+
     Raises:
-        ValueError: a payload that does not load, or whose layers, K/V heads, head size,
-            dtype, positions or tensor shapes are not what the model and its own sizes say.
+        ValueError: a payload that does not load, or whose layers, heads, widths, dtype,
+            positions or tensor shapes are not what the model and its own sizes say.
 
     >>> from kvdoc.core.config import GPTConfig
     >>> payload = pack(DynamicCache.empty(GPTConfig(), batch_size=1))
     >>> unpack(payload, GPTConfig(n_kv_head=2))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: payload is for another model: ... = (2, 4, 16), model has (2, 2, 16)
+    ValueError: payload is for another model: ... = (2, 4, (16, 16)), model has (2, 2, (16, 16))
     """
     body = _load(payload)
-    found = (body["n_layer"], body["n_kv_head"], body["head_dim"])
-    expected = (config.n_layer, config.n_kv_head, config.head_dim)
+    layout = cache_layout(config)
+    found = (body["n_layer"], body["heads"], tuple(body["widths"]))
+    expected = (layout.n_layer, layout.heads, layout.widths)
     if found != expected:
-        raise ValueError("payload is for another model: (layers, K/V heads, head size) = "
+        raise ValueError("payload is for another model: (layers, heads, widths) = "
                          f"{found}, model has {expected}")
     stated = _DTYPES.get(body["dtype"])
     if stated is None or (dtype is not None and stated != dtype):
@@ -111,18 +123,20 @@ def unpack(payload: bytes, config: GPTConfig,
     if not 0 <= body["seq_len"] <= config.n_positions:
         raise ValueError(f"payload holds {body['seq_len']} positions, "
                          f"model has {config.n_positions}")
-    shape = (body["batch_size"], config.n_kv_head, body["seq_len"], config.head_dim)
-    tensors = list(body["k"]) + list(body["v"])
-    if len(body["k"]) != config.n_layer or len(body["v"]) != config.n_layer or any(
-            tuple(t.shape) != shape or t.dtype != stated for t in tensors):
-        raise ValueError(f"payload must hold {config.n_layer} K and {config.n_layer} V tensors "
-                         f"of shape {list(shape)} in {stated}, got K {_shapes(body['k'])} "
+    B, L = body["batch_size"], layout.n_layer
+    shapes = [(B, layout.heads, body["seq_len"], width) for width in layout.widths]
+    if len(body["k"]) != L or len(body["v"]) != L or any(
+            tuple(t.shape) != shape or t.dtype != stated
+            for ts, shape in zip((body["k"], body["v"]), shapes, strict=True) for t in ts):
+        raise ValueError(f"payload must hold {L} K and {L} V tensors of shapes "
+                         f"{[list(s) for s in shapes]} in {stated}, got K {_shapes(body['k'])} "
                          f"and V {_shapes(body['v'])}")
     logits = body["logits"]
-    if logits is not None and tuple(logits.shape) != (shape[0], 1, config.vocab_size):
-        raise ValueError(f"payload logits must be [{shape[0]}, 1, {config.vocab_size}], "
+    if logits is not None and tuple(logits.shape) != (B, 1, config.vocab_size):
+        raise ValueError(f"payload logits must be [{B}, 1, {config.vocab_size}], "
                          f"got {list(logits.shape)}")
-    return DynamicCache(list(zip(body["k"], body["v"], strict=True))), logits
+    layers = list(zip(body["k"], body["v"], strict=True))
+    return (DynamicLatentCache if layout.latent else DynamicCache)(layers), logits
 
 
 def _shapes(tensors: list) -> list:
@@ -151,7 +165,9 @@ class HandoverRun(NamedTuple):
 
 def _prefill_payload(model: Decoder, prompt: torch.Tensor,
                      packer: Callable[..., bytes]) -> bytes:
-    logits, cache = prefill(model, prompt)
+    # pack ships every position 0 .. T - 1 (the decode side rebuilds them so); a window model's
+    # default cache, a ring, keeps only its last W, so the prefill keeps them all instead
+    logits, cache = prefill(model, prompt, model.new_cache(prompt.shape[0], "dynamic"))
     return packer(cache, logits)
 
 

@@ -2,7 +2,9 @@
 
 This is the memory layout of vLLM's PagedAttention (Kwon et al., 2023), written for reading
 rather than speed. A :class:`BlockPool` owns, for every layer, K and V storage of shape
-``[num_blocks, H_kv, block_size, D_h]``; a block id names the same slot in every layer. A
+``[num_blocks, H_kv, block_size, D_h]`` (for an MLA model, its latent ``c_KV`` and rotary key,
+two stores of their own widths with one shared head: :mod:`kvdoc.serving.layout`); a block id
+names the same slot in every layer. A
 :class:`PagedCache` maps position ``t`` of sequence ``b`` to offset ``t % block_size`` of block
 ``tables[b][t // block_size]``. :meth:`PagedCache.layer` gathers a sequence's blocks back into the
 usual ``[B, H_kv, T, D_h]`` (real engines read the blocks inside the attention kernel instead), so
@@ -16,6 +18,11 @@ was (like :class:`~kvdoc.core.cache.DynamicCache`) and shares its blocks with th
 
 A block returns to the free list when no sequence holds it; a cache releases its blocks when it
 is garbage-collected or :meth:`PagedCache.release` is called.
+
+Every decoder of the grid is served: the paged cache keeps every position of every layer, and the
+model's own mask limits what a windowed layer reads (Mistral's window, Gemma 3's window layers),
+as it does over a dynamic cache. An MLA model's caches are :class:`PagedLatentCache` and
+:class:`SharedPrefixLatentCache` (:func:`paged_cache` picks by the pool's layout).
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> _ = torch.manual_seed(0)
@@ -41,14 +48,20 @@ import torch
 from kvdoc.core.cache import KV, KVCache
 from kvdoc.core.config import GPTConfig, check_int
 from kvdoc.core.layers import CacheLayer
+from kvdoc.core.mla import LatentCache
 from kvdoc.core.model import Decoder
+
+from .layout import cache_layout
 
 
 class BlockPool:
     """K/V storage cut into ``num_blocks`` blocks of ``block_size`` positions, with a free list.
 
+    ``k[l]`` and ``v[l]`` are layer ``l``'s two stores, ``[num_blocks, heads, block_size, width]``
+    (:func:`~kvdoc.serving.layout.cache_layout`: K and V, or an MLA latent's two widths).
+
     Args:
-        config: the model's configuration (layers, K/V heads, head size).
+        config: the model's configuration (what each layer caches, and how wide).
         num_blocks: blocks in the pool.
         block_size: positions per block.
         dtype, device: must match the model's.
@@ -66,9 +79,11 @@ class BlockPool:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         check_int("num_blocks", num_blocks)
         check_int("block_size", block_size)
-        shape = (num_blocks, config.n_kv_head, block_size, config.head_dim)  # [N, H_kv, S, D_h]
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.layout = layout = cache_layout(config)
+        # [N, H, S, width]: K and V of H_kv heads, or c_KV and k_rope of one head
+        self.k, self.v = ([torch.zeros((num_blocks, layout.heads, block_size, w), dtype=dtype,
+                                       device=device) for _ in range(layout.n_layer)]
+                          for w in layout.widths)
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
         self.dtype, self.device = dtype, torch.device(device)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
@@ -86,8 +101,8 @@ class BlockPool:
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one block: K and V of every layer."""
-        return 2 * sum(k[0].numel() * k.element_size() for k in self.k)
+        """Bytes of one block: both stores (K and V) of every layer."""
+        return sum(store[0].numel() * store.element_size() for store in (*self.k, *self.v))
 
     def refs(self, block: int) -> int:
         """How many sequences hold ``block``."""
@@ -180,9 +195,8 @@ class PagedLayer(CacheLayer):
 
     def __init__(self, tables: BlockTables, index: int) -> None:
         pool = tables.pool
-        cfg = pool.config
-        super().__init__(len(tables.rows), cfg.n_kv_head, (cfg.head_dim, cfg.head_dim),
-                         pool.dtype, pool.device)
+        super().__init__(len(tables.rows), pool.layout.heads, pool.layout.widths, pool.dtype,
+                         pool.device)
         self.tables, self.index = tables, index
 
     def fork(self) -> PagedLayer:
@@ -203,19 +217,25 @@ class PagedLayer(CacheLayer):
 
     def read(self, seq_len: int) -> KV:
         """K and V of positions ``0 .. seq_len - 1`` of every sequence, ``[B, H_kv, T, D_h]``."""
-        table = self.tables.tensor(seq_len)
-        B, n = table.shape
         pool = self.tables.pool
-        out = []
-        for store in (pool.k[self.index], pool.v[self.index]):
-            blocks = store[table]  # [B, n, H_kv, S, D_h]
-            out.append(blocks.transpose(1, 2).reshape(B, self.heads, n * self.tables.block_size,
-                                                      self.widths[0])[:, :, :seq_len])
-        return out[0], out[1]
+        return gather(pool.k[self.index], pool.v[self.index], self.tables.tensor(seq_len),
+                      seq_len)
 
     def tensors(self) -> list[torch.Tensor]:
         """This layer's storage in the pool, which every cache of the pool shares."""
         return [self.tables.pool.k[self.index], self.tables.pool.v[self.index]]
+
+
+def gather(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, length: int) -> KV:
+    """The first ``length`` positions of each row's blocks ``table`` (``[B, n]``) from the stores
+    ``k``, ``v`` (``[N, H, S, width]``, each its own width), as ``[B, H, length, width]``."""
+    B, n = table.shape
+    out = []
+    for store in (k, v):
+        blocks = store[table]  # [B, n, H, S, width]
+        _, H, S, width = store.shape
+        out.append(blocks.transpose(1, 2).reshape(B, H, n * S, width)[:, :, :length])
+    return out[0], out[1]
 
 
 class PagedCache(KVCache):
@@ -234,7 +254,7 @@ class PagedCache(KVCache):
 
     def __init__(self, pool: BlockPool, batch_size: int) -> None:
         self._tables = self.block_tables(pool, batch_size)
-        super().__init__([PagedLayer(self._tables, i) for i in range(pool.config.n_layer)])
+        super().__init__([PagedLayer(self._tables, i) for i in range(pool.layout.n_layer)])
         self.pool, self.block_size = pool, pool.block_size
         self.tables = self._tables.rows
         self._finalizer = weakref.finalize(self, _release_tables, pool, self.tables)
@@ -317,6 +337,34 @@ class SharedPrefixCache(PagedCache):
         return self.fork()
 
 
+class PagedLatentCache(LatentCache, PagedCache):
+    """A :class:`PagedCache` of an MLA model's latent: it checks the model as a latent cache does.
+
+    >>> from kvdoc.core.mla import MLAConfig, MLADecoder
+    >>> _ = torch.manual_seed(0)
+    >>> model = MLADecoder(MLAConfig()).eval()
+    >>> cache = new_paged_cache(model, batch=1, capacity=8)
+    >>> type(cache).__name__, [tuple(t.shape) for t in cache.pool.k[0:1] + cache.pool.v[0:1]]
+    ('PagedLatentCache', [(2, 1, 4, 32), (2, 1, 4, 8)])
+    >>> ids = torch.tensor([[12, 7, 31, 4, 9, 18]])
+    >>> _, cache = model(ids[:, :5], cache)
+    >>> torch.allclose(model(ids[:, 5:], cache).logits, model(ids).logits[:, 5:], atol=1e-5)
+    True
+    """
+
+
+class SharedPrefixLatentCache(LatentCache, SharedPrefixCache):
+    """A :class:`SharedPrefixCache` of an MLA model's latent."""
+
+
+def paged_cache(pool: BlockPool, batch: int, shared: bool = False) -> PagedCache:
+    """An empty paged cache of ``batch`` sequences over ``pool``: a :class:`SharedPrefixCache`
+    if ``shared``, else a :class:`PagedCache`, each in its latent form for a latent pool."""
+    kinds = {(False, False): PagedCache, (True, False): SharedPrefixCache,
+             (False, True): PagedLatentCache, (True, True): SharedPrefixLatentCache}
+    return kinds[shared, pool.layout.latent](pool, batch)
+
+
 def _pool_for(model: Decoder, batch: int, capacity: int, block_size: int, spare: int) -> BlockPool:
     weight = model.wte.weight
     blocks = batch * (math.ceil(capacity / block_size) + spare)
@@ -329,7 +377,7 @@ def new_paged_cache(model: Decoder, batch: int, capacity: int, block_size: int =
     Its own pool has exactly the blocks that ``capacity`` positions per sequence need. This is
     the ``(model, batch, capacity) -> KVCache`` factory the equivalence grid calls.
     """
-    return PagedCache(_pool_for(model, batch, capacity, block_size, spare=0), batch)
+    return paged_cache(_pool_for(model, batch, capacity, block_size, spare=0), batch)
 
 
 def new_shared_prefix_cache(model: Decoder, batch: int, capacity: int,
@@ -339,4 +387,5 @@ def new_shared_prefix_cache(model: Decoder, batch: int, capacity: int,
     Its pool has one spare block per sequence: while a call runs, the cache passed in and the
     one returned both exist, and the returned one may hold a copy of the last shared block.
     """
-    return SharedPrefixCache(_pool_for(model, batch, capacity, block_size, spare=1), batch)
+    return paged_cache(_pool_for(model, batch, capacity, block_size, spare=1), batch,
+                       shared=True)

@@ -55,7 +55,7 @@ import torch
 
 from kvdoc.core.model import Decoder
 
-from .paged import BlockPool, PagedCache
+from .paged import BlockPool, PagedCache, paged_cache
 
 
 @dataclass(eq=False)
@@ -172,7 +172,7 @@ class RadixCache:
                              f"needs {needed} blocks, {self.pool.num_free} free and {evictable} "
                              f"evictable of {self.pool.num_blocks}")
         self.evict(needed - self.pool.num_free)
-        cache = PagedCache(self.pool, 1)
+        cache = paged_cache(self.pool, 1)
         cache.tables[0].extend(blocks)
         self.pool.share(blocks)
         cache._len = length  # the shared blocks hold exactly these positions

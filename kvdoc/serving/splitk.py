@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 from kvdoc.core.config import GPTConfig, check_int
-from kvdoc.core.mask import offset_causal_mask
 from kvdoc.core.model import CausalSelfAttention, Decoder
 
 
@@ -186,11 +185,8 @@ class SplitKAttention(CausalSelfAttention):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        C, T = q.shape[2], k.shape[2]
-        if attn_mask is not None:
-            mask = attn_mask[..., -T:]  # [B, C, T]: each row's own, as the model's attend
-        else:  # a window cache returns only the last T keys: keep the mask's last T columns
-            mask = offset_causal_mask(start, C, q.device, window=self.window)[:, -T:]
+        # the model's own mask: [C, T], [B, C, T] per row (its window applied), or None
+        mask = self.visible(start, q.shape[2], k.shape[2], attn_mask, q.device)
         return split_k_attention(q, k, v, self.split, mask)
 
 

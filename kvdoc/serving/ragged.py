@@ -1,0 +1,155 @@
+"""A ragged step: one forward over rows of different lengths, each row in its own blocks.
+
+Rows of one step are at different lengths: row ``b`` holds ``P_b`` cached
+positions and brings ``n_b`` new tokens (a prefill chunk or one decode token). The reference
+decoder takes them in one call: the new tokens are right-padded to ``C = max n_b``; each row
+writes its ``n_b`` K/V rows into its own blocks and reads its own blocks back, gathered to
+``T = max (P_b + n_b)`` columns (:class:`RaggedStep`); per-row positions ``P_b .. P_b + n_b - 1``
+and a per-row mask (a real query at position ``P_b + j`` reads keys ``0 .. P_b + j`` of its own
+row) make each row the function of its own sequence. Pad queries read key 0 of their row so no
+softmax row is empty; their outputs are never read. The positions go to
+``Decoder.forward(positions=...)``: a learned-position model embeds each row at its own, a RoPE
+model turns each row's Q and K there (:func:`kvdoc.core.rope.apply_rope` takes ``[B, C]``
+positions), and so do Gemma's and MLA's attentions. The mask goes to ``attn_mask``: the
+attention itself keeps, in a windowed layer (Mistral, Gemma 3's window layers), the last ``W`` of
+the keys a query may read, so the blocks hold every position and the model reads what it
+reads over any cache that keeps them all.
+
+Real engines do not pad. vLLM flattens the step's tokens of every sequence into one packed batch
+(each sequence's start in it is ``query_start_loc``, a cumulative sum) and attends with
+variable-length kernels that read each sequence's blocks through its block table
+(FlashAttention's ``flash_attn_varlen_func`` with cumulative lengths ``cu_seqlens``; PyTorch's
+``torch.nn.attention.varlen.varlen_attn`` takes ``cu_seq_q``, ``cu_seq_k`` and a
+``block_table``); SGLang does the same with FlashInfer's
+``BatchPrefillWithPagedKVCacheWrapper`` (``qo_indptr``, page indices). Linear layers then see
+``sum n_b`` tokens; Orca called this selective batching: every operation batched over the
+packed tokens except attention, which is computed per request. The padding here costs time,
+not correctness.
+
+The scheduler (:mod:`kvdoc.serving.scheduler`) builds one :func:`ragged_step` per step.
+
+>>> from kvdoc import Decoder
+>>> from kvdoc.core.config import llama_config
+>>> _ = torch.manual_seed(0)
+>>> model = Decoder(llama_config()).eval()          # RoPE
+>>> pool = BlockPool(model.config, num_blocks=4, block_size=4)
+>>> ids = torch.tensor([[5, 6, 7, 8, 9], [3, 1, 4, 0, 0]])  # row 1: 3 tokens, then padding
+>>> step = ragged_step(pool, tables=[[0, 1], [2]], past=[0, 0], new=[5, 3])
+>>> logits = model(ids, step, positions=step.positions(), attn_mask=step.mask()).logits
+>>> torch.allclose(logits[1, :3], model(ids[1:, :3]).logits[0], atol=1e-5)
+True
+>>> step = ragged_step(pool, tables=[[0, 1], [2]], past=[5, 3], new=[1, 1])  # both decode
+>>> logits = model(torch.tensor([[2], [1]]), step, positions=step.positions(),
+...                attn_mask=step.mask()).logits
+>>> torch.allclose(logits[1, 0], model(torch.tensor([[3, 1, 4, 1]])).logits[0, -1], atol=1e-5)
+True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from kvdoc.core.cache import KV, KVCache
+from kvdoc.core.layers import CacheLayer
+from kvdoc.core.mla import LatentCache
+
+from .paged import BlockPool, gather
+
+
+class RaggedLayer(CacheLayer):
+    """Layer ``index`` of a :class:`RaggedStep`: the real new rows go into their rows' blocks,
+    and a read gathers every row's ``T`` columns (the mask hides what a row does not hold)."""
+
+    in_place = True
+
+    def __init__(self, step: RaggedStep, index: int) -> None:
+        pool = step.pool
+        super().__init__(len(step.past), pool.layout.heads, pool.layout.widths, pool.dtype,
+                         pool.device)
+        self.step, self.index = step, index
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        self.check_rows(k, v)
+        s = self.step
+        # the real new rows only: [M, H_kv, D_h] into (block, :, offset) of each row's blocks
+        for store, new in ((s.pool.k[self.index], k), (s.pool.v[self.index], v)):
+            store[s.blocks, :, s.offsets] = new[s.rows, :, s.cols]
+        return self.read(start)
+
+    def read(self, seq_len: int) -> KV:
+        s = self.step
+        return gather(s.pool.k[self.index], s.pool.v[self.index], s.table, s.width)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.step.pool.k[self.index], self.step.pool.v[self.index]]
+
+
+class RaggedStep(KVCache):
+    """The cache one ragged step writes into and reads from: row ``b``'s blocks ``tables[b]``,
+    ``past[b]`` positions held, ``new[b]`` new tokens this step (see the module docstring).
+
+    The blocks for the new positions must already be in the tables (the scheduler allocates);
+    :attr:`seq_len` is ``T - C``, so the model's mask and new tokens span the ``T`` gathered
+    columns.
+
+    >>> from kvdoc.core.config import GPTConfig
+    >>> pool = BlockPool(GPTConfig(), num_blocks=3, block_size=4)
+    >>> step = RaggedStep(pool, tables=[[0, 1], [2]], past=[5, 0], new=[1, 3])
+    >>> step.seq_len, step.positions().tolist()  # T = 6 columns, C = 3 new
+    (3, [[5, 0, 0], [0, 1, 2]])
+    """
+
+    def __init__(self, pool: BlockPool, tables: Sequence[list[int]], past: Sequence[int],
+                 new: Sequence[int]) -> None:
+        S = pool.block_size
+        self.pool, self.past, self.new = pool, list(past), list(new)
+        if not tables or min(self.new) < 1 or min(self.past) < 0:
+            raise ValueError("a step needs rows, each with at least one new token")
+        self.width = max(p + n for p, n in zip(past, new, strict=True))  # T
+        if any(len(t) * S < p + n for t, p, n in zip(tables, past, new, strict=True)):
+            raise ValueError("every row needs blocks for its new positions before the step")
+        n_blocks = math.ceil(self.width / S)
+        # a row shorter than T reads its own first block past its end; the mask hides it
+        self.table = torch.tensor([t[:n_blocks] + [t[0]] * (n_blocks - len(t[:n_blocks]))
+                                   for t in tables], dtype=torch.long, device=pool.device)
+        rows = [(b, j) for b, n in enumerate(new) for j in range(n)]
+        slots = torch.tensor([self.past[b] + j for b, j in rows], device=pool.device)
+        self.rows = torch.tensor([b for b, _ in rows], device=pool.device)
+        self.cols = torch.tensor([j for _, j in rows], device=pool.device)
+        self.blocks = self.table[self.rows, slots // S]
+        self.offsets = slots % S
+        super().__init__([RaggedLayer(self, i) for i in range(pool.layout.n_layer)],
+                         seq_len=self.width - max(self.new))
+
+    def mask(self) -> torch.Tensor:
+        """``[B, C, T]`` bool: a real query at position ``P_b + j`` reads keys ``0 .. P_b + j``
+        of its row; a pad query reads key 0 only."""
+        C = max(self.new)
+        past = torch.tensor(self.past, device=self.device)[:, None, None]
+        new = torch.tensor(self.new, device=self.device)[:, None, None]
+        j = torch.arange(C, device=self.device)[None, :, None]
+        key = torch.arange(self.width, device=self.device)[None, None, :]
+        return torch.where(j < new, key <= past + j, key == 0)
+
+    def positions(self) -> torch.Tensor:
+        """``[B, C]``: ``P_b + j`` for the real new tokens, 0 for the padding."""
+        C = max(self.new)
+        past = torch.tensor(self.past, device=self.device)[:, None]
+        new = torch.tensor(self.new, device=self.device)[:, None]
+        j = torch.arange(C, device=self.device)[None, :]
+        return torch.where(j < new, past + j, 0)
+
+
+class RaggedLatentStep(LatentCache, RaggedStep):
+    """A :class:`RaggedStep` over an MLA model's latent pool: it checks the model as a latent
+    cache does."""
+
+
+def ragged_step(pool: BlockPool, tables: Sequence[list[int]], past: Sequence[int],
+                new: Sequence[int]) -> RaggedStep:
+    """The step's cache: a :class:`RaggedStep`, or a :class:`RaggedLatentStep` over a latent
+    pool."""
+    return (RaggedLatentStep if pool.layout.latent else RaggedStep)(pool, tables, past, new)

@@ -1,0 +1,103 @@
+"""The requests a scheduler serves: a trace of arrivals, and how each sequence picks its next token.
+
+* :class:`Request`: a prompt, how many tokens to generate, when it arrives, and how many seeded
+  samples it forks into;
+* :func:`arrival_trace`: requests with lengths and gaps drawn from a seeded ``torch.Generator``;
+* :func:`choose` with :func:`sample_generator`: greedy, or one draw per sample from its own
+  generator, the same on any device.
+
+>>> trace = arrival_trace(2, prompt_lens=(2, 4), output_lens=(1, 3), max_gap=1, seed=0)
+>>> [(r.rid, len(r.prompt) >= 2, r.arrival <= 1) for r in trace]
+[(0, True, True), (1, True, True)]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of a trace.
+
+    Attributes:
+        rid: its id (its index in the trace). prompt: its token ids.
+        output_len: tokens it generates (greedy). arrival: the step from which it may be admitted.
+    """
+
+    rid: int
+    prompt: tuple[int, ...]
+    output_len: int
+    arrival: int
+    samples: int = 1
+    """Sequences it forks into once its prompt is in (parallel sampling), each ``output_len``."""
+    seed: int | None = None
+    """None: greedy; else sample ``j`` draws from generator seed ``seed + j``."""
+
+    @property
+    def final_len(self) -> int:
+        """Positions its cache holds when it finishes: the last token is chosen, never fed."""
+        return len(self.prompt) + self.output_len - 1
+
+    def blocks_needed(self, block_size: int) -> int:
+        """Most blocks it holds at once: the prompt's full blocks once, shared by its samples,
+        and every other block of its final length once per sample.
+
+        >>> Request(0, (1,) * 6, 3, 0, samples=4, seed=0).blocks_needed(4)  # 1 + 4 * (2 - 1)
+        5
+        """
+        shared = len(self.prompt) // block_size
+        return shared + self.samples * (math.ceil(self.final_len / block_size) - shared)
+
+
+def sample_generator(request: Request, sample: int = 0) -> torch.Generator | None:
+    """The generator sample ``sample`` of ``request`` draws from (None: greedy)."""
+    if request.seed is None:
+        return None
+    return torch.Generator().manual_seed(request.seed + sample)
+
+
+def choose(logits: torch.Tensor, generator: torch.Generator | None) -> int:
+    """The next token from ``[V]`` logits: the argmax without a generator; with one, a draw
+    from ``softmax(logits)`` by the Gumbel-max trick, ``argmax(logits - log(-log U))`` with
+    ``U`` uniform from ``generator`` (float64 on the CPU, so the draw is the same on any device
+    and for the same generator state; the logits decide only through their argmax).
+
+    >>> logits = torch.tensor([0.0, 3.0, 1.0])
+    >>> choose(logits, None), choose(logits, torch.Generator().manual_seed(0))
+    (1, 1)
+    """
+    if generator is None:
+        return int(logits.argmax())
+    u = torch.rand(logits.shape[-1], generator=generator, dtype=torch.float64)
+    return int((logits.detach().double().cpu() - torch.log(-torch.log(u))).argmax())
+
+
+def arrival_trace(n: int = 8, prompt_lens: tuple[int, int] = (2, 16),
+                  output_lens: tuple[int, int] = (1, 12), max_gap: int = 3,
+                  vocab_size: int = 97, seed: int = 0) -> list[Request]:
+    """``n`` requests: prompt and output lengths uniform on the inclusive ranges, token ids uniform
+    on the vocabulary, the first arriving at step 0 and each next one after a gap uniform on
+    ``0 .. max_gap`` steps, all from ``torch.Generator`` seed ``seed``.
+
+    >>> trace = arrival_trace(3, prompt_lens=(1, 2), output_lens=(3, 3), max_gap=0)
+    >>> [r.arrival for r in trace], trace == arrival_trace(3, (1, 2), (3, 3), 0)
+    ([0, 0, 0], True)
+    """
+    if (n < 1 or max_gap < 0 or not 1 <= prompt_lens[0] <= prompt_lens[1]
+            or not 1 <= output_lens[0] <= output_lens[1]):
+        raise ValueError("need n >= 1, max_gap >= 0 and ranges (lo, hi) with 1 <= lo <= hi")
+    g = torch.Generator().manual_seed(seed)
+
+    def uniform(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    trace, step = [], 0
+    for rid in range(n):
+        step += uniform(0, max_gap) if rid else 0
+        prompt = torch.randint(0, vocab_size, (uniform(*prompt_lens),), generator=g).tolist()
+        trace.append(Request(rid, tuple(prompt), uniform(*output_lens), step))
+    return trace
