@@ -20,7 +20,8 @@ from kvdoc.proofs.scheduling import (
     compare_trace_with_alone,
 )
 from kvdoc.proofs.verify import default_model
-from kvdoc.serving.scheduler import Request, Scheduler, arrival_trace, serve
+from kvdoc.serving.requests import Request, arrival_trace
+from kvdoc.serving.scheduler import Scheduler, serve
 
 TRACE = arrival_trace(6, prompt_lens=(2, 10), output_lens=(1, 6), max_gap=2, seed=1)
 

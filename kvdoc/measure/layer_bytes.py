@@ -24,7 +24,7 @@ from kvdoc.core.cache import KVCache
 from kvdoc.core.layers import CacheLayer, DynamicLayer, RingLayer, StaticLayer
 from kvdoc.serving.paged import PagedLayer
 from kvdoc.serving.quant import Int8Layer
-from kvdoc.serving.scheduler import RaggedLayer
+from kvdoc.serving.ragged import RaggedLayer
 
 
 def _size(layer: CacheLayer) -> int:

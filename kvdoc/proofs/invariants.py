@@ -18,8 +18,8 @@ combination of the grid like the others (each says where it does not apply):
   shared, partly filled block).
 * ``padded``: a left-padded batch of prompts of different lengths (:mod:`kvdoc.serving.batching`),
   prefill and decode steps each with the pad mask and per-row positions; every row equals its
-  prompt run alone, for the model and the fast step (learned positions only: per-row positions
-  need them).
+  prompt run alone, for the model and the fast step, on every model (learned or rotary
+  positions).
 """
 
 from __future__ import annotations
@@ -222,9 +222,8 @@ STEPS = 3
 
 def _padded(case: Case, out: list) -> None:
     B = case.ids.shape[0]
-    if getattr(case.model, "wpe", None) is None or B < 2:
-        out.append(case.result("padded", None, 0.0,
-                               "per-row positions need learned positions and a batch of 2+"))
+    if B < 2:
+        out.append(case.result("padded", None, 0.0, "a padded batch needs 2 rows or more"))
         return
     lengths = [PROMPTS[b % len(PROMPTS)] for b in range(B)]
     rows = [case.ids[b, :lengths[b] + STEPS] for b in range(B)]

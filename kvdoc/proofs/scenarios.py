@@ -29,12 +29,13 @@ otherwise; tolerances are :data:`kvdoc.proofs.verify.TOLERANCE` (``atol = rtol``
   (:func:`kvdoc.proofs.scheduling.check_policies`), preemption by recompute on a small pool
   (:func:`~kvdoc.proofs.scheduling.check_preemption`) and seeded forks of one prompt
   (:func:`~kvdoc.proofs.scheduling.check_forks`), each request vs its solo run; on the paged
-  kind of the learned-position models.
+  kind of every model (the scheduler builds its own pool).
 * ``prefix-cache``: a few-shot workload through a radix tree
   (:func:`kvdoc.proofs.prefix_cache.prefix_cache_scenario`), each request vs itself alone; on
   the paged kind.
 * ``handover``: a prefill's cache packed, unpacked and decoded from
-  (:func:`kvdoc.proofs.handover.check_handover`); on the dynamic kind of the K/V models.
+  (:func:`kvdoc.proofs.handover.check_handover`); on the dynamic kind of every model (a latent
+  model ships its latent).
 
 A scenario appends :class:`CheckResult` s (made by :meth:`Case.result`); ``passed`` is None when
 a check does not apply.
@@ -91,7 +92,7 @@ CHECKS.update({
     "scheduling": "static, continuous, chunked-prefill, preempting and forking runs: each "
                   "request vs its solo run",
     "prefix-cache": "requests served through a radix prefix cache vs each request alone",
-    "handover": "prefill, cache packed and unpacked, decode vs generate; K/V bytes vs formula",
+    "handover": "prefill, cache packed and unpacked, decode vs generate; cached bytes vs formula",
 })
 
 

@@ -23,7 +23,8 @@
   a broken variant's scheduler class comes in as ``case.caches["scheduler"]``.
 
 >>> from kvdoc.proofs.verify import default_model
->>> from kvdoc.serving.scheduler import arrival_trace, serve
+>>> from kvdoc.serving.requests import arrival_trace
+>>> from kvdoc.serving.scheduler import serve
 >>> model = default_model()
 >>> trace = arrival_trace(5, prompt_lens=(2, 8), output_lens=(1, 5), max_gap=2, seed=3)
 >>> all(c.passed for c in compare_trace_with_alone(model, trace, serve(model, trace, 12)))
@@ -48,16 +49,10 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.core.model import Decoder, decode_step, generate, prefill
-from kvdoc.serving.scheduler import (
-    LiveRequest,
-    RaggedStep,
-    Request,
-    Scheduler,
-    ServeRun,
-    arrival_trace,
-    choose,
-    sample_generator,
-)
+from kvdoc.serving.ragged import RaggedStep
+from kvdoc.serving.requests import Request, arrival_trace, choose, sample_generator
+from kvdoc.serving.runs import ServeRun
+from kvdoc.serving.scheduler import LiveRequest, Scheduler
 
 from .verify import DTYPE_NAMES, TOLERANCE, close, max_abs
 

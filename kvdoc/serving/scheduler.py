@@ -44,6 +44,7 @@ prompt's partly filled last block, copies it first (copy-on-write, :meth:`BlockP
 vLLM's block manager did for parallel sampling and beam search.
 
 >>> from kvdoc import Decoder, GPTConfig
+>>> from kvdoc.serving.requests import arrival_trace
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(GPTConfig()).eval()
 >>> trace = arrival_trace(4, prompt_lens=(2, 6), output_lens=(2, 5), max_gap=2, seed=0)
@@ -74,10 +75,8 @@ from kvdoc.core.config import check_int
 from kvdoc.core.model import Decoder
 
 from .paged import BlockPool
-from .ragged import RaggedLayer as RaggedLayer  # re-exported: it was defined here
 from .ragged import RaggedStep, ragged_step
 from .requests import Request, choose, sample_generator
-from .requests import arrival_trace as arrival_trace  # re-exported: it was defined here
 from .runs import ServeRun, StepRecord
 
 Policy = Literal["continuous", "static"]
@@ -348,6 +347,7 @@ def serve(model: Decoder, trace: Sequence[Request], num_blocks: int, block_size:
     """``Scheduler(model, num_blocks, block_size, **options).run(trace)``.
 
     >>> from kvdoc import Decoder, GPTConfig
+    >>> from kvdoc.serving.requests import arrival_trace
     >>> _ = torch.manual_seed(0)
     >>> trace = arrival_trace(3, prompt_lens=(5, 5), output_lens=(2, 2), max_gap=0)
     >>> run = serve(Decoder(GPTConfig()).eval(), trace, num_blocks=6, token_budget=4)

@@ -156,9 +156,10 @@ class TiledGQAAttention(CausalSelfAttention):
     shared = False  # True: the same bug in the full forward too
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         self._tile = cache is not None or self.shared
-        return super().forward(x, cache, layer_idx, start, attn_mask)
+        return super().forward(x, cache, layer_idx, start, attn_mask, positions=positions)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -61,13 +61,15 @@ class UnrotatedKeyAttention(CausalSelfAttention):
     returns."""
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         B, C, d = x.shape
         q, k, v = _split_heads(self, x)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v, start)  # BUG: K is stored unrotated
-        q = apply_rope(q, start, self.rope_theta)
-        new_k = apply_rope(k[:, :, -C:], start, self.rope_theta)  # cached rows are never turned
+        at = start if positions is None else positions
+        q = apply_rope(q, at, self.rope_theta)
+        new_k = apply_rope(k[:, :, -C:], at, self.rope_theta)  # cached rows are never turned
         k = torch.cat((k[:, :, :-C], new_k), dim=2)
         y = self.attend(q, k, v, start, attn_mask)
         return self.c_proj(y.transpose(1, 2).reshape(B, C, d))
@@ -77,10 +79,11 @@ class RopeRestartAttention(CausalSelfAttention):
     """BROKEN: rotates the new rows at positions ``0 .. C - 1`` whatever the cache holds."""
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         B, C, d = x.shape
         q, k, v = _split_heads(self, x)
-        q = apply_rope(q, 0, self.rope_theta)  # BUG: should be `start`
+        q = apply_rope(q, 0, self.rope_theta)  # BUG: should be `start` (or `positions`)
         k = apply_rope(k, 0, self.rope_theta)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v, start)
@@ -107,10 +110,15 @@ class GrowingTableAttention(CausalSelfAttention):
         return self._cos, self._sin
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         B, C, d = x.shape
         q, k, v = _split_heads(self, x)
-        cos, sin = (t[start:start + C] for t in self._table(start + C, x))
+        if positions is None:
+            cos, sin = (t[start:start + C] for t in self._table(start + C, x))
+        else:  # each row's own positions, [B, 1, C, D_h]: read off the same table
+            table = self._table(int(positions.max()) + 1, x)
+            cos, sin = (t[positions][:, None] for t in table)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         if cache is not None:
             k, v = cache.update(layer_idx, k, v, start)
@@ -123,10 +131,12 @@ class DefaultBaseAttention(CausalSelfAttention):
     whatever ``config.rope_theta`` says, in every call, full or cached."""
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         B, C, d = x.shape
         q, k, v = _split_heads(self, x)
-        q, k = apply_rope(q, start), apply_rope(k, start)  # BUG: no self.rope_theta
+        at = start if positions is None else positions
+        q, k = apply_rope(q, at), apply_rope(k, at)  # BUG: no self.rope_theta
         if cache is not None:
             k, v = cache.update(layer_idx, k, v, start)
         y = self.attend(q, k, v, start, attn_mask)
