@@ -7,12 +7,8 @@ import pytest
 import torch
 
 from kvdoc.core.config import GPTConfig
-from kvdoc.proofs.handover import (
-    check_dtypes,
-    check_handover,
-    pack_off_by_one,
-    pack_zeroed_last_v,
-)
+from kvdoc.proofs.broken.serving import pack_off_by_one, pack_zeroed_last_v
+from kvdoc.proofs.handover import check_dtypes, check_handover
 from kvdoc.proofs.verify import default_model
 from kvdoc.serving.handover import disaggregated_generate, pack, unpack
 

@@ -4,16 +4,15 @@ eviction, bookkeeping, and each request against itself alone."""
 import pytest
 import torch
 
+from kvdoc.proofs.broken.serving import EvictLocked, WholeBlockMatch
 from kvdoc.proofs.prefix_cache import (
-    EvictLocked,
-    WholeBlockMatch,
     check_locked_eviction,
     compare_workload,
     invariant_errors,
 )
 from kvdoc.proofs.verify import default_model
 from kvdoc.serving.paged import BlockPool
-from kvdoc.serving.radix import RadixCache, Turn, serve
+from kvdoc.serving.radix import RadixCache, Turn, serve_prompt
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +31,7 @@ TURNS = [Turn(tuple(A), 3, "a"), Turn(tuple(A[:6]) + (50, 51, 52), 2, "b"),
 
 def test_token_match_shares_the_partial_block_and_copies_it_on_write(model):
     tree = tree_for(model)
-    serve(model, tree, A, max_new=3)  # 12 positions held: blocks 0, 1, 2 kept
+    serve_prompt(model, tree, A, max_new=3)  # 12 positions held: blocks 0, 1, 2 kept
     assert tree.match(A[:6] + [50])[:2] == (6, [0, 1])
     kept = [t[1].clone() for t in (*tree.pool.k, *tree.pool.v)]
     request = tree.admit(A[:6] + [50, 51], max_new=1)
@@ -47,7 +46,7 @@ def test_token_match_shares_the_partial_block_and_copies_it_on_write(model):
 
 def test_block_granularity_keeps_whole_blocks_and_a_whole_prompt_keeps_its_last_token(model):
     tree = tree_for(model, granularity="block")
-    serve(model, tree, A, max_new=3)
+    serve_prompt(model, tree, A, max_new=3)
     assert tree.match(A[:6] + [50])[:2] == (4, [0])
     assert tree.admit(A[:8], max_new=1).matched == 7  # found whole: its last token is computed
 
@@ -63,14 +62,14 @@ def test_every_request_equals_itself_alone_fp32_and_fp64(model):
 
 def test_a_shared_block_has_one_reference_per_holder(model):
     tree = tree_for(model)
-    serve(model, tree, A, max_new=3)
+    serve_prompt(model, tree, A, max_new=3)
     one, two = tree.admit(A[:9], 1), tree.admit(A[:8] + [70], 1)
     assert tree.pool.refs(0) == 3 and tree.pool.refs(1) == 3  # the tree and both requests
     assert invariant_errors(tree) == []
     with pytest.raises(ValueError, match="still running"):
         tree.clear()
-    tree.finish(one, A[:8])  # neither was fed: each holds its 8 matched positions
-    tree.finish(two, A[:8])
+    tree.retire(one, A[:8])  # neither was fed: each holds its 8 matched positions
+    tree.retire(two, A[:8])
     assert invariant_errors(tree) == []
     tree.clear()
     assert tree.pool.num_free == tree.pool.num_blocks and invariant_errors(tree) == []
@@ -78,9 +77,9 @@ def test_a_shared_block_has_one_reference_per_holder(model):
 
 def test_lru_evicts_the_least_recently_used_unlocked_leaf(model):
     tree = tree_for(model, blocks=7)
-    serve(model, tree, [1, 2, 3, 4, 5], max_new=4)  # 8 positions: 2 blocks
-    serve(model, tree, [9, 8, 7, 6, 5], max_new=4)
-    serve(model, tree, [1, 2, 3, 4, 5], max_new=4)  # uses the first again: the second is older
+    serve_prompt(model, tree, [1, 2, 3, 4, 5], max_new=4)  # 8 positions: 2 blocks
+    serve_prompt(model, tree, [9, 8, 7, 6, 5], max_new=4)
+    serve_prompt(model, tree, [1, 2, 3, 4, 5], max_new=4)  # the first again: the second is older
     request = tree.admit(list(range(30, 39)), max_new=7)  # 4 new blocks, 3 free
     assert (request.matched, tree.evicted_nodes, tree.evicted_blocks) == (0, 1, 2)
     assert tree.match([9, 8, 7, 6])[0] == 0 and tree.match([1, 2, 3, 4])[0] == 4
@@ -98,7 +97,7 @@ def test_bad_input_leaves_the_tree_as_it_was(model):
     with pytest.raises(ValueError, match="granularity must be"):
         tree_for(model, granularity="page")
     tree = tree_for(model, blocks=4)
-    serve(model, tree, A, max_new=3)
+    serve_prompt(model, tree, A, max_new=3)
     before = tree.render()
     with pytest.raises(ValueError, match="non-empty prompt"):
         tree.admit([], 1)
@@ -107,7 +106,7 @@ def test_bad_input_leaves_the_tree_as_it_was(model):
     assert tree.render() == before and tree.running == [] and invariant_errors(tree) == []
     request = tree.admit(A[:5], 1)
     with pytest.raises(ValueError, match="tokens must be"):
-        tree.finish(request, A[:3])
+        tree.retire(request, A[:3])
 
 
 # --- every decoder of the grid: RoPE, a window, Gemma's hybrid layers, MLA's latent -----------

@@ -9,11 +9,14 @@ import torch
 from kvdoc.core import model as core_model
 from kvdoc.core.config import llama_config
 from kvdoc.core.model import Decoder, generate
-from kvdoc.proofs.broken.cache_kinds import ForkWithoutCopy, ResumeWithoutRecompute
+from kvdoc.proofs.broken.serving import (
+    ForkWithoutCopy,
+    LeakingScheduler,
+    ResumeWithoutRecompute,
+    SharedStartScheduler,
+)
 from kvdoc.proofs.scheduling import (
     PREEMPTION_TRACE,
-    LeakingScheduler,
-    SharedStartScheduler,
     check_forks,
     check_policies,
     check_preemption,

@@ -7,11 +7,13 @@
   :func:`kvdoc.measure.memory.kv_bytes_for_config` (an MLA model's own
   :meth:`~kvdoc.core.mla.MLAConfig.bytes_per_token` for its latent).
 * :func:`check_dtypes`: the same in FP32 and FP64.
-* Broken packers the check must catch: :func:`pack_off_by_one` (ships one position too few,
-  so decoding starts a position early) and :func:`pack_zeroed_last_v` (the last layer's V
-  replaced by zeros: the right byte count, the wrong values).
+* What the check must catch: the broken packers of :mod:`kvdoc.proofs.broken.serving`,
+  :func:`~kvdoc.proofs.broken.serving.pack_off_by_one` (ships one position too few, so decoding
+  starts a position early) and :func:`~kvdoc.proofs.broken.serving.pack_zeroed_last_v` (the
+  last layer's V replaced by zeros: the right byte count, the wrong values).
 
 >>> import torch
+>>> from kvdoc.proofs.broken.serving import pack_off_by_one, pack_zeroed_last_v
 >>> from kvdoc.proofs.verify import default_model
 >>> model, prompt = default_model(), torch.tensor([[5, 6, 7, 8]])
 >>> [c.passed for c in check_dtypes(model, prompt, 4)]
@@ -31,33 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdoc.core.cache import DynamicCache, KVCache
-from kvdoc.core.mla import DynamicLatentCache, LatentCache
 from kvdoc.core.model import Decoder, generate
 from kvdoc.measure.memory import kv_bytes_for_config
 from kvdoc.serving.handover import disaggregated_generate, pack
 
 from .verify import DTYPE_NAMES, TOLERANCE, close, max_abs
-
-
-def _rebuilt(cache: KVCache, layers: list) -> KVCache:
-    """A dynamic cache of ``layers`` (K/V, or a latent's two tensors, as ``cache`` holds)."""
-    return (DynamicLatentCache if isinstance(cache, LatentCache) else DynamicCache)(layers)
-
-
-def pack_off_by_one(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
-    """BROKEN: ships positions ``0 .. T - 2``; the decoder then writes the first new token at
-    ``T - 1``, over the prompt's last position."""
-    layers = [cache.layer(i) for i in range(cache.n_layer)]
-    return pack(_rebuilt(cache, layers).crop(cache.seq_len - 1), logits)
-
-
-def pack_zeroed_last_v(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
-    """BROKEN: the last layer's V is sent as zeros (a packer that skipped it): every size is
-    right, so only the values can show it."""
-    layers = [cache.layer(i) for i in range(cache.n_layer)]
-    layers[-1] = (layers[-1][0], torch.zeros_like(layers[-1][1]))
-    return pack(_rebuilt(cache, layers), logits)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Checks of the radix-tree prefix cache (:mod:`kvdoc.serving.radix`), and broken trees they catch.
+"""Checks of the radix-tree prefix cache (:mod:`kvdoc.serving.radix`).
 
 * :func:`compare_workload`: every request served through the tree against the same request run
   alone without it: its computed logits against one full forward (within
@@ -12,8 +12,9 @@
 * :func:`check_locked_eviction`: a request that needs more blocks than the unlocked nodes can
   free is refused, and its own matched path is not evicted to make room.
 
-:data:`BROKEN_TREES` are deliberately wrong trees each check must catch:
+The broken trees of :mod:`kvdoc.proofs.broken.serving` are what each check must catch:
 
+>>> from kvdoc.proofs.broken.serving import EvictLocked, WholeBlockMatch
 >>> from kvdoc.proofs.verify import default_model
 >>> from kvdoc.serving.radix import few_shot_workload
 >>> model, turns = default_model(), few_shot_workload(requests=3)
@@ -40,36 +41,10 @@ from kvdoc.serving.radix import (
     WorkloadRun,
     few_shot_workload,
     run_workload,
-    serve,
+    serve_prompt,
 )
 
 from .verify import DTYPE_NAMES, TOLERANCE, close, max_abs
-
-
-class WholeBlockMatch(RadixCache):
-    """BROKEN: matches at token granularity, then takes the partly matched last block as if all
-    of it were the request's own: the match is rounded up to the block's end (within the prompt),
-    so the request skips prefilling positions whose K/V belong to another sequence."""
-
-    def match(self, tokens):
-        length, blocks, node = super().match(tokens)
-        end = len(blocks) * self.block_size
-        if length % self.block_size and end < len(tokens):
-            length = end  # BUG: the tail of the last block is another request's
-        return length, blocks, node
-
-
-class EvictLocked(RadixCache):
-    """BROKEN: eviction ignores locks, so making room for a request may evict the very path it
-    matched; its blocks go back on the free list while the request is handed them."""
-
-    def _may_evict(self, node):
-        return True  # BUG: node.lock not consulted
-
-
-BROKEN_TREES: dict[str, type[RadixCache]] = {"whole-block": WholeBlockMatch,
-                                             "evict-locked": EvictLocked}
-"""The broken trees by name."""
 
 
 def invariant_errors(tree: RadixCache) -> list[str]:
@@ -183,8 +158,8 @@ def check_locked_eviction(model: Decoder, tree_cls: type[RadixCache] = RadixCach
     weight = model.wte.weight
     tree = tree_cls(BlockPool(model.config, 6, block_size, weight.dtype, weight.device))
     first, other = list(range(1, 9)), list(range(20, 28))
-    serve(model, tree, first, max_new=1)
-    serve(model, tree, other, max_new=1)
+    serve_prompt(model, tree, first, max_new=1)
+    serve_prompt(model, tree, other, max_new=1)
     before = tree.render()
     try:
         request = tree.admit(first + list(range(40, 56)), max_new=4)

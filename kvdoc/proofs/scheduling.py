@@ -9,19 +9,18 @@
   preemption by recompute, against a pool large enough: every request as alone, the counts.
 * :func:`check_forks`: a request forked into seeded samples against each sample alone (its own
   dynamic cache, the same generator seed) and against independent requests; blocks held.
-* Broken schedulers the checks must catch: :class:`SharedStartScheduler` (a newly admitted row
-  embedded from the step's common start instead of its own length),
-  :class:`LeakingScheduler` (a finished request's table cleared, its blocks never given back);
-  in :mod:`kvdoc.proofs.broken.cache_kinds`, since they are variants (:mod:`kvdoc.proofs.verify`
-  imports the variants, and this module imports it),
-  :class:`~kvdoc.proofs.broken.cache_kinds.ResumeWithoutRecompute` (a preempted request keeps its
-  count of written positions, so it resumes over blocks it gave back) and
-  :class:`~kvdoc.proofs.broken.cache_kinds.ForkWithoutCopy` (a fork writes into the block it shares,
-  so its siblings read its K/V).
+* What the checks must catch, the broken schedulers of :mod:`kvdoc.proofs.broken.serving`:
+  ``SharedStartScheduler`` (a newly admitted row embedded from the step's common start instead
+  of its own length), ``LeakingScheduler`` (a finished request's table cleared, its blocks never
+  given back), ``ResumeWithoutRecompute`` (a preempted request keeps its count of written
+  positions, so it resumes over blocks it gave back) and ``ForkWithoutCopy`` (a fork writes into
+  the block it shares, so its siblings read its K/V).
 * :func:`scheduling_scenario`: the checks as a scenario of the verification grid
   (:mod:`kvdoc.proofs.scenarios` signature), on the paged kind of every model of the grid;
   a broken variant's scheduler class comes in as ``case.caches["scheduler"]``.
 
+>>> from kvdoc.proofs.broken.serving import (
+...     ForkWithoutCopy, LeakingScheduler, ResumeWithoutRecompute, SharedStartScheduler)
 >>> from kvdoc.proofs.verify import default_model
 >>> from kvdoc.serving.requests import arrival_trace
 >>> from kvdoc.serving.scheduler import serve
@@ -34,7 +33,6 @@ True
 False
 >>> LeakingScheduler(model, num_blocks=12).run(trace).invariants_hold
 False
->>> from kvdoc.proofs.broken.cache_kinds import ForkWithoutCopy, ResumeWithoutRecompute
 >>> check_preemption(model).passed, check_preemption(model, ResumeWithoutRecompute).passed
 (True, False)
 >>> check_forks(model).passed, check_forks(model, ForkWithoutCopy).passed
@@ -49,28 +47,11 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.core.model import Decoder, decode_step, generate, prefill
-from kvdoc.serving.ragged import RaggedStep
 from kvdoc.serving.requests import Request, arrival_trace, choose, sample_generator
 from kvdoc.serving.runs import ServeRun
-from kvdoc.serving.scheduler import LiveRequest, Scheduler
+from kvdoc.serving.scheduler import Scheduler
 
 from .verify import DTYPE_NAMES, TOLERANCE, close, max_abs
-
-
-class SharedStartScheduler(Scheduler):
-    """BROKEN: every row of a step is embedded at the step's common start ``T - C`` on, not at
-    its own length: right only when every row of the step is as long as the longest."""
-
-    def positions(self, view: RaggedStep) -> torch.Tensor:
-        C = max(view.new)
-        return view.seq_len + torch.arange(C, device=view.device).expand(len(view.new), C)
-
-
-class LeakingScheduler(Scheduler):
-    """BROKEN: retiring a request forgets its table but never gives its blocks back."""
-
-    def retire(self, live: LiveRequest) -> None:
-        live.table.clear()  # BUG: no self.pool.release(live.table) first
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 * :func:`compare_with_alone`: each row of a left-padded batch
   (:func:`kvdoc.serving.batching.generate_padded`) against its prompt generated alone;
-  :class:`UnshiftedPositionsDecoder` is the broken variant it must catch.
+  :class:`~kvdoc.proofs.broken.serving.UnshiftedPositionsDecoder` is the broken variant it must
+  catch.
 * :func:`compare_mix_with_alone`: every request of a shared-prefix run
   (:func:`kvdoc.serving.workload.measure_mix`) against one full forward of that request alone.
 * :func:`measure_int8`: how far the int8 cache (:mod:`kvdoc.serving.quant`) moves the logits
@@ -12,6 +13,7 @@
 >>> model = default_model()
 >>> [(r.pad, r.passed) for r in compare_with_alone(model, [[5, 6, 7], [8]], max_new_tokens=4)]
 [(0, True), (2, True)]
+>>> from kvdoc.proofs.broken.serving import unshifted_positions
 >>> broken = unshifted_positions(model)
 >>> [(r.pad, r.passed) for r in compare_with_alone(model, [[5, 6, 7], [8]], 4, under_test=broken)]
 [(0, True), (2, False)]
@@ -24,36 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdoc.core.cache import KVCache
-from kvdoc.core.model import Decoder, DecoderOutput, generate
+from kvdoc.core.model import Decoder, generate
 from kvdoc.serving.batching import generate_padded, left_pad
 from kvdoc.serving.quant import new_int8_cache
 from kvdoc.serving.workload import MixMemory, RequestMix
 
 from .verify import DTYPE_NAMES, TOLERANCE, close, max_abs, run_cached
-
-
-class UnshiftedPositionsDecoder(Decoder):
-    """BROKEN: ignores per-row positions: slot ``t`` of a padded row is embedded at position ``t``.
-
-    The pad mask still holds, but a row with ``pad`` slots in front sees its prompt at positions
-    ``pad ..`` instead of ``0 ..``: wrong for every padded row, right for a row without padding.
-    """
-
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False,
-                positions: torch.Tensor | None = None,
-                attn_mask: torch.Tensor | None = None) -> DecoderOutput:
-        # BUG: drops positions
-        return super().forward(idx, cache, last_only=last_only, attn_mask=attn_mask)
-
-
-def unshifted_positions(model: Decoder) -> UnshiftedPositionsDecoder:
-    """An :class:`UnshiftedPositionsDecoder` with ``model``'s config, weights, dtype and device."""
-    weight = model.wte.weight
-    with torch.random.fork_rng():  # the initialisation is overwritten: leave the global RNG alone
-        clone = UnshiftedPositionsDecoder(model.config).to(weight.dtype).to(weight.device)
-    clone.load_state_dict(model.state_dict())
-    return clone.eval()
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 from kvdoc.core.gemma import Gemma3Decoder
 from kvdoc.core.model import Decoder
 
-from .broken import cache_kinds, caches, decoders, rope
+from .broken import cache_kinds, caches, decoders, rope, serving
 from .traits import FAMILIES, check_traits, grid_traits, traits
 
 
@@ -198,11 +198,11 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   "a preempted request gives its blocks back but keeps its count of written "
                   "positions, so it resumes without re-prefilling prompt and tokens",
                   _copy(Decoder), "preemption and forks", one_model=True, kinds=("paged",),
-                  caches={"scheduler": cache_kinds.ResumeWithoutRecompute}),
+                  caches={"scheduler": serving.ResumeWithoutRecompute}),
     BrokenVariant("fork-without-copy",
                   "a fork writes into the prompt block it shares with its siblings, no copy",
                   _copy(Decoder), "preemption and forks", one_model=True, kinds=("paged",),
-                  caches={"scheduler": cache_kinds.ForkWithoutCopy}),
+                  caches={"scheduler": serving.ForkWithoutCopy}),
     BrokenVariant("rope-table-growth",
                   "RoPE's cos/sin table, built on the first call, grows with rows from position 0",
                   rope.growing_table, "state across calls", needs={"decoder", "rope"}),

@@ -31,8 +31,8 @@ Rules this module keeps:
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(GPTConfig()).eval()
 >>> tree = RadixCache(BlockPool(model.config, num_blocks=8, block_size=4))
->>> a = serve(model, tree, [5, 6, 7, 8, 9, 10], max_new=3)  # 8 tokens held: two blocks kept
->>> b = serve(model, tree, [5, 6, 7, 8, 9, 11, 12], max_new=2)
+>>> a = serve_prompt(model, tree, [5, 6, 7, 8, 9, 10], max_new=3)  # 8 tokens: 2 blocks kept
+>>> b = serve_prompt(model, tree, [5, 6, 7, 8, 9, 11, 12], max_new=2)
 >>> a.matched, b.matched  # b shares block 0 whole and one position of block 1 (then copied)
 (0, 5)
 >>> print(tree.render(width=2))  # b's copy of block 1 is block 2
@@ -75,7 +75,7 @@ class Node:
 
 
 @dataclass(eq=False)
-class Request:
+class Admission:
     """A request admitted by :meth:`RadixCache.admit`: its cache starts ``matched`` positions in."""
 
     prompt: tuple[int, ...]
@@ -94,6 +94,18 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+class LRU:
+    """The eviction policy: a leaf no running request locks, the one used longest ago first."""
+
+    def may_evict(self, node: Node) -> bool:
+        """No running request uses it (its path from the root is unlocked)."""
+        return node.lock == 0
+
+    def priority(self, node: Node) -> int:
+        """Lower goes first: the tree's clock at the node's last match."""
+        return node.last_used
+
+
 class RadixCache:
     """A radix tree over token ids whose nodes own blocks of ``pool``.
 
@@ -101,14 +113,19 @@ class RadixCache:
         pool: where every block comes from; its size is the budget eviction works under.
         granularity: ``"token"`` (a match may end inside a block, which is then copied on write)
             or ``"block"`` (whole blocks only).
+        policy: which unlocked leaves eviction may take, in what order (default :class:`LRU`);
+            an object with ``may_evict(node)`` and ``priority(node)``, as SGLang's eviction
+            strategies are.
     """
 
-    def __init__(self, pool: BlockPool, granularity: Literal["token", "block"] = "token") -> None:
+    def __init__(self, pool: BlockPool, granularity: Literal["token", "block"] = "token",
+                 policy: LRU | None = None) -> None:
         if granularity not in ("token", "block"):
             raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
         self.pool, self.block_size, self.granularity = pool, pool.block_size, granularity
+        self.policy = LRU() if policy is None else policy
         self.root = Node((), [], None)
-        self.running: list[Request] = []
+        self.running: list[Admission] = []
         self.clock = 0
         self.evicted_nodes = self.evicted_blocks = 0
 
@@ -142,7 +159,7 @@ class RadixCache:
         return pos, blocks, node
 
     # --- a request's life -----------------------------------------------------------------
-    def admit(self, prompt: Sequence[int], max_new: int = 0) -> Request:
+    def admit(self, prompt: Sequence[int], max_new: int = 0) -> Admission:
         """Match ``prompt``, lock its path, make room for it, and give it a cache.
 
         The cache holds the matched positions (shared blocks) and is to be continued with
@@ -165,7 +182,7 @@ class RadixCache:
         node = self._cut(node, len(blocks))
         self._lock(node, +1)  # before making room: eviction must not take this path
         # an unlocked node's whole subtree is unlocked: leaf by leaf, all of it can go
-        evictable = sum(len(n.blocks) for n in self.nodes() if self._may_evict(n))
+        evictable = sum(len(n.blocks) for n in self.nodes() if self.policy.may_evict(n))
         if needed > self.pool.num_free + evictable:
             self._lock(node, -1)
             raise ValueError(f"out of blocks: a request of {len(prompt)} + {max_new} positions "
@@ -175,12 +192,12 @@ class RadixCache:
         cache = paged_cache(self.pool, 1)
         cache.tables[0].extend(blocks)
         self.pool.share(blocks)
-        cache._len = length  # the shared blocks hold exactly these positions
-        request = Request(prompt, length, cache, node)
+        cache.finish(length)  # the shared blocks hold exactly these positions
+        request = Admission(prompt, length, cache, node)
         self.running.append(request)
         return request
 
-    def finish(self, request: Request, tokens: Sequence[int]) -> int:
+    def retire(self, request: Admission, tokens: Sequence[int]) -> int:
         """Keep the K/V of a finished request, unlock its path, release its cache.
 
         ``tokens`` are the ids whose K/V its cache holds (prompt, then every generated token
@@ -262,22 +279,19 @@ class RadixCache:
             node.last_used = self.clock
             node = node.parent
 
-    def _may_evict(self, node: Node) -> bool:
-        """No running request uses it."""
-        return node.lock == 0
-
     def _evictable(self, node: Node) -> bool:
-        return not node.children and self._may_evict(node)
+        return not node.children and self.policy.may_evict(node)
 
     def evict(self, blocks: int) -> int:
-        """Evict least recently used unlocked leaves until ``blocks`` blocks are freed or none
-        is left; returns the blocks freed (counted in :attr:`evicted_blocks`)."""
+        """Evict leaves the policy may evict, lowest :meth:`LRU.priority` first, until ``blocks``
+        blocks are freed or none is left; returns the blocks freed (counted in
+        :attr:`evicted_blocks`)."""
         freed = 0
         while freed < blocks:
             leaves = [n for n in self.nodes() if self._evictable(n)]
             if not leaves:
                 break
-            freed += self._remove(min(leaves, key=lambda n: n.last_used))
+            freed += self._remove(min(leaves, key=self.policy.priority))
             self.evicted_nodes += 1
         self.evicted_blocks += freed
         return freed
@@ -350,7 +364,8 @@ class Served:
 
 
 @torch.no_grad()
-def serve(model: Decoder, tree: RadixCache, prompt: Sequence[int], max_new: int) -> Served:
+def serve_prompt(model: Decoder, tree: RadixCache, prompt: Sequence[int],
+                 max_new: int) -> Served:
     """Admit ``prompt``, prefill only what the tree lacks, decode ``max_new`` greedy tokens,
     and leave the result in the tree."""
     if max_new < 1:
@@ -366,7 +381,7 @@ def serve(model: Decoder, tree: RadixCache, prompt: Sequence[int], max_new: int)
             break
         logits, cache = model(torch.tensor([tokens[-1:]], device=device), cache)
         steps.append(logits)
-    tree.finish(request, tokens[:-1])  # the last token was never fed: its K/V is not held
+    tree.retire(request, tokens[:-1])  # the last token was never fed: its K/V is not held
     return Served(tuple(tokens), len(prompt), request.matched, torch.cat(steps, dim=1))
 
 
@@ -468,7 +483,7 @@ def run_workload(model: Decoder, turns: Sequence[Turn], num_blocks: int, block_s
     served: list[Served] = []
     for turn in turns:
         before = () if turn.after is None else served[turn.after].tokens
-        served.append(serve(model, tree, before + turn.text, turn.max_new))
+        served.append(serve_prompt(model, tree, before + turn.text, turn.max_new))
         if after is not None:
             after(tree)
     return WorkloadRun(served, tree)

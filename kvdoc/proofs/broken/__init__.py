@@ -13,7 +13,9 @@ nothing but public hooks:
   :func:`~kvdoc.proofs.broken.caches.with_layers`) and transactions (``update``, ``begin``,
   ``finish``) of the dynamic and static caches that store, return or count the wrong thing;
 * :mod:`~kvdoc.proofs.broken.cache_kinds`: the window ring, the hybrid cache, the int8 cache,
-  the paged pool and its block tables, and the scheduler, each wrong at one edge.
+  the paged pool and its block tables, each wrong at one edge;
+* :mod:`~kvdoc.proofs.broken.serving`: radix trees, hand-over packers, schedulers and a decoder
+  that drops a padded batch's positions.
 
 Every variant here is **wrong on purpose**. :data:`kvdoc.proofs.variants.VARIANTS` lists them by
 name, with the kind of mistake each stands for (:data:`kvdoc.proofs.variants.BUG_CLASSES`); the

@@ -15,9 +15,6 @@ of :mod:`kvdoc.proofs.invariants` catches it:
   than the window, not the last;
 * :class:`LazyRingLayer`: a window ring shared with the cache it continues until a write would
   overwrite a held position, so two branches before the ring has wrapped write into one ring;
-* :class:`ResumeWithoutRecompute`: a scheduler whose preemption gives the blocks back but keeps
-  the count of written positions (the ``scheduling`` scenario's ``"scheduler"``);
-* :class:`ForkWithoutCopy`: a scheduler whose forks write into the blocks they share;
 * :class:`LateCopyBlockTables`: block tables of a shared-prefix cache that copy only the shared
   blocks a write starts, never the shared, partly filled one it continues;
 * :class:`RingedGlobalHybridCache`: a hybrid cache (:mod:`kvdoc.core.hybrid`) that rings its
@@ -48,7 +45,6 @@ from kvdoc.core.layers import CacheLayer, RingLayer
 from kvdoc.core.window import SlidingWindowCache
 from kvdoc.serving.paged import BlockPool, BlockTables, PagedCache, SharedPrefixCache
 from kvdoc.serving.quant import Int8Cache, Int8Layer, dequantize
-from kvdoc.serving.scheduler import LiveRequest, Scheduler
 
 from .caches import with_layers
 
@@ -186,30 +182,6 @@ def late_copy_shared_prefix_cache(model: nn.Module, batch: int, capacity: int
                                   ) -> LateCopySharedPrefixCache:
     """An empty :class:`LateCopySharedPrefixCache` (a spare block per sequence, as the real one)."""
     return LateCopySharedPrefixCache(_pool(BlockPool, model, batch, capacity, spare=1), batch)
-
-
-class ResumeWithoutRecompute(Scheduler):
-    """BROKEN: preemption gives the blocks back but keeps the count of written positions, so the
-    request, admitted again, decodes on as if its K/V were still there: nothing re-prefilled."""
-
-    def preempt(self, live: LiveRequest) -> int:
-        discarded = live.fed
-        self.pool.release(live.table)
-        live.table.clear()
-        live.preemptions += 1  # BUG: live.fed = 0 missing
-        return discarded
-
-
-class ForkWithoutCopy(Scheduler):
-    """BROKEN: a write into a block shared with other forks goes into the shared block itself
-    (no copy-on-write), so the forks overwrite each other's K/V in the prompt's last block."""
-
-    def reserve(self, live: LiveRequest, end: int) -> bool:
-        missing = max(0, self.blocks_for(end) - len(live.table))
-        if missing > self.pool.num_free:
-            return False
-        live.table.extend(self.pool.allocate(missing))  # BUG: shared blocks not copied
-        return True
 
 
 class RingedGlobalHybridCache(HybridCache):

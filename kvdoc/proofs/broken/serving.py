@@ -1,0 +1,154 @@
+"""Deliberately wrong parts of the serving layer: radix trees, hand-over packers, schedulers, and
+a decoder that drops a padded batch's positions.
+
+* :class:`WholeBlockMatch`: a tree that takes a partly matched block as if all of it were the
+  request's own; :class:`EvictLocked`: a tree whose eviction policy (:class:`IgnoreLocks`, passed
+  through the tree's public ``policy``) ignores locks.
+* :func:`pack_off_by_one` ships one position too few; :func:`pack_zeroed_last_v` ships the last
+  layer's V as zeros (every size right).
+* :class:`SharedStartScheduler` embeds every row of a step at the step's common start;
+  :class:`LeakingScheduler` never gives a finished request's blocks back;
+  :class:`ResumeWithoutRecompute` resumes a preempted request without recomputing it;
+  :class:`ForkWithoutCopy` lets forks write into the blocks they share.
+* :class:`UnshiftedPositionsDecoder` ignores per-row positions (:func:`unshifted_positions`).
+
+Each subclasses the real class and changes one method it offers for that purpose.
+
+>>> from kvdoc.proofs.verify import default_model
+>>> from kvdoc.proofs.serving import compare_with_alone
+>>> model = default_model()
+>>> rows = compare_with_alone(model, [[5, 6, 7], [8]], 4, under_test=unshifted_positions(model))
+>>> [(r.pad, r.passed) for r in rows]
+[(0, True), (2, False)]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvdoc.core.cache import DynamicCache, KVCache
+from kvdoc.core.mla import DynamicLatentCache, LatentCache
+from kvdoc.core.model import Decoder, DecoderOutput
+from kvdoc.serving.handover import pack
+from kvdoc.serving.radix import LRU, RadixCache
+from kvdoc.serving.ragged import RaggedStep
+from kvdoc.serving.scheduler import LiveRequest, Scheduler
+
+# --- radix trees --------------------------------------------------------------------------------
+
+class WholeBlockMatch(RadixCache):
+    """BROKEN: matches at token granularity, then takes the partly matched last block as if all
+    of it were the request's own: the match is rounded up to the block's end (within the prompt),
+    so the request skips prefilling positions whose K/V belong to another sequence."""
+
+    def match(self, tokens):
+        length, blocks, node = super().match(tokens)
+        end = len(blocks) * self.block_size
+        if length % self.block_size and end < len(tokens):
+            length = end  # BUG: the tail of the last block is another request's
+        return length, blocks, node
+
+
+class IgnoreLocks(LRU):
+    """BROKEN: an eviction policy that ignores locks, so making room for a request may evict the
+    very path it matched; its blocks go back on the free list while the request is handed them."""
+
+    def may_evict(self, node):
+        return True  # BUG: node.lock not consulted
+
+
+class EvictLocked(RadixCache):
+    """A tree whose eviction policy is :class:`IgnoreLocks`."""
+
+    def __init__(self, pool, granularity="token"):
+        super().__init__(pool, granularity, policy=IgnoreLocks())
+
+
+
+# --- hand-over packers ---------------------------------------------------------------------
+
+def _rebuilt(cache: KVCache, layers: list) -> KVCache:
+    """A dynamic cache of ``layers`` (K/V, or a latent's two tensors, as ``cache`` holds)."""
+    return (DynamicLatentCache if isinstance(cache, LatentCache) else DynamicCache)(layers)
+
+
+def pack_off_by_one(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
+    """BROKEN: ships positions ``0 .. T - 2``; the decoder then writes the first new token at
+    ``T - 1``, over the prompt's last position."""
+    layers = [cache.layer(i) for i in range(cache.n_layer)]
+    return pack(_rebuilt(cache, layers).crop(cache.seq_len - 1), logits)
+
+
+def pack_zeroed_last_v(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
+    """BROKEN: the last layer's V is sent as zeros (a packer that skipped it): every size is
+    right, so only the values can show it."""
+    layers = [cache.layer(i) for i in range(cache.n_layer)]
+    layers[-1] = (layers[-1][0], torch.zeros_like(layers[-1][1]))
+    return pack(_rebuilt(cache, layers), logits)
+
+
+# --- schedulers ----------------------------------------------------------------------------
+
+class SharedStartScheduler(Scheduler):
+    """BROKEN: every row of a step is embedded at the step's common start ``T - C`` on, not at
+    its own length: right only when every row of the step is as long as the longest."""
+
+    def positions(self, view: RaggedStep) -> torch.Tensor:
+        C = max(view.new)
+        return view.seq_len + torch.arange(C, device=view.device).expand(len(view.new), C)
+
+
+class LeakingScheduler(Scheduler):
+    """BROKEN: retiring a request forgets its table but never gives its blocks back."""
+
+    def retire(self, live: LiveRequest) -> None:
+        live.table.clear()  # BUG: no self.pool.release(live.table) first
+
+
+class ResumeWithoutRecompute(Scheduler):
+    """BROKEN: preemption gives the blocks back but keeps the count of written positions, so the
+    request, admitted again, decodes on as if its K/V were still there: nothing re-prefilled."""
+
+    def preempt(self, live: LiveRequest) -> int:
+        discarded = live.fed
+        self.pool.release(live.table)
+        live.table.clear()
+        live.preemptions += 1  # BUG: live.fed = 0 missing
+        return discarded
+
+
+class ForkWithoutCopy(Scheduler):
+    """BROKEN: a write into a block shared with other forks goes into the shared block itself
+    (no copy-on-write), so the forks overwrite each other's K/V in the prompt's last block."""
+
+    def reserve(self, live: LiveRequest, end: int) -> bool:
+        missing = max(0, self.blocks_for(end) - len(live.table))
+        if missing > self.pool.num_free:
+            return False
+        live.table.extend(self.pool.allocate(missing))  # BUG: shared blocks not copied
+        return True
+
+
+# --- padded batches ---------------------------------------------------------------------------
+
+class UnshiftedPositionsDecoder(Decoder):
+    """BROKEN: ignores per-row positions: slot ``t`` of a padded row is embedded at position ``t``.
+
+    The pad mask still holds, but a row with ``pad`` slots in front sees its prompt at positions
+    ``pad ..`` instead of ``0 ..``: wrong for every padded row, right for a row without padding.
+    """
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False,
+                positions: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None) -> DecoderOutput:
+        # BUG: drops positions
+        return super().forward(idx, cache, last_only=last_only, attn_mask=attn_mask)
+
+
+def unshifted_positions(model: Decoder) -> UnshiftedPositionsDecoder:
+    """An :class:`UnshiftedPositionsDecoder` with ``model``'s config, weights, dtype and device."""
+    weight = model.wte.weight
+    with torch.random.fork_rng():  # the initialisation is overwritten: leave the global RNG alone
+        clone = UnshiftedPositionsDecoder(model.config).to(weight.dtype).to(weight.device)
+    clone.load_state_dict(model.state_dict())
+    return clone.eval()
