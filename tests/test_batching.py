@@ -6,8 +6,8 @@ import torch
 
 from kvdoc import Decoder, GPTConfig
 from kvdoc.proofs.broken.serving import unshifted_positions
+from kvdoc.proofs.compare import TOLERANCE
 from kvdoc.proofs.serving import compare_with_alone
-from kvdoc.proofs.verify import TOLERANCE
 from kvdoc.serving.batching import generate_padded, left_pad, padded_mask, padded_positions
 
 

@@ -10,7 +10,7 @@ from kvdoc import Decoder, GPTConfig
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.feed import feed
 from kvdoc.proofs import refusals
-from kvdoc.proofs.verify import TOLERANCE as TOL
+from kvdoc.proofs.compare import TOLERANCE as TOL
 
 
 def _model(dtype: torch.dtype = torch.float32, **cfg) -> Decoder:
@@ -152,10 +152,10 @@ def test_single_token_refusals_leave_the_cache_unchanged():
 
 
 def test_runs_through_the_verify_harness():
-    """What kvdoc.proofs.verify needs to run the fast step as one more implementation: chunked runs
+    """What kvdoc.proofs.compare needs to run the fast step as one more implementation: chunked runs
     through ``run_cached`` agree with the model's full forward, K/V included, and never write
     to what a cache already held."""
-    from kvdoc.proofs.verify import default_stream, full_forward_kv, run_cached
+    from kvdoc.proofs.compare import default_stream, full_forward_kv, run_cached
 
     model = _model()
     fast = FastDecoder(model)

@@ -18,8 +18,8 @@ from kvdoc.measure.memory import (
     hybrid_vs_global,
     kv_bytes_per_layer,
 )
+from kvdoc.proofs.compare import TOLERANCE, Snapshot, close, max_abs, run_cached
 from kvdoc.proofs.invariants import byte_problems
-from kvdoc.proofs.verify import TOLERANCE, Snapshot, close, max_abs, run_cached
 
 W = 6
 CONFIG = Gemma3Config(sliding_window=W, n_layer=4, sliding_window_pattern=2,

@@ -99,8 +99,8 @@ from kvdoc.interop.hf import (  # noqa: E402
     transformers_config,
     transformers_model,
 )
+from kvdoc.proofs.compare import TOLERANCE  # noqa: E402
 from kvdoc.proofs.crosscheck import match_transformers  # noqa: E402
-from kvdoc.proofs.verify import TOLERANCE  # noqa: E402
 
 # crosses window 32 three times
 LONG = torch.randint(0, 97, (2, 96), generator=torch.Generator().manual_seed(6))

@@ -8,10 +8,10 @@ import torch
 
 from kvdoc.proofs import int8_contract, invariants
 from kvdoc.proofs.broken.cache_kinds import k_only_paged_cache, requantising_int8_cache
+from kvdoc.proofs.compare import default_model
 from kvdoc.proofs.scenarios import SCENARIOS
-from kvdoc.proofs.suite import run_suite, sweep_variants
 from kvdoc.proofs.variants import VARIANTS
-from kvdoc.proofs.verify import default_model
+from kvdoc.proofs.verify import run_suite, sweep_variants
 from kvdoc.serving.paged import new_paged_cache
 from kvdoc.serving.quant import new_int8_cache
 
@@ -88,7 +88,7 @@ def test_registries_refuse_what_they_do_not_know():
     from kvdoc.core.cache import KVCache
     from kvdoc.core.layers import CacheLayer
     from kvdoc.measure.layer_bytes import expected_bytes
-    from kvdoc.proofs.verify import full_forward_kv
+    from kvdoc.proofs.compare import full_forward_kv
 
     class Unknown(CacheLayer):
         def read(self, seq_len):

@@ -81,7 +81,7 @@ def test_no_layer_imports_one_above_it(module: str, path: Path):
 
 
 @pytest.mark.parametrize(("source", "module"), [
-    ("from kvdoc.proofs.verify import TOLERANCE", "kvdoc.serving.batching"),
+    ("from kvdoc.proofs.compare import TOLERANCE", "kvdoc.serving.batching"),
     ("def f():\n    from ..teach import toy", "kvdoc.measure.bench"),
     ("from kvdoc import Decoder", "kvdoc.core.fast"),
     ("import numpy", "kvdoc.core.model"),

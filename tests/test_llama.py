@@ -6,8 +6,8 @@ import torch
 from kvdoc import Decoder
 from kvdoc.core.config import llama_config
 from kvdoc.core.rope import apply_rope, rope_angles
+from kvdoc.proofs.compare import TOLERANCE, run_cached
 from kvdoc.proofs.variants import VARIANTS
-from kvdoc.proofs.verify import TOLERANCE, run_cached
 
 
 def make(dtype=torch.float32, **overrides) -> Decoder:

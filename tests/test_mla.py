@@ -23,7 +23,7 @@ from kvdoc.interop.deepseek import (
     from_deepseek,
     to_deepseek,
 )
-from kvdoc.proofs.verify import TOLERANCE, close, max_abs, run_cached
+from kvdoc.proofs.compare import TOLERANCE, close, max_abs, run_cached
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
 CONFIGS = {"no q LoRA": MLAConfig(), "q LoRA": MLAConfig(q_lora_rank=12)}

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvdoc import Decoder, GPTConfig, decode_step, generate, prefill
-from kvdoc.proofs.verify import TOLERANCE
+from kvdoc.proofs.compare import TOLERANCE
 
 
 def chunked(model, ids, chunk, kind):

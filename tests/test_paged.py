@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvdoc import Decoder, GPTConfig
+from kvdoc.proofs.compare import TOLERANCE, Snapshot, run_cached
 from kvdoc.proofs.serving import compare_mix_with_alone
-from kvdoc.proofs.verify import TOLERANCE, Snapshot, run_cached
 from kvdoc.serving.paged import (
     BlockPool,
     PagedCache,

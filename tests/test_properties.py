@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvdoc import Decoder, GPTConfig
+from kvdoc.proofs.compare import TOLERANCE, full_forward_kv, run_cached
 from kvdoc.proofs.references import mha_reference
 from kvdoc.proofs.variants import VARIANTS
-from kvdoc.proofs.verify import TOLERANCE, full_forward_kv, run_cached
 
 
 @st.composite

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kvdoc import GPTConfig
+from kvdoc.proofs.compare import run_cached
 from kvdoc.proofs.serving import measure_int8
-from kvdoc.proofs.verify import run_cached
 from kvdoc.serving.quant import Int8Cache, cache_bytes, dequantize, new_int8_cache, quantize
 
 

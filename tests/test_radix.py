@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from kvdoc.proofs.broken.serving import EvictLocked, WholeBlockMatch
+from kvdoc.proofs.compare import default_model
 from kvdoc.proofs.prefix_cache import (
     check_locked_eviction,
     compare_workload,
     invariant_errors,
 )
-from kvdoc.proofs.verify import default_model
 from kvdoc.serving.paged import BlockPool
 from kvdoc.serving.radix import RadixCache, Turn, serve_prompt
 

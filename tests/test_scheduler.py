@@ -15,6 +15,7 @@ from kvdoc.proofs.broken.serving import (
     ResumeWithoutRecompute,
     SharedStartScheduler,
 )
+from kvdoc.proofs.compare import default_model
 from kvdoc.proofs.scheduling import (
     PREEMPTION_TRACE,
     check_forks,
@@ -22,7 +23,6 @@ from kvdoc.proofs.scheduling import (
     check_preemption,
     compare_trace_with_alone,
 )
-from kvdoc.proofs.verify import default_model
 from kvdoc.serving.requests import Request, arrival_trace
 from kvdoc.serving.scheduler import Scheduler, serve
 
@@ -92,12 +92,12 @@ def test_refusals(model):
 
 
 def test_scenario_runs_on_the_grid(monkeypatch):
-    from kvdoc.proofs import scenarios, suite
+    from kvdoc.proofs import scenarios, verify
     from kvdoc.proofs.scheduling import scheduling_scenario
 
     monkeypatch.setitem(scenarios.SCENARIOS, "scheduling", scheduling_scenario)
     monkeypatch.setitem(scenarios.CHECKS, "scheduling", "each served request vs its solo run")
-    report = suite.run_suite(models=["mha", "llama"], kinds=["paged", "dynamic"],
+    report = verify.run_suite(models=["mha", "llama"], kinds=["paged", "dynamic"],
                              impls=["model"], dtypes=(torch.float32,), scenarios=["scheduling"])
     verdicts = {(r.model, r.kind): r.passed for r in report.results}
     assert verdicts == {("mha", "paged"): True, ("mha", "dynamic"): None,

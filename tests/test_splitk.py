@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kvdoc import Decoder, GPTConfig, mistral_config
 from kvdoc.core.mask import offset_causal_mask
-from kvdoc.proofs.verify import TOLERANCE
+from kvdoc.proofs.compare import TOLERANCE
 from kvdoc.serving.splitk import (
     all_partials,
     merge,

@@ -9,7 +9,7 @@ import time
 
 from kvdoc.proofs import sweep_record
 from kvdoc.proofs.scenarios import CheckResult
-from kvdoc.proofs.suite import SuiteReport, VariantOutcome
+from kvdoc.proofs.verify import SuiteReport, VariantOutcome
 
 
 def fake_sweep(calls: str, wait: float = 0.0) -> list[VariantOutcome]:

@@ -16,19 +16,7 @@ from kvdoc.core.layers import StaticLayer
 from kvdoc.interop.hf import transformers_model
 from kvdoc.proofs import grid
 from kvdoc.proofs.broken.decoders import PositionsRestartDecoder, copy_as, stale_prefix
-from kvdoc.proofs.crosscheck import match_transformers
-from kvdoc.proofs.scenarios import CHECKS, SCENARIOS
-from kvdoc.proofs.suite import (
-    run_passes,
-    run_suite,
-    sweep_passes,
-    sweep_variants,
-    variants_table,
-    verify_passes,
-    worker_map,
-)
-from kvdoc.proofs.variants import BUG_CLASSES, VARIANTS
-from kvdoc.proofs.verify import (
+from kvdoc.proofs.compare import (
     TOLERANCE,
     chunk_lengths,
     default_model,
@@ -36,6 +24,18 @@ from kvdoc.proofs.verify import (
     max_abs,
     run_cached,
     split_error,
+)
+from kvdoc.proofs.crosscheck import match_transformers
+from kvdoc.proofs.scenarios import CHECKS, SCENARIOS
+from kvdoc.proofs.variants import BUG_CLASSES, VARIANTS
+from kvdoc.proofs.verify import (
+    run_passes,
+    run_suite,
+    sweep_passes,
+    sweep_variants,
+    variants_table,
+    verify_passes,
+    worker_map,
 )
 
 SMALL = dict(batches=(2,), chunks=(1, 2), dtypes=(torch.float32,))

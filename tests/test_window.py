@@ -10,7 +10,7 @@ from kvdoc.core.config import llama_config, mistral_config
 from kvdoc.core.feed import feed
 from kvdoc.core.rope import apply_rope
 from kvdoc.core.window import SlidingWindowCache
-from kvdoc.proofs.verify import TOLERANCE, run_cached
+from kvdoc.proofs.compare import TOLERANCE, run_cached
 
 W, T = 32, 100
 

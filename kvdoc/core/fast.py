@@ -28,7 +28,7 @@ objects, same storage, same version counters) and copies them again if not, so i
 serves stale weights. An in-place edit through ``param.data`` (``p.data.mul_(2)``) bypasses
 version counters and cannot be seen; call :meth:`FastDecoder.refresh` after one.
 
-:mod:`kvdoc.proofs.verify` and ``tests/test_fast.py`` prove it computes the model's function.
+:mod:`kvdoc.proofs.compare` and ``tests/test_fast.py`` prove it computes the model's function.
 """
 
 from __future__ import annotations

@@ -225,7 +225,7 @@ class Decoder(nn.Module):
     ``idx`` as the continuation of what ``cache`` holds: it embeds and projects only the new
     tokens, at absolute positions ``P .. P + C - 1`` where ``P = cache.seq_len``, attends over
     cached + new K/V, and returns the updated cache. Both are the same function of the token
-    sequence; :mod:`kvdoc.proofs.verify` proves it.
+    sequence; :mod:`kvdoc.proofs.compare` proves it.
 
     Weights use PyTorch's default initialisation (seed with ``torch.manual_seed``) or come
     from :func:`kvdoc.interop.hf.from_transformers`. The model is never trained: the site checks

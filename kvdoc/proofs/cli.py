@@ -13,9 +13,9 @@ import argparse
 
 from kvdoc.measure import bench, memory
 
-from . import suite
+from . import verify
 
-COMMANDS = {"verify": suite, "memory": memory, "bench": bench}
+COMMANDS = {"verify": verify, "memory": memory, "bench": bench}
 """Command name -> the module that implements it."""
 
 

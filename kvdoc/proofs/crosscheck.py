@@ -19,7 +19,7 @@ import torch
 
 from kvdoc.interop.hf import float64_islands_lifted, from_transformers
 
-from .verify import DTYPE_NAMES, max_abs, run_cached
+from .compare import DTYPE_NAMES, max_abs, run_cached
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 * :func:`check_handover`: one :func:`~kvdoc.serving.handover.disaggregated_generate` run
   against :func:`kvdoc.core.model.generate` on the same prompt (the tokens) and one full forward
   over prompt + tokens (the logits behind each choice, within
-  :data:`kvdoc.proofs.verify.TOLERANCE`), and the K/V bytes moved against the byte formula
+  :data:`kvdoc.proofs.compare.TOLERANCE`), and the K/V bytes moved against the byte formula
   :func:`kvdoc.measure.memory.kv_bytes_for_config` (an MLA model's own
   :meth:`~kvdoc.core.mla.MLAConfig.bytes_per_token` for its latent).
 * :func:`check_dtypes`: the same in FP32 and FP64.
@@ -14,7 +14,7 @@
 
 >>> import torch
 >>> from kvdoc.proofs.broken.serving import pack_off_by_one, pack_zeroed_last_v
->>> from kvdoc.proofs.verify import default_model
+>>> from kvdoc.proofs.compare import default_model
 >>> model, prompt = default_model(), torch.tensor([[5, 6, 7, 8]])
 >>> [c.passed for c in check_dtypes(model, prompt, 4)]
 [True, True]
@@ -37,7 +37,7 @@ from kvdoc.core.model import Decoder, generate
 from kvdoc.measure.memory import kv_bytes_for_config
 from kvdoc.serving.handover import disaggregated_generate, pack
 
-from .verify import DTYPE_NAMES, TOLERANCE, close, max_abs
+from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs
 
 
 @dataclass(frozen=True)

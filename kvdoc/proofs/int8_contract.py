@@ -25,8 +25,8 @@ from kvdoc.core.feed import feed
 from kvdoc.measure.wrapper import CacheWrapper
 from kvdoc.serving.quant import new_int8_cache, read_error_bound
 
+from .compare import Snapshot, max_abs, run_cached
 from .invariants import byte_problems
-from .verify import Snapshot, max_abs, run_cached
 
 if TYPE_CHECKING:
     from .scenarios import Case
@@ -144,7 +144,7 @@ def check_int8_reads(model: torch.nn.Module, ids: torch.Tensor, chunk: int) -> l
     """Feed ``ids`` (``[B, T]``) in chunks of ``chunk`` through ``model`` with an int8 cache:
     every layer's every attention read, against the same read over the exact K/V.
 
-    >>> from kvdoc.proofs.verify import default_model, default_stream
+    >>> from kvdoc.proofs.compare import default_model, default_stream
     >>> reads = check_int8_reads(default_model(), default_stream(length=8), 3)
     >>> len(reads), max(r.excess for r in reads)   # 2 layers x 3 calls; every bound holds
     (6, 0.0)

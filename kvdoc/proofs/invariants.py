@@ -39,7 +39,7 @@ from kvdoc.measure.layer_bytes import expected_bytes
 from kvdoc.serving.batching import left_pad, padded_mask, padded_positions
 from kvdoc.serving.paged import BlockPool, PagedCache
 
-from .verify import Snapshot, close, max_abs
+from .compare import Snapshot, close, max_abs
 
 if TYPE_CHECKING:
     from .scenarios import Case

@@ -31,7 +31,7 @@ from torch import nn
 
 from kvdoc.core.cache import KVCache
 
-from .verify import Snapshot, close, max_abs, run_cached
+from .compare import Snapshot, close, max_abs, run_cached
 
 if TYPE_CHECKING:
     from .scenarios import Case

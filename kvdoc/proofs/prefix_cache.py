@@ -2,7 +2,7 @@
 
 * :func:`compare_workload`: every request served through the tree against the same request run
   alone without it: its computed logits against one full forward (within
-  :data:`kvdoc.proofs.verify.TOLERANCE`), its greedy tokens against
+  :data:`kvdoc.proofs.compare.TOLERANCE`), its greedy tokens against
   :func:`kvdoc.core.model.generate` of its prompt alone; :func:`invariant_errors` after every
   request, and every block free once the tree is cleared.
 * :func:`invariant_errors`: each block's reference count is its number of holders (tree nodes and
@@ -15,7 +15,7 @@
 The broken trees of :mod:`kvdoc.proofs.broken.serving` are what each check must catch:
 
 >>> from kvdoc.proofs.broken.serving import EvictLocked, WholeBlockMatch
->>> from kvdoc.proofs.verify import default_model
+>>> from kvdoc.proofs.compare import default_model
 >>> from kvdoc.serving.radix import few_shot_workload
 >>> model, turns = default_model(), few_shot_workload(requests=3)
 >>> all(r.passed for r in compare_workload(model, turns, num_blocks=64).requests)
@@ -44,7 +44,7 @@ from kvdoc.serving.radix import (
     serve_prompt,
 )
 
-from .verify import DTYPE_NAMES, TOLERANCE, close, max_abs
+from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs
 
 
 def invariant_errors(tree: RadixCache) -> list[str]:

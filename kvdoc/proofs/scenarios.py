@@ -1,7 +1,7 @@
 """The checks of the verification suite, and the scenarios that make them on one combination.
 
 Each check compares against one full forward of the same model unless :data:`CHECKS` says
-otherwise; tolerances are :data:`kvdoc.proofs.verify.TOLERANCE` (``atol = rtol``, 1e-5 in FP32,
+otherwise; tolerances are :data:`kvdoc.proofs.compare.TOLERANCE` (``atol = rtol``, 1e-5 in FP32,
 1e-10 in FP64).
 
 * ``stream`` makes ``logits``, ``kv``, ``kv_shape``, ``causality`` and ``lifecycle`` for every
@@ -55,11 +55,7 @@ from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
 from . import int8_contract, invariants, lifecycle
 from .broken.decoders import stale_prefix
-from .grid import CacheSpec, ModelSpec
-from .handover import handover_scenario
-from .prefix_cache import prefix_cache_scenario
-from .scheduling import scheduling_scenario
-from .verify import (
+from .compare import (
     DTYPE_NAMES,
     TOLERANCE,
     CachedRun,
@@ -68,6 +64,10 @@ from .verify import (
     max_abs,
     run_cached,
 )
+from .grid import CacheSpec, ModelSpec
+from .handover import handover_scenario
+from .prefix_cache import prefix_cache_scenario
+from .scheduling import scheduling_scenario
 
 SPARE = 8
 """Positions of capacity beyond the stream that a cache is built with (for kinds that take one)."""

@@ -2,7 +2,7 @@
 
 * :func:`compare_trace_with_alone`: each request of a served trace against
   :func:`kvdoc.core.model.generate` on its prompt alone (the tokens) and one full forward over
-  prompt + tokens (the logits behind each choice, within :data:`kvdoc.proofs.verify.TOLERANCE`).
+  prompt + tokens (the logits behind each choice, within :data:`kvdoc.proofs.compare.TOLERANCE`).
 * :func:`check_policies`: static, continuous and chunked-prefill runs of one trace, each compared
   so, with the block invariants of :attr:`~kvdoc.serving.runs.ServeRun.invariants_hold`.
 * :func:`check_preemption`: a trace on a pool too small for all its running requests, with
@@ -21,7 +21,7 @@
 
 >>> from kvdoc.proofs.broken.serving import (
 ...     ForkWithoutCopy, LeakingScheduler, ResumeWithoutRecompute, SharedStartScheduler)
->>> from kvdoc.proofs.verify import default_model
+>>> from kvdoc.proofs.compare import default_model
 >>> from kvdoc.serving.requests import arrival_trace
 >>> from kvdoc.serving.scheduler import serve
 >>> model = default_model()
@@ -51,7 +51,7 @@ from kvdoc.serving.requests import Request, arrival_trace, choose, sample_genera
 from kvdoc.serving.runs import ServeRun
 from kvdoc.serving.scheduler import Scheduler
 
-from .verify import DTYPE_NAMES, TOLERANCE, close, max_abs
+from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class RequestCheck:
     Attributes:
         rid, sample: the request and its sample.
         logit_error: max ``|served - alone|`` over its steps and the vocabulary.
-        logits_close: within ``atol = rtol`` of :data:`kvdoc.proofs.verify.TOLERANCE`.
+        logits_close: within ``atol = rtol`` of :data:`kvdoc.proofs.compare.TOLERANCE`.
         same_tokens: the tokens (greedy, or drawn with the sample's seed) are identical.
     """
 
@@ -143,7 +143,7 @@ def check_policies(model: Decoder, trace: Sequence[Request] | None = None,
     """Serve ``trace`` (default :data:`POLICY_TRACE`) under each of :data:`POLICIES`; compare
     every request with its solo run.
 
-    >>> from kvdoc.proofs.verify import default_model
+    >>> from kvdoc.proofs.compare import default_model
     >>> [(c.policy, c.token_budget, c.passed) for c in check_policies(default_model())]
     [('static', None, True), ('continuous', None, True), ('continuous', 6, True)]
     """

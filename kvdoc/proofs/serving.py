@@ -9,7 +9,7 @@
 * :func:`measure_int8`: how far the int8 cache (:mod:`kvdoc.serving.quant`) moves the logits
   and K/V; an approximation, so this measures and claims nothing.
 
->>> from kvdoc.proofs.verify import default_model
+>>> from kvdoc.proofs.compare import default_model
 >>> model = default_model()
 >>> [(r.pad, r.passed) for r in compare_with_alone(model, [[5, 6, 7], [8]], max_new_tokens=4)]
 [(0, True), (2, True)]
@@ -31,7 +31,7 @@ from kvdoc.serving.batching import generate_padded, left_pad
 from kvdoc.serving.quant import new_int8_cache
 from kvdoc.serving.workload import MixMemory, RequestMix
 
-from .verify import DTYPE_NAMES, TOLERANCE, close, max_abs, run_cached
+from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs, run_cached
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,8 @@ class RowCheck:
     Attributes:
         length: prompt tokens. pad: pad slots in front of it.
         logit_error: max ``|batched - alone|`` over every step and the whole vocabulary.
-        logits_close: within ``atol = rtol`` of :data:`kvdoc.proofs.verify.TOLERANCE` for the dtype.
+        logits_close: within ``atol = rtol`` of :data:`kvdoc.proofs.compare.TOLERANCE` for the
+            dtype.
         same_tokens: the greedy tokens are identical.
     """
 

@@ -1,0 +1,268 @@
+"""What the checks compare with: tolerances, cache snapshots, a cached run, the K/V a full
+forward projects.
+
+Everything that compares a cached path with a full forward is built from these:
+:data:`TOLERANCE` (``atol = rtol``, 1e-5 in FP32 and 1e-10 in FP64), :func:`run_cached` (a
+stream fed chunk by chunk through :func:`kvdoc.core.feed.feed`, recording whether any call
+changed what the cache held before it), :class:`Snapshot`, and :func:`full_forward_kv` (the
+K and V one full forward projects, read off each layer's projections). The checks themselves are the scenarios of
+:mod:`kvdoc.proofs.scenarios`, which :func:`kvdoc.proofs.verify.run_suite` runs on the axes of
+:mod:`kvdoc.proofs.grid`; ``python -m kvdoc verify`` runs them all.
+
+>>> model = default_model()
+>>> ids = default_stream(batch=1, length=6)
+>>> run = run_cached(model, ids, [4, 2], "static")
+>>> tuple(run.logits.shape), run.cache.seq_len, run.lifecycle_error
+((1, 6, 97), 6, 0.0)
+>>> close(run.logits, model(ids).logits, TOLERANCE[torch.float32])
+True
+>>> split_error(model, ids, 4, "positions-restart") > 1e-2   # a broken variant, 4 + 2 tokens
+True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvdoc.core.cache import KV, KVCache
+from kvdoc.core.config import GPTConfig
+from kvdoc.core.feed import chunk_lengths, feed
+from kvdoc.core.model import Decoder
+from kvdoc.core.rope import apply_rope
+
+from .broken.decoders import stale_prefix
+from .variants import VARIANTS
+
+TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float64: 1e-10}
+"""``atol = rtol`` for each dtype."""
+
+DTYPE_NAMES: dict[torch.dtype, str] = {torch.float32: "FP32", torch.float64: "FP64"}
+
+
+def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b|`` as a Python float; ``inf`` if the shapes differ or a value is NaN.
+
+    >>> max_abs(torch.zeros(2), torch.zeros(3)), max_abs(torch.tensor([1.0]), torch.tensor([0.5]))
+    (inf, 0.5)
+    """
+    if a.shape != b.shape:
+        return math.inf
+    if a.numel() == 0:
+        return 0.0
+    err = (a - b).abs().max().item()
+    return math.inf if math.isnan(err) else float(err)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    """Same shape and ``|a - b| <= tol + tol * |b|`` everywhere."""
+    return a.shape == b.shape and bool(torch.allclose(a, b, atol=tol, rtol=tol))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A copy of what a cache holds: each layer's positions (``cache.held(i)``) and K and V."""
+
+    held: list[range]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def of(cls, cache: KVCache) -> Snapshot:
+        return cls([cache.held(i) for i in range(cache.n_layer)],
+                   [tuple(t.clone() for t in cache.layer(i)) for i in range(cache.n_layer)])
+
+    def changed(self, cache: KVCache, rows: int | None = None) -> float:
+        """Largest change in ``cache`` of the positions below ``rows`` (default all) held then.
+
+        ``inf`` if the cache no longer holds one of them (or a layer's shape disagrees with its
+        positions). A window cache (or a hybrid cache's window layer) holds only its last positions;
+        the others hold ``0 .. T - 1``.
+        """
+        err = 0.0
+        for i, (pair, was) in enumerate(zip(self.layers, self.held, strict=True)):
+            now = cache.held(i)  # a window layer holds only its last positions
+            keep = range(was.start, min(was.stop, was.stop if rows is None else rows))
+            if len(keep) and (keep.start < now.start or keep.stop > now.stop):
+                return math.inf
+            for old, cur in zip(pair, cache.layer(i), strict=True):
+                if cur.shape[2] != len(now):
+                    return math.inf
+                a = old[:, :, keep.start - was.start: keep.stop - was.start]
+                b = cur[:, :, keep.start - now.start: keep.stop - now.start]
+                if not torch.equal(a, b):  # the usual case needs no subtraction
+                    err = max(err, max_abs(a, b))
+        return err
+
+
+@dataclass(frozen=True)
+class CachedRun:
+    """What :func:`run_cached` returns.
+
+    Attributes:
+        logits: ``[B, T, V]``, the logits of every token fed, chunk after chunk.
+        cache: the cache after the last chunk.
+        lifecycle_error: the largest change, over all calls, of what the cache held before the
+            call (``inf`` if a cache not written in place changed its length).
+    """
+
+    logits: torch.Tensor
+    cache: KVCache
+    lifecycle_error: float
+
+
+@torch.no_grad()
+def run_cached(model: Callable, ids: torch.Tensor, chunk: int | Sequence[int],
+               kind: str = "dynamic", first_chunk_ids: torch.Tensor | None = None, *,
+               cache: KVCache | None = None, in_place: bool | None = None) -> CachedRun:
+    """Feed ``ids`` (``[B, T]``) through ``model`` chunk by chunk, continuing one cache.
+
+    Args:
+        model: the decoder, or any ``(idx, cache) -> (logits, cache)`` if ``cache`` is given.
+        ids: token ids ``[B, T]``, fed after what ``cache`` holds.
+        chunk: chunk size (the last chunk may be short) or the list of chunk lengths.
+        kind: the cache ``model.new_cache(B, kind)`` makes when ``cache`` is None
+            (``"static"`` gets capacity ``T``).
+        first_chunk_ids: if given (``[B, T]``), the first chunk is taken from it instead of ``ids``
+            (the stale-cache scenario of :mod:`kvdoc.proofs.broken.decoders`).
+        cache: the cache to continue (default a new empty one).
+        in_place: whether a call may write into the cache passed in (rows from its length on
+            only); otherwise that cache must keep its length too. Default: ``kind == "static"``
+            for a new cache; for a given one, only the rows it held are checked.
+
+    Returns:
+        A :class:`CachedRun`.
+    """
+    if ids.dim() != 2:
+        raise ValueError(f"ids must be [B, T], got {tuple(ids.shape)}")
+    B, T = ids.shape
+    if cache is None:
+        cache = model.new_cache(B, kind, capacity=T if kind == "static" else None)
+        in_place = kind == "static" if in_place is None else in_place
+    lifecycle, state = 0.0, (Snapshot.of(cache), cache.seq_len)
+
+    def watch(_: int, n: int, before: KVCache, after: KVCache) -> None:
+        nonlocal lifecycle, state
+        held, start = state  # what the cache passed in held, and its length, before the call
+        lifecycle = max(lifecycle, held.changed(before, start))
+        if in_place is False and before.seq_len != start:
+            lifecycle = math.inf  # a cache not written in place must keep its length
+        state = (Snapshot.of(after), after.seq_len)
+
+    lengths = chunk_lengths(T, chunk)
+    parts = []
+    if first_chunk_ids is not None:  # the first chunk from other tokens (a stale cache)
+        parts.append(feed(model, first_chunk_ids[:, :lengths[0]], cache, lengths[:1], hook=watch))
+        cache, ids, lengths = parts[0].cache, ids[:, lengths[0]:], lengths[1:]
+    if lengths:
+        parts.append(feed(model, ids, cache, lengths, hook=watch))
+    return CachedRun(torch.cat([p.logits for p in parts], dim=1), parts[-1].cache, lifecycle)
+
+
+@torch.no_grad()
+def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
+    """One full forward (no cache): logits ``[B, T, V]``, every layer's K and V
+    ``[B, H_kv, T, D_h]``.
+
+    K and V are read off each layer's ``c_attn`` output with forward hooks (and K rotated at
+    positions ``0 .. T - 1`` for a RoPE model, as a cache stores it), so they come from the full
+    recompute itself and not from any cache code. For an MLA model (:mod:`kvdoc.core.mla`) the
+    pair is what it caches instead: ``c_KV`` ``[B, 1, T, r]`` and ``k_rope`` ``[B, 1, T, d_R]``,
+    read off ``kv_a_proj_with_mqa``. For a Gemma model (:mod:`kvdoc.core.gemma`) K is read off each
+    layer's ``k_norm`` and V off its ``v_proj``.
+
+    >>> model = default_model()
+    >>> logits, kv = full_forward_kv(model, torch.tensor([[1, 2, 3]]))
+    >>> tuple(logits.shape), len(kv), tuple(kv[0][0].shape)
+    ((1, 3, 97), 2, (1, 4, 3, 16))
+    """
+    cfg = model.config
+    captured: list[KV] = []
+
+    def hook(module, inputs, output):
+        # c_attn's columns: H query heads, then H_kv key heads, then H_kv value heads, D_h each
+        B, T, _ = output.shape
+        heads = output.view(B, T, cfg.n_head + 2 * cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
+        _, k, v = heads.split((cfg.n_head, cfg.n_kv_head, cfg.n_kv_head), dim=1)
+        if cfg.position == "rope":
+            k = apply_rope(k, 0, cfg.rope_theta)
+        captured.append((k, v))
+
+    def latent_hook(attn):
+        # an MLA layer's kv_a_proj_with_mqa: the latent (normalised by the layer's own norm),
+        # then the rotary key shared by all heads, each as one head [B, 1, T, .] as cached
+        def hook(module, inputs, output):
+            c_kv, k_rope = output.split((cfg.kv_lora_rank, cfg.qk_rope_head_dim), dim=-1)
+            captured.append((attn.kv_a_layernorm(c_kv)[:, None],
+                             apply_rope(k_rope[:, None], 0, cfg.rope_theta)))
+        return hook
+
+    def gemma_hooks(attn):
+        # a Gemma layer (:mod:`kvdoc.core.gemma`): K off its k_norm (then rotated at the layer's
+        # own base), V off v_proj, which runs after it
+        found = {}
+
+        def k_hook(module, inputs, output):
+            found["k"] = apply_rope(output, 0, attn.rope_theta)
+
+        def v_hook(module, inputs, output):
+            B, T, _ = output.shape
+            v = output.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
+            captured.append((found.pop("k"), v))
+        return [attn.k_norm.register_forward_hook(k_hook),
+                attn.v_proj.register_forward_hook(v_hook)]
+
+    handles = []
+    for block in model.h:
+        attn = getattr(block, "attn", None) or block.self_attn
+        if hasattr(attn, "kv_a_proj_with_mqa"):
+            handles.append(attn.kv_a_proj_with_mqa.register_forward_hook(latent_hook(attn)))
+        elif hasattr(attn, "k_norm"):
+            handles += gemma_hooks(attn)
+        elif hasattr(attn, "c_attn"):
+            handles.append(attn.c_attn.register_forward_hook(hook))
+        else:
+            for handle in handles:
+                handle.remove()
+            raise ValueError(f"no K/V probe for a {type(attn).__name__} (no c_attn, "
+                             "kv_a_proj_with_mqa or k_norm): full_forward_kv must learn it")
+    try:
+        logits = model(ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return logits, captured
+
+
+def default_model(seed: int = 0, config: GPTConfig | None = None) -> Decoder:
+    """The site's model: ``torch.manual_seed(seed)``, then a :class:`Decoder` in eval mode."""
+    torch.manual_seed(seed)
+    return Decoder(config or GPTConfig()).eval()
+
+
+def default_stream(seed: int = 1, batch: int = 2, length: int = 24,
+                   vocab_size: int = 97) -> torch.Tensor:
+    """A token stream ``[batch, length]``: ids from a generator seeded with ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, length), generator=g)
+
+
+@torch.no_grad()
+def split_error(model: Decoder, ids: torch.Tensor, cached: int, variant: str | None = None,
+                kind: str = "dynamic") -> float:
+    """Max logit error of the new positions when ``ids`` (``[B, T]``) is fed as ``cached`` tokens,
+    then the rest.
+
+    This is the source document's experiment (4 cached + 2 new) for one implementation, the
+    correct one or the broken variant ``variant`` (a key of :data:`kvdoc.proofs.variants.VARIANTS`).
+    """
+    if not 0 < cached < ids.shape[1]:
+        raise ValueError(f"cached must be between 1 and {ids.shape[1] - 1}, got {cached}")
+    broken = None if variant is None else VARIANTS[variant]
+    under_test = model if broken is None else broken.build(model)
+    stale = broken is not None and broken.stale_prefix
+    first = stale_prefix(ids, model.config.vocab_size) if stale else None
+    run = run_cached(under_test, ids, [cached, ids.shape[1] - cached], kind, first_chunk_ids=first)
+    return max_abs(run.logits[:, cached:], model(ids).logits[:, cached:])
