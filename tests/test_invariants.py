@@ -10,8 +10,9 @@ from kvdoc.proofs import int8_contract, invariants
 from kvdoc.proofs.broken.cache_kinds import k_only_paged_cache, requantising_int8_cache
 from kvdoc.proofs.compare import default_model
 from kvdoc.proofs.scenarios import SCENARIOS
+from kvdoc.proofs.suite import run_suite
+from kvdoc.proofs.sweep import sweep_variants
 from kvdoc.proofs.variants import VARIANTS
-from kvdoc.proofs.verify import run_suite, sweep_variants
 from kvdoc.serving.paged import new_paged_cache
 from kvdoc.serving.quant import new_int8_cache
 

@@ -92,12 +92,12 @@ def test_refusals(model):
 
 
 def test_scenario_runs_on_the_grid(monkeypatch):
-    from kvdoc.proofs import scenarios, verify
+    from kvdoc.proofs import scenarios, suite
     from kvdoc.proofs.scheduling import scheduling_scenario
 
     monkeypatch.setitem(scenarios.SCENARIOS, "scheduling", scheduling_scenario)
     monkeypatch.setitem(scenarios.CHECKS, "scheduling", "each served request vs its solo run")
-    report = verify.run_suite(models=["mha", "llama"], kinds=["paged", "dynamic"],
+    report = suite.run_suite(models=["mha", "llama"], kinds=["paged", "dynamic"],
                              impls=["model"], dtypes=(torch.float32,), scenarios=["scheduling"])
     verdicts = {(r.model, r.kind): r.passed for r in report.results}
     assert verdicts == {("mha", "paged"): True, ("mha", "dynamic"): None,

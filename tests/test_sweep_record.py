@@ -9,7 +9,8 @@ import time
 
 from kvdoc.proofs import sweep_record
 from kvdoc.proofs.scenarios import CheckResult
-from kvdoc.proofs.verify import SuiteReport, VariantOutcome
+from kvdoc.proofs.suite import SuiteReport
+from kvdoc.proofs.sweep import VariantOutcome
 
 
 def fake_sweep(calls: str, wait: float = 0.0) -> list[VariantOutcome]:

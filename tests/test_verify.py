@@ -27,16 +27,10 @@ from kvdoc.proofs.compare import (
 )
 from kvdoc.proofs.crosscheck import match_transformers
 from kvdoc.proofs.scenarios import CHECKS, SCENARIOS
+from kvdoc.proofs.suite import run_suite
+from kvdoc.proofs.sweep import sweep_passes, sweep_variants, variants_table, worker_map
 from kvdoc.proofs.variants import BUG_CLASSES, VARIANTS
-from kvdoc.proofs.verify import (
-    run_passes,
-    run_suite,
-    sweep_passes,
-    sweep_variants,
-    variants_table,
-    verify_passes,
-    worker_map,
-)
+from kvdoc.proofs.verify import run_passes, verify_passes
 
 SMALL = dict(batches=(2,), chunks=(1, 2), dtypes=(torch.float32,))
 FP32 = dict(dtypes=(torch.float32,))

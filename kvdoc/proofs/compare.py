@@ -5,9 +5,9 @@ Everything that compares a cached path with a full forward is built from these:
 :data:`TOLERANCE` (``atol = rtol``, 1e-5 in FP32 and 1e-10 in FP64), :func:`run_cached` (a
 stream fed chunk by chunk through :func:`kvdoc.core.feed.feed`, recording whether any call
 changed what the cache held before it), :class:`Snapshot`, and :func:`full_forward_kv` (the
-K and V one full forward projects, read off each layer's projections). The checks themselves are the scenarios of
-:mod:`kvdoc.proofs.scenarios`, which :func:`kvdoc.proofs.verify.run_suite` runs on the axes of
-:mod:`kvdoc.proofs.grid`; ``python -m kvdoc verify`` runs them all.
+K and V one full forward projects, read off each layer's projections). The checks themselves
+are the scenarios of :mod:`kvdoc.proofs.scenarios`, which :func:`kvdoc.proofs.suite.run_suite`
+runs on the axes of :mod:`kvdoc.proofs.grid`; ``python -m kvdoc verify`` runs them all.
 
 >>> model = default_model()
 >>> ids = default_stream(batch=1, length=6)

@@ -1,7 +1,7 @@
 """The axes of the verification grid: model configurations, cache kinds, implementations.
 
 This is the one place to plug something new into ``python -m kvdoc verify``: one entry in one
-mapping puts it on the default grid of :func:`kvdoc.proofs.verify.run_suite`, where every
+mapping puts it on the default grid of :func:`kvdoc.proofs.suite.run_suite`, where every
 scenario of :mod:`kvdoc.proofs.scenarios` runs on it.
 
 * :data:`MODELS`: name -> :class:`ModelSpec`: a factory ``seed -> model`` (FP32, eval mode) with

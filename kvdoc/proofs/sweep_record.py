@@ -1,7 +1,7 @@
 """The broken-variant sweep the pages show, run once a build and read by every page that shows it.
 
 The broken-variants page (docs/part3) and the cheat sheet both show how every broken variant of
-:mod:`kvdoc.proofs.variants` fares in :func:`~kvdoc.proofs.verify.sweep_variants`, and the pages
+:mod:`kvdoc.proofs.variants` fares in :func:`~kvdoc.proofs.sweep.sweep_variants`, and the pages
 execute in parallel, each in its own kernel, in any order. :func:`broken_variants` returns that
 sweep (:func:`sweep_part`, every check, on :data:`AXES`), computing each part once: :func:`stored`
 keeps it as JSON in the folder ``$KVDOC_RECORDS`` (docs/conf.py sets it beside the build's
@@ -11,7 +11,7 @@ computed again. A file lock makes a kernel that asks while another computes wait
 what the other stored. Without ``KVDOC_RECORDS`` it computes and writes nothing.
 
 >>> import tempfile
->>> from kvdoc.proofs.verify import sweep_variants
+>>> from kvdoc.proofs.sweep import sweep_variants
 >>> axes = dict(models=["mha"], kinds=["dynamic"], dtypes=[torch.float32], length=24)
 >>> with tempfile.TemporaryDirectory() as folder:
 ...     first = stored("demo", sweep_variants, folder=folder, names=["no-mask"], **axes)
@@ -35,8 +35,9 @@ from pathlib import Path
 import torch
 
 from .scenarios import CheckResult
+from .suite import SuiteReport
+from .sweep import VariantOutcome, sweep_variants, worker_map
 from .variants import VARIANTS
-from .verify import SuiteReport, VariantOutcome, sweep_variants, worker_map
 
 PACKAGE = Path(__file__).resolve().parents[1]
 """The kvdoc package: every ``.py`` file under it is part of a record's key."""

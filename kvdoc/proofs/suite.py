@@ -1,0 +1,263 @@
+"""The verification suite: every scenario on every combination of the grid.
+
+:func:`run_suite` runs the scenarios of :mod:`kvdoc.proofs.scenarios` on every combination of
+the axes of :mod:`kvdoc.proofs.grid` (model configurations, cache kinds, implementations) and of
+FP32 and FP64, and returns a :class:`SuiteReport`; given a broken variant's name
+(:mod:`kvdoc.proofs.variants`), on that variant instead, which must fail. An exception raised by
+the code under test (also while a model is built) is a failed check carrying its message; the
+suite itself does not raise. The sweep of every variant is :mod:`kvdoc.proofs.sweep`; the command
+``python -m kvdoc verify`` is :mod:`kvdoc.proofs.verify`.
+
+>>> report = run_suite(models=("gqa",), kinds=("static",), dtypes=(torch.float32,), length=40)
+>>> report.passed, report.combinations, report.failed_checks()  # the model itself, and FastDecoder
+(True, [('gqa', 'static', 'model', 'FP32'), ('gqa', 'static', 'fast', 'FP32')], [])
+>>> run_suite("position-counter", models=("mha",), kinds=("dynamic",), dtypes=(torch.float32,),
+...           length=40).failed_checks()
+['causality', 'speculative', 'crop', 'branch', 'failure', 'failure_after', 'edges']
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvdoc.measure.tables import markdown_table
+
+from . import grid
+from .compare import DTYPE_NAMES, TOLERANCE
+from .scenarios import CHECKS, SCENARIO_CHECK, SCENARIOS, Case, CheckResult
+from .variants import VARIANTS
+
+ORDER = list(CHECKS)
+DTYPES = (torch.float32, torch.float64)
+"""The dtypes of a run by default."""
+
+
+@dataclass(frozen=True)
+class SuiteReport:
+    """Every :class:`~kvdoc.proofs.scenarios.CheckResult` of one run of the suite.
+
+    Attributes:
+        variant: None for the implementation as it is, else the broken variant's name.
+        results: one per check and combination (and per batch and chunk size for the stream's
+            checks; a scenario that raised gives one failed result, with the exception's message
+            as its detail; a model that could not be built, one failed ``build`` result).
+        seconds: wall-clock time of the run (an observation).
+    """
+
+    variant: str | None
+    results: list[CheckResult]
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        """Something ran and nothing failed (checks that do not apply are neither)."""
+        return bool(self.results) and all(r.passed is not False for r in self.results)
+
+    @property
+    def failures(self) -> list[CheckResult]:
+        """The failed results, in run order."""
+        return [r for r in self.results if r.passed is False]
+
+    @property
+    def combinations(self) -> list[tuple[str, str, str, str]]:
+        """The distinct ``(model, kind, implementation, dtype)`` combinations run."""
+        return list(dict.fromkeys((r.model, r.kind, r.impl, r.dtype) for r in self.results))
+
+    def failed_checks(self) -> list[str]:
+        """Names of the checks that failed at least once, in report order."""
+        names = list(dict.fromkeys(r.check for r in self.failures))
+        return sorted(names, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER))
+
+    def select(self, check: str, **where) -> list[CheckResult]:
+        """The results of ``check`` whose fields equal ``where``
+        (e.g. ``kind="static", chunk=5``)."""
+        return [r for r in self.results if r.check == check
+                and all(getattr(r, k) == v for k, v in where.items())]
+
+    def result(self, check: str, **where) -> CheckResult:
+        """The one result of ``check`` matching ``where``; KeyError unless exactly one matches."""
+        found = self.select(check, **where)
+        if len(found) != 1:
+            raise KeyError(f"{len(found)} results of {check!r} match {where}")
+        return found[0]
+
+    def max_error(self, check: str = "logits", **where) -> float:
+        """Largest error of ``check`` over the results matching ``where``
+        (e.g. ``dtype="FP32"``)."""
+        return max((r.error for r in self.select(check, **where)), default=0.0)
+
+    def summary_table(self) -> str:
+        """One Markdown row per check: what it compares, results passed, largest difference."""
+        names = [n for n in ORDER if any(r.check == n for r in self.results)]
+        names += [n for n in dict.fromkeys(r.check for r in self.results) if n not in names]
+        body = []
+        for name in names:
+            rows = self.select(name)
+            ran = [r for r in rows if r.passed is not None]
+            worst = max((r.error for r in ran), default=0.0)
+            body.append([name, CHECKS.get(name, "raised an exception"),
+                         f"{sum(bool(r.passed) for r in ran)} of {len(ran)}", len(rows) - len(ran),
+                         f"{worst:.2e}" if ran else ""])
+        return markdown_table(["check", "compares", "passed", "not applicable",
+                               "largest difference"], body)
+
+    def references_table(self) -> str:
+        """One Markdown row per model and dtype: its independent reference (transformers' GPT-2,
+        Llama or Mistral, or the MHA copy of a GQA model) against kvdoc, full and cached, over
+        every cache kind and implementation."""
+        body = []
+        for model, dtype in dict.fromkeys((r.model, r.dtype) for r in self.select("reference")):
+            ran = [r for r in self.select("reference", model=model, dtype=dtype)
+                   if r.passed is not None]
+            if ran:
+                body.append([model, ran[0].detail, dtype,
+                             f"{sum(bool(r.passed) for r in ran)} of {len(ran)}",
+                             f"{max(r.error for r in ran):.2e}"])
+        return markdown_table(["model", "independent reference", "dtype",
+                               "passed (full and cached)", "largest difference"], body)
+
+    def failures_table(self, limit: int = 12) -> str:
+        """The first ``limit`` failures as a Markdown table."""
+        body = [[r.check, r.model, r.kind, r.impl, r.dtype, f"{r.error:.2e}", r.detail[:120]]
+                for r in self.failures[:limit]]
+        return markdown_table(["check", "model", "cache", "implementation", "dtype", "difference",
+                               "detail"], body)
+
+
+def _streams(seed: int, batch: int, length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stream ``[batch, length]`` and an unrelated one (other continuations for crop and
+    branch)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    return (torch.randint(0, vocab, (batch, length), generator=g),
+            torch.randint(0, vocab, (batch, length), generator=g))
+
+
+def _failed(case_fields: tuple, exc: Exception, check: str = "build") -> CheckResult:
+    name, kind, impl, dtype = case_fields
+    return CheckResult(check, name, kind, impl, DTYPE_NAMES[dtype], False, float("inf"),
+                       f"raised {type(exc).__name__}: {exc}")
+
+
+def _run_case(case: Case, scenarios: Sequence[str], results: list, stop_at_first: bool) -> bool:
+    """Run the scenarios on one combination, appending to ``results``; True if it should stop."""
+    for name in scenarios:
+        found: list[CheckResult] = []
+        try:
+            with torch.no_grad():
+                SCENARIOS[name](case, found)
+        except Exception as exc:  # the code under test failed: a failed check, not a crash
+            found.append(_failed((case.model_name, case.kind, case.impl, case.dtype), exc,
+                                 SCENARIO_CHECK.get(name, name)))
+        results.extend(found)
+        if stop_at_first and any(r.passed is False for r in found):
+            return True
+    return False
+
+
+def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None,
+              kinds: Sequence[str] | None = None, impls: Sequence[str] | None = None,
+              dtypes: Sequence[torch.dtype] = DTYPES,
+              length: int = grid.STREAM_LENGTH,
+              chunks: Sequence[int] = grid.CHUNKS, batches: Sequence[int] = grid.BATCHES,
+              seeds: Sequence[int] = (0,), scenarios: Sequence[str] | None = None,
+              stop_at_first: bool = False, model: torch.nn.Module | None = None,
+              ids: torch.Tensor | None = None) -> SuiteReport:
+    """Run the scenarios on every combination of models, cache kinds, implementations and dtypes.
+
+    Args:
+        variant: a key of :data:`kvdoc.proofs.variants.VARIANTS` to test instead of the
+            implementation as it is.
+        models, kinds, impls: keys of :data:`kvdoc.proofs.grid.MODELS`, ``CACHES``,
+            ``IMPLEMENTATIONS`` (default: all of each, as registered when called, and of those a
+            model's :attr:`~kvdoc.proofs.grid.ModelSpec.impls`; for a variant, ``impls``
+            defaults to ``("model",)``, the broken model itself).
+        dtypes: FP32 and/or FP64 (FP64 converts a copy of the FP32 weights).
+        length, chunks, batches, seeds: the stream, the stream checks' chunk and batch sizes
+            (every pair), and the model seeds.
+        scenarios: keys of :data:`kvdoc.proofs.scenarios.SCENARIOS` (default all), run in this
+            order on each combination.
+        stop_at_first: return at the first failed check (how broken variants are swept).
+        model: a model (FP32, with the :class:`~kvdoc.core.model.Decoder` interface) to verify
+            instead of the grid's models; reported as model ``"given"``, without a reference.
+        ids: the stream ``[B, T]`` to use instead of a random one of ``length`` tokens
+            (``B >= max(batches)``; a batch ``b`` uses its first ``b`` rows).
+
+    Returns:
+        A :class:`SuiteReport`.
+
+    Raises:
+        ValueError: an unknown name on an axis, a bad dtype, or a stream too short for the
+            scenarios.
+    """
+    specs = ({"given": grid.ModelSpec("the model given", lambda seed: model)} if model is not None
+             else grid.MODELS)
+    if variant in VARIANTS and models is None and model is None:
+        models = VARIANTS[variant].models_among(list(specs))  # e.g. learned positions only
+    if variant in VARIANTS and kinds is None and VARIANTS[variant].kinds:
+        kinds = VARIANTS[variant].kinds  # its broken caches replace these kinds
+    models, kinds = list(models or specs), list(kinds or grid.CACHES)
+    # a broken variant is the implementation under test: by default it runs as itself, not wrapped
+    given_impls = impls is not None  # else a model's own impls (ModelSpec.impls) apply
+    impls = list(impls or (grid.IMPLEMENTATIONS if variant is None else ("model",)))
+    scenarios = list(scenarios or SCENARIOS)
+    for axis, names, known in (("model", models, specs), ("cache kind", kinds, grid.CACHES),
+                               ("implementation", impls, grid.IMPLEMENTATIONS),
+                               ("scenario", scenarios, SCENARIOS)):
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ValueError(f"unknown {axis} {unknown[0]!r}; choose from {', '.join(known)}")
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    if any(dt not in TOLERANCE for dt in dtypes):
+        raise ValueError(f"dtypes must be float32 or float64, got {list(dtypes)}")
+    length = length if ids is None else ids.shape[1]
+    if length < 24 or not batches or min(batches) < 1 or not chunks or min(chunks) < 1:
+        raise ValueError(f"need a stream of >= 24 tokens and positive batches and chunks; "
+                         f"got {length}, {list(batches)}, {list(chunks)}")
+    if ids is not None and max(batches) > ids.shape[0]:
+        raise ValueError(f"batch {max(batches)} needs {max(batches)} rows of ids, "
+                         f"got {ids.shape[0]}")
+    start, results = time.perf_counter(), []
+    broken = None if variant is None else VARIANTS[variant]
+    for seed in seeds:
+        for name in models:
+            for dt in dtypes:
+                try:
+                    under_test = copy.deepcopy(specs[name].build(seed)).to(dt).eval()
+                    if broken is not None and not broken.builds_on(under_test.config):
+                        break  # e.g. a K/V cache bug on an MLA model: nothing to build
+                    under_test = under_test if broken is None else broken.build(under_test)
+                    # before any call: what the ``fresh`` scenario copies
+                    pristine = copy.deepcopy(under_test)
+                    shared: dict = {}
+                    stream, alt = _streams(seed, max(batches), length, under_test.config.vocab_size)
+                    stream = stream if ids is None else ids[:max(batches)]
+                except Exception as exc:
+                    results.append(_failed((name, "", "", dt), exc))
+                    continue
+                # skips what does not serve the model, e.g. a ring cache for a model without a
+                # window, K/V caches and FastDecoder for an MLA model
+                own = [i for i in impls
+                       if given_impls or specs[name].impls is None or i in specs[name].impls]
+                for kind, impl in grid.served(under_test.config, kinds, own) if own else ():
+                    try:
+                        call = grid.IMPLEMENTATIONS[impl](under_test)
+                    except Exception as exc:
+                        results.append(_failed((name, kind, impl, dt), exc))
+                        continue
+                    case = Case(name, kind, impl, dt, specs[name], grid.CACHES[kind],
+                                under_test, call, stream, alt, tuple(batches), tuple(chunks),
+                                broken is not None and broken.stale_prefix,
+                                lambda pristine=pristine: copy.deepcopy(pristine),
+                                grid.IMPLEMENTATIONS[impl], shared,
+                                {} if broken is None else broken.caches)
+                    if _run_case(case, scenarios, results, stop_at_first):
+                        return SuiteReport(variant, results, time.perf_counter() - start)
+    return SuiteReport(variant, results, time.perf_counter() - start)
+
+
