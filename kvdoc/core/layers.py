@@ -85,7 +85,7 @@ class CacheLayer(ABC):
     def fork(self) -> CacheLayer:
         """The layer one forward call writes into, leaving this one as it was (or this one,
         for a layer written in place, whose cache commits its length only at the end)."""
-        return copy.copy(self)
+        return self if self.in_place else copy.copy(self)
 
     @abstractmethod
     def read(self, seq_len: int) -> KV:
@@ -180,9 +180,6 @@ class StaticLayer(CacheLayer):
         super().__init__(batch_size, heads, widths, dtype, device)
         self.capacity = check_int("capacity", capacity)
         self.k, self.v = self._zeros(capacity)
-
-    def fork(self) -> StaticLayer:
-        return self
 
     def read(self, seq_len: int) -> KV:
         return self.k[:, :, :seq_len], self.v[:, :, :seq_len]

@@ -22,9 +22,8 @@ import torch
 
 from kvdoc.core.cache import KVCache
 from kvdoc.core.layers import CacheLayer, DynamicLayer, RingLayer, StaticLayer
-from kvdoc.serving.paged import PagedLayer
+from kvdoc.serving.paged import PoolLayer
 from kvdoc.serving.quant import Int8Layer
-from kvdoc.serving.ragged import RaggedLayer
 
 
 def _size(layer: CacheLayer) -> int:
@@ -36,9 +35,9 @@ def _rows(layer: CacheLayer, positions: int) -> int:
     return layer.batch_size * layer.heads * positions * sum(layer.widths) * _size(layer)
 
 
-def _pool(layer: PagedLayer | RaggedLayer, seq_len: int) -> int:
-    pool = layer.tables.pool if isinstance(layer, PagedLayer) else layer.step.pool
-    # both stores at their own widths (K and V, or an MLA latent's c_KV and k_rope)
+def _pool(layer: PoolLayer, seq_len: int) -> int:
+    pool = layer.pool
+    # a layer's share of the pool, every block free or held; both stores at their own widths (K and V, or an MLA latent's c_KV and k_rope)
     return pool.num_blocks * pool.block_size * layer.heads * sum(layer.widths) * _size(layer)
 
 
@@ -49,9 +48,7 @@ LAYER_BYTES: dict[type[CacheLayer], Callable[[CacheLayer, int], int]] = {
     # int8 values, and one scale in the model's dtype per row of K and of V
     Int8Layer: lambda layer, T: layer.batch_size * layer.heads * T * (sum(layer.widths)
                                                                      + 2 * _size(layer)),
-    # a layer's share of the pool: every block, free or held
-    PagedLayer: _pool,
-    RaggedLayer: _pool,
+    PoolLayer: _pool,
 }
 """Layer class -> ``(layer, seq_len) -> bytes``."""
 

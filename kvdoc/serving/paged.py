@@ -188,19 +188,28 @@ def _release_tables(pool: BlockPool, tables: list[list[int]]) -> None:
         table.clear()
 
 
-class PagedLayer(CacheLayer):
-    """Layer ``index`` of the pool's storage, read and written through the block tables."""
+class PoolLayer(CacheLayer):
+    """Layer ``index`` of ``batch_size`` sequences whose rows live in ``pool``'s blocks, written
+    in place; what the sequences' blocks are is the subclass's (block tables, a ragged step)."""
 
     in_place = True
 
-    def __init__(self, tables: BlockTables, index: int) -> None:
-        pool = tables.pool
-        super().__init__(len(tables.rows), pool.layout.heads, pool.layout.widths, pool.dtype,
+    def __init__(self, pool: BlockPool, batch_size: int, index: int) -> None:
+        super().__init__(batch_size, pool.layout.heads, pool.layout.widths, pool.dtype,
                          pool.device)
-        self.tables, self.index = tables, index
+        self.pool, self.index = pool, index
 
-    def fork(self) -> PagedLayer:
-        return self
+    def tensors(self) -> list[torch.Tensor]:
+        """This layer's storage in the pool, which every cache of the pool shares."""
+        return [self.pool.k[self.index], self.pool.v[self.index]]
+
+
+class PagedLayer(PoolLayer):
+    """A pool layer read and written through the sequences' block tables."""
+
+    def __init__(self, tables: BlockTables, index: int) -> None:
+        super().__init__(tables.pool, len(tables.rows), index)
+        self.tables = tables
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
@@ -210,20 +219,14 @@ class PagedLayer(CacheLayer):
         slots = torch.arange(start, end, device=self.device)
         blocks, offsets = self.tables.tensor(end)[:, slots // size], slots % size  # [B, C], [C]
         # Indexing [N, H_kv, S, D_h] by ([B, C], :, [C]) addresses [B, C, H_kv, D_h].
-        pool = self.tables.pool
-        pool.k[self.index][blocks, :, offsets] = k.transpose(1, 2)
-        pool.v[self.index][blocks, :, offsets] = v.transpose(1, 2)
+        self.pool.k[self.index][blocks, :, offsets] = k.transpose(1, 2)
+        self.pool.v[self.index][blocks, :, offsets] = v.transpose(1, 2)
         return self.read(end)
 
     def read(self, seq_len: int) -> KV:
         """K and V of positions ``0 .. seq_len - 1`` of every sequence, ``[B, H_kv, T, D_h]``."""
-        pool = self.tables.pool
-        return gather(pool.k[self.index], pool.v[self.index], self.tables.tensor(seq_len),
-                      seq_len)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """This layer's storage in the pool, which every cache of the pool shares."""
-        return [self.tables.pool.k[self.index], self.tables.pool.v[self.index]]
+        return gather(self.pool.k[self.index], self.pool.v[self.index],
+                      self.tables.tensor(seq_len), seq_len)
 
 
 def gather(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, length: int) -> KV:

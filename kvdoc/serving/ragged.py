@@ -53,23 +53,18 @@ from collections.abc import Sequence
 import torch
 
 from kvdoc.core.cache import KV, KVCache
-from kvdoc.core.layers import CacheLayer
 from kvdoc.core.mla import LatentCache
 
-from .paged import BlockPool, gather
+from .paged import BlockPool, PoolLayer, gather
 
 
-class RaggedLayer(CacheLayer):
+class RaggedLayer(PoolLayer):
     """Layer ``index`` of a :class:`RaggedStep`: the real new rows go into their rows' blocks,
     and a read gathers every row's ``T`` columns (the mask hides what a row does not hold)."""
 
-    in_place = True
-
     def __init__(self, step: RaggedStep, index: int) -> None:
-        pool = step.pool
-        super().__init__(len(step.past), pool.layout.heads, pool.layout.widths, pool.dtype,
-                         pool.device)
-        self.step, self.index = step, index
+        super().__init__(step.pool, len(step.past), index)
+        self.step = step
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
@@ -82,9 +77,6 @@ class RaggedLayer(CacheLayer):
     def read(self, seq_len: int) -> KV:
         s = self.step
         return gather(s.pool.k[self.index], s.pool.v[self.index], s.table, s.width)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.step.pool.k[self.index], self.step.pool.v[self.index]]
 
 
 class RaggedStep(KVCache):
