@@ -25,6 +25,9 @@ extensions = [
     "sphinx.ext.doctest",
     "sphinx.ext.mathjax",
     "sphinx_copybutton",
+    # collapses the "Check yourself" answers (admonitions with :class: dropdown) until the reader
+    # opens them; without it the theme prints them open. Its script and CSS ship in the wheel.
+    "sphinx_togglebutton",
     "kvdoc_checks",  # docs/_ext: every image needs alt text
 ]
 

@@ -85,6 +85,9 @@ class PageReport:
     images: int = 0
     images_broken: list[str] = field(default_factory=list)
     images_without_alt: list[str] = field(default_factory=list)
+    openables: int = 0  # answers (dropdown admonitions) and hidden code cells
+    shown_closed: list[str] = field(default_factory=list)
+    not_opening: list[str] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         out = [f"external request (blocked): {u}" for u in self.external]
@@ -99,10 +102,16 @@ class PageReport:
             out.append(f"{self.math_errors} MathJax errors (bad TeX)")
         out += [f"image did not load: {u}" for u in self.images_broken]
         out += [f"image without alt text: {u}" for u in self.images_without_alt]
+        out += [f"visible before the reader opens it: {a}" for a in self.shown_closed]
+        out += [f"shows nothing once opened: {a}" for a in self.not_opening]
         return out
 
 
-# Runs in the page after the load event: waits for MathJax and every image, then counts.
+# Runs in the page after the load event: waits for MathJax and every image, then counts. Then
+# opens every answer (a "Check yourself" admonition with :class: dropdown) and every hidden code
+# cell (MyST-NB's hide-cell/hide-input <details>) and closes it again: what a reader sees of its
+# body is measured as rendered (text boxes with a size, not hidden by visibility, opacity, a
+# closed <details> or display: none), so a class name that nothing collapses does not pass.
 _INSPECT = r"""
 (async () => {
   const imgs = [...document.images];
@@ -113,6 +122,40 @@ _INSPECT = r"""
   if (mj) { await window.MathJax.startup.promise; }
   await document.fonts.ready;
   const maths = [...document.querySelectorAll(".math")];
+  const shown = (nodes) => {
+    const out = [];
+    for (const root of nodes) {
+      const walk = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+      for (let n = walk.nextNode(); n; n = walk.nextNode()) {
+        const text = n.textContent.trim();
+        const style = {opacityProperty: true, visibilityProperty: true};
+        if (!text || !n.parentElement.checkVisibility(style)) { continue; }
+        const range = document.createRange();
+        range.selectNodeContents(n);
+        if ([...range.getClientRects()].some(r => r.width > 0 && r.height > 0)) {
+          out.push(text);
+        }
+      }
+    }
+    return out.join(" ");
+  };
+  const openables = [
+    ...[...document.querySelectorAll(".admonition.dropdown")].map(el => ({
+      kind: "answer", title: el.querySelector(".admonition-title"),
+      body: [...el.children].filter(c => !c.classList.contains("admonition-title"))})),
+    ...[...document.querySelectorAll("details.hide")].map(el => ({
+      kind: "hidden cell", title: el.querySelector(":scope > summary"),
+      body: [...el.children].filter(c => c.tagName !== "SUMMARY")})),
+  ];
+  const pause = () => new Promise(r => setTimeout(r, 400));  // the theme's 0.3 s fade
+  const name = o => `${o.kind}: ${o.body.map(b => b.textContent).join(" ")
+                                 .replace(/\s+/g, " ").trim().slice(0, 70)}`;
+  const before = openables.map(o => shown(o.body));
+  openables.forEach(o => o.title && o.title.click());
+  if (openables.length) { await pause(); }
+  const after = openables.map(o => shown(o.body));
+  openables.forEach(o => o.title && o.title.click());  // closed again, as a reader finds them
+  if (openables.length) { await pause(); }
   return JSON.stringify({
     mathjax: !!(window.MathJax && window.MathJax.version),
     maths: maths.length,
@@ -120,6 +163,9 @@ _INSPECT = r"""
     errors: document.querySelectorAll("mjx-merror").length,
     images: imgs.map(i => ({src: i.currentSrc || i.src, ok: i.complete && i.naturalWidth > 0,
                             alt: (i.getAttribute("alt") || "").trim()})),
+    openables: openables.length,
+    shown_closed: openables.filter((o, k) => before[k]).map(name),
+    not_opening: openables.filter((o, k) => !after[k]).map(name),
   });
 })()
 """
@@ -262,6 +308,8 @@ class Chromium:
                             images=len(seen["images"]), external=sorted(set(self.blocked)))
         report.images_broken = [i["src"] for i in seen["images"] if not i["ok"]]
         report.images_without_alt = [i["src"] for i in seen["images"] if not i["alt"]]
+        report.openables = seen["openables"]
+        report.shown_closed, report.not_opening = seen["shown_closed"], seen["not_opening"]
         urls: dict[str, str] = {}
         for ev in self.events:
             if ev.get("sessionId") != session:
@@ -348,7 +396,9 @@ class SiteReport:
                 f"{sum(p.maths - p.maths_unrendered for p in self.pages)}/"
                 f"{sum(p.maths for p in self.pages)} "
                 f"maths rendered, {sum(p.images - len(p.images_broken) for p in self.pages)}/"
-                f"{sum(p.images for p in self.pages)} images loaded")
+                f"{sum(p.images for p in self.pages)} images loaded, "
+                f"{sum(p.openables - len(p.shown_closed) for p in self.pages)}/"
+                f"{sum(p.openables for p in self.pages)} answers and hidden cells closed")
 
 
 def check_site(site: Path, executable: str, pages: list[str] | None = None) -> SiteReport:

@@ -1,7 +1,9 @@
 """The built site holds in a reader's browser: headless Chromium, network limited to a local server.
 
 For each page: no request to any host but the local server, no failed request, no console error,
-every maths element rendered by the site's own MathJax, every image loaded (and with alt text).
+every maths element rendered by the site's own MathJax, every image loaded (and with alt text),
+every answer (a ``:class: dropdown`` admonition) and hidden code cell closed as rendered (none of
+its text visible until the reader opens it, and some once opened).
 
 - ``test_browser_check_catches_a_bad_page``: the check itself can fail (a page that breaks every
   rule).
@@ -65,6 +67,11 @@ BAD_PAGE = r"""<!doctype html>
 <img src="_images/missing.png" alt="a figure that is not there">
 <img src="ok.svg">
 <script>console.error("boom from the page");</script>
+<div class="dropdown admonition"><p class="admonition-title">Answer</p>
+<p>An answer printed open under its question.</p></div>
+<details class="hide above-input"><summary>Show code cell source</summary>
+<div class="cell_input">a hidden cell, closed until clicked</div></details>
+<details class="hide above-input"><summary>Show code cell source</summary></details>
 </body></html>
 """
 OK_SVG = ('<svg xmlns="http://www.w3.org/2000/svg" width="4" height="4">'
@@ -84,7 +91,12 @@ def test_browser_check_catches_a_bad_page(tmp_path):
     assert page.images == 2, page
     assert [u.rsplit("/", 1)[1] for u in page.images_broken] == ["missing.png"], page
     assert [u.rsplit("/", 1)[1] for u in page.images_without_alt] == ["ok.svg"], page
-    assert len(page.problems()) >= 6 and report.failures
+    # The answer is shown open (nothing collapses it); the closed cell passes; the empty one
+    # shows nothing when opened.
+    assert page.openables == 3, page
+    assert page.shown_closed == ["answer: An answer printed open under its question."], page
+    assert page.not_opening == ["hidden cell: "], page
+    assert len(page.problems()) >= 8 and report.failures
 
 
 PAGE = textwrap.dedent("""\
