@@ -89,6 +89,25 @@ autodoc_typehints = "description"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
+# A module-level value's repr is printed in its signature, and a few are paths of the checkout
+# that built the site (kvdoc.proofs.sweep_record.PACKAGE, found from __file__) or hold them (a
+# module's repr names its file): on the site they would show this machine's folders, which are
+# not the reader's. Such a value is dropped from the signature; its docstring still says what it
+# is. tests/test_site.py fails on any page that still contains one of these paths.
+_MACHINE_PATHS = tuple(sorted({str(_HERE.parent), str(_HERE.parent.absolute()), sys.prefix,
+                               str(Path(sys.prefix).resolve())}))
+
+
+def _drop_machine_values(app, doctree):
+    from sphinx import addnodes
+
+    for annotation in list(doctree.findall(addnodes.desc_annotation)):
+        text = annotation.astext()
+        if isinstance(annotation.parent, addnodes.desc_signature) and any(
+                path in text for path in _MACHINE_PATHS):
+            annotation.parent.remove(annotation)
+
+
 # --- doctest builder ---------------------------------------------------------------------
 # Only the pages' {doctest} blocks run here; docstring examples pulled in by autodoc are run by
 # pytest --doctest-modules in the package's own namespace.
@@ -185,6 +204,7 @@ def setup(app):
 
             shutil.rmtree(records, ignore_errors=True)
         os.environ["KVDOC_RECORDS"] = str(records)
+    app.connect("doctree-read", _drop_machine_values)
     app.connect("html-page-context", _offer_notebook, priority=500)
     app.connect("env-before-read-docs", _before_reading)
     app.connect("env-updated", _after_reading)

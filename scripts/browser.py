@@ -88,6 +88,7 @@ class PageReport:
     openables: int = 0  # answers (dropdown admonitions) and hidden code cells
     shown_closed: list[str] = field(default_factory=list)
     not_opening: list[str] = field(default_factory=list)
+    forbidden: list[str] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         out = [f"external request (blocked): {u}" for u in self.external]
@@ -104,6 +105,8 @@ class PageReport:
         out += [f"image without alt text: {u}" for u in self.images_without_alt]
         out += [f"visible before the reader opens it: {a}" for a in self.shown_closed]
         out += [f"shows nothing once opened: {a}" for a in self.not_opening]
+        out += [f"page contains {f!r} (a path of the machine that built it)"
+                for f in self.forbidden]
         return out
 
 
@@ -112,6 +115,7 @@ class PageReport:
 # cell (MyST-NB's hide-cell/hide-input <details>) and closes it again: what a reader sees of its
 # body is measured as rendered (text boxes with a size, not hidden by visibility, opacity, a
 # closed <details> or display: none), so a class name that nothing collapses does not pass.
+# __FORBIDDEN__ is replaced by a JSON list of strings no page may contain (a build path).
 _INSPECT = r"""
 (async () => {
   const imgs = [...document.images];
@@ -156,6 +160,7 @@ _INSPECT = r"""
   const after = openables.map(o => shown(o.body));
   openables.forEach(o => o.title && o.title.click());  // closed again, as a reader finds them
   if (openables.length) { await pause(); }
+  const html = document.documentElement.outerHTML;
   return JSON.stringify({
     mathjax: !!(window.MathJax && window.MathJax.version),
     maths: maths.length,
@@ -166,6 +171,7 @@ _INSPECT = r"""
     openables: openables.length,
     shown_closed: openables.filter((o, k) => before[k]).map(name),
     not_opening: openables.filter((o, k) => !after[k]).map(name),
+    forbidden: __FORBIDDEN__.filter(f => html.includes(f)),
   });
 })()
 """
@@ -287,14 +293,18 @@ class Chromium:
         finally:
             self.send("Target.closeTarget", {"targetId": target})
 
-    def load(self, session: str, url: str) -> PageReport:
-        """Navigate, wait for the load event, MathJax and every image; report what happened."""
+    def load(self, session: str, url: str, forbidden: tuple[str, ...] = ()) -> PageReport:
+        """Navigate, wait for the load event, MathJax and every image; report what happened.
+
+        ``forbidden``: strings the page must not contain anywhere in its HTML (a build path).
+        """
         self.events.clear()
         self.blocked.clear()
         self.send("Page.navigate", {"url": url}, session)
         if not self.pump(self.timeout_s, until="Page.loadEventFired", session=session):
             raise TimeoutError(f"{url} did not finish loading within {self.timeout_s} s")
-        result = self.send("Runtime.evaluate", {"expression": _INSPECT, "awaitPromise": True,
+        expression = _INSPECT.replace("__FORBIDDEN__", json.dumps(list(forbidden)))
+        result = self.send("Runtime.evaluate", {"expression": expression, "awaitPromise": True,
                                                 "returnByValue": True}, session)
         if "exceptionDetails" in result:
             raise RuntimeError(f"inspecting {url} failed: {result['exceptionDetails']}")
@@ -310,6 +320,7 @@ class Chromium:
         report.images_without_alt = [i["src"] for i in seen["images"] if not i["alt"]]
         report.openables = seen["openables"]
         report.shown_closed, report.not_opening = seen["shown_closed"], seen["not_opening"]
+        report.forbidden = seen["forbidden"]
         urls: dict[str, str] = {}
         for ev in self.events:
             if ev.get("sessionId") != session:
@@ -371,6 +382,15 @@ class Chromium:
         shutil.rmtree(self.profile, ignore_errors=True)
 
 
+def build_paths() -> tuple[str, ...]:
+    """This machine's paths that no built page may show: the repository's (as found and with
+    links resolved, for a worktree or a linked checkout) and the Python environment's, whose
+    site-packages paths leak through a module's repr."""
+    root = Path(__file__).absolute().parents[1]
+    prefix = Path(sys.prefix)
+    return tuple(sorted({str(root), str(root.resolve()), str(prefix), str(prefix.resolve())}))
+
+
 def pages_of(site: Path) -> list[str]:
     """Every HTML page of a built site, relative to it, sorted."""
     return sorted(p.relative_to(site).as_posix() for p in site.rglob("*.html")
@@ -401,8 +421,12 @@ class SiteReport:
                 f"{sum(p.openables for p in self.pages)} answers and hidden cells closed")
 
 
-def check_site(site: Path, executable: str, pages: list[str] | None = None) -> SiteReport:
-    """Load every page of ``site`` (or ``pages``, relative paths) from a local server."""
+def check_site(site: Path, executable: str, pages: list[str] | None = None,
+               forbidden: tuple[str, ...] = ()) -> SiteReport:
+    """Load every page of ``site`` (or ``pages``, relative paths) from a local server.
+
+    ``forbidden``: strings no page may contain (the paths of the machine that built it).
+    """
     pages = pages_of(site) if pages is None else pages
     with serve(site) as origin:
         browser = Chromium(executable, origin)
@@ -410,7 +434,7 @@ def check_site(site: Path, executable: str, pages: list[str] | None = None) -> S
             reports = []
             with browser.tab() as session:
                 for page in pages:
-                    reports.append(browser.load(session, f"{origin}/{page}"))
+                    reports.append(browser.load(session, f"{origin}/{page}", forbidden))
             return SiteReport(reports, browser.version)
         finally:
             browser.close()
@@ -460,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in screenshots(args.site, args.out, executable, args.pages or None):
             print(path)
         return 0
-    report = check_site(args.site, executable)
+    report = check_site(args.site, executable, forbidden=build_paths())
     for url, problems in report.failures.items():
         print(f"FAIL {url}", *(f"  {p}" for p in problems), sep="\n")
     print(report.summary())

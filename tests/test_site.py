@@ -3,7 +3,8 @@
 For each page: no request to any host but the local server, no failed request, no console error,
 every maths element rendered by the site's own MathJax, every image loaded (and with alt text),
 every answer (a ``:class: dropdown`` admonition) and hidden code cell closed as rendered (none of
-its text visible until the reader opens it, and some once opened).
+its text visible until the reader opens it, and some once opened), and no path of the machine
+that built the site in the page.
 
 - ``test_browser_check_catches_a_bad_page``: the check itself can fail (a page that breaks every
   rule).
@@ -72,6 +73,7 @@ BAD_PAGE = r"""<!doctype html>
 <details class="hide above-input"><summary>Show code cell source</summary>
 <div class="cell_input">a hidden cell, closed until clicked</div></details>
 <details class="hide above-input"><summary>Show code cell source</summary></details>
+<p>default: &lt;module 'kvdoc.measure.bench' from '/build/clone/kvdoc/measure/bench.py'&gt;</p>
 </body></html>
 """
 OK_SVG = ('<svg xmlns="http://www.w3.org/2000/svg" width="4" height="4">'
@@ -82,7 +84,7 @@ def test_browser_check_catches_a_bad_page(tmp_path):
     exe = chromium()
     (tmp_path / "index.html").write_text(BAD_PAGE)
     (tmp_path / "ok.svg").write_text(OK_SVG)
-    report = browser.check_site(tmp_path, exe)
+    report = browser.check_site(tmp_path, exe, forbidden=("/build/clone", "/elsewhere"))
     (page,) = report.pages
     assert page.external == ["https://cdn.example.org/mathjax.js"], page
     assert any("missing.png" in f and "404" in f for f in page.failed), page
@@ -96,7 +98,8 @@ def test_browser_check_catches_a_bad_page(tmp_path):
     assert page.openables == 3, page
     assert page.shown_closed == ["answer: An answer printed open under its question."], page
     assert page.not_opening == ["hidden cell: "], page
-    assert len(page.problems()) >= 8 and report.failures
+    assert page.forbidden == ["/build/clone"], page
+    assert len(page.problems()) >= 9 and report.failures
 
 
 PAGE = textwrap.dedent("""\
@@ -210,7 +213,9 @@ def test_every_built_page():
     missing = [s for s in sources
                if s.removesuffix(".md").removesuffix(".ipynb") + ".html" not in pages]
     assert not missing, f"pages with a source but no HTML: {missing}"
-    report = browser.check_site(site, exe, pages)
+    # The site was built from this checkout: its path (or the environment's) on any page is
+    # this machine's, not the reader's.
+    report = browser.check_site(site, exe, pages, forbidden=browser.build_paths())
     print("\n" + report.summary())
     assert len(report.pages) == len(pages)
     assert not report.failures, "\n".join(
