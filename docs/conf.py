@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from importlib.metadata import version as _metadata_version
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -17,6 +18,9 @@ sys.path.insert(0, str(_HERE / "_ext"))
 project = "kvdoc"
 author = "the kvdoc authors"
 copyright = "2026, the kvdoc authors"
+# The installed package's metadata (pyproject.toml's version), so a page never names a version
+# that the package it documents is not; shown in every page's footer (html_theme_options).
+release = version = _metadata_version("kvdoc")
 
 extensions = [
     "myst_nb",  # also provides the MyST parser; do not add myst_parser beside it
@@ -24,6 +28,7 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.doctest",
     "sphinx.ext.mathjax",
+    "sphinx.ext.viewcode",  # [source] links in the API reference, to pages in the site itself
     "sphinx_copybutton",
     # collapses the "Check yourself" answers (admonitions with :class: dropdown) until the reader
     # opens them; without it the theme prints them open. Its script and CSS ship in the wheel.
@@ -124,6 +129,7 @@ html_theme_options = {
     "show_toc_level": 2,
     "use_download_button": True,  # .ipynb (see _offer_notebook), .md source, print to PDF
     "use_fullscreen_button": False,
+    "extra_footer": f'<p class="kvdoc-version">kvdoc {release}</p>',
 }
 html_context = {"default_mode": "auto"}  # without it a first visit logs "Got invalid theme mode"
 html_favicon = "_static/favicon.svg"  # else browsers ask for /favicon.ico, which does not exist

@@ -24,9 +24,11 @@ Without Chromium these tests are skipped with a loud reason outside CI, and fail
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -220,3 +222,33 @@ def test_every_built_page():
     assert len(report.pages) == len(pages)
     assert not report.failures, "\n".join(
         f"{url}:\n  " + "\n  ".join(p) for url, p in report.failures.items())
+    assert_versioned_with_sources(site, pages)
+
+
+def assert_versioned_with_sources(site: Path, pages: list[str]) -> None:
+    """Every content page names the package's version (from its metadata), and the API
+    reference has [source] links whose pages (sphinx.ext.viewcode) are in the site."""
+    stamp = f'<p class="kvdoc-version">kvdoc {importlib.metadata.version("kvdoc")}</p>'
+    unversioned = [p for p in pages if p not in browser.SKIP_SCREENSHOT
+                   and stamp not in (site / p).read_text(encoding="utf-8")]
+    assert not unversioned, f"pages without {stamp!r}: {unversioned}"
+    api = site / "reference" / "api.html"
+    if api.is_file():
+        links = re.findall(r'<a class="reference internal" href="([^"#]+)[^"]*">'
+                           r'<span class="viewcode-link">', api.read_text(encoding="utf-8"))
+        assert len(links) > 100, f"{len(links)} [source] links on the API page"
+        missing = sorted({h for h in links if not (api.parent / h).is_file()})
+        assert not missing, f"[source] links to no page: {missing[:5]}"
+
+
+def test_version_and_source_check_can_fail(tmp_path):
+    (tmp_path / "reference").mkdir()
+    (tmp_path / "index.html").write_text("<p>kvdoc 0.0.0</p>")
+    with pytest.raises(AssertionError, match="pages without"):
+        assert_versioned_with_sources(tmp_path, ["index.html"])
+    stamp = f'<p class="kvdoc-version">kvdoc {importlib.metadata.version("kvdoc")}</p>'
+    link = ('<a class="reference internal" href="../_modules/kvdoc/x.html#f">'
+            '<span class="viewcode-link">')
+    (tmp_path / "reference" / "api.html").write_text(stamp + link * 101)
+    with pytest.raises(AssertionError, match="to no page"):
+        assert_versioned_with_sources(tmp_path, ["reference/api.html"])
