@@ -184,9 +184,25 @@ def _before_reading(app, env, docnames):
     # doing the same at once fails): create them here, before the workers start.
     config = env.mystnb_config
     if config.execution_mode == "cache":
+        import hashlib
+        import shutil
+
         from jupyter_cache import get_cache
 
+        # The cache keys a page's outputs on its code alone, but the kernels' settings change
+        # them too (docs/_ipython: figures as SVG; docs/_ext/matplotlibrc: their sizes): when
+        # those files change, the cache starts empty, so no page keeps outputs made under the
+        # old settings.
+        cache = Path(config.execution_cache_path)
+        profile = _HERE / "_ipython" / "profile_default"
+        settings = [profile / "ipython_kernel_config.py", *sorted(profile.glob("startup/*.py")),
+                    _HERE / "_ext" / "matplotlibrc"]
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in settings)).hexdigest()
+        stamp = cache / "kvdoc-kernel-settings.sha256"
+        if cache.exists() and (not stamp.is_file() or stamp.read_text() != digest):
+            shutil.rmtree(cache)
         get_cache(config.execution_cache_path).db  # noqa: B018 (creates the database)
+        stamp.write_text(digest)
 
 
 def _after_reading(app, env):

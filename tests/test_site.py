@@ -3,8 +3,9 @@
 For each page: no request to any host but the local server, no failed request, no console error,
 every maths element rendered by the site's own MathJax, every image loaded (and with alt text),
 every answer (a ``:class: dropdown`` admonition) and hidden code cell closed as rendered (none of
-its text visible until the reader opens it, and some once opened), and no path of the machine
-that built the site in the page.
+its text visible until the reader opens it, and some once opened), no path of the machine
+that built the site in the page, and nothing that makes the page wider than a 412 px phone (a
+wide table scrolls inside its own box).
 
 - ``test_browser_check_catches_a_bad_page``: the check itself can fail (a page that breaks every
   rule).
@@ -63,6 +64,7 @@ def chromium() -> str:
 
 BAD_PAGE = r"""<!doctype html>
 <html><head><meta charset="utf-8"><title>bad</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
 <link rel="icon" href="data:,">
 <script src="https://cdn.example.org/mathjax.js"></script>
 </head><body>
@@ -75,6 +77,9 @@ BAD_PAGE = r"""<!doctype html>
 <details class="hide above-input"><summary>Show code cell source</summary>
 <div class="cell_input">a hidden cell, closed until clicked</div></details>
 <details class="hide above-input"><summary>Show code cell source</summary></details>
+<div style="width: 900px">a line of fixed width, wider than a phone</div>
+<div style="overflow-x: auto"><table style="width: 900px"><tr><td>scrolls in its box</td></tr>
+</table></div>
 <p>default: &lt;module 'kvdoc.measure.bench' from '/build/clone/kvdoc/measure/bench.py'&gt;</p>
 </body></html>
 """
@@ -101,7 +106,10 @@ def test_browser_check_catches_a_bad_page(tmp_path):
     assert page.shown_closed == ["answer: An answer printed open under its question."], page
     assert page.not_opening == ["hidden cell: "], page
     assert page.forbidden == ["/build/clone"], page
-    assert len(page.problems()) >= 9 and report.failures
+    # The fixed-width line widens the page on a phone; the table in its own scroll box does not.
+    assert page.phone_overflow > 400, page
+    assert page.phone_culprits == ['<div class=""> a line of fixed width, wider than a phone'], page
+    assert len(page.problems()) >= 10 and report.failures
 
 
 PAGE = textwrap.dedent("""\
