@@ -81,8 +81,14 @@ numeric-check: $(STAMP)  ## execute every page again in a second numeric setting
 	rm -rf $(BUILDDIR)/numeric
 	$(NUMERIC_ENV) $(SPHINXBUILD) -b html -E $(SPHINXOPTS) -d $(BUILDDIR)/numeric/doctrees $(DOCS) $(BUILDDIR)/numeric/html
 
+# A phone: make screenshots WIDTH=412 SCALE=2 PAGES="part3/6-memory.html" (SITE=$(BUILDDIR)/page
+# after make page).
+WIDTH ?= 1280
+SCALE ?= 1
+SITE ?= $(BUILDDIR)/html
+SHOTS ?= $(BUILDDIR)/screenshots
 screenshots: $(STAMP)  ## render the built pages to PNG in docs/_build/screenshots (needs make html)
-	$(BIN)/python scripts/browser.py screenshots $(BUILDDIR)/html $(BUILDDIR)/screenshots $(PAGES)
+	$(BIN)/python scripts/browser.py screenshots --width $(WIDTH) --scale $(SCALE) $(SITE) $(SHOTS) $(PAGES)
 
 page: $(STAMP)  ## build the landing page and one page only: make page PAGE=part2/1-question
 	@test -n "$(PAGE)" || { echo "usage: make page PAGE=part2/1-question (globs allowed)"; exit 2; }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from importlib.metadata import version as _metadata_version
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -17,6 +18,9 @@ sys.path.insert(0, str(_HERE / "_ext"))
 project = "kvdoc"
 author = "the kvdoc authors"
 copyright = "2026, the kvdoc authors"
+# The installed package's metadata (pyproject.toml's version), so a page never names a version
+# that the package it documents is not; shown in every page's footer (html_theme_options).
+release = version = _metadata_version("kvdoc")
 
 extensions = [
     "myst_nb",  # also provides the MyST parser; do not add myst_parser beside it
@@ -24,7 +28,11 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.doctest",
     "sphinx.ext.mathjax",
+    "sphinx.ext.viewcode",  # [source] links in the API reference, to pages in the site itself
     "sphinx_copybutton",
+    # collapses the "Check yourself" answers (admonitions with :class: dropdown) until the reader
+    # opens them; without it the theme prints them open. Its script and CSS ship in the wheel.
+    "sphinx_togglebutton",
     "kvdoc_checks",  # docs/_ext: every image needs alt text
 ]
 
@@ -86,6 +94,25 @@ autodoc_typehints = "description"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
+# A module-level value's repr is printed in its signature, and a few are paths of the checkout
+# that built the site (kvdoc.proofs.sweep_record.PACKAGE, found from __file__) or hold them (a
+# module's repr names its file): on the site they would show this machine's folders, which are
+# not the reader's. Such a value is dropped from the signature; its docstring still says what it
+# is. tests/test_site.py fails on any page that still contains one of these paths.
+_MACHINE_PATHS = tuple(sorted({str(_HERE.parent), str(_HERE.parent.absolute()), sys.prefix,
+                               str(Path(sys.prefix).resolve())}))
+
+
+def _drop_machine_values(app, doctree):
+    from sphinx import addnodes
+
+    for annotation in list(doctree.findall(addnodes.desc_annotation)):
+        text = annotation.astext()
+        if isinstance(annotation.parent, addnodes.desc_signature) and any(
+                path in text for path in _MACHINE_PATHS):
+            annotation.parent.remove(annotation)
+
+
 # --- doctest builder ---------------------------------------------------------------------
 # Only the pages' {doctest} blocks run here; docstring examples pulled in by autodoc are run by
 # pytest --doctest-modules in the package's own namespace.
@@ -102,6 +129,7 @@ html_theme_options = {
     "show_toc_level": 2,
     "use_download_button": True,  # .ipynb (see _offer_notebook), .md source, print to PDF
     "use_fullscreen_button": False,
+    "extra_footer": f'<p class="kvdoc-version">kvdoc {release}</p>',
 }
 html_context = {"default_mode": "auto"}  # without it a first visit logs "Got invalid theme mode"
 html_favicon = "_static/favicon.svg"  # else browsers ask for /favicon.ico, which does not exist
@@ -156,9 +184,25 @@ def _before_reading(app, env, docnames):
     # doing the same at once fails): create them here, before the workers start.
     config = env.mystnb_config
     if config.execution_mode == "cache":
+        import hashlib
+        import shutil
+
         from jupyter_cache import get_cache
 
+        # The cache keys a page's outputs on its code alone, but the kernels' settings change
+        # them too (docs/_ipython: figures as SVG; docs/_ext/matplotlibrc: their sizes): when
+        # those files change, the cache starts empty, so no page keeps outputs made under the
+        # old settings.
+        cache = Path(config.execution_cache_path)
+        profile = _HERE / "_ipython" / "profile_default"
+        settings = [profile / "ipython_kernel_config.py", *sorted(profile.glob("startup/*.py")),
+                    _HERE / "_ext" / "matplotlibrc"]
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in settings)).hexdigest()
+        stamp = cache / "kvdoc-kernel-settings.sha256"
+        if cache.exists() and (not stamp.is_file() or stamp.read_text() != digest):
+            shutil.rmtree(cache)
         get_cache(config.execution_cache_path).db  # noqa: B018 (creates the database)
+        stamp.write_text(digest)
 
 
 def _after_reading(app, env):
@@ -182,6 +226,7 @@ def setup(app):
 
             shutil.rmtree(records, ignore_errors=True)
         os.environ["KVDOC_RECORDS"] = str(records)
+    app.connect("doctree-read", _drop_machine_values)
     app.connect("html-page-context", _offer_notebook, priority=500)
     app.connect("env-before-read-docs", _before_reading)
     app.connect("env-updated", _after_reading)

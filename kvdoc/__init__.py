@@ -7,13 +7,26 @@
 32
 """
 
-from .core.cache import DynamicCache, KVCache, StaticCache
-from .core.config import GPTConfig, llama_config, mistral_config
-from .core.mask import offset_causal_mask
-from .core.model import Decoder, DecoderOutput, decode_step, generate, prefill
-from .core.window import SlidingWindowCache
+from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+
+# The names below are imported on first use (PEP 562), not with the package: they need torch,
+# which takes seconds to load, and ``python -m kvdoc memory`` or ``--help`` need none of it.
+_LAZY = {
+    "DynamicCache": "core.cache", "KVCache": "core.cache", "StaticCache": "core.cache",
+    "GPTConfig": "core.config", "llama_config": "core.config", "mistral_config": "core.config",
+    "offset_causal_mask": "core.mask",
+    "Decoder": "core.model", "DecoderOutput": "core.model", "decode_step": "core.model",
+    "generate": "core.model", "prefill": "core.model",
+    "SlidingWindowCache": "core.window",
+}
+
+try:  # one version, pyproject.toml's, as installed
+    __version__ = version("kvdoc")
+except PackageNotFoundError:  # a source tree on sys.path that pip never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "GPTConfig",
@@ -30,3 +43,20 @@ __all__ = [
     "decode_step",
     "generate",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # found once; later lookups do not come here
+        return value
+    try:  # a layer (kvdoc.core, kvdoc.measure, ...), as an eager import would have bound it
+        return importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as err:
+        if err.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -38,6 +38,11 @@ INSTALL_HINT = ("install it with `apt-get update && apt-get install -y chromium`
 # Sphinx's generated pages that are not the site's content (they hold no maths or figures, but
 # are still loaded and checked: search.html runs the search index script).
 SKIP_SCREENSHOT = {"genindex.html", "search.html", "py-modindex.html"}
+# Narrower windows are emulated as a phone (a touch screen, the page's viewport meta honoured).
+MOBILE_BELOW = 800
+# Every page is also laid out this wide (a common phone, in CSS pixels): nothing on it may make
+# the page wider than the screen; a wide table scrolls inside its own box.
+PHONE_WIDTH = 412
 
 
 def find_chromium() -> str | None:
@@ -85,6 +90,12 @@ class PageReport:
     images: int = 0
     images_broken: list[str] = field(default_factory=list)
     images_without_alt: list[str] = field(default_factory=list)
+    phone_overflow: int = 0  # CSS px the page is wider than a PHONE_WIDTH screen
+    phone_culprits: list[str] = field(default_factory=list)
+    openables: int = 0  # answers (dropdown admonitions) and hidden code cells
+    shown_closed: list[str] = field(default_factory=list)
+    not_opening: list[str] = field(default_factory=list)
+    forbidden: list[str] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         out = [f"external request (blocked): {u}" for u in self.external]
@@ -99,10 +110,22 @@ class PageReport:
             out.append(f"{self.math_errors} MathJax errors (bad TeX)")
         out += [f"image did not load: {u}" for u in self.images_broken]
         out += [f"image without alt text: {u}" for u in self.images_without_alt]
+        if self.phone_overflow > 0:
+            out.append(f"{self.phone_overflow} px wider than a {PHONE_WIDTH} px phone, "
+                       f"because of: {'; '.join(self.phone_culprits)}")
+        out += [f"visible before the reader opens it: {a}" for a in self.shown_closed]
+        out += [f"shows nothing once opened: {a}" for a in self.not_opening]
+        out += [f"page contains {f!r} (a path of the machine that built it)"
+                for f in self.forbidden]
         return out
 
 
-# Runs in the page after the load event: waits for MathJax and every image, then counts.
+# Runs in the page after the load event: waits for MathJax and every image, then counts. Then
+# opens every answer (a "Check yourself" admonition with :class: dropdown) and every hidden code
+# cell (MyST-NB's hide-cell/hide-input <details>) and closes it again: what a reader sees of its
+# body is measured as rendered (text boxes with a size, not hidden by visibility, opacity, a
+# closed <details> or display: none), so a class name that nothing collapses does not pass.
+# __FORBIDDEN__ is replaced by a JSON list of strings no page may contain (a build path).
 _INSPECT = r"""
 (async () => {
   const imgs = [...document.images];
@@ -113,6 +136,41 @@ _INSPECT = r"""
   if (mj) { await window.MathJax.startup.promise; }
   await document.fonts.ready;
   const maths = [...document.querySelectorAll(".math")];
+  const shown = (nodes) => {
+    const out = [];
+    for (const root of nodes) {
+      const walk = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+      for (let n = walk.nextNode(); n; n = walk.nextNode()) {
+        const text = n.textContent.trim();
+        const style = {opacityProperty: true, visibilityProperty: true};
+        if (!text || !n.parentElement.checkVisibility(style)) { continue; }
+        const range = document.createRange();
+        range.selectNodeContents(n);
+        if ([...range.getClientRects()].some(r => r.width > 0 && r.height > 0)) {
+          out.push(text);
+        }
+      }
+    }
+    return out.join(" ");
+  };
+  const openables = [
+    ...[...document.querySelectorAll(".admonition.dropdown")].map(el => ({
+      kind: "answer", title: el.querySelector(".admonition-title"),
+      body: [...el.children].filter(c => !c.classList.contains("admonition-title"))})),
+    ...[...document.querySelectorAll("details.hide")].map(el => ({
+      kind: "hidden cell", title: el.querySelector(":scope > summary"),
+      body: [...el.children].filter(c => c.tagName !== "SUMMARY")})),
+  ];
+  const pause = () => new Promise(r => setTimeout(r, 400));  // the theme's 0.3 s fade
+  const name = o => `${o.kind}: ${o.body.map(b => b.textContent).join(" ")
+                                 .replace(/\s+/g, " ").trim().slice(0, 70)}`;
+  const before = openables.map(o => shown(o.body));
+  openables.forEach(o => o.title && o.title.click());
+  if (openables.length) { await pause(); }
+  const after = openables.map(o => shown(o.body));
+  openables.forEach(o => o.title && o.title.click());  // closed again, as a reader finds them
+  if (openables.length) { await pause(); }
+  const html = document.documentElement.outerHTML;
   return JSON.stringify({
     mathjax: !!(window.MathJax && window.MathJax.version),
     maths: maths.length,
@@ -120,7 +178,35 @@ _INSPECT = r"""
     errors: document.querySelectorAll("mjx-merror").length,
     images: imgs.map(i => ({src: i.currentSrc || i.src, ok: i.complete && i.naturalWidth > 0,
                             alt: (i.getAttribute("alt") || "").trim()})),
+    openables: openables.length,
+    shown_closed: openables.filter((o, k) => before[k]).map(name),
+    not_opening: openables.filter((o, k) => !after[k]).map(name),
+    forbidden: __FORBIDDEN__.filter(f => html.includes(f)),
   });
+})()
+"""
+
+
+# Run at PHONE_WIDTH: how far the page is wider than the screen, and the innermost elements
+# that stick out of it and are not inside a box that scrolls (or clips) sideways by itself.
+_TOO_WIDE = r"""
+(async () => {
+  await new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
+  const vw = document.documentElement.clientWidth;
+  const out = r => r.width > 0 && r.right > vw + 1;
+  const boxed = el => {
+    for (let p = el.parentElement; p && p !== document.body; p = p.parentElement) {
+      if (["auto", "scroll", "hidden"].includes(getComputedStyle(p).overflowX)) { return true; }
+    }
+    return false;
+  };
+  const culprits = [...document.body.querySelectorAll("*")]
+    .filter(el => out(el.getBoundingClientRect()) && !boxed(el) && !el.closest(".skip-link")
+                  && ![...el.children].some(c => out(c.getBoundingClientRect())))
+    .map(el => `<${el.tagName.toLowerCase()} class="${el.className}"> `
+               + el.textContent.replace(/\s+/g, " ").trim().slice(0, 50));
+  return JSON.stringify({over: document.documentElement.scrollWidth - vw,
+                         culprits: culprits.slice(0, 3)});
 })()
 """
 
@@ -152,6 +238,7 @@ class Chromium:
         self._id = 0
         self.events: list[dict] = []
         self.blocked: list[str] = []
+        self._metrics: dict[str, dict] = {}  # each tab's own window size
         self.version = self.send("Browser.getVersion")["product"]
 
     # -- protocol ------------------------------------------------------------------------------
@@ -224,37 +311,54 @@ class Chromium:
 
     # -- pages -------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def tab(self, width: int = 1280, height: int = 900) -> Iterator[str]:
+    def tab(self, width: int = 1280, height: int = 900, scale: float = 1) -> Iterator[str]:
         target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
         session = self.send("Target.attachToTarget",
                             {"targetId": target, "flatten": True})["sessionId"]
+        self._metrics[session] = {"width": width, "height": height, "deviceScaleFactor": scale,
+                                  "mobile": width < MOBILE_BELOW}
         for method, params in (("Fetch.enable", {"patterns": [{"urlPattern": "*"}]}),
                                ("Network.enable", {}),
                                ("Runtime.enable", {}), ("Log.enable", {}), ("Page.enable", {}),
                                ("Network.setCacheDisabled", {"cacheDisabled": True}),
-                               ("Emulation.setDeviceMetricsOverride",
-                                {"width": width, "height": height, "deviceScaleFactor": 1,
-                                 "mobile": False})):
+                               ("Emulation.setDeviceMetricsOverride", self._metrics[session])):
             self.send(method, params, session)
         try:
             yield session
         finally:
             self.send("Target.closeTarget", {"targetId": target})
 
-    def load(self, session: str, url: str) -> PageReport:
-        """Navigate, wait for the load event, MathJax and every image; report what happened."""
+    def load(self, session: str, url: str, forbidden: tuple[str, ...] = ()) -> PageReport:
+        """Navigate, wait for the load event, MathJax and every image; report what happened.
+
+        ``forbidden``: strings the page must not contain anywhere in its HTML (a build path).
+        """
         self.events.clear()
         self.blocked.clear()
         self.send("Page.navigate", {"url": url}, session)
         if not self.pump(self.timeout_s, until="Page.loadEventFired", session=session):
             raise TimeoutError(f"{url} did not finish loading within {self.timeout_s} s")
-        result = self.send("Runtime.evaluate", {"expression": _INSPECT, "awaitPromise": True,
+        expression = _INSPECT.replace("__FORBIDDEN__", json.dumps(list(forbidden)))
+        result = self.send("Runtime.evaluate", {"expression": expression, "awaitPromise": True,
                                                 "returnByValue": True}, session)
         if "exceptionDetails" in result:
             raise RuntimeError(f"inspecting {url} failed: {result['exceptionDetails']}")
         seen = json.loads(result["result"]["value"])
+        seen.update(self._phone(session))
         self.pump(0.3)  # late requests (fonts, lazy scripts)
         return self._report(url, session, seen)
+
+    def _phone(self, session: str) -> dict:
+        """Lay the page out PHONE_WIDTH wide, measure what sticks out, and put the tab back."""
+        self.send("Emulation.setDeviceMetricsOverride",
+                  {"width": PHONE_WIDTH, "height": 900, "deviceScaleFactor": 1, "mobile": True},
+                  session)
+        try:
+            result = self.send("Runtime.evaluate", {"expression": _TOO_WIDE, "awaitPromise": True,
+                                                    "returnByValue": True}, session)
+        finally:
+            self.send("Emulation.setDeviceMetricsOverride", self._metrics[session], session)
+        return json.loads(result["result"]["value"])
 
     def _report(self, url: str, session: str, seen: dict) -> PageReport:
         report = PageReport(url=url, mathjax_loaded=seen["mathjax"], maths=seen["maths"],
@@ -262,6 +366,10 @@ class Chromium:
                             images=len(seen["images"]), external=sorted(set(self.blocked)))
         report.images_broken = [i["src"] for i in seen["images"] if not i["ok"]]
         report.images_without_alt = [i["src"] for i in seen["images"] if not i["alt"]]
+        report.phone_overflow, report.phone_culprits = seen["over"], seen["culprits"]
+        report.openables = seen["openables"]
+        report.shown_closed, report.not_opening = seen["shown_closed"], seen["not_opening"]
+        report.forbidden = seen["forbidden"]
         urls: dict[str, str] = {}
         for ev in self.events:
             if ev.get("sessionId") != session:
@@ -289,7 +397,7 @@ class Chromium:
         return report
 
     def screenshot(self, session: str, path: Path, width: int = 1280, height: int = 900,
-                   max_height: int = 16000) -> None:
+                   max_height: int = 16000, scale: float = 1) -> None:
         """Save the whole page (up to ``max_height`` CSS pixels tall) as a PNG, ``width`` wide.
 
         The viewport is stretched to the page's height for the capture (so the layout is the one a
@@ -297,7 +405,7 @@ class Chromium:
         """
         size = self.send("Page.getLayoutMetrics", {}, session)["cssContentSize"]
         full = max(height, min(int(size["height"]) + 1, max_height))
-        metrics = {"width": width, "deviceScaleFactor": 1, "mobile": False}
+        metrics = {"width": width, "deviceScaleFactor": scale, "mobile": width < MOBILE_BELOW}
         self.send("Emulation.setDeviceMetricsOverride", {**metrics, "height": full}, session)
         try:
             frame = "new Promise(r => requestAnimationFrame(() => r(1)))"
@@ -321,6 +429,15 @@ class Chromium:
         if self.proc.stderr:
             self.proc.stderr.close()
         shutil.rmtree(self.profile, ignore_errors=True)
+
+
+def build_paths() -> tuple[str, ...]:
+    """This machine's paths that no built page may show: the repository's (as found and with
+    links resolved, for a worktree or a linked checkout) and the Python environment's, whose
+    site-packages paths leak through a module's repr."""
+    root = Path(__file__).absolute().parents[1]
+    prefix = Path(sys.prefix)
+    return tuple(sorted({str(root), str(root.resolve()), str(prefix), str(prefix.resolve())}))
 
 
 def pages_of(site: Path) -> list[str]:
@@ -348,11 +465,17 @@ class SiteReport:
                 f"{sum(p.maths - p.maths_unrendered for p in self.pages)}/"
                 f"{sum(p.maths for p in self.pages)} "
                 f"maths rendered, {sum(p.images - len(p.images_broken) for p in self.pages)}/"
-                f"{sum(p.images for p in self.pages)} images loaded")
+                f"{sum(p.images for p in self.pages)} images loaded, "
+                f"{sum(p.openables - len(p.shown_closed) for p in self.pages)}/"
+                f"{sum(p.openables for p in self.pages)} answers and hidden cells closed")
 
 
-def check_site(site: Path, executable: str, pages: list[str] | None = None) -> SiteReport:
-    """Load every page of ``site`` (or ``pages``, relative paths) from a local server."""
+def check_site(site: Path, executable: str, pages: list[str] | None = None,
+               forbidden: tuple[str, ...] = ()) -> SiteReport:
+    """Load every page of ``site`` (or ``pages``, relative paths) from a local server.
+
+    ``forbidden``: strings no page may contain (the paths of the machine that built it).
+    """
     pages = pages_of(site) if pages is None else pages
     with serve(site) as origin:
         browser = Chromium(executable, origin)
@@ -360,28 +483,32 @@ def check_site(site: Path, executable: str, pages: list[str] | None = None) -> S
             reports = []
             with browser.tab() as session:
                 for page in pages:
-                    reports.append(browser.load(session, f"{origin}/{page}"))
+                    reports.append(browser.load(session, f"{origin}/{page}", forbidden))
             return SiteReport(reports, browser.version)
         finally:
             browser.close()
 
 
-def screenshots(site: Path, out: Path, executable: str,
-                pages: list[str] | None = None) -> list[Path]:
-    """One full-page PNG per page (default: every page but Sphinx's index/search pages)."""
+def screenshots(site: Path, out: Path, executable: str, pages: list[str] | None = None,
+                width: int = 1280, scale: float = 1) -> list[Path]:
+    """One full-page PNG per page (default: every page but Sphinx's index/search pages).
+
+    ``width``: CSS pixels (412 is a common phone); ``scale``: device pixels per CSS pixel (a
+    phone's 2 or more shows whether a figure has the detail for it; the PNG is that much wider).
+    """
     pages = [p for p in pages_of(site) if p not in SKIP_SCREENSHOT] if pages is None else pages
     out.mkdir(parents=True, exist_ok=True)
     written = []
     with serve(site) as origin:
         browser = Chromium(executable, origin)
         try:
-            with browser.tab() as session:
+            with browser.tab(width, scale=scale) as session:
                 for page in pages:
                     report = browser.load(session, f"{origin}/{page}")
                     for problem in report.problems():
                         print(f"warning: {page}: {problem}", file=sys.stderr)
                     path = out / (page.removesuffix(".html").replace("/", "__") + ".png")
-                    browser.screenshot(session, path)
+                    browser.screenshot(session, path, width, scale=scale)
                     written.append(path)
         finally:
             browser.close()
@@ -396,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     shots = sub.add_parser("screenshots", help="render pages to PNG")
     shots.add_argument("site", type=Path)
     shots.add_argument("out", type=Path)
+    shots.add_argument("--width", type=int, default=1280, help="CSS pixels (default 1280)")
+    shots.add_argument("--scale", type=float, default=1,
+                       help="device pixels per CSS pixel (default 1; a phone has 2 or more)")
     shots.add_argument("pages", nargs="*",
                        help="pages relative to the site (default: the main pages)")
     args = parser.parse_args(argv)
@@ -407,10 +537,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Chromium not found: {INSTALL_HINT}", file=sys.stderr)
         return 2
     if args.command == "screenshots":
-        for path in screenshots(args.site, args.out, executable, args.pages or None):
+        for path in screenshots(args.site, args.out, executable, args.pages or None,
+                                width=args.width, scale=args.scale):
             print(path)
         return 0
-    report = check_site(args.site, executable)
+    report = check_site(args.site, executable, forbidden=build_paths())
     for url, problems in report.failures.items():
         print(f"FAIL {url}", *(f"  {p}" for p in problems), sep="\n")
     print(report.summary())

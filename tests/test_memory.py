@@ -10,11 +10,13 @@ import torch
 from kvdoc import Decoder, GPTConfig, generate
 from kvdoc.__main__ import main as cli
 from kvdoc.core.feed import feed
+from kvdoc.measure import memory
 from kvdoc.measure.copymeter import CopyMeter
 from kvdoc.measure.memory import (
     PRESETS,
     binary_size,
     decimal_size,
+    dtype_name,
     element_size,
     kv_bytes,
     kv_bytes_for_config,
@@ -176,7 +178,10 @@ def test_cli_model(capsys: pytest.CaptureFixture[str]) -> None:
     ["--layers", "2", "--seq-len", "-8", "--kv-heads", "1", "--head-dim", "4"],
     ["--layers", "2", "--seq-len", "8"],
     ["--model", "falcon-7b", "--seq-len", "8", "--layers", "3"],
-    ["--model", "falcon-7b"],
+    ["--layers", "2", "--kv-heads", "1", "--head-dim", "4"],  # no --seq-len, no model to take it
+    ["--model", "falcon-7b", "--seq-len", str(10**20)],
+    ["--model", "falcon-7b", "--seq-len", str(2**31)],
+    ["--model", "mistral-7b-v0.1", "--window", str(10**20)],
 ])
 def test_cli_bad_input_exits_2_quietly(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     try:
@@ -185,6 +190,36 @@ def test_cli_bad_input_exits_2_quietly(argv: list[str], capsys: pytest.CaptureFi
         rc = exc.code
     captured = capsys.readouterr()
     assert rc == 2 and captured.out == "" and "error" in captured.err
+
+
+def test_element_bytes_are_torchs() -> None:
+    # the table the command line uses without importing torch, against torch itself
+    for name, canonical in memory.DTYPES.items():
+        dtype = resolve_dtype(name)
+        assert dtype is getattr(torch, canonical)
+        assert element_size(name) == torch.empty((), dtype=dtype).element_size(), name
+        assert element_size(dtype) == element_size(name) and dtype_name(dtype) == canonical
+
+
+def test_cli_model_alone_takes_its_context(capsys: pytest.CaptureFixture[str]) -> None:
+    llama = preset("Llama-3-8B")
+    assert cli(["memory", "--model", "Llama-3-8B"]) == 0
+    captured = capsys.readouterr()
+    assert f"{llama.kv_bytes(llama.max_positions):,} bytes" in captured.out
+    assert f"T = {llama.max_positions:,}, the model's context" in captured.out
+    assert captured.err == ""
+
+
+def test_cli_past_the_context_warns(capsys: pytest.CaptureFixture[str]) -> None:
+    llama = preset("Llama-3-8B")
+    T = 4 * llama.max_positions
+    assert cli(["memory", "--model", "Llama-3-8B", "--seq-len", str(T)]) == 0
+    captured = capsys.readouterr()
+    assert f"{llama.kv_bytes(T):,} bytes" in captured.out  # computed for the stretched model
+    assert "warning" in captured.err
+    assert f"context of {llama.max_positions:,} tokens" in captured.err
+    assert cli(["memory", "--model", "Llama-3-8B", "--seq-len", str(llama.max_positions)]) == 0
+    assert capsys.readouterr().err == ""  # the context itself is no warning
 
 
 def test_cli_as_module() -> None:

@@ -1,7 +1,11 @@
 """The built site holds in a reader's browser: headless Chromium, network limited to a local server.
 
 For each page: no request to any host but the local server, no failed request, no console error,
-every maths element rendered by the site's own MathJax, every image loaded (and with alt text).
+every maths element rendered by the site's own MathJax, every image loaded (and with alt text),
+every answer (a ``:class: dropdown`` admonition) and hidden code cell closed as rendered (none of
+its text visible until the reader opens it, and some once opened), no path of the machine
+that built the site in the page, and nothing that makes the page wider than a 412 px phone (a
+wide table scrolls inside its own box).
 
 - ``test_browser_check_catches_a_bad_page``: the check itself can fail (a page that breaks every
   rule).
@@ -21,9 +25,11 @@ Without Chromium these tests are skipped with a loud reason outside CI, and fail
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -58,6 +64,7 @@ def chromium() -> str:
 
 BAD_PAGE = r"""<!doctype html>
 <html><head><meta charset="utf-8"><title>bad</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
 <link rel="icon" href="data:,">
 <script src="https://cdn.example.org/mathjax.js"></script>
 </head><body>
@@ -65,6 +72,15 @@ BAD_PAGE = r"""<!doctype html>
 <img src="_images/missing.png" alt="a figure that is not there">
 <img src="ok.svg">
 <script>console.error("boom from the page");</script>
+<div class="dropdown admonition"><p class="admonition-title">Answer</p>
+<p>An answer printed open under its question.</p></div>
+<details class="hide above-input"><summary>Show code cell source</summary>
+<div class="cell_input">a hidden cell, closed until clicked</div></details>
+<details class="hide above-input"><summary>Show code cell source</summary></details>
+<div style="width: 900px">a line of fixed width, wider than a phone</div>
+<div style="overflow-x: auto"><table style="width: 900px"><tr><td>scrolls in its box</td></tr>
+</table></div>
+<p>default: &lt;module 'kvdoc.measure.bench' from '/build/clone/kvdoc/measure/bench.py'&gt;</p>
 </body></html>
 """
 OK_SVG = ('<svg xmlns="http://www.w3.org/2000/svg" width="4" height="4">'
@@ -75,7 +91,7 @@ def test_browser_check_catches_a_bad_page(tmp_path):
     exe = chromium()
     (tmp_path / "index.html").write_text(BAD_PAGE)
     (tmp_path / "ok.svg").write_text(OK_SVG)
-    report = browser.check_site(tmp_path, exe)
+    report = browser.check_site(tmp_path, exe, forbidden=("/build/clone", "/elsewhere"))
     (page,) = report.pages
     assert page.external == ["https://cdn.example.org/mathjax.js"], page
     assert any("missing.png" in f and "404" in f for f in page.failed), page
@@ -84,7 +100,16 @@ def test_browser_check_catches_a_bad_page(tmp_path):
     assert page.images == 2, page
     assert [u.rsplit("/", 1)[1] for u in page.images_broken] == ["missing.png"], page
     assert [u.rsplit("/", 1)[1] for u in page.images_without_alt] == ["ok.svg"], page
-    assert len(page.problems()) >= 6 and report.failures
+    # The answer is shown open (nothing collapses it); the closed cell passes; the empty one
+    # shows nothing when opened.
+    assert page.openables == 3, page
+    assert page.shown_closed == ["answer: An answer printed open under its question."], page
+    assert page.not_opening == ["hidden cell: "], page
+    assert page.forbidden == ["/build/clone"], page
+    # The fixed-width line widens the page on a phone; the table in its own scroll box does not.
+    assert page.phone_overflow > 400, page
+    assert page.phone_culprits == ['<div class=""> a line of fixed width, wider than a phone'], page
+    assert len(page.problems()) >= 10 and report.failures
 
 
 PAGE = textwrap.dedent("""\
@@ -198,8 +223,40 @@ def test_every_built_page():
     missing = [s for s in sources
                if s.removesuffix(".md").removesuffix(".ipynb") + ".html" not in pages]
     assert not missing, f"pages with a source but no HTML: {missing}"
-    report = browser.check_site(site, exe, pages)
+    # The site was built from this checkout: its path (or the environment's) on any page is
+    # this machine's, not the reader's.
+    report = browser.check_site(site, exe, pages, forbidden=browser.build_paths())
     print("\n" + report.summary())
     assert len(report.pages) == len(pages)
     assert not report.failures, "\n".join(
         f"{url}:\n  " + "\n  ".join(p) for url, p in report.failures.items())
+    assert_versioned_with_sources(site, pages)
+
+
+def assert_versioned_with_sources(site: Path, pages: list[str]) -> None:
+    """Every content page names the package's version (from its metadata), and the API
+    reference has [source] links whose pages (sphinx.ext.viewcode) are in the site."""
+    stamp = f'<p class="kvdoc-version">kvdoc {importlib.metadata.version("kvdoc")}</p>'
+    unversioned = [p for p in pages if p not in browser.SKIP_SCREENSHOT
+                   and stamp not in (site / p).read_text(encoding="utf-8")]
+    assert not unversioned, f"pages without {stamp!r}: {unversioned}"
+    api = site / "reference" / "api.html"
+    if api.is_file():
+        links = re.findall(r'<a class="reference internal" href="([^"#]+)[^"]*">'
+                           r'<span class="viewcode-link">', api.read_text(encoding="utf-8"))
+        assert len(links) > 100, f"{len(links)} [source] links on the API page"
+        missing = sorted({h for h in links if not (api.parent / h).is_file()})
+        assert not missing, f"[source] links to no page: {missing[:5]}"
+
+
+def test_version_and_source_check_can_fail(tmp_path):
+    (tmp_path / "reference").mkdir()
+    (tmp_path / "index.html").write_text("<p>kvdoc 0.0.0</p>")
+    with pytest.raises(AssertionError, match="pages without"):
+        assert_versioned_with_sources(tmp_path, ["index.html"])
+    stamp = f'<p class="kvdoc-version">kvdoc {importlib.metadata.version("kvdoc")}</p>'
+    link = ('<a class="reference internal" href="../_modules/kvdoc/x.html#f">'
+            '<span class="viewcode-link">')
+    (tmp_path / "reference" / "api.html").write_text(stamp + link * 101)
+    with pytest.raises(AssertionError, match="to no page"):
+        assert_versioned_with_sources(tmp_path, ["reference/api.html"])

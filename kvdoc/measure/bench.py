@@ -408,27 +408,42 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``bench`` command's options."""
+    """The ``bench`` command's options (every one with its help and default)."""
     d = BenchSettings()
+
+    def listed(values: tuple[int, ...]) -> str:
+        return ",".join(map(str, values))
+
     parser.add_argument("--json", metavar="PATH",
                         help="write the full results (raw samples included) here")
     parser.add_argument("--prefix-lens", type=_ints, default=d.prefix_lens, metavar="P,P,...",
-                        help=f"prompt lengths (default {','.join(map(str, d.prefix_lens))})")
-    parser.add_argument("--new-tokens", type=int, default=d.new_tokens,
-                        help=f"G (default {d.new_tokens})")
-    parser.add_argument("--samples", type=int, default=d.samples,
+                        help=f"prompt lengths P, each timed with G new tokens after it "
+                             f"(default {listed(d.prefix_lens)})")
+    parser.add_argument("--new-tokens", type=int, default=d.new_tokens, metavar="G",
+                        help=f"tokens decoded after each prompt, one step each "
+                             f"(default {d.new_tokens})")
+    parser.add_argument("--samples", type=int, default=d.samples, metavar="N",
                         help=f"timed samples per path (default {d.samples})")
-    parser.add_argument("--warmup", type=int, default=d.warmup,
-                        help=f"warm-up runs per path (default {d.warmup})")
-    parser.add_argument("--threads", type=int, default=d.threads,
-                        help=f"torch threads (default {d.threads})")
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--growth-lengths", type=_ints, default=d.growth_lengths, metavar="T,T,...")
-    parser.add_argument("--no-transformers", action="store_true", help="skip transformers' GPT-2")
+    parser.add_argument("--warmup", type=int, default=d.warmup, metavar="N",
+                        help=f"untimed warm-up runs per path (default {d.warmup})")
+    parser.add_argument("--threads", type=int, default=d.threads, metavar="N",
+                        help=f"torch threads while timing (default {d.threads})")
+    parser.add_argument("--seed", type=int, default=d.seed, metavar="N",
+                        help=f"seed of the random weights and the token stream "
+                             f"(default {d.seed})")
+    parser.add_argument("--growth-lengths", type=_ints, default=d.growth_lengths,
+                        metavar="T,T,...",
+                        help=f"total lengths T at which one step of each path is timed, for "
+                             f"the growth fit (default {listed(d.growth_lengths)})")
+    parser.add_argument("--no-transformers", action="store_true",
+                        help="skip transformers' GPT-2 (timed by default on the same weights)")
     parser.add_argument("--no-roofline", action="store_true",
-                        help="skip the 124M-parameter bandwidth floor")
-    parser.add_argument("--roofline-samples", type=int, default=d.roofline_samples)
-    parser.add_argument("--no-ablation", action="store_true", help="skip the lean step's ablation")
+                        help="skip the memory-bandwidth floor on a 124M-parameter model")
+    parser.add_argument("--roofline-samples", type=int, default=d.roofline_samples, metavar="N",
+                        help=f"timed samples per path of the bandwidth floor "
+                             f"(default {d.roofline_samples})")
+    parser.add_argument("--no-ablation", action="store_true",
+                        help="skip the lean step with each of the fast step's changes undone")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -18,6 +18,10 @@ It is also the ``python -m kvdoc memory`` command (:func:`add_arguments`, :func:
     python -m kvdoc memory --batch 1 --layers 32 --seq-len 4096 --kv-heads 8 --head-dim 128 \\
         --dtype float16
     python -m kvdoc memory --model Llama-3-8B --seq-len 8192
+    python -m kvdoc memory --model Llama-3-8B        # T: the model's context, 8,192
+
+Importing this module does not import torch (the command starts in a fraction of a second);
+the functions that take or return a torch dtype or tensor import it when called.
 """
 
 from __future__ import annotations
@@ -26,26 +30,55 @@ import argparse
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-
-from kvdoc.core.cache import KVCache
+# torch-free: the command line imports this module, and loading torch takes seconds
 from kvdoc.core.config import GPTConfig, check_int
-from kvdoc.core.gemma import Gemma3Config, gemma_layer_types
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvdoc.core.cache import KVCache
+    from kvdoc.core.gemma import Gemma3Config
 
 # --- dtypes ------------------------------------------------------------------------------
 
-#: Names accepted for ``dtype`` arguments and ``--dtype`` (case-insensitive), and their torch dtype.
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
-    "fp8": torch.float8_e4m3fn,
-    "int8": torch.int8,
+#: Names accepted for ``dtype`` arguments and ``--dtype`` (case-insensitive), and the name of
+#: the torch dtype each stands for (``torch.<name>``).
+DTYPES: dict[str, str] = {
+    "float64": "float64", "fp64": "float64", "double": "float64",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2",
+    "fp8": "float8_e4m3fn",
+    "int8": "int8",
 }
+
+#: ``s`` of each dtype in :data:`DTYPES`, as torch stores it (tests/test_memory.py compares
+#: every entry with torch's own ``element_size``): known without importing torch.
+ELEMENT_BYTES: dict[str, int] = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+                                 "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
+
+
+def _is_torch_dtype(dtype: object) -> bool:
+    return type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype"
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """The canonical name of a dtype, e.g. ``"float16"`` for ``"fp16"``.
+
+    Raises:
+        ValueError: an unknown name.
+
+    >>> dtype_name("FP16"), dtype_name("bf16")
+    ('float16', 'bfloat16')
+    """
+    if _is_torch_dtype(dtype):
+        return str(dtype).removeprefix("torch.")
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -57,25 +90,24 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     >>> resolve_dtype("bf16")
     torch.bfloat16
     """
-    if isinstance(dtype, torch.dtype):
+    if _is_torch_dtype(dtype):
         return dtype
-    if isinstance(dtype, str) and dtype.lower() in DTYPES:
-        return DTYPES[dtype.lower()]
-    raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    name = dtype_name(dtype)
+    import torch
+
+    return getattr(torch, name)
 
 
 def element_size(dtype: str | torch.dtype) -> int:
     """``s``: bytes per element of ``dtype``, as torch stores it.
 
+    >>> import torch
     >>> element_size("float16"), element_size(torch.float32)
     (2, 4)
     """
-    return torch.empty((), dtype=resolve_dtype(dtype)).element_size()
-
-
-def dtype_name(dtype: str | torch.dtype) -> str:
-    """The canonical name of a dtype, e.g. ``"float16"`` for ``"fp16"``."""
-    return str(resolve_dtype(dtype)).removeprefix("torch.")
+    if _is_torch_dtype(dtype):
+        return dtype.itemsize
+    return ELEMENT_BYTES[dtype_name(dtype)]
 
 
 # --- the formula ---------------------------------------------------------------------------
@@ -139,7 +171,7 @@ def kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim: int
 
 
 def kv_bytes_for_config(config: GPTConfig, batch: int, seq_len: int,
-                        dtype: str | torch.dtype = torch.float32) -> int:
+                        dtype: str | torch.dtype = "float32") -> int:
     """:func:`kv_bytes` with ``L``, ``H_kv`` and ``D`` taken from a
     :class:`~kvdoc.core.config.GPTConfig`.
 
@@ -157,6 +189,8 @@ def measured_bytes(cache: KVCache | Iterable[torch.Tensor]) -> int:
     >>> measured_bytes(cache) == kv_bytes_for_config(GPTConfig(), 1, 272)
     True
     """
+    from kvdoc.core.cache import KVCache
+
     tensors = cache.tensors() if isinstance(cache, KVCache) else list(cache)
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -357,12 +391,16 @@ class HybridPreset:
     @property
     def layer_windows(self) -> list[int | None]:
         """Per layer ``W`` (a window layer) or None (a global one)."""
+        from kvdoc.core.gemma import gemma_layer_types
+
         types = gemma_layer_types(self.layers, self.sliding_window_pattern)
         return [self.sliding_window if t == "sliding_attention" else None for t in types]
 
     def config(self) -> Gemma3Config:
         """A :class:`~kvdoc.core.gemma.Gemma3Config` of these sizes (the rest at its defaults:
         they do not change the cache)."""
+        from kvdoc.core.gemma import Gemma3Config
+
         return Gemma3Config(n_head=self.heads, n_kv_head=self.kv_heads, n_embd=self.hidden,
                             head_dim=self.head_dim, n_layer=self.layers,
                             n_positions=self.max_positions, sliding_window=self.sliding_window,
@@ -442,6 +480,13 @@ def hybrid_vs_global(model: str | HybridPreset, seq_len: int, batch: int = 1,
 
 # --- the command line -------------------------------------------------------------------------
 
+#: The longest ``--seq-len`` (and ``--window``) the command takes: 2**31 - 1 positions. Attention
+#: kernels index a sequence's tokens with 32-bit integers (FlashAttention's ``cu_seqlens`` are
+#: int32), so no served sequence is longer; the longest published contexts are millions of
+#: tokens, hundreds of times shorter. A length past it is a typo, not a what-if.
+MAX_SEQ_LEN = 2**31 - 1
+
+
 def _positive_arg(text: str) -> int:
     try:
         value = int(text.replace(",", "").replace("_", ""))
@@ -452,9 +497,18 @@ def _positive_arg(text: str) -> int:
     return value
 
 
-def _dtype_arg(text: str) -> torch.dtype:
+def _length_arg(text: str) -> int:
+    value = _positive_arg(text)
+    if value > MAX_SEQ_LEN:
+        raise argparse.ArgumentTypeError(
+            f"{value:,} positions is past any sequence an attention kernel indexes "
+            f"(at most 2**31 - 1 = {MAX_SEQ_LEN:,}, 32-bit token indices)")
+    return value
+
+
+def _dtype_arg(text: str) -> str:
     try:
-        return resolve_dtype(text)
+        return dtype_name(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
@@ -475,15 +529,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=_positive_arg, default=1, metavar="B",
                         help="sequences (default 1)")
     parser.add_argument("--layers", type=_positive_arg, metavar="L", help="decoder layers")
-    parser.add_argument("--seq-len", type=_positive_arg, metavar="T",
-                        help="cached positions per sequence")
+    parser.add_argument("--seq-len", type=_length_arg, metavar="T",
+                        help="cached positions per sequence (default with --model: the model's "
+                             "context; a longer one is computed, with a warning)")
     parser.add_argument("--kv-heads", type=_positive_arg, metavar="H",
                         help="K/V heads per layer (not query heads)")
     parser.add_argument("--head-dim", type=_positive_arg, metavar="D", help="size of one head")
-    parser.add_argument("--dtype", type=_dtype_arg, default=torch.float16, metavar="NAME",
+    parser.add_argument("--dtype", type=_dtype_arg, default="float16", metavar="NAME",
                         help="element type: float32, float16, bfloat16, float8_e4m3fn, ... "
                              "(default float16)")
-    parser.add_argument("--window", type=_positive_arg, metavar="W",
+    parser.add_argument("--window", type=_length_arg, metavar="W",
                         help="sliding window: each layer keeps only the last W positions "
                              "(default: the model's own window, if it has one)")
     parser.add_argument("--list-models", action="store_true",
@@ -505,28 +560,40 @@ def main(args: argparse.Namespace) -> int:
                   f"D={p.head_dim} context {p.max_positions:,}{window}  [{p.source}]")
         return 0
     sizes = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
-    if args.seq_len is None:
-        return _error("--seq-len is required")
     model: ModelPreset | None = args.model
+    T = args.seq_len
     if model is not None:
         given = [name for name, value in sizes.items() if value is not None]
         if given:
             return _error(f"--model sets the sizes itself; drop {', '.join(given)}")
         layers, kv_heads, head_dim = model.layers, model.kv_heads, model.head_dim
         window = args.window if args.window is not None else model.sliding_window
+        if T is None:
+            T = model.max_positions
+        elif T > model.max_positions:
+            # A warning, not a refusal: the cache's sizes do not change when a context is
+            # stretched (RoPE scaling, a long-context fine-tune), so the bytes are still the
+            # answer to that what-if; but past the release's context it is one.
+            print(f"python -m kvdoc memory: warning: --seq-len {T:,} is past {model.name}'s "
+                  f"context of {model.max_positions:,} tokens (the bytes below are for a "
+                  "model stretched that far)", file=sys.stderr)
     else:
+        if T is None:
+            return _error("--seq-len is required without --model")
         missing = [name for name, value in sizes.items() if value is None]
         if missing:
             return _error("give --model NAME or all of --layers, --kv-heads, --head-dim "
                           f"(missing {', '.join(missing)})")
         layers, kv_heads, head_dim = args.layers, args.kv_heads, args.head_dim
         window = args.window
-    B, T, s = args.batch, args.seq_len, element_size(args.dtype)
+    B, s = args.batch, element_size(args.dtype)
     total = kv_bytes(B, layers, T, kv_heads, head_dim, args.dtype)
     lines = []
     if model is not None:
         lines.append(f"model      {model.name} ({model.attention}, {model.heads} query heads; "
                      f"source: {model.source})")
+        if args.seq_len is None:
+            lines.append(f"length     T = {T:,}, the model's context (give --seq-len for another)")
     lines += [
         f"formula    2 x B x L x T x H_kv x D x s = 2 x {B:,} x {layers:,} x {T:,} "
         f"x {kv_heads:,} x {head_dim:,} x {s} ({dtype_name(args.dtype)})",

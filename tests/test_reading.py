@@ -1,0 +1,73 @@
+"""The landing page's reading times: the word count reads prose, not code or markup."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvdoc.teach.render import WORDS_PER_MINUTE, page_title, prose_words, reading_minutes
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+PAGE = """---
+file_format: mystnb
+kernelspec:
+  name: python3
+---
+
+# Four words of title
+
+Some prose with a {term}`glossary term` and a [link](part1/index.md).
+
+```{code-cell} python
+:tags: [remove-cell]
+these words are code and never counted
+```
+
+:::{admonition} Answer
+:class: dropdown
+Three more words.
+:::
+
+````{note}
+Two here.
+```python
+not prose either
+```
+````
+
+```sh
+make html
+```
+"""
+
+
+def test_prose_words_count_prose_only():
+    # title 4 + "Some prose with a glossary term and a link" 9 + 1 "Answer" + 3 + 2
+    assert prose_words(PAGE) == 4 + 9 + 1 + 3 + 2
+
+
+@pytest.mark.parametrize("code", ["```{code-cell} python\n", "```python\n", "```{doctest}\n"])
+def test_code_adds_nothing(code: str):
+    block = code + "a b c d e f g h\n```\n"
+    assert prose_words(PAGE + block) == prose_words(PAGE)
+    assert prose_words(PAGE + "Plain prose.\n") == prose_words(PAGE) + 2  # the check can fail
+
+
+def test_minutes_round_up(tmp_path: Path):
+    page = tmp_path / "p.md"
+    page.write_text("# t\n\n" + "word " * (WORDS_PER_MINUTE - 1))  # one minute's words
+    assert reading_minutes([page]) == 1
+    page.write_text("# t\n\n" + "word " * WORDS_PER_MINUTE)
+    assert reading_minutes([page]) == 2
+    assert page_title(page) == "t"
+
+
+def test_the_landing_pages_paths_name_real_pages():
+    index = (DOCS / "index.md").read_text(encoding="utf-8")
+    block = index[index.index("PATHS = {"):index.index("glue(\"wpm\"")]
+    pages = re.findall(r'"([\w/-]+)"(?!:)', block)  # the lists' entries, not their keys
+    assert len(pages) > 20, pages
+    assert [p for p in pages if not (DOCS / f"{p}.md").is_file()] == []
