@@ -37,7 +37,8 @@ def _rows(layer: CacheLayer, positions: int) -> int:
 
 def _pool(layer: PoolLayer, seq_len: int) -> int:
     pool = layer.pool
-    # a layer's share of the pool, every block free or held; both stores at their own widths (K and V, or an MLA latent's c_KV and k_rope)
+    # a layer's share of the pool, every block free or held; both stores at their own
+    # widths (K and V, or an MLA latent's c_KV and k_rope)
     return pool.num_blocks * pool.block_size * layer.heads * sum(layer.widths) * _size(layer)
 
 
