@@ -37,7 +37,7 @@ TRAITS: dict[str, str] = {
     "hybrid": "window and global layers in one model",
 }
 """Every trait, with what it means."""
-FAMILIES = frozenset({"decoder", "gemma", "latent"})
+FAMILIES = ("decoder", "gemma", "latent")
 """The traits that say which code a model is: a variant subclasses one family's classes."""
 
 

@@ -42,9 +42,10 @@ class BrokenVariant:
     build: Callable[[Decoder], Decoder]
     bug_class: str = "mask and positions"
     stale_prefix: bool = False
-    needs: frozenset[str] = frozenset({"decoder"})
+    needs: tuple[str, ...] = ("decoder",)
     """The traits (:data:`kvdoc.proofs.traits.TRAITS`) a model must have for the variant to be
-    built from it: most break a K/V :class:`~kvdoc.core.model.Decoder` of a GPTConfig."""
+    built from it: most break a K/V :class:`~kvdoc.core.model.Decoder` of a GPTConfig. Given as
+    any collection, kept sorted (a set's order would change the page that lists it)."""
     one_model: bool = False
     """Run on the first model among the axes that has :attr:`needs` only: a bug in a pool, a
     cache kind or the scheduler shows on any of them, and one keeps the sweep short."""
@@ -60,19 +61,19 @@ class BrokenVariant:
 
     def __post_init__(self) -> None:
         needs = check_traits(self.needs)
-        if len(needs & FAMILIES) != 1:
+        if len(needs.intersection(FAMILIES)) != 1:
             raise ValueError(f"variant {self.name!r} must need one family of "
                              f"{sorted(FAMILIES)}, got {sorted(needs)}")
-        object.__setattr__(self, "needs", needs)
+        object.__setattr__(self, "needs", tuple(sorted(needs)))
 
     def builds_on(self, config: object) -> bool:
         """Whether it can be built from a model with ``config`` (of its family): a model given
         by name runs it even without the traits it needs to show (to see it escape)."""
-        return self.needs & FAMILIES <= traits(config)
+        return traits(config).issuperset(set(FAMILIES).intersection(self.needs))
 
     def models_among(self, names: Sequence[str]) -> list[str]:
         """The models of ``names`` (of :data:`kvdoc.proofs.grid.MODELS`) it runs on."""
-        hosts = [n for n in names if self.needs <= grid_traits(n)]
+        hosts = [n for n in names if grid_traits(n).issuperset(self.needs)]
         return hosts[:1] if self.one_model else hosts
 
 
