@@ -37,6 +37,8 @@ Two more are wrong in code both paths share:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvdoc.core.cache import KVCache
@@ -143,33 +145,27 @@ class DefaultBaseAttention(CausalSelfAttention):
         return self.c_proj(y.transpose(1, 2).reshape(B, C, d))
 
 
-def unrotated_k(model: Decoder) -> Decoder:
-    """A copy of a RoPE ``model`` whose attention caches K before rotating it."""
-    _require_rope(model)
-    return with_attention(model, UnrotatedKeyAttention)
-
-
-def rope_restart(model: Decoder) -> Decoder:
-    """A copy of a RoPE ``model`` whose every call rotates its rows from position 0."""
-    _require_rope(model)
-    return with_attention(model, RopeRestartAttention)
-
-
-def growing_table(model: Decoder) -> Decoder:
-    """A copy of a RoPE ``model`` whose rotation table grows wrongly after its first call."""
-    _require_rope(model)
-    return with_attention(model, GrowingTableAttention)
-
-
-def default_base(model: Decoder) -> Decoder:
-    """A copy of a RoPE ``model`` that turns at the default base, not ``config.rope_theta``."""
-    _require_rope(model)
-    return with_attention(model, DefaultBaseAttention)
-
-
 def _require_rope(model: Decoder) -> None:
     if model.config.position != "rope":
         raise ValueError("this variant breaks RoPE: build it from a model with position='rope'")
+
+
+def rope_variant(cls: type[CausalSelfAttention]) -> Callable[[Decoder], Decoder]:
+    """``model ->`` a copy of a RoPE ``model`` whose every attention module is a ``cls``."""
+    def build(model: Decoder) -> Decoder:
+        _require_rope(model)
+        return with_attention(model, cls)
+    return build
+
+
+unrotated_k = rope_variant(UnrotatedKeyAttention)
+"""A copy of a RoPE model whose attention caches K before rotating it."""
+rope_restart = rope_variant(RopeRestartAttention)
+"""A copy of a RoPE model whose every call rotates its rows from position 0."""
+growing_table = rope_variant(GrowingTableAttention)
+"""A copy of a RoPE model whose rotation table grows wrongly after its first call."""
+default_base = rope_variant(DefaultBaseAttention)
+"""A copy of a RoPE model that turns at the default base, not ``config.rope_theta``."""
 
 
 def local_global_base(model: Gemma3Decoder) -> Gemma3Decoder:
