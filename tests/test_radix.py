@@ -4,9 +4,15 @@ eviction, bookkeeping, and each request against itself alone."""
 import pytest
 import torch
 
-from kvdoc.proofs.broken.serving import EvictLocked, WholeBlockMatch
+from kvdoc.proofs.broken.serving import (
+    EvictLocked,
+    ReserveFinalToken,
+    ShareLastBlock,
+    WholeBlockMatch,
+)
 from kvdoc.proofs.compare import default_model
 from kvdoc.proofs.prefix_cache import (
+    check_admission,
     check_locked_eviction,
     compare_workload,
     invariant_errors,
@@ -48,7 +54,22 @@ def test_block_granularity_keeps_whole_blocks_and_a_whole_prompt_keeps_its_last_
     tree = tree_for(model, granularity="block")
     serve_prompt(model, tree, A, max_new=3)
     assert tree.match(A[:6] + [50])[:2] == (4, [0])
-    assert tree.admit(A[:8], max_new=1).matched == 7  # found whole: its last token is computed
+    # found whole, ending on a block boundary: its last block is recomputed, nothing copied
+    assert tree.admit(A[:8], max_new=1).matched == 4
+
+
+def test_admission_reserves_what_a_request_writes_and_block_mode_copies_nothing(model):
+    assert check_admission(model).passed
+    tree = tree_for(model, blocks=3)
+    served = serve_prompt(model, tree, A[:8], max_new=5)  # 12 positions written: 3 blocks
+    assert len(served.tokens) == 13 and tree.blocks_held() == 3
+
+
+def test_broken_admissions_are_caught(model):
+    reserve = check_admission(model, ReserveFinalToken)
+    assert not reserve.passed and "refused" in reserve.detail
+    share = check_admission(model, ShareLastBlock)
+    assert not share.passed and "matched 7" in share.detail
 
 
 def test_every_request_equals_itself_alone_fp32_and_fp64(model):

@@ -11,6 +11,9 @@
   requests through it; the bytes the tree reports are those of its blocks in the pool's tensors.
 * :func:`check_locked_eviction`: a request that needs more blocks than the unlocked nodes can
   free is refused, and its own matched path is not evicted to make room.
+* :func:`check_admission`: a request is admitted into a pool holding exactly the blocks it
+  writes (``prompt + max_new - 1`` positions), and in block mode a prompt found whole, ending on
+  a block boundary, matches all but its last block and copies nothing (as vLLM and SGLang do).
 
 The broken trees of :mod:`kvdoc.proofs.broken.serving` are what each check must catch:
 
@@ -24,6 +27,9 @@ True
 False
 >>> check_locked_eviction(model).passed, check_locked_eviction(model, EvictLocked).passed
 (True, False)
+>>> from kvdoc.proofs.broken.serving import ReserveFinalToken, ShareLastBlock
+>>> [check_admission(model, t).passed for t in (RadixCache, ReserveFinalToken, ShareLastBlock)]
+[True, False, False]
 """
 
 from __future__ import annotations
@@ -172,22 +178,66 @@ def check_locked_eviction(model: Decoder, tree_cls: type[RadixCache] = RadixCach
                                 f"{'; '.join(errors) or 'no invariant broken'}")
 
 
+def check_admission(model: Decoder, tree_cls: type[RadixCache] = RadixCache,
+                    block_size: int = 4) -> EvictionCheck:
+    """Two admission contracts at their edges.
+
+    * An 8-token prompt with ``max_new=5`` writes 12 positions: 3 blocks of 4, and a pool of 3
+      must take it.
+    * Block mode: once that prompt's sequence is in the tree, the same 8 tokens are found whole;
+      the request takes the first block (positions 0-3), recomputes the second, and no shared
+      block is copied: after it runs, its table starts with the tree's first block and the
+      tree's blocks hold what they held.
+    """
+    weight = model.wte.weight
+    prompt = list(range(1, 2 * block_size + 1))
+    tree = tree_cls(BlockPool(model.config, 3, block_size, weight.dtype, weight.device))
+    try:
+        serve_prompt(model, tree, prompt, max_new=block_size + 1)
+    except ValueError as refused:
+        return EvictionCheck(False, f"a request writing 3 blocks refused by a pool of 3 "
+                                    f"({refused})")
+    tree.clear()
+    tree = tree_cls(BlockPool(model.config, 8, block_size, weight.dtype, weight.device),
+                    "block")
+    serve_prompt(model, tree, prompt, max_new=block_size + 1)
+    kept = [t.clone() for t in (*tree.pool.k, *tree.pool.v)]
+    held = sorted(b for n in tree.nodes() for b in n.blocks)
+    request = tree.admit(prompt, max_new=1)
+    matched, shared = request.matched, list(request.cache.tables[0])
+    model(torch.tensor([prompt[matched:]], device=weight.device), request.cache)
+    table = list(request.cache.tables[0])
+    unchanged = all(torch.equal(t[held], k[held]) for t, k in
+                    zip((*tree.pool.k, *tree.pool.v), kept, strict=True))
+    tree.retire(request, prompt)
+    errors = invariant_errors(tree)
+    ok = (matched == block_size and table[:len(shared)] == shared and unchanged
+          and not errors)
+    became = table[:len(shared)]
+    return EvictionCheck(ok, f"pool of 3 took 3 blocks; a whole {len(prompt)}-token prompt "
+                             f"matched {matched}, its shared blocks {shared} became {became}"
+                             f"{'; ' + '; '.join(errors) if errors else ''}")
+
+
 def prefix_cache_scenario(case, out: list) -> None:
     """The ``prefix-cache`` check on one combination of the grid (a scenario of
     :mod:`kvdoc.proofs.scenarios`): a few-shot workload served through a tree, token- and
-    block-granular, against each request alone, and the locked-eviction refusal; for the paged
+    block-granular, against each request alone, the locked-eviction refusal and the admission
+    edges (a broken variant's tree class comes in as ``case.caches["radix"]``); for the paged
     kind of the model implementation (the tree owns paged blocks), not applicable elsewhere."""
     if case.impl != "model" or case.kind != "paged":
         out.append(case.result("prefix-cache", None, 0.0,
                                "the tree serves the model itself from paged blocks"))
         return
+    tree = case.caches.get("radix", RadixCache)  # a broken variant's tree class
     turns = few_shot_workload(requests=3, vocab=case.model.config.vocab_size)
-    checks = [compare_workload(case.model, turns, num_blocks=32, granularity=g)
+    checks = [compare_workload(case.model, turns, num_blocks=32, granularity=g, tree_cls=tree)
               for g in ("token", "block")]
-    eviction = check_locked_eviction(case.model)
-    ok = all(c.passed for c in checks) and eviction.passed
+    eviction = check_locked_eviction(case.model, tree)
+    admission = check_admission(case.model, tree)
+    ok = all(c.passed for c in checks) and eviction.passed and admission.passed
     error = max(r.logit_error for c in checks for r in c.requests)
     out.append(case.result("prefix-cache", ok, error,
                            "3 few-shot requests through a radix tree (token and block matches) "
                            f"vs each alone ({DTYPE_NAMES[case.dtype]}); refcounts == holders; "
-                           f"locked eviction: {eviction.detail}"))
+                           f"locked eviction: {eviction.detail}; admission: {admission.detail}"))

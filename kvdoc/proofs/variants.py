@@ -53,7 +53,8 @@ class BrokenVariant:
     """Broken cache factories ``(model, batch, capacity) -> cache`` in place of the real ones, by
     kind of :data:`kvdoc.proofs.grid.CACHES` (or ``"int8"``, the ``int8`` scenario's cache; or
     ``"scheduler"``, the ``scheduling`` scenario's :class:`~kvdoc.serving.scheduler.Scheduler`
-    class)."""
+    class; or ``"radix"``, the ``prefix-cache`` scenario's
+    :class:`~kvdoc.serving.radix.RadixCache` class)."""
     kinds: tuple[str, ...] | None = None
     """The cache kinds it runs on (those its broken caches replace); None: every kind."""
     dtypes: tuple[torch.dtype, ...] | None = None
@@ -81,7 +82,7 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "last_only and generation", "crop and branch", "shared path", "failure mid-call",
                "rotary positions", "state across calls", "configuration value", "stale weights",
                "byte accounting", "int8 contract", "ring and block edges", "padded batches",
-               "preemption and forks")
+               "preemption and forks", "prefix-cache admission")
 """The kinds of mistake the variants stand for."""
 
 def _copy(cls: type[Decoder]) -> Callable[[Decoder], Decoder]:
@@ -204,6 +205,22 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   "a fork writes into the prompt block it shares with its siblings, no copy",
                   _copy(Decoder), "preemption and forks", one_model=True, kinds=("paged",),
                   caches={"scheduler": serving.ForkWithoutCopy}),
+    BrokenVariant("radix-whole-block-match",
+                  "the radix tree takes a partly matched block as if its tail were the "
+                  "request's own", _copy(Decoder), "prefix-cache admission", one_model=True,
+                  kinds=("paged",), caches={"radix": serving.WholeBlockMatch}),
+    BrokenVariant("radix-evict-locked",
+                  "the radix tree's eviction ignores locks and frees the path a request matched",
+                  _copy(Decoder), "prefix-cache admission", one_model=True, kinds=("paged",),
+                  caches={"radix": serving.EvictLocked}),
+    BrokenVariant("radix-reserve-final-token",
+                  "admission makes room for prompt + max_new positions, one more than is written",
+                  _copy(Decoder), "prefix-cache admission", one_model=True, kinds=("paged",),
+                  caches={"radix": serving.ReserveFinalToken}),
+    BrokenVariant("radix-share-last-block",
+                  "block mode shares the last block of a prompt found whole, and copies it",
+                  _copy(Decoder), "prefix-cache admission", one_model=True, kinds=("paged",),
+                  caches={"radix": serving.ShareLastBlock}),
     BrokenVariant("rope-table-growth",
                   "RoPE's cos/sin table, built on the first call, grows with rows from position 0",
                   rope.growing_table, "state across calls", needs={"decoder", "rope"}),

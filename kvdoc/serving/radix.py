@@ -17,8 +17,8 @@ Rules this module keeps:
   ``matched``, copies the block first (the paged cache's copy-on-write), so the positions past
   the match, which belong to another sequence, are overwritten in the copy and the tree's block
   never changes. ``granularity="block"`` keeps only whole matched blocks, as vLLM's automatic
-  prefix caching does; it recomputes up to ``block_size - 1`` tokens more per request and copies
-  nothing.
+  prefix caching does; it recomputes up to ``block_size - 1`` tokens more per request (a whole
+  block when the prompt is found whole and ends on a block boundary) and copies nothing.
 * **At least one token to compute.** A prompt found whole in the tree still has its last token
   prefilled, since its logits are what the next token is chosen from.
 * **Reference counts.** Every holder of a block, tree node or running request, holds one
@@ -158,13 +158,27 @@ class RadixCache:
             blocks = blocks[:pos // S]
         return pos, blocks, node
 
+    def reusable(self, prompt: Sequence[int]) -> tuple[int, list[int], Node]:
+        """What a request for ``prompt`` takes from the tree: :meth:`match`, short of the last
+        prompt token (whose logits choose the next token, so it is always computed), and in
+        block mode rounded down to whole blocks."""
+        length, blocks, node = self.match(prompt)
+        length = min(length, len(prompt) - 1)
+        if self.granularity == "block":  # a whole prompt found: its last block is recomputed
+            length = length // self.block_size * self.block_size
+        return length, blocks[:math.ceil(length / self.block_size)], node
+
     # --- a request's life -----------------------------------------------------------------
     def admit(self, prompt: Sequence[int], max_new: int = 0) -> Admission:
         """Match ``prompt``, lock its path, make room for it, and give it a cache.
 
         The cache holds the matched positions (shared blocks) and is to be continued with
         ``prompt[request.matched:]``. Eviction makes the free list cover the blocks the request
-        will write into (``len(prompt) + max_new`` positions), counted for this request alone.
+        will write into, counted for this request alone: ``len(prompt) + max_new - 1``
+        positions, since the last generated token is never fed back (``len(prompt)`` when
+        ``max_new`` is 0). In block mode the match is the whole blocks before the last prompt token,
+        as in vLLM and SGLang: a prompt found whole that ends on a block boundary recomputes its
+        last block, and nothing is copied.
 
         Raises:
             ValueError: an empty prompt, or too few blocks even after evicting every unlocked
@@ -175,10 +189,11 @@ class RadixCache:
         if not prompt or max_new < 0:
             raise ValueError(f"need a non-empty prompt and max_new >= 0, got {len(prompt)} tokens "
                              f"and max_new={max_new}")
-        length, blocks, node = self.match(prompt)
-        length = min(length, len(prompt) - 1)  # the last prompt token is always computed
-        blocks = blocks[:math.ceil(length / self.block_size)]
-        needed = math.ceil((len(prompt) + max_new) / self.block_size) - length // self.block_size
+        S = self.block_size
+        length, blocks, node = self.reusable(prompt)
+        # the last token is chosen, never fed: the cache ends one short of prompt + output
+        written = len(prompt) + max(max_new - 1, 0)
+        needed = math.ceil(written / S) - length // S
         node = self._cut(node, len(blocks))
         self._lock(node, +1)  # before making room: eviction must not take this path
         # an unlocked node's whole subtree is unlocked: leaf by leaf, all of it can go

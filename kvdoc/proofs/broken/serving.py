@@ -3,7 +3,9 @@ a decoder that drops a padded batch's positions.
 
 * :class:`WholeBlockMatch`: a tree that takes a partly matched block as if all of it were the
   request's own; :class:`EvictLocked`: a tree whose eviction policy (:class:`IgnoreLocks`, passed
-  through the tree's public ``policy``) ignores locks.
+  through the tree's public ``policy``) ignores locks; :class:`ReserveFinalToken` makes room
+  for one position more than a request writes; :class:`ShareLastBlock` shares, in block mode,
+  the last block of a prompt found whole.
 * :func:`pack_off_by_one` ships one position too few; :func:`pack_zeroed_last_v` ships the last
   layer's V as zeros (every size right).
 * :class:`SharedStartScheduler` embeds every row of a step at the step's common start;
@@ -23,6 +25,8 @@ Each subclasses the real class and changes one method it offers for that purpose
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -47,6 +51,26 @@ class WholeBlockMatch(RadixCache):
         if length % self.block_size and end < len(tokens):
             length = end  # BUG: the tail of the last block is another request's
         return length, blocks, node
+
+
+class ReserveFinalToken(RadixCache):
+    """BROKEN: makes room for ``len(prompt) + max_new`` positions, one more than a request
+    writes (its last token is chosen, never fed), so it evicts more than it must and refuses a
+    request that fits."""
+
+    def admit(self, prompt, max_new=0):
+        return super().admit(prompt, max_new + 1)  # BUG: the last token is never written
+
+
+class ShareLastBlock(RadixCache):
+    """BROKEN: in block mode, a prompt found whole matches up to its last token, so the
+    request shares the partly reused last block and copies it on its first write, where vLLM
+    and SGLang match whole blocks only and copy nothing."""
+
+    def reusable(self, prompt):
+        length, blocks, node = self.match(prompt)
+        length = min(length, len(prompt) - 1)  # BUG: not rounded down to whole blocks
+        return length, blocks[:math.ceil(length / self.block_size)], node
 
 
 class IgnoreLocks(LRU):
