@@ -3,7 +3,7 @@
  *
  * The pure functions at the top (offsetMask, topLeftMask, cachedSteps) carry no DOM code, so
  * tests/test_explorer.py evaluates them with node and compares them with kvdoc's masks
- * (kvdoc.core.mask, kvdoc.proofs.broken) and kvdoc.teach.toy. Everything below "DOM" only draws.
+ * (kvdoc.core.mask, kvdoc.proofs.broken) and kvdoc.teach.worked. Everything below "DOM" only draws.
  */
 (function () {
   "use strict";
