@@ -93,6 +93,12 @@ def _attention(cls: type) -> Callable[[Decoder], Decoder]:
     return lambda m: decoders.with_attention(m, cls)
 
 
+def _radix(name: str, breaks: str, tree: type) -> BrokenVariant:
+    """A broken radix tree, run by the ``prefix-cache`` scenario on one paged model."""
+    return BrokenVariant(name, breaks, _copy(Decoder), "prefix-cache admission",
+                         one_model=True, kinds=("paged",), caches={"radix": tree})
+
+
 VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     BrokenVariant("positions-restart",
                   "position ids restart at 0 on every call instead of at the cache length",
@@ -205,22 +211,15 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   "a fork writes into the prompt block it shares with its siblings, no copy",
                   _copy(Decoder), "preemption and forks", one_model=True, kinds=("paged",),
                   caches={"scheduler": serving.ForkWithoutCopy}),
-    BrokenVariant("radix-whole-block-match",
-                  "the radix tree takes a partly matched block as if its tail were the "
-                  "request's own", _copy(Decoder), "prefix-cache admission", one_model=True,
-                  kinds=("paged",), caches={"radix": serving.WholeBlockMatch}),
-    BrokenVariant("radix-evict-locked",
-                  "the radix tree's eviction ignores locks and frees the path a request matched",
-                  _copy(Decoder), "prefix-cache admission", one_model=True, kinds=("paged",),
-                  caches={"radix": serving.EvictLocked}),
-    BrokenVariant("radix-reserve-final-token",
-                  "admission makes room for prompt + max_new positions, one more than is written",
-                  _copy(Decoder), "prefix-cache admission", one_model=True, kinds=("paged",),
-                  caches={"radix": serving.ReserveFinalToken}),
-    BrokenVariant("radix-share-last-block",
-                  "block mode shares the last block of a prompt found whole, and copies it",
-                  _copy(Decoder), "prefix-cache admission", one_model=True, kinds=("paged",),
-                  caches={"radix": serving.ShareLastBlock}),
+    *(_radix(name, breaks, tree) for name, breaks, tree in (
+        ("radix-whole-block-match", "the radix tree takes a partly matched block as if its "
+         "tail were the request's own", serving.WholeBlockMatch),
+        ("radix-evict-locked", "the radix tree's eviction ignores locks and frees the path a "
+         "request matched", serving.EvictLocked),
+        ("radix-reserve-final-token", "admission makes room for prompt + max_new positions, "
+         "one more than is written", serving.ReserveFinalToken),
+        ("radix-share-last-block", "block mode shares the last block of a prompt found whole, "
+         "and copies it", serving.ShareLastBlock))),
     BrokenVariant("rope-table-growth",
                   "RoPE's cos/sin table, built on the first call, grows with rows from position 0",
                   rope.growing_table, "state across calls", needs={"decoder", "rope"}),
