@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .tables import markdown_table
+from .timing import paired_ratio, two_figures
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -30,16 +31,6 @@ ABLATION_LABELS = {
     "matmul_attention": "lean step, matmul / scale / softmax / matmul instead of one SDPA call",
 }
 """Readable names of the ablation's variants."""
-
-
-def two_figures(x: float) -> str:
-    """A measured ratio to two significant figures: few samples on a shared machine carry no
-    third.
-
-    >>> two_figures(1.046), two_figures(12.34), two_figures(0.4567), two_figures(123.4)
-    ('1', '12', '0.46', '120')
-    """
-    return f"{float(f'{x:.2g}'):g}"
 
 
 def timings_table(result: BenchResult, stat: str = "p50") -> str:
@@ -103,20 +94,28 @@ def roofline_table(result: BenchResult) -> str:
 
 def ablation_table(ablation: dict) -> str:
     """Per variant of the decode step (``result.ablation`` or ``result.roofline["ablation"]``):
-    p50 per step (µs) and its time relative to the lean step.
+    p50 per step (µs), its time relative to the lean step (the median of the per-round ratios,
+    :func:`~kvdoc.measure.timing.paired_ratio`) and the band of the middle rounds; a band that
+    straddles 1 is a difference this machine did not resolve.
 
-    >>> print(ablation_table({"p50_us_per_step": {"reference": 150.0, "fast": 110.0,
-    ...                                           "lean": 100.0}}))
-    | decode step | p50 (µs / step) | time relative to the lean step |
-    |---|---|---|
-    | reference step: the model's forward, static cache | 150.0 | 1.5 |
-    | fast step: FastDecoder, with its checks | 110.0 | 1.1 |
-    | lean step: the fast step's arithmetic, no checks | 100.0 | 1 |
+    >>> print(ablation_table({"p50_us_per_step": {"fast": 110.0, "lean": 100.0},
+    ...                       "samples_ms": {"fast": [1.1, 1.2, 1.0], "lean": [1.0, 1.0, 1.0]},
+    ...                       "steps": 10}))
+    | decode step | p50 (µs / step) | time relative to the lean step | middle rounds |
+    |---|---|---|---|
+    | fast step: FastDecoder, with its checks | 110.0 | 1.1 | 1 to 1.2, not resolved |
+    | lean step: the fast step's arithmetic, no checks | 100.0 | 1 | 1 to 1 |
     """
-    per_step = ablation["p50_us_per_step"]
-    rows = [[ABLATION_LABELS[name], f"{t:,.1f}", two_figures(t / per_step["lean"])]
-            for name, t in per_step.items()]
-    header = ["decode step", "p50 (µs / step)", "time relative to the lean step"]
+    samples = ablation["samples_ms"]
+    rows = []
+    for name, t in ablation["p50_us_per_step"].items():
+        ratio = paired_ratio(samples[name], samples["lean"])
+        band = f"{two_figures(ratio.low)} to {two_figures(ratio.high)}"
+        if name != "lean" and not ratio.resolved:
+            band += ", not resolved"
+        rows.append([ABLATION_LABELS[name], f"{t:,.1f}", two_figures(ratio.median), band])
+    header = ["decode step", "p50 (µs / step)", "time relative to the lean step",
+              "middle rounds"]
     return markdown_table(header, rows)
 
 

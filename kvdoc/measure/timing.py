@@ -3,6 +3,8 @@
 A *path* is a zero-argument ``prepare`` that does untimed setup and returns the call to time.
 :func:`time_paths` warms every path up, then samples them in rounds whose order rotates, so no
 path always runs first or last and every path sees the same drift in the machine's load.
+Because the paths of one round ran side by side, :func:`paired_ratio` compares two paths round
+by round: the spread of those ratios says whether the machine resolved the difference at all.
 Nothing here asserts a speed: timings are measurements, not facts.
 """
 
@@ -12,7 +14,8 @@ import gc
 import importlib.metadata
 import platform
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,6 +32,81 @@ def percentile(samples: Iterable[float], q: float) -> float:
     if not values:
         raise ValueError("no samples")
     return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def two_figures(x: float) -> str:
+    """A measured ratio to two significant figures: few samples on a shared machine carry no
+    third.
+
+    >>> two_figures(1.046), two_figures(12.34), two_figures(0.4567), two_figures(123.4)
+    ('1', '12', '0.46', '120')
+    """
+    return f"{float(f'{x:.2g}'):g}"
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """How many times as long one path took as another, from rounds that timed both.
+
+    ``low`` and ``high`` bound the middle 80% of the per-round ratios (all of them under ten
+    rounds). The difference is *resolved* only if that whole band lies on one side of 1: then
+    the rounds agree on which path was faster. Otherwise the machine's noise swamps it, and a
+    page must say so rather than print the median as a result.
+
+    >>> str(Ratio(2.04, 1.9, 2.2, 31))
+    '2 (1.9 to 2.2 over 31 rounds)'
+    >>> Ratio(1.02, 0.95, 1.1, 7).resolved, str(Ratio(1.02, 0.95, 1.1, 7))
+    (False, 'not resolved on this machine (0.95 to 1.1 over 7 rounds)')
+    """
+
+    median: float
+    low: float
+    high: float
+    rounds: int
+
+    @property
+    def resolved(self) -> bool:
+        return self.low > 1 or self.high < 1
+
+    @property
+    def spread(self) -> str:
+        return f"{two_figures(self.low)} to {two_figures(self.high)} over {self.rounds} rounds"
+
+    def speed_of(self, other: str) -> str:
+        """A phrase for "the faster path ran at ... ", true whichever way the rounds went.
+
+        >>> Ratio(2.04, 1.9, 2.2, 31).speed_of("full recompute")
+        '2 times the speed of full recompute (per-round ratios 1.9 to 2.2 over 31 rounds)'
+        >>> Ratio(1.02, 0.95, 1.1, 7).speed_of("full recompute")  # doctest: +ELLIPSIS
+        'a speed this machine did not tell apart from that of full recompute (per-round ...)'
+        """
+        if not self.resolved:
+            return (f"a speed this machine did not tell apart from that of {other} "
+                    f"(per-round ratios {self.spread})")
+        return (f"{two_figures(self.median)} times the speed of {other} "
+                f"(per-round ratios {self.spread})")
+
+    def __str__(self) -> str:
+        if not self.resolved:
+            return f"not resolved on this machine ({self.spread})"
+        return f"{two_figures(self.median)} ({self.spread})"
+
+
+def paired_ratio(slow: Sequence[float], fast: Sequence[float], scale: float = 1.0) -> Ratio:
+    """``scale * slow / fast`` round by round: sample ``i`` of each path comes from the same
+    rotation of :func:`time_paths`, so one round's load drift hits both.
+
+    >>> r = paired_ratio([2.0, 4.2, 6.0, 8.0], [1.0, 2.0, 3.0, 4.1])
+    >>> round(r.median, 3), r.low, r.high, r.resolved
+    (2.0, 1.951..., 2.1, True)
+    """
+    if len(slow) != len(fast) or not slow:
+        raise ValueError(f"paired_ratio needs one sample of each path per round, got "
+                         f"{len(slow)} and {len(fast)}")
+    per_round = [scale * s / f for s, f in zip(slow, fast, strict=True)]
+    low, high = (10, 90) if len(per_round) >= 10 else (0, 100)
+    return Ratio(percentile(per_round, 50), percentile(per_round, low),
+                 percentile(per_round, high), len(per_round))
 
 
 def environment() -> dict[str, Any]:
