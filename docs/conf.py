@@ -144,15 +144,27 @@ copybutton_prompt_is_regexp = True
 # The theme offers a page's executed notebook only when a launch service (Binder, Colab) is set,
 # and those are external hosts. This offers it without one: the notebook MyST-NB wrote for the
 # page is copied beside the page's source in _sources/, without per-cell execution timestamps and
-# with numbered cell ids, so two builds write the same file. Runs before the theme's header
-# buttons (priority 501).
+# with numbered cell ids, so two builds write the same file, and with its prose in plain Markdown
+# (docs/_ext/kvdoc_notebooks.py), so Jupyter shows the numbers the page shows. Runs before the
+# theme's header buttons (priority 501).
 def _offer_notebook(app, pagename, templatename, context, doctree):
     import json
+
+    from kvdoc_notebooks import leftovers, readable_notebook
+    from sphinx.util import logging
 
     executed = Path(app.outdir).parent / "jupyter_execute" / f"{pagename}.ipynb"
     if doctree is None or not executed.is_file():
         return
-    notebook = json.loads(executed.read_text(encoding="utf-8"))
+    glue_file = executed.with_suffix(".glue.json")
+    notebook = readable_notebook(
+        json.loads(executed.read_text(encoding="utf-8")), pagename, Path(app.srcdir),
+        json.loads(glue_file.read_text(encoding="utf-8")) if glue_file.is_file() else None)
+    left = leftovers(notebook)
+    if left:
+        logging.getLogger(__name__).warning(
+            "the downloadable notebook of %s keeps MyST that Jupyter cannot show: %s",
+            pagename, ", ".join(sorted(set(left))), location=pagename)
     for number, cell in enumerate(notebook.get("cells", [])):
         cell.get("metadata", {}).pop("execution", None)
         if "id" in cell:
