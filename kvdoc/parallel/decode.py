@@ -207,6 +207,7 @@ def check_run(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, tp: int
     """Raise ``ValueError`` for a layout or an input :func:`parallel_generate` cannot run."""
     check_layout(model, tp, cp)
     model.check_input(prompt, None)
+    embed_tokens(model.wte, prompt)  # an id outside the vocabulary: refused here, not on a rank
     check_int("max_new_tokens", max_new_tokens)
     total = prompt.shape[1] + max_new_tokens
     if total > model.config.n_positions:

@@ -8,9 +8,10 @@ results, rank order. Three ways in:
 * no process group yet: ``N`` processes are spawned with :mod:`torch.multiprocessing`, each
   joins a gloo group on ``127.0.0.1`` at a free port picked here (no ``torchrun`` needed), runs
   ``fn`` with one torch thread, and hands its result back through a file.
-* a process group already initialized (the script was started by ``torchrun``): ``fn`` runs on
-  this process's rank of that group, and every rank receives every result
-  (``all_gather_object``).
+* a process group already initialized, or a process started by ``torchrun`` (which sets
+  ``TORCHELASTIC_RUN_ID``, ``RANK``, ``WORLD_SIZE`` and the rendezvous address; the gloo group
+  is then initialized from them): ``fn`` runs on this process's rank of that group, and every
+  rank receives every result (``all_gather_object``).
 
 A rank that raises makes :func:`launch` raise (the other ranks are stopped).
 
@@ -71,7 +72,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
             process group this process already belongs to.
     """
     check_int("world_size", world_size)
-    if dist.is_available() and dist.is_initialized():
+    if not dist.is_initialized() and "TORCHELASTIC_RUN_ID" in os.environ:
+        dist.init_process_group("gloo", timeout=TIMEOUT)  # torchrun's rank and rendezvous
+    if dist.is_initialized():
         if dist.get_world_size() != world_size:
             raise ValueError(f"this process group has {dist.get_world_size()} ranks, "
                              f"the run needs {world_size}")
