@@ -13,7 +13,12 @@ from kvdoc.core.config import GPTConfig, llama_config
 from kvdoc.core.mla import MLAConfig, MLADecoder
 from kvdoc.core.model import Decoder
 from kvdoc.parallel.checks import MODELS, Job, build_model, run_jobs
-from kvdoc.parallel.decode import collectives_per_call, parallel_generate, rank_kv_bytes
+from kvdoc.parallel.decode import (
+    collectives_per_call,
+    parallel_generate,
+    rank_kv_bytes,
+    who_holds,
+)
 from kvdoc.parallel.launch import launch
 from kvdoc.parallel.tensor import head_shard
 from kvdoc.proofs.broken.parallel import BROKEN
@@ -40,6 +45,8 @@ def test_parallel_decode_equals_one_process(results, name, tp, cp):
     assert [m for m, _ in c.bytes] == [f for _, f in c.bytes]
     assert c.collectives_ok and c.collectives == collectives_per_call(MODELS[name], tp, cp, True)
     assert c.ok
+    layout = who_holds(MODELS[name], tp, cp, PROMPT.shape[1] + NEW - 1)
+    assert c.held == [(tuple(h.kv_heads), tuple(h.positions)) for h in layout]
 
 
 @pytest.mark.parametrize("name", list(BROKEN))

@@ -96,6 +96,8 @@ class Comparison:
     collectives: dict[str, int] = field(default_factory=dict)
     """One decode step's collectives on rank 0."""
     collectives_ok: bool = True
+    held: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    """Per rank: the K/V heads and the positions its cache held."""
 
     @property
     def ok(self) -> bool:
@@ -148,7 +150,8 @@ def compare(name: str, model: Decoder, prompt: torch.Tensor, max_new_tokens: int
         collectives_per_call(model.config, tp, cp, decode=True)] * (max_new_tokens - 1)
     return Comparison(name, tp, cp, bool(tokens_equal), diff, tol, bool(close), bool(kv_close),
                       sizes, run.ranks[0].collectives[-1],
-                      all(r.collectives == want for r in run.ranks))
+                      all(r.collectives == want for r in run.ranks),
+                      [(r.kv_heads, r.positions) for r in run.ranks])
 
 
 class Job(NamedTuple):

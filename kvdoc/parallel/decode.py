@@ -90,6 +90,30 @@ def collectives_per_call(config: GPTConfig, tp: int, cp: int, decode: bool) -> d
     return {kind: n for kind, n in counts.items() if n}
 
 
+class Holding(NamedTuple):
+    """What one rank of a ``tp x cp`` layout computes and caches."""
+
+    rank: int
+    q_heads: range
+    kv_heads: range
+    positions: range
+
+
+def who_holds(config: GPTConfig, tp: int, cp: int, seq_len: int) -> list[Holding]:
+    """Every rank's query heads, cached K/V heads and cached positions after ``seq_len``
+    positions, rank order (the layout :class:`RankDecoder` builds, without starting a rank).
+
+    >>> from kvdoc.core.config import llama_config
+    >>> [(h.kv_heads, h.positions) for h in who_holds(llama_config(), 2, 2, 5)][-1]
+    (range(1, 2), range(1, 5, 2))
+    """
+    check_tp(config, tp)
+    check_int("cp", cp)
+    return [Holding(r, shard.q_heads, shard.kv_heads, range(r // tp, seq_len, cp))
+            for r in range(tp * cp)
+            for shard in [head_shard(config, tp, r % tp)]]
+
+
 class ShardedBlock(Block):
     """A :class:`~kvdoc.core.model.Block` (its ``forward``, its norms) with one rank's
     attention and MLP."""
