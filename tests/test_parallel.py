@@ -12,6 +12,7 @@ import torch
 from kvdoc.core.config import GPTConfig, llama_config
 from kvdoc.core.mla import MLAConfig, MLADecoder
 from kvdoc.core.model import Decoder
+from kvdoc.interop.hf import from_transformers, transformers_model
 from kvdoc.parallel.checks import MODELS, Job, build_model, run_jobs
 from kvdoc.parallel.decode import (
     collectives_per_call,
@@ -27,6 +28,8 @@ from kvdoc.proofs.cli import main
 PROMPT = torch.tensor([[11, 3, 57, 20, 8, 91, 42]])
 NEW = 5
 GOOD = [(name, tp, cp) for name in MODELS for tp, cp in ((2, 1), (1, 2))]
+EXTRA = {"llama from transformers 2x1": (2, 1), "gpt2 fp64 1x2": (1, 2)}
+"""A decoder kvdoc loads from transformers (random weights, offline), and one in FP64."""
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +38,9 @@ def results():
             for name, tp, cp in GOOD]
     jobs += [Job(name, build_model("llama"), PROMPT, NEW, b.tp, b.cp, b.parts)
              for name, b in BROKEN.items()]
+    extra = [from_transformers(transformers_model("llama")), build_model("gpt2").double()]
+    jobs += [Job(name, model, PROMPT, NEW, *layout)
+             for (name, layout), model in zip(EXTRA.items(), extra, strict=True)]
     return {c.name: c for c in run_jobs(jobs)}
 
 
@@ -47,6 +53,13 @@ def test_parallel_decode_equals_one_process(results, name, tp, cp):
     assert c.ok
     layout = who_holds(MODELS[name], tp, cp, PROMPT.shape[1] + NEW - 1)
     assert c.held == [(tuple(h.kv_heads), tuple(h.positions)) for h in layout]
+
+
+@pytest.mark.parametrize("name", list(EXTRA))
+def test_a_transformers_decoder_and_fp64_equal_one_process(results, name):
+    c = results[name]
+    assert c.ok, c.lines()
+    assert c.tolerance == (1e-10 if "fp64" in name else 1e-5)
 
 
 @pytest.mark.parametrize("name", list(BROKEN))
