@@ -24,12 +24,15 @@ from kvdoc.parallel.launch import launch
 from kvdoc.parallel.tensor import head_shard
 from kvdoc.proofs.broken.parallel import BROKEN
 from kvdoc.proofs.cli import main
+from kvdoc.serving.splitk import split_k_decoder
 
 PROMPT = torch.tensor([[11, 3, 57, 20, 8, 91, 42]])
 NEW = 5
 GOOD = [(name, tp, cp) for name in MODELS for tp, cp in ((2, 1), (1, 2))]
-EXTRA = {"llama from transformers 2x1": (2, 1), "gpt2 fp64 1x2": (1, 2)}
-"""A decoder kvdoc loads from transformers (random weights, offline), and one in FP64."""
+EXTRA = {"llama from transformers 2x1": (2, 1), "gpt2 fp64 1x2": (1, 2),
+         "llama batch 2 1x2": (1, 2)}
+"""A decoder kvdoc loads from transformers (random weights, offline), one in FP64, and a
+batch of two prompts."""
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +41,11 @@ def results():
             for name, tp, cp in GOOD]
     jobs += [Job(name, build_model("llama"), PROMPT, NEW, b.tp, b.cp, b.parts)
              for name, b in BROKEN.items()]
-    extra = [from_transformers(transformers_model("llama")), build_model("gpt2").double()]
-    jobs += [Job(name, model, PROMPT, NEW, *layout)
-             for (name, layout), model in zip(EXTRA.items(), extra, strict=True)]
+    extra = [(from_transformers(transformers_model("llama")), PROMPT),
+             (build_model("gpt2").double(), PROMPT),
+             (build_model("llama"), torch.cat((PROMPT, PROMPT.flip(1))))]
+    jobs += [Job(name, model, prompt, NEW, *layout)
+             for (name, layout), (model, prompt) in zip(EXTRA.items(), extra, strict=True)]
     return {c.name: c for c in run_jobs(jobs)}
 
 
@@ -56,7 +61,7 @@ def test_parallel_decode_equals_one_process(results, name, tp, cp):
 
 
 @pytest.mark.parametrize("name", list(EXTRA))
-def test_a_transformers_decoder_and_fp64_equal_one_process(results, name):
+def test_a_transformers_decoder_fp64_and_a_batch_equal_one_process(results, name):
     c = results[name]
     assert c.ok, c.lines()
     assert c.tolerance == (1e-10 if "fp64" in name else 1e-5)
@@ -98,6 +103,7 @@ def test_one_rank_runs_here_and_equals_generate():
     (Decoder(GPTConfig()), 1, 0, "cp must be a positive integer"),
     (Decoder(GPTConfig()), True, 1, "tp must be a positive integer"),
     (MLADecoder(MLAConfig()), 1, 2, "takes a kvdoc Decoder of standard attention blocks"),
+    (split_k_decoder(Decoder(GPTConfig()), 3), 2, 1, "standard attention blocks"),
 ])
 def test_bad_layouts_are_refused_before_any_rank_starts(model, tp, cp, fragment):
     with pytest.raises(ValueError, match=fragment):

@@ -33,7 +33,7 @@ from torch import nn
 from kvdoc.core.cache import KVCache
 from kvdoc.core.config import GPTConfig, check_int
 from kvdoc.core.layers import DynamicLayer
-from kvdoc.core.model import Block, Decoder, embed_tokens
+from kvdoc.core.model import MLP, Block, CausalSelfAttention, Decoder, embed_tokens
 from kvdoc.measure.memory import kv_bytes, measured_bytes
 
 from .comm import Comm
@@ -56,10 +56,13 @@ STANDARD = Parts()
 def check_layout(model: Decoder, tp: int, cp: int) -> None:
     """Raise ``ValueError`` unless ``model`` can run on ``tp x cp`` ranks."""
     if not isinstance(model, Decoder) or not all(
-            isinstance(b, Block) and type(b.attn).__name__ == "CausalSelfAttention"
+            type(b) is Block and type(b.attn) is CausalSelfAttention and type(b.mlp) is MLP
             for b in model.h):
         raise ValueError("parallel decoding takes a kvdoc Decoder of standard attention blocks "
                          f"(GPT-2 or Llama style), got {type(model).__name__}")
+    device = model.wte.weight.device
+    if device.type != "cpu":  # the ranks talk over gloo, on CPU tensors
+        raise ValueError(f"parallel decoding runs on CPU (gloo); the model is on {device}")
     check_tp(model.config, tp)
     check_int("cp", cp)
 
