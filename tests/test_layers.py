@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvdoc"
-LAYERS = ("core", "interop", "serving", "measure", "proofs", "teach")
+LAYERS = ("core", "interop", "serving", "measure", "parallel", "proofs", "teach")
 """Bottom to top; the package's ``__init__`` and ``__main__`` sit above them all."""
 CORE_THIRD_PARTY = {"torch"}
 

@@ -21,7 +21,7 @@ import importlib.util
 from collections.abc import Sequence
 
 COMMANDS = {"verify": "kvdoc.proofs.verify", "memory": "kvdoc.measure.memory",
-            "bench": "kvdoc.measure.bench"}
+            "bench": "kvdoc.measure.bench", "parallel": "kvdoc.parallel.cli"}
 """Command name -> the name of the module that implements it."""
 
 

@@ -1,0 +1,260 @@
+"""Greedy decoding of one kvdoc :class:`~kvdoc.core.model.Decoder` over ``tp x cp`` ranks.
+
+:func:`parallel_generate` is :func:`kvdoc.core.model.generate` with the model split over
+``tp * cp`` processes it starts itself (:mod:`kvdoc.parallel.launch`): heads and MLP columns over
+``tp`` (:mod:`kvdoc.parallel.tensor`), positions over ``cp`` (:mod:`kvdoc.parallel.context`).
+Every rank keeps the embeddings, norms and LM head whole, so after the last all-reduce every rank
+holds the same logits; rank 0's greedy token is broadcast so that every rank feeds the same one.
+
+What one rank does is :func:`rank_generate`; :func:`rank_kv_bytes` and :func:`collectives_per_call`
+are what its cache and its communication must come to, from the layout alone.
+
+>>> import torch
+>>> from kvdoc.core.config import llama_config
+>>> from kvdoc.core.model import Decoder, generate
+>>> _ = torch.manual_seed(0)
+>>> model = Decoder(llama_config()).eval()
+>>> prompt = torch.tensor([[5, 6, 7, 8]])
+>>> run = parallel_generate(model, prompt, 4)          # tp = cp = 1: one rank, no processes
+>>> torch.equal(run.tokens, generate(model, prompt, 4)), tuple(run.logits.shape)
+(True, (1, 4, 97))
+>>> collectives_per_call(llama_config(), tp=2, cp=2, decode=True)
+{'all_reduce': 4, 'all_gather': 2, 'broadcast': 1}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from kvdoc.core.cache import KVCache
+from kvdoc.core.config import GPTConfig, check_int
+from kvdoc.core.layers import DynamicLayer
+from kvdoc.core.model import MLP, Block, CausalSelfAttention, Decoder, embed_tokens
+from kvdoc.measure.memory import kv_bytes, measured_bytes
+
+from .comm import Comm
+from .context import ContextShard
+from .launch import launch
+from .tensor import ShardedAttention, ShardedMLP, check_tp, head_shard
+
+
+class Parts(NamedTuple):
+    """The classes a rank is built from: the checks swap in broken ones."""
+
+    attention: type = ShardedAttention
+    context: type = ContextShard
+
+
+STANDARD = Parts()
+"""The correct parts."""
+
+
+def check_layout(model: Decoder, tp: int, cp: int) -> None:
+    """Raise ``ValueError`` unless ``model`` can run on ``tp x cp`` ranks."""
+    if not isinstance(model, Decoder) or not all(
+            type(b) is Block and type(b.attn) is CausalSelfAttention and type(b.mlp) is MLP
+            for b in model.h):
+        raise ValueError("parallel decoding takes a kvdoc Decoder of standard attention blocks "
+                         f"(GPT-2 or Llama style), got {type(model).__name__}")
+    device = model.wte.weight.device
+    if device.type != "cpu":  # the ranks talk over gloo, on CPU tensors
+        raise ValueError(f"parallel decoding runs on CPU (gloo); the model is on {device}")
+    check_tp(model.config, tp)
+    check_int("cp", cp)
+
+
+def rank_kv_bytes(config: GPTConfig, tp: int, cp: int, rank: int, batch: int, seq_len: int,
+                  dtype: torch.dtype = torch.float32) -> int:
+    """K/V bytes rank ``rank`` holds after ``seq_len`` positions: the site's formula
+    ``2 x B x L x T_r x H_kv,r x D x s`` with the rank's heads ``H_kv,r`` (``H_kv / tp``, or 1
+    past ``H_kv``) and positions ``T_r = ceil((T - c) / cp)`` (CP rank ``c``).
+
+    >>> from kvdoc.core.config import GPTConfig
+    >>> rank_kv_bytes(GPTConfig(), tp=2, cp=1, rank=0, batch=1, seq_len=10)  # 2 of 4 heads
+    5120
+    """
+    cp_rank, tp_rank = divmod(rank, tp)
+    heads = len(head_shard(config, tp, tp_rank).kv_heads)
+    positions = max(0, -(-(seq_len - cp_rank) // cp))
+    return kv_bytes(batch, config.n_layer, positions, heads, config.head_dim, dtype)
+
+
+def collectives_per_call(config: GPTConfig, tp: int, cp: int, decode: bool) -> dict[str, int]:
+    """The collectives one forward call makes on each rank: two all-reduces per layer under
+    TP (attention and MLP outputs), one all-gather per layer under CP (the partial softmaxes),
+    and, for a decode step, the broadcast of the token it feeds."""
+    counts = {"all_reduce": 2 * config.n_layer if tp > 1 else 0,
+              "all_gather": config.n_layer if cp > 1 else 0,
+              "broadcast": 1 if decode and tp * cp > 1 else 0}
+    return {kind: n for kind, n in counts.items() if n}
+
+
+class Holding(NamedTuple):
+    """What one rank of a ``tp x cp`` layout computes and caches."""
+
+    rank: int
+    q_heads: range
+    kv_heads: range
+    positions: range
+
+
+def who_holds(config: GPTConfig, tp: int, cp: int, seq_len: int) -> list[Holding]:
+    """Every rank's query heads, cached K/V heads and cached positions after ``seq_len``
+    positions, rank order (the layout :class:`RankDecoder` builds, without starting a rank).
+
+    >>> from kvdoc.core.config import llama_config
+    >>> [(h.kv_heads, h.positions) for h in who_holds(llama_config(), 2, 2, 5)][-1]
+    (range(1, 2), range(1, 5, 2))
+    """
+    check_tp(config, tp)
+    check_int("cp", cp)
+    return [Holding(r, shard.q_heads, shard.kv_heads, range(r // tp, seq_len, cp))
+            for r in range(tp * cp)
+            for shard in [head_shard(config, tp, r % tp)]]
+
+
+class ShardedBlock(Block):
+    """A :class:`~kvdoc.core.model.Block` (its ``forward``, its norms) with one rank's
+    attention and MLP."""
+
+    def __init__(self, full: Block, attn: nn.Module, mlp: nn.Module) -> None:
+        nn.Module.__init__(self)
+        self.ln_1, self.attn, self.ln_2, self.mlp = full.ln_1, attn, full.ln_2, mlp
+
+
+class RankDecoder(nn.Module):
+    """One rank's decoder: the model's embeddings, norms and head, its share of every block."""
+
+    def __init__(self, model: Decoder, comm: Comm, parts: Parts = STANDARD) -> None:
+        super().__init__()
+        self.config, self.comm = model.config, comm
+        self.shard = head_shard(model.config, comm.tp, comm.tp_rank)
+        self.context = parts.context(comm) if comm.cp > 1 else None
+        self.wte, self.wpe = model.wte, model.wpe  # shared, not copied: every rank keeps them
+        self.ln_f, self.lm_head = model.ln_f, model.lm_head
+        self.h = nn.ModuleList(
+            ShardedBlock(b, parts.attention(b.attn, self.shard, comm, self.context),
+                         ShardedMLP(b.mlp, comm.tp, comm.tp_rank, comm)) for b in model.h)
+
+    def new_cache(self, batch_size: int) -> KVCache:
+        """An empty cache of this rank's K/V heads, growing with its positions."""
+        weight = self.wte.weight
+        return KVCache([DynamicLayer.empty(batch_size, len(self.shard.kv_heads),
+                                           (self.config.head_dim,) * 2, weight.dtype,
+                                           weight.device) for _ in self.h])
+
+    def held(self, end: int) -> torch.Tensor:
+        """The positions ``< end`` whose K/V this rank keeps."""
+        return torch.arange(end) if self.context is None else self.context.held(end)
+
+    def forward(self, idx: torch.Tensor, cache: KVCache,
+                start: int) -> tuple[torch.Tensor, KVCache]:
+        """Last-position logits ``[B, 1, V]`` of ``idx`` at positions ``start ..`` and this rank's
+        cache with its new rows (``cache`` itself is left as it was)."""
+        C = idx.shape[1]
+        x = embed_tokens(self.wte, idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(start, start + C, device=idx.device))
+        work = cache.begin()
+        for layer_idx, block in enumerate(self.h):
+            x = block(x, work, layer_idx, start)
+        logits = self.lm_head(self.ln_f(x[:, -1:]))
+        work.finish(len(self.held(start + C)))
+        return logits, work
+
+
+@dataclass
+class RankResult:
+    """What one rank computed and holds at the end of :func:`rank_generate`."""
+
+    rank: int
+    tp_rank: int
+    cp_rank: int
+    kv_heads: tuple[int, ...]
+    """The K/V heads it cached."""
+    positions: tuple[int, ...]
+    """The positions whose K/V it cached."""
+    tokens: torch.Tensor
+    """``[B, P + N]``: the prompt and the tokens it fed (every rank's are rank 0's)."""
+    logits: torch.Tensor
+    """``[B, N, V]``: the logits each new token was chosen from."""
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    """Its cache: each layer's K and V, ``[B, len(kv_heads), len(positions), D_h]``."""
+    cache_bytes: int
+    """:func:`kvdoc.measure.memory.measured_bytes` of its cache."""
+    collectives: list[dict[str, int]]
+    """Collectives of each forward call: the prefill, then each decode step."""
+
+
+@torch.no_grad()
+def rank_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, comm: Comm,
+                  parts: Parts = STANDARD) -> RankResult:
+    """This rank's share of greedy generation: a prefill, then ``max_new_tokens - 1`` steps."""
+    decoder = RankDecoder(model, comm, parts).eval()
+    comm.take_counts()  # building the groups is not part of decoding
+    logits, cache = decoder(prompt, decoder.new_cache(prompt.shape[0]), 0)
+    collectives, chosen, out = [comm.take_counts()], [], [prompt]
+    for step in range(max_new_tokens):
+        chosen.append(logits[:, -1])
+        token = comm.broadcast(logits[:, -1].argmax(dim=-1, keepdim=True))  # [B, 1]
+        out.append(token)
+        if step + 1 < max_new_tokens:
+            logits, cache = decoder(token, cache, prompt.shape[1] + step)
+            collectives.append(comm.take_counts())
+    end = prompt.shape[1] + max_new_tokens - 1  # the last token is chosen, never fed
+    return RankResult(comm.rank, comm.tp_rank, comm.cp_rank, tuple(decoder.shard.kv_heads),
+                      tuple(decoder.held(end).tolist()), torch.cat(out, dim=1),
+                      torch.stack(chosen, dim=1),
+                      [tuple(layer.tensors()) for layer in cache.layers], measured_bytes(cache),
+                      collectives)
+
+
+def _rank(rank: int, world_size: int, model: Decoder, prompt: torch.Tensor, max_new_tokens: int,
+          tp: int, cp: int, parts: Parts) -> RankResult:
+    return rank_generate(model, prompt, max_new_tokens, Comm(rank, tp, cp), parts)
+
+
+class ParallelRun(NamedTuple):
+    """What :func:`parallel_generate` returns."""
+
+    tokens: torch.Tensor
+    """``[B, P + N]``, as :func:`kvdoc.core.model.generate` returns."""
+    logits: torch.Tensor
+    """``[B, N, V]``: the logits new token ``i`` was chosen from."""
+    ranks: list[RankResult]
+    """Every rank's result, rank order."""
+
+
+def check_run(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, tp: int,
+              cp: int) -> None:
+    """Raise ``ValueError`` for a layout or an input :func:`parallel_generate` cannot run."""
+    check_layout(model, tp, cp)
+    model.check_input(prompt, None)
+    embed_tokens(model.wte, prompt)  # an id outside the vocabulary: refused here, not on a rank
+    check_int("max_new_tokens", max_new_tokens)
+    total = prompt.shape[1] + max_new_tokens
+    if total > model.config.n_positions:
+        raise ValueError(f"prompt of {prompt.shape[1]} + {max_new_tokens} new tokens = {total} "
+                         f"positions, model has {model.config.n_positions}")
+
+
+def parallel_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, tp: int = 1,
+                      cp: int = 1, *, parts: Parts = STANDARD) -> ParallelRun:
+    """Greedy generation on ``tp * cp`` ranks: ``tp``-way tensor parallel, ``cp``-way context
+    parallel.
+
+    Spawns the ranks itself (gloo, CPU), or runs on the process group this process already
+    belongs to (``torchrun``), which must then have ``tp * cp`` ranks.
+
+    Raises:
+        ValueError: ``tp`` that does not divide ``n_head`` or the MLP width, ``tp`` and
+            ``H_kv`` that do not divide one another, a ``cp`` below 1, a model that is not a
+            standard kvdoc decoder, or a prompt the model refuses; all before any rank starts.
+    """
+    check_run(model, prompt, max_new_tokens, tp, cp)
+    ranks = launch(_rank, tp * cp, model, prompt, max_new_tokens, tp, cp, parts)
+    return ParallelRun(ranks[0].tokens, ranks[0].logits, ranks)

@@ -1,0 +1,91 @@
+"""Start ``N`` ranks on this machine with torch.distributed (gloo) and collect what each returns.
+
+:func:`launch` runs ``fn(rank, world_size, *args)`` on every rank and returns the list of
+results, rank order. Three ways in:
+
+* ``world_size == 1`` and no process group: ``fn`` runs here, with no process group at all (one
+  rank needs no collective).
+* no process group yet: ``N`` processes are spawned with :mod:`torch.multiprocessing`, each
+  joins a gloo group on ``127.0.0.1`` at a free port picked here (no ``torchrun`` needed), runs
+  ``fn`` with one torch thread, and hands its result back through a file.
+* a process group already initialized, or a process started by ``torchrun`` (which sets
+  ``TORCHELASTIC_RUN_ID``, ``RANK``, ``WORLD_SIZE`` and the rendezvous address; the gloo group
+  is then initialized from them): ``fn`` runs on this process's rank of that group, and every
+  rank receives every result (``all_gather_object``).
+
+A rank that raises makes :func:`launch` raise (the other ranks are stopped).
+
+>>> launch(_square_of_rank, 1)
+[0]
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvdoc.core.config import check_int
+
+TIMEOUT = timedelta(seconds=120)
+"""How long a rank waits in a collective before giving up: a rank that died or took another
+branch makes the others fail instead of hanging."""
+
+
+def free_port() -> int:
+    """A TCP port on ``127.0.0.1`` that nothing listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _square_of_rank(rank: int, world_size: int) -> int:
+    return rank * rank
+
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, folder: str,
+           args: tuple) -> None:
+    torch.set_num_threads(1)  # N ranks share the machine's cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=TIMEOUT)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(folder, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each on its own rank.
+
+    ``fn`` and ``args`` must pickle (a module-level function; tensors, modules, dataclasses).
+
+    Raises:
+        ValueError: ``world_size`` is not a positive integer, or differs from the size of the
+            process group this process already belongs to.
+    """
+    check_int("world_size", world_size)
+    if not dist.is_initialized() and "TORCHELASTIC_RUN_ID" in os.environ:
+        dist.init_process_group("gloo", timeout=TIMEOUT)  # torchrun's rank and rendezvous
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise ValueError(f"this process group has {dist.get_world_size()} ranks, "
+                             f"the run needs {world_size}")
+        mine = fn(dist.get_rank(), world_size, *args)
+        results: list[Any] = [None] * world_size
+        dist.all_gather_object(results, mine)
+        return results
+    if world_size == 1:
+        return [fn(0, 1, *args)]
+    with tempfile.TemporaryDirectory(prefix="kvdoc-ranks-") as folder:
+        mp.start_processes(_entry, args=(fn, world_size, free_port(), folder, args),
+                           nprocs=world_size, join=True, start_method="spawn")
+        return [torch.load(os.path.join(folder, f"{rank}.pt"), weights_only=False)
+                for rank in range(world_size)]

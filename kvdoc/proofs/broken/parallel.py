@@ -1,0 +1,73 @@
+"""Deliberately wrong parts of parallel decoding (:mod:`kvdoc.parallel`), each one method off.
+
+* :class:`WrongShard`: under context parallelism the last rank keeps and attends over rank 0's
+  positions instead of its own (rank 0's keys counted twice, the last rank's never).
+* :class:`DroppedMax`: the split-K merge adds the ranks' partial sums without rescaling each by
+  ``exp(m_r - m)``, as if every rank's max were the global one.
+* :class:`ReversedHeads`: under tensor parallelism each rank's head outputs meet the mirror rank's
+  columns of ``c_proj``: the heads gathered in reversed rank order.
+
+:data:`BROKEN` maps a name to the parts (:class:`kvdoc.parallel.decode.Parts`) and the layout
+``(tp, cp)`` on which the wrong part runs. :func:`kvdoc.parallel.checks.compare` catches each;
+``tests/test_parallel.py`` shows it.
+
+>>> sorted(BROKEN)
+['parallel-dropped-max', 'parallel-reversed-heads', 'parallel-wrong-shard']
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kvdoc.parallel.comm import Comm
+from kvdoc.parallel.context import ContextShard
+from kvdoc.parallel.decode import Parts
+from kvdoc.parallel.tensor import ShardedAttention
+from kvdoc.serving.splitk import Partial
+
+
+class WrongShard(ContextShard):
+    """The last CP rank holds shard 0 (rank 0's positions) instead of its own."""
+
+    def shard_of(self, cp_rank: int) -> int:
+        return 0 if cp_rank == self.cp - 1 else cp_rank
+
+
+class DroppedMax(ContextShard):
+    """Merges ``sum_r out_r / sum_r l_r``: each rank's max dropped from the rescaling."""
+
+    def merge(self, parts: list[Partial]) -> torch.Tensor:
+        out = torch.stack([p.out for p in parts]).sum(dim=0)
+        l = torch.stack([p.l for p in parts]).sum(dim=0)  # noqa: E741
+        return out / l[..., None]
+
+
+class ReversedHeads(ShardedAttention):
+    """Multiplies its heads' outputs by the ``c_proj`` columns of TP rank ``tp - 1 - t``."""
+
+    def output_heads(self, comm: Comm) -> range:
+        mirror = comm.tp - 1 - comm.tp_rank
+        per_rank = len(self.shard.q_heads)
+        return range(mirror * per_rank, (mirror + 1) * per_rank)
+
+
+class BrokenLayout(NamedTuple):
+    """A broken part and the layout it needs to run (and be caught) on."""
+
+    parts: Parts
+    tp: int
+    cp: int
+    breaks: str
+
+
+BROKEN: dict[str, BrokenLayout] = {
+    "parallel-wrong-shard": BrokenLayout(Parts(context=WrongShard), 1, 2,
+                                         "the last CP rank attends over rank 0's positions"),
+    "parallel-dropped-max": BrokenLayout(Parts(context=DroppedMax), 1, 2,
+                                         "the split-K merge drops each rank's max"),
+    "parallel-reversed-heads": BrokenLayout(Parts(attention=ReversedHeads), 2, 1,
+                                            "TP heads gathered in reversed rank order"),
+}
+"""Name -> the broken parts, their layout and what is wrong."""
