@@ -196,6 +196,9 @@ def test_measurements_are_observations_with_sane_ranges(model):
         assert 0 <= r.agree <= r.positions == 60
         # generous sanity bound only: K/V within 2^-4 of themselves move the logits far less
         assert r.logit_error < 0.1 * r.logit_scale
-    a = fp8_contract.greedy_agreement(model, torch.tensor([[1, 2, 3]]), 30)
-    assert a.steps == 30 and 0 <= a.same <= 30
-    assert (a.margin is None) == (a.same == 30)
+    settings = [("per-tensor", None), ("per-head", None)]
+    agreements = fp8_contract.greedy_agreement(model, torch.tensor([[1, 2, 3]]), 30, settings)
+    assert len(agreements) == 2
+    for a in agreements:
+        assert a.steps == 30 and 0 <= a.same <= 30
+        assert (a.margin is None) == (a.same == 30)

@@ -24,6 +24,7 @@ same tokens as over the exact cache.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -188,6 +189,8 @@ class Fp8Row:
         logit_scale: max ``|full logit|``, for scale.
         agree, positions: positions whose greedy (argmax) token is the same on both paths, of
             ``B * T``.
+        saturated, values: K/V values of the exact cache beyond ``448 s`` of the scales the FP8
+            cache ends with, of all it holds.
     """
 
     granularity: str
@@ -196,6 +199,8 @@ class Fp8Row:
     logit_scale: float
     agree: int
     positions: int
+    saturated: int
+    values: int
 
 
 @torch.no_grad()
@@ -210,7 +215,9 @@ def measure_fp8(model: torch.nn.Module, ids: torch.Tensor, calibration: torch.Te
     >>> [(r.granularity, r.source, r.positions) for r in rows][:2]
     [('per-tensor', 'first prefill', 48), ('per-tensor', 'calibrated', 48)]
     """
-    full = model(ids)[0]
+    weight = model.wte.weight
+    full, exact = model(ids, DynamicCache.empty(model.config, ids.shape[0], weight.dtype,
+                                                weight.device))
     rows = []
     for granularity in ("per-tensor", "per-head"):
         for source, scales in (("first prefill", None),
@@ -219,9 +226,13 @@ def measure_fp8(model: torch.nn.Module, ids: torch.Tensor, calibration: torch.Te
             first, cache = model(ids[:, :prefill], cache)
             rest = run_cached(model, ids[:, prefill:], chunk, cache=cache).logits
             got = torch.cat((first, rest), dim=1)
+            fmax = torch.finfo(cache.layers[0].fp8).max
+            beyond = [int((x.abs() > fmax * s).sum()) for i, layer in enumerate(cache.layers)
+                      for x, s in zip(exact.layer(i), layer.scales, strict=True)]
             rows.append(Fp8Row(granularity, source, max_abs(got, full), float(full.abs().max()),
                                int((got.argmax(-1) == full.argmax(-1)).sum()),
-                               full.shape[0] * full.shape[1]))
+                               full.shape[0] * full.shape[1], sum(beyond),
+                               sum(t.numel() for t in exact.tensors())))
     return rows
 
 
@@ -242,32 +253,44 @@ class Agreement:
     margin: float | None
 
 
+def _greedy(call, model: torch.nn.Module, prompt: torch.Tensor, steps: int,
+            cache: KVCache) -> tuple[torch.Tensor, list[float]]:
+    """``steps`` greedy tokens after ``prompt`` over ``cache``, and the gap between the two best
+    logits at each."""
+    logits, cache = call(prompt, cache, last_only=True)
+    tokens, gaps = [], []
+    for _ in range(steps):
+        tokens.append(logits[:, -1].argmax(dim=-1, keepdim=True))
+        top = logits[0, -1].topk(2).values
+        gaps.append(float(top[0] - top[1]))
+        logits, cache = call(tokens[-1], cache)
+    return torch.cat(tokens, dim=1)[0], gaps
+
+
 @torch.no_grad()
 def greedy_agreement(model: torch.nn.Module, prompt: torch.Tensor, steps: int,
-                     granularity: str = "per-head",
-                     scales: torch.Tensor | None = None) -> Agreement:
+                     settings: Sequence[tuple[str, torch.Tensor | None]] = (("per-head", None),),
+                     call=None) -> list[Agreement]:
     """Generate ``steps`` greedy tokens after ``prompt`` (``[1, P]``) over an exact dynamic cache
-    and over an FP8 cache (each path feeding its own tokens), and compare.
+    and over an FP8 cache of each ``(granularity, scales)`` of ``settings`` (scales None: from
+    the first prefill), each path feeding its own tokens, and compare each with the exact one.
+    ``call`` makes the calls (default ``model``; a :class:`~kvdoc.core.fast.FastDecoder` of it
+    is faster and the same function).
 
     >>> from kvdoc.proofs.compare import default_model
-    >>> a = greedy_agreement(default_model(), torch.tensor([[1, 2, 3]]), 20)
+    >>> [a] = greedy_agreement(default_model(), torch.tensor([[1, 2, 3]]), 20)
     >>> a.steps, 0 <= a.same <= 20
     (20, True)
     """
+    call = model if call is None else call
     weight = model.wte.weight
-    paths = []
-    for cache in (DynamicCache.empty(model.config, 1, weight.dtype, weight.device),
-                  new_fp8_cache(model, 1, granularity=granularity, scales=scales)):
-        logits, cache = model(prompt, cache, last_only=True)
-        tokens, tops = [], []
-        for _ in range(steps):
-            tokens.append(logits[:, -1].argmax(dim=-1, keepdim=True))
-            tops.append(logits[0, -1].topk(2).values)
-            logits, cache = model(tokens[-1], cache)
-        paths.append((torch.cat(tokens, dim=1)[0], tops))
-    (exact, tops), (fp8, _) = paths
-    differ = (exact != fp8).nonzero()
-    if not len(differ):
-        return Agreement(steps, steps, None)
-    at = int(differ[0])
-    return Agreement(steps, at, float(tops[at][0] - tops[at][1]))
+    exact, gaps = _greedy(call, model, prompt, steps,
+                          DynamicCache.empty(model.config, 1, weight.dtype, weight.device))
+    out = []
+    for granularity, scales in settings:
+        fp8, _ = _greedy(call, model, prompt, steps,
+                         new_fp8_cache(model, 1, granularity=granularity, scales=scales))
+        differ = (exact != fp8).nonzero()
+        at = int(differ[0]) if len(differ) else steps
+        out.append(Agreement(steps, at, gaps[at] if at < steps else None))
+    return out

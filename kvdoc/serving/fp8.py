@@ -106,7 +106,7 @@ def amax_scale(x: torch.Tensor, granularity: str,
     if not bool(torch.isfinite(x).all()):
         raise ValueError("the rows a scale is taken from hold a value that is not finite")
     dims = (0, 2, 3) if shape[1] > 1 else (0, 1, 2, 3)
-    amax = x.abs().to(SCALE_DTYPE).amax(dim=dims, keepdim=True).reshape(shape)
+    amax = x.detach().abs().to(SCALE_DTYPE).amax(dim=dims, keepdim=True).reshape(shape)
     return torch.where(amax > 0, amax / torch.finfo(fp8).max, torch.ones_like(amax))
 
 
@@ -122,7 +122,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor,
     [1.0, 3.25, 448.0]
     """
     fmax = torch.finfo(fp8).max
-    return (x.to(_wide(x.dtype)) / scale).clamp(-fmax, fmax).to(fp8)
+    return (x.detach().to(_wide(x.dtype)) / scale).clamp(-fmax, fmax).to(fp8)  # data, no graph
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
