@@ -9,7 +9,7 @@ from kvdoc import Decoder, GPTConfig
 from kvdoc.measure.layer_bytes import expected_bytes
 from kvdoc.measure.quant_bytes import fp8_kv_bytes, int8_kv_bytes
 from kvdoc.proofs import fp8_contract
-from kvdoc.proofs.broken.cache_kinds import tensor_scale_fp8_cache
+from kvdoc.proofs.broken.cache_kinds import rescaling_fp8_cache, tensor_scale_fp8_cache
 from kvdoc.proofs.compare import default_model, default_stream, run_cached
 from kvdoc.proofs.scenarios import SCENARIOS
 from kvdoc.proofs.suite import run_suite
@@ -173,10 +173,11 @@ def test_the_contract_passes_and_only_it_catches_the_broken_cache():
     assert report.passed, report.failures_table()
     ran = [r for r in report.results if r.passed is not None]
     assert len(ran) == 3 * len(fp8_contract.SETTINGS)
-    caught = run_suite("fp8-tensor-scale-write", scenarios=("fp8",), **FP32)
-    assert caught.failed_checks() == ["fp8"], caught.failures_table()
     others = [s for s in SCENARIOS if s != "fp8"]
-    assert run_suite("fp8-tensor-scale-write", scenarios=others, **FP32).passed
+    for variant in ("fp8-tensor-scale-write", "fp8-rescale-each-write"):
+        caught = run_suite(variant, scenarios=("fp8",), **FP32)
+        assert caught.failed_checks() == ["fp8"], caught.failures_table()
+        assert run_suite(variant, scenarios=others, **FP32).passed
     # the broken layer is right with per-tensor scales: the per-head setting is what shows it
     model = default_model(config=GPTConfig(n_kv_head=2))
     ids = default_stream(length=9)
@@ -185,6 +186,17 @@ def test_the_contract_passes_and_only_it_catches_the_broken_cache():
         bad = run_cached(model, ids, 3,
                          cache=tensor_scale_fp8_cache(model, 2, granularity=granularity))
         assert torch.equal(good.logits, bad.logits) == same
+
+
+def test_rescaling_is_right_for_one_call_and_wrong_after():
+    model = default_model()
+    ids = default_stream(length=9)
+    one = [model(ids, new(model, 2))[0] for new in (new_fp8_cache, rescaling_fp8_cache)]
+    assert torch.equal(*one)  # a single call takes its scales once either way
+    two = [run_cached(model, ids, 3, cache=new(model, 2)).cache
+           for new in (new_fp8_cache, rescaling_fp8_cache)]
+    good, bad = (c.layer(0)[0][:, :, :3] for c in two)  # the first call's rows, read at the end
+    assert not torch.equal(good, bad)
 
 
 def test_measurements_are_observations_with_sane_ranges(model):

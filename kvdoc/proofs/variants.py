@@ -182,6 +182,11 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   "write under one scale for the tensor (its largest head's)",
                   _copy(Decoder), "fp8 contract", needs={"decoder", "grouped"}, one_model=True,
                   kinds=("dynamic",), caches={"fp8": cache_kinds.tensor_scale_fp8_cache}),
+    BrokenVariant("fp8-rescale-each-write",
+                  "the FP8 cache takes new scales from every write, decode steps included, and "
+                  "reads the rows it held under them",
+                  _copy(Decoder), "fp8 contract", one_model=True, kinds=("dynamic",),
+                  caches={"fp8": cache_kinds.rescaling_fp8_cache}),
     BrokenVariant("ring-long-chunk",
                   "a chunk longer than the window puts its first W rows in the ring, not its last",
                   _copy(Decoder), "ring and block edges", needs={"decoder", "window"},

@@ -13,6 +13,8 @@ of :mod:`kvdoc.proofs.invariants` catches it:
   ``layer()``, but hands the attention K dequantised with V's scales;
 * :class:`TensorScaleWriteFp8Layer`: an FP8 cache that states per-head scales and reads with
   them, but quantises every write under one scale for the whole tensor;
+* :class:`RescalingFp8Layer`: an FP8 cache that takes new scales from every write, so the rows
+  it already holds are read under scales they were not stored with;
 * :class:`LongChunkRingLayer`: a window ring that keeps the first ``W`` rows of a chunk longer
   than the window, not the last;
 * :class:`LazyRingLayer`: a window ring shared with the cache it continues until a write would
@@ -45,7 +47,7 @@ from kvdoc.core.gemma import Gemma3Config
 from kvdoc.core.hybrid import HybridCache
 from kvdoc.core.layers import CacheLayer, RingLayer
 from kvdoc.core.window import SlidingWindowCache
-from kvdoc.serving.fp8 import Fp8Layer, new_fp8_cache, quantize
+from kvdoc.serving.fp8 import Fp8Layer, amax_scale, new_fp8_cache, quantize
 from kvdoc.serving.paged import BlockPool, BlockTables, PagedCache, SharedPrefixCache
 from kvdoc.serving.quant import Int8Cache, Int8Layer, dequantize
 
@@ -138,11 +140,27 @@ class TensorScaleWriteFp8Layer(Fp8Layer):
         return self.read(start + k.shape[2])
 
 
+class RescalingFp8Layer(Fp8Layer):
+    """BROKEN: every write takes new scales from its own rows, as a first prefill does (a decode
+    step included), and the layer keeps only those: the rows it held are then read under scales
+    they were not stored with. Right for a single call."""
+
+    def new_scales(self, k: torch.Tensor, v: torch.Tensor) -> KV:
+        return amax_scale(k, self.granularity, self.fp8), amax_scale(v, self.granularity,
+                                                                     self.fp8)  # BUG: each write
+
+
 def tensor_scale_fp8_cache(model: nn.Module, batch: int, capacity: int | None = None,
                            **scales) -> KVCache:
     """An empty FP8 cache (:func:`~kvdoc.serving.fp8.new_fp8_cache`, its ``granularity`` and
     ``scales``) of :class:`TensorScaleWriteFp8Layer` s."""
     return with_layers(new_fp8_cache(model, batch, capacity, **scales), TensorScaleWriteFp8Layer)
+
+
+def rescaling_fp8_cache(model: nn.Module, batch: int, capacity: int | None = None,
+                        **scales) -> KVCache:
+    """An empty FP8 cache of :class:`RescalingFp8Layer` s."""
+    return with_layers(new_fp8_cache(model, batch, capacity, **scales), RescalingFp8Layer)
 
 
 class LongChunkRingLayer(RingLayer):
