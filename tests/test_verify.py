@@ -151,7 +151,7 @@ def test_suite_passes_on_the_real_implementation():
     assert {r.check for r in report.results} == set(CHECKS)
     assert all(r.passed is not False for r in report.results)
     # each skips kinds, impls or models it cannot take
-    not_everywhere = ("generate", "crop", "speculative", "int8", "edges", "padded",
+    not_everywhere = ("generate", "crop", "speculative", "int8", "fp8", "edges", "padded",
                       "scheduling", "prefix-cache", "handover")
     assert all(r.passed is not None for r in report.results if r.check not in not_everywhere)
 
@@ -353,10 +353,11 @@ def test_a_new_implementation_plugs_in_with_one_entry(monkeypatch):
     monkeypatch.setitem(grid.IMPLEMENTATIONS, "wrapper", Wrapper)
     report = run_suite(impls=("wrapper",), models=("gqa",), kinds=("static",), **FP32)
     # generate(), speculative decoding, the scheduler, the prefix tree and the hand-over take the
-    # model itself; int8 runs on the dynamic kind, edges' branches on a cache not written in place
+    # model itself; int8 and fp8 run on the dynamic kind, edges' branches on a cache not written
+    # in place
     skipped = {r.check for r in report.results if r.passed is None}
     assert report.passed and skipped == {"generate", "speculative", "scheduling", "prefix-cache",
-                                         "handover", "int8", "edges"}
+                                         "handover", "int8", "fp8", "edges"}
     monkeypatch.setitem(grid.IMPLEMENTATIONS, "wrapper", lambda m: Wrapper(m, skip_last_only=True))
     assert "last_only" in _fails(impls=("wrapper",), models=("gqa",), kinds=("static",))
 

@@ -22,6 +22,7 @@ import torch
 
 from kvdoc.core.cache import KVCache
 from kvdoc.core.layers import CacheLayer, DynamicLayer, RingLayer, StaticLayer
+from kvdoc.serving.fp8 import SCALE_DTYPE, Fp8Layer
 from kvdoc.serving.paged import PoolLayer
 from kvdoc.serving.quant import Int8Layer
 
@@ -50,6 +51,10 @@ LAYER_BYTES: dict[type[CacheLayer], Callable[[CacheLayer, int], int]] = {
     Int8Layer: lambda layer, T: layer.batch_size * layer.heads * T * (sum(layer.widths)
                                                                      + 2 * _size(layer)),
     PoolLayer: _pool,
+    # FP8 values (1 byte), and K's and V's FP32 scales: 1 each per tensor, or H_kv per head
+    Fp8Layer: lambda layer, T: (layer.batch_size * layer.heads * T * sum(layer.widths)
+                                + 2 * (layer.heads if layer.granularity == "per-head" else 1)
+                                * SCALE_DTYPE.itemsize),
 }
 """Layer class -> ``(layer, seq_len) -> bytes``."""
 

@@ -112,10 +112,13 @@ def _read(layer: int, attend, q, k, v, start, attn_mask, got, exact) -> Read:
 
 
 @contextmanager
-def int8_reads(model: torch.nn.Module, exact: dict) -> Iterator[list[Read]]:
+def int8_reads(model: torch.nn.Module, exact: dict, judge=None) -> Iterator[list[Read]]:
     """Within the block, every ``attend`` of ``model``'s layers is also run over the exact K/V
     of ``exact`` (layer -> ``(K, V)``, as a :class:`_Recorder` collects them) and yields a
-    :class:`Read` into the list. A one-token step of the fast decoder does not call ``attend``."""
+    :class:`Read` into the list. A one-token step of the fast decoder does not call ``attend``.
+    ``judge`` (default the int8 bound's) makes the :class:`Read`, called as ``_read`` is (the FP8
+    contract passes its own bound)."""
+    judge = _read if judge is None else judge
     reads: list[Read] = []
     patched = []
     for i, block in enumerate(getattr(model, "h", [])):
@@ -124,7 +127,7 @@ def int8_reads(model: torch.nn.Module, exact: dict) -> Iterator[list[Read]]:
 
         def attend(q, k, v, start, attn_mask=None, i=i, original=original):
             got = original(q, k, v, start, attn_mask)
-            reads.append(_read(i, original, q, k, v, start, attn_mask, got, exact[i]))
+            reads.append(judge(i, original, q, k, v, start, attn_mask, got, exact[i]))
             return got
 
         patched.append((attn, vars(attn).get("attend")))

@@ -24,7 +24,8 @@ otherwise; tolerances are :data:`kvdoc.proofs.compare.TOLERANCE` (``atol = rtol`
 * ``reference``: the model's independent reference (:mod:`kvdoc.proofs.references`), full and
   cached.
 * ``bytes``, ``edges``, ``padded``: the cache invariants of :mod:`kvdoc.proofs.invariants`;
-  ``int8``: the int8 cache's contract (:mod:`kvdoc.proofs.int8_contract`).
+  ``int8``: the int8 cache's contract (:mod:`kvdoc.proofs.int8_contract`); ``fp8``: the FP8
+  cache's (:mod:`kvdoc.proofs.fp8_contract`).
 * ``scheduling``: static, continuous and chunked-prefill schedules of a short arrival trace
   (:func:`kvdoc.proofs.scheduling.check_policies`), preemption by recompute on a small pool
   (:func:`~kvdoc.proofs.scheduling.check_preemption`) and seeded forks of one prompt
@@ -53,7 +54,7 @@ from kvdoc.core.cache import KVCache
 from kvdoc.core.model import decode_step, generate, prefill
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
-from . import int8_contract, invariants, lifecycle
+from . import fp8_contract, int8_contract, invariants, lifecycle
 from .broken.decoders import stale_prefix
 from .compare import (
     DTYPE_NAMES,
@@ -87,7 +88,8 @@ CHECKS: dict[str, str] = {
 }
 """Every check by name, in report order, with what it compares."""
 CHECKS.update({"bytes": invariants.CHECKS["bytes"], "int8": int8_contract.CHECK,
-               **invariants.CHECKS})  # cache invariants, the int8 contract, edges
+               "fp8": fp8_contract.CHECK,
+               **invariants.CHECKS})  # cache invariants, the int8 and FP8 contracts, edges
 CHECKS.update({
     "scheduling": "static, continuous, chunked-prefill, preempting and forking runs: each "
                   "request vs its solo run",
@@ -141,7 +143,8 @@ class Case:
     shared: dict = field(default_factory=dict)
     """What every case of this model, dtype and stream computes alike (the reference's logits)."""
     caches: Mapping[str, Callable[[nn.Module, int, int], KVCache]] = field(default_factory=dict)
-    """Cache factories a broken variant puts in place of the real ones, by kind (or ``"int8"``)."""
+    """Cache factories a broken variant puts in place of the real ones, by kind (or ``"int8"``,
+    ``"fp8"``)."""
 
     @property
     def tol(self) -> float:
@@ -369,6 +372,7 @@ SCENARIOS: dict[str, Callable[[Case, list], None]] = {
 """Scenario name -> function that appends :class:`CheckResult` s."""
 SCENARIOS.update(invariants.SCENARIOS)
 SCENARIOS["int8"] = int8_contract.scenario
+SCENARIOS["fp8"] = fp8_contract.scenario
 SCENARIOS.update({"scheduling": scheduling_scenario, "prefix-cache": prefix_cache_scenario,
                   "handover": handover_scenario})
 

@@ -51,7 +51,7 @@ class BrokenVariant:
     cache kind or the scheduler shows on any of them, and one keeps the sweep short."""
     caches: Mapping[str, Callable] = field(default_factory=dict)
     """Broken cache factories ``(model, batch, capacity) -> cache`` in place of the real ones, by
-    kind of :data:`kvdoc.proofs.grid.CACHES` (or ``"int8"``, the ``int8`` scenario's cache; or
+    kind of :data:`kvdoc.proofs.grid.CACHES` (or ``"int8"``, ``"fp8"``, those scenarios' caches; or
     ``"scheduler"``, the ``scheduling`` scenario's :class:`~kvdoc.serving.scheduler.Scheduler`
     class; or ``"radix"``, the ``prefix-cache`` scenario's
     :class:`~kvdoc.serving.radix.RadixCache` class)."""
@@ -82,7 +82,7 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "last_only and generation", "crop and branch", "shared path", "failure mid-call",
                "rotary positions", "state across calls", "configuration value", "stale weights",
                "byte accounting", "int8 contract", "ring and block edges", "padded batches",
-               "preemption and forks", "prefix-cache admission")
+               "preemption and forks", "prefix-cache admission", "fp8 contract")
 """The kinds of mistake the variants stand for."""
 
 def _copy(cls: type[Decoder]) -> Callable[[Decoder], Decoder]:
@@ -177,6 +177,16 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   _copy(Decoder), "int8 contract", needs={"decoder", "grouped"}, one_model=True,
                   kinds=("dynamic",),
                   caches={"int8": cache_kinds.v_scale_read_int8_cache}),
+    BrokenVariant("fp8-tensor-scale-write",
+                  "the FP8 cache states per-head scales and reads with them, but quantises each "
+                  "write under one scale for the tensor (its largest head's)",
+                  _copy(Decoder), "fp8 contract", needs={"decoder", "grouped"}, one_model=True,
+                  kinds=("dynamic",), caches={"fp8": cache_kinds.tensor_scale_fp8_cache}),
+    BrokenVariant("fp8-rescale-each-write",
+                  "the FP8 cache takes new scales from every write, decode steps included, and "
+                  "reads the rows it held under them",
+                  _copy(Decoder), "fp8 contract", one_model=True, kinds=("dynamic",),
+                  caches={"fp8": cache_kinds.rescaling_fp8_cache}),
     BrokenVariant("ring-long-chunk",
                   "a chunk longer than the window puts its first W rows in the ring, not its last",
                   _copy(Decoder), "ring and block edges", needs={"decoder", "window"},

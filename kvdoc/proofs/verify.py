@@ -140,6 +140,9 @@ def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start:
     print("  approximate caches: int8 (scenario int8, on the dynamic kind; its own contract: "
           "held rows bitwise, each element within half its row's step, each attention read "
           "within its derived bound)")
+    print("  approximate caches: fp8 e4m3 (scenario fp8, on the dynamic kind; per-head scales from "
+          "the first prefill and per-tensor calibrated ones; held rows and scales bitwise, each "
+          "element within 2^-4 or its saturation, each attention read within its derived bound)")
     print("  padded batches: left-padded prompts with a pad mask (scenario padded)")
     print(f"  scenarios: {', '.join(SCENARIOS)}")
     for axes in passes:

@@ -12,8 +12,8 @@ nothing but public hooks:
   subclass swapped in through a cache's public ``layers``,
   :func:`~kvdoc.proofs.broken.caches.with_layers`) and transactions (``update``, ``begin``,
   ``finish``) of the dynamic and static caches that store, return or count the wrong thing;
-* :mod:`~kvdoc.proofs.broken.cache_kinds`: the window ring, the hybrid cache, the int8 cache,
-  the paged pool and its block tables, each wrong at one edge;
+* :mod:`~kvdoc.proofs.broken.cache_kinds`: the window ring, the hybrid cache, the int8 and FP8
+  caches, the paged pool and its block tables, each wrong at one edge;
 * :mod:`~kvdoc.proofs.broken.serving`: radix trees, hand-over packers, schedulers and a decoder
   that drops a padded batch's positions.
 

@@ -11,6 +11,10 @@ of :mod:`kvdoc.proofs.invariants` catches it:
   append, with one scale per tensor;
 * :class:`VScaleReadInt8Layer`: an int8 cache that stores and returns every row right through
   ``layer()``, but hands the attention K dequantised with V's scales;
+* :class:`TensorScaleWriteFp8Layer`: an FP8 cache that states per-head scales and reads with
+  them, but quantises every write under one scale for the whole tensor;
+* :class:`RescalingFp8Layer`: an FP8 cache that takes new scales from every write, so the rows
+  it already holds are read under scales they were not stored with;
 * :class:`LongChunkRingLayer`: a window ring that keeps the first ``W`` rows of a chunk longer
   than the window, not the last;
 * :class:`LazyRingLayer`: a window ring shared with the cache it continues until a write would
@@ -43,6 +47,7 @@ from kvdoc.core.gemma import Gemma3Config
 from kvdoc.core.hybrid import HybridCache
 from kvdoc.core.layers import CacheLayer, RingLayer
 from kvdoc.core.window import SlidingWindowCache
+from kvdoc.serving.fp8 import Fp8Layer, amax_scale, new_fp8_cache, quantize
 from kvdoc.serving.paged import BlockPool, BlockTables, PagedCache, SharedPrefixCache
 from kvdoc.serving.quant import Int8Cache, Int8Layer, dequantize
 
@@ -117,6 +122,45 @@ class VScaleReadInt8Layer(Int8Layer):
 
 v_scale_read_int8_cache = _empty(Int8Cache, VScaleReadInt8Layer)
 """``(model, batch, capacity) ->`` an empty int8 cache of :class:`VScaleReadInt8Layer` s."""
+
+
+class TensorScaleWriteFp8Layer(Fp8Layer):
+    """BROKEN: the layer states per-head scales, and dequantises with them, but quantises each
+    write under one scale for the whole tensor (its largest head's), as a write kernel that
+    takes a per-tensor scale would. A head whose scale is smaller reads back too small. Right
+    with per-tensor scales, or one K/V head."""
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        self.check_rows(k, v)
+        scales = self.new_scales(k, v)
+        new = [quantize(x, s.amax().expand_as(s), self.fp8)  # BUG: one scale, not the head's
+               for x, s in zip((k, v), scales, strict=True)]
+        self.rows = tuple(torch.cat((a, b), dim=2) for a, b in zip(self.rows, new, strict=True))
+        self.scales, self.fixed = scales, True
+        return self.read(start + k.shape[2])
+
+
+class RescalingFp8Layer(Fp8Layer):
+    """BROKEN: every write takes new scales from its own rows, as a first prefill does (a decode
+    step included), and the layer keeps only those: the rows it held are then read under scales
+    they were not stored with. Right for a single call."""
+
+    def new_scales(self, k: torch.Tensor, v: torch.Tensor) -> KV:
+        return amax_scale(k, self.granularity, self.fp8), amax_scale(v, self.granularity,
+                                                                     self.fp8)  # BUG: each write
+
+
+def tensor_scale_fp8_cache(model: nn.Module, batch: int, capacity: int | None = None,
+                           **scales) -> KVCache:
+    """An empty FP8 cache (:func:`~kvdoc.serving.fp8.new_fp8_cache`, its ``granularity`` and
+    ``scales``) of :class:`TensorScaleWriteFp8Layer` s."""
+    return with_layers(new_fp8_cache(model, batch, capacity, **scales), TensorScaleWriteFp8Layer)
+
+
+def rescaling_fp8_cache(model: nn.Module, batch: int, capacity: int | None = None,
+                        **scales) -> KVCache:
+    """An empty FP8 cache of :class:`RescalingFp8Layer` s."""
+    return with_layers(new_fp8_cache(model, batch, capacity, **scales), RescalingFp8Layer)
 
 
 class LongChunkRingLayer(RingLayer):

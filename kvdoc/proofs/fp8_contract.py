@@ -1,0 +1,296 @@
+"""The FP8 cache's contract, checked on the grid as the ``fp8`` scenario, and its error measured.
+
+The FP8 cache (:mod:`kvdoc.serving.fp8`) is lossy, so, like the int8 cache
+(:mod:`kvdoc.proofs.int8_contract`), it is held to a contract instead of the FP32 tolerance,
+in each of :data:`SETTINGS` (per-head scales from the first prefill; per-tensor scales
+calibrated on another stream, which the checked stream can exceed, so saturation is exercised):
+
+* rows it holds never change after an append (bitwise), and neither do its scales once set;
+* the scales are the stated ones: ``max|x| / 448`` of the first rows written (per head or per
+  tensor), or the calibrated ones given;
+* every value read back is an e4m3 number times its scale, and within
+  :func:`~kvdoc.serving.fp8.element_error_bound` of what was written (``2^-4`` of it for normal
+  values, its excess over ``448 s`` when it saturates);
+* every attention read of the model's layers is within
+  :func:`~kvdoc.serving.fp8.read_error_bound` of the same read over the exact K/V;
+* its bytes are ``2 L B H_kv T D_h x 1 + 2 L S x 4`` (``S`` scales a tensor: 1 or ``H_kv``),
+  the formula of :mod:`kvdoc.measure.layer_bytes`, and its tensors hold exactly that.
+
+What the contract does not say, and :func:`measure_fp8` and :func:`greedy_agreement` measure
+(observations, never asserted): how far the logits move, and how long greedy decoding picks the
+same tokens as over the exact cache.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvdoc.core.cache import DynamicCache, KVCache
+from kvdoc.core.config import GPTConfig
+from kvdoc.core.feed import feed
+from kvdoc.serving.fp8 import (
+    amax_scale,
+    calibrate,
+    element_error_bound,
+    new_fp8_cache,
+    read_error_bound,
+)
+
+from .compare import Snapshot, max_abs, run_cached
+from .int8_contract import Read, _Recorder, int8_reads
+from .invariants import byte_problems
+
+if TYPE_CHECKING:
+    from .scenarios import Case
+
+FP8_CHUNKS = (5, 1, 1, 9, 1)
+"""Chunks of the ``fp8`` scenario: a first prefill of 5, single tokens (the fast step), a chunk."""
+SETTINGS = (("per-head", False), ("per-tensor", True))
+"""``(granularity, calibrated)`` pairs the scenario runs: both granularities, both sources."""
+CHECK = ("fp8 cache: held rows and scales never change, values e4m3 times the stated scale within "
+         "2^-4 (or their saturation); every attention read within its derived bound")
+"""What the ``fp8`` check compares."""
+
+
+class _ScaleRecorder(_Recorder):
+    """A :class:`~kvdoc.proofs.int8_contract._Recorder` that also records, per layer, the
+    scales the layer states after each update (what the reads are judged against)."""
+
+    def __init__(self, inner: KVCache, written: dict, exact: dict, scales: dict) -> None:
+        super().__init__(inner, written, exact)
+        self.scales = scales
+
+    def begin(self) -> _ScaleRecorder:
+        return _ScaleRecorder(self.inner.begin(), self.written, self.exact, self.scales)
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int):
+        out = super().update(layer_idx, k, v, start)
+        self.scales[layer_idx] = tuple(s.clone() for s in self.inner.layers[layer_idx].scales)
+        return out
+
+
+def row_breach(got: torch.Tensor, written: torch.Tensor, scale: torch.Tensor,
+               fp8: torch.dtype = torch.float8_e4m3fn) -> float:
+    """The worst breach of: ``got / scale`` is an FP8 number, and ``got`` is within
+    :func:`~kvdoc.serving.fp8.element_error_bound` of ``written``; in units of the scale
+    (0 when the rows keep the contract, ``inf`` for NaN).
+
+    >>> from kvdoc.serving.fp8 import dequantize, quantize
+    >>> x, s = torch.tensor([[[[0.3, -2.0, 900.0]]]]), torch.ones(1, 1, 1, 1)
+    >>> row_breach(dequantize(quantize(x, s), s, x.dtype), x, s), row_breach(x, x, s) > 0
+    (0.0, True)
+    """
+    if got.numel() == 0:
+        return 0.0
+    y = got.to(torch.float64) / scale.to(torch.float64)
+    # got = q * s rounded in the model's dtype: y is an FP8 number to a few units of it
+    off_grid = (y - y.to(fp8).to(torch.float64)).abs() - 4 * torch.finfo(got.dtype).eps * y.abs()
+    err = ((got.to(torch.float64) - written.to(torch.float64)).abs()
+           - element_error_bound(written, scale, fp8)) / scale.to(torch.float64)
+    worst = max(float(off_grid.amax()), float(err.amax()), 0.0)
+    return math.inf if math.isnan(worst) else worst
+
+
+def _judge(scales: dict, fp8: torch.dtype):
+    """A judge for :func:`~kvdoc.proofs.int8_contract.int8_reads` against the FP8 bound, at the
+    scales the layer states (``scales``, filled by :class:`_ScaleRecorder`)."""
+    def judge(layer, attend, q, k, v, start, attn_mask, got, exact) -> Read:
+        K, V = exact
+        if K.shape != k.shape or V.shape != v.shape:
+            return Read(layer, start, math.inf, 0.0, math.inf)
+        want = attend(q, K, V, start, attn_mask)
+        bound = read_error_bound(q, K, V, *scales[layer], fp8)
+        # each read rounds: a weighted sum of T values and a score of D_h products
+        slack = 2 * (K.shape[2] + q.shape[-1]) * torch.finfo(q.dtype).eps * float(V.abs().max())
+        err = (got - want).abs().to(torch.float64)
+        excess = float((err - bound - slack).amax().clamp(min=0)) if err.numel() else 0.0
+        return Read(layer, start, max_abs(got, want), float(bound.max()) if bound.numel() else 0.0,
+                    math.inf if math.isnan(excess) else excess)
+    return judge
+
+
+def _one(case: Case, granularity: str, calibrated: bool, out: list) -> None:
+    new = case.caches.get("fp8", new_fp8_cache)
+    fed, B = sum(FP8_CHUNKS), case.ids.shape[0]
+    given = calibrate(case.model, case.alt[:, :fed], granularity) if calibrated else None
+    written: dict = {}
+    exact: dict = {}
+    stated: dict = {}
+    cache = _ScaleRecorder(new(case.model, B, case.ids.shape[1], granularity=granularity,
+                               scales=given), written, exact, stated)
+    changed, breach, scale_off, problems, saturated = 0.0, 0.0, 0.0, [], 0
+    held = [Snapshot.of(cache)]
+    first: dict = {}  # layer -> its scales as first set
+    fp8 = cache.inner.layers[0].fp8
+
+    def check(start: int, n: int, before: KVCache, after: KVCache) -> None:
+        nonlocal changed, breach, scale_off, saturated
+        changed = max(changed, held[0].changed(before, start), held[0].changed(after, start))
+        for i, layer in enumerate(after.inner.layers):
+            if i not in first:  # the scales the layer must keep: given, or of its first rows
+                want = (given[i].reshape(2, *layer.scales[0].shape) if calibrated else
+                        [amax_scale(x, granularity, fp8) for x in written[i]])
+                first[i] = tuple(s.clone() for s in layer.scales)
+                for s, w in zip(layer.scales, want, strict=True):
+                    off = max_abs(s / w.to(s.dtype), torch.ones_like(s))  # FP32 rounding: 1e-7
+                    scale_off = max(scale_off, off if off > 1e-6 else 0.0)
+            for s, f in zip(layer.scales, first[i], strict=True):  # bitwise, once set
+                if not torch.equal(s, f):
+                    scale_off = max(scale_off, max_abs(s, f) if s.shape == f.shape else math.inf)
+            for got, wrote, s in zip(after.layer(i), written[i], layer.scales, strict=True):
+                breach = max(breach, row_breach(got[:, :, start:start + n], wrote, s, fp8))
+                saturated += int((wrote.abs() > torch.finfo(fp8).max * s).sum())
+        problems.extend(f"after {start + n}: {p}" for p in byte_problems(after.inner))
+        held[0] = Snapshot.of(after)
+
+    with int8_reads(case.model, exact, _judge(stated, fp8)) as reads:
+        feed(case.call, case.ids[:, :fed], cache, FP8_CHUNKS, hook=check)
+    excess = max((r.excess for r in reads), default=0.0)
+    ok = (changed == 0.0 and breach == 0.0 and scale_off == 0.0 and excess == 0.0 and bool(reads)
+          and not problems)
+    ratio = max((r.error / r.bound for r in reads if r.bound > 0), default=0.0)
+    source = "calibrated on another stream" if calibrated else "from the first prefill"
+    detail = (problems[0] if problems else
+              f"{granularity} scales {source}; {fed} positions in {len(FP8_CHUNKS)} calls "
+              f"({saturated} values saturated): held "
+              f"rows changed by {changed:.1e}, scales off by {scale_off:.1e}, worst breach of an "
+              f"element's bound {breach:.1e} (in scales); {len(reads)} attention reads, error at "
+              f"most {ratio:.2f} of its bound, excess {excess:.1e}")
+    out.append(case.result("fp8", ok, max(changed, breach, scale_off, excess,
+                                          math.inf if problems or not reads else 0.0), detail))
+
+
+def scenario(case: Case, out: list) -> None:
+    """The ``fp8`` scenario: see the module docstring."""
+    if case.kind != "dynamic":  # the FP8 cache grows as a dynamic one does: run it once
+        out.append(case.result("fp8", None, 0.0, "run with the dynamic kind only"))
+        return
+    if not isinstance(case.model.config, GPTConfig):
+        out.append(case.result("fp8", None, 0.0, "an FP8 cache of a GPTConfig model's K/V"))
+        return
+    for granularity, calibrated in SETTINGS:
+        _one(case, granularity, calibrated, out)
+
+
+# --- measured, never asserted -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Fp8Row:
+    """The FP8 cache against one full forward, teacher-forced over one stream.
+
+    Attributes:
+        granularity, source: the scales (``"first prefill"`` or ``"calibrated"``).
+        logit_error: max ``|FP8 cached - full|`` over every position and the whole vocabulary.
+        logit_scale: max ``|full logit|``, for scale.
+        agree, positions: positions whose greedy (argmax) token is the same on both paths, of
+            ``B * T``.
+        saturated, values: K/V values of the exact cache beyond ``448 s`` of the scales the FP8
+            cache ends with, of all it holds.
+    """
+
+    granularity: str
+    source: str
+    logit_error: float
+    logit_scale: float
+    agree: int
+    positions: int
+    saturated: int
+    values: int
+
+
+@torch.no_grad()
+def measure_fp8(model: torch.nn.Module, ids: torch.Tensor, calibration: torch.Tensor,
+                chunk: int = 1, prefill: int = 8) -> list[Fp8Row]:
+    """``ids`` (``[B, T]``) through ``model`` over an FP8 cache, each granularity and scale source
+    (scales calibrated on ``calibration``, ``[B', T']``), against one full forward: a prefill
+    of ``prefill`` tokens, then chunks of ``chunk``.
+
+    >>> from kvdoc.proofs.compare import default_model, default_stream
+    >>> rows = measure_fp8(default_model(), default_stream(), default_stream(seed=2))
+    >>> [(r.granularity, r.source, r.positions) for r in rows][:2]
+    [('per-tensor', 'first prefill', 48), ('per-tensor', 'calibrated', 48)]
+    """
+    weight = model.wte.weight
+    full, exact = model(ids, DynamicCache.empty(model.config, ids.shape[0], weight.dtype,
+                                                weight.device))
+    rows = []
+    for granularity in ("per-tensor", "per-head"):
+        for source, scales in (("first prefill", None),
+                               ("calibrated", calibrate(model, calibration, granularity))):
+            cache = new_fp8_cache(model, ids.shape[0], granularity=granularity, scales=scales)
+            first, cache = model(ids[:, :prefill], cache)
+            rest = run_cached(model, ids[:, prefill:], chunk, cache=cache).logits
+            got = torch.cat((first, rest), dim=1)
+            fmax = torch.finfo(cache.layers[0].fp8).max
+            beyond = [int((x.abs() > fmax * s).sum()) for i, layer in enumerate(cache.layers)
+                      for x, s in zip(exact.layer(i), layer.scales, strict=True)]
+            rows.append(Fp8Row(granularity, source, max_abs(got, full), float(full.abs().max()),
+                               int((got.argmax(-1) == full.argmax(-1)).sum()),
+                               full.shape[0] * full.shape[1], sum(beyond),
+                               sum(t.numel() for t in exact.tensors())))
+    return rows
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Greedy decoding over the FP8 cache against greedy decoding over an exact one.
+
+    Attributes:
+        steps: tokens generated on each path.
+        same: tokens equal, position by position, before the first that differs (``steps`` if
+            none does).
+        margin: the exact path's gap between its two best logits where the paths first part
+            (None if they never do).
+    """
+
+    steps: int
+    same: int
+    margin: float | None
+
+
+def _greedy(call, model: torch.nn.Module, prompt: torch.Tensor, steps: int,
+            cache: KVCache) -> tuple[torch.Tensor, list[float]]:
+    """``steps`` greedy tokens after ``prompt`` over ``cache``, and the gap between the two best
+    logits at each."""
+    logits, cache = call(prompt, cache, last_only=True)
+    tokens, gaps = [], []
+    for _ in range(steps):
+        tokens.append(logits[:, -1].argmax(dim=-1, keepdim=True))
+        top = logits[0, -1].topk(2).values
+        gaps.append(float(top[0] - top[1]))
+        logits, cache = call(tokens[-1], cache)
+    return torch.cat(tokens, dim=1)[0], gaps
+
+
+@torch.no_grad()
+def greedy_agreement(model: torch.nn.Module, prompt: torch.Tensor, steps: int,
+                     settings: Sequence[tuple[str, torch.Tensor | None]] = (("per-head", None),),
+                     call=None) -> list[Agreement]:
+    """Generate ``steps`` greedy tokens after ``prompt`` (``[1, P]``) over an exact dynamic cache
+    and over an FP8 cache of each ``(granularity, scales)`` of ``settings`` (scales None: from
+    the first prefill), each path feeding its own tokens, and compare each with the exact one.
+    ``call`` makes the calls (default ``model``; a :class:`~kvdoc.core.fast.FastDecoder` of it
+    is faster and the same function).
+
+    >>> from kvdoc.proofs.compare import default_model
+    >>> [a] = greedy_agreement(default_model(), torch.tensor([[1, 2, 3]]), 20)
+    >>> a.steps, 0 <= a.same <= 20
+    (20, True)
+    """
+    call = model if call is None else call
+    weight = model.wte.weight
+    exact, gaps = _greedy(call, model, prompt, steps,
+                          DynamicCache.empty(model.config, 1, weight.dtype, weight.device))
+    out = []
+    for granularity, scales in settings:
+        fp8, _ = _greedy(call, model, prompt, steps,
+                         new_fp8_cache(model, 1, granularity=granularity, scales=scales))
+        differ = (exact != fp8).nonzero()
+        at = int(differ[0]) if len(differ) else steps
+        out.append(Agreement(steps, at, gaps[at] if at < steps else None))
+    return out
