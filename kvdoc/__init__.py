@@ -21,6 +21,7 @@ _LAZY = {
     "Decoder": "core.model", "DecoderOutput": "core.model", "decode_step": "core.model",
     "generate": "core.model", "prefill": "core.model",
     "SlidingWindowCache": "core.window",
+    "batch_invariant": "core.invariant",
 }
 
 try:  # one version, pyproject.toml's, as installed
@@ -42,6 +43,7 @@ __all__ = [
     "prefill",
     "decode_step",
     "generate",
+    "batch_invariant",
 ]
 
 

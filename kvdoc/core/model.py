@@ -8,7 +8,8 @@ so a transformers checkpoint maps by key (:mod:`kvdoc.interop.hf`).
 The same classes build a Llama-style decoder (:func:`kvdoc.core.config.llama_config`): the config
 switches RoPE for ``wpe`` (:mod:`kvdoc.core.rope`), RMSNorm for LayerNorm, SwiGLU for GELU, and a
 sliding window for the plain causal mask. The cache, the attention over it and the decoding
-loop are the same code for both.
+loop are the same code for both. Under :func:`kvdoc.batch_invariant` the few calls that reduce
+take :mod:`kvdoc.core.invariant`'s path, whose order no chunk, batch or cache kind changes.
 
 Shapes: ``B`` batch, ``C`` new tokens in this call, ``P`` positions already cached,
 ``T = P + C``, ``d`` = ``n_embd``, ``H`` query heads, ``H_kv`` K/V heads, ``D_h`` head size,
@@ -23,9 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import invariant
 from .cache import DynamicCache, KVCache, StaticCache
 from .config import GPTConfig
-from .mask import offset_causal_mask
+from .embed import embed_tokens
+from .invariant import positionwise, rowwise
+from .mask import last_keys, offset_causal_mask
 from .rope import apply_rope
 from .window import SlidingWindowCache
 
@@ -97,20 +101,20 @@ class CausalSelfAttention(nn.Module):
         # c_attn's output columns are H query heads, then H_kv key heads, then H_kv
         # value heads, each D_h wide: one view splits all heads at once.
         H, H_kv = self.n_head, self.n_kv_head
-        heads = self.c_attn(x).view(B, C, H + 2 * H_kv, self.head_dim).transpose(1, 2)
+        heads = rowwise(self.c_attn)(x).view(B, C, H + 2 * H_kv, self.head_dim).transpose(1, 2)
         q, k, v = heads.split((H, H_kv, H_kv), dim=1)
         # q: [B, H, C, D_h]; k, v: [B, H_kv, C, D_h]
         if self.rope_theta is not None:  # turn the new rows before K is cached
             # at start .. start + C - 1, or at each row's own positions
             at = start if positions is None else positions
-            q = apply_rope(q, at, self.rope_theta)
-            k = apply_rope(k, at, self.rope_theta)
+            turn = positionwise(apply_rope)  # under the mode, each row at its position alone
+            q, k = turn(q, at, self.rope_theta), turn(k, at, self.rope_theta)
         if cache is not None:
             # Only the new rows were projected; old K/V come from this layer's cache.
             k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h]
         y = self.attend(q, k, v, start, attn_mask)  # [B, H, C, D_h]
         y = y.transpose(1, 2).reshape(B, C, d)  # merge heads: [B, C, H * D_h]
-        return self.c_proj(y)
+        return rowwise(self.c_proj)(y)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,6 +124,8 @@ class CausalSelfAttention(nn.Module):
         positions up to the last query's.
         """
         mask = self.visible(start, q.shape[2], k.shape[2], attn_mask, q.device)
+        if invariant.active():  # every sum in an order fixed per query and key
+            return invariant.attention(q, k, v, mask)
         if mask is not None and mask.dim() == 3:
             mask = mask[:, None]  # [B, 1, C, T]: the same for every head
         # scores [B, H, C, T]; enable_gqa only when it is needed, as the keyword alone slows SDPA
@@ -144,23 +150,6 @@ class CausalSelfAttention(nn.Module):
         return offset_causal_mask(start, C, device, window=self.window)[:, -T:]
 
 
-def last_keys(mask: torch.Tensor, window: int | None) -> torch.Tensor:
-    """``mask`` (``[..., C, T]`` bool, True: may read) with each query reading only the last
-    ``window`` of the keys it may read (all of them for None).
-
-    A row's readable keys are a run of consecutive positions ending at the query's own (its
-    padding or another row's columns hidden), so its last ``W`` are the window ``p - W < j <= p``
-    whatever column each position sits in.
-
-    >>> last_keys(torch.tensor([[False, True, True, True]]), window=2).int()
-    tensor([[0, 0, 1, 1]], dtype=torch.int32)
-    """
-    if window is None:
-        return mask
-    from_right = mask.flip(-1).cumsum(-1).flip(-1)  # readable keys at or after each column
-    return mask & (from_right <= window)
-
-
 class Block(nn.Module):
     """Pre-norm decoder layer: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``.
 
@@ -181,28 +170,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
                 attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer_idx, start, attn_mask, **positions)
-        return x + self.mlp(self.ln_2(x))
-
-
-def embed_tokens(wte: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
-    """``wte(idx)``, with an id outside the vocabulary refused as a ``ValueError`` naming it.
-
-    The lookup itself finds a bad id, so valid input costs no host sync; only a refusal
-    reads the ids back to name the offender.
-
-    >>> embed_tokens(nn.Embedding(5, 2), torch.tensor([[1, 7]]))
-    Traceback (most recent call last):
-    ...
-    ValueError: token id 7 is outside the vocabulary 0..4
-    """
-    try:
-        return wte(idx)  # [B, C] -> [B, C, d]
-    except IndexError:
-        vocab = wte.num_embeddings
-        lo, hi = (int(t) for t in idx.aminmax())
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"token id {bad} is outside the vocabulary 0..{vocab - 1}") from None
+        x = x + self.attn(rowwise(self.ln_1)(x), cache, layer_idx, start, attn_mask, **positions)
+        return x + rowwise(lambda rows: self.mlp(self.ln_2(rows)))(x)
 
 
 class DecoderOutput(NamedTuple):
@@ -334,7 +303,7 @@ class Decoder(nn.Module):
             x = block(x, work, layer_idx, start, attn_mask, **rotary)  # [B, C, d]
         if last_only:
             x = x[:, -1:, :]  # [B, 1, d]: only the last row feeds next-token prediction
-        logits = self.lm_head(self.ln_f(x))  # [B, C, V]
+        logits = rowwise(lambda rows: self.lm_head(self.ln_f(rows)))(x)  # [B, C, V]
         if work is not None:  # after the head: a call failing there leaves the cache as it was
             work.finish(start + C)
         return DecoderOutput(logits, work)
