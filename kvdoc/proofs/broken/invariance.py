@@ -1,4 +1,4 @@
-"""A reduction that depends on the chunk: attention over the cache and over the chunk, merged.
+"""Precision bugs: a reduction that depends on the chunk, and K/V read at FP8 in a half model.
 
 :class:`ChunkSplitAttention` reads the keys a call finds in the cache and the keys of its own
 chunk as two parts, each a partial softmax, and merges them as split-K does
@@ -7,6 +7,7 @@ and FP64's tolerance of one pass over all keys, and every check at a tolerance p
 that serve a cached prefix this way exist for speed. But where the split falls depends on how
 the prompt was chunked, so the bits do too, also under :func:`kvdoc.batch_invariant`: only the
 bitwise ``invariance`` check (:mod:`kvdoc.proofs.invariance`) can see it.
+:class:`FP8ReadAttention` is wrong the same way on every path, in BF16 and FP16 only.
 
 >>> import torch
 >>> from kvdoc import Decoder, GPTConfig, batch_invariant
@@ -45,3 +46,16 @@ class ChunkSplitAttention(CausalSelfAttention):
         parts = [partial_attention(q, k[:, :, keys], v[:, :, keys], mask[..., keys])
                  for keys in (slice(None, T - C), slice(T - C, None))]  # the split: the chunk
         return merge(parts)[0].to(dtype)
+
+
+class FP8ReadAttention(CausalSelfAttention):
+    """BROKEN: in a BF16 or FP16 model, attention reads K and V rounded to FP8 e4m3, full and
+    cached alike (an FP8 attention path switched on unasked). The same in every path, so no
+    comparison of two paths sees it, and invisible in FP32 and FP64: only the ``bf16`` and
+    ``fp16`` checks (:mod:`kvdoc.proofs.precision`), against the FP64 value, do."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if q.dtype in (torch.bfloat16, torch.float16):  # BUG: 3 mantissa bits of K and V
+            k, v = (t.to(torch.float8_e4m3fn).to(q.dtype) for t in (k, v))
+        return super().attend(q, k, v, start, attn_mask)
