@@ -1,11 +1,12 @@
-"""The ``bf16`` and ``fp16`` checks: the cached path at production precision, within a derived bound.
+"""The ``bf16`` and ``fp16`` checks: the cached path at production precision, in a derived bound.
 
 The grid's other checks run in FP32 and FP64. Here the model's weights are rounded to BF16 (or
 FP16) once; that model is the function under test, and its exact value is computed by the same
 weights converted to FP64 (every rounded weight is exactly representable there), whose own
 cached and full paths the FP64 pass shows agree to ``1e-10``. The BF16 model's full forward and
 its cached path (chunks of each of :data:`CHUNKS`, through the dynamic cache and the case's
-implementation: every model and implementation, in the FP32 pass) must each lie within :func:`tolerance` of that FP64 value, everywhere.
+implementation: every model and implementation, in the FP32 pass) must each lie within
+:func:`tolerance` of that FP64 value, everywhere.
 
 **The tolerance, argued.** Rounding ``x`` to a format with unit roundoff ``u`` (``2**-8`` for
 BF16, ``2**-11`` for FP16: half the gap between 1 and the next number) moves it by at most
