@@ -1,4 +1,5 @@
-"""kvdoc.batch_invariant(): bitwise equal logits whatever the chunking, batch, cache and split.
+"""kvdoc.batch_invariant(): bitwise equal logits whatever the chunking, batch, cache and split;
+the BF16/FP16 check against the FP64 value.
 
 Bitwise equality is asserted only under the mode, where it is argued to hold on every machine.
 Outside it, how far chunked and full logits differ is the CPU's business: printed, not asserted.
@@ -120,3 +121,11 @@ def test_the_check_passes_and_its_broken_variant_is_caught_by_it_only():
     assert caught.failed_checks() == ["invariance"]
     # at a tolerance the split is invisible: the cached path still matches the full forward
     assert run_suite("chunk-split-attention", scenarios=("stream", "reference"), **fp32).passed
+
+
+def test_the_precision_check_catches_fp8_reads_that_no_path_comparison_sees():
+    fp32 = dict(dtypes=(torch.float32,), models=("llama",))
+    caught = run_suite("fp8-reads-in-half", scenarios=("bf16",), **fp32)
+    assert "fp16" in caught.failed_checks()
+    # wrong the same way on every path: the bitwise check and the FP32 stream see nothing
+    assert run_suite("fp8-reads-in-half", scenarios=("stream", "invariance"), **fp32).passed
