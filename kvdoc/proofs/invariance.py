@@ -95,7 +95,7 @@ def scenario(case, out: list) -> None:
     if "decoder" not in traits(case.model.config):
         out.append(case.result("invariance", None, 0.0, "a K/V Decoder of a GPTConfig only"))
         return
-    for name, ok, worst, runs in invariance_rows(case.model):
+    for name, ok, worst, runs in invariance_rows(case.fresh()):
         out.append(case.result("invariance", ok, worst,
                                f"{name}: {runs} runs vs the full forward alone, bitwise"))
 

@@ -97,6 +97,6 @@ def scenario(case, out: list) -> None:
         return
     new = case.caches.get(case.kind, case.cache.new)
     for (label, ok, worst, tol, apart), name in zip(
-            precision_rows(case.model, new, case.implementation), DTYPES, strict=True):
+            precision_rows(case.fresh(), new, case.implementation), DTYPES, strict=True):
         detail = (f"largest error {worst:.3g} vs bound {tol:.3g}; cached vs full {apart:.3g}")
         out.append(dataclasses.replace(case.result(name, ok, worst, detail), dtype=label))
