@@ -21,7 +21,7 @@ largest FP64 logit magnitude (at least 1). The assumption of no amplification is
 part; a model that amplifies errors fails this check, which then needs its gain, not a wider
 number. Full and cached, each within ``n u S`` of the exact value, are within ``2 n u S`` of
 each other, reported but not a separate check. The same formula with FP32's ``u = 2**-24``
-gives about ``1.6e-6 S`` on these models, under the grid's ``1e-5``.
+gives at most ``2.3e-6 S`` on the grid's models (three layers at most), under its ``1e-5``.
 
 >>> from kvdoc.proofs import grid
 >>> m = grid.MODELS["mha"].build(0)
