@@ -22,6 +22,7 @@ _LAZY = {
     "generate": "core.model", "prefill": "core.model",
     "SlidingWindowCache": "core.window",
     "parallel_generate": "parallel.decode",
+    "batch_invariant": "core.invariant",
 }
 
 try:  # one version, pyproject.toml's, as installed
@@ -44,6 +45,7 @@ __all__ = [
     "decode_step",
     "generate",
     "parallel_generate",
+    "batch_invariant",
 ]
 
 

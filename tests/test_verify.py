@@ -152,7 +152,8 @@ def test_suite_passes_on_the_real_implementation():
     assert all(r.passed is not False for r in report.results)
     # each skips kinds, impls or models it cannot take
     not_everywhere = ("generate", "crop", "speculative", "int8", "fp8", "edges", "padded",
-                      "scheduling", "prefix-cache", "handover")
+                      "scheduling", "prefix-cache", "handover", "invariance",
+                      "bf16", "fp16")
     assert all(r.passed is not None for r in report.results if r.check not in not_everywhere)
 
 
@@ -180,7 +181,8 @@ def test_the_default_verify_catches_every_variant(name):
 ])
 def test_some_variants_escape_all_but_one_kind_of_check(name, only):
     report = run_suite(name, **FP32)
-    assert set(report.failed_checks()) == only, report.failures_table()
+    # the bitwise invariance check may also see a variant whose bits follow the call
+    assert set(report.failed_checks()) - {"invariance"} == only, report.failures_table()
 
 
 def test_each_axis_is_needed():

@@ -2,7 +2,8 @@
 
 ``config`` (one frozen config), ``mask`` (the offset causal mask), ``rope`` (rotary positions),
 ``cache`` (the cache interface, dynamic and static caches), ``window`` (a ring buffer for
-sliding windows), ``model`` (one forward for full recompute and cached continuation),
+sliding windows), ``embed`` (the token lookup), ``model`` (one forward for full recompute and
+cached continuation), ``invariant`` (the batch-invariant mode: reductions in a fixed order),
 ``fast`` (the same single-token step written the way serving engines write it), ``mla``
 (DeepSeek's multi-head latent attention, whose cache holds a latent instead of K and V),
 ``gemma`` (Gemma 3's sliding-window and global layers in one decoder) and ``hybrid`` (its cache:

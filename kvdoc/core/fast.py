@@ -39,8 +39,10 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from . import invariant
 from .cache import KVCache
-from .model import Decoder, DecoderOutput, embed_tokens
+from .embed import embed_tokens
+from .model import Decoder, DecoderOutput
 from .rope import apply_rope
 
 _VERSION = attrgetter("_version")
@@ -163,7 +165,8 @@ class FastDecoder:
             ValueError: whatever the model refuses, with the same message, before any write.
         """
         self.model.check_input(idx, cache)
-        if cache is None or idx.shape[1] != 1 or positions is not None or attn_mask is not None:
+        if (cache is None or idx.shape[1] != 1 or positions is not None or attn_mask is not None
+                or invariant.active()):  # the batch-invariant mode is the model's own path
             return self.model(idx, cache, last_only=last_only, positions=positions,
                               attn_mask=attn_mask)
         if self._stale():  # the model's weights changed: copy them again

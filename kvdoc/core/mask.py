@@ -53,3 +53,19 @@ def offset_causal_mask(past_len: int, new_len: int, device: torch.device | str |
         allowed &= key_pos[None, :] > query_pos[:, None] - window
     return allowed
 
+def last_keys(mask: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``mask`` (``[..., C, T]`` bool, True: may read) with each query reading only the last
+    ``window`` of the keys it may read (all of them for None).
+
+    A row's readable keys are a run of consecutive positions ending at the query's own (its
+    padding or another row's columns hidden), so its last ``W`` are the window ``p - W < j <= p``
+    whatever column each position sits in.
+
+    >>> last_keys(torch.tensor([[False, True, True, True]]), window=2).int()
+    tensor([[0, 0, 1, 1]], dtype=torch.int32)
+    """
+    if window is None:
+        return mask
+    from_right = mask.flip(-1).cumsum(-1).flip(-1)  # readable keys at or after each column
+    return mask & (from_right <= window)
+

@@ -8,7 +8,8 @@ so a transformers checkpoint maps by key (:mod:`kvdoc.interop.hf`).
 The same classes build a Llama-style decoder (:func:`kvdoc.core.config.llama_config`): the config
 switches RoPE for ``wpe`` (:mod:`kvdoc.core.rope`), RMSNorm for LayerNorm, SwiGLU for GELU, and a
 sliding window for the plain causal mask. The cache, the attention over it and the decoding
-loop are the same code for both.
+loop are the same code for both. Under :func:`kvdoc.batch_invariant` the library calls that reduce
+take :mod:`kvdoc.core.invariant`'s path, whose order no chunk, batch or cache kind changes.
 
 Shapes: ``B`` batch, ``C`` new tokens in this call, ``P`` positions already cached,
 ``T = P + C``, ``d`` = ``n_embd``, ``H`` query heads, ``H_kv`` K/V heads, ``D_h`` head size,
@@ -25,7 +26,8 @@ from torch import nn
 
 from .cache import DynamicCache, KVCache, StaticCache
 from .config import GPTConfig
-from .mask import offset_causal_mask
+from .embed import embed_tokens
+from .mask import last_keys, offset_causal_mask
 from .rope import apply_rope
 from .window import SlidingWindowCache
 
@@ -144,23 +146,6 @@ class CausalSelfAttention(nn.Module):
         return offset_causal_mask(start, C, device, window=self.window)[:, -T:]
 
 
-def last_keys(mask: torch.Tensor, window: int | None) -> torch.Tensor:
-    """``mask`` (``[..., C, T]`` bool, True: may read) with each query reading only the last
-    ``window`` of the keys it may read (all of them for None).
-
-    A row's readable keys are a run of consecutive positions ending at the query's own (its
-    padding or another row's columns hidden), so its last ``W`` are the window ``p - W < j <= p``
-    whatever column each position sits in.
-
-    >>> last_keys(torch.tensor([[False, True, True, True]]), window=2).int()
-    tensor([[0, 0, 1, 1]], dtype=torch.int32)
-    """
-    if window is None:
-        return mask
-    from_right = mask.flip(-1).cumsum(-1).flip(-1)  # readable keys at or after each column
-    return mask & (from_right <= window)
-
-
 class Block(nn.Module):
     """Pre-norm decoder layer: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``.
 
@@ -183,26 +168,6 @@ class Block(nn.Module):
                 attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache, layer_idx, start, attn_mask, **positions)
         return x + self.mlp(self.ln_2(x))
-
-
-def embed_tokens(wte: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
-    """``wte(idx)``, with an id outside the vocabulary refused as a ``ValueError`` naming it.
-
-    The lookup itself finds a bad id, so valid input costs no host sync; only a refusal
-    reads the ids back to name the offender.
-
-    >>> embed_tokens(nn.Embedding(5, 2), torch.tensor([[1, 7]]))
-    Traceback (most recent call last):
-    ...
-    ValueError: token id 7 is outside the vocabulary 0..4
-    """
-    try:
-        return wte(idx)  # [B, C] -> [B, C, d]
-    except IndexError:
-        vocab = wte.num_embeddings
-        lo, hi = (int(t) for t in idx.aminmax())
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"token id {bad} is outside the vocabulary 0..{vocab - 1}") from None
 
 
 class DecoderOutput(NamedTuple):

@@ -54,7 +54,7 @@ from kvdoc.core.cache import KVCache
 from kvdoc.core.model import decode_step, generate, prefill
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
-from . import fp8_contract, int8_contract, invariants, lifecycle
+from . import fp8_contract, int8_contract, invariance, invariants, lifecycle, precision
 from .broken.decoders import stale_prefix
 from .compare import (
     DTYPE_NAMES,
@@ -375,6 +375,9 @@ SCENARIOS["int8"] = int8_contract.scenario
 SCENARIOS["fp8"] = fp8_contract.scenario
 SCENARIOS.update({"scheduling": scheduling_scenario, "prefix-cache": prefix_cache_scenario,
                   "handover": handover_scenario})
+CHECKS["invariance"], SCENARIOS["invariance"] = invariance.CHECK, invariance.scenario
+CHECKS.update(precision.CHECKS)
+SCENARIOS["bf16"] = precision.scenario  # makes the bf16 and fp16 checks
 
 SCENARIO_CHECK = {"stream": "logits"}
 """The check a scenario's exception is reported under, where it differs from the scenario's name."""

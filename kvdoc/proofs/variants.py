@@ -19,7 +19,7 @@ import torch
 from kvdoc.core.gemma import Gemma3Decoder
 from kvdoc.core.model import Decoder
 
-from .broken import cache_kinds, caches, decoders, rope, serving
+from .broken import cache_kinds, caches, decoders, invariance, rope, serving
 from .traits import FAMILIES, check_traits, grid_traits, traits
 
 
@@ -82,7 +82,8 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "last_only and generation", "crop and branch", "shared path", "failure mid-call",
                "rotary positions", "state across calls", "configuration value", "stale weights",
                "byte accounting", "int8 contract", "ring and block edges", "padded batches",
-               "preemption and forks", "prefix-cache admission", "fp8 contract")
+               "preemption and forks", "prefix-cache admission", "fp8 contract",
+               "reduction order", "low precision")
 """The kinds of mistake the variants stand for."""
 
 def _copy(cls: type[Decoder]) -> Callable[[Decoder], Decoder]:
@@ -241,6 +242,16 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   lambda m: decoders.copy_as(m, Gemma3Decoder), "ring and block edges",
                   needs={"gemma", "hybrid"}, kinds=("hybrid",),
                   caches={"hybrid": cache_kinds.ringed_global_hybrid_cache}),
+    BrokenVariant("chunk-split-attention",
+                  "attention reads the cached keys and the chunk's keys apart and merges them: "
+                  "exact in arithmetic, but the bits follow the chunking",
+                  _attention(invariance.ChunkSplitAttention), "reduction order", one_model=True,
+                  kinds=("dynamic",)),
+    BrokenVariant("fp8-reads-in-half",
+                  "in a BF16 or FP16 model, attention reads K and V rounded to FP8 e4m3",
+                  # shown on one model, the Llama-style one: one layer, the tightest bound
+                  _attention(invariance.FP8ReadAttention), "low precision",
+                  needs={"decoder", "rope"}, one_model=True, kinds=("dynamic",)),
     BrokenVariant("gemma-local-global-base",
                   "a Gemma model's window layers turn at the global RoPE base, not the local one",
                   rope.local_global_base, "configuration value", needs={"gemma", "hybrid"},

@@ -144,6 +144,11 @@ def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start:
           "the first prefill and per-tensor calibrated ones; held rows and scales bitwise, each "
           "element within 2^-4 or its saturation, each attention read within its derived bound)")
     print("  padded batches: left-padded prompts with a pad mask (scenario padded)")
+    print("  BF16 and FP16 passes: every model's weights rounded to BF16 and FP16, full and "
+          "cached within the derived n u max|logit| of their FP64 value (scenario bf16, "
+          "dynamic kind, in the FP32 run)")
+    print("  batch invariance: under kvdoc.batch_invariant(), logits bit for bit across chunks, "
+          "batch and cache kinds in BF16/FP16/FP32 (scenario invariance)")
     print(f"  scenarios: {', '.join(SCENARIOS)}")
     for axes in passes:
         dtypes = "/".join(DTYPE_NAMES[d] for d in axes["dtypes"])

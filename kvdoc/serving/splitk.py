@@ -20,7 +20,9 @@ builds it, or ``[B, C, T]`` with a mask per row (left-padded batches).
 
 :class:`SplitKAttention` puts the same computation inside the decoder, and
 :func:`split_k_decoder` builds a copy of a model that attends that way, so the verification
-grid runs it as one more implementation of the model's function.
+grid runs it as one more implementation of the model's function. Under
+:func:`kvdoc.batch_invariant` it attends as :func:`kvdoc.core.invariant.attention` does, key by
+key from the first: a split count chosen for the chip must not change the bits.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kvdoc.core import invariant
 from kvdoc.core.config import GPTConfig, check_int
 from kvdoc.core.model import CausalSelfAttention, Decoder
 
@@ -187,6 +190,8 @@ class SplitKAttention(CausalSelfAttention):
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         # the model's own mask: [C, T], [B, C, T] per row (its window applied), or None
         mask = self.visible(start, q.shape[2], k.shape[2], attn_mask, q.device)
+        if invariant.active():  # the mode fixes the order of the keys, not the split count
+            return invariant.attention(q, k, v, mask)
         return split_k_attention(q, k, v, self.split, mask)
 
 

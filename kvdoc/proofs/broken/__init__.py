@@ -16,6 +16,8 @@ nothing but public hooks:
   caches, the paged pool and its block tables, each wrong at one edge;
 * :mod:`~kvdoc.proofs.broken.serving`: radix trees, hand-over packers, schedulers and a decoder
   that drops a padded batch's positions.
+* :mod:`~kvdoc.proofs.broken.invariance`: an attention whose reduction order follows the
+  chunking, which only the bitwise check sees.
 
 Every variant here is **wrong on purpose**. :data:`kvdoc.proofs.variants.VARIANTS` lists them by
 name, with the kind of mistake each stands for (:data:`kvdoc.proofs.variants.BUG_CLASSES`); the

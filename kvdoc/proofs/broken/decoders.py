@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from kvdoc.core import invariant
 from kvdoc.core.cache import KVCache
 from kvdoc.core.config import check_int
 from kvdoc.core.fast import FastDecoder
@@ -258,7 +259,8 @@ class SnapshotFastStepDecoder(Decoder):
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
                 **options: object) -> DecoderOutput:
         # last_only, positions or a pad mask: the model's own path (tensors have no truth value)
-        if (cache is None or idx.dim() != 2 or idx.shape[1] != 1
+        # and under the batch-invariant mode, which the fast step hands back to the model
+        if (cache is None or idx.dim() != 2 or idx.shape[1] != 1 or invariant.active()
                 or any(v is not None and v is not False for v in options.values())):
             return super().forward(idx, cache, **options)
         if getattr(self, "_fast", None) is None:

@@ -1,0 +1,61 @@
+"""Precision bugs: a reduction that depends on the chunk, and K/V read at FP8 in a half model.
+
+:class:`ChunkSplitAttention` reads the keys a call finds in the cache and the keys of its own
+chunk as two parts, each a partial softmax, and merges them as split-K does
+(:func:`kvdoc.serving.splitk.merge`): an identity of arithmetic, so the result is within FP32's
+and FP64's tolerance of one pass over all keys, and every check at a tolerance passes. Kernels
+that serve a cached prefix this way exist for speed. But where the split falls depends on how
+the prompt was chunked, so the bits do too, also under :func:`kvdoc.batch_invariant`: only the
+bitwise ``invariance`` check (:mod:`kvdoc.proofs.invariance`) can see it.
+:class:`FP8ReadAttention` is wrong the same way on every path, in BF16 and FP16 only.
+
+>>> import torch
+>>> from kvdoc import Decoder, GPTConfig, batch_invariant
+>>> from kvdoc.proofs.broken.decoders import with_attention
+>>> _ = torch.manual_seed(0)
+>>> model = with_attention(Decoder(GPTConfig()).eval(), ChunkSplitAttention)
+>>> ids = torch.randint(0, 97, (1, 12))
+>>> with torch.no_grad(), batch_invariant():
+...     full = model(ids).logits
+...     _, cache = model(ids[:, :5], model.new_cache(1))
+...     rest = model(ids[:, 5:], cache).logits
+>>> torch.equal(rest, full[:, 5:]), torch.allclose(rest, full[:, 5:], atol=1e-5, rtol=0)
+(False, True)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvdoc.core.model import CausalSelfAttention
+from kvdoc.serving.splitk import merge, partial_attention
+
+
+class ChunkSplitAttention(CausalSelfAttention):
+    """Cached keys and the chunk's keys as two partial softmaxes, merged (wrong on purpose)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        C, T = q.shape[2], k.shape[2]
+        if T == C:  # nothing cached: one pass, as the real attention
+            return super().attend(q, k, v, start, attn_mask)
+        mask = self.visible(start, C, T, attn_mask, q.device)
+        mask = torch.ones(C, T, dtype=torch.bool, device=q.device) if mask is None else mask
+        dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)  # no rounding to see
+        q, k, v = q.to(acc), k.to(acc), v.to(acc)
+        parts = [partial_attention(q, k[:, :, keys], v[:, :, keys], mask[..., keys])
+                 for keys in (slice(None, T - C), slice(T - C, None))]  # the split: the chunk
+        return merge(parts)[0].to(dtype)
+
+
+class FP8ReadAttention(CausalSelfAttention):
+    """BROKEN: in a BF16 or FP16 model, attention reads K and V rounded to FP8 e4m3, full and
+    cached alike (an FP8 attention path switched on unasked). The same in every path, so no
+    comparison of two paths sees it, and invisible in FP32 and FP64: only the ``bf16`` and
+    ``fp16`` checks (:mod:`kvdoc.proofs.precision`), against the FP64 value, do."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if q.dtype in (torch.bfloat16, torch.float16):  # BUG: 3 mantissa bits of K and V
+            k, v = (t.to(torch.float8_e4m3fn).to(q.dtype) for t in (k, v))
+        return super().attend(q, k, v, start, attn_mask)

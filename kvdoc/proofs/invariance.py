@@ -1,0 +1,101 @@
+"""The ``invariance`` check: under :func:`kvdoc.batch_invariant`, one sequence's logits bit for bit.
+
+A sequence (row 0 of a short random stream) is computed under the mode in many ways: one full
+forward alone, one full forward in a batch of :data:`BATCH` rows (the others different
+sequences), and fed through every cache kind the model serves (dynamic, static and, for a model
+with a window, the ring) in chunks of each of :data:`CHUNKS` tokens, alone and in the batch.
+Every one of those logits must be ``torch.equal`` to the first, in BF16, FP16 and FP32 (copies
+of the model's weights): no tolerance at all. The chunkings and the batch are the axes a
+server varies from one request to the next; the cache kinds store the same K and V in other
+places; the split-K model (:mod:`kvdoc.serving.splitk`) splits the keys in its own chunks.
+
+It runs on the models of :data:`MODELS` (GPT-2's path and the split-K Mistral-style path, RoPE,
+RMSNorm, SwiGLU and a window), on the dynamic kind and the model's own call only, in the FP32
+pass: a few seconds. The broken variant ``chunk-split-attention``
+(:mod:`kvdoc.proofs.broken.invariance`) reads the cached keys and the chunk's own keys apart
+and merges the two exactly as split-K does: within FP32's and FP64's tolerance everywhere
+else, and caught here.
+
+>>> from kvdoc.proofs import grid
+>>> rows = invariance_rows(grid.MODELS["mha"].build(0), (torch.float32,))
+>>> [(name, ok, runs) for name, ok, _, runs in rows]
+[('FP32', True, 9)]
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from kvdoc.core.feed import feed
+from kvdoc.core.invariant import batch_invariant
+
+from . import grid
+from .compare import DTYPE_NAMES
+from .traits import traits
+
+CHECK = "bitwise under kvdoc.batch_invariant(): chunks, batch, cache kinds, BF16/FP16/FP32"
+MODELS = ("mha", "split-k")
+"""The grid's models the check runs on (any model given to the suite, too)."""
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LENGTH = 24
+"""Tokens of the sequence: past two chunks of :data:`CHUNKS`' largest, short enough to be cheap."""
+CHUNKS = (2, 5)
+BATCH = 3
+DTYPE_NAMES = {**DTYPE_NAMES, torch.bfloat16: "BF16", torch.float16: "FP16"}
+
+
+def _kinds(model: nn.Module) -> list[str]:
+    return ["dynamic", "static"] + (["window"] if model.config.sliding_window else [])
+
+
+def invariance_rows(model: nn.Module, dtypes=DTYPES,
+                    seed: int = 0) -> list[tuple[str, bool, float, int]]:
+    """``(dtype, bitwise, largest difference, runs)`` per dtype for ``model`` (any dtype).
+
+    Each run's logits of row 0 against those of the full forward of row 0 alone.
+    """
+    g = torch.Generator().manual_seed(2000 + seed)
+    ids = torch.randint(0, model.config.vocab_size, (BATCH, LENGTH), generator=g)
+    rows = []
+    for dt in dtypes:
+        m = copy.deepcopy(model).to(dt).eval()
+        with torch.no_grad(), batch_invariant():
+            want = m(ids[:1]).logits
+            runs = [m(ids).logits[:1]]
+            for kind in _kinds(m):
+                for chunk in CHUNKS:
+                    runs.append(feed(m, ids[:1], m.new_cache(1, kind, LENGTH), chunk).logits)
+            for chunk in CHUNKS:
+                batched = feed(m, ids, m.new_cache(BATCH, "dynamic"), chunk).logits[:1]
+                runs.append(batched)
+            runs.append(feed(m, ids[:1], m.new_cache(1, "static", LENGTH), (7, 1, 16)).logits)
+            # decode steps in a batch whose other rows differ: the serving case
+            _, cache = m(ids[:, :9], m.new_cache(BATCH, "static", LENGTH))
+            steps = [m(ids[:, t:t + 1], cache).logits[:1] for t in range(9, 12)]
+            runs.append(torch.cat((want[:, :9], *steps, want[:, 12:]), dim=1))
+        equal = [r.shape == want.shape and torch.equal(r, want) for r in runs]
+        worst = max(((r.float() - want.float()).abs().max().item() if r.shape == want.shape
+                     else float("inf")) for r in runs)
+        rows.append((DTYPE_NAMES[dt], all(equal), worst, len(runs)))
+    return rows
+
+
+def scenario(case, out: list) -> None:
+    """The ``invariance`` scenario (see the module docstring)."""
+    if case.kind != "dynamic" or case.impl != "model" or case.dtype != torch.float32:
+        out.append(case.result("invariance", None, 0.0,
+                               "run once per model: dynamic kind, the model's call, FP32 pass"))
+        return
+    if case.model_name in grid.MODELS and case.model_name not in MODELS:
+        out.append(case.result("invariance", None, 0.0, f"run on {', '.join(MODELS)}"))
+        return
+    if "decoder" not in traits(case.model.config):
+        out.append(case.result("invariance", None, 0.0, "a K/V Decoder of a GPTConfig only"))
+        return
+    for name, ok, worst, runs in invariance_rows(case.fresh()):
+        out.append(case.result("invariance", ok, worst,
+                               f"{name}: {runs} runs vs the full forward alone, bitwise"))
+
