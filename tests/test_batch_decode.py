@@ -19,7 +19,7 @@ from kvdoc.measure.batch_decode import (
     time_batches,
     weight_bytes,
 )
-from kvdoc.measure.memory import PRESETS
+from kvdoc.measure.presets import PRESETS
 
 LLAMA_FAMILY = [p for p in PRESETS.values() if p.hidden is not None]
 

@@ -1,4 +1,5 @@
-"""kvdoc.measure.bench (with costs, timing, decode_paths, bench_tables) on tiny settings.
+"""kvdoc.measure.bench_run and bench_result (with costs, timing, decode_paths, bench_tables, and
+the bench command) on tiny settings.
 
 No speed is asserted.
 """
@@ -13,7 +14,8 @@ import torch
 from kvdoc import Decoder, GPTConfig
 from kvdoc.__main__ import main as cli
 from kvdoc.measure.ablation import ABLATION, LeanStep
-from kvdoc.measure.bench import TARGETS, BenchSettings, run_bench
+from kvdoc.measure.bench_result import TARGETS
+from kvdoc.measure.bench_run import BenchSettings, run_bench
 from kvdoc.measure.bench_tables import (
     ablation_table,
     counts_table,

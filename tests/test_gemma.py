@@ -11,13 +11,10 @@ from kvdoc import Decoder, SlidingWindowCache, decode_step, generate, mistral_co
 from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, GemmaRMSNorm
 from kvdoc.core.hybrid import HybridCache
 from kvdoc.interop.gemma import config_from_gemma, gemma_config, gemma_model
-from kvdoc.interop.hf import float64_islands_lifted, from_transformers, to_transformers
-from kvdoc.measure.memory import (
-    HYBRID_PRESETS,
-    hybrid_preset,
-    hybrid_vs_global,
-    kv_bytes_per_layer,
-)
+from kvdoc.interop.hf_float64 import float64_islands_lifted
+from kvdoc.interop.hf_weights import from_transformers, to_transformers
+from kvdoc.measure.kv_bytes import kv_bytes_per_layer
+from kvdoc.measure.presets import HYBRID_PRESETS, hybrid_preset, hybrid_vs_global
 from kvdoc.proofs.compare import TOLERANCE, Snapshot, close, max_abs, run_cached
 from kvdoc.proofs.invariants import byte_problems
 

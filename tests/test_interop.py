@@ -7,7 +7,8 @@ from transformers import GPT2LMHeadModel
 
 from kvdoc import GPTConfig
 from kvdoc.core.feed import feed
-from kvdoc.interop.hf import config_from_gpt2, decoder_from_gpt2, from_transformers, gpt2_config
+from kvdoc.interop.hf_config import config_from_gpt2, gpt2_config
+from kvdoc.interop.hf_weights import decoder_from_gpt2, from_transformers
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +94,12 @@ def test_unsupported_variants_are_refused(pair):
 # --- Llama and Mistral (random weights, built offline from a config) ---------------------------
 
 from kvdoc.core.config import llama_config, mistral_config  # noqa: E402
-from kvdoc.interop.hf import (  # noqa: E402
+from kvdoc.interop.hf_config import (  # noqa: E402
     config_from_transformers,
-    float64_islands_lifted,
     transformers_config,
     transformers_model,
 )
+from kvdoc.interop.hf_float64 import float64_islands_lifted  # noqa: E402
 from kvdoc.proofs.compare import TOLERANCE  # noqa: E402
 from kvdoc.proofs.crosscheck import match_transformers  # noqa: E402
 

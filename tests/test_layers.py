@@ -94,5 +94,5 @@ def test_the_layer_rule_can_fail(source: str, module: str):
 def test_the_layer_rule_allows_the_layers_below():
     source = "from .cache import KVCache\nfrom kvdoc.core.model import Decoder\nimport torch"
     assert violations(source, "kvdoc.core.fast") == []
-    assert violations("from ..core import model\nfrom ..interop.hf import gpt2_config",
+    assert violations("from ..core import model\nfrom ..interop.hf_config import gpt2_config",
                       "kvdoc.proofs.grid") == []

@@ -10,21 +10,17 @@ import torch
 from kvdoc import Decoder, GPTConfig, generate
 from kvdoc.__main__ import main as cli
 from kvdoc.core.feed import feed
-from kvdoc.measure import memory
+from kvdoc.measure import dtypes
+from kvdoc.measure.byte_units import binary_size, decimal_size
 from kvdoc.measure.copymeter import CopyMeter
-from kvdoc.measure.memory import (
-    PRESETS,
-    binary_size,
-    decimal_size,
-    dtype_name,
-    element_size,
+from kvdoc.measure.dtypes import dtype_name, element_size, resolve_dtype
+from kvdoc.measure.kv_bytes import (
     kv_bytes,
     kv_bytes_for_config,
     kv_bytes_per_layer,
     measured_bytes,
-    preset,
-    resolve_dtype,
 )
+from kvdoc.measure.presets import PRESETS, preset
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -194,7 +190,7 @@ def test_cli_bad_input_exits_2_quietly(argv: list[str], capsys: pytest.CaptureFi
 
 def test_element_bytes_are_torchs() -> None:
     # the table the command line uses without importing torch, against torch itself
-    for name, canonical in memory.DTYPES.items():
+    for name, canonical in dtypes.DTYPES.items():
         dtype = resolve_dtype(name)
         assert dtype is getattr(torch, canonical)
         assert element_size(name) == torch.empty((), dtype=dtype).element_size(), name

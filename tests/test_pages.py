@@ -43,7 +43,7 @@ def removed_checks(page: Path) -> list[str]:
 
 
 def page_setup(page: Path) -> list[str]:
-    """Kernel set-up (docs/_ipython does it) or a tokenizer of its own (kvdoc.teach.render has
+    """Kernel set-up (docs/_ipython does it) or a tokenizer of its own (kvdoc.teach.tokens has
     one)."""
     text = page.read_text()
     return [p for p in ("set_num_threads", "svg.hashsalt", "ord(ch) - 32") if p in text]

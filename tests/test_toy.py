@@ -8,16 +8,15 @@ import itertools
 import pytest
 import torch
 
-from kvdoc.teach.render import html_table, latex_matrix, token_ids, token_label, token_text
-from kvdoc.teach.toy import (
-    Counts,
-    ToyCache,
-    ToyLab,
+from kvdoc.teach.html_tables import html_table
+from kvdoc.teach.latex import latex_matrix
+from kvdoc.teach.mask_exercise import mask_exercise
+from kvdoc.teach.tokens import token_ids, token_label, token_text
+from kvdoc.teach.toy import Counts, ToyCache, ToyLab, full_forward
+from kvdoc.teach.toy_scenarios import (
     check_against_full,
     common_prefix_len,
     expected_counts,
-    full_forward,
-    mask_exercise,
     prefix_edit,
     work_counts,
 )
@@ -162,7 +161,7 @@ def test_mask_exercise(past, new):
     assert ex.keys_top_left == [i + 1 for i in range(new)]
 
 
-def test_render_helpers():
+def test_display_helpers():
     assert latex_matrix(torch.tensor([-0.0001, 2.0])) == (
         r"\begin{bmatrix}0.000 & 2.000\end{bmatrix}")
     assert "<td>a&amp;b</td>" in html_table(["h"], [["a&b"]])

@@ -13,7 +13,7 @@ import kvdoc.core.model
 from kvdoc.__main__ import main as cli
 from kvdoc.core import cache as kvcache
 from kvdoc.core.layers import StaticLayer
-from kvdoc.interop.hf import transformers_model
+from kvdoc.interop.hf_config import transformers_model
 from kvdoc.proofs import grid
 from kvdoc.proofs.broken.decoders import PositionsRestartDecoder, copy_as, stale_prefix
 from kvdoc.proofs.compare import (

@@ -3,7 +3,7 @@
 Read top to bottom: the MLP, causal self-attention (where the cache is used), the block, the
 decoder, then ``prefill`` / ``decode_step`` / ``generate``. Parameter names are GPT-2's
 (``wte, wpe, h, ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, ln_f, lm_head``),
-so a transformers checkpoint maps by key (:mod:`kvdoc.interop.hf`).
+so a transformers checkpoint maps by key (:mod:`kvdoc.interop.hf_weights`).
 
 The same classes build a Llama-style decoder (:func:`kvdoc.core.config.llama_config`): the config
 switches RoPE for ``wpe`` (:mod:`kvdoc.core.rope`), RMSNorm for LayerNorm, SwiGLU for GELU, and a
@@ -193,8 +193,8 @@ class Decoder(nn.Module):
     sequence; :mod:`kvdoc.proofs.compare` proves it.
 
     Weights use PyTorch's default initialisation (seed with ``torch.manual_seed``) or come
-    from :func:`kvdoc.interop.hf.from_transformers`. The model is never trained: the site checks
-    that two ways of computing one function agree, which needs no language ability.
+    from :func:`kvdoc.interop.hf_weights.from_transformers`. The model is never trained: the site
+    checks that two ways of computing one function agree, which needs no language ability.
 
     >>> _ = torch.manual_seed(0)
     >>> model = Decoder(GPTConfig())

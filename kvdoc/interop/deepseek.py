@@ -3,7 +3,7 @@
 Weights map by name: the attention's are transformers' own (``q_proj`` or ``q_a_proj``,
 ``q_a_layernorm``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``,
 ``o_proj``); the rest take kvdoc's names (``wte``, ``h.i.ln_1``, ``h.i.mlp.c_fc`` = gate and up
-stacked, ``ln_f``), as :mod:`kvdoc.interop.hf` does for Llama.
+stacked, ``ln_f``), as :mod:`kvdoc.interop.hf_weights` does for Llama.
 
 One convention differs. DeepSeek's checkpoints store each rotary vector in interleaved pairs
 ``(x0, x1), (x2, x3), ..`` (``rope_interleave=True``, transformers' default for DeepseekV3);
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kvdoc.core.mla import MLAConfig, MLADecoder
-from kvdoc.interop.hf import load_exported
+from kvdoc.interop.hf_weights import load_exported
 
 _ATTENTION = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
               "kv_a_layernorm", "kv_b_proj", "o_proj")

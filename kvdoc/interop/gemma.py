@@ -5,8 +5,9 @@ Inside a layer the weights keep transformers' names (``self_attn.q_proj``, ``sel
 ``h.i.``, ``model.embed_tokens`` is ``wte``, ``model.norm`` is ``ln_f``. Both RoPE bases come from
 ``rope_parameters`` (``full_attention`` and ``sliding_attention``), the window layers from
 ``layer_types`` (which must follow a ``sliding_window_pattern``, as every published Gemma 2
-and 3 does). :func:`kvdoc.interop.hf.from_transformers` dispatches a ``gemma3_text`` model
-here, and :func:`kvdoc.interop.hf.to_transformers` a :class:`~kvdoc.core.gemma.Gemma3Decoder`.
+and 3 does). :func:`kvdoc.interop.hf_weights.from_transformers` dispatches a ``gemma3_text``
+model here, and :func:`kvdoc.interop.hf_weights.to_transformers` a
+:class:`~kvdoc.core.gemma.Gemma3Decoder`.
 
 Not loaded: scaled RoPE (the larger Gemma 3 checkpoints scale the global base linearly),
 attention biases, bidirectional attention, and ``attn_logit_softcapping`` (Gemma 2's; transformers'
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, gemma_layer_types
-from kvdoc.interop.hf import load_exported
+from kvdoc.interop.hf_weights import load_exported
 
 _OUTER = {"model.embed_tokens.weight": "wte.weight", "model.norm.weight": "ln_f.weight",
           "lm_head.weight": "lm_head.weight"}

@@ -1,8 +1,10 @@
-"""Memory and time: the byte formula and published configs (``memory``), bytes a cache update
-writes (``copymeter``), counted work and FLOPs (``costs``), the timing harness (``timing``),
-what is timed (``decode_paths``), the benchmark (``bench``, ``python -m kvdoc bench``) with its
-tables (``bench_tables``), ATen operation counts (``dispatch``) and the Markdown table renderer
-that every report shares (``tables``).
+"""Memory and time: dtype sizes (``dtypes``), the byte formula (``kv_bytes``), byte units
+(``byte_units``), published configs (``presets``), the ``python -m kvdoc memory`` command
+(``memory``), bytes a cache update writes (``copymeter``), counted work and FLOPs (``costs``),
+the timing harness (``timing``), what is timed (``decode_paths``), the benchmark's run
+(``bench_run``), its result (``bench_result``), its tables (``bench_tables``) and its command
+(``bench``, ``python -m kvdoc bench``), ATen operation counts (``dispatch``) and the Markdown
+table renderer that every report shares (``tables``).
 
 Measurements report what they see; nothing here asserts a timing.
 """

@@ -25,7 +25,8 @@ from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import Decoder
 
 from .costs import step_bytes, step_flops
-from .memory import ModelPreset, element_size
+from .dtypes import element_size
+from .presets import ModelPreset
 from .timing import Prepare, time_paths
 
 
@@ -182,7 +183,7 @@ def preset_kv_per_sequence(preset: ModelPreset, context: int, dtype: str = "bflo
                            degree: int = 1) -> int:
     """K/V bytes one sequence at ``context`` positions puts on each of ``degree`` devices.
 
-    >>> from kvdoc.measure.memory import preset
+    >>> from kvdoc.measure.presets import preset
     >>> llama = preset("Llama-3-8B")
     >>> preset_kv_per_sequence(llama, 1000, degree=2) * 2 == preset_kv_per_sequence(llama, 1000)
     True

@@ -1,5 +1,5 @@
-"""Tables and figures of a :class:`~kvdoc.measure.bench.BenchResult`, for the savings page and
-the CLI.
+"""Tables and figures of a :class:`~kvdoc.measure.bench_result.BenchResult`, for the savings page
+and the CLI.
 
 Tables are Markdown strings from :func:`kvdoc.measure.tables.markdown_table` (pages show them
 with ``IPython.display.Markdown``); figures are matplotlib figures the page glues.
@@ -15,7 +15,7 @@ from .timing import paired_ratio, two_figures
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from .bench import BenchResult
+    from .bench_result import BenchResult
 
 PATH_LABELS = {"prefill": "prefill", "full_all": "full, all positions",
                "full_last": "full, last position", "transformers": "transformers, cached",

@@ -50,7 +50,7 @@ class CopyMeter:
     """A log of measured cache updates, shared by every cache object one generation creates.
 
     >>> from kvdoc import Decoder, GPTConfig
-    >>> from kvdoc.measure.memory import kv_bytes_for_config
+    >>> from kvdoc.measure.kv_bytes import kv_bytes_for_config
     >>> _ = torch.manual_seed(0)
     >>> model = Decoder(GPTConfig())
     >>> meter = CopyMeter()

@@ -51,7 +51,8 @@ def build_models(config: GPTConfig, seed: int, transformers: bool,
         warnings.filterwarnings("ignore", message="IProgress not found")
         from transformers import GPT2LMHeadModel
 
-    from kvdoc.interop.hf import CONV1D_WEIGHTS, gpt2_config
+    from kvdoc.interop.hf_config import gpt2_config
+    from kvdoc.interop.hf_weights import CONV1D_WEIGHTS
 
     hf_config = gpt2_config(config)
     hf_config.tie_word_embeddings = tie

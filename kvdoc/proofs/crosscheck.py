@@ -1,8 +1,8 @@
 """kvdoc against Hugging Face transformers' GPT-2, Llama and Mistral on the same random weights.
 
 :func:`match_transformers` loads a transformers model into a :class:`~kvdoc.core.model.Decoder`
-(:func:`kvdoc.interop.hf.from_transformers`) and compares logits over one stream: kvdoc's full
-forward and cached runs (every cache kind, several chunk sizes) against transformers' full
+(:func:`kvdoc.interop.hf_weights.from_transformers`) and compares logits over one stream: kvdoc's
+full forward and cached runs (every cache kind, several chunk sizes) against transformers' full
 forward, and transformers' own cached decode against its full forward. The verification suite
 runs the same comparison as its ``reference`` check
 (:func:`kvdoc.proofs.references.transformers_reference`).
@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from kvdoc.interop.hf import float64_islands_lifted, from_transformers
+from kvdoc.interop.hf_float64 import float64_islands_lifted
+from kvdoc.interop.hf_weights import from_transformers
 
 from .compare import DTYPE_NAMES, max_abs, run_cached
 
@@ -36,7 +37,7 @@ class TransformersMatch:
             forward.
         logit_scale: the largest ``|logit|`` of transformers' full forward.
         lifted: whether transformers ran with its float32 RMSNorm/RoPE lifted to the model's dtype
-            (:func:`~kvdoc.interop.hf.float64_islands_lifted`).
+            (:func:`~kvdoc.interop.hf_float64.float64_islands_lifted`).
         prefill_len: tokens in transformers' own prefill before its one-token decode steps.
     """
 
@@ -63,12 +64,12 @@ def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] =
 
     Args:
         hf_model: a transformers GPT-2, Llama or Mistral model in eval mode, FP32 or
-            FP64; kvdoc loads it with :func:`~kvdoc.interop.hf.from_transformers`.
+            FP64; kvdoc loads it with :func:`~kvdoc.interop.hf_weights.from_transformers`.
         ids: token ids ``[B, T]``.
         chunks: chunk sizes of kvdoc's cached runs.
         kinds: cache kinds (default dynamic and static, and window with a window).
         prefill_len: tokens in transformers' prefill before its one-token decode steps.
-        lift: run transformers under :func:`~kvdoc.interop.hf.float64_islands_lifted`
+        lift: run transformers under :func:`~kvdoc.interop.hf_float64.float64_islands_lifted`
             (default: only in FP64).
 
     Returns:
@@ -76,7 +77,7 @@ def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] =
 
     >>> from transformers import MistralForCausalLM
     >>> from kvdoc.core.config import mistral_config
-    >>> from kvdoc.interop.hf import transformers_config
+    >>> from kvdoc.interop.hf_config import transformers_config
     >>> _ = torch.manual_seed(0)
     >>> config = transformers_config(mistral_config(sliding_window=4))
     >>> hf = MistralForCausalLM(config).eval()

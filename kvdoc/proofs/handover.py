@@ -4,7 +4,7 @@
   against :func:`kvdoc.core.model.generate` on the same prompt (the tokens) and one full forward
   over prompt + tokens (the logits behind each choice, within
   :data:`kvdoc.proofs.compare.TOLERANCE`), and the K/V bytes moved against the byte formula
-  :func:`kvdoc.measure.memory.kv_bytes_for_config` (an MLA model's own
+  :func:`kvdoc.measure.kv_bytes.kv_bytes_for_config` (an MLA model's own
   :meth:`~kvdoc.core.mla.MLAConfig.bytes_per_token` for its latent).
 * :func:`check_dtypes`: the same in FP32 and FP64.
 * What the check must catch: the broken packers of :mod:`kvdoc.proofs.broken.serving`,
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.core.model import Decoder, generate
-from kvdoc.measure.memory import kv_bytes_for_config
+from kvdoc.measure.kv_bytes import kv_bytes_for_config
 from kvdoc.serving.handover import disaggregated_generate, pack
 
 from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs

@@ -4,7 +4,7 @@ Cached-versus-full cannot see a bug in code that both paths run (positions clamp
 forward, K/V heads shared wrongly by every attention call). These references can:
 
 * :func:`transformers_reference`: Hugging Face transformers' GPT-2, Llama or Mistral holding
-  the same weights (:func:`kvdoc.interop.hf.to_transformers`);
+  the same weights (:func:`kvdoc.interop.hf_weights.to_transformers`);
 * :func:`deepseek_reference`: transformers' DeepSeek-V3 holding an MLA model's weights
   (:func:`kvdoc.interop.deepseek.to_deepseek`, interleaved rotary pairs as DeepSeek stores them);
 * :func:`mha_reference`: for a grouped-query (GQA) or multi-query (MQA) model, the multi-head
@@ -82,10 +82,11 @@ def transformers_reference(model: nn.Module) -> Reference:
     """transformers' model of the same family (GPT-2, Llama or Mistral) holding ``model``'s weights.
 
     In FP64, transformers' Llama and Mistral would still compute RMSNorm and the rotary angles in
-    FP32; there :func:`kvdoc.interop.hf.float64_islands_lifted` makes them follow the model's dtype,
-    so the comparison can use the FP64 tolerance. In FP32 transformers runs as shipped.
+    FP32; there :func:`kvdoc.interop.hf_float64.float64_islands_lifted` makes them follow the
+    model's dtype, so the comparison can use the FP64 tolerance. In FP32 transformers runs as
+    shipped.
     """
-    from kvdoc.interop.hf import to_transformers
+    from kvdoc.interop.hf_weights import to_transformers
 
     return _lifted(to_transformers(model), model)
 
@@ -104,7 +105,7 @@ def deepseek_reference(model: nn.Module) -> Reference:
 def _lifted(hf: nn.Module, model: nn.Module) -> Reference:
     """``ids -> logits`` of the transformers model ``hf``, its FP32 islands lifted to FP64 when
     ``model`` is FP64."""
-    from kvdoc.interop.hf import float64_islands_lifted
+    from kvdoc.interop.hf_float64 import float64_islands_lifted
 
     lift = float64_islands_lifted if _dtype(model) == torch.float64 else contextlib.nullcontext
 

@@ -28,7 +28,8 @@ from kvdoc.core.cache import DynamicCache, KVCache, StaticCache
 from kvdoc.core.config import GPTConfig
 from kvdoc.core.mask import offset_causal_mask
 from kvdoc.core.model import Decoder, decode_step, generate, prefill
-from kvdoc.interop import hf
+from kvdoc.interop.hf_config import gpt2_config
+from kvdoc.interop.hf_weights import decoder_from_gpt2
 
 
 class CommandError(Exception):
@@ -186,8 +187,8 @@ def _zeros(*shape: int) -> torch.Tensor:
 def _interop_shape_mismatch(fx: Fixtures) -> object:
     from transformers import GPT2LMHeadModel
 
-    gpt2 = GPT2LMHeadModel(hf.gpt2_config(GPTConfig()))
-    return hf.decoder_from_gpt2(gpt2.state_dict(), GPTConfig(n_inner=128))
+    gpt2 = GPT2LMHeadModel(gpt2_config(GPTConfig()))
+    return decoder_from_gpt2(gpt2.state_dict(), GPTConfig(n_inner=128))
 
 
 def _r(key: str, area: str, bad: str, call: str, error: type[Exception], fragment: str,
@@ -327,12 +328,12 @@ CATALOGUE: list[Refusal] = [
     # --- transformers interop ---------------------------------------------------------------------
     _r("interop-gqa", "interop", "a grouped-query config for GPT-2, which has none",
        "gpt2_config(GPTConfig(n_kv_head=2))", VE, "GPT-2 has no grouped-query attention",
-       lambda fx: hf.gpt2_config(GPTConfig(n_kv_head=2))),
+       lambda fx: gpt2_config(GPTConfig(n_kv_head=2))),
     _r("interop-bare-state-dict", "interop", "a bare state dict without a config",
        "decoder_from_gpt2(model.state_dict())", VE, "pass config=",
-       lambda fx: hf.decoder_from_gpt2(fx.model.state_dict())),
+       lambda fx: decoder_from_gpt2(fx.model.state_dict())),
     _r("interop-empty", "interop", "an empty state dict", "decoder_from_gpt2({}, GPTConfig())", VE,
-       "empty state dict", lambda fx: hf.decoder_from_gpt2({}, GPTConfig())),
+       "empty state dict", lambda fx: decoder_from_gpt2({}, GPTConfig())),
     _r("interop-shapes", "interop", "GPT-2 weights for another MLP width",
        "decoder_from_gpt2(hf.state_dict(), GPTConfig(n_inner=128))", VE, "checkpoint shape",
        _interop_shape_mismatch),

@@ -1,0 +1,74 @@
+"""FP64 comparisons with transformers: its float32 islands (RMSNorm and RoPE computed in
+float32 whatever the model's dtype) lifted for the length of a block
+(:func:`float64_islands_lifted`).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+
+@contextmanager
+def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
+    """Within the block, transformers' Llama, Mistral, DeepSeek-V3 and Gemma 3 compute RMSNorm and
+    RoPE in the model's dtype.
+
+    transformers computes both in float32 whatever the model's dtype (an upcast meant for half
+    precision), so an FP64 Llama is only float32-accurate there and differs from an exact FP64
+    computation by about 1e-7. Inside this block the RMSNorms and the rotary tables follow the
+    model's dtype, so an FP64 comparison measures FP64 rounding. Nothing changes for GPT-2 or
+    for FP32 models beyond rounding of the rotary angles (float64 here, as in
+    :mod:`kvdoc.core.rope`).
+    """
+    from kvdoc.core.rope import rope_angles
+
+    def rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
+        mean_square = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(mean_square + self.variance_epsilon))
+
+    def rotary(self: Any, x: torch.Tensor,
+               position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = torch.stack([rope_angles(row, head_dim, theta)
+                              for row in position_ids])  # [B, C, D_h]
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+    def gemma_rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+    def gemma_rotary(self: Any, x: torch.Tensor, position_ids: torch.Tensor,
+                     layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+        theta = float(config.rope_parameters[layer_type]["rope_theta"])  # a base per layer type
+        angles = torch.stack([rope_angles(row, config.head_dim, theta) for row in position_ids])
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+    config = hf_model.config
+    patched = []
+    if getattr(config, "model_type", None) == "gemma3_text":
+        for module in hf_model.modules():
+            name = type(module).__name__
+            if name.endswith(("RMSNorm", "RotaryEmbedding")):
+                patched.append(module)
+                lifted = gemma_rms_norm if name.endswith("RMSNorm") else gemma_rotary
+                module.forward = types.MethodType(lifted, module)
+    if getattr(config, "model_type", None) in ("llama", "mistral", "deepseek_v3"):
+        split_width = config.hidden_size // config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or split_width
+        theta = float(config.rope_parameters["rope_theta"])
+        for module in hf_model.modules():
+            name = type(module).__name__
+            if name.endswith("RMSNorm"):
+                patched.append(module)
+                module.forward = types.MethodType(rms_norm, module)
+            elif name.endswith("RotaryEmbedding"):
+                patched.append(module)
+                module.forward = types.MethodType(rotary, module)
+    try:
+        yield hf_model
+    finally:
+        for module in patched:
+            del module.forward  # back to the class's method

@@ -1,0 +1,221 @@
+"""Weights between kvdoc and transformers: a transformers GPT-2, Llama, Mistral or Gemma 3 model
+loaded into a :class:`kvdoc.Decoder` (:func:`from_transformers`, :func:`decoder_from_gpt2`) and
+a decoder exported to the transformers model of its family (:func:`to_transformers`).
+
+GPT-2's checkpoints store ``c_attn``, ``c_proj`` and ``c_fc`` as ``Conv1D`` weights of shape
+``[in, out]``, the transpose of ``nn.Linear``'s ``[out, in]``; everything else maps by key once
+the ``transformer.`` prefix is dropped. Llama's and Mistral's ``q_proj``, ``k_proj`` and
+``v_proj`` are stacked into ``c_attn``, ``gate_proj`` and ``up_proj`` into ``c_fc``. The
+configurations map through :mod:`kvdoc.interop.hf_config`; transformers is imported only when
+needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from kvdoc.core.config import GPTConfig
+from kvdoc.core.gemma import Gemma3Decoder
+from kvdoc.core.model import Decoder
+
+from .hf_config import (
+    causal_lm_class,
+    config_from_gpt2,
+    config_from_transformers,
+    transformers_config,
+)
+
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                  "mlp.c_proj.weight")
+"""GPT-2's weights stored as ``Conv1D`` (``[in, out]``, the transpose of ``nn.Linear``'s)."""
+_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers some versions keep
+
+
+def _decoder_holding(config: GPTConfig, mapped: Mapping[str, torch.Tensor],
+                     family: str) -> Decoder:
+    """A :class:`Decoder` of ``config`` holding ``mapped`` (kvdoc's names), in the weights' dtype
+    and on their device, in eval mode; a name or a shape the config does not expect is a
+    ``ValueError``."""
+    decoder = Decoder(config)
+    expected = decoder.state_dict()
+    missing = sorted(set(expected) - set(mapped))
+    unexpected = sorted(set(mapped) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{family} weights do not match the config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    for name, value in mapped.items():
+        if value.shape != expected[name].shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)}, "
+                             f"config expects {tuple(expected[name].shape)}")
+    wte = mapped["wte.weight"]
+    decoder.to(wte.dtype).load_state_dict({k: v.contiguous() for k, v in mapped.items()})
+    return decoder.to(wte.device).eval()
+
+
+def decoder_from_gpt2(model_or_state_dict: Any, config: GPTConfig | None = None) -> Decoder:
+    """A :class:`Decoder` holding the weights of a ``GPT2LMHeadModel`` (or of its state dict).
+
+    Args:
+        model_or_state_dict: a transformers ``GPT2LMHeadModel``, or its ``state_dict()``.
+        config: required with a bare state dict (the head count is not in the weights);
+            taken from ``model.config`` otherwise.
+
+    Returns:
+        A decoder in the dtype and on the device of the given weights, in eval mode.
+
+    Raises:
+        ValueError: a missing config, or keys or shapes that do not match the config.
+
+    >>> from transformers import GPT2LMHeadModel
+    >>> _ = torch.manual_seed(0)
+    >>> from kvdoc.interop.hf_config import gpt2_config
+    >>> hf = GPT2LMHeadModel(gpt2_config(GPTConfig())).eval()
+    >>> ids = torch.tensor([[1, 2, 3]])
+    >>> ours = decoder_from_gpt2(hf)
+    >>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
+    True
+    """
+    if isinstance(model_or_state_dict, Mapping):
+        state = model_or_state_dict
+        if config is None:
+            raise ValueError("a bare state dict does not say how many heads the model has: "
+                             "pass config=")
+    else:
+        state = model_or_state_dict.state_dict()
+        config = config or config_from_gpt2(model_or_state_dict.config)
+    if not state:
+        raise ValueError("empty state dict")
+    mapped: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        name = key.removeprefix("transformer.")
+        if name.endswith(_BUFFERS):
+            continue
+        mapped[name] = value.t() if name.endswith(CONV1D_WEIGHTS) else value
+    return _decoder_holding(config, mapped, "GPT-2")
+
+
+def _llama_state(state: Mapping[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:
+    """Llama/Mistral weights under kvdoc's GPT-2 names: Q, K, V (and gate, up) fused by rows."""
+    wte = state["model.embed_tokens.weight"]
+    mapped = {"wte.weight": wte, "ln_f.weight": state["model.norm.weight"],
+              "lm_head.weight": state.get("lm_head.weight", wte)}  # absent: tied
+    for i in range(n_layer):
+        src = f"model.layers.{i}."
+        get = lambda name, src=src: state[src + name]  # noqa: E731
+        mapped.update({
+            f"h.{i}.ln_1.weight": get("input_layernorm.weight"),
+            f"h.{i}.attn.c_attn.weight": torch.cat([get(f"self_attn.{p}_proj.weight")
+                                                     for p in "qkv"]),
+            f"h.{i}.attn.c_proj.weight": get("self_attn.o_proj.weight"),
+            f"h.{i}.ln_2.weight": get("post_attention_layernorm.weight"),
+            f"h.{i}.mlp.c_fc.weight": torch.cat([get("mlp.gate_proj.weight"),
+                                                  get("mlp.up_proj.weight")]),
+            f"h.{i}.mlp.c_proj.weight": get("mlp.down_proj.weight"),
+        })
+    return mapped
+
+
+def from_transformers(hf_model: Any) -> Decoder:
+    """A :class:`Decoder` with the weights of transformers' ``GPT2LMHeadModel``,
+    ``LlamaForCausalLM``, ``MistralForCausalLM`` or ``Gemma3ForCausalLM`` (a
+    :class:`~kvdoc.core.gemma.Gemma3Decoder`, :func:`kvdoc.interop.gemma.from_gemma`), in the
+    model's dtype, in eval mode.
+
+    For Llama and Mistral, ``q_proj``, ``k_proj`` and ``v_proj`` are stacked into ``c_attn``
+    and ``gate_proj``, ``up_proj`` into ``c_fc``; ``new_cache(batch)`` of a Mistral model gives
+    a :class:`~kvdoc.core.window.SlidingWindowCache`.
+
+    Raises:
+        ValueError: another model type, or a configuration kvdoc does not implement.
+
+    >>> from transformers import LlamaForCausalLM
+    >>> from kvdoc.core.config import llama_config
+    >>> _ = torch.manual_seed(0)
+    >>> hf = LlamaForCausalLM(transformers_config(llama_config())).eval()
+    >>> ours = from_transformers(hf)
+    >>> ids = torch.tensor([[1, 2, 3, 4]])
+    >>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
+    True
+    """
+    model_type = getattr(hf_model.config, "model_type", None)
+    if model_type == "gemma3_text":  # window and global layers: a decoder of its own
+        from kvdoc.interop.gemma import from_gemma
+
+        return from_gemma(hf_model)
+    config = config_from_transformers(hf_model.config)
+    if config.position == "learned":
+        return decoder_from_gpt2(hf_model, config)
+    state = hf_model.state_dict()
+    try:
+        mapped = _llama_state(state, config.n_layer)
+    except KeyError as missing:
+        raise ValueError(f"{hf_model.config.model_type} weights lack {missing}") from None
+    return _decoder_holding(config, mapped, model_type)
+
+
+def to_transformers(model: Decoder) -> Any:
+    """The transformers model of the same family (GPT-2, Llama, Mistral or Gemma 3) holding
+    ``model``'s weights: the inverse of :func:`from_transformers`, in the model's dtype, in eval
+    mode. The global RNG is left as it
+    was.
+
+    It is how :mod:`kvdoc.proofs.references` builds an implementation that shares no code with
+    kvdoc.
+
+    >>> from kvdoc.core.config import llama_config
+    >>> _ = torch.manual_seed(0)
+    >>> ours = Decoder(llama_config()).eval()
+    >>> ids = torch.tensor([[1, 2, 3, 4]])
+    >>> torch.allclose(to_transformers(ours)(ids).logits, ours(ids).logits, atol=1e-5)
+    True
+    """
+    if isinstance(model, Gemma3Decoder):
+        from kvdoc.interop.gemma import to_gemma
+
+        return to_gemma(model)
+    config, state = model.config, model.state_dict()
+    hf_config = transformers_config(config)
+    with torch.random.fork_rng():
+        hf = causal_lm_class(hf_config.model_type)(hf_config)
+    if hf_config.model_type == "gpt2":
+        mapped = {("" if name.startswith("lm_head.") else "transformer.") + name:
+                  (value.t() if name.endswith(CONV1D_WEIGHTS) else value)
+                  for name, value in state.items()}
+    else:
+        d, kv = config.n_embd, config.kv_dim
+        mapped = {"model.embed_tokens.weight": state["wte.weight"],
+                  "model.norm.weight": state["ln_f.weight"],
+                  "lm_head.weight": state["lm_head.weight"]}
+        for i in range(config.n_layer):
+            q, k, v = state[f"h.{i}.attn.c_attn.weight"].split((d, kv, kv))
+            gate, up = state[f"h.{i}.mlp.c_fc.weight"].chunk(2)
+            dst = f"model.layers.{i}."
+            mapped.update({
+                dst + "input_layernorm.weight": state[f"h.{i}.ln_1.weight"],
+                dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
+                dst + "self_attn.v_proj.weight": v,
+                dst + "self_attn.o_proj.weight": state[f"h.{i}.attn.c_proj.weight"],
+                dst + "post_attention_layernorm.weight": state[f"h.{i}.ln_2.weight"],
+                dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up,
+                dst + "mlp.down_proj.weight": state[f"h.{i}.mlp.c_proj.weight"],
+            })
+    return load_exported(hf, mapped, model, hf_config.model_type)
+
+
+def load_exported(hf: Any, mapped: Mapping[str, torch.Tensor], model: torch.nn.Module,
+                  family: str) -> Any:
+    """``hf`` holding ``mapped`` (its own parameter names), in ``model``'s dtype, in eval mode.
+
+    Every parameter of ``hf`` must be in ``mapped`` and nothing else (the causal-mask buffers
+    some GPT-2 versions keep aside); otherwise a ``ValueError`` names what did not map.
+    """
+    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in mapped.items()},
+                                             strict=False)
+    missing = [k for k in missing if not k.endswith(_BUFFERS)]
+    if missing or unexpected:
+        raise ValueError(f"weights do not map onto {family}: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    return hf.to(next(model.parameters()).dtype).eval()

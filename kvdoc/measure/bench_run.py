@@ -1,0 +1,291 @@
+"""What the cache saves, measured: decode paths timed side by side, growth, the bandwidth floor.
+
+Everything here measures one fixed token stream, batch 1, FP32, on the CPU, with a fixed
+thread count (one by default), the model in ``eval()`` and under ``torch.inference_mode()``:
+
+* **prefill**: ``P`` prompt tokens in one call, filling a cache;
+* **full recompute**, ``G`` steps: step ``j`` (1-based) runs the whole prefix of ``P + j``
+  tokens again, projecting either every position to the vocabulary (``full_all``, the naive
+  baseline) or only the last (``full_last``);
+* **cached continuation**, ``G`` steps of one token each, from the prefix cache, with the
+  :class:`~kvdoc.core.cache.DynamicCache` (``dynamic``), the :class:`~kvdoc.core.cache.StaticCache`
+  (``static``), :class:`~kvdoc.core.fast.FastDecoder` over a static cache (``fast``), and the
+  same arithmetic without checks, :class:`~kvdoc.measure.ablation.LeanStep` (``lean``);
+* **transformers**: transformers' ``GPT2LMHeadModel`` on the same weights with its own cache,
+  the reference a user would otherwise pick.
+
+:class:`BenchSettings` says what to measure; :func:`run_bench` measures it and returns a
+:class:`~kvdoc.measure.bench_result.BenchResult`: every raw sample (milliseconds) with the
+settings, the environment and a timestamp, and the headline ratios. Paths are timed by
+:func:`kvdoc.measure.timing.time_paths` (warm-up, then rounds in rotating order);
+:mod:`kvdoc.measure.costs` supplies the counts, FLOPs and bytes. Nothing here asserts a speed:
+timings are measurements.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvdoc.core.config import GPTConfig, check_int
+from kvdoc.core.fast import FastDecoder
+from kvdoc.core.model import Decoder
+
+from .ablation import ABLATION
+from .bench_result import BenchResult, ratios
+from .costs import RowCounter, projected_positions_full, run_flops, step_bytes
+from .decode_paths import ablation_paths, build_models, decode_paths, ops_per_step, token_stream
+from .timing import environment, percentile, time_paths
+
+GPT2_SMALL = GPTConfig(vocab_size=50257, n_positions=1024, n_layer=12, n_head=12, n_embd=768,
+                       n_inner=3072)
+"""GPT-2 small's shape; with the LM head tied to ``wte`` it has 124,439,808 parameters."""
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What to measure. The defaults are the CLI's; pages and tests pass smaller ones.
+
+    Args:
+        prefix_lens: prompt lengths ``P`` (each ``P + new_tokens`` must fit the model).
+        new_tokens: ``G``, fixed tokens consumed after the prompt.
+        samples: timed samples per path (after ``warmup`` untimed runs).
+        warmup: untimed runs per path before sampling.
+        threads: torch intra-op threads during the measurement (restored afterwards).
+        seed: seeds the weights and the token stream.
+        model: the model timed for the table, counts and growth (default: the 145,280-parameter
+            one).
+        transformers: also time transformers' GPT-2 (needs ``transformers``).
+        growth_lengths: total lengths ``T`` at which one step of each path is timed.
+        growth_samples: samples per path and length for the growth fit.
+        roofline: also run the memory-bandwidth floor on ``roofline_model``.
+        roofline_model: the model for the floor (default: GPT-2 small's shape, tied head, random
+            init).
+        roofline_context: prompt length before the timed decode steps of the floor.
+        roofline_steps: decode steps per roofline sample.
+        roofline_samples: samples per roofline path.
+        bandwidth_mib: size of the tensor whose reduction measures memory bandwidth.
+        ablation: also time the lean step with each of the fast step's changes undone, in the
+            rotation of the largest prefix length and (with ``roofline``) of the roofline model.
+    """
+
+    prefix_lens: tuple[int, ...] = (16, 64, 128, 256)
+    new_tokens: int = 16
+    samples: int = 31
+    warmup: int = 3
+    threads: int = 1
+    seed: int = 0
+    model: GPTConfig = field(default_factory=GPTConfig)
+    transformers: bool = True
+    growth_lengths: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+    growth_samples: int = 15
+    roofline: bool = True
+    roofline_model: GPTConfig = GPT2_SMALL
+    roofline_context: int = 128
+    roofline_steps: int = 8
+    roofline_samples: int = 7
+    bandwidth_mib: int = 512
+    ablation: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("new_tokens", "samples", "threads", "growth_samples", "roofline_steps",
+                     "roofline_samples", "bandwidth_mib", "roofline_context"):
+            check_int(name, getattr(self, name))
+        check_int("warmup", self.warmup, minimum=0)
+        object.__setattr__(self, "prefix_lens", tuple(self.prefix_lens))
+        object.__setattr__(self, "growth_lengths", tuple(self.growth_lengths))
+        if not self.prefix_lens:
+            raise ValueError("prefix_lens is empty")
+        for p in self.prefix_lens:
+            if not isinstance(p, int) or p < 1 or p + self.new_tokens > self.model.n_positions:
+                raise ValueError(f"prefix length {p!r} + {self.new_tokens} new tokens does not fit "
+                                 f"1 .. {self.model.n_positions} positions")
+        for t in self.growth_lengths:
+            if not isinstance(t, int) or t < 2 or t > self.model.n_positions:
+                raise ValueError(f"growth length {t!r} must lie in 2 .. {self.model.n_positions}")
+        if self.roofline_context + self.roofline_steps > self.roofline_model.n_positions:
+            raise ValueError("roofline_context + roofline_steps exceeds the roofline model's "
+                             "positions")
+
+
+
+def _bench_prefix(model: Decoder, fast: FastDecoder, hf: Any, settings: BenchSettings,
+                  prefix_len: int, tick: Callable[[], None], ablation: bool = False
+                  ) -> tuple[dict[str, list[float]], float, dict[str, float], dict[str, int]]:
+    """One prefix length's paths in one rotation; ``ablation`` adds the ablation's variants."""
+    G = settings.new_tokens
+    ids = token_stream(model.config, prefix_len + G, settings.seed + prefix_len)
+    prepare, runs = decode_paths(model, hf, ids, prefix_len, G, True, fast)
+    if ablation:
+        more = ablation_paths(model, ids, prefix_len, G)
+        prepare.update(more[0])
+        runs.update(more[1])
+    reference = model(ids).logits[:, prefix_len:]  # [1, G, V]: one full forward of the whole stream
+    diffs = {name: float((run() - reference).abs().max()) for name, run in runs.items()}
+    counts: dict[str, int] = {}
+    for name in ("full_all", "full_last", "dynamic", "static"):
+        with RowCounter(model) as rows:
+            runs[name]()
+        counts[f"{name}_c_attn"] = rows.counts["c_attn"]
+        counts[f"{name}_lm_head"] = rows.counts["lm_head"]
+    counts["formula_full"] = projected_positions_full(prefix_len, G)
+    counts["formula_cached"] = G
+    final = model(ids, model.new_cache(1, "dynamic"))[1]
+    samples = time_paths(prepare, settings.samples, settings.warmup, tick)
+    return samples, final.nbytes() / 1024, diffs, counts
+
+
+GROWTH_PATHS = ("full_all", "dynamic", "static", "fast")
+
+
+def _bench_growth(model: Decoder, fast: FastDecoder, settings: BenchSettings,
+                  tick: Callable[[], None]) -> dict[str, Any]:
+    """Per-step time at total length ``T``: full recompute of ``T`` positions vs one cached step."""
+    per_len: dict[str, dict[str, list[float]]] = {}
+    for T in settings.growth_lengths:
+        ids = token_stream(model.config, T, settings.seed + 7919 + T)
+        prepare, _ = decode_paths(model, None, ids, T - 1, 1, True, fast)
+        prepare = {path: prepare[path] for path in GROWTH_PATHS}
+        per_len[str(T)] = time_paths(prepare, settings.growth_samples, settings.warmup, tick)
+    lengths = np.log(np.asarray(settings.growth_lengths, dtype=float))
+    # the longer half (at least two points), where fixed costs matter least
+    upper = len(lengths) // 2
+    p50 = {path: [percentile(per_len[str(T)][path], 50) for T in settings.growth_lengths]
+           for path in GROWTH_PATHS}
+    slopes = {path: float(np.polyfit(lengths, np.log(p50[path]), 1)[0]) for path in GROWTH_PATHS}
+    slopes_upper = {path: float(np.polyfit(lengths[upper:], np.log(p50[path][upper:]), 1)[0])
+                    if len(lengths) >= 4 else None for path in GROWTH_PATHS}
+    return {"lengths": list(settings.growth_lengths), "samples_ms": per_len, "slopes": slopes,
+            "slopes_upper": slopes_upper, "upper_from": settings.growth_lengths[upper],
+            "p50_ms": p50}
+
+
+ABLATION_ROWS = {"reference": "static", "fast": "fast", "lean": "lean", **{k: k for k in ABLATION}}
+"""Ablation row -> the timed path it reads (the reference step is the static-cache path)."""
+
+
+def _split_ablation(samples: dict[str, list[float]], diffs: dict[str, float] | None,
+                    steps: int) -> dict[str, Any]:
+    """Take the ablation's variants out of one rotation's samples; the ablation's summary.
+
+    Every row was timed in the same rotation as the other paths, so all saw the same load.
+    """
+    rows = {row: samples[path] for row, path in ABLATION_ROWS.items()}
+    for name in ABLATION:
+        del samples[name]
+    per_step = {row: percentile(v, 50) / steps * 1e3 for row, v in rows.items()}
+    out: dict[str, Any] = {"steps": steps, "samples_ms": rows, "p50_us_per_step": per_step}
+    if diffs is not None:
+        out["max_abs_logit_diff"] = {row: diffs.pop(path) if path in ABLATION else diffs[path]
+                                     for row, path in ABLATION_ROWS.items()}
+    return out
+
+
+def _bench_roofline(settings: BenchSettings, tick: Callable[[], None],
+                    build_threads: int) -> dict[str, Any]:
+    timed_threads = torch.get_num_threads()
+    torch.set_num_threads(build_threads)  # random init of 124M parameters is not what is measured
+    try:
+        model, hf = build_models(settings.roofline_model, settings.seed, settings.transformers,
+                                 tie=True)
+        fast = FastDecoder(model)
+    finally:
+        torch.set_num_threads(timed_threads)
+    C, S = settings.roofline_context, settings.roofline_steps
+    ids = token_stream(model.config, C + S, settings.seed + 1)
+    prepare, _ = decode_paths(model, hf, ids, C, S, False, fast)
+    if settings.ablation:
+        prepare.update(ablation_paths(model, ids, C, S)[0])
+    # Bandwidth is one more path of the rotation, so it sees the same machine state as decode.
+    x = torch.ones(settings.bandwidth_mib * 2**20 // 4, dtype=torch.float32)
+    nbytes = x.numel() * x.element_size()
+    prepare["bandwidth"] = lambda x=x: x.sum
+    del x  # the bandwidth path holds the only reference; dropped after the timing below
+    samples = time_paths(prepare, settings.roofline_samples, min(settings.warmup, 1), tick)
+    del prepare["bandwidth"]  # frees the tensor
+    bw_times = [t / 1e3 for t in samples.pop("bandwidth")]
+    ablation = _split_ablation(samples, None, S) if settings.ablation else None
+    bandwidth = {"bytes": nbytes, "kernel": "torch.sum over a float32 tensor",
+                 "samples_s": bw_times,
+                 "gb_per_s": nbytes / percentile(bw_times, 50) / 1e9}
+    mean_bytes = sum(step_bytes(model, C + j) for j in range(S)) / S
+    floor_ms = mean_bytes / (bandwidth["gb_per_s"] * 1e9) * 1e3
+    per_token = {path: percentile(v, 50) / S for path, v in samples.items()}
+    fraction = {path: floor_ms / t for path, t in per_token.items()}
+    out = {"model": asdict(settings.roofline_model), "parameters": model.num_parameters(),
+           "context": C, "steps": S, "samples_ms": samples, "bandwidth": bandwidth,
+           "bytes_per_step": mean_bytes, "floor_ms_per_token": floor_ms,
+           "p50_ms_per_token": per_token, "fraction": fraction, "ablation": ablation}
+    del model, hf, fast
+    gc.collect()
+    return out
+
+
+def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> BenchResult:
+    """Run every measurement once and return the raw results and the headline ratios.
+
+    Sets ``torch``'s thread count to ``settings.threads`` and restores it afterwards.
+    ``progress`` shows a tqdm bar on stderr.
+
+    >>> s = BenchSettings(prefix_lens=(4,), new_tokens=2, samples=2, warmup=0, transformers=False,
+    ...                   growth_lengths=(4, 8), growth_samples=1, roofline=False, ablation=False)
+    >>> r = run_bench(s)
+    >>> r.counts[4]["full_all_lm_head"] == projected_positions_full(4, 2) == 2 * 4 + 3
+    True
+    >>> sorted(r.ratios)  # doctest: +NORMALIZE_WHITESPACE
+    ['cached_vs_full_all_positions', 'cached_vs_full_last_position', 'fast_vs_full_all_positions',
+     'fast_vs_lean', 'fast_vs_static', 'static_vs_dynamic']
+    """
+    settings = settings or BenchSettings()
+    from tqdm import tqdm
+
+    n_paths = 7 + int(settings.transformers)
+    n_ablation = len(ABLATION) if settings.ablation else 0
+    total = (len(settings.prefix_lens) * settings.samples * n_paths + settings.samples * n_ablation
+             + len(settings.growth_lengths) * settings.growth_samples * len(GROWTH_PATHS)
+             + (settings.roofline_samples * (5 + int(settings.transformers) + n_ablation)
+                if settings.roofline else 0))
+    threads = torch.get_num_threads()
+    bar = tqdm(total=total, disable=not progress, file=sys.stderr, unit="sample",
+               desc="kvdoc bench")
+    try:
+        torch.set_num_threads(settings.threads)
+        with torch.inference_mode():
+            model, hf = build_models(settings.model, settings.seed, settings.transformers)
+            fast = FastDecoder(model)
+            env = environment()
+            stamp = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+            timings, kv_kib, diffs, counts, flops = {}, {}, {}, {}, {}
+            P_max, ablation = max(settings.prefix_lens), None
+            for P in settings.prefix_lens:
+                bar.set_postfix_str(f"P={P}")
+                with_ablation = settings.ablation and P == P_max
+                timings[P], kv_kib[P], diffs[P], counts[P] = _bench_prefix(
+                    model, fast, hf, settings, P, bar.update, with_ablation)
+                if with_ablation:
+                    ablation = {"prefix_len": P, **_split_ablation(timings[P], diffs[P],
+                                                                   settings.new_tokens)}
+                flops[P] = run_flops(settings.model, P, settings.new_tokens)
+            ops = ops_per_step(model, fast, hf,
+                               token_stream(model.config, P_max + 1, settings.seed))
+            bar.set_postfix_str("growth")
+            growth = _bench_growth(model, fast, settings, bar.update)
+            del model, hf, fast
+            roofline = None
+            if settings.roofline:
+                bar.set_postfix_str("roofline")
+                roofline = _bench_roofline(settings, bar.update, threads)
+    finally:
+        torch.set_num_threads(threads)
+        bar.close()
+    result = BenchResult(settings, env, stamp, timings, kv_kib, diffs, counts, flops, growth,
+                         roofline, ablation, ops, {})
+    result.ratios = ratios(result)
+    return result

@@ -1,0 +1,114 @@
+"""The K/V byte formula, and the same count taken on real caches.
+
+A conventional cache keeps, for every decoder layer, one K and one V tensor of shape
+``[B, H_kv, T, D]`` (batch, K/V heads, cached positions, head size). Its payload is therefore
+
+    bytes = 2 x B x L x T x H_kv x D x s
+
+with ``L`` layers and ``s`` bytes per element (:func:`~kvdoc.measure.dtypes.element_size`).
+:func:`kv_bytes` and :func:`kv_bytes_for_config` compute it, :func:`kv_bytes_per_layer` per
+layer (a sliding-window layer holds at most its window), and :func:`measured_bytes` counts the
+bytes of real tensors the same way. What a cache writes per update is measured by
+:class:`kvdoc.measure.copymeter.CopyMeter`.
+
+Importing this module does not import torch (``python -m kvdoc memory`` starts in a fraction of
+a second); :func:`measured_bytes` imports the cache when called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+# torch-free: the command line imports this module, and loading torch takes seconds
+from kvdoc.core.config import GPTConfig, check_int
+
+from .dtypes import element_size
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvdoc.core.cache import KVCache
+
+def _held(seq_len: int, window: int | None) -> int:
+    """Positions a layer holds after ``seq_len`` tokens: all of them, or the last ``window``."""
+    return seq_len if window is None else min(seq_len, check_int("window", window))
+
+
+def kv_bytes_per_layer(batch: int, seq_len: int, kv_heads: int, head_dim: int,
+                       dtype: str | torch.dtype, windows: Sequence[int | None]) -> list[int]:
+    """Bytes of each layer's K and V together, one entry per layer.
+
+    Layer ``l`` holds ``min(T, windows[l])`` positions (``None``: all ``T``), so a
+    sliding-window layer stops growing at its window.
+
+    Args:
+        batch: ``B``, sequences of equal length.
+        seq_len: ``T``, tokens seen per sequence (0 for an empty cache).
+        kv_heads: ``H_kv``, K/V heads per layer (not the query heads).
+        head_dim: ``D``, size of one head.
+        dtype: element type; ``s = element_size(dtype)``.
+        windows: one entry per layer: ``None`` (full attention) or a window ``W``.
+
+    Raises:
+        ValueError: a size that is not a positive integer (``seq_len`` may be 0), or no layers.
+
+    >>> kv_bytes_per_layer(1, 10, 2, 4, "float32", [None, 8])  # 2 x 1 x T_l x 2 x 4 x 4
+    [640, 512]
+    """
+    for name, value in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+        check_int(name, value)
+    # 0 is allowed: an empty cache
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be a non-negative integer, got {seq_len!r}")
+    if not windows:
+        raise ValueError("need at least one layer")
+    s = element_size(dtype)
+    return [2 * batch * _held(seq_len, w) * kv_heads * head_dim * s for w in windows]
+
+
+def kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim: int,
+             dtype: str | torch.dtype, *, window: int | None = None) -> int:
+    """``2 x B x L x T x H_kv x D x s``: bytes of a conventional per-layer K/V cache.
+
+    Args:
+        batch: ``B``. layers: ``L``. seq_len: ``T`` (positions cached per sequence).
+        kv_heads: ``H_kv`` (K/V heads, not query heads). head_dim: ``D``.
+        dtype: element type, a name from :data:`~kvdoc.measure.dtypes.DTYPES` or a torch dtype
+            (``s`` bytes).
+        window: if given, every layer keeps only the last ``window`` positions
+            (``T`` becomes ``min(T, window)``).
+
+    Raises:
+        ValueError: a size that is not a positive integer, or an unknown dtype.
+
+    >>> kv_bytes(batch=1, layers=32, seq_len=4096, kv_heads=8, head_dim=128, dtype="float16")
+    536870912
+    """
+    check_int("layers", layers)
+    return sum(kv_bytes_per_layer(batch, seq_len, kv_heads, head_dim, dtype, [window] * layers))
+
+
+def kv_bytes_for_config(config: GPTConfig, batch: int, seq_len: int,
+                        dtype: str | torch.dtype = "float32") -> int:
+    """:func:`kv_bytes` with ``L``, ``H_kv`` and ``D`` taken from a
+    :class:`~kvdoc.core.config.GPTConfig`.
+
+    >>> kv_bytes_for_config(GPTConfig(), batch=1, seq_len=272)  # the toy decoder, float32
+    278528
+    """
+    return kv_bytes(batch, config.n_layer, seq_len, config.n_kv_head, config.head_dim, dtype)
+
+
+def measured_bytes(cache: KVCache | Iterable[torch.Tensor]) -> int:
+    """Bytes of real tensors: ``sum(t.numel() * t.element_size())`` over a cache's tensors.
+
+    >>> from kvdoc.core.cache import StaticCache
+    >>> cache = StaticCache(GPTConfig(), batch_size=1, capacity=272)
+    >>> measured_bytes(cache) == kv_bytes_for_config(GPTConfig(), 1, 272)
+    True
+    """
+    from kvdoc.core.cache import KVCache
+
+    tensors = cache.tensors() if isinstance(cache, KVCache) else list(cache)
+    return sum(t.numel() * t.element_size() for t in tensors)
