@@ -1,5 +1,5 @@
 """Bytes of the quantised caches from a model's sizes alone: the int8 cache's and the FP8 cache's
-closed forms, beside :func:`kvdoc.measure.memory.kv_bytes` for the exact ones.
+closed forms, beside :func:`kvdoc.measure.kv_bytes.kv_bytes` for the exact ones.
 
 * int8 (:mod:`kvdoc.serving.quant`): one byte a value and one scale a row (of ``D`` values),
   in the model's dtype: ``2 x B x L x T x H_kv x (D + s)``.

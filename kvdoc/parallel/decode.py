@@ -34,7 +34,7 @@ from kvdoc.core.cache import KVCache
 from kvdoc.core.config import GPTConfig, check_int
 from kvdoc.core.layers import DynamicLayer
 from kvdoc.core.model import MLP, Block, CausalSelfAttention, Decoder, embed_tokens
-from kvdoc.measure.memory import kv_bytes, measured_bytes
+from kvdoc.measure.kv_bytes import kv_bytes, measured_bytes
 
 from .comm import Comm
 from .context import ContextShard
@@ -185,7 +185,7 @@ class RankResult:
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     """Its cache: each layer's K and V, ``[B, len(kv_heads), len(positions), D_h]``."""
     cache_bytes: int
-    """:func:`kvdoc.measure.memory.measured_bytes` of its cache."""
+    """:func:`kvdoc.measure.kv_bytes.measured_bytes` of its cache."""
     collectives: list[dict[str, int]]
     """Collectives of each forward call: the prefill, then each decode step."""
 
