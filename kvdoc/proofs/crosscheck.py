@@ -64,13 +64,15 @@ def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] =
 
     Args:
         hf_model: a transformers GPT-2, Llama or Mistral model in eval mode, FP32 or
-            FP64; kvdoc loads it with :func:`~kvdoc.interop.hf_weights.from_transformers`.
+            FP64; kvdoc loads it with
+            :func:`~kvdoc.interop.hf_weights.from_transformers`.
         ids: token ids ``[B, T]``.
         chunks: chunk sizes of kvdoc's cached runs.
         kinds: cache kinds (default dynamic and static, and window with a window).
         prefill_len: tokens in transformers' prefill before its one-token decode steps.
-        lift: run transformers under :func:`~kvdoc.interop.hf_float64.float64_islands_lifted`
-            (default: only in FP64).
+        lift: run transformers under
+            :func:`~kvdoc.interop.hf_float64.float64_islands_lifted` (default: only in
+            FP64).
 
     Returns:
         A :class:`TransformersMatch`.
