@@ -101,7 +101,12 @@ def messages(config: GPTConfig, tp: int, prompt_len: int, block_size: int, mode:
 
 class GroupComm(Comm):
     """The tensor-parallel collectives of ranks ``0 .. tp - 1`` inside a larger world (the
-    decode rank is not in the group)."""
+    decode rank is not in the group).
+
+    :class:`~kvdoc.parallel.comm.Comm` builds its groups from a world of exactly ``tp x cp``
+    ranks; here the world has one rank more, so the group comes from the caller (every rank of
+    the world must have created it) and ``Comm.__init__`` is not called.
+    """
 
     def __init__(self, rank: int, tp: int, group: object) -> None:
         self.tp, self.cp, self.world_size = tp, 1, tp
@@ -199,7 +204,6 @@ def _decode_rank(tp: int, model: Decoder, prompt: torch.Tensor, max_new_tokens: 
 
 
 def _rank(rank: int, world_size: int, jobs: list[tuple]) -> list[Handed]:
-    torch.set_num_threads(1)
     tp = world_size - 1
     # every rank of the world creates the prefill group, as new_group requires
     group = dist.new_group(list(range(tp))) if tp > 1 else None
