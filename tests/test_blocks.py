@@ -45,19 +45,32 @@ def handed():
     jobs = [(f"{name} {mode}", build_model(name), PROMPT, NEW, 4, mode) for name, mode in GOOD]
     jobs.append(("llama batch 2 block 3", build_model("llama"),
                  torch.cat((PROMPT, PROMPT.flip(1))), NEW, 3, "recompute"))
+    jobs.append(("gpt2 fp64 block 1", build_model("gpt2").double(), PROMPT, NEW, 1, "logits"))
+    jobs.append(("llama block 32", build_model("llama"), PROMPT, NEW, 32, "recompute"))
     jobs += [(f"{name} swapped", build_model(name), PROMPT, NEW, 4, "logits",
               swapped_destination) for name in ("gpt2", "llama")]
     return {c.name: c for c in handover_jobs(jobs)}
 
 
-@pytest.mark.parametrize(("name", "mode"), [*GOOD, ("llama batch 2 block 3", "recompute")])
+EXTRA = [("llama batch 2 block 3", "recompute"), ("gpt2 fp64 block 1", "logits"),
+         ("llama block 32", "recompute")]
+"""A batch of two prompts, FP64 with one position per block, one block longer than the
+prompt."""
+
+
+@pytest.mark.parametrize(("name", "mode"), [*GOOD, *EXTRA])
 def test_the_handover_equals_one_process_and_moves_the_formula_bytes(handed, name, mode):
-    c = handed[name if "batch" in name else f"{name} {mode}"]
+    c = handed[name if "block" in name else f"{name} {mode}"]
     assert c.tokens_equal and c.kv_close and c.logits_close, c.lines()
     assert c.sent_bytes == c.received_bytes == c.formula_bytes
     assert c.messages == c.formula_messages
     assert c.forwards == (mode == "recompute")
     assert c.ok
+
+
+def test_block_size_sets_the_messages(handed):
+    assert handed["gpt2 fp64 block 1"].messages == 2 * PROMPT.shape[1] + 1  # 2 ranks x 10 + 1
+    assert handed["llama block 32"].messages == 2  # one partial block from each rank
 
 
 def test_recompute_moves_one_position_and_the_logits_less(handed):
