@@ -16,7 +16,7 @@ Two ways to start decoding (:data:`MODES`):
   last prompt token itself: one position less K/V and no logits on the wire, one extra forward of
   one token (over ``P - 1`` cached positions) on the decode side.
 
-What moves is exactly :func:`moved_bytes` (the site's byte formula; :func:`check_handover`
+What moves is exactly :func:`moved_bytes` (the site's byte formula; :func:`handover_jobs`
 counts the real tensors sent and received against it) in :func:`messages` messages.
 
 >>> from kvdoc.core.config import llama_config
