@@ -11,8 +11,15 @@
 ``(tp, cp)`` on which the wrong part runs. :func:`kvdoc.parallel.checks.compare` catches each;
 ``tests/test_parallel.py`` shows it.
 
+* :func:`swapped_destination`: the block hand-over (:mod:`kvdoc.parallel.blocks`) puts prefill
+  rank ``t``'s K/V heads into the slots of rank ``tp - 1 - t``'s: heads in the wrong order on the
+  decode rank. :data:`HANDOVER_BROKEN` names it; :func:`kvdoc.parallel.blocks.handover_jobs`
+  catches it (``tests/test_blocks.py``).
+
 >>> sorted(BROKEN)
 ['parallel-dropped-max', 'parallel-reversed-heads', 'parallel-wrong-shard']
+>>> sorted(HANDOVER_BROKEN)
+['handover-swapped-heads']
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from typing import NamedTuple
 
 import torch
 
+from kvdoc.core.config import GPTConfig
+from kvdoc.parallel.blocks import destination
 from kvdoc.parallel.comm import Comm
 from kvdoc.parallel.context import ContextShard
 from kvdoc.parallel.decode import Parts
@@ -71,3 +80,13 @@ BROKEN: dict[str, BrokenLayout] = {
                                             "TP heads gathered in reversed rank order"),
 }
 """Name -> the broken parts, their layout and what is wrong."""
+
+
+def swapped_destination(config: GPTConfig, tp: int, tp_rank: int) -> list[int]:
+    """Rank ``tp_rank``'s message written into the heads of rank ``tp - 1 - tp_rank``."""
+    return destination(config, tp, tp - 1 - tp_rank)
+
+
+HANDOVER_BROKEN: dict[str, object] = {"handover-swapped-heads": swapped_destination}
+"""Name -> the broken ``place`` of :func:`kvdoc.parallel.blocks.handover_jobs` (run at TP = 2
+on a model with at least two K/V heads, so that the two ranks hold different heads)."""

@@ -1,0 +1,308 @@
+"""A prefill group at TP = ``tp`` hands one request's K/V, block by block, to a decode rank.
+
+Ranks ``0 .. tp - 1`` run the prompt once, tensor parallel (:mod:`kvdoc.parallel.tensor`): each
+caches only its K/V heads. Rank ``tp`` decodes alone (TP = 1) and needs every head. So each
+prefill rank sends its heads of one block (``block_size`` positions of every layer, K and V) per
+message with point-to-point ``torch.distributed.send``; the decode rank ``recv``\\ s each message
+into the slots of the heads that rank holds (:func:`destination`: the remap between the two
+layouts) and decodes from the assembled cache. Under replication (``tp > H_kv``) only the first
+rank of each replica set sends, so every head crosses once.
+
+Two ways to start decoding (:data:`MODES`):
+
+* ``"logits"``: the prefill sends all ``P`` positions and rank 0 also sends the last logits
+  ``[B, 1, V]``; the decode rank feeds nothing before its first token.
+* ``"recompute"``: the prefill sends positions ``0 .. P - 2`` only, and the decode rank feeds the
+  last prompt token itself: one position less K/V and no logits on the wire, one extra forward of
+  one token (over ``P - 1`` cached positions) on the decode side.
+
+What moves is exactly :func:`moved_bytes` (the site's byte formula; :func:`handover_jobs`
+counts the real tensors sent and received against it) in :func:`messages` messages.
+
+>>> from kvdoc.core.config import llama_config
+>>> config = llama_config()                           # 2 layers, GQA 4 / 2, D = 16
+>>> moved_bytes(config, batch=1, prompt_len=7, mode="logits")  # 2*2*7*2*16*4 + 97*4
+3972
+>>> messages(config, tp=2, prompt_len=7, block_size=4, mode="recompute")
+4
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from kvdoc.core.cache import DynamicCache
+from kvdoc.core.config import GPTConfig, check_int
+from kvdoc.core.model import Decoder, decode_step, generate, prefill
+from kvdoc.measure.memory import kv_bytes
+
+from .checks import TOLERANCE
+from .comm import Comm
+from .decode import RankDecoder, check_run
+from .launch import launch
+from .tensor import head_shard
+
+MODES = ("logits", "recompute")
+"""How the decode rank gets its first token's logits (see the module docstring)."""
+
+
+def destination(config: GPTConfig, tp: int, tp_rank: int) -> list[int]:
+    """The decode rank's K/V heads that prefill rank ``tp_rank``'s message fills, in the order
+    the message holds them: that rank's own heads (:func:`~kvdoc.parallel.tensor.head_shard`).
+
+    >>> from kvdoc.core.config import GPTConfig
+    >>> [destination(GPTConfig(), 2, t) for t in (0, 1)]      # 4 K/V heads over 2 ranks
+    [[0, 1], [2, 3]]
+    """
+    return list(head_shard(config, tp, tp_rank).kv_heads)
+
+
+def senders(config: GPTConfig, tp: int) -> list[int]:
+    """The prefill ranks that send: the first of each replica set (all of them when
+    ``tp <= H_kv``), so no head is sent twice.
+
+    >>> from kvdoc.core.config import llama_config
+    >>> senders(llama_config(n_kv_head=1), 2)                 # MQA: both hold head 0
+    [0]
+    """
+    replicas = head_shard(config, tp, 0).replicas
+    return [t for t in range(tp) if t % replicas == 0]
+
+
+def sent_positions(prompt_len: int, mode: str) -> int:
+    """Positions whose K/V cross: all ``P`` with logits, ``P - 1`` when the decode side
+    recomputes the last."""
+    if mode not in MODES:
+        raise ValueError(f"unknown hand-over mode {mode!r}; known: {', '.join(MODES)}")
+    return prompt_len - (mode == "recompute")
+
+
+def moved_bytes(config: GPTConfig, batch: int, prompt_len: int, mode: str,
+                dtype: torch.dtype = torch.float32) -> int:
+    """``2 x B x L x T x H_kv x D x s`` for the ``T`` positions sent (:func:`sent_positions`),
+    plus ``B x V x s`` of logits in ``"logits"`` mode: the same at every prefill TP."""
+    total = kv_bytes(batch, config.n_layer, sent_positions(prompt_len, mode),
+                     config.n_kv_head, config.head_dim, dtype)
+    if mode == "logits":
+        total += batch * config.vocab_size * torch.empty((), dtype=dtype).element_size()
+    return total
+
+
+def messages(config: GPTConfig, tp: int, prompt_len: int, block_size: int, mode: str) -> int:
+    """Point-to-point messages: one per block per sending rank, plus one of logits."""
+    blocks = -(-sent_positions(prompt_len, mode) // block_size)
+    return blocks * len(senders(config, tp)) + (mode == "logits")
+
+
+class GroupComm(Comm):
+    """The tensor-parallel collectives of ranks ``0 .. tp - 1`` inside a larger world (the
+    decode rank is not in the group).
+
+    :class:`~kvdoc.parallel.comm.Comm` builds its groups from a world of exactly ``tp x cp``
+    ranks; here the world has one rank more, so the group comes from the caller (every rank of
+    the world must have created it) and ``Comm.__init__`` is not called.
+    """
+
+    def __init__(self, rank: int, tp: int, group: object) -> None:
+        self.tp, self.cp, self.world_size = tp, 1, tp
+        self.rank, self.cp_rank, self.tp_rank = rank, 0, rank
+        self.counts: Counter[str] = Counter()
+        self.tp_group, self.cp_group = group, None
+
+
+@dataclass
+class Handed:
+    """What one rank of :func:`handover_generate` did."""
+
+    rank: int
+    sent_bytes: int = 0
+    """Bytes of the tensors it sent (``numel x element_size``)."""
+    received_bytes: int = 0
+    """Bytes of the tensors it received (the decode rank)."""
+    messages: int = 0
+    """Messages it sent or received."""
+    tokens: torch.Tensor | None = None
+    """The decode rank's ``[B, P + N]``."""
+    logits: torch.Tensor | None = None
+    """The decode rank's ``[B, N, V]``."""
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    """The decode rank's assembled prompt K/V, per layer ``[B, H_kv, T_sent, D]``."""
+    forwards: int = 0
+    """Forward calls the decode rank made before its first token (0 or 1)."""
+
+
+Place = Callable[[GPTConfig, int, int], list[int]]
+
+
+def _send(t: torch.Tensor, dst: int, out: Handed) -> None:
+    t = t.contiguous()
+    dist.send(t, dst=dst)
+    out.sent_bytes += t.numel() * t.element_size()
+    out.messages += 1
+
+
+def _recv(shape: tuple, dtype: torch.dtype, src: int, out: Handed) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype)
+    dist.recv(t, src=src)
+    out.received_bytes += t.numel() * t.element_size()
+    out.messages += 1
+    return t
+
+
+@torch.no_grad()
+def _prefill_rank(rank: int, tp: int, group: object, model: Decoder, prompt: torch.Tensor,
+                  block_size: int, mode: str) -> Handed:
+    comm = GroupComm(rank, tp, group)
+    decoder = RankDecoder(model, comm).eval()
+    logits, cache = decoder(prompt, decoder.new_cache(prompt.shape[0]), 0)
+    out, T = Handed(rank), sent_positions(prompt.shape[1], mode)
+    if rank in senders(model.config, tp):
+        layers = [layer.tensors() for layer in cache.layers]
+        for start in range(0, T, block_size):
+            end = min(start + block_size, T)  # one block: [L, 2, B, H_kv,r, n, D]
+            _send(torch.stack([torch.stack((k[:, :, start:end], v[:, :, start:end]))
+                               for k, v in layers]), tp, out)
+    if mode == "logits" and rank == 0:
+        _send(logits, tp, out)
+    return out
+
+
+@torch.no_grad()
+def _decode_rank(tp: int, model: Decoder, prompt: torch.Tensor, max_new_tokens: int,
+                 block_size: int, mode: str, place: Place) -> Handed:
+    config, out = model.config, Handed(tp)
+    B, L, D, T = prompt.shape[0], config.n_layer, config.head_dim, sent_positions(
+        prompt.shape[1], mode)
+    dtype = model.wte.weight.dtype
+    kv = torch.empty((L, 2, B, config.n_kv_head, T, D), dtype=dtype)
+    for start in range(0, T, block_size):
+        n = min(block_size, T - start)
+        for t in senders(config, tp):
+            heads = place(config, tp, t)  # the remap: rank t's heads into the decode layout
+            block = _recv((L, 2, B, len(heads), n, D), dtype, t, out)
+            kv[:, :, :, heads, start:start + n] = block
+    out.kv = [(kv[i, 0], kv[i, 1]) for i in range(L)]
+    cache = DynamicCache([(k.clone(), v.clone()) for k, v in out.kv])
+    if mode == "logits":
+        logits = _recv((B, 1, config.vocab_size), dtype, 0, out)
+    else:  # feed the last prompt token over the P - 1 positions received
+        logits, cache = decode_step(model, prompt[:, -1:], cache)
+        out.forwards = 1
+    chosen, fed = [], [prompt]
+    for step in range(max_new_tokens):
+        chosen.append(logits[:, -1])
+        fed.append(logits[:, -1].argmax(dim=-1, keepdim=True))
+        if step + 1 < max_new_tokens:
+            logits, cache = decode_step(model, fed[-1], cache)
+    out.tokens, out.logits = torch.cat(fed, dim=1), torch.stack(chosen, dim=1)
+    return out
+
+
+def _rank(rank: int, world_size: int, jobs: list[tuple]) -> list[Handed]:
+    tp = world_size - 1
+    # every rank of the world creates the prefill group, as new_group requires
+    group = dist.new_group(list(range(tp))) if tp > 1 else None
+    results = []
+    for model, prompt, max_new_tokens, block_size, mode, place in jobs:
+        if rank < tp:
+            results.append(_prefill_rank(rank, tp, group, model, prompt, block_size, mode))
+        else:
+            results.append(_decode_rank(tp, model, prompt, max_new_tokens, block_size, mode,
+                                        place))
+    return results
+
+
+def check_handover(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, tp: int,
+                   block_size: int, mode: str) -> None:
+    """Raise ``ValueError`` for a hand-over :func:`handover_generate` cannot run."""
+    check_run(model, prompt, max_new_tokens, tp, 1)
+    check_int("block_size", block_size)
+    if sent_positions(prompt.shape[1], mode) < 1:
+        raise ValueError("recompute mode needs a prompt of at least 2 tokens: "
+                         "one to send, one to recompute")
+
+
+@dataclass
+class HandoverCheck:
+    """One hand-over against one process."""
+
+    name: str
+    mode: str
+    tokens_equal: bool
+    kv_close: bool
+    logits_close: bool
+    sent_bytes: int
+    received_bytes: int
+    formula_bytes: int
+    messages: int
+    formula_messages: int
+    forwards: int
+
+    @property
+    def ok(self) -> bool:
+        """Every check passed."""
+        return (self.tokens_equal and self.kv_close and self.logits_close
+                and self.sent_bytes == self.received_bytes == self.formula_bytes
+                and self.messages == self.formula_messages)
+
+    def lines(self) -> list[str]:
+        """What was compared, for a reader."""
+        mark = {True: "ok", False: "FAILED"}
+        return [f"{self.name} ({self.mode}): tokens equal to generate: "
+                f"{mark[self.tokens_equal]}; K/V equal to one process: {mark[self.kv_close]}",
+                f"  bytes sent {self.sent_bytes:,}, received {self.received_bytes:,}, formula "
+                f"{self.formula_bytes:,}; messages {self.messages} (formula "
+                f"{self.formula_messages}); decode-side forwards before token 1: "
+                f"{self.forwards}"]
+
+
+def handover_jobs(jobs: list[tuple], tp: int = 2) -> list[HandoverCheck]:
+    """Run each ``(name, model, prompt, max_new_tokens, block_size, mode[, place])`` on one launch
+    of ``tp + 1`` ranks and check it against one process: tokens against
+    :func:`~kvdoc.core.model.generate`, the assembled K/V against a one-process prefill (within
+    :data:`~kvdoc.parallel.checks.TOLERANCE`: TP reorders sums), bytes and messages against
+    :func:`moved_bytes` and :func:`messages`.
+
+    Raises:
+        ValueError: a job :func:`check_handover` refuses, before any rank starts.
+    """
+    full = [(*j, destination)[:7] for j in jobs]
+    for _, model, prompt, new, block_size, mode, _ in full:
+        check_handover(model, prompt, new, tp, block_size, mode)
+    per_rank = launch(_rank, tp + 1, [j[1:] for j in full])
+    checks = []
+    for i, (name, model, prompt, new, block_size, mode, _) in enumerate(full):
+        ranks = [r[i] for r in per_rank]
+        decode = ranks[tp]
+        T = sent_positions(prompt.shape[1], mode)
+        with torch.no_grad():
+            _, cache = prefill(model, prompt[:, :T], model.new_cache(prompt.shape[0], "dynamic"))
+            want_logits = prefill(model, prompt).logits
+        tol = TOLERANCE.get(model.wte.weight.dtype, 1e-5)
+        kv_close = all(torch.allclose(mine, want, atol=tol, rtol=tol)
+                       for (k, v), layer in zip(decode.kv, cache.layers, strict=True)
+                       for mine, want in zip((k, v), layer.read(T), strict=True))
+        first = decode.logits[:, 0]
+        logits_close = torch.allclose(first, want_logits[:, -1], atol=tol, rtol=tol)
+        dtype = model.wte.weight.dtype
+        checks.append(HandoverCheck(
+            name, mode, torch.equal(decode.tokens, generate(model, prompt, new)), kv_close,
+            bool(logits_close), sum(r.sent_bytes for r in ranks[:tp]), decode.received_bytes,
+            moved_bytes(model.config, prompt.shape[0], prompt.shape[1], mode, dtype),
+            decode.messages, messages(model.config, tp, prompt.shape[1], block_size, mode),
+            decode.forwards))
+    return checks
+
+
+def handover_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, *,
+                      tp: int = 2, block_size: int = 4, mode: str = "logits") -> Handed:
+    """Greedy generation whose prefill runs on ``tp`` ranks and whose decode runs on one more,
+    the K/V handed over block by block; returns the decode rank's :class:`Handed`."""
+    check_handover(model, prompt, max_new_tokens, tp, block_size, mode)
+    return launch(_rank, tp + 1, [(model, prompt, max_new_tokens, block_size, mode,
+                                   destination)])[tp][0]

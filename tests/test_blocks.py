@@ -1,0 +1,174 @@
+"""Blocks across processes (a TP = 2 prefill handing K/V to a TP = 1 decode rank) and offloaded
+blocks in three tiers, each against one process.
+
+Spawning ranks costs seconds, so one launch (a module fixture) runs every hand-over of the file,
+the broken variant included.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvdoc.parallel.blocks import (
+    destination,
+    handover_generate,
+    handover_jobs,
+    messages,
+    moved_bytes,
+    senders,
+)
+from kvdoc.parallel.checks import MODELS, build_model
+from kvdoc.proofs.broken.offload import parentless_hash
+from kvdoc.proofs.broken.parallel import swapped_destination
+from kvdoc.serving.offload import (
+    Roofline,
+    TieredStore,
+    block_hashes,
+    check_offload,
+    hash_block,
+    multi_turn,
+    reload_or_recompute,
+    serve,
+)
+
+PROMPT = torch.tensor([[11, 3, 57, 20, 8, 91, 42, 5, 9, 17]])
+NEW = 4
+GOOD = [("llama", "logits"), ("llama", "recompute"), ("gpt2", "logits"), ("mqa", "recompute"),
+        ("mistral", "logits")]
+
+
+@pytest.fixture(scope="module")
+def handed():
+    jobs = [(f"{name} {mode}", build_model(name), PROMPT, NEW, 4, mode) for name, mode in GOOD]
+    jobs.append(("llama batch 2 block 3", build_model("llama"),
+                 torch.cat((PROMPT, PROMPT.flip(1))), NEW, 3, "recompute"))
+    jobs.append(("gpt2 fp64 block 1", build_model("gpt2").double(), PROMPT, NEW, 1, "logits"))
+    jobs.append(("llama block 32", build_model("llama"), PROMPT, NEW, 32, "recompute"))
+    jobs += [(f"{name} swapped", build_model(name), PROMPT, NEW, 4, "logits",
+              swapped_destination) for name in ("gpt2", "llama")]
+    return {c.name: c for c in handover_jobs(jobs)}
+
+
+EXTRA = [("llama batch 2 block 3", "recompute"), ("gpt2 fp64 block 1", "logits"),
+         ("llama block 32", "recompute")]
+"""A batch of two prompts, FP64 with one position per block, one block longer than the
+prompt."""
+
+
+@pytest.mark.parametrize(("name", "mode"), [*GOOD, *EXTRA])
+def test_the_handover_equals_one_process_and_moves_the_formula_bytes(handed, name, mode):
+    c = handed[name if "block" in name else f"{name} {mode}"]
+    assert c.tokens_equal and c.kv_close and c.logits_close, c.lines()
+    assert c.sent_bytes == c.received_bytes == c.formula_bytes
+    assert c.messages == c.formula_messages
+    assert c.forwards == (mode == "recompute")
+    assert c.ok
+
+
+def test_block_size_sets_the_messages(handed):
+    assert handed["gpt2 fp64 block 1"].messages == 2 * PROMPT.shape[1] + 1  # 2 ranks x 10 + 1
+    assert handed["llama block 32"].messages == 2  # one partial block from each rank
+
+
+def test_recompute_moves_one_position_and_the_logits_less(handed):
+    logits, recompute = handed["llama logits"], handed["llama recompute"]
+    config = MODELS["llama"]
+    per_position = 2 * config.n_layer * config.n_kv_head * config.head_dim * 4
+    assert logits.sent_bytes - recompute.sent_bytes == per_position + config.vocab_size * 4
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_heads_in_the_wrong_order_are_caught(handed, name):
+    c = handed[f"{name} swapped"]
+    assert c.sent_bytes == c.formula_bytes  # the bytes are right, their places are not
+    assert not c.kv_close and not c.ok
+
+
+def test_bytes_moved_do_not_depend_on_the_prefill_layout():
+    mqa, gpt2 = MODELS["mqa"], MODELS["gpt2"]
+    assert senders(mqa, 2) == [0] and senders(gpt2, 2) == [0, 1]  # a replica sends once
+    assert destination(gpt2, 2, 1) == [2, 3] and swapped_destination(gpt2, 2, 1) == [0, 1]
+    assert messages(gpt2, 2, 10, 4, "logits") == 3 * 2 + 1
+    assert messages(mqa, 2, 10, 4, "recompute") == 3
+    full = moved_bytes(gpt2, 1, 10, "recompute")
+    assert full == 2 * gpt2.n_layer * 9 * gpt2.n_kv_head * gpt2.head_dim * 4
+
+
+@pytest.mark.parametrize(("kwargs", "fragment"), [
+    ({"mode": "pull"}, "unknown hand-over mode 'pull'"),
+    ({"block_size": 0}, "block_size must be a positive integer"),
+    ({"tp": 3}, "tp=3 does not divide n_head=4"),
+    ({"prompt": torch.tensor([[4]]), "mode": "recompute"}, "at least 2 tokens"),
+    ({"prompt": torch.tensor([[4, 500]])}, "outside the vocabulary"),
+])
+def test_bad_handovers_are_refused_before_any_rank_starts(kwargs, fragment):
+    prompt = kwargs.pop("prompt", PROMPT)
+    with pytest.raises(ValueError, match=fragment):
+        handover_generate(build_model("llama"), prompt, 3, **kwargs)
+
+
+def test_chained_keys_name_the_prefix():
+    a = block_hashes([1, 2, 3, 4, 5, 6], 3)
+    b = block_hashes([9, 9, 9, 4, 5, 6], 3)
+    assert len(a) == 2 and a[1] != b[1]  # same tokens in block 1, other prefix
+    assert a[1] == hash_block(a[0], [4, 5, 6])
+    assert parentless_hash(a[0], [4, 5, 6]) == parentless_hash(b[0], [4, 5, 6])
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_offloaded_blocks_hit_every_tier_and_change_no_token(tmp_path, name):
+    model = build_model(name)
+    store = TieredStore(device_blocks=4, host_blocks=4, folder=str(tmp_path))
+    served = multi_turn(model, store, block_size=4, max_new_tokens=3)
+    c = check_offload(model, served, 3)
+    assert c.ok, c
+    assert all(c.blocks[tier] > 0 for tier in ("device", "host", "disk", "computed"))
+    assert c.blocks["device"] + c.blocks["host"] + c.blocks["disk"] == sum(store.hits.values())
+    files = sorted(os.listdir(tmp_path))
+    assert len(files) == store.disk_writes > 0 and all(f.endswith(".pt") for f in files)
+    assert served[-1].tiers[0] == "computed"  # repeated tokens at other positions: no hit
+
+
+def test_a_key_that_ignores_the_parent_is_caught(tmp_path):
+    model = build_model("llama")
+    store = TieredStore(4, 4, str(tmp_path))
+    served = multi_turn(model, store, block_size=4, max_new_tokens=3, hash_fn=parentless_hash)
+    assert served[-1].tiers[0] != "computed"  # the collision: another prefix's K/V reloaded
+    c = check_offload(model, served, 3)
+    assert not c.logits_close and not c.ok
+
+
+def test_bad_offload_input_is_refused_and_leaves_the_store_unchanged(tmp_path):
+    with pytest.raises(ValueError, match="device_blocks must be a positive integer"):
+        TieredStore(0, 4, str(tmp_path))
+    with pytest.raises(ValueError, match="does not exist"):
+        TieredStore(2, 2, str(tmp_path / "missing"))
+    model, store = build_model("gpt2"), TieredStore(2, 2, str(tmp_path))
+    good = torch.arange(1, 10)
+    with pytest.raises(ValueError, match="non-empty 1-D tensor"):
+        serve(model, [good, good[None]], 3, store, 4)
+    with pytest.raises(ValueError, match="exceeds the model's 512 positions"):
+        serve(model, [good, torch.ones(511, dtype=torch.long)], 3, store, 4)
+    assert not store.device and not store.host and store.misses == 0
+
+
+def test_the_roofline_break_even():
+    roof = Roofline(peak_flops=1e15, hbm_bytes_per_s=4e12, link_bytes_per_s=5e10)
+    shape = {"n_params": 8e9, "n_layer": 32, "n_head": 32, "n_kv_head": 8, "head_dim": 128,
+             "bytes_per_element": 2}
+    small = reload_or_recompute(**shape, tokens=16, offset=0, roof=roof)
+    even = reload_or_recompute(**shape, tokens=16, offset=0,
+                               roof=roof._replace(link_bytes_per_s=small.break_even_bytes_per_s))
+    assert even.reload_s == pytest.approx(even.recompute_s)
+    # many tokens per pass amortise the weights: recompute turns compute-bound, and reloading
+    # over a slow link loses
+    big = reload_or_recompute(**shape, tokens=4096, offset=0,
+                              roof=roof._replace(link_bytes_per_s=1e9))
+    assert big.recompute_s == pytest.approx((2 * 8e9 * 4096 + 4 * 32 * 32 * 128 * 4096 * 4097 / 2)
+                                            / 1e15)
+    assert not big.reload_wins
+    with pytest.raises(ValueError, match="offset >= 0"):
+        reload_or_recompute(**shape, tokens=16, offset=-1, roof=roof)
