@@ -4,8 +4,9 @@ and a verdict.
 By default the passes of :func:`verify_passes` run every scenario in FP32, then the stream and the
 reference in FP64 (``--thorough``: everything in both on a longer stream) through
 :func:`~kvdoc.proofs.suite.run_suite`, and :func:`~kvdoc.proofs.sweep.sweep_passes` sweeps every
-variant; the last line is the verdict, and the exit status is 0 only if the implementation passed
-and every variant was caught.
+variant; :func:`~kvdoc.proofs.processes.process_checks` runs the checks across processes (and,
+unless ``--no-variants``, their broken variants); the last line is the verdict, and the exit
+status is 0 only if the implementation passed and every variant was caught.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from . import grid
 from .compare import DTYPE_NAMES
+from .processes import process_checks, processes_table
 from .scenarios import SCENARIOS
 from .suite import DTYPES, SuiteReport, run_suite
 from .sweep import sweep_passes, variants_table, worker_map
@@ -181,6 +183,12 @@ def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start:
     problems = ([f"{len(report.failures)} failed checks ({', '.join(report.failed_checks())})"]
                 if not report.passed else [])
     problems += [f"variants not caught: {', '.join(missed)}"] if missed else []
+    ran = time.perf_counter()
+    across = process_checks(variants=not args.no_variants)
+    print(f"\nAcross processes (torch.distributed, gloo; launched from this process), "
+          f"{time.perf_counter() - ran:.1f} s:\n\n{processes_table(across)}")
+    wrong = [c.name for c in across if not c.as_expected]
+    problems += [f"across processes, not as expected: {', '.join(wrong)}"] if wrong else []
     print(f"\nTotal: {time.perf_counter() - start:.1f} s")
     print("\nVERDICT: " + ("PASS" if not problems else "FAIL: " + "; ".join(problems)))
     return 0 if not problems else 1

@@ -1,0 +1,90 @@
+"""The checks that need processes of their own, and the broken variants only they catch.
+
+``python -m kvdoc verify`` runs these after the suite, from its own process: the suite's pool
+workers cannot start ranks of their own. One launch of two ranks runs Llama-style decoding at
+TP = 2 and at CP = 2 (:mod:`kvdoc.parallel`) beside the three broken layouts of
+:data:`kvdoc.proofs.broken.parallel.BROKEN`; one launch of three ranks hands a TP = 2 prefill's
+K/V blocks to a decode rank in both modes (:mod:`kvdoc.parallel.blocks`), and with the heads
+swapped; and one process serves a multi-turn workload from tiered, offloaded blocks
+(:mod:`kvdoc.serving.offload`), with chained block keys and with keys that forget the parent.
+
+Each :class:`ProcessCheck` of the implementation must pass; each of a variant must fail.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import NamedTuple
+
+import torch
+
+from kvdoc.parallel.blocks import handover_jobs
+from kvdoc.parallel.checks import Job, build_model, run_jobs
+from kvdoc.serving.offload import TieredStore, check_offload, multi_turn
+
+from .broken.offload import BROKEN as OFFLOAD_BROKEN
+from .broken.parallel import BROKEN as PARALLEL_BROKEN
+from .broken.parallel import HANDOVER_BROKEN
+
+PROMPT = torch.tensor([[11, 3, 57, 20, 8, 91, 42, 5, 77]])
+NEW = 5
+BLOCK = 4
+
+
+class ProcessCheck(NamedTuple):
+    """One run across processes: what it compared, and whether everything held."""
+
+    name: str
+    variant: bool
+    """A broken variant (it must fail) or the implementation (it must pass)."""
+    what: str
+    passed: bool
+
+    @property
+    def as_expected(self) -> bool:
+        return self.passed != self.variant
+
+
+def process_checks(variants: bool = True) -> list[ProcessCheck]:
+    """Run every check across processes (with ``variants``, the broken ones too)."""
+    llama = build_model("llama")
+    jobs = [Job("tp=2", llama, PROMPT, NEW, 2, 1), Job("cp=2", llama, PROMPT, NEW, 1, 2)]
+    if variants:
+        jobs += [Job(name, llama, PROMPT, NEW, b.tp, b.cp, b.parts)
+                 for name, b in PARALLEL_BROKEN.items()]
+    out = [ProcessCheck(c.name if c.name in PARALLEL_BROKEN else f"parallel decode, {c.name}",
+                        c.name in PARALLEL_BROKEN, "tokens, logits, each rank's K/V and bytes, "
+                        "collectives, against one process", c.ok)
+           for c in run_jobs(jobs)]
+    handed = [(f"block hand-over, {mode}", llama, PROMPT, NEW, BLOCK, mode)
+              for mode in ("logits", "recompute")]
+    if variants:
+        handed += [(name, llama, PROMPT, NEW, BLOCK, "logits", place)
+                   for name, place in HANDOVER_BROKEN.items()]
+    out += [ProcessCheck(h.name, h.name in HANDOVER_BROKEN, "tokens and the decode rank's K/V "
+                         "against one process, bytes and messages against the formula", h.ok)
+            for h in handover_jobs(handed)]
+    hashes = {"offloaded blocks, chained keys": None}
+    if variants:
+        hashes.update(OFFLOAD_BROKEN)
+    for name, hash_fn in hashes.items():
+        with tempfile.TemporaryDirectory() as folder:
+            store = TieredStore(device_blocks=4, host_blocks=4, folder=folder)
+            kwargs = {} if hash_fn is None else {"hash_fn": hash_fn}
+            served = multi_turn(llama, store, block_size=BLOCK, max_new_tokens=3, **kwargs)
+            check = check_offload(llama, served, 3)
+        out.append(ProcessCheck(name, hash_fn is not None, f"{check.requests} requests' tokens "
+                                "and first logits against their runs without offloading",
+                                check.ok))
+    return out
+
+
+def processes_table(checks: list[ProcessCheck]) -> str:
+    """One Markdown row per check."""
+    from kvdoc.measure.tables import markdown_table
+
+    return markdown_table(
+        ["run", "compares", "expected", "outcome"],
+        [[c.name, c.what, "caught" if c.variant else "pass",
+          ("caught" if not c.passed else "NOT caught") if c.variant
+          else ("pass" if c.passed else "FAIL")] for c in checks])
