@@ -168,6 +168,15 @@ def test_matches_transformers_deepseek_v3_full_and_cached(interleave, name):
     assert torch.equal(back, want)  # the same weights in the same model
 
 
+def test_the_one_loader_takes_deepseek_too():
+    from kvdoc.interop.hf_weights import from_transformers
+
+    hf = deepseek_model(MLAConfig(), seed=1)
+    ours = from_transformers(hf)
+    assert isinstance(ours, MLADecoder)
+    assert torch.equal(ours(stream()).logits, from_deepseek(hf)(stream()).logits)
+
+
 def test_the_rotary_rows_must_be_permuted():
     """Loading interleaved weights as if they were half-split gives another model."""
     hf = deepseek_model(MLAConfig(), seed=1, rope_interleave=True)

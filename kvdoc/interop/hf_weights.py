@@ -118,11 +118,17 @@ def _llama_state(state: Mapping[str, torch.Tensor], n_layer: int) -> dict[str, t
     return mapped
 
 
+LOADS = ("gpt2", "llama", "mistral", "gemma3_text", "deepseek_v3")
+"""The transformers ``model_type`` values :func:`from_transformers` loads."""
+
+
 def from_transformers(hf_model: Any) -> Decoder:
     """A :class:`Decoder` with the weights of transformers' ``GPT2LMHeadModel``,
-    ``LlamaForCausalLM``, ``MistralForCausalLM`` or ``Gemma3ForCausalLM`` (a
-    :class:`~kvdoc.core.gemma.Gemma3Decoder`, :func:`kvdoc.interop.gemma.from_gemma`), in the
-    model's dtype, in eval mode.
+    ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Gemma3ForCausalLM`` (a
+    :class:`~kvdoc.core.gemma.Gemma3Decoder`, :func:`kvdoc.interop.gemma.from_gemma`) or
+    ``DeepseekV3ForCausalLM`` (an :class:`~kvdoc.core.mla.MLADecoder`,
+    :func:`kvdoc.interop.deepseek.from_deepseek`), in the model's dtype, in eval mode: one
+    entry point for every family kvdoc implements.
 
     For Llama and Mistral, ``q_proj``, ``k_proj`` and ``v_proj`` are stacked into ``c_attn``
     and ``gate_proj``, ``up_proj`` into ``c_fc``; ``new_cache(batch)`` of a Mistral model gives
@@ -139,12 +145,24 @@ def from_transformers(hf_model: Any) -> Decoder:
     >>> ids = torch.tensor([[1, 2, 3, 4]])
     >>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
     True
+    >>> from transformers import BertConfig, BertModel
+    >>> from_transformers(BertModel(BertConfig(num_hidden_layers=1, hidden_size=32,
+    ...     num_attention_heads=2, intermediate_size=37)))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: kvdoc loads gpt2, llama, mistral, gemma3_text, deepseek_v3 models, not 'bert'
     """
     model_type = getattr(hf_model.config, "model_type", None)
     if model_type == "gemma3_text":  # window and global layers: a decoder of its own
         from kvdoc.interop.gemma import from_gemma
 
         return from_gemma(hf_model)
+    if model_type == "deepseek_v3":  # a latent cache instead of K and V
+        from kvdoc.interop.deepseek import from_deepseek
+
+        return from_deepseek(hf_model)
+    if model_type not in LOADS:
+        raise ValueError(f"kvdoc loads {', '.join(LOADS)} models, not {model_type!r}")
     config = config_from_transformers(hf_model.config)
     if config.position == "learned":
         return decoder_from_gpt2(hf_model, config)
