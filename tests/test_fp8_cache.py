@@ -212,5 +212,5 @@ def test_measurements_are_observations_with_sane_ranges(model):
     agreements = fp8_contract.greedy_agreement(model, torch.tensor([[1, 2, 3]]), 30, settings)
     assert len(agreements) == 2
     for a in agreements:
-        assert a.steps == 30 and 0 <= a.same <= 30
-        assert (a.margin is None) == (a.same == 30)
+        assert a.steps == 30 and 0 <= a.first <= 30
+        assert (a.margin is None) == (a.first == 30)

@@ -33,6 +33,7 @@ import torch
 from kvdoc.core.cache import DynamicCache, KVCache
 from kvdoc.core.config import GPTConfig
 from kvdoc.core.feed import feed
+from kvdoc.measure.divergence import Divergence, divergence, greedy_with_gaps
 from kvdoc.serving.fp8 import (
     amax_scale,
     calibrate,
@@ -236,41 +237,10 @@ def measure_fp8(model: torch.nn.Module, ids: torch.Tensor, calibration: torch.Te
     return rows
 
 
-@dataclass(frozen=True)
-class Agreement:
-    """Greedy decoding over the FP8 cache against greedy decoding over an exact one.
-
-    Attributes:
-        steps: tokens generated on each path.
-        same: tokens equal, position by position, before the first that differs (``steps`` if
-            none does).
-        margin: the exact path's gap between its two best logits where the paths first part
-            (None if they never do).
-    """
-
-    steps: int
-    same: int
-    margin: float | None
-
-
-def _greedy(call, model: torch.nn.Module, prompt: torch.Tensor, steps: int,
-            cache: KVCache) -> tuple[torch.Tensor, list[float]]:
-    """``steps`` greedy tokens after ``prompt`` over ``cache``, and the gap between the two best
-    logits at each."""
-    logits, cache = call(prompt, cache, last_only=True)
-    tokens, gaps = [], []
-    for _ in range(steps):
-        tokens.append(logits[:, -1].argmax(dim=-1, keepdim=True))
-        top = logits[0, -1].topk(2).values
-        gaps.append(float(top[0] - top[1]))
-        logits, cache = call(tokens[-1], cache)
-    return torch.cat(tokens, dim=1)[0], gaps
-
-
 @torch.no_grad()
 def greedy_agreement(model: torch.nn.Module, prompt: torch.Tensor, steps: int,
                      settings: Sequence[tuple[str, torch.Tensor | None]] = (("per-head", None),),
-                     call=None) -> list[Agreement]:
+                     call=None) -> list[Divergence]:
     """Generate ``steps`` greedy tokens after ``prompt`` (``[1, P]``) over an exact dynamic cache
     and over an FP8 cache of each ``(granularity, scales)`` of ``settings`` (scales None: from
     the first prefill), each path feeding its own tokens, and compare each with the exact one.
@@ -279,18 +249,13 @@ def greedy_agreement(model: torch.nn.Module, prompt: torch.Tensor, steps: int,
 
     >>> from kvdoc.proofs.compare import default_model
     >>> [a] = greedy_agreement(default_model(), torch.tensor([[1, 2, 3]]), 20)
-    >>> a.steps, 0 <= a.same <= 20
+    >>> a.steps, 0 <= a.first <= 20
     (20, True)
     """
     call = model if call is None else call
     weight = model.wte.weight
-    exact, gaps = _greedy(call, model, prompt, steps,
-                          DynamicCache.empty(model.config, 1, weight.dtype, weight.device))
-    out = []
-    for granularity, scales in settings:
-        fp8, _ = _greedy(call, model, prompt, steps,
-                         new_fp8_cache(model, 1, granularity=granularity, scales=scales))
-        differ = (exact != fp8).nonzero()
-        at = int(differ[0]) if len(differ) else steps
-        out.append(Agreement(steps, at, gaps[at] if at < steps else None))
-    return out
+    exact, gaps = greedy_with_gaps(call, prompt, steps, DynamicCache.empty(
+        model.config, 1, weight.dtype, weight.device))
+    return [divergence(exact, gaps, greedy_with_gaps(call, prompt, steps, new_fp8_cache(
+                model, 1, granularity=granularity, scales=scales))[0])
+            for granularity, scales in settings]

@@ -1,0 +1,80 @@
+"""Where two greedy generations part: the step of the first different token, and how close the
+reference's two best logits were there.
+
+Two paths that compute the same function up to rounding (BF16 against FP64 on the same rounded
+weights, an FP8 cache against an exact one) pick the same greedy token wherever the best logit
+leads the second by more than the rounding moves them, and may part where two logits nearly
+tie; after that each path feeds its own tokens, so the generations differ from then on. What is
+measured here is an observation about particular prompts and weights, not a bound.
+
+>>> import torch
+>>> from kvdoc import Decoder, GPTConfig
+>>> _ = torch.manual_seed(0)
+>>> [d] = precision_divergence(Decoder(GPTConfig()).eval(), [torch.tensor([[1, 2, 3]])], 8,
+...                            torch.float32)
+>>> d.steps, 0 <= d.first <= 8
+(8, True)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from kvdoc.core.cache import KVCache
+
+
+class Divergence(NamedTuple):
+    """One pair of greedy generations of ``steps`` tokens."""
+
+    steps: int
+    first: int
+    """Index of the first token that differs (``steps``: none did)."""
+    margin: float | None
+    """The reference's best logit minus its second best at that token (None: none differed)."""
+
+
+def greedy_with_gaps(call: Callable, prompt: torch.Tensor, steps: int,
+                     cache: KVCache) -> tuple[torch.Tensor, list[float]]:
+    """``steps`` greedy tokens after ``prompt`` (``[1, P]``) over ``cache``, each fed back, and
+    the gap between the two best logits at each; ``call(ids, cache, last_only=...)`` is a model
+    or a fused decoder of it."""
+    logits, cache = call(prompt, cache, last_only=True)
+    tokens, gaps = [], []
+    for _ in range(steps):
+        tokens.append(logits[:, -1].argmax(dim=-1, keepdim=True))
+        top = logits[0, -1].topk(2).values
+        gaps.append(float(top[0] - top[1]))
+        logits, cache = call(tokens[-1], cache)
+    return torch.cat(tokens, dim=1)[0], gaps
+
+
+def divergence(reference: torch.Tensor, gaps: Sequence[float],
+               other: torch.Tensor) -> Divergence:
+    """Where ``other``'s tokens first differ from ``reference``'s (whose gaps are ``gaps``).
+
+    >>> divergence(torch.tensor([1, 2, 3]), [0.5, 0.01, 0.2], torch.tensor([1, 4, 3]))
+    Divergence(steps=3, first=1, margin=0.01)
+    """
+    differ = (reference != other).nonzero()
+    at = int(differ[0]) if len(differ) else len(reference)
+    return Divergence(len(reference), at, gaps[at] if at < len(reference) else None)
+
+
+@torch.no_grad()
+def precision_divergence(model: torch.nn.Module, prompts: Sequence[torch.Tensor], steps: int,
+                         dtype: torch.dtype,
+                         reference_dtype: torch.dtype = torch.float64) -> list[Divergence]:
+    """Per prompt, greedy generation in ``dtype`` against the same weights (rounded to
+    ``dtype`` first) computed in ``reference_dtype``, both over a dynamic cache."""
+    low = copy.deepcopy(model).to(dtype).eval()
+    high = copy.deepcopy(low).to(reference_dtype)
+    out = []
+    for prompt in prompts:
+        want, gaps = greedy_with_gaps(high, prompt, steps, high.new_cache(1))
+        got, _ = greedy_with_gaps(low, prompt, steps, low.new_cache(1))
+        out.append(divergence(want, gaps, got))
+    return out
