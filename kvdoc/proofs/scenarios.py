@@ -53,7 +53,7 @@ from kvdoc.core.cache import KVCache
 from kvdoc.core.model import decode_step, generate, prefill
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
-from . import int8_contract, invariants, lifecycle
+from . import int8_contract, invariants, lifecycle, policies
 from .broken.decoders import stale_prefix
 from .compare import (
     DTYPE_NAMES,
@@ -94,6 +94,7 @@ CHECKS.update({
     "prefix-cache": "requests served through a radix prefix cache vs each request alone",
     "handover": "prefill, cache packed and unpacked, decode vs generate; cached bytes vs formula",
 })
+CHECKS.update(policies.CHECKS)  # policies vs their specification, sampling vs its distribution
 
 
 @dataclass(frozen=True)
@@ -371,6 +372,7 @@ SCENARIOS.update(invariants.SCENARIOS)
 SCENARIOS["int8"] = int8_contract.scenario
 SCENARIOS.update({"scheduling": scheduling_scenario, "prefix-cache": prefix_cache_scenario,
                   "handover": handover_scenario})
+SCENARIOS.update(policies.SCENARIOS)
 
 SCENARIO_CHECK = {"stream": "logits"}
 """The check a scenario's exception is reported under, where it differs from the scenario's name."""

@@ -19,7 +19,7 @@ import torch
 from kvdoc.core.gemma import Gemma3Decoder
 from kvdoc.core.model import Decoder
 
-from .broken import cache_kinds, caches, decoders, rope, serving
+from .broken import cache_kinds, caches, decoders, policies, rope, serving
 from .traits import FAMILIES, check_traits, grid_traits, traits
 
 
@@ -82,7 +82,7 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "last_only and generation", "crop and branch", "shared path", "failure mid-call",
                "rotary positions", "state across calls", "configuration value", "stale weights",
                "byte accounting", "int8 contract", "ring and block edges", "padded batches",
-               "preemption and forks", "prefix-cache admission")
+               "preemption and forks", "prefix-cache admission", "scheduling policy")
 """The kinds of mistake the variants stand for."""
 
 def _copy(cls: type[Decoder]) -> Callable[[Decoder], Decoder]:
@@ -237,3 +237,14 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   kinds=("hybrid",)),
 )}
 """Every broken variant, by name."""
+
+VARIANTS.update({v.name: v for v in (
+    BrokenVariant(name, breaks, _copy(Decoder), "scheduling policy", one_model=True,
+                  kinds=("paged",), caches={"scheduler": cls})
+    for name, breaks, cls in (
+        ("prefill-before-decode", "with a token budget, prompt chunks take the budget before "
+         "the decoding requests", policies.PrefillBeforeDecode),
+        ("budget-plus-one", "a step carries one token more than the token budget",
+         policies.BudgetPlusOne),
+        ("preempt-oldest", "preemption takes the oldest admitted request, not the newest",
+         policies.PreemptOldest)))})
