@@ -6,36 +6,46 @@ here compares a component with something other than itself:
 
 * ``schedule``: every step of the scheduler against its written specification
   (:func:`kvdoc.proofs.schedule_spec.check_schedule`).
+* ``eviction``: the radix cache's matches and evictions against an LRU oracle on a trace that
+  reuses documents through a small pool (:func:`kvdoc.proofs.radix_policy.check_eviction`).
+* ``full-match``: prompts the radix cache holds entirely, to their last token
+  (:func:`kvdoc.proofs.radix_policy.check_full_match`).
 
 Each runs on the paged kind of the model implementation of every model (the scheduler and the
-tree build their own pools); a broken variant's scheduler class is ``case.caches["scheduler"]``.
+tree build their own pools); a broken variant's scheduler class is ``case.caches["scheduler"]``,
+its tree class ``case.caches["radix"]``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvdoc.serving.radix import RadixCache
 from kvdoc.serving.scheduler import Scheduler
 
+from .radix_policy import check_eviction, check_full_match
 from .schedule_spec import check_schedule
 
 CHECKS: dict[str, str] = {
     "schedule": "every step's rows, queue, preemptions and blocks vs the scheduler's written "
                 "specification",
+    "eviction": "a radix cache's matches, evictions and contents vs an LRU oracle of block paths",
+    "full-match": "prompts a radix cache holds to their last token: last token computed, vs alone",
 }
 """The checks these scenarios make, by name, with what each compares."""
 
 
-def _applies(case, check: str, out: list) -> bool:
+def _applies(case, out: list, *checks: str) -> bool:
     if case.impl == "model" and case.kind == "paged":
         return True
-    out.append(case.result(check, None, 0.0, "runs the model itself over its own paged blocks"))
+    out.extend(case.result(check, None, 0.0, "runs the model itself over its own paged blocks")
+               for check in checks)
     return False
 
 
 def schedule_scenario(case, out: list) -> None:
     """``schedule``: :func:`~kvdoc.proofs.schedule_spec.check_schedule` on the case's model."""
-    if not _applies(case, "schedule", out):
+    if not _applies(case, out, "schedule"):
         return
     checks = check_schedule(case.model, case.caches.get("scheduler", Scheduler))
     wrong = [c.difference for c in checks if not c.passed]
@@ -47,5 +57,17 @@ def schedule_scenario(case, out: list) -> None:
                                                  else ", every step as specified")))
 
 
-SCENARIOS: dict[str, Callable] = {"schedule": schedule_scenario}
+def radix_scenario(case, out: list) -> None:
+    """``eviction`` and ``full-match``: :func:`~kvdoc.proofs.radix_policy.check_eviction` and
+    :func:`~kvdoc.proofs.radix_policy.check_full_match` on the case's model."""
+    if not _applies(case, out, "eviction", "full-match"):
+        return
+    tree = case.caches.get("radix", RadixCache)
+    for name, check in (("eviction", check_eviction), ("full-match", check_full_match)):
+        result = check(case.model, tree)
+        out.append(case.result(name, result.passed, 0.0 if result.passed else 1.0,
+                               result.detail))
+
+
+SCENARIOS: dict[str, Callable] = {"schedule": schedule_scenario, "radix-policy": radix_scenario}
 """Scenario name -> function, as :data:`kvdoc.proofs.scenarios.SCENARIOS` takes them."""

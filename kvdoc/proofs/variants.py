@@ -82,7 +82,8 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "last_only and generation", "crop and branch", "shared path", "failure mid-call",
                "rotary positions", "state across calls", "configuration value", "stale weights",
                "byte accounting", "int8 contract", "ring and block edges", "padded batches",
-               "preemption and forks", "prefix-cache admission", "scheduling policy")
+               "preemption and forks", "prefix-cache admission", "scheduling policy",
+               "eviction policy")
 """The kinds of mistake the variants stand for."""
 
 def _copy(cls: type[Decoder]) -> Callable[[Decoder], Decoder]:
@@ -239,12 +240,19 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
 """Every broken variant, by name."""
 
 VARIANTS.update({v.name: v for v in (
-    BrokenVariant(name, breaks, _copy(Decoder), "scheduling policy", one_model=True,
-                  kinds=("paged",), caches={"scheduler": cls})
-    for name, breaks, cls in (
-        ("prefill-before-decode", "with a token budget, prompt chunks take the budget before "
-         "the decoding requests", policies.PrefillBeforeDecode),
-        ("budget-plus-one", "a step carries one token more than the token budget",
-         policies.BudgetPlusOne),
-        ("preempt-oldest", "preemption takes the oldest admitted request, not the newest",
-         policies.PreemptOldest)))})
+    *(BrokenVariant(name, breaks, _copy(Decoder), "scheduling policy", one_model=True,
+                    kinds=("paged",), caches={"scheduler": cls})
+      for name, breaks, cls in (
+          ("prefill-before-decode", "with a token budget, prompt chunks take the budget before "
+           "the decoding requests", policies.PrefillBeforeDecode),
+          ("budget-plus-one", "a step carries one token more than the token budget",
+           policies.BudgetPlusOne),
+          ("preempt-oldest", "preemption takes the oldest admitted request, not the newest",
+           policies.PreemptOldest))),
+    BrokenVariant("radix-most-recent-first", "the radix tree's eviction policy (its public "
+                  "policy argument) takes the most recently used leaf", _copy(Decoder),
+                  "eviction policy", one_model=True, kinds=("paged",),
+                  caches={"radix": policies.most_recent_first()}),
+    _radix("radix-last-token-from-tree", "a prompt the tree holds whole, at token granularity, "
+           "is matched to its last token, which is then never computed",
+           policies.LastTokenFromTree))})

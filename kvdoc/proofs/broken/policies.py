@@ -8,6 +8,8 @@ against the policy's specification or its distribution can see it.
   of its seed, so its stream restarts.
 * :func:`most_recent_first`: a radix tree whose eviction policy, passed through its public
   ``policy`` argument, evicts the most recently used leaf.
+* :class:`LastTokenFromTree`: a radix tree that, matching at token granularity, hands a prompt
+  found whole all of its positions, its last token's too, so nothing is left to compute.
 * :func:`residual_is_target`: a speculative-sampling rule that redraws a rejected token from the
   target's distribution instead of the residual ``max(0, p - q)``.
 
@@ -20,6 +22,7 @@ against the policy's specification or its distribution can see it.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -89,6 +92,18 @@ def most_recent_first() -> type[RadixCache]:
     """A :class:`~kvdoc.serving.radix.RadixCache` factory with :class:`MostRecentFirst` passed
     as its ``policy``."""
     return functools.partial(RadixCache, policy=MostRecentFirst())
+
+
+class LastTokenFromTree(RadixCache):
+    """BROKEN: the match is cut one token short of the prompt only in block mode; in token
+    mode a prompt the tree holds entirely is matched to its last token, whose logits then are
+    never computed."""
+
+    def reusable(self, prompt):
+        length, blocks, node = self.match(prompt)
+        if self.granularity == "block":  # BUG: min(length, len(prompt) - 1) in both modes
+            length = min(length, len(prompt) - 1) // self.block_size * self.block_size
+        return length, blocks[:math.ceil(length / self.block_size)], node
 
 
 def residual_is_target(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
