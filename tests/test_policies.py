@@ -8,12 +8,19 @@ from kvdoc.proofs.broken import policies as broken
 from kvdoc.proofs.compare import default_model
 from kvdoc.proofs.prefix_cache import check_admission, check_locked_eviction, compare_workload
 from kvdoc.proofs.radix_policy import LRUOracle, check_eviction, check_full_match
+from kvdoc.proofs.sampling import (
+    check_sampled_preemption,
+    check_speculative_distribution,
+    round_distribution,
+    target_distribution,
+)
 from kvdoc.proofs.schedule_spec import check_schedule, expected_steps, first_difference
-from kvdoc.proofs.scheduling import check_policies, check_preemption
+from kvdoc.proofs.scheduling import check_forks, check_policies, check_preemption
 from kvdoc.proofs.suite import run_suite
 from kvdoc.serving.prefix_workload import few_shot_workload
 from kvdoc.serving.requests import Request
 from kvdoc.serving.scheduler import Scheduler
+from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +75,19 @@ def test_broken_schedulers_caught_by_the_specification_only(model, cls):
 
 CAUGHT_BY = {"prefill-before-decode": "schedule", "budget-plus-one": "schedule",
              "preempt-oldest": "schedule", "radix-most-recent-first": "eviction",
-             "radix-last-token-from-tree": "full-match"}
+             "radix-last-token-from-tree": "full-match",
+             "speculative-residual-target": "speculative-distribution",
+             "preempt-restarts-stream": "preempted-stream"}
 
 
 @pytest.mark.parametrize("name", sorted(CAUGHT_BY))
 def test_policy_variants_fail_the_suite_at_their_check_only(name):
     report = run_suite(name, dtypes=(torch.float32,),
-                       scenarios=["scheduling", "prefix-cache", "schedule", "radix-policy"])
-    assert report.failed_checks() == [CAUGHT_BY[name]]
+                       scenarios=["speculative", "scheduling", "prefix-cache", "schedule",
+                                  "radix-policy", "sampling"])
+    failed = report.failed_checks()
+    # caught by its check; never by the equality checks that were there before
+    assert CAUGHT_BY[name] in failed and set(failed) <= set(CAUGHT_BY.values()), failed
 
 
 def test_schedule_scenario_passes_on_the_implementation():
@@ -118,3 +130,51 @@ def test_full_match_recomputes_the_last_token(model):
     tree = broken.LastTokenFromTree
     assert not check_full_match(model, tree).passed
     assert check_eviction(model, tree).passed and _equal_to_alone(model, tree)
+
+
+# vocabulary 2, one proposal: the draft prefers token 0 (0.9), the target is even; the
+# second token's conditionals are made up, different after 0 and after 1
+P = {(): [0.5, 0.5], (0,): [0.2, 0.8], (1,): [0.7, 0.3]}
+Q = {(): [0.9, 0.1]}
+
+
+def test_round_distribution_by_hand():
+    exact = round_distribution(P, Q, vocab=2, k=1)
+    assert torch.allclose(exact, target_distribution(P, 2, 2), atol=1e-15, rtol=0)
+    assert torch.allclose(exact.sum(1), torch.tensor([0.5, 0.5], dtype=torch.float64))
+    # kept: 0.9 * 5/9 = 0.5 of token 0; rejected 0.4, redrawn from p itself: 0.2 more of it
+    broken_first = round_distribution(P, Q, 2, 1, broken.residual_is_target).sum(1)
+    assert torch.allclose(broken_first, torch.tensor([0.7, 0.3], dtype=torch.float64))
+
+
+def test_speculative_distribution_exact_and_broken_residual_caught(model):
+    ok = check_speculative_distribution(model)
+    assert ok.passed and ok.rejection > 0
+    assert not check_speculative_distribution(model, broken.residual_is_target).passed
+
+
+def test_speculative_generate_takes_its_rule(model):
+    def always_three(p, q):  # reject every proposal, redraw token 3
+        return torch.zeros_like(p), torch.nn.functional.one_hot(torch.tensor(3), len(p)).to(p)
+
+    run = speculative_generate(model, truncated_draft(model, 1), torch.tensor([[5, 6, 7]]), 6,
+                               k=2, generator=torch.Generator().manual_seed(0),
+                               rule=always_three)
+    # each round rejects its first proposal and emits the redraw; the last round, with one
+    # token to go, proposes nothing and the target draws it
+    assert run.tokens[0, 3:-1].tolist() == [3] * 5 and sum(run.accepted) == 0
+
+
+def test_preempted_sampled_request_continues_its_stream(model):
+    ok = check_sampled_preemption(model)
+    assert ok.passed and ok.interrupted > 0
+    assert not check_sampled_preemption(model, broken.RestartStream).passed
+    # greedy requests and forks never see the restart
+    assert check_preemption(model, broken.RestartStream).passed
+    assert check_forks(model, broken.RestartStream).passed
+
+
+def test_sampling_scenario_on_mla_and_gemma():
+    report = run_suite(models=("mla", "gemma3"), kinds=("paged",), impls=("model",),
+                       dtypes=(torch.float32,), scenarios=["sampling"])
+    assert report.passed and len(report.select("speculative-distribution")) == 2

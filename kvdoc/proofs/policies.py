@@ -10,10 +10,15 @@ here compares a component with something other than itself:
   reuses documents through a small pool (:func:`kvdoc.proofs.radix_policy.check_eviction`).
 * ``full-match``: prompts the radix cache holds entirely, to their last token
   (:func:`kvdoc.proofs.radix_policy.check_full_match`).
+* ``speculative-distribution``: one round of speculative sampling, enumerated exactly on a
+  vocabulary of 4, against the target's distribution
+  (:func:`kvdoc.proofs.sampling.check_speculative_distribution`).
+* ``preempted-stream``: seeded requests preempted and recomputed, each against its
+  uninterrupted run with the same seed (:func:`kvdoc.proofs.sampling.check_sampled_preemption`).
 
-Each runs on the paged kind of the model implementation of every model (the scheduler and the
+Each runs once per model, on the paged kind of the model implementation (the scheduler and the
 tree build their own pools); a broken variant's scheduler class is ``case.caches["scheduler"]``,
-its tree class ``case.caches["radix"]``.
+its tree class ``case.caches["radix"]``, its acceptance rule ``case.caches["acceptance"]``.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from collections.abc import Callable
 
 from kvdoc.serving.radix import RadixCache
 from kvdoc.serving.scheduler import Scheduler
+from kvdoc.serving.speculative import acceptance
 
 from .radix_policy import check_eviction, check_full_match
+from .sampling import EXACT, check_sampled_preemption, check_speculative_distribution
 from .schedule_spec import check_schedule
 
 CHECKS: dict[str, str] = {
@@ -31,6 +38,9 @@ CHECKS: dict[str, str] = {
                 "specification",
     "eviction": "a radix cache's matches, evictions and contents vs an LRU oracle of block paths",
     "full-match": "prompts a radix cache holds to their last token: last token computed, vs alone",
+    "speculative-distribution": "one round of speculative sampling, enumerated exactly, vs the "
+                                "target's distribution",
+    "preempted-stream": "seeded requests preempted and recomputed vs their uninterrupted runs",
 }
 """The checks these scenarios make, by name, with what each compares."""
 
@@ -38,7 +48,7 @@ CHECKS: dict[str, str] = {
 def _applies(case, out: list, *checks: str) -> bool:
     if case.impl == "model" and case.kind == "paged":
         return True
-    out.extend(case.result(check, None, 0.0, "runs the model itself over its own paged blocks")
+    out.extend(case.result(check, None, 0.0, "once per model: on the model itself, paged kind")
                for check in checks)
     return False
 
@@ -69,5 +79,23 @@ def radix_scenario(case, out: list) -> None:
                                result.detail))
 
 
-SCENARIOS: dict[str, Callable] = {"schedule": schedule_scenario, "radix-policy": radix_scenario}
+def sampling_scenario(case, out: list) -> None:
+    """``speculative-distribution`` and ``preempted-stream`` on the case's model."""
+    if not _applies(case, out, "speculative-distribution", "preempted-stream"):
+        return
+    spec = check_speculative_distribution(case.model, case.caches.get("acceptance", acceptance))
+    out.append(case.result(
+        "speculative-distribution", spec.passed, spec.error,
+        f"vocabulary of {spec.vocab}, {spec.k} proposals from the model at temperature 2: every "
+        f"draft, acceptance and redraw enumerated; {spec.k + 1} tokens vs the target's joint "
+        f"distribution within {EXACT:.0e} (rejected with probability >= {spec.rejection:.3f})"))
+    stream = check_sampled_preemption(case.model, case.caches.get("scheduler", Scheduler))
+    out.append(case.result(
+        "preempted-stream", stream.passed, stream.logit_error,
+        f"5 seeded requests on 8 blocks, {stream.preemptions} preemptions ({stream.interrupted} "
+        "after drawing tokens): each request's tokens and logits vs its uninterrupted run"))
+
+
+SCENARIOS: dict[str, Callable] = {"schedule": schedule_scenario, "radix-policy": radix_scenario,
+                                  "sampling": sampling_scenario}
 """Scenario name -> function, as :data:`kvdoc.proofs.scenarios.SCENARIOS` takes them."""

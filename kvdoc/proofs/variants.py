@@ -54,7 +54,8 @@ class BrokenVariant:
     kind of :data:`kvdoc.proofs.grid.CACHES` (or ``"int8"``, the ``int8`` scenario's cache; or
     ``"scheduler"``, the ``scheduling`` scenario's :class:`~kvdoc.serving.scheduler.Scheduler`
     class; or ``"radix"``, the ``prefix-cache`` scenario's
-    :class:`~kvdoc.serving.radix.RadixCache` class)."""
+    :class:`~kvdoc.serving.radix.RadixCache` class; or ``"acceptance"``, the ``sampling``
+    scenario's speculative acceptance rule)."""
     kinds: tuple[str, ...] | None = None
     """The cache kinds it runs on (those its broken caches replace); None: every kind."""
     dtypes: tuple[torch.dtype, ...] | None = None
@@ -83,7 +84,7 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "rotary positions", "state across calls", "configuration value", "stale weights",
                "byte accounting", "int8 contract", "ring and block edges", "padded batches",
                "preemption and forks", "prefix-cache admission", "scheduling policy",
-               "eviction policy")
+               "eviction policy", "sampling distribution")
 """The kinds of mistake the variants stand for."""
 
 def _copy(cls: type[Decoder]) -> Callable[[Decoder], Decoder]:
@@ -253,6 +254,14 @@ VARIANTS.update({v.name: v for v in (
                   "policy argument) takes the most recently used leaf", _copy(Decoder),
                   "eviction policy", one_model=True, kinds=("paged",),
                   caches={"radix": policies.most_recent_first()}),
+    BrokenVariant("speculative-residual-target", "speculative sampling redraws a rejected "
+                  "proposal from the target's distribution, not from the residual max(0, p - q)",
+                  _copy(Decoder), "sampling distribution", one_model=True, kinds=("paged",),
+                  caches={"acceptance": policies.residual_is_target}),
+    BrokenVariant("preempt-restarts-stream", "a sampled request preempted and recomputed draws "
+                  "from a new generator of its seed: its random stream restarts",
+                  _copy(Decoder), "preemption and forks", one_model=True, kinds=("paged",),
+                  caches={"scheduler": policies.RestartStream}),
     _radix("radix-last-token-from-tree", "a prompt the tree holds whole, at token granularity, "
            "is matched to its last token, which is then never computed",
            policies.LastTokenFromTree))})
