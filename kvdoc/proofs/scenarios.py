@@ -36,6 +36,9 @@ otherwise; tolerances are :data:`kvdoc.proofs.compare.TOLERANCE` (``atol = rtol`
 * ``handover``: a prefill's cache packed, unpacked and decoded from
   (:func:`kvdoc.proofs.handover.check_handover`); on the dynamic kind of every model (a latent
   model ships its latent).
+* ``schedule``, ``eviction``, ``full-match``, ``speculative-distribution``,
+  ``preempted-stream``: policies against their specification and sampling against its
+  distribution (:mod:`kvdoc.proofs.policies`); on the paged kind.
 
 A scenario appends :class:`CheckResult` s (made by :meth:`Case.result`); ``passed`` is None when
 a check does not apply.
