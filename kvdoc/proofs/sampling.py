@@ -127,7 +127,7 @@ def check_speculative_distribution(model: Decoder, rule: Rule = acceptance, voca
     """One round's exact distribution (:func:`round_distribution`) against the target's, on
     ``model``'s first ``vocab`` ids after ``prompt``, the draft the same at temperature 2."""
     p = tables(model, prompt, vocab, k)
-    q = {ctx: probs for ctx, probs in tables(model, prompt, vocab, k - 1, 2.0).items()}
+    q = tables(model, prompt, vocab, k - 1, temperature=2.0)
     got = round_distribution(p, q, vocab, k, rule)
     want = target_distribution(p, vocab, k + 1)
     rejection = min(1 - sum(min(a, b) for a, b in zip(p[ctx], q[ctx], strict=True))

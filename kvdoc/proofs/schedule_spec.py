@@ -30,9 +30,12 @@ The specification (:func:`expected_steps`), for requests without forks:
 
 >>> from kvdoc.serving.requests import Request
 >>> trace = [Request(0, (1,) * 5, 3, 0), Request(1, (2,) * 3, 2, 1)]
->>> [s.rows for s in expected_steps(trace, num_blocks=8, token_budget=4)]
-[((0, 4, 'prefill'),), ((0, 1, 'prefill'), (1, 3, 'prefill')), ((0, 1, 'decode'), (1, 1, \
-'decode')), ((0, 1, 'decode'),)]
+>>> for step in expected_steps(trace, num_blocks=8, token_budget=4):
+...     print(step.rows, step.blocks_held)
+((0, 4, 'prefill'),) 1
+((0, 1, 'prefill'), (1, 3, 'prefill')) 3
+((0, 1, 'decode'), (1, 1, 'decode')) 2
+((0, 1, 'decode'),) 0
 >>> from kvdoc.proofs.compare import default_model
 >>> [c.passed for c in check_schedule(default_model())]
 [True, True, True, True, True, True]
