@@ -18,7 +18,8 @@ from kvdoc.proofs.prefix_cache import (
     invariant_errors,
 )
 from kvdoc.serving.paged import BlockPool
-from kvdoc.serving.radix import RadixCache, Turn, serve_prompt
+from kvdoc.serving.prefix_workload import Turn
+from kvdoc.serving.radix import RadixCache, serve_prompt
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +137,7 @@ def test_bad_input_leaves_the_tree_as_it_was(model):
 @pytest.mark.parametrize("granularity", ["token", "block"])
 def test_every_model_through_the_tree_equals_each_request_alone(name, granularity):
     from kvdoc.proofs.grid import MODELS
-    from kvdoc.serving.radix import few_shot_workload
+    from kvdoc.serving.prefix_workload import few_shot_workload
 
     model = MODELS[name].build(0)
     turns = few_shot_workload(requests=3, vocab=model.config.vocab_size)  # prompts past 16

@@ -14,7 +14,7 @@ from kvdoc.__main__ import main as cli
 from kvdoc.core import cache as kvcache
 from kvdoc.core.layers import StaticLayer
 from kvdoc.interop.hf_config import transformers_model
-from kvdoc.proofs import grid
+from kvdoc.proofs import grid, policies
 from kvdoc.proofs.broken.decoders import PositionsRestartDecoder, copy_as, stale_prefix
 from kvdoc.proofs.compare import (
     TOLERANCE,
@@ -153,7 +153,7 @@ def test_suite_passes_on_the_real_implementation():
     # each skips kinds, impls or models it cannot take
     not_everywhere = ("generate", "crop", "speculative", "int8", "fp8", "edges", "padded",
                       "scheduling", "prefix-cache", "handover", "invariance",
-                      "bf16", "fp16")
+                      "bf16", "fp16", *policies.CHECKS)
     assert all(r.passed is not None for r in report.results if r.check not in not_everywhere)
 
 
@@ -173,11 +173,11 @@ def test_the_default_verify_catches_every_variant(name):
     ("static-last-layer-length", {"failure_after"}),  # ... after the last attention
     # in order it is right; the causality rerun of the last call is a second branch
     ("position-counter", {"causality", "crop", "branch", "failure", "failure_after",
-                          "speculative", "edges", "prefix-cache"}),
+                          "speculative", "edges", "prefix-cache", "full-match"}),
     ("rope-table-growth", {"fresh"}),            # right after a full forward over the stream
     ("fast-step-snapshot", {"weights"}),         # right until the weights change in place
     ("last-only-first-row", {"last_only", "prefill_decode", "generate", "scheduling",
-                             "prefix-cache", "handover"}),
+                             "prefix-cache", "handover", "full-match", "preempted-stream"}),
 ])
 def test_some_variants_escape_all_but_one_kind_of_check(name, only):
     report = run_suite(name, **FP32)

@@ -19,7 +19,7 @@ The broken trees of :mod:`kvdoc.proofs.broken.serving` are what each check must 
 
 >>> from kvdoc.proofs.broken.serving import EvictLocked, WholeBlockMatch
 >>> from kvdoc.proofs.compare import default_model
->>> from kvdoc.serving.radix import few_shot_workload
+>>> from kvdoc.serving.prefix_workload import few_shot_workload
 >>> model, turns = default_model(), few_shot_workload(requests=3)
 >>> all(r.passed for r in compare_workload(model, turns, num_blocks=64).requests)
 True
@@ -41,14 +41,8 @@ import torch
 
 from kvdoc.core.model import Decoder, generate
 from kvdoc.serving.paged import BlockPool
-from kvdoc.serving.radix import (
-    RadixCache,
-    Turn,
-    WorkloadRun,
-    few_shot_workload,
-    run_workload,
-    serve_prompt,
-)
+from kvdoc.serving.prefix_workload import Turn, WorkloadRun, few_shot_workload, run_workload
+from kvdoc.serving.radix import RadixCache, serve_prompt
 
 from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs
 
@@ -131,8 +125,8 @@ class WorkloadCheck:
 def compare_workload(model: Decoder, turns: list[Turn], num_blocks: int, block_size: int = 4,
                      granularity: str = "token",
                      tree_cls: type[RadixCache] = RadixCache) -> WorkloadCheck:
-    """Serve ``turns`` through a tree (:func:`kvdoc.serving.radix.run_workload`) and check every
-    request against itself alone; the tree is cleared at the end."""
+    """Serve ``turns`` through a tree (:func:`kvdoc.serving.prefix_workload.run_workload`) and
+    check every request against itself alone; the tree is cleared at the end."""
     after: list[tuple[str, ...]] = []
     run = run_workload(model, turns, num_blocks, block_size, granularity, tree_cls,
                        after=lambda tree: after.append(tuple(invariant_errors(tree))))

@@ -37,6 +37,9 @@ otherwise; tolerances are :data:`kvdoc.proofs.compare.TOLERANCE` (``atol = rtol`
 * ``handover``: a prefill's cache packed, unpacked and decoded from
   (:func:`kvdoc.proofs.handover.check_handover`); on the dynamic kind of every model (a latent
   model ships its latent).
+* ``schedule``, ``eviction``, ``full-match``, ``speculative-distribution``,
+  ``preempted-stream``: policies against their specification and sampling against its
+  distribution (:mod:`kvdoc.proofs.policies`); on the paged kind.
 
 A scenario appends :class:`CheckResult` s (made by :meth:`Case.result`); ``passed`` is None when
 a check does not apply.
@@ -54,7 +57,7 @@ from kvdoc.core.cache import KVCache
 from kvdoc.core.model import decode_step, generate, prefill
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
-from . import fp8_contract, int8_contract, invariance, invariants, lifecycle, precision
+from . import fp8_contract, int8_contract, invariance, invariants, lifecycle, policies, precision
 from .broken.decoders import stale_prefix
 from .compare import (
     DTYPE_NAMES,
@@ -96,6 +99,7 @@ CHECKS.update({
     "prefix-cache": "requests served through a radix prefix cache vs each request alone",
     "handover": "prefill, cache packed and unpacked, decode vs generate; cached bytes vs formula",
 })
+CHECKS.update(policies.CHECKS)  # policies vs their specification, sampling vs its distribution
 
 
 @dataclass(frozen=True)
@@ -378,6 +382,7 @@ SCENARIOS.update({"scheduling": scheduling_scenario, "prefix-cache": prefix_cach
 CHECKS["invariance"], SCENARIOS["invariance"] = invariance.CHECK, invariance.scenario
 CHECKS.update(precision.CHECKS)
 SCENARIOS["bf16"] = precision.scenario  # makes the bf16 and fp16 checks
+SCENARIOS.update(policies.SCENARIOS)
 
 SCENARIO_CHECK = {"stream": "logits"}
 """The check a scenario's exception is reported under, where it differs from the scenario's name."""

@@ -47,7 +47,7 @@ root
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -86,12 +86,8 @@ class Admission:
 
 def _common(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the common prefix of ``a`` and ``b``."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
 
 
 class LRU:
@@ -128,6 +124,8 @@ class RadixCache:
         self.running: list[Admission] = []
         self.clock = 0
         self.evicted_nodes = self.evicted_blocks = 0
+        self.evictions: list[tuple[tuple[int, ...], int]] = []
+        """Each leaf evicted, in order: the token ids from the root to its end, its blocks."""
 
     # --- looking up -----------------------------------------------------------------------
     def match(self, tokens: Sequence[int]) -> tuple[int, list[int], Node]:
@@ -299,14 +297,16 @@ class RadixCache:
 
     def evict(self, blocks: int) -> int:
         """Evict leaves the policy may evict, lowest :meth:`LRU.priority` first, until ``blocks``
-        blocks are freed or none is left; returns the blocks freed (counted in
-        :attr:`evicted_blocks`)."""
+        are freed or none is left; returns the blocks freed (logged in :attr:`evictions`)."""
         freed = 0
         while freed < blocks:
             leaves = [n for n in self.nodes() if self._evictable(n)]
             if not leaves:
                 break
-            freed += self._remove(min(leaves, key=self.policy.priority))
+            leaf = min(leaves, key=self.policy.priority)
+            path = sum((n.tokens for n in reversed(self._path(leaf))), ())
+            self.evictions.append((path, len(leaf.blocks)))
+            freed += self._remove(leaf)
             self.evicted_nodes += 1
         self.evicted_blocks += freed
         return freed
@@ -398,107 +398,3 @@ def serve_prompt(model: Decoder, tree: RadixCache, prompt: Sequence[int],
         steps.append(logits)
     tree.retire(request, tokens[:-1])  # the last token was never fed: its K/V is not held
     return Served(tuple(tokens), len(prompt), request.matched, torch.cat(steps, dim=1))
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One request of a workload: ``text`` after the whole sequence (prompt and generated tokens)
-    of request number ``after``, if given; ``kind`` labels it for tables."""
-
-    text: tuple[int, ...]
-    max_new: int
-    kind: str
-    after: int | None = None
-
-
-def few_shot_workload(seed: int = 0, requests: int = 6, vocab: int = 97, tasks: int = 2,
-                      instruction: int = 10, examples: int = 3, example_len: int = 7,
-                      question: tuple[int, int] = (3, 6), max_new: int = 3) -> list[Turn]:
-    """Few-shot prompts: ``tasks`` tasks, each a shared instruction and ``examples`` examples,
-    then a question of ``question`` tokens (least, most); the task is drawn per request."""
-    g = torch.Generator().manual_seed(seed)
-
-    def ids(n: int) -> tuple[int, ...]:
-        return tuple(torch.randint(0, vocab, (n,), generator=g).tolist())
-
-    prefixes = [ids(instruction) + sum((ids(example_len) for _ in range(examples)), ())
-                for _ in range(tasks)]
-    out = []
-    for _ in range(requests):
-        task = prefixes[int(torch.randint(0, tasks, (), generator=g))]
-        n = int(torch.randint(question[0], question[1] + 1, (), generator=g))
-        out.append(Turn(task + ids(n), max_new, "few-shot"))
-    return out
-
-
-def chat_workload(seed: int = 0, conversations: int = 2, turns: int = 3, vocab: int = 97,
-                  system: int = 9, message: tuple[int, int] = (3, 6),
-                  max_new: int = 4) -> list[Turn]:
-    """Multi-turn chat: conversations sharing a system prompt; each turn is a user message of
-    ``message`` tokens (least, most) after the whole previous turn; conversations take turns."""
-    g = torch.Generator().manual_seed(seed)
-
-    def ids(n: int) -> tuple[int, ...]:
-        return tuple(torch.randint(0, vocab, (n,), generator=g).tolist())
-
-    shared, out, last = ids(system), [], [None] * conversations
-    for _ in range(turns):
-        for c in range(conversations):
-            user = ids(int(torch.randint(message[0], message[1] + 1, (), generator=g)))
-            out.append(Turn(user if last[c] is not None else shared + user, max_new, "chat",
-                            last[c]))
-            last[c] = len(out) - 1
-    return out
-
-
-def prefix_workload(seed: int = 0) -> list[Turn]:
-    """The page's workload: :func:`few_shot_workload` (``seed``), then :func:`chat_workload`
-    (``seed + 1``)."""
-    few = few_shot_workload(seed)
-    chat = [Turn(t.text, t.max_new, t.kind, None if t.after is None else t.after + len(few))
-            for t in chat_workload(seed + 1)]  # another seed: its ids must not repeat few-shot's
-    return few + chat
-
-
-@dataclass(frozen=True)
-class WorkloadRun:
-    """Every request of a workload served through one tree, and the tree afterwards."""
-
-    served: list[Served]
-    tree: RadixCache
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(s.prompt_len for s in self.served)
-
-    @property
-    def reused_tokens(self) -> int:
-        """Prompt positions found in the tree: not prefilled."""
-        return sum(s.matched for s in self.served)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.reused_tokens / self.prompt_tokens
-
-    @property
-    def blocks_saved(self) -> int:
-        """Whole blocks shared instead of written (a partly matched block is copied)."""
-        return sum(s.matched // self.tree.block_size for s in self.served)
-
-
-def run_workload(model: Decoder, turns: Sequence[Turn], num_blocks: int, block_size: int = 4,
-                 granularity: Literal["token", "block"] = "token",
-                 tree_cls: type[RadixCache] = RadixCache,
-                 after: Callable[[RadixCache], None] | None = None) -> WorkloadRun:
-    """Serve ``turns`` one after another through a new tree over a pool of ``num_blocks``,
-    calling ``after(tree)`` after each (the proofs check invariants there)."""
-    weight = model.wte.weight
-    pool = BlockPool(model.config, num_blocks, block_size, weight.dtype, weight.device)
-    tree = tree_cls(pool, granularity)
-    served: list[Served] = []
-    for turn in turns:
-        before = () if turn.after is None else served[turn.after].tokens
-        served.append(serve_prompt(model, tree, before + turn.text, turn.max_new))
-        if after is not None:
-            after(tree)
-    return WorkloadRun(served, tree)

@@ -235,8 +235,9 @@ class Scheduler:
             live.append(waiting.pop(0))
             promised += need
 
-    def _compose(self, live: list[LiveRequest]) -> list[tuple[LiveRequest, list[int]]]:
-        """Which requests feed what this step."""
+    def compose(self, live: list[LiveRequest]) -> list[tuple[LiveRequest, list[int]]]:
+        """Which requests feed what this step (``live`` in order of admission): the policy of
+        the module docstring, without a budget prefills first, with one decodes first."""
         prefilling = [x for x in live if not x.decoding]
         decoding = [x for x in live if x.decoding and not x.done]
         if self.token_budget is None:
@@ -250,6 +251,11 @@ class Scheduler:
             budget -= len(rows[-1][1])
         return rows
 
+    def victim(self, live: list[LiveRequest]) -> LiveRequest:
+        """The sequence preemption takes from ``live`` (in order of admission): the most
+        recently admitted, as vLLM's FCFS policy pops the last of its running list."""
+        return live[-1]
+
     def _make_room(self, rows: list[tuple[LiveRequest, list[int]]], live: list[LiveRequest],
                    waiting: list[LiveRequest]) -> list[tuple[int, int]]:
         """Reserve every row's blocks, oldest admitted first; while one cannot get them, preempt
@@ -258,7 +264,8 @@ class Scheduler:
         preempted = []
         for x, ids in sorted(rows, key=lambda row: live.index(row[0])):
             while x in live and not self.reserve(x, x.fed + len(ids)):
-                victim = live.pop()
+                victim = self.victim(live)
+                live.remove(victim)
                 preempted.append((victim.req.rid, self.preempt(victim)))
                 waiting.insert(0, victim)  # first in line, as vLLM puts it back
         rows[:] = [(x, ids) for x, ids in rows if x in live]
@@ -314,7 +321,7 @@ class Scheduler:
             if not live and waiting and waiting[0].req.arrival <= step:  # nothing frees blocks
                 raise ValueError(f"request {waiting[0].req.rid} cannot be admitted: "
                                  f"{self.pool.num_free} blocks free of {self.pool.num_blocks}")
-            rows = self._compose(live) if live else []
+            rows = self.compose(live) if live else []
             preempted = self._make_room(rows, live, waiting)
             kinds = tuple((x.req.rid, len(ids), "decode" if x.decoding else
                            "recompute" if x.preemptions else "prefill") for x, ids in rows)

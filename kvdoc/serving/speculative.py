@@ -24,6 +24,7 @@ Batch 1 only: rows of a batch accept different numbers of tokens, which needs ra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -56,6 +57,11 @@ class SpeculativeRun:
     def tokens_per_round(self) -> float:
         """Generated tokens per verify call of the target (1.0 would be plain decoding)."""
         return (self.tokens.shape[1] - self.prompt_len) / self.rounds
+
+
+Rule = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""An acceptance rule: the target's and the draft's probabilities ``[V]`` of one position ->
+the probability of keeping each proposed token, and the distribution a rejection redraws from."""
 
 
 def acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +126,8 @@ def _sync(model: Decoder, cache: KVCache, tokens: torch.Tensor) -> tuple[KVCache
 @torch.no_grad()
 def speculative_generate(target: Decoder, draft: Decoder, prompt: torch.Tensor,
                          max_new_tokens: int, k: int = 4, *, cache: str = "dynamic",
-                         generator: torch.Generator | None = None) -> SpeculativeRun:
+                         generator: torch.Generator | None = None,
+                         rule: Rule | None = None) -> SpeculativeRun:
     """``max_new_tokens`` tokens after ``prompt`` (``[1, P]``), the draft proposing ``k`` a round.
 
     Args:
@@ -131,6 +138,8 @@ def speculative_generate(target: Decoder, draft: Decoder, prompt: torch.Tensor,
         k: proposals per round, at least 1.
         cache: the kind of cache both models use (``"dynamic"``, ``"static"``).
         generator: sample with the acceptance rule, drawing from this generator; None: greedy.
+        rule: ``(p, q) -> (keep, residual)`` for one proposal, default :func:`acceptance`
+            (the rule :mod:`kvdoc.proofs.sampling` checks exactly).
 
     Returns:
         A :class:`SpeculativeRun`; under greedy decoding ``run.tokens`` equals
@@ -199,7 +208,7 @@ def speculative_generate(target: Decoder, draft: Decoder, prompt: torch.Tensor,
             if generator is None:
                 ok = bool(proposal.item() == logits[0, i].argmax().item())
             else:
-                keep, residual = acceptance(logits[0, i].softmax(dim=-1), q_probs[i])
+                keep, residual = (rule or acceptance)(logits[0, i].softmax(dim=-1), q_probs[i])
                 ok = bool(torch.rand(1, generator=generator).item() < keep[proposal.item()].item())
             if not ok:
                 break

@@ -1,0 +1,133 @@
+"""Workloads whose prompts share prefixes, served one request after another through a radix tree.
+
+* :func:`few_shot_workload`: a few tasks, each an instruction and examples shared by its
+  requests, then a question each; :func:`chat_workload`: conversations sharing a system prompt,
+  each turn after the whole previous one; :func:`prefix_workload`: both, the page's workload.
+* :func:`run_workload`: every request through one :class:`~kvdoc.serving.radix.RadixCache`
+  (:func:`~kvdoc.serving.radix.serve_prompt`), with what the tree reused
+  (:class:`WorkloadRun`).
+
+>>> from kvdoc import Decoder, GPTConfig
+>>> _ = torch.manual_seed(0)
+>>> turns = few_shot_workload(requests=3)
+>>> run = run_workload(Decoder(GPTConfig()).eval(), turns, num_blocks=32)
+>>> run.prompt_tokens == sum(len(t.text) for t in turns), run.reused_tokens > 0
+(True, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kvdoc.core.model import Decoder
+
+from .paged import BlockPool
+from .radix import RadixCache, Served, serve_prompt
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request of a workload: ``text`` after the whole sequence (prompt and generated tokens)
+    of request number ``after``, if given; ``kind`` labels it for tables."""
+
+    text: tuple[int, ...]
+    max_new: int
+    kind: str
+    after: int | None = None
+
+
+def few_shot_workload(seed: int = 0, requests: int = 6, vocab: int = 97, tasks: int = 2,
+                      instruction: int = 10, examples: int = 3, example_len: int = 7,
+                      question: tuple[int, int] = (3, 6), max_new: int = 3) -> list[Turn]:
+    """Few-shot prompts: ``tasks`` tasks, each a shared instruction and ``examples`` examples,
+    then a question of ``question`` tokens (least, most); the task is drawn per request."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(torch.randint(0, vocab, (n,), generator=g).tolist())
+
+    prefixes = [ids(instruction) + sum((ids(example_len) for _ in range(examples)), ())
+                for _ in range(tasks)]
+    out = []
+    for _ in range(requests):
+        task = prefixes[int(torch.randint(0, tasks, (), generator=g))]
+        n = int(torch.randint(question[0], question[1] + 1, (), generator=g))
+        out.append(Turn(task + ids(n), max_new, "few-shot"))
+    return out
+
+
+def chat_workload(seed: int = 0, conversations: int = 2, turns: int = 3, vocab: int = 97,
+                  system: int = 9, message: tuple[int, int] = (3, 6),
+                  max_new: int = 4) -> list[Turn]:
+    """Multi-turn chat: conversations sharing a system prompt; each turn is a user message of
+    ``message`` tokens (least, most) after the whole previous turn; conversations take turns."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(torch.randint(0, vocab, (n,), generator=g).tolist())
+
+    shared, out, last = ids(system), [], [None] * conversations
+    for _ in range(turns):
+        for c in range(conversations):
+            user = ids(int(torch.randint(message[0], message[1] + 1, (), generator=g)))
+            out.append(Turn(user if last[c] is not None else shared + user, max_new, "chat",
+                            last[c]))
+            last[c] = len(out) - 1
+    return out
+
+
+def prefix_workload(seed: int = 0) -> list[Turn]:
+    """The page's workload: :func:`few_shot_workload` (``seed``), then :func:`chat_workload`
+    (``seed + 1``)."""
+    few = few_shot_workload(seed)
+    chat = [Turn(t.text, t.max_new, t.kind, None if t.after is None else t.after + len(few))
+            for t in chat_workload(seed + 1)]  # another seed: its ids must not repeat few-shot's
+    return few + chat
+
+
+@dataclass(frozen=True)
+class WorkloadRun:
+    """Every request of a workload served through one tree, and the tree afterwards."""
+
+    served: list[Served]
+    tree: RadixCache
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(s.prompt_len for s in self.served)
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt positions found in the tree: not prefilled."""
+        return sum(s.matched for s in self.served)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.reused_tokens / self.prompt_tokens
+
+    @property
+    def blocks_saved(self) -> int:
+        """Whole blocks shared instead of written (a partly matched block is copied)."""
+        return sum(s.matched // self.tree.block_size for s in self.served)
+
+
+def run_workload(model: Decoder, turns: Sequence[Turn], num_blocks: int, block_size: int = 4,
+                 granularity: Literal["token", "block"] = "token",
+                 tree_cls: type[RadixCache] = RadixCache,
+                 after: Callable[[RadixCache], None] | None = None) -> WorkloadRun:
+    """Serve ``turns`` one after another through a new tree over a pool of ``num_blocks``,
+    calling ``after(tree)`` after each (the proofs check invariants there)."""
+    weight = model.wte.weight
+    pool = BlockPool(model.config, num_blocks, block_size, weight.dtype, weight.device)
+    tree = tree_cls(pool, granularity)
+    served: list[Served] = []
+    for turn in turns:
+        before = () if turn.after is None else served[turn.after].tokens
+        served.append(serve_prompt(model, tree, before + turn.text, turn.max_new))
+        if after is not None:
+            after(tree)
+    return WorkloadRun(served, tree)

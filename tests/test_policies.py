@@ -1,0 +1,197 @@
+"""Policies against their specification (kvdoc.proofs.schedule_spec and the checks of
+kvdoc.proofs.policies), each with the broken variant only it catches."""
+
+import pytest
+import torch
+
+from kvdoc.proofs.broken import policies as broken
+from kvdoc.proofs.compare import default_model
+from kvdoc.proofs.prefix_cache import check_admission, check_locked_eviction, compare_workload
+from kvdoc.proofs.radix_policy import LRUOracle, check_eviction, check_full_match
+from kvdoc.proofs.sampling import (
+    check_sampled_preemption,
+    check_speculative_distribution,
+    round_distribution,
+    target_distribution,
+)
+from kvdoc.proofs.schedule_spec import check_schedule, expected_steps, first_difference
+from kvdoc.proofs.scheduling import check_forks, check_policies, check_preemption
+from kvdoc.proofs.suite import run_suite
+from kvdoc.serving.prefix_workload import few_shot_workload
+from kvdoc.serving.requests import Request
+from kvdoc.serving.scheduler import Scheduler
+from kvdoc.serving.speculative import speculative_generate, truncated_draft
+
+
+@pytest.fixture(scope="module")
+def model():
+    return default_model()
+
+
+def test_spec_by_hand_budget():
+    # 0: 5-token prompt, 3 tokens; 1 arrives at step 1, 3-token prompt, 2 tokens; budget 4
+    trace = [Request(0, (1,) * 5, 3, 0), Request(1, (2,) * 3, 2, 1)]
+    steps = expected_steps(trace, num_blocks=8, token_budget=4)
+    assert [s.rows for s in steps] == [
+        ((0, 4, "prefill"),), ((0, 1, "prefill"), (1, 3, "prefill")),
+        ((0, 1, "decode"), (1, 1, "decode")), ((0, 1, "decode"),)]
+    # blocks of 4: 4 positions; 5 + 3; 6 + 4 then 1 retires; 7 then 0 retires
+    assert [s.blocks_held for s in steps] == [1, 3, 2, 0]
+
+
+def test_spec_by_hand_preemption():
+    # two 4-token prompts, 6 tokens each, on 3 blocks of 4: at step 1 request 0 takes the
+    # last block for position 4, and request 1, the newest, is preempted (4 positions)
+    trace = [Request(0, (1,) * 4, 6, 0), Request(1, (2,) * 4, 6, 0)]
+    steps = expected_steps(trace, num_blocks=3, preempt=True)
+    assert steps[1].rows == ((0, 1, "decode"),) and steps[1].preempted == ((1, 4),)
+    assert steps[1].waiting == (1,)
+    # 0 finishes at step 5 (positions 4..8 decoded); 1 recomputes prompt + 1 token at step 6
+    assert steps[6].rows == ((1, 5, "recompute"),)
+    assert len(steps) == 11
+    run = Scheduler(default_model(), 3, 4, preempt=True).run(trace)
+    assert first_difference(run, steps) is None
+
+
+def test_spec_refuses_forks():
+    with pytest.raises(ValueError, match="forks"):
+        expected_steps([Request(0, (1, 2), 2, 0, samples=2, seed=0)], num_blocks=8)
+
+
+def test_scheduler_follows_its_specification(model):
+    checks = check_schedule(model)
+    assert all(c.passed for c in checks), [c.difference for c in checks]
+    assert sum(c.preemptions for c in checks) > 0  # the preempting runs do preempt
+
+
+@pytest.mark.parametrize("cls", [broken.PrefillBeforeDecode, broken.BudgetPlusOne,
+                                 broken.PreemptOldest])
+def test_broken_schedulers_caught_by_the_specification_only(model, cls):
+    assert not all(c.passed for c in check_schedule(model, cls))
+    # every request still equals its solo run: the equality checks cannot see it
+    assert all(c.passed for c in check_policies(model, scheduler=cls))
+    assert check_preemption(model, cls).passed
+
+
+CAUGHT_BY = {"prefill-before-decode": "schedule", "budget-plus-one": "schedule",
+             "preempt-oldest": "schedule", "radix-most-recent-first": "eviction",
+             "radix-last-token-from-tree": "full-match",
+             "speculative-residual-target": "speculative-distribution",
+             "preempt-restarts-stream": "preempted-stream"}
+
+
+@pytest.mark.parametrize("name", sorted(CAUGHT_BY))
+def test_policy_variants_fail_the_suite_at_their_check_only(name):
+    report = run_suite(name, dtypes=(torch.float32,),
+                       scenarios=["speculative", "scheduling", "prefix-cache", "schedule",
+                                  "radix-policy", "sampling"])
+    failed = report.failed_checks()
+    # caught by its check; never by the equality checks that were there before
+    assert CAUGHT_BY[name] in failed and set(failed) <= set(CAUGHT_BY.values()), failed
+
+
+def test_schedule_scenario_passes_on_the_implementation():
+    report = run_suite(models=("gqa",), kinds=("paged",), impls=("model",),
+                       dtypes=(torch.float32,), scenarios=["schedule"])
+    assert report.passed and len(report.select("schedule")) == 1
+
+
+def test_lru_oracle_by_hand():
+    oracle = LRUOracle(block_size=2)
+    oracle.used = {(1, 2): 0, (1, 2, 3, 4): 1, (5, 6): 2}
+    assert sorted(oracle.leaves()) == [(1, 2, 3, 4), (5, 6)]
+    assert oracle.match((1, 2, 3, 9)) == 3 and oracle.match((1, 2, 3, 4)) == 3  # last token
+    assert oracle.read((1, 2, 3, 9), 3) == {(1, 2), (1, 2, 3, 4)}
+    assert "request 1's is older" in oracle.evicted((5, 6), 1, set())
+    assert "not an unread leaf" in oracle.evicted((1, 2), 1, set())  # a parent first
+    assert "not an unread leaf" in oracle.evicted((1, 2, 3, 4), 1, {(1, 2, 3, 4)})  # read
+    assert oracle.evicted((1, 2, 3, 4), 2, set()) is None  # the leaf and its parent
+    assert oracle.used == {(5, 6): 2}
+
+
+def _equal_to_alone(model, tree):
+    turns = few_shot_workload(requests=3, vocab=model.config.vocab_size)
+    return (all(compare_workload(model, turns, 32, granularity=g, tree_cls=tree).passed
+                for g in ("token", "block"))
+            and check_locked_eviction(model, tree).passed and check_admission(model, tree).passed)
+
+
+def test_eviction_follows_lru_and_most_recent_first_is_caught(model):
+    ok = check_eviction(model)
+    assert ok.passed and ok.evictions > 0, ok.detail  # the pool is small enough to evict
+    tree = broken.most_recent_first()
+    assert not check_eviction(model, tree).passed
+    assert check_full_match(model, tree).passed and _equal_to_alone(model, tree)
+
+
+def test_full_match_recomputes_the_last_token(model):
+    ok = check_full_match(model)
+    assert ok.passed and ok.hits == 7 + 5, ok.detail  # 8 and 6 tokens held, the last computed
+    tree = broken.LastTokenFromTree
+    assert not check_full_match(model, tree).passed
+    assert check_eviction(model, tree).passed and _equal_to_alone(model, tree)
+
+
+# vocabulary 2, one proposal: the draft prefers token 0 (0.9), the target is even; the
+# second token's conditionals are made up, different after 0 and after 1
+P = {(): [0.5, 0.5], (0,): [0.2, 0.8], (1,): [0.7, 0.3]}
+Q = {(): [0.9, 0.1]}
+
+
+def test_round_distribution_by_hand():
+    exact = round_distribution(P, Q, vocab=2, k=1)
+    assert torch.allclose(exact, target_distribution(P, 2, 2), atol=1e-15, rtol=0)
+    assert torch.allclose(exact.sum(1), torch.tensor([0.5, 0.5], dtype=torch.float64))
+    # kept: 0.9 * 5/9 = 0.5 of token 0; rejected 0.4, redrawn from p itself: 0.2 more of it
+    broken_first = round_distribution(P, Q, 2, 1, broken.residual_is_target).sum(1)
+    assert torch.allclose(broken_first, torch.tensor([0.7, 0.3], dtype=torch.float64))
+
+
+def test_speculative_distribution_exact_and_broken_residual_caught(model):
+    ok = check_speculative_distribution(model)
+    assert ok.passed and ok.rejection > 0
+    assert not check_speculative_distribution(model, broken.residual_is_target).passed
+
+
+def test_speculative_generate_takes_its_rule(model):
+    def always_three(p, q):  # reject every proposal, redraw token 3
+        return torch.zeros_like(p), torch.nn.functional.one_hot(torch.tensor(3), len(p)).to(p)
+
+    run = speculative_generate(model, truncated_draft(model, 1), torch.tensor([[5, 6, 7]]), 6,
+                               k=2, generator=torch.Generator().manual_seed(0),
+                               rule=always_three)
+    # each round rejects its first proposal and emits the redraw; the last round, with one
+    # token to go, proposes nothing and the target draws it
+    assert run.tokens[0, 3:-1].tolist() == [3] * 5 and sum(run.accepted) == 0
+
+
+def test_preempted_sampled_request_continues_its_stream(model):
+    ok = check_sampled_preemption(model)
+    assert ok.passed and ok.interrupted > 0
+    assert not check_sampled_preemption(model, broken.RestartStream).passed
+    # greedy requests and forks never see the restart
+    assert check_preemption(model, broken.RestartStream).passed
+    assert check_forks(model, broken.RestartStream).passed
+
+
+def test_sampling_scenario_on_mla_and_gemma():
+    report = run_suite(models=("mla", "gemma3"), kinds=("paged",), impls=("model",),
+                       dtypes=(torch.float32,), scenarios=["sampling"])
+    assert report.passed and len(report.select("speculative-distribution")) == 2
+
+
+@pytest.mark.parametrize("budget", [5, 6, 8])
+def test_with_room_the_scheduler_schedules_as_vllm_v1s_rule(model, budget):
+    from kvdoc.proofs.scheduling import POLICY_TRACE, PREEMPTION_TRACE
+    from kvdoc.proofs.vllm_rule import first_departure, vllm_v1_steps
+    from kvdoc.serving.requests import arrival_trace
+
+    for args in (POLICY_TRACE, PREEMPTION_TRACE):
+        trace = arrival_trace(**args)
+        run = Scheduler(model, 32, 4, token_budget=budget, preempt=True).run(trace)
+        assert first_departure(run, vllm_v1_steps(trace, 32, budget)) is None
+    # on 8 blocks vLLM admits a prompt whose chunk fits, kvdoc waits for its whole prompt
+    trace = arrival_trace(**POLICY_TRACE)
+    run = Scheduler(model, 8, 4, token_budget=8, preempt=True).run(trace)
+    departure = first_departure(run, vllm_v1_steps(trace, 8, 8))
+    assert departure is not None and "prefill" in departure.split("vLLM's rule")[1]
