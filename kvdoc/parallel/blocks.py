@@ -39,7 +39,7 @@ import torch.distributed as dist
 from kvdoc.core.cache import DynamicCache
 from kvdoc.core.config import GPTConfig, check_int
 from kvdoc.core.model import Decoder, decode_step, generate, prefill
-from kvdoc.measure.memory import kv_bytes
+from kvdoc.measure.kv_bytes import kv_bytes
 
 from .checks import TOLERANCE
 from .comm import Comm
