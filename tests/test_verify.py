@@ -147,7 +147,9 @@ def test_suite_passes_on_the_real_implementation():
     report = run_suite()
     assert report.passed, report.failures_table()
     served = sum(len(grid.served(m.build(0).config, impls=m.impls)) for m in grid.MODELS.values())
-    assert len(report.combinations) == served * 2  # FP32 and FP64
+    # FP32 and FP64 everywhere; the bf16 scenario adds its BF16 and FP16 runs
+    assert len([c for c in report.combinations if c[3] in ("FP32", "FP64")]) == served * 2
+    assert {c[3] for c in report.combinations} == {"FP32", "FP64", "BF16", "FP16"}
     assert {r.check for r in report.results} == set(CHECKS)
     assert all(r.passed is not False for r in report.results)
     # each skips kinds, impls or models it cannot take
@@ -354,12 +356,13 @@ def test_a_new_implementation_plugs_in_with_one_entry(monkeypatch):
 
     monkeypatch.setitem(grid.IMPLEMENTATIONS, "wrapper", Wrapper)
     report = run_suite(impls=("wrapper",), models=("gqa",), kinds=("static",), **FP32)
-    # generate(), speculative decoding, the scheduler, the prefix tree and the hand-over take the
-    # model itself; int8 and fp8 run on the dynamic kind, edges' branches on a cache not written
-    # in place
+    # generate(), speculative decoding, the scheduler, the prefix tree, the hand-over and the
+    # policy checks take the model itself; int8, fp8 and the BF16/FP16 bounds run on the dynamic
+    # kind, edges' branches on a cache not written in place, invariance on mha and split-k
     skipped = {r.check for r in report.results if r.passed is None}
     assert report.passed and skipped == {"generate", "speculative", "scheduling", "prefix-cache",
-                                         "handover", "int8", "fp8", "edges"}
+                                         "handover", "int8", "fp8", "edges", "bf16", "fp16",
+                                         "invariance", *policies.CHECKS}
     monkeypatch.setitem(grid.IMPLEMENTATIONS, "wrapper", lambda m: Wrapper(m, skip_last_only=True))
     assert "last_only" in _fails(impls=("wrapper",), models=("gqa",), kinds=("static",))
 
