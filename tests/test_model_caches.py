@@ -177,6 +177,19 @@ def test_cli_nonsense_lengths_exit_2(length: str, capsys: pytest.CaptureFixture[
     assert rc == 2 and out == "" and "error" in err
 
 
+def test_cli_memory_counts_sequences_that_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    m = model_cache("gpt-oss-20b")
+    rc, out, _ = _run(["--model", "gpt-oss-20b", "--seq-len", "50000", "--memory", "24"], capsys)
+    fit = 24 * 2**30 // m.kv_bytes(50000)
+    assert rc == 0 and f"fits       {fit:,} sequences of 50,000 positions in 24 GiB" in out
+    for bad in (["--model", "gpt-oss-20b", "--memory", "-1"],
+                ["--model", "gpt-oss-20b", "--memory", "inf"],
+                ["--layers", "2", "--kv-heads", "1", "--head-dim", "4", "--seq-len", "8",
+                 "--memory", "1"]):
+        rc, out, err = _run(bad, capsys)
+        assert rc == 2 and out == "" and "error" in err
+
+
 def test_cli_config_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "config.json"
     bad.write_text("{not json")

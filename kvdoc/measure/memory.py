@@ -52,6 +52,16 @@ def _length_arg(text: str) -> int:
     return value
 
 
+def _gib_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
+    if not 0 < value < 2**40:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
+    return value
+
+
 def _dtype_arg(text: str) -> str:
     try:
         return dtype_name(text)
@@ -98,6 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=_length_arg, metavar="W",
                         help="sliding window: each layer keeps only the last W positions "
                              "(with --model or --config: caps the model's own windows)")
+    parser.add_argument("--memory", type=_gib_arg, metavar="GIB",
+                        help="with --model or --config: also print how many sequences of T "
+                             "fit in GIB GiB of cache memory (weights not counted)")
     parser.add_argument("--list-models", action="store_true",
                         help="list the published configs and exit")
 
@@ -118,7 +131,8 @@ def _describe(layer: LayerCache, count: int, mla: bool) -> str:
             f"position ({what}), {reach}")
 
 
-def _model_lines(model: ModelCache, T: int, B: int, dtype: str, default_T: bool) -> list[str]:
+def _model_lines(model: ModelCache, T: int, B: int, dtype: str, default_T: bool,
+                 memory_gib: float | None = None) -> list[str]:
     total = model.kv_bytes(T, B, dtype)
     lines = [f"model      {model.name} ({model.kind}; source: {model.source})"]
     if model.note:
@@ -146,6 +160,9 @@ def _model_lines(model: ModelCache, T: int, B: int, dtype: str, default_T: bool)
                           model.max_positions, model.source)
         lines.append(f"all full   {format_bytes(full.kv_bytes(T, B, dtype))} "
                      "(were every layer to keep all T)")
+    if memory_gib is not None:
+        fit = model.sequences_that_fit(int(memory_gib * 2**30), T, dtype)  # T >= 1
+        lines.append(f"fits       {fit:,} sequences of {T:,} positions in {memory_gib:g} GiB")
     return lines
 
 
@@ -184,8 +201,10 @@ def main(args: argparse.Namespace) -> int:
                   f"context of {model.max_positions:,} tokens (the bytes below are for a "
                   "model stretched that far)", file=sys.stderr)
         print("\n".join(_model_lines(model, T, args.batch, dtype_name(args.dtype),
-                                     args.seq_len is None)))
+                                     args.seq_len is None, getattr(args, "memory", None))))
         return 0
+    if getattr(args, "memory", None) is not None:
+        return _error("--memory needs --model or --config")
     if T is None:
         return _error("--seq-len is required without --model or --config")
     missing = [name for name, value in sizes.items() if value is None]

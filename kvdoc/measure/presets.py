@@ -144,9 +144,9 @@ PRESETS: dict[str, ModelPreset] = {p.name.lower(): p for p in (
     ModelPreset("Llama-3.1-405B", layers=126, heads=128, kv_heads=8, head_dim=128,
                 max_positions=131072, hidden=16384, intermediate=53248, vocab=128256,
                 source="https://huggingface.co/meta-llama/Llama-3.1-405B/blob/main/config.json"),
-    ModelPreset("Qwen3-0.6B", layers=28, heads=16, kv_heads=8, head_dim=128,
+    ModelPreset("Qwen3-4B", layers=36, heads=32, kv_heads=8, head_dim=128,
                 max_positions=40960,
-                source="https://huggingface.co/Qwen/Qwen3-0.6B/blob/main/config.json"),
+                source="https://huggingface.co/Qwen/Qwen3-4B/blob/main/config.json"),
     ModelPreset("Qwen3-8B", layers=36, heads=32, kv_heads=8, head_dim=128,
                 max_positions=40960,
                 source="https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json"),
@@ -156,6 +156,10 @@ PRESETS: dict[str, ModelPreset] = {p.name.lower(): p for p in (
     ModelPreset("Qwen3-32B", layers=64, heads=64, kv_heads=8, head_dim=128,
                 max_positions=40960,
                 source="https://huggingface.co/Qwen/Qwen3-32B/blob/main/config.json"),
+    ModelPreset("Qwen3-30B-A3B", layers=48, heads=32, kv_heads=4, head_dim=128,
+                max_positions=40960,
+                source="https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json "
+                       "(the experts do not change the cache)"),
     ModelPreset("Mistral-7B-v0.3", layers=32, heads=32, kv_heads=8, head_dim=128,
                 max_positions=32768,
                 source="https://huggingface.co/mistralai/Mistral-7B-v0.3/blob/main/config.json "
