@@ -1,13 +1,16 @@
-"""The memory calculator's functions equal kvdoc's formula for every preset, evaluated with
-node; the page feeds it the package's presets."""
+"""The memory calculator's functions equal kvdoc's formula for every preset (evaluated with
+node); the page feeds it the package's presets; in headless Chromium, picking each preset shows
+the Python numbers."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,8 @@ from kvdoc.measure.dtypes import ELEMENT_BYTES
 from kvdoc.measure.kv_bytes import kv_bytes
 from kvdoc.measure.model_caches import MODELS, calculator_presets, model_cache
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
 JS = DOCS / "_static" / "kvdoc-calculator.js"
 GRID = [(1, 1, "float16"), (3, 127, "bfloat16"), (2, 4096, "float32"), (8, 5000, "float8_e4m3fn"),
         (1, 131072, "float64"), (16, 32768, "int8")]
@@ -89,3 +93,65 @@ def test_the_page_feeds_the_packages_presets() -> None:
     assert not re.search(r"https?://", JS.read_text().split("/* ---")[1])
     toctree = (DOCS / "index.md").read_text()
     assert "reference/cheatsheet\nreference/calculator\n" in toctree
+
+
+# What a reader sees: every preset picked in headless Chromium, the table's numbers read back.
+PICK_EVERY_PRESET = """(() => {
+  const pick = document.getElementById("kvc-model"), T = document.getElementById("kvc-length");
+  const B = document.getElementById("kvc-batch"), dtype = document.getElementById("kvc-dtype");
+  const M = document.getElementById("kvc-memory");
+  const rows = () => [...document.querySelectorAll("#kvc-out tr td")].map(td => td.textContent);
+  const first = pick.options[pick.selectedIndex].text;
+  const out = [];
+  for (let i = 1; i < pick.options.length; i++) {
+    pick.value = pick.options[i].value;
+    pick.dispatchEvent(new Event("change"));
+    B.value = "3"; dtype.value = "float8_e4m3fn"; M.value = "24";
+    B.dispatchEvent(new Event("input"));
+    out.push({name: pick.options[i].text, context: T.value, rows: rows()});
+  }
+  return JSON.stringify({first: first, out: out});
+})()"""
+
+
+def test_the_page_in_a_browser_shows_the_python_numbers(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("kvdoc_browser", ROOT / "scripts" / "browser.py")
+    browser = importlib.util.module_from_spec(spec)
+    sys.modules["kvdoc_browser"] = browser
+    spec.loader.exec_module(browser)
+    exe = browser.find_chromium()
+    if exe is None:  # as tests/test_site.py: a loud skip outside CI, a failure under CI
+        message = f"BROWSER TEST NOT RUN: Chromium not found; {browser.INSTALL_HINT}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    data = {"presets": calculator_presets(), "element_bytes": ELEMENT_BYTES,
+            "initial": "Llama-3.1-8B"}
+    shutil.copy(JS, tmp_path / JS.name)
+    (tmp_path / "favicon.ico").write_bytes(b"")
+    (tmp_path / "index.html").write_text(
+        '<!doctype html><html><body><script type="application/json" '
+        f'id="kvdoc-calculator-data">{json.dumps(data)}</script>'
+        f'<div id="kvdoc-calculator"></div><script src="{JS.name}"></script></body></html>')
+    with browser.serve(tmp_path) as origin:
+        chrome = browser.Chromium(exe, origin)
+        try:
+            with chrome.tab() as session:
+                report = chrome.load(session, f"{origin}/index.html")
+                result = chrome.send("Runtime.evaluate", {"expression": PICK_EVERY_PRESET,
+                                                          "returnByValue": True}, session)
+        finally:
+            chrome.close()
+    assert not report.console_errors and not report.external
+    seen = json.loads(result["result"]["value"])
+    assert seen["first"].startswith("Llama-3.1-8B")
+    assert len(seen["out"]) == len(MODELS)
+    for shown in seen["out"]:
+        m = model_cache(shown["name"].rsplit(" (", 1)[0])
+        T, s = m.max_positions, "float8_e4m3fn"
+        assert shown["context"] == str(T)  # picking a model sets its context
+        one, total = m.kv_bytes(T, 1, s), m.kv_bytes(T, 3, s)
+        assert shown["rows"][:4] == [
+            f"{m.bytes_per_token(s):,} ({binary_size(m.bytes_per_token(s))})",
+            f"{one:,} ({binary_size(one)})", f"{total:,} ({binary_size(total)})",
+            f"{m.sequences_that_fit(24 * 2**30, T, s):,}"], m.name
