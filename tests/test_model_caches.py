@@ -121,6 +121,16 @@ def test_config_json_of_each_family_reads_as_its_preset(name: str, tmp_path: Pat
         assert read.kv_bytes(T, B, dtype) == known.kv_bytes(T, B, dtype), (T, B, dtype)
 
 
+def test_gemma_3_text_config_takes_the_class_defaults_it_leaves_out() -> None:
+    # gemma-3-4b-pt's config.json gives no head counts, head size or context in text_config
+    sparse = {"model_type": "gemma3", "text_config": {
+        "model_type": "gemma3_text", "hidden_size": 2560, "num_hidden_layers": 34,
+        "sliding_window": 1024}}
+    read, known = cache_from_config(sparse), model_cache("Gemma-3-4B")
+    assert read.kind == "hybrid" and read.max_positions == known.max_positions
+    assert all(read.kv_bytes(T) == known.kv_bytes(T) for T in (1, 1024, 1025, 131072))
+
+
 def test_linear_layers_without_sizes_count_only_attention() -> None:
     c = {k: v for k, v in CONFIGS["Qwen3-Next-80B-A3B"].items() if not k.startswith("linear")}
     m = cache_from_config(c)

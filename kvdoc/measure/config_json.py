@@ -14,8 +14,10 @@ What it reads, per layer:
   config gives Gated DeltaNet's sizes (``linear_num_key_heads``, ...); otherwise only the
   attention layers are counted, and the note says so.
 
-A multimodal config's ``text_config`` is read in its place. Anything else it cannot read (a
-missing size, an unknown layer type, state-space layers) raises a ValueError saying what.
+A multimodal config's ``text_config`` is read in its place; where a published Gemma 3 file
+leaves a size to transformers' class defaults, those defaults fill it. Anything else it cannot
+read (a missing size, an unknown layer type, state-space layers) raises a ValueError saying
+what.
 Importing this module does not import torch.
 """
 
@@ -43,6 +45,12 @@ _ALTERNATING = {"gemma2", "gpt_oss"}
 _GEMMA3 = {"gemma3", "gemma3_text"}
 _DELTA = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
           "linear_value_head_dim", "linear_conv_kernel_dim")
+#: sizes a published config.json leaves to its transformers class: Gemma 3's ``text_config``
+#: omits those equal to transformers 5.24.0's ``Gemma3TextConfig`` defaults (gemma-3-4b-pt's
+#: gives no head counts)
+_CLASS_DEFAULTS = {"gemma3_text": {"num_attention_heads": 8, "num_key_value_heads": 4,
+                                   "head_dim": 256, "max_position_embeddings": 131072,
+                                   "sliding_window": 4096}}
 _STATE_SPACE = {"mamba", "mamba2", "jamba", "falcon_h1", "zamba", "zamba2", "bamba", "rwkv"}
 
 
@@ -96,6 +104,7 @@ def cache_from_config(config: Mapping[str, Any], name: str = "config.json") -> M
     for old, new in _ALIASES.items():
         c.setdefault(new, c.get(old))
     model_type = str(c.get("model_type") or "")
+    c = {**_CLASS_DEFAULTS.get(model_type, {}), **{k: v for k, v in c.items() if v is not None}}
     if model_type in _STATE_SPACE or c.get("state_size") is not None:
         raise ValueError(f"{name}: model_type {model_type!r} has state-space layers; kvdoc "
                          "reads attention, MLA, sliding-window and Gated DeltaNet layers")
