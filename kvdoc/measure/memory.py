@@ -85,11 +85,14 @@ def _config_arg(text: str) -> ModelCache:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``python -m kvdoc memory``."""
-    parser.description = ("K/V cache bytes = 2 x B x L x T x H_kv x D x s, from explicit sizes "
-                          "or a published model's config.")
+    parser.description = ("K/V cache bytes = 2 x B x L x T x H_kv x D x s, from explicit sizes; "
+                          "for a published model (--model) or a transformers config.json "
+                          "(--config), the sum of what each layer keeps: all T positions, a "
+                          "window of them, an MLA latent, or a linear-attention state.")
     parser.add_argument("--model", type=_model_arg, metavar="NAME",
-                        help="a published config (--list-models shows them): "
-                             + ", ".join(m.name for m in MODELS.values()))
+                        help=f"a published config, as its model card names it: one of "
+                             f"{len(MODELS)}, e.g. Llama-3.1-8B, Gemma-3-27B, DeepSeek-V3, "
+                             "gpt-oss-20b, Qwen3-Next-80B-A3B (--list-models shows them all)")
     parser.add_argument("--config", type=_config_arg, metavar="PATH",
                         help="a transformers config.json (GQA, MLA, sliding-window, hybrid and "
                              "linear-attention layers)")
