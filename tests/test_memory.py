@@ -229,7 +229,8 @@ def test_cli_window(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     capped = preset("mistral-7b-v0.1").kv_bytes(32768, windowed=True)
     assert capped == preset("mistral-7b-v0.1").kv_bytes(4096)
-    assert f"windowed   {capped:,} bytes" in out
+    assert f"bytes      {capped:,} bytes" in out
+    assert f"all full   {preset('mistral-7b-v0.1').kv_bytes(32768):,} bytes" in out
     assert cli(["memory", "--layers", "2", "--seq-len", "100", "--kv-heads", "1", "--head-dim", "4",
                 "--dtype", "float32", "--window", "10"]) == 0
     out = capsys.readouterr().out

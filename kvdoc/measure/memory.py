@@ -1,13 +1,16 @@
 """``python -m kvdoc memory``: K/V cache bytes from explicit sizes or a published model's config.
 
 The command prints ``2 x B x L x T x H_kv x D x s`` (:func:`~kvdoc.measure.kv_bytes.kv_bytes`)
-in exact, binary and decimal units, for sizes given on the command line or taken from a
-:data:`~kvdoc.measure.presets.PRESETS` entry::
+in exact, binary and decimal units, for sizes given on the command line; for a published model
+(any :data:`~kvdoc.measure.model_caches.MODELS` entry: plain, windowed, hybrid, MLA or
+linear-attention hybrid) or a transformers ``config.json``
+(:mod:`kvdoc.measure.config_json`) it sums the layers' own costs::
 
     python -m kvdoc memory --batch 1 --layers 32 --seq-len 4096 --kv-heads 8 --head-dim 128 \\
         --dtype float16
     python -m kvdoc memory --model Llama-3-8B --seq-len 8192
     python -m kvdoc memory --model Llama-3-8B        # T: the model's context, 8,192
+    python -m kvdoc memory --config path/to/config.json --seq-len 32768 --dtype bfloat16
 
 Importing this module does not import torch: the command starts in a fraction of a second.
 """
@@ -18,9 +21,10 @@ import argparse
 import sys
 
 from .byte_units import binary_size, decimal_size, format_bytes
+from .config_json import read_config
 from .dtypes import dtype_name, element_size
 from .kv_bytes import kv_bytes
-from .presets import PRESETS, ModelPreset, preset
+from .model_caches import MODELS, LayerCache, ModelCache, model_cache
 
 #: The longest ``--seq-len`` (and ``--window``) the command takes: 2**31 - 1 positions. Attention
 #: kernels index a sequence's tokens with 32-bit integers (FlashAttention's ``cu_seqlens`` are
@@ -48,6 +52,16 @@ def _length_arg(text: str) -> int:
     return value
 
 
+def _gib_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
+    if not 0 < value < 2**40:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
+    return value
+
+
 def _dtype_arg(text: str) -> str:
     try:
         return dtype_name(text)
@@ -55,25 +69,39 @@ def _dtype_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _model_arg(text: str) -> ModelPreset:
+def _model_arg(text: str) -> ModelCache:
     try:
-        return preset(text)
+        return model_cache(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _config_arg(text: str) -> ModelCache:
+    try:
+        return read_config(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``python -m kvdoc memory``."""
-    parser.description = ("K/V cache bytes = 2 x B x L x T x H_kv x D x s, from explicit sizes "
-                          "or a published model's config.")
+    parser.description = ("K/V cache bytes = 2 x B x L x T x H_kv x D x s, from explicit sizes; "
+                          "for a published model (--model) or a transformers config.json "
+                          "(--config), the sum of what each layer keeps: all T positions, a "
+                          "window of them, an MLA latent, or a linear-attention state.")
     parser.add_argument("--model", type=_model_arg, metavar="NAME",
-                        help="a published config: " + ", ".join(p.name for p in PRESETS.values()))
+                        help=f"a published config, as its model card names it: one of "
+                             f"{len(MODELS)}, e.g. Llama-3.1-8B, Gemma-3-27B, DeepSeek-V3, "
+                             "gpt-oss-20b, Qwen3-Next-80B-A3B (--list-models shows them all)")
+    parser.add_argument("--config", type=_config_arg, metavar="PATH",
+                        help="a transformers config.json (GQA, MLA, sliding-window, hybrid and "
+                             "linear-attention layers)")
     parser.add_argument("--batch", type=_positive_arg, default=1, metavar="B",
                         help="sequences (default 1)")
     parser.add_argument("--layers", type=_positive_arg, metavar="L", help="decoder layers")
     parser.add_argument("--seq-len", type=_length_arg, metavar="T",
-                        help="cached positions per sequence (default with --model: the model's "
-                             "context; a longer one is computed, with a warning)")
+                        help="cached positions per sequence (default with --model or --config: "
+                             "the model's context; a longer one is computed, with a warning)")
     parser.add_argument("--kv-heads", type=_positive_arg, metavar="H",
                         help="K/V heads per layer (not query heads)")
     parser.add_argument("--head-dim", type=_positive_arg, metavar="D", help="size of one head")
@@ -82,7 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default float16)")
     parser.add_argument("--window", type=_length_arg, metavar="W",
                         help="sliding window: each layer keeps only the last W positions "
-                             "(default: the model's own window, if it has one)")
+                             "(with --model or --config: caps the model's own windows)")
+    parser.add_argument("--memory", type=_gib_arg, metavar="GIB",
+                        help="with --model or --config: also print how many sequences of T "
+                             "fit in GIB GiB of cache memory (weights not counted)")
     parser.add_argument("--list-models", action="store_true",
                         help="list the published configs and exit")
 
@@ -92,24 +123,77 @@ def _error(message: str) -> int:
     return 2
 
 
+def _describe(layer: LayerCache, count: int, mla: bool) -> str:
+    if layer.per_token == 0:
+        return (f"{count} x linear attention: nothing a position, a fixed state of "
+                f"{layer.state:,} elements" if layer.state else
+                f"{count} x linear attention: not counted")
+    what = "a latent: kv_lora_rank + qk_rope_head_dim" if mla else "2 x H_kv x D"
+    reach = f"the last {layer.window:,} positions" if layer.window else "every position"
+    return (f"{count} x {'MLA' if mla else 'attention'}: {layer.per_token:,} elements a "
+            f"position ({what}), {reach}")
+
+
+def _model_lines(model: ModelCache, T: int, B: int, dtype: str, default_T: bool,
+                 memory_gib: float | None = None) -> list[str]:
+    total = model.kv_bytes(T, B, dtype)
+    lines = [f"model      {model.name} ({model.kind}; source: {model.source})"]
+    if model.note:
+        lines.append(f"note       {model.note}")
+    lines += [f"layers     {_describe(layer, n, model.kind == 'MLA')}"
+              for layer, n in model.groups()]
+    if default_T:
+        lines.append(f"length     T = {T:,}, the model's context (give --seq-len for another)")
+    lines += [
+        f"formula    B x s x elements = {B:,} x {element_size(dtype)} ({dtype}) x "
+        f"{model.elements(T):,} (the layers': a position's x positions held, + state)",
+        f"bytes      {total:,} bytes",
+        f"binary     {binary_size(total)}",
+        f"decimal    {decimal_size(total)}",
+        f"sequence   {format_bytes(model.kv_bytes(T, 1, dtype))}",
+        f"per token  {format_bytes(model.bytes_per_token(dtype))} (one more position inside "
+        "every window, per sequence)",
+    ]
+    if model.fixed_bytes(dtype):
+        lines.append(f"fixed      {format_bytes(model.fixed_bytes(dtype))} per sequence, "
+                     "whatever T")
+    if any(layer.window is not None for layer in model.layers):
+        full = ModelCache(model.name, "plain", tuple(layer._replace(window=None)
+                                                     for layer in model.layers),
+                          model.max_positions, model.source)
+        lines.append(f"all full   {format_bytes(full.kv_bytes(T, B, dtype))} "
+                     "(were every layer to keep all T)")
+    if memory_gib is not None:
+        fit = model.sequences_that_fit(int(memory_gib * 2**30), T, dtype)  # T >= 1
+        lines.append(f"fits       {fit:,} sequences of {T:,} positions in {memory_gib:g} GiB")
+    return lines
+
+
 def main(args: argparse.Namespace) -> int:
     """Print the K/V bytes for the sizes in ``args``; 2 (nothing on stdout) on inconsistent
     options."""
     if getattr(args, "list_models", False):
-        for p in PRESETS.values():
-            window = f", window {p.sliding_window:,}" if p.sliding_window else ""
-            print(f"{p.name:16} {p.attention}  L={p.layers} H={p.heads} H_kv={p.kv_heads} "
-                  f"D={p.head_dim} context {p.max_positions:,}{window}  [{p.source}]")
+        for m in MODELS.values():
+            print(f"{m.name:20} {m.kind:13} {len(m.layers):3} layers, "
+                  f"{m.bytes_per_token('float16'):,} bytes a token in float16, context "
+                  f"{m.max_positions:,}  [{m.source}]")
         return 0
     sizes = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
-    model: ModelPreset | None = args.model
+    config = getattr(args, "config", None)
+    if args.model is not None and config is not None:
+        return _error("give --model or --config, not both")
+    model: ModelCache | None = args.model if args.model is not None else config
     T = args.seq_len
     if model is not None:
         given = [name for name, value in sizes.items() if value is not None]
         if given:
-            return _error(f"--model sets the sizes itself; drop {', '.join(given)}")
-        layers, kv_heads, head_dim = model.layers, model.kv_heads, model.head_dim
-        window = args.window if args.window is not None else model.sliding_window
+            return _error(f"--model and --config set the sizes themselves; drop "
+                          f"{', '.join(given)}")
+        if args.window is not None:  # a what-if: every layer keeps at most W
+            W = args.window
+            model = ModelCache(model.name, model.kind, tuple(
+                layer._replace(window=W if layer.window is None else min(layer.window, W))
+                for layer in model.layers), model.max_positions, model.source, model.note)
         if T is None:
             T = model.max_positions
         elif T > model.max_positions:
@@ -119,24 +203,21 @@ def main(args: argparse.Namespace) -> int:
             print(f"python -m kvdoc memory: warning: --seq-len {T:,} is past {model.name}'s "
                   f"context of {model.max_positions:,} tokens (the bytes below are for a "
                   "model stretched that far)", file=sys.stderr)
-    else:
-        if T is None:
-            return _error("--seq-len is required without --model")
-        missing = [name for name, value in sizes.items() if value is None]
-        if missing:
-            return _error("give --model NAME or all of --layers, --kv-heads, --head-dim "
-                          f"(missing {', '.join(missing)})")
-        layers, kv_heads, head_dim = args.layers, args.kv_heads, args.head_dim
-        window = args.window
+        print("\n".join(_model_lines(model, T, args.batch, dtype_name(args.dtype),
+                                     args.seq_len is None, getattr(args, "memory", None))))
+        return 0
+    if getattr(args, "memory", None) is not None:
+        return _error("--memory needs --model or --config")
+    if T is None:
+        return _error("--seq-len is required without --model or --config")
+    missing = [name for name, value in sizes.items() if value is None]
+    if missing:
+        return _error("give --model NAME, --config PATH or all of --layers, --kv-heads, "
+                      f"--head-dim (missing {', '.join(missing)})")
+    layers, kv_heads, head_dim, window = args.layers, args.kv_heads, args.head_dim, args.window
     B, s = args.batch, element_size(args.dtype)
     total = kv_bytes(B, layers, T, kv_heads, head_dim, args.dtype)
-    lines = []
-    if model is not None:
-        lines.append(f"model      {model.name} ({model.attention}, {model.heads} query heads; "
-                     f"source: {model.source})")
-        if args.seq_len is None:
-            lines.append(f"length     T = {T:,}, the model's context (give --seq-len for another)")
-    lines += [
+    lines = [
         f"formula    2 x B x L x T x H_kv x D x s = 2 x {B:,} x {layers:,} x {T:,} "
         f"x {kv_heads:,} x {head_dim:,} x {s} ({dtype_name(args.dtype)})",
         f"bytes      {total:,} bytes",

@@ -132,6 +132,42 @@ PRESETS: dict[str, ModelPreset] = {p.name.lower(): p for p in (
     ModelPreset("Falcon-7B", layers=32, heads=71, kv_heads=1, head_dim=64, max_positions=2048,
                 source="tiiuae/falcon-7b config.json (n_layer 32, n_head 71, hidden_size 4544, "
                        "multi_query true)"),
+    ModelPreset("Llama-3-70B", layers=80, heads=64, kv_heads=8, head_dim=128,
+                max_positions=8192, hidden=8192, intermediate=28672, vocab=128256,
+                source="https://huggingface.co/meta-llama/Meta-Llama-3-70B/blob/main/config.json"),
+    ModelPreset("Llama-3.1-8B", layers=32, heads=32, kv_heads=8, head_dim=128,
+                max_positions=131072, hidden=4096, intermediate=14336, vocab=128256,
+                source="https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json"),
+    ModelPreset("Llama-3.1-70B", layers=80, heads=64, kv_heads=8, head_dim=128,
+                max_positions=131072, hidden=8192, intermediate=28672, vocab=128256,
+                source="https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json"),
+    ModelPreset("Llama-3.1-405B", layers=126, heads=128, kv_heads=8, head_dim=128,
+                max_positions=131072, hidden=16384, intermediate=53248, vocab=128256,
+                source="https://huggingface.co/meta-llama/Llama-3.1-405B/blob/main/config.json"),
+    ModelPreset("Qwen3-4B", layers=36, heads=32, kv_heads=8, head_dim=128,
+                max_positions=40960,
+                source="https://huggingface.co/Qwen/Qwen3-4B/blob/main/config.json"),
+    ModelPreset("Qwen3-8B", layers=36, heads=32, kv_heads=8, head_dim=128,
+                max_positions=40960,
+                source="https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json"),
+    ModelPreset("Qwen3-14B", layers=40, heads=40, kv_heads=8, head_dim=128,
+                max_positions=40960,
+                source="https://huggingface.co/Qwen/Qwen3-14B/blob/main/config.json"),
+    ModelPreset("Qwen3-32B", layers=64, heads=64, kv_heads=8, head_dim=128,
+                max_positions=40960,
+                source="https://huggingface.co/Qwen/Qwen3-32B/blob/main/config.json"),
+    ModelPreset("Qwen3-30B-A3B", layers=48, heads=32, kv_heads=4, head_dim=128,
+                max_positions=40960,
+                source="https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json "
+                       "(the experts do not change the cache)"),
+    ModelPreset("Mistral-7B-v0.3", layers=32, heads=32, kv_heads=8, head_dim=128,
+                max_positions=32768,
+                source="https://huggingface.co/mistralai/Mistral-7B-v0.3/blob/main/config.json "
+                       "(sliding_window null: every layer full)"),
+    ModelPreset("Mixtral-8x7B-v0.1", layers=32, heads=32, kv_heads=8, head_dim=128,
+                max_positions=32768,
+                source="https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json "
+                       "(sliding_window null; the experts do not change the cache)"),
 )}
 
 

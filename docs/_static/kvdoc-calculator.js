@@ -1,0 +1,192 @@
+/* kvdoc memory calculator: K/V cache bytes of a published model or of sizes you type, per token,
+ * per sequence, for a batch, and how many sequences fit in a memory. Runs in the reader's
+ * browser; fetches nothing. The presets and element sizes come from the page itself (a JSON
+ * block written at build time from kvdoc.measure.model_caches.calculator_presets).
+ *
+ * A model is { name, kind, context, groups }, each group [perToken, window, state, count]:
+ * `count` layers that each add `perToken` elements a position, keep at most `window` positions
+ * (null: all) and hold `state` elements whatever the length. The pure functions at the top carry
+ * no DOM code; tests/test_calculator.py evaluates them with node against
+ * kvdoc.measure.model_caches.ModelCache for every preset.
+ */
+(function () {
+  "use strict";
+
+  function checkCount(name, value, min) {
+    if (!Number.isSafeInteger(value) || value < min) {
+      throw new RangeError(name + " must be an integer of at least " + min + ", got " + value);
+    }
+    return value;
+  }
+
+  /* The model of a plain or windowed decoder: L layers of 2 x H_kv x D elements a position. */
+  function customModel(layers, kvHeads, headDim, window) {
+    checkCount("layers", layers, 1);
+    checkCount("K/V heads", kvHeads, 1);
+    checkCount("head size", headDim, 1);
+    if (window !== null) checkCount("window", window, 1);
+    return { name: "custom", kind: window === null ? "plain" : "windowed", context: null,
+             groups: [[2 * kvHeads * headDim, window, 0, layers]] };
+  }
+
+  /* Elements one sequence of T positions keeps: sum of count x (perToken x min(T, W) + state). */
+  function sequenceElements(model, T) {
+    checkCount("length", T, 0);
+    var total = 0;
+    model.groups.forEach(function (g) {
+      var held = g[1] === null ? T : Math.min(T, g[1]);
+      total += g[3] * (g[0] * held + g[2]);
+    });
+    return checkCount("elements", total, 0);
+  }
+
+  /* Bytes of `batch` sequences of T positions, `s` bytes an element. */
+  function cacheBytes(model, batch, T, s) {
+    checkCount("batch", batch, 1);
+    checkCount("element size", s, 1);
+    return checkCount("bytes (too large to count exactly)", batch * s * sequenceElements(model, T), 0);
+  }
+
+  /* Bytes one more position adds to a sequence while it is inside every window. */
+  function bytesPerToken(model, s) {
+    var n = 0;
+    model.groups.forEach(function (g) { n += g[3] * g[0]; });
+    return checkCount("bytes", n * checkCount("element size", s, 1), 0);
+  }
+
+  /* Bytes a sequence holds whatever its length (linear-attention states). */
+  function fixedBytes(model, s) {
+    var n = 0;
+    model.groups.forEach(function (g) { n += g[3] * g[2]; });
+    return checkCount("bytes", n * checkCount("element size", s, 1), 0);
+  }
+
+  /* How many sequences of T positions fit in `memory` bytes. */
+  function sequencesThatFit(model, T, s, memory) {
+    checkCount("memory", memory, 1);
+    var one = cacheBytes(model, 1, T, s);
+    if (one === 0) throw new RangeError("an empty cache: every count of sequences fits");
+    return Math.floor(memory / one);
+  }
+
+  /* Binary units as kvdoc.measure.byte_units.binary_size prints them: 3 decimals, rounded
+   * half to even (Python's format of the exact quotient n / 1024^k), trailing zeros dropped. */
+  function binarySize(n) {
+    checkCount("byte count", n, 0);
+    var units = ["bytes", "KiB", "MiB", "GiB", "TiB", "PiB"], power = 0;
+    while (power + 1 < units.length && n >= Math.pow(1024, power + 1)) power++;
+    if (power === 0) return n.toLocaleString("en-US") + " bytes";
+    var den = BigInt(1024) ** BigInt(power), num = BigInt(n) * BigInt(1000);
+    var m = num / den, twice = (num % den) * BigInt(2);
+    if (twice > den || (twice === den && m % BigInt(2) === BigInt(1))) m += BigInt(1);
+    var whole = m / BigInt(1000), frac = (m % BigInt(1000)).toString().padStart(3, "0");
+    frac = frac.replace(/0+$/, "");
+    return whole.toLocaleString("en-US") + (frac ? "." + frac : "") + " " + units[power];
+  }
+
+  var api = { customModel: customModel, sequenceElements: sequenceElements, cacheBytes: cacheBytes,
+              bytesPerToken: bytesPerToken, fixedBytes: fixedBytes,
+              sequencesThatFit: sequencesThatFit, binarySize: binarySize };
+  if (typeof module !== "undefined" && module.exports) module.exports = api;
+  if (typeof document === "undefined") return;
+
+  /* ---------------------------------- DOM ---------------------------------- */
+
+  function el(tag, attrs, children) {
+    var node = document.createElement(tag);
+    Object.keys(attrs || {}).forEach(function (k) {
+      if (k === "text") node.textContent = attrs[k]; else node.setAttribute(k, attrs[k]);
+    });
+    (children || []).forEach(function (c) { node.appendChild(c); });
+    return node;
+  }
+
+  function field(label, input) {
+    return el("label", { "class": "kvc-field" }, [el("span", { text: label }), input]);
+  }
+
+  function build(root, data) {
+    var models = data.presets;
+    var pick = el("select", { id: "kvc-model" });
+    pick.appendChild(el("option", { value: "", text: "custom sizes (type them below)" }));
+    models.forEach(function (m, i) {
+      pick.appendChild(el("option", { value: "" + i, text: m.name + " (" + m.kind + ")" }));
+    });
+    var dtype = el("select", { id: "kvc-dtype" });
+    Object.keys(data.element_bytes).forEach(function (name) {
+      dtype.appendChild(el("option", { value: name, text: name + " (" + data.element_bytes[name] + " B)" }));
+    });
+    dtype.value = "bfloat16";
+    function num(id, value) { return el("input", { type: "number", min: "1", step: "1", value: value, id: id }); }
+    var L = num("kvc-layers", "32"), H = num("kvc-kv-heads", "8"), D = num("kvc-head-dim", "128");
+    var W = el("input", { type: "number", min: "1", step: "1", placeholder: "none", id: "kvc-window" });
+    var B = num("kvc-batch", "1"), T = num("kvc-length", "8192"), M = num("kvc-memory", "80");
+    var custom = el("fieldset", { "class": "kvc-custom" }, [el("legend", { text: "sizes" }),
+      field("layers L", L), field("K/V heads H_kv", H), field("head size D", D), field("window W", W)]);
+    var out = el("div", { "class": "kvc-out", "aria-live": "polite", id: "kvc-out" });
+
+    function integer(input, name) {
+      var v = Number(input.value);
+      if (input.value.trim() === "" || !Number.isInteger(v)) throw new RangeError(name + " must be a whole number");
+      return v;
+    }
+    function current() {
+      if (pick.value === "") {
+        return customModel(integer(L, "layers"), integer(H, "K/V heads"), integer(D, "head size"),
+                           W.value.trim() === "" ? null : integer(W, "window"));
+      }
+      return models[Number(pick.value)];
+    }
+    function draw() {
+      custom.disabled = pick.value !== "";
+      var rows;
+      try {
+        var m = current(), s = data.element_bytes[dtype.value];
+        var b = integer(B, "batch"), t = integer(T, "context"), mem = Number(M.value);
+        if (!(mem > 0)) throw new RangeError("memory must be a positive number of GiB");
+        var memBytes = Math.floor(mem * Math.pow(2, 30));
+        var perSeq = cacheBytes(m, 1, t, s), total = cacheBytes(m, b, t, s);
+        rows = [
+          ["bytes per token", bytesPerToken(m, s).toLocaleString("en-US") + " (" + binarySize(bytesPerToken(m, s)) + ")"],
+          ["per sequence of " + t.toLocaleString("en-US"), perSeq.toLocaleString("en-US") + " (" + binarySize(perSeq) + ")"],
+          ["batch of " + b, total.toLocaleString("en-US") + " (" + binarySize(total) + ")"],
+          ["sequences that fit in " + mem + " GiB", perSeq === 0 ? "any number" :
+            sequencesThatFit(m, t, s, memBytes).toLocaleString("en-US")]
+        ];
+        if (fixedBytes(m, s)) rows.push(["fixed state per sequence", binarySize(fixedBytes(m, s))]);
+        var notes = [];
+        if (m.context !== null && t > m.context) notes.push("Past the model's context of " + m.context.toLocaleString("en-US") + " tokens.");
+        if (m.note) notes.push(m.note + ".");
+        if (m.source) notes.push("Source: " + m.source);
+        out.replaceChildren(el("table", { "class": "kvc-table" }, rows.map(function (r) {
+          return el("tr", {}, [el("th", { text: r[0] }), el("td", { text: r[1] })]);
+        })), el("p", { "class": "kvc-note", text: notes.join(" ") }));
+      } catch (e) {
+        out.replaceChildren(el("p", { "class": "kvc-error", text: e.message }));
+      }
+    }
+    pick.addEventListener("change", function () {
+      if (pick.value !== "") T.value = "" + models[Number(pick.value)].context;
+      draw();
+    });
+    [dtype, L, H, D, W, B, T, M].forEach(function (x) { x.addEventListener("input", draw); });
+    var first = models.findIndex(function (m) { return m.name === data.initial; });
+    if (first >= 0) { pick.value = "" + first; T.value = "" + models[first].context; }
+    root.replaceChildren(
+      el("div", { "class": "kvc-row" }, [field("model", pick), field("dtype", dtype)]),
+      custom,
+      el("div", { "class": "kvc-row" }, [field("batch B", B), field("context T (tokens)", T),
+                                         field("memory (GiB)", M)]),
+      out);
+    draw();
+  }
+
+  function init() {
+    var root = document.getElementById("kvdoc-calculator");
+    var blob = document.getElementById("kvdoc-calculator-data");
+    if (!root || !blob || root.dataset.ready) return;
+    root.dataset.ready = "1";
+    build(root, JSON.parse(blob.textContent));
+  }
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init); else init();
+})();

@@ -1,0 +1,171 @@
+"""A transformers ``config.json`` read into a :class:`~kvdoc.measure.model_caches.ModelCache`.
+
+What it reads, per layer:
+
+* K/V heads and head size: ``num_key_value_heads`` (absent: ``num_attention_heads``, MHA;
+  Falcon's ``multi_query``: 1) and ``head_dim`` (absent: ``hidden_size / num_attention_heads``);
+  GPT-2's ``n_layer``, ``n_head``, ``n_embd`` and ``n_positions`` as well.
+* MLA: a ``kv_lora_rank`` (DeepSeek-V2/V3): a latent of ``kv_lora_rank + qk_rope_head_dim``.
+* Which layers are windowed: ``layer_types`` (``full_attention``, ``sliding_attention``,
+  ``linear_attention``); without it ``sliding_window_pattern`` (Gemma 3: every ``n``-th layer
+  full), Gemma 2's and gpt-oss's alternation, or ``full_attention_interval`` (Qwen3-Next); else
+  every layer is windowed if ``sliding_window`` is set and ``use_sliding_window`` is not false.
+* Linear-attention layers keep no K/V per position. Their fixed state is counted when the
+  config gives Gated DeltaNet's sizes (``linear_num_key_heads``, ...); otherwise only the
+  attention layers are counted, and the note says so.
+
+A multimodal config's ``text_config`` is read in its place; where a published Gemma 3 file
+leaves a size to transformers' class defaults, those defaults fill it. Anything else it cannot
+read (a missing size, an unknown layer type, state-space layers) raises a ValueError saying
+what.
+Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .model_caches import (
+    LayerCache,
+    ModelCache,
+    attention_layer,
+    every_nth_full,
+    gated_delta_layer,
+    mla_layer,
+)
+
+_ALIASES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+            "n_embd": "hidden_size", "n_positions": "max_position_embeddings"}
+#: model types whose transformers config alternates window and full layers when
+#: ``layer_types`` is absent (layer 0 windowed)
+_ALTERNATING = {"gemma2", "gpt_oss"}
+_GEMMA3 = {"gemma3", "gemma3_text"}
+_DELTA = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+          "linear_value_head_dim", "linear_conv_kernel_dim")
+#: sizes a published config.json leaves to its transformers class: Gemma 3's ``text_config``
+#: omits those equal to transformers 5.24.0's ``Gemma3TextConfig`` defaults (gemma-3-4b-pt's
+#: gives no head counts)
+_CLASS_DEFAULTS = {"gemma3_text": {"num_attention_heads": 8, "num_key_value_heads": 4,
+                                   "head_dim": 256, "max_position_embeddings": 131072,
+                                   "sliding_window": 4096}}
+_STATE_SPACE = {"mamba", "mamba2", "jamba", "falcon_h1", "zamba", "zamba2", "bamba", "rwkv"}
+
+
+def _int(c: Mapping[str, Any], key: str, where: str) -> int:
+    value = c.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        got = "missing" if value is None else f"{value!r}"
+        raise ValueError(f"{where}: {key} must be a positive integer ({got})")
+    return value
+
+
+def _layer_types(c: Mapping[str, Any], layers: int, where: str) -> list[str]:
+    types = c.get("layer_types")
+    model_type = c.get("model_type", "")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers:
+            raise ValueError(f"{where}: layer_types must list num_hidden_layers = {layers} "
+                             f"entries, got {types!r:.80}")
+        return types
+    if c.get("sliding_window_pattern") is not None or model_type in _GEMMA3:
+        pattern = {"sliding_window_pattern": c.get("sliding_window_pattern", 6)}  # Gemma 3's
+        return every_nth_full(layers, _int(pattern, "sliding_window_pattern", where))
+    if model_type in _ALTERNATING:
+        return every_nth_full(layers, 2)
+    if c.get("full_attention_interval") is not None:
+        every = _int(c, "full_attention_interval", where)
+        return ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                for i in range(layers)]
+    windowed = c.get("sliding_window") is not None and c.get("use_sliding_window") is not False
+    return ["sliding_attention" if windowed else "full_attention"] * layers
+
+
+def cache_from_config(config: Mapping[str, Any], name: str = "config.json") -> ModelCache:
+    """The :class:`ModelCache` a transformers config (a parsed ``config.json``) describes.
+
+    Raises:
+        ValueError: a size missing or not a positive integer, an unknown layer type,
+            state-space layers, or ``layer_types`` of the wrong length.
+
+    >>> m = cache_from_config({"num_hidden_layers": 32, "num_attention_heads": 32,
+    ...                        "num_key_value_heads": 8, "hidden_size": 4096,
+    ...                        "max_position_embeddings": 8192})
+    >>> m.kind, m.bytes_per_token("float16")
+    ('plain', 131072)
+    """
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{name}: expected a JSON object, got {type(config).__name__}")
+    c: dict[str, Any] = dict(config)
+    if isinstance(c.get("text_config"), Mapping):  # multimodal: the decoder's own config
+        c = {"model_type": c.get("model_type"), **c["text_config"]}
+    for old, new in _ALIASES.items():
+        c.setdefault(new, c.get(old))
+    model_type = str(c.get("model_type") or "")
+    c = {**_CLASS_DEFAULTS.get(model_type, {}), **{k: v for k, v in c.items() if v is not None}}
+    if model_type in _STATE_SPACE or c.get("state_size") is not None:
+        raise ValueError(f"{name}: model_type {model_type!r} has state-space layers; kvdoc "
+                         "reads attention, MLA, sliding-window and Gated DeltaNet layers")
+    layers = _int(c, "num_hidden_layers", name)
+    context = _int(c, "max_position_embeddings", name)
+    types = _layer_types(c, layers, name)
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention", "linear_attention"})
+    if unknown:
+        raise ValueError(f"{name}: unknown layer types {unknown}; kvdoc reads full_attention, "
+                         "sliding_attention and linear_attention")
+    note = []
+    if c.get("kv_lora_rank") is not None:
+        full = mla_layer(_int(c, "kv_lora_rank", name), _int(c, "qk_rope_head_dim", name))
+        window = None
+    else:
+        heads = _int(c, "num_attention_heads", name)
+        if c.get("num_key_value_heads") is not None:
+            kv_heads = _int(c, "num_key_value_heads", name)
+        else:
+            kv_heads = 1 if c.get("multi_query") else heads
+        head_dim = (_int(c, "head_dim", name) if c.get("head_dim") is not None
+                    else _int(c, "hidden_size", name) // heads)
+        full = attention_layer(kv_heads, head_dim)
+        window = (_int(c, "sliding_window", name) if "sliding_attention" in types else None)
+    windowed = full._replace(window=window)
+    linear = LayerCache(0)
+    if "linear_attention" in types:
+        if all(c.get(k) is not None for k in _DELTA):
+            linear = gated_delta_layer(*(_int(c, k, name) for k in _DELTA))
+        else:
+            note.append(f"{types.count('linear_attention')} linear-attention layers: state "
+                        "not counted (the config does not give Gated DeltaNet's sizes); "
+                        f"only the {layers - types.count('linear_attention')} attention "
+                        "layers are")
+    per_type = {"full_attention": full, "sliding_attention": windowed,
+                "linear_attention": linear}
+    cached = tuple(per_type[t] for t in types)
+    if c.get("kv_lora_rank") is not None:
+        kind = "MLA"
+    elif "linear_attention" in types:
+        kind = "linear-hybrid"
+    elif "sliding_attention" in types:
+        kind = "windowed" if "full_attention" not in types else "hybrid"
+    else:
+        kind = "plain"
+    return ModelCache(str(c.get("_name_or_path") or name), kind, cached, context, name,
+                      "; ".join(note))
+
+
+def read_config(path: str | Path) -> ModelCache:
+    """:func:`cache_from_config` of the ``config.json`` at ``path``.
+
+    Raises:
+        ValueError: the file is missing, not JSON, or not a config kvdoc can read.
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror}") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not JSON: {err}") from None
+    return cache_from_config(config, str(path))
