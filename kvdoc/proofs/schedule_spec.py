@@ -94,6 +94,36 @@ class _Seq:
         return self.produced == self.output
 
 
+def _queue(trace: Sequence[Request]) -> list[_Seq]:
+    """The requests in arrival order (ties by id), as the oracles count them."""
+    return [_Seq(r.rid, len(r.prompt), r.output_len, r.arrival)
+            for r in sorted(trace, key=lambda r: (r.arrival, r.rid))]
+
+
+def _preempt_newest(running: list[_Seq], waiting: list[_Seq],
+                    preempted: list[tuple[int, int]]) -> int:
+    """Preempt the newest running request: it drops its K/V and waits at the head of the queue
+    to be recomputed. Returns the blocks it gave back."""
+    victim = running.pop()
+    freed = victim.blocks
+    preempted.append((victim.rid, victim.computed))
+    victim.computed = victim.blocks = 0
+    victim.recomputes += 1
+    waiting.insert(0, victim)
+    return freed
+
+
+def _forward(rows: list[tuple[_Seq, int]], running: list[_Seq]) -> tuple[int, ...]:
+    """Feed each row its positions (a token is chosen once a request has all it lacks); the
+    running requests that got no row this step."""
+    for s, n in rows:
+        s.computed += n
+        if s.computed == s.prompt + s.produced:
+            s.produced += 1
+    in_step = {s.rid for s, _ in rows}
+    return tuple(s.rid for s in running if s.rid not in in_step)
+
+
 def expected_steps(trace: Sequence[Request], num_blocks: int, block_size: int = 4,
                    max_batch: int | None = None, token_budget: int | None = None,
                    policy: str = "continuous", preempt: bool = False) -> list[SpecStep]:
@@ -111,8 +141,7 @@ def expected_steps(trace: Sequence[Request], num_blocks: int, block_size: int = 
     def blocks(positions: int) -> int:
         return math.ceil(positions / block_size)
 
-    waiting = [_Seq(r.rid, len(r.prompt), r.output_len, r.arrival)
-               for r in sorted(trace, key=lambda r: (r.arrival, r.rid))]
+    waiting = _queue(trace)
     running: list[_Seq] = []
     free, steps = num_blocks, []
     while waiting or running:
@@ -156,23 +185,13 @@ def expected_steps(trace: Sequence[Request], num_blocks: int, block_size: int = 
             while any(x is s for x in running) and blocks(s.computed + n) - s.blocks > free:
                 if not preempt:
                     raise ValueError(f"request {s.rid} was admitted without room to write")
-                victim = running.pop()
-                free += victim.blocks
-                preempted.append((victim.rid, victim.computed))
-                victim.computed = victim.blocks = 0
-                victim.recomputes += 1
-                waiting.insert(0, victim)
+                free += _preempt_newest(running, waiting, preempted)
             if any(x is s for x in running):
                 free -= blocks(s.computed + n) - s.blocks
                 s.blocks = blocks(s.computed + n)
         rows = [(s, n) for s, n in rows if any(x is s for x in running)]
         # 4. the forward, then retirement
-        for s, n in rows:
-            s.computed += n
-            if s.computed == s.prompt + s.produced:
-                s.produced += 1
-        in_step = {s.rid for s, _ in rows}
-        holding = tuple(s.rid for s in running if s.rid not in in_step)
+        holding = _forward(rows, running)
         done = [s for s in running if s.finished()]
         if policy == "continuous" or len(done) == len(running):
             free += sum(s.blocks for s in done)

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from kvdoc.serving.requests import Request
 from kvdoc.serving.runs import ServeRun
 
-from .schedule_spec import SpecStep, _Seq
+from .schedule_spec import SpecStep, _forward, _preempt_newest, _queue, _Seq
 
 
 def vllm_v1_steps(trace: Sequence[Request], num_blocks: int, token_budget: int,
@@ -41,8 +41,7 @@ def vllm_v1_steps(trace: Sequence[Request], num_blocks: int, token_budget: int,
     def blocks(positions: int) -> int:
         return math.ceil(positions / block_size)
 
-    waiting = [_Seq(r.rid, len(r.prompt), r.output_len, r.arrival)
-               for r in sorted(trace, key=lambda r: (r.arrival, r.rid))]
+    waiting = _queue(trace)
     running: list[_Seq] = []
     free, steps = num_blocks, []
     while waiting or running:
@@ -54,13 +53,8 @@ def vllm_v1_steps(trace: Sequence[Request], num_blocks: int, token_budget: int,
             n = min(s.lacks(), left)
             kind[s.rid] = "decode" if s.decoding() else "recompute" if s.recomputes else "prefill"
             while blocks(s.computed + n) - s.blocks > free:
-                victim = running.pop()
-                free += victim.blocks
-                preempted.append((victim.rid, victim.computed))
-                victim.computed = victim.blocks = 0
-                victim.recomputes += 1
-                waiting.insert(0, victim)
-                if victim is s:
+                free += _preempt_newest(running, waiting, preempted)
+                if not any(x is s for x in running):
                     break
             if s not in running:
                 break
@@ -82,12 +76,7 @@ def vllm_v1_steps(trace: Sequence[Request], num_blocks: int, token_budget: int,
             left -= n
         if not running and waiting and waiting[0].arrival <= t:
             raise ValueError(f"request {waiting[0].rid} can never be scheduled")
-        for s, n in rows:
-            s.computed += n
-            if s.computed == s.prompt + s.produced:
-                s.produced += 1
-        in_step = {s.rid for s, _ in rows}
-        holding = tuple(s.rid for s in running if s.rid not in in_step)
+        holding = _forward(rows, running)
         free += sum(s.blocks for s in running if s.finished())
         running = [s for s in running if not s.finished()]
         steps.append(SpecStep(tuple((s.rid, n, kind[s.rid]) for s, n in rows),
