@@ -19,7 +19,7 @@ SITE_TEST := tests/test_site.py::test_every_built_page
 # Compared with a second clean build by repro-check; empty: build both.
 REPRO_REF ?=
 
-.PHONY: help html test lint pytest doctest sphinx-html page clean distclean venv site-check repro-check numeric-check screenshots
+.PHONY: help html test lint pytest doctest sphinx-html page clean distclean venv site-check repro-check numeric-check peer-check screenshots
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 14
@@ -69,6 +69,11 @@ repro-check: $(STAMP)  ## two clean builds must write the same site (REPRO_REF=d
 	$(if $(REPRO_REF),,$(MAKE) --no-print-directory html BUILDDIR=$(BUILDDIR)/repro/a)
 	$(MAKE) --no-print-directory html BUILDDIR=$(BUILDDIR)/repro/b
 	$(BIN)/python scripts/compare_builds.py $(or $(REPRO_REF),$(BUILDDIR)/repro/a/html) $(BUILDDIR)/repro/b/html
+
+# vLLM and SGLang are not installed (both need a GPU build): their releases' files come from PyPI
+# into .peer/ (about 90 MB, once). Not part of `make test`, which needs nothing from the network.
+peer-check: $(STAMP)  ## every vLLM/SGLang link and name-map name against the release it names
+	$(BIN)/python scripts/peer_check.py
 
 # A second numeric setting: ATen's portable kernels instead of this CPU's vector ones, MKL's
 # conditional-numerical-reproducibility path, two threads in every page's kernel (docs/_ipython).
