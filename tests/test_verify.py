@@ -14,7 +14,7 @@ from kvdoc.__main__ import main as cli
 from kvdoc.core import cache as kvcache
 from kvdoc.core.layers import StaticLayer
 from kvdoc.interop.hf_config import transformers_model
-from kvdoc.proofs import grid, policies
+from kvdoc.proofs import grid, policies, verify
 from kvdoc.proofs.broken.decoders import PositionsRestartDecoder, copy_as, stale_prefix
 from kvdoc.proofs.compare import (
     TOLERANCE,
@@ -143,22 +143,6 @@ def test_errors_are_infinite_on_nan_or_shape_mismatch():
 
 # --- the suite ------------------------------------------------------------------------------------
 
-def test_suite_passes_on_the_real_implementation():
-    report = run_suite()
-    assert report.passed, report.failures_table()
-    served = sum(len(grid.served(m.build(0).config, impls=m.impls)) for m in grid.MODELS.values())
-    # FP32 and FP64 everywhere; the bf16 scenario adds its BF16 and FP16 runs
-    assert len([c for c in report.combinations if c[3] in ("FP32", "FP64")]) == served * 2
-    assert {c[3] for c in report.combinations} == {"FP32", "FP64", "BF16", "FP16"}
-    assert {r.check for r in report.results} == set(CHECKS)
-    assert all(r.passed is not False for r in report.results)
-    # each skips kinds, impls or models it cannot take
-    not_everywhere = ("generate", "crop", "speculative", "int8", "fp8", "edges", "padded",
-                      "scheduling", "prefix-cache", "handover", "invariance",
-                      "bf16", "fp16", *policies.CHECKS)
-    assert all(r.passed is not None for r in report.results if r.check not in not_everywhere)
-
-
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_the_default_verify_catches_every_variant(name):
     outcome, = sweep_passes(verify_passes(), [name])  # as `python -m kvdoc verify` sweeps it
@@ -210,10 +194,29 @@ def test_variants_table_names_every_variant():
     assert table.count("| yes |") == 2 and "`position-counter`" in table
 
 
-def test_cli_passes_and_fails_with_a_verdict(capsys):
+def test_the_default_verify_passes_and_says_what_it_ran(capsys, monkeypatch):
+    """`python -m kvdoc verify` on the implementation (its suite, once: the report it prints is
+    the one checked here), then on a variant."""
+    reports = []
+    monkeypatch.setattr(verify, "run_passes",
+                        lambda *a, **k: reports.append(run_passes(*a, **k)) or reports[-1])
     assert cli(["verify", "--no-variants"]) == 0
     out = capsys.readouterr().out
     assert out.rstrip().splitlines()[-1] == "VERDICT: PASS"
+    report, = reports
+    assert report.passed, report.failures_table()
+    served = sum(len(grid.served(m.build(0).config, impls=m.impls)) for m in grid.MODELS.values())
+    # every served combination in FP32 and FP64; the bf16 scenario adds its BF16 and FP16 runs
+    for dtype in ("FP32", "FP64"):
+        assert len([c for c in report.combinations if c[3] == dtype]) == served, dtype
+    assert {c[3] for c in report.combinations} == {"FP32", "FP64", "BF16", "FP16"}
+    assert {r.check for r in report.results} == set(CHECKS)
+    assert all(r.passed is not False for r in report.results)
+    # each skips kinds, impls or models it cannot take
+    not_everywhere = ("generate", "crop", "speculative", "int8", "fp8", "edges", "padded",
+                      "scheduling", "prefix-cache", "handover", "invariance",
+                      "bf16", "fp16", *policies.CHECKS)
+    assert all(r.passed is not None for r in report.results if r.check not in not_everywhere)
     # it says what it ran: every registered model, cache kind, implementation and scenario
     lines = {line.strip().split(":")[0]: line.split(":", 1)[1].strip()
              for line in out.splitlines() if line.startswith("  ") and ":" in line}
