@@ -79,9 +79,12 @@ peer-check: $(STAMP)  ## every vLLM/SGLang link and name-map name against the re
 # conditional-numerical-reproducibility path, two threads in every page's kernel (docs/_ipython).
 # The last bits of every float change (as they do on another CPU), so a page that asserts this
 # machine's rounding fails here. The portable kernels are slower, and this check is about
-# numbers, not speed: a cell may take 900 s (600 s elsewhere).
+# numbers, not speed: a cell may take 900 s (600 s elsewhere). Two kernels of two threads each
+# share two cores here: OpenMP's threads, by default spinning while they wait, then took 10 to 40
+# times as long on a small model's forward as with OMP_WAIT_POLICY=PASSIVE (they sleep instead),
+# which changes when a thread waits, not how the work is split, so not the numbers.
 NUMERIC_ENV := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE KVDOC_THREADS=2 KVDOC_EXECUTE=force \
-	KVDOC_CELL_TIMEOUT=900
+	KVDOC_CELL_TIMEOUT=900 OMP_WAIT_POLICY=PASSIVE
 numeric-check: $(STAMP)  ## execute every page again in a second numeric setting (strict, into _build/numeric)
 	rm -rf $(BUILDDIR)/numeric
 	$(NUMERIC_ENV) $(SPHINXBUILD) -b html -E $(SPHINXOPTS) -d $(BUILDDIR)/numeric/doctrees $(DOCS) $(BUILDDIR)/numeric/html
