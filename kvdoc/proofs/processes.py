@@ -6,9 +6,10 @@ TP = 2 and at CP = 2 (:mod:`kvdoc.parallel`) beside the three broken layouts of
 :data:`kvdoc.proofs.broken.parallel.BROKEN`, and the MLA model's latent under TP and under
 DP-attention (:mod:`kvdoc.parallel.latent`) beside
 :data:`~kvdoc.proofs.broken.parallel.LATENT_BROKEN`. One launch of three ranks hands a TP = 2
-prefill's K/V blocks to a decode rank (:mod:`kvdoc.parallel.blocks`) in each mode, and with the
-heads swapped. One process serves a multi-turn workload from tiered, offloaded blocks
-(:mod:`kvdoc.serving.offload`), with chained block keys and with keys that forget the parent.
+prefill's K/V blocks to a decode rank (:mod:`kvdoc.parallel.blocks`) in each mode, pushed and
+pulled, with the heads swapped and with a stale block id pulled. One process serves a
+multi-turn workload from tiered, offloaded blocks (:mod:`kvdoc.serving.offload`), with
+chained block keys and with keys that forget the parent.
 
 Each :class:`ProcessCheck` of the implementation must pass; each of a variant must fail.
 """
@@ -20,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvdoc.parallel.blocks import handover_jobs
+from kvdoc.parallel.blocks import Handover, handover_jobs
 from kvdoc.parallel.checks import Job, build_model, check_jobs, compare_jobs, rank_jobs
 from kvdoc.parallel.latent import (
     MODES,
@@ -35,7 +36,7 @@ from kvdoc.serving.offload import TieredStore, check_offload, multi_turn
 
 from .broken.offload import BROKEN as OFFLOAD_BROKEN
 from .broken.parallel import BROKEN as PARALLEL_BROKEN
-from .broken.parallel import HANDOVER_BROKEN, LATENT_BROKEN
+from .broken.parallel import HANDOVER_BROKEN, LATENT_BROKEN, PULL_BROKEN
 
 PROMPT = torch.tensor([[11, 3, 57, 20, 8, 91, 42, 5, 77]])
 NEW = 5
@@ -83,13 +84,18 @@ def process_checks(variants: bool = True) -> list[ProcessCheck]:
                          "latent against one process, latent bytes against the formula",
                          compare_latent(j, [r[i] for r in latents]).ok)
             for i, j in enumerate(latent)]
-    handed = [(f"block hand-over, {mode}", llama, PROMPT, NEW, BLOCK, mode)
+    handed = [Handover(f"block hand-over, {mode}", llama, PROMPT, NEW, BLOCK, mode)
               for mode in ("logits", "recompute")]
+    handed.append(Handover("block hand-over, pulled after 1 block", llama, PROMPT, NEW, BLOCK,
+                           "recompute", transfer="pull", have=1))
     if variants:
-        handed += [(name, llama, PROMPT, NEW, BLOCK, "logits", place)
+        handed += [Handover(name, llama, PROMPT, NEW, BLOCK, "logits", place)
                    for name, place in HANDOVER_BROKEN.items()]
-    out += [ProcessCheck(h.name, h.name in HANDOVER_BROKEN, "tokens and the decode rank's K/V "
-                         "against one process, bytes and messages against the formula", h.ok)
+        handed += [Handover(name, llama, PROMPT, NEW, BLOCK, **fields)
+                   for name, fields in PULL_BROKEN.items()]
+    broken = {**HANDOVER_BROKEN, **PULL_BROKEN}
+    out += [ProcessCheck(h.name, h.name in broken, "tokens and the decode rank's K/V against "
+                         "one process, bytes and messages against the formula", h.ok)
             for h in handover_jobs(handed)]
     hashes = {"offloaded blocks, chained keys": None}
     if variants:

@@ -15,6 +15,10 @@
   rank ``t``'s K/V heads into the slots of rank ``tp - 1 - t``'s: heads in the wrong order on the
   decode rank. :data:`HANDOVER_BROKEN` names it; :func:`kvdoc.parallel.blocks.handover_jobs`
   catches it (``tests/test_blocks.py``).
+* :func:`stale_ids`: a pulling decode rank asks for the block before each one it lacks (an id
+  from a table one block out of date) and writes the answers where the blocks it lacks go.
+  :data:`PULL_BROKEN` names it with the pull it runs on (its blocks all full, so that each
+  answer fits the slot it lands in).
 
 * :class:`OtherRequests`: under DP-attention (:mod:`kvdoc.parallel.latent`) the last rank holds
   and attends over rank 0's requests' latents instead of its own (its own are never served).
@@ -27,6 +31,8 @@
 ['parallel-dropped-max', 'parallel-reversed-heads', 'parallel-wrong-shard']
 >>> sorted(HANDOVER_BROKEN)
 ['handover-swapped-heads']
+>>> stale_ids(range(1, 3))
+[0, 1]
 >>> sorted(LATENT_BROKEN)
 ['latent-bytes-once', 'latent-other-requests']
 """
@@ -131,3 +137,16 @@ LATENT_BROKEN: dict[str, BrokenLatent] = {
                                       "the replicated latent counted once for all ranks"),
 }
 """Name -> the broken split or bytes rule of a :class:`kvdoc.parallel.latent.LatentJob`."""
+
+
+def stale_ids(blocks: range) -> list[int]:
+    """The ids one block behind those the decode rank lacks."""
+    return [i - 1 for i in blocks]
+
+
+PULL_BROKEN: dict[str, dict[str, object]] = {
+    "handover-stale-pull": {"mode": "recompute", "transfer": "pull", "have": 1,
+                            "ask": stale_ids},
+}
+"""Name -> the fields of a :class:`kvdoc.parallel.blocks.Handover` that break it (run with a
+prompt whose sent positions are whole blocks: 9 tokens in blocks of 4 in ``"recompute"``)."""
