@@ -357,7 +357,7 @@ def handover_jobs(jobs: list[tuple], tp: int = 2) -> list[HandoverCheck]:
     for j in full:
         check_handover(j.model, j.prompt, j.max_new_tokens, tp, j.block_size, j.mode,
                        j.transfer, j.have)
-    per_rank = launch(_rank, tp + 1, full)
+    per_rank = launch(_rank, tp + 1, full, backend="gloo")  # CPU tensors
     checks = []
     for i, j in enumerate(full):
         model, prompt, new, mode = j.model, j.prompt, j.max_new_tokens, j.mode
@@ -396,4 +396,4 @@ def handover_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens: int,
     rank holds); returns the decode rank's :class:`Handed`."""
     check_handover(model, prompt, max_new_tokens, tp, block_size, mode, transfer, have)
     return launch(_rank, tp + 1, [Handover("", model, prompt, max_new_tokens, block_size, mode,
-                                           destination, transfer, have)])[tp][0]
+                                           destination, transfer, have)], backend="gloo")[tp][0]

@@ -202,4 +202,4 @@ def run_jobs(jobs: list[Job]) -> list[Comparison]:
     """
     if not jobs:
         return []
-    return compare_jobs(jobs, launch(rank_jobs, check_jobs(jobs), jobs))
+    return compare_jobs(jobs, launch(rank_jobs, check_jobs(jobs), jobs, backend="gloo"))

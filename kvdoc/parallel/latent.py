@@ -279,5 +279,5 @@ def latent_jobs(jobs: list[LatentJob], ranks: int = 2) -> list[LatentCheck]:
     """
     for j in jobs:
         check_latent_job(j, ranks)
-    per_rank = launch(rank_latent_jobs, ranks, jobs)
+    per_rank = launch(rank_latent_jobs, ranks, jobs, backend="gloo")  # CPU tensors
     return [compare_latent(j, [r[i] for r in per_rank]) for i, j in enumerate(jobs)]

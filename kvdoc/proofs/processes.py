@@ -74,7 +74,8 @@ def process_checks(variants: bool = True) -> list[ProcessCheck]:
     for j in latent:
         check_latent_job(j, 2)
     decoded, latents = zip(*launch(together, check_jobs(jobs),
-                                   [(rank_jobs, (jobs,)), (rank_latent_jobs, (latent,))]),
+                                   [(rank_jobs, (jobs,)), (rank_latent_jobs, (latent,))],
+                                   backend="gloo"),
                            strict=True)
     out = [ProcessCheck(c.name if c.name in PARALLEL_BROKEN else f"parallel decode, {c.name}",
                         c.name in PARALLEL_BROKEN, "tokens, logits, each rank's K/V and bytes, "
