@@ -143,17 +143,19 @@ def test_the_backend_is_gloo_without_a_gpu_per_rank(monkeypatch):
     assert choose_backend(2, "gloo") == "gloo"
 
 
-def test_the_command_hands_over_by_pull(capsys):
+def test_the_command_hands_over_by_pull_and_runs_the_latent(capsys):
     argv = ["parallel", "--models", "llama", "--handover", "pull", "--have", "1",
-            "--new-tokens", "3"]
+            "--new-tokens", "3", "--latent"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "(gloo)" in out and "hand-over (pull)" in out and "FAILED" not in out
     assert "llama (pull, logits)" in out and "llama (pull, recompute)" in out
+    assert "MLA latent, tp on 2 ranks" in out and "MLA latent, dp on 2 ranks" in out
 
 
 @pytest.mark.parametrize(("argv", "fragment"), [
     (["--have", "1"], "--have needs --handover pull"),
+    (["--latent", "--cp", "2"], "--latent runs on --tp ranks alone"),
     (["--handover", "pull", "--have", "5"], "gpt2, hand-over (logits): the decode rank can hold"),
     (["--tp", "3"], "gpt2: tp=3 does not divide n_head=4"),
     (["--tp", "4", "--cp", "8"], "32 processes; at most 16"),
