@@ -6,8 +6,8 @@ single K/V "head". Tensor parallelism splits the heads, so on ``n`` ranks each r
 ``H / n`` heads, but every one of them needs the whole latent: each rank caches all of it, for
 every request (``"tp"``). Data-parallel attention (``"dp"``) splits the batch instead: rank
 ``r`` runs every head, but only for its own ``B / n`` requests (:meth:`RequestSplit.requests`),
-and caches only their latents. Between the attentions the MLP stays tensor parallel, as the
-engines keep it: each rank all-gathers every rank's rows, runs its ``1 / n`` of the MLP columns
+and caches only their latents. Between the attentions the MLP stays tensor parallel: each rank
+all-gathers every rank's rows, runs its ``1 / n`` of the MLP columns
 (:class:`~kvdoc.parallel.tensor.ShardedMLP`, one all-reduce) and keeps its own rows.
 
 So the latent bytes a rank holds (:func:`latent_rank_bytes`) are ``B x T x L x (r + d_R) x s``
@@ -65,7 +65,7 @@ class RequestSplit:
         return range(rank * per_rank, (rank + 1) * per_rank)
 
 
-def latent_rank_bytes(config, mode: str, ranks: int, rank: int, batch: int, seq_len: int,
+def latent_rank_bytes(config: MLAConfig, mode: str, ranks: int, rank: int, batch: int, seq_len: int,
                       dtype: torch.dtype = torch.float32) -> int:
     """Latent bytes rank ``rank`` holds after ``seq_len`` positions: every request's under
     ``"tp"`` (replicated), its ``batch / ranks`` requests' under ``"dp"``."""

@@ -96,7 +96,11 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, folder
 
 def together(rank: int, world_size: int, calls: list[tuple[Callable[..., Any], tuple]]) -> list:
     """``[fn(rank, world_size, *args) for fn, args in calls]``: several runs on one launch
-    (spawning the ranks costs seconds, a tiny model's run milliseconds)."""
+    (spawning the ranks costs seconds, a tiny model's run milliseconds).
+
+    >>> launch(together, 1, [(_square_of_rank, ()), (_square_of_rank, ())])
+    [[0, 0]]
+    """
     return [fn(rank, world_size, *args) for fn, args in calls]
 
 
