@@ -13,16 +13,19 @@ import pytest
 import torch
 
 from kvdoc.parallel.blocks import (
+    Handover,
     destination,
     handover_generate,
     handover_jobs,
     messages,
     moved_bytes,
+    pulled_blocks,
+    request_bytes,
     senders,
 )
 from kvdoc.parallel.checks import MODELS, build_model
 from kvdoc.proofs.broken.offload import parentless_hash
-from kvdoc.proofs.broken.parallel import swapped_destination
+from kvdoc.proofs.broken.parallel import PULL_BROKEN, stale_ids, swapped_destination
 from kvdoc.serving.offload import (
     Roofline,
     TieredStore,
@@ -49,8 +52,16 @@ def handed():
     jobs.append(("llama block 32", build_model("llama"), PROMPT, NEW, 32, "recompute"))
     jobs += [(f"{name} swapped", build_model(name), PROMPT, NEW, 4, "logits",
               swapped_destination) for name in ("gpt2", "llama")]
+    jobs += [Handover(f"{name} pull {mode} have {have}", build_model(name), PROMPT, NEW, 4, mode,
+                      transfer="pull", have=have) for name, mode, have in PULLED]
+    jobs += [Handover(name, build_model("llama"), PROMPT[:, :9], NEW, 4, **fields)
+             for name, fields in PULL_BROKEN.items()]
     return {c.name: c for c in handover_jobs(jobs)}
 
+
+PULLED = [("llama", "logits", 0), ("llama", "logits", 2), ("gpt2", "recompute", 1),
+          ("mqa", "logits", 1)]
+"""Pulls: of every block, and after the decode rank holds some (a partial last block left)."""
 
 EXTRA = [("llama batch 2 block 3", "recompute"), ("gpt2 fp64 block 1", "logits"),
          ("llama block 32", "recompute")]
@@ -97,8 +108,40 @@ def test_bytes_moved_do_not_depend_on_the_prefill_layout():
     assert full == 2 * gpt2.n_layer * 9 * gpt2.n_kv_head * gpt2.head_dim * 4
 
 
+@pytest.mark.parametrize(("name", "mode", "have"), PULLED)
+def test_a_pull_equals_one_process_and_moves_the_formula_bytes(handed, name, mode, have):
+    c = handed[f"{name} pull {mode} have {have}"]
+    assert c.tokens_equal and c.kv_close and c.logits_close, c.lines()
+    assert c.sent_bytes == c.received_bytes == c.formula_bytes
+    assert c.requests[0] == c.requests[1] == c.requests[2] > 0
+    assert c.messages == c.formula_messages and c.ok
+    push = handed[f"{name} {mode}"] if f"{name} {mode}" in handed else None
+    if push is not None and have == 0:  # the same K/V crosses, plus the ids asked
+        assert c.sent_bytes == push.sent_bytes
+
+
+def test_a_pull_moves_only_the_blocks_it_lacks():
+    llama = MODELS["llama"]
+    per_position = 2 * llama.n_layer * llama.n_kv_head * llama.head_dim * 4
+    assert pulled_blocks(10, 4, "logits", have=2) == range(2, 3)
+    assert (moved_bytes(llama, 1, 10, "logits") - moved_bytes(llama, 1, 10, "logits", held=8)
+            == 8 * per_position)
+    assert request_bytes(llama, 2, 10, 4, "logits", have=2) == 2 * (1 + 1) * 8
+    assert messages(llama, 2, 10, 4, "logits", "pull", have=2) == 2 * (1 + 2) + 1
+
+
+def test_a_stale_block_id_is_caught(handed):
+    c = handed["handover-stale-pull"]
+    assert stale_ids(range(1, 3)) == [0, 1]
+    assert c.sent_bytes == c.formula_bytes and c.messages == c.formula_messages
+    assert not c.kv_close and not c.ok  # the right sizes, an old block in the slot
+
+
 @pytest.mark.parametrize(("kwargs", "fragment"), [
     ({"mode": "pull"}, "unknown hand-over mode 'pull'"),
+    ({"transfer": "fetch"}, "unknown transfer 'fetch'"),
+    ({"have": 1}, "have > 0 needs transfer='pull'"),
+    ({"transfer": "pull", "have": 3}, "0 to 2 of the 3 blocks"),
     ({"block_size": 0}, "block_size must be a positive integer"),
     ({"tp": 3}, "tp=3 does not divide n_head=4"),
     ({"prompt": torch.tensor([[4]]), "mode": "recompute"}, "at least 2 tokens"),

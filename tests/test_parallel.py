@@ -21,7 +21,7 @@ from kvdoc.parallel.decode import (
     rank_kv_bytes,
     who_holds,
 )
-from kvdoc.parallel.launch import launch
+from kvdoc.parallel.launch import choose_backend, launch
 from kvdoc.parallel.tensor import head_shard
 from kvdoc.proofs.broken.parallel import BROKEN
 from kvdoc.proofs.cli import main
@@ -126,7 +126,37 @@ def test_launch_refuses_a_bad_world_size():
         launch(print, 0)
 
 
+def test_the_backend_is_gloo_without_a_gpu_per_rank(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert choose_backend(2) == "gloo" and choose_backend(2, "gloo") == "gloo"
+    with pytest.raises(ValueError, match="nccl backend needs one CUDA GPU per rank: 2 ranks, "
+                                         "0 GPU"):
+        choose_backend(2, "nccl")
+    with pytest.raises(ValueError, match="nccl backend needs"):
+        launch(print, 2, backend="nccl")  # refused before any rank starts
+    with pytest.raises(ValueError, match="unknown backend 'mpi'"):
+        choose_backend(2, "mpi")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # the choice, not a GPU run
+    assert choose_backend(2) == "nccl" and choose_backend(3) == "gloo"
+    assert choose_backend(2, "gloo") == "gloo"
+
+
+def test_the_command_hands_over_by_pull_and_runs_the_latent(capsys):
+    argv = ["parallel", "--models", "llama", "--handover", "pull", "--have", "1",
+            "--new-tokens", "3", "--latent"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "(gloo)" in out and "hand-over (pull)" in out and "FAILED" not in out
+    assert "llama (pull, logits)" in out and "llama (pull, recompute)" in out
+    assert "MLA latent, tp on 2 ranks" in out and "MLA latent, dp on 2 ranks" in out
+
+
 @pytest.mark.parametrize(("argv", "fragment"), [
+    (["--have", "1"], "--have needs --handover pull"),
+    (["--latent", "--cp", "2"], "--latent runs on --tp ranks alone"),
+    (["--handover", "pull", "--have", "5"], "gpt2, hand-over (logits): the decode rank can hold"),
     (["--tp", "3"], "gpt2: tp=3 does not divide n_head=4"),
     (["--tp", "4", "--cp", "8"], "32 processes; at most 16"),
     (["--models", "gpt5"], "unknown model(s) ['gpt5']"),

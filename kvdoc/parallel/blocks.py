@@ -16,8 +16,16 @@ Two ways to start decoding (:data:`MODES`):
   last prompt token itself: one position less K/V and no logits on the wire, one extra forward of
   one token (over ``P - 1`` cached positions) on the decode side.
 
+Two ways to move the blocks (:data:`TRANSFERS`):
+
+* ``"push"``: each prefill rank sends every block as soon as it has it.
+* ``"pull"``: the decode rank asks. It may already hold the first ``have`` blocks (its own
+  prefix cache: it computed them itself), and sends each prefill rank the ids of the blocks it
+  lacks (a count, then the ids, ``int64``); the rank answers with those blocks, in that order.
+
 What moves is exactly :func:`moved_bytes` (the site's byte formula; :func:`handover_jobs`
-counts the real tensors sent and received against it) in :func:`messages` messages.
+counts the real tensors sent and received against it), plus :func:`request_bytes` of block ids
+when pulling, in :func:`messages` messages.
 
 >>> from kvdoc.core.config import llama_config
 >>> config = llama_config()                           # 2 layers, GQA 4 / 2, D = 16
@@ -25,6 +33,8 @@ counts the real tensors sent and received against it) in :func:`messages` messag
 3972
 >>> messages(config, tp=2, prompt_len=7, block_size=4, mode="recompute")
 4
+>>> messages(config, 2, 9, 4, "recompute", transfer="pull", have=1)  # 2 x (count, ids, block)
+6
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -49,6 +60,9 @@ from .tensor import head_shard
 
 MODES = ("logits", "recompute")
 """How the decode rank gets its first token's logits (see the module docstring)."""
+
+TRANSFERS = ("push", "pull")
+"""Who starts each block's transfer (see the module docstring)."""
 
 
 def destination(config: GPTConfig, tp: int, tp_rank: int) -> list[int]:
@@ -82,21 +96,51 @@ def sent_positions(prompt_len: int, mode: str) -> int:
     return prompt_len - (mode == "recompute")
 
 
+def pulled_blocks(prompt_len: int, block_size: int, mode: str, have: int = 0) -> range:
+    """The ids of the blocks that cross: all of them, or those after the ``have`` the decode
+    rank holds.
+
+    >>> pulled_blocks(9, 4, "logits", have=1)                  # blocks of 4, 4, 1 positions
+    range(1, 3)
+    """
+    blocks = -(-sent_positions(prompt_len, mode) // check_int("block_size", block_size))
+    if not 0 <= have < blocks:
+        raise ValueError(f"the decode rank can hold 0 to {blocks - 1} of the {blocks} blocks "
+                         f"before pulling, not have={have}")
+    return range(have, blocks)
+
+
 def moved_bytes(config: GPTConfig, batch: int, prompt_len: int, mode: str,
-                dtype: torch.dtype = torch.float32) -> int:
-    """``2 x B x L x T x H_kv x D x s`` for the ``T`` positions sent (:func:`sent_positions`),
-    plus ``B x V x s`` of logits in ``"logits"`` mode: the same at every prefill TP."""
-    total = kv_bytes(batch, config.n_layer, sent_positions(prompt_len, mode),
+                dtype: torch.dtype = torch.float32, *, held: int = 0) -> int:
+    """``2 x B x L x T x H_kv x D x s`` for the ``T`` positions sent (:func:`sent_positions`
+    less the ``held`` the decode rank has), plus ``B x V x s`` of logits in ``"logits"`` mode:
+    the same at every prefill TP."""
+    total = kv_bytes(batch, config.n_layer, sent_positions(prompt_len, mode) - held,
                      config.n_kv_head, config.head_dim, dtype)
     if mode == "logits":
         total += batch * config.vocab_size * torch.empty((), dtype=dtype).element_size()
     return total
 
 
-def messages(config: GPTConfig, tp: int, prompt_len: int, block_size: int, mode: str) -> int:
-    """Point-to-point messages: one per block per sending rank, plus one of logits."""
-    blocks = -(-sent_positions(prompt_len, mode) // block_size)
-    return blocks * len(senders(config, tp)) + (mode == "logits")
+def request_bytes(config: GPTConfig, tp: int, prompt_len: int, block_size: int, mode: str,
+                  have: int = 0) -> int:
+    """What a pull's requests weigh: to each sending rank, a count and the ids, 8 bytes each."""
+    return len(senders(config, tp)) * (1 + len(pulled_blocks(prompt_len, block_size, mode,
+                                                             have))) * 8
+
+
+def messages(config: GPTConfig, tp: int, prompt_len: int, block_size: int, mode: str,
+             transfer: str = "push", have: int = 0) -> int:
+    """Point-to-point messages: one per block crossing per sending rank, two requests per
+    sending rank when pulling, plus one of logits."""
+    blocks = len(pulled_blocks(prompt_len, block_size, mode, have))
+    return (blocks + 2 * (transfer == "pull")) * len(senders(config, tp)) + (mode == "logits")
+
+
+def lacking(blocks: range) -> list[int]:
+    """The block ids a pulling decode rank asks for: exactly the ones it lacks (the hook a
+    broken variant overrides)."""
+    return list(blocks)
 
 
 class GroupComm(Comm):
@@ -139,6 +183,22 @@ class Handed:
 Place = Callable[[GPTConfig, int, int], list[int]]
 
 
+class Handover(NamedTuple):
+    """One hand-over job of :func:`handover_jobs`."""
+
+    name: str
+    model: Decoder
+    prompt: torch.Tensor
+    max_new_tokens: int
+    block_size: int
+    mode: str
+    place: Place = destination
+    transfer: str = "push"
+    have: int = 0
+    """Leading blocks the decode rank holds before pulling (``"pull"`` only)."""
+    ask: Callable[[range], list[int]] = lacking
+
+
 def _send(t: torch.Tensor, dst: int, out: Handed) -> None:
     t = t.contiguous()
     dist.send(t, dst=dst)
@@ -154,38 +214,56 @@ def _recv(shape: tuple, dtype: torch.dtype, src: int, out: Handed) -> torch.Tens
     return t
 
 
+def _block(layers: list, start: int, end: int) -> torch.Tensor:
+    """Positions ``start .. end - 1`` of every layer's K and V: ``[L, 2, B, H_kv,r, n, D]``."""
+    return torch.stack([torch.stack((k[:, :, start:end], v[:, :, start:end])) for k, v in layers])
+
+
 @torch.no_grad()
-def _prefill_rank(rank: int, tp: int, group: object, model: Decoder, prompt: torch.Tensor,
-                  block_size: int, mode: str) -> Handed:
+def _prefill_rank(rank: int, tp: int, group: object, job: Handover) -> Handed:
     comm = GroupComm(rank, tp, group)
-    decoder = RankDecoder(model, comm).eval()
+    decoder = RankDecoder(job.model, comm).eval()
+    prompt, size = job.prompt, job.block_size
     logits, cache = decoder(prompt, decoder.new_cache(prompt.shape[0]), 0)
-    out, T = Handed(rank), sent_positions(prompt.shape[1], mode)
-    if rank in senders(model.config, tp):
+    out, T = Handed(rank), sent_positions(prompt.shape[1], job.mode)
+    if rank in senders(job.model.config, tp):
         layers = [layer.tensors() for layer in cache.layers]
-        for start in range(0, T, block_size):
-            end = min(start + block_size, T)  # one block: [L, 2, B, H_kv,r, n, D]
-            _send(torch.stack([torch.stack((k[:, :, start:end], v[:, :, start:end]))
-                               for k, v in layers]), tp, out)
-    if mode == "logits" and rank == 0:
+        if job.transfer == "push":
+            ids = list(range(-(-T // size)))
+        else:  # answer the decode rank's request, in its order
+            count = _recv((1,), torch.int64, tp, out)
+            ids = _recv((int(count),), torch.int64, tp, out).tolist()
+        for i in ids:
+            _send(_block(layers, i * size, min((i + 1) * size, T)), tp, out)
+    if job.mode == "logits" and rank == 0:
         _send(logits, tp, out)
     return out
 
 
 @torch.no_grad()
-def _decode_rank(tp: int, model: Decoder, prompt: torch.Tensor, max_new_tokens: int,
-                 block_size: int, mode: str, place: Place) -> Handed:
+def _decode_rank(tp: int, job: Handover) -> Handed:
+    model, prompt, size, mode = job.model, job.prompt, job.block_size, job.mode
     config, out = model.config, Handed(tp)
     B, L, D, T = prompt.shape[0], config.n_layer, config.head_dim, sent_positions(
         prompt.shape[1], mode)
     dtype = model.wte.weight.dtype
     kv = torch.empty((L, 2, B, config.n_kv_head, T, D), dtype=dtype)
-    for start in range(0, T, block_size):
-        n = min(block_size, T - start)
+    blocks = pulled_blocks(prompt.shape[1], size, mode, job.have)
+    if job.have:  # its own prefix cache: the first blocks, computed here
+        _, own = prefill(model, prompt[:, :job.have * size], model.new_cache(B, "dynamic"))
+        for i, layer in enumerate(own.layers):
+            kv[i, :, :, :, :job.have * size] = torch.stack(layer.read(own.seq_len))
+    asked = list(blocks) if job.transfer == "push" else job.ask(blocks)
+    if job.transfer == "pull":
         for t in senders(config, tp):
-            heads = place(config, tp, t)  # the remap: rank t's heads into the decode layout
+            _send(torch.tensor([len(asked)]), t, out)
+            _send(torch.tensor(asked, dtype=torch.int64), t, out)
+    for slot, i in zip(blocks, asked, strict=True):
+        n = min(size, T - i * size)  # the asked block's positions
+        for t in senders(config, tp):
+            heads = job.place(config, tp, t)  # the remap: rank t's heads into the decode layout
             block = _recv((L, 2, B, len(heads), n, D), dtype, t, out)
-            kv[:, :, :, heads, start:start + n] = block
+            kv[:, :, :, heads, slot * size:slot * size + n] = block
     out.kv = [(kv[i, 0], kv[i, 1]) for i in range(L)]
     cache = DynamicCache([(k.clone(), v.clone()) for k, v in out.kv])
     if mode == "logits":
@@ -194,37 +272,36 @@ def _decode_rank(tp: int, model: Decoder, prompt: torch.Tensor, max_new_tokens: 
         logits, cache = decode_step(model, prompt[:, -1:], cache)
         out.forwards = 1
     chosen, fed = [], [prompt]
-    for step in range(max_new_tokens):
+    for step in range(job.max_new_tokens):
         chosen.append(logits[:, -1])
         fed.append(logits[:, -1].argmax(dim=-1, keepdim=True))
-        if step + 1 < max_new_tokens:
+        if step + 1 < job.max_new_tokens:
             logits, cache = decode_step(model, fed[-1], cache)
     out.tokens, out.logits = torch.cat(fed, dim=1), torch.stack(chosen, dim=1)
     return out
 
 
-def _rank(rank: int, world_size: int, jobs: list[tuple]) -> list[Handed]:
+def _rank(rank: int, world_size: int, jobs: list[Handover]) -> list[Handed]:
     tp = world_size - 1
     # every rank of the world creates the prefill group, as new_group requires
     group = dist.new_group(list(range(tp))) if tp > 1 else None
-    results = []
-    for model, prompt, max_new_tokens, block_size, mode, place in jobs:
-        if rank < tp:
-            results.append(_prefill_rank(rank, tp, group, model, prompt, block_size, mode))
-        else:
-            results.append(_decode_rank(tp, model, prompt, max_new_tokens, block_size, mode,
-                                        place))
-    return results
+    return [_prefill_rank(rank, tp, group, j) if rank < tp else _decode_rank(tp, j)
+            for j in jobs]
 
 
 def check_handover(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, tp: int,
-                   block_size: int, mode: str) -> None:
+                   block_size: int, mode: str, transfer: str = "push", have: int = 0) -> None:
     """Raise ``ValueError`` for a hand-over :func:`handover_generate` cannot run."""
     check_run(model, prompt, max_new_tokens, tp, 1)
     check_int("block_size", block_size)
     if sent_positions(prompt.shape[1], mode) < 1:
         raise ValueError("recompute mode needs a prompt of at least 2 tokens: "
                          "one to send, one to recompute")
+    if transfer not in TRANSFERS:
+        raise ValueError(f"unknown transfer {transfer!r}; known: {', '.join(TRANSFERS)}")
+    if have and transfer == "push":
+        raise ValueError("a pushing prefill sends every block: have > 0 needs transfer='pull'")
+    pulled_blocks(prompt.shape[1], block_size, mode, have)
 
 
 @dataclass
@@ -242,41 +319,48 @@ class HandoverCheck:
     messages: int
     formula_messages: int
     forwards: int
+    transfer: str = "push"
+    requests: tuple[int, int, int] = (0, 0, 0)
+    """Bytes of block ids the decode rank sent, the prefill ranks received, and the formula's."""
 
     @property
     def ok(self) -> bool:
         """Every check passed."""
         return (self.tokens_equal and self.kv_close and self.logits_close
                 and self.sent_bytes == self.received_bytes == self.formula_bytes
-                and self.messages == self.formula_messages)
+                and len(set(self.requests)) == 1 and self.messages == self.formula_messages)
 
     def lines(self) -> list[str]:
         """What was compared, for a reader."""
         mark = {True: "ok", False: "FAILED"}
-        return [f"{self.name} ({self.mode}): tokens equal to generate: "
+        asked = f"; block ids asked {self.requests[0]:,} bytes (formula {self.requests[2]:,})" \
+            if self.transfer == "pull" else ""
+        return [f"{self.name} ({self.transfer}, {self.mode}): tokens equal to generate: "
                 f"{mark[self.tokens_equal]}; K/V equal to one process: {mark[self.kv_close]}",
                 f"  bytes sent {self.sent_bytes:,}, received {self.received_bytes:,}, formula "
-                f"{self.formula_bytes:,}; messages {self.messages} (formula "
+                f"{self.formula_bytes:,}{asked}; messages {self.messages} (formula "
                 f"{self.formula_messages}); decode-side forwards before token 1: "
                 f"{self.forwards}"]
 
 
 def handover_jobs(jobs: list[tuple], tp: int = 2) -> list[HandoverCheck]:
-    """Run each ``(name, model, prompt, max_new_tokens, block_size, mode[, place])`` on one launch
-    of ``tp + 1`` ranks and check it against one process: tokens against
+    """Run each :class:`Handover` (or a tuple of its fields, ``place`` onwards optional) on one
+    launch of ``tp + 1`` ranks and check it against one process: tokens against
     :func:`~kvdoc.core.model.generate`, the assembled K/V against a one-process prefill (within
     :data:`~kvdoc.parallel.checks.TOLERANCE`: TP reorders sums), bytes and messages against
-    :func:`moved_bytes` and :func:`messages`.
+    :func:`moved_bytes`, :func:`request_bytes` and :func:`messages`.
 
     Raises:
         ValueError: a job :func:`check_handover` refuses, before any rank starts.
     """
-    full = [(*j, destination)[:7] for j in jobs]
-    for _, model, prompt, new, block_size, mode, _ in full:
-        check_handover(model, prompt, new, tp, block_size, mode)
-    per_rank = launch(_rank, tp + 1, [j[1:] for j in full])
+    full = [Handover(*j) for j in jobs]
+    for j in full:
+        check_handover(j.model, j.prompt, j.max_new_tokens, tp, j.block_size, j.mode,
+                       j.transfer, j.have)
+    per_rank = launch(_rank, tp + 1, full, backend="gloo")  # CPU tensors
     checks = []
-    for i, (name, model, prompt, new, block_size, mode, _) in enumerate(full):
+    for i, j in enumerate(full):
+        model, prompt, new, mode = j.model, j.prompt, j.max_new_tokens, j.mode
         ranks = [r[i] for r in per_rank]
         decode = ranks[tp]
         T = sent_positions(prompt.shape[1], mode)
@@ -289,20 +373,27 @@ def handover_jobs(jobs: list[tuple], tp: int = 2) -> list[HandoverCheck]:
                        for mine, want in zip((k, v), layer.read(T), strict=True))
         first = decode.logits[:, 0]
         logits_close = torch.allclose(first, want_logits[:, -1], atol=tol, rtol=tol)
-        dtype = model.wte.weight.dtype
+        dtype, pull = model.wte.weight.dtype, j.transfer == "pull"
+        asked = request_bytes(model.config, tp, prompt.shape[1], j.block_size, mode,
+                              j.have) if pull else 0
         checks.append(HandoverCheck(
-            name, mode, torch.equal(decode.tokens, generate(model, prompt, new)), kv_close,
+            j.name, mode, torch.equal(decode.tokens, generate(model, prompt, new)), kv_close,
             bool(logits_close), sum(r.sent_bytes for r in ranks[:tp]), decode.received_bytes,
-            moved_bytes(model.config, prompt.shape[0], prompt.shape[1], mode, dtype),
-            decode.messages, messages(model.config, tp, prompt.shape[1], block_size, mode),
-            decode.forwards))
+            moved_bytes(model.config, prompt.shape[0], prompt.shape[1], mode, dtype,
+                        held=j.have * j.block_size),
+            decode.messages, messages(model.config, tp, prompt.shape[1], j.block_size, mode,
+                                      j.transfer, j.have),
+            decode.forwards, j.transfer,
+            (decode.sent_bytes, sum(r.received_bytes for r in ranks[:tp]), asked)))
     return checks
 
 
 def handover_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, *,
-                      tp: int = 2, block_size: int = 4, mode: str = "logits") -> Handed:
+                      tp: int = 2, block_size: int = 4, mode: str = "logits",
+                      transfer: str = "push", have: int = 0) -> Handed:
     """Greedy generation whose prefill runs on ``tp`` ranks and whose decode runs on one more,
-    the K/V handed over block by block; returns the decode rank's :class:`Handed`."""
-    check_handover(model, prompt, max_new_tokens, tp, block_size, mode)
-    return launch(_rank, tp + 1, [(model, prompt, max_new_tokens, block_size, mode,
-                                   destination)])[tp][0]
+    the K/V handed over block by block (pushed, or pulled after the ``have`` blocks the decode
+    rank holds); returns the decode rank's :class:`Handed`."""
+    check_handover(model, prompt, max_new_tokens, tp, block_size, mode, transfer, have)
+    return launch(_rank, tp + 1, [Handover("", model, prompt, max_new_tokens, block_size, mode,
+                                           destination, transfer, have)], backend="gloo")[tp][0]

@@ -166,9 +166,32 @@ class Job(NamedTuple):
     parts: Parts = STANDARD
 
 
-def _jobs(rank: int, world_size: int, jobs: list[Job]):
+def rank_jobs(rank: int, world_size: int, jobs: list[Job]) -> list:
+    """This rank's :func:`~kvdoc.parallel.decode.rank_generate` of every job, in order."""
     return [rank_generate(j.model, j.prompt, j.max_new_tokens, Comm(rank, j.tp, j.cp), j.parts)
             for j in jobs]
+
+
+def check_jobs(jobs: list[Job]) -> int:
+    """The one world size of ``jobs``, after :func:`~kvdoc.parallel.decode.check_run` of each.
+
+    Raises:
+        ValueError: jobs of different world sizes, or one :func:`parallel_generate` refuses.
+    """
+    worlds = {j.tp * j.cp for j in jobs}
+    if len(worlds) != 1:
+        raise ValueError(f"one launch runs one number of ranks, the jobs need {sorted(worlds)}")
+    for j in jobs:
+        check_run(j.model, j.prompt, j.max_new_tokens, j.tp, j.cp)
+    return worlds.pop()
+
+
+def compare_jobs(jobs: list[Job], per_rank: list[list]) -> list[Comparison]:
+    """Each job's :func:`rank_jobs` results (``per_rank[rank][job]``) compared."""
+    return [compare(j.name, j.model, j.prompt, j.max_new_tokens,
+                    ParallelRun(per_rank[0][i].tokens, per_rank[0][i].logits,
+                                [ranks[i] for ranks in per_rank]), j.tp, j.cp)
+            for i, j in enumerate(jobs)]
 
 
 def run_jobs(jobs: list[Job]) -> list[Comparison]:
@@ -179,13 +202,4 @@ def run_jobs(jobs: list[Job]) -> list[Comparison]:
     """
     if not jobs:
         return []
-    worlds = {j.tp * j.cp for j in jobs}
-    if len(worlds) != 1:
-        raise ValueError(f"one launch runs one number of ranks, the jobs need {sorted(worlds)}")
-    for j in jobs:
-        check_run(j.model, j.prompt, j.max_new_tokens, j.tp, j.cp)
-    per_rank = launch(_jobs, worlds.pop(), jobs)
-    return [compare(j.name, j.model, j.prompt, j.max_new_tokens,
-                    ParallelRun(per_rank[0][i].tokens, per_rank[0][i].logits,
-                                [ranks[i] for ranks in per_rank]), j.tp, j.cp)
-            for i, j in enumerate(jobs)]
+    return compare_jobs(jobs, launch(rank_jobs, check_jobs(jobs), jobs, backend="gloo"))

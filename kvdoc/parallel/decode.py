@@ -256,5 +256,6 @@ def parallel_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens: int,
             standard kvdoc decoder, or a prompt the model refuses; all before any rank starts.
     """
     check_run(model, prompt, max_new_tokens, tp, cp)
-    ranks = launch(_rank, tp * cp, model, prompt, max_new_tokens, tp, cp, parts)
+    ranks = launch(_rank, tp * cp, model, prompt, max_new_tokens, tp, cp, parts,
+                   backend="gloo")  # CPU tensors: NCCL carries CUDA tensors only
     return ParallelRun(ranks[0].tokens, ranks[0].logits, ranks)

@@ -1,4 +1,4 @@
-"""Start ``N`` ranks on this machine with torch.distributed (gloo) and collect what each returns.
+"""Start ``N`` ranks on this machine with torch.distributed and collect what each returns.
 
 :func:`launch` runs ``fn(rank, world_size, *args)`` on every rank and returns the list of
 results, rank order. Three ways in:
@@ -6,7 +6,7 @@ results, rank order. Three ways in:
 * ``world_size == 1`` and no process group: ``fn`` runs here, with no process group at all (one
   rank needs no collective).
 * no process group yet: ``N`` processes are spawned with :mod:`torch.multiprocessing`, each
-  joins a gloo group on ``127.0.0.1`` at a free port picked here (no ``torchrun`` needed), runs
+  joins a group on ``127.0.0.1`` at a free port picked here (no ``torchrun`` needed), runs
   ``fn`` with one torch thread, and hands its result back through a file.
 * a process group already initialized, or a process started by ``torchrun`` (which sets
   ``TORCHELASTIC_RUN_ID``, ``RANK``, ``WORLD_SIZE`` and the rendezvous address; the gloo group
@@ -15,8 +15,16 @@ results, rank order. Three ways in:
 
 A rank that raises makes :func:`launch` raise (the other ranks are stopped).
 
+The backend (:func:`choose_backend`): NCCL where CUDA is available with at least one GPU per
+rank (rank ``r`` then uses GPU ``r``), gloo otherwise; a caller may ask for one. NCCL carries
+only CUDA tensors, so kvdoc's own runs, whose tensors are on the CPU, ask for gloo. The NCCL
+path has not been run here (no GPU on the machine that builds the site); gloo is what is checked.
+
 >>> launch(_square_of_rank, 1)
 [0]
+>>> choose_backend(2, "gloo")
+'gloo'
+
 """
 
 from __future__ import annotations
@@ -39,6 +47,28 @@ TIMEOUT = timedelta(seconds=120)
 branch makes the others fail instead of hanging."""
 
 
+BACKENDS = ("gloo", "nccl")
+
+
+def choose_backend(world_size: int, requested: str | None = None) -> str:
+    """``requested``, or, when None, ``"nccl"`` if CUDA has ``world_size`` GPUs, else
+    ``"gloo"``.
+
+    Raises:
+        ValueError: an unknown backend, or ``"nccl"`` with fewer GPUs than ranks.
+    """
+    check_int("world_size", world_size)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested is None:
+        return "nccl" if gpus >= world_size else "gloo"
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown backend {requested!r}; known: {', '.join(BACKENDS)}")
+    if requested == "nccl" and gpus < world_size:
+        raise ValueError(f"the nccl backend needs one CUDA GPU per rank: {world_size} ranks, "
+                         f"{gpus} GPU(s) here; use gloo")
+    return requested
+
+
 def free_port() -> int:
     """A TCP port on ``127.0.0.1`` that nothing listens on now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -51,9 +81,11 @@ def _square_of_rank(rank: int, world_size: int) -> int:
 
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, folder: str,
-           args: tuple) -> None:
+           args: tuple, backend: str) -> None:
     torch.set_num_threads(1)  # N ranks share the machine's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # one GPU per rank
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=TIMEOUT)
     try:
         result = fn(rank, world_size, *args)
@@ -62,18 +94,33 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, folder
         dist.destroy_process_group()
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each on its own rank.
+def together(rank: int, world_size: int, calls: list[tuple[Callable[..., Any], tuple]]) -> list:
+    """``[fn(rank, world_size, *args) for fn, args in calls]``: several runs on one launch
+    (spawning the ranks costs seconds, a tiny model's run milliseconds).
+
+    >>> launch(together, 1, [(_square_of_rank, ()), (_square_of_rank, ())])
+    [[0, 0]]
+    """
+    return [fn(rank, world_size, *args) for fn, args in calls]
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any,
+           backend: str | None = None) -> list[Any]:
+    """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each on its own rank,
+    on :func:`choose_backend` ``(world_size, backend)``.
 
     ``fn`` and ``args`` must pickle (a module-level function; tensors, modules, dataclasses).
 
     Raises:
         ValueError: ``world_size`` is not a positive integer, or differs from the size of the
-            process group this process already belongs to.
+            process group this process already belongs to; a backend
+            :func:`choose_backend` refuses.
     """
-    check_int("world_size", world_size)
+    backend = choose_backend(world_size, backend)
     if not dist.is_initialized() and "TORCHELASTIC_RUN_ID" in os.environ:
-        dist.init_process_group("gloo", timeout=TIMEOUT)  # torchrun's rank and rendezvous
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend, timeout=TIMEOUT)  # torchrun's rank and rendezvous
     if dist.is_initialized():
         if dist.get_world_size() != world_size:
             raise ValueError(f"this process group has {dist.get_world_size()} ranks, "
@@ -85,7 +132,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     if world_size == 1:
         return [fn(0, 1, *args)]
     with tempfile.TemporaryDirectory(prefix="kvdoc-ranks-") as folder:
-        mp.start_processes(_entry, args=(fn, world_size, free_port(), folder, args),
+        mp.start_processes(_entry, args=(fn, world_size, free_port(), folder, args, backend),
                            nprocs=world_size, join=True, start_method="spawn")
         return [torch.load(os.path.join(folder, f"{rank}.pt"), weights_only=False)
                 for rank in range(world_size)]

@@ -3,10 +3,13 @@
 ``python -m kvdoc verify`` runs these after the suite, from its own process: the suite's pool
 workers cannot start ranks of their own. One launch of two ranks runs Llama-style decoding at
 TP = 2 and at CP = 2 (:mod:`kvdoc.parallel`) beside the three broken layouts of
-:data:`kvdoc.proofs.broken.parallel.BROKEN`; one launch of three ranks hands a TP = 2 prefill's
-K/V blocks to a decode rank in both modes (:mod:`kvdoc.parallel.blocks`), and with the heads
-swapped; and one process serves a multi-turn workload from tiered, offloaded blocks
-(:mod:`kvdoc.serving.offload`), with chained block keys and with keys that forget the parent.
+:data:`kvdoc.proofs.broken.parallel.BROKEN`, and the MLA model's latent under TP and under
+DP-attention (:mod:`kvdoc.parallel.latent`) beside
+:data:`~kvdoc.proofs.broken.parallel.LATENT_BROKEN`. One launch of three ranks hands a TP = 2
+prefill's K/V blocks to a decode rank (:mod:`kvdoc.parallel.blocks`) in each mode, pushed and
+pulled, with the heads swapped and with a stale block id pulled. One process serves a
+multi-turn workload from tiered, offloaded blocks (:mod:`kvdoc.serving.offload`), with
+chained block keys and with keys that forget the parent.
 
 Each :class:`ProcessCheck` of the implementation must pass; each of a variant must fail.
 """
@@ -18,17 +21,29 @@ from typing import NamedTuple
 
 import torch
 
-from kvdoc.parallel.blocks import handover_jobs
-from kvdoc.parallel.checks import Job, build_model, run_jobs
+from kvdoc.parallel.blocks import Handover, handover_jobs
+from kvdoc.parallel.checks import Job, build_model, check_jobs, compare_jobs, rank_jobs
+from kvdoc.parallel.latent import (
+    MODES,
+    LatentJob,
+    check_latent_job,
+    compare_latent,
+    latent_model,
+    rank_latent_jobs,
+)
+from kvdoc.parallel.launch import launch, together
 from kvdoc.serving.offload import TieredStore, check_offload, multi_turn
 
 from .broken.offload import BROKEN as OFFLOAD_BROKEN
 from .broken.parallel import BROKEN as PARALLEL_BROKEN
-from .broken.parallel import HANDOVER_BROKEN
+from .broken.parallel import HANDOVER_BROKEN, LATENT_BROKEN, PULL_BROKEN
 
 PROMPT = torch.tensor([[11, 3, 57, 20, 8, 91, 42, 5, 77]])
 NEW = 5
 BLOCK = 4
+LATENT_PROMPTS = torch.tensor([[11, 3, 57, 20, 8, 91, 42, 5, 77],
+                               [60, 2, 33, 14, 70, 9, 25, 88, 1]])
+"""Two requests, one per rank under DP-attention."""
 
 
 class ProcessCheck(NamedTuple):
@@ -49,20 +64,39 @@ def process_checks(variants: bool = True) -> list[ProcessCheck]:
     """Run every check across processes (with ``variants``, the broken ones too)."""
     llama = build_model("llama")
     jobs = [Job("tp=2", llama, PROMPT, NEW, 2, 1), Job("cp=2", llama, PROMPT, NEW, 1, 2)]
+    mla = latent_model()
+    latent = [LatentJob(f"latent, {mode}", mla, LATENT_PROMPTS, NEW, mode) for mode in MODES]
     if variants:
         jobs += [Job(name, llama, PROMPT, NEW, b.tp, b.cp, b.parts)
                  for name, b in PARALLEL_BROKEN.items()]
+        latent += [LatentJob(name, mla, LATENT_PROMPTS, NEW, b.mode, b.split, b.bytes_rule)
+                   for name, b in LATENT_BROKEN.items()]
+    for j in latent:
+        check_latent_job(j, 2)
+    decoded, latents = zip(*launch(together, check_jobs(jobs),
+                                   [(rank_jobs, (jobs,)), (rank_latent_jobs, (latent,))],
+                                   backend="gloo"),
+                           strict=True)
     out = [ProcessCheck(c.name if c.name in PARALLEL_BROKEN else f"parallel decode, {c.name}",
                         c.name in PARALLEL_BROKEN, "tokens, logits, each rank's K/V and bytes, "
                         "collectives, against one process", c.ok)
-           for c in run_jobs(jobs)]
-    handed = [(f"block hand-over, {mode}", llama, PROMPT, NEW, BLOCK, mode)
+           for c in compare_jobs(jobs, list(decoded))]
+    out += [ProcessCheck(j.name, j.name in LATENT_BROKEN, "MLA tokens, logits and each rank's "
+                         "latent against one process, latent bytes against the formula",
+                         compare_latent(j, [r[i] for r in latents]).ok)
+            for i, j in enumerate(latent)]
+    handed = [Handover(f"block hand-over, {mode}", llama, PROMPT, NEW, BLOCK, mode)
               for mode in ("logits", "recompute")]
+    handed.append(Handover("block hand-over, pulled after 1 block", llama, PROMPT, NEW, BLOCK,
+                           "recompute", transfer="pull", have=1))
     if variants:
-        handed += [(name, llama, PROMPT, NEW, BLOCK, "logits", place)
+        handed += [Handover(name, llama, PROMPT, NEW, BLOCK, "logits", place)
                    for name, place in HANDOVER_BROKEN.items()]
-    out += [ProcessCheck(h.name, h.name in HANDOVER_BROKEN, "tokens and the decode rank's K/V "
-                         "against one process, bytes and messages against the formula", h.ok)
+        handed += [Handover(name, llama, PROMPT, NEW, BLOCK, **fields)
+                   for name, fields in PULL_BROKEN.items()]
+    broken = {**HANDOVER_BROKEN, **PULL_BROKEN}
+    out += [ProcessCheck(h.name, h.name in broken, "tokens and the decode rank's K/V against "
+                         "one process, bytes and messages against the formula", h.ok)
             for h in handover_jobs(handed)]
     hashes = {"offloaded blocks, chained keys": None}
     if variants:

@@ -15,11 +15,26 @@
   rank ``t``'s K/V heads into the slots of rank ``tp - 1 - t``'s: heads in the wrong order on the
   decode rank. :data:`HANDOVER_BROKEN` names it; :func:`kvdoc.parallel.blocks.handover_jobs`
   catches it (``tests/test_blocks.py``).
+* :func:`stale_ids`: a pulling decode rank asks for the block before each one it lacks (an id
+  from a table one block out of date) and writes the answers where the blocks it lacks go.
+  :data:`PULL_BROKEN` names it with the pull it runs on (its blocks all full, so that each
+  answer fits the slot it lands in).
+
+* :class:`OtherRequests`: under DP-attention (:mod:`kvdoc.parallel.latent`) the last rank holds
+  and attends over rank 0's requests' latents instead of its own (its own are never served).
+* :func:`latent_bytes_once`: the bytes rule that counts the TP-replicated latent once for all
+  ranks (each rank ``1 / n`` of it, as if the latent split like K/V heads).
+  :data:`LATENT_BROKEN` names both; :func:`kvdoc.parallel.latent.latent_jobs` catches each
+  (``tests/test_latent.py``).
 
 >>> sorted(BROKEN)
 ['parallel-dropped-max', 'parallel-reversed-heads', 'parallel-wrong-shard']
 >>> sorted(HANDOVER_BROKEN)
 ['handover-swapped-heads']
+>>> stale_ids(range(1, 3))
+[0, 1]
+>>> sorted(LATENT_BROKEN)
+['latent-bytes-once', 'latent-other-requests']
 """
 
 from __future__ import annotations
@@ -33,6 +48,7 @@ from kvdoc.parallel.blocks import destination
 from kvdoc.parallel.comm import Comm
 from kvdoc.parallel.context import ContextShard
 from kvdoc.parallel.decode import Parts
+from kvdoc.parallel.latent import RequestSplit, latent_rank_bytes
 from kvdoc.parallel.tensor import ShardedAttention
 from kvdoc.serving.splitk import Partial
 
@@ -90,3 +106,47 @@ def swapped_destination(config: GPTConfig, tp: int, tp_rank: int) -> list[int]:
 HANDOVER_BROKEN: dict[str, object] = {"handover-swapped-heads": swapped_destination}
 """Name -> the broken ``place`` of :func:`kvdoc.parallel.blocks.handover_jobs` (run at TP = 2
 on a model with at least two K/V heads, so that the two ranks hold different heads)."""
+
+
+class OtherRequests(RequestSplit):
+    """The last DP-attention rank takes rank 0's requests."""
+
+    def requests(self, batch: int, ranks: int, rank: int) -> range:
+        return super().requests(batch, ranks, 0 if rank == ranks - 1 else rank)
+
+
+def latent_bytes_once(config, mode: str, ranks: int, rank: int, batch: int, seq_len: int,
+                      dtype: torch.dtype = torch.float32) -> int:
+    """The latent counted once for all ranks: every rank ``1 / ranks`` of the whole."""
+    return latent_rank_bytes(config, "tp", ranks, rank, batch, seq_len, dtype) // ranks
+
+
+class BrokenLatent(NamedTuple):
+    """A broken part of a latent run, the layout it runs on and what is wrong."""
+
+    mode: str
+    split: type
+    bytes_rule: object
+    breaks: str
+
+
+LATENT_BROKEN: dict[str, BrokenLatent] = {
+    "latent-other-requests": BrokenLatent("dp", OtherRequests, latent_rank_bytes,
+                                          "the last DP rank attends over rank 0's requests"),
+    "latent-bytes-once": BrokenLatent("tp", RequestSplit, latent_bytes_once,
+                                      "the replicated latent counted once for all ranks"),
+}
+"""Name -> the broken split or bytes rule of a :class:`kvdoc.parallel.latent.LatentJob`."""
+
+
+def stale_ids(blocks: range) -> list[int]:
+    """The ids one block behind those the decode rank lacks."""
+    return [i - 1 for i in blocks]
+
+
+PULL_BROKEN: dict[str, dict[str, object]] = {
+    "handover-stale-pull": {"mode": "recompute", "transfer": "pull", "have": 1,
+                            "ask": stale_ids},
+}
+"""Name -> the fields of a :class:`kvdoc.parallel.blocks.Handover` that break it (run with a
+prompt whose sent positions are whole blocks: 9 tokens in blocks of 4 in ``"recompute"``)."""
