@@ -7,6 +7,7 @@ other warning fails it (the Makefile passes -W --keep-going).
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import sys
@@ -117,6 +118,20 @@ def _drop_machine_values(app, doctree):
         if isinstance(annotation.parent, addnodes.desc_signature) and any(
                 path in text for path in _MACHINE_PATHS):
             annotation.parent.remove(annotation)
+
+
+# `-> bytes` in a signature or a field list is a cross-reference to "bytes", which Python's domain
+# resolves to any documented attribute of that name (kvdoc.parallel.checks.Comparison.bytes), and
+# warns when there are two: a builtin type's name is left as text that links nowhere.
+_BUILTIN_TYPES = frozenset(n for n, v in vars(builtins).items() if isinstance(v, type))
+
+
+def _builtins_link_nowhere(app, doctree):
+    from sphinx import addnodes
+
+    for ref in list(doctree.findall(addnodes.pending_xref)):
+        if ref.get("refdomain") == "py" and ref.get("reftarget") in _BUILTIN_TYPES:
+            ref.replace_self(ref.children)
 
 
 # --- doctest builder ---------------------------------------------------------------------
@@ -266,6 +281,7 @@ def setup(app):
             shutil.rmtree(records, ignore_errors=True)
         os.environ["KVDOC_RECORDS"] = str(records)
     app.connect("doctree-read", _drop_machine_values)
+    app.connect("doctree-read", _builtins_link_nowhere)
     app.connect("html-page-context", _offer_notebook, priority=500)
     app.connect("env-before-read-docs", _before_reading)
     app.connect("env-updated", _after_reading)
