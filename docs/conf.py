@@ -7,6 +7,8 @@ other warning fails it (the Makefile passes -W --keep-going).
 
 from __future__ import annotations
 
+import builtins
+import json
 import os
 import sys
 from importlib.metadata import version as _metadata_version
@@ -58,7 +60,7 @@ if os.environ.get("KVDOC_PAGES"):
         if not any(fnmatch.fnmatch(_doc, pattern) for pattern in _wanted):
             exclude_patterns.append(_doc + ".md")
     # a link into a skipped page has no target in this build (CI builds every page and keeps it)
-    suppress_warnings = ["toc.excluded", "toc.not_readable", "myst.xref_missing"]
+    suppress_warnings = ["toc.excluded", "toc.not_readable", "myst.xref_missing", "ref.doc"]
 templates_path = ["_templates"]
 html_static_path = ["_static"]
 html_css_files = ["kvdoc.css"]  # small dependency maps (kvdoc.teach.html_tables.map_table)
@@ -86,6 +88,11 @@ myst_heading_anchors = 3
 # dict-of-str ordering (and so anything printed from them) the same from build to build; the
 # matplotlibrc beside the extension fixes matplotlib's SVG ids (svg.hashsalt).
 os.environ["PYTHONHASHSEED"] = "0"
+# A long cell's progress lines (kvdoc.teach.progress) go to the page and to this build's own
+# standard error, so that the build log shows them as they happen; a kernel's own output goes
+# only to its notebook.
+if "KVDOC_BUILD_LOG" not in os.environ and Path(f"/proc/{os.getpid()}/fd/2").exists():
+    os.environ["KVDOC_BUILD_LOG"] = f"/proc/{os.getpid()}/fd/2"
 os.environ["MATPLOTLIBRC"] = str(_HERE / "_ext" / "matplotlibrc")
 
 # --- API reference ---------------------------------------------------------------------
@@ -111,6 +118,20 @@ def _drop_machine_values(app, doctree):
         if isinstance(annotation.parent, addnodes.desc_signature) and any(
                 path in text for path in _MACHINE_PATHS):
             annotation.parent.remove(annotation)
+
+
+# `-> bytes` in a signature or a field list is a cross-reference to "bytes", which Python's domain
+# resolves to any documented attribute of that name (kvdoc.parallel.checks.Comparison.bytes), and
+# warns when there are two: a builtin type's name is left as text that links nowhere.
+_BUILTIN_TYPES = frozenset(n for n, v in vars(builtins).items() if isinstance(v, type))
+
+
+def _builtins_link_nowhere(app, doctree):
+    from sphinx import addnodes
+
+    for ref in list(doctree.findall(addnodes.pending_xref)):
+        if ref.get("refdomain") == "py" and ref.get("reftarget") in _BUILTIN_TYPES:
+            ref.replace_self(ref.children)
 
 
 # --- doctest builder ---------------------------------------------------------------------
@@ -148,8 +169,6 @@ copybutton_prompt_is_regexp = True
 # (docs/_ext/kvdoc_notebooks.py), so Jupyter shows the numbers the page shows. Runs before the
 # theme's header buttons (priority 501).
 def _offer_notebook(app, pagename, templatename, context, doctree):
-    import json
-
     from kvdoc_notebooks import leftovers, readable_notebook
     from sphinx.util import logging
 
@@ -158,7 +177,8 @@ def _offer_notebook(app, pagename, templatename, context, doctree):
         return
     glue_file = executed.with_suffix(".glue.json")
     notebook = readable_notebook(
-        json.loads(executed.read_text(encoding="utf-8")), pagename, Path(app.srcdir),
+        _with_cached_outputs(app, json.loads(executed.read_text(encoding="utf-8"))),
+        pagename, Path(app.srcdir),
         json.loads(glue_file.read_text(encoding="utf-8")) if glue_file.is_file() else None)
     left = leftovers(notebook)
     if left:
@@ -174,6 +194,28 @@ def _offer_notebook(app, pagename, templatename, context, doctree):
     target.write_text(json.dumps(notebook, indent=1, sort_keys=True, ensure_ascii=False) + "\n",
                       encoding="utf-8")
     context["ipynb_source"] = f"{pagename}.ipynb"
+
+
+def _with_cached_outputs(app, notebook: dict) -> dict:
+    # MyST-NB 1.4 writes a page that it served from jupyter-cache without the outputs: it merges
+    # them into a copy of the notebook and writes the original. The cache has them.
+    config = app.env.mystnb_config
+    if config.execution_mode != "cache" or any(
+            c.get("outputs") for c in notebook.get("cells", [])):
+        return notebook
+    import nbformat
+    from jupyter_cache import get_cache
+    from myst_nb.ext.glue import extract_glue_data_cell
+
+    try:
+        _, merged = get_cache(config.execution_cache_path).merge_match_into_notebook(
+            nbformat.from_dict(notebook))
+    except KeyError:  # not in the cache after all
+        return notebook
+    for cell in merged.cells:  # glue(..., display=False) records leave, as on a first run
+        if cell.cell_type == "code":
+            extract_glue_data_cell(cell)
+    return json.loads(nbformat.writes(merged))
 
 
 # --- parallel reads ------------------------------------------------------------------------------
@@ -239,6 +281,7 @@ def setup(app):
             shutil.rmtree(records, ignore_errors=True)
         os.environ["KVDOC_RECORDS"] = str(records)
     app.connect("doctree-read", _drop_machine_values)
+    app.connect("doctree-read", _builtins_link_nowhere)
     app.connect("html-page-context", _offer_notebook, priority=500)
     app.connect("env-before-read-docs", _before_reading)
     app.connect("env-updated", _after_reading)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import re
 import subprocess
 import sys
 
 import pytest
 
-from kvdoc.proofs.cli import COMMANDS, build_parser
+from kvdoc.proofs.cli import COMMANDS, build_parser, plain
 
 
 def run(*code: str) -> subprocess.CompletedProcess[str]:
@@ -73,3 +74,83 @@ def test_the_top_level_lists_every_command_without_loading_it() -> None:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     # a command that was not named has its summary but none of its options
     assert [a.dest for a in sub.choices["memory"]._actions] == ["help"]
+
+
+def _help_texts(command: str) -> dict[str, str]:
+    """Every text ``command --help`` prints: its usage, description and each option's help."""
+    parser = build_parser([command])
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    texts = {"--help": sub.choices[command].format_help()}
+    texts.update({a.option_strings[0]: a.help or "" for a in _options(command)})
+    return texts
+
+
+MARKUP = re.compile(r"``|:(?:func|mod|data|class|meth|attr|term|doc|ref):`")
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help_has_no_markup(command: str | None) -> None:
+    texts = ({"--help": build_parser(["--help"]).format_help()} if command is None
+             else _help_texts(command))
+    leaks = {where: MARKUP.findall(text) for where, text in texts.items() if MARKUP.search(text)}
+    assert not leaks, f"reST markup in {command or 'the top-level'} help: {leaks}"
+
+
+def test_the_markup_check_sees_markup() -> None:
+    assert MARKUP.search("see :func:`~kvdoc.measure.kv_bytes.kv_bytes`")
+    assert MARKUP.search("``python -m kvdoc``")
+    assert not MARKUP.search(plain("``python -m kvdoc``: :func:`~a.b` and :data:`c.d`"))
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_usage_is_short(command: str) -> None:
+    # a usage line that spells out a long list of choices runs past a few terminal lines
+    parser = build_parser([command])
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    usage = sub.choices[command].format_usage()
+    spelled = [c.split(",") for c in re.findall(r"\{([^}]*)\}", usage)]
+    assert len(usage.splitlines()) <= 6 and all(len(c) <= 5 for c in spelled), usage
+
+
+# (argv, words the error must contain): lengths and counts no command can run
+NONSENSE = [
+    (["verify", "--workers", "0"], "--workers"),
+    (["verify", "--workers", "x"], "--workers"),
+    (["verify", "--variant", "nope"], "no broken variant 'nope'"),
+    (["bench", "--new-tokens", "0"], "new_tokens"),
+    (["bench", "--new-tokens", "-3"], "new_tokens"),
+    (["bench", "--samples", "0"], "samples"),
+    (["bench", "--warmup", "-1"], "warmup"),
+    (["bench", "--threads", "0"], "threads"),
+    (["bench", "--roofline-samples", "0"], "roofline_samples"),
+    (["bench", "--prefix-lens", "0"], "prefix length 0"),
+    (["bench", "--prefix-lens", "10" * 10], "prefix length"),
+    (["bench", "--prefix-lens", ""], "--prefix-lens"),
+    (["bench", "--growth-lengths", ","], "--growth-lengths"),
+    (["bench", "--growth-lengths", "1"], "growth length 1"),
+    (["memory", "--model", "Llama-3-8B", "--seq-len", "0"], "--seq-len"),
+    (["memory", "--model", "Llama-3-8B", "--seq-len", "1" + "0" * 20], "--seq-len"),
+    (["memory", "--model", "Llama-3-8B", "--batch", "-1"], "--batch"),
+    (["memory", "--model", "Llama-3-8B", "--window", "0"], "--window"),
+    (["memory", "--model", "Llama-3-8B", "--memory", "nan"], "--memory"),
+    (["memory", "--layers", "0", "--kv-heads", "1", "--head-dim", "4", "--seq-len", "8"],
+     "--layers"),
+    (["memory", "--layers", "2", "--kv-heads", "1", "--head-dim", "2.5", "--seq-len", "8"],
+     "--head-dim"),
+    (["parallel", "--tp", "0"], "--tp"),
+    (["parallel", "--cp", "-2"], "--cp"),
+    (["parallel", "--tp", "64"], "at most"),
+    (["parallel", "--prompt-len", "0"], "--prompt-len"),
+    (["parallel", "--models", "gpt2", "--prompt-len", "9" * 15], "positions; the model has"),
+    (["parallel", "--models", "gpt2", "--new-tokens", "100000"], "positions; the model has"),
+    (["parallel", "--handover", "push", "--block-size", "0"], "--block-size"),
+    (["parallel", "--handover", "push", "--have", "1"], "--have needs --handover pull"),
+    (["parallel", "--models", "gpt2", "--handover", "pull", "--have", "-1"], "not have=-1"),
+]
+
+
+@pytest.mark.parametrize(("argv", "words"), NONSENSE, ids=[" ".join(a) for a, _ in NONSENSE])
+def test_nonsense_lengths_exit_2_and_say_why(argv: list[str], words: str) -> None:
+    result = run("-m", "kvdoc", *argv)
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert words in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]

@@ -6,7 +6,7 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 sys.path.insert(0, str(DOCS / "_ext"))
 
-from kvdoc_notebooks import leftovers, readable_notebook  # noqa: E402
+from kvdoc_notebooks import leftovers, merged_streams, readable_notebook  # noqa: E402
 
 PROSE = """\
 (my-target)=
@@ -66,3 +66,24 @@ def test_leftovers_names_what_jupyter_cannot_show():
                      "source": ["Left {glue:text}`x` and\n", ":::{note}\n", "a\n", ":::\n"]},
                     {"cell_type": "code", "source": ["{glue:text}`y` in code is code"]}]}
     assert leftovers(nb) == ["{glue:text}`x`", ":::{note}"]
+
+
+def test_a_key_the_page_never_glued_is_left_and_named():
+    # the page's cell that glues it raised: the build already fails on that, and the notebook
+    # must not hide the cell's error behind a KeyError of its own
+    nb = readable_notebook(notebook("Only {glue:text}`gone:,` here."), "p", DOCS, {})
+    assert leftovers(nb) == ["{glue:text}`gone:,`"]
+
+
+def _stream(text: str, name: str = "stdout") -> dict:
+    return {"output_type": "stream", "name": name, "text": text}
+
+
+def test_streams_a_cell_printed_in_several_outputs_appear_once():
+    merged = merged_streams([_stream("a 1/3\na 2/3\na 3/3\n"), _stream("a 2/3\n"),
+                             {"output_type": "execute_result", "data": {}},
+                             _stream("a 3/3\n"), _stream("warn\n", "stderr")])
+    assert [o.get("name") for o in merged] == ["stdout", None, "stderr"]
+    assert merged[0]["text"] == "a 1/3\na 2/3\na 3/3\n"  # MyST-NB had merged them already
+    merged = merged_streams([_stream("a 1/3\n"), _stream("a 2/3\n"), _stream("a 3/3\n")])
+    assert [o["text"] for o in merged] == ["a 1/3\na 2/3\na 3/3\n"]  # merged here

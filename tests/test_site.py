@@ -234,19 +234,24 @@ def test_every_built_page():
 
 
 def assert_versioned_with_sources(site: Path, pages: list[str]) -> None:
-    """Every content page names the package's version (from its metadata), and the API
-    reference has [source] links whose pages (sphinx.ext.viewcode) are in the site."""
+    """Every content page names the package's version (from its metadata), and each layer's
+    API page (reference/api/LAYER.html) has [source] links whose pages (sphinx.ext.viewcode)
+    are in the site."""
     stamp = f'<p class="kvdoc-version">kvdoc {importlib.metadata.version("kvdoc")}</p>'
     unversioned = [p for p in pages if p not in browser.SKIP_SCREENSHOT
                    and stamp not in (site / p).read_text(encoding="utf-8")]
     assert not unversioned, f"pages without {stamp!r}: {unversioned}"
-    api = site / "reference" / "api.html"
-    if api.is_file():
+    total = 0
+    for api in sorted(p for p in pages if re.fullmatch(r"reference/api/\w+\.html", p)):
         links = re.findall(r'<a class="reference internal" href="([^"#]+)[^"]*">'
-                           r'<span class="viewcode-link">', api.read_text(encoding="utf-8"))
-        assert len(links) > 100, f"{len(links)} [source] links on the API page"
-        missing = sorted({h for h in links if not (api.parent / h).is_file()})
-        assert not missing, f"[source] links to no page: {missing[:5]}"
+                           r'<span class="viewcode-link">',
+                           (site / api).read_text(encoding="utf-8"))
+        assert links, f"no [source] link on {api}"
+        missing = sorted({h for h in links if not (site / api).parent.joinpath(h).is_file()})
+        assert not missing, f"[source] links to no page on {api}: {missing[:5]}"
+        total += len(links)
+    if "reference/api.html" in pages:  # a whole site, not a throwaway page
+        assert total > 100, f"{total} [source] links on the API pages"
 
 
 def test_version_and_source_check_can_fail(tmp_path):
@@ -255,8 +260,20 @@ def test_version_and_source_check_can_fail(tmp_path):
     with pytest.raises(AssertionError, match="pages without"):
         assert_versioned_with_sources(tmp_path, ["index.html"])
     stamp = f'<p class="kvdoc-version">kvdoc {importlib.metadata.version("kvdoc")}</p>'
-    link = ('<a class="reference internal" href="../_modules/kvdoc/x.html#f">'
+    link = ('<a class="reference internal" href="../../_modules/kvdoc/x.html#f">'
             '<span class="viewcode-link">')
-    (tmp_path / "reference" / "api.html").write_text(stamp + link * 101)
-    with pytest.raises(AssertionError, match="to no page"):
-        assert_versioned_with_sources(tmp_path, ["reference/api.html"])
+    (tmp_path / "reference" / "api").mkdir()
+    (tmp_path / "reference" / "api.html").write_text(stamp)
+    (tmp_path / "reference" / "api" / "core.html").write_text(stamp + link * 101)
+    pages = ["reference/api.html", "reference/api/core.html"]
+    with pytest.raises(AssertionError, match=r"to no page on reference/api/core\.html"):
+        assert_versioned_with_sources(tmp_path, pages)
+    (tmp_path / "_modules" / "kvdoc").mkdir(parents=True)
+    (tmp_path / "_modules" / "kvdoc" / "x.html").write_text(stamp)
+    assert_versioned_with_sources(tmp_path, pages)
+    (tmp_path / "reference" / "api" / "core.html").write_text(stamp + link * 100)
+    with pytest.raises(AssertionError, match=r"100 \[source\] links on the API pages"):
+        assert_versioned_with_sources(tmp_path, pages)
+    (tmp_path / "reference" / "api" / "teach.html").write_text(stamp)
+    with pytest.raises(AssertionError, match=r"no \[source\] link on reference/api/teach\.html"):
+        assert_versioned_with_sources(tmp_path, [*pages, "reference/api/teach.html"])

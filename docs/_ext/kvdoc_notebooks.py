@@ -50,7 +50,9 @@ def _role(role: str, body: str, glued: dict, link: Callable[[str], str | None]) 
     if role in ("glue", "glue:text", "glue:md"):
         # key:format (a format spec for text, "myst" or "commonmark" for Markdown)
         key, _, spec = body.rpartition(":") if ":" in body else (body, "", "")
-        data = glued[key]  # a missing key failed the page's own build already
+        data = glued.get(key)
+        if data is None:  # the page's build has warned of it: left as is, and warned of again
+            return f"{{{role}}}`{body}`"
         if role == "glue:md" and "text/markdown" in data:
             return "".join(data["text/markdown"])
         return format_plain_text("".join(data["text/plain"]), spec or "s")
@@ -192,4 +194,37 @@ def readable_notebook(notebook: dict, page: str, srcdir: Path,
         if cell.get("cell_type") == "markdown":
             text = plain_markdown("".join(cell["source"]), glued, link, here)
             cell["source"] = text.splitlines(keepends=True)
+        elif "outputs" in cell:
+            cell["outputs"] = merged_streams(cell["outputs"])
     return notebook
+
+
+def merged_streams(outputs: list[dict]) -> list[dict]:
+    """A cell's outputs with each stream (stdout, stderr) in one output, as the page shows it.
+
+    A cell that prints as it goes (progress lines) sends several stream outputs. MyST-NB's
+    ``nb_merge_streams`` appends the later ones to the first *in place* while rendering, yet
+    keeps them in the executed notebook, so the notebook would print them twice: a later
+    output that the first already ends with is dropped, any other appended to it.
+    """
+    def text(output: dict) -> str:
+        raw = output.get("text", "")
+        return raw if isinstance(raw, str) else "".join(raw)
+
+    first: dict[str, dict] = {}
+    later: dict[str, list[str]] = {}
+    kept = []
+    for output in outputs:
+        name = output.get("name") if output.get("output_type") == "stream" else None
+        if name is None or name not in first:
+            kept.append(output)
+            if name is not None:
+                first[name], later[name] = output, []
+        else:
+            later[name].append(text(output))
+    for name, texts in later.items():
+        head = text(first[name])
+        tail = "".join(t.rstrip() + "\n" for t in texts if t.rstrip())
+        if tail and not head.endswith(tail):
+            first[name]["text"] = head.rstrip() + "\n" + tail
+    return kept

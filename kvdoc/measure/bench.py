@@ -21,10 +21,12 @@ from .bench_tables import ablation_table, roofline_table, timings_table
 
 def _ints(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}") from err
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    return values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -111,6 +111,11 @@ def main(args: argparse.Namespace) -> int:
     jobs, handed = [], []
     for name in names:
         model = build_model(name)
+        total = args.prompt_len + args.new_tokens
+        if total > model.config.n_positions:  # before the prompt tensor is allocated
+            return _error(f"{name}: --prompt-len {args.prompt_len} + --new-tokens "
+                          f"{args.new_tokens} = {total} positions; the model has "
+                          f"{model.config.n_positions}")
         prompt = torch.randint(1, model.config.vocab_size, (1, args.prompt_len),
                                generator=torch.Generator().manual_seed(0))
         try:

@@ -1,4 +1,5 @@
-"""``python -m kvdoc <command>``: the equivalence proof, the memory formula, the timings.
+"""``python -m kvdoc <command>``: the equivalence proof, the memory formula, the timings,
+the parallel checks.
 
 Each command is a module that defines ``add_arguments(parser)`` and ``main(args) -> int``,
 listed in :data:`COMMANDS`; ``python -m kvdoc --help`` lists them. The parser lives here, in
@@ -18,6 +19,7 @@ import ast
 import importlib
 import importlib.metadata
 import importlib.util
+import re
 from collections.abc import Sequence
 
 COMMANDS = {"verify": "kvdoc.proofs.verify", "memory": "kvdoc.measure.memory",
@@ -25,12 +27,32 @@ COMMANDS = {"verify": "kvdoc.proofs.verify", "memory": "kvdoc.measure.memory",
 """Command name -> the name of the module that implements it."""
 
 
+_ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`~?([^`]+)`")
+
+
+def plain(text: str) -> str:
+    """Docstring text as a terminal shows it: no reST literals or roles, one line.
+
+    >>> plain("``python -m kvdoc memory``: calls :func:`~kvdoc.measure.kv_bytes.kv_bytes`,\\n"
+    ...       "see :mod:`kvdoc.measure`.")
+    'python -m kvdoc memory: calls kv_bytes, see kvdoc.measure.'
+    """
+    def role(match: re.Match[str]) -> str:  # ``~a.b.c`` renders as ``c`` in Sphinx too
+        target = match.group(1)
+        return target.rsplit(".", 1)[-1] if match.group(0).count("~") else target
+
+    return " ".join(_ROLE.sub(role, text).replace("``", "").split())
+
+
 def _summary(module: str) -> str:
-    """The first line of a module's docstring, read from its source without importing it."""
+    """A module's first paragraph, plain, less its ``python -m kvdoc NAME:`` prefix; read from
+    its source without importing it."""
     spec = importlib.util.find_spec(module)
     with open(spec.origin, encoding="utf-8") as source:
         doc = ast.get_docstring(ast.parse(source.read())) or module
-    return doc.strip().splitlines()[0]
+    first = plain(doc.strip().split("\n\n")[0])
+    first = re.sub(r"^python -m kvdoc \S+: ", "", first)
+    return first[:1].upper() + first[1:]
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
@@ -43,7 +65,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         release = importlib.metadata.version("kvdoc")
     except importlib.metadata.PackageNotFoundError:
         release = "0+unknown"
-    parser = argparse.ArgumentParser(prog="python -m kvdoc", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvdoc", description=_summary(__name__))
     parser.add_argument("--version", action="version", version=f"kvdoc {release}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = set(COMMANDS) if argv is None else set(argv[:1]) & set(COMMANDS)

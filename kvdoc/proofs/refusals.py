@@ -350,7 +350,7 @@ CATALOGUE: list[Refusal] = [
     _cli("cli-memory-missing", "sizes missing", "memory --layers 2 --seq-len 8",
          "missing --kv-heads, --head-dim"),
     _cli("cli-verify-variant", "an unknown broken variant", "verify --variant nope",
-         "invalid choice: 'nope'"),
+         "no broken variant 'nope'"),
     _cli("cli-bench-lengths", "a prompt length that is not a number", "bench --prefix-lens 4,x",
          "expected comma-separated integers, got '4,x'"),
 ]
