@@ -23,6 +23,8 @@ otherwise; tolerances are :data:`kvdoc.proofs.compare.TOLERANCE` (``atol = rtol`
   and a model go through between calls (:mod:`kvdoc.proofs.lifecycle`).
 * ``reference``: the model's independent reference (:mod:`kvdoc.proofs.references`), full and
   cached.
+* ``counted``: the byte and FLOP figures of :mod:`kvdoc.measure` against a filled cache's
+  tensors and counted operations (:mod:`kvdoc.proofs.counted`).
 * ``bytes``, ``edges``, ``padded``: the cache invariants of :mod:`kvdoc.proofs.invariants`;
   ``int8``: the int8 cache's contract (:mod:`kvdoc.proofs.int8_contract`); ``fp8``: the FP8
   cache's (:mod:`kvdoc.proofs.fp8_contract`).
@@ -57,7 +59,16 @@ from kvdoc.core.cache import KVCache
 from kvdoc.core.model import decode_step, generate, prefill
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
-from . import fp8_contract, int8_contract, invariance, invariants, lifecycle, policies, precision
+from . import (
+    counted,
+    fp8_contract,
+    int8_contract,
+    invariance,
+    invariants,
+    lifecycle,
+    policies,
+    precision,
+)
 from .broken.decoders import stale_prefix
 from .compare import (
     DTYPE_NAMES,
@@ -370,7 +381,9 @@ def _reference(case: Case, out: list) -> None:
 
 
 SCENARIOS: dict[str, Callable[[Case, list], None]] = {
-    "stream": _stream, "last_only": _last_only, "prefill_decode": _prefill_decode,
+    # counted second: cheap, and the one check a wrong measure function fails
+    "stream": _stream, "last_only": _last_only, "counted": counted.scenario,
+    "prefill_decode": _prefill_decode,
     "generate": _generate, "speculative": _speculative, **lifecycle.SCENARIOS,
     "reference": _reference}
 """Scenario name -> function that appends :class:`CheckResult` s."""
@@ -386,3 +399,4 @@ SCENARIOS.update(policies.SCENARIOS)
 
 SCENARIO_CHECK = {"stream": "logits"}
 """The check a scenario's exception is reported under, where it differs from the scenario's name."""
+CHECKS["counted"] = counted.CHECK
