@@ -25,6 +25,8 @@ otherwise; tolerances are :data:`kvdoc.proofs.compare.TOLERANCE` (``atol = rtol`
   cached.
 * ``counted``: the byte and FLOP figures of :mod:`kvdoc.measure` against a filled cache's
   tensors and counted operations (:mod:`kvdoc.proofs.counted`).
+* ``generate_padded``: the function a user calls for a padded batch, each row vs its prompt
+  alone (:mod:`kvdoc.proofs.entry_points`).
 * ``bytes``, ``edges``, ``padded``: the cache invariants of :mod:`kvdoc.proofs.invariants`;
   ``int8``: the int8 cache's contract (:mod:`kvdoc.proofs.int8_contract`); ``fp8``: the FP8
   cache's (:mod:`kvdoc.proofs.fp8_contract`).
@@ -61,6 +63,7 @@ from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
 from . import (
     counted,
+    entry_points,
     fp8_contract,
     int8_contract,
     invariance,
@@ -381,8 +384,10 @@ def _reference(case: Case, out: list) -> None:
 
 
 SCENARIOS: dict[str, Callable[[Case, list], None]] = {
-    # counted second: cheap, and the one check a wrong measure function fails
+    # counted and generate_padded early: cheap, and the one check a wrong measure function or
+    # entry point fails (a sweep that stops at the first failure reaches them soon)
     "stream": _stream, "last_only": _last_only, "counted": counted.scenario,
+    **entry_points.SCENARIOS,
     "prefill_decode": _prefill_decode,
     "generate": _generate, "speculative": _speculative, **lifecycle.SCENARIOS,
     "reference": _reference}
@@ -400,3 +405,4 @@ SCENARIOS.update(policies.SCENARIOS)
 SCENARIO_CHECK = {"stream": "logits"}
 """The check a scenario's exception is reported under, where it differs from the scenario's name."""
 CHECKS["counted"] = counted.CHECK
+CHECKS.update(entry_points.CHECKS)
