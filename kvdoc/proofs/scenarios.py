@@ -61,17 +61,7 @@ from kvdoc.core.cache import KVCache
 from kvdoc.core.model import decode_step, generate, prefill
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
-from . import (
-    counted,
-    entry_points,
-    fp8_contract,
-    int8_contract,
-    invariance,
-    invariants,
-    lifecycle,
-    policies,
-    precision,
-)
+from . import fp8_contract, int8_contract, invariance, invariants, lifecycle, policies, precision
 from .broken.decoders import stale_prefix
 from .compare import (
     DTYPE_NAMES,
@@ -82,6 +72,10 @@ from .compare import (
     max_abs,
     run_cached,
 )
+from .counted import CHECK as COUNTED
+from .counted import scenario as counted
+from .entry_points import CHECKS as ENTRY_CHECKS
+from .entry_points import SCENARIOS as ENTRY_POINTS
 from .grid import CacheSpec, ModelSpec
 from .handover import handover_scenario
 from .prefix_cache import prefix_cache_scenario
@@ -384,10 +378,9 @@ def _reference(case: Case, out: list) -> None:
 
 
 SCENARIOS: dict[str, Callable[[Case, list], None]] = {
-    # counted and generate_padded early: cheap, and the one check a wrong measure function or
-    # entry point fails (a sweep that stops at the first failure reaches them soon)
-    "stream": _stream, "last_only": _last_only, "counted": counted.scenario,
-    **entry_points.SCENARIOS,
+    # early: cheap, and all that sees a wrong measure or entry point (the sweep stops there)
+    "stream": _stream, "last_only": _last_only, "counted": counted,
+    **ENTRY_POINTS,
     "prefill_decode": _prefill_decode,
     "generate": _generate, "speculative": _speculative, **lifecycle.SCENARIOS,
     "reference": _reference}
@@ -404,5 +397,4 @@ SCENARIOS.update(policies.SCENARIOS)
 
 SCENARIO_CHECK = {"stream": "logits"}
 """The check a scenario's exception is reported under, where it differs from the scenario's name."""
-CHECKS["counted"] = counted.CHECK
-CHECKS.update(entry_points.CHECKS)
+CHECKS.update({"counted": COUNTED, **ENTRY_CHECKS})
