@@ -162,8 +162,10 @@ def test_the_default_verify_catches_every_variant(name):
                           "speculative", "edges", "prefix-cache", "full-match"}),
     ("rope-table-growth", {"fresh"}),            # right after a full forward over the stream
     ("fast-step-snapshot", {"weights"}),         # right until the weights change in place
+    # generate_padded picks each token from a last_only=True call too
     ("last-only-first-row", {"last_only", "prefill_decode", "generate", "scheduling",
-                             "prefix-cache", "handover", "full-match", "preempted-stream"}),
+                             "prefix-cache", "handover", "full-match", "preempted-stream",
+                             "generate_padded"}),
 ])
 def test_some_variants_escape_all_but_one_kind_of_check(name, only):
     report = run_suite(name, **FP32)
@@ -215,7 +217,7 @@ def test_the_default_verify_passes_and_says_what_it_ran(capsys, monkeypatch):
     # each skips kinds, impls or models it cannot take
     not_everywhere = ("generate", "crop", "speculative", "int8", "fp8", "edges", "padded",
                       "scheduling", "prefix-cache", "handover", "invariance",
-                      "bf16", "fp16", *policies.CHECKS)
+                      "bf16", "fp16", "counted", "generate_padded", *policies.CHECKS)
     assert all(r.passed is not None for r in report.results if r.check not in not_everywhere)
     # it says what it ran: every registered model, cache kind, implementation and scenario
     lines = {line.strip().split(":")[0]: line.split(":", 1)[1].strip()

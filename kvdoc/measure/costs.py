@@ -105,15 +105,21 @@ def run_flops(config: GPTConfig, prefix_len: int, new_tokens: int) -> dict[str, 
 def step_bytes(model: Decoder, context: int) -> int:
     """Bytes one decode step must read at ``context`` cached positions: weights plus K/V.
 
-    Every block's weights, ``ln_f`` and the LM head matrix, one row of ``wte`` and ``wpe``,
-    and K and V of every layer over ``context + 1`` positions (FP32 or whatever the dtype is).
+    Every block's weights, ``ln_f`` and the LM head matrix, one row of ``wte`` and of ``wpe``
+    (a rotary model has none), and K and V of every layer over ``context + 1`` positions (FP32
+    or whatever the dtype is).
+
+    >>> from kvdoc.core.config import llama_config
+    >>> step_bytes(Decoder(llama_config()), 0) > 0    # no wpe: positions turn inside attention
+    True
     """
     cfg, size = model.config, model.wte.weight.element_size()
     params = {id(p): p for p in model.parameters()}
-    embeddings = {id(model.wte.weight), id(model.wpe.weight)}
+    tables = [t.weight for t in (model.wte, model.wpe) if t is not None]
+    embeddings = {id(t) for t in tables}
     weights = sum(p.numel() for i, p in params.items() if i not in embeddings)
     if model.lm_head.weight is model.wte.weight:  # tied: the head reads the whole table
         weights += model.wte.weight.numel()
-    weights += 2 * cfg.n_embd  # one embedding row each
+    weights += len(tables) * cfg.n_embd  # one embedding row each
     kv = 2 * cfg.n_layer * (context + 1) * cfg.kv_dim
     return (weights + kv) * size

@@ -30,6 +30,20 @@ if TYPE_CHECKING:
 
     from kvdoc.core.cache import KVCache
 
+def rows_bytes(batch: int, heads: int, positions: int, widths: Sequence[int],
+               dtype: str | torch.dtype) -> int:
+    """Bytes of ``positions`` rows of one layer's stored tensors, ``B x H x positions x
+    sum(widths) x s``: the one byte formula the others build on (K and V of ``D`` each have
+    widths ``(D, D)``; an MLA latent is one head of widths ``(r, d_R)``, its rotary key
+    included).
+
+    >>> rows_bytes(1, 2, 10, (4, 4), "float32") == kv_bytes_per_layer(1, 10, 2, 4, "float32",
+    ...                                                                [None])[0]
+    True
+    """
+    return batch * heads * positions * sum(widths) * element_size(dtype)
+
+
 def _held(seq_len: int, window: int | None) -> int:
     """Positions a layer holds after ``seq_len`` tokens: all of them, or the last ``window``."""
     return seq_len if window is None else min(seq_len, check_int("window", window))
@@ -63,8 +77,8 @@ def kv_bytes_per_layer(batch: int, seq_len: int, kv_heads: int, head_dim: int,
         raise ValueError(f"seq_len must be a non-negative integer, got {seq_len!r}")
     if not windows:
         raise ValueError("need at least one layer")
-    s = element_size(dtype)
-    return [2 * batch * _held(seq_len, w) * kv_heads * head_dim * s for w in windows]
+    return [rows_bytes(batch, kv_heads, _held(seq_len, w), (head_dim, head_dim), dtype)
+            for w in windows]
 
 
 def kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim: int,

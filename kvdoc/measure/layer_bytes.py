@@ -26,6 +26,8 @@ from kvdoc.serving.fp8 import SCALE_DTYPE, Fp8Layer
 from kvdoc.serving.paged import PoolLayer
 from kvdoc.serving.quant import Int8Layer
 
+from .kv_bytes import rows_bytes
+
 
 def _size(layer: CacheLayer) -> int:
     return torch.empty((), dtype=layer.dtype).element_size()
@@ -33,14 +35,15 @@ def _size(layer: CacheLayer) -> int:
 
 def _rows(layer: CacheLayer, positions: int) -> int:
     """Bytes of ``positions`` rows of both tensors: ``B x H x positions x (w_K + w_V) x s``."""
-    return layer.batch_size * layer.heads * positions * sum(layer.widths) * _size(layer)
+    return rows_bytes(layer.batch_size, layer.heads, positions, layer.widths, layer.dtype)
 
 
 def _pool(layer: PoolLayer, seq_len: int) -> int:
     pool = layer.pool
     # a layer's share of the pool, every block free or held; both stores at their own
     # widths (K and V, or an MLA latent's c_KV and k_rope)
-    return pool.num_blocks * pool.block_size * layer.heads * sum(layer.widths) * _size(layer)
+    return rows_bytes(1, layer.heads, pool.num_blocks * pool.block_size, layer.widths,
+                      layer.dtype)
 
 
 LAYER_BYTES: dict[type[CacheLayer], Callable[[CacheLayer, int], int]] = {

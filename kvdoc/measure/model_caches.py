@@ -154,6 +154,36 @@ class ModelCache:
         return list(Counter(self.layers).items())
 
 
+def config_cache(config: object, windows: bool = True) -> ModelCache:
+    """A kvdoc model configuration's cache as per-layer costs, the formula the verification
+    counts real caches against (:mod:`kvdoc.proofs.counted`).
+
+    An MLA config (``kv_lora_rank``) caches its latent and its rotary key a layer; a config
+    with ``layer_windows`` (Gemma 3) its window and global layers; any other (a GPTConfig)
+    K and V a layer, windowed if it has a ``sliding_window``. ``windows=False`` describes a
+    cache that keeps every position of every layer (a dynamic cache of a windowed model).
+
+    >>> from kvdoc.core.config import GPTConfig, mistral_config
+    >>> config_cache(GPTConfig()).bytes_per_token("float32")   # 2 layers x 2 x 4 heads x 16 x 4
+    1024
+    >>> config_cache(mistral_config(sliding_window=16)).layers[0].window
+    16
+    """
+    if hasattr(config, "kv_lora_rank"):
+        layers = [mla_layer(config.kv_lora_rank, config.qk_rope_head_dim)] * config.n_layer
+        kind = "MLA"
+    else:
+        per_layer = getattr(config, "layer_windows", None)
+        if per_layer is None:
+            per_layer = [getattr(config, "sliding_window", None)] * config.n_layer
+        per_layer = [w if windows else None for w in per_layer]
+        layers = [attention_layer(config.n_kv_head, config.head_dim, w) for w in per_layer]
+        found = {w is None for w in per_layer}
+        kind = "hybrid" if len(found) == 2 else "plain" if found == {True} else "windowed"
+    return ModelCache(type(config).__name__, kind, tuple(layers), config.n_positions,
+                      "the kvdoc config")
+
+
 def every_nth_full(layers: int, pattern: int) -> list[str]:
     """Layer types where every ``pattern``-th layer is full and the rest windowed, as
     :func:`kvdoc.core.gemma.gemma_layer_types` gives them (that module imports torch).

@@ -23,6 +23,10 @@ otherwise; tolerances are :data:`kvdoc.proofs.compare.TOLERANCE` (``atol = rtol`
   and a model go through between calls (:mod:`kvdoc.proofs.lifecycle`).
 * ``reference``: the model's independent reference (:mod:`kvdoc.proofs.references`), full and
   cached.
+* ``counted``: the byte and FLOP figures of :mod:`kvdoc.measure` against a filled cache's
+  tensors and counted operations (:mod:`kvdoc.proofs.counted`).
+* ``generate_padded``: the function a user calls for a padded batch, each row vs its prompt
+  alone (:mod:`kvdoc.proofs.entry_points`).
 * ``bytes``, ``edges``, ``padded``: the cache invariants of :mod:`kvdoc.proofs.invariants`;
   ``int8``: the int8 cache's contract (:mod:`kvdoc.proofs.int8_contract`); ``fp8``: the FP8
   cache's (:mod:`kvdoc.proofs.fp8_contract`).
@@ -68,6 +72,10 @@ from .compare import (
     max_abs,
     run_cached,
 )
+from .counted import CHECK as COUNTED
+from .counted import scenario as counted
+from .entry_points import CHECKS as ENTRY_CHECKS
+from .entry_points import SCENARIOS as ENTRY_POINTS
 from .grid import CacheSpec, ModelSpec
 from .handover import handover_scenario
 from .prefix_cache import prefix_cache_scenario
@@ -370,7 +378,10 @@ def _reference(case: Case, out: list) -> None:
 
 
 SCENARIOS: dict[str, Callable[[Case, list], None]] = {
-    "stream": _stream, "last_only": _last_only, "prefill_decode": _prefill_decode,
+    # early: cheap, and all that sees a wrong measure or entry point (the sweep stops there)
+    "stream": _stream, "last_only": _last_only, "counted": counted,
+    **ENTRY_POINTS,
+    "prefill_decode": _prefill_decode,
     "generate": _generate, "speculative": _speculative, **lifecycle.SCENARIOS,
     "reference": _reference}
 """Scenario name -> function that appends :class:`CheckResult` s."""
@@ -386,3 +397,4 @@ SCENARIOS.update(policies.SCENARIOS)
 
 SCENARIO_CHECK = {"stream": "logits"}
 """The check a scenario's exception is reported under, where it differs from the scenario's name."""
+CHECKS.update({"counted": COUNTED, **ENTRY_CHECKS})

@@ -19,7 +19,17 @@ import torch
 from kvdoc.core.gemma import Gemma3Decoder
 from kvdoc.core.model import Decoder
 
-from .broken import cache_kinds, caches, decoders, invariance, policies, rope, serving
+from .broken import (
+    cache_kinds,
+    caches,
+    decoders,
+    entry_points,
+    invariance,
+    measures,
+    policies,
+    rope,
+    serving,
+)
 from .traits import FAMILIES, check_traits, grid_traits, traits
 
 
@@ -286,3 +296,23 @@ VARIANTS.update({v.name: v for v in (
     _radix("radix-last-token-from-tree", "a prompt the tree holds whole, at token granularity, "
            "is matched to its last token, which is then never computed",
            policies.LastTokenFromTree))})
+
+# --- issue #30, classes 6-8: measurements counted, the function users call, axes crossed ------
+VARIANTS.update({v.name: v for v in (
+    BrokenVariant("mla-bytes-without-rope-key", "the per-layer byte formula counts an MLA "
+                  "layer's latent c_KV but not the rotary key cached beside it",
+                  lambda m: m, "byte accounting", needs={"latent"}, one_model=True,
+                  kinds=("dynamic",), caches={"config_cache": measures.latent_without_rope_key}),
+    BrokenVariant("step-kv-per-sequence", "a decode step's K/V bytes at batch B are one "
+                  "sequence's, not the batch's", _copy(Decoder), "byte accounting",
+                  one_model=True, kinds=("dynamic",),
+                  caches={"step_traffic": measures.batch_as_sequence}),
+    BrokenVariant("generate-padded-unmasked-decode", "generate_padded passes the pad mask on "
+                  "the prompt call but not on its decode steps", _copy(Decoder),
+                  "padded batches", one_model=True, kinds=("dynamic",),
+                  caches={"generate_padded": entry_points.generate_padded_unmasked_decode}),
+    BrokenVariant("split-k-pad-leak", "split-K attention takes one mask for every row in its "
+                  "first chunk of keys, so a padded row reads the pad keys there",
+                  entry_points.pad_leak_split_k, "padded batches", one_model=True,
+                  kinds=("dynamic",)),
+)})

@@ -1,0 +1,26 @@
+"""BROKEN measure functions, each a wrong figure a page could print, swapped in for the real
+one under its key of :data:`kvdoc.proofs.counted.MEASURES`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvdoc.measure.batch_decode import StepTraffic, step_traffic
+from kvdoc.measure.model_caches import LayerCache, ModelCache, config_cache
+
+
+def latent_without_rope_key(config: object, windows: bool = True) -> ModelCache:
+    """BROKEN: :func:`~kvdoc.measure.model_caches.config_cache`, but an MLA layer counts its
+    latent ``c_KV`` only, not the rotary key cached beside it."""
+    model = config_cache(config, windows)
+    if model.kind != "MLA":
+        return model
+    # BUG: kv_lora_rank alone, without qk_rope_head_dim
+    return dataclasses.replace(model, layers=(LayerCache(config.kv_lora_rank),) * config.n_layer)
+
+
+def batch_as_sequence(model, batch: int, context: int) -> StepTraffic:
+    """BROKEN: :func:`~kvdoc.measure.batch_decode.step_traffic`, but the K/V bytes of a step of
+    ``batch`` sequences are one sequence's."""
+    traffic = step_traffic(model, batch, context)
+    return dataclasses.replace(traffic, kv_bytes=traffic.kv_bytes // batch)  # BUG: per sequence

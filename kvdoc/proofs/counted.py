@@ -1,0 +1,161 @@
+"""Measurements counted: the figures :mod:`kvdoc.measure` gives the pages, against the real
+tensors of a cache that was filled, and FLOPs against a count of the operations that ran.
+
+The ``counted`` scenario fills a cache of the case's kind with the stream, at the full batch
+``B`` and at batch 1, and compares, layer by layer and in total:
+
+* :func:`kvdoc.measure.model_caches.config_cache` (the per-layer formula: K and V, a window, an
+  MLA latent with its rotary key): each layer's bytes, the bytes per token, one sequence, ``B``
+  sequences, against ``sum(numel * element_size)`` of the tensors each layer holds;
+* the model's own figure: :func:`~kvdoc.measure.kv_bytes.kv_bytes_for_config` (a GPTConfig),
+  :meth:`~kvdoc.core.mla.MLAConfig.bytes_per_token` (MLA),
+  :meth:`~kvdoc.core.gemma.Gemma3Config.kv_bytes` (Gemma 3, on its hybrid cache);
+* :func:`~kvdoc.measure.batch_decode.step_traffic`'s K/V bytes of a decode step at batch ``B``
+  and :func:`~kvdoc.measure.batch_decode.kv_per_sequence` at batch 1, against the cache that
+  step reads (a GPTConfig without a window, on the dynamic kind);
+* :func:`~kvdoc.measure.costs.step_flops`: its linear and LM-head FLOPs against
+  ``2 x rows x in x out`` summed over every ``nn.Linear`` call of the same forward, its
+  attention FLOPs against ``2 x 2 x B x H x C x T x D_h`` summed over the ``(q, k)`` shapes
+  every layer's attention was handed (a GPTConfig decoder, on the dynamic kind).
+
+Every comparison is of integers, exact on every machine. A broken variant replaces a measure
+function through :attr:`~kvdoc.proofs.scenarios.Case.caches` under the keys of
+:data:`MEASURES`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from kvdoc.core.config import GPTConfig
+from kvdoc.core.model import Decoder
+from kvdoc.measure.batch_decode import kv_per_sequence, step_traffic
+from kvdoc.measure.costs import step_flops
+from kvdoc.measure.kv_bytes import kv_bytes_for_config
+from kvdoc.measure.model_caches import config_cache
+
+from .invariants import held_tensors, tensor_bytes
+
+if TYPE_CHECKING:
+    from .scenarios import Case
+
+MEASURES = {"config_cache": config_cache, "step_traffic": step_traffic}
+"""The measure functions the scenario calls, by the key a variant replaces one under."""
+KINDS = ("dynamic", "window", "hybrid")
+"""The kinds whose tensors hold exactly their positions (a static cache holds its capacity, a
+paged pool its blocks: their formulas are the ``bytes`` check's)."""
+RINGS = ("window", "hybrid")
+"""The kinds that keep only a window layer's last ``W`` positions."""
+
+
+def _fill(case: Case, batch: int):
+    return case.feed(case.ids[:batch], case.chunks[-1]).cache
+
+
+def _layer_bytes(cache) -> list[int]:
+    return [tensor_bytes(list(cache.layer(i))) for i in range(cache.n_layer)]
+
+
+def byte_problems(case: Case) -> list[str]:
+    """What disagrees between the byte figures and the filled caches' tensors."""
+    cfg, dtype = case.model.config, case.dtype
+    measure = {**MEASURES, **{k: v for k, v in case.caches.items() if k in MEASURES}}
+    T, B = case.ids.shape[1], case.ids.shape[0]
+    model = measure["config_cache"](cfg, windows=case.kind in RINGS)
+    problems = []
+    for batch in sorted({1, B}):
+        cache = _fill(case, batch)
+        real = tensor_bytes(held_tensors(cache))
+        layers = _layer_bytes(cache)
+        if sum(layers) != real:
+            problems.append(f"batch {batch}: layers hold {sum(layers)} bytes, the cache {real}")
+        s = torch.empty((), dtype=dtype).element_size()
+        for i, (layer, got) in enumerate(zip(model.layers, layers, strict=True)):
+            want = batch * s * layer.per_token * (T if layer.window is None
+                                                  else min(T, layer.window))
+            if got != want:
+                problems.append(f"batch {batch}, layer {i}: {got} bytes held, formula {want}")
+        figures = {"kv_bytes(T, B)": model.kv_bytes(T, batch, dtype),
+                   "B x kv_bytes(T, 1)": batch * model.kv_bytes(T, 1, dtype)}
+        if case.kind == "dynamic":
+            figures["B x T x bytes_per_token"] = batch * T * model.bytes_per_token(dtype)
+            if isinstance(cfg, GPTConfig):
+                figures["kv_bytes_for_config"] = kv_bytes_for_config(cfg, batch, T, dtype)
+            if hasattr(cfg, "kv_lora_rank"):
+                figures["MLAConfig.bytes_per_token"] = batch * T * cfg.bytes_per_token(dtype)
+            if isinstance(cfg, GPTConfig) and cfg.sliding_window is None:
+                # a decode step at context T - 1 reads the T positions this cache holds
+                figures["step_traffic.kv_bytes"] = measure["step_traffic"](
+                    case.model, batch, T - 1).kv_bytes
+                figures["B x kv_per_sequence"] = batch * kv_per_sequence(cfg, T - 1, s)
+        if case.kind == "hybrid" and hasattr(cfg, "layer_windows"):
+            figures["Gemma3Config.kv_bytes"] = cfg.kv_bytes(T, batch, dtype)
+        problems += [f"batch {batch}: {name} {want}, the tensors hold {real}"
+                     for name, want in figures.items() if want != real]
+    return problems
+
+
+def _counting(model: Decoder) -> tuple[Decoder, list[tuple[torch.Size, torch.Size]], list[int]]:
+    """A copy of ``model`` whose attention modules record the ``(q, k)`` shapes they attend
+    over, and whose linear layers add their multiply-add FLOPs to a list."""
+    clone, seen, linear = copy.deepcopy(model), [], []
+    for block in clone.h:
+        attend = block.attn.attend
+
+        def record(q, k, v, *args, attend=attend, **kwargs):
+            seen.append((q.shape, k.shape))
+            return attend(q, k, v, *args, **kwargs)
+        block.attn.attend = record
+    for module in clone.modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_hook(lambda m, args, y: linear.append(
+                2 * (y.numel() // m.out_features) * m.in_features * m.out_features))
+    return clone, seen, linear
+
+
+def flop_problems(case: Case) -> list[str]:
+    """What disagrees between :func:`step_flops` and a count of the full forward of 13 tokens
+    and the cached call of 5 after them."""
+    past, new = 13, 5
+    model, seen, linear = _counting(case.model)
+    ids, problems, B = case.ids, [], case.ids.shape[0]
+    _, cache = model(ids[:, :past], case.new_cache())
+    for before, C, cached in ((0, past, None), (past, new, cache)):
+        seen.clear()
+        linear.clear()
+        model(ids[:, before:before + C], cached)
+        want = step_flops(model.config, before, C)
+        attention = sum(4 * q[0] * q[1] * q[2] * k[2] * q[3] for q, k in seen)
+        for name, got, formula in (("linear + lm_head", sum(linear),
+                                    B * (want["linear"] + want["lm_head"])),
+                                   ("attention", attention, B * want["attention"])):
+            if got != formula:
+                problems.append(f"{C} tokens after {before}: {name} counted {got}, "
+                                f"step_flops x B gives {formula:.0f}")
+    return problems
+
+
+def scenario(case: Case, out: list) -> None:
+    """The ``counted`` check on one combination."""
+    if case.impl != "model" or case.kind not in KINDS:
+        out.append(case.result("counted", None, 0.0, "counted on the model's dynamic, window "
+                               "and hybrid caches, whose tensors hold exactly their positions"))
+        return
+    problems = byte_problems(case)
+    flops = isinstance(case.model.config, GPTConfig) and case.kind == "dynamic"
+    if flops:
+        problems += flop_problems(case)
+    detail = problems[0] if problems else (
+        f"bytes per layer, token, sequence and batch {case.ids.shape[0]} vs the tensors of "
+        f"{case.ids.shape[1]} positions" + ("; step_flops vs a count" if flops else ""))
+    out.append(case.result("counted", not problems, 0.0 if not problems else float("inf"),
+                           detail))
+
+
+CHECK = ("byte figures (per layer incl. MLA's latent and rotary key, per token, sequence, "
+         "batch B) vs a filled cache's tensors; step_flops vs counted operations")
+"""What the ``counted`` check compares."""
