@@ -236,3 +236,52 @@ def test_cli_window(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert f"{kv_bytes(1, 2, 100, 1, 4, 'float32'):,} bytes" in out
     assert f"windowed   {kv_bytes(1, 2, 10, 1, 4, 'float32'):,} bytes" in out
+
+
+@pytest.mark.parametrize("granularity", ["per-tensor", "per-head"])
+@pytest.mark.parametrize("config", random_configs(4, seed=7),
+                         ids=lambda c: f"L{c.n_layer}H{c.n_kv_head}")
+def test_fp8_scale_bytes_count_a_real_fp8_cache(config: GPTConfig, granularity: str) -> None:
+    # the torch-free count against the scale tensors a filled FP8 cache really holds
+    from kvdoc.measure.kv_bytes import fp8_scale_bytes
+    from kvdoc.measure.model_caches import config_cache
+    from kvdoc.serving.fp8 import GRANULARITIES, new_fp8_cache
+
+    assert GRANULARITIES == ("per-tensor", "per-head")
+    model = Decoder(config).eval()
+    with torch.no_grad():
+        empty = new_fp8_cache(model, 2, granularity=granularity)
+        _, cache = model(torch.randint(0, 11, (2, 5)), empty)
+    held = sum(s.numel() * s.element_size() for layer in cache.layers for s in layer.scales)
+    assert config_cache(config).fp8_scale_bytes(granularity) == held
+    assert fp8_scale_bytes([config.n_kv_head] * config.n_layer, granularity) == held
+    assert cache.nbytes() == kv_bytes_for_config(config, 2, 5, "float8_e4m3fn") + held
+
+
+def test_cli_fp8_scales(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["memory", "--layers", "32", "--seq-len", "4096", "--kv-heads", "8", "--head-dim",
+            "128", "--dtype", "fp8"]
+    assert cli([*argv, "--fp8-scales", "per-head"]) == 0
+    per_head = capsys.readouterr().out
+    assert cli([*argv, "--fp8-scales", "per-tensor"]) == 0
+    per_tensor = capsys.readouterr().out
+    assert "2,048 bytes of FP32 scales" in per_head and "256 bytes of FP32" in per_tensor
+    payload = kv_bytes(1, 32, 4096, 8, 128, "float8_e4m3fn")
+    assert f"{payload + 32 * 2 * 8 * 4:,} bytes" in per_head
+    assert cli(["memory", "--model", "Llama-3-8B", "--dtype", "fp8", "--fp8-scales",
+                "per-head"]) == 0
+    assert "2,048 bytes of FP32 scales" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "Llama-3-8B", "--fp8-scales", "per-head"],  # float16 keeps no scales
+    ["--model", "DeepSeek-V3", "--dtype", "fp8", "--fp8-scales", "per-head"],  # a latent
+    ["--model", "Llama-3-8B", "--dtype", "fp8", "--fp8-scales", "per-row"],
+])
+def test_cli_fp8_scales_refuses(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        rc = cli(["memory", *argv])
+    except SystemExit as exc:
+        rc = exc.code
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == "" and "--fp8-scales" in captured.err

@@ -9,7 +9,8 @@ with ``L`` layers and ``s`` bytes per element (:func:`~kvdoc.measure.dtypes.elem
 :func:`kv_bytes` and :func:`kv_bytes_for_config` compute it, :func:`kv_bytes_per_layer` per
 layer (a sliding-window layer holds at most its window), and :func:`measured_bytes` counts the
 bytes of real tensors the same way. What a cache writes per update is measured by
-:class:`kvdoc.measure.copymeter.CopyMeter`.
+:class:`kvdoc.measure.copymeter.CopyMeter`. An FP8 cache (:mod:`kvdoc.serving.fp8`) also keeps
+FP32 scales beside its one-byte elements, counted by :func:`fp8_scale_bytes`.
 
 Importing this module does not import torch (``python -m kvdoc memory`` starts in a fraction of
 a second); :func:`measured_bytes` imports the cache when called.
@@ -126,3 +127,33 @@ def measured_bytes(cache: KVCache | Iterable[torch.Tensor]) -> int:
 
     tensors = cache.tensors() if isinstance(cache, KVCache) else list(cache)
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+FP8_SCALE_GRANULARITIES = ("per-tensor", "per-head")
+"""How many FP32 scales K (and V) of one FP8 layer has: one, or one per K/V head (the
+granularities of :data:`kvdoc.serving.fp8.GRANULARITIES`, kept here so that the command line
+need not import torch)."""
+FP8_SCALE_BYTES = 4
+"""Bytes of one scale: FP32, whatever the model's dtype, as engines keep them."""
+
+
+def fp8_scale_bytes(kv_heads: Sequence[int], granularity: str) -> int:
+    """Bytes of an FP8 cache's scales: for each layer (its ``H_kv`` in ``kv_heads``), K and V
+    each have one scale (``"per-tensor"``) or ``H_kv`` (``"per-head"``), 4 bytes each. They are
+    shared by the batch and do not grow with ``T``.
+
+    Raises:
+        ValueError: an unknown granularity, no layers, or a head count that is not positive.
+
+    >>> fp8_scale_bytes([8] * 32, "per-head")      # Llama-3-8B: 32 x 2 x 8 x 4
+    2048
+    >>> fp8_scale_bytes([8] * 32, "per-tensor")    # 32 x 2 x 1 x 4
+    256
+    """
+    if granularity not in FP8_SCALE_GRANULARITIES:
+        raise ValueError(f"FP8 scales are {' or '.join(FP8_SCALE_GRANULARITIES)}, "
+                         f"got {granularity!r}")
+    if not kv_heads:
+        raise ValueError("need at least one layer")
+    per_layer = [check_int("kv_heads", h) if granularity == "per-head" else 1 for h in kv_heads]
+    return 2 * FP8_SCALE_BYTES * sum(per_layer)

@@ -11,6 +11,10 @@ linear-attention hybrid) or a transformers ``config.json``
     python -m kvdoc memory --model Llama-3-8B --seq-len 8192
     python -m kvdoc memory --model Llama-3-8B        # T: the model's context, 8,192
     python -m kvdoc memory --config path/to/config.json --seq-len 32768 --dtype bfloat16
+    python -m kvdoc memory --model Llama-3-8B --dtype fp8 --fp8-scales per-head
+
+An FP8 cache also keeps FP32 scales (``--fp8-scales``): two a layer per tensor, or two per K/V
+head, shared by the batch (:func:`~kvdoc.measure.kv_bytes.fp8_scale_bytes`).
 
 Importing this module does not import torch: the command starts in a fraction of a second.
 """
@@ -23,7 +27,7 @@ import sys
 from .byte_units import binary_size, decimal_size, format_bytes
 from .config_json import read_config
 from .dtypes import dtype_name, element_size
-from .kv_bytes import kv_bytes
+from .kv_bytes import FP8_SCALE_GRANULARITIES, fp8_scale_bytes, kv_bytes
 from .model_caches import MODELS, LayerCache, ModelCache, model_cache
 
 #: The longest ``--seq-len`` (and ``--window``) the command takes: 2**31 - 1 positions. Attention
@@ -114,6 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", type=_gib_arg, metavar="GIB",
                         help="with --model or --config: also print how many sequences of T "
                              "fit in GIB GiB of cache memory (weights not counted)")
+    parser.add_argument("--fp8-scales", choices=FP8_SCALE_GRANULARITIES, metavar="KIND",
+                        help="with an FP8 --dtype: also count the FP32 scales kept beside the "
+                             "elements, one a tensor (per-tensor) or one a K/V head (per-head), "
+                             "for K and V of every layer")
     parser.add_argument("--list-models", action="store_true",
                         help="list the published configs and exit")
 
@@ -134,8 +142,14 @@ def _describe(layer: LayerCache, count: int, mla: bool) -> str:
             f"position ({what}), {reach}")
 
 
+def _scale_lines(total: int, scales: int, granularity: str) -> list[str]:
+    return [f"scales     {scales:,} bytes of FP32 scales ({granularity}, K and V of every "
+            "K/V layer; shared by the batch, whatever T)",
+            f"with them  {format_bytes(total + scales)}"]
+
+
 def _model_lines(model: ModelCache, T: int, B: int, dtype: str, default_T: bool,
-                 memory_gib: float | None = None) -> list[str]:
+                 memory_gib: float | None = None, scales: str | None = None) -> list[str]:
     total = model.kv_bytes(T, B, dtype)
     lines = [f"model      {model.name} ({model.kind}; source: {model.source})"]
     if model.note:
@@ -154,6 +168,8 @@ def _model_lines(model: ModelCache, T: int, B: int, dtype: str, default_T: bool,
         f"per token  {format_bytes(model.bytes_per_token(dtype))} (one more position inside "
         "every window, per sequence)",
     ]
+    if scales is not None:
+        lines += _scale_lines(total, model.fp8_scale_bytes(scales), scales)
     if model.fixed_bytes(dtype):
         lines.append(f"fixed      {format_bytes(model.fixed_bytes(dtype))} per sequence, "
                      "whatever T")
@@ -184,6 +200,12 @@ def main(args: argparse.Namespace) -> int:
         return _error("give --model or --config, not both")
     model: ModelCache | None = args.model if args.model is not None else config
     T = args.seq_len
+    scales = getattr(args, "fp8_scales", None)
+    if scales is not None and not dtype_name(args.dtype).startswith("float8"):
+        return _error(f"--fp8-scales counts an FP8 cache's scales: give --dtype float8_e4m3fn "
+                      f"(fp8) or float8_e5m2, not {dtype_name(args.dtype)}")
+    if scales is not None and model is not None and model.kind == "MLA":
+        return _error(f"--fp8-scales counts K/V scales; {model.name} caches an MLA latent")
     if model is not None:
         given = [name for name, value in sizes.items() if value is not None]
         if given:
@@ -204,7 +226,8 @@ def main(args: argparse.Namespace) -> int:
                   f"context of {model.max_positions:,} tokens (the bytes below are for a "
                   "model stretched that far)", file=sys.stderr)
         print("\n".join(_model_lines(model, T, args.batch, dtype_name(args.dtype),
-                                     args.seq_len is None, getattr(args, "memory", None))))
+                                     args.seq_len is None, getattr(args, "memory", None),
+                                     scales)))
         return 0
     if getattr(args, "memory", None) is not None:
         return _error("--memory needs --model or --config")
@@ -225,6 +248,8 @@ def main(args: argparse.Namespace) -> int:
         f"decimal    {decimal_size(total)}",
         f"per token  {format_bytes(total // (B * T))} (per sequence)",
     ]
+    if scales is not None:
+        lines += _scale_lines(total, fp8_scale_bytes([kv_heads] * layers, scales), scales)
     if window is not None:
         held = min(T, window)
         windowed = kv_bytes(B, layers, T, kv_heads, head_dim, args.dtype, window=window)

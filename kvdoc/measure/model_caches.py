@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from kvdoc.core.config import check_int
 
 from .dtypes import element_size
+from .kv_bytes import fp8_scale_bytes
 from .presets import HYBRID_PRESETS, PRESETS, HybridPreset, ModelPreset, _lookup
 
 if TYPE_CHECKING:
@@ -54,12 +55,16 @@ class LayerCache(NamedTuple):
     state: int = 0
     """Elements held whatever the length (a linear-attention layer's recurrent and conv
     state)."""
+    kv_heads: int = 0
+    """``H_kv`` of a K/V layer (what per-head FP8 scales count); 0 for a layer without K/V
+    heads (MLA, linear attention)."""
 
 
 def attention_layer(kv_heads: int, head_dim: int, window: int | None = None) -> LayerCache:
     """A K/V layer: ``2 x H_kv x D`` elements a position, capped at ``window`` if given."""
     return LayerCache(2 * check_int("kv_heads", kv_heads) * check_int("head_dim", head_dim),
-                      None if window is None else check_int("window", window))
+                      None if window is None else check_int("window", window),
+                      kv_heads=kv_heads)
 
 
 def mla_layer(kv_lora_rank: int, qk_rope_head_dim: int) -> LayerCache:
@@ -148,6 +153,24 @@ class ModelCache:
         if per_sequence == 0:
             raise ValueError("an empty cache: every count of sequences fits")
         return check_int("memory", memory) // per_sequence
+
+    def fp8_scale_bytes(self, granularity: str) -> int:
+        """Bytes of the FP32 scales an FP8 cache of this model keeps beside its elements
+        (:func:`~kvdoc.measure.kv_bytes.fp8_scale_bytes`), per K/V layer; whatever ``T`` and
+        the batch.
+
+        Raises:
+            ValueError: the model has MLA layers (engines scale a latent otherwise: not
+                counted here), or ``granularity`` is unknown.
+
+        >>> model_cache("Llama-3-8B").fp8_scale_bytes("per-head")   # 32 x 2 x 8 x 4
+        2048
+        """
+        if self.kind == "MLA":
+            raise ValueError(f"{self.name} caches an MLA latent: its FP8 scales are not the "
+                             "per-tensor or per-head K/V scales counted here")
+        heads = [layer.kv_heads for layer in self.layers if layer.kv_heads]
+        return fp8_scale_bytes(heads, granularity) if heads else 0
 
     def groups(self) -> list[tuple[LayerCache, int]]:
         """The distinct layers and how many of each, in order of first appearance."""
