@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kvdoc.core.config import GPTConfig
-from kvdoc.proofs.broken.serving import pack_off_by_one, pack_zeroed_last_v
+from kvdoc.proofs.broken.serving import pack_off_by_one, pack_through_fp32, pack_zeroed_last_v
 from kvdoc.proofs.compare import default_model
-from kvdoc.proofs.handover import check_dtypes, check_handover
+from kvdoc.proofs.handover import PAYLOAD_DTYPES, check_dtypes, check_handover
 from kvdoc.serving.handover import disaggregated_generate, pack, unpack
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 4, 11]])
@@ -137,3 +137,18 @@ def test_an_mla_payload_holds_the_latent(grid_models):
                                                        (2, 1, 5, c.qk_rope_head_dim)]
     with pytest.raises(ValueError, match="another model"):  # a latent is not K/V of a K/V model
         unpack(pack(cache), grid_models["llama"].config)
+
+
+def test_every_payload_dtype_ships_bit_for_bit(model):
+    checks = check_dtypes(model, PROMPT, 4, PAYLOAD_DTYPES)
+    assert [c.dtype for c in checks] == ["FP64", "BF16", "FP16"]
+    assert all(c.passed and c.same_bits for c in checks), checks
+
+
+def test_a_payload_through_fp32_is_caught_in_fp64_only(model):
+    checks = check_dtypes(model, PROMPT, 4, (torch.float32, *PAYLOAD_DTYPES),
+                          packer=pack_through_fp32)
+    assert {c.dtype: c.passed for c in checks} == {"FP32": True, "FP64": False, "BF16": True,
+                                                   "FP16": True}
+    fp64 = checks[1]
+    assert fp64.bytes_match and not fp64.same_bits

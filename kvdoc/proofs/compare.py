@@ -40,7 +40,8 @@ from .variants import VARIANTS
 TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float64: 1e-10}
 """``atol = rtol`` for each dtype."""
 
-DTYPE_NAMES: dict[torch.dtype, str] = {torch.float32: "FP32", torch.float64: "FP64"}
+DTYPE_NAMES: dict[torch.dtype, str] = {torch.float32: "FP32", torch.float64: "FP64",
+                                       torch.bfloat16: "BF16", torch.float16: "FP16"}
 
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:

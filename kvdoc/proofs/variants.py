@@ -95,7 +95,7 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "byte accounting", "int8 contract", "ring and block edges", "padded batches",
                "preemption and forks", "prefix-cache admission", "fp8 contract",
                "reduction order", "low precision", "scheduling policy", "eviction policy",
-               "sampling distribution")
+               "sampling distribution", "payload dtype")
 """The kinds of mistake the variants stand for."""
 
 def _copy(cls: type[Decoder]) -> Callable[[Decoder], Decoder]:
@@ -311,6 +311,10 @@ VARIANTS.update({v.name: v for v in (
                   "the prompt call but not on its decode steps", _copy(Decoder),
                   "padded batches", one_model=True, kinds=("dynamic",),
                   caches={"generate_padded": entry_points.generate_padded_unmasked_decode}),
+    BrokenVariant("handover-through-fp32", "the hand-over's packer moves K, V and the logits "
+                  "through FP32 and casts them back: exact unless the model is wider than FP32",
+                  _copy(Decoder), "payload dtype", one_model=True, kinds=("dynamic",),
+                  caches={"packer": serving.pack_through_fp32}),
     BrokenVariant("split-k-pad-leak", "split-K attention takes one mask for every row in its "
                   "first chunk of keys, so a padded row reads the pad keys there",
                   entry_points.pad_leak_split_k, "padded batches", one_model=True,

@@ -7,7 +7,8 @@ a decoder that drops a padded batch's positions.
   for one position more than a request writes; :class:`ShareLastBlock` shares, in block mode,
   the last block of a prompt found whole.
 * :func:`pack_off_by_one` ships one position too few; :func:`pack_zeroed_last_v` ships the last
-  layer's V as zeros (every size right).
+  layer's V as zeros (every size right); :func:`pack_through_fp32` moves every tensor through
+  FP32 (exact in FP32, BF16 and FP16; FP64 loses its low bits).
 * :class:`SharedStartScheduler` embeds every row of a step at the step's common start;
   :class:`LeakingScheduler` never gives a finished request's blocks back;
   :class:`ResumeWithoutRecompute` resumes a preempted request without recomputing it;
@@ -109,6 +110,16 @@ def pack_zeroed_last_v(cache: KVCache, logits: torch.Tensor | None = None) -> by
     layers = [cache.layer(i) for i in range(cache.n_layer)]
     layers[-1] = (layers[-1][0], torch.zeros_like(layers[-1][1]))
     return pack(_rebuilt(cache, layers), logits)
+
+
+def pack_through_fp32(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
+    """BROKEN: K, V and the logits go through FP32 on the way (a transfer buffer of one
+    dtype) and are cast back: every size, dtype and FP32 value right, FP64's low bits lost."""
+    def wire(t: torch.Tensor) -> torch.Tensor:
+        return t.float().to(t.dtype)
+
+    layers = [tuple(map(wire, cache.layer(i))) for i in range(cache.n_layer)]
+    return pack(_rebuilt(cache, layers), None if logits is None else wire(logits))
 
 
 # --- schedulers ----------------------------------------------------------------------------
