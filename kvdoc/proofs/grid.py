@@ -24,8 +24,9 @@ speed of its decode step is proved not to cost correctness on every model and ca
 To verify something that is not registered, pass it in: ``run_suite(model=...)`` runs every
 scenario on a given model, and :data:`GRID` is the equivalence grid of the site's model.
 
->>> sorted(MODELS)
-['gemma3', 'gqa', 'llama', 'mha', 'mistral', 'mla', 'mla-absorbed', 'mqa', 'split-k']
+>>> sorted(MODELS)  # doctest: +NORMALIZE_WHITESPACE
+['deep', 'gemma3', 'gqa', 'llama', 'mha', 'mistral', 'mla', 'mla-absorbed', 'mqa',
+ 'split-k']
 >>> sorted(CACHES), sorted(IMPLEMENTATIONS)
 (['dynamic', 'hybrid', 'paged', 'shared-prefix', 'static', 'window'], ['fast', 'model'])
 >>> MODELS["gqa"].build(0).config.n_kv_head
@@ -77,11 +78,20 @@ a dynamic and a static cache (``run_suite(**GRID, model=...)`` for a given model
 LLAMA = llama_config(vocab_size=89, n_positions=256, n_layer=1, n_head=6, n_embd=96,
                      n_kv_head=2, rope_theta=500000.0, tie_word_embeddings=True)
 """The Llama-style model's config: every size and switch off :class:`GPTConfig`'s default."""
+DEEP = llama_config(vocab_size=89, n_positions=256, n_layer=12, n_head=2, n_embd=16, n_inner=24,
+                    n_kv_head=1)
+"""The deep model's config: 12 layers (two-digit indices), narrow so that it stays cheap."""
+DEEP_SCENARIOS = ("stream", "counted", "reference", "handover")
+"""What the deep model runs: the checks that see a layer out of order (cached against full, the
+byte count of every layer, transformers loaded from its weights, a payload packed and unpacked);
+the rest see nothing a twelfth layer adds."""
 MLA = MLAConfig(vocab_size=89, n_positions=256, n_layer=1, n_head=3, n_embd=48, n_inner=96,
-                q_lora_rank=12, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=4,
+                q_lora_rank=12, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=6,
                 v_head_dim=20, layer_norm_epsilon=1e-5, rope_theta=500000.0)
 """The MLA models' config: every size off :class:`~kvdoc.core.mla.MLAConfig`'s default (V's head
-width differs from the non-rotary key's, so a path that swaps them cannot pass)."""
+width differs from the non-rotary key's, so a path that swaps them cannot pass). The rotary width
+is 6, the smallest at which DeepSeek's interleaved-to-half-split permutation differs from its
+inverse (:mod:`kvdoc.proofs.broken.loaders`)."""
 GEMMA = Gemma3Config(vocab_size=89, n_positions=256, n_head=6, n_kv_head=3, n_embd=48, n_inner=96,
                      head_dim=12, query_pre_attn_scalar=20, n_layer=3, sliding_window=WINDOW,
                      sliding_window_pattern=3, layer_norm_epsilon=1e-5,
@@ -126,6 +136,8 @@ class ModelSpec:
         reference_name: what the reference is, for tables.
         impls: the implementations it runs with unless ``run_suite`` is given some (None: every
             one that serves it).
+        scenarios: the scenarios it runs unless ``run_suite`` is given some (None: every one):
+            a model on the grid for one property runs the checks that can see that property.
     """
 
     describe: str
@@ -133,6 +145,7 @@ class ModelSpec:
     reference: Callable[[nn.Module], Callable[[torch.Tensor], torch.Tensor]] | None = None
     reference_name: str = ""
     impls: tuple[str, ...] | None = None
+    scenarios: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -173,11 +186,15 @@ MODELS: dict[str, ModelSpec] = {
                          impls=("model",)),
     # MLA: a full forward up-projects the latent; the cached calls do too ("mla") or attend in
     # latent space ("mla-absorbed"), so cached-vs-full compares the absorbed path with the plain
-    "mla": ModelSpec("MLA (DeepSeek-V3), latent 24 + rotary key 4, 3 heads, plain decode",
+    "mla": ModelSpec("MLA (DeepSeek-V3), latent 24 + rotary key 6, 3 heads, plain decode",
                      _decoder(MLA), deepseek_reference, "transformers DeepSeek-V3, same weights"),
     "mla-absorbed": ModelSpec("MLA, the same model, cached calls absorbed into the latent",
                               _decoder(dataclasses.replace(MLA, absorb=True)),
                               deepseek_reference, "transformers DeepSeek-V3, same weights"),
+    # 12 layers: a loader or payload that orders layers by name ("h.10" before "h.2") shows
+    "deep": ModelSpec("Llama-style, 12 layers, width 16, 2 query heads, 1 K/V head",
+                      _decoder(DEEP), transformers_reference, "transformers Llama, same weights",
+                      impls=("model",), scenarios=DEEP_SCENARIOS),
     # window and global layers in one model, cached in one hybrid cache (and, to compare, in a
     # dynamic or static one that keeps every position of every layer)
     "gemma3": ModelSpec(f"Gemma-3-style: 2 window layers of {WINDOW}, then 1 global; q/k norms, "

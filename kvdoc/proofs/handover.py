@@ -157,8 +157,8 @@ def handover_scenario(case, out: list) -> None:
     extra = PAYLOAD_DTYPES if case.dtype == torch.float32 else ()
     checks = [check_handover(case.model, case.ids[:, :n], 4, packer=case.caches.get("packer",
                                                                                    pack))]
-    checks += check_dtypes(case.model, case.ids[:, :n], 4, extra,
-                           packer=case.caches.get("packer", pack))
+    checks += [check_handover(case.in_dtype(dt), case.ids[:, :n], 4,
+                              packer=case.caches.get("packer", pack)) for dt in extra]
     for check in checks:
         out.append(case.result("handover", check.passed, check.logits_error,
                                f"{check.dtype}: prefill of {n}, packed ({check.payload_bytes} "

@@ -204,6 +204,7 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
     # a broken variant is the implementation under test: by default it runs as itself, not wrapped
     given_impls = impls is not None  # else a model's own impls (ModelSpec.impls) apply
     impls = list(impls or (grid.IMPLEMENTATIONS if variant is None else ("model",)))
+    given_scenarios = scenarios is not None
     scenarios = list(scenarios or SCENARIOS)
     for axis, names, known in (("model", models, specs), ("cache kind", kinds, grid.CACHES),
                                ("implementation", impls, grid.IMPLEMENTATIONS),
@@ -255,9 +256,18 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
                                 broken is not None and broken.stale_prefix,
                                 lambda pristine=pristine: copy.deepcopy(pristine),
                                 grid.IMPLEMENTATIONS[impl], shared,
-                                {} if broken is None else broken.caches)
-                    if _run_case(case, scenarios, results, stop_at_first):
+                                {} if broken is None else broken.caches,
+                                lambda other, name=name, seed=seed: _built(
+                                    specs[name], seed, other, broken))
+                    own_scenarios = (scenarios if given_scenarios or specs[name].scenarios is None
+                                     else [n for n in scenarios if n in specs[name].scenarios])
+                    if _run_case(case, own_scenarios, results, stop_at_first):
                         return SuiteReport(variant, results, time.perf_counter() - start)
     return SuiteReport(variant, results, time.perf_counter() - start)
 
 
+def _built(spec: grid.ModelSpec, seed: int, dtype: torch.dtype, broken) -> torch.nn.Module:
+    """The model under test in another ``dtype`` (:attr:`Case.in_dtype`): built and cast as the
+    run's own, the variant (if any) built from it after the cast."""
+    model = copy.deepcopy(spec.build(seed)).to(dtype).eval()
+    return model if broken is None else broken.build(model)

@@ -10,7 +10,7 @@ to :data:`kvdoc.proofs.grid.MODELS` is swept by every variant it can host withou
 >>> check_traits({"rope", "shiny"})
 Traceback (most recent call last):
 ...
-ValueError: unknown trait 'shiny'; the traits are decoder, gemma, grouped, ...
+ValueError: unknown trait 'shiny'; the traits are decoder, deep, gemma, grouped, ...
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ TRAITS: dict[str, str] = {
     "grouped": "1 < H_kv < H: sharing K/V heads by tiling differs from sharing them by group",
     "window": "a sliding window on every layer",
     "hybrid": "window and global layers in one model",
+    "deep": "10 or more layers: layer indices of two digits, so an order by name ('10' before "
+            "'2') is not the order by number",
 }
 """Every trait, with what it means."""
 FAMILIES = ("decoder", "gemma", "latent")
@@ -66,6 +68,8 @@ def traits(config: object) -> frozenset[str]:
                          "kvdoc.proofs.traits.traits it")
     if 1 < config.n_kv_head < config.n_head:
         found.add("grouped")
+    if config.n_layer >= 10:
+        found.add("deep")
     return frozenset(found)
 
 

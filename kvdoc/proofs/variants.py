@@ -25,6 +25,7 @@ from .broken import (
     decoders,
     entry_points,
     invariance,
+    loaders,
     measures,
     policies,
     rope,
@@ -95,7 +96,7 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "byte accounting", "int8 contract", "ring and block edges", "padded batches",
                "preemption and forks", "prefix-cache admission", "fp8 contract",
                "reduction order", "low precision", "scheduling policy", "eviction policy",
-               "sampling distribution", "payload dtype")
+               "sampling distribution", "payload dtype", "loader layout")
 """The kinds of mistake the variants stand for."""
 
 def _copy(cls: type[Decoder]) -> Callable[[Decoder], Decoder]:
@@ -315,6 +316,20 @@ VARIANTS.update({v.name: v for v in (
                   "through FP32 and casts them back: exact unless the model is wider than FP32",
                   _copy(Decoder), "payload dtype", one_model=True, kinds=("dynamic",),
                   caches={"packer": serving.pack_through_fp32}),
+    BrokenVariant("deepseek-export-uninverted", "the DeepSeek exporter moves the rotary rows "
+                  "with the importer's permutation, not its inverse (the same for a rotary "
+                  "width of 4)", lambda m: m, "loader layout", needs={"latent"}, one_model=True,
+                  kinds=("dynamic",),
+                  caches={"reference": loaders.deepseek_reference_uninverted}),
+    BrokenVariant("handover-layers-by-name", "the hand-over's packer ships the layers in the "
+                  "order of their names, 0, 1, 10, 11, 2, ..", _copy(Decoder), "loader layout",
+                  needs={"decoder", "deep"}, one_model=True, kinds=("dynamic",),
+                  caches={"packer": serving.pack_layers_by_name}),
+    BrokenVariant("export-layers-by-name", "the export to transformers lays kvdoc's blocks in "
+                  "the order of their names, h.0, h.1, h.10, h.11, h.2, ..", lambda m: m,
+                  "loader layout", needs={"decoder", "deep"}, one_model=True,
+                  kinds=("dynamic",),
+                  caches={"reference": loaders.transformers_reference_layers_by_name}),
     BrokenVariant("split-k-pad-leak", "split-K attention takes one mask for every row in its "
                   "first chunk of keys, so a padded row reads the pad keys there",
                   entry_points.pad_leak_split_k, "padded batches", one_model=True,

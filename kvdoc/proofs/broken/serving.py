@@ -8,7 +8,8 @@ a decoder that drops a padded batch's positions.
   the last block of a prompt found whole.
 * :func:`pack_off_by_one` ships one position too few; :func:`pack_zeroed_last_v` ships the last
   layer's V as zeros (every size right); :func:`pack_through_fp32` moves every tensor through
-  FP32 (exact in FP32, BF16 and FP16; FP64 loses its low bits).
+  FP32 (exact in FP32, BF16 and FP16; FP64 loses its low bits); :func:`pack_layers_by_name`
+  ships the layers in the order of their names (``0, 1, 10, 11, 2, ..``).
 * :class:`SharedStartScheduler` embeds every row of a step at the step's common start;
   :class:`LeakingScheduler` never gives a finished request's blocks back;
   :class:`ResumeWithoutRecompute` resumes a preempted request without recomputing it;
@@ -120,6 +121,13 @@ def pack_through_fp32(cache: KVCache, logits: torch.Tensor | None = None) -> byt
 
     layers = [tuple(map(wire, cache.layer(i))) for i in range(cache.n_layer)]
     return pack(_rebuilt(cache, layers), None if logits is None else wire(logits))
+
+
+def pack_layers_by_name(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
+    """BROKEN: the layers go out in the order of their names, ``0, 1, 10, 11, 2, ..`` (a
+    packer that walks a dict's sorted keys): right for fewer than 10 layers."""
+    order = sorted(range(cache.n_layer), key=str)
+    return pack(_rebuilt(cache, [cache.layer(i) for i in order]), logits)
 
 
 # --- schedulers ----------------------------------------------------------------------------
