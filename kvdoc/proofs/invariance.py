@@ -15,8 +15,9 @@ cached call over the whole sequence alone instead.
 
 It runs on the models of :data:`MODELS` (GPT-2's path; the split-K Mistral-style path, RoPE,
 RMSNorm, SwiGLU and a window; MLA, plain and absorbed; Gemma 3, window and global layers, q/k
-norms, the soft cap), on the dynamic kind and the model's own call only, in the FP32 pass: a
-few seconds. The broken variant ``chunk-split-attention``
+norms, the soft cap; the last three in BF16 and FP32 only but with ``--thorough``,
+:data:`LEAN`), on the dynamic kind and the model's own call only, in the FP32 pass: a few
+seconds. The broken variant ``chunk-split-attention``
 (:mod:`kvdoc.proofs.broken.invariance`) reads the cached keys and the chunk's own keys apart
 and merges the two exactly as split-K does: within FP32's and FP64's tolerance everywhere
 else, and caught here.
@@ -45,6 +46,11 @@ CHECK = "bitwise under kvdoc.batch_invariant(): chunks, batch, cache kinds, BF16
 MODELS = ("mha", "split-k", "mla", "mla-absorbed", "gemma3")
 """The grid's models the check runs on (any model given to the suite, too)."""
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LEAN = ("mla", "mla-absorbed", "gemma3")
+"""Models of :data:`MODELS` that the default run checks in :data:`LEAN_DTYPES` only (every
+dtype with ``--thorough``, and in ``tests/test_batch_invariant.py``): their three dtypes would
+add some 3 s to ``python -m kvdoc verify``, FP16 a third of it."""
+LEAN_DTYPES = (torch.bfloat16, torch.float32)
 KINDS = ("dynamic", "static", "window", "hybrid")
 """The cache kinds fed chunk by chunk, where the model is served by them."""
 LENGTH = 24
@@ -122,7 +128,9 @@ def scenario(case, out: list) -> None:
         out.append(case.result("invariance", None, 0.0,
                                "a kvdoc decoder only (GPTConfig, MLA or Gemma 3)"))
         return
-    for name, ok, worst, runs in invariance_rows(case.fresh()):
+    thorough = case.ids.shape[1] > grid.STREAM_LENGTH
+    dtypes = LEAN_DTYPES if case.model_name in LEAN and not thorough else DTYPES
+    for name, ok, worst, runs in invariance_rows(case.fresh(), dtypes):
         out.append(case.result("invariance", ok, worst,
                                f"{name}: {runs} runs vs the full forward alone, bitwise"))
 
