@@ -31,8 +31,8 @@ The mode is a :class:`torch.overrides.TorchFunctionMode` that reroutes those lib
 (``F.linear``, ``F.layer_norm``, ``F.rms_norm``, ``F.scaled_dot_product_attention``, whose
 ``scale`` and ``enable_gqa`` it takes as SDPA does), so the decoder's code reads the same in and
 out of it; split-K attention and the fast decode step, which reduce in code of their own, and
-Gemma's norm and soft cap (below) read :func:`active`. Outside the mode nothing changes. The mode costs speed, measured on
-:doc:`/part5/5-precision`.
+Gemma's norm and soft cap (below) read :func:`active`. Outside the mode nothing changes. The
+mode costs speed, measured on :doc:`/part5/5-precision`.
 
 The other decoders are covered the same way, with three choices where their code reduces
 without one of those calls:

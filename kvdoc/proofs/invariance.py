@@ -42,7 +42,8 @@ from . import grid
 from .compare import DTYPE_NAMES
 from .traits import FAMILIES, traits
 
-CHECK = "bitwise under kvdoc.batch_invariant(): chunks, batch, cache kinds, BF16/FP16/FP32"
+CHECK = ("bitwise under kvdoc.batch_invariant(): chunks, batch, cache kinds, BF16/FP16/FP32 "
+         "(MLA, Gemma: BF16/FP32)")
 MODELS = ("mha", "split-k", "mla", "mla-absorbed", "gemma3")
 """The grid's models the check runs on (any model given to the suite, too)."""
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

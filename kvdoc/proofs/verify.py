@@ -160,7 +160,8 @@ def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start:
           "dynamic kind, in the FP32 run)")
     print("  batch invariance: under kvdoc.batch_invariant(), logits bit for bit across chunks, "
           "batch and cache kinds in BF16/FP16/FP32 (scenario invariance, on "
-          f"{', '.join(invariance.MODELS)})")
+          f"{', '.join(invariance.MODELS)}; {', '.join(invariance.LEAN)} in BF16/FP32 only, all "
+          "three with --thorough)")
     print(f"  scenarios: {', '.join(SCENARIOS)}")
     for axes in passes:
         dtypes = "/".join(DTYPE_NAMES[d] for d in axes["dtypes"])
