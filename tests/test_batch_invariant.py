@@ -7,13 +7,18 @@ Outside it, how far chunked and full logits differ is the CPU's business: printe
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvdoc import Decoder, GPTConfig, batch_invariant, llama_config, mistral_config
 from kvdoc.core import invariant
 from kvdoc.core.feed import feed
-from kvdoc.core.invariant import attention, exp_fixed, tree_sum
+from kvdoc.core.gemma import GemmaRMSNorm
+from kvdoc.core.invariant import attention, exp_fixed, inv_rms, tree_sum
+from kvdoc.proofs import grid, invariance
 from kvdoc.proofs.invariance import invariance_rows
 from kvdoc.proofs.suite import run_suite
 from kvdoc.serving.batching import generate_padded
@@ -129,3 +134,130 @@ def test_the_precision_check_catches_fp8_reads_that_no_path_comparison_sees():
     assert "fp16" in caught.failed_checks()
     # wrong the same way on every path: the bitwise check and the FP32 stream see nothing
     assert run_suite("fp8-reads-in-half", scenarios=("stream", "invariance"), **fp32).passed
+
+
+OTHER_DECODERS = ["mla", "mla-absorbed", "gemma3"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("name", OTHER_DECODERS)
+def test_mla_and_gemma_logits_are_bitwise_whatever_the_chunks_batch_and_cache(name, dtype):
+    model = grid.MODELS[name].build(0).to(dtype)
+    ids = _ids(vocab=model.config.vocab_size)
+    # every kind but the paged ones: a window for none of them, the hybrid ring for Gemma
+    kinds = [k for k in ("dynamic", "static", "hybrid") if grid.CACHES[k].serves(model.config)]
+    with torch.no_grad(), batch_invariant():
+        alone = model(ids[:1]).logits
+        batched = model(ids).logits[:1]
+        # an absorbed model's cached calls are other sums than its full forward's: they are held
+        # to one cached call over the whole sequence (the same path, one chunk)
+        one_call = model(ids[:1], model.new_cache(1)).logits
+        runs = {}
+        for kind in kinds:
+            for chunk in (1, 3, (6, 1, 13)):
+                cache = grid.CACHES[kind].new(model, 1, 20)
+                runs[f"{kind}, chunks {chunk}"] = feed(model, ids[:1], cache, chunk).logits
+        runs["dynamic, chunks 4, batch 4"] = feed(model, ids, model.new_cache(4), 4).logits[:1]
+    assert torch.equal(batched, alone)
+    if not getattr(model.config, "absorb", False):
+        assert torch.equal(one_call, alone)
+    unequal = [label for label, got in runs.items() if not torch.equal(got, one_call)]
+    assert not unequal
+
+
+def test_the_mode_computes_the_mla_and_gemma_functions():
+    for name in OTHER_DECODERS:
+        model, ids = grid.MODELS[name].build(0), _ids(1, vocab=89)
+        with torch.no_grad():
+            _, cache = model(ids[:, :12], model.new_cache(1))
+            want = model(ids[:, 12:], cache).logits  # the cached path (absorbed, for one)
+            with batch_invariant():
+                _, cache = model(ids[:, :12], model.new_cache(1))
+                got = model(ids[:, 12:], cache).logits
+        assert torch.allclose(got, want, atol=1e-5, rtol=0), name
+
+
+def _qkv(heads: int, kv_heads: int, d_v: int):
+    g = torch.Generator().manual_seed(11)
+    return (torch.randn(2, heads, 5, 8, generator=g), torch.randn(2, kv_heads, 9, 8, generator=g),
+            torch.randn(2, kv_heads, 9, d_v, generator=g))
+
+
+def test_sdpa_under_the_mode_takes_scale_and_enable_gqa_as_sdpa_does():
+    q, k, v = _qkv(6, 2, 12)  # grouped heads, and a value wider than the key (as MLA's)
+    mask = torch.rand(2, 1, 5, 9, generator=torch.Generator().manual_seed(4)) > 0.3
+    mask[..., 0] = True
+    for scale in (None, 0.05, 1.7):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
+        with batch_invariant():
+            got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                 enable_gqa=True)
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, atol=1e-6), scale
+    # a single K/V head read by every query head (MLA absorbed), no mask
+    q1, k1, v1 = _qkv(4, 1, 3)
+    want = F.scaled_dot_product_attention(q1, k1, v1, scale=0.3, enable_gqa=True)
+    with batch_invariant():
+        got = F.scaled_dot_product_attention(q1, k1, v1, scale=0.3, enable_gqa=True)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_sdpa_under_the_mode_refuses_what_it_cannot_fix_the_order_of():
+    q, k, v = _qkv(6, 2, 8)
+    with pytest.raises(ValueError, match="enable_gqa"), batch_invariant():
+        F.scaled_dot_product_attention(q, k, v)  # 6 query heads, 2 K/V heads: SDPA refuses too
+    refused = [dict(is_causal=True), dict(dropout_p=0.1),
+               dict(attn_mask=torch.zeros(5, 9))]  # a float mask
+    for kwargs in refused:
+        with pytest.raises(ValueError, match="boolean attn_mask only"), batch_invariant():
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
+
+
+def test_the_scale_multiplies_the_finished_score():
+    # scale=None and the same scale passed explicitly are the same bits: the scale is applied
+    # to each score after the fixed-order sum, not folded into q (which would round otherwise)
+    q, k, v = _qkv(4, 2, 8)
+    default = attention(q, k, v, None)
+    assert torch.equal(attention(q, k, v, None, scale=1.0 / math.sqrt(8)), default)
+    with batch_invariant():
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v, scale=1.0 / math.sqrt(8),
+                                                          enable_gqa=True), default)
+    # and a batch row is its own call's bits, with a scale of its own
+    rows = attention(q, k, v, None, scale=0.37)
+    assert torch.equal(rows[1:], attention(q[1:], k[1:], v[1:], None, scale=0.37))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+def test_gemma_rmsnorm_under_the_mode_is_each_rows_own_bits(dtype):
+    norm = GemmaRMSNorm(48, eps=1e-5)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48, generator=g) * 0.3)
+    norm = norm.to(dtype)
+    x = torch.randn(3, 24, 48, generator=g).to(dtype)  # rows whose count gives the tail a say
+    with torch.no_grad():
+        want = norm(x)
+        with batch_invariant():
+            got = norm(x)
+            alone = [norm(x[:1]), norm(x[:1, 5:11]), norm(x[2:, 23:])]
+    assert torch.equal(alone[0], got[:1])
+    assert torch.equal(alone[1], got[:1, 5:11])
+    assert torch.equal(alone[2], got[2:, 23:])
+    tol = {torch.float32: 1e-5}.get(dtype, 0.05)  # the same function, rounded in float32
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=0)
+    assert torch.allclose(inv_rms(x.double(), 1e-5),
+                          torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5))
+
+
+def test_the_check_runs_on_mla_and_gemma_with_the_kinds_they_serve():
+    assert set(OTHER_DECODERS) <= set(invariance.MODELS)
+    kinds = {name: invariance._kinds(grid.MODELS[name].build(0))
+             for name in ("mistral", "mla", "gemma3")}
+    assert kinds == {"mistral": ["dynamic", "static", "window"], "mla": ["dynamic", "static"],
+                     "gemma3": ["dynamic", "static", "hybrid"]}
+    report = run_suite(scenarios=("invariance",), models=OTHER_DECODERS,
+                       dtypes=(torch.float32,))
+    ran = [r for r in report.select("invariance") if r.passed is not None]
+    assert {r.model for r in ran} == set(OTHER_DECODERS)  # none of them skipped
+    assert report.passed and all(r.passed for r in ran)

@@ -365,8 +365,8 @@ def test_a_new_implementation_plugs_in_with_one_entry(monkeypatch):
     report = run_suite(impls=("wrapper",), models=("gqa",), kinds=("static",), **FP32)
     # generate(), generate_padded, speculative decoding, the scheduler, the prefix tree, the
     # hand-over and the policy checks take the model itself; int8, fp8 and the BF16/FP16 bounds
-    # run on the dynamic kind, edges' branches on a cache not written in place, invariance on mha
-    # and split-k, counted on caches whose tensors hold exactly their positions
+    # run on the dynamic kind, edges' branches on a cache not written in place, invariance on
+    # invariance.MODELS, counted on caches whose tensors hold exactly their positions
     skipped = {r.check for r in report.results if r.passed is None}
     assert report.passed and skipped == {"generate", "generate_padded", "speculative",
                                          "scheduling", "prefix-cache", "handover", "int8", "fp8",

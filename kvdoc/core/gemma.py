@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import invariant
 from .cache import DynamicCache, KVCache, StaticCache
 from .config import check_int, check_positive
 from .hybrid import HybridCache
@@ -181,6 +182,8 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if invariant.active():  # a reduction by hand, which the mode reroutes no call of
+            return x * invariant.inv_rms(x, self.eps) * (1.0 + self.weight)
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
 
@@ -202,7 +205,16 @@ class SoftCappedHead(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = super().forward(x)
-        return logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
+        if self.cap is None:
+            return logits
+        if invariant.active():  # tanh is not exactly rounded: its vector and tail code differ,
+            # and which logits fall in the tail depends on how many rows the call holds
+            return invariant.per_row(self.soft_cap, logits)
+        return self.soft_cap(logits)
+
+    def soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """``cap * tanh(logits / cap)``."""
+        return torch.tanh(logits / self.cap) * self.cap
 
 
 class GemmaAttention(nn.Module):

@@ -6,7 +6,8 @@ from the shapes of the call (how many rows, how many keys, how many threads, whi
 take which element), so one sequence's logits change in the last bits when it is prefilled in
 other chunks, shares its batch with other rows, or is read from another cache. Inside
 ``with batch_invariant():`` the decoder of :mod:`kvdoc.core.model` computes every value from
-the same operations on the same operands in the same order, whatever the call:
+the same operations on the same operands in the same order, whatever the call (and so do the
+MLA and Gemma 3 decoders, :mod:`kvdoc.core.mla` and :mod:`kvdoc.core.gemma`; see below):
 
 * **Row-wise work** (every ``F.linear``: the projections, the MLP, the LM head; and the
   LayerNorms and RMSNorms) runs on each row alone: one library call of shape ``[1, d]`` on a
@@ -27,10 +28,32 @@ the same operations on the same operands in the same order, whatever the call:
   for occupancy is exactly the knob that must not change the bits.
 
 The mode is a :class:`torch.overrides.TorchFunctionMode` that reroutes those library calls
-(``F.linear``, ``F.layer_norm``, ``F.rms_norm``, ``F.scaled_dot_product_attention``), so the
-decoder's code reads the same in and out of it; split-K attention and the fast decode step, which
-reduce in code of their own, read :func:`active`. Outside the mode nothing changes. The mode
-costs speed, measured on :doc:`/part5/5-precision`.
+(``F.linear``, ``F.layer_norm``, ``F.rms_norm``, ``F.scaled_dot_product_attention``, whose
+``scale`` and ``enable_gqa`` it takes as SDPA does), so the decoder's code reads the same in and
+out of it; split-K attention and the fast decode step, which reduce in code of their own, and
+Gemma's norm and soft cap (below) read :func:`active`. Outside the mode nothing changes. The
+mode costs speed, measured on :doc:`/part5/5-precision`.
+
+The other decoders are covered the same way, with three choices where their code reduces
+without one of those calls:
+
+* **MLA** (:mod:`kvdoc.core.mla`) attends through SDPA with its own ``scale``; its absorbed path
+  (a wider query over one shared latent head: ``enable_gqa``, and a value narrower than the key)
+  folds ``W_UK`` into the query and applies ``W_UV`` after attention. Those two products are
+  written as one ``F.linear`` per head (:func:`kvdoc.core.mla.per_head`), not an einsum: the
+  mode then runs them row by row like every projection. Rerouting ``torch.einsum`` and
+  ``torch.matmul`` would mean parsing equations and telling a weight from a batch of rows for
+  every caller; one per-head linear is the smallest change that is the same function.
+* **Gemma 3**'s RMSNorm (:class:`kvdoc.core.gemma.GemmaRMSNorm`, also its q/k norms) reduces by
+  hand, ``x.pow(2).mean(-1)``; under the mode it takes :func:`inv_rms`: a pairwise tree and then
+  ``sqrt`` and a division, each exactly rounded. Not a per-row call: the q/k norms run on every
+  head of every row, and the tree needs no library order at all.
+* **Element-wise functions that are not exactly rounded** (``tanh``, ``rsqrt``) are the same on
+  one element only if it takes the same code: a CPU kernel runs vector code on most of a
+  tensor and scalar code on its tail, so where the tail falls depends on the tensor's size.
+  Where the size is a multiple of the vector width whatever the batch (the MLP's hidden width)
+  nothing changes; Gemma's soft cap over a vocabulary of any size runs per row
+  (:func:`per_row`), and its norm's ``rsqrt`` is :func:`inv_rms`'s exact steps.
 
 >>> import torch
 >>> from kvdoc import Decoder, GPTConfig
@@ -80,13 +103,24 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
           attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
           is_causal: bool = False, scale: float | None = None,
           enable_gqa: bool = False) -> torch.Tensor:
-    if dropout_p or is_causal or scale is not None or (
-            attn_mask is not None and attn_mask.dtype != torch.bool):
+    """``scaled_dot_product_attention``'s signature on :func:`attention`: a boolean mask ``[C, T]``
+    or ``[B, 1, C, T]``, ``scale`` and ``enable_gqa`` as SDPA reads them; dropout, ``is_causal``
+    and a float mask are refused (a float mask adds values the fixed order would have to take)."""
+    if dropout_p or is_causal or (attn_mask is not None and attn_mask.dtype != torch.bool):
         raise ValueError("batch_invariant() takes scaled_dot_product_attention with a boolean "
-                         "attn_mask only (no dropout, is_causal or scale)")
+                         "attn_mask only (no dropout, is_causal or float mask)")
+    H, H_kv = q.shape[1], k.shape[1]
+    if H != H_kv and not (enable_gqa and H % H_kv == 0):
+        raise ValueError(f"{H} query heads and {H_kv} K/V heads: SDPA takes that only with "
+                         "enable_gqa=True and a multiple")
     if attn_mask is not None and attn_mask.dim() == 4:  # [B, 1, C, T]: the same for every head
+        if attn_mask.shape[1] != 1:
+            raise ValueError("batch_invariant() takes one attn_mask for every head")
         attn_mask = attn_mask[:, 0]
-    return attention(q, k, v, attn_mask)
+    # enable_gqa repeats each K/V head over its group of query heads; attention() reads each
+    # K/V head's group of queries against it, which is that copy without making it (the same
+    # operands in the same order: the same bits)
+    return attention(q, k, v, attn_mask, scale)
 
 
 @contextmanager
@@ -173,13 +207,35 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
     return x[..., 0]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: torch.Tensor | None) -> torch.Tensor:
-    """``softmax(q k^T / sqrt(D_h) + mask) v`` with every sum in an order fixed per query and key.
+def inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / sqrt(mean(x^2) + eps)`` over the last dimension (kept, size 1), in ``x``'s dtype: for
+    a norm that reduces by hand (Gemma's RMSNorm), which no library call the mode reroutes.
 
-    ``q`` is ``[B, H, C, D_h]``, ``k`` and ``v`` ``[B, H_kv, T, D_h]``, ``mask`` ``[C, T]`` or
-    ``[B, C, T]`` bool (True: may read) or None. Products and sums run in float32 (float64 for
-    a float64 model); the result is in ``q``'s dtype. A query row that reads no key gives 0.
+    The squares and their pairwise tree (:func:`tree_sum`, an order fixed by the row's length)
+    run in float32 (float64 for float64), then one ``sqrt`` and one division: every step exactly
+    rounded. A library's ``rsqrt`` is not: in BF16 its vector code (through float32) and its
+    scalar code for a tensor's tail round differently, and which rows fall in the tail depends
+    on how many rows the call holds.
+
+    >>> x = torch.tensor([[3., -3.], [1., 7.]])
+    >>> torch.allclose(inv_rms(x, 1e-6), torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    True
+    """
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xa = x.to(acc)
+    mean = tree_sum(xa * xa) / x.shape[-1]
+    return (mean + eps).sqrt().reciprocal().unsqueeze(-1).to(x.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
+    """``softmax(scale q k^T + mask) v`` with every sum in an order fixed per query and key.
+
+    ``q`` is ``[B, H, C, D_h]``, ``k`` ``[B, H_kv, T, D_h]``, ``v`` ``[B, H_kv, T, D_v]`` (query
+    head ``h`` reads K/V head ``h // (H / H_kv)``, as SDPA's ``enable_gqa``), ``mask`` ``[C, T]``
+    or ``[B, C, T]`` bool (True: may read) or None; ``scale`` defaults to ``1 / sqrt(D_h)``, as
+    SDPA's. Products and sums run in float32 (float64 for a float64 model); the result is
+    ``[B, H, C, D_v]`` in ``q``'s dtype. A query row that reads no key gives 0.
 
     >>> g = torch.Generator().manual_seed(0)
     >>> q, k, v = (torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g),
@@ -189,21 +245,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     True
     """
     B, H, C, D = q.shape
-    H_kv, T = k.shape[1], k.shape[2]
+    H_kv, T, D_v = k.shape[1], k.shape[2], v.shape[-1]
     acc = torch.promote_types(q.dtype, torch.float32)
     qg = q.to(acc).reshape(B, H_kv, H // H_kv, C, 1, D)  # a K/V head's query heads together
     kg, vg = k.to(acc)[:, :, None, None], v.to(acc)[:, :, None]  # [B, H_kv, 1, (1,) T, D]
-    scores = tree_sum(qg * kg) * (1.0 / math.sqrt(D))  # [B, H_kv, group, C, T]
+    # the scale multiplies each finished score, as SDPA's definition reads (q k^T, then times
+    # scale): one more rounding, fixed by that score alone. Scaling q first would be as
+    # invariant (element-wise too) but gives other bits: it rounds each of the D_h products'
+    # operands instead, and would change the bits of every model that passes no scale. SDPA's
+    # own kernels are not matched bit for bit either way (its math path scales q and k by
+    # sqrt(scale) each); what the mode keeps is the function and one order for every call
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    scores = tree_sum(qg * kg) * scale  # [B, H_kv, group, C, T]
     if mask is not None:  # [C, T], or [B, C, T] per row: the same for every head
         rows = mask if mask.dim() == 2 else mask[:, None, None]
         scores = scores.masked_fill(~rows, -math.inf)
     top = scores.amax(dim=-1, keepdim=True)  # exact whatever the order
     p = exp_fixed(scores - torch.where(top.isinf(), 0.0, top)).to(acc)
-    out = torch.zeros(B, H_kv, H // H_kv, C, D, dtype=acc, device=q.device)
+    out = torch.zeros(B, H_kv, H // H_kv, C, D_v, dtype=acc, device=q.device)
     total = torch.zeros(B, H_kv, H // H_kv, C, 1, dtype=acc, device=q.device)
     for j in range(T):  # key by key from the first column: a hidden key adds an exact 0
         w = p[..., j:j + 1]
         out = out + w * vg[:, :, :, j:j + 1]
         total = total + w
     out = torch.where(total > 0, out / total, 0.0)
-    return out.reshape(B, H, C, D).to(q.dtype)
+    return out.reshape(B, H, C, D_v).to(q.dtype)

@@ -18,6 +18,10 @@ A cached call attends one of two ways, which compute the same function:
 A full forward (no cache) always up-projects, so the grid's cached-versus-full comparison
 checks the absorbed path against the plain one.
 
+The absorbed path's per-head products with ``W_UK`` and ``W_UV`` are one ``F.linear`` per head
+(:func:`per_head`), not an einsum, so that :func:`kvdoc.batch_invariant` runs them row by row as
+it does every projection (see :mod:`kvdoc.core.invariant`).
+
 :class:`MLADecoder` is a :class:`~kvdoc.core.model.Decoder` (same forward, input checks and
 ``prefill``/``decode_step``/``generate``) whose blocks attend this way, with Llama's RMSNorm and
 SwiGLU MLP. Its caches (:class:`DynamicLatentCache`, :class:`StaticLatentCache`) hold per layer
@@ -295,12 +299,24 @@ class LatentAttention(nn.Module):
         each head's latent output. ``q_nope . (W_UK c) = (W_UK^T q_nope) . c``, and the weighted
         sum of ``W_UV c_j`` is ``W_UV`` times the weighted sum of ``c_j``."""
         w_uk, w_uv = self.up_projections()
-        q_latent = torch.einsum("bhcn,hnr->bhcr", q_nope, w_uk)  # [B, H, C, r]
+        q_latent = per_head(q_nope, w_uk.mT)  # [B, H, C, r]: each head's W_UK^T q_nope
         q = torch.cat((q_latent, q_rope), dim=-1)  # [B, H, C, r + d_R]
         k = torch.cat((c_kv, k_rope), dim=-1)  # [B, 1, T, r + d_R]: one K head for all H
         out = F.scaled_dot_product_attention(q, k, c_kv, attn_mask=mask, enable_gqa=True,
                                              scale=self.config.softmax_scale)  # [B, H, C, r]
-        return torch.einsum("bhcr,hvr->bhcv", out, w_uv)  # [B, H, C, d_v]
+        return per_head(out, w_uv)  # [B, H, C, d_v]
+
+
+def per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x[:, h] w[h]^T`` for each head ``h`` (``x`` ``[B, H, C, n]``, ``w`` ``[H, m, n]``):
+    ``[B, H, C, m]``, by one ``F.linear`` per head, which :func:`kvdoc.batch_invariant` runs row
+    by row (an einsum or matmul it would leave to the library's order).
+
+    >>> x, w = torch.randn(2, 3, 4, 5), torch.randn(3, 6, 5)
+    >>> torch.allclose(per_head(x, w), torch.einsum("bhcn,hmn->bhcm", x, w), atol=1e-5)
+    True
+    """
+    return torch.stack([F.linear(x[:, h], w[h]) for h in range(x.shape[1])], dim=1)
 
 
 class LatentBlock(nn.Module):

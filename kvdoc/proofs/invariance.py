@@ -2,16 +2,22 @@
 
 A sequence (row 0 of a short random stream) is computed under the mode in many ways: one full
 forward alone, one full forward in a batch of :data:`BATCH` rows (the others different
-sequences), and fed through every cache kind the model serves (dynamic, static and, for a model
-with a window, the ring) in chunks of each of :data:`CHUNKS` tokens, alone and in the batch.
+sequences), and fed through every cache kind of :data:`KINDS` the grid says serves the model
+(dynamic and static, a window for a model with one, the hybrid cache for Gemma; an MLA model's
+are its latent caches) in chunks of each of :data:`CHUNKS` tokens, alone and in the batch.
 Every one of those logits must be ``torch.equal`` to the first, in BF16, FP16 and FP32 (copies
 of the model's weights): no tolerance at all. The chunkings and the batch are the axes a
 server varies from one request to the next; the cache kinds store the same K and V in other
-places; the split-K model (:mod:`kvdoc.serving.splitk`) splits the keys in its own chunks.
+places; the split-K model (:mod:`kvdoc.serving.splitk`) splits the keys in its own chunks. An
+absorbed MLA model's cached calls attend in latent space, other sums than its full forward's
+(within rounding, checked by the grid's other scenarios): its cached runs must equal its one
+cached call over the whole sequence alone instead.
 
-It runs on the models of :data:`MODELS` (GPT-2's path and the split-K Mistral-style path, RoPE,
-RMSNorm, SwiGLU and a window), on the dynamic kind and the model's own call only, in the FP32
-pass: a few seconds. The broken variant ``chunk-split-attention``
+It runs on the models of :data:`MODELS` (GPT-2's path; the split-K Mistral-style path, RoPE,
+RMSNorm, SwiGLU and a window; MLA, plain and absorbed; Gemma 3, window and global layers, q/k
+norms, the soft cap; the last three in BF16 and FP32 only but with ``--thorough``,
+:data:`LEAN`), on the dynamic kind and the model's own call only, in the FP32 pass: a few
+seconds. The broken variant ``chunk-split-attention``
 (:mod:`kvdoc.proofs.broken.invariance`) reads the cached keys and the chunk's own keys apart
 and merges the two exactly as split-K does: within FP32's and FP64's tolerance everywhere
 else, and caught here.
@@ -34,12 +40,20 @@ from kvdoc.core.invariant import batch_invariant
 
 from . import grid
 from .compare import DTYPE_NAMES
-from .traits import traits
+from .traits import FAMILIES, traits
 
-CHECK = "bitwise under kvdoc.batch_invariant(): chunks, batch, cache kinds, BF16/FP16/FP32"
-MODELS = ("mha", "split-k")
+CHECK = ("bitwise under kvdoc.batch_invariant(): chunks, batch, cache kinds, BF16/FP16/FP32 "
+         "(MLA, Gemma: BF16/FP32)")
+MODELS = ("mha", "split-k", "mla", "mla-absorbed", "gemma3")
 """The grid's models the check runs on (any model given to the suite, too)."""
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LEAN = ("mla", "mla-absorbed", "gemma3")
+"""Models of :data:`MODELS` that the default run checks in :data:`LEAN_DTYPES` only (every
+dtype with ``--thorough``, and in ``tests/test_batch_invariant.py``): their three dtypes would
+add some 3 s to ``python -m kvdoc verify``, FP16 a third of it."""
+LEAN_DTYPES = (torch.bfloat16, torch.float32)
+KINDS = ("dynamic", "static", "window", "hybrid")
+"""The cache kinds fed chunk by chunk, where the model is served by them."""
 LENGTH = 24
 """Tokens of the sequence: past two chunks of :data:`CHUNKS`' largest, short enough to be cheap."""
 CHUNKS = (2, 5)
@@ -48,14 +62,26 @@ DTYPE_NAMES = {**DTYPE_NAMES, torch.bfloat16: "BF16", torch.float16: "FP16"}
 
 
 def _kinds(model: nn.Module) -> list[str]:
-    return ["dynamic", "static"] + (["window"] if model.config.sliding_window else [])
+    """The kinds of :data:`KINDS` the grid says serve ``model`` (:func:`kvdoc.proofs.grid.served`):
+    a window for a model with one, a hybrid cache for Gemma, the latent ones for MLA."""
+    return [kind for kind, _ in grid.served(model.config, kinds=KINDS, impls=("model",))]
+
+
+def _cached_want(model: nn.Module, ids: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """What a cached run must equal: the full forward alone, or, for a model whose cached calls
+    attend another way (MLA absorbed into the latent: other sums, the same function), its one
+    cached call over the whole sequence alone."""
+    if not getattr(model.config, "absorb", False):
+        return want
+    return model(ids, model.new_cache(1)).logits
 
 
 def invariance_rows(model: nn.Module, dtypes=DTYPES,
                     seed: int = 0) -> list[tuple[str, bool, float, int]]:
     """``(dtype, bitwise, largest difference, runs)`` per dtype for ``model`` (any dtype).
 
-    Each run's logits of row 0 against those of the full forward of row 0 alone.
+    Each run's logits of row 0 against those of the full forward of row 0 alone (the cached
+    runs of an absorbed MLA model against its one cached call alone: :func:`_cached_want`).
     """
     g = torch.Generator().manual_seed(2000 + seed)
     ids = torch.randint(0, model.config.vocab_size, (BATCH, LENGTH), generator=g)
@@ -64,21 +90,24 @@ def invariance_rows(model: nn.Module, dtypes=DTYPES,
         m = copy.deepcopy(model).to(dt).eval()
         with torch.no_grad(), batch_invariant():
             want = m(ids[:1]).logits
-            runs = [m(ids).logits[:1]]
+            cached = _cached_want(m, ids[:1], want)
+            runs = [(m(ids).logits[:1], want)]
             for kind in _kinds(m):
                 for chunk in CHUNKS:
-                    runs.append(feed(m, ids[:1], m.new_cache(1, kind, LENGTH), chunk).logits)
+                    got = feed(m, ids[:1], grid.CACHES[kind].new(m, 1, LENGTH), chunk).logits
+                    runs.append((got, cached))
             for chunk in CHUNKS:
                 batched = feed(m, ids, m.new_cache(BATCH, "dynamic"), chunk).logits[:1]
-                runs.append(batched)
-            runs.append(feed(m, ids[:1], m.new_cache(1, "static", LENGTH), (7, 1, 16)).logits)
+                runs.append((batched, cached))
+            got = feed(m, ids[:1], m.new_cache(1, "static", LENGTH), (7, 1, 16)).logits
+            runs.append((got, cached))
             # decode steps in a batch whose other rows differ: the serving case
             _, cache = m(ids[:, :9], m.new_cache(BATCH, "static", LENGTH))
             steps = [m(ids[:, t:t + 1], cache).logits[:1] for t in range(9, 12)]
-            runs.append(torch.cat((want[:, :9], *steps, want[:, 12:]), dim=1))
-        equal = [r.shape == want.shape and torch.equal(r, want) for r in runs]
-        worst = max(((r.float() - want.float()).abs().max().item() if r.shape == want.shape
-                     else float("inf")) for r in runs)
+            runs.append((torch.cat((cached[:, :9], *steps, cached[:, 12:]), dim=1), cached))
+        equal = [r.shape == w.shape and torch.equal(r, w) for r, w in runs]
+        worst = max(((r.float() - w.float()).abs().max().item() if r.shape == w.shape
+                     else float("inf")) for r, w in runs)
         rows.append((DTYPE_NAMES[dt], all(equal), worst, len(runs)))
     return rows
 
@@ -92,10 +121,17 @@ def scenario(case, out: list) -> None:
     if case.model_name in grid.MODELS and case.model_name not in MODELS:
         out.append(case.result("invariance", None, 0.0, f"run on {', '.join(MODELS)}"))
         return
-    if "decoder" not in traits(case.model.config):
-        out.append(case.result("invariance", None, 0.0, "a K/V Decoder of a GPTConfig only"))
+    try:
+        family = traits(case.model.config) & set(FAMILIES)
+    except ValueError:  # a model of a config kvdoc does not know: the mode was not argued for it
+        family = set()
+    if not family:
+        out.append(case.result("invariance", None, 0.0,
+                               "a kvdoc decoder only (GPTConfig, MLA or Gemma 3)"))
         return
-    for name, ok, worst, runs in invariance_rows(case.fresh()):
+    thorough = case.ids.shape[1] > grid.STREAM_LENGTH
+    dtypes = LEAN_DTYPES if case.model_name in LEAN and not thorough else DTYPES
+    for name, ok, worst, runs in invariance_rows(case.fresh(), dtypes):
         out.append(case.result("invariance", ok, worst,
                                f"{name}: {runs} runs vs the full forward alone, bitwise"))
 

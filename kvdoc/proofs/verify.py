@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import grid
+from . import grid, invariance
 from .compare import DTYPE_NAMES
 from .processes import process_checks, processes_table
 from .scenarios import SCENARIOS
@@ -159,7 +159,9 @@ def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start:
           "cached within the derived n u max|logit| of their FP64 value (scenario bf16, "
           "dynamic kind, in the FP32 run)")
     print("  batch invariance: under kvdoc.batch_invariant(), logits bit for bit across chunks, "
-          "batch and cache kinds in BF16/FP16/FP32 (scenario invariance)")
+          "batch and cache kinds in BF16/FP16/FP32 (scenario invariance, on "
+          f"{', '.join(invariance.MODELS)}; {', '.join(invariance.LEAN)} in BF16/FP32 only, all "
+          "three with --thorough)")
     print(f"  scenarios: {', '.join(SCENARIOS)}")
     for axes in passes:
         dtypes = "/".join(DTYPE_NAMES[d] for d in axes["dtypes"])
