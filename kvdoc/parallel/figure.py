@@ -43,11 +43,10 @@ def holders_figure(config: GPTConfig, layouts: Sequence[tuple[int, int]], seq_le
                   aspect="auto")
         for k, row in enumerate(grid):
             for p, cell in enumerate(row):
-                ax.text(p, k, ",".join(map(str, cell)), ha="center", va="center", fontsize=8,
-                        color="white")
+                ax.text(p, k, ",".join(map(str, cell)), ha="center", va="center", color="white")
         ax.set_yticks(range(config.n_kv_head), [f"K/V head {k}" for k in range(config.n_kv_head)])
         ax.set_xticks(range(seq_len))
-        ax.set_title(f"TP {tp} x CP {cp}: ranks holding each row", fontsize=9)
+        ax.set_title(f"TP {tp} x CP {cp}: ranks holding each row")
     axes[-1, 0].set_xlabel("position")
     fig.tight_layout()
     return fig

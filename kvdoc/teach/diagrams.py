@@ -32,13 +32,13 @@ def draw_boxes(labels: Sequence[str], notes: Sequence[str] | None = None, title:
     for i, (label, note, color) in enumerate(zip(labels, notes, colors, strict=True)):
         ax.add_patch(FancyBboxPatch((0.3, i - 0.18), 4.8, 0.36, boxstyle="round,pad=0.04",
                                     facecolor=color, edgecolor="0.3"))
-        ax.text(2.7, i, label, ha="center", va="center", fontsize=9)
-        ax.text(5.4, i, note, ha="left", va="center", fontsize=9, family="monospace")
+        ax.text(2.7, i, label, ha="center", va="center")
+        ax.text(5.4, i, note, ha="left", va="center", family="monospace")
         if i + 1 < n:
             ax.annotate("", xy=(2.7, i + 0.76), xytext=(2.7, i + 0.24),
                         arrowprops={"arrowstyle": "->", "color": "0.3"})
     if title:
-        ax.set_title(title, fontsize=10)
+        ax.set_title(title)
     fig.tight_layout()
     return fig
 
@@ -105,8 +105,8 @@ def draw_block_tables(caches: Mapping[str, PagedCache], width: float = 6.6):
     fig, ax = plt.subplots(figsize=(width, 3.2))
     y_seq, y_pool = 3.0, 0.0
     for (name, table, length, color), x0 in zip(rows, spans, strict=True):
-        ax.text(x0, y_seq + 1.25, f"{name}: {length} positions", fontsize=10, va="bottom")
-        ax.text(x0, y_seq + 1.0, f"table {table}", fontsize=10, va="bottom", family="monospace")
+        ax.text(x0, y_seq + 1.25, f"{name}: {length} positions", va="bottom")
+        ax.text(x0, y_seq + 1.0, f"table {table}", va="bottom", family="monospace")
         for j, block in enumerate(table):
             bx = x0 + j * (S + gap)
             for s in range(S):
@@ -117,7 +117,7 @@ def draw_block_tables(caches: Mapping[str, PagedCache], width: float = 6.6):
                                        facecolor=_tint(color if held else "white"),
                                        linestyle="-" if held else "--"))
                 ax.text(bx + s + 0.5, y_seq + 0.4, str(pos), ha="center", va="center",
-                        fontsize=10, color="black" if held else "0.45")
+                        color="black" if held else "0.45")
             px = block * pitch + (pitch - box) / 2 + box / 2
             ax.annotate("", xy=(px, y_pool + 1.0), xytext=(bx + S / 2, y_seq),
                         arrowprops={"arrowstyle": "-|>", "color": color, "lw": 1.6,
@@ -131,9 +131,9 @@ def draw_block_tables(caches: Mapping[str, PagedCache], width: float = 6.6):
                                linestyle="-" if refs else "--"))
         label = f"{refs} ref" + ("s" if refs > 1 else "") if refs else "free"
         ax.text(i * pitch + pitch / 2, y_pool + 0.5, f"block {i}\n{label}", ha="center",
-                va="center", fontsize=10, color="black" if refs else "0.45")
+                va="center", color="black" if refs else "0.45")
     ax.text(-0.2, y_pool - 0.35, f"the pool: {pool.num_blocks} physical blocks of {S} positions",
-            fontsize=10, va="top")
+            va="top")
     ax.set_xlim(-0.3, total + 0.3)
     ax.set_ylim(y_pool - 0.9, y_seq + 1.8)
     ax.axis("off")
