@@ -34,8 +34,9 @@ def holders_figure(config: GPTConfig, layouts: Sequence[tuple[int, int]], seq_le
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
 
-    fig, axes = plt.subplots(len(layouts), 1, figsize=(6.6, 1.0 + 0.9 * len(layouts)
-                                                       * config.n_kv_head / 2), squeeze=False)
+    # rows of 0.38 in: room for a 12 pt cell label (docs/_ext/matplotlibrc) above and below
+    fig, axes = plt.subplots(len(layouts), 1, squeeze=False,
+                             figsize=(6.6, 0.5 + (0.75 + 0.38 * config.n_kv_head) * len(layouts)))
     colours = ListedColormap(plt.get_cmap("tab10").colors[:8])
     for ax, (tp, cp) in zip(axes[:, 0], layouts, strict=True):
         grid = holders(config, tp, cp, seq_len)
