@@ -34,8 +34,9 @@ def holders_figure(config: GPTConfig, layouts: Sequence[tuple[int, int]], seq_le
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
 
-    fig, axes = plt.subplots(len(layouts), 1, figsize=(6.6, 1.0 + 0.9 * len(layouts)
-                                                       * config.n_kv_head / 2), squeeze=False)
+    # rows of 0.38 in: room for a 12 pt cell label (docs/_ext/matplotlibrc) above and below
+    fig, axes = plt.subplots(len(layouts), 1, squeeze=False,
+                             figsize=(6.6, 0.5 + (0.75 + 0.38 * config.n_kv_head) * len(layouts)))
     colours = ListedColormap(plt.get_cmap("tab10").colors[:8])
     for ax, (tp, cp) in zip(axes[:, 0], layouts, strict=True):
         grid = holders(config, tp, cp, seq_len)
@@ -43,11 +44,10 @@ def holders_figure(config: GPTConfig, layouts: Sequence[tuple[int, int]], seq_le
                   aspect="auto")
         for k, row in enumerate(grid):
             for p, cell in enumerate(row):
-                ax.text(p, k, ",".join(map(str, cell)), ha="center", va="center", fontsize=8,
-                        color="white")
+                ax.text(p, k, ",".join(map(str, cell)), ha="center", va="center", color="white")
         ax.set_yticks(range(config.n_kv_head), [f"K/V head {k}" for k in range(config.n_kv_head)])
         ax.set_xticks(range(seq_len))
-        ax.set_title(f"TP {tp} x CP {cp}: ranks holding each row", fontsize=9)
+        ax.set_title(f"TP {tp} x CP {cp}: ranks holding each row")
     axes[-1, 0].set_xlabel("position")
     fig.tight_layout()
     return fig

@@ -120,7 +120,7 @@ class DependencyMap:
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         if title:
-            ax.set_title(title, fontsize=10)
+            ax.set_title(title)
         bar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
         bar.set_label("log10(block norm / largest)" if log else "block norm / largest")
         return fig

@@ -11,11 +11,16 @@ from kvdoc.serving.paged import PagedCache
 
 
 def draw_boxes(labels: Sequence[str], notes: Sequence[str] | None = None, title: str | None = None,
-               width: float = 7.0, colors: Sequence[str] | None = None):
+               width: float = 6.0, colors: Sequence[str] | None = None):
     """A vertical chain of labelled boxes joined by arrows, bottom to top (the forward direction).
 
-    ``notes`` (same length) are written to the right of each box, e.g. the tensor's shape.
-    Returns the matplotlib figure.
+    ``notes`` (same length) are written in each box under its label, e.g. the tensor's shape: a
+    second line rather than a second column keeps the figure narrow, so that a phone, which
+    scales it to its width, keeps the text readable. Returns the matplotlib figure.
+
+    >>> fig = draw_boxes(["embed", "layer"], ["[1, 5, 64]", ""], title="two steps")
+    >>> [t.get_text() for t in fig.axes[0].texts if t.get_text()]  # the arrow is an empty text
+    ['embed', '[1, 5, 64]', 'layer']
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyBboxPatch
@@ -25,21 +30,26 @@ def draw_boxes(labels: Sequence[str], notes: Sequence[str] | None = None, title:
     colors = list(colors) if colors is not None else ["#dde8f5"] * n
     if len(notes) != n or len(colors) != n:
         raise ValueError("labels, notes and colors must have one entry per box")
-    fig, ax = plt.subplots(figsize=(width, 0.55 * n + 0.6))
-    ax.set_xlim(0, 10)
-    ax.set_ylim(-0.6, n - 0.2)
+    two_lines = any(notes)
+    pitch = 0.8 if two_lines else 0.6  # inches a box and its arrow take
+    half = 0.33 if two_lines else 0.25  # half a box's height, in pitches
+    fig, ax = plt.subplots(figsize=(width, pitch * n + (0.6 if title else 0.2)))
+    ax.set_xlim(0, 1)
+    ax.set_ylim(-0.5, n - 0.5)
     ax.axis("off")
     for i, (label, note, color) in enumerate(zip(labels, notes, colors, strict=True)):
-        ax.add_patch(FancyBboxPatch((0.3, i - 0.18), 4.8, 0.36, boxstyle="round,pad=0.04",
+        ax.add_patch(FancyBboxPatch((0.02, i - half), 0.96, 2 * half, boxstyle="round,pad=0",
                                     facecolor=color, edgecolor="0.3"))
-        ax.text(2.7, i, label, ha="center", va="center", fontsize=9)
-        ax.text(5.4, i, note, ha="left", va="center", fontsize=9, family="monospace")
+        ax.text(0.5, i + half / 2 if note else i, label, ha="center", va="center")
+        if note:
+            ax.text(0.5, i - half / 2, note, ha="center", va="center", family="monospace")
         if i + 1 < n:
-            ax.annotate("", xy=(2.7, i + 0.76), xytext=(2.7, i + 0.24),
-                        arrowprops={"arrowstyle": "->", "color": "0.3"})
+            ax.annotate("", xy=(0.5, i + 1 - half), xytext=(0.5, i + half),
+                        arrowprops={"arrowstyle": "->", "color": "0.3", "shrinkA": 0,
+                                    "shrinkB": 0})
     if title:
-        ax.set_title(title, fontsize=10)
-    fig.tight_layout()
+        ax.set_title(title)
+    fig.tight_layout(pad=0.3)
     return fig
 
 
@@ -102,11 +112,11 @@ def draw_block_tables(caches: Mapping[str, PagedCache], width: float = 6.6):
             holders.setdefault(block, set()).add(color)
     pitch = total / pool.num_blocks
     box = min(S, pitch - gap / 2)
-    fig, ax = plt.subplots(figsize=(width, 3.2))
+    fig, ax = plt.subplots(figsize=(width, 3.5))
     y_seq, y_pool = 3.0, 0.0
     for (name, table, length, color), x0 in zip(rows, spans, strict=True):
-        ax.text(x0, y_seq + 1.25, f"{name}: {length} positions", fontsize=10, va="bottom")
-        ax.text(x0, y_seq + 1.0, f"table {table}", fontsize=10, va="bottom", family="monospace")
+        ax.text(x0, y_seq + 1.45, f"{name}: {length} positions", va="bottom")
+        ax.text(x0, y_seq + 0.95, f"table {table}", va="bottom", family="monospace")
         for j, block in enumerate(table):
             bx = x0 + j * (S + gap)
             for s in range(S):
@@ -117,7 +127,7 @@ def draw_block_tables(caches: Mapping[str, PagedCache], width: float = 6.6):
                                        facecolor=_tint(color if held else "white"),
                                        linestyle="-" if held else "--"))
                 ax.text(bx + s + 0.5, y_seq + 0.4, str(pos), ha="center", va="center",
-                        fontsize=10, color="black" if held else "0.45")
+                        color="black" if held else "0.45")
             px = block * pitch + (pitch - box) / 2 + box / 2
             ax.annotate("", xy=(px, y_pool + 1.0), xytext=(bx + S / 2, y_seq),
                         arrowprops={"arrowstyle": "-|>", "color": color, "lw": 1.6,
@@ -131,11 +141,11 @@ def draw_block_tables(caches: Mapping[str, PagedCache], width: float = 6.6):
                                linestyle="-" if refs else "--"))
         label = f"{refs} ref" + ("s" if refs > 1 else "") if refs else "free"
         ax.text(i * pitch + pitch / 2, y_pool + 0.5, f"block {i}\n{label}", ha="center",
-                va="center", fontsize=10, color="black" if refs else "0.45")
+                va="center", color="black" if refs else "0.45")
     ax.text(-0.2, y_pool - 0.35, f"the pool: {pool.num_blocks} physical blocks of {S} positions",
-            fontsize=10, va="top")
+            va="top")
     ax.set_xlim(-0.3, total + 0.3)
-    ax.set_ylim(y_pool - 0.9, y_seq + 1.8)
+    ax.set_ylim(y_pool - 0.9, y_seq + 2.1)
     ax.axis("off")
     fig.tight_layout()
     return fig
