@@ -58,7 +58,6 @@ LENGTH = 24
 """Tokens of the sequence: past two chunks of :data:`CHUNKS`' largest, short enough to be cheap."""
 CHUNKS = (2, 5)
 BATCH = 3
-DTYPE_NAMES = {**DTYPE_NAMES, torch.bfloat16: "BF16", torch.float16: "FP16"}
 
 
 def _kinds(model: nn.Module) -> list[str]:
