@@ -175,11 +175,16 @@ def test_prefill_decode_and_generate_with_the_hybrid_cache():
 def test_config_round_trip_and_refusals():
     assert config_from_gemma(gemma_config(CONFIG)) == CONFIG
     assert gemma_config(CONFIG).layer_types == [SLIDING, GLOBAL] * 2
+    # a layout no pattern gives (global first) goes both ways as the list of global layers
+    first = dataclasses.replace(CONFIG, global_layers=(0, 3))
+    assert gemma_config(first).layer_types == [GLOBAL, SLIDING, SLIDING, GLOBAL]
+    assert config_from_gemma(gemma_config(first)) == first
     for change, match in ((dict(rope_parameters={"full_attention": {"rope_type": "linear",
                                                                     "factor": 8.0}}), "rope_type"),
                           (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
                           (dict(hidden_activation="gelu"), "hidden_activation"),
-                          (dict(layer_types=[GLOBAL, SLIDING, SLIDING, GLOBAL]), "pattern")):
+                          (dict(layer_types=[GLOBAL, SLIDING, "chunked_attention", GLOBAL]),
+                           "chunked_attention")):
         hf_config = gemma_config(CONFIG)
         for name, value in change.items():
             setattr(hf_config, name, value)

@@ -1,7 +1,8 @@
 """A Gemma-3-style decoder: sliding-window and global attention layers in one model.
 
 Each layer is of one of two types (``config.layer_types``, as transformers names them; every
-``sliding_window_pattern``-th layer is global, the others slide, as in Gemma 3's ``config.json``):
+``sliding_window_pattern``-th layer is global, the others slide, as in Gemma 3's ``config.json``,
+unless ``global_layers`` lists the global ones):
 
 * ``"sliding_attention"``: query ``i`` reads keys ``i - W < j <= i`` only (``W`` =
   ``sliding_window``, :mod:`kvdoc.core.mask`'s convention, which is transformers'), and RoPE turns
@@ -88,6 +89,8 @@ class Gemma3Config:
         sliding_window_pattern: every ``sliding_window_pattern``-th layer (the last of each
             group) is global, the others are window layers (:attr:`layer_types`); Gemma 3 has 6,
             Gemma 2 2; 1 makes every layer global.
+        global_layers: the indices of the global layers, for a layout no pattern gives (a
+            global layer first: ``(0,)``); None: every ``sliding_window_pattern``-th.
         layer_norm_epsilon: the epsilon of every RMSNorm (``rms_norm_eps``).
         rope_theta: the RoPE base of the global layers.
         rope_local_base_freq: the RoPE base of the window layers.
@@ -103,6 +106,12 @@ class Gemma3Config:
     Traceback (most recent call last):
     ...
     ValueError: sliding_window_pattern must be a positive integer, got 0
+    >>> Gemma3Config(n_layer=3, global_layers=(0,)).layer_types
+    ('full_attention', 'sliding_attention', 'sliding_attention')
+    >>> Gemma3Config(n_layer=3, global_layers=(3,))
+    Traceback (most recent call last):
+    ...
+    ValueError: global_layers must be increasing layer indices below n_layer=3, got (3,)
     """
 
     vocab_size: int = 97
@@ -116,6 +125,7 @@ class Gemma3Config:
     n_layer: int = 2
     sliding_window: int = 32
     sliding_window_pattern: int = 2
+    global_layers: tuple[int, ...] | None = None
     layer_norm_epsilon: float = 1e-6
     rope_theta: float = 1_000_000.0
     rope_local_base_freq: float = 10_000.0
@@ -127,6 +137,11 @@ class Gemma3Config:
                      "head_dim", "query_pre_attn_scalar", "n_layer", "sliding_window",
                      "sliding_window_pattern"):
             check_int(name, getattr(self, name))
+        g = self.global_layers
+        if g is not None and (not isinstance(g, tuple) or list(g) != sorted(set(g))
+                              or any(type(i) is not int or not 0 <= i < self.n_layer for i in g)):
+            raise ValueError("global_layers must be increasing layer indices below "
+                             f"n_layer={self.n_layer}, got {g!r}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head={self.n_head} must be a multiple of "
                              f"n_kv_head={self.n_kv_head}")
@@ -141,7 +156,9 @@ class Gemma3Config:
     @property
     def layer_types(self) -> tuple[str, ...]:
         """Each layer's type, ``"sliding_attention"`` or ``"full_attention"``."""
-        return gemma_layer_types(self.n_layer, self.sliding_window_pattern)
+        if self.global_layers is None:
+            return gemma_layer_types(self.n_layer, self.sliding_window_pattern)
+        return tuple(GLOBAL if i in self.global_layers else SLIDING for i in range(self.n_layer))
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:

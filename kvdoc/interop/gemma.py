@@ -4,9 +4,11 @@ Inside a layer the weights keep transformers' names (``self_attn.q_proj``, ``sel
 ``input_layernorm``, ``mlp.gate_proj`` ..); only the prefixes move: ``model.layers.i.`` is
 ``h.i.``, ``model.embed_tokens`` is ``wte``, ``model.norm`` is ``ln_f``. Both RoPE bases come from
 ``rope_parameters`` (``full_attention`` and ``sliding_attention``), the window layers from
-``layer_types`` (which must follow a ``sliding_window_pattern``, as every published Gemma 2
-and 3 does). :func:`kvdoc.interop.hf_weights.from_transformers` dispatches a ``gemma3_text``
-model here, and :func:`kvdoc.interop.hf_weights.to_transformers` a
+``layer_types``: a ``sliding_window_pattern`` where they follow one (every published Gemma 2 and 3
+does), the global layers' indices (``global_layers``) where they do not. The export writes a
+pattern as the pattern, so that transformers derives the layer types itself: a reference built
+that way does not share kvdoc's derivation. :func:`kvdoc.interop.hf_weights.from_transformers`
+dispatches a ``gemma3_text`` model here, and :func:`kvdoc.interop.hf_weights.to_transformers` a
 :class:`~kvdoc.core.gemma.Gemma3Decoder`.
 
 Not loaded: scaled RoPE (the larger Gemma 3 checkpoints scale the global base linearly),
@@ -52,7 +54,7 @@ def gemma_config(config: Gemma3Config) -> Any:
         rope_parameters={GLOBAL: {"rope_type": "default", "rope_theta": c.rope_theta},
                          SLIDING: {"rope_type": "default", "rope_theta": c.rope_local_base_freq}},
         attention_bias=False, attention_dropout=0.0, query_pre_attn_scalar=c.query_pre_attn_scalar,
-        sliding_window=c.sliding_window, layer_types=list(c.layer_types),
+        sliding_window=c.sliding_window, **_layout(c),
         final_logit_softcapping=c.final_logit_softcapping, attn_logit_softcapping=None,
         use_bidirectional_attention=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
@@ -86,7 +88,7 @@ def config_from_gemma(hf_config: Any) -> Gemma3Config:
         n_embd=hf_config.hidden_size, n_inner=hf_config.intermediate_size,
         head_dim=hf_config.head_dim, query_pre_attn_scalar=int(hf_config.query_pre_attn_scalar),
         n_layer=hf_config.num_hidden_layers, sliding_window=hf_config.sliding_window,
-        sliding_window_pattern=_pattern(list(hf_config.layer_types)),
+        **_layout_from(list(hf_config.layer_types)),
         layer_norm_epsilon=hf_config.rms_norm_eps,
         rope_theta=float(rope[GLOBAL].get("rope_theta", 1_000_000.0)),
         rope_local_base_freq=float(rope[SLIDING].get("rope_theta", 10_000.0)),
@@ -94,18 +96,42 @@ def config_from_gemma(hf_config: Any) -> Gemma3Config:
         tie_word_embeddings=bool(hf_config.tie_word_embeddings))
 
 
-def _pattern(layer_types: list[str]) -> int:
-    """The ``sliding_window_pattern`` whose layers are ``layer_types``; ``ValueError`` if none is.
+def _layout(config: Gemma3Config) -> dict[str, Any]:
+    """The ``Gemma3TextConfig`` arguments that place ``config``'s global layers: the pattern
+    itself, which transformers turns into ``layer_types`` its own way, or the explicit list.
 
-    >>> _pattern(["sliding_attention", "sliding_attention", "full_attention"])
-    3
+    >>> _layout(Gemma3Config(sliding_window_pattern=3))
+    {'sliding_window_pattern': 3}
+    >>> _layout(Gemma3Config(global_layers=(0,)))
+    {'layer_types': ['full_attention', 'sliding_attention']}
     """
+    if config.global_layers is None:
+        return {"sliding_window_pattern": config.sliding_window_pattern}
+    return {"layer_types": [GLOBAL if i in config.global_layers else SLIDING
+                            for i in range(config.n_layer)]}
+
+
+def _layout_from(layer_types: list[str]) -> dict[str, Any]:
+    """The :class:`Gemma3Config` arguments of transformers' ``layer_types``: the
+    ``sliding_window_pattern`` that gives them, else the global layers' indices.
+
+    >>> _layout_from(["sliding_attention", "sliding_attention", "full_attention"])
+    {'sliding_window_pattern': 3}
+    >>> _layout_from(["full_attention", "sliding_attention", "sliding_attention"])
+    {'global_layers': (0,)}
+    >>> _layout_from(["sliding_attention", "causal"])
+    Traceback (most recent call last):
+    ...
+    ValueError: layer_types holds 'causal'; kvdoc knows sliding_attention and full_attention
+    """
+    for kind in layer_types:
+        if kind not in (SLIDING, GLOBAL):
+            raise ValueError(f"layer_types holds {kind!r}; kvdoc knows {SLIDING} and {GLOBAL}")
     n = len(layer_types)
     pattern = layer_types.index(GLOBAL) + 1 if GLOBAL in layer_types else n + 1
-    if list(gemma_layer_types(n, pattern)) != layer_types:
-        raise ValueError(f"layer_types {layer_types} are not every k-th layer global; kvdoc "
-                         "builds Gemma's pattern (sliding_window_pattern) only")
-    return pattern
+    if list(gemma_layer_types(n, pattern)) == layer_types:
+        return {"sliding_window_pattern": pattern}
+    return {"global_layers": tuple(i for i, kind in enumerate(layer_types) if kind == GLOBAL)}
 
 
 def from_gemma(hf_model: Any) -> Gemma3Decoder:

@@ -25,8 +25,8 @@ To verify something that is not registered, pass it in: ``run_suite(model=...)``
 scenario on a given model, and :data:`GRID` is the equivalence grid of the site's model.
 
 >>> sorted(MODELS)  # doctest: +NORMALIZE_WHITESPACE
-['deep', 'gemma3', 'gqa', 'llama', 'mha', 'mistral', 'mla', 'mla-absorbed', 'mqa',
- 'split-k']
+['deep', 'gemma3', 'gemma3-global-first', 'gqa', 'llama', 'mha', 'mistral', 'mla',
+ 'mla-absorbed', 'mqa', 'split-k']
 >>> sorted(CACHES), sorted(IMPLEMENTATIONS)
 (['dynamic', 'hybrid', 'paged', 'shared-prefix', 'static', 'window'], ['fast', 'model'])
 >>> MODELS["gqa"].build(0).config.n_kv_head
@@ -100,6 +100,13 @@ GEMMA = Gemma3Config(vocab_size=89, n_positions=256, n_head=6, n_kv_head=3, n_em
 """The Gemma model's config: every value off :class:`~kvdoc.core.gemma.Gemma3Config`'s default;
 two window layers, then a global one; ``head_dim`` is not ``n_embd / n_head``, the softmax scale
 not ``head_dim ** -0.5``, the two RoPE bases differ, and the soft cap bends the logits."""
+GEMMA_GLOBAL_FIRST = dataclasses.replace(GEMMA, global_layers=(0,))
+""":data:`GEMMA` with its global layer first (``global_layers``), a layout no
+``sliding_window_pattern`` gives."""
+LAYOUT_SCENARIOS = ("stream", "counted", "reference")
+"""What the global-first Gemma model runs: the checks that see a layer of the wrong type (cached
+against full over a stream past the window, the bytes of every layer, transformers built from the
+layer list)."""
 
 
 def _decoder(config: GPTConfig | MLAConfig) -> Callable[[int], nn.Module]:
@@ -200,6 +207,12 @@ MODELS: dict[str, ModelSpec] = {
     "gemma3": ModelSpec(f"Gemma-3-style: 2 window layers of {WINDOW}, then 1 global; q/k norms, "
                         "GeGLU, soft-capped logits", _decoder(GEMMA), transformers_reference,
                         "transformers Gemma 3, same weights"),
+    # a layout no every-k-th pattern gives: code that derives or exports the layout as a
+    # pattern shows here (and a pattern one layer off on gemma3, whose global layer is last)
+    "gemma3-global-first": ModelSpec(f"Gemma-3-style, the global layer first, then 2 window "
+                                     f"layers of {WINDOW}", _decoder(GEMMA_GLOBAL_FIRST),
+                                     transformers_reference, "transformers Gemma 3, same weights",
+                                     impls=("model",), scenarios=LAYOUT_SCENARIOS),
 }
 """Model configurations by name."""
 

@@ -10,7 +10,7 @@ to :data:`kvdoc.proofs.grid.MODELS` is swept by every variant it can host withou
 >>> check_traits({"rope", "shiny"})
 Traceback (most recent call last):
 ...
-ValueError: unknown trait 'shiny'; the traits are decoder, deep, gemma, grouped, ...
+ValueError: unknown trait 'shiny'; the traits are decoder, deep, gemma, global-first, ...
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ TRAITS: dict[str, str] = {
     "grouped": "1 < H_kv < H: sharing K/V heads by tiling differs from sharing them by group",
     "window": "a sliding window on every layer",
     "hybrid": "window and global layers in one model",
+    "global-first": "window and global layers, the first one global: a layout no every-k-th "
+                    "pattern gives, so code that treats the layout as a pattern shows",
     "deep": "10 or more layers: layer indices of two digits, so an order by name ('10' before "
             "'2') is not the order by number",
 }
@@ -59,7 +61,8 @@ def traits(config: object) -> frozenset[str]:
     if isinstance(config, Gemma3Config):
         found = {"gemma", "kv", "rope"}
         windows = set(config.layer_windows)
-        found |= {"hybrid"} if None in windows and len(windows) > 1 else set()
+        if None in windows and len(windows) > 1:
+            found |= {"hybrid"} | ({"global-first"} if config.layer_windows[0] is None else set())
     elif isinstance(config, GPTConfig):
         found = {"decoder", "kv", "learned" if config.position == "learned" else "rope"}
         found |= {"window"} if config.sliding_window is not None else set()

@@ -321,6 +321,15 @@ VARIANTS.update({v.name: v for v in (
                   "width of 4)", lambda m: m, "loader layout", needs={"latent"}, one_model=True,
                   kinds=("dynamic",),
                   caches={"reference": loaders.deepseek_reference_uninverted}),
+    BrokenVariant("gemma-pattern-one-off", "a Gemma model's layer types come from its pattern "
+                  "one layer off (layer 0 global), in the model and its cache alike",
+                  loaders.gemma_pattern_one_off, "configuration value", needs={"gemma", "hybrid"},
+                  one_model=True, kinds=("hybrid",)),
+    BrokenVariant("gemma-export-pattern-only", "the export to transformers writes the Gemma "
+                  "model's pattern and drops its list of global layers (the same model "
+                  "wherever the layout is a pattern)", lambda m: m, "loader layout",
+                  needs={"gemma", "global-first"}, one_model=True, kinds=("hybrid",),
+                  caches={"reference": loaders.gemma_reference_pattern_only}),
     BrokenVariant("handover-layers-by-name", "the hand-over's packer ships the layers in the "
                   "order of their names, 0, 1, 10, 11, 2, ..", _copy(Decoder), "loader layout",
                   needs={"decoder", "deep"}, one_model=True, kinds=("dynamic",),

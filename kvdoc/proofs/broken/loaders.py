@@ -1,4 +1,5 @@
-"""A deliberately wrong export to transformers, visible only at a size the grid chooses for it.
+"""Deliberately wrong layer layouts: exports to transformers, and a layout derived one layer
+off, each visible only at a size or layout the grid chooses for it.
 
 * :func:`deepseek_reference_uninverted`: the MLA exporter
   (:func:`kvdoc.interop.deepseek.to_deepseek`) moves each head's rotary rows with the importer's
@@ -10,6 +11,13 @@
   (:func:`kvdoc.interop.hf_weights.to_transformers`) puts kvdoc's blocks into transformers' layer
   list in the order of their names, ``h.0, h.1, h.10, h.11, h.2, ..``: the same order below 10
   layers, so only the grid's 12-layer model shows it (the trait ``deep``).
+* :func:`gemma_pattern_one_off`: a Gemma model whose layer types come from
+  ``sliding_window_pattern`` one layer off (``i % k`` for ``(i + 1) % k``), in the model and its
+  hybrid cache alike, so that the two agree; only a reference whose layout transformers derives
+  from the pattern itself (:func:`kvdoc.interop.gemma.gemma_config`) tells.
+* :func:`gemma_reference_pattern_only`: the export writes ``sliding_window_pattern`` and drops an
+  explicit list of global layers: the same model wherever the layout is a pattern, so only the
+  grid's global-first Gemma model shows it (the trait ``global-first``).
 
 >>> from kvdoc.interop.deepseek import _rope_rows
 >>> from kvdoc.proofs import grid
@@ -28,7 +36,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvdoc.interop import deepseek
+from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder
+from kvdoc.interop import deepseek, gemma
 
 from .. import references
 
@@ -71,4 +80,49 @@ def deepseek_reference_uninverted(model: nn.Module) -> Callable[[torch.Tensor], 
         hf = deepseek.to_deepseek(model)
     finally:
         deepseek._move_rope = real
+    return references._lifted(hf, model)
+
+
+class _OneOffConfig(Gemma3Config):
+    """BROKEN: a :class:`~kvdoc.core.gemma.Gemma3Config` whose pattern starts one layer early."""
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        k = self.sliding_window_pattern
+        return tuple(SLIDING if i % k else GLOBAL for i in range(self.n_layer))
+
+
+def gemma_pattern_one_off(model: Gemma3Decoder) -> Gemma3Decoder:
+    """BROKEN: ``model`` (same weights, dtype, device) with its layer types derived one layer
+    off: layer 0 global, then every ``k``-th after it.
+
+    >>> from kvdoc.core.gemma import Gemma3Config
+    >>> broken = gemma_pattern_one_off(Gemma3Decoder(Gemma3Config(n_layer=3,
+    ...                                                           sliding_window_pattern=3)))
+    >>> [layer.self_attn.window is None for layer in broken.h]
+    [True, False, False]
+    """
+    c = model.config
+    config = _OneOffConfig(**{name: getattr(c, name) for name in Gemma3Config.__dataclass_fields__})
+    weight = model.wte.weight
+    with torch.random.fork_rng():  # fresh weights, overwritten: leave the global RNG alone
+        clone = Gemma3Decoder(config).to(weight.dtype).to(weight.device)
+    clone.load_state_dict(model.state_dict())
+    return clone.eval()
+
+
+def gemma_reference_pattern_only(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """BROKEN: transformers' Gemma 3 exported with ``sliding_window_pattern`` only, an explicit
+    ``global_layers`` dropped; otherwise :func:`kvdoc.proofs.references.transformers_reference`.
+    """
+    real = gemma._layout
+
+    def pattern_only(config):  # the bug: a layer list never reaches transformers
+        return {"sliding_window_pattern": config.sliding_window_pattern}
+
+    gemma._layout = pattern_only
+    try:
+        hf = gemma.to_gemma(model)
+    finally:
+        gemma._layout = real
     return references._lifted(hf, model)
