@@ -35,11 +35,12 @@ from kvdoc.core.model import CausalSelfAttention, Decoder, DecoderOutput
 from . import LONG_STREAM
 
 
-def copy_as(model: Decoder, cls: type[Decoder]) -> Decoder:
-    """A new ``cls`` with ``model``'s config, weights, dtype and device, in eval mode."""
+def copy_as(model: Decoder, cls: type[Decoder], config: object = None) -> Decoder:
+    """A new ``cls`` with ``model``'s weights, dtype and device, in eval mode, and its config
+    (or ``config``, one with the same sizes)."""
     weight = model.wte.weight
     with torch.random.fork_rng():  # the fresh weights are overwritten: leave the global RNG alone
-        clone = cls(model.config).to(weight.dtype).to(weight.device)
+        clone = cls(config or model.config).to(weight.dtype).to(weight.device)
     clone.load_state_dict(model.state_dict())
     return clone.eval()
 

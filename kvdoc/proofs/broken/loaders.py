@@ -40,6 +40,7 @@ from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder
 from kvdoc.interop import deepseek, gemma
 
 from .. import references
+from .decoders import copy_as
 
 
 def by_name(n: int) -> list[int]:
@@ -75,11 +76,19 @@ def deepseek_reference_uninverted(model: nn.Module) -> Callable[[torch.Tensor], 
     def importer_order(state, config, prefix, interleaved_to_split):  # the bug: ignores it
         real(state, config, prefix, interleaved_to_split=True)
 
-    deepseek._move_rope = importer_order
+    return _exported_with(deepseek, "_move_rope", importer_order, deepseek.to_deepseek, model)
+
+
+def _exported_with(module: object, name: str, bug: Callable, export: Callable,
+                   model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The reference ``export`` makes of ``model`` while ``module.name`` is ``bug``; the module
+    is restored before the reference is returned, so only this reference holds the bug."""
+    real = getattr(module, name)
+    setattr(module, name, bug)
     try:
-        hf = deepseek.to_deepseek(model)
+        hf = export(model)
     finally:
-        deepseek._move_rope = real
+        setattr(module, name, real)
     return references._lifted(hf, model)
 
 
@@ -104,25 +113,14 @@ def gemma_pattern_one_off(model: Gemma3Decoder) -> Gemma3Decoder:
     """
     c = model.config
     config = _OneOffConfig(**{name: getattr(c, name) for name in Gemma3Config.__dataclass_fields__})
-    weight = model.wte.weight
-    with torch.random.fork_rng():  # fresh weights, overwritten: leave the global RNG alone
-        clone = Gemma3Decoder(config).to(weight.dtype).to(weight.device)
-    clone.load_state_dict(model.state_dict())
-    return clone.eval()
+    return copy_as(model, Gemma3Decoder, config)
 
 
 def gemma_reference_pattern_only(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """BROKEN: transformers' Gemma 3 exported with ``sliding_window_pattern`` only, an explicit
     ``global_layers`` dropped; otherwise :func:`kvdoc.proofs.references.transformers_reference`.
     """
-    real = gemma._layout
-
     def pattern_only(config):  # the bug: a layer list never reaches transformers
         return {"sliding_window_pattern": config.sliding_window_pattern}
 
-    gemma._layout = pattern_only
-    try:
-        hf = gemma.to_gemma(model)
-    finally:
-        gemma._layout = real
-    return references._lifted(hf, model)
+    return _exported_with(gemma, "_layout", pattern_only, gemma.to_gemma, model)
