@@ -63,15 +63,7 @@ from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
 from . import fp8_contract, int8_contract, invariance, invariants, lifecycle, policies, precision
 from .broken.decoders import stale_prefix
-from .compare import (
-    DTYPE_NAMES,
-    TOLERANCE,
-    CachedRun,
-    close,
-    full_forward_kv,
-    max_abs,
-    run_cached,
-)
+from .compare import DTYPE_NAMES, TOLERANCE, CachedRun, close, full_forward_kv, max_abs, run_cached
 from .counted import CHECK as COUNTED
 from .counted import scenario as counted
 from .entry_points import CHECKS as ENTRY_CHECKS
