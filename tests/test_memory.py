@@ -231,6 +231,10 @@ def test_cli_window(capsys: pytest.CaptureFixture[str]) -> None:
     assert capped == preset("mistral-7b-v0.1").kv_bytes(4096)
     assert f"bytes      {capped:,} bytes" in out
     assert f"all full   {preset('mistral-7b-v0.1').kv_bytes(32768):,} bytes" in out
+    assert "(one more position inside every window, per sequence)" in out
+    assert cli(["memory", "--model", "Llama-3-8B"]) == 0  # no window: neither line speaks of one
+    out = capsys.readouterr().out
+    assert "(one more position, per sequence)" in out and "window" not in out
     assert cli(["memory", "--layers", "2", "--seq-len", "100", "--kv-heads", "1", "--head-dim", "4",
                 "--dtype", "float32", "--window", "10"]) == 0
     out = capsys.readouterr().out

@@ -158,6 +158,8 @@ def _model_lines(model: ModelCache, T: int, B: int, dtype: str, default_T: bool,
               for layer, n in model.groups()]
     if default_T:
         lines.append(f"length     T = {T:,}, the model's context (give --seq-len for another)")
+    windowed = any(layer.window is not None for layer in model.layers)
+    growth = "one more position inside every window" if windowed else "one more position"
     lines += [
         f"formula    B x s x elements = {B:,} x {element_size(dtype)} ({dtype}) x "
         f"{model.elements(T):,} (the layers': a position's x positions held, + state)",
@@ -165,15 +167,14 @@ def _model_lines(model: ModelCache, T: int, B: int, dtype: str, default_T: bool,
         f"binary     {binary_size(total)}",
         f"decimal    {decimal_size(total)}",
         f"sequence   {format_bytes(model.kv_bytes(T, 1, dtype))}",
-        f"per token  {format_bytes(model.bytes_per_token(dtype))} (one more position inside "
-        "every window, per sequence)",
+        f"per token  {format_bytes(model.bytes_per_token(dtype))} ({growth}, per sequence)",
     ]
     if scales is not None:
         lines += _scale_lines(total, model.fp8_scale_bytes(scales), scales)
     if model.fixed_bytes(dtype):
         lines.append(f"fixed      {format_bytes(model.fixed_bytes(dtype))} per sequence, "
                      "whatever T")
-    if any(layer.window is not None for layer in model.layers):
+    if windowed:
         full = ModelCache(model.name, "plain", tuple(layer._replace(window=None)
                                                      for layer in model.layers),
                           model.max_positions, model.source)
