@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from kvdoc.__main__ import main as cli
 from kvdoc.core.gemma import gemma_layer_types
@@ -217,3 +218,15 @@ def test_memory_command_starts_without_torch() -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=False)
     assert run.returncode == 0, run.stderr
+
+
+# transformers documents each of these config classes' defaults as "a similar configuration to
+# that of" the checkpoint; for these three the cache's sizes agree with it (its context does not:
+# its defaults say 131,072 where Mistral's and Mixtral's model cards say 32,768). Its Qwen3 and
+# gpt-oss defaults are other sizes (32 layers of 32 K/V heads; 36 layers), so not a second source.
+@pytest.mark.parametrize("config_class, name", [("FalconConfig", "Falcon-7B"),
+                                                ("MistralConfig", "Mistral-7B-v0.1"),
+                                                ("MixtralConfig", "Mixtral-8x7B-v0.1")])
+def test_presets_agree_with_transformers_documented_defaults(config_class: str, name: str) -> None:
+    theirs = cache_from_config(getattr(transformers, config_class)().to_dict())
+    assert theirs.groups() == model_cache(name).groups()
