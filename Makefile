@@ -72,8 +72,10 @@ repro-check: $(STAMP)  ## two clean builds must write the same site (REPRO_REF=d
 
 # vLLM and SGLang are not installed (both need a GPU build): their releases' files come from PyPI
 # into .peer/ (about 90 MB, once). Not part of `make test`, which needs nothing from the network.
-peer-check: $(STAMP)  ## every vLLM/SGLang link and name-map name against the release it names
+# Then kvdoc's prefix-cache workloads through SGLang's own radix tree beside kvdoc's.
+peer-check: $(STAMP)  ## vLLM/SGLang links and names against their releases; SGLang's radix tree run
 	$(BIN)/python scripts/peer_check.py
+	$(BIN)/python scripts/peer_replay.py --offline
 
 # A second numeric setting: ATen's portable kernels instead of this CPU's vector ones, MKL's
 # conditional-numerical-reproducibility path, two threads in every page's kernel (docs/_ipython).
