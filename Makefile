@@ -72,8 +72,8 @@ repro-check: $(STAMP)  ## two clean builds must write the same site (REPRO_REF=d
 
 # vLLM and SGLang are not installed (both need a GPU build): their releases' files come from PyPI
 # into .peer/ (about 90 MB, once). Not part of `make test`, which needs nothing from the network.
-# Then kvdoc's prefix-cache workloads through SGLang's own radix tree beside kvdoc's.
-peer-check: $(STAMP)  ## vLLM/SGLang links and names against their releases; SGLang's radix tree run
+# Then kvdoc's prefix-cache workloads through SGLang's radix tree and vLLM's block pool.
+peer-check: $(STAMP)  ## vLLM/SGLang links and names against their releases; their caches run
 	$(BIN)/python scripts/peer_check.py
 	$(BIN)/python scripts/peer_replay.py --offline
 
