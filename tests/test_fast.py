@@ -9,6 +9,7 @@ import torch
 from kvdoc import Decoder, GPTConfig
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.feed import feed
+from kvdoc.core.mla import MLAConfig, MLADecoder
 from kvdoc.proofs import refusals
 from kvdoc.proofs.compare import TOLERANCE as TOL
 
@@ -83,7 +84,8 @@ def _check_follows(model: Decoder, fast: FastDecoder) -> None:
 
 
 @pytest.mark.parametrize("change",
-                         ["in-place", "load_state_dict", "tie", "dtype", "data", "module"])
+                         ["in-place", "load_state_dict", "tie", "dtype", "data", "module",
+                          "bias", "norm-data"])
 def test_never_serves_stale_weights(change):
     model = _model()
     fast = FastDecoder(model)
@@ -104,6 +106,10 @@ def test_never_serves_stale_weights(change):
             torch.manual_seed(2)
             model.ln_f = torch.nn.LayerNorm(64).eval()
             model.ln_f.bias.normal_()
+        elif change == "bias":  # read from the parameter itself, not a copy
+            model.h[1].attn.c_attn.bias.add_(0.5)
+        elif change == "norm-data":
+            model.h[0].ln_2.weight.data = torch.rand_like(model.h[0].ln_2.weight) + 0.5
     _check_follows(model, fast)
 
 
@@ -114,6 +120,8 @@ def test_refuses_models_without_version_counters():
         FastDecoder(model)
     with pytest.raises(ValueError, match="wraps a kvdoc Decoder"):
         FastDecoder(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"got MLADecoder \(config MLAConfig\)"):
+        FastDecoder(MLADecoder(MLAConfig()))
 
 
 MODEL_CALLS = [r for r in refusals.CATALOGUE if r.call.startswith("model(")]

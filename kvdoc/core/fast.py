@@ -22,11 +22,13 @@ It serves every configuration the model does: GPT-2 (learned positions, LayerNor
 Llama-style (RoPE at position ``P``, RMSNorm, SwiGLU, no biases, a sliding window).
 
 It is for inference: its logits carry no autograd graph (the model's own calls, which it
-delegates to, do). Its copies cost a second set of weights in memory. Because it copies them,
-it checks on every call that the model's modules and parameters are the ones it copied (same
-objects, same storage, same version counters) and copies them again if not, so it never
-serves stale weights. An in-place edit through ``param.data`` (``p.data.mul_(2)``) bypasses
-version counters and cannot be seen; call :meth:`FastDecoder.refresh` after one.
+delegates to, do). Its copies cost a second set of weight matrices in memory. Because it copies
+them, it checks on every call that the model's modules and parameters are the ones it took (same
+objects) and that each copied matrix keeps its storage and version counter, and copies them
+again if not, so it never serves stale weights. Only the matrices are copied: norms, biases and
+embeddings are read from the parameters themselves. An in-place edit of a matrix through
+``param.data`` (``p.data.mul_(2)``) bypasses version counters and cannot be seen; call
+:meth:`FastDecoder.refresh` after one.
 
 :mod:`kvdoc.proofs.compare` and ``tests/test_fast.py`` prove it computes the model's function.
 """
@@ -41,8 +43,9 @@ import torch.nn.functional as F
 
 from . import invariant
 from .cache import KVCache
+from .config import GPTConfig
 from .embed import embed_tokens
-from .model import Decoder, DecoderOutput
+from .model import Decoder, DecoderOutput, check_call
 from .rope import apply_rope
 
 _VERSION = attrgetter("_version")
@@ -50,11 +53,11 @@ _DATA_PTR = torch.Tensor.data_ptr
 
 
 class _Layer(NamedTuple):
-    """One block's weights: matrices ``[in, out]`` and contiguous, biases ``[1, out]``."""
+    """One block's weights: matrices copied ``[in, out]`` and contiguous, the rest the model's."""
 
     ln_1: tuple[torch.Tensor, ...]  # (weight, bias) of a LayerNorm, (weight,) of an RMSNorm
     w_qkv: torch.Tensor  # [d, d + 2 kv_dim]: Q, K, V columns
-    b_qkv: torch.Tensor  # zeros for a model without biases: addmm takes one either way
+    b_qkv: torch.Tensor  # [out]; zeros for a model without biases: addmm takes one either way
     w_o: torch.Tensor  # [d, d]
     b_o: torch.Tensor | None  # None without a bias: it is a separate add to the residual
     ln_2: tuple[torch.Tensor, ...]
@@ -86,6 +89,9 @@ class FastDecoder:
     def __init__(self, model: Decoder) -> None:
         if not isinstance(model, Decoder):
             raise ValueError(f"FastDecoder wraps a kvdoc Decoder, got {type(model).__name__}")
+        if not isinstance(model.config, GPTConfig):  # MLA's and Gemma's blocks are others
+            raise ValueError("FastDecoder runs the GPT-2 and Llama-style blocks of a GPTConfig; "
+                             f"got {type(model).__name__} (config {type(model.config).__name__})")
         if any(p.is_inference() for p in model.parameters()):
             raise ValueError("the model's parameters were created under torch.inference_mode() and "
                              "have no version counters, so FastDecoder could not see them change; "
@@ -95,18 +101,21 @@ class FastDecoder:
         self.refresh()
 
     def refresh(self) -> None:
-        """Copy the model's weights again (done automatically when they change)."""
+        """Copy the model's weight matrices again (done automatically when they change)."""
         m, cfg = self.model, self.model.config
         # What _stale compares: every module and parameter slot must still hold the object
-        # copied from (``model.lm_head.weight = model.wte.weight`` replaces one), and every
-        # parameter must keep its storage (``.to(dtype)``, ``param.data = ...``) and version
-        # counter (in-place edits: optimizer steps, load_state_dict).
+        # taken from it (``model.lm_head.weight = model.wte.weight`` replaces one), and every
+        # copied matrix's parameter must keep its storage (``.to(dtype)``, ``param.data = ...``)
+        # and version counter (in-place edits: optimizer steps, load_state_dict). Norms, biases
+        # and embeddings are read from the parameters themselves, so they need no watch.
         mods = list(m.modules())
         slots = [(mod._parameters, n) for mod in mods for n in mod._parameters]
         slots += [(mod._modules, n) for mod in mods for n in mod._modules]
         self._dicts, self._names = tuple(s[0] for s in slots), tuple(s[1] for s in slots)
         self._held = tuple(map(getitem, self._dicts, self._names))
-        self._params = tuple(m.parameters())
+        linears = [lin for b in m.h for lin in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc,
+                                                b.mlp.c_proj)] + [m.lm_head]
+        self._copied = tuple(lin.weight for lin in linears)
         self._stamp = self._versions_and_storage()
         # Decided once, not per layer and step: a step of the site's model is ~100 us.
         self._rope, self._swiglu = cfg.position == "rope", cfg.mlp == "swiglu"
@@ -117,13 +126,12 @@ class FastDecoder:
                 return linear.weight.detach().t().contiguous()
 
             def bias(linear: torch.nn.Linear, zeros: bool = True) -> torch.Tensor | None:
-                if linear.bias is not None:
-                    return linear.bias.detach().view(1, -1).clone()
-                return linear.weight.new_zeros(1, linear.out_features) if zeros else None
+                if linear.bias is not None or not zeros:
+                    return linear.bias
+                return linear.weight.new_zeros(linear.out_features)
 
             def norm(ln: torch.nn.Module) -> tuple[torch.Tensor, ...]:
-                ws = (ln.weight,) if getattr(ln, "bias", None) is None else (ln.weight, ln.bias)
-                return tuple(w.detach().clone() for w in ws)
+                return (ln.weight,) if getattr(ln, "bias", None) is None else (ln.weight, ln.bias)
 
             self._layers = [
                 _Layer(norm(b.ln_1), t(b.attn.c_attn), bias(b.attn.c_attn), t(b.attn.c_proj),
@@ -132,15 +140,14 @@ class FastDecoder:
                 for b in m.h]
             self._ln_f = norm(m.ln_f)
             self._w_head = t(m.lm_head)  # [d, V]
-            self._wte = m.wte.weight.detach()  # [V, d]: a lookup reads it as it is
-            self._wpe = None if m.wpe is None else m.wpe.weight.detach()  # [n_positions, d]
+            self._wte, self._wpe = m.wte.weight, None if m.wpe is None else m.wpe.weight
 
     def _versions_and_storage(self) -> list[int]:
-        return [*map(_VERSION, self._params), *map(_DATA_PTR, self._params)]
+        return [*map(_VERSION, self._copied), *map(_DATA_PTR, self._copied)]
 
     def _stale(self) -> bool:
         """Whether the model's weights changed since :meth:`refresh` (C-level maps: ~50 ns a
-        parameter or module)."""
+        slot or copied matrix)."""
         held = map(getitem, self._dicts, self._names)
         return not all(map(is_, held, self._held)) or self._versions_and_storage() != self._stamp
 
@@ -164,14 +171,18 @@ class FastDecoder:
         Raises:
             ValueError: whatever the model refuses, with the same message, before any write.
         """
-        self.model.check_input(idx, cache)
-        if (cache is None or idx.shape[1] != 1 or positions is not None or attn_mask is not None
+        if (cache is None or positions is not None or attn_mask is not None
+                or not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[1] != 1
                 or invariant.active()):  # the batch-invariant mode is the model's own path
             return self.model(idx, cache, last_only=last_only, positions=positions,
-                              attn_mask=attn_mask)
+                              attn_mask=attn_mask)  # which checks the call itself
         if self._stale():  # the model's weights changed: copy them again
             self.refresh()
-        return self._step(idx, cache)  # no autograd graph: every weight it reads is a detached copy
+        check_call(self.config, self._wte, idx, cache)  # the model's checks: the same messages
+        if torch.is_grad_enabled():  # it reads parameters: no autograd graph for its logits
+            with torch.no_grad():
+                return self._step(idx, cache)
+        return self._step(idx, cache)
 
     def _step(self, idx: torch.Tensor, cache: KVCache) -> DecoderOutput:
         """One token per row after ``cache``: logits ``[B, 1, V]``, cache one longer."""
