@@ -71,8 +71,9 @@ repro-check: $(STAMP)  ## two clean builds must write the same site (REPRO_REF=d
 	$(BIN)/python scripts/compare_builds.py $(or $(REPRO_REF),$(BUILDDIR)/repro/a/html) $(BUILDDIR)/repro/b/html
 
 # vLLM and SGLang are not installed (both need a GPU build): their releases' files come from PyPI
-# into .peer/ (about 90 MB, once). Not part of `make test`, which needs nothing from the network.
-# Then kvdoc's prefix-cache workloads through SGLang's radix tree and vLLM's block pool.
+# into .peer/ (about 90 MB, once). Not part of `make test`, which needs nothing from the network;
+# `.ci/run` runs it. Then kvdoc's prefix-cache workloads through SGLang's radix tree and vLLM's
+# block pool, with ample memory and under eviction.
 peer-check: $(STAMP)  ## vLLM/SGLang links and names against their releases; their caches run
 	$(BIN)/python scripts/peer_check.py
 	$(BIN)/python scripts/peer_replay.py --offline

@@ -7,12 +7,19 @@ module of the package they import (memory pools, metrics, kernels, configs) is a
 stand-in. What runs: SGLang 0.5.23's ``RadixCache`` (no pool, ``create_simulated``), and vLLM
 0.33's V1 ``BlockPool`` with ``FullAttentionManager.find_longest_cache_hit`` over chained block
 hashes, each driven as its scheduler drives it (:class:`SGLangTree`, :class:`VLLMPool`).
-Memory is ample, so nothing is evicted: what is compared is what each one matches and holds.
+What is compared is what each one matches and holds: with ample memory, and with pools of 4
+and 2 times the blocks the largest request writes and of one block more (:func:`pools`), where
+kvdoc's tree evicts as the peer does: whole leaves, least recently used first, beside SGLang;
+one block at a time, the block freed longest ago first and a request's last block before its
+first, beside vLLM. Under eviction SGLang as released differs from kvdoc's tree by one rule
+(the part of an edge a match splits off is marked used); :class:`SGLangSplitKeepsTime` undoes
+it, and with it every run must agree.
 
 Each request is served by kvdoc (:func:`kvdoc.serving.prefix_workload.run_workload`, whole
 blocks, a small random model) and sent to the peer. The check: for every request of every
 workload, seed and page size, kvdoc and the peer reuse the same number of prompt tokens, and
-afterwards hold the same number. Exit status 1 if any differs.
+afterwards hold the same number. Exit status 1 if any differs (SGLang as released under
+eviction aside: its differences are printed, and its hit rates in the closing table).
 
     .venv/bin/python scripts/peer_replay.py                      # the check
     .venv/bin/python scripts/peer_replay.py --granularity token  # kvdoc matching inside a
@@ -93,33 +100,84 @@ class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 class SGLangTree:
     """SGLang's ``RadixCache`` as its scheduler drives it: a match of the prompt short of its
-    last token (``Req._compute_max_prefix_len``), page aligned; at finish an insert of the ids
-    the request's K/V covers, page aligned. No pool (``create_simulated``)."""
+    last token (``Req._compute_max_prefix_len``), page aligned; with a pool of ``blocks``
+    pages, the matched path locked while ``evict`` frees the pages the request writes beyond
+    the free ones; at finish an insert of the ids the request's K/V covers, page aligned. No
+    pool (``create_simulated``, an allocator whose ``free_segment`` does nothing): the pool is
+    the count of tokens the tree holds."""
 
-    def __init__(self, page: int) -> None:
+    evict = "leaf"  # what kvdoc's tree is run with beside it
+    split_keeps_time = False  # True: the one difference from kvdoc's tree undone (_call)
+
+    def __init__(self, page: int, blocks: int | None = None) -> None:
         from sglang.srt.mem_cache import base_prefix_cache, radix_cache
         self.params, self.radix = base_prefix_cache, radix_cache
-        self.tree, self.page = radix_cache.RadixCache.create_simulated(page_size=page), page
+        allocator = types.SimpleNamespace(device="cpu", free_segment=lambda *args, **kwargs: None)
+        self.tree = radix_cache.RadixCache.create_simulated(mock_allocator=allocator,
+                                                            page_size=page)
+        self.page, self.capacity = page, None if blocks is None else blocks * page
 
     def _key(self, ids):
         return self.radix.RadixKey(token_ids=array("q", ids), extra_key=None)
 
+    def _nodes(self) -> dict:
+        out, stack = {}, [self.tree.root_node]
+        while stack:
+            node = stack.pop()
+            out[node] = (node.parent, node.last_access_time)
+            stack.extend(node.children.values())
+        return out
+
+    def _call(self, method, params):
+        """``method(params)``; with :attr:`split_keeps_time`, the part of an edge that a match
+        or an insert splits off below the point it stops at keeps its time of last use, as in
+        kvdoc's tree (SGLang 0.5.23 marks it used in ``_match_prefix_helper`` and
+        ``_insert_helper`` before splitting, though the request does not read it)."""
+        before = self._nodes() if self.split_keeps_time else {}
+        result = method(params)
+        for node, (parent, used) in before.items():
+            if node.parent is not parent:  # split: its upper part is a new parent
+                node.last_access_time = used
+        return result
+
     def serve(self, prompt, held) -> int:
-        found = self.tree.match_prefix(self.params.MatchPrefixParams(key=self._key(prompt[:-1])))
-        self.tree.insert(self.params.InsertParams(key=self._key(held).page_aligned(self.page)))
+        found = self._call(self.tree.match_prefix,
+                           self.params.MatchPrefixParams(key=self._key(prompt[:-1])))
+        if self.capacity is not None:
+            node, S = found.last_device_node, self.page
+            need = -(-len(held) // S) * S - found.device_prefix_len
+            self.tree.inc_lock_ref(node)
+            short = self.tree.total_size() + need - self.capacity
+            if short > 0:
+                self.tree.evict(self.params.EvictParams(num_tokens=short))
+            self.tree.dec_lock_ref(node)
+        self._call(self.tree.insert,
+                   self.params.InsertParams(key=self._key(held).page_aligned(self.page)))
         return found.device_prefix_len
 
     def tokens_held(self) -> int:
         return self.tree.total_size()
 
 
+class SGLangSplitKeepsTime(SGLangTree):
+    """:class:`SGLangTree` with the part of an edge that a match or insert splits off keeping
+    its time of last use, as kvdoc's tree does."""
+
+    split_keeps_time = True
+
+
 class VLLMPool:
     """vLLM V1's ``BlockPool`` and ``FullAttentionManager.find_longest_cache_hit`` as its
     ``KVCacheManager`` drives them: chained block hashes (``hash_block_tokens``, SHA-256 of
     pickled keys), a hit of at most the prompt short of its last token, whole blocks; the
-    request's full blocks cached, then freed (they stay cached in the free queue)."""
+    request's full blocks cached, then freed (they stay cached in the free queue, which a new
+    block is taken from: the front first, so the block freed longest ago is evicted, a request's
+    last block before its first). ``blocks`` usable blocks (the pool's null block besides)."""
 
-    def __init__(self, page: int, blocks: int = 4096) -> None:
+    evict = "block"
+
+    def __init__(self, page: int, blocks: int | None = None) -> None:
+        blocks = 4096 if blocks is None else blocks + 1  # block 0 is the pool's null block
         from vllm.v1 import kv_cache_interface
         from vllm.v1.core import block_pool, kv_cache_utils, single_type_kv_cache_manager
         self.utils, self.manager = kv_cache_utils, single_type_kv_cache_manager.FullAttentionManager
@@ -167,14 +225,18 @@ def load(package: str, tag: str, offline: bool) -> None:
         sys.meta_path.insert(0, _StandIns())
 
 
-def replay(peer: type, model: Decoder, turns, block_size: int, granularity: str) -> list[str]:
-    """What differs between kvdoc's tree and ``peer``'s on ``turns`` (empty: nothing)."""
-    run = run_workload(model, turns, num_blocks=4096, block_size=block_size,
-                       granularity=granularity)
-    theirs, wrong = peer(block_size), []
+def replay(peer: type, model: Decoder, turns, block_size: int, granularity: str,
+           blocks: int | None = None) -> tuple[list[str], float]:
+    """What differs between kvdoc's tree and ``peer``'s on ``turns`` (empty: nothing), and the
+    peer's hit rate (prompt tokens reused). With ``blocks``, both have that many blocks and
+    kvdoc's tree evicts as the peer does (``peer.evict``); without, memory is ample."""
+    run = run_workload(model, turns, num_blocks=blocks or 4096, block_size=block_size,
+                       granularity=granularity, evict=peer.evict)
+    theirs, wrong, reused = peer(block_size, blocks), [], 0
     for i, served in enumerate(run.served):
         prompt = served.tokens[:served.prompt_len]
         found = theirs.serve(prompt, served.tokens[:-1])  # the last token is never fed
+        reused += found
         if found != served.matched:
             wrong.append(f"request {i}: kvdoc matched {served.matched} of {len(prompt)} "
                          f"tokens, {peer.__name__} {found}")
@@ -182,7 +244,7 @@ def replay(peer: type, model: Decoder, turns, block_size: int, granularity: str)
     if theirs.tokens_held() != held:
         wrong.append(f"held afterwards: kvdoc {held} tokens, {peer.__name__} "
                      f"{theirs.tokens_held()}")
-    return wrong
+    return wrong, reused / run.prompt_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,21 +259,57 @@ def main(argv: list[str] | None = None) -> int:
     model = Decoder(GPTConfig()).eval()
     workloads = {"few-shot": few_shot_workload, "chat": chat_workload,
                  # each prompt again, now held whole (some end on a page boundary)
-                 "repeated": lambda seed: few_shot_workload(seed) * 2}
-    failed = 0
-    for peer, tag in ((SGLangTree, SGLANG), (VLLMPool, VLLM)):
-        runs = differ = 0
+                 "repeated": lambda seed: few_shot_workload(seed) * 2,
+                 # enough requests, tasks and conversations that a small pool must choose
+                 "few-shot, 4 tasks": lambda seed: few_shot_workload(seed, 24, tasks=4),
+                 "chat, 4 conversations": lambda seed: chat_workload(seed, 4, 4)}
+    failed, rates = 0, {}
+    for peer, tag in ((SGLangTree, SGLANG), (SGLangSplitKeepsTime, SGLANG), (VLLMPool, VLLM)):
+        runs, differ = {"ample": 0, "small": 0}, {"ample": 0, "small": 0}
         for name, workload in workloads.items():
             for seed in range(3):
                 for block_size in (1, 4):
-                    wrong = replay(peer, model, workload(seed), block_size, args.granularity)
-                    runs, differ = runs + 1, differ + bool(wrong)
-                    for line in wrong:
-                        print(f"DIFFERS {name} seed {seed} pages of {block_size}: {line}")
-        print(f"{runs} workload runs through kvdoc's tree and {peer.__name__} ({tag}), kvdoc "
-              f"matching by {args.granularity}: {differ} differ")
-        failed += differ
+                    turns = workload(seed)
+                    for pool, blocks in pools(model, turns, block_size):
+                        wrong, rate = replay(peer, model, turns, block_size, args.granularity,
+                                             blocks)
+                        rates.setdefault((name, block_size, pool), {}).setdefault(
+                            peer.__name__, []).append(rate)
+                        memory = "ample" if blocks is None else "small"
+                        runs[memory] += 1
+                        differ[memory] += bool(wrong)
+                        for line in wrong[:1]:
+                            print(f"DIFFERS from {peer.__name__}: {name} seed {seed} pages of "
+                                  f"{block_size}, {blocks or 'ample'} blocks: {line}")
+        for memory in ("ample", "small"):
+            print(f"{runs[memory]} workload runs with {memory} memory through kvdoc's tree "
+                  f"(matching by {args.granularity}, evicting by {peer.evict}) and "
+                  f"{peer.__name__} ({tag}): {differ[memory]} differ")
+        # SGLang as released differs from kvdoc's tree under eviction by one rule, which
+        # SGLangSplitKeepsTime undoes: there every run must agree
+        if peer is not SGLangTree:
+            failed += differ["small"]
+        failed += differ["ample"]
+    print("\nMean hit rate over 3 seeds (prompt tokens reused). Whole leaves: kvdoc's tree, which "
+          "SGLangSplitKeepsTime equals, and SGLang as released; single blocks: kvdoc's tree, "
+          "which vLLM equals.")
+    print("| workload | page | pool | whole leaves, kvdoc | SGLang as released | single blocks, "
+          "kvdoc = vLLM |\n|---|---|---|---|---|---|")
+    for (name, page, pool), by_peer in rates.items():
+        cells = [sum(r) / len(r) for r in (by_peer[c.__name__] for c in
+                                            (SGLangSplitKeepsTime, SGLangTree, VLLMPool))]
+        print(f"| {name} | {page} | {pool} | " + " | ".join(f"{c:.1%}" for c in cells) + " |")
     return 1 if failed else 0
+
+
+def pools(model: Decoder, turns, block_size: int) -> list[tuple[str, int | None]]:
+    """Ample memory, then pools of 4 and 2 times the blocks the largest request writes, and of
+    one block more than that (each smaller than what the workload leaves behind)."""
+    ample = run_workload(model, turns, num_blocks=4096, block_size=block_size)
+    largest = max(-(-(len(s.tokens) - 1) // block_size) for s in ample.served)
+    sizes = {"4 x largest": 4 * largest, "2 x largest": 2 * largest, "largest + 1": largest + 1}
+    return [("ample", None)] + [(k, n) for k, n in sizes.items()
+                                if n < ample.tree.blocks_held()]
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ def test_broken_schedulers_caught_by_the_specification_only(model, cls):
 CAUGHT_BY = {"prefill-before-decode": "schedule", "budget-plus-one": "schedule",
              "preempt-oldest": "schedule", "radix-most-recent-first": "eviction",
              "radix-last-token-from-tree": "full-match",
+             "radix-whole-leaf-always": "eviction-blocks",
              "speculative-residual-target": "speculative-distribution",
              "preempt-restarts-stream": "preempted-stream"}
 

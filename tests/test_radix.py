@@ -27,8 +27,8 @@ def model():
     return default_model()
 
 
-def tree_for(model, blocks=16, granularity="token"):
-    return RadixCache(BlockPool(model.config, blocks, 4), granularity)
+def tree_for(model, blocks=16, granularity="token", evict="leaf"):
+    return RadixCache(BlockPool(model.config, blocks, 4), granularity, evict=evict)
 
 
 A = list(range(1, 11))  # 10 tokens: two whole blocks and a half
@@ -106,6 +106,21 @@ def test_lru_evicts_the_least_recently_used_unlocked_leaf(model):
     assert (request.matched, tree.evicted_nodes, tree.evicted_blocks) == (0, 1, 2)
     assert tree.match([9, 8, 7, 6])[0] == 0 and tree.match([1, 2, 3, 4])[0] == 4
     assert invariant_errors(tree) == []
+
+
+def test_block_eviction_takes_the_oldest_leafs_last_block_only(model):
+    tree = tree_for(model, blocks=7, evict="block")
+    serve_prompt(model, tree, [1, 2, 3, 4, 5], max_new=4)  # 8 positions: 2 blocks
+    serve_prompt(model, tree, [9, 8, 7, 6, 5], max_new=4)
+    serve_prompt(model, tree, [1, 2, 3, 4, 5], max_new=4)  # the first again: the second is older
+    request = tree.admit(list(range(30, 39)), max_new=7)  # 4 new blocks, 3 free: 1 evicted
+    assert (request.matched, tree.evicted_nodes, tree.evicted_blocks) == (0, 0, 1)
+    old = (9, 8, 7, 6, 5) + tuple(tree.evictions[0][0][5:])
+    assert tree.evictions == [(old, 1)]  # the second request's tail, its first block kept
+    assert tree.match([9, 8, 7, 6, 5])[0] == 4 and tree.match([1, 2, 3, 4, 5])[0] == 5
+    assert invariant_errors(tree) == []
+    with pytest.raises(ValueError, match="evict must be 'leaf' or 'block', got 'tail'"):
+        tree_for(model, blocks=7, evict="tail")
 
 
 def test_broken_trees_are_caught(model):

@@ -153,8 +153,9 @@ def test_the_default_verify_catches_every_variant(name):
 
 
 @pytest.mark.parametrize("name, only", [
-    ("gqa-tiled-shared", {"reference"}),         # shared path: cached equals full
-    ("clamped-positions", {"reference"}),
+    # shared path: cached equals full; the export to transformers shows it in every dtype
+    ("gqa-tiled-shared", {"reference", "bf16-reference", "fp16-reference"}),
+    ("clamped-positions", {"reference"}),  # past the BF16 checks' 24 positions only
     ("static-early-length", {"failure", "failure_after"}),  # right unless a call fails midway
     ("static-last-layer-length", {"failure_after"}),  # ... after the last attention
     # in order it is right; the causality rerun of the last call is a second branch
@@ -219,7 +220,8 @@ def test_the_default_verify_passes_and_says_what_it_ran(capsys, monkeypatch):
     # each skips kinds, impls or models it cannot take
     not_everywhere = ("generate", "crop", "speculative", "int8", "fp8", "edges", "padded",
                       "scheduling", "prefix-cache", "handover", "invariance",
-                      "bf16", "fp16", "counted", "generate_padded", *policies.CHECKS)
+                      "bf16", "fp16", "bf16-reference", "fp16-reference", "counted",
+                      "generate_padded", *policies.CHECKS)
     assert all(r.passed is not None for r in report.results if r.check not in not_everywhere)
     # it says what it ran: every registered model, cache kind, implementation and scenario
     lines = {line.strip().split(":")[0]: line.split(":", 1)[1].strip()
@@ -370,7 +372,8 @@ def test_a_new_implementation_plugs_in_with_one_entry(monkeypatch):
     skipped = {r.check for r in report.results if r.passed is None}
     assert report.passed and skipped == {"generate", "generate_padded", "speculative",
                                          "scheduling", "prefix-cache", "handover", "int8", "fp8",
-                                         "edges", "bf16", "fp16", "invariance", "counted",
+                                         "edges", "bf16", "fp16", "bf16-reference",
+                                         "fp16-reference", "invariance", "counted",
                                          *policies.CHECKS}
     monkeypatch.setitem(grid.IMPLEMENTATIONS, "wrapper", lambda m: Wrapper(m, skip_last_only=True))
     assert "last_only" in _fails(impls=("wrapper",), models=("gqa",), kinds=("static",))

@@ -23,6 +23,7 @@ its tree class ``case.caches["radix"]``, its acceptance rule ``case.caches["acce
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from kvdoc.serving.radix import RadixCache
@@ -37,6 +38,7 @@ CHECKS: dict[str, str] = {
     "schedule": "every step's rows, queue, preemptions and blocks vs the scheduler's written "
                 "specification",
     "eviction": "a radix cache's matches, evictions and contents vs an LRU oracle of block paths",
+    "eviction-blocks": "the same, the tree evicting one block at a time (vLLM V1's order)",
     "full-match": "prompts a radix cache holds to their last token: last token computed, vs alone",
     "speculative-distribution": "one round of speculative sampling, enumerated exactly, vs the "
                                 "target's distribution",
@@ -68,12 +70,15 @@ def schedule_scenario(case, out: list) -> None:
 
 
 def radix_scenario(case, out: list) -> None:
-    """``eviction`` and ``full-match``: :func:`~kvdoc.proofs.radix_policy.check_eviction` and
+    """``eviction``, ``eviction-blocks`` and ``full-match``:
+    :func:`~kvdoc.proofs.radix_policy.check_eviction` (whole leaves, then single blocks) and
     :func:`~kvdoc.proofs.radix_policy.check_full_match` on the case's model."""
-    if not _applies(case, out, "eviction", "full-match"):
+    if not _applies(case, out, "eviction", "eviction-blocks", "full-match"):
         return
     tree = case.caches.get("radix", RadixCache)
-    for name, check in (("eviction", check_eviction), ("full-match", check_full_match)):
+    for name, check in (("eviction", check_eviction),
+                        ("eviction-blocks", functools.partial(check_eviction, evict="block")),
+                        ("full-match", check_full_match)):
         result = check(case.model, tree)
         out.append(case.result(name, result.passed, 0.0 if result.passed else 1.0,
                                result.detail))

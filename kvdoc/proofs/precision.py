@@ -49,7 +49,11 @@ ROUNDINGS_PER_LAYER = 12
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
 """Half the gap between 1 and the next number of each format (its ``eps / 2``)."""
 CHECKS = {"bf16": "BF16 model: full and cached within n u max|logit| of its FP64 value",
-          "fp16": "FP16 model: full and cached within n u max|logit| of its FP64 value"}
+          "fp16": "FP16 model: full and cached within n u max|logit| of its FP64 value",
+          "bf16-reference": "transformers' model exported from the BF16 model: BF16 logits, "
+                            "within n u max|logit| of the FP64 value",
+          "fp16-reference": "transformers' model exported from the FP16 model: FP16 logits, "
+                            "within n u max|logit| of the FP64 value"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CHUNKS = (1, 7)
 """One token a call (the decode step) and a chunk that divides neither the stream nor a window."""
@@ -63,6 +67,18 @@ def tolerance(config: object, dtype: torch.dtype, scale: float) -> float:
     return roundings * UNIT_ROUNDOFF[dtype] * max(scale, 1.0)
 
 
+def _stream(model: nn.Module) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3000)
+    return torch.randint(0, model.config.vocab_size, (2, LENGTH), generator=g)
+
+
+def _rounded(model: nn.Module, dt: torch.dtype, ids: torch.Tensor):
+    """``model`` rounded to ``dt``, the FP64 logits of those weights, and the bound."""
+    low = copy.deepcopy(model).to(dt).eval()
+    want = copy.deepcopy(low).to(torch.float64)(ids).logits  # the rounded weights, exactly
+    return low, want, tolerance(model.config, dt, want.abs().max().item())
+
+
 def precision_rows(model: nn.Module, new_cache: Callable, call: Callable = lambda m: m,
                    ids: torch.Tensor | None = None) -> list[tuple]:
     """``(dtype, passed, worst error, tolerance, cached vs full)`` for BF16 and FP16.
@@ -70,15 +86,10 @@ def precision_rows(model: nn.Module, new_cache: Callable, call: Callable = lambd
     ``new_cache(model, batch, capacity)`` makes the cache (a kind of
     :data:`kvdoc.proofs.grid.CACHES`), ``call(model)`` the cached call (an implementation).
     """
-    if ids is None:
-        g = torch.Generator().manual_seed(3000)
-        ids = torch.randint(0, model.config.vocab_size, (2, LENGTH), generator=g)
+    ids = _stream(model) if ids is None else ids
     rows = []
     for name, dt in DTYPES.items():
-        low = copy.deepcopy(model).to(dt).eval()
-        exact = copy.deepcopy(low).to(torch.float64)  # the BF16 weights, exactly
-        want = exact(ids).logits
-        tol = tolerance(model.config, dt, want.abs().max().item())
+        low, want, tol = _rounded(model, dt, ids)
         full = low(ids).logits.to(torch.float64)
         step = call(low)
         cached = [feed(step, ids, new_cache(low, ids.shape[0], ids.shape[1]), chunk).logits
@@ -89,12 +100,46 @@ def precision_rows(model: nn.Module, new_cache: Callable, call: Callable = lambd
     return rows
 
 
+def reference_rows(model: nn.Module, reference: Callable) -> list[tuple]:
+    """``(dtype, passed, error, tolerance, logits' dtype)`` of transformers' model exported from
+    ``model`` rounded to BF16 and FP16 (``reference(model)(ids) -> logits``): its logits must
+    come in that dtype (an export that computes in FP32 would be closer to the FP64 value, not
+    further) and lie within :func:`tolerance` of the FP64 value of the rounded weights.
+
+    >>> from kvdoc.proofs import grid
+    >>> m = grid.MODELS["llama"].build(0)
+    >>> [(name, ok, dtype) for name, ok, _, _, dtype in reference_rows(m, grid.MODELS["llama"]
+    ...                                                                .reference)]
+    [('BF16', True, torch.bfloat16), ('FP16', True, torch.float16)]
+    """
+    ids, rows = _stream(model), []
+    for name, dt in DTYPES.items():
+        low, want, tol = _rounded(model, dt, ids)
+        got = reference(low)(ids)
+        error = max_abs(got.to(torch.float64), want)
+        rows.append((name.upper(), got.dtype == dt and error <= tol, error, tol, got.dtype))
+    return rows
+
+
 def scenario(case, out: list) -> None:
-    """The ``bf16`` and ``fp16`` checks on one combination (run in the FP32 pass only)."""
+    """The ``bf16``, ``fp16``, ``bf16-reference`` and ``fp16-reference`` checks on one
+    combination (run in the FP32 pass only, the references once per model)."""
     if case.dtype != torch.float32 or case.kind != "dynamic":
-        for name in DTYPES:
+        for name in CHECKS:
             out.append(case.result(name, None, 0.0, "the dynamic kind in the FP32 pass"))
         return
+    reference = case.caches.get("reference", case.spec.reference)  # a variant's loader
+    for name in DTYPES:
+        if case.impl != "model" or reference is None:
+            why = "no independent reference" if reference is None else "once per model"
+            out.append(case.result(f"{name}-reference", None, 0.0, why))
+    if case.impl == "model" and reference is not None:
+        for (label, ok, error, tol, dtype), name in zip(reference_rows(case.fresh(), reference),
+                                                        DTYPES, strict=True):
+            detail = (f"logits {str(dtype).removeprefix('torch.')}, error {error:.3g} vs "
+                      f"bound {tol:.3g}")
+            out.append(dataclasses.replace(case.result(f"{name}-reference", ok, error, detail),
+                                           dtype=label))
     new = case.caches.get(case.kind, case.cache.new)
     for (label, ok, worst, tol, apart), name in zip(
             precision_rows(case.fresh(), new, case.implementation), DTYPES, strict=True):

@@ -123,13 +123,15 @@ class WorkloadCheck:
 
 @torch.no_grad()
 def compare_workload(model: Decoder, turns: list[Turn], num_blocks: int, block_size: int = 4,
-                     granularity: str = "token",
-                     tree_cls: type[RadixCache] = RadixCache) -> WorkloadCheck:
-    """Serve ``turns`` through a tree (:func:`kvdoc.serving.prefix_workload.run_workload`) and
-    check every request against itself alone; the tree is cleared at the end."""
+                     granularity: str = "token", tree_cls: type[RadixCache] = RadixCache,
+                     evict: str = "leaf") -> WorkloadCheck:
+    """Serve ``turns`` through a tree that evicts by ``evict``
+    (:func:`kvdoc.serving.prefix_workload.run_workload`) and check every request against itself
+    alone; the tree is cleared at the end."""
     after: list[tuple[str, ...]] = []
     run = run_workload(model, turns, num_blocks, block_size, granularity, tree_cls,
-                       after=lambda tree: after.append(tuple(invariant_errors(tree))))
+                       after=lambda tree: after.append(tuple(invariant_errors(tree))),
+                       evict=evict)
     tol, device = TOLERANCE[model.wte.weight.dtype], model.wte.weight.device
     checks = []
     for turn, served, errors in zip(turns, run.served, after, strict=True):

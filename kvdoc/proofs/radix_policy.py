@@ -117,11 +117,14 @@ class PolicyCheck:
 
 @torch.no_grad()
 def check_eviction(model: Decoder, tree_cls: type[RadixCache] = RadixCache,
-                   num_blocks: int = 10, block_size: int = 4, max_new: int = 2) -> PolicyCheck:
-    """Serve :func:`eviction_trace` through a tree of ``num_blocks`` blocks, each request
-    against :class:`LRUOracle`: the match, every eviction, the cached set afterwards."""
+                   num_blocks: int = 10, block_size: int = 4, max_new: int = 2,
+                   evict: str = "leaf") -> PolicyCheck:
+    """Serve :func:`eviction_trace` through a tree of ``num_blocks`` blocks that evicts by
+    ``evict`` (whole leaves, or one block at a time), each request against :class:`LRUOracle`:
+    the match, every eviction (in block mode: of one block), the cached set afterwards."""
     weight, S = model.wte.weight, block_size
-    tree = tree_cls(BlockPool(model.config, num_blocks, S, weight.dtype, weight.device))
+    tree = tree_cls(BlockPool(model.config, num_blocks, S, weight.dtype, weight.device),
+                    evict=evict)
     oracle, hits, evictions = LRUOracle(S), 0, 0
     for i, prompt in enumerate(eviction_trace(model.config.vocab_size)):
         matched = oracle.match(prompt)
@@ -138,6 +141,8 @@ def check_eviction(model: Decoder, tree_cls: type[RadixCache] = RadixCache,
                 return PolicyCheck(False, hits, f"request {i}: evicted with {free} blocks free "
                                                 f"of the {need} it writes")
             wrong = oracle.evicted(path, blocks, reading)
+            if evict == "block" and blocks != 1:
+                wrong = f"evicted {blocks} blocks at once, not one"
             if wrong:
                 return PolicyCheck(False, hits, f"request {i}, eviction {n}: {wrong}")
             free += blocks
@@ -151,8 +156,9 @@ def check_eviction(model: Decoder, tree_cls: type[RadixCache] = RadixCache,
             return PolicyCheck(False, hits, f"after request {i} the tree holds "
                                             f"{len(cached)} block paths, the oracle "
                                             f"{len(oracle.used)}")
+    unit = "leaf" if evict == "leaf" else "leaf's last block"
     return PolicyCheck(True, hits, f"{i + 1} requests on {num_blocks} blocks: {evictions} "
-                                   f"evictions, each the least recently used leaf; "
+                                   f"evictions, each the least recently used {unit}; "
                                    f"{hits} prompt positions reused, as the oracle predicts",
                        evictions)
 

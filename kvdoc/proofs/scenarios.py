@@ -388,7 +388,7 @@ SCENARIOS.update({"scheduling": scheduling_scenario, "prefix-cache": prefix_cach
                   "handover": handover_scenario})
 CHECKS["invariance"], SCENARIOS["invariance"] = invariance.CHECK, invariance.scenario
 CHECKS.update(precision.CHECKS)
-SCENARIOS["bf16"] = precision.scenario  # makes the bf16 and fp16 checks
+SCENARIOS["bf16"] = precision.scenario  # the bf16 and fp16 checks, and their references
 SCENARIOS.update(policies.SCENARIOS)
 
 SCENARIO_CHECK = {"stream": "logits"}

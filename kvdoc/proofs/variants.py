@@ -296,7 +296,10 @@ VARIANTS.update({v.name: v for v in (
                   caches={"scheduler": policies.RestartStream}),
     _radix("radix-last-token-from-tree", "a prompt the tree holds whole, at token granularity, "
            "is matched to its last token, which is then never computed",
-           policies.LastTokenFromTree))})
+           policies.LastTokenFromTree),
+    BrokenVariant("radix-whole-leaf-always", "asked to evict one block at a time, the radix "
+                  "tree evicts whole leaves", _copy(Decoder), "eviction policy", one_model=True,
+                  kinds=("paged",), caches={"radix": policies.WholeLeafAlways}))})
 
 # --- issue #30, classes 6-8: measurements counted, the function users call, axes crossed ------
 VARIANTS.update({v.name: v for v in (
@@ -339,6 +342,10 @@ VARIANTS.update({v.name: v for v in (
                   "loader layout", needs={"decoder", "deep"}, one_model=True,
                   kinds=("dynamic",),
                   caches={"reference": loaders.transformers_reference_layers_by_name}),
+    BrokenVariant("export-upcast", "the export to transformers hands a BF16 or FP16 model over "
+                  "in FP32 (exact wherever the model is FP32 or wider)", lambda m: m,
+                  "payload dtype", needs={"decoder"}, one_model=True, kinds=("dynamic",),
+                  caches={"reference": loaders.transformers_reference_upcast}),
     BrokenVariant("split-k-pad-leak", "split-K attention takes one mask for every row in its "
                   "first chunk of keys, so a padded row reads the pad keys there",
                   entry_points.pad_leak_split_k, "padded batches", one_model=True,

@@ -118,12 +118,14 @@ class WorkloadRun:
 def run_workload(model: Decoder, turns: Sequence[Turn], num_blocks: int, block_size: int = 4,
                  granularity: Literal["token", "block"] = "token",
                  tree_cls: type[RadixCache] = RadixCache,
-                 after: Callable[[RadixCache], None] | None = None) -> WorkloadRun:
-    """Serve ``turns`` one after another through a new tree over a pool of ``num_blocks``,
-    calling ``after(tree)`` after each (the proofs check invariants there)."""
+                 after: Callable[[RadixCache], None] | None = None,
+                 evict: Literal["leaf", "block"] = "leaf") -> WorkloadRun:
+    """Serve ``turns`` one after another through a new tree over a pool of ``num_blocks``
+    that evicts by ``evict``, calling ``after(tree)`` after each (the proofs check invariants
+    there)."""
     weight = model.wte.weight
     pool = BlockPool(model.config, num_blocks, block_size, weight.dtype, weight.device)
-    tree = tree_cls(pool, granularity)
+    tree = tree_cls(pool, granularity, evict=evict)
     served: list[Served] = []
     for turn in turns:
         before = () if turn.after is None else served[turn.after].tokens

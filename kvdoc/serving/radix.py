@@ -24,8 +24,11 @@ Rules this module keeps:
 * **Reference counts.** Every holder of a block, tree node or running request, holds one
   reference in the pool. A running request also locks its path from the root, so eviction never
   takes a node in use (and the lock is taken before :meth:`RadixCache.admit` makes room).
-* **LRU eviction** of unlocked leaves, whole nodes, oldest use first, when the pool lacks the
-  blocks a request needs: the pool is the budget.
+* **LRU eviction** of unlocked leaves, oldest use first, when the pool lacks the blocks a
+  request needs: the pool is the budget. A leaf goes whole (``evict="leaf"``, SGLang's radix
+  cache) or one block at a time, its last block first (``evict="block"``, the order of vLLM
+  V1's free queue, which takes a finished request's blocks tail first); the order is the
+  policy's (:mod:`kvdoc.serving.eviction`).
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> _ = torch.manual_seed(0)
@@ -48,30 +51,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from kvdoc.core.model import Decoder
 
+from .eviction import LRU, Node
 from .paged import BlockPool, PagedCache, paged_cache
-
-
-@dataclass(eq=False)
-class Node:
-    """A node of the tree: the edge from its parent (``tokens``) and the blocks holding them.
-
-    ``len(tokens) == len(blocks) * block_size``. ``lock`` counts the running requests whose
-    matched prefix runs through this node; ``last_used`` is the tree's clock at its last match.
-    """
-
-    tokens: tuple[int, ...]
-    blocks: list[int]
-    parent: Node | None
-    children: dict[tuple[int, ...], Node] = field(default_factory=dict)  # by first block's ids
-    lock: int = 0
-    last_used: int = 0
 
 
 @dataclass(eq=False)
@@ -90,18 +78,6 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
 
 
-class LRU:
-    """The eviction policy: a leaf no running request locks, the one used longest ago first."""
-
-    def may_evict(self, node: Node) -> bool:
-        """No running request uses it (its path from the root is unlocked)."""
-        return node.lock == 0
-
-    def priority(self, node: Node) -> int:
-        """Lower goes first: the tree's clock at the node's last match."""
-        return node.last_used
-
-
 class RadixCache:
     """A radix tree over token ids whose nodes own blocks of ``pool``.
 
@@ -109,23 +85,28 @@ class RadixCache:
         pool: where every block comes from; its size is the budget eviction works under.
         granularity: ``"token"`` (a match may end inside a block, which is then copied on write)
             or ``"block"`` (whole blocks only).
-        policy: which unlocked leaves eviction may take, in what order (default :class:`LRU`);
-            an object with ``may_evict(node)`` and ``priority(node)``, as SGLang's eviction
-            strategies are.
+        policy: which unlocked leaves eviction may take, in what order (default
+            :class:`~kvdoc.serving.eviction.LRU`); an object with ``may_evict(node)`` and
+            ``priority(node)``, as SGLang's eviction strategies are.
+        evict: ``"leaf"`` (a leaf goes whole) or ``"block"`` (its last block only).
     """
 
     def __init__(self, pool: BlockPool, granularity: Literal["token", "block"] = "token",
-                 policy: LRU | None = None) -> None:
+                 policy: LRU | None = None, evict: Literal["leaf", "block"] = "leaf") -> None:
         if granularity not in ("token", "block"):
             raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
+        if evict not in ("leaf", "block"):
+            raise ValueError(f"evict must be 'leaf' or 'block', got {evict!r}")
         self.pool, self.block_size, self.granularity = pool, pool.block_size, granularity
+        self.unit = evict
         self.policy = LRU() if policy is None else policy
         self.root = Node((), [], None)
         self.running: list[Admission] = []
         self.clock = 0
         self.evicted_nodes = self.evicted_blocks = 0
         self.evictions: list[tuple[tuple[int, ...], int]] = []
-        """Each leaf evicted, in order: the token ids from the root to its end, its blocks."""
+        """Each eviction, in order: the token ids from the root to the end of what was evicted,
+        and its blocks (a whole leaf's, or 1)."""
 
     # --- looking up -----------------------------------------------------------------------
     def match(self, tokens: Sequence[int]) -> tuple[int, list[int], Node]:
@@ -296,8 +277,9 @@ class RadixCache:
         return not node.children and self.policy.may_evict(node)
 
     def evict(self, blocks: int) -> int:
-        """Evict leaves the policy may evict, lowest :meth:`LRU.priority` first, until ``blocks``
-        are freed or none is left; returns the blocks freed (logged in :attr:`evictions`)."""
+        """Evict from the leaves the policy may evict, lowest priority first, until ``blocks``
+        are freed or none is left: a whole leaf at a time, or its last block; returns the blocks
+        freed (logged in :attr:`evictions`)."""
         freed = 0
         while freed < blocks:
             leaves = [n for n in self.nodes() if self._evictable(n)]
@@ -305,16 +287,16 @@ class RadixCache:
                 break
             leaf = min(leaves, key=self.policy.priority)
             path = sum((n.tokens for n in reversed(self._path(leaf))), ())
-            self.evictions.append((path, len(leaf.blocks)))
-            freed += self._remove(leaf)
-            self.evicted_nodes += 1
+            n = 1 if self.unit == "block" else len(leaf.blocks)
+            self.evictions.append((path, n))
+            self.pool.release(leaf.blocks[-n:])
+            leaf.tokens, leaf.blocks = leaf.tokens[:-n * self.block_size], leaf.blocks[:-n]
+            if not leaf.blocks:  # the key it is filed under was its first block
+                del leaf.parent.children[path[len(path) - n * self.block_size:][:self.block_size]]
+                self.evicted_nodes += 1
+            freed += n
         self.evicted_blocks += freed
         return freed
-
-    def _remove(self, leaf: Node) -> int:
-        del leaf.parent.children[leaf.tokens[:self.block_size]]
-        self.pool.release(leaf.blocks)
-        return len(leaf.blocks)
 
     def clear(self) -> None:
         """Give back every block the tree holds (not counted as evictions); only when no request

@@ -11,6 +11,9 @@ off, each visible only at a size or layout the grid chooses for it.
   (:func:`kvdoc.interop.hf_weights.to_transformers`) puts kvdoc's blocks into transformers' layer
   list in the order of their names, ``h.0, h.1, h.10, h.11, h.2, ..``: the same order below 10
   layers, so only the grid's 12-layer model shows it (the trait ``deep``).
+* :func:`transformers_reference_upcast`: the export hands a BF16 or FP16 model to transformers
+  in FP32 (as CPU code often upcasts half precision, whose matmuls are slow there): its logits
+  are then nearer the exact value, not further, so only a check of their dtype tells.
 * :func:`gemma_pattern_one_off`: a Gemma model whose layer types come from
   ``sliding_window_pattern`` one layer off (``i % k`` for ``(i + 1) % k``), in the model and its
   hybrid cache alike, so that the two agree; only a reference whose layout transformers derives
@@ -64,6 +67,17 @@ def transformers_reference_layers_by_name(model: nn.Module) -> Callable[[torch.T
     name = "layers" if hasattr(body, "layers") else "h"
     stack = getattr(body, name)
     setattr(body, name, nn.ModuleList([stack[i] for i in by_name(len(stack))]))
+    return references._lifted(hf, model)
+
+
+def transformers_reference_upcast(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """BROKEN: :func:`kvdoc.proofs.references.transformers_reference`, but a model narrower than
+    FP32 is exported in FP32."""
+    from kvdoc.interop.hf_weights import to_transformers
+
+    hf = to_transformers(model)
+    if next(hf.parameters()).dtype in (torch.bfloat16, torch.float16):
+        hf = hf.float()  # BUG: the model's precision is not the reference's
     return references._lifted(hf, model)
 
 

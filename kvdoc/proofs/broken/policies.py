@@ -8,6 +8,8 @@ against the policy's specification or its distribution can see it.
   of its seed, so its stream restarts.
 * :func:`most_recent_first`: a radix tree whose eviction policy, passed through its public
   ``policy`` argument, evicts the most recently used leaf.
+* :class:`WholeLeafAlways`: a radix tree asked to evict one block at a time that evicts whole
+  leaves (in least-recently-used order still).
 * :class:`LastTokenFromTree`: a radix tree that, matching at token granularity, hands a prompt
   found whole all of its positions, its last token's too, so nothing is left to compute.
 * :func:`residual_is_target`: a speculative-sampling rule that redraws a rejected token from the
@@ -26,7 +28,8 @@ import math
 
 import torch
 
-from kvdoc.serving.radix import LRU, Node, RadixCache
+from kvdoc.serving.eviction import LRU, Node
+from kvdoc.serving.radix import RadixCache
 from kvdoc.serving.requests import sample_generator
 from kvdoc.serving.scheduler import LiveRequest, Scheduler
 from kvdoc.serving.speculative import acceptance
@@ -92,6 +95,15 @@ def most_recent_first() -> type[RadixCache]:
     """A :class:`~kvdoc.serving.radix.RadixCache` factory with :class:`MostRecentFirst` passed
     as its ``policy``."""
     return functools.partial(RadixCache, policy=MostRecentFirst())
+
+
+class WholeLeafAlways(RadixCache):
+    """BROKEN: asked to evict one block at a time (``evict="block"``), it evicts whole leaves;
+    each eviction is still the least recently used leaf."""
+
+    def __init__(self, pool, granularity="token", policy=None, evict="leaf"):
+        super().__init__(pool, granularity, policy, evict)
+        self.unit = "leaf"  # BUG: the evict argument is checked, then ignored
 
 
 class LastTokenFromTree(RadixCache):

@@ -35,8 +35,9 @@ import torch
 from kvdoc.core.cache import DynamicCache, KVCache
 from kvdoc.core.mla import DynamicLatentCache, LatentCache
 from kvdoc.core.model import Decoder, DecoderOutput
+from kvdoc.serving.eviction import LRU
 from kvdoc.serving.handover import pack
-from kvdoc.serving.radix import LRU, RadixCache
+from kvdoc.serving.radix import RadixCache
 from kvdoc.serving.ragged import RaggedStep
 from kvdoc.serving.scheduler import LiveRequest, Scheduler
 
@@ -86,8 +87,8 @@ class IgnoreLocks(LRU):
 class EvictLocked(RadixCache):
     """A tree whose eviction policy is :class:`IgnoreLocks`."""
 
-    def __init__(self, pool, granularity="token"):
-        super().__init__(pool, granularity, policy=IgnoreLocks())
+    def __init__(self, pool, granularity="token", evict="leaf"):
+        super().__init__(pool, granularity, policy=IgnoreLocks(), evict=evict)
 
 
 
