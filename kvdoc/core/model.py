@@ -34,9 +34,8 @@ from .window import SlidingWindowCache
 
 def check_call(config: GPTConfig, weight: torch.Tensor, idx: torch.Tensor,
                cache: KVCache | None) -> None:
-    """:meth:`Decoder.check_input` for a model of ``config`` whose parameters are on
-    ``weight``'s device and dtype; a caller that already holds ``wte``'s weight saves two module
-    lookups a call (:class:`~kvdoc.core.fast.FastDecoder`, whose step is ~100 us)."""
+    """:meth:`Decoder.check_input` for a model of ``config`` on ``weight``'s device and dtype
+    (:class:`~kvdoc.core.fast.FastDecoder` holds ``wte``'s weight: two module lookups saved)."""
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
         shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
         raise ValueError(f"idx must be a [B, C] tensor of token ids, got {shape}")
