@@ -23,6 +23,8 @@ same tokens as over the exact cache.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -115,14 +117,16 @@ def _judge(scales: dict, fp8: torch.dtype):
     return judge
 
 
-def _one(case: Case, granularity: str, calibrated: bool, out: list) -> None:
+def _one(case: Case, model: torch.nn.Module, call, granularity: str,
+         calibrated: bool) -> tuple[bool, float, str]:
+    """``(passed, error, detail)`` of the contract for ``model``'s cached ``call``."""
     new = case.caches.get("fp8", new_fp8_cache)
     fed, B = sum(FP8_CHUNKS), case.ids.shape[0]
-    given = calibrate(case.model, case.alt[:, :fed], granularity) if calibrated else None
+    given = calibrate(model, case.alt[:, :fed], granularity) if calibrated else None
     written: dict = {}
     exact: dict = {}
     stated: dict = {}
-    cache = _ScaleRecorder(new(case.model, B, case.ids.shape[1], granularity=granularity,
+    cache = _ScaleRecorder(new(model, B, case.ids.shape[1], granularity=granularity,
                                scales=given), written, exact, stated)
     changed, breach, scale_off, problems, saturated = 0.0, 0.0, 0.0, [], 0
     held = [Snapshot.of(cache)]
@@ -149,8 +153,8 @@ def _one(case: Case, granularity: str, calibrated: bool, out: list) -> None:
         problems.extend(f"after {start + n}: {p}" for p in byte_problems(after.inner))
         held[0] = Snapshot.of(after)
 
-    with int8_reads(case.model, exact, _judge(stated, fp8)) as reads:
-        feed(case.call, case.ids[:, :fed], cache, FP8_CHUNKS, hook=check)
+    with int8_reads(model, exact, _judge(stated, fp8)) as reads:
+        feed(call, case.ids[:, :fed], cache, FP8_CHUNKS, hook=check)
     excess = max((r.excess for r in reads), default=0.0)
     ok = (changed == 0.0 and breach == 0.0 and scale_off == 0.0 and excess == 0.0 and bool(reads)
           and not problems)
@@ -162,20 +166,29 @@ def _one(case: Case, granularity: str, calibrated: bool, out: list) -> None:
               f"rows changed by {changed:.1e}, scales off by {scale_off:.1e}, worst breach of an "
               f"element's bound {breach:.1e} (in scales); {len(reads)} attention reads, error at "
               f"most {ratio:.2f} of its bound, excess {excess:.1e}")
-    out.append(case.result("fp8", ok, max(changed, breach, scale_off, excess,
-                                          math.inf if problems or not reads else 0.0), detail))
+    return ok, max(changed, breach, scale_off, excess,
+                   math.inf if problems or not reads else 0.0), detail
 
 
 def scenario(case: Case, out: list) -> None:
-    """The ``fp8`` scenario: see the module docstring."""
+    """The ``fp8`` scenario: see the module docstring. In the FP32 pass it runs again on the
+    model rounded to BF16 and to FP16 (the element bound counts the model dtype's rounding of
+    ``x / s`` and ``q s``)."""
     if case.kind != "dynamic":  # the FP8 cache grows as a dynamic one does: run it once
         out.append(case.result("fp8", None, 0.0, "run with the dynamic kind only"))
         return
     if not isinstance(case.model.config, GPTConfig):
         out.append(case.result("fp8", None, 0.0, "an FP8 cache of a GPTConfig model's K/V"))
         return
-    for granularity, calibrated in SETTINGS:
-        _one(case, granularity, calibrated, out)
+    models = [("", case.model, case.call)]
+    if case.dtype == torch.float32:
+        for label, dt in (("BF16", torch.bfloat16), ("FP16", torch.float16)):
+            low = copy.deepcopy(case.fresh()).to(dt).eval()
+            models.append((label, low, case.implementation(low)))
+    for label, model, call in models:
+        for granularity, calibrated in SETTINGS:
+            result = case.result("fp8", *_one(case, model, call, granularity, calibrated))
+            out.append(dataclasses.replace(result, dtype=label) if label else result)
 
 
 # --- measured, never asserted -------------------------------------------------------------------

@@ -6,11 +6,16 @@ scale is its own ``max|x| / 127`` (every value a multiple of it, within ``[-127,
 the largest at 127), each value within half a step of what was written, every attention read
 of the model's layers within :func:`~kvdoc.serving.quant.read_error_bound` of the same read
 over the exact K/V (:func:`int8_reads`), and its bytes are ``2 L B H_kv T (D_h + scale
-bytes)``.
+bytes)``. In the FP32 pass it runs again on the model rounded to BF16 and to FP16, where a
+multiple of a step is itself rounded to the model's dtype: there each value is held to
+:func:`half_step` of its dtype instead (up to a step in BF16), and the reads' bound with it.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,6 +32,7 @@ from kvdoc.serving.quant import new_int8_cache, read_error_bound
 
 from .compare import Snapshot, max_abs, run_cached
 from .invariants import byte_problems
+from .precision import UNIT_ROUNDOFF
 
 if TYPE_CHECKING:
     from .scenarios import Case
@@ -61,20 +67,35 @@ ROW_SLACK = 1e-3
 a few units in the last place of 127, is far below it."""
 
 
-def _row_problems(got: torch.Tensor, written: torch.Tensor) -> float:
-    """The worst breach, in steps of a row's own scale ``max|x| / 127``, of: ``got`` is an integer
-    number of steps within ``[-127, 127]``, the largest at 127, and within half a step of
-    ``written``. 0 when the rows keep the contract."""
+def half_step(unit: float) -> float:
+    """The element error, in steps of ``max|x| / 127``, of a model whose dtype rounds with unit
+    ``unit`` (0 for FP32 and FP64, whose rounding :data:`ROW_SLACK` covers): half a step of the
+    stored scale (itself rounded, so ``1 + unit`` steps), and the rounding of ``q * scale``, up
+    to ``127.5`` steps, to the model's dtype.
+
+    >>> half_step(0.0), round(half_step(2.0 ** -8), 4)   # FP32, BF16
+    (0.5, 1.0019)
+    """
+    return (0.5 + 127.5 * unit) * (1 + unit)
+
+
+def _row_problems(got: torch.Tensor, written: torch.Tensor, unit: float = 0.0) -> float:
+    """The worst breach, in steps of a row's own scale ``max|x| / 127``, of: ``got`` is within
+    :func:`half_step` of ``written``, and (in FP32 and FP64, ``unit`` 0, which hold every
+    multiple of a step exactly) an integer number of steps within ``[-127, 127]``, the largest
+    at 127. 0 when the rows keep the contract."""
     amax = written.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
     steps = got / scale
-    off_grid = (steps - steps.round()).abs().amax().item()
-    beyond = max(0.0, steps.abs().amax().item() - 127)
-    top = (127 - steps.abs().amax(dim=-1))[amax[..., 0] > 0]
-    not_top = top.abs().amax().item() if top.numel() else 0.0
     error = ((got - written).abs() / scale).amax().item()
-    slack = ROW_SLACK
-    worst = max(off_grid - slack, beyond - slack, not_top - slack, error - 0.5 - slack, 0.0)
+    slack, worst = ROW_SLACK, error - half_step(unit) - ROW_SLACK
+    if unit == 0.0:
+        off_grid = (steps - steps.round()).abs().amax().item()
+        beyond = max(0.0, steps.abs().amax().item() - 127)
+        top = (127 - steps.abs().amax(dim=-1))[amax[..., 0] > 0]
+        not_top = top.abs().amax().item() if top.numel() else 0.0
+        worst = max(worst, off_grid - slack, beyond - slack, not_top - slack)
+    worst = max(worst, 0.0)
     return math.inf if math.isnan(worst) else worst
 
 
@@ -96,12 +117,12 @@ class Read:
     excess: float
 
 
-def _read(layer: int, attend, q, k, v, start, attn_mask, got, exact) -> Read:
+def _read(layer: int, attend, q, k, v, start, attn_mask, got, exact, unit: float = 0.0) -> Read:
     K, V = exact
     if K.shape != k.shape or V.shape != v.shape:
         return Read(layer, start, math.inf, 0.0, math.inf)
     want = attend(q, K, V, start, attn_mask)
-    bound = read_error_bound(q, K, V, 0.5 + ROW_SLACK)
+    bound = read_error_bound(q, K, V, half_step(unit) + ROW_SLACK)
     # each read rounds: a weighted sum of T values and a score of D_h products, a few units in
     # the last place of the largest value per term
     slack = 2 * (K.shape[2] + q.shape[-1]) * torch.finfo(q.dtype).eps * float(V.abs().max())
@@ -160,18 +181,30 @@ def check_int8_reads(model: torch.nn.Module, ids: torch.Tensor, chunk: int) -> l
 
 
 def scenario(case: Case, out: list) -> None:
-    """The ``int8`` scenario: see the module docstring."""
+    """The ``int8`` scenario: see the module docstring. In the FP32 pass it runs again on the
+    model rounded to BF16 and to FP16, each held to its dtype's :func:`half_step`."""
     if case.kind != "dynamic":  # the int8 cache grows as a dynamic one does: run it once
         out.append(case.result("int8", None, 0.0, "run with the dynamic kind only"))
         return
     if not isinstance(case.model.config, GPTConfig):
         out.append(case.result("int8", None, 0.0, "an int8 cache of a GPTConfig model's K/V"))
         return
+    out.append(case.result("int8", *_contract(case, case.model, case.call, 0.0)))
+    if case.dtype == torch.float32:
+        for label, dt in (("BF16", torch.bfloat16), ("FP16", torch.float16)):
+            low = copy.deepcopy(case.fresh()).to(dt).eval()
+            result = case.result("int8", *_contract(case, low, case.implementation(low),
+                                                    UNIT_ROUNDOFF[dt]))
+            out.append(dataclasses.replace(result, dtype=label))
+
+
+def _contract(case: Case, model: torch.nn.Module, call, unit: float) -> tuple[bool, float, str]:
+    """``(passed, error, detail)`` of the contract for ``model``'s cached ``call``."""
     B = case.ids.shape[0]
     new = case.caches.get("int8", new_int8_cache)
     written: dict = {}
     exact: dict = {}
-    cache: KVCache = _Recorder(new(case.model, B, case.ids.shape[1]), written, exact)
+    cache: KVCache = _Recorder(new(model, B, case.ids.shape[1]), written, exact)
     fed, changed, breach, problems = sum(INT8_CHUNKS), 0.0, 0.0, []
     held = [Snapshot.of(cache)]  # what the cache passed to the next call holds
 
@@ -181,18 +214,19 @@ def scenario(case: Case, out: list) -> None:
         changed = max(changed, held[0].changed(before, start), held[0].changed(after, start))
         for i in range(after.n_layer):
             for got, wrote in zip(after.layer(i), written[i], strict=True):
-                breach = max(breach, _row_problems(got[:, :, start:start + n], wrote))
+                breach = max(breach, _row_problems(got[:, :, start:start + n].double(),
+                                                   wrote.double(), unit))
         problems.extend(f"after {start + n}: {p}" for p in byte_problems(after.inner))
         held[0] = Snapshot.of(after)
 
-    with int8_reads(case.model, exact) as reads:
-        feed(case.call, case.ids[:, :fed], cache, INT8_CHUNKS, hook=check)
+    judge = functools.partial(_read, unit=unit)
+    with int8_reads(model, exact, judge) as reads:
+        feed(call, case.ids[:, :fed], cache, INT8_CHUNKS, hook=check)
     excess = max((r.excess for r in reads), default=0.0)
     ok = changed == 0.0 and breach == 0.0 and excess == 0.0 and bool(reads) and not problems
     ratio = max((r.error / r.bound for r in reads if r.bound > 0), default=0.0)
     detail = (problems[0] if problems else
               f"{fed} positions in {len(INT8_CHUNKS)} calls: held rows changed by {changed:.1e}, "
-              f"worst breach of a row's step {breach:.1e}; {len(reads)} attention reads, "
-              f"error at most {ratio:.2f} of its bound, excess {excess:.1e}")
-    out.append(case.result("int8", ok, max(changed, breach, excess,
-                                           math.inf if problems or not reads else 0.0), detail))
+              f"worst breach of the {half_step(unit):.3g}-step bound {breach:.1e}; {len(reads)} "
+              f"attention reads, error at most {ratio:.2f} of its bound, excess {excess:.1e}")
+    return ok, max(changed, breach, excess, math.inf if problems or not reads else 0.0), detail

@@ -191,6 +191,12 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   _copy(Decoder), "int8 contract", needs={"decoder", "grouped"}, one_model=True,
                   kinds=("dynamic",),
                   caches={"int8": cache_kinds.v_scale_read_int8_cache}),
+    BrokenVariant("int8-narrow-arithmetic",
+                  "the int8 cache quantises and dequantises in the model's dtype: right in FP32 "
+                  "and FP64; in BF16 or FP16 a value can land past its dtype's bound",
+                  _copy(Decoder), "int8 contract",
+                  needs={"decoder"}, one_model=True, kinds=("dynamic",),
+                  caches={"int8": cache_kinds.narrow_int8_cache}),
     BrokenVariant("fp8-tensor-scale-write",
                   "the FP8 cache states per-head scales and reads with them, but quantises each "
                   "write under one scale for the tensor (its largest head's)",

@@ -3,7 +3,9 @@ measured.
 
 Each new row of K and V (one position of one head, ``D_h`` values) is stored as ``D_h`` int8
 values and one scale: ``scale = max|x| / 127`` and ``q = round(x / scale)``, so every value comes
-back as ``q * scale`` within ``scale / 2`` of the original. Scales are per token and per head
+back as ``q * scale`` within ``scale / 2`` of the original (for a BF16 or FP16 model, plus the
+model dtype's rounding of ``q * scale``: up to another half step in BF16, whose 8 significant
+bits cannot hold every multiple of a step up to 127 of them). Scales are per token and per head
 (not per channel), so a row is quantised once, when it is written, and never again as the cache
 grows. Scales are kept in the model's dtype; they count in every byte figure.
 
@@ -35,23 +37,32 @@ from kvdoc.core.layers import CacheLayer
 from kvdoc.core.model import Decoder
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """FP32 for BF16 and FP16, whose own rounding of ``x / scale`` (2**-8 of up to 127 in BF16)
+    would move a value past its nearest step; the dtype itself otherwise."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 over the last dimension: ``(q, scale)`` with ``x ~ q * scale``.
 
-    A row of zeros gets scale 1 (any scale reproduces it exactly).
+    The scale is stored in ``x``'s dtype and ``q`` is the nearest step of that stored scale,
+    computed in FP32 at least. A row of zeros gets scale 1 (any scale reproduces it exactly).
 
     >>> q, s = quantize(torch.tensor([[0.5, -1.0, 0.25]]))
     >>> q.tolist(), round(s.item() * 127, 6)
     ([[64, -127, 32]], 1.0)
     """
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
+    w = x.to(_wide(x.dtype))
+    amax = w.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(x.dtype)
+    return torch.round(w / scale.to(w.dtype)).clamp(-127, 127).to(torch.int8), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``q * scale`` in the scale's dtype."""
-    return q.to(scale.dtype) * scale
+    """``q * scale`` (in FP32 at least), returned in the scale's dtype."""
+    w = _wide(scale.dtype)
+    return (q.to(w) * scale.to(w)).to(scale.dtype)
 
 
 def read_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -11,6 +11,8 @@ of :mod:`kvdoc.proofs.invariants` catches it:
   append, with one scale per tensor;
 * :class:`VScaleReadInt8Layer`: an int8 cache that stores and returns every row right through
   ``layer()``, but hands the attention K dequantised with V's scales;
+* :class:`NarrowInt8Layer`: an int8 cache that quantises and dequantises in the model's dtype,
+  which is right in FP32 and FP64 only;
 * :class:`TensorScaleWriteFp8Layer`: an FP8 cache that states per-head scales and reads with
   them, but quantises every write under one scale for the whole tensor;
 * :class:`RescalingFp8Layer`: an FP8 cache that takes new scales from every write, so the rows
@@ -122,6 +124,31 @@ class VScaleReadInt8Layer(Int8Layer):
 
 v_scale_read_int8_cache = _empty(Int8Cache, VScaleReadInt8Layer)
 """``(model, batch, capacity) ->`` an empty int8 cache of :class:`VScaleReadInt8Layer` s."""
+
+
+class NarrowInt8Layer(Int8Layer):
+    """BROKEN: quantises and dequantises in the model's own dtype. In FP32 and FP64 that is
+    right; in BF16 or FP16, whose rounding of ``x / scale`` (up to 127) is a large part of a
+    step, a value can land on a step next to the nearest, and its error pass the dtype's
+    bound (:func:`kvdoc.proofs.int8_contract.half_step`)."""
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        self.check_rows(k, v)
+        new = []
+        for x in (k, v):
+            amax = x.abs().amax(dim=-1, keepdim=True)
+            scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+            new += [torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale]  # BUG
+        self.rows = tuple(torch.cat((a, b), dim=2) for a, b in zip(self.rows, new, strict=True))
+        return self.read(start + k.shape[2])
+
+    def read(self, seq_len: int) -> KV:
+        qk, sk, qv, sv = self.rows
+        return qk.to(sk.dtype) * sk, qv.to(sv.dtype) * sv  # BUG: rounded to the model's dtype
+
+
+narrow_int8_cache = _empty(Int8Cache, NarrowInt8Layer)
+"""``(model, batch, capacity) ->`` an empty int8 cache of :class:`NarrowInt8Layer` s."""
 
 
 class TensorScaleWriteFp8Layer(Fp8Layer):
