@@ -172,7 +172,9 @@ def test_the_contract_passes_and_only_it_catches_the_broken_cache():
                        scenarios=("fp8",), **FP32)
     assert report.passed, report.failures_table()
     ran = [r for r in report.results if r.passed is not None]
-    assert len(ran) == 3 * len(fp8_contract.SETTINGS)
+    # each model and setting in FP32, and again rounded to BF16 and FP16
+    assert len(ran) == 3 * len(fp8_contract.SETTINGS) * 3
+    assert {r.dtype for r in ran} == {"FP32", "BF16", "FP16"}
     others = [s for s in SCENARIOS if s != "fp8"]
     for variant in ("fp8-tensor-scale-write", "fp8-rescale-each-write"):
         caught = run_suite(variant, scenarios=("fp8",), **FP32)

@@ -68,3 +68,17 @@ def test_cache_passed_in_is_unchanged_and_bad_writes_refused(model, stream):
         cache.begin().update(0, k.double(), k.double(), start=4)
     with pytest.raises(ValueError, match="batch_size"):
         Int8Cache.empty(GPTConfig(), 0)
+
+
+@pytest.mark.parametrize("dtype, unit", [(torch.bfloat16, 2.0 ** -8), (torch.float16, 2.0 ** -11)])
+def test_narrow_dtypes_keep_their_derived_bound(dtype, unit):
+    from kvdoc.proofs.int8_contract import half_step
+
+    x = (torch.randn(4, 4, 256, 16, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    step = x.double().abs().amax(-1, keepdim=True) / 127
+    q, s = quantize(x)
+    assert q.dtype == torch.int8 and s.dtype == dtype
+    error = ((dequantize(q, s).double() - x.double()).abs() / step).amax().item()
+    assert 0.5 < error <= half_step(unit)  # past half a step: the dtype's rounding of q * s
+    naive = torch.round(x / s).clamp(-127, 127) * s  # x / s and q * s in the narrow dtype
+    assert ((naive.double() - x.double()).abs() / step).amax().item() > half_step(unit)
