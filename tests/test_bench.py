@@ -13,9 +13,9 @@ import torch
 
 from kvdoc import Decoder, GPTConfig
 from kvdoc.__main__ import main as cli
-from kvdoc.measure.ablation import ABLATION, LeanStep
+from kvdoc.measure.ablation import ABLATION, LeanStep, UncheckedFast, UnwatchedFast
 from kvdoc.measure.bench_result import TARGETS
-from kvdoc.measure.bench_run import BenchSettings, run_bench
+from kvdoc.measure.bench_run import VARIANTS, BenchSettings, run_bench
 from kvdoc.measure.bench_tables import (
     ablation_table,
     counts_table,
@@ -227,7 +227,7 @@ def test_tables_and_figures(result):
     assert "GB/s" in roof and roof.count("\n") == 1 + 5  # header rule and five decode paths
     for ablation in (result.ablation, result.roofline["ablation"]):
         table = ablation_table(ablation)
-        assert table.count("\n") == 1 + 3 + len(ABLATION) and "µs" in table
+        assert table.count("\n") == 1 + 3 + len(VARIANTS) and "µs" in table
     import matplotlib.pyplot as plt
 
     for fig in (growth_figure(result), timings_figure(result)):
@@ -251,19 +251,19 @@ def test_percentile():
 def test_ablation_structure(result):
     a = result.ablation
     assert a["prefix_len"] == max(PREFIXES) and a["steps"] == G
-    assert set(a["p50_us_per_step"]) == {"reference", "fast", "lean", *ABLATION}
+    assert set(a["p50_us_per_step"]) == {"reference", "fast", "lean", *VARIANTS}
     assert a["p50_us_per_step"]["reference"] == (
         percentile(a["samples_ms"]["reference"], 50) / G * 1e3)
     # the rows were timed in the prefix's own rotation: reference and fast are its samples
     P = max(PREFIXES)
     assert a["samples_ms"]["reference"] == result.timings[P]["static"]
     assert a["samples_ms"]["fast"] == result.timings[P]["fast"]
-    assert not set(ABLATION) & set(result.timings[P])
-    assert not set(ABLATION) & set(result.max_abs_diff[P])
+    assert not set(VARIANTS) & set(result.timings[P])
+    assert not set(VARIANTS) & set(result.max_abs_diff[P])
     for name, diff in a["max_abs_logit_diff"].items():  # every variant computes the same function
         assert diff < 1e-4, (name, diff)
     roofline = result.roofline
-    assert set(roofline["ablation"]["p50_us_per_step"]) == {"reference", "fast", "lean", *ABLATION}
+    assert set(roofline["ablation"]["p50_us_per_step"]) == {"reference", "fast", "lean", *VARIANTS}
     assert set(roofline["samples_ms"]) == {"dynamic", "static", "fast", "lean", "transformers"}
 
 
@@ -295,3 +295,24 @@ def test_cli_writes_json_and_prints_ratios(tmp_path, capsys):
 def test_cli_rejects_bad_settings(capsys):
     assert cli(["bench", "--samples", "0", "--no-progress"]) == 2
     assert "samples" in capsys.readouterr().err
+
+
+def test_the_guarantee_variants_take_one_guarantee_away_each():
+    model = Decoder(GPTConfig()).eval()
+    _, cache = model(torch.tensor([[1, 2, 3]]), model.new_cache(1, "static", capacity=8))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        UnwatchedFast(model)(torch.tensor([[97]]), cache)  # it still checks its input
+    unchecked = UncheckedFast(model)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    before = unchecked(torch.tensor([[4]]), cache).logits
+    cache.crop(3)
+    assert torch.allclose(before, model(torch.tensor([[4]]), cache).logits, atol=1e-5)  # watched
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    cache.crop(3)
+    stale = UnwatchedFast(model)  # its copies are taken now; the next edit goes unseen
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    assert not torch.allclose(stale(torch.tensor([[4]]), cache).logits,
+                              model(torch.tensor([[4]]), cache.crop(3)).logits)

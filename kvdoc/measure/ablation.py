@@ -4,7 +4,9 @@
 the model's weights, no delegation, no :class:`~kvdoc.core.cache.KVCache` (it writes its own
 K/V buffers), GPT-2's architecture only. The time the fast step takes beyond it is what the
 fast step's guarantees cost. Each :data:`ABLATION` variant is the lean step with one of the
-fast step's changes undone, so the time it adds is what that change buys.
+fast step's changes undone, so the time it adds is what that change buys; each
+:data:`GUARANTEES` variant is the fast step with one of its guarantees taken away, so the time
+it saves is what that guarantee costs (timed only: neither may serve a user).
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> _ = torch.manual_seed(0)
@@ -26,10 +28,33 @@ import torch
 import torch.nn.functional as F
 
 from kvdoc.core.cache import KVCache
-from kvdoc.core.model import Decoder
+from kvdoc.core.fast import FastDecoder
+from kvdoc.core.model import Decoder, DecoderOutput
 
 ABLATION = {"no_pretranspose": {"pretranspose": False}, "matmul_attention": {"attention": "matmul"}}
 """The lean step with one change undone: :class:`LeanStep`'s keywords per variant."""
+
+
+class UnwatchedFast(FastDecoder):
+    """The fast step without its watch on the model's weights: it would serve stale copies."""
+
+    def _stale(self) -> bool:
+        return False
+
+
+class UncheckedFast(FastDecoder):
+    """The fast step without its input checks and its hand-over to the model: every call is
+    taken as one token per row after a cache, and bad input is not refused."""
+
+    def __call__(self, idx: torch.Tensor, cache: KVCache, **options: object) -> DecoderOutput:
+        if self._stale():
+            self.refresh()
+        return self._step(idx, cache)
+
+
+GUARANTEES: dict[str, type[FastDecoder]] = {"unwatched": UnwatchedFast,
+                                             "unchecked": UncheckedFast}
+"""The fast step with one guarantee taken away, per variant."""
 
 
 class LeanStep:

@@ -38,7 +38,7 @@ from kvdoc.core.config import GPTConfig, check_int
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import Decoder
 
-from .ablation import ABLATION
+from .ablation import ABLATION, GUARANTEES
 from .bench_result import BenchResult, ratios
 from .costs import RowCounter, projected_positions_full, run_flops, step_bytes
 from .decode_paths import ablation_paths, build_models, decode_paths, ops_per_step, token_stream
@@ -167,7 +167,10 @@ def _bench_growth(model: Decoder, fast: FastDecoder, settings: BenchSettings,
             "p50_ms": p50}
 
 
-ABLATION_ROWS = {"reference": "static", "fast": "fast", "lean": "lean", **{k: k for k in ABLATION}}
+VARIANTS = (*GUARANTEES, *ABLATION)
+"""The ablation's own paths: the fast step less a guarantee, the lean step less a change."""
+ABLATION_ROWS = {"reference": "static", "fast": "fast", **{k: k for k in GUARANTEES},
+                 "lean": "lean", **{k: k for k in ABLATION}}
 """Ablation row -> the timed path it reads (the reference step is the static-cache path)."""
 
 
@@ -178,12 +181,12 @@ def _split_ablation(samples: dict[str, list[float]], diffs: dict[str, float] | N
     Every row was timed in the same rotation as the other paths, so all saw the same load.
     """
     rows = {row: samples[path] for row, path in ABLATION_ROWS.items()}
-    for name in ABLATION:
+    for name in VARIANTS:
         del samples[name]
     per_step = {row: percentile(v, 50) / steps * 1e3 for row, v in rows.items()}
     out: dict[str, Any] = {"steps": steps, "samples_ms": rows, "p50_us_per_step": per_step}
     if diffs is not None:
-        out["max_abs_logit_diff"] = {row: diffs.pop(path) if path in ABLATION else diffs[path]
+        out["max_abs_logit_diff"] = {row: diffs.pop(path) if path in VARIANTS else diffs[path]
                                      for row, path in ABLATION_ROWS.items()}
     return out
 
@@ -247,7 +250,7 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
     from tqdm import tqdm
 
     n_paths = 7 + int(settings.transformers)
-    n_ablation = len(ABLATION) if settings.ablation else 0
+    n_ablation = len(VARIANTS) if settings.ablation else 0
     total = (len(settings.prefix_lens) * settings.samples * n_paths + settings.samples * n_ablation
              + len(settings.growth_lengths) * settings.growth_samples * len(GROWTH_PATHS)
              + (settings.roofline_samples * (5 + int(settings.transformers) + n_ablation)

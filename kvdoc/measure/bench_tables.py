@@ -26,6 +26,8 @@ PATH_LABELS = {"prefill": "prefill", "full_all": "full, all positions",
 ABLATION_LABELS = {
     "reference": "reference step: the model's forward, static cache",
     "fast": "fast step: FastDecoder, with its checks",
+    "unwatched": "fast step without its watch on the weights",
+    "unchecked": "fast step without its input checks",
     "lean": "lean step: the fast step's arithmetic, no checks",
     "no_pretranspose": "lean step, weights kept [out, in] (read transposed, as F.linear does)",
     "matmul_attention": "lean step, matmul / scale / softmax / matmul instead of one SDPA call",

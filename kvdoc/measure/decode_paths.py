@@ -18,7 +18,7 @@ from kvdoc.core.config import GPTConfig
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import Decoder
 
-from .ablation import ABLATION, LeanStep
+from .ablation import ABLATION, GUARANTEES, LeanStep
 from .dispatch import count_ops
 from .timing import Prepare
 
@@ -185,10 +185,13 @@ def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, st
 def ablation_paths(model: Decoder, ids: torch.Tensor, prefix_len: int,
                    steps: int) -> tuple[dict[str, Prepare], dict[str, Callable[[], torch.Tensor]]]:
     """Per :data:`~kvdoc.measure.ablation.ABLATION` variant, the lean step with that change
-    undone, as in :func:`decode_paths`."""
+    undone, and per :data:`~kvdoc.measure.ablation.GUARANTEES` variant, the fast step with that
+    guarantee taken away, as in :func:`decode_paths`."""
     capacity = prefix_len + steps
     pairs = {name: lean_decode(LeanStep(model, capacity, **kw), model, ids, prefix_len, steps)
              for name, kw in ABLATION.items()}
+    pairs.update({name: cached_decode(cls(model), model, ids, prefix_len, steps)
+                  for name, cls in GUARANTEES.items()})
     return {k: p for k, (p, _) in pairs.items()}, {k: r for k, (_, r) in pairs.items()}
 
 
