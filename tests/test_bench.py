@@ -13,7 +13,14 @@ import torch
 
 from kvdoc import Decoder, GPTConfig
 from kvdoc.__main__ import main as cli
-from kvdoc.measure.ablation import ABLATION, LeanStep, UncheckedFast, UnwatchedFast
+from kvdoc.core.fast import FastDecoder
+from kvdoc.measure.ablation import (
+    ABLATION,
+    LeanStep,
+    UncheckedFast,
+    UnguardedFast,
+    UnwatchedFast,
+)
 from kvdoc.measure.bench_result import TARGETS
 from kvdoc.measure.bench_run import VARIANTS, BenchSettings, run_bench
 from kvdoc.measure.bench_tables import (
@@ -315,4 +322,19 @@ def test_the_guarantee_variants_take_one_guarantee_away_each():
     with torch.no_grad():
         model.lm_head.weight.mul_(2)
     assert not torch.allclose(stale(torch.tensor([[4]]), cache).logits,
+                              model(torch.tensor([[4]]), cache.crop(3)).logits)
+
+
+def test_the_unguarded_fast_step_neither_checks_nor_watches():
+    model = Decoder(GPTConfig()).eval()
+    _, cache = model(torch.tensor([[1, 2, 3]]), model.new_cache(1, "static", capacity=8))
+    short = torch.tensor([[4]], dtype=torch.int16)
+    with pytest.raises(ValueError, match="int64 or int32"):
+        FastDecoder(model)(short, cache)
+    unguarded = UnguardedFast(model)
+    with pytest.raises(RuntimeError, match="ShortTensor"):  # torch's error, not the check's
+        unguarded(short, cache)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    assert not torch.allclose(unguarded(torch.tensor([[4]]), cache).logits,
                               model(torch.tensor([[4]]), cache.crop(3)).logits)

@@ -5,8 +5,8 @@ the model's weights, no delegation, no :class:`~kvdoc.core.cache.KVCache` (it wr
 K/V buffers), GPT-2's architecture only. The time the fast step takes beyond it is what the
 fast step's guarantees cost. Each :data:`ABLATION` variant is the lean step with one of the
 fast step's changes undone, so the time it adds is what that change buys; each
-:data:`GUARANTEES` variant is the fast step with one of its guarantees taken away, so the time
-it saves is what that guarantee costs (timed only: neither may serve a user).
+:data:`GUARANTEES` variant is the fast step with one of its guarantees taken away (or both), so
+the time it saves is what that guarantee costs (timed only: none may serve a user).
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> _ = torch.manual_seed(0)
@@ -52,9 +52,18 @@ class UncheckedFast(FastDecoder):
         return self._step(idx, cache)
 
 
+class UnguardedFast(FastDecoder):
+    """The fast step with neither guarantee: its arithmetic, writing through the cache's
+    ``update``. What still separates it from :class:`LeanStep` is that write path."""
+
+    def __call__(self, idx: torch.Tensor, cache: KVCache, **options: object) -> DecoderOutput:
+        return self._step(idx, cache)
+
+
 GUARANTEES: dict[str, type[FastDecoder]] = {"unwatched": UnwatchedFast,
-                                             "unchecked": UncheckedFast}
-"""The fast step with one guarantee taken away, per variant."""
+                                             "unchecked": UncheckedFast,
+                                             "unguarded": UnguardedFast}
+"""The fast step with one guarantee taken away, or both (``unguarded``), per variant."""
 
 
 class LeanStep:

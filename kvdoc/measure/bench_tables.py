@@ -28,6 +28,7 @@ ABLATION_LABELS = {
     "fast": "fast step: FastDecoder, with its checks",
     "unwatched": "fast step without its watch on the weights",
     "unchecked": "fast step without its input checks",
+    "unguarded": "fast step without either guarantee",
     "lean": "lean step: the fast step's arithmetic, no checks",
     "no_pretranspose": "lean step, weights kept [out, in] (read transposed, as F.linear does)",
     "matmul_attention": "lean step, matmul / scale / softmax / matmul instead of one SDPA call",
