@@ -14,9 +14,16 @@ from kvdoc.interop.gemma import config_from_gemma, gemma_config, gemma_model
 from kvdoc.interop.hf_float64 import float64_islands_lifted
 from kvdoc.interop.hf_weights import from_transformers, to_transformers
 from kvdoc.measure.kv_bytes import kv_bytes_per_layer
+from kvdoc.measure.model_caches import config_cache
 from kvdoc.measure.presets import HYBRID_PRESETS, hybrid_preset, hybrid_vs_global
 from kvdoc.proofs.compare import TOLERANCE, Snapshot, close, max_abs, run_cached
 from kvdoc.proofs.invariants import byte_problems
+
+
+def _bytes(config, length, batch=1, dtype=torch.float32, preallocated=False):
+    """The one byte formula (:func:`kvdoc.measure.model_caches.config_cache`), FP32 by default."""
+    return config_cache(config).kv_bytes(length, batch, dtype, preallocated)
+
 
 W = 6
 CONFIG = Gemma3Config(sliding_window=W, n_layer=4, sliding_window_pattern=2,
@@ -112,14 +119,14 @@ def test_bytes_held_rows_and_the_formulas_agree():
         if end:
             _, cache = model(ids[:, cache.seq_len:end], cache)
         assert byte_problems(cache) == []
-        assert cache.nbytes() == CONFIG.kv_bytes(end, 2, preallocated=True)
+        assert cache.nbytes() == _bytes(CONFIG, end, 2, preallocated=True)
         held = sum(len(cache.held(i)) for i in range(4))
-        assert CONFIG.kv_bytes(end, 2) == 2 * 2 * 2 * 16 * 4 * held
-        assert CONFIG.kv_bytes(end, 2) == sum(kv_bytes_per_layer(2, end, 2, 16, "float32",
+        assert _bytes(CONFIG, end, 2) == 2 * 2 * 2 * 16 * 4 * held
+        assert _bytes(CONFIG, end, 2) == sum(kv_bytes_per_layer(2, end, 2, 16, "float32",
                                                                  CONFIG.layer_windows))
     _, every = model(ids, model.new_cache(2, "dynamic"))  # every layer keeps all 30 positions
     all_global = dataclasses.replace(CONFIG, sliding_window_pattern=1)
-    assert every.nbytes() == all_global.kv_bytes(30, 2) > cache.nbytes()
+    assert every.nbytes() == _bytes(all_global, 30, 2) > cache.nbytes()
 
 
 def test_a_call_leaves_the_hybrid_cache_it_was_given_unchanged():
@@ -209,9 +216,9 @@ def test_published_hybrid_bytes():
         cfg = p.config()
         for T in (p.sliding_window, 8192, 131072):
             got = hybrid_vs_global(p, T, dtype=torch.bfloat16)
-            assert got.hybrid == cfg.kv_bytes(T, dtype=torch.bfloat16)
+            assert got.hybrid == _bytes(cfg, T, dtype=torch.bfloat16)
             all_global = dataclasses.replace(cfg, sliding_window_pattern=1)
-            assert got.all_global == all_global.kv_bytes(T, dtype=torch.bfloat16)
+            assert got.all_global == _bytes(all_global, T, dtype=torch.bfloat16)
         # past the window, only the global layers grow: one position more adds their rows only
         W, globals_ = p.sliding_window, p.layer_windows.count(None)
         step = hybrid_vs_global(p, W + 1).hybrid - hybrid_vs_global(p, W).hybrid

@@ -46,7 +46,8 @@ def test_both_layouts_equal_one_process(results, name):
 def test_dp_attention_holds_one_rank_share_of_the_latent(results):
     tp, dp = results["tp"], results["dp"]
     fed = PROMPTS.shape[1] + NEW - 1
-    whole = PROMPTS.shape[0] * fed * latent_model().config.bytes_per_token()
+    cfg = latent_model().config
+    whole = PROMPTS.shape[0] * fed * cfg.n_layer * cfg.latent_dim * 4  # FP32
     assert [m for m, _ in tp.bytes] == [whole, whole]  # measured: every rank holds it all
     assert [m for m, _ in dp.bytes] == [whole // 2, whole // 2]
 

@@ -99,9 +99,10 @@ def test_the_cache_holds_only_the_latent_and_the_rotary_key():
         assert c_kv.shape == (2, 1, 11, config.kv_lora_rank)
         assert k_rope.shape == (2, 1, 11, config.qk_rope_head_dim)
     assert len(cache.tensors()) == 2 * config.n_layer
-    assert cache.nbytes() == 2 * 11 * config.bytes_per_token(torch.float32)
+    per_token = config.n_layer * (config.kv_lora_rank + config.qk_rope_head_dim) * 4  # FP32
+    assert cache.nbytes() == 2 * 11 * per_token
     static = model.new_cache(2, "static", capacity=11)
-    assert static.nbytes() == 2 * 11 * config.bytes_per_token(torch.float32)
+    assert static.nbytes() == 2 * 11 * per_token
     model(ids, static)
     for i in range(config.n_layer):
         assert all(torch.equal(a, b) for a, b in zip(static.layer(i), cache.layer(i), strict=True))

@@ -17,7 +17,7 @@ from kvdoc.core.gemma import gemma_layer_types
 from kvdoc.interop.deepseek import published_config
 from kvdoc.measure.config_json import cache_from_config, read_config
 from kvdoc.measure.kv_bytes import kv_bytes_per_layer
-from kvdoc.measure.model_caches import KINDS, MODELS, every_nth_full, model_cache
+from kvdoc.measure.model_caches import KINDS, MODELS, config_cache, every_nth_full, model_cache
 from kvdoc.measure.presets import HYBRID_PRESETS, PRESETS, hybrid_vs_global
 
 NAMES = ["Llama-3-70B", "Llama-3.1-8B", "Llama-3.1-70B", "Llama-3.1-405B", "Qwen3-8B",
@@ -50,7 +50,7 @@ def test_mla_preset_is_the_interop_config() -> None:
     cfg = published_config("DeepSeek-V3")
     m = model_cache("DeepSeek-V3")
     assert len(m.layers) == cfg.n_layer and m.max_positions == cfg.n_positions
-    assert m.bytes_per_token("bfloat16") == cfg.bytes_per_token(torch.bfloat16)
+    assert m.bytes_per_token("bfloat16") == config_cache(cfg).bytes_per_token(torch.bfloat16)
     # a latent a position, far below what K and V of 128 heads would take
     assert m.kv_bytes(10) == 10 * m.bytes_per_token()
 

@@ -100,8 +100,6 @@ class Gemma3Config:
     >>> cfg = Gemma3Config()
     >>> cfg.layer_types, cfg.layer_windows
     (('sliding_attention', 'full_attention'), (32, None))
-    >>> cfg.kv_bytes(10), cfg.kv_bytes(10, preallocated=True)   # 10 + 10 rows, or 32 + 10
-    (5120, 10752)
     >>> Gemma3Config(sliding_window_pattern=0)
     Traceback (most recent call last):
     ...
@@ -164,21 +162,6 @@ class Gemma3Config:
     def layer_windows(self) -> tuple[int | None, ...]:
         """Per layer ``sliding_window`` for a window layer, None for a global one."""
         return tuple(self.sliding_window if t == SLIDING else None for t in self.layer_types)
-
-    def kv_bytes(self, length: int, batch_size: int = 1, dtype: torch.dtype = torch.float32,
-                 preallocated: bool = False) -> int:
-        """K and V bytes of every layer after ``length`` positions.
-
-        A global layer holds ``length`` rows, a window layer ``min(length, W)``, or ``W`` from
-        the start with ``preallocated`` (a ring allocated at its full size, as
-        :class:`~kvdoc.core.hybrid.HybridCache`'s): ``2 x B x H_kv x D_h x s x sum of rows``.
-        """
-        check_int("length", length, minimum=0)
-        check_int("batch_size", batch_size)
-        rows = sum(length if w is None else (w if preallocated else min(length, w))
-                   for w in self.layer_windows)
-        size = torch.empty((), dtype=dtype).element_size()
-        return 2 * batch_size * self.n_kv_head * self.head_dim * size * rows
 
 
 class GemmaRMSNorm(nn.Module):

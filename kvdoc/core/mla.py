@@ -37,8 +37,6 @@ SwiGLU MLP. Its caches (:class:`DynamicLatentCache`, :class:`StaticLatentCache`)
 [(1, 1, 4, 32), (1, 1, 4, 8)]
 >>> torch.allclose(model(ids[:, 4:], cache).logits, full[:, 4:], atol=1e-5)
 True
->>> MLAConfig().bytes_per_token(torch.float32)          # 2 layers x (32 + 8) x 4 bytes
-320
 """
 
 from __future__ import annotations
@@ -136,10 +134,6 @@ class MLAConfig:
         """The shapes of one layer's cached ``c_KV`` and ``k_rope`` after ``length`` positions."""
         return ((batch, 1, length, self.kv_lora_rank), (batch, 1, length, self.qk_rope_head_dim))
 
-    def bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
-        """Bytes one more cached position adds: ``n_layer x latent_dim x element size``."""
-        return self.n_layer * self.latent_dim * torch.empty((), dtype=dtype).element_size()
-
 
 # --- the caches ----------------------------------------------------------------------------------
 
@@ -202,7 +196,7 @@ class StaticLatentCache(LatentCache):
     written in place.
 
     >>> cache = StaticLatentCache(MLAConfig(), batch_size=1, capacity=8)
-    >>> cache.nbytes() == 8 * MLAConfig().bytes_per_token()    # capacity x bytes per token
+    >>> cache.nbytes() == 2 * 8 * (32 + 8) * 4    # layers x capacity x (r + d_R) x 4 bytes
     True
     """
 
@@ -375,21 +369,3 @@ class MLADecoder(Decoder):
         raise ValueError(f"unknown cache kind {kind!r} for an MLA model; use 'dynamic' or "
                          "'static'")
 
-
-def attention_macs_per_key(config: MLAConfig, absorbed: bool) -> int:
-    """Multiply-adds one decode step spends per cached position and layer, all heads together.
-
-    Plain: up-project the latent (``r x H (d_nope + d_v)``), then the score and the weighted sum
-    (``H (d_nope + d_R + d_v)``). Absorbed: the score over ``r + d_R`` and the weighted sum over
-    ``r``, per head (``H (2 r + d_R)``); folding ``W_UK`` and applying ``W_UV`` cost per query,
-    not per key.
-
-    >>> cfg = MLAConfig()
-    >>> attention_macs_per_key(cfg, absorbed=False), attention_macs_per_key(cfg, absorbed=True)
-    (4256, 288)
-    """
-    c = config
-    if absorbed:
-        return c.n_head * (2 * c.kv_lora_rank + c.qk_rope_head_dim)
-    up = c.kv_lora_rank * c.n_head * (c.qk_nope_head_dim + c.v_head_dim)
-    return up + c.n_head * (c.qk_head_dim + c.v_head_dim)

@@ -59,8 +59,8 @@ def published_config(name: str) -> MLAConfig:
     """The :class:`MLAConfig` of a :data:`PUBLISHED` model (its cache sizes; MLP dense).
 
     >>> cfg = published_config("DeepSeek-V3")
-    >>> cfg.latent_dim, cfg.bytes_per_token(torch.bfloat16)  # 61 layers x (512 + 64) x 2 bytes
-    (576, 70272)
+    >>> cfg.n_layer, cfg.latent_dim                         # 61 layers of 512 + 64 a position
+    (61, 576)
     """
     if name not in PUBLISHED:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(PUBLISHED)}")

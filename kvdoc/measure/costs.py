@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kvdoc.core.config import GPTConfig
+from kvdoc.core.mla import MLAConfig
 from kvdoc.core.model import Decoder
 
 
@@ -123,3 +124,23 @@ def step_bytes(model: Decoder, context: int) -> int:
     weights += len(tables) * cfg.n_embd  # one embedding row each
     kv = 2 * cfg.n_layer * (context + 1) * cfg.kv_dim
     return (weights + kv) * size
+
+
+def attention_macs_per_key(config: MLAConfig, absorbed: bool) -> int:
+    """Multiply-adds one decode step spends per cached position and layer, all heads together.
+
+    Plain: up-project the latent (``r x H (d_nope + d_v)``), then the score and the weighted sum
+    (``H (d_nope + d_R + d_v)``). Absorbed: the score over ``r + d_R`` and the weighted sum over
+    ``r``, per head (``H (2 r + d_R)``); folding ``W_UK`` and applying ``W_UV`` cost per query,
+    not per key.
+
+    >>> from kvdoc.core.mla import MLAConfig
+    >>> cfg = MLAConfig()
+    >>> attention_macs_per_key(cfg, absorbed=False), attention_macs_per_key(cfg, absorbed=True)
+    (4256, 288)
+    """
+    c = config
+    if absorbed:
+        return c.n_head * (2 * c.kv_lora_rank + c.qk_rope_head_dim)
+    up = c.kv_lora_rank * c.n_head * (c.qk_nope_head_dim + c.v_head_dim)
+    return up + c.n_head * (c.qk_head_dim + c.v_head_dim)

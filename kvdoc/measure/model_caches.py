@@ -116,23 +116,29 @@ class ModelCache:
             raise ValueError(f"{self.name}: need at least one layer")
         check_int("max_positions", self.max_positions)
 
-    def elements(self, seq_len: int) -> int:
-        """Elements one sequence of ``seq_len`` positions keeps, over all layers."""
+    def elements(self, seq_len: int, preallocated: bool = False) -> int:
+        """Elements one sequence of ``seq_len`` positions keeps, over all layers; with
+        ``preallocated`` a window layer holds its ``W`` rows from the start (a ring allocated
+        at its full size, as :class:`~kvdoc.core.hybrid.HybridCache`'s)."""
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
             raise ValueError(f"seq_len must be a non-negative integer, got {seq_len!r}")
-        return sum(layer.per_token * (seq_len if layer.window is None
-                                      else min(seq_len, layer.window)) + layer.state
-                   for layer in self.layers)
+        return sum(layer.per_token * (seq_len if layer.window is None else layer.window
+                                      if preallocated else min(seq_len, layer.window))
+                   + layer.state for layer in self.layers)
 
-    def kv_bytes(self, seq_len: int, batch: int = 1,
-                 dtype: str | torch.dtype = "float16") -> int:
-        """Bytes of ``batch`` sequences of ``seq_len`` positions, ``s`` bytes an element.
+    def kv_bytes(self, seq_len: int, batch: int = 1, dtype: str | torch.dtype = "float16",
+                 preallocated: bool = False) -> int:
+        """Bytes of ``batch`` sequences of ``seq_len`` positions, ``s`` bytes an element
+        (``preallocated``: as :meth:`elements`).
 
         >>> oss = model_cache("gpt-oss-20b")     # past W = 128 only its 12 full layers grow
         >>> oss.kv_bytes(256) - oss.kv_bytes(128) == 12 * (2 * 8 * 64) * 2 * 128
         True
+        >>> oss.kv_bytes(1, preallocated=True) == oss.kv_bytes(128) - 12 * 2 * 8 * 64 * 2 * 127
+        True
         """
-        return check_int("batch", batch) * element_size(dtype) * self.elements(seq_len)
+        return (check_int("batch", batch) * element_size(dtype)
+                * self.elements(seq_len, preallocated))
 
     def bytes_per_token(self, dtype: str | torch.dtype = "float16") -> int:
         """Bytes one position adds while it is inside every window (batch 1)."""

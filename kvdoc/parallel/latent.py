@@ -33,6 +33,7 @@ from kvdoc.core.config import check_int
 from kvdoc.core.mla import LatentAttention, LatentBlock, MLAConfig, MLADecoder
 from kvdoc.core.model import decode_step, generate, prefill
 from kvdoc.measure.kv_bytes import measured_bytes
+from kvdoc.measure.model_caches import config_cache
 
 from .checks import TOLERANCE
 from .comm import Comm
@@ -71,7 +72,7 @@ def latent_rank_bytes(config: MLAConfig, mode: str, ranks: int, rank: int, batch
     ``"tp"`` (replicated), its ``batch / ranks`` requests' under ``"dp"``."""
     _check(mode, ranks, batch)
     held = batch if mode == "tp" else len(RequestSplit().requests(batch, ranks, rank))
-    return held * seq_len * config.bytes_per_token(dtype)
+    return config_cache(config).kv_bytes(seq_len, held, dtype)
 
 
 def latent_model(seed: int = 0) -> MLADecoder:

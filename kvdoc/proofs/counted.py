@@ -7,9 +7,8 @@ The ``counted`` scenario fills a cache of the case's kind with the stream, at th
 * :func:`kvdoc.measure.model_caches.config_cache` (the per-layer formula: K and V, a window, an
   MLA latent with its rotary key): each layer's bytes, the bytes per token, one sequence, ``B``
   sequences, against ``sum(numel * element_size)`` of the tensors each layer holds;
-* the model's own figure: :func:`~kvdoc.measure.kv_bytes.kv_bytes_for_config` (a GPTConfig),
-  :meth:`~kvdoc.core.mla.MLAConfig.bytes_per_token` (MLA),
-  :meth:`~kvdoc.core.gemma.Gemma3Config.kv_bytes` (Gemma 3, on its hybrid cache);
+* the memory formula of the pages, :func:`~kvdoc.measure.kv_bytes.kv_bytes_for_config`
+  (a GPTConfig);
 * :func:`~kvdoc.measure.batch_decode.step_traffic`'s K/V bytes of a decode step at batch ``B``
   and :func:`~kvdoc.measure.batch_decode.kv_per_sequence` at batch 1, against the cache that
   step reads (a GPTConfig without a window, on the dynamic kind);
@@ -85,15 +84,11 @@ def byte_problems(case: Case) -> list[str]:
             figures["B x T x bytes_per_token"] = batch * T * model.bytes_per_token(dtype)
             if isinstance(cfg, GPTConfig):
                 figures["kv_bytes_for_config"] = kv_bytes_for_config(cfg, batch, T, dtype)
-            if hasattr(cfg, "kv_lora_rank"):
-                figures["MLAConfig.bytes_per_token"] = batch * T * cfg.bytes_per_token(dtype)
             if isinstance(cfg, GPTConfig) and cfg.sliding_window is None:
                 # a decode step at context T - 1 reads the T positions this cache holds
                 figures["step_traffic.kv_bytes"] = measure["step_traffic"](
                     case.model, batch, T - 1).kv_bytes
                 figures["B x kv_per_sequence"] = batch * kv_per_sequence(cfg, T - 1, s)
-        if case.kind == "hybrid" and hasattr(cfg, "layer_windows"):
-            figures["Gemma3Config.kv_bytes"] = cfg.kv_bytes(T, batch, dtype)
         problems += [f"batch {batch}: {name} {want}, the tensors hold {real}"
                      for name, want in figures.items() if want != real]
     return problems

@@ -4,8 +4,7 @@
   against :func:`kvdoc.core.model.generate` on the same prompt (the tokens) and one full forward
   over prompt + tokens (the logits behind each choice, within
   :data:`kvdoc.proofs.compare.TOLERANCE`), and the K/V bytes moved against the byte formula
-  :func:`kvdoc.measure.kv_bytes.kv_bytes_for_config` (an MLA model's own
-  :meth:`~kvdoc.core.mla.MLAConfig.bytes_per_token` for its latent).
+  :func:`kvdoc.measure.model_caches.config_cache` (K and V, or an MLA model's latent).
 * Shipping changes no bit: in one process (``in_process=True``, what the grid runs), the
   hand-over's logits are ``torch.equal`` to the same prefill and decode steps run on the cache
   that was never packed (:func:`_unshipped_logits`), in any dtype. Across processes only the
@@ -47,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.core.model import Decoder, decode_step, generate, prefill
-from kvdoc.measure.kv_bytes import kv_bytes_for_config
+from kvdoc.measure.model_caches import config_cache
 from kvdoc.serving.handover import disaggregated_generate, pack
 
 from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs
@@ -121,11 +120,9 @@ def _unshipped_logits(model: Decoder, tokens: torch.Tensor, prompt_len: int) -> 
 
 
 def _formula(config: object, batch: int, seq_len: int, dtype: torch.dtype) -> int:
-    """What ``seq_len`` positions of ``batch`` sequences cache: the config's own figure for a
-    latent (``bytes_per_token``), else the K/V formula."""
-    if hasattr(config, "bytes_per_token"):
-        return batch * seq_len * config.bytes_per_token(dtype)
-    return kv_bytes_for_config(config, batch, seq_len, dtype)
+    """What ``seq_len`` positions of ``batch`` sequences cache in the dynamic cache the
+    hand-over ships (every position of every layer, or an MLA latent)."""
+    return config_cache(config, windows=False).kv_bytes(seq_len, batch, dtype)
 
 
 def check_dtypes(model: Decoder, prompt: torch.Tensor, max_new_tokens: int,

@@ -15,15 +15,11 @@ caches K and V of ``n_kv_head`` heads of ``head_dim``.
 CacheLayout(n_layer=2, heads=2, widths=(16, 16), latent=False)
 >>> cache_layout(MLAConfig())                              # c_KV of 32, k_rope of 8
 CacheLayout(n_layer=2, heads=1, widths=(32, 8), latent=True)
->>> cache_layout(MLAConfig()).nbytes(batch=1, seq_len=10) == 10 * MLAConfig().bytes_per_token()
-True
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -35,12 +31,6 @@ class CacheLayout:
     heads: int
     widths: tuple[int, int]
     latent: bool
-
-    def nbytes(self, batch: int, seq_len: int, dtype: torch.dtype = torch.float32) -> int:
-        """Bytes of ``seq_len`` positions of ``batch`` sequences, every layer, both tensors:
-        ``L x B x heads x T x (w_0 + w_1) x element size``."""
-        size = torch.empty((), dtype=dtype).element_size()
-        return self.n_layer * batch * self.heads * seq_len * sum(self.widths) * size
 
 
 def cache_layout(config: object) -> CacheLayout:
