@@ -89,6 +89,21 @@ def test_int8_rows_keep_their_own_scale_and_half_a_step():
     assert int8_contract._row_problems(written, written) > 0  # values off the grid of steps
 
 
+def test_held_tensors_walk_into_a_layer_defined_outside_kvdoc():
+    from kvdoc.core.cache import KVCache
+    from kvdoc.core.layers import DynamicLayer
+
+    class Outside(DynamicLayer):  # this test module's class, not kvdoc's
+        pass
+
+    assert Outside.__module__ == __name__ and not __name__.startswith("kvdoc")
+    layer = Outside(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+    cache = KVCache([layer, Outside(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))], 3)
+    assert len(invariants.held_tensors(cache)) == 4
+    assert invariants.tensor_bytes(invariants.held_tensors(cache)) == cache.nbytes()
+    assert invariants.byte_problems(cache) == []
+
+
 def test_registries_refuse_what_they_do_not_know():
     """A layer kind with no byte formula, or a layer with no K/V probe, is an error, never a
     check skipped."""

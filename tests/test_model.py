@@ -97,6 +97,21 @@ def test_generate_equals_argmax_of_full_recompute(model, kind):
     assert torch.equal(out, ids)
 
 
+def test_generate_fills_a_cache_it_is_given(model):
+    from kvdoc.serving.paged import new_paged_cache
+
+    prompt = torch.tensor([[5, 9, 2], [1, 1, 1]])
+    want = generate(model, prompt, 6)
+    for cache in (model.new_cache(2, "static", capacity=9), new_paged_cache(model, 2, 9)):
+        assert torch.equal(generate(model, prompt, 6, cache=cache), want)
+    with torch.no_grad():
+        filled = model(prompt, model.new_cache(2)).cache
+    with pytest.raises(ValueError, match="fills an empty cache; this one holds 3"):
+        generate(model, prompt, 6, cache=filled)
+    with pytest.raises(ValueError, match="over capacity"):  # the model's own check, first
+        generate(model, prompt, 6, cache=model.new_cache(2, "static", capacity=4))
+
+
 def test_prefill_and_decode_step(model, stream):
     with torch.no_grad():
         logits, cache = prefill(model, stream[:, :5])

@@ -43,6 +43,23 @@ def test_greedy_output_is_the_targets(name, kind, k, prompt_len):
     assert all(0 <= a <= k for a in run.accepted)
 
 
+def test_any_cache_that_crops_serves_both_models():
+    from kvdoc.serving.paged import new_paged_cache
+
+    torch.manual_seed(0)
+    target, draft = Decoder(GPTConfig()).eval(), Decoder(GPTConfig(n_layer=1)).eval()
+    prompt = torch.tensor([[5, 6, 7]])
+    made = []
+
+    def paged(model, capacity):
+        made.append(model)
+        return new_paged_cache(model, 1, capacity)
+
+    run = speculative_generate(target, draft, prompt, 12, k=3, cache=paged)
+    assert torch.equal(run.tokens, generate(target, prompt, 12))
+    assert made == [target, draft] and sum(run.accepted) + run.rounds == 12
+
+
 def test_a_perfect_draft_has_every_proposal_accepted():
     target = model(GPTConfig(), 0)
     run = speculative_generate(target, target, torch.tensor([[1, 2, 3]]), 21, k=4)
@@ -95,6 +112,9 @@ def test_an_equal_draft_is_never_rejected():
     (dict(max_new_tokens=510), "exceed the target's 512 positions"),
     (dict(cache="window", target=Decoder(mistral_config(sliding_window=8)),
           draft=Decoder(mistral_config(sliding_window=8))), "cannot crop"),
+    (dict(cache=lambda model, capacity: "dynamic"), "must return a KVCache, got str"),
+    (dict(cache=lambda model, capacity: model(torch.tensor([[1]]), model.new_cache(1)).cache),
+     "starts from empty caches; one holds 1 positions"),
 ])
 def test_bad_input_is_refused(kwargs, message):
     args = dict(target=Decoder(GPTConfig()), draft=Decoder(GPTConfig(n_layer=1)),

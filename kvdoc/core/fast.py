@@ -43,9 +43,10 @@ import torch.nn.functional as F
 
 from . import invariant
 from .cache import KVCache
+from .checks import check_call
 from .config import GPTConfig
 from .embed import embed_tokens
-from .model import Decoder, DecoderOutput, check_call
+from .model import Decoder, DecoderOutput
 from .rope import apply_rope
 
 _VERSION = attrgetter("_version")

@@ -25,39 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import DynamicCache, KVCache, StaticCache
+from .checks import check_call
 from .config import GPTConfig
 from .embed import embed_tokens
 from .mask import last_keys, offset_causal_mask
 from .rope import apply_rope
 from .window import SlidingWindowCache
-
-
-def check_call(config: GPTConfig, weight: torch.Tensor, idx: torch.Tensor,
-               cache: KVCache | None) -> None:
-    """:meth:`Decoder.check_input` for a model of ``config`` on ``weight``'s device and dtype
-    (:class:`~kvdoc.core.fast.FastDecoder` holds ``wte``'s weight: two module lookups saved)."""
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
-        shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
-        raise ValueError(f"idx must be a [B, C] tensor of token ids, got {shape}")
-    if idx.dtype not in (torch.int64, torch.int32):  # what an embedding lookup takes
-        raise ValueError("idx must hold integer token ids (int64 or int32), "
-                         f"got dtype {idx.dtype}")
-    B, C = idx.shape
-    if C == 0 or B == 0:
-        raise ValueError(f"empty input: idx has shape {tuple(idx.shape)}; "
-                         "pass at least one token per row")
-    if idx.device != weight.device:
-        raise ValueError(f"idx is on {idx.device}, model is on {weight.device}")
-    if cache is not None and not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}")
-    past = 0 if cache is None else cache.seq_len
-    if past + C > config.n_positions:
-        raise ValueError(f"sequence too long: {past} cached + {C} new = {past + C} positions, "
-                         f"model has {config.n_positions}")
-    if cache is not None:
-        cache.check_compatible(config, B, weight.dtype, weight.device, C)
-    # Token ids are range-checked by the embedding lookup itself (embed_tokens), which needs
-    # no host sync; it runs before anything is written.
 
 
 def norm(config: GPTConfig) -> nn.Module:
@@ -369,10 +342,12 @@ def decode_step(model: Decoder, token: torch.Tensor, cache: KVCache) -> DecoderO
 
 @torch.no_grad()
 def generate(model: Decoder, idx: torch.Tensor, max_new_tokens: int,
-             cache: Literal["dynamic", "static", "window"] | None = None) -> torch.Tensor:
+             cache: str | KVCache | None = None) -> torch.Tensor:
     """Greedy generation: one prefill, then ``max_new_tokens - 1`` decode steps.
 
-    Returns ``[B, P + max_new_tokens]``: the prompt followed by the chosen tokens.
+    ``cache`` is a kind ``model.new_cache`` knows (None: the model's default), or an empty
+    cache of any kind to fill (a paged cache, a cache of your own layers). Returns
+    ``[B, P + max_new_tokens]``: the prompt followed by the chosen tokens.
 
     >>> _ = torch.manual_seed(0)
     >>> model = Decoder(GPTConfig())
@@ -390,7 +365,11 @@ def generate(model: Decoder, idx: torch.Tensor, max_new_tokens: int,
     if total > model.config.n_positions:
         raise ValueError(f"prompt of {idx.shape[1]} + {max_new_tokens} new tokens = {total} "
                          f"positions, model has {model.config.n_positions}")
-    logits, kv = prefill(model, idx, model.new_cache(idx.shape[0], cache, capacity=total))
+    if not isinstance(cache, KVCache):
+        cache = model.new_cache(idx.shape[0], cache, capacity=total)
+    elif cache.seq_len:
+        raise ValueError(f"generate() fills an empty cache; this one holds {cache.seq_len}")
+    logits, kv = prefill(model, idx, cache)
     out = [idx]
     for step in range(max_new_tokens):
         token = logits[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]

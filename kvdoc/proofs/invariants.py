@@ -33,6 +33,7 @@ import torch
 from kvdoc.core.cache import KVCache, StaticCache
 from kvdoc.core.feed import feed
 from kvdoc.core.hybrid import HybridCache
+from kvdoc.core.layers import CacheLayer
 from kvdoc.core.mla import LatentCache
 from kvdoc.core.window import SlidingWindowCache
 from kvdoc.measure.layer_bytes import expected_bytes
@@ -53,7 +54,8 @@ the paged block size (4)."""
 
 def _objects(obj: object, seen: set[int]) -> Iterator[object]:
     """``obj`` and everything reachable through its attributes, lists, tuples and dicts, walking
-    into kvdoc's own objects only (a cache's pool, a wrapper's inner cache)."""
+    into caches, cache layers (kvdoc's or anyone's subclass) and kvdoc's own objects (a cache's
+    pool, a wrapper's inner cache), not into a model or a library's objects."""
     if id(obj) in seen:
         return
     seen.add(id(obj))
@@ -62,7 +64,8 @@ def _objects(obj: object, seen: set[int]) -> Iterator[object]:
         children = list(obj)
     elif isinstance(obj, dict):
         children = list(obj.values())
-    elif type(obj).__module__.startswith("kvdoc") and hasattr(obj, "__dict__"):
+    elif hasattr(obj, "__dict__") and (isinstance(obj, (KVCache, CacheLayer))
+                                       or type(obj).__module__.startswith("kvdoc")):
         children = list(vars(obj).values())
     else:
         children = []

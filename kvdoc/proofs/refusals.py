@@ -325,6 +325,9 @@ CATALOGUE: list[Refusal] = [
     _r("generate-cache-kind", "generation", "an unknown cache kind",
        "generate(model, ids, 3, cache='paged')", VE, "unknown cache kind 'paged'",
        lambda fx: generate(fx.model, fx.ids, 3, cache="paged")),
+    _r("generate-filled-cache", "generation", "a cache that already holds positions",
+       "generate(model, ids, 3, cache=static)", VE, "generate() fills an empty cache",
+       lambda fx: generate(fx.model, fx.ids, 3, cache=fx.static)),
     # --- transformers interop ---------------------------------------------------------------------
     _r("interop-gqa", "interop", "a grouped-query config for GPT-2, which has none",
        "gpt2_config(GPTConfig(n_kv_head=2))", VE, "GPT-2 has no grouped-query attention",

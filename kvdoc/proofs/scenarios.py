@@ -310,15 +310,14 @@ def _prefill_decode(case: Case, out: list) -> None:
 
 
 def _generate(case: Case, out: list) -> None:
-    if case.impl != "model" or case.kind not in ("dynamic", "static", "window", "hybrid"):
-        out.append(case.result("generate", None, 0.0,
-                               "generate() takes the model and a kind it knows"))
+    if case.impl != "model":
+        out.append(case.result("generate", None, 0.0, "generate() takes the model"))
         return
     ok, gap = True, 0.0
     for ids in _decode_batches(case):
         prompt = ids[:, :5]
         new = ids.shape[1] - prompt.shape[1]
-        tokens = generate(case.model, prompt, new, cache=case.kind)
+        tokens = generate(case.model, prompt, new, cache=case.new_cache(prompt.shape[0]))
         if tuple(tokens.shape) != tuple(ids.shape) or not torch.equal(tokens[:, :5], prompt):
             out.append(case.result("generate", False, float("inf"),
                                    f"returned shape {tuple(tokens.shape)}"))
@@ -341,16 +340,17 @@ def _greedy(case: Case, tokens: torch.Tensor, prompt: int) -> tuple[bool, float]
 
 
 def _speculative(case: Case, out: list) -> None:
-    if case.impl != "model" or case.kind not in ("dynamic", "static"):
-        out.append(case.result("speculative", None, 0.0,
-                               "speculative_generate takes the model and a kind that crops"))
+    if case.impl != "model" or not case.new_cache(1).keeps_every_position:
+        out.append(case.result("speculative", None, 0.0, "speculative_generate takes the model "
+                               "and a cache that keeps every position (it crops)"))
         return
+    new_cache = case.caches.get(case.kind, case.cache.new)
     prompt, k = case.ids[:1, :5], 3
     # past 32 positions (long-stream bugs), short of the stream's end: the verify call reaches
     # k positions past the last token
     new = min(40, case.ids.shape[1] - 5 - k)
     run = speculative_generate(case.model, truncated_draft(case.model, 1), prompt, new, k=k,
-                               cache=case.kind)
+                               cache=lambda model, capacity: new_cache(model, 1, capacity))
     ok, gap = _greedy(case, run.tokens, 5)
     ok = ok and run.tokens.shape[1] == 5 + new and sum(run.accepted) + run.rounds == new
     out.append(case.result("speculative", ok, gap,

@@ -105,6 +105,11 @@ def truncated_draft(target: Decoder, n_layer: int) -> Decoder:
 
 
 def _checked(cache: KVCache) -> KVCache:
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"the cache function must return a KVCache, got {type(cache).__name__}")
+    if cache.seq_len:
+        raise ValueError("speculative decoding starts from empty caches; "
+                         f"one holds {cache.seq_len} positions")
     if not cache.keeps_every_position:
         raise ValueError(f"speculative decoding rolls back rejected tokens, and a "
                          f"{type(cache).__name__} cannot crop; use a dynamic or static cache")
@@ -125,7 +130,8 @@ def _sync(model: Decoder, cache: KVCache, tokens: torch.Tensor) -> tuple[KVCache
 
 @torch.no_grad()
 def speculative_generate(target: Decoder, draft: Decoder, prompt: torch.Tensor,
-                         max_new_tokens: int, k: int = 4, *, cache: str = "dynamic",
+                         max_new_tokens: int, k: int = 4, *,
+                         cache: str | Callable[[Decoder, int], KVCache] = "dynamic",
                          generator: torch.Generator | None = None,
                          rule: Rule | None = None) -> SpeculativeRun:
     """``max_new_tokens`` tokens after ``prompt`` (``[1, P]``), the draft proposing ``k`` a round.
@@ -136,7 +142,8 @@ def speculative_generate(target: Decoder, draft: Decoder, prompt: torch.Tensor,
         prompt: ``[1, P]`` token ids, ``P >= 1``.
         max_new_tokens: tokens to generate (the last round stops early to give exactly this many).
         k: proposals per round, at least 1.
-        cache: the kind of cache both models use (``"dynamic"``, ``"static"``).
+        cache: the kind of cache both models use (``"dynamic"``, ``"static"``), or
+            ``(model, capacity) -> empty cache``, called for each (any kind that crops).
         generator: sample with the acceptance rule, drawing from this generator; None: greedy.
         rule: ``(p, q) -> (keep, residual)`` for one proposal, default :func:`acceptance`
             (the rule :mod:`kvdoc.proofs.sampling` checks exactly).
@@ -174,8 +181,11 @@ def speculative_generate(target: Decoder, draft: Decoder, prompt: torch.Tensor,
             raise ValueError(f"prompt of {prompt.shape[1]} + {max_new_tokens} new tokens + {k} "
                              f"proposals exceed the {who}'s {model.config.n_positions} positions")
     capacity = total + k
-    t_cache = _checked(target.new_cache(1, cache, capacity=capacity))
-    d_cache = _checked(draft.new_cache(1, cache, capacity=capacity))
+    def new(model: Decoder) -> KVCache:
+        if callable(cache):
+            return _checked(cache(model, capacity))
+        return _checked(model.new_cache(1, cache, capacity=capacity))
+    t_cache, d_cache = new(target), new(draft)
     run = SpeculativeRun(prompt, prompt.shape[1])
 
     def pick(logits: torch.Tensor) -> torch.Tensor:  # [1, V] -> [1, 1]
