@@ -203,8 +203,9 @@ def _edges(case: Case, out: list) -> None:
         ok, err = ok and passed, max(err, e)
         parts.append(detail)
     if not case.cache.in_place:  # branches of a cache written in place cannot both live
-        # before the ring wraps and, for a ring, after; both off the paged block size
-        prefixes = BRANCH_PREFIXES if case.kind in ("window", "hybrid") else BRANCH_PREFIXES[:1]
+        # before a ring wraps and, for a cache with a ring, after; both off the paged block size
+        rings = not case.new_cache(1).keeps_every_position
+        prefixes = BRANCH_PREFIXES if rings else BRANCH_PREFIXES[:1]
         for P in prefixes:
             passed, e = _live_branches(case, P)
             ok, err = ok and passed, max(err, e)
