@@ -6,7 +6,12 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 sys.path.insert(0, str(DOCS / "_ext"))
 
-from kvdoc_notebooks import leftovers, merged_streams, readable_notebook  # noqa: E402
+from kvdoc_notebooks import (  # noqa: E402
+    joined_text,
+    leftovers,
+    merged_streams,
+    readable_notebook,
+)
 
 PROSE = """\
 (my-target)=
@@ -87,3 +92,14 @@ def test_streams_a_cell_printed_in_several_outputs_appear_once():
     assert merged[0]["text"] == "a 1/3\na 2/3\na 3/3\n"  # MyST-NB had merged them already
     merged = merged_streams([_stream("a 1/3\n"), _stream("a 2/3\n"), _stream("a 3/3\n")])
     assert [o["text"] for o in merged] == ["a 1/3\na 2/3\na 3/3\n"]  # merged here
+
+
+def test_a_cached_and_a_fresh_run_give_the_same_outputs():
+    cached = [{"output_type": "stream", "name": "stdout", "text": ["a\n", "b\n"]},
+              {"output_type": "execute_result", "data": {"text/plain": ["{'x':\n", " 1}"],
+                                                         "application/json": [1, 2]}}]
+    fresh = [{"output_type": "stream", "name": "stdout", "text": "a\nb\n"},
+             {"output_type": "execute_result", "data": {"text/plain": "{'x':\n 1}",
+                                                        "application/json": [1, 2]}}]
+    assert joined_text(cached) == fresh
+

@@ -195,8 +195,28 @@ def readable_notebook(notebook: dict, page: str, srcdir: Path,
             text = plain_markdown("".join(cell["source"]), glued, link, here)
             cell["source"] = text.splitlines(keepends=True)
         elif "outputs" in cell:
-            cell["outputs"] = merged_streams(cell["outputs"])
+            cell["outputs"] = joined_text(merged_streams(cell["outputs"]))
     return notebook
+
+
+def joined_text(outputs: list[dict]) -> list[dict]:
+    """Outputs with each text (a stream's, a ``text/...`` or SVG value) as one string.
+
+    nbformat stores multi-line text as a string or a list of lines, and the two are the same
+    notebook; a page served from jupyter-cache comes back with lists where a fresh run wrote
+    strings, so without this a cached build's download differs from a fresh build's.
+    """
+    def one(value: object) -> object:
+        return "".join(value) if isinstance(value, list) else value
+
+    for output in outputs:
+        if "text" in output:
+            output["text"] = one(output["text"])
+        data = output.get("data", {})
+        for mime in data:
+            if mime.startswith("text/") or mime == "image/svg+xml":
+                data[mime] = one(data[mime])
+    return outputs
 
 
 def merged_streams(outputs: list[dict]) -> list[dict]:
