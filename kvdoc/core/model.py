@@ -368,7 +368,8 @@ def generate(model: Decoder, idx: torch.Tensor, max_new_tokens: int,
     if not isinstance(cache, KVCache):
         cache = model.new_cache(idx.shape[0], cache, capacity=total)
     elif cache.seq_len:
-        raise ValueError(f"generate() fills an empty cache; this one holds {cache.seq_len}")
+        raise ValueError(f"generate() fills an empty cache; this one holds {cache.seq_len} "
+                         "positions")
     logits, kv = prefill(model, idx, cache)
     out = [idx]
     for step in range(max_new_tokens):
