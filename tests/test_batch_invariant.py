@@ -18,8 +18,8 @@ from kvdoc.core import invariant
 from kvdoc.core.feed import feed
 from kvdoc.core.gemma import GemmaRMSNorm
 from kvdoc.core.invariant import attention, exp_fixed, inv_rms, tree_sum
-from kvdoc.proofs import grid, invariance
-from kvdoc.proofs.invariance import invariance_rows
+from kvdoc.proofs import batch_invariance, grid
+from kvdoc.proofs.batch_invariance import invariance_rows
 from kvdoc.proofs.suite import run_suite
 from kvdoc.serving.batching import generate_padded
 from kvdoc.serving.splitk import split_k_decoder
@@ -251,8 +251,8 @@ def test_gemma_rmsnorm_under_the_mode_is_each_rows_own_bits(dtype):
 
 
 def test_the_check_runs_on_mla_and_gemma_with_the_kinds_they_serve():
-    assert set(OTHER_DECODERS) <= set(invariance.MODELS)
-    kinds = {name: invariance._kinds(grid.MODELS[name].build(0))
+    assert set(OTHER_DECODERS) <= set(batch_invariance.MODELS)
+    kinds = {name: batch_invariance._kinds(grid.MODELS[name].build(0))
              for name in ("mistral", "mla", "gemma3")}
     assert kinds == {"mistral": ["dynamic", "static", "window"], "mla": ["dynamic", "static"],
                      "gemma3": ["dynamic", "static", "hybrid"]}

@@ -11,8 +11,7 @@ from kvdoc.measure.quant_bytes import fp8_kv_bytes, int8_kv_bytes
 from kvdoc.proofs import fp8_contract
 from kvdoc.proofs.broken.cache_kinds import rescaling_fp8_cache, tensor_scale_fp8_cache
 from kvdoc.proofs.compare import default_model, default_stream, run_cached
-from kvdoc.proofs.scenarios import SCENARIOS
-from kvdoc.proofs.suite import run_suite
+from kvdoc.proofs.suite import SCENARIOS, run_suite
 from kvdoc.serving.fp8 import (
     Fp8Cache,
     amax_scale,

@@ -16,8 +16,8 @@ from kvdoc.interop.hf_weights import from_transformers, to_transformers
 from kvdoc.measure.kv_bytes import kv_bytes_per_layer
 from kvdoc.measure.model_caches import config_cache
 from kvdoc.measure.presets import HYBRID_PRESETS, hybrid_preset, hybrid_vs_global
+from kvdoc.proofs.cache_invariants import byte_problems
 from kvdoc.proofs.compare import TOLERANCE, Snapshot, close, max_abs, run_cached
-from kvdoc.proofs.invariants import byte_problems
 
 
 def _bytes(config, length, batch=1, dtype=torch.float32, preallocated=False):

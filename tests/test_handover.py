@@ -9,7 +9,7 @@ import torch
 from kvdoc.core.config import GPTConfig
 from kvdoc.proofs.broken.serving import pack_off_by_one, pack_through_fp32, pack_zeroed_last_v
 from kvdoc.proofs.compare import default_model
-from kvdoc.proofs.handover import PAYLOAD_DTYPES, check_dtypes, check_handover
+from kvdoc.proofs.handover_checks import PAYLOAD_DTYPES, check_dtypes, check_handover
 from kvdoc.serving.handover import disaggregated_generate, pack, unpack
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 4, 11]])

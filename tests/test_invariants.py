@@ -1,4 +1,4 @@
-"""The cache invariants and edges of kvdoc.proofs.invariants: each passes on the real code and
+"""The cache invariants and edges of kvdoc.proofs.cache_invariants: each passes on the real code and
 fails on the broken variant made for it, which no older scenario catches."""
 
 from __future__ import annotations
@@ -6,18 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdoc.proofs import int8_contract, invariants
+from kvdoc.proofs import cache_invariants, int8_contract
 from kvdoc.proofs.broken.cache_kinds import k_only_paged_cache, requantising_int8_cache
 from kvdoc.proofs.compare import default_model
-from kvdoc.proofs.scenarios import SCENARIOS
-from kvdoc.proofs.suite import run_suite
+from kvdoc.proofs.suite import SCENARIOS, run_suite
 from kvdoc.proofs.sweep import sweep_variants
 from kvdoc.proofs.variants import VARIANTS
 from kvdoc.serving.paged import new_paged_cache
 from kvdoc.serving.quant import new_int8_cache
 
 FP32 = dict(dtypes=(torch.float32,))
-NEW = [*invariants.SCENARIOS, "int8"]  # the cache invariants and the int8 contract
+NEW = ["bytes", "edges", "padded", "int8"]  # the cache invariants and the int8 contract
 # later checks of what these build on: generate_padded, the function a user calls, also sees a
 # decoder that drops the pad mask on decode steps
 LATER = ("counted", "generate_padded")
@@ -68,10 +67,10 @@ def test_held_tensors_and_bytes_of_a_paged_cache():
     cache = new_paged_cache(model, batch=2, capacity=10)
     _, cache = model(torch.tensor([[1, 2, 3, 4, 5]] * 2), cache)
     pool = cache.pool
-    assert invariants.byte_problems(cache) == []
-    assert invariants.tensor_bytes(invariants.held_tensors(cache)) == pool.nbytes()
+    assert cache_invariants.byte_problems(cache) == []
+    assert cache_invariants.tensor_bytes(cache_invariants.held_tensors(cache)) == pool.nbytes()
     broken = k_only_paged_cache(model, batch=2, capacity=10)
-    assert any("pool reports" in p for p in invariants.byte_problems(broken))
+    assert any("pool reports" in p for p in cache_invariants.byte_problems(broken))
 
 
 def test_int8_rows_keep_their_own_scale_and_half_a_step():
@@ -99,9 +98,9 @@ def test_held_tensors_walk_into_a_layer_defined_outside_kvdoc():
     assert Outside.__module__ == __name__ and not __name__.startswith("kvdoc")
     layer = Outside(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
     cache = KVCache([layer, Outside(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))], 3)
-    assert len(invariants.held_tensors(cache)) == 4
-    assert invariants.tensor_bytes(invariants.held_tensors(cache)) == cache.nbytes()
-    assert invariants.byte_problems(cache) == []
+    assert len(cache_invariants.held_tensors(cache)) == 4
+    assert cache_invariants.tensor_bytes(cache_invariants.held_tensors(cache)) == cache.nbytes()
+    assert cache_invariants.byte_problems(cache) == []
 
 
 def test_registries_refuse_what_they_do_not_know():

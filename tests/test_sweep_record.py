@@ -8,7 +8,7 @@ import shutil
 import time
 
 from kvdoc.proofs import sweep_record
-from kvdoc.proofs.scenarios import CheckResult
+from kvdoc.proofs.case import CheckResult
 from kvdoc.proofs.suite import SuiteReport
 from kvdoc.proofs.sweep import VariantOutcome
 

@@ -26,8 +26,7 @@ from kvdoc.proofs.compare import (
     split_error,
 )
 from kvdoc.proofs.crosscheck import match_transformers
-from kvdoc.proofs.scenarios import CHECKS, SCENARIOS
-from kvdoc.proofs.suite import run_suite
+from kvdoc.proofs.suite import CHECKS, SCENARIOS, run_suite
 from kvdoc.proofs.sweep import sweep_passes, sweep_variants, variants_table, worker_map
 from kvdoc.proofs.variants import BUG_CLASSES, VARIANTS
 from kvdoc.proofs.verify import run_passes, verify_passes

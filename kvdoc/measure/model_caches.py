@@ -185,7 +185,7 @@ class ModelCache:
 
 def config_cache(config: object, windows: bool = True) -> ModelCache:
     """A kvdoc model configuration's cache as per-layer costs, the formula the verification
-    counts real caches against (:mod:`kvdoc.proofs.counted`).
+    counts real caches against (:mod:`kvdoc.proofs.figures`).
 
     An MLA config (``kv_lora_rank``) caches its latent and its rotary key a layer; a config
     with ``layer_windows`` (Gemma 3) its window and global layers; any other (a GPTConfig)

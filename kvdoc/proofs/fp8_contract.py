@@ -28,7 +28,6 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,12 +43,10 @@ from kvdoc.serving.fp8 import (
     read_error_bound,
 )
 
+from .cache_invariants import byte_problems
+from .case import Case, scenario
 from .compare import Snapshot, max_abs, run_cached
-from .int8_contract import Read, _Recorder, int8_reads
-from .invariants import byte_problems
-
-if TYPE_CHECKING:
-    from .scenarios import Case
+from .int8_contract import Read, Recorder, int8_reads
 
 FP8_CHUNKS = (5, 1, 1, 9, 1)
 """Chunks of the ``fp8`` scenario: a first prefill of 5, single tokens (the fast step), a chunk."""
@@ -60,8 +57,8 @@ CHECK = ("fp8 cache: held rows and scales never change, values e4m3 times the st
 """What the ``fp8`` check compares."""
 
 
-class _ScaleRecorder(_Recorder):
-    """A :class:`~kvdoc.proofs.int8_contract._Recorder` that also records, per layer, the
+class _ScaleRecorder(Recorder):
+    """A :class:`~kvdoc.proofs.int8_contract.Recorder` that also records, per layer, the
     scales the layer states after each update (what the reads are judged against)."""
 
     def __init__(self, inner: KVCache, written: dict, exact: dict, scales: dict) -> None:
@@ -170,7 +167,8 @@ def _one(case: Case, model: torch.nn.Module, call, granularity: str,
                    math.inf if problems or not reads else 0.0), detail
 
 
-def scenario(case: Case, out: list) -> None:
+@scenario("fp8", {"fp8": CHECK})
+def _scenario(case: Case, out: list) -> None:
     """The ``fp8`` scenario: see the module docstring. In the FP32 pass it runs again on the
     model rounded to BF16 and to FP16 (the element bound counts the model dtype's rounding of
     ``x / s`` and ``q s``)."""

@@ -20,7 +20,6 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,12 +29,10 @@ from kvdoc.core.feed import feed
 from kvdoc.measure.wrapper import CacheWrapper
 from kvdoc.serving.quant import new_int8_cache, read_error_bound
 
+from .cache_invariants import byte_problems
+from .case import Case, scenario
 from .compare import Snapshot, max_abs, run_cached
-from .invariants import byte_problems
 from .precision import UNIT_ROUNDOFF
-
-if TYPE_CHECKING:
-    from .scenarios import Case
 
 INT8_CHUNKS = (5, 1, 1, 9, 1)
 """Chunks of the ``int8`` scenario: single tokens (the fast step) and chunks."""
@@ -44,7 +41,7 @@ CHECK = ("int8 cache: held rows never change, each row's own scale, half a step 
 """What the ``int8`` check compares."""
 
 
-class _Recorder(CacheWrapper):
+class Recorder(CacheWrapper):
     """Delegates to the cache under test and records the K/V every ``update`` was given: the last
     rows written per layer (``written``) and every row so far (``exact``)."""
 
@@ -52,8 +49,8 @@ class _Recorder(CacheWrapper):
         super().__init__(inner)
         self.written, self.exact = written, exact
 
-    def begin(self) -> _Recorder:
-        return _Recorder(self.inner.begin(), self.written, self.exact)
+    def begin(self) -> Recorder:
+        return Recorder(self.inner.begin(), self.written, self.exact)
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int):
         self.written[layer_idx] = (k.clone(), v.clone())
@@ -135,7 +132,7 @@ def _read(layer: int, attend, q, k, v, start, attn_mask, got, exact, unit: float
 @contextmanager
 def int8_reads(model: torch.nn.Module, exact: dict, judge=None) -> Iterator[list[Read]]:
     """Within the block, every ``attend`` of ``model``'s layers is also run over the exact K/V
-    of ``exact`` (layer -> ``(K, V)``, as a :class:`_Recorder` collects them) and yields a
+    of ``exact`` (layer -> ``(K, V)``, as a :class:`Recorder` collects them) and yields a
     :class:`Read` into the list. A one-token step of the fast decoder does not call ``attend``.
     ``judge`` (default the int8 bound's) makes the :class:`Read`, called as ``_read`` is (the FP8
     contract passes its own bound)."""
@@ -174,13 +171,14 @@ def check_int8_reads(model: torch.nn.Module, ids: torch.Tensor, chunk: int) -> l
     (6, 0.0)
     """
     exact: dict = {}
-    cache = _Recorder(new_int8_cache(model, ids.shape[0]), {}, exact)
+    cache = Recorder(new_int8_cache(model, ids.shape[0]), {}, exact)
     with int8_reads(model, exact) as reads:
         run_cached(model, ids, chunk, cache=cache)
     return reads
 
 
-def scenario(case: Case, out: list) -> None:
+@scenario("int8", {"int8": CHECK})
+def _scenario(case: Case, out: list) -> None:
     """The ``int8`` scenario: see the module docstring. In the FP32 pass it runs again on the
     model rounded to BF16 and to FP16, each held to its dtype's :func:`half_step`."""
     if case.kind != "dynamic":  # the int8 cache grows as a dynamic one does: run it once
@@ -204,7 +202,7 @@ def _contract(case: Case, model: torch.nn.Module, call, unit: float) -> tuple[bo
     new = case.caches.get("int8", new_int8_cache)
     written: dict = {}
     exact: dict = {}
-    cache: KVCache = _Recorder(new(model, B, case.ids.shape[1]), written, exact)
+    cache: KVCache = Recorder(new(model, B, case.ids.shape[1]), written, exact)
     fed, changed, breach, problems = sum(INT8_CHUNKS), 0.0, 0.0, []
     held = [Snapshot.of(cache)]  # what the cache passed to the next call holds
 

@@ -24,12 +24,12 @@ its tree class ``case.caches["radix"]``, its acceptance rule ``case.caches["acce
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 from kvdoc.serving.radix import RadixCache
 from kvdoc.serving.scheduler import Scheduler
 from kvdoc.serving.speculative import acceptance
 
+from .case import scenario
 from .radix_policy import check_eviction, check_full_match
 from .sampling import EXACT, check_sampled_preemption, check_speculative_distribution
 from .schedule_spec import check_schedule
@@ -55,6 +55,7 @@ def _applies(case, out: list, *checks: str) -> bool:
     return False
 
 
+@scenario("schedule", {"schedule": CHECKS["schedule"]})
 def schedule_scenario(case, out: list) -> None:
     """``schedule``: :func:`~kvdoc.proofs.schedule_spec.check_schedule` on the case's model."""
     if not _applies(case, out, "schedule"):
@@ -69,6 +70,7 @@ def schedule_scenario(case, out: list) -> None:
                                                  else ", every step as specified")))
 
 
+@scenario("radix-policy", {c: CHECKS[c] for c in ("eviction", "eviction-blocks", "full-match")})
 def radix_scenario(case, out: list) -> None:
     """``eviction``, ``eviction-blocks`` and ``full-match``:
     :func:`~kvdoc.proofs.radix_policy.check_eviction` (whole leaves, then single blocks) and
@@ -84,6 +86,7 @@ def radix_scenario(case, out: list) -> None:
                                result.detail))
 
 
+@scenario("sampling", {c: CHECKS[c] for c in ("speculative-distribution", "preempted-stream")})
 def sampling_scenario(case, out: list) -> None:
     """``speculative-distribution`` and ``preempted-stream`` on the case's model."""
     if not _applies(case, out, "speculative-distribution", "preempted-stream"):
@@ -100,7 +103,3 @@ def sampling_scenario(case, out: list) -> None:
         f"5 seeded requests on 8 blocks, {stream.preemptions} preemptions ({stream.interrupted} "
         "after drawing tokens): each request's tokens and logits vs its uninterrupted run"))
 
-
-SCENARIOS: dict[str, Callable] = {"schedule": schedule_scenario, "radix-policy": radix_scenario,
-                                  "sampling": sampling_scenario}
-"""Scenario name -> function, as :data:`kvdoc.proofs.scenarios.SCENARIOS` takes them."""

@@ -42,6 +42,7 @@ from torch import nn
 
 from kvdoc.core.feed import feed
 
+from .case import scenario
 from .compare import max_abs
 
 ROUNDINGS_PER_LAYER = 12
@@ -121,7 +122,8 @@ def reference_rows(model: nn.Module, reference: Callable) -> list[tuple]:
     return rows
 
 
-def scenario(case, out: list) -> None:
+@scenario("bf16", CHECKS)
+def _scenario(case, out: list) -> None:
     """The ``bf16``, ``fp16``, ``bf16-reference`` and ``fp16-reference`` checks on one
     combination (run in the FP32 pass only, the references once per model)."""
     if case.dtype != torch.float32 or case.kind != "dynamic":

@@ -44,6 +44,7 @@ from kvdoc.serving.paged import BlockPool
 from kvdoc.serving.prefix_workload import Turn, WorkloadRun, few_shot_workload, run_workload
 from kvdoc.serving.radix import RadixCache, serve_prompt
 
+from .case import scenario
 from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs
 
 
@@ -215,9 +216,11 @@ def check_admission(model: Decoder, tree_cls: type[RadixCache] = RadixCache,
                              f"{'; ' + '; '.join(errors) if errors else ''}")
 
 
+@scenario("prefix-cache", {
+    "prefix-cache": "requests served through a radix prefix cache vs each request alone"})
 def prefix_cache_scenario(case, out: list) -> None:
     """The ``prefix-cache`` check on one combination of the grid (a scenario of
-    :mod:`kvdoc.proofs.scenarios`): a few-shot workload served through a tree, token- and
+    :mod:`kvdoc.proofs.equivalence`): a few-shot workload served through a tree, token- and
     block-granular, against each request alone, the locked-eviction refusal and the admission
     edges (a broken variant's tree class comes in as ``case.caches["radix"]``); for the paged
     kind of the model implementation (the tree owns paged blocks), not applicable elsewhere."""

@@ -16,7 +16,7 @@
   positions, so it resumes over blocks it gave back) and ``ForkWithoutCopy`` (a fork writes into
   the block it shares, so its siblings read its K/V).
 * :func:`scheduling_scenario`: the checks as a scenario of the verification grid
-  (:mod:`kvdoc.proofs.scenarios` signature), on the paged kind of every model of the grid;
+  (:data:`kvdoc.proofs.case.Scenario` signature), on the paged kind of every model of the grid;
   a broken variant's scheduler class comes in as ``case.caches["scheduler"]``.
 
 >>> from kvdoc.proofs.broken.serving import (
@@ -51,6 +51,7 @@ from kvdoc.serving.requests import Request, arrival_trace, choose, sample_genera
 from kvdoc.serving.runs import ServeRun
 from kvdoc.serving.scheduler import Scheduler
 
+from .case import scenario
 from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs
 
 
@@ -247,9 +248,12 @@ def check_forks(model: Decoder, scheduler: type[Scheduler] = Scheduler, samples:
                      max(c.logit_error for c in rows))
 
 
+@scenario("scheduling", {
+    "scheduling": "static, continuous, chunked-prefill, preempting and forking runs: each "
+                  "request vs its solo run"})
 def scheduling_scenario(case, out: list) -> None:
     """The ``scheduling`` checks on one combination of the grid (a scenario of
-    :mod:`kvdoc.proofs.scenarios`): :func:`check_policies`, :func:`check_preemption` and
+    :mod:`kvdoc.proofs.equivalence`): :func:`check_policies`, :func:`check_preemption` and
     :func:`check_forks` on the case's model (any positions, layout or window), for the paged kind
     of the model implementation; not applicable elsewhere. A broken variant's scheduler class is
     ``case.caches["scheduler"]``."""

@@ -1,8 +1,9 @@
 """The verification suite: every scenario on every combination of the grid.
 
-:func:`run_suite` runs the scenarios of :mod:`kvdoc.proofs.scenarios` on every combination of
-the axes of :mod:`kvdoc.proofs.grid` (model configurations, cache kinds, implementations) and of
-FP32 and FP64, and returns a :class:`SuiteReport`; given a broken variant's name
+:func:`run_suite` runs the scenarios that the modules of :data:`CHECK_MODULES` register (in
+:mod:`kvdoc.proofs.case`) on every combination of the axes of :mod:`kvdoc.proofs.grid` (model
+configurations, cache kinds, implementations) and of FP32 and FP64, and returns a
+:class:`SuiteReport`; given a broken variant's name
 (:mod:`kvdoc.proofs.variants`), on that variant instead, which must fail. An exception raised by
 the code under test (also while a model is built) is a failed check carrying its message; the
 suite itself does not raise. The sweep of every variant is :mod:`kvdoc.proofs.sweep`; the command
@@ -27,11 +28,38 @@ import torch
 
 from kvdoc.measure.tables import markdown_table
 
-from . import grid
+from . import (
+    batch_invariance,
+    between_calls,
+    cache_invariants,
+    equivalence,
+    figures,
+    fp8_contract,
+    generation,
+    grid,
+    handover_checks,
+    int8_contract,
+    policies,
+    precision,
+    prefix_cache,
+    scheduling,
+)
+from .case import REGISTRY, Case, CheckResult
 from .compare import DTYPE_NAMES, TOLERANCE
-from .scenarios import CHECKS, SCENARIO_CHECK, SCENARIOS, Case, CheckResult
 from .variants import VARIANTS
 
+CHECK_MODULES = (equivalence, figures, generation, between_calls, cache_invariants, int8_contract,
+                 fp8_contract, scheduling, prefix_cache, handover_checks, batch_invariance,
+                 precision, policies)
+"""The modules whose scenarios the suite runs, in this order (each module's in the order it
+registers them): the cheap ones first, as a sweep stops at a variant's first failure."""
+_RANK = {module.__name__: rank for rank, module in enumerate(CHECK_MODULES)}
+SCENARIOS = {name: REGISTRY[name].function
+             for name in sorted(REGISTRY, key=lambda n: _RANK[REGISTRY[n].function.__module__])}
+"""Scenario name -> function appending :class:`~kvdoc.proofs.case.CheckResult` s, in run
+order."""
+CHECKS = {check: says for name in SCENARIOS for check, says in REGISTRY[name].checks.items()}
+"""Every check by name, in report order, with what it compares."""
 ORDER = list(CHECKS)
 DTYPES = (torch.float32, torch.float64)
 """The dtypes of a run by default."""
@@ -39,7 +67,7 @@ DTYPES = (torch.float32, torch.float64)
 
 @dataclass(frozen=True)
 class SuiteReport:
-    """Every :class:`~kvdoc.proofs.scenarios.CheckResult` of one run of the suite.
+    """Every :class:`~kvdoc.proofs.case.CheckResult` of one run of the suite.
 
     Attributes:
         variant: None for the implementation as it is, else the broken variant's name.
@@ -152,7 +180,7 @@ def _run_case(case: Case, scenarios: Sequence[str], results: list, stop_at_first
                 SCENARIOS[name](case, found)
         except Exception as exc:  # the code under test failed: a failed check, not a crash
             found.append(_failed((case.model_name, case.kind, case.impl, case.dtype), exc,
-                                 SCENARIO_CHECK.get(name, name)))
+                                 REGISTRY[name].raises_as))
         results.extend(found)
         if stop_at_first and any(r.passed is False for r in found):
             return True
@@ -179,7 +207,7 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
         dtypes: FP32 and/or FP64 (FP64 converts a copy of the FP32 weights).
         length, chunks, batches, seeds: the stream, the stream checks' chunk and batch sizes
             (every pair), and the model seeds.
-        scenarios: keys of :data:`kvdoc.proofs.scenarios.SCENARIOS` (default all), run in this
+        scenarios: keys of :data:`SCENARIOS` (default all), run in this
             order on each combination.
         stop_at_first: return at the first failed check (how broken variants are swept).
         model: a model (FP32, with the :class:`~kvdoc.core.model.Decoder` interface) to verify

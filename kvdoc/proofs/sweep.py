@@ -18,8 +18,8 @@ import torch
 from kvdoc.measure.tables import markdown_table
 
 from . import grid
-from .scenarios import SCENARIOS, CheckResult
-from .suite import DTYPES, SuiteReport, run_suite
+from .case import CheckResult
+from .suite import DTYPES, SCENARIOS, SuiteReport, run_suite
 from .variants import VARIANTS
 
 

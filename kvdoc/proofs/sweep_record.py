@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .scenarios import CheckResult
+from .case import CheckResult
 from .suite import SuiteReport
 from .sweep import VariantOutcome, sweep_variants, worker_map
 from .variants import VARIANTS

@@ -20,13 +20,13 @@ from kvdoc.core.gemma import Gemma3Decoder
 from kvdoc.core.model import Decoder
 
 from .broken import (
+    arithmetic,
     cache_kinds,
     caches,
     decoders,
-    entry_points,
-    invariance,
     loaders,
     measures,
+    padded,
     policies,
     rope,
     serving,
@@ -264,12 +264,12 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     BrokenVariant("chunk-split-attention",
                   "attention reads the cached keys and the chunk's keys apart and merges them: "
                   "exact in arithmetic, but the bits follow the chunking",
-                  _attention(invariance.ChunkSplitAttention), "reduction order", one_model=True,
+                  _attention(arithmetic.ChunkSplitAttention), "reduction order", one_model=True,
                   kinds=("dynamic",)),
     BrokenVariant("fp8-reads-in-half",
                   "in a BF16 or FP16 model, attention reads K and V rounded to FP8 e4m3",
                   # shown on one model, the Llama-style one: one layer, the tightest bound
-                  _attention(invariance.FP8ReadAttention), "low precision",
+                  _attention(arithmetic.FP8ReadAttention), "low precision",
                   needs={"decoder", "rope"}, one_model=True, kinds=("dynamic",)),
     BrokenVariant("gemma-local-global-base",
                   "a Gemma model's window layers turn at the global RoPE base, not the local one",
@@ -320,7 +320,7 @@ VARIANTS.update({v.name: v for v in (
     BrokenVariant("generate-padded-unmasked-decode", "generate_padded passes the pad mask on "
                   "the prompt call but not on its decode steps", _copy(Decoder),
                   "padded batches", one_model=True, kinds=("dynamic",),
-                  caches={"generate_padded": entry_points.generate_padded_unmasked_decode}),
+                  caches={"generate_padded": padded.generate_padded_unmasked_decode}),
     BrokenVariant("handover-through-fp32", "the hand-over's packer moves K, V and the logits "
                   "through FP32 and casts them back: exact unless the model is wider than FP32",
                   _copy(Decoder), "payload dtype", one_model=True, kinds=("dynamic",),
@@ -354,6 +354,6 @@ VARIANTS.update({v.name: v for v in (
                   caches={"reference": loaders.transformers_reference_upcast}),
     BrokenVariant("split-k-pad-leak", "split-K attention takes one mask for every row in its "
                   "first chunk of keys, so a padded row reads the pad keys there",
-                  entry_points.pad_leak_split_k, "padded batches", one_model=True,
+                  padded.pad_leak_split_k, "padded batches", one_model=True,
                   kinds=("dynamic",)),
 )})

@@ -18,11 +18,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import grid, invariance
+from . import batch_invariance, grid
 from .compare import DTYPE_NAMES
 from .processes import process_checks, processes_table
-from .scenarios import SCENARIOS
-from .suite import DTYPES, SuiteReport, run_suite
+from .suite import DTYPES, SCENARIOS, SuiteReport, run_suite
 from .sweep import sweep_passes, variants_table, worker_map
 from .variants import VARIANTS
 
@@ -160,8 +159,8 @@ def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start:
           "dynamic kind, in the FP32 run)")
     print("  batch invariance: under kvdoc.batch_invariant(), logits bit for bit across chunks, "
           "batch and cache kinds in BF16/FP16/FP32 (scenario invariance, on "
-          f"{', '.join(invariance.MODELS)}; {', '.join(invariance.LEAN)} in BF16/FP32 only, all "
-          "three with --thorough)")
+          f"{', '.join(batch_invariance.MODELS)}; {', '.join(batch_invariance.LEAN)} in BF16/FP32 "
+          "only, all three with --thorough)")
     print(f"  scenarios: {', '.join(SCENARIOS)}")
     for axes in passes:
         dtypes = "/".join(DTYPE_NAMES[d] for d in axes["dtypes"])

@@ -189,7 +189,7 @@ def disaggregated_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens:
     :func:`~kvdoc.core.model.prefill` and sends back ``packer(cache, logits)`` (default
     :func:`pack`) through a pipe; this process :func:`unpack`\\ s it and decodes. With
     ``in_process=True`` the prefill runs here (same payload, no process): for doctests and speed.
-    ``packer`` is the seam :mod:`kvdoc.proofs.handover` uses to ship a broken payload.
+    ``packer`` is the seam :mod:`kvdoc.proofs.handover_checks` uses to ship a broken payload.
     """
     model.check_input(prompt, None)
     total = prompt.shape[1] + max_new_tokens

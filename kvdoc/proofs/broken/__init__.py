@@ -16,7 +16,7 @@ nothing but public hooks:
   caches, the paged pool and its block tables, each wrong at one edge;
 * :mod:`~kvdoc.proofs.broken.serving`: radix trees, hand-over packers, schedulers and a decoder
   that drops a padded batch's positions.
-* :mod:`~kvdoc.proofs.broken.invariance`: an attention whose reduction order follows the
+* :mod:`~kvdoc.proofs.broken.arithmetic`: an attention whose reduction order follows the
   chunking, which only the bitwise check sees.
 
 Every variant here is **wrong on purpose**. :data:`kvdoc.proofs.variants.VARIANTS` lists them by

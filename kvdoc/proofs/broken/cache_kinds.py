@@ -3,7 +3,7 @@
 Each is a small subclass of a real cache layer, block table or pool, swapped in through a public
 hook (:func:`~kvdoc.proofs.broken.caches.with_layers`, a cache's ``block_tables``), that is right on
 every path the older scenarios take and wrong at one edge or in one figure, so that only a check
-of :mod:`kvdoc.proofs.invariants` catches it:
+of :mod:`kvdoc.proofs.cache_invariants` catches it:
 
 * :class:`KOnlyBlockPool`: a paged pool that counts only K's bytes (the memory page's figures
   would silently halve);

@@ -18,7 +18,7 @@ RMSNorm, SwiGLU and a window; MLA, plain and absorbed; Gemma 3, window and globa
 norms, the soft cap; the last three in BF16 and FP32 only but with ``--thorough``,
 :data:`LEAN`), on the dynamic kind and the model's own call only, in the FP32 pass: a few
 seconds. The broken variant ``chunk-split-attention``
-(:mod:`kvdoc.proofs.broken.invariance`) reads the cached keys and the chunk's own keys apart
+(:mod:`kvdoc.proofs.broken.arithmetic`) reads the cached keys and the chunk's own keys apart
 and merges the two exactly as split-K does: within FP32's and FP64's tolerance everywhere
 else, and caught here.
 
@@ -39,6 +39,7 @@ from kvdoc.core.feed import feed
 from kvdoc.core.invariant import batch_invariant
 
 from . import grid
+from .case import scenario
 from .compare import DTYPE_NAMES
 from .traits import FAMILIES, traits
 
@@ -111,7 +112,8 @@ def invariance_rows(model: nn.Module, dtypes=DTYPES,
     return rows
 
 
-def scenario(case, out: list) -> None:
+@scenario("invariance", {"invariance": CHECK})
+def _scenario(case, out: list) -> None:
     """The ``invariance`` scenario (see the module docstring)."""
     if case.kind != "dynamic" or case.impl != "model" or case.dtype != torch.float32:
         out.append(case.result("invariance", None, 0.0,

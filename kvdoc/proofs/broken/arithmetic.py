@@ -6,7 +6,7 @@ chunk as two parts, each a partial softmax, and merges them as split-K does
 and FP64's tolerance of one pass over all keys, and every check at a tolerance passes. Kernels
 that serve a cached prefix this way exist for speed. But where the split falls depends on how
 the prompt was chunked, so the bits do too, also under :func:`kvdoc.batch_invariant`: only the
-bitwise ``invariance`` check (:mod:`kvdoc.proofs.invariance`) can see it.
+bitwise ``invariance`` check (:mod:`kvdoc.proofs.batch_invariance`) can see it.
 :class:`FP8ReadAttention` is wrong the same way on every path, in BF16 and FP16 only.
 
 >>> import torch

@@ -1,7 +1,7 @@
 """Cache invariants and edges: bytes, held rows and lengths, ring and block edges, padded
 batches (the int8 cache's contract is :mod:`kvdoc.proofs.int8_contract`).
 
-The scenarios here are registered in :data:`kvdoc.proofs.scenarios.SCENARIOS` and run on every
+Each scenario here registers itself (:func:`kvdoc.proofs.case.scenario`) and runs on every
 combination of the grid like the others (each says where it does not apply):
 
 * ``bytes``: after every call of a short stream, :meth:`~kvdoc.core.cache.KVCache.nbytes` equals
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,10 +39,8 @@ from kvdoc.measure.layer_bytes import expected_bytes
 from kvdoc.serving.batching import left_pad, padded_mask, padded_positions
 from kvdoc.serving.paged import BlockPool, PagedCache
 
+from .case import Case, scenario
 from .compare import Snapshot, close, max_abs
-
-if TYPE_CHECKING:
-    from .scenarios import Case
 
 BYTES_CHUNKS = (5, 1, 13)
 """Chunks of the ``bytes`` scenario: past the Mistral window (16) and several paged blocks (4)."""
@@ -149,6 +146,9 @@ def byte_problems(cache: KVCache) -> list[str]:
     return problems + shape_problems(cache)
 
 
+@scenario("bytes", {
+    "bytes": "nbytes() and a pool's figures vs the tensors held and the formula; held rows "
+             "and lengths vs the tensors' shapes"})
 def _bytes(case: Case, out: list) -> None:
     cache, fed = case.new_cache(), sum(BYTES_CHUNKS)
     problems = byte_problems(cache)
@@ -195,6 +195,9 @@ def _live_branches(case: Case, P: int) -> tuple[bool, float]:
     return ok and changed == 0.0, max(err, changed)
 
 
+@scenario("edges", {
+    "edges": "a chunk longer than the window; two live branches before and after the ring "
+             "wraps, off the block size"})
 def _edges(case: Case, out: list) -> None:
     ok, err, parts = True, 0.0, []
     W = getattr(case.model.config, "sliding_window", None)  # an MLA config has none
@@ -224,6 +227,8 @@ STEPS = 3
 """Decode steps after the padded prefill."""
 
 
+@scenario("padded", {
+    "padded": "a left-padded batch, prefill and decode steps: each row vs its prompt alone"})
 def _padded(case: Case, out: list) -> None:
     B = case.ids.shape[0]
     if B < 2:
@@ -250,16 +255,3 @@ def _padded(case: Case, out: list) -> None:
         ok, err = ok and close(mine, want, case.tol), max(err, max_abs(mine, want))
     out.append(case.result("padded", ok, err,
                            f"prompts of {lengths} tokens, left-padded, then {STEPS} decode steps"))
-
-
-CHECKS = {
-    "bytes": "nbytes() and a pool's figures vs the tensors held and the formula; held rows and "
-             "lengths vs the tensors' shapes",
-    "edges": "a chunk longer than the window; two live branches before and after the ring wraps, "
-             "off the block size",
-    "padded": "a left-padded batch, prefill and decode steps: each row vs its prompt alone",
-}
-"""The checks of this module, in report order, with what each compares."""
-
-SCENARIOS = {"bytes": _bytes, "edges": _edges, "padded": _padded}
-"""Scenario name -> function appending :class:`~kvdoc.proofs.scenarios.CheckResult` s."""

@@ -1,7 +1,7 @@
 """What a cache and a model go through between calls: crops, branches, failures mid-call, a model
 no call has run on, weights changed in place.
 
-The scenarios here are registered in :data:`kvdoc.proofs.scenarios.SCENARIOS` and run on every
+Each scenario here registers itself (:func:`kvdoc.proofs.case.scenario`) and runs on every
 combination of the grid like the others:
 
 * ``crop``: fill, crop to a shorter length, continue with other tokens.
@@ -24,19 +24,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kvdoc.core.cache import KVCache
 
+from .case import Case, scenario
 from .compare import Snapshot, close, max_abs, run_cached
 
-if TYPE_CHECKING:
-    from .scenarios import Case
 
-
+@scenario("crop", {"crop": "crop a filled cache, continue with other tokens"})
 def _crop(case: Case, out: list) -> None:
     ids, T = case.ids, case.ids.shape[1]
     fill, keep = T - T // 4, T // 2 - 5
@@ -59,6 +57,8 @@ def _crop(case: Case, out: list) -> None:
                            max_abs(run.logits, want), f"fill {fill}, crop to {keep}, continue"))
 
 
+@scenario("branch", {
+    "branch": "two continuations of one prefix cache; the prefix unchanged"})
 def _branch(case: Case, out: list) -> None:
     ids, T = case.ids, case.ids.shape[1]
     P = T // 2
@@ -100,6 +100,10 @@ def _failure_points(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
             + [("failure_after", where, m) for where, m in after.items() if m is not None])
 
 
+@scenario("failure", {
+    "failure": "a layer raises mid-call: caches unchanged, continuing is right",
+    "failure_after": "raises after the last attention (MLP, final norm, LM head): caches "
+                     "unchanged"})
 def _failure(case: Case, out: list) -> None:
     ids, P = case.ids, case.ids.shape[1] // 2
     points = _failure_points(case.model)
@@ -147,6 +151,8 @@ def _failure(case: Case, out: list) -> None:
                                max(max(c for _, c in tried), max_abs(logits, want)), detail))
 
 
+@scenario("fresh", {
+    "fresh": "the cached path on a model no call has run on yet, vs the full forward"})
 def _fresh(case: Case, out: list) -> None:
     model = case.fresh()  # no call has run on it: nothing built on a first call exists yet
     call = case.implementation(model)
@@ -165,6 +171,8 @@ def _fresh(case: Case, out: list) -> None:
                            f"{case.ids.shape[0]} and 1"))
 
 
+@scenario("weights", {
+    "weights": "weights changed in place after the call was built: vs the changed model"})
 def _weights(case: Case, out: list) -> None:
     model, ids = case.model, case.ids[:, :12]
     params = list(model.parameters())
@@ -195,18 +203,3 @@ def _weights(case: Case, out: list) -> None:
     out.append(case.result("weights", ok, err,
                            "add_ on two parameters, then load_state_dict of other weights; "
                            "a prompt of 5, then one-token steps"))
-
-
-CHECKS = {
-    "crop": "crop a filled cache, continue with other tokens",
-    "branch": "two continuations of one prefix cache; the prefix unchanged",
-    "failure": "a layer raises mid-call: caches unchanged, continuing is right",
-    "failure_after": "raises after the last attention (MLP, final norm, LM head): caches unchanged",
-    "fresh": "the cached path on a model no call has run on yet, vs the full forward",
-    "weights": "weights changed in place after the call was built: vs the changed model",
-}
-"""The checks of this module, in report order, with what each compares."""
-
-SCENARIOS = {"crop": _crop, "branch": _branch, "failure": _failure, "fresh": _fresh,
-             "weights": _weights}
-"""Scenario name -> function appending :class:`~kvdoc.proofs.scenarios.CheckResult` s."""

@@ -49,6 +49,7 @@ from kvdoc.core.model import Decoder, decode_step, generate, prefill
 from kvdoc.measure.model_caches import config_cache
 from kvdoc.serving.handover import disaggregated_generate, pack
 
+from .case import scenario
 from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs
 
 
@@ -142,9 +143,12 @@ HANDOVER_PROMPT = 21
 window layer no longer reads are shipped too, and decoding starts past the window."""
 
 
+@scenario("handover", {
+    "handover": "prefill, cache packed and unpacked, decode vs generate; cached bytes vs "
+                "formula"})
 def handover_scenario(case, out: list) -> None:
     """The ``handover`` check on one combination of the grid (a scenario of
-    :mod:`kvdoc.proofs.scenarios`): a prompt of the stream, past the grid's window
+    :mod:`kvdoc.proofs.equivalence`): a prompt of the stream, past the grid's window
     (:data:`HANDOVER_PROMPT`), prefilled, packed, unpacked and decoded (in one process: the
     payload is the same bytes either way), against ``generate``; for the dynamic kind of the
     model implementation of every model (what a prefill worker ships is its dynamic cache), not

@@ -18,14 +18,13 @@ The ``counted`` scenario fills a cache of the case's kind with the stream, at th
   every layer's attention was handed (a GPTConfig decoder, on the dynamic kind).
 
 Every comparison is of integers, exact on every machine. A broken variant replaces a measure
-function through :attr:`~kvdoc.proofs.scenarios.Case.caches` under the keys of
+function through :attr:`~kvdoc.proofs.case.Case.caches` under the keys of
 :data:`MEASURES`.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,10 +36,8 @@ from kvdoc.measure.costs import step_flops
 from kvdoc.measure.kv_bytes import kv_bytes_for_config
 from kvdoc.measure.model_caches import config_cache
 
-from .invariants import held_tensors, tensor_bytes
-
-if TYPE_CHECKING:
-    from .scenarios import Case
+from .cache_invariants import held_tensors, tensor_bytes
+from .case import Case, scenario
 
 MEASURES = {"config_cache": config_cache, "step_traffic": step_traffic}
 """The measure functions the scenario calls, by the key a variant replaces one under."""
@@ -134,7 +131,13 @@ def flop_problems(case: Case) -> list[str]:
     return problems
 
 
-def scenario(case: Case, out: list) -> None:
+CHECK = ("byte figures (per layer incl. MLA's latent and rotary key, per token, sequence, "
+         "batch B) vs a filled cache's tensors; step_flops vs counted operations")
+"""What the ``counted`` check compares."""
+
+
+@scenario("counted", {"counted": CHECK})
+def _scenario(case: Case, out: list) -> None:
     """The ``counted`` check on one combination."""
     if case.impl != "model" or case.kind not in KINDS:
         out.append(case.result("counted", None, 0.0, "counted on the model's dynamic, window "
@@ -149,8 +152,3 @@ def scenario(case: Case, out: list) -> None:
         f"{case.ids.shape[1]} positions" + ("; step_flops vs a count" if flops else ""))
     out.append(case.result("counted", not problems, 0.0 if not problems else float("inf"),
                            detail))
-
-
-CHECK = ("byte figures (per layer incl. MLA's latent and rotary key, per token, sequence, "
-         "batch B) vs a filled cache's tensors; step_flops vs counted operations")
-"""What the ``counted`` check compares."""

@@ -1,0 +1,134 @@
+"""The checks that the cached path computes the full forward's function, on one combination.
+
+Each check compares against one full forward of the same model unless its description says
+otherwise; tolerances are :data:`kvdoc.proofs.compare.TOLERANCE` (``atol = rtol``, 1e-5 in FP32,
+1e-10 in FP64).
+
+* ``stream`` makes ``logits``, ``kv``, ``kv_shape``, ``causality`` and ``lifecycle`` for every
+  batch size and chunk size of the case: a stream of :data:`kvdoc.proofs.grid.STREAM_LENGTH`
+  tokens (past positions 32 and 64) fed in chunks of each of :data:`kvdoc.proofs.grid.CHUNKS`
+  tokens, none of which divides it except 1. Causality edits the last token: the full forward
+  and the cached path must keep every earlier position (for chunks of two or more tokens the
+  last call, the only one that sees the last token, is rerun with it edited from the cache as
+  it was before that call; with one token per call, no earlier call ever sees the last token).
+* ``last_only``: ``last_only=True`` returns the last position, full and cached.
+* ``reference``: the model's independent reference (:mod:`kvdoc.proofs.references`), full and
+  cached.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .broken.decoders import stale_prefix
+from .case import Case, scenario
+from .compare import CachedRun, close, full_forward_kv, max_abs
+
+
+def _cached_shapes(config, batch: int, length: int) -> tuple[tuple[int, ...], ...]:
+    """What each layer caches: K and V ``[B, H_kv, T, D_h]``, or the shapes the config states
+    (an MLA config's ``c_KV`` and ``k_rope``, :meth:`kvdoc.core.mla.MLAConfig.cached_shapes`)."""
+    if hasattr(config, "cached_shapes"):
+        return tuple(config.cached_shapes(batch, length))
+    shape = (batch, config.n_kv_head, length, config.head_dim)
+    return shape, shape
+
+
+@scenario("stream", {
+    "logits": "cached vs full logits, every position, whole vocabulary",
+    "kv": "each layer's cached K and V vs the full forward's projections",
+    "kv_shape": "each layer's cached K and V are [B, H_kv, T, D_h] (MLA: c_KV and k_rope)",
+    "causality": "earlier positions after the last token changes, both paths",
+    "lifecycle": "what a cache held before a call, after it (bitwise)"}, raises_as="logits")
+def _stream(case: Case, out: list) -> None:
+    T, vocab = case.ids.shape[1], case.model.config.vocab_size
+    cfg = case.model.config
+    for batch in case.batches:
+        ids = case.ids[:batch]
+        edited = ids.clone()
+        edited[:, -1] = (ids[:, -1] + 1) % vocab
+        full, full_kv = full_forward_kv(case.model, ids)  # refuses a layout it cannot probe
+        full_edited = case.full(edited)
+        full_causal = max_abs(full_edited[:, :-1], full[:, :-1])
+        full_causal_ok = close(full_edited[:, :-1], full[:, :-1], case.tol)
+        first, first_edited = ((stale_prefix(ids, vocab), stale_prefix(edited, vocab)) if case.stale
+                               else (None, None))
+        for chunk in case.chunks:
+            # the last call, the only one that sees the last token, starts at `last`: the cache
+            # before it is kept, so the causality rerun repeats that call alone
+            last = (T - 1) // chunk * chunk if chunk > 1 else 0
+            if last:
+                head = case.feed(ids[:, :last], chunk, first=first)
+                fork = head.cache
+                tail = case.feed(ids[:, last:], chunk, head.cache)
+                run = CachedRun(torch.cat((head.logits, tail.logits), dim=1), tail.cache,
+                                max(head.lifecycle_error, tail.lifecycle_error))
+            else:
+                run = case.feed(ids, chunk, first=first)
+
+            def add(check, passed, error, detail, batch=batch, chunk=chunk):
+                out.append(case.result(check, passed, error, detail, batch, chunk))
+
+            add("logits", close(run.logits, full, case.tol) and run.cache.seq_len == T,
+                max_abs(run.logits, full), f"{T} tokens in chunks of {chunk}")
+            # a window cache (a hybrid cache's window layers) holds only the last positions
+            held = [run.cache.held(i) for i in range(cfg.n_layer)]
+            got = [run.cache.layer(i) for i in range(cfg.n_layer)]
+            want = _cached_shapes(cfg, batch, len(held[0]))
+            shapes_ok = all(tuple(tuple(t.shape) for t in pair)
+                            == _cached_shapes(cfg, batch, len(h))
+                            for pair, h in zip(got, held, strict=True))
+            add("kv_shape", shapes_ok, 0.0 if shapes_ok else float("inf"),
+                f"each layer's two cached tensors {' and '.join(str(list(w)) for w in want)}")
+            pairs = [(g, r[:, :, h.start:h.stop])
+                     for gp, rp, h in zip(got, full_kv, held, strict=True)
+                     for g, r in zip(gp, rp, strict=True)]
+            add("kv", all(close(g, r, case.tol) for g, r in pairs),
+                max((max_abs(g, r) for g, r in pairs), default=0.0), "each layer's K/V")
+            add("lifecycle", run.lifecycle_error == 0.0, run.lifecycle_error,
+                "what a cache held before a call")
+            causal_ok, causal, logits = full_causal_ok, full_causal, run.logits
+            if chunk > 1:  # with one token per call the last token reaches no earlier call
+                if last and case.cache.in_place:  # the last call wrote into the kept cache
+                    fork = run.cache.crop(last)
+                # the stream's own cache goes first: a paged pool is sized for one stream
+                run = tail = got = None
+                if last and fork is not None:  # earlier calls never see the last token
+                    again = case.feed(edited[:, last:], chunk, fork).logits[:, :-1]
+                    before = logits[:, last:-1]
+                else:
+                    again = case.feed(edited, chunk, first=first_edited).logits[:, :-1]
+                    before = logits[:, :-1]
+                causal_ok = causal_ok and close(again, before, case.tol)
+                causal = max(causal, max_abs(again, before))
+            add("causality", causal_ok, causal, "last token edited, earlier positions compared")
+
+
+@scenario("last_only", {"last_only": "last_only=True vs the full forward's last position"})
+def _last_only(case: Case, out: list) -> None:
+    ids, split = case.ids, case.ids.shape[1] // 2
+    full = case.full(ids)
+    whole = case.call(ids, None, last_only=True)[0]
+    cache = case.feed(ids[:, :split], case.chunks[-1]).cache
+    cached, cache = case.call(ids[:, split:], cache, last_only=True)
+    ok = close(whole, full[:, -1:], case.tol) and close(cached, full[:, -1:], case.tol)
+    err = max(max_abs(whole, full[:, -1:]), max_abs(cached, full[:, -1:]))
+    ok = ok and cache.seq_len == ids.shape[1]
+    out.append(case.result("last_only", ok, err, "full and cached"))
+
+
+@scenario("reference", {"reference": "full and cached vs an independent implementation"})
+def _reference(case: Case, out: list) -> None:
+    reference = case.caches.get("reference", case.spec.reference)  # a variant's loader
+    if reference is None:
+        out.append(case.result("reference", None, 0.0, "no independent reference for this model"))
+        return
+    want = case.shared.get("reference")
+    if want is None:  # built from the weights, which every case of this model shares
+        want = case.shared["reference"] = reference(case.model)(case.ids)
+    full = case.full(case.ids)
+    cached = case.feed(case.ids, case.chunks[-1]).logits
+    ok = close(full, want, case.tol) and close(cached, want, case.tol)
+    out.append(case.result("reference", ok, max(max_abs(full, want), max_abs(cached, want)),
+                           case.spec.reference_name))
+
