@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from kvdoc.proofs.cli import COMMANDS, build_parser, plain
+from kvdoc.cli import COMMANDS, build_parser, plain
 
 
 def run(*code: str) -> subprocess.CompletedProcess[str]:

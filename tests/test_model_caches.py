@@ -212,7 +212,7 @@ def test_cli_config_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 
 def test_memory_command_starts_without_torch() -> None:
-    code = ("import sys; from kvdoc.proofs.cli import main; "
+    code = ("import sys; from kvdoc.cli import main; "
             "rc = main(['memory', '--model', 'DeepSeek-V3']); "
             "assert rc == 0 and 'torch' not in sys.modules, sorted(sys.modules)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

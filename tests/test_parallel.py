@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvdoc.cli import main
 from kvdoc.core.config import GPTConfig, llama_config
 from kvdoc.core.mla import MLAConfig, MLADecoder
 from kvdoc.core.model import Decoder
@@ -24,7 +25,6 @@ from kvdoc.parallel.decode import (
 from kvdoc.parallel.launch import choose_backend, launch
 from kvdoc.parallel.tensor import head_shard
 from kvdoc.proofs.broken.parallel import BROKEN
-from kvdoc.proofs.cli import main
 from kvdoc.serving.splitk import split_k_decoder
 
 PROMPT = torch.tensor([[11, 3, 57, 20, 8, 91, 42]])

@@ -17,8 +17,8 @@ True
 
 from __future__ import annotations
 
-import contextlib
-import io
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,7 +37,7 @@ class CommandError(Exception):
 
 
 def run_cli(*argv: str) -> str:
-    """Run ``python -m kvdoc *argv`` in this process; return its stdout.
+    """Run ``python -m kvdoc *argv`` (a new process, this interpreter); return its stdout.
 
     Raises:
         CommandError: the command exited non-zero (argparse's usage errors included).
@@ -47,19 +47,14 @@ def run_cli(*argv: str) -> str:
     ...
     kvdoc.proofs.refusals.CommandError: exit 2: python -m kvdoc: error: ... 'frobnicate' ...
     """
-    from .cli import main  # imports every command's module: only when a CLI entry runs
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            status = main(list(argv))
-        except SystemExit as exit_:
-            status = exit_.code if isinstance(exit_.code, int) else 1
-    if status:
-        lines = [line for line in err.getvalue().splitlines()
+    # a process of its own: the command line sits above this layer, and runs as users run it
+    done = subprocess.run([sys.executable, "-m", "kvdoc", *argv], capture_output=True,
+                          text=True, check=False)
+    if done.returncode:
+        lines = [line for line in done.stderr.splitlines()
                  if line and not line.startswith((" ", "usage:"))]  # the error, not the usage
-        raise CommandError(f"exit {status}: " + " ".join(lines))
-    return out.getvalue()
+        raise CommandError(f"exit {done.returncode}: " + " ".join(lines))
+    return done.stdout
 
 
 @dataclass
