@@ -183,16 +183,16 @@ def test_sampling_scenario_on_mla_and_gemma():
 
 @pytest.mark.parametrize("budget", [5, 6, 8])
 def test_with_room_the_scheduler_schedules_as_vllm_v1s_rule(model, budget):
+    from kvdoc.proofs.schedule_spec import SCHEDULED, vllm_v1_steps
     from kvdoc.proofs.scheduling import POLICY_TRACE, PREEMPTION_TRACE
-    from kvdoc.proofs.vllm_rule import first_departure, vllm_v1_steps
     from kvdoc.serving.requests import arrival_trace
 
     for args in (POLICY_TRACE, PREEMPTION_TRACE):
         trace = arrival_trace(**args)
         run = Scheduler(model, 32, 4, token_budget=budget, preempt=True).run(trace)
-        assert first_departure(run, vllm_v1_steps(trace, 32, budget)) is None
+        assert first_difference(run, vllm_v1_steps(trace, 32, budget), SCHEDULED) is None
     # on 8 blocks vLLM admits a prompt whose chunk fits, kvdoc waits for its whole prompt
     trace = arrival_trace(**POLICY_TRACE)
     run = Scheduler(model, 8, 4, token_budget=8, preempt=True).run(trace)
-    departure = first_departure(run, vllm_v1_steps(trace, 8, 8))
+    departure = first_difference(run, vllm_v1_steps(trace, 8, 8), SCHEDULED, "vLLM's rule")
     assert departure is not None and "prefill" in departure.split("vLLM's rule")[1]

@@ -202,15 +202,34 @@ def expected_steps(trace: Sequence[Request], num_blocks: int, block_size: int = 
     return steps
 
 
-def first_difference(run: ServeRun, spec: Sequence[SpecStep]) -> str | None:
-    """Where ``run`` leaves the specification: the first step and field that differ, or None."""
+SPEC_FIELDS = ("rows", "waiting", "holding", "preempted", "blocks_held")
+"""What :func:`first_difference` compares of a step, by default."""
+SCHEDULED = ("rows", "preempted", "blocks_held")
+"""What a step schedules: compared with vLLM's rule (:func:`vllm_v1_steps`), which requests
+merely wait is not (kvdoc admits a request that gets no tokens this step, vLLM leaves it
+waiting)."""
+
+
+def first_difference(run: ServeRun, spec: Sequence[SpecStep], fields: Sequence[str] = SPEC_FIELDS,
+                     against: str = "the specification") -> str | None:
+    """Where ``run`` leaves ``spec`` (named ``against``): the first step and field of ``fields``
+    that differ, or None.
+
+    >>> from types import SimpleNamespace
+    >>> step = SpecStep(((0, 4, "prefill"),), (), (), (), 1)
+    >>> run = SimpleNamespace(steps=[SimpleNamespace(step=0, **{**vars(step), "blocks_held": 2})])
+    >>> first_difference(run, [step])
+    'step 0: blocks_held 2, the specification 1'
+    >>> first_difference(run, [step, step], fields=("rows",), against="vLLM's rule")
+    "1 steps, vLLM's rule 2"
+    """
     for got, want in zip(run.steps, spec, strict=False):
-        for name in ("rows", "waiting", "holding", "preempted", "blocks_held"):
+        for name in fields:
             if getattr(got, name) != getattr(want, name):
-                return (f"step {got.step}: {name} {getattr(got, name)}, the specification "
-                        f"{getattr(want, name)}")
+                return (f"step {got.step}: {name} {getattr(got, name)}, "
+                        f"{against} {getattr(want, name)}")
     if len(run.steps) != len(spec):
-        return f"{len(run.steps)} steps, the specification {len(spec)}"
+        return f"{len(run.steps)} steps, {against} {len(spec)}"
     return None
 
 
@@ -257,3 +276,78 @@ def check_schedule(model: Decoder, scheduler: type[Scheduler] = Scheduler,
         checks.append(ScheduleCheck(name, options, len(run.steps), run.preemptions,
                                     first_difference(run, spec)))
     return checks
+
+
+def vllm_v1_steps(trace: Sequence[Request], num_blocks: int, token_budget: int,
+                  block_size: int = 4, max_batch: int | None = None) -> list[SpecStep]:
+    """Each step of ``trace`` under vLLM V1's rule, as :class:`SpecStep` s (``waiting``:
+    arrived, not running).
+
+    The loop of ``Scheduler.schedule`` in vLLM 0.33's ``vllm/v1/core/sched/scheduler.py``,
+    without prefix caching, speculative tokens or priorities (its FCFS policy), written as
+    arithmetic on lengths and block counts like :func:`expected_steps`:
+
+    1. the running requests, in order, each asking for what it has not computed, capped by the
+       budget left (``max_num_batched_tokens``) while any is left; when the blocks for a
+       request's tokens are short, the last running request is preempted (recompute: all its
+       blocks back, to the front of the waiting queue), which may be the request itself,
+       ending the loop;
+    2. only if nothing was preempted, the waiting requests in order while budget is left and
+       ``max_num_seqs`` allows, each admitted if the blocks of the tokens it is scheduled now
+       (not its whole prompt) are free; the first that does not fit stops admission.
+
+    A reading of vLLM's code, not vLLM run: it shows where kvdoc's scheduler with a budget and
+    ``preempt=True`` schedules as vLLM would (:func:`first_difference` over
+    :data:`SCHEDULED`), and where the two part (kvdoc admits a request only when the blocks of
+    its whole prompt are free).
+
+    >>> from kvdoc.serving.requests import Request
+    >>> trace = [Request(0, (1,) * 5, 3, 0), Request(1, (2,) * 3, 2, 1)]
+    >>> [s.rows for s in vllm_v1_steps(trace, num_blocks=8, token_budget=4)][:2]
+    [((0, 4, 'prefill'),), ((0, 1, 'prefill'), (1, 3, 'prefill'))]
+    """
+    def blocks(positions: int) -> int:
+        return math.ceil(positions / block_size)
+
+    waiting = _queue(trace)
+    running: list[_Seq] = []
+    free, steps = num_blocks, []
+    while waiting or running:
+        t, left, rows, preempted = len(steps), token_budget, [], []
+        kind = {}
+        for s in list(running):
+            if left == 0 or s not in running:
+                break
+            n = min(s.lacks(), left)
+            kind[s.rid] = "decode" if s.decoding() else "recompute" if s.recomputes else "prefill"
+            while blocks(s.computed + n) - s.blocks > free:
+                free += _preempt_newest(running, waiting, preempted)
+                if not any(x is s for x in running):
+                    break
+            if s not in running:
+                break
+            free -= blocks(s.computed + n) - s.blocks
+            s.blocks = blocks(s.computed + n)
+            rows.append((s, n))
+            left -= n
+        while (not preempted and waiting and waiting[0].arrival <= t and left > 0
+               and (max_batch is None or len(running) < max_batch)):
+            s = waiting[0]
+            n = min(s.lacks(), left)
+            if blocks(s.computed + n) - s.blocks > free:
+                break
+            running.append(waiting.pop(0))
+            kind[s.rid] = "recompute" if s.recomputes else "prefill"
+            free -= blocks(s.computed + n) - s.blocks
+            s.blocks = blocks(s.computed + n)
+            rows.append((s, n))
+            left -= n
+        if not running and waiting and waiting[0].arrival <= t:
+            raise ValueError(f"request {waiting[0].rid} can never be scheduled")
+        holding = _forward(rows, running)
+        free += sum(s.blocks for s in running if s.finished())
+        running = [s for s in running if not s.finished()]
+        steps.append(SpecStep(tuple((s.rid, n, kind[s.rid]) for s, n in rows),
+                              tuple(s.rid for s in waiting if s.arrival <= t), holding,
+                              tuple(preempted), num_blocks - free))
+    return steps
