@@ -102,7 +102,7 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
 # A module-level value's repr is printed in its signature, and a few are paths of the checkout
-# that built the site (kvdoc.proofs.sweep_record.PACKAGE, found from __file__) or hold them (a
+# that built the site (kvdoc.teach.sweep_record.PACKAGE, found from __file__) or hold them (a
 # module's repr names its file): on the site they would show this machine's folders, which are
 # not the reader's. Such a value is dropped from the signature; its docstring still says what it
 # is. tests/test_site.py fails on any page that still contains one of these paths.
@@ -269,7 +269,7 @@ def _after_reading(app, env):
 
 def setup(app):
     # The broken-variant sweep that several pages show runs once a build and is read by every
-    # kernel after that (kvdoc.proofs.sweep_record): kept beside the build's execution cache
+    # kernel after that (kvdoc.teach.sweep_record): kept beside the build's execution cache
     # (MyST-NB puts jupyter_execute and .jupyter_cache in the output folder's parent), so each
     # build folder (html, numeric, repro/a, repro/b) has its own and `make clean` removes it.
     # A forced build runs every page from scratch, and so the sweep (once).

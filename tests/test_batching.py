@@ -7,8 +7,8 @@ import torch
 from kvdoc import Decoder, GPTConfig
 from kvdoc.proofs.broken.serving import unshifted_positions
 from kvdoc.proofs.compare import TOLERANCE
-from kvdoc.proofs.serving import compare_with_alone
 from kvdoc.serving.batching import generate_padded, left_pad, padded_mask, padded_positions
+from kvdoc.teach.serving_checks import compare_with_alone
 
 
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:

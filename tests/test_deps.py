@@ -1,4 +1,5 @@
-"""Tests for kvdoc.proofs.deps: both methods must find the same dependencies, hidden ones too."""
+"""Tests for kvdoc.teach.dependency_maps: both methods must find the same dependencies, hidden
+ones too."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import torch
 
 from kvdoc import Decoder, GPTConfig
 from kvdoc.measure.tables import markdown_table
-from kvdoc.proofs.deps import (
+from kvdoc.teach.decoder_sites import (
+    decoder_function,
+    decoder_sites,
+    decoder_values,
+    kv_rows_changed,
+)
+from kvdoc.teach.dependency_maps import (
     compare_maps,
     dependency_map,
     jacobian_map,
@@ -15,7 +22,6 @@ from kvdoc.proofs.deps import (
     perturbation_map,
     token_dependency_map,
 )
-from kvdoc.proofs.sites import decoder_function, decoder_sites, decoder_values, kv_rows_changed
 
 SMALL = GPTConfig(vocab_size=11, n_positions=16, n_layer=2, n_head=2, n_embd=8, n_inner=16)
 

@@ -101,7 +101,7 @@ from kvdoc.interop.hf_config import (  # noqa: E402
 )
 from kvdoc.interop.hf_float64 import float64_islands_lifted  # noqa: E402
 from kvdoc.proofs.compare import TOLERANCE  # noqa: E402
-from kvdoc.proofs.crosscheck import match_transformers  # noqa: E402
+from kvdoc.teach.crosscheck import match_transformers  # noqa: E402
 
 # crosses window 32 three times
 LONG = torch.randint(0, 97, (2, 96), generator=torch.Generator().manual_seed(6))

@@ -7,7 +7,6 @@ import torch
 
 from kvdoc import Decoder, GPTConfig
 from kvdoc.proofs.compare import TOLERANCE, Snapshot, run_cached
-from kvdoc.proofs.serving import compare_mix_with_alone
 from kvdoc.serving.paged import (
     BlockPool,
     PagedCache,
@@ -16,6 +15,7 @@ from kvdoc.serving.paged import (
     new_shared_prefix_cache,
 )
 from kvdoc.serving.workload import measure_mix, request_mix
+from kvdoc.teach.serving_checks import compare_mix_with_alone
 
 FACTORIES = {"paged": new_paged_cache, "shared-prefix": new_shared_prefix_cache}
 

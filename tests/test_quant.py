@@ -5,8 +5,8 @@ import torch
 
 from kvdoc import GPTConfig
 from kvdoc.proofs.compare import run_cached
-from kvdoc.proofs.serving import measure_int8
 from kvdoc.serving.quant import Int8Cache, cache_bytes, dequantize, new_int8_cache, quantize
+from kvdoc.teach.serving_checks import measure_int8
 
 
 def test_round_trip_within_half_a_step():

@@ -1,4 +1,4 @@
-"""The broken-variant record (kvdoc.proofs.sweep_record): computed once, keyed, recomputed when
+"""The broken-variant record (kvdoc.teach.sweep_record): computed once, keyed, recomputed when
 stale. A fake sweep stands in for the real one, counting its calls in a file."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import multiprocessing
 import shutil
 import time
 
-from kvdoc.proofs import sweep_record
 from kvdoc.proofs.case import CheckResult
 from kvdoc.proofs.suite import SuiteReport
 from kvdoc.proofs.sweep import VariantOutcome
+from kvdoc.teach import sweep_record
 
 
 def fake_sweep(calls: str, wait: float = 0.0) -> list[VariantOutcome]:

@@ -12,7 +12,7 @@ position ``t - pad[b]``. Two things make each row the same function as its promp
   ``W`` of them). A pad query reads the earlier pad slots, so no row of the softmax is empty; its
   output is never read.
 
-:func:`generate_padded` runs the batch; :func:`kvdoc.proofs.serving.compare_with_alone`
+:func:`generate_padded` runs the batch; :func:`kvdoc.teach.serving_checks.compare_with_alone`
 checks every row against its prompt generated alone.
 
 >>> from kvdoc import Decoder, GPTConfig, generate

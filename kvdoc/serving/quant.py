@@ -10,7 +10,7 @@ bits cannot hold every multiple of a step up to 127 of them). Scales are per tok
 grows. Scales are kept in the model's dtype; they count in every byte figure.
 
 The attention reads the dequantised K and V, so the model's logits differ from the exact cache's
-by an amount :func:`kvdoc.proofs.serving.measure_int8` measures: the cache is **not** the same
+by an amount :func:`kvdoc.teach.serving_checks.measure_int8` measures: the cache is **not** the same
 function, and nothing here claims it is.
 
 Layout: K and V are ``[B, H_kv, T, D_h]`` int8, scales ``[B, H_kv, T, 1]``.

@@ -14,7 +14,7 @@ serving batch, and measures what each strategy reserves:
   filled last block).
 
 With sharing it keeps each request's logits, which
-:func:`kvdoc.proofs.serving.compare_mix_with_alone` compares with one full forward of that
+:func:`kvdoc.teach.serving_checks.compare_mix_with_alone` compares with one full forward of that
 request alone.
 
 >>> from kvdoc.core.config import GPTConfig

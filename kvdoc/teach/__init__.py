@@ -3,8 +3,11 @@ lab (``toy``) and what it shows (``toy_scenarios``), the offset-mask exercise
 (``mask_exercise``), and what the pages share for display: one-character tokens (``tokens``),
 HTML tables and dependency maps (``html_tables``), LaTeX from values (``latex``), diagrams
 (``diagrams``), shapes through the decoder (``shapes``), reading times (``reading``) and the
-progress lines of long cells (``progress``).
+progress lines of long cells (``progress``); and the checks only pages run: dependency maps
+(``dependency_maps``) of values inside the decoder (``decoder_sites``), the cross-check with
+transformers (``crosscheck``), padded and shared-prefix runs against recompute
+(``serving_checks``), and the broken-variant sweep recorded once a build (``sweep_record``).
 
-Nothing here computes a result the site relies on; the display modules turn results into
-something a reader can look at.
+The display modules turn results into something a reader can look at; the checks here are
+tested like those of :mod:`kvdoc.proofs`.
 """

@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 
-from kvdoc.proofs.deps import CheckedMap, DependencyMap
+from kvdoc.teach.dependency_maps import CheckedMap, DependencyMap
 
 
 def html_table(headers: Sequence[str], rows: Sequence[Sequence[object]], caption: str | None = None,
@@ -37,7 +37,7 @@ def map_table(m: CheckedMap | DependencyMap, labels: Sequence[str],
     the class ``kvdoc-map`` (docs/_static/kvdoc.css keeps it small, so that maps sit side by side).
 
     >>> import torch
-    >>> from kvdoc.proofs.deps import jacobian_map
+    >>> from kvdoc.teach.dependency_maps import jacobian_map
     >>> m = jacobian_map(lambda x: x.cumsum(0), torch.ones(2, 1, dtype=torch.float64))
     >>> html_out = map_table(m, "AB")
     >>> html_out.count("●"), html_out.count("·")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.core.model import Decoder
-from kvdoc.proofs.sites import decoder_values
+from kvdoc.teach.decoder_sites import decoder_values
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,6 @@ a decoder that drops a padded batch's positions.
 * :class:`UnshiftedPositionsDecoder` ignores per-row positions (:func:`unshifted_positions`).
 
 Each subclasses the real class and changes one method it offers for that purpose.
-
->>> from kvdoc.proofs.compare import default_model
->>> from kvdoc.proofs.serving import compare_with_alone
->>> model = default_model()
->>> rows = compare_with_alone(model, [[5, 6, 7], [8]], 4, under_test=unshifted_positions(model))
->>> [(r.pad, r.passed) for r in rows]
-[(0, True), (2, False)]
 """
 
 from __future__ import annotations

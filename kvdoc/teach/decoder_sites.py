@@ -7,7 +7,7 @@ that the real modules do the computing. It can also *pin* other sites, holding t
 values from a normal run: that is how "given every layer's K and V" is expressed.
 :func:`decoder_values` records every site of one forward, and :func:`kv_rows_changed` shows which
 layers' cached K/V rows an edit of the prompt changes. Layers are numbered from 0 (``h0``, ``h1``).
-The maps themselves are computed by :mod:`kvdoc.proofs.deps`.
+The maps themselves are computed by :mod:`kvdoc.teach.dependency_maps`.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def decoder_function(model: Decoder, idx: torch.Tensor, site: str, output: str =
 
     >>> from kvdoc import GPTConfig
     >>> _ = torch.manual_seed(0)
-    >>> from kvdoc.proofs.deps import dependency_map
+    >>> from kvdoc.teach.dependency_maps import dependency_map
     >>> small = Decoder(GPTConfig(n_embd=8, n_head=2, n_inner=16))
     >>> fn, k0 = decoder_function(small, torch.tensor([[5, 6, 7]]), "h1.k")
     >>> m = dependency_map(fn, k0, out_rows=[-1])      # last logits row over layer 1's K rows

@@ -19,8 +19,7 @@ import torch
 
 from kvdoc.interop.hf_float64 import float64_islands_lifted
 from kvdoc.interop.hf_weights import from_transformers
-
-from .compare import DTYPE_NAMES, max_abs, run_cached
+from kvdoc.proofs.compare import DTYPE_NAMES, max_abs, run_cached
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ magnitude above ``rtol`` times the largest one. A map is local: it describes ``f
 can also make a block vanish at one particular ``x``, so analyse inputs of moderate size.
 
 :func:`token_dependency_map` does the same for discrete token ids, by replacing one id at a
-time. To map the tensors *inside* the real decoder, :mod:`kvdoc.proofs.sites` turns any of
+time. To map the tensors *inside* the real decoder, :mod:`kvdoc.teach.decoder_sites` turns any of
 them into the input of a plain function that these maps accept.
 """
 

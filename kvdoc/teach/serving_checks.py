@@ -27,11 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.core.model import Decoder, generate
+from kvdoc.proofs.compare import DTYPE_NAMES, TOLERANCE, close, max_abs, run_cached
 from kvdoc.serving.batching import generate_padded, left_pad
 from kvdoc.serving.quant import new_int8_cache
 from kvdoc.serving.workload import MixMemory, RequestMix
-
-from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs, run_cached
 
 
 @dataclass(frozen=True)

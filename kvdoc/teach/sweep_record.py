@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from .case import CheckResult
-from .suite import SuiteReport
-from .sweep import VariantOutcome, sweep_variants, worker_map
-from .variants import VARIANTS
+from kvdoc.proofs.case import CheckResult
+from kvdoc.proofs.suite import SuiteReport
+from kvdoc.proofs.sweep import VariantOutcome, sweep_variants, worker_map
+from kvdoc.proofs.variants import VARIANTS
 
 PACKAGE = Path(__file__).resolve().parents[1]
 """The kvdoc package: every ``.py`` file under it is part of a record's key."""
