@@ -1,31 +1,57 @@
-"""Policies against their specification (kvdoc.proofs.schedule_spec and the checks of
-kvdoc.proofs.policies), each with the broken variant only it catches."""
+"""Policies against their specification (kvdoc.teach.schedule_spec), the radix cache against an
+LRU oracle (kvdoc.teach.radix_policy) and sampling against its distribution
+(kvdoc.teach.sampling): on every model the verification grid serves on a paged cache, and each
+broken variant (kvdoc.teach.broken_policies) caught by its check only.
+
+These were checks of ``python -m kvdoc verify`` on each such model's paged kind; they never
+depended on the cache kind, so they are tests here, on the same models.
+"""
 
 import pytest
 import torch
 
-from kvdoc.proofs.broken import policies as broken
+from kvdoc.proofs import grid
 from kvdoc.proofs.compare import default_model
 from kvdoc.proofs.prefix_cache import check_admission, check_locked_eviction, compare_workload
-from kvdoc.proofs.radix_policy import LRUOracle, check_eviction, check_full_match
-from kvdoc.proofs.sampling import (
+from kvdoc.proofs.scheduling import check_forks, check_policies, check_preemption
+from kvdoc.serving.prefix_workload import few_shot_workload
+from kvdoc.serving.requests import Request
+from kvdoc.serving.scheduler import Scheduler
+from kvdoc.serving.speculative import speculative_generate, truncated_draft
+from kvdoc.teach import broken_policies as broken
+from kvdoc.teach.radix_policy import LRUOracle, check_eviction, check_full_match
+from kvdoc.teach.sampling import (
     check_sampled_preemption,
     check_speculative_distribution,
     round_distribution,
     target_distribution,
 )
-from kvdoc.proofs.schedule_spec import check_schedule, expected_steps, first_difference
-from kvdoc.proofs.scheduling import check_forks, check_policies, check_preemption
-from kvdoc.proofs.suite import run_suite
-from kvdoc.serving.prefix_workload import few_shot_workload
-from kvdoc.serving.requests import Request
-from kvdoc.serving.scheduler import Scheduler
-from kvdoc.serving.speculative import speculative_generate, truncated_draft
+from kvdoc.teach.schedule_spec import check_schedule, expected_steps, first_difference
 
 
 @pytest.fixture(scope="module")
 def model():
     return default_model()
+
+
+PAGED = [name for name, spec in grid.MODELS.items()
+         if spec.scenarios is None and (spec.impls is None or "model" in spec.impls)
+         and grid.served(spec.build(0).config, ["paged"], ["model"])]
+"""The grid's models served on the paged kind, every scenario on them (where ``verify`` ran
+these checks)."""
+
+
+@pytest.mark.parametrize("name", PAGED)
+def test_every_paged_model_schedules_evicts_and_samples_as_specified(name):
+    model = grid.MODELS[name].build(0).eval()
+    with torch.no_grad():
+        schedules = check_schedule(model)
+        assert all(c.passed for c in schedules), [c.difference for c in schedules]
+        for check in (check_eviction(model), check_eviction(model, evict="block"),
+                      check_full_match(model)):
+            assert check.passed, check.detail
+        assert check_speculative_distribution(model).passed
+        assert check_sampled_preemption(model).passed
 
 
 def test_spec_by_hand_budget():
@@ -73,30 +99,6 @@ def test_broken_schedulers_caught_by_the_specification_only(model, cls):
     assert check_preemption(model, cls).passed
 
 
-CAUGHT_BY = {"prefill-before-decode": "schedule", "budget-plus-one": "schedule",
-             "preempt-oldest": "schedule", "radix-most-recent-first": "eviction",
-             "radix-last-token-from-tree": "full-match",
-             "radix-whole-leaf-always": "eviction-blocks",
-             "speculative-residual-target": "speculative-distribution",
-             "preempt-restarts-stream": "preempted-stream"}
-
-
-@pytest.mark.parametrize("name", sorted(CAUGHT_BY))
-def test_policy_variants_fail_the_suite_at_their_check_only(name):
-    report = run_suite(name, dtypes=(torch.float32,),
-                       scenarios=["speculative", "scheduling", "prefix-cache", "schedule",
-                                  "radix-policy", "sampling"])
-    failed = report.failed_checks()
-    # caught by its check; never by the equality checks that were there before
-    assert CAUGHT_BY[name] in failed and set(failed) <= set(CAUGHT_BY.values()), failed
-
-
-def test_schedule_scenario_passes_on_the_implementation():
-    report = run_suite(models=("gqa",), kinds=("paged",), impls=("model",),
-                       dtypes=(torch.float32,), scenarios=["schedule"])
-    assert report.passed and len(report.select("schedule")) == 1
-
-
 def test_lru_oracle_by_hand():
     oracle = LRUOracle(block_size=2)
     oracle.used = {(1, 2): 0, (1, 2, 3, 4): 1, (5, 6): 2}
@@ -123,6 +125,15 @@ def test_eviction_follows_lru_and_most_recent_first_is_caught(model):
     tree = broken.most_recent_first()
     assert not check_eviction(model, tree).passed
     assert check_full_match(model, tree).passed and _equal_to_alone(model, tree)
+
+
+def test_block_eviction_takes_one_block_and_whole_leaves_are_caught(model):
+    ok = check_eviction(model, evict="block")
+    assert ok.passed and ok.evictions > 0, ok.detail
+    tree = broken.WholeLeafAlways
+    assert not check_eviction(model, tree, evict="block").passed
+    # whole leaves are what the default policy evicts: only the block-by-block check sees it
+    assert check_eviction(model, tree).passed and _equal_to_alone(model, tree)
 
 
 def test_full_match_recomputes_the_last_token(model):
@@ -175,17 +186,11 @@ def test_preempted_sampled_request_continues_its_stream(model):
     assert check_forks(model, broken.RestartStream).passed
 
 
-def test_sampling_scenario_on_mla_and_gemma():
-    report = run_suite(models=("mla", "gemma3"), kinds=("paged",), impls=("model",),
-                       dtypes=(torch.float32,), scenarios=["sampling"])
-    assert report.passed and len(report.select("speculative-distribution")) == 2
-
-
 @pytest.mark.parametrize("budget", [5, 6, 8])
 def test_with_room_the_scheduler_schedules_as_vllm_v1s_rule(model, budget):
-    from kvdoc.proofs.schedule_spec import SCHEDULED, vllm_v1_steps
     from kvdoc.proofs.scheduling import POLICY_TRACE, PREEMPTION_TRACE
     from kvdoc.serving.requests import arrival_trace
+    from kvdoc.teach.schedule_spec import SCHEDULED, vllm_v1_steps
 
     for args in (POLICY_TRACE, PREEMPTION_TRACE):
         trace = arrival_trace(**args)

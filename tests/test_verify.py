@@ -14,7 +14,7 @@ from kvdoc.__main__ import main as cli
 from kvdoc.core import cache as kvcache
 from kvdoc.core.layers import StaticLayer
 from kvdoc.interop.hf_config import transformers_model
-from kvdoc.proofs import grid, policies, verify
+from kvdoc.proofs import grid, verify
 from kvdoc.proofs.broken.decoders import PositionsRestartDecoder, copy_as, stale_prefix
 from kvdoc.proofs.compare import (
     TOLERANCE,
@@ -220,7 +220,7 @@ def test_the_default_verify_passes_and_says_what_it_ran(capsys, monkeypatch):
     not_everywhere = ("generate", "crop", "speculative", "int8", "fp8", "edges", "padded",
                       "scheduling", "prefix-cache", "handover", "invariance",
                       "bf16", "fp16", "bf16-reference", "fp16-reference", "counted",
-                      "generate_padded", *policies.CHECKS)
+                      "generate_padded")
     assert all(r.passed is not None for r in report.results if r.check not in not_everywhere)
     # it says what it ran: every registered model, cache kind, implementation and scenario
     lines = {line.strip().split(":")[0]: line.split(":", 1)[1].strip()
@@ -364,16 +364,15 @@ def test_a_new_implementation_plugs_in_with_one_entry(monkeypatch):
 
     monkeypatch.setitem(grid.IMPLEMENTATIONS, "wrapper", Wrapper)
     report = run_suite(impls=("wrapper",), models=("gqa",), kinds=("static",), **FP32)
-    # generate(), generate_padded, speculative decoding, the scheduler, the prefix tree, the
-    # hand-over and the policy checks take the model itself; int8, fp8 and the BF16/FP16 bounds
-    # run on the dynamic kind, edges' branches on a cache not written in place, invariance on
-    # invariance.MODELS, counted on caches whose tensors hold exactly their positions
+    # generate(), generate_padded, speculative decoding, the scheduler, the prefix tree and the
+    # hand-over take the model itself; int8, fp8 and the BF16/FP16 bounds run on the dynamic
+    # kind, edges' branches on a cache not written in place, invariance on
+    # batch_invariance.MODELS, counted on caches whose tensors hold exactly their positions
     skipped = {r.check for r in report.results if r.passed is None}
     assert report.passed and skipped == {"generate", "generate_padded", "speculative",
                                          "scheduling", "prefix-cache", "handover", "int8", "fp8",
                                          "edges", "bf16", "fp16", "bf16-reference",
-                                         "fp16-reference", "invariance", "counted",
-                                         *policies.CHECKS}
+                                         "fp16-reference", "invariance", "counted"}
     monkeypatch.setitem(grid.IMPLEMENTATIONS, "wrapper", lambda m: Wrapper(m, skip_last_only=True))
     assert "last_only" in _fails(impls=("wrapper",), models=("gqa",), kinds=("static",))
 

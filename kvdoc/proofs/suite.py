@@ -39,7 +39,6 @@ from . import (
     grid,
     handover_checks,
     int8_contract,
-    policies,
     precision,
     prefix_cache,
     scheduling,
@@ -50,7 +49,7 @@ from .variants import VARIANTS
 
 CHECK_MODULES = (equivalence, figures, generation, between_calls, cache_invariants, int8_contract,
                  fp8_contract, scheduling, prefix_cache, handover_checks, batch_invariance,
-                 precision, policies)
+                 precision)
 """The modules whose scenarios the suite runs, in this order (each module's in the order it
 registers them): the cheap ones first, as a sweep stops at a variant's first failure."""
 _RANK = {module.__name__: rank for rank, module in enumerate(CHECK_MODULES)}

@@ -27,7 +27,6 @@ from .broken import (
     loaders,
     measures,
     padded,
-    policies,
     rope,
     serving,
 )
@@ -65,8 +64,7 @@ class BrokenVariant:
     kind of :data:`kvdoc.proofs.grid.CACHES` (or ``"int8"``, ``"fp8"``, those scenarios' caches; or
     ``"scheduler"``, the ``scheduling`` scenario's :class:`~kvdoc.serving.scheduler.Scheduler`
     class; or ``"radix"``, the ``prefix-cache`` scenario's
-    :class:`~kvdoc.serving.radix.RadixCache` class; or ``"acceptance"``, the ``sampling``
-    scenario's speculative acceptance rule)."""
+    :class:`~kvdoc.serving.radix.RadixCache` class)."""
     kinds: tuple[str, ...] | None = None
     """The cache kinds it runs on (those its broken caches replace); None: every kind."""
     dtypes: tuple[torch.dtype, ...] | None = None
@@ -95,8 +93,7 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "rotary positions", "state across calls", "configuration value", "stale weights",
                "byte accounting", "int8 contract", "ring and block edges", "padded batches",
                "preemption and forks", "prefix-cache admission", "fp8 contract",
-               "reduction order", "low precision", "scheduling policy", "eviction policy",
-               "sampling distribution", "payload dtype", "loader layout")
+               "reduction order", "low precision", "payload dtype", "loader layout")
 """The kinds of mistake the variants stand for."""
 
 def _copy(cls: type[Decoder]) -> Callable[[Decoder], Decoder]:
@@ -277,35 +274,6 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   kinds=("hybrid",)),
 )}
 """Every broken variant, by name."""
-
-VARIANTS.update({v.name: v for v in (
-    *(BrokenVariant(name, breaks, _copy(Decoder), "scheduling policy", one_model=True,
-                    kinds=("paged",), caches={"scheduler": cls})
-      for name, breaks, cls in (
-          ("prefill-before-decode", "with a token budget, prompt chunks take the budget before "
-           "the decoding requests", policies.PrefillBeforeDecode),
-          ("budget-plus-one", "a step carries one token more than the token budget",
-           policies.BudgetPlusOne),
-          ("preempt-oldest", "preemption takes the oldest admitted request, not the newest",
-           policies.PreemptOldest))),
-    BrokenVariant("radix-most-recent-first", "the radix tree's eviction policy (its public "
-                  "policy argument) takes the most recently used leaf", _copy(Decoder),
-                  "eviction policy", one_model=True, kinds=("paged",),
-                  caches={"radix": policies.most_recent_first()}),
-    BrokenVariant("speculative-residual-target", "speculative sampling redraws a rejected "
-                  "proposal from the target's distribution, not from the residual max(0, p - q)",
-                  _copy(Decoder), "sampling distribution", one_model=True, kinds=("paged",),
-                  caches={"acceptance": policies.residual_is_target}),
-    BrokenVariant("preempt-restarts-stream", "a sampled request preempted and recomputed draws "
-                  "from a new generator of its seed: its random stream restarts",
-                  _copy(Decoder), "preemption and forks", one_model=True, kinds=("paged",),
-                  caches={"scheduler": policies.RestartStream}),
-    _radix("radix-last-token-from-tree", "a prompt the tree holds whole, at token granularity, "
-           "is matched to its last token, which is then never computed",
-           policies.LastTokenFromTree),
-    BrokenVariant("radix-whole-leaf-always", "asked to evict one block at a time, the radix "
-                  "tree evicts whole leaves", _copy(Decoder), "eviction policy", one_model=True,
-                  kinds=("paged",), caches={"radix": policies.WholeLeafAlways}))})
 
 # --- issue #30, classes 6-8: measurements counted, the function users call, axes crossed ------
 VARIANTS.update({v.name: v for v in (

@@ -16,7 +16,7 @@ rule still gives plausible tokens.
   (:func:`kvdoc.proofs.scheduling.compare_trace_with_alone`).
 
 >>> from kvdoc.proofs.compare import default_model
->>> from kvdoc.proofs.broken.policies import RestartStream, residual_is_target
+>>> from kvdoc.teach.broken_policies import RestartStream, residual_is_target
 >>> model = default_model()
 >>> check_speculative_distribution(model).passed
 True
@@ -34,11 +34,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvdoc.core.model import Decoder
+from kvdoc.proofs.scheduling import PREEMPTION_TRACE, compare_trace_with_alone
 from kvdoc.serving.requests import arrival_trace
 from kvdoc.serving.scheduler import Scheduler
 from kvdoc.serving.speculative import Rule, acceptance
-
-from .scheduling import PREEMPTION_TRACE, compare_trace_with_alone
 
 Table = dict[tuple[int, ...], list[float]]
 """Next-token probabilities over a small vocabulary, by the tokens generated so far."""

@@ -31,11 +31,10 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.core.model import Decoder, generate
+from kvdoc.proofs.compare import TOLERANCE, close, max_abs
+from kvdoc.proofs.prefix_cache import invariant_errors
 from kvdoc.serving.paged import BlockPool
 from kvdoc.serving.radix import RadixCache, serve_prompt
-
-from .compare import TOLERANCE, close, max_abs
-from .prefix_cache import invariant_errors
 
 
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:

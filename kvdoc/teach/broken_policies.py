@@ -16,7 +16,7 @@ against the policy's specification or its distribution can see it.
   target's distribution instead of the residual ``max(0, p - q)``.
 
 >>> from kvdoc.proofs.compare import default_model
->>> from kvdoc.proofs.schedule_spec import check_schedule
+>>> from kvdoc.teach.schedule_spec import check_schedule
 >>> [c.passed for c in check_schedule(default_model(), BudgetPlusOne)]
 [True, True, False, False, False, True]
 """

@@ -50,11 +50,10 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.core.model import Decoder
+from kvdoc.proofs.scheduling import POLICY_TRACE, PREEMPTION_TRACE
 from kvdoc.serving.requests import Request, arrival_trace
 from kvdoc.serving.runs import ServeRun
 from kvdoc.serving.scheduler import Scheduler
-
-from .scheduling import POLICY_TRACE, PREEMPTION_TRACE
 
 
 @dataclass(frozen=True)
