@@ -147,8 +147,8 @@ window layer no longer reads are shipped too, and decoding starts past the windo
     "handover": "prefill, cache packed and unpacked, decode vs generate; cached bytes vs "
                 "formula"})
 def handover_scenario(case, out: list) -> None:
-    """The ``handover`` check on one combination of the grid (a scenario of
-    :mod:`kvdoc.proofs.equivalence`): a prompt of the stream, past the grid's window
+    """The ``handover`` check on one combination of the grid (a
+    :data:`~kvdoc.proofs.case.Scenario`): a prompt of the stream, past the grid's window
     (:data:`HANDOVER_PROMPT`), prefilled, packed, unpacked and decoded (in one process: the
     payload is the same bytes either way), against ``generate``; for the dynamic kind of the
     model implementation of every model (what a prefill worker ships is its dynamic cache), not

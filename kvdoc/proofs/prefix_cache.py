@@ -219,8 +219,8 @@ def check_admission(model: Decoder, tree_cls: type[RadixCache] = RadixCache,
 @scenario("prefix-cache", {
     "prefix-cache": "requests served through a radix prefix cache vs each request alone"})
 def prefix_cache_scenario(case, out: list) -> None:
-    """The ``prefix-cache`` check on one combination of the grid (a scenario of
-    :mod:`kvdoc.proofs.equivalence`): a few-shot workload served through a tree, token- and
+    """The ``prefix-cache`` check on one combination of the grid (a
+    :data:`~kvdoc.proofs.case.Scenario`): a few-shot workload served through a tree, token- and
     block-granular, against each request alone, the locked-eviction refusal and the admission
     edges (a broken variant's tree class comes in as ``case.caches["radix"]``); for the paged
     kind of the model implementation (the tree owns paged blocks), not applicable elsewhere."""

@@ -252,8 +252,8 @@ def check_forks(model: Decoder, scheduler: type[Scheduler] = Scheduler, samples:
     "scheduling": "static, continuous, chunked-prefill, preempting and forking runs: each "
                   "request vs its solo run"})
 def scheduling_scenario(case, out: list) -> None:
-    """The ``scheduling`` checks on one combination of the grid (a scenario of
-    :mod:`kvdoc.proofs.equivalence`): :func:`check_policies`, :func:`check_preemption` and
+    """The ``scheduling`` checks on one combination of the grid (a
+    :data:`~kvdoc.proofs.case.Scenario`): :func:`check_policies`, :func:`check_preemption` and
     :func:`check_forks` on the case's model (any positions, layout or window), for the paged kind
     of the model implementation; not applicable elsewhere. A broken variant's scheduler class is
     ``case.caches["scheduler"]``."""
