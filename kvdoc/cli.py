@@ -4,7 +4,7 @@ the parallel checks.
 Each command is a module that defines ``add_arguments(parser)`` and ``main(args) -> int``,
 listed in :data:`COMMANDS`; ``python -m kvdoc --help`` lists them. The parser lives at the
 package's top, above every layer whose commands it runs; ``kvdoc/__main__.py`` only calls
-:func:`main`, and the catalogue of refusals (:mod:`kvdoc.proofs.refusals`) runs
+:func:`main`, and the catalogue of refusals (:mod:`kvdoc.teach.refusals`) runs
 ``python -m kvdoc`` itself.
 
 A command's module is imported only when that command runs (or its ``--help`` is asked for):

@@ -1,4 +1,4 @@
-"""Every entry of the bad-input catalogue (kvdoc.proofs.refusals) is refused, caches intact.
+"""Every entry of the bad-input catalogue (kvdoc.teach.refusals) is refused, caches intact.
 
 The same catalogue feeds the reference page "What kvdoc refuses". The last tests check the
 checker: an accepted call, a wrong message and a refusal that touched a cache are all caught.
@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from kvdoc.proofs import refusals
-from kvdoc.proofs.refusals import CATALOGUE, CommandError, Fixtures, Refusal, attempt
+from kvdoc.teach import refusals
+from kvdoc.teach.refusals import CATALOGUE, CommandError, Fixtures, Refusal, attempt
 
 
 @pytest.mark.parametrize("refusal", CATALOGUE, ids=[r.key for r in CATALOGUE])

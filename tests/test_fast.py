@@ -10,8 +10,8 @@ from kvdoc import Decoder, GPTConfig
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.feed import feed
 from kvdoc.core.mla import MLAConfig, MLADecoder
-from kvdoc.proofs import refusals
 from kvdoc.proofs.compare import TOLERANCE as TOL
+from kvdoc.teach import refusals
 
 
 def _model(dtype: torch.dtype = torch.float32, **cfg) -> Decoder:

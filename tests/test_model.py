@@ -136,7 +136,7 @@ def test_grouped_query_attention(kv_heads):
 
 
 # Bad input (a clear error, the cache exactly as it was) is tested from the catalogue in
-# kvdoc.proofs.refusals, by tests/test_bad_inputs.py.
+# kvdoc.teach.refusals, by tests/test_bad_inputs.py.
 
 
 def test_crop_is_in_place_for_every_kind(model, stream):

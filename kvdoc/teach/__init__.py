@@ -10,7 +10,7 @@ transformers (``crosscheck``), padded and shared-prefix runs against recompute
 the policies' yardsticks that ``tests/test_policies.py`` runs: the scheduler's specification and
 vLLM V1's rule (``schedule_spec``), the radix cache's LRU oracle (``radix_policy``), sampling
 against its distribution (``sampling``), and the broken policies each catches
-(``broken_policies``).
+(``broken_policies``); and the catalogue of bad input every layer refuses (``refusals``).
 
 The display modules turn results into something a reader can look at; the checks here are
 tested like those of :mod:`kvdoc.proofs`.
