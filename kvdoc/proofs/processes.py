@@ -34,7 +34,7 @@ from kvdoc.parallel.latent import (
 from kvdoc.parallel.launch import launch, together
 from kvdoc.serving.offload import TieredStore, check_offload, multi_turn
 
-from .broken.offload import BROKEN as OFFLOAD_BROKEN
+from .broken.offload_keys import BROKEN as OFFLOAD_BROKEN
 from .broken.parallel import BROKEN as PARALLEL_BROKEN
 from .broken.parallel import HANDOVER_BROKEN, LATENT_BROKEN, PULL_BROKEN
 

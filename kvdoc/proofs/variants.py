@@ -27,7 +27,7 @@ from .broken import (
     loaders,
     measures,
     padded,
-    rope,
+    rotary,
     serving,
 )
 from .traits import FAMILIES, check_traits, grid_traits, traits
@@ -170,10 +170,10 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   _copy(decoders.SnapshotFastStepDecoder), "stale weights"),
     BrokenVariant("unrotated-k-cache",
                   "K is cached before RoPE; keys read back from the cache are never rotated",
-                  rope.unrotated_k, "rotary positions", needs={"decoder", "rope"}),
+                  rotary.unrotated_k, "rotary positions", needs={"decoder", "rope"}),
     BrokenVariant("rope-restart",
                   "RoPE turns each call's Q and K at positions 0..C-1, not at the cache length",
-                  rope.rope_restart, "rotary positions", needs={"decoder", "rope"}),
+                  rotary.rope_restart, "rotary positions", needs={"decoder", "rope"}),
     BrokenVariant("pool-counts-k-only", "a paged pool's byte figures count K's bytes, not V's",
                   _copy(Decoder), "byte accounting", one_model=True, kinds=("paged",),
                   caches={"paged": cache_kinds.k_only_paged_cache}),
@@ -249,10 +249,10 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
          "and copies it", serving.ShareLastBlock))),
     BrokenVariant("rope-table-growth",
                   "RoPE's cos/sin table, built on the first call, grows with rows from position 0",
-                  rope.growing_table, "state across calls", needs={"decoder", "rope"}),
+                  rotary.growing_table, "state across calls", needs={"decoder", "rope"}),
     BrokenVariant("rope-default-base",
                   "RoPE turns at the default base 10000, not config.rope_theta",
-                  rope.default_base, "configuration value", needs={"decoder", "rope"}),
+                  rotary.default_base, "configuration value", needs={"decoder", "rope"}),
     BrokenVariant("hybrid-rings-global",
                   "the hybrid cache rings the global layers too, so they lose keys past the window",
                   lambda m: decoders.copy_as(m, Gemma3Decoder), "ring and block edges",
@@ -270,7 +270,7 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   needs={"decoder", "rope"}, one_model=True, kinds=("dynamic",)),
     BrokenVariant("gemma-local-global-base",
                   "a Gemma model's window layers turn at the global RoPE base, not the local one",
-                  rope.local_global_base, "configuration value", needs={"gemma", "hybrid"},
+                  rotary.local_global_base, "configuration value", needs={"gemma", "hybrid"},
                   kinds=("hybrid",)),
 )}
 """Every broken variant, by name."""

@@ -7,7 +7,7 @@ nothing but public hooks:
   ``positions=`` keyword, attention subclasses that hand a wrong mask to the real ``attend`` or
   share K/V heads wrongly, a fast step that keeps stale weights, and one scenario rather than
   code (a cache filled before a prefix edit and reused after it);
-* :mod:`~kvdoc.proofs.broken.rope`: rotary positions got wrong;
+* :mod:`~kvdoc.proofs.broken.rotary`: rotary positions got wrong;
 * :mod:`~kvdoc.proofs.broken.caches`: cache layers (a :class:`~kvdoc.core.layers.CacheLayer`
   subclass swapped in through a cache's public ``layers``,
   :func:`~kvdoc.proofs.broken.caches.with_layers`) and transactions (``update``, ``begin``,
