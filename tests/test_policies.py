@@ -14,6 +14,7 @@ from kvdoc.proofs import grid
 from kvdoc.proofs.compare import default_model
 from kvdoc.proofs.prefix_cache import check_admission, check_locked_eviction, compare_workload
 from kvdoc.proofs.scheduling import check_forks, check_policies, check_preemption
+from kvdoc.proofs.variants import VARIANTS
 from kvdoc.serving.prefix_workload import few_shot_workload
 from kvdoc.serving.requests import Request
 from kvdoc.serving.scheduler import Scheduler
@@ -125,6 +126,15 @@ def test_eviction_follows_lru_and_most_recent_first_is_caught(model):
     tree = broken.most_recent_first()
     assert not check_eviction(model, tree).passed
     assert check_full_match(model, tree).passed and _equal_to_alone(model, tree)
+
+
+@pytest.mark.parametrize("name", ["position-counter", "last-only-first-row"])
+def test_broken_decoders_fail_the_full_match_too(name):
+    # a decoder bug shows through the radix tree as well; the sampled stream sees the second
+    model = VARIANTS[name].build(grid.MODELS["mha"].build(0).eval())
+    with torch.no_grad():
+        assert not check_full_match(model).passed
+        assert check_sampled_preemption(model).passed == (name == "position-counter")
 
 
 def test_block_eviction_takes_one_block_and_whole_leaves_are_caught(model):
