@@ -37,31 +37,6 @@ NEW = 4
 """Tokens generated per row: a prefill and three decode steps."""
 
 
-@scenario("generate_padded", {
-    "generate_padded": "generate_padded's rows vs each prompt's solo generate() (tokens) and one "
-                       "full forward (logits)"})
-def _generate_padded(case: Case, out: list) -> None:
-    if case.impl != "model" or case.kind != "dynamic" or case.ids.shape[0] < 2:
-        out.append(case.result("generate_padded", None, 0.0, "generate_padded takes the model "
-                               "and makes its own cache (the dynamic kind); 2 rows or more"))
-        return
-    run = case.caches.get("generate_padded", generate_padded)
-    B = case.ids.shape[0]
-    prompts = [case.ids[b, :PROMPTS[b % len(PROMPTS)]].tolist() for b in range(B)]
-    got = run(case.model, prompts, NEW)
-    ok, err = tuple(got.tokens.shape) == (B, NEW), 0.0
-    for b, prompt in enumerate(prompts):
-        alone = generate(case.model, torch.tensor([prompt], device=case.ids.device), NEW)
-        want = case.full(alone[:, :-1])[0, len(prompt) - 1:]  # the logits behind each choice
-        ok = (ok and torch.equal(got.tokens[b], alone[0, len(prompt):])
-              and close(got.logits[b], want, case.tol))
-        err = max(err, max_abs(got.logits[b], want))
-    out.append(case.result("generate_padded", ok, err,
-                           f"prompts of {[len(p) for p in prompts]} tokens, {NEW} new each: "
-                           "tokens vs generate() alone, logits vs one full forward"))
-
-
-
 DECODE_CUT = 20
 """Tokens of the full-batch stream that ``prefill_decode`` and ``generate`` run, when the stream
 checks already made one-token calls at that batch to the stream's end (the same calls)."""
@@ -150,3 +125,27 @@ def _speculative(case: Case, out: list) -> None:
     out.append(case.result("speculative", ok, gap,
                            f"{new} tokens, a 1-layer draft proposing {k} a round, "
                            f"{sum(run.accepted)} kept; vs argmax of one full forward"))
+
+
+@scenario("generate_padded", {
+    "generate_padded": "generate_padded's rows vs each prompt's solo generate() (tokens) and one "
+                       "full forward (logits)"})
+def _generate_padded(case: Case, out: list) -> None:
+    if case.impl != "model" or case.kind != "dynamic" or case.ids.shape[0] < 2:
+        out.append(case.result("generate_padded", None, 0.0, "generate_padded takes the model "
+                               "and makes its own cache (the dynamic kind); 2 rows or more"))
+        return
+    run = case.caches.get("generate_padded", generate_padded)
+    B = case.ids.shape[0]
+    prompts = [case.ids[b, :PROMPTS[b % len(PROMPTS)]].tolist() for b in range(B)]
+    got = run(case.model, prompts, NEW)
+    ok, err = tuple(got.tokens.shape) == (B, NEW), 0.0
+    for b, prompt in enumerate(prompts):
+        alone = generate(case.model, torch.tensor([prompt], device=case.ids.device), NEW)
+        want = case.full(alone[:, :-1])[0, len(prompt) - 1:]  # the logits behind each choice
+        ok = (ok and torch.equal(got.tokens[b], alone[0, len(prompt):])
+              and close(got.logits[b], want, case.tol))
+        err = max(err, max_abs(got.logits[b], want))
+    out.append(case.result("generate_padded", ok, err,
+                           f"prompts of {[len(p) for p in prompts]} tokens, {NEW} new each: "
+                           "tokens vs generate() alone, logits vs one full forward"))
