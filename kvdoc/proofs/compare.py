@@ -6,8 +6,9 @@ Everything that compares a cached path with a full forward is built from these:
 stream fed chunk by chunk through :func:`kvdoc.core.feed.feed`, recording whether any call
 changed what the cache held before it), :class:`Snapshot`, and :func:`full_forward_kv` (the
 K and V one full forward projects, read off each layer's projections). The checks themselves
-are the scenarios of :mod:`kvdoc.proofs.equivalence`, which :func:`kvdoc.proofs.suite.run_suite`
-runs on the axes of :mod:`kvdoc.proofs.grid`; ``python -m kvdoc verify`` runs them all.
+are the scenarios the modules of :data:`kvdoc.proofs.suite.CHECK_MODULES` register, which
+:func:`kvdoc.proofs.suite.run_suite` runs on the axes of :mod:`kvdoc.proofs.grid`;
+``python -m kvdoc verify`` runs them all.
 
 >>> model = default_model()
 >>> ids = default_stream(batch=1, length=6)

@@ -2,7 +2,7 @@
 
 This is the one place to plug something new into ``python -m kvdoc verify``: one entry in one
 mapping puts it on the default grid of :func:`kvdoc.proofs.suite.run_suite`, where every
-scenario of :mod:`kvdoc.proofs.equivalence` runs on it.
+registered scenario (:data:`kvdoc.proofs.suite.SCENARIOS`) runs on it.
 
 * :data:`MODELS`: name -> :class:`ModelSpec`: a factory ``seed -> model`` (FP32, eval mode) with
   the :class:`~kvdoc.core.model.Decoder` interface: ``model(idx, cache=None, last_only=False) ->
