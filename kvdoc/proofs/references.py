@@ -88,7 +88,7 @@ def transformers_reference(model: nn.Module) -> Reference:
     """
     from kvdoc.interop.hf_weights import to_transformers
 
-    return _lifted(to_transformers(model), model)
+    return hf_reference(to_transformers(model), model)
 
 
 def deepseek_reference(model: nn.Module) -> Reference:
@@ -99,10 +99,10 @@ def deepseek_reference(model: nn.Module) -> Reference:
     """
     from kvdoc.interop.deepseek import to_deepseek
 
-    return _lifted(to_deepseek(model), model)
+    return hf_reference(to_deepseek(model), model)
 
 
-def _lifted(hf: nn.Module, model: nn.Module) -> Reference:
+def hf_reference(hf: nn.Module, model: nn.Module) -> Reference:
     """``ids -> logits`` of the transformers model ``hf``, its FP32 islands lifted to FP64 when
     ``model`` is FP64."""
     from kvdoc.interop.hf_float64 import float64_islands_lifted

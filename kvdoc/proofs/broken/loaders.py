@@ -67,7 +67,7 @@ def transformers_reference_layers_by_name(model: nn.Module) -> Callable[[torch.T
     name = "layers" if hasattr(body, "layers") else "h"
     stack = getattr(body, name)
     setattr(body, name, nn.ModuleList([stack[i] for i in by_name(len(stack))]))
-    return references._lifted(hf, model)
+    return references.hf_reference(hf, model)
 
 
 def transformers_reference_upcast(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -78,7 +78,7 @@ def transformers_reference_upcast(model: nn.Module) -> Callable[[torch.Tensor], 
     hf = to_transformers(model)
     if next(hf.parameters()).dtype in (torch.bfloat16, torch.float16):
         hf = hf.float()  # BUG: the model's precision is not the reference's
-    return references._lifted(hf, model)
+    return references.hf_reference(hf, model)
 
 
 def deepseek_reference_uninverted(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -103,7 +103,7 @@ def _exported_with(module: object, name: str, bug: Callable, export: Callable,
         hf = export(model)
     finally:
         setattr(module, name, real)
-    return references._lifted(hf, model)
+    return references.hf_reference(hf, model)
 
 
 class _OneOffConfig(Gemma3Config):
