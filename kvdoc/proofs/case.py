@@ -20,6 +20,7 @@ ValueError: scenario 'answer' is registered already
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -114,6 +115,17 @@ class Case:
     def capacity(self) -> int:
         """What a new cache of this case is built to hold: the stream and :data:`SPARE`."""
         return self.ids.shape[1] + SPARE
+
+    def rounded(self) -> list[tuple[str, torch.dtype, nn.Module, Callable]]:
+        """In the FP32 pass, the model as built rounded to BF16 and to FP16, each as ``(label,
+        dtype, model, cached call)``; none in another pass."""
+        if self.dtype != torch.float32:
+            return []
+        out = []
+        for label, dtype in (("BF16", torch.bfloat16), ("FP16", torch.float16)):
+            low = copy.deepcopy(self.fresh()).to(dtype).eval()
+            out.append((label, dtype, low, self.implementation(low)))
+        return out
 
     def both_batches(self) -> list[torch.Tensor]:
         """The stream at its full batch and, if larger, at batch 1 (bugs that squeeze a dim of

@@ -23,7 +23,6 @@ same tokens as over the exact cache.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -178,11 +177,8 @@ def _scenario(case: Case, out: list) -> None:
     if not isinstance(case.model.config, GPTConfig):
         out.append(case.result("fp8", None, 0.0, "an FP8 cache of a GPTConfig model's K/V"))
         return
-    models = [("", case.model, case.call)]
-    if case.dtype == torch.float32:
-        for label, dt in (("BF16", torch.bfloat16), ("FP16", torch.float16)):
-            low = copy.deepcopy(case.fresh()).to(dt).eval()
-            models.append((label, low, case.implementation(low)))
+    models = [("", case.model, case.call)] + [(label, low, call)
+                                              for label, _, low, call in case.rounded()]
     for label, model, call in models:
         for granularity, calibrated in SETTINGS:
             result = case.result("fp8", *_one(case, model, call, granularity, calibrated))

@@ -13,7 +13,6 @@ multiple of a step is itself rounded to the model's dtype: there each value is h
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import math
@@ -188,12 +187,9 @@ def _scenario(case: Case, out: list) -> None:
         out.append(case.result("int8", None, 0.0, "an int8 cache of a GPTConfig model's K/V"))
         return
     out.append(case.result("int8", *_contract(case, case.model, case.call, 0.0)))
-    if case.dtype == torch.float32:
-        for label, dt in (("BF16", torch.bfloat16), ("FP16", torch.float16)):
-            low = copy.deepcopy(case.fresh()).to(dt).eval()
-            result = case.result("int8", *_contract(case, low, case.implementation(low),
-                                                    UNIT_ROUNDOFF[dt]))
-            out.append(dataclasses.replace(result, dtype=label))
+    for label, dtype, low, call in case.rounded():
+        result = case.result("int8", *_contract(case, low, call, UNIT_ROUNDOFF[dtype]))
+        out.append(dataclasses.replace(result, dtype=label))
 
 
 def _contract(case: Case, model: torch.nn.Module, call, unit: float) -> tuple[bool, float, str]:
