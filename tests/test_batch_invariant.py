@@ -252,7 +252,7 @@ def test_gemma_rmsnorm_under_the_mode_is_each_rows_own_bits(dtype):
 
 def test_the_check_runs_on_mla_and_gemma_with_the_kinds_they_serve():
     assert set(OTHER_DECODERS) <= set(batch_invariance.MODELS)
-    kinds = {name: batch_invariance._kinds(grid.MODELS[name].build(0))
+    kinds = {name: batch_invariance.served_kinds(grid.MODELS[name].build(0))
              for name in ("mistral", "mla", "gemma3")}
     assert kinds == {"mistral": ["dynamic", "static", "window"], "mla": ["dynamic", "static"],
                      "gemma3": ["dynamic", "static", "hybrid"]}

@@ -61,7 +61,7 @@ CHUNKS = (2, 5)
 BATCH = 3
 
 
-def _kinds(model: nn.Module) -> list[str]:
+def served_kinds(model: nn.Module) -> list[str]:
     """The kinds of :data:`KINDS` the grid says serve ``model`` (:func:`kvdoc.proofs.grid.served`):
     a window for a model with one, a hybrid cache for Gemma, the latent ones for MLA."""
     return [kind for kind, _ in grid.served(model.config, kinds=KINDS, impls=("model",))]
@@ -92,7 +92,7 @@ def invariance_rows(model: nn.Module, dtypes=DTYPES,
             want = m(ids[:1]).logits
             cached = _cached_want(m, ids[:1], want)
             runs = [(m(ids).logits[:1], want)]
-            for kind in _kinds(m):
+            for kind in served_kinds(m):
                 for chunk in CHUNKS:
                     got = feed(m, ids[:1], grid.CACHES[kind].new(m, 1, LENGTH), chunk).logits
                     runs.append((got, cached))
