@@ -21,8 +21,8 @@ from kvdoc.measure.ablation import (
     UnguardedFast,
     UnwatchedFast,
 )
-from kvdoc.measure.bench_result import TARGETS
-from kvdoc.measure.bench_run import VARIANTS, BenchSettings, run_bench
+from kvdoc.measure.bench_result import TARGETS, BenchSettings
+from kvdoc.measure.bench_run import VARIANTS, run_bench
 from kvdoc.measure.bench_tables import (
     ablation_table,
     counts_table,

@@ -1,7 +1,8 @@
 """Configurations between kvdoc and transformers: a :class:`~kvdoc.core.config.GPTConfig` as
 transformers' ``GPT2Config``, ``LlamaConfig`` or ``MistralConfig`` and back
 (:func:`transformers_config`, :func:`config_from_transformers`), and a transformers model with
-random weights built offline from one (:func:`transformers_model`).
+random weights built offline from one (:func:`transformers_model`), and a transformers model
+holding weights mapped to its names (:func:`load_exported`, for every family's export).
 
 A variant kvdoc does not implement (scaled RoPE, another activation, biases) is refused with a
 ``ValueError`` naming the field. transformers is imported only when a function needs it.
@@ -9,11 +10,15 @@ A variant kvdoc does not implement (scaled RoPE, another activation, biases) is 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from kvdoc.core.config import GPTConfig
+
+BUFFERS = (".attn.bias", ".attn.masked_bias")
+"""Causal-mask buffers some GPT-2 versions keep beside the weights: never loaded or exported."""
 
 
 def causal_lm_class(model_type: str) -> type:
@@ -166,3 +171,19 @@ def transformers_model(family: str, config: GPTConfig | None = None, seed: int =
         raise ValueError(f"this config builds a {hf_config.model_type} model, not {family}")
     torch.manual_seed(seed)
     return cls(hf_config).to(dtype).eval()
+
+
+def load_exported(hf: Any, mapped: Mapping[str, torch.Tensor], model: torch.nn.Module,
+                  family: str) -> Any:
+    """``hf`` holding ``mapped`` (its own parameter names), in ``model``'s dtype, in eval mode.
+
+    Every parameter of ``hf`` must be in ``mapped`` and nothing else (the causal-mask buffers
+    some GPT-2 versions keep aside); otherwise a ``ValueError`` names what did not map.
+    """
+    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in mapped.items()},
+                                             strict=False)
+    missing = [k for k in missing if not k.endswith(BUFFERS)]
+    if missing or unexpected:
+        raise ValueError(f"weights do not map onto {family}: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    return hf.to(next(model.parameters()).dtype).eval()

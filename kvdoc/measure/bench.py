@@ -14,8 +14,8 @@ import json
 import math
 import sys
 
-from .bench_result import TARGETS
-from .bench_run import BenchSettings, run_bench
+from .bench_result import TARGETS, BenchSettings
+from .bench_run import run_bench
 from .bench_tables import ablation_table, roofline_table, timings_table
 
 

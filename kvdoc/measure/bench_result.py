@@ -1,16 +1,16 @@
-"""What one benchmark run returns: its raw samples and summaries (:class:`BenchResult`), the
-headline ratios (:func:`ratios`) and the ratios the fast step aims for (:data:`TARGETS`).
+"""What one benchmark run is asked (:class:`BenchSettings`) and returns: its raw samples and
+summaries (:class:`BenchResult`), the headline ratios (:func:`ratios`) and the ratios the fast
+step aims for (:data:`TARGETS`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvdoc.core.config import GPTConfig, check_int
 
 from .timing import percentile
-
-if TYPE_CHECKING:
-    from .bench_run import BenchSettings
 
 TARGETS = {"fast_vs_transformers": 4.5, "fast_vs_full_all_positions": 17.0,
            "bandwidth_fraction_fast": 0.6, "fast_vs_transformers_124m": 1.3,
@@ -18,6 +18,77 @@ TARGETS = {"fast_vs_transformers": 4.5, "fast_vs_full_all_positions": 17.0,
 """Ratios the fast step aims for (at least), on a quiet machine; ``--json`` records each verdict.
 ``fast_vs_lean`` at least 1 / 1.15: the fast step's checks cost at most 15% of the lean step's
 time."""
+
+
+GPT2_SMALL = GPTConfig(vocab_size=50257, n_positions=1024, n_layer=12, n_head=12, n_embd=768,
+                       n_inner=3072)
+"""GPT-2 small's shape; with the LM head tied to ``wte`` it has 124,439,808 parameters."""
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What to measure. The defaults are the CLI's; pages and tests pass smaller ones.
+
+    Args:
+        prefix_lens: prompt lengths ``P`` (each ``P + new_tokens`` must fit the model).
+        new_tokens: ``G``, fixed tokens consumed after the prompt.
+        samples: timed samples per path (after ``warmup`` untimed runs).
+        warmup: untimed runs per path before sampling.
+        threads: torch intra-op threads during the measurement (restored afterwards).
+        seed: seeds the weights and the token stream.
+        model: the model timed for the table, counts and growth (default: the 145,280-parameter
+            one).
+        transformers: also time transformers' GPT-2 (needs ``transformers``).
+        growth_lengths: total lengths ``T`` at which one step of each path is timed.
+        growth_samples: samples per path and length for the growth fit.
+        roofline: also run the memory-bandwidth floor on ``roofline_model``.
+        roofline_model: the model for the floor (default: GPT-2 small's shape, tied head, random
+            init).
+        roofline_context: prompt length before the timed decode steps of the floor.
+        roofline_steps: decode steps per roofline sample.
+        roofline_samples: samples per roofline path.
+        bandwidth_mib: size of the tensor whose reduction measures memory bandwidth.
+        ablation: also time the lean step with each of the fast step's changes undone, in the
+            rotation of the largest prefix length and (with ``roofline``) of the roofline model.
+    """
+
+    prefix_lens: tuple[int, ...] = (16, 64, 128, 256)
+    new_tokens: int = 16
+    samples: int = 31
+    warmup: int = 3
+    threads: int = 1
+    seed: int = 0
+    model: GPTConfig = field(default_factory=GPTConfig)
+    transformers: bool = True
+    growth_lengths: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+    growth_samples: int = 15
+    roofline: bool = True
+    roofline_model: GPTConfig = GPT2_SMALL
+    roofline_context: int = 128
+    roofline_steps: int = 8
+    roofline_samples: int = 7
+    bandwidth_mib: int = 512
+    ablation: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("new_tokens", "samples", "threads", "growth_samples", "roofline_steps",
+                     "roofline_samples", "bandwidth_mib", "roofline_context"):
+            check_int(name, getattr(self, name))
+        check_int("warmup", self.warmup, minimum=0)
+        object.__setattr__(self, "prefix_lens", tuple(self.prefix_lens))
+        object.__setattr__(self, "growth_lengths", tuple(self.growth_lengths))
+        if not self.prefix_lens:
+            raise ValueError("prefix_lens is empty")
+        for p in self.prefix_lens:
+            if not isinstance(p, int) or p < 1 or p + self.new_tokens > self.model.n_positions:
+                raise ValueError(f"prefix length {p!r} + {self.new_tokens} new tokens does not fit "
+                                 f"1 .. {self.model.n_positions} positions")
+        for t in self.growth_lengths:
+            if not isinstance(t, int) or t < 2 or t > self.model.n_positions:
+                raise ValueError(f"growth length {t!r} must lie in 2 .. {self.model.n_positions}")
+        if self.roofline_context + self.roofline_steps > self.roofline_model.n_positions:
+            raise ValueError("roofline_context + roofline_steps exceeds the roofline model's "
+                             "positions")
 
 
 @dataclass

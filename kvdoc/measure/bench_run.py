@@ -14,10 +14,11 @@ thread count (one by default), the model in ``eval()`` and under ``torch.inferen
 * **transformers**: transformers' ``GPT2LMHeadModel`` on the same weights with its own cache,
   the reference a user would otherwise pick.
 
-:class:`BenchSettings` says what to measure; :func:`run_bench` measures it and returns a
-:class:`~kvdoc.measure.bench_result.BenchResult`: every raw sample (milliseconds) with the
-settings, the environment and a timestamp, and the headline ratios. Paths are timed by
-:func:`kvdoc.measure.timing.time_paths` (warm-up, then rounds in rotating order);
+:class:`~kvdoc.measure.bench_result.BenchSettings` says what to measure; :func:`run_bench`
+measures it and returns a :class:`~kvdoc.measure.bench_result.BenchResult`: every raw sample
+(milliseconds) with the settings, the environment and a timestamp, and the headline ratios.
+Paths are timed by :func:`kvdoc.measure.timing.time_paths` (warm-up, then rounds in rotating
+order);
 :mod:`kvdoc.measure.costs` supplies the counts, FLOPs and bytes. Nothing here asserts a speed:
 timings are measurements.
 """
@@ -28,92 +29,20 @@ import datetime as _dt
 import gc
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvdoc.core.config import GPTConfig, check_int
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import Decoder
 
 from .ablation import ABLATION, GUARANTEES
-from .bench_result import BenchResult, ratios
+from .bench_result import BenchResult, BenchSettings, ratios
 from .costs import RowCounter, projected_positions_full, run_flops, step_bytes
 from .decode_paths import ablation_paths, build_models, decode_paths, ops_per_step, token_stream
 from .timing import environment, percentile, time_paths
-
-GPT2_SMALL = GPTConfig(vocab_size=50257, n_positions=1024, n_layer=12, n_head=12, n_embd=768,
-                       n_inner=3072)
-"""GPT-2 small's shape; with the LM head tied to ``wte`` it has 124,439,808 parameters."""
-
-
-@dataclass(frozen=True)
-class BenchSettings:
-    """What to measure. The defaults are the CLI's; pages and tests pass smaller ones.
-
-    Args:
-        prefix_lens: prompt lengths ``P`` (each ``P + new_tokens`` must fit the model).
-        new_tokens: ``G``, fixed tokens consumed after the prompt.
-        samples: timed samples per path (after ``warmup`` untimed runs).
-        warmup: untimed runs per path before sampling.
-        threads: torch intra-op threads during the measurement (restored afterwards).
-        seed: seeds the weights and the token stream.
-        model: the model timed for the table, counts and growth (default: the 145,280-parameter
-            one).
-        transformers: also time transformers' GPT-2 (needs ``transformers``).
-        growth_lengths: total lengths ``T`` at which one step of each path is timed.
-        growth_samples: samples per path and length for the growth fit.
-        roofline: also run the memory-bandwidth floor on ``roofline_model``.
-        roofline_model: the model for the floor (default: GPT-2 small's shape, tied head, random
-            init).
-        roofline_context: prompt length before the timed decode steps of the floor.
-        roofline_steps: decode steps per roofline sample.
-        roofline_samples: samples per roofline path.
-        bandwidth_mib: size of the tensor whose reduction measures memory bandwidth.
-        ablation: also time the lean step with each of the fast step's changes undone, in the
-            rotation of the largest prefix length and (with ``roofline``) of the roofline model.
-    """
-
-    prefix_lens: tuple[int, ...] = (16, 64, 128, 256)
-    new_tokens: int = 16
-    samples: int = 31
-    warmup: int = 3
-    threads: int = 1
-    seed: int = 0
-    model: GPTConfig = field(default_factory=GPTConfig)
-    transformers: bool = True
-    growth_lengths: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
-    growth_samples: int = 15
-    roofline: bool = True
-    roofline_model: GPTConfig = GPT2_SMALL
-    roofline_context: int = 128
-    roofline_steps: int = 8
-    roofline_samples: int = 7
-    bandwidth_mib: int = 512
-    ablation: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("new_tokens", "samples", "threads", "growth_samples", "roofline_steps",
-                     "roofline_samples", "bandwidth_mib", "roofline_context"):
-            check_int(name, getattr(self, name))
-        check_int("warmup", self.warmup, minimum=0)
-        object.__setattr__(self, "prefix_lens", tuple(self.prefix_lens))
-        object.__setattr__(self, "growth_lengths", tuple(self.growth_lengths))
-        if not self.prefix_lens:
-            raise ValueError("prefix_lens is empty")
-        for p in self.prefix_lens:
-            if not isinstance(p, int) or p < 1 or p + self.new_tokens > self.model.n_positions:
-                raise ValueError(f"prefix length {p!r} + {self.new_tokens} new tokens does not fit "
-                                 f"1 .. {self.model.n_positions} positions")
-        for t in self.growth_lengths:
-            if not isinstance(t, int) or t < 2 or t > self.model.n_positions:
-                raise ValueError(f"growth length {t!r} must lie in 2 .. {self.model.n_positions}")
-        if self.roofline_context + self.roofline_steps > self.roofline_model.n_positions:
-            raise ValueError("roofline_context + roofline_steps exceeds the roofline model's "
-                             "positions")
-
 
 
 def _bench_prefix(model: Decoder, fast: FastDecoder, hf: Any, settings: BenchSettings,
