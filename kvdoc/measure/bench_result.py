@@ -50,6 +50,9 @@ class BenchSettings:
         bandwidth_mib: size of the tensor whose reduction measures memory bandwidth.
         ablation: also time the lean step with each of the fast step's changes undone, in the
             rotation of the largest prefix length and (with ``roofline``) of the roofline model.
+        compiled: also time ``torch.compile`` of the model's forward over a static cache
+            (``compiled``), gpt-fast's fast step, in every prefix's rotation and the roofline's;
+            its compile time is reported apart (:attr:`BenchResult.compiled`).
     """
 
     prefix_lens: tuple[int, ...] = (16, 64, 128, 256)
@@ -69,6 +72,7 @@ class BenchSettings:
     roofline_samples: int = 7
     bandwidth_mib: int = 512
     ablation: bool = True
+    compiled: bool = True
 
     def __post_init__(self) -> None:
         for name in ("new_tokens", "samples", "threads", "growth_samples", "roofline_steps",
@@ -97,6 +101,9 @@ class BenchResult:
 
     ``timings[P][path]`` holds the raw samples in milliseconds (a whole ``G``-step run for the
     decode paths, one call for prefill); ``ratios`` holds the headline figures (higher is better).
+    ``compiled`` says what ``torch.compile`` cost per rotation (a prefix length, or
+    ``"roofline"``): ``first_run_s`` and ``graphs``, or ``error`` where it failed (None: not
+    asked for).
     """
 
     settings: BenchSettings
@@ -112,6 +119,7 @@ class BenchResult:
     ablation: dict[str, Any] | None
     ops: dict[str, int]
     ratios: dict[str, float]
+    compiled: dict[str, dict[str, Any]] | None = None
 
     def p50(self, prefix_len: int, path: str) -> float:
         """Median of a path's samples at one prefix length, in ms."""
@@ -145,6 +153,7 @@ class BenchResult:
             "roofline": self.roofline,
             "ablation": self.ablation,
             "aten_ops_per_step": self.ops,
+            "compiled": self.compiled,
         }
 
 
@@ -155,6 +164,7 @@ def ratios(result: BenchResult) -> dict[str, float]:
     ``cached_vs_*``: the other path's p50 over the faster of kvdoc's two caches' p50 for the
     ``G`` steps; ``fast_vs_*``: the same over the fast step's p50 (``fast_vs_lean``, below 1, is
     the share of the lean step's speed the fast step keeps with its checks);
+    ``compiled_vs_*``: the same over the ``torch.compile`` step's p50, where it compiled;
     ``bandwidth_fraction*``: the bandwidth floor over a path's decode time per token on the
     roofline model (1 would read weights and K/V at the measured bandwidth); ``*_124m``: on
     the roofline model.
@@ -168,6 +178,9 @@ def ratios(result: BenchResult) -> dict[str, float]:
            "fast_vs_full_all_positions": p50["full_all"] / p50["fast"],
            "fast_vs_static": p50["static"] / p50["fast"],
            "fast_vs_lean": p50["lean"] / p50["fast"]}
+    if "compiled" in p50:
+        out["compiled_vs_lean"] = p50["lean"] / p50["compiled"]
+        out["compiled_vs_fast"] = p50["fast"] / p50["compiled"]
     if "transformers" in p50:
         out["cached_vs_transformers"] = p50["transformers"] / best
         out["fast_vs_transformers"] = p50["transformers"] / p50["fast"]
@@ -177,6 +190,9 @@ def ratios(result: BenchResult) -> dict[str, float]:
         out["bandwidth_fraction_fast"] = fraction["fast"]
         out["bandwidth_fraction_lean"] = fraction["lean"]
         out["fast_vs_lean_124m"] = per_token["lean"] / per_token["fast"]
+        if "compiled" in per_token:
+            out["compiled_vs_lean_124m"] = per_token["lean"] / per_token["compiled"]
+            out["compiled_vs_fast_124m"] = per_token["fast"] / per_token["compiled"]
         if "transformers" in fraction:
             out["bandwidth_fraction_transformers"] = fraction["transformers"]
             out["bandwidth_fraction_vs_transformers"] = (out["bandwidth_fraction"]

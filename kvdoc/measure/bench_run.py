@@ -10,7 +10,9 @@ thread count (one by default), the model in ``eval()`` and under ``torch.inferen
 * **cached continuation**, ``G`` steps of one token each, from the prefix cache, with the
   :class:`~kvdoc.core.cache.DynamicCache` (``dynamic``), the :class:`~kvdoc.core.cache.StaticCache`
   (``static``), :class:`~kvdoc.core.fast.FastDecoder` over a static cache (``fast``), and the
-  same arithmetic without checks, :class:`~kvdoc.measure.ablation.LeanStep` (``lean``);
+  same arithmetic without checks, :class:`~kvdoc.measure.ablation.LeanStep` (``lean``), and
+  ``torch.compile`` of the model's own forward over a static cache (``compiled``, gpt-fast's
+  fast step; compiled before the timing, its compile time reported apart);
 * **transformers**: transformers' ``GPT2LMHeadModel`` on the same weights with its own cache,
   the reference a user would otherwise pick.
 
@@ -45,13 +47,23 @@ from .decode_paths import ablation_paths, build_models, decode_paths, ops_per_st
 from .timing import environment, percentile, time_paths
 
 
+def _compile(model: Decoder, settings: BenchSettings) -> Callable[..., Any] | None:
+    """gpt-fast's fast step over kvdoc's model: ``torch.compile`` of its forward (compiled on
+    the first call, :func:`~kvdoc.measure.decode_paths.compiled_decode`)."""
+    return torch.compile(model) if settings.compiled else None
+
+
 def _bench_prefix(model: Decoder, fast: FastDecoder, hf: Any, settings: BenchSettings,
-                  prefix_len: int, tick: Callable[[], None], ablation: bool = False
-                  ) -> tuple[dict[str, list[float]], float, dict[str, float], dict[str, int]]:
-    """One prefix length's paths in one rotation; ``ablation`` adds the ablation's variants."""
+                  prefix_len: int, tick: Callable[[], None], ablation: bool = False,
+                  compiled: Callable[..., Any] | None = None
+                  ) -> tuple[dict[str, list[float]], float, dict[str, float], dict[str, int],
+                             dict[str, Any] | None]:
+    """One prefix length's paths in one rotation; ``ablation`` adds the ablation's variants,
+    ``compiled`` the compiled step (and what compiling it cost, the last value)."""
     G = settings.new_tokens
     ids = token_stream(model.config, prefix_len + G, settings.seed + prefix_len)
-    prepare, runs = decode_paths(model, hf, ids, prefix_len, G, True, fast)
+    prepare, runs, compile_info = decode_paths(model, hf, ids, prefix_len, G, True, fast,
+                                               compiled)
     if ablation:
         more = ablation_paths(model, ids, prefix_len, G)
         prepare.update(more[0])
@@ -68,7 +80,7 @@ def _bench_prefix(model: Decoder, fast: FastDecoder, hf: Any, settings: BenchSet
     counts["formula_cached"] = G
     final = model(ids, model.new_cache(1, "dynamic"))[1]
     samples = time_paths(prepare, settings.samples, settings.warmup, tick)
-    return samples, final.nbytes() / 1024, diffs, counts
+    return samples, final.nbytes() / 1024, diffs, counts, compile_info
 
 
 GROWTH_PATHS = ("full_all", "dynamic", "static", "fast")
@@ -80,7 +92,7 @@ def _bench_growth(model: Decoder, fast: FastDecoder, settings: BenchSettings,
     per_len: dict[str, dict[str, list[float]]] = {}
     for T in settings.growth_lengths:
         ids = token_stream(model.config, T, settings.seed + 7919 + T)
-        prepare, _ = decode_paths(model, None, ids, T - 1, 1, True, fast)
+        prepare = decode_paths(model, None, ids, T - 1, 1, True, fast)[0]
         prepare = {path: prepare[path] for path in GROWTH_PATHS}
         per_len[str(T)] = time_paths(prepare, settings.growth_samples, settings.warmup, tick)
     lengths = np.log(np.asarray(settings.growth_lengths, dtype=float))
@@ -121,7 +133,7 @@ def _split_ablation(samples: dict[str, list[float]], diffs: dict[str, float] | N
 
 
 def _bench_roofline(settings: BenchSettings, tick: Callable[[], None],
-                    build_threads: int) -> dict[str, Any]:
+                    build_threads: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
     timed_threads = torch.get_num_threads()
     torch.set_num_threads(build_threads)  # random init of 124M parameters is not what is measured
     try:
@@ -132,7 +144,8 @@ def _bench_roofline(settings: BenchSettings, tick: Callable[[], None],
         torch.set_num_threads(timed_threads)
     C, S = settings.roofline_context, settings.roofline_steps
     ids = token_stream(model.config, C + S, settings.seed + 1)
-    prepare, _ = decode_paths(model, hf, ids, C, S, False, fast)
+    prepare, _, compile_info = decode_paths(model, hf, ids, C, S, False, fast,
+                                            _compile(model, settings))
     if settings.ablation:
         prepare.update(ablation_paths(model, ids, C, S)[0])
     # Bandwidth is one more path of the rotation, so it sees the same machine state as decode.
@@ -157,7 +170,7 @@ def _bench_roofline(settings: BenchSettings, tick: Callable[[], None],
            "p50_ms_per_token": per_token, "fraction": fraction, "ablation": ablation}
     del model, hf, fast
     gc.collect()
-    return out
+    return out, compile_info
 
 
 def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> BenchResult:
@@ -167,7 +180,8 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
     ``progress`` shows a tqdm bar on stderr.
 
     >>> s = BenchSettings(prefix_lens=(4,), new_tokens=2, samples=2, warmup=0, transformers=False,
-    ...                   growth_lengths=(4, 8), growth_samples=1, roofline=False, ablation=False)
+    ...                   growth_lengths=(4, 8), growth_samples=1, roofline=False, ablation=False,
+    ...                   compiled=False)
     >>> r = run_bench(s)
     >>> r.counts[4]["full_all_lm_head"] == projected_positions_full(4, 2) == 2 * 4 + 3
     True
@@ -178,11 +192,12 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
     settings = settings or BenchSettings()
     from tqdm import tqdm
 
-    n_paths = 7 + int(settings.transformers)
+    n_paths = 7 + int(settings.transformers) + int(settings.compiled)
     n_ablation = len(VARIANTS) if settings.ablation else 0
     total = (len(settings.prefix_lens) * settings.samples * n_paths + settings.samples * n_ablation
              + len(settings.growth_lengths) * settings.growth_samples * len(GROWTH_PATHS)
-             + (settings.roofline_samples * (5 + int(settings.transformers) + n_ablation)
+             + (settings.roofline_samples * (5 + int(settings.transformers) + int(settings.compiled)
+                                              + n_ablation)
                 if settings.roofline else 0))
     threads = torch.get_num_threads()
     bar = tqdm(total=total, disable=not progress, file=sys.stderr, unit="sample",
@@ -192,6 +207,8 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
         with torch.inference_mode():
             model, hf = build_models(settings.model, settings.seed, settings.transformers)
             fast = FastDecoder(model)
+            compiled_step = _compile(model, settings)
+            compiled = {} if settings.compiled else None
             env = environment()
             stamp = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
             timings, kv_kib, diffs, counts, flops = {}, {}, {}, {}, {}
@@ -199,8 +216,10 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
             for P in settings.prefix_lens:
                 bar.set_postfix_str(f"P={P}")
                 with_ablation = settings.ablation and P == P_max
-                timings[P], kv_kib[P], diffs[P], counts[P] = _bench_prefix(
-                    model, fast, hf, settings, P, bar.update, with_ablation)
+                timings[P], kv_kib[P], diffs[P], counts[P], info = _bench_prefix(
+                    model, fast, hf, settings, P, bar.update, with_ablation, compiled_step)
+                if compiled is not None:
+                    compiled[str(P)] = info
                 if with_ablation:
                     ablation = {"prefix_len": P, **_split_ablation(timings[P], diffs[P],
                                                                    settings.new_tokens)}
@@ -209,15 +228,17 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
                                token_stream(model.config, P_max + 1, settings.seed))
             bar.set_postfix_str("growth")
             growth = _bench_growth(model, fast, settings, bar.update)
-            del model, hf, fast
+            del model, hf, fast, compiled_step
             roofline = None
             if settings.roofline:
                 bar.set_postfix_str("roofline")
-                roofline = _bench_roofline(settings, bar.update, threads)
+                roofline, info = _bench_roofline(settings, bar.update, threads)
+                if compiled is not None:
+                    compiled["roofline"] = info
     finally:
         torch.set_num_threads(threads)
         bar.close()
     result = BenchResult(settings, env, stamp, timings, kv_kib, diffs, counts, flops, growth,
-                         roofline, ablation, ops, {})
+                         roofline, ablation, ops, {}, compiled)
     result.ratios = ratios(result)
     return result
