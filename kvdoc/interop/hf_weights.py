@@ -26,7 +26,6 @@ from .gemma import from_gemma, to_gemma
 from .hf_config import (
     BUFFERS,
     causal_lm_class,
-    config_from_gpt2,
     config_from_transformers,
     load_exported,
     transformers_config,
@@ -88,7 +87,7 @@ def decoder_from_gpt2(model_or_state_dict: Any, config: GPTConfig | None = None)
                              "pass config=")
     else:
         state = model_or_state_dict.state_dict()
-        config = config or config_from_gpt2(model_or_state_dict.config)
+        config = config or config_from_transformers(model_or_state_dict.config)
     if not state:
         raise ValueError("empty state dict")
     mapped: dict[str, torch.Tensor] = {}
