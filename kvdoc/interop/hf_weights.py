@@ -21,8 +21,6 @@ from kvdoc.core.config import GPTConfig
 from kvdoc.core.gemma import Gemma3Decoder
 from kvdoc.core.model import Decoder
 
-from .deepseek import from_deepseek
-from .gemma import from_gemma, to_gemma
 from .hf_config import (
     BUFFERS,
     causal_lm_class,
@@ -30,6 +28,8 @@ from .hf_config import (
     load_exported,
     transformers_config,
 )
+from .hf_deepseek import from_deepseek
+from .hf_gemma import from_gemma, to_gemma
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "mlp.c_proj.weight")
@@ -127,9 +127,9 @@ LOADS = ("gpt2", "llama", "mistral", "gemma3_text", "deepseek_v3")
 def from_transformers(hf_model: Any) -> Decoder:
     """A :class:`Decoder` with the weights of transformers' ``GPT2LMHeadModel``,
     ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Gemma3ForCausalLM`` (a
-    :class:`~kvdoc.core.gemma.Gemma3Decoder`, :func:`kvdoc.interop.gemma.from_gemma`) or
+    :class:`~kvdoc.core.gemma.Gemma3Decoder`, :func:`kvdoc.interop.hf_gemma.from_gemma`) or
     ``DeepseekV3ForCausalLM`` (an :class:`~kvdoc.core.mla.MLADecoder`,
-    :func:`kvdoc.interop.deepseek.from_deepseek`), in the model's dtype, in eval mode: one
+    :func:`kvdoc.interop.hf_deepseek.from_deepseek`), in the model's dtype, in eval mode: one
     entry point for every family kvdoc implements.
 
     For Llama and Mistral, ``q_proj``, ``k_proj`` and ``v_proj`` are stacked into ``c_attn``
