@@ -21,10 +21,11 @@ from kvdoc.measure.ablation import (
     UnguardedFast,
     UnwatchedFast,
 )
-from kvdoc.measure.bench_result import TARGETS
-from kvdoc.measure.bench_run import VARIANTS, BenchSettings, run_bench
+from kvdoc.measure.bench_result import TARGETS, BenchSettings
+from kvdoc.measure.bench_run import VARIANTS, run_bench
 from kvdoc.measure.bench_tables import (
     ablation_table,
+    compiled_table,
     counts_table,
     flops_table,
     growth_figure,
@@ -117,7 +118,7 @@ def test_raw_samples_and_summary(result):
     for P in PREFIXES:
         samples = data["samples_ms"][str(P)]
         assert set(samples) == {"prefill", "full_all", "full_last", "dynamic", "static", "fast",
-                                "lean", "transformers"}
+                                "lean", "compiled", "transformers"}
         for path, values in samples.items():
             assert len(values) == 3 and all(v > 0 for v in values), path
             s = data["summary"][str(P)][path]
@@ -208,7 +209,7 @@ def test_step_bytes_tied_and_untied():
 def test_roofline_structure(result):
     r = result.roofline
     assert r["floor_ms_per_token"] > 0 and r["bandwidth"]["gb_per_s"] > 0
-    assert set(r["fraction"]) == {"dynamic", "static", "fast", "lean", "transformers"}
+    assert set(r["fraction"]) == {"dynamic", "static", "fast", "lean", "compiled", "transformers"}
     assert result.ratios["bandwidth_fraction"] == max(r["fraction"]["dynamic"],
                                                       r["fraction"]["static"])
 
@@ -221,7 +222,7 @@ def test_growth_structure(result):
 
 
 def test_tables_and_figures(result):
-    paths = 1 + 8   # header rule; prefill and the seven decode paths
+    paths = 1 + 9   # header rule; prefill and the eight decode paths
     for stat in ("p50", "p95"):
         table = timings_table(result, stat)
         assert table.count("\n") == paths and "fast step" in table and f"({stat})" in table
@@ -231,7 +232,7 @@ def test_tables_and_figures(result):
     counts = counts_table(result)
     assert counts.count("\n") == 1 + 3 * len(PREFIXES) and "MFLOP" in flops_table(result)
     roof = roofline_table(result)
-    assert "GB/s" in roof and roof.count("\n") == 1 + 5  # header rule and five decode paths
+    assert "GB/s" in roof and roof.count("\n") == 1 + 6  # header rule and six decode paths
     for ablation in (result.ablation, result.roofline["ablation"]):
         table = ablation_table(ablation)
         assert table.count("\n") == 1 + 3 + len(VARIANTS) and "µs" in table
@@ -271,7 +272,8 @@ def test_ablation_structure(result):
         assert diff < 1e-4, (name, diff)
     roofline = result.roofline
     assert set(roofline["ablation"]["p50_us_per_step"]) == {"reference", "fast", "lean", *VARIANTS}
-    assert set(roofline["samples_ms"]) == {"dynamic", "static", "fast", "lean", "transformers"}
+    assert set(roofline["samples_ms"]) == {"dynamic", "static", "fast", "lean", "compiled",
+                                           "transformers"}
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -295,6 +297,7 @@ def test_cli_writes_json_and_prints_ratios(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "fast_vs_transformers" in out and "cached_vs_full_all_positions" in out
     assert "target >= 4.5" in out
+    assert "compiled / lean" in out and "compiled_vs_lean" in out
     data = json.loads(path.read_text())
     assert data["config"]["prefix_lens"] == [2, 4] and data["ratios"]["cached_vs_transformers"] > 0
 
@@ -338,3 +341,68 @@ def test_the_unguarded_fast_step_neither_checks_nor_watches():
         model.lm_head.weight.mul_(2)
     assert not torch.allclose(unguarded(torch.tensor([[4]]), cache).logits,
                               model(torch.tensor([[4]]), cache.crop(3)).logits)
+
+
+def test_compiled_step_rows(result):
+    # one row per rotation: every prefix length and the roofline model, each compiled untimed
+    assert set(result.compiled) == {*map(str, PREFIXES), "roofline"}
+    for where, info in result.compiled.items():
+        assert set(info) == {"first_run_s", "graphs"}, where
+        assert info["first_run_s"] > 0 and isinstance(info["graphs"], int) and info["graphs"] >= 0
+    assert result.compiled[str(PREFIXES[0])]["graphs"] >= 1  # the first call compiles
+    P = max(PREFIXES)
+    assert len(result.timings[P]["compiled"]) == 3  # samples only: the compiling run is apart
+    assert result.ratios["compiled_vs_lean"] == pytest.approx(
+        result.p50(P, "lean") / result.p50(P, "compiled"))
+    assert result.ratios["compiled_vs_fast"] == pytest.approx(
+        result.p50(P, "fast") / result.p50(P, "compiled"))
+    per_token = result.roofline["p50_ms_per_token"]
+    assert result.ratios["compiled_vs_lean_124m"] == pytest.approx(
+        per_token["lean"] / per_token["compiled"])
+    table = compiled_table(result)
+    assert table.count("\n") == 1 + len(PREFIXES) + 1 and "compiled / lean" in table
+    assert "roofline model" in table and "failed" not in table
+    assert json.loads(json.dumps(result.to_json()))["compiled"] == result.compiled
+
+
+def test_a_compiler_failure_is_the_rows_answer(monkeypatch):
+    def refusing(model, **kw):
+        def call(*args, **kwargs):
+            raise RuntimeError("no C compiler here\nsecond line")
+        return call
+
+    monkeypatch.setattr(torch, "compile", refusing)
+    r = run_bench(tiny(prefix_lens=(4,), samples=1, warmup=0, transformers=False,
+                       growth_lengths=(4, 8), growth_samples=1, roofline=False, ablation=False))
+    assert r.compiled == {"4": {"error": "RuntimeError: no C compiler here"}}
+    assert "compiled" not in r.timings[4] and "compiled_vs_lean" not in r.ratios
+    assert "torch.compile failed: RuntimeError: no C compiler here" in compiled_table(r)
+    quiet = run_bench(tiny(prefix_lens=(4,), samples=1, warmup=0, transformers=False,
+                           growth_lengths=(4, 8), growth_samples=1, roofline=False,
+                           ablation=False, compiled=False))
+    assert quiet.compiled is None
+    with pytest.raises(ValueError, match="no compiled step"):
+        compiled_table(quiet)
+
+
+def test_the_compiled_forward_keeps_the_models_guarantees():
+    # what FastDecoder guarantees, asked of torch.compile(model): fresh weights, and the
+    # model's own error before any write
+    torch.manual_seed(0)
+    model = Decoder(GPTConfig()).eval()
+    step = torch.compile(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12))
+    with torch.inference_mode():
+        cache = model(ids[:, :8], model.new_cache(1, "static", capacity=12))[1]
+        for j in range(8, 10):  # the first length, then a symbolic one
+            assert torch.allclose(step(ids[:, j:j + 1], cache)[0],
+                                  model(ids[:, :j + 1]).logits[:, -1:], atol=1e-5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    with torch.inference_mode():
+        cache.crop(9)
+        want = model(ids[:, :10]).logits[:, -1:]
+        assert torch.allclose(step(ids[:, 9:10], cache)[0], want, atol=1e-5)
+        with pytest.raises(ValueError, match="static cache over capacity"):
+            step(ids[:, :3].repeat(1, 4), cache)  # 12 more positions past a capacity of 12
+        assert cache.seq_len == 10

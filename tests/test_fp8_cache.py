@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvdoc import Decoder, GPTConfig
+from kvdoc.measure.kv_bytes import fp8_kv_bytes, int8_kv_bytes
 from kvdoc.measure.layer_bytes import expected_bytes
-from kvdoc.measure.quant_bytes import fp8_kv_bytes, int8_kv_bytes
 from kvdoc.proofs import fp8_contract
 from kvdoc.proofs.broken.cache_kinds import rescaling_fp8_cache, tensor_scale_fp8_cache
 from kvdoc.proofs.compare import default_model, default_stream, run_cached

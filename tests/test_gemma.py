@@ -10,8 +10,8 @@ import torch
 from kvdoc import Decoder, SlidingWindowCache, decode_step, generate, mistral_config, prefill
 from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, GemmaRMSNorm
 from kvdoc.core.hybrid import HybridCache
-from kvdoc.interop.gemma import config_from_gemma, gemma_config, gemma_model
 from kvdoc.interop.hf_float64 import float64_islands_lifted
+from kvdoc.interop.hf_gemma import config_from_gemma, gemma_config, gemma_model
 from kvdoc.interop.hf_weights import from_transformers, to_transformers
 from kvdoc.measure.kv_bytes import kv_bytes_per_layer
 from kvdoc.measure.model_caches import config_cache

@@ -7,7 +7,7 @@ from transformers import GPT2LMHeadModel
 
 from kvdoc import GPTConfig
 from kvdoc.core.feed import feed
-from kvdoc.interop.hf_config import config_from_gpt2, gpt2_config
+from kvdoc.interop.hf_config import config_from_transformers, gpt2_config
 from kvdoc.interop.hf_weights import decoder_from_gpt2, from_transformers
 
 
@@ -86,7 +86,7 @@ def test_unsupported_variants_are_refused(pair):
     cfg = gpt2_config(GPTConfig())
     cfg.activation_function = "relu"
     with pytest.raises(ValueError, match="activation_function='relu'"):
-        config_from_gpt2(cfg)
+        config_from_transformers(cfg)
     with pytest.raises(ValueError, match="no grouped-query attention"):
         gpt2_config(GPTConfig(n_kv_head=2))
 
@@ -95,7 +95,6 @@ def test_unsupported_variants_are_refused(pair):
 
 from kvdoc.core.config import llama_config, mistral_config  # noqa: E402
 from kvdoc.interop.hf_config import (  # noqa: E402
-    config_from_transformers,
     transformers_config,
     transformers_model,
 )

@@ -11,7 +11,7 @@ import torch
 
 from kvdoc.core.config import llama_config
 from kvdoc.core.model import Decoder
-from kvdoc.interop.deepseek import published_config
+from kvdoc.interop.hf_deepseek import published_config
 from kvdoc.parallel.latent import (
     LatentJob,
     RequestSplit,

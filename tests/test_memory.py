@@ -13,7 +13,7 @@ from kvdoc.core.feed import feed
 from kvdoc.measure import dtypes
 from kvdoc.measure.byte_units import binary_size, decimal_size
 from kvdoc.measure.copymeter import CopyMeter
-from kvdoc.measure.dtypes import dtype_name, element_size, resolve_dtype
+from kvdoc.measure.dtypes import dtype_name, element_size
 from kvdoc.measure.kv_bytes import (
     kv_bytes,
     kv_bytes_for_config,
@@ -110,7 +110,6 @@ def test_bad_input_raises() -> None:
         element_size("float13")
     with pytest.raises(ValueError, match="unknown model"):
         preset("gpt-5")
-    assert resolve_dtype("FP16") is torch.float16
 
 
 def test_presets_are_consistent() -> None:
@@ -191,8 +190,7 @@ def test_cli_bad_input_exits_2_quietly(argv: list[str], capsys: pytest.CaptureFi
 def test_element_bytes_are_torchs() -> None:
     # the table the command line uses without importing torch, against torch itself
     for name, canonical in dtypes.DTYPES.items():
-        dtype = resolve_dtype(name)
-        assert dtype is getattr(torch, canonical)
+        dtype = getattr(torch, canonical)
         assert element_size(name) == torch.empty((), dtype=dtype).element_size(), name
         assert element_size(dtype) == element_size(name) and dtype_name(dtype) == canonical
 

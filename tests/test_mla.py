@@ -16,7 +16,7 @@ from kvdoc.core.mla import (
     MLADecoder,
     StaticLatentCache,
 )
-from kvdoc.interop.deepseek import (
+from kvdoc.interop.hf_deepseek import (
     config_from_deepseek,
     deepseek_config,
     deepseek_model,

@@ -14,7 +14,7 @@ import transformers
 
 from kvdoc.__main__ import main as cli
 from kvdoc.core.gemma import gemma_layer_types
-from kvdoc.interop.deepseek import published_config
+from kvdoc.interop.hf_deepseek import published_config
 from kvdoc.measure.config_json import cache_from_config, read_config
 from kvdoc.measure.kv_bytes import kv_bytes_per_layer
 from kvdoc.measure.model_caches import KINDS, MODELS, config_cache, every_nth_full, model_cache

@@ -1,19 +1,93 @@
-"""Configurations between kvdoc and transformers: a :class:`~kvdoc.core.config.GPTConfig` as
-transformers' ``GPT2Config``, ``LlamaConfig`` or ``MistralConfig`` and back
+"""Configurations between kvdoc and transformers: the one reader of a transformers config (an
+object or a parsed ``config.json``, :func:`config_fields`), a :class:`~kvdoc.core.config.GPTConfig`
+as transformers' ``GPT2Config``, ``LlamaConfig`` or ``MistralConfig`` and back
 (:func:`transformers_config`, :func:`config_from_transformers`), and a transformers model with
-random weights built offline from one (:func:`transformers_model`).
+random weights built offline from one (:func:`transformers_model`), and a transformers model
+holding weights mapped to its names (:func:`load_exported`, for every family's export).
 
 A variant kvdoc does not implement (scaled RoPE, another activation, biases) is refused with a
-``ValueError`` naming the field. transformers is imported only when a function needs it.
+``ValueError`` naming the field. transformers and torch are imported only when a function needs
+them: ``python -m kvdoc memory`` reads a ``config.json`` through this module without torch.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+# torch-free: the command line reads config.json files through this module
 from kvdoc.core.config import GPTConfig
+
+if TYPE_CHECKING:
+    import torch
+
+BUFFERS = (".attn.bias", ".attn.masked_bias")
+"""Causal-mask buffers some GPT-2 versions keep beside the weights: never loaded or exported."""
+
+
+#: GPT-2's names for the sizes every other family names the long way
+_ALIASES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+            "n_embd": "hidden_size", "n_positions": "max_position_embeddings"}
+#: sizes a published config.json leaves to its transformers class: Gemma 3's ``text_config``
+#: omits those equal to transformers 5.24.0's ``Gemma3TextConfig`` defaults (gemma-3-4b-pt's
+#: gives no head counts)
+_CLASS_DEFAULTS = {"gemma3_text": {"num_attention_heads": 8, "num_key_value_heads": 4,
+                                   "head_dim": 256, "max_position_embeddings": 131072,
+                                   "sliding_window": 4096}}
+
+
+def config_fields(config: Any, name: str = "config.json") -> dict[str, Any]:
+    """A transformers config (a config object, or a parsed ``config.json``) as one dict under
+    the long names: a multimodal config's ``text_config`` in its place, GPT-2's ``n_layer``,
+    ``n_head``, ``n_embd``, ``n_positions`` also as ``num_hidden_layers``, ...; the sizes a
+    published Gemma 3 file leaves to its class filled in; ``None`` values dropped.
+
+    Raises:
+        ValueError: ``config`` is neither a mapping nor a config object.
+
+    >>> c = config_fields({"n_layer": 12, "n_head": 12, "n_embd": 768, "bos_token_id": None})
+    >>> c["num_hidden_layers"], "bos_token_id" in c
+    (12, False)
+    """
+    if not isinstance(config, Mapping):
+        if not callable(getattr(config, "to_dict", None)):
+            raise ValueError(f"{name}: expected a JSON object, got {type(config).__name__}")
+        config = config.to_dict()
+    c: dict[str, Any] = dict(config)
+    if isinstance(c.get("text_config"), Mapping):  # multimodal: the decoder's own config
+        c = {"model_type": c.get("model_type"), **c["text_config"]}
+    for old, new in _ALIASES.items():
+        c.setdefault(new, c.get(old))
+    defaults = _CLASS_DEFAULTS.get(str(c.get("model_type") or ""), {})
+    return {**defaults, **{k: v for k, v in c.items() if v is not None}}
+
+
+def positive(c: Mapping[str, Any], key: str, where: str) -> int:
+    """``c[key]``, which must be a positive integer; else a ValueError naming ``key``."""
+    value = c.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        got = "missing" if value is None else f"{value!r}"
+        raise ValueError(f"{where}: {key} must be a positive integer ({got})")
+    return value
+
+
+def attention_sizes(c: Mapping[str, Any], where: str) -> tuple[int, int, int]:
+    """``(H, H_kv, D)`` of :func:`config_fields`' output: ``num_key_value_heads`` (absent:
+    ``num_attention_heads``, MHA; Falcon's ``multi_query``: 1) and ``head_dim`` (absent:
+    ``hidden_size / num_attention_heads``).
+
+    >>> attention_sizes(config_fields({"num_attention_heads": 32, "hidden_size": 4096,
+    ...                                "num_key_value_heads": 8}), "x")
+    (32, 8, 128)
+    """
+    heads = positive(c, "num_attention_heads", where)
+    if c.get("num_key_value_heads") is not None:
+        kv_heads = positive(c, "num_key_value_heads", where)
+    else:
+        kv_heads = 1 if c.get("multi_query") else heads
+    head_dim = (positive(c, "head_dim", where) if c.get("head_dim") is not None
+                else positive(c, "hidden_size", where) // heads)
+    return heads, kv_heads, head_dim
 
 
 def causal_lm_class(model_type: str) -> type:
@@ -39,7 +113,7 @@ def gpt2_config(config: GPTConfig) -> Any:
     >>> hf = GPT2LMHeadModel(gpt2_config(GPTConfig()))
     >>> sum(p.numel() for p in hf.parameters())
     145280
-    >>> config_from_gpt2(hf.config) == GPTConfig()
+    >>> config_from_transformers(hf.config) == GPTConfig()
     True
     """
     from transformers import GPT2Config
@@ -52,24 +126,6 @@ def gpt2_config(config: GPTConfig) -> Any:
         activation_function="gelu_new", layer_norm_epsilon=config.layer_norm_epsilon,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=None)  # GPT-2's 50256 lies outside a small vocabulary
-
-
-def config_from_gpt2(hf_config: Any) -> GPTConfig:
-    """The :class:`GPTConfig` of a transformers ``GPT2Config``; raises for a variant kvdoc lacks."""
-    unsupported = {
-        "activation_function": (hf_config.activation_function, ("gelu_new", "gelu_pytorch_tanh")),
-        "scale_attn_weights": (hf_config.scale_attn_weights, (True,)),
-        "scale_attn_by_inverse_layer_idx": (hf_config.scale_attn_by_inverse_layer_idx, (False,)),
-        "reorder_and_upcast_attn": (hf_config.reorder_and_upcast_attn, (False,)),
-    }
-    for name, (value, allowed) in unsupported.items():
-        if value not in allowed:
-            raise ValueError(f"GPT-2 config has {name}={value!r}; kvdoc supports {allowed}")
-    return GPTConfig(
-        vocab_size=hf_config.vocab_size, n_positions=hf_config.n_positions,
-        n_layer=hf_config.n_layer, n_head=hf_config.n_head, n_embd=hf_config.n_embd,
-        n_inner=hf_config.n_inner or 4 * hf_config.n_embd,
-        layer_norm_epsilon=hf_config.layer_norm_epsilon)
 
 
 # --- Llama and Mistral ------------------------------------------------------------------------
@@ -107,44 +163,63 @@ def transformers_config(config: GPTConfig) -> Any:
 
 
 def config_from_transformers(hf_config: Any) -> GPTConfig:
-    """The :class:`GPTConfig` of a transformers GPT-2, Llama or Mistral config.
+    """The :class:`GPTConfig` of a transformers GPT-2, Llama or Mistral config (an object or a
+    parsed ``config.json``), read by :func:`config_fields`.
 
     Raises:
         ValueError: another model type, or a variant kvdoc lacks (scaled RoPE, another
             activation, a head size other than ``hidden_size / num_attention_heads``, biases).
+
+    >>> config_from_transformers({"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64,
+    ...                           "n_positions": 512, "vocab_size": 97}) == GPTConfig()
+    True
     """
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type == "gpt2":
-        return config_from_gpt2(hf_config)
-    if model_type not in ("llama", "mistral"):
+    c = config_fields(hf_config, "config")
+    model_type = c.get("model_type")
+    if model_type not in ("gpt2", "llama", "mistral"):
         raise ValueError(f"kvdoc loads gpt2, llama and mistral models, not {model_type!r}")
-    rope = dict(hf_config.rope_parameters or {})
-    split_width = hf_config.hidden_size // hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or split_width
-    unsupported = {
-        "rope_type": (rope.get("rope_type", "default"), ("default",)),
-        "hidden_act": (hf_config.hidden_act, ("silu",)),
-        "head_dim": (head_dim, (split_width,)),
-        "attention_bias": (getattr(hf_config, "attention_bias", False), (False,)),
-        "mlp_bias": (getattr(hf_config, "mlp_bias", False), (False,)),
-        "pretraining_tp": (getattr(hf_config, "pretraining_tp", 1) or 1, (1,)),
-    }
+    heads, kv_heads, head_dim = attention_sizes(c, model_type)
+    hidden = positive(c, "hidden_size", model_type)
+    if model_type == "gpt2":
+        unsupported = {
+            "activation_function": (c.get("activation_function", "gelu_new"),
+                                    ("gelu_new", "gelu_pytorch_tanh")),
+            "scale_attn_weights": (c.get("scale_attn_weights", True), (True,)),
+            "scale_attn_by_inverse_layer_idx": (c.get("scale_attn_by_inverse_layer_idx", False),
+                                                (False,)),
+            "reorder_and_upcast_attn": (c.get("reorder_and_upcast_attn", False), (False,)),
+        }
+    else:
+        rope = dict(c.get("rope_parameters") or {})
+        unsupported = {
+            "rope_type": (rope.get("rope_type", "default"), ("default",)),
+            "hidden_act": (c.get("hidden_act"), ("silu",)),
+            "head_dim": (head_dim, (hidden // heads,)),
+            "attention_bias": (c.get("attention_bias", False), (False,)),
+            "mlp_bias": (c.get("mlp_bias", False), (False,)),
+            "pretraining_tp": (c.get("pretraining_tp", 1) or 1, (1,)),
+        }
     for name, (value, allowed) in unsupported.items():
         if value not in allowed:
             raise ValueError(f"{model_type} config has {name}={value!r}; kvdoc supports {allowed}")
-    window = getattr(hf_config, "sliding_window", None) if model_type == "mistral" else None
+    sizes = dict(vocab_size=positive(c, "vocab_size", model_type),
+                 n_positions=positive(c, "max_position_embeddings", model_type),
+                 n_layer=positive(c, "num_hidden_layers", model_type), n_head=heads,
+                 n_embd=hidden)
+    if model_type == "gpt2":
+        return GPTConfig(**sizes, n_inner=c.get("n_inner") or 4 * hidden,
+                         layer_norm_epsilon=c.get("layer_norm_epsilon", 1e-5))
+    window = c.get("sliding_window") if model_type == "mistral" else None
     return GPTConfig(
-        vocab_size=hf_config.vocab_size, n_positions=hf_config.max_position_embeddings,
-        n_layer=hf_config.num_hidden_layers, n_head=hf_config.num_attention_heads,
-        n_embd=hf_config.hidden_size, n_inner=hf_config.intermediate_size,
-        n_kv_head=hf_config.num_key_value_heads or hf_config.num_attention_heads,
-        layer_norm_epsilon=hf_config.rms_norm_eps, position="rope",
+        **sizes, n_inner=positive(c, "intermediate_size", model_type), n_kv_head=kv_heads,
+        layer_norm_epsilon=c["rms_norm_eps"], position="rope",
         rope_theta=float(rope.get("rope_theta", 10000.0)), norm="rmsnorm", mlp="swiglu",
-        bias=False, tie_word_embeddings=bool(hf_config.tie_word_embeddings), sliding_window=window)
+        bias=False, tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        sliding_window=window)
 
 
 def transformers_model(family: str, config: GPTConfig | None = None, seed: int = 0,
-                       dtype: torch.dtype = torch.float32) -> Any:
+                       dtype: torch.dtype | None = None) -> Any:
     """A transformers model with random weights, built offline from a kvdoc config, in eval mode.
 
     Args:
@@ -152,11 +227,13 @@ def transformers_model(family: str, config: GPTConfig | None = None, seed: int =
         config: default :class:`GPTConfig` (GPT-2), :func:`~kvdoc.core.config.llama_config` or
             :func:`~kvdoc.core.config.mistral_config` (window 32).
         seed: ``torch.manual_seed`` before the weights are drawn.
-        dtype: the model's dtype.
+        dtype: the model's dtype (default float32).
 
     >>> transformers_model("llama").config.num_key_value_heads
     2
     """
+    import torch
+
     from kvdoc.core.config import llama_config, mistral_config
 
     cls = causal_lm_class(family)
@@ -165,4 +242,20 @@ def transformers_model(family: str, config: GPTConfig | None = None, seed: int =
     if hf_config.model_type != family:
         raise ValueError(f"this config builds a {hf_config.model_type} model, not {family}")
     torch.manual_seed(seed)
-    return cls(hf_config).to(dtype).eval()
+    return cls(hf_config).to(dtype or torch.float32).eval()
+
+
+def load_exported(hf: Any, mapped: Mapping[str, torch.Tensor], model: torch.nn.Module,
+                  family: str) -> Any:
+    """``hf`` holding ``mapped`` (its own parameter names), in ``model``'s dtype, in eval mode.
+
+    Every parameter of ``hf`` must be in ``mapped`` and nothing else (the causal-mask buffers
+    some GPT-2 versions keep aside); otherwise a ``ValueError`` names what did not map.
+    """
+    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in mapped.items()},
+                                             strict=False)
+    missing = [k for k in missing if not k.endswith(BUFFERS)]
+    if missing or unexpected:
+        raise ValueError(f"weights do not map onto {family}: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    return hf.to(next(model.parameters()).dtype).eval()

@@ -22,16 +22,18 @@ from kvdoc.core.gemma import Gemma3Decoder
 from kvdoc.core.model import Decoder
 
 from .hf_config import (
+    BUFFERS,
     causal_lm_class,
-    config_from_gpt2,
     config_from_transformers,
+    load_exported,
     transformers_config,
 )
+from .hf_deepseek import from_deepseek
+from .hf_gemma import from_gemma, to_gemma
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "mlp.c_proj.weight")
 """GPT-2's weights stored as ``Conv1D`` (``[in, out]``, the transpose of ``nn.Linear``'s)."""
-_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers some versions keep
 
 
 def _decoder_holding(config: GPTConfig, mapped: Mapping[str, torch.Tensor],
@@ -85,13 +87,13 @@ def decoder_from_gpt2(model_or_state_dict: Any, config: GPTConfig | None = None)
                              "pass config=")
     else:
         state = model_or_state_dict.state_dict()
-        config = config or config_from_gpt2(model_or_state_dict.config)
+        config = config or config_from_transformers(model_or_state_dict.config)
     if not state:
         raise ValueError("empty state dict")
     mapped: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         name = key.removeprefix("transformer.")
-        if name.endswith(_BUFFERS):
+        if name.endswith(BUFFERS):
             continue
         mapped[name] = value.t() if name.endswith(CONV1D_WEIGHTS) else value
     return _decoder_holding(config, mapped, "GPT-2")
@@ -125,9 +127,9 @@ LOADS = ("gpt2", "llama", "mistral", "gemma3_text", "deepseek_v3")
 def from_transformers(hf_model: Any) -> Decoder:
     """A :class:`Decoder` with the weights of transformers' ``GPT2LMHeadModel``,
     ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Gemma3ForCausalLM`` (a
-    :class:`~kvdoc.core.gemma.Gemma3Decoder`, :func:`kvdoc.interop.gemma.from_gemma`) or
+    :class:`~kvdoc.core.gemma.Gemma3Decoder`, :func:`kvdoc.interop.hf_gemma.from_gemma`) or
     ``DeepseekV3ForCausalLM`` (an :class:`~kvdoc.core.mla.MLADecoder`,
-    :func:`kvdoc.interop.deepseek.from_deepseek`), in the model's dtype, in eval mode: one
+    :func:`kvdoc.interop.hf_deepseek.from_deepseek`), in the model's dtype, in eval mode: one
     entry point for every family kvdoc implements.
 
     For Llama and Mistral, ``q_proj``, ``k_proj`` and ``v_proj`` are stacked into ``c_attn``
@@ -154,12 +156,8 @@ def from_transformers(hf_model: Any) -> Decoder:
     """
     model_type = getattr(hf_model.config, "model_type", None)
     if model_type == "gemma3_text":  # window and global layers: a decoder of its own
-        from kvdoc.interop.gemma import from_gemma
-
         return from_gemma(hf_model)
     if model_type == "deepseek_v3":  # a latent cache instead of K and V
-        from kvdoc.interop.deepseek import from_deepseek
-
         return from_deepseek(hf_model)
     if model_type not in LOADS:
         raise ValueError(f"kvdoc loads {', '.join(LOADS)} models, not {model_type!r}")
@@ -191,8 +189,6 @@ def to_transformers(model: Decoder) -> Any:
     True
     """
     if isinstance(model, Gemma3Decoder):
-        from kvdoc.interop.gemma import to_gemma
-
         return to_gemma(model)
     config, state = model.config, model.state_dict()
     hf_config = transformers_config(config)
@@ -221,19 +217,3 @@ def to_transformers(model: Decoder) -> Any:
                 dst + "mlp.down_proj.weight": state[f"h.{i}.mlp.c_proj.weight"],
             })
     return load_exported(hf, mapped, model, hf_config.model_type)
-
-
-def load_exported(hf: Any, mapped: Mapping[str, torch.Tensor], model: torch.nn.Module,
-                  family: str) -> Any:
-    """``hf`` holding ``mapped`` (its own parameter names), in ``model``'s dtype, in eval mode.
-
-    Every parameter of ``hf`` must be in ``mapped`` and nothing else (the causal-mask buffers
-    some GPT-2 versions keep aside); otherwise a ``ValueError`` names what did not map.
-    """
-    missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in mapped.items()},
-                                             strict=False)
-    missing = [k for k in missing if not k.endswith(_BUFFERS)]
-    if missing or unexpected:
-        raise ValueError(f"weights do not map onto {family}: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
-    return hf.to(next(model.parameters()).dtype).eval()

@@ -1,12 +1,12 @@
-"""Memory and time: dtype sizes (``dtypes``), the byte formula (``kv_bytes``), byte units
-(``byte_units``), published configs (``presets``), every model's cache layer by layer
-(``model_caches``), a transformers ``config.json`` read into one (``config_json``), the
-``python -m kvdoc memory`` command (``memory``), the int8 and FP8 caches' bytes
-(``quant_bytes``), what each cache layer holds (``layer_bytes``), bytes a cache update writes
+"""Memory and time: dtype sizes (``dtypes``), the byte formulas, plain, int8 and FP8
+(``kv_bytes``), byte units (``byte_units``), published configs (``presets``), every model's
+cache layer by layer (``model_caches``), a transformers ``config.json`` read into one
+(``config_json``), the ``python -m kvdoc memory`` command (``memory``), what each cache layer
+holds (``layer_bytes``), bytes a cache update writes
 (``copymeter``), counted work and FLOPs (``costs``), the timing harness (``timing``), where two
 greedy generations part (``divergence``), what is timed (``decode_paths``), the benchmark's run
-(``bench_run``), its result (``bench_result``), its tables (``bench_tables``) and its command
-(``bench``, ``python -m kvdoc bench``), ATen operation counts (``dispatch``) and the Markdown
-table renderer that every report shares (``tables``).
+(``bench_run``), its settings and result (``bench_result``), its tables (``bench_tables``) and
+its command (``bench``, ``python -m kvdoc bench``), ATen operation counts (``dispatch``) and the
+Markdown table renderer that every report shares (``tables``).
 Measurements report what they see; nothing here asserts a timing.
 """

@@ -14,9 +14,9 @@ import json
 import math
 import sys
 
-from .bench_result import TARGETS
-from .bench_run import BenchSettings, run_bench
-from .bench_tables import ablation_table, roofline_table, timings_table
+from .bench_result import TARGETS, BenchSettings
+from .bench_run import run_bench
+from .bench_tables import ablation_table, compiled_table, roofline_table, timings_table
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {d.roofline_samples})")
     parser.add_argument("--no-ablation", action="store_true",
                         help="skip the lean step with each of the fast step's changes undone")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="skip torch.compile of the model's forward (gpt-fast's fast step), "
+                             "timed by default beside the fast and lean steps")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -77,7 +80,7 @@ def main(args: argparse.Namespace) -> int:
             warmup=args.warmup, threads=args.threads, seed=args.seed,
             transformers=not args.no_transformers, growth_lengths=args.growth_lengths,
             roofline=not args.no_roofline, roofline_samples=args.roofline_samples,
-            ablation=not args.no_ablation)
+            ablation=not args.no_ablation, compiled=not args.no_compile)
     except ValueError as err:
         print(f"kvdoc bench: {err}", file=sys.stderr)
         return 2
@@ -97,6 +100,10 @@ def main(args: argparse.Namespace) -> int:
         if result.roofline["ablation"] is not None:
             print()
             print(ablation_table(result.roofline["ablation"]))
+    if result.compiled is not None:
+        print()
+        print("time relative to the lean step, per-round median (middle rounds):")
+        print(compiled_table(result))
     print()
     print("ratios (higher is better):")
     for key, value in result.ratios.items():

@@ -1,16 +1,16 @@
-"""What one benchmark run returns: its raw samples and summaries (:class:`BenchResult`), the
-headline ratios (:func:`ratios`) and the ratios the fast step aims for (:data:`TARGETS`).
+"""What one benchmark run is asked (:class:`BenchSettings`) and returns: its raw samples and
+summaries (:class:`BenchResult`), the headline ratios (:func:`ratios`) and the ratios the fast
+step aims for (:data:`TARGETS`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvdoc.core.config import GPTConfig, check_int
 
 from .timing import percentile
-
-if TYPE_CHECKING:
-    from .bench_run import BenchSettings
 
 TARGETS = {"fast_vs_transformers": 4.5, "fast_vs_full_all_positions": 17.0,
            "bandwidth_fraction_fast": 0.6, "fast_vs_transformers_124m": 1.3,
@@ -20,12 +20,90 @@ TARGETS = {"fast_vs_transformers": 4.5, "fast_vs_full_all_positions": 17.0,
 time."""
 
 
+GPT2_SMALL = GPTConfig(vocab_size=50257, n_positions=1024, n_layer=12, n_head=12, n_embd=768,
+                       n_inner=3072)
+"""GPT-2 small's shape; with the LM head tied to ``wte`` it has 124,439,808 parameters."""
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What to measure. The defaults are the CLI's; pages and tests pass smaller ones.
+
+    Args:
+        prefix_lens: prompt lengths ``P`` (each ``P + new_tokens`` must fit the model).
+        new_tokens: ``G``, fixed tokens consumed after the prompt.
+        samples: timed samples per path (after ``warmup`` untimed runs).
+        warmup: untimed runs per path before sampling.
+        threads: torch intra-op threads during the measurement (restored afterwards).
+        seed: seeds the weights and the token stream.
+        model: the model timed for the table, counts and growth (default: the 145,280-parameter
+            one).
+        transformers: also time transformers' GPT-2 (needs ``transformers``).
+        growth_lengths: total lengths ``T`` at which one step of each path is timed.
+        growth_samples: samples per path and length for the growth fit.
+        roofline: also run the memory-bandwidth floor on ``roofline_model``.
+        roofline_model: the model for the floor (default: GPT-2 small's shape, tied head, random
+            init).
+        roofline_context: prompt length before the timed decode steps of the floor.
+        roofline_steps: decode steps per roofline sample.
+        roofline_samples: samples per roofline path.
+        bandwidth_mib: size of the tensor whose reduction measures memory bandwidth.
+        ablation: also time the lean step with each of the fast step's changes undone, in the
+            rotation of the largest prefix length and (with ``roofline``) of the roofline model.
+        compiled: also time ``torch.compile`` of the model's forward over a static cache
+            (``compiled``), gpt-fast's fast step, in every prefix's rotation and the roofline's;
+            its compile time is reported apart (:attr:`BenchResult.compiled`).
+    """
+
+    prefix_lens: tuple[int, ...] = (16, 64, 128, 256)
+    new_tokens: int = 16
+    samples: int = 31
+    warmup: int = 3
+    threads: int = 1
+    seed: int = 0
+    model: GPTConfig = field(default_factory=GPTConfig)
+    transformers: bool = True
+    growth_lengths: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
+    growth_samples: int = 15
+    roofline: bool = True
+    roofline_model: GPTConfig = GPT2_SMALL
+    roofline_context: int = 128
+    roofline_steps: int = 8
+    roofline_samples: int = 7
+    bandwidth_mib: int = 512
+    ablation: bool = True
+    compiled: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("new_tokens", "samples", "threads", "growth_samples", "roofline_steps",
+                     "roofline_samples", "bandwidth_mib", "roofline_context"):
+            check_int(name, getattr(self, name))
+        check_int("warmup", self.warmup, minimum=0)
+        object.__setattr__(self, "prefix_lens", tuple(self.prefix_lens))
+        object.__setattr__(self, "growth_lengths", tuple(self.growth_lengths))
+        if not self.prefix_lens:
+            raise ValueError("prefix_lens is empty")
+        for p in self.prefix_lens:
+            if not isinstance(p, int) or p < 1 or p + self.new_tokens > self.model.n_positions:
+                raise ValueError(f"prefix length {p!r} + {self.new_tokens} new tokens does not fit "
+                                 f"1 .. {self.model.n_positions} positions")
+        for t in self.growth_lengths:
+            if not isinstance(t, int) or t < 2 or t > self.model.n_positions:
+                raise ValueError(f"growth length {t!r} must lie in 2 .. {self.model.n_positions}")
+        if self.roofline_context + self.roofline_steps > self.roofline_model.n_positions:
+            raise ValueError("roofline_context + roofline_steps exceeds the roofline model's "
+                             "positions")
+
+
 @dataclass
 class BenchResult:
     """Everything one run measured; :meth:`to_json` is what ``--json`` writes.
 
     ``timings[P][path]`` holds the raw samples in milliseconds (a whole ``G``-step run for the
     decode paths, one call for prefill); ``ratios`` holds the headline figures (higher is better).
+    ``compiled`` says what ``torch.compile`` cost per rotation (a prefix length, or
+    ``"roofline"``): ``first_run_s`` and ``graphs``, or ``error`` where it failed (None: not
+    asked for).
     """
 
     settings: BenchSettings
@@ -41,6 +119,7 @@ class BenchResult:
     ablation: dict[str, Any] | None
     ops: dict[str, int]
     ratios: dict[str, float]
+    compiled: dict[str, dict[str, Any]] | None = None
 
     def p50(self, prefix_len: int, path: str) -> float:
         """Median of a path's samples at one prefix length, in ms."""
@@ -74,6 +153,7 @@ class BenchResult:
             "roofline": self.roofline,
             "ablation": self.ablation,
             "aten_ops_per_step": self.ops,
+            "compiled": self.compiled,
         }
 
 
@@ -84,6 +164,7 @@ def ratios(result: BenchResult) -> dict[str, float]:
     ``cached_vs_*``: the other path's p50 over the faster of kvdoc's two caches' p50 for the
     ``G`` steps; ``fast_vs_*``: the same over the fast step's p50 (``fast_vs_lean``, below 1, is
     the share of the lean step's speed the fast step keeps with its checks);
+    ``compiled_vs_*``: the same over the ``torch.compile`` step's p50, where it compiled;
     ``bandwidth_fraction*``: the bandwidth floor over a path's decode time per token on the
     roofline model (1 would read weights and K/V at the measured bandwidth); ``*_124m``: on
     the roofline model.
@@ -97,6 +178,9 @@ def ratios(result: BenchResult) -> dict[str, float]:
            "fast_vs_full_all_positions": p50["full_all"] / p50["fast"],
            "fast_vs_static": p50["static"] / p50["fast"],
            "fast_vs_lean": p50["lean"] / p50["fast"]}
+    if "compiled" in p50:
+        out["compiled_vs_lean"] = p50["lean"] / p50["compiled"]
+        out["compiled_vs_fast"] = p50["fast"] / p50["compiled"]
     if "transformers" in p50:
         out["cached_vs_transformers"] = p50["transformers"] / best
         out["fast_vs_transformers"] = p50["transformers"] / p50["fast"]
@@ -106,6 +190,9 @@ def ratios(result: BenchResult) -> dict[str, float]:
         out["bandwidth_fraction_fast"] = fraction["fast"]
         out["bandwidth_fraction_lean"] = fraction["lean"]
         out["fast_vs_lean_124m"] = per_token["lean"] / per_token["fast"]
+        if "compiled" in per_token:
+            out["compiled_vs_lean_124m"] = per_token["lean"] / per_token["compiled"]
+            out["compiled_vs_fast_124m"] = per_token["fast"] / per_token["compiled"]
         if "transformers" in fraction:
             out["bandwidth_fraction_transformers"] = fraction["transformers"]
             out["bandwidth_fraction_vs_transformers"] = (out["bandwidth_fraction"]

@@ -10,14 +10,17 @@ thread count (one by default), the model in ``eval()`` and under ``torch.inferen
 * **cached continuation**, ``G`` steps of one token each, from the prefix cache, with the
   :class:`~kvdoc.core.cache.DynamicCache` (``dynamic``), the :class:`~kvdoc.core.cache.StaticCache`
   (``static``), :class:`~kvdoc.core.fast.FastDecoder` over a static cache (``fast``), and the
-  same arithmetic without checks, :class:`~kvdoc.measure.ablation.LeanStep` (``lean``);
+  same arithmetic without checks, :class:`~kvdoc.measure.ablation.LeanStep` (``lean``), and
+  ``torch.compile`` of the model's own forward over a static cache (``compiled``, gpt-fast's
+  fast step; compiled before the timing, its compile time reported apart);
 * **transformers**: transformers' ``GPT2LMHeadModel`` on the same weights with its own cache,
   the reference a user would otherwise pick.
 
-:class:`BenchSettings` says what to measure; :func:`run_bench` measures it and returns a
-:class:`~kvdoc.measure.bench_result.BenchResult`: every raw sample (milliseconds) with the
-settings, the environment and a timestamp, and the headline ratios. Paths are timed by
-:func:`kvdoc.measure.timing.time_paths` (warm-up, then rounds in rotating order);
+:class:`~kvdoc.measure.bench_result.BenchSettings` says what to measure; :func:`run_bench`
+measures it and returns a :class:`~kvdoc.measure.bench_result.BenchResult`: every raw sample
+(milliseconds) with the settings, the environment and a timestamp, and the headline ratios.
+Paths are timed by :func:`kvdoc.measure.timing.time_paths` (warm-up, then rounds in rotating
+order);
 :mod:`kvdoc.measure.costs` supplies the counts, FLOPs and bytes. Nothing here asserts a speed:
 timings are measurements.
 """
@@ -28,101 +31,39 @@ import datetime as _dt
 import gc
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvdoc.core.config import GPTConfig, check_int
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import Decoder
 
 from .ablation import ABLATION, GUARANTEES
-from .bench_result import BenchResult, ratios
+from .bench_result import BenchResult, BenchSettings, ratios
 from .costs import RowCounter, projected_positions_full, run_flops, step_bytes
 from .decode_paths import ablation_paths, build_models, decode_paths, ops_per_step, token_stream
 from .timing import environment, percentile, time_paths
 
-GPT2_SMALL = GPTConfig(vocab_size=50257, n_positions=1024, n_layer=12, n_head=12, n_embd=768,
-                       n_inner=3072)
-"""GPT-2 small's shape; with the LM head tied to ``wte`` it has 124,439,808 parameters."""
 
-
-@dataclass(frozen=True)
-class BenchSettings:
-    """What to measure. The defaults are the CLI's; pages and tests pass smaller ones.
-
-    Args:
-        prefix_lens: prompt lengths ``P`` (each ``P + new_tokens`` must fit the model).
-        new_tokens: ``G``, fixed tokens consumed after the prompt.
-        samples: timed samples per path (after ``warmup`` untimed runs).
-        warmup: untimed runs per path before sampling.
-        threads: torch intra-op threads during the measurement (restored afterwards).
-        seed: seeds the weights and the token stream.
-        model: the model timed for the table, counts and growth (default: the 145,280-parameter
-            one).
-        transformers: also time transformers' GPT-2 (needs ``transformers``).
-        growth_lengths: total lengths ``T`` at which one step of each path is timed.
-        growth_samples: samples per path and length for the growth fit.
-        roofline: also run the memory-bandwidth floor on ``roofline_model``.
-        roofline_model: the model for the floor (default: GPT-2 small's shape, tied head, random
-            init).
-        roofline_context: prompt length before the timed decode steps of the floor.
-        roofline_steps: decode steps per roofline sample.
-        roofline_samples: samples per roofline path.
-        bandwidth_mib: size of the tensor whose reduction measures memory bandwidth.
-        ablation: also time the lean step with each of the fast step's changes undone, in the
-            rotation of the largest prefix length and (with ``roofline``) of the roofline model.
-    """
-
-    prefix_lens: tuple[int, ...] = (16, 64, 128, 256)
-    new_tokens: int = 16
-    samples: int = 31
-    warmup: int = 3
-    threads: int = 1
-    seed: int = 0
-    model: GPTConfig = field(default_factory=GPTConfig)
-    transformers: bool = True
-    growth_lengths: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
-    growth_samples: int = 15
-    roofline: bool = True
-    roofline_model: GPTConfig = GPT2_SMALL
-    roofline_context: int = 128
-    roofline_steps: int = 8
-    roofline_samples: int = 7
-    bandwidth_mib: int = 512
-    ablation: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("new_tokens", "samples", "threads", "growth_samples", "roofline_steps",
-                     "roofline_samples", "bandwidth_mib", "roofline_context"):
-            check_int(name, getattr(self, name))
-        check_int("warmup", self.warmup, minimum=0)
-        object.__setattr__(self, "prefix_lens", tuple(self.prefix_lens))
-        object.__setattr__(self, "growth_lengths", tuple(self.growth_lengths))
-        if not self.prefix_lens:
-            raise ValueError("prefix_lens is empty")
-        for p in self.prefix_lens:
-            if not isinstance(p, int) or p < 1 or p + self.new_tokens > self.model.n_positions:
-                raise ValueError(f"prefix length {p!r} + {self.new_tokens} new tokens does not fit "
-                                 f"1 .. {self.model.n_positions} positions")
-        for t in self.growth_lengths:
-            if not isinstance(t, int) or t < 2 or t > self.model.n_positions:
-                raise ValueError(f"growth length {t!r} must lie in 2 .. {self.model.n_positions}")
-        if self.roofline_context + self.roofline_steps > self.roofline_model.n_positions:
-            raise ValueError("roofline_context + roofline_steps exceeds the roofline model's "
-                             "positions")
-
+def _compile(model: Decoder, settings: BenchSettings) -> Callable[..., Any] | None:
+    """gpt-fast's fast step over kvdoc's model: ``torch.compile`` of its forward (compiled on
+    the first call, :func:`~kvdoc.measure.decode_paths.compiled_decode`)."""
+    return torch.compile(model) if settings.compiled else None
 
 
 def _bench_prefix(model: Decoder, fast: FastDecoder, hf: Any, settings: BenchSettings,
-                  prefix_len: int, tick: Callable[[], None], ablation: bool = False
-                  ) -> tuple[dict[str, list[float]], float, dict[str, float], dict[str, int]]:
-    """One prefix length's paths in one rotation; ``ablation`` adds the ablation's variants."""
+                  prefix_len: int, tick: Callable[[], None], ablation: bool = False,
+                  compiled: Callable[..., Any] | None = None
+                  ) -> tuple[dict[str, list[float]], float, dict[str, float], dict[str, int],
+                             dict[str, Any] | None]:
+    """One prefix length's paths in one rotation; ``ablation`` adds the ablation's variants,
+    ``compiled`` the compiled step (and what compiling it cost, the last value)."""
     G = settings.new_tokens
     ids = token_stream(model.config, prefix_len + G, settings.seed + prefix_len)
-    prepare, runs = decode_paths(model, hf, ids, prefix_len, G, True, fast)
+    prepare, runs, compile_info = decode_paths(model, hf, ids, prefix_len, G, True, fast,
+                                               compiled)
     if ablation:
         more = ablation_paths(model, ids, prefix_len, G)
         prepare.update(more[0])
@@ -139,7 +80,7 @@ def _bench_prefix(model: Decoder, fast: FastDecoder, hf: Any, settings: BenchSet
     counts["formula_cached"] = G
     final = model(ids, model.new_cache(1, "dynamic"))[1]
     samples = time_paths(prepare, settings.samples, settings.warmup, tick)
-    return samples, final.nbytes() / 1024, diffs, counts
+    return samples, final.nbytes() / 1024, diffs, counts, compile_info
 
 
 GROWTH_PATHS = ("full_all", "dynamic", "static", "fast")
@@ -151,7 +92,7 @@ def _bench_growth(model: Decoder, fast: FastDecoder, settings: BenchSettings,
     per_len: dict[str, dict[str, list[float]]] = {}
     for T in settings.growth_lengths:
         ids = token_stream(model.config, T, settings.seed + 7919 + T)
-        prepare, _ = decode_paths(model, None, ids, T - 1, 1, True, fast)
+        prepare = decode_paths(model, None, ids, T - 1, 1, True, fast)[0]
         prepare = {path: prepare[path] for path in GROWTH_PATHS}
         per_len[str(T)] = time_paths(prepare, settings.growth_samples, settings.warmup, tick)
     lengths = np.log(np.asarray(settings.growth_lengths, dtype=float))
@@ -192,7 +133,7 @@ def _split_ablation(samples: dict[str, list[float]], diffs: dict[str, float] | N
 
 
 def _bench_roofline(settings: BenchSettings, tick: Callable[[], None],
-                    build_threads: int) -> dict[str, Any]:
+                    build_threads: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
     timed_threads = torch.get_num_threads()
     torch.set_num_threads(build_threads)  # random init of 124M parameters is not what is measured
     try:
@@ -203,7 +144,8 @@ def _bench_roofline(settings: BenchSettings, tick: Callable[[], None],
         torch.set_num_threads(timed_threads)
     C, S = settings.roofline_context, settings.roofline_steps
     ids = token_stream(model.config, C + S, settings.seed + 1)
-    prepare, _ = decode_paths(model, hf, ids, C, S, False, fast)
+    prepare, _, compile_info = decode_paths(model, hf, ids, C, S, False, fast,
+                                            _compile(model, settings))
     if settings.ablation:
         prepare.update(ablation_paths(model, ids, C, S)[0])
     # Bandwidth is one more path of the rotation, so it sees the same machine state as decode.
@@ -228,7 +170,7 @@ def _bench_roofline(settings: BenchSettings, tick: Callable[[], None],
            "p50_ms_per_token": per_token, "fraction": fraction, "ablation": ablation}
     del model, hf, fast
     gc.collect()
-    return out
+    return out, compile_info
 
 
 def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> BenchResult:
@@ -238,7 +180,8 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
     ``progress`` shows a tqdm bar on stderr.
 
     >>> s = BenchSettings(prefix_lens=(4,), new_tokens=2, samples=2, warmup=0, transformers=False,
-    ...                   growth_lengths=(4, 8), growth_samples=1, roofline=False, ablation=False)
+    ...                   growth_lengths=(4, 8), growth_samples=1, roofline=False, ablation=False,
+    ...                   compiled=False)
     >>> r = run_bench(s)
     >>> r.counts[4]["full_all_lm_head"] == projected_positions_full(4, 2) == 2 * 4 + 3
     True
@@ -249,11 +192,12 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
     settings = settings or BenchSettings()
     from tqdm import tqdm
 
-    n_paths = 7 + int(settings.transformers)
+    n_paths = 7 + int(settings.transformers) + int(settings.compiled)
     n_ablation = len(VARIANTS) if settings.ablation else 0
     total = (len(settings.prefix_lens) * settings.samples * n_paths + settings.samples * n_ablation
              + len(settings.growth_lengths) * settings.growth_samples * len(GROWTH_PATHS)
-             + (settings.roofline_samples * (5 + int(settings.transformers) + n_ablation)
+             + (settings.roofline_samples * (5 + int(settings.transformers) + int(settings.compiled)
+                                              + n_ablation)
                 if settings.roofline else 0))
     threads = torch.get_num_threads()
     bar = tqdm(total=total, disable=not progress, file=sys.stderr, unit="sample",
@@ -263,6 +207,8 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
         with torch.inference_mode():
             model, hf = build_models(settings.model, settings.seed, settings.transformers)
             fast = FastDecoder(model)
+            compiled_step = _compile(model, settings)
+            compiled = {} if settings.compiled else None
             env = environment()
             stamp = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
             timings, kv_kib, diffs, counts, flops = {}, {}, {}, {}, {}
@@ -270,8 +216,10 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
             for P in settings.prefix_lens:
                 bar.set_postfix_str(f"P={P}")
                 with_ablation = settings.ablation and P == P_max
-                timings[P], kv_kib[P], diffs[P], counts[P] = _bench_prefix(
-                    model, fast, hf, settings, P, bar.update, with_ablation)
+                timings[P], kv_kib[P], diffs[P], counts[P], info = _bench_prefix(
+                    model, fast, hf, settings, P, bar.update, with_ablation, compiled_step)
+                if compiled is not None:
+                    compiled[str(P)] = info
                 if with_ablation:
                     ablation = {"prefix_len": P, **_split_ablation(timings[P], diffs[P],
                                                                    settings.new_tokens)}
@@ -280,15 +228,17 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
                                token_stream(model.config, P_max + 1, settings.seed))
             bar.set_postfix_str("growth")
             growth = _bench_growth(model, fast, settings, bar.update)
-            del model, hf, fast
+            del model, hf, fast, compiled_step
             roofline = None
             if settings.roofline:
                 bar.set_postfix_str("roofline")
-                roofline = _bench_roofline(settings, bar.update, threads)
+                roofline, info = _bench_roofline(settings, bar.update, threads)
+                if compiled is not None:
+                    compiled["roofline"] = info
     finally:
         torch.set_num_threads(threads)
         bar.close()
     result = BenchResult(settings, env, stamp, timings, kv_kib, diffs, counts, flops, growth,
-                         roofline, ablation, ops, {})
+                         roofline, ablation, ops, {}, compiled)
     result.ratios = ratios(result)
     return result

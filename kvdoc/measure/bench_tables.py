@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 PATH_LABELS = {"prefill": "prefill", "full_all": "full, all positions",
                "full_last": "full, last position", "transformers": "transformers, cached",
                "dynamic": "kvdoc, dynamic cache", "static": "kvdoc, static cache",
-               "fast": "kvdoc, fast step", "lean": "lean step (no checks)"}
+               "fast": "kvdoc, fast step", "lean": "lean step (no checks)",
+               "compiled": "torch.compile(model), static cache"}
 """Readable names of the timed paths, for tables and figures."""
 
 ABLATION_LABELS = {
@@ -45,7 +46,7 @@ def timings_table(result: BenchResult, stat: str = "p50") -> str:
     if stat not in ("p50", "p95"):
         raise ValueError(f"stat must be 'p50' or 'p95', not {stat!r}")
     value = result.p50 if stat == "p50" else result.p95
-    order = ("prefill", "full_all", "full_last", "dynamic", "static", "fast", "lean",
+    order = ("prefill", "full_all", "full_last", "dynamic", "static", "fast", "lean", "compiled",
              "transformers")
     paths = [p for p in order if all(p in v for v in result.timings.values())]
     header = [f"path ({stat})"] + [f"P = {P} (ms)" for P in result.timings]
@@ -119,6 +120,38 @@ def ablation_table(ablation: dict) -> str:
         rows.append([ABLATION_LABELS[name], f"{t:,.1f}", two_figures(ratio.median), band])
     header = ["decode step", "p50 (µs / step)", "time relative to the lean step",
               "middle rounds"]
+    return markdown_table(header, rows)
+
+
+def compiled_table(result: BenchResult) -> str:
+    """gpt-fast's fast step beside kvdoc's: per rotation (a prefix length ``P``, or the
+    roofline model), what compiling cost (the first, untimed run; graphs dynamo compiled), and
+    the time of the ``torch.compile`` step and of the fast step relative to the lean step,
+    each the median of the per-round ratios with the band of the middle rounds
+    (:func:`~kvdoc.measure.timing.paired_ratio`). A rotation where compiling failed says why.
+
+    Raises:
+        ValueError: the run did not ask for the compiled step.
+    """
+    if result.compiled is None:
+        raise ValueError("this run has no compiled step (settings.compiled was False)")
+    header = ["rotation", "compile (first run, s)", "graphs", "compiled / lean",
+              "fast step / lean", "compiled / fast step"]
+    rows = []
+    for where, info in result.compiled.items():
+        label = "roofline model" if where == "roofline" else f"P = {where}"
+        if "error" in info:
+            rows.append([label, f"torch.compile failed: {info['error']}", "", "", "", ""])
+            continue
+        samples = (result.roofline["samples_ms"] if where == "roofline"
+                   else result.timings[int(where)])
+
+        def rel(a: str, b: str, samples: dict[str, list[float]] = samples) -> str:
+            r = paired_ratio(samples[a], samples[b])
+            band = f"{two_figures(r.median)} ({two_figures(r.low)} to {two_figures(r.high)})"
+            return band if r.resolved else band + ", not resolved"
+        rows.append([label, f"{info['first_run_s']:.1f}", info["graphs"],
+                     rel("compiled", "lean"), rel("fast", "lean"), rel("compiled", "fast")])
     return markdown_table(header, rows)
 
 

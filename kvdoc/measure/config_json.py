@@ -14,10 +14,11 @@ What it reads, per layer:
   config gives Gated DeltaNet's sizes (``linear_num_key_heads``, ...); otherwise only the
   attention layers are counted, and the note says so.
 
-A multimodal config's ``text_config`` is read in its place; where a published Gemma 3 file
-leaves a size to transformers' class defaults, those defaults fill it. Anything else it cannot
-read (a missing size, an unknown layer type, state-space layers) raises a ValueError saying
-what.
+The fields are read by :func:`kvdoc.interop.hf_config.config_fields` and
+:func:`~kvdoc.interop.hf_config.attention_sizes`, the reader the weight loaders use too (a
+multimodal config's ``text_config`` in its place, Gemma 3's class defaults where a published
+file leaves a size out). Anything else it cannot read (a missing size, an unknown layer type,
+state-space layers) raises a ValueError saying what.
 Importing this module does not import torch.
 """
 
@@ -28,6 +29,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvdoc.interop.hf_config import attention_sizes, config_fields, positive
+
 from .model_caches import (
     LayerCache,
     ModelCache,
@@ -37,29 +40,13 @@ from .model_caches import (
     mla_layer,
 )
 
-_ALIASES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
-            "n_embd": "hidden_size", "n_positions": "max_position_embeddings"}
 #: model types whose transformers config alternates window and full layers when
 #: ``layer_types`` is absent (layer 0 windowed)
 _ALTERNATING = {"gemma2", "gpt_oss"}
 _GEMMA3 = {"gemma3", "gemma3_text"}
 _DELTA = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
           "linear_value_head_dim", "linear_conv_kernel_dim")
-#: sizes a published config.json leaves to its transformers class: Gemma 3's ``text_config``
-#: omits those equal to transformers 5.24.0's ``Gemma3TextConfig`` defaults (gemma-3-4b-pt's
-#: gives no head counts)
-_CLASS_DEFAULTS = {"gemma3_text": {"num_attention_heads": 8, "num_key_value_heads": 4,
-                                   "head_dim": 256, "max_position_embeddings": 131072,
-                                   "sliding_window": 4096}}
 _STATE_SPACE = {"mamba", "mamba2", "jamba", "falcon_h1", "zamba", "zamba2", "bamba", "rwkv"}
-
-
-def _int(c: Mapping[str, Any], key: str, where: str) -> int:
-    value = c.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        got = "missing" if value is None else f"{value!r}"
-        raise ValueError(f"{where}: {key} must be a positive integer ({got})")
-    return value
 
 
 def _layer_types(c: Mapping[str, Any], layers: int, where: str) -> list[str]:
@@ -72,11 +59,11 @@ def _layer_types(c: Mapping[str, Any], layers: int, where: str) -> list[str]:
         return types
     if c.get("sliding_window_pattern") is not None or model_type in _GEMMA3:
         pattern = {"sliding_window_pattern": c.get("sliding_window_pattern", 6)}  # Gemma 3's
-        return every_nth_full(layers, _int(pattern, "sliding_window_pattern", where))
+        return every_nth_full(layers, positive(pattern, "sliding_window_pattern", where))
     if model_type in _ALTERNATING:
         return every_nth_full(layers, 2)
     if c.get("full_attention_interval") is not None:
-        every = _int(c, "full_attention_interval", where)
+        every = positive(c, "full_attention_interval", where)
         return ["full_attention" if (i + 1) % every == 0 else "linear_attention"
                 for i in range(layers)]
     windowed = c.get("sliding_window") is not None and c.get("use_sliding_window") is not False
@@ -98,18 +85,13 @@ def cache_from_config(config: Mapping[str, Any], name: str = "config.json") -> M
     """
     if not isinstance(config, Mapping):
         raise ValueError(f"{name}: expected a JSON object, got {type(config).__name__}")
-    c: dict[str, Any] = dict(config)
-    if isinstance(c.get("text_config"), Mapping):  # multimodal: the decoder's own config
-        c = {"model_type": c.get("model_type"), **c["text_config"]}
-    for old, new in _ALIASES.items():
-        c.setdefault(new, c.get(old))
+    c = config_fields(config, name)
     model_type = str(c.get("model_type") or "")
-    c = {**_CLASS_DEFAULTS.get(model_type, {}), **{k: v for k, v in c.items() if v is not None}}
     if model_type in _STATE_SPACE or c.get("state_size") is not None:
         raise ValueError(f"{name}: model_type {model_type!r} has state-space layers; kvdoc "
                          "reads attention, MLA, sliding-window and Gated DeltaNet layers")
-    layers = _int(c, "num_hidden_layers", name)
-    context = _int(c, "max_position_embeddings", name)
+    layers = positive(c, "num_hidden_layers", name)
+    context = positive(c, "max_position_embeddings", name)
     types = _layer_types(c, layers, name)
     unknown = sorted(set(types) - {"full_attention", "sliding_attention", "linear_attention"})
     if unknown:
@@ -117,23 +99,17 @@ def cache_from_config(config: Mapping[str, Any], name: str = "config.json") -> M
                          "sliding_attention and linear_attention")
     note = []
     if c.get("kv_lora_rank") is not None:
-        full = mla_layer(_int(c, "kv_lora_rank", name), _int(c, "qk_rope_head_dim", name))
+        full = mla_layer(positive(c, "kv_lora_rank", name), positive(c, "qk_rope_head_dim", name))
         window = None
     else:
-        heads = _int(c, "num_attention_heads", name)
-        if c.get("num_key_value_heads") is not None:
-            kv_heads = _int(c, "num_key_value_heads", name)
-        else:
-            kv_heads = 1 if c.get("multi_query") else heads
-        head_dim = (_int(c, "head_dim", name) if c.get("head_dim") is not None
-                    else _int(c, "hidden_size", name) // heads)
+        _, kv_heads, head_dim = attention_sizes(c, name)
         full = attention_layer(kv_heads, head_dim)
-        window = (_int(c, "sliding_window", name) if "sliding_attention" in types else None)
+        window = (positive(c, "sliding_window", name) if "sliding_attention" in types else None)
     windowed = full._replace(window=window)
     linear = LayerCache(0)
     if "linear_attention" in types:
         if all(c.get(k) is not None for k in _DELTA):
-            linear = gated_delta_layer(*(_int(c, k, name) for k in _DELTA))
+            linear = gated_delta_layer(*(positive(c, k, name) for k in _DELTA))
         else:
             note.append(f"{types.count('linear_attention')} linear-attention layers: state "
                         "not counted (the config does not give Gated DeltaNet's sizes); "

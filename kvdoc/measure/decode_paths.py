@@ -8,6 +8,7 @@ the path's stacked logits (to check every timed path computes the same function)
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -103,6 +104,35 @@ def cached_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor, p
     return prepare, lambda: prepare()()
 
 
+def compiled_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor,
+                    prefix_len: int, steps: int
+                    ) -> tuple[Prepare | None, Callable[[], torch.Tensor] | None, dict[str, Any]]:
+    """:func:`cached_decode` of ``step``, a ``torch.compile`` of the model, run once untimed
+    here so that its compilation stays out of the timed samples and is reported on its own.
+
+    gpt-fast's fast step is ``torch.compile(decode_one_token)`` over its one forward and a
+    static cache; this is the same over kvdoc's forward (no ``fullgraph``: the model's checks
+    raise their own ``ValueError`` in Python instead of a tracing error). The first run's
+    seconds (``first_run_s``) are the compile time: the run itself takes milliseconds. The
+    graphs compiled are counted by dynamo (``graphs``): the first step's, and one with the
+    cache's length symbolic once it has changed. A failure to compile is returned as
+    ``error`` with no path, so that the benchmark says so instead of stopping.
+    """
+    prepare, run = cached_decode(step, model, ids, prefix_len, steps)
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    start = time.perf_counter()
+    try:
+        run()
+    except Exception as err:  # any failure of the compiler is the row's answer
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return None, None, {"error": f"{type(err).__name__}: {first}"}
+    info = {"first_run_s": time.perf_counter() - start,
+            "graphs": counters["stats"]["unique_graphs"] - graphs}
+    return prepare, run, info
+
+
 def lean_decode(lean: LeanStep, model: Decoder, ids: torch.Tensor, prefix_len: int,
                 steps: int) -> tuple[Prepare, Callable[[], torch.Tensor]]:
     """``steps`` calls of a :class:`~kvdoc.measure.ablation.LeanStep` after the prompt's K/V.
@@ -123,19 +153,22 @@ def lean_decode(lean: LeanStep, model: Decoder, ids: torch.Tensor, prefix_len: i
 
 
 def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, steps: int,
-                 full: bool, fast: FastDecoder | None
-                 ) -> tuple[dict[str, Prepare], dict[str, Callable[[], torch.Tensor]]]:
+                 full: bool, fast: FastDecoder | None, compiled: Callable[..., Any] | None = None
+                 ) -> tuple[dict[str, Prepare], dict[str, Callable[[], torch.Tensor]],
+                            dict[str, Any] | None]:
     """The timed paths for one prefix, and for each one a call returning its stacked logits.
 
     ``ids`` is ``[1, P + G]``; each decode path consumes its last ``G`` tokens one at a time
     after a cache holding the first ``P``. ``full`` adds prefill and the two full-recompute
-    paths; ``hf`` (transformers' GPT-2, or None) adds its path, and ``fast`` adds the fast
-    step and the lean step it is measured against.
+    paths; ``hf`` (transformers' GPT-2, or None) adds its path, ``fast`` adds the fast
+    step and the lean step it is measured against, and ``compiled`` (``torch.compile`` of the
+    model) adds its path. The third value is what compiling cost (:func:`compiled_decode`), or
+    None without ``compiled``.
 
     >>> _ = torch.manual_seed(0)
     >>> model = Decoder(GPTConfig()).eval()
     >>> ids = token_stream(model.config, 6, seed=0)
-    >>> prepare, runs = decode_paths(model, None, ids, 4, 2, True, FastDecoder(model))
+    >>> prepare, runs, _ = decode_paths(model, None, ids, 4, 2, True, FastDecoder(model))
     >>> sorted(prepare)
     ['dynamic', 'fast', 'full_all', 'full_last', 'lean', 'prefill', 'static']
     >>> runs["fast"]().shape  # [1, G, V]
@@ -163,6 +196,11 @@ def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, st
         prepare["fast"], runs["fast"] = cached_decode(fast, model, ids, P, G)
         lean = LeanStep(model, capacity=P + G)
         prepare["lean"], runs["lean"] = lean_decode(lean, model, ids, P, G)
+    compile_info = None
+    if compiled is not None:
+        compiled_prepare, compiled_run, compile_info = compiled_decode(compiled, model, ids, P, G)
+        if compiled_prepare is not None:
+            prepare["compiled"], runs["compiled"] = compiled_prepare, compiled_run
     if hf is not None:
         hf_cache = hf(prompt, use_cache=True).cache
 
@@ -179,7 +217,7 @@ def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, st
             return hf_run
         prepare["transformers"] = hf_prepare
         runs["transformers"] = lambda: hf_prepare()()
-    return prepare, runs
+    return prepare, runs, compile_info
 
 
 def ablation_paths(model: Decoder, ids: torch.Tensor, prefix_len: int,

@@ -50,23 +50,6 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """The torch dtype for a name in :data:`DTYPES` (or a torch dtype, returned as is).
-
-    Raises:
-        ValueError: an unknown name.
-
-    >>> resolve_dtype("bf16")
-    torch.bfloat16
-    """
-    if _is_torch_dtype(dtype):
-        return dtype
-    name = dtype_name(dtype)
-    import torch
-
-    return getattr(torch, name)
-
-
 def element_size(dtype: str | torch.dtype) -> int:
     """``s``: bytes per element of ``dtype``, as torch stores it.
 

@@ -9,8 +9,19 @@ with ``L`` layers and ``s`` bytes per element (:func:`~kvdoc.measure.dtypes.elem
 :func:`kv_bytes` and :func:`kv_bytes_for_config` compute it, :func:`kv_bytes_per_layer` per
 layer (a sliding-window layer holds at most its window), and :func:`measured_bytes` counts the
 bytes of real tensors the same way. What a cache writes per update is measured by
-:class:`kvdoc.measure.copymeter.CopyMeter`. An FP8 cache (:mod:`kvdoc.serving.fp8`) also keeps
-FP32 scales beside its one-byte elements, counted by :func:`fp8_scale_bytes`.
+:class:`kvdoc.measure.copymeter.CopyMeter`. The quantised caches' closed forms from a model's
+sizes alone, for pages and tables (tests/test_fp8_cache.py compares them with real caches):
+
+* int8 (:mod:`kvdoc.serving.quant`), :func:`int8_kv_bytes`: one byte a value and one scale a
+  row (of ``D`` values), in the model's dtype: ``2 x B x L x T x H_kv x (D + s)``.
+* FP8 (:mod:`kvdoc.serving.fp8`), :func:`fp8_kv_bytes`: one byte a value, and FP32 scales for K
+  and V of each layer (:func:`fp8_scale_bytes`), one each (per tensor) or ``H_kv`` each (per
+  head), shared by the batch: ``2 x B x L x T x H_kv x D + 2 x L x S x 4``.
+
+>>> int8_kv_bytes(1, 32, 8192, 8, 128, scale_bytes=2)     # Llama-3-8B, BF16 scales
+545259520
+>>> fp8_kv_bytes(1, 32, 8192, 8, 128, "per-head") - fp8_kv_bytes(1, 32, 8192, 8, 128)
+1792
 
 Importing this module does not import torch (``python -m kvdoc memory`` starts in a fraction of
 a second); :func:`measured_bytes` imports the cache when called.
@@ -157,3 +168,28 @@ def fp8_scale_bytes(kv_heads: Sequence[int], granularity: str) -> int:
         raise ValueError("need at least one layer")
     per_layer = [check_int("kv_heads", h) if granularity == "per-head" else 1 for h in kv_heads]
     return 2 * FP8_SCALE_BYTES * sum(per_layer)
+
+
+def int8_kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim: int,
+                  scale_bytes: int = 4) -> int:
+    """``2 x B x L x T x H_kv x (D + scale_bytes)``: int8 values and one scale a row.
+
+    Raises:
+        ValueError: a size that is not a positive integer (``seq_len`` may be 0).
+    """
+    check_int("layers", layers)
+    rows = kv_bytes_per_layer(batch, seq_len, kv_heads, 1, "int8", [None])[0]  # 2 x B x T x H
+    return layers * rows * (head_dim + check_int("scale_bytes", scale_bytes))
+
+
+def fp8_kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim: int,
+                 granularity: str = "per-tensor") -> int:
+    """``2 x B x L x T x H_kv x D + 2 x L x S x 4``: FP8 values, and K's and V's FP32 scales
+    (``S = 1`` per tensor, ``H_kv`` per head, :func:`fp8_scale_bytes`).
+
+    Raises:
+        ValueError: a size that is not a positive integer (``seq_len`` may be 0), or a
+            granularity other than ``"per-tensor"`` and ``"per-head"``.
+    """
+    return (kv_bytes(batch, layers, seq_len, kv_heads, head_dim, "float8_e4m3fn")
+            + fp8_scale_bytes([kv_heads] * layers, granularity))

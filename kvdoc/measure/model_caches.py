@@ -267,7 +267,7 @@ def _qwen3_next() -> ModelCache:
 
 
 #: MLA, gpt-oss and linear-attention presets, keyed by lower-case name. DeepSeek-V3's sizes are
-#: :data:`kvdoc.interop.deepseek.PUBLISHED`'s (tests/test_model_caches.py compares them; that
+#: :data:`kvdoc.interop.hf_deepseek.PUBLISHED`'s (tests/test_model_caches.py compares them; that
 #: module imports torch).
 OTHER_MODELS: dict[str, ModelCache] = {m.name.lower(): m for m in (
     ModelCache("DeepSeek-V3", "MLA", (mla_layer(512, 64),) * 61, 163840,

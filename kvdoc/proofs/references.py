@@ -97,7 +97,7 @@ def deepseek_reference(model: nn.Module) -> Reference:
     Its attention up-projects the latent to K and V in every call, whichever way the kvdoc model
     attends; in FP64 its RMSNorm and rotary angles are lifted to FP64 as for Llama.
     """
-    from kvdoc.interop.deepseek import to_deepseek
+    from kvdoc.interop.hf_deepseek import to_deepseek
 
     return hf_reference(to_deepseek(model), model)
 

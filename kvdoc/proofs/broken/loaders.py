@@ -22,7 +22,7 @@ off, each visible only at a size or layout the grid chooses for it.
   explicit list of global layers: the same model wherever the layout is a pattern, so only the
   grid's global-first Gemma model shows it (the trait ``global-first``).
 
->>> from kvdoc.interop.deepseek import _rope_rows
+>>> from kvdoc.interop.hf_deepseek import _rope_rows
 >>> from kvdoc.proofs import grid
 >>> import dataclasses
 >>> def self_inverse(d_r):
@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder
-from kvdoc.interop import deepseek, gemma
+from kvdoc.interop import hf_deepseek as deepseek
+from kvdoc.interop import hf_gemma as gemma
 
 from .. import references
 from .decoders import copy_as

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, gemma_layer_types
-from kvdoc.interop.hf_weights import load_exported
+from kvdoc.interop.hf_config import load_exported
 
 _OUTER = {"model.embed_tokens.weight": "wte.weight", "model.norm.weight": "ln_f.weight",
           "lm_head.weight": "lm_head.weight"}

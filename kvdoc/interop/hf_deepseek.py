@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kvdoc.core.mla import MLAConfig, MLADecoder
-from kvdoc.interop.hf_weights import load_exported
+from kvdoc.interop.hf_config import load_exported
 
 _ATTENTION = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
               "kv_a_layernorm", "kv_b_proj", "o_proj")
