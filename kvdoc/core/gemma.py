@@ -20,7 +20,7 @@ place of ``1 / sqrt(head_dim)``, a head width ``head_dim`` set apart from ``n_em
 and the final logits soft-capped to ``cap * tanh(logits / cap)`` when
 ``final_logit_softcapping`` is set. Parameter names inside a layer are transformers'
 (``self_attn.q_proj``, ``input_layernorm``, ``mlp.gate_proj`` ..), so a checkpoint maps by key
-(:mod:`kvdoc.interop.gemma`).
+(:mod:`kvdoc.interop.hf_gemma`).
 
 :class:`Gemma3Decoder` is a :class:`~kvdoc.core.model.Decoder` (the same forward, input checks,
 ``prefill``/``decode_step``/``generate``); its default cache is a

@@ -6,7 +6,7 @@ forward, K/V heads shared wrongly by every attention call). These references can
 * :func:`transformers_reference`: Hugging Face transformers' GPT-2, Llama or Mistral holding
   the same weights (:func:`kvdoc.interop.hf_weights.to_transformers`);
 * :func:`deepseek_reference`: transformers' DeepSeek-V3 holding an MLA model's weights
-  (:func:`kvdoc.interop.deepseek.to_deepseek`, interleaved rotary pairs as DeepSeek stores them);
+  (:func:`kvdoc.interop.hf_deepseek.to_deepseek`, interleaved rotary pairs as DeepSeek stores them);
 * :func:`mha_reference`: for a grouped-query (GQA) or multi-query (MQA) model, the multi-head
   model whose K/V projection of each query head is a copy of the K/V head of its group. The
   two compute the same function, but the MHA model never shares a K/V head.

@@ -2,7 +2,7 @@
 off, each visible only at a size or layout the grid chooses for it.
 
 * :func:`deepseek_reference_uninverted`: the MLA exporter
-  (:func:`kvdoc.interop.deepseek.to_deepseek`) moves each head's rotary rows with the importer's
+  (:func:`kvdoc.interop.hf_deepseek.to_deepseek`) moves each head's rotary rows with the importer's
   permutation (interleaved to half-split: evens, then odds) instead of its inverse. For a rotary
   width of 4 that permutation, ``[0, 2, 1, 3]``, is its own inverse, so the bug is invisible
   there; from a width of 6 on (``[0, 2, 4, 1, 3, 5]``, whose inverse is ``[0, 3, 1, 4, 2, 5]``)
@@ -17,7 +17,7 @@ off, each visible only at a size or layout the grid chooses for it.
 * :func:`gemma_pattern_one_off`: a Gemma model whose layer types come from
   ``sliding_window_pattern`` one layer off (``i % k`` for ``(i + 1) % k``), in the model and its
   hybrid cache alike, so that the two agree; only a reference whose layout transformers derives
-  from the pattern itself (:func:`kvdoc.interop.gemma.gemma_config`) tells.
+  from the pattern itself (:func:`kvdoc.interop.hf_gemma.gemma_config`) tells.
 * :func:`gemma_reference_pattern_only`: the export writes ``sliding_window_pattern`` and drops an
   explicit list of global layers: the same model wherever the layout is a pattern, so only the
   grid's global-first Gemma model shows it (the trait ``global-first``).
