@@ -3,8 +3,8 @@
 >>> import kvdoc
 >>> kvdoc.Decoder(kvdoc.GPTConfig()).num_parameters()
 145280
->>> kvdoc.Decoder(kvdoc.mistral_config()).new_cache(1).window
-32
+>>> [layer.window for layer in kvdoc.Decoder(kvdoc.mistral_config()).new_cache(1).layers]
+[32, 32]
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from importlib.metadata import PackageNotFoundError, version
 # which takes seconds to load, and ``python -m kvdoc memory`` or ``--help`` need none of it.
 _LAZY = {
     "DynamicCache": "core.cache", "KVCache": "core.cache", "StaticCache": "core.cache",
-    "GPTConfig": "core.config", "llama_config": "core.config", "mistral_config": "core.config",
-    "offset_causal_mask": "core.mask",
+    "GPTConfig": "core.model", "llama_config": "core.model", "mistral_config": "core.model",
+    "offset_causal_mask": "core.model",
     "Decoder": "core.model", "DecoderOutput": "core.model", "decode_step": "core.model",
     "generate": "core.model", "prefill": "core.model",
-    "SlidingWindowCache": "core.window",
+    "window_cache": "core.window",
     "parallel_generate": "parallel.decode",
     "batch_invariant": "core.invariant",
 }
@@ -39,7 +39,7 @@ __all__ = [
     "KVCache",
     "DynamicCache",
     "StaticCache",
-    "SlidingWindowCache",
+    "window_cache",
     "offset_causal_mask",
     "prefill",
     "decode_step",

@@ -82,7 +82,7 @@ def test_lean_step_and_its_variants_compute_the_models_function(kw, n_kv_head):
 
 
 def test_lean_step_refuses_other_architectures():
-    from kvdoc.core.config import llama_config
+    from kvdoc.core.model import llama_config
 
     with pytest.raises(ValueError, match="GPT-2's architecture"):
         LeanStep(Decoder(llama_config()), capacity=4)

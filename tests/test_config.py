@@ -46,7 +46,7 @@ def test_invalid_configs_raise(kwargs, message):
 
 
 def test_llama_and_mistral_configs():
-    from kvdoc.core.config import llama_config, mistral_config
+    from kvdoc.core.model import llama_config, mistral_config
 
     cfg = llama_config()
     switches = (cfg.position, cfg.norm, cfg.mlp, cfg.bias, cfg.sliding_window)
@@ -58,7 +58,7 @@ def test_llama_and_mistral_configs():
 
 
 def test_llama_parameter_count_matches_closed_form():
-    from kvdoc.core.config import llama_config
+    from kvdoc.core.model import llama_config
 
     for tied in (False, True):
         cfg = llama_config(tie_word_embeddings=tied)

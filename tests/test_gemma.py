@@ -7,9 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from kvdoc import Decoder, SlidingWindowCache, decode_step, generate, mistral_config, prefill
+from kvdoc import Decoder, decode_step, generate, mistral_config, prefill
 from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, GemmaRMSNorm
-from kvdoc.core.hybrid import HybridCache
+from kvdoc.core.cache import KVCache
+from kvdoc.core.window import RingLayer, window_cache
 from kvdoc.interop.hf_float64 import float64_islands_lifted
 from kvdoc.interop.hf_gemma import config_from_gemma, gemma_config, gemma_model
 from kvdoc.interop.hf_weights import from_transformers, to_transformers
@@ -157,14 +158,16 @@ def test_bad_input_is_refused_and_leaves_the_cache_as_it_was():
         work.update(4, k, k, 8)
     with pytest.raises(ValueError, match="batch size"):
         model(stream(2, batch=1), cache)
-    with pytest.raises(ValueError, match="other layer windows"):
-        model(stream(2), HybridCache(dataclasses.replace(CONFIG, sliding_window=4), 2))
-    with pytest.raises(ValueError, match="ring this model's global layers"):
-        model(stream(2), SlidingWindowCache(CONFIG, 2))
-    with pytest.raises(ValueError, match="per-layer windows"):
-        Decoder(mistral_config()).eval()(stream(2), HybridCache(CONFIG, 2))
-    with pytest.raises(ValueError, match="unknown cache kind 'window'"):
-        model.new_cache(2, "window")
+    with pytest.raises(ValueError, match="ring of 4 positions cannot serve layer 0"):
+        model(stream(2), window_cache(dataclasses.replace(CONFIG, sliding_window=4), 2))
+    rings = KVCache([RingLayer(2, s.heads, s.widths, CONFIG.sliding_window)
+                     for s in CONFIG.cache_layout])
+    with pytest.raises(ValueError, match="which reads every key"):
+        model(stream(2), rings)
+    with pytest.raises(ValueError, match="another model"):
+        Decoder(mistral_config()).eval()(stream(2), window_cache(CONFIG, 2))
+    with pytest.raises(ValueError, match="unknown cache kind 'paged'"):
+        model.new_cache(2, "paged")
     assert cache.seq_len == 8 and before.changed(cache) == 0.0
 
 
@@ -175,7 +178,7 @@ def test_prefill_decode_and_generate_with_the_hybrid_cache():
     out = generate(model, prompt, 20)  # the hybrid cache by default, 25 positions past W
     assert torch.equal(out, generate(model, prompt, 20, cache="dynamic"))
     logits, cache = prefill(model, prompt, model.new_cache(1))
-    assert isinstance(cache, HybridCache)
+    assert [layer.window for layer in cache.layers] == list(CONFIG.layer_windows)
     assert close(logits, model(prompt).logits[:, -1:], 1e-5)
 
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from kvdoc.core.config import GPTConfig
+from kvdoc.core.model import GPTConfig
 from kvdoc.core.gemma import Gemma3Config
 from kvdoc.core.mla import MLAConfig
 from kvdoc.proofs import grid

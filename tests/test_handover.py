@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 
-from kvdoc.core.config import GPTConfig
+from kvdoc.core.model import GPTConfig
 from kvdoc.proofs.broken.serving import pack_off_by_one, pack_through_fp32, pack_zeroed_last_v
 from kvdoc.proofs.compare import default_model
 from kvdoc.proofs.handover_checks import PAYLOAD_DTYPES, check_dtypes, check_handover

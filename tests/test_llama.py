@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kvdoc import Decoder
-from kvdoc.core.config import llama_config
-from kvdoc.core.rope import apply_rope, rope_angles
+from kvdoc.core.model import llama_config
+from kvdoc.core.model import apply_rope, rope_angles
 from kvdoc.proofs.compare import TOLERANCE, run_cached
 from kvdoc.proofs.variants import VARIANTS
 

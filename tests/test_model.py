@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvdoc import Decoder, GPTConfig, decode_step, generate, prefill
+from kvdoc import Decoder, GPTConfig, decode_step, generate, llama_config, prefill
 from kvdoc.proofs.compare import TOLERANCE
 
 
@@ -141,7 +141,7 @@ def test_grouped_query_attention(kv_heads):
 
 def test_crop_is_in_place_for_every_kind(model, stream):
     """crop means one thing: forget positions from ``length`` on, in this cache, and return it."""
-    from kvdoc.core.config import mistral_config
+    from kvdoc.core.model import mistral_config
     from kvdoc.serving.paged import new_paged_cache, new_shared_prefix_cache
     from kvdoc.serving.quant import new_int8_cache
 
@@ -169,7 +169,7 @@ def test_crop_is_in_place_for_every_kind(model, stream):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_apply_rope_with_positions_equals_the_int_path_row_by_row(dtype):
-    from kvdoc.core.rope import apply_rope
+    from kvdoc.core.model import apply_rope
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 2, 5, 8, generator=g, dtype=dtype)
@@ -178,8 +178,9 @@ def test_apply_rope_with_positions_equals_the_int_path_row_by_row(dtype):
     for b, s in enumerate(starts):
         assert torch.equal(rows[b], apply_rope(x, s, 500000.0)[b])
     assert torch.equal(apply_rope(x, torch.arange(7, 12), 10.0), apply_rope(x, 7, 10.0))
+    model = Decoder(llama_config()).eval()  # the model checks positions once, before any write
     with pytest.raises(ValueError, match=r"positions must be \[C\] or \[B, C\]"):
-        apply_rope(x, torch.arange(4))
+        model(torch.zeros(3, 5, dtype=torch.long), positions=torch.arange(4))
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "mla", "gemma3"])

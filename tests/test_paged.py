@@ -76,7 +76,7 @@ def test_bad_writes_are_refused(model):
     k = torch.zeros(1, 4, 2, 16)
     with pytest.raises(ValueError, match="write starts at 3"):
         cache.update(0, k, k, start=3)
-    with pytest.raises(ValueError, match=r"\[B, H_kv, C, D_h\]"):
+    with pytest.raises(ValueError, match=r"\[B, H, C, width\]"):
         cache.update(0, k[:, :2], k[:, :2], start=0)
     with pytest.raises(ValueError, match=r"must be torch\.float32"):
         cache.update(0, k.double(), k.double(), start=0)
@@ -191,7 +191,8 @@ def test_an_mla_pool_stores_two_widths(grid_models):
 def test_a_layout_mismatch_is_refused_by_what_is_cached(grid_models):
     mla, llama = grid_models["mla"], grid_models["llama"]
     ids = torch.tensor([[1, 2, 3]])
-    with pytest.raises(ValueError, match="caches c_KV and k_rope, not K and V"):
+    latent, kv = (m.config.cache_layout[0] for m in (mla, llama))
+    with pytest.raises(ValueError, match=rf"holds \(heads, widths\) = \({kv.heads}, "):
         mla(ids, new_paged_cache(llama, batch=1, capacity=8))
-    with pytest.raises(ValueError, match="a latent cache serves an MLA model"):
+    with pytest.raises(ValueError, match=rf"holds \(heads, widths\) = \({latent.heads}, "):
         llama(ids, new_paged_cache(mla, batch=1, capacity=8))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvdoc.cli import main
-from kvdoc.core.config import GPTConfig, llama_config
+from kvdoc.core.model import GPTConfig, llama_config
 from kvdoc.core.mla import MLAConfig, MLADecoder
 from kvdoc.core.model import Decoder
 from kvdoc.interop.hf_config import transformers_model

@@ -12,7 +12,7 @@ import torch
 import kvdoc.core.model
 from kvdoc.__main__ import main as cli
 from kvdoc.core import cache as kvcache
-from kvdoc.core.layers import StaticLayer
+from kvdoc.core.cache import StaticLayer
 from kvdoc.interop.hf_config import transformers_model
 from kvdoc.proofs import grid, verify
 from kvdoc.proofs.broken.decoders import PositionsRestartDecoder, copy_as, stale_prefix

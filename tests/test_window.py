@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from kvdoc import Decoder
-from kvdoc.core.config import llama_config, mistral_config
+from kvdoc.core.model import llama_config, mistral_config
 from kvdoc.core.feed import feed
-from kvdoc.core.rope import apply_rope
-from kvdoc.core.window import SlidingWindowCache
+from kvdoc.core.model import apply_rope
+from kvdoc.core.window import window_cache
 from kvdoc.proofs.compare import TOLERANCE, run_cached
 
 W, T = 32, 100
@@ -50,7 +50,7 @@ def test_the_window_matters(ids):
 def test_ring_slots_and_flat_memory(ids):
     model = make()
     cache = model.new_cache(2)
-    assert isinstance(cache, SlidingWindowCache)
+    assert [layer.window for layer in cache.layers] == [W] * model.config.n_layer
     cfg = model.config
     expected_bytes = 2 * cfg.n_layer * 2 * cfg.n_kv_head * W * cfg.head_dim * 4
     def check(start, n, before, after):
@@ -103,16 +103,16 @@ def test_a_forward_call_leaves_the_cache_passed_in_unchanged(ids):
 def test_window_cache_refuses_what_it_cannot_serve():
     torch.manual_seed(0)
     no_window = Decoder(llama_config()).eval()
-    with pytest.raises(ValueError, match="needs a window"):
+    with pytest.raises(ValueError, match="needs a model with sliding windows"):
         no_window.new_cache(1, "window")
-    small = SlidingWindowCache(mistral_config(sliding_window=8), 1)
+    small = window_cache(mistral_config(sliding_window=8), 1)
     with pytest.raises(ValueError, match="cannot serve"):
         small.check_compatible(make().config, 1, torch.float32, torch.device("cpu"), 1)
     cache = make().new_cache(1)
     with pytest.raises(ValueError, match="write starts at 3"):
         cache.update(0, torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), 3)
     with pytest.raises(ValueError, match="window must be a positive integer"):
-        SlidingWindowCache(mistral_config(), 1, window=0)
+        window_cache(mistral_config(), 1, window=0)
 
 
 def test_dynamic_and_static_caches_also_serve_a_windowed_model(ids):

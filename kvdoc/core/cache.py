@@ -1,41 +1,219 @@
-"""The K/V cache: a list of per-layer storages (:mod:`kvdoc.core.layers`) and one length.
+"""The K/V cache: per-layer storages and one length, in one transaction per forward call.
 
-:class:`KVCache` keeps the transaction every kind shares; a layer only stores rows. A forward
+Half of the copy set (with :mod:`kvdoc.core.model`); it imports nothing but torch. A forward
 call does ``work = cache.begin()``, then ``work.update(layer, k, v, start)`` once per layer, then
 ``work.finish(start + C)`` after the LM head, and returns ``work``:
 
-* :meth:`KVCache.begin` gives each layer's :meth:`~kvdoc.core.layers.CacheLayer.fork`: a copy
-  for a layer that grows or rings (the cache passed in is never modified), the layer itself for
-  one written in place (rows from the length on only);
+* :meth:`KVCache.begin` gives each layer's :meth:`CacheLayer.fork`: a copy for a layer that
+  grows (the cache passed in is never modified), the layer itself for one written in place;
 * the length advances only in :meth:`KVCache.finish`, so a call that fails midway leaves the
   cache as it was, in place or not.
 
-The named kinds are this class with one kind of layer each: :class:`DynamicCache`
-(:class:`~kvdoc.core.layers.DynamicLayer`) and :class:`StaticCache`
-(:class:`~kvdoc.core.layers.StaticLayer`) here; a window ring, a hybrid of rings and growing
-layers, latent (MLA) layers, int8 layers and paged layers in their own modules. K and V of layer
-``l`` are ``[B, H_kv, T, D_h]``.
+A kind of cache is a choice of layers, not a subclass: :class:`DynamicLayer` grows by
+``torch.cat`` (:class:`DynamicCache`), :class:`StaticLayer` preallocates (:class:`StaticCache`);
+a ring (:mod:`kvdoc.core.window`), int8, FP8 and paged layers live beside the code that needs
+them. Whether a cache serves a model is decided by the model's layout, one :class:`LayerSpec` per
+layer (``config.cache_layout``), against what each layer holds. K and V of layer ``l`` are
+``[B, H_kv, T, D_h]``; an MLA layer holds its latent the same way, one head of two widths.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 
-from .config import GPTConfig, check_int
-from .layers import KV, CacheLayer, DynamicLayer, StaticLayer
+KV = tuple[torch.Tensor, torch.Tensor]
 
-__all__ = ["KV", "DynamicCache", "KVCache", "StaticCache"]
+
+def check_int(name: str, value: object, minimum: int = 1) -> int:
+    """``value``, if it is an integer (not a bool) of at least ``minimum``; else a ``ValueError``.
+
+    >>> check_int("past_len", -1, minimum=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: past_len must be a non-negative integer, got -1
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = {0: "a non-negative integer", 1: "a positive integer"}.get(
+            minimum, f"an integer >= {minimum}")
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    return value
+
+
+class LayerSpec(NamedTuple):
+    """What one decoder layer caches: ``heads`` x two tensors of ``widths``, and the ``window``
+    its queries read (None: every earlier key). A config's ``cache_layout`` is one per layer."""
+
+    heads: int
+    widths: tuple[int, int]
+    window: int | None = None
+
+
+class HasLayout(Protocol):
+    """A model's config, as far as a cache needs it: one :class:`LayerSpec` per layer."""
+
+    @property
+    def cache_layout(self) -> tuple[LayerSpec, ...]: ...
+
+
+class CacheLayer:
+    """One layer's rows: two tensors ``[B, H, T, width]`` (K and V, or c_KV and k_rope).
+
+    A new storage overrides :meth:`write`, :meth:`read` and :meth:`tensors`, and :meth:`fork`,
+    :meth:`held` and :meth:`crop` where the defaults do not hold.
+    """
+
+    in_place = False
+    """Whether a call writes into this layer's own tensors (then :meth:`fork` returns it)."""
+    window: int | None = None
+    """The positions a ring keeps (None: every position it is given)."""
+    capacity: int | None = None
+    """The most positions it can take (None: no bound but the model's)."""
+
+    def __init__(self, batch_size: int, heads: int, widths: tuple[int, int],
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.batch_size = check_int("batch_size", batch_size)
+        self.heads = check_int("heads", heads)
+        self.widths = (check_int("width", widths[0]), check_int("width", widths[1]))
+        self.dtype, self.device = dtype, torch.device(device)
+
+    @property
+    def keeps_every_position(self) -> bool:
+        """False for a ring: once it has dropped a position it cannot go back."""
+        return self.window is None
+
+    def _zeros(self, length: int) -> list[torch.Tensor]:
+        return [torch.zeros((self.batch_size, self.heads, length, w), dtype=self.dtype,
+                            device=self.device) for w in self.widths]
+
+    def check_rows(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless ``k``, ``v`` are rows ``[B, H, C, width]`` of this layer."""
+        want = (self.batch_size, self.heads, *self.widths)
+        if (k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]
+                or (*k.shape[:2], k.shape[3], v.shape[3]) != want):
+            raise ValueError(f"new rows must be [B, H, C, width] with (B, H, width of K, width of "
+                             f"V) = {want}, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.dtype != self.dtype or v.dtype != self.dtype:
+            raise ValueError(f"new rows must be {self.dtype}, got {k.dtype} and {v.dtype}")
+
+    def held(self, seq_len: int) -> range:
+        """The absolute positions :meth:`read` returns once the cache has seen ``seq_len``."""
+        return range(seq_len)
+
+    def fork(self) -> CacheLayer:
+        """A layer one call writes into, leaving this one as it was."""
+        return self if self.in_place else copy.copy(self)
+
+    def read(self, seq_len: int) -> KV:
+        """The rows of the positions :meth:`held` ``(seq_len)``, in position order."""
+        raise NotImplementedError
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        """Store rows ``[B, H, C, width]`` at positions ``start ..``; returns what the ``C`` new
+        queries attend over: the held rows up to ``start + C - 1``, in position order."""
+        raise NotImplementedError
+
+    def crop(self, length: int, seq_len: int) -> CacheLayer:
+        """This layer with only positions ``0 .. length - 1`` of the ``seq_len`` it has seen."""
+        raise ValueError(f"a {type(self).__name__} cannot be cropped")
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the layer owns."""
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        """Bytes of :meth:`tensors`: ``sum(numel x element size)``."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+class DynamicLayer(CacheLayer):
+    """Rows grown by concatenation: ``k`` and ``v`` are the whole history, ``[B, H, T, width]``.
+
+    >>> layer = DynamicLayer.empty(batch_size=1, heads=2, widths=(3, 5))
+    >>> k, v = layer.write(torch.ones(1, 2, 4, 3), torch.ones(1, 2, 4, 5), start=0)
+    >>> tuple(v.shape), layer.nbytes() == 4 * (2 * 4 * 3 + 2 * 4 * 5)
+    ((1, 2, 4, 5), True)
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+            raise ValueError("K and V must both be [B, H, T, width] with the same B, H and T, "
+                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.dtype != v.dtype or k.device != v.device:
+            raise ValueError("K and V must share dtype and device")
+        super().__init__(k.shape[0], k.shape[1], (k.shape[3], v.shape[3]), k.dtype, k.device)
+        self.k, self.v = k, v
+
+    @classmethod
+    def empty(cls, batch_size: int, heads: int, widths: tuple[int, int],
+              dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> DynamicLayer:
+        """A layer of no positions."""
+        check_int("batch_size", batch_size)
+        return cls(*(torch.empty((batch_size, heads, 0, w), dtype=dtype, device=device)
+                     for w in widths))
+
+    def read(self, seq_len: int) -> KV:
+        return self.k, self.v
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        self.check_rows(k, v)
+        # old rows first, then the new ones: [B, H, P + C, width]
+        self.k, self.v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
+        return self.k, self.v
+
+    def crop(self, length: int, seq_len: int) -> DynamicLayer:
+        return DynamicLayer(self.k[:, :, :length], self.v[:, :, :length])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v]
+
+
+class StaticLayer(CacheLayer):
+    """``capacity`` preallocated positions, written in place at absolute positions.
+
+    What it holds below the write position never changes; how much of it counts is the cache's
+    length, committed when the whole call has succeeded.
+
+    >>> layer = StaticLayer(batch_size=1, heads=2, widths=(4, 4), capacity=8)
+    >>> k, _ = layer.write(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), start=0)
+    >>> k.shape[2], layer.nbytes() == 2 * 2 * 8 * 4 * 4     # K, V x H x capacity x width x 4
+    (3, True)
+    """
+
+    in_place = True
+
+    def __init__(self, batch_size: int, heads: int, widths: tuple[int, int], capacity: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__(batch_size, heads, widths, dtype, device)
+        self.capacity = check_int("capacity", capacity)
+        self.k, self.v = self._zeros(capacity)
+
+    def read(self, seq_len: int) -> KV:
+        return self.k[:, :, :seq_len], self.v[:, :, :seq_len]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        self.check_rows(k, v)
+        end = start + k.shape[2]  # the cache checked end <= capacity before the call
+        self.k.narrow(2, start, end - start).copy_(k)  # in place, at absolute positions
+        self.v.narrow(2, start, end - start).copy_(v)
+        return self.k.narrow(2, 0, end), self.v.narrow(2, 0, end)
+
+    def crop(self, length: int, seq_len: int) -> StaticLayer:
+        return self  # the rows past the new length are written over by the next call
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v]
 
 
 class KVCache:
     """Layers and a length: ``layers[l]`` stores layer ``l``'s rows, ``seq_len`` positions count.
 
     Args:
-        layers: one :class:`~kvdoc.core.layers.CacheLayer` per decoder layer, of one batch
-            size, dtype and device.
+        layers: one :class:`CacheLayer` per decoder layer, of one batch size, dtype and device.
         seq_len: positions they already hold.
 
     >>> cache = KVCache([DynamicLayer.empty(1, 2, (4, 4)), StaticLayer(1, 2, (4, 4), 8)])
@@ -51,10 +229,9 @@ class KVCache:
         if not layers:
             raise ValueError("a cache needs at least one layer")
         first = layers[0]
-        for layer in layers:
-            if (layer.batch_size, layer.dtype, layer.device) != (first.batch_size, first.dtype,
-                                                                  first.device):
-                raise ValueError("every layer must share one batch size, dtype and device")
+        if any((la.batch_size, la.dtype, la.device) != (first.batch_size, first.dtype,
+                                                         first.device) for la in layers):
+            raise ValueError("every layer must share one batch size, dtype and device")
         self.layers = layers
         self._len = check_int("seq_len", seq_len, minimum=0)
         self.n_layer, self.batch_size = len(self.layers), first.batch_size
@@ -63,7 +240,7 @@ class KVCache:
 
     @property
     def layers(self) -> list[CacheLayer]:
-        """One storage per decoder layer (assign a new list to swap them: a broken variant)."""
+        """One storage per decoder layer."""
         return self._layers
 
     @layers.setter
@@ -71,8 +248,9 @@ class KVCache:
         self._layers = list(layers)
         # decided once, not at every call: a decode step of the site's model is ~100 us
         self._in_place = all(layer.in_place for layer in self._layers)
-        bounds = [layer.capacity for layer in self._layers if hasattr(layer, "capacity")]
-        self._capacity = min(bounds) if bounds else None
+        bounds = [la.capacity for la in self._layers if la.capacity is not None]
+        self.capacity = min(bounds) if bounds else None
+        """The most positions every layer can take (None: no bound but the model's)."""
 
     @property
     def seq_len(self) -> int:
@@ -85,18 +263,15 @@ class KVCache:
     def _layer(self, idx: int) -> CacheLayer:
         if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < self.n_layer:
             raise ValueError(f"layer {idx!r} is outside 0..{self.n_layer - 1}")
-        return self.layers[idx]
+        return self._layers[idx]
 
     def layer(self, idx: int) -> KV:
         """The rows layer ``idx`` holds (the positions :meth:`held`), in position order."""
         return self._layer(idx).read(self._len)
 
     def held(self, layer_idx: int | None = None) -> range:
-        """The absolute positions whose rows :meth:`layer` returns for layer ``layer_idx``.
-
-        All of them, ``range(seq_len)``, unless a layer drops old ones (a ring holds only the
-        last ``W``); None answers for every layer at once: the positions they all hold.
-        """
+        """The absolute positions :meth:`layer` returns for layer ``layer_idx``: all of them
+        unless a layer drops old ones; None answers for every layer at once."""
         if layer_idx is not None:
             return self._layer(layer_idx).held(self._len)
         return range(max(layer.held(self._len).start for layer in self.layers), self._len)
@@ -107,23 +282,16 @@ class KVCache:
         if self._in_place:
             return self
         work = copy.copy(self)
-        work.layers = [layer.fork() for layer in self.layers]
+        work.layers = [layer.fork() for layer in self._layers]
         return work
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
-               start: int) -> KV:
-        """Store new rows ``k, v`` (``[B, H_kv, C, D_h]``) at positions
-        ``start .. start + C - 1``.
-
-        Returns what the new queries attend over: the layer's rows up to
-        ``start + C - 1``.
-        """
-        if not 0 <= layer_idx < self.n_layer:
-            raise ValueError(f"layer {layer_idx!r} is outside 0..{self.n_layer - 1}")
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        """Store new rows ``k, v`` (``[B, H_kv, C, D_h]``) at positions ``start ..``; returns
+        what the new queries attend over: the layer's rows up to ``start + C - 1``."""
         if start != self._len:
             raise ValueError(f"layer {layer_idx}: the cache holds {self._len} "
                              f"positions, write starts at {start}")
-        return self._layers[layer_idx].write(k, v, start)
+        return self._layer(layer_idx).write(k, v, start)
 
     def finish(self, end: int) -> None:
         """Count positions ``0 .. end - 1`` as held, once every layer has been updated."""
@@ -132,9 +300,8 @@ class KVCache:
     def crop(self, length: int) -> KVCache:
         """Forget every position from ``length`` on, in place; returns this cache.
 
-        >>> from kvdoc import GPTConfig
-        >>> cache = DynamicCache.empty(GPTConfig(), 1)
-        >>> cache.crop(1)
+        >>> from kvdoc.core.model import GPTConfig
+        >>> DynamicCache.empty(GPTConfig(), 1).crop(1)
         Traceback (most recent call last):
         ...
         ValueError: cannot crop a cache of 0 positions to 1
@@ -158,32 +325,24 @@ class KVCache:
         """Whether every layer keeps every position (a ring does not, so it cannot roll back)."""
         return all(layer.keeps_every_position for layer in self.layers)
 
-    @property
-    def capacity(self) -> int | None:
-        """The most positions every layer can take (None: no bound but the model's)."""
-        return self._capacity
-
-    def check_compatible(self, config: GPTConfig, batch_size: int, dtype: torch.dtype,
+    def check_compatible(self, config: HasLayout, batch_size: int, dtype: torch.dtype,
                          device: torch.device, new_len: int) -> None:
-        """Raise ``ValueError`` unless ``new_len`` tokens of a model with ``config`` fit here."""
-        expected = (config.n_layer, config.n_kv_head, config.head_dim)
-        found = (self.n_layer, self.n_kv_head, self.head_dim)
-        if found != expected:
-            raise ValueError(
-                "cache was built for another model: (layers, K/V heads, head size) = "
-                f"{found}, model has {expected}")
-        self.check_placement(batch_size, dtype, device)
-        self.check_room(new_len)
-
-    def check_room(self, new_len: int) -> None:
-        """Raise ``ValueError`` unless ``new_len`` more positions fit the preallocated layers."""
-        capacity = self.capacity
-        if capacity is not None and self._len + new_len > capacity:
-            raise ValueError(f"static cache over capacity: holds {self._len} of {capacity} "
-                             f"positions, {new_len} more do not fit")
-
-    def check_placement(self, batch_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Raise ``ValueError`` unless the input's batch size, dtype and device are the cache's."""
+        """Raise ``ValueError`` unless ``new_len`` tokens of a model with ``config`` fit here:
+        each layer the heads and widths of its :class:`LayerSpec`, a ring at least the layer's
+        window, and the batch size, dtype, device and room of the input."""
+        layout = config.cache_layout
+        if len(layout) != self.n_layer:
+            raise ValueError(f"cache was built for another model: {self.n_layer} layers, "
+                             f"model has {len(layout)}")
+        for i, (layer, spec) in enumerate(zip(self.layers, layout, strict=True)):
+            if (layer.heads, layer.widths) != (spec.heads, spec.widths):
+                raise ValueError(f"cache was built for another model: layer {i} holds (heads, "
+                                 f"widths) = {(layer.heads, layer.widths)}, model has "
+                                 f"{(spec.heads, spec.widths)}")
+            if layer.window is not None and (spec.window is None or spec.window > layer.window):
+                reads = "every key" if spec.window is None else f"a window of {spec.window}"
+                raise ValueError(f"a ring of {layer.window} positions cannot serve layer {i}, "
+                                 f"which reads {reads}: it would drop keys the model reads")
         if self.batch_size != batch_size:
             raise ValueError(f"cache holds batch size {self.batch_size}, "
                              f"input has batch size {batch_size}")
@@ -191,66 +350,54 @@ class KVCache:
             raise ValueError(f"cache dtype is {self.dtype}, model dtype is {dtype}")
         if self.device != device:  # both torch.device: every cache stores one
             raise ValueError(f"cache is on {self.device}, model is on {device}")
+        self.check_room(new_len)
+
+    def check_room(self, new_len: int) -> None:
+        """Raise ``ValueError`` unless ``new_len`` more positions fit the preallocated layers."""
+        if self.capacity is not None and self._len + new_len > self.capacity:
+            raise ValueError(f"static cache over capacity: holds {self._len} of {self.capacity} "
+                             f"positions, {new_len} more do not fit")
 
 
 class DynamicCache(KVCache):
-    """A cache of :class:`~kvdoc.core.layers.DynamicLayer` s: it grows by concatenation, and a
-    forward call never modifies the object passed in.
+    """A cache of :class:`DynamicLayer` s: it grows by concatenation, and a forward call never
+    modifies the object passed in.
 
     Args:
-        layers: one ``(K, V)`` per layer, each ``[B, H_kv, T, D_h]`` with the same shape.
+        layers: one ``(K, V)`` per layer, each ``[B, H_kv, T, D_h]`` (an MLA latent: ``c_KV``
+            ``[B, 1, T, r]`` and ``k_rope`` ``[B, 1, T, d_R]``), of one length.
 
-    >>> from kvdoc import GPTConfig
+    >>> from kvdoc.core.model import GPTConfig
     >>> cache = DynamicCache.empty(GPTConfig(), batch_size=2)
     >>> cache.seq_len, tuple(cache.layer(0)[0].shape)
     (0, (2, 4, 0, 16))
     """
 
-    def __init__(self, layers: list[KV]) -> None:
-        if not layers:
-            raise ValueError("a cache needs at least one layer")
-        for k, v in layers:
-            if k.dim() != 4 or k.shape != v.shape:
-                raise ValueError("K and V must both be [B, H_kv, T, D_h], "
-                                 f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    def __init__(self, layers: Sequence[KV]) -> None:
         built = [DynamicLayer(k, v) for k, v in layers]
-        if any(t.shape != layers[0][0].shape for kv in layers for t in kv):
-            raise ValueError("every layer's K/V must have the same shape")
-        super().__init__(built, seq_len=built[0].length)
+        if len({layer.k.shape[2] for layer in built}) > 1:
+            raise ValueError("every layer must hold the same number of positions")
+        super().__init__(built, seq_len=built[0].k.shape[2] if built else 0)
 
     @classmethod
-    def empty(cls, config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.float32,
+    def empty(cls, config: HasLayout, batch_size: int, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> DynamicCache:
-        """A cache with no positions yet, for a model with ``config``."""
-        check_int("batch_size", batch_size)
-        shape = (batch_size, config.n_kv_head, 0, config.head_dim)
-        return cls([(torch.empty(shape, dtype=dtype, device=device),
-                     torch.empty(shape, dtype=dtype, device=device))
-                    for _ in range(config.n_layer)])
+        """A cache with no positions yet for a model with ``config``."""
+        return cls([DynamicLayer.empty(batch_size, s.heads, s.widths, dtype, device).tensors()
+                    for s in config.cache_layout])
 
 
 class StaticCache(KVCache):
-    """A cache of :class:`~kvdoc.core.layers.StaticLayer` s: ``capacity`` preallocated positions,
-    written in place at absolute positions; its length advances only when a whole call has
-    succeeded, so what it holds below the write position never changes.
+    """A cache of :class:`StaticLayer` s: ``capacity`` preallocated positions per layer, written
+    in place; its length advances only when a whole call has succeeded.
 
-    Args:
-        config: the model's configuration (layers, K/V heads, head size).
-        batch_size: ``B``.
-        capacity: the most positions it can hold (at most ``config.n_positions`` is useful).
-        dtype, device: must match the model's.
-
-    >>> from kvdoc import GPTConfig
+    >>> from kvdoc.core.model import GPTConfig
     >>> cache = StaticCache(GPTConfig(), batch_size=1, capacity=8)
-    >>> cache.seq_len, cache.capacity
-    (0, 8)
-    >>> # K and V x layers x B x H_kv x capacity x D_h x 4 bytes
-    >>> cache.nbytes() == 2 * 2 * 1 * 4 * 8 * 16 * 4
-    True
+    >>> cache.capacity, cache.nbytes() == 2 * 2 * 1 * 4 * 8 * 16 * 4  # K,V x L x B x H x T x D
+    (8, True)
     """
 
-    def __init__(self, config: GPTConfig, batch_size: int, capacity: int,
+    def __init__(self, config: HasLayout, batch_size: int, capacity: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        widths = (config.head_dim, config.head_dim)
-        super().__init__([StaticLayer(batch_size, config.n_kv_head, widths, capacity, dtype,
-                                      device) for _ in range(config.n_layer)])
+        super().__init__([StaticLayer(batch_size, s.heads, s.widths, capacity, dtype, device)
+                          for s in config.cache_layout])

@@ -43,11 +43,11 @@ import torch.nn.functional as F
 
 from . import invariant
 from .cache import KVCache
-from .checks import check_call
-from .config import GPTConfig
-from .embed import embed_tokens
+from .model import check_call
+from .model import GPTConfig
+from .model import embed_tokens
 from .model import Decoder, DecoderOutput
-from .rope import apply_rope
+from .model import apply_rope
 
 _VERSION = attrgetter("_version")
 _DATA_PTR = torch.Tensor.data_ptr

@@ -5,7 +5,7 @@ Each layer is of one of two types (``config.layer_types``, as transformers names
 unless ``global_layers`` lists the global ones):
 
 * ``"sliding_attention"``: query ``i`` reads keys ``i - W < j <= i`` only (``W`` =
-  ``sliding_window``, :mod:`kvdoc.core.mask`'s convention, which is transformers'), and RoPE turns
+  ``sliding_window``, :mod:`kvdoc.core.model`'s convention, which is transformers'), and RoPE turns
   at the local base ``rope_local_base_freq``;
 * ``"full_attention"``: query ``i`` reads every key ``j <= i``, RoPE at the global base
   ``rope_theta``.
@@ -23,10 +23,10 @@ and the final logits soft-capped to ``cap * tanh(logits / cap)`` when
 (:mod:`kvdoc.interop.hf_gemma`).
 
 :class:`Gemma3Decoder` is a :class:`~kvdoc.core.model.Decoder` (the same forward, input checks,
-``prefill``/``decode_step``/``generate``); its default cache is a
-:class:`~kvdoc.core.hybrid.HybridCache`: a ring of ``W`` slots for each window layer, a growing
-cache for each global one. A dynamic or static cache (every layer keeps every position) serves it
-too, which is what the hybrid one is checked against.
+``prefill``/``decode_step``/``generate``, caches); its default cache
+(:func:`~kvdoc.core.window.window_cache`) is hybrid: a ring of ``W`` slots for each window layer,
+a growing layer for each global one. A dynamic or static cache (every layer keeps every
+position) serves it too, which is what the hybrid one is checked against.
 
 >>> _ = torch.manual_seed(0)
 >>> model = Gemma3Decoder(Gemma3Config(sliding_window=4)).eval()
@@ -42,20 +42,15 @@ True
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import invariant
-from .cache import DynamicCache, KVCache, StaticCache
-from .config import check_int, check_positive
-from .hybrid import HybridCache
-from .mask import offset_causal_mask
-from .model import Decoder, last_keys
-from .rope import apply_rope
-from .window import SlidingWindowCache
+from .cache import KVCache, LayerSpec, check_int
+from .model import Decoder, apply_rope, check_positive, last_keys, offset_causal_mask
 
 SLIDING, GLOBAL = "sliding_attention", "full_attention"
 """The two layer types, as Gemma 3's ``config.json`` names them."""
@@ -75,11 +70,11 @@ def gemma_layer_types(n_layer: int, pattern: int = 6) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Gemma3Config:
-    """Sizes of a Gemma-3-style decoder (names as :class:`~kvdoc.core.config.GPTConfig`'s, or as
+    """Sizes of a Gemma-3-style decoder (names as :class:`~kvdoc.core.model.GPTConfig`'s, or as
     Gemma 3's ``config.json`` where GPT-2 has none).
 
     Args:
-        vocab_size, n_positions, n_head, n_embd: as in :class:`~kvdoc.core.config.GPTConfig`.
+        vocab_size, n_positions, n_head, n_embd: as in :class:`~kvdoc.core.model.GPTConfig`.
         n_kv_head: ``H_kv``, K/V heads (``n_head`` a multiple of it).
         n_inner: hidden width of the GeGLU MLP (``intermediate_size``).
         head_dim: ``D_h``, the width of every query, key and value head.
@@ -162,6 +157,12 @@ class Gemma3Config:
     def layer_windows(self) -> tuple[int | None, ...]:
         """Per layer ``sliding_window`` for a window layer, None for a global one."""
         return tuple(self.sliding_window if t == SLIDING else None for t in self.layer_types)
+
+    @cached_property
+    def cache_layout(self) -> tuple[LayerSpec, ...]:
+        """K and V of ``n_kv_head`` heads of ``head_dim`` per layer, with the layer's window."""
+        widths = (self.head_dim, self.head_dim)
+        return tuple(LayerSpec(self.n_kv_head, widths, w) for w in self.layer_windows)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -302,7 +303,7 @@ class GemmaBlock(nn.Module):
 
 class Gemma3Decoder(Decoder):
     """A decoder of :class:`GemmaBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward (embed,
-    blocks, final norm, LM head) and input checks, with a hybrid cache by default.
+    blocks, final norm, LM head), input checks and caches (a hybrid one by default).
 
     >>> Gemma3Decoder(Gemma3Config()).num_parameters()   # the head tied to wte
     80576
@@ -319,27 +320,3 @@ class Gemma3Decoder(Decoder):
                                       config.final_logit_softcapping)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.wte.weight
-
-    def check_input(self, idx: torch.Tensor, cache: KVCache | None) -> None:
-        if isinstance(cache, SlidingWindowCache) and None in self.config.layer_windows:
-            raise ValueError("a sliding-window cache would ring this model's global layers too, "
-                             "dropping keys they read: pass model.new_cache(batch) (a hybrid "
-                             "cache) or a dynamic or static one")
-        super().check_input(idx, cache)
-
-    def new_cache(self, batch_size: int,
-                  kind: Literal["hybrid", "dynamic", "static"] | None = None,
-                  capacity: int | None = None) -> KVCache:
-        """An empty cache: ``"hybrid"`` (the default, :class:`~kvdoc.core.hybrid.HybridCache`),
-        ``"dynamic"`` or ``"static"`` (every layer keeps every position; ``capacity`` positions,
-        default ``n_positions``)."""
-        dtype, device = self.wte.weight.dtype, self.wte.weight.device
-        if kind in (None, "hybrid"):
-            return HybridCache(self.config, batch_size, dtype, device)
-        if kind == "dynamic":
-            return DynamicCache.empty(self.config, batch_size, dtype, device)
-        if kind == "static":
-            capacity = self.config.n_positions if capacity is None else capacity
-            return StaticCache(self.config, batch_size, capacity, dtype, device)
-        raise ValueError(f"unknown cache kind {kind!r} for a Gemma model; use 'hybrid', "
-                         "'dynamic' or 'static'")

@@ -5,7 +5,7 @@ and one rotary key ``k_rope`` of ``qk_rope_head_dim`` values shared by every hea
 all the cache holds. Per-head keys and values are up-projections of the latent: the key of head
 ``h`` is ``[W_UK[h] c_KV, k_rope]`` (``qk_nope_head_dim + qk_rope_head_dim`` wide), its value
 ``W_UV[h] c_KV`` (``v_head_dim`` wide); queries are split the same way, and only the rotary
-part of a query or key is turned by RoPE (:mod:`kvdoc.core.rope`, half-split pairs). The softmax
+part of a query or key is turned by RoPE (:mod:`kvdoc.core.model`, half-split pairs). The softmax
 scale is ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``, DeepSeek-V3's without YaRN scaling.
 
 A cached call attends one of two ways, which compute the same function:
@@ -24,9 +24,10 @@ it does every projection (see :mod:`kvdoc.core.invariant`).
 
 :class:`MLADecoder` is a :class:`~kvdoc.core.model.Decoder` (same forward, input checks and
 ``prefill``/``decode_step``/``generate``) whose blocks attend this way, with Llama's RMSNorm and
-SwiGLU MLP. Its caches (:class:`DynamicLatentCache`, :class:`StaticLatentCache`) hold per layer
-``c_KV`` ``[B, 1, T, kv_lora_rank]`` and ``k_rope`` ``[B, 1, T, qk_rope_head_dim]``: one shared
-"head", the ``[B, H_kv, T, D_h]`` layout with ``H_kv = 1`` (as transformers' DeepseekV3 stores it).
+SwiGLU MLP. Its caches are the model's own kinds (``model.new_cache``): the config's
+:attr:`~MLAConfig.cache_layout` says each layer holds ``c_KV`` ``[B, 1, T, kv_lora_rank]`` and
+``k_rope`` ``[B, 1, T, qk_rope_head_dim]``: one shared "head" of two widths, the
+``[B, H_kv, T, D_h]`` layout with ``H_kv = 1`` (as transformers' DeepseekV3 stores it).
 
 >>> _ = torch.manual_seed(0)
 >>> model = MLADecoder(MLAConfig()).eval()
@@ -42,18 +43,14 @@ True
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KV, KVCache
-from .config import GPTConfig, check_int, check_positive
-from .layers import DynamicLayer, StaticLayer
-from .mask import offset_causal_mask
-from .model import MLP, Decoder
-from .rope import apply_rope
+from .cache import KVCache, LayerSpec, check_int
+from .model import MLP, Decoder, GPTConfig, apply_rope, check_positive, offset_causal_mask
 
 LATENT_NORM_EPS = 1e-6
 """Epsilon of the RMSNorms on the latents (transformers' DeepseekV3RMSNorm default there)."""
@@ -64,7 +61,7 @@ class MLAConfig:
     """Sizes of an MLA decoder (DeepSeek-V3's dense layers; names as in its ``config.json``).
 
     Args:
-        vocab_size, n_positions, n_layer, n_embd: as in :class:`~kvdoc.core.config.GPTConfig`.
+        vocab_size, n_positions, n_layer, n_embd: as in :class:`~kvdoc.core.model.GPTConfig`.
         n_head: ``H``, attention heads (each has its own up-projected K and V).
         n_inner: hidden width of the SwiGLU MLP.
         q_lora_rank: width of the query's own low-rank bottleneck (RMS-normalised), or None for
@@ -130,81 +127,14 @@ class MLAConfig:
         """``1 / sqrt(qk_head_dim)``: the absorbed path's wider dot products keep this scale."""
         return self.qk_head_dim ** -0.5
 
+    @cached_property
+    def cache_layout(self) -> tuple[LayerSpec, ...]:
+        """Each layer caches one shared head of two widths: ``c_KV`` and ``k_rope``."""
+        return (LayerSpec(1, (self.kv_lora_rank, self.qk_rope_head_dim)),) * self.n_layer
+
     def cached_shapes(self, batch: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The shapes of one layer's cached ``c_KV`` and ``k_rope`` after ``length`` positions."""
         return ((batch, 1, length, self.kv_lora_rank), (batch, 1, length, self.qk_rope_head_dim))
-
-
-# --- the caches ----------------------------------------------------------------------------------
-
-class LatentCache(KVCache):
-    """What both latent caches share: per layer ``c_KV`` ``[B, 1, T, r]`` and ``k_rope``
-    ``[B, 1, T, d_R]`` (two widths of one shared head), and the check that a model fits them."""
-
-    @property
-    def kv_lora_rank(self) -> int:
-        return self.layers[0].widths[0]
-
-    @property
-    def rope_dim(self) -> int:
-        return self.layers[0].widths[1]
-
-    def check_compatible(self, config: GPTConfig | MLAConfig, batch_size: int,
-                         dtype: torch.dtype, device: torch.device, new_len: int) -> None:
-        if not isinstance(config, MLAConfig):
-            raise ValueError("a latent cache serves an MLA model; this model caches K and V")
-        found = (self.n_layer, self.kv_lora_rank, self.rope_dim)
-        expected = (config.n_layer, config.kv_lora_rank, config.qk_rope_head_dim)
-        if found != expected:
-            raise ValueError("cache was built for another model: (layers, kv_lora_rank, "
-                             f"qk_rope_head_dim) = {found}, model has {expected}")
-        self.check_placement(batch_size, dtype, device)
-        self.check_room(new_len)
-
-
-class DynamicLatentCache(LatentCache):
-    """A latent cache of :class:`~kvdoc.core.layers.DynamicLayer` s; a call never modifies the
-    object passed in.
-
-    >>> cache = DynamicLatentCache.empty(MLAConfig(), batch_size=2)
-    >>> cache.seq_len, [tuple(t.shape) for t in cache.layer(1)]
-    (0, [(2, 1, 0, 32), (2, 1, 0, 8)])
-    """
-
-    def __init__(self, layers: list[KV]) -> None:
-        if not layers:
-            raise ValueError("a cache needs at least one layer")
-        built = [DynamicLayer(c, r) for c, r in layers]
-        if built[0].heads != 1:
-            raise ValueError("c_KV and k_rope must be [B, 1, T, r] and [B, 1, T, d_R], "
-                             f"got {tuple(layers[0][0].shape)} and {tuple(layers[0][1].shape)}")
-        if any((c.shape, r.shape) != (layers[0][0].shape, layers[0][1].shape) for c, r in layers):
-            raise ValueError("every layer's c_KV and k_rope must have the same shapes")
-        super().__init__(built, seq_len=built[0].length)
-
-    @classmethod
-    def empty(cls, config: MLAConfig, batch_size: int, dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu") -> DynamicLatentCache:
-        """A cache with no positions yet, for a model with ``config``."""
-        widths = (config.kv_lora_rank, config.qk_rope_head_dim)
-        return cls([DynamicLayer.empty(batch_size, 1, widths, dtype, device).tensors()
-                    for _ in range(config.n_layer)])
-
-
-class StaticLatentCache(LatentCache):
-    """A latent cache of :class:`~kvdoc.core.layers.StaticLayer` s: ``capacity`` positions,
-    written in place.
-
-    >>> cache = StaticLatentCache(MLAConfig(), batch_size=1, capacity=8)
-    >>> cache.nbytes() == 2 * 8 * (32 + 8) * 4    # layers x capacity x (r + d_R) x 4 bytes
-    True
-    """
-
-    def __init__(self, config: MLAConfig, batch_size: int, capacity: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        widths = (config.kv_lora_rank, config.qk_rope_head_dim)
-        super().__init__([StaticLayer(batch_size, 1, widths, capacity, dtype, device)
-                          for _ in range(config.n_layer)])
 
 
 # --- the model -----------------------------------------------------------------------------------
@@ -333,7 +263,7 @@ class LatentBlock(nn.Module):
 
 class MLADecoder(Decoder):
     """A decoder of :class:`LatentBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward (embed,
-    blocks, final RMSNorm, LM head) and input checks, with latent caches.
+    blocks, final RMSNorm, LM head), input checks and caches, over latent blocks.
 
     >>> MLADecoder(MLAConfig()).num_parameters()
     95744
@@ -349,23 +279,3 @@ class MLADecoder(Decoder):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.wte.weight
-
-    def check_input(self, idx: torch.Tensor, cache: KVCache | None) -> None:
-        if cache is not None and not isinstance(cache, LatentCache):
-            raise ValueError(f"an MLA model caches c_KV and k_rope, not K and V: pass a latent "
-                             f"cache (model.new_cache), not a {type(cache).__name__}")
-        super().check_input(idx, cache)
-
-    def new_cache(self, batch_size: int, kind: Literal["dynamic", "static"] | None = None,
-                  capacity: int | None = None) -> LatentCache:
-        """An empty latent cache: ``"dynamic"`` (the default) or ``"static"`` (``capacity``
-        positions, default ``n_positions``)."""
-        dtype, device = self.wte.weight.dtype, self.wte.weight.device
-        if kind in (None, "dynamic"):
-            return DynamicLatentCache.empty(self.config, batch_size, dtype, device)
-        if kind == "static":
-            capacity = self.config.n_positions if capacity is None else capacity
-            return StaticLatentCache(self.config, batch_size, capacity, dtype, device)
-        raise ValueError(f"unknown cache kind {kind!r} for an MLA model; use 'dynamic' or "
-                         "'static'")
-

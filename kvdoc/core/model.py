@@ -1,15 +1,10 @@
-"""A GPT-2 decoder whose one forward serves both paths: full recompute and cached continuation.
+"""A GPT-2 (or Llama-style) decoder whose one forward serves full recompute and cached decoding.
 
-Read top to bottom: the MLP, causal self-attention (where the cache is used), the block, the
-decoder, then ``prefill`` / ``decode_step`` / ``generate``. Parameter names are GPT-2's
-(``wte, wpe, h, ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, ln_f, lm_head``),
-so a transformers checkpoint maps by key (:mod:`kvdoc.interop.hf_weights`).
-
-The same classes build a Llama-style decoder (:func:`kvdoc.core.config.llama_config`): the config
-switches RoPE for ``wpe`` (:mod:`kvdoc.core.rope`), RMSNorm for LayerNorm, SwiGLU for GELU, and a
-sliding window for the plain causal mask. The cache, the attention over it and the decoding
-loop are the same code for both. Under :func:`kvdoc.batch_invariant` the library calls that reduce
-take :mod:`kvdoc.core.invariant`'s path, whose order no chunk, batch or cache kind changes.
+Half of the copy set (with :mod:`kvdoc.core.cache`), read top to bottom: the config, the offset
+mask, rotary positions, the input checks, the MLP, causal self-attention (where the cache is
+used), the block, the decoder, then ``prefill`` / ``decode_step`` / ``generate``. Parameter names
+are GPT-2's (``wte, wpe, h, ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, ln_f,
+lm_head``), so a transformers checkpoint maps by key (:mod:`kvdoc.interop.hf_weights`).
 
 Shapes: ``B`` batch, ``C`` new tokens in this call, ``P`` positions already cached,
 ``T = P + C``, ``d`` = ``n_embd``, ``H`` query heads, ``H_kv`` K/V heads, ``D_h`` head size,
@@ -18,33 +13,254 @@ Shapes: ``B`` batch, ``C`` new tokens in this call, ``P`` positions already cach
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import DynamicCache, KVCache, StaticCache
-from .checks import check_call
-from .config import GPTConfig
-from .embed import embed_tokens
-from .mask import last_keys, offset_causal_mask
-from .rope import apply_rope
-from .window import SlidingWindowCache
+from .cache import DynamicCache, KVCache, LayerSpec, StaticCache, check_int
+
+
+def check_positive(name: str, value: object) -> object:
+    """``value``, if it is a positive number; else a ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of a GPT-2-style decoder; the defaults are the sources' two-layer model (GPT-2 with
+    97 tokens, 512 positions, width 64, 4 heads, an untied head: 145,280 parameters).
+
+    Five switches make it Llama-style (:func:`llama_config`): ``position="rope"``,
+    ``norm="rmsnorm"``, ``mlp="swiglu"``, ``bias=False``, ``tie_word_embeddings``;
+    ``sliding_window=W`` makes it Mistral-style: query ``i`` reads keys ``i - W < j <= i``.
+    ``n_kv_head`` (default ``n_head``) below ``n_head`` is grouped-query attention, 1 MQA.
+
+    >>> GPTConfig().head_dim, GPTConfig(n_kv_head=2).cache_layout[0]
+    (16, LayerSpec(heads=2, widths=(16, 16), window=None))
+    >>> GPTConfig(n_embd=60, n_head=8)
+    Traceback (most recent call last):
+    ...
+    ValueError: n_embd=60 is not divisible by n_head=8
+    """
+
+    vocab_size: int = 97
+    n_positions: int = 512  # the longest sequence the model accepts
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    n_inner: int = 256  # the MLP's hidden width
+    n_kv_head: int | None = None
+    layer_norm_epsilon: float = 1e-5
+    position: Literal["learned", "rope"] = "learned"
+    rope_theta: float = 10000.0  # pair i of a head turns by pos * theta**(-2i / D_h)
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    bias: bool = True
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            object.__setattr__(self, "n_kv_head", self.n_head)
+        for name in ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd", "n_inner",
+                     "n_kv_head"):
+            check_int(name, getattr(self, name))
+        check_positive("layer_norm_epsilon", self.layer_norm_epsilon)
+        check_positive("rope_theta", self.rope_theta)
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
+        for name, allowed in (("position", ("learned", "rope")), ("norm", ("layernorm", "rmsnorm")),
+                              ("mlp", ("gelu", "swiglu"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError("RoPE rotates pairs of features: "
+                             f"head_dim={self.head_dim} must be even")
+        if self.sliding_window is not None:
+            check_int("sliding_window", self.sliding_window)
+
+    @property
+    def head_dim(self) -> int:
+        """``D_h = n_embd // n_head``."""
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of all K (or all V) heads together, ``n_kv_head * head_dim``."""
+        return self.n_kv_head * self.head_dim
+
+    @cached_property
+    def cache_layout(self) -> tuple[LayerSpec, ...]:
+        """What each layer caches: K and V of ``n_kv_head`` heads of ``head_dim``."""
+        spec = LayerSpec(self.n_kv_head, (self.head_dim, self.head_dim), self.sliding_window)
+        return (spec,) * self.n_layer
+
+
+def llama_config(**overrides: object) -> GPTConfig:
+    """A tiny Llama: RoPE, RMSNorm (eps 1e-6), SwiGLU (hidden 128), no biases, GQA 4/2.
+
+    >>> cfg = llama_config(n_kv_head=1)
+    >>> cfg.position, cfg.norm, cfg.mlp, cfg.n_kv_head
+    ('rope', 'rmsnorm', 'swiglu', 1)
+    """
+    base = GPTConfig(n_inner=128, n_kv_head=2, layer_norm_epsilon=1e-6, position="rope",
+                     norm="rmsnorm", mlp="swiglu", bias=False)
+    return replace(base, **overrides)
+
+
+def mistral_config(sliding_window: int = 32, **overrides: object) -> GPTConfig:
+    """:func:`llama_config` with a sliding window of ``sliding_window`` keys."""
+    return llama_config(sliding_window=sliding_window, **overrides)
+
+
+def offset_causal_mask(past_len: int, new_len: int, device: torch.device | str | None = None,
+                       *, window: int | None = None) -> torch.Tensor:
+    """``[C, P + C]`` bool: may new query ``i`` (at ``P + i``) read key ``j``? ``j <= P + i``.
+
+    PyTorch's ``is_causal=True`` (and ``torch.tril``) align the triangle top-left, as if
+    ``P = 0``: one new token would read key 0 only. With a window ``W``, also ``j > P + i - W``.
+
+    >>> offset_causal_mask(2, 2).int()
+    tensor([[1, 1, 1, 0],
+            [1, 1, 1, 1]], dtype=torch.int32)
+    >>> offset_causal_mask(2, 2, window=2).int()
+    tensor([[0, 1, 1, 0],
+            [0, 0, 1, 1]], dtype=torch.int32)
+    """
+    check_int("past_len", past_len, minimum=0)
+    check_int("new_len", new_len)
+    query_pos = past_len + torch.arange(new_len, device=device)  # absolute positions
+    key_pos = torch.arange(past_len + new_len, device=device)
+    allowed = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        allowed &= key_pos[None, :] > query_pos[:, None] - check_int("window", window)
+    return allowed
+
+
+def last_keys(mask: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``mask`` (``[..., C, T]``, True: may read) with each query reading only the last
+    ``window`` of its readable keys: they run up to its own position, whatever the columns.
+
+    >>> last_keys(torch.tensor([[False, True, True, True]]), window=2).int()
+    tensor([[0, 0, 1, 1]], dtype=torch.int32)
+    """
+    if window is None:
+        return mask
+    from_right = mask.flip(-1).cumsum(-1).flip(-1)  # readable keys at or after each column
+    return mask & (from_right <= window)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``(x1, x2) -> (-x2, x1)`` on the two halves of the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_angles(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """RoPE angles ``[..., D_h]`` in float64 for integer ``positions`` ``[...]``: from integers,
+    so a position's rotation does not depend on which call computes it.
+
+    >>> rope_angles(torch.tensor([0, 1]), head_dim=4, theta=100.0)
+    tensor([[0.0000, 0.0000, 0.0000, 0.0000],
+            [1.0000, 0.1000, 1.0000, 0.1000]], dtype=torch.float64)
+    """
+    pairs = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
+    angles = positions.to(torch.float64)[..., None] * theta ** -(pairs / head_dim)
+    return torch.cat((angles, angles), dim=-1)  # pairs (i, i + D_h/2) turn together
+
+
+def apply_rope(x: torch.Tensor, start: int | torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotate ``x`` (``[B, H, C, D_h]``) as rows at ``start .. start + C - 1``, or at the
+    positions a tensor ``start`` holds (``[C]``, or ``[B, C]`` per row). K is turned before it
+    is cached, so a cached key never needs touching again.
+
+    >>> x = torch.randn(2, 2, 3, 8, generator=torch.Generator().manual_seed(0))
+    >>> torch.equal(apply_rope(x, 0)[:, :, 0], x[:, :, 0])  # position 0 is not turned
+    True
+    >>> rows = apply_rope(x, torch.tensor([[5, 6, 7], [0, 1, 2]]))  # row 0 from 5, row 1 from 0
+    >>> torch.equal(rows[0], apply_rope(x, 5)[0]), torch.equal(rows[1], apply_rope(x, 0)[1])
+    (True, True)
+    """
+    C, D = x.shape[2], x.shape[3]
+    if isinstance(start, int):  # the decode step's path, kept lean
+        start = torch.arange(start, start + C, device=x.device)
+    angles = rope_angles(start, D, theta)  # [C, D_h] or [B, C, D_h]
+    if angles.dim() == 3:
+        angles = angles[:, None]  # [B, 1, C, D_h]: the same for every head of a row
+    return x * angles.cos().to(x.dtype) + rotate_half(x) * angles.sin().to(x.dtype)
+
+
+def check_call(config: GPTConfig, weight: torch.Tensor, idx: torch.Tensor,
+               cache: KVCache | None, positions: torch.Tensor | None = None) -> None:
+    """Raise ``ValueError`` unless ``idx`` (``[B, C]``) can continue ``cache`` in a model of
+    ``config`` whose embedding ``weight`` sets device and dtype; every decoder calls it first.
+
+    >>> check_call(GPTConfig(), torch.zeros(97, 64), torch.zeros(1, 3), None)
+    Traceback (most recent call last):
+    ...
+    ValueError: idx must hold integer token ids (int64 or int32), got dtype torch.float32
+    """
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+        shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+        raise ValueError(f"idx must be a [B, C] tensor of token ids, got {shape}")
+    if idx.dtype not in (torch.int64, torch.int32):  # what an embedding lookup takes
+        raise ValueError("idx must hold integer token ids (int64 or int32), "
+                         f"got dtype {idx.dtype}")
+    B, C = idx.shape
+    if C == 0 or B == 0:
+        raise ValueError(f"empty input: idx has shape {tuple(idx.shape)}; "
+                         "pass at least one token per row")
+    if idx.device != weight.device:
+        raise ValueError(f"idx is on {idx.device}, model is on {weight.device}")
+    if positions is not None and (positions.shape[-1:] != (C,) or positions.dim() > 2 or (
+            positions.dim() == 2 and positions.shape[0] not in (1, B))):
+        raise ValueError(f"positions must be [C] or [B, C] with (B, C) = {(B, C)}, "
+                         f"got {tuple(positions.shape)}")
+    if cache is not None and not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}")
+    past = 0 if cache is None else cache.seq_len
+    if past + C > config.n_positions:
+        raise ValueError(f"sequence too long: {past} cached + {C} new = {past + C} positions, "
+                         f"model has {config.n_positions}")
+    if cache is not None:
+        cache.check_compatible(config, B, weight.dtype, weight.device, C)
+
+
+def embed_tokens(wte: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
+    """``wte(idx)`` (``[B, C] -> [B, C, d]``), an id outside the vocabulary refused by name; the
+    lookup finds it, so valid input costs no host sync.
+
+    >>> embed_tokens(nn.Embedding(5, 2), torch.tensor([[1, 7]]))
+    Traceback (most recent call last):
+    ...
+    ValueError: token id 7 is outside the vocabulary 0..4
+    """
+    try:
+        return wte(idx)
+    except IndexError:
+        lo, hi = (int(t) for t in idx.aminmax())
+        raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary "
+                         f"0..{wte.num_embeddings - 1}") from None
 
 
 def norm(config: GPTConfig) -> nn.Module:
-    """The normalisation of ``ln_1``, ``ln_2`` and ``ln_f``: LayerNorm (GPT-2) or RMSNorm."""
+    """``ln_1``, ``ln_2`` and ``ln_f``: LayerNorm (GPT-2) or RMSNorm (Llama)."""
     if config.norm == "rmsnorm":
         return nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)  # x / rms(x) * weight
     return nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward: ``c_proj(gelu_tanh(c_fc(x)))``; output row ``t`` needs row ``t``.
-
-    With ``config.mlp == "swiglu"`` (Llama) ``c_fc`` is twice as wide and its two halves are the
-    gate and the up projection: ``c_proj(silu(gate) * up)``.
+    """``c_proj(gelu_tanh(c_fc(x)))``, or SwiGLU ``c_proj(silu(gate) * up)`` with ``c_fc``'s two
+    halves; output row ``t`` needs row ``t`` only.
 
     >>> MLP(GPTConfig())(torch.zeros(2, 5, 64)).shape  # [B, C, d] -> [B, C, d]
     torch.Size([2, 5, 64])
@@ -65,15 +281,10 @@ class MLP(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head (or grouped-query) causal self-attention that reads and extends a K/V cache.
+    """Multi-head (or grouped-query) causal self-attention that reads and extends a K/V cache:
+    new rows ``x`` (``[B, C, d]``) at positions ``start ..``, K and V stored in layer
+    ``layer_idx`` of ``cache``, attention over every cached and new key.
 
-    ``forward(x, cache, layer_idx, start)`` takes the new rows ``x`` (``[B, C, d]``) at absolute
-    positions ``start .. start + C - 1``, projects them to Q, K and V, stores K and V in layer
-    ``layer_idx`` of ``cache`` and attends over every cached and new key. ``attn_mask`` is for
-    left-padded batches (:mod:`kvdoc.serving.batching`); see :meth:`attend`.
-
-    >>> from kvdoc.core.cache import DynamicCache
-    >>> _ = torch.manual_seed(0)
     >>> attn = CausalSelfAttention(GPTConfig(n_kv_head=2))
     >>> work = DynamicCache.empty(GPTConfig(n_kv_head=2), batch_size=1).begin()
     >>> attn(torch.randn(1, 3, 64), work, layer_idx=0, start=0).shape
@@ -97,14 +308,11 @@ class CausalSelfAttention(nn.Module):
                 start: int, attn_mask: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         B, C, d = x.shape
-        # c_attn's output columns are H query heads, then H_kv key heads, then H_kv
-        # value heads, each D_h wide: one view splits all heads at once.
+        # c_attn's columns: H query heads, then H_kv key heads, then H_kv value heads
         H, H_kv = self.n_head, self.n_kv_head
         heads = self.c_attn(x).view(B, C, H + 2 * H_kv, self.head_dim).transpose(1, 2)
-        q, k, v = heads.split((H, H_kv, H_kv), dim=1)
-        # q: [B, H, C, D_h]; k, v: [B, H_kv, C, D_h]
+        q, k, v = heads.split((H, H_kv, H_kv), dim=1)  # [B, H, C, D_h], [B, H_kv, C, D_h] x 2
         if self.rope_theta is not None:  # turn the new rows before K is cached
-            # at start .. start + C - 1, or at each row's own positions
             at = start if positions is None else positions
             q = apply_rope(q, at, self.rope_theta)
             k = apply_rope(k, at, self.rope_theta)
@@ -112,34 +320,26 @@ class CausalSelfAttention(nn.Module):
             # Only the new rows were projected; old K/V come from this layer's cache.
             k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h]
         y = self.attend(q, k, v, start, attn_mask)  # [B, H, C, D_h]
-        y = y.transpose(1, 2).reshape(B, C, d)  # merge heads: [B, C, H * D_h]
-        return self.c_proj(y)
+        return self.c_proj(y.transpose(1, 2).reshape(B, C, d))  # merge heads
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``softmax(q k^T / sqrt(D_h) + mask) v`` for queries at ``start ..``: ``[B, H, C, D_h]``.
-
-        The mask is :meth:`visible`'s. ``k`` and ``v`` (``[B, H_kv, T, D_h]``) hold the
-        positions up to the last query's.
-        """
+        """``softmax(q k^T / sqrt(D_h) + mask) v`` for queries at ``start ..``: ``[B, H, C, D_h]``,
+        over ``k``, ``v`` (``[B, H_kv, T, D_h]``) that end at the last query's position."""
         mask = self.visible(start, q.shape[2], k.shape[2], attn_mask, q.device)
         if mask is not None and mask.dim() == 3:
             mask = mask[:, None]  # [B, 1, C, T]: the same for every head
-        # scores [B, H, C, T]; enable_gqa only when it is needed, as the keyword alone slows SDPA
+        # enable_gqa only when it is needed, as the keyword alone slows SDPA
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
 
     def visible(self, start: int, C: int, T: int, attn_mask: torch.Tensor | None,
                 device: torch.device) -> torch.Tensor | None:
         """Which of the ``T`` keys each of the ``C`` queries at ``start ..`` reads: ``[C, T]``,
-        ``[B, C, T]`` from ``attn_mask``, or None when nothing is hidden.
-
-        The offset causal mask of :mod:`kvdoc.core.mask` (with the model's window), unless
-        ``attn_mask`` (``[B, C, P + C]`` bool, True: may read) replaces it: a left-padded batch
-        (:mod:`kvdoc.serving.batching`) or a scheduler's ragged step hides what each row does
-        not hold that way, and :func:`last_keys` applies the window to it. A window cache
-        returns only the last ``T`` keys, in order, so the mask keeps its last ``T`` columns.
-        """
+        ``[B, C, T]`` from ``attn_mask``, or None when nothing is hidden. A ring returns only
+        its last ``T`` keys, so the mask keeps its last ``T`` columns; ``attn_mask``
+        (``[B, C, P + C]``, True: may read) replaces the offset mask for a left-padded batch or
+        a ragged step, and :func:`last_keys` applies the window to it."""
         if attn_mask is not None:
             return last_keys(attn_mask[..., -T:], self.window)
         if C == 1 and self.window is None:
@@ -149,10 +349,6 @@ class CausalSelfAttention(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm decoder layer: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``.
-
-    ``attn_mask`` goes to the attention unchanged (left-padded batches, see
-    :meth:`CausalSelfAttention.visible`), and so do ``positions`` (a RoPE model's per-row
-    positions).
 
     >>> Block(GPTConfig())(torch.zeros(1, 4, 64), None, layer_idx=0, start=0).shape
     torch.Size([1, 4, 64])
@@ -182,20 +378,12 @@ class DecoderOutput(NamedTuple):
 
 
 class Decoder(nn.Module):
-    """A GPT-2 decoder: embeddings, ``n_layer`` pre-norm blocks, final LayerNorm, untied LM head.
+    """Embeddings, ``n_layer`` pre-norm blocks, final norm, LM head; RoPE models have no ``wpe``.
 
-    With a Llama-style config (:func:`kvdoc.core.config.llama_config`) there is no ``wpe`` (RoPE
-    turns Q and K inside the attention instead), the norms are RMSNorms and the head may be tied.
-
-    ``forward(idx)`` recomputes every position of ``idx``. ``forward(idx, cache)`` treats
-    ``idx`` as the continuation of what ``cache`` holds: it embeds and projects only the new
-    tokens, at absolute positions ``P .. P + C - 1`` where ``P = cache.seq_len``, attends over
-    cached + new K/V, and returns the updated cache. Both are the same function of the token
-    sequence; :mod:`kvdoc.proofs.compare` proves it.
-
-    Weights use PyTorch's default initialisation (seed with ``torch.manual_seed``) or come
-    from :func:`kvdoc.interop.hf_weights.from_transformers`. The model is never trained: the site
-    checks that two ways of computing one function agree, which needs no language ability.
+    ``forward(idx)`` recomputes every position; ``forward(idx, cache)`` continues ``cache``:
+    only the new tokens, at ``P .. P + C - 1`` with ``P = cache.seq_len``, over cached + new
+    K/V. Both are one function of the tokens (:mod:`kvdoc.proofs.compare` checks it). Weights
+    are PyTorch's default initialisation or :func:`kvdoc.interop.hf_weights.from_transformers`.
 
     >>> _ = torch.manual_seed(0)
     >>> model = Decoder(GPTConfig())
@@ -213,7 +401,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.config = config = config or GPTConfig()
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embeddings
-        self.wpe = (nn.Embedding(config.n_positions, config.n_embd)  # learned absolute positions
+        self.wpe = (nn.Embedding(config.n_positions, config.n_embd)  # learned positions
                     if config.position == "learned" else None)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = norm(config)
@@ -222,12 +410,13 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.wte.weight  # one [V, d] matrix embeds and predicts
 
     def num_parameters(self) -> int:
-        """Number of parameters (an untied LM head counts apart from ``wte``, a tied one once)."""
+        """Number of parameters (a tied LM head counts once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def check_input(self, idx: torch.Tensor, cache: KVCache | None) -> None:
+    def check_input(self, idx: torch.Tensor, cache: KVCache | None,
+                    positions: torch.Tensor | None = None) -> None:
         """Raise ``ValueError`` unless ``idx`` can continue ``cache`` (called before any write)."""
-        check_call(self.config, self.wte.weight, idx, cache)
+        check_call(self.config, self.wte.weight, idx, cache, positions)
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
                 last_only: bool = False, positions: torch.Tensor | None = None,
@@ -236,36 +425,26 @@ class Decoder(nn.Module):
 
         Args:
             idx: token ids ``[B, C]``, the tokens after the ``P`` positions ``cache`` holds.
-            cache: per-layer K/V of positions ``0 .. P - 1``, or None to recompute from position 0.
-                A :class:`~kvdoc.core.cache.DynamicCache` or
-                :class:`~kvdoc.core.window.SlidingWindowCache` passed in is left unchanged; a
-                :class:`~kvdoc.core.cache.StaticCache` is written in place.
+            cache: per-layer K/V of positions ``0 .. P - 1``, or None to recompute. A cache
+                of growing layers is left unchanged; one written in place is written in place.
             last_only: project only the last position to the vocabulary (what generation needs).
-            positions: ``[B, C]`` (or ``[C]``) positions replacing ``P .. P + C - 1``: embedded
-                by ``wpe``, or, in a RoPE model, the positions Q and the new K are turned at.
-                With ``attn_mask`` it serves left-padded batches (:mod:`kvdoc.serving.batching`),
-                where each row's tokens start after its padding, and a scheduler's ragged steps
-                (:mod:`kvdoc.serving.ragged`), where each row continues its own length.
-            attn_mask: ``[B, C, P + C]`` bool replacing the offset causal mask (True: may read);
-                a left-padded batch hides each row's padding with it.
+            positions: ``[B, C]`` (or ``[C]``) positions replacing ``P .. P + C - 1`` (embedded
+                by ``wpe``, or where RoPE turns Q and K): each row of a left-padded batch
+                (:mod:`kvdoc.serving.batching`) or a ragged step (:mod:`kvdoc.serving.ragged`).
+            attn_mask: ``[B, C, P + C]`` bool replacing the offset causal mask (True: may read).
 
         Returns:
-            ``DecoderOutput(logits, cache)``: logits ``[B, C, V]`` (``[B, 1, V]`` if ``last_only``)
-            and the cache now holding ``P + C`` positions (None if none was passed).
+            ``DecoderOutput(logits, cache)``: ``[B, C, V]`` (``[B, 1, V]`` if ``last_only``) and
+            the cache now holding ``P + C`` positions (None if none was passed).
 
         Raises:
             ValueError: bad ids, shapes, lengths, or a cache that does not fit this model and
                 input. Nothing has been written when it is raised.
         """
-        self.check_input(idx, cache)
+        self.check_input(idx, cache, positions)
         B, C = idx.shape
-        rows = positions is None or positions.dim() == 1 or positions.shape[0] in (1, B)
-        if positions is not None and (positions.shape[-1:] != (C,) or positions.dim() > 2
-                                      or not rows):
-            raise ValueError(f"positions must be [C] or [B, C] with (B, C) = {(B, C)}, "
-                             f"got {tuple(positions.shape)}")
-        # a RoPE model's attention turns at them; handed over only when given, so an attention
-        # written for one start per call (five arguments) still serves every other call
+        # handed to the attention only when given, so an attention written for one start per
+        # call (five arguments) still serves every other call
         rotary = {} if positions is None or self.wpe is not None else {"positions": positions}
         start = 0 if cache is None else cache.seq_len
         work = None if cache is None else cache.begin()
@@ -283,21 +462,22 @@ class Decoder(nn.Module):
             work.finish(start + C)
         return DecoderOutput(logits, work)
 
-    def new_cache(self, batch_size: int, kind: Literal["dynamic", "static", "window"] | None = None,
+    def new_cache(self, batch_size: int,
+                  kind: Literal["dynamic", "static", "window", "hybrid"] | None = None,
                   capacity: int | None = None) -> KVCache:
-        """An empty cache matching this model's config, dtype and device.
-
-        ``kind`` defaults to ``"window"`` (:class:`~kvdoc.core.window.SlidingWindowCache`) for a
-        model with a sliding window and to ``"dynamic"`` otherwise. ``capacity`` (static only)
-        defaults to ``n_positions``; a window cache always holds ``config.sliding_window``
-        positions.
-        """
+        """An empty cache for this model's config, dtype and device: ``"dynamic"`` (default),
+        ``"static"`` (``capacity`` positions, default ``n_positions``), or ``"window"`` (rings
+        for the window layers, the default for a model with windows; ``"hybrid"`` is its name
+        where global layers grow beside them: :func:`kvdoc.core.window.window_cache`)."""
         dtype, device = self.wte.weight.dtype, self.wte.weight.device
-        if kind is None:
-            kind = "dynamic" if self.config.sliding_window is None else "window"
-        if kind == "window":
-            return SlidingWindowCache(self.config, batch_size, dtype=dtype, device=device)
-        if kind == "dynamic":
+        windowed = any(spec.window for spec in self.config.cache_layout)
+        if kind == "window" and not windowed:
+            raise ValueError("a window cache needs a model with sliding windows; this one has "
+                             "none")
+        if kind in ("window", "hybrid") or (kind is None and windowed):
+            from .window import window_cache  # rings build on this file, not the reverse
+            return window_cache(self.config, batch_size, dtype=dtype, device=device)
+        if kind in ("dynamic", None):
             return DynamicCache.empty(self.config, batch_size, dtype, device)
         if kind == "static":
             capacity = self.config.n_positions if capacity is None else capacity
@@ -307,13 +487,11 @@ class Decoder(nn.Module):
 
 @torch.no_grad()
 def prefill(model: Decoder, idx: torch.Tensor, cache: KVCache | None = None) -> DecoderOutput:
-    """Run the prompt ``idx`` (``[B, P]``) through the model once, filling a cache.
-
-    Returns the last position's logits ``[B, 1, V]`` and the cache (a new dynamic one unless given).
+    """Run the prompt ``idx`` (``[B, P]``) once, filling ``cache`` (a new default one if None):
+    the last position's logits ``[B, 1, V]`` and the cache.
 
     >>> _ = torch.manual_seed(0)
-    >>> model = Decoder(GPTConfig())
-    >>> logits, cache = prefill(model, torch.tensor([[5, 6, 7]]))
+    >>> logits, cache = prefill(Decoder(GPTConfig()), torch.tensor([[5, 6, 7]]))
     >>> logits.shape, cache.seq_len
     (torch.Size([1, 1, 97]), 3)
     """
@@ -323,17 +501,8 @@ def prefill(model: Decoder, idx: torch.Tensor, cache: KVCache | None = None) -> 
 
 @torch.no_grad()
 def decode_step(model: Decoder, token: torch.Tensor, cache: KVCache) -> DecoderOutput:
-    """Feed exactly one new token per row (``[B]`` or ``[B, 1]``) after what ``cache`` holds.
-
-    Returns logits ``[B, 1, V]`` for the position after it, and the cache one position longer.
-
-    >>> _ = torch.manual_seed(0)
-    >>> model = Decoder(GPTConfig())
-    >>> _, cache = prefill(model, torch.tensor([[5, 6, 7]]))
-    >>> logits, cache = decode_step(model, torch.tensor([8]), cache)
-    >>> logits.shape, cache.seq_len
-    (torch.Size([1, 1, 97]), 4)
-    """
+    """Feed exactly one new token per row (``[B]`` or ``[B, 1]``) after what ``cache`` holds:
+    logits ``[B, 1, V]`` for the position after it, and the cache one position longer."""
     token = token.reshape(token.shape[0], -1) if token.dim() == 1 else token
     if token.dim() != 2 or token.shape[1] != 1:
         raise ValueError(f"decode_step takes one token per row, got shape {tuple(token.shape)}")
@@ -343,24 +512,18 @@ def decode_step(model: Decoder, token: torch.Tensor, cache: KVCache) -> DecoderO
 @torch.no_grad()
 def generate(model: Decoder, idx: torch.Tensor, max_new_tokens: int,
              cache: str | KVCache | None = None) -> torch.Tensor:
-    """Greedy generation: one prefill, then ``max_new_tokens - 1`` decode steps.
-
-    ``cache`` is a kind ``model.new_cache`` knows (None: the model's default), or an empty
-    cache of any kind to fill (a paged cache, a cache of your own layers). Returns
-    ``[B, P + max_new_tokens]``: the prompt followed by the chosen tokens.
+    """Greedy generation: one prefill, then ``max_new_tokens - 1`` decode steps; returns the
+    prompt followed by the chosen tokens, ``[B, P + max_new_tokens]``. ``cache`` is a kind
+    ``model.new_cache`` knows (None: the model's default), or an empty cache of any kind.
 
     >>> _ = torch.manual_seed(0)
-    >>> model = Decoder(GPTConfig())
-    >>> prompt = torch.tensor([[1, 2, 3]])
+    >>> model, prompt = Decoder(GPTConfig()), torch.tensor([[1, 2, 3]])
     >>> out = generate(model, prompt, 5)
-    >>> out.shape
-    torch.Size([1, 8])
-    >>> torch.equal(out, generate(model, prompt, 5, cache="static"))
-    True
+    >>> out.shape, torch.equal(out, generate(model, prompt, 5, cache="static"))
+    (torch.Size([1, 8]), True)
     """
     model.check_input(idx, None)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    check_int("max_new_tokens", max_new_tokens)
     total = idx.shape[1] + max_new_tokens
     if total > model.config.n_positions:
         raise ValueError(f"prompt of {idx.shape[1]} + {max_new_tokens} new tokens = {total} "

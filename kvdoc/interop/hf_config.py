@@ -1,5 +1,5 @@
 """Configurations between kvdoc and transformers: the one reader of a transformers config (an
-object or a parsed ``config.json``, :func:`config_fields`), a :class:`~kvdoc.core.config.GPTConfig`
+object or a parsed ``config.json``, :func:`config_fields`), a :class:`~kvdoc.core.model.GPTConfig`
 as transformers' ``GPT2Config``, ``LlamaConfig`` or ``MistralConfig`` and back
 (:func:`transformers_config`, :func:`config_from_transformers`), and a transformers model with
 random weights built offline from one (:func:`transformers_model`), and a transformers model
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 # torch-free: the command line reads config.json files through this module
-from kvdoc.core.config import GPTConfig
+from kvdoc.core.model import GPTConfig
 
 if TYPE_CHECKING:
     import torch
@@ -135,10 +135,10 @@ def transformers_config(config: GPTConfig) -> Any:
     ``MistralConfig``.
 
     A learned-position config maps to GPT-2 (:func:`gpt2_config`); a Llama-style one
-    (:func:`kvdoc.core.config.llama_config`) to Llama, or to Mistral when it has a sliding window.
+    (:func:`kvdoc.core.model.llama_config`) to Llama, or to Mistral when it has a sliding window.
 
     >>> from transformers import MistralForCausalLM
-    >>> from kvdoc.core.config import mistral_config
+    >>> from kvdoc.core.model import mistral_config
     >>> hf = MistralForCausalLM(transformers_config(mistral_config()))
     >>> hf.config.sliding_window, config_from_transformers(hf.config) == mistral_config()
     (32, True)
@@ -224,8 +224,8 @@ def transformers_model(family: str, config: GPTConfig | None = None, seed: int =
 
     Args:
         family: ``"gpt2"``, ``"llama"`` or ``"mistral"``.
-        config: default :class:`GPTConfig` (GPT-2), :func:`~kvdoc.core.config.llama_config` or
-            :func:`~kvdoc.core.config.mistral_config` (window 32).
+        config: default :class:`GPTConfig` (GPT-2), :func:`~kvdoc.core.model.llama_config` or
+            :func:`~kvdoc.core.model.mistral_config` (window 32).
         seed: ``torch.manual_seed`` before the weights are drawn.
         dtype: the model's dtype (default float32).
 
@@ -234,7 +234,7 @@ def transformers_model(family: str, config: GPTConfig | None = None, seed: int =
     """
     import torch
 
-    from kvdoc.core.config import llama_config, mistral_config
+    from kvdoc.core.model import llama_config, mistral_config
 
     cls = causal_lm_class(family)
     default = {"gpt2": GPTConfig, "llama": llama_config, "mistral": mistral_config}[family]

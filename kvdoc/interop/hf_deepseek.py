@@ -7,7 +7,7 @@ stacked, ``ln_f``), as :mod:`kvdoc.interop.hf_weights` does for Llama.
 
 One convention differs. DeepSeek's checkpoints store each rotary vector in interleaved pairs
 ``(x0, x1), (x2, x3), ..`` (``rope_interleave=True``, transformers' default for DeepseekV3);
-kvdoc's RoPE (:mod:`kvdoc.core.rope`) pairs ``x[i]`` with ``x[i + d_R/2]``. transformers
+kvdoc's RoPE (:mod:`kvdoc.core.model`) pairs ``x[i]`` with ``x[i + d_R/2]``. transformers
 computes the interleaved rotation as the half-split one of ``[x0, x2, .., x1, x3, ..]``, so
 permuting the rotary rows of ``q_proj`` (``q_b_proj``) and ``kv_a_proj_with_mqa`` that way makes
 the two models compute the same numbers; with ``rope_interleave=False`` no rows move.

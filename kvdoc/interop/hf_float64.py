@@ -23,9 +23,9 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
     computation by about 1e-7. Inside this block the RMSNorms and the rotary tables follow the
     model's dtype, so an FP64 comparison measures FP64 rounding. Nothing changes for GPT-2 or
     for FP32 models beyond rounding of the rotary angles (float64 here, as in
-    :mod:`kvdoc.core.rope`).
+    :mod:`kvdoc.core.model`).
     """
-    from kvdoc.core.rope import rope_angles
+    from kvdoc.core.model import rope_angles
 
     def rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
         mean_square = x.pow(2).mean(-1, keepdim=True)

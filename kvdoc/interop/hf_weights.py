@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvdoc.core.config import GPTConfig
+from kvdoc.core.model import GPTConfig
 from kvdoc.core.gemma import Gemma3Decoder
 from kvdoc.core.model import Decoder
 
@@ -134,13 +134,13 @@ def from_transformers(hf_model: Any) -> Decoder:
 
     For Llama and Mistral, ``q_proj``, ``k_proj`` and ``v_proj`` are stacked into ``c_attn``
     and ``gate_proj``, ``up_proj`` into ``c_fc``; ``new_cache(batch)`` of a Mistral model gives
-    a :class:`~kvdoc.core.window.SlidingWindowCache`.
+    rings (:func:`~kvdoc.core.window.window_cache`).
 
     Raises:
         ValueError: another model type, or a configuration kvdoc does not implement.
 
     >>> from transformers import LlamaForCausalLM
-    >>> from kvdoc.core.config import llama_config
+    >>> from kvdoc.core.model import llama_config
     >>> _ = torch.manual_seed(0)
     >>> hf = LlamaForCausalLM(transformers_config(llama_config())).eval()
     >>> ours = from_transformers(hf)
@@ -181,7 +181,7 @@ def to_transformers(model: Decoder) -> Any:
     It is how :mod:`kvdoc.proofs.references` builds an implementation that shares no code with
     kvdoc.
 
-    >>> from kvdoc.core.config import llama_config
+    >>> from kvdoc.core.model import llama_config
     >>> _ = torch.manual_seed(0)
     >>> ours = Decoder(llama_config()).eval()
     >>> ids = torch.tensor([[1, 2, 3, 4]])

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdoc.core.config import GPTConfig, check_int
+from kvdoc.core.cache import check_int
+from kvdoc.core.model import GPTConfig
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import Decoder
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvdoc.core.config import GPTConfig, check_int
+from kvdoc.core.cache import check_int
+from kvdoc.core.model import GPTConfig
 
 from .timing import percentile
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvdoc.core.config import GPTConfig
+from kvdoc.core.model import GPTConfig
 from kvdoc.core.mla import MLAConfig
 from kvdoc.core.model import Decoder
 
@@ -70,7 +70,7 @@ def step_flops(config: GPTConfig, past: int, new: int, last_only: bool = False) 
     >>> f = step_flops(GPTConfig(), past=0, new=1)
     >>> f["attention"] == 2 * 2 * 1 * 1 * 64 * 2       # 2 layers, QK^T and PV, 1 query, 1 key
     True
-    >>> from kvdoc.core.config import llama_config
+    >>> from kvdoc.core.model import llama_config
     >>> c = llama_config()
     >>> step_flops(c, 0, 1)["linear"] == 2 * 2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128)
     True
@@ -110,7 +110,7 @@ def step_bytes(model: Decoder, context: int) -> int:
     (a rotary model has none), and K and V of every layer over ``context + 1`` positions (FP32
     or whatever the dtype is).
 
-    >>> from kvdoc.core.config import llama_config
+    >>> from kvdoc.core.model import llama_config
     >>> step_bytes(Decoder(llama_config()), 0) > 0    # no wpe: positions turn inside attention
     True
     """

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvdoc.core.config import GPTConfig
+from kvdoc.core.model import GPTConfig
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import Decoder
 

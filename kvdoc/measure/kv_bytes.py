@@ -33,7 +33,8 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 # torch-free: the command line imports this module, and loading torch takes seconds
-from kvdoc.core.config import GPTConfig, check_int
+from kvdoc.core.cache import check_int
+from kvdoc.core.model import GPTConfig
 
 from .dtypes import element_size
 
@@ -118,7 +119,7 @@ def kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim: int
 def kv_bytes_for_config(config: GPTConfig, batch: int, seq_len: int,
                         dtype: str | torch.dtype = "float32") -> int:
     """:func:`kv_bytes` with ``L``, ``H_kv`` and ``D`` taken from a
-    :class:`~kvdoc.core.config.GPTConfig`.
+    :class:`~kvdoc.core.model.GPTConfig`.
 
     >>> kv_bytes_for_config(GPTConfig(), batch=1, seq_len=272)  # the toy decoder, float32
     278528

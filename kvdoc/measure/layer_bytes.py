@@ -5,7 +5,7 @@ A formula is registered per layer class; a subclass (a broken variant of a layer
 to its real kind's formula, and a class with no formula anywhere in its bases is refused, so a
 new layer kind cannot slip past the bytes check unnoticed.
 
->>> from kvdoc.core.layers import DynamicLayer, StaticLayer
+>>> from kvdoc.core.cache import DynamicLayer, StaticLayer
 >>> expected_layer_bytes(StaticLayer(1, 2, (4, 4), capacity=8), seq_len=3)   # K, V x 2 x 8 x 4 x 4
 512
 >>> class Mystery(DynamicLayer):
@@ -21,7 +21,8 @@ from collections.abc import Callable
 import torch
 
 from kvdoc.core.cache import KVCache
-from kvdoc.core.layers import CacheLayer, DynamicLayer, RingLayer, StaticLayer
+from kvdoc.core.cache import CacheLayer, DynamicLayer, StaticLayer
+from kvdoc.core.window import RingLayer
 from kvdoc.serving.fp8 import SCALE_DTYPE, Fp8Layer
 from kvdoc.serving.paged import PoolLayer
 from kvdoc.serving.quant import Int8Layer

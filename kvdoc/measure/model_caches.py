@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 # torch-free: the command line imports this module, and loading torch takes seconds
-from kvdoc.core.config import check_int
+from kvdoc.core.cache import check_int
 
 from .dtypes import element_size
 from .kv_bytes import fp8_scale_bytes
@@ -119,7 +119,7 @@ class ModelCache:
     def elements(self, seq_len: int, preallocated: bool = False) -> int:
         """Elements one sequence of ``seq_len`` positions keeps, over all layers; with
         ``preallocated`` a window layer holds its ``W`` rows from the start (a ring allocated
-        at its full size, as :class:`~kvdoc.core.hybrid.HybridCache`'s)."""
+        at its full size, as :func:`~kvdoc.core.window.window_cache`'s)."""
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
             raise ValueError(f"seq_len must be a non-negative integer, got {seq_len!r}")
         return sum(layer.per_token * (seq_len if layer.window is None else layer.window
@@ -192,7 +192,7 @@ def config_cache(config: object, windows: bool = True) -> ModelCache:
     K and V a layer, windowed if it has a ``sliding_window``. ``windows=False`` describes a
     cache that keeps every position of every layer (a dynamic cache of a windowed model).
 
-    >>> from kvdoc.core.config import GPTConfig, mistral_config
+    >>> from kvdoc.core.model import GPTConfig, mistral_config
     >>> config_cache(GPTConfig()).bytes_per_token("float32")   # 2 layers x 2 x 4 heads x 16 x 4
     1024
     >>> config_cache(mistral_config(sliding_window=16)).layers[0].window

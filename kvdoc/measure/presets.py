@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 # torch-free: the command line imports this module, and loading torch takes seconds
-from kvdoc.core.config import check_int
+from kvdoc.core.cache import check_int
 
 from .kv_bytes import kv_bytes, kv_bytes_per_layer
 

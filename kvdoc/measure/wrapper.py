@@ -14,7 +14,7 @@ import copy
 import torch
 
 from kvdoc.core.cache import KV, KVCache
-from kvdoc.core.config import GPTConfig
+from kvdoc.core.model import GPTConfig
 
 
 class CacheWrapper(KVCache):

@@ -27,7 +27,7 @@ What moves is exactly :func:`moved_bytes` (the site's byte formula; :func:`hando
 counts the real tensors sent and received against it), plus :func:`request_bytes` of block ids
 when pulling, in :func:`messages` messages.
 
->>> from kvdoc.core.config import llama_config
+>>> from kvdoc.core.model import llama_config
 >>> config = llama_config()                           # 2 layers, GQA 4 / 2, D = 16
 >>> moved_bytes(config, batch=1, prompt_len=7, mode="logits")  # 2*2*7*2*16*4 + 97*4
 3972
@@ -48,7 +48,8 @@ import torch
 import torch.distributed as dist
 
 from kvdoc.core.cache import DynamicCache
-from kvdoc.core.config import GPTConfig, check_int
+from kvdoc.core.cache import check_int
+from kvdoc.core.model import GPTConfig
 from kvdoc.core.model import Decoder, decode_step, generate, prefill
 from kvdoc.measure.kv_bytes import kv_bytes
 
@@ -69,7 +70,7 @@ def destination(config: GPTConfig, tp: int, tp_rank: int) -> list[int]:
     """The decode rank's K/V heads that prefill rank ``tp_rank``'s message fills, in the order
     the message holds them: that rank's own heads (:func:`~kvdoc.parallel.tensor.head_shard`).
 
-    >>> from kvdoc.core.config import GPTConfig
+    >>> from kvdoc.core.model import GPTConfig
     >>> [destination(GPTConfig(), 2, t) for t in (0, 1)]      # 4 K/V heads over 2 ranks
     [[0, 1], [2, 3]]
     """
@@ -80,7 +81,7 @@ def senders(config: GPTConfig, tp: int) -> list[int]:
     """The prefill ranks that send: the first of each replica set (all of them when
     ``tp <= H_kv``), so no head is sent twice.
 
-    >>> from kvdoc.core.config import llama_config
+    >>> from kvdoc.core.model import llama_config
     >>> senders(llama_config(n_kv_head=1), 2)                 # MQA: both hold head 0
     [0]
     """

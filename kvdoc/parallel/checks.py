@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvdoc.core.config import GPTConfig, llama_config, mistral_config
+from kvdoc.core.model import GPTConfig, llama_config, mistral_config
 from kvdoc.core.model import Decoder, decode_step, generate, prefill
 
 from .comm import Comm

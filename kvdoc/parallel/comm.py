@@ -21,7 +21,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from kvdoc.core.config import check_int
+from kvdoc.core.cache import check_int
 
 
 class Comm:

@@ -10,7 +10,7 @@ What one rank does is :func:`rank_generate`; :func:`rank_kv_bytes` and :func:`co
 are what its cache and its communication must come to, from the layout alone.
 
 >>> import torch
->>> from kvdoc.core.config import llama_config
+>>> from kvdoc.core.model import llama_config
 >>> from kvdoc.core.model import Decoder, generate
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(llama_config()).eval()
@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from kvdoc.core.cache import KVCache
-from kvdoc.core.config import GPTConfig, check_int
-from kvdoc.core.layers import DynamicLayer
+from kvdoc.core.cache import check_int
+from kvdoc.core.model import GPTConfig
+from kvdoc.core.cache import DynamicLayer
 from kvdoc.core.model import MLP, Block, CausalSelfAttention, Decoder, embed_tokens
 from kvdoc.measure.kv_bytes import kv_bytes, measured_bytes
 
@@ -73,7 +74,7 @@ def rank_kv_bytes(config: GPTConfig, tp: int, cp: int, rank: int, batch: int, se
     ``2 x B x L x T_r x H_kv,r x D x s`` with the rank's heads ``H_kv,r`` (``H_kv / tp``, or 1
     past ``H_kv``) and positions ``T_r = ceil((T - c) / cp)`` (CP rank ``c``).
 
-    >>> from kvdoc.core.config import GPTConfig
+    >>> from kvdoc.core.model import GPTConfig
     >>> rank_kv_bytes(GPTConfig(), tp=2, cp=1, rank=0, batch=1, seq_len=10)  # 2 of 4 heads
     5120
     """
@@ -106,7 +107,7 @@ def who_holds(config: GPTConfig, tp: int, cp: int, seq_len: int) -> list[Holding
     """Every rank's query heads, cached K/V heads and cached positions after ``seq_len``
     positions, rank order (the layout :class:`RankDecoder` builds, without starting a rank).
 
-    >>> from kvdoc.core.config import llama_config
+    >>> from kvdoc.core.model import llama_config
     >>> [(h.kv_heads, h.positions) for h in who_holds(llama_config(), 2, 2, 5)][-1]
     (range(1, 2), range(1, 5, 2))
     """

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvdoc.core.config import GPTConfig
+from kvdoc.core.model import GPTConfig
 
 from .decode import who_holds
 
@@ -17,7 +17,7 @@ from .decode import who_holds
 def holders(config: GPTConfig, tp: int, cp: int, seq_len: int) -> list[list[list[int]]]:
     """``holders[k][p]``: the ranks whose cache holds K/V head ``k`` at position ``p``.
 
-    >>> from kvdoc.core.config import llama_config
+    >>> from kvdoc.core.model import llama_config
     >>> holders(llama_config(), tp=4, cp=1, seq_len=2)   # 2 K/V heads over 4 ranks
     [[[0, 1], [0, 1]], [[2, 3], [2, 3]]]
     """

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kvdoc.core.config import check_int
+from kvdoc.core.cache import check_int
 from kvdoc.core.mla import LatentAttention, LatentBlock, MLAConfig, MLADecoder
 from kvdoc.core.model import decode_step, generate, prefill
 from kvdoc.measure.kv_bytes import measured_bytes

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvdoc.core.config import check_int
+from kvdoc.core.cache import check_int
 
 TIMEOUT = timedelta(seconds=120)
 """How long a rank waits in a collective before giving up: a rank that died or took another

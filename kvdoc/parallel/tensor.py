@@ -12,7 +12,7 @@ of the attention and of the MLP are *row parallel* (each rank multiplies its hea
 share of the input and the partial sums are added by one all-reduce). So a layer costs two
 all-reduces per forward call, the bias of a row-parallel ``c_proj`` added once, after the sum.
 
->>> from kvdoc.core.config import llama_config
+>>> from kvdoc.core.model import llama_config
 >>> head_shard(llama_config(), 2, 1)                 # GQA 4/2 over 2 ranks: rank 1
 HeadShard(q_heads=range(2, 4), kv_heads=range(1, 2), replicas=1)
 >>> head_shard(llama_config(n_kv_head=1), 2, 1)     # MQA: both ranks hold head 0
@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvdoc.core.config import GPTConfig, check_int
+from kvdoc.core.cache import check_int
+from kvdoc.core.model import GPTConfig
 from kvdoc.core.model import MLP, CausalSelfAttention
-from kvdoc.core.rope import apply_rope
+from kvdoc.core.model import apply_rope
 from kvdoc.measure.batch_decode import kv_heads_per_device
 
 from .comm import Comm

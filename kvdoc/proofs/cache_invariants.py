@@ -31,10 +31,7 @@ import torch
 
 from kvdoc.core.cache import KVCache, StaticCache
 from kvdoc.core.feed import feed
-from kvdoc.core.hybrid import HybridCache
-from kvdoc.core.layers import CacheLayer
-from kvdoc.core.mla import LatentCache
-from kvdoc.core.window import SlidingWindowCache
+from kvdoc.core.cache import CacheLayer
 from kvdoc.measure.layer_bytes import expected_bytes
 from kvdoc.serving.batching import left_pad, padded_mask, padded_positions
 from kvdoc.serving.paged import BlockPool, PagedCache
@@ -109,23 +106,18 @@ def shape_problems(cache: KVCache) -> list[str]:
     held, T = cache.held(), cache.seq_len
     if held.stop != T or held.start < 0:
         problems.append(f"held() is {held} for seq_len {T}")
-    for i in range(cache.n_layer):
-        rows = len(cache.held(i))  # a hybrid cache's window layers hold fewer than its others
-        want = (cache.batch_size, cache.n_kv_head, rows, cache.head_dim)
-        # K and V share one shape; a latent cache's c_KV and k_rope are one shared head each
-        wants = ([(cache.batch_size, 1, rows, width)
-                  for width in (cache.kv_lora_rank, cache.rope_dim)]
-                 if isinstance(cache, LatentCache) else [want, want])
+    for i, layer in enumerate(cache.layers):
+        # a ring holds the W - 1 keys the next query reads; every other layer all T
+        w = layer.window
+        if cache.held(i) != range(0 if w is None else max(0, T - w + 1), T):
+            problems.append(f"layer {i} (window {w}) holds {cache.held(i)} after {T}")
+        rows = len(cache.held(i))
+        # two tensors [B, heads, rows, width]: K and V, or a latent's c_KV and k_rope
+        wants = [(cache.batch_size, layer.heads, rows, width) for width in layer.widths]
         for t, want in zip(cache.layer(i), wants, strict=True):
             if tuple(t.shape) != want or t.dtype != cache.dtype:
                 problems.append(f"layer {i}: {tuple(t.shape)} {t.dtype}, want {want} {cache.dtype}")
                 break
-    if isinstance(cache, SlidingWindowCache) and held.start != max(0, T - cache.window):
-        problems.append(f"a ring of {cache.window} holds {held} after {T} positions")
-    if isinstance(cache, HybridCache):  # each window layer its last W, each global layer all
-        for i, w in enumerate(cache.windows):
-            if cache.held(i) != range(0 if w is None else max(0, T - w), T):
-                problems.append(f"layer {i} (window {w}) holds {cache.held(i)} after {T}")
     if isinstance(cache, StaticCache) and not T <= cache.capacity:
         problems.append(f"{T} positions in a capacity of {cache.capacity}")
     if isinstance(cache, PagedCache):

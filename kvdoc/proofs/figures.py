@@ -29,7 +29,7 @@ import copy
 import torch
 from torch import nn
 
-from kvdoc.core.config import GPTConfig
+from kvdoc.core.model import GPTConfig
 from kvdoc.core.model import Decoder
 from kvdoc.measure.batch_decode import kv_per_sequence, step_traffic
 from kvdoc.measure.costs import step_flops

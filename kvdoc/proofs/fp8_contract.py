@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.core.cache import DynamicCache, KVCache
-from kvdoc.core.config import GPTConfig
+from kvdoc.core.model import GPTConfig
 from kvdoc.core.feed import feed
 from kvdoc.measure.divergence import Divergence, divergence, greedy_with_gaps
 from kvdoc.serving.fp8 import (

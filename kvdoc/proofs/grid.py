@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from kvdoc.core.cache import KVCache
-from kvdoc.core.config import GPTConfig, llama_config, mistral_config
+from kvdoc.core.model import GPTConfig, llama_config, mistral_config
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder, GemmaRMSNorm
 from kvdoc.core.mla import MLAConfig, MLADecoder

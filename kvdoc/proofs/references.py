@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvdoc.core.config import GPTConfig
+from kvdoc.core.model import GPTConfig
 from kvdoc.core.model import Decoder
 
 Reference = Callable[[torch.Tensor], torch.Tensor]

@@ -4,7 +4,7 @@ A broken variant says which traits the model it is built from must have
 (:attr:`kvdoc.proofs.variants.BrokenVariant.needs`), never which models by name, so a model added
 to :data:`kvdoc.proofs.grid.MODELS` is swept by every variant it can host without editing a list.
 
->>> from kvdoc.core.config import llama_config
+>>> from kvdoc.core.model import llama_config
 >>> sorted(traits(llama_config(n_kv_head=2)))
 ['decoder', 'grouped', 'kv', 'rope']
 >>> check_traits({"rope", "shiny"})
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from functools import cache
 
-from kvdoc.core.config import GPTConfig
+from kvdoc.core.model import GPTConfig
 from kvdoc.core.gemma import Gemma3Config
 from kvdoc.core.mla import MLAConfig
 

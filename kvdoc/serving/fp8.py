@@ -35,8 +35,9 @@ from __future__ import annotations
 import torch
 
 from kvdoc.core.cache import KV, DynamicCache, KVCache
-from kvdoc.core.config import GPTConfig, check_int
-from kvdoc.core.layers import CacheLayer
+from kvdoc.core.cache import check_int
+from kvdoc.core.model import GPTConfig
+from kvdoc.core.cache import CacheLayer
 
 GRANULARITIES = ("per-tensor", "per-head")
 """How many scales K (and V) of one layer has: one, or one per K/V head."""

@@ -3,7 +3,7 @@
 A prefill worker runs the prompt once and sends what decoding needs: every layer's K and V for
 the prompt's positions (an MLA model's latent ``c_KV`` and ``k_rope`` instead), and the logits of
 the position after it (the first new token's). The decode worker rebuilds a
-:class:`~kvdoc.core.cache.DynamicCache` (a :class:`~kvdoc.core.mla.DynamicLatentCache`) from them
+:class:`~kvdoc.core.cache.DynamicCache` from them
 and carries on as if it had run the prompt itself. The prefill keeps every position of every
 layer, also for a windowed model (Mistral, Gemma 3): the decode side's mask limits what a window
 layer reads, as over any cache that keeps them all.
@@ -15,7 +15,7 @@ layer reads, as over any cache that keeps them all.
 * :func:`disaggregated_generate`: greedy generation with the prefill in a spawned process
   (one torch thread) and the decode here, or both here with ``in_process=True``.
 
->>> from kvdoc.core.config import GPTConfig
+>>> from kvdoc.core.model import GPTConfig
 >>> from kvdoc.core.model import Decoder, generate
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(GPTConfig()).eval()
@@ -37,10 +37,8 @@ from typing import NamedTuple
 import torch
 
 from kvdoc.core.cache import DynamicCache, KVCache
-from kvdoc.core.mla import DynamicLatentCache
 from kvdoc.core.model import Decoder, decode_step, prefill
 
-from .layout import cache_layout
 
 FORMAT = "kvdoc-handover/2"
 """The payload's ``format`` field: what :func:`unpack` accepts."""
@@ -60,7 +58,7 @@ def pack(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
     Raises ``ValueError`` for a cache that does not hold every position it has seen (a
     sliding window): the decode side would attend over positions it does not have.
 
-    >>> from kvdoc.core.config import GPTConfig
+    >>> from kvdoc.core.model import GPTConfig
     >>> cache = DynamicCache.empty(GPTConfig(), batch_size=1)
     >>> unpack(pack(cache), GPTConfig())[0].seq_len
     0
@@ -95,15 +93,14 @@ def unpack(payload: bytes, config: object,
     """The cache and the next-token logits that :func:`pack` shipped, for a model with
     ``config`` (and ``dtype``, when given). Checks everything before building anything.
 
-    The cache is dynamic: a :class:`~kvdoc.core.cache.DynamicCache`, or a
-    :class:`~kvdoc.core.mla.DynamicLatentCache` for a model that caches a latent
-    (:func:`~kvdoc.serving.layout.cache_layout`).
+    The cache is a :class:`~kvdoc.core.cache.DynamicCache` of what the model's
+    ``config.cache_layout`` says it caches (K and V, or an MLA latent).
 
     Raises:
         ValueError: a payload that does not load, or whose layers, heads, widths, dtype,
             positions or tensor shapes are not what the model and its own sizes say.
 
-    >>> from kvdoc.core.config import GPTConfig
+    >>> from kvdoc.core.model import GPTConfig
     >>> payload = pack(DynamicCache.empty(GPTConfig(), batch_size=1))
     >>> unpack(payload, GPTConfig(n_kv_head=2))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -111,9 +108,9 @@ def unpack(payload: bytes, config: object,
     ValueError: payload is for another model: ... = (2, 4, (16, 16)), model has (2, 2, (16, 16))
     """
     body = _load(payload)
-    layout = cache_layout(config)
+    layout = config.cache_layout
     found = (body["n_layer"], body["heads"], tuple(body["widths"]))
-    expected = (layout.n_layer, layout.heads, layout.widths)
+    expected = (len(layout), layout[0].heads, layout[0].widths)
     if found != expected:
         raise ValueError("payload is for another model: (layers, heads, widths) = "
                          f"{found}, model has {expected}")
@@ -123,8 +120,8 @@ def unpack(payload: bytes, config: object,
     if not 0 <= body["seq_len"] <= config.n_positions:
         raise ValueError(f"payload holds {body['seq_len']} positions, "
                          f"model has {config.n_positions}")
-    B, L = body["batch_size"], layout.n_layer
-    shapes = [(B, layout.heads, body["seq_len"], width) for width in layout.widths]
+    B, L = body["batch_size"], len(layout)
+    shapes = [(B, layout[0].heads, body["seq_len"], width) for width in layout[0].widths]
     if len(body["k"]) != L or len(body["v"]) != L or any(
             tuple(t.shape) != shape or t.dtype != stated
             for ts, shape in zip((body["k"], body["v"]), shapes, strict=True) for t in ts):
@@ -136,7 +133,7 @@ def unpack(payload: bytes, config: object,
         raise ValueError(f"payload logits must be [{B}, 1, {config.vocab_size}], "
                          f"got {list(logits.shape)}")
     layers = list(zip(body["k"], body["v"], strict=True))
-    return (DynamicLatentCache if layout.latent else DynamicCache)(layers), logits
+    return DynamicCache(layers), logits
 
 
 def _shapes(tensors: list) -> list:

@@ -20,7 +20,7 @@ the sequence stored after decoding. :func:`reload_or_recompute` is the roofline 
 which is faster for one block, from figures passed in.
 
 >>> import tempfile
->>> from kvdoc.core.config import GPTConfig
+>>> from kvdoc.core.model import GPTConfig
 >>> from kvdoc.core.model import Decoder, generate
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(GPTConfig()).eval()
@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 
 from kvdoc.core.cache import DynamicCache
-from kvdoc.core.config import check_int
+from kvdoc.core.cache import check_int
 from kvdoc.core.model import Decoder, decode_step, generate, prefill
 
 ROOT = hashlib.sha256(b"kvdoc-offload-root").digest()

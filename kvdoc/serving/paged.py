@@ -3,8 +3,8 @@
 This is the memory layout of vLLM's PagedAttention (Kwon et al., 2023), written for reading
 rather than speed. A :class:`BlockPool` owns, for every layer, K and V storage of shape
 ``[num_blocks, H_kv, block_size, D_h]`` (for an MLA model, its latent ``c_KV`` and rotary key,
-two stores of their own widths with one shared head: :mod:`kvdoc.serving.layout`); a block id
-names the same slot in every layer. A
+two stores of their own widths with one shared head, as the config's ``cache_layout`` says); a
+block id names the same slot in every layer. A
 :class:`PagedCache` maps position ``t`` of sequence ``b`` to offset ``t % block_size`` of block
 ``tables[b][t // block_size]``. :meth:`PagedCache.layer` gathers a sequence's blocks back into the
 usual ``[B, H_kv, T, D_h]`` (real engines read the blocks inside the attention kernel instead), so
@@ -21,8 +21,8 @@ is garbage-collected or :meth:`PagedCache.release` is called.
 
 Every decoder of the grid is served: the paged cache keeps every position of every layer, and the
 model's own mask limits what a windowed layer reads (Mistral's window, Gemma 3's window layers),
-as it does over a dynamic cache. An MLA model's caches are :class:`PagedLatentCache` and
-:class:`SharedPrefixLatentCache` (:func:`paged_cache` picks by the pool's layout).
+as it does over a dynamic cache; an MLA model's pool stores its latent, and the same classes
+serve it.
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> _ = torch.manual_seed(0)
@@ -45,20 +45,15 @@ from collections.abc import Sequence
 
 import torch
 
-from kvdoc.core.cache import KV, KVCache
-from kvdoc.core.config import GPTConfig, check_int
-from kvdoc.core.layers import CacheLayer
-from kvdoc.core.mla import LatentCache
-from kvdoc.core.model import Decoder
-
-from .layout import cache_layout
+from kvdoc.core.cache import KV, CacheLayer, HasLayout, KVCache, check_int
+from kvdoc.core.model import Decoder, GPTConfig
 
 
 class BlockPool:
     """K/V storage cut into ``num_blocks`` blocks of ``block_size`` positions, with a free list.
 
     ``k[l]`` and ``v[l]`` are layer ``l``'s two stores, ``[num_blocks, heads, block_size, width]``
-    (:func:`~kvdoc.serving.layout.cache_layout`: K and V, or an MLA latent's two widths).
+    (``config.cache_layout[l]``: K and V, or an MLA latent's two widths).
 
     Args:
         config: the model's configuration (what each layer caches, and how wide).
@@ -75,15 +70,15 @@ class BlockPool:
     ValueError: out of blocks: 2 needed, 1 free of 3
     """
 
-    def __init__(self, config: GPTConfig, num_blocks: int, block_size: int,
+    def __init__(self, config: HasLayout, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         check_int("num_blocks", num_blocks)
         check_int("block_size", block_size)
-        self.layout = layout = cache_layout(config)
+        self.layout = config.cache_layout
         # [N, H, S, width]: K and V of H_kv heads, or c_KV and k_rope of one head
-        self.k, self.v = ([torch.zeros((num_blocks, layout.heads, block_size, w), dtype=dtype,
-                                       device=device) for _ in range(layout.n_layer)]
-                          for w in layout.widths)
+        self.k, self.v = ([torch.zeros((num_blocks, s.heads, block_size, s.widths[i]),
+                                       dtype=dtype, device=device) for s in self.layout]
+                          for i in (0, 1))
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
         self.dtype, self.device = dtype, torch.device(device)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
@@ -195,8 +190,8 @@ class PoolLayer(CacheLayer):
     in_place = True
 
     def __init__(self, pool: BlockPool, batch_size: int, index: int) -> None:
-        super().__init__(batch_size, pool.layout.heads, pool.layout.widths, pool.dtype,
-                         pool.device)
+        spec = pool.layout[index]
+        super().__init__(batch_size, spec.heads, spec.widths, pool.dtype, pool.device)
         self.pool, self.index = pool, index
 
     def tensors(self) -> list[torch.Tensor]:
@@ -257,7 +252,7 @@ class PagedCache(KVCache):
 
     def __init__(self, pool: BlockPool, batch_size: int) -> None:
         self._tables = self.block_tables(pool, batch_size)
-        super().__init__([PagedLayer(self._tables, i) for i in range(pool.layout.n_layer)])
+        super().__init__([PagedLayer(self._tables, i) for i in range(len(pool.layout))])
         self.pool, self.block_size = pool, pool.block_size
         self.tables = self._tables.rows
         self._finalizer = weakref.finalize(self, _release_tables, pool, self.tables)
@@ -340,32 +335,16 @@ class SharedPrefixCache(PagedCache):
         return self.fork()
 
 
-class PagedLatentCache(LatentCache, PagedCache):
-    """A :class:`PagedCache` of an MLA model's latent: it checks the model as a latent cache does.
-
-    >>> from kvdoc.core.mla import MLAConfig, MLADecoder
-    >>> _ = torch.manual_seed(0)
-    >>> model = MLADecoder(MLAConfig()).eval()
-    >>> cache = new_paged_cache(model, batch=1, capacity=8)
-    >>> type(cache).__name__, [tuple(t.shape) for t in cache.pool.k[0:1] + cache.pool.v[0:1]]
-    ('PagedLatentCache', [(2, 1, 4, 32), (2, 1, 4, 8)])
-    >>> ids = torch.tensor([[12, 7, 31, 4, 9, 18]])
-    >>> _, cache = model(ids[:, :5], cache)
-    >>> torch.allclose(model(ids[:, 5:], cache).logits, model(ids).logits[:, 5:], atol=1e-5)
-    True
-    """
-
-
-class SharedPrefixLatentCache(LatentCache, SharedPrefixCache):
-    """A :class:`SharedPrefixCache` of an MLA model's latent."""
-
-
 def paged_cache(pool: BlockPool, batch: int, shared: bool = False) -> PagedCache:
     """An empty paged cache of ``batch`` sequences over ``pool``: a :class:`SharedPrefixCache`
-    if ``shared``, else a :class:`PagedCache`, each in its latent form for a latent pool."""
-    kinds = {(False, False): PagedCache, (True, False): SharedPrefixCache,
-             (False, True): PagedLatentCache, (True, True): SharedPrefixLatentCache}
-    return kinds[shared, pool.layout.latent](pool, batch)
+    if ``shared``, else a :class:`PagedCache`.
+
+    >>> from kvdoc.core.mla import MLAConfig
+    >>> cache = paged_cache(BlockPool(MLAConfig(), num_blocks=2, block_size=4), batch=1)
+    >>> [tuple(t.shape) for t in cache.layers[0].tensors()]     # c_KV and k_rope of layer 0
+    [(2, 1, 4, 32), (2, 1, 4, 8)]
+    """
+    return (SharedPrefixCache if shared else PagedCache)(pool, batch)
 
 
 def _pool_for(model: Decoder, batch: int, capacity: int, block_size: int, spare: int) -> BlockPool:

@@ -32,8 +32,9 @@ from __future__ import annotations
 import torch
 
 from kvdoc.core.cache import KV, DynamicCache, KVCache
-from kvdoc.core.config import GPTConfig, check_int
-from kvdoc.core.layers import CacheLayer
+from kvdoc.core.cache import check_int
+from kvdoc.core.model import GPTConfig
+from kvdoc.core.cache import CacheLayer
 from kvdoc.core.model import Decoder
 
 

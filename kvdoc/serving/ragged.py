@@ -9,7 +9,7 @@ and a per-row mask (a real query at position ``P_b + j`` reads keys ``0 .. P_b +
 row) make each row the function of its own sequence. Pad queries read key 0 of their row so no
 softmax row is empty; their outputs are never read. The positions go to
 ``Decoder.forward(positions=...)``: a learned-position model embeds each row at its own, a RoPE
-model turns each row's Q and K there (:func:`kvdoc.core.rope.apply_rope` takes ``[B, C]``
+model turns each row's Q and K there (:func:`kvdoc.core.model.apply_rope` takes ``[B, C]``
 positions), and so do Gemma's and MLA's attentions. The mask goes to ``attn_mask``: the
 attention itself keeps, in a windowed layer (Mistral, Gemma 3's window layers), the last ``W`` of
 the keys a query may read, so the blocks hold every position and the model reads what it
@@ -29,7 +29,7 @@ not correctness.
 The scheduler (:mod:`kvdoc.serving.scheduler`) builds one :func:`ragged_step` per step.
 
 >>> from kvdoc import Decoder
->>> from kvdoc.core.config import llama_config
+>>> from kvdoc.core.model import llama_config
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(llama_config()).eval()          # RoPE
 >>> pool = BlockPool(model.config, num_blocks=4, block_size=4)
@@ -53,7 +53,6 @@ from collections.abc import Sequence
 import torch
 
 from kvdoc.core.cache import KV, KVCache
-from kvdoc.core.mla import LatentCache
 
 from .paged import BlockPool, PoolLayer, gather
 
@@ -87,7 +86,7 @@ class RaggedStep(KVCache):
     :attr:`seq_len` is ``T - C``, so the model's mask and new tokens span the ``T`` gathered
     columns.
 
-    >>> from kvdoc.core.config import GPTConfig
+    >>> from kvdoc.core.model import GPTConfig
     >>> pool = BlockPool(GPTConfig(), num_blocks=3, block_size=4)
     >>> step = RaggedStep(pool, tables=[[0, 1], [2]], past=[5, 0], new=[1, 3])
     >>> step.seq_len, step.positions().tolist()  # T = 6 columns, C = 3 new
@@ -113,7 +112,7 @@ class RaggedStep(KVCache):
         self.cols = torch.tensor([j for _, j in rows], device=pool.device)
         self.blocks = self.table[self.rows, slots // S]
         self.offsets = slots % S
-        super().__init__([RaggedLayer(self, i) for i in range(pool.layout.n_layer)],
+        super().__init__([RaggedLayer(self, i) for i in range(len(pool.layout))],
                          seq_len=self.width - max(self.new))
 
     def mask(self) -> torch.Tensor:
@@ -135,13 +134,7 @@ class RaggedStep(KVCache):
         return torch.where(j < new, past + j, 0)
 
 
-class RaggedLatentStep(LatentCache, RaggedStep):
-    """A :class:`RaggedStep` over an MLA model's latent pool: it checks the model as a latent
-    cache does."""
-
-
 def ragged_step(pool: BlockPool, tables: Sequence[list[int]], past: Sequence[int],
                 new: Sequence[int]) -> RaggedStep:
-    """The step's cache: a :class:`RaggedStep`, or a :class:`RaggedLatentStep` over a latent
-    pool."""
-    return (RaggedLatentStep if pool.layout.latent else RaggedStep)(pool, tables, past, new)
+    """The step's cache over ``pool``, whatever its model caches."""
+    return RaggedStep(pool, tables, past, new)

@@ -71,7 +71,7 @@ from typing import Literal
 
 import torch
 
-from kvdoc.core.config import check_int
+from kvdoc.core.cache import check_int
 from kvdoc.core.model import Decoder
 
 from .paged import BlockPool

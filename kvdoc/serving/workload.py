@@ -17,7 +17,7 @@ With sharing it keeps each request's logits, which
 :func:`kvdoc.teach.serving_checks.compare_mix_with_alone` compares with one full forward of that
 request alone.
 
->>> from kvdoc.core.config import GPTConfig
+>>> from kvdoc.core.model import GPTConfig
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(GPTConfig()).eval()
 >>> mix = request_mix(n=3, prefix_len=5, user_lens=(2, 4), output_lens=(1, 3))

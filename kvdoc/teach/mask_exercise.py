@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvdoc.core.mask import offset_causal_mask
+from kvdoc.core.model import offset_causal_mask
 from kvdoc.proofs.broken.decoders import top_left_causal_mask
 
 
@@ -29,7 +29,7 @@ class MaskExercise:
 
 
 def mask_exercise(past_len: int, new_len: int) -> MaskExercise:
-    """Compute the exercise's answers from :mod:`kvdoc.core.mask` (and, for the top-left mask,
+    """Compute the exercise's answers from :mod:`kvdoc.core.model` (and, for the top-left mask,
     :func:`kvdoc.proofs.broken.decoders.top_left_causal_mask`).
 
     >>> mask_exercise(10, 3).keys_offset

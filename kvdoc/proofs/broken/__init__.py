@@ -8,7 +8,7 @@ nothing but public hooks:
   share K/V heads wrongly, a fast step that keeps stale weights, and one scenario rather than
   code (a cache filled before a prefix edit and reused after it);
 * :mod:`~kvdoc.proofs.broken.rotary`: rotary positions got wrong;
-* :mod:`~kvdoc.proofs.broken.caches`: cache layers (a :class:`~kvdoc.core.layers.CacheLayer`
+* :mod:`~kvdoc.proofs.broken.caches`: cache layers (a :class:`~kvdoc.core.cache.CacheLayer`
   subclass swapped in through a cache's public ``layers``,
   :func:`~kvdoc.proofs.broken.caches.with_layers`) and transactions (``update``, ``begin``,
   ``finish``) of the dynamic and static caches that store, return or count the wrong thing;

@@ -23,8 +23,8 @@ of :mod:`kvdoc.proofs.cache_invariants` catches it:
   overwrite a held position, so two branches before the ring has wrapped write into one ring;
 * :class:`LateCopyBlockTables`: block tables of a shared-prefix cache that copy only the shared
   blocks a write starts, never the shared, partly filled one it continues;
-* :class:`RingedGlobalHybridCache`: a hybrid cache (:mod:`kvdoc.core.hybrid`) that rings its
-  global layers too: right until the stream passes the window.
+* :class:`RingedGlobalCache`: a Gemma cache (:mod:`kvdoc.core.window`) that rings its global
+  layers too and states their window as the ring's: right until the stream passes the window.
 
 The factories (``(model, batch, capacity) -> cache``) are what
 :attr:`kvdoc.proofs.variants.BrokenVariant.caches` puts in place of a kind's real factory.
@@ -40,15 +40,13 @@ from __future__ import annotations
 
 import copy
 import math
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-from kvdoc.core.cache import KV, KVCache
-from kvdoc.core.gemma import Gemma3Config
-from kvdoc.core.hybrid import HybridCache
-from kvdoc.core.layers import CacheLayer, RingLayer
-from kvdoc.core.window import SlidingWindowCache
+from kvdoc.core.cache import KV, CacheLayer, KVCache
+from kvdoc.core.window import RingLayer, window_cache
 from kvdoc.serving.fp8 import Fp8Layer, amax_scale, new_fp8_cache, quantize
 from kvdoc.serving.paged import BlockPool, BlockTables, PagedCache, SharedPrefixCache
 from kvdoc.serving.quant import Int8Cache, Int8Layer, dequantize
@@ -195,11 +193,11 @@ class LongChunkRingLayer(RingLayer):
     last ``W``. Right for every chunk of at most ``W`` tokens."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        if k.shape[2] == 1:
+            return super().write(k, v, start)
         self.check_rows(k, v)
         old_k, old_v = self.read(start)
-        keep = min(self.window - 1, old_k.shape[2])
-        full_k = torch.cat((old_k[:, :, old_k.shape[2] - keep:], k), dim=2)
-        full_v = torch.cat((old_v[:, :, old_v.shape[2] - keep:], v), dim=2)
+        full_k, full_v = torch.cat((old_k, k), dim=2), torch.cat((old_v, v), dim=2)
         last = min(k.shape[2], self.window)
         slots = torch.arange(start, start + last, device=k.device) % self.window
         self.k.index_copy_(2, slots, k[:, :, :last])  # BUG: the first rows
@@ -221,9 +219,9 @@ class LazyRingLayer(RingLayer):
         return super().write(k, v, start)
 
 
-long_chunk_ring_cache = _empty(SlidingWindowCache, LongChunkRingLayer)
+long_chunk_ring_cache = _empty(window_cache, LongChunkRingLayer)
 """``(model, batch, capacity) ->`` an empty window cache of :class:`LongChunkRingLayer` s."""
-lazy_ring_cache = _empty(SlidingWindowCache, LazyRingLayer)
+lazy_ring_cache = _empty(window_cache, LazyRingLayer)
 """``(model, batch, capacity) ->`` an empty window cache of :class:`LazyRingLayer` s."""
 
 
@@ -255,21 +253,23 @@ def late_copy_shared_prefix_cache(model: nn.Module, batch: int, capacity: int
     return LateCopySharedPrefixCache(_pool(BlockPool, model, batch, capacity, spare=1), batch)
 
 
-class RingedGlobalHybridCache(HybridCache):
-    """BROKEN: every layer, global ones included, is a ring of ``W`` slots (the cache still states
-    the model's per-layer windows, so it passes its compatibility check). A global layer's
-    queries then lose every key older than ``W - 1`` positions."""
+class RingedGlobalCache(KVCache):
+    """BROKEN: every layer, global ones included, is a ring of ``W`` slots, and its
+    compatibility check states the ring's window for every layer of the model (as a cache
+    class that overrides the layout check might), so it passes. A global layer's queries then
+    lose every key older than ``W - 1`` positions."""
 
-    def __init__(self, config: Gemma3Config, batch_size: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
-        super().__init__(config, batch_size, dtype, device)
-        ring = next(layer for layer in self.layers if isinstance(layer, RingLayer))
-        self.layers = [layer if isinstance(layer, RingLayer) else ring.fork()  # BUG: global too
-                       for layer in self.layers]
+    def check_compatible(self, config: object, *args: object) -> None:
+        window = self.layers[0].window  # BUG: the model's global layers read every key
+        stated = SimpleNamespace(cache_layout=tuple(
+            spec._replace(window=window) for spec in config.cache_layout))
+        super().check_compatible(stated, *args)
 
 
 def ringed_global_hybrid_cache(model: nn.Module, batch: int, capacity: int | None = None
-                               ) -> RingedGlobalHybridCache:
-    """An empty :class:`RingedGlobalHybridCache` for a Gemma ``model``."""
-    weight = model.wte.weight
-    return RingedGlobalHybridCache(model.config, batch, weight.dtype, weight.device)
+                               ) -> RingedGlobalCache:
+    """An empty :class:`RingedGlobalCache` for a Gemma ``model``."""
+    weight, config = model.wte.weight, model.config
+    return RingedGlobalCache([RingLayer(batch, s.heads, s.widths, config.sliding_window,
+                                        weight.dtype, weight.device)
+                              for s in config.cache_layout])

@@ -26,7 +26,7 @@ import copy
 import torch
 
 from kvdoc.core.cache import KV, DynamicCache, KVCache, StaticCache
-from kvdoc.core.layers import CacheLayer, DynamicLayer, StaticLayer
+from kvdoc.core.cache import CacheLayer, DynamicLayer, StaticLayer
 from kvdoc.core.model import Decoder
 from kvdoc.measure.wrapper import CacheWrapper
 

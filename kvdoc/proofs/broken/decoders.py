@@ -28,7 +28,7 @@ import torch
 
 from kvdoc.core import invariant
 from kvdoc.core.cache import KVCache
-from kvdoc.core.config import check_int
+from kvdoc.core.cache import check_int
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import CausalSelfAttention, Decoder, DecoderOutput
 
@@ -85,7 +85,7 @@ def top_left_causal_mask(past_len: int, new_len: int,
 
     It is ``tril`` of the ``[C, P + C]`` matrix, so local query ``i`` is treated as absolute
     position ``i`` and reads keys ``0 .. i`` only; right for a full forward (``P = 0``). Kept for
-    contrast with :func:`kvdoc.core.mask.offset_causal_mask`, the mask the model uses.
+    contrast with :func:`kvdoc.core.model.offset_causal_mask`, the mask the model uses.
 
     >>> top_left_causal_mask(2, 2).int()
     tensor([[1, 0, 0, 0],

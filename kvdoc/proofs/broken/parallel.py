@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvdoc.core.config import GPTConfig
+from kvdoc.core.model import GPTConfig
 from kvdoc.parallel.blocks import destination
 from kvdoc.parallel.comm import Comm
 from kvdoc.parallel.context import ContextShard

@@ -21,7 +21,7 @@ Two more are wrong in code both paths share:
 
 >>> import torch
 >>> from kvdoc import Decoder
->>> from kvdoc.core.config import llama_config
+>>> from kvdoc.core.model import llama_config
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(llama_config()).eval()
 >>> broken = unrotated_k(model)
@@ -44,7 +44,7 @@ import torch
 from kvdoc.core.cache import KVCache
 from kvdoc.core.gemma import Gemma3Decoder
 from kvdoc.core.model import CausalSelfAttention, Decoder
-from kvdoc.core.rope import apply_rope, rope_angles, rotate_half
+from kvdoc.core.model import apply_rope, rope_angles, rotate_half
 
 from .decoders import copy_as, with_attention
 

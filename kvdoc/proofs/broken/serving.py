@@ -26,7 +26,6 @@ import math
 import torch
 
 from kvdoc.core.cache import DynamicCache, KVCache
-from kvdoc.core.mla import DynamicLatentCache, LatentCache
 from kvdoc.core.model import Decoder, DecoderOutput
 from kvdoc.serving.eviction import LRU
 from kvdoc.serving.handover import pack
@@ -89,7 +88,7 @@ class EvictLocked(RadixCache):
 
 def _rebuilt(cache: KVCache, layers: list) -> KVCache:
     """A dynamic cache of ``layers`` (K/V, or a latent's two tensors, as ``cache`` holds)."""
-    return (DynamicLatentCache if isinstance(cache, LatentCache) else DynamicCache)(layers)
+    return DynamicCache(layers)
 
 
 def pack_off_by_one(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
