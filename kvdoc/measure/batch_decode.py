@@ -189,8 +189,7 @@ def preset_kv_per_sequence(preset: ModelCache, context: int, dtype: str = "bfloa
     True
     """
     heads, _ = kv_heads_per_device(preset.kv_heads, degree)
-    held = context if preset.sliding_window is None else min(context, preset.sliding_window)
-    return 2 * len(preset.layers) * held * heads * preset.head_dim * element_size(dtype)
+    return preset.kv_bytes(context, 1, dtype) * heads // preset.kv_heads  # the device's share
 
 
 def crossover_batch(weights: int, kv_sequence: int) -> int:
