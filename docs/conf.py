@@ -121,8 +121,9 @@ def _drop_machine_values(app, doctree):
 
 
 # `-> bytes` in a signature or a field list is a cross-reference to "bytes", which Python's domain
-# resolves to any documented attribute of that name (kvdoc.parallel.checks.Comparison.bytes), and
-# warns when there are two: a builtin type's name is left as text that links nowhere.
+# resolves to any documented attribute of that name
+# (kvdoc.parallel.comparison.Comparison.bytes), and warns when there are two: a builtin type's
+# name is left as text that links nowhere.
 _BUILTIN_TYPES = frozenset(n for n, v in vars(builtins).items() if isinstance(v, type))
 
 
