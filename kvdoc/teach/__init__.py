@@ -1,6 +1,5 @@
 """Hand-sized examples for the pages: the 2-d worked example (``worked``), the two-layer toy
-lab (``toy``) and what it shows (``toy_scenarios``), the offset-mask exercise
-(``mask_exercise``), and what the pages share for display: one-character tokens (``tokens``),
+lab (``toy``) and what it shows (``toy_scenarios``), and what the pages share for display: one-character tokens (``tokens``),
 HTML tables and dependency maps (``html_tables``), LaTeX from values (``latex``), diagrams
 (``diagrams``), shapes through the decoder (``shapes``), reading times (``reading``) and the
 progress lines of long cells (``progress``); and the checks only pages run: dependency maps
