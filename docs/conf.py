@@ -63,7 +63,7 @@ if os.environ.get("KVDOC_PAGES"):
     suppress_warnings = ["toc.excluded", "toc.not_readable", "myst.xref_missing", "ref.doc"]
 templates_path = ["_templates"]
 html_static_path = ["_static"]
-html_css_files = ["kvdoc.css"]  # small dependency maps (kvdoc.teach.html_tables.map_table)
+html_css_files = ["kvdoc.css"]  # small dependency maps (kvdoc.teach.dependency_maps.map_table)
 
 # --- notebooks -------------------------------------------------------------------------
 # Cached locally (jupyter-cache re-runs a page only when its code changes); forced in CI,

@@ -8,9 +8,8 @@ import itertools
 import pytest
 import torch
 
-from kvdoc.teach.html_tables import html_table
+from kvdoc.teach.display import html_table, token_ids, token_label, token_text
 from kvdoc.teach.latex import latex_matrix
-from kvdoc.teach.tokens import token_ids, token_label, token_text
 from kvdoc.teach.toy import Counts, ToyCache, ToyLab, full_forward
 from kvdoc.teach.toy_scenarios import (
     check_against_full,

@@ -11,8 +11,7 @@ is not zero. This module computes that relation two independent ways:
 
 and :func:`compare_maps` checks that they agree. Both return a :class:`DependencyMap`: a bool
 ``[T_out, T_in]`` matrix plus the magnitude of each block (its Frobenius norm), which renders
-as a heatmap (:meth:`DependencyMap.heatmap`) or a Markdown table
-(:meth:`DependencyMap.to_markdown`).
+as a heatmap (:meth:`DependencyMap.heatmap`) or a small HTML table (:func:`map_table`).
 Everything runs in float64 so that "does not depend" means an exact zero, and "depends" means a
 magnitude above ``rtol`` times the largest one. A map is local: it describes ``f`` at the given
 ``x``. Structural zeros (a row that is never read) are zero at every ``x``; a saturated softmax
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdoc.measure.tables import markdown_table
+from kvdoc.teach.display import html_table
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -81,13 +80,6 @@ class DependencyMap:
         if len(ins) != self.shape[1] or len(outs) != self.shape[0]:
             raise ValueError(f"need {self.shape[1]} input and {self.shape[0]} output labels")
         return DependencyMap(self.depends, self.magnitude, self.method, self.out_rows, ins, outs)
-
-    def to_markdown(self, corner: str = "out \\ in", mark: str = "●", blank: str = "·") -> str:
-        """The boolean matrix as a Markdown table: ``mark`` where row ``t`` needs row ``s``."""
-        rows = [[self.out_labels[t]] + [mark if bool(self.depends[t, s]) else blank
-                                        for s in range(self.shape[1])]
-                for t in range(self.shape[0])]
-        return markdown_table([corner, *self.in_labels], rows)
 
     def heatmap(self, ax=None, title: str | None = None, xlabel: str = "input row",
                 ylabel: str = "output row", log: bool = True):
@@ -363,3 +355,25 @@ def token_dependency_map(fn: Callable[[torch.Tensor], torch.Tensor], idx: torch.
     ins = tuple(in_labels) if in_labels is not None else tuple(str(s) for s in range(T))
     outs = tuple(out_labels) if out_labels is not None else tuple(str(t) for t in rows)
     return DependencyMap(depends, mag, "token", rows, ins, outs)
+
+
+def map_table(m: CheckedMap | DependencyMap, labels: Sequence[str],
+              out_labels: Sequence[str] | None = None, corner: str = "out \\ in",
+              caption: str | None = None) -> str:
+    """A dependency map as a small HTML table: ``●`` where the output row needs the input row.
+
+    ``labels`` name the input rows; the output rows take the labels of their indices unless
+    ``out_labels`` is given. The class ``kvdoc-map`` (docs/_static/kvdoc.css) keeps the table
+    small, so that maps sit side by side.
+
+    >>> m = jacobian_map(lambda x: x.cumsum(0), torch.ones(2, 1, dtype=torch.float64))
+    >>> html_out = map_table(m, "AB")
+    >>> html_out.count("●"), html_out.count("·")
+    (3, 1)
+    """
+    dm = m.jacobian if isinstance(m, CheckedMap) else m
+    outs = list(out_labels) if out_labels is not None else [labels[t] for t in dm.out_rows]
+    dm = dm.relabel(list(labels), outs)
+    rows = [[outs[t]] + ["●" if bool(dm.depends[t, s]) else "·" for s in range(dm.shape[1])]
+            for t in range(dm.shape[0])]
+    return html_table([corner, *labels], rows, caption=caption, css_class="kvdoc-map")
