@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from kvdoc.teach.display import html_table, token_ids, token_label, token_text
-from kvdoc.teach.latex import latex_matrix
 from kvdoc.teach.toy import Counts, ToyCache, ToyLab, full_forward
 from kvdoc.teach.toy_scenarios import (
     check_against_full,
@@ -22,6 +21,7 @@ from kvdoc.teach.worked import (
     SOURCE_FIGURES,
     WORKED_INPUTS,
     compare_with_source,
+    latex_matrix,
     naive_step,
     worked_example,
 )
