@@ -9,11 +9,14 @@ import pytest
 import torch
 
 from kvdoc.teach.display import html_table, token_ids, token_label, token_text
-from kvdoc.teach.toy import Counts, ToyCache, ToyLab, full_forward
-from kvdoc.teach.toy_scenarios import (
+from kvdoc.teach.toy import (
+    Counts,
+    ToyCache,
+    ToyLab,
     check_against_full,
     common_prefix_len,
     expected_counts,
+    full_forward,
     prefix_edit,
     work_counts,
 )
