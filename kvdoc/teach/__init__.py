@@ -1,6 +1,6 @@
 """Code only the pages run: the 2-d worked example (``worked``), the two-layer toy lab
 (``toy``), what the pages share for display (``display``: tokens, tables,
-diagrams, reading times), shapes through the decoder (``shapes``), progress lines of long cells
+diagrams, reading times), progress lines of long cells
 (``progress``); the pages' checks: dependency maps (``dependency_maps``) of sites inside the
 decoder (``decoder_sites``), the cross-check with transformers (``crosscheck``), serving runs
 against recompute (``serving_checks``), the broken-variant sweep recorded once a build
