@@ -88,9 +88,9 @@ myst_heading_anchors = 3
 # dict-of-str ordering (and so anything printed from them) the same from build to build; the
 # matplotlibrc beside the extension fixes matplotlib's SVG ids (svg.hashsalt).
 os.environ["PYTHONHASHSEED"] = "0"
-# A long cell's progress lines (kvdoc.teach.progress) go to the page and to this build's own
-# standard error, so that the build log shows them as they happen; a kernel's own output goes
-# only to its notebook.
+# A long cell's progress lines (kvdoc.teach.sweep_record.progress) go to the page and to this
+# build's own standard error, so that the build log shows them as they happen; a kernel's own
+# output goes only to its notebook.
 if "KVDOC_BUILD_LOG" not in os.environ and Path(f"/proc/{os.getpid()}/fd/2").exists():
     os.environ["KVDOC_BUILD_LOG"] = f"/proc/{os.getpid()}/fd/2"
 os.environ["MATPLOTLIBRC"] = str(_HERE / "_ext" / "matplotlibrc")
