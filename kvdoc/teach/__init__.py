@@ -3,7 +3,7 @@
 times); the pages' checks: dependency maps (``dependency_maps``) of sites inside the decoder
 (``decoder_sites``), the cross-check with transformers (``crosscheck``), serving runs against
 recompute (``serving_checks``), the broken-variant sweep recorded once a build
-(``sweep_record``); the policies' yardsticks that ``tests/test_policies.py`` also runs
-(``schedule_spec``, ``radix_policy``, ``sampling``, ``broken_policies``); and the catalogue of
-bad input every layer refuses (``refusals``).
+(``sweep_record``); the policies' yardsticks that ``tests/test_policies.py`` also runs, each
+beside the broken policies it catches (``schedule_spec``, ``radix_policy``, ``sampling``); and
+the catalogue of bad input every layer refuses (``refusals``).
 """

@@ -5,7 +5,9 @@ that wait behind prompt chunks, a budget one token too large, the oldest request
 instead of the newest change step counts and latencies, not tokens. So the policy that
 :mod:`kvdoc.serving.scheduler` states is written here a second time, as arithmetic on lengths
 and block counts only (no pool, no model, no token ids), and :func:`check_schedule` compares
-every step of a real run with it.
+every step of a real run with it. The broken schedulers at the end (:class:`PrefillBeforeDecode`,
+:class:`BudgetPlusOne`, :class:`PreemptOldest`) serve every request exactly as alone: only this
+check sees them.
 
 The specification (:func:`expected_steps`), for requests without forks:
 
@@ -39,6 +41,8 @@ The specification (:func:`expected_steps`), for requests without forks:
 >>> from kvdoc.proofs.compare import default_model
 >>> [c.passed for c in check_schedule(default_model())]
 [True, True, True, True, True, True]
+>>> [c.passed for c in check_schedule(default_model(), BudgetPlusOne)]
+[True, True, False, False, False, True]
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from kvdoc.core.model import Decoder
 from kvdoc.proofs.scheduling import POLICY_TRACE, PREEMPTION_TRACE
 from kvdoc.serving.requests import Request, arrival_trace
 from kvdoc.serving.runs import ServeRun
-from kvdoc.serving.scheduler import Scheduler
+from kvdoc.serving.scheduler import LiveRequest, Scheduler
 
 
 @dataclass(frozen=True)
@@ -70,8 +74,7 @@ class SpecStep:
 
 
 @dataclass
-class _Seq:
-    """A request as the specification sees it: counts only."""
+class _Seq:  # a request as the specification sees it: counts only
 
     rid: int
     prompt: int
@@ -82,8 +85,7 @@ class _Seq:
     blocks: int = 0
     recomputes: int = 0
 
-    def lacks(self) -> int:
-        """Positions to feed before its next token is chosen."""
+    def lacks(self) -> int:  # positions to feed before its next token is chosen
         return self.prompt + self.produced - self.computed
 
     def decoding(self) -> bool:
@@ -93,16 +95,14 @@ class _Seq:
         return self.produced == self.output
 
 
-def _queue(trace: Sequence[Request]) -> list[_Seq]:
-    """The requests in arrival order (ties by id), as the oracles count them."""
+def _queue(trace: Sequence[Request]) -> list[_Seq]:  # in arrival order, ties by id
     return [_Seq(r.rid, len(r.prompt), r.output_len, r.arrival)
             for r in sorted(trace, key=lambda r: (r.arrival, r.rid))]
 
 
 def _preempt_newest(running: list[_Seq], waiting: list[_Seq],
                     preempted: list[tuple[int, int]]) -> int:
-    """Preempt the newest running request: it drops its K/V and waits at the head of the queue
-    to be recomputed. Returns the blocks it gave back."""
+    """Preempt the newest running request to the head of the queue; the blocks it gave back."""
     victim = running.pop()
     freed = victim.blocks
     preempted.append((victim.rid, victim.computed))
@@ -113,8 +113,7 @@ def _preempt_newest(running: list[_Seq], waiting: list[_Seq],
 
 
 def _forward(rows: list[tuple[_Seq, int]], running: list[_Seq]) -> tuple[int, ...]:
-    """Feed each row its positions (a token is chosen once a request has all it lacks); the
-    running requests that got no row this step."""
+    """Feed each row its positions; the running requests that got no row this step."""
     for s, n in rows:
         s.computed += n
         if s.computed == s.prompt + s.produced:
@@ -126,14 +125,9 @@ def _forward(rows: list[tuple[_Seq, int]], running: list[_Seq]) -> tuple[int, ..
 def expected_steps(trace: Sequence[Request], num_blocks: int, block_size: int = 4,
                    max_batch: int | None = None, token_budget: int | None = None,
                    policy: str = "continuous", preempt: bool = False) -> list[SpecStep]:
-    """Each step of serving ``trace`` under the specification of the module docstring (the
-    options are :class:`~kvdoc.serving.scheduler.Scheduler`'s).
-
-    Raises:
-        ValueError: a request that forks, or a state the specification says cannot occur (a
-            request admitted without preemption that finds too few blocks, or nothing running
-            while the head of the queue cannot be admitted).
-    """
+    """Each step of serving ``trace`` under the specification of the module docstring, with
+    :class:`~kvdoc.serving.scheduler.Scheduler`'s options. Raises ``ValueError`` for a request
+    that forks, or a state the specification says cannot occur."""
     if any(r.samples != 1 for r in trace):
         raise ValueError("the specification covers requests without forks")
 
@@ -263,8 +257,8 @@ class ScheduleCheck:
 @torch.no_grad()
 def check_schedule(model: Decoder, scheduler: type[Scheduler] = Scheduler,
                    block_size: int = 4) -> list[ScheduleCheck]:
-    """Serve each of :data:`SCHEDULES` with ``scheduler`` on ``model`` and compare every step
-    with :func:`expected_steps`."""
+    """Each of :data:`SCHEDULES` served by ``scheduler``, every step against
+    :func:`expected_steps`."""
     checks = []
     for name, trace_args, options in SCHEDULES:
         trace = arrival_trace(**trace_args, vocab_size=model.config.vocab_size)
@@ -350,3 +344,43 @@ def vllm_v1_steps(trace: Sequence[Request], num_blocks: int, token_budget: int,
                               tuple(s.rid for s in waiting if s.arrival <= t), holding,
                               tuple(preempted), num_blocks - free))
     return steps
+
+
+class PrefillBeforeDecode(Scheduler):
+    """BROKEN: with a budget, the prefilling requests take it first and the decoding ones get
+    what is left, so a long prompt stalls every decode (the waiting before the running)."""
+
+    def compose(self, live):
+        if self.token_budget is None:
+            return super().compose(live)
+        prefilling = [x for x in live if not x.decoding]
+        decoding = [x for x in live if x.decoding and not x.done]
+        budget, rows = self.token_budget, []
+        for x in prefilling + decoding:  # BUG: decodes first
+            if budget == 0:
+                break
+            rows.append((x, x.next_ids(budget)))
+            budget -= len(rows[-1][1])
+        return rows
+
+
+class BudgetPlusOne(Scheduler):
+    """BROKEN: a step may carry ``token_budget + 1`` new tokens (``<=`` where ``<`` was
+    meant)."""
+
+    def compose(self, live):
+        if self.token_budget is None:
+            return super().compose(live)
+        self.token_budget += 1  # BUG: one past the budget
+        try:
+            return super().compose(live)
+        finally:
+            self.token_budget -= 1
+
+
+class PreemptOldest(Scheduler):
+    """BROKEN: preemption takes the oldest admitted request, the one closest to finishing,
+    instead of the most recently admitted."""
+
+    def victim(self, live: list[LiveRequest]) -> LiveRequest:
+        return live[0]  # BUG: live[-1]
