@@ -94,6 +94,17 @@ class _Seq:  # a request as the specification sees it: counts only
     def finished(self) -> bool:
         return self.produced == self.output
 
+    def kind(self) -> str:
+        return "decode" if self.decoding() else "recompute" if self.recomputes else "prefill"
+
+    def extra(self, n: int, block_size: int) -> int:  # blocks its next n positions add
+        return math.ceil((self.computed + n) / block_size) - self.blocks
+
+    def take(self, n: int, block_size: int) -> int:
+        extra = self.extra(n, block_size)
+        self.blocks += extra
+        return extra
+
 
 def _queue(trace: Sequence[Request]) -> list[_Seq]:  # in arrival order, ties by id
     return [_Seq(r.rid, len(r.prompt), r.output_len, r.arrival)
@@ -168,20 +179,18 @@ def expected_steps(trace: Sequence[Request], num_blocks: int, block_size: int = 
                     break
                 rows.append((s, n))
                 left -= n
-        kinds = {s.rid: "decode" if s.decoding() else "recompute" if s.recomputes else "prefill"
-                 for s, _ in rows}
+        kinds = {s.rid: s.kind() for s, _ in rows}
         # 3. blocks for every row, oldest admitted first; preempt the newest while short
         preempted = []
         for s, n in sorted(rows, key=lambda row: running.index(row[0])):
             if not any(x is s for x in running):
                 continue
-            while any(x is s for x in running) and blocks(s.computed + n) - s.blocks > free:
+            while any(x is s for x in running) and s.extra(n, block_size) > free:
                 if not preempt:
                     raise ValueError(f"request {s.rid} was admitted without room to write")
                 free += _preempt_newest(running, waiting, preempted)
             if any(x is s for x in running):
-                free -= blocks(s.computed + n) - s.blocks
-                s.blocks = blocks(s.computed + n)
+                free -= s.take(n, block_size)
         rows = [(s, n) for s, n in rows if any(x is s for x in running)]
         # 4. the forward, then retirement
         holding = _forward(rows, running)
@@ -299,9 +308,6 @@ def vllm_v1_steps(trace: Sequence[Request], num_blocks: int, token_budget: int,
     >>> [s.rows for s in vllm_v1_steps(trace, num_blocks=8, token_budget=4)][:2]
     [((0, 4, 'prefill'),), ((0, 1, 'prefill'), (1, 3, 'prefill'))]
     """
-    def blocks(positions: int) -> int:
-        return math.ceil(positions / block_size)
-
     waiting = _queue(trace)
     running: list[_Seq] = []
     free, steps = num_blocks, []
@@ -312,27 +318,25 @@ def vllm_v1_steps(trace: Sequence[Request], num_blocks: int, token_budget: int,
             if left == 0 or s not in running:
                 break
             n = min(s.lacks(), left)
-            kind[s.rid] = "decode" if s.decoding() else "recompute" if s.recomputes else "prefill"
-            while blocks(s.computed + n) - s.blocks > free:
+            kind[s.rid] = s.kind()
+            while s.extra(n, block_size) > free:
                 free += _preempt_newest(running, waiting, preempted)
                 if not any(x is s for x in running):
                     break
             if s not in running:
                 break
-            free -= blocks(s.computed + n) - s.blocks
-            s.blocks = blocks(s.computed + n)
+            free -= s.take(n, block_size)
             rows.append((s, n))
             left -= n
         while (not preempted and waiting and waiting[0].arrival <= t and left > 0
                and (max_batch is None or len(running) < max_batch)):
             s = waiting[0]
             n = min(s.lacks(), left)
-            if blocks(s.computed + n) - s.blocks > free:
+            if s.extra(n, block_size) > free:
                 break
             running.append(waiting.pop(0))
-            kind[s.rid] = "recompute" if s.recomputes else "prefill"
-            free -= blocks(s.computed + n) - s.blocks
-            s.blocks = blocks(s.computed + n)
+            kind[s.rid] = s.kind()
+            free -= s.take(n, block_size)
             rows.append((s, n))
             left -= n
         if not running and waiting and waiting[0].arrival <= t:
