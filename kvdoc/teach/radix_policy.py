@@ -39,13 +39,7 @@ from kvdoc.proofs.prefix_cache import invariant_errors
 from kvdoc.serving.eviction import LRU, Node
 from kvdoc.serving.paged import BlockPool
 from kvdoc.serving.radix import RadixCache, serve_prompt
-
-
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+from kvdoc.teach.toy import common_prefix_len
 
 
 class LRUOracle:
@@ -61,14 +55,15 @@ class LRUOracle:
     def match(self, prompt: Sequence[int]) -> int:
         """Prompt positions the cache gives a request: the longest common prefix with a cached
         path, short of the prompt's last token."""
-        return min(max((_lcp(prompt, p) for p in self.used), default=0), len(prompt) - 1)
+        longest = max((common_prefix_len(prompt, p) for p in self.used), default=0)
+        return min(longest, len(prompt) - 1)
 
     def read(self, prompt: Sequence[int], matched: int) -> set[tuple[int, ...]]:
         """The cached paths a match of ``matched`` positions reads (its last block may be one
         it shares only in part)."""
         S = self.block_size
         return {p for p in self.used if len(p) <= math.ceil(matched / S) * S
-                and _lcp(prompt, p) >= min(len(p) - S + 1, matched)}
+                and common_prefix_len(prompt, p) >= min(len(p) - S + 1, matched)}
 
     def leaves(self) -> list[tuple[int, ...]]:
         return [p for p in self.used

@@ -278,7 +278,7 @@ SOURCE_COUNTS: dict[str, dict[str, int]] = {
 """The source's table of work counts for the three scenarios, to compare with."""
 
 
-def common_prefix_len(a: Sequence[str], b: Sequence[str]) -> int:
+def common_prefix_len(a: Sequence, b: Sequence) -> int:
     """Length of the longest common prefix of two token sequences.
 
     >>> common_prefix_len("ABCD", "AXCD")
