@@ -49,11 +49,12 @@ class TransformersMatch:
 def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] = (1, 5),
                        kinds: Sequence[str] | None = None, prefill_len: int = 8,
                        lift: bool | None = None) -> TransformersMatch:
-    """Load ``hf_model`` (a transformers GPT-2, Llama or Mistral model, FP32 or FP64) into
-    kvdoc and compare logits over ``ids`` (``[B, T]``): kvdoc's cached runs in chunks of
-    ``chunks`` for each of ``kinds`` (default dynamic, static, and window with a window);
-    transformers under :func:`~kvdoc.interop.hf_float64.float64_islands_lifted` if ``lift``
-    (default: in FP64).
+    """Load ``hf_model`` (a transformers GPT-2, Llama or Mistral model, FP32 or
+    FP64) into kvdoc and compare logits over ``ids`` (``[B, T]``): kvdoc's cached runs
+    in chunks of ``chunks`` for each of ``kinds`` (default dynamic, static, and window
+    with a window); transformers under
+    :func:`~kvdoc.interop.hf_float64.float64_islands_lifted` if ``lift`` (default: in
+    FP64).
 
     >>> from transformers import MistralForCausalLM
     >>> from kvdoc.core.config import mistral_config
