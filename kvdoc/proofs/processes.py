@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from kvdoc.parallel.blocks import Handover, handover_jobs
-from kvdoc.parallel.checks import Job, build_model, check_jobs, compare_jobs, rank_jobs
+from kvdoc.parallel.comparison import Job, build_model, check_jobs, compare_jobs, rank_jobs
 from kvdoc.parallel.latent import (
     MODES,
     LatentJob,

@@ -22,12 +22,12 @@ off, each visible only at a size or layout the grid chooses for it.
   explicit list of global layers: the same model wherever the layout is a pattern, so only the
   grid's global-first Gemma model shows it (the trait ``global-first``).
 
->>> from kvdoc.interop.hf_deepseek import _rope_rows
+>>> from kvdoc.interop.hf_deepseek import rope_rows
 >>> from kvdoc.proofs import grid
 >>> import dataclasses
 >>> def self_inverse(d_r):
 ...     c = dataclasses.replace(grid.MLA, qk_rope_head_dim=d_r)
-...     return torch.equal(_rope_rows(c, True)[1], _rope_rows(c, False)[1])
+...     return torch.equal(rope_rows(c, True)[1], rope_rows(c, False)[1])
 >>> self_inverse(4), self_inverse(grid.MLA.qk_rope_head_dim)
 (True, False)
 """

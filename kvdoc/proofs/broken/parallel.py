@@ -8,7 +8,7 @@
   columns of ``c_proj``: the heads gathered in reversed rank order.
 
 :data:`BROKEN` maps a name to the parts (:class:`kvdoc.parallel.decode.Parts`) and the layout
-``(tp, cp)`` on which the wrong part runs. :func:`kvdoc.parallel.checks.compare` catches each;
+``(tp, cp)`` on which the wrong part runs. :func:`kvdoc.parallel.comparison.compare` catches each;
 ``tests/test_parallel.py`` shows it.
 
 * :func:`swapped_destination`: the block hand-over (:mod:`kvdoc.parallel.blocks`) puts prefill
