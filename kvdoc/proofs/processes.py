@@ -1,17 +1,11 @@
 """The checks that need processes of their own, and the broken variants only they catch.
 
-``python -m kvdoc verify`` runs these after the suite, from its own process: the suite's pool
-workers cannot start ranks of their own. One launch of two ranks runs Llama-style decoding at
-TP = 2 and at CP = 2 (:mod:`kvdoc.parallel`) beside the three broken layouts of
-:data:`kvdoc.proofs.broken.parallel.BROKEN`, and the MLA model's latent under TP and under
-DP-attention (:mod:`kvdoc.parallel.latent`) beside
-:data:`~kvdoc.proofs.broken.parallel.LATENT_BROKEN`. One launch of three ranks hands a TP = 2
-prefill's K/V blocks to a decode rank (:mod:`kvdoc.parallel.blocks`) in each mode, pushed and
-pulled, with the heads swapped and with a stale block id pulled. One process serves a
-multi-turn workload from tiered, offloaded blocks (:mod:`kvdoc.serving.offload`), with
-chained block keys and with keys that forget the parent.
-
-Each :class:`ProcessCheck` of the implementation must pass; each of a variant must fail.
+``verify`` runs them after the suite, from its own process (pool workers cannot start ranks):
+two ranks decode at TP = 2 and CP = 2 and run MLA's latent under TP and DP-attention
+(:mod:`kvdoc.parallel`); three ranks hand a TP = 2 prefill's blocks to a decode rank, pushed
+and pulled; one process serves a multi-turn workload from offloaded blocks; each beside the
+broken variants of :mod:`kvdoc.proofs.broken.parallel` and the offload key. Each
+:class:`ProcessCheck` of the implementation must pass; each of a variant must fail.
 """
 
 from __future__ import annotations
@@ -34,24 +28,23 @@ from kvdoc.parallel.latent import (
 from kvdoc.parallel.launch import launch, together
 from kvdoc.serving.offload import TieredStore, check_offload, multi_turn
 
-from .broken.offload_keys import BROKEN as OFFLOAD_BROKEN
 from .broken.parallel import BROKEN as PARALLEL_BROKEN
 from .broken.parallel import HANDOVER_BROKEN, LATENT_BROKEN, PULL_BROKEN
+from .broken.serving import OFFLOAD_BROKEN
 
 PROMPT = torch.tensor([[11, 3, 57, 20, 8, 91, 42, 5, 77]])
 NEW = 5
 BLOCK = 4
 LATENT_PROMPTS = torch.tensor([[11, 3, 57, 20, 8, 91, 42, 5, 77],
                                [60, 2, 33, 14, 70, 9, 25, 88, 1]])
-"""Two requests, one per rank under DP-attention."""
+"""One request a rank under DP-attention."""
 
 
 class ProcessCheck(NamedTuple):
-    """One run across processes: what it compared, and whether everything held."""
+    """One run across processes: a variant (it must fail) or not, what it compared, passed."""
 
     name: str
     variant: bool
-    """A broken variant (it must fail) or the implementation (it must pass)."""
     what: str
     passed: bool
 

@@ -15,6 +15,9 @@ a decoder that drops a padded batch's positions.
   :class:`ResumeWithoutRecompute` resumes a preempted request without recomputing it;
   :class:`ForkWithoutCopy` lets forks write into the blocks they share.
 * :class:`UnshiftedPositionsDecoder` ignores per-row positions (:func:`unshifted_positions`).
+* :func:`parentless_hash` keys an offloaded block (:mod:`kvdoc.serving.offload`) by its tokens
+  alone, not its parent's key: blocks of the same tokens after different prefixes get one key,
+  so a request reloads K/V computed for another (:data:`OFFLOAD_BROKEN`).
 
 Each subclasses the real class and changes one method it offers for that purpose.
 """
@@ -22,6 +25,7 @@ Each subclasses the real class and changes one method it offers for that purpose
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -30,6 +34,7 @@ from kvdoc.core.mla import DynamicLatentCache, LatentCache
 from kvdoc.core.model import Decoder, DecoderOutput
 from kvdoc.serving.eviction import LRU
 from kvdoc.serving.handover import pack
+from kvdoc.serving.offload import hash_block
 from kvdoc.serving.radix import RadixCache
 from kvdoc.serving.ragged import RaggedStep
 from kvdoc.serving.scheduler import LiveRequest, Scheduler
@@ -189,3 +194,18 @@ def unshifted_positions(model: Decoder) -> UnshiftedPositionsDecoder:
         clone = UnshiftedPositionsDecoder(model.config).to(weight.dtype).to(weight.device)
     clone.load_state_dict(model.state_dict())
     return clone.eval()
+
+
+# --- offloaded blocks ------------------------------------------------------------------------
+
+def parentless_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """BROKEN: the key of ``tokens`` as if every block were a sequence's first.
+
+    >>> parentless_hash(b"any parent", [1, 2]) == parentless_hash(None, [1, 2])
+    True
+    """
+    return hash_block(None, tokens)
+
+
+OFFLOAD_BROKEN = {"offload-parentless-hash": parentless_hash}
+"""Name -> the broken ``hash_fn`` for :func:`kvdoc.serving.offload.serve`."""
