@@ -1,12 +1,6 @@
-"""``python -m kvdoc verify``: the suite in its passes, then the sweep of every broken variant,
-and a verdict.
-
-By default the passes of :func:`verify_passes` run every scenario in FP32, then the stream and the
-reference in FP64 (``--thorough``: everything in both on a longer stream) through
-:func:`~kvdoc.proofs.suite.run_suite`, and :func:`~kvdoc.proofs.sweep.sweep_passes` sweeps every
-variant; :func:`~kvdoc.proofs.processes.process_checks` runs the checks across processes (and,
-unless ``--no-variants``, their broken variants); the last line is the verdict, and the exit
-status is 0 only if the implementation passed and every variant was caught.
+"""``python -m kvdoc verify``: the suite in the passes of :func:`verify_passes`, the sweep of every
+broken variant, the checks across processes (:mod:`kvdoc.proofs.processes`), and a verdict; the
+exit status is 0 only if the implementation passed and every variant was caught.
 """
 
 from __future__ import annotations
@@ -26,21 +20,14 @@ from .sweep import sweep_passes, variants_table, worker_map
 from .variants import VARIANTS
 
 FP64_SCENARIOS = ("stream", "reference")
-"""What the default ``verify`` repeats in FP64: the stream's checks and the independent reference,
-at FP64's tolerance, where a path that rounds through FP32 shows. ``--thorough`` runs every
-scenario in both dtypes."""
+"""Repeated in FP64 by default, where a path that rounds through FP32 shows."""
 FP64_CHUNKS = (2, 13)
-"""The default FP64 stream's chunk sizes: pairs, whose last call is a single token (the fast
-step, at the stream's end), and a chunk near the window that divides neither the stream, the
-window nor a paged block. A path that rounds through FP32 is off by far more than FP64's
-tolerance at any chunk size; FP32 runs every chunk size of :data:`kvdoc.proofs.grid.CHUNKS`."""
+"""Pairs (the last call a single token: the fast step) and a chunk that divides neither the
+stream, the window nor a block: rounding through FP32 shows at any chunk size."""
 def verify_passes(thorough: bool = False, seed: int = 0) -> list[dict]:
-    """The runs of ``python -m kvdoc verify``, each the axes of one :func:`run_suite`.
-
-    By default every scenario in FP32, then :data:`FP64_SCENARIOS` in FP64 at
-    :data:`FP64_CHUNKS`, one seed; ``thorough``, every scenario in both dtypes on
-    :data:`kvdoc.proofs.grid.THOROUGH`, two seeds, every implementation on every model it
-    serves (also those a :attr:`~kvdoc.proofs.grid.ModelSpec.impls` leaves out by default).
+    """The axes of each :func:`run_suite` of ``verify``: every scenario in FP32, then
+    :data:`FP64_SCENARIOS` in FP64; ``thorough``, everything in both on
+    :data:`kvdoc.proofs.grid.THOROUGH`, two seeds, every implementation on every model it serves.
 
     >>> [p["dtypes"] for p in verify_passes()], verify_passes()[1]["scenarios"]
     ([(torch.float32,), (torch.float64,)], ('stream', 'reference'))
@@ -57,13 +44,9 @@ def verify_passes(thorough: bool = False, seed: int = 0) -> list[dict]:
 
 def run_passes(passes: Sequence[dict], variant: str | None = None,
                map_: Callable = map) -> SuiteReport:
-    """:func:`run_suite` once per pass (axes), the results in one :class:`SuiteReport`; a
-    variant runs as the broken model itself, whatever implementations a pass names.
-
-    The implementation's passes run one :func:`run_suite` per seed and model through ``map_``
-    (e.g. :func:`worker_map`'s), in the order one call would visit them, so the results are
-    the same whichever ``map_`` runs them; ``seconds`` is the wall time of the whole.
-    """
+    """:func:`run_suite` per pass, in one :class:`SuiteReport` (a variant as itself, whatever
+    implementations a pass names); the implementation's as one run per seed and model through
+    ``map_``, in the order one call would visit them, so any ``map_`` gives the same results."""
     start = time.perf_counter()
     if variant is None:
         runs = [{**axes, "seeds": (seed,), "models": (name,)} for axes in passes
@@ -81,7 +64,6 @@ def _suite_one(run: tuple[str | None, dict]) -> SuiteReport:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``python -m kvdoc verify``."""
     parser.add_argument("--variant", type=_variant, default=None, metavar="NAME",
                         help="run the suite on this broken variant instead (it must fail); "
                              "--list shows the names")
@@ -112,8 +94,7 @@ def _positive(text: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the suite, print its tables and a verdict line; return 0 only if everything is as
-    expected."""
+    """Run the suite, print its tables and a verdict; 0 only if everything is as expected."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: one thread is faster than several that contend
     try:
