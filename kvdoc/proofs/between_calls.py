@@ -1,23 +1,16 @@
-"""What a cache and a model go through between calls: crops, branches, failures mid-call, a model
-no call has run on, weights changed in place.
-
-Each scenario here registers itself (:func:`kvdoc.proofs.case.scenario`) and runs on every
-combination of the grid like the others:
+"""What a cache and a model go through between calls, as scenarios of the grid.
 
 * ``crop``: fill, crop to a shorter length, continue with other tokens.
-* ``branch``: two continuations from one prefix cache; each equals its own full forward, and
-  the prefix cache is unchanged (a cache written in place is cropped back between branches).
-* ``failure`` and ``failure_after``: a call raises at each stage of a forward, inside the layers
-  (the first layer, the last layer: ``failure``) and after the last attention (the last layer's
-  MLP, the final norm, the LM head: ``failure_after``); each time the cache is exactly as before
-  (length and content), and continuing afterwards is right.
-* ``fresh``: the cached path on a copy of the model as it was built, before any call ran on it
-  (a prompt of 3 tokens, 4 one-token steps, then longer chunks past every earlier call), vs the
-  full forward of another copy: a table or buffer built on the first call and extended wrongly
-  later shows only here, since every other scenario starts with a full forward.
-* ``weights``: the weights change in place after the cached call was built and used (``add_`` on
-  two parameters, then ``load_state_dict`` of other weights); a prompt and one-token steps must
-  equal the full forward of the changed model (a fast step that copied the weights must see it).
+* ``branch``: two continuations of one prefix cache, each its own full forward's, the prefix
+  unchanged (a cache written in place is cropped back between them).
+* ``failure`` and ``failure_after``: a call raises inside the layers (first, last) and after the
+  last attention (its MLP, the final norm, the LM head); each time the cache is exactly as before
+  and continuing is right.
+* ``fresh``: the cached path on a copy no call has run on, in calls each past every earlier one:
+  a table built on the first call and grown wrongly shows only here (every other scenario starts
+  with a full forward).
+* ``weights``: weights changed in place after the call was built and used (``add_``, then
+  ``load_state_dict``): a fast step that copied them must see it.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
-"""The checks of the functions a user calls to generate, on the grid: ``prefill`` and
-``decode_step``, ``generate``, speculative decoding and ``generate_padded``.
+"""The checks of the functions a user calls to generate, on the grid.
 
-* ``prefill_decode``: :func:`kvdoc.core.model.prefill` of 7 tokens, then ``decode_step`` per
-  token (ids ``[B]`` and ``[B, 1]`` in turn) to the stream's end at batch 1 (at the full batch
-  to :data:`DECODE_CUT` tokens, when the stream checks made one-token calls there to the end);
-  ``prefill`` without a cache too.
-* ``generate``: every token :func:`kvdoc.core.model.generate` picks is the greedy argmax of one
-  full forward over its output (a near tie within the tolerance counts as either token); batch
-  1 and the full batch, cut as in ``prefill_decode``.
-* ``speculative``: :func:`kvdoc.serving.speculative.speculative_generate` with a one-layer
-  draft, its tokens vs that argmax.
-* ``generate_padded``: :func:`kvdoc.serving.batching.generate_padded` on prompts of different
-  lengths from the case's stream (left-padded to one batch): each row's tokens equal to the
-  prompt's solo :func:`kvdoc.core.model.generate`, its logits to one full forward of prompt and
-  tokens within the dtype's tolerance; on the model's own cache (``generate_padded`` makes it),
-  so on the dynamic kind of every model.
-
-A broken variant replaces ``generate_padded`` through :attr:`kvdoc.proofs.case.Case.caches`
-under the key ``"generate_padded"``.
+* ``prefill_decode``: ``prefill`` of 7 tokens, then ``decode_step`` per token (ids ``[B]`` and
+  ``[B, 1]`` in turn) to the stream's end; ``prefill`` without a cache too.
+* ``generate``: every token ``generate`` picks is the argmax of one full forward over its output
+  (a near tie within the tolerance may go either way).
+* ``speculative``: ``speculative_generate`` with a one-layer draft, its tokens vs that argmax.
+* ``generate_padded``: prompts of different lengths left-padded to one batch, each row's tokens
+  equal its prompt's solo ``generate``, its logits one full forward's (the model makes its own,
+  dynamic cache); a broken variant's comes in as ``case.caches["generate_padded"]``.
 """
 
 from __future__ import annotations
@@ -32,19 +22,15 @@ from .case import Case, scenario
 from .compare import close, max_abs
 
 PROMPTS = (7, 3, 5)
-"""Prompt lengths of the rows (cycled over the batch): pads of 4 and 2 slots."""
 NEW = 4
-"""Tokens generated per row: a prefill and three decode steps."""
 
 
 DECODE_CUT = 20
-"""Tokens of the full-batch stream that ``prefill_decode`` and ``generate`` run, when the stream
-checks already made one-token calls at that batch to the stream's end (the same calls)."""
+"""Where the full batch stops in ``prefill_decode`` and ``generate`` when the stream checks made
+the same one-token calls to the end at that batch (batch 1 runs the whole stream)."""
 
 
 def _decode_batches(case: Case) -> list[torch.Tensor]:
-    """:meth:`Case.both_batches`, the full batch cut to :data:`DECODE_CUT` tokens where the
-    stream checks ran one token per call at it (batch 1 always runs the whole stream)."""
     batches = case.both_batches()
     if len(batches) > 1 and 1 in case.chunks:
         batches[0] = batches[0][:, :DECODE_CUT]
@@ -97,8 +83,8 @@ def _generate(case: Case, out: list) -> None:
 
 
 def _greedy(case: Case, tokens: torch.Tensor, prompt: int) -> tuple[bool, float]:
-    """Whether every token after ``prompt`` is the argmax of one full forward (a near tie,
-    within the dtype's tolerance, may go either way), and the largest logit gap."""
+    """Whether every token after ``prompt`` is the argmax of one full forward (a near tie may go
+    either way), and the largest logit gap."""
     logits = case.full(tokens)[:, prompt - 1:-1]  # position t predicts token t + 1
     best = logits.max(dim=-1).values
     chosen = logits.gather(-1, tokens[:, prompt:, None]).squeeze(-1)

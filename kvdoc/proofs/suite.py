@@ -1,8 +1,8 @@
 """The verification suite: every registered scenario on every combination of the grid.
 
-:func:`run_suite` runs what the modules of :data:`CHECK_MODULES` register (:mod:`kvdoc.proofs.case`)
-on every combination of :mod:`kvdoc.proofs.grid`'s axes and of FP32 and FP64, or on a broken
-variant (:mod:`kvdoc.proofs.variants`), which must fail. Code under test that raises (also while
+:func:`run_suite` runs what the modules of :data:`CHECK_MODULES` register on every combination of
+:mod:`kvdoc.proofs.grid`'s axes and of FP32 and FP64, or on a broken variant
+(:mod:`kvdoc.proofs.variants`), which must fail. Code under test that raises (also while
 a model is built) is a failed check carrying its message; the suite itself does not raise.
 
 >>> report = run_suite(models=("gqa",), kinds=("static",), dtypes=(torch.float32,), length=40)

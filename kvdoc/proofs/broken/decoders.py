@@ -110,9 +110,9 @@ class PositionCounterDecoder(_CountedDecoder):
 
 def top_left_causal_mask(past_len: int, new_len: int,
                          device: torch.device | str | None = None) -> torch.Tensor:
-    """WRONG whenever ``past_len > 0``: ``is_causal=True``'s mask for ``C`` new queries, ``tril`` of
-    ``[C, P + C]``, so local query ``i`` reads keys ``0 .. i`` only (right for ``P = 0``); kept for
-    contrast with :func:`kvdoc.core.mask.offset_causal_mask`.
+    """WRONG whenever ``past_len > 0``: ``is_causal=True``'s mask for ``C`` new queries, ``tril``
+    of ``[C, P + C]``, so local query ``i`` reads keys ``0 .. i`` only (right for ``P = 0``);
+    kept for contrast with :func:`kvdoc.core.mask.offset_causal_mask`.
 
     >>> top_left_causal_mask(2, 2).int()
     tensor([[1, 0, 0, 0],

@@ -128,7 +128,8 @@ def rope_variant(cls: type[CausalSelfAttention]) -> Callable[[Decoder], Decoder]
     """``model ->`` a copy of a RoPE ``model`` whose every attention module is a ``cls``."""
     def build(model: Decoder) -> Decoder:
         if model.config.position != "rope":
-            raise ValueError("this variant breaks RoPE: build it from a model with position='rope'")
+            raise ValueError("this variant breaks RoPE: build it from a model with "
+                             "position='rope'")
         return with_attention(model, cls)
     return build
 
