@@ -26,12 +26,11 @@ from kvdoc.measure.tables import markdown_table
 
 from . import (
     batch_invariance,
-    between_calls,
     cache_invariants,
+    calls,
     equivalence,
     figures,
     fp8_contract,
-    generation,
     grid,
     handover_checks,
     int8_contract,
@@ -43,9 +42,8 @@ from .case import REGISTRY, Case, CheckResult
 from .compare import DTYPE_NAMES, TOLERANCE
 from .variants import VARIANTS
 
-CHECK_MODULES = (equivalence, figures, generation, between_calls, cache_invariants, int8_contract,
-                 fp8_contract, scheduling, prefix_cache, handover_checks, batch_invariance,
-                 precision)
+CHECK_MODULES = (equivalence, figures, calls, cache_invariants, int8_contract, fp8_contract,
+                 scheduling, prefix_cache, handover_checks, batch_invariance, precision)
 """The modules whose scenarios run, in this order (each module's as registered): the cheap ones
 first, as a sweep stops at a variant's first failure."""
 _RANK = {module.__name__: rank for rank, module in enumerate(CHECK_MODULES)}

@@ -55,8 +55,6 @@ def with_attention(model: Decoder, cls: type[CausalSelfAttention]) -> Decoder:
 
 
 # --- wrong positions ---------------------------------------------------------------------------
-
-
 class PositionsRestartDecoder(Decoder):
     """BROKEN: each call numbers its new tokens from 0, as if it began the sequence.
 
@@ -106,8 +104,6 @@ class PositionCounterDecoder(_CountedDecoder):
 
 
 # --- wrong masks ----------------------------------------------------------------------------
-
-
 def top_left_causal_mask(past_len: int, new_len: int,
                          device: torch.device | str | None = None) -> torch.Tensor:
     """WRONG whenever ``past_len > 0``: ``is_causal=True``'s mask for ``C`` new queries, ``tril``
@@ -159,8 +155,6 @@ class OffByOneMaskAttention(_MaskAttention):
 
 
 # --- grouped-query attention ----------------------------------------------------------------
-
-
 class TiledGQAAttention(CausalSelfAttention):
     """BROKEN: shares K/V heads by tiling (query head ``h`` reads K/V head ``h % H_kv``), not by
     group (``h // (H / H_kv)``), on cached calls only. With one K/V head (MQA) both rules agree.
@@ -190,8 +184,6 @@ class SharedTiledGQAAttention(TiledGQAAttention):
 
 
 # --- generation, padded batches, a fast step that keeps its first copy of the weights ----------
-
-
 class LastOnlyFirstRowDecoder(Decoder):
     """BROKEN: ``last_only=True`` returns the first new position's logits, not the last one's."""
 

@@ -35,8 +35,8 @@ from kvdoc.serving.scheduler import LiveRequest, Scheduler
 
 from .decoders import copy_as
 
-# --- radix trees --------------------------------------------------------------------------------
 
+# --- radix trees --------------------------------------------------------------------------------
 class WholeBlockMatch(RadixCache):
     """BROKEN: rounds a token-granular match up to its last block's end, so the request skips
     prefilling positions whose K/V belong to another sequence."""
@@ -81,9 +81,7 @@ class EvictLocked(RadixCache):
         super().__init__(pool, granularity, policy=IgnoreLocks(), evict=evict)
 
 
-
 # --- hand-over packers ---------------------------------------------------------------------
-
 def _rebuilt(cache: KVCache, layers: list) -> KVCache:
     """A dynamic cache of ``layers`` (K/V, or a latent's, as ``cache`` holds)."""
     return (DynamicLatentCache if isinstance(cache, LatentCache) else DynamicCache)(layers)
@@ -119,7 +117,6 @@ def pack_layers_by_name(cache: KVCache, logits: torch.Tensor | None = None) -> b
 
 
 # --- schedulers ----------------------------------------------------------------------------
-
 class SharedStartScheduler(Scheduler):
     """BROKEN: every row of a step is embedded at the step's common start, not its own length."""
 
@@ -159,7 +156,6 @@ class ForkWithoutCopy(Scheduler):
 
 
 # --- padded batches ---------------------------------------------------------------------------
-
 class UnshiftedPositionsDecoder(Decoder):
     """BROKEN: ignores per-row positions: slot ``t`` of a padded row is embedded at position
     ``t``, so a row with ``pad`` slots in front sees its prompt at ``pad ..``, not ``0 ..``."""
@@ -177,7 +173,6 @@ def unshifted_positions(model: Decoder) -> UnshiftedPositionsDecoder:
 
 
 # --- offloaded blocks ------------------------------------------------------------------------
-
 def parentless_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     """BROKEN: the key of ``tokens`` as if every block were a sequence's first.
 
