@@ -7,25 +7,12 @@ prefill, with the block invariants), :func:`check_preemption` (a pool too small,
 recompute) and :func:`check_forks` (seeded samples of one prompt, copy-on-write) run it; the
 ``scheduling`` scenario runs all three on the paged kind of every model, a variant's scheduler
 class as ``case.caches["scheduler"]``. The broken schedulers of :mod:`kvdoc.proofs.broken.serving`
-are what they catch:
+are what they catch (``tests/test_scheduler.py``):
 
->>> from kvdoc.proofs.broken.serving import (
-...     ForkWithoutCopy, LeakingScheduler, ResumeWithoutRecompute, SharedStartScheduler)
+>>> from kvdoc.proofs.broken.serving import ResumeWithoutRecompute
 >>> from kvdoc.proofs.compare import default_model
->>> from kvdoc.serving.requests import arrival_trace
->>> from kvdoc.serving.scheduler import serve
->>> model = default_model()
->>> trace = arrival_trace(5, prompt_lens=(2, 8), output_lens=(1, 5), max_gap=2, seed=3)
->>> all(c.passed for c in compare_trace_with_alone(model, trace, serve(model, trace, 12)))
-True
->>> broken = SharedStartScheduler(model, num_blocks=12).run(trace)
->>> all(c.passed for c in compare_trace_with_alone(model, trace, broken))
-False
->>> LeakingScheduler(model, num_blocks=12).run(trace).invariants_hold
-False
->>> check_preemption(model).passed, check_preemption(model, ResumeWithoutRecompute).passed
-(True, False)
->>> check_forks(model).passed, check_forks(model, ForkWithoutCopy).passed
+>>> check_preemption(default_model()).passed, check_preemption(default_model(),
+...                                                            ResumeWithoutRecompute).passed
 (True, False)
 """
 
