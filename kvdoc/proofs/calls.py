@@ -1,29 +1,16 @@
 """The calls a user makes and what comes between them, as scenarios of the grid.
 
-The functions that generate:
-
-* ``prefill_decode``: ``prefill`` of 7 tokens, then ``decode_step`` per token (ids ``[B]`` and
-  ``[B, 1]`` in turn) to the stream's end; ``prefill`` without a cache too.
-* ``generate``: every token ``generate`` picks is the argmax of one full forward over its output
-  (a near tie within the tolerance may go either way).
-* ``speculative``: ``speculative_generate`` with a one-layer draft, its tokens vs that argmax.
-* ``generate_padded``: prompts of different lengths left-padded to one batch, each row's tokens
-  equal its prompt's solo ``generate``, its logits one full forward's (the model makes its own,
-  dynamic cache); a broken variant's comes in as ``case.caches["generate_padded"]``.
-
-Between calls:
-
-* ``crop``: fill, crop to a shorter length, continue with other tokens.
-* ``branch``: two continuations of one prefix cache, each its own full forward's, the prefix
-  unchanged (a cache written in place is cropped back between them).
-* ``failure`` and ``failure_after``: a call raises inside the layers (first, last) and after the
-  last attention (its MLP, the final norm, the LM head); each time the cache is exactly as before
-  and continuing is right.
-* ``fresh``: the cached path on a copy no call has run on, in calls each past every earlier one:
-  a table built on the first call and grown wrongly shows only here (every other scenario starts
-  with a full forward).
-* ``weights``: weights changed in place after the call was built and used (``add_``, then
-  ``load_state_dict``): a fast step that copied them must see it.
+* ``prefill_decode``, ``generate``, ``speculative`` (a one-layer draft) and ``generate_padded``
+  (left-padded prompts; a broken variant's as ``case.caches["generate_padded"]``): each against
+  one full forward, its picks the argmax (a near tie within the tolerance may go either way).
+* ``crop`` and continue; ``branch``: two continuations of one prefix, the prefix unchanged.
+* ``failure`` and ``failure_after``: a call raises inside the layers and after the last
+  attention; each time the cache is exactly as before and continuing is right.
+* ``fresh``: a copy no call has run on, in calls each past every earlier one: a table built on
+  the first call and grown wrongly shows only here (every other scenario starts with a full
+  forward).
+* ``weights``: weights changed in place after the call was built: a fast step that copied them
+  must see it.
 """
 
 from __future__ import annotations
