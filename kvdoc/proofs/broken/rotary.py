@@ -135,9 +135,13 @@ def rope_variant(cls: type[CausalSelfAttention]) -> Callable[[Decoder], Decoder]
 
 
 unrotated_k = rope_variant(UnrotatedKeyAttention)
+"""A copy of a RoPE model whose attention caches K before rotating it."""
 rope_restart = rope_variant(RopeRestartAttention)
+"""A copy of a RoPE model whose every call rotates its rows from position 0."""
 growing_table = rope_variant(GrowingTableAttention)
+"""A copy of a RoPE model whose rotation table grows wrongly after its first call."""
 default_base = rope_variant(DefaultBaseAttention)
+"""A copy of a RoPE model that turns at the default base, not ``config.rope_theta``."""
 
 
 def local_global_base(model: Gemma3Decoder) -> Gemma3Decoder:
