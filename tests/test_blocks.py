@@ -24,8 +24,8 @@ from kvdoc.parallel.blocks import (
     senders,
 )
 from kvdoc.parallel.comparison import MODELS, build_model
-from kvdoc.proofs.broken.offload_keys import parentless_hash
 from kvdoc.proofs.broken.parallel import PULL_BROKEN, stale_ids, swapped_destination
+from kvdoc.proofs.broken.serving import parentless_hash
 from kvdoc.serving.offload import (
     Roofline,
     TieredStore,
