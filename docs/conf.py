@@ -63,7 +63,7 @@ if os.environ.get("KVDOC_PAGES"):
     suppress_warnings = ["toc.excluded", "toc.not_readable", "myst.xref_missing", "ref.doc"]
 templates_path = ["_templates"]
 html_static_path = ["_static"]
-html_css_files = ["kvdoc.css"]  # small dependency maps (kvdoc.teach.html_tables.map_table)
+html_css_files = ["kvdoc.css"]  # small dependency maps (kvdoc.teach.dependency_maps.map_table)
 
 # --- notebooks -------------------------------------------------------------------------
 # Cached locally (jupyter-cache re-runs a page only when its code changes); forced in CI,
@@ -88,9 +88,9 @@ myst_heading_anchors = 3
 # dict-of-str ordering (and so anything printed from them) the same from build to build; the
 # matplotlibrc beside the extension fixes matplotlib's SVG ids (svg.hashsalt).
 os.environ["PYTHONHASHSEED"] = "0"
-# A long cell's progress lines (kvdoc.teach.progress) go to the page and to this build's own
-# standard error, so that the build log shows them as they happen; a kernel's own output goes
-# only to its notebook.
+# A long cell's progress lines (kvdoc.teach.sweep_record.progress) go to the page and to this
+# build's own standard error, so that the build log shows them as they happen; a kernel's own
+# output goes only to its notebook.
 if "KVDOC_BUILD_LOG" not in os.environ and Path(f"/proc/{os.getpid()}/fd/2").exists():
     os.environ["KVDOC_BUILD_LOG"] = f"/proc/{os.getpid()}/fd/2"
 os.environ["MATPLOTLIBRC"] = str(_HERE / "_ext" / "matplotlibrc")
@@ -121,8 +121,9 @@ def _drop_machine_values(app, doctree):
 
 
 # `-> bytes` in a signature or a field list is a cross-reference to "bytes", which Python's domain
-# resolves to any documented attribute of that name (kvdoc.parallel.checks.Comparison.bytes), and
-# warns when there are two: a builtin type's name is left as text that links nowhere.
+# resolves to any documented attribute of that name
+# (kvdoc.parallel.comparison.Comparison.bytes), and warns when there are two: a builtin type's
+# name is left as text that links nowhere.
 _BUILTIN_TYPES = frozenset(n for n, v in vars(builtins).items() if isinstance(v, type))
 
 

@@ -23,7 +23,7 @@ import re
 from collections.abc import Sequence
 
 COMMANDS = {"verify": "kvdoc.proofs.verify", "memory": "kvdoc.measure.memory",
-            "bench": "kvdoc.measure.bench", "parallel": "kvdoc.parallel.cli"}
+            "bench": "kvdoc.measure.bench", "parallel": "kvdoc.parallel.command"}
 """Command name -> the name of the module that implements it."""
 
 

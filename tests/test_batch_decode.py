@@ -19,14 +19,14 @@ from kvdoc.measure.batch_decode import (
     time_batches,
     weight_bytes,
 )
-from kvdoc.measure.presets import PRESETS
+from kvdoc.measure.model_caches import MODELS
 
-LLAMA_FAMILY = [p for p in PRESETS.values() if p.hidden is not None]
+LLAMA_FAMILY = [p for p in MODELS.values() if p.vocab is not None]
 
 
 @pytest.mark.parametrize("preset", LLAMA_FAMILY, ids=lambda p: p.name)
 def test_meta_count_equals_the_closed_form(preset):
-    d, ff, V, L = preset.hidden, preset.intermediate, preset.vocab, preset.layers
+    d, ff, V, L = preset.hidden, preset.intermediate, preset.vocab, len(preset.layers)
     kv = preset.kv_heads * preset.head_dim
     per_layer = d * preset.heads * preset.head_dim * 2 + 2 * d * kv + 3 * d * ff + 2 * d
     assert llama_family_parameters(preset) == (2 * V * d + d + L * per_layer, V * d)
@@ -34,7 +34,7 @@ def test_meta_count_equals_the_closed_form(preset):
 
 def test_presets_without_sizes_are_refused():
     with pytest.raises(ValueError, match="does not give hidden"):
-        llama_family_parameters(PRESETS["falcon-7b"])
+        llama_family_parameters(MODELS["falcon-7b"])
 
 
 @pytest.mark.parametrize("config", [GPTConfig(), GPTConfig(n_kv_head=1)])
@@ -62,7 +62,7 @@ def test_crossover_is_where_the_caches_outweigh_the_weights():
 
 
 def test_largest_batch_fits_and_one_more_does_not():
-    llama = PRESETS["llama-3-8b"]
+    llama = MODELS["llama-3-8b"]
     _, resident = weight_bytes(*llama_family_parameters(llama))
     per_seq = preset_kv_per_sequence(llama, 8192)
     b = largest_batch(H100_SXM, resident, per_seq)
@@ -86,7 +86,7 @@ def test_uneven_sharding_is_refused(kv_heads, degree):
 
 
 def test_a_window_caps_the_cache_per_sequence():
-    mistral = PRESETS["mistral-7b-v0.1"]
+    mistral = MODELS["mistral-7b-v0.1"]
     assert preset_kv_per_sequence(mistral, 32768) == preset_kv_per_sequence(mistral, 4096)
     assert preset_kv_per_sequence(mistral, 100) < preset_kv_per_sequence(mistral, 4096)
 

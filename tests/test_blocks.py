@@ -23,9 +23,9 @@ from kvdoc.parallel.blocks import (
     request_bytes,
     senders,
 )
-from kvdoc.parallel.checks import MODELS, build_model
-from kvdoc.proofs.broken.offload_keys import parentless_hash
+from kvdoc.parallel.comparison import MODELS, build_model
 from kvdoc.proofs.broken.parallel import PULL_BROKEN, stale_ids, swapped_destination
+from kvdoc.proofs.broken.serving import parentless_hash
 from kvdoc.serving.offload import (
     Roofline,
     TieredStore,

@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdoc.measure.byte_units import binary_size
-from kvdoc.measure.dtypes import ELEMENT_BYTES
-from kvdoc.measure.kv_bytes import kv_bytes
+from kvdoc.measure.kv_bytes import ELEMENT_BYTES, binary_size, kv_bytes
 from kvdoc.measure.model_caches import MODELS, calculator_presets, model_cache
 
 ROOT = Path(__file__).resolve().parents[1]

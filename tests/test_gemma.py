@@ -15,8 +15,7 @@ from kvdoc.interop.hf_float64 import float64_islands_lifted
 from kvdoc.interop.hf_gemma import config_from_gemma, gemma_config, gemma_model
 from kvdoc.interop.hf_weights import from_transformers, to_transformers
 from kvdoc.measure.kv_bytes import kv_bytes_per_layer
-from kvdoc.measure.model_caches import config_cache
-from kvdoc.measure.presets import HYBRID_PRESETS, hybrid_preset, hybrid_vs_global
+from kvdoc.measure.model_caches import MODELS, config_cache, model_cache
 from kvdoc.proofs.cache_invariants import byte_problems
 from kvdoc.proofs.compare import TOLERANCE, Snapshot, close, max_abs, run_cached
 
@@ -215,17 +214,22 @@ def test_norms_scale_by_one_plus_weight():
 
 
 def test_published_hybrid_bytes():
-    for p in HYBRID_PRESETS.values():
-        cfg = p.config()
+    for p in (m for m in MODELS.values() if m.name.startswith("Gemma")):
+        windows = [layer.window for layer in p.layers]
+        cfg = Gemma3Config(n_head=p.heads, n_kv_head=p.kv_heads, n_embd=p.hidden,
+                           head_dim=p.head_dim, n_layer=len(windows),
+                           n_positions=p.max_positions, sliding_window=p.sliding_window,
+                           sliding_window_pattern=windows.index(None) + 1)
         for T in (p.sliding_window, 8192, 131072):
-            got = hybrid_vs_global(p, T, dtype=torch.bfloat16)
-            assert got.hybrid == _bytes(cfg, T, dtype=torch.bfloat16)
+            got = p.kv_bytes(T, 1, torch.bfloat16)
+            assert got == _bytes(cfg, T, dtype=torch.bfloat16)
             all_global = dataclasses.replace(cfg, sliding_window_pattern=1)
-            assert got.all_global == _bytes(all_global, T, dtype=torch.bfloat16)
+            assert p.kv_bytes(T, 1, "bf16", windows=False) == _bytes(all_global, T,
+                                                                     dtype=torch.bfloat16)
         # past the window, only the global layers grow: one position more adds their rows only
-        W, globals_ = p.sliding_window, p.layer_windows.count(None)
-        step = hybrid_vs_global(p, W + 1).hybrid - hybrid_vs_global(p, W).hybrid
+        W, globals_ = p.sliding_window, windows.count(None)
+        step = p.kv_bytes(W + 1, 1, "bf16") - p.kv_bytes(W, 1, "bf16")
         assert step == 2 * globals_ * p.kv_heads * p.head_dim * 2
-    assert hybrid_preset("gemma-3-27b").layer_windows.count(None) == 62 // 6
-    with pytest.raises(ValueError, match="unknown hybrid model"):
-        hybrid_preset("gemma-4")
+    assert [layer.window for layer in model_cache("gemma-3-27b").layers].count(None) == 62 // 6
+    with pytest.raises(ValueError, match="unknown model"):
+        model_cache("gemma-4")

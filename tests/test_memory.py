@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import random
 import subprocess
 import sys
@@ -10,17 +11,21 @@ import torch
 from kvdoc import Decoder, GPTConfig, generate
 from kvdoc.__main__ import main as cli
 from kvdoc.core.feed import feed
-from kvdoc.measure import dtypes
-from kvdoc.measure.byte_units import binary_size, decimal_size
 from kvdoc.measure.copymeter import CopyMeter
-from kvdoc.measure.dtypes import dtype_name, element_size
 from kvdoc.measure.kv_bytes import (
+    DTYPES as DTYPE_NAMES,
+)
+from kvdoc.measure.kv_bytes import (
+    binary_size,
+    decimal_size,
+    dtype_name,
+    element_size,
     kv_bytes,
     kv_bytes_for_config,
     kv_bytes_per_layer,
     measured_bytes,
 )
-from kvdoc.measure.presets import PRESETS, preset
+from kvdoc.measure.model_caches import MODELS, model_cache
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -109,14 +114,18 @@ def test_bad_input_raises() -> None:
     with pytest.raises(ValueError, match="unknown dtype"):
         element_size("float13")
     with pytest.raises(ValueError, match="unknown model"):
-        preset("gpt-5")
+        model_cache("gpt-5")
+    with pytest.raises(ValueError, match="not divisible"):
+        dataclasses.replace(model_cache("llama-3-8b"), heads=12)
 
 
 def test_presets_are_consistent() -> None:
-    for p in PRESETS.values():
-        assert p.heads % p.kv_heads == 0 and p.source
-        assert p.kv_bytes(1000) == 1000 * p.bytes_per_token()
-    assert preset("falcon-7b").attention == "MQA" and preset("llama-2-7b").attention == "MHA"
+    for p in MODELS.values():
+        assert p.heads is None or p.heads % p.kv_heads == 0
+        assert p.source and p.kv_bytes(1000, windows=False) == (1000 * p.bytes_per_token()
+                                                                + p.fixed_bytes())
+    assert model_cache("falcon-7b").attention == "MQA"
+    assert model_cache("llama-2-7b").attention == "MHA"
 
 
 def test_copy_meter_dynamic_copies_old_rows_static_none(model: Decoder) -> None:
@@ -189,14 +198,14 @@ def test_cli_bad_input_exits_2_quietly(argv: list[str], capsys: pytest.CaptureFi
 
 def test_element_bytes_are_torchs() -> None:
     # the table the command line uses without importing torch, against torch itself
-    for name, canonical in dtypes.DTYPES.items():
+    for name, canonical in DTYPE_NAMES.items():
         dtype = getattr(torch, canonical)
         assert element_size(name) == torch.empty((), dtype=dtype).element_size(), name
         assert element_size(dtype) == element_size(name) and dtype_name(dtype) == canonical
 
 
 def test_cli_model_alone_takes_its_context(capsys: pytest.CaptureFixture[str]) -> None:
-    llama = preset("Llama-3-8B")
+    llama = model_cache("Llama-3-8B")
     assert cli(["memory", "--model", "Llama-3-8B"]) == 0
     captured = capsys.readouterr()
     assert f"{llama.kv_bytes(llama.max_positions):,} bytes" in captured.out
@@ -205,7 +214,7 @@ def test_cli_model_alone_takes_its_context(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_cli_past_the_context_warns(capsys: pytest.CaptureFixture[str]) -> None:
-    llama = preset("Llama-3-8B")
+    llama = model_cache("Llama-3-8B")
     T = 4 * llama.max_positions
     assert cli(["memory", "--model", "Llama-3-8B", "--seq-len", str(T)]) == 0
     captured = capsys.readouterr()
@@ -225,10 +234,11 @@ def test_cli_as_module() -> None:
 def test_cli_window(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli(["memory", "--model", "Mistral-7B-v0.1", "--seq-len", "32768"]) == 0
     out = capsys.readouterr().out
-    capped = preset("mistral-7b-v0.1").kv_bytes(32768, windowed=True)
-    assert capped == preset("mistral-7b-v0.1").kv_bytes(4096)
+    mistral = model_cache("mistral-7b-v0.1")
+    capped = mistral.kv_bytes(32768)
+    assert capped == mistral.kv_bytes(4096, windows=False)
     assert f"bytes      {capped:,} bytes" in out
-    assert f"all full   {preset('mistral-7b-v0.1').kv_bytes(32768):,} bytes" in out
+    assert f"all full   {mistral.kv_bytes(32768, windows=False):,} bytes" in out
     assert "(one more position inside every window, per sequence)" in out
     assert cli(["memory", "--model", "Llama-3-8B"]) == 0  # no window: neither line speaks of one
     out = capsys.readouterr().out

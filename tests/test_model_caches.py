@@ -15,10 +15,16 @@ import transformers
 from kvdoc.__main__ import main as cli
 from kvdoc.core.gemma import gemma_layer_types
 from kvdoc.interop.hf_deepseek import published_config
-from kvdoc.measure.config_json import cache_from_config, read_config
-from kvdoc.measure.kv_bytes import kv_bytes_per_layer
-from kvdoc.measure.model_caches import KINDS, MODELS, config_cache, every_nth_full, model_cache
-from kvdoc.measure.presets import HYBRID_PRESETS, PRESETS, hybrid_vs_global
+from kvdoc.measure.kv_bytes import kv_bytes, kv_bytes_per_layer
+from kvdoc.measure.model_caches import (
+    KINDS,
+    MODELS,
+    cache_from_config,
+    config_cache,
+    every_nth_full,
+    model_cache,
+    read_config,
+)
 
 NAMES = ["Llama-3-70B", "Llama-3.1-8B", "Llama-3.1-70B", "Llama-3.1-405B", "Qwen3-8B",
          "Qwen3-32B", "Mistral-7B-v0.1", "Gemma-2-9B", "Gemma-3-27B", "DeepSeek-V3",
@@ -37,13 +43,18 @@ def test_at_least_20_models_of_every_kind_one_lookup() -> None:
 
 @pytest.mark.parametrize("T", [1, 127, 128, 1000, 4096, 5000, 131072])
 def test_plain_and_hybrid_presets_match_the_kv_formula(T: int) -> None:
-    for key, p in PRESETS.items():
-        assert MODELS[key].kv_bytes(T, 3, "bf16") == p.kv_bytes(T, 3, "bf16",
-                                                                 windowed=True)
-    for key, p in HYBRID_PRESETS.items():
-        assert MODELS[key].kv_bytes(T, 1, "bfloat16") == hybrid_vs_global(p, T).hybrid
-        assert every_nth_full(p.layers, p.sliding_window_pattern) == list(
-            gemma_layer_types(p.layers, p.sliding_window_pattern))
+    for m in MODELS.values():
+        if m.kind in ("plain", "windowed"):  # the closed form, every layer alike
+            assert m.kv_bytes(T, 3, "bf16") == kv_bytes(3, len(m.layers), T, m.kv_heads,
+                                                         m.head_dim, "bf16",
+                                                         window=m.sliding_window)
+        elif m.kind == "hybrid":  # the per-layer form over its windows
+            windows = [layer.window for layer in m.layers]
+            assert m.kv_bytes(T, 1, "bfloat16") == sum(kv_bytes_per_layer(
+                1, T, m.kv_heads, m.head_dim, "bfloat16", windows))
+            pattern = windows.index(None) + 1  # every pattern-th layer global, as Gemma's
+            assert every_nth_full(len(windows), pattern) == list(
+                gemma_layer_types(len(windows), pattern))
 
 
 def test_mla_preset_is_the_interop_config() -> None:

@@ -48,7 +48,7 @@ def removed_checks(page: Path) -> list[str]:
 
 
 def page_setup(page: Path) -> list[str]:
-    """Kernel set-up (docs/_ipython does it) or a tokenizer of its own (kvdoc.teach.tokens has
+    """Kernel set-up (docs/_ipython does it) or a tokenizer of its own (kvdoc.teach.display has
     one)."""
     text = page.read_text()
     return [p for p in ("set_num_threads", "svg.hashsalt", "ord(ch) - 32") if p in text]

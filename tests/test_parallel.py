@@ -15,7 +15,7 @@ from kvdoc.core.mla import MLAConfig, MLADecoder
 from kvdoc.core.model import Decoder
 from kvdoc.interop.hf_config import transformers_model
 from kvdoc.interop.hf_weights import from_transformers
-from kvdoc.parallel.checks import MODELS, Job, build_model, run_jobs
+from kvdoc.parallel.comparison import MODELS, Job, build_model, run_jobs
 from kvdoc.parallel.decode import (
     collectives_per_call,
     parallel_generate,

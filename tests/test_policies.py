@@ -1,7 +1,7 @@
 """Policies against their specification (kvdoc.teach.schedule_spec), the radix cache against an
 LRU oracle (kvdoc.teach.radix_policy) and sampling against its distribution
 (kvdoc.teach.sampling): on every model the verification grid serves on a paged cache, and each
-broken variant (kvdoc.teach.broken_policies) caught by its check only.
+broken variant (beside the check in its module) caught by its check only.
 
 These were checks of ``python -m kvdoc verify`` on each such model's paged kind; they never
 depended on the cache kind, so they are tests here, on the same models.
@@ -19,15 +19,30 @@ from kvdoc.serving.prefix_workload import few_shot_workload
 from kvdoc.serving.requests import Request
 from kvdoc.serving.scheduler import Scheduler
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
-from kvdoc.teach import broken_policies as broken
-from kvdoc.teach.radix_policy import LRUOracle, check_eviction, check_full_match
+from kvdoc.teach.radix_policy import (
+    LastTokenFromTree,
+    LRUOracle,
+    WholeLeafAlways,
+    check_eviction,
+    check_full_match,
+    most_recent_first,
+)
 from kvdoc.teach.sampling import (
+    RestartStream,
     check_sampled_preemption,
     check_speculative_distribution,
+    residual_is_target,
     round_distribution,
     target_distribution,
 )
-from kvdoc.teach.schedule_spec import check_schedule, expected_steps, first_difference
+from kvdoc.teach.schedule_spec import (
+    BudgetPlusOne,
+    PreemptOldest,
+    PrefillBeforeDecode,
+    check_schedule,
+    expected_steps,
+    first_difference,
+)
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +106,8 @@ def test_scheduler_follows_its_specification(model):
     assert sum(c.preemptions for c in checks) > 0  # the preempting runs do preempt
 
 
-@pytest.mark.parametrize("cls", [broken.PrefillBeforeDecode, broken.BudgetPlusOne,
-                                 broken.PreemptOldest])
+@pytest.mark.parametrize("cls", [PrefillBeforeDecode, BudgetPlusOne,
+                                 PreemptOldest])
 def test_broken_schedulers_caught_by_the_specification_only(model, cls):
     assert not all(c.passed for c in check_schedule(model, cls))
     # every request still equals its solo run: the equality checks cannot see it
@@ -123,7 +138,7 @@ def _equal_to_alone(model, tree):
 def test_eviction_follows_lru_and_most_recent_first_is_caught(model):
     ok = check_eviction(model)
     assert ok.passed and ok.evictions > 0, ok.detail  # the pool is small enough to evict
-    tree = broken.most_recent_first()
+    tree = most_recent_first()
     assert not check_eviction(model, tree).passed
     assert check_full_match(model, tree).passed and _equal_to_alone(model, tree)
 
@@ -140,7 +155,7 @@ def test_broken_decoders_fail_the_full_match_too(name):
 def test_block_eviction_takes_one_block_and_whole_leaves_are_caught(model):
     ok = check_eviction(model, evict="block")
     assert ok.passed and ok.evictions > 0, ok.detail
-    tree = broken.WholeLeafAlways
+    tree = WholeLeafAlways
     assert not check_eviction(model, tree, evict="block").passed
     # whole leaves are what the default policy evicts: only the block-by-block check sees it
     assert check_eviction(model, tree).passed and _equal_to_alone(model, tree)
@@ -149,7 +164,7 @@ def test_block_eviction_takes_one_block_and_whole_leaves_are_caught(model):
 def test_full_match_recomputes_the_last_token(model):
     ok = check_full_match(model)
     assert ok.passed and ok.hits == 7 + 5, ok.detail  # 8 and 6 tokens held, the last computed
-    tree = broken.LastTokenFromTree
+    tree = LastTokenFromTree
     assert not check_full_match(model, tree).passed
     assert check_eviction(model, tree).passed and _equal_to_alone(model, tree)
 
@@ -165,14 +180,14 @@ def test_round_distribution_by_hand():
     assert torch.allclose(exact, target_distribution(P, 2, 2), atol=1e-15, rtol=0)
     assert torch.allclose(exact.sum(1), torch.tensor([0.5, 0.5], dtype=torch.float64))
     # kept: 0.9 * 5/9 = 0.5 of token 0; rejected 0.4, redrawn from p itself: 0.2 more of it
-    broken_first = round_distribution(P, Q, 2, 1, broken.residual_is_target).sum(1)
+    broken_first = round_distribution(P, Q, 2, 1, residual_is_target).sum(1)
     assert torch.allclose(broken_first, torch.tensor([0.7, 0.3], dtype=torch.float64))
 
 
 def test_speculative_distribution_exact_and_broken_residual_caught(model):
     ok = check_speculative_distribution(model)
     assert ok.passed and ok.rejection > 0
-    assert not check_speculative_distribution(model, broken.residual_is_target).passed
+    assert not check_speculative_distribution(model, residual_is_target).passed
 
 
 def test_speculative_generate_takes_its_rule(model):
@@ -190,10 +205,10 @@ def test_speculative_generate_takes_its_rule(model):
 def test_preempted_sampled_request_continues_its_stream(model):
     ok = check_sampled_preemption(model)
     assert ok.passed and ok.interrupted > 0
-    assert not check_sampled_preemption(model, broken.RestartStream).passed
+    assert not check_sampled_preemption(model, RestartStream).passed
     # greedy requests and forks never see the restart
-    assert check_preemption(model, broken.RestartStream).passed
-    assert check_forks(model, broken.RestartStream).passed
+    assert check_preemption(model, RestartStream).passed
+    assert check_forks(model, RestartStream).passed
 
 
 @pytest.mark.parametrize("budget", [5, 6, 8])

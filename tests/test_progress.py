@@ -1,10 +1,11 @@
-"""Progress lines (kvdoc.teach.progress): on the cell's output and in the build log, counts only."""
+"""Progress lines (kvdoc.teach.sweep_record): on the cell's output and in the build log,
+counts only."""
 
 from __future__ import annotations
 
 import re
 
-from kvdoc.teach.progress import chunks, progress
+from kvdoc.teach.sweep_record import chunks, progress
 
 
 def test_lines_go_to_the_output_and_the_build_log(tmp_path, monkeypatch, capsys):

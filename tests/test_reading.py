@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdoc.teach.reading import WORDS_PER_MINUTE, page_title, prose_words, reading_minutes
+from kvdoc.teach.display import WORDS_PER_MINUTE, page_title, prose_words, reading_minutes
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 

@@ -8,15 +8,15 @@ import itertools
 import pytest
 import torch
 
-from kvdoc.teach.html_tables import html_table
-from kvdoc.teach.latex import latex_matrix
-from kvdoc.teach.mask_exercise import mask_exercise
-from kvdoc.teach.tokens import token_ids, token_label, token_text
-from kvdoc.teach.toy import Counts, ToyCache, ToyLab, full_forward
-from kvdoc.teach.toy_scenarios import (
+from kvdoc.teach.display import html_table, token_ids, token_label, token_text
+from kvdoc.teach.toy import (
+    Counts,
+    ToyCache,
+    ToyLab,
     check_against_full,
     common_prefix_len,
     expected_counts,
+    full_forward,
     prefix_edit,
     work_counts,
 )
@@ -24,6 +24,7 @@ from kvdoc.teach.worked import (
     SOURCE_FIGURES,
     WORKED_INPUTS,
     compare_with_source,
+    latex_matrix,
     naive_step,
     worked_example,
 )
@@ -150,15 +151,6 @@ def test_toy_rejects_bad_input():
         ToyLab().extend(ToyCache.empty(3), "A")
     with pytest.raises(ValueError, match="cannot truncate a cache of 0 positions to 1"):
         ToyCache.empty(2).truncate(1)
-
-
-@pytest.mark.parametrize("past, new", [(10, 3), (0, 4), (5, 1)])
-def test_mask_exercise(past, new):
-    ex = mask_exercise(past, new)
-    assert ex.query_positions == [past + i for i in range(new)]
-    assert ex.scores_shape == (new, past + new)
-    assert ex.keys_offset == [past + i + 1 for i in range(new)]
-    assert ex.keys_top_left == [i + 1 for i in range(new)]
 
 
 def test_display_helpers():

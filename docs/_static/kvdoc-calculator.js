@@ -69,7 +69,7 @@
     return Math.floor(memory / one);
   }
 
-  /* Binary units as kvdoc.measure.byte_units.binary_size prints them: 3 decimals, rounded
+  /* Binary units as kvdoc.measure.kv_bytes.binary_size prints them: 3 decimals, rounded
    * half to even (Python's format of the exact quotient n / 1024^k), trailing zeros dropped. */
   function binarySize(n) {
     checkCount("byte count", n, 0);

@@ -130,7 +130,7 @@ def config_from_deepseek(hf_config: Any) -> MLAConfig:
     return _config({**hf_config.to_dict(), "rope_theta": rope.get("rope_theta", 10000.0)})
 
 
-def _rope_rows(config: MLAConfig, interleaved_to_split: bool) -> tuple[torch.Tensor, ...]:
+def rope_rows(config: MLAConfig, interleaved_to_split: bool) -> tuple[torch.Tensor, ...]:
     """Row orders of the query and ``kv_a_proj_with_mqa`` weights that move each head's rotary
     rows between the interleaved and the half-split layout."""
     d_r, d_qk, r = config.qk_rope_head_dim, config.qk_head_dim, config.kv_lora_rank
@@ -145,7 +145,7 @@ def _rope_rows(config: MLAConfig, interleaved_to_split: bool) -> tuple[torch.Ten
 
 def _move_rope(state: dict[str, torch.Tensor], config: MLAConfig, prefix: str,
                interleaved_to_split: bool) -> None:
-    q_rows, kv_rows = _rope_rows(config, interleaved_to_split)
+    q_rows, kv_rows = rope_rows(config, interleaved_to_split)
     q = prefix + ("q_proj.weight" if config.q_lora_rank is None else "q_b_proj.weight")
     state[q] = state[q][q_rows]
     state[prefix + "kv_a_proj_with_mqa.weight"] = state[prefix + "kv_a_proj_with_mqa.weight"][

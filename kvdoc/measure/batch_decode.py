@@ -26,8 +26,8 @@ from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import Decoder
 
 from .costs import step_bytes, step_flops
-from .dtypes import element_size
-from .presets import ModelPreset
+from .kv_bytes import element_size
+from .model_caches import ModelCache
 from .timing import Prepare, time_paths
 
 
@@ -180,18 +180,17 @@ def kv_heads_per_device(kv_heads: int, degree: int) -> tuple[int, int]:
     return 1, degree // kv_heads
 
 
-def preset_kv_per_sequence(preset: ModelPreset, context: int, dtype: str = "bfloat16",
+def preset_kv_per_sequence(preset: ModelCache, context: int, dtype: str = "bfloat16",
                            degree: int = 1) -> int:
     """K/V bytes one sequence at ``context`` positions puts on each of ``degree`` devices.
 
-    >>> from kvdoc.measure.presets import preset
-    >>> llama = preset("Llama-3-8B")
+    >>> from kvdoc.measure.model_caches import model_cache
+    >>> llama = model_cache("Llama-3-8B")
     >>> preset_kv_per_sequence(llama, 1000, degree=2) * 2 == preset_kv_per_sequence(llama, 1000)
     True
     """
     heads, _ = kv_heads_per_device(preset.kv_heads, degree)
-    held = context if preset.sliding_window is None else min(context, preset.sliding_window)
-    return 2 * preset.layers * held * heads * preset.head_dim * element_size(dtype)
+    return preset.kv_bytes(context, 1, dtype) * heads // preset.kv_heads  # the device's share
 
 
 def crossover_batch(weights: int, kv_sequence: int) -> int:
@@ -203,7 +202,7 @@ def crossover_batch(weights: int, kv_sequence: int) -> int:
     return math.floor(weights / kv_sequence) + 1
 
 
-def llama_family_parameters(preset: ModelPreset) -> tuple[int, int]:
+def llama_family_parameters(preset: ModelCache) -> tuple[int, int]:
     """``(every parameter, the input embedding's)`` of a Llama-family preset, untied head.
 
     Counted by building transformers' model on the meta device: no memory, no download.
@@ -218,7 +217,7 @@ def llama_family_parameters(preset: ModelPreset) -> tuple[int, int]:
     family = (MistralConfig, MistralForCausalLM) if preset.sliding_window else (
         LlamaConfig, LlamaForCausalLM)
     config = family[0](hidden_size=preset.hidden, intermediate_size=preset.intermediate,
-                       vocab_size=preset.vocab, num_hidden_layers=preset.layers,
+                       vocab_size=preset.vocab, num_hidden_layers=len(preset.layers),
                        num_attention_heads=preset.heads, num_key_value_heads=preset.kv_heads,
                        head_dim=preset.head_dim, tie_word_embeddings=False)
     with torch.device("meta"):

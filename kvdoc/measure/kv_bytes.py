@@ -1,11 +1,12 @@
-"""The K/V byte formula, and the same count taken on real caches.
+"""Bytes: element sizes by dtype name, the K/V byte formula, the same count taken on real
+caches, and byte counts in binary and decimal units, all known without importing torch.
 
 A conventional cache keeps, for every decoder layer, one K and one V tensor of shape
 ``[B, H_kv, T, D]`` (batch, K/V heads, cached positions, head size). Its payload is therefore
 
     bytes = 2 x B x L x T x H_kv x D x s
 
-with ``L`` layers and ``s`` bytes per element (:func:`~kvdoc.measure.dtypes.element_size`).
+with ``L`` layers and ``s`` bytes per element (:func:`element_size`).
 :func:`kv_bytes` and :func:`kv_bytes_for_config` compute it, :func:`kv_bytes_per_layer` per
 layer (a sliding-window layer holds at most its window), and :func:`measured_bytes` counts the
 bytes of real tensors the same way. What a cache writes per update is measured by
@@ -23,8 +24,9 @@ sizes alone, for pages and tables (tests/test_fp8_cache.py compares them with re
 >>> fp8_kv_bytes(1, 32, 8192, 8, 128, "per-head") - fp8_kv_bytes(1, 32, 8192, 8, 128)
 1792
 
-Importing this module does not import torch (``python -m kvdoc memory`` starts in a fraction of
-a second); :func:`measured_bytes` imports the cache when called.
+:func:`format_bytes` prints a count exactly, then in the largest binary (KiB, MiB) and decimal
+(kB, MB) unit. Importing this module does not import torch (``python -m kvdoc memory`` starts
+in a fraction of a second); :func:`measured_bytes` imports the cache when called.
 """
 
 from __future__ import annotations
@@ -36,12 +38,60 @@ from typing import TYPE_CHECKING
 from kvdoc.core.cache import check_int
 from kvdoc.core.model import GPTConfig
 
-from .dtypes import element_size
-
 if TYPE_CHECKING:
     import torch
 
     from kvdoc.core.cache import KVCache
+
+#: Names accepted for ``dtype`` arguments and ``--dtype`` (case-insensitive), and the name of
+#: the torch dtype each stands for (``torch.<name>``).
+DTYPES: dict[str, str] = {
+    "float64": "float64", "fp64": "float64", "double": "float64",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2",
+    "fp8": "float8_e4m3fn",
+    "int8": "int8",
+}
+
+#: ``s`` of each dtype in :data:`DTYPES`, as torch stores it (tests/test_memory.py compares
+#: every entry with torch's own ``element_size``): known without importing torch.
+ELEMENT_BYTES: dict[str, int] = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+                                 "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
+
+
+def _is_torch_dtype(dtype: object) -> bool:
+    return type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype"
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """The canonical name of a dtype, e.g. ``"float16"`` for ``"fp16"``.
+
+    Raises:
+        ValueError: an unknown name.
+
+    >>> dtype_name("FP16"), dtype_name("bf16")
+    ('float16', 'bfloat16')
+    """
+    if _is_torch_dtype(dtype):
+        return str(dtype).removeprefix("torch.")
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+
+
+def element_size(dtype: str | torch.dtype) -> int:
+    """``s``: bytes per element of ``dtype``, as torch stores it.
+
+    >>> import torch
+    >>> element_size("float16"), element_size(torch.float32)
+    (2, 4)
+    """
+    if _is_torch_dtype(dtype):
+        return dtype.itemsize
+    return ELEMENT_BYTES[dtype_name(dtype)]
+
 
 def rows_bytes(batch: int, heads: int, positions: int, widths: Sequence[int],
                dtype: str | torch.dtype) -> int:
@@ -101,7 +151,7 @@ def kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim: int
     Args:
         batch: ``B``. layers: ``L``. seq_len: ``T`` (positions cached per sequence).
         kv_heads: ``H_kv`` (K/V heads, not query heads). head_dim: ``D``.
-        dtype: element type, a name from :data:`~kvdoc.measure.dtypes.DTYPES` or a torch dtype
+        dtype: element type, a name from :data:`DTYPES` or a torch dtype
             (``s`` bytes).
         window: if given, every layer keeps only the last ``window`` positions
             (``T`` becomes ``min(T, window)``).
@@ -194,3 +244,48 @@ def fp8_kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim:
     """
     return (kv_bytes(batch, layers, seq_len, kv_heads, head_dim, "float8_e4m3fn")
             + fp8_scale_bytes([kv_heads] * layers, granularity))
+
+
+# --- byte counts for people--------------------------------------------------------------------
+
+BINARY_UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB")  # powers of 1024
+DECIMAL_UNITS = ("bytes", "kB", "MB", "GB", "TB", "PB")  # powers of 1000
+
+
+def _scaled(n: int, base: int, units: tuple[str, ...], digits: int) -> str:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"a byte count must be a non-negative integer, got {n!r}")
+    power = 0
+    while power + 1 < len(units) and n >= base ** (power + 1):
+        power += 1
+    if power == 0:
+        return f"{n:,} bytes"
+    text = f"{n / base ** power:,.{digits}f}".rstrip("0").rstrip(".")
+    return f"{text} {units[power]}"
+
+
+def binary_size(n: int, digits: int = 3) -> str:
+    """``n`` bytes in the largest binary unit (KiB = 1024 bytes, MiB = 1024**2, ...).
+
+    >>> binary_size(536870912), binary_size(278528), binary_size(1536)
+    ('512 MiB', '272 KiB', '1.5 KiB')
+    """
+    return _scaled(n, 1024, BINARY_UNITS, digits)
+
+
+def decimal_size(n: int, digits: int = 3) -> str:
+    """``n`` bytes in the largest decimal unit (kB = 1000 bytes, MB = 1000**2, ...).
+
+    >>> decimal_size(536870912), decimal_size(278528)
+    ('536.871 MB', '278.528 kB')
+    """
+    return _scaled(n, 1000, DECIMAL_UNITS, digits)
+
+
+def format_bytes(n: int) -> str:
+    """Exact bytes, then binary and decimal units side by side.
+
+    >>> format_bytes(536870912)
+    '536,870,912 bytes = 512 MiB = 536.871 MB'
+    """
+    return f"{n:,} bytes = {binary_size(n)} = {decimal_size(n)}"

@@ -4,7 +4,7 @@ The command prints ``2 x B x L x T x H_kv x D x s`` (:func:`~kvdoc.measure.kv_by
 in exact, binary and decimal units, for sizes given on the command line; for a published model
 (any :data:`~kvdoc.measure.model_caches.MODELS` entry: plain, windowed, hybrid, MLA or
 linear-attention hybrid) or a transformers ``config.json``
-(:mod:`kvdoc.measure.config_json`) it sums the layers' own costs::
+(:func:`~kvdoc.measure.model_caches.read_config`) it sums the layers' own costs::
 
     python -m kvdoc memory --batch 1 --layers 32 --seq-len 4096 --kv-heads 8 --head-dim 128 \\
         --dtype float16
@@ -22,13 +22,20 @@ Importing this module does not import torch: the command starts in a fraction of
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-from .byte_units import binary_size, decimal_size, format_bytes
-from .config_json import read_config
-from .dtypes import dtype_name, element_size
-from .kv_bytes import FP8_SCALE_GRANULARITIES, fp8_scale_bytes, kv_bytes
-from .model_caches import MODELS, LayerCache, ModelCache, model_cache
+from .kv_bytes import (
+    FP8_SCALE_GRANULARITIES,
+    binary_size,
+    decimal_size,
+    dtype_name,
+    element_size,
+    format_bytes,
+    fp8_scale_bytes,
+    kv_bytes,
+)
+from .model_caches import MODELS, LayerCache, ModelCache, model_cache, read_config
 
 #: The longest ``--seq-len`` (and ``--window``) the command takes: 2**31 - 1 positions. Attention
 #: kernels index a sequence's tokens with 32-bit integers (FlashAttention's ``cu_seqlens`` are
@@ -148,10 +155,10 @@ def _scale_lines(total: int, scales: int, granularity: str) -> list[str]:
             f"with them  {format_bytes(total + scales)}"]
 
 
-def _model_lines(model: ModelCache, T: int, B: int, dtype: str, default_T: bool,
+def _model_lines(model: ModelCache, kind: str, T: int, B: int, dtype: str, default_T: bool,
                  memory_gib: float | None = None, scales: str | None = None) -> list[str]:
     total = model.kv_bytes(T, B, dtype)
-    lines = [f"model      {model.name} ({model.kind}; source: {model.source})"]
+    lines = [f"model      {model.name} ({kind}; source: {model.source})"]
     if model.note:
         lines.append(f"note       {model.note}")
     lines += [f"layers     {_describe(layer, n, model.kind == 'MLA')}"
@@ -175,10 +182,7 @@ def _model_lines(model: ModelCache, T: int, B: int, dtype: str, default_T: bool,
         lines.append(f"fixed      {format_bytes(model.fixed_bytes(dtype))} per sequence, "
                      "whatever T")
     if windowed:
-        full = ModelCache(model.name, "plain", tuple(layer._replace(window=None)
-                                                     for layer in model.layers),
-                          model.max_positions, model.source)
-        lines.append(f"all full   {format_bytes(full.kv_bytes(T, B, dtype))} "
+        lines.append(f"all full   {format_bytes(model.kv_bytes(T, B, dtype, windows=False))} "
                      "(were every layer to keep all T)")
     if memory_gib is not None:
         fit = model.sequences_that_fit(int(memory_gib * 2**30), T, dtype)  # T >= 1
@@ -212,11 +216,12 @@ def main(args: argparse.Namespace) -> int:
         if given:
             return _error(f"--model and --config set the sizes themselves; drop "
                           f"{', '.join(given)}")
+        kind = model.kind  # the release's, also under a --window what-if
         if args.window is not None:  # a what-if: every layer keeps at most W
             W = args.window
-            model = ModelCache(model.name, model.kind, tuple(
+            model = dataclasses.replace(model, layers=tuple(
                 layer._replace(window=W if layer.window is None else min(layer.window, W))
-                for layer in model.layers), model.max_positions, model.source, model.note)
+                for layer in model.layers))
         if T is None:
             T = model.max_positions
         elif T > model.max_positions:
@@ -226,7 +231,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"python -m kvdoc memory: warning: --seq-len {T:,} is past {model.name}'s "
                   f"context of {model.max_positions:,} tokens (the bytes below are for a "
                   "model stretched that far)", file=sys.stderr)
-        print("\n".join(_model_lines(model, T, args.batch, dtype_name(args.dtype),
+        print("\n".join(_model_lines(model, kind, T, args.batch, dtype_name(args.dtype),
                                      args.seq_len is None, getattr(args, "memory", None),
                                      scales)))
         return 0

@@ -1,4 +1,4 @@
-"""Every published model's cache as per-layer costs, behind one lookup: :func:`model_cache`.
+"""A model's sizes, in one representation: :class:`ModelCache`, what each layer caches.
 
 A model's layers do not all cache the same way. A full-attention layer adds ``2 x H_kv x D``
 elements a position (K and V); a sliding-window layer adds as many but stops at its window
@@ -9,33 +9,34 @@ and one formula covers them all: per sequence,
 
     bytes(T) = s x sum over layers of (per_token x min(T, W) + state)
 
-(``W`` infinite for a full layer). :data:`MODELS` holds every preset the package knows, of
-each kind: ``plain`` and ``windowed`` from :data:`~kvdoc.measure.presets.PRESETS`, ``hybrid``
-from :data:`~kvdoc.measure.presets.HYBRID_PRESETS`, and the ``MLA``, gpt-oss and
-``linear-hybrid`` entries below, each with the ``config.json`` it comes from.
-:mod:`kvdoc.measure.config_json` builds the same description from a transformers config file.
+(``W`` infinite for a full layer). The same class comes from three places: :data:`MODELS`, the
+published models the package knows (each with the ``config.json`` it comes from), looked up by
+:func:`model_cache`; :func:`cache_from_config`, a transformers ``config.json`` read with
+:mod:`kvdoc.interop.hf_config`'s rules; and :func:`config_cache`, a kvdoc model's config.
 
 Importing this module does not import torch.
 
 >>> llama = model_cache("Llama-3-8B")
->>> llama.kind, llama.bytes_per_token("float16")            # 2 x 32 x 8 x 128 x 2
-('plain', 131072)
+>>> llama.kind, llama.attention, len(llama.layers), llama.bytes_per_token("float16")
+('plain', 'GQA', 32, 131072)
 >>> model_cache("DeepSeek-V3").bytes_per_token("bfloat16")   # 61 x (512 + 64) x 2
 70272
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 # torch-free: the command line imports this module, and loading torch takes seconds
 from kvdoc.core.cache import check_int
+from kvdoc.interop.hf_config import attention_sizes, config_fields, positive
 
-from .dtypes import element_size
-from .kv_bytes import fp8_scale_bytes
-from .presets import HYBRID_PRESETS, PRESETS, HybridPreset, ModelPreset, _lookup
+from .kv_bytes import element_size, fp8_scale_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -90,55 +91,104 @@ def gated_delta_layer(num_key_heads: int, num_value_heads: int, key_head_dim: in
 
 @dataclass(frozen=True)
 class ModelCache:
-    """A model's cache, layer by layer.
+    """A model's sizes: its cache, layer by layer, and the query heads and weight shapes
+    where the source gives them.
 
     Attributes:
         name: as the model card names it (case-insensitive in :func:`model_cache`).
-        kind: one of :data:`KINDS`.
         layers: one :class:`LayerCache` per decoder layer.
         max_positions: the context the release was configured for.
-        source: the ``config.json`` the sizes come from.
+        source: the ``config.json`` (or paper) the sizes come from.
         note: what the count leaves out or assumes.
+        heads: query heads ``H`` (None where not recorded).
+        hidden, intermediate, vocab: ``d_model``, the MLP's width and the vocabulary, for the
+            models whose weights :mod:`kvdoc.measure.batch_decode` counts (else None).
     """
 
     name: str
-    kind: str
     layers: tuple[LayerCache, ...]
     max_positions: int
     source: str
     note: str = ""
+    heads: int | None = None
+    hidden: int | None = None
+    intermediate: int | None = None
+    vocab: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"{self.name}: kind must be one of {', '.join(KINDS)}, "
-                             f"got {self.kind!r}")
         if not self.layers:
             raise ValueError(f"{self.name}: need at least one layer")
         check_int("max_positions", self.max_positions)
+        if self.heads is not None and self.heads % self.kv_heads:
+            raise ValueError(f"{self.name}: heads={self.heads} is not divisible by "
+                             f"kv_heads={self.kv_heads}")
 
-    def elements(self, seq_len: int, preallocated: bool = False) -> int:
+    @property
+    def kind(self) -> str:
+        """One of :data:`KINDS`, read off the layers."""
+        if any(layer.per_token and not layer.kv_heads for layer in self.layers):
+            return "MLA"
+        if any(not layer.per_token for layer in self.layers):
+            return "linear-hybrid"
+        full = {layer.window is None for layer in self.layers}
+        return "hybrid" if len(full) == 2 else "plain" if full == {True} else "windowed"
+
+    def _kv_layer(self) -> LayerCache:
+        for layer in self.layers:
+            if layer.kv_heads:
+                return layer
+        raise ValueError(f"{self.name} has no K/V attention layer")
+
+    @property
+    def kv_heads(self) -> int:
+        """``H_kv`` of the (first) K/V layer."""
+        return self._kv_layer().kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        """``D`` of the (first) K/V layer."""
+        layer = self._kv_layer()
+        return layer.per_token // (2 * layer.kv_heads)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """``W`` of the windowed layers (None: no layer is windowed)."""
+        return next((layer.window for layer in self.layers if layer.window), None)
+
+    @property
+    def attention(self) -> str:
+        """``"MHA"``, ``"GQA"`` or ``"MQA"`` (``H_kv == H``, between, ``1``)."""
+        if self.kv_heads == self.heads:
+            return "MHA"
+        return "MQA" if self.kv_heads == 1 else "GQA"
+
+    def elements(self, seq_len: int, preallocated: bool = False, windows: bool = True) -> int:
         """Elements one sequence of ``seq_len`` positions keeps, over all layers; with
         ``preallocated`` a window layer holds its ``W`` rows from the start (a ring allocated
-        at its full size, as :func:`~kvdoc.core.window.window_cache`'s)."""
+        at its full size, as :class:`~kvdoc.core.window.HybridCache`'s); ``windows=False``
+        counts every layer as full (the same model with no window)."""
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
             raise ValueError(f"seq_len must be a non-negative integer, got {seq_len!r}")
-        return sum(layer.per_token * (seq_len if layer.window is None else layer.window
-                                      if preallocated else min(seq_len, layer.window))
-                   + layer.state for layer in self.layers)
+        return sum(layer.per_token * (seq_len if w is None or not windows else w if preallocated
+                                      else min(seq_len, w)) + layer.state
+                   for layer, w in ((layer, layer.window) for layer in self.layers))
 
     def kv_bytes(self, seq_len: int, batch: int = 1, dtype: str | torch.dtype = "float16",
-                 preallocated: bool = False) -> int:
+                 preallocated: bool = False, windows: bool = True) -> int:
         """Bytes of ``batch`` sequences of ``seq_len`` positions, ``s`` bytes an element
-        (``preallocated``: as :meth:`elements`).
+        (``preallocated``, ``windows``: as :meth:`elements`).
 
         >>> oss = model_cache("gpt-oss-20b")     # past W = 128 only its 12 full layers grow
         >>> oss.kv_bytes(256) - oss.kv_bytes(128) == 12 * (2 * 8 * 64) * 2 * 128
         True
         >>> oss.kv_bytes(1, preallocated=True) == oss.kv_bytes(128) - 12 * 2 * 8 * 64 * 2 * 127
         True
+        >>> g = model_cache("Gemma-3-1B")        # 4 global layers of 26 hold all T
+        >>> g.kv_bytes(32768, windows=False) // g.kv_bytes(32768)
+        5
         """
         return (check_int("batch", batch) * element_size(dtype)
-                * self.elements(seq_len, preallocated))
+                * self.elements(seq_len, preallocated, windows))
 
     def bytes_per_token(self, dtype: str | torch.dtype = "float16") -> int:
         """Bytes one position adds while it is inside every window (batch 1)."""
@@ -200,16 +250,13 @@ def config_cache(config: object, windows: bool = True) -> ModelCache:
     """
     if hasattr(config, "kv_lora_rank"):
         layers = [mla_layer(config.kv_lora_rank, config.qk_rope_head_dim)] * config.n_layer
-        kind = "MLA"
     else:
         per_layer = getattr(config, "layer_windows", None)
         if per_layer is None:
             per_layer = [getattr(config, "sliding_window", None)] * config.n_layer
-        per_layer = [w if windows else None for w in per_layer]
-        layers = [attention_layer(config.n_kv_head, config.head_dim, w) for w in per_layer]
-        found = {w is None for w in per_layer}
-        kind = "hybrid" if len(found) == 2 else "plain" if found == {True} else "windowed"
-    return ModelCache(type(config).__name__, kind, tuple(layers), config.n_positions,
+        layers = [attention_layer(config.n_kv_head, config.head_dim, w if windows else None)
+                  for w in per_layer]
+    return ModelCache(type(config).__name__, tuple(layers), config.n_positions,
                       "the kvdoc config")
 
 
@@ -226,26 +273,167 @@ def every_nth_full(layers: int, pattern: int) -> list[str]:
             for i in range(layers)]
 
 
-def from_preset(p: ModelPreset | HybridPreset) -> ModelCache:
-    """The :class:`ModelCache` of a :data:`PRESETS` or :data:`HYBRID_PRESETS` entry."""
-    if isinstance(p, HybridPreset):
-        types = every_nth_full(p.layers, p.sliding_window_pattern)
-        layers = tuple(attention_layer(p.kv_heads, p.head_dim,
-                                       p.sliding_window if t == "sliding_attention" else None)
-                       for t in types)
-        return ModelCache(p.name, "hybrid", layers, p.max_positions, p.source)
-    kind = "plain" if p.sliding_window is None else "windowed"
-    layers = (attention_layer(p.kv_heads, p.head_dim, p.sliding_window),) * p.layers
-    return ModelCache(p.name, kind, layers, p.max_positions, p.source)
+# --- a transformers config.json ---------------------------------------------------------------
+
+#: model types whose transformers config alternates window and full layers when
+#: ``layer_types`` is absent (layer 0 windowed)
+_ALTERNATING = {"gemma2", "gpt_oss"}
+_GEMMA3 = {"gemma3", "gemma3_text"}
+_DELTA = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+          "linear_value_head_dim", "linear_conv_kernel_dim")
+_STATE_SPACE = {"mamba", "mamba2", "jamba", "falcon_h1", "zamba", "zamba2", "bamba", "rwkv"}
+
+
+def _layer_types(c: Mapping[str, Any], layers: int, where: str) -> list[str]:
+    types = c.get("layer_types")
+    model_type = c.get("model_type", "")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers:
+            raise ValueError(f"{where}: layer_types must list num_hidden_layers = {layers} "
+                             f"entries, got {types!r:.80}")
+        return types
+    if c.get("sliding_window_pattern") is not None or model_type in _GEMMA3:
+        pattern = {"sliding_window_pattern": c.get("sliding_window_pattern", 6)}  # Gemma 3's
+        return every_nth_full(layers, positive(pattern, "sliding_window_pattern", where))
+    if model_type in _ALTERNATING:
+        return every_nth_full(layers, 2)
+    if c.get("full_attention_interval") is not None:
+        every = positive(c, "full_attention_interval", where)
+        return ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                for i in range(layers)]
+    windowed = c.get("sliding_window") is not None and c.get("use_sliding_window") is not False
+    return ["sliding_attention" if windowed else "full_attention"] * layers
+
+
+def cache_from_config(config: Mapping[str, Any], name: str = "config.json") -> ModelCache:
+    """The :class:`ModelCache` a transformers config (a parsed ``config.json``) describes.
+
+    What it reads, per layer: K/V heads and head size by
+    :func:`~kvdoc.interop.hf_config.attention_sizes` (the rules the weight loaders use: GPT-2's
+    names, a multimodal ``text_config``, Gemma 3's class defaults); an MLA latent of
+    ``kv_lora_rank + qk_rope_head_dim``; which layers are windowed from ``layer_types``, else
+    ``sliding_window_pattern`` (Gemma 3), Gemma 2's and gpt-oss's alternation,
+    ``full_attention_interval`` (Qwen3-Next), else every layer if ``sliding_window`` is set and
+    ``use_sliding_window`` is not false. Linear-attention layers keep no K/V per position; their
+    state is counted when the config gives Gated DeltaNet's sizes, else the note says it is not.
+
+    Raises:
+        ValueError: a size missing or not a positive integer, an unknown layer type,
+            state-space layers, or ``layer_types`` of the wrong length.
+
+    >>> m = cache_from_config({"num_hidden_layers": 32, "num_attention_heads": 32,
+    ...                        "num_key_value_heads": 8, "hidden_size": 4096,
+    ...                        "max_position_embeddings": 8192})
+    >>> m.kind, m.bytes_per_token("float16")
+    ('plain', 131072)
+    """
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{name}: expected a JSON object, got {type(config).__name__}")
+    c = config_fields(config, name)
+    model_type = str(c.get("model_type") or "")
+    if model_type in _STATE_SPACE or c.get("state_size") is not None:
+        raise ValueError(f"{name}: model_type {model_type!r} has state-space layers; kvdoc "
+                         "reads attention, MLA, sliding-window and Gated DeltaNet layers")
+    layers = positive(c, "num_hidden_layers", name)
+    context = positive(c, "max_position_embeddings", name)
+    types = _layer_types(c, layers, name)
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention", "linear_attention"})
+    if unknown:
+        raise ValueError(f"{name}: unknown layer types {unknown}; kvdoc reads full_attention, "
+                         "sliding_attention and linear_attention")
+    note, heads = "", None
+    if c.get("kv_lora_rank") is not None:
+        full = mla_layer(positive(c, "kv_lora_rank", name), positive(c, "qk_rope_head_dim", name))
+        window = None
+    else:
+        heads, kv_heads, head_dim = attention_sizes(c, name)
+        full = attention_layer(kv_heads, head_dim)
+        window = (positive(c, "sliding_window", name) if "sliding_attention" in types else None)
+    linear = LayerCache(0)
+    if "linear_attention" in types:
+        if all(c.get(k) is not None for k in _DELTA):
+            linear = gated_delta_layer(*(positive(c, k, name) for k in _DELTA))
+        else:
+            note = (f"{types.count('linear_attention')} linear-attention layers: state not "
+                    "counted (the config does not give Gated DeltaNet's sizes); only the "
+                    f"{layers - types.count('linear_attention')} attention layers are")
+    per_type = {"full_attention": full, "sliding_attention": full._replace(window=window),
+                "linear_attention": linear}
+    return ModelCache(str(c.get("_name_or_path") or name), tuple(per_type[t] for t in types),
+                      context, name, note, heads)
+
+
+def read_config(path: str | Path) -> ModelCache:
+    """:func:`cache_from_config` of the ``config.json`` at ``path``.
+
+    Raises:
+        ValueError: the file is missing, not JSON, or not a config kvdoc can read.
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror}") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not JSON: {err}") from None
+    return cache_from_config(config, str(path))
+
+
+# --- the published models ---------------------------------------------------------------------
+
+def _every_layer(name: str, layers: int, heads: int, kv_heads: int, head_dim: int, context: int,
+                 source: str, window: int | None = None, **sizes: int) -> ModelCache:
+    """A model whose layers all cache alike (``window``: all of them windowed)."""
+    return ModelCache(name, (attention_layer(kv_heads, head_dim, window),) * layers, context,
+                      source, heads=heads, **sizes)
+
+
+def _alternating(name: str, layers: int, heads: int | None, kv_heads: int, head_dim: int,
+                 window: int, every: int, context: int, source: str, note: str = "",
+                 **sizes: int) -> ModelCache:
+    """Every ``every``-th layer full, the rest keeping the last ``window`` positions."""
+    full, windowed = attention_layer(kv_heads, head_dim), attention_layer(kv_heads, head_dim,
+                                                                          window)
+    return ModelCache(name, tuple(full if t == "full_attention" else windowed
+                                  for t in every_nth_full(layers, every)),
+                      context, source, note, heads, **sizes)
+
+
+_HF = "https://huggingface.co/{}/blob/main/config.json"
+
+
+def _llama(name: str, repo: str, layers: int, heads: int, hidden: int, intermediate: int,
+           vocab: int, context: int) -> ModelCache:
+    """A Llama 3 release: 8 K/V heads of 128."""
+    return _every_layer(name, layers, heads, 8, 128, context, _HF.format(repo), hidden=hidden,
+                        intermediate=intermediate, vocab=vocab)
+
+
+def _qwen3(name: str, layers: int, heads: int, kv_heads: int = 8, note: str = "") -> ModelCache:
+    """A Qwen3 release: heads of 128, a context of 40,960."""
+    return _every_layer(name, layers, heads, kv_heads, 128, 40960,
+                        _HF.format(f"Qwen/{name}") + note)
+
+
+def _gemma(name: str, repo: str, layers: int, heads: int, kv_heads: int, head_dim: int,
+           hidden: int) -> ModelCache:
+    """Gemma 2 (a window of 4,096 every other layer, context 8,192) or Gemma 3 (five window
+    layers of 512 or 1,024, then a global one; context 32,768 or 131,072)."""
+    if name.startswith("Gemma-2"):
+        return _alternating(name, layers, heads, kv_heads, head_dim, 4096, 2, 8192,
+                            _HF.format(repo), hidden=hidden)
+    small = name == "Gemma-3-1B"
+    return _alternating(name, layers, heads, kv_heads, head_dim, 512 if small else 1024, 6,
+                        32768 if small else 131072,
+                        _HF.format(repo) + ("" if small else " (text_config)"), hidden=hidden)
 
 
 def _gpt_oss(name: str, layers: int) -> ModelCache:
     # layer_types in the published config: sliding, full, sliding, full, ...
-    types = tuple(attention_layer(8, 64, 128 if t == "sliding_attention" else None)
-                  for t in every_nth_full(layers, 2))
-    return ModelCache(
-        name, "hybrid", types, 131072,
-        f"https://huggingface.co/openai/{name}/blob/main/config.json (num_hidden_layers "
+    return _alternating(
+        name, layers, None, 8, 64, 128, 2, 131072,
+        f"{_HF.format('openai/' + name)} (num_hidden_layers "
         f"{layers}, num_key_value_heads 8, head_dim 64, sliding_window 128, layer_types "
         "alternating sliding_attention and full_attention, max_position_embeddings 131072)",
         "the attention sinks are one learned scalar a head, not cached per position")
@@ -256,9 +444,9 @@ def _qwen3_next() -> ModelCache:
     linear = gated_delta_layer(16, 32, 128, 128, 4)
     full = attention_layer(2, 256)
     return ModelCache(
-        "Qwen3-Next-80B-A3B", "linear-hybrid", (linear, linear, linear, full) * 12, 262144,
-        "https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct/blob/main/config.json "
-        "(num_hidden_layers 48, full_attention_interval 4, num_key_value_heads 2, head_dim 256, "
+        "Qwen3-Next-80B-A3B", (linear, linear, linear, full) * 12, 262144,
+        _HF.format("Qwen/Qwen3-Next-80B-A3B-Instruct") + " (num_hidden_layers 48, "
+        "full_attention_interval 4, num_key_value_heads 2, head_dim 256, "
         "linear_num_key_heads 16, linear_num_value_heads 32, linear_key_head_dim 128, "
         "linear_value_head_dim 128, linear_conv_kernel_dim 4, "
         "max_position_embeddings 262144)",
@@ -266,26 +454,69 @@ def _qwen3_next() -> ModelCache:
         "transformers keeps it); 12 attention layers keep K/V per position")
 
 
-#: MLA, gpt-oss and linear-attention presets, keyed by lower-case name. DeepSeek-V3's sizes are
-#: :data:`kvdoc.interop.hf_deepseek.PUBLISHED`'s (tests/test_model_caches.py compares them; that
-#: module imports torch).
-OTHER_MODELS: dict[str, ModelCache] = {m.name.lower(): m for m in (
-    ModelCache("DeepSeek-V3", "MLA", (mla_layer(512, 64),) * 61, 163840,
-               "https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json "
-               "(num_hidden_layers 61, kv_lora_rank 512, qk_rope_head_dim 64, "
-               "max_position_embeddings 163840)",
+_LLAMA2 = ("meta-llama/Llama-2-{}b-hf config.json (num_hidden_layers {}, num_attention_heads "
+           "{}, num_key_value_heads {}, hidden_size {}, intermediate_size {}, vocab_size "
+           "32000); Touvron et al. 2023, 'Llama 2'")
+
+#: Every published model the package knows, keyed by lower-case name: plain and windowed ones
+#: (GPT-2, Llama, Mistral, Falcon, Qwen3), Gemma 2 and 3's window and global layers, and
+#: DeepSeek-V3's MLA, gpt-oss and Qwen3-Next. Each ``source`` names the file the sizes come
+#: from; DeepSeek-V3's are :data:`kvdoc.interop.hf_deepseek.PUBLISHED`'s
+#: (tests/test_model_caches.py compares them; that module imports torch).
+MODELS: dict[str, ModelCache] = {m.name.lower(): m for m in (
+    _every_layer("GPT-2-small", 12, 12, 12, 64, 1024,
+                 "openai-community/gpt2 config.json (n_layer 12, n_head 12, n_embd 768); "
+                 "Radford et al. 2019, 'Language Models are Unsupervised Multitask "
+                 "Learners'"),
+    _every_layer("Llama-2-7B", 32, 32, 32, 128, 4096, _LLAMA2.format(7, 32, 32, 32, 4096, 11008),
+                 hidden=4096, intermediate=11008, vocab=32000),
+    _every_layer("Llama-2-70B", 80, 64, 8, 128, 4096, _LLAMA2.format(70, 80, 64, 8, 8192, 28672),
+                 hidden=8192, intermediate=28672, vocab=32000),
+    _every_layer("Llama-3-8B", 32, 32, 8, 128, 8192,
+                 "meta-llama/Meta-Llama-3-8B config.json (num_hidden_layers 32, "
+                 "num_attention_heads 32, num_key_value_heads 8, hidden_size 4096, "
+                 "intermediate_size 14336, vocab_size 128256)",
+                 hidden=4096, intermediate=14336, vocab=128256),
+    _every_layer("Mistral-7B-v0.1", 32, 32, 8, 128, 32768,
+                 "mistralai/Mistral-7B-v0.1 config.json (num_hidden_layers 32, "
+                 "num_attention_heads 32, num_key_value_heads 8, hidden_size 4096, "
+                 "intermediate_size 14336, vocab_size 32000, sliding_window 4096); "
+                 "Jiang et al. 2023, 'Mistral 7B' (rolling buffer cache)",
+                 window=4096, hidden=4096, intermediate=14336, vocab=32000),
+    _every_layer("Falcon-7B", 32, 71, 1, 64, 2048,
+                 "tiiuae/falcon-7b config.json (n_layer 32, n_head 71, hidden_size 4544, "
+                 "multi_query true)"),
+    _llama("Llama-3-70B", "meta-llama/Meta-Llama-3-70B", 80, 64, 8192, 28672, 128256, 8192),
+    _llama("Llama-3.1-8B", "meta-llama/Llama-3.1-8B", 32, 32, 4096, 14336, 128256, 131072),
+    _llama("Llama-3.1-70B", "meta-llama/Llama-3.1-70B", 80, 64, 8192, 28672, 128256, 131072),
+    _llama("Llama-3.1-405B", "meta-llama/Llama-3.1-405B", 126, 128, 16384, 53248, 128256,
+           131072),
+    _qwen3("Qwen3-4B", 36, 32),
+    _qwen3("Qwen3-8B", 36, 32),
+    _qwen3("Qwen3-14B", 40, 40),
+    _qwen3("Qwen3-32B", 64, 64),
+    _qwen3("Qwen3-30B-A3B", 48, 32, 4, " (the experts do not change the cache)"),
+    _every_layer("Mistral-7B-v0.3", 32, 32, 8, 128, 32768,
+                 _HF.format("mistralai/Mistral-7B-v0.3")
+                 + " (sliding_window null: every layer full)"),
+    _every_layer("Mixtral-8x7B-v0.1", 32, 32, 8, 128, 32768,
+                 _HF.format("mistralai/Mixtral-8x7B-v0.1")
+                 + " (sliding_window null; the experts do not change the cache)"),
+    _gemma("Gemma-2-2B", "google/gemma-2-2b", 26, 8, 4, 256, 2304),
+    _gemma("Gemma-2-9B", "google/gemma-2-9b", 42, 16, 8, 256, 3584),
+    _gemma("Gemma-2-27B", "google/gemma-2-27b", 46, 32, 16, 128, 4608),
+    _gemma("Gemma-3-1B", "google/gemma-3-1b-pt", 26, 4, 1, 256, 1152),
+    _gemma("Gemma-3-4B", "google/gemma-3-4b-pt", 34, 8, 4, 256, 2560),
+    _gemma("Gemma-3-12B", "google/gemma-3-12b-pt", 48, 16, 8, 256, 3840),
+    _gemma("Gemma-3-27B", "google/gemma-3-27b-pt", 62, 32, 16, 128, 5376),
+    ModelCache("DeepSeek-V3", (mla_layer(512, 64),) * 61, 163840,
+               _HF.format("deepseek-ai/DeepSeek-V3") + " (num_hidden_layers 61, kv_lora_rank "
+               "512, qk_rope_head_dim 64, max_position_embeddings 163840)",
                "the multi-token-prediction layer (num_nextn_predict_layers 1) is left out"),
     _gpt_oss("gpt-oss-20b", 24),
     _gpt_oss("gpt-oss-120b", 36),
     _qwen3_next(),
 )}
-
-#: Every preset the package knows, of every kind, keyed by lower-case name.
-MODELS: dict[str, ModelCache] = {
-    **{k: from_preset(p) for k, p in PRESETS.items()},
-    **{k: from_preset(p) for k, p in HYBRID_PRESETS.items()},
-    **OTHER_MODELS,
-}
 
 
 def model_cache(name: str) -> ModelCache:
@@ -294,7 +525,11 @@ def model_cache(name: str) -> ModelCache:
     Raises:
         ValueError: no such model; the message lists the known names.
     """
-    return _lookup(MODELS, name, "model")
+    try:
+        return MODELS[name.lower()]
+    except (KeyError, AttributeError):
+        known = ", ".join(m.name for m in MODELS.values())
+        raise ValueError(f"unknown model {name!r}; known models: {known}") from None
 
 
 def calculator_presets() -> list[dict[str, object]]:

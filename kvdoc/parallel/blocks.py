@@ -53,8 +53,8 @@ from kvdoc.core.model import GPTConfig
 from kvdoc.core.model import Decoder, decode_step, generate, prefill
 from kvdoc.measure.kv_bytes import kv_bytes
 
-from .checks import TOLERANCE
 from .comm import Comm
+from .comparison import TOLERANCE
 from .decode import RankDecoder, check_run
 from .launch import launch
 from .tensor import head_shard
@@ -348,7 +348,7 @@ def handover_jobs(jobs: list[tuple], tp: int = 2) -> list[HandoverCheck]:
     """Run each :class:`Handover` (or a tuple of its fields, ``place`` onwards optional) on one
     launch of ``tp + 1`` ranks and check it against one process: tokens against
     :func:`~kvdoc.core.model.generate`, the assembled K/V against a one-process prefill (within
-    :data:`~kvdoc.parallel.checks.TOLERANCE`: TP reorders sums), bytes and messages against
+    :data:`~kvdoc.parallel.comparison.TOLERANCE`: TP reorders sums), bytes and messages against
     :func:`moved_bytes`, :func:`request_bytes` and :func:`messages`.
 
     Raises:

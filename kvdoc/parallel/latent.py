@@ -35,8 +35,8 @@ from kvdoc.core.model import decode_step, generate, prefill
 from kvdoc.measure.kv_bytes import measured_bytes
 from kvdoc.measure.model_caches import config_cache
 
-from .checks import TOLERANCE
 from .comm import Comm
+from .comparison import TOLERANCE
 from .launch import launch
 from .tensor import ShardedMLP
 

@@ -1,26 +1,13 @@
 """The ``invariance`` check: under :func:`kvdoc.batch_invariant`, one sequence's logits bit for bit.
 
-A sequence (row 0 of a short random stream) is computed under the mode in many ways: one full
-forward alone, one full forward in a batch of :data:`BATCH` rows (the others different
-sequences), and fed through every cache kind of :data:`KINDS` the grid says serves the model
-(dynamic and static, a window for a model with one, the hybrid cache for Gemma; an MLA model's
-are its latent caches) in chunks of each of :data:`CHUNKS` tokens, alone and in the batch.
-Every one of those logits must be ``torch.equal`` to the first, in BF16, FP16 and FP32 (copies
-of the model's weights): no tolerance at all. The chunkings and the batch are the axes a
-server varies from one request to the next; the cache kinds store the same K and V in other
-places; the split-K model (:mod:`kvdoc.serving.splitk`) splits the keys in its own chunks. An
-absorbed MLA model's cached calls attend in latent space, other sums than its full forward's
-(within rounding, checked by the grid's other scenarios): its cached runs must equal its one
-cached call over the whole sequence alone instead.
-
-It runs on the models of :data:`MODELS` (GPT-2's path; the split-K Mistral-style path, RoPE,
-RMSNorm, SwiGLU and a window; MLA, plain and absorbed; Gemma 3, window and global layers, q/k
-norms, the soft cap; the last three in BF16 and FP32 only but with ``--thorough``,
-:data:`LEAN`), on the dynamic kind and the model's own call only, in the FP32 pass: a few
-seconds. The broken variant ``chunk-split-attention``
-(:mod:`kvdoc.proofs.broken.arithmetic`) reads the cached keys and the chunk's own keys apart
-and merges the two exactly as split-K does: within FP32's and FP64's tolerance everywhere
-else, and caught here.
+Row 0 of a short stream is computed many ways: a full forward alone and in a batch of
+:data:`BATCH` different rows, fed through every kind of :data:`KINDS` that serves the model in
+chunks of each of :data:`CHUNKS`, alone and batched, decode steps among other rows: every result
+``torch.equal`` to the first, in BF16, FP16 and FP32, no tolerance (an absorbed MLA model's
+cached runs against its one cached call, since it attends in latent space). It runs on
+:data:`MODELS` (:data:`LEAN` in BF16 and FP32 only but with ``--thorough``), on the dynamic kind
+and the model's own call in the FP32 pass; ``chunk-split-attention``
+(:mod:`kvdoc.proofs.broken.arithmetic`) is within every tolerance and caught only here.
 
 >>> from kvdoc.proofs import grid
 >>> rows = invariance_rows(grid.MODELS["mha"].build(0), (torch.float32,))
@@ -46,31 +33,24 @@ from .traits import FAMILIES, traits
 CHECK = ("bitwise under kvdoc.batch_invariant(): chunks, batch, cache kinds, BF16/FP16/FP32 "
          "(MLA, Gemma: BF16/FP32)")
 MODELS = ("mha", "split-k", "mla", "mla-absorbed", "gemma3")
-"""The grid's models the check runs on (any model given to the suite, too)."""
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LEAN = ("mla", "mla-absorbed", "gemma3")
-"""Models of :data:`MODELS` that the default run checks in :data:`LEAN_DTYPES` only (every
-dtype with ``--thorough``, and in ``tests/test_batch_invariant.py``): their three dtypes would
-add some 3 s to ``python -m kvdoc verify``, FP16 a third of it."""
+"""Checked in BF16 and FP32 by default: their three dtypes would add some 3 s to ``verify``."""
 LEAN_DTYPES = (torch.bfloat16, torch.float32)
 KINDS = ("dynamic", "static", "window", "hybrid")
-"""The cache kinds fed chunk by chunk, where the model is served by them."""
 LENGTH = 24
-"""Tokens of the sequence: past two chunks of :data:`CHUNKS`' largest, short enough to be cheap."""
 CHUNKS = (2, 5)
 BATCH = 3
 
 
 def served_kinds(model: nn.Module) -> list[str]:
-    """The kinds of :data:`KINDS` the grid says serve ``model`` (:func:`kvdoc.proofs.grid.served`):
-    a window for a model with one, a hybrid cache for Gemma, the latent ones for MLA."""
+    """The kinds of :data:`KINDS` the grid says serve ``model``."""
     return [kind for kind, _ in grid.served(model.config, kinds=KINDS, impls=("model",))]
 
 
 def _cached_want(model: nn.Module, ids: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """What a cached run must equal: the full forward alone, or, for a model whose cached calls
-    attend another way (MLA absorbed into the latent: other sums, the same function), its one
-    cached call over the whole sequence alone."""
+    """What a cached run must equal: the full forward alone, or for an absorbed MLA model (other
+    sums, the same function) its one cached call over the whole sequence."""
     if not getattr(model.config, "absorb", False):
         return want
     return model(ids, model.new_cache(1)).logits
@@ -78,11 +58,7 @@ def _cached_want(model: nn.Module, ids: torch.Tensor, want: torch.Tensor) -> tor
 
 def invariance_rows(model: nn.Module, dtypes=DTYPES,
                     seed: int = 0) -> list[tuple[str, bool, float, int]]:
-    """``(dtype, bitwise, largest difference, runs)`` per dtype for ``model`` (any dtype).
-
-    Each run's logits of row 0 against those of the full forward of row 0 alone (the cached
-    runs of an absorbed MLA model against its one cached call alone: :func:`_cached_want`).
-    """
+    """``(dtype, bitwise, largest difference, runs)`` per dtype for ``model``."""
     g = torch.Generator().manual_seed(2000 + seed)
     ids = torch.randint(0, model.config.vocab_size, (BATCH, LENGTH), generator=g)
     rows = []
@@ -114,7 +90,6 @@ def invariance_rows(model: nn.Module, dtypes=DTYPES,
 
 @scenario("invariance", {"invariance": CHECK})
 def _scenario(case, out: list) -> None:
-    """The ``invariance`` scenario (see the module docstring)."""
     if case.kind != "dynamic" or case.impl != "model" or case.dtype != torch.float32:
         out.append(case.result("invariance", None, 0.0,
                                "run once per model: dynamic kind, the model's call, FP32 pass"))

@@ -1,9 +1,8 @@
 """The per-combination fixture of the verification suite and the registry its checks join.
 
-A check module defines scenarios, functions ``(case, out)`` that append :class:`CheckResult` s
-(made by :meth:`Case.result`) to ``out``, and registers each with :func:`scenario`, naming the
-checks it makes; :mod:`kvdoc.proofs.suite` imports the check modules and runs what they
-registered. This module imports no check module, so a check imports it without a circle.
+A scenario is a function ``(case, out)`` appending :class:`CheckResult` s (:meth:`Case.result`)
+to ``out``, registered with :func:`scenario` under the checks it makes; this module imports no
+check module, so a check imports it without a circle.
 
 >>> @scenario("answer", {"answer": "the answer vs 42"})
 ... def _answer(case, out):
@@ -33,17 +32,14 @@ from .compare import DTYPE_NAMES, TOLERANCE, CachedRun, run_cached
 from .grid import CacheSpec, ModelSpec
 
 SPARE = 8
-"""Positions of capacity beyond the stream that a cache is built with (for kinds that take one)."""
+"""Capacity beyond the stream: a cache that reads past its filled rows reads rows never written."""
 
 
 @dataclass(frozen=True)
 class CheckResult:
-    """One check on one combination. ``passed`` is None when the check does not apply.
-
-    ``batch`` and ``chunk`` are set for the checks of one stream run (``chunk`` is None for
-    the other checks); ``error`` is the largest difference (``inf`` for a shape mismatch, NaN,
-    or code that raised).
-    """
+    """One check on one combination: ``passed`` None where it does not apply; ``error`` the
+    largest difference (``inf`` for a shape mismatch, NaN or code that raised); ``batch`` and
+    ``chunk`` set for a stream run's checks."""
 
     check: str
     model: str
@@ -59,7 +55,11 @@ class CheckResult:
 
 @dataclass
 class Case:
-    """One combination of the grid, with its model (in its dtype), cached call and streams."""
+    """One combination of the grid: its model (in its dtype), cached call and streams; ``fresh()``
+    a new copy of the model before any call ran on it, ``implementation`` how a call is made
+    from a model, ``shared`` what every case of this model and stream computes alike, ``caches``
+    a broken variant's factories by kind (or scenario key), ``in_dtype(dtype)`` the model under
+    test built afresh in another dtype."""
 
     model_name: str
     kind: str
@@ -75,17 +75,10 @@ class Case:
     chunks: Sequence[int]
     stale: bool
     fresh: Callable[[], nn.Module]
-    """A copy of the model as it was built, before any call ran on it (a new copy each call)."""
     implementation: Callable[[nn.Module], Callable]
-    """How the cached call is made from a model (``grid.IMPLEMENTATIONS[impl]``)."""
     shared: dict = field(default_factory=dict)
-    """What every case of this model, dtype and stream computes alike (the reference's logits)."""
     caches: Mapping[str, Callable[[nn.Module, int, int], KVCache]] = field(default_factory=dict)
-    """Cache factories a broken variant puts in place of the real ones, by kind (or ``"int8"``,
-    ``"fp8"``)."""
     in_dtype: Callable[[torch.dtype], nn.Module] | None = None
-    """The model under test built afresh in another dtype (a broken variant built from the
-    correct model in that dtype, as in the run itself)."""
 
     @property
     def tol(self) -> float:
@@ -97,7 +90,6 @@ class Case:
                            passed, error, detail, batch, chunk)
 
     def new_cache(self, batch: int | None = None) -> KVCache:
-        # spare capacity: a cache that reads past its filled rows then reads rows never written
         new = self.caches.get(self.kind, self.cache.new)
         return new(self.model, batch or self.ids.shape[0], self.capacity)
 
@@ -113,12 +105,10 @@ class Case:
 
     @property
     def capacity(self) -> int:
-        """What a new cache of this case is built to hold: the stream and :data:`SPARE`."""
         return self.ids.shape[1] + SPARE
 
     def rounded(self) -> list[tuple[str, torch.dtype, nn.Module, Callable]]:
-        """In the FP32 pass, the model as built rounded to BF16 and to FP16, each as ``(label,
-        dtype, model, cached call)``; none in another pass."""
+        """In the FP32 pass, ``(label, dtype, model, call)`` rounded to BF16 and to FP16."""
         if self.dtype != torch.float32:
             return []
         out = []
@@ -128,19 +118,17 @@ class Case:
         return out
 
     def both_batches(self) -> list[torch.Tensor]:
-        """The stream at its full batch and, if larger, at batch 1 (bugs that squeeze a dim of
-        1)."""
+        """The stream at its full batch and, if larger, at batch 1 (a squeezed dim of 1 shows)."""
         return [self.ids] + ([self.ids[:1]] if self.ids.shape[0] > 1 else [])
 
 
 Scenario = Callable[[Case, list], None]
-"""A scenario: runs on one combination and appends its :class:`CheckResult` s to the list."""
 
 
 @dataclass(frozen=True)
 class Registered:
-    """A scenario as registered: the function, the checks it makes (name -> what it compares),
-    and the check an exception it raises is reported under."""
+    """A scenario as registered: the checks it makes (name -> what it compares) and the check an
+    exception it raises is reported under."""
 
     function: Scenario
     checks: Mapping[str, str]
@@ -148,14 +136,13 @@ class Registered:
 
 
 REGISTRY: dict[str, Registered] = {}
-"""Every registered scenario by name, in the order registered (import order: the suite orders
-them by module, :data:`kvdoc.proofs.suite.CHECK_MODULES`)."""
+"""Every registered scenario by name (the suite orders them by module)."""
 
 
 def scenario(name: str, checks: Mapping[str, str], *,
              raises_as: str | None = None) -> Callable[[Scenario], Scenario]:
-    """Register the decorated function as scenario ``name``, making ``checks`` (name -> what
-    it compares); an exception it raises is a failed ``raises_as`` check (default ``name``)."""
+    """Register the function as scenario ``name`` making ``checks``; an exception it raises is a
+    failed ``raises_as`` check (default ``name``)."""
     def register(function: Scenario) -> Scenario:
         if name in REGISTRY:
             raise ValueError(f"scenario {name!r} is registered already")

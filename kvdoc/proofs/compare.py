@@ -1,14 +1,7 @@
 """What the checks compare with: tolerances, cache snapshots, a cached run, the K/V a full
-forward projects.
-
-Everything that compares a cached path with a full forward is built from these:
-:data:`TOLERANCE` (``atol = rtol``, 1e-5 in FP32 and 1e-10 in FP64), :func:`run_cached` (a
-stream fed chunk by chunk through :func:`kvdoc.core.feed.feed`, recording whether any call
-changed what the cache held before it), :class:`Snapshot`, and :func:`full_forward_kv` (the
-K and V one full forward projects, read off each layer's projections). The checks themselves
-are the scenarios the modules of :data:`kvdoc.proofs.suite.CHECK_MODULES` register, which
-:func:`kvdoc.proofs.suite.run_suite` runs on the axes of :mod:`kvdoc.proofs.grid`;
-``python -m kvdoc verify`` runs them all.
+forward projects: :data:`TOLERANCE` (``atol = rtol``), :func:`run_cached` (a stream fed chunk by
+chunk, recording whether a call changed what the cache held before it), :class:`Snapshot` and
+:func:`full_forward_kv`.
 
 >>> model = default_model()
 >>> ids = default_stream(batch=1, length=6)
@@ -46,7 +39,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {torch.float32: "FP32", torch.float64: "FP
 
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max |a - b|`` as a Python float; ``inf`` if the shapes differ or a value is NaN.
+    """``max |a - b|``; ``inf`` if the shapes differ or a value is NaN.
 
     >>> max_abs(torch.zeros(2), torch.zeros(3)), max_abs(torch.tensor([1.0]), torch.tensor([0.5]))
     (inf, 0.5)
@@ -66,7 +59,7 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A copy of what a cache holds: each layer's positions (``cache.held(i)``) and K and V."""
+    """A copy of what a cache holds: each layer's positions (``held(i)``) and tensors."""
 
     held: list[range]
     layers: list[tuple[torch.Tensor, torch.Tensor]]
@@ -77,12 +70,9 @@ class Snapshot:
                    [tuple(t.clone() for t in cache.layer(i)) for i in range(cache.n_layer)])
 
     def changed(self, cache: KVCache, rows: int | None = None) -> float:
-        """Largest change in ``cache`` of the positions below ``rows`` (default all) held then.
-
-        ``inf`` if the cache no longer holds one of them (or a layer's shape disagrees with its
-        positions). A window cache (or a hybrid cache's window layer) holds only its last positions;
-        the others hold ``0 .. T - 1``.
-        """
+        """Largest change in ``cache`` of the positions below ``rows`` (default all) held then;
+        ``inf`` if it no longer holds one (a ring holds its last positions only) or a layer's
+        shape disagrees with its positions."""
         err = 0.0
         for i, (pair, was) in enumerate(zip(self.layers, self.held, strict=True)):
             now = cache.held(i)  # a window layer holds only its last positions
@@ -101,14 +91,9 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class CachedRun:
-    """What :func:`run_cached` returns.
-
-    Attributes:
-        logits: ``[B, T, V]``, the logits of every token fed, chunk after chunk.
-        cache: the cache after the last chunk.
-        lifecycle_error: the largest change, over all calls, of what the cache held before the
-            call (``inf`` if a cache not written in place changed its length).
-    """
+    """:func:`run_cached`'s logits ``[B, T, V]``, the cache after the last chunk, and the largest
+    change over all calls of what the cache held before the call (``inf`` if a cache not written
+    in place changed its length)."""
 
     logits: torch.Tensor
     cache: KVCache
@@ -119,23 +104,12 @@ class CachedRun:
 def run_cached(model: Callable, ids: torch.Tensor, chunk: int | Sequence[int],
                kind: str = "dynamic", first_chunk_ids: torch.Tensor | None = None, *,
                cache: KVCache | None = None, in_place: bool | None = None) -> CachedRun:
-    """Feed ``ids`` (``[B, T]``) through ``model`` chunk by chunk, continuing one cache.
-
-    Args:
-        model: the decoder, or any ``(idx, cache) -> (logits, cache)`` if ``cache`` is given.
-        ids: token ids ``[B, T]``, fed after what ``cache`` holds.
-        chunk: chunk size (the last chunk may be short) or the list of chunk lengths.
-        kind: the cache ``model.new_cache(B, kind)`` makes when ``cache`` is None
-            (``"static"`` gets capacity ``T``).
-        first_chunk_ids: if given (``[B, T]``), the first chunk is taken from it instead of ``ids``
-            (the stale-cache scenario of :mod:`kvdoc.proofs.broken.decoders`).
-        cache: the cache to continue (default a new empty one).
-        in_place: whether a call may write into the cache passed in (rows from its length on
-            only); otherwise that cache must keep its length too. Default: ``kind == "static"``
-            for a new cache; for a given one, only the rows it held are checked.
-
-    Returns:
-        A :class:`CachedRun`.
+    """Feed ``ids`` ``[B, T]`` through ``model`` (or any ``(idx, cache) -> (logits, cache)``
+    given a ``cache``) in chunks of ``chunk`` (or those lengths), continuing one cache: ``cache``,
+    or a new one of ``kind`` (``"static"``: capacity ``T``). ``first_chunk_ids`` gives the first
+    chunk instead (a stale cache). ``in_place``: whether a call may write into the cache passed
+    in (from its length on); otherwise that cache must keep its length too (default: ``kind ==
+    "static"`` for a new cache; for a given one only its held rows are checked).
     """
     if ids.dim() != 2:
         raise ValueError(f"ids must be [B, T], got {tuple(ids.shape)}")
@@ -165,15 +139,9 @@ def run_cached(model: Callable, ids: torch.Tensor, chunk: int | Sequence[int],
 
 @torch.no_grad()
 def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
-    """One full forward (no cache): logits ``[B, T, V]``, every layer's K and V
-    ``[B, H_kv, T, D_h]``.
-
-    K and V are read off each layer's ``c_attn`` output with forward hooks (and K rotated at
-    positions ``0 .. T - 1`` for a RoPE model, as a cache stores it), so they come from the full
-    recompute itself and not from any cache code. For an MLA model (:mod:`kvdoc.core.mla`) the
-    pair is what it caches instead: ``c_KV`` ``[B, 1, T, r]`` and ``k_rope`` ``[B, 1, T, d_R]``,
-    read off ``kv_a_proj_with_mqa``. For a Gemma model (:mod:`kvdoc.core.gemma`) K is read off each
-    layer's ``k_norm`` and V off its ``v_proj``.
+    """One full forward: logits ``[B, T, V]`` and every layer's K and V ``[B, H_kv, T, D_h]`` read
+    off its projections with forward hooks (K rotated as a cache stores it), not from any cache
+    code; for MLA the latent ``c_KV`` and ``k_rope`` it caches, for Gemma K off ``k_norm``.
 
     >>> model = default_model()
     >>> logits, kv = full_forward_kv(model, torch.tensor([[1, 2, 3]]))
@@ -184,7 +152,6 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
     captured: list[KV] = []
 
     def hook(module, inputs, output):
-        # c_attn's columns: H query heads, then H_kv key heads, then H_kv value heads, D_h each
         B, T, _ = output.shape
         heads = output.view(B, T, cfg.n_head + 2 * cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
         _, k, v = heads.split((cfg.n_head, cfg.n_kv_head, cfg.n_kv_head), dim=1)
@@ -239,14 +206,14 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
 
 
 def default_model(seed: int = 0, config: GPTConfig | None = None) -> Decoder:
-    """The site's model: ``torch.manual_seed(seed)``, then a :class:`Decoder` in eval mode."""
+    """The site's model: a :class:`Decoder` in eval mode after ``torch.manual_seed(seed)``."""
     torch.manual_seed(seed)
     return Decoder(config or GPTConfig()).eval()
 
 
 def default_stream(seed: int = 1, batch: int = 2, length: int = 24,
                    vocab_size: int = 97) -> torch.Tensor:
-    """A token stream ``[batch, length]``: ids from a generator seeded with ``seed``."""
+    """Token ids ``[batch, length]`` from a generator seeded with ``seed``."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (batch, length), generator=g)
 
@@ -254,12 +221,8 @@ def default_stream(seed: int = 1, batch: int = 2, length: int = 24,
 @torch.no_grad()
 def split_error(model: Decoder, ids: torch.Tensor, cached: int, variant: str | None = None,
                 kind: str = "dynamic") -> float:
-    """Max logit error of the new positions when ``ids`` (``[B, T]``) is fed as ``cached`` tokens,
-    then the rest.
-
-    This is the source document's experiment (4 cached + 2 new) for one implementation, the
-    correct one or the broken variant ``variant`` (a key of :data:`kvdoc.proofs.variants.VARIANTS`).
-    """
+    """Max logit error of the new positions when ``ids`` ``[B, T]`` is fed as ``cached`` tokens,
+    then the rest (the source's 4 + 2 experiment), by the model or a broken ``variant``."""
     if not 0 < cached < ids.shape[1]:
         raise ValueError(f"cached must be between 1 and {ids.shape[1] - 1}, got {cached}")
     broken = None if variant is None else VARIANTS[variant]

@@ -1,16 +1,10 @@
-"""The checks that the cached path computes the full forward's function, on one combination.
+"""The checks that the cached path computes the full forward's function, on one combination,
+within :data:`kvdoc.proofs.compare.TOLERANCE`.
 
-Each check compares against one full forward of the same model unless its description says
-otherwise; tolerances are :data:`kvdoc.proofs.compare.TOLERANCE` (``atol = rtol``, 1e-5 in FP32,
-1e-10 in FP64).
-
-* ``stream`` makes ``logits``, ``kv``, ``kv_shape``, ``causality`` and ``lifecycle`` for every
-  batch size and chunk size of the case: a stream of :data:`kvdoc.proofs.grid.STREAM_LENGTH`
-  tokens (past positions 32 and 64) fed in chunks of each of :data:`kvdoc.proofs.grid.CHUNKS`
-  tokens, none of which divides it except 1. Causality edits the last token: the full forward
-  and the cached path must keep every earlier position (for chunks of two or more tokens the
-  last call, the only one that sees the last token, is rerun with it edited from the cache as
-  it was before that call; with one token per call, no earlier call ever sees the last token).
+* ``stream``: ``logits``, ``kv``, ``kv_shape``, ``causality`` and ``lifecycle`` for every batch
+  and chunk size of the case, the stream (past positions 32 and 64) fed in chunks none of which
+  divides it but 1. Causality edits the last token: both paths must keep every earlier position
+  (the last call, the only one that sees it, rerun from the cache as it was before that call).
 * ``last_only``: ``last_only=True`` returns the last position, full and cached.
 * ``reference``: the model's independent reference (:mod:`kvdoc.proofs.references`), full and
   cached.
@@ -26,8 +20,7 @@ from .compare import CachedRun, close, full_forward_kv, max_abs
 
 
 def _cached_shapes(config, batch: int, length: int) -> tuple[tuple[int, ...], ...]:
-    """What each layer caches: K and V ``[B, H_kv, T, D_h]``, or the shapes the config states
-    (an MLA config's ``c_KV`` and ``k_rope``, :meth:`kvdoc.core.mla.MLAConfig.cached_shapes`)."""
+    """What each layer caches: K and V ``[B, H_kv, T, D_h]``, or the shapes the config states."""
     if hasattr(config, "cached_shapes"):
         return tuple(config.cached_shapes(batch, length))
     shape = (batch, config.n_kv_head, length, config.head_dim)

@@ -1,25 +1,13 @@
-"""Measurements counted: the figures :mod:`kvdoc.measure` gives the pages, against the real
-tensors of a cache that was filled, and FLOPs against a count of the operations that ran.
+"""Measurements counted: the figures :mod:`kvdoc.measure` gives the pages against the tensors of
+a filled cache, and FLOPs against a count of the operations that ran.
 
-The ``counted`` scenario fills a cache of the case's kind with the stream, at the full batch
-``B`` and at batch 1, and compares, layer by layer and in total:
-
-* :func:`kvdoc.measure.model_caches.config_cache` (the per-layer formula: K and V, a window, an
-  MLA latent with its rotary key): each layer's bytes, the bytes per token, one sequence, ``B``
-  sequences, against ``sum(numel * element_size)`` of the tensors each layer holds;
-* the memory formula of the pages, :func:`~kvdoc.measure.kv_bytes.kv_bytes_for_config`
-  (a GPTConfig);
-* :func:`~kvdoc.measure.batch_decode.step_traffic`'s K/V bytes of a decode step at batch ``B``
-  and :func:`~kvdoc.measure.batch_decode.kv_per_sequence` at batch 1, against the cache that
-  step reads (a GPTConfig without a window, on the dynamic kind);
-* :func:`~kvdoc.measure.costs.step_flops`: its linear and LM-head FLOPs against
-  ``2 x rows x in x out`` summed over every ``nn.Linear`` call of the same forward, its
-  attention FLOPs against ``2 x 2 x B x H x C x T x D_h`` summed over the ``(q, k)`` shapes
-  every layer's attention was handed (a GPTConfig decoder, on the dynamic kind).
-
-Every comparison is of integers, exact on every machine. A broken variant replaces a measure
-function through :attr:`~kvdoc.proofs.case.Case.caches` under the keys of
-:data:`MEASURES`.
+The ``counted`` scenario fills a cache of the case's kind at batch ``B`` and 1 and compares, in
+integers (exact on every machine): :func:`~kvdoc.measure.model_caches.config_cache`'s bytes per
+layer, token, sequence and batch, :func:`~kvdoc.measure.kv_bytes.kv_bytes_for_config`,
+:func:`~kvdoc.measure.batch_decode.step_traffic` and ``kv_per_sequence`` against the tensors
+held; :func:`~kvdoc.measure.costs.step_flops` against ``2 x rows x in x out`` over every
+``nn.Linear`` call and ``4 B H C T D_h`` over every attention's ``(q, k)``. A broken variant
+replaces a function of :data:`MEASURES` through ``case.caches``.
 """
 
 from __future__ import annotations
@@ -40,12 +28,10 @@ from .cache_invariants import held_tensors, tensor_bytes
 from .case import Case, scenario
 
 MEASURES = {"config_cache": config_cache, "step_traffic": step_traffic}
-"""The measure functions the scenario calls, by the key a variant replaces one under."""
 KINDS = ("dynamic", "window", "hybrid")
-"""The kinds whose tensors hold exactly their positions (a static cache holds its capacity, a
-paged pool its blocks: their formulas are the ``bytes`` check's)."""
+"""Kinds whose tensors hold exactly their positions (a static cache's capacity and a pool's blocks
+are the ``bytes`` check's)."""
 RINGS = ("window", "hybrid")
-"""The kinds that keep only a window layer's last ``W`` positions."""
 
 
 def _fill(case: Case, batch: int):
@@ -92,8 +78,7 @@ def byte_problems(case: Case) -> list[str]:
 
 
 def _counting(model: Decoder) -> tuple[Decoder, list[tuple[torch.Size, torch.Size]], list[int]]:
-    """A copy of ``model`` whose attention modules record the ``(q, k)`` shapes they attend
-    over, and whose linear layers add their multiply-add FLOPs to a list."""
+    """A copy of ``model`` recording its attentions' ``(q, k)`` shapes and its linear FLOPs."""
     clone, seen, linear = copy.deepcopy(model), [], []
     for block in clone.h:
         attend = block.attn.attend
@@ -110,8 +95,8 @@ def _counting(model: Decoder) -> tuple[Decoder, list[tuple[torch.Size, torch.Siz
 
 
 def flop_problems(case: Case) -> list[str]:
-    """What disagrees between :func:`step_flops` and a count of the full forward of 13 tokens
-    and the cached call of 5 after them."""
+    """What disagrees between :func:`step_flops` and a count of a forward of 13 tokens and the
+    cached call of 5 after it."""
     past, new = 13, 5
     model, seen, linear = _counting(case.model)
     ids, problems, B = case.ids, [], case.ids.shape[0]
@@ -133,12 +118,10 @@ def flop_problems(case: Case) -> list[str]:
 
 CHECK = ("byte figures (per layer incl. MLA's latent and rotary key, per token, sequence, "
          "batch B) vs a filled cache's tensors; step_flops vs counted operations")
-"""What the ``counted`` check compares."""
 
 
 @scenario("counted", {"counted": CHECK})
 def _scenario(case: Case, out: list) -> None:
-    """The ``counted`` check on one combination."""
     if case.impl != "model" or case.kind not in KINDS:
         out.append(case.result("counted", None, 0.0, "counted on the model's dynamic, window "
                                "and hybrid caches, whose tensors hold exactly their positions"))

@@ -1,24 +1,17 @@
 """The FP8 cache's contract, checked on the grid as the ``fp8`` scenario, and its error measured.
 
 The FP8 cache (:mod:`kvdoc.serving.fp8`) is lossy, so, like the int8 cache
-(:mod:`kvdoc.proofs.int8_contract`), it is held to a contract instead of the FP32 tolerance,
-in each of :data:`SETTINGS` (per-head scales from the first prefill; per-tensor scales
-calibrated on another stream, which the checked stream can exceed, so saturation is exercised):
+(:mod:`kvdoc.proofs.int8_contract`, whose machinery this uses), it is held to a contract, in each
+of :data:`SETTINGS` (per-head scales from the first prefill; per-tensor scales calibrated on
+another stream, which the checked stream can exceed, so saturation is exercised): held rows and,
+once set, scales never change (bitwise); the scales are the stated ones (``max|x| / 448`` of the
+first rows, per head or per tensor, or the calibrated ones); every value read back is an e4m3
+number times its scale, within :func:`~kvdoc.serving.fp8.element_error_bound` of what was written;
+every attention read within :func:`~kvdoc.serving.fp8.read_error_bound` of the same read over the
+exact K/V; its bytes ``2 L B H_kv T D_h x 1 + 2 L S x 4`` (``S`` scales a tensor), as its tensors.
 
-* rows it holds never change after an append (bitwise), and neither do its scales once set;
-* the scales are the stated ones: ``max|x| / 448`` of the first rows written (per head or per
-  tensor), or the calibrated ones given;
-* every value read back is an e4m3 number times its scale, and within
-  :func:`~kvdoc.serving.fp8.element_error_bound` of what was written (``2^-4`` of it for normal
-  values, its excess over ``448 s`` when it saturates);
-* every attention read of the model's layers is within
-  :func:`~kvdoc.serving.fp8.read_error_bound` of the same read over the exact K/V;
-* its bytes are ``2 L B H_kv T D_h x 1 + 2 L S x 4`` (``S`` scales a tensor: 1 or ``H_kv``),
-  the formula of :mod:`kvdoc.measure.layer_bytes`, and its tensors hold exactly that.
-
-What the contract does not say, and :func:`measure_fp8` and :func:`greedy_agreement` measure
-(observations, never asserted): how far the logits move, and how long greedy decoding picks the
-same tokens as over the exact cache.
+:func:`measure_fp8` and :func:`greedy_agreement` measure what the contract does not say (never
+asserted): how far the logits move, how long greedy decoding agrees with the exact cache.
 """
 
 from __future__ import annotations
@@ -30,9 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdoc.core.cache import DynamicCache, KVCache
-from kvdoc.core.model import GPTConfig
-from kvdoc.core.feed import feed
+from kvdoc.core.cache import DynamicCache
 from kvdoc.measure.divergence import Divergence, divergence, greedy_with_gaps
 from kvdoc.serving.fp8 import (
     amax_scale,
@@ -42,42 +33,23 @@ from kvdoc.serving.fp8 import (
     read_error_bound,
 )
 
-from .cache_invariants import byte_problems
 from .case import Case, scenario
-from .compare import Snapshot, max_abs, run_cached
-from .int8_contract import Read, Recorder, int8_reads
+from .compare import max_abs, run_cached
+from .int8_contract import INT8_CHUNKS, Recorder, contract_run, judge, why_not
 
-FP8_CHUNKS = (5, 1, 1, 9, 1)
+FP8_CHUNKS = INT8_CHUNKS
 """Chunks of the ``fp8`` scenario: a first prefill of 5, single tokens (the fast step), a chunk."""
 SETTINGS = (("per-head", False), ("per-tensor", True))
 """``(granularity, calibrated)`` pairs the scenario runs: both granularities, both sources."""
 CHECK = ("fp8 cache: held rows and scales never change, values e4m3 times the stated scale within "
          "2^-4 (or their saturation); every attention read within its derived bound")
-"""What the ``fp8`` check compares."""
-
-
-class _ScaleRecorder(Recorder):
-    """A :class:`~kvdoc.proofs.int8_contract.Recorder` that also records, per layer, the
-    scales the layer states after each update (what the reads are judged against)."""
-
-    def __init__(self, inner: KVCache, written: dict, exact: dict, scales: dict) -> None:
-        super().__init__(inner, written, exact)
-        self.scales = scales
-
-    def begin(self) -> _ScaleRecorder:
-        return _ScaleRecorder(self.inner.begin(), self.written, self.exact, self.scales)
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int):
-        out = super().update(layer_idx, k, v, start)
-        self.scales[layer_idx] = tuple(s.clone() for s in self.inner.layers[layer_idx].scales)
-        return out
 
 
 def row_breach(got: torch.Tensor, written: torch.Tensor, scale: torch.Tensor,
                fp8: torch.dtype = torch.float8_e4m3fn) -> float:
-    """The worst breach of: ``got / scale`` is an FP8 number, and ``got`` is within
-    :func:`~kvdoc.serving.fp8.element_error_bound` of ``written``; in units of the scale
-    (0 when the rows keep the contract, ``inf`` for NaN).
+    """The worst breach, in units of the scale, of: ``got / scale`` is an FP8 number, and ``got``
+    is within :func:`~kvdoc.serving.fp8.element_error_bound` of ``written`` (0 when the rows keep
+    the contract, ``inf`` for NaN).
 
     >>> from kvdoc.serving.fp8 import dequantize, quantize
     >>> x, s = torch.tensor([[[[0.3, -2.0, 900.0]]]]), torch.ones(1, 1, 1, 1)
@@ -95,43 +67,23 @@ def row_breach(got: torch.Tensor, written: torch.Tensor, scale: torch.Tensor,
     return math.inf if math.isnan(worst) else worst
 
 
-def _judge(scales: dict, fp8: torch.dtype):
-    """A judge for :func:`~kvdoc.proofs.int8_contract.int8_reads` against the FP8 bound, at the
-    scales the layer states (``scales``, filled by :class:`_ScaleRecorder`)."""
-    def judge(layer, attend, q, k, v, start, attn_mask, got, exact) -> Read:
-        K, V = exact
-        if K.shape != k.shape or V.shape != v.shape:
-            return Read(layer, start, math.inf, 0.0, math.inf)
-        want = attend(q, K, V, start, attn_mask)
-        bound = read_error_bound(q, K, V, *scales[layer], fp8)
-        # each read rounds: a weighted sum of T values and a score of D_h products
-        slack = 2 * (K.shape[2] + q.shape[-1]) * torch.finfo(q.dtype).eps * float(V.abs().max())
-        err = (got - want).abs().to(torch.float64)
-        excess = float((err - bound - slack).amax().clamp(min=0)) if err.numel() else 0.0
-        return Read(layer, start, max_abs(got, want), float(bound.max()) if bound.numel() else 0.0,
-                    math.inf if math.isnan(excess) else excess)
-    return judge
-
-
 def _one(case: Case, model: torch.nn.Module, call, granularity: str,
          calibrated: bool) -> tuple[bool, float, str]:
     """``(passed, error, detail)`` of the contract for ``model``'s cached ``call``."""
     new = case.caches.get("fp8", new_fp8_cache)
-    fed, B = sum(FP8_CHUNKS), case.ids.shape[0]
+    fed = sum(FP8_CHUNKS)
     given = calibrate(model, case.alt[:, :fed], granularity) if calibrated else None
     written: dict = {}
-    exact: dict = {}
-    stated: dict = {}
-    cache = _ScaleRecorder(new(model, B, case.ids.shape[1], granularity=granularity,
-                               scales=given), written, exact, stated)
-    changed, breach, scale_off, problems, saturated = 0.0, 0.0, 0.0, [], 0
-    held = [Snapshot.of(cache)]
+    stated: dict = {}  # layer -> the scales it states after each update: the reads' bound
+    cache = Recorder(new(model, case.ids.shape[0], case.ids.shape[1], granularity=granularity,
+                         scales=given), written, {}, stated)
     first: dict = {}  # layer -> its scales as first set
     fp8 = cache.inner.layers[0].fp8
+    scale_off, saturated = 0.0, 0
 
-    def check(start: int, n: int, before: KVCache, after: KVCache) -> None:
-        nonlocal changed, breach, scale_off, saturated
-        changed = max(changed, held[0].changed(before, start), held[0].changed(after, start))
+    def rows(start: int, n: int, after) -> float:
+        nonlocal scale_off, saturated
+        breach = 0.0
         for i, layer in enumerate(after.inner.layers):
             if i not in first:  # the scales the layer must keep: given, or of its first rows
                 want = (given[i].reshape(2, *layer.scales[0].shape) if calibrated else
@@ -146,12 +98,10 @@ def _one(case: Case, model: torch.nn.Module, call, granularity: str,
             for got, wrote, s in zip(after.layer(i), written[i], layer.scales, strict=True):
                 breach = max(breach, row_breach(got[:, :, start:start + n], wrote, s, fp8))
                 saturated += int((wrote.abs() > torch.finfo(fp8).max * s).sum())
-        problems.extend(f"after {start + n}: {p}" for p in byte_problems(after.inner))
-        held[0] = Snapshot.of(after)
+        return breach
 
-    with int8_reads(model, exact, _judge(stated, fp8)) as reads:
-        feed(call, case.ids[:, :fed], cache, FP8_CHUNKS, hook=check)
-    excess = max((r.excess for r in reads), default=0.0)
+    bound = judge(lambda layer, q, K, V: read_error_bound(q, K, V, *stated[layer], fp8))
+    changed, breach, excess, reads, problems = contract_run(case, model, call, cache, bound, rows)
     ok = (changed == 0.0 and breach == 0.0 and scale_off == 0.0 and excess == 0.0 and bool(reads)
           and not problems)
     ratio = max((r.error / r.bound for r in reads if r.bound > 0), default=0.0)
@@ -168,14 +118,11 @@ def _one(case: Case, model: torch.nn.Module, call, granularity: str,
 
 @scenario("fp8", {"fp8": CHECK})
 def _scenario(case: Case, out: list) -> None:
-    """The ``fp8`` scenario: see the module docstring. In the FP32 pass it runs again on the
-    model rounded to BF16 and to FP16 (the element bound counts the model dtype's rounding of
-    ``x / s`` and ``q s``)."""
-    if case.kind != "dynamic":  # the FP8 cache grows as a dynamic one does: run it once
-        out.append(case.result("fp8", None, 0.0, "run with the dynamic kind only"))
-        return
-    if not isinstance(case.model.config, GPTConfig):
-        out.append(case.result("fp8", None, 0.0, "an FP8 cache of a GPTConfig model's K/V"))
+    """The ``fp8`` scenario (the module docstring), again on the model rounded to BF16 and to
+    FP16 in the FP32 pass (the element bound counts the model dtype's rounding)."""
+    why = why_not(case, "FP8")
+    if why:
+        out.append(case.result("fp8", None, 0.0, why))
         return
     models = [("", case.model, case.call)] + [(label, low, call)
                                               for label, _, low, call in case.rounded()]
@@ -189,17 +136,9 @@ def _scenario(case: Case, out: list) -> None:
 
 @dataclass(frozen=True)
 class Fp8Row:
-    """The FP8 cache against one full forward, teacher-forced over one stream.
-
-    Attributes:
-        granularity, source: the scales (``"first prefill"`` or ``"calibrated"``).
-        logit_error: max ``|FP8 cached - full|`` over every position and the whole vocabulary.
-        logit_scale: max ``|full logit|``, for scale.
-        agree, positions: positions whose greedy (argmax) token is the same on both paths, of
-            ``B * T``.
-        saturated, values: K/V values of the exact cache beyond ``448 s`` of the scales the FP8
-            cache ends with, of all it holds.
-    """
+    """The FP8 cache (``granularity``, scales from ``source``) against one full forward,
+    teacher-forced: the largest logit error and logit; positions whose argmax agrees, of ``B *
+    T``; K/V values beyond ``448 s`` of the final scales, of all the exact cache holds."""
 
     granularity: str
     source: str

@@ -1,36 +1,19 @@
 """Checks of the prefill/decode hand-over (:mod:`kvdoc.serving.handover`).
 
-* :func:`check_handover`: one :func:`~kvdoc.serving.handover.disaggregated_generate` run
-  against :func:`kvdoc.core.model.generate` on the same prompt (the tokens) and one full forward
-  over prompt + tokens (the logits behind each choice, within
-  :data:`kvdoc.proofs.compare.TOLERANCE`), and the K/V bytes moved against the byte formula
-  :func:`kvdoc.measure.model_caches.config_cache` (K and V, or an MLA model's latent).
-* Shipping changes no bit: in one process (``in_process=True``, what the grid runs), the
-  hand-over's logits are ``torch.equal`` to the same prefill and decode steps run on the cache
-  that was never packed (:func:`_unshipped_logits`), in any dtype. Across processes only the
-  tolerance holds: the prefill worker runs on one thread, and a matmul on other threads may sum
-  in another order.
-* :func:`check_dtypes`: the same in FP32 and FP64 (and, with ``dtypes=``, BF16 and FP16, where
-  the full forward is not compared: its distance from the cached path is rounding noise there,
-  bounded on :doc:`/part5/5-precision`, while the bitwise check holds exactly). The
-  ``handover`` scenario runs every dtype of :data:`PAYLOAD_DTYPES` from its FP32 combination,
-  so a payload that passes through a narrower dtype on the wire is seen in the one dtype it
-  loses bits in (:func:`~kvdoc.proofs.broken.serving.pack_through_fp32`, FP64 only).
-* What the check must catch: the broken packers of :mod:`kvdoc.proofs.broken.serving`,
-  :func:`~kvdoc.proofs.broken.serving.pack_off_by_one` (ships one position too few, so decoding
-  starts a position early) and :func:`~kvdoc.proofs.broken.serving.pack_zeroed_last_v` (the
-  last layer's V replaced by zeros: the right byte count, the wrong values).
+:func:`check_handover` holds one :func:`~kvdoc.serving.handover.disaggregated_generate` run to
+``generate`` on the same prompt (tokens), one full forward (logits, within the tolerance), the
+same calls on the cache never packed (``torch.equal``, in one process, in any dtype; across
+processes a matmul on other threads may sum in another order) and the byte formula. The
+``handover`` scenario runs it from the FP32 combination in each of :data:`PAYLOAD_DTYPES` too, so
+a payload that passes through a narrower dtype shows in the dtype it loses bits in; the packers
+of :mod:`kvdoc.proofs.broken.serving` are what it must catch (``tests/test_handover.py``).
 
 >>> import torch
->>> from kvdoc.proofs.broken.serving import pack_off_by_one, pack_zeroed_last_v
+>>> from kvdoc.proofs.broken.serving import pack_zeroed_last_v
 >>> from kvdoc.proofs.compare import default_model
 >>> model, prompt = default_model(), torch.tensor([[5, 6, 7, 8]])
->>> [c.passed for c in check_dtypes(model, prompt, 4)]
-[True, True]
 >>> [(c.dtype, c.passed) for c in check_dtypes(model, prompt, 4, PAYLOAD_DTYPES)]
 [('FP64', True), ('BF16', True), ('FP16', True)]
->>> check_handover(model, prompt, 4, packer=pack_off_by_one).passed
-False
 >>> check = check_handover(model, prompt, 4, packer=pack_zeroed_last_v)
 >>> check.bytes_match, check.passed
 (True, False)
@@ -55,23 +38,18 @@ from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs
 
 @dataclass(frozen=True)
 class HandoverCheck:
-    """One hand-over run against the single-process run and the byte formula."""
+    """One hand-over run: tokens equal ``generate``'s on a dynamic cache (what the worker
+    ships); logits within the tolerance of the full forward (not compared in BF16 or FP16) and
+    ``torch.equal`` to the never-shipped cache's (``same_bits``; across processes, True); the
+    K/V bytes moved and their formula; the payload's parts."""
 
     dtype: str
     tokens_equal: bool
-    """The tokens equal ``generate``'s on a dynamic cache, the kind the prefill worker ships."""
     logits_error: float
-    """``max |hand-over logits - full-forward logits|`` over every generated position."""
     logits_close: bool
-    """Within :data:`~kvdoc.proofs.compare.TOLERANCE` of the full forward (a dtype without one,
-    BF16 or FP16, is not compared: see :attr:`same_bits`)."""
     same_bits: bool
-    """The hand-over's logits ``torch.equal`` to those of the cache that was never shipped (in
-    one process; across processes, not compared: True)."""
     kv_bytes: int
     formula_bytes: int
-    """``2 x n_layer x B x H_kv x T x D_h x element_size`` for the prompt's ``T`` positions
-    (for a latent, ``B x T x`` its config's bytes per token)."""
     logits_bytes: int
     overhead_bytes: int
     payload_bytes: int
@@ -99,18 +77,20 @@ def check_handover(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, *,
         full = model(alone[:, :-1]).logits[:, prompt.shape[1] - 1:]
     unshipped = _unshipped_logits(model, alone, prompt.shape[1]) if in_process else run.logits
     tol = TOLERANCE.get(dtype)
+    # the dynamic cache the hand-over ships: every position of every layer, or an MLA latent
+    formula = config_cache(model.config, windows=False).kv_bytes(prompt.shape[1], prompt.shape[0],
+                                                                  dtype)
     return HandoverCheck(
         DTYPE_NAMES[dtype], torch.equal(run.tokens, alone),
         max_abs(run.logits, full), tol is None or close(run.logits, full, tol),
         run.logits.shape == unshipped.shape and torch.equal(run.logits, unshipped),
-        run.kv_bytes, _formula(model.config, *prompt.shape, dtype), run.logits_bytes,
-        run.overhead_bytes, run.payload_bytes)
+        run.kv_bytes, formula, run.logits_bytes, run.overhead_bytes, run.payload_bytes)
 
 
 @torch.no_grad()
 def _unshipped_logits(model: Decoder, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """The logits behind ``tokens[:, prompt_len:]`` from the hand-over's own calls (a prefill
-    into a dynamic cache, then one decode step a token) on a cache that stays in this process."""
+    """The logits behind ``tokens[:, prompt_len:]`` from the hand-over's own calls (a prefill,
+    then decode steps) on a dynamic cache that stays in this process."""
     cache = model.new_cache(tokens.shape[0], "dynamic")
     logits, cache = prefill(model, tokens[:, :prompt_len], cache)
     steps = [logits[:, -1:]]
@@ -118,12 +98,6 @@ def _unshipped_logits(model: Decoder, tokens: torch.Tensor, prompt_len: int) -> 
         logits, cache = decode_step(model, tokens[:, t:t + 1], cache)
         steps.append(logits)
     return torch.cat(steps, dim=1)
-
-
-def _formula(config: object, batch: int, seq_len: int, dtype: torch.dtype) -> int:
-    """What ``seq_len`` positions of ``batch`` sequences cache in the dynamic cache the
-    hand-over ships (every position of every layer, or an MLA latent)."""
-    return config_cache(config, windows=False).kv_bytes(seq_len, batch, dtype)
 
 
 def check_dtypes(model: Decoder, prompt: torch.Tensor, max_new_tokens: int,
@@ -135,35 +109,25 @@ def check_dtypes(model: Decoder, prompt: torch.Tensor, max_new_tokens: int,
 
 
 PAYLOAD_DTYPES = (torch.float64, torch.bfloat16, torch.float16)
-"""The dtypes the ``handover`` scenario also ships from its FP32 combination: every dtype a
-payload may carry (:data:`kvdoc.serving.handover.pack`'s), each checked bit for bit."""
+"""Every other dtype a payload may carry: the ``handover`` scenario ships each from FP32."""
 
 HANDOVER_PROMPT = 21
-"""Prompt tokens of the ``handover`` scenario: past the grid's window of 16, so the positions a
-window layer no longer reads are shipped too, and decoding starts past the window."""
+"""Past the grid's window of 16: rows a window layer no longer reads are shipped too."""
 
 
 @scenario("handover", {
     "handover": "prefill, cache packed and unpacked, decode vs generate; cached bytes vs "
                 "formula"})
 def handover_scenario(case, out: list) -> None:
-    """The ``handover`` check on one combination of the grid (a
-    :data:`~kvdoc.proofs.case.Scenario`): a prompt of the stream, past the grid's window
-    (:data:`HANDOVER_PROMPT`), prefilled, packed, unpacked and decoded (in one process: the
-    payload is the same bytes either way), against ``generate``; for the dynamic kind of the
-    model implementation of every model (what a prefill worker ships is its dynamic cache), not
-    applicable elsewhere. From the FP32 combination, also copies of the model in each of
-    :data:`PAYLOAD_DTYPES`; a broken variant's packer comes in as ``case.caches["packer"]``."""
     if case.impl != "model" or case.kind != "dynamic":
         out.append(case.result("handover", None, 0.0,
                                "a model's own dynamic cache is what a prefill worker ships"))
         return
     n = HANDOVER_PROMPT
     extra = PAYLOAD_DTYPES if case.dtype == torch.float32 else ()
-    checks = [check_handover(case.model, case.ids[:, :n], 4, packer=case.caches.get("packer",
-                                                                                   pack))]
-    checks += [check_handover(case.in_dtype(dt), case.ids[:, :n], 4,
-                              packer=case.caches.get("packer", pack)) for dt in extra]
+    packer = case.caches.get("packer", pack)  # a broken variant's
+    models = (case.model if dt is None else case.in_dtype(dt) for dt in (None, *extra))
+    checks = [check_handover(m, case.ids[:, :n], 4, packer=packer) for m in models]
     for check in checks:  # each under its own dtype: a failure in FP64 is one of FP64
         result = case.result("handover", check.passed, check.logits_error,
                              f"prefill of {n}, packed ({check.payload_bytes} bytes), unpacked, "

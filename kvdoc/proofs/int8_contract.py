@@ -1,22 +1,21 @@
 """The int8 cache's contract, checked on the grid as the ``int8`` scenario.
 
-The int8 cache (:mod:`kvdoc.serving.quant`) is lossy, so it is held to its contract,
-not to the FP32 tolerance: rows it holds never change after an append (bitwise), each new row's
-scale is its own ``max|x| / 127`` (every value a multiple of it, within ``[-127, 127]`` steps,
-the largest at 127), each value within half a step of what was written, every attention read
-of the model's layers within :func:`~kvdoc.serving.quant.read_error_bound` of the same read
-over the exact K/V (:func:`int8_reads`), and its bytes are ``2 L B H_kv T (D_h + scale
-bytes)``. In the FP32 pass it runs again on the model rounded to BF16 and to FP16, where a
-multiple of a step is itself rounded to the model's dtype: there each value is held to
-:func:`half_step` of its dtype instead (up to a step in BF16), and the reads' bound with it.
+The int8 cache (:mod:`kvdoc.serving.quant`) is lossy, so it is held to its contract, not to the
+FP32 tolerance: held rows never change after an append (bitwise); each new row's scale is its own
+``max|x| / 127`` (every value a whole number of steps in ``[-127, 127]``, the largest at 127);
+each value within half a step of what was written; every attention read within
+:func:`~kvdoc.serving.quant.read_error_bound` of the same read over the exact K/V
+(:func:`int8_reads`); its bytes ``2 L B H_kv T (D_h + scale bytes)``. In the FP32 pass it runs
+again on the model rounded to BF16 and FP16, each value held to :func:`half_step` of that dtype.
+The machinery here (:class:`Recorder`, :func:`int8_reads`, :func:`contract_run`) serves the FP8
+contract (:mod:`kvdoc.proofs.fp8_contract`) too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -34,40 +33,41 @@ from .compare import Snapshot, max_abs, run_cached
 from .precision import UNIT_ROUNDOFF
 
 INT8_CHUNKS = (5, 1, 1, 9, 1)
-"""Chunks of the ``int8`` scenario: single tokens (the fast step) and chunks."""
+"""Chunks of the ``int8`` and ``fp8`` scenarios: single tokens (the fast step) and chunks."""
 CHECK = ("int8 cache: held rows never change, each row's own scale, half a step of error; "
          "every attention read within its derived bound of the exact read")
-"""What the ``int8`` check compares."""
-
-
-class Recorder(CacheWrapper):
-    """Delegates to the cache under test and records the K/V every ``update`` was given: the last
-    rows written per layer (``written``) and every row so far (``exact``)."""
-
-    def __init__(self, inner: KVCache, written: dict, exact: dict) -> None:
-        super().__init__(inner)
-        self.written, self.exact = written, exact
-
-    def begin(self) -> Recorder:
-        return Recorder(self.inner.begin(), self.written, self.exact)
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int):
-        self.written[layer_idx] = (k.clone(), v.clone())
-        old_k, old_v = self.exact.get(layer_idx, (k[:, :, :0], v[:, :, :0]))
-        self.exact[layer_idx] = (torch.cat((old_k, k), dim=2), torch.cat((old_v, v), dim=2))
-        return self.inner.update(layer_idx, k, v, start)
-
-
 ROW_SLACK = 1e-3
 """Slack, in steps, of the element contract: the rounding of ``x / scale`` and ``q * scale``,
 a few units in the last place of 127, is far below it."""
 
 
+class Recorder(CacheWrapper):
+    """Delegates to the cache under test and records the K/V each ``update`` was given: the last
+    rows per layer (``written``), every row so far (``exact``) and, given ``scales``, the scales
+    the layer states after it (an FP8 layer's)."""
+
+    def __init__(self, inner: KVCache, written: dict, exact: dict,
+                 scales: dict | None = None) -> None:
+        super().__init__(inner)
+        self.written, self.exact, self.scales = written, exact, scales
+
+    def begin(self) -> Recorder:
+        return Recorder(self.inner.begin(), self.written, self.exact, self.scales)
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int):
+        self.written[layer_idx] = (k.clone(), v.clone())
+        old_k, old_v = self.exact.get(layer_idx, (k[:, :, :0], v[:, :, :0]))
+        self.exact[layer_idx] = (torch.cat((old_k, k), dim=2), torch.cat((old_v, v), dim=2))
+        out = self.inner.update(layer_idx, k, v, start)
+        if self.scales is not None:
+            self.scales[layer_idx] = tuple(s.clone() for s in self.inner.layers[layer_idx].scales)
+        return out
+
+
 def half_step(unit: float) -> float:
     """The element error, in steps of ``max|x| / 127``, of a model whose dtype rounds with unit
-    ``unit`` (0 for FP32 and FP64, whose rounding :data:`ROW_SLACK` covers): half a step of the
-    stored scale (itself rounded, so ``1 + unit`` steps), and the rounding of ``q * scale``, up
-    to ``127.5`` steps, to the model's dtype.
+    ``unit`` (0 for FP32 and FP64): half a step of the stored scale (itself rounded), and the
+    rounding of ``q * scale``, up to ``127.5`` steps, to the model's dtype.
 
     >>> half_step(0.0), round(half_step(2.0 ** -8), 4)   # FP32, BF16
     (0.5, 1.0019)
@@ -76,35 +76,29 @@ def half_step(unit: float) -> float:
 
 
 def _row_problems(got: torch.Tensor, written: torch.Tensor, unit: float = 0.0) -> float:
-    """The worst breach, in steps of a row's own scale ``max|x| / 127``, of: ``got`` is within
-    :func:`half_step` of ``written``, and (in FP32 and FP64, ``unit`` 0, which hold every
-    multiple of a step exactly) an integer number of steps within ``[-127, 127]``, the largest
-    at 127. 0 when the rows keep the contract."""
+    """The worst breach, in steps of a row's own scale, of: ``got`` within :func:`half_step` of
+    ``written`` and (``unit`` 0: FP32 and FP64 hold every multiple of a step exactly) a whole
+    number of steps in ``[-127, 127]``, the largest at 127. 0 when the rows keep the contract."""
     amax = written.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
     steps = got / scale
-    error = ((got - written).abs() / scale).amax().item()
-    slack, worst = ROW_SLACK, error - half_step(unit) - ROW_SLACK
+    worst = ((got - written).abs() / scale).amax().item() - half_step(unit) - ROW_SLACK
     if unit == 0.0:
         off_grid = (steps - steps.round()).abs().amax().item()
         beyond = max(0.0, steps.abs().amax().item() - 127)
         top = (127 - steps.abs().amax(dim=-1))[amax[..., 0] > 0]
         not_top = top.abs().amax().item() if top.numel() else 0.0
-        worst = max(worst, off_grid - slack, beyond - slack, not_top - slack)
+        worst = max(worst, off_grid - ROW_SLACK, beyond - ROW_SLACK, not_top - ROW_SLACK)
     worst = max(worst, 0.0)
     return math.inf if math.isnan(worst) else worst
 
 
 @dataclass(frozen=True)
 class Read:
-    """One attention read of one layer over the int8 cache, against the same read (the same
-    queries, the layer's own ``attend``) over the exact K and V written.
-
-    ``error`` and ``bound`` are the largest ``|int8 read - exact read|`` and the largest bound of
-    :func:`~kvdoc.serving.quant.read_error_bound` (at half a step plus :data:`ROW_SLACK`);
-    ``excess`` the largest amount by which an element's error passes its own bound plus the
-    rounding slack of the two reads (0 when the bound holds everywhere, ``inf`` for shapes that
-    disagree)."""
+    """One attention read of one layer over the lossy cache against the same read (the same
+    queries, the layer's own ``attend``) over the exact K/V: the largest error and bound, and
+    ``excess``, the most an element's error passes its bound plus the two reads' rounding (0
+    when the bound holds everywhere, ``inf`` for shapes that disagree)."""
 
     layer: int
     start: int
@@ -113,34 +107,38 @@ class Read:
     excess: float
 
 
-def _read(layer: int, attend, q, k, v, start, attn_mask, got, exact, unit: float = 0.0) -> Read:
-    K, V = exact
-    if K.shape != k.shape or V.shape != v.shape:
-        return Read(layer, start, math.inf, 0.0, math.inf)
-    want = attend(q, K, V, start, attn_mask)
-    bound = read_error_bound(q, K, V, half_step(unit) + ROW_SLACK)
-    # each read rounds: a weighted sum of T values and a score of D_h products, a few units in
-    # the last place of the largest value per term
-    slack = 2 * (K.shape[2] + q.shape[-1]) * torch.finfo(q.dtype).eps * float(V.abs().max())
-    err = (got - want).abs()
-    excess = float((err - bound - slack).amax().clamp(min=0)) if err.numel() else 0.0
-    return Read(layer, start, max_abs(got, want), float(bound.max()) if bound.numel() else 0.0,
-                math.inf if math.isnan(excess) else excess)
+def judge(bound: Callable) -> Callable[..., Read]:
+    """A judge for :func:`int8_reads`: each read against ``bound(layer, q, K, V)``."""
+    def read(layer: int, attend, q, k, v, start, attn_mask, got, exact) -> Read:
+        K, V = exact
+        if K.shape != k.shape or V.shape != v.shape:
+            return Read(layer, start, math.inf, 0.0, math.inf)
+        want = attend(q, K, V, start, attn_mask)
+        limit = bound(layer, q, K, V)
+        # each read rounds: a weighted sum of T values and a score of D_h products
+        slack = 2 * (K.shape[2] + q.shape[-1]) * torch.finfo(q.dtype).eps * float(V.abs().max())
+        err = (got - want).abs().to(torch.float64)
+        excess = float((err - limit - slack).amax().clamp(min=0)) if err.numel() else 0.0
+        return Read(layer, start, max_abs(got, want), float(limit.max()) if limit.numel() else 0.0,
+                    math.inf if math.isnan(excess) else excess)
+    return read
+
+
+def _int8_judge(unit: float = 0.0) -> Callable[..., Read]:
+    return judge(lambda layer, q, K, V: read_error_bound(q, K, V, half_step(unit) + ROW_SLACK))
 
 
 @contextmanager
 def int8_reads(model: torch.nn.Module, exact: dict, judge=None) -> Iterator[list[Read]]:
-    """Within the block, every ``attend`` of ``model``'s layers is also run over the exact K/V
-    of ``exact`` (layer -> ``(K, V)``, as a :class:`Recorder` collects them) and yields a
-    :class:`Read` into the list. A one-token step of the fast decoder does not call ``attend``.
-    ``judge`` (default the int8 bound's) makes the :class:`Read`, called as ``_read`` is (the FP8
-    contract passes its own bound)."""
-    judge = _read if judge is None else judge
+    """Within the block, every ``attend`` of ``model``'s layers is also judged against the same
+    read over ``exact`` (layer -> ``(K, V)``, as a :class:`Recorder` collects them), its
+    :class:`Read` appended to the list (``judge`` default the int8 bound's). A one-token step of
+    the fast decoder does not call ``attend``."""
+    judge = _int8_judge() if judge is None else judge
     reads: list[Read] = []
     patched = []
     for i, block in enumerate(getattr(model, "h", [])):
-        attn = block.attn
-        original = attn.attend
+        attn, original = block.attn, block.attn.attend
 
         def attend(q, k, v, start, attn_mask=None, i=i, original=original):
             got = original(q, k, v, start, attn_mask)
@@ -161,8 +159,8 @@ def int8_reads(model: torch.nn.Module, exact: dict, judge=None) -> Iterator[list
 
 @torch.no_grad()
 def check_int8_reads(model: torch.nn.Module, ids: torch.Tensor, chunk: int) -> list[Read]:
-    """Feed ``ids`` (``[B, T]``) in chunks of ``chunk`` through ``model`` with an int8 cache:
-    every layer's every attention read, against the same read over the exact K/V.
+    """Every attention read of ``ids`` fed in chunks of ``chunk`` over an int8 cache, against
+    the same read over the exact K/V.
 
     >>> from kvdoc.proofs.compare import default_model, default_stream
     >>> reads = check_int8_reads(default_model(), default_stream(length=8), 3)
@@ -170,21 +168,52 @@ def check_int8_reads(model: torch.nn.Module, ids: torch.Tensor, chunk: int) -> l
     (6, 0.0)
     """
     exact: dict = {}
-    cache = Recorder(new_int8_cache(model, ids.shape[0]), {}, exact)
     with int8_reads(model, exact) as reads:
-        run_cached(model, ids, chunk, cache=cache)
+        run_cached(model, ids, chunk, cache=Recorder(new_int8_cache(model, ids.shape[0]), {},
+                                                     exact))
     return reads
+
+
+def contract_run(case: Case, model: torch.nn.Module, call, cache: Recorder, judge,
+                 rows: Callable) -> tuple:
+    """Feed :data:`INT8_CHUNKS` of the stream through ``model``'s ``call`` over ``cache``, checking
+    after each call that held rows are bitwise the same, ``rows(start, n, after)`` (the worst
+    breach of the new rows) and the byte figures: ``(changed, breach, excess, reads, problems)``.
+    """
+    changed, breach, problems = 0.0, 0.0, []
+    held = [Snapshot.of(cache)]  # what the cache passed to the next call holds
+
+    def check(start: int, n: int, before: KVCache, after: KVCache) -> None:
+        nonlocal changed, breach
+        # rows held before the call: bitwise the same in the cache passed in and the new one
+        changed = max(changed, held[0].changed(before, start), held[0].changed(after, start))
+        breach = max(breach, rows(start, n, after))
+        problems.extend(f"after {start + n}: {p}" for p in byte_problems(after.inner))
+        held[0] = Snapshot.of(after)
+
+    with int8_reads(model, cache.exact, judge) as reads:
+        feed(call, case.ids[:, :sum(INT8_CHUNKS)], cache, INT8_CHUNKS, hook=check)
+    return changed, breach, max((r.excess for r in reads), default=0.0), reads, problems
+
+
+def why_not(case: Case, label: str) -> str | None:
+    """Why a lossy cache's check (``label``: int8, FP8) does not apply to ``case``, or None: it
+    caches a GPTConfig model's K/V and grows as a dynamic cache does (so runs on that kind once).
+    """
+    if case.kind != "dynamic":
+        return "run with the dynamic kind only"
+    if not isinstance(case.model.config, GPTConfig):
+        return f"an {label} cache of a GPTConfig model's K/V"
+    return None
 
 
 @scenario("int8", {"int8": CHECK})
 def _scenario(case: Case, out: list) -> None:
-    """The ``int8`` scenario: see the module docstring. In the FP32 pass it runs again on the
-    model rounded to BF16 and to FP16, each held to its dtype's :func:`half_step`."""
-    if case.kind != "dynamic":  # the int8 cache grows as a dynamic one does: run it once
-        out.append(case.result("int8", None, 0.0, "run with the dynamic kind only"))
-        return
-    if not isinstance(case.model.config, GPTConfig):
-        out.append(case.result("int8", None, 0.0, "an int8 cache of a GPTConfig model's K/V"))
+    """The ``int8`` scenario (the module docstring), again on the model rounded to BF16 and to
+    FP16 in the FP32 pass, each held to its dtype's :func:`half_step`."""
+    why = why_not(case, "int8")
+    if why:
+        out.append(case.result("int8", None, 0.0, why))
         return
     out.append(case.result("int8", *_contract(case, case.model, case.call, 0.0)))
     for label, dtype, low, call in case.rounded():
@@ -194,33 +223,22 @@ def _scenario(case: Case, out: list) -> None:
 
 def _contract(case: Case, model: torch.nn.Module, call, unit: float) -> tuple[bool, float, str]:
     """``(passed, error, detail)`` of the contract for ``model``'s cached ``call``."""
-    B = case.ids.shape[0]
     new = case.caches.get("int8", new_int8_cache)
     written: dict = {}
-    exact: dict = {}
-    cache: KVCache = Recorder(new(model, B, case.ids.shape[1]), written, exact)
-    fed, changed, breach, problems = sum(INT8_CHUNKS), 0.0, 0.0, []
-    held = [Snapshot.of(cache)]  # what the cache passed to the next call holds
+    cache = Recorder(new(model, case.ids.shape[0], case.ids.shape[1]), written, {})
 
-    def check(start: int, n: int, before: KVCache, after: KVCache) -> None:
-        nonlocal changed, breach
-        # rows held before the call: bitwise the same in the cache passed in and the new one
-        changed = max(changed, held[0].changed(before, start), held[0].changed(after, start))
-        for i in range(after.n_layer):
-            for got, wrote in zip(after.layer(i), written[i], strict=True):
-                breach = max(breach, _row_problems(got[:, :, start:start + n].double(),
-                                                   wrote.double(), unit))
-        problems.extend(f"after {start + n}: {p}" for p in byte_problems(after.inner))
-        held[0] = Snapshot.of(after)
+    def rows(start: int, n: int, after: KVCache) -> float:
+        return max(_row_problems(got[:, :, start:start + n].double(), wrote.double(), unit)
+                   for i in range(after.n_layer)
+                   for got, wrote in zip(after.layer(i), written[i], strict=True))
 
-    judge = functools.partial(_read, unit=unit)
-    with int8_reads(model, exact, judge) as reads:
-        feed(call, case.ids[:, :fed], cache, INT8_CHUNKS, hook=check)
-    excess = max((r.excess for r in reads), default=0.0)
+    changed, breach, excess, reads, problems = contract_run(case, model, call, cache,
+                                                            _int8_judge(unit), rows)
     ok = changed == 0.0 and breach == 0.0 and excess == 0.0 and bool(reads) and not problems
     ratio = max((r.error / r.bound for r in reads if r.bound > 0), default=0.0)
     detail = (problems[0] if problems else
-              f"{fed} positions in {len(INT8_CHUNKS)} calls: held rows changed by {changed:.1e}, "
-              f"worst breach of the {half_step(unit):.3g}-step bound {breach:.1e}; {len(reads)} "
-              f"attention reads, error at most {ratio:.2f} of its bound, excess {excess:.1e}")
+              f"{sum(INT8_CHUNKS)} positions in {len(INT8_CHUNKS)} calls: held rows changed by "
+              f"{changed:.1e}, worst breach of the {half_step(unit):.3g}-step bound {breach:.1e}; "
+              f"{len(reads)} attention reads, error at most {ratio:.2f} of its bound, excess "
+              f"{excess:.1e}")
     return ok, max(changed, breach, excess, math.inf if problems or not reads else 0.0), detail

@@ -1,27 +1,21 @@
 """The ``bf16`` and ``fp16`` checks: the cached path at production precision, in a derived bound.
 
-The grid's other checks run in FP32 and FP64. Here the model's weights are rounded to BF16 (or
-FP16) once; that model is the function under test, and its exact value is computed by the same
-weights converted to FP64 (every rounded weight is exactly representable there), whose own
-cached and full paths the FP64 pass shows agree to ``1e-10``. The BF16 model's full forward and
-its cached path (chunks of each of :data:`CHUNKS`, through the dynamic cache and the case's
-implementation: every model and implementation, in the FP32 pass) must each lie within
-:func:`tolerance` of that FP64 value, everywhere.
+The model's weights rounded to BF16 (or FP16) are the function under test; its exact value is the
+same weights in FP64 (each rounded weight is exact there). Its full forward and its cached path
+(chunks of each of :data:`CHUNKS`, the dynamic cache, the case's implementation) must each lie
+within :func:`tolerance` of that value, everywhere.
 
-**The tolerance, argued.** Rounding ``x`` to a format with unit roundoff ``u`` (``2**-8`` for
-BF16, ``2**-11`` for FP16: half the gap between 1 and the next number) moves it by at most
-``u |x|``. A decoder layer rounds its result in sequence at most :data:`ROUNDINGS_PER_LAYER`
-times (norm, Q/K/V projection, RoPE, scores, softmax, attention output, output projection,
-residual add; norm, up projection, activation, down projection, residual add: 12 counted
-generously, the products inside one matmul accumulate in FP32 and round once), the final norm
-and the LM head twice more. If no operation amplifies an error it receives (pre-norm residual
-blocks of the sizes here keep each block at the scale of its input) and the errors do not
-cancel, the logits are off by at most ``n u S`` with ``n = 12 L + 2`` roundings and ``S`` the
-largest FP64 logit magnitude (at least 1). The assumption of no amplification is the argued
-part; a model that amplifies errors fails this check, which then needs its gain, not a wider
-number. Full and cached, each within ``n u S`` of the exact value, are within ``2 n u S`` of
-each other, reported but not a separate check. The same formula with FP32's ``u = 2**-24``
-gives at most ``2.3e-6 S`` on the grid's models (three layers at most), under its ``1e-5``.
+**The tolerance, argued.** Rounding to unit roundoff ``u`` (``2**-8`` BF16, ``2**-11`` FP16)
+moves ``x`` by at most ``u |x|``. A layer rounds its values in sequence at most
+:data:`ROUNDINGS_PER_LAYER` times (norm, Q/K/V, RoPE, scores, softmax, attention output,
+projection, residual; norm, up, activation, down, residual: 12 counted generously, a matmul's
+products accumulating in FP32 and rounding once), the final norm and LM head twice more. If no
+operation amplifies an error it receives (pre-norm residual blocks of these sizes keep each block
+at its input's scale) and errors do not cancel, the logits are off by at most ``n u S``, ``n =
+12 L + 2``, ``S`` the largest FP64 logit magnitude (at least 1). No amplification is the argued
+part: a model that amplifies fails, and then needs its gain, not a wider number. Full and cached
+are within ``2 n u S`` of each other (reported, not checked). FP32's ``u = 2**-24`` gives at most
+``2.3e-6 S`` on the grid's models, under its ``1e-5``.
 
 >>> from kvdoc.proofs import grid
 >>> m = grid.MODELS["mha"].build(0)
@@ -46,7 +40,6 @@ from .case import scenario
 from .compare import max_abs
 
 ROUNDINGS_PER_LAYER = 12
-"""Roundings of a layer's values in sequence, counted generously (see the module docstring)."""
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
 """Half the gap between 1 and the next number of each format (its ``eps / 2``)."""
 CHECKS = {"bf16": "BF16 model: full and cached within n u max|logit| of its FP64 value",
@@ -57,13 +50,13 @@ CHECKS = {"bf16": "BF16 model: full and cached within n u max|logit| of its FP64
                             "within n u max|logit| of the FP64 value"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CHUNKS = (1, 7)
-"""One token a call (the decode step) and a chunk that divides neither the stream nor a window."""
+"""The decode step, and a chunk that divides neither the stream nor a window."""
 LENGTH = 24
-"""Tokens of the stream: past the grid's window of 16 and a split-K chunk, and cheap."""
+"""Past the grid's window of 16 and a split-K chunk, and cheap."""
 
 
 def tolerance(config: object, dtype: torch.dtype, scale: float) -> float:
-    """``n u max(scale, 1)``: the argued bound on a logit's error (see the module docstring)."""
+    """``n u max(scale, 1)``: the argued bound on a logit's error."""
     roundings = ROUNDINGS_PER_LAYER * config.n_layer + 2
     return roundings * UNIT_ROUNDOFF[dtype] * max(scale, 1.0)
 
@@ -82,11 +75,8 @@ def _rounded(model: nn.Module, dt: torch.dtype, ids: torch.Tensor):
 
 def precision_rows(model: nn.Module, new_cache: Callable, call: Callable = lambda m: m,
                    ids: torch.Tensor | None = None) -> list[tuple]:
-    """``(dtype, passed, worst error, tolerance, cached vs full)`` for BF16 and FP16.
-
-    ``new_cache(model, batch, capacity)`` makes the cache (a kind of
-    :data:`kvdoc.proofs.grid.CACHES`), ``call(model)`` the cached call (an implementation).
-    """
+    """``(dtype, passed, worst error, tolerance, cached vs full)`` for BF16 and FP16, the cache
+    from ``new_cache(model, batch, capacity)``, the cached call ``call(model)``."""
     ids = _stream(model) if ids is None else ids
     rows = []
     for name, dt in DTYPES.items():
@@ -102,10 +92,9 @@ def precision_rows(model: nn.Module, new_cache: Callable, call: Callable = lambd
 
 
 def reference_rows(model: nn.Module, reference: Callable) -> list[tuple]:
-    """``(dtype, passed, error, tolerance, logits' dtype)`` of transformers' model exported from
-    ``model`` rounded to BF16 and FP16 (``reference(model)(ids) -> logits``): its logits must
-    come in that dtype (an export that computes in FP32 would be closer to the FP64 value, not
-    further) and lie within :func:`tolerance` of the FP64 value of the rounded weights.
+    """``(dtype, passed, error, tolerance, logits' dtype)`` of the reference exported from
+    ``model`` rounded to BF16 and FP16: logits in that dtype (an export computing in FP32 would
+    be nearer the FP64 value, not further), within :func:`tolerance` of it.
 
     >>> from kvdoc.proofs import grid
     >>> m = grid.MODELS["llama"].build(0)
@@ -124,8 +113,6 @@ def reference_rows(model: nn.Module, reference: Callable) -> list[tuple]:
 
 @scenario("bf16", CHECKS)
 def _scenario(case, out: list) -> None:
-    """The ``bf16``, ``fp16``, ``bf16-reference`` and ``fp16-reference`` checks on one
-    combination (run in the FP32 pass only, the references once per model)."""
     if case.dtype != torch.float32 or case.kind != "dynamic":
         for name in CHECKS:
             out.append(case.result(name, None, 0.0, "the dynamic kind in the FP32 pass"))

@@ -1,35 +1,16 @@
 """Checks of the radix-tree prefix cache (:mod:`kvdoc.serving.radix`).
 
-* :func:`compare_workload`: every request served through the tree against the same request run
-  alone without it: its computed logits against one full forward (within
-  :data:`kvdoc.proofs.compare.TOLERANCE`), its greedy tokens against
-  :func:`kvdoc.core.model.generate` of its prompt alone; :func:`invariant_errors` after every
-  request, and every block free once the tree is cleared.
-* :func:`invariant_errors`: each block's reference count is its number of holders (tree nodes and
-  running requests); free and held blocks add up to the pool; a block on the free list is held by
-  nobody; every running request's path is still in the tree and each node's lock counts the
-  requests through it; the bytes the tree reports are those of its blocks in the pool's tensors.
-* :func:`check_locked_eviction`: a request that needs more blocks than the unlocked nodes can
-  free is refused, and its own matched path is not evicted to make room.
-* :func:`check_admission`: a request is admitted into a pool holding exactly the blocks it
-  writes (``prompt + max_new - 1`` positions), and in block mode a prompt found whole, ending on
-  a block boundary, matches all but its last block and copies nothing (as vLLM and SGLang do).
+:func:`compare_workload` holds every request served through the tree to itself alone (logits
+within the tolerance, greedy tokens equal ``generate``'s), with :func:`invariant_errors` after
+each and every block free once the tree is cleared; :func:`check_locked_eviction` and
+:func:`check_admission` hold the admission contracts at their edges. The broken trees of
+:mod:`kvdoc.proofs.broken.serving` are what each must catch (``tests/test_radix.py``):
 
-The broken trees of :mod:`kvdoc.proofs.broken.serving` are what each check must catch:
-
->>> from kvdoc.proofs.broken.serving import EvictLocked, WholeBlockMatch
+>>> from kvdoc.proofs.broken.serving import EvictLocked
 >>> from kvdoc.proofs.compare import default_model
->>> from kvdoc.serving.prefix_workload import few_shot_workload
->>> model, turns = default_model(), few_shot_workload(requests=3)
->>> all(r.passed for r in compare_workload(model, turns, num_blocks=64).requests)
-True
->>> all(r.passed for r in compare_workload(model, turns, 64, tree_cls=WholeBlockMatch).requests)
-False
->>> check_locked_eviction(model).passed, check_locked_eviction(model, EvictLocked).passed
+>>> check_locked_eviction(default_model()).passed, check_locked_eviction(default_model(),
+...                                                                      EvictLocked).passed
 (True, False)
->>> from kvdoc.proofs.broken.serving import ReserveFinalToken, ShareLastBlock
->>> [check_admission(model, t).passed for t in (RadixCache, ReserveFinalToken, ShareLastBlock)]
-[True, False, False]
 """
 
 from __future__ import annotations
@@ -49,7 +30,8 @@ from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs
 
 
 def invariant_errors(tree: RadixCache) -> list[str]:
-    """What is wrong with ``tree`` and its pool's bookkeeping (empty when nothing is)."""
+    """What is wrong with ``tree``'s bookkeeping: refcounts vs holders (nodes and running
+    requests), free + held vs the pool, running paths and locks, the bytes it reports."""
     pool, errors = tree.pool, []
     holders = Counter(b for n in tree.nodes() for b in n.blocks)
     holders.update(b for r in tree.running for b in r.cache.tables[0])
@@ -85,15 +67,9 @@ def invariant_errors(tree: RadixCache) -> list[str]:
 
 @dataclass(frozen=True)
 class RequestCheck:
-    """One request with the tree against the same request alone.
-
-    Attributes:
-        kind: the workload's label. prompt_len, matched: prompt tokens, and those found in the
-            tree. logit_error: max ``|tree - full forward|`` over the positions computed and the
-            whole vocabulary. logits_close: within the dtype's tolerance. same_tokens: its
-            greedy tokens equal ``generate`` of its prompt alone. invariants: what
-            :func:`invariant_errors` found after it.
-    """
+    """One request through the tree (of ``prompt_len`` tokens, ``matched`` found there) against
+    it alone: max logit error over the positions computed, within the tolerance, greedy tokens
+    equal ``generate``'s, and what :func:`invariant_errors` found after it."""
 
     kind: str
     prompt_len: int
@@ -110,8 +86,8 @@ class RequestCheck:
 
 @dataclass(frozen=True)
 class WorkloadCheck:
-    """:func:`compare_workload`'s result: the run, one check per request, and whether every block
-    was free after the tree was cleared."""
+    """The run, one check per request, and whether every block was free once the tree was
+    cleared."""
 
     run: WorkloadRun
     requests: list[RequestCheck]
@@ -126,8 +102,7 @@ class WorkloadCheck:
 def compare_workload(model: Decoder, turns: list[Turn], num_blocks: int, block_size: int = 4,
                      granularity: str = "token", tree_cls: type[RadixCache] = RadixCache,
                      evict: str = "leaf") -> WorkloadCheck:
-    """Serve ``turns`` through a tree that evicts by ``evict``
-    (:func:`kvdoc.serving.prefix_workload.run_workload`) and check every request against itself
+    """``turns`` served through a tree (evicting by ``evict``), every request against itself
     alone; the tree is cleared at the end."""
     after: list[tuple[str, ...]] = []
     run = run_workload(model, turns, num_blocks, block_size, granularity, tree_cls,
@@ -155,9 +130,8 @@ class EvictionCheck:
 
 def check_locked_eviction(model: Decoder, tree_cls: type[RadixCache] = RadixCache,
                           block_size: int = 4) -> EvictionCheck:
-    """A pool of 6 blocks; the tree holds two sequences of 2 blocks each. A request matching the
-    first and needing 5 more blocks must be refused (2 free + 2 evictable), its matched path
-    kept, and the bookkeeping sound."""
+    """A pool of 6 blocks holding two sequences of 2: a request matching the first and needing
+    5 more (2 free + 2 evictable) must be refused, its matched path kept."""
     weight = model.wte.weight
     tree = tree_cls(BlockPool(model.config, 6, block_size, weight.dtype, weight.device))
     first, other = list(range(1, 9)), list(range(20, 28))
@@ -177,15 +151,9 @@ def check_locked_eviction(model: Decoder, tree_cls: type[RadixCache] = RadixCach
 
 def check_admission(model: Decoder, tree_cls: type[RadixCache] = RadixCache,
                     block_size: int = 4) -> EvictionCheck:
-    """Two admission contracts at their edges.
-
-    * An 8-token prompt with ``max_new=5`` writes 12 positions: 3 blocks of 4, and a pool of 3
-      must take it.
-    * Block mode: once that prompt's sequence is in the tree, the same 8 tokens are found whole;
-      the request takes the first block (positions 0-3), recomputes the second, and no shared
-      block is copied: after it runs, its table starts with the tree's first block and the
-      tree's blocks hold what they held.
-    """
+    """A prompt of 8 with ``max_new=5`` writes 12 positions, 3 blocks: a pool of 3 must take it.
+    In block mode that prompt, found whole, reuses its first block, recomputes the second and
+    copies no shared block."""
     weight = model.wte.weight
     prompt = list(range(1, 2 * block_size + 1))
     tree = tree_cls(BlockPool(model.config, 3, block_size, weight.dtype, weight.device))
@@ -219,11 +187,6 @@ def check_admission(model: Decoder, tree_cls: type[RadixCache] = RadixCache,
 @scenario("prefix-cache", {
     "prefix-cache": "requests served through a radix prefix cache vs each request alone"})
 def prefix_cache_scenario(case, out: list) -> None:
-    """The ``prefix-cache`` check on one combination of the grid (a
-    :data:`~kvdoc.proofs.case.Scenario`): a few-shot workload served through a tree, token- and
-    block-granular, against each request alone, the locked-eviction refusal and the admission
-    edges (a broken variant's tree class comes in as ``case.caches["radix"]``); for the paged
-    kind of the model implementation (the tree owns paged blocks), not applicable elsewhere."""
     if case.impl != "model" or case.kind != "paged":
         out.append(case.result("prefix-cache", None, 0.0,
                                "the tree serves the model itself from paged blocks"))

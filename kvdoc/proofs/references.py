@@ -1,18 +1,9 @@
-"""Independent references: implementations that share no cache or attention-sharing code with kvdoc.
-
-Cached-versus-full cannot see a bug in code that both paths run (positions clamped in every
-forward, K/V heads shared wrongly by every attention call). These references can:
-
-* :func:`transformers_reference`: Hugging Face transformers' GPT-2, Llama or Mistral holding
-  the same weights (:func:`kvdoc.interop.hf_weights.to_transformers`);
-* :func:`deepseek_reference`: transformers' DeepSeek-V3 holding an MLA model's weights
-  (:func:`kvdoc.interop.hf_deepseek.to_deepseek`, interleaved rotary pairs as DeepSeek stores them);
-* :func:`mha_reference`: for a grouped-query (GQA) or multi-query (MQA) model, the multi-head
-  model whose K/V projection of each query head is a copy of the K/V head of its group. The
-  two compute the same function, but the MHA model never shares a K/V head.
-
-Each returns a function ``ids [B, T] -> logits [B, T, V]`` and is built from a model's weights
-(its ``state_dict``), never from its code. Building leaves the global RNG as it was.
+"""Independent references: implementations that share no cache or attention-sharing code with
+kvdoc, so they see a bug both the cached and the full path run (positions clamped in every
+forward, K/V heads shared wrongly): transformers' GPT-2, Llama, Mistral, Gemma 3 or DeepSeek-V3
+holding the same weights, and for a GQA or MQA model the MHA model whose every query head has a
+copy of its group's K/V head. Each is ``ids [B, T] -> logits [B, T, V]``, built from a model's
+``state_dict`` (never its code), leaving the global RNG as it was.
 
 >>> import torch
 >>> from kvdoc import Decoder, GPTConfig
@@ -38,7 +29,6 @@ from kvdoc.core.model import GPTConfig
 from kvdoc.core.model import Decoder
 
 Reference = Callable[[torch.Tensor], torch.Tensor]
-"""``ids [B, T] -> logits [B, T, V]``."""
 
 
 def _dtype(model: nn.Module) -> torch.dtype:
@@ -46,12 +36,8 @@ def _dtype(model: nn.Module) -> torch.dtype:
 
 
 def mha_weights(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """The state dict of the MHA model equivalent to a GQA/MQA one: each K/V head copied over
-    its group.
-
-    ``c_attn``'s output rows are ``H`` query heads, then ``H_kv`` key heads, then ``H_kv`` value
-    heads, each ``D_h`` rows; query head ``h`` reads K/V head ``h // (H / H_kv)``.
-    """
+    """The state dict of the MHA model equivalent to a GQA/MQA one: query head ``h`` reads K/V
+    head ``h // (H / H_kv)``, so each K/V head's rows of ``c_attn`` are copied over its group."""
     d, kv, dh = config.n_embd, config.kv_dim, config.head_dim
     group = config.n_head // config.n_kv_head
 
@@ -79,32 +65,23 @@ def mha_reference(model: nn.Module) -> Reference:
 
 
 def transformers_reference(model: nn.Module) -> Reference:
-    """transformers' model of the same family (GPT-2, Llama or Mistral) holding ``model``'s weights.
-
-    In FP64, transformers' Llama and Mistral would still compute RMSNorm and the rotary angles in
-    FP32; there :func:`kvdoc.interop.hf_float64.float64_islands_lifted` makes them follow the
-    model's dtype, so the comparison can use the FP64 tolerance. In FP32 transformers runs as
-    shipped.
-    """
+    """transformers' model of ``model``'s family holding its weights (:func:`hf_reference`)."""
     from kvdoc.interop.hf_weights import to_transformers
 
     return hf_reference(to_transformers(model), model)
 
 
 def deepseek_reference(model: nn.Module) -> Reference:
-    """transformers' DeepSeek-V3 holding an :class:`~kvdoc.core.mla.MLADecoder`'s weights.
-
-    Its attention up-projects the latent to K and V in every call, whichever way the kvdoc model
-    attends; in FP64 its RMSNorm and rotary angles are lifted to FP64 as for Llama.
-    """
+    """transformers' DeepSeek-V3 holding an MLA model's weights: it up-projects the latent in
+    every call, whichever way the kvdoc model attends."""
     from kvdoc.interop.hf_deepseek import to_deepseek
 
     return hf_reference(to_deepseek(model), model)
 
 
 def hf_reference(hf: nn.Module, model: nn.Module) -> Reference:
-    """``ids -> logits`` of the transformers model ``hf``, its FP32 islands lifted to FP64 when
-    ``model`` is FP64."""
+    """``ids -> logits`` of the transformers model ``hf``; for an FP64 ``model`` its FP32 islands
+    (RMSNorm, rotary angles) lifted to FP64, so the FP64 tolerance applies."""
     from kvdoc.interop.hf_float64 import float64_islands_lifted
 
     lift = float64_islands_lifted if _dtype(model) == torch.float64 else contextlib.nullcontext

@@ -1,41 +1,18 @@
 """Checks of the scheduler (:mod:`kvdoc.serving.scheduler`): every request against its solo run.
 
-* :func:`compare_trace_with_alone`: each request of a served trace against
-  :func:`kvdoc.core.model.generate` on its prompt alone (the tokens) and one full forward over
-  prompt + tokens (the logits behind each choice, within :data:`kvdoc.proofs.compare.TOLERANCE`).
-* :func:`check_policies`: static, continuous and chunked-prefill runs of one trace, each compared
-  so, with the block invariants of :attr:`~kvdoc.serving.runs.ServeRun.invariants_hold`.
-* :func:`check_preemption`: a trace on a pool too small for all its running requests, with
-  preemption by recompute, against a pool large enough: every request as alone, the counts.
-* :func:`check_forks`: a request forked into seeded samples against each sample alone (its own
-  dynamic cache, the same generator seed) and against independent requests; blocks held.
-* What the checks must catch, the broken schedulers of :mod:`kvdoc.proofs.broken.serving`:
-  ``SharedStartScheduler`` (a newly admitted row embedded from the step's common start instead
-  of its own length), ``LeakingScheduler`` (a finished request's table cleared, its blocks never
-  given back), ``ResumeWithoutRecompute`` (a preempted request keeps its count of written
-  positions, so it resumes over blocks it gave back) and ``ForkWithoutCopy`` (a fork writes into
-  the block it shares, so its siblings read its K/V).
-* :func:`scheduling_scenario`: the checks as a scenario of the verification grid
-  (:data:`kvdoc.proofs.case.Scenario` signature), on the paged kind of every model of the grid;
-  a broken variant's scheduler class comes in as ``case.caches["scheduler"]``.
+:func:`compare_trace_with_alone` holds each request of a served trace to ``generate`` on its
+prompt alone (tokens) and one full forward (logits, within
+:data:`kvdoc.proofs.compare.TOLERANCE`); :func:`check_policies` (static, continuous, chunked
+prefill, with the block invariants), :func:`check_preemption` (a pool too small, preempting by
+recompute) and :func:`check_forks` (seeded samples of one prompt, copy-on-write) run it; the
+``scheduling`` scenario runs all three on the paged kind of every model, a variant's scheduler
+class as ``case.caches["scheduler"]``. The broken schedulers of :mod:`kvdoc.proofs.broken.serving`
+are what they catch (``tests/test_scheduler.py``):
 
->>> from kvdoc.proofs.broken.serving import (
-...     ForkWithoutCopy, LeakingScheduler, ResumeWithoutRecompute, SharedStartScheduler)
+>>> from kvdoc.proofs.broken.serving import ResumeWithoutRecompute
 >>> from kvdoc.proofs.compare import default_model
->>> from kvdoc.serving.requests import arrival_trace
->>> from kvdoc.serving.scheduler import serve
->>> model = default_model()
->>> trace = arrival_trace(5, prompt_lens=(2, 8), output_lens=(1, 5), max_gap=2, seed=3)
->>> all(c.passed for c in compare_trace_with_alone(model, trace, serve(model, trace, 12)))
-True
->>> broken = SharedStartScheduler(model, num_blocks=12).run(trace)
->>> all(c.passed for c in compare_trace_with_alone(model, trace, broken))
-False
->>> LeakingScheduler(model, num_blocks=12).run(trace).invariants_hold
-False
->>> check_preemption(model).passed, check_preemption(model, ResumeWithoutRecompute).passed
-(True, False)
->>> check_forks(model).passed, check_forks(model, ForkWithoutCopy).passed
+>>> check_preemption(default_model()).passed, check_preemption(default_model(),
+...                                                            ResumeWithoutRecompute).passed
 (True, False)
 """
 
@@ -57,14 +34,8 @@ from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs
 
 @dataclass(frozen=True)
 class RequestCheck:
-    """One served request against its prompt generated alone.
-
-    Attributes:
-        rid, sample: the request and its sample.
-        logit_error: max ``|served - alone|`` over its steps and the vocabulary.
-        logits_close: within ``atol = rtol`` of :data:`kvdoc.proofs.compare.TOLERANCE`.
-        same_tokens: the tokens (greedy, or drawn with the sample's seed) are identical.
-    """
+    """One sample of a served request against it alone: max logit error, the logits within the
+    tolerance, the tokens (greedy, or drawn with the sample's seed) identical."""
 
     rid: int
     logit_error: float
@@ -78,9 +49,8 @@ class RequestCheck:
 
 
 def _alone(model: Decoder, request: Request, sample: int = 0) -> tuple[list[int], torch.Tensor]:
-    """The request's tokens alone: ``generate`` (greedy), or for a seeded request, a prefill and
-    decode steps on its own dynamic cache choosing with its sample's generator; and the full
-    forward's logits behind them."""
+    """The request's tokens alone (``generate``, or a prefill and decode steps choosing with its
+    sample's generator) and the full forward's logits behind them."""
     device, L = model.wte.weight.device, len(request.prompt)
     prompt, g = torch.tensor([request.prompt], device=device), sample_generator(request, sample)
     if g is None:
@@ -101,7 +71,7 @@ def _alone(model: Decoder, request: Request, sample: int = 0) -> tuple[list[int]
 def compare_trace_with_alone(model: Decoder, trace: Sequence[Request], run: ServeRun,
                              alone: dict | None = None) -> list[RequestCheck]:
     """Each sample of each request of ``trace`` in ``run`` against ``model`` on its prompt alone
-    (``alone``: ``(rid, sample)`` -> (tokens, logits), to reuse references over several runs)."""
+    (``alone``: ``(rid, sample) -> (tokens, logits)``, references reused over several runs)."""
     tol, checks = TOLERANCE[model.wte.weight.dtype], []
     for r in trace:
         for j in range(r.samples):
@@ -114,7 +84,7 @@ def compare_trace_with_alone(model: Decoder, trace: Sequence[Request], run: Serv
 
 @dataclass(frozen=True)
 class PolicyCheck:
-    """One policy on one trace: every request equal to its solo run, and the block invariants."""
+    """One policy on one trace: every request equal to its solo run, the block invariants."""
 
     policy: str
     token_budget: int | None
@@ -129,20 +99,17 @@ class PolicyCheck:
 
 
 POLICY_TRACE = dict(n=5, prompt_lens=(2, 20), output_lens=(1, 6), max_gap=2, seed=0)
-""":func:`check_policies`' default trace: requests of up to 25 positions, past the grid's window
-of 16 (:data:`kvdoc.proofs.grid.WINDOW`), so a ragged step that let a windowed layer read past
-its window would show."""
-POLICIES: tuple[dict, ...] = (dict(policy="static", max_batch=4), dict(),
-                              dict(token_budget=6))
-"""The runs :func:`check_policies` makes: static batches of 4, continuous, chunked prefill."""
+""":func:`check_policies`' trace: requests of up to 25 positions, past the grid's window of 16,
+so a ragged step that let a windowed layer read past it would show."""
+POLICIES: tuple[dict, ...] = (dict(policy="static", max_batch=4), dict(), dict(token_budget=6))
+"""Static batches of 4, continuous, chunked prefill."""
 
 
 @torch.no_grad()
 def check_policies(model: Decoder, trace: Sequence[Request] | None = None,
                    num_blocks: int = 16, block_size: int = 4,
                    scheduler: type[Scheduler] = Scheduler) -> list[PolicyCheck]:
-    """Serve ``trace`` (default :data:`POLICY_TRACE`) under each of :data:`POLICIES`; compare
-    every request with its solo run.
+    """``trace`` served under each of :data:`POLICIES`, each request vs its solo run.
 
     >>> from kvdoc.proofs.compare import default_model
     >>> [(c.policy, c.token_budget, c.passed) for c in check_policies(default_model())]
@@ -161,18 +128,13 @@ def check_policies(model: Decoder, trace: Sequence[Request] | None = None,
 
 
 PREEMPTION_TRACE = dict(n=5, prompt_lens=(4, 8), output_lens=(6, 10), max_gap=1, seed=2)
-""":func:`check_preemption`'s default trace: requests that grow past what a small pool holds."""
+"""Requests that grow past what a small pool holds."""
 
 
 @dataclass(frozen=True)
 class PreemptionCheck:
-    """A trace served with preemption on a ``tight`` pool (each run: with and without a token
-    budget) against the same on a ``roomy`` one (no preemption), each request vs its solo run.
-
-    Attributes:
-        tight, roomy: the runs, chunked prefill (``token_budget``) first, then prefill-first.
-        requests_equal, invariants_hold: over every run. logit_error: the largest.
-    """
+    """Runs with preemption on a ``tight`` pool and on a ``roomy`` one (each chunked, then
+    prefill-first), every request vs its solo run; it passes if the tight runs did preempt."""
 
     tight: tuple[ServeRun, ...]
     roomy: tuple[ServeRun, ...]
@@ -182,7 +144,6 @@ class PreemptionCheck:
 
     @property
     def passed(self) -> bool:
-        """Every request as alone, the blocks sound, and the tight pool did preempt."""
         return (self.requests_equal and self.invariants_hold
                 and all(run.preemptions > 0 for run in self.tight))
 
@@ -191,9 +152,8 @@ class PreemptionCheck:
 def check_preemption(model: Decoder, scheduler: type[Scheduler] = Scheduler,
                      trace: Sequence[Request] | None = None, tight: int = 8, roomy: int = 32,
                      block_size: int = 4, token_budget: int = 6) -> PreemptionCheck:
-    """Serve ``trace`` (default :data:`PREEMPTION_TRACE`) with ``preempt=True`` on ``tight`` and
-    ``roomy`` blocks, with and without ``token_budget``; compare every request with its solo
-    run."""
+    """``trace`` served with ``preempt=True`` on ``tight`` and ``roomy`` blocks, with and without
+    ``token_budget``, every request vs its solo run."""
     trace = trace or arrival_trace(**PREEMPTION_TRACE, vocab_size=model.config.vocab_size)
     alone = {(r.rid, 0): _alone(model, r) for r in trace}
     runs = {blocks: tuple(scheduler(model, blocks, block_size, token_budget=b, preempt=True)
@@ -207,14 +167,8 @@ def check_preemption(model: Decoder, scheduler: type[Scheduler] = Scheduler,
 
 @dataclass(frozen=True)
 class ForkCheck:
-    """One request forked into seeded samples vs each sample alone, and vs independent requests.
-
-    Attributes:
-        forked: the run of the forked request. copies: the same samples as independent
-            requests (request ``j``: seed ``seed + j``, so its generator is sample ``j``'s).
-        samples_equal: every sample's tokens and logits equal the sample run alone.
-        copies_equal: sample ``j``'s tokens equal request ``j``'s. invariants_hold: both runs.
-    """
+    """One request forked into seeded samples vs each sample alone (``samples_equal``) and vs
+    independent requests seeded as the samples (``copies``, ``copies_equal``)."""
 
     forked: ServeRun
     copies: ServeRun
@@ -232,9 +186,8 @@ class ForkCheck:
 def check_forks(model: Decoder, scheduler: type[Scheduler] = Scheduler, samples: int = 4,
                 prompt_len: int = 10, output_len: int = 6, seed: int = 5, num_blocks: int = 32,
                 block_size: int = 4) -> ForkCheck:
-    """A request of ``prompt_len`` tokens forked into ``samples`` (a prompt length that is not
-    a multiple of ``block_size`` leaves its last block partly filled: every fork but the last
-    writer copies it)."""
+    """A request of ``prompt_len`` tokens forked into ``samples`` (off the block size: every fork
+    but the last writer copies the partly filled last block)."""
     g = torch.Generator().manual_seed(seed)
     prompt = tuple(torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g).tolist())
     request = Request(0, prompt, output_len, 0, samples=samples, seed=seed)
@@ -252,11 +205,6 @@ def check_forks(model: Decoder, scheduler: type[Scheduler] = Scheduler, samples:
     "scheduling": "static, continuous, chunked-prefill, preempting and forking runs: each "
                   "request vs its solo run"})
 def scheduling_scenario(case, out: list) -> None:
-    """The ``scheduling`` checks on one combination of the grid (a
-    :data:`~kvdoc.proofs.case.Scenario`): :func:`check_policies`, :func:`check_preemption` and
-    :func:`check_forks` on the case's model (any positions, layout or window), for the paged kind
-    of the model implementation; not applicable elsewhere. A broken variant's scheduler class is
-    ``case.caches["scheduler"]``."""
     model = case.model
     if case.impl != "model" or case.kind != "paged":
         out.append(case.result("scheduling", None, 0.0,

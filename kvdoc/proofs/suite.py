@@ -1,13 +1,9 @@
-"""The verification suite: every scenario on every combination of the grid.
+"""The verification suite: every registered scenario on every combination of the grid.
 
-:func:`run_suite` runs the scenarios that the modules of :data:`CHECK_MODULES` register (in
-:mod:`kvdoc.proofs.case`) on every combination of the axes of :mod:`kvdoc.proofs.grid` (model
-configurations, cache kinds, implementations) and of FP32 and FP64, and returns a
-:class:`SuiteReport`; given a broken variant's name
-(:mod:`kvdoc.proofs.variants`), on that variant instead, which must fail. An exception raised by
-the code under test (also while a model is built) is a failed check carrying its message; the
-suite itself does not raise. The sweep of every variant is :mod:`kvdoc.proofs.sweep`; the command
-``python -m kvdoc verify`` is :mod:`kvdoc.proofs.verify`.
+:func:`run_suite` runs what the modules of :data:`CHECK_MODULES` register on every combination of
+:mod:`kvdoc.proofs.grid`'s axes and of FP32 and FP64, or on a broken variant
+(:mod:`kvdoc.proofs.variants`), which must fail. Code under test that raises (also while
+a model is built) is a failed check carrying its message; the suite itself does not raise.
 
 >>> report = run_suite(models=("gqa",), kinds=("static",), dtypes=(torch.float32,), length=40)
 >>> report.passed, report.combinations, report.failed_checks()  # the model itself, and FastDecoder
@@ -30,12 +26,11 @@ from kvdoc.measure.tables import markdown_table
 
 from . import (
     batch_invariance,
-    between_calls,
     cache_invariants,
+    calls,
     equivalence,
     figures,
     fp8_contract,
-    generation,
     grid,
     handover_checks,
     int8_contract,
@@ -47,34 +42,25 @@ from .case import REGISTRY, Case, CheckResult
 from .compare import DTYPE_NAMES, TOLERANCE
 from .variants import VARIANTS
 
-CHECK_MODULES = (equivalence, figures, generation, between_calls, cache_invariants, int8_contract,
-                 fp8_contract, scheduling, prefix_cache, handover_checks, batch_invariance,
-                 precision)
-"""The modules whose scenarios the suite runs, in this order (each module's in the order it
-registers them): the cheap ones first, as a sweep stops at a variant's first failure."""
+CHECK_MODULES = (equivalence, figures, calls, cache_invariants, int8_contract, fp8_contract,
+                 scheduling, prefix_cache, handover_checks, batch_invariance, precision)
+"""The modules whose scenarios run, in this order (each module's as registered): the cheap ones
+first, as a sweep stops at a variant's first failure."""
 _RANK = {module.__name__: rank for rank, module in enumerate(CHECK_MODULES)}
 SCENARIOS = {name: REGISTRY[name].function
              for name in sorted(REGISTRY, key=lambda n: _RANK[REGISTRY[n].function.__module__])}
-"""Scenario name -> function appending :class:`~kvdoc.proofs.case.CheckResult` s, in run
-order."""
+"""Scenario name -> function, in run order."""
 CHECKS = {check: says for name in SCENARIOS for check, says in REGISTRY[name].checks.items()}
 """Every check by name, in report order, with what it compares."""
 ORDER = list(CHECKS)
 DTYPES = (torch.float32, torch.float64)
-"""The dtypes of a run by default."""
 
 
 @dataclass(frozen=True)
 class SuiteReport:
-    """Every :class:`~kvdoc.proofs.case.CheckResult` of one run of the suite.
-
-    Attributes:
-        variant: None for the implementation as it is, else the broken variant's name.
-        results: one per check and combination (and per batch and chunk size for the stream's
-            checks; a scenario that raised gives one failed result, with the exception's message
-            as its detail; a model that could not be built, one failed ``build`` result).
-        seconds: wall-clock time of the run (an observation).
-    """
+    """Every :class:`~kvdoc.proofs.case.CheckResult` of one run (``variant``: None for the
+    implementation as it is); a scenario that raised gives one failed result, a model that could
+    not be built one failed ``build`` result. ``seconds``: wall-clock time (an observation)."""
 
     variant: str | None
     results: list[CheckResult]
@@ -82,17 +68,15 @@ class SuiteReport:
 
     @property
     def passed(self) -> bool:
-        """Something ran and nothing failed (checks that do not apply are neither)."""
+        """Something ran and nothing failed (a check that does not apply is neither)."""
         return bool(self.results) and all(r.passed is not False for r in self.results)
 
     @property
     def failures(self) -> list[CheckResult]:
-        """The failed results, in run order."""
         return [r for r in self.results if r.passed is False]
 
     @property
     def combinations(self) -> list[tuple[str, str, str, str]]:
-        """The distinct ``(model, kind, implementation, dtype)`` combinations run."""
         return list(dict.fromkeys((r.model, r.kind, r.impl, r.dtype) for r in self.results))
 
     def failed_checks(self) -> list[str]:
@@ -101,8 +85,7 @@ class SuiteReport:
         return sorted(names, key=lambda n: ORDER.index(n) if n in ORDER else len(ORDER))
 
     def select(self, check: str, **where) -> list[CheckResult]:
-        """The results of ``check`` whose fields equal ``where``
-        (e.g. ``kind="static", chunk=5``)."""
+        """The results of ``check`` whose fields equal ``where`` (``kind="static", chunk=5``)."""
         return [r for r in self.results if r.check == check
                 and all(getattr(r, k) == v for k, v in where.items())]
 
@@ -114,8 +97,7 @@ class SuiteReport:
         return found[0]
 
     def max_error(self, check: str = "logits", **where) -> float:
-        """Largest error of ``check`` over the results matching ``where``
-        (e.g. ``dtype="FP32"``)."""
+        """Largest error of ``check`` over the results matching ``where``."""
         return max((r.error for r in self.select(check, **where)), default=0.0)
 
     def summary_table(self) -> str:
@@ -134,9 +116,8 @@ class SuiteReport:
                                "largest difference"], body)
 
     def references_table(self) -> str:
-        """One Markdown row per model and dtype: its independent reference (transformers' GPT-2,
-        Llama or Mistral, or the MHA copy of a GQA model) against kvdoc, full and cached, over
-        every cache kind and implementation."""
+        """One Markdown row per model and dtype: its independent reference against kvdoc, full
+        and cached, over every cache kind and implementation."""
         body = []
         for model, dtype in dict.fromkeys((r.model, r.dtype) for r in self.select("reference")):
             ran = [r for r in self.select("reference", model=model, dtype=dtype)
@@ -157,8 +138,7 @@ class SuiteReport:
 
 
 def _streams(seed: int, batch: int, length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stream ``[batch, length]`` and an unrelated one (other continuations for crop and
-    branch)."""
+    """The stream ``[batch, length]`` and an unrelated one (crop's and branch's continuations)."""
     g = torch.Generator().manual_seed(1000 + seed)
     return (torch.randint(0, vocab, (batch, length), generator=g),
             torch.randint(0, vocab, (batch, length), generator=g))
@@ -196,30 +176,15 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
               ids: torch.Tensor | None = None) -> SuiteReport:
     """Run the scenarios on every combination of models, cache kinds, implementations and dtypes.
 
-    Args:
-        variant: a key of :data:`kvdoc.proofs.variants.VARIANTS` to test instead of the
-            implementation as it is.
-        models, kinds, impls: keys of :data:`kvdoc.proofs.grid.MODELS`, ``CACHES``,
-            ``IMPLEMENTATIONS`` (default: all of each, as registered when called, and of those a
-            model's :attr:`~kvdoc.proofs.grid.ModelSpec.impls`; for a variant, ``impls``
-            defaults to ``("model",)``, the broken model itself).
-        dtypes: FP32 and/or FP64 (FP64 converts a copy of the FP32 weights).
-        length, chunks, batches, seeds: the stream, the stream checks' chunk and batch sizes
-            (every pair), and the model seeds.
-        scenarios: keys of :data:`SCENARIOS` (default all), run in this
-            order on each combination.
-        stop_at_first: return at the first failed check (how broken variants are swept).
-        model: a model (FP32, with the :class:`~kvdoc.core.model.Decoder` interface) to verify
-            instead of the grid's models; reported as model ``"given"``, without a reference.
-        ids: the stream ``[B, T]`` to use instead of a random one of ``length`` tokens
-            (``B >= max(batches)``; a batch ``b`` uses its first ``b`` rows).
-
-    Returns:
-        A :class:`SuiteReport`.
-
-    Raises:
-        ValueError: an unknown name on an axis, a bad dtype, or a stream too short for the
-            scenarios.
+    ``variant`` (a key of :data:`~kvdoc.proofs.variants.VARIANTS`) is tested instead of the
+    implementation, by default on the models, kinds and dtypes it is built for and as itself
+    (``impls=("model",)``). ``models``, ``kinds``, ``impls``: keys of the grid's registries
+    (default all, of which a model's :attr:`~kvdoc.proofs.grid.ModelSpec.impls` and
+    ``scenarios``). ``length``, ``chunks``, ``batches``, ``seeds``: the stream and the stream
+    checks' sizes (every pair). ``stop_at_first``: return at the first failed check (a sweep).
+    ``model``: an FP32 model with the Decoder interface verified instead (model ``"given"``,
+    no reference); ``ids``: the stream ``[B, T]`` instead of a random one (``B >=
+    max(batches)``). ``ValueError`` for an unknown name, a bad dtype or a stream too short.
     """
     specs = ({"given": grid.ModelSpec("the model given", lambda seed: model)} if model is not None
              else grid.MODELS)
@@ -294,7 +259,6 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
 
 
 def _built(spec: grid.ModelSpec, seed: int, dtype: torch.dtype, broken) -> torch.nn.Module:
-    """The model under test in another ``dtype`` (:attr:`Case.in_dtype`): built and cast as the
-    run's own, the variant (if any) built from it after the cast."""
+    """The model under test in ``dtype`` (:attr:`Case.in_dtype`): cast, then the variant built."""
     model = copy.deepcopy(spec.build(seed)).to(dtype).eval()
     return model if broken is None else broken.build(model)

@@ -25,7 +25,7 @@ from .variants import VARIANTS
 
 @dataclass(frozen=True)
 class VariantOutcome:
-    """How one broken variant fared: ``caught`` if any check failed; where the first failure was."""
+    """How one broken variant fared: caught if any check failed, and where first."""
 
     name: str
     breaks: str
@@ -45,18 +45,10 @@ class VariantOutcome:
 def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = True,
                    workers: int = 1, map_: Callable | None = None,
                    **axes) -> list[VariantOutcome]:
-    """Run each broken variant (all by default) through :func:`run_suite` with the same ``axes``.
-
-    A variant built for some models, kinds or dtypes only
-    (:meth:`~kvdoc.proofs.variants.BrokenVariant.models_among`, ``kinds``, ``dtypes``) runs on
-    those among the ``axes``, and is left out when there are none.
-
-    With ``stop_at_first`` (the default) each run stops at its first failed check, which is all
-    a verdict needs; without it, every check runs, which shows everything that catches a variant.
-    ``workers > 1`` runs the variants in that many fresh processes (:func:`worker_map`), or
-    ``map_`` (one of :func:`worker_map`'s) in its processes; the outcomes are the same, in the
-    same order.
-    """
+    """Each broken variant (default all) through :func:`run_suite` on the same ``axes``, or those
+    among them it is built for (left out if none); ``stop_at_first`` (what a verdict needs) or
+    every check (all that catches it); in ``workers`` processes or through ``map_`` (one of
+    :func:`worker_map`'s), the same outcomes in the same order."""
     runs = []
     for name in (list(VARIANTS) if names is None else list(names)):
         v = VARIANTS[name]
@@ -75,11 +67,9 @@ def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = 
 
 @contextmanager
 def worker_map(workers: int) -> Iterator[Callable]:
-    """A ``map`` over ``workers`` fresh processes (the built-in ``map`` for one), in order.
-
-    The workers share this process's torch threads, at least one each: two workers of two
-    threads each on two cores ran three times slower than of one.
-    """
+    """A ``map`` over ``workers`` fresh processes (the built-in ``map`` for one), in order; they
+    share this process's torch threads (two workers of two threads on two cores ran three times
+    slower than of one)."""
     if workers <= 1:
         yield map
         return
@@ -104,7 +94,7 @@ def _sweep_one(run: tuple[str, bool, dict]) -> VariantOutcome:
 
 
 def variants_table(outcomes: Sequence[VariantOutcome]) -> str:
-    """One Markdown row per variant: its class, whether it was caught, and by which check where."""
+    """One Markdown row per variant: its class, caught or not, the first failed check."""
     body = []
     for o in outcomes:
         f = o.first
@@ -114,13 +104,12 @@ def variants_table(outcomes: Sequence[VariantOutcome]) -> str:
 
 
 SWEEP_LAST = ("weights", "branch", "reference", "prefill_decode", "stream")
-"""The slowest scenarios, which a sweep that stops at a variant's first failure runs last (in
-this order, after every other scenario in its own order): most variants fail a cheap check
-first, and the verdict is the same in any order."""
+"""The slowest scenarios, run last by a sweep (most variants fail a cheap check first; the
+verdict is the same in any order)."""
 
 
 def sweep_order(names: Sequence[str]) -> list[str]:
-    """``names`` with those of :data:`SWEEP_LAST` moved to the end, in that order.
+    """``names``, those of :data:`SWEEP_LAST` moved to the end in that order.
 
     >>> sweep_order(["stream", "last_only", "branch", "bytes"])
     ['last_only', 'bytes', 'branch', 'stream']
@@ -131,10 +120,8 @@ def sweep_order(names: Sequence[str]) -> list[str]:
 
 def sweep_passes(passes: Sequence[dict], names: Sequence[str] | None = None,
                  map_: Callable = map) -> list[VariantOutcome]:
-    """:func:`sweep_variants` (of ``names``, default all) pass after pass, each stopping at a
-    variant's first failure, the slowest scenarios last (:func:`sweep_order`); a pass runs only
-    the variants no earlier pass caught. One outcome per variant swept, in
-    :data:`~kvdoc.proofs.variants.VARIANTS` order."""
+    """:func:`sweep_variants` pass after pass, each stopping at a variant's first failure, in
+    :func:`sweep_order`; a pass runs the variants no earlier one caught. One outcome a variant."""
     names = list(VARIANTS if names is None else names)
     outcomes: dict[str, VariantOutcome] = {}
     for axes in passes:

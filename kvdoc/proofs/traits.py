@@ -1,8 +1,6 @@
-"""What a model is, in the words the verification selects models by: its traits.
-
-A broken variant says which traits the model it is built from must have
-(:attr:`kvdoc.proofs.variants.BrokenVariant.needs`), never which models by name, so a model added
-to :data:`kvdoc.proofs.grid.MODELS` is swept by every variant it can host without editing a list.
+"""What a model is, in the words the verification selects models by: its traits. A variant names
+the traits it needs, never models, so a model added to the grid is swept by every variant it
+can host.
 
 >>> from kvdoc.core.model import llama_config
 >>> sorted(traits(llama_config(n_kv_head=2)))
@@ -40,13 +38,12 @@ TRAITS: dict[str, str] = {
     "deep": "10 or more layers: layer indices of two digits, so an order by name ('10' before "
             "'2') is not the order by number",
 }
-"""Every trait, with what it means."""
 FAMILIES = ("decoder", "gemma", "latent")
-"""The traits that say which code a model is: a variant subclasses one family's classes."""
+"""The traits that say which code a model is: a variant subclasses one family's."""
 
 
 def check_traits(names: Iterable[str]) -> frozenset[str]:
-    """``names`` as a frozenset, or ``ValueError`` for a name not in :data:`TRAITS`."""
+    """``names`` as a frozenset; ``ValueError`` for an unknown one."""
     names = frozenset(names)
     for name in sorted(names):
         if name not in TRAITS:
@@ -78,5 +75,5 @@ def traits(config: object) -> frozenset[str]:
 
 @cache
 def grid_traits(name: str) -> frozenset[str]:
-    """The traits of the grid's model ``name`` (:data:`kvdoc.proofs.grid.MODELS`)."""
+    """The traits of the grid's model ``name``."""
     return traits(MODELS[name].build(0).config)

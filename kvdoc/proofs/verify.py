@@ -1,46 +1,58 @@
-"""``python -m kvdoc verify``: the suite in its passes, then the sweep of every broken variant,
-and a verdict.
-
-By default the passes of :func:`verify_passes` run every scenario in FP32, then the stream and the
-reference in FP64 (``--thorough``: everything in both on a longer stream) through
-:func:`~kvdoc.proofs.suite.run_suite`, and :func:`~kvdoc.proofs.sweep.sweep_passes` sweeps every
-variant; :func:`~kvdoc.proofs.processes.process_checks` runs the checks across processes (and,
-unless ``--no-variants``, their broken variants); the last line is the verdict, and the exit
+"""``python -m kvdoc verify``: the suite in the passes of :func:`verify_passes`, the sweep of every
+broken variant, the checks across processes (:func:`process_checks`), and a verdict; the exit
 status is 0 only if the implementation passed and every variant was caught.
+
+The checks across processes run after the suite, from this process (pool workers cannot start
+ranks): two ranks decode at TP = 2 and CP = 2 and run MLA's latent under TP and DP-attention
+(:mod:`kvdoc.parallel`); three ranks hand a TP = 2 prefill's blocks to a decode rank, pushed and
+pulled; one process serves a multi-turn workload from offloaded blocks; each beside the broken
+variants of :mod:`kvdoc.proofs.broken.parallel` and the offload key. Each :class:`ProcessCheck`
+of the implementation must pass; each of a variant must fail.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
+from kvdoc.measure.tables import markdown_table
+from kvdoc.parallel.blocks import Handover, handover_jobs
+from kvdoc.parallel.comparison import Job, build_model, check_jobs, compare_jobs, rank_jobs
+from kvdoc.parallel.latent import (
+    MODES,
+    LatentJob,
+    check_latent_job,
+    compare_latent,
+    latent_model,
+    rank_latent_jobs,
+)
+from kvdoc.parallel.launch import launch, together
+from kvdoc.serving.offload import TieredStore, check_offload, multi_turn
+
 from . import batch_invariance, grid
+from .broken.parallel import BROKEN as PARALLEL_BROKEN
+from .broken.parallel import HANDOVER_BROKEN, LATENT_BROKEN, PULL_BROKEN
+from .broken.serving import OFFLOAD_BROKEN
 from .compare import DTYPE_NAMES
-from .processes import process_checks, processes_table
 from .suite import DTYPES, SCENARIOS, SuiteReport, run_suite
 from .sweep import sweep_passes, variants_table, worker_map
 from .variants import VARIANTS
 
 FP64_SCENARIOS = ("stream", "reference")
-"""What the default ``verify`` repeats in FP64: the stream's checks and the independent reference,
-at FP64's tolerance, where a path that rounds through FP32 shows. ``--thorough`` runs every
-scenario in both dtypes."""
+"""Repeated in FP64 by default, where a path that rounds through FP32 shows."""
 FP64_CHUNKS = (2, 13)
-"""The default FP64 stream's chunk sizes: pairs, whose last call is a single token (the fast
-step, at the stream's end), and a chunk near the window that divides neither the stream, the
-window nor a paged block. A path that rounds through FP32 is off by far more than FP64's
-tolerance at any chunk size; FP32 runs every chunk size of :data:`kvdoc.proofs.grid.CHUNKS`."""
+"""Pairs (the last call a single token: the fast step) and a chunk that divides neither the
+stream, the window nor a block: rounding through FP32 shows at any chunk size."""
 def verify_passes(thorough: bool = False, seed: int = 0) -> list[dict]:
-    """The runs of ``python -m kvdoc verify``, each the axes of one :func:`run_suite`.
-
-    By default every scenario in FP32, then :data:`FP64_SCENARIOS` in FP64 at
-    :data:`FP64_CHUNKS`, one seed; ``thorough``, every scenario in both dtypes on
-    :data:`kvdoc.proofs.grid.THOROUGH`, two seeds, every implementation on every model it
-    serves (also those a :attr:`~kvdoc.proofs.grid.ModelSpec.impls` leaves out by default).
+    """The axes of each :func:`run_suite` of ``verify``: every scenario in FP32, then
+    :data:`FP64_SCENARIOS` in FP64; ``thorough``, everything in both on
+    :data:`kvdoc.proofs.grid.THOROUGH`, two seeds, every implementation on every model it serves.
 
     >>> [p["dtypes"] for p in verify_passes()], verify_passes()[1]["scenarios"]
     ([(torch.float32,), (torch.float64,)], ('stream', 'reference'))
@@ -57,13 +69,9 @@ def verify_passes(thorough: bool = False, seed: int = 0) -> list[dict]:
 
 def run_passes(passes: Sequence[dict], variant: str | None = None,
                map_: Callable = map) -> SuiteReport:
-    """:func:`run_suite` once per pass (axes), the results in one :class:`SuiteReport`; a
-    variant runs as the broken model itself, whatever implementations a pass names.
-
-    The implementation's passes run one :func:`run_suite` per seed and model through ``map_``
-    (e.g. :func:`worker_map`'s), in the order one call would visit them, so the results are
-    the same whichever ``map_`` runs them; ``seconds`` is the wall time of the whole.
-    """
+    """:func:`run_suite` per pass, in one :class:`SuiteReport` (a variant as itself, whatever
+    implementations a pass names); the implementation's as one run per seed and model through
+    ``map_``, in the order one call would visit them, so any ``map_`` gives the same results."""
     start = time.perf_counter()
     if variant is None:
         runs = [{**axes, "seeds": (seed,), "models": (name,)} for axes in passes
@@ -80,8 +88,90 @@ def _suite_one(run: tuple[str | None, dict]) -> SuiteReport:
     return run_suite(variant, **axes)
 
 
+PROMPT = torch.tensor([[11, 3, 57, 20, 8, 91, 42, 5, 77]])
+NEW = 5
+BLOCK = 4
+LATENT_PROMPTS = torch.tensor([[11, 3, 57, 20, 8, 91, 42, 5, 77],
+                               [60, 2, 33, 14, 70, 9, 25, 88, 1]])
+"""One request a rank under DP-attention."""
+
+
+class ProcessCheck(NamedTuple):
+    """One run across processes: a variant (it must fail) or not, what it compared, passed."""
+
+    name: str
+    variant: bool
+    what: str
+    passed: bool
+
+    @property
+    def as_expected(self) -> bool:
+        return self.passed != self.variant
+
+
+def process_checks(variants: bool = True) -> list[ProcessCheck]:
+    """Run every check across processes (with ``variants``, the broken ones too)."""
+    llama = build_model("llama")
+    jobs = [Job("tp=2", llama, PROMPT, NEW, 2, 1), Job("cp=2", llama, PROMPT, NEW, 1, 2)]
+    mla = latent_model()
+    latent = [LatentJob(f"latent, {mode}", mla, LATENT_PROMPTS, NEW, mode) for mode in MODES]
+    if variants:
+        jobs += [Job(name, llama, PROMPT, NEW, b.tp, b.cp, b.parts)
+                 for name, b in PARALLEL_BROKEN.items()]
+        latent += [LatentJob(name, mla, LATENT_PROMPTS, NEW, b.mode, b.split, b.bytes_rule)
+                   for name, b in LATENT_BROKEN.items()]
+    for j in latent:
+        check_latent_job(j, 2)
+    decoded, latents = zip(*launch(together, check_jobs(jobs),
+                                   [(rank_jobs, (jobs,)), (rank_latent_jobs, (latent,))],
+                                   backend="gloo"),
+                           strict=True)
+    out = [ProcessCheck(c.name if c.name in PARALLEL_BROKEN else f"parallel decode, {c.name}",
+                        c.name in PARALLEL_BROKEN, "tokens, logits, each rank's K/V and bytes, "
+                        "collectives, against one process", c.ok)
+           for c in compare_jobs(jobs, list(decoded))]
+    out += [ProcessCheck(j.name, j.name in LATENT_BROKEN, "MLA tokens, logits and each rank's "
+                         "latent against one process, latent bytes against the formula",
+                         compare_latent(j, [r[i] for r in latents]).ok)
+            for i, j in enumerate(latent)]
+    handed = [Handover(f"block hand-over, {mode}", llama, PROMPT, NEW, BLOCK, mode)
+              for mode in ("logits", "recompute")]
+    handed.append(Handover("block hand-over, pulled after 1 block", llama, PROMPT, NEW, BLOCK,
+                           "recompute", transfer="pull", have=1))
+    if variants:
+        handed += [Handover(name, llama, PROMPT, NEW, BLOCK, "logits", place)
+                   for name, place in HANDOVER_BROKEN.items()]
+        handed += [Handover(name, llama, PROMPT, NEW, BLOCK, **fields)
+                   for name, fields in PULL_BROKEN.items()]
+    broken = {**HANDOVER_BROKEN, **PULL_BROKEN}
+    out += [ProcessCheck(h.name, h.name in broken, "tokens and the decode rank's K/V against "
+                         "one process, bytes and messages against the formula", h.ok)
+            for h in handover_jobs(handed)]
+    hashes = {"offloaded blocks, chained keys": None}
+    if variants:
+        hashes.update(OFFLOAD_BROKEN)
+    for name, hash_fn in hashes.items():
+        with tempfile.TemporaryDirectory() as folder:
+            store = TieredStore(device_blocks=4, host_blocks=4, folder=folder)
+            kwargs = {} if hash_fn is None else {"hash_fn": hash_fn}
+            served = multi_turn(llama, store, block_size=BLOCK, max_new_tokens=3, **kwargs)
+            check = check_offload(llama, served, 3)
+        out.append(ProcessCheck(name, hash_fn is not None, f"{check.requests} requests' tokens "
+                                "and first logits against their runs without offloading",
+                                check.ok))
+    return out
+
+
+def processes_table(checks: list[ProcessCheck]) -> str:
+    """One Markdown row per check."""
+    return markdown_table(
+        ["run", "compares", "expected", "outcome"],
+        [[c.name, c.what, "caught" if c.variant else "pass",
+          ("caught" if not c.passed else "NOT caught") if c.variant
+          else ("pass" if c.passed else "FAIL")] for c in checks])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``python -m kvdoc verify``."""
     parser.add_argument("--variant", type=_variant, default=None, metavar="NAME",
                         help="run the suite on this broken variant instead (it must fail); "
                              "--list shows the names")
@@ -112,8 +202,7 @@ def _positive(text: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the suite, print its tables and a verdict line; return 0 only if everything is as
-    expected."""
+    """Run the suite, print its tables and a verdict; 0 only if everything is as expected."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: one thread is faster than several that contend
     try:

@@ -24,21 +24,11 @@ from kvdoc.proofs.compare import DTYPE_NAMES, max_abs, run_cached
 
 @dataclass(frozen=True)
 class TransformersMatch:
-    """kvdoc against one transformers model on one stream: maximum absolute logit differences.
-
-    Attributes:
-        family: transformers' ``model_type`` (``"gpt2"``, ``"llama"``, ``"mistral"``).
-        dtype: ``"FP32"`` or ``"FP64"``.
-        n_parameters: ``(transformers, kvdoc)``.
-        full: kvdoc's full forward against transformers' full forward.
-        cached: ``(cache kind, chunk) -> error`` of kvdoc's cached path against the same.
-        hf_cached: transformers' own cache (a prefill, then one token at a time) against its full
-            forward.
-        logit_scale: the largest ``|logit|`` of transformers' full forward.
-        lifted: whether transformers ran with its float32 RMSNorm/RoPE lifted to the model's dtype
-            (:func:`~kvdoc.interop.hf_float64.float64_islands_lifted`).
-        prefill_len: tokens in transformers' own prefill before its one-token decode steps.
-    """
+    """kvdoc against one transformers model on one stream: the largest logit differences of
+    kvdoc's ``full`` forward and its ``cached`` runs (by cache kind and chunk) against
+    transformers' full forward, and of transformers' own cache (``hf_cached``: ``prefill_len``
+    tokens, then one at a time) against the same. ``lifted``: transformers ran with its float32
+    RMSNorm/RoPE lifted to the model's dtype."""
 
     family: str
     dtype: str
@@ -59,22 +49,12 @@ class TransformersMatch:
 def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] = (1, 5),
                        kinds: Sequence[str] | None = None, prefill_len: int = 8,
                        lift: bool | None = None) -> TransformersMatch:
-    """Load ``hf_model`` into kvdoc and compare logits over ``ids`` (``[B, T]``).
-
-    Args:
-        hf_model: a transformers GPT-2, Llama or Mistral model in eval mode, FP32 or
-            FP64; kvdoc loads it with
-            :func:`~kvdoc.interop.hf_weights.from_transformers`.
-        ids: token ids ``[B, T]``.
-        chunks: chunk sizes of kvdoc's cached runs.
-        kinds: cache kinds (default dynamic and static, and window with a window).
-        prefill_len: tokens in transformers' prefill before its one-token decode steps.
-        lift: run transformers under
-            :func:`~kvdoc.interop.hf_float64.float64_islands_lifted` (default: only in
-            FP64).
-
-    Returns:
-        A :class:`TransformersMatch`.
+    """Load ``hf_model`` (a transformers GPT-2, Llama or Mistral model, FP32 or
+    FP64) into kvdoc and compare logits over ``ids`` (``[B, T]``): kvdoc's cached runs
+    in chunks of ``chunks`` for each of ``kinds`` (default dynamic, static, and window
+    with a window); transformers under
+    :func:`~kvdoc.interop.hf_float64.float64_islands_lifted` if ``lift`` (default: in
+    FP64).
 
     >>> from transformers import MistralForCausalLM
     >>> from kvdoc.core.model import mistral_config

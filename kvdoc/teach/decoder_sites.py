@@ -6,8 +6,9 @@ lists them) into a function of that tensor, by replacing the site's value with f
 that the real modules do the computing. It can also *pin* other sites, holding them at their
 values from a normal run: that is how "given every layer's K and V" is expressed.
 :func:`decoder_values` records every site of one forward, and :func:`kv_rows_changed` shows which
-layers' cached K/V rows an edit of the prompt changes. Layers are numbered from 0 (``h0``, ``h1``).
-The maps themselves are computed by :mod:`kvdoc.teach.dependency_maps`.
+layers' cached K/V rows an edit of the prompt changes, and :func:`gpt2_shapes` the shape of each
+step of a forward. Layers are numbered from 0 (``h0``, ``h1``). The maps themselves are computed
+by :mod:`kvdoc.teach.dependency_maps`.
 """
 
 from __future__ import annotations
@@ -133,19 +134,12 @@ def decoder_values(model: Decoder, idx: torch.Tensor, sites: Sequence[str] | Non
 
 def decoder_function(model: Decoder, idx: torch.Tensor, site: str, output: str = "logits",
                      pin: Sequence[str] = ()) -> tuple[Fn, torch.Tensor]:
-    """The decoder as a function of one internal tensor, for :func:`dependency_map`.
+    """The decoder (a float64 copy of ``model``) as a function of one internal tensor.
 
-    Runs ``model(idx)`` once to record every site. Returns ``(fn, x0)``: ``x0`` is the value of
-    ``site`` in that run (float64), and ``fn(x)`` reruns the real model with ``site`` replaced by
-    ``x`` and each site in ``pin`` held at its recorded value, returning ``output``. Pinning
-    every layer's K and V is what a cache does: it answers "given the cached K and V, what does
-    this output still depend on?"
-
-    Args:
-        model: a decoder; it is copied to float64 (the original is not modified).
-        idx: token ids ``[B, T]``.
-        site, output: names from :func:`decoder_sites`.
-        pin: sites to hold constant (e.g. ``["h0.k", "h0.v", "h1.k", "h1.v"]``).
+    Returns ``(fn, x0)``: ``x0`` is the value of ``site`` in a run of ``model(idx)``, and
+    ``fn(x)`` reruns the model with ``site`` replaced by ``x`` and each site in ``pin`` held at
+    its recorded value, returning ``output``. Pinning every layer's K and V is what a cache
+    does: "given the cached K and V, what does this output still depend on?"
 
     >>> from kvdoc import GPTConfig
     >>> _ = torch.manual_seed(0)
@@ -166,19 +160,10 @@ def decoder_function(model: Decoder, idx: torch.Tensor, site: str, output: str =
     return fn, recorded[site].detach()
 
 
-# --------------------------------------------------------------------------------------------
-# Prefix edits
-# --------------------------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class KVRowChanges:
-    """Which cached K/V rows an edit of the prompt changes.
-
-    Attributes:
-        k_change, v_change: float64 ``[L, T]``, the largest absolute difference of layer ``l``'s
-            K (or V) at position ``t`` between the original and the edited prompt.
-        k_changed, v_changed: bool ``[L, T]``, where the change is above ``atol``.
-    """
+    """Which cached K/V rows an edit of the prompt changes: the largest change of each layer's
+    K (or V) row, float64 ``[L, T]``, and where it is above ``atol``."""
 
     k_change: torch.Tensor
     v_change: torch.Tensor
@@ -189,10 +174,8 @@ class KVRowChanges:
 @torch.no_grad()
 def kv_rows_changed(model: Decoder, idx: torch.Tensor, edited: torch.Tensor,
                     atol: float = 0.0) -> KVRowChanges:
-    """Prefill both prompts (``[B, T]``, same shape) and compare every layer's cached K and V rows.
-
-    Runs in float64 on a copy of ``model``; with the default ``atol=0`` a row "changed" unless it
-    is bit-for-bit equal.
+    """Prefill both prompts (``[B, T]``) on a float64 copy of ``model`` and compare every
+    layer's cached K and V rows; with ``atol=0`` a row "changed" unless bit-for-bit equal.
 
     >>> from kvdoc import GPTConfig
     >>> _ = torch.manual_seed(0)
@@ -212,3 +195,68 @@ def kv_rows_changed(model: Decoder, idx: torch.Tensor, edited: torch.Tensor,
         diffs.append(torch.stack([(a.layer(i)[which] - b.layer(i)[which]).abs().amax(dim=(0, 1, 3))
                                   for i in range(m.config.n_layer)]))
     return KVRowChanges(diffs[0], diffs[1], diffs[0] > atol, diffs[1] > atol)
+
+
+@dataclass(frozen=True)
+class ShapeRow:
+    """One step of the forward pass: what it is, which class of operation, its output shape."""
+
+    step: str
+    op_class: str
+    shape: tuple[int, ...]
+    symbols: str
+
+
+def gpt2_shapes(model: Decoder, idx: torch.Tensor, layer: int = 0) -> list[ShapeRow]:
+    """The shapes of one full forward of ``idx`` (``[B, T]``), measured on ``model``, in forward
+    order: one decoder layer (``layer``, its head split and scores from its real Q and K), then
+    the last-row slice and the LM head of next-token prediction.
+
+    >>> from kvdoc import GPTConfig
+    >>> rows = gpt2_shapes(Decoder(GPTConfig()), torch.tensor([[1, 2, 3]]))
+    >>> rows[-1].shape
+    (1, 97)
+    """
+    cfg = model.config
+    with torch.no_grad():
+        v = decoder_values(model, idx)
+        B, T = idx.shape
+        H, Hkv, Dh = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        q = v[f"h{layer}.q"].view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, D_h]
+        k = v[f"h{layer}.k"].view(B, T, Hkv, Dh).transpose(1, 2)  # [B, H_kv, T, D_h]
+        k = k.repeat_interleave(H // Hkv, dim=1)
+        scores = q @ k.transpose(-2, -1)  # [B, H, T, T]
+        last = v["ln_f.out"][:, -1, :]  # [B, d]
+        logits = model.lm_head(last)  # [B, V]
+    h = f"h{layer}"
+    return [
+        ShapeRow("token ids", "input", tuple(idx.shape), "B, T"),
+        ShapeRow("token embedding wte", "lookup (row-local)", tuple(v["wte"].shape),
+                 "T, d_model (broadcast over B)" if v["wte"].dim() == 2 else "B, T, d_model"),
+        ShapeRow("position embedding wpe", "lookup (row-local)", tuple(v["wpe"].shape),
+                 "T, d_model"),
+        ShapeRow("wte + wpe", "element-wise", tuple(v["embed"].shape), "B, T, d_model"),
+        ShapeRow(f"{h}: ln_1", "row-wise", tuple(v[f"{h}.ln_1"].shape), "B, T, d_model"),
+        ShapeRow(f"{h}: Q = ln_1 @ W_q", "matmul by a weight", tuple(v[f"{h}.q"].shape),
+                 "B, T, H·d_k"),
+        ShapeRow(f"{h}: K = ln_1 @ W_k", "matmul by a weight", tuple(v[f"{h}.k"].shape),
+                 "B, T, H_kv·d_k"),
+        ShapeRow(f"{h}: V = ln_1 @ W_v", "matmul by a weight", tuple(v[f"{h}.v"].shape),
+                 "B, T, H_kv·d_k"),
+        ShapeRow(f"{h}: split heads of Q", "reshape (row-local)", tuple(q.shape), "B, H, T, d_k"),
+        ShapeRow(f"{h}: scores = Q K^T / sqrt(d_k)", "matmul of two activations",
+                 tuple(scores.shape), "B, H, T, T"),
+        ShapeRow(f"{h}: softmax(masked scores) @ V, heads merged", "matmul of two activations",
+                 tuple(v[f"{h}.heads"].shape), "B, T, d_model"),
+        ShapeRow(f"{h}: c_proj, + residual", "matmul by a weight; element-wise",
+                 tuple(v[f"{h}.mid"].shape), "B, T, d_model"),
+        ShapeRow(f"{h}: ln_2", "row-wise", tuple(v[f"{h}.ln_2"].shape), "B, T, d_model"),
+        ShapeRow(f"{h}: MLP up c_fc, GELU", "matmul by a weight; element-wise",
+                 tuple(v[f"{h}.fc"].shape), "B, T, d_ff"),
+        ShapeRow(f"{h}: MLP down c_proj, + residual", "matmul by a weight; element-wise",
+                 tuple(v[f"{h}.out"].shape), "B, T, d_model"),
+        ShapeRow("ln_f (after the last layer)", "row-wise", tuple(v["ln_f.out"].shape),
+                 "B, T, d_model"),
+        ShapeRow("last row x[:, -1, :]", "slice", tuple(last.shape), "B, d_model"),
+        ShapeRow("LM head", "matmul by a weight", tuple(logits.shape), "B, V"),
+    ]

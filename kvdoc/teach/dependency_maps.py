@@ -11,8 +11,7 @@ is not zero. This module computes that relation two independent ways:
 
 and :func:`compare_maps` checks that they agree. Both return a :class:`DependencyMap`: a bool
 ``[T_out, T_in]`` matrix plus the magnitude of each block (its Frobenius norm), which renders
-as a heatmap (:meth:`DependencyMap.heatmap`) or a Markdown table
-(:meth:`DependencyMap.to_markdown`).
+as a heatmap (:meth:`DependencyMap.heatmap`) or a small HTML table (:func:`map_table`).
 Everything runs in float64 so that "does not depend" means an exact zero, and "depends" means a
 magnitude above ``rtol`` times the largest one. A map is local: it describes ``f`` at the given
 ``x``. Structural zeros (a row that is never read) are zero at every ``x``; a saturated softmax
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdoc.measure.tables import markdown_table
+from kvdoc.teach.display import html_table
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -38,24 +37,13 @@ DEFAULT_RTOL = 1e-10
 """A block counts as a dependency when its magnitude exceeds this fraction of the largest block."""
 
 
-# --------------------------------------------------------------------------------------------
-# The result and its renderers
-# --------------------------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class DependencyMap:
-    """Which input rows each output row depends on.
-
-    Attributes:
-        depends: bool ``[T_out, T_in]``; ``depends[t, s]`` is True when output row ``t``
-            changes with input row ``s``.
-        magnitude: float64 ``[T_out, T_in]``, the Frobenius norm of the Jacobian block of
-            output row ``t`` with respect to input row ``s`` (summed over batch and any other
-            dimensions). Zero exactly where there is no dependency.
-        method: how it was computed: ``"jacobian"``, ``"perturbation"`` or ``"token"``.
-        out_rows: the output row indices (non-negative) that the rows of the matrix stand for.
-        in_labels, out_labels: names of the rows for renderers (default: the indices).
-    """
+    """Which input rows each output row depends on: ``depends[t, s]`` (bool ``[T_out, T_in]``),
+    and ``magnitude``, the Frobenius norm of the Jacobian block of output row ``t`` with respect
+    to input row ``s``, zero exactly where there is no dependency. ``method`` is
+    ``"jacobian"``, ``"perturbation"`` or ``"token"``; ``out_rows`` the (non-negative) output
+    rows the matrix's rows stand for; the labels name the rows for renderers."""
 
     depends: torch.Tensor
     magnitude: torch.Tensor
@@ -82,20 +70,10 @@ class DependencyMap:
             raise ValueError(f"need {self.shape[1]} input and {self.shape[0]} output labels")
         return DependencyMap(self.depends, self.magnitude, self.method, self.out_rows, ins, outs)
 
-    def to_markdown(self, corner: str = "out \\ in", mark: str = "●", blank: str = "·") -> str:
-        """The boolean matrix as a Markdown table: ``mark`` where row ``t`` needs row ``s``."""
-        rows = [[self.out_labels[t]] + [mark if bool(self.depends[t, s]) else blank
-                                        for s in range(self.shape[1])]
-                for t in range(self.shape[0])]
-        return markdown_table([corner, *self.in_labels], rows)
-
     def heatmap(self, ax=None, title: str | None = None, xlabel: str = "input row",
                 ylabel: str = "output row", log: bool = True):
-        """Draw the magnitudes on a log scale, leaving cells without a dependency white.
-
-        Returns the matplotlib figure. Cells without a dependency are white; the others are
-        coloured by ``log10`` of their magnitude relative to the largest block.
-        """
+        """The magnitudes relative to the largest block, on a log scale; cells without a
+        dependency white. Returns the matplotlib figure."""
         import matplotlib.pyplot as plt
         import numpy as np
 
@@ -163,28 +141,15 @@ def _finish(mag: torch.Tensor, method: str, rows: tuple[int, ...], rtol: float,
                          ins, outs)
 
 
-# --------------------------------------------------------------------------------------------
-# Two independent ways to compute a map
-# --------------------------------------------------------------------------------------------
-
 def jacobian_map(fn: Fn, x: torch.Tensor, *, out_rows: Sequence[int] | None = None,
                  out_row_dim: int | None = -2, rtol: float = DEFAULT_RTOL,
                  in_labels: Sequence[str] | None = None,
                  out_labels: Sequence[str] | None = None) -> DependencyMap:
-    """The dependency map of ``fn`` at ``x``, exactly, from the autograd Jacobian.
+    """The dependency map of ``fn`` at ``x`` (rows along dim -2, converted to float64), exactly,
+    from the autograd Jacobian.
 
-    Args:
-        fn: a function of a tensor shaped like ``x``, differentiable by autograd.
-        x: ``[T, d]`` or ``[B, T, d]`` (any leading dims); rows are along dim -2. It is
-            converted to float64 (``fn`` must accept float64).
-        out_rows: output rows to analyse (default all); negative indices count from the end.
-        out_row_dim: the output dimension that holds rows (default -2, so ``[B, H, T, D_h]``
-            has rows along ``T``); None treats the whole output as one row (e.g. ``x[:, -1, :]``).
-        rtol: a block depends when its norm exceeds ``rtol`` times the largest block.
-        in_labels, out_labels: row names for the renderers.
-
-    Returns:
-        A :class:`DependencyMap` with ``method == "jacobian"``.
+    ``out_rows``: the output rows to analyse (default all). ``out_row_dim``: the output dimension
+    that holds rows; None treats the whole output as one row (e.g. ``x[:, -1, :]``).
 
     >>> x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
     >>> m = jacobian_map(lambda x: x.cumsum(dim=0), x)     # row t is the sum of rows 0..t
@@ -216,16 +181,10 @@ def perturbation_map(fn: Fn, x: torch.Tensor, *, out_rows: Sequence[int] | None 
                      out_row_dim: int | None = -2, rtol: float = DEFAULT_RTOL, eps: float = 1e-7,
                      in_labels: Sequence[str] | None = None,
                      out_labels: Sequence[str] | None = None) -> DependencyMap:
-    """The dependency map of ``fn`` at ``x``, by perturbing one input row at a time.
-
-    Each coordinate of input row ``s`` in turn is moved by ``eps``; the forward difference of
-    every output row estimates one column of the Jacobian, without autograd (one call of ``fn``
-    per coordinate). An output row that does not read input row ``s`` does not move at all (its
-    difference is exactly zero), so the boolean map is exact; in float64 the magnitudes match
-    :func:`jacobian_map` to about ``eps`` (relative).
-
-    Args and Returns: as :func:`jacobian_map`, plus ``eps`` (the step);
-    ``method == "perturbation"``.
+    """The dependency map of ``fn`` at ``x``, without autograd: each coordinate of each input
+    row in turn is moved by ``eps``. An output row that does not read the input row does not move
+    at all, so the boolean map is exact; the magnitudes match :func:`jacobian_map` to about
+    ``eps`` (relative). Arguments as :func:`jacobian_map`.
 
     >>> x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
     >>> m = perturbation_map(lambda x: x.cumsum(dim=0), x)
@@ -253,13 +212,8 @@ def perturbation_map(fn: Fn, x: torch.Tensor, *, out_rows: Sequence[int] | None 
 
 @dataclass(frozen=True)
 class Agreement:
-    """The result of :func:`compare_maps`.
-
-    Attributes:
-        same_pattern: the two boolean matrices are equal.
-        max_rel_diff: the largest ``|a - b| / max|a|`` over the magnitudes.
-        ok: ``same_pattern`` and ``max_rel_diff <= rtol``.
-    """
+    """What :func:`compare_maps` found: the same boolean pattern, and the largest
+    ``|a - b| / max|a|`` of the magnitudes."""
 
     same_pattern: bool
     max_rel_diff: float
@@ -274,8 +228,13 @@ class Agreement:
 
 
 def compare_maps(a: DependencyMap, b: DependencyMap, rtol: float = 1e-5) -> Agreement:
-    """Do two maps of the same function agree, in pattern exactly and in magnitude within
-    ``rtol``?"""
+    """Whether two maps of one function agree, in pattern exactly and in magnitude within
+    ``rtol``.
+
+    >>> m = jacobian_map(lambda x: 2 * x, torch.ones(2, 1))
+    >>> compare_maps(m, perturbation_map(lambda x: 2 * x, torch.ones(2, 1))).ok
+    True
+    """
     if a.shape != b.shape or a.out_rows != b.out_rows:
         raise ValueError(f"maps of different rows: {a.shape} {a.out_rows} "
                          f"vs {b.shape} {b.out_rows}")
@@ -321,26 +280,23 @@ def dependency_map(fn: Fn, x: torch.Tensor, **kwargs) -> CheckedMap:
 
 
 def lower_triangular(n_out: int, n_in: int | None = None) -> torch.Tensor:
-    """The causal pattern: bool ``[n_out, n_in]``, True where ``s <= t + (n_in - n_out)``."""
+    """The causal pattern: bool ``[n_out, n_in]``, True where ``s <= t + (n_in - n_out)``.
+
+    >>> lower_triangular(2, 3).int().tolist()
+    [[1, 1, 0], [1, 1, 1]]
+    """
     n_in = n_out if n_in is None else n_in
     return torch.ones(n_out, n_in, dtype=torch.bool).tril(diagonal=n_in - n_out)
 
-
-# --------------------------------------------------------------------------------------------
-# Discrete inputs: token ids
-# --------------------------------------------------------------------------------------------
 
 @torch.no_grad()
 def token_dependency_map(fn: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor,
                          vocab_size: int, *, out_row_dim: int | None = -2,
                          in_labels: Sequence[str] | None = None,
                          out_labels: Sequence[str] | None = None) -> DependencyMap:
-    """Which token positions each output row depends on, by replacing one token id at a time.
-
-    Position ``s`` of ``idx`` (``[B, T]``) is replaced by ``(id + 1) % vocab_size`` in every batch
-    row; output row ``t`` depends on ``s`` when it changes. The magnitude is the norm of the
-    change. A function that ignores a token never changes; one that reads it changes for almost
-    any replacement (this is one replacement, so a zero here is evidence, not proof).
+    """Which token positions of ``idx`` (``[B, T]``) each output row depends on: position ``s``
+    is replaced by ``(id + 1) % vocab_size`` and the change of each output row is its magnitude.
+    One replacement: a zero is evidence, not proof.
 
     >>> emb = torch.nn.Embedding(10, 4)
     >>> m = token_dependency_map(emb, torch.tensor([[1, 2, 3]]), 10)   # a lookup is row-local
@@ -363,3 +319,24 @@ def token_dependency_map(fn: Callable[[torch.Tensor], torch.Tensor], idx: torch.
     ins = tuple(in_labels) if in_labels is not None else tuple(str(s) for s in range(T))
     outs = tuple(out_labels) if out_labels is not None else tuple(str(t) for t in rows)
     return DependencyMap(depends, mag, "token", rows, ins, outs)
+
+
+def map_table(m: CheckedMap | DependencyMap, labels: Sequence[str],
+              out_labels: Sequence[str] | None = None, corner: str = "out \\ in",
+              caption: str | None = None) -> str:
+    """A dependency map as a small HTML table: ``●`` where the output row needs the input row.
+
+    ``labels`` name the input rows, and the output rows unless ``out_labels`` is given. The class
+    ``kvdoc-map`` (docs/_static/kvdoc.css) keeps the table small, so that maps sit side by side.
+
+    >>> m = jacobian_map(lambda x: x.cumsum(0), torch.ones(2, 1, dtype=torch.float64))
+    >>> html_out = map_table(m, "AB")
+    >>> html_out.count("●"), html_out.count("·")
+    (3, 1)
+    """
+    dm = m.jacobian if isinstance(m, CheckedMap) else m
+    outs = list(out_labels) if out_labels is not None else [labels[t] for t in dm.out_rows]
+    dm = dm.relabel(list(labels), outs)
+    rows = [[outs[t]] + ["●" if bool(dm.depends[t, s]) else "·" for s in range(dm.shape[1])]
+            for t in range(dm.shape[0])]
+    return html_table([corner, *labels], rows, caption=caption, css_class="kvdoc-map")

@@ -16,6 +16,8 @@ pool has the blocks the request writes. After each request the cached set must b
 on a block boundary and one inside a block: the last token is computed again (its logits choose
 the next token), the logits equal one full forward, the tokens equal ``generate`` alone.
 
+The broken trees at the end serve every request as alone; only these checks see them.
+
 >>> from kvdoc.proofs.compare import default_model
 >>> model = default_model()
 >>> check_eviction(model).passed, check_full_match(model).passed
@@ -24,6 +26,7 @@ the next token), the logits equal one full forward, the tokens equal ``generate`
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,15 +36,10 @@ import torch
 from kvdoc.core.model import Decoder, generate
 from kvdoc.proofs.compare import TOLERANCE, close, max_abs
 from kvdoc.proofs.prefix_cache import invariant_errors
+from kvdoc.serving.eviction import LRU, Node
 from kvdoc.serving.paged import BlockPool
 from kvdoc.serving.radix import RadixCache, serve_prompt
-
-
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+from kvdoc.teach.toy import common_prefix_len
 
 
 class LRUOracle:
@@ -57,14 +55,15 @@ class LRUOracle:
     def match(self, prompt: Sequence[int]) -> int:
         """Prompt positions the cache gives a request: the longest common prefix with a cached
         path, short of the prompt's last token."""
-        return min(max((_lcp(prompt, p) for p in self.used), default=0), len(prompt) - 1)
+        longest = max((common_prefix_len(prompt, p) for p in self.used), default=0)
+        return min(longest, len(prompt) - 1)
 
     def read(self, prompt: Sequence[int], matched: int) -> set[tuple[int, ...]]:
         """The cached paths a match of ``matched`` positions reads (its last block may be one
         it shares only in part)."""
         S = self.block_size
         return {p for p in self.used if len(p) <= math.ceil(matched / S) * S
-                and _lcp(prompt, p) >= min(len(p) - S + 1, matched)}
+                and common_prefix_len(prompt, p) >= min(len(p) - S + 1, matched)}
 
     def leaves(self) -> list[tuple[int, ...]]:
         return [p for p in self.used
@@ -202,3 +201,37 @@ def check_full_match(model: Decoder, tree_cls: type[RadixCache] = RadixCache,
     return PolicyCheck(True, sum(reused), f"prompts of {2 * S} and {2 * S - 2} tokens held "
                                           f"whole reused {reused[0]} and {reused[1]}, the last "
                                           f"token computed; logits within {worst:.1e}")
+
+
+class MostRecentFirst(LRU):
+    """BROKEN: an eviction policy that takes the most recently used leaf first."""
+
+    def priority(self, node: Node) -> int:
+        return -node.last_used  # BUG: LRU's order reversed
+
+
+def most_recent_first() -> type[RadixCache]:
+    """A :class:`~kvdoc.serving.radix.RadixCache` factory with :class:`MostRecentFirst` passed
+    as its ``policy``."""
+    return functools.partial(RadixCache, policy=MostRecentFirst())
+
+
+class WholeLeafAlways(RadixCache):
+    """BROKEN: asked to evict one block at a time (``evict="block"``), it evicts whole leaves;
+    each eviction is still the least recently used leaf."""
+
+    def __init__(self, pool, granularity="token", policy=None, evict="leaf"):
+        super().__init__(pool, granularity, policy, evict)
+        self.unit = "leaf"  # BUG: the evict argument is checked, then ignored
+
+
+class LastTokenFromTree(RadixCache):
+    """BROKEN: the match is cut one token short of the prompt only in block mode; in token
+    mode a prompt the tree holds entirely is matched to its last token, whose logits then are
+    never computed."""
+
+    def reusable(self, prompt):
+        length, blocks, node = self.match(prompt)
+        if self.granularity == "block":  # BUG: min(length, len(prompt) - 1) in both modes
+            length = min(length, len(prompt) - 1) // self.block_size * self.block_size
+        return length, blocks[:math.ceil(length / self.block_size)], node

@@ -59,15 +59,9 @@ def run_cli(*argv: str) -> str:
 
 @dataclass
 class Fixtures:
-    """Fresh objects for one attempt; every cache here must be unchanged after a refusal.
-
-    Attributes:
-        model: the default 145,280-parameter decoder, seed 0, eval mode, float32 on the CPU.
-        ids: a prompt ``[1, 4]`` of token ids.
-        dynamic: a :class:`DynamicCache` holding the 4 positions of ``ids``.
-        static: a :class:`StaticCache` of capacity 8 holding the 4 positions of ``ids``.
-        foreign: a cache of 4 positions filled by another model (2 K/V heads, grouped-query).
-    """
+    """Fresh objects for one attempt; every cache here must be unchanged after a refusal: the
+    default decoder (seed 0, float32), a prompt ``ids`` ``[1, 4]``, a dynamic and a static
+    cache (capacity 8) holding it, and a ``foreign`` cache filled by a model with 2 K/V heads."""
 
     model: Decoder
     ids: torch.Tensor
@@ -105,19 +99,9 @@ def _same(cache: KVCache, snap: tuple[int, list[torch.Tensor]]) -> bool:
 
 @dataclass(frozen=True)
 class Refusal:
-    """One bad input and how kvdoc must refuse it.
-
-    Attributes:
-        key: a short stable name.
-        area: the part of kvdoc called (``GPTConfig``, ``Decoder``, ``caches``, ``masks``,
-            ``generation``, ``interop``, ``memory``, ``CLI``).
-        bad: what is wrong, in words.
-        call: the call as code; ``model``, ``ids``, ``dynamic``, ``static`` and ``foreign``
-            are the :class:`Fixtures`.
-        error: the exception type it must raise.
-        fragment: text the message must contain.
-        run: makes the call with fresh fixtures.
-    """
+    """One bad input and how kvdoc must refuse it: a stable ``key``, the ``area`` of kvdoc
+    called, what is ``bad`` in words, the ``call`` as code (over the :class:`Fixtures`' names),
+    the ``error`` it must raise with ``fragment`` in its message, and ``run``, the call."""
 
     key: str
     area: str
@@ -186,18 +170,13 @@ def _interop_shape_mismatch(fx: Fixtures) -> object:
     return decoder_from_gpt2(gpt2.state_dict(), GPTConfig(n_inner=128))
 
 
-def _r(key: str, area: str, bad: str, call: str, error: type[Exception], fragment: str,
-       run: Callable[[Fixtures], object]) -> Refusal:
-    return Refusal(key, area, bad, call, error, fragment, run)
-
-
 def _cli(key: str, bad: str, command: str, fragment: str) -> Refusal:
     """A refusal of ``python -m kvdoc COMMAND``: the call shown is the call made."""
     return Refusal(key, "CLI", bad, f"python -m kvdoc {command}".rstrip(), CommandError, fragment,
                    lambda fx: run_cli(*command.split()))
 
 
-VE = ValueError
+_r, VE = Refusal, ValueError  # short names: the catalogue is one call a line where it can be
 CATALOGUE: list[Refusal] = [
     # --- the configuration ------------------------------------------------------------------
     _r("config-zero-layers", "GPTConfig", "no layers", "GPTConfig(n_layer=0)", VE,

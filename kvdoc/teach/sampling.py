@@ -15,8 +15,10 @@ rule still gives plausible tokens.
   each must continue its own random stream and equal its uninterrupted run with the same seed
   (:func:`kvdoc.proofs.scheduling.compare_trace_with_alone`).
 
+Each has a broken variant that still gives plausible tokens: :func:`residual_is_target` and
+:class:`RestartStream`.
+
 >>> from kvdoc.proofs.compare import default_model
->>> from kvdoc.teach.broken_policies import RestartStream, residual_is_target
 >>> model = default_model()
 >>> check_speculative_distribution(model).passed
 True
@@ -35,8 +37,8 @@ import torch
 
 from kvdoc.core.model import Decoder
 from kvdoc.proofs.scheduling import PREEMPTION_TRACE, compare_trace_with_alone
-from kvdoc.serving.requests import arrival_trace
-from kvdoc.serving.scheduler import Scheduler
+from kvdoc.serving.requests import arrival_trace, sample_generator
+from kvdoc.serving.scheduler import LiveRequest, Scheduler
 from kvdoc.serving.speculative import Rule, acceptance
 
 Table = dict[tuple[int, ...], list[float]]
@@ -164,3 +166,19 @@ def check_sampled_preemption(model: Decoder, scheduler: type[Scheduler] = Schedu
     interrupted = sum(n > prompts[rid] for s in run.steps for rid, n in s.preempted)
     return StreamCheck(all(c.passed for c in rows), run.preemptions, interrupted,
                        max(c.logit_error for c in rows))
+
+
+class RestartStream(Scheduler):
+    """BROKEN: a preempted request gets a new generator of its seed, so after its recompute it
+    draws the random numbers its first tokens already used."""
+
+    def preempt(self, live: LiveRequest) -> int:
+        live.generator = sample_generator(live.req, live.sample)  # BUG: the stream restarts
+        return super().preempt(live)
+
+
+def residual_is_target(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """BROKEN: :func:`~kvdoc.serving.speculative.acceptance`, but a rejected proposal is redrawn
+    from ``p`` itself, not from ``max(0, p - q)`` normalised."""
+    keep, _ = acceptance(p, q)
+    return keep, p  # BUG: the residual is the target

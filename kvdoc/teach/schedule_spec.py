@@ -5,7 +5,9 @@ that wait behind prompt chunks, a budget one token too large, the oldest request
 instead of the newest change step counts and latencies, not tokens. So the policy that
 :mod:`kvdoc.serving.scheduler` states is written here a second time, as arithmetic on lengths
 and block counts only (no pool, no model, no token ids), and :func:`check_schedule` compares
-every step of a real run with it.
+every step of a real run with it. The broken schedulers at the end (:class:`PrefillBeforeDecode`,
+:class:`BudgetPlusOne`, :class:`PreemptOldest`) serve every request exactly as alone: only this
+check sees them.
 
 The specification (:func:`expected_steps`), for requests without forks:
 
@@ -39,6 +41,8 @@ The specification (:func:`expected_steps`), for requests without forks:
 >>> from kvdoc.proofs.compare import default_model
 >>> [c.passed for c in check_schedule(default_model())]
 [True, True, True, True, True, True]
+>>> [c.passed for c in check_schedule(default_model(), BudgetPlusOne)]
+[True, True, False, False, False, True]
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from kvdoc.core.model import Decoder
 from kvdoc.proofs.scheduling import POLICY_TRACE, PREEMPTION_TRACE
 from kvdoc.serving.requests import Request, arrival_trace
 from kvdoc.serving.runs import ServeRun
-from kvdoc.serving.scheduler import Scheduler
+from kvdoc.serving.scheduler import LiveRequest, Scheduler
 
 
 @dataclass(frozen=True)
@@ -70,8 +74,7 @@ class SpecStep:
 
 
 @dataclass
-class _Seq:
-    """A request as the specification sees it: counts only."""
+class _Seq:  # a request as the specification sees it: counts only
 
     rid: int
     prompt: int
@@ -82,8 +85,7 @@ class _Seq:
     blocks: int = 0
     recomputes: int = 0
 
-    def lacks(self) -> int:
-        """Positions to feed before its next token is chosen."""
+    def lacks(self) -> int:  # positions to feed before its next token is chosen
         return self.prompt + self.produced - self.computed
 
     def decoding(self) -> bool:
@@ -92,17 +94,26 @@ class _Seq:
     def finished(self) -> bool:
         return self.produced == self.output
 
+    def kind(self) -> str:
+        return "decode" if self.decoding() else "recompute" if self.recomputes else "prefill"
 
-def _queue(trace: Sequence[Request]) -> list[_Seq]:
-    """The requests in arrival order (ties by id), as the oracles count them."""
+    def extra(self, n: int, block_size: int) -> int:  # blocks its next n positions add
+        return math.ceil((self.computed + n) / block_size) - self.blocks
+
+    def take(self, n: int, block_size: int) -> int:
+        extra = self.extra(n, block_size)
+        self.blocks += extra
+        return extra
+
+
+def _queue(trace: Sequence[Request]) -> list[_Seq]:  # in arrival order, ties by id
     return [_Seq(r.rid, len(r.prompt), r.output_len, r.arrival)
             for r in sorted(trace, key=lambda r: (r.arrival, r.rid))]
 
 
 def _preempt_newest(running: list[_Seq], waiting: list[_Seq],
                     preempted: list[tuple[int, int]]) -> int:
-    """Preempt the newest running request: it drops its K/V and waits at the head of the queue
-    to be recomputed. Returns the blocks it gave back."""
+    """Preempt the newest running request to the head of the queue; the blocks it gave back."""
     victim = running.pop()
     freed = victim.blocks
     preempted.append((victim.rid, victim.computed))
@@ -113,8 +124,7 @@ def _preempt_newest(running: list[_Seq], waiting: list[_Seq],
 
 
 def _forward(rows: list[tuple[_Seq, int]], running: list[_Seq]) -> tuple[int, ...]:
-    """Feed each row its positions (a token is chosen once a request has all it lacks); the
-    running requests that got no row this step."""
+    """Feed each row its positions; the running requests that got no row this step."""
     for s, n in rows:
         s.computed += n
         if s.computed == s.prompt + s.produced:
@@ -126,14 +136,9 @@ def _forward(rows: list[tuple[_Seq, int]], running: list[_Seq]) -> tuple[int, ..
 def expected_steps(trace: Sequence[Request], num_blocks: int, block_size: int = 4,
                    max_batch: int | None = None, token_budget: int | None = None,
                    policy: str = "continuous", preempt: bool = False) -> list[SpecStep]:
-    """Each step of serving ``trace`` under the specification of the module docstring (the
-    options are :class:`~kvdoc.serving.scheduler.Scheduler`'s).
-
-    Raises:
-        ValueError: a request that forks, or a state the specification says cannot occur (a
-            request admitted without preemption that finds too few blocks, or nothing running
-            while the head of the queue cannot be admitted).
-    """
+    """Each step of serving ``trace`` under the specification of the module docstring, with
+    :class:`~kvdoc.serving.scheduler.Scheduler`'s options. Raises ``ValueError`` for a request
+    that forks, or a state the specification says cannot occur."""
     if any(r.samples != 1 for r in trace):
         raise ValueError("the specification covers requests without forks")
 
@@ -174,20 +179,18 @@ def expected_steps(trace: Sequence[Request], num_blocks: int, block_size: int = 
                     break
                 rows.append((s, n))
                 left -= n
-        kinds = {s.rid: "decode" if s.decoding() else "recompute" if s.recomputes else "prefill"
-                 for s, _ in rows}
+        kinds = {s.rid: s.kind() for s, _ in rows}
         # 3. blocks for every row, oldest admitted first; preempt the newest while short
         preempted = []
         for s, n in sorted(rows, key=lambda row: running.index(row[0])):
             if not any(x is s for x in running):
                 continue
-            while any(x is s for x in running) and blocks(s.computed + n) - s.blocks > free:
+            while any(x is s for x in running) and s.extra(n, block_size) > free:
                 if not preempt:
                     raise ValueError(f"request {s.rid} was admitted without room to write")
                 free += _preempt_newest(running, waiting, preempted)
             if any(x is s for x in running):
-                free -= blocks(s.computed + n) - s.blocks
-                s.blocks = blocks(s.computed + n)
+                free -= s.take(n, block_size)
         rows = [(s, n) for s, n in rows if any(x is s for x in running)]
         # 4. the forward, then retirement
         holding = _forward(rows, running)
@@ -263,8 +266,8 @@ class ScheduleCheck:
 @torch.no_grad()
 def check_schedule(model: Decoder, scheduler: type[Scheduler] = Scheduler,
                    block_size: int = 4) -> list[ScheduleCheck]:
-    """Serve each of :data:`SCHEDULES` with ``scheduler`` on ``model`` and compare every step
-    with :func:`expected_steps`."""
+    """Each of :data:`SCHEDULES` served by ``scheduler``, every step against
+    :func:`expected_steps`."""
     checks = []
     for name, trace_args, options in SCHEDULES:
         trace = arrival_trace(**trace_args, vocab_size=model.config.vocab_size)
@@ -305,9 +308,6 @@ def vllm_v1_steps(trace: Sequence[Request], num_blocks: int, token_budget: int,
     >>> [s.rows for s in vllm_v1_steps(trace, num_blocks=8, token_budget=4)][:2]
     [((0, 4, 'prefill'),), ((0, 1, 'prefill'), (1, 3, 'prefill'))]
     """
-    def blocks(positions: int) -> int:
-        return math.ceil(positions / block_size)
-
     waiting = _queue(trace)
     running: list[_Seq] = []
     free, steps = num_blocks, []
@@ -318,27 +318,25 @@ def vllm_v1_steps(trace: Sequence[Request], num_blocks: int, token_budget: int,
             if left == 0 or s not in running:
                 break
             n = min(s.lacks(), left)
-            kind[s.rid] = "decode" if s.decoding() else "recompute" if s.recomputes else "prefill"
-            while blocks(s.computed + n) - s.blocks > free:
+            kind[s.rid] = s.kind()
+            while s.extra(n, block_size) > free:
                 free += _preempt_newest(running, waiting, preempted)
                 if not any(x is s for x in running):
                     break
             if s not in running:
                 break
-            free -= blocks(s.computed + n) - s.blocks
-            s.blocks = blocks(s.computed + n)
+            free -= s.take(n, block_size)
             rows.append((s, n))
             left -= n
         while (not preempted and waiting and waiting[0].arrival <= t and left > 0
                and (max_batch is None or len(running) < max_batch)):
             s = waiting[0]
             n = min(s.lacks(), left)
-            if blocks(s.computed + n) - s.blocks > free:
+            if s.extra(n, block_size) > free:
                 break
             running.append(waiting.pop(0))
-            kind[s.rid] = "recompute" if s.recomputes else "prefill"
-            free -= blocks(s.computed + n) - s.blocks
-            s.blocks = blocks(s.computed + n)
+            kind[s.rid] = s.kind()
+            free -= s.take(n, block_size)
             rows.append((s, n))
             left -= n
         if not running and waiting and waiting[0].arrival <= t:
@@ -350,3 +348,43 @@ def vllm_v1_steps(trace: Sequence[Request], num_blocks: int, token_budget: int,
                               tuple(s.rid for s in waiting if s.arrival <= t), holding,
                               tuple(preempted), num_blocks - free))
     return steps
+
+
+class PrefillBeforeDecode(Scheduler):
+    """BROKEN: with a budget, the prefilling requests take it first and the decoding ones get
+    what is left, so a long prompt stalls every decode (the waiting before the running)."""
+
+    def compose(self, live):
+        if self.token_budget is None:
+            return super().compose(live)
+        prefilling = [x for x in live if not x.decoding]
+        decoding = [x for x in live if x.decoding and not x.done]
+        budget, rows = self.token_budget, []
+        for x in prefilling + decoding:  # BUG: decodes first
+            if budget == 0:
+                break
+            rows.append((x, x.next_ids(budget)))
+            budget -= len(rows[-1][1])
+        return rows
+
+
+class BudgetPlusOne(Scheduler):
+    """BROKEN: a step may carry ``token_budget + 1`` new tokens (``<=`` where ``<`` was
+    meant)."""
+
+    def compose(self, live):
+        if self.token_budget is None:
+            return super().compose(live)
+        self.token_budget += 1  # BUG: one past the budget
+        try:
+            return super().compose(live)
+        finally:
+            self.token_budget -= 1
+
+
+class PreemptOldest(Scheduler):
+    """BROKEN: preemption takes the oldest admitted request, the one closest to finishing,
+    instead of the most recently admitted."""
+
+    def victim(self, live: list[LiveRequest]) -> LiveRequest:
+        return live[0]  # BUG: live[-1]

@@ -35,15 +35,9 @@ from kvdoc.serving.workload import MixMemory, RequestMix
 
 @dataclass(frozen=True)
 class RowCheck:
-    """One row of a padded batch against its prompt generated alone.
-
-    Attributes:
-        length: prompt tokens. pad: pad slots in front of it.
-        logit_error: max ``|batched - alone|`` over every step and the whole vocabulary.
-        logits_close: within ``atol = rtol`` of :data:`kvdoc.proofs.compare.TOLERANCE` for the
-            dtype.
-        same_tokens: the greedy tokens are identical.
-    """
+    """One row of a padded batch (``length`` prompt tokens after ``pad`` pad slots) against its
+    prompt generated alone: the largest logit difference, whether it is within
+    :data:`kvdoc.proofs.compare.TOLERANCE`, whether the greedy tokens are the same."""
 
     length: int
     pad: int
@@ -95,17 +89,10 @@ def compare_mix_with_alone(model: Decoder, mix: RequestMix,
 
 @dataclass(frozen=True)
 class Int8Row:
-    """The int8 cache against one full forward, for one (batch, chunk, dtype).
-
-    Attributes:
-        batch, chunk, dtype: the combination.
-        logit_error: max ``|int8 cached - full|`` over every position and the whole vocabulary.
-        logit_scale: max ``|full logit|``, for scale.
-        kv_error: max ``|dequantised - exact cache|`` over every layer's K and V (after layer 0 this
-            includes the drift of the layer's inputs, which passed through int8 attention).
-        agree: positions whose greedy (argmax) token is the same on both paths.
-        positions: positions compared (``B * T``).
-    """
+    """The int8 cache against one full forward, for one (batch, chunk, dtype): the largest logit
+    difference beside the largest logit, the largest K/V difference from an exact cache (after
+    layer 0 it includes the drift of the layer's inputs), and how many of the ``B * T``
+    positions choose the same greedy token."""
 
     batch: int
     chunk: int

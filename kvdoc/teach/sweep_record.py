@@ -1,4 +1,5 @@
-"""The broken-variant sweep the pages show, run once a build and read by every page that shows it.
+"""The broken-variant sweep the pages show, run once a build and read by every page that shows
+it, and the progress lines of the long cells that run it.
 
 The broken-variants page (docs/part3) and the cheat sheet both show how every broken variant of
 :mod:`kvdoc.proofs.variants` fares in :func:`~kvdoc.proofs.sweep.sweep_variants`, and the pages
@@ -9,6 +10,12 @@ execution cache), under a key of the package's source, the numeric environment
 (:data:`NUMERIC_ENV`) and the sweep's arguments; a record under another key is stale and
 computed again. A file lock makes a kernel that asks while another computes wait, then read
 what the other stored. Without ``KVDOC_RECORDS`` it computes and writes nothing.
+
+A cell that runs for a minute shows nothing until it ends, in Jupyter and in the build alike:
+:func:`progress` prints a line as each step is done, to the cell's output and to the file
+``$KVDOC_BUILD_LOG`` names (docs/conf.py points it at the build's standard error). A line holds
+counts, never a time: two builds of one commit must write the same pages
+(scripts/compare_builds.py).
 
 >>> import tempfile
 >>> from kvdoc.proofs.sweep import sweep_variants
@@ -28,9 +35,10 @@ import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from importlib import metadata
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -141,3 +149,52 @@ def broken_variants(part: int | None = None) -> list[VariantOutcome]:
     parts = range(PARTS) if part is None else [part]
     return [o for p in parts
             for o in stored(f"broken-variants-{p}", sweep_part, part=p, parts=PARTS, axes=AXES)]
+
+
+T = TypeVar("T")
+
+
+def _to_build_log(line: str) -> None:
+    path = os.environ.get("KVDOC_BUILD_LOG")
+    if not path:
+        return
+    try:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(line + "\n")
+    except OSError:  # a log that is gone or not ours: the page's own line still shows
+        pass
+
+
+def progress(steps: Iterable[T], what: str, total: int | None = None) -> Iterator[T]:
+    """Each of ``steps``, and after each has been used, the line ``what: i/n done``.
+
+    ``n`` is ``total``, or ``len(steps)``; a step counts as done when the loop asks for the next.
+
+    >>> for part in progress(["a", "b"], "sweep"):
+    ...     pass
+    sweep: 1/2 done
+    sweep: 2/2 done
+    >>> list(progress(iter("xy"), "steps", total=2))
+    steps: 1/2 done
+    steps: 2/2 done
+    ['x', 'y']
+    """
+    if total is None:
+        total = len(steps)  # type: ignore[arg-type]
+    for done, step in enumerate(steps, 1):
+        yield step
+        line = f"{what}: {done}/{total} done"
+        print(line, flush=True)  # flush: Jupyter shows it now, not when the cell ends
+        _to_build_log(line)
+
+
+def chunks(items: Iterable[T], size: int) -> list[list[T]]:
+    """``items`` in consecutive lists of ``size`` (the last one shorter), for :func:`progress`.
+
+    >>> chunks(range(5), 2)
+    [[0, 1], [2, 3], [4]]
+    """
+    if size < 1:
+        raise ValueError(f"chunk size must be at least 1, got {size}")
+    items = list(items)
+    return [items[i:i + size] for i in range(0, len(items), size)]

@@ -1,14 +1,11 @@
-"""The two-layer toy lab: a cache per layer, in plain Python floats, with the work counted.
+"""The two-layer toy lab: a cache per layer, in plain Python floats, with the work counted; and
+what it shows: cached against full, the work of three scenarios, a prefix edit.
 
-Two layers of single-head causal attention over 2-d vectors with residual connections and an
-additive position vector, in plain Python floats with counters in the inner loops, so the work
-counts (K/V pairs computed, ``q . k`` dot products) are *measured*. :func:`full_forward`
-recomputes everything; :meth:`ToyLab.extend` continues a per-layer cache. What the lab shows
-with them (cached vs full, the work of three scenarios, a prefix edit) is in
-:mod:`kvdoc.teach.toy_scenarios`. Layers are numbered from 0, as in :mod:`kvdoc.core.model`.
-
-One cache entry is a list per layer of per-position 2-d vectors, ``[L][T][2]``: the
-``[B, H_kv, T, D_h]`` layout of :mod:`kvdoc.core.cache` with ``B = H_kv = 1`` and ``D_h = 2``.
+Two layers of single-head causal attention over 2-d vectors, with residual connections and an
+additive position vector. Counters sit in the inner loops, so the work (K/V pairs computed,
+``q . k`` dot products) is *measured*, not derived. :func:`full_forward` recomputes everything;
+:meth:`ToyLab.extend` continues a per-layer cache, ``[L][T][2]``: the ``[B, H_kv, T, D_h]``
+layout of :mod:`kvdoc.core.cache` with ``B = H_kv = 1`` and ``D_h = 2``.
 """
 
 from __future__ import annotations
@@ -17,7 +14,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["ToyLab", "ToyCache", "full_forward"]
+__all__ = ["ToyLab", "ToyCache", "full_forward", "check_against_full", "work_counts",
+           "prefix_edit"]
 
 Vec = tuple[float, float]
 Mat = tuple[Vec, Vec]
@@ -25,12 +23,8 @@ Mat = tuple[Vec, Vec]
 
 @dataclass
 class Counts:
-    """Work counters, incremented in the inner loops (never derived from a formula).
-
-    Attributes:
-        kv_pairs: K/V pairs computed; one pair is one position's K and V in one layer.
-        dot_products: ``q . k`` dot products (one per query-key pair that is scored).
-    """
+    """Work counted in the inner loops: K/V pairs (one position's K and V in one layer) and
+    ``q . k`` dot products."""
 
     kv_pairs: int = 0
     dot_products: int = 0
@@ -41,11 +35,8 @@ class Counts:
 
 @dataclass(frozen=True)
 class ToyWeights:
-    """Fixed weights of the toy model: token vectors and per-layer ``(W_q, W_k, W_v)``, all 2-d.
-
-    A row vector ``h`` projects as ``h @ W``. The position vector added to token ``p``'s
-    embedding is ``pos_scale * (sin p, cos p)``.
-    """
+    """Token vectors and per-layer ``(W_q, W_k, W_v)``, all 2-d (``h @ W``); token ``p``'s
+    position vector is ``pos_scale * (sin p, cos p)``."""
 
     embeddings: dict[str, Vec] = field(default_factory=lambda: {
         "A": (1.0, 0.0), "B": (0.0, 1.0), "C": (1.0, 1.0), "D": (-1.0, 0.5), "X": (0.5, -1.0)})
@@ -88,10 +79,8 @@ def _attend(q: Vec, keys: Sequence[Vec], values: Sequence[Vec], counts: Counts) 
 
 @dataclass
 class ToyCache:
-    """Per-layer K and V rows, ``keys[layer][position]`` is a 2-d vector (``[L][T][2]``).
-
-    Also keeps the tokens it has read, so an edit can find the common prefix.
-    """
+    """Per-layer K and V rows (``keys[layer][position]``), and the tokens read, so that an edit
+    can find the common prefix."""
 
     keys: list[list[Vec]]
     values: list[list[Vec]]
@@ -116,14 +105,8 @@ class ToyCache:
 
 @dataclass(frozen=True)
 class ForwardResult:
-    """What a forward (full or cached) returns.
-
-    Attributes:
-        outputs: final hidden vectors of the positions this call processed, ``[C][2]``.
-        cache: per-layer K/V of every position ``0 .. P + C - 1``.
-        counts: work measured during this call only.
-        per_layer: the same counts split by layer.
-    """
+    """A forward's final vectors of the ``C`` positions it processed, the cache of all
+    ``P + C``, and the work of this call, in total and per layer."""
 
     outputs: list[Vec]
     cache: ToyCache
@@ -132,10 +115,8 @@ class ForwardResult:
 
 
 def full_forward(tokens: Sequence[str], weights: ToyWeights | None = None) -> ForwardResult:
-    """Recompute every layer at every position from scratch (the baseline).
-
-    Each layer projects Q, K, V for all ``T`` positions, then position ``i`` attends to keys
-    ``0 .. i``: ``T`` K/V pairs and ``T (T + 1) / 2`` dot products per layer.
+    """Recompute every layer at every position: per layer ``T`` K/V pairs and ``T (T + 1) / 2``
+    dot products.
 
     >>> r = full_forward("ABC")
     >>> r.counts.kv_pairs, r.counts.dot_products
@@ -215,10 +196,8 @@ class ToyLab:
 
     def run_token_by_token(self, tokens: Sequence[str],
                            cache: ToyCache | None = None) -> ForwardResult:
-        """Feed ``tokens`` one at a time (as the source's lab does); counts are summed.
-
-        Returns the last call's outputs with the final cache and the total counts.
-        """
+        """Feed ``tokens`` one at a time, as the source's lab does: the last call's outputs,
+        the final cache, the summed counts."""
         cache = cache if cache is not None else ToyCache.empty(self.weights.n_layer)
         total, per_layer, outputs = Counts(), [Counts() for _ in range(self.weights.n_layer)], []
         for t in tokens:
@@ -226,3 +205,146 @@ class ToyLab:
             cache, total, outputs = r.cache, total + r.counts, r.outputs
             per_layer = [a + b for a, b in zip(per_layer, r.per_layer, strict=True)]
         return ForwardResult(outputs, cache, total, per_layer)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """Cached against full: the largest difference of the last output and of any K/V
+    coordinate; ``ok`` when both are below ``tol``."""
+
+    output_diff: float
+    kv_diff: float
+    positions: int
+    tol: float
+
+    @property
+    def ok(self) -> bool:
+        return self.output_diff < self.tol and self.kv_diff < self.tol
+
+
+def check_against_full(cached: ForwardResult, weights: ToyWeights | None = None,
+                       tol: float = 1e-12) -> CheckResult:
+    """Recompute ``cached.cache.tokens`` from scratch and compare with the cached result.
+
+    >>> lab = ToyLab()
+    >>> check_against_full(lab.append_token(lab.extend(ToyCache.empty(2), "ABC").cache, "D")).ok
+    True
+    """
+    full = full_forward(cached.cache.tokens, weights)
+    out = max(abs(a - b) for a, b in zip(cached.outputs[-1], full.outputs[-1], strict=True))
+    if full.cache.seq_len != cached.cache.seq_len:
+        raise ValueError("caches hold different lengths")
+    kv = 0.0
+    for which in ("keys", "values"):
+        for lc, lf in zip(getattr(cached.cache, which), getattr(full.cache, which),
+                          strict=True):
+            for vc, vf in zip(lc, lf, strict=True):
+                kv = max(kv, abs(vc[0] - vf[0]), abs(vc[1] - vf[1]))
+    return CheckResult(out, kv, full.cache.seq_len, tol)
+
+
+def expected_counts(past_len: int, new_len: int, n_layer: int = 2) -> Counts:
+    """Closed forms: per layer, new K/V pairs = ``C`` and dot products = ``sum_i (P + i + 1)``.
+
+    >>> expected_counts(3, 1)
+    Counts(kv_pairs=2, dot_products=8)
+    """
+    if past_len < 0 or new_len < 0 or n_layer < 1:
+        raise ValueError("lengths must be non-negative and n_layer positive")
+    visible = sum(past_len + i + 1 for i in range(new_len))
+    return Counts(n_layer * new_len, n_layer * visible)
+
+
+@dataclass(frozen=True)
+class ScenarioCounts:
+    """One row of the counts table: ``P`` positions reused, ``C`` processed, the measured work
+    of the full recompute of ``sequence`` and of the cached path, and their comparison."""
+
+    name: str
+    sequence: str
+    past_len: int
+    new_len: int
+    full: Counts
+    cached: Counts
+    check: CheckResult
+
+
+SOURCE_COUNTS: dict[str, dict[str, int]] = {
+    "first input A B C": {"full_kv": 6, "cached_kv": 6, "full_dots": 12, "cached_dots": 12},
+    "append D": {"full_kv": 8, "cached_kv": 2, "full_dots": 20, "cached_dots": 8},
+    "edit B to X, recompute suffix": {"full_kv": 8, "cached_kv": 6, "full_dots": 20,
+                                      "cached_dots": 18},
+}
+"""The source's table of work counts for the three scenarios, to compare with."""
+
+
+def common_prefix_len(a: Sequence, b: Sequence) -> int:
+    """Length of the longest common prefix of two token sequences.
+
+    >>> common_prefix_len("ABCD", "AXCD")
+    1
+    """
+    n = 0
+    for x, y in zip(a, b, strict=False):  # the sequences may differ in length
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def work_counts(weights: ToyWeights | None = None) -> list[ScenarioCounts]:
+    """The three scenarios: (a) A, B, C one at a time into an empty cache; (b) append D; (c)
+    edit B to X: keep the common prefix (A) and recompute X, C, D.
+
+    >>> [(r.cached.kv_pairs, r.cached.dot_products) for r in work_counts()]
+    [(6, 12), (2, 8), (6, 18)]
+    """
+    lab = ToyLab(weights)
+    rows = []
+    a = lab.run_token_by_token("ABC")
+    rows.append(ScenarioCounts("first input A B C", "ABC", 0, 3,
+                               full_forward("ABC", lab.weights).counts, a.counts,
+                               check_against_full(a, lab.weights)))
+    b = lab.append_token(a.cache, "D")
+    rows.append(ScenarioCounts("append D", "ABCD", 3, 1, full_forward("ABCD", lab.weights).counts,
+                               b.counts, check_against_full(b, lab.weights)))
+    edit = prefix_edit(b.cache, "AXCD", lab)
+    rows.append(ScenarioCounts("edit B to X, recompute suffix", "AXCD", edit.prefix_len,
+                               4 - edit.prefix_len, full_forward("AXCD", lab.weights).counts,
+                               edit.result.counts,
+                               check_against_full(edit.result, lab.weights)))
+    return rows
+
+
+@dataclass(frozen=True)
+class EditResult:
+    """A prefix edit: ``prefix_len`` positions kept, the suffix recomputed (``result``), the
+    caches before and after."""
+
+    prefix_len: int
+    result: ForwardResult
+    before: ToyCache
+    after: ToyCache
+
+    def key_changed(self, layer: int, position: int) -> float:
+        """``max |K_after - K_before|`` at ``(layer, position)``; 0.0: unchanged bit for bit."""
+        a, b = self.after.keys[layer][position], self.before.keys[layer][position]
+        return max(abs(a[0] - b[0]), abs(a[1] - b[1]))
+
+
+def prefix_edit(cache: ToyCache, new_tokens: Sequence[str],
+                lab: ToyLab | None = None) -> EditResult:
+    """Replace the sequence in ``cache`` by ``new_tokens``: keep the common prefix, recompute the
+    rest.
+
+    >>> lab = ToyLab()
+    >>> e = prefix_edit(lab.extend(ToyCache.empty(2), "ABCD").cache, "AXCD", lab)
+    >>> e.prefix_len, e.key_changed(0, 2) == 0.0, e.key_changed(1, 2) > 0
+    (1, True, True)
+    """
+    lab = lab or ToyLab()
+    n = common_prefix_len(cache.tokens, new_tokens)
+    if n == len(new_tokens):
+        raise ValueError("nothing to recompute: the new sequence is a prefix of the cached one")
+    result = lab.extend(cache.truncate(n), list(new_tokens[n:]))
+    return EditResult(n, result, cache, result.cache)

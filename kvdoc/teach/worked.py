@@ -1,15 +1,10 @@
-"""The 2-d worked example: one head, four tokens, the naive and the cached path side by side.
+"""The 2-d worked example: one head, four tokens, the naive and the cached path side by side,
+and each step typeset as LaTeX from its values.
 
-One head, ``d_head = 2``, ``W_q = W_k = W_v = I`` (so ``Q = K = V = x``), inputs ``x0 .. x3``.
-For each decode step ``t`` the *naive* path recomputes ``Q, K, V`` for all ``t + 1`` tokens and
-keeps the last output row; the *cached* path projects the one new token and reads ``K_full,
-V_full`` from the cache. :func:`worked_example` runs both in float64, and
-:func:`compare_with_source` sets the source's hand-computed figures beside the computed ones.
-
-Shapes: ``T = t + 1`` tokens at step ``t``; ``Q, K, V`` are ``[T, 2]``, scores and weights
-``[T, T]`` (naive) or ``[1, T]`` (cached): the ``[B, H_kv, T, D_h]`` layout of
-:mod:`kvdoc.core.cache` with ``B = H_kv = 1`` and ``D_h = 2``, the two leading dimensions
-dropped.
+One head, ``d_head = 2``, ``W_q = W_k = W_v = I`` (so ``Q = K = V = x``). At decode step ``t``
+the *naive* path recomputes ``Q, K, V`` for all ``T = t + 1`` tokens and keeps the last output
+row; the *cached* path projects the one new token and reads ``K_full, V_full`` from the cache:
+the ``[B, H_kv, T, D_h]`` layout of :mod:`kvdoc.core.cache` with ``B = H_kv = 1``, ``D_h = 2``.
 """
 
 from __future__ import annotations
@@ -33,22 +28,14 @@ SOURCE_FIGURES: dict[int, dict[str, tuple[float, ...]]] = {
     3: {"scores": (4.243, 9.192, 7.778, 12.021), "weights": (0.000, 0.007, 0.001, 0.991),
         "output": (3.980, 1.010)},
 }
-"""The source's hand-computed figures for the last row at each step (3 decimals), kept as data
-to compare with: they are *not* authoritative (:func:`compare_with_source` says where they are
-wrong)."""
+"""The source's hand-computed figures for the last row at each step (3 decimals): data to
+compare with, not authority (:func:`compare_with_source` says where they are wrong)."""
 
 
 @dataclass(frozen=True)
 class NaivePath:
-    """The naive path at one step: the whole sequence recomputed, the last row taken.
-
-    Attributes:
-        Q, K, V: ``[T, 2]`` projections of all ``T`` tokens.
-        scores: ``[T, T]``, ``Q K^T / sqrt(d_head)``.
-        masked: ``[T, T]``, scores with ``-inf`` above the diagonal.
-        weights: ``[T, T]``, row-wise softmax of ``masked``.
-        output: ``[T, 2]``, ``weights @ V``.
-    """
+    """The naive path at one step: ``Q, K, V`` ``[T, 2]``; ``scores``, ``masked`` (``-inf``
+    above the diagonal), ``weights`` ``[T, T]``; ``output`` ``[T, 2]``."""
 
     Q: torch.Tensor
     K: torch.Tensor
@@ -66,15 +53,9 @@ class NaivePath:
 
 @dataclass(frozen=True)
 class CachedPath:
-    """The cached path at one step: one new row projected, old K/V read from the cache.
-
-    Attributes:
-        q, k, v: ``[1, 2]`` projections of the new token only.
-        K_full, V_full: ``[T, 2]``, the cache's rows with ``k``/``v`` appended.
-        scores: ``[1, T]``, ``q K_full^T / sqrt(d_head)`` (no mask needed: every key is visible).
-        weights: ``[1, T]``, softmax of ``scores``.
-        output: ``[2]``, ``weights @ V_full``.
-    """
+    """The cached path at one step: ``q, k, v`` ``[1, 2]`` of the new token only; ``K_full,
+    V_full`` ``[T, 2]``, the cache with ``k``/``v`` appended; ``scores``, ``weights`` ``[1, T]``
+    (no mask: every key is visible); ``output`` ``[2]``."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -119,14 +100,9 @@ def _as_inputs(inputs: Sequence[Sequence[float]] | torch.Tensor) -> torch.Tensor
 
 
 def naive_step(x: torch.Tensor, projections: Sequence[torch.Tensor] | None = None) -> NaivePath:
-    """Recompute attention over every row of ``x`` with a causal mask (the naive path).
+    """Recompute attention over every row of ``x`` (``[T, 2]``) with a causal mask.
 
-    Args:
-        x: ``[T, 2]`` float64 inputs, the whole sequence so far.
-        projections: ``(W_q, W_k, W_v)``, each ``[2, 2]`` (rows act as ``x @ W``); identity if None.
-
-    Returns:
-        A :class:`NaivePath`; its ``last`` is ``[2]``.
+    ``projections``: ``(W_q, W_k, W_v)``, each ``[2, 2]`` acting as ``x @ W``; identity if None.
 
     >>> p = naive_step(torch.tensor(WORKED_INPUTS[:2], dtype=torch.float64))
     >>> p.scores.shape, p.weights[0].tolist()
@@ -149,15 +125,8 @@ def cached_step(
     cache_v: torch.Tensor,
     projections: Sequence[torch.Tensor] | None = None,
 ) -> CachedPath:
-    """Project the one new token, append its K/V to the cache's, attend with its query alone.
-
-    Args:
-        x_new: ``[2]`` (or ``[1, 2]``) float64 input of the new token.
-        cache_k, cache_v: ``[P, 2]`` rows already cached (``P`` may be 0).
-        projections: ``(W_q, W_k, W_v)`` as in :func:`naive_step`.
-
-    Returns:
-        A :class:`CachedPath`; ``K_full``/``V_full`` are the new cache, ``[P + 1, 2]``.
+    """Project the new token ``x_new`` (``[2]``), append its K/V to ``cache_k, cache_v``
+    (``[P, 2]``, ``P`` may be 0) and attend with its query alone.
 
     >>> empty = torch.zeros(0, 2, dtype=torch.float64)
     >>> cached_step(torch.tensor([1.0, 2.0], dtype=torch.float64), empty, empty).output.tolist()
@@ -179,14 +148,8 @@ def worked_example(
     inputs: Sequence[Sequence[float]] | torch.Tensor = WORKED_INPUTS,
     projections: Sequence[torch.Tensor] | None = None,
 ) -> list[WorkedStep]:
-    """Run the naive and the cached path for every decode step ``0 .. T - 1``.
-
-    Args:
-        inputs: ``[T, 2]`` token vectors (default :data:`WORKED_INPUTS`).
-        projections: ``(W_q, W_k, W_v)``; identity if None, as in the source.
-
-    Returns:
-        One :class:`WorkedStep` per step; the cached path carries its cache from step to step.
+    """Both paths for every decode step of ``inputs`` (``[T, 2]``), the cached one carrying
+    its cache from step to step.
 
     >>> steps = worked_example()
     >>> [s.naive.Q.shape[0] for s in steps], max(s.max_abs_diff for s in steps) < 1e-12
@@ -205,18 +168,12 @@ def worked_example(
 
 @dataclass(frozen=True)
 class SourceComparison:
-    """The source's hand figure for one quantity at one step beside the computed value.
+    """The source's figures for one quantity (``"scores"``, ``"weights"`` or ``"output"`` of
+    the last row) at one step beside the computed ones.
 
-    Attributes:
-        step: decode step.
-        quantity: ``"scores"``, ``"weights"`` or ``"output"`` (of the last row).
-        source: the source's figures.
-        computed: the computed values, full precision.
-        max_abs_diff: largest ``|source - computed|``.
-        agrees: True when every source figure is the computed value rounded to 3 decimals
-            (within 0.0005 plus a hair for float rounding).
-        from_source_inputs: what the source's own previous figure implies: softmax of its
-            scores (for weights) or its weights times ``V`` (for output); None for scores.
+    ``agrees``: every source figure is the computed value rounded to 3 decimals.
+    ``from_source_inputs``: what the source's own previous figure implies (softmax of its scores,
+    or its weights times ``V``); None for scores.
     """
 
     step: int
@@ -231,14 +188,7 @@ class SourceComparison:
 def compare_with_source(
     steps: Sequence[WorkedStep], figures: dict[int, dict[str, tuple[float, ...]]] = SOURCE_FIGURES
 ) -> list[SourceComparison]:
-    """Compare the hand figures of the source with the computed last rows, step by step.
-
-    Args:
-        steps: output of :func:`worked_example` on :data:`WORKED_INPUTS`.
-        figures: hand figures keyed by step, then quantity.
-
-    Returns:
-        One :class:`SourceComparison` per (step, quantity).
+    """One :class:`SourceComparison` per step and quantity of ``figures``.
 
     >>> rows = compare_with_source(worked_example())
     >>> [(r.step, r.quantity) for r in rows if not r.agrees]  # doctest: +ELLIPSIS
@@ -271,3 +221,73 @@ def compare_with_source(
             out.append(SourceComparison(s.step, name, tuple(src.tolist()), tuple(comp.tolist()),
                                         diff, diff <= 0.0005 + 1e-9, implied))
     return out
+
+
+def _fmt(v: float, decimals: int) -> str:
+    if v == float("-inf"):
+        return r"-\infty"
+    s = f"{v:.{decimals}f}"
+    return "0." + "0" * decimals if s == "-0." + "0" * decimals else s
+
+
+def latex_matrix(t: torch.Tensor | Sequence, decimals: int = 3) -> str:
+    """A ``bmatrix`` of ``t`` (1-d or 2-d) with ``decimals`` places; ``-inf`` becomes ``-\\infty``.
+
+    >>> latex_matrix(torch.tensor([[1.0, float("-inf")]]))
+    '\\\\begin{bmatrix}1.000 & -\\\\infty\\\\end{bmatrix}'
+    """
+    t = torch.as_tensor(t, dtype=torch.float64)
+    if t.ndim == 1:
+        t = t[None, :]
+    if t.ndim != 2:
+        raise ValueError("latex_matrix takes a 1-d or 2-d array")
+    rows = [" & ".join(_fmt(float(v), decimals) for v in row) for row in t]
+    return r"\begin{bmatrix}" + r" \\ ".join(rows) + r"\end{bmatrix}"
+
+
+def _equal_or_each(names: Sequence[str], values: Sequence[torch.Tensor], decimals: int) -> str:
+    """``Q = K = V &= [...]`` when the tensors are equal (W_q = W_k = W_v), else one each."""
+    if all(torch.equal(values[0], v) for v in values[1:]):
+        return rf"{' = '.join(names)} &= {latex_matrix(values[0], decimals)} \\"
+    shown = [f"{n} = {latex_matrix(v, decimals)}" for n, v in zip(names, values, strict=True)]
+    shown[0] = shown[0].replace(" = ", " &= ", 1)  # aligned on the first
+    return r",\; ".join(shown) + r" \\"
+
+
+def _aligned(*rows: str) -> str:
+    return "\n".join([r"\begin{aligned}", *rows, r"\end{aligned}"])
+
+
+def naive_latex(s: WorkedStep, decimals: int = 3) -> str:
+    """The naive path of one step as an ``aligned`` LaTeX block.
+
+    >>> print(naive_latex(worked_example()[0]).splitlines()[1])
+    Q = K = V &= \\begin{bmatrix}1.000 & 2.000\\end{bmatrix} \\\\
+    """
+    n = s.naive
+    m = lambda t: latex_matrix(t, decimals)  # noqa: E731
+    return _aligned(
+        _equal_or_each("QKV", (n.Q, n.K, n.V), decimals),
+        rf"\text{{scores}} = QK^\top/\sqrt{{2}} &= {m(n.scores)} \\",
+        rf"\text{{masked}} &= {m(n.masked)} \\",
+        rf"\text{{weights}} = \operatorname{{softmax}}(\text{{masked}}) &= {m(n.weights)} \\",
+        rf"\text{{output}} = \text{{weights}}\, V &= {m(n.output)} \\",
+        rf"\text{{output}}[-1] &= {m(n.last)}",
+    )
+
+
+def cached_latex(s: WorkedStep, decimals: int = 3) -> str:
+    """The cached path of one step as an ``aligned`` LaTeX block.
+
+    >>> print(cached_latex(worked_example()[1]).splitlines()[1])
+    q = k = v &= \\begin{bmatrix}3.000 & 1.000\\end{bmatrix} \\\\
+    """
+    c = s.cached
+    m = lambda t: latex_matrix(t, decimals)  # noqa: E731
+    return _aligned(
+        _equal_or_each("qkv", (c.q, c.k, c.v), decimals),
+        _equal_or_each((r"K_\text{full}", r"V_\text{full}"), (c.K_full, c.V_full), decimals),
+        rf"\text{{scores}} = q K_\text{{full}}^\top/\sqrt{{2}} &= {m(c.scores)} \\",
+        rf"\text{{weights}} = \operatorname{{softmax}}(\text{{scores}}) &= {m(c.weights)} \\",
+        rf"\text{{output}} = \text{{weights}}\, V_\text{{full}} &= {m(c.output)}",
+    )

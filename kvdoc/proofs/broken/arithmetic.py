@@ -1,13 +1,9 @@
 """Precision bugs: a reduction that depends on the chunk, and K/V read at FP8 in a half model.
 
-:class:`ChunkSplitAttention` reads the keys a call finds in the cache and the keys of its own
-chunk as two parts, each a partial softmax, and merges them as split-K does
-(:func:`kvdoc.serving.splitk.merge`): an identity of arithmetic, so the result is within FP32's
-and FP64's tolerance of one pass over all keys, and every check at a tolerance passes. Kernels
-that serve a cached prefix this way exist for speed. But where the split falls depends on how
-the prompt was chunked, so the bits do too, also under :func:`kvdoc.batch_invariant`: only the
-bitwise ``invariance`` check (:mod:`kvdoc.proofs.batch_invariance`) can see it.
-:class:`FP8ReadAttention` is wrong the same way on every path, in BF16 and FP16 only.
+:class:`ChunkSplitAttention` reads the cached keys and the chunk's own as two partial softmaxes
+merged as split-K does: exact in arithmetic, within every tolerance, but the bits follow the
+chunking, also under :func:`kvdoc.batch_invariant`, so only the bitwise ``invariance`` check
+sees it. :class:`FP8ReadAttention` is wrong the same way on every path, in BF16 and FP16 only.
 
 >>> import torch
 >>> from kvdoc import Decoder, GPTConfig, batch_invariant
@@ -49,10 +45,8 @@ class ChunkSplitAttention(CausalSelfAttention):
 
 
 class FP8ReadAttention(CausalSelfAttention):
-    """BROKEN: in a BF16 or FP16 model, attention reads K and V rounded to FP8 e4m3, full and
-    cached alike (an FP8 attention path switched on unasked). The same in every path, so no
-    comparison of two paths sees it, and invisible in FP32 and FP64: only the ``bf16`` and
-    ``fp16`` checks (:mod:`kvdoc.proofs.precision`), against the FP64 value, do."""
+    """BROKEN: in a BF16 or FP16 model attention reads K and V rounded to FP8 e4m3 on every path:
+    only the ``bf16`` and ``fp16`` checks, against the FP64 value, see it."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:

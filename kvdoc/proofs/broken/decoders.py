@@ -1,12 +1,10 @@
 """Deliberately wrong decoders: positions, masks, grouped-query attention, generation, padded
 batches, a stale fast step, and a stale prefix.
 
-Each is a small change to the real :class:`~kvdoc.core.model.Decoder`, made without editing it
-and through nothing but its public interface: a subclass whose ``forward`` hands wrong positions
-through the real ``positions=`` keyword, attention subclasses that hand a wrong mask to the real
-``attend`` or share K/V heads wrongly, a fast step that never sees the weights change.
-:func:`stale_prefix` is a scenario rather than code: a cache filled before a prefix edit and
-reused after it.
+Each is a small change to the real :class:`~kvdoc.core.model.Decoder` made through its public
+interface only: a ``forward`` that hands wrong positions through the real ``positions=`` keyword,
+attention subclasses that hand a wrong mask to the real ``attend`` or share K/V heads wrongly, a
+fast step that never sees the weights change. :func:`stale_prefix` is a scenario, not code.
 
 >>> import torch
 >>> from kvdoc import Decoder, GPTConfig
@@ -57,8 +55,6 @@ def with_attention(model: Decoder, cls: type[CausalSelfAttention]) -> Decoder:
 
 
 # --- wrong positions ---------------------------------------------------------------------------
-
-
 class PositionsRestartDecoder(Decoder):
     """BROKEN: each call numbers its new tokens from 0, as if it began the sequence.
 
@@ -76,16 +72,43 @@ class PositionsRestartDecoder(Decoder):
         return super().forward(idx, cache, positions=restart.expand_as(idx), **options)
 
 
+class _CountedDecoder(Decoder):
+    """Numbers a call's new tokens by :meth:`count` (each variant's own rule); a padded batch's
+    own positions pass through, as they are not these bugs."""
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
+                **options: object) -> DecoderOutput:
+        if options.get("positions") is not None:
+            return super().forward(idx, cache, **options)
+        counted = self.count(0 if cache is None else cache.seq_len, idx.shape[1], idx.device)
+        return super().forward(idx, cache, positions=counted.expand_as(idx), **options)
+
+
+class ClampedPositionsDecoder(_CountedDecoder):
+    """BROKEN, in code both paths share: positions past 31 are clamped to 31, in every forward.
+    Cached and full compute the same wrong function: only an independent reference sees it."""
+
+    def count(self, start: int, n: int, device) -> torch.Tensor:
+        return torch.arange(start, start + n, device=device).clamp(max=LONG_STREAM - 1)  # BUG
+
+
+class PositionCounterDecoder(_CountedDecoder):
+    """BROKEN: numbers new tokens from a counter on the model (reset by a call from position 0),
+    not from the cache's length: right for one stream fed in order; wrong after a crop, for a
+    second branch of one prefix, and after a call that failed."""
+
+    def count(self, start: int, n: int, device) -> torch.Tensor:
+        first = 0 if start == 0 else getattr(self, "_counter", 0)  # BUG: ignores start
+        self._counter = first + n
+        return torch.arange(first, self._counter, device=device)
+
+
 # --- wrong masks ----------------------------------------------------------------------------
-
-
 def top_left_causal_mask(past_len: int, new_len: int,
                          device: torch.device | str | None = None) -> torch.Tensor:
-    """WRONG whenever ``past_len > 0``: the mask ``is_causal=True`` builds for ``C`` new queries.
-
-    It is ``tril`` of the ``[C, P + C]`` matrix, so local query ``i`` is treated as absolute
-    position ``i`` and reads keys ``0 .. i`` only; right for a full forward (``P = 0``). Kept for
-    contrast with :func:`kvdoc.core.model.offset_causal_mask`, the mask the model uses.
+    """WRONG whenever ``past_len > 0``: ``is_causal=True``'s mask for ``C`` new queries, ``tril``
+    of ``[C, P + C]``, so local query ``i`` reads keys ``0 .. i`` only (right for ``P = 0``);
+    kept for contrast with :func:`kvdoc.core.model.offset_causal_mask`.
 
     >>> top_left_causal_mask(2, 2).int()
     tensor([[1, 0, 0, 0],
@@ -96,60 +119,42 @@ def top_left_causal_mask(past_len: int, new_len: int,
     return torch.ones(new_len, past_len + new_len, dtype=torch.bool, device=device).tril()
 
 
-class TopLeftMaskAttention(CausalSelfAttention):
+class _MaskAttention(CausalSelfAttention):
+    """Attention that hands the real ``attend`` the mask :meth:`mask` makes (``[C, T]``, every
+    batch row alike) in place of the right one."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return super().attend(q, k, v, start, self.mask(start, q.shape[2], k.shape[2],
+                                                        q.device)[None])
+
+
+class TopLeftMaskAttention(_MaskAttention):
     """BROKEN: ``is_causal=True``'s top-left triangle; new query ``i`` reads keys ``0 .. i`` only,
     also in one-token decode."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        mask = top_left_causal_mask(start, q.shape[2], q.device)  # BUG: no offset by start
-        return super().attend(q, k, v, start, mask[None])  # [1, C, P + C]: every batch row alike
+    def mask(self, start, C, T, device):
+        return top_left_causal_mask(start, C, device)  # BUG: no offset by start
 
 
-class NoMaskAttention(CausalSelfAttention):
-    """BROKEN: no mask at all, also for chunks of several new tokens, which then read each
-    other's future. Right only for one new token without a window."""
+class NoMaskAttention(_MaskAttention):
+    """BROKEN: no mask at all, so a chunk of several new tokens reads its own future. Right only
+    for one new token without a window."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        everything = torch.ones(1, q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
-        return super().attend(q, k, v, start, everything)  # BUG: every key visible
+    def mask(self, start, C, T, device):
+        return torch.ones(C, T, dtype=torch.bool, device=device)  # BUG: every key visible
 
 
-class OffByOneMaskAttention(CausalSelfAttention):
+class OffByOneMaskAttention(_MaskAttention):
     """BROKEN: ``j <= P + i + 1``: each query of a chunk also reads the token after it."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        query_pos = start + torch.arange(q.shape[2], device=q.device)
-        key_pos = torch.arange(start + q.shape[2], device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None] + 1  # BUG: one key too many
-        return super().attend(q, k, v, start, mask[None])
-
-
-# --- bugs that show only in long streams ----------------------------------------------------
-
-
-class ClampedPositionsDecoder(Decoder):
-    """BROKEN, in code both paths share: positions past 31 are clamped to 31, in every forward.
-
-    Cached and full compute the same wrong function, so only an independent reference sees it.
-    """
-
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
-                **options: object) -> DecoderOutput:
-        # a padded batch's own positions: not this bug
-        if options.get("positions") is not None:
-            return super().forward(idx, cache, **options)
-        start = 0 if cache is None else cache.seq_len
-        positions = torch.arange(start, start + idx.shape[1], device=idx.device)
-        clamped = positions.clamp(max=LONG_STREAM - 1)  # BUG
-        return super().forward(idx, cache, positions=clamped.expand_as(idx), **options)
+    def mask(self, start, C, T, device):
+        query_pos = start + torch.arange(C, device=device)
+        key_pos = torch.arange(start + C, device=device)
+        return key_pos[None, :] <= query_pos[:, None] + 1  # BUG: one key too many
 
 
 # --- grouped-query attention ----------------------------------------------------------------
-
-
 class TiledGQAAttention(CausalSelfAttention):
     """BROKEN: shares K/V heads by tiling (query head ``h`` reads K/V head ``h % H_kv``), not by
     group (``h // (H / H_kv)``), on cached calls only. With one K/V head (MQA) both rules agree.
@@ -178,9 +183,7 @@ class SharedTiledGQAAttention(TiledGQAAttention):
     shared = True
 
 
-# --- generation, crop and branch ------------------------------------------------------------
-
-
+# --- generation, padded batches, a fast step that keeps its first copy of the weights ----------
 class LastOnlyFirstRowDecoder(Decoder):
     """BROKEN: ``last_only=True`` returns the first new position's logits, not the last one's."""
 
@@ -188,27 +191,6 @@ class LastOnlyFirstRowDecoder(Decoder):
                 last_only: bool = False, **options: object) -> DecoderOutput:
         logits, cache = super().forward(idx, cache, **options)
         return DecoderOutput(logits[:, :1] if last_only else logits, cache)  # BUG: row 0, not -1
-
-
-class PositionCounterDecoder(Decoder):
-    """BROKEN: numbers new tokens from a counter on the model (reset by a call from position 0),
-    not from the cache's length. Right for one stream fed in order; wrong after a crop, for a
-    second branch of one prefix, and after a call that failed.
-    """
-
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
-                **options: object) -> DecoderOutput:
-        # a padded batch's own positions: not this bug
-        if options.get("positions") is not None:
-            return super().forward(idx, cache, **options)
-        start = 0 if cache is None else cache.seq_len
-        first = 0 if start == 0 else getattr(self, "_counter", 0)  # BUG: ignores start
-        self._counter = first + idx.shape[1]
-        counted = torch.arange(first, self._counter, device=idx.device)
-        return super().forward(idx, cache, positions=counted.expand_as(idx), **options)
-
-
-# --- padded batches ------------------------------------------------------------------------
 
 
 class DecodeWithoutPadMaskDecoder(Decoder):
@@ -229,9 +211,8 @@ class _PaddingBlindFast(FastDecoder):
 
 
 class PaddingBlindFastDecoder(Decoder):
-    """BROKEN: one-token calls after a cache go through a fast step (:class:`FastDecoder`'s) that
-    ignores ``positions`` and ``attn_mask``; every other call is the model's own. Right for
-    every unpadded call."""
+    """BROKEN: one-token calls after a cache go through a fast step that ignores ``positions`` and
+    ``attn_mask``; every other call is the model's own. Right for every unpadded call."""
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
                 last_only: bool = False, **padding: object) -> DecoderOutput:
@@ -240,9 +221,6 @@ class PaddingBlindFastDecoder(Decoder):
         if "_fast" not in self.__dict__:
             self.__dict__["_fast"] = _PaddingBlindFast(self)
         return self.__dict__["_fast"](idx, cache, last_only=last_only, **padding)
-
-
-# --- a fast step that keeps its first copy of the weights ---------------------------------------
 
 
 class SnapshotFastDecoder(FastDecoder):
@@ -269,15 +247,9 @@ class SnapshotFastStepDecoder(Decoder):
         return self._fast(idx, cache)
 
 
-# --- scenarios ------------------------------------------------------------------------------
-
-
 def stale_prefix(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The prefix as it was before an edit: ``ids`` (``[B, T]``), token 0 of every row replaced.
-
-    The stale-cache scenario fills the cache from this old prefix, then continues with the edited
-    (current) tokens, as if a cache were reused after the user changed the first word.
-    """
+    """The prefix as it was before an edit: ``ids`` ``[B, T]`` with token 0 of every row changed.
+    The stale-cache scenario fills the cache from it, then continues with the current tokens."""
     if ids.dim() != 2 or ids.shape[1] == 0:
         raise ValueError(f"ids must be a non-empty [B, T] tensor, got {tuple(ids.shape)}")
     old = ids.clone()

@@ -10,8 +10,7 @@ from kvdoc.measure.model_caches import LayerCache, ModelCache, config_cache
 
 
 def latent_without_rope_key(config: object, windows: bool = True) -> ModelCache:
-    """BROKEN: :func:`~kvdoc.measure.model_caches.config_cache`, but an MLA layer counts its
-    latent ``c_KV`` only, not the rotary key cached beside it."""
+    """BROKEN: ``config_cache``, an MLA layer counting ``c_KV`` but not its rotary key."""
     model = config_cache(config, windows)
     if model.kind != "MLA":
         return model
@@ -20,7 +19,6 @@ def latent_without_rope_key(config: object, windows: bool = True) -> ModelCache:
 
 
 def batch_as_sequence(model, batch: int, context: int) -> StepTraffic:
-    """BROKEN: :func:`~kvdoc.measure.batch_decode.step_traffic`, but the K/V bytes of a step of
-    ``batch`` sequences are one sequence's."""
+    """BROKEN: ``step_traffic``, a step's K/V bytes one sequence's, not the batch's."""
     traffic = step_traffic(model, batch, context)
     return dataclasses.replace(traffic, kv_bytes=traffic.kv_bytes // batch)  # BUG: per sequence

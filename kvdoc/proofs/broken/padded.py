@@ -1,5 +1,5 @@
-"""BROKEN entry points and the axes they cross: ``generate_padded`` without the pad mask on
-decode steps, and split-K attention that shows one split the pad keys."""
+"""BROKEN padded batches: ``generate_padded`` without the pad mask on decode steps, and split-K
+attention that shows one split the pad keys."""
 
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ from .decoders import with_attention
 @torch.no_grad()
 def generate_padded_unmasked_decode(model: Decoder, prompts: Sequence[Sequence[int]],
                                     max_new_tokens: int, pad_id: int = 0) -> PaddedGeneration:
-    """BROKEN: :func:`~kvdoc.serving.batching.generate_padded`, but the decode steps pass the
-    per-row positions and no pad mask (the prefill passes both)."""
+    """BROKEN: ``generate_padded`` whose decode steps pass positions but no pad mask."""
     batch = left_pad(prompts, pad_id)
     device = model.wte.weight.device
     ids, pad = batch.ids.to(device), batch.pad.to(device)
@@ -41,12 +40,12 @@ def generate_padded_unmasked_decode(model: Decoder, prompts: Sequence[Sequence[i
 
 
 PAD_LEAK_SPLIT = 3
-"""Keys per chunk of the broken split-K attention: a pad of 4 slots spans two chunks."""
+"""Keys per chunk: a pad of 4 slots spans two chunks."""
 
 
 class PadLeakSplitKAttention(SplitKAttention):
-    """BROKEN: split-K attention whose first chunk of keys takes one mask for every row (the
-    union of the rows'), so a padded row's queries read the pad keys in that chunk."""
+    """BROKEN: split-K attention whose first chunk of keys takes the union of the rows' masks,
+    so a padded row reads the pad keys there."""
 
     def __init__(self, config) -> None:
         super().__init__(config, PAD_LEAK_SPLIT)

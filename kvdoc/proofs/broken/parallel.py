@@ -1,31 +1,14 @@
 """Deliberately wrong parts of parallel decoding (:mod:`kvdoc.parallel`), each one method off.
 
-* :class:`WrongShard`: under context parallelism the last rank keeps and attends over rank 0's
-  positions instead of its own (rank 0's keys counted twice, the last rank's never).
-* :class:`DroppedMax`: the split-K merge adds the ranks' partial sums without rescaling each by
-  ``exp(m_r - m)``, as if every rank's max were the global one.
-* :class:`ReversedHeads`: under tensor parallelism each rank's head outputs meet the mirror rank's
-  columns of ``c_proj``: the heads gathered in reversed rank order.
-
-:data:`BROKEN` maps a name to the parts (:class:`kvdoc.parallel.decode.Parts`) and the layout
-``(tp, cp)`` on which the wrong part runs. :func:`kvdoc.parallel.checks.compare` catches each;
-``tests/test_parallel.py`` shows it.
-
-* :func:`swapped_destination`: the block hand-over (:mod:`kvdoc.parallel.blocks`) puts prefill
-  rank ``t``'s K/V heads into the slots of rank ``tp - 1 - t``'s: heads in the wrong order on the
-  decode rank. :data:`HANDOVER_BROKEN` names it; :func:`kvdoc.parallel.blocks.handover_jobs`
-  catches it (``tests/test_blocks.py``).
-* :func:`stale_ids`: a pulling decode rank asks for the block before each one it lacks (an id
-  from a table one block out of date) and writes the answers where the blocks it lacks go.
-  :data:`PULL_BROKEN` names it with the pull it runs on (its blocks all full, so that each
-  answer fits the slot it lands in).
-
-* :class:`OtherRequests`: under DP-attention (:mod:`kvdoc.parallel.latent`) the last rank holds
-  and attends over rank 0's requests' latents instead of its own (its own are never served).
-* :func:`latent_bytes_once`: the bytes rule that counts the TP-replicated latent once for all
-  ranks (each rank ``1 / n`` of it, as if the latent split like K/V heads).
-  :data:`LATENT_BROKEN` names both; :func:`kvdoc.parallel.latent.latent_jobs` catches each
-  (``tests/test_latent.py``).
+* :data:`BROKEN` (parts of :class:`kvdoc.parallel.decode.Parts` and the layout they run on):
+  :class:`WrongShard`, the last CP rank attends over rank 0's positions; :class:`DroppedMax`,
+  the split-K merge skips the ``exp(m_r - m)`` rescaling; :class:`ReversedHeads`, TP heads meet
+  the mirror rank's ``c_proj`` columns.
+* :data:`HANDOVER_BROKEN`: :func:`swapped_destination` writes prefill rank ``t``'s heads into
+  rank ``tp - 1 - t``'s slots; :data:`PULL_BROKEN`: :func:`stale_ids` pulls the block before
+  each one lacked.
+* :data:`LATENT_BROKEN`: :class:`OtherRequests`, the last DP-attention rank serves rank 0's
+  requests; :func:`latent_bytes_once`, the TP-replicated latent counted once for all ranks.
 
 >>> sorted(BROKEN)
 ['parallel-dropped-max', 'parallel-reversed-heads', 'parallel-wrong-shard']
@@ -79,7 +62,6 @@ class ReversedHeads(ShardedAttention):
 
 
 class BrokenLayout(NamedTuple):
-    """A broken part and the layout it needs to run (and be caught) on."""
 
     parts: Parts
     tp: int
@@ -95,7 +77,6 @@ BROKEN: dict[str, BrokenLayout] = {
     "parallel-reversed-heads": BrokenLayout(Parts(attention=ReversedHeads), 2, 1,
                                             "TP heads gathered in reversed rank order"),
 }
-"""Name -> the broken parts, their layout and what is wrong."""
 
 
 def swapped_destination(config: GPTConfig, tp: int, tp_rank: int) -> list[int]:
@@ -104,8 +85,7 @@ def swapped_destination(config: GPTConfig, tp: int, tp_rank: int) -> list[int]:
 
 
 HANDOVER_BROKEN: dict[str, object] = {"handover-swapped-heads": swapped_destination}
-"""Name -> the broken ``place`` of :func:`kvdoc.parallel.blocks.handover_jobs` (run at TP = 2
-on a model with at least two K/V heads, so that the two ranks hold different heads)."""
+"""Name -> the broken ``place`` of a hand-over (at TP = 2, two K/V heads or more)."""
 
 
 class OtherRequests(RequestSplit):
@@ -122,7 +102,6 @@ def latent_bytes_once(config, mode: str, ranks: int, rank: int, batch: int, seq_
 
 
 class BrokenLatent(NamedTuple):
-    """A broken part of a latent run, the layout it runs on and what is wrong."""
 
     mode: str
     split: type
@@ -136,7 +115,6 @@ LATENT_BROKEN: dict[str, BrokenLatent] = {
     "latent-bytes-once": BrokenLatent("tp", RequestSplit, latent_bytes_once,
                                       "the replicated latent counted once for all ranks"),
 }
-"""Name -> the broken split or bytes rule of a :class:`kvdoc.parallel.latent.LatentJob`."""
 
 
 def stale_ids(blocks: range) -> list[int]:
@@ -148,5 +126,5 @@ PULL_BROKEN: dict[str, dict[str, object]] = {
     "handover-stale-pull": {"mode": "recompute", "transfer": "pull", "have": 1,
                             "ask": stale_ids},
 }
-"""Name -> the fields of a :class:`kvdoc.parallel.blocks.Handover` that break it (run with a
-prompt whose sent positions are whole blocks: 9 tokens in blocks of 4 in ``"recompute"``)."""
+"""Name -> the :class:`kvdoc.parallel.blocks.Handover` fields that break it (sent positions
+whole blocks: 9 tokens in blocks of 4, ``"recompute"``)."""

@@ -1,23 +1,16 @@
-"""Deliberately wrong RoPE caches, kept so that the equivalence check can be seen to fail.
+"""Deliberately wrong rotary positions: each a correct RoPE model (same weights) whose attention
+modules are replaced by a subclass with one mistake, as in :mod:`kvdoc.proofs.broken.decoders`.
 
-Two ways to get rotary positions wrong with a cache, each a correct Llama-style
-:class:`~kvdoc.core.model.Decoder` (same weights) whose attention modules are replaced by a
-subclass with one mistake in its ``forward``, in the style of :mod:`kvdoc.proofs.broken.decoders`:
+* ``unrotated-k-cache``: K is cached *before* RoPE and only the rows a call just computed are
+  rotated; keys read back were never turned.
+* ``rope-restart``: each call turns its Q and K at ``0 .. C - 1``, not ``P .. P + C - 1``.
 
-* ``unrotated-k-cache``: K goes into the cache *before* RoPE, and only the rows a call has just
-  computed are rotated; keys read back from the cache were never turned.
-* ``rope-restart``: each call rotates its new Q and K at positions ``0 .. C - 1``, as if the
-  chunk began the sequence, instead of at ``P .. P + C - 1``.
+A full forward is right for both: only the cached path is wrong. Wrong in code both paths share:
 
-A full forward (one call from position 0) is correct for both, so only the cached path is wrong.
-Two more are wrong in code both paths share:
-
-* ``rope-table-growth``: cos and sin come from a table built on the first call and grown later,
-  and the grown rows restart at position 0; right whenever the first call was the longest.
-* ``rope-default-base``: RoPE turns at the default base 10000, not the config's; right on any
-  model whose base is the default.
-* ``gemma-local-global-base``: a Gemma model's window layers turn at the global base
-  ``rope_theta``, not ``rope_local_base_freq``; right on a model whose two bases are equal.
+* ``rope-table-growth``: cos and sin come from a table built on the first call and grown later
+  with rows restarting at position 0; right whenever the first call was the longest.
+* ``rope-default-base``: RoPE turns at the default base 10000, not the config's.
+* ``gemma-local-global-base``: a Gemma model's window layers turn at the global base.
 
 >>> import torch
 >>> from kvdoc import Decoder
@@ -49,16 +42,29 @@ from kvdoc.core.model import apply_rope, rope_angles, rotate_half
 from .decoders import copy_as, with_attention
 
 
-def _split_heads(attn: CausalSelfAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Unrotated Q ``[B, H, C, D_h]``, K and V ``[B, H_kv, C, D_h]`` of the rows ``x``
-    (``[B, C, d]``), split from ``attn.c_attn`` as the real attention splits them."""
-    B, C, _ = x.shape
-    H, H_kv = attn.n_head, attn.n_kv_head
-    heads = attn.c_attn(x).view(B, C, H + 2 * H_kv, attn.head_dim).transpose(1, 2)
-    return heads.split((H, H_kv, H_kv), dim=1)
+class _Rotated(CausalSelfAttention):
+    """Attention whose Q and K are turned by :meth:`rotate` (each variant's own rule) before K is
+    cached; Q, K and V split from ``c_attn`` as the real attention splits them."""
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        B, C, _ = x.shape
+        H, H_kv = self.n_head, self.n_kv_head
+        heads = self.c_attn(x).view(B, C, H + 2 * H_kv, self.head_dim).transpose(1, 2)
+        return heads.split((H, H_kv, H_kv), dim=1)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        B, C, d = x.shape
+        q, k, v = self.heads(x)
+        q, k = self.rotate(q, k, start if positions is None else positions, x)
+        if cache is not None:
+            k, v = cache.update(layer_idx, k, v, start)
+        y = self.attend(q, k, v, start, attn_mask)
+        return self.c_proj(y.transpose(1, 2).reshape(B, C, d))
 
 
-class UnrotatedKeyAttention(CausalSelfAttention):
+class UnrotatedKeyAttention(_Rotated):
     """BROKEN: caches K before RoPE, then rotates only this call's rows of what the cache
     returns."""
 
@@ -66,7 +72,7 @@ class UnrotatedKeyAttention(CausalSelfAttention):
                 attn_mask: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         B, C, d = x.shape
-        q, k, v = _split_heads(self, x)
+        q, k, v = self.heads(x)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v, start)  # BUG: K is stored unrotated
         at = start if positions is None else positions
@@ -77,23 +83,14 @@ class UnrotatedKeyAttention(CausalSelfAttention):
         return self.c_proj(y.transpose(1, 2).reshape(B, C, d))
 
 
-class RopeRestartAttention(CausalSelfAttention):
+class RopeRestartAttention(_Rotated):
     """BROKEN: rotates the new rows at positions ``0 .. C - 1`` whatever the cache holds."""
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None, *,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        B, C, d = x.shape
-        q, k, v = _split_heads(self, x)
-        q = apply_rope(q, 0, self.rope_theta)  # BUG: should be `start` (or `positions`)
-        k = apply_rope(k, 0, self.rope_theta)
-        if cache is not None:
-            k, v = cache.update(layer_idx, k, v, start)
-        y = self.attend(q, k, v, start, attn_mask)
-        return self.c_proj(y.transpose(1, 2).reshape(B, C, d))
+    def rotate(self, q, k, at, x):
+        return apply_rope(q, 0, self.rope_theta), apply_rope(k, 0, self.rope_theta)  # BUG: not at
 
 
-class GrowingTableAttention(CausalSelfAttention):
+class GrowingTableAttention(_Rotated):
     """BROKEN: RoPE's cos and sin come from a table built on the first call for the positions it
     needs, and grown when a later call needs more; the grown rows are computed from position 0,
     not from where the table ended. Right as long as the first call was the longest, as a full
@@ -111,49 +108,28 @@ class GrowingTableAttention(CausalSelfAttention):
             self._sin = torch.cat((self._sin, sin)) if grown else sin
         return self._cos, self._sin
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None, *,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        B, C, d = x.shape
-        q, k, v = _split_heads(self, x)
-        if positions is None:
-            cos, sin = (t[start:start + C] for t in self._table(start + C, x))
+    def rotate(self, q, k, at, x):
+        if not torch.is_tensor(at):
+            cos, sin = (t[at:at + q.shape[2]] for t in self._table(at + q.shape[2], x))
         else:  # each row's own positions, [B, 1, C, D_h]: read off the same table
-            table = self._table(int(positions.max()) + 1, x)
-            cos, sin = (t[positions][:, None] for t in table)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        if cache is not None:
-            k, v = cache.update(layer_idx, k, v, start)
-        y = self.attend(q, k, v, start, attn_mask)
-        return self.c_proj(y.transpose(1, 2).reshape(B, C, d))
+            cos, sin = (t[at][:, None] for t in self._table(int(at.max()) + 1, x))
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-class DefaultBaseAttention(CausalSelfAttention):
+class DefaultBaseAttention(_Rotated):
     """BROKEN: calls ``apply_rope`` without the model's base, so RoPE turns at the default 10000
     whatever ``config.rope_theta`` says, in every call, full or cached."""
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None, *,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        B, C, d = x.shape
-        q, k, v = _split_heads(self, x)
-        at = start if positions is None else positions
-        q, k = apply_rope(q, at), apply_rope(k, at)  # BUG: no self.rope_theta
-        if cache is not None:
-            k, v = cache.update(layer_idx, k, v, start)
-        y = self.attend(q, k, v, start, attn_mask)
-        return self.c_proj(y.transpose(1, 2).reshape(B, C, d))
-
-
-def _require_rope(model: Decoder) -> None:
-    if model.config.position != "rope":
-        raise ValueError("this variant breaks RoPE: build it from a model with position='rope'")
+    def rotate(self, q, k, at, x):
+        return apply_rope(q, at), apply_rope(k, at)  # BUG: no self.rope_theta
 
 
 def rope_variant(cls: type[CausalSelfAttention]) -> Callable[[Decoder], Decoder]:
     """``model ->`` a copy of a RoPE ``model`` whose every attention module is a ``cls``."""
     def build(model: Decoder) -> Decoder:
-        _require_rope(model)
+        if model.config.position != "rope":
+            raise ValueError("this variant breaks RoPE: build it from a model with "
+                             "position='rope'")
         return with_attention(model, cls)
     return build
 

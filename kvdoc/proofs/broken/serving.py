@@ -1,27 +1,25 @@
-"""Deliberately wrong parts of the serving layer: radix trees, hand-over packers, schedulers, and
-a decoder that drops a padded batch's positions.
+"""Deliberately wrong parts of the serving layer, each a subclass of the real class changing one
+method it offers for that purpose (or a function in place of one):
 
-* :class:`WholeBlockMatch`: a tree that takes a partly matched block as if all of it were the
-  request's own; :class:`EvictLocked`: a tree whose eviction policy (:class:`IgnoreLocks`, passed
-  through the tree's public ``policy``) ignores locks; :class:`ReserveFinalToken` makes room
-  for one position more than a request writes; :class:`ShareLastBlock` shares, in block mode,
-  the last block of a prompt found whole.
-* :func:`pack_off_by_one` ships one position too few; :func:`pack_zeroed_last_v` ships the last
-  layer's V as zeros (every size right); :func:`pack_through_fp32` moves every tensor through
-  FP32 (exact in FP32, BF16 and FP16; FP64 loses its low bits); :func:`pack_layers_by_name`
-  ships the layers in the order of their names (``0, 1, 10, 11, 2, ..``).
-* :class:`SharedStartScheduler` embeds every row of a step at the step's common start;
-  :class:`LeakingScheduler` never gives a finished request's blocks back;
-  :class:`ResumeWithoutRecompute` resumes a preempted request without recomputing it;
-  :class:`ForkWithoutCopy` lets forks write into the blocks they share.
-* :class:`UnshiftedPositionsDecoder` ignores per-row positions (:func:`unshifted_positions`).
-
-Each subclasses the real class and changes one method it offers for that purpose.
+* radix trees: :class:`WholeBlockMatch` takes a partly matched block as the request's own;
+  :class:`EvictLocked` evicts through a policy that ignores locks; :class:`ReserveFinalToken`
+  makes room for one position more than written; :class:`ShareLastBlock` shares, in block mode,
+  the last block of a prompt found whole;
+* hand-over packers: :func:`pack_off_by_one` ships one position too few,
+  :func:`pack_zeroed_last_v` the last layer's V as zeros, :func:`pack_through_fp32` every tensor
+  through FP32, :func:`pack_layers_by_name` the layers in the order of their names;
+* schedulers: :class:`SharedStartScheduler` embeds every row at the step's common start,
+  :class:`LeakingScheduler` never gives blocks back, :class:`ResumeWithoutRecompute` resumes a
+  preempted request without recomputing it, :class:`ForkWithoutCopy` writes into shared blocks;
+* :class:`UnshiftedPositionsDecoder` ignores per-row positions (:func:`unshifted_positions`);
+* :func:`parentless_hash` keys an offloaded block (:mod:`kvdoc.serving.offload`) by its tokens
+  alone: blocks of the same tokens after different prefixes share a key (:data:`OFFLOAD_BROKEN`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -29,16 +27,18 @@ from kvdoc.core.cache import DynamicCache, KVCache
 from kvdoc.core.model import Decoder, DecoderOutput
 from kvdoc.serving.eviction import LRU
 from kvdoc.serving.handover import pack
+from kvdoc.serving.offload import hash_block
 from kvdoc.serving.radix import RadixCache
 from kvdoc.serving.ragged import RaggedStep
 from kvdoc.serving.scheduler import LiveRequest, Scheduler
 
-# --- radix trees --------------------------------------------------------------------------------
+from .decoders import copy_as
 
+
+# --- radix trees --------------------------------------------------------------------------------
 class WholeBlockMatch(RadixCache):
-    """BROKEN: matches at token granularity, then takes the partly matched last block as if all
-    of it were the request's own: the match is rounded up to the block's end (within the prompt),
-    so the request skips prefilling positions whose K/V belong to another sequence."""
+    """BROKEN: rounds a token-granular match up to its last block's end, so the request skips
+    prefilling positions whose K/V belong to another sequence."""
 
     def match(self, tokens):
         length, blocks, node = super().match(tokens)
@@ -49,18 +49,16 @@ class WholeBlockMatch(RadixCache):
 
 
 class ReserveFinalToken(RadixCache):
-    """BROKEN: makes room for ``len(prompt) + max_new`` positions, one more than a request
-    writes (its last token is chosen, never fed), so it evicts more than it must and refuses a
-    request that fits."""
+    """BROKEN: makes room for ``len(prompt) + max_new`` positions, one more than a request writes
+    (its last token is never fed): it evicts more than it must, refuses a request that fits."""
 
     def admit(self, prompt, max_new=0):
         return super().admit(prompt, max_new + 1)  # BUG: the last token is never written
 
 
 class ShareLastBlock(RadixCache):
-    """BROKEN: in block mode, a prompt found whole matches up to its last token, so the
-    request shares the partly reused last block and copies it on its first write, where vLLM
-    and SGLang match whole blocks only and copy nothing."""
+    """BROKEN: in block mode a prompt found whole matches up to its last token, sharing the last
+    block and copying it on its first write (vLLM and SGLang match whole blocks only)."""
 
     def reusable(self, prompt):
         length, blocks, node = self.match(prompt)
@@ -69,8 +67,7 @@ class ShareLastBlock(RadixCache):
 
 
 class IgnoreLocks(LRU):
-    """BROKEN: an eviction policy that ignores locks, so making room for a request may evict the
-    very path it matched; its blocks go back on the free list while the request is handed them."""
+    """BROKEN: an eviction policy that ignores locks: making room may evict the path matched."""
 
     def may_evict(self, node):
         return True  # BUG: node.lock not consulted
@@ -83,32 +80,28 @@ class EvictLocked(RadixCache):
         super().__init__(pool, granularity, policy=IgnoreLocks(), evict=evict)
 
 
-
 # --- hand-over packers ---------------------------------------------------------------------
-
 def _rebuilt(cache: KVCache, layers: list) -> KVCache:
-    """A dynamic cache of ``layers`` (K/V, or a latent's two tensors, as ``cache`` holds)."""
+    """A dynamic cache of ``layers`` (K/V, or a latent's, as ``cache`` holds)."""
     return DynamicCache(layers)
 
 
 def pack_off_by_one(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
-    """BROKEN: ships positions ``0 .. T - 2``; the decoder then writes the first new token at
-    ``T - 1``, over the prompt's last position."""
+    """BROKEN: ships positions ``0 .. T - 2``: decoding writes over the prompt's last one."""
     layers = [cache.layer(i) for i in range(cache.n_layer)]
     return pack(_rebuilt(cache, layers).crop(cache.seq_len - 1), logits)
 
 
 def pack_zeroed_last_v(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
-    """BROKEN: the last layer's V is sent as zeros (a packer that skipped it): every size is
-    right, so only the values can show it."""
+    """BROKEN: the last layer's V is sent as zeros: every size right, only the values wrong."""
     layers = [cache.layer(i) for i in range(cache.n_layer)]
     layers[-1] = (layers[-1][0], torch.zeros_like(layers[-1][1]))
     return pack(_rebuilt(cache, layers), logits)
 
 
 def pack_through_fp32(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
-    """BROKEN: K, V and the logits go through FP32 on the way (a transfer buffer of one
-    dtype) and are cast back: every size, dtype and FP32 value right, FP64's low bits lost."""
+    """BROKEN: K, V and the logits go through FP32 (a transfer buffer of one dtype) and back:
+    exact in FP32 and narrower, FP64's low bits lost."""
     def wire(t: torch.Tensor) -> torch.Tensor:
         return t.float().to(t.dtype)
 
@@ -117,17 +110,14 @@ def pack_through_fp32(cache: KVCache, logits: torch.Tensor | None = None) -> byt
 
 
 def pack_layers_by_name(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
-    """BROKEN: the layers go out in the order of their names, ``0, 1, 10, 11, 2, ..`` (a
-    packer that walks a dict's sorted keys): right for fewer than 10 layers."""
+    """BROKEN: the layers go out in the order of their names, ``0, 1, 10, 11, 2, ..``."""
     order = sorted(range(cache.n_layer), key=str)
     return pack(_rebuilt(cache, [cache.layer(i) for i in order]), logits)
 
 
 # --- schedulers ----------------------------------------------------------------------------
-
 class SharedStartScheduler(Scheduler):
-    """BROKEN: every row of a step is embedded at the step's common start ``T - C`` on, not at
-    its own length: right only when every row of the step is as long as the longest."""
+    """BROKEN: every row of a step is embedded at the step's common start, not its own length."""
 
     def positions(self, view: RaggedStep) -> torch.Tensor:
         C = max(view.new)
@@ -142,8 +132,8 @@ class LeakingScheduler(Scheduler):
 
 
 class ResumeWithoutRecompute(Scheduler):
-    """BROKEN: preemption gives the blocks back but keeps the count of written positions, so the
-    request, admitted again, decodes on as if its K/V were still there: nothing re-prefilled."""
+    """BROKEN: preemption gives the blocks back but keeps the count of written positions: the
+    request, admitted again, decodes on as if its K/V were still there."""
 
     def preempt(self, live: LiveRequest) -> int:
         discarded = live.fed
@@ -154,8 +144,7 @@ class ResumeWithoutRecompute(Scheduler):
 
 
 class ForkWithoutCopy(Scheduler):
-    """BROKEN: a write into a block shared with other forks goes into the shared block itself
-    (no copy-on-write), so the forks overwrite each other's K/V in the prompt's last block."""
+    """BROKEN: a fork writes into the block it shares (no copy-on-write)."""
 
     def reserve(self, live: LiveRequest, end: int) -> bool:
         missing = max(0, self.blocks_for(end) - len(live.table))
@@ -166,13 +155,9 @@ class ForkWithoutCopy(Scheduler):
 
 
 # --- padded batches ---------------------------------------------------------------------------
-
 class UnshiftedPositionsDecoder(Decoder):
-    """BROKEN: ignores per-row positions: slot ``t`` of a padded row is embedded at position ``t``.
-
-    The pad mask still holds, but a row with ``pad`` slots in front sees its prompt at positions
-    ``pad ..`` instead of ``0 ..``: wrong for every padded row, right for a row without padding.
-    """
+    """BROKEN: ignores per-row positions: slot ``t`` of a padded row is embedded at position
+    ``t``, so a row with ``pad`` slots in front sees its prompt at ``pad ..``, not ``0 ..``."""
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False,
                 positions: torch.Tensor | None = None,
@@ -183,8 +168,18 @@ class UnshiftedPositionsDecoder(Decoder):
 
 def unshifted_positions(model: Decoder) -> UnshiftedPositionsDecoder:
     """An :class:`UnshiftedPositionsDecoder` with ``model``'s config, weights, dtype and device."""
-    weight = model.wte.weight
-    with torch.random.fork_rng():  # the initialisation is overwritten: leave the global RNG alone
-        clone = UnshiftedPositionsDecoder(model.config).to(weight.dtype).to(weight.device)
-    clone.load_state_dict(model.state_dict())
-    return clone.eval()
+    return copy_as(model, UnshiftedPositionsDecoder)
+
+
+# --- offloaded blocks ------------------------------------------------------------------------
+def parentless_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """BROKEN: the key of ``tokens`` as if every block were a sequence's first.
+
+    >>> parentless_hash(b"any parent", [1, 2]) == parentless_hash(None, [1, 2])
+    True
+    """
+    return hash_block(None, tokens)
+
+
+OFFLOAD_BROKEN = {"offload-parentless-hash": parentless_hash}
+"""Name -> the broken ``hash_fn`` for :func:`kvdoc.serving.offload.serve`."""

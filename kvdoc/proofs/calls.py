@@ -1,23 +1,16 @@
-"""What a cache and a model go through between calls: crops, branches, failures mid-call, a model
-no call has run on, weights changed in place.
+"""The calls a user makes and what comes between them, as scenarios of the grid.
 
-Each scenario here registers itself (:func:`kvdoc.proofs.case.scenario`) and runs on every
-combination of the grid like the others:
-
-* ``crop``: fill, crop to a shorter length, continue with other tokens.
-* ``branch``: two continuations from one prefix cache; each equals its own full forward, and
-  the prefix cache is unchanged (a cache written in place is cropped back between branches).
-* ``failure`` and ``failure_after``: a call raises at each stage of a forward, inside the layers
-  (the first layer, the last layer: ``failure``) and after the last attention (the last layer's
-  MLP, the final norm, the LM head: ``failure_after``); each time the cache is exactly as before
-  (length and content), and continuing afterwards is right.
-* ``fresh``: the cached path on a copy of the model as it was built, before any call ran on it
-  (a prompt of 3 tokens, 4 one-token steps, then longer chunks past every earlier call), vs the
-  full forward of another copy: a table or buffer built on the first call and extended wrongly
-  later shows only here, since every other scenario starts with a full forward.
-* ``weights``: the weights change in place after the cached call was built and used (``add_`` on
-  two parameters, then ``load_state_dict`` of other weights); a prompt and one-token steps must
-  equal the full forward of the changed model (a fast step that copied the weights must see it).
+* ``prefill_decode``, ``generate``, ``speculative`` (a one-layer draft) and ``generate_padded``
+  (left-padded prompts; a broken variant's as ``case.caches["generate_padded"]``): each against
+  one full forward, its picks the argmax (a near tie within the tolerance may go either way).
+* ``crop`` and continue; ``branch``: two continuations of one prefix, the prefix unchanged.
+* ``failure`` and ``failure_after``: a call raises inside the layers and after the last
+  attention; each time the cache is exactly as before and continuing is right.
+* ``fresh``: a copy no call has run on, in calls each past every earlier one: a table built on
+  the first call and grown wrongly shows only here (every other scenario starts with a full
+  forward).
+* ``weights``: weights changed in place after the call was built: a fast step that copied them
+  must see it.
 """
 
 from __future__ import annotations
@@ -29,9 +22,125 @@ import torch
 from torch import nn
 
 from kvdoc.core.cache import KVCache
+from kvdoc.core.model import decode_step, generate, prefill
+from kvdoc.serving.batching import generate_padded
+from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
 from .case import Case, scenario
 from .compare import Snapshot, close, max_abs, run_cached
+
+PROMPTS = (7, 3, 5)
+NEW = 4
+DECODE_CUT = 20
+"""Where the full batch stops in ``prefill_decode`` and ``generate`` when the stream checks made
+the same one-token calls to the end at that batch (batch 1 runs the whole stream)."""
+
+
+def _decode_batches(case: Case) -> list[torch.Tensor]:
+    batches = case.both_batches()
+    if len(batches) > 1 and 1 in case.chunks:
+        batches[0] = batches[0][:, :DECODE_CUT]
+    return batches
+
+
+@scenario("prefill_decode", {
+    "prefill_decode": "prefill, then decode_step per token, vs the full forward"})
+def _prefill_decode(case: Case, out: list) -> None:
+    prompt, ok, err = 7, True, 0.0
+    for ids in _decode_batches(case):
+        full = case.full(ids)
+        logits, cache = prefill(case.call, ids[:, :prompt], case.new_cache(ids.shape[0]))
+        steps = [logits]
+        for t in range(prompt, ids.shape[1] - 1):
+            token = ids[:, t] if t % 2 else ids[:, t:t + 1]  # decode_step takes [B] and [B, 1]
+            logits, cache = decode_step(case.call, token, cache)
+            steps.append(logits)
+        got, want = torch.cat(steps, dim=1), full[:, prompt - 1:-1]
+        ok = ok and close(got, want, case.tol) and cache.seq_len == ids.shape[1] - 1
+        err = max(err, max_abs(got, want))
+        if case.impl == "model" and case.kind == "dynamic":  # prefill makes its own (dynamic) cache
+            own, own_cache = prefill(case.model, ids[:, :prompt])
+            want = full[:, prompt - 1:prompt]
+            ok = ok and close(own, want, case.tol) and own_cache.seq_len == prompt
+            err = max(err, max_abs(own, want))
+    out.append(case.result("prefill_decode", ok, err,
+                           f"prefill {prompt}, then decode_step; batch {case.ids.shape[0]} and 1"))
+
+
+@scenario("generate", {"generate": "generate()'s picks vs the argmax of one full forward"})
+def _generate(case: Case, out: list) -> None:
+    if case.impl != "model":
+        out.append(case.result("generate", None, 0.0, "generate() takes the model"))
+        return
+    ok, gap = True, 0.0
+    for ids in _decode_batches(case):
+        prompt = ids[:, :5]
+        new = ids.shape[1] - prompt.shape[1]
+        tokens = generate(case.model, prompt, new, cache=case.new_cache(prompt.shape[0]))
+        if tuple(tokens.shape) != tuple(ids.shape) or not torch.equal(tokens[:, :5], prompt):
+            out.append(case.result("generate", False, float("inf"),
+                                   f"returned shape {tuple(tokens.shape)}"))
+            return
+        passed, worst = _greedy(case, tokens, 5)
+        ok, gap = ok and passed, max(gap, worst)
+    out.append(case.result("generate", ok, gap,
+                           f"{new} tokens at batch 1 vs argmax of one full forward; "
+                           f"also batch {case.ids.shape[0]}"))
+
+
+def _greedy(case: Case, tokens: torch.Tensor, prompt: int) -> tuple[bool, float]:
+    """Whether every token after ``prompt`` is the argmax of one full forward (a near tie may go
+    either way), and the largest logit gap."""
+    logits = case.full(tokens)[:, prompt - 1:-1]  # position t predicts token t + 1
+    best = logits.max(dim=-1).values
+    chosen = logits.gather(-1, tokens[:, prompt:, None]).squeeze(-1)
+    worst = float((best - chosen).max().item())  # 0 when every pick is the argmax
+    return worst <= 2 * case.tol * (1 + float(best.abs().max().item())), worst
+
+
+@scenario("speculative", {
+    "speculative": "speculative decoding's tokens (draft, verify, crop) vs that argmax"})
+def _speculative(case: Case, out: list) -> None:
+    if case.impl != "model" or not case.new_cache(1).keeps_every_position:
+        out.append(case.result("speculative", None, 0.0, "speculative_generate takes the model "
+                               "and a cache that keeps every position (it crops)"))
+        return
+    new_cache = case.caches.get(case.kind, case.cache.new)
+    prompt, k = case.ids[:1, :5], 3
+    # past 32 positions (long-stream bugs), short of the stream's end: the verify call reaches
+    # k positions past the last token
+    new = min(40, case.ids.shape[1] - 5 - k)
+    run = speculative_generate(case.model, truncated_draft(case.model, 1), prompt, new, k=k,
+                               cache=lambda model, capacity: new_cache(model, 1, capacity))
+    ok, gap = _greedy(case, run.tokens, 5)
+    ok = ok and run.tokens.shape[1] == 5 + new and sum(run.accepted) + run.rounds == new
+    out.append(case.result("speculative", ok, gap,
+                           f"{new} tokens, a 1-layer draft proposing {k} a round, "
+                           f"{sum(run.accepted)} kept; vs argmax of one full forward"))
+
+
+@scenario("generate_padded", {
+    "generate_padded": "generate_padded's rows vs each prompt's solo generate() (tokens) and one "
+                       "full forward (logits)"})
+def _generate_padded(case: Case, out: list) -> None:
+    if case.impl != "model" or case.kind != "dynamic" or case.ids.shape[0] < 2:
+        out.append(case.result("generate_padded", None, 0.0, "generate_padded takes the model "
+                               "and makes its own cache (the dynamic kind); 2 rows or more"))
+        return
+    run = case.caches.get("generate_padded", generate_padded)
+    B = case.ids.shape[0]
+    prompts = [case.ids[b, :PROMPTS[b % len(PROMPTS)]].tolist() for b in range(B)]
+    got = run(case.model, prompts, NEW)
+    ok, err = tuple(got.tokens.shape) == (B, NEW), 0.0
+    for b, prompt in enumerate(prompts):
+        alone = generate(case.model, torch.tensor([prompt], device=case.ids.device), NEW)
+        want = case.full(alone[:, :-1])[0, len(prompt) - 1:]  # the logits behind each choice
+        ok = (ok and torch.equal(got.tokens[b], alone[0, len(prompt):])
+              and close(got.logits[b], want, case.tol))
+        err = max(err, max_abs(got.logits[b], want))
+    out.append(case.result("generate_padded", ok, err,
+                           f"prompts of {[len(p) for p in prompts]} tokens, {NEW} new each: "
+                           "tokens vs generate() alone, logits vs one full forward"))
 
 
 @scenario("crop", {"crop": "crop a filled cache, continue with other tokens"})

@@ -1,22 +1,77 @@
-"""Diagrams the pages draw with matplotlib: a chain of boxes (:func:`draw_boxes`) and paged
-caches' block tables over their shared pool (:func:`draw_block_tables`), read from the live
-objects.
+"""What the pages share for display: one-character tokens, HTML tables, diagrams drawn from
+live objects, and the landing page's reading times.
+
+A token is one printable ASCII character, ``id = ord(ch) - 32``: ids 0..94 of the default
+97-token vocabulary, so prompts read as ``"ABCDE"``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import html
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import torch
 
 from kvdoc.serving.paged import PagedCache
 
 
+def token_ids(text: str) -> torch.Tensor:
+    """The ids of ``text``, one character per token, as ``[1, T]``.
+
+    >>> token_ids("ABC")
+    tensor([[33, 34, 35]])
+    """
+    bad = [ch for ch in text if not 32 <= ord(ch) < 127]
+    if not text or bad:
+        raise ValueError(f"token_ids takes a non-empty string of printable ASCII, got {text!r}")
+    return torch.tensor([[ord(ch) - 32 for ch in text]])
+
+
+def token_label(token_id: int | torch.Tensor) -> str:
+    """A capital letter for the ids of ``A``..``Z``, else ``id N``: no stray glyphs in tables.
+
+    >>> token_label(33), token_label(76)
+    ('A', 'id 76')
+    """
+    i = int(token_id)
+    return chr(i + 32) if "A" <= chr(i + 32) <= "Z" else f"id {i}"
+
+
+def token_text(ids: Sequence[int] | torch.Tensor) -> str:
+    """The labels of a 1-d sequence of ids, joined by spaces.
+
+    >>> token_text(token_ids("AB")[0])
+    'A B'
+    """
+    return " ".join(token_label(i) for i in ids)
+
+
+def html_table(headers: Sequence[str], rows: Sequence[Sequence[object]], caption: str | None = None,
+               css_class: str = "table kvdoc-table") -> str:
+    """A small HTML table; cells are escaped and shown as given, so format floats first.
+
+    >>> html_table(["a"], [[1]])
+    '<table class="table kvdoc-table"><thead><tr><th>a</th></tr></thead><tbody><tr><td>1</td></tr></tbody></table>'
+    """  # noqa: E501 (a doctest output line)
+    if any(len(r) != len(headers) for r in rows):
+        raise ValueError("every row must have one cell per header")
+    cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>"
+                   for r in rows)
+    return (f'<table class="{css_class}">{cap}<thead><tr>{head}</tr></thead>'
+            f"<tbody>{body}</tbody></table>")
+
+
 def draw_boxes(labels: Sequence[str], notes: Sequence[str] | None = None, title: str | None = None,
                width: float = 6.0, colors: Sequence[str] | None = None):
-    """A vertical chain of labelled boxes joined by arrows, bottom to top (the forward direction).
+    """A vertical chain of labelled boxes joined by arrows, bottom to top; returns the figure.
 
-    ``notes`` (same length) are written in each box under its label, e.g. the tensor's shape: a
-    second line rather than a second column keeps the figure narrow, so that a phone, which
-    scales it to its width, keeps the text readable. Returns the matplotlib figure.
+    A note goes under its box's label rather than in a second column, so that a phone, which
+    scales the figure to its width, keeps the text readable.
 
     >>> fig = draw_boxes(["embed", "layer"], ["[1, 5, 64]", ""], title="two steps")
     >>> [t.get_text() for t in fig.axes[0].texts if t.get_text()]  # the arrow is an empty text
@@ -67,27 +122,18 @@ def _tint(color: str, strength: float = 0.45) -> tuple[float, float, float]:
 def draw_block_tables(caches: Mapping[str, PagedCache], width: float = 6.6):
     """Block tables of paged caches over the pool they share, read from the live objects.
 
-    Top: each sequence of each cache (named by its key, ``name[row]`` where a cache holds several)
-    as its logical blocks, ``block_size`` slots each, labelled with positions and shaded up to its
-    :attr:`~kvdoc.serving.paged.PagedCache.seq_len`. Bottom: every block of the pool, with its
-    reference count (``pool.refs``) or ``free``. An arrow joins each logical block to the physical
-    block its table names. Returns the matplotlib figure.
+    Top: each sequence (``name[row]`` where a cache holds several) as its logical blocks, shaded
+    up to its length. Bottom: the pool's blocks with their reference counts. An arrow joins
+    each logical block to the physical block its table names. Returns the figure.
 
-    >>> import torch
     >>> from kvdoc import Decoder, GPTConfig
-    >>> from kvdoc.serving.paged import BlockPool, PagedCache
+    >>> from kvdoc.serving.paged import BlockPool
     >>> pool = BlockPool(GPTConfig(), num_blocks=3, block_size=2)
     >>> cache = PagedCache(pool, batch_size=1)
     >>> _ = Decoder(GPTConfig())(torch.tensor([[1, 2, 3]]), cache)
     >>> fig = draw_block_tables({"seq": cache})
     >>> [t.get_text() for t in fig.axes[0].texts if t.get_text().startswith("block")]
     ['block 0\\n1 ref', 'block 1\\n1 ref', 'block 2\\nfree']
-    >>> len(fig.axes[0].patches)  # 2 blocks of 2 slots, 3 in the pool
-    7
-    >>> draw_block_tables({})
-    Traceback (most recent call last):
-    ...
-    ValueError: draw_block_tables needs at least one cache
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
@@ -149,3 +195,71 @@ def draw_block_tables(caches: Mapping[str, PagedCache], width: float = 6.6):
     ax.axis("off")
     fig.tight_layout()
     return fig
+
+
+#: Words a minute behind the landing page's reading times: MyST's own default for its reading
+#: time (myst-parser's ``words_per_minute``), a common figure for technical prose.
+WORDS_PER_MINUTE = 200
+
+_FENCE = re.compile(r"^(`{3,}|~{3,}|:{3,})\s*(?:\{([\w:.-]+)\})?\s*(\S*)")
+# Fenced blocks a reader does not read as prose: code, doctests, raw reST, the table of contents.
+_NOT_PROSE = {"code-cell", "code-block", "code", "doctest", "eval-rst", "toctree", "raw"}
+_ROLE = re.compile(r"\{[\w:.-]+\}`([^`]*)`")  # {glue:text}`key`, {term}`logits`: the content
+_LINK_TARGET = re.compile(r"\]\([^)]*\)")  # [text](target): the text
+_WORD = re.compile(r"[^\W_]+(?:['\u2019-][^\W_]+)*")
+
+
+def prose_words(text: str) -> int:
+    r"""Words of a MyST page a reader reads: not its front matter, code, doctests, raw reST,
+    table of contents, directive options or the syntax of roles and links; a glued value counts
+    as one word, maths as its symbols.
+
+    >>> prose_words("---\nkernelspec: {}\n---\n# A title\n\n```{code-cell} python\n"
+    ...             "x = 1\n```\n\nThe {term}`KV cache` holds [keys](a.md).\n")
+    7
+    """
+    if text.startswith("---\n"):
+        end = text.find("\n---\n", 4)
+        text = text[end + 5:] if end >= 0 else text
+    words = 0
+    skipping: str | None = None  # the fence of the code block being skipped
+    kept: list[str] = []  # fences of the open directives whose content is prose (admonitions)
+
+    def closes(stripped: str, marker: str) -> bool:
+        return len(stripped) >= len(marker) and set(stripped) == {marker[0]}
+
+    for line in text.splitlines():
+        stripped = line.strip()
+        if skipping is not None:
+            if closes(stripped, skipping):
+                skipping = None
+            continue
+        fence = _FENCE.match(stripped)
+        if fence:
+            marker, directive, info = fence.groups()
+            if kept and directive is None and not info and closes(stripped, kept[-1]):
+                kept.pop()
+            elif directive is None or directive in _NOT_PROSE:
+                skipping = marker  # code (with or without a language), or a non-prose block
+            else:  # an admonition, a note, a figure: its title and content are prose
+                kept.append(marker)
+                words += len(_WORD.findall(stripped.split("}", 1)[1]))
+            continue
+        if re.match(r"^:[\w-]+:", stripped):
+            continue  # a directive's option (:class: dropdown, :tags: [...])
+        words += len(_WORD.findall(_LINK_TARGET.sub("]", _ROLE.sub(r"\1", line))))
+    return words
+
+
+def page_title(path: Path) -> str:
+    """The title of a MyST page: its first level-one heading (``#`` and a space)."""
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.startswith("# "):
+            return line[2:].strip()
+    raise ValueError(f"{path} has no '# ' title")
+
+
+def reading_minutes(pages: Iterable[Path]) -> int:
+    """Minutes to read ``pages`` (MyST files) at :data:`WORDS_PER_MINUTE`, rounded up."""
+    total = sum(prose_words(Path(p).read_text(encoding="utf-8")) for p in pages)
+    return math.ceil(total / WORDS_PER_MINUTE)

@@ -1,8 +1,8 @@
 """Tensor- and context-parallel decoding on N processes, checked against one process.
 
 ``python -m kvdoc parallel --tp N --cp M`` starts ``N x M`` ranks (gloo, this machine), decodes
-each model of :data:`kvdoc.parallel.checks.MODELS` on them and prints what it compared
-(:func:`kvdoc.parallel.checks.compare`): tokens, logits, each rank's cache and its bytes, the
+each model of :data:`kvdoc.parallel.comparison.MODELS` on them and prints what it compared
+(:func:`kvdoc.parallel.comparison.compare`): tokens, logits, each rank's cache and its bytes, the
 collectives of a decode step. With ``--handover push`` or ``--handover pull`` it also hands
 each model's prompt, block by block, from a prefill at TP = N to one more rank that decodes
 (:mod:`kvdoc.parallel.blocks`), in both first-token modes; with ``--latent``, the MLA model's
@@ -85,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from .blocks import Handover, check_handover, handover_jobs
-    from .checks import MODELS, Job, build_model, run_jobs
+    from .comparison import MODELS, Job, build_model, run_jobs
     from .decode import check_run
     from .latent import latent_jobs
     from .launch import choose_backend
