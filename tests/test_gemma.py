@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvdoc import Decoder, decode_step, generate, mistral_config, prefill
-from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, GemmaRMSNorm
 from kvdoc.core.cache import KVCache
+from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, GemmaRMSNorm
 from kvdoc.core.window import RingLayer, window_cache
 from kvdoc.interop.hf_float64 import float64_islands_lifted
 from kvdoc.interop.hf_gemma import config_from_gemma, gemma_config, gemma_model

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from kvdoc.core.model import GPTConfig
 from kvdoc.core.gemma import Gemma3Config
 from kvdoc.core.mla import MLAConfig
+from kvdoc.core.model import GPTConfig
 from kvdoc.proofs import grid
 
 EXEMPT: dict[str, str] = {

@@ -93,8 +93,7 @@ def test_unsupported_variants_are_refused(pair):
 
 # --- Llama and Mistral (random weights, built offline from a config) ---------------------------
 
-from kvdoc.core.model import mistral_config  # noqa: E402
-from kvdoc.core.model import llama_config
+from kvdoc.core.model import llama_config, mistral_config  # noqa: E402
 from kvdoc.interop.hf_config import (  # noqa: E402
     transformers_config,
     transformers_model,

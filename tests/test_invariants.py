@@ -89,8 +89,7 @@ def test_int8_rows_keep_their_own_scale_and_half_a_step():
 
 
 def test_held_tensors_walk_into_a_layer_defined_outside_kvdoc():
-    from kvdoc.core.cache import KVCache
-    from kvdoc.core.cache import DynamicLayer
+    from kvdoc.core.cache import DynamicLayer, KVCache
 
     class Outside(DynamicLayer):  # this test module's class, not kvdoc's
         pass
@@ -106,8 +105,7 @@ def test_held_tensors_walk_into_a_layer_defined_outside_kvdoc():
 def test_registries_refuse_what_they_do_not_know():
     """A layer kind with no byte formula, or a layer with no K/V probe, is an error, never a
     check skipped."""
-    from kvdoc.core.cache import KVCache
-    from kvdoc.core.cache import CacheLayer
+    from kvdoc.core.cache import CacheLayer, KVCache
     from kvdoc.measure.layer_bytes import expected_bytes
     from kvdoc.proofs.compare import full_forward_kv
 

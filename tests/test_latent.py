@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdoc.core.model import llama_config
-from kvdoc.core.model import Decoder
+from kvdoc.core.model import Decoder, llama_config
 from kvdoc.interop.hf_deepseek import published_config
 from kvdoc.parallel.latent import (
     LatentJob,

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from kvdoc import Decoder
-from kvdoc.core.model import llama_config
-from kvdoc.core.model import apply_rope, rope_angles
+from kvdoc.core.model import apply_rope, llama_config, rope_angles
 from kvdoc.proofs.compare import TOLERANCE, run_cached
 from kvdoc.proofs.variants import VARIANTS
 

@@ -34,7 +34,7 @@ The answer is {glue:text}`n` ({glue:md}`m:myst`).
 The caption, {glue:text}`r:.1f`.
 ```
 
-```{literalinclude} ../../kvdoc/core/mask.py
+```{literalinclude} ../../kvdoc/core/model.py
 :pyobject: offset_causal_mask
 ```
 """

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from kvdoc.cli import main
-from kvdoc.core.model import GPTConfig, llama_config
 from kvdoc.core.mla import MLAConfig, MLADecoder
-from kvdoc.core.model import Decoder
+from kvdoc.core.model import Decoder, GPTConfig, llama_config
 from kvdoc.interop.hf_config import transformers_model
 from kvdoc.interop.hf_weights import from_transformers
 from kvdoc.parallel.comparison import MODELS, Job, build_model, run_jobs

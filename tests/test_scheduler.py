@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from kvdoc.core import model as core_model
-from kvdoc.core.model import llama_config
-from kvdoc.core.model import Decoder, generate
+from kvdoc.core.model import Decoder, generate, llama_config
 from kvdoc.proofs.broken.serving import (
     ForkWithoutCopy,
     LeakingScheduler,

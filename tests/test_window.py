@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from kvdoc import Decoder
-from kvdoc.core.model import llama_config, mistral_config
 from kvdoc.core.feed import feed
-from kvdoc.core.model import apply_rope
+from kvdoc.core.model import apply_rope, llama_config, mistral_config
 from kvdoc.core.window import window_cache
 from kvdoc.proofs.compare import TOLERANCE, run_cached
 

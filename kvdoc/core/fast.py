@@ -43,11 +43,7 @@ import torch.nn.functional as F
 
 from . import invariant
 from .cache import KVCache
-from .model import check_call
-from .model import GPTConfig
-from .model import embed_tokens
-from .model import Decoder, DecoderOutput
-from .model import apply_rope
+from .model import Decoder, DecoderOutput, GPTConfig, apply_rope, check_call, embed_tokens
 
 _VERSION = attrgetter("_version")
 _DATA_PTR = torch.Tensor.data_ptr

@@ -15,11 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-# torch-free: the command line reads config.json files through this module
-from kvdoc.core.model import GPTConfig
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch-free: the command line reads config.json files through this module
     import torch
+
+    from kvdoc.core.model import GPTConfig
 
 BUFFERS = (".attn.bias", ".attn.masked_bias")
 """Causal-mask buffers some GPT-2 versions keep beside the weights: never loaded or exported."""
@@ -174,6 +173,7 @@ def config_from_transformers(hf_config: Any) -> GPTConfig:
     ...                           "n_positions": 512, "vocab_size": 97}) == GPTConfig()
     True
     """
+    from kvdoc.core.model import GPTConfig  # torch: only when a model config is built
     c = config_fields(hf_config, "config")
     model_type = c.get("model_type")
     if model_type not in ("gpt2", "llama", "mistral"):
@@ -234,7 +234,7 @@ def transformers_model(family: str, config: GPTConfig | None = None, seed: int =
     """
     import torch
 
-    from kvdoc.core.model import llama_config, mistral_config
+    from kvdoc.core.model import GPTConfig, llama_config, mistral_config
 
     cls = causal_lm_class(family)
     default = {"gpt2": GPTConfig, "llama": llama_config, "mistral": mistral_config}[family]

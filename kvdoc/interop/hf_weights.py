@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 
-from kvdoc.core.model import GPTConfig
 from kvdoc.core.gemma import Gemma3Decoder
-from kvdoc.core.model import Decoder
+from kvdoc.core.model import Decoder, GPTConfig
 
 from .hf_config import (
     BUFFERS,

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.core.cache import check_int
-from kvdoc.core.model import GPTConfig
 from kvdoc.core.fast import FastDecoder
-from kvdoc.core.model import Decoder
+from kvdoc.core.model import Decoder, GPTConfig
 
 from .costs import step_bytes, step_flops
 from .kv_bytes import element_size

@@ -12,9 +12,8 @@ from typing import Any
 
 import torch
 
-from kvdoc.core.model import GPTConfig
 from kvdoc.core.mla import MLAConfig
-from kvdoc.core.model import Decoder
+from kvdoc.core.model import Decoder, GPTConfig
 
 
 def projected_positions_full(prefix_len: int, new_tokens: int) -> int:

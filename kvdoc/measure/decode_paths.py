@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 
-from kvdoc.core.model import GPTConfig
 from kvdoc.core.fast import FastDecoder
-from kvdoc.core.model import Decoder
+from kvdoc.core.model import Decoder, GPTConfig
 
 from .ablation import ABLATION, GUARANTEES, LeanStep
 from .dispatch import count_ops

@@ -35,13 +35,30 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 # torch-free: the command line imports this module, and loading torch takes seconds
-from kvdoc.core.cache import check_int
-from kvdoc.core.model import GPTConfig
-
 if TYPE_CHECKING:
     import torch
 
     from kvdoc.core.cache import KVCache
+    from kvdoc.core.model import GPTConfig
+
+
+def check_int(name: str, value: object, minimum: int = 1) -> int:
+    """``value``, if it is an integer (not a bool) of at least ``minimum``; else a ValueError.
+
+    The copy set's :func:`kvdoc.core.cache.check_int` says the same, but its module imports
+    torch, and ``python -m kvdoc memory`` must start without it.
+
+    >>> check_int("layers", 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: layers must be a positive integer, got 0
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = {0: "a non-negative integer", 1: "a positive integer"}.get(
+            minimum, f"an integer >= {minimum}")
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    return value
+
 
 #: Names accepted for ``dtype`` arguments and ``--dtype`` (case-insensitive), and the name of
 #: the torch dtype each stands for (``torch.<name>``).
@@ -171,6 +188,7 @@ def kv_bytes_for_config(config: GPTConfig, batch: int, seq_len: int,
     """:func:`kv_bytes` with ``L``, ``H_kv`` and ``D`` taken from a
     :class:`~kvdoc.core.model.GPTConfig`.
 
+    >>> from kvdoc import GPTConfig
     >>> kv_bytes_for_config(GPTConfig(), batch=1, seq_len=272)  # the toy decoder, float32
     278528
     """

@@ -20,8 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvdoc.core.cache import KVCache
-from kvdoc.core.cache import CacheLayer, DynamicLayer, StaticLayer
+from kvdoc.core.cache import CacheLayer, DynamicLayer, KVCache, StaticLayer
 from kvdoc.core.window import RingLayer
 from kvdoc.serving.fp8 import SCALE_DTYPE, Fp8Layer
 from kvdoc.serving.paged import PoolLayer

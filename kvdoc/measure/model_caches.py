@@ -33,10 +33,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 # torch-free: the command line imports this module, and loading torch takes seconds
-from kvdoc.core.cache import check_int
 from kvdoc.interop.hf_config import attention_sizes, config_fields, positive
 
-from .kv_bytes import element_size, fp8_scale_bytes
+from .kv_bytes import check_int, element_size, fp8_scale_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -165,7 +164,7 @@ class ModelCache:
     def elements(self, seq_len: int, preallocated: bool = False, windows: bool = True) -> int:
         """Elements one sequence of ``seq_len`` positions keeps, over all layers; with
         ``preallocated`` a window layer holds its ``W`` rows from the start (a ring allocated
-        at its full size, as :class:`~kvdoc.core.window.HybridCache`'s); ``windows=False``
+        at its full size, as :func:`~kvdoc.core.window.window_cache`'s); ``windows=False``
         counts every layer as full (the same model with no window)."""
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
             raise ValueError(f"seq_len must be a non-negative integer, got {seq_len!r}")

@@ -47,10 +47,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from kvdoc.core.cache import DynamicCache
-from kvdoc.core.cache import check_int
-from kvdoc.core.model import GPTConfig
-from kvdoc.core.model import Decoder, decode_step, generate, prefill
+from kvdoc.core.cache import DynamicCache, check_int
+from kvdoc.core.model import Decoder, GPTConfig, decode_step, generate, prefill
 from kvdoc.measure.kv_bytes import kv_bytes
 
 from .comm import Comm

@@ -29,8 +29,15 @@ from typing import NamedTuple
 
 import torch
 
-from kvdoc.core.model import GPTConfig, llama_config, mistral_config
-from kvdoc.core.model import Decoder, decode_step, generate, prefill
+from kvdoc.core.model import (
+    Decoder,
+    GPTConfig,
+    decode_step,
+    generate,
+    llama_config,
+    mistral_config,
+    prefill,
+)
 
 from .comm import Comm
 from .decode import (

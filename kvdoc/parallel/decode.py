@@ -30,11 +30,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from kvdoc.core.cache import KVCache
-from kvdoc.core.cache import check_int
-from kvdoc.core.model import GPTConfig
-from kvdoc.core.cache import DynamicLayer
-from kvdoc.core.model import MLP, Block, CausalSelfAttention, Decoder, embed_tokens
+from kvdoc.core.cache import DynamicLayer, KVCache, check_int
+from kvdoc.core.model import MLP, Block, CausalSelfAttention, Decoder, GPTConfig, embed_tokens
 from kvdoc.measure.kv_bytes import kv_bytes, measured_bytes
 
 from .comm import Comm

@@ -28,9 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvdoc.core.cache import check_int
-from kvdoc.core.model import GPTConfig
-from kvdoc.core.model import MLP, CausalSelfAttention
-from kvdoc.core.model import apply_rope
+from kvdoc.core.model import MLP, CausalSelfAttention, GPTConfig, apply_rope
 from kvdoc.measure.batch_decode import kv_heads_per_device
 
 from .comm import Comm

@@ -29,9 +29,8 @@ from collections.abc import Iterator
 
 import torch
 
-from kvdoc.core.cache import KVCache, StaticCache
+from kvdoc.core.cache import CacheLayer, KVCache, StaticCache
 from kvdoc.core.feed import feed
-from kvdoc.core.cache import CacheLayer
 from kvdoc.measure.layer_bytes import expected_bytes
 from kvdoc.serving.batching import left_pad, padded_mask, padded_positions
 from kvdoc.serving.paged import BlockPool, PagedCache

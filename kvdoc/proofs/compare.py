@@ -23,10 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.core.cache import KV, KVCache
-from kvdoc.core.model import GPTConfig
 from kvdoc.core.feed import chunk_lengths, feed
-from kvdoc.core.model import Decoder
-from kvdoc.core.model import apply_rope
+from kvdoc.core.model import Decoder, GPTConfig, apply_rope
 
 from .broken.decoders import stale_prefix
 from .variants import VARIANTS

@@ -17,8 +17,7 @@ import copy
 import torch
 from torch import nn
 
-from kvdoc.core.model import GPTConfig
-from kvdoc.core.model import Decoder
+from kvdoc.core.model import Decoder, GPTConfig
 from kvdoc.measure.batch_decode import kv_per_sequence, step_traffic
 from kvdoc.measure.costs import step_flops
 from kvdoc.measure.kv_bytes import kv_bytes_for_config

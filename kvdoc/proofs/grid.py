@@ -47,11 +47,10 @@ import torch
 from torch import nn
 
 from kvdoc.core.cache import KVCache
-from kvdoc.core.model import GPTConfig, llama_config, mistral_config
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder, GemmaRMSNorm
 from kvdoc.core.mla import MLAConfig, MLADecoder
-from kvdoc.core.model import Decoder
+from kvdoc.core.model import Decoder, GPTConfig, llama_config, mistral_config
 from kvdoc.serving.paged import new_paged_cache, new_shared_prefix_cache
 from kvdoc.serving.splitk import split_k_decoder
 

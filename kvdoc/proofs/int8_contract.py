@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.core.cache import KVCache
-from kvdoc.core.model import GPTConfig
 from kvdoc.core.feed import feed
+from kvdoc.core.model import GPTConfig
 from kvdoc.measure.wrapper import CacheWrapper
 from kvdoc.serving.quant import new_int8_cache, read_error_bound
 

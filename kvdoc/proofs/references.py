@@ -25,8 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvdoc.core.model import GPTConfig
-from kvdoc.core.model import Decoder
+from kvdoc.core.model import Decoder, GPTConfig
 
 Reference = Callable[[torch.Tensor], torch.Tensor]
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from functools import cache
 
-from kvdoc.core.model import GPTConfig
 from kvdoc.core.gemma import Gemma3Config
 from kvdoc.core.mla import MLAConfig
+from kvdoc.core.model import GPTConfig
 
 from .grid import MODELS
 

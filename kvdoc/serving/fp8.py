@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from kvdoc.core.cache import KV, DynamicCache, KVCache
-from kvdoc.core.cache import check_int
+from kvdoc.core.cache import KV, CacheLayer, DynamicCache, KVCache, check_int
 from kvdoc.core.model import GPTConfig
-from kvdoc.core.cache import CacheLayer
 
 GRANULARITIES = ("per-tensor", "per-head")
 """How many scales K (and V) of one layer has: one, or one per K/V head."""

@@ -39,7 +39,6 @@ import torch
 from kvdoc.core.cache import DynamicCache, KVCache
 from kvdoc.core.model import Decoder, decode_step, prefill
 
-
 FORMAT = "kvdoc-handover/2"
 """The payload's ``format`` field: what :func:`unpack` accepts."""
 

@@ -44,8 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvdoc.core.cache import DynamicCache
-from kvdoc.core.cache import check_int
+from kvdoc.core.cache import DynamicCache, check_int
 from kvdoc.core.model import Decoder, decode_step, generate, prefill
 
 ROOT = hashlib.sha256(b"kvdoc-offload-root").digest()

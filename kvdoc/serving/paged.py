@@ -46,7 +46,7 @@ from collections.abc import Sequence
 import torch
 
 from kvdoc.core.cache import KV, CacheLayer, HasLayout, KVCache, check_int
-from kvdoc.core.model import Decoder, GPTConfig
+from kvdoc.core.model import Decoder
 
 
 class BlockPool:

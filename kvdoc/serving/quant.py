@@ -31,11 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from kvdoc.core.cache import KV, DynamicCache, KVCache
-from kvdoc.core.cache import check_int
-from kvdoc.core.model import GPTConfig
-from kvdoc.core.cache import CacheLayer
-from kvdoc.core.model import Decoder
+from kvdoc.core.cache import KV, CacheLayer, DynamicCache, KVCache, check_int
+from kvdoc.core.model import Decoder, GPTConfig
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:

@@ -35,8 +35,7 @@ import torch.nn.functional as F
 
 from kvdoc.core import invariant
 from kvdoc.core.cache import check_int
-from kvdoc.core.model import GPTConfig
-from kvdoc.core.model import CausalSelfAttention, Decoder
+from kvdoc.core.model import CausalSelfAttention, Decoder, GPTConfig
 
 
 class Partial(NamedTuple):

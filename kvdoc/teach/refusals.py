@@ -25,9 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvdoc.core.cache import DynamicCache, KVCache, StaticCache
-from kvdoc.core.model import GPTConfig
-from kvdoc.core.model import offset_causal_mask
-from kvdoc.core.model import Decoder, decode_step, generate, prefill
+from kvdoc.core.model import Decoder, GPTConfig, decode_step, generate, offset_causal_mask, prefill
 from kvdoc.interop.hf_config import gpt2_config
 from kvdoc.interop.hf_weights import decoder_from_gpt2
 

@@ -25,8 +25,15 @@ import copy
 
 import torch
 
-from kvdoc.core.cache import KV, DynamicCache, KVCache, StaticCache
-from kvdoc.core.cache import CacheLayer, DynamicLayer, StaticLayer
+from kvdoc.core.cache import (
+    KV,
+    CacheLayer,
+    DynamicCache,
+    DynamicLayer,
+    KVCache,
+    StaticCache,
+    StaticLayer,
+)
 from kvdoc.core.model import Decoder
 from kvdoc.measure.wrapper import CacheWrapper
 

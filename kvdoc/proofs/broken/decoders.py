@@ -25,8 +25,7 @@ from __future__ import annotations
 import torch
 
 from kvdoc.core import invariant
-from kvdoc.core.cache import KVCache
-from kvdoc.core.cache import check_int
+from kvdoc.core.cache import KVCache, check_int
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import CausalSelfAttention, Decoder, DecoderOutput
 

@@ -36,8 +36,7 @@ import torch
 
 from kvdoc.core.cache import KVCache
 from kvdoc.core.gemma import Gemma3Decoder
-from kvdoc.core.model import CausalSelfAttention, Decoder
-from kvdoc.core.model import apply_rope, rope_angles, rotate_half
+from kvdoc.core.model import CausalSelfAttention, Decoder, apply_rope, rope_angles, rotate_half
 
 from .decoders import copy_as, with_attention
 
