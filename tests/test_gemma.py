@@ -108,7 +108,7 @@ def test_window_and_global_layers_differ():
         only = Gemma3Decoder(config).eval()
         run = run_cached(only, ids, 4, "hybrid")
         assert close(run.logits, only(ids).logits, 1e-5)
-        assert set(run.cache.windows) == ({None} if pattern == 1 else {W})
+        assert {layer.window for layer in run.cache.layers} == ({None} if pattern == 1 else {W})
 
 
 def test_bytes_held_rows_and_the_formulas_agree():
@@ -151,7 +151,7 @@ def test_bad_input_is_refused_and_leaves_the_cache_as_it_was():
     k = torch.zeros(2, 2, 1, 16)
     with pytest.raises(ValueError, match="write starts at 3"):
         work.update(0, k, k, 3)
-    with pytest.raises(ValueError, match=r"\(B, H_kv, D_h\)"):
+    with pytest.raises(ValueError, match=r"\(B, H, width of K, width of V\)"):
         work.update(1, torch.zeros(2, 2, 1, 8), torch.zeros(2, 2, 1, 8), 8)
     with pytest.raises(ValueError, match=r"layer 4 is outside 0\.\.3"):
         work.update(4, k, k, 8)

@@ -285,9 +285,10 @@ class KVCache:
         work.layers = [layer.fork() for layer in self._layers]
         return work
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        """Store new rows ``k, v`` (``[B, H_kv, C, D_h]``) at positions ``start ..``; returns
-        what the new queries attend over: the layer's rows up to ``start + C - 1``."""
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+               start: int) -> KV:
+        """Store new rows ``k, v`` (``[B, H_kv, C, D_h]``) at positions ``start ..``;
+        returns what the new queries attend over: the rows up to ``start + C - 1``."""
         if start != self._len:
             raise ValueError(f"layer {layer_idx}: the cache holds {self._len} "
                              f"positions, write starts at {start}")

@@ -311,7 +311,8 @@ class CausalSelfAttention(nn.Module):
         # c_attn's columns: H query heads, then H_kv key heads, then H_kv value heads
         H, H_kv = self.n_head, self.n_kv_head
         heads = self.c_attn(x).view(B, C, H + 2 * H_kv, self.head_dim).transpose(1, 2)
-        q, k, v = heads.split((H, H_kv, H_kv), dim=1)  # [B, H, C, D_h], [B, H_kv, C, D_h] x 2
+        # q: [B, H, C, D_h]; k, v: [B, H_kv, C, D_h]
+        q, k, v = heads.split((H, H_kv, H_kv), dim=1)
         if self.rope_theta is not None:  # turn the new rows before K is cached
             at = start if positions is None else positions
             q = apply_rope(q, at, self.rope_theta)

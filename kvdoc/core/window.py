@@ -107,5 +107,6 @@ def window_cache(config: HasLayout, batch_size: int, window: int | None = None,
     layout = config.cache_layout
     return KVCache([
         DynamicLayer.empty(batch_size, s.heads, s.widths, dtype, device) if s.window is None
-        else RingLayer(batch_size, s.heads, s.widths, window or s.window, dtype, device)
+        else RingLayer(batch_size, s.heads, s.widths, s.window if window is None else window,
+                  dtype, device)
         for s in layout])

@@ -106,9 +106,8 @@ def shape_problems(cache: KVCache) -> list[str]:
     if held.stop != T or held.start < 0:
         problems.append(f"held() is {held} for seq_len {T}")
     for i, layer in enumerate(cache.layers):
-        # a ring holds the W - 1 keys the next query reads; every other layer all T
-        w = layer.window
-        if cache.held(i) != range(0 if w is None else max(0, T - w + 1), T):
+        w = layer.window  # a ring holds the last W positions, every other layer all T
+        if cache.held(i) != range(0 if w is None else max(0, T - w), T):
             problems.append(f"layer {i} (window {w}) holds {cache.held(i)} after {T}")
         rows = len(cache.held(i))
         # two tensors [B, heads, rows, width]: K and V, or a latent's c_KV and k_rope
