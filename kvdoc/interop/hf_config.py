@@ -109,6 +109,7 @@ def gpt2_config(config: GPTConfig) -> Any:
     Only multi-head attention maps onto GPT-2: ``n_kv_head`` must equal ``n_head``.
 
     >>> from transformers import GPT2LMHeadModel
+    >>> from kvdoc import GPTConfig
     >>> hf = GPT2LMHeadModel(gpt2_config(GPTConfig()))
     >>> sum(p.numel() for p in hf.parameters())
     145280
@@ -169,6 +170,7 @@ def config_from_transformers(hf_config: Any) -> GPTConfig:
         ValueError: another model type, or a variant kvdoc lacks (scaled RoPE, another
             activation, a head size other than ``hidden_size / num_attention_heads``, biases).
 
+    >>> from kvdoc import GPTConfig
     >>> config_from_transformers({"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64,
     ...                           "n_positions": 512, "vocab_size": 97}) == GPTConfig()
     True

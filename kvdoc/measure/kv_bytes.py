@@ -198,7 +198,7 @@ def kv_bytes_for_config(config: GPTConfig, batch: int, seq_len: int,
 def measured_bytes(cache: KVCache | Iterable[torch.Tensor]) -> int:
     """Bytes of real tensors: ``sum(t.numel() * t.element_size())`` over a cache's tensors.
 
-    >>> from kvdoc.core.cache import StaticCache
+    >>> from kvdoc import GPTConfig, StaticCache
     >>> cache = StaticCache(GPTConfig(), batch_size=1, capacity=272)
     >>> measured_bytes(cache) == kv_bytes_for_config(GPTConfig(), 1, 272)
     True

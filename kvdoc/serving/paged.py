@@ -61,6 +61,7 @@ class BlockPool:
         block_size: positions per block.
         dtype, device: must match the model's.
 
+    >>> from kvdoc import GPTConfig
     >>> pool = BlockPool(GPTConfig(), num_blocks=3, block_size=4)
     >>> pool.allocate(2), pool.num_free
     ([0, 1], 1)
