@@ -1,14 +1,15 @@
 """The decoder and its caches: what the site derives, and what an engineer copies.
 
-``config`` (one frozen config), ``mask`` (the offset causal mask), ``rope`` (rotary positions),
-``cache`` (the cache interface, dynamic and static caches), ``window`` (a ring buffer for
-sliding windows), ``embed`` (the token lookup), ``model`` (one forward for full recompute and
-cached continuation), ``invariant`` (the batch-invariant mode: reductions in a fixed order),
-``fast`` (the same single-token step written the way serving engines write it), ``mla``
-(DeepSeek's multi-head latent attention, whose cache holds a latent instead of K and V),
-``gemma`` (Gemma 3's sliding-window and global layers in one decoder) and ``hybrid`` (its cache:
-rings for the window layers, growing K/V for the global ones).
+The copy set is two files that run with torch alone: ``model`` (the config, the offset causal
+mask, rotary positions, the input checks and one forward for full recompute and cached
+continuation) and ``cache`` (a cache of per-layer storages and one length; dynamic and static
+layers; whether a cache serves a model, decided by the config's ``cache_layout``). The rest
+builds on them: ``window`` (rings for sliding-window layers, and the hybrid cache of a model
+that also has global layers), ``mla`` (DeepSeek's latent attention, whose layout is one head of
+two widths), ``gemma`` (Gemma 3's window and global layers), ``invariant`` (reductions in a
+fixed order), ``fast`` (the single-token step written the way serving engines write it) and
+``feed`` (a stream fed in chunks).
 
-This folder imports nothing but torch and the standard library, and nothing in it exists only
-for a proof: the other layers observe it from outside. K and V are ``[B, H_kv, T, D_h]``.
+This folder imports nothing but torch and the standard library. K and V are
+``[B, H_kv, T, D_h]``.
 """
