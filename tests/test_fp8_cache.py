@@ -7,20 +7,20 @@ import torch
 
 from kvdoc import Decoder, GPTConfig
 from kvdoc.measure.kv_bytes import fp8_kv_bytes, int8_kv_bytes
-from kvdoc.measure.layer_bytes import expected_bytes
 from kvdoc.proofs import fp8_contract
 from kvdoc.proofs.broken.cache_kinds import rescaling_fp8_cache, tensor_scale_fp8_cache
 from kvdoc.proofs.compare import default_model, default_stream, run_cached
 from kvdoc.proofs.suite import SCENARIOS, run_suite
 from kvdoc.serving.fp8 import (
-    Fp8Cache,
     amax_scale,
     calibrate,
     dequantize,
     element_error_bound,
+    fp8_cache,
     new_fp8_cache,
     quantize,
     read_error_bound,
+    scale_table,
 )
 from kvdoc.serving.quant import new_int8_cache
 
@@ -81,7 +81,7 @@ def test_calibrated_scales_are_used_as_given_and_values_beyond_saturate():
     model = default_model()
     scales = calibrate(model, default_stream(seed=3, length=20), "per-head") / 4  # too small
     _, cache = model(default_stream(length=20), new_fp8_cache(model, 2, scales=scales))
-    assert torch.equal(cache.scale_table(), scales)
+    assert torch.equal(scale_table(cache), scales)
     k = cache.layers[0].rows[0].float()
     assert k.abs().max() == 448  # a quarter of the range: the largest values saturate
 
@@ -104,11 +104,11 @@ def test_calibrated_scales_are_used_as_given_and_values_beyond_saturate():
 ])
 def test_refusals(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        Fp8Cache.empty(GPTConfig(), 1, **kwargs)
+        fp8_cache(GPTConfig(), 1, **kwargs)
 
 
 def test_a_refused_first_prefill_leaves_the_cache_unchanged():
-    cache = Fp8Cache.empty(GPTConfig(), 1)
+    cache = fp8_cache(GPTConfig(), 1)
     work = cache.begin()
     k = torch.zeros(1, 4, 3, 16)
     k[0, 0, 0, 0] = float("nan")
@@ -130,7 +130,7 @@ def test_bytes_count_the_real_tensors(granularity):
                        cache=new_fp8_cache(model, 2, granularity=granularity)).cache
     real = sum(t.numel() * t.element_size() for t in cache.tensors())
     assert all(t.dtype in (E4M3, torch.float32) for t in cache.tensors())
-    assert real == cache.nbytes() == expected_bytes(cache) == fp8_kv_bytes(
+    assert real == cache.nbytes() == cache.expected_nbytes() == fp8_kv_bytes(
         2, config.n_layer, 11, config.n_kv_head, config.head_dim, granularity)
     int8 = run_cached(model, default_stream(length=11), 3, cache=new_int8_cache(model, 2)).cache
     assert int8.nbytes() == int8_kv_bytes(2, config.n_layer, 11, config.n_kv_head,

@@ -10,7 +10,7 @@ import torch
 from kvdoc import Decoder, decode_step, generate, mistral_config, prefill
 from kvdoc.core.cache import KVCache
 from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, GemmaRMSNorm
-from kvdoc.core.window import RingLayer, window_cache
+from kvdoc.core.window import WindowLayer, window_cache
 from kvdoc.interop.hf_float64 import float64_islands_lifted
 from kvdoc.interop.hf_gemma import config_from_gemma, gemma_config, gemma_model
 from kvdoc.interop.hf_weights import from_transformers, to_transformers
@@ -119,7 +119,7 @@ def test_bytes_held_rows_and_the_formulas_agree():
         if end:
             _, cache = model(ids[:, cache.seq_len:end], cache)
         assert byte_problems(cache) == []
-        assert cache.nbytes() == _bytes(CONFIG, end, 2, preallocated=True)
+        assert cache.nbytes() == _bytes(CONFIG, end, 2)
         held = sum(len(cache.held(i)) for i in range(4))
         assert _bytes(CONFIG, end, 2) == 2 * 2 * 2 * 16 * 4 * held
         assert _bytes(CONFIG, end, 2) == sum(kv_bytes_per_layer(2, end, 2, 16, "float32",
@@ -157,9 +157,9 @@ def test_bad_input_is_refused_and_leaves_the_cache_as_it_was():
         work.update(4, k, k, 8)
     with pytest.raises(ValueError, match="batch size"):
         model(stream(2, batch=1), cache)
-    with pytest.raises(ValueError, match="ring of 4 positions cannot serve layer 0"):
+    with pytest.raises(ValueError, match="window of 4 positions cannot serve layer 0"):
         model(stream(2), window_cache(dataclasses.replace(CONFIG, sliding_window=4), 2))
-    rings = KVCache([RingLayer(2, s.heads, s.widths, CONFIG.sliding_window)
+    rings = KVCache([WindowLayer.empty(2, s.heads, s.widths, CONFIG.sliding_window)
                      for s in CONFIG.cache_layout])
     with pytest.raises(ValueError, match="which reads every key"):
         model(stream(2), rings)

@@ -106,7 +106,6 @@ def test_registries_refuse_what_they_do_not_know():
     """A layer kind with no byte formula, or a layer with no K/V probe, is an error, never a
     check skipped."""
     from kvdoc.core.cache import CacheLayer, KVCache
-    from kvdoc.measure.layer_bytes import expected_bytes
     from kvdoc.proofs.compare import full_forward_kv
 
     class Unknown(CacheLayer):
@@ -119,8 +118,8 @@ def test_registries_refuse_what_they_do_not_know():
         def tensors(self):
             return []
 
-    with pytest.raises(ValueError, match="no byte formula for a Unknown"):
-        expected_bytes(KVCache([Unknown(1, 2, (4, 4))]))
+    with pytest.raises(NotImplementedError, match="a Unknown states no byte formula"):
+        KVCache([Unknown(1, 2, (4, 4))]).expected_nbytes()
     model = default_model()
     model.h[0].attn = torch.nn.Identity()  # a layout full_forward_kv has no probe for
     with pytest.raises(ValueError, match="no K/V probe for a Identity"):

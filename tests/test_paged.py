@@ -10,7 +10,6 @@ from kvdoc.proofs.compare import TOLERANCE, Snapshot, run_cached
 from kvdoc.serving.paged import (
     BlockPool,
     PagedCache,
-    SharedPrefixCache,
     new_paged_cache,
     new_shared_prefix_cache,
 )
@@ -121,7 +120,7 @@ def test_shared_prefix_cache_leaves_the_cache_passed_in_unchanged(model, stream)
     _, prefix = model(stream[:, :10], prefix)
     kept, tables = Snapshot.of(prefix), [list(t) for t in prefix.tables]
     _, longer = model(stream[:, 10:], prefix)
-    assert isinstance(longer, SharedPrefixCache) and longer.seq_len == 24 and prefix.seq_len == 10
+    assert longer.shared and longer.seq_len == 24 and prefix.seq_len == 10
     assert prefix.tables == tables and kept.changed(prefix) == 0.0
     # two full blocks shared per row
     assert [t[:2] for t in longer.tables] == [t[:2] for t in tables]

@@ -5,7 +5,7 @@ import torch
 
 from kvdoc import GPTConfig
 from kvdoc.proofs.compare import run_cached
-from kvdoc.serving.quant import Int8Cache, cache_bytes, dequantize, new_int8_cache, quantize
+from kvdoc.serving.quant import cache_bytes, dequantize, int8_cache, new_int8_cache, quantize
 from kvdoc.teach.serving_checks import measure_int8
 
 
@@ -67,7 +67,7 @@ def test_cache_passed_in_is_unchanged_and_bad_writes_refused(model, stream):
     with pytest.raises(ValueError, match=r"must be torch\.float32"):
         cache.begin().update(0, k.double(), k.double(), start=4)
     with pytest.raises(ValueError, match="batch_size"):
-        Int8Cache.empty(GPTConfig(), 0)
+        int8_cache(GPTConfig(), 0)
 
 
 @pytest.mark.parametrize("dtype, unit", [(torch.bfloat16, 2.0 ** -8), (torch.float16, 2.0 ** -11)])

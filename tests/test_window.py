@@ -8,7 +8,7 @@ import torch
 from kvdoc import Decoder
 from kvdoc.core.feed import feed
 from kvdoc.core.model import apply_rope, llama_config, mistral_config
-from kvdoc.core.window import window_cache
+from kvdoc.core.window import WindowLayer, window_cache
 from kvdoc.proofs.compare import TOLERANCE, run_cached
 
 W, T = 32, 100
@@ -46,21 +46,33 @@ def test_the_window_matters(ids):
     assert not torch.allclose(a[:, W:], b[:, W:], atol=1e-4, rtol=1e-4)
 
 
-def test_ring_slots_and_flat_memory(ids):
+def test_memory_stops_at_w_rows_and_the_cache_passed_in_keeps_its_rows(ids):
     model = make()
     cache = model.new_cache(2)
     assert [layer.window for layer in cache.layers] == [W] * model.config.n_layer
     cfg = model.config
-    expected_bytes = 2 * cfg.n_layer * 2 * cfg.n_kv_head * W * cfg.head_dim * 4
-    def check(start, n, before, after):
-        assert after.nbytes() == expected_bytes  # the same at every step, before and after W
-        assert list(after.held()) == list(range(max(0, start + 1 - W), start + 1))
+    row = 2 * cfg.n_layer * 2 * cfg.n_kv_head * cfg.head_dim * 4  # K, V x L x B x H_kv x D_h x 4
 
-    cache = feed(model, ids[:, :T], cache, 1, hook=check).cache
-    held, ring = cache.held(), cache.layers[0].k  # [B, H_kv, W, D_h]: position p in slot p % W
-    ordered = cache.layer(0)[0]
-    for p in held:
-        torch.testing.assert_close(ring[:, :, p % W], ordered[:, :, p - held.start], rtol=0, atol=0)
+    def check(start, n, before, after):
+        assert after.nbytes() == row * min(start + 1, W)  # grows to W rows, then stays there
+        assert list(after.held()) == list(range(max(0, start + 1 - W), start + 1))
+        assert before.seq_len == start and before.nbytes() == row * min(start, W)
+
+    feed(model, ids[:, :T], cache, 1, hook=check)
+
+
+def test_a_call_copies_each_held_row_once():
+    """The rows kept are a view of what the attention read: no second copy of the window."""
+    layer = WindowLayer.empty(batch_size=1, heads=2, widths=(4, 4), window=3)
+    rows = torch.randn(1, 2, 5, 4)
+    layer.write(rows, rows, start=0)
+    one = torch.randn(1, 2, 1, 4)
+    k, _ = layer.write(one, one, start=5)
+    assert k.shape[2] == 3 and layer.k.data_ptr() == k[:, :, -3:].data_ptr()
+    long = torch.randn(1, 2, 7, 4)  # past 2W rows: the kept rows are copied out of the chunk
+    k, _ = layer.write(long, long, start=6)
+    assert layer.k.untyped_storage().nbytes() == 3 * 2 * 4 * 4
+    torch.testing.assert_close(layer.k, long[:, :, -3:], rtol=0, atol=0)
 
 
 def test_layer_holds_the_last_w_rotated_keys_in_order(ids):

@@ -1,20 +1,12 @@
-"""The K/V cache: per-layer storages and one length, in one transaction per forward call.
+"""The K/V cache: one storage per layer and one length, in one transaction per forward call.
 
-Half of the copy set (with :mod:`kvdoc.core.model`); it imports nothing but torch. A forward
-call does ``work = cache.begin()``, then ``work.update(layer, k, v, start)`` once per layer, then
-``work.finish(start + C)`` after the LM head, and returns ``work``:
-
-* :meth:`KVCache.begin` gives each layer's :meth:`CacheLayer.fork`: a copy for a layer that
-  grows (the cache passed in is never modified), the layer itself for one written in place;
-* the length advances only in :meth:`KVCache.finish`, so a call that fails midway leaves the
-  cache as it was, in place or not.
-
-A kind of cache is a choice of layers, not a subclass: :class:`DynamicLayer` grows by
-``torch.cat`` (:class:`DynamicCache`), :class:`StaticLayer` preallocates (:class:`StaticCache`);
-a ring (:mod:`kvdoc.core.window`), int8, FP8 and paged layers live beside the code that needs
-them. Whether a cache serves a model is decided by the model's layout, one :class:`LayerSpec` per
-layer (``config.cache_layout``), against what each layer holds. K and V of layer ``l`` are
-``[B, H_kv, T, D_h]``; an MLA layer holds its latent the same way, one head of two widths.
+Half of the copy set (with :mod:`kvdoc.core.model`); it imports nothing but torch. A call does
+``work = cache.begin()``, ``work.update(layer, k, v, start)`` per layer, then ``work.finish(end)``
+after the LM head. ``begin`` forks each layer (a copy of a growing layer, the layer itself for
+one written in place) and only ``finish`` advances the length, so a call that fails midway
+leaves the cache as it was. A kind of cache is a choice of layers, not a subclass; whether it
+serves a model is decided against ``config.cache_layout``, one :class:`LayerSpec` per layer.
+K and V of layer ``l`` are ``[B, H_kv, T, D_h]``; an MLA latent is one head of two widths.
 """
 
 from __future__ import annotations
@@ -44,8 +36,8 @@ def check_int(name: str, value: object, minimum: int = 1) -> int:
 
 
 class LayerSpec(NamedTuple):
-    """What one decoder layer caches: ``heads`` x two tensors of ``widths``, and the ``window``
-    its queries read (None: every earlier key). A config's ``cache_layout`` is one per layer."""
+    """What one layer caches: ``heads`` x two tensors of ``widths``, and the ``window`` its
+    queries read (None: every earlier key)."""
 
     heads: int
     widths: tuple[int, int]
@@ -53,7 +45,7 @@ class LayerSpec(NamedTuple):
 
 
 class HasLayout(Protocol):
-    """A model's config, as far as a cache needs it: one :class:`LayerSpec` per layer."""
+    """A model's config, as far as a cache needs it."""
 
     @property
     def cache_layout(self) -> tuple[LayerSpec, ...]: ...
@@ -62,16 +54,16 @@ class HasLayout(Protocol):
 class CacheLayer:
     """One layer's rows: two tensors ``[B, H, T, width]`` (K and V, or c_KV and k_rope).
 
-    A new storage overrides :meth:`write`, :meth:`read` and :meth:`tensors`, and :meth:`fork`,
-    :meth:`held` and :meth:`crop` where the defaults do not hold.
+    A storage defines ``write(k, v, start)``: store rows ``[B, H, C, width]`` at positions
+    ``start ..`` and return what the new queries attend over (held rows up to ``start + C - 1``,
+    in position order); ``read(seq_len)``: the rows of the positions :meth:`held`, in order;
+    ``tensors()``: every tensor it owns; and :meth:`fork`, :meth:`held`, :meth:`crop` where the
+    defaults do not hold.
     """
 
-    in_place = False
-    """Whether a call writes into this layer's own tensors (then :meth:`fork` returns it)."""
-    window: int | None = None
-    """The positions a ring keeps (None: every position it is given)."""
-    capacity: int | None = None
-    """The most positions it can take (None: no bound but the model's)."""
+    in_place = False  # a call writes into this layer's own tensors (then fork returns it)
+    window: int | None = None  # the positions a window layer keeps (None: all it is given)
+    capacity: int | None = None  # the most positions it can take (None: no bound)
 
     def __init__(self, batch_size: int, heads: int, widths: tuple[int, int],
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
@@ -80,17 +72,13 @@ class CacheLayer:
         self.widths = (check_int("width", widths[0]), check_int("width", widths[1]))
         self.dtype, self.device = dtype, torch.device(device)
 
-    @property
-    def keeps_every_position(self) -> bool:
-        """False for a ring: once it has dropped a position it cannot go back."""
-        return self.window is None
-
     def _zeros(self, length: int) -> list[torch.Tensor]:
         return [torch.zeros((self.batch_size, self.heads, length, w), dtype=self.dtype,
                             device=self.device) for w in self.widths]
 
     def check_rows(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Raise ``ValueError`` unless ``k``, ``v`` are rows ``[B, H, C, width]`` of this layer."""
+        """Raise ``ValueError`` unless ``k``, ``v`` are rows ``[B, H, C, width]`` of this layer
+        (the one check of rows handed to a cache directly, not by the model)."""
         want = (self.batch_size, self.heads, *self.widths)
         if (k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]
                 or (*k.shape[:2], k.shape[3], v.shape[3]) != want):
@@ -107,30 +95,27 @@ class CacheLayer:
         """A layer one call writes into, leaving this one as it was."""
         return self if self.in_place else copy.copy(self)
 
-    def read(self, seq_len: int) -> KV:
-        """The rows of the positions :meth:`held` ``(seq_len)``, in position order."""
-        raise NotImplementedError
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        """Store rows ``[B, H, C, width]`` at positions ``start ..``; returns what the ``C`` new
-        queries attend over: the held rows up to ``start + C - 1``, in position order."""
-        raise NotImplementedError
-
     def crop(self, length: int, seq_len: int) -> CacheLayer:
         """This layer with only positions ``0 .. length - 1`` of the ``seq_len`` it has seen."""
         raise ValueError(f"a {type(self).__name__} cannot be cropped")
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the layer owns."""
-        raise NotImplementedError
 
     def nbytes(self) -> int:
         """Bytes of :meth:`tensors`: ``sum(numel x element size)``."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def expected_nbytes(self, seq_len: int) -> int:
+        """What :meth:`nbytes` should be once the cache has seen ``seq_len``, from the sizes
+        alone: each kind states its own formula, which the byte checks hold it to."""
+        raise NotImplementedError(f"a {type(self).__name__} states no byte formula")
+
+    def row_bytes(self, positions: int) -> int:
+        """``positions`` rows of both tensors: ``B x H x positions x (w_K + w_V) x s``."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return self.batch_size * self.heads * positions * sum(self.widths) * size
+
 
 class DynamicLayer(CacheLayer):
-    """Rows grown by concatenation: ``k`` and ``v`` are the whole history, ``[B, H, T, width]``.
+    """The whole history ``[B, H, T, width]``, grown by concatenation (a new tensor per call).
 
     >>> layer = DynamicLayer.empty(batch_size=1, heads=2, widths=(3, 5))
     >>> k, v = layer.write(torch.ones(1, 2, 4, 3), torch.ones(1, 2, 4, 5), start=0)
@@ -151,7 +136,6 @@ class DynamicLayer(CacheLayer):
     def empty(cls, batch_size: int, heads: int, widths: tuple[int, int],
               dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> DynamicLayer:
-        """A layer of no positions."""
         check_int("batch_size", batch_size)
         return cls(*(torch.empty((batch_size, heads, 0, w), dtype=dtype, device=device)
                      for w in widths))
@@ -161,7 +145,6 @@ class DynamicLayer(CacheLayer):
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
-        # old rows first, then the new ones: [B, H, P + C, width]
         self.k, self.v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)
         return self.k, self.v
 
@@ -171,12 +154,13 @@ class DynamicLayer(CacheLayer):
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v]
 
+    def expected_nbytes(self, seq_len: int) -> int:
+        return self.row_bytes(seq_len)
+
 
 class StaticLayer(CacheLayer):
-    """``capacity`` preallocated positions, written in place at absolute positions.
-
-    What it holds below the write position never changes; how much of it counts is the cache's
-    length, committed when the whole call has succeeded.
+    """``capacity`` preallocated positions, written in place at absolute positions; rows past
+    the cache's length do not count until a whole call has succeeded.
 
     >>> layer = StaticLayer(batch_size=1, heads=2, widths=(4, 4), capacity=8)
     >>> k, _ = layer.write(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), start=0)
@@ -198,7 +182,7 @@ class StaticLayer(CacheLayer):
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
         end = start + k.shape[2]  # the cache checked end <= capacity before the call
-        self.k.narrow(2, start, end - start).copy_(k)  # in place, at absolute positions
+        self.k.narrow(2, start, end - start).copy_(k)
         self.v.narrow(2, start, end - start).copy_(v)
         return self.k.narrow(2, 0, end), self.v.narrow(2, 0, end)
 
@@ -208,13 +192,12 @@ class StaticLayer(CacheLayer):
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v]
 
+    def expected_nbytes(self, seq_len: int) -> int:
+        return self.row_bytes(self.capacity)
+
 
 class KVCache:
-    """Layers and a length: ``layers[l]`` stores layer ``l``'s rows, ``seq_len`` positions count.
-
-    Args:
-        layers: one :class:`CacheLayer` per decoder layer, of one batch size, dtype and device.
-        seq_len: positions they already hold.
+    """``layers[l]`` stores layer ``l``'s rows; ``seq_len`` positions count.
 
     >>> cache = KVCache([DynamicLayer.empty(1, 2, (4, 4)), StaticLayer(1, 2, (4, 4), 8)])
     >>> work = cache.begin()
@@ -240,7 +223,6 @@ class KVCache:
 
     @property
     def layers(self) -> list[CacheLayer]:
-        """One storage per decoder layer."""
         return self._layers
 
     @layers.setter
@@ -250,14 +232,10 @@ class KVCache:
         self._in_place = all(layer.in_place for layer in self._layers)
         bounds = [la.capacity for la in self._layers if la.capacity is not None]
         self.capacity = min(bounds) if bounds else None
-        """The most positions every layer can take (None: no bound but the model's)."""
 
     @property
     def seq_len(self) -> int:
         """``T``: positions seen, which is also the absolute position of the next token."""
-        return self._len
-
-    def __len__(self) -> int:
         return self._len
 
     def _layer(self, idx: int) -> CacheLayer:
@@ -270,25 +248,28 @@ class KVCache:
         return self._layer(idx).read(self._len)
 
     def held(self, layer_idx: int | None = None) -> range:
-        """The absolute positions :meth:`layer` returns for layer ``layer_idx``: all of them
-        unless a layer drops old ones; None answers for every layer at once."""
+        """The positions :meth:`layer` returns for layer ``layer_idx`` (None: every layer's)."""
         if layer_idx is not None:
             return self._layer(layer_idx).held(self._len)
         return range(max(layer.held(self._len).start for layer in self.layers), self._len)
 
+    @property
+    def keeps_every_position(self) -> bool:
+        """False if a layer drops old positions (then the cache cannot roll back)."""
+        return all(layer.window is None for layer in self.layers)
+
     def begin(self) -> KVCache:
-        """The object one forward call writes into: this cache if every layer is written in
-        place, else a copy whose layers are forks (the caller's cache then never changes)."""
+        """What one call writes into: this cache if every layer is written in place, else a
+        copy of forked layers (the caller's cache then never changes)."""
         if self._in_place:
             return self
         work = copy.copy(self)
         work.layers = [layer.fork() for layer in self._layers]
         return work
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
-               start: int) -> KV:
-        """Store new rows ``k, v`` (``[B, H_kv, C, D_h]``) at positions ``start ..``;
-        returns what the new queries attend over: the rows up to ``start + C - 1``."""
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        """Store ``k, v`` (``[B, H_kv, C, D_h]``) at positions ``start ..``; returns what the
+        new queries attend over."""
         if start != self._len:
             raise ValueError(f"layer {layer_idx}: the cache holds {self._len} "
                              f"positions, write starts at {start}")
@@ -299,14 +280,7 @@ class KVCache:
         self._len = end
 
     def crop(self, length: int) -> KVCache:
-        """Forget every position from ``length`` on, in place; returns this cache.
-
-        >>> from kvdoc.core.model import GPTConfig
-        >>> DynamicCache.empty(GPTConfig(), 1).crop(1)
-        Traceback (most recent call last):
-        ...
-        ValueError: cannot crop a cache of 0 positions to 1
-        """
+        """Forget every position from ``length`` on, in place; returns this cache."""
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._len:
             raise ValueError(f"cannot crop a cache of {self._len} positions to {length!r}")
         self.layers = [layer.crop(length, self._len) for layer in self.layers]
@@ -314,23 +288,21 @@ class KVCache:
         return self
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the cache owns (for byte counts)."""
         return [t for layer in self.layers for t in layer.tensors()]
 
     def nbytes(self) -> int:
         """Bytes of the tensors the cache owns: ``sum(numel * element_size)``."""
         return sum(layer.nbytes() for layer in self.layers)
 
-    @property
-    def keeps_every_position(self) -> bool:
-        """Whether every layer keeps every position (a ring does not, so it cannot roll back)."""
-        return all(layer.keeps_every_position for layer in self.layers)
+    def expected_nbytes(self) -> int:
+        """What :meth:`nbytes` should be, from each layer's sizes and its own formula."""
+        return sum(layer.expected_nbytes(self.seq_len) for layer in self.layers)
 
     def check_compatible(self, config: HasLayout, batch_size: int, dtype: torch.dtype,
                          device: torch.device, new_len: int) -> None:
-        """Raise ``ValueError`` unless ``new_len`` tokens of a model with ``config`` fit here:
-        each layer the heads and widths of its :class:`LayerSpec`, a ring at least the layer's
-        window, and the batch size, dtype, device and room of the input."""
+        """Raise ``ValueError`` unless ``new_len`` tokens of a model with ``config`` fit: each
+        layer the heads and widths of its spec, a window layer at least the spec's window, and
+        the input's batch size, dtype, device and length."""
         layout = config.cache_layout
         if len(layout) != self.n_layer:
             raise ValueError(f"cache was built for another model: {self.n_layer} layers, "
@@ -342,14 +314,14 @@ class KVCache:
                                  f"{(spec.heads, spec.widths)}")
             if layer.window is not None and (spec.window is None or spec.window > layer.window):
                 reads = "every key" if spec.window is None else f"a window of {spec.window}"
-                raise ValueError(f"a ring of {layer.window} positions cannot serve layer {i}, "
+                raise ValueError(f"a window of {layer.window} positions cannot serve layer {i}, "
                                  f"which reads {reads}: it would drop keys the model reads")
         if self.batch_size != batch_size:
             raise ValueError(f"cache holds batch size {self.batch_size}, "
                              f"input has batch size {batch_size}")
         if self.dtype != dtype:
             raise ValueError(f"cache dtype is {self.dtype}, model dtype is {dtype}")
-        if self.device != device:  # both torch.device: every cache stores one
+        if self.device != device:
             raise ValueError(f"cache is on {self.device}, model is on {device}")
         self.check_room(new_len)
 
@@ -361,12 +333,7 @@ class KVCache:
 
 
 class DynamicCache(KVCache):
-    """A cache of :class:`DynamicLayer` s: it grows by concatenation, and a forward call never
-    modifies the object passed in.
-
-    Args:
-        layers: one ``(K, V)`` per layer, each ``[B, H_kv, T, D_h]`` (an MLA latent: ``c_KV``
-            ``[B, 1, T, r]`` and ``k_rope`` ``[B, 1, T, d_R]``), of one length.
+    """A cache of :class:`DynamicLayer` s, built from one ``(K, V)`` per layer (or ``.empty``).
 
     >>> from kvdoc.core.model import GPTConfig
     >>> cache = DynamicCache.empty(GPTConfig(), batch_size=2)
@@ -383,14 +350,12 @@ class DynamicCache(KVCache):
     @classmethod
     def empty(cls, config: HasLayout, batch_size: int, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> DynamicCache:
-        """A cache with no positions yet for a model with ``config``."""
         return cls([DynamicLayer.empty(batch_size, s.heads, s.widths, dtype, device).tensors()
                     for s in config.cache_layout])
 
 
 class StaticCache(KVCache):
-    """A cache of :class:`StaticLayer` s: ``capacity`` preallocated positions per layer, written
-    in place; its length advances only when a whole call has succeeded.
+    """A cache of :class:`StaticLayer` s of ``capacity`` positions each.
 
     >>> from kvdoc.core.model import GPTConfig
     >>> cache = StaticCache(GPTConfig(), batch_size=1, capacity=8)

@@ -1,14 +1,11 @@
 """A GPT-2 (or Llama-style) decoder whose one forward serves full recompute and cached decoding.
 
-Half of the copy set (with :mod:`kvdoc.core.cache`), read top to bottom: the config, the offset
-mask, rotary positions, the input checks, the MLP, causal self-attention (where the cache is
-used), the block, the decoder, then ``prefill`` / ``decode_step`` / ``generate``. Parameter names
-are GPT-2's (``wte, wpe, h, ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, ln_f,
-lm_head``), so a transformers checkpoint maps by key (:mod:`kvdoc.interop.hf_weights`).
-
-Shapes: ``B`` batch, ``C`` new tokens in this call, ``P`` positions already cached,
-``T = P + C``, ``d`` = ``n_embd``, ``H`` query heads, ``H_kv`` K/V heads, ``D_h`` head size,
-``V`` vocabulary. K and V are always ``[B, H_kv, T, D_h]``.
+Half of the copy set (with :mod:`kvdoc.core.cache`), top to bottom: config, offset mask, RoPE,
+input checks, MLP, attention (where the cache is used), block, decoder, then ``prefill``,
+``decode_step``, ``generate``. Parameter names are GPT-2's, so a transformers checkpoint maps
+by key (:mod:`kvdoc.interop.hf_weights`). Shapes: ``B`` batch, ``C`` new tokens, ``P`` cached
+positions, ``T = P + C``, ``d`` width, ``H`` query heads, ``H_kv`` K/V heads, ``D_h`` head size,
+``V`` vocabulary; K and V are ``[B, H_kv, T, D_h]``.
 """
 
 from __future__ import annotations
@@ -33,13 +30,11 @@ def check_positive(name: str, value: object) -> object:
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Sizes of a GPT-2-style decoder; the defaults are the sources' two-layer model (GPT-2 with
-    97 tokens, 512 positions, width 64, 4 heads, an untied head: 145,280 parameters).
-
-    Five switches make it Llama-style (:func:`llama_config`): ``position="rope"``,
-    ``norm="rmsnorm"``, ``mlp="swiglu"``, ``bias=False``, ``tie_word_embeddings``;
-    ``sliding_window=W`` makes it Mistral-style: query ``i`` reads keys ``i - W < j <= i``.
-    ``n_kv_head`` (default ``n_head``) below ``n_head`` is grouped-query attention, 1 MQA.
+    """Sizes of a GPT-2-style decoder; the defaults are the sources' two-layer model (97 tokens,
+    512 positions, width 64, 4 heads, an untied head: 145,280 parameters). ``position="rope"``,
+    ``norm="rmsnorm"``, ``mlp="swiglu"`` and ``bias=False`` make it Llama-style
+    (:func:`llama_config`); ``sliding_window=W``: query ``i`` reads keys ``i - W < j <= i``;
+    ``n_kv_head`` below ``n_head`` is grouped-query attention (1: MQA).
 
     >>> GPTConfig().head_dim, GPTConfig(n_kv_head=2).cache_layout[0]
     (16, LayerSpec(heads=2, widths=(16, 16), window=None))
@@ -89,17 +84,14 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        """``D_h = n_embd // n_head``."""
         return self.n_embd // self.n_head
 
     @property
-    def kv_dim(self) -> int:
-        """Width of all K (or all V) heads together, ``n_kv_head * head_dim``."""
+    def kv_dim(self) -> int:  # all K (or all V) heads together
         return self.n_kv_head * self.head_dim
 
     @cached_property
     def cache_layout(self) -> tuple[LayerSpec, ...]:
-        """What each layer caches: K and V of ``n_kv_head`` heads of ``head_dim``."""
         spec = LayerSpec(self.n_kv_head, (self.head_dim, self.head_dim), self.sliding_window)
         return (spec,) * self.n_layer
 
@@ -131,9 +123,6 @@ def offset_causal_mask(past_len: int, new_len: int, device: torch.device | str |
     >>> offset_causal_mask(2, 2).int()
     tensor([[1, 1, 1, 0],
             [1, 1, 1, 1]], dtype=torch.int32)
-    >>> offset_causal_mask(2, 2, window=2).int()
-    tensor([[0, 1, 1, 0],
-            [0, 0, 1, 1]], dtype=torch.int32)
     """
     check_int("past_len", past_len, minimum=0)
     check_int("new_len", new_len)
@@ -158,33 +147,24 @@ def last_keys(mask: torch.Tensor, window: int | None) -> torch.Tensor:
     return mask & (from_right <= window)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``(x1, x2) -> (-x2, x1)`` on the two halves of the last dimension."""
+def rotate_half(x: torch.Tensor) -> torch.Tensor:  # (x1, x2) -> (-x2, x1) on the two halves
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
-    """RoPE angles ``[..., D_h]`` in float64 for integer ``positions`` ``[...]``: from integers,
-    so a position's rotation does not depend on which call computes it.
-
-    >>> rope_angles(torch.tensor([0, 1]), head_dim=4, theta=100.0)
-    tensor([[0.0000, 0.0000, 0.0000, 0.0000],
-            [1.0000, 0.1000, 1.0000, 0.1000]], dtype=torch.float64)
-    """
+    """RoPE angles ``[..., D_h]`` in float64 from integer ``positions``, so a position's
+    rotation does not depend on which call computes it."""
     pairs = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
     angles = positions.to(torch.float64)[..., None] * theta ** -(pairs / head_dim)
     return torch.cat((angles, angles), dim=-1)  # pairs (i, i + D_h/2) turn together
 
 
 def apply_rope(x: torch.Tensor, start: int | torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """Rotate ``x`` (``[B, H, C, D_h]``) as rows at ``start .. start + C - 1``, or at the
-    positions a tensor ``start`` holds (``[C]``, or ``[B, C]`` per row). K is turned before it
-    is cached, so a cached key never needs touching again.
+    """Rotate ``x`` (``[B, H, C, D_h]``) as rows at ``start ..``, or at the positions a tensor
+    ``start`` holds (``[C]``, or ``[B, C]`` per row). K is turned before it is cached.
 
     >>> x = torch.randn(2, 2, 3, 8, generator=torch.Generator().manual_seed(0))
-    >>> torch.equal(apply_rope(x, 0)[:, :, 0], x[:, :, 0])  # position 0 is not turned
-    True
     >>> rows = apply_rope(x, torch.tensor([[5, 6, 7], [0, 1, 2]]))  # row 0 from 5, row 1 from 0
     >>> torch.equal(rows[0], apply_rope(x, 5)[0]), torch.equal(rows[1], apply_rope(x, 0)[1])
     (True, True)
@@ -202,11 +182,6 @@ def check_call(config: GPTConfig, weight: torch.Tensor, idx: torch.Tensor,
                cache: KVCache | None, positions: torch.Tensor | None = None) -> None:
     """Raise ``ValueError`` unless ``idx`` (``[B, C]``) can continue ``cache`` in a model of
     ``config`` whose embedding ``weight`` sets device and dtype; every decoder calls it first.
-
-    >>> check_call(GPTConfig(), torch.zeros(97, 64), torch.zeros(1, 3), None)
-    Traceback (most recent call last):
-    ...
-    ValueError: idx must hold integer token ids (int64 or int32), got dtype torch.float32
     """
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
         shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
@@ -251,11 +226,9 @@ def embed_tokens(wte: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
                          f"0..{wte.num_embeddings - 1}") from None
 
 
-def norm(config: GPTConfig) -> nn.Module:
-    """``ln_1``, ``ln_2`` and ``ln_f``: LayerNorm (GPT-2) or RMSNorm (Llama)."""
-    if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)  # x / rms(x) * weight
-    return nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+def norm(config: GPTConfig) -> nn.Module:  # ln_1, ln_2, ln_f: LayerNorm (GPT-2) or RMSNorm
+    kind = nn.RMSNorm if config.norm == "rmsnorm" else nn.LayerNorm
+    return kind(config.n_embd, eps=config.layer_norm_epsilon)
 
 
 class MLP(nn.Module):
@@ -281,9 +254,8 @@ class MLP(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head (or grouped-query) causal self-attention that reads and extends a K/V cache:
-    new rows ``x`` (``[B, C, d]``) at positions ``start ..``, K and V stored in layer
-    ``layer_idx`` of ``cache``, attention over every cached and new key.
+    """Causal self-attention (multi-head or grouped-query) over cached and new keys: new rows
+    ``x`` (``[B, C, d]``) at positions ``start ..``, K and V stored in ``cache`` at ``layer_idx``.
 
     >>> attn = CausalSelfAttention(GPTConfig(n_kv_head=2))
     >>> work = DynamicCache.empty(GPTConfig(n_kv_head=2), batch_size=1).begin()
@@ -337,10 +309,10 @@ class CausalSelfAttention(nn.Module):
     def visible(self, start: int, C: int, T: int, attn_mask: torch.Tensor | None,
                 device: torch.device) -> torch.Tensor | None:
         """Which of the ``T`` keys each of the ``C`` queries at ``start ..`` reads: ``[C, T]``,
-        ``[B, C, T]`` from ``attn_mask``, or None when nothing is hidden. A ring returns only
-        its last ``T`` keys, so the mask keeps its last ``T`` columns; ``attn_mask``
-        (``[B, C, P + C]``, True: may read) replaces the offset mask for a left-padded batch or
-        a ragged step, and :func:`last_keys` applies the window to it."""
+        ``[B, C, T]``, or None when nothing is hidden. The keys end at the last query (a window
+        layer returns only its last ``T``), so the mask keeps its last ``T`` columns;
+        ``attn_mask`` (``[B, C, P + C]``, True: may read) replaces the offset mask for a padded
+        batch or a ragged step."""
         if attn_mask is not None:
             return last_keys(attn_mask[..., -T:], self.window)
         if C == 1 and self.window is None:
@@ -349,11 +321,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder layer: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``.
-
-    >>> Block(GPTConfig())(torch.zeros(1, 4, 64), None, layer_idx=0, start=0).shape
-    torch.Size([1, 4, 64])
-    """
+    """Pre-norm decoder layer: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -369,22 +337,19 @@ class Block(nn.Module):
 
 
 class DecoderOutput(NamedTuple):
-    """What :meth:`Decoder.forward` returns."""
+    """``logits`` ``[B, C, V]`` (``[B, 1, V]`` with ``last_only``), ``logits[:, i]`` predicting
+    the token after new token ``i``; ``cache`` holding ``P + C`` positions (None if none)."""
 
     logits: torch.Tensor
-    """``[B, C, V]`` (``[B, 1, V]`` with ``last_only``): ``logits[:, i]`` predicts the token
-    after new token ``i``."""
     cache: KVCache | None
-    """The cache holding positions ``0 .. P + C - 1``, or None when none was passed."""
 
 
 class Decoder(nn.Module):
     """Embeddings, ``n_layer`` pre-norm blocks, final norm, LM head; RoPE models have no ``wpe``.
 
-    ``forward(idx)`` recomputes every position; ``forward(idx, cache)`` continues ``cache``:
-    only the new tokens, at ``P .. P + C - 1`` with ``P = cache.seq_len``, over cached + new
-    K/V. Both are one function of the tokens (:mod:`kvdoc.proofs.compare` checks it). Weights
-    are PyTorch's default initialisation or :func:`kvdoc.interop.hf_weights.from_transformers`.
+    ``forward(idx)`` recomputes every position; ``forward(idx, cache)`` runs only the new tokens,
+    at ``P .. P + C - 1`` with ``P = cache.seq_len``, over cached + new K/V: one function of the
+    tokens (:mod:`kvdoc.proofs.compare` checks it).
 
     >>> _ = torch.manual_seed(0)
     >>> model = Decoder(GPTConfig())
@@ -411,7 +376,6 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.wte.weight  # one [V, d] matrix embeds and predicts
 
     def num_parameters(self) -> int:
-        """Number of parameters (a tied LM head counts once)."""
         return sum(p.numel() for p in self.parameters())
 
     def check_input(self, idx: torch.Tensor, cache: KVCache | None,
@@ -422,25 +386,14 @@ class Decoder(nn.Module):
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
                 last_only: bool = False, positions: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None) -> DecoderOutput:
-        """Logits for the ``C`` new tokens in ``idx`` (``[B, C]``), continuing ``cache`` if given.
+        """Logits for the ``C`` new tokens ``idx`` (``[B, C]``) after the ``P`` positions
+        ``cache`` holds (None: recompute). A cache of growing layers is left unchanged, one
+        written in place is written in place; ``ValueError`` (bad ids, shapes, lengths, a cache
+        that does not fit) comes before any write.
 
-        Args:
-            idx: token ids ``[B, C]``, the tokens after the ``P`` positions ``cache`` holds.
-            cache: per-layer K/V of positions ``0 .. P - 1``, or None to recompute. A cache
-                of growing layers is left unchanged; one written in place is written in place.
-            last_only: project only the last position to the vocabulary (what generation needs).
-            positions: ``[B, C]`` (or ``[C]``) positions replacing ``P .. P + C - 1`` (embedded
-                by ``wpe``, or where RoPE turns Q and K): each row of a left-padded batch
-                (:mod:`kvdoc.serving.batching`) or a ragged step (:mod:`kvdoc.serving.ragged`).
-            attn_mask: ``[B, C, P + C]`` bool replacing the offset causal mask (True: may read).
-
-        Returns:
-            ``DecoderOutput(logits, cache)``: ``[B, C, V]`` (``[B, 1, V]`` if ``last_only``) and
-            the cache now holding ``P + C`` positions (None if none was passed).
-
-        Raises:
-            ValueError: bad ids, shapes, lengths, or a cache that does not fit this model and
-                input. Nothing has been written when it is raised.
+        ``last_only`` projects only the last position to the vocabulary. ``positions``
+        (``[B, C]`` or ``[C]``) replace ``P .. P + C - 1`` and ``attn_mask`` (``[B, C, P + C]``,
+        True: may read) the offset causal mask, for a padded batch or a ragged step.
         """
         self.check_input(idx, cache, positions)
         B, C = idx.shape
@@ -489,13 +442,7 @@ class Decoder(nn.Module):
 @torch.no_grad()
 def prefill(model: Decoder, idx: torch.Tensor, cache: KVCache | None = None) -> DecoderOutput:
     """Run the prompt ``idx`` (``[B, P]``) once, filling ``cache`` (a new default one if None):
-    the last position's logits ``[B, 1, V]`` and the cache.
-
-    >>> _ = torch.manual_seed(0)
-    >>> logits, cache = prefill(Decoder(GPTConfig()), torch.tensor([[5, 6, 7]]))
-    >>> logits.shape, cache.seq_len
-    (torch.Size([1, 1, 97]), 3)
-    """
+    the last position's logits ``[B, 1, V]`` and the cache."""
     cache = model.new_cache(idx.shape[0]) if cache is None else cache
     return model(idx, cache, last_only=True)
 

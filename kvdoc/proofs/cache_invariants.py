@@ -7,15 +7,15 @@ combination of the grid like the others (each says where it does not apply):
 * ``bytes``: after every call of a short stream, :meth:`~kvdoc.core.cache.KVCache.nbytes` equals
   the bytes (``numel * element_size``) of the tensors found in the cache object itself
   (:func:`held_tensors`, not :meth:`~kvdoc.core.cache.KVCache.tensors`) and the kind's formula
-  (:func:`expected_bytes`); a paged pool's ``nbytes()`` and ``block_nbytes`` agree with its
-  tensors too; every layer's K and V are ``[B, H_kv, len(held(layer)), D_h]``, and a kind's own
-  lengths agree with its tensors (:func:`shape_problems`; a hybrid cache's window layers hold
-  their last ``W`` positions, its global layers every one).
+  (each layer's ``expected_nbytes``); a paged pool's ``nbytes()`` and ``block_nbytes`` agree
+  with its tensors too; every layer's K and V are ``[B, H_kv, len(held(layer)), D_h]``, and a
+  kind's own lengths agree with its tensors (:func:`shape_problems`; a hybrid cache's window
+  layers hold their last ``W`` positions, its global layers every one).
 * ``edges``: on a model with a window ``W``, a chunk of ``W + 4`` tokens after a short prefix,
   then a single token; on a cache a call leaves unchanged, two branches of one prefix fed in
-  turn (a chunk of 5 each, then a token each), from a prefix of 9 tokens (before a ring of 16
-  wraps) and, on a ring, of 23 (after), both off the paged block size of 4 (copy-on-write of a
-  shared, partly filled block).
+  turn (a chunk of 5 each, then a token each), from a prefix of 9 tokens (before a window of 16
+  fills) and, on a window cache, of 23 (after), both off the paged block size of 4 (copy-on-write
+  of a shared, partly filled block).
 * ``padded``: a left-padded batch of prompts of different lengths (:mod:`kvdoc.serving.batching`),
   prefill and decode steps each with the pad mask and per-row positions; every row equals its
   prompt run alone, for the model and the fast step, on every model (learned or rotary
@@ -31,7 +31,6 @@ import torch
 
 from kvdoc.core.cache import CacheLayer, KVCache, StaticCache
 from kvdoc.core.feed import feed
-from kvdoc.measure.layer_bytes import expected_bytes
 from kvdoc.serving.batching import left_pad, padded_mask, padded_positions
 from kvdoc.serving.paged import BlockPool, PagedCache
 
@@ -130,7 +129,7 @@ def byte_problems(cache: KVCache) -> list[str]:
     """What disagrees between the cache's byte figures, its tensors and its formula."""
     reported, found = cache.nbytes(), tensor_bytes(held_tensors(cache))
     problems = [] if reported == found else [f"nbytes() {reported}, its tensors hold {found}"]
-    formula = expected_bytes(cache)  # refuses a layer kind it has no formula for
+    formula = cache.expected_nbytes()  # refuses a layer kind that states no formula
     if formula != reported:
         problems.append(f"nbytes() {reported}, the formula gives {formula}")
     return problems + shape_problems(cache)

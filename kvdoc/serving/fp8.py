@@ -257,62 +257,66 @@ class Fp8Layer(CacheLayer):
     def tensors(self) -> list[torch.Tensor]:
         return [*self.rows, *self.scales]
 
+    def expected_nbytes(self, seq_len: int) -> int:
+        # FP8 values (1 byte), and K's and V's FP32 scales: 1 each per tensor, or H_kv per head
+        scales = self.heads if self.granularity == "per-head" else 1
+        return (self.batch_size * self.heads * seq_len * sum(self.widths)
+                + 2 * scales * SCALE_DTYPE.itemsize)
 
-class Fp8Cache(KVCache):
-    """A cache of :class:`Fp8Layer` s. Like :class:`~kvdoc.core.cache.DynamicCache`, a forward
-    call works on a copy, so the cache passed in is never modified (its scales included)."""
 
-    @classmethod
-    def empty(cls, config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.float32,
+def fp8_cache(config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu", *, granularity: str = "per-head",
               scales: torch.Tensor | None = None,
-              fp8: str | torch.dtype = torch.float8_e4m3fn) -> Fp8Cache:
-        """A cache with no positions yet, for a model with ``config`` computing in ``dtype``.
+              fp8: str | torch.dtype = torch.float8_e4m3fn) -> KVCache:
+    """An empty cache of :class:`Fp8Layer` s for a model with ``config`` computing in ``dtype``;
+    like a dynamic cache, a forward call works on a copy (the scales included).
 
-        Args:
-            granularity: ``"per-tensor"`` or ``"per-head"``.
-            scales: calibrated scales, ``[L, 2]`` (per tensor: K, V of each layer) or
-                ``[L, 2, H_kv]`` (per head), positive and finite; None: each layer takes its
-                own from the first rows written to it.
-            fp8: the storage dtype, ``torch.float8_e4m3fn`` (or ``float8_e5m2``).
+    Args:
+        granularity: ``"per-tensor"`` or ``"per-head"``.
+        scales: calibrated scales, ``[L, 2]`` (per tensor: K, V of each layer) or
+            ``[L, 2, H_kv]`` (per head), positive and finite; None: each layer takes its
+            own from the first rows written to it.
+        fp8: the storage dtype, ``torch.float8_e4m3fn`` (or ``float8_e5m2``).
 
-        Raises:
-            ValueError: a storage dtype torch cannot store, a model dtype that is not a float
-                of 16 bits or more, an unknown granularity, or scales of the wrong shape, not
-                positive or not finite.
+    Raises:
+        ValueError: a storage dtype torch cannot store, a model dtype that is not a float
+            of 16 bits or more, an unknown granularity, or scales of the wrong shape, not
+            positive or not finite.
 
-        >>> Fp8Cache.empty(GPTConfig(), 1, scales=torch.ones(2, 2))
-        Traceback (most recent call last):
-        ...
-        ValueError: scales must have shape (2, 2, 4), got (2, 2)
-        """
-        check_int("batch_size", batch_size)
-        fp8 = fp8_dtype(fp8)
-        if not dtype.is_floating_point or dtype.itemsize < 2:
-            raise ValueError(f"an FP8 cache serves a model computing in a float of 16 bits or "
-                             f"more, got {dtype}")
-        L, H = config.n_layer, config.n_kv_head
-        shape = scale_shape(granularity, H)  # refuses an unknown granularity
-        if scales is not None:
-            check_scale(scales, (L, 2, H) if granularity == "per-head" else (L, 2), "scales")
-        return cls([Fp8Layer.empty(batch_size, H, config.head_dim, dtype, device, granularity,
+    >>> fp8_cache(GPTConfig(), 1, scales=torch.ones(2, 2))
+    Traceback (most recent call last):
+    ...
+    ValueError: scales must have shape (2, 2, 4), got (2, 2)
+    """
+    check_int("batch_size", batch_size)
+    fp8 = fp8_dtype(fp8)
+    if not dtype.is_floating_point or dtype.itemsize < 2:
+        raise ValueError(f"an FP8 cache serves a model computing in a float of 16 bits or "
+                         f"more, got {dtype}")
+    L, H = config.n_layer, config.n_kv_head
+    shape = scale_shape(granularity, H)  # refuses an unknown granularity
+    if scales is not None:
+        check_scale(scales, (L, 2, H) if granularity == "per-head" else (L, 2), "scales")
+    return KVCache([Fp8Layer.empty(batch_size, H, config.head_dim, dtype, device, granularity,
                                    None if scales is None else
                                    (scales[i, 0].reshape(shape), scales[i, 1].reshape(shape)),
                                    fp8) for i in range(L)])
 
-    def scale_table(self) -> torch.Tensor:
-        """Every layer's scales, ``[L, 2]`` or ``[L, 2, H_kv]``: what ``scales=`` takes."""
-        table = torch.stack([torch.stack([s.flatten() for s in layer.scales])
-                             for layer in self.layers])
-        return table[..., 0] if self.layers[0].granularity == "per-tensor" else table
+
+def scale_table(cache: KVCache) -> torch.Tensor:
+    """Every layer's scales in an FP8 cache, ``[L, 2]`` or ``[L, 2, H_kv]``: what ``scales=``
+    takes."""
+    table = torch.stack([torch.stack([s.flatten() for s in layer.scales])
+                         for layer in cache.layers])
+    return table[..., 0] if cache.layers[0].granularity == "per-tensor" else table
 
 
 def new_fp8_cache(model: torch.nn.Module, batch: int, capacity: int | None = None, *,
-                  granularity: str = "per-head", scales: torch.Tensor | None = None) -> Fp8Cache:
-    """An empty :class:`Fp8Cache` for ``model`` (``capacity`` is unused: the cache grows)."""
+                  granularity: str = "per-head", scales: torch.Tensor | None = None) -> KVCache:
+    """An empty FP8 cache for ``model`` (``capacity`` is unused: the cache grows)."""
     weight = model.wte.weight
-    return Fp8Cache.empty(model.config, batch, weight.dtype, weight.device,
-                          granularity=granularity, scales=scales)
+    return fp8_cache(model.config, batch, weight.dtype, weight.device,
+                     granularity=granularity, scales=scales)
 
 
 @torch.no_grad()
@@ -320,7 +324,7 @@ def calibrate(model: torch.nn.Module, ids: torch.Tensor, granularity: str = "per
               fp8: str | torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
     """Scales from the exact K/V of ``ids`` (``[B, T]``, calibration text): per layer ``max|K|
     / fmax`` and ``max|V| / fmax``, over everything (``[L, 2]``) or per head (``[L, 2, H_kv]``),
-    FP32: what :meth:`Fp8Cache.empty` takes as ``scales``.
+    FP32: what :func:`fp8_cache` takes as ``scales``.
 
     >>> from kvdoc.proofs.compare import default_model, default_stream
     >>> tuple(calibrate(default_model(), default_stream()).shape)

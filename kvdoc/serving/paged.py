@@ -13,8 +13,9 @@ the model calls it exactly as it calls the dynamic and static caches.
 Blocks are reference-counted, so sequences can share them: :meth:`PagedCache.fork` makes new
 sequences that share every block of existing ones (a common prompt prefix computed once). A write
 into a shared block first copies it (copy-on-write), so no write is ever seen by another sequence.
-:class:`SharedPrefixCache` forks itself at every forward call: the cache passed in stays as it
-was (like :class:`~kvdoc.core.cache.DynamicCache`) and shares its blocks with the one returned.
+:class:`PagedCache` with ``shared=True`` forks itself at every forward call: the cache passed
+in stays as it was (like :class:`~kvdoc.core.cache.DynamicCache`) and shares its blocks with the
+one returned.
 
 A block returns to the free list when no sequence holds it; a cache releases its blocks when it
 is garbage-collected or :meth:`PagedCache.release` is called.
@@ -199,6 +200,10 @@ class PoolLayer(CacheLayer):
         """This layer's storage in the pool, which every cache of the pool shares."""
         return [self.pool.k[self.index], self.pool.v[self.index]]
 
+    def expected_nbytes(self, seq_len: int) -> int:
+        # this layer's share of the pool, every block free or held
+        return self.row_bytes(self.pool.num_blocks * self.pool.block_size) // self.batch_size
+
 
 class PagedLayer(PoolLayer):
     """A pool layer read and written through the sequences' block tables."""
@@ -241,20 +246,27 @@ class PagedCache(KVCache):
     """``batch_size`` sequences whose K/V live in blocks of a shared :class:`BlockPool`.
 
     Writes happen in place (:meth:`begin` returns ``self``), at positions from :attr:`seq_len` on;
-    rows already held never change, and neither does any other sequence's data.
+    rows already held never change, and neither does any other sequence's data. With ``shared``,
+    every call forks the cache first, so the cache passed in keeps its length and blocks and a
+    prefix can be continued several ways (the first block a call writes into is copied).
 
-    Args:
-        pool: where the blocks come from (its dtype and device are the cache's).
-        batch_size: ``B``, sequences in this cache, each with its own block table.
+    >>> from kvdoc import Decoder, GPTConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = Decoder(GPTConfig()).eval()
+    >>> prefix = new_shared_prefix_cache(model, batch=1, capacity=16, block_size=4)
+    >>> _, prefix = model(torch.tensor([[1, 2, 3, 4, 5, 6]]), prefix)  # blocks 0 (full), 1 (half)
+    >>> _, a = model(torch.tensor([[7]]), prefix)
+    >>> _, b = model(torch.tensor([[8]]), prefix)
+    >>> prefix.tables, a.tables, b.tables  # block 0 shared by all three; block 1 copied by each
+    ([[0, 1]], [[0, 2]], [[0, 3]])
     """
 
-    block_tables: type[BlockTables] = BlockTables
-    """How the sequences' block tables reserve blocks (a subclass may change it)."""
-
-    def __init__(self, pool: BlockPool, batch_size: int) -> None:
-        self._tables = self.block_tables(pool, batch_size)
+    def __init__(self, pool: BlockPool, batch_size: int, shared: bool = False,
+                 block_tables: type[BlockTables] = BlockTables) -> None:
+        self._tables = block_tables(pool, batch_size)
         super().__init__([PagedLayer(self._tables, i) for i in range(len(pool.layout))])
         self.pool, self.block_size = pool, pool.block_size
+        self.shared, self.block_tables = shared, block_tables
         self.tables = self._tables.rows
         self._finalizer = weakref.finalize(self, _release_tables, pool, self.tables)
 
@@ -273,7 +285,7 @@ class PagedCache(KVCache):
         rows = list(range(self.batch_size)) if rows is None else list(rows)
         if not rows or any(not 0 <= r < self.batch_size for r in rows):
             raise ValueError(f"fork rows must be indices 0..{self.batch_size - 1}, got {rows}")
-        child = type(self)(self.pool, len(rows))
+        child = type(self)(self.pool, len(rows), self.shared, self.block_tables)
         for table, r in zip(child.tables, rows, strict=True):
             table.extend(self.tables[r])
             self.pool.share(table)
@@ -293,10 +305,18 @@ class PagedCache(KVCache):
         return self
 
     def check_room(self, new_len: int) -> None:
-        needed = self._tables.needed(self._len, self._len + new_len)
+        work = self.fork() if self.shared else self  # what the call will write into
+        try:  # a shared cache's fork holds every block shared: its first write copies one
+            needed = work._tables.needed(self._len, self._len + new_len)
+        finally:
+            if work is not self:
+                work.release()
         if needed > self.pool.num_free:
             raise ValueError(f"out of blocks: {new_len} more positions need {needed} more blocks, "
                              f"{self.pool.num_free} free of {self.pool.num_blocks}")
+
+    def begin(self) -> PagedCache:
+        return self.fork() if self.shared else self
 
     def blocks_held(self) -> int:
         """Distinct blocks this cache's sequences hold (a block shared between them counts once)."""
@@ -307,45 +327,16 @@ class PagedCache(KVCache):
         return [*self.pool.k, *self.pool.v]
 
 
-class SharedPrefixCache(PagedCache):
-    """A paged cache that forks at every forward call, so the cache passed in is never modified.
-
-    The cache returned shares every block of the one passed in; the first block it writes into
-    (the partly filled last block, when the call starts inside one) is copied first. Both stay
-    valid: the old one can be continued another way, as a second request with the same prefix.
-
-    >>> from kvdoc import Decoder, GPTConfig
-    >>> _ = torch.manual_seed(0)
-    >>> model = Decoder(GPTConfig()).eval()
-    >>> prefix = new_shared_prefix_cache(model, batch=1, capacity=16, block_size=4)
-    >>> _, prefix = model(torch.tensor([[1, 2, 3, 4, 5, 6]]), prefix)  # blocks 0 (full), 1 (half)
-    >>> _, a = model(torch.tensor([[7]]), prefix)
-    >>> _, b = model(torch.tensor([[8]]), prefix)
-    >>> prefix.tables, a.tables, b.tables  # block 0 shared by all three; block 1 copied by each
-    ([[0, 1]], [[0, 2]], [[0, 3]])
-    """
-
-    def check_room(self, new_len: int) -> None:
-        work = self.fork()  # what the call will write into: its blocks are all shared
-        try:
-            PagedCache.check_room(work, new_len)
-        finally:
-            work.release()
-
-    def begin(self) -> SharedPrefixCache:
-        return self.fork()
-
-
 def paged_cache(pool: BlockPool, batch: int, shared: bool = False) -> PagedCache:
-    """An empty paged cache of ``batch`` sequences over ``pool``: a :class:`SharedPrefixCache`
-    if ``shared``, else a :class:`PagedCache`.
+    """An empty paged cache of ``batch`` sequences over ``pool`` (forking at every call if
+    ``shared``).
 
     >>> from kvdoc.core.mla import MLAConfig
     >>> cache = paged_cache(BlockPool(MLAConfig(), num_blocks=2, block_size=4), batch=1)
     >>> [tuple(t.shape) for t in cache.layers[0].tensors()]     # c_KV and k_rope of layer 0
     [(2, 1, 4, 32), (2, 1, 4, 8)]
     """
-    return (SharedPrefixCache if shared else PagedCache)(pool, batch)
+    return PagedCache(pool, batch, shared)
 
 
 def _pool_for(model: Decoder, batch: int, capacity: int, block_size: int, spare: int) -> BlockPool:
@@ -364,8 +355,9 @@ def new_paged_cache(model: Decoder, batch: int, capacity: int, block_size: int =
 
 
 def new_shared_prefix_cache(model: Decoder, batch: int, capacity: int,
-                            block_size: int = 4) -> SharedPrefixCache:
-    """An empty :class:`SharedPrefixCache` for ``batch`` sequences of up to ``capacity`` positions.
+                            block_size: int = 4) -> PagedCache:
+    """An empty shared-prefix :class:`PagedCache` for ``batch`` sequences of up to ``capacity``
+    positions.
 
     Its pool has one spare block per sequence: while a call runs, the cache passed in and the
     one returned both exist, and the returned one may hold a copy of the last shared block.

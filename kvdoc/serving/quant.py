@@ -18,7 +18,7 @@ Layout: K and V are ``[B, H_kv, T, D_h]`` int8, scales ``[B, H_kv, T, 1]``.
 >>> from kvdoc.core.model import Decoder
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(GPTConfig()).eval()
->>> _, cache = model(torch.tensor([[5, 6, 7, 8]]), Int8Cache.empty(model.config, 1))
+>>> _, cache = model(torch.tensor([[5, 6, 7, 8]]), int8_cache(model.config, 1))
 >>> k, v = cache.layer(0)
 >>> k.dtype, tuple(k.shape)
 (torch.float32, (1, 4, 4, 16))
@@ -141,27 +141,25 @@ class Int8Layer(CacheLayer):
     def tensors(self) -> list[torch.Tensor]:
         return list(self.rows)
 
+    def expected_nbytes(self, seq_len: int) -> int:
+        # int8 values, and one scale in the model's dtype per row of K and of V
+        scale = torch.empty((), dtype=self.dtype).element_size()
+        return self.batch_size * self.heads * seq_len * (sum(self.widths) + 2 * scale)
 
-class Int8Cache(KVCache):
-    """A cache of :class:`Int8Layer` s: K/V stored as int8 with per-token, per-head scales.
 
-    Like :class:`~kvdoc.core.cache.DynamicCache`, a forward call works on a copy, so the cache
-    passed in is never modified.
-    """
-
-    @classmethod
-    def empty(cls, config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.float32,
-              device: torch.device | str = "cpu") -> Int8Cache:
-        """A cache with no positions yet, for a model with ``config`` computing in ``dtype``."""
-        check_int("batch_size", batch_size)
-        return cls([Int8Layer.empty(batch_size, config.n_kv_head, config.head_dim, dtype, device)
+def int8_cache(config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> KVCache:
+    """An empty cache of :class:`Int8Layer` s for a model with ``config`` computing in ``dtype``:
+    like a dynamic cache, a forward call works on a copy."""
+    check_int("batch_size", batch_size)
+    return KVCache([Int8Layer.empty(batch_size, config.n_kv_head, config.head_dim, dtype, device)
                     for _ in range(config.n_layer)])
 
 
-def new_int8_cache(model: Decoder, batch: int, capacity: int | None = None) -> Int8Cache:
-    """An empty :class:`Int8Cache` for ``model`` (``capacity`` is unused: the cache grows)."""
+def new_int8_cache(model: Decoder, batch: int, capacity: int | None = None) -> KVCache:
+    """An empty int8 cache for ``model`` (``capacity`` is unused: the cache grows)."""
     weight = model.wte.weight
-    return Int8Cache.empty(model.config, batch, weight.dtype, weight.device)
+    return int8_cache(model.config, batch, weight.dtype, weight.device)
 
 
 def cache_bytes(config: GPTConfig, batch: int, length: int, seed: int = 0) -> dict[str, int]:
@@ -175,7 +173,7 @@ def cache_bytes(config: GPTConfig, batch: int, length: int, seed: int = 0) -> di
     shape = (batch, config.n_kv_head, length, config.head_dim)
     exact = DynamicCache([(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
                           for _ in range(config.n_layer)])
-    int8 = Int8Cache.empty(config, batch).begin()
+    int8 = int8_cache(config, batch).begin()
     for i in range(config.n_layer):
         int8.update(i, *exact.layer(i), start=0)
     half = DynamicCache([tuple(t.half() for t in exact.layer(i)) for i in range(config.n_layer)])

@@ -4,16 +4,16 @@ Rows of one step are at different lengths: row ``b`` holds ``P_b`` cached
 positions and brings ``n_b`` new tokens (a prefill chunk or one decode token). The reference
 decoder takes them in one call: the new tokens are right-padded to ``C = max n_b``; each row
 writes its ``n_b`` K/V rows into its own blocks and reads its own blocks back, gathered to
-``T = max (P_b + n_b)`` columns (:class:`RaggedStep`); per-row positions ``P_b .. P_b + n_b - 1``
-and a per-row mask (a real query at position ``P_b + j`` reads keys ``0 .. P_b + j`` of its own
-row) make each row the function of its own sequence. Pad queries read key 0 of their row so no
-softmax row is empty; their outputs are never read. The positions go to
+``T = max (P_b + n_b)`` columns (:class:`RaggedStep` and its ``cache``); per-row positions
+``P_b .. P_b + n_b - 1`` and a per-row mask (a real query at position ``P_b + j`` reads keys
+``0 .. P_b + j`` of its own row) make each row the function of its own sequence. Pad queries read
+key 0 of their row so no softmax row is empty; their outputs are never read. The positions go to
 ``Decoder.forward(positions=...)``: a learned-position model embeds each row at its own, a RoPE
 model turns each row's Q and K there (:func:`kvdoc.core.model.apply_rope` takes ``[B, C]``
-positions), and so do Gemma's and MLA's attentions. The mask goes to ``attn_mask``: the
-attention itself keeps, in a windowed layer (Mistral, Gemma 3's window layers), the last ``W`` of
-the keys a query may read, so the blocks hold every position and the model reads what it
-reads over any cache that keeps them all.
+positions), and so do Gemma's and MLA's attentions. The mask goes to ``attn_mask``: the attention
+itself keeps, in a windowed layer (Mistral, Gemma 3's window layers), the last ``W`` of the keys a
+query may read, so the blocks hold every position and the model reads what it reads over any cache
+that keeps them all.
 
 Real engines do not pad. vLLM flattens the step's tokens of every sequence into one packed batch
 (each sequence's start in it is ``query_start_loc``, a cumulative sum) and attends with
@@ -35,11 +35,11 @@ The scheduler (:mod:`kvdoc.serving.scheduler`) builds one :func:`ragged_step` pe
 >>> pool = BlockPool(model.config, num_blocks=4, block_size=4)
 >>> ids = torch.tensor([[5, 6, 7, 8, 9], [3, 1, 4, 0, 0]])  # row 1: 3 tokens, then padding
 >>> step = ragged_step(pool, tables=[[0, 1], [2]], past=[0, 0], new=[5, 3])
->>> logits = model(ids, step, positions=step.positions(), attn_mask=step.mask()).logits
+>>> logits = model(ids, step.cache, positions=step.positions(), attn_mask=step.mask()).logits
 >>> torch.allclose(logits[1, :3], model(ids[1:, :3]).logits[0], atol=1e-5)
 True
 >>> step = ragged_step(pool, tables=[[0, 1], [2]], past=[5, 3], new=[1, 1])  # both decode
->>> logits = model(torch.tensor([[2], [1]]), step, positions=step.positions(),
+>>> logits = model(torch.tensor([[2], [1]]), step.cache, positions=step.positions(),
 ...                attn_mask=step.mask()).logits
 >>> torch.allclose(logits[1, 0], model(torch.tensor([[3, 1, 4, 1]])).logits[0, -1], atol=1e-5)
 True
@@ -78,9 +78,9 @@ class RaggedLayer(PoolLayer):
         return gather(s.pool.k[self.index], s.pool.v[self.index], s.table, s.width)
 
 
-class RaggedStep(KVCache):
-    """The cache one ragged step writes into and reads from: row ``b``'s blocks ``tables[b]``,
-    ``past[b]`` positions held, ``new[b]`` new tokens this step (see the module docstring).
+class RaggedStep:
+    """One ragged step: row ``b``'s blocks ``tables[b]``, ``past[b]`` positions held, ``new[b]``
+    new tokens (see the module docstring); ``cache`` is what the model writes into and reads.
 
     The blocks for the new positions must already be in the tables (the scheduler allocates);
     :attr:`seq_len` is ``T - C``, so the model's mask and new tokens span the ``T`` gathered
@@ -112,8 +112,9 @@ class RaggedStep(KVCache):
         self.cols = torch.tensor([j for _, j in rows], device=pool.device)
         self.blocks = self.table[self.rows, slots // S]
         self.offsets = slots % S
-        super().__init__([RaggedLayer(self, i) for i in range(len(pool.layout))],
-                         seq_len=self.width - max(self.new))
+        self.seq_len, self.device = self.width - max(self.new), pool.device
+        self.cache = KVCache([RaggedLayer(self, i) for i in range(len(pool.layout))],
+                             seq_len=self.seq_len)
 
     def mask(self) -> torch.Tensor:
         """``[B, C, T]`` bool: a real query at position ``P_b + j`` reads keys ``0 .. P_b + j``

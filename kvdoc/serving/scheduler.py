@@ -278,7 +278,7 @@ class Scheduler:
                            [len(ids) for _, ids in rows])
         C, device = max(view.new), self.model.wte.weight.device
         idx = torch.tensor([ids + [0] * (C - len(ids)) for _, ids in rows], device=device)
-        logits = self.model(idx, view, positions=self.positions(view),
+        logits = self.model(idx, view.cache, positions=self.positions(view),
                             attn_mask=view.mask()).logits  # [B, C, V]
         for b, (x, ids) in enumerate(rows):
             x.fed += len(ids)

@@ -38,7 +38,6 @@ True
 
 from __future__ import annotations
 
-import copy
 import math
 from types import SimpleNamespace
 
@@ -46,10 +45,10 @@ import torch
 from torch import nn
 
 from kvdoc.core.cache import KV, CacheLayer, KVCache
-from kvdoc.core.window import RingLayer, window_cache
+from kvdoc.core.window import WindowLayer, window_cache
 from kvdoc.serving.fp8 import Fp8Layer, amax_scale, new_fp8_cache, quantize
-from kvdoc.serving.paged import BlockPool, BlockTables, PagedCache, SharedPrefixCache
-from kvdoc.serving.quant import Int8Cache, Int8Layer, dequantize
+from kvdoc.serving.paged import BlockPool, BlockTables, PagedCache
+from kvdoc.serving.quant import Int8Layer, dequantize, int8_cache
 
 from .caches import with_layers
 
@@ -81,10 +80,7 @@ def _empty(cache_cls, layer_cls: type[CacheLayer]):
     """``(model, batch, capacity) ->`` an empty ``cache_cls`` whose layers are ``layer_cls``."""
     def new(model: nn.Module, batch: int, capacity: int | None = None) -> KVCache:
         weight = model.wte.weight
-        if cache_cls is Int8Cache:
-            cache = Int8Cache.empty(model.config, batch, weight.dtype, weight.device)
-        else:
-            cache = cache_cls(model.config, batch, dtype=weight.dtype, device=weight.device)
+        cache = cache_cls(model.config, batch, dtype=weight.dtype, device=weight.device)
         return with_layers(cache, layer_cls)
     return new
 
@@ -106,7 +102,7 @@ class RequantisingInt8Layer(Int8Layer):
         return self.read(start + k.shape[2])
 
 
-requantising_int8_cache = _empty(Int8Cache, RequantisingInt8Layer)
+requantising_int8_cache = _empty(int8_cache, RequantisingInt8Layer)
 """``(model, batch, capacity) ->`` an empty int8 cache of :class:`RequantisingInt8Layer` s."""
 
 
@@ -120,7 +116,7 @@ class VScaleReadInt8Layer(Int8Layer):
         return dequantize(qk, v_scale), dequantize(qv, v_scale)  # BUG: V's scale for K
 
 
-v_scale_read_int8_cache = _empty(Int8Cache, VScaleReadInt8Layer)
+v_scale_read_int8_cache = _empty(int8_cache, VScaleReadInt8Layer)
 """``(model, batch, capacity) ->`` an empty int8 cache of :class:`VScaleReadInt8Layer` s."""
 
 
@@ -145,7 +141,7 @@ class NarrowInt8Layer(Int8Layer):
         return qk.to(sk.dtype) * sk, qv.to(sv.dtype) * sv  # BUG: rounded to the model's dtype
 
 
-narrow_int8_cache = _empty(Int8Cache, NarrowInt8Layer)
+narrow_int8_cache = _empty(int8_cache, NarrowInt8Layer)
 """``(model, batch, capacity) ->`` an empty int8 cache of :class:`NarrowInt8Layer` s."""
 
 
@@ -188,35 +184,35 @@ def rescaling_fp8_cache(model: nn.Module, batch: int, capacity: int | None = Non
     return with_layers(new_fp8_cache(model, batch, capacity, **scales), RescalingFp8Layer)
 
 
-class LongChunkRingLayer(RingLayer):
-    """BROKEN: of a chunk longer than the window, the first ``W`` rows go into the ring, not the
-    last ``W``. Right for every chunk of at most ``W`` tokens."""
+class LongChunkRingLayer(WindowLayer):
+    """BROKEN: of a chunk longer than the window, the first ``W`` rows are kept, not the last
+    ``W``. Right for every chunk of at most ``W`` tokens."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        if k.shape[2] == 1:
-            return super().write(k, v, start)
-        self.check_rows(k, v)
-        old_k, old_v = self.read(start)
-        full_k, full_v = torch.cat((old_k, k), dim=2), torch.cat((old_v, v), dim=2)
-        last = min(k.shape[2], self.window)
-        slots = torch.arange(start, start + last, device=k.device) % self.window
-        self.k.index_copy_(2, slots, k[:, :, :last])  # BUG: the first rows
-        self.v.index_copy_(2, slots, v[:, :, :last])
+        full_k, full_v = super().write(k, v, start)
+        if k.shape[2] > self.window:
+            self.k, self.v = k[:, :, :self.window], v[:, :, :self.window]  # BUG: the first rows
         return full_k, full_v
 
 
-class LazyRingLayer(RingLayer):
-    """BROKEN: a call shares the ring of the cache passed in and copies it only when a write
-    would overwrite a position it holds. The cache passed in keeps its rows, but two
-    continuations of one cache before its ring has wrapped write into the same free slots."""
-
-    def fork(self) -> LazyRingLayer:
-        return copy.copy(self)  # BUG: the same ring tensors
+class LazyRingLayer(WindowLayer):
+    """BROKEN: to spare the concatenation, the layer writes new rows in place into ``W`` slots
+    while the window has room, and a call shares the slots with the cache it continues. The
+    cache passed in keeps its rows, but two continuations of one cache before the window has
+    filled write into the same slots."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        if start + k.shape[2] > self.window:  # a held slot would be overwritten: copy first
-            self.k, self.v = self.k.clone(), self.v.clone()
-        return super().write(k, v, start)
+        end = start + k.shape[2]
+        if end > self.window:
+            return super().write(k, v, start)
+        self.check_rows(k, v)
+        slots = [self.k._base, self.v._base]  # held rows are views of the W slots
+        if slots[0] is None:
+            slots = self._zeros(self.window)
+        for store, new in zip(slots, (k, v), strict=True):
+            store[:, :, start:end] = new  # BUG: the slots are shared by every fork
+        self.k, self.v = (store[:, :, :end] for store in slots)
+        return self.k, self.v
 
 
 long_chunk_ring_cache = _empty(window_cache, LongChunkRingLayer)
@@ -241,16 +237,11 @@ class LateCopyBlockTables(BlockTables):
         return math.ceil(start / self.block_size) * self.block_size
 
 
-class LateCopySharedPrefixCache(SharedPrefixCache):
-    """A shared-prefix cache whose block tables are :class:`LateCopyBlockTables`."""
-
-    block_tables = LateCopyBlockTables
-
-
-def late_copy_shared_prefix_cache(model: nn.Module, batch: int, capacity: int
-                                  ) -> LateCopySharedPrefixCache:
-    """An empty :class:`LateCopySharedPrefixCache` (a spare block per sequence, as the real one)."""
-    return LateCopySharedPrefixCache(_pool(BlockPool, model, batch, capacity, spare=1), batch)
+def late_copy_shared_prefix_cache(model: nn.Module, batch: int, capacity: int) -> PagedCache:
+    """An empty shared-prefix cache of :class:`LateCopyBlockTables` (a spare block per sequence,
+    as the real one)."""
+    return PagedCache(_pool(BlockPool, model, batch, capacity, spare=1), batch, shared=True,
+                      block_tables=LateCopyBlockTables)
 
 
 class RingedGlobalCache(KVCache):
@@ -270,6 +261,6 @@ def ringed_global_hybrid_cache(model: nn.Module, batch: int, capacity: int | Non
                                ) -> RingedGlobalCache:
     """An empty :class:`RingedGlobalCache` for a Gemma ``model``."""
     weight, config = model.wte.weight, model.config
-    return RingedGlobalCache([RingLayer(batch, s.heads, s.widths, config.sliding_window,
-                                        weight.dtype, weight.device)
+    return RingedGlobalCache([WindowLayer.empty(batch, s.heads, s.widths, config.sliding_window,
+                                                weight.dtype, weight.device)
                               for s in config.cache_layout])
