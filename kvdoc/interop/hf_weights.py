@@ -133,7 +133,7 @@ def from_transformers(hf_model: Any) -> Decoder:
 
     For Llama and Mistral, ``q_proj``, ``k_proj`` and ``v_proj`` are stacked into ``c_attn``
     and ``gate_proj``, ``up_proj`` into ``c_fc``; ``new_cache(batch)`` of a Mistral model gives
-    rings (:func:`~kvdoc.core.window.window_cache`).
+    windows (:func:`~kvdoc.core.window.window_cache`).
 
     Raises:
         ValueError: another model type, or a configuration kvdoc does not implement.

@@ -1,4 +1,4 @@
-"""Deliberately wrong caches of the serving layer and the window ring, for the broken variants.
+"""Deliberately wrong caches of the serving layer and the window layer, for the broken variants.
 
 Each is a small subclass of a real cache layer, block table or pool, swapped in through a public
 hook (:func:`~kvdoc.proofs.broken.caches.with_layers`, a cache's ``block_tables``), that is right on
@@ -17,14 +17,15 @@ of :mod:`kvdoc.proofs.cache_invariants` catches it:
   them, but quantises every write under one scale for the whole tensor;
 * :class:`RescalingFp8Layer`: an FP8 cache that takes new scales from every write, so the rows
   it already holds are read under scales they were not stored with;
-* :class:`LongChunkRingLayer`: a window ring that keeps the first ``W`` rows of a chunk longer
+* :class:`LongChunkRingLayer`: a window layer that keeps the first ``W`` rows of a chunk longer
   than the window, not the last;
-* :class:`LazyRingLayer`: a window ring shared with the cache it continues until a write would
-  overwrite a held position, so two branches before the ring has wrapped write into one ring;
+* :class:`LazyRingLayer`: a window layer that writes into ``W`` slots shared with the cache it
+  continues until the window fills, so two branches before then write into the same slots;
 * :class:`LateCopyBlockTables`: block tables of a shared-prefix cache that copy only the shared
   blocks a write starts, never the shared, partly filled one it continues;
-* :class:`RingedGlobalCache`: a Gemma cache (:mod:`kvdoc.core.window`) that rings its global
-  layers too and states their window as the ring's: right until the stream passes the window.
+* :class:`RingedGlobalCache`: a Gemma cache (:mod:`kvdoc.core.window`) that windows its global
+  layers too and states their window as the window layers': right until the stream passes the
+  window.
 
 The factories (``(model, batch, capacity) -> cache``) are what
 :attr:`kvdoc.proofs.variants.BrokenVariant.caches` puts in place of a kind's real factory.
@@ -245,8 +246,8 @@ def late_copy_shared_prefix_cache(model: nn.Module, batch: int, capacity: int) -
 
 
 class RingedGlobalCache(KVCache):
-    """BROKEN: every layer, global ones included, is a ring of ``W`` slots, and its
-    compatibility check states the ring's window for every layer of the model (as a cache
+    """BROKEN: every layer, global ones included, keeps only ``W`` rows, and its
+    compatibility check states that window for every layer of the model (as a cache
     class that overrides the layout check might), so it passes. A global layer's queries then
     lose every key older than ``W - 1`` positions."""
 
