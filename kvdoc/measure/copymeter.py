@@ -1,6 +1,6 @@
 """What a cache update writes, measured rather than trusted.
 
-:class:`CopyMeter` wraps a cache so that each ``update`` runs under
+:class:`CopyMeter` wraps a cache's layers so that each write runs under
 :class:`kvdoc.measure.dispatch.WriteCounter`, which adds up the bytes every tensor operation
 writes and reads:
 ``torch.cat`` in a :class:`~kvdoc.core.cache.DynamicCache` and the slice copy in a
@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvdoc.core.cache import KV, KVCache
+from kvdoc.core.cache import KV, CacheLayer, KVCache
 
 from .dispatch import WriteCounter, tensor_bytes
-from .wrapper import CacheWrapper
+from .wrapper import LayerWrapper, wrap_layers
 
 
 @dataclass
@@ -66,11 +66,9 @@ class CopyMeter:
     records: list[UpdateRecord] = field(default_factory=list)
 
     def watch(self, cache: KVCache) -> KVCache:
-        """``cache``, wrapped so that its updates are measured into this meter.
-
-        Continue with the returned cache; a static cache inside it is still written in place.
-        """
-        return _MeteredCache(cache, self)
+        """``cache`` itself, its layers wrapped so that their writes are measured into this
+        meter; a static layer is still written in place."""
+        return wrap_layers(cache, lambda layer, i: _MeteredLayer(layer, i, self))
 
     def old_bytes_copied(self, start: int | None = None) -> int:
         """Old-content bytes copied, over all updates (or those that started at ``start``)."""
@@ -94,15 +92,15 @@ class CopyMeter:
         return [(p, w, o) for p, (w, o) in steps.items()]
 
 
-class _MeteredCache(CacheWrapper):
-    def __init__(self, inner: KVCache, meter: CopyMeter) -> None:
-        super().__init__(inner)
+class _MeteredLayer(LayerWrapper):
+    def __init__(self, inner: CacheLayer, index: int, meter: CopyMeter) -> None:
+        super().__init__(inner, index)
         self.meter = meter
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         with WriteCounter() as counter:
-            kv = self.inner.update(layer_idx, k, v, start)
+            kv = self.inner.write(k, v, start)
         new_bytes = tensor_bytes(k) + tensor_bytes(v)
-        self.meter.records.append(UpdateRecord(layer_idx, start, k.shape[2], new_bytes,
+        self.meter.records.append(UpdateRecord(self.index, start, k.shape[2], new_bytes,
                                                counter.written, counter.read, counter.allocated))
         return kv

@@ -1,72 +1,81 @@
-"""A cache that wraps another: the way to add behaviour around a cache without editing it.
+"""A cache layer that wraps another: the way to add behaviour around a cache without editing it.
 
-:class:`CacheWrapper` delegates every method of :class:`~kvdoc.core.cache.KVCache` to the cache
-it wraps; a subclass changes ``update``. The copy meter (:mod:`kvdoc.measure.copymeter`) wraps a
-cache to count the bytes each update writes, and some deliberately broken caches
-(:mod:`kvdoc.proofs.broken.caches`) wrap a correct one to misuse what it returns. The real caches in
-:mod:`kvdoc.core` know nothing of either.
+:class:`LayerWrapper` delegates everything to the layer it wraps; a subclass changes ``write``.
+:func:`wrap_layers` puts one around each layer of a cache, which keeps its class, its length
+and its own rules (in place or not, capacity, window). The copy meter
+(:mod:`kvdoc.measure.copymeter`) wraps layers to count the bytes each write moves, and some
+deliberately broken caches (:mod:`kvdoc.proofs.broken.caches`) wrap correct ones to misuse what
+they return. The real caches know nothing of either.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 
-from kvdoc.core.cache import KV, KVCache
-from kvdoc.core.model import GPTConfig
+from kvdoc.core.cache import KV, CacheLayer, KVCache
 
 
-class CacheWrapper(KVCache):
-    """A cache that delegates everything to ``inner``; subclasses change ``update``.
+class LayerWrapper(CacheLayer):
+    """Layer ``index`` of a cache, delegating to ``inner``; subclasses change :meth:`write`.
 
-    ``begin`` wraps what the inner cache's ``begin`` returns, so a wrapped dynamic cache is
-    still never modified by a call, and a wrapped static cache is still written in place.
+    A call's :meth:`fork` wraps the inner layer's fork, so a wrapped dynamic layer is still never
+    modified by a call and a wrapped static layer is still written in place.
 
     >>> from kvdoc import GPTConfig, StaticCache
-    >>> inner = StaticCache(GPTConfig(), batch_size=1, capacity=4)
-    >>> wrapped = CacheWrapper(inner)
-    >>> wrapped.seq_len, wrapped.begin().inner is inner
-    (0, True)
+    >>> cache = wrap_layers(StaticCache(GPTConfig(), batch_size=1, capacity=4), LayerWrapper)
+    >>> work = cache.begin()
+    >>> work is cache, type(work.layers[1]).__name__, work.layers[1].index, work.capacity
+    (True, 'LayerWrapper', 1, 4)
     """
 
-    def __init__(self, inner: KVCache) -> None:
-        self.inner = inner
-        for name in ("n_layer", "batch_size", "n_kv_head", "head_dim", "dtype", "device"):
-            setattr(self, name, getattr(inner, name))
+    def __init__(self, inner: CacheLayer, index: int) -> None:
+        self.inner, self.index = inner, index
+        self.batch_size, self.heads, self.widths = inner.batch_size, inner.heads, inner.widths
+        self.dtype, self.device = inner.dtype, inner.device
+        self.in_place, self.window, self.capacity = inner.in_place, inner.window, inner.capacity
 
-    @property
-    def seq_len(self) -> int:
-        return self.inner.seq_len
+    def __getattr__(self, name: str) -> object:  # what a kind adds (scales, tables, ...)
+        if name == "inner":  # not set yet (copy.copy builds without __init__)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
-    @property
-    def layers(self) -> list:
-        return self.inner.layers
-
-    def layer(self, idx: int) -> KV:
-        return self.inner.layer(idx)
-
-    def held(self, layer_idx: int | None = None) -> range:
-        return self.inner.held(layer_idx)
-
-    def begin(self) -> CacheWrapper:
-        work = copy.copy(self)  # keeps what a subclass holds (a meter, a saved layer)
-        work.inner = self.inner.begin()
+    def _around(self, inner: CacheLayer) -> LayerWrapper:
+        work = copy.copy(self)  # keeps what a subclass holds (a meter, a record)
+        work.inner = inner
         return work
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        return self.inner.update(layer_idx, k, v, start)
+    def fork(self) -> LayerWrapper:
+        return self if self.in_place else self._around(self.inner.fork())
 
-    def finish(self, end: int) -> None:
-        self.inner.finish(end)
+    def held(self, seq_len: int) -> range:
+        return self.inner.held(seq_len)
 
-    def crop(self, length: int) -> CacheWrapper:
-        self.inner.crop(length)
-        return self
+    def read(self, seq_len: int) -> KV:
+        return self.inner.read(seq_len)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        return self.inner.write(k, v, start)
+
+    def crop(self, length: int, seq_len: int) -> LayerWrapper:
+        return self._around(self.inner.crop(length, seq_len))
 
     def tensors(self) -> list[torch.Tensor]:
         return self.inner.tensors()
 
-    def check_compatible(self, config: GPTConfig, batch_size: int, dtype: torch.dtype,
-                         device: torch.device, new_len: int) -> None:
-        self.inner.check_compatible(config, batch_size, dtype, device, new_len)
+    def expected_nbytes(self, seq_len: int) -> int:
+        return self.inner.expected_nbytes(seq_len)
+
+
+def wrap_layers(cache: KVCache, wrapper: Callable[[CacheLayer, int], CacheLayer]) -> KVCache:
+    """``cache`` itself, each layer ``l`` now ``wrapper(layer, l)``."""
+    cache.layers = [wrapper(layer, i) for i, layer in enumerate(cache.layers)]
+    return cache
+
+
+def unwrapped(cache: KVCache) -> KVCache:
+    """A cache of the layers inside ``cache``'s wrappers, at its length (what a check of the
+    cache's own bytes reads, without what a wrapper records)."""
+    return KVCache([layer.inner for layer in cache.layers], cache.seq_len)

@@ -25,6 +25,7 @@ import torch
 
 from kvdoc.core.cache import DynamicCache
 from kvdoc.measure.divergence import Divergence, divergence, greedy_with_gaps
+from kvdoc.measure.wrapper import unwrapped
 from kvdoc.serving.fp8 import (
     amax_scale,
     calibrate,
@@ -35,7 +36,7 @@ from kvdoc.serving.fp8 import (
 
 from .case import Case, scenario
 from .compare import max_abs, run_cached
-from .int8_contract import INT8_CHUNKS, Recorder, contract_run, judge, why_not
+from .int8_contract import INT8_CHUNKS, contract_run, judge, recorded, why_not
 
 FP8_CHUNKS = INT8_CHUNKS
 """Chunks of the ``fp8`` scenario: a first prefill of 5, single tokens (the fast step), a chunk."""
@@ -75,16 +76,16 @@ def _one(case: Case, model: torch.nn.Module, call, granularity: str,
     given = calibrate(model, case.alt[:, :fed], granularity) if calibrated else None
     written: dict = {}
     stated: dict = {}  # layer -> the scales it states after each update: the reads' bound
-    cache = Recorder(new(model, case.ids.shape[0], case.ids.shape[1], granularity=granularity,
+    cache = recorded(new(model, case.ids.shape[0], case.ids.shape[1], granularity=granularity,
                          scales=given), written, {}, stated)
     first: dict = {}  # layer -> its scales as first set
-    fp8 = cache.inner.layers[0].fp8
+    fp8 = cache.layers[0].inner.fp8
     scale_off, saturated = 0.0, 0
 
     def rows(start: int, n: int, after) -> float:
         nonlocal scale_off, saturated
         breach = 0.0
-        for i, layer in enumerate(after.inner.layers):
+        for i, layer in enumerate(unwrapped(after).layers):
             if i not in first:  # the scales the layer must keep: given, or of its first rows
                 want = (given[i].reshape(2, *layer.scales[0].shape) if calibrated else
                         [amax_scale(x, granularity, fp8) for x in written[i]])

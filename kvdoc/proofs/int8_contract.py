@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdoc.core.cache import KVCache
+from kvdoc.core.cache import CacheLayer, KVCache
 from kvdoc.core.feed import feed
 from kvdoc.core.model import GPTConfig
-from kvdoc.measure.wrapper import CacheWrapper
+from kvdoc.measure.wrapper import LayerWrapper, unwrapped, wrap_layers
 from kvdoc.serving.quant import new_int8_cache, read_error_bound
 
 from .cache_invariants import byte_problems
@@ -41,27 +41,30 @@ ROW_SLACK = 1e-3
 a few units in the last place of 127, is far below it."""
 
 
-class Recorder(CacheWrapper):
-    """Delegates to the cache under test and records the K/V each ``update`` was given: the last
+class Recorder(LayerWrapper):
+    """Delegates to the layer under test and records the K/V each write was given: the last
     rows per layer (``written``), every row so far (``exact``) and, given ``scales``, the scales
     the layer states after it (an FP8 layer's)."""
 
-    def __init__(self, inner: KVCache, written: dict, exact: dict,
+    def __init__(self, inner: CacheLayer, index: int, written: dict, exact: dict,
                  scales: dict | None = None) -> None:
-        super().__init__(inner)
+        super().__init__(inner, index)
         self.written, self.exact, self.scales = written, exact, scales
 
-    def begin(self) -> Recorder:
-        return Recorder(self.inner.begin(), self.written, self.exact, self.scales)
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int):
-        self.written[layer_idx] = (k.clone(), v.clone())
-        old_k, old_v = self.exact.get(layer_idx, (k[:, :, :0], v[:, :, :0]))
-        self.exact[layer_idx] = (torch.cat((old_k, k), dim=2), torch.cat((old_v, v), dim=2))
-        out = self.inner.update(layer_idx, k, v, start)
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int):
+        i = self.index
+        self.written[i] = (k.clone(), v.clone())
+        old_k, old_v = self.exact.get(i, (k[:, :, :0], v[:, :, :0]))
+        self.exact[i] = (torch.cat((old_k, k), dim=2), torch.cat((old_v, v), dim=2))
+        out = self.inner.write(k, v, start)
         if self.scales is not None:
-            self.scales[layer_idx] = tuple(s.clone() for s in self.inner.layers[layer_idx].scales)
+            self.scales[i] = tuple(s.clone() for s in self.inner.scales)
         return out
+
+
+def recorded(cache: KVCache, written: dict, exact: dict, scales: dict | None = None) -> KVCache:
+    """``cache``, each layer wrapped in a :class:`Recorder` writing into the dicts given."""
+    return wrap_layers(cache, lambda layer, i: Recorder(layer, i, written, exact, scales))
 
 
 def half_step(unit: float) -> float:
@@ -169,16 +172,17 @@ def check_int8_reads(model: torch.nn.Module, ids: torch.Tensor, chunk: int) -> l
     """
     exact: dict = {}
     with int8_reads(model, exact) as reads:
-        run_cached(model, ids, chunk, cache=Recorder(new_int8_cache(model, ids.shape[0]), {},
+        run_cached(model, ids, chunk, cache=recorded(new_int8_cache(model, ids.shape[0]), {},
                                                      exact))
     return reads
 
 
-def contract_run(case: Case, model: torch.nn.Module, call, cache: Recorder, judge,
+def contract_run(case: Case, model: torch.nn.Module, call, cache: KVCache, judge,
                  rows: Callable) -> tuple:
     """Feed :data:`INT8_CHUNKS` of the stream through ``model``'s ``call`` over ``cache``, checking
     after each call that held rows are bitwise the same, ``rows(start, n, after)`` (the worst
-    breach of the new rows) and the byte figures: ``(changed, breach, excess, reads, problems)``.
+    breach of the new rows) and the byte figures: ``(changed, breach, excess, reads, problems)``;
+    ``cache`` is :func:`recorded`.
     """
     changed, breach, problems = 0.0, 0.0, []
     held = [Snapshot.of(cache)]  # what the cache passed to the next call holds
@@ -188,10 +192,10 @@ def contract_run(case: Case, model: torch.nn.Module, call, cache: Recorder, judg
         # rows held before the call: bitwise the same in the cache passed in and the new one
         changed = max(changed, held[0].changed(before, start), held[0].changed(after, start))
         breach = max(breach, rows(start, n, after))
-        problems.extend(f"after {start + n}: {p}" for p in byte_problems(after.inner))
+        problems.extend(f"after {start + n}: {p}" for p in byte_problems(unwrapped(after)))
         held[0] = Snapshot.of(after)
 
-    with int8_reads(model, cache.exact, judge) as reads:
+    with int8_reads(model, cache.layers[0].exact, judge) as reads:
         feed(call, case.ids[:, :sum(INT8_CHUNKS)], cache, INT8_CHUNKS, hook=check)
     return changed, breach, max((r.excess for r in reads), default=0.0), reads, problems
 
@@ -225,7 +229,7 @@ def _contract(case: Case, model: torch.nn.Module, call, unit: float) -> tuple[bo
     """``(passed, error, detail)`` of the contract for ``model``'s cached ``call``."""
     new = case.caches.get("int8", new_int8_cache)
     written: dict = {}
-    cache = Recorder(new(model, case.ids.shape[0], case.ids.shape[1]), written, {})
+    cache = recorded(new(model, case.ids.shape[0], case.ids.shape[1]), written, {})
 
     def rows(start: int, n: int, after: KVCache) -> float:
         return max(_row_problems(got[:, :, start:start + n].double(), wrote.double(), unit)

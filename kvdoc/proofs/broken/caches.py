@@ -35,26 +35,29 @@ from kvdoc.core.cache import (
     StaticLayer,
 )
 from kvdoc.core.model import Decoder
-from kvdoc.measure.wrapper import CacheWrapper
+from kvdoc.measure.wrapper import LayerWrapper, wrap_layers
 
 from . import LONG_STREAM
 
 # --- wrong caches -------------------------------------------------------------------------
 
 
-class CrossLayerCache(CacheWrapper):
+class CrossLayerLayer(LayerWrapper):
     """BROKEN: stores each layer's K/V correctly, but every layer attends over layer 0's K/V.
 
     The cache's content is right, so a check of K/V alone passes; only the logits show the bug.
     """
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
-               start: int) -> KV:
-        own = self.inner.update(layer_idx, k, v, start)  # stored correctly
-        if layer_idx == 0:
-            self._layer0 = own  # layer 0 runs first in every call: rows 0 .. start + C - 1
+    def __init__(self, inner: CacheLayer, index: int, first: dict) -> None:
+        super().__init__(inner, index)
+        self.first = first  # one dict for every layer of the cache
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        own = self.inner.write(k, v, start)  # stored correctly
+        if self.index == 0:
+            self.first["rows"] = own  # layer 0 runs first in every call: rows 0 .. start + C - 1
             return own
-        return self._layer0  # BUG: another layer's keys and values
+        return self.first["rows"]  # BUG: another layer's keys and values
 
 
 class NewBeforeOldLayer(DynamicLayer):
@@ -141,11 +144,13 @@ class FP32CacheDecoder(CacheKindsDecoder):
 
 
 class CrossLayerDecoder(Decoder):
-    """A decoder whose new caches are :class:`CrossLayerCache` (see there)."""
+    """A decoder whose new caches' layers are :class:`CrossLayerLayer` s (see there)."""
 
     def new_cache(self, batch_size: int, kind: str = "dynamic",
                   capacity: int | None = None) -> KVCache:
-        return CrossLayerCache(super().new_cache(batch_size, kind, capacity))
+        first: dict = {}
+        return wrap_layers(super().new_cache(batch_size, kind, capacity),
+                           lambda layer, i: CrossLayerLayer(layer, i, first))
 
 
 class NewBeforeOldDecoder(CacheKindsDecoder):
