@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvdoc import Decoder, GPTConfig, mistral_config
-from kvdoc.core.model import offset_causal_mask
+from kvdoc.core.cache import offset_causal_mask
 from kvdoc.proofs.compare import TOLERANCE
 from kvdoc.serving.splitk import (
     all_partials,

@@ -1,12 +1,11 @@
-"""The K/V cache: one storage per layer and one length, in one transaction per forward call.
+"""The K/V cache: which keys a query reads, what each layer keeps, and the checks of a call.
 
-Half of the copy set (with :mod:`kvdoc.core.model`); it imports nothing but torch. A call does
-``work = cache.begin()``, ``work.update(layer, k, v, start)`` per layer, then ``work.finish(end)``
-after the LM head. ``begin`` forks each layer (a copy of a growing layer, the layer itself for
-one written in place) and only ``finish`` advances the length, so a call that fails midway
-leaves the cache as it was. A kind of cache is a choice of layers, not a subclass; whether it
-serves a model is decided against ``config.cache_layout``, one :class:`LayerSpec` per layer.
-K and V of layer ``l`` are ``[B, H_kv, T, D_h]``; an MLA latent is one head of two widths.
+Half of the copy set (with :mod:`kvdoc.core.model`), torch only. A call does ``work =
+cache.begin()`` (a fork of each layer: a copy of a growing one, itself for one written in place),
+``work.update(layer, k, v, start)`` per layer, then ``work.finish(end)`` after the LM head: a
+call that fails midway leaves the cache as it was. A kind of cache is a choice of layers, checked
+against the config's ``cache_layout``; K and V are ``[B, H_kv, T, D_h]`` (an MLA latent: one
+head of two widths).
 """
 
 from __future__ import annotations
@@ -21,18 +20,50 @@ KV = tuple[torch.Tensor, torch.Tensor]
 
 
 def check_int(name: str, value: object, minimum: int = 1) -> int:
-    """``value``, if it is an integer (not a bool) of at least ``minimum``; else a ``ValueError``.
-
-    >>> check_int("past_len", -1, minimum=0)
-    Traceback (most recent call last):
-    ...
-    ValueError: past_len must be a non-negative integer, got -1
-    """
+    """``value``, if it is an integer (not a bool) of at least ``minimum``; else a ``ValueError``
+    naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         kind = {0: "a non-negative integer", 1: "a positive integer"}.get(
             minimum, f"an integer >= {minimum}")
         raise ValueError(f"{name} must be {kind}, got {value!r}")
     return value
+
+
+def check_positive(name: str, value: object) -> object:
+    """``value``, if it is a positive number; else a ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+    return value
+
+
+def offset_causal_mask(past_len: int, new_len: int, device: torch.device | str | None = None,
+                       *, window: int | None = None) -> torch.Tensor:
+    """``[C, P + C]`` bool: may new query ``i`` (at ``P + i``) read key ``j``? ``j <= P + i``.
+
+    PyTorch's ``is_causal=True`` (and ``torch.tril``) align the triangle top-left, as if
+    ``P = 0``: one new token would read key 0 only. With a window ``W``, also ``j > P + i - W``.
+
+    >>> offset_causal_mask(2, 2).int()
+    tensor([[1, 1, 1, 0],
+            [1, 1, 1, 1]], dtype=torch.int32)
+    """
+    check_int("past_len", past_len, minimum=0)
+    check_int("new_len", new_len)
+    query_pos = past_len + torch.arange(new_len, device=device)  # absolute positions
+    key_pos = torch.arange(past_len + new_len, device=device)
+    allowed = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        allowed &= key_pos[None, :] > query_pos[:, None] - check_int("window", window)
+    return allowed
+
+
+def last_keys(mask: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``mask`` (``[..., C, T]``, True: may read) with each query reading only the last
+    ``window`` of its readable keys: they run up to its own position, whatever the columns."""
+    if window is None:
+        return mask
+    from_right = mask.flip(-1).cumsum(-1).flip(-1)  # readable keys at or after each column
+    return mask & (from_right <= window)
 
 
 class LayerSpec(NamedTuple):
@@ -44,21 +75,17 @@ class LayerSpec(NamedTuple):
     window: int | None = None
 
 
-class HasLayout(Protocol):
-    """A model's config, as far as a cache needs it."""
-
-    @property
-    def cache_layout(self) -> tuple[LayerSpec, ...]: ...
+class HasLayout(Protocol):  # a model's config, as far as a cache needs it
+    n_positions: int
+    cache_layout: tuple[LayerSpec, ...]
 
 
 class CacheLayer:
     """One layer's rows: two tensors ``[B, H, T, width]`` (K and V, or c_KV and k_rope).
 
-    A storage defines ``write(k, v, start)``: store rows ``[B, H, C, width]`` at positions
-    ``start ..`` and return what the new queries attend over (held rows up to ``start + C - 1``,
-    in position order); ``read(seq_len)``: the rows of the positions :meth:`held`, in order;
-    ``tensors()``: every tensor it owns; and :meth:`fork`, :meth:`held`, :meth:`crop` where the
-    defaults do not hold.
+    A storage defines ``write(k, v, start)`` (store rows ``[B, H, C, width]`` at ``start ..``;
+    return what the new queries attend over, in position order), ``read(seq_len)`` (the rows of
+    :meth:`held`), ``tensors()``, and :meth:`fork`, :meth:`held`, :meth:`crop` if need be.
     """
 
     in_place = False  # a call writes into this layer's own tensors (then fork returns it)
@@ -77,8 +104,7 @@ class CacheLayer:
                             device=self.device) for w in self.widths]
 
     def check_rows(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Raise ``ValueError`` unless ``k``, ``v`` are rows ``[B, H, C, width]`` of this layer
-        (the one check of rows handed to a cache directly, not by the model)."""
+        """Raise ``ValueError`` unless ``k``, ``v`` are rows ``[B, H, C, width]`` of this layer."""
         want = (self.batch_size, self.heads, *self.widths)
         if (k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]
                 or (*k.shape[:2], k.shape[3], v.shape[3]) != want):
@@ -99,29 +125,24 @@ class CacheLayer:
         """This layer with only positions ``0 .. length - 1`` of the ``seq_len`` it has seen."""
         raise ValueError(f"a {type(self).__name__} cannot be cropped")
 
+    def tensors(self) -> list[torch.Tensor]:  # every tensor it owns (a kind may hold more)
+        return [self.k, self.v]
+
     def nbytes(self) -> int:
         """Bytes of :meth:`tensors`: ``sum(numel x element size)``."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def expected_nbytes(self, seq_len: int) -> int:
-        """What :meth:`nbytes` should be once the cache has seen ``seq_len``, from the sizes
-        alone: each kind states its own formula, which the byte checks hold it to."""
+        """:meth:`nbytes` once the cache has seen ``seq_len``, by the kind's own formula."""
         raise NotImplementedError(f"a {type(self).__name__} states no byte formula")
 
-    def row_bytes(self, positions: int) -> int:
-        """``positions`` rows of both tensors: ``B x H x positions x (w_K + w_V) x s``."""
+    def row_bytes(self, positions: int) -> int:  # B x H x positions x (w_K + w_V) x s
         size = torch.empty((), dtype=self.dtype).element_size()
         return self.batch_size * self.heads * positions * sum(self.widths) * size
 
 
 class DynamicLayer(CacheLayer):
-    """The whole history ``[B, H, T, width]``, grown by concatenation (a new tensor per call).
-
-    >>> layer = DynamicLayer.empty(batch_size=1, heads=2, widths=(3, 5))
-    >>> k, v = layer.write(torch.ones(1, 2, 4, 3), torch.ones(1, 2, 4, 5), start=0)
-    >>> tuple(v.shape), layer.nbytes() == 4 * (2 * 4 * 3 + 2 * 4 * 5)
-    ((1, 2, 4, 5), True)
-    """
+    """The whole history ``[B, H, T, width]``, grown by concatenation (a new tensor per call)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
@@ -150,9 +171,6 @@ class DynamicLayer(CacheLayer):
 
     def crop(self, length: int, seq_len: int) -> DynamicLayer:
         return DynamicLayer(self.k[:, :, :length], self.v[:, :, :length])
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.k, self.v]
 
     def expected_nbytes(self, seq_len: int) -> int:
         return self.row_bytes(seq_len)
@@ -188,9 +206,6 @@ class StaticLayer(CacheLayer):
 
     def crop(self, length: int, seq_len: int) -> StaticLayer:
         return self  # the rows past the new length are written over by the next call
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.k, self.v]
 
     def expected_nbytes(self, seq_len: int) -> int:
         return self.row_bytes(self.capacity)
@@ -254,8 +269,7 @@ class KVCache:
         return range(max(layer.held(self._len).start for layer in self.layers), self._len)
 
     @property
-    def keeps_every_position(self) -> bool:
-        """False if a layer drops old positions (then the cache cannot roll back)."""
+    def keeps_every_position(self) -> bool:  # False: a layer drops old ones (no rolling back)
         return all(layer.window is None for layer in self.layers)
 
     def begin(self) -> KVCache:
@@ -267,16 +281,16 @@ class KVCache:
         work.layers = [layer.fork() for layer in self._layers]
         return work
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        """Store ``k, v`` (``[B, H_kv, C, D_h]``) at positions ``start ..``; returns what the
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+               start: int) -> KV:
+        """Store ``k, v`` (``[B, H_kv, C, D_h]``) at ``start ..``; returns what the
         new queries attend over."""
         if start != self._len:
             raise ValueError(f"layer {layer_idx}: the cache holds {self._len} "
                              f"positions, write starts at {start}")
         return self._layer(layer_idx).write(k, v, start)
 
-    def finish(self, end: int) -> None:
-        """Count positions ``0 .. end - 1`` as held, once every layer has been updated."""
+    def finish(self, end: int) -> None:  # positions 0 .. end - 1 held, every layer updated
         self._len = end
 
     def crop(self, length: int) -> KVCache:
@@ -290,8 +304,7 @@ class KVCache:
     def tensors(self) -> list[torch.Tensor]:
         return [t for layer in self.layers for t in layer.tensors()]
 
-    def nbytes(self) -> int:
-        """Bytes of the tensors the cache owns: ``sum(numel * element_size)``."""
+    def nbytes(self) -> int:  # bytes of the tensors it owns: sum(numel * element_size)
         return sum(layer.nbytes() for layer in self.layers)
 
     def expected_nbytes(self) -> int:
@@ -301,8 +314,7 @@ class KVCache:
     def check_compatible(self, config: HasLayout, batch_size: int, dtype: torch.dtype,
                          device: torch.device, new_len: int) -> None:
         """Raise ``ValueError`` unless ``new_len`` tokens of a model with ``config`` fit: each
-        layer the heads and widths of its spec, a window layer at least the spec's window, and
-        the input's batch size, dtype, device and length."""
+        layer its spec's heads, widths and window, and the input's batch, dtype, device, length."""
         layout = config.cache_layout
         if len(layout) != self.n_layer:
             raise ValueError(f"cache was built for another model: {self.n_layer} layers, "
@@ -333,13 +345,7 @@ class KVCache:
 
 
 class DynamicCache(KVCache):
-    """A cache of :class:`DynamicLayer` s, built from one ``(K, V)`` per layer (or ``.empty``).
-
-    >>> from kvdoc.core.model import GPTConfig
-    >>> cache = DynamicCache.empty(GPTConfig(), batch_size=2)
-    >>> cache.seq_len, tuple(cache.layer(0)[0].shape)
-    (0, (2, 4, 0, 16))
-    """
+    """A cache of :class:`DynamicLayer` s, built from one ``(K, V)`` per layer (or ``.empty``)."""
 
     def __init__(self, layers: Sequence[KV]) -> None:
         built = [DynamicLayer(k, v) for k, v in layers]
@@ -355,15 +361,40 @@ class DynamicCache(KVCache):
 
 
 class StaticCache(KVCache):
-    """A cache of :class:`StaticLayer` s of ``capacity`` positions each.
-
-    >>> from kvdoc.core.model import GPTConfig
-    >>> cache = StaticCache(GPTConfig(), batch_size=1, capacity=8)
-    >>> cache.capacity, cache.nbytes() == 2 * 2 * 1 * 4 * 8 * 16 * 4  # K,V x L x B x H x T x D
-    (8, True)
-    """
+    """A cache of :class:`StaticLayer` s of ``capacity`` positions each."""
 
     def __init__(self, config: HasLayout, batch_size: int, capacity: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         super().__init__([StaticLayer(batch_size, s.heads, s.widths, capacity, dtype, device)
                           for s in config.cache_layout])
+
+
+def check_call(config: HasLayout, weight: torch.Tensor, idx: torch.Tensor,
+               cache: KVCache | None, positions: torch.Tensor | None = None) -> None:
+    """Raise ``ValueError`` unless ``idx`` (``[B, C]``) can continue ``cache`` in a model of
+    ``config`` whose embedding ``weight`` sets device and dtype; every decoder calls it first.
+    """
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+        shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+        raise ValueError(f"idx must be a [B, C] tensor of token ids, got {shape}")
+    if idx.dtype not in (torch.int64, torch.int32):  # what an embedding lookup takes
+        raise ValueError("idx must hold integer token ids (int64 or int32), "
+                         f"got dtype {idx.dtype}")
+    B, C = idx.shape
+    if C == 0 or B == 0:
+        raise ValueError(f"empty input: idx has shape {tuple(idx.shape)}; "
+                         "pass at least one token per row")
+    if idx.device != weight.device:
+        raise ValueError(f"idx is on {idx.device}, model is on {weight.device}")
+    if positions is not None and (positions.shape[-1:] != (C,) or positions.dim() > 2 or (
+            positions.dim() == 2 and positions.shape[0] not in (1, B))):
+        raise ValueError(f"positions must be [C] or [B, C] with (B, C) = {(B, C)}, "
+                         f"got {tuple(positions.shape)}")
+    if cache is not None and not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}")
+    past = 0 if cache is None else cache.seq_len
+    if past + C > config.n_positions:
+        raise ValueError(f"sequence too long: {past} cached + {C} new = {past + C} positions, "
+                         f"model has {config.n_positions}")
+    if cache is not None:
+        cache.check_compatible(config, B, weight.dtype, weight.device, C)

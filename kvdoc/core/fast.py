@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from . import invariant
-from .cache import KVCache
-from .model import Decoder, DecoderOutput, GPTConfig, apply_rope, check_call, embed_tokens
+from .cache import KVCache, check_call
+from .model import Decoder, DecoderOutput, GPTConfig, apply_rope, embed_tokens
 
 _VERSION = attrgetter("_version")
 _DATA_PTR = torch.Tensor.data_ptr

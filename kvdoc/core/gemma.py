@@ -49,8 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import invariant
-from .cache import KVCache, LayerSpec, check_int
-from .model import Decoder, apply_rope, check_positive, last_keys, offset_causal_mask
+from .cache import KVCache, LayerSpec, check_int, check_positive, last_keys, offset_causal_mask
+from .model import Decoder, apply_rope
 
 SLIDING, GLOBAL = "sliding_attention", "full_attention"
 """The two layer types, as Gemma 3's ``config.json`` names them."""

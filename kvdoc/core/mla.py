@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache, LayerSpec, check_int
-from .model import MLP, Decoder, GPTConfig, apply_rope, check_positive, offset_causal_mask
+from .cache import KVCache, LayerSpec, check_int, check_positive, offset_causal_mask
+from .model import MLP, Decoder, GPTConfig, apply_rope
 
 LATENT_NORM_EPS = 1e-6
 """Epsilon of the RMSNorms on the latents (transformers' DeepseekV3RMSNorm default there)."""

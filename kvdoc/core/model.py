@@ -18,14 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import DynamicCache, KVCache, LayerSpec, StaticCache, check_int
-
-
-def check_positive(name: str, value: object) -> object:
-    """``value``, if it is a positive number; else a ``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
-    return value
+from .cache import (
+    DynamicCache,
+    KVCache,
+    LayerSpec,
+    StaticCache,
+    check_call,
+    check_int,
+    check_positive,
+    last_keys,
+    offset_causal_mask,
+)
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,6 @@ class GPTConfig:
 
     >>> GPTConfig().head_dim, GPTConfig(n_kv_head=2).cache_layout[0]
     (16, LayerSpec(heads=2, widths=(16, 16), window=None))
-    >>> GPTConfig(n_embd=60, n_head=8)
-    Traceback (most recent call last):
-    ...
-    ValueError: n_embd=60 is not divisible by n_head=8
     """
 
     vocab_size: int = 97
@@ -97,12 +96,7 @@ class GPTConfig:
 
 
 def llama_config(**overrides: object) -> GPTConfig:
-    """A tiny Llama: RoPE, RMSNorm (eps 1e-6), SwiGLU (hidden 128), no biases, GQA 4/2.
-
-    >>> cfg = llama_config(n_kv_head=1)
-    >>> cfg.position, cfg.norm, cfg.mlp, cfg.n_kv_head
-    ('rope', 'rmsnorm', 'swiglu', 1)
-    """
+    """A tiny Llama: RoPE, RMSNorm (eps 1e-6), SwiGLU (hidden 128), no biases, GQA 4/2."""
     base = GPTConfig(n_inner=128, n_kv_head=2, layer_norm_epsilon=1e-6, position="rope",
                      norm="rmsnorm", mlp="swiglu", bias=False)
     return replace(base, **overrides)
@@ -111,40 +105,6 @@ def llama_config(**overrides: object) -> GPTConfig:
 def mistral_config(sliding_window: int = 32, **overrides: object) -> GPTConfig:
     """:func:`llama_config` with a sliding window of ``sliding_window`` keys."""
     return llama_config(sliding_window=sliding_window, **overrides)
-
-
-def offset_causal_mask(past_len: int, new_len: int, device: torch.device | str | None = None,
-                       *, window: int | None = None) -> torch.Tensor:
-    """``[C, P + C]`` bool: may new query ``i`` (at ``P + i``) read key ``j``? ``j <= P + i``.
-
-    PyTorch's ``is_causal=True`` (and ``torch.tril``) align the triangle top-left, as if
-    ``P = 0``: one new token would read key 0 only. With a window ``W``, also ``j > P + i - W``.
-
-    >>> offset_causal_mask(2, 2).int()
-    tensor([[1, 1, 1, 0],
-            [1, 1, 1, 1]], dtype=torch.int32)
-    """
-    check_int("past_len", past_len, minimum=0)
-    check_int("new_len", new_len)
-    query_pos = past_len + torch.arange(new_len, device=device)  # absolute positions
-    key_pos = torch.arange(past_len + new_len, device=device)
-    allowed = key_pos[None, :] <= query_pos[:, None]
-    if window is not None:
-        allowed &= key_pos[None, :] > query_pos[:, None] - check_int("window", window)
-    return allowed
-
-
-def last_keys(mask: torch.Tensor, window: int | None) -> torch.Tensor:
-    """``mask`` (``[..., C, T]``, True: may read) with each query reading only the last
-    ``window`` of its readable keys: they run up to its own position, whatever the columns.
-
-    >>> last_keys(torch.tensor([[False, True, True, True]]), window=2).int()
-    tensor([[0, 0, 1, 1]], dtype=torch.int32)
-    """
-    if window is None:
-        return mask
-    from_right = mask.flip(-1).cumsum(-1).flip(-1)  # readable keys at or after each column
-    return mask & (from_right <= window)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:  # (x1, x2) -> (-x2, x1) on the two halves
@@ -178,46 +138,9 @@ def apply_rope(x: torch.Tensor, start: int | torch.Tensor, theta: float = 10000.
     return x * angles.cos().to(x.dtype) + rotate_half(x) * angles.sin().to(x.dtype)
 
 
-def check_call(config: GPTConfig, weight: torch.Tensor, idx: torch.Tensor,
-               cache: KVCache | None, positions: torch.Tensor | None = None) -> None:
-    """Raise ``ValueError`` unless ``idx`` (``[B, C]``) can continue ``cache`` in a model of
-    ``config`` whose embedding ``weight`` sets device and dtype; every decoder calls it first.
-    """
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
-        shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
-        raise ValueError(f"idx must be a [B, C] tensor of token ids, got {shape}")
-    if idx.dtype not in (torch.int64, torch.int32):  # what an embedding lookup takes
-        raise ValueError("idx must hold integer token ids (int64 or int32), "
-                         f"got dtype {idx.dtype}")
-    B, C = idx.shape
-    if C == 0 or B == 0:
-        raise ValueError(f"empty input: idx has shape {tuple(idx.shape)}; "
-                         "pass at least one token per row")
-    if idx.device != weight.device:
-        raise ValueError(f"idx is on {idx.device}, model is on {weight.device}")
-    if positions is not None and (positions.shape[-1:] != (C,) or positions.dim() > 2 or (
-            positions.dim() == 2 and positions.shape[0] not in (1, B))):
-        raise ValueError(f"positions must be [C] or [B, C] with (B, C) = {(B, C)}, "
-                         f"got {tuple(positions.shape)}")
-    if cache is not None and not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}")
-    past = 0 if cache is None else cache.seq_len
-    if past + C > config.n_positions:
-        raise ValueError(f"sequence too long: {past} cached + {C} new = {past + C} positions, "
-                         f"model has {config.n_positions}")
-    if cache is not None:
-        cache.check_compatible(config, B, weight.dtype, weight.device, C)
-
-
 def embed_tokens(wte: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
     """``wte(idx)`` (``[B, C] -> [B, C, d]``), an id outside the vocabulary refused by name; the
-    lookup finds it, so valid input costs no host sync.
-
-    >>> embed_tokens(nn.Embedding(5, 2), torch.tensor([[1, 7]]))
-    Traceback (most recent call last):
-    ...
-    ValueError: token id 7 is outside the vocabulary 0..4
-    """
+    lookup finds it, so valid input costs no host sync."""
     try:
         return wte(idx)
     except IndexError:
@@ -233,11 +156,7 @@ def norm(config: GPTConfig) -> nn.Module:  # ln_1, ln_2, ln_f: LayerNorm (GPT-2)
 
 class MLP(nn.Module):
     """``c_proj(gelu_tanh(c_fc(x)))``, or SwiGLU ``c_proj(silu(gate) * up)`` with ``c_fc``'s two
-    halves; output row ``t`` needs row ``t`` only.
-
-    >>> MLP(GPTConfig())(torch.zeros(2, 5, 64)).shape  # [B, C, d] -> [B, C, d]
-    torch.Size([2, 5, 64])
-    """
+    halves; output row ``t`` needs row ``t`` only."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -256,13 +175,6 @@ class MLP(nn.Module):
 class CausalSelfAttention(nn.Module):
     """Causal self-attention (multi-head or grouped-query) over cached and new keys: new rows
     ``x`` (``[B, C, d]``) at positions ``start ..``, K and V stored in ``cache`` at ``layer_idx``.
-
-    >>> attn = CausalSelfAttention(GPTConfig(n_kv_head=2))
-    >>> work = DynamicCache.empty(GPTConfig(n_kv_head=2), batch_size=1).begin()
-    >>> attn(torch.randn(1, 3, 64), work, layer_idx=0, start=0).shape
-    torch.Size([1, 3, 64])
-    >>> work.layer(0)[0].shape  # K: [B, H_kv, T, D_h]
-    torch.Size([1, 2, 3, 16])
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -387,18 +299,13 @@ class Decoder(nn.Module):
                 last_only: bool = False, positions: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None) -> DecoderOutput:
         """Logits for the ``C`` new tokens ``idx`` (``[B, C]``) after the ``P`` positions
-        ``cache`` holds (None: recompute). A cache of growing layers is left unchanged, one
-        written in place is written in place; ``ValueError`` (bad ids, shapes, lengths, a cache
-        that does not fit) comes before any write.
-
-        ``last_only`` projects only the last position to the vocabulary. ``positions``
-        (``[B, C]`` or ``[C]``) replace ``P .. P + C - 1`` and ``attn_mask`` (``[B, C, P + C]``,
-        True: may read) the offset causal mask, for a padded batch or a ragged step.
-        """
+        ``cache`` holds (None: recompute); a ``ValueError`` comes before any write. ``last_only``
+        projects only the last position; ``positions`` (``[B, C]`` or ``[C]``) replace ``P ..
+        P + C - 1`` and ``attn_mask`` (``[B, C, P + C]``, True: may read) the offset mask, for
+        a padded batch or a ragged step."""
         self.check_input(idx, cache, positions)
         B, C = idx.shape
-        # handed to the attention only when given, so an attention written for one start per
-        # call (five arguments) still serves every other call
+        # given to the attention only when set: one written for one start per call still serves
         rotary = {} if positions is None or self.wpe is not None else {"positions": positions}
         start = 0 if cache is None else cache.seq_len
         work = None if cache is None else cache.begin()
@@ -419,23 +326,23 @@ class Decoder(nn.Module):
     def new_cache(self, batch_size: int,
                   kind: Literal["dynamic", "static", "window", "hybrid"] | None = None,
                   capacity: int | None = None) -> KVCache:
-        """An empty cache for this model's config, dtype and device: ``"dynamic"`` (default),
-        ``"static"`` (``capacity`` positions, default ``n_positions``), or ``"window"`` (rings
-        for the window layers, the default for a model with windows; ``"hybrid"`` is its name
-        where global layers grow beside them: :func:`kvdoc.core.window.window_cache`)."""
-        dtype, device = self.wte.weight.dtype, self.wte.weight.device
-        windowed = any(spec.window for spec in self.config.cache_layout)
+        """An empty cache for this model's config, dtype and device: ``"dynamic"``, ``"static"``
+        (``capacity`` positions, default ``n_positions``) or ``"window"`` (also ``"hybrid"``:
+        :func:`kvdoc.core.window.window_cache`, the default for a model with windows)."""
+        dtype, device, config = self.wte.weight.dtype, self.wte.weight.device, self.config
+        windowed = any(spec.window for spec in config.cache_layout)
+        kind = kind or ("window" if windowed else "dynamic")
+        if kind == "dynamic":
+            return DynamicCache.empty(config, batch_size, dtype, device)
+        if kind == "static":
+            capacity = config.n_positions if capacity is None else capacity
+            return StaticCache(config, batch_size, capacity, dtype, device)
         if kind == "window" and not windowed:
             raise ValueError("a window cache needs a model with sliding windows; this one has "
                              "none")
-        if kind in ("window", "hybrid") or (kind is None and windowed):
-            from .window import window_cache  # rings build on this file, not the reverse
-            return window_cache(self.config, batch_size, dtype=dtype, device=device)
-        if kind in ("dynamic", None):
-            return DynamicCache.empty(self.config, batch_size, dtype, device)
-        if kind == "static":
-            capacity = self.config.n_positions if capacity is None else capacity
-            return StaticCache(self.config, batch_size, capacity, dtype, device)
+        if kind in ("window", "hybrid"):
+            from .window import window_cache  # windows build on this file, not the reverse
+            return window_cache(config, batch_size, dtype=dtype, device=device)
         raise ValueError(f"unknown cache kind {kind!r}; use 'dynamic', 'static' or 'window'")
 
 
@@ -449,8 +356,7 @@ def prefill(model: Decoder, idx: torch.Tensor, cache: KVCache | None = None) -> 
 
 @torch.no_grad()
 def decode_step(model: Decoder, token: torch.Tensor, cache: KVCache) -> DecoderOutput:
-    """Feed exactly one new token per row (``[B]`` or ``[B, 1]``) after what ``cache`` holds:
-    logits ``[B, 1, V]`` for the position after it, and the cache one position longer."""
+    """One new token per row (``[B]`` or ``[B, 1]``) after ``cache``: logits ``[B, 1, V]``."""
     token = token.reshape(token.shape[0], -1) if token.dim() == 1 else token
     if token.dim() != 2 or token.shape[1] != 1:
         raise ValueError(f"decode_step takes one token per row, got shape {tuple(token.shape)}")

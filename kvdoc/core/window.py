@@ -1,7 +1,7 @@
 """Sliding-window storage: the last ``W`` positions of a layer, and the cache for a model.
 
 With a window of ``W`` keys, query ``i`` reads keys ``i - W < j <= i``
-(:func:`~kvdoc.core.model.offset_causal_mask`): no query from position ``i`` on reads a key
+(:func:`~kvdoc.core.cache.offset_causal_mask`): no query from position ``i`` on reads a key
 older than ``i - W + 1``, so a :class:`WindowLayer` keeps the last ``W`` rows and drops the
 rest. :func:`window_cache` gives each window layer one and each global layer (Gemma 2 and 3
 alternate them) a growing :class:`~kvdoc.core.cache.DynamicLayer`.
@@ -79,9 +79,6 @@ class WindowLayer(CacheLayer):
             raise ValueError(f"a window of {self.window} positions has dropped the ones before "
                              f"{seq_len - self.window}; it cannot go back to {length}")
         return WindowLayer(self.k[:, :, :length], self.v[:, :, :length], self.window)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.k, self.v]
 
     def expected_nbytes(self, seq_len: int) -> int:
         return self.row_bytes(min(seq_len, self.window))

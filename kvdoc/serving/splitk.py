@@ -15,7 +15,7 @@ the rounding of a different summation order. ``m + log l`` is the log-sum-exp of
 
 Shapes: ``q`` is ``[B, H, C, D_h]``, ``k`` and ``v`` are ``[B, H_kv, T, D_h]`` (``H`` a multiple
 of ``H_kv``: grouped-query and multi-query attention read one K/V head from several query heads),
-``mask`` is ``[C, T]`` bool (True: may read), as :func:`kvdoc.core.model.offset_causal_mask`
+``mask`` is ``[C, T]`` bool (True: may read), as :func:`kvdoc.core.cache.offset_causal_mask`
 builds it, or ``[B, C, T]`` with a mask per row (left-padded batches).
 
 :class:`SplitKAttention` puts the same computation inside the decoder, and

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdoc.core.model import offset_causal_mask
+from kvdoc.core.cache import offset_causal_mask
 
 WORKED_INPUTS: tuple[tuple[float, float], ...] = ((1.0, 2.0), (3.0, 1.0), (2.0, 3.0), (4.0, 1.0))
 """``x0 = [1, 2]``, ``x1 = [3, 1]``, ``x2 = [2, 3]``, ``x3 = [4, 1]``: the source's four tokens."""

@@ -107,7 +107,7 @@ def top_left_causal_mask(past_len: int, new_len: int,
                          device: torch.device | str | None = None) -> torch.Tensor:
     """WRONG whenever ``past_len > 0``: ``is_causal=True``'s mask for ``C`` new queries, ``tril``
     of ``[C, P + C]``, so local query ``i`` reads keys ``0 .. i`` only (right for ``P = 0``);
-    kept for contrast with :func:`kvdoc.core.model.offset_causal_mask`.
+    kept for contrast with :func:`kvdoc.core.cache.offset_causal_mask`.
 
     >>> top_left_causal_mask(2, 2).int()
     tensor([[1, 0, 0, 0],
