@@ -4,7 +4,9 @@ within :data:`kvdoc.proofs.compare.TOLERANCE`.
 * ``stream``: ``logits``, ``kv``, ``kv_shape``, ``causality`` and ``lifecycle`` for every batch
   and chunk size of the case, the stream (past positions 32 and 64) fed in chunks none of which
   divides it but 1. Causality edits the last token: both paths must keep every earlier position
-  (the last call, the only one that sees it, rerun from the cache as it was before that call).
+  (the last call, the only one that sees it, rerun from the cache as it was before that call);
+  and with the second half of the stream replaced, the full forward's K and V of the first half
+  must stay bit for bit the same in every layer (what keeps a cache's stored rows valid).
 * ``last_only``: ``last_only=True`` returns the last position, full and cached.
 * ``reference``: the model's independent reference (:mod:`kvdoc.proofs.references`), full and
   cached.
@@ -31,7 +33,8 @@ def _cached_shapes(config, batch: int, length: int) -> tuple[tuple[int, ...], ..
     "logits": "cached vs full logits, every position, whole vocabulary",
     "kv": "each layer's cached K and V vs the full forward's projections",
     "kv_shape": "each layer's cached K and V are [B, H_kv, T, D_h] (MLA: c_KV and k_rope)",
-    "causality": "earlier positions after the last token changes, both paths",
+    "causality": "earlier positions after the last token changes, both paths; earlier K/V "
+                 "bitwise after later tokens change",
     "lifecycle": "what a cache held before a call, after it (bitwise)"}, raises_as="logits")
 def _stream(case: Case, out: list) -> None:
     T, vocab = case.ids.shape[1], case.model.config.vocab_size
@@ -44,6 +47,13 @@ def _stream(case: Case, out: list) -> None:
         full_edited = case.full(edited)
         full_causal = max_abs(full_edited[:, :-1], full[:, :-1])
         full_causal_ok = close(full_edited[:, :-1], full[:, :-1], case.tol)
+        later, half = ids.clone(), T // 2  # later tokens replaced: earlier K/V must not move
+        later[:, half:] = (ids[:, half:] + 1) % vocab
+        kept = [(a[:, :, :half], b[:, :, :half])
+                for pa, pb in zip(full_kv, full_forward_kv(case.model, later)[1], strict=True)
+                for a, b in zip(pa, pb, strict=True)]
+        full_causal_ok = full_causal_ok and all(torch.equal(a, b) for a, b in kept)
+        full_causal = max(full_causal, *(max_abs(a, b) for a, b in kept))
         first, first_edited = ((stale_prefix(ids, vocab), stale_prefix(edited, vocab)) if case.stale
                                else (None, None))
         for chunk in case.chunks:
@@ -94,7 +104,8 @@ def _stream(case: Case, out: list) -> None:
                     before = logits[:, :-1]
                 causal_ok = causal_ok and close(again, before, case.tol)
                 causal = max(causal, max_abs(again, before))
-            add("causality", causal_ok, causal, "last token edited, earlier positions compared")
+            add("causality", causal_ok, causal, "last token edited, earlier positions compared; "
+                "second half replaced, first half's K/V bitwise")
 
 
 @scenario("last_only", {"last_only": "last_only=True vs the full forward's last position"})
