@@ -4,7 +4,7 @@ The command prints ``2 x B x L x T x H_kv x D x s`` (:func:`~kvdoc.measure.kv_by
 in exact, binary and decimal units, for sizes given on the command line; for a published model
 (any :data:`~kvdoc.measure.model_caches.MODELS` entry: plain, windowed, hybrid, MLA or
 linear-attention hybrid) or a transformers ``config.json``
-(:func:`~kvdoc.measure.model_caches.read_config`) it sums the layers' own costs::
+(:func:`~kvdoc.measure.config_json.read_config`) it sums the layers' own costs::
 
     python -m kvdoc memory --batch 1 --layers 32 --seq-len 4096 --kv-heads 8 --head-dim 128 \\
         --dtype float16
@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import sys
 
+from .config_json import read_config
 from .kv_bytes import (
     FP8_SCALE_GRANULARITIES,
     binary_size,
@@ -35,7 +36,7 @@ from .kv_bytes import (
     fp8_scale_bytes,
     kv_bytes,
 )
-from .model_caches import MODELS, LayerCache, ModelCache, model_cache, read_config
+from .model_caches import MODELS, LayerCache, ModelCache, model_cache
 
 #: The longest ``--seq-len`` (and ``--window``) the command takes: 2**31 - 1 positions. Attention
 #: kernels index a sequence's tokens with 32-bit integers (FlashAttention's ``cu_seqlens`` are
