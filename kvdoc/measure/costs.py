@@ -91,15 +91,12 @@ def run_flops(config: GPTConfig, prefix_len: int, new_tokens: int) -> dict[str, 
     (one position per step over ``P + j - 1`` cached ones), plus their ``linear`` and
     ``attention`` parts.
     """
-    out: dict[str, float] = {}
-    for name, kwargs in (("full_all", {"last_only": False}), ("full_last", {"last_only": True})):
-        parts = [step_flops(config, 0, prefix_len + j, **kwargs) for j in range(1, new_tokens + 1)]
-        for part in ("linear", "attention", "lm_head", "total"):
-            out[f"{name}_{part}" if part != "total" else name] = sum(p[part] for p in parts)
-    parts = [step_flops(config, prefix_len + j - 1, 1) for j in range(1, new_tokens + 1)]
-    for part in ("linear", "attention", "lm_head", "total"):
-        out[f"cached_{part}" if part != "total" else "cached"] = sum(p[part] for p in parts)
-    return out
+    steps = range(1, new_tokens + 1)
+    runs = {"full_all": [step_flops(config, 0, prefix_len + j) for j in steps],
+            "full_last": [step_flops(config, 0, prefix_len + j, last_only=True) for j in steps],
+            "cached": [step_flops(config, prefix_len + j - 1, 1) for j in steps]}
+    return {name if part == "total" else f"{name}_{part}": sum(p[part] for p in parts)
+            for name, parts in runs.items() for part in ("linear", "attention", "lm_head", "total")}
 
 
 def step_bytes(model: Decoder, context: int) -> int:

@@ -67,10 +67,7 @@ def _is_torch_dtype(dtype: object) -> bool:
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
-    """The canonical name of a dtype, e.g. ``"float16"`` for ``"fp16"``.
-
-    Raises:
-        ValueError: an unknown name.
+    """The canonical name of a dtype, e.g. ``"float16"`` for ``"fp16"`` (a ValueError if unknown).
 
     >>> dtype_name("FP16"), dtype_name("bf16")
     ('float16', 'bfloat16')
@@ -116,9 +113,7 @@ def kv_bytes_per_layer(batch: int, seq_len: int, kv_heads: int, head_dim: int,
     """
     for name, value in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
         check_int(name, value)
-    # 0 is allowed: an empty cache
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-        raise ValueError(f"seq_len must be a non-negative integer, got {seq_len!r}")
+    check_int("seq_len", seq_len, minimum=0)
     if not windows:
         raise ValueError("need at least one layer")
     held = [seq_len if w is None else min(seq_len, check_int("window", w)) for w in windows]

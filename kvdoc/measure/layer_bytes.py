@@ -5,12 +5,12 @@ A formula is registered per layer class; a subclass (a broken variant of a layer
 to its real kind's formula, and a class with no formula anywhere in its bases is refused, so a
 new layer kind cannot slip past the bytes check unnoticed.
 
->>> from kvdoc.core.cache import DynamicLayer, StaticLayer
->>> expected_layer_bytes(StaticLayer(1, 2, (4, 4), capacity=8), seq_len=3)   # K, V x 2 x 8 x 4 x 4
+>>> from kvdoc.core.cache import DynamicLayer, KVCache, StaticLayer
+>>> expected_bytes(KVCache([StaticLayer(1, 2, (4, 4), capacity=8)]))   # K, V x 2 x 8 x 4 x 4
 512
 >>> class Mystery(DynamicLayer):
 ...     pass
->>> expected_layer_bytes(Mystery.empty(1, 2, (4, 4)), 0)        # a subclass: its base's formula
+>>> expected_bytes(KVCache([Mystery.empty(1, 2, (4, 4))]))        # a subclass: its base's formula
 0
 """
 
@@ -62,25 +62,14 @@ LAYER_BYTES: dict[type[CacheLayer], Callable[[CacheLayer, int], int]] = {
 """Layer class -> ``(layer, seq_len) -> bytes``."""
 
 
-def expected_layer_bytes(layer: CacheLayer, seq_len: int) -> int:
-    """The bytes ``layer`` should hold once its cache has seen ``seq_len`` positions.
-
-    Raises:
-        ValueError: no formula is registered for the layer's class or any of its bases.
-    """
-    for cls in type(layer).__mro__:
-        if cls in LAYER_BYTES:
-            return LAYER_BYTES[cls](layer, seq_len)
-    raise ValueError(f"no byte formula for a {type(layer).__name__}: register its kind in "
-                     "kvdoc.measure.layer_bytes.LAYER_BYTES")
-
-
 def expected_bytes(cache: KVCache) -> int:
-    """The sum of :func:`expected_layer_bytes` over the cache's layers.
-
-    >>> from kvdoc import GPTConfig
-    >>> from kvdoc.core.cache import StaticCache
-    >>> expected_bytes(StaticCache(GPTConfig(), batch_size=1, capacity=8)) == 2 * 2 * 4 * 8 * 16 * 4
-    True
-    """
-    return sum(expected_layer_bytes(layer, cache.seq_len) for layer in cache.layers)
+    """The bytes ``cache``'s layers should hold, each by its class's formula (or its nearest
+    base's); a ValueError for a layer no formula covers."""
+    total = 0
+    for layer in cache.layers:
+        formula = next((LAYER_BYTES[c] for c in type(layer).__mro__ if c in LAYER_BYTES), None)
+        if formula is None:
+            raise ValueError(f"no byte formula for a {type(layer).__name__}: register its kind "
+                             "in kvdoc.measure.layer_bytes.LAYER_BYTES")
+        total += formula(layer, cache.seq_len)
+    return total

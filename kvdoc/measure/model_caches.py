@@ -148,8 +148,7 @@ class ModelCache:
         ``preallocated`` a window layer holds its ``W`` rows from the start (a ring allocated
         at its full size, as :func:`~kvdoc.core.window.window_cache`'s); ``windows=False``
         counts every layer as full (the same model with no window)."""
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-            raise ValueError(f"seq_len must be a non-negative integer, got {seq_len!r}")
+        check_int("seq_len", seq_len, minimum=0)
         return sum(layer.per_token * (seq_len if w is None or not windows else w if preallocated
                                       else min(seq_len, w)) + layer.state
                    for layer, w in ((layer, layer.window) for layer in self.layers))

@@ -1,15 +1,10 @@
 """Each parallel run compared with the same model in one process, and what was compared.
 
-:func:`compare` checks a :class:`~kvdoc.parallel.decode.ParallelRun` against one process
-(:func:`kvdoc.core.model.generate` for the tokens; the same prefill and decode steps for the
-logits and the cache):
-
-* the tokens are equal, on every rank;
-* the logits agree within :data:`TOLERANCE` (``atol = rtol``);
-* every rank's cache holds exactly its K/V heads at its positions: equal, within the tolerance,
-  to those rows of the one-process cache, and its bytes equal
-  :func:`~kvdoc.parallel.decode.rank_kv_bytes`;
-* every forward call made :func:`~kvdoc.parallel.decode.collectives_per_call`'s collectives.
+:func:`compare` checks a :class:`~kvdoc.parallel.decode.ParallelRun` against one process: the
+tokens equal on every rank; the logits within :data:`TOLERANCE`; every rank's cache holding
+exactly its K/V heads at its positions (those rows of the one-process cache, within the
+tolerance), in :func:`~kvdoc.parallel.decode.rank_kv_bytes`; every forward call making
+:func:`~kvdoc.parallel.decode.collectives_per_call`'s collectives.
 
 Why this tolerance: TP and CP change only the order of floating-point sums (a row-parallel
 ``c_proj`` adds ``tp`` partial sums; the split-K merge rescales and adds ``cp`` partial
@@ -46,6 +41,7 @@ from .decode import (
     Parts,
     check_run,
     collectives_per_call,
+    greedy,
     rank_generate,
     rank_kv_bytes,
 )
@@ -77,13 +73,8 @@ def reference(model: Decoder, prompt: torch.Tensor, max_new_tokens: int):
     """One process: ``(tokens, logits [B, N, V], cache)`` of greedy decoding, the cache holding
     every position that was fed."""
     logits, cache = prefill(model, prompt, model.new_cache(prompt.shape[0], "dynamic"))
-    out, chosen = [prompt], []
-    for step in range(max_new_tokens):
-        chosen.append(logits[:, -1])
-        out.append(logits[:, -1].argmax(dim=-1, keepdim=True))
-        if step + 1 < max_new_tokens:
-            logits, cache = decode_step(model, out[-1], cache)
-    return torch.cat(out, dim=1), torch.stack(chosen, dim=1), cache
+    return greedy(logits, cache, prompt, max_new_tokens,
+                  lambda token, cache, _: decode_step(model, token, cache))
 
 
 @dataclass
@@ -202,11 +193,8 @@ def compare_jobs(jobs: list[Job], per_rank: list[list]) -> list[Comparison]:
 
 
 def run_jobs(jobs: list[Job]) -> list[Comparison]:
-    """Every job on one launch of ``tp * cp`` ranks (the same for all), each compared.
-
-    Raises:
-        ValueError: jobs of different world sizes, or one :func:`parallel_generate` refuses.
-    """
+    """Every job on one launch of ``tp * cp`` ranks (the same for all, :func:`check_jobs`), each
+    compared."""
     if not jobs:
         return []
     return compare_jobs(jobs, launch(rank_jobs, check_jobs(jobs), jobs, backend="gloo"))
