@@ -1,13 +1,10 @@
 """The collectives one rank calls, on a ``cp x tp`` mesh of ranks, each call counted.
 
-Rank ``r`` of ``tp * cp`` ranks sits at ``(cp_rank, tp_rank) = divmod(r, tp)``. Its
-tensor-parallel group is the ``tp`` ranks of its row (they split the heads and the MLP), its
-context-parallel group the ``cp`` ranks of its column (they split the positions). A group of
-one rank needs no communication, so its collectives return their input and count nothing; with
-``tp = cp = 1`` a :class:`Comm` works without any process group, which is how one rank runs.
-
-``counts`` tallies the calls by kind (``all_reduce``, ``all_gather``, ``broadcast``), so a run can
-report the collectives of each decode step and check them against what the layout needs.
+Rank ``r`` sits at ``(cp_rank, tp_rank) = divmod(r, tp)``: its tensor-parallel group is the
+``tp`` ranks of its row, its context-parallel group the ``cp`` ranks of its column. A group of
+one rank returns its input and counts nothing, so with ``tp = cp = 1`` a :class:`Comm` needs no
+process group. ``counts`` tallies the calls by kind, so a run can check each decode step's
+collectives against what the layout needs.
 
 >>> comm = Comm(rank=0, tp=1, cp=1)
 >>> comm.tp_rank, comm.cp_rank, comm.all_reduce(torch.ones(2)).tolist(), dict(comm.counts)
@@ -25,11 +22,8 @@ from kvdoc.core.cache import check_int
 
 
 class Comm:
-    """One rank's place on the mesh and its counted collectives.
-
-    Every rank of the process group must build its :class:`Comm` with the same ``tp`` and
-    ``cp`` (creating the groups is itself collective).
-    """
+    """One rank's place on the mesh and its counted collectives; every rank must build its own
+    with the same ``tp`` and ``cp`` (creating the groups is itself collective)."""
 
     def __init__(self, rank: int, tp: int, cp: int) -> None:
         self.tp, self.cp = check_int("tp", tp), check_int("cp", cp)

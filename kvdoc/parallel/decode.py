@@ -50,20 +50,6 @@ STANDARD = Parts()
 """The correct parts."""
 
 
-def check_layout(model: Decoder, tp: int, cp: int) -> None:
-    """Raise ``ValueError`` unless ``model`` can run on ``tp x cp`` ranks."""
-    if not isinstance(model, Decoder) or not all(
-            type(b) is Block and type(b.attn) is CausalSelfAttention and type(b.mlp) is MLP
-            for b in model.h):
-        raise ValueError("parallel decoding takes a kvdoc Decoder of standard attention blocks "
-                         f"(GPT-2 or Llama style), got {type(model).__name__}")
-    device = model.wte.weight.device
-    if device.type != "cpu":  # the ranks talk over gloo, on CPU tensors
-        raise ValueError(f"parallel decoding runs on CPU (gloo); the model is on {device}")
-    check_tp(model.config, tp)
-    check_int("cp", cp)
-
-
 def rank_kv_bytes(config: GPTConfig, tp: int, cp: int, rank: int, batch: int, seq_len: int,
                   dtype: torch.dtype = torch.float32) -> int:
     """K/V bytes rank ``rank`` holds after ``seq_len`` positions: ``2 x B x L x T_r x H_kv,r x D
@@ -237,7 +223,16 @@ class ParallelRun(NamedTuple):
 def check_run(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, tp: int,
               cp: int) -> None:
     """Raise ``ValueError`` for a layout or an input :func:`parallel_generate` cannot run."""
-    check_layout(model, tp, cp)
+    if not isinstance(model, Decoder) or not all(
+            type(b) is Block and type(b.attn) is CausalSelfAttention and type(b.mlp) is MLP
+            for b in model.h):
+        raise ValueError("parallel decoding takes a kvdoc Decoder of standard attention blocks "
+                         f"(GPT-2 or Llama style), got {type(model).__name__}")
+    device = model.wte.weight.device
+    if device.type != "cpu":  # the ranks talk over gloo, on CPU tensors
+        raise ValueError(f"parallel decoding runs on CPU (gloo); the model is on {device}")
+    check_tp(model.config, tp)
+    check_int("cp", cp)
     model.check_input(prompt, None)
     embed_tokens(model.wte, prompt)  # an id outside the vocabulary: refused here, not on a rank
     check_int("max_new_tokens", max_new_tokens)
