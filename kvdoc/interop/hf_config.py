@@ -28,7 +28,7 @@ NORMS_AND_DOWN = {"input_layernorm": "ln_1", "post_attention_layernorm": "ln_2",
                   "mlp.down_proj": "mlp.c_proj"}
 
 
-#: GPT-2's names for the sizes every other family names the long way
+#: GPT-2's short names, and the long ones
 _ALIASES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
             "n_embd": "hidden_size", "n_positions": "max_position_embeddings"}
 #: sizes a published config.json leaves to its transformers class: Gemma 3's ``text_config``
@@ -106,8 +106,6 @@ def causal_lm_class(model_type: str) -> type:
 
 def gpt2_config(config: GPTConfig) -> Any:
     """The transformers ``GPT2Config`` of the same model: GELU-tanh, no dropout, untied head.
-
-    Only multi-head attention maps onto GPT-2: ``n_kv_head`` must equal ``n_head``.
 
     >>> from transformers import GPT2LMHeadModel
     >>> from kvdoc import GPTConfig

@@ -45,10 +45,8 @@ PUBLISHED: dict[str, dict[str, Any]] = {
                         kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                         v_head_dim=128, max_position_embeddings=163840),
 }
-"""Attention sizes from the published ``config.json`` files (deepseek-ai/DeepSeek-V3 and
-deepseek-ai/DeepSeek-V2; ``intermediate_size`` is the dense layers' MLP width). Their other
-layers are mixture-of-experts, which :func:`published_config` leaves out: the cache does not
-depend on them."""
+"""Attention sizes from the published ``config.json`` files (deepseek-ai/DeepSeek-V3 and -V2;
+``intermediate_size`` is the dense layers' MLP width: the experts do not change the cache)."""
 
 
 def published_config(name: str) -> MLAConfig:
@@ -164,9 +162,8 @@ def from_deepseek(hf_model: Any) -> MLADecoder:
 
 
 def to_deepseek(model: MLADecoder, rope_interleave: bool = True) -> Any:
-    """transformers' ``DeepseekV3ForCausalLM`` holding ``model``'s weights (the inverse of
-    :func:`from_deepseek`), in the model's dtype, in eval mode; the global RNG is left as it was.
-    """
+    """transformers' ``DeepseekV3ForCausalLM`` holding ``model``'s weights, in its dtype, in eval
+    mode; the global RNG is left as it was."""
     from transformers import DeepseekV3ForCausalLM
 
     config, state = model.config, dict(model.state_dict())
