@@ -28,7 +28,6 @@ ids), and gets them in that order. What moves is exactly :func:`moved_bytes`, pl
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -130,18 +129,6 @@ def lacking(blocks: range) -> list[int]:
     return list(blocks)
 
 
-class GroupComm(Comm):
-    """The tensor-parallel collectives of ranks ``0 .. tp - 1`` inside a world of one rank more
-    (the decode rank), from a group the caller created on every rank (``Comm.__init__``
-    builds its groups from a world of exactly ``tp x cp`` ranks)."""
-
-    def __init__(self, rank: int, tp: int, group: object) -> None:
-        self.tp, self.cp, self.world_size = tp, 1, tp
-        self.rank, self.cp_rank, self.tp_rank = rank, 0, rank
-        self.counts: Counter[str] = Counter()
-        self.tp_group, self.cp_group = group, None
-
-
 @dataclass
 class Handed:
     """What one rank of a hand-over did."""
@@ -201,7 +188,7 @@ def _block(layers: list, start: int, end: int) -> torch.Tensor:
 
 @torch.no_grad()
 def _prefill_rank(rank: int, tp: int, group: object, job: Handover) -> Handed:
-    comm = GroupComm(rank, tp, group)
+    comm = Comm(rank, tp, 1, group)  # the TP group of the prefill ranks alone
     decoder = RankDecoder(job.model, comm).eval()
     prompt, size = job.prompt, job.block_size
     logits, cache = decoder(prompt, decoder.new_cache(prompt.shape[0]), 0)

@@ -23,9 +23,10 @@ from kvdoc.core.cache import check_int
 
 class Comm:
     """One rank's place on the mesh and its counted collectives; every rank must build its own
-    with the same ``tp`` and ``cp`` (creating the groups is itself collective)."""
+    with the same ``tp`` and ``cp`` (creating the groups is itself collective). A ``tp_group``
+    made by the caller serves a mesh inside a larger world (a hand-over's prefill ranks)."""
 
-    def __init__(self, rank: int, tp: int, cp: int) -> None:
+    def __init__(self, rank: int, tp: int, cp: int, tp_group: object = None) -> None:
         self.tp, self.cp = check_int("tp", tp), check_int("cp", cp)
         self.world_size = tp * cp
         self.rank = check_int("rank", rank, minimum=0)
@@ -33,8 +34,8 @@ class Comm:
             raise ValueError(f"rank {rank} is outside a mesh of {tp} x {cp} ranks")
         self.cp_rank, self.tp_rank = divmod(rank, tp)
         self.counts: Counter[str] = Counter()
-        self.tp_group = self.cp_group = None
-        if self.world_size > 1:
+        self.tp_group, self.cp_group = tp_group, None
+        if self.world_size > 1 and tp_group is None:
             # every rank creates every group, in one order, as new_group requires
             for row in range(cp):
                 group = dist.new_group([row * tp + t for t in range(tp)])

@@ -99,7 +99,6 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        """Every check passed."""
         return (self.tokens_equal and self.logits_close and self.kv_close and self.collectives_ok
                 and all(m == f for m, f in self.bytes))
 
@@ -171,11 +170,8 @@ def rank_jobs(rank: int, world_size: int, jobs: list[Job]) -> list:
 
 
 def check_jobs(jobs: list[Job]) -> int:
-    """The one world size of ``jobs``, after :func:`~kvdoc.parallel.decode.check_run` of each.
-
-    Raises:
-        ValueError: jobs of different world sizes, or one :func:`parallel_generate` refuses.
-    """
+    """The one world size of ``jobs`` (a ValueError if they differ), after
+    :func:`~kvdoc.parallel.decode.check_run` of each."""
     worlds = {j.tp * j.cp for j in jobs}
     if len(worlds) != 1:
         raise ValueError(f"one launch runs one number of ranks, the jobs need {sorted(worlds)}")
