@@ -1,7 +1,5 @@
-"""What one benchmark run is asked (:class:`BenchSettings`) and returns: its raw samples and
-summaries (:class:`BenchResult`), the headline ratios (:func:`ratios`) and the ratios the fast
-step aims for (:data:`TARGETS`).
-"""
+"""What one benchmark run is asked (:class:`BenchSettings`) and returns (:class:`BenchResult`),
+its headline ratios and the ratios the fast step aims for (:data:`TARGETS`)."""
 
 from __future__ import annotations
 
@@ -119,8 +117,7 @@ class BenchResult:
         return percentile(self.timings[prefix_len][path], 95)
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict: configuration, environment, timestamp, raw samples, summaries,
-        ratios."""
+        """A JSON-ready dict: settings, environment, raw samples, summaries, ratios."""
         settings = asdict(self.settings)
         summary = {str(p): {path: {"p50_ms": self.p50(p, path), "p95_ms": self.p95(p, path)}
                             for path in paths} for p, paths in self.timings.items()}
