@@ -55,19 +55,11 @@ def _layer_types(c: Mapping[str, Any], layers: int, where: str) -> list[str]:
 
 
 def cache_from_config(config: Mapping[str, Any], name: str = "config.json") -> ModelCache:
-    """The :class:`~kvdoc.measure.model_caches.ModelCache` a parsed ``config.json`` describes.
-
-    Per layer: K/V heads and head size by :func:`~kvdoc.interop.hf_config.attention_sizes`
-    (GPT-2's names, a multimodal ``text_config``, Gemma 3's class defaults); an MLA latent of
-    ``kv_lora_rank + qk_rope_head_dim``; which layers are windowed from ``layer_types``, else
-    ``sliding_window_pattern`` (Gemma 3), Gemma 2's and gpt-oss's alternation,
-    ``full_attention_interval`` (Qwen3-Next), else every layer if ``sliding_window`` is set and
-    ``use_sliding_window`` is not false. A linear-attention layer's state is counted when the
-    config gives Gated DeltaNet's sizes; else the note says it is not.
-
-    Raises:
-        ValueError: a size missing or not a positive integer, an unknown layer type,
-            state-space layers, or ``layer_types`` of the wrong length.
+    """The :class:`~kvdoc.measure.model_caches.ModelCache` a parsed ``config.json`` describes:
+    attention, MLA, sliding-window and Gated DeltaNet layers, placed by ``layer_types`` or the
+    family's own rule (a Gemma pattern, an alternation, Qwen3-Next's interval). A
+    linear-attention layer's state is counted when the config gives its sizes; else the note
+    says it is not. State-space layers and anything malformed are a ValueError.
 
     >>> m = cache_from_config({"num_hidden_layers": 32, "num_attention_heads": 32,
     ...                        "num_key_value_heads": 8, "hidden_size": 4096,

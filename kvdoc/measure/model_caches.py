@@ -297,21 +297,6 @@ def _gpt_oss(name: str, layers: int) -> ModelCache:
         128, 2, "the attention sinks are one learned scalar a head, not cached per position")
 
 
-def _qwen3_next() -> ModelCache:
-    # full_attention_interval 4: three linear-attention layers, then a full one, 12 times
-    linear = gated_delta_layer(16, 32, 128, 128, 4)
-    full = attention_layer(2, 256)
-    return ModelCache(
-        "Qwen3-Next-80B-A3B", (linear, linear, linear, full) * 12, 262144,
-        _HF.format("Qwen/Qwen3-Next-80B-A3B-Instruct") + " (num_hidden_layers 48, "
-        "full_attention_interval 4, num_key_value_heads 2, head_dim 256, "
-        "linear_num_key_heads 16, linear_num_value_heads 32, linear_key_head_dim 128, "
-        "linear_value_head_dim 128, linear_conv_kernel_dim 4, "
-        "max_position_embeddings 262144)",
-        "36 Gated DeltaNet layers keep a fixed state (counted in the same dtype, as "
-        "transformers keeps it); 12 attention layers keep K/V per position")
-
-
 _LLAMA2 = ("meta-llama/Llama-2-{}b-hf config.json (num_hidden_layers {}, num_attention_heads "
            "{}, num_key_value_heads {}, hidden_size {}, intermediate_size {}, vocab_size "
            "32000); Touvron et al. 2023, 'Llama 2'")
@@ -371,7 +356,16 @@ MODELS: dict[str, ModelCache] = {m.name.lower(): m for m in (
                "the multi-token-prediction layer (num_nextn_predict_layers 1) is left out"),
     _gpt_oss("gpt-oss-20b", 24),
     _gpt_oss("gpt-oss-120b", 36),
-    _qwen3_next(),
+    ModelCache(  # full_attention_interval 4: three linear-attention layers, then a full one
+        "Qwen3-Next-80B-A3B",
+        ((gated_delta_layer(16, 32, 128, 128, 4),) * 3 + (attention_layer(2, 256),)) * 12, 262144,
+        _HF.format("Qwen/Qwen3-Next-80B-A3B-Instruct") + " (num_hidden_layers 48, "
+        "full_attention_interval 4, num_key_value_heads 2, head_dim 256, "
+        "linear_num_key_heads 16, linear_num_value_heads 32, linear_key_head_dim 128, "
+        "linear_value_head_dim 128, linear_conv_kernel_dim 4, "
+        "max_position_embeddings 262144)",
+        "36 Gated DeltaNet layers keep a fixed state (counted in the same dtype, as "
+        "transformers keeps it); 12 attention layers keep K/V per position"),
 )}
 
 

@@ -40,7 +40,7 @@ from kvdoc.core.model import Decoder, GPTConfig, decode_step, generate, prefill
 from kvdoc.measure.kv_bytes import kv_bytes
 
 from .comm import Comm
-from .comparison import TOLERANCE
+from .comparison import TOLERANCE, rows_close
 from .decode import RankDecoder, check_run, greedy
 from .launch import launch
 from .tensor import head_shard
@@ -327,9 +327,7 @@ def handover_jobs(jobs: list[tuple], tp: int = 2) -> list[HandoverCheck]:
             _, cache = prefill(model, prompt[:, :T], model.new_cache(prompt.shape[0], "dynamic"))
             want_logits = prefill(model, prompt).logits
         tol = TOLERANCE.get(model.wte.weight.dtype, 1e-5)
-        kv_close = all(torch.allclose(mine, want, atol=tol, rtol=tol)
-                       for (k, v), layer in zip(decode.kv, cache.layers, strict=True)
-                       for mine, want in zip((k, v), layer.read(T), strict=True))
+        kv_close = rows_close(decode.kv, cache, tol)
         first = decode.logits[:, 0]
         logits_close = torch.allclose(first, want_logits[:, -1], atol=tol, rtol=tol)
         dtype, pull = model.wte.weight.dtype, j.transfer == "pull"

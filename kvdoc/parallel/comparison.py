@@ -19,11 +19,13 @@ seconds, a tiny model's decode milliseconds).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
+from kvdoc.core.cache import KVCache
 from kvdoc.core.model import (
     Decoder,
     GPTConfig,
@@ -66,6 +68,15 @@ def build_model(name: str, seed: int = 0) -> Decoder:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return Decoder(MODELS[name]).eval()
+
+
+def rows_close(mine: list, cache: KVCache, tol: float,
+               rows: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> bool:
+    """Each layer's tensors in ``mine`` equal, within ``tol``, to ``rows`` of the one-process
+    ``cache``'s (a rank's heads and positions, say)."""
+    return all(m.shape == rows(w).shape and torch.allclose(m, rows(w), atol=tol, rtol=tol)
+               for tensors, layer in zip(mine, cache.layers, strict=True)
+               for m, w in zip(tensors, layer.read(cache.seq_len), strict=True))
 
 
 @torch.no_grad()
@@ -131,15 +142,9 @@ def compare(name: str, model: Decoder, prompt: torch.Tensor, max_new_tokens: int
     diff = max(float((r.logits - logits).abs().max()) for r in run.ranks)
     close = all(r.logits.shape == logits.shape
                 and torch.allclose(r.logits, logits, atol=tol, rtol=tol) for r in run.ranks)
-    kv_close = True
-    for r in run.ranks:
-        heads, positions = list(r.kv_heads), list(r.positions)
-        for (k, v), layer in zip(r.kv, cache.layers, strict=True):
-            full_k, full_v = layer.read(cache.seq_len)
-            for mine, full in ((k, full_k), (v, full_v)):
-                want = full[:, heads][:, :, positions]
-                kv_close &= mine.shape == want.shape and torch.allclose(mine, want, atol=tol,
-                                                                        rtol=tol)
+    kv_close = all(rows_close(r.kv, cache, tol,
+                              lambda t, r=r: t[:, list(r.kv_heads)][:, :, list(r.positions)])
+                   for r in run.ranks)
     fed = prompt.shape[1] + max_new_tokens - 1
     sizes = [(r.cache_bytes, rank_kv_bytes(model.config, tp, cp, r.rank, prompt.shape[0], fed,
                                             logits.dtype)) for r in run.ranks]

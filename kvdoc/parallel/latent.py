@@ -32,7 +32,7 @@ from kvdoc.measure.kv_bytes import measured_bytes
 from kvdoc.measure.model_caches import config_cache
 
 from .comm import Comm
-from .comparison import TOLERANCE
+from .comparison import TOLERANCE, rows_close
 from .decode import greedy
 from .launch import launch
 from .tensor import ShardedMLP
@@ -245,9 +245,7 @@ def compare_latent(job: LatentJob, ranks: list[LatentRank]) -> LatentCheck:
                                                                              r.rank))
         tokens &= torch.equal(r.tokens, want[rows])
         logits &= torch.allclose(r.logits, full_logits[rows], atol=tol, rtol=tol)
-        for mine, layer in zip(r.latent, cache.layers, strict=True):
-            latent &= all(torch.allclose(m, w[rows], atol=tol, rtol=tol)
-                          for m, w in zip(mine, layer.read(cache.seq_len), strict=True))
+        latent &= rows_close(r.latent, cache, tol, lambda t, rows=rows: t[rows])
     fed = want.shape[1] - 1
     sizes = [(r.cache_bytes, job.bytes_rule(job.model.config, job.mode, len(ranks), r.rank,
                                             job.prompt.shape[0], fed, job.model.wte.weight.dtype))
