@@ -171,7 +171,8 @@ class RankResult:
 
 
 def greedy(logits: torch.Tensor, cache: KVCache, prompt: torch.Tensor, max_new_tokens: int,
-           step: Callable, choose: Callable = lambda token: token):
+           step: Callable, choose: Callable = lambda token: token
+           ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
     """Greedy decoding after a prefill's ``logits`` and ``cache``: ``(tokens [B, P + N],
     logits [B, N, V] each new token was chosen from, cache)``. Each token is ``choose(argmax)``
     (rank 0's broadcast, say) and, but the last, fed by ``step(token, cache, position)``."""
