@@ -1,8 +1,9 @@
-"""``python -m kvdoc parallel --tp N --cp M``: tensor- and context-parallel decoding on ``N x M``
-processes (gloo, this machine), checked against one process
-(:func:`kvdoc.parallel.comparison.compare`); with ``--handover`` also the block hand-over
-(:mod:`kvdoc.parallel.blocks`), with ``--latent`` the MLA latent (:mod:`kvdoc.parallel.latent`).
-Exit status 0 when every check holds, 1 when one fails, 2 for arguments it refuses.
+"""Tensor- and context-parallel decoding on N processes, checked against one process.
+
+``python -m kvdoc parallel --tp N --cp M`` runs ``N x M`` ranks (gloo, this machine) and prints
+what :func:`kvdoc.parallel.comparison.compare` compared; ``--handover`` adds the block hand-over
+(:mod:`kvdoc.parallel.blocks`), ``--latent`` the MLA latent (:mod:`kvdoc.parallel.latent`). Exit
+status 0 when every check holds, 1 when one fails, 2 for arguments it refuses.
 """
 
 from __future__ import annotations
