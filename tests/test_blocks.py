@@ -14,8 +14,8 @@ import torch
 
 from kvdoc.parallel.blocks import (
     Handover,
+    check_handover,
     destination,
-    handover_generate,
     handover_jobs,
     messages,
     moved_bytes,
@@ -148,9 +148,11 @@ def test_a_stale_block_id_is_caught(handed):
     ({"prompt": torch.tensor([[4, 500]])}, "outside the vocabulary"),
 ])
 def test_bad_handovers_are_refused_before_any_rank_starts(kwargs, fragment):
-    prompt = kwargs.pop("prompt", PROMPT)
+    job = {"prompt": PROMPT, "tp": 2, "block_size": 4, "mode": "logits", "transfer": "push",
+           "have": 0, **kwargs}
     with pytest.raises(ValueError, match=fragment):
-        handover_generate(build_model("llama"), prompt, 3, **kwargs)
+        check_handover(build_model("llama"), job["prompt"], 3, job["tp"], job["block_size"],
+                       job["mode"], job["transfer"], job["have"])
 
 
 def test_chained_keys_name_the_prefix():

@@ -1,9 +1,6 @@
-"""Configurations between kvdoc and transformers: the one reader of a transformers config (an
-object or a parsed ``config.json``, :func:`config_fields`), a :class:`~kvdoc.core.model.GPTConfig`
-as transformers' ``GPT2Config``, ``LlamaConfig`` or ``MistralConfig`` and back
-(:func:`transformers_config`, :func:`config_from_transformers`), and a transformers model with
-random weights built offline from one (:func:`transformers_model`), and a transformers model
-holding weights mapped to its names (:func:`load_exported`, for every family's export).
+"""Configurations between kvdoc and transformers: the one reader of a transformers config
+(:func:`config_fields`), a :class:`~kvdoc.core.model.GPTConfig` as transformers' GPT-2, Llama or
+Mistral config and back, and what every family's weight mapping shares.
 
 A variant kvdoc does not implement (scaled RoPE, another activation, biases) is refused with a
 ``ValueError`` naming the field. transformers and torch are imported only when a function needs
@@ -23,8 +20,15 @@ if TYPE_CHECKING:  # torch-free: the command line reads config.json files throug
 BUFFERS = (".attn.bias", ".attn.masked_bias")
 """Causal-mask buffers some GPT-2 versions keep beside the weights: never loaded or exported."""
 
+#: transformers' names of the weights around the layers (Llama, Gemma 3, DeepSeek-V3): kvdoc's
+OUTER = {"model.embed_tokens.weight": "wte.weight", "model.norm.weight": "ln_f.weight",
+         "lm_head.weight": "lm_head.weight"}
+#: a Llama-style layer's norms and MLP down projection: transformers' names, and kvdoc's
+NORMS_AND_DOWN = {"input_layernorm": "ln_1", "post_attention_layernorm": "ln_2",
+                  "mlp.down_proj": "mlp.c_proj"}
 
-#: GPT-2's names for the sizes every other family names the long way
+
+#: GPT-2's short names, and the long ones
 _ALIASES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
             "n_embd": "hidden_size", "n_positions": "max_position_embeddings"}
 #: sizes a published config.json leaves to its transformers class: Gemma 3's ``text_config``
@@ -37,12 +41,9 @@ _CLASS_DEFAULTS = {"gemma3_text": {"num_attention_heads": 8, "num_key_value_head
 
 def config_fields(config: Any, name: str = "config.json") -> dict[str, Any]:
     """A transformers config (a config object, or a parsed ``config.json``) as one dict under
-    the long names: a multimodal config's ``text_config`` in its place, GPT-2's ``n_layer``,
-    ``n_head``, ``n_embd``, ``n_positions`` also as ``num_hidden_layers``, ...; the sizes a
-    published Gemma 3 file leaves to its class filled in; ``None`` values dropped.
-
-    Raises:
-        ValueError: ``config`` is neither a mapping nor a config object.
+    the long names: a multimodal config's ``text_config`` in its place, GPT-2's names also
+    under the long ones, the sizes a published Gemma 3 file leaves to its class filled in,
+    ``None`` values dropped.
 
     >>> c = config_fields({"n_layer": 12, "n_head": 12, "n_embd": 768, "bos_token_id": None})
     >>> c["num_hidden_layers"], "bos_token_id" in c
@@ -106,8 +107,6 @@ def causal_lm_class(model_type: str) -> type:
 def gpt2_config(config: GPTConfig) -> Any:
     """The transformers ``GPT2Config`` of the same model: GELU-tanh, no dropout, untied head.
 
-    Only multi-head attention maps onto GPT-2: ``n_kv_head`` must equal ``n_head``.
-
     >>> from transformers import GPT2LMHeadModel
     >>> from kvdoc import GPTConfig
     >>> hf = GPT2LMHeadModel(gpt2_config(GPTConfig()))
@@ -131,11 +130,8 @@ def gpt2_config(config: GPTConfig) -> Any:
 # --- Llama and Mistral ------------------------------------------------------------------------
 
 def transformers_config(config: GPTConfig) -> Any:
-    """The transformers config of the same model: ``GPT2Config``, ``LlamaConfig`` or
-    ``MistralConfig``.
-
-    A learned-position config maps to GPT-2 (:func:`gpt2_config`); a Llama-style one
-    (:func:`kvdoc.core.model.llama_config`) to Llama, or to Mistral when it has a sliding window.
+    """The transformers config of the same model: GPT-2's for learned positions
+    (:func:`gpt2_config`), else Llama's, or Mistral's when it has a sliding window.
 
     >>> from transformers import MistralForCausalLM
     >>> from kvdoc.core.model import mistral_config
@@ -164,11 +160,7 @@ def transformers_config(config: GPTConfig) -> Any:
 
 def config_from_transformers(hf_config: Any) -> GPTConfig:
     """The :class:`GPTConfig` of a transformers GPT-2, Llama or Mistral config (an object or a
-    parsed ``config.json``), read by :func:`config_fields`.
-
-    Raises:
-        ValueError: another model type, or a variant kvdoc lacks (scaled RoPE, another
-            activation, a head size other than ``hidden_size / num_attention_heads``, biases).
+    parsed ``config.json``); a ValueError for another model type or a variant kvdoc lacks.
 
     >>> from kvdoc import GPTConfig
     >>> config_from_transformers({"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64,
@@ -222,14 +214,9 @@ def config_from_transformers(hf_config: Any) -> GPTConfig:
 
 def transformers_model(family: str, config: GPTConfig | None = None, seed: int = 0,
                        dtype: torch.dtype | None = None) -> Any:
-    """A transformers model with random weights, built offline from a kvdoc config, in eval mode.
-
-    Args:
-        family: ``"gpt2"``, ``"llama"`` or ``"mistral"``.
-        config: default :class:`GPTConfig` (GPT-2), :func:`~kvdoc.core.model.llama_config` or
-            :func:`~kvdoc.core.model.mistral_config` (window 32).
-        seed: ``torch.manual_seed`` before the weights are drawn.
-        dtype: the model's dtype (default float32).
+    """A transformers ``family`` model (``"gpt2"``, ``"llama"`` or ``"mistral"``) with weights
+    drawn after ``torch.manual_seed(seed)``, built offline from ``config`` (default: the
+    family's kvdoc default), in eval mode.
 
     >>> transformers_model("llama").config.num_key_value_heads
     2
@@ -247,13 +234,25 @@ def transformers_model(family: str, config: GPTConfig | None = None, seed: int =
     return cls(hf_config).to(dtype or torch.float32).eval()
 
 
+def outer_weights(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:data:`OUTER`'s weights of a transformers state dict, under kvdoc's names (no head:
+    tied to the embedding)."""
+    wte = state["model.embed_tokens.weight"]
+    return {ours: state.get(theirs, wte) for theirs, ours in OUTER.items()}
+
+
+def holding(model: torch.nn.Module, mapped: Mapping[str, torch.Tensor]) -> Any:
+    """``model`` holding ``mapped`` (kvdoc's names), in their dtype, on their device, in eval
+    mode."""
+    wte = mapped["wte.weight"]
+    model.to(wte.dtype).load_state_dict({k: v.contiguous() for k, v in mapped.items()})
+    return model.to(wte.device).eval()
+
+
 def load_exported(hf: Any, mapped: Mapping[str, torch.Tensor], model: torch.nn.Module,
                   family: str) -> Any:
-    """``hf`` holding ``mapped`` (its own parameter names), in ``model``'s dtype, in eval mode.
-
-    Every parameter of ``hf`` must be in ``mapped`` and nothing else (the causal-mask buffers
-    some GPT-2 versions keep aside); otherwise a ``ValueError`` names what did not map.
-    """
+    """``hf`` holding ``mapped`` (its own parameter names), in ``model``'s dtype, in eval mode;
+    a ``ValueError`` names any parameter (but the causal-mask buffers) that did not map."""
     missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in mapped.items()},
                                              strict=False)
     missing = [k for k in missing if not k.endswith(BUFFERS)]

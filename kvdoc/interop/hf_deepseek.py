@@ -1,9 +1,7 @@
 """transformers' DeepSeek-V3 (dense layers) to and from :class:`kvdoc.core.mla.MLADecoder`.
 
-Weights map by name: the attention's are transformers' own (``q_proj`` or ``q_a_proj``,
-``q_a_layernorm``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``,
-``o_proj``); the rest take kvdoc's names (``wte``, ``h.i.ln_1``, ``h.i.mlp.c_fc`` = gate and up
-stacked, ``ln_f``), as :mod:`kvdoc.interop.hf_weights` does for Llama.
+The attention's weights keep transformers' names; the rest take kvdoc's, as
+:mod:`kvdoc.interop.hf_weights` does for Llama.
 
 One convention differs. DeepSeek's checkpoints store each rotary vector in interleaved pairs
 ``(x0, x1), (x2, x3), ..`` (``rope_interleave=True``, transformers' default for DeepseekV3);
@@ -32,12 +30,10 @@ from typing import Any
 import torch
 
 from kvdoc.core.mla import MLAConfig, MLADecoder
-from kvdoc.interop.hf_config import load_exported
+from kvdoc.interop.hf_config import NORMS_AND_DOWN, OUTER, holding, load_exported, outer_weights
 
 _ATTENTION = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
               "kv_a_layernorm", "kv_b_proj", "o_proj")
-_BLOCK = {"input_layernorm": "ln_1", "post_attention_layernorm": "ln_2",
-          "mlp.down_proj": "mlp.c_proj"}
 
 PUBLISHED: dict[str, dict[str, Any]] = {
     "DeepSeek-V3": dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
@@ -49,10 +45,8 @@ PUBLISHED: dict[str, dict[str, Any]] = {
                         kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                         v_head_dim=128, max_position_embeddings=163840),
 }
-"""Attention sizes from the published ``config.json`` files (deepseek-ai/DeepSeek-V3 and
-deepseek-ai/DeepSeek-V2; ``intermediate_size`` is the dense layers' MLP width). Their other
-layers are mixture-of-experts, which :func:`published_config` leaves out: the cache does not
-depend on them."""
+"""Attention sizes from the published ``config.json`` files (deepseek-ai/DeepSeek-V3 and -V2;
+``intermediate_size`` is the dense layers' MLP width: the experts do not change the cache)."""
 
 
 def published_config(name: str) -> MLAConfig:
@@ -105,12 +99,8 @@ def deepseek_config(config: MLAConfig, rope_interleave: bool = True) -> Any:
 
 
 def config_from_deepseek(hf_config: Any) -> MLAConfig:
-    """The :class:`MLAConfig` of a transformers ``DeepseekV3Config``.
-
-    Raises:
-        ValueError: another model type, MoE layers, YaRN or other scaled RoPE, attention
-            biases, another activation.
-    """
+    """The :class:`MLAConfig` of a transformers ``DeepseekV3Config``; a ValueError for another
+    model type, MoE layers, scaled RoPE, attention biases or another activation."""
     if getattr(hf_config, "model_type", None) != "deepseek_v3":
         raise ValueError(f"expected a deepseek_v3 config, got {hf_config.model_type!r}")
     rope = dict(hf_config.rope_parameters or {})
@@ -157,41 +147,35 @@ def from_deepseek(hf_model: Any) -> MLADecoder:
     (dense layers only), in the model's dtype, in eval mode."""
     config = config_from_deepseek(hf_model.config)
     state = hf_model.state_dict()
-    wte = state["model.embed_tokens.weight"]
-    mapped = {"wte.weight": wte, "ln_f.weight": state["model.norm.weight"],
-              "lm_head.weight": state.get("lm_head.weight", wte)}
+    mapped = outer_weights(state)
     for i in range(config.n_layer):
         src, dst = f"model.layers.{i}.", f"h.{i}."
         mapped.update({dst + ours + ".weight": state[src + theirs + ".weight"]
-                       for theirs, ours in _BLOCK.items()})
+                       for theirs, ours in NORMS_AND_DOWN.items()})
         mapped.update({f"{dst}attn.{name}.weight": state[f"{src}self_attn.{name}.weight"]
                        for name in _ATTENTION if f"{src}self_attn.{name}.weight" in state})
         mapped[dst + "mlp.c_fc.weight"] = torch.cat((state[src + "mlp.gate_proj.weight"],
                                                      state[src + "mlp.up_proj.weight"]))
         if hf_model.config.rope_interleave:
             _move_rope(mapped, config, dst + "attn.", interleaved_to_split=True)
-    model = MLADecoder(config).to(wte.dtype)
-    model.load_state_dict({k: v.contiguous() for k, v in mapped.items()})
-    return model.to(wte.device).eval()
+    return holding(MLADecoder(config), mapped)
 
 
 def to_deepseek(model: MLADecoder, rope_interleave: bool = True) -> Any:
-    """transformers' ``DeepseekV3ForCausalLM`` holding ``model``'s weights (the inverse of
-    :func:`from_deepseek`), in the model's dtype, in eval mode; the global RNG is left as it was.
-    """
+    """transformers' ``DeepseekV3ForCausalLM`` holding ``model``'s weights, in its dtype, in eval
+    mode; the global RNG is left as it was."""
     from transformers import DeepseekV3ForCausalLM
 
     config, state = model.config, dict(model.state_dict())
     with torch.random.fork_rng():
         hf = DeepseekV3ForCausalLM(deepseek_config(config, rope_interleave))
-    mapped = {"model.embed_tokens.weight": state["wte.weight"],
-              "model.norm.weight": state["ln_f.weight"], "lm_head.weight": state["lm_head.weight"]}
+    mapped = {theirs: state[ours] for theirs, ours in OUTER.items()}
     for i in range(config.n_layer):
         src, dst = f"h.{i}.", f"model.layers.{i}."
         if rope_interleave:
             _move_rope(state, config, src + "attn.", interleaved_to_split=False)
         mapped.update({dst + theirs + ".weight": state[src + ours + ".weight"]
-                       for theirs, ours in _BLOCK.items()})
+                       for theirs, ours in NORMS_AND_DOWN.items()})
         mapped.update({f"{dst}self_attn.{name}.weight": state[f"{src}attn.{name}.weight"]
                        for name in _ATTENTION if f"{src}attn.{name}.weight" in state})
         gate, up = state[src + "mlp.c_fc.weight"].chunk(2)

@@ -19,11 +19,9 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
     RoPE in the model's dtype.
 
     transformers computes both in float32 whatever the model's dtype (an upcast meant for half
-    precision), so an FP64 Llama is only float32-accurate there and differs from an exact FP64
-    computation by about 1e-7. Inside this block the RMSNorms and the rotary tables follow the
-    model's dtype, so an FP64 comparison measures FP64 rounding. Nothing changes for GPT-2 or
-    for FP32 models beyond rounding of the rotary angles (float64 here, as in
-    :mod:`kvdoc.core.model`).
+    precision), so an FP64 Llama differs from an exact FP64 computation by about 1e-7 there;
+    inside the block an FP64 comparison measures FP64 rounding. GPT-2 and FP32 models change
+    only by the rounding of the rotary angles (float64 here, as in :mod:`kvdoc.core.model`).
     """
     from kvdoc.core.model import rope_angles
 
@@ -47,26 +45,19 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
         return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
 
     config = hf_model.config
-    patched = []
-    if getattr(config, "model_type", None) == "gemma3_text":
-        for module in hf_model.modules():
-            name = type(module).__name__
-            if name.endswith(("RMSNorm", "RotaryEmbedding")):
-                patched.append(module)
-                lifted = gemma_rms_norm if name.endswith("RMSNorm") else gemma_rotary
-                module.forward = types.MethodType(lifted, module)
-    if getattr(config, "model_type", None) in ("llama", "mistral", "deepseek_v3"):
+    model_type = getattr(config, "model_type", None)
+    lifted: dict[str, Any] = {}
+    if model_type == "gemma3_text":
+        lifted = {"RMSNorm": gemma_rms_norm, "RotaryEmbedding": gemma_rotary}
+    elif model_type in ("llama", "mistral", "deepseek_v3"):
         split_width = config.hidden_size // config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or split_width
         theta = float(config.rope_parameters["rope_theta"])
-        for module in hf_model.modules():
-            name = type(module).__name__
-            if name.endswith("RMSNorm"):
-                patched.append(module)
-                module.forward = types.MethodType(rms_norm, module)
-            elif name.endswith("RotaryEmbedding"):
-                patched.append(module)
-                module.forward = types.MethodType(rotary, module)
+        lifted = {"RMSNorm": rms_norm, "RotaryEmbedding": rotary}
+    patched = [m for m in hf_model.modules() if type(m).__name__.endswith(tuple(lifted))]
+    for module in patched:
+        kind = next(k for k in lifted if type(module).__name__.endswith(k))
+        module.forward = types.MethodType(lifted[kind], module)
     try:
         yield hf_model
     finally:

@@ -1,15 +1,11 @@
 """transformers' Gemma 3 (text) to and from :class:`kvdoc.core.gemma.Gemma3Decoder`.
 
-Inside a layer the weights keep transformers' names (``self_attn.q_proj``, ``self_attn.q_norm``,
-``input_layernorm``, ``mlp.gate_proj`` ..); only the prefixes move: ``model.layers.i.`` is
-``h.i.``, ``model.embed_tokens`` is ``wte``, ``model.norm`` is ``ln_f``. Both RoPE bases come from
-``rope_parameters`` (``full_attention`` and ``sliding_attention``), the window layers from
-``layer_types``: a ``sliding_window_pattern`` where they follow one (every published Gemma 2 and 3
-does), the global layers' indices (``global_layers``) where they do not. The export writes a
-pattern as the pattern, so that transformers derives the layer types itself: a reference built
-that way does not share kvdoc's derivation. :func:`kvdoc.interop.hf_weights.from_transformers`
-dispatches a ``gemma3_text`` model here, and :func:`kvdoc.interop.hf_weights.to_transformers` a
-:class:`~kvdoc.core.gemma.Gemma3Decoder`.
+Inside a layer the weights keep transformers' names; only the prefixes move (``model.layers.i.``
+is ``h.i.``). Both RoPE bases come from ``rope_parameters``, the window layers from
+``layer_types``: a ``sliding_window_pattern`` where they follow one (every published Gemma 2 and
+3 does), else the global layers' indices. The export writes a pattern as the pattern, so that
+transformers derives the layer types itself: a reference built that way does not share kvdoc's
+derivation.
 
 Not loaded: scaled RoPE (the larger Gemma 3 checkpoints scale the global base linearly),
 attention biases, bidirectional attention, and ``attn_logit_softcapping`` (Gemma 2's; transformers'
@@ -30,10 +26,7 @@ from typing import Any
 import torch
 
 from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, gemma_layer_types
-from kvdoc.interop.hf_config import load_exported
-
-_OUTER = {"model.embed_tokens.weight": "wte.weight", "model.norm.weight": "ln_f.weight",
-          "lm_head.weight": "lm_head.weight"}
+from kvdoc.interop.hf_config import OUTER, holding, load_exported, outer_weights
 
 
 def gemma_config(config: Gemma3Config) -> Any:
@@ -60,12 +53,8 @@ def gemma_config(config: Gemma3Config) -> Any:
 
 
 def config_from_gemma(hf_config: Any) -> Gemma3Config:
-    """The :class:`Gemma3Config` of a transformers ``Gemma3TextConfig``.
-
-    Raises:
-        ValueError: another model type, or a variant kvdoc lacks (scaled RoPE, another
-            activation, attention biases or logit soft-capping, bidirectional attention).
-    """
+    """The :class:`Gemma3Config` of a transformers ``Gemma3TextConfig``; a ValueError for
+    another model type or a variant kvdoc lacks."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type != "gemma3_text":
         raise ValueError(f"expected a gemma3_text config, got {model_type!r}")
@@ -137,16 +126,12 @@ def _layout_from(layer_types: list[str]) -> dict[str, Any]:
 def from_gemma(hf_model: Any) -> Gemma3Decoder:
     """A :class:`Gemma3Decoder` with the weights of transformers' ``Gemma3ForCausalLM``, in the
     model's dtype, in eval mode."""
-    config = config_from_gemma(hf_model.config)
     state = hf_model.state_dict()
-    wte = state["model.embed_tokens.weight"]
-    mapped = {ours: state.get(theirs, wte) for theirs, ours in _OUTER.items()}  # no head: tied
+    mapped = outer_weights(state)
     for name, value in state.items():
         if name.startswith("model.layers."):
             mapped["h." + name.removeprefix("model.layers.")] = value
-    model = Gemma3Decoder(config).to(wte.dtype)
-    model.load_state_dict({k: v.contiguous() for k, v in mapped.items()})
-    return model.to(wte.device).eval()
+    return holding(Gemma3Decoder(config_from_gemma(hf_model.config)), mapped)
 
 
 def to_gemma(model: Gemma3Decoder) -> Any:
@@ -157,7 +142,7 @@ def to_gemma(model: Gemma3Decoder) -> Any:
     state = model.state_dict()
     with torch.random.fork_rng():
         hf = Gemma3ForCausalLM(gemma_config(model.config))
-    mapped = {theirs: state[ours] for theirs, ours in _OUTER.items()}
+    mapped = {theirs: state[ours] for theirs, ours in OUTER.items()}
     for name, value in state.items():
         if name.startswith("h."):
             mapped["model.layers." + name.removeprefix("h.")] = value
@@ -167,10 +152,8 @@ def to_gemma(model: Gemma3Decoder) -> Any:
 def gemma_model(config: Gemma3Config | None = None, seed: int = 0,
                 dtype: torch.dtype = torch.float32) -> Any:
     """A transformers ``Gemma3ForCausalLM`` with random weights from ``config`` (default
-    :class:`Gemma3Config`), built offline, in eval mode.
-
-    Its RMSNorm weights start at zero, as transformers initialises them (each scales by
-    ``1 + weight``).
+    :class:`Gemma3Config`), built offline, in eval mode (RMSNorm weights at zero, as
+    transformers initialises them: each scales by ``1 + weight``).
 
     >>> gemma_model().config.layer_types
     ['sliding_attention', 'full_attention']

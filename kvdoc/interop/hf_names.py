@@ -26,8 +26,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Name:
-    """One name the site shows: ``path`` resolves; ``takes`` are parameters of its signature,
-    in order; ``lacks`` are parameters it must not have."""
+    """One name the site shows (see the module docstring)."""
 
     path: str
     takes: tuple[str, ...] = ()
@@ -100,9 +99,8 @@ def unresolved(names: Sequence[Name] = NAMES) -> list[str]:
 
 def behaviour_errors() -> list[str]:
     """The site's claims about what transformers' names do, run: ``DynamicCache.crop`` takes
-    a negative count of positions to drop and refuses a positive one; ``SlidingWindowCache``
-    survives only as another name of ``StaticCache`` (sliding layers live inside the dynamic and
-    static caches)."""
+    a negative count of positions to drop, and ``SlidingWindowCache`` is at most another name
+    of ``StaticCache``."""
     import torch
     import transformers
 

@@ -1,13 +1,11 @@
-"""Weights between kvdoc and transformers: a transformers GPT-2, Llama, Mistral or Gemma 3 model
-loaded into a :class:`kvdoc.Decoder` (:func:`from_transformers`, :func:`decoder_from_gpt2`) and
-a decoder exported to the transformers model of its family (:func:`to_transformers`).
+"""Weights between kvdoc and transformers: a transformers model loaded into a kvdoc decoder
+(:func:`from_transformers`) and a decoder exported to the transformers model of its family
+(:func:`to_transformers`).
 
-GPT-2's checkpoints store ``c_attn``, ``c_proj`` and ``c_fc`` as ``Conv1D`` weights of shape
-``[in, out]``, the transpose of ``nn.Linear``'s ``[out, in]``; everything else maps by key once
-the ``transformer.`` prefix is dropped. Llama's and Mistral's ``q_proj``, ``k_proj`` and
-``v_proj`` are stacked into ``c_attn``, ``gate_proj`` and ``up_proj`` into ``c_fc``. The
-configurations map through :mod:`kvdoc.interop.hf_config`; transformers is imported only when
-needed.
+GPT-2's ``c_attn``, ``c_proj`` and ``c_fc`` are ``Conv1D`` weights, ``[in, out]``, the
+transpose of ``nn.Linear``'s; everything else maps by key once the ``transformer.`` prefix is
+dropped. Llama's and Mistral's ``q_proj``, ``k_proj`` and ``v_proj`` are stacked into
+``c_attn``, ``gate_proj`` and ``up_proj`` into ``c_fc``.
 """
 
 from __future__ import annotations
@@ -22,9 +20,13 @@ from kvdoc.core.model import Decoder, GPTConfig
 
 from .hf_config import (
     BUFFERS,
+    NORMS_AND_DOWN,
+    OUTER,
     causal_lm_class,
     config_from_transformers,
+    holding,
     load_exported,
+    outer_weights,
     transformers_config,
 )
 from .hf_deepseek import from_deepseek
@@ -33,13 +35,13 @@ from .hf_gemma import from_gemma, to_gemma
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "mlp.c_proj.weight")
 """GPT-2's weights stored as ``Conv1D`` (``[in, out]``, the transpose of ``nn.Linear``'s)."""
+_LLAMA = {**NORMS_AND_DOWN, "self_attn.o_proj": "attn.c_proj"}
 
 
 def _decoder_holding(config: GPTConfig, mapped: Mapping[str, torch.Tensor],
                      family: str) -> Decoder:
-    """A :class:`Decoder` of ``config`` holding ``mapped`` (kvdoc's names), in the weights' dtype
-    and on their device, in eval mode; a name or a shape the config does not expect is a
-    ``ValueError``."""
+    """A :class:`Decoder` of ``config`` holding ``mapped`` (kvdoc's names); a name or a shape the
+    config does not expect is a ``ValueError``."""
     decoder = Decoder(config)
     expected = decoder.state_dict()
     missing = sorted(set(expected) - set(mapped))
@@ -51,24 +53,13 @@ def _decoder_holding(config: GPTConfig, mapped: Mapping[str, torch.Tensor],
         if value.shape != expected[name].shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)}, "
                              f"config expects {tuple(expected[name].shape)}")
-    wte = mapped["wte.weight"]
-    decoder.to(wte.dtype).load_state_dict({k: v.contiguous() for k, v in mapped.items()})
-    return decoder.to(wte.device).eval()
+    return holding(decoder, mapped)
 
 
 def decoder_from_gpt2(model_or_state_dict: Any, config: GPTConfig | None = None) -> Decoder:
-    """A :class:`Decoder` holding the weights of a ``GPT2LMHeadModel`` (or of its state dict).
-
-    Args:
-        model_or_state_dict: a transformers ``GPT2LMHeadModel``, or its ``state_dict()``.
-        config: required with a bare state dict (the head count is not in the weights);
-            taken from ``model.config`` otherwise.
-
-    Returns:
-        A decoder in the dtype and on the device of the given weights, in eval mode.
-
-    Raises:
-        ValueError: a missing config, or keys or shapes that do not match the config.
+    """A :class:`Decoder` holding the weights of a ``GPT2LMHeadModel`` (or of its state dict,
+    with the ``config`` the weights do not say: the head count), in their dtype and on their
+    device, in eval mode.
 
     >>> from transformers import GPT2LMHeadModel
     >>> _ = torch.manual_seed(0)
@@ -100,22 +91,15 @@ def decoder_from_gpt2(model_or_state_dict: Any, config: GPTConfig | None = None)
 
 def _llama_state(state: Mapping[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:
     """Llama/Mistral weights under kvdoc's GPT-2 names: Q, K, V (and gate, up) fused by rows."""
-    wte = state["model.embed_tokens.weight"]
-    mapped = {"wte.weight": wte, "ln_f.weight": state["model.norm.weight"],
-              "lm_head.weight": state.get("lm_head.weight", wte)}  # absent: tied
+    mapped = outer_weights(state)
     for i in range(n_layer):
-        src = f"model.layers.{i}."
-        get = lambda name, src=src: state[src + name]  # noqa: E731
-        mapped.update({
-            f"h.{i}.ln_1.weight": get("input_layernorm.weight"),
-            f"h.{i}.attn.c_attn.weight": torch.cat([get(f"self_attn.{p}_proj.weight")
-                                                     for p in "qkv"]),
-            f"h.{i}.attn.c_proj.weight": get("self_attn.o_proj.weight"),
-            f"h.{i}.ln_2.weight": get("post_attention_layernorm.weight"),
-            f"h.{i}.mlp.c_fc.weight": torch.cat([get("mlp.gate_proj.weight"),
-                                                  get("mlp.up_proj.weight")]),
-            f"h.{i}.mlp.c_proj.weight": get("mlp.down_proj.weight"),
-        })
+        src, dst = f"model.layers.{i}.", f"h.{i}."
+        mapped.update({dst + ours + ".weight": state[src + theirs + ".weight"]
+                       for theirs, ours in _LLAMA.items()})
+        mapped[dst + "attn.c_attn.weight"] = torch.cat([state[f"{src}self_attn.{p}_proj.weight"]
+                                                        for p in "qkv"])
+        mapped[dst + "mlp.c_fc.weight"] = torch.cat([state[src + "mlp.gate_proj.weight"],
+                                                     state[src + "mlp.up_proj.weight"]])
     return mapped
 
 
@@ -124,19 +108,11 @@ LOADS = ("gpt2", "llama", "mistral", "gemma3_text", "deepseek_v3")
 
 
 def from_transformers(hf_model: Any) -> Decoder:
-    """A :class:`Decoder` with the weights of transformers' ``GPT2LMHeadModel``,
-    ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Gemma3ForCausalLM`` (a
-    :class:`~kvdoc.core.gemma.Gemma3Decoder`, :func:`kvdoc.interop.hf_gemma.from_gemma`) or
-    ``DeepseekV3ForCausalLM`` (an :class:`~kvdoc.core.mla.MLADecoder`,
-    :func:`kvdoc.interop.hf_deepseek.from_deepseek`), in the model's dtype, in eval mode: one
-    entry point for every family kvdoc implements.
-
-    For Llama and Mistral, ``q_proj``, ``k_proj`` and ``v_proj`` are stacked into ``c_attn``
-    and ``gate_proj``, ``up_proj`` into ``c_fc``; ``new_cache(batch)`` of a Mistral model gives
-    windows (:func:`~kvdoc.core.window.window_cache`).
-
-    Raises:
-        ValueError: another model type, or a configuration kvdoc does not implement.
+    """A kvdoc decoder with the weights of a transformers model of any :data:`LOADS` type (a
+    :class:`~kvdoc.core.gemma.Gemma3Decoder` for Gemma 3, an :class:`~kvdoc.core.mla.MLADecoder`
+    for DeepSeek-V3), in the model's dtype, in eval mode: one entry point for every family kvdoc
+    implements. A Mistral model's ``new_cache(batch)`` gives window layers
+    (:func:`~kvdoc.core.window.window_cache`).
 
     >>> from transformers import LlamaForCausalLM
     >>> from kvdoc.core.model import llama_config
@@ -173,12 +149,8 @@ def from_transformers(hf_model: Any) -> Decoder:
 
 def to_transformers(model: Decoder) -> Any:
     """The transformers model of the same family (GPT-2, Llama, Mistral or Gemma 3) holding
-    ``model``'s weights: the inverse of :func:`from_transformers`, in the model's dtype, in eval
-    mode. The global RNG is left as it
-    was.
-
-    It is how :mod:`kvdoc.proofs.references` builds an implementation that shares no code with
-    kvdoc.
+    ``model``'s weights, in its dtype, in eval mode; the global RNG is left as it was. It is how
+    :mod:`kvdoc.proofs.references` builds an implementation that shares no code with kvdoc.
 
     >>> from kvdoc.core.model import llama_config
     >>> _ = torch.manual_seed(0)
@@ -199,20 +171,14 @@ def to_transformers(model: Decoder) -> Any:
                   for name, value in state.items()}
     else:
         d, kv = config.n_embd, config.kv_dim
-        mapped = {"model.embed_tokens.weight": state["wte.weight"],
-                  "model.norm.weight": state["ln_f.weight"],
-                  "lm_head.weight": state["lm_head.weight"]}
+        mapped = {theirs: state[ours] for theirs, ours in OUTER.items()}
         for i in range(config.n_layer):
-            q, k, v = state[f"h.{i}.attn.c_attn.weight"].split((d, kv, kv))
-            gate, up = state[f"h.{i}.mlp.c_fc.weight"].chunk(2)
-            dst = f"model.layers.{i}."
-            mapped.update({
-                dst + "input_layernorm.weight": state[f"h.{i}.ln_1.weight"],
-                dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
-                dst + "self_attn.v_proj.weight": v,
-                dst + "self_attn.o_proj.weight": state[f"h.{i}.attn.c_proj.weight"],
-                dst + "post_attention_layernorm.weight": state[f"h.{i}.ln_2.weight"],
-                dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up,
-                dst + "mlp.down_proj.weight": state[f"h.{i}.mlp.c_proj.weight"],
-            })
+            src, dst = f"h.{i}.", f"model.layers.{i}."
+            mapped.update({dst + theirs + ".weight": state[src + ours + ".weight"]
+                           for theirs, ours in _LLAMA.items()})
+            q, k, v = state[src + "attn.c_attn.weight"].split((d, kv, kv))
+            gate, up = state[src + "mlp.c_fc.weight"].chunk(2)
+            mapped.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
+                           dst + "self_attn.v_proj.weight": v, dst + "mlp.gate_proj.weight": gate,
+                           dst + "mlp.up_proj.weight": up})
     return load_exported(hf, mapped, model, hf_config.model_type)

@@ -1,12 +1,11 @@
 """The lean decode step that :class:`~kvdoc.core.fast.FastDecoder` is timed against; its ablation.
 
-:class:`LeanStep` is the fast step's arithmetic and nothing else: no input checks, no watch on
-the model's weights, no delegation, no :class:`~kvdoc.core.cache.KVCache` (it writes its own
-K/V buffers), GPT-2's architecture only. The time the fast step takes beyond it is what the
-fast step's guarantees cost. Each :data:`ABLATION` variant is the lean step with one of the
-fast step's changes undone, so the time it adds is what that change buys; each
-:data:`GUARANTEES` variant is the fast step with one of its guarantees taken away (or both), so
-the time it saves is what that guarantee costs (timed only: none may serve a user).
+:class:`LeanStep` is the fast step's arithmetic and nothing else (no checks, no watch on the
+weights, its own K/V buffers, GPT-2's architecture only): the time the fast step takes beyond
+it is what its guarantees cost. An :data:`ABLATION` variant undoes one of the fast step's
+changes, so the time it adds is what that change buys; a :data:`GUARANTEES` variant takes a
+guarantee away, so the time it saves is what that guarantee costs (timed only: none may serve
+a user).
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> _ = torch.manual_seed(0)
@@ -67,16 +66,10 @@ GUARANTEES: dict[str, type[FastDecoder]] = {"unwatched": UnwatchedFast,
 
 
 class LeanStep:
-    """One token per row for a GPT-2-style decoder, with nothing around the arithmetic.
-
-    Args:
-        model: a decoder with learned positions, LayerNorm and GELU (any number of K/V heads).
-        capacity: the most positions its K/V buffers hold.
-        pretranspose: weights stored ``[in, out]`` (else the model's ``[out, in]``, read through
-            a transposed view, which is what ``F.linear`` does).
-        attention: ``"sdpa"``, one ``scaled_dot_product_attention`` call with a K/V head's
-            query heads as rows, or ``"matmul"``: ``matmul``, scale, ``softmax``, ``matmul``.
-    """
+    """One token per row for a GPT-2-style decoder, with nothing around the arithmetic, up to
+    ``capacity`` positions. ``pretranspose``: weights stored ``[in, out]`` (else read through a
+    transposed view, as ``F.linear`` does); ``attention``: ``"sdpa"`` (one call, a K/V head's
+    query heads as rows) or ``"matmul"`` (matmul, scale, softmax, matmul)."""
 
     def __init__(self, model: Decoder, capacity: int, *, pretranspose: bool = True,
                  attention: Literal["sdpa", "matmul"] = "sdpa") -> None:

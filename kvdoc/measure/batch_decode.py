@@ -1,16 +1,11 @@
 """Decode at batch ``B``: what one step reads, how its time grows with ``B``, what fits on a device.
 
-One decode step of ``B`` sequences reads every weight once, whatever ``B`` is, and the K/V of
-every sequence: ``bytes(B) = W + B * kv(T)``. Its work grows with ``B`` throughout:
-``flops(B) = B * flops(1)``. So the arithmetic intensity ``flops / bytes`` rises with ``B``
-while the weights dominate the bytes and levels off once the caches do; the batch at which
-``B * kv(T) = W`` is where the cache starts to outweigh the weights.
-
-For a published model on an accelerator whose memory and bandwidth are parameters, the largest
-batch that fits at context ``T`` is ``(usable memory - all weights) / kv(T)``, and a step that is
-bound by memory bandwidth takes at least ``bytes(B) / bandwidth``. Under tensor parallelism of
-degree ``t``, each device holds ``H_kv / t`` K/V heads, or, when ``t > H_kv``, one head that
-``t / H_kv`` devices hold alike (vLLM's ``QKVParallelLinear`` replicates them so).
+One decode step of ``B`` sequences reads every weight once and the K/V of every sequence:
+``bytes(B) = W + B * kv(T)``, while its work is ``B * flops(1)``. So the arithmetic intensity
+rises with ``B`` while the weights dominate the bytes and levels off once the caches do, past
+the batch where ``B * kv(T) = W``. Under tensor parallelism of degree ``t`` each device holds
+``H_kv / t`` K/V heads, or, when ``t > H_kv``, one head that ``t / H_kv`` devices hold alike
+(vLLM's ``QKVParallelLinear`` replicates them so).
 """
 
 from __future__ import annotations
@@ -94,13 +89,12 @@ def step_traffic(model: Decoder, batch: int, context: int) -> StepTraffic:
 
 def time_batches(model: Decoder, context: int, batches: tuple[int, ...], steps: int,
                  samples: int, seed: int = 0) -> dict[int, list[float]]:
-    """Milliseconds per decode step of the fast step, per batch size, at ``context`` positions.
+    """Milliseconds per decode step of the fast step, per batch size, at ``context`` positions
+    (each sample the mean of ``steps`` steps, batch sizes in rotating order).
 
-    Each sample runs ``steps`` single-token steps from a static cache holding ``context``
-    positions and reports their mean; the batch sizes are timed in rotating order. The cached
-    rows are zeros written through the cache's own ``update``, not a prefill: a step does the
-    same work whatever the values, and a prefill of ``B * context`` tokens would take far
-    longer than the steps.
+    The cached rows are zeros written through the cache's ``update``, not a prefill: a step
+    does the same work whatever the values, and a prefill of ``B * context`` tokens would take
+    far longer than the steps.
     """
     fast = FastDecoder(model)
     g = torch.Generator().manual_seed(seed)
@@ -131,20 +125,16 @@ def time_batches(model: Decoder, context: int, batches: tuple[int, ...], steps: 
 # --- published models on an accelerator ---------------------------------------------------------
 
 def weight_bytes(parameters: int, embedding: int, dtype: str = "bfloat16") -> tuple[int, int]:
-    """``(read per step, resident)`` weight bytes: a lookup reads one row of the embedding table.
-
-    ``parameters`` counts every weight, ``embedding`` the input table's (untied) share of it.
-    """
+    """``(read per step, resident)`` weight bytes of ``parameters`` weights: a lookup reads one
+    row of the (untied) ``embedding`` table, not all of it."""
     size = element_size(dtype)
     return (parameters - embedding) * size, parameters * size
 
 
 def largest_batch(device: Accelerator, resident_weights: int, kv_sequence: int,
                   usable: float = 0.9) -> int:
-    """Sequences whose caches fit beside the weights in ``usable`` of the device's memory.
-
-    An upper bound: activations and the runtime's own buffers also take memory. ``usable=0.9``
-    is vLLM's default ``gpu_memory_utilization``. Zero when the weights alone do not fit.
+    """Sequences whose caches fit beside the weights in ``usable`` of the device's memory (vLLM's
+    default ``gpu_memory_utilization``): an upper bound, activations also take memory.
 
     >>> largest_batch(Accelerator("toy", 100, 1.0, ""), 50, 10, usable=1.0)
     5
@@ -159,10 +149,8 @@ def bandwidth_bound_ms(device: Accelerator, bytes_per_step: int) -> float:
 
 
 def kv_heads_per_device(kv_heads: int, degree: int) -> tuple[int, int]:
-    """``(K/V heads each device holds, devices that hold each head)`` under tensor parallelism.
-
-    Raises:
-        ValueError: ``degree`` and ``kv_heads`` such that neither divides the other.
+    """``(K/V heads each device holds, devices that hold each head)`` under tensor parallelism;
+    a ValueError where neither of ``degree`` and ``kv_heads`` divides the other.
 
     >>> kv_heads_per_device(8, 2), kv_heads_per_device(8, 16), kv_heads_per_device(1, 4)
     ((4, 1), (1, 2), (1, 4))
@@ -202,13 +190,8 @@ def crossover_batch(weights: int, kv_sequence: int) -> int:
 
 
 def llama_family_parameters(preset: ModelCache) -> tuple[int, int]:
-    """``(every parameter, the input embedding's)`` of a Llama-family preset, untied head.
-
-    Counted by building transformers' model on the meta device: no memory, no download.
-
-    Raises:
-        ValueError: a preset without ``hidden``, ``intermediate`` and ``vocab``.
-    """
+    """``(every parameter, the input embedding's)`` of a Llama-family preset, untied head,
+    counted on transformers' model built on the meta device (no memory, no download)."""
     if None in (preset.hidden, preset.intermediate, preset.vocab):
         raise ValueError(f"{preset.name} does not give hidden, intermediate and vocab sizes")
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM

@@ -88,22 +88,17 @@ def main(args: argparse.Namespace) -> int:
     P = max(result.timings)
     print(f"kvdoc bench: P={P}, G={settings.new_tokens}, {settings.threads} thread(s), FP32, "
           f"{settings.samples} samples per path; {result.environment['cpu']}")
-    print(timings_table(result, "p50"))
-    print()
-    print(timings_table(result, "p95"))
+    tables = [timings_table(result, "p50"), timings_table(result, "p95")]
     if result.ablation is not None:
-        print()
-        print(ablation_table(result.ablation))
+        tables.append(ablation_table(result.ablation))
     if result.roofline is not None:
-        print()
-        print(roofline_table(result))
+        tables.append(roofline_table(result))
         if result.roofline["ablation"] is not None:
-            print()
-            print(ablation_table(result.roofline["ablation"]))
+            tables.append(ablation_table(result.roofline["ablation"]))
     if result.compiled is not None:
-        print()
-        print("time relative to the lean step, per-round median (middle rounds):")
-        print(compiled_table(result))
+        tables.append("time relative to the lean step, per-round median (middle rounds):\n"
+                      + compiled_table(result))
+    print("\n\n".join(tables))
     print()
     print("ratios (higher is better):")
     for key, value in result.ratios.items():

@@ -1,7 +1,5 @@
-"""What one benchmark run is asked (:class:`BenchSettings`) and returns: its raw samples and
-summaries (:class:`BenchResult`), the headline ratios (:func:`ratios`) and the ratios the fast
-step aims for (:data:`TARGETS`).
-"""
+"""What one benchmark run is asked (:class:`BenchSettings`) and returns (:class:`BenchResult`),
+its headline ratios and the ratios the fast step aims for (:data:`TARGETS`)."""
 
 from __future__ import annotations
 
@@ -30,30 +28,18 @@ GPT2_SMALL = GPTConfig(vocab_size=50257, n_positions=1024, n_layer=12, n_head=12
 class BenchSettings:
     """What to measure. The defaults are the CLI's; pages and tests pass smaller ones.
 
-    Args:
-        prefix_lens: prompt lengths ``P`` (each ``P + new_tokens`` must fit the model).
-        new_tokens: ``G``, fixed tokens consumed after the prompt.
-        samples: timed samples per path (after ``warmup`` untimed runs).
-        warmup: untimed runs per path before sampling.
-        threads: torch intra-op threads during the measurement (restored afterwards).
-        seed: seeds the weights and the token stream.
-        model: the model timed for the table, counts and growth (default: the 145,280-parameter
-            one).
-        transformers: also time transformers' GPT-2 (needs ``transformers``).
-        growth_lengths: total lengths ``T`` at which one step of each path is timed.
-        growth_samples: samples per path and length for the growth fit.
-        roofline: also run the memory-bandwidth floor on ``roofline_model``.
-        roofline_model: the model for the floor (default: GPT-2 small's shape, tied head, random
-            init).
-        roofline_context: prompt length before the timed decode steps of the floor.
-        roofline_steps: decode steps per roofline sample.
-        roofline_samples: samples per roofline path.
-        bandwidth_mib: size of the tensor whose reduction measures memory bandwidth.
-        ablation: also time the lean step with each of the fast step's changes undone, in the
-            rotation of the largest prefix length and (with ``roofline``) of the roofline model.
-        compiled: also time ``torch.compile`` of the model's forward over a static cache
-            (``compiled``), gpt-fast's fast step, in every prefix's rotation and the roofline's;
-            its compile time is reported apart (:attr:`BenchResult.compiled`).
+    Each prompt length ``P`` in ``prefix_lens`` is followed by ``new_tokens`` (``G``) fixed
+    tokens; every path is timed ``samples`` times after ``warmup`` untimed runs, on ``threads``
+    torch threads (restored afterwards), on ``model`` (default: the 145,280-parameter one) with
+    weights and tokens seeded by ``seed``. ``transformers`` adds transformers' GPT-2;
+    ``growth_lengths`` are the total lengths ``T`` at which one step of each path is timed
+    ``growth_samples`` times. ``roofline`` adds the memory-bandwidth floor on ``roofline_model``
+    (GPT-2 small's shape, tied head): ``roofline_steps`` decode steps after ``roofline_context``
+    positions, ``roofline_samples`` times, beside a reduction over ``bandwidth_mib`` MiB.
+    ``ablation`` also times the lean step with each of the fast step's changes undone (in the
+    largest prefix's rotation and the roofline's); ``compiled`` times ``torch.compile`` of the
+    model's forward over a static cache (gpt-fast's fast step) in every rotation, its compile
+    time reported apart (:attr:`BenchResult.compiled`).
     """
 
     prefix_lens: tuple[int, ...] = (16, 64, 128, 256)
@@ -131,8 +117,7 @@ class BenchResult:
         return percentile(self.timings[prefix_len][path], 95)
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict: configuration, environment, timestamp, raw samples, summaries,
-        ratios."""
+        """A JSON-ready dict: settings, environment, raw samples, summaries, ratios."""
         settings = asdict(self.settings)
         summary = {str(p): {path: {"p50_ms": self.p50(p, path), "p95_ms": self.p95(p, path)}
                             for path in paths} for p, paths in self.timings.items()}

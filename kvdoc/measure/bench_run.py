@@ -1,28 +1,21 @@
 """What the cache saves, measured: decode paths timed side by side, growth, the bandwidth floor.
 
-Everything here measures one fixed token stream, batch 1, FP32, on the CPU, with a fixed
-thread count (one by default), the model in ``eval()`` and under ``torch.inference_mode()``:
+One fixed token stream, batch 1, FP32, on the CPU, a fixed thread count, the model in ``eval()``
+under ``torch.inference_mode()``:
 
 * **prefill**: ``P`` prompt tokens in one call, filling a cache;
-* **full recompute**, ``G`` steps: step ``j`` (1-based) runs the whole prefix of ``P + j``
-  tokens again, projecting either every position to the vocabulary (``full_all``, the naive
-  baseline) or only the last (``full_last``);
-* **cached continuation**, ``G`` steps of one token each, from the prefix cache, with the
-  :class:`~kvdoc.core.cache.DynamicCache` (``dynamic``), the :class:`~kvdoc.core.cache.StaticCache`
-  (``static``), :class:`~kvdoc.core.fast.FastDecoder` over a static cache (``fast``), and the
-  same arithmetic without checks, :class:`~kvdoc.measure.ablation.LeanStep` (``lean``), and
-  ``torch.compile`` of the model's own forward over a static cache (``compiled``, gpt-fast's
-  fast step; compiled before the timing, its compile time reported apart);
-* **transformers**: transformers' ``GPT2LMHeadModel`` on the same weights with its own cache,
-  the reference a user would otherwise pick.
+* **full recompute**, ``G`` steps: step ``j`` runs the whole prefix of ``P + j`` tokens again,
+  projecting every position to the vocabulary (``full_all``, the naive baseline) or only the
+  last (``full_last``);
+* **cached continuation**, ``G`` one-token steps from the prefix cache: ``dynamic``,
+  ``static``, the :class:`~kvdoc.core.fast.FastDecoder` (``fast``), the same arithmetic without
+  checks (``lean``, :class:`~kvdoc.measure.ablation.LeanStep`) and ``torch.compile`` of the
+  model's forward (``compiled``, gpt-fast's fast step, its compile time reported apart);
+* **transformers**: its ``GPT2LMHeadModel`` on the same weights, the reference a user would
+  otherwise pick.
 
-:class:`~kvdoc.measure.bench_result.BenchSettings` says what to measure; :func:`run_bench`
-measures it and returns a :class:`~kvdoc.measure.bench_result.BenchResult`: every raw sample
-(milliseconds) with the settings, the environment and a timestamp, and the headline ratios.
-Paths are timed by :func:`kvdoc.measure.timing.time_paths` (warm-up, then rounds in rotating
-order);
-:mod:`kvdoc.measure.costs` supplies the counts, FLOPs and bytes. Nothing here asserts a speed:
-timings are measurements.
+:func:`run_bench` returns every raw sample with the settings, the environment, a timestamp and
+the headline ratios. Nothing here asserts a speed: timings are measurements.
 """
 
 from __future__ import annotations
@@ -47,19 +40,13 @@ from .decode_paths import ablation_paths, build_models, decode_paths, ops_per_st
 from .timing import environment, percentile, time_paths
 
 
-def _compile(model: Decoder, settings: BenchSettings) -> Callable[..., Any] | None:
-    """gpt-fast's fast step over kvdoc's model: ``torch.compile`` of its forward (compiled on
-    the first call, :func:`~kvdoc.measure.decode_paths.compiled_decode`)."""
-    return torch.compile(model) if settings.compiled else None
-
-
 def _bench_prefix(model: Decoder, fast: FastDecoder, hf: Any, settings: BenchSettings,
                   prefix_len: int, tick: Callable[[], None], ablation: bool = False,
                   compiled: Callable[..., Any] | None = None
                   ) -> tuple[dict[str, list[float]], float, dict[str, float], dict[str, int],
                              dict[str, Any] | None]:
-    """One prefix length's paths in one rotation; ``ablation`` adds the ablation's variants,
-    ``compiled`` the compiled step (and what compiling it cost, the last value)."""
+    """One prefix length's paths in one rotation (``ablation``: with the ablation's variants);
+    the last value is what compiling ``compiled`` cost."""
     G = settings.new_tokens
     ids = token_stream(model.config, prefix_len + G, settings.seed + prefix_len)
     prepare, runs, compile_info = decode_paths(model, hf, ids, prefix_len, G, True, fast,
@@ -117,10 +104,8 @@ ABLATION_ROWS = {"reference": "static", "fast": "fast", **{k: k for k in GUARANT
 
 def _split_ablation(samples: dict[str, list[float]], diffs: dict[str, float] | None,
                     steps: int) -> dict[str, Any]:
-    """Take the ablation's variants out of one rotation's samples; the ablation's summary.
-
-    Every row was timed in the same rotation as the other paths, so all saw the same load.
-    """
+    """Take the ablation's variants out of one rotation's samples (timed beside the other paths,
+    so all saw the same load); the ablation's summary."""
     rows = {row: samples[path] for row, path in ABLATION_ROWS.items()}
     for name in VARIANTS:
         del samples[name]
@@ -145,7 +130,7 @@ def _bench_roofline(settings: BenchSettings, tick: Callable[[], None],
     C, S = settings.roofline_context, settings.roofline_steps
     ids = token_stream(model.config, C + S, settings.seed + 1)
     prepare, _, compile_info = decode_paths(model, hf, ids, C, S, False, fast,
-                                            _compile(model, settings))
+                                            torch.compile(model) if settings.compiled else None)
     if settings.ablation:
         prepare.update(ablation_paths(model, ids, C, S)[0])
     # Bandwidth is one more path of the rotation, so it sees the same machine state as decode.
@@ -174,10 +159,8 @@ def _bench_roofline(settings: BenchSettings, tick: Callable[[], None],
 
 
 def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> BenchResult:
-    """Run every measurement once and return the raw results and the headline ratios.
-
-    Sets ``torch``'s thread count to ``settings.threads`` and restores it afterwards.
-    ``progress`` shows a tqdm bar on stderr.
+    """Run every measurement once and return the raw results and the headline ratios
+    (``progress``: a tqdm bar on stderr).
 
     >>> s = BenchSettings(prefix_lens=(4,), new_tokens=2, samples=2, warmup=0, transformers=False,
     ...                   growth_lengths=(4, 8), growth_samples=1, roofline=False, ablation=False,
@@ -207,7 +190,7 @@ def run_bench(settings: BenchSettings | None = None, progress: bool = False) -> 
         with torch.inference_mode():
             model, hf = build_models(settings.model, settings.seed, settings.transformers)
             fast = FastDecoder(model)
-            compiled_step = _compile(model, settings)
+            compiled_step = torch.compile(model) if settings.compiled else None
             compiled = {} if settings.compiled else None
             env = environment()
             stamp = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")

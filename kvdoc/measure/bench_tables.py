@@ -1,9 +1,5 @@
-"""Tables and figures of a :class:`~kvdoc.measure.bench_result.BenchResult`, for the savings page
-and the CLI.
-
-Tables are Markdown strings from :func:`kvdoc.measure.tables.markdown_table` (pages show them
-with ``IPython.display.Markdown``); figures are matplotlib figures the page glues.
-"""
+"""Tables (Markdown) and figures (matplotlib) of a
+:class:`~kvdoc.measure.bench_result.BenchResult`, for the savings page and the CLI."""
 
 from __future__ import annotations
 
@@ -38,11 +34,8 @@ ABLATION_LABELS = {
 
 
 def timings_table(result: BenchResult, stat: str = "p50") -> str:
-    """One row per path (prefill first), one column per prefix P: the ``stat`` ("p50" or "p95")
-    in ms of one prefill call, or of all G steps of a decode path.
-
-    Paths are rows so that the table stays as narrow as the number of prefix lengths.
-    """
+    """One row per path (rows, so that the table stays narrow), one column per prefix P: the
+    ``stat`` ("p50" or "p95") in ms of one prefill call, or of all G steps of a decode path."""
     if stat not in ("p50", "p95"):
         raise ValueError(f"stat must be 'p50' or 'p95', not {stat!r}")
     value = result.p50 if stat == "p50" else result.p95
@@ -97,9 +90,8 @@ def roofline_table(result: BenchResult) -> str:
 
 
 def ablation_table(ablation: dict) -> str:
-    """Per variant of the decode step (``result.ablation`` or ``result.roofline["ablation"]``):
-    p50 per step (µs), its time relative to the lean step (the median of the per-round ratios,
-    :func:`~kvdoc.measure.timing.paired_ratio`) and the band of the middle rounds; a band that
+    """Per variant of the decode step: p50 per step (µs), its time relative to the lean step
+    (:func:`~kvdoc.measure.timing.paired_ratio`) and the band of the middle rounds; a band that
     straddles 1 is a difference this machine did not resolve.
 
     >>> print(ablation_table({"p50_us_per_step": {"fast": 110.0, "lean": 100.0},
@@ -125,14 +117,9 @@ def ablation_table(ablation: dict) -> str:
 
 def compiled_table(result: BenchResult) -> str:
     """gpt-fast's fast step beside kvdoc's: per rotation (a prefix length ``P``, or the
-    roofline model), what compiling cost (the first, untimed run; graphs dynamo compiled), and
-    the time of the ``torch.compile`` step and of the fast step relative to the lean step,
-    each the median of the per-round ratios with the band of the middle rounds
-    (:func:`~kvdoc.measure.timing.paired_ratio`). A rotation where compiling failed says why.
-
-    Raises:
-        ValueError: the run did not ask for the compiled step.
-    """
+    roofline model), what compiling cost and the time of the ``torch.compile`` step and of the
+    fast step relative to the lean step (:func:`~kvdoc.measure.timing.paired_ratio`). A
+    rotation where compiling failed says why."""
     if result.compiled is None:
         raise ValueError("this run has no compiled step (settings.compiled was False)")
     header = ["rotation", "compile (first run, s)", "graphs", "compiled / lean",
@@ -187,8 +174,8 @@ def log_log(ax, ticks: list[int], xlabel: str, ylabel: str, title: str) -> None:
 
 
 def _log_y(ax) -> None:
-    """A log y axis labelled at 1, 2 and 5 of every decade, so that even a range narrower than
-    a decade carries several labels."""
+    """A log y axis labelled at 1, 2 and 5 of every decade: a range narrower than a decade
+    still carries several labels."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ax.set_yscale("log")
@@ -198,11 +185,8 @@ def _log_y(ax) -> None:
 
 
 def timings_figure(result: BenchResult) -> Figure:
-    """Dot plot of the G-step p50 per path and prefix length, on a log axis.
-
-    Dots, not bars: a bar's length on a log axis starts from an arbitrary floor, so its length
-    says nothing; a dot's height is read off the axis.
-    """
+    """Dot plot of the G-step p50 per path and prefix length, on a log axis (dots: a bar's
+    length on a log axis starts from an arbitrary floor, so it says nothing)."""
     import matplotlib.pyplot as plt
 
     prefixes = list(result.timings)

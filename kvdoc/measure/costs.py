@@ -1,8 +1,7 @@
-"""The cost model of a decode: positions counted on real tensors, modelled FLOPs, bytes read,
-operators.
+"""The cost model of a decode: positions counted on real tensors, modelled FLOPs, bytes read.
 
-These are facts about the computation, not about the machine: counts and closed forms that
-hold on every CPU, which the savings page asserts, beside the timings it only reports.
+Facts about the computation, not the machine: the savings page asserts them, beside the
+timings it only reports.
 """
 
 from __future__ import annotations
@@ -59,12 +58,9 @@ class RowCounter:
 def step_flops(config: GPTConfig, past: int, new: int, last_only: bool = False) -> dict[str, float]:
     """Multiply-add FLOPs (2 per MAC) of one forward: ``new`` tokens after ``past`` cached ones.
 
-    ``linear`` covers ``c_attn``, ``c_proj`` and the MLP of every layer (~ ``C d^2``; a SwiGLU
-    MLP has three matrices, gate, up and down, where GELU's has two);
-    ``attention`` the scores ``Q K^T`` and the weighted sum with ``V`` (~ ``C T d``, with
-    ``T = past + new``; masked entries are counted, as dense attention computes them);
-    ``lm_head`` the vocabulary projection of the projected rows. Norms, GELU and softmax are
-    left out.
+    ``linear``: ``c_attn``, ``c_proj`` and the MLP of every layer; ``attention``: ``Q K^T`` and
+    the weighted sum with ``V``, masked entries included (dense attention computes them);
+    ``lm_head``: the vocabulary projection. Norms, GELU and softmax are left out.
 
     >>> f = step_flops(GPTConfig(), past=0, new=1)
     >>> f["attention"] == 2 * 2 * 1 * 1 * 64 * 2       # 2 layers, QK^T and PV, 1 query, 1 key
@@ -85,29 +81,19 @@ def step_flops(config: GPTConfig, past: int, new: int, last_only: bool = False) 
 
 
 def run_flops(config: GPTConfig, prefix_len: int, new_tokens: int) -> dict[str, float]:
-    """Total FLOPs of the ``G`` decode steps after a ``P``-token prompt, for each path.
-
-    Keys: ``full_all``, ``full_last`` (step ``j`` recomputes ``P + j`` positions) and ``cached``
-    (one position per step over ``P + j - 1`` cached ones), plus their ``linear`` and
-    ``attention`` parts.
-    """
-    out: dict[str, float] = {}
-    for name, kwargs in (("full_all", {"last_only": False}), ("full_last", {"last_only": True})):
-        parts = [step_flops(config, 0, prefix_len + j, **kwargs) for j in range(1, new_tokens + 1)]
-        for part in ("linear", "attention", "lm_head", "total"):
-            out[f"{name}_{part}" if part != "total" else name] = sum(p[part] for p in parts)
-    parts = [step_flops(config, prefix_len + j - 1, 1) for j in range(1, new_tokens + 1)]
-    for part in ("linear", "attention", "lm_head", "total"):
-        out[f"cached_{part}" if part != "total" else "cached"] = sum(p[part] for p in parts)
-    return out
+    """Total FLOPs of the ``G`` decode steps after a ``P``-token prompt: ``full_all``,
+    ``full_last`` (step ``j`` recomputes ``P + j`` positions) and ``cached``, and their parts."""
+    steps = range(1, new_tokens + 1)
+    runs = {"full_all": [step_flops(config, 0, prefix_len + j) for j in steps],
+            "full_last": [step_flops(config, 0, prefix_len + j, last_only=True) for j in steps],
+            "cached": [step_flops(config, prefix_len + j - 1, 1) for j in steps]}
+    return {name if part == "total" else f"{name}_{part}": sum(p[part] for p in parts)
+            for name, parts in runs.items() for part in ("linear", "attention", "lm_head", "total")}
 
 
 def step_bytes(model: Decoder, context: int) -> int:
-    """Bytes one decode step must read at ``context`` cached positions: weights plus K/V.
-
-    Every block's weights, ``ln_f`` and the LM head matrix, one row of ``wte`` and of ``wpe``
-    (a rotary model has none), and K and V of every layer over ``context + 1`` positions (FP32
-    or whatever the dtype is).
+    """Bytes one decode step must read at ``context`` cached positions: every weight but the
+    embedding tables, one row of each, and K and V of every layer over ``context + 1`` positions.
 
     >>> from kvdoc.core.model import llama_config
     >>> step_bytes(Decoder(llama_config()), 0) > 0    # no wpe: positions turn inside attention
@@ -126,12 +112,9 @@ def step_bytes(model: Decoder, context: int) -> int:
 
 
 def attention_macs_per_key(config: MLAConfig, absorbed: bool) -> int:
-    """Multiply-adds one decode step spends per cached position and layer, all heads together.
-
-    Plain: up-project the latent (``r x H (d_nope + d_v)``), then the score and the weighted sum
-    (``H (d_nope + d_R + d_v)``). Absorbed: the score over ``r + d_R`` and the weighted sum over
-    ``r``, per head (``H (2 r + d_R)``); folding ``W_UK`` and applying ``W_UV`` cost per query,
-    not per key.
+    """Multiply-adds one decode step spends per cached position and layer, all heads together:
+    plain, up-projecting the latent first; absorbed, scoring and summing over the latent itself
+    (folding ``W_UK`` and applying ``W_UV`` cost per query, not per key).
 
     >>> from kvdoc.core.mla import MLAConfig
     >>> cfg = MLAConfig()

@@ -1,9 +1,8 @@
 """The decode paths the benchmark times: one model, one token stream, each path a prepare/run pair.
 
-:func:`build_models` makes kvdoc's decoder and transformers' GPT-2 with the same random
-weights; :func:`decode_paths` returns, per path, an untimed ``prepare`` that resets its cache
-and returns the call to time (for :func:`kvdoc.measure.timing.time_paths`), and a call that returns
-the path's stacked logits (to check every timed path computes the same function).
+Per path, an untimed ``prepare`` resets its cache and returns the call to time (for
+:func:`kvdoc.measure.timing.time_paths`), and a second call returns the path's stacked logits,
+to check that every timed path computes the same function.
 """
 
 from __future__ import annotations
@@ -31,14 +30,12 @@ def token_stream(config: GPTConfig, length: int, seed: int) -> torch.Tensor:
 
 def build_models(config: GPTConfig, seed: int, transformers: bool,
                  tie: bool = False) -> tuple[Decoder, Any]:
-    """A kvdoc decoder and, if asked, transformers' GPT-2 with the same random weights (both eval).
+    """A kvdoc decoder and, if asked, transformers' GPT-2 with the same random weights (both eval;
+    ``tie``: the LM head shares ``wte``'s weight, as in GPT-2's checkpoints).
 
-    kvdoc's decoder is initialised (seeded); transformers' model is created without initialising
-    (on the meta device) and receives the decoder's weights, with ``c_attn``, ``c_proj`` and
-    ``c_fc`` transposed into GPT-2's ``Conv1D`` layout. That skips a second random
-    initialisation, which costs seconds at GPT-2 small's size. With ``tie`` the LM head shares
-    ``wte``'s weight, as in GPT-2's checkpoints. Raises ``RuntimeError`` if the two models'
-    logits disagree on a short input.
+    transformers' model is built on the meta device and receives the decoder's weights: a
+    second random initialisation would cost seconds at GPT-2 small's size. A ``RuntimeError``
+    if the two models' logits disagree on a short input.
     """
     torch.manual_seed(seed)
     with torch.inference_mode(False):  # parameters with version counters, which FastDecoder watches
@@ -107,15 +104,13 @@ def compiled_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor,
                     prefix_len: int, steps: int
                     ) -> tuple[Prepare | None, Callable[[], torch.Tensor] | None, dict[str, Any]]:
     """:func:`cached_decode` of ``step``, a ``torch.compile`` of the model, run once untimed
-    here so that its compilation stays out of the timed samples and is reported on its own.
+    here so that its compilation stays out of the timed samples.
 
-    gpt-fast's fast step is ``torch.compile(decode_one_token)`` over its one forward and a
-    static cache; this is the same over kvdoc's forward (no ``fullgraph``: the model's checks
-    raise their own ``ValueError`` in Python instead of a tracing error). The first run's
-    seconds (``first_run_s``) are the compile time: the run itself takes milliseconds. The
-    graphs compiled are counted by dynamo (``graphs``): the first step's, and one with the
-    cache's length symbolic once it has changed. A failure to compile is returned as
-    ``error`` with no path, so that the benchmark says so instead of stopping.
+    This is gpt-fast's fast step (``torch.compile`` over one forward and a static cache) over
+    kvdoc's forward, without ``fullgraph``: the model's checks raise their own ``ValueError``.
+    The first run's seconds (``first_run_s``) are the compile time; ``graphs`` counts what
+    dynamo compiled. A failure to compile is returned as ``error`` with no path, so that the
+    benchmark says so instead of stopping.
     """
     prepare, run = cached_decode(step, model, ids, prefix_len, steps)
     from torch._dynamo.utils import counters
@@ -134,11 +129,8 @@ def compiled_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor,
 
 def lean_decode(lean: LeanStep, model: Decoder, ids: torch.Tensor, prefix_len: int,
                 steps: int) -> tuple[Prepare, Callable[[], torch.Tensor]]:
-    """``steps`` calls of a :class:`~kvdoc.measure.ablation.LeanStep` after the prompt's K/V.
-
-    The prompt's K/V is copied in once; ``prepare`` rewinds the lean step to position ``P``
-    (untimed), as :func:`cached_decode` crops its cache, so both read K/V written equally long ago.
-    """
+    """``steps`` calls of a :class:`~kvdoc.measure.ablation.LeanStep` after the prompt's K/V,
+    rewound to position ``P`` before each run as :func:`cached_decode` crops its cache."""
     P, G = prefix_len, steps
     lean.start(model(ids[:, :P], model.new_cache(1, "static", capacity=P))[1])
 
@@ -155,14 +147,12 @@ def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, st
                  full: bool, fast: FastDecoder | None, compiled: Callable[..., Any] | None = None
                  ) -> tuple[dict[str, Prepare], dict[str, Callable[[], torch.Tensor]],
                             dict[str, Any] | None]:
-    """The timed paths for one prefix, and for each one a call returning its stacked logits.
+    """The timed paths for one prefix, a call returning each one's stacked logits, and what
+    compiling cost (:func:`compiled_decode`; None without ``compiled``).
 
-    ``ids`` is ``[1, P + G]``; each decode path consumes its last ``G`` tokens one at a time
-    after a cache holding the first ``P``. ``full`` adds prefill and the two full-recompute
-    paths; ``hf`` (transformers' GPT-2, or None) adds its path, ``fast`` adds the fast
-    step and the lean step it is measured against, and ``compiled`` (``torch.compile`` of the
-    model) adds its path. The third value is what compiling cost (:func:`compiled_decode`), or
-    None without ``compiled``.
+    Each decode path consumes the last ``G`` tokens of ``ids`` one at a time after a cache
+    holding the first ``P``. ``full`` adds prefill and the two full-recompute paths, ``hf``
+    transformers' GPT-2, ``fast`` the fast step and the lean step, ``compiled`` its own path.
 
     >>> _ = torch.manual_seed(0)
     >>> model = Decoder(GPTConfig()).eval()
@@ -233,11 +223,8 @@ def ablation_paths(model: Decoder, ids: torch.Tensor, prefix_len: int,
 
 
 def ops_per_step(model: Decoder, fast: FastDecoder, hf: Any, ids: torch.Tensor) -> dict[str, int]:
-    """ATen operators of one decode step of the last token of ``ids`` ([1, P + 1]), per path.
-
-    ``full_all`` is one full-recompute step over all ``P + 1`` positions; ``lean`` is
-    :class:`~kvdoc.measure.ablation.LeanStep`.
-    """
+    """ATen operators of one decode step of the last token of ``ids`` ([1, P + 1]), per path
+    (``full_all``: one full recompute of all ``P + 1`` positions)."""
     prompt, token = ids[:, :-1], ids[:, -1:]
     out = {"full_all": sum(count_ops(lambda: model(ids)).values())}
     for name, kind, step in (("dynamic", "dynamic", model), ("static", "static", model),

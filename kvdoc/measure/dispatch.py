@@ -1,9 +1,8 @@
 """Counting what ATen operations do, through torch's dispatch mode.
 
-``TorchDispatchMode`` (``torch.utils._python_dispatch``) and an operator's ``_schema`` are
-private PyTorch APIs. kvdoc uses them for measurements only (how many bytes a cache update
-writes, how many operators a decode step runs), and keeps every use in this one module, so a
-PyTorch release that moves them breaks one file.
+``TorchDispatchMode`` and an operator's ``_schema`` are private PyTorch APIs: kvdoc uses them
+for measurements only and keeps every use in this one module, so a PyTorch release that moves
+them breaks one file.
 
 >>> import torch
 >>> a, b = torch.zeros(2, 3), torch.zeros(1, 3)

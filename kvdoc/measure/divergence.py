@@ -1,11 +1,10 @@
 """Where two greedy generations part: the step of the first different token, and how close the
 reference's two best logits were there.
 
-Two paths that compute the same function up to rounding (BF16 against FP64 on the same rounded
-weights, an FP8 cache against an exact one) pick the same greedy token wherever the best logit
-leads the second by more than the rounding moves them, and may part where two logits nearly
-tie; after that each path feeds its own tokens, so the generations differ from then on. What is
-measured here is an observation about particular prompts and weights, not a bound.
+Two paths that compute the same function up to rounding (BF16 against FP64, an FP8 cache
+against an exact one) may part only where two logits nearly tie; after that each feeds its own
+tokens. What is measured here is an observation about particular prompts and weights, not a
+bound.
 
 >>> import torch
 >>> from kvdoc import Decoder, GPTConfig

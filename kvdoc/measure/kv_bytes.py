@@ -2,31 +2,17 @@
 caches, and byte counts in binary and decimal units, all known without importing torch.
 
 A conventional cache keeps, for every decoder layer, one K and one V tensor of shape
-``[B, H_kv, T, D]`` (batch, K/V heads, cached positions, head size). Its payload is therefore
-
-    bytes = 2 x B x L x T x H_kv x D x s
-
-with ``L`` layers and ``s`` bytes per element (:func:`element_size`).
-:func:`kv_bytes` and :func:`kv_bytes_for_config` compute it, :func:`kv_bytes_per_layer` per
-layer (a sliding-window layer holds at most its window), and :func:`measured_bytes` counts the
-bytes of real tensors the same way. What a cache writes per update is measured by
-:class:`kvdoc.measure.copymeter.CopyMeter`. The quantised caches' closed forms from a model's
-sizes alone, for pages and tables (tests/test_fp8_cache.py compares them with real caches):
-
-* int8 (:mod:`kvdoc.serving.quant`), :func:`int8_kv_bytes`: one byte a value and one scale a
-  row (of ``D`` values), in the model's dtype: ``2 x B x L x T x H_kv x (D + s)``.
-* FP8 (:mod:`kvdoc.serving.fp8`), :func:`fp8_kv_bytes`: one byte a value, and FP32 scales for K
-  and V of each layer (:func:`fp8_scale_bytes`), one each (per tensor) or ``H_kv`` each (per
-  head), shared by the batch: ``2 x B x L x T x H_kv x D + 2 x L x S x 4``.
+``[B, H_kv, T, D]``, so its payload is ``bytes = 2 x B x L x T x H_kv x D x s`` with ``s`` bytes
+per element (:func:`kv_bytes`; :func:`measured_bytes` counts real tensors the same way). The
+quantised caches' closed forms (tests/test_fp8_cache.py compares them with real caches): int8
+(:mod:`kvdoc.serving.quant`) keeps a byte a value and one scale a row in the model's dtype; FP8
+(:mod:`kvdoc.serving.fp8`) a byte a value and FP32 scales per tensor or per head, shared by the
+batch.
 
 >>> int8_kv_bytes(1, 32, 8192, 8, 128, scale_bytes=2)     # Llama-3-8B, BF16 scales
 545259520
 >>> fp8_kv_bytes(1, 32, 8192, 8, 128, "per-head") - fp8_kv_bytes(1, 32, 8192, 8, 128)
 1792
-
-:func:`format_bytes` prints a count exactly, then in the largest binary (KiB, MiB) and decimal
-(kB, MB) unit. Importing this module does not import torch (``python -m kvdoc memory`` starts
-in a fraction of a second); :func:`measured_bytes` imports the cache when called.
 """
 
 from __future__ import annotations
@@ -43,10 +29,8 @@ if TYPE_CHECKING:
 
 
 def check_int(name: str, value: object, minimum: int = 1) -> int:
-    """``value``, if it is an integer (not a bool) of at least ``minimum``; else a ValueError.
-
-    The copy set's :func:`kvdoc.core.cache.check_int` says the same, but its module imports
-    torch, and ``python -m kvdoc memory`` must start without it.
+    """``value``, if it is an integer (not a bool) of at least ``minimum``; else a ValueError
+    (:func:`kvdoc.core.cache.check_int` without torch, for ``python -m kvdoc memory``).
 
     >>> check_int("layers", 0)
     Traceback (most recent call last):
@@ -83,10 +67,7 @@ def _is_torch_dtype(dtype: object) -> bool:
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
-    """The canonical name of a dtype, e.g. ``"float16"`` for ``"fp16"``.
-
-    Raises:
-        ValueError: an unknown name.
+    """The canonical name of a dtype, e.g. ``"float16"`` for ``"fp16"`` (a ValueError if unknown).
 
     >>> dtype_name("FP16"), dtype_name("bf16")
     ('float16', 'bfloat16')
@@ -112,10 +93,8 @@ def element_size(dtype: str | torch.dtype) -> int:
 
 def rows_bytes(batch: int, heads: int, positions: int, widths: Sequence[int],
                dtype: str | torch.dtype) -> int:
-    """Bytes of ``positions`` rows of one layer's stored tensors, ``B x H x positions x
-    sum(widths) x s``: the one byte formula the others build on (K and V of ``D`` each have
-    widths ``(D, D)``; an MLA latent is one head of widths ``(r, d_R)``, its rotary key
-    included).
+    """Bytes of ``positions`` rows of one layer's stored tensors: the one byte formula the
+    others build on (K and V: widths ``(D, D)``; an MLA latent: one head of ``(r, d_R)``).
 
     >>> rows_bytes(1, 2, 10, (4, 4), "float32") == kv_bytes_per_layer(1, 10, 2, 4, "float32",
     ...                                                                [None])[0]
@@ -124,57 +103,28 @@ def rows_bytes(batch: int, heads: int, positions: int, widths: Sequence[int],
     return batch * heads * positions * sum(widths) * element_size(dtype)
 
 
-def _held(seq_len: int, window: int | None) -> int:
-    """Positions a layer holds after ``seq_len`` tokens: all of them, or the last ``window``."""
-    return seq_len if window is None else min(seq_len, check_int("window", window))
-
-
 def kv_bytes_per_layer(batch: int, seq_len: int, kv_heads: int, head_dim: int,
                        dtype: str | torch.dtype, windows: Sequence[int | None]) -> list[int]:
-    """Bytes of each layer's K and V together, one entry per layer.
-
-    Layer ``l`` holds ``min(T, windows[l])`` positions (``None``: all ``T``), so a
-    sliding-window layer stops growing at its window.
-
-    Args:
-        batch: ``B``, sequences of equal length.
-        seq_len: ``T``, tokens seen per sequence (0 for an empty cache).
-        kv_heads: ``H_kv``, K/V heads per layer (not the query heads).
-        head_dim: ``D``, size of one head.
-        dtype: element type; ``s = element_size(dtype)``.
-        windows: one entry per layer: ``None`` (full attention) or a window ``W``.
-
-    Raises:
-        ValueError: a size that is not a positive integer (``seq_len`` may be 0), or no layers.
+    """Bytes of each layer's K and V together: layer ``l`` holds ``min(T, windows[l])``
+    positions (``None``: all ``T``). ``seq_len`` may be 0 (an empty cache).
 
     >>> kv_bytes_per_layer(1, 10, 2, 4, "float32", [None, 8])  # 2 x 1 x T_l x 2 x 4 x 4
     [640, 512]
     """
     for name, value in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim)):
         check_int(name, value)
-    # 0 is allowed: an empty cache
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-        raise ValueError(f"seq_len must be a non-negative integer, got {seq_len!r}")
+    check_int("seq_len", seq_len, minimum=0)
     if not windows:
         raise ValueError("need at least one layer")
-    return [rows_bytes(batch, kv_heads, _held(seq_len, w), (head_dim, head_dim), dtype)
-            for w in windows]
+    held = [seq_len if w is None else min(seq_len, check_int("window", w)) for w in windows]
+    return [rows_bytes(batch, kv_heads, t, (head_dim, head_dim), dtype) for t in held]
 
 
 def kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim: int,
              dtype: str | torch.dtype, *, window: int | None = None) -> int:
-    """``2 x B x L x T x H_kv x D x s``: bytes of a conventional per-layer K/V cache.
-
-    Args:
-        batch: ``B``. layers: ``L``. seq_len: ``T`` (positions cached per sequence).
-        kv_heads: ``H_kv`` (K/V heads, not query heads). head_dim: ``D``.
-        dtype: element type, a name from :data:`DTYPES` or a torch dtype
-            (``s`` bytes).
-        window: if given, every layer keeps only the last ``window`` positions
-            (``T`` becomes ``min(T, window)``).
-
-    Raises:
-        ValueError: a size that is not a positive integer, or an unknown dtype.
+    """``2 x B x L x T x H_kv x D x s``: bytes of a conventional per-layer K/V cache (``dtype``
+    a name from :data:`DTYPES` or a torch dtype); with ``window`` every layer keeps only the
+    last ``window`` positions.
 
     >>> kv_bytes(batch=1, layers=32, seq_len=4096, kv_heads=8, head_dim=128, dtype="float16")
     536870912
@@ -219,11 +169,8 @@ FP8_SCALE_BYTES = 4
 
 def fp8_scale_bytes(kv_heads: Sequence[int], granularity: str) -> int:
     """Bytes of an FP8 cache's scales: for each layer (its ``H_kv`` in ``kv_heads``), K and V
-    each have one scale (``"per-tensor"``) or ``H_kv`` (``"per-head"``), 4 bytes each. They are
-    shared by the batch and do not grow with ``T``.
-
-    Raises:
-        ValueError: an unknown granularity, no layers, or a head count that is not positive.
+    each have one scale (``"per-tensor"``) or ``H_kv`` (``"per-head"``), 4 bytes each, shared
+    by the batch whatever ``T``.
 
     >>> fp8_scale_bytes([8] * 32, "per-head")      # Llama-3-8B: 32 x 2 x 8 x 4
     2048
@@ -241,11 +188,7 @@ def fp8_scale_bytes(kv_heads: Sequence[int], granularity: str) -> int:
 
 def int8_kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim: int,
                   scale_bytes: int = 4) -> int:
-    """``2 x B x L x T x H_kv x (D + scale_bytes)``: int8 values and one scale a row.
-
-    Raises:
-        ValueError: a size that is not a positive integer (``seq_len`` may be 0).
-    """
+    """``2 x B x L x T x H_kv x (D + scale_bytes)``: int8 values and one scale a row."""
     check_int("layers", layers)
     rows = kv_bytes_per_layer(batch, seq_len, kv_heads, 1, "int8", [None])[0]  # 2 x B x T x H
     return layers * rows * (head_dim + check_int("scale_bytes", scale_bytes))
@@ -254,12 +197,7 @@ def int8_kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim
 def fp8_kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim: int,
                  granularity: str = "per-tensor") -> int:
     """``2 x B x L x T x H_kv x D + 2 x L x S x 4``: FP8 values, and K's and V's FP32 scales
-    (``S = 1`` per tensor, ``H_kv`` per head, :func:`fp8_scale_bytes`).
-
-    Raises:
-        ValueError: a size that is not a positive integer (``seq_len`` may be 0), or a
-            granularity other than ``"per-tensor"`` and ``"per-head"``.
-    """
+    (``S = 1`` per tensor, ``H_kv`` per head, :func:`fp8_scale_bytes`)."""
     return (kv_bytes(batch, layers, seq_len, kv_heads, head_dim, "float8_e4m3fn")
             + fp8_scale_bytes([kv_heads] * layers, granularity))
 

@@ -4,7 +4,7 @@ The command prints ``2 x B x L x T x H_kv x D x s`` (:func:`~kvdoc.measure.kv_by
 in exact, binary and decimal units, for sizes given on the command line; for a published model
 (any :data:`~kvdoc.measure.model_caches.MODELS` entry: plain, windowed, hybrid, MLA or
 linear-attention hybrid) or a transformers ``config.json``
-(:func:`~kvdoc.measure.model_caches.read_config`) it sums the layers' own costs::
+(:func:`~kvdoc.measure.config_json.read_config`) it sums the layers' own costs::
 
     python -m kvdoc memory --batch 1 --layers 32 --seq-len 4096 --kv-heads 8 --head-dim 128 \\
         --dtype float16
@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Callable
 
+from .config_json import read_config
 from .kv_bytes import (
     FP8_SCALE_GRANULARITIES,
     binary_size,
@@ -35,7 +37,7 @@ from .kv_bytes import (
     fp8_scale_bytes,
     kv_bytes,
 )
-from .model_caches import MODELS, LayerCache, ModelCache, model_cache, read_config
+from .model_caches import MODELS, LayerCache, ModelCache, model_cache
 
 #: The longest ``--seq-len`` (and ``--window``) the command takes: 2**31 - 1 positions. Attention
 #: kernels index a sequence's tokens with 32-bit integers (FlashAttention's ``cu_seqlens`` are
@@ -73,25 +75,14 @@ def _gib_arg(text: str) -> float:
     return value
 
 
-def _dtype_arg(text: str) -> str:
-    try:
-        return dtype_name(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _model_arg(text: str) -> ModelCache:
-    try:
-        return model_cache(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _config_arg(text: str) -> ModelCache:
-    try:
-        return read_config(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+def _refusing(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """``parse`` as an argparse type: its ValueError's message is the option's error."""
+    def arg(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,11 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "for a published model (--model) or a transformers config.json "
                           "(--config), the sum of what each layer keeps: all T positions, a "
                           "window of them, an MLA latent, or a linear-attention state.")
-    parser.add_argument("--model", type=_model_arg, metavar="NAME",
+    parser.add_argument("--model", type=_refusing(model_cache), metavar="NAME",
                         help=f"a published config, as its model card names it: one of "
                              f"{len(MODELS)}, e.g. Llama-3.1-8B, Gemma-3-27B, DeepSeek-V3, "
                              "gpt-oss-20b, Qwen3-Next-80B-A3B (--list-models shows them all)")
-    parser.add_argument("--config", type=_config_arg, metavar="PATH",
+    parser.add_argument("--config", type=_refusing(read_config), metavar="PATH",
                         help="a transformers config.json (GQA, MLA, sliding-window, hybrid and "
                              "linear-attention layers)")
     parser.add_argument("--batch", type=_positive_arg, default=1, metavar="B",
@@ -116,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=_positive_arg, metavar="H",
                         help="K/V heads per layer (not query heads)")
     parser.add_argument("--head-dim", type=_positive_arg, metavar="D", help="size of one head")
-    parser.add_argument("--dtype", type=_dtype_arg, default="float16", metavar="NAME",
+    parser.add_argument("--dtype", type=_refusing(dtype_name), default="float16", metavar="NAME",
                         help="element type: float32, float16, bfloat16, float8_e4m3fn, ... "
                              "(default float16)")
     parser.add_argument("--window", type=_length_arg, metavar="W",

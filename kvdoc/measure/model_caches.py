@@ -1,20 +1,17 @@
 """A model's sizes, in one representation: :class:`ModelCache`, what each layer caches.
 
-A model's layers do not all cache the same way. A full-attention layer adds ``2 x H_kv x D``
-elements a position (K and V); a sliding-window layer adds as many but stops at its window
-``W``; an MLA layer (DeepSeek-V3) adds one latent of ``kv_lora_rank + qk_rope_head_dim``
-elements a position, shared by K and V; a linear-attention layer (Qwen3-Next's Gated DeltaNet)
-adds nothing a position and keeps a fixed-size state instead. :class:`LayerCache` says which,
-and one formula covers them all: per sequence,
+A full-attention layer adds ``2 x H_kv x D`` elements a position (K and V); a sliding-window
+layer as many, up to its window ``W``; an MLA layer (DeepSeek-V3) one latent of
+``kv_lora_rank + qk_rope_head_dim``, shared by K and V; a linear-attention layer (Qwen3-Next's
+Gated DeltaNet) nothing a position but a fixed-size state. :class:`LayerCache` says which, and
+one formula covers them all: per sequence,
 
     bytes(T) = s x sum over layers of (per_token x min(T, W) + state)
 
-(``W`` infinite for a full layer). The same class comes from three places: :data:`MODELS`, the
-published models the package knows (each with the ``config.json`` it comes from), looked up by
-:func:`model_cache`; :func:`cache_from_config`, a transformers ``config.json`` read with
-:mod:`kvdoc.interop.hf_config`'s rules; and :func:`config_cache`, a kvdoc model's config.
-
-Importing this module does not import torch.
+(``W`` infinite for a full layer). :data:`MODELS` holds the published models the package knows
+(:func:`model_cache` looks them up); :func:`config_cache` reads a kvdoc model's config, and
+:mod:`kvdoc.measure.config_json` a transformers ``config.json``. Importing this module does not
+import torch.
 
 >>> llama = model_cache("Llama-3-8B")
 >>> llama.kind, llama.attention, len(llama.layers), llama.bytes_per_token("float16")
@@ -25,16 +22,11 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 # torch-free: the command line imports this module, and loading torch takes seconds
-from kvdoc.interop.hf_config import attention_sizes, config_fields, positive
-
 from .kv_bytes import check_int, element_size, fp8_scale_bytes
 
 if TYPE_CHECKING:
@@ -53,11 +45,9 @@ class LayerCache(NamedTuple):
     window: int | None = None
     """``W``: the layer keeps at most the last ``W`` positions (None: all of them)."""
     state: int = 0
-    """Elements held whatever the length (a linear-attention layer's recurrent and conv
-    state)."""
+    """Elements held whatever the length (a linear-attention layer's state)."""
     kv_heads: int = 0
-    """``H_kv`` of a K/V layer (what per-head FP8 scales count); 0 for a layer without K/V
-    heads (MLA, linear attention)."""
+    """``H_kv`` of a K/V layer (per-head FP8 scales count it); 0 for MLA and linear layers."""
 
 
 def attention_layer(kv_heads: int, head_dim: int, window: int | None = None) -> LayerCache:
@@ -90,19 +80,11 @@ def gated_delta_layer(num_key_heads: int, num_value_heads: int, key_head_dim: in
 
 @dataclass(frozen=True)
 class ModelCache:
-    """A model's sizes: its cache, layer by layer, and the query heads and weight shapes
-    where the source gives them.
-
-    Attributes:
-        name: as the model card names it (case-insensitive in :func:`model_cache`).
-        layers: one :class:`LayerCache` per decoder layer.
-        max_positions: the context the release was configured for.
-        source: the ``config.json`` (or paper) the sizes come from.
-        note: what the count leaves out or assumes.
-        heads: query heads ``H`` (None where not recorded).
-        hidden, intermediate, vocab: ``d_model``, the MLP's width and the vocabulary, for the
-            models whose weights :mod:`kvdoc.measure.batch_decode` counts (else None).
-    """
+    """A model's sizes: its cache, one :class:`LayerCache` per decoder layer; the context
+    ``max_positions``; the ``source`` (a ``config.json`` or paper) and a ``note`` of what the
+    count leaves out. ``heads`` (query heads) and ``hidden``, ``intermediate``, ``vocab`` (for
+    the models whose weights :mod:`kvdoc.measure.batch_decode` counts) are None where not
+    recorded."""
 
     name: str
     layers: tuple[LayerCache, ...]
@@ -166,8 +148,7 @@ class ModelCache:
         ``preallocated`` a window layer holds its ``W`` rows from the start (a ring allocated
         at its full size, as :func:`~kvdoc.core.window.window_cache`'s); ``windows=False``
         counts every layer as full (the same model with no window)."""
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-            raise ValueError(f"seq_len must be a non-negative integer, got {seq_len!r}")
+        check_int("seq_len", seq_len, minimum=0)
         return sum(layer.per_token * (seq_len if w is None or not windows else w if preallocated
                                       else min(seq_len, w)) + layer.state
                    for layer, w in ((layer, layer.window) for layer in self.layers))
@@ -211,12 +192,8 @@ class ModelCache:
 
     def fp8_scale_bytes(self, granularity: str) -> int:
         """Bytes of the FP32 scales an FP8 cache of this model keeps beside its elements
-        (:func:`~kvdoc.measure.kv_bytes.fp8_scale_bytes`), per K/V layer; whatever ``T`` and
-        the batch.
-
-        Raises:
-            ValueError: the model has MLA layers (engines scale a latent otherwise: not
-                counted here), or ``granularity`` is unknown.
+        (:func:`~kvdoc.measure.kv_bytes.fp8_scale_bytes`), whatever ``T`` and the batch; a
+        ValueError for an MLA model (engines scale a latent otherwise: not counted here).
 
         >>> model_cache("Llama-3-8B").fp8_scale_bytes("per-head")   # 32 x 2 x 8 x 4
         2048
@@ -234,12 +211,8 @@ class ModelCache:
 
 def config_cache(config: object, windows: bool = True) -> ModelCache:
     """A kvdoc model configuration's cache as per-layer costs, the formula the verification
-    counts real caches against (:mod:`kvdoc.proofs.figures`).
-
-    An MLA config (``kv_lora_rank``) caches its latent and its rotary key a layer; a config
-    with ``layer_windows`` (Gemma 3) its window and global layers; any other (a GPTConfig)
-    K and V a layer, windowed if it has a ``sliding_window``. ``windows=False`` describes a
-    cache that keeps every position of every layer (a dynamic cache of a windowed model).
+    counts real caches against (:mod:`kvdoc.proofs.figures`). ``windows=False``: a cache that
+    keeps every position of every layer (a dynamic cache of a windowed model).
 
     >>> from kvdoc.core.model import GPTConfig, mistral_config
     >>> config_cache(GPTConfig()).bytes_per_token("float32")   # 2 layers x 2 x 4 heads x 16 x 4
@@ -272,130 +245,17 @@ def every_nth_full(layers: int, pattern: int) -> list[str]:
             for i in range(layers)]
 
 
-# --- a transformers config.json ---------------------------------------------------------------
-
-#: model types whose transformers config alternates window and full layers when
-#: ``layer_types`` is absent (layer 0 windowed)
-_ALTERNATING = {"gemma2", "gpt_oss"}
-_GEMMA3 = {"gemma3", "gemma3_text"}
-_DELTA = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-          "linear_value_head_dim", "linear_conv_kernel_dim")
-_STATE_SPACE = {"mamba", "mamba2", "jamba", "falcon_h1", "zamba", "zamba2", "bamba", "rwkv"}
-
-
-def _layer_types(c: Mapping[str, Any], layers: int, where: str) -> list[str]:
-    types = c.get("layer_types")
-    model_type = c.get("model_type", "")
-    if types is not None:
-        if not isinstance(types, list) or len(types) != layers:
-            raise ValueError(f"{where}: layer_types must list num_hidden_layers = {layers} "
-                             f"entries, got {types!r:.80}")
-        return types
-    if c.get("sliding_window_pattern") is not None or model_type in _GEMMA3:
-        pattern = {"sliding_window_pattern": c.get("sliding_window_pattern", 6)}  # Gemma 3's
-        return every_nth_full(layers, positive(pattern, "sliding_window_pattern", where))
-    if model_type in _ALTERNATING:
-        return every_nth_full(layers, 2)
-    if c.get("full_attention_interval") is not None:
-        every = positive(c, "full_attention_interval", where)
-        return ["full_attention" if (i + 1) % every == 0 else "linear_attention"
-                for i in range(layers)]
-    windowed = c.get("sliding_window") is not None and c.get("use_sliding_window") is not False
-    return ["sliding_attention" if windowed else "full_attention"] * layers
-
-
-def cache_from_config(config: Mapping[str, Any], name: str = "config.json") -> ModelCache:
-    """The :class:`ModelCache` a transformers config (a parsed ``config.json``) describes.
-
-    What it reads, per layer: K/V heads and head size by
-    :func:`~kvdoc.interop.hf_config.attention_sizes` (the rules the weight loaders use: GPT-2's
-    names, a multimodal ``text_config``, Gemma 3's class defaults); an MLA latent of
-    ``kv_lora_rank + qk_rope_head_dim``; which layers are windowed from ``layer_types``, else
-    ``sliding_window_pattern`` (Gemma 3), Gemma 2's and gpt-oss's alternation,
-    ``full_attention_interval`` (Qwen3-Next), else every layer if ``sliding_window`` is set and
-    ``use_sliding_window`` is not false. Linear-attention layers keep no K/V per position; their
-    state is counted when the config gives Gated DeltaNet's sizes, else the note says it is not.
-
-    Raises:
-        ValueError: a size missing or not a positive integer, an unknown layer type,
-            state-space layers, or ``layer_types`` of the wrong length.
-
-    >>> m = cache_from_config({"num_hidden_layers": 32, "num_attention_heads": 32,
-    ...                        "num_key_value_heads": 8, "hidden_size": 4096,
-    ...                        "max_position_embeddings": 8192})
-    >>> m.kind, m.bytes_per_token("float16")
-    ('plain', 131072)
-    """
-    if not isinstance(config, Mapping):
-        raise ValueError(f"{name}: expected a JSON object, got {type(config).__name__}")
-    c = config_fields(config, name)
-    model_type = str(c.get("model_type") or "")
-    if model_type in _STATE_SPACE or c.get("state_size") is not None:
-        raise ValueError(f"{name}: model_type {model_type!r} has state-space layers; kvdoc "
-                         "reads attention, MLA, sliding-window and Gated DeltaNet layers")
-    layers = positive(c, "num_hidden_layers", name)
-    context = positive(c, "max_position_embeddings", name)
-    types = _layer_types(c, layers, name)
-    unknown = sorted(set(types) - {"full_attention", "sliding_attention", "linear_attention"})
-    if unknown:
-        raise ValueError(f"{name}: unknown layer types {unknown}; kvdoc reads full_attention, "
-                         "sliding_attention and linear_attention")
-    note, heads = "", None
-    if c.get("kv_lora_rank") is not None:
-        full = mla_layer(positive(c, "kv_lora_rank", name), positive(c, "qk_rope_head_dim", name))
-        window = None
-    else:
-        heads, kv_heads, head_dim = attention_sizes(c, name)
-        full = attention_layer(kv_heads, head_dim)
-        window = (positive(c, "sliding_window", name) if "sliding_attention" in types else None)
-    linear = LayerCache(0)
-    if "linear_attention" in types:
-        if all(c.get(k) is not None for k in _DELTA):
-            linear = gated_delta_layer(*(positive(c, k, name) for k in _DELTA))
-        else:
-            note = (f"{types.count('linear_attention')} linear-attention layers: state not "
-                    "counted (the config does not give Gated DeltaNet's sizes); only the "
-                    f"{layers - types.count('linear_attention')} attention layers are")
-    per_type = {"full_attention": full, "sliding_attention": full._replace(window=window),
-                "linear_attention": linear}
-    return ModelCache(str(c.get("_name_or_path") or name), tuple(per_type[t] for t in types),
-                      context, name, note, heads)
-
-
-def read_config(path: str | Path) -> ModelCache:
-    """:func:`cache_from_config` of the ``config.json`` at ``path``.
-
-    Raises:
-        ValueError: the file is missing, not JSON, or not a config kvdoc can read.
-    """
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise ValueError(f"cannot read {path}: {err.strerror}") from None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not JSON: {err}") from None
-    return cache_from_config(config, str(path))
-
-
 # --- the published models ---------------------------------------------------------------------
 
-def _every_layer(name: str, layers: int, heads: int, kv_heads: int, head_dim: int, context: int,
-                 source: str, window: int | None = None, **sizes: int) -> ModelCache:
-    """A model whose layers all cache alike (``window``: all of them windowed)."""
-    return ModelCache(name, (attention_layer(kv_heads, head_dim, window),) * layers, context,
-                      source, heads=heads, **sizes)
-
-
-def _alternating(name: str, layers: int, heads: int | None, kv_heads: int, head_dim: int,
-                 window: int, every: int, context: int, source: str, note: str = "",
-                 **sizes: int) -> ModelCache:
-    """Every ``every``-th layer full, the rest keeping the last ``window`` positions."""
+def _preset(name: str, layers: int, heads: int | None, kv_heads: int, head_dim: int,
+            context: int, source: str, window: int | None = None, every: int = 0,
+            note: str = "", **sizes: int) -> ModelCache:
+    """K/V layers all alike (``window``: all windowed), or with ``every``, each ``every``-th
+    layer full and the rest windowed."""
     full, windowed = attention_layer(kv_heads, head_dim), attention_layer(kv_heads, head_dim,
                                                                           window)
-    return ModelCache(name, tuple(full if t == "full_attention" else windowed
-                                  for t in every_nth_full(layers, every)),
+    types = every_nth_full(layers, every) if every else ["sliding_attention"] * layers
+    return ModelCache(name, tuple(full if t == "full_attention" else windowed for t in types),
                       context, source, note, heads, **sizes)
 
 
@@ -405,86 +265,68 @@ _HF = "https://huggingface.co/{}/blob/main/config.json"
 def _llama(name: str, repo: str, layers: int, heads: int, hidden: int, intermediate: int,
            vocab: int, context: int) -> ModelCache:
     """A Llama 3 release: 8 K/V heads of 128."""
-    return _every_layer(name, layers, heads, 8, 128, context, _HF.format(repo), hidden=hidden,
-                        intermediate=intermediate, vocab=vocab)
+    return _preset(name, layers, heads, 8, 128, context, _HF.format(repo), hidden=hidden,
+                   intermediate=intermediate, vocab=vocab)
 
 
 def _qwen3(name: str, layers: int, heads: int, kv_heads: int = 8, note: str = "") -> ModelCache:
     """A Qwen3 release: heads of 128, a context of 40,960."""
-    return _every_layer(name, layers, heads, kv_heads, 128, 40960,
-                        _HF.format(f"Qwen/{name}") + note)
+    return _preset(name, layers, heads, kv_heads, 128, 40960, _HF.format(f"Qwen/{name}") + note)
 
 
 def _gemma(name: str, repo: str, layers: int, heads: int, kv_heads: int, head_dim: int,
            hidden: int) -> ModelCache:
-    """Gemma 2 (a window of 4,096 every other layer, context 8,192) or Gemma 3 (five window
-    layers of 512 or 1,024, then a global one; context 32,768 or 131,072)."""
+    """Gemma 2 (a window of 4,096 every other layer) or Gemma 3 (five window layers of 512 or
+    1,024, then a global one)."""
     if name.startswith("Gemma-2"):
-        return _alternating(name, layers, heads, kv_heads, head_dim, 4096, 2, 8192,
-                            _HF.format(repo), hidden=hidden)
+        return _preset(name, layers, heads, kv_heads, head_dim, 8192, _HF.format(repo), 4096, 2,
+                       hidden=hidden)
     small = name == "Gemma-3-1B"
-    return _alternating(name, layers, heads, kv_heads, head_dim, 512 if small else 1024, 6,
-                        32768 if small else 131072,
-                        _HF.format(repo) + ("" if small else " (text_config)"), hidden=hidden)
+    return _preset(name, layers, heads, kv_heads, head_dim, 32768 if small else 131072,
+                   _HF.format(repo) + ("" if small else " (text_config)"),
+                   512 if small else 1024, 6, hidden=hidden)
 
 
 def _gpt_oss(name: str, layers: int) -> ModelCache:
     # layer_types in the published config: sliding, full, sliding, full, ...
-    return _alternating(
-        name, layers, None, 8, 64, 128, 2, 131072,
+    return _preset(
+        name, layers, None, 8, 64, 131072,
         f"{_HF.format('openai/' + name)} (num_hidden_layers "
         f"{layers}, num_key_value_heads 8, head_dim 64, sliding_window 128, layer_types "
         "alternating sliding_attention and full_attention, max_position_embeddings 131072)",
-        "the attention sinks are one learned scalar a head, not cached per position")
-
-
-def _qwen3_next() -> ModelCache:
-    # full_attention_interval 4: three linear-attention layers, then a full one, 12 times
-    linear = gated_delta_layer(16, 32, 128, 128, 4)
-    full = attention_layer(2, 256)
-    return ModelCache(
-        "Qwen3-Next-80B-A3B", (linear, linear, linear, full) * 12, 262144,
-        _HF.format("Qwen/Qwen3-Next-80B-A3B-Instruct") + " (num_hidden_layers 48, "
-        "full_attention_interval 4, num_key_value_heads 2, head_dim 256, "
-        "linear_num_key_heads 16, linear_num_value_heads 32, linear_key_head_dim 128, "
-        "linear_value_head_dim 128, linear_conv_kernel_dim 4, "
-        "max_position_embeddings 262144)",
-        "36 Gated DeltaNet layers keep a fixed state (counted in the same dtype, as "
-        "transformers keeps it); 12 attention layers keep K/V per position")
+        128, 2, "the attention sinks are one learned scalar a head, not cached per position")
 
 
 _LLAMA2 = ("meta-llama/Llama-2-{}b-hf config.json (num_hidden_layers {}, num_attention_heads "
            "{}, num_key_value_heads {}, hidden_size {}, intermediate_size {}, vocab_size "
            "32000); Touvron et al. 2023, 'Llama 2'")
 
-#: Every published model the package knows, keyed by lower-case name: plain and windowed ones
-#: (GPT-2, Llama, Mistral, Falcon, Qwen3), Gemma 2 and 3's window and global layers, and
-#: DeepSeek-V3's MLA, gpt-oss and Qwen3-Next. Each ``source`` names the file the sizes come
-#: from; DeepSeek-V3's are :data:`kvdoc.interop.hf_deepseek.PUBLISHED`'s
+#: Every published model the package knows, keyed by lower-case name. Each ``source`` names the
+#: file the sizes come from; DeepSeek-V3's are :data:`kvdoc.interop.hf_deepseek.PUBLISHED`'s
 #: (tests/test_model_caches.py compares them; that module imports torch).
 MODELS: dict[str, ModelCache] = {m.name.lower(): m for m in (
-    _every_layer("GPT-2-small", 12, 12, 12, 64, 1024,
-                 "openai-community/gpt2 config.json (n_layer 12, n_head 12, n_embd 768); "
-                 "Radford et al. 2019, 'Language Models are Unsupervised Multitask "
-                 "Learners'"),
-    _every_layer("Llama-2-7B", 32, 32, 32, 128, 4096, _LLAMA2.format(7, 32, 32, 32, 4096, 11008),
-                 hidden=4096, intermediate=11008, vocab=32000),
-    _every_layer("Llama-2-70B", 80, 64, 8, 128, 4096, _LLAMA2.format(70, 80, 64, 8, 8192, 28672),
-                 hidden=8192, intermediate=28672, vocab=32000),
-    _every_layer("Llama-3-8B", 32, 32, 8, 128, 8192,
-                 "meta-llama/Meta-Llama-3-8B config.json (num_hidden_layers 32, "
-                 "num_attention_heads 32, num_key_value_heads 8, hidden_size 4096, "
-                 "intermediate_size 14336, vocab_size 128256)",
-                 hidden=4096, intermediate=14336, vocab=128256),
-    _every_layer("Mistral-7B-v0.1", 32, 32, 8, 128, 32768,
-                 "mistralai/Mistral-7B-v0.1 config.json (num_hidden_layers 32, "
-                 "num_attention_heads 32, num_key_value_heads 8, hidden_size 4096, "
-                 "intermediate_size 14336, vocab_size 32000, sliding_window 4096); "
-                 "Jiang et al. 2023, 'Mistral 7B' (rolling buffer cache)",
-                 window=4096, hidden=4096, intermediate=14336, vocab=32000),
-    _every_layer("Falcon-7B", 32, 71, 1, 64, 2048,
-                 "tiiuae/falcon-7b config.json (n_layer 32, n_head 71, hidden_size 4544, "
-                 "multi_query true)"),
+    _preset("GPT-2-small", 12, 12, 12, 64, 1024,
+            "openai-community/gpt2 config.json (n_layer 12, n_head 12, n_embd 768); "
+            "Radford et al. 2019, 'Language Models are Unsupervised Multitask "
+            "Learners'"),
+    _preset("Llama-2-7B", 32, 32, 32, 128, 4096, _LLAMA2.format(7, 32, 32, 32, 4096, 11008),
+            hidden=4096, intermediate=11008, vocab=32000),
+    _preset("Llama-2-70B", 80, 64, 8, 128, 4096, _LLAMA2.format(70, 80, 64, 8, 8192, 28672),
+            hidden=8192, intermediate=28672, vocab=32000),
+    _preset("Llama-3-8B", 32, 32, 8, 128, 8192,
+            "meta-llama/Meta-Llama-3-8B config.json (num_hidden_layers 32, "
+            "num_attention_heads 32, num_key_value_heads 8, hidden_size 4096, "
+            "intermediate_size 14336, vocab_size 128256)",
+            hidden=4096, intermediate=14336, vocab=128256),
+    _preset("Mistral-7B-v0.1", 32, 32, 8, 128, 32768,
+            "mistralai/Mistral-7B-v0.1 config.json (num_hidden_layers 32, "
+            "num_attention_heads 32, num_key_value_heads 8, hidden_size 4096, "
+            "intermediate_size 14336, vocab_size 32000, sliding_window 4096); "
+            "Jiang et al. 2023, 'Mistral 7B' (rolling buffer cache)",
+            window=4096, hidden=4096, intermediate=14336, vocab=32000),
+    _preset("Falcon-7B", 32, 71, 1, 64, 2048,
+            "tiiuae/falcon-7b config.json (n_layer 32, n_head 71, hidden_size 4544, "
+            "multi_query true)"),
     _llama("Llama-3-70B", "meta-llama/Meta-Llama-3-70B", 80, 64, 8192, 28672, 128256, 8192),
     _llama("Llama-3.1-8B", "meta-llama/Llama-3.1-8B", 32, 32, 4096, 14336, 128256, 131072),
     _llama("Llama-3.1-70B", "meta-llama/Llama-3.1-70B", 80, 64, 8192, 28672, 128256, 131072),
@@ -495,12 +337,12 @@ MODELS: dict[str, ModelCache] = {m.name.lower(): m for m in (
     _qwen3("Qwen3-14B", 40, 40),
     _qwen3("Qwen3-32B", 64, 64),
     _qwen3("Qwen3-30B-A3B", 48, 32, 4, " (the experts do not change the cache)"),
-    _every_layer("Mistral-7B-v0.3", 32, 32, 8, 128, 32768,
-                 _HF.format("mistralai/Mistral-7B-v0.3")
-                 + " (sliding_window null: every layer full)"),
-    _every_layer("Mixtral-8x7B-v0.1", 32, 32, 8, 128, 32768,
-                 _HF.format("mistralai/Mixtral-8x7B-v0.1")
-                 + " (sliding_window null; the experts do not change the cache)"),
+    _preset("Mistral-7B-v0.3", 32, 32, 8, 128, 32768,
+            _HF.format("mistralai/Mistral-7B-v0.3")
+            + " (sliding_window null: every layer full)"),
+    _preset("Mixtral-8x7B-v0.1", 32, 32, 8, 128, 32768,
+            _HF.format("mistralai/Mixtral-8x7B-v0.1")
+            + " (sliding_window null; the experts do not change the cache)"),
     _gemma("Gemma-2-2B", "google/gemma-2-2b", 26, 8, 4, 256, 2304),
     _gemma("Gemma-2-9B", "google/gemma-2-9b", 42, 16, 8, 256, 3584),
     _gemma("Gemma-2-27B", "google/gemma-2-27b", 46, 32, 16, 128, 4608),
@@ -514,7 +356,16 @@ MODELS: dict[str, ModelCache] = {m.name.lower(): m for m in (
                "the multi-token-prediction layer (num_nextn_predict_layers 1) is left out"),
     _gpt_oss("gpt-oss-20b", 24),
     _gpt_oss("gpt-oss-120b", 36),
-    _qwen3_next(),
+    ModelCache(  # full_attention_interval 4: three linear-attention layers, then a full one
+        "Qwen3-Next-80B-A3B",
+        ((gated_delta_layer(16, 32, 128, 128, 4),) * 3 + (attention_layer(2, 256),)) * 12, 262144,
+        _HF.format("Qwen/Qwen3-Next-80B-A3B-Instruct") + " (num_hidden_layers 48, "
+        "full_attention_interval 4, num_key_value_heads 2, head_dim 256, "
+        "linear_num_key_heads 16, linear_num_value_heads 32, linear_key_head_dim 128, "
+        "linear_value_head_dim 128, linear_conv_kernel_dim 4, "
+        "max_position_embeddings 262144)",
+        "36 Gated DeltaNet layers keep a fixed state (counted in the same dtype, as "
+        "transformers keeps it); 12 attention layers keep K/V per position"),
 )}
 
 

@@ -1,8 +1,5 @@
-"""Tables for pages and the command line: one Markdown renderer shared by every module.
-
-Pages display the result with ``IPython.display.Markdown``; the site parses Markdown outputs as
-MyST, so pipe tables render and ``$maths$`` in a cell is typeset.
-"""
+"""Tables for pages and the command line: one Markdown renderer shared by every module (the
+site parses Markdown outputs as MyST, so pipe tables render and ``$maths$`` is typeset)."""
 
 from __future__ import annotations
 
@@ -11,9 +8,6 @@ from collections.abc import Sequence
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A pipe table: ``str()`` of each cell, ``|`` escaped, newlines folded to spaces.
-
-    Raises:
-        ValueError: a row without exactly one cell per header.
 
     >>> print(markdown_table(["a", "b"], [[1, "x"], [2, "y|z"]]))
     | a | b |

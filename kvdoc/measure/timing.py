@@ -1,11 +1,8 @@
 """The timing harness: rotated sampling of timed paths, percentiles and the environment they ran in.
 
-A *path* is a zero-argument ``prepare`` that does untimed setup and returns the call to time.
-:func:`time_paths` warms every path up, then samples them in rounds whose order rotates, so no
-path always runs first or last and every path sees the same drift in the machine's load.
-Because the paths of one round ran side by side, :func:`paired_ratio` compares two paths round
-by round: the spread of those ratios says whether the machine resolved the difference at all.
-Nothing here asserts a speed: timings are measurements, not facts.
+:func:`time_paths` samples the paths in rounds whose order rotates, so every path sees the same
+drift in the machine's load; :func:`paired_ratio` compares two paths round by round, and the
+spread of those ratios says whether the machine resolved the difference at all.
 """
 
 from __future__ import annotations
@@ -49,8 +46,7 @@ class Ratio:
     """How many times as long one path took as another, from rounds that timed both.
 
     ``low`` and ``high`` bound the middle 80% of the per-round ratios (all of them under ten
-    rounds). The difference is *resolved* only if that whole band lies on one side of 1: then
-    the rounds agree on which path was faster. Otherwise the machine's noise swamps it, and a
+    rounds). The difference is *resolved* only if that band lies on one side of 1; otherwise a
     page must say so rather than print the median as a result.
 
     >>> str(Ratio(2.04, 1.9, 2.2, 31))
@@ -135,9 +131,8 @@ Prepare = Callable[[], Callable[[], Any]]
 
 def time_paths(paths: dict[str, Prepare], samples: int, warmup: int,
                tick: Callable[[], None] | None = None) -> dict[str, list[float]]:
-    """Time each path ``samples`` times after ``warmup`` runs, rotating the order every round.
-
-    Returns the raw samples in milliseconds, per path. ``tick`` is called after each timed call.
+    """Milliseconds of each path's ``samples`` timed calls after ``warmup`` runs, the order
+    rotating every round; ``tick`` is called after each timed call.
 
     >>> out = time_paths({"a": lambda: (lambda: None), "b": lambda: (lambda: None)},
     ...                  samples=3, warmup=1)

@@ -3,29 +3,18 @@
 Ranks ``0 .. tp - 1`` run the prompt once, tensor parallel (:mod:`kvdoc.parallel.tensor`): each
 caches only its K/V heads. Rank ``tp`` decodes alone (TP = 1) and needs every head. So each
 prefill rank sends its heads of one block (``block_size`` positions of every layer, K and V) per
-message with point-to-point ``torch.distributed.send``; the decode rank ``recv``\\ s each message
-into the slots of the heads that rank holds (:func:`destination`: the remap between the two
-layouts) and decodes from the assembled cache. Under replication (``tp > H_kv``) only the first
-rank of each replica set sends, so every head crosses once.
+point-to-point message; the decode rank receives each into the slots of the heads that rank
+holds (:func:`destination`: the remap between the two layouts). Under replication
+(``tp > H_kv``) only the first rank of each replica set sends, so every head crosses once.
 
-Two ways to start decoding (:data:`MODES`):
-
-* ``"logits"``: the prefill sends all ``P`` positions and rank 0 also sends the last logits
-  ``[B, 1, V]``; the decode rank feeds nothing before its first token.
-* ``"recompute"``: the prefill sends positions ``0 .. P - 2`` only, and the decode rank feeds the
-  last prompt token itself: one position less K/V and no logits on the wire, one extra forward of
-  one token (over ``P - 1`` cached positions) on the decode side.
-
-Two ways to move the blocks (:data:`TRANSFERS`):
-
-* ``"push"``: each prefill rank sends every block as soon as it has it.
-* ``"pull"``: the decode rank asks. It may already hold the first ``have`` blocks (its own
-  prefix cache: it computed them itself), and sends each prefill rank the ids of the blocks it
-  lacks (a count, then the ids, ``int64``); the rank answers with those blocks, in that order.
-
-What moves is exactly :func:`moved_bytes` (the site's byte formula; :func:`handover_jobs`
-counts the real tensors sent and received against it), plus :func:`request_bytes` of block ids
-when pulling, in :func:`messages` messages.
+To start decoding (:data:`MODES`), ``"logits"`` sends all ``P`` positions and rank 0 the last
+logits; ``"recompute"`` sends ``P - 1`` positions and the decode rank feeds the last prompt token
+itself (one forward more, less on the wire). To move the blocks (:data:`TRANSFERS`), ``"push"``
+sends every block; with ``"pull"`` the decode rank, which may hold the first ``have`` blocks
+already (its own prefix cache), asks each prefill rank for those it lacks (a count, then the
+ids), and gets them in that order. What moves is exactly :func:`moved_bytes`, plus
+:func:`request_bytes` of block ids when pulling, in :func:`messages` messages
+(:func:`handover_jobs` counts the real tensors against them).
 
 >>> from kvdoc.core.model import llama_config
 >>> config = llama_config()                           # 2 layers, GQA 4 / 2, D = 16
@@ -39,7 +28,6 @@ when pulling, in :func:`messages` messages.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -52,8 +40,8 @@ from kvdoc.core.model import Decoder, GPTConfig, decode_step, generate, prefill
 from kvdoc.measure.kv_bytes import kv_bytes
 
 from .comm import Comm
-from .comparison import TOLERANCE
-from .decode import RankDecoder, check_run
+from .comparison import TOLERANCE, rows_close
+from .decode import RankDecoder, check_run, greedy
 from .launch import launch
 from .tensor import head_shard
 
@@ -76,8 +64,7 @@ def destination(config: GPTConfig, tp: int, tp_rank: int) -> list[int]:
 
 
 def senders(config: GPTConfig, tp: int) -> list[int]:
-    """The prefill ranks that send: the first of each replica set (all of them when
-    ``tp <= H_kv``), so no head is sent twice.
+    """The prefill ranks that send: the first of each replica set, so no head is sent twice.
 
     >>> from kvdoc.core.model import llama_config
     >>> senders(llama_config(n_kv_head=1), 2)                 # MQA: both hold head 0
@@ -142,37 +129,18 @@ def lacking(blocks: range) -> list[int]:
     return list(blocks)
 
 
-class GroupComm(Comm):
-    """The tensor-parallel collectives of ranks ``0 .. tp - 1`` inside a larger world (the
-    decode rank is not in the group).
-
-    :class:`~kvdoc.parallel.comm.Comm` builds its groups from a world of exactly ``tp x cp``
-    ranks; here the world has one rank more, so the group comes from the caller (every rank of
-    the world must have created it) and ``Comm.__init__`` is not called.
-    """
-
-    def __init__(self, rank: int, tp: int, group: object) -> None:
-        self.tp, self.cp, self.world_size = tp, 1, tp
-        self.rank, self.cp_rank, self.tp_rank = rank, 0, rank
-        self.counts: Counter[str] = Counter()
-        self.tp_group, self.cp_group = group, None
-
-
 @dataclass
 class Handed:
-    """What one rank of :func:`handover_generate` did."""
+    """What one rank of a hand-over did."""
 
     rank: int
     sent_bytes: int = 0
-    """Bytes of the tensors it sent (``numel x element_size``)."""
     received_bytes: int = 0
-    """Bytes of the tensors it received (the decode rank)."""
     messages: int = 0
     """Messages it sent or received."""
     tokens: torch.Tensor | None = None
-    """The decode rank's ``[B, P + N]``."""
+    """The decode rank's ``[B, P + N]``; ``logits``, ``[B, N, V]``."""
     logits: torch.Tensor | None = None
-    """The decode rank's ``[B, N, V]``."""
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     """The decode rank's assembled prompt K/V, per layer ``[B, H_kv, T_sent, D]``."""
     forwards: int = 0
@@ -220,7 +188,7 @@ def _block(layers: list, start: int, end: int) -> torch.Tensor:
 
 @torch.no_grad()
 def _prefill_rank(rank: int, tp: int, group: object, job: Handover) -> Handed:
-    comm = GroupComm(rank, tp, group)
+    comm = Comm(rank, tp, 1, group)  # the TP group of the prefill ranks alone
     decoder = RankDecoder(job.model, comm).eval()
     prompt, size = job.prompt, job.block_size
     logits, cache = decoder(prompt, decoder.new_cache(prompt.shape[0]), 0)
@@ -270,13 +238,8 @@ def _decode_rank(tp: int, job: Handover) -> Handed:
     else:  # feed the last prompt token over the P - 1 positions received
         logits, cache = decode_step(model, prompt[:, -1:], cache)
         out.forwards = 1
-    chosen, fed = [], [prompt]
-    for step in range(job.max_new_tokens):
-        chosen.append(logits[:, -1])
-        fed.append(logits[:, -1].argmax(dim=-1, keepdim=True))
-        if step + 1 < job.max_new_tokens:
-            logits, cache = decode_step(model, fed[-1], cache)
-    out.tokens, out.logits = torch.cat(fed, dim=1), torch.stack(chosen, dim=1)
+    out.tokens, out.logits, _ = greedy(logits, cache, prompt, job.max_new_tokens,
+                                       lambda token, cache, _: decode_step(model, token, cache))
     return out
 
 
@@ -290,7 +253,7 @@ def _rank(rank: int, world_size: int, jobs: list[Handover]) -> list[Handed]:
 
 def check_handover(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, tp: int,
                    block_size: int, mode: str, transfer: str = "push", have: int = 0) -> None:
-    """Raise ``ValueError`` for a hand-over :func:`handover_generate` cannot run."""
+    """Raise ``ValueError`` for a hand-over that cannot run, before any rank starts."""
     check_run(model, prompt, max_new_tokens, tp, 1)
     check_int("block_size", block_size)
     if sent_positions(prompt.shape[1], mode) < 1:
@@ -343,14 +306,11 @@ class HandoverCheck:
 
 
 def handover_jobs(jobs: list[tuple], tp: int = 2) -> list[HandoverCheck]:
-    """Run each :class:`Handover` (or a tuple of its fields, ``place`` onwards optional) on one
-    launch of ``tp + 1`` ranks and check it against one process: tokens against
-    :func:`~kvdoc.core.model.generate`, the assembled K/V against a one-process prefill (within
+    """Run each :class:`Handover` (or a tuple of its fields) on one launch of ``tp + 1`` ranks
+    and check it against one process: tokens against :func:`~kvdoc.core.model.generate`, the
+    assembled K/V against a one-process prefill (within
     :data:`~kvdoc.parallel.comparison.TOLERANCE`: TP reorders sums), bytes and messages against
-    :func:`moved_bytes`, :func:`request_bytes` and :func:`messages`.
-
-    Raises:
-        ValueError: a job :func:`check_handover` refuses, before any rank starts.
+    the formulas. A job :func:`check_handover` refuses raises before any rank starts.
     """
     full = [Handover(*j) for j in jobs]
     for j in full:
@@ -367,9 +327,7 @@ def handover_jobs(jobs: list[tuple], tp: int = 2) -> list[HandoverCheck]:
             _, cache = prefill(model, prompt[:, :T], model.new_cache(prompt.shape[0], "dynamic"))
             want_logits = prefill(model, prompt).logits
         tol = TOLERANCE.get(model.wte.weight.dtype, 1e-5)
-        kv_close = all(torch.allclose(mine, want, atol=tol, rtol=tol)
-                       for (k, v), layer in zip(decode.kv, cache.layers, strict=True)
-                       for mine, want in zip((k, v), layer.read(T), strict=True))
+        kv_close = rows_close(decode.kv, cache, tol)
         first = decode.logits[:, 0]
         logits_close = torch.allclose(first, want_logits[:, -1], atol=tol, rtol=tol)
         dtype, pull = model.wte.weight.dtype, j.transfer == "pull"
@@ -386,13 +344,3 @@ def handover_jobs(jobs: list[tuple], tp: int = 2) -> list[HandoverCheck]:
             (decode.sent_bytes, sum(r.received_bytes for r in ranks[:tp]), asked)))
     return checks
 
-
-def handover_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, *,
-                      tp: int = 2, block_size: int = 4, mode: str = "logits",
-                      transfer: str = "push", have: int = 0) -> Handed:
-    """Greedy generation whose prefill runs on ``tp`` ranks and whose decode runs on one more,
-    the K/V handed over block by block (pushed, or pulled after the ``have`` blocks the decode
-    rank holds); returns the decode rank's :class:`Handed`."""
-    check_handover(model, prompt, max_new_tokens, tp, block_size, mode, transfer, have)
-    return launch(_rank, tp + 1, [Handover("", model, prompt, max_new_tokens, block_size, mode,
-                                           destination, transfer, have)], backend="gloo")[tp][0]

@@ -1,13 +1,10 @@
 """The collectives one rank calls, on a ``cp x tp`` mesh of ranks, each call counted.
 
-Rank ``r`` of ``tp * cp`` ranks sits at ``(cp_rank, tp_rank) = divmod(r, tp)``. Its
-tensor-parallel group is the ``tp`` ranks of its row (they split the heads and the MLP), its
-context-parallel group the ``cp`` ranks of its column (they split the positions). A group of
-one rank needs no communication, so its collectives return their input and count nothing; with
-``tp = cp = 1`` a :class:`Comm` works without any process group, which is how one rank runs.
-
-``counts`` tallies the calls by kind (``all_reduce``, ``all_gather``, ``broadcast``), so a run can
-report the collectives of each decode step and check them against what the layout needs.
+Rank ``r`` sits at ``(cp_rank, tp_rank) = divmod(r, tp)``: its tensor-parallel group is the
+``tp`` ranks of its row, its context-parallel group the ``cp`` ranks of its column. A group of
+one rank returns its input and counts nothing, so with ``tp = cp = 1`` a :class:`Comm` needs no
+process group. ``counts`` tallies the calls by kind, so a run can check each decode step's
+collectives against what the layout needs.
 
 >>> comm = Comm(rank=0, tp=1, cp=1)
 >>> comm.tp_rank, comm.cp_rank, comm.all_reduce(torch.ones(2)).tolist(), dict(comm.counts)
@@ -25,13 +22,11 @@ from kvdoc.core.cache import check_int
 
 
 class Comm:
-    """One rank's place on the mesh and its counted collectives.
+    """One rank's place on the mesh and its counted collectives; every rank must build its own
+    with the same ``tp`` and ``cp`` (creating the groups is itself collective). A ``tp_group``
+    made by the caller serves a mesh inside a larger world (a hand-over's prefill ranks)."""
 
-    Every rank of the process group must build its :class:`Comm` with the same ``tp`` and
-    ``cp`` (creating the groups is itself collective).
-    """
-
-    def __init__(self, rank: int, tp: int, cp: int) -> None:
+    def __init__(self, rank: int, tp: int, cp: int, tp_group: object = None) -> None:
         self.tp, self.cp = check_int("tp", tp), check_int("cp", cp)
         self.world_size = tp * cp
         self.rank = check_int("rank", rank, minimum=0)
@@ -39,8 +34,8 @@ class Comm:
             raise ValueError(f"rank {rank} is outside a mesh of {tp} x {cp} ranks")
         self.cp_rank, self.tp_rank = divmod(rank, tp)
         self.counts: Counter[str] = Counter()
-        self.tp_group = self.cp_group = None
-        if self.world_size > 1:
+        self.tp_group, self.cp_group = tp_group, None
+        if self.world_size > 1 and tp_group is None:
             # every rank creates every group, in one order, as new_group requires
             for row in range(cp):
                 group = dist.new_group([row * tp + t for t in range(tp)])

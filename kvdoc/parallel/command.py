@@ -1,14 +1,9 @@
 """Tensor- and context-parallel decoding on N processes, checked against one process.
 
-``python -m kvdoc parallel --tp N --cp M`` starts ``N x M`` ranks (gloo, this machine), decodes
-each model of :data:`kvdoc.parallel.comparison.MODELS` on them and prints what it compared
-(:func:`kvdoc.parallel.comparison.compare`): tokens, logits, each rank's cache and its bytes, the
-collectives of a decode step. With ``--handover push`` or ``--handover pull`` it also hands
-each model's prompt, block by block, from a prefill at TP = N to one more rank that decodes
-(:mod:`kvdoc.parallel.blocks`), in both first-token modes; with ``--latent``, the MLA model's
-latent under TP and under DP-attention (:mod:`kvdoc.parallel.latent`). Exit status 0 when
-every check holds, 1 when one fails, 2 for arguments it refuses (a ``tp`` that does not divide
-a model's heads, too many ranks, ...).
+``python -m kvdoc parallel --tp N --cp M`` runs ``N x M`` ranks (gloo, this machine) and prints
+what :func:`kvdoc.parallel.comparison.compare` compared; ``--handover`` adds the block hand-over
+(:mod:`kvdoc.parallel.blocks`), ``--latent`` the MLA latent (:mod:`kvdoc.parallel.latent`). Exit
+status 0 when every check holds, 1 when one fails, 2 for arguments it refuses.
 """
 
 from __future__ import annotations
@@ -65,8 +60,7 @@ def _error(message: str) -> int:
 
 
 def _latent_jobs(args: argparse.Namespace) -> list:
-    """The MLA latent under TP and under DP-attention on ``--tp`` ranks, one request each;
-    ``ValueError`` for a layout it cannot run."""
+    """The MLA latent under TP and under DP-attention on ``--tp`` ranks, one request each."""
     import torch
 
     from .latent import MODES, LatentJob, check_latent_job, latent_model

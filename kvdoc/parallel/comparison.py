@@ -1,15 +1,10 @@
 """Each parallel run compared with the same model in one process, and what was compared.
 
-:func:`compare` checks a :class:`~kvdoc.parallel.decode.ParallelRun` against one process
-(:func:`kvdoc.core.model.generate` for the tokens; the same prefill and decode steps for the
-logits and the cache):
-
-* the tokens are equal, on every rank;
-* the logits agree within :data:`TOLERANCE` (``atol = rtol``);
-* every rank's cache holds exactly its K/V heads at its positions: equal, within the tolerance,
-  to those rows of the one-process cache, and its bytes equal
-  :func:`~kvdoc.parallel.decode.rank_kv_bytes`;
-* every forward call made :func:`~kvdoc.parallel.decode.collectives_per_call`'s collectives.
+:func:`compare` checks a :class:`~kvdoc.parallel.decode.ParallelRun` against one process: the
+tokens equal on every rank; the logits within :data:`TOLERANCE`; every rank's cache holding
+exactly its K/V heads at its positions (those rows of the one-process cache, within the
+tolerance), in :func:`~kvdoc.parallel.decode.rank_kv_bytes`; every forward call making
+:func:`~kvdoc.parallel.decode.collectives_per_call`'s collectives.
 
 Why this tolerance: TP and CP change only the order of floating-point sums (a row-parallel
 ``c_proj`` adds ``tp`` partial sums; the split-K merge rescales and adds ``cp`` partial
@@ -24,11 +19,13 @@ seconds, a tiny model's decode milliseconds).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
+from kvdoc.core.cache import KVCache
 from kvdoc.core.model import (
     Decoder,
     GPTConfig,
@@ -46,6 +43,7 @@ from .decode import (
     Parts,
     check_run,
     collectives_per_call,
+    greedy,
     rank_generate,
     rank_kv_bytes,
 )
@@ -72,18 +70,22 @@ def build_model(name: str, seed: int = 0) -> Decoder:
         return Decoder(MODELS[name]).eval()
 
 
+def rows_close(mine: list, cache: KVCache, tol: float,
+               rows: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> bool:
+    """Each layer's tensors in ``mine`` equal, within ``tol``, to ``rows`` of the one-process
+    ``cache``'s (a rank's heads and positions, say)."""
+    return all(m.shape == rows(w).shape and torch.allclose(m, rows(w), atol=tol, rtol=tol)
+               for tensors, layer in zip(mine, cache.layers, strict=True)
+               for m, w in zip(tensors, layer.read(cache.seq_len), strict=True))
+
+
 @torch.no_grad()
 def reference(model: Decoder, prompt: torch.Tensor, max_new_tokens: int):
     """One process: ``(tokens, logits [B, N, V], cache)`` of greedy decoding, the cache holding
     every position that was fed."""
     logits, cache = prefill(model, prompt, model.new_cache(prompt.shape[0], "dynamic"))
-    out, chosen = [prompt], []
-    for step in range(max_new_tokens):
-        chosen.append(logits[:, -1])
-        out.append(logits[:, -1].argmax(dim=-1, keepdim=True))
-        if step + 1 < max_new_tokens:
-            logits, cache = decode_step(model, out[-1], cache)
-    return torch.cat(out, dim=1), torch.stack(chosen, dim=1), cache
+    return greedy(logits, cache, prompt, max_new_tokens,
+                  lambda token, cache, _: decode_step(model, token, cache))
 
 
 @dataclass
@@ -108,7 +110,6 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        """Every check passed."""
         return (self.tokens_equal and self.logits_close and self.kv_close and self.collectives_ok
                 and all(m == f for m, f in self.bytes))
 
@@ -141,15 +142,9 @@ def compare(name: str, model: Decoder, prompt: torch.Tensor, max_new_tokens: int
     diff = max(float((r.logits - logits).abs().max()) for r in run.ranks)
     close = all(r.logits.shape == logits.shape
                 and torch.allclose(r.logits, logits, atol=tol, rtol=tol) for r in run.ranks)
-    kv_close = True
-    for r in run.ranks:
-        heads, positions = list(r.kv_heads), list(r.positions)
-        for (k, v), layer in zip(r.kv, cache.layers, strict=True):
-            full_k, full_v = layer.read(cache.seq_len)
-            for mine, full in ((k, full_k), (v, full_v)):
-                want = full[:, heads][:, :, positions]
-                kv_close &= mine.shape == want.shape and torch.allclose(mine, want, atol=tol,
-                                                                        rtol=tol)
+    kv_close = all(rows_close(r.kv, cache, tol,
+                              lambda t, r=r: t[:, list(r.kv_heads)][:, :, list(r.positions)])
+                   for r in run.ranks)
     fed = prompt.shape[1] + max_new_tokens - 1
     sizes = [(r.cache_bytes, rank_kv_bytes(model.config, tp, cp, r.rank, prompt.shape[0], fed,
                                             logits.dtype)) for r in run.ranks]
@@ -180,11 +175,8 @@ def rank_jobs(rank: int, world_size: int, jobs: list[Job]) -> list:
 
 
 def check_jobs(jobs: list[Job]) -> int:
-    """The one world size of ``jobs``, after :func:`~kvdoc.parallel.decode.check_run` of each.
-
-    Raises:
-        ValueError: jobs of different world sizes, or one :func:`parallel_generate` refuses.
-    """
+    """The one world size of ``jobs`` (a ValueError if they differ), after
+    :func:`~kvdoc.parallel.decode.check_run` of each."""
     worlds = {j.tp * j.cp for j in jobs}
     if len(worlds) != 1:
         raise ValueError(f"one launch runs one number of ranks, the jobs need {sorted(worlds)}")
@@ -202,11 +194,8 @@ def compare_jobs(jobs: list[Job], per_rank: list[list]) -> list[Comparison]:
 
 
 def run_jobs(jobs: list[Job]) -> list[Comparison]:
-    """Every job on one launch of ``tp * cp`` ranks (the same for all), each compared.
-
-    Raises:
-        ValueError: jobs of different world sizes, or one :func:`parallel_generate` refuses.
-    """
+    """Every job on one launch of ``tp * cp`` ranks (the same for all, :func:`check_jobs`), each
+    compared."""
     if not jobs:
         return []
     return compare_jobs(jobs, launch(rank_jobs, check_jobs(jobs), jobs, backend="gloo"))

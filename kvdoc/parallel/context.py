@@ -39,10 +39,6 @@ class ContextShard:
         """The positions ``< end`` this rank keeps, ascending (``[T_local]`` int64)."""
         return torch.arange(self.shard_of(self.cp_rank), end, self.cp)
 
-    def held_count(self, end: int) -> int:
-        """How many positions ``< end`` this rank keeps: ``ceil((end - r) / cp)``."""
-        return max(0, math.ceil((end - self.shard_of(self.cp_rank)) / self.cp))
-
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
                layer_idx: int, start: int, window: int | None) -> torch.Tensor:
         """Softmax attention of ``q`` (``[B, H, C, D_h]``, positions ``start ..``) over every

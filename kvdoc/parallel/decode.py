@@ -1,13 +1,11 @@
 """Greedy decoding of one kvdoc :class:`~kvdoc.core.model.Decoder` over ``tp x cp`` ranks.
 
 :func:`parallel_generate` is :func:`kvdoc.core.model.generate` with the model split over
-``tp * cp`` processes it starts itself (:mod:`kvdoc.parallel.launch`): heads and MLP columns over
-``tp`` (:mod:`kvdoc.parallel.tensor`), positions over ``cp`` (:mod:`kvdoc.parallel.context`).
-Every rank keeps the embeddings, norms and LM head whole, so after the last all-reduce every rank
-holds the same logits; rank 0's greedy token is broadcast so that every rank feeds the same one.
-
-What one rank does is :func:`rank_generate`; :func:`rank_kv_bytes` and :func:`collectives_per_call`
-are what its cache and its communication must come to, from the layout alone.
+``tp * cp`` processes: heads and MLP columns over ``tp`` (:mod:`kvdoc.parallel.tensor`),
+positions over ``cp`` (:mod:`kvdoc.parallel.context`). Every rank keeps the embeddings, norms
+and LM head whole, so every rank holds the same logits; rank 0's greedy token is broadcast so
+that every rank feeds the same one. :func:`rank_kv_bytes` and :func:`collectives_per_call` are
+what a rank's cache and communication must come to, from the layout alone.
 
 >>> import torch
 >>> from kvdoc.core.model import llama_config
@@ -24,6 +22,7 @@ are what its cache and its communication must come to, from the layout alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -51,25 +50,10 @@ STANDARD = Parts()
 """The correct parts."""
 
 
-def check_layout(model: Decoder, tp: int, cp: int) -> None:
-    """Raise ``ValueError`` unless ``model`` can run on ``tp x cp`` ranks."""
-    if not isinstance(model, Decoder) or not all(
-            type(b) is Block and type(b.attn) is CausalSelfAttention and type(b.mlp) is MLP
-            for b in model.h):
-        raise ValueError("parallel decoding takes a kvdoc Decoder of standard attention blocks "
-                         f"(GPT-2 or Llama style), got {type(model).__name__}")
-    device = model.wte.weight.device
-    if device.type != "cpu":  # the ranks talk over gloo, on CPU tensors
-        raise ValueError(f"parallel decoding runs on CPU (gloo); the model is on {device}")
-    check_tp(model.config, tp)
-    check_int("cp", cp)
-
-
 def rank_kv_bytes(config: GPTConfig, tp: int, cp: int, rank: int, batch: int, seq_len: int,
                   dtype: torch.dtype = torch.float32) -> int:
-    """K/V bytes rank ``rank`` holds after ``seq_len`` positions: the site's formula
-    ``2 x B x L x T_r x H_kv,r x D x s`` with the rank's heads ``H_kv,r`` (``H_kv / tp``, or 1
-    past ``H_kv``) and positions ``T_r = ceil((T - c) / cp)`` (CP rank ``c``).
+    """K/V bytes rank ``rank`` holds after ``seq_len`` positions: ``2 x B x L x T_r x H_kv,r x D
+    x s`` with its heads ``H_kv,r`` and positions ``T_r = ceil((T - c) / cp)`` (CP rank ``c``).
 
     >>> from kvdoc.core.model import GPTConfig
     >>> rank_kv_bytes(GPTConfig(), tp=2, cp=1, rank=0, batch=1, seq_len=10)  # 2 of 4 heads
@@ -102,7 +86,7 @@ class Holding(NamedTuple):
 
 def who_holds(config: GPTConfig, tp: int, cp: int, seq_len: int) -> list[Holding]:
     """Every rank's query heads, cached K/V heads and cached positions after ``seq_len``
-    positions, rank order (the layout :class:`RankDecoder` builds, without starting a rank).
+    positions: the layout :class:`RankDecoder` builds, without starting a rank.
 
     >>> from kvdoc.core.model import llama_config
     >>> [(h.kv_heads, h.positions) for h in who_holds(llama_config(), 2, 2, 5)][-1]
@@ -173,9 +157,8 @@ class RankResult:
     tp_rank: int
     cp_rank: int
     kv_heads: tuple[int, ...]
-    """The K/V heads it cached."""
+    """The K/V heads and the positions it cached."""
     positions: tuple[int, ...]
-    """The positions whose K/V it cached."""
     tokens: torch.Tensor
     """``[B, P + N]``: the prompt and the tokens it fed (every rank's are rank 0's)."""
     logits: torch.Tensor
@@ -183,9 +166,23 @@ class RankResult:
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     """Its cache: each layer's K and V, ``[B, len(kv_heads), len(positions), D_h]``."""
     cache_bytes: int
-    """:func:`kvdoc.measure.kv_bytes.measured_bytes` of its cache."""
     collectives: list[dict[str, int]]
     """Collectives of each forward call: the prefill, then each decode step."""
+
+
+def greedy(logits: torch.Tensor, cache: KVCache, prompt: torch.Tensor, max_new_tokens: int,
+           step: Callable, choose: Callable = lambda token: token
+           ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+    """Greedy decoding after a prefill's ``logits`` and ``cache``: ``(tokens [B, P + N],
+    logits [B, N, V] each new token was chosen from, cache)``. Each token is ``choose(argmax)``
+    (rank 0's broadcast, say) and, but the last, fed by ``step(token, cache, position)``."""
+    fed, chosen = [prompt], []
+    for i in range(max_new_tokens):
+        chosen.append(logits[:, -1])
+        fed.append(choose(logits[:, -1].argmax(dim=-1, keepdim=True)))
+        if i + 1 < max_new_tokens:
+            logits, cache = step(fed[-1], cache, prompt.shape[1] + i)
+    return torch.cat(fed, dim=1), torch.stack(chosen, dim=1), cache
 
 
 @torch.no_grad()
@@ -195,18 +192,16 @@ def rank_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, com
     decoder = RankDecoder(model, comm, parts).eval()
     comm.take_counts()  # building the groups is not part of decoding
     logits, cache = decoder(prompt, decoder.new_cache(prompt.shape[0]), 0)
-    collectives, chosen, out = [comm.take_counts()], [], [prompt]
-    for step in range(max_new_tokens):
-        chosen.append(logits[:, -1])
-        token = comm.broadcast(logits[:, -1].argmax(dim=-1, keepdim=True))  # [B, 1]
-        out.append(token)
-        if step + 1 < max_new_tokens:
-            logits, cache = decoder(token, cache, prompt.shape[1] + step)
-            collectives.append(comm.take_counts())
+    collectives = [comm.take_counts()]
+
+    def step(token: torch.Tensor, cache: KVCache, start: int) -> tuple[torch.Tensor, KVCache]:
+        out = decoder(token, cache, start)
+        collectives.append(comm.take_counts())
+        return out
+    tokens, chosen, cache = greedy(logits, cache, prompt, max_new_tokens, step, comm.broadcast)
     end = prompt.shape[1] + max_new_tokens - 1  # the last token is chosen, never fed
     return RankResult(comm.rank, comm.tp_rank, comm.cp_rank, tuple(decoder.shard.kv_heads),
-                      tuple(decoder.held(end).tolist()), torch.cat(out, dim=1),
-                      torch.stack(chosen, dim=1),
+                      tuple(decoder.held(end).tolist()), tokens, chosen,
                       [tuple(layer.tensors()) for layer in cache.layers], measured_bytes(cache),
                       collectives)
 
@@ -224,13 +219,21 @@ class ParallelRun(NamedTuple):
     logits: torch.Tensor
     """``[B, N, V]``: the logits new token ``i`` was chosen from."""
     ranks: list[RankResult]
-    """Every rank's result, rank order."""
 
 
 def check_run(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, tp: int,
               cp: int) -> None:
     """Raise ``ValueError`` for a layout or an input :func:`parallel_generate` cannot run."""
-    check_layout(model, tp, cp)
+    if not isinstance(model, Decoder) or not all(
+            type(b) is Block and type(b.attn) is CausalSelfAttention and type(b.mlp) is MLP
+            for b in model.h):
+        raise ValueError("parallel decoding takes a kvdoc Decoder of standard attention blocks "
+                         f"(GPT-2 or Llama style), got {type(model).__name__}")
+    device = model.wte.weight.device
+    if device.type != "cpu":  # the ranks talk over gloo, on CPU tensors
+        raise ValueError(f"parallel decoding runs on CPU (gloo); the model is on {device}")
+    check_tp(model.config, tp)
+    check_int("cp", cp)
     model.check_input(prompt, None)
     embed_tokens(model.wte, prompt)  # an id outside the vocabulary: refused here, not on a rank
     check_int("max_new_tokens", max_new_tokens)
@@ -242,16 +245,11 @@ def check_run(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, tp: int
 
 def parallel_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, tp: int = 1,
                       cp: int = 1, *, parts: Parts = STANDARD) -> ParallelRun:
-    """Greedy generation on ``tp * cp`` ranks: ``tp``-way tensor parallel, ``cp``-way context
-    parallel.
-
-    Spawns the ranks itself (gloo, CPU), or runs on the process group this process already
-    belongs to (``torchrun``), which must then have ``tp * cp`` ranks.
+    """Greedy generation on ``tp * cp`` ranks, ``tp``-way tensor parallel and ``cp``-way context
+    parallel: spawned here (gloo, CPU), or the process group this process already belongs to.
 
     Raises:
-        ValueError: ``tp`` that does not divide ``n_head`` or the MLP width, ``tp`` and
-            ``H_kv`` that do not divide one another, a ``cp`` below 1, a model that is not a
-            standard kvdoc decoder, or a prompt the model refuses; all before any rank starts.
+        ValueError: a layout or an input :func:`check_run` refuses, before any rank starts.
     """
     check_run(model, prompt, max_new_tokens, tp, cp)
     ranks = launch(_rank, tp * cp, model, prompt, max_new_tokens, tp, cp, parts,

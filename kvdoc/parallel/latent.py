@@ -1,17 +1,13 @@
 """DP-attention for a latent cache: an MLA model's latent under TP against requests split
 over ranks.
 
-An MLA layer (:mod:`kvdoc.core.mla`) caches one latent per position that every head reads: a
-single K/V "head". Tensor parallelism splits the heads, so on ``n`` ranks each rank computes
-``H / n`` heads, but every one of them needs the whole latent: each rank caches all of it, for
-every request (``"tp"``). Data-parallel attention (``"dp"``) splits the batch instead: rank
-``r`` runs every head, but only for its own ``B / n`` requests (:meth:`RequestSplit.requests`),
-and caches only their latents. Between the attentions the MLP stays tensor parallel: each rank
-all-gathers every rank's rows, runs its ``1 / n`` of the MLP columns
-(:class:`~kvdoc.parallel.tensor.ShardedMLP`, one all-reduce) and keeps its own rows.
-
-So the latent bytes a rank holds (:func:`latent_rank_bytes`) are ``B x T x L x (r + d_R) x s``
-under TP and ``B / n`` of that under DP-attention: ``n`` times less.
+An MLA layer (:mod:`kvdoc.core.mla`) caches one latent per position that every head reads.
+Tensor parallelism (``"tp"``) splits the heads over ``n`` ranks, but each needs the whole
+latent: every rank caches all of it, for every request. Data-parallel attention (``"dp"``)
+splits the batch instead: rank ``r`` runs every head for its own ``B / n`` requests
+(:meth:`RequestSplit.requests`) and caches only their latents, ``n`` times less
+(:func:`latent_rank_bytes`). The MLP stays tensor parallel: each rank all-gathers every rank's
+rows, runs its ``1 / n`` of the columns and keeps its own rows.
 
 >>> from kvdoc.core.mla import MLAConfig
 >>> latent_rank_bytes(MLAConfig(), "tp", ranks=2, rank=1, batch=4, seq_len=10)  # 4 x 10 x 320
@@ -29,14 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kvdoc.core.cache import check_int
+from kvdoc.core.cache import KVCache, check_int
 from kvdoc.core.mla import LatentAttention, LatentBlock, MLAConfig, MLADecoder
 from kvdoc.core.model import decode_step, generate, prefill
 from kvdoc.measure.kv_bytes import measured_bytes
 from kvdoc.measure.model_caches import config_cache
 
 from .comm import Comm
-from .comparison import TOLERANCE
+from .comparison import TOLERANCE, rows_close
+from .decode import greedy
 from .launch import launch
 from .tensor import ShardedMLP
 
@@ -68,8 +65,8 @@ class RequestSplit:
 
 def latent_rank_bytes(config: MLAConfig, mode: str, ranks: int, rank: int, batch: int, seq_len: int,
                       dtype: torch.dtype = torch.float32) -> int:
-    """Latent bytes rank ``rank`` holds after ``seq_len`` positions: every request's under
-    ``"tp"`` (replicated), its ``batch / ranks`` requests' under ``"dp"``."""
+    """Latent bytes rank ``rank`` holds after ``seq_len`` positions (``B x T x L x (r + d_R) x
+    s`` under ``"tp"``; its ``batch / ranks`` requests' under ``"dp"``)."""
     _check(mode, ranks, batch)
     held = batch if mode == "tp" else len(RequestSplit().requests(batch, ranks, rank))
     return config_cache(config).kv_bytes(seq_len, held, dtype)
@@ -159,7 +156,6 @@ class LatentRank:
     """Per layer ``c_KV`` and ``k_rope`` of its requests."""
     cache_bytes: int
     collectives: dict[str, int]
-    """One decode step's collectives."""
 
 
 class LatentJob(NamedTuple):
@@ -184,17 +180,17 @@ def rank_latent(rank: int, world_size: int, job: LatentJob) -> LatentRank:
     model, prompt = rank_model(job.model, comm, job.mode), job.prompt[list(rows)]
     logits, cache = prefill(model, prompt, model.new_cache(prompt.shape[0], "dynamic"))
     comm.take_counts()
-    out, chosen, counts = [prompt], [], {}
-    for step in range(job.max_new_tokens):
-        chosen.append(logits[:, -1])
-        token = logits[:, -1].argmax(dim=-1, keepdim=True)
-        out.append(comm.broadcast(token) if job.mode == "tp" else token)
-        if step + 1 < job.max_new_tokens:
-            logits, cache = decode_step(model, out[-1], cache)
-            counts = comm.take_counts()
-    return LatentRank(rank, tuple(rows), torch.cat(out, dim=1), torch.stack(chosen, dim=1),
+    counts = [{}]
+
+    def step(token: torch.Tensor, cache: KVCache, _: int) -> tuple[torch.Tensor, KVCache]:
+        out = decode_step(model, token, cache)
+        counts.append(comm.take_counts())
+        return out
+    choose = comm.broadcast if job.mode == "tp" else lambda token: token
+    tokens, chosen, cache = greedy(logits, cache, prompt, job.max_new_tokens, step, choose)
+    return LatentRank(rank, tuple(rows), tokens, chosen,
                       [tuple(layer.tensors()) for layer in cache.layers], measured_bytes(cache),
-                      counts)
+                      counts[-1])
 
 
 def rank_latent_jobs(rank: int, world_size: int, jobs: list[LatentJob]) -> list[LatentRank]:
@@ -249,9 +245,7 @@ def compare_latent(job: LatentJob, ranks: list[LatentRank]) -> LatentCheck:
                                                                              r.rank))
         tokens &= torch.equal(r.tokens, want[rows])
         logits &= torch.allclose(r.logits, full_logits[rows], atol=tol, rtol=tol)
-        for mine, layer in zip(r.latent, cache.layers, strict=True):
-            latent &= all(torch.allclose(m, w[rows], atol=tol, rtol=tol)
-                          for m, w in zip(mine, layer.read(cache.seq_len), strict=True))
+        latent &= rows_close(r.latent, cache, tol, lambda t, rows=rows: t[rows])
     fed = want.shape[1] - 1
     sizes = [(r.cache_bytes, job.bytes_rule(job.model.config, job.mode, len(ranks), r.rank,
                                             job.prompt.shape[0], fed, job.model.wte.weight.dtype))
@@ -273,11 +267,8 @@ def check_latent_job(job: LatentJob, ranks: int) -> None:
 
 
 def latent_jobs(jobs: list[LatentJob], ranks: int = 2) -> list[LatentCheck]:
-    """Every job on one launch of ``ranks`` ranks, each compared with one process.
-
-    Raises:
-        ValueError: a job :func:`check_latent_job` refuses, before any rank starts.
-    """
+    """Every job on one launch of ``ranks`` ranks, each compared with one process; a job
+    :func:`check_latent_job` refuses raises before any rank starts."""
     for j in jobs:
         check_latent_job(j, ranks)
     per_rank = launch(rank_latent_jobs, ranks, jobs, backend="gloo")  # CPU tensors

@@ -1,30 +1,20 @@
 """Start ``N`` ranks on this machine with torch.distributed and collect what each returns.
 
-:func:`launch` runs ``fn(rank, world_size, *args)`` on every rank and returns the list of
-results, rank order. Three ways in:
+:func:`launch` runs ``fn(rank, world_size, *args)`` on every rank and returns the results, rank
+order: here, for one rank and no process group; on ``N`` spawned processes that join a group at
+a free port of ``127.0.0.1`` (no ``torchrun`` needed), each on one torch thread and handing its
+result back through a file; or, in a process group already initialized (or started by
+``torchrun``), on this process's rank, every rank receiving every result. A rank that raises
+makes :func:`launch` raise.
 
-* ``world_size == 1`` and no process group: ``fn`` runs here, with no process group at all (one
-  rank needs no collective).
-* no process group yet: ``N`` processes are spawned with :mod:`torch.multiprocessing`, each
-  joins a group on ``127.0.0.1`` at a free port picked here (no ``torchrun`` needed), runs
-  ``fn`` with one torch thread, and hands its result back through a file.
-* a process group already initialized, or a process started by ``torchrun`` (which sets
-  ``TORCHELASTIC_RUN_ID``, ``RANK``, ``WORLD_SIZE`` and the rendezvous address; the gloo group
-  is then initialized from them): ``fn`` runs on this process's rank of that group, and every
-  rank receives every result (``all_gather_object``).
-
-A rank that raises makes :func:`launch` raise (the other ranks are stopped).
-
-The backend (:func:`choose_backend`): NCCL where CUDA is available with at least one GPU per
-rank (rank ``r`` then uses GPU ``r``), gloo otherwise; a caller may ask for one. NCCL carries
-only CUDA tensors, so kvdoc's own runs, whose tensors are on the CPU, ask for gloo. The NCCL
-path has not been run here (no GPU on the machine that builds the site); gloo is what is checked.
+The backend (:func:`choose_backend`): NCCL where CUDA has a GPU per rank, gloo otherwise. NCCL
+carries only CUDA tensors, so kvdoc's own runs, on CPU tensors, ask for gloo; the NCCL path has
+not been run here (no GPU on the machine that builds the site).
 
 >>> launch(_square_of_rank, 1)
 [0]
 >>> choose_backend(2, "gloo")
 'gloo'
-
 """
 
 from __future__ import annotations
@@ -51,12 +41,8 @@ BACKENDS = ("gloo", "nccl")
 
 
 def choose_backend(world_size: int, requested: str | None = None) -> str:
-    """``requested``, or, when None, ``"nccl"`` if CUDA has ``world_size`` GPUs, else
-    ``"gloo"``.
-
-    Raises:
-        ValueError: an unknown backend, or ``"nccl"`` with fewer GPUs than ranks.
-    """
+    """``requested`` (refused if unknown, or ``"nccl"`` with fewer GPUs than ranks), or, when
+    None, ``"nccl"`` if CUDA has ``world_size`` GPUs, else ``"gloo"``."""
     check_int("world_size", world_size)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested is None:
@@ -107,14 +93,11 @@ def together(rank: int, world_size: int, calls: list[tuple[Callable[..., Any], t
 def launch(fn: Callable[..., Any], world_size: int, *args: Any,
            backend: str | None = None) -> list[Any]:
     """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each on its own rank,
-    on :func:`choose_backend` ``(world_size, backend)``.
-
-    ``fn`` and ``args`` must pickle (a module-level function; tensors, modules, dataclasses).
+    on :func:`choose_backend` ``(world_size, backend)``; ``fn`` and ``args`` must pickle.
 
     Raises:
-        ValueError: ``world_size`` is not a positive integer, or differs from the size of the
-            process group this process already belongs to; a backend
-            :func:`choose_backend` refuses.
+        ValueError: a ``world_size`` other than the size of the process group this process
+            already belongs to, or one :func:`choose_backend` refuses.
     """
     backend = choose_backend(world_size, backend)
     if not dist.is_initialized() and "TORCHELASTIC_RUN_ID" in os.environ:

@@ -1,16 +1,11 @@
 """Tensor parallelism: a decoder's heads and MLP columns split over ``tp`` ranks.
 
-Rank ``t`` of ``tp`` computes query heads ``t * H / tp .. (t + 1) * H / tp - 1`` and the K/V heads
-they read, and caches only those K/V heads. With ``tp <= H_kv`` the K/V heads split too
-(``H_kv / tp`` per rank); past ``H_kv`` a rank's query heads all read one K/V head, which
-``tp / H_kv`` ranks then hold alike (replicated; see
-:func:`kvdoc.measure.batch_decode.kv_heads_per_device`).
-
-The projections split the Megatron way: the rows of ``c_attn`` (Q, K, V of the rank's heads) and
-of ``c_fc`` are *column parallel* (each rank computes its own outputs, no communication); ``c_proj``
-of the attention and of the MLP are *row parallel* (each rank multiplies its heads' or columns'
-share of the input and the partial sums are added by one all-reduce). So a layer costs two
-all-reduces per forward call, the bias of a row-parallel ``c_proj`` added once, after the sum.
+Rank ``t`` of ``tp`` computes its ``H / tp`` query heads and caches only the K/V heads they read:
+``H_kv / tp`` of them, or past ``H_kv`` one head that ``tp / H_kv`` ranks hold alike
+(:func:`kvdoc.measure.batch_decode.kv_heads_per_device`). The projections split the Megatron
+way: ``c_attn`` and ``c_fc`` are column parallel (each rank computes its own outputs), the two
+``c_proj`` row parallel (partial sums added by one all-reduce, the bias once after it), so a
+layer costs two all-reduces per forward call.
 
 >>> from kvdoc.core.model import llama_config
 >>> head_shard(llama_config(), 2, 1)                 # GQA 4/2 over 2 ranks: rank 1
@@ -35,14 +30,12 @@ from .comm import Comm
 
 
 class HeadShard(NamedTuple):
-    """The heads one tensor-parallel rank computes and caches."""
+    """The query heads one tensor-parallel rank computes, the K/V heads they read (which it
+    caches) and how many ranks hold each of those (1: no replication)."""
 
     q_heads: range
-    """Query heads, consecutive."""
     kv_heads: range
-    """K/V heads it caches: those its query heads read."""
     replicas: int
-    """Ranks that hold each of its K/V heads (1: no replication)."""
 
 
 def check_tp(config: GPTConfig, tp: int) -> None:
@@ -82,14 +75,10 @@ def _rows(heads: range, head_dim: int, offset: int = 0) -> list[int]:
 
 
 class ShardedAttention(CausalSelfAttention):
-    """One rank's share of a :class:`~kvdoc.core.model.CausalSelfAttention`: its heads only.
-
-    ``forward`` takes and returns ``[B, C, d]`` like the full attention (the row-parallel
-    ``c_proj``'s all-reduce inside); the cache it writes holds the rank's K/V heads only. With a
-    ``context`` (:class:`~kvdoc.parallel.context.ContextShard`) the keys are this rank's
-    positions and the attention over them merges across the context-parallel group; without,
-    it is the model's own :meth:`~kvdoc.core.model.CausalSelfAttention.attend`.
-    """
+    """One rank's share of a :class:`~kvdoc.core.model.CausalSelfAttention`: its heads only,
+    ``[B, C, d]`` in and out (the row-parallel all-reduce inside). With a ``context``
+    (:class:`~kvdoc.parallel.context.ContextShard`) it attends over this rank's positions,
+    merged across the context-parallel group."""
 
     def __init__(self, full: CausalSelfAttention, shard: HeadShard, comm: Comm,
                  context: object | None = None) -> None:
@@ -136,11 +125,8 @@ class ShardedAttention(CausalSelfAttention):
 
 
 class ShardedMLP(nn.Module):
-    """One rank's ``1 / tp`` of an :class:`~kvdoc.core.model.MLP`'s hidden columns.
-
-    For SwiGLU the gate and the up projection split alike, so a rank's hidden unit ``j`` still
-    multiplies ``silu(gate_j)`` by ``up_j``.
-    """
+    """One rank's ``1 / tp`` of an :class:`~kvdoc.core.model.MLP`'s hidden columns (SwiGLU's gate
+    and up split alike, so hidden unit ``j`` still multiplies ``silu(gate_j)`` by ``up_j``)."""
 
     def __init__(self, full: MLP, tp: int, tp_rank: int, comm: Comm) -> None:
         super().__init__()
