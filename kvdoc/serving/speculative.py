@@ -146,7 +146,7 @@ def speculative_generate(target: Decoder, draft: Decoder, prompt: torch.Tensor,
             ``(model, capacity) -> empty cache``, called for each (any kind that crops).
         generator: sample with the acceptance rule, drawing from this generator; None: greedy.
         rule: ``(p, q) -> (keep, residual)`` for one proposal, default :func:`acceptance`
-            (the rule :mod:`kvdoc.teach.sampling` checks exactly).
+            (the rule ``tests/test_speculative.py`` checks exactly).
 
     Returns:
         A :class:`SpeculativeRun`; under greedy decoding ``run.tokens`` equals
