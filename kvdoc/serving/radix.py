@@ -72,8 +72,8 @@ class Admission:
     node: Node  # the deepest node locked for it (the root if nothing matched)
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of ``a`` and ``b``."""
+def common_prefix_len(a: Sequence, b: Sequence) -> int:
+    """Length of the common prefix of ``a`` and ``b`` (token ids, or a string's characters)."""
     pairs = enumerate(zip(a, b, strict=False))
     return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
 
@@ -121,13 +121,13 @@ class RadixCache:
             if child is None:  # no whole first block agrees: at most part of one child's
                 rest = tokens[pos:pos + S]
                 best = max(node.children.values(), default=None,
-                           key=lambda c: _common(c.tokens[:S], rest))
-                if best is not None and _common(best.tokens[:S], rest) > 0:
-                    pos += _common(best.tokens[:S], rest)
+                           key=lambda c: common_prefix_len(c.tokens[:S], rest))
+                if best is not None and common_prefix_len(best.tokens[:S], rest) > 0:
+                    pos += common_prefix_len(best.tokens[:S], rest)
                     blocks.append(best.blocks[0])
                     node = best
                 break
-            n = _common(child.tokens, tokens[pos:])
+            n = common_prefix_len(child.tokens, tokens[pos:])
             blocks += child.blocks[:math.ceil(n / S)]
             pos, node = pos + n, child
             if n < len(child.tokens):
@@ -229,7 +229,8 @@ class RadixCache:
                 node.children[new.tokens[:S]] = new
                 self.pool.share(new.blocks)
                 return len(new.blocks)
-            whole = _common(child.tokens, tokens[pos:]) // S  # >= 1: the first block agrees
+            # >= 1: the first block agrees
+            whole = common_prefix_len(child.tokens, tokens[pos:]) // S
             if whole < len(child.blocks):
                 child = self._split(child, whole)
             child.last_used = self.clock

@@ -38,8 +38,7 @@ from kvdoc.proofs.compare import TOLERANCE, close, max_abs
 from kvdoc.proofs.prefix_cache import invariant_errors
 from kvdoc.serving.eviction import LRU, Node
 from kvdoc.serving.paged import BlockPool
-from kvdoc.serving.radix import RadixCache, serve_prompt
-from kvdoc.teach.toy import common_prefix_len
+from kvdoc.serving.radix import RadixCache, common_prefix_len, serve_prompt
 
 
 class LRUOracle:
