@@ -17,13 +17,13 @@ from kvdoc.proofs.prefix_cache import check_admission, check_locked_eviction, co
 from kvdoc.proofs.scheduling import check_forks, check_policies, check_preemption
 from kvdoc.proofs.variants import VARIANTS
 from kvdoc.serving.prefix_workload import few_shot_workload
+from kvdoc.serving.radix import RadixCache
 from kvdoc.serving.requests import Request
 from kvdoc.serving.scheduler import Scheduler
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
 from kvdoc.teach.radix_policy import (
     LastTokenFromTree,
     LRUOracle,
-    WholeLeafAlways,
     check_eviction,
     check_full_match,
     most_recent_first,
@@ -144,6 +144,15 @@ def test_broken_decoders_fail_the_full_match_too(name):
     with torch.no_grad():
         assert not check_full_match(model).passed
         assert check_sampled_preemption(model).passed == (name == "position-counter")
+
+
+class WholeLeafAlways(RadixCache):
+    """BROKEN: asked to evict one block at a time (``evict="block"``), it evicts whole leaves;
+    each eviction is still the least recently used leaf."""
+
+    def __init__(self, pool, granularity="token", policy=None, evict="leaf"):
+        super().__init__(pool, granularity, policy, evict)
+        self.unit = "leaf"  # BUG: the evict argument is checked, then ignored
 
 
 def test_block_eviction_takes_one_block_and_whole_leaves_are_caught(model):

@@ -215,15 +215,6 @@ def most_recent_first() -> type[RadixCache]:
     return functools.partial(RadixCache, policy=MostRecentFirst())
 
 
-class WholeLeafAlways(RadixCache):
-    """BROKEN: asked to evict one block at a time (``evict="block"``), it evicts whole leaves;
-    each eviction is still the least recently used leaf."""
-
-    def __init__(self, pool, granularity="token", policy=None, evict="leaf"):
-        super().__init__(pool, granularity, policy, evict)
-        self.unit = "leaf"  # BUG: the evict argument is checked, then ignored
-
-
 class LastTokenFromTree(RadixCache):
     """BROKEN: the match is cut one token short of the prompt only in block mode; in token
     mode a prompt the tree holds entirely is matched to its last token, whose logits then are
