@@ -140,18 +140,16 @@ def _shapes(tensors: list) -> list:
 
 
 class HandoverRun(NamedTuple):
-    """What :func:`disaggregated_generate` returns."""
+    """What :func:`disaggregated_generate` returns: ``tokens`` ``[B, P + max_new_tokens]``, the
+    prompt and the chosen tokens; ``logits`` ``[B, max_new_tokens, V]`` behind each (the first
+    shipped); the length of the payload moved from the prefill process to the decode one, and
+    of it the bytes of the K/V tensors' and of the shipped logits' elements, as unpacked."""
 
     tokens: torch.Tensor
-    """``[B, P + max_new_tokens]``: the prompt followed by the chosen tokens."""
     logits: torch.Tensor
-    """``[B, max_new_tokens, V]``: the logits behind each chosen token (the first shipped)."""
     payload_bytes: int
-    """Length of the payload moved from the prefill process to the decode one."""
     kv_bytes: int
-    """Of those, the K and V tensors' elements: ``sum(numel * element_size)`` as unpacked."""
     logits_bytes: int
-    """Of those, the shipped next-token logits' elements."""
 
     @property
     def overhead_bytes(self) -> int:

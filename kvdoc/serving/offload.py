@@ -148,16 +148,14 @@ class TieredStore:
 
 
 class Served(NamedTuple):
-    """One request run by :func:`serve`."""
+    """One request run by :func:`serve`: its ``prompt`` ``[P]``, ``tokens`` ``[P + N]`` (the
+    prompt and the greedy tokens), the ``first_logits`` ``[V]`` the first new token was chosen
+    from, and per full prompt block the tier it was reloaded from, or ``"computed"``."""
 
     prompt: torch.Tensor
-    """``[P]``: its token ids."""
     tokens: torch.Tensor
-    """``[P + N]``: the prompt and the greedy tokens."""
     first_logits: torch.Tensor
-    """``[V]``: the logits the first new token was chosen from."""
     tiers: tuple[str, ...]
-    """Per full prompt block: the tier it was reloaded from, or ``"computed"``."""
 
 
 def _blocks_to_cache(blocks: list[torch.Tensor], model: Decoder) -> DynamicCache:
@@ -225,29 +223,26 @@ def serve(model: Decoder, prompts: Sequence[torch.Tensor], max_new_tokens: int,
 
 
 class Roofline(NamedTuple):
-    """The figures a reload-or-recompute estimate needs, all passed in (none measured)."""
+    """The figures a reload-or-recompute estimate needs, all passed in (none measured): the
+    accelerator's dense peak FLOP/s, its memory bandwidth (reading the weights once per recompute
+    pass) and the bandwidth a reloaded block crosses (host-to-device link, or the disk)."""
 
     peak_flops: float
-    """The accelerator's dense peak, FLOP/s."""
     hbm_bytes_per_s: float
-    """Its memory bandwidth, bytes/s (reading the weights once per recompute pass)."""
     link_bytes_per_s: float
-    """The bandwidth a reloaded block crosses (host-to-device link, or the disk), bytes/s."""
 
 
 class Estimate(NamedTuple):
-    """:func:`reload_or_recompute`'s answer for ``tokens`` positions at one context offset."""
+    """:func:`reload_or_recompute`'s answer for ``tokens`` positions at one context offset:
+    ``kv_bytes / link``; the roofline of one forward pass, ``max(FLOPs / peak, bytes read /
+    HBM)``; and the link bandwidth at which both take as long (above it reloading wins)."""
 
     reload_s: float
-    """``kv_bytes / link``."""
     recompute_s: float
-    """``max(FLOPs / peak, bytes read / HBM)``: the roofline of one forward pass."""
     break_even_bytes_per_s: float
-    """The link bandwidth at which both take as long; above it reloading wins."""
 
     @property
     def reload_wins(self) -> bool:
-        """Reloading is the faster at the link speed given."""
         return self.reload_s < self.recompute_s
 
 
@@ -317,21 +312,19 @@ def multi_turn(model: Decoder, store: TieredStore, *, conversations: int = 3, tu
 
 
 class OffloadCheck(NamedTuple):
-    """Every request of a workload against its run without offloading."""
+    """Every request of a workload against its run without offloading: its tokens against
+    :func:`~kvdoc.core.model.generate` on its prompt, its first-token logits against a full
+    prefill (within ``atol = rtol = tolerance``); full prompt blocks by where they came from
+    (each tier, or ``"computed"``)."""
 
     requests: int
     tokens_equal: bool
-    """Each request's tokens equal :func:`~kvdoc.core.model.generate` on its prompt."""
     max_logit_diff: float
-    """Largest ``|diff|`` of a first-token logit against a full prefill of the prompt."""
     logits_close: bool
-    """All within ``atol = rtol = tolerance``."""
     blocks: dict[str, int]
-    """Full prompt blocks by where they came from: each tier, or ``"computed"``."""
 
     @property
     def ok(self) -> bool:
-        """Tokens equal and logits close for every request."""
         return self.tokens_equal and self.logits_close
 
 

@@ -50,11 +50,6 @@ class SpeculativeRun:
         """Verify calls of the target: one per round."""
         return len(self.accepted)
 
-    @property
-    def tokens_per_round(self) -> float:
-        """Generated tokens per verify call of the target (1.0 would be plain decoding)."""
-        return (self.tokens.shape[1] - self.prompt_len) / self.rounds
-
 
 Rule = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """An acceptance rule: the target's and the draft's probabilities ``[V]`` of one position ->
