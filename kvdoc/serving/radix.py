@@ -155,9 +155,7 @@ class RadixCache:
         ``prompt[request.matched:]``. Eviction makes the free list cover the blocks the request
         will write into, counted for this request alone: ``len(prompt) + max_new - 1``
         positions, since the last generated token is never fed back (``len(prompt)`` when
-        ``max_new`` is 0). In block mode the match is the whole blocks before the last prompt token,
-        as in vLLM and SGLang: a prompt found whole that ends on a block boundary recomputes its
-        last block, and nothing is copied.
+        ``max_new`` is 0).
 
         Raises:
             ValueError: an empty prompt, or too few blocks even after evicting every unlocked
@@ -256,6 +254,10 @@ class RadixCache:
             node = node.parent
         return path
 
+    def tokens_to(self, node: Node) -> tuple[int, ...]:
+        """The token ids from the root to the end of ``node``'s edge."""
+        return sum((n.tokens for n in reversed(self._path(node))), ())
+
     def _split(self, child: Node, whole: int) -> Node:
         """Cut ``child``'s edge after ``whole`` blocks; returns the new upper node."""
         S = self.block_size
@@ -274,20 +276,17 @@ class RadixCache:
             node.last_used = self.clock
             node = node.parent
 
-    def _evictable(self, node: Node) -> bool:
-        return not node.children and self.policy.may_evict(node)
-
     def evict(self, blocks: int) -> int:
         """Evict from the leaves the policy may evict, lowest priority first, until ``blocks``
         are freed or none is left: a whole leaf at a time, or its last block; returns the blocks
         freed (logged in :attr:`evictions`)."""
         freed = 0
         while freed < blocks:
-            leaves = [n for n in self.nodes() if self._evictable(n)]
+            leaves = [n for n in self.nodes() if not n.children and self.policy.may_evict(n)]
             if not leaves:
                 break
             leaf = min(leaves, key=self.policy.priority)
-            path = sum((n.tokens for n in reversed(self._path(leaf))), ())
+            path = self.tokens_to(leaf)
             n = 1 if self.unit == "block" else len(leaf.blocks)
             self.evictions.append((path, n))
             self.pool.release(leaf.blocks[-n:])

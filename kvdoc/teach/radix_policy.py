@@ -147,8 +147,8 @@ def check_eviction(model: Decoder, tree_cls: type[RadixCache] = RadixCache,
         kept = served.tokens[:-1]
         for p in reading | {kept[:k * S] for k in range(1, len(kept) // S + 1)}:
             oracle.used[p] = i
-        cached = {end[:len(end) - j * S] for node, end in _ends(tree)
-                  for j in range(len(node.blocks))}
+        cached = {end[:len(end) - j * S] for node in tree.nodes()
+                  for end in [tree.tokens_to(node)] for j in range(len(node.blocks))}
         if cached != set(oracle.used) or invariant_errors(tree):
             return PolicyCheck(False, hits, f"after request {i} the tree holds "
                                             f"{len(cached)} block paths, the oracle "
@@ -158,17 +158,6 @@ def check_eviction(model: Decoder, tree_cls: type[RadixCache] = RadixCache,
                                    f"evictions, each the least recently used {unit}; "
                                    f"{hits} prompt positions reused, as the oracle predicts",
                        evictions)
-
-
-def _ends(tree: RadixCache) -> list[tuple[object, tuple[int, ...]]]:
-    """Each node of ``tree`` with the token ids from the root to its end."""
-    out = []
-    for node in tree.nodes():
-        ids, up = (), node
-        while up is not None:
-            ids, up = up.tokens + ids, up.parent
-        out.append((node, ids))
-    return out
 
 
 @torch.no_grad()
