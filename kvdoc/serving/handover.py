@@ -3,20 +3,13 @@
 A prefill worker runs the prompt once and sends what decoding needs: every layer's K and V for
 the prompt's positions (an MLA model's latent ``c_KV`` and ``k_rope`` instead), and the logits of
 the position after it (the first new token's). The decode worker rebuilds a
-:class:`~kvdoc.core.cache.DynamicCache` from them
-and carries on as if it had run the prompt itself. The prefill keeps every position of every
-layer, also for a windowed model (Mistral, Gemma 3): the decode side's mask limits what a window
-layer reads, as over any cache that keeps them all.
+:class:`~kvdoc.core.cache.DynamicCache` from them and carries on as if it had run the prompt
+itself. The prefill keeps every position of every layer, also for a windowed model (Mistral,
+Gemma 3): the decode side's mask limits what a window layer reads, as over any cache that keeps
+them all. :func:`pack` and :func:`unpack` carry the cache and the logits as one self-describing
+``bytes`` payload (``torch.save`` of a dict of sizes, a dtype name and tensors).
 
-* :func:`pack`: a cache (+ optional next-token logits) to one self-describing ``bytes``
-  payload (``torch.save`` of a dict of sizes, a dtype name and tensors).
-* :func:`unpack`: the payload back to ``(cache, logits)``, checked against the decoding model's
-  config and dtype; a payload that does not fit (or does not load) raises ``ValueError``.
-* :func:`disaggregated_generate`: greedy generation with the prefill in a spawned process
-  (one torch thread) and the decode here, or both here with ``in_process=True``.
-
->>> from kvdoc.core.model import GPTConfig
->>> from kvdoc.core.model import Decoder, generate
+>>> from kvdoc.core.model import Decoder, GPTConfig, generate
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(GPTConfig()).eval()
 >>> prompt = torch.tensor([[5, 6, 7, 8]])

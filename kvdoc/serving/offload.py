@@ -20,8 +20,7 @@ the sequence stored after decoding. :func:`reload_or_recompute` is the roofline 
 which is faster for one block, from figures passed in.
 
 >>> import tempfile
->>> from kvdoc.core.model import GPTConfig
->>> from kvdoc.core.model import Decoder, generate
+>>> from kvdoc.core.model import Decoder, GPTConfig, generate
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(GPTConfig()).eval()
 >>> turn = torch.arange(1, 10)

@@ -345,14 +345,9 @@ class RadixCache:
 # --- using it ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Served:
-    """One request served through the tree.
-
-    Attributes:
-        tokens: prompt, then the greedy tokens generated.
-        prompt_len: tokens of the prompt.
-        matched: prompt positions found in the tree (not computed).
-        logits: ``[1, N, V]`` for positions ``matched .. len(tokens) - 2``, the ones computed.
-    """
+    """One request served through the tree: its prompt then the greedy tokens, the prompt
+    positions found in the tree (not computed), and the logits ``[1, N, V]`` of the positions
+    computed, ``matched .. len(tokens) - 2``."""
 
     tokens: tuple[int, ...]
     prompt_len: int
