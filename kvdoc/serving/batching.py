@@ -51,9 +51,6 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> PaddedBatch:
     The pad id is a valid token (it is embedded like any other) because the mask, not its
     value, keeps it out of every real row's attention.
 
-    Raises:
-        ValueError: no prompts, an empty prompt, or a token id that is not an integer.
-
     >>> left_pad([[1, 2], [3, 4, 5]], pad_id=9).ids.tolist()
     [[9, 1, 2], [3, 4, 5]]
     """
@@ -114,9 +111,6 @@ def generate_padded(model: Decoder, prompts: Sequence[Sequence[int]], max_new_to
                     pad_id: int = 0) -> PaddedGeneration:
     """Greedy generation of ``max_new_tokens`` per row for prompts (token-id lists) of
     different lengths, left-padded with ``pad_id``, one cache.
-
-    Raises:
-        ValueError: bad prompts, ``max_new_tokens < 1``, or more positions than the model has.
 
     >>> from kvdoc import Decoder, GPTConfig
     >>> _ = torch.manual_seed(0)

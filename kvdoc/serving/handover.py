@@ -88,10 +88,6 @@ def unpack(payload: bytes, config: object,
     The cache is a :class:`~kvdoc.core.cache.DynamicCache` of what the model's
     ``config.cache_layout`` says it caches (K and V, or an MLA latent).
 
-    Raises:
-        ValueError: a payload that does not load, or whose layers, heads, widths, dtype,
-            positions or tensor shapes are not what the model and its own sizes say.
-
     >>> from kvdoc.core.model import GPTConfig
     >>> payload = pack(DynamicCache.empty(GPTConfig(), batch_size=1))
     >>> unpack(payload, GPTConfig(n_kv_head=2))  # doctest: +ELLIPSIS

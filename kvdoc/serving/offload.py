@@ -13,11 +13,9 @@ of them (through attention, and RoPE through the position).
 * **host**: at most ``host_blocks`` tensors in memory, LRU evicted to the disk;
 * **disk**: one ``torch.save`` file per block in a folder, named by the key's hex digest.
 
-A hit in the host or disk tier moves the block back to the device. :func:`serve` runs requests
-through it: the longest run of leading full prompt blocks found (never the last prompt position,
-whose logits the first token needs) is reloaded, the rest prefilled, and every full block of
-the sequence stored after decoding. :func:`reload_or_recompute` is the roofline estimate of
-which is faster for one block, from figures passed in.
+A hit in the host or disk tier moves the block back to the device. :func:`serve` reloads the
+longest run of leading full prompt blocks found (never the last prompt position, whose logits
+the first token needs), prefills the rest, and stores every full block after decoding.
 
 >>> import tempfile
 >>> from kvdoc.core.model import Decoder, GPTConfig, generate
@@ -83,13 +81,8 @@ def block_hashes(tokens: Sequence[int], block_size: int,
 
 
 class TieredStore:
-    """Blocks by key in a device tier, a host tier and a disk folder (see the module docstring).
-
-    ``hits`` counts lookups found per tier; ``misses`` those found nowhere.
-
-    Raises:
-        ValueError: a tier size that is not a positive integer, or a folder that does not exist.
-    """
+    """Blocks by key in a device tier, a host tier and a disk folder (see the module docstring);
+    ``hits`` counts lookups found per tier, ``misses`` those found nowhere."""
 
     def __init__(self, device_blocks: int, host_blocks: int, folder: str) -> None:
         self.device_blocks = check_int("device_blocks", device_blocks)
@@ -179,13 +172,8 @@ def _check_request(model: Decoder, prompt: torch.Tensor, max_new_tokens: int) ->
 @torch.no_grad()
 def serve(model: Decoder, prompts: Sequence[torch.Tensor], max_new_tokens: int,
           store: TieredStore, block_size: int, hash_fn: HashFn = hash_block) -> list[Served]:
-    """Greedy-decode each prompt (``[P]``, batch 1) in turn, reusing blocks from ``store``.
-
-    Raises:
-        ValueError: a prompt that is not 1-D or that the model refuses, a bad
-            ``max_new_tokens`` or ``block_size``; checked for every prompt before any runs, so a
-            refusal leaves ``store`` unchanged.
-    """
+    """Greedy-decode each prompt (``[P]``, batch 1) in turn, reusing blocks from ``store``;
+    every prompt is checked before any runs, so a refusal leaves ``store`` unchanged."""
     check_int("block_size", block_size)
     for prompt in prompts:
         _check_request(model, prompt, max_new_tokens)

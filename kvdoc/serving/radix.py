@@ -79,16 +79,10 @@ def common_prefix_len(a: Sequence, b: Sequence) -> int:
 
 
 class RadixCache:
-    """A radix tree over token ids whose nodes own blocks of ``pool``.
-
-    Args:
-        pool: where every block comes from; its size is the budget eviction works under.
-        granularity: ``"token"`` (a match may end inside a block, which is then copied on write)
-            or ``"block"`` (whole blocks only).
-        policy: which unlocked leaves eviction may take, in what order (default
-            :class:`~kvdoc.serving.eviction.LRU`); an object with ``may_evict(node)`` and
-            ``priority(node)``, as SGLang's eviction strategies are.
-        evict: ``"leaf"`` (a leaf goes whole) or ``"block"`` (its last block only).
+    """A radix tree over token ids whose nodes own blocks of ``pool``, the budget eviction works
+    under; ``granularity`` and ``evict`` as in the module docstring. ``policy``: which unlocked
+    leaves eviction may take, in what order (default :class:`~kvdoc.serving.eviction.LRU`); an
+    object with ``may_evict(node)`` and ``priority(node)``, as SGLang's eviction strategies are.
     """
 
     def __init__(self, pool: BlockPool, granularity: Literal["token", "block"] = "token",

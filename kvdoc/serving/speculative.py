@@ -135,10 +135,6 @@ def speculative_generate(target: Decoder, draft: Decoder, prompt: torch.Tensor,
     ``tests/test_speculative.py`` checks exactly), drawing from it; None: greedy, and then
     ``run.tokens`` equals ``generate(target, prompt, max_new_tokens)``.
 
-    Raises:
-        ValueError: a batch other than 1, ``k`` or ``max_new_tokens`` below 1, models with
-            different vocabularies, a length past either model, or a cache that cannot crop.
-
     >>> from kvdoc import GPTConfig, generate
     >>> _ = torch.manual_seed(0)
     >>> target, draft = Decoder(GPTConfig()).eval(), Decoder(GPTConfig(n_layer=1)).eval()

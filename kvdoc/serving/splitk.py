@@ -81,9 +81,6 @@ def merge(parts: list[Partial] | Partial) -> tuple[torch.Tensor, torch.Tensor]:
     ``parts`` is a list of chunks' partials, or one :class:`Partial` whose fields carry the
     chunks along a leading dimension (what :func:`split_k_attention` computes at once).
 
-    Raises:
-        ValueError: no partials, or a query row that no chunk lets read any key.
-
     >>> q, k, v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     >>> out, _ = merge([partial_attention(q, k[:, :, :2], v[:, :, :2]),
     ...                 partial_attention(q, k[:, :, 2:], v[:, :, 2:])])
@@ -141,9 +138,6 @@ def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: 
     """``softmax(q k^T / sqrt(D_h) + mask) v`` over chunks of ``split`` keys (``split`` need not
     divide ``T``; shapes as in the module docstring, ``mask`` None: every key visible): equal to
     :func:`torch.nn.functional.scaled_dot_product_attention` with the same mask up to rounding.
-
-    Raises:
-        ValueError: shapes that do not fit, a ``split`` below 1, or a row with no visible key.
 
     >>> g = torch.Generator().manual_seed(0)
     >>> q = torch.randn(1, 4, 1, 8, generator=g)                      # one decode query, 4 heads
