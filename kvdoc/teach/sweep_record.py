@@ -124,10 +124,8 @@ def stored(name: str, sweep: Callable[..., list[VariantOutcome]], folder: str | 
 
 def sweep_part(part: int, parts: int = PARTS, axes: dict = AXES,
                workers: int = 2) -> list[VariantOutcome]:
-    """Part ``part`` of ``parts`` of :data:`~kvdoc.proofs.variants.VARIANTS` through
-    every check (``stop_at_first=False``) on ``axes``, two variants at a time; a variant
-    with nothing to run on among them on its own models and kinds. In ``VARIANTS``
-    order."""
+    """Part ``part`` of ``parts`` of :data:`~kvdoc.proofs.variants.VARIANTS`, in that order,
+    through every check on ``axes``, two variants at a time."""
     names = list(VARIANTS)
     names = names[part * len(names) // parts:(part + 1) * len(names) // parts]
     with worker_map(workers) as map_:
