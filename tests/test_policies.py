@@ -1,7 +1,7 @@
 """Policies against their specification (kvdoc.teach.schedule_spec), the radix cache against an
-LRU oracle (kvdoc.teach.radix_policy) and sampling against its distribution
-(kvdoc.teach.sampling): on every model the verification grid serves on a paged cache, and each
-broken variant (beside the check in its module) caught by its check only.
+LRU oracle (kvdoc.teach.radix_policy) and sampling against its distribution (kvdoc.teach.sampling,
+tests/test_speculative.py): on every model the verification grid serves on a paged cache, and
+each broken variant (beside the check in its module) caught by its check only.
 
 These were checks of ``python -m kvdoc verify`` on each such model's paged kind; they never
 depended on the cache kind, so they are tests here, on the same models.
@@ -9,6 +9,7 @@ depended on the cache kind, so they are tests here, on the same models.
 
 import pytest
 import torch
+from test_speculative import speculative_sampling_exact
 
 from kvdoc.proofs import grid
 from kvdoc.proofs.compare import default_model
@@ -16,25 +17,18 @@ from kvdoc.proofs.prefix_cache import check_admission, check_locked_eviction, co
 from kvdoc.proofs.scheduling import check_forks, check_policies, check_preemption
 from kvdoc.proofs.variants import VARIANTS
 from kvdoc.serving.prefix_workload import few_shot_workload
+from kvdoc.serving.radix import RadixCache
 from kvdoc.serving.requests import Request
 from kvdoc.serving.scheduler import Scheduler
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
 from kvdoc.teach.radix_policy import (
     LastTokenFromTree,
     LRUOracle,
-    WholeLeafAlways,
     check_eviction,
     check_full_match,
     most_recent_first,
 )
-from kvdoc.teach.sampling import (
-    RestartStream,
-    check_sampled_preemption,
-    check_speculative_distribution,
-    residual_is_target,
-    round_distribution,
-    target_distribution,
-)
+from kvdoc.teach.sampling import RestartStream, check_sampled_preemption
 from kvdoc.teach.schedule_spec import (
     BudgetPlusOne,
     PreemptOldest,
@@ -66,7 +60,7 @@ def test_every_paged_model_schedules_evicts_and_samples_as_specified(name):
         for check in (check_eviction(model), check_eviction(model, evict="block"),
                       check_full_match(model)):
             assert check.passed, check.detail
-        assert check_speculative_distribution(model).passed
+        assert speculative_sampling_exact(model)
         assert check_sampled_preemption(model).passed
 
 
@@ -152,6 +146,15 @@ def test_broken_decoders_fail_the_full_match_too(name):
         assert check_sampled_preemption(model).passed == (name == "position-counter")
 
 
+class WholeLeafAlways(RadixCache):
+    """BROKEN: asked to evict one block at a time (``evict="block"``), it evicts whole leaves;
+    each eviction is still the least recently used leaf."""
+
+    def __init__(self, pool, granularity="token", policy=None, evict="leaf"):
+        super().__init__(pool, granularity, policy, evict)
+        self.unit = "leaf"  # BUG: the evict argument is checked, then ignored
+
+
 def test_block_eviction_takes_one_block_and_whole_leaves_are_caught(model):
     ok = check_eviction(model, evict="block")
     assert ok.passed and ok.evictions > 0, ok.detail
@@ -167,27 +170,6 @@ def test_full_match_recomputes_the_last_token(model):
     tree = LastTokenFromTree
     assert not check_full_match(model, tree).passed
     assert check_eviction(model, tree).passed and _equal_to_alone(model, tree)
-
-
-# vocabulary 2, one proposal: the draft prefers token 0 (0.9), the target is even; the
-# second token's conditionals are made up, different after 0 and after 1
-P = {(): [0.5, 0.5], (0,): [0.2, 0.8], (1,): [0.7, 0.3]}
-Q = {(): [0.9, 0.1]}
-
-
-def test_round_distribution_by_hand():
-    exact = round_distribution(P, Q, vocab=2, k=1)
-    assert torch.allclose(exact, target_distribution(P, 2, 2), atol=1e-15, rtol=0)
-    assert torch.allclose(exact.sum(1), torch.tensor([0.5, 0.5], dtype=torch.float64))
-    # kept: 0.9 * 5/9 = 0.5 of token 0; rejected 0.4, redrawn from p itself: 0.2 more of it
-    broken_first = round_distribution(P, Q, 2, 1, residual_is_target).sum(1)
-    assert torch.allclose(broken_first, torch.tensor([0.7, 0.3], dtype=torch.float64))
-
-
-def test_speculative_distribution_exact_and_broken_residual_caught(model):
-    ok = check_speculative_distribution(model)
-    assert ok.passed and ok.rejection > 0
-    assert not check_speculative_distribution(model, residual_is_target).passed
 
 
 def test_speculative_generate_takes_its_rule(model):

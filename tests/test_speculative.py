@@ -1,14 +1,17 @@
-"""Speculative decoding gives the target's own greedy tokens, whatever the draft proposes."""
+"""Speculative decoding gives the target's own greedy tokens, whatever the draft proposes, and
+under sampling one round's tokens are distributed exactly as the target's."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
 
 from kvdoc import Decoder, GPTConfig, generate, llama_config, mistral_config
-from kvdoc.serving.speculative import acceptance, speculative_generate
+from kvdoc.proofs.compare import default_model
+from kvdoc.serving.speculative import Rule, acceptance, speculative_generate
 
 CONFIGS = {"gpt2": GPTConfig(), "gqa": GPTConfig(n_kv_head=2), "llama": llama_config(),
            "mistral": mistral_config(sliding_window=8)}
@@ -121,3 +124,122 @@ def test_bad_input_is_refused(kwargs, message):
                 prompt=torch.tensor([[1, 2]]), max_new_tokens=4, k=2)
     with pytest.raises(ValueError, match=message):
         speculative_generate(**{**args, **kwargs})
+
+
+# --- one round of speculative sampling, enumerated exactly ------------------------------------
+# On a vocabulary small enough to enumerate, the model's next-token distribution over its first
+# ``V`` ids is the target, the same at temperature 2 the draft. Every draft of ``k`` tokens,
+# every accept-or-reject outcome and every redraw is enumerated with its probability, the round's
+# tokens are extended to ``k + 1`` with the target's own conditionals, and the result must be the
+# target's joint distribution of ``k + 1`` tokens: exactly, up to FP64 rounding (the enumeration
+# runs in FP64 whatever the model's dtype), not a statistical test. A wrong rule still gives
+# plausible tokens: only this sees it.
+
+Table = dict[tuple[int, ...], list[float]]  # next-token probabilities by the tokens so far
+EXACT = 1e-12
+
+
+@torch.no_grad()
+def tables(model: Decoder, prompt: tuple[int, ...], vocab: int, depth: int,
+           temperature: float = 1.0) -> Table:
+    """The model's next-token distribution over ids ``0 .. vocab - 1`` (renormalised, FP64)
+    after ``prompt`` followed by every sequence of those ids of length ``0 .. depth``."""
+    device, out = model.wte.weight.device, {}
+    for n in range(depth + 1):
+        tails = list(itertools.product(range(vocab), repeat=n))
+        ids = torch.tensor([prompt + t for t in tails], device=device)
+        logits = model(ids, last_only=True).logits[:, -1, :vocab].double() / temperature
+        out.update(zip(tails, logits.softmax(dim=-1).cpu().tolist(), strict=True))
+    return out
+
+
+def target_distribution(p: Table, vocab: int, n: int) -> torch.Tensor:
+    """``[vocab] * n``: the target's probability of each sequence of ``n`` tokens."""
+    out = []
+    for seq in itertools.product(range(vocab), repeat=n):  # in row-major order
+        w = 1.0
+        for i, x in enumerate(seq):
+            w *= p[seq[:i]][x]
+        out.append(w)
+    return torch.tensor(out, dtype=torch.float64).view([vocab] * n)
+
+
+def round_distribution(p: Table, q: Table, vocab: int, k: int,
+                       rule: Rule = acceptance) -> torch.Tensor:
+    """``[vocab] * (k + 1)``: the probability of each ``k + 1`` tokens after one round under
+    ``rule`` (draft ``q`` proposes ``k``; the first rejection is redrawn from the rule's
+    residual, or all are kept and the target adds one), extended with the target's
+    conditionals."""
+    out = dict.fromkeys(itertools.product(range(vocab), repeat=k + 1), 0.0)
+    rules = {ctx: [t.tolist() for t in rule(torch.tensor(p[ctx], dtype=torch.float64),
+                                            torch.tensor(q[ctx], dtype=torch.float64))]
+             for ctx in q}
+
+    def emit(seq: tuple[int, ...], w: float) -> None:  # extend with the target's conditionals
+        if len(seq) == k + 1:
+            out[seq] += w
+            return
+        for x in range(vocab):
+            emit(seq + (x,), w * p[seq][x])
+
+    for draft in itertools.product(range(vocab), repeat=k):
+        alive = 1.0  # the probability of drawing this draft and keeping it so far
+        for i in range(k):
+            alive *= q[draft[:i]][draft[i]]
+        for i in range(k):
+            keep, residual = rules[draft[:i]]
+            for x in range(vocab):  # rejected at i: the residual draw
+                emit(draft[:i] + (x,), alive * (1 - keep[draft[i]]) * residual[x])
+            alive *= keep[draft[i]]
+        for x in range(vocab):  # every proposal kept: the target's bonus token
+            emit(draft + (x,), alive * p[draft][x])
+    return torch.tensor(list(out.values()), dtype=torch.float64).view([vocab] * (k + 1))
+
+
+def speculative_distribution_error(model: Decoder, rule: Rule = acceptance, vocab: int = 4,
+                                   k: int = 2, prompt: tuple[int, ...] = (5, 6, 7)
+                                   ) -> tuple[float, float]:
+    """``(largest difference of one round's distribution from the target's, smallest
+    probability a round rejects with)`` on ``model``'s first ``vocab`` ids after ``prompt``: a
+    check in which nothing is rejected would not reach the residual."""
+    p = tables(model, prompt, vocab, k)
+    q = tables(model, prompt, vocab, k - 1, temperature=2.0)
+    got = round_distribution(p, q, vocab, k, rule)
+    want = target_distribution(p, vocab, k + 1)
+    rejection = min(1 - sum(min(a, b) for a, b in zip(p[ctx], q[ctx], strict=True))
+                    for ctx in q)
+    return float((got - want).abs().max()), rejection
+
+
+def speculative_sampling_exact(model: Decoder, rule: Rule = acceptance) -> bool:
+    error, rejection = speculative_distribution_error(model, rule)
+    return error <= EXACT and rejection > 0
+
+
+def residual_is_target(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """BROKEN: :func:`~kvdoc.serving.speculative.acceptance`, but a rejected proposal is redrawn
+    from ``p`` itself, not from ``max(0, p - q)`` normalised."""
+    keep, _ = acceptance(p, q)
+    return keep, p  # BUG: the residual is the target
+
+
+# vocabulary 2, one proposal: the draft prefers token 0 (0.9), the target is even; the
+# second token's conditionals are made up, different after 0 and after 1
+P = {(): [0.5, 0.5], (0,): [0.2, 0.8], (1,): [0.7, 0.3]}
+Q = {(): [0.9, 0.1]}
+
+
+def test_round_distribution_by_hand():
+    exact = round_distribution(P, Q, vocab=2, k=1)
+    assert torch.allclose(exact, target_distribution(P, 2, 2), atol=1e-15, rtol=0)
+    assert torch.allclose(exact.sum(1), torch.tensor([0.5, 0.5], dtype=torch.float64))
+    # kept: 0.9 * 5/9 = 0.5 of token 0; rejected 0.4, redrawn from p itself: 0.2 more of it
+    broken_first = round_distribution(P, Q, 2, 1, residual_is_target).sum(1)
+    assert torch.allclose(broken_first, torch.tensor([0.7, 0.3], dtype=torch.float64))
+
+
+def test_speculative_distribution_exact_and_broken_residual_caught():
+    model = default_model()
+    error, rejection = speculative_distribution_error(model)
+    assert error <= EXACT and rejection > 0
+    assert not speculative_sampling_exact(model, residual_is_target)

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from kvdoc.teach.display import html_table, token_ids, token_label, token_text
+from kvdoc.teach.display import html_table, token_ids, token_text
 from kvdoc.teach.toy import (
     Counts,
     ToyCache,
@@ -167,7 +167,7 @@ def test_token_helpers_round_trip_and_refuse_bad_text():
     ids = token_ids(text)
     assert ids.shape == (1, len(text))
     assert token_text(ids[0]).replace(" ", "") == text  # capital letters come back as themselves
-    assert token_label(ord("l") - 32) == f"id {ord('l') - 32}"  # anything else is shown as its id
+    assert token_text([ord("l") - 32]) == f"id {ord('l') - 32}"  # anything else is shown as its id
     for bad in ("", "é", "a\n"):
         with pytest.raises(ValueError, match="non-empty string of printable ASCII"):
             token_ids(bad)

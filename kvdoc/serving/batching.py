@@ -38,12 +38,8 @@ from kvdoc.core.model import Decoder
 
 @dataclass(frozen=True)
 class PaddedBatch:
-    """Prompts padded on the left to one length.
-
-    Attributes:
-        ids: ``[B, L]`` token ids, row ``b`` starting with ``pad[b]`` copies of the pad id.
-        pad: ``[B]`` int64, the number of pad slots at the start of each row.
-    """
+    """Prompts padded on the left to one length: ``ids`` ``[B, L]``, row ``b`` starting with
+    ``pad[b]`` copies of the pad id (``pad`` ``[B]`` int64)."""
 
     ids: torch.Tensor
     pad: torch.Tensor
@@ -54,9 +50,6 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> PaddedBatch:
 
     The pad id is a valid token (it is embedded like any other) because the mask, not its
     value, keeps it out of every real row's attention.
-
-    Raises:
-        ValueError: no prompts, an empty prompt, or a token id that is not an integer.
 
     >>> left_pad([[1, 2], [3, 4, 5]], pad_id=9).ids.tolist()
     [[9, 1, 2], [3, 4, 5]]
@@ -106,12 +99,8 @@ def padded_mask(pad: torch.Tensor, start: int, new_len: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PaddedGeneration:
-    """What :func:`generate_padded` returns.
-
-    Attributes:
-        tokens: ``[B, N]`` the greedy tokens chosen for each row.
-        logits: ``[B, N, V]`` the logits each choice was made from.
-    """
+    """What :func:`generate_padded` returns: ``tokens`` ``[B, N]`` chosen greedily for each row,
+    and ``logits`` ``[B, N, V]``, behind each choice."""
 
     tokens: torch.Tensor
     logits: torch.Tensor
@@ -120,16 +109,8 @@ class PaddedGeneration:
 @torch.no_grad()
 def generate_padded(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                     pad_id: int = 0) -> PaddedGeneration:
-    """Greedy generation for a batch of prompts of different lengths, left-padded, one cache.
-
-    Args:
-        model: the decoder.
-        prompts: token-id lists, any lengths.
-        max_new_tokens: tokens to generate per row (at least 1).
-        pad_id: the token id placed in pad slots.
-
-    Raises:
-        ValueError: bad prompts, ``max_new_tokens < 1``, or more positions than the model has.
+    """Greedy generation of ``max_new_tokens`` per row for prompts (token-id lists) of
+    different lengths, left-padded with ``pad_id``, one cache.
 
     >>> from kvdoc import Decoder, GPTConfig
     >>> _ = torch.manual_seed(0)

@@ -3,20 +3,13 @@
 A prefill worker runs the prompt once and sends what decoding needs: every layer's K and V for
 the prompt's positions (an MLA model's latent ``c_KV`` and ``k_rope`` instead), and the logits of
 the position after it (the first new token's). The decode worker rebuilds a
-:class:`~kvdoc.core.cache.DynamicCache` from them
-and carries on as if it had run the prompt itself. The prefill keeps every position of every
-layer, also for a windowed model (Mistral, Gemma 3): the decode side's mask limits what a window
-layer reads, as over any cache that keeps them all.
+:class:`~kvdoc.core.cache.DynamicCache` from them and carries on as if it had run the prompt
+itself. The prefill keeps every position of every layer, also for a windowed model (Mistral,
+Gemma 3): the decode side's mask limits what a window layer reads, as over any cache that keeps
+them all. :func:`pack` and :func:`unpack` carry the cache and the logits as one self-describing
+``bytes`` payload (``torch.save`` of a dict of sizes, a dtype name and tensors).
 
-* :func:`pack`: a cache (+ optional next-token logits) to one self-describing ``bytes``
-  payload (``torch.save`` of a dict of sizes, a dtype name and tensors).
-* :func:`unpack`: the payload back to ``(cache, logits)``, checked against the decoding model's
-  config and dtype; a payload that does not fit (or does not load) raises ``ValueError``.
-* :func:`disaggregated_generate`: greedy generation with the prefill in a spawned process
-  (one torch thread) and the decode here, or both here with ``in_process=True``.
-
->>> from kvdoc.core.model import GPTConfig
->>> from kvdoc.core.model import Decoder, generate
+>>> from kvdoc.core.model import Decoder, GPTConfig, generate
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(GPTConfig()).eval()
 >>> prompt = torch.tensor([[5, 6, 7, 8]])
@@ -95,10 +88,6 @@ def unpack(payload: bytes, config: object,
     The cache is a :class:`~kvdoc.core.cache.DynamicCache` of what the model's
     ``config.cache_layout`` says it caches (K and V, or an MLA latent).
 
-    Raises:
-        ValueError: a payload that does not load, or whose layers, heads, widths, dtype,
-            positions or tensor shapes are not what the model and its own sizes say.
-
     >>> from kvdoc.core.model import GPTConfig
     >>> payload = pack(DynamicCache.empty(GPTConfig(), batch_size=1))
     >>> unpack(payload, GPTConfig(n_kv_head=2))  # doctest: +ELLIPSIS
@@ -140,18 +129,16 @@ def _shapes(tensors: list) -> list:
 
 
 class HandoverRun(NamedTuple):
-    """What :func:`disaggregated_generate` returns."""
+    """What :func:`disaggregated_generate` returns: ``tokens`` ``[B, P + max_new_tokens]``, the
+    prompt and the chosen tokens; ``logits`` ``[B, max_new_tokens, V]`` behind each (the first
+    shipped); the length of the payload moved from the prefill process to the decode one, and
+    of it the bytes of the K/V tensors' and of the shipped logits' elements, as unpacked."""
 
     tokens: torch.Tensor
-    """``[B, P + max_new_tokens]``: the prompt followed by the chosen tokens."""
     logits: torch.Tensor
-    """``[B, max_new_tokens, V]``: the logits behind each chosen token (the first shipped)."""
     payload_bytes: int
-    """Length of the payload moved from the prefill process to the decode one."""
     kv_bytes: int
-    """Of those, the K and V tensors' elements: ``sum(numel * element_size)`` as unpacked."""
     logits_bytes: int
-    """Of those, the shipped next-token logits' elements."""
 
     @property
     def overhead_bytes(self) -> int:

@@ -13,15 +13,12 @@ of them (through attention, and RoPE through the position).
 * **host**: at most ``host_blocks`` tensors in memory, LRU evicted to the disk;
 * **disk**: one ``torch.save`` file per block in a folder, named by the key's hex digest.
 
-A hit in the host or disk tier moves the block back to the device. :func:`serve` runs requests
-through it: the longest run of leading full prompt blocks found (never the last prompt position,
-whose logits the first token needs) is reloaded, the rest prefilled, and every full block of
-the sequence stored after decoding. :func:`reload_or_recompute` is the roofline estimate of
-which is faster for one block, from figures passed in.
+A hit in the host or disk tier moves the block back to the device. :func:`serve` reloads the
+longest run of leading full prompt blocks found (never the last prompt position, whose logits
+the first token needs), prefills the rest, and stores every full block after decoding.
 
 >>> import tempfile
->>> from kvdoc.core.model import GPTConfig
->>> from kvdoc.core.model import Decoder, generate
+>>> from kvdoc.core.model import Decoder, GPTConfig, generate
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(GPTConfig()).eval()
 >>> turn = torch.arange(1, 10)
@@ -84,13 +81,8 @@ def block_hashes(tokens: Sequence[int], block_size: int,
 
 
 class TieredStore:
-    """Blocks by key in a device tier, a host tier and a disk folder (see the module docstring).
-
-    ``hits`` counts lookups found per tier; ``misses`` those found nowhere.
-
-    Raises:
-        ValueError: a tier size that is not a positive integer, or a folder that does not exist.
-    """
+    """Blocks by key in a device tier, a host tier and a disk folder (see the module docstring);
+    ``hits`` counts lookups found per tier, ``misses`` those found nowhere."""
 
     def __init__(self, device_blocks: int, host_blocks: int, folder: str) -> None:
         self.device_blocks = check_int("device_blocks", device_blocks)
@@ -148,16 +140,14 @@ class TieredStore:
 
 
 class Served(NamedTuple):
-    """One request run by :func:`serve`."""
+    """One request run by :func:`serve`: its ``prompt`` ``[P]``, ``tokens`` ``[P + N]`` (the
+    prompt and the greedy tokens), the ``first_logits`` ``[V]`` the first new token was chosen
+    from, and per full prompt block the tier it was reloaded from, or ``"computed"``."""
 
     prompt: torch.Tensor
-    """``[P]``: its token ids."""
     tokens: torch.Tensor
-    """``[P + N]``: the prompt and the greedy tokens."""
     first_logits: torch.Tensor
-    """``[V]``: the logits the first new token was chosen from."""
     tiers: tuple[str, ...]
-    """Per full prompt block: the tier it was reloaded from, or ``"computed"``."""
 
 
 def _blocks_to_cache(blocks: list[torch.Tensor], model: Decoder) -> DynamicCache:
@@ -182,13 +172,8 @@ def _check_request(model: Decoder, prompt: torch.Tensor, max_new_tokens: int) ->
 @torch.no_grad()
 def serve(model: Decoder, prompts: Sequence[torch.Tensor], max_new_tokens: int,
           store: TieredStore, block_size: int, hash_fn: HashFn = hash_block) -> list[Served]:
-    """Greedy-decode each prompt (``[P]``, batch 1) in turn, reusing blocks from ``store``.
-
-    Raises:
-        ValueError: a prompt that is not 1-D or that the model refuses, a bad
-            ``max_new_tokens`` or ``block_size``; checked for every prompt before any runs, so a
-            refusal leaves ``store`` unchanged.
-    """
+    """Greedy-decode each prompt (``[P]``, batch 1) in turn, reusing blocks from ``store``;
+    every prompt is checked before any runs, so a refusal leaves ``store`` unchanged."""
     check_int("block_size", block_size)
     for prompt in prompts:
         _check_request(model, prompt, max_new_tokens)
@@ -225,29 +210,26 @@ def serve(model: Decoder, prompts: Sequence[torch.Tensor], max_new_tokens: int,
 
 
 class Roofline(NamedTuple):
-    """The figures a reload-or-recompute estimate needs, all passed in (none measured)."""
+    """The figures a reload-or-recompute estimate needs, all passed in (none measured): the
+    accelerator's dense peak FLOP/s, its memory bandwidth (reading the weights once per recompute
+    pass) and the bandwidth a reloaded block crosses (host-to-device link, or the disk)."""
 
     peak_flops: float
-    """The accelerator's dense peak, FLOP/s."""
     hbm_bytes_per_s: float
-    """Its memory bandwidth, bytes/s (reading the weights once per recompute pass)."""
     link_bytes_per_s: float
-    """The bandwidth a reloaded block crosses (host-to-device link, or the disk), bytes/s."""
 
 
 class Estimate(NamedTuple):
-    """:func:`reload_or_recompute`'s answer for ``tokens`` positions at one context offset."""
+    """:func:`reload_or_recompute`'s answer for ``tokens`` positions at one context offset:
+    ``kv_bytes / link``; the roofline of one forward pass, ``max(FLOPs / peak, bytes read /
+    HBM)``; and the link bandwidth at which both take as long (above it reloading wins)."""
 
     reload_s: float
-    """``kv_bytes / link``."""
     recompute_s: float
-    """``max(FLOPs / peak, bytes read / HBM)``: the roofline of one forward pass."""
     break_even_bytes_per_s: float
-    """The link bandwidth at which both take as long; above it reloading wins."""
 
     @property
     def reload_wins(self) -> bool:
-        """Reloading is the faster at the link speed given."""
         return self.reload_s < self.recompute_s
 
 
@@ -317,21 +299,19 @@ def multi_turn(model: Decoder, store: TieredStore, *, conversations: int = 3, tu
 
 
 class OffloadCheck(NamedTuple):
-    """Every request of a workload against its run without offloading."""
+    """Every request of a workload against its run without offloading: its tokens against
+    :func:`~kvdoc.core.model.generate` on its prompt, its first-token logits against a full
+    prefill (within ``atol = rtol = tolerance``); full prompt blocks by where they came from
+    (each tier, or ``"computed"``)."""
 
     requests: int
     tokens_equal: bool
-    """Each request's tokens equal :func:`~kvdoc.core.model.generate` on its prompt."""
     max_logit_diff: float
-    """Largest ``|diff|`` of a first-token logit against a full prefill of the prompt."""
     logits_close: bool
-    """All within ``atol = rtol = tolerance``."""
     blocks: dict[str, int]
-    """Full prompt blocks by where they came from: each tier, or ``"computed"``."""
 
     @property
     def ok(self) -> bool:
-        """Tokens equal and logits close for every request."""
         return self.tokens_equal and self.logits_close
 
 

@@ -1,11 +1,6 @@
-"""Workloads whose prompts share prefixes, served one request after another through a radix tree.
-
-* :func:`few_shot_workload`: a few tasks, each an instruction and examples shared by its
-  requests, then a question each; :func:`chat_workload`: conversations sharing a system prompt,
-  each turn after the whole previous one; :func:`prefix_workload`: both, the page's workload.
-* :func:`run_workload`: every request through one :class:`~kvdoc.serving.radix.RadixCache`
-  (:func:`~kvdoc.serving.radix.serve_prompt`), with what the tree reused
-  (:class:`WorkloadRun`).
+"""Workloads whose prompts share prefixes (few-shot prompts, multi-turn chat, and
+:func:`prefix_workload`, the page's: both), served one request after another through one
+:class:`~kvdoc.serving.radix.RadixCache` by :func:`run_workload`.
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> _ = torch.manual_seed(0)

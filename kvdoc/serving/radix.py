@@ -72,23 +72,17 @@ class Admission:
     node: Node  # the deepest node locked for it (the root if nothing matched)
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of ``a`` and ``b``."""
+def common_prefix_len(a: Sequence, b: Sequence) -> int:
+    """Length of the common prefix of ``a`` and ``b`` (token ids, or a string's characters)."""
     pairs = enumerate(zip(a, b, strict=False))
     return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
 
 
 class RadixCache:
-    """A radix tree over token ids whose nodes own blocks of ``pool``.
-
-    Args:
-        pool: where every block comes from; its size is the budget eviction works under.
-        granularity: ``"token"`` (a match may end inside a block, which is then copied on write)
-            or ``"block"`` (whole blocks only).
-        policy: which unlocked leaves eviction may take, in what order (default
-            :class:`~kvdoc.serving.eviction.LRU`); an object with ``may_evict(node)`` and
-            ``priority(node)``, as SGLang's eviction strategies are.
-        evict: ``"leaf"`` (a leaf goes whole) or ``"block"`` (its last block only).
+    """A radix tree over token ids whose nodes own blocks of ``pool``, the budget eviction works
+    under; ``granularity`` and ``evict`` as in the module docstring. ``policy``: which unlocked
+    leaves eviction may take, in what order (default :class:`~kvdoc.serving.eviction.LRU`); an
+    object with ``may_evict(node)`` and ``priority(node)``, as SGLang's eviction strategies are.
     """
 
     def __init__(self, pool: BlockPool, granularity: Literal["token", "block"] = "token",
@@ -121,13 +115,13 @@ class RadixCache:
             if child is None:  # no whole first block agrees: at most part of one child's
                 rest = tokens[pos:pos + S]
                 best = max(node.children.values(), default=None,
-                           key=lambda c: _common(c.tokens[:S], rest))
-                if best is not None and _common(best.tokens[:S], rest) > 0:
-                    pos += _common(best.tokens[:S], rest)
+                           key=lambda c: common_prefix_len(c.tokens[:S], rest))
+                if best is not None and common_prefix_len(best.tokens[:S], rest) > 0:
+                    pos += common_prefix_len(best.tokens[:S], rest)
                     blocks.append(best.blocks[0])
                     node = best
                 break
-            n = _common(child.tokens, tokens[pos:])
+            n = common_prefix_len(child.tokens, tokens[pos:])
             blocks += child.blocks[:math.ceil(n / S)]
             pos, node = pos + n, child
             if n < len(child.tokens):
@@ -155,9 +149,7 @@ class RadixCache:
         ``prompt[request.matched:]``. Eviction makes the free list cover the blocks the request
         will write into, counted for this request alone: ``len(prompt) + max_new - 1``
         positions, since the last generated token is never fed back (``len(prompt)`` when
-        ``max_new`` is 0). In block mode the match is the whole blocks before the last prompt token,
-        as in vLLM and SGLang: a prompt found whole that ends on a block boundary recomputes its
-        last block, and nothing is copied.
+        ``max_new`` is 0).
 
         Raises:
             ValueError: an empty prompt, or too few blocks even after evicting every unlocked
@@ -229,7 +221,8 @@ class RadixCache:
                 node.children[new.tokens[:S]] = new
                 self.pool.share(new.blocks)
                 return len(new.blocks)
-            whole = _common(child.tokens, tokens[pos:]) // S  # >= 1: the first block agrees
+            # >= 1: the first block agrees
+            whole = common_prefix_len(child.tokens, tokens[pos:]) // S
             if whole < len(child.blocks):
                 child = self._split(child, whole)
             child.last_used = self.clock
@@ -255,6 +248,10 @@ class RadixCache:
             node = node.parent
         return path
 
+    def tokens_to(self, node: Node) -> tuple[int, ...]:
+        """The token ids from the root to the end of ``node``'s edge."""
+        return sum((n.tokens for n in reversed(self._path(node))), ())
+
     def _split(self, child: Node, whole: int) -> Node:
         """Cut ``child``'s edge after ``whole`` blocks; returns the new upper node."""
         S = self.block_size
@@ -273,20 +270,17 @@ class RadixCache:
             node.last_used = self.clock
             node = node.parent
 
-    def _evictable(self, node: Node) -> bool:
-        return not node.children and self.policy.may_evict(node)
-
     def evict(self, blocks: int) -> int:
         """Evict from the leaves the policy may evict, lowest priority first, until ``blocks``
         are freed or none is left: a whole leaf at a time, or its last block; returns the blocks
         freed (logged in :attr:`evictions`)."""
         freed = 0
         while freed < blocks:
-            leaves = [n for n in self.nodes() if self._evictable(n)]
+            leaves = [n for n in self.nodes() if not n.children and self.policy.may_evict(n)]
             if not leaves:
                 break
             leaf = min(leaves, key=self.policy.priority)
-            path = sum((n.tokens for n in reversed(self._path(leaf))), ())
+            path = self.tokens_to(leaf)
             n = 1 if self.unit == "block" else len(leaf.blocks)
             self.evictions.append((path, n))
             self.pool.release(leaf.blocks[-n:])
@@ -345,14 +339,9 @@ class RadixCache:
 # --- using it ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Served:
-    """One request served through the tree.
-
-    Attributes:
-        tokens: prompt, then the greedy tokens generated.
-        prompt_len: tokens of the prompt.
-        matched: prompt positions found in the tree (not computed).
-        logits: ``[1, N, V]`` for positions ``matched .. len(tokens) - 2``, the ones computed.
-    """
+    """One request served through the tree: its prompt then the greedy tokens, the prompt
+    positions found in the tree (not computed), and the logits ``[1, N, V]`` of the positions
+    computed, ``matched .. len(tokens) - 2``."""
 
     tokens: tuple[int, ...]
     prompt_len: int

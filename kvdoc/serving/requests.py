@@ -5,10 +5,6 @@
 * :func:`arrival_trace`: requests with lengths and gaps drawn from a seeded ``torch.Generator``;
 * :func:`choose` with :func:`sample_generator`: greedy, or one draw per sample from its own
   generator, the same on any device.
-
->>> trace = arrival_trace(2, prompt_lens=(2, 4), output_lens=(1, 3), max_gap=1, seed=0)
->>> [(r.rid, len(r.prompt) >= 2, r.arrival <= 1) for r in trace]
-[(0, True, True), (1, True, True)]
 """
 
 from __future__ import annotations
@@ -21,21 +17,17 @@ import torch
 
 @dataclass(frozen=True)
 class Request:
-    """One request of a trace.
-
-    Attributes:
-        rid: its id (its index in the trace). prompt: its token ids.
-        output_len: tokens it generates (greedy). arrival: the step from which it may be admitted.
-    """
+    """One request of a trace: ``rid`` (its index in the trace), ``prompt`` token ids, the
+    ``output_len`` tokens it generates, the step from which it may be admitted (``arrival``). It
+    forks into ``samples`` sequences of ``output_len`` once its prompt is in (parallel sampling),
+    sample ``j`` drawing from generator seed ``seed + j`` (``seed`` None: greedy)."""
 
     rid: int
     prompt: tuple[int, ...]
     output_len: int
     arrival: int
     samples: int = 1
-    """Sequences it forks into once its prompt is in (parallel sampling), each ``output_len``."""
     seed: int | None = None
-    """None: greedy; else sample ``j`` draws from generator seed ``seed + j``."""
 
     @property
     def final_len(self) -> int:

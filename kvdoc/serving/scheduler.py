@@ -121,21 +121,11 @@ class LiveRequest:
 
 
 class Scheduler:
-    """Runs a trace of :class:`~kvdoc.serving.requests.Request` s on ``model`` over one
-    :class:`~kvdoc.serving.paged.BlockPool`, one forward a step; see the module docstring for
-    the policies.
-
-    Args:
-        model: a decoder of the grid's interface (:class:`~kvdoc.core.model.Decoder`, or its
-            Gemma and MLA subclasses): any positions, any cached layout, any window.
-        num_blocks, block_size: the pool.
-        max_batch: most sequences admitted at once (default: as many as the blocks allow; a
-            request's forks join it regardless).
-        token_budget: new tokens per step (continuous only): chunked prefill.
-        policy: ``"continuous"`` or ``"static"``.
-        preempt: admit on what the next step writes and preempt by recompute when blocks run
-            out (continuous only), instead of admitting only what fits to the end.
-    """
+    """Runs a trace of :class:`~kvdoc.serving.requests.Request` s on ``model`` (a decoder of
+    the grid's interface: any positions, cached layout or window) over one
+    :class:`~kvdoc.serving.paged.BlockPool` of ``num_blocks``, one forward a step, under the
+    policies of the module docstring. ``max_batch``: most sequences admitted at once (default:
+    as many as the blocks allow; a request's forks join it regardless)."""
 
     def __init__(self, model: Decoder, num_blocks: int, block_size: int = 4,
                  max_batch: int | None = None, token_budget: int | None = None,
@@ -351,14 +341,5 @@ class Scheduler:
 
 def serve(model: Decoder, trace: Sequence[Request], num_blocks: int, block_size: int = 4,
           **options) -> ServeRun:
-    """``Scheduler(model, num_blocks, block_size, **options).run(trace)``.
-
-    >>> from kvdoc import Decoder, GPTConfig
-    >>> from kvdoc.serving.requests import arrival_trace
-    >>> _ = torch.manual_seed(0)
-    >>> trace = arrival_trace(3, prompt_lens=(5, 5), output_lens=(2, 2), max_gap=0)
-    >>> run = serve(Decoder(GPTConfig()).eval(), trace, num_blocks=6, token_budget=4)
-    >>> [s.rows for s in run.steps][:2]  # 15 prompt tokens, 4 a step
-    [((0, 4, 'prefill'),), ((0, 1, 'prefill'), (1, 3, 'prefill'))]
-    """
+    """``Scheduler(model, num_blocks, block_size, **options).run(trace)``."""
     return Scheduler(model, num_blocks, block_size, **options).run(trace)

@@ -29,34 +29,26 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvdoc.core.cache import KVCache
+from kvdoc.core.cache import KVCache, check_int
 from kvdoc.core.model import Decoder
 
 
 @dataclass
 class SpeculativeRun:
-    """What :func:`speculative_generate` returns."""
+    """What :func:`speculative_generate` returns: ``tokens`` ``[1, P + max_new_tokens]``, the
+    prompt (``P`` tokens) and the generated ones; the proposals ``accepted`` in each round (0 to
+    ``k``); the forward calls of each model, the prompt's included."""
 
     tokens: torch.Tensor
-    """``[1, P + max_new_tokens]``: the prompt and the generated tokens."""
     prompt_len: int
-    """``P``."""
     accepted: list[int] = field(default_factory=list)
-    """Proposals accepted in each round, each between 0 and ``k``."""
     target_calls: int = 0
-    """Forward calls of the target, the prompt's included."""
     draft_calls: int = 0
-    """Forward calls of the draft, the prompt's included."""
 
     @property
     def rounds(self) -> int:
         """Verify calls of the target: one per round."""
         return len(self.accepted)
-
-    @property
-    def tokens_per_round(self) -> float:
-        """Generated tokens per verify call of the target (1.0 would be plain decoding)."""
-        return (self.tokens.shape[1] - self.prompt_len) / self.rounds
 
 
 Rule = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -96,7 +88,7 @@ def truncated_draft(target: Decoder, n_layer: int) -> Decoder:
     (1, True)
     """
     layers = target.config.n_layer
-    if isinstance(n_layer, bool) or not isinstance(n_layer, int) or not 1 <= n_layer <= layers:
+    if check_int("n_layer", n_layer) > layers:
         raise ValueError(f"n_layer must be between 1 and {layers}, got {n_layer!r}")
     weight = target.wte.weight
     draft = type(target)(replace(target.config, n_layer=n_layer)).to(weight.dtype)  # MLA too
@@ -136,25 +128,12 @@ def speculative_generate(target: Decoder, draft: Decoder, prompt: torch.Tensor,
                          rule: Rule | None = None) -> SpeculativeRun:
     """``max_new_tokens`` tokens after ``prompt`` (``[1, P]``), the draft proposing ``k`` a round.
 
-    Args:
-        target: the model whose output this is.
-        draft: a cheaper model with the same vocabulary that proposes tokens.
-        prompt: ``[1, P]`` token ids, ``P >= 1``.
-        max_new_tokens: tokens to generate (the last round stops early to give exactly this many).
-        k: proposals per round, at least 1.
-        cache: the kind of cache both models use (``"dynamic"``, ``"static"``), or
-            ``(model, capacity) -> empty cache``, called for each (any kind that crops).
-        generator: sample with the acceptance rule, drawing from this generator; None: greedy.
-        rule: ``(p, q) -> (keep, residual)`` for one proposal, default :func:`acceptance`
-            (the rule :mod:`kvdoc.teach.sampling` checks exactly).
-
-    Returns:
-        A :class:`SpeculativeRun`; under greedy decoding ``run.tokens`` equals
-        ``generate(target, prompt, max_new_tokens)``.
-
-    Raises:
-        ValueError: a batch other than 1, ``k`` or ``max_new_tokens`` below 1, models with
-            different vocabularies, a length past either model, or a cache that cannot crop.
+    ``draft`` is a cheaper model with the target's vocabulary; the last round stops early to
+    give exactly ``max_new_tokens``. ``cache``: the kind both models use (``"dynamic"``,
+    ``"static"``), or ``(model, capacity) -> empty cache``, called for each (any kind that
+    crops). ``generator``: sample with ``rule`` (default :func:`acceptance`, the rule
+    ``tests/test_speculative.py`` checks exactly), drawing from it; None: greedy, and then
+    ``run.tokens`` equals ``generate(target, prompt, max_new_tokens)``.
 
     >>> from kvdoc import GPTConfig, generate
     >>> _ = torch.manual_seed(0)
@@ -164,9 +143,8 @@ def speculative_generate(target: Decoder, draft: Decoder, prompt: torch.Tensor,
     >>> torch.equal(run.tokens, generate(target, prompt, 12))
     True
     """
-    for name, value in (("k", k), ("max_new_tokens", max_new_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_int("k", k)
+    check_int("max_new_tokens", max_new_tokens)
     target.check_input(prompt, None)
     if prompt.shape[0] != 1:
         raise ValueError(f"speculative decoding here takes one sequence, "

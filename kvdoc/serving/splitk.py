@@ -39,14 +39,14 @@ from kvdoc.core.model import CausalSelfAttention, Decoder, GPTConfig
 
 
 class Partial(NamedTuple):
-    """One chunk's share of the attention, for every query row: what a split-K kernel writes."""
+    """One chunk's share of the attention, for every query row: what a split-K kernel writes.
+    ``out`` ``[B, H, C, D_h]`` is ``sum_j exp(s_j - m) v_j`` over the chunk, before dividing by
+    ``l``; ``m`` ``[B, H, C]`` the chunk's largest visible score (``-inf`` if the chunk hides
+    every key); ``l`` ``[B, H, C]`` is ``sum_j exp(s_j - m)`` over its visible keys."""
 
     out: torch.Tensor
-    """``[B, H, C, D_h]``: ``sum_j exp(s_j - m) v_j`` over the chunk, before dividing by ``l``."""
     m: torch.Tensor
-    """``[B, H, C]``: the chunk's largest visible score (``-inf`` if the chunk hides every key)."""
     l: torch.Tensor  # noqa: E741 (the name the papers use)
-    """``[B, H, C]``: ``sum_j exp(s_j - m)`` over the chunk's visible keys."""
 
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -80,9 +80,6 @@ def merge(parts: list[Partial] | Partial) -> tuple[torch.Tensor, torch.Tensor]:
 
     ``parts`` is a list of chunks' partials, or one :class:`Partial` whose fields carry the
     chunks along a leading dimension (what :func:`split_k_attention` computes at once).
-
-    Raises:
-        ValueError: no partials, or a query row that no chunk lets read any key.
 
     >>> q, k, v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     >>> out, _ = merge([partial_attention(q, k[:, :, :2], v[:, :, :2]),
@@ -138,20 +135,9 @@ def all_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int,
 
 def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int,
                       mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``softmax(q k^T / sqrt(D_h) + mask) v`` over chunks of ``split`` keys.
-
-    Args:
-        q: ``[B, H, C, D_h]`` queries (``C = 1`` for a decode step).
-        k, v: ``[B, H_kv, T, D_h]`` keys and values, ``H`` a multiple of ``H_kv``.
-        split: keys per chunk, at least 1; need not divide ``T``.
-        mask: ``[C, T]`` bool, True where a query may read a key; None: every key is visible.
-
-    Returns:
-        ``[B, H, C, D_h]``, equal to :func:`torch.nn.functional.scaled_dot_product_attention`
-        with the same mask up to rounding.
-
-    Raises:
-        ValueError: shapes that do not fit, a ``split`` below 1, or a row with no visible key.
+    """``softmax(q k^T / sqrt(D_h) + mask) v`` over chunks of ``split`` keys (``split`` need not
+    divide ``T``; shapes as in the module docstring, ``mask`` None: every key visible): equal to
+    :func:`torch.nn.functional.scaled_dot_product_attention` with the same mask up to rounding.
 
     >>> g = torch.Generator().manual_seed(0)
     >>> q = torch.randn(1, 4, 1, 8, generator=g)                      # one decode query, 4 heads
@@ -160,8 +146,7 @@ def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: 
     >>> torch.allclose(split_k_attention(q, k, v, split=3), ref, atol=1e-6)  # 3 does not divide 10
     True
     """
-    if isinstance(split, bool) or not isinstance(split, int) or split < 1:
-        raise ValueError(f"split must be a positive integer, got {split!r}")
+    check_int("split", split)
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"q must be [B, H, C, D_h] and k, v both [B, H_kv, T, D_h], got "
                          f"{tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")

@@ -41,14 +41,9 @@ from .paged import BlockPool, PagedCache
 
 @dataclass(frozen=True)
 class RequestMix:
-    """Requests sharing one system prompt.
-
-    Attributes:
-        prefix: the system prompt's token ids, the same for every request.
-        users: each request's own prompt text (token ids) after the prefix.
-        outputs: each request's output tokens (random stand-ins for generated tokens).
-        description: the distributions and seed, in words, for the page.
-    """
+    """Requests sharing one system ``prefix`` (token ids): each its own prompt text after it
+    (``users``) and output tokens (random stand-ins for generated ones); the distributions and
+    seed in words, for the page."""
 
     prefix: list[int]
     users: list[list[int]]
@@ -95,13 +90,8 @@ def request_mix(n: int = 48, prefix_len: int = 100, user_lens: tuple[int, int] =
 
 @dataclass(frozen=True)
 class StrategyMemory:
-    """What one allocation strategy reserves for the whole mix.
-
-    Attributes:
-        name: the strategy.
-        reserved_bytes: K/V bytes set aside for the requests.
-        filled_bytes: bytes of reserved slots that hold a position (a shared block counts once).
-    """
+    """What one allocation strategy reserves for the whole mix: the K/V bytes set aside, and of
+    them the bytes of slots that hold a position (a shared block counts once)."""
 
     name: str
     reserved_bytes: int
@@ -115,16 +105,10 @@ class StrategyMemory:
 
 @dataclass(frozen=True)
 class MixMemory:
-    """What :func:`measure_mix` returns.
-
-    Attributes:
-        requests: how many. positions: positions all requests hold together (prefix counted per
-            request).
-        position_bytes: K/V bytes of one position, every layer.
-        block_size: positions per block.
-        strategies: contiguous, paged, paged + shared prefix.
-        logits: each request's logits ``[1, user + output, V]`` from the shared-prefix run.
-    """
+    """What :func:`measure_mix` returns: the positions all requests hold together (the prefix
+    counted per request), the K/V bytes of one position (every layer), the three strategies
+    (contiguous, paged, paged + shared prefix) and each request's logits ``[1, user + output,
+    V]`` from the shared-prefix run."""
 
     requests: int
     positions: int

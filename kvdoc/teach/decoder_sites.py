@@ -4,11 +4,9 @@
 V, the residual stream before a block, the final LayerNorm's input, ...; :func:`decoder_sites`
 lists them) into a function of that tensor, by replacing the site's value with forward hooks so
 that the real modules do the computing. It can also *pin* other sites, holding them at their
-values from a normal run: that is how "given every layer's K and V" is expressed.
-:func:`decoder_values` records every site of one forward, and :func:`kv_rows_changed` shows which
-layers' cached K/V rows an edit of the prompt changes, and :func:`gpt2_shapes` the shape of each
-step of a forward. Layers are numbered from 0 (``h0``, ``h1``). The maps themselves are computed
-by :mod:`kvdoc.teach.dependency_maps`.
+values from a normal run: that is how "given every layer's K and V" is expressed. Layers are
+numbered from 0 (``h0``, ``h1``). The maps themselves are computed by
+:mod:`kvdoc.teach.dependency_maps`.
 """
 
 from __future__ import annotations

@@ -315,10 +315,7 @@ def token_dependency_map(fn: Callable[[torch.Tensor], torch.Tensor], idx: torch.
         edited[:, s] = (edited[:, s] + 1) % vocab_size
         diff = _row_view(fn(edited).to(torch.float64) - base, out_row_dim)
         mag[:, s] = diff.pow(2).sum(dim=1).sqrt()
-    depends = mag > 0
-    ins = tuple(in_labels) if in_labels is not None else tuple(str(s) for s in range(T))
-    outs = tuple(out_labels) if out_labels is not None else tuple(str(t) for t in rows)
-    return DependencyMap(depends, mag, "token", rows, ins, outs)
+    return _finish(mag, "token", rows, 0.0, (in_labels, out_labels))  # any change: depends
 
 
 def map_table(m: CheckedMap | DependencyMap, labels: Sequence[str],

@@ -30,23 +30,14 @@ def token_ids(text: str) -> torch.Tensor:
     return torch.tensor([[ord(ch) - 32 for ch in text]])
 
 
-def token_label(token_id: int | torch.Tensor) -> str:
-    """A capital letter for the ids of ``A``..``Z``, else ``id N``: no stray glyphs in tables.
-
-    >>> token_label(33), token_label(76)
-    ('A', 'id 76')
-    """
-    i = int(token_id)
-    return chr(i + 32) if "A" <= chr(i + 32) <= "Z" else f"id {i}"
-
-
 def token_text(ids: Sequence[int] | torch.Tensor) -> str:
-    """The labels of a 1-d sequence of ids, joined by spaces.
+    """A 1-d sequence of ids, joined by spaces: a capital letter for the ids of ``A``..``Z``,
+    else ``id N`` (no stray glyphs in tables).
 
-    >>> token_text(token_ids("AB")[0])
-    'A B'
+    >>> token_text(token_ids("AB")[0]), token_text([76])
+    ('A B', 'id 76')
     """
-    return " ".join(token_label(i) for i in ids)
+    return " ".join(chr(i + 32) if "A" <= chr(i + 32) <= "Z" else f"id {i}" for i in map(int, ids))
 
 
 def html_table(headers: Sequence[str], rows: Sequence[Sequence[object]], caption: str | None = None,

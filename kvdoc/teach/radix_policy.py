@@ -38,8 +38,7 @@ from kvdoc.proofs.compare import TOLERANCE, close, max_abs
 from kvdoc.proofs.prefix_cache import invariant_errors
 from kvdoc.serving.eviction import LRU, Node
 from kvdoc.serving.paged import BlockPool
-from kvdoc.serving.radix import RadixCache, serve_prompt
-from kvdoc.teach.toy import common_prefix_len
+from kvdoc.serving.radix import RadixCache, common_prefix_len, serve_prompt
 
 
 class LRUOracle:
@@ -148,8 +147,8 @@ def check_eviction(model: Decoder, tree_cls: type[RadixCache] = RadixCache,
         kept = served.tokens[:-1]
         for p in reading | {kept[:k * S] for k in range(1, len(kept) // S + 1)}:
             oracle.used[p] = i
-        cached = {end[:len(end) - j * S] for node, end in _ends(tree)
-                  for j in range(len(node.blocks))}
+        cached = {end[:len(end) - j * S] for node in tree.nodes()
+                  for end in [tree.tokens_to(node)] for j in range(len(node.blocks))}
         if cached != set(oracle.used) or invariant_errors(tree):
             return PolicyCheck(False, hits, f"after request {i} the tree holds "
                                             f"{len(cached)} block paths, the oracle "
@@ -159,17 +158,6 @@ def check_eviction(model: Decoder, tree_cls: type[RadixCache] = RadixCache,
                                    f"evictions, each the least recently used {unit}; "
                                    f"{hits} prompt positions reused, as the oracle predicts",
                        evictions)
-
-
-def _ends(tree: RadixCache) -> list[tuple[object, tuple[int, ...]]]:
-    """Each node of ``tree`` with the token ids from the root to its end."""
-    out = []
-    for node in tree.nodes():
-        ids, up = (), node
-        while up is not None:
-            ids, up = up.tokens + ids, up.parent
-        out.append((node, ids))
-    return out
 
 
 @torch.no_grad()
@@ -214,15 +202,6 @@ def most_recent_first() -> type[RadixCache]:
     """A :class:`~kvdoc.serving.radix.RadixCache` factory with :class:`MostRecentFirst` passed
     as its ``policy``."""
     return functools.partial(RadixCache, policy=MostRecentFirst())
-
-
-class WholeLeafAlways(RadixCache):
-    """BROKEN: asked to evict one block at a time (``evict="block"``), it evicts whole leaves;
-    each eviction is still the least recently used leaf."""
-
-    def __init__(self, pool, granularity="token", policy=None, evict="leaf"):
-        super().__init__(pool, granularity, policy, evict)
-        self.unit = "leaf"  # BUG: the evict argument is checked, then ignored
 
 
 class LastTokenFromTree(RadixCache):

@@ -29,6 +29,11 @@ from kvdoc.core.model import Decoder, GPTConfig, decode_step, generate, offset_c
 from kvdoc.interop.hf_config import gpt2_config
 from kvdoc.interop.hf_weights import decoder_from_gpt2
 
+# what a catalogued call may name besides the fixtures
+_NAMES = {f.__name__: f for f in (GPTConfig, DynamicCache, StaticCache, offset_causal_mask,
+                                   decode_step, prefill, generate, gpt2_config, decoder_from_gpt2)}
+_NAMES["torch"] = torch
+
 
 class CommandError(Exception):
     """``python -m kvdoc ...`` exited non-zero; the message is what it printed on stderr."""
@@ -98,8 +103,9 @@ def _same(cache: KVCache, snap: tuple[int, list[torch.Tensor]]) -> bool:
 @dataclass(frozen=True)
 class Refusal:
     """One bad input and how kvdoc must refuse it: a stable ``key``, the ``area`` of kvdoc
-    called, what is ``bad`` in words, the ``call`` as code (over the :class:`Fixtures`' names),
-    the ``error`` it must raise with ``fragment`` in its message, and ``run``, the call."""
+    called, what is ``bad`` in words, the ``call`` as code over the :class:`Fixtures`' names (the
+    call made: the catalogue shows what runs), the ``error`` it must raise with ``fragment`` in
+    its message; ``run``, the call as a function, only where ``call`` is not plain code."""
 
     key: str
     area: str
@@ -107,7 +113,13 @@ class Refusal:
     call: str
     error: type[Exception]
     fragment: str
-    run: Callable[[Fixtures], object] = field(repr=False, compare=False)
+    run: Callable[[Fixtures], object] | None = field(default=None, repr=False, compare=False)
+
+    def make(self, fx: Fixtures) -> object:
+        """Make the call with ``fx``'s objects."""
+        if self.run is not None:
+            return self.run(fx)
+        return eval(self.call, {**_NAMES, **vars(fx)})  # the catalogue's own code, no input
 
 
 @dataclass(frozen=True)
@@ -144,7 +156,7 @@ def attempt(refusal: Refusal) -> Outcome:
     snaps = {name: _snapshot(cache) for name, cache in fx.caches().items()}
     raised, message, matches = None, "", False
     try:
-        refusal.run(fx)
+        refusal.make(fx)
     except Exception as exc:
         raised, message = type(exc).__name__, str(exc)
         matches = isinstance(exc, refusal.error) and refusal.fragment in message
@@ -155,10 +167,6 @@ def attempt(refusal: Refusal) -> Outcome:
 def check_all(catalogue: list[Refusal] | None = None) -> list[Outcome]:
     """:func:`attempt` every entry of the catalogue (default :data:`CATALOGUE`)."""
     return [attempt(r) for r in (CATALOGUE if catalogue is None else catalogue)]
-
-
-def _zeros(*shape: int) -> torch.Tensor:
-    return torch.zeros(shape, dtype=torch.long)
 
 
 def _interop_shape_mismatch(fx: Fixtures) -> object:
@@ -178,138 +186,112 @@ _r, VE = Refusal, ValueError  # short names: the catalogue is one call a line wh
 CATALOGUE: list[Refusal] = [
     # --- the configuration ------------------------------------------------------------------
     _r("config-zero-layers", "GPTConfig", "no layers", "GPTConfig(n_layer=0)", VE,
-       "n_layer must be a positive integer", lambda fx: GPTConfig(n_layer=0)),
+       "n_layer must be a positive integer"),
     _r("config-negative-heads", "GPTConfig", "a negative head count", "GPTConfig(n_head=-4)", VE,
-       "n_head must be a positive integer", lambda fx: GPTConfig(n_head=-4)),
+       "n_head must be a positive integer"),
     _r("config-float-width", "GPTConfig", "a width that is a float", "GPTConfig(n_embd=64.0)", VE,
-       "n_embd must be a positive integer", lambda fx: GPTConfig(n_embd=64.0)),
+       "n_embd must be a positive integer"),
     _r("config-bool-vocab", "GPTConfig", "a bool where a size belongs",
-       "GPTConfig(vocab_size=True)", VE, "vocab_size must be a positive integer",
-       lambda fx: GPTConfig(vocab_size=True)),
+       "GPTConfig(vocab_size=True)", VE, "vocab_size must be a positive integer"),
     _r("config-width-heads", "GPTConfig", "a width the heads do not divide",
-       "GPTConfig(n_embd=60, n_head=8)", VE, "n_embd=60 is not divisible by n_head=8",
-       lambda fx: GPTConfig(n_embd=60, n_head=8)),
+       "GPTConfig(n_embd=60, n_head=8)", VE, "n_embd=60 is not divisible by n_head=8"),
     _r("config-gqa-groups", "GPTConfig", "query heads not a multiple of K/V heads",
-       "GPTConfig(n_kv_head=3)", VE, "n_head=4 is not divisible by n_kv_head=3",
-       lambda fx: GPTConfig(n_kv_head=3)),
+       "GPTConfig(n_kv_head=3)", VE, "n_head=4 is not divisible by n_kv_head=3"),
     _r("config-epsilon", "GPTConfig", "a LayerNorm epsilon of zero",
-       "GPTConfig(layer_norm_epsilon=0.0)", VE, "layer_norm_epsilon must be positive",
-       lambda fx: GPTConfig(layer_norm_epsilon=0.0)),
+       "GPTConfig(layer_norm_epsilon=0.0)", VE, "layer_norm_epsilon must be positive"),
     # --- the model's input ------------------------------------------------------------------------
     _r("ids-1d", "Decoder", "ids without a batch dimension", "model(torch.tensor([3, 1, 4]))", VE,
-       "idx must be a [B, C] tensor", lambda fx: fx.model(torch.tensor([3, 1, 4]))),
+       "idx must be a [B, C] tensor"),
     _r("ids-list", "Decoder", "a Python list instead of a tensor", "model([[3, 1, 4]])", VE,
-       "got list", lambda fx: fx.model([[3, 1, 4]])),
+       "got list"),
     _r("ids-float", "Decoder", "float token ids", "model(torch.zeros(1, 3))", VE,
-       "integer token ids (int64 or int32), got dtype torch.float32",
-       lambda fx: fx.model(torch.zeros(1, 3))),
+       "integer token ids (int64 or int32), got dtype torch.float32"),
     _r("ids-bool", "Decoder", "bool token ids", "model(torch.ones(1, 3, dtype=torch.bool))", VE,
-       "integer token ids (int64 or int32), got dtype torch.bool",
-       lambda fx: fx.model(torch.ones(1, 3, dtype=torch.bool))),
+       "integer token ids (int64 or int32), got dtype torch.bool"),
     _r("ids-int16", "Decoder", "token ids of a type the embedding cannot index with",
-       "model(torch.ones(1, 3, dtype=torch.int16))", VE, "(int64 or int32), got dtype torch.int16",
-       lambda fx: fx.model(torch.ones(1, 3, dtype=torch.int16))),
-    _r("ids-empty", "Decoder", "no tokens",
-       "model(torch.zeros(1, 0, dtype=torch.long), dynamic)", VE, "empty input",
-       lambda fx: fx.model(_zeros(1, 0), fx.dynamic)),
+       "model(torch.ones(1, 3, dtype=torch.int16))", VE, "(int64 or int32), got dtype torch.int16"),
+    _r("ids-empty", "Decoder", "no tokens", "model(torch.zeros(1, 0, dtype=torch.long), dynamic)",
+       VE, "empty input"),
     _r("ids-past-vocab", "Decoder", "a token id past the vocabulary",
-       "model(torch.tensor([[5, 97]]), dynamic)", VE, "token id 97 is outside the vocabulary 0..96",
-       lambda fx: fx.model(torch.tensor([[5, 97]]), fx.dynamic)),
-    _r("ids-negative", "Decoder", "a negative token id",
-       "model(torch.tensor([[-1]]), static)", VE, "token id -1 is outside the vocabulary",
-       lambda fx: fx.model(torch.tensor([[-1]]), fx.static)),
+       "model(torch.tensor([[5, 97]]), dynamic)", VE,
+       "token id 97 is outside the vocabulary 0..96"),
+    _r("ids-negative", "Decoder", "a negative token id", "model(torch.tensor([[-1]]), static)", VE,
+       "token id -1 is outside the vocabulary"),
     _r("ids-device", "Decoder", "ids on another device than the model", "model(ids.to('meta'))", VE,
-       "idx is on meta, model is on cpu", lambda fx: fx.model(fx.ids.to("meta"))),
+       "idx is on meta, model is on cpu"),
     _r("ids-too-long", "Decoder", "more tokens than learned positions",
-       "model(torch.zeros(1, 513, dtype=torch.long))", VE, "513 positions, model has 512",
-       lambda fx: fx.model(_zeros(1, 513))),
+       "model(torch.zeros(1, 513, dtype=torch.long))", VE, "513 positions, model has 512"),
     _r("cache-past-positions", "Decoder", "a continuation that runs past the last position",
        "model(torch.zeros(1, 509, dtype=torch.long), dynamic)", VE,
-       "4 cached + 509 new = 513 positions", lambda fx: fx.model(_zeros(1, 509), fx.dynamic)),
+       "4 cached + 509 new = 513 positions"),
     # --- caches ---------------------------------------------------------------------------------
     _r("cache-not-a-cache", "caches", "K/V tensors where a cache belongs",
-       "model(ids, dynamic.tensors())", VE, "cache must be a KVCache, got list",
-       lambda fx: fx.model(fx.ids, fx.dynamic.tensors())),
+       "model(ids, dynamic.tensors())", VE, "cache must be a KVCache, got list"),
     _r("cache-batch", "caches", "a cache of batch 1 continued with batch 2",
-       "model(torch.zeros(2, 1, dtype=torch.long), dynamic)",
-       VE, "cache holds batch size 1, input has batch size 2",
-       lambda fx: fx.model(_zeros(2, 1), fx.dynamic)),
+       "model(torch.zeros(2, 1, dtype=torch.long), dynamic)", VE,
+       "cache holds batch size 1, input has batch size 2"),
     _r("cache-other-model", "caches", "a cache filled by another model (2 K/V heads, not 4)",
-       "model(ids, foreign)", VE, "cache was built for another model",
-       lambda fx: fx.model(fx.ids, fx.foreign)),
+       "model(ids, foreign)", VE, "cache was built for another model"),
     _r("cache-other-depth", "caches", "a cache for a 3-layer model",
-       "model(ids, DynamicCache.empty(GPTConfig(n_layer=3), 1))",
-       VE, "cache was built for another model",
-       lambda fx: fx.model(fx.ids, DynamicCache.empty(GPTConfig(n_layer=3), 1))),
+       "model(ids, DynamicCache.empty(GPTConfig(n_layer=3), 1))", VE,
+       "cache was built for another model"),
     _r("cache-dtype", "caches", "a float64 cache for a float32 model",
        "model(ids, DynamicCache.empty(model.config, 1, torch.float64))", VE,
-       "cache dtype is torch.float64, model dtype is torch.float32",
-       lambda fx: fx.model(fx.ids, DynamicCache.empty(fx.model.config, 1, torch.float64))),
+       "cache dtype is torch.float64, model dtype is torch.float32"),
     _r("cache-device", "caches", "a cache on another device than the model",
-       "model(ids, DynamicCache.empty(model.config, 1, device='meta'))",
-       VE, "cache is on meta, model is on cpu",
-       lambda fx: fx.model(fx.ids, DynamicCache.empty(fx.model.config, 1, device="meta"))),
+       "model(ids, DynamicCache.empty(model.config, 1, device='meta'))", VE,
+       "cache is on meta, model is on cpu"),
     _r("static-over-capacity", "caches", "5 more positions into a static cache with room for 4",
-       "model(torch.zeros(1, 5, dtype=torch.long), static)", VE, "static cache over capacity",
-       lambda fx: fx.model(_zeros(1, 5), fx.static)),
+       "model(torch.zeros(1, 5, dtype=torch.long), static)", VE, "static cache over capacity"),
     _r("cache-kind", "caches", "an unknown cache kind", "model.new_cache(1, 'paged')", VE,
-       "unknown cache kind 'paged'", lambda fx: fx.model.new_cache(1, "paged")),
+       "unknown cache kind 'paged'"),
     _r("cache-zero-batch", "caches", "a cache for zero sequences", "model.new_cache(0)", VE,
-       "batch_size must be a positive integer, got 0", lambda fx: fx.model.new_cache(0)),
+       "batch_size must be a positive integer, got 0"),
     _r("static-negative-capacity", "caches", "a negative capacity",
-       "StaticCache(model.config, 1, capacity=-8)",
-       VE, "capacity must be a positive integer, got -8",
-       lambda fx: StaticCache(fx.model.config, 1, capacity=-8)),
+       "StaticCache(model.config, 1, capacity=-8)", VE,
+       "capacity must be a positive integer, got -8"),
     _r("static-zero-capacity", "caches", "a static cache with room for nothing",
-       "model.new_cache(1, 'static', capacity=0)", VE, "capacity must be a positive integer, got 0",
-       lambda fx: fx.model.new_cache(1, "static", capacity=0)),
+       "model.new_cache(1, 'static', capacity=0)", VE,
+       "capacity must be a positive integer, got 0"),
     _r("crop-longer", "caches", "cropping a cache to more than it holds", "dynamic.crop(10)", VE,
-       "cannot crop a cache of 4 positions to 10", lambda fx: fx.dynamic.crop(10)),
+       "cannot crop a cache of 4 positions to 10"),
     _r("crop-negative", "caches", "cropping to a negative length", "static.crop(-1)", VE,
-       "cannot crop a cache of 4 positions to -1", lambda fx: fx.static.crop(-1)),
+       "cannot crop a cache of 4 positions to -1"),
     _r("cache-kv-shapes", "caches", "K and V of different shapes",
        "DynamicCache([(K, V[:, :, :2])]) with K, V = dynamic.layer(0)",
        VE, "K and V must both be [B, H, T, width]",
        lambda fx: DynamicCache([(fx.dynamic.layer(0)[0], fx.dynamic.layer(0)[1][:, :, :2])])),
     _r("cache-no-layers", "caches", "a cache with no layers", "DynamicCache([])", VE,
-       "a cache needs at least one layer", lambda fx: DynamicCache([])),
+       "a cache needs at least one layer"),
     # --- masks ------------------------------------------------------------------------------------
     _r("mask-negative-past", "masks", "a negative cached length", "offset_causal_mask(-1, 2)", VE,
-       "past_len must be a non-negative integer, got -1", lambda fx: offset_causal_mask(-1, 2)),
+       "past_len must be a non-negative integer, got -1"),
     _r("mask-no-queries", "masks", "zero new queries", "offset_causal_mask(3, 0)", VE,
-       "new_len must be a positive integer, got 0", lambda fx: offset_causal_mask(3, 0)),
+       "new_len must be a positive integer, got 0"),
     _r("mask-float-length", "masks", "a float length", "offset_causal_mask(2.0, 1)", VE,
-       "past_len must be a non-negative integer, got 2.0", lambda fx: offset_causal_mask(2.0, 1)),
+       "past_len must be a non-negative integer, got 2.0"),
     # --- generation -------------------------------------------------------------------------------
     _r("decode-two-tokens", "generation", "two tokens in one decode step",
-       "decode_step(model, torch.tensor([[1, 2]]), dynamic)",
-       VE, "decode_step takes one token per row",
-       lambda fx: decode_step(fx.model, torch.tensor([[1, 2]]), fx.dynamic)),
+       "decode_step(model, torch.tensor([[1, 2]]), dynamic)", VE,
+       "decode_step takes one token per row"),
     _r("prefill-past-vocab", "generation", "a prompt with an id past the vocabulary",
-       "prefill(model, torch.tensor([[1, 200]]), static)",
-       VE, "token id 200 is outside the vocabulary",
-       lambda fx: prefill(fx.model, torch.tensor([[1, 200]]), fx.static)),
+       "prefill(model, torch.tensor([[1, 200]]), static)", VE,
+       "token id 200 is outside the vocabulary"),
     _r("generate-nothing", "generation", "asking for no new tokens", "generate(model, ids, 0)", VE,
-       "max_new_tokens must be a positive integer, got 0",
-       lambda fx: generate(fx.model, fx.ids, 0)),
+       "max_new_tokens must be a positive integer, got 0"),
     _r("generate-absurd", "generation", "asking for more tokens than positions",
-       "generate(model, ids, 10**6)", VE, "= 1000004 positions, model has 512",
-       lambda fx: generate(fx.model, fx.ids, 10**6)),
+       "generate(model, ids, 10**6)", VE, "= 1000004 positions, model has 512"),
     _r("generate-cache-kind", "generation", "an unknown cache kind",
-       "generate(model, ids, 3, cache='paged')", VE, "unknown cache kind 'paged'",
-       lambda fx: generate(fx.model, fx.ids, 3, cache="paged")),
+       "generate(model, ids, 3, cache='paged')", VE, "unknown cache kind 'paged'"),
     _r("generate-filled-cache", "generation", "a cache that already holds positions",
-       "generate(model, ids, 3, cache=static)", VE, "generate() fills an empty cache",
-       lambda fx: generate(fx.model, fx.ids, 3, cache=fx.static)),
+       "generate(model, ids, 3, cache=static)", VE, "generate() fills an empty cache"),
     # --- transformers interop ---------------------------------------------------------------------
     _r("interop-gqa", "interop", "a grouped-query config for GPT-2, which has none",
-       "gpt2_config(GPTConfig(n_kv_head=2))", VE, "GPT-2 has no grouped-query attention",
-       lambda fx: gpt2_config(GPTConfig(n_kv_head=2))),
+       "gpt2_config(GPTConfig(n_kv_head=2))", VE, "GPT-2 has no grouped-query attention"),
     _r("interop-bare-state-dict", "interop", "a bare state dict without a config",
-       "decoder_from_gpt2(model.state_dict())", VE, "pass config=",
-       lambda fx: decoder_from_gpt2(fx.model.state_dict())),
+       "decoder_from_gpt2(model.state_dict())", VE, "pass config="),
     _r("interop-empty", "interop", "an empty state dict", "decoder_from_gpt2({}, GPTConfig())", VE,
-       "empty state dict", lambda fx: decoder_from_gpt2({}, GPTConfig())),
+       "empty state dict"),
     _r("interop-shapes", "interop", "GPT-2 weights for another MLP width",
        "decoder_from_gpt2(hf.state_dict(), GPTConfig(n_inner=128))", VE, "checkpoint shape",
        _interop_shape_mismatch),

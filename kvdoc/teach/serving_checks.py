@@ -1,13 +1,7 @@
-"""Checks and measurements of the serving features of :mod:`kvdoc.serving`, against recompute.
-
-* :func:`compare_with_alone`: each row of a left-padded batch
-  (:func:`kvdoc.serving.batching.generate_padded`) against its prompt generated alone;
-  :class:`~kvdoc.proofs.broken.serving.UnshiftedPositionsDecoder` is the broken variant it must
-  catch.
-* :func:`compare_mix_with_alone`: every request of a shared-prefix run
-  (:func:`kvdoc.serving.workload.measure_mix`) against one full forward of that request alone.
-* :func:`measure_int8`: how far the int8 cache (:mod:`kvdoc.serving.quant`) moves the logits
-  and K/V; an approximation, so this measures and claims nothing.
+"""The serving features of :mod:`kvdoc.serving` against recompute, for the pages: a left-padded
+batch and a shared-prefix run against each request alone (the broken
+:class:`~kvdoc.proofs.broken.serving.UnshiftedPositionsDecoder` must fail the first), and how far
+the int8 cache moves the logits and K/V (an approximation: measured, nothing claimed).
 
 >>> from kvdoc.proofs.compare import default_model
 >>> model = default_model()

@@ -101,12 +101,8 @@ def _load(plain: list[dict]) -> list[VariantOutcome]:
 
 def stored(name: str, sweep: Callable[..., list[VariantOutcome]], folder: str | None = None,
            **args) -> list[VariantOutcome]:
-    """``sweep(**args)``, computed once and kept as ``<folder>/<name>.json``.
-
-    ``folder`` defaults to ``$KVDOC_RECORDS``; with neither, the sweep just runs. The record is
-    read if its key (:func:`record_key`) matches, else the sweep runs and replaces it, under an
-    exclusive lock on ``<folder>/<name>.lock``: a second caller waits for the first.
-    """
+    """``sweep(**args)``, computed once and kept as ``<folder>/<name>.json`` (``folder``: default
+    ``$KVDOC_RECORDS``), under an exclusive lock on ``<folder>/<name>.lock``."""
     folder = folder or os.environ.get("KVDOC_RECORDS")
     if not folder:
         return sweep(**args)
@@ -128,10 +124,8 @@ def stored(name: str, sweep: Callable[..., list[VariantOutcome]], folder: str | 
 
 def sweep_part(part: int, parts: int = PARTS, axes: dict = AXES,
                workers: int = 2) -> list[VariantOutcome]:
-    """Part ``part`` of ``parts`` of :data:`~kvdoc.proofs.variants.VARIANTS` through
-    every check (``stop_at_first=False``) on ``axes``, two variants at a time; a variant
-    with nothing to run on among them on its own models and kinds. In ``VARIANTS``
-    order."""
+    """Part ``part`` of ``parts`` of :data:`~kvdoc.proofs.variants.VARIANTS`, in that order,
+    through every check on ``axes``, two variants at a time."""
     names = list(VARIANTS)
     names = names[part * len(names) // parts:(part + 1) * len(names) // parts]
     with worker_map(workers) as map_:
@@ -154,26 +148,11 @@ def broken_variants(part: int | None = None) -> list[VariantOutcome]:
 T = TypeVar("T")
 
 
-def _to_build_log(line: str) -> None:
-    path = os.environ.get("KVDOC_BUILD_LOG")
-    if not path:
-        return
-    try:
-        with open(path, "a", encoding="utf-8") as log:
-            log.write(line + "\n")
-    except OSError:  # a log that is gone or not ours: the page's own line still shows
-        pass
-
-
 def progress(steps: Iterable[T], what: str, total: int | None = None) -> Iterator[T]:
     """Each of ``steps``, and after each has been used, the line ``what: i/n done``.
 
     ``n`` is ``total``, or ``len(steps)``; a step counts as done when the loop asks for the next.
 
-    >>> for part in progress(["a", "b"], "sweep"):
-    ...     pass
-    sweep: 1/2 done
-    sweep: 2/2 done
     >>> list(progress(iter("xy"), "steps", total=2))
     steps: 1/2 done
     steps: 2/2 done
@@ -185,7 +164,10 @@ def progress(steps: Iterable[T], what: str, total: int | None = None) -> Iterato
         yield step
         line = f"{what}: {done}/{total} done"
         print(line, flush=True)  # flush: Jupyter shows it now, not when the cell ends
-        _to_build_log(line)
+        path = os.environ.get("KVDOC_BUILD_LOG")
+        if path:  # a log that is gone or not ours: the page's own line still shows
+            with contextlib.suppress(OSError), open(path, "a", encoding="utf-8") as log:
+                log.write(line + "\n")
 
 
 def chunks(items: Iterable[T], size: int) -> list[list[T]]:

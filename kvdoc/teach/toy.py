@@ -14,6 +14,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvdoc.serving.radix import common_prefix_len
+
 __all__ = ["ToyLab", "ToyCache", "full_forward", "check_against_full", "work_counts",
            "prefix_edit"]
 
@@ -276,20 +278,6 @@ SOURCE_COUNTS: dict[str, dict[str, int]] = {
                                       "cached_dots": 18},
 }
 """The source's table of work counts for the three scenarios, to compare with."""
-
-
-def common_prefix_len(a: Sequence, b: Sequence) -> int:
-    """Length of the longest common prefix of two token sequences.
-
-    >>> common_prefix_len("ABCD", "AXCD")
-    1
-    """
-    n = 0
-    for x, y in zip(a, b, strict=False):  # the sequences may differ in length
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def work_counts(weights: ToyWeights | None = None) -> list[ScenarioCounts]:

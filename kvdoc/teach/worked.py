@@ -119,12 +119,8 @@ def naive_step(x: torch.Tensor, projections: Sequence[torch.Tensor] | None = Non
     return NaivePath(Q, K, V, scores, masked, weights, weights @ V)
 
 
-def cached_step(
-    x_new: torch.Tensor,
-    cache_k: torch.Tensor,
-    cache_v: torch.Tensor,
-    projections: Sequence[torch.Tensor] | None = None,
-) -> CachedPath:
+def cached_step(x_new: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                projections: Sequence[torch.Tensor] | None = None) -> CachedPath:
     """Project the new token ``x_new`` (``[2]``), append its K/V to ``cache_k, cache_v``
     (``[P, 2]``, ``P`` may be 0) and attend with its query alone.
 
@@ -144,10 +140,8 @@ def cached_step(
     return CachedPath(q, k, v, K_full, V_full, scores, weights, (weights @ V_full)[0])
 
 
-def worked_example(
-    inputs: Sequence[Sequence[float]] | torch.Tensor = WORKED_INPUTS,
-    projections: Sequence[torch.Tensor] | None = None,
-) -> list[WorkedStep]:
+def worked_example(inputs: Sequence[Sequence[float]] | torch.Tensor = WORKED_INPUTS,
+                   projections: Sequence[torch.Tensor] | None = None) -> list[WorkedStep]:
     """Both paths for every decode step of ``inputs`` (``[T, 2]``), the cached one carrying
     its cache from step to step.
 
@@ -185,9 +179,9 @@ class SourceComparison:
     from_source_inputs: tuple[float, ...] | None
 
 
-def compare_with_source(
-    steps: Sequence[WorkedStep], figures: dict[int, dict[str, tuple[float, ...]]] = SOURCE_FIGURES
-) -> list[SourceComparison]:
+def compare_with_source(steps: Sequence[WorkedStep],
+                        figures: dict[int, dict[str, tuple[float, ...]]] = SOURCE_FIGURES
+                        ) -> list[SourceComparison]:
     """One :class:`SourceComparison` per step and quantity of ``figures``.
 
     >>> rows = compare_with_source(worked_example())
@@ -199,11 +193,8 @@ def compare_with_source(
         if s.step not in figures:
             continue
         fig = figures[s.step]
-        computed = {
-            "scores": s.cached.scores[0],
-            "weights": s.cached.weights[0],
-            "output": s.cached.output,
-        }
+        computed = {"scores": s.cached.scores[0], "weights": s.cached.weights[0],
+                    "output": s.cached.output}
         for name in ("scores", "weights", "output"):
             src = torch.tensor(fig[name], dtype=torch.float64)
             comp = computed[name]
