@@ -20,9 +20,9 @@ from kvdoc.proofs.cache_invariants import byte_problems
 from kvdoc.proofs.compare import TOLERANCE, Snapshot, close, max_abs, run_cached
 
 
-def _bytes(config, length, batch=1, dtype=torch.float32, preallocated=False):
+def _bytes(config, length, batch=1, dtype=torch.float32):
     """The one byte formula (:func:`kvdoc.measure.model_caches.config_cache`), FP32 by default."""
-    return config_cache(config).kv_bytes(length, batch, dtype, preallocated)
+    return config_cache(config).kv_bytes(length, batch, dtype)
 
 
 W = 6

@@ -143,32 +143,28 @@ class ModelCache:
             return "MHA"
         return "MQA" if self.kv_heads == 1 else "GQA"
 
-    def elements(self, seq_len: int, preallocated: bool = False, windows: bool = True) -> int:
-        """Elements one sequence of ``seq_len`` positions keeps, over all layers; with
-        ``preallocated`` a window layer holds its ``W`` rows from the start (a ring allocated
-        at its full size, as :func:`~kvdoc.core.window.window_cache`'s); ``windows=False``
-        counts every layer as full (the same model with no window)."""
+    def elements(self, seq_len: int, windows: bool = True) -> int:
+        """Elements one sequence of ``seq_len`` positions keeps, over all layers: a window layer
+        its last ``W`` rows at most; ``windows=False`` counts every layer as full (the same model
+        with no window)."""
         check_int("seq_len", seq_len, minimum=0)
-        return sum(layer.per_token * (seq_len if w is None or not windows else w if preallocated
-                                      else min(seq_len, w)) + layer.state
-                   for layer, w in ((layer, layer.window) for layer in self.layers))
+        return sum(layer.per_token * (seq_len if w is None or not windows else min(seq_len, w))
+                   + layer.state for layer, w in ((layer, layer.window) for layer in self.layers))
 
     def kv_bytes(self, seq_len: int, batch: int = 1, dtype: str | torch.dtype = "float16",
-                 preallocated: bool = False, windows: bool = True) -> int:
+                 windows: bool = True) -> int:
         """Bytes of ``batch`` sequences of ``seq_len`` positions, ``s`` bytes an element
-        (``preallocated``, ``windows``: as :meth:`elements`).
+        (``windows``: as :meth:`elements`).
 
         >>> oss = model_cache("gpt-oss-20b")     # past W = 128 only its 12 full layers grow
         >>> oss.kv_bytes(256) - oss.kv_bytes(128) == 12 * (2 * 8 * 64) * 2 * 128
-        True
-        >>> oss.kv_bytes(1, preallocated=True) == oss.kv_bytes(128) - 12 * 2 * 8 * 64 * 2 * 127
         True
         >>> g = model_cache("Gemma-3-1B")        # 4 global layers of 26 hold all T
         >>> g.kv_bytes(32768, windows=False) // g.kv_bytes(32768)
         5
         """
         return (check_int("batch", batch) * element_size(dtype)
-                * self.elements(seq_len, preallocated, windows))
+                * self.elements(seq_len, windows))
 
     def bytes_per_token(self, dtype: str | torch.dtype = "float16") -> int:
         """Bytes one position adds while it is inside every window (batch 1)."""
