@@ -90,16 +90,6 @@ def test_refusals(model):
         Scheduler(model, num_blocks=4, policy="eager")
 
 
-def test_scenario_runs_on_the_grid():
-    from kvdoc.proofs import suite
-
-    report = suite.run_suite(models=["mha", "llama"], kinds=["paged", "dynamic"],
-                             impls=["model"], dtypes=(torch.float32,), scenarios=["scheduling"])
-    verdicts = {(r.model, r.kind): r.passed for r in report.results}
-    assert verdicts == {("mha", "paged"): True, ("mha", "dynamic"): None,
-                        ("llama", "paged"): True, ("llama", "dynamic"): None}
-
-
 # --- preemption by recompute and forks ----------------------------------------------------------
 
 def test_preemption_by_recompute_equals_solo_runs(model):

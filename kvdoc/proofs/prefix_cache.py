@@ -22,11 +22,10 @@ import torch
 
 from kvdoc.core.model import Decoder, generate
 from kvdoc.serving.paged import BlockPool
-from kvdoc.serving.prefix_workload import Turn, WorkloadRun, few_shot_workload, run_workload
+from kvdoc.serving.prefix_workload import Turn, WorkloadRun, run_workload
 from kvdoc.serving.radix import RadixCache, serve_prompt
 
-from .case import scenario
-from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs
+from .compare import TOLERANCE, close, max_abs
 
 
 def invariant_errors(tree: RadixCache) -> list[str]:
@@ -183,23 +182,3 @@ def check_admission(model: Decoder, tree_cls: type[RadixCache] = RadixCache,
                              f"matched {matched}, its shared blocks {shared} became {became}"
                              f"{'; ' + '; '.join(errors) if errors else ''}")
 
-
-@scenario("prefix-cache", {
-    "prefix-cache": "requests served through a radix prefix cache vs each request alone"})
-def prefix_cache_scenario(case, out: list) -> None:
-    if case.impl != "model" or case.kind != "paged":
-        out.append(case.result("prefix-cache", None, 0.0,
-                               "the tree serves the model itself from paged blocks"))
-        return
-    tree = case.caches.get("radix", RadixCache)  # a broken variant's tree class
-    turns = few_shot_workload(requests=3, vocab=case.model.config.vocab_size)
-    checks = [compare_workload(case.model, turns, num_blocks=32, granularity=g, tree_cls=tree)
-              for g in ("token", "block")]
-    eviction = check_locked_eviction(case.model, tree)
-    admission = check_admission(case.model, tree)
-    ok = all(c.passed for c in checks) and eviction.passed and admission.passed
-    error = max(r.logit_error for c in checks for r in c.requests)
-    out.append(case.result("prefix-cache", ok, error,
-                           "3 few-shot requests through a radix tree (token and block matches) "
-                           f"vs each alone ({DTYPE_NAMES[case.dtype]}); refcounts == holders; "
-                           f"locked eviction: {eviction.detail}; admission: {admission.detail}"))

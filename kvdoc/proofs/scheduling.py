@@ -4,10 +4,9 @@
 prompt alone (tokens) and one full forward (logits, within
 :data:`kvdoc.proofs.compare.TOLERANCE`); :func:`check_policies` (static, continuous, chunked
 prefill, with the block invariants), :func:`check_preemption` (a pool too small, preempting by
-recompute) and :func:`check_forks` (seeded samples of one prompt, copy-on-write) run it; the
-``scheduling`` scenario runs all three on the paged kind of every model, a variant's scheduler
-class as ``case.caches["scheduler"]``. The broken schedulers of :mod:`kvdoc.proofs.broken.serving`
-are what they catch (``tests/test_scheduler.py``):
+recompute) and :func:`check_forks` (seeded samples of one prompt, copy-on-write) run it on every
+model the grid serves paged (``tests/test_policies.py``). The broken schedulers of
+:mod:`kvdoc.proofs.broken.serving` are what they catch:
 
 >>> from kvdoc.proofs.broken.serving import ResumeWithoutRecompute
 >>> from kvdoc.proofs.compare import default_model
@@ -28,8 +27,7 @@ from kvdoc.serving.requests import Request, arrival_trace, choose, sample_genera
 from kvdoc.serving.runs import ServeRun
 from kvdoc.serving.scheduler import Scheduler
 
-from .case import scenario
-from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs
+from .compare import TOLERANCE, close, max_abs
 
 
 @dataclass(frozen=True)
@@ -200,30 +198,3 @@ def check_forks(model: Decoder, scheduler: type[Scheduler] = Scheduler, samples:
                      forked.invariants_hold and alone.invariants_hold,
                      max(c.logit_error for c in rows))
 
-
-@scenario("scheduling", {
-    "scheduling": "static, continuous, chunked-prefill, preempting and forking runs: each "
-                  "request vs its solo run"})
-def scheduling_scenario(case, out: list) -> None:
-    model = case.model
-    if case.impl != "model" or case.kind != "paged":
-        out.append(case.result("scheduling", None, 0.0,
-                               "the scheduler runs the model itself over its own paged blocks"))
-        return
-    scheduler, name = case.caches.get("scheduler", Scheduler), DTYPE_NAMES[case.dtype]
-    checks = check_policies(model, scheduler=scheduler)
-    out.append(case.result("scheduling", all(c.passed for c in checks),
-                           max(c.logit_error for c in checks),
-                           "static, continuous and chunked-prefill runs of a 5-request trace, "
-                           f"each request vs its solo run ({name}); "
-                           "blocks held == blocks named, free + held == pool"))
-    pre = check_preemption(model, scheduler)
-    out.append(case.result("scheduling", pre.passed, pre.logit_error,
-                           f"preemption by recompute on {pre.tight[0].num_blocks} blocks "
-                           f"({', '.join(str(r.preemptions) for r in pre.tight)} preemptions), "
-                           f"each request vs its solo run ({name}); refcounts == holders"))
-    forks = check_forks(model, scheduler)
-    out.append(case.result("scheduling", forks.passed, forks.logit_error,
-                           f"{len(forks.forked.samples)} seeded forks of one prompt, copy-on-write"
-                           f", each vs its sample alone and vs an independent request ({name}); "
-                           f"blocks {forks.forked.blocks_peak} vs {forks.copies.blocks_peak}"))

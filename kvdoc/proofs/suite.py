@@ -35,15 +35,13 @@ from . import (
     handover_checks,
     int8_contract,
     precision,
-    prefix_cache,
-    scheduling,
 )
 from .case import REGISTRY, Case, CheckResult
 from .compare import DTYPE_NAMES, TOLERANCE
 from .variants import VARIANTS
 
 CHECK_MODULES = (equivalence, figures, calls, cache_invariants, int8_contract, fp8_contract,
-                 scheduling, prefix_cache, handover_checks, batch_invariance, precision)
+                 handover_checks, batch_invariance, precision)
 """The modules whose scenarios run, in this order (each module's as registered): the cheap ones
 first, as a sweep stops at a variant's first failure."""
 _RANK = {module.__name__: rank for rank, module in enumerate(CHECK_MODULES)}

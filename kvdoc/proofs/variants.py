@@ -61,10 +61,8 @@ class BrokenVariant:
     cache kind or the scheduler shows on any of them, and one keeps the sweep short."""
     caches: Mapping[str, Callable] = field(default_factory=dict)
     """Broken cache factories ``(model, batch, capacity) -> cache`` in place of the real ones, by
-    kind of :data:`kvdoc.proofs.grid.CACHES` (or ``"int8"``, ``"fp8"``, those scenarios' caches; or
-    ``"scheduler"``, the ``scheduling`` scenario's :class:`~kvdoc.serving.scheduler.Scheduler`
-    class; or ``"radix"``, the ``prefix-cache`` scenario's
-    :class:`~kvdoc.serving.radix.RadixCache` class)."""
+    kind of :data:`kvdoc.proofs.grid.CACHES` (or a scenario's key: ``"int8"``, ``"fp8"``,
+    ``"packer"``, ``"reference"``, ...)."""
     kinds: tuple[str, ...] | None = None
     """The cache kinds it runs on (those its broken caches replace); None: every kind."""
     dtypes: tuple[torch.dtype, ...] | None = None
@@ -92,7 +90,7 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "last_only and generation", "crop and branch", "shared path", "failure mid-call",
                "rotary positions", "state across calls", "configuration value", "stale weights",
                "byte accounting", "int8 contract", "ring and block edges", "padded batches",
-               "preemption and forks", "prefix-cache admission", "fp8 contract",
+               "fp8 contract",
                "reduction order", "low precision", "payload dtype", "loader layout")
 """The kinds of mistake the variants stand for."""
 
@@ -102,12 +100,6 @@ def _copy(cls: type[Decoder]) -> Callable[[Decoder], Decoder]:
 
 def _attention(cls: type) -> Callable[[Decoder], Decoder]:
     return lambda m: decoders.with_attention(m, cls)
-
-
-def _radix(name: str, breaks: str, tree: type) -> BrokenVariant:
-    """A broken radix tree, run by the ``prefix-cache`` scenario on one paged model."""
-    return BrokenVariant(name, breaks, _copy(Decoder), "prefix-cache admission",
-                         one_model=True, kinds=("paged",), caches={"radix": tree})
 
 
 VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
@@ -229,24 +221,6 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   _copy(decoders.PaddingBlindFastDecoder), "padded batches",
                   needs={"decoder", "learned", "grouped"}, one_model=True,
                   kinds=("static",)),
-    BrokenVariant("preempt-without-recompute",
-                  "a preempted request gives its blocks back but keeps its count of written "
-                  "positions, so it resumes without re-prefilling prompt and tokens",
-                  _copy(Decoder), "preemption and forks", one_model=True, kinds=("paged",),
-                  caches={"scheduler": serving.ResumeWithoutRecompute}),
-    BrokenVariant("fork-without-copy",
-                  "a fork writes into the prompt block it shares with its siblings, no copy",
-                  _copy(Decoder), "preemption and forks", one_model=True, kinds=("paged",),
-                  caches={"scheduler": serving.ForkWithoutCopy}),
-    *(_radix(name, breaks, tree) for name, breaks, tree in (
-        ("radix-whole-block-match", "the radix tree takes a partly matched block as if its "
-         "tail were the request's own", serving.WholeBlockMatch),
-        ("radix-evict-locked", "the radix tree's eviction ignores locks and frees the path a "
-         "request matched", serving.EvictLocked),
-        ("radix-reserve-final-token", "admission makes room for prompt + max_new positions, "
-         "one more than is written", serving.ReserveFinalToken),
-        ("radix-share-last-block", "block mode shares the last block of a prompt found whole, "
-         "and copies it", serving.ShareLastBlock))),
     BrokenVariant("rope-table-growth",
                   "RoPE's cos/sin table, built on the first call, grows with rows from position 0",
                   rotary.growing_table, "state across calls", needs={"decoder", "rope"}),
