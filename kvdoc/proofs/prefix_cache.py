@@ -29,8 +29,8 @@ from .compare import TOLERANCE, close, max_abs
 
 
 def invariant_errors(tree: RadixCache) -> list[str]:
-    """What is wrong with ``tree``'s bookkeeping: refcounts vs holders (nodes and running
-    requests), free + held vs the pool, running paths and locks, the bytes it reports."""
+    """What is wrong with ``tree``'s bookkeeping: refcounts vs holders, free + held vs the pool,
+    running paths and locks, the bytes it reports."""
     pool, errors = tree.pool, []
     holders = Counter(b for n in tree.nodes() for b in n.blocks)
     holders.update(b for r in tree.running for b in r.cache.tables[0])
@@ -66,9 +66,8 @@ def invariant_errors(tree: RadixCache) -> list[str]:
 
 @dataclass(frozen=True)
 class RequestCheck:
-    """One request through the tree (of ``prompt_len`` tokens, ``matched`` found there) against
-    it alone: max logit error over the positions computed, within the tolerance, greedy tokens
-    equal ``generate``'s, and what :func:`invariant_errors` found after it."""
+    """One request through the tree against it alone, and what :func:`invariant_errors` found
+    after it."""
 
     kind: str
     prompt_len: int
@@ -85,8 +84,7 @@ class RequestCheck:
 
 @dataclass(frozen=True)
 class WorkloadCheck:
-    """The run, one check per request, and whether every block was free once the tree was
-    cleared."""
+    """The run, one check per request, every block free once the tree was cleared."""
 
     run: WorkloadRun
     requests: list[RequestCheck]
@@ -101,8 +99,8 @@ class WorkloadCheck:
 def compare_workload(model: Decoder, turns: list[Turn], num_blocks: int, block_size: int = 4,
                      granularity: str = "token", tree_cls: type[RadixCache] = RadixCache,
                      evict: str = "leaf") -> WorkloadCheck:
-    """``turns`` served through a tree (evicting by ``evict``), every request against itself
-    alone; the tree is cleared at the end."""
+    """``turns`` served through a tree, every request against itself alone; the tree is cleared
+    at the end."""
     after: list[tuple[str, ...]] = []
     run = run_workload(model, turns, num_blocks, block_size, granularity, tree_cls,
                        after=lambda tree: after.append(tuple(invariant_errors(tree))),
