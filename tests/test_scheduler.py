@@ -10,7 +10,6 @@ from kvdoc.core import model as core_model
 from kvdoc.core.model import Decoder, generate, llama_config
 from kvdoc.proofs.broken.serving import (
     ForkWithoutCopy,
-    LeakingScheduler,
     ResumeWithoutRecompute,
     SharedStartScheduler,
 )
@@ -23,7 +22,15 @@ from kvdoc.proofs.scheduling import (
     compare_trace_with_alone,
 )
 from kvdoc.serving.requests import Request, arrival_trace
-from kvdoc.serving.scheduler import Scheduler, serve
+from kvdoc.serving.scheduler import LiveRequest, Scheduler, serve
+
+
+class LeakingScheduler(Scheduler):
+    """BROKEN: retiring a request forgets its table but never gives its blocks back."""
+
+    def retire(self, live: LiveRequest) -> None:
+        live.table.clear()  # BUG: no self.pool.release(live.table) first
+
 
 TRACE = arrival_trace(6, prompt_lens=(2, 10), output_lens=(1, 6), max_gap=2, seed=1)
 

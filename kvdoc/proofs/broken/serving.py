@@ -107,13 +107,6 @@ class SharedStartScheduler(Scheduler):
         return view.seq_len + torch.arange(C, device=view.device).expand(len(view.new), C)
 
 
-class LeakingScheduler(Scheduler):
-    """BROKEN: retiring a request forgets its table but never gives its blocks back."""
-
-    def retire(self, live: LiveRequest) -> None:
-        live.table.clear()  # BUG: no self.pool.release(live.table) first
-
-
 class ResumeWithoutRecompute(Scheduler):
     """BROKEN: preemption gives the blocks back but keeps the count of written positions, so the
     request decodes on as if its K/V were still there."""
