@@ -1,7 +1,8 @@
 """Policies against their specification (kvdoc.teach.schedule_spec), the radix cache against an
 LRU oracle (kvdoc.teach.radix_policy) and sampling against its distribution (kvdoc.teach.sampling,
-tests/test_speculative.py): on every model the verification grid serves on a paged cache, and
-each broken variant (beside the check in its module) caught by its check only.
+tests/test_speculative.py); every request of the scheduler and of the radix tree against its solo
+run (kvdoc.proofs.scheduling, kvdoc.proofs.prefix_cache): on every model the verification grid
+serves on a paged cache, and each broken variant (beside the check in its module) caught.
 
 These were checks of ``python -m kvdoc verify`` on each such model's paged kind; they never
 depended on the cache kind, so they are tests here, on the same models.
@@ -12,6 +13,14 @@ import torch
 from test_speculative import speculative_sampling_exact
 
 from kvdoc.proofs import grid
+from kvdoc.proofs.broken.serving import (
+    EvictLocked,
+    ForkWithoutCopy,
+    ReserveFinalToken,
+    ResumeWithoutRecompute,
+    ShareLastBlock,
+    WholeBlockMatch,
+)
 from kvdoc.proofs.compare import default_model
 from kvdoc.proofs.prefix_cache import check_admission, check_locked_eviction, compare_workload
 from kvdoc.proofs.scheduling import check_forks, check_policies, check_preemption
@@ -62,6 +71,29 @@ def test_every_paged_model_schedules_evicts_and_samples_as_specified(name):
             assert check.passed, check.detail
         assert speculative_sampling_exact(model)
         assert check_sampled_preemption(model).passed
+        # formerly verify's `scheduling` and `prefix-cache` scenarios, FP32
+        assert _served_as_alone(model) and _equal_to_alone(model, RadixCache)
+
+
+def _served_as_alone(model, scheduler=Scheduler):
+    """Static, continuous and chunked-prefill runs, preemption by recompute and seeded forks:
+    every request equal to its solo run, the block invariants held."""
+    return (all(c.passed for c in check_policies(model, scheduler=scheduler))
+            and check_preemption(model, scheduler).passed
+            and check_forks(model, scheduler).passed)
+
+
+# verify's variants preempt-without-recompute and fork-without-copy (the scheduler), and
+# radix-whole-block-match, -evict-locked, -reserve-final-token, -share-last-block (the tree)
+@pytest.mark.parametrize("broken", [ResumeWithoutRecompute, ForkWithoutCopy])
+def test_broken_schedulers_are_not_served_as_alone(model, broken):
+    assert not _served_as_alone(model, broken)
+
+
+@pytest.mark.parametrize("tree", [WholeBlockMatch, EvictLocked, ReserveFinalToken,
+                                  ShareLastBlock])
+def test_broken_radix_trees_are_not_equal_to_alone(model, tree):
+    assert not _equal_to_alone(model, tree)
 
 
 def test_spec_by_hand_budget():
@@ -139,11 +171,14 @@ def test_eviction_follows_lru_and_most_recent_first_is_caught(model):
 
 @pytest.mark.parametrize("name", ["position-counter", "last-only-first-row"])
 def test_broken_decoders_fail_the_full_match_too(name):
-    # a decoder bug shows through the radix tree as well; the sampled stream sees the second
+    # a decoder bug shows through the radix tree as well; the sampled stream and the scheduler
+    # see the second
     model = VARIANTS[name].build(grid.MODELS["mha"].build(0).eval())
     with torch.no_grad():
         assert not check_full_match(model).passed
+        assert not _equal_to_alone(model, RadixCache)
         assert check_sampled_preemption(model).passed == (name == "position-counter")
+        assert _served_as_alone(model) == (name == "position-counter")
 
 
 class WholeLeafAlways(RadixCache):

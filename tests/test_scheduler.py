@@ -10,7 +10,6 @@ from kvdoc.core import model as core_model
 from kvdoc.core.model import Decoder, generate, llama_config
 from kvdoc.proofs.broken.serving import (
     ForkWithoutCopy,
-    LeakingScheduler,
     ResumeWithoutRecompute,
     SharedStartScheduler,
 )
@@ -23,7 +22,15 @@ from kvdoc.proofs.scheduling import (
     compare_trace_with_alone,
 )
 from kvdoc.serving.requests import Request, arrival_trace
-from kvdoc.serving.scheduler import Scheduler, serve
+from kvdoc.serving.scheduler import LiveRequest, Scheduler, serve
+
+
+class LeakingScheduler(Scheduler):
+    """BROKEN: retiring a request forgets its table but never gives its blocks back."""
+
+    def retire(self, live: LiveRequest) -> None:
+        live.table.clear()  # BUG: no self.pool.release(live.table) first
+
 
 TRACE = arrival_trace(6, prompt_lens=(2, 10), output_lens=(1, 6), max_gap=2, seed=1)
 
@@ -88,16 +95,6 @@ def test_refusals(model):
         Scheduler(model, num_blocks=4, token_budget=0)
     with pytest.raises(ValueError, match="unknown policy"):
         Scheduler(model, num_blocks=4, policy="eager")
-
-
-def test_scenario_runs_on_the_grid():
-    from kvdoc.proofs import suite
-
-    report = suite.run_suite(models=["mha", "llama"], kinds=["paged", "dynamic"],
-                             impls=["model"], dtypes=(torch.float32,), scenarios=["scheduling"])
-    verdicts = {(r.model, r.kind): r.passed for r in report.results}
-    assert verdicts == {("mha", "paged"): True, ("mha", "dynamic"): None,
-                        ("llama", "paged"): True, ("llama", "dynamic"): None}
 
 
 # --- preemption by recompute and forks ----------------------------------------------------------

@@ -159,12 +159,12 @@ def test_the_default_verify_catches_every_variant(name):
     ("static-last-layer-length", {"failure_after"}),  # ... after the last attention
     # in order it is right; the causality rerun of the last call is a second branch
     ("position-counter", {"causality", "crop", "branch", "failure", "failure_after",
-                          "speculative", "edges", "prefix-cache"}),
+                          "speculative", "edges"}),
     ("rope-table-growth", {"fresh"}),            # right after a full forward over the stream
     ("fast-step-snapshot", {"weights"}),         # right until the weights change in place
     # generate_padded picks each token from a last_only=True call too
-    ("last-only-first-row", {"last_only", "prefill_decode", "generate", "scheduling",
-                             "prefix-cache", "handover", "generate_padded"}),
+    ("last-only-first-row", {"last_only", "prefill_decode", "generate", "handover",
+                             "generate_padded"}),
 ])
 def test_some_variants_escape_all_but_one_kind_of_check(name, only):
     # the policy checks that see two of these too are tests: tests/test_policies.py
@@ -218,7 +218,7 @@ def test_the_default_verify_passes_and_says_what_it_ran(capsys, monkeypatch):
     assert all(r.passed is not False for r in report.results)
     # each skips kinds, impls or models it cannot take
     not_everywhere = ("generate", "crop", "speculative", "int8", "fp8", "edges", "padded",
-                      "scheduling", "prefix-cache", "handover", "invariance",
+                      "handover", "invariance",
                       "bf16", "fp16", "bf16-reference", "fp16-reference", "counted",
                       "generate_padded")
     assert all(r.passed is not None for r in report.results if r.check not in not_everywhere)
@@ -370,7 +370,7 @@ def test_a_new_implementation_plugs_in_with_one_entry(monkeypatch):
     # batch_invariance.MODELS, counted on caches whose tensors hold exactly their positions
     skipped = {r.check for r in report.results if r.passed is None}
     assert report.passed and skipped == {"generate", "generate_padded", "speculative",
-                                         "scheduling", "prefix-cache", "handover", "int8", "fp8",
+                                         "handover", "int8", "fp8",
                                          "edges", "bf16", "fp16", "bf16-reference",
                                          "fp16-reference", "invariance", "counted"}
     monkeypatch.setitem(grid.IMPLEMENTATIONS, "wrapper", lambda m: Wrapper(m, skip_last_only=True))

@@ -1,13 +1,11 @@
 """The ``invariance`` check: under :func:`kvdoc.batch_invariant`, one sequence's logits bit for bit.
 
-Row 0 of a short stream is computed many ways: a full forward alone and in a batch of
-:data:`BATCH` different rows, fed through every kind of :data:`KINDS` that serves the model in
-chunks of each of :data:`CHUNKS`, alone and batched, decode steps among other rows: every result
-``torch.equal`` to the first, in BF16, FP16 and FP32, no tolerance (an absorbed MLA model's
-cached runs against its one cached call, since it attends in latent space). It runs on
-:data:`MODELS` (:data:`LEAN` in BF16 and FP32 only but with ``--thorough``), on the dynamic kind
-and the model's own call in the FP32 pass; ``chunk-split-attention``
-(:mod:`kvdoc.proofs.broken.arithmetic`) is within every tolerance and caught only here.
+Row 0 of a short stream is computed many ways: a full forward alone and in a batch, fed through
+every kind of :data:`KINDS` that serves the model in chunks, alone and batched, decode steps
+among other rows: every result ``torch.equal`` to the first, in BF16, FP16 and FP32 (an absorbed
+MLA model's cached runs against its one cached call, since it attends in latent space). It runs
+on :data:`MODELS` once per model (:data:`LEAN` in BF16 and FP32 only but with ``--thorough``);
+``chunk-split-attention`` is within every tolerance and caught only here.
 
 >>> from kvdoc.proofs import grid
 >>> rows = invariance_rows(grid.MODELS["mha"].build(0), (torch.float32,))
@@ -34,8 +32,7 @@ CHECK = ("bitwise under kvdoc.batch_invariant(): chunks, batch, cache kinds, BF1
          "(MLA, Gemma: BF16/FP32)")
 MODELS = ("mha", "split-k", "mla", "mla-absorbed", "gemma3")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-LEAN = ("mla", "mla-absorbed", "gemma3")
-"""Checked in BF16 and FP32 by default: their three dtypes would add some 3 s to ``verify``."""
+LEAN = ("mla", "mla-absorbed", "gemma3")  # three dtypes would add some 3 s to verify
 LEAN_DTYPES = (torch.bfloat16, torch.float32)
 KINDS = ("dynamic", "static", "window", "hybrid")
 LENGTH = 24
@@ -44,13 +41,12 @@ BATCH = 3
 
 
 def served_kinds(model: nn.Module) -> list[str]:
-    """The kinds of :data:`KINDS` the grid says serve ``model``."""
     return [kind for kind, _ in grid.served(model.config, kinds=KINDS, impls=("model",))]
 
 
 def _cached_want(model: nn.Module, ids: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """What a cached run must equal: the full forward alone, or for an absorbed MLA model (other
-    sums, the same function) its one cached call over the whole sequence."""
+    """What a cached run must equal: the full forward, or for an absorbed MLA model (other sums)
+    its one cached call over the whole sequence."""
     if not getattr(model.config, "absorb", False):
         return want
     return model(ids, model.new_cache(1)).logits

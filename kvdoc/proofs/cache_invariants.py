@@ -1,25 +1,15 @@
-"""Cache invariants and edges: bytes, held rows and lengths, ring and block edges, padded
-batches (the int8 cache's contract is :mod:`kvdoc.proofs.int8_contract`).
+"""Cache invariants and edges, scenarios of the grid:
 
-Each scenario here registers itself (:func:`kvdoc.proofs.case.scenario`) and runs on every
-combination of the grid like the others (each says where it does not apply):
-
-* ``bytes``: after every call of a short stream, :meth:`~kvdoc.core.cache.KVCache.nbytes` equals
-  the bytes (``numel * element_size``) of the tensors found in the cache object itself
-  (:func:`held_tensors`, not :meth:`~kvdoc.core.cache.KVCache.tensors`) and the kind's formula
-  (each layer's ``expected_nbytes``); a paged pool's ``nbytes()`` and ``block_nbytes`` agree
-  with its tensors too; every layer's K and V are ``[B, H_kv, len(held(layer)), D_h]``, and a
-  kind's own lengths agree with its tensors (:func:`shape_problems`; a hybrid cache's window
-  layers hold their last ``W`` positions, its global layers every one).
-* ``edges``: on a model with a window ``W``, a chunk of ``W + 4`` tokens after a short prefix,
-  then a single token; on a cache a call leaves unchanged, two branches of one prefix fed in
-  turn (a chunk of 5 each, then a token each), from a prefix of 9 tokens (before a window of 16
-  fills) and, on a window cache, of 23 (after), both off the paged block size of 4 (copy-on-write
-  of a shared, partly filled block).
-* ``padded``: a left-padded batch of prompts of different lengths (:mod:`kvdoc.serving.batching`),
-  prefill and decode steps each with the pad mask and per-row positions; every row equals its
-  prompt run alone, for the model and the fast step, on every model (learned or rotary
-  positions).
+* ``bytes``: after every call of a short stream, ``nbytes()`` equals the bytes of the tensors
+  found in the cache object itself (:func:`held_tensors`, not ``tensors()``) and the kind's
+  formula (each layer's ``expected_nbytes``); a paged pool's figures agree with its tensors;
+  every layer's shapes and a kind's own lengths agree with the positions it holds (a window
+  layer its last ``W``).
+* ``edges``: a chunk of ``W + 4`` tokens on a model with a window ``W``; on a cache a call leaves
+  unchanged, two live branches of one prefix, before a window of 16 fills and after, both off the
+  paged block size of 4 (copy-on-write of a shared, partly filled block).
+* ``padded``: a left-padded batch, prefill and decode steps with the pad mask and per-row
+  positions: every row equals its prompt run alone.
 """
 
 from __future__ import annotations
@@ -35,7 +25,7 @@ from kvdoc.serving.batching import left_pad, padded_mask, padded_positions
 from kvdoc.serving.paged import BlockPool, PagedCache
 
 from .case import Case, scenario
-from .compare import Snapshot, close, max_abs
+from .compare import Snapshot
 
 BYTES_CHUNKS = (5, 1, 13)
 """Chunks of the ``bytes`` scenario: past the Mistral window (16) and several paged blocks (4)."""
@@ -46,8 +36,8 @@ the paged block size (4)."""
 
 def _objects(obj: object, seen: set[int]) -> Iterator[object]:
     """``obj`` and everything reachable through its attributes, lists, tuples and dicts, walking
-    into caches, cache layers (kvdoc's or anyone's subclass) and kvdoc's own objects (a cache's
-    pool, a wrapper's inner cache), not into a model or a library's objects."""
+    into caches, cache layers and kvdoc's own objects (a pool, a wrapper's inner cache), not into
+    a model or a library's objects."""
     if id(obj) in seen:
         return
     seen.add(id(obj))
@@ -66,8 +56,7 @@ def _objects(obj: object, seen: set[int]) -> Iterator[object]:
 
 
 def held_tensors(cache: object) -> list[torch.Tensor]:
-    """Every tensor the cache object holds, found in its attributes (not through ``tensors()``);
-    a view of a tensor already found is not counted again.
+    """Every tensor the cache object holds, found in its attributes, a view of one found once.
 
     >>> from kvdoc import GPTConfig
     >>> len(held_tensors(StaticCache(GPTConfig(), batch_size=1, capacity=4)))  # K, V x 2 layers
@@ -79,7 +68,6 @@ def held_tensors(cache: object) -> list[torch.Tensor]:
 
 
 def tensor_bytes(tensors: list[torch.Tensor]) -> int:
-    """``sum(numel * element_size)``."""
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -99,7 +87,7 @@ def _pool_problems(pool: BlockPool, tables: list[list[int]]) -> list[str]:
 
 
 def shape_problems(cache: KVCache) -> list[str]:
-    """What disagrees between the cache's lengths and its tensors' shapes (empty when nothing)."""
+    """What disagrees between the cache's lengths and its tensors' shapes."""
     problems = []
     held, T = cache.held(), cache.seq_len
     if held.stop != T or held.start < 0:
@@ -158,14 +146,14 @@ def _long_chunk(case: Case) -> tuple[bool, float, str]:
     chunks = (3, W + 4, 1)
     ids = case.ids[:, :sum(chunks)]
     run = case.feed(ids, list(chunks))
-    want = case.full(ids)
-    ok = close(run.logits, want, case.tol) and run.cache.seq_len == ids.shape[1]
-    return ok, max_abs(run.logits, want), f"chunks {list(chunks)} past a window of {W}"
+    result = case.compared("edges", [(run.logits, case.full(ids))], "",
+                           run.cache.seq_len == ids.shape[1])
+    return result.passed, result.error, f"chunks {list(chunks)} past a window of {W}"
 
 
 def _live_branches(case: Case, P: int) -> tuple[bool, float]:
-    """Two branches of one ``P``-token prefix fed in turn (a chunk of 5 each, which copies a shared
-    block, then a step each, which reads it): both right, the prefix unchanged."""
+    # two branches of one P-token prefix fed in turn (a chunk of 5 each, which copies a shared
+    # block, then a step each, which reads it): both right, the prefix unchanged
     ids, alt = case.ids, case.alt
     prefix = case.feed(ids[:, :P], P).cache
     before = Snapshot.of(prefix)
@@ -175,13 +163,11 @@ def _live_branches(case: Case, P: int) -> tuple[bool, float]:
         for b in (0, 1):
             got, heads[b] = case.call(tails[b][:, start:stop], heads[b])
             logits[b].append(got)
-    ok, err = True, 0.0
-    for b in (0, 1):
-        want = case.full(torch.cat((ids[:, :P], tails[b]), dim=1))[:, P:]
-        got = torch.cat(logits[b], dim=1)
-        ok, err = ok and close(got, want, case.tol), max(err, max_abs(got, want))
+    pairs = [(torch.cat(logits[b], dim=1),
+              case.full(torch.cat((ids[:, :P], tails[b]), dim=1))[:, P:]) for b in (0, 1)]
     changed = before.changed(prefix)
-    return ok and changed == 0.0, max(err, changed)
+    result = case.compared("edges", pairs, "", changed == 0.0, changed)
+    return result.passed, result.error
 
 
 @scenario("edges", {
@@ -210,10 +196,8 @@ def _edges(case: Case, out: list) -> None:
 
 # --- padded batches -------------------------------------------------------------------------
 
-PROMPTS = (7, 3, 5)
-"""Prompt lengths of the padded batch's rows (cycled over the batch)."""
-STEPS = 3
-"""Decode steps after the padded prefill."""
+PROMPTS = (7, 3, 5)  # the padded batch's prompt lengths, cycled over its rows
+STEPS = 3  # decode steps after the padded prefill
 
 
 @scenario("padded", {
@@ -237,10 +221,7 @@ def _padded(case: Case, out: list) -> None:
         got.append(logits)
         start += C
     got_all = torch.cat(got, dim=1)  # [B, L + STEPS, V]: row b's real slots from pad[b] on
-    ok, err = cache.seq_len == ids.shape[1] + STEPS, 0.0
-    for b, r in enumerate(rows):
-        want = case.full(r[None])  # the row alone: its prompt and continuation, no padding
-        mine = got_all[b:b + 1, int(pad[b]):]
-        ok, err = ok and close(mine, want, case.tol), max(err, max_abs(mine, want))
-    out.append(case.result("padded", ok, err,
-                           f"prompts of {lengths} tokens, left-padded, then {STEPS} decode steps"))
+    # each row against itself alone: its prompt and continuation, no padding
+    pairs = [(got_all[b:b + 1, int(pad[b]):], case.full(r[None])) for b, r in enumerate(rows)]
+    out.append(case.compared("padded", pairs, f"prompts of {lengths} tokens, left-padded, then "
+                             f"{STEPS} decode steps", cache.seq_len == ids.shape[1] + STEPS))

@@ -1,16 +1,8 @@
-"""The calls a user makes and what comes between them, as scenarios of the grid.
-
-* ``prefill_decode``, ``generate``, ``speculative`` (a one-layer draft) and ``generate_padded``
-  (left-padded prompts; a broken variant's as ``case.caches["generate_padded"]``): each against
-  one full forward, its picks the argmax (a near tie within the tolerance may go either way).
-* ``crop`` and continue; ``branch``: two continuations of one prefix, the prefix unchanged.
-* ``failure`` and ``failure_after``: a call raises inside the layers and after the last
-  attention; each time the cache is exactly as before and continuing is right.
-* ``fresh``: a copy no call has run on, in calls each past every earlier one: a table built on
-  the first call and grown wrongly shows only here (every other scenario starts with a full
-  forward).
-* ``weights``: weights changed in place after the call was built: a fast step that copied them
-  must see it.
+"""The calls a user makes and what comes between them, as scenarios of the grid: prefill and
+decode steps, ``generate``, speculative decoding and ``generate_padded`` against one full forward
+(picks: its argmax, a near tie within the tolerance either way); crop, branch, a call that raises
+midway; a model no call has run on (a table built on the first call and grown wrongly shows only
+there); weights changed in place after the call was built.
 """
 
 from __future__ import annotations
@@ -46,7 +38,7 @@ def _decode_batches(case: Case) -> list[torch.Tensor]:
 @scenario("prefill_decode", {
     "prefill_decode": "prefill, then decode_step per token, vs the full forward"})
 def _prefill_decode(case: Case, out: list) -> None:
-    prompt, ok, err = 7, True, 0.0
+    prompt, pairs, lengths_ok = 7, [], True
     for ids in _decode_batches(case):
         full = case.full(ids)
         logits, cache = prefill(case.call, ids[:, :prompt], case.new_cache(ids.shape[0]))
@@ -55,16 +47,14 @@ def _prefill_decode(case: Case, out: list) -> None:
             token = ids[:, t] if t % 2 else ids[:, t:t + 1]  # decode_step takes [B] and [B, 1]
             logits, cache = decode_step(case.call, token, cache)
             steps.append(logits)
-        got, want = torch.cat(steps, dim=1), full[:, prompt - 1:-1]
-        ok = ok and close(got, want, case.tol) and cache.seq_len == ids.shape[1] - 1
-        err = max(err, max_abs(got, want))
+        pairs.append((torch.cat(steps, dim=1), full[:, prompt - 1:-1]))
+        lengths_ok = lengths_ok and cache.seq_len == ids.shape[1] - 1
         if case.impl == "model" and case.kind == "dynamic":  # prefill makes its own (dynamic) cache
             own, own_cache = prefill(case.model, ids[:, :prompt])
-            want = full[:, prompt - 1:prompt]
-            ok = ok and close(own, want, case.tol) and own_cache.seq_len == prompt
-            err = max(err, max_abs(own, want))
-    out.append(case.result("prefill_decode", ok, err,
-                           f"prefill {prompt}, then decode_step; batch {case.ids.shape[0]} and 1"))
+            pairs.append((own, full[:, prompt - 1:prompt]))
+            lengths_ok = lengths_ok and own_cache.seq_len == prompt
+    out.append(case.compared("prefill_decode", pairs, f"prefill {prompt}, then decode_step; "
+                             f"batch {case.ids.shape[0]} and 1", lengths_ok))
 
 
 @scenario("generate", {"generate": "generate()'s picks vs the argmax of one full forward"})
@@ -131,16 +121,15 @@ def _generate_padded(case: Case, out: list) -> None:
     B = case.ids.shape[0]
     prompts = [case.ids[b, :PROMPTS[b % len(PROMPTS)]].tolist() for b in range(B)]
     got = run(case.model, prompts, NEW)
-    ok, err = tuple(got.tokens.shape) == (B, NEW), 0.0
+    same, pairs = tuple(got.tokens.shape) == (B, NEW), []
     for b, prompt in enumerate(prompts):
         alone = generate(case.model, torch.tensor([prompt], device=case.ids.device), NEW)
-        want = case.full(alone[:, :-1])[0, len(prompt) - 1:]  # the logits behind each choice
-        ok = (ok and torch.equal(got.tokens[b], alone[0, len(prompt):])
-              and close(got.logits[b], want, case.tol))
-        err = max(err, max_abs(got.logits[b], want))
-    out.append(case.result("generate_padded", ok, err,
-                           f"prompts of {[len(p) for p in prompts]} tokens, {NEW} new each: "
-                           "tokens vs generate() alone, logits vs one full forward"))
+        same = same and torch.equal(got.tokens[b], alone[0, len(prompt):])
+        # the logits behind each choice
+        pairs.append((got.logits[b], case.full(alone[:, :-1])[0, len(prompt) - 1:]))
+    out.append(case.compared("generate_padded", pairs,
+                             f"prompts of {[len(p) for p in prompts]} tokens, {NEW} new each: "
+                             "tokens vs generate() alone, logits vs one full forward", same))
 
 
 @scenario("crop", {"crop": "crop a filled cache, continue with other tokens"})
@@ -161,9 +150,8 @@ def _crop(case: Case, out: list) -> None:
     cache = cache.crop(keep)  # a shared-prefix cache's pool holds the filled one or the cropped one
     target = torch.cat((ids[:, :keep], case.alt[:, keep:]), dim=1)
     run = case.feed(target[:, keep:], 5, cache)
-    want = case.full(target)[:, keep:]
-    out.append(case.result("crop", close(run.logits, want, case.tol) and run.cache.seq_len == T,
-                           max_abs(run.logits, want), f"fill {fill}, crop to {keep}, continue"))
+    out.append(case.compared("crop", [(run.logits, case.full(target)[:, keep:])],
+                             f"fill {fill}, crop to {keep}, continue", run.cache.seq_len == T))
 
 
 @scenario("branch", {
@@ -173,18 +161,17 @@ def _branch(case: Case, out: list) -> None:
     P = T // 2
     prefix = case.feed(ids[:, :P], case.chunks[-1]).cache
     before = Snapshot.of(prefix)
-    ok, err, changed = True, 0.0, 0.0
+    pairs, changed = [], 0.0
     for tail in (ids[:, P:], case.alt[:, P:]):
         logits = case.feed(tail, 5, prefix).logits
-        want = case.full(torch.cat((ids[:, :P], tail), dim=1))[:, P:]
-        ok, err = ok and close(logits, want, case.tol), max(err, max_abs(logits, want))
+        pairs.append((logits, case.full(torch.cat((ids[:, :P], tail), dim=1))[:, P:]))
         if case.cache.in_place:
             prefix = prefix.crop(P)  # the way back to the prefix of a cache written in place
         if prefix.seq_len != P:
             changed = float("inf")
         changed = max(changed, before.changed(prefix, P))
-    out.append(case.result("branch", ok and changed == 0.0, max(err, changed),
-                           f"two continuations of a {P}-token prefix"))
+    out.append(case.compared("branch", pairs, f"two continuations of a {P}-token prefix",
+                             changed == 0.0, changed))
 
 
 class InjectedFailure(RuntimeError):
@@ -265,19 +252,17 @@ def _failure(case: Case, out: list) -> None:
 def _fresh(case: Case, out: list) -> None:
     model = case.fresh()  # no call has run on it: nothing built on a first call exists yet
     call = case.implementation(model)
-    ok, err = True, 0.0
+    pairs, ok, lifecycle = [], True, 0.0
     for ids in case.both_batches():  # batch 1 after the full batch: the copy is no longer fresh
         T = ids.shape[1]
         lengths = [3, 1, 1, 1, 1, 13, T - 20]  # each call reaches past every earlier one
         cache = case.cache.new(model, ids.shape[0], case.capacity)
         run = run_cached(call, ids, lengths, cache=cache, in_place=case.cache.in_place)
-        want = case.full(ids)  # another copy of the model
-        ok = (ok and close(run.logits, want, case.tol) and run.cache.seq_len == T
-              and run.lifecycle_error == 0.0)
-        err = max(err, max_abs(run.logits, want), run.lifecycle_error)
-    out.append(case.result("fresh", ok, err,
-                           f"a copy no call ran on: calls of {lengths}; batch "
-                           f"{case.ids.shape[0]} and 1"))
+        pairs.append((run.logits, case.full(ids)))  # against another copy of the model
+        ok = ok and run.cache.seq_len == T and run.lifecycle_error == 0.0
+        lifecycle = max(lifecycle, run.lifecycle_error)
+    out.append(case.compared("fresh", pairs, f"a copy no call ran on: calls of {lengths}; batch "
+                             f"{case.ids.shape[0]} and 1", ok, lifecycle))
 
 
 @scenario("weights", {
@@ -297,18 +282,14 @@ def _weights(case: Case, out: list) -> None:
             k: v * (1 + 0.1 * torch.randn(v.shape, generator=g, dtype=v.dtype).to(v.device))
             if v.is_floating_point() else v for k, v in saved.items()})
 
-    ok, err = True, 0.0
+    pairs = []
     try:
         # the call has run (a prompt, then a step), and made any copy it makes, before the change
         case.feed(ids[:, :3], [2, 1])
         for change in (shift_two, load_other):
             change()
-            run = case.feed(ids, [5] + [1] * (ids.shape[1] - 5))
-            want = case.full(ids)
-            ok = ok and close(run.logits, want, case.tol)
-            err = max(err, max_abs(run.logits, want))
+            pairs.append((case.feed(ids, [5] + [1] * (ids.shape[1] - 5)).logits, case.full(ids)))
     finally:
         model.load_state_dict(saved)
-    out.append(case.result("weights", ok, err,
-                           "add_ on two parameters, then load_state_dict of other weights; "
-                           "a prompt of 5, then one-token steps"))
+    out.append(case.compared("weights", pairs, "add_ on two parameters, then load_state_dict of "
+                             "other weights; a prompt of 5, then one-token steps"))

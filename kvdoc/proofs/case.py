@@ -1,8 +1,8 @@
 """The per-combination fixture of the verification suite and the registry its checks join.
 
-A scenario is a function ``(case, out)`` appending :class:`CheckResult` s (:meth:`Case.result`)
-to ``out``, registered with :func:`scenario` under the checks it makes; this module imports no
-check module, so a check imports it without a circle.
+A scenario is a function ``(case, out)`` appending :class:`CheckResult` s to ``out``, registered
+with :func:`scenario` under the checks it makes; this module imports no check module, so a check
+imports it without a circle.
 
 >>> @scenario("answer", {"answer": "the answer vs 42"})
 ... def _answer(case, out):
@@ -28,7 +28,7 @@ from torch import nn
 
 from kvdoc.core.cache import KVCache
 
-from .compare import DTYPE_NAMES, TOLERANCE, CachedRun, run_cached
+from .compare import DTYPE_NAMES, TOLERANCE, CachedRun, close, max_abs, run_cached
 from .grid import CacheSpec, ModelSpec
 
 SPARE = 8
@@ -38,8 +38,7 @@ SPARE = 8
 @dataclass(frozen=True)
 class CheckResult:
     """One check on one combination: ``passed`` None where it does not apply; ``error`` the
-    largest difference (``inf`` for a shape mismatch, NaN or code that raised); ``batch`` and
-    ``chunk`` set for a stream run's checks."""
+    largest difference (``inf`` for a shape mismatch, NaN or code that raised)."""
 
     check: str
     model: str
@@ -56,10 +55,8 @@ class CheckResult:
 @dataclass
 class Case:
     """One combination of the grid: its model (in its dtype), cached call and streams; ``fresh()``
-    a new copy of the model before any call ran on it, ``implementation`` how a call is made
-    from a model, ``shared`` what every case of this model and stream computes alike, ``caches``
-    a broken variant's factories by kind (or scenario key), ``in_dtype(dtype)`` the model under
-    test built afresh in another dtype."""
+    a copy of the model before any call ran on it, ``shared`` what every case of this model and
+    stream computes alike, ``caches`` a broken variant's factories by kind (or scenario key)."""
 
     model_name: str
     kind: str
@@ -88,6 +85,13 @@ class Case:
                batch: int | None = None, chunk: int | None = None) -> CheckResult:
         return CheckResult(check, self.model_name, self.kind, self.impl, DTYPE_NAMES[self.dtype],
                            passed, error, detail, batch, chunk)
+
+    def compared(self, check: str, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 detail: str, also: bool = True, error: float = 0.0) -> CheckResult:
+        """``check`` passed if every ``(got, want)`` of ``pairs`` is within the tolerance and
+        ``also`` holds; its error the largest difference, at least ``error``."""
+        ok = also and all(close(got, want, self.tol) for got, want in pairs)
+        return self.result(check, ok, max([error, *(max_abs(g, w) for g, w in pairs)]), detail)
 
     def new_cache(self, batch: int | None = None) -> KVCache:
         new = self.caches.get(self.kind, self.cache.new)
@@ -127,8 +131,8 @@ Scenario = Callable[[Case, list], None]
 
 @dataclass(frozen=True)
 class Registered:
-    """A scenario as registered: the checks it makes (name -> what it compares) and the check an
-    exception it raises is reported under."""
+    """A scenario as registered: its checks (name -> what it compares) and the check an exception
+    it raises is reported under."""
 
     function: Scenario
     checks: Mapping[str, str]

@@ -1,7 +1,6 @@
-"""What the checks compare with: tolerances, cache snapshots, a cached run, the K/V a full
-forward projects: :data:`TOLERANCE` (``atol = rtol``), :func:`run_cached` (a stream fed chunk by
-chunk, recording whether a call changed what the cache held before it), :class:`Snapshot` and
-:func:`full_forward_kv`.
+"""What the checks compare with: tolerances (``atol = rtol``), cache snapshots, a cached run
+that records whether a call changed what the cache held before it, the K/V a full forward
+projects.
 
 >>> model = default_model()
 >>> ids = default_stream(batch=1, length=6)
@@ -30,7 +29,6 @@ from .broken.decoders import stale_prefix
 from .variants import VARIANTS
 
 TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float64: 1e-10}
-"""``atol = rtol`` for each dtype."""
 
 DTYPE_NAMES: dict[torch.dtype, str] = {torch.float32: "FP32", torch.float64: "FP64",
                                        torch.bfloat16: "BF16", torch.float16: "FP16"}
@@ -69,8 +67,7 @@ class Snapshot:
 
     def changed(self, cache: KVCache, rows: int | None = None) -> float:
         """Largest change in ``cache`` of the positions below ``rows`` (default all) held then;
-        ``inf`` if it no longer holds one (a ring holds its last positions only) or a layer's
-        shape disagrees with its positions."""
+        ``inf`` if it no longer holds one or a layer's shape disagrees with its positions."""
         err = 0.0
         for i, (pair, was) in enumerate(zip(self.layers, self.held, strict=True)):
             now = cache.held(i)  # a window layer holds only its last positions
@@ -89,9 +86,8 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class CachedRun:
-    """:func:`run_cached`'s logits ``[B, T, V]``, the cache after the last chunk, and the largest
-    change over all calls of what the cache held before the call (``inf`` if a cache not written
-    in place changed its length)."""
+    """:func:`run_cached`'s logits, last cache, and the largest change over all calls of what the
+    cache held before the call (``inf`` if a cache not written in place changed its length)."""
 
     logits: torch.Tensor
     cache: KVCache
@@ -102,13 +98,11 @@ class CachedRun:
 def run_cached(model: Callable, ids: torch.Tensor, chunk: int | Sequence[int],
                kind: str = "dynamic", first_chunk_ids: torch.Tensor | None = None, *,
                cache: KVCache | None = None, in_place: bool | None = None) -> CachedRun:
-    """Feed ``ids`` ``[B, T]`` through ``model`` (or any ``(idx, cache) -> (logits, cache)``
-    given a ``cache``) in chunks of ``chunk`` (or those lengths), continuing one cache: ``cache``,
-    or a new one of ``kind`` (``"static"``: capacity ``T``). ``first_chunk_ids`` gives the first
-    chunk instead (a stale cache). ``in_place``: whether a call may write into the cache passed
-    in (from its length on); otherwise that cache must keep its length too (default: ``kind ==
-    "static"`` for a new cache; for a given one only its held rows are checked).
-    """
+    """Feed ``ids`` ``[B, T]`` through ``model`` (any ``(idx, cache) -> (logits, cache)`` given a
+    ``cache``) in chunks of ``chunk`` (or those lengths), continuing ``cache`` or a new one of
+    ``kind``. ``first_chunk_ids`` gives the first chunk instead (a stale cache). ``in_place``:
+    whether a call may write into the cache passed in (default: ``kind == "static"`` for a new
+    cache; for a given one only its held rows are checked)."""
     if ids.dim() != 2:
         raise ValueError(f"ids must be [B, T], got {tuple(ids.shape)}")
     B, T = ids.shape
@@ -137,9 +131,8 @@ def run_cached(model: Callable, ids: torch.Tensor, chunk: int | Sequence[int],
 
 @torch.no_grad()
 def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
-    """One full forward: logits ``[B, T, V]`` and every layer's K and V ``[B, H_kv, T, D_h]`` read
-    off its projections with forward hooks (K rotated as a cache stores it), not from any cache
-    code; for MLA the latent ``c_KV`` and ``k_rope`` it caches, for Gemma K off ``k_norm``.
+    """One full forward: logits and every layer's K and V read off its projections with forward
+    hooks (K rotated as a cache stores it; MLA's latent and rotary key), not from any cache code.
 
     >>> model = default_model()
     >>> logits, kv = full_forward_kv(model, torch.tensor([[1, 2, 3]]))
@@ -204,7 +197,7 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
 
 
 def default_model(seed: int = 0, config: GPTConfig | None = None) -> Decoder:
-    """The site's model: a :class:`Decoder` in eval mode after ``torch.manual_seed(seed)``."""
+    """The site's model, in eval mode, after ``torch.manual_seed(seed)``."""
     torch.manual_seed(seed)
     return Decoder(config or GPTConfig()).eval()
 

@@ -1,15 +1,10 @@
 """The checks that the cached path computes the full forward's function, on one combination,
-within :data:`kvdoc.proofs.compare.TOLERANCE`.
-
-* ``stream``: ``logits``, ``kv``, ``kv_shape``, ``causality`` and ``lifecycle`` for every batch
-  and chunk size of the case, the stream (past positions 32 and 64) fed in chunks none of which
-  divides it but 1. Causality edits the last token: both paths must keep every earlier position
-  (the last call, the only one that sees it, rerun from the cache as it was before that call);
-  and with the second half of the stream replaced, the full forward's K and V of the first half
-  must stay bit for bit the same in every layer (what keeps a cache's stored rows valid).
-* ``last_only``: ``last_only=True`` returns the last position, full and cached.
-* ``reference``: the model's independent reference (:mod:`kvdoc.proofs.references`), full and
-  cached.
+within :data:`kvdoc.proofs.compare.TOLERANCE`: the stream's checks for every batch and chunk
+size of the case (the stream past positions 32 and 64, fed in chunks none of which divides it
+but 1), ``last_only=True``, and the model's independent reference, full and cached. Causality
+edits the last token: only the last call sees it, so it is rerun from the cache kept before it;
+and with the second half of the stream replaced, every layer's full-forward K and V of the first
+half must stay bit for bit the same (what keeps a cache's stored rows valid).
 """
 
 from __future__ import annotations
@@ -111,14 +106,12 @@ def _stream(case: Case, out: list) -> None:
 @scenario("last_only", {"last_only": "last_only=True vs the full forward's last position"})
 def _last_only(case: Case, out: list) -> None:
     ids, split = case.ids, case.ids.shape[1] // 2
-    full = case.full(ids)
+    last = case.full(ids)[:, -1:]
     whole = case.call(ids, None, last_only=True)[0]
     cache = case.feed(ids[:, :split], case.chunks[-1]).cache
     cached, cache = case.call(ids[:, split:], cache, last_only=True)
-    ok = close(whole, full[:, -1:], case.tol) and close(cached, full[:, -1:], case.tol)
-    err = max(max_abs(whole, full[:, -1:]), max_abs(cached, full[:, -1:]))
-    ok = ok and cache.seq_len == ids.shape[1]
-    out.append(case.result("last_only", ok, err, "full and cached"))
+    out.append(case.compared("last_only", [(whole, last), (cached, last)], "full and cached",
+                             cache.seq_len == ids.shape[1]))
 
 
 @scenario("reference", {"reference": "full and cached vs an independent implementation"})
@@ -130,9 +123,7 @@ def _reference(case: Case, out: list) -> None:
     want = case.shared.get("reference")
     if want is None:  # built from the weights, which every case of this model shares
         want = case.shared["reference"] = reference(case.model)(case.ids)
-    full = case.full(case.ids)
     cached = case.feed(case.ids, case.chunks[-1]).logits
-    ok = close(full, want, case.tol) and close(cached, want, case.tol)
-    out.append(case.result("reference", ok, max(max_abs(full, want), max_abs(cached, want)),
-                           case.spec.reference_name))
+    out.append(case.compared("reference", [(case.full(case.ids), want), (cached, want)],
+                             case.spec.reference_name))
 

@@ -2,12 +2,10 @@
 a filled cache, and FLOPs against a count of the operations that ran.
 
 The ``counted`` scenario fills a cache of the case's kind at batch ``B`` and 1 and compares, in
-integers (exact on every machine): :func:`~kvdoc.measure.model_caches.config_cache`'s bytes per
-layer, token, sequence and batch, :func:`~kvdoc.measure.kv_bytes.kv_bytes_for_config`,
-:func:`~kvdoc.measure.batch_decode.step_traffic` and ``kv_per_sequence`` against the tensors
-held; :func:`~kvdoc.measure.costs.step_flops` against ``2 x rows x in x out`` over every
-``nn.Linear`` call and ``4 B H C T D_h`` over every attention's ``(q, k)``. A broken variant
-replaces a function of :data:`MEASURES` through ``case.caches``.
+integers (exact on every machine), the byte figures per layer, token, sequence and batch against
+the tensors held, and :func:`~kvdoc.measure.costs.step_flops` against ``2 x rows x in x out``
+over every ``nn.Linear`` call and ``4 B H C T D_h`` over every attention's ``(q, k)``. A broken
+variant replaces a function of :data:`MEASURES` through ``case.caches``.
 """
 
 from __future__ import annotations
@@ -27,9 +25,9 @@ from .cache_invariants import held_tensors, tensor_bytes
 from .case import Case, scenario
 
 MEASURES = {"config_cache": config_cache, "step_traffic": step_traffic}
+# kinds whose tensors hold exactly their positions (a static cache's capacity and a pool's
+# blocks are the ``bytes`` check's)
 KINDS = ("dynamic", "window", "hybrid")
-"""Kinds whose tensors hold exactly their positions (a static cache's capacity and a pool's blocks
-are the ``bytes`` check's)."""
 RINGS = ("window", "hybrid")
 
 
@@ -94,8 +92,7 @@ def _counting(model: Decoder) -> tuple[Decoder, list[tuple[torch.Size, torch.Siz
 
 
 def flop_problems(case: Case) -> list[str]:
-    """What disagrees between :func:`step_flops` and a count of a forward of 13 tokens and the
-    cached call of 5 after it."""
+    """What disagrees between :func:`step_flops` and a count of a forward of 13 tokens, then 5."""
     past, new = 13, 5
     model, seen, linear = _counting(case.model)
     ids, problems, B = case.ids, [], case.ids.shape[0]

@@ -1,22 +1,17 @@
 """The FP8 cache's contract, checked on the grid as the ``fp8`` scenario, and its error measured.
 
-The FP8 cache (:mod:`kvdoc.serving.fp8`) is lossy, so, like the int8 cache
-(:mod:`kvdoc.proofs.int8_contract`, whose machinery this uses), it is held to a contract, in each
-of :data:`SETTINGS` (per-head scales from the first prefill; per-tensor scales calibrated on
-another stream, which the checked stream can exceed, so saturation is exercised): held rows and,
-once set, scales never change (bitwise); the scales are the stated ones (``max|x| / 448`` of the
-first rows, per head or per tensor, or the calibrated ones); every value read back is an e4m3
-number times its scale, within :func:`~kvdoc.serving.fp8.element_error_bound` of what was written;
-every attention read within :func:`~kvdoc.serving.fp8.read_error_bound` of the same read over the
-exact K/V; its bytes ``2 L B H_kv T D_h x 1 + 2 L S x 4`` (``S`` scales a tensor), as its tensors.
-
-:func:`measure_fp8` and :func:`greedy_agreement` measure what the contract does not say (never
-asserted): how far the logits move, how long greedy decoding agrees with the exact cache.
+The FP8 cache (:mod:`kvdoc.serving.fp8`) is lossy, so, like the int8 cache, it is held to a
+contract in each of :data:`SETTINGS` (per-tensor scales calibrated on another stream, which the
+checked stream can exceed, so saturation is exercised): held rows and, once set, scales never
+change (bitwise); the scales are the stated ones; every value read back is an e4m3 number times
+its scale, within :func:`~kvdoc.serving.fp8.element_error_bound` of what was written; every
+attention read within :func:`~kvdoc.serving.fp8.read_error_bound` of the exact read; its bytes
+as its tensors. :func:`measure_fp8` and :func:`greedy_agreement` measure what the contract does
+not say (never asserted).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,10 +31,9 @@ from kvdoc.serving.fp8 import (
 
 from .case import Case, scenario
 from .compare import max_abs, run_cached
-from .int8_contract import INT8_CHUNKS, contract_run, judge, recorded, why_not
+from .int8_contract import INT8_CHUNKS, contract_run, judge, lossy_results, recorded
 
 FP8_CHUNKS = INT8_CHUNKS
-"""Chunks of the ``fp8`` scenario: a first prefill of 5, single tokens (the fast step), a chunk."""
 SETTINGS = (("per-head", False), ("per-tensor", True))
 """``(granularity, calibrated)`` pairs the scenario runs: both granularities, both sources."""
 CHECK = ("fp8 cache: held rows and scales never change, values e4m3 times the stated scale within "
@@ -49,8 +43,7 @@ CHECK = ("fp8 cache: held rows and scales never change, values e4m3 times the st
 def row_breach(got: torch.Tensor, written: torch.Tensor, scale: torch.Tensor,
                fp8: torch.dtype = torch.float8_e4m3fn) -> float:
     """The worst breach, in units of the scale, of: ``got / scale`` is an FP8 number, and ``got``
-    is within :func:`~kvdoc.serving.fp8.element_error_bound` of ``written`` (0 when the rows keep
-    the contract, ``inf`` for NaN).
+    is within :func:`~kvdoc.serving.fp8.element_error_bound` of ``written`` (``inf`` for NaN).
 
     >>> from kvdoc.serving.fp8 import dequantize, quantize
     >>> x, s = torch.tensor([[[[0.3, -2.0, 900.0]]]]), torch.ones(1, 1, 1, 1)
@@ -119,27 +112,17 @@ def _one(case: Case, model: torch.nn.Module, call, granularity: str,
 
 @scenario("fp8", {"fp8": CHECK})
 def _scenario(case: Case, out: list) -> None:
-    """The ``fp8`` scenario (the module docstring), again on the model rounded to BF16 and to
-    FP16 in the FP32 pass (the element bound counts the model dtype's rounding)."""
-    why = why_not(case, "FP8")
-    if why:
-        out.append(case.result("fp8", None, 0.0, why))
-        return
-    models = [("", case.model, case.call)] + [(label, low, call)
-                                              for label, _, low, call in case.rounded()]
-    for label, model, call in models:
-        for granularity, calibrated in SETTINGS:
-            result = case.result("fp8", *_one(case, model, call, granularity, calibrated))
-            out.append(dataclasses.replace(result, dtype=label) if label else result)
+    # on a rounded model the element bound counts the model dtype's rounding
+    out += lossy_results(case, "fp8", "FP8", lambda model, call, dtype: [
+        _one(case, model, call, granularity, calibrated) for granularity, calibrated in SETTINGS])
 
 
 # --- measured, never asserted -------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Fp8Row:
-    """The FP8 cache (``granularity``, scales from ``source``) against one full forward,
-    teacher-forced: the largest logit error and logit; positions whose argmax agrees, of ``B *
-    T``; K/V values beyond ``448 s`` of the final scales, of all the exact cache holds."""
+    """The FP8 cache against one full forward, teacher-forced: the largest logit error and logit,
+    positions whose argmax agrees, K/V values beyond ``448 s`` of the final scales."""
 
     granularity: str
     source: str

@@ -1,28 +1,13 @@
 """The axes of the verification grid: model configurations, cache kinds, implementations.
 
-This is the one place to plug something new into ``python -m kvdoc verify``: one entry in one
-mapping puts it on the default grid of :func:`kvdoc.proofs.suite.run_suite`, where every
-registered scenario (:data:`kvdoc.proofs.suite.SCENARIOS`) runs on it.
-
-* :data:`MODELS`: name -> :class:`ModelSpec`: a factory ``seed -> model`` (FP32, eval mode) with
-  the :class:`~kvdoc.core.model.Decoder` interface: ``model(idx, cache=None, last_only=False) ->
-  (logits, cache)``, ``model.new_cache(batch, kind, capacity)``, ``model.config`` (with
-  ``vocab_size``), layers in ``model.h`` or ``model.layers`` (the ``failure`` scenario raises in
-  the last one); optionally an independent reference ``model -> (ids -> logits)`` built from the
-  model's weights (:mod:`kvdoc.proofs.references`).
-* :data:`CACHES`: name -> :class:`CacheSpec`: a factory ``(model, batch, capacity) -> KVCache``
-  and whether a call writes into the cache passed in (as a static cache does) or must leave it
-  unchanged (as a dynamic cache must). Crop is ``cache.crop(length)`` (returning the cache).
-* :data:`IMPLEMENTATIONS`: name -> ``model -> call``: how a cached call is made, the model
-  itself or a wrapper such as a fused decoder, called ``call(idx, cache, last_only=False) ->
-  (logits, cache)`` (also with ``cache=None`` for a full forward). ``generate`` is checked for
-  ``"model"`` only, since it takes a model.
-
-For example, :class:`kvdoc.core.fast.FastDecoder` is registered as ``IMPLEMENTATIONS["fast"]``: the
-speed of its decode step is proved not to cost correctness on every model and cache kind.
-
-To verify something that is not registered, pass it in: ``run_suite(model=...)`` runs every
-scenario on a given model, and :data:`GRID` is the equivalence grid of the site's model.
+This is the one place to plug something new into ``python -m kvdoc verify``: one entry in
+:data:`MODELS`, :data:`CACHES` or :data:`IMPLEMENTATIONS` puts it on the default grid of
+:func:`kvdoc.proofs.suite.run_suite`, where every registered scenario runs on it. A model has the
+:class:`~kvdoc.core.model.Decoder` interface, its layers in ``model.h`` or ``model.layers`` (the
+``failure`` scenario raises in them); an implementation is called as the model is, also with
+``cache=None`` for a full forward (:class:`kvdoc.core.fast.FastDecoder` is ``"fast"``: the speed
+of its decode step is proved not to cost correctness). Something not registered is passed in:
+``run_suite(model=...)``.
 
 >>> sorted(MODELS)  # doctest: +NORMALIZE_WHITESPACE
 ['deep', 'gemma3', 'gemma3-global-first', 'gqa', 'llama', 'mha', 'mistral', 'mla',
@@ -70,42 +55,34 @@ THOROUGH = dict(length=150, chunks=(1, 2, 3, 5, 7, 16, 17, 31, 32, 33, 64), batc
                 seeds=(0, 1))
 """The ``--thorough`` grid: a stream past 128, more chunk sizes, batch 3 and 1, two seeds."""
 GRID = dict(kinds=("dynamic", "static"), impls=("model",), batches=(1, 2), scenarios=("stream",))
-"""The equivalence grid: the stream checks at batch 1 and 2, every chunk size, FP32 and FP64, on
-a dynamic and a static cache (``run_suite(**GRID, model=...)`` for a given model)."""
+"""The equivalence grid of a given model: ``run_suite(**GRID, model=...)``."""
 
 
+# every size and switch off GPTConfig's default
 LLAMA = llama_config(vocab_size=89, n_positions=256, n_layer=1, n_head=6, n_embd=96,
                      n_kv_head=2, rope_theta=500000.0, tie_word_embeddings=True)
-"""The Llama-style model's config: every size and switch off :class:`GPTConfig`'s default."""
+# 12 layers (two-digit indices), narrow so that it stays cheap
 DEEP = llama_config(vocab_size=89, n_positions=256, n_layer=12, n_head=2, n_embd=16, n_inner=24,
                     n_kv_head=1)
-"""The deep model's config: 12 layers (two-digit indices), narrow so that it stays cheap."""
 DEEP_SCENARIOS = ("stream", "counted", "reference", "handover")
-"""What the deep model runs: the checks that see a layer out of order (cached against full, the
-byte count of every layer, transformers loaded from its weights, a payload packed and unpacked);
-the rest see nothing a twelfth layer adds."""
+"""The checks that see a layer out of order; the rest see nothing a twelfth layer adds."""
 MLA = MLAConfig(vocab_size=89, n_positions=256, n_layer=1, n_head=3, n_embd=48, n_inner=96,
                 q_lora_rank=12, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=6,
                 v_head_dim=20, layer_norm_epsilon=1e-5, rope_theta=500000.0)
-"""The MLA models' config: every size off :class:`~kvdoc.core.mla.MLAConfig`'s default (V's head
-width differs from the non-rotary key's, so a path that swaps them cannot pass). The rotary width
-is 6, the smallest at which DeepSeek's interleaved-to-half-split permutation differs from its
-inverse (:mod:`kvdoc.proofs.broken.loaders`)."""
+"""Every size off :class:`~kvdoc.core.mla.MLAConfig`'s default (V's head width not the
+non-rotary key's); a rotary width of 6, the smallest at which DeepSeek's permutation differs
+from its inverse (:mod:`kvdoc.proofs.broken.loaders`)."""
 GEMMA = Gemma3Config(vocab_size=89, n_positions=256, n_head=6, n_kv_head=3, n_embd=48, n_inner=96,
                      head_dim=12, query_pre_attn_scalar=20, n_layer=3, sliding_window=WINDOW,
                      sliding_window_pattern=3, layer_norm_epsilon=1e-5,
                      rope_theta=500000.0, rope_local_base_freq=20000.0,
                      final_logit_softcapping=3.0, tie_word_embeddings=False)
-"""The Gemma model's config: every value off :class:`~kvdoc.core.gemma.Gemma3Config`'s default;
-two window layers, then a global one; ``head_dim`` is not ``n_embd / n_head``, the softmax scale
-not ``head_dim ** -0.5``, the two RoPE bases differ, and the soft cap bends the logits."""
-GEMMA_GLOBAL_FIRST = dataclasses.replace(GEMMA, global_layers=(0,))
-""":data:`GEMMA` with its global layer first (``global_layers``), a layout no
-``sliding_window_pattern`` gives."""
+"""Every value off :class:`~kvdoc.core.gemma.Gemma3Config`'s default: two window layers, then a
+global one; ``head_dim`` not ``n_embd / n_head``, the softmax scale not ``head_dim ** -0.5``,
+two RoPE bases, a soft cap that bends the logits."""
+GEMMA_GLOBAL_FIRST = dataclasses.replace(GEMMA, global_layers=(0,))  # no pattern gives it
 LAYOUT_SCENARIOS = ("stream", "counted", "reference")
-"""What the global-first Gemma model runs: the checks that see a layer of the wrong type (cached
-against full over a stream past the window, the bytes of every layer, transformers built from the
-layer list)."""
+"""The checks that see a layer of the wrong type, which the global-first model runs."""
 
 
 def _decoder(config: GPTConfig | MLAConfig) -> Callable[[int], nn.Module]:
@@ -126,25 +103,15 @@ def _decoder(config: GPTConfig | MLAConfig) -> Callable[[int], nn.Module]:
 
 
 def _kv(config: GPTConfig | MLAConfig) -> bool:
-    """Whether the model caches K and V (an MLA model caches a latent instead)."""
-    return isinstance(config, GPTConfig)
+    return isinstance(config, GPTConfig)  # an MLA model caches a latent instead
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One model configuration of the grid.
-
-    Attributes:
-        describe: a few words for tables.
-        build: ``seed -> model`` in FP32 and eval mode (FP64 runs convert a copy).
-        reference: ``model -> (ids -> logits)``, an implementation independent of the model's
-            code, built from its weights; None if there is none.
-        reference_name: what the reference is, for tables.
-        impls: the implementations it runs with unless ``run_suite`` is given some (None: every
-            one that serves it).
-        scenarios: the scenarios it runs unless ``run_suite`` is given some (None: every one):
-            a model on the grid for one property runs the checks that can see that property.
-    """
+    """One model configuration: ``build(seed)`` in FP32 and eval mode; ``reference(model)``,
+    ``ids -> logits`` of an implementation independent of the model's code, built from its
+    weights; the ``impls`` and ``scenarios`` it runs unless ``run_suite`` is given some (None:
+    all that serve it; a model there for one property runs the checks that can see it)."""
 
     describe: str
     build: Callable[[int], nn.Module]
@@ -157,12 +124,11 @@ class ModelSpec:
 @dataclass(frozen=True)
 class CacheSpec:
     """One cache kind: ``new(model, batch, capacity)``, whether a call writes into the cache passed
-    in, and which model configurations it serves (the grid skips the others)."""
+    in (a static cache) or must leave it unchanged (a dynamic one), which models it serves."""
 
     new: Callable[[nn.Module, int, int], KVCache]
     in_place: bool
     serves: Callable[[GPTConfig | MLAConfig], bool] = lambda config: True
-    """Which models it can serve (a ring of ``W`` positions only a model with that window)."""
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -213,8 +179,6 @@ MODELS: dict[str, ModelSpec] = {
                                      transformers_reference, "transformers Gemma 3, same weights",
                                      impls=("model",), scenarios=LAYOUT_SCENARIOS),
 }
-"""Model configurations by name."""
-
 CACHES: dict[str, CacheSpec] = {
     "dynamic": CacheSpec(lambda m, b, cap: m.new_cache(b, "dynamic"), in_place=False),
     "static": CacheSpec(lambda m, b, cap: m.new_cache(b, "static", cap), in_place=True),
@@ -227,17 +191,13 @@ CACHES: dict[str, CacheSpec] = {
     "hybrid": CacheSpec(lambda m, b, cap: m.new_cache(b, "hybrid"), in_place=False,
                         serves=lambda config: hasattr(config, "layer_windows")),
 }
-"""Cache kinds by name."""
 
 
-IMPLEMENTATIONS: dict[str, Callable[[nn.Module], Callable]] = {
-    "model": lambda m: m,
-    "fast": FastDecoder,
-}
+IMPLEMENTATIONS: dict[str, Callable[[nn.Module], Callable]] = {"model": lambda m: m,
+                                                              "fast": FastDecoder}
 """How a cached call is made, by name: ``model -> call``."""
-
+# which models an implementation serves, where not all (FastDecoder fuses K/V attention)
 IMPLEMENTATION_SERVES: dict[str, Callable[[GPTConfig | MLAConfig], bool]] = {"fast": _kv}
-"""Which models an implementation serves, where not all (FastDecoder fuses K/V attention)."""
 
 
 def served(config: GPTConfig | MLAConfig, kinds: Sequence[str] | None = None,

@@ -1,12 +1,10 @@
 """Checks of the prefill/decode hand-over (:mod:`kvdoc.serving.handover`).
 
 :func:`check_handover` holds one :func:`~kvdoc.serving.handover.disaggregated_generate` run to
-``generate`` on the same prompt (tokens), one full forward (logits, within the tolerance), the
-same calls on the cache never packed (``torch.equal``, in one process, in any dtype; across
-processes a matmul on other threads may sum in another order) and the byte formula. The
-``handover`` scenario runs it from the FP32 combination in each of :data:`PAYLOAD_DTYPES` too, so
-a payload that passes through a narrower dtype shows in the dtype it loses bits in; the packers
-of :mod:`kvdoc.proofs.broken.serving` are what it must catch (``tests/test_handover.py``).
+``generate`` (tokens), one full forward (logits, within the tolerance), the same calls on the
+cache never packed (``torch.equal`` in one process; across processes a matmul may sum in another
+order) and the byte formula. The ``handover`` scenario runs it in each of :data:`PAYLOAD_DTYPES`
+too, so a payload that passes through a narrower dtype shows in the dtype it loses bits in.
 
 >>> import torch
 >>> from kvdoc.proofs.broken.serving import pack_zeroed_last_v
@@ -38,10 +36,8 @@ from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs
 
 @dataclass(frozen=True)
 class HandoverCheck:
-    """One hand-over run: tokens equal ``generate``'s on a dynamic cache (what the worker
-    ships); logits within the tolerance of the full forward (not compared in BF16 or FP16) and
-    ``torch.equal`` to the never-shipped cache's (``same_bits``; across processes, True); the
-    K/V bytes moved and their formula; the payload's parts."""
+    """One hand-over run against one process (logits not compared in BF16 or FP16; ``same_bits``
+    True across processes): the K/V bytes moved and their formula; the payload's parts."""
 
     dtype: str
     tokens_equal: bool
@@ -89,8 +85,8 @@ def check_handover(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, *,
 
 @torch.no_grad()
 def _unshipped_logits(model: Decoder, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """The logits behind ``tokens[:, prompt_len:]`` from the hand-over's own calls (a prefill,
-    then decode steps) on a dynamic cache that stays in this process."""
+    """The logits behind ``tokens[:, prompt_len:]`` from the hand-over's own calls on a dynamic
+    cache that stays in this process."""
     cache = model.new_cache(tokens.shape[0], "dynamic")
     logits, cache = prefill(model, tokens[:, :prompt_len], cache)
     steps = [logits[:, -1:]]
@@ -108,11 +104,8 @@ def check_dtypes(model: Decoder, prompt: torch.Tensor, max_new_tokens: int,
             for d in dtypes]
 
 
-PAYLOAD_DTYPES = (torch.float64, torch.bfloat16, torch.float16)
-"""Every other dtype a payload may carry: the ``handover`` scenario ships each from FP32."""
-
-HANDOVER_PROMPT = 21
-"""Past the grid's window of 16: rows a window layer no longer reads are shipped too."""
+PAYLOAD_DTYPES = (torch.float64, torch.bfloat16, torch.float16)  # each shipped from FP32 too
+HANDOVER_PROMPT = 21  # past the window of 16: rows a window layer no longer reads ship too
 
 
 @scenario("handover", {

@@ -2,13 +2,10 @@
 
 The int8 cache (:mod:`kvdoc.serving.quant`) is lossy, so it is held to its contract, not to the
 FP32 tolerance: held rows never change after an append (bitwise); each new row's scale is its own
-``max|x| / 127`` (every value a whole number of steps in ``[-127, 127]``, the largest at 127);
-each value within half a step of what was written; every attention read within
-:func:`~kvdoc.serving.quant.read_error_bound` of the same read over the exact K/V
-(:func:`int8_reads`); its bytes ``2 L B H_kv T (D_h + scale bytes)``. In the FP32 pass it runs
-again on the model rounded to BF16 and FP16, each value held to :func:`half_step` of that dtype.
-The machinery here (:class:`Recorder`, :func:`int8_reads`, :func:`contract_run`) serves the FP8
-contract (:mod:`kvdoc.proofs.fp8_contract`) too.
+``max|x| / 127`` (the largest value at 127 steps); each value within half a step of what was
+written; every attention read within :func:`~kvdoc.serving.quant.read_error_bound` of the same
+read over the exact K/V; its bytes as its formula. In the FP32 pass it runs again on the model
+rounded to BF16 and FP16 (:func:`half_step`). The FP8 contract uses this machinery too.
 """
 
 from __future__ import annotations
@@ -28,12 +25,11 @@ from kvdoc.measure.wrapper import LayerWrapper, unwrapped, wrap_layers
 from kvdoc.serving.quant import new_int8_cache, read_error_bound
 
 from .cache_invariants import byte_problems
-from .case import Case, scenario
-from .compare import Snapshot, max_abs, run_cached
+from .case import Case, CheckResult, scenario
+from .compare import DTYPE_NAMES, Snapshot, max_abs, run_cached
 from .precision import UNIT_ROUNDOFF
 
-INT8_CHUNKS = (5, 1, 1, 9, 1)
-"""Chunks of the ``int8`` and ``fp8`` scenarios: single tokens (the fast step) and chunks."""
+INT8_CHUNKS = (5, 1, 1, 9, 1)  # single tokens (the fast step) and chunks
 CHECK = ("int8 cache: held rows never change, each row's own scale, half a step of error; "
          "every attention read within its derived bound of the exact read")
 ROW_SLACK = 1e-3
@@ -81,7 +77,7 @@ def half_step(unit: float) -> float:
 def _row_problems(got: torch.Tensor, written: torch.Tensor, unit: float = 0.0) -> float:
     """The worst breach, in steps of a row's own scale, of: ``got`` within :func:`half_step` of
     ``written`` and (``unit`` 0: FP32 and FP64 hold every multiple of a step exactly) a whole
-    number of steps in ``[-127, 127]``, the largest at 127. 0 when the rows keep the contract."""
+    number of steps in ``[-127, 127]``, the largest at 127."""
     amax = written.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
     steps = got / scale
@@ -98,10 +94,9 @@ def _row_problems(got: torch.Tensor, written: torch.Tensor, unit: float = 0.0) -
 
 @dataclass(frozen=True)
 class Read:
-    """One attention read of one layer over the lossy cache against the same read (the same
-    queries, the layer's own ``attend``) over the exact K/V: the largest error and bound, and
-    ``excess``, the most an element's error passes its bound plus the two reads' rounding (0
-    when the bound holds everywhere, ``inf`` for shapes that disagree)."""
+    """One attention read over the lossy cache against the same read over the exact K/V: the
+    largest error and bound, and ``excess``, the most an element's error passes its bound plus
+    the two reads' rounding (``inf`` for shapes that disagree)."""
 
     layer: int
     start: int
@@ -134,9 +129,8 @@ def _int8_judge(unit: float = 0.0) -> Callable[..., Read]:
 @contextmanager
 def int8_reads(model: torch.nn.Module, exact: dict, judge=None) -> Iterator[list[Read]]:
     """Within the block, every ``attend`` of ``model``'s layers is also judged against the same
-    read over ``exact`` (layer -> ``(K, V)``, as a :class:`Recorder` collects them), its
-    :class:`Read` appended to the list (``judge`` default the int8 bound's). A one-token step of
-    the fast decoder does not call ``attend``."""
+    read over ``exact`` (as a :class:`Recorder` collects it), its :class:`Read` appended to the
+    list. A one-token step of the fast decoder does not call ``attend``."""
     judge = _int8_judge() if judge is None else judge
     reads: list[Read] = []
     patched = []
@@ -162,8 +156,7 @@ def int8_reads(model: torch.nn.Module, exact: dict, judge=None) -> Iterator[list
 
 @torch.no_grad()
 def check_int8_reads(model: torch.nn.Module, ids: torch.Tensor, chunk: int) -> list[Read]:
-    """Every attention read of ``ids`` fed in chunks of ``chunk`` over an int8 cache, against
-    the same read over the exact K/V.
+    """Every attention read of ``ids`` fed in chunks over an int8 cache, against the exact one.
 
     >>> from kvdoc.proofs.compare import default_model, default_stream
     >>> reads = check_int8_reads(default_model(), default_stream(length=8), 3)
@@ -179,11 +172,10 @@ def check_int8_reads(model: torch.nn.Module, ids: torch.Tensor, chunk: int) -> l
 
 def contract_run(case: Case, model: torch.nn.Module, call, cache: KVCache, judge,
                  rows: Callable) -> tuple:
-    """Feed :data:`INT8_CHUNKS` of the stream through ``model``'s ``call`` over ``cache``, checking
-    after each call that held rows are bitwise the same, ``rows(start, n, after)`` (the worst
-    breach of the new rows) and the byte figures: ``(changed, breach, excess, reads, problems)``;
-    ``cache`` is :func:`recorded`.
-    """
+    """Feed :data:`INT8_CHUNKS` of the stream through ``call`` over ``cache``, checking after each
+    call held rows (bitwise), ``rows(start, n, after)`` (the worst breach of the new rows) and
+    the byte figures: ``(changed, breach, excess, reads, problems)``; ``cache`` is
+    :func:`recorded`."""
     changed, breach, problems = 0.0, 0.0, []
     held = [Snapshot.of(cache)]  # what the cache passed to the next call holds
 
@@ -200,29 +192,26 @@ def contract_run(case: Case, model: torch.nn.Module, call, cache: KVCache, judge
     return changed, breach, max((r.excess for r in reads), default=0.0), reads, problems
 
 
-def why_not(case: Case, label: str) -> str | None:
-    """Why a lossy cache's check (``label``: int8, FP8) does not apply to ``case``, or None: it
-    caches a GPTConfig model's K/V and grows as a dynamic cache does (so runs on that kind once).
-    """
+def lossy_results(case: Case, check: str, label: str, contract: Callable) -> list[CheckResult]:
+    """``check`` of a lossy cache (``label``: int8, FP8) on the case's model and, in the FP32
+    pass, on it rounded to BF16 and FP16: ``contract(model, call, dtype)`` gives a ``(passed,
+    error, detail)`` per setting (``dtype`` None: the case's own). Such a cache holds a GPTConfig
+    model's K/V and grows as a dynamic cache does, so it runs on that kind only."""
     if case.kind != "dynamic":
-        return "run with the dynamic kind only"
+        return [case.result(check, None, 0.0, "run with the dynamic kind only")]
     if not isinstance(case.model.config, GPTConfig):
-        return f"an {label} cache of a GPTConfig model's K/V"
-    return None
+        return [case.result(check, None, 0.0, f"an {label} cache of a GPTConfig model's K/V")]
+    runs = [(None, case.model, case.call)] + [(dtype, low, call)
+                                              for _, dtype, low, call in case.rounded()]
+    results = [(dt, case.result(check, *r)) for dt, model, call in runs
+               for r in contract(model, call, dt)]
+    return [dataclasses.replace(r, dtype=DTYPE_NAMES[dt]) if dt else r for dt, r in results]
 
 
 @scenario("int8", {"int8": CHECK})
 def _scenario(case: Case, out: list) -> None:
-    """The ``int8`` scenario (the module docstring), again on the model rounded to BF16 and to
-    FP16 in the FP32 pass, each held to its dtype's :func:`half_step`."""
-    why = why_not(case, "int8")
-    if why:
-        out.append(case.result("int8", None, 0.0, why))
-        return
-    out.append(case.result("int8", *_contract(case, case.model, case.call, 0.0)))
-    for label, dtype, low, call in case.rounded():
-        result = case.result("int8", *_contract(case, low, call, UNIT_ROUNDOFF[dtype]))
-        out.append(dataclasses.replace(result, dtype=label))
+    out += lossy_results(case, "int8", "int8", lambda model, call, dtype: [
+        _contract(case, model, call, 0.0 if dtype is None else UNIT_ROUNDOFF[dtype])])
 
 
 def _contract(case: Case, model: torch.nn.Module, call, unit: float) -> tuple[bool, float, str]:

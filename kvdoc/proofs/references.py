@@ -1,9 +1,8 @@
 """Independent references: implementations that share no cache or attention-sharing code with
-kvdoc, so they see a bug both the cached and the full path run (positions clamped in every
-forward, K/V heads shared wrongly): transformers' GPT-2, Llama, Mistral, Gemma 3 or DeepSeek-V3
-holding the same weights, and for a GQA or MQA model the MHA model whose every query head has a
-copy of its group's K/V head. Each is ``ids [B, T] -> logits [B, T, V]``, built from a model's
-``state_dict`` (never its code), leaving the global RNG as it was.
+kvdoc, so they see a bug both the cached and the full path run: transformers' model of the same
+family holding the same weights, and for a GQA or MQA model the MHA model whose every query head
+has a copy of its group's K/V head. Each is ``ids -> logits``, built from a model's weights
+(never its code), leaving the global RNG as it was.
 
 >>> import torch
 >>> from kvdoc import Decoder, GPTConfig
@@ -35,8 +34,8 @@ def _dtype(model: nn.Module) -> torch.dtype:
 
 
 def mha_weights(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """The state dict of the MHA model equivalent to a GQA/MQA one: query head ``h`` reads K/V
-    head ``h // (H / H_kv)``, so each K/V head's rows of ``c_attn`` are copied over its group."""
+    """The state dict of the MHA model equivalent to a GQA/MQA one: each K/V head's rows of
+    ``c_attn`` copied over its group (query head ``h`` reads K/V head ``h // (H / H_kv)``)."""
     d, kv, dh = config.n_embd, config.kv_dim, config.head_dim
     group = config.n_head // config.n_kv_head
 
@@ -54,7 +53,6 @@ def mha_weights(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, 
 
 
 def mha_reference(model: nn.Module) -> Reference:
-    """The multi-head model with ``model``'s weights, K/V heads copied over each group."""
     config = model.config
     mha_config = dataclasses.replace(config, n_kv_head=config.n_head)
     with torch.random.fork_rng():
@@ -64,15 +62,13 @@ def mha_reference(model: nn.Module) -> Reference:
 
 
 def transformers_reference(model: nn.Module) -> Reference:
-    """transformers' model of ``model``'s family holding its weights (:func:`hf_reference`)."""
     from kvdoc.interop.hf_weights import to_transformers
 
     return hf_reference(to_transformers(model), model)
 
 
 def deepseek_reference(model: nn.Module) -> Reference:
-    """transformers' DeepSeek-V3 holding an MLA model's weights: it up-projects the latent in
-    every call, whichever way the kvdoc model attends."""
+    # transformers' DeepSeek-V3 up-projects the latent in every call, however kvdoc attends
     from kvdoc.interop.hf_deepseek import to_deepseek
 
     return hf_reference(to_deepseek(model), model)

@@ -4,10 +4,9 @@
 prompt alone (tokens) and one full forward (logits, within
 :data:`kvdoc.proofs.compare.TOLERANCE`); :func:`check_policies` (static, continuous, chunked
 prefill, with the block invariants), :func:`check_preemption` (a pool too small, preempting by
-recompute) and :func:`check_forks` (seeded samples of one prompt, copy-on-write) run it; the
-``scheduling`` scenario runs all three on the paged kind of every model, a variant's scheduler
-class as ``case.caches["scheduler"]``. The broken schedulers of :mod:`kvdoc.proofs.broken.serving`
-are what they catch (``tests/test_scheduler.py``):
+recompute) and :func:`check_forks` (seeded samples of one prompt, copy-on-write) run it on every
+model the grid serves paged (``tests/test_policies.py``). The broken schedulers of
+:mod:`kvdoc.proofs.broken.serving` are what they catch:
 
 >>> from kvdoc.proofs.broken.serving import ResumeWithoutRecompute
 >>> from kvdoc.proofs.compare import default_model
@@ -28,14 +27,12 @@ from kvdoc.serving.requests import Request, arrival_trace, choose, sample_genera
 from kvdoc.serving.runs import ServeRun
 from kvdoc.serving.scheduler import Scheduler
 
-from .case import scenario
-from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs
+from .compare import TOLERANCE, close, max_abs
 
 
 @dataclass(frozen=True)
 class RequestCheck:
-    """One sample of a served request against it alone: max logit error, the logits within the
-    tolerance, the tokens (greedy, or drawn with the sample's seed) identical."""
+    """One sample of a served request against it alone (greedy, or drawn with its seed)."""
 
     rid: int
     logit_error: float
@@ -49,8 +46,8 @@ class RequestCheck:
 
 
 def _alone(model: Decoder, request: Request, sample: int = 0) -> tuple[list[int], torch.Tensor]:
-    """The request's tokens alone (``generate``, or a prefill and decode steps choosing with its
-    sample's generator) and the full forward's logits behind them."""
+    """The request's tokens alone (greedy, or chosen with its sample's generator) and the full
+    forward's logits behind them."""
     device, L = model.wte.weight.device, len(request.prompt)
     prompt, g = torch.tensor([request.prompt], device=device), sample_generator(request, sample)
     if g is None:
@@ -71,7 +68,7 @@ def _alone(model: Decoder, request: Request, sample: int = 0) -> tuple[list[int]
 def compare_trace_with_alone(model: Decoder, trace: Sequence[Request], run: ServeRun,
                              alone: dict | None = None) -> list[RequestCheck]:
     """Each sample of each request of ``trace`` in ``run`` against ``model`` on its prompt alone
-    (``alone``: ``(rid, sample) -> (tokens, logits)``, references reused over several runs)."""
+    (``alone``: ``(rid, sample) -> (tokens, logits)`` reused over several runs)."""
     tol, checks = TOLERANCE[model.wte.weight.dtype], []
     for r in trace:
         for j in range(r.samples):
@@ -98,11 +95,11 @@ class PolicyCheck:
         return self.requests_equal and self.invariants_hold
 
 
+# up to 25 positions, past the grid's window of 16: a ragged step that let a windowed layer read
+# past it would show
 POLICY_TRACE = dict(n=5, prompt_lens=(2, 20), output_lens=(1, 6), max_gap=2, seed=0)
-""":func:`check_policies`' trace: requests of up to 25 positions, past the grid's window of 16,
-so a ragged step that let a windowed layer read past it would show."""
+# static batches of 4, continuous, chunked prefill
 POLICIES: tuple[dict, ...] = (dict(policy="static", max_batch=4), dict(), dict(token_budget=6))
-"""Static batches of 4, continuous, chunked prefill."""
 
 
 @torch.no_grad()
@@ -128,13 +125,12 @@ def check_policies(model: Decoder, trace: Sequence[Request] | None = None,
 
 
 PREEMPTION_TRACE = dict(n=5, prompt_lens=(4, 8), output_lens=(6, 10), max_gap=1, seed=2)
-"""Requests that grow past what a small pool holds."""
 
 
 @dataclass(frozen=True)
 class PreemptionCheck:
-    """Runs with preemption on a ``tight`` pool and on a ``roomy`` one (each chunked, then
-    prefill-first), every request vs its solo run; it passes if the tight runs did preempt."""
+    """Runs with preemption on a ``tight`` pool and a ``roomy`` one, every request vs its solo run;
+    it passes only if the tight runs did preempt."""
 
     tight: tuple[ServeRun, ...]
     roomy: tuple[ServeRun, ...]
@@ -153,7 +149,7 @@ def check_preemption(model: Decoder, scheduler: type[Scheduler] = Scheduler,
                      trace: Sequence[Request] | None = None, tight: int = 8, roomy: int = 32,
                      block_size: int = 4, token_budget: int = 6) -> PreemptionCheck:
     """``trace`` served with ``preempt=True`` on ``tight`` and ``roomy`` blocks, with and without
-    ``token_budget``, every request vs its solo run."""
+    ``token_budget``."""
     trace = trace or arrival_trace(**PREEMPTION_TRACE, vocab_size=model.config.vocab_size)
     alone = {(r.rid, 0): _alone(model, r) for r in trace}
     runs = {blocks: tuple(scheduler(model, blocks, block_size, token_budget=b, preempt=True)
@@ -167,8 +163,8 @@ def check_preemption(model: Decoder, scheduler: type[Scheduler] = Scheduler,
 
 @dataclass(frozen=True)
 class ForkCheck:
-    """One request forked into seeded samples vs each sample alone (``samples_equal``) and vs
-    independent requests seeded as the samples (``copies``, ``copies_equal``)."""
+    """One request forked into seeded samples vs each sample alone and vs independent requests
+    seeded as the samples (``copies``)."""
 
     forked: ServeRun
     copies: ServeRun
@@ -200,30 +196,3 @@ def check_forks(model: Decoder, scheduler: type[Scheduler] = Scheduler, samples:
                      forked.invariants_hold and alone.invariants_hold,
                      max(c.logit_error for c in rows))
 
-
-@scenario("scheduling", {
-    "scheduling": "static, continuous, chunked-prefill, preempting and forking runs: each "
-                  "request vs its solo run"})
-def scheduling_scenario(case, out: list) -> None:
-    model = case.model
-    if case.impl != "model" or case.kind != "paged":
-        out.append(case.result("scheduling", None, 0.0,
-                               "the scheduler runs the model itself over its own paged blocks"))
-        return
-    scheduler, name = case.caches.get("scheduler", Scheduler), DTYPE_NAMES[case.dtype]
-    checks = check_policies(model, scheduler=scheduler)
-    out.append(case.result("scheduling", all(c.passed for c in checks),
-                           max(c.logit_error for c in checks),
-                           "static, continuous and chunked-prefill runs of a 5-request trace, "
-                           f"each request vs its solo run ({name}); "
-                           "blocks held == blocks named, free + held == pool"))
-    pre = check_preemption(model, scheduler)
-    out.append(case.result("scheduling", pre.passed, pre.logit_error,
-                           f"preemption by recompute on {pre.tight[0].num_blocks} blocks "
-                           f"({', '.join(str(r.preemptions) for r in pre.tight)} preemptions), "
-                           f"each request vs its solo run ({name}); refcounts == holders"))
-    forks = check_forks(model, scheduler)
-    out.append(case.result("scheduling", forks.passed, forks.logit_error,
-                           f"{len(forks.forked.samples)} seeded forks of one prompt, copy-on-write"
-                           f", each vs its sample alone and vs an independent request ({name}); "
-                           f"blocks {forks.forked.blocks_peak} vs {forks.copies.blocks_peak}"))

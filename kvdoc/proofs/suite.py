@@ -1,9 +1,9 @@
 """The verification suite: every registered scenario on every combination of the grid.
 
 :func:`run_suite` runs what the modules of :data:`CHECK_MODULES` register on every combination of
-:mod:`kvdoc.proofs.grid`'s axes and of FP32 and FP64, or on a broken variant
-(:mod:`kvdoc.proofs.variants`), which must fail. Code under test that raises (also while
-a model is built) is a failed check carrying its message; the suite itself does not raise.
+:mod:`kvdoc.proofs.grid`'s axes and of FP32 and FP64, or on a broken variant, which must fail.
+Code under test that raises (also while a model is built) is a failed check carrying its
+message; the suite itself does not raise.
 
 >>> report = run_suite(models=("gqa",), kinds=("static",), dtypes=(torch.float32,), length=40)
 >>> report.passed, report.combinations, report.failed_checks()  # the model itself, and FastDecoder
@@ -35,17 +35,15 @@ from . import (
     handover_checks,
     int8_contract,
     precision,
-    prefix_cache,
-    scheduling,
 )
 from .case import REGISTRY, Case, CheckResult
 from .compare import DTYPE_NAMES, TOLERANCE
 from .variants import VARIANTS
 
 CHECK_MODULES = (equivalence, figures, calls, cache_invariants, int8_contract, fp8_contract,
-                 scheduling, prefix_cache, handover_checks, batch_invariance, precision)
-"""The modules whose scenarios run, in this order (each module's as registered): the cheap ones
-first, as a sweep stops at a variant's first failure."""
+                 handover_checks, batch_invariance, precision)
+"""The modules whose scenarios run, in this order: the cheap ones first, as a sweep stops at a
+variant's first failure."""
 _RANK = {module.__name__: rank for rank, module in enumerate(CHECK_MODULES)}
 SCENARIOS = {name: REGISTRY[name].function
              for name in sorted(REGISTRY, key=lambda n: _RANK[REGISTRY[n].function.__module__])}
@@ -58,9 +56,9 @@ DTYPES = (torch.float32, torch.float64)
 
 @dataclass(frozen=True)
 class SuiteReport:
-    """Every :class:`~kvdoc.proofs.case.CheckResult` of one run (``variant``: None for the
-    implementation as it is); a scenario that raised gives one failed result, a model that could
-    not be built one failed ``build`` result. ``seconds``: wall-clock time (an observation)."""
+    """Every :class:`~kvdoc.proofs.case.CheckResult` of one run (``variant`` None: the
+    implementation); a scenario that raised gives one failed result, a model that could not be
+    built one failed ``build`` result."""
 
     variant: str | None
     results: list[CheckResult]
@@ -116,8 +114,7 @@ class SuiteReport:
                                "largest difference"], body)
 
     def references_table(self) -> str:
-        """One Markdown row per model and dtype: its independent reference against kvdoc, full
-        and cached, over every cache kind and implementation."""
+        """One Markdown row per model and dtype: its independent reference, full and cached."""
         body = []
         for model, dtype in dict.fromkeys((r.model, r.dtype) for r in self.select("reference")):
             ran = [r for r in self.select("reference", model=model, dtype=dtype)
@@ -177,14 +174,12 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
     """Run the scenarios on every combination of models, cache kinds, implementations and dtypes.
 
     ``variant`` (a key of :data:`~kvdoc.proofs.variants.VARIANTS`) is tested instead of the
-    implementation, by default on the models, kinds and dtypes it is built for and as itself
-    (``impls=("model",)``). ``models``, ``kinds``, ``impls``: keys of the grid's registries
-    (default all, of which a model's :attr:`~kvdoc.proofs.grid.ModelSpec.impls` and
-    ``scenarios``). ``length``, ``chunks``, ``batches``, ``seeds``: the stream and the stream
-    checks' sizes (every pair). ``stop_at_first``: return at the first failed check (a sweep).
-    ``model``: an FP32 model with the Decoder interface verified instead (model ``"given"``,
-    no reference); ``ids``: the stream ``[B, T]`` instead of a random one (``B >=
-    max(batches)``). ``ValueError`` for an unknown name, a bad dtype or a stream too short.
+    implementation, by default on the models, kinds and dtypes it is built for and as itself.
+    ``models``, ``kinds``, ``impls``: keys of the grid's registries (default all a model takes).
+    ``stop_at_first``: return at the first failed check (a sweep). ``model``: an FP32 model with
+    the Decoder interface verified instead (model ``"given"``, no reference); ``ids``: the
+    stream ``[B, T]`` instead of a random one. ``ValueError`` for an unknown name, a bad dtype or
+    a stream too short.
     """
     specs = ({"given": grid.ModelSpec("the model given", lambda seed: model)} if model is not None
              else grid.MODELS)

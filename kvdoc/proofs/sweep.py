@@ -1,5 +1,4 @@
-"""The sweep of the broken variants: each through :func:`~kvdoc.proofs.suite.run_suite`, each of
-which must be caught, in worker processes if asked.
+"""The sweep of the broken variants, each of which must be caught, in worker processes if asked.
 
 >>> outcomes = sweep_variants(["no-mask"], models=("mha",), kinds=("dynamic",),
 ...                           dtypes=(torch.float32,), length=24)
@@ -45,10 +44,9 @@ class VariantOutcome:
 def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = True,
                    workers: int = 1, map_: Callable | None = None,
                    **axes) -> list[VariantOutcome]:
-    """Each broken variant (default all) through :func:`run_suite` on the same ``axes``, or those
-    among them it is built for (left out if none); ``stop_at_first`` (what a verdict needs) or
-    every check (all that catches it); in ``workers`` processes or through ``map_`` (one of
-    :func:`worker_map`'s), the same outcomes in the same order."""
+    """Each broken variant (default all) through :func:`run_suite` on those of ``axes`` it is
+    built for (left out if none), stopping at its first failure (what a verdict needs) or not;
+    in ``workers`` processes or through ``map_``, the same outcomes in the same order."""
     runs = []
     for name in (list(VARIANTS) if names is None else list(names)):
         v = VARIANTS[name]
@@ -104,8 +102,7 @@ def variants_table(outcomes: Sequence[VariantOutcome]) -> str:
 
 
 SWEEP_LAST = ("weights", "branch", "reference", "prefill_decode", "stream")
-"""The slowest scenarios, run last by a sweep (most variants fail a cheap check first; the
-verdict is the same in any order)."""
+"""The slowest scenarios, run last by a sweep (most variants fail a cheap check first)."""
 
 
 def sweep_order(names: Sequence[str]) -> list[str]:
@@ -120,8 +117,8 @@ def sweep_order(names: Sequence[str]) -> list[str]:
 
 def sweep_passes(passes: Sequence[dict], names: Sequence[str] | None = None,
                  map_: Callable = map) -> list[VariantOutcome]:
-    """:func:`sweep_variants` pass after pass, each stopping at a variant's first failure, in
-    :func:`sweep_order`; a pass runs the variants no earlier one caught. One outcome a variant."""
+    """:func:`sweep_variants` pass after pass in :func:`sweep_order`, a pass running the variants
+    no earlier one caught: one outcome a variant."""
     names = list(VARIANTS if names is None else names)
     outcomes: dict[str, VariantOutcome] = {}
     for axes in passes:
@@ -132,5 +129,3 @@ def sweep_passes(passes: Sequence[dict], names: Sequence[str] | None = None,
         outcomes.update((o.name, o) for o in sweep_variants(todo, map_=map_,
                                                             **{**swept, "scenarios": order}))
     return [outcomes[n] for n in names if n in outcomes]
-
-

@@ -43,7 +43,6 @@ FAMILIES = ("decoder", "gemma", "latent")
 
 
 def check_traits(names: Iterable[str]) -> frozenset[str]:
-    """``names`` as a frozenset; ``ValueError`` for an unknown one."""
     names = frozenset(names)
     for name in sorted(names):
         if name not in TRAITS:
@@ -75,5 +74,4 @@ def traits(config: object) -> frozenset[str]:
 
 @cache
 def grid_traits(name: str) -> frozenset[str]:
-    """The traits of the grid's model ``name``."""
     return traits(MODELS[name].build(0).config)

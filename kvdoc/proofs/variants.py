@@ -35,17 +35,10 @@ from .traits import FAMILIES, check_traits, grid_traits, traits
 
 @dataclass(frozen=True)
 class BrokenVariant:
-    """One deliberately wrong implementation.
-
-    Attributes:
-        name: the key in :data:`VARIANTS` and the value of ``--variant``.
-        breaks: one sentence: what is wrong.
-        build: makes the broken model from a correct one (same weights, dtype, device).
-        bug_class: the kind of mistake, one of :data:`BUG_CLASSES`.
-        stale_prefix: a scenario, not code: the cached path's first chunk is fed the prefix as it
-            was before an edit (:func:`kvdoc.proofs.broken.decoders.stale_prefix`), the rest the
-            current tokens.
-    """
+    """One deliberately wrong implementation: ``build`` makes the broken model from a correct one
+    (same weights, dtype, device). ``stale_prefix`` is a scenario, not code: the cached path's
+    first chunk is fed the prefix as it was before an edit
+    (:func:`kvdoc.proofs.broken.decoders.stale_prefix`)."""
 
     name: str
     breaks: str
@@ -53,22 +46,18 @@ class BrokenVariant:
     bug_class: str = "mask and positions"
     stale_prefix: bool = False
     needs: tuple[str, ...] = ("decoder",)
-    """The traits (:data:`kvdoc.proofs.traits.TRAITS`) a model must have for the variant to be
-    built from it: most break a K/V :class:`~kvdoc.core.model.Decoder` of a GPTConfig. Given as
-    any collection, kept sorted (a set's order would change the page that lists it)."""
+    """The traits (:data:`kvdoc.proofs.traits.TRAITS`) a model must have to host it; kept sorted
+    (a set's order would change the page that lists it)."""
     one_model: bool = False
-    """Run on the first model among the axes that has :attr:`needs` only: a bug in a pool, a
-    cache kind or the scheduler shows on any of them, and one keeps the sweep short."""
+    """Run on the first host among the axes only: a bug in a pool or a cache kind shows on any,
+    and one keeps the sweep short."""
     caches: Mapping[str, Callable] = field(default_factory=dict)
-    """Broken cache factories ``(model, batch, capacity) -> cache`` in place of the real ones, by
-    kind of :data:`kvdoc.proofs.grid.CACHES` (or ``"int8"``, ``"fp8"``, those scenarios' caches; or
-    ``"scheduler"``, the ``scheduling`` scenario's :class:`~kvdoc.serving.scheduler.Scheduler`
-    class; or ``"radix"``, the ``prefix-cache`` scenario's
-    :class:`~kvdoc.serving.radix.RadixCache` class)."""
+    """What replaces the real factory under a kind of :data:`kvdoc.proofs.grid.CACHES` or a
+    scenario's key (``"int8"``, ``"packer"``, ``"reference"``, ...)."""
     kinds: tuple[str, ...] | None = None
-    """The cache kinds it runs on (those its broken caches replace); None: every kind."""
+    """The cache kinds it runs on; None: every kind."""
     dtypes: tuple[torch.dtype, ...] | None = None
-    """The dtypes a sweep runs it in (those it can show in); None: every dtype swept."""
+    """The dtypes a sweep runs it in; None: every dtype swept."""
 
     def __post_init__(self) -> None:
         needs = check_traits(self.needs)
@@ -92,9 +81,10 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "last_only and generation", "crop and branch", "shared path", "failure mid-call",
                "rotary positions", "state across calls", "configuration value", "stale weights",
                "byte accounting", "int8 contract", "ring and block edges", "padded batches",
-               "preemption and forks", "prefix-cache admission", "fp8 contract",
-               "reduction order", "low precision", "payload dtype", "loader layout")
+               "fp8 contract", "reduction order", "low precision", "payload dtype",
+               "loader layout")
 """The kinds of mistake the variants stand for."""
+
 
 def _copy(cls: type[Decoder]) -> Callable[[Decoder], Decoder]:
     return lambda m: decoders.copy_as(m, cls)
@@ -104,10 +94,16 @@ def _attention(cls: type) -> Callable[[Decoder], Decoder]:
     return lambda m: decoders.with_attention(m, cls)
 
 
-def _radix(name: str, breaks: str, tree: type) -> BrokenVariant:
-    """A broken radix tree, run by the ``prefix-cache`` scenario on one paged model."""
-    return BrokenVariant(name, breaks, _copy(Decoder), "prefix-cache admission",
-                         one_model=True, kinds=("paged",), caches={"radix": tree})
+def _swap(name: str, breaks: str, bug_class: str, caches: dict, kind: str = "dynamic",
+          build: Callable | None = None, **options) -> BrokenVariant:
+    """A variant run on one model's ``kind``, broken by ``caches`` (and ``build``, by default a
+    plain copy)."""
+    return BrokenVariant(name, breaks, build or _copy(Decoder), bug_class, one_model=True,
+                         kinds=(kind,), caches=caches, **options)
+
+
+def _as_is(model: Decoder) -> Decoder:
+    return model
 
 
 VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
@@ -126,18 +122,21 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     BrokenVariant("cross-layer-cache", "every layer attends over layer 0's K/V instead of its own",
                   _copy(caches.CrossLayerDecoder), "cache storage"),
     BrokenVariant("new-before-old", "new K/V are concatenated before the cached ones, not after",
-                  _copy(caches.NewBeforeOldDecoder), "cache storage"),
+                  caches.decoder_with(dynamic_layer=caches.NewBeforeOldLayer,
+                                      static_layer=caches.NewBeforeOldStaticLayer),
+                  "cache storage"),
     BrokenVariant("stale-cache",
                   "a cache filled before a prefix edit (token 0 changed) is reused after it",
                   _copy(Decoder), "cache storage", stale_prefix=True),
     BrokenVariant("fp32-cache",
                   "a dynamic cache rounds the K/V it stores to FP32, also in an FP64 model",
-                  _copy(caches.FP32CacheDecoder), "cache storage", dtypes=(torch.float64,)),
+                  caches.decoder_with(dynamic_layer=caches.FP32Layer), "cache storage",
+                  dtypes=(torch.float64,)),
     BrokenVariant("modulo-slots",
                   "a static cache writes position t into slot t % 32 and reads slots as linear",
-                  _copy(caches.ModuloDecoder), "long stream"),
+                  caches.decoder_with(static_layer=caches.ModuloStaticLayer), "long stream"),
     BrokenVariant("window-32", "a dynamic cache silently keeps only the newest 32 positions",
-                  _copy(caches.WindowDecoder), "long stream"),
+                  caches.decoder_with(dynamic_layer=caches.WindowLayer), "long stream"),
     BrokenVariant("gqa-tiled-cached",
                   "cached calls share K/V heads by tiling (h % H_kv), not by group",
                   _attention(decoders.TiledGQAAttention), "grouped-query attention",
@@ -158,13 +157,16 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   needs={"decoder", "learned"}),
     BrokenVariant("static-early-length",
                   "a static cache's length advances before every layer succeeded",
-                  _copy(caches.EarlyLengthDecoder), "failure mid-call"),
+                  caches.decoder_with(static_cache=caches.EarlyLengthStaticCache),
+                  "failure mid-call"),
     BrokenVariant("dynamic-in-place",
                   "a dynamic cache is written in place, so a failed call leaves a partial write",
-                  _copy(caches.InPlaceDecoder), "failure mid-call"),
+                  caches.decoder_with(dynamic_cache=caches.InPlaceDynamicCache),
+                  "failure mid-call"),
     BrokenVariant("static-last-layer-length",
                   "a static cache's length advances in the last layer's update, before the call "
-                  "finished", _copy(caches.LastLayerLengthDecoder), "failure mid-call"),
+                  "finished", caches.decoder_with(static_cache=caches.LastLayerLengthStaticCache),
+                  "failure mid-call"),
     BrokenVariant("fast-step-snapshot",
                   "the fast decode step keeps the weights it copied first, never seeing a change",
                   _copy(decoders.SnapshotFastStepDecoder), "stale weights"),
@@ -174,79 +176,50 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     BrokenVariant("rope-restart",
                   "RoPE turns each call's Q and K at positions 0..C-1, not at the cache length",
                   rotary.rope_restart, "rotary positions", needs={"decoder", "rope"}),
-    BrokenVariant("pool-counts-k-only", "a paged pool's byte figures count K's bytes, not V's",
-                  _copy(Decoder), "byte accounting", one_model=True, kinds=("paged",),
-                  caches={"paged": cache_kinds.k_only_paged_cache}),
-    BrokenVariant("int8-requantise",
-                  "the int8 cache re-quantises every held row on each append, one scale a tensor",
-                  _copy(Decoder), "int8 contract", needs={"decoder", "grouped"}, one_model=True,
-                  kinds=("dynamic",),
-                  caches={"int8": cache_kinds.requantising_int8_cache}),
-    BrokenVariant("int8-read-v-scale",
-                  "the int8 cache hands attention K dequantised with V's scales (what it stores "
-                  "and layer() returns is right)",
-                  _copy(Decoder), "int8 contract", needs={"decoder", "grouped"}, one_model=True,
-                  kinds=("dynamic",),
-                  caches={"int8": cache_kinds.v_scale_read_int8_cache}),
-    BrokenVariant("int8-narrow-arithmetic",
-                  "the int8 cache quantises and dequantises in the model's dtype: right in FP32 "
-                  "and FP64; in BF16 or FP16 a value can land past its dtype's bound",
-                  _copy(Decoder), "int8 contract",
-                  needs={"decoder"}, one_model=True, kinds=("dynamic",),
-                  caches={"int8": cache_kinds.narrow_int8_cache}),
-    BrokenVariant("fp8-tensor-scale-write",
-                  "the FP8 cache states per-head scales and reads with them, but quantises each "
-                  "write under one scale for the tensor (its largest head's)",
-                  _copy(Decoder), "fp8 contract", needs={"decoder", "grouped"}, one_model=True,
-                  kinds=("dynamic",), caches={"fp8": cache_kinds.tensor_scale_fp8_cache}),
-    BrokenVariant("fp8-rescale-each-write",
-                  "the FP8 cache takes new scales from every write, decode steps included, and "
-                  "reads the rows it held under them",
-                  _copy(Decoder), "fp8 contract", one_model=True, kinds=("dynamic",),
-                  caches={"fp8": cache_kinds.rescaling_fp8_cache}),
-    BrokenVariant("ring-long-chunk",
-                  "a chunk longer than the window puts its first W rows in the ring, not its last",
-                  _copy(Decoder), "ring and block edges", needs={"decoder", "window"},
-                  one_model=True, kinds=("window",),
-                  caches={"window": cache_kinds.long_chunk_ring_cache}),
-    BrokenVariant("ring-shared-until-wrap",
-                  "a call shares the ring it continues until a held slot would be overwritten, so "
-                  "two branches before the wrap write into one ring",
-                  _copy(Decoder), "ring and block edges", needs={"decoder", "window"},
-                  one_model=True, kinds=("window",),
-                  caches={"window": cache_kinds.lazy_ring_cache}),
-    BrokenVariant("prefix-late-copy",
-                  "copy-on-write skips the shared, partly filled block a write continues",
-                  _copy(Decoder), "ring and block edges", one_model=True,
-                  kinds=("shared-prefix",),
-                  caches={"shared-prefix": cache_kinds.late_copy_shared_prefix_cache}),
-    BrokenVariant("decode-without-pad-mask",
-                  "a padded batch's pad mask is passed on the prompt call, not on decode steps",
-                  _copy(decoders.DecodeWithoutPadMaskDecoder), "padded batches",
-                  one_model=True, kinds=("dynamic",)),
-    BrokenVariant("fast-ignores-padding",
-                  "the fast decode step ignores the padding arguments (positions, pad mask)",
-                  _copy(decoders.PaddingBlindFastDecoder), "padded batches",
-                  needs={"decoder", "learned", "grouped"}, one_model=True,
-                  kinds=("static",)),
-    BrokenVariant("preempt-without-recompute",
-                  "a preempted request gives its blocks back but keeps its count of written "
-                  "positions, so it resumes without re-prefilling prompt and tokens",
-                  _copy(Decoder), "preemption and forks", one_model=True, kinds=("paged",),
-                  caches={"scheduler": serving.ResumeWithoutRecompute}),
-    BrokenVariant("fork-without-copy",
-                  "a fork writes into the prompt block it shares with its siblings, no copy",
-                  _copy(Decoder), "preemption and forks", one_model=True, kinds=("paged",),
-                  caches={"scheduler": serving.ForkWithoutCopy}),
-    *(_radix(name, breaks, tree) for name, breaks, tree in (
-        ("radix-whole-block-match", "the radix tree takes a partly matched block as if its "
-         "tail were the request's own", serving.WholeBlockMatch),
-        ("radix-evict-locked", "the radix tree's eviction ignores locks and frees the path a "
-         "request matched", serving.EvictLocked),
-        ("radix-reserve-final-token", "admission makes room for prompt + max_new positions, "
-         "one more than is written", serving.ReserveFinalToken),
-        ("radix-share-last-block", "block mode shares the last block of a prompt found whole, "
-         "and copies it", serving.ShareLastBlock))),
+    _swap("pool-counts-k-only", "a paged pool's byte figures count K's bytes, not V's",
+          "byte accounting", {"paged": cache_kinds.k_only_paged_cache}, "paged"),
+    _swap("int8-requantise",
+          "the int8 cache re-quantises every held row on each append, one scale a tensor",
+          "int8 contract", {"int8": cache_kinds.requantising_int8_cache},
+          needs={"decoder", "grouped"}),
+    _swap("int8-read-v-scale",
+          "the int8 cache hands attention K dequantised with V's scales (what it stores and "
+          "layer() returns is right)",
+          "int8 contract", {"int8": cache_kinds.v_scale_read_int8_cache},
+          needs={"decoder", "grouped"}),
+    _swap("int8-narrow-arithmetic",
+          "the int8 cache quantises and dequantises in the model's dtype: right in FP32 and "
+          "FP64; in BF16 or FP16 a value can land past its dtype's bound",
+          "int8 contract", {"int8": cache_kinds.narrow_int8_cache}),
+    _swap("fp8-tensor-scale-write",
+          "the FP8 cache states per-head scales and reads with them, but quantises each write "
+          "under one scale for the tensor (its largest head's)",
+          "fp8 contract", {"fp8": cache_kinds.tensor_scale_fp8_cache},
+          needs={"decoder", "grouped"}),
+    _swap("fp8-rescale-each-write",
+          "the FP8 cache takes new scales from every write, decode steps included, and reads "
+          "the rows it held under them",
+          "fp8 contract", {"fp8": cache_kinds.rescaling_fp8_cache}),
+    _swap("ring-long-chunk",
+          "a chunk longer than the window puts its first W rows in the ring, not its last",
+          "ring and block edges", {"window": cache_kinds.long_chunk_ring_cache}, "window",
+          needs={"decoder", "window"}),
+    _swap("ring-shared-until-wrap",
+          "a call shares the ring it continues until a held slot would be overwritten, so two "
+          "branches before the wrap write into one ring",
+          "ring and block edges", {"window": cache_kinds.lazy_ring_cache}, "window",
+          needs={"decoder", "window"}),
+    _swap("prefix-late-copy",
+          "copy-on-write skips the shared, partly filled block a write continues",
+          "ring and block edges",
+          {"shared-prefix": cache_kinds.late_copy_shared_prefix_cache}, "shared-prefix"),
+    _swap("decode-without-pad-mask",
+          "a padded batch's pad mask is passed on the prompt call, not on decode steps",
+          "padded batches", {}, build=_copy(decoders.DecodeWithoutPadMaskDecoder)),
+    _swap("fast-ignores-padding",
+          "the fast decode step ignores the padding arguments (positions, pad mask)",
+          "padded batches", {}, "static", _copy(decoders.PaddingBlindFastDecoder),
+          needs={"decoder", "learned", "grouped"}),
     BrokenVariant("rope-table-growth",
                   "RoPE's cos/sin table, built on the first call, grows with rows from position 0",
                   rotary.growing_table, "state across calls", needs={"decoder", "rope"}),
@@ -258,70 +231,63 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   lambda m: decoders.copy_as(m, Gemma3Decoder), "ring and block edges",
                   needs={"gemma", "hybrid"}, kinds=("hybrid",),
                   caches={"hybrid": cache_kinds.ringed_global_hybrid_cache}),
-    BrokenVariant("chunk-split-attention",
-                  "attention reads the cached keys and the chunk's keys apart and merges them: "
-                  "exact in arithmetic, but the bits follow the chunking",
-                  _attention(arithmetic.ChunkSplitAttention), "reduction order", one_model=True,
-                  kinds=("dynamic",)),
-    BrokenVariant("fp8-reads-in-half",
-                  "in a BF16 or FP16 model, attention reads K and V rounded to FP8 e4m3",
-                  # shown on one model, the Llama-style one: one layer, the tightest bound
-                  _attention(arithmetic.FP8ReadAttention), "low precision",
-                  needs={"decoder", "rope"}, one_model=True, kinds=("dynamic",)),
+    _swap("chunk-split-attention",
+          "attention reads the cached keys and the chunk's keys apart and merges them: exact in "
+          "arithmetic, but the bits follow the chunking",
+          "reduction order", {}, build=_attention(arithmetic.ChunkSplitAttention)),
+    # shown on one model, the Llama-style one: one layer, the tightest bound
+    _swap("fp8-reads-in-half",
+          "in a BF16 or FP16 model, attention reads K and V rounded to FP8 e4m3",
+          "low precision", {}, build=_attention(arithmetic.FP8ReadAttention),
+          needs={"decoder", "rope"}),
     BrokenVariant("gemma-local-global-base",
                   "a Gemma model's window layers turn at the global RoPE base, not the local one",
                   rotary.local_global_base, "configuration value", needs={"gemma", "hybrid"},
                   kinds=("hybrid",)),
+    # measurements counted, the function users call, axes crossed (issue #30, classes 6-8)
+    _swap("mla-bytes-without-rope-key",
+          "the per-layer byte formula counts an MLA layer's latent c_KV but not the rotary key "
+          "cached beside it", "byte accounting",
+          {"config_cache": measures.latent_without_rope_key}, build=_as_is, needs={"latent"}),
+    _swap("step-kv-per-sequence",
+          "a decode step's K/V bytes at batch B are one sequence's, not the batch's",
+          "byte accounting", {"step_traffic": measures.batch_as_sequence}),
+    _swap("generate-padded-unmasked-decode",
+          "generate_padded passes the pad mask on the prompt call but not on its decode steps",
+          "padded batches", {"generate_padded": padded.generate_padded_unmasked_decode}),
+    _swap("handover-through-fp32",
+          "the hand-over's packer moves K, V and the logits through FP32 and casts them back: "
+          "exact unless the model is wider than FP32",
+          "payload dtype", {"packer": serving.pack_through_fp32}),
+    _swap("deepseek-export-uninverted",
+          "the DeepSeek exporter moves the rotary rows with the importer's permutation, not its "
+          "inverse (the same for a rotary width of 4)", "loader layout",
+          {"reference": loaders.deepseek_reference_uninverted}, build=_as_is, needs={"latent"}),
+    _swap("gemma-pattern-one-off",
+          "a Gemma model's layer types come from its pattern one layer off (layer 0 global), in "
+          "the model and its cache alike", "configuration value", {}, "hybrid",
+          loaders.gemma_pattern_one_off, needs={"gemma", "hybrid"}),
+    _swap("gemma-export-pattern-only",
+          "the export to transformers writes the Gemma model's pattern and drops its list of "
+          "global layers (the same model wherever the layout is a pattern)", "loader layout",
+          {"reference": loaders.gemma_reference_pattern_only}, "hybrid", _as_is,
+          needs={"gemma", "global-first"}),
+    _swap("handover-layers-by-name",
+          "the hand-over's packer ships the layers in the order of their names, 0, 1, 10, 11, "
+          "2, ..", "loader layout", {"packer": serving.pack_layers_by_name},
+          needs={"decoder", "deep"}),
+    _swap("export-layers-by-name",
+          "the export to transformers lays kvdoc's blocks in the order of their names, h.0, "
+          "h.1, h.10, h.11, h.2, ..", "loader layout",
+          {"reference": loaders.transformers_reference_layers_by_name}, build=_as_is,
+          needs={"decoder", "deep"}),
+    _swap("export-upcast",
+          "the export to transformers hands a BF16 or FP16 model over in FP32 (exact wherever "
+          "the model is FP32 or wider)", "payload dtype",
+          {"reference": loaders.transformers_reference_upcast}, build=_as_is),
+    _swap("split-k-pad-leak",
+          "split-K attention takes one mask for every row in its first chunk of keys, so a "
+          "padded row reads the pad keys there", "padded batches", {},
+          build=padded.pad_leak_split_k),
 )}
 """Every broken variant, by name."""
-
-# --- issue #30, classes 6-8: measurements counted, the function users call, axes crossed ------
-VARIANTS.update({v.name: v for v in (
-    BrokenVariant("mla-bytes-without-rope-key", "the per-layer byte formula counts an MLA "
-                  "layer's latent c_KV but not the rotary key cached beside it",
-                  lambda m: m, "byte accounting", needs={"latent"}, one_model=True,
-                  kinds=("dynamic",), caches={"config_cache": measures.latent_without_rope_key}),
-    BrokenVariant("step-kv-per-sequence", "a decode step's K/V bytes at batch B are one "
-                  "sequence's, not the batch's", _copy(Decoder), "byte accounting",
-                  one_model=True, kinds=("dynamic",),
-                  caches={"step_traffic": measures.batch_as_sequence}),
-    BrokenVariant("generate-padded-unmasked-decode", "generate_padded passes the pad mask on "
-                  "the prompt call but not on its decode steps", _copy(Decoder),
-                  "padded batches", one_model=True, kinds=("dynamic",),
-                  caches={"generate_padded": padded.generate_padded_unmasked_decode}),
-    BrokenVariant("handover-through-fp32", "the hand-over's packer moves K, V and the logits "
-                  "through FP32 and casts them back: exact unless the model is wider than FP32",
-                  _copy(Decoder), "payload dtype", one_model=True, kinds=("dynamic",),
-                  caches={"packer": serving.pack_through_fp32}),
-    BrokenVariant("deepseek-export-uninverted", "the DeepSeek exporter moves the rotary rows "
-                  "with the importer's permutation, not its inverse (the same for a rotary "
-                  "width of 4)", lambda m: m, "loader layout", needs={"latent"}, one_model=True,
-                  kinds=("dynamic",),
-                  caches={"reference": loaders.deepseek_reference_uninverted}),
-    BrokenVariant("gemma-pattern-one-off", "a Gemma model's layer types come from its pattern "
-                  "one layer off (layer 0 global), in the model and its cache alike",
-                  loaders.gemma_pattern_one_off, "configuration value", needs={"gemma", "hybrid"},
-                  one_model=True, kinds=("hybrid",)),
-    BrokenVariant("gemma-export-pattern-only", "the export to transformers writes the Gemma "
-                  "model's pattern and drops its list of global layers (the same model "
-                  "wherever the layout is a pattern)", lambda m: m, "loader layout",
-                  needs={"gemma", "global-first"}, one_model=True, kinds=("hybrid",),
-                  caches={"reference": loaders.gemma_reference_pattern_only}),
-    BrokenVariant("handover-layers-by-name", "the hand-over's packer ships the layers in the "
-                  "order of their names, 0, 1, 10, 11, 2, ..", _copy(Decoder), "loader layout",
-                  needs={"decoder", "deep"}, one_model=True, kinds=("dynamic",),
-                  caches={"packer": serving.pack_layers_by_name}),
-    BrokenVariant("export-layers-by-name", "the export to transformers lays kvdoc's blocks in "
-                  "the order of their names, h.0, h.1, h.10, h.11, h.2, ..", lambda m: m,
-                  "loader layout", needs={"decoder", "deep"}, one_model=True,
-                  kinds=("dynamic",),
-                  caches={"reference": loaders.transformers_reference_layers_by_name}),
-    BrokenVariant("export-upcast", "the export to transformers hands a BF16 or FP16 model over "
-                  "in FP32 (exact wherever the model is FP32 or wider)", lambda m: m,
-                  "payload dtype", needs={"decoder"}, one_model=True, kinds=("dynamic",),
-                  caches={"reference": loaders.transformers_reference_upcast}),
-    BrokenVariant("split-k-pad-leak", "split-K attention takes one mask for every row in its "
-                  "first chunk of keys, so a padded row reads the pad keys there",
-                  padded.pad_leak_split_k, "padded batches", one_model=True,
-                  kinds=("dynamic",)),
-)})

@@ -2,12 +2,10 @@
 broken variant, the checks across processes (:func:`process_checks`), and a verdict; the exit
 status is 0 only if the implementation passed and every variant was caught.
 
-The checks across processes run after the suite, from this process (pool workers cannot start
-ranks): two ranks decode at TP = 2 and CP = 2 and run MLA's latent under TP and DP-attention
-(:mod:`kvdoc.parallel`); three ranks hand a TP = 2 prefill's blocks to a decode rank, pushed and
-pulled; one process serves a multi-turn workload from offloaded blocks; each beside the broken
-variants of :mod:`kvdoc.proofs.broken.parallel` and the offload key. Each :class:`ProcessCheck`
-of the implementation must pass; each of a variant must fail.
+The checks across processes run from this process (pool workers cannot start ranks): decoding
+at TP = 2 and CP = 2, MLA's latent under TP and DP-attention, a prefill's blocks handed to a
+decode rank, a multi-turn workload served from offloaded blocks; each beside its broken variants
+(:mod:`kvdoc.proofs.broken.parallel`), which must fail.
 """
 
 from __future__ import annotations
@@ -48,11 +46,10 @@ FP64_SCENARIOS = ("stream", "reference")
 """Repeated in FP64 by default, where a path that rounds through FP32 shows."""
 FP64_CHUNKS = (2, 13)
 """Pairs (the last call a single token: the fast step) and a chunk that divides neither the
-stream, the window nor a block: rounding through FP32 shows at any chunk size."""
+stream, the window nor a block."""
 def verify_passes(thorough: bool = False, seed: int = 0) -> list[dict]:
     """The axes of each :func:`run_suite` of ``verify``: every scenario in FP32, then
-    :data:`FP64_SCENARIOS` in FP64; ``thorough``, everything in both on
-    :data:`kvdoc.proofs.grid.THOROUGH`, two seeds, every implementation on every model it serves.
+    :data:`FP64_SCENARIOS` in FP64; ``thorough``, everything in both on the thorough grid.
 
     >>> [p["dtypes"] for p in verify_passes()], verify_passes()[1]["scenarios"]
     ([(torch.float32,), (torch.float64,)], ('stream', 'reference'))
@@ -69,9 +66,9 @@ def verify_passes(thorough: bool = False, seed: int = 0) -> list[dict]:
 
 def run_passes(passes: Sequence[dict], variant: str | None = None,
                map_: Callable = map) -> SuiteReport:
-    """:func:`run_suite` per pass, in one :class:`SuiteReport` (a variant as itself, whatever
-    implementations a pass names); the implementation's as one run per seed and model through
-    ``map_``, in the order one call would visit them, so any ``map_`` gives the same results."""
+    """:func:`run_suite` per pass, in one :class:`SuiteReport` (a variant as itself); the
+    implementation's as one run per seed and model through ``map_``, in the order one call would
+    visit them, so any ``map_`` gives the same results."""
     start = time.perf_counter()
     if variant is None:
         runs = [{**axes, "seeds": (seed,), "models": (name,)} for axes in passes
@@ -91,9 +88,9 @@ def _suite_one(run: tuple[str | None, dict]) -> SuiteReport:
 PROMPT = torch.tensor([[11, 3, 57, 20, 8, 91, 42, 5, 77]])
 NEW = 5
 BLOCK = 4
+# one request a rank under DP-attention
 LATENT_PROMPTS = torch.tensor([[11, 3, 57, 20, 8, 91, 42, 5, 77],
                                [60, 2, 33, 14, 70, 9, 25, 88, 1]])
-"""One request a rank under DP-attention."""
 
 
 class ProcessCheck(NamedTuple):

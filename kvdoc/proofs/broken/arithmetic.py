@@ -1,9 +1,8 @@
 """Precision bugs: a reduction that depends on the chunk, and K/V read at FP8 in a half model.
 
-:class:`ChunkSplitAttention` reads the cached keys and the chunk's own as two partial softmaxes
-merged as split-K does: exact in arithmetic, within every tolerance, but the bits follow the
-chunking, also under :func:`kvdoc.batch_invariant`, so only the bitwise ``invariance`` check
-sees it. :class:`FP8ReadAttention` is wrong the same way on every path, in BF16 and FP16 only.
+Both are within every tolerance of the paths they compare: the bits of the first follow the
+chunking (only the bitwise ``invariance`` check sees it), the second is wrong the same way on
+every path (only the ``bf16`` and ``fp16`` checks against the FP64 value see it).
 
 >>> import torch
 >>> from kvdoc import Decoder, GPTConfig, batch_invariant
@@ -28,7 +27,7 @@ from kvdoc.serving.splitk import merge, partial_attention
 
 
 class ChunkSplitAttention(CausalSelfAttention):
-    """Cached keys and the chunk's keys as two partial softmaxes, merged (wrong on purpose)."""
+    """BROKEN: cached keys and the chunk's keys as two partial softmaxes, merged as split-K does."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -45,8 +44,7 @@ class ChunkSplitAttention(CausalSelfAttention):
 
 
 class FP8ReadAttention(CausalSelfAttention):
-    """BROKEN: in a BF16 or FP16 model attention reads K and V rounded to FP8 e4m3 on every path:
-    only the ``bf16`` and ``fp16`` checks, against the FP64 value, see it."""
+    """BROKEN: in a BF16 or FP16 model attention reads K and V rounded to FP8 e4m3."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,34 +1,11 @@
 """Deliberately wrong caches of the serving layer and the window layer, for the broken variants.
 
 Each is a small subclass of a real cache layer, block table or pool, swapped in through a public
-hook (:func:`~kvdoc.proofs.broken.caches.with_layers`, a cache's ``block_tables``), that is right on
-every path the older scenarios take and wrong at one edge or in one figure, so that only a check
-of :mod:`kvdoc.proofs.cache_invariants` catches it:
-
-* :class:`KOnlyBlockPool`: a paged pool that counts only K's bytes (the memory page's figures
-  would silently halve);
-* :class:`RequantisingInt8Layer`: an int8 cache that re-quantises every row it holds on every
-  append, with one scale per tensor;
-* :class:`VScaleReadInt8Layer`: an int8 cache that stores and returns every row right through
-  ``layer()``, but hands the attention K dequantised with V's scales;
-* :class:`NarrowInt8Layer`: an int8 cache that quantises and dequantises in the model's dtype,
-  which is right in FP32 and FP64 only;
-* :class:`TensorScaleWriteFp8Layer`: an FP8 cache that states per-head scales and reads with
-  them, but quantises every write under one scale for the whole tensor;
-* :class:`RescalingFp8Layer`: an FP8 cache that takes new scales from every write, so the rows
-  it already holds are read under scales they were not stored with;
-* :class:`LongChunkRingLayer`: a window layer that keeps the first ``W`` rows of a chunk longer
-  than the window, not the last;
-* :class:`LazyRingLayer`: a window layer that writes into ``W`` slots shared with the cache it
-  continues until the window fills, so two branches before then write into the same slots;
-* :class:`LateCopyBlockTables`: block tables of a shared-prefix cache that copy only the shared
-  blocks a write starts, never the shared, partly filled one it continues;
-* :class:`RingedGlobalCache`: a Gemma cache (:mod:`kvdoc.core.window`) that windows its global
-  layers too and states their window as the window layers': right until the stream passes the
-  window.
-
-The factories (``(model, batch, capacity) -> cache``) are what
-:attr:`kvdoc.proofs.variants.BrokenVariant.caches` puts in place of a kind's real factory.
+hook (:func:`~kvdoc.proofs.broken.caches.with_layers`, a cache's ``block_tables``), right on
+every path the older scenarios take and wrong at one edge or in one figure: a pool's bytes, an
+int8 or FP8 layer's scales, a window layer's long chunk or shared slots, a shared block's copy,
+a global layer windowed. Each factory ``(model, batch, capacity) -> cache`` is what
+:attr:`kvdoc.proofs.variants.BrokenVariant.caches` puts in place of the real one.
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> model = Decoder(GPTConfig()).eval()
@@ -73,7 +50,6 @@ class KOnlyBlockPool(BlockPool):
 
 
 def k_only_paged_cache(model: nn.Module, batch: int, capacity: int) -> PagedCache:
-    """A :class:`~kvdoc.serving.paged.PagedCache` on a :class:`KOnlyBlockPool`."""
     return PagedCache(_pool(KOnlyBlockPool, model, batch, capacity, spare=0), batch)
 
 
@@ -104,7 +80,6 @@ class RequantisingInt8Layer(Int8Layer):
 
 
 requantising_int8_cache = _empty(int8_cache, RequantisingInt8Layer)
-"""``(model, batch, capacity) ->`` an empty int8 cache of :class:`RequantisingInt8Layer` s."""
 
 
 class VScaleReadInt8Layer(Int8Layer):
@@ -118,14 +93,12 @@ class VScaleReadInt8Layer(Int8Layer):
 
 
 v_scale_read_int8_cache = _empty(int8_cache, VScaleReadInt8Layer)
-"""``(model, batch, capacity) ->`` an empty int8 cache of :class:`VScaleReadInt8Layer` s."""
 
 
 class NarrowInt8Layer(Int8Layer):
-    """BROKEN: quantises and dequantises in the model's own dtype. In FP32 and FP64 that is
-    right; in BF16 or FP16, whose rounding of ``x / scale`` (up to 127) is a large part of a
-    step, a value can land on a step next to the nearest, and its error pass the dtype's
-    bound (:func:`kvdoc.proofs.int8_contract.half_step`)."""
+    """BROKEN: quantises and dequantises in the model's own dtype: right in FP32 and FP64; in
+    BF16 or FP16, whose rounding of ``x / scale`` (up to 127) is a large part of a step, a value
+    can land a step off and pass :func:`kvdoc.proofs.int8_contract.half_step`."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
@@ -143,14 +116,12 @@ class NarrowInt8Layer(Int8Layer):
 
 
 narrow_int8_cache = _empty(int8_cache, NarrowInt8Layer)
-"""``(model, batch, capacity) ->`` an empty int8 cache of :class:`NarrowInt8Layer` s."""
 
 
 class TensorScaleWriteFp8Layer(Fp8Layer):
-    """BROKEN: the layer states per-head scales, and dequantises with them, but quantises each
-    write under one scale for the whole tensor (its largest head's), as a write kernel that
-    takes a per-tensor scale would. A head whose scale is smaller reads back too small. Right
-    with per-tensor scales, or one K/V head."""
+    """BROKEN: states per-head scales and dequantises with them, but quantises each write under
+    its largest head's (a write kernel that takes a per-tensor scale): right with per-tensor
+    scales or one K/V head."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
@@ -163,26 +134,24 @@ class TensorScaleWriteFp8Layer(Fp8Layer):
 
 
 class RescalingFp8Layer(Fp8Layer):
-    """BROKEN: every write takes new scales from its own rows, as a first prefill does (a decode
-    step included), and the layer keeps only those: the rows it held are then read under scales
-    they were not stored with. Right for a single call."""
+    """BROKEN: every write, a decode step included, takes new scales from its own rows: the rows
+    held are read under scales they were not stored with (right for a single call)."""
 
     def new_scales(self, k: torch.Tensor, v: torch.Tensor) -> KV:
         return amax_scale(k, self.granularity, self.fp8), amax_scale(v, self.granularity,
                                                                      self.fp8)  # BUG: each write
 
 
-def tensor_scale_fp8_cache(model: nn.Module, batch: int, capacity: int | None = None,
-                           **scales) -> KVCache:
-    """An empty FP8 cache (:func:`~kvdoc.serving.fp8.new_fp8_cache`, its ``granularity`` and
-    ``scales``) of :class:`TensorScaleWriteFp8Layer` s."""
-    return with_layers(new_fp8_cache(model, batch, capacity, **scales), TensorScaleWriteFp8Layer)
+def _fp8(layer_cls: type[Fp8Layer]):
+    """``(model, batch, capacity, granularity=, scales=) ->`` an empty FP8 cache
+    (:func:`~kvdoc.serving.fp8.new_fp8_cache`) whose layers are ``layer_cls``."""
+    def new(model: nn.Module, batch: int, capacity: int | None = None, **scales) -> KVCache:
+        return with_layers(new_fp8_cache(model, batch, capacity, **scales), layer_cls)
+    return new
 
 
-def rescaling_fp8_cache(model: nn.Module, batch: int, capacity: int | None = None,
-                        **scales) -> KVCache:
-    """An empty FP8 cache of :class:`RescalingFp8Layer` s."""
-    return with_layers(new_fp8_cache(model, batch, capacity, **scales), RescalingFp8Layer)
+tensor_scale_fp8_cache = _fp8(TensorScaleWriteFp8Layer)
+rescaling_fp8_cache = _fp8(RescalingFp8Layer)
 
 
 class LongChunkRingLayer(WindowLayer):
@@ -217,15 +186,13 @@ class LazyRingLayer(WindowLayer):
 
 
 long_chunk_ring_cache = _empty(window_cache, LongChunkRingLayer)
-"""``(model, batch, capacity) ->`` an empty window cache of :class:`LongChunkRingLayer` s."""
 lazy_ring_cache = _empty(window_cache, LazyRingLayer)
-"""``(model, batch, capacity) ->`` an empty window cache of :class:`LazyRingLayer` s."""
 
 
 class LateCopyBlockTables(BlockTables):
-    """BROKEN: copy-on-write starts at the first block a write *starts*, so the shared block a
-    prefix left partly filled is written in place: a second continuation of the same prefix
-    overwrites the first one's rows there (the prefix's own rows stay as they were)."""
+    """BROKEN: copy-on-write starts at the first block a write *starts*: the shared block a
+    prefix left partly filled is written in place, a second continuation overwriting the first's
+    rows there."""
 
     def needed(self, start: int, end: int) -> int:
         return super().needed(self._first(start), end)
@@ -246,10 +213,9 @@ def late_copy_shared_prefix_cache(model: nn.Module, batch: int, capacity: int) -
 
 
 class RingedGlobalCache(KVCache):
-    """BROKEN: every layer, global ones included, keeps only ``W`` rows, and its
-    compatibility check states that window for every layer of the model (as a cache
-    class that overrides the layout check might), so it passes. A global layer's queries then
-    lose every key older than ``W - 1`` positions."""
+    """BROKEN: every layer, global ones included, keeps only ``W`` rows, and its layout check
+    states that window for every layer, so it passes: a global layer loses every key older
+    than ``W - 1`` positions."""
 
     def check_compatible(self, config: object, *args: object) -> None:
         window = self.layers[0].window  # BUG: the model's global layers read every key
@@ -260,7 +226,6 @@ class RingedGlobalCache(KVCache):
 
 def ringed_global_hybrid_cache(model: nn.Module, batch: int, capacity: int | None = None
                                ) -> RingedGlobalCache:
-    """An empty :class:`RingedGlobalCache` for a Gemma ``model``."""
     weight, config = model.wte.weight, model.config
     return RingedGlobalCache([WindowLayer.empty(batch, s.heads, s.widths, config.sliding_window,
                                                 weight.dtype, weight.device)

@@ -1,16 +1,14 @@
 """Deliberately wrong dynamic and static caches: layers that store or return the wrong rows,
 and transactions that commit the length at the wrong time or write into the caller's cache.
 
-A broken layer is a subclass of the real one, swapped in through the cache's public ``layers``
-(:func:`with_layers`); a broken transaction is a subclass of the real cache whose ``update`` or
-``begin`` goes wrong through the public ``layers`` and ``finish``. :class:`CacheKindsDecoder`
-makes the new caches of a decoder of these.
+A broken layer is a subclass of the real one swapped in through the cache's public ``layers``
+(:func:`with_layers`); a broken transaction, a subclass of the real cache; :func:`decoder_with`
+makes a decoder whose new caches are built of them.
 
 >>> import torch
 >>> from kvdoc import Decoder, GPTConfig
->>> from kvdoc.proofs.broken.decoders import copy_as
 >>> _ = torch.manual_seed(0)
->>> model = copy_as(Decoder(GPTConfig()).eval(), NewBeforeOldDecoder)
+>>> model = decoder_with(dynamic_layer=NewBeforeOldLayer)(Decoder(GPTConfig()).eval())
 >>> ids = torch.tensor([[12, 7, 31, 4, 9, 18]])
 >>> with torch.no_grad():
 ...     _, cache = model(ids[:, :4], model.new_cache(1, "dynamic"))
@@ -22,6 +20,7 @@ True
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 
@@ -38,15 +37,14 @@ from kvdoc.core.model import Decoder
 from kvdoc.measure.wrapper import LayerWrapper, wrap_layers
 
 from . import LONG_STREAM
+from .decoders import copy_as
 
 # --- wrong caches -------------------------------------------------------------------------
 
 
 class CrossLayerLayer(LayerWrapper):
-    """BROKEN: stores each layer's K/V correctly, but every layer attends over layer 0's K/V.
-
-    The cache's content is right, so a check of K/V alone passes; only the logits show the bug.
-    """
+    """BROKEN: stores each layer's K/V correctly (a check of K/V alone passes), but every layer
+    attends over layer 0's K/V."""
 
     def __init__(self, inner: CacheLayer, index: int, first: dict) -> None:
         super().__init__(inner, index)
@@ -72,9 +70,8 @@ class NewBeforeOldLayer(DynamicLayer):
 
 
 class NewBeforeOldStaticLayer(StaticLayer):
-    """BROKEN: the static twin of :class:`NewBeforeOldLayer`: it rewrites rows
-    ``0 .. P + C - 1`` in place as new-then-old, so the rows below the write position change
-    too."""
+    """BROKEN: :class:`NewBeforeOldLayer` in place: rows ``0 .. P + C - 1`` rewritten
+    new-then-old, so the rows below the write position change too."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         end = start + k.shape[2]
@@ -86,14 +83,8 @@ class NewBeforeOldStaticLayer(StaticLayer):
 
 
 def with_layers(cache: KVCache, cls: type[CacheLayer]) -> KVCache:
-    """``cache`` with every layer's class swapped for ``cls`` (a broken subclass of it), through
-    the cache's public ``layers``: the same tensors and sizes, the broken ``write``.
-
-    >>> from kvdoc import GPTConfig
-    >>> cache = with_layers(DynamicCache.empty(GPTConfig(), 1), NewBeforeOldLayer)
-    >>> type(cache.layers[0]).__name__
-    'NewBeforeOldLayer'
-    """
+    """``cache`` with every layer's class swapped for ``cls`` (a broken subclass of it): the same
+    tensors and sizes, the broken ``write``."""
     for layer in cache.layers:
         if not isinstance(layer, cls.__mro__[1]):
             raise ValueError(f"{cls.__name__} replaces a {cls.__mro__[1].__name__}, "
@@ -105,9 +96,8 @@ def with_layers(cache: KVCache, cls: type[CacheLayer]) -> KVCache:
 
 
 class CacheKindsDecoder(Decoder):
-    """A decoder whose new dynamic and static caches have the broken layers ``dynamic_layer`` and
-    ``static_layer`` (None: the real ones), or the cache classes ``dynamic_cache`` and
-    ``static_cache`` (for a bug in the transaction around the layers)."""
+    """A decoder whose new dynamic and static caches are of the classes ``dynamic_cache`` and
+    ``static_cache`` with layers ``dynamic_layer`` and ``static_layer`` (None: the real ones)."""
 
     dynamic_cache: type[DynamicCache] = DynamicCache
     static_cache: type[StaticCache] = StaticCache
@@ -128,19 +118,20 @@ class CacheKindsDecoder(Decoder):
         return super().new_cache(batch_size, kind, capacity)  # other kinds: not this bug
 
 
+def decoder_with(**broken: type) -> Callable[[Decoder], Decoder]:
+    """``model ->`` a copy of it whose new caches use the ``broken`` classes (attributes of
+    :class:`CacheKindsDecoder`: ``dynamic_layer=FP32Layer``, ``static_cache=...``)."""
+    cls = type("BrokenCachesDecoder", (CacheKindsDecoder,), broken)
+    return lambda model: copy_as(model, cls)
+
+
 class FP32Layer(DynamicLayer):
-    """BROKEN: rounds every K/V it stores to FP32, whatever the model's dtype (a cache allocated in
-    the default dtype). Invisible in FP32; in FP64 the cached path is only FP32-accurate."""
+    """BROKEN: rounds every K/V it stores to FP32 (a cache allocated in the default dtype):
+    invisible in FP32; in FP64 the cached path is only FP32-accurate."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         k, v = k.float().to(k.dtype), v.float().to(v.dtype)  # BUG: precision lost on the way in
         return super().write(k, v, start)
-
-
-class FP32CacheDecoder(CacheKindsDecoder):
-    """A decoder whose dynamic caches have :class:`FP32Layer` s (static ones are right)."""
-
-    dynamic_layer = FP32Layer
 
 
 class CrossLayerDecoder(Decoder):
@@ -153,21 +144,9 @@ class CrossLayerDecoder(Decoder):
                            lambda layer, i: CrossLayerLayer(layer, i, first))
 
 
-class NewBeforeOldDecoder(CacheKindsDecoder):
-    """A decoder whose new caches put new K/V before the old (:class:`NewBeforeOldLayer`)."""
-
-    dynamic_layer, static_layer = NewBeforeOldLayer, NewBeforeOldStaticLayer
-
-
-# --- bugs that show only in long streams ----------------------------------------------------
-
-
 class ModuloStaticLayer(StaticLayer):
-    """BROKEN: writes position ``t`` into slot ``t % 32`` (a ring buffer) but reads slots as linear.
-
-    Right while the stream is at most 32 positions long; past that, new rows overwrite old ones
-    and the rows read back past slot 31 were never written.
-    """
+    """BROKEN: writes position ``t`` into slot ``t % 32`` but reads slots as linear: right for
+    streams of at most 32 positions."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         end = start + k.shape[2]
@@ -179,29 +158,13 @@ class ModuloStaticLayer(StaticLayer):
 
 
 class WindowLayer(DynamicLayer):
-    """BROKEN: silently keeps only the newest 32 positions of each layer, while the cache goes on
-    counting every position."""
+    """BROKEN: keeps only the newest 32 positions while the cache counts every one."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
         self.k = torch.cat((self.k, k), dim=2)[:, :, -LONG_STREAM:]  # BUG: drops the oldest rows
         self.v = torch.cat((self.v, v), dim=2)[:, :, -LONG_STREAM:]
         return self.k, self.v
-
-
-class ModuloDecoder(CacheKindsDecoder):
-    """A decoder whose static caches have :class:`ModuloStaticLayer` s (dynamic ones are right)."""
-
-    static_layer = ModuloStaticLayer
-
-
-class WindowDecoder(CacheKindsDecoder):
-    """A decoder whose dynamic caches have :class:`WindowLayer` s (static ones are right)."""
-
-    dynamic_layer = WindowLayer
-
-
-# --- a call that fails midway ---------------------------------------------------------------
 
 
 class EarlyLengthStaticCache(StaticCache):
@@ -219,15 +182,15 @@ class EarlyLengthStaticCache(StaticCache):
 
 
 class InPlaceDynamicCache(DynamicCache):
-    """BROKEN: a call writes into the dynamic cache passed in (``begin`` returns ``self``), so a
-    call that fails after layer 0 leaves layer 0 one chunk longer than the others."""
+    """BROKEN: a call writes into the dynamic cache passed in (``begin`` returns ``self``): one
+    that fails after layer 0 leaves layer 0 a chunk longer than the others."""
 
     def begin(self) -> InPlaceDynamicCache:
         return self  # BUG: no copy
 
 
 class LastLayerLengthStaticCache(StaticCache):
-    """BROKEN: advances its length in the last layer's update, not in ``finish``: right unless the
+    """BROKEN: advances its length in the last layer's update, not in ``finish``: right unless a
     call fails after the last attention (its MLP, the final norm, the LM head)."""
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
@@ -236,22 +199,3 @@ class LastLayerLengthStaticCache(StaticCache):
         if layer_idx == self.n_layer - 1:
             self.finish(start + k.shape[2])  # BUG: the call has not finished yet
         return kv
-
-
-class EarlyLengthDecoder(CacheKindsDecoder):
-    """A decoder whose static caches are :class:`EarlyLengthStaticCache` (dynamic: right)."""
-
-    static_cache = EarlyLengthStaticCache
-
-
-class InPlaceDecoder(CacheKindsDecoder):
-    """A decoder whose dynamic caches are :class:`InPlaceDynamicCache` (static ones are right)."""
-
-    dynamic_cache = InPlaceDynamicCache
-
-
-
-class LastLayerLengthDecoder(CacheKindsDecoder):
-    """A decoder whose static caches are :class:`LastLayerLengthStaticCache` (dynamic: right)."""
-
-    static_cache = LastLayerLengthStaticCache

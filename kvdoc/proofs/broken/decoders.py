@@ -1,10 +1,6 @@
 """Deliberately wrong decoders: positions, masks, grouped-query attention, generation, padded
-batches, a stale fast step, and a stale prefix.
-
-Each is a small change to the real :class:`~kvdoc.core.model.Decoder` made through its public
-interface only: a ``forward`` that hands wrong positions through the real ``positions=`` keyword,
-attention subclasses that hand a wrong mask to the real ``attend`` or share K/V heads wrongly, a
-fast step that never sees the weights change. :func:`stale_prefix` is a scenario, not code.
+batches, a stale fast step. Each changes the real :class:`~kvdoc.core.model.Decoder` through its
+public interface only (the ``positions=`` keyword, ``attend``, the fast step's staleness test).
 
 >>> import torch
 >>> from kvdoc import Decoder, GPTConfig
@@ -54,23 +50,6 @@ def with_attention(model: Decoder, cls: type[CausalSelfAttention]) -> Decoder:
 
 
 # --- wrong positions ---------------------------------------------------------------------------
-class PositionsRestartDecoder(Decoder):
-    """BROKEN: each call numbers its new tokens from 0, as if it began the sequence.
-
-    A full forward starts at 0 anyway, so it is right; every continuation of a cache
-    embeds its tokens at positions ``0 .. C - 1`` instead of ``P .. P + C - 1``.
-    """
-
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
-                **options: object) -> DecoderOutput:
-        # a padded batch's own positions: not this bug
-        if options.get("positions") is not None:
-            return super().forward(idx, cache, **options)
-        # BUG: positions 0 .. C - 1, as if no cache came before, not P .. P + C - 1
-        restart = torch.arange(idx.shape[1], device=idx.device)
-        return super().forward(idx, cache, positions=restart.expand_as(idx), **options)
-
-
 class _CountedDecoder(Decoder):
     """Numbers a call's new tokens by :meth:`count` (each variant's own rule); a padded batch's
     own positions pass through, as they are not these bugs."""
@@ -81,6 +60,14 @@ class _CountedDecoder(Decoder):
             return super().forward(idx, cache, **options)
         counted = self.count(0 if cache is None else cache.seq_len, idx.shape[1], idx.device)
         return super().forward(idx, cache, positions=counted.expand_as(idx), **options)
+
+
+class PositionsRestartDecoder(_CountedDecoder):
+    """BROKEN: each call numbers its new tokens ``0 .. C - 1``, as if it began the sequence: a
+    full forward is right, every continuation of a cache wrong."""
+
+    def count(self, start: int, n: int, device) -> torch.Tensor:
+        return torch.arange(n, device=device)  # BUG: not start .. start + n - 1
 
 
 class ClampedPositionsDecoder(_CountedDecoder):
@@ -105,9 +92,9 @@ class PositionCounterDecoder(_CountedDecoder):
 # --- wrong masks ----------------------------------------------------------------------------
 def top_left_causal_mask(past_len: int, new_len: int,
                          device: torch.device | str | None = None) -> torch.Tensor:
-    """WRONG whenever ``past_len > 0``: ``is_causal=True``'s mask for ``C`` new queries, ``tril``
-    of ``[C, P + C]``, so local query ``i`` reads keys ``0 .. i`` only (right for ``P = 0``);
-    kept for contrast with :func:`kvdoc.core.cache.offset_causal_mask`.
+    """WRONG whenever ``past_len > 0``: ``is_causal=True``'s mask, ``tril`` of ``[C, P + C]``, so
+    query ``i`` reads keys ``0 .. i`` only; kept for contrast with
+    :func:`kvdoc.core.cache.offset_causal_mask`.
 
     >>> top_left_causal_mask(2, 2).int()
     tensor([[1, 0, 0, 0],
@@ -129,16 +116,14 @@ class _MaskAttention(CausalSelfAttention):
 
 
 class TopLeftMaskAttention(_MaskAttention):
-    """BROKEN: ``is_causal=True``'s top-left triangle; new query ``i`` reads keys ``0 .. i`` only,
-    also in one-token decode."""
+    """BROKEN: :func:`top_left_causal_mask`, also in one-token decode."""
 
     def mask(self, start, C, T, device):
         return top_left_causal_mask(start, C, device)  # BUG: no offset by start
 
 
 class NoMaskAttention(_MaskAttention):
-    """BROKEN: no mask at all, so a chunk of several new tokens reads its own future. Right only
-    for one new token without a window."""
+    """BROKEN: no mask: a chunk reads its own future (right for one token without a window)."""
 
     def mask(self, start, C, T, device):
         return torch.ones(C, T, dtype=torch.bool, device=device)  # BUG: every key visible
@@ -155,9 +140,8 @@ class OffByOneMaskAttention(_MaskAttention):
 
 # --- grouped-query attention ----------------------------------------------------------------
 class TiledGQAAttention(CausalSelfAttention):
-    """BROKEN: shares K/V heads by tiling (query head ``h`` reads K/V head ``h % H_kv``), not by
-    group (``h // (H / H_kv)``), on cached calls only. With one K/V head (MQA) both rules agree.
-    """
+    """BROKEN: on cached calls query head ``h`` reads K/V head ``h % H_kv`` (tiling), not
+    ``h // (H / H_kv)`` (its group); with one K/V head (MQA) both rules agree."""
 
     shared = False  # True: the same bug in the full forward too
 
@@ -193,8 +177,8 @@ class LastOnlyFirstRowDecoder(Decoder):
 
 
 class DecodeWithoutPadMaskDecoder(Decoder):
-    """BROKEN: the pad mask is honoured on the prompt call but dropped on one-token decode steps,
-    so a left-padded row's decode steps read its pad slots. Right for every unpadded call."""
+    """BROKEN: the pad mask is dropped on one-token decode steps, so a left-padded row's decode
+    steps read its pad slots."""
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
                 **options: object) -> DecoderOutput:
@@ -211,7 +195,7 @@ class _PaddingBlindFast(FastDecoder):
 
 class PaddingBlindFastDecoder(Decoder):
     """BROKEN: one-token calls after a cache go through a fast step that ignores ``positions`` and
-    ``attn_mask``; every other call is the model's own. Right for every unpadded call."""
+    ``attn_mask`` (right for every unpadded call)."""
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
                 last_only: bool = False, **padding: object) -> DecoderOutput:
@@ -223,8 +207,8 @@ class PaddingBlindFastDecoder(Decoder):
 
 
 class SnapshotFastDecoder(FastDecoder):
-    """BROKEN: the weights copied at construction are used for good; a change made
-    in place afterwards (an optimiser step, ``load_state_dict``) is never seen."""
+    """BROKEN: the weights copied at construction are used for good; a change made in place
+    afterwards (an optimiser step, ``load_state_dict``) is never seen."""
 
     def _stale(self) -> bool:
         return False  # BUG: never compares the model's weights with the copies
@@ -247,8 +231,8 @@ class SnapshotFastStepDecoder(Decoder):
 
 
 def stale_prefix(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The prefix as it was before an edit: ``ids`` ``[B, T]`` with token 0 of every row changed.
-    The stale-cache scenario fills the cache from it, then continues with the current tokens."""
+    """The prefix before an edit, ``ids`` with token 0 of every row changed: the stale-cache
+    scenario fills the cache from it, then continues with the current tokens."""
     if ids.dim() != 2 or ids.shape[1] == 0:
         raise ValueError(f"ids must be a non-empty [B, T] tensor, got {tuple(ids.shape)}")
     old = ids.clone()

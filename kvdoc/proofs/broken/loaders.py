@@ -1,16 +1,8 @@
-"""Deliberately wrong layer layouts, each visible only at a size or layout the grid chooses for it.
-
-* :func:`deepseek_reference_uninverted`: the MLA exporter moves the rotary rows with the
-  importer's permutation, not its inverse: the same for a rotary width of 4 (``[0, 2, 1, 3]``),
-  not from 6 on, so the grid's MLA models rotate 6 (:data:`kvdoc.proofs.grid.MLA`).
-* :func:`transformers_reference_layers_by_name`: the export lays the blocks in the order of
-  their names, ``h.0, h.1, h.10, ..``: only the 12-layer model (the trait ``deep``) shows it.
-* :func:`transformers_reference_upcast`: the export hands a BF16 or FP16 model over in FP32:
-  its logits are nearer the exact value, so only their dtype tells.
-* :func:`gemma_pattern_one_off`: layer types from ``sliding_window_pattern`` one layer off, in
-  the model and its cache alike: only a reference that derives the layout itself tells.
-* :func:`gemma_reference_pattern_only`: the export writes the pattern and drops an explicit
-  list of global layers: only the global-first Gemma model shows it.
+"""Deliberately wrong layer layouts, each visible only at a size or layout the grid chooses for it:
+the DeepSeek exporter's rotary permutation is its own inverse at a rotary width of 4, not at
+the grid's 6 (:data:`kvdoc.proofs.grid.MLA`); layers ordered by name differ from layers by
+number from 11 layers on (the trait ``deep``); a Gemma pattern one layer off, or a pattern
+exported without the list of global layers, shows only where the layout is no pattern.
 
 >>> from kvdoc.interop.hf_deepseek import rope_rows
 >>> from kvdoc.proofs import grid
@@ -48,7 +40,7 @@ def by_name(n: int) -> list[int]:
 
 def transformers_reference_layers_by_name(model: nn.Module) -> Callable[[torch.Tensor],
                                                                           torch.Tensor]:
-    """BROKEN: the transformers reference with its layers in the order of their names."""
+    """BROKEN: the transformers reference, its layers in the order of their names."""
     from kvdoc.interop.hf_weights import to_transformers
 
     hf = to_transformers(model)
@@ -60,7 +52,7 @@ def transformers_reference_layers_by_name(model: nn.Module) -> Callable[[torch.T
 
 
 def transformers_reference_upcast(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """BROKEN: the transformers reference, a model narrower than FP32 exported in FP32."""
+    """BROKEN: a model narrower than FP32 exported in FP32: only the logits' dtype tells."""
     from kvdoc.interop.hf_weights import to_transformers
 
     hf = to_transformers(model)
@@ -93,7 +85,7 @@ def _exported_with(module: object, name: str, bug: Callable, export: Callable,
 
 
 class _OneOffConfig(Gemma3Config):
-    """BROKEN: a :class:`~kvdoc.core.gemma.Gemma3Config` whose pattern starts one layer early."""
+    """BROKEN: a Gemma 3 config whose pattern starts one layer early."""
 
     @property
     def layer_types(self) -> tuple[str, ...]:

@@ -1,5 +1,5 @@
-"""BROKEN measure functions, each a wrong figure a page could print, swapped in for the real
-one under its key of :data:`kvdoc.proofs.figures.MEASURES`."""
+"""BROKEN measure functions, each a wrong figure a page could print (keys of
+:data:`kvdoc.proofs.figures.MEASURES`)."""
 
 from __future__ import annotations
 

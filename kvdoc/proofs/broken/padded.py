@@ -39,8 +39,7 @@ def generate_padded_unmasked_decode(model: Decoder, prompts: Sequence[Sequence[i
     return PaddedGeneration(torch.cat(chosen, dim=1), torch.stack(logits, dim=1))
 
 
-PAD_LEAK_SPLIT = 3
-"""Keys per chunk: a pad of 4 slots spans two chunks."""
+PAD_LEAK_SPLIT = 3  # keys per chunk: a pad of 4 slots spans two chunks
 
 
 class PadLeakSplitKAttention(SplitKAttention):
@@ -60,5 +59,4 @@ class PadLeakSplitKAttention(SplitKAttention):
 
 
 def pad_leak_split_k(model: Decoder) -> Decoder:
-    """A split-K copy of ``model`` (:class:`PadLeakSplitKAttention`), same weights."""
     return with_attention(model, PadLeakSplitKAttention)

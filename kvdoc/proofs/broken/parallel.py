@@ -1,14 +1,7 @@
-"""Deliberately wrong parts of parallel decoding (:mod:`kvdoc.parallel`), each one method off.
-
-* :data:`BROKEN` (parts of :class:`kvdoc.parallel.decode.Parts` and the layout they run on):
-  :class:`WrongShard`, the last CP rank attends over rank 0's positions; :class:`DroppedMax`,
-  the split-K merge skips the ``exp(m_r - m)`` rescaling; :class:`ReversedHeads`, TP heads meet
-  the mirror rank's ``c_proj`` columns.
-* :data:`HANDOVER_BROKEN`: :func:`swapped_destination` writes prefill rank ``t``'s heads into
-  rank ``tp - 1 - t``'s slots; :data:`PULL_BROKEN`: :func:`stale_ids` pulls the block before
-  each one lacked.
-* :data:`LATENT_BROKEN`: :class:`OtherRequests`, the last DP-attention rank serves rank 0's
-  requests; :func:`latent_bytes_once`, the TP-replicated latent counted once for all ranks.
+"""Deliberately wrong parts of parallel decoding (:mod:`kvdoc.parallel`), each one method off:
+:data:`BROKEN` (parts of :class:`kvdoc.parallel.decode.Parts` and the layout they run on),
+:data:`HANDOVER_BROKEN` and :data:`PULL_BROKEN` (a hand-over of blocks), :data:`LATENT_BROKEN`
+(MLA's latent under TP and DP-attention).
 
 >>> sorted(BROKEN)
 ['parallel-dropped-max', 'parallel-reversed-heads', 'parallel-wrong-shard']
@@ -62,7 +55,6 @@ class ReversedHeads(ShardedAttention):
 
 
 class BrokenLayout(NamedTuple):
-
     parts: Parts
     tp: int
     cp: int
@@ -102,7 +94,6 @@ def latent_bytes_once(config, mode: str, ranks: int, rank: int, batch: int, seq_
 
 
 class BrokenLatent(NamedTuple):
-
     mode: str
     split: type
     bytes_rule: object

@@ -1,16 +1,7 @@
-"""Deliberately wrong rotary positions: each a correct RoPE model (same weights) whose attention
-modules are replaced by a subclass with one mistake, as in :mod:`kvdoc.proofs.broken.decoders`.
-
-* ``unrotated-k-cache``: K is cached *before* RoPE and only the rows a call just computed are
-  rotated; keys read back were never turned.
-* ``rope-restart``: each call turns its Q and K at ``0 .. C - 1``, not ``P .. P + C - 1``.
-
-A full forward is right for both: only the cached path is wrong. Wrong in code both paths share:
-
-* ``rope-table-growth``: cos and sin come from a table built on the first call and grown later
-  with rows restarting at position 0; right whenever the first call was the longest.
-* ``rope-default-base``: RoPE turns at the default base 10000, not the config's.
-* ``gemma-local-global-base``: a Gemma model's window layers turn at the global base.
+"""Deliberately wrong rotary positions: a correct RoPE model (same weights) whose attention
+modules are a subclass with one mistake. The first two leave the full forward right and only the
+cached path wrong; the others are wrong in code both paths share (a table grown wrongly, the
+default base, a Gemma window layer at the global base).
 
 >>> import torch
 >>> from kvdoc import Decoder
@@ -43,7 +34,7 @@ from .decoders import copy_as, with_attention
 
 class _Rotated(CausalSelfAttention):
     """Attention whose Q and K are turned by :meth:`rotate` (each variant's own rule) before K is
-    cached; Q, K and V split from ``c_attn`` as the real attention splits them."""
+    cached."""
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         B, C, _ = x.shape
@@ -64,8 +55,7 @@ class _Rotated(CausalSelfAttention):
 
 
 class UnrotatedKeyAttention(_Rotated):
-    """BROKEN: caches K before RoPE, then rotates only this call's rows of what the cache
-    returns."""
+    """BROKEN: caches K before RoPE, then rotates only this call's rows of what it returns."""
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
                 attn_mask: torch.Tensor | None = None, *,
@@ -90,10 +80,9 @@ class RopeRestartAttention(_Rotated):
 
 
 class GrowingTableAttention(_Rotated):
-    """BROKEN: RoPE's cos and sin come from a table built on the first call for the positions it
-    needs, and grown when a later call needs more; the grown rows are computed from position 0,
-    not from where the table ended. Right as long as the first call was the longest, as a full
-    forward over the whole stream is."""
+    """BROKEN: RoPE's cos and sin come from a table built on the first call and grown when a
+    later call needs more, the grown rows from position 0: right while the first call was the
+    longest, as a full forward over the whole stream is."""
 
     def _table(self, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         have = 0 if getattr(self, "_cos", None) is None else self._cos.shape[0]
@@ -116,8 +105,7 @@ class GrowingTableAttention(_Rotated):
 
 
 class DefaultBaseAttention(_Rotated):
-    """BROKEN: calls ``apply_rope`` without the model's base, so RoPE turns at the default 10000
-    whatever ``config.rope_theta`` says, in every call, full or cached."""
+    """BROKEN: RoPE turns at the default base 10000 whatever ``config.rope_theta`` says."""
 
     def rotate(self, q, k, at, x):
         return apply_rope(q, at), apply_rope(k, at)  # BUG: no self.rope_theta
@@ -134,13 +122,9 @@ def rope_variant(cls: type[CausalSelfAttention]) -> Callable[[Decoder], Decoder]
 
 
 unrotated_k = rope_variant(UnrotatedKeyAttention)
-"""A copy of a RoPE model whose attention caches K before rotating it."""
 rope_restart = rope_variant(RopeRestartAttention)
-"""A copy of a RoPE model whose every call rotates its rows from position 0."""
 growing_table = rope_variant(GrowingTableAttention)
-"""A copy of a RoPE model whose rotation table grows wrongly after its first call."""
 default_base = rope_variant(DefaultBaseAttention)
-"""A copy of a RoPE model that turns at the default base, not ``config.rope_theta``."""
 
 
 def local_global_base(model: Gemma3Decoder) -> Gemma3Decoder:

@@ -1,19 +1,7 @@
 """Deliberately wrong parts of the serving layer, each a subclass of the real class changing one
-method it offers for that purpose (or a function in place of one):
-
-* radix trees: :class:`WholeBlockMatch` takes a partly matched block as the request's own;
-  :class:`EvictLocked` evicts through a policy that ignores locks; :class:`ReserveFinalToken`
-  makes room for one position more than written; :class:`ShareLastBlock` shares, in block mode,
-  the last block of a prompt found whole;
-* hand-over packers: :func:`pack_off_by_one` ships one position too few,
-  :func:`pack_zeroed_last_v` the last layer's V as zeros, :func:`pack_through_fp32` every tensor
-  through FP32, :func:`pack_layers_by_name` the layers in the order of their names;
-* schedulers: :class:`SharedStartScheduler` embeds every row at the step's common start,
-  :class:`LeakingScheduler` never gives blocks back, :class:`ResumeWithoutRecompute` resumes a
-  preempted request without recomputing it, :class:`ForkWithoutCopy` writes into shared blocks;
-* :class:`UnshiftedPositionsDecoder` ignores per-row positions (:func:`unshifted_positions`);
-* :func:`parentless_hash` keys an offloaded block (:mod:`kvdoc.serving.offload`) by its tokens
-  alone: blocks of the same tokens after different prefixes share a key (:data:`OFFLOAD_BROKEN`).
+method it offers for that purpose (or a function in place of one): radix trees, hand-over
+packers, schedulers, a decoder that ignores per-row positions, and the key of an offloaded block
+(:data:`OFFLOAD_BROKEN`).
 """
 
 from __future__ import annotations
@@ -50,15 +38,15 @@ class WholeBlockMatch(RadixCache):
 
 class ReserveFinalToken(RadixCache):
     """BROKEN: makes room for ``len(prompt) + max_new`` positions, one more than a request writes
-    (its last token is never fed): it evicts more than it must, refuses a request that fits."""
+    (its last token is never fed), so it may refuse a request that fits."""
 
     def admit(self, prompt, max_new=0):
         return super().admit(prompt, max_new + 1)  # BUG: the last token is never written
 
 
 class ShareLastBlock(RadixCache):
-    """BROKEN: in block mode a prompt found whole matches up to its last token, sharing the last
-    block and copying it on its first write (vLLM and SGLang match whole blocks only)."""
+    """BROKEN: in block mode a prompt found whole shares its last block and copies it on its
+    first write (vLLM and SGLang match whole blocks only)."""
 
     def reusable(self, prompt):
         length, blocks, node = self.match(prompt)
@@ -80,23 +68,18 @@ class EvictLocked(RadixCache):
         super().__init__(pool, granularity, policy=IgnoreLocks(), evict=evict)
 
 
-# --- hand-over packers ---------------------------------------------------------------------
-def _rebuilt(cache: KVCache, layers: list) -> KVCache:
-    """A dynamic cache of ``layers`` (K/V, or a latent's, as ``cache`` holds)."""
-    return DynamicCache(layers)
-
-
+# --- hand-over packers: each rebuilds the cache as a dynamic one of the layers it ships ----------
 def pack_off_by_one(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
     """BROKEN: ships positions ``0 .. T - 2``: decoding writes over the prompt's last one."""
     layers = [cache.layer(i) for i in range(cache.n_layer)]
-    return pack(_rebuilt(cache, layers).crop(cache.seq_len - 1), logits)
+    return pack(DynamicCache(layers).crop(cache.seq_len - 1), logits)
 
 
 def pack_zeroed_last_v(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
     """BROKEN: the last layer's V is sent as zeros: every size right, only the values wrong."""
     layers = [cache.layer(i) for i in range(cache.n_layer)]
     layers[-1] = (layers[-1][0], torch.zeros_like(layers[-1][1]))
-    return pack(_rebuilt(cache, layers), logits)
+    return pack(DynamicCache(layers), logits)
 
 
 def pack_through_fp32(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
@@ -106,13 +89,13 @@ def pack_through_fp32(cache: KVCache, logits: torch.Tensor | None = None) -> byt
         return t.float().to(t.dtype)
 
     layers = [tuple(map(wire, cache.layer(i))) for i in range(cache.n_layer)]
-    return pack(_rebuilt(cache, layers), None if logits is None else wire(logits))
+    return pack(DynamicCache(layers), None if logits is None else wire(logits))
 
 
 def pack_layers_by_name(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
     """BROKEN: the layers go out in the order of their names, ``0, 1, 10, 11, 2, ..``."""
     order = sorted(range(cache.n_layer), key=str)
-    return pack(_rebuilt(cache, [cache.layer(i) for i in order]), logits)
+    return pack(DynamicCache([cache.layer(i) for i in order]), logits)
 
 
 # --- schedulers ----------------------------------------------------------------------------
@@ -124,16 +107,9 @@ class SharedStartScheduler(Scheduler):
         return view.seq_len + torch.arange(C, device=view.device).expand(len(view.new), C)
 
 
-class LeakingScheduler(Scheduler):
-    """BROKEN: retiring a request forgets its table but never gives its blocks back."""
-
-    def retire(self, live: LiveRequest) -> None:
-        live.table.clear()  # BUG: no self.pool.release(live.table) first
-
-
 class ResumeWithoutRecompute(Scheduler):
-    """BROKEN: preemption gives the blocks back but keeps the count of written positions: the
-    request, admitted again, decodes on as if its K/V were still there."""
+    """BROKEN: preemption gives the blocks back but keeps the count of written positions, so the
+    request decodes on as if its K/V were still there."""
 
     def preempt(self, live: LiveRequest) -> int:
         discarded = live.fed
@@ -156,8 +132,8 @@ class ForkWithoutCopy(Scheduler):
 
 # --- padded batches ---------------------------------------------------------------------------
 class UnshiftedPositionsDecoder(Decoder):
-    """BROKEN: ignores per-row positions: slot ``t`` of a padded row is embedded at position
-    ``t``, so a row with ``pad`` slots in front sees its prompt at ``pad ..``, not ``0 ..``."""
+    """BROKEN: ignores per-row positions: a row with ``pad`` slots in front sees its prompt at
+    positions ``pad ..``, not ``0 ..``."""
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False,
                 positions: torch.Tensor | None = None,
@@ -167,7 +143,6 @@ class UnshiftedPositionsDecoder(Decoder):
 
 
 def unshifted_positions(model: Decoder) -> UnshiftedPositionsDecoder:
-    """An :class:`UnshiftedPositionsDecoder` with ``model``'s config, weights, dtype and device."""
     return copy_as(model, UnshiftedPositionsDecoder)
 
 
