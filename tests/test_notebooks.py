@@ -34,7 +34,7 @@ The answer is {glue:text}`n` ({glue:md}`m:myst`).
 The caption, {glue:text}`r:.1f`.
 ```
 
-```{literalinclude} ../../kvdoc/core/model.py
+```{literalinclude} ../../kvdoc/core/cache.py
 :pyobject: offset_causal_mask
 ```
 """

@@ -124,8 +124,8 @@ def stored(name: str, sweep: Callable[..., list[VariantOutcome]], folder: str | 
 
 def sweep_part(part: int, parts: int = PARTS, axes: dict = AXES,
                workers: int = 2) -> list[VariantOutcome]:
-    """Part ``part`` of ``parts`` of :data:`~kvdoc.proofs.variants.VARIANTS`, in that order,
-    through every check on ``axes``, two variants at a time."""
+    """Part ``part`` of ``parts`` of :data:`~kvdoc.proofs.variants.VARIANTS`, in
+    that order, through every check on ``axes``, two variants at a time."""
     names = list(VARIANTS)
     names = names[part * len(names) // parts:(part + 1) * len(names) // parts]
     with worker_map(workers) as map_:
