@@ -208,7 +208,8 @@ class ShapeRow:
 def gpt2_shapes(model: Decoder, idx: torch.Tensor, layer: int = 0) -> list[ShapeRow]:
     """The shapes of one full forward of ``idx`` (``[B, T]``), measured on ``model``, in forward
     order: one decoder layer (``layer``, its head split and scores from its real Q and K), then
-    the last-row slice and the LM head of next-token prediction.
+    the last-row slice, the final norm and the LM head of next-token prediction, in the order
+    ``last_only`` runs them (ln_f is row-wise, so the slice may come first).
 
     >>> from kvdoc import GPTConfig
     >>> rows = gpt2_shapes(Decoder(GPTConfig()), torch.tensor([[1, 2, 3]]))
@@ -224,8 +225,9 @@ def gpt2_shapes(model: Decoder, idx: torch.Tensor, layer: int = 0) -> list[Shape
         k = v[f"h{layer}.k"].view(B, T, Hkv, Dh).transpose(1, 2)  # [B, H_kv, T, D_h]
         k = k.repeat_interleave(H // Hkv, dim=1)
         scores = q @ k.transpose(-2, -1)  # [B, H, T, T]
-        last = v["ln_f.out"][:, -1, :]  # [B, d]
-        logits = model.lm_head(last)  # [B, V]
+        last = v[f"h{cfg.n_layer - 1}.out"][:, -1, :]  # [B, d]: the last layer's last row
+        normed = model.ln_f(last)  # [B, d]
+        logits = model.lm_head(normed)  # [B, V]
     h = f"h{layer}"
     return [
         ShapeRow("token ids", "input", tuple(idx.shape), "B, T"),
@@ -253,8 +255,8 @@ def gpt2_shapes(model: Decoder, idx: torch.Tensor, layer: int = 0) -> list[Shape
                  tuple(v[f"{h}.fc"].shape), "B, T, d_ff"),
         ShapeRow(f"{h}: MLP down c_proj, + residual", "matmul by a weight; element-wise",
                  tuple(v[f"{h}.out"].shape), "B, T, d_model"),
-        ShapeRow("ln_f (after the last layer)", "row-wise", tuple(v["ln_f.out"].shape),
-                 "B, T, d_model"),
-        ShapeRow("last row x[:, -1, :]", "slice", tuple(last.shape), "B, d_model"),
+        ShapeRow("last row x[:, -1, :] (after the last layer)", "slice", tuple(last.shape),
+                 "B, d_model"),
+        ShapeRow("ln_f", "row-wise", tuple(normed.shape), "B, d_model"),
         ShapeRow("LM head", "matmul by a weight", tuple(logits.shape), "B, V"),
     ]
