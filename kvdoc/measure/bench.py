@@ -60,9 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-transformers", action="store_true",
                         help="skip transformers' GPT-2 (timed by default on the same weights)")
     parser.add_argument("--no-roofline", action="store_true",
-                        help="skip the memory-bandwidth floor on a 124M-parameter model")
+                        help="skip the memory-bandwidth estimate on a 124M-parameter model")
     parser.add_argument("--roofline-samples", type=int, default=d.roofline_samples, metavar="N",
-                        help=f"timed samples per path of the bandwidth floor "
+                        help=f"timed samples per path of the bandwidth estimate "
                              f"(default {d.roofline_samples})")
     parser.add_argument("--no-ablation", action="store_true",
                         help="skip the lean step with each of the fast step's changes undone")

@@ -33,7 +33,7 @@ class BenchSettings:
     torch threads (restored afterwards), on ``model`` (default: the 145,280-parameter one) with
     weights and tokens seeded by ``seed``. ``transformers`` adds transformers' GPT-2;
     ``growth_lengths`` are the total lengths ``T`` at which one step of each path is timed
-    ``growth_samples`` times. ``roofline`` adds the memory-bandwidth floor on ``roofline_model``
+    ``growth_samples`` times. ``roofline`` adds the memory-bandwidth estimate on ``roofline_model``
     (GPT-2 small's shape, tied head): ``roofline_steps`` decode steps after ``roofline_context``
     positions, ``roofline_samples`` times, beside a reduction over ``bandwidth_mib`` MiB.
     ``ablation`` also times the lean step with each of the fast step's changes undone (in the
@@ -151,7 +151,7 @@ def ratios(result: BenchResult) -> dict[str, float]:
     ``G`` steps; ``fast_vs_*``: the same over the fast step's p50 (``fast_vs_lean``, below 1, is
     the share of the lean step's speed the fast step keeps with its checks);
     ``compiled_vs_*``: the same over the ``torch.compile`` step's p50, where it compiled;
-    ``bandwidth_fraction*``: the bandwidth floor over a path's decode time per token on the
+    ``bandwidth_fraction*``: the bandwidth estimate over a path's decode time per token on the
     roofline model (1 would read weights and K/V at the measured bandwidth); ``*_124m``: on
     the roofline model.
     """

@@ -1,4 +1,4 @@
-"""What the cache saves, measured: decode paths timed side by side, growth, the bandwidth floor.
+"""What the cache saves, measured: decode paths timed side by side, growth, the bandwidth estimate.
 
 One fixed token stream, batch 1, FP32, on the CPU, a fixed thread count, the model in ``eval()``
 under ``torch.inference_mode()``:

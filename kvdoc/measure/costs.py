@@ -55,12 +55,19 @@ class RowCounter:
             handle.remove()
 
 
-def step_flops(config: GPTConfig, past: int, new: int, last_only: bool = False) -> dict[str, float]:
+def step_flops(config: GPTConfig, past: int, new: int, last_only: bool = False,
+               causal: bool = False) -> dict[str, float]:
     """Multiply-add FLOPs (2 per MAC) of one forward: ``new`` tokens after ``past`` cached ones.
 
     ``linear``: ``c_attn``, ``c_proj`` and the MLP of every layer; ``attention``: ``Q K^T`` and
-    the weighted sum with ``V``, masked entries included (dense attention computes them);
+    the weighted sum with ``V``: every query against every key, masked entries included (what
+    attention with an explicit mask computes, as kvdoc's model does), or with ``causal`` only
+    the ``i + 1`` keys query ``i`` reads (what a kernel that skips masked blocks computes);
     ``lm_head``: the vocabulary projection. Norms, GELU and softmax are left out.
+
+    >>> step_flops(GPTConfig(), 0, 4, causal=True)["attention"] * 2 == (
+    ...     step_flops(GPTConfig(), 0, 4)["attention"] * (1 + 2 + 3 + 4) * 2 // 16)
+    True
 
     >>> f = step_flops(GPTConfig(), past=0, new=1)
     >>> f["attention"] == 2 * 2 * 1 * 1 * 64 * 2       # 2 layers, QK^T and PV, 1 query, 1 key
@@ -74,19 +81,22 @@ def step_flops(config: GPTConfig, past: int, new: int, last_only: bool = False) 
     mlp_matrices = 3 if config.mlp == "swiglu" else 2
     per_token_linear = d * (d + 2 * config.kv_dim) + d * d + mlp_matrices * d * config.n_inner
     linear = 2.0 * config.n_layer * new * per_token_linear
-    attention = 2.0 * config.n_layer * 2 * new * t * d  # H heads x D_h = d, for QK^T and for PV
+    keys = new * past + new * (new + 1) // 2 if causal else new * t  # score-value pairs
+    attention = 2.0 * config.n_layer * 2 * keys * d  # H heads x D_h = d, for QK^T and for PV
     lm_head = 2.0 * (1 if last_only else new) * d * config.vocab_size
     return {"linear": linear, "attention": attention, "lm_head": lm_head,
             "total": linear + attention + lm_head}
 
 
-def run_flops(config: GPTConfig, prefix_len: int, new_tokens: int) -> dict[str, float]:
+def run_flops(config: GPTConfig, prefix_len: int, new_tokens: int,
+              causal: bool = False) -> dict[str, float]:
     """Total FLOPs of the ``G`` decode steps after a ``P``-token prompt: ``full_all``,
-    ``full_last`` (step ``j`` recomputes ``P + j`` positions) and ``cached``, and their parts."""
+    ``full_last`` (step ``j`` recomputes ``P + j`` positions) and ``cached``, and their parts
+    (``causal``: as :func:`step_flops`)."""
     steps = range(1, new_tokens + 1)
-    runs = {"full_all": [step_flops(config, 0, prefix_len + j) for j in steps],
-            "full_last": [step_flops(config, 0, prefix_len + j, last_only=True) for j in steps],
-            "cached": [step_flops(config, prefix_len + j - 1, 1) for j in steps]}
+    runs = {"full_all": [step_flops(config, 0, prefix_len + j, causal=causal) for j in steps],
+            "full_last": [step_flops(config, 0, prefix_len + j, True, causal) for j in steps],
+            "cached": [step_flops(config, prefix_len + j - 1, 1, causal=causal) for j in steps]}
     return {name if part == "total" else f"{name}_{part}": sum(p[part] for p in parts)
             for name, parts in runs.items() for part in ("linear", "attention", "lm_head", "total")}
 
