@@ -216,3 +216,39 @@ def test_included_package_code_fits_the_page():
 def test_the_include_rule_can_fail():
     assert included_long_lines("```{literalinclude} ../../kvdoc/core/model.py\n"
                                ":pyobject: Decoder\n")
+
+
+# A version of torch or transformers named on a page or in the README is the one this build
+# runs (the pins in constraints.txt), at the precision the text gives; a link into transformers'
+# code names that release's tag. Other systems (vLLM, SGLang) are releases read, not installed.
+TYPED_VERSION = re.compile(r"\b(transformers|torch|PyTorch) v?(\d+\.\d+(?:\.\d+)?)\b")
+TRANSFORMERS_TAG = re.compile(r"huggingface/transformers/(?:blob|tree)/v(\d+\.\d+\.\d+)/")
+
+
+def typed_versions(text: str) -> list[str]:
+    """The torch and transformers versions ``text`` names that are not the installed ones."""
+    import torch
+    import transformers
+
+    installed = {"torch": torch.__version__.split("+")[0],
+                 "transformers": transformers.__version__}
+    named = [(lib.lower().replace("pytorch", "torch"), version)
+             for lib, version in TYPED_VERSION.findall(text)]
+    named += [("transformers", version) for version in TRANSFORMERS_TAG.findall(text)]
+    return [f"{lib} {version} (this build: {installed[lib]})" for lib, version in named
+            if not (installed[lib] == version or installed[lib].startswith(version + "."))]
+
+
+def test_typed_versions_are_the_ones_the_build_runs():
+    texts = [p for p in DOCS.rglob("*.md") if "_build" not in p.parts] + [ROOT / "README.md"]
+    wrong = {str(p.relative_to(ROOT)): w for p in texts if (w := typed_versions(p.read_text()))}
+    assert not wrong, wrong
+
+
+def test_the_version_rule_can_fail():
+    import torch
+
+    assert typed_versions("torch 1.0, PyTorch 1.0.1 and transformers 5.24") == [
+        f"torch 1.0 (this build: {torch.__version__.split('+')[0]})",
+        f"torch 1.0.1 (this build: {torch.__version__.split('+')[0]})"]
+    assert typed_versions("huggingface/transformers/blob/v4.0.0/src") != []
