@@ -52,7 +52,7 @@ def test_each_variant_is_caught_by_its_check_only(variant):
 
 def test_the_sweep_catches_the_new_variants():
     assert {VARIANTS[v].bug_class for v in MADE_FOR} == {
-        "byte accounting", "int8 contract", "ring and block edges", "padded batches"}
+        "byte accounting", "int8 contract", "window and block edges", "padded batches"}
     outcomes = sweep_variants(list(MADE_FOR), **FP32)
     assert [o.name for o in outcomes] == list(MADE_FOR)
     assert all(o.caught for o in outcomes)

@@ -30,8 +30,8 @@ from .compare import Snapshot
 BYTES_CHUNKS = (5, 1, 13)
 """Chunks of the ``bytes`` scenario: past the Mistral window (16) and several paged blocks (4)."""
 BRANCH_PREFIXES = (9, 23)
-"""Prefixes of the ``edges`` branches: before and after a ring of 16 wraps, neither a multiple of
-the paged block size (4)."""
+"""Prefixes of the ``edges`` branches: before and after a window of 16 fills, neither a
+multiple of the paged block size (4)."""
 
 
 def _objects(obj: object, seen: set[int]) -> Iterator[object]:
@@ -93,7 +93,7 @@ def shape_problems(cache: KVCache) -> list[str]:
     if held.stop != T or held.start < 0:
         problems.append(f"held() is {held} for seq_len {T}")
     for i, layer in enumerate(cache.layers):
-        w = layer.window  # a ring holds the last W positions, every other layer all T
+        w = layer.window  # a window layer holds the last W positions, every other all T
         if cache.held(i) != range(0 if w is None else max(0, T - w), T):
             problems.append(f"layer {i} (window {w}) holds {cache.held(i)} after {T}")
         rows = len(cache.held(i))
@@ -139,7 +139,7 @@ def _bytes(case: Case, out: list) -> None:
     out.append(case.result("bytes", not problems, 0.0 if not problems else math.inf, detail))
 
 
-# --- ring and block edges -------------------------------------------------------------------
+# --- window and block edges -------------------------------------------------------------------
 
 def _long_chunk(case: Case) -> tuple[bool, float, str]:
     W = case.model.config.sliding_window
@@ -171,8 +171,8 @@ def _live_branches(case: Case, P: int) -> tuple[bool, float]:
 
 
 @scenario("edges", {
-    "edges": "a chunk longer than the window; two live branches before and after the ring "
-             "wraps, off the block size"})
+    "edges": "a chunk longer than the window; two live branches before and after the window "
+             "fills, off the block size"})
 def _edges(case: Case, out: list) -> None:
     ok, err, parts = True, 0.0, []
     W = getattr(case.model.config, "sliding_window", None)  # an MLA config has none
@@ -181,9 +181,9 @@ def _edges(case: Case, out: list) -> None:
         ok, err = ok and passed, max(err, e)
         parts.append(detail)
     if not case.cache.in_place:  # branches of a cache written in place cannot both live
-        # before a ring wraps and, for a cache with a ring, after; both off the paged block size
-        rings = not case.new_cache(1).keeps_every_position
-        prefixes = BRANCH_PREFIXES if rings else BRANCH_PREFIXES[:1]
+        # before a window fills and, for a window cache, after; both off the paged block size
+        windowed = not case.new_cache(1).keeps_every_position
+        prefixes = BRANCH_PREFIXES if windowed else BRANCH_PREFIXES[:1]
         for P in prefixes:
             passed, e = _live_branches(case, P)
             ok, err = ok and passed, max(err, e)

@@ -137,7 +137,7 @@ def _crop(case: Case, out: list) -> None:
     ids, T = case.ids, case.ids.shape[1]
     fill, keep = T - T // 4, T // 2 - 5
     cache = case.feed(ids[:, :fill], case.chunks[-1]).cache
-    if cache.held().start > 0:  # a ring past its window: the rows a crop needs are overwritten
+    if cache.held().start > 0:  # a window layer past its window: the rows a crop needs are gone
         before, refused = Snapshot.of(cache), False
         try:
             cache.crop(keep)

@@ -66,7 +66,7 @@ def check_handover(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, *,
     dtype = next(model.parameters()).dtype
     run = disaggregated_generate(model, prompt, max_new_tokens, in_process=in_process,
                                  packer=packer)
-    # on the kind the worker ships: another kind (a ring, a hybrid cache) sums the keys in
+    # on the kind the worker ships: another kind (a window or hybrid cache) sums the keys in
     # another order, and in BF16 a near tie between two tokens can fall either way
     alone = generate(model, prompt, max_new_tokens, cache="dynamic")
     with torch.no_grad():  # logits[:, i] predicts token i + 1: those behind the chosen tokens

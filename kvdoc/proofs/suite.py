@@ -228,7 +228,7 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
                 except Exception as exc:
                     results.append(_failed((name, "", "", dt), exc))
                     continue
-                # skips what does not serve the model, e.g. a ring cache for a model without a
+                # skips what does not serve the model, e.g. a window cache for a model without a
                 # window, K/V caches and FastDecoder for an MLA model
                 own = [i for i in impls
                        if given_impls or specs[name].impls is None or i in specs[name].impls]
