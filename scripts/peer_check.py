@@ -8,6 +8,9 @@ its Python package but not its ``docs/``), unpacks them under ``.peer/`` and che
 * every link ``github.com/<peer>/(blob|tree)/<tag>/<path>[#Lm[-Ln]]`` in ``docs/``, ``kvdoc/``
   and the README names a file (``blob``) or folder (``tree``) that exists in that release, and
   its line anchors lie inside the file;
+* a link whose text names code (```[`retract_decode`](...)```) points where that name is: it
+  occurs as a whole word in the file (in the lines the anchor gives) or in the folder's source;
+* a name in prose that a release owns (``vLLM 0.33's `BlockPool```) occurs in its source;
 * every name in backquotes in the vLLM and SGLang columns of the name map
   (``docs/reference/names.md``) occurs as a whole word in that release's Python source (a flag
   ``--block-size`` as ``block_size`` or ``--block-size``).
@@ -62,6 +65,7 @@ LINK = re.compile(r"https://github\.com/(?P<repo>[\w.-]+/[\w.-]+)/(?P<kind>blob|
                   r"(?P<tag>v[\w.]+)/(?P<path>[^\s)\"'<>`#]*[^\s)\"'<>`#.,;:])"
                   r"(?:#L(?P<first>\d+)(?:-L(?P<last>\d+))?)?")
 SOURCES = ("docs/**/*.md", "kvdoc/**/*.py", "README.md")
+CODE = r"`(--?[\w-]+|[A-Za-z_][\w.]*)`"  # a flag or a (dotted) name in backquotes
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,21 @@ class Link:
     tag: str
     path: str
     lines: tuple[int, ...]
+    names: tuple[str, ...] = ()  # code the link's text names, in backquotes
+
+
+def owned_names(root: Path = ROOT) -> list[tuple[str, str, str, str]]:
+    """``(where, repo, version, name)`` for every ``<peer> <version>'s `name``` in the site."""
+    peers = {p.column: p.repo for p in PEERS}
+    # the name's first word: `--kv-cache-dtype fp8` names the flag
+    said = re.compile(rf"({'|'.join(peers)}) (\d[\d.]*\d)'s (?:[a-z-]+ )?{CODE[:-1]}")
+    found = []
+    for pattern in SOURCES:
+        for file in sorted(root.glob(pattern)):
+            for number, text in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+                found += [(f"{file.relative_to(root)}:{number}", peers[m[1]], m[2], m[3])
+                          for m in said.finditer(text) if "_build" not in file.parts]
+    return found
 
 
 def links(root: Path = ROOT) -> list[Link]:
@@ -86,8 +105,12 @@ def links(root: Path = ROOT) -> list[Link]:
                 for m in LINK.finditer(text):
                     if m["repo"] in repos:
                         lines = tuple(int(n) for n in (m["first"], m["last"]) if n)
+                        label = re.search(r"\[([^\[\]]*)\]\($", text[:m.start()])
+                        names = tuple(n for n in re.findall(CODE, label[1] if label else "")
+                                      if not n.endswith((".py", ".md")))
                         found.append(Link(f"{file.relative_to(root)}:{number}", m["repo"],
-                                          m["kind"], m["tag"], m["path"].rstrip("/"), lines))
+                                          m["kind"], m["tag"], m["path"].rstrip("/"), lines,
+                                          names))
     return found
 
 
@@ -145,7 +168,41 @@ def check_link(link: Link, tree: Path, peer: Peer) -> str | None:
         count = len(target.read_text(encoding="utf-8", errors="replace").splitlines())
         if max(link.lines) > count:
             return f"{link.path} has {count} lines in {link.tag}, the link points at {link.lines}"
+    if link.names:
+        if link.kind == "tree":
+            files = sorted(target.rglob("*.py"))
+        else:
+            files = [target]
+        text = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+        absent = [n for n in link.names if not (
+            _inside(n, text.splitlines(), link.lines) if link.lines else _occurs(n, text))]
+        if absent:
+            where = f"L{link.lines[0]}-L{link.lines[-1]} of " if link.lines else ""
+            return f"{', '.join(absent)} not in {where}{link.path} at {link.tag}"
     return None
+
+
+def _inside(name: str, lines: list[str], anchor: tuple[int, ...]) -> bool:
+    """Whether ``name`` is in the anchored lines, or they lie in the body of its ``def`` or
+    ``class`` (a link may point at the part of a method it describes)."""
+    first, last = anchor[0], anchor[-1]
+    if _occurs(name, "\n".join(lines[first - 1:last])):
+        return True
+    head = re.compile(rf"(\s*)(async\s+)?(def|class)\s+{re.escape(name.rsplit('.', 1)[-1])}\b")
+    for number in range(first - 1, 0, -1):
+        m = head.match(lines[number - 1])
+        if m:  # the body: later lines indented deeper (or blank, or closing the signature)
+            return all(not s.strip() or s.lstrip()[0] in ")]"
+                       or len(s) - len(s.lstrip()) > len(m[1]) for s in lines[number:last])
+    return False
+
+
+def _occurs(name: str, text: str) -> bool:
+    """Whether ``name`` (a flag as itself or in snake case; ``a.b`` as ``b``) is a whole word
+    of ``text``."""
+    forms = {name, name.lstrip("-").replace("-", "_")} if name.startswith("-") else {name}
+    forms |= {f.rsplit(".", 1)[-1] for f in forms}
+    return any(re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text) for f in forms)
 
 
 def table_names(names_page: Path, column: str) -> list[str]:
@@ -166,14 +223,7 @@ def missing_names(names: list[str], tree: Path) -> list[str]:
     """The names that occur nowhere in the release's Python source as whole words."""
     text = "\n".join(p.read_text(encoding="utf-8", errors="replace")
                      for p in sorted(tree.rglob("*.py")))
-    absent = []
-    for name in names:
-        forms = {name, name.lstrip("-").replace("-", "_")} if name.startswith("-") else {name}
-        # an attribute path a.b: its last part is what the source defines
-        forms |= {f.rsplit(".", 1)[-1] for f in forms}
-        if not any(re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text) for f in forms):
-            absent.append(name)
-    return absent
+    return [name for name in names if not _occurs(name, text)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,6 +244,15 @@ def main(argv: list[str] | None = None) -> int:
             unchecked.append(f"{link.where}: {link.path} ({link.tag} does not publish it)")
         elif problem:
             wrong.append(f"{link.where}: {problem}")
+        else:
+            checked += 1
+    for where, repo, version, name in owned_names():
+        tag = [t for r, t in trees if r == repo and (t + ".").startswith(f"v{version}.")]
+        if len(tag) != 1:
+            wrong.append(f"{where}: `{name}` names {repo} {version}, which the site links at "
+                         f"{tag or 'no tag'}")
+        elif missing_names([name], trees[repo, tag[0]]):
+            wrong.append(f"{where}: `{name}` is not in {repo} {tag[0]}")
         else:
             checked += 1
     names_page = "docs/reference/names.md"

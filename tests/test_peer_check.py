@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,3 +67,29 @@ def test_the_sites_links_are_found():
     found = peer_check.links()
     assert {link.repo for link in found} == {VLLM.repo, SGLANG.repo}
     assert all(link.tag.startswith("v") and link.path for link in found)
+
+
+def test_a_link_naming_code_must_point_where_it_is(tmp_path):
+    tree = _release(tmp_path)
+    named = peer_check.Link("page.md:1", VLLM.repo, "blob", "v1.0", "vllm/core/scheduler.py",
+                            (2, 2), ("Scheduler.max_num_batched_tokens",))
+    assert peer_check.check_link(named, tree, VLLM) is None
+    assert peer_check.check_link(replace(named, names=("block_size",)), tree, VLLM) == (
+        "block_size not in L2-L2 of vllm/core/scheduler.py at v1.0")
+    # a line of a class's body: the class is named in its def, not on the line
+    assert peer_check.check_link(replace(named, lines=(3, 3), names=("Scheduler",)), tree,
+                                 VLLM) is None
+    assert peer_check.check_link(replace(named, kind="tree", path="vllm", lines=(),
+                                         names=("Sched",)), tree, VLLM) is not None
+
+
+def test_names_in_links_and_in_prose_are_read(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "p.md").write_text(
+        "see [`Scheduler.step`](https://github.com/vllm-project/vllm/blob/v1.0/vllm/s.py#L3)"
+        " and [`s.py`](https://github.com/vllm-project/vllm/blob/v1.0/vllm/s.py), vLLM 1.0's "
+        "`--block-size 16` and SGLang 0.5's `RadixCache`.\n")
+    found = peer_check.links(tmp_path)
+    assert [link.names for link in found] == [("Scheduler.step",), ()]
+    assert [entry[1:] for entry in peer_check.owned_names(tmp_path)] == [
+        (VLLM.repo, "1.0", "--block-size"), (SGLANG.repo, "0.5", "RadixCache")]
