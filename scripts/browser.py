@@ -43,6 +43,7 @@ MOBILE_BELOW = 800
 # Every page is also laid out this wide (a common phone, in CSS pixels): nothing on it may make
 # the page wider than the screen; a wide table scrolls inside its own box.
 PHONE_WIDTH = 412
+MIN_FIGURE_PX = 9  # CSS px: a figure's smallest label, as a phone shows it
 
 
 def find_chromium() -> str | None:
@@ -92,6 +93,7 @@ class PageReport:
     images_without_alt: list[str] = field(default_factory=list)
     phone_overflow: int = 0  # CSS px the page is wider than a PHONE_WIDTH screen
     phone_culprits: list[str] = field(default_factory=list)
+    small_figures: list[str] = field(default_factory=list)  # text under MIN_FIGURE_PX on a phone
     openables: int = 0  # answers (dropdown admonitions) and hidden code cells
     shown_closed: list[str] = field(default_factory=list)
     not_opening: list[str] = field(default_factory=list)
@@ -113,6 +115,8 @@ class PageReport:
         if self.phone_overflow > 0:
             out.append(f"{self.phone_overflow} px wider than a {PHONE_WIDTH} px phone, "
                        f"because of: {'; '.join(self.phone_culprits)}")
+        out += [f"figure text {f} on a {PHONE_WIDTH} px phone (at least {MIN_FIGURE_PX})"
+                for f in self.small_figures]
         out += [f"visible before the reader opens it: {a}" for a in self.shown_closed]
         out += [f"shows nothing once opened: {a}" for a in self.not_opening]
         out += [f"page contains {f!r} (a path of the machine that built it)"
@@ -188,11 +192,23 @@ _INSPECT = r"""
 
 
 # Run at PHONE_WIDTH: how far the page is wider than the screen, and the innermost elements
-# that stick out of it and are not inside a box that scrolls (or clips) sideways by itself.
+# that stick out of it and are not inside a box that scrolls (or clips) sideways by itself;
+# and each SVG figure's smallest text as shown there. matplotlib draws a glyph of s pt as a path
+# scaled by s / 100; an SVG's natural width is its width in pt, 4/3 CSS px each.
 _TOO_WIDE = r"""
 (async () => {
   await new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
   const vw = document.documentElement.clientWidth;
+  const figures = [];
+  for (const img of document.images) {
+    if (!img.src.endsWith(".svg") || !img.naturalWidth || !img.clientWidth) { continue; }
+    const svg = await (await fetch(img.src)).text();
+    const sizes = [...svg.matchAll(/scale\(([0-9.]+) -[0-9.]+\)/g)].map(m => 100 * +m[1])
+      .filter(pt => pt < 40);  // glyphs; a marker or an image is drawn at scale 1
+    if (!sizes.length) { continue; }
+    figures.push({src: img.src, px: Math.min(...sizes) * 4 / 3 * img.clientWidth
+                                    / img.naturalWidth});
+  }
   const out = r => r.width > 0 && r.right > vw + 1;
   const boxed = el => {
     for (let p = el.parentElement; p && p !== document.body; p = p.parentElement) {
@@ -206,7 +222,7 @@ _TOO_WIDE = r"""
     .map(el => `<${el.tagName.toLowerCase()} class="${el.className}"> `
                + el.textContent.replace(/\s+/g, " ").trim().slice(0, 50));
   return JSON.stringify({over: document.documentElement.scrollWidth - vw,
-                         culprits: culprits.slice(0, 3)});
+                         culprits: culprits.slice(0, 3), figures});
 })()
 """
 
@@ -367,6 +383,8 @@ class Chromium:
         report.images_broken = [i["src"] for i in seen["images"] if not i["ok"]]
         report.images_without_alt = [i["src"] for i in seen["images"] if not i["alt"]]
         report.phone_overflow, report.phone_culprits = seen["over"], seen["culprits"]
+        report.small_figures = [f"{f['px']:.1f} px: {f['src'].rsplit('/', 1)[-1]}"
+                                for f in seen["figures"] if f["px"] < MIN_FIGURE_PX]
         report.openables = seen["openables"]
         report.shown_closed, report.not_opening = seen["shown_closed"], seen["not_opening"]
         report.forbidden = seen["forbidden"]
