@@ -37,6 +37,8 @@ from .tables import markdown_table
 
 VLLM_BLOCK = 16
 """vLLM 0.33's default block size (``CacheConfig.DEFAULT_BLOCK_SIZE``)."""
+BALANCE = 2
+"""Prefix-aware routing keeps the load even: no replica more than this many requests ahead."""
 
 
 class Prefixes:
@@ -110,7 +112,8 @@ class Report:
 def prefix_report(prompts: Sequence[Sequence[int]], block_size: int = VLLM_BLOCK,
                   page_size: int = 1, replicas: int = 1, route: str = "round-robin") -> Report:
     """Match each prompt against those before it on its replica; ``route``: ``"round-robin"``,
-    or ``"prefix"`` (to the replica sharing the longest prefix; ties to the least used)."""
+    or ``"prefix"``: to the replica sharing the longest prefix (ties to the least used) among
+    those that have served at most :data:`BALANCE` requests more than the least used."""
     if min(block_size, page_size, replicas) < 1 or route not in ("round-robin", "prefix"):
         raise ValueError(f"need block_size, page_size, replicas >= 1 and route 'round-robin' or "
                          f"'prefix'; got {block_size}, {page_size}, {replicas}, {route!r}")
@@ -119,8 +122,9 @@ def prefix_report(prompts: Sequence[Sequence[int]], block_size: int = VLLM_BLOCK
     units = {"vLLM": block_size, "SGLang": page_size}
     caches, used, out = [Prefixes() for _ in range(replicas)], [0] * replicas, []
     for i, prompt in enumerate(prompts):
-        if route == "prefix":
-            at = max(range(replicas), key=lambda k: (caches[k].longest(prompt)[0], -used[k], -k))
+        if route == "prefix":  # among replicas at most BALANCE requests busier than the least
+            ready = [k for k in range(replicas) if used[k] <= min(used) + BALANCE]
+            at = max(ready, key=lambda k: (caches[k].longest(prompt)[0], -used[k], -k))
         else:
             at = i % replicas
         (shared, node), n, cache = caches[at].longest(prompt), len(prompt), caches[at]
@@ -189,7 +193,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="servers, each with its own cache (default 1)")
     parser.add_argument("--route", default="round-robin", metavar="HOW",
                         help="round-robin (default) or prefix: to the replica sharing the "
-                             "longest prefix")
+                             f"longest prefix, none more than {BALANCE} requests ahead")
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="a tokenizer transformers finds locally; lines are then JSON")
     parser.add_argument("--summary", action="store_true", help="only the hit rates")
@@ -200,7 +204,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         report = prefix_report(read_prompts(args.file, args.tokenizer), args.block_size,
                                args.page_size, args.replicas, args.route)
-    except (OSError, ValueError) as err:
+    except (ImportError, OSError, ValueError) as err:  # no transformers, no file, bad text
         print(f"python -m kvdoc prefix-report: error: {err}", file=sys.stderr)
         return 2
     print(report.summary() if args.summary else f"{report.table()}\n\n{report.summary()}")
