@@ -37,13 +37,12 @@ def test_each_reason():
     report = prefix_report([A, clocked, short, A, turn, A[:20], drifted])
     reasons = [r.reason for r in report.requests]
     assert reasons == [
-        "nothing cached yet", "differs from every cached prompt at token 0",
-        "differs from request 0 (40 tokens) at token 10; shares under one block of 16",
-        "repeats request 0", "extends request 3", "lies inside request 4",
-        "differs from request 4 (42 tokens) at token 30"]
+        "nothing cached yet", "differs at token 0",
+        "parts from #0 (40 tokens) at 10; under one block",
+        "repeats #0", "extends #3", "inside #4", "parts from #4 (42 tokens) at 30"]
     summary = report.summary()
     misses = {r.reason: r.tokens - r.hits["SGLang"] for r in report.requests}
-    assert misses["repeats request 0"] == 1 and misses["lies inside request 4"] == 1
+    assert misses["repeats #0"] == 1 and misses["inside #4"] == 1
     assert "| SGLang (page 1) |" in summary and "| vLLM (block 16) |" in summary
 
 
@@ -101,7 +100,7 @@ def test_the_sample_file_is_its_recipe_and_shows_every_reason():
     assert [tuple(p) for p in prompts] == sections and SAMPLE.stat().st_size < 50_000
     reasons = " ".join(r.reason for r in prefix_report(prompts).requests)
     for words in ("nothing cached", "at token 0", "under one block", "repeats", "extends",
-                  "differs from request"):
+                  "parts from"):
         assert words in reasons
 
 

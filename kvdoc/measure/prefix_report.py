@@ -11,15 +11,16 @@ They differ in what may be found. Each request here is matched against every pro
 * vLLM keeps only whole blocks (``block_size``, 16 by default), so the match is rounded down to
   a multiple of it; SGLang's radix cache matches token by token (``page_size`` 1 by default).
 
-So a miss has one of four reasons: nothing cached yet, the prompt differs from every cached one
-at some token (token 0: a timestamp or an id in front), the whole prompt was cached (its last
-token is recomputed), or, under vLLM, the match ends inside a block.
+So a miss has one of four reasons: nothing cached yet; the prompt parts from the cached ones at
+some token (token 0: a timestamp or an id in front); the whole prompt was cached (its last
+token is recomputed); or, under vLLM, the match ends inside a block. Each request's reason
+names the cached request it matched (``#k``): ``extends #k`` (a new turn after prompt ``k``),
+``repeats #k``, ``inside #k`` (a prefix of it), ``parts from #k (n tokens) at t``.
 
 >>> a, b = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7]
 >>> report = prefix_report([a, b, b], block_size=4)
 >>> [(r.hits["vLLM"], r.hits["SGLang"], r.reason) for r in report.requests]
-[(0, 0, 'nothing cached yet'), (4, 5, 'differs from request 0 (6 tokens) at token 5'),
- (4, 5, 'repeats request 1')]
+[(0, 0, 'nothing cached yet'), (4, 5, 'parts from #0 (6 tokens) at 5'), (4, 5, 'repeats #1')]
 >>> f"{report.hit_rate('vLLM'):.0%} {report.hit_rate('SGLang'):.0%}"
 '44% 56%'
 """
@@ -98,14 +99,15 @@ class Report:
                          sum(r.tokens - r.shared for r in self.requests if r.shared < r.tokens),
                          sum(r.shared == r.tokens for r in self.requests),
                          sum(u - r.hits[rule] for u, r in zip(used, self.requests, strict=True))])
-        return markdown_table(["rule", "hit rate", "missed after the first differing token",
+        return markdown_table(["rule", "hit rate", "missed: after a difference",
                                "missed: last token", "missed: partial block"], rows)
 
     def table(self) -> str:
         """A table, a row per request."""
-        rows = [[i, r.replica, r.tokens, r.shared, *r.hits.values(), r.reason]
+        replicas = max(r.replica for r in self.requests) > 0  # a column only if several
+        rows = [[i, *[r.replica][:replicas], r.tokens, r.shared, *r.hits.values(), r.reason]
                 for i, r in enumerate(self.requests)]
-        return markdown_table(["request", "replica", "tokens", "shared", *self.units,
+        return markdown_table(["#", *["replica"][:replicas], "tokens", "shared", *self.units,
                                "why the rest missed"], rows)
 
 
@@ -132,18 +134,17 @@ def prefix_report(prompts: Sequence[Sequence[int]], block_size: int = VLLM_BLOCK
         if not used[at]:
             reason = "nothing cached yet"
         elif shared == 0:
-            reason = "differs from every cached prompt at token 0"
+            reason = "differs at token 0"
         elif shared == n:  # a retry, or a prompt inside a longer one
-            reason = (f"repeats request {cache.ends[node]}" if node in cache.ends
-                      else f"lies inside request {cache.through[node]}")
+            reason = (f"repeats #{cache.ends[node]}" if node in cache.ends
+                      else f"inside #{cache.through[node]}")
         elif cache.ends.get(node, -1) == cache.through[node]:  # a new turn after a whole prompt
-            reason = f"extends request {cache.ends[node]}"
+            reason = f"extends #{cache.ends[node]}"
         else:  # the last prompt through here went on, differently: what in it differs?
             source = cache.through[node]
-            reason = (f"differs from request {source} ({out[source].tokens} tokens) at token "
-                      f"{shared}")
+            reason = f"parts from #{source} ({out[source].tokens} tokens) at {shared}"
         if 0 < shared and hits["vLLM"] == 0:
-            reason += f"; shares under one block of {block_size}"
+            reason += "; under one block"
         caches[at].add(prompt, i)
         used[at] += 1
         out.append(Request(at, n, shared, hits, reason))
