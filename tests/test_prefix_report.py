@@ -37,21 +37,22 @@ def test_each_reason():
     report = prefix_report([A, clocked, short, A, turn, A[:20], drifted])
     reasons = [r.reason for r in report.requests]
     assert reasons == [
-        "nothing cached yet", "differs at token 0",
-        "parts from #0 (40 tokens) at 10; under one block",
-        "repeats #0", "extends #3", "inside #4", "parts from #4 (42 tokens) at 30"]
+        "nothing cached", "differs at token 0", "parts from #0 at 10, under a block",
+        "repeats #0", "extends #3", "inside #4", "parts from #4 at 30"]
     summary = report.summary()
     misses = {r.reason: r.tokens - r.hits["SGLang"] for r in report.requests}
     assert misses["repeats #0"] == 1 and misses["inside #4"] == 1
-    assert "| SGLang (page 1) |" in summary and "| vLLM (block 16) |" in summary
+    assert summary.startswith("|  | vLLM (block 16) | SGLang (page 1) |")
 
 
 def test_missed_tokens_add_up_by_reason():
     prompts = chat_prompts(conversations=3, turns=3, system=40, stamp=False, repeat=2)
     report = prefix_report(prompts)
-    for rule in ("vLLM", "SGLang"):
-        row = next(line for line in report.summary().splitlines() if line.startswith(f"| {rule}"))
-        after, last, partial = (int(c) for c in row.strip("| ").split(" | ")[2:])
+    rows = {line.split(" | ")[0].strip("| "): line.strip("| ").split(" | ")[1:]
+            for line in report.summary().splitlines()[2:]}
+    for column, rule in enumerate(("vLLM", "SGLang")):
+        after, last, partial = (int(rows[f"missed: {why}"][column])
+                                for why in ("after a difference", "last token", "partial block"))
         missed = sum(r.tokens - r.hits[rule] for r in report.requests)
         assert after + last + partial == missed and last == len(prompts) // 2
 
@@ -99,7 +100,7 @@ def test_the_sample_file_is_its_recipe_and_shows_every_reason():
                                         for k, v in args.items()})
     assert [tuple(p) for p in prompts] == sections and SAMPLE.stat().st_size < 50_000
     reasons = " ".join(r.reason for r in prefix_report(prompts).requests)
-    for words in ("nothing cached", "at token 0", "under one block", "repeats", "extends",
+    for words in ("nothing cached", "at token 0", "under a block", "repeats", "extends",
                   "parts from"):
         assert words in reasons
 

@@ -15,12 +15,13 @@ So a miss has one of four reasons: nothing cached yet; the prompt parts from the
 some token (token 0: a timestamp or an id in front); the whole prompt was cached (its last
 token is recomputed); or, under vLLM, the match ends inside a block. Each request's reason
 names the cached request it matched (``#k``): ``extends #k`` (a new turn after prompt ``k``),
-``repeats #k``, ``inside #k`` (a prefix of it), ``parts from #k (n tokens) at t``.
+``repeats #k``, ``inside #k`` (a prefix of it), ``parts from #k at t`` (the latest prompt
+that went further than the match, and the token where the two part).
 
 >>> a, b = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7]
 >>> report = prefix_report([a, b, b], block_size=4)
 >>> [(r.hits["vLLM"], r.hits["SGLang"], r.reason) for r in report.requests]
-[(0, 0, 'nothing cached yet'), (4, 5, 'parts from #0 (6 tokens) at 5'), (4, 5, 'repeats #1')]
+[(0, 0, 'nothing cached'), (4, 5, 'parts from #0 at 5'), (4, 5, 'repeats #1')]
 >>> f"{report.hit_rate('vLLM'):.0%} {report.hit_rate('SGLang'):.0%}"
 '44% 56%'
 """
@@ -90,24 +91,27 @@ class Report:
         return sum(r.hits[rule] for r in self.requests) / sum(r.tokens for r in self.requests)
 
     def summary(self) -> str:
-        """A table, a row per rule: hit rate, and the missed tokens by reason."""
-        rows = []
-        for rule, unit in self.units.items():
-            used = [min(r.shared, r.tokens - 1) for r in self.requests]
-            rows.append([f"{rule} ({'block' if rule == 'vLLM' else 'page'} {unit})",
-                         f"{self.hit_rate(rule):.1%}",
-                         sum(r.tokens - r.shared for r in self.requests if r.shared < r.tokens),
-                         sum(r.shared == r.tokens for r in self.requests),
-                         sum(u - r.hits[rule] for u, r in zip(used, self.requests, strict=True))])
-        return markdown_table(["rule", "hit rate", "missed: after a difference",
-                               "missed: last token", "missed: partial block"], rows)
+        """A table, a column per rule: hit rate, tokens found, and the missed tokens by reason
+        (the same under both rules but the partial block's)."""
+        found = {rule: sum(r.hits[rule] for r in self.requests) for rule in self.units}
+        used = sum(min(r.shared, r.tokens - 1) for r in self.requests)  # all a rule could find
+        after = sum(r.tokens - r.shared for r in self.requests if r.shared < r.tokens)
+        last = sum(r.shared == r.tokens for r in self.requests)
+        total = sum(r.tokens for r in self.requests)
+        rows = [["hit rate", *(f"{self.hit_rate(rule):.1%}" for rule in self.units)],
+                ["tokens found", *(f"{n} of {total}" for n in found.values())],
+                ["missed: after a difference", *[after] * len(found)],
+                ["missed: last token", *[last] * len(found)],
+                ["missed: partial block", *(used - n for n in found.values())]]
+        return markdown_table(["", *(f"{rule} ({'block' if rule == 'vLLM' else 'page'} {unit})"
+                                     for rule, unit in self.units.items())], rows)
 
     def table(self) -> str:
         """A table, a row per request."""
         replicas = max(r.replica for r in self.requests) > 0  # a column only if several
-        rows = [[i, *[r.replica][:replicas], r.tokens, r.shared, *r.hits.values(), r.reason]
+        rows = [[i, *[r.replica][:replicas], r.tokens, *r.hits.values(), r.reason]
                 for i, r in enumerate(self.requests)]
-        return markdown_table(["#", *["replica"][:replicas], "tokens", "shared", *self.units,
+        return markdown_table(["#", *["replica"][:replicas], "tokens", *self.units,
                                "why the rest missed"], rows)
 
 
@@ -132,7 +136,7 @@ def prefix_report(prompts: Sequence[Sequence[int]], block_size: int = VLLM_BLOCK
         (shared, node), n, cache = caches[at].longest(prompt), len(prompt), caches[at]
         hits = {rule: min(shared, n - 1) // unit * unit for rule, unit in units.items()}
         if not used[at]:
-            reason = "nothing cached yet"
+            reason = "nothing cached"
         elif shared == 0:
             reason = "differs at token 0"
         elif shared == n:  # a retry, or a prompt inside a longer one
@@ -142,9 +146,9 @@ def prefix_report(prompts: Sequence[Sequence[int]], block_size: int = VLLM_BLOCK
             reason = f"extends #{cache.ends[node]}"
         else:  # the last prompt through here went on, differently: what in it differs?
             source = cache.through[node]
-            reason = f"parts from #{source} ({out[source].tokens} tokens) at {shared}"
+            reason = f"parts from #{source} at {shared}"
         if 0 < shared and hits["vLLM"] == 0:
-            reason += "; under one block"
+            reason += ", under a block"
         caches[at].add(prompt, i)
         used[at] += 1
         out.append(Request(at, n, shared, hits, reason))
