@@ -1,5 +1,5 @@
 """``python -m kvdoc <command>``: the equivalence proof, the memory formula, the timings,
-the parallel checks.
+the parallel checks, the prefix-cache hit rate of a file of prompts.
 
 Each command is a module that defines ``add_arguments(parser)`` and ``main(args) -> int``,
 listed in :data:`COMMANDS`; ``python -m kvdoc --help`` lists them. The parser lives at the
@@ -23,7 +23,8 @@ import re
 from collections.abc import Sequence
 
 COMMANDS = {"verify": "kvdoc.proofs.verify", "memory": "kvdoc.measure.memory",
-            "bench": "kvdoc.measure.bench", "parallel": "kvdoc.parallel.command"}
+            "bench": "kvdoc.measure.bench", "parallel": "kvdoc.parallel.command",
+            "prefix-report": "kvdoc.measure.prefix_report"}
 """Command name -> the name of the module that implements it."""
 
 

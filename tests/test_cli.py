@@ -10,10 +10,13 @@ import importlib.metadata
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from kvdoc.cli import COMMANDS, build_parser, plain
+
+SAMPLE = str(Path(__file__).resolve().parent.parent / "docs" / "_static" / "chat-prompts.txt")
 
 
 def run(*code: str) -> subprocess.CompletedProcess[str]:
@@ -46,6 +49,7 @@ print("TORCH" if "torch" in sys.modules else "NO-TORCH", file=sys.stderr)
     (["--help"], False),
     (["--version"], False),
     (["bench", "--help"], True),  # the check can tell: bench's module needs torch
+    (["prefix-report", SAMPLE, "--summary"], False),
 ])
 def test_what_a_command_imports(argv: list[str], torch: bool) -> None:
     result = run("-c", TORCH_AFTER.format(argv=argv))
@@ -63,7 +67,7 @@ def _options(command: str) -> list[argparse.Action]:
 def test_every_option_has_help(command: str) -> None:
     options = _options(command)
     assert options, f"{command} has no options: the check would pass on nothing"
-    bare = [a.option_strings[0] for a in options if not (a.help or "").strip()]
+    bare = [(a.option_strings or [a.dest])[0] for a in options if not (a.help or "").strip()]
     assert not bare, f"{command} options without help: {bare}"
 
 
@@ -81,7 +85,7 @@ def _help_texts(command: str) -> dict[str, str]:
     parser = build_parser([command])
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     texts = {"--help": sub.choices[command].format_help()}
-    texts.update({a.option_strings[0]: a.help or "" for a in _options(command)})
+    texts.update({(a.option_strings or [a.dest])[0]: a.help or "" for a in _options(command)})
     return texts
 
 
@@ -146,6 +150,10 @@ NONSENSE = [
     (["parallel", "--handover", "push", "--block-size", "0"], "--block-size"),
     (["parallel", "--handover", "push", "--have", "1"], "--have needs --handover pull"),
     (["parallel", "--models", "gpt2", "--handover", "pull", "--have", "-1"], "not have=-1"),
+    (["prefix-report", "/no/such/prompts.txt"], "/no/such/prompts.txt"),
+    (["prefix-report", SAMPLE, "--block-size", "0"], "block_size"),
+    (["prefix-report", SAMPLE, "--replicas", "2", "--route", "random"], "route"),
+    (["prefix-report", SAMPLE, "--tokenizer", "/no/such/tokenizer"], "/no/such/tokenizer"),
 ]
 
 

@@ -1,6 +1,7 @@
 """Workloads whose prompts share prefixes (few-shot prompts, multi-turn chat, and
 :func:`prefix_workload`, the page's: both), served one request after another through one
-:class:`~kvdoc.serving.radix.RadixCache` by :func:`run_workload`.
+:class:`~kvdoc.serving.radix.RadixCache` by :func:`run_workload`; and :func:`chat_prompts`,
+prompts alone as a chat server receives them, with the mistakes that defeat a prefix cache.
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> _ = torch.manual_seed(0)
@@ -82,6 +83,50 @@ def prefix_workload(seed: int = 0) -> list[Turn]:
     chat = [Turn(t.text, t.max_new, t.kind, None if t.after is None else t.after + len(few))
             for t in chat_workload(seed + 1)]  # another seed: its ids must not repeat few-shot's
     return few + chat
+
+
+SYSTEM, USER, ASSISTANT, END = 1, 2, 3, 4
+"""The chat template's markers in :func:`chat_prompts` (text ids start at 10)."""
+
+
+def chat_prompts(seed: int = 0, conversations: int = 6, turns: int = 4, system: int = 300,
+                 user: tuple[int, int] = (20, 80), reply: tuple[int, int] = (60, 200),
+                 stamp: bool = False, drift: int = 0, repeat: int = 1,
+                 vocab: int = 32000) -> list[tuple[int, ...]]:
+    """Chat prompts as a server receives them: a system prompt of ``system`` ids, then every
+    earlier turn (user message, assistant reply) and the new user message, each turn wrapped
+    in the markers above; conversations arrive in a seeded random order. Sizes (least, most)
+    are drawn per message. The mistakes users report, each on request:
+
+    * ``stamp``: 6 ids that change every request (a clock) at token 0;
+    * ``drift``: each reply carries ``drift`` ids of reasoning that the template renders in the
+      latest reply only, so the next request renders that reply differently;
+    * ``repeat``: each prompt is sent ``repeat`` times (retries).
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n: int | tuple[int, int]) -> tuple[int, ...]:
+        if isinstance(n, tuple):
+            n = int(torch.randint(n[0], n[1] + 1, (), generator=g))
+        return tuple(torch.randint(10, vocab, (n,), generator=g).tolist())
+
+    head = (SYSTEM, *ids(system), END)
+    talks = [[(ids(user), ids(reply), ids(drift)) for _ in range(turns)]
+             for _ in range(conversations)]
+    order = [c for c in range(conversations) for _ in range(turns)]
+    order = [order[k] for k in torch.randperm(len(order), generator=g).tolist()]
+    done, out = [0] * conversations, []
+    for c in order:
+        t, done[c] = done[c], done[c] + 1
+        prompt = list(head)
+        for k, (asked, answer, thought) in enumerate(talks[c][:t + 1]):
+            prompt += [USER, *asked, END, ASSISTANT]
+            if k < t:
+                prompt += [*(thought if k == t - 1 else ()), *answer, END]
+        for _ in range(repeat):
+            clock = ids(6) if stamp else ()
+            out.append((*clock, *prompt))
+    return out
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,216 @@
+"""``python -m kvdoc prefix-report``: the prefix-cache hit rate of a file of prompts, by vLLM's
+rule and by SGLang's, and why each request missed what it missed.
+
+Both servers define the hit rate the same way: prompt tokens found in the cache over prompt
+tokens (vLLM's ``PrefixCacheStats.hits / queries``; SGLang's cached tokens over cached plus new).
+They differ in what may be found. Each request here is matched against every prompt before it
+(on its replica), as if memory were ample and each request finished before the next came:
+
+* the match is the longest prefix the request shares with a cached prompt, short of its last
+  token (both servers compute that token again: its logits choose the next token);
+* vLLM keeps only whole blocks (``block_size``, 16 by default), so the match is rounded down to
+  a multiple of it; SGLang's radix cache matches token by token (``page_size`` 1 by default).
+
+So a miss has one of four reasons: nothing cached yet; the prompt parts from the cached ones at
+some token (token 0: a timestamp or an id in front); the whole prompt was cached (its last
+token is recomputed); or, under vLLM, the match ends inside a block. Each request's reason
+names the cached request it matched (``#k``): ``extends #k`` (a new turn after prompt ``k``),
+``repeats #k``, ``inside #k`` (a prefix of it), ``parts from #k at t`` (the latest prompt
+that went further than the match, and the token where the two part).
+
+>>> a, b = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7]
+>>> report = prefix_report([a, b, b], block_size=4)
+>>> [(r.hits["vLLM"], r.hits["SGLang"], r.reason) for r in report.requests]
+[(0, 0, 'nothing cached'), (4, 5, 'parts from #0 at 5'), (4, 5, 'repeats #1')]
+>>> f"{report.hit_rate('vLLM'):.0%} {report.hit_rate('SGLang'):.0%}"
+'44% 56%'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .tables import markdown_table
+
+VLLM_BLOCK = 16
+"""vLLM 0.33's default block size (``CacheConfig.DEFAULT_BLOCK_SIZE``)."""
+BALANCE = 2
+"""Prefix-aware routing keeps the load even: no replica more than this many requests ahead."""
+
+
+class Prefixes:
+    """Every prefix of the prompts added, as a trie in one dict: (parent, token) -> node; for
+    each node, the last prompt added through it, and the last that ended there."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[tuple[int, int], int] = {}
+        self.through: dict[int, int] = {0: -1}  # the root: no prompt
+        self.ends: dict[int, int] = {}
+
+    def add(self, tokens: Sequence[int], name: int) -> None:
+        node = 0
+        for t in tokens:
+            node = self.nodes.setdefault((node, t), len(self.nodes) + 1)
+            self.through[node] = name
+        self.ends[node] = name
+
+    def longest(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """Length of the longest prefix of ``tokens`` that was added, and its node."""
+        node = length = 0
+        for t in tokens:
+            if (node, t) not in self.nodes:
+                break
+            node, length = self.nodes[node, t], length + 1
+        return length, node
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt: its replica, length, shared prefix, hits under each rule, and the reason for
+    its misses."""
+
+    replica: int
+    tokens: int
+    shared: int  # the longest prefix shared with a prompt cached on its replica
+    hits: dict[str, int]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Report:
+    requests: list[Request]
+    units: dict[str, int]  # rule -> the tokens its cache matches in whole (block or page)
+
+    def hit_rate(self, rule: str) -> float:
+        """Hit tokens over prompt tokens, as the rule's server counts them."""
+        return sum(r.hits[rule] for r in self.requests) / sum(r.tokens for r in self.requests)
+
+    def summary(self) -> str:
+        """A table, a column per rule: hit rate, tokens found, and the missed tokens by reason
+        (the same under both rules but the partial block's)."""
+        found = {rule: sum(r.hits[rule] for r in self.requests) for rule in self.units}
+        used = sum(min(r.shared, r.tokens - 1) for r in self.requests)  # all a rule could find
+        after = sum(r.tokens - r.shared for r in self.requests if r.shared < r.tokens)
+        last = sum(r.shared == r.tokens for r in self.requests)
+        total = sum(r.tokens for r in self.requests)
+        rows = [["hit rate", *(f"{self.hit_rate(rule):.1%}" for rule in self.units)],
+                ["tokens found", *(f"{n} of {total}" for n in found.values())],
+                ["missed: after a difference", *[after] * len(found)],
+                ["missed: last token", *[last] * len(found)],
+                ["missed: partial block", *(used - n for n in found.values())]]
+        return markdown_table(["", *(f"{rule} ({'block' if rule == 'vLLM' else 'page'} {unit})"
+                                     for rule, unit in self.units.items())], rows)
+
+    def table(self) -> str:
+        """A table, a row per request."""
+        replicas = max(r.replica for r in self.requests) > 0  # a column only if several
+        rows = [[i, *[r.replica][:replicas], r.tokens, *r.hits.values(), r.reason]
+                for i, r in enumerate(self.requests)]
+        return markdown_table(["#", *["replica"][:replicas], "tokens", *self.units,
+                               "why the rest missed"], rows)
+
+
+def prefix_report(prompts: Sequence[Sequence[int]], block_size: int = VLLM_BLOCK,
+                  page_size: int = 1, replicas: int = 1, route: str = "round-robin") -> Report:
+    """Match each prompt against those before it on its replica; ``route``: ``"round-robin"``,
+    or ``"prefix"``: to the replica sharing the longest prefix (ties to the least used) among
+    those that have served at most :data:`BALANCE` requests more than the least used."""
+    if min(block_size, page_size, replicas) < 1 or route not in ("round-robin", "prefix"):
+        raise ValueError(f"need block_size, page_size, replicas >= 1 and route 'round-robin' or "
+                         f"'prefix'; got {block_size}, {page_size}, {replicas}, {route!r}")
+    if not prompts or not all(prompts):
+        raise ValueError("need at least one prompt, and no empty prompt")
+    units = {"vLLM": block_size, "SGLang": page_size}
+    caches, used, out = [Prefixes() for _ in range(replicas)], [0] * replicas, []
+    for i, prompt in enumerate(prompts):
+        if route == "prefix":  # among replicas at most BALANCE requests busier than the least
+            ready = [k for k in range(replicas) if used[k] <= min(used) + BALANCE]
+            at = max(ready, key=lambda k: (caches[k].longest(prompt)[0], -used[k], -k))
+        else:
+            at = i % replicas
+        (shared, node), n, cache = caches[at].longest(prompt), len(prompt), caches[at]
+        hits = {rule: min(shared, n - 1) // unit * unit for rule, unit in units.items()}
+        if not used[at]:
+            reason = "nothing cached"
+        elif shared == 0:
+            reason = "differs at token 0"
+        elif shared == n:  # a retry, or a prompt inside a longer one
+            reason = (f"repeats #{cache.ends[node]}" if node in cache.ends
+                      else f"inside #{cache.through[node]}")
+        elif cache.ends.get(node, -1) == cache.through[node]:  # a new turn after a whole prompt
+            reason = f"extends #{cache.ends[node]}"
+        else:  # the last prompt through here went on, differently: what in it differs?
+            source = cache.through[node]
+            reason = f"parts from #{source} at {shared}"
+        if 0 < shared and hits["vLLM"] == 0:
+            reason += ", under a block"
+        caches[at].add(prompt, i)
+        used[at] += 1
+        out.append(Request(at, n, shared, hits, reason))
+    return Report(out, units)
+
+
+def read_prompts(path: str | Path, tokenizer: str | None = None) -> list[list[int]]:
+    """The prompts of a file, one a line (blank lines and lines starting ``#`` skipped): token
+    ids separated by spaces, or with ``tokenizer`` (a folder or name transformers finds on this
+    machine, never downloaded) a JSON string or a JSON list of chat messages, tokenized with
+    its chat template."""
+    lines = [(k, line) for k, line in enumerate(Path(path).read_text().splitlines(), 1)
+             if line.strip() and not line.startswith("#")]
+    if tokenizer is None:
+        try:
+            return [[int(t) for t in line.split()] for _, line in lines]
+        except ValueError:
+            bad = next(k for k, line in lines if not all(t.isdigit() for t in line.split()))
+            raise ValueError(f"{path}:{bad}: expected token ids separated by spaces (text "
+                             "needs --tokenizer)") from None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    out = []
+    for k, line in lines:
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{k}: expected a JSON string or list ({err})") from None
+        if isinstance(item, str):
+            out.append(tok.encode(item, add_special_tokens=False))
+        else:  # as a chat server renders messages: the template, then the assistant's turn
+            out.append(list(tok.apply_chat_template(item, add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False)))
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``python -m kvdoc prefix-report``."""
+    parser.add_argument("file", help="prompts, one a line: token ids separated by spaces "
+                                     "(or JSON text or chat messages, with --tokenizer)")
+    parser.add_argument("--block-size", type=int, default=VLLM_BLOCK, metavar="N",
+                        help=f"vLLM's block size (default {VLLM_BLOCK})")
+    parser.add_argument("--page-size", type=int, default=1, metavar="N",
+                        help="SGLang's page size (default 1: token by token)")
+    parser.add_argument("--replicas", type=int, default=1, metavar="N",
+                        help="servers, each with its own cache (default 1)")
+    parser.add_argument("--route", default="round-robin", metavar="HOW",
+                        help="round-robin (default) or prefix: to the replica sharing the "
+                             f"longest prefix, none more than {BALANCE} requests ahead")
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="a tokenizer transformers finds locally; lines are then JSON")
+    parser.add_argument("--summary", action="store_true", help="only the hit rates")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print the report; 2 (nothing on stdout) on a bad file or option."""
+    try:
+        report = prefix_report(read_prompts(args.file, args.tokenizer), args.block_size,
+                               args.page_size, args.replicas, args.route)
+    except (ImportError, OSError, ValueError) as err:  # no transformers, no file, bad text
+        print(f"python -m kvdoc prefix-report: error: {err}", file=sys.stderr)
+        return 2
+    print(report.summary() if args.summary else f"{report.table()}\n\n{report.summary()}")
+    return 0
