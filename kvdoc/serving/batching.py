@@ -1,10 +1,8 @@
 """Batched generation of prompts of different lengths: left padding, a pad mask, per-row positions.
 
-A batch is one ``[B, L]`` tensor, so prompts shorter than the longest are padded. Padding on
-the left lines every prompt's last token up in the last column, so each decode step appends one
-column for every row at once. The cache then holds ``pad[b]`` pad slots at the start of row
-``b``; K and V keep the layout ``[B, H_kv, T, D_h]``, slot ``t`` of row ``b`` holding the token at
-position ``t - pad[b]``. Two things make each row the same function as its prompt run alone:
+Padding on the left lines every prompt's last token up in the last column, so each decode step
+appends one column for every row. Slot ``t`` of row ``b`` then holds the token at position
+``t - pad[b]``, and two things make each row the same function as its prompt run alone:
 
 * **positions**: the token in slot ``t`` is at position ``t - pad[b]`` (pad slots at 0): embedded
   there by a learned-position model, its Q and K turned there by a RoPE one;
@@ -46,10 +44,8 @@ class PaddedBatch:
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> PaddedBatch:
-    """Pad ``prompts`` (lists of token ids, each non-empty) on the left to the longest one.
-
-    The pad id is a valid token (it is embedded like any other) because the mask, not its
-    value, keeps it out of every real row's attention.
+    """Pad ``prompts`` (lists of token ids, each non-empty) on the left to the longest one; the
+    mask, not the pad id's value, keeps the padding out of every real row's attention.
 
     >>> left_pad([[1, 2], [3, 4, 5]], pad_id=9).ids.tolist()
     [[9, 1, 2], [3, 4, 5]]

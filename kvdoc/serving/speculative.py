@@ -13,13 +13,10 @@ either model, whose caches hold every earlier position. Then
 4. both caches are cropped back to the positions that were kept (the rejected suffix never
    happened), and the last new token becomes the next round's pending token.
 
-So every round costs one target call and yields between 1 and ``k + 1`` tokens, and the output
-is the target's own: under greedy decoding token for token, under sampling in distribution
-(Leviathan et al. 2023, Chen et al. 2023). The caches must be able to roll back: a cache with
-``crop`` (dynamic, static, paged). A sliding-window ring cannot, since writing the rejected
-proposals overwrote rows that later queries still read.
-
-Batch 1 only: rows of a batch accept different numbers of tokens, which needs ragged caches.
+A round costs one target call and yields 1 to ``k + 1`` tokens, the target's own: token for
+token when greedy, in distribution when sampling (Leviathan et al. 2023, Chen et al. 2023).
+The caches must crop (dynamic, static, paged). Batch 1 only: rows of a batch would accept
+different numbers of tokens.
 """
 
 from __future__ import annotations
@@ -77,10 +74,8 @@ def acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def truncated_draft(target: Decoder, n_layer: int) -> Decoder:
-    """A draft made of the target's first ``n_layer`` layers, its final norm and its LM head.
-
-    A self-speculative draft (as in LayerSkip): no second model to train or load, and it tends
-    to agree with the target more often than an unrelated small model does.
+    """A draft made of the target's first ``n_layer`` layers, its final norm and its LM head: a
+    self-speculative draft (as in LayerSkip), no second model to train or load.
 
     >>> from kvdoc import GPTConfig
     >>> draft = truncated_draft(Decoder(GPTConfig()), 1)
@@ -128,12 +123,10 @@ def speculative_generate(target: Decoder, draft: Decoder, prompt: torch.Tensor,
                          rule: Rule | None = None) -> SpeculativeRun:
     """``max_new_tokens`` tokens after ``prompt`` (``[1, P]``), the draft proposing ``k`` a round.
 
-    ``draft`` is a cheaper model with the target's vocabulary; the last round stops early to
-    give exactly ``max_new_tokens``. ``cache``: the kind both models use (``"dynamic"``,
-    ``"static"``), or ``(model, capacity) -> empty cache``, called for each (any kind that
-    crops). ``generator``: sample with ``rule`` (default :func:`acceptance`, the rule
-    ``tests/test_speculative.py`` checks exactly), drawing from it; None: greedy, and then
-    ``run.tokens`` equals ``generate(target, prompt, max_new_tokens)``.
+    ``draft``: a cheaper model with the target's vocabulary. ``cache``: the kind both models use,
+    or ``(model, capacity) -> empty cache`` (any kind that crops). ``generator``: sample with
+    ``rule`` (default :func:`acceptance`), drawing from it; None: greedy, token for token
+    ``generate(target, prompt, max_new_tokens)``.
 
     >>> from kvdoc import GPTConfig, generate
     >>> _ = torch.manual_seed(0)

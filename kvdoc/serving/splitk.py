@@ -1,11 +1,9 @@
 """Split-K attention (Flash-Decoding): keys in chunks, a partial softmax per chunk, merged exactly.
 
-A decode step has one query row per head. A GPU kernel that gives each (sequence, head) pair
-one block of threads then runs ``B * H`` blocks, too few to fill the chip when ``B`` is small
-and the context long. Splitting the ``T`` cached keys into chunks of ``S`` gives
-``B * H * ceil(T / S)`` independent pieces of work; each returns its unnormalised output
-together with the two numbers that let the pieces be merged afterwards, the largest score
-``m`` and the sum ``l`` of ``exp(score - m)``:
+A decode step has one query row per head: ``B * H`` pieces of work, too few to fill a GPU when
+``B`` is small and the context long. Splitting the ``T`` cached keys into chunks of ``S`` gives
+``B * H * ceil(T / S)`` pieces; each returns its unnormalised output with the largest score
+``m`` and the sum ``l`` of ``exp(score - m)``, which merge exactly:
 
     m = max_c m_c,   l = sum_c l_c exp(m_c - m),   out = sum_c o_c exp(m_c - m) / l
 
@@ -18,11 +16,9 @@ of ``H_kv``: grouped-query and multi-query attention read one K/V head from seve
 ``mask`` is ``[C, T]`` bool (True: may read), as :func:`kvdoc.core.cache.offset_causal_mask`
 builds it, or ``[B, C, T]`` with a mask per row (left-padded batches).
 
-:class:`SplitKAttention` puts the same computation inside the decoder, and
-:func:`split_k_decoder` builds a copy of a model that attends that way, so the verification
-grid runs it as one more implementation of the model's function. Under
-:func:`kvdoc.batch_invariant` it attends as :func:`kvdoc.core.invariant.attention` does, key by
-key from the first: a split count chosen for the chip must not change the bits.
+:func:`split_k_decoder` builds a copy of a model that attends that way, for the verification
+grid. Under :func:`kvdoc.batch_invariant` it attends as :func:`kvdoc.core.invariant.attention`
+does, key by key: a split count chosen for the chip must not change the bits.
 """
 
 from __future__ import annotations
@@ -103,11 +99,8 @@ def merge(parts: list[Partial] | Partial) -> tuple[torch.Tensor, torch.Tensor]:
 
 def all_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int,
                  mask: torch.Tensor | None = None) -> Partial:
-    """Every chunk's :func:`partial_attention` at once, chunks along a leading dimension.
-
-    What a split-K kernel does in parallel: the keys are padded to whole chunks (the padding
-    hidden by the mask) and every chunk is one slice of one batched computation.
-    """
+    """Every chunk's :func:`partial_attention` at once, chunks along a leading dimension: the
+    keys padded to whole chunks (the padding hidden by the mask), one batched computation."""
     B, H, C, D = q.shape
     H_kv, T = k.shape[1], k.shape[2]
     n = math.ceil(T / split)

@@ -107,8 +107,8 @@ class ToyCache:
 
 @dataclass(frozen=True)
 class ForwardResult:
-    """A forward's final vectors of the ``C`` positions it processed, the cache of all
-    ``P + C``, and the work of this call, in total and per layer."""
+    """A forward's final vectors of its ``C`` positions, the cache of all ``P + C``, and the
+    work of the call, in total and per layer."""
 
     outputs: list[Vec]
     cache: ToyCache
@@ -259,8 +259,8 @@ def expected_counts(past_len: int, new_len: int, n_layer: int = 2) -> Counts:
 
 @dataclass(frozen=True)
 class ScenarioCounts:
-    """One row of the counts table: ``P`` positions reused, ``C`` processed, the measured work
-    of the full recompute of ``sequence`` and of the cached path, and their comparison."""
+    """One row of the counts table: ``P`` reused, ``C`` processed, the work of the full and of
+    the cached path, and their comparison."""
 
     name: str
     sequence: str
@@ -306,8 +306,8 @@ def work_counts(weights: ToyWeights | None = None) -> list[ScenarioCounts]:
 
 @dataclass(frozen=True)
 class EditResult:
-    """A prefix edit: ``prefix_len`` positions kept, the suffix recomputed (``result``), the
-    caches before and after."""
+    """A prefix edit: ``prefix_len`` positions kept, the suffix recomputed, the caches before and
+    after."""
 
     prefix_len: int
     result: ForwardResult

@@ -54,8 +54,7 @@ class NaivePath:
 @dataclass(frozen=True)
 class CachedPath:
     """The cached path at one step: ``q, k, v`` ``[1, 2]`` of the new token only; ``K_full,
-    V_full`` ``[T, 2]``, the cache with ``k``/``v`` appended; ``scores``, ``weights`` ``[1, T]``
-    (no mask: every key is visible); ``output`` ``[2]``."""
+    V_full`` ``[T, 2]``; ``scores``, ``weights`` ``[1, T]`` (no mask); ``output`` ``[2]``."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -163,12 +162,8 @@ def worked_example(inputs: Sequence[Sequence[float]] | torch.Tensor = WORKED_INP
 @dataclass(frozen=True)
 class SourceComparison:
     """The source's figures for one quantity (``"scores"``, ``"weights"`` or ``"output"`` of
-    the last row) at one step beside the computed ones.
-
-    ``agrees``: every source figure is the computed value rounded to 3 decimals.
-    ``from_source_inputs``: what the source's own previous figure implies (softmax of its scores,
-    or its weights times ``V``); None for scores.
-    """
+    the last row) at one step beside the computed ones; ``agrees``: each is the computed value
+    to 3 decimals; ``from_source_inputs``: what the source's own previous figure implies."""
 
     step: int
     quantity: str
