@@ -75,10 +75,8 @@ def padded_positions(pad: torch.Tensor, start: int, new_len: int) -> torch.Tenso
 
 
 def padded_mask(pad: torch.Tensor, start: int, new_len: int) -> torch.Tensor:
-    """``[B, C, start + C]`` bool: which key slots each new query slot may read.
-
-    The offset causal mask (key ``j <= start + i``), and a real query (slot ``>= pad[b]``) reads
-    real keys only; a pad query reads the pad keys before it.
+    """``[B, C, start + C]`` bool: which key slots each new query slot may read: the offset
+    causal mask, a real query reading real keys only and a pad query the pad keys before it.
 
     >>> padded_mask(torch.tensor([1]), start=0, new_len=3).int()[0]
     tensor([[1, 0, 0],

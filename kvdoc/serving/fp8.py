@@ -60,11 +60,7 @@ def fp8_dtype(storage: str | torch.dtype) -> torch.dtype:
 
 
 def scale_shape(granularity: str, heads: int) -> tuple[int, int, int, int]:
-    """The shape of one tensor's scales: ``[1, 1, 1, 1]`` or ``[1, H_kv, 1, 1]``.
-
-    Raises:
-        ValueError: a granularity not in :data:`GRANULARITIES`.
-    """
+    """The shape of one tensor's scales: ``[1, 1, 1, 1]`` or ``[1, H_kv, 1, 1]``."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, "
                          f"got {granularity!r}")
@@ -85,10 +81,8 @@ def check_scale(scale: torch.Tensor, shape: tuple[int, ...], what: str = "scale"
 def amax_scale(x: torch.Tensor, granularity: str,
                fp8: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
     """``max|x| / fmax`` over all of ``x`` ``[B, H, T, D]`` or per head: the scale that maps the
-    largest value to FP8's largest (448 for e4m3). A part of zeros gets scale 1.
-
-    Raises:
-        ValueError: ``x`` holds a value that is not finite (no scale can be taken from it).
+    largest value to FP8's largest (448 for e4m3). A part of zeros gets scale 1; a value that
+    is not finite is refused.
 
     >>> x = torch.tensor([[[[1.0, -896.0]], [[0.0, 0.0]]]])      # [1, 2, 1, 2]
     >>> amax_scale(x, "per-head").flatten().tolist(), amax_scale(x, "per-tensor").item()

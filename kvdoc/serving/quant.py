@@ -37,10 +37,8 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 over the last dimension: ``(q, scale)`` with ``x ~ q * scale``.
-
-    The scale is stored in ``x``'s dtype and ``q`` is the nearest step of that stored scale,
-    computed in FP32 at least. A row of zeros gets scale 1 (any scale reproduces it exactly).
+    """Symmetric int8 over the last dimension: ``(q, scale)`` with ``x ~ q * scale``, ``q`` the
+    nearest step of the scale as stored in ``x``'s dtype; a row of zeros gets scale 1.
 
     >>> q, s = quantize(torch.tensor([[0.5, -1.0, 0.25]]))
     >>> q.tolist(), round(s.item() * 127, 6)

@@ -54,11 +54,9 @@ the probability of keeping each proposed token, and the distribution a rejection
 
 
 def acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The acceptance rule for one proposed token: ``min(1, p/q)`` and the residual distribution.
-
-    ``p`` and ``q`` are the target's and the draft's next-token probabilities ``[V]``. A token
-    ``x`` drawn from ``q`` is kept with probability ``min(1, p(x) / q(x))``; on a rejection the
-    replacement is drawn from ``max(0, p - q)``, normalised. The result is distributed as ``p``:
+    """The acceptance rule for one proposed token ``x`` drawn from the draft's ``q`` (``[V]``):
+    kept with probability ``min(1, p(x) / q(x))``, else replaced by a draw from ``max(0, p -
+    q)``, normalised; the result is distributed as the target's ``p``:
 
     >>> p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.2, 0.6])
     >>> keep, residual = acceptance(p, q)

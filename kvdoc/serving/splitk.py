@@ -72,10 +72,8 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def merge(parts: list[Partial] | Partial) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge partials into the output ``[B, H, C, D_h]`` and its log-sum-exp ``[B, H, C]``.
-
-    ``parts`` is a list of chunks' partials, or one :class:`Partial` whose fields carry the
-    chunks along a leading dimension (what :func:`split_k_attention` computes at once).
+    """Merge partials (a list, or one :class:`Partial` with the chunks along a leading
+    dimension) into the output ``[B, H, C, D_h]`` and its log-sum-exp ``[B, H, C]``.
 
     >>> q, k, v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     >>> out, _ = merge([partial_attention(q, k[:, :, :2], v[:, :, :2]),
@@ -154,11 +152,8 @@ def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: 
 
 
 class SplitKAttention(CausalSelfAttention):
-    """The decoder's attention with softmax over chunks of ``split`` keys, merged exactly.
-
-    Same weights, projections, RoPE and cache as :class:`~kvdoc.core.model.CausalSelfAttention`;
-    only the attention over the keys is computed the split-K way.
-    """
+    """The decoder's attention (:class:`~kvdoc.core.model.CausalSelfAttention`) with softmax
+    over chunks of ``split`` keys, merged exactly."""
 
     def __init__(self, config: GPTConfig, split: int) -> None:
         super().__init__(config)

@@ -126,12 +126,9 @@ def decoder_values(model: Decoder, idx: torch.Tensor, sites: Sequence[str] | Non
 
 def decoder_function(model: Decoder, idx: torch.Tensor, site: str, output: str = "logits",
                      pin: Sequence[str] = ()) -> tuple[Fn, torch.Tensor]:
-    """The decoder (a float64 copy of ``model``) as a function of one internal tensor.
-
-    Returns ``(fn, x0)``: ``x0`` is the value of ``site`` in a run of ``model(idx)``, and
-    ``fn(x)`` reruns the model with ``site`` replaced by ``x`` and each site in ``pin`` held at
-    its recorded value, returning ``output``. Pinning every layer's K and V is what a cache
-    does: "given the cached K and V, what does this output still depend on?"
+    """The decoder (a float64 copy of ``model``) as a function of one internal tensor:
+    ``(fn, x0)``, ``x0`` the value of ``site`` in ``model(idx)`` and ``fn(x)`` the ``output`` of
+    a rerun with ``site`` replaced by ``x`` and each site in ``pin`` held at its value.
 
     >>> from kvdoc import GPTConfig
     >>> _ = torch.manual_seed(0)

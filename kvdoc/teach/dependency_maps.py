@@ -59,8 +59,7 @@ class DependencyMap:
             raise ValueError(f"need {self.shape[1]} input and {self.shape[0]} output labels")
         return DependencyMap(self.depends, self.magnitude, self.method, self.out_rows, ins, outs)
 
-    def heatmap(self, ax=None, title: str | None = None, xlabel: str = "input row",
-                ylabel: str = "output row", log: bool = True):
+    def heatmap(self, ax=None, title: str | None = None):
         """The magnitudes relative to the largest block, on a log scale; cells without a
         dependency white. Returns the matplotlib figure."""
         import matplotlib.pyplot as plt
@@ -73,23 +72,22 @@ class DependencyMap:
         mag = self.magnitude.detach().cpu().numpy()
         dep = self.depends.cpu().numpy()
         top = mag.max() if mag.size and mag.max() > 0 else 1.0
-        shown = np.where(dep, np.log10(np.maximum(mag / top, 1e-300)) if log else mag / top, np.nan)
+        shown = np.where(dep, np.log10(np.maximum(mag / top, 1e-300)), np.nan)
         cmap = plt.get_cmap("viridis").with_extremes(bad="white")
-        vmin = -4.0 if log else 0.0  # one scale for every map, so panels compare
-        im = ax.imshow(np.ma.masked_invalid(shown), cmap=cmap, aspect="equal",
-                       vmin=vmin, vmax=0.0 if log else 1.0)
+        # one scale for every map, so panels compare
+        im = ax.imshow(np.ma.masked_invalid(shown), cmap=cmap, aspect="equal", vmin=-4.0, vmax=0.0)
         ax.set_xticks(range(self.shape[1]), self.in_labels)
         ax.set_yticks(range(self.shape[0]), self.out_labels)
         ax.set_xticks(np.arange(-0.5, self.shape[1]), minor=True)
         ax.set_yticks(np.arange(-0.5, self.shape[0]), minor=True)
         ax.grid(which="minor", color="0.8", linewidth=0.5)
         ax.tick_params(which="minor", length=0)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
+        ax.set_xlabel("input row")
+        ax.set_ylabel("output row")
         if title:
             ax.set_title(title)
         bar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-        bar.set_label("log10(block norm / largest)" if log else "block norm / largest")
+        bar.set_label("log10(block norm / largest)")
         return fig
 
 
@@ -129,11 +127,9 @@ def _finish(mag: torch.Tensor, method: str, rows: tuple[int, ...], rtol: float) 
 
 def jacobian_map(fn: Fn, x: torch.Tensor, *, out_rows: Sequence[int] | None = None,
                  out_row_dim: int | None = -2, rtol: float = DEFAULT_RTOL) -> DependencyMap:
-    """The dependency map of ``fn`` at ``x`` (rows along dim -2, converted to float64), exactly,
-    from the autograd Jacobian.
-
-    ``out_rows``: the output rows to analyse (default all). ``out_row_dim``: the output dimension
-    that holds rows; None treats the whole output as one row (e.g. ``x[:, -1, :]``).
+    """The dependency map of ``fn`` at ``x`` (in float64), exactly, from the autograd Jacobian,
+    for ``out_rows`` (default all) along output dimension ``out_row_dim`` (None: the whole output
+    is one row, e.g. ``x[:, -1, :]``).
 
     >>> x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
     >>> m = jacobian_map(lambda x: x.cumsum(dim=0), x)     # row t is the sum of rows 0..t
@@ -299,10 +295,8 @@ def token_dependency_map(fn: Callable[[torch.Tensor], torch.Tensor], idx: torch.
 def map_table(m: CheckedMap | DependencyMap, labels: Sequence[str],
               out_labels: Sequence[str] | None = None, corner: str = "out \\ in",
               caption: str | None = None) -> str:
-    """A dependency map as a small HTML table: ``●`` where the output row needs the input row.
-
-    ``labels`` name the input rows, and the output rows unless ``out_labels`` is given. The class
-    ``kvdoc-map`` (docs/_static/kvdoc.css) keeps the table small, so that maps sit side by side.
+    """A dependency map as a small HTML table: ``●`` where the output row needs the input row;
+    ``labels`` name the input rows, and the output rows unless ``out_labels`` is given.
 
     >>> m = jacobian_map(lambda x: x.cumsum(0), torch.ones(2, 1, dtype=torch.float64))
     >>> html_out = map_table(m, "AB")

@@ -101,11 +101,11 @@ def draw_boxes(labels: Sequence[str], notes: Sequence[str] | None = None, title:
 OKABE_ITO = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9")
 
 
-def _tint(color: str, strength: float = 0.45) -> tuple[float, float, float]:
+def _tint(color: str) -> tuple[float, float, float]:
     """``color`` mixed with white: light enough for black text on it."""
     from matplotlib.colors import to_rgb
 
-    return tuple(1 - strength * (1 - c) for c in to_rgb(color))
+    return tuple(1 - 0.45 * (1 - c) for c in to_rgb(color))
 
 
 def draw_block_tables(caches: Mapping[str, PagedCache], width: float = 6.6):

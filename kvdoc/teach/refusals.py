@@ -161,9 +161,9 @@ def attempt(refusal: Refusal) -> Outcome:
     return Outcome(refusal, raised, message, matches, unchanged)
 
 
-def check_all(catalogue: list[Refusal] | None = None) -> list[Outcome]:
-    """:func:`attempt` every entry of the catalogue (default :data:`CATALOGUE`)."""
-    return [attempt(r) for r in (CATALOGUE if catalogue is None else catalogue)]
+def check_all() -> list[Outcome]:
+    """:func:`attempt` every entry of :data:`CATALOGUE`."""
+    return [attempt(r) for r in CATALOGUE]
 
 
 def _interop_shape_mismatch(fx: Fixtures) -> object:

@@ -288,20 +288,14 @@ def work_counts(weights: ToyWeights | None = None) -> list[ScenarioCounts]:
     [(6, 12), (2, 8), (6, 18)]
     """
     lab = ToyLab(weights)
-    rows = []
     a = lab.run_token_by_token("ABC")
-    rows.append(ScenarioCounts("first input A B C", "ABC", 0, 3,
-                               full_forward("ABC", lab.weights).counts, a.counts,
-                               check_against_full(a, lab.weights)))
     b = lab.append_token(a.cache, "D")
-    rows.append(ScenarioCounts("append D", "ABCD", 3, 1, full_forward("ABCD", lab.weights).counts,
-                               b.counts, check_against_full(b, lab.weights)))
     edit = prefix_edit(b.cache, "AXCD", lab)
-    rows.append(ScenarioCounts("edit B to X, recompute suffix", "AXCD", edit.prefix_len,
-                               4 - edit.prefix_len, full_forward("AXCD", lab.weights).counts,
-                               edit.result.counts,
-                               check_against_full(edit.result, lab.weights)))
-    return rows
+    runs = [("first input A B C", "ABC", 0, a), ("append D", "ABCD", 3, b),
+            ("edit B to X, recompute suffix", "AXCD", edit.prefix_len, edit.result)]
+    return [ScenarioCounts(name, seq, past, len(seq) - past, full_forward(seq, lab.weights).counts,
+                           run.counts, check_against_full(run, lab.weights))
+            for name, seq, past, run in runs]
 
 
 @dataclass(frozen=True)
