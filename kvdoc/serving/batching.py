@@ -1,17 +1,11 @@
 """Batched generation of prompts of different lengths: left padding, a pad mask, per-row positions.
 
 Padding on the left lines every prompt's last token up in the last column, so each decode step
-appends one column for every row. Slot ``t`` of row ``b`` then holds the token at position
-``t - pad[b]``, and two things make each row the same function as its prompt run alone:
-
-* **positions**: the token in slot ``t`` is at position ``t - pad[b]`` (pad slots at 0): embedded
-  there by a learned-position model, its Q and K turned there by a RoPE one;
-* **the mask**: a real query reads keys at slots ``pad[b] .. t`` only (a windowed layer the last
-  ``W`` of them). A pad query reads the earlier pad slots, so no row of the softmax is empty; its
-  output is never read.
-
-:func:`generate_padded` runs the batch; :func:`kvdoc.teach.serving_checks.compare_with_alone`
-checks every row against its prompt generated alone.
+appends one column for every row. Two things make each row the same function as its prompt run
+alone: the token in slot ``t`` of row ``b`` is at **position** ``t - pad[b]`` (pad slots at 0),
+and the **mask** lets a real query read keys at slots ``pad[b] .. t`` only (a pad query reads
+the earlier pad slots, so no softmax row is empty; its output is never read).
+:func:`kvdoc.teach.serving_checks.compare_with_alone` checks every row against its prompt alone.
 
 >>> from kvdoc import Decoder, GPTConfig, generate
 >>> _ = torch.manual_seed(0)

@@ -121,13 +121,10 @@ def element_error_bound(x: torch.Tensor, scale: torch.Tensor,
                         fp8: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
     """How far ``dequantize(quantize(x, scale))`` can be from ``x``, element-wise (in FP64).
 
-    With ``y = |x| / s``: e4m3 keeps 3 mantissa bits, so between powers of two ``2^e <= y <
-    2^(e+1)`` its values are ``2^(e-3)`` apart and rounding to the nearest moves ``y`` by at
-    most ``2^(e-4) <= 2^-4 y`` (``u = eps / 2``, ``2^-3`` for e5m2). Below the smallest normal
-    value (``2^-6``) the values are evenly spaced ``2^-9`` apart: at most ``2^-10`` (half the
-    spacing ``smallest_normal x eps``). Beyond ``fmax`` (448) the value saturates: off by
-    ``y - fmax``. In units of ``x``, times ``s``; plus ``eps`` of the model's dtype relative to
-    ``|x|`` for the rounding of ``x / s`` and of ``q * s`` there (FP32: ``2^-23``).
+    With ``y = |x| / s``: rounding to e4m3's 3 mantissa bits moves ``y`` by at most ``2^-4 y``
+    (``eps / 2``; ``2^-3`` for e5m2); below the smallest normal value by at most ``2^-10`` (half
+    the subnormal spacing); beyond ``fmax`` (448) it saturates, off by ``y - fmax``. Times
+    ``s``, plus ``eps`` of the model's dtype relative to ``|x|`` for its own rounding.
 
     >>> x = torch.tensor([3.3, 1000.0, 0.0])
     >>> bound = element_error_bound(x, torch.tensor(1.0))   # stored: 3.25, 448 and 0

@@ -1,23 +1,19 @@
 """Continuous batching and chunked prefill over a paged cache, against static batching.
 
-Requests arrive over time (:func:`~kvdoc.serving.requests.arrival_trace`: prompt length, output
-length, arrival step, from a seeded ``torch.Generator``). A :class:`Scheduler` recomposes the
-batch at every step: it admits arrived requests while the pool has blocks for them, runs one
-forward of the model for every row of the step, then retires the finished requests and frees
-their blocks. This is iteration-level scheduling as Orca (Yu et al., OSDI 2022) named it, over
-the block tables of vLLM's PagedAttention (Kwon et al., 2023).
+Requests arrive over time (:func:`~kvdoc.serving.requests.arrival_trace`). A :class:`Scheduler`
+recomposes the batch at every step: it admits arrived requests while the pool has blocks for
+them, runs one forward for every row of the step, then retires the finished requests: Orca's
+iteration-level scheduling (Yu et al., OSDI 2022) over vLLM's block tables (Kwon et al., 2023).
 
 Three policies on one loop (``policy``, ``token_budget``):
 
 * ``"static"``: a batch is formed from the requests waiting, runs until its longest request
   finishes (finished rows keep their blocks, as the rows of a padded batch do), then the next.
-* ``"continuous"`` without a budget: prefill first, as vLLM's scheduler did by default before
-  chunked prefill: a step that has newly admitted requests runs their whole prompts and
-  nothing else, so the running requests' decodes pause for it.
-* ``"continuous"`` with ``token_budget=N``: chunked prefill with stall-free batching, as in
-  Sarathi-Serve (Agrawal et al., OSDI 2024) and vLLM's chunked prefill
-  (``max_num_batched_tokens``): every decoding request gets its one token first, and the rest of
-  the budget goes to prefill chunks, in order of admission.
+* ``"continuous"`` without a budget: prefill first, as vLLM did before chunked prefill: a step
+  with newly admitted requests runs their whole prompts and nothing else.
+* ``"continuous"`` with ``token_budget=N``: stall-free chunked prefill, as in Sarathi-Serve
+  (Agrawal et al., OSDI 2024) and vLLM's ``max_num_batched_tokens``: every decoding request
+  gets its one token first, the rest of the budget goes to prefill chunks.
 
 The rows of a step, of different lengths, run as one forward (:mod:`kvdoc.serving.ragged`).
 

@@ -1,17 +1,14 @@
 """Speculative decoding: a draft model proposes ``k`` tokens, the target checks them in one call.
 
-Each round starts with a *pending* token: the last token of the sequence, not yet fed to
-either model, whose caches hold every earlier position. Then
+Each round starts with a *pending* token, the last of the sequence, fed to neither model yet:
 
-1. the draft feeds the pending token and its own proposals one at a time, greedily, and
-   proposes ``d_1 .. d_k``;
-2. the target feeds ``[pending, d_1, .., d_k]`` as one chunk of ``k + 1`` tokens after its
-   cache, and so gets its own next-token logits at every one of those positions at once;
-3. proposals are accepted while they agree with the target (greedy: equal to its argmax;
-   sampling: the acceptance rule below); the first disagreement is replaced by the target's
-   token, and if all ``k`` agree the target's next token is added as a bonus;
-4. both caches are cropped back to the positions that were kept (the rejected suffix never
-   happened), and the last new token becomes the next round's pending token.
+1. the draft feeds it and its own proposals one at a time and proposes ``d_1 .. d_k``;
+2. the target feeds ``[pending, d_1, .., d_k]`` as one chunk, getting its own next-token logits
+   at every one of those positions at once;
+3. proposals are kept while they agree with the target (greedy: its argmax; sampling:
+   :func:`acceptance`); the first disagreement is replaced by the target's token, and if all
+   ``k`` agree the target's next token is added as a bonus;
+4. both caches are cropped back to the positions kept; the last new token is pending next.
 
 A round costs one target call and yields 1 to ``k + 1`` tokens, the target's own: token for
 token when greedy, in distribution when sampling (Leviathan et al. 2023, Chen et al. 2023).

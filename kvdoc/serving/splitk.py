@@ -12,9 +12,7 @@ arithmetic, not an approximation: the result is softmax attention over all ``T``
 the rounding of a different summation order. ``m + log l`` is the log-sum-exp of the scores.
 
 Shapes: ``q`` is ``[B, H, C, D_h]``, ``k`` and ``v`` are ``[B, H_kv, T, D_h]`` (``H`` a multiple
-of ``H_kv``: grouped-query and multi-query attention read one K/V head from several query heads),
-``mask`` is ``[C, T]`` bool (True: may read), as :func:`kvdoc.core.cache.offset_causal_mask`
-builds it, or ``[B, C, T]`` with a mask per row (left-padded batches).
+of ``H_kv``), ``mask`` is ``[C, T]`` bool (True: may read) or ``[B, C, T]``, one a row.
 
 :func:`split_k_decoder` builds a copy of a model that attends that way, for the verification
 grid. Under :func:`kvdoc.batch_invariant` it attends as :func:`kvdoc.core.invariant.attention`

@@ -50,9 +50,8 @@ class RequestMix:
 def request_mix(n: int = 48, prefix_len: int = 100, user_lens: tuple[int, int] = (16, 160),
                 output_lens: tuple[int, int] = (8, 160), vocab_size: int = 97,
                 seed: int = 0) -> RequestMix:
-    """``n`` requests: a ``prefix_len``-token system prompt, then user and output lengths
-    uniform on the inclusive ranges given, token ids uniform on the vocabulary, all from
-    ``torch.Generator`` seed ``seed``.
+    """``n`` requests: a ``prefix_len``-token system prompt, then user and output lengths uniform
+    on the inclusive ranges given, token ids uniform, from ``torch.Generator`` seed ``seed``.
 
     >>> mix = request_mix(n=4, prefix_len=3, user_lens=(1, 2), output_lens=(5, 5))
     >>> all(9 <= n <= 10 for n in mix.lengths()), mix == request_mix(4, 3, (1, 2), (5, 5))

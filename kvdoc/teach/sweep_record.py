@@ -143,9 +143,8 @@ T = TypeVar("T")
 
 
 def progress(steps: Iterable[T], what: str, total: int | None = None) -> Iterator[T]:
-    """Each of ``steps``, and after each has been used, the line ``what: i/n done``.
-
-    ``n`` is ``total``, or ``len(steps)``; a step counts as done when the loop asks for the next.
+    """Each of ``steps``, and after each has been used (the loop asks for the next), the line
+    ``what: i/n done``, ``n`` being ``total`` or ``len(steps)``.
 
     >>> list(progress(iter("xy"), "steps", total=2))
     steps: 1/2 done
