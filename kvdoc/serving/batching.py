@@ -1,19 +1,11 @@
 """Batched generation of prompts of different lengths: left padding, a pad mask, per-row positions.
 
-A batch is one ``[B, L]`` tensor, so prompts shorter than the longest are padded. Padding on
-the left lines every prompt's last token up in the last column, so each decode step appends one
-column for every row at once. The cache then holds ``pad[b]`` pad slots at the start of row
-``b``; K and V keep the layout ``[B, H_kv, T, D_h]``, slot ``t`` of row ``b`` holding the token at
-position ``t - pad[b]``. Two things make each row the same function as its prompt run alone:
-
-* **positions**: the token in slot ``t`` is at position ``t - pad[b]`` (pad slots at 0): embedded
-  there by a learned-position model, its Q and K turned there by a RoPE one;
-* **the mask**: a real query reads keys at slots ``pad[b] .. t`` only (a windowed layer the last
-  ``W`` of them). A pad query reads the earlier pad slots, so no row of the softmax is empty; its
-  output is never read.
-
-:func:`generate_padded` runs the batch; :func:`kvdoc.teach.serving_checks.compare_with_alone`
-checks every row against its prompt generated alone.
+Padding on the left lines every prompt's last token up in the last column, so each decode step
+appends one column for every row. Two things make each row the same function as its prompt run
+alone: the token in slot ``t`` of row ``b`` is at **position** ``t - pad[b]`` (pad slots at 0),
+and the **mask** lets a real query read keys at slots ``pad[b] .. t`` only (a pad query reads
+the earlier pad slots, so no softmax row is empty; its output is never read).
+:func:`kvdoc.teach.serving_checks.compare_with_alone` checks every row against its prompt alone.
 
 >>> from kvdoc import Decoder, GPTConfig, generate
 >>> _ = torch.manual_seed(0)
@@ -46,10 +38,8 @@ class PaddedBatch:
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> PaddedBatch:
-    """Pad ``prompts`` (lists of token ids, each non-empty) on the left to the longest one.
-
-    The pad id is a valid token (it is embedded like any other) because the mask, not its
-    value, keeps it out of every real row's attention.
+    """Pad ``prompts`` (lists of token ids, each non-empty) on the left to the longest one; the
+    mask, not the pad id's value, keeps the padding out of every real row's attention.
 
     >>> left_pad([[1, 2], [3, 4, 5]], pad_id=9).ids.tolist()
     [[9, 1, 2], [3, 4, 5]]
@@ -79,10 +69,8 @@ def padded_positions(pad: torch.Tensor, start: int, new_len: int) -> torch.Tenso
 
 
 def padded_mask(pad: torch.Tensor, start: int, new_len: int) -> torch.Tensor:
-    """``[B, C, start + C]`` bool: which key slots each new query slot may read.
-
-    The offset causal mask (key ``j <= start + i``), and a real query (slot ``>= pad[b]``) reads
-    real keys only; a pad query reads the pad keys before it.
+    """``[B, C, start + C]`` bool: which key slots each new query slot may read: the offset
+    causal mask, a real query reading real keys only and a pad query the pad keys before it.
 
     >>> padded_mask(torch.tensor([1]), start=0, new_len=3).int()[0]
     tensor([[1, 0, 0],

@@ -1,19 +1,12 @@
 """An FP8 K/V cache: e4m3 values under per-tensor or per-head scales, as serving engines store it.
 
-Each layer stores K and V as ``torch.float8_e4m3fn`` (one byte an element: 4 exponent bits, 3
-mantissa bits, largest finite value 448) and, for each of K and V, FP32 scales: one for the
-whole tensor (``"per-tensor"``) or one per K/V head (``"per-head"``). A value ``x`` is stored as
-``q = e4m3(clamp(x / s, -448, 448))`` and read back as ``q * s``. The scales come from one of two
-places, chosen when the cache is made:
-
-* **calibration**: given (``scales=``), from K/V seen on other text (:func:`calibrate`);
-* **the first prefill**: ``s = max|x| / 448`` over the first rows a layer is written, then
-  fixed. A later value beyond ``448 s`` saturates to ``+-448 s``, as engines clamp.
-
-Scales never change once set, so a row is quantised once, when it is written, and reads the same
-on every later step. The error of one element is argued in :func:`element_error_bound` and that
-of one attention read in :func:`read_error_bound`; :mod:`kvdoc.proofs.fp8_contract` checks both
-on the grid. The cache is **not** the same function as the exact one, and nothing claims it is.
+Each layer stores K and V as ``torch.float8_e4m3fn`` (largest finite value 448) under FP32
+scales, one for the whole tensor (``"per-tensor"``) or one per K/V head (``"per-head"``): ``x``
+is stored as ``q = e4m3(clamp(x / s, -448, 448))`` and read back as ``q * s``. The scales are
+calibrated (``scales=``, :func:`calibrate`) or taken from the first prefill (``s = max|x| /
+448``), then fixed, so a row is quantised once; a later value beyond ``448 s`` saturates, as
+engines clamp. :func:`element_error_bound` and :func:`read_error_bound` argue the error, and
+:mod:`kvdoc.proofs.fp8_contract` checks both: the cache is **not** the exact function.
 
 Layout: K and V are ``[B, H_kv, T, D_h]`` FP8; scales ``[1, 1, 1, 1]`` (per tensor) or
 ``[1, H_kv, 1, 1]`` (per head), FP32, shared by the batch.
@@ -67,11 +60,7 @@ def fp8_dtype(storage: str | torch.dtype) -> torch.dtype:
 
 
 def scale_shape(granularity: str, heads: int) -> tuple[int, int, int, int]:
-    """The shape of one tensor's scales: ``[1, 1, 1, 1]`` or ``[1, H_kv, 1, 1]``.
-
-    Raises:
-        ValueError: a granularity not in :data:`GRANULARITIES`.
-    """
+    """The shape of one tensor's scales: ``[1, 1, 1, 1]`` or ``[1, H_kv, 1, 1]``."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, "
                          f"got {granularity!r}")
@@ -92,10 +81,8 @@ def check_scale(scale: torch.Tensor, shape: tuple[int, ...], what: str = "scale"
 def amax_scale(x: torch.Tensor, granularity: str,
                fp8: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
     """``max|x| / fmax`` over all of ``x`` ``[B, H, T, D]`` or per head: the scale that maps the
-    largest value to FP8's largest (448 for e4m3). A part of zeros gets scale 1.
-
-    Raises:
-        ValueError: ``x`` holds a value that is not finite (no scale can be taken from it).
+    largest value to FP8's largest (448 for e4m3). A part of zeros gets scale 1; a value that
+    is not finite is refused.
 
     >>> x = torch.tensor([[[[1.0, -896.0]], [[0.0, 0.0]]]])      # [1, 2, 1, 2]
     >>> amax_scale(x, "per-head").flatten().tolist(), amax_scale(x, "per-tensor").item()
@@ -134,13 +121,10 @@ def element_error_bound(x: torch.Tensor, scale: torch.Tensor,
                         fp8: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
     """How far ``dequantize(quantize(x, scale))`` can be from ``x``, element-wise (in FP64).
 
-    With ``y = |x| / s``: e4m3 keeps 3 mantissa bits, so between powers of two ``2^e <= y <
-    2^(e+1)`` its values are ``2^(e-3)`` apart and rounding to the nearest moves ``y`` by at
-    most ``2^(e-4) <= 2^-4 y`` (``u = eps / 2``, ``2^-3`` for e5m2). Below the smallest normal
-    value (``2^-6``) the values are evenly spaced ``2^-9`` apart: at most ``2^-10`` (half the
-    spacing ``smallest_normal x eps``). Beyond ``fmax`` (448) the value saturates: off by
-    ``y - fmax``. In units of ``x``, times ``s``; plus ``eps`` of the model's dtype relative to
-    ``|x|`` for the rounding of ``x / s`` and of ``q * s`` there (FP32: ``2^-23``).
+    With ``y = |x| / s``: rounding to e4m3's 3 mantissa bits moves ``y`` by at most ``2^-4 y``
+    (``eps / 2``; ``2^-3`` for e5m2); below the smallest normal value by at most ``2^-10`` (half
+    the subnormal spacing); beyond ``fmax`` (448) it saturates, off by ``y - fmax``. Times
+    ``s``, plus ``eps`` of the model's dtype relative to ``|x|`` for its own rounding.
 
     >>> x = torch.tensor([3.3, 1000.0, 0.0])
     >>> bound = element_error_bound(x, torch.tensor(1.0))   # stored: 3.25, 448 and 0
@@ -162,22 +146,13 @@ def read_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """How far one attention read over FP8 K and V can be from the read over exact ``k``, ``v``.
 
     Each key element is off by at most its :func:`element_error_bound` ``d_jc``, so the score of
-    key ``j``, ``q . k_j x softmax_scale``, moves by at most ``e_j = softmax_scale sum_c |q_c|
-    d_jc``. With ``e`` the largest ``e_j`` every softmax weight moves by a factor within
-    ``exp(+-2e)``, so the weights move by at most ``min(exp(2e) - 1, 2)`` in total (L1). The
-    output ``sum_j p_j v_j`` then moves per channel by at most that times half the channel's
-    range over the keys (the weights' change sums to zero), plus the largest value error of the
-    channel. Every key is counted (a mask only removes keys), so it holds for any mask; and every
-    K/V head, so it holds whichever head a query head reads: it bounds what the cache does, not
-    how the attention groups its heads (the other checks see that).
-
-    Args:
-        q: ``[B, H, C, D_h]`` queries; ``k``, ``v``: exact ``[B, H_kv, T, D_h]``.
-        k_scale, v_scale: the scales they are stored under (``[1, 1 or H_kv, 1, 1]``).
-        softmax_scale: the factor on ``q . k`` (default ``D_h ** -0.5``).
-
-    Returns:
-        ``[B, H, C, D_h]`` in FP64: the bound on ``|read(q, FP8 K, V) - read(q, K, V)|``.
+    key ``j`` moves by at most ``e_j = softmax_scale sum_c |q_c| d_jc``. With ``e`` the largest
+    ``e_j`` every softmax weight moves by a factor within ``exp(+-2e)``, so the weights move by
+    at most ``min(exp(2e) - 1, 2)`` in total (L1), and the output per channel by at most that
+    times half the channel's range over the keys (the change sums to zero), plus the channel's
+    largest value error. Taken over every key and every K/V head, it holds for any mask and any
+    grouping of heads. ``q`` ``[B, H, C, D_h]``, exact ``k``, ``v`` ``[B, H_kv, T, D_h]`` under
+    ``k_scale``, ``v_scale``; returns ``[B, H, C, D_h]`` in FP64.
 
     >>> g = torch.Generator().manual_seed(0)
     >>> q, k, v = (torch.randn(1, 2, 3, 8, generator=g) for _ in range(3))
@@ -200,16 +175,9 @@ def read_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class Fp8Layer(CacheLayer):
-    """One layer's K and V as FP8 under fixed scales, grown by concatenation.
-
-    Args:
-        rows: ``(k, v)``, FP8 ``[B, H_kv, T, D_h]``.
-        scales: ``(k_scale, v_scale)`` of :func:`scale_shape`, FP32.
-        fixed: whether the scales are set (given, or taken from a first write); if not, the
-            first :meth:`write` takes them from its rows (:func:`amax_scale`).
-        granularity: ``"per-tensor"`` or ``"per-head"``.
-        dtype: the model's dtype: what :meth:`read` returns and :meth:`write` takes.
-    """
+    """One layer's K and V (``rows``, FP8 ``[B, H_kv, T, D_h]``) under FP32 ``scales`` of
+    :func:`scale_shape`, grown by concatenation; unless ``fixed``, the first :meth:`write` takes
+    the scales from its rows. ``dtype`` is the model's: what :meth:`read` returns."""
 
     def __init__(self, rows: KV, scales: KV, fixed: bool, granularity: str,
                  dtype: torch.dtype) -> None:
@@ -268,20 +236,10 @@ def fp8_cache(config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.flo
               device: torch.device | str = "cpu", *, granularity: str = "per-head",
               scales: torch.Tensor | None = None,
               fp8: str | torch.dtype = torch.float8_e4m3fn) -> KVCache:
-    """An empty cache of :class:`Fp8Layer` s for a model with ``config`` computing in ``dtype``;
-    like a dynamic cache, a forward call works on a copy (the scales included).
-
-    Args:
-        granularity: ``"per-tensor"`` or ``"per-head"``.
-        scales: calibrated scales, ``[L, 2]`` (per tensor: K, V of each layer) or
-            ``[L, 2, H_kv]`` (per head), positive and finite; None: each layer takes its
-            own from the first rows written to it.
-        fp8: the storage dtype, ``torch.float8_e4m3fn`` (or ``float8_e5m2``).
-
-    Raises:
-        ValueError: a storage dtype torch cannot store, a model dtype that is not a float
-            of 16 bits or more, an unknown granularity, or scales of the wrong shape, not
-            positive or not finite.
+    """An empty cache of :class:`Fp8Layer` s for a model with ``config`` computing in ``dtype``
+    (a float of 16 bits or more); like a dynamic cache, a forward call works on a copy.
+    ``scales``: calibrated, ``[L, 2]`` (per tensor) or ``[L, 2, H_kv]`` (per head), positive and
+    finite; None: each layer takes its own from the first rows written to it.
 
     >>> fp8_cache(GPTConfig(), 1, scales=torch.ones(2, 2))
     Traceback (most recent call last):

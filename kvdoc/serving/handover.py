@@ -1,13 +1,9 @@
 """Prefill/decode hand-over (disaggregation): prefill in one process, decode in another.
 
-A prefill worker runs the prompt once and sends what decoding needs: every layer's K and V for
-the prompt's positions (an MLA model's latent ``c_KV`` and ``k_rope`` instead), and the logits of
-the position after it (the first new token's). The decode worker rebuilds a
-:class:`~kvdoc.core.cache.DynamicCache` from them and carries on as if it had run the prompt
-itself. The prefill keeps every position of every layer, also for a windowed model (Mistral,
-Gemma 3): the decode side's mask limits what a window layer reads, as over any cache that keeps
-them all. :func:`pack` and :func:`unpack` carry the cache and the logits as one self-describing
-``bytes`` payload (``torch.save`` of a dict of sizes, a dtype name and tensors).
+A prefill worker runs the prompt once and sends every layer's two cached tensors (K and V, or
+an MLA latent) for every position, and the first new token's logits; the decode worker rebuilds
+a :class:`~kvdoc.core.cache.DynamicCache` from them and carries on. :func:`pack` and
+:func:`unpack` carry them as one self-describing ``bytes`` payload (``torch.save`` of a dict).
 
 >>> from kvdoc.core.model import Decoder, GPTConfig, generate
 >>> _ = torch.manual_seed(0)
@@ -45,10 +41,8 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 
 def pack(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
     """One payload holding every layer's two tensors (K and V, or c_KV and k_rope), their heads
-    and widths and, if given, the next-token ``logits``.
-
-    Raises ``ValueError`` for a cache that does not hold every position it has seen (a
-    sliding window): the decode side would attend over positions it does not have.
+    and widths and, if given, the next-token ``logits``; a cache that does not hold every
+    position it has seen (a window) is refused.
 
     >>> from kvdoc.core.model import GPTConfig
     >>> cache = DynamicCache.empty(GPTConfig(), batch_size=1)
@@ -82,11 +76,8 @@ def _load(payload: bytes) -> dict:
 
 def unpack(payload: bytes, config: object,
            dtype: torch.dtype | None = None) -> tuple[KVCache, torch.Tensor | None]:
-    """The cache and the next-token logits that :func:`pack` shipped, for a model with
-    ``config`` (and ``dtype``, when given). Checks everything before building anything.
-
-    The cache is a :class:`~kvdoc.core.cache.DynamicCache` of what the model's
-    ``config.cache_layout`` says it caches (K and V, or an MLA latent).
+    """The :class:`~kvdoc.core.cache.DynamicCache` and the next-token logits that :func:`pack`
+    shipped, for a model with ``config`` (and ``dtype``, when given), all checked first.
 
     >>> from kvdoc.core.model import GPTConfig
     >>> payload = pack(DynamicCache.empty(GPTConfig(), batch_size=1))
@@ -165,15 +156,10 @@ def _prefill_worker(conn, *args) -> None:
 def disaggregated_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, *,
                            in_process: bool = False,
                            packer: Callable[..., bytes] = pack) -> HandoverRun:
-    """Greedy generation whose prefill runs in another process and whose decode runs here.
-
-    The prefill process gets the model (pickled: its class, config and weights, as a prefill
-    worker holds the same model as the decode worker) and the prompt, runs
-    :func:`~kvdoc.core.model.prefill` and sends back ``packer(cache, logits)`` (default
-    :func:`pack`) through a pipe; this process :func:`unpack`\\ s it and decodes. With
-    ``in_process=True`` the prefill runs here (same payload, no process): for doctests and speed.
-    ``packer`` is the seam :mod:`kvdoc.proofs.handover_checks` uses to ship a broken payload.
-    """
+    """Greedy generation whose prefill runs in another process (given the pickled model) and
+    sends ``packer(cache, logits)`` through a pipe; this process unpacks it and decodes.
+    ``in_process=True`` runs the prefill here (same payload, no process). ``packer`` is the seam
+    :mod:`kvdoc.proofs.handover_checks` uses to ship a broken payload."""
     model.check_input(prompt, None)
     total = prompt.shape[1] + max_new_tokens
     if max_new_tokens < 1 or total > model.config.n_positions:

@@ -1,21 +1,16 @@
 """Offloaded blocks: a small "device" pool of K/V blocks backed by a host tier and a disk tier.
 
-A full block of ``block_size`` positions is named by a *chained* hash: block ``i``'s key hashes
-block ``i - 1``'s key together with its own token ids (:func:`hash_block`), so a key names the
-whole prefix up to the block's end, never its tokens alone. This is how vLLM V1 keys its prefix
-cache (``hash_block_tokens`` in ``vllm/v1/core/kv_cache_utils.py`` at v0.33.0). Two requests
-share a block's K/V exactly when they share every token before and in it; K/V depend on all
-of them (through attention, and RoPE through the position).
+A full block is named by a *chained* hash: block ``i``'s key hashes block ``i - 1``'s key with
+its own token ids (:func:`hash_block`), so a key names the whole prefix up to the block's end,
+as vLLM V1 keys its prefix cache (``hash_block_tokens`` in ``vllm/v1/core/kv_cache_utils.py``
+at v0.33.0): K/V depend on every earlier token.
 
-:class:`TieredStore` keeps blocks (each ``[L, 2, 1, H_kv, block_size, D]``) in three tiers:
-
-* **device**: at most ``device_blocks``, least recently used evicted first, to the host;
-* **host**: at most ``host_blocks`` tensors in memory, LRU evicted to the disk;
-* **disk**: one ``torch.save`` file per block in a folder, named by the key's hex digest.
-
-A hit in the host or disk tier moves the block back to the device. :func:`serve` reloads the
-longest run of leading full prompt blocks found (never the last prompt position, whose logits
-the first token needs), prefills the rest, and stores every full block after decoding.
+:class:`TieredStore` keeps blocks (each ``[L, 2, 1, H_kv, block_size, D]``) on the "device"
+(at most ``device_blocks``, least recently used evicted to the host), the host (at most
+``host_blocks``, evicted to the disk) and the disk (a ``torch.save`` file a block); a hit moves
+the block back to the device. :func:`serve` reloads the leading full prompt blocks found (never
+the last prompt position, whose logits the first token needs), prefills the rest, and stores
+every full block after decoding.
 
 >>> import tempfile
 >>> from kvdoc.core.model import Decoder, GPTConfig, generate
@@ -238,11 +233,9 @@ def reload_or_recompute(*, n_params: float, n_layer: int, n_head: int, n_kv_head
                         roof: Roofline) -> Estimate:
     """Reload ``tokens`` positions' K/V or recompute them after ``offset`` cached positions?
 
-    Recomputing costs the matmuls, ``2 x n_params`` FLOPs per token, plus attention over the
-    context, ``4 x L x H x D x t`` for the token at position ``t`` (``q k^T`` and ``p v``), and
-    reads the weights once (``n_params x s`` bytes); reloading moves their K/V,
-    ``2 x L x tokens x H_kv x D x s`` bytes. An estimate: it ignores kernel efficiency and any
-    overlap of the transfer with compute.
+    Recomputing costs ``2 x n_params`` FLOPs a token plus ``4 x L x H x D x t`` of attention at
+    position ``t``, and reads the weights once; reloading moves ``2 x L x tokens x H_kv x D x
+    s`` bytes of K/V. An estimate: no kernel efficiency, no overlap of transfer and compute.
 
     >>> roof = Roofline(peak_flops=1e15, hbm_bytes_per_s=4e12, link_bytes_per_s=5e10)
     >>> e = reload_or_recompute(n_params=8e9, n_layer=32, n_head=32, n_kv_head=8,
@@ -269,13 +262,10 @@ def multi_turn(model: Decoder, store: TieredStore, *, conversations: int = 3, tu
                system_len: int = 8, user_len: int = 5, max_new_tokens: int = 3,
                block_size: int = 4, seed: int = 0,
                hash_fn: HashFn = hash_block) -> list[Served]:
-    """A multi-turn workload, turns interleaved across conversations, served from ``store``.
-
-    Every conversation starts with one shared system prompt (``system_len`` tokens); turn ``k``
-    of a conversation is its previous turn's tokens (prompt and answer) followed by
-    ``user_len`` new user tokens. A last request repeats conversation 0's first prompt from its
-    second block on: the same tokens at other positions after another prefix, which a chained
-    key keeps apart.
+    """A multi-turn workload, turns interleaved across conversations, served from ``store``:
+    each conversation starts with one shared system prompt, and each turn is the previous turn's
+    tokens and ``user_len`` new ones. A last request repeats conversation 0's first prompt from
+    its second block on: the same tokens after another prefix, which a chained key keeps apart.
     """
     for name, value in (("conversations", conversations), ("turns", turns),
                         ("system_len", system_len), ("user_len", user_len)):
@@ -318,10 +308,8 @@ class OffloadCheck(NamedTuple):
 @torch.no_grad()
 def check_offload(model: Decoder, served: Sequence[Served], max_new_tokens: int,
                   tolerance: float = 1e-5) -> OffloadCheck:
-    """Compare each :class:`Served` with the same prompt run in one piece, no store.
-
-    ``1e-5`` (FP32): a reloaded block's K/V were computed by a longer or shorter forward call,
-    whose sums run in another order; the values agree to rounding, not bit for bit.
+    """Compare each :class:`Served` with the same prompt run in one piece, no store (``1e-5``,
+    FP32: a reloaded block's K/V came from a call of another length, summed in another order).
     """
     equal, close, diff = True, True, 0.0
     for run in served:

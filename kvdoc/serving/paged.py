@@ -1,29 +1,18 @@
 """A paged K/V cache: fixed-size blocks from one pool, a block table per sequence, a free list.
 
-This is the memory layout of vLLM's PagedAttention (Kwon et al., 2023), written for reading
-rather than speed. A :class:`BlockPool` owns, for every layer, K and V storage of shape
-``[num_blocks, H_kv, block_size, D_h]`` (for an MLA model, its latent ``c_KV`` and rotary key,
-two stores of their own widths with one shared head, as the config's ``cache_layout`` says); a
-block id names the same slot in every layer. A
-:class:`PagedCache` maps position ``t`` of sequence ``b`` to offset ``t % block_size`` of block
-``tables[b][t // block_size]``. :meth:`PagedCache.layer` gathers a sequence's blocks back into the
-usual ``[B, H_kv, T, D_h]`` (real engines read the blocks inside the attention kernel instead), so
-the model calls it exactly as it calls the dynamic and static caches.
+The memory layout of vLLM's PagedAttention (Kwon et al., 2023), written for reading rather
+than speed. A :class:`BlockPool` owns each layer's two stores ``[num_blocks, heads, block_size,
+width]`` (K and V, or an MLA latent's two widths: ``config.cache_layout``); a block id names the
+same slot in every layer. A :class:`PagedCache` maps position ``t`` of sequence ``b`` to offset
+``t % block_size`` of block ``tables[b][t // block_size]`` and gathers the blocks back into
+``[B, H_kv, T, D_h]`` for the model (real engines read them inside the kernel). Every position of
+every layer is kept; the model's own mask limits what a windowed layer reads.
 
-Blocks are reference-counted, so sequences can share them: :meth:`PagedCache.fork` makes new
-sequences that share every block of existing ones (a common prompt prefix computed once). A write
-into a shared block first copies it (copy-on-write), so no write is ever seen by another sequence.
-:class:`PagedCache` with ``shared=True`` forks itself at every forward call: the cache passed
-in stays as it was (like :class:`~kvdoc.core.cache.DynamicCache`) and shares its blocks with the
-one returned.
-
-A block returns to the free list when no sequence holds it; a cache releases its blocks when it
-is garbage-collected or :meth:`PagedCache.release` is called.
-
-Every decoder of the grid is served: the paged cache keeps every position of every layer, and the
-model's own mask limits what a windowed layer reads (Mistral's window, Gemma 3's window layers),
-as it does over a dynamic cache; an MLA model's pool stores its latent, and the same classes
-serve it.
+Blocks are reference-counted: :meth:`PagedCache.fork` shares every block of existing sequences
+(a prompt prefix computed once), and a write into a shared block copies it first
+(copy-on-write). With ``shared=True`` a cache forks itself at every call, so the cache passed in
+stays as it was. A block nobody holds goes back on the free list; a cache releases its blocks
+when collected or on :meth:`PagedCache.release`.
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> _ = torch.manual_seed(0)
@@ -51,16 +40,9 @@ from kvdoc.core.model import Decoder
 
 
 class BlockPool:
-    """K/V storage cut into ``num_blocks`` blocks of ``block_size`` positions, with a free list.
-
-    ``k[l]`` and ``v[l]`` are layer ``l``'s two stores, ``[num_blocks, heads, block_size, width]``
-    (``config.cache_layout[l]``: K and V, or an MLA latent's two widths).
-
-    Args:
-        config: the model's configuration (what each layer caches, and how wide).
-        num_blocks: blocks in the pool.
-        block_size: positions per block.
-        dtype, device: must match the model's.
+    """K/V storage cut into ``num_blocks`` blocks of ``block_size`` positions, with a free list:
+    ``k[l]`` and ``v[l]`` are layer ``l``'s two stores, ``[num_blocks, heads, block_size,
+    width]`` as ``config.cache_layout[l]`` says, in the model's ``dtype`` and on its ``device``.
 
     >>> from kvdoc import GPTConfig
     >>> pool = BlockPool(GPTConfig(), num_blocks=3, block_size=4)
@@ -128,6 +110,21 @@ class BlockPool:
             if self._refs[i] == 0:
                 self._free.append(i)
 
+    def to_write(self, table: list[int], start: int, end: int) -> int:
+        """Blocks to copy (shared) or allocate before ``table`` takes positions ``start ..
+        end - 1``."""
+        first, last = start // self.block_size, math.ceil(end / self.block_size)
+        return max(0, last - len(table)) + sum(self._refs[b] > 1 for b in table[first:last])
+
+    def own(self, table: list[int], start: int, end: int) -> None:
+        """Make ``table`` own every block positions ``start .. end - 1`` fall in: copy the shared
+        ones (copy-on-write), allocate the missing ones. Check :meth:`to_write` first."""
+        first, last = start // self.block_size, math.ceil(end / self.block_size)
+        for n in range(first, min(last, len(table))):
+            if self._refs[table[n]] > 1:
+                table[n] = self.copy(table[n])
+        table.extend(self.allocate(max(0, last - len(table))))
+
     def copy(self, block: int) -> int:
         """Copy-on-write: a fresh block with ``block``'s contents (every layer), held once instead
         of it."""
@@ -152,12 +149,7 @@ class BlockTables:
 
     def needed(self, start: int, end: int) -> int:
         """Blocks to allocate or copy so every sequence can write positions ``start .. end - 1``."""
-        first, last = start // self.block_size, math.ceil(end / self.block_size)
-        needed = 0
-        for table in self.rows:
-            shared = sum(self.pool.refs(b) > 1 for b in table[first:last])
-            needed += max(0, last - len(table)) + shared
-        return needed
+        return sum(self.pool.to_write(table, start, end) for table in self.rows)
 
     def reserve(self, start: int, end: int) -> None:
         """Own every block that positions ``start .. end - 1`` fall in: copy shared ones, add new
@@ -166,12 +158,8 @@ class BlockTables:
         if needed > self.pool.num_free:  # check first: a refused write changes nothing
             raise ValueError(f"out of blocks: positions {start}..{end - 1} need {needed} more "
                              f"blocks, {self.pool.num_free} free of {self.pool.num_blocks}")
-        first, last = start // self.block_size, math.ceil(end / self.block_size)
         for table in self.rows:
-            for n in range(first, min(last, len(table))):
-                if self.pool.refs(table[n]) > 1:
-                    table[n] = self.pool.copy(table[n])
-            table.extend(self.pool.allocate(max(0, last - len(table))))
+            self.pool.own(table, start, end)
 
     def tensor(self, end: int) -> torch.Tensor:
         """``[B, blocks]``: the blocks that hold positions ``0 .. end - 1``."""
@@ -243,12 +231,9 @@ def gather(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, length: int) -
 
 
 class PagedCache(KVCache):
-    """``batch_size`` sequences whose K/V live in blocks of a shared :class:`BlockPool`.
-
-    Writes happen in place (:meth:`begin` returns ``self``), at positions from :attr:`seq_len` on;
-    rows already held never change, and neither does any other sequence's data. With ``shared``,
-    every call forks the cache first, so the cache passed in keeps its length and blocks and a
-    prefix can be continued several ways (the first block a call writes into is copied).
+    """``batch_size`` sequences whose K/V live in blocks of a shared :class:`BlockPool`, written
+    in place; with ``shared``, every call forks the cache first, so a prefix can be continued
+    several ways (the first block a call writes into is copied).
 
     >>> from kvdoc import Decoder, GPTConfig
     >>> _ = torch.manual_seed(0)
@@ -277,11 +262,8 @@ class PagedCache(KVCache):
         self._len = 0
 
     def fork(self, rows: Sequence[int] | None = None) -> PagedCache:
-        """A new cache whose sequence ``i`` shares every block of this cache's sequence ``rows[i]``.
-
-        Nothing is copied now; a block is copied when either side first writes into it while
-        it is shared. ``rows`` defaults to every sequence once.
-        """
+        """A new cache whose sequence ``i`` shares every block of this cache's sequence ``rows[i]``
+        (default: every sequence once); a shared block is copied at its first write."""
         rows = list(range(self.batch_size)) if rows is None else list(rows)
         if not rows or any(not 0 <= r < self.batch_size for r in rows):
             raise ValueError(f"fork rows must be indices 0..{self.batch_size - 1}, got {rows}")
@@ -346,21 +328,14 @@ def _pool_for(model: Decoder, batch: int, capacity: int, block_size: int, spare:
 
 
 def new_paged_cache(model: Decoder, batch: int, capacity: int, block_size: int = 4) -> PagedCache:
-    """An empty :class:`PagedCache` for ``batch`` sequences of up to ``capacity`` positions.
-
-    Its own pool has exactly the blocks that ``capacity`` positions per sequence need. This is
-    the ``(model, batch, capacity) -> KVCache`` factory the equivalence grid calls.
-    """
+    """An empty :class:`PagedCache` for ``batch`` sequences of up to ``capacity`` positions, in
+    a pool of exactly the blocks they need: the grid's ``(model, batch, capacity)`` factory."""
     return paged_cache(_pool_for(model, batch, capacity, block_size, spare=0), batch)
 
 
 def new_shared_prefix_cache(model: Decoder, batch: int, capacity: int,
                             block_size: int = 4) -> PagedCache:
     """An empty shared-prefix :class:`PagedCache` for ``batch`` sequences of up to ``capacity``
-    positions.
-
-    Its pool has one spare block per sequence: while a call runs, the cache passed in and the
-    one returned both exist, and the returned one may hold a copy of the last shared block.
-    """
+    positions, with a spare block per sequence for the copy a call's fork may make."""
     return paged_cache(_pool_for(model, batch, capacity, block_size, spare=1), batch,
                        shared=True)

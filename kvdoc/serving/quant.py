@@ -1,17 +1,12 @@
 """An int8 K/V cache: an approximation that stores a quarter of FP32's bytes, with its error
 measured.
 
-Each new row of K and V (one position of one head, ``D_h`` values) is stored as ``D_h`` int8
-values and one scale: ``scale = max|x| / 127`` and ``q = round(x / scale)``, so every value comes
-back as ``q * scale`` within ``scale / 2`` of the original (for a BF16 or FP16 model, plus the
-model dtype's rounding of ``q * scale``: up to another half step in BF16, whose 8 significant
-bits cannot hold every multiple of a step up to 127 of them). Scales are per token and per head
-(not per channel), so a row is quantised once, when it is written, and never again as the cache
-grows. Scales are kept in the model's dtype; they count in every byte figure.
-
-The attention reads the dequantised K and V, so the model's logits differ from the exact cache's
-by an amount :func:`kvdoc.teach.serving_checks.measure_int8` measures: the cache is **not** the same
-function, and nothing here claims it is.
+Each new row of K and V (one position of one head) is stored as ``D_h`` int8 values and one
+scale in the model's dtype: ``scale = max|x| / 127``, ``q = round(x / scale)``, read back as
+``q * scale`` within ``scale / 2`` (in BF16, up to another half step for its own rounding).
+Scales are per token and per head, so a row is quantised once, when it is written.
+The logits differ from the exact cache's by what
+:func:`kvdoc.teach.serving_checks.measure_int8` measures: the cache is **not** the same function.
 
 Layout: K and V are ``[B, H_kv, T, D_h]`` int8, scales ``[B, H_kv, T, 1]``.
 
@@ -42,10 +37,8 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 over the last dimension: ``(q, scale)`` with ``x ~ q * scale``.
-
-    The scale is stored in ``x``'s dtype and ``q`` is the nearest step of that stored scale,
-    computed in FP32 at least. A row of zeros gets scale 1 (any scale reproduces it exactly).
+    """Symmetric int8 over the last dimension: ``(q, scale)`` with ``x ~ q * scale``, ``q`` the
+    nearest step of the scale as stored in ``x``'s dtype; a row of zeros gets scale 1.
 
     >>> q, s = quantize(torch.tensor([[0.5, -1.0, 0.25]]))
     >>> q.tolist(), round(s.item() * 127, 6)
@@ -67,20 +60,10 @@ def read_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      half_step: float = 0.5) -> torch.Tensor:
     """How far one attention read over int8 K and V can be from the read over exact ``k``, ``v``.
 
-    Every key and value element is within ``half_step`` of its row's step ``s = max|row| / 127``.
-    A score ``q . k_j / sqrt(D_h)`` then moves by at most ``e_j = |q|_1 half_step s_j /
-    sqrt(D_h)``; with ``e`` the largest ``e_j``, each softmax weight moves by a factor within
-    ``exp(+-2e)``, so the weights move by at most ``min(exp(2e) - 1, 2)`` in total (L1); the
-    output, ``sum_j p_j v_j``, moves per channel by at most that times half the channel's range
-    over the keys (the weights' change sums to zero), plus the largest value error. Taken over
-    every key (a mask only removes keys), so it holds for any mask.
-
-    Args:
-        q: ``[B, H, C, D_h]`` queries; ``k``, ``v``: exact ``[B, H_kv, T, D_h]``.
-        half_step: the element error in steps (0.5 for rounding to the nearest step).
-
-    Returns:
-        ``[B, H, C, D_h]``: the bound on ``|read(q, int8 K, V) - read(q, K, V)|``, element-wise.
+    The argument of :func:`kvdoc.serving.fp8.read_error_bound`, with every element within
+    ``half_step`` (0.5: rounding to the nearest) of its row's step ``s = max|row| / 127``, so a
+    score moves by at most ``e_j = |q|_1 half_step s_j / sqrt(D_h)``. Shapes: ``q`` ``[B, H, C,
+    D_h]``, ``k``, ``v`` exact ``[B, H_kv, T, D_h]``; returns ``[B, H, C, D_h]``.
 
     >>> g = torch.Generator().manual_seed(0)
     >>> q, k, v = (torch.randn(1, 2, 3, 8, generator=g) for _ in range(3))
@@ -102,14 +85,9 @@ def read_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class Int8Layer(CacheLayer):
-    """One layer's K and V as int8 with per-token, per-head scales, grown by concatenation.
-
-    ``dtype`` is the model's: what :meth:`read` returns and the scales are stored in.
-
-    Args:
-        rows: ``(qk, k_scale, qv, v_scale)``: int8 ``[B, H_kv, T, D_h]`` and scales
-            ``[B, H_kv, T, 1]``.
-    """
+    """One layer's K and V as int8 with per-token, per-head scales, grown by concatenation:
+    ``rows`` is ``(qk, k_scale, qv, v_scale)``, int8 ``[B, H_kv, T, D_h]`` and scales ``[B,
+    H_kv, T, 1]`` in the model's dtype."""
 
     def __init__(self, rows: tuple[torch.Tensor, ...]) -> None:
         qk, sk, qv, _ = rows

@@ -1,32 +1,16 @@
 """A ragged step: one forward over rows of different lengths, each row in its own blocks.
 
-Rows of one step are at different lengths: row ``b`` holds ``P_b`` cached
-positions and brings ``n_b`` new tokens (a prefill chunk or one decode token). The reference
-decoder takes them in one call: the new tokens are right-padded to ``C = max n_b``; each row
-writes its ``n_b`` K/V rows into its own blocks and reads its own blocks back, gathered to
-``T = max (P_b + n_b)`` columns (:class:`RaggedStep` and its ``cache``); per-row positions
-``P_b .. P_b + n_b - 1`` and a per-row mask (a real query at position ``P_b + j`` reads keys
-``0 .. P_b + j`` of its own row) make each row the function of its own sequence. Pad queries read
-key 0 of their row so no softmax row is empty; their outputs are never read. The positions go to
-``Decoder.forward(positions=...)``: a learned-position model embeds each row at its own, a RoPE
-model turns each row's Q and K there (:func:`kvdoc.core.model.apply_rope` takes ``[B, C]``
-positions), and so do Gemma's and MLA's attentions. The mask goes to ``attn_mask``: the attention
-itself keeps, in a windowed layer (Mistral, Gemma 3's window layers), the last ``W`` of the keys a
-query may read, so the blocks hold every position and the model reads what it reads over any cache
-that keeps them all.
+Row ``b`` holds ``P_b`` cached positions and brings ``n_b`` new tokens (a prefill chunk or one
+decode token), right-padded to ``C = max n_b``; each row writes its K/V rows into its own blocks
+and reads them back, gathered to ``T = max (P_b + n_b)`` columns. Per-row positions (``P_b ..
+P_b + n_b - 1``, to ``Decoder.forward(positions=...)``) and a per-row mask (``attn_mask``: query
+``P_b + j`` reads keys ``0 .. P_b + j`` of its row; a window layer keeps the last ``W`` of them)
+make each row the function of its own sequence. Pad queries read key 0, so no softmax row is
+empty; their outputs are never read.
 
-Real engines do not pad. vLLM flattens the step's tokens of every sequence into one packed batch
-(each sequence's start in it is ``query_start_loc``, a cumulative sum) and attends with
-variable-length kernels that read each sequence's blocks through its block table
-(FlashAttention's ``flash_attn_varlen_func`` with cumulative lengths ``cu_seqlens``; PyTorch's
-``torch.nn.attention.varlen.varlen_attn`` takes ``cu_seq_q``, ``cu_seq_k`` and a
-``block_table``); SGLang does the same with FlashInfer's
-``BatchPrefillWithPagedKVCacheWrapper`` (``qo_indptr``, page indices). Linear layers then see
-``sum n_b`` tokens; Orca called this selective batching: every operation batched over the
-packed tokens except attention, which is computed per request. The padding here costs time,
-not correctness.
-
-The scheduler (:mod:`kvdoc.serving.scheduler`) builds one :func:`ragged_step` per step.
+Real engines pack the tokens instead, with variable-length kernels (the continuous-batching
+page says which); the padding here costs time, not correctness. The scheduler
+(:mod:`kvdoc.serving.scheduler`) builds one :class:`RaggedStep` per step.
 
 >>> from kvdoc import Decoder
 >>> from kvdoc.core.model import llama_config
@@ -34,11 +18,11 @@ The scheduler (:mod:`kvdoc.serving.scheduler`) builds one :func:`ragged_step` pe
 >>> model = Decoder(llama_config()).eval()          # RoPE
 >>> pool = BlockPool(model.config, num_blocks=4, block_size=4)
 >>> ids = torch.tensor([[5, 6, 7, 8, 9], [3, 1, 4, 0, 0]])  # row 1: 3 tokens, then padding
->>> step = ragged_step(pool, tables=[[0, 1], [2]], past=[0, 0], new=[5, 3])
+>>> step = RaggedStep(pool, tables=[[0, 1], [2]], past=[0, 0], new=[5, 3])
 >>> logits = model(ids, step.cache, positions=step.positions(), attn_mask=step.mask()).logits
 >>> torch.allclose(logits[1, :3], model(ids[1:, :3]).logits[0], atol=1e-5)
 True
->>> step = ragged_step(pool, tables=[[0, 1], [2]], past=[5, 3], new=[1, 1])  # both decode
+>>> step = RaggedStep(pool, tables=[[0, 1], [2]], past=[5, 3], new=[1, 1])  # both decode
 >>> logits = model(torch.tensor([[2], [1]]), step.cache, positions=step.positions(),
 ...                attn_mask=step.mask()).logits
 >>> torch.allclose(logits[1, 0], model(torch.tensor([[3, 1, 4, 1]])).logits[0, -1], atol=1e-5)
@@ -79,12 +63,9 @@ class RaggedLayer(PoolLayer):
 
 
 class RaggedStep:
-    """One ragged step: row ``b``'s blocks ``tables[b]``, ``past[b]`` positions held, ``new[b]``
-    new tokens (see the module docstring); ``cache`` is what the model writes into and reads.
-
-    The blocks for the new positions must already be in the tables (the scheduler allocates);
-    :attr:`seq_len` is ``T - C``, so the model's mask and new tokens span the ``T`` gathered
-    columns.
+    """One ragged step: row ``b``'s blocks ``tables[b]`` (already holding room for the new
+    positions), ``past[b]`` positions held, ``new[b]`` new tokens; ``cache`` is what the model
+    writes into and reads, its :attr:`seq_len` ``T - C``.
 
     >>> from kvdoc.core.model import GPTConfig
     >>> pool = BlockPool(GPTConfig(), num_blocks=3, block_size=4)
@@ -133,9 +114,3 @@ class RaggedStep:
         new = torch.tensor(self.new, device=self.device)[:, None]
         j = torch.arange(C, device=self.device)[None, :]
         return torch.where(j < new, past + j, 0)
-
-
-def ragged_step(pool: BlockPool, tables: Sequence[list[int]], past: Sequence[int],
-                new: Sequence[int]) -> RaggedStep:
-    """The step's cache over ``pool``, whatever its model caches."""
-    return RaggedStep(pool, tables, past, new)

@@ -1,11 +1,5 @@
-"""The requests a scheduler serves: a trace of arrivals, and how each sequence picks its next token.
-
-* :class:`Request`: a prompt, how many tokens to generate, when it arrives, and how many seeded
-  samples it forks into;
-* :func:`arrival_trace`: requests with lengths and gaps drawn from a seeded ``torch.Generator``;
-* :func:`choose` with :func:`sample_generator`: greedy, or one draw per sample from its own
-  generator, the same on any device.
-"""
+"""The requests a scheduler serves (:class:`Request`, a seeded :func:`arrival_trace`), and how
+each sequence picks its next token (:func:`choose`, with its sample's generator)."""
 
 from __future__ import annotations
 
@@ -17,10 +11,9 @@ import torch
 
 @dataclass(frozen=True)
 class Request:
-    """One request of a trace: ``rid`` (its index in the trace), ``prompt`` token ids, the
-    ``output_len`` tokens it generates, the step from which it may be admitted (``arrival``). It
-    forks into ``samples`` sequences of ``output_len`` once its prompt is in (parallel sampling),
-    sample ``j`` drawing from generator seed ``seed + j`` (``seed`` None: greedy)."""
+    """One request of a trace: ``rid`` (its index), ``prompt`` token ids, the ``output_len``
+    tokens it generates, the step it may be admitted from; it forks into ``samples`` sequences
+    once its prompt is in, sample ``j`` drawing with seed ``seed + j`` (None: greedy)."""
 
     rid: int
     prompt: tuple[int, ...]
@@ -54,9 +47,8 @@ def sample_generator(request: Request, sample: int = 0) -> torch.Generator | Non
 
 def choose(logits: torch.Tensor, generator: torch.Generator | None) -> int:
     """The next token from ``[V]`` logits: the argmax without a generator; with one, a draw
-    from ``softmax(logits)`` by the Gumbel-max trick, ``argmax(logits - log(-log U))`` with
-    ``U`` uniform from ``generator`` (float64 on the CPU, so the draw is the same on any device
-    and for the same generator state; the logits decide only through their argmax).
+    from ``softmax(logits)`` by the Gumbel-max trick, ``argmax(logits - log(-log U))``, ``U``
+    uniform from ``generator`` in float64 on the CPU (the same draw on any device).
 
     >>> logits = torch.tensor([0.0, 3.0, 1.0])
     >>> choose(logits, None), choose(logits, torch.Generator().manual_seed(0))

@@ -1,8 +1,7 @@
 """What a scheduler's run records: one :class:`StepRecord` a step, and the :class:`ServeRun`.
 
-The records carry the block bookkeeping of every step (blocks held, named by the tables, free,
-reference counts), so a run can be checked against its invariants after the fact
-(:attr:`ServeRun.invariants_hold`), and what each request produced, to compare with its solo run.
+The records carry every step's block bookkeeping, checked after the fact
+(:attr:`ServeRun.invariants_hold`), and what each request produced.
 """
 
 from __future__ import annotations
@@ -17,20 +16,13 @@ from .requests import Request
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One step of a run.
-
-    Attributes:
-        step: its index. rows: ``(rid, new tokens, kind)`` per row of the forward, kind
-            ``"prefill"``, ``"recompute"`` (a preempted request prefilling again) or
-            ``"decode"``.
-        waiting: rids arrived but not admitted. holding: rids admitted, not in this forward.
-        blocks_held: ``pool.num_used`` after the step (finished requests retired).
-        blocks_named: distinct blocks the live requests' tables name. blocks_free: the free list.
-        lengths_ok: every live request's table covers exactly its written positions, and one
-            that has tokens and was never preempted has written prompt + tokens - 1 of them.
-        refs_ok: every block's reference count is the number of live tables naming it.
-        preempted: ``(rid, positions discarded)`` per request preempted in this step.
-    """
+    """One step of a run: ``rows``, ``(rid, new tokens, kind)`` per row of the forward (kind
+    ``"prefill"``, ``"recompute"`` or ``"decode"``); rids ``waiting`` (arrived, not admitted)
+    and ``holding`` (admitted, not in the forward); after the step, ``pool.num_used``, the
+    distinct blocks the live tables name and the free list; ``lengths_ok``: every live table
+    covers exactly its written positions (prompt + tokens - 1 unless preempted); ``refs_ok``:
+    every reference count is the number of live tables naming the block; ``(rid, positions
+    discarded)`` per preemption."""
 
     step: int
     rows: tuple[tuple[int, int, str], ...]
@@ -56,16 +48,9 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class ServeRun:
-    """What :meth:`Scheduler.run` returns.
-
-    Attributes:
-        policy, token_budget: how it was scheduled. num_blocks, block_nbytes: the pool.
-        tokens: rid -> its tokens (its first sample's). logits: rid -> ``[output_len, V]``,
-            behind each token. emitted: rid -> the step each token came out.
-        steps: one :class:`StepRecord` per step.
-        samples, sample_logits: ``(rid, sample)`` -> tokens and logits, every sample of every
-            request.
-    """
+    """What :meth:`Scheduler.run` returns: by rid, its (first sample's) tokens, their logits
+    ``[output_len, V]`` and the step each came out; a :class:`StepRecord` per step; by ``(rid,
+    sample)``, every sample's tokens and logits."""
 
     policy: str
     token_budget: int | None

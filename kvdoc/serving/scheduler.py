@@ -1,47 +1,34 @@
 """Continuous batching and chunked prefill over a paged cache, against static batching.
 
-Requests arrive over time (:func:`~kvdoc.serving.requests.arrival_trace`: prompt length, output
-length, arrival step, from a seeded ``torch.Generator``). A :class:`Scheduler` recomposes the
-batch at every step: it admits arrived requests while the pool has blocks for them, runs one
-forward of the model for every row of the step, then retires the finished requests and frees
-their blocks. This is iteration-level scheduling as Orca (Yu et al., OSDI 2022) named it, over
-the block tables of vLLM's PagedAttention (Kwon et al., 2023).
+Requests arrive over time (:func:`~kvdoc.serving.requests.arrival_trace`). A :class:`Scheduler`
+recomposes the batch at every step: it admits arrived requests while the pool has blocks for
+them, runs one forward for every row of the step, then retires the finished requests: Orca's
+iteration-level scheduling (Yu et al., OSDI 2022) over vLLM's block tables (Kwon et al., 2023).
 
 Three policies on one loop (``policy``, ``token_budget``):
 
 * ``"static"``: a batch is formed from the requests waiting, runs until its longest request
   finishes (finished rows keep their blocks, as the rows of a padded batch do), then the next.
-* ``"continuous"`` without a budget: prefill first, as vLLM's scheduler did by default before
-  chunked prefill: a step that has newly admitted requests runs their whole prompts and
-  nothing else, so the running requests' decodes pause for it.
-* ``"continuous"`` with ``token_budget=N``: chunked prefill with stall-free batching, as in
-  Sarathi-Serve (Agrawal et al., OSDI 2024) and vLLM's chunked prefill
-  (``max_num_batched_tokens``): every decoding request gets its one token first, and the rest of
-  the budget goes to prefill chunks, in order of admission.
+* ``"continuous"`` without a budget: prefill first, as vLLM did before chunked prefill: a step
+  with newly admitted requests runs their whole prompts and nothing else.
+* ``"continuous"`` with ``token_budget=N``: stall-free chunked prefill, as in Sarathi-Serve
+  (Agrawal et al., OSDI 2024) and vLLM's ``max_num_batched_tokens``: every decoding request
+  gets its one token first, the rest of the budget goes to prefill chunks.
 
-**A ragged step.** Rows of one step are at different lengths (a prefill chunk or one decode
-token each, after what each holds); the reference decoder takes them in one forward
-(:mod:`kvdoc.serving.ragged`), with per-row positions and a per-row mask, so each row is the
-function of its own sequence, for every decoder of the grid.
+The rows of a step, of different lengths, run as one forward (:mod:`kvdoc.serving.ragged`).
 
-**Admission and preemption.** By default admission never over-commits: a request is admitted
-only if the free blocks, less those the running requests will still need, cover its whole final
-length (prompt + output - 1 positions, :meth:`~kvdoc.serving.requests.Request.blocks_needed`),
-so no request is ever preempted. With ``preempt=True`` a request is admitted when the free
-blocks cover what it and the running requests write next, as vLLM admits; when a row then cannot
-get a block, the most recently admitted request (vLLM's policy) is preempted by recompute: all
-its blocks are given back, it goes to the front of the waiting queue with its prompt and the
-tokens it has chosen, and when admitted again it prefills that whole sequence (its tokens are
-kept, never chosen again). Either way blocks are taken as positions are written, so the memory
-held per step is what is filled, rounded up to blocks.
+**Admission and preemption** (stated exactly in :mod:`kvdoc.teach.schedule_spec`). By default
+a request is admitted only if the free blocks, less what the running requests still need, cover
+its whole final length, so none is ever preempted. With ``preempt=True`` it is admitted when
+they cover what it and the running requests write next, as vLLM admits; a row that then cannot
+get a block preempts the most recently admitted request by recompute (its blocks given back, to
+the front of the queue with its prompt and chosen tokens). Blocks are taken as positions are
+written.
 
-**Forks.** A request with ``samples=n`` (and a ``seed``) prefills its prompt once; when the
-prompt's last position has its logits, it forks into ``n`` sequences that share every block of
-the prompt (one reference each, :meth:`BlockPool.share`). Each draws its tokens with its own
-generator (:func:`~kvdoc.serving.requests.sample_generator`,
-:func:`~kvdoc.serving.requests.choose`); the first write of a fork into a shared block, the
-prompt's partly filled last block, copies it first (copy-on-write, :meth:`BlockPool.copy`), as
-vLLM's block manager did for parallel sampling and beam search.
+**Forks.** A request with ``samples=n`` (and a ``seed``) prefills its prompt once, then forks
+into ``n`` sequences sharing the prompt's blocks, each drawing with its own generator; a fork's
+first write into a shared block copies it (copy-on-write), as vLLM's block manager did for
+parallel sampling.
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> from kvdoc.serving.requests import arrival_trace
@@ -75,7 +62,7 @@ from kvdoc.core.cache import check_int
 from kvdoc.core.model import Decoder
 
 from .paged import BlockPool
-from .ragged import RaggedStep, ragged_step
+from .ragged import RaggedStep
 from .requests import Request, choose, sample_generator
 from .runs import ServeRun, StepRecord
 
@@ -121,8 +108,7 @@ class LiveRequest:
 
 
 class Scheduler:
-    """Runs a trace of :class:`~kvdoc.serving.requests.Request` s on ``model`` (a decoder of
-    the grid's interface: any positions, cached layout or window) over one
+    """Runs a trace of :class:`~kvdoc.serving.requests.Request` s on ``model`` over one
     :class:`~kvdoc.serving.paged.BlockPool` of ``num_blocks``, one forward a step, under the
     policies of the module docstring. ``max_batch``: most sequences admitted at once (default:
     as many as the blocks allow; a request's forks join it regardless)."""
@@ -158,29 +144,18 @@ class Scheduler:
         """Preemption by recompute: give every block back and forget every written position (its
         tokens stay); returns the positions discarded."""
         discarded = live.fed
-        self.pool.release(live.table)
-        live.table.clear()
+        self.retire(live)
         live.fed = 0
         live.preemptions += 1
         return discarded
-
-    def blocks_to_write(self, live: LiveRequest, end: int) -> int:
-        """Blocks to copy or allocate before ``live`` writes positions ``fed .. end - 1``."""
-        first, last = live.fed // self.pool.block_size, self.blocks_for(end)
-        shared = sum(self.pool.refs(b) > 1 for b in live.table[first:last])
-        return max(0, last - len(live.table)) + shared
 
     def reserve(self, live: LiveRequest, end: int) -> bool:
         """Own every block positions ``fed .. end - 1`` of ``live`` fall in: a block it shares is
         copied first (copy-on-write), missing ones are allocated. False, changing nothing, when
         the pool has too few free blocks."""
-        if self.blocks_to_write(live, end) > self.pool.num_free:
+        if self.pool.to_write(live.table, live.fed, end) > self.pool.num_free:
             return False
-        first, last = live.fed // self.pool.block_size, self.blocks_for(end)
-        for n in range(first, min(last, len(live.table))):
-            if self.pool.refs(live.table[n]) > 1:
-                live.table[n] = self.pool.copy(live.table[n])
-        live.table.extend(self.pool.allocate(max(0, last - len(live.table))))
+        self.pool.own(live.table, live.fed, end)
         return True
 
     def positions(self, view: RaggedStep) -> torch.Tensor:
@@ -208,7 +183,7 @@ class Scheduler:
             return
         S = self.pool.block_size
         if self.preempt_on:  # what the running requests write next
-            promised = sum(self.blocks_to_write(x, len(x.seq)) for x in live)
+            promised = sum(self.pool.to_write(x.table, x.fed, len(x.seq)) for x in live)
         else:  # what they hold at most, to the end, less what they hold now
             held: dict[int, set[int]] = {}
             for x in live:
@@ -264,7 +239,7 @@ class Scheduler:
     @torch.no_grad()
     def _forward(self, rows: list[tuple[LiveRequest, list[int]]], live: list[LiveRequest],
                  step: int) -> None:
-        view = ragged_step(self.pool, [x.table for x, _ in rows], [x.fed for x, _ in rows],
+        view = RaggedStep(self.pool, [x.table for x, _ in rows], [x.fed for x, _ in rows],
                            [len(ids) for _, ids in rows])
         C, device = max(view.new), self.model.wte.weight.device
         idx = torch.tensor([ids + [0] * (C - len(ids)) for _, ids in rows], device=device)

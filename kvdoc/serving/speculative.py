@@ -1,25 +1,19 @@
 """Speculative decoding: a draft model proposes ``k`` tokens, the target checks them in one call.
 
-Each round starts with a *pending* token: the last token of the sequence, not yet fed to
-either model, whose caches hold every earlier position. Then
+Each round starts with a *pending* token, the last of the sequence, fed to neither model yet:
 
-1. the draft feeds the pending token and its own proposals one at a time, greedily, and
-   proposes ``d_1 .. d_k``;
-2. the target feeds ``[pending, d_1, .., d_k]`` as one chunk of ``k + 1`` tokens after its
-   cache, and so gets its own next-token logits at every one of those positions at once;
-3. proposals are accepted while they agree with the target (greedy: equal to its argmax;
-   sampling: the acceptance rule below); the first disagreement is replaced by the target's
-   token, and if all ``k`` agree the target's next token is added as a bonus;
-4. both caches are cropped back to the positions that were kept (the rejected suffix never
-   happened), and the last new token becomes the next round's pending token.
+1. the draft feeds it and its own proposals one at a time and proposes ``d_1 .. d_k``;
+2. the target feeds ``[pending, d_1, .., d_k]`` as one chunk, getting its own next-token logits
+   at every one of those positions at once;
+3. proposals are kept while they agree with the target (greedy: its argmax; sampling:
+   :func:`acceptance`); the first disagreement is replaced by the target's token, and if all
+   ``k`` agree the target's next token is added as a bonus;
+4. both caches are cropped back to the positions kept; the last new token is pending next.
 
-So every round costs one target call and yields between 1 and ``k + 1`` tokens, and the output
-is the target's own: under greedy decoding token for token, under sampling in distribution
-(Leviathan et al. 2023, Chen et al. 2023). The caches must be able to roll back: a cache with
-``crop`` (dynamic, static, paged). A sliding-window ring cannot, since writing the rejected
-proposals overwrote rows that later queries still read.
-
-Batch 1 only: rows of a batch accept different numbers of tokens, which needs ragged caches.
+A round costs one target call and yields 1 to ``k + 1`` tokens, the target's own: token for
+token when greedy, in distribution when sampling (Leviathan et al. 2023, Chen et al. 2023).
+The caches must crop (dynamic, static, paged). Batch 1 only: rows of a batch would accept
+different numbers of tokens.
 """
 
 from __future__ import annotations
@@ -57,11 +51,9 @@ the probability of keeping each proposed token, and the distribution a rejection
 
 
 def acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The acceptance rule for one proposed token: ``min(1, p/q)`` and the residual distribution.
-
-    ``p`` and ``q`` are the target's and the draft's next-token probabilities ``[V]``. A token
-    ``x`` drawn from ``q`` is kept with probability ``min(1, p(x) / q(x))``; on a rejection the
-    replacement is drawn from ``max(0, p - q)``, normalised. The result is distributed as ``p``:
+    """The acceptance rule for one proposed token ``x`` drawn from the draft's ``q`` (``[V]``):
+    kept with probability ``min(1, p(x) / q(x))``, else replaced by a draw from ``max(0, p -
+    q)``, normalised; the result is distributed as the target's ``p``:
 
     >>> p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.2, 0.6])
     >>> keep, residual = acceptance(p, q)
@@ -77,10 +69,8 @@ def acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def truncated_draft(target: Decoder, n_layer: int) -> Decoder:
-    """A draft made of the target's first ``n_layer`` layers, its final norm and its LM head.
-
-    A self-speculative draft (as in LayerSkip): no second model to train or load, and it tends
-    to agree with the target more often than an unrelated small model does.
+    """A draft made of the target's first ``n_layer`` layers, its final norm and its LM head: a
+    self-speculative draft (as in LayerSkip), no second model to train or load.
 
     >>> from kvdoc import GPTConfig
     >>> draft = truncated_draft(Decoder(GPTConfig()), 1)
@@ -128,12 +118,10 @@ def speculative_generate(target: Decoder, draft: Decoder, prompt: torch.Tensor,
                          rule: Rule | None = None) -> SpeculativeRun:
     """``max_new_tokens`` tokens after ``prompt`` (``[1, P]``), the draft proposing ``k`` a round.
 
-    ``draft`` is a cheaper model with the target's vocabulary; the last round stops early to
-    give exactly ``max_new_tokens``. ``cache``: the kind both models use (``"dynamic"``,
-    ``"static"``), or ``(model, capacity) -> empty cache``, called for each (any kind that
-    crops). ``generator``: sample with ``rule`` (default :func:`acceptance`, the rule
-    ``tests/test_speculative.py`` checks exactly), drawing from it; None: greedy, and then
-    ``run.tokens`` equals ``generate(target, prompt, max_new_tokens)``.
+    ``draft``: a cheaper model with the target's vocabulary. ``cache``: the kind both models use,
+    or ``(model, capacity) -> empty cache`` (any kind that crops). ``generator``: sample with
+    ``rule`` (default :func:`acceptance`), drawing from it; None: greedy, token for token
+    ``generate(target, prompt, max_new_tokens)``.
 
     >>> from kvdoc import GPTConfig, generate
     >>> _ = torch.manual_seed(0)

@@ -1,11 +1,9 @@
 """Split-K attention (Flash-Decoding): keys in chunks, a partial softmax per chunk, merged exactly.
 
-A decode step has one query row per head. A GPU kernel that gives each (sequence, head) pair
-one block of threads then runs ``B * H`` blocks, too few to fill the chip when ``B`` is small
-and the context long. Splitting the ``T`` cached keys into chunks of ``S`` gives
-``B * H * ceil(T / S)`` independent pieces of work; each returns its unnormalised output
-together with the two numbers that let the pieces be merged afterwards, the largest score
-``m`` and the sum ``l`` of ``exp(score - m)``:
+A decode step has one query row per head: ``B * H`` pieces of work, too few to fill a GPU when
+``B`` is small and the context long. Splitting the ``T`` cached keys into chunks of ``S`` gives
+``B * H * ceil(T / S)`` pieces; each returns its unnormalised output with the largest score
+``m`` and the sum ``l`` of ``exp(score - m)``, which merge exactly:
 
     m = max_c m_c,   l = sum_c l_c exp(m_c - m),   out = sum_c o_c exp(m_c - m) / l
 
@@ -14,15 +12,11 @@ arithmetic, not an approximation: the result is softmax attention over all ``T``
 the rounding of a different summation order. ``m + log l`` is the log-sum-exp of the scores.
 
 Shapes: ``q`` is ``[B, H, C, D_h]``, ``k`` and ``v`` are ``[B, H_kv, T, D_h]`` (``H`` a multiple
-of ``H_kv``: grouped-query and multi-query attention read one K/V head from several query heads),
-``mask`` is ``[C, T]`` bool (True: may read), as :func:`kvdoc.core.cache.offset_causal_mask`
-builds it, or ``[B, C, T]`` with a mask per row (left-padded batches).
+of ``H_kv``), ``mask`` is ``[C, T]`` bool (True: may read) or ``[B, C, T]``, one a row.
 
-:class:`SplitKAttention` puts the same computation inside the decoder, and
-:func:`split_k_decoder` builds a copy of a model that attends that way, so the verification
-grid runs it as one more implementation of the model's function. Under
-:func:`kvdoc.batch_invariant` it attends as :func:`kvdoc.core.invariant.attention` does, key by
-key from the first: a split count chosen for the chip must not change the bits.
+:func:`split_k_decoder` builds a copy of a model that attends that way, for the verification
+grid. Under :func:`kvdoc.batch_invariant` it attends as :func:`kvdoc.core.invariant.attention`
+does, key by key: a split count chosen for the chip must not change the bits.
 """
 
 from __future__ import annotations
@@ -76,10 +70,8 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def merge(parts: list[Partial] | Partial) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge partials into the output ``[B, H, C, D_h]`` and its log-sum-exp ``[B, H, C]``.
-
-    ``parts`` is a list of chunks' partials, or one :class:`Partial` whose fields carry the
-    chunks along a leading dimension (what :func:`split_k_attention` computes at once).
+    """Merge partials (a list, or one :class:`Partial` with the chunks along a leading
+    dimension) into the output ``[B, H, C, D_h]`` and its log-sum-exp ``[B, H, C]``.
 
     >>> q, k, v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     >>> out, _ = merge([partial_attention(q, k[:, :, :2], v[:, :, :2]),
@@ -103,11 +95,8 @@ def merge(parts: list[Partial] | Partial) -> tuple[torch.Tensor, torch.Tensor]:
 
 def all_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int,
                  mask: torch.Tensor | None = None) -> Partial:
-    """Every chunk's :func:`partial_attention` at once, chunks along a leading dimension.
-
-    What a split-K kernel does in parallel: the keys are padded to whole chunks (the padding
-    hidden by the mask) and every chunk is one slice of one batched computation.
-    """
+    """Every chunk's :func:`partial_attention` at once, chunks along a leading dimension: the
+    keys padded to whole chunks (the padding hidden by the mask), one batched computation."""
     B, H, C, D = q.shape
     H_kv, T = k.shape[1], k.shape[2]
     n = math.ceil(T / split)
@@ -161,11 +150,8 @@ def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: 
 
 
 class SplitKAttention(CausalSelfAttention):
-    """The decoder's attention with softmax over chunks of ``split`` keys, merged exactly.
-
-    Same weights, projections, RoPE and cache as :class:`~kvdoc.core.model.CausalSelfAttention`;
-    only the attention over the keys is computed the split-K way.
-    """
+    """The decoder's attention (:class:`~kvdoc.core.model.CausalSelfAttention`) with softmax
+    over chunks of ``split`` keys, merged exactly."""
 
     def __init__(self, config: GPTConfig, split: int) -> None:
         super().__init__(config)

@@ -1,21 +1,12 @@
 """A simulated request mix, and the K/V memory that three allocation strategies reserve for it.
 
-Every request is a shared system prompt, its own user text and its own output, with lengths
-drawn from stated uniform distributions by a seeded generator (:func:`request_mix`). The output
-tokens are random ids standing in for generated ones: memory depends only on how many there are.
-:func:`measure_mix` runs every request through the model, all of them held at once as in one
-serving batch, and measures what each strategy reserves:
-
-* **contiguous**: one :class:`~kvdoc.core.cache.StaticCache` of ``n_positions`` per request, since
-  a request's final length is unknown when it is admitted;
-* **paged**: blocks of a :class:`~kvdoc.serving.paged.BlockPool`, one block table per request;
-* **paged + shared prefix**: the system prompt is computed once and its blocks are shared by
-  every request (:meth:`~kvdoc.serving.paged.PagedCache.fork`, copy-on-write at its partly
-  filled last block).
-
-With sharing it keeps each request's logits, which
-:func:`kvdoc.teach.serving_checks.compare_mix_with_alone` compares with one full forward of that
-request alone.
+Every request is a shared system prompt, its own user text and its own output (random ids:
+memory depends only on how many), lengths drawn by a seeded generator (:func:`request_mix`).
+:func:`measure_mix` holds every request at once and measures what each strategy reserves: a
+:class:`~kvdoc.core.cache.StaticCache` of ``n_positions`` per request (the final length is
+unknown at admission); paged blocks, a table per request; paged blocks with the system prompt's
+shared (:meth:`~kvdoc.serving.paged.PagedCache.fork`), whose logits
+:func:`kvdoc.teach.serving_checks.compare_mix_with_alone` compares with each request alone.
 
 >>> from kvdoc.core.model import GPTConfig
 >>> _ = torch.manual_seed(0)
@@ -59,9 +50,8 @@ class RequestMix:
 def request_mix(n: int = 48, prefix_len: int = 100, user_lens: tuple[int, int] = (16, 160),
                 output_lens: tuple[int, int] = (8, 160), vocab_size: int = 97,
                 seed: int = 0) -> RequestMix:
-    """``n`` requests: a ``prefix_len``-token system prompt, then user and output lengths
-    uniform on the inclusive ranges given, token ids uniform on the vocabulary, all from
-    ``torch.Generator`` seed ``seed``.
+    """``n`` requests: a ``prefix_len``-token system prompt, then user and output lengths uniform
+    on the inclusive ranges given, token ids uniform, from ``torch.Generator`` seed ``seed``.
 
     >>> mix = request_mix(n=4, prefix_len=3, user_lens=(1, 2), output_lens=(5, 5))
     >>> all(9 <= n <= 10 for n in mix.lengths()), mix == request_mix(4, 3, (1, 2), (5, 5))

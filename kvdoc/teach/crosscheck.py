@@ -1,11 +1,8 @@
 """kvdoc against Hugging Face transformers' GPT-2, Llama and Mistral on the same random weights.
 
-:func:`match_transformers` loads a transformers model into a :class:`~kvdoc.core.model.Decoder`
-(:func:`kvdoc.interop.hf_weights.from_transformers`) and compares logits over one stream: kvdoc's
-full forward and cached runs (every cache kind, several chunk sizes) against transformers' full
-forward, and transformers' own cached decode against its full forward. The verification suite
-runs the same comparison as its ``reference`` check
-(:func:`kvdoc.proofs.references.transformers_reference`).
+:func:`match_transformers` compares logits over one stream: kvdoc's full forward and cached
+runs against transformers' full forward, and transformers' own cached decode against the same.
+The verification suite's ``reference`` check runs the same comparison.
 """
 
 from __future__ import annotations
@@ -49,12 +46,11 @@ class TransformersMatch:
 def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] = (1, 5),
                        kinds: Sequence[str] | None = None, prefill_len: int = 8,
                        lift: bool | None = None) -> TransformersMatch:
-    """Load ``hf_model`` (a transformers GPT-2, Llama or Mistral model, FP32 or
-    FP64) into kvdoc and compare logits over ``ids`` (``[B, T]``): kvdoc's cached runs
-    in chunks of ``chunks`` for each of ``kinds`` (default dynamic, static, and window
-    with a window); transformers under
-    :func:`~kvdoc.interop.hf_float64.float64_islands_lifted` if ``lift`` (default: in
-    FP64).
+    """Load ``hf_model`` (a transformers GPT-2, Llama or Mistral model, FP32 or FP64) into
+    kvdoc and compare logits over ``ids`` (``[B, T]``): kvdoc's cached runs in chunks of
+    ``chunks`` for each of ``kinds`` (default dynamic, static, and window with a window);
+    transformers under :func:`~kvdoc.interop.hf_float64.float64_islands_lifted` if ``lift``
+    (default: in FP64).
 
     >>> from transformers import MistralForCausalLM
     >>> from kvdoc.core.model import mistral_config

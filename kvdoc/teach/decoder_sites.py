@@ -1,12 +1,9 @@
 """Sites inside the real decoder: any intermediate tensor as the input of a plain function.
 
-:func:`decoder_function` turns a *site* of a :class:`~kvdoc.core.model.Decoder` (one layer's Q, K or
-V, the residual stream before a block, the final LayerNorm's input, ...; :func:`decoder_sites`
-lists them) into a function of that tensor, by replacing the site's value with forward hooks so
-that the real modules do the computing. It can also *pin* other sites, holding them at their
-values from a normal run: that is how "given every layer's K and V" is expressed. Layers are
-numbered from 0 (``h0``, ``h1``). The maps themselves are computed by
-:mod:`kvdoc.teach.dependency_maps`.
+:func:`decoder_function` turns a *site* of a :class:`~kvdoc.core.model.Decoder` (one layer's Q,
+K or V, the residual stream, ...: :func:`decoder_sites`) into a function of that tensor, forward
+hooks replacing the site's value so that the real modules compute. It can also *pin* other sites
+at their values from a normal run: "given every layer's K and V". Layers count from 0 (``h0``).
 """
 
 from __future__ import annotations
@@ -47,13 +44,10 @@ def _site_spec(model: Decoder, site: str) -> tuple[str, str, slice | None]:
 
 
 def decoder_sites(model: Decoder) -> list[str]:
-    """Every site name :func:`decoder_function` accepts, in the order the forward pass meets them.
-
-    ``embed`` is ``wte + wpe`` (the first block's input); ``h{l}.q/k/v`` are one layer's Q, K,
-    V with heads merged (``[B, T, H * D_h]``, ``[B, T, H_kv * D_h]``); ``h{l}.heads`` is the
-    attention output before ``c_proj``; ``h{l}.mid`` the residual stream between attention and
-    MLP; ``ln_f.out`` the LM head's input.
-    """
+    """Every site name :func:`decoder_function` accepts, in the order the forward pass meets them:
+    ``embed`` is ``wte + wpe``; ``h{l}.q/k/v`` one layer's Q, K, V with heads merged;
+    ``h{l}.heads`` the attention output before ``c_proj``; ``h{l}.mid`` the residual stream
+    between attention and MLP; ``ln_f.out`` the LM head's input."""
     per = ["in", "ln_1", "q", "k", "v", "heads", "attn", "mid", "ln_2", "fc", "mlp", "out"]
     return (["wte", "wpe", "embed"]
             + [f"h{i}.{p}" for i in range(model.config.n_layer) for p in per]
@@ -132,12 +126,9 @@ def decoder_values(model: Decoder, idx: torch.Tensor, sites: Sequence[str] | Non
 
 def decoder_function(model: Decoder, idx: torch.Tensor, site: str, output: str = "logits",
                      pin: Sequence[str] = ()) -> tuple[Fn, torch.Tensor]:
-    """The decoder (a float64 copy of ``model``) as a function of one internal tensor.
-
-    Returns ``(fn, x0)``: ``x0`` is the value of ``site`` in a run of ``model(idx)``, and
-    ``fn(x)`` reruns the model with ``site`` replaced by ``x`` and each site in ``pin`` held at
-    its recorded value, returning ``output``. Pinning every layer's K and V is what a cache
-    does: "given the cached K and V, what does this output still depend on?"
+    """The decoder (a float64 copy of ``model``) as a function of one internal tensor:
+    ``(fn, x0)``, ``x0`` the value of ``site`` in ``model(idx)`` and ``fn(x)`` the ``output`` of
+    a rerun with ``site`` replaced by ``x`` and each site in ``pin`` held at its value.
 
     >>> from kvdoc import GPTConfig
     >>> _ = torch.manual_seed(0)
@@ -207,9 +198,8 @@ class ShapeRow:
 
 def gpt2_shapes(model: Decoder, idx: torch.Tensor, layer: int = 0) -> list[ShapeRow]:
     """The shapes of one full forward of ``idx`` (``[B, T]``), measured on ``model``, in forward
-    order: one decoder layer (``layer``, its head split and scores from its real Q and K), then
-    the last-row slice, the final norm and the LM head of next-token prediction, in the order
-    ``last_only`` runs them (ln_f is row-wise, so the slice may come first).
+    order: one decoder layer (``layer``), then the last-row slice, the final norm and the LM
+    head, in the order ``last_only`` runs them (ln_f is row-wise, so the slice may come first).
 
     >>> from kvdoc import GPTConfig
     >>> rows = gpt2_shapes(Decoder(GPTConfig()), torch.tensor([[1, 2, 3]]))
@@ -228,35 +218,27 @@ def gpt2_shapes(model: Decoder, idx: torch.Tensor, layer: int = 0) -> list[Shape
         last = v[f"h{cfg.n_layer - 1}.out"][:, -1, :]  # [B, d]: the last layer's last row
         normed = model.ln_f(last)  # [B, d]
         logits = model.lm_head(normed)  # [B, V]
-    h = f"h{layer}"
-    return [
-        ShapeRow("token ids", "input", tuple(idx.shape), "B, T"),
-        ShapeRow("token embedding wte", "lookup (row-local)", tuple(v["wte"].shape),
-                 "T, d_model (broadcast over B)" if v["wte"].dim() == 2 else "B, T, d_model"),
-        ShapeRow("position embedding wpe", "lookup (row-local)", tuple(v["wpe"].shape),
-                 "T, d_model"),
-        ShapeRow("wte + wpe", "element-wise", tuple(v["embed"].shape), "B, T, d_model"),
-        ShapeRow(f"{h}: ln_1", "row-wise", tuple(v[f"{h}.ln_1"].shape), "B, T, d_model"),
-        ShapeRow(f"{h}: Q = ln_1 @ W_q", "matmul by a weight", tuple(v[f"{h}.q"].shape),
-                 "B, T, H·d_k"),
-        ShapeRow(f"{h}: K = ln_1 @ W_k", "matmul by a weight", tuple(v[f"{h}.k"].shape),
-                 "B, T, H_kv·d_k"),
-        ShapeRow(f"{h}: V = ln_1 @ W_v", "matmul by a weight", tuple(v[f"{h}.v"].shape),
-                 "B, T, H_kv·d_k"),
-        ShapeRow(f"{h}: split heads of Q", "reshape (row-local)", tuple(q.shape), "B, H, T, d_k"),
-        ShapeRow(f"{h}: scores = Q K^T / sqrt(d_k)", "matmul of two activations",
-                 tuple(scores.shape), "B, H, T, T"),
-        ShapeRow(f"{h}: softmax(masked scores) @ V, heads merged", "matmul of two activations",
-                 tuple(v[f"{h}.heads"].shape), "B, T, d_model"),
-        ShapeRow(f"{h}: c_proj, + residual", "matmul by a weight; element-wise",
-                 tuple(v[f"{h}.mid"].shape), "B, T, d_model"),
-        ShapeRow(f"{h}: ln_2", "row-wise", tuple(v[f"{h}.ln_2"].shape), "B, T, d_model"),
-        ShapeRow(f"{h}: MLP up c_fc, GELU", "matmul by a weight; element-wise",
-                 tuple(v[f"{h}.fc"].shape), "B, T, d_ff"),
-        ShapeRow(f"{h}: MLP down c_proj, + residual", "matmul by a weight; element-wise",
-                 tuple(v[f"{h}.out"].shape), "B, T, d_model"),
-        ShapeRow("last row x[:, -1, :] (after the last layer)", "slice", tuple(last.shape),
-                 "B, d_model"),
-        ShapeRow("ln_f", "row-wise", tuple(normed.shape), "B, d_model"),
-        ShapeRow("LM head", "matmul by a weight", tuple(logits.shape), "B, V"),
+    h, btd = f"h{layer}", "B, T, d_model"
+    weight, act, add = "matmul by a weight", "matmul of two activations", "; element-wise"
+    rows = [
+        ("token ids", "input", idx, "B, T"),
+        ("token embedding wte", "lookup (row-local)", v["wte"],
+         "T, d_model (broadcast over B)" if v["wte"].dim() == 2 else btd),
+        ("position embedding wpe", "lookup (row-local)", v["wpe"], "T, d_model"),
+        ("wte + wpe", "element-wise", v["embed"], btd),
+        (f"{h}: ln_1", "row-wise", v[f"{h}.ln_1"], btd),
+        (f"{h}: Q = ln_1 @ W_q", weight, v[f"{h}.q"], "B, T, H·d_k"),
+        (f"{h}: K = ln_1 @ W_k", weight, v[f"{h}.k"], "B, T, H_kv·d_k"),
+        (f"{h}: V = ln_1 @ W_v", weight, v[f"{h}.v"], "B, T, H_kv·d_k"),
+        (f"{h}: split heads of Q", "reshape (row-local)", q, "B, H, T, d_k"),
+        (f"{h}: scores = Q K^T / sqrt(d_k)", act, scores, "B, H, T, T"),
+        (f"{h}: softmax(masked scores) @ V, heads merged", act, v[f"{h}.heads"], btd),
+        (f"{h}: c_proj, + residual", weight + add, v[f"{h}.mid"], btd),
+        (f"{h}: ln_2", "row-wise", v[f"{h}.ln_2"], btd),
+        (f"{h}: MLP up c_fc, GELU", weight + add, v[f"{h}.fc"], "B, T, d_ff"),
+        (f"{h}: MLP down c_proj, + residual", weight + add, v[f"{h}.out"], btd),
+        ("last row x[:, -1, :] (after the last layer)", "slice", last, "B, d_model"),
+        ("ln_f", "row-wise", normed, "B, d_model"),
+        ("LM head", weight, logits, "B, V"),
     ]
+    return [ShapeRow(step, op, tuple(t.shape), symbols) for step, op, t, symbols in rows]

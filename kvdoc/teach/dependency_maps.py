@@ -1,21 +1,12 @@
 """Dependency maps: which rows of the input does each row of the output depend on?
 
-A *row* is one position: for a tensor ``[T, d]`` or ``[B, T, d]`` it is an index along the
-second-to-last dimension. For a function ``f`` of such a tensor, row ``t`` of the output
-depends on row ``s`` of the input when the Jacobian block ``d f[..., t, :] / d x[..., s, :]``
-is not zero. This module computes that relation two independent ways:
-
-* :func:`jacobian_map`: exactly, from autograd (the full Jacobian, cut into row blocks);
-* :func:`perturbation_map`: by nudging one input row at a time, coordinate by coordinate, and
-  watching which output rows move (finite differences, no autograd at all);
-
-and :func:`compare_maps` checks that they agree. Both return a :class:`DependencyMap`: a bool
-``[T_out, T_in]`` matrix plus the magnitude of each block (its Frobenius norm), which renders
-as a heatmap (:meth:`DependencyMap.heatmap`) or a small HTML table (:func:`map_table`).
-Everything runs in float64 so that "does not depend" means an exact zero, and "depends" means a
-magnitude above ``rtol`` times the largest one. A map is local: it describes ``f`` at the given
-``x``. Structural zeros (a row that is never read) are zero at every ``x``; a saturated softmax
-can also make a block vanish at one particular ``x``, so analyse inputs of moderate size.
+A *row* is one position (an index along dim -2). Row ``t`` of ``f``'s output depends on row
+``s`` of its input when the Jacobian block ``d f[..., t, :] / d x[..., s, :]`` is not zero,
+found two independent ways: exactly from autograd (:func:`jacobian_map`), and by nudging one
+input coordinate at a time without autograd (:func:`perturbation_map`); :func:`compare_maps`
+checks they agree. Everything runs in float64, so "does not depend" is an exact zero. A map is
+local to the given ``x``: a saturated softmax can make a block vanish at one ``x``, so analyse
+inputs of moderate size.
 
 :func:`token_dependency_map` does the same for discrete token ids, by replacing one id at a
 time. To map the tensors *inside* the real decoder, :mod:`kvdoc.teach.decoder_sites` turns any of
@@ -39,11 +30,9 @@ DEFAULT_RTOL = 1e-10
 
 @dataclass(frozen=True)
 class DependencyMap:
-    """Which input rows each output row depends on: ``depends[t, s]`` (bool ``[T_out, T_in]``),
-    and ``magnitude``, the Frobenius norm of the Jacobian block of output row ``t`` with respect
-    to input row ``s``, zero exactly where there is no dependency. ``method`` is
-    ``"jacobian"``, ``"perturbation"`` or ``"token"``; ``out_rows`` the (non-negative) output
-    rows the matrix's rows stand for; the labels name the rows for renderers."""
+    """``depends[t, s]`` (bool ``[T_out, T_in]``) and ``magnitude``, the Frobenius norm of the
+    Jacobian block of output row ``t`` over input row ``s`` (zero exactly where no dependency);
+    ``out_rows``: the output rows the matrix's rows stand for; labels for renderers."""
 
     depends: torch.Tensor
     magnitude: torch.Tensor
@@ -70,8 +59,7 @@ class DependencyMap:
             raise ValueError(f"need {self.shape[1]} input and {self.shape[0]} output labels")
         return DependencyMap(self.depends, self.magnitude, self.method, self.out_rows, ins, outs)
 
-    def heatmap(self, ax=None, title: str | None = None, xlabel: str = "input row",
-                ylabel: str = "output row", log: bool = True):
+    def heatmap(self, ax=None, title: str | None = None):
         """The magnitudes relative to the largest block, on a log scale; cells without a
         dependency white. Returns the matplotlib figure."""
         import matplotlib.pyplot as plt
@@ -84,23 +72,22 @@ class DependencyMap:
         mag = self.magnitude.detach().cpu().numpy()
         dep = self.depends.cpu().numpy()
         top = mag.max() if mag.size and mag.max() > 0 else 1.0
-        shown = np.where(dep, np.log10(np.maximum(mag / top, 1e-300)) if log else mag / top, np.nan)
+        shown = np.where(dep, np.log10(np.maximum(mag / top, 1e-300)), np.nan)
         cmap = plt.get_cmap("viridis").with_extremes(bad="white")
-        vmin = -4.0 if log else 0.0  # one scale for every map, so panels compare
-        im = ax.imshow(np.ma.masked_invalid(shown), cmap=cmap, aspect="equal",
-                       vmin=vmin, vmax=0.0 if log else 1.0)
+        # one scale for every map, so panels compare
+        im = ax.imshow(np.ma.masked_invalid(shown), cmap=cmap, aspect="equal", vmin=-4.0, vmax=0.0)
         ax.set_xticks(range(self.shape[1]), self.in_labels)
         ax.set_yticks(range(self.shape[0]), self.out_labels)
         ax.set_xticks(np.arange(-0.5, self.shape[1]), minor=True)
         ax.set_yticks(np.arange(-0.5, self.shape[0]), minor=True)
         ax.grid(which="minor", color="0.8", linewidth=0.5)
         ax.tick_params(which="minor", length=0)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
+        ax.set_xlabel("input row")
+        ax.set_ylabel("output row")
         if title:
             ax.set_title(title)
         bar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-        bar.set_label("log10(block norm / largest)" if log else "block norm / largest")
+        bar.set_label("log10(block norm / largest)")
         return fig
 
 
@@ -131,25 +118,18 @@ def _row_view(y: torch.Tensor, row_dim: int | None) -> torch.Tensor:
     return y.movedim(row_dim, 0).reshape(y.shape[row_dim], -1)
 
 
-def _finish(mag: torch.Tensor, method: str, rows: tuple[int, ...], rtol: float,
-            labels: tuple[Sequence[str] | None, Sequence[str] | None]) -> DependencyMap:
+def _finish(mag: torch.Tensor, method: str, rows: tuple[int, ...], rtol: float) -> DependencyMap:
     top = float(mag.max()) if mag.numel() else 0.0
     depends = mag > rtol * top if top > 0 else torch.zeros_like(mag, dtype=torch.bool)
-    ins = tuple(labels[0]) if labels[0] is not None else tuple(str(s) for s in range(mag.shape[1]))
-    outs = tuple(labels[1]) if labels[1] is not None else tuple(str(t) for t in rows)
     return DependencyMap(depends, torch.where(depends, mag, torch.zeros_like(mag)), method, rows,
-                         ins, outs)
+                         tuple(str(s) for s in range(mag.shape[1])), tuple(str(t) for t in rows))
 
 
 def jacobian_map(fn: Fn, x: torch.Tensor, *, out_rows: Sequence[int] | None = None,
-                 out_row_dim: int | None = -2, rtol: float = DEFAULT_RTOL,
-                 in_labels: Sequence[str] | None = None,
-                 out_labels: Sequence[str] | None = None) -> DependencyMap:
-    """The dependency map of ``fn`` at ``x`` (rows along dim -2, converted to float64), exactly,
-    from the autograd Jacobian.
-
-    ``out_rows``: the output rows to analyse (default all). ``out_row_dim``: the output dimension
-    that holds rows; None treats the whole output as one row (e.g. ``x[:, -1, :]``).
+                 out_row_dim: int | None = -2, rtol: float = DEFAULT_RTOL) -> DependencyMap:
+    """The dependency map of ``fn`` at ``x`` (in float64), exactly, from the autograd Jacobian,
+    for ``out_rows`` (default all) along output dimension ``out_row_dim`` (None: the whole output
+    is one row, e.g. ``x[:, -1, :]``).
 
     >>> x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
     >>> m = jacobian_map(lambda x: x.cumsum(dim=0), x)     # row t is the sum of rows 0..t
@@ -173,18 +153,16 @@ def jacobian_map(fn: Fn, x: torch.Tensor, *, out_rows: Sequence[int] | None = No
     # jac: [T_sel, k, *x.shape] -> rows of x first: [T_sel, k, T_in, rest]
     jac = jac.movedim(2 + x.dim() - 2, 2).reshape(len(rows), -1, x.shape[-2], x[..., 0, :].numel())
     mag = jac.pow(2).sum(dim=(1, 3)).sqrt()  # [T_sel, T_in]
-    return _finish(mag, "jacobian", rows, rtol, (in_labels, out_labels))
+    return _finish(mag, "jacobian", rows, rtol)
 
 
 @torch.no_grad()
 def perturbation_map(fn: Fn, x: torch.Tensor, *, out_rows: Sequence[int] | None = None,
-                     out_row_dim: int | None = -2, rtol: float = DEFAULT_RTOL, eps: float = 1e-7,
-                     in_labels: Sequence[str] | None = None,
-                     out_labels: Sequence[str] | None = None) -> DependencyMap:
-    """The dependency map of ``fn`` at ``x``, without autograd: each coordinate of each input
-    row in turn is moved by ``eps``. An output row that does not read the input row does not move
-    at all, so the boolean map is exact; the magnitudes match :func:`jacobian_map` to about
-    ``eps`` (relative). Arguments as :func:`jacobian_map`.
+                     out_row_dim: int | None = -2, rtol: float = DEFAULT_RTOL,
+                     eps: float = 1e-7) -> DependencyMap:
+    """The dependency map of ``fn`` at ``x`` without autograd, moving each input coordinate in
+    turn by ``eps``: the pattern is exact, the magnitudes match :func:`jacobian_map` to about
+    ``eps`` (relative).
 
     >>> x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
     >>> m = perturbation_map(lambda x: x.cumsum(dim=0), x)
@@ -207,13 +185,12 @@ def perturbation_map(fn: Fn, x: torch.Tensor, *, out_rows: Sequence[int] | None 
             delta[(*lead, s, j)] = eps  # one coordinate of input row s
             diff = _row_view(fn(x + delta).to(torch.float64) - base, out_row_dim)
             mag[:, s] += (diff[index] / eps).pow(2).sum(dim=1)
-    return _finish(mag.sqrt(), "perturbation", rows, rtol, (in_labels, out_labels))
+    return _finish(mag.sqrt(), "perturbation", rows, rtol)
 
 
 @dataclass(frozen=True)
 class Agreement:
-    """What :func:`compare_maps` found: the same boolean pattern, and the largest
-    ``|a - b| / max|a|`` of the magnitudes."""
+    """What :func:`compare_maps` found: the same pattern, the largest ``|a - b| / max|a|``."""
 
     same_pattern: bool
     max_rel_diff: float
@@ -246,8 +223,7 @@ def compare_maps(a: DependencyMap, b: DependencyMap, rtol: float = 1e-5) -> Agre
 
 @dataclass(frozen=True)
 class CheckedMap:
-    """What :func:`dependency_map` returns: the exact map, the perturbation map, and their
-    agreement."""
+    """What :func:`dependency_map` returns: both maps and their agreement."""
 
     jacobian: DependencyMap
     perturbation: DependencyMap
@@ -291,9 +267,7 @@ def lower_triangular(n_out: int, n_in: int | None = None) -> torch.Tensor:
 
 @torch.no_grad()
 def token_dependency_map(fn: Callable[[torch.Tensor], torch.Tensor], idx: torch.Tensor,
-                         vocab_size: int, *, out_row_dim: int | None = -2,
-                         in_labels: Sequence[str] | None = None,
-                         out_labels: Sequence[str] | None = None) -> DependencyMap:
+                         vocab_size: int, *, out_row_dim: int | None = -2) -> DependencyMap:
     """Which token positions of ``idx`` (``[B, T]``) each output row depends on: position ``s``
     is replaced by ``(id + 1) % vocab_size`` and the change of each output row is its magnitude.
     One replacement: a zero is evidence, not proof.
@@ -315,16 +289,14 @@ def token_dependency_map(fn: Callable[[torch.Tensor], torch.Tensor], idx: torch.
         edited[:, s] = (edited[:, s] + 1) % vocab_size
         diff = _row_view(fn(edited).to(torch.float64) - base, out_row_dim)
         mag[:, s] = diff.pow(2).sum(dim=1).sqrt()
-    return _finish(mag, "token", rows, 0.0, (in_labels, out_labels))  # any change: depends
+    return _finish(mag, "token", rows, 0.0)  # any change: depends
 
 
 def map_table(m: CheckedMap | DependencyMap, labels: Sequence[str],
               out_labels: Sequence[str] | None = None, corner: str = "out \\ in",
               caption: str | None = None) -> str:
-    """A dependency map as a small HTML table: ``●`` where the output row needs the input row.
-
-    ``labels`` name the input rows, and the output rows unless ``out_labels`` is given. The class
-    ``kvdoc-map`` (docs/_static/kvdoc.css) keeps the table small, so that maps sit side by side.
+    """A dependency map as a small HTML table: ``●`` where the output row needs the input row;
+    ``labels`` name the input rows, and the output rows unless ``out_labels`` is given.
 
     >>> m = jacobian_map(lambda x: x.cumsum(0), torch.ones(2, 1, dtype=torch.float64))
     >>> html_out = map_table(m, "AB")

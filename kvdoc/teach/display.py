@@ -59,10 +59,8 @@ def html_table(headers: Sequence[str], rows: Sequence[Sequence[object]], caption
 
 def draw_boxes(labels: Sequence[str], notes: Sequence[str] | None = None, title: str | None = None,
                width: float = 6.0, colors: Sequence[str] | None = None):
-    """A vertical chain of labelled boxes joined by arrows, bottom to top; returns the figure.
-
-    A note goes under its box's label rather than in a second column, so that a phone, which
-    scales the figure to its width, keeps the text readable.
+    """A vertical chain of labelled boxes joined by arrows, bottom to top; a note goes under its
+    box's label, not in a second column, so that the text stays readable on a phone.
 
     >>> fig = draw_boxes(["embed", "layer"], ["[1, 5, 64]", ""], title="two steps")
     >>> [t.get_text() for t in fig.axes[0].texts if t.get_text()]  # the arrow is an empty text
@@ -103,19 +101,17 @@ def draw_boxes(labels: Sequence[str], notes: Sequence[str] | None = None, title:
 OKABE_ITO = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9")
 
 
-def _tint(color: str, strength: float = 0.45) -> tuple[float, float, float]:
+def _tint(color: str) -> tuple[float, float, float]:
     """``color`` mixed with white: light enough for black text on it."""
     from matplotlib.colors import to_rgb
 
-    return tuple(1 - strength * (1 - c) for c in to_rgb(color))
+    return tuple(1 - 0.45 * (1 - c) for c in to_rgb(color))
 
 
 def draw_block_tables(caches: Mapping[str, PagedCache], width: float = 6.6):
-    """Block tables of paged caches over the pool they share, read from the live objects.
-
-    Top: each sequence (``name[row]`` where a cache holds several) as its logical blocks, shaded
-    up to its length. Bottom: the pool's blocks with their reference counts. An arrow joins
-    each logical block to the physical block its table names. Returns the figure.
+    """Block tables of paged caches over the pool they share, read from the live objects: each
+    sequence's logical blocks (shaded up to its length) above the pool's blocks with their
+    reference counts, an arrow from each logical block to the block its table names.
 
     >>> from kvdoc import Decoder, GPTConfig
     >>> from kvdoc.serving.paged import BlockPool

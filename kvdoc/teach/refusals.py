@@ -1,12 +1,9 @@
 """What kvdoc refuses: a catalogue of bad inputs to the public API and the command line.
 
-Each :class:`Refusal` is one bad call: what is wrong with it, the call as code, the error it
-must raise and a fragment its message must contain. :func:`attempt` makes the call against
-fresh objects (:class:`Fixtures`) and reports whether it was refused as catalogued and whether
-every cache it could reach was left exactly as it was (same length, same bytes).
-
-The catalogue is data so that two things share it: ``tests/test_bad_inputs.py`` asserts every
-entry, and the reference page "What kvdoc refuses" runs every entry at build time and lists it.
+Each :class:`Refusal` is one bad call and the error it must raise; :func:`attempt` makes it
+against fresh :class:`Fixtures` and reports whether it was refused as catalogued with every
+cache left exactly as it was. ``tests/test_bad_inputs.py`` and the page "What kvdoc refuses"
+share the catalogue.
 
 >>> outcome = attempt(CATALOGUE[0])
 >>> outcome.ok, outcome.raised
@@ -164,9 +161,9 @@ def attempt(refusal: Refusal) -> Outcome:
     return Outcome(refusal, raised, message, matches, unchanged)
 
 
-def check_all(catalogue: list[Refusal] | None = None) -> list[Outcome]:
-    """:func:`attempt` every entry of the catalogue (default :data:`CATALOGUE`)."""
-    return [attempt(r) for r in (CATALOGUE if catalogue is None else catalogue)]
+def check_all() -> list[Outcome]:
+    """:func:`attempt` every entry of :data:`CATALOGUE`."""
+    return [attempt(r) for r in CATALOGUE]
 
 
 def _interop_shape_mismatch(fx: Fixtures) -> object:

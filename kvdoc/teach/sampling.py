@@ -1,12 +1,8 @@
 """A sampled stream across a preemption, and the broken scheduler that restarts it.
 
-Greedy decoding is checked token for token elsewhere; a sampled request preempted by recompute
-must also continue its own random stream, where a wrong rule still gives plausible tokens.
-:func:`check_sampled_preemption` serves seeded requests on a small pool that preempts them, each
-against its uninterrupted run with the same seed
-(:func:`kvdoc.proofs.scheduling.compare_trace_with_alone`); :class:`RestartStream` fails it.
-(One round of speculative sampling is checked against its exact distribution in
-``tests/test_speculative.py``.)
+A sampled request preempted by recompute must continue its own random stream, where a wrong
+rule still gives plausible tokens: :func:`check_sampled_preemption` serves seeded requests on a
+pool that preempts them, each against its uninterrupted run; :class:`RestartStream` fails it.
 
 >>> from kvdoc.proofs.compare import default_model
 >>> model = default_model()

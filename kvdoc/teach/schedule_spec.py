@@ -1,13 +1,10 @@
 """The scheduler's policy written from its specification, and every step checked against it.
 
-Every request of a served trace can equal its solo run while the schedule is wrong: decodes
-that wait behind prompt chunks, a budget one token too large, the oldest request preempted
-instead of the newest change step counts and latencies, not tokens. So the policy that
-:mod:`kvdoc.serving.scheduler` states is written here a second time, as arithmetic on lengths
-and block counts only (no pool, no model, no token ids), and :func:`check_schedule` compares
-every step of a real run with it. The broken schedulers at the end (:class:`PrefillBeforeDecode`,
-:class:`BudgetPlusOne`, :class:`PreemptOldest`) serve every request exactly as alone: only this
-check sees them.
+A wrong schedule (decodes waiting behind prompt chunks, a budget one token too large, the
+oldest request preempted) changes step counts and latencies, not tokens. So the policy of
+:mod:`kvdoc.serving.scheduler` is written here a second time, as arithmetic on lengths and block
+counts only, and :func:`check_schedule` compares every step of a real run with it. The broken
+schedulers at the end serve every request exactly as alone: only this check sees them.
 
 The specification (:func:`expected_steps`), for requests without forks:
 
@@ -204,15 +201,14 @@ def expected_steps(trace: Sequence[Request], num_blocks: int, block_size: int = 
     return steps
 
 
-SPEC_FIELDS = ("rows", "waiting", "holding", "preempted", "blocks_held")
-"""What :func:`first_difference` compares of a step, by default."""
 SCHEDULED = ("rows", "preempted", "blocks_held")
 """What a step schedules: compared with vLLM's rule (:func:`vllm_v1_steps`), which requests
 merely wait is not (kvdoc admits a request that gets no tokens this step, vLLM leaves it
 waiting)."""
 
 
-def first_difference(run: ServeRun, spec: Sequence[SpecStep], fields: Sequence[str] = SPEC_FIELDS,
+def first_difference(run: ServeRun, spec: Sequence[SpecStep],
+                     fields: Sequence[str] = tuple(SpecStep.__dataclass_fields__),
                      against: str = "the specification") -> str | None:
     """Where ``run`` leaves ``spec`` (named ``against``): the first step and field of ``fields``
     that differ, or None.
@@ -283,25 +279,16 @@ def check_schedule(model: Decoder, scheduler: type[Scheduler] = Scheduler,
 def vllm_v1_steps(trace: Sequence[Request], num_blocks: int, token_budget: int,
                   block_size: int = 4, max_batch: int | None = None) -> list[SpecStep]:
     """Each step of ``trace`` under vLLM V1's rule, as :class:`SpecStep` s (``waiting``:
-    arrived, not running).
+    arrived, not running): a reading of ``Scheduler.schedule`` in vLLM 0.33's
+    ``vllm/v1/core/sched/scheduler.py`` (FCFS, no prefix caching or speculative tokens), not
+    vLLM run, as arithmetic like :func:`expected_steps`:
 
-    The loop of ``Scheduler.schedule`` in vLLM 0.33's ``vllm/v1/core/sched/scheduler.py``,
-    without prefix caching, speculative tokens or priorities (its FCFS policy), written as
-    arithmetic on lengths and block counts like :func:`expected_steps`:
-
-    1. the running requests, in order, each asking for what it has not computed, capped by the
-       budget left (``max_num_batched_tokens``) while any is left; when the blocks for a
-       request's tokens are short, the last running request is preempted (recompute: all its
-       blocks back, to the front of the waiting queue), which may be the request itself,
-       ending the loop;
-    2. only if nothing was preempted, the waiting requests in order while budget is left and
-       ``max_num_seqs`` allows, each admitted if the blocks of the tokens it is scheduled now
-       (not its whole prompt) are free; the first that does not fit stops admission.
-
-    A reading of vLLM's code, not vLLM run: it shows where kvdoc's scheduler with a budget and
-    ``preempt=True`` schedules as vLLM would (:func:`first_difference` over
-    :data:`SCHEDULED`), and where the two part (kvdoc admits a request only when the blocks of
-    its whole prompt are free).
+    1. the running requests in order, each given what it has not computed, capped by the budget
+       left; when blocks are short, the last running request is preempted by recompute (maybe
+       the request itself, ending the loop);
+    2. only if nothing was preempted, the waiting requests in order while budget and
+       ``max_num_seqs`` allow, each admitted if the blocks of the tokens scheduled now (not its
+       whole prompt, as kvdoc asks) are free; the first that does not fit stops admission.
 
     >>> from kvdoc.serving.requests import Request
     >>> trace = [Request(0, (1,) * 5, 3, 0), Request(1, (2,) * 3, 2, 1)]

@@ -48,11 +48,8 @@ class RowCheck:
 def compare_with_alone(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                        under_test: Decoder | None = None) -> list[RowCheck]:
     """Generate ``prompts`` as one padded batch with ``under_test`` (default ``model``) and each
-    alone with ``model`` (batch 1, no padding); compare row by row.
-
-    The alone reference is :func:`kvdoc.core.model.generate` for the tokens and one full forward
-    over prompt + tokens for the logits.
-    """
+    alone with ``model`` (:func:`~kvdoc.core.model.generate`, the logits from one full forward);
+    compare row by row."""
     batched = generate_padded(model if under_test is None else under_test, prompts, max_new_tokens)
     pad = left_pad(prompts).pad
     tol, device = TOLERANCE[model.wte.weight.dtype], model.wte.weight.device

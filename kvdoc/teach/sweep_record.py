@@ -1,21 +1,15 @@
 """The broken-variant sweep the pages show, run once a build and read by every page that shows
 it, and the progress lines of the long cells that run it.
 
-The broken-variants page (docs/part3) and the cheat sheet both show how every broken variant of
-:mod:`kvdoc.proofs.variants` fares in :func:`~kvdoc.proofs.sweep.sweep_variants`, and the pages
-execute in parallel, each in its own kernel, in any order. :func:`broken_variants` returns that
-sweep (:func:`sweep_part`, every check, on :data:`AXES`), computing each part once: :func:`stored`
-keeps it as JSON in the folder ``$KVDOC_RECORDS`` (docs/conf.py sets it beside the build's
-execution cache), under a key of the package's source, the numeric environment
-(:data:`NUMERIC_ENV`) and the sweep's arguments; a record under another key is stale and
-computed again. A file lock makes a kernel that asks while another computes wait, then read
-what the other stored. Without ``KVDOC_RECORDS`` it computes and writes nothing.
+Pages that execute in parallel, in any order, show the sweep of every broken variant
+(:func:`broken_variants`); :func:`stored` computes each part once and keeps it as JSON in
+``$KVDOC_RECORDS`` (set by docs/conf.py; unset: nothing is written), under a key of the package's
+source, the numeric environment and the arguments (another key: stale, computed again). A file
+lock makes a kernel that asks while another computes wait, then read what the other stored.
 
-A cell that runs for a minute shows nothing until it ends, in Jupyter and in the build alike:
-:func:`progress` prints a line as each step is done, to the cell's output and to the file
-``$KVDOC_BUILD_LOG`` names (docs/conf.py points it at the build's standard error). A line holds
-counts, never a time: two builds of one commit must write the same pages
-(scripts/compare_builds.py).
+:func:`progress` prints a line as each step of a long cell is done, to the cell's output and to
+the file ``$KVDOC_BUILD_LOG`` names; a line holds counts, never a time, so two builds of one
+commit write the same pages (scripts/compare_builds.py).
 
 >>> import tempfile
 >>> from kvdoc.proofs.sweep import sweep_variants
@@ -149,9 +143,8 @@ T = TypeVar("T")
 
 
 def progress(steps: Iterable[T], what: str, total: int | None = None) -> Iterator[T]:
-    """Each of ``steps``, and after each has been used, the line ``what: i/n done``.
-
-    ``n`` is ``total``, or ``len(steps)``; a step counts as done when the loop asks for the next.
+    """Each of ``steps``, and after each has been used (the loop asks for the next), the line
+    ``what: i/n done``, ``n`` being ``total`` or ``len(steps)``.
 
     >>> list(progress(iter("xy"), "steps", total=2))
     steps: 1/2 done

@@ -107,8 +107,8 @@ class ToyCache:
 
 @dataclass(frozen=True)
 class ForwardResult:
-    """A forward's final vectors of the ``C`` positions it processed, the cache of all
-    ``P + C``, and the work of this call, in total and per layer."""
+    """A forward's final vectors of its ``C`` positions, the cache of all ``P + C``, and the
+    work of the call, in total and per layer."""
 
     outputs: list[Vec]
     cache: ToyCache
@@ -259,8 +259,8 @@ def expected_counts(past_len: int, new_len: int, n_layer: int = 2) -> Counts:
 
 @dataclass(frozen=True)
 class ScenarioCounts:
-    """One row of the counts table: ``P`` positions reused, ``C`` processed, the measured work
-    of the full recompute of ``sequence`` and of the cached path, and their comparison."""
+    """One row of the counts table: ``P`` reused, ``C`` processed, the work of the full and of
+    the cached path, and their comparison."""
 
     name: str
     sequence: str
@@ -288,26 +288,20 @@ def work_counts(weights: ToyWeights | None = None) -> list[ScenarioCounts]:
     [(6, 12), (2, 8), (6, 18)]
     """
     lab = ToyLab(weights)
-    rows = []
     a = lab.run_token_by_token("ABC")
-    rows.append(ScenarioCounts("first input A B C", "ABC", 0, 3,
-                               full_forward("ABC", lab.weights).counts, a.counts,
-                               check_against_full(a, lab.weights)))
     b = lab.append_token(a.cache, "D")
-    rows.append(ScenarioCounts("append D", "ABCD", 3, 1, full_forward("ABCD", lab.weights).counts,
-                               b.counts, check_against_full(b, lab.weights)))
     edit = prefix_edit(b.cache, "AXCD", lab)
-    rows.append(ScenarioCounts("edit B to X, recompute suffix", "AXCD", edit.prefix_len,
-                               4 - edit.prefix_len, full_forward("AXCD", lab.weights).counts,
-                               edit.result.counts,
-                               check_against_full(edit.result, lab.weights)))
-    return rows
+    runs = [("first input A B C", "ABC", 0, a), ("append D", "ABCD", 3, b),
+            ("edit B to X, recompute suffix", "AXCD", edit.prefix_len, edit.result)]
+    return [ScenarioCounts(name, seq, past, len(seq) - past, full_forward(seq, lab.weights).counts,
+                           run.counts, check_against_full(run, lab.weights))
+            for name, seq, past, run in runs]
 
 
 @dataclass(frozen=True)
 class EditResult:
-    """A prefix edit: ``prefix_len`` positions kept, the suffix recomputed (``result``), the
-    caches before and after."""
+    """A prefix edit: ``prefix_len`` positions kept, the suffix recomputed, the caches before and
+    after."""
 
     prefix_len: int
     result: ForwardResult

@@ -54,8 +54,7 @@ class NaivePath:
 @dataclass(frozen=True)
 class CachedPath:
     """The cached path at one step: ``q, k, v`` ``[1, 2]`` of the new token only; ``K_full,
-    V_full`` ``[T, 2]``, the cache with ``k``/``v`` appended; ``scores``, ``weights`` ``[1, T]``
-    (no mask: every key is visible); ``output`` ``[2]``."""
+    V_full`` ``[T, 2]``; ``scores``, ``weights`` ``[1, T]`` (no mask); ``output`` ``[2]``."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -163,12 +162,8 @@ def worked_example(inputs: Sequence[Sequence[float]] | torch.Tensor = WORKED_INP
 @dataclass(frozen=True)
 class SourceComparison:
     """The source's figures for one quantity (``"scores"``, ``"weights"`` or ``"output"`` of
-    the last row) at one step beside the computed ones.
-
-    ``agrees``: every source figure is the computed value rounded to 3 decimals.
-    ``from_source_inputs``: what the source's own previous figure implies (softmax of its scores,
-    or its weights times ``V``); None for scores.
-    """
+    the last row) at one step beside the computed ones; ``agrees``: each is the computed value
+    to 3 decimals; ``from_source_inputs``: what the source's own previous figure implies."""
 
     step: int
     quantity: str
@@ -236,11 +231,11 @@ def latex_matrix(t: torch.Tensor | Sequence, decimals: int = 3) -> str:
     return r"\begin{bmatrix}" + r" \\ ".join(rows) + r"\end{bmatrix}"
 
 
-def _equal_or_each(names: Sequence[str], values: Sequence[torch.Tensor], decimals: int) -> str:
+def _equal_or_each(names: Sequence[str], values: Sequence[torch.Tensor]) -> str:
     """``Q = K = V &= [...]`` when the tensors are equal (W_q = W_k = W_v), else one each."""
     if all(torch.equal(values[0], v) for v in values[1:]):
-        return rf"{' = '.join(names)} &= {latex_matrix(values[0], decimals)} \\"
-    shown = [f"{n} = {latex_matrix(v, decimals)}" for n, v in zip(names, values, strict=True)]
+        return rf"{' = '.join(names)} &= {latex_matrix(values[0])} \\"
+    shown = [f"{n} = {latex_matrix(v)}" for n, v in zip(names, values, strict=True)]
     shown[0] = shown[0].replace(" = ", " &= ", 1)  # aligned on the first
     return r",\; ".join(shown) + r" \\"
 
@@ -249,16 +244,16 @@ def _aligned(*rows: str) -> str:
     return "\n".join([r"\begin{aligned}", *rows, r"\end{aligned}"])
 
 
-def naive_latex(s: WorkedStep, decimals: int = 3) -> str:
+def naive_latex(s: WorkedStep) -> str:
     """The naive path of one step as an ``aligned`` LaTeX block.
 
     >>> print(naive_latex(worked_example()[0]).splitlines()[1])
     Q = K = V &= \\begin{bmatrix}1.000 & 2.000\\end{bmatrix} \\\\
     """
     n = s.naive
-    m = lambda t: latex_matrix(t, decimals)  # noqa: E731
+    m = latex_matrix
     return _aligned(
-        _equal_or_each("QKV", (n.Q, n.K, n.V), decimals),
+        _equal_or_each("QKV", (n.Q, n.K, n.V)),
         rf"\text{{scores}} = QK^\top/\sqrt{{2}} &= {m(n.scores)} \\",
         rf"\text{{masked}} &= {m(n.masked)} \\",
         rf"\text{{weights}} = \operatorname{{softmax}}(\text{{masked}}) &= {m(n.weights)} \\",
@@ -267,17 +262,17 @@ def naive_latex(s: WorkedStep, decimals: int = 3) -> str:
     )
 
 
-def cached_latex(s: WorkedStep, decimals: int = 3) -> str:
+def cached_latex(s: WorkedStep) -> str:
     """The cached path of one step as an ``aligned`` LaTeX block.
 
     >>> print(cached_latex(worked_example()[1]).splitlines()[1])
     q = k = v &= \\begin{bmatrix}3.000 & 1.000\\end{bmatrix} \\\\
     """
     c = s.cached
-    m = lambda t: latex_matrix(t, decimals)  # noqa: E731
+    m = latex_matrix
     return _aligned(
-        _equal_or_each("qkv", (c.q, c.k, c.v), decimals),
-        _equal_or_each((r"K_\text{full}", r"V_\text{full}"), (c.K_full, c.V_full), decimals),
+        _equal_or_each("qkv", (c.q, c.k, c.v)),
+        _equal_or_each((r"K_\text{full}", r"V_\text{full}"), (c.K_full, c.V_full)),
         rf"\text{{scores}} = q K_\text{{full}}^\top/\sqrt{{2}} &= {m(c.scores)} \\",
         rf"\text{{weights}} = \operatorname{{softmax}}(\text{{scores}}) &= {m(c.weights)} \\",
         rf"\text{{output}} = \text{{weights}}\, V_\text{{full}} &= {m(c.output)}",
