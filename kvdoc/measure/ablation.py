@@ -111,6 +111,10 @@ class LeanStep:
             self.k[i][:, :, :P], self.v[i][:, :, :P] = k, v
         self.pos = P
 
+    def rewind(self, pos: int) -> None:
+        """Go back to position ``pos``: the positions after it are written again."""
+        self.pos = pos
+
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, 1, V]`` of the tokens ``idx`` (``[B, 1]``) at position ``self.pos``."""
         cfg = self.config

@@ -112,35 +112,22 @@ class BenchResult:
         """Median of a path's samples at one prefix length, in ms."""
         return percentile(self.timings[prefix_len][path], 50)
 
-    def p95(self, prefix_len: int, path: str) -> float:
-        """95th percentile of a path's samples at one prefix length, in ms."""
-        return percentile(self.timings[prefix_len][path], 95)
-
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict: settings, environment, raw samples, summaries, ratios."""
-        settings = asdict(self.settings)
-        summary = {str(p): {path: {"p50_ms": self.p50(p, path), "p95_ms": self.p95(p, path)}
-                            for path in paths} for p, paths in self.timings.items()}
-        return {
-            "ratios": self.ratios,
-            "targets": {key: {"target": t, "measured": self.ratios.get(key),
-                              "met": key in self.ratios and self.ratios[key] >= t}
-                        for key, t in TARGETS.items()},
-            "config": settings,
-            "environment": self.environment,
-            "timestamp": self.timestamp,
-            "summary": summary,
-            "samples_ms": {str(p): paths for p, paths in self.timings.items()},
-            "final_kv_kib": {str(p): v for p, v in self.kv_kib.items()},
-            "max_abs_logit_diff": {str(p): v for p, v in self.max_abs_diff.items()},
-            "counts": {str(p): v for p, v in self.counts.items()},
-            "flops": {str(p): v for p, v in self.flops.items()},
-            "growth": self.growth,
-            "roofline": self.roofline,
-            "ablation": self.ablation,
-            "aten_ops_per_step": self.ops,
-            "compiled": self.compiled,
-        }
+        """A JSON-ready dict: every field (under :data:`JSON_NAMES`), each ratio's verdict
+        against :data:`TARGETS` and each path's p50 and p95."""
+        summary = {p: {path: {"p50_ms": self.p50(p, path), "p95_ms": percentile(samples, 95)}
+                       for path, samples in paths.items()} for p, paths in self.timings.items()}
+        return {**{JSON_NAMES.get(k, k): v for k, v in asdict(self).items()},
+                "targets": {key: {"target": t, "measured": self.ratios.get(key),
+                                  "met": key in self.ratios and self.ratios[key] >= t}
+                            for key, t in TARGETS.items()},
+                "summary": summary}
+
+
+JSON_NAMES = {"settings": "config", "timings": "samples_ms", "kv_kib": "final_kv_kib",
+              "max_abs_diff": "max_abs_logit_diff", "ops": "aten_ops_per_step"}
+"""The ``--json`` key of each :class:`BenchResult` field that is named otherwise there (the
+integer prefix lengths become strings, as JSON keys)."""
 
 
 def ratios(result: BenchResult) -> dict[str, float]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kvdoc.core.cache import KVCache
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import Decoder, GPTConfig
 
@@ -79,13 +80,30 @@ def build_models(config: GPTConfig, seed: int, transformers: bool,
     return model, hf
 
 
-def cached_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor, prefix_len: int,
-                  steps: int, kind: str = "static") -> tuple[Prepare, Callable[[], torch.Tensor]]:
-    """``steps`` single-token calls of ``step`` (the model or a fast step) from a cache of
-    ``kind`` holding the prompt, cropped back to it before each run (untimed; a dynamic cache,
-    which no call changes, already holds just the prompt)."""
+def rewound(reset: Callable[[], object],
+            run: Callable[[], Any]) -> tuple[Prepare, Callable[[], Any]]:
+    """A timed path: ``prepare`` calls ``reset`` (untimed: back to the prompt) and returns
+    ``run``; the second call runs it once, for its logits."""
+    def prepare() -> Callable[[], Any]:
+        reset()
+        return run
+    return prepare, lambda: prepare()()
+
+
+def prompt_cache(model: Decoder, ids: torch.Tensor, prefix_len: int, steps: int,
+                 kind: str = "static") -> KVCache:
+    """A cache of ``kind`` holding the first ``prefix_len`` tokens of ``ids``, room for
+    ``steps`` more."""
+    return model(ids[:, :prefix_len], model.new_cache(ids.shape[0], kind,
+                                                      capacity=prefix_len + steps))[1]
+
+
+def cached_decode(step: Callable[..., Any], cache: KVCache, ids: torch.Tensor, prefix_len: int,
+                  steps: int) -> tuple[Prepare, Callable[[], torch.Tensor]]:
+    """``steps`` single-token calls of ``step`` (the model or a fast step) after ``cache``,
+    which holds the first ``prefix_len`` tokens of ``ids`` and is cropped back to them before
+    each run (untimed; a dynamic cache, which no call changes, already holds just them)."""
     P, G = prefix_len, steps
-    cache = model(ids[:, :P], model.new_cache(1, kind, capacity=P + G))[1]
 
     def run() -> torch.Tensor:
         work, out = cache, []
@@ -93,11 +111,7 @@ def cached_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor, p
             logits, work = step(ids[:, P + j:P + j + 1], work)
             out.append(logits)
         return torch.cat(out, 1)
-
-    def prepare() -> Callable[[], torch.Tensor]:
-        cache.crop(P)  # back to the prompt, untimed
-        return run
-    return prepare, lambda: prepare()()
+    return rewound(lambda: cache.crop(P), run)
 
 
 def compiled_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor,
@@ -112,7 +126,8 @@ def compiled_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor,
     dynamo compiled. A failure to compile is returned as ``error`` with no path, so that the
     benchmark says so instead of stopping.
     """
-    prepare, run = cached_decode(step, model, ids, prefix_len, steps)
+    cache = prompt_cache(model, ids, prefix_len, steps)
+    prepare, run = cached_decode(step, cache, ids, prefix_len, steps)
     from torch._dynamo.utils import counters
 
     graphs = counters["stats"]["unique_graphs"]
@@ -132,15 +147,11 @@ def lean_decode(lean: LeanStep, model: Decoder, ids: torch.Tensor, prefix_len: i
     """``steps`` calls of a :class:`~kvdoc.measure.ablation.LeanStep` after the prompt's K/V,
     rewound to position ``P`` before each run as :func:`cached_decode` crops its cache."""
     P, G = prefix_len, steps
-    lean.start(model(ids[:, :P], model.new_cache(1, "static", capacity=P))[1])
+    lean.start(prompt_cache(model, ids, P, 0))
 
     def run() -> torch.Tensor:
         return torch.cat([lean(ids[:, P + j:P + j + 1]) for j in range(G)], 1)
-
-    def prepare() -> Callable[[], torch.Tensor]:
-        lean.pos = P  # back to the prompt; the positions after it are written again
-        return run
-    return prepare, lambda: prepare()()
+    return rewound(lambda: lean.rewind(P), run)
 
 
 def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, steps: int,
@@ -179,10 +190,12 @@ def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, st
         for name, last_only in (("full_all", False), ("full_last", True)):
             runs[name] = full_run(last_only)
             prepare[name] = lambda run=runs[name]: run
-    prepare["dynamic"], runs["dynamic"] = cached_decode(model, model, ids, P, G, "dynamic")
-    prepare["static"], runs["static"] = cached_decode(model, model, ids, P, G)
+    for name, step, kind in (("dynamic", model, "dynamic"), ("static", model, "static"),
+                             ("fast", fast, "static")):
+        if step is not None:
+            cache = prompt_cache(model, ids, P, G, kind)
+            prepare[name], runs[name] = cached_decode(step, cache, ids, P, G)
     if fast is not None:
-        prepare["fast"], runs["fast"] = cached_decode(fast, model, ids, P, G)
         lean = LeanStep(model, capacity=P + G)
         prepare["lean"], runs["lean"] = lean_decode(lean, model, ids, P, G)
     compile_info = None
@@ -199,13 +212,10 @@ def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, st
                 out.append(hf(ids[:, P + j:P + j + 1], cache=hf_cache, use_cache=True).logits)
             return torch.cat(out, 1)
 
-        def hf_prepare() -> Callable[[], Any]:
-            # transformers' cache grows in place; crop takes the (negative) number of positions
-            # to drop
-            hf_cache.crop(P - hf_cache.get_seq_length())  # back to the prompt, untimed
-            return hf_run
-        prepare["transformers"] = hf_prepare
-        runs["transformers"] = lambda: hf_prepare()()
+        # transformers' cache grows in place; crop takes the (negative) number of positions
+        # to drop
+        prepare["transformers"], runs["transformers"] = rewound(
+            lambda: hf_cache.crop(P - hf_cache.get_seq_length()), hf_run)
     return prepare, runs, compile_info
 
 
@@ -217,7 +227,8 @@ def ablation_paths(model: Decoder, ids: torch.Tensor, prefix_len: int,
     capacity = prefix_len + steps
     pairs = {name: lean_decode(LeanStep(model, capacity, **kw), model, ids, prefix_len, steps)
              for name, kw in ABLATION.items()}
-    pairs.update({name: cached_decode(cls(model), model, ids, prefix_len, steps)
+    pairs.update({name: cached_decode(cls(model), prompt_cache(model, ids, prefix_len, steps),
+                                      ids, prefix_len, steps)
                   for name, cls in GUARANTEES.items()})
     return {k: p for k, (p, _) in pairs.items()}, {k: r for k, (_, r) in pairs.items()}
 
@@ -229,10 +240,10 @@ def ops_per_step(model: Decoder, fast: FastDecoder, hf: Any, ids: torch.Tensor) 
     out = {"full_all": sum(count_ops(lambda: model(ids)).values())}
     for name, kind, step in (("dynamic", "dynamic", model), ("static", "static", model),
                              ("fast", "static", fast)):
-        cache = model(prompt, model.new_cache(1, kind, capacity=ids.shape[1]))[1]
+        cache = prompt_cache(model, ids, prompt.shape[1], 1, kind)
         out[name] = sum(count_ops(lambda step=step, cache=cache: step(token, cache)).values())
     lean = LeanStep(model, capacity=ids.shape[1])
-    lean.start(model(prompt, model.new_cache(1, "static", capacity=ids.shape[1]))[1])
+    lean.start(prompt_cache(model, ids, prompt.shape[1], 1))
     out["lean"] = sum(count_ops(lambda: lean(token)).values())
     if hf is not None:
         hf_cache = hf(prompt, use_cache=True).cache
