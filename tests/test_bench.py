@@ -1,4 +1,4 @@
-"""kvdoc.measure.bench_run and bench_result (with costs, timing, decode_paths, bench_tables, and
+"""kvdoc.measure.bench_run (with costs, timing, decode_paths, bench_tables, and
 the bench command) on tiny settings.
 
 No speed is asserted.
@@ -21,8 +21,7 @@ from kvdoc.measure.ablation import (
     UnguardedFast,
     UnwatchedFast,
 )
-from kvdoc.measure.bench_result import TARGETS, BenchSettings
-from kvdoc.measure.bench_run import VARIANTS, run_bench
+from kvdoc.measure.bench_run import TARGETS, VARIANTS, BenchSettings, run_bench
 from kvdoc.measure.bench_tables import (
     ablation_table,
     compiled_table,

@@ -2,7 +2,7 @@
 
 The command runs :func:`~kvdoc.measure.bench_run.run_bench`, prints the timing tables of
 :mod:`kvdoc.measure.bench_tables` and the headline ratios beside
-:data:`~kvdoc.measure.bench_result.TARGETS`, and writes every raw sample with ``--json``.
+:data:`~kvdoc.measure.bench_run.TARGETS`, and writes every raw sample with ``--json``.
 Nothing here asserts a speed: the exit status says only whether every ratio is a positive
 number.
 """
@@ -14,8 +14,7 @@ import json
 import math
 import sys
 
-from .bench_result import TARGETS, BenchSettings
-from .bench_run import run_bench
+from .bench_run import TARGETS, BenchSettings, run_bench
 from .bench_tables import ablation_table, compiled_table, roofline_table, timings_table
 
 

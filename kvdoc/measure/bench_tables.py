@@ -1,5 +1,5 @@
 """Tables (Markdown) and figures (matplotlib) of a
-:class:`~kvdoc.measure.bench_result.BenchResult`, for the savings page and the CLI."""
+:class:`~kvdoc.measure.bench_run.BenchResult`, for the savings page and the CLI."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from .timing import paired_ratio, percentile, two_figures
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from .bench_result import BenchResult
+    from .bench_run import BenchResult
 
 PATH_LABELS = {"prefill": "prefill", "full_all": "full, all positions",
                "full_last": "full, last position", "transformers": "transformers, cached",
