@@ -2,7 +2,7 @@
 layer (``model_caches``, and from a transformers ``config.json``, ``config_json``), the ``python -m
 kvdoc memory`` command (``memory``), the bytes a cache update writes and ATen operation counts
 (``dispatch``), counted work and FLOPs (``costs``), the timing harness (``timing``), where two
-greedy generations part (``divergence``), the benchmark (``decode_paths``, ``ablation``,
-``bench_run``, ``bench_tables``, ``bench``) and the shared Markdown table renderer
-(``tables``). Measurements report what they see; nothing here asserts a timing.
+greedy generations part (``divergence``), the benchmark (``decode_paths``, ``bench_run``,
+``bench_tables``, ``bench``), decode at batch B (``batch_decode``) and the shared Markdown table
+renderer (``tables``). Measurements report what they see; nothing here asserts a timing.
 """

@@ -9,7 +9,7 @@ under ``torch.inference_mode()``:
   last (``full_last``);
 * **cached continuation**, ``G`` one-token steps from the prefix cache: ``dynamic``,
   ``static``, the :class:`~kvdoc.core.fast.FastDecoder` (``fast``), the same arithmetic without
-  checks (``lean``, :class:`~kvdoc.measure.ablation.LeanStep`) and ``torch.compile`` of the
+  checks (``lean``, :class:`~kvdoc.measure.decode_paths.LeanStep`) and ``torch.compile`` of the
   model's forward (``compiled``, gpt-fast's fast step, its compile time reported apart);
 * **transformers**: its ``GPT2LMHeadModel`` on the same weights, the reference a user would
   otherwise pick.
@@ -35,9 +35,16 @@ from kvdoc.core.cache import check_int
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import Decoder, GPTConfig
 
-from .ablation import ABLATION, GUARANTEES
 from .costs import RowCounter, projected_positions_full, run_flops, step_bytes
-from .decode_paths import ablation_paths, build_models, decode_paths, ops_per_step, token_stream
+from .decode_paths import (
+    ABLATION,
+    GUARANTEES,
+    ablation_paths,
+    build_models,
+    decode_paths,
+    ops_per_step,
+    token_stream,
+)
 from .timing import environment, percentile, time_paths
 
 TARGETS = {"fast_vs_transformers": 4.5, "fast_vs_full_all_positions": 17.0,
