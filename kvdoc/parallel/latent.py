@@ -35,7 +35,7 @@ from .comm import Comm
 from .comparison import MARK, TOLERANCE, reference, rows_close
 from .decode import greedy
 from .launch import launch
-from .tensor import ShardedMLP
+from .tensor import ShardedMLP, head_rows
 
 MODES = ("tp", "dp")
 """``"tp"``: heads split, the latent replicated; ``"dp"``: requests split (DP-attention)."""
@@ -86,15 +86,12 @@ def _heads(full: LatentAttention, comm: Comm) -> LatentAttention:
     per_rank = c.n_head // comm.tp
     heads = range(comm.tp_rank * per_rank, (comm.tp_rank + 1) * per_rank)
     mine = LatentAttention(replace(c, n_head=per_rank))
-
-    def rows(width: int) -> list[int]:
-        return [h * width + i for h in heads for i in range(width)]
-
     state = {k: v.clone() for k, v in full.state_dict().items()}
     q = "q_proj.weight" if c.q_lora_rank is None else "q_b_proj.weight"
-    state[q] = state[q][rows(c.qk_head_dim)]
-    state["kv_b_proj.weight"] = state["kv_b_proj.weight"][rows(c.qk_nope_head_dim + c.v_head_dim)]
-    state["o_proj.weight"] = state["o_proj.weight"][:, rows(c.v_head_dim)]
+    state[q] = state[q][head_rows(heads, c.qk_head_dim)]
+    kv_rows = head_rows(heads, c.qk_nope_head_dim + c.v_head_dim)
+    state["kv_b_proj.weight"] = state["kv_b_proj.weight"][kv_rows]
+    state["o_proj.weight"] = state["o_proj.weight"][:, head_rows(heads, c.v_head_dim)]
     mine.load_state_dict(state)
     return mine
 
