@@ -4,9 +4,9 @@
     PYTHONPATH=<older checkout> python scripts/window_copies.py
 
 A Mistral-style model (window W = 64) is prefilled with 256 tokens, then decodes 8; the copy
-meter (:mod:`kvdoc.measure.copymeter`) counts the bytes every cache write moves, printed in rows
-of K and V per layer. A decode step past the window is then timed 200 times on one thread
-(median and interquartile range; an observation of this machine, not a fact).
+meter (:class:`kvdoc.measure.dispatch.CopyMeter`) counts the bytes every cache write moves,
+printed in rows of K and V per layer. A decode step past the window is then timed 200 times on
+one thread (median and interquartile range; an observation of this machine, not a fact).
 """
 
 import statistics
@@ -16,7 +16,7 @@ import torch
 
 from kvdoc import Decoder
 from kvdoc.core.model import mistral_config
-from kvdoc.measure.copymeter import CopyMeter
+from kvdoc.measure.dispatch import CopyMeter
 
 torch.manual_seed(0)
 torch.set_num_threads(1)

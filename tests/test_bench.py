@@ -1,4 +1,4 @@
-"""kvdoc.measure.bench_run and bench_result (with costs, timing, decode_paths, bench_tables, and
+"""kvdoc.measure.bench_run (with costs, timing, decode_paths, bench_tables, and
 the bench command) on tiny settings.
 
 No speed is asserted.
@@ -14,15 +14,7 @@ import torch
 from kvdoc import Decoder, GPTConfig
 from kvdoc.__main__ import main as cli
 from kvdoc.core.fast import FastDecoder
-from kvdoc.measure.ablation import (
-    ABLATION,
-    LeanStep,
-    UncheckedFast,
-    UnguardedFast,
-    UnwatchedFast,
-)
-from kvdoc.measure.bench_result import TARGETS, BenchSettings
-from kvdoc.measure.bench_run import VARIANTS, run_bench
+from kvdoc.measure.bench_run import TARGETS, VARIANTS, BenchSettings, run_bench
 from kvdoc.measure.bench_tables import (
     ablation_table,
     compiled_table,
@@ -39,6 +31,13 @@ from kvdoc.measure.costs import (
     run_flops,
     step_bytes,
     step_flops,
+)
+from kvdoc.measure.decode_paths import (
+    ABLATION,
+    LeanStep,
+    UncheckedFast,
+    UnguardedFast,
+    UnwatchedFast,
 )
 from kvdoc.measure.dispatch import count_ops
 from kvdoc.measure.timing import percentile, time_paths

@@ -11,7 +11,7 @@ import torch
 from kvdoc import Decoder, GPTConfig, generate
 from kvdoc.__main__ import main as cli
 from kvdoc.core.feed import feed
-from kvdoc.measure.copymeter import CopyMeter
+from kvdoc.measure.dispatch import CopyMeter
 from kvdoc.measure.kv_bytes import (
     DTYPES as DTYPE_NAMES,
 )

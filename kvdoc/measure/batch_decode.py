@@ -20,6 +20,7 @@ from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import Decoder, GPTConfig
 
 from .costs import step_bytes, step_flops
+from .decode_paths import cached_decode
 from .kv_bytes import element_size
 from .model_caches import ModelCache
 from .timing import Prepare, time_paths
@@ -108,16 +109,7 @@ def time_batches(model: Decoder, context: int, batches: tuple[int, ...], steps: 
         for layer in range(model.config.n_layer):
             cache.update(layer, rows, rows, 0)
         cache.finish(context)
-
-        def prepare(ids: torch.Tensor = ids, cache=cache):
-            cache.crop(context)  # back to the prompt, untimed
-
-            def run() -> None:
-                work = cache
-                for j in range(steps):
-                    _, work = fast(ids[:, context + j:context + j + 1], work)
-            return run
-        paths[str(batch)] = prepare
+        paths[str(batch)] = cached_decode(fast, cache, ids, context, steps)[0]
     times = time_paths(paths, samples=samples, warmup=1)
     return {int(b): [t / steps for t in ts] for b, ts in times.items()}
 

@@ -2,7 +2,7 @@
 
 The command runs :func:`~kvdoc.measure.bench_run.run_bench`, prints the timing tables of
 :mod:`kvdoc.measure.bench_tables` and the headline ratios beside
-:data:`~kvdoc.measure.bench_result.TARGETS`, and writes every raw sample with ``--json``.
+:data:`~kvdoc.measure.bench_run.TARGETS`, and writes every raw sample with ``--json``.
 Nothing here asserts a speed: the exit status says only whether every ratio is a positive
 number.
 """
@@ -14,8 +14,7 @@ import json
 import math
 import sys
 
-from .bench_result import TARGETS, BenchSettings
-from .bench_run import run_bench
+from .bench_run import TARGETS, BenchSettings, run_bench
 from .bench_tables import ablation_table, compiled_table, roofline_table, timings_table
 
 
@@ -29,58 +28,50 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+# BenchSettings fields set as --field-name: (metavar, help); each default is the field's
+OPTIONS = {
+    "prefix_lens": ("P,P,...", "prompt lengths P, each timed with G new tokens after it"),
+    "new_tokens": ("G", "tokens decoded after each prompt, one step each"),
+    "samples": ("N", "timed samples per path"),
+    "warmup": ("N", "untimed warm-up runs per path"),
+    "threads": ("N", "torch threads while timing"),
+    "seed": ("N", "seed of the random weights and the token stream"),
+    "growth_lengths": ("T,T,...", "total lengths T at which one step of each path is timed, "
+                                  "for the growth fit"),
+    "roofline_samples": ("N", "timed samples per path of the bandwidth estimate"),
+}
+
+# the measurements an option leaves out: the settings field it turns off
+SKIPS = {
+    "transformers": ("--no-transformers",
+                     "skip transformers' GPT-2 (timed by default on the same weights)"),
+    "roofline": ("--no-roofline", "skip the memory-bandwidth estimate on a 124M-parameter model"),
+    "ablation": ("--no-ablation",
+                 "skip the lean step with each of the fast step's changes undone"),
+    "compiled": ("--no-compile", "skip torch.compile of the model's forward (gpt-fast's fast "
+                                 "step), timed by default beside the fast and lean steps"),
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` command's options (every one with its help and default)."""
-    d = BenchSettings()
-
-    def listed(values: tuple[int, ...]) -> str:
-        return ",".join(map(str, values))
-
     parser.add_argument("--json", metavar="PATH",
                         help="write the full results (raw samples included) here")
-    parser.add_argument("--prefix-lens", type=_ints, default=d.prefix_lens, metavar="P,P,...",
-                        help=f"prompt lengths P, each timed with G new tokens after it "
-                             f"(default {listed(d.prefix_lens)})")
-    parser.add_argument("--new-tokens", type=int, default=d.new_tokens, metavar="G",
-                        help=f"tokens decoded after each prompt, one step each "
-                             f"(default {d.new_tokens})")
-    parser.add_argument("--samples", type=int, default=d.samples, metavar="N",
-                        help=f"timed samples per path (default {d.samples})")
-    parser.add_argument("--warmup", type=int, default=d.warmup, metavar="N",
-                        help=f"untimed warm-up runs per path (default {d.warmup})")
-    parser.add_argument("--threads", type=int, default=d.threads, metavar="N",
-                        help=f"torch threads while timing (default {d.threads})")
-    parser.add_argument("--seed", type=int, default=d.seed, metavar="N",
-                        help=f"seed of the random weights and the token stream "
-                             f"(default {d.seed})")
-    parser.add_argument("--growth-lengths", type=_ints, default=d.growth_lengths,
-                        metavar="T,T,...",
-                        help=f"total lengths T at which one step of each path is timed, for "
-                             f"the growth fit (default {listed(d.growth_lengths)})")
-    parser.add_argument("--no-transformers", action="store_true",
-                        help="skip transformers' GPT-2 (timed by default on the same weights)")
-    parser.add_argument("--no-roofline", action="store_true",
-                        help="skip the memory-bandwidth estimate on a 124M-parameter model")
-    parser.add_argument("--roofline-samples", type=int, default=d.roofline_samples, metavar="N",
-                        help=f"timed samples per path of the bandwidth estimate "
-                             f"(default {d.roofline_samples})")
-    parser.add_argument("--no-ablation", action="store_true",
-                        help="skip the lean step with each of the fast step's changes undone")
-    parser.add_argument("--no-compile", action="store_true",
-                        help="skip torch.compile of the model's forward (gpt-fast's fast step), "
-                             "timed by default beside the fast and lean steps")
+    for name, (metavar, text) in OPTIONS.items():
+        default = getattr(BenchSettings(), name)
+        listed = isinstance(default, tuple)
+        shown = ",".join(map(str, default)) if listed else default
+        parser.add_argument("--" + name.replace("_", "-"), type=_ints if listed else int,
+                            default=default, metavar=metavar, help=f"{text} (default {shown})")
+    for name, (flag, text) in SKIPS.items():
+        parser.add_argument(flag, dest=name, action="store_false", help=text)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark, print the ratios, write ``--json``; returns the exit status."""
     try:
-        settings = BenchSettings(
-            prefix_lens=args.prefix_lens, new_tokens=args.new_tokens, samples=args.samples,
-            warmup=args.warmup, threads=args.threads, seed=args.seed,
-            transformers=not args.no_transformers, growth_lengths=args.growth_lengths,
-            roofline=not args.no_roofline, roofline_samples=args.roofline_samples,
-            ablation=not args.no_ablation, compiled=not args.no_compile)
+        settings = BenchSettings(**{name: getattr(args, name) for name in (*OPTIONS, *SKIPS)})
     except ValueError as err:
         print(f"kvdoc bench: {err}", file=sys.stderr)
         return 2
@@ -98,9 +89,7 @@ def main(args: argparse.Namespace) -> int:
     if result.compiled is not None:
         tables.append("time relative to the lean step, per-round median (middle rounds):\n"
                       + compiled_table(result))
-    print("\n\n".join(tables))
-    print()
-    print("ratios (higher is better):")
+    print("\n\n".join(tables) + "\n\nratios (higher is better):")
     for key, value in result.ratios.items():
         target = f"   target >= {TARGETS[key]:g}: {'met' if value >= TARGETS[key] else 'not met'}" \
             if key in TARGETS else ""

@@ -1,17 +1,17 @@
 """Tables (Markdown) and figures (matplotlib) of a
-:class:`~kvdoc.measure.bench_result.BenchResult`, for the savings page and the CLI."""
+:class:`~kvdoc.measure.bench_run.BenchResult`, for the savings page and the CLI."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from .tables import markdown_table
-from .timing import paired_ratio, two_figures
+from .timing import paired_ratio, percentile, two_figures
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from .bench_result import BenchResult
+    from .bench_run import BenchResult
 
 PATH_LABELS = {"prefill": "prefill", "full_all": "full, all positions",
                "full_last": "full, last position", "transformers": "transformers, cached",
@@ -38,12 +38,12 @@ def timings_table(result: BenchResult, stat: str = "p50") -> str:
     ``stat`` ("p50" or "p95") in ms of one prefill call, or of all G steps of a decode path."""
     if stat not in ("p50", "p95"):
         raise ValueError(f"stat must be 'p50' or 'p95', not {stat!r}")
-    value = result.p50 if stat == "p50" else result.p95
     order = ("prefill", "full_all", "full_last", "dynamic", "static", "fast", "lean", "compiled",
              "transformers")
     paths = [p for p in order if all(p in v for v in result.timings.values())]
     header = [f"path ({stat})"] + [f"P = {P} (ms)" for P in result.timings]
-    rows = [[PATH_LABELS[p]] + [f"{value(P, p):.3f}" for P in result.timings] for p in paths]
+    rows = [[PATH_LABELS[p]] + [f"{percentile(result.timings[P][p], int(stat[1:])):.3f}"
+                                 for P in result.timings] for p in paths]
     return markdown_table(header, rows)
 
 

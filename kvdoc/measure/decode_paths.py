@@ -3,23 +3,157 @@
 Per path, an untimed ``prepare`` resets its cache and returns the call to time (for
 :func:`kvdoc.measure.timing.time_paths`), and a second call returns the path's stacked logits,
 to check that every timed path computes the same function.
+
+Beside them, the lean step: :class:`LeanStep` is the fast step's arithmetic and nothing else
+(no checks, no watch on the weights, its own K/V buffers, GPT-2's architecture only): the time
+the fast step takes beyond it is what its guarantees cost. An :data:`ABLATION` variant undoes
+one of the fast step's changes, so the time it adds is what that change buys; a
+:data:`GUARANTEES` variant takes a guarantee away, so the time it saves is what that guarantee
+costs (timed only: none may serve a user).
+
+>>> from kvdoc import Decoder, GPTConfig
+>>> _ = torch.manual_seed(0)
+>>> model = Decoder(GPTConfig(n_kv_head=2)).eval()
+>>> ids = torch.tensor([[12, 7, 31, 4, 9]])
+>>> lean = LeanStep(model, capacity=8)
+>>> lean.start(model(ids[:, :4], model.new_cache(1, "static", capacity=8)).cache)
+>>> logits = lean(ids[:, 4:])                       # [1, 1, V]: position 4
+>>> torch.allclose(logits[:, 0], model(ids).logits[:, 4], atol=1e-5)
+True
 """
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 
+from kvdoc.core.cache import KVCache
 from kvdoc.core.fast import FastDecoder
-from kvdoc.core.model import Decoder, GPTConfig
+from kvdoc.core.model import Decoder, DecoderOutput, GPTConfig
 
-from .ablation import ABLATION, GUARANTEES, LeanStep
 from .dispatch import count_ops
 from .timing import Prepare
+
+ABLATION = {"no_pretranspose": {"pretranspose": False}, "matmul_attention": {"attention": "matmul"}}
+"""The lean step with one change undone: :class:`LeanStep`'s keywords per variant."""
+
+
+class UnwatchedFast(FastDecoder):
+    """The fast step without its watch on the model's weights: it would serve stale copies."""
+
+    def _stale(self) -> bool:
+        return False
+
+
+class UncheckedFast(FastDecoder):
+    """The fast step without its input checks and its hand-over to the model: every call is
+    taken as one token per row after a cache, and bad input is not refused."""
+
+    def __call__(self, idx: torch.Tensor, cache: KVCache, **options: object) -> DecoderOutput:
+        if self._stale():
+            self.refresh()
+        return self._step(idx, cache)
+
+
+class UnguardedFast(FastDecoder):
+    """The fast step with neither guarantee: its arithmetic, writing through the cache's
+    ``update``. What still separates it from :class:`LeanStep` is that write path."""
+
+    def __call__(self, idx: torch.Tensor, cache: KVCache, **options: object) -> DecoderOutput:
+        return self._step(idx, cache)
+
+
+GUARANTEES: dict[str, type[FastDecoder]] = {"unwatched": UnwatchedFast,
+                                             "unchecked": UncheckedFast,
+                                             "unguarded": UnguardedFast}
+"""The fast step with one guarantee taken away, or both (``unguarded``), per variant."""
+
+
+class LeanStep:
+    """One token per row for a GPT-2-style decoder, with nothing around the arithmetic, up to
+    ``capacity`` positions. ``pretranspose``: weights stored ``[in, out]`` (else read through a
+    transposed view, as ``F.linear`` does); ``attention``: ``"sdpa"`` (one call, a K/V head's
+    query heads as rows) or ``"matmul"`` (matmul, scale, softmax, matmul)."""
+
+    def __init__(self, model: Decoder, capacity: int, *, pretranspose: bool = True,
+                 attention: Literal["sdpa", "matmul"] = "sdpa") -> None:
+        cfg = model.config
+        gpt2 = ("learned", "layernorm", "gelu", None)
+        if (cfg.position, cfg.norm, cfg.mlp, cfg.sliding_window) != gpt2:
+            raise ValueError("LeanStep runs GPT-2's architecture only (learned positions, "
+                             "LayerNorm, GELU, no window)")
+        self.config, self.capacity, self.attention = cfg, capacity, attention
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        with torch.no_grad():
+            def w(linear: torch.nn.Linear) -> torch.Tensor:  # [in, out], as the step reads it
+                weight = linear.weight.detach()
+                return weight.t().contiguous() if pretranspose else weight.clone().t()
+
+            def b(linear: torch.nn.Linear) -> torch.Tensor:
+                return linear.bias.detach().view(1, -1).clone()
+
+            self.layers = [
+                (blk.ln_1.weight.detach(), blk.ln_1.bias.detach(), w(blk.attn.c_attn),
+                 b(blk.attn.c_attn), w(blk.attn.c_proj), b(blk.attn.c_proj),
+                 blk.ln_2.weight.detach(), blk.ln_2.bias.detach(), w(blk.mlp.c_fc), b(blk.mlp.c_fc),
+                 w(blk.mlp.c_proj), b(blk.mlp.c_proj))
+                for blk in model.h]
+            self.ln_f = (model.ln_f.weight.detach(), model.ln_f.bias.detach())
+            self.w_head = w(model.lm_head)  # [d, V]
+            self.wte, self.wpe = model.wte.weight.detach(), model.wpe.weight.detach()
+        self.pos = 0
+
+    def start(self, cache: KVCache) -> None:
+        """Take a copy of ``cache``'s K/V (the prompt) into fresh buffers; the next token is at
+        ``cache.seq_len``."""
+        cfg, P = self.config, cache.seq_len
+        shape = (cache.batch_size, cfg.n_kv_head, self.capacity, cfg.head_dim)
+        self.k = [self.wte.new_zeros(shape) for _ in self.layers]
+        self.v = [self.wte.new_zeros(shape) for _ in self.layers]
+        for i in range(cfg.n_layer):
+            k, v = cache.layer(i)
+            self.k[i][:, :, :P], self.v[i][:, :, :P] = k, v
+        self.pos = P
+
+    def rewind(self, pos: int) -> None:
+        """Go back to position ``pos``: the positions after it are written again."""
+        self.pos = pos
+
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, 1, V]`` of the tokens ``idx`` (``[B, 1]``) at position ``self.pos``."""
+        cfg = self.config
+        B, P, D_h = idx.shape[0], self.pos, cfg.head_dim
+        shape, eps = (cfg.n_embd,), cfg.layer_norm_epsilon
+        heads, group = (cfg.n_head, cfg.n_kv_head, cfg.n_kv_head), cfg.n_head // cfg.n_kv_head
+        x = self.wte.index_select(0, idx.view(B)).add_(self.wpe[P])  # [B, d]
+        for i, (ln1_w, ln1_b, w_qkv, b_qkv, w_o, b_o, ln2_w, ln2_b, w_fc, b_fc, w_proj,
+                b_proj) in enumerate(self.layers):
+            h = torch.layer_norm(x, shape, ln1_w, ln1_b, eps)
+            q, k, v = torch.addmm(b_qkv, h, w_qkv).view(B, -1, 1, D_h).split_with_sizes(heads, 1)
+            K, V = self.k[i], self.v[i]
+            K.narrow(2, P, 1).copy_(k)
+            V.narrow(2, P, 1).copy_(v)
+            k, v = K.narrow(2, 0, P + 1), V.narrow(2, 0, P + 1)  # [B, H_kv, P + 1, D_h]
+            if group > 1:  # a K/V head's query heads as rows: [B, H_kv, group, D_h]
+                q = q.view(B, -1, group, D_h)
+            if self.attention == "sdpa":
+                y = F.scaled_dot_product_attention(q, k, v)
+            else:
+                s = torch.matmul(q, k.transpose(2, 3)).mul_(self.scale)  # [B, H_kv, group, P + 1]
+                y = torch.matmul(s.softmax(-1), v)
+            x = torch.addmm(x, y.view(B, -1), w_o).add_(b_o)
+            h = torch.layer_norm(x, shape, ln2_w, ln2_b, eps)
+            u = F.gelu(torch.addmm(b_fc, h, w_fc), approximate="tanh")
+            x = torch.addmm(x, u, w_proj).add_(b_proj)
+        self.pos = P + 1
+        h = torch.layer_norm(x, shape, *self.ln_f, eps)
+        return torch.mm(h, self.w_head).view(B, 1, -1)
 
 
 def token_stream(config: GPTConfig, length: int, seed: int) -> torch.Tensor:
@@ -79,13 +213,30 @@ def build_models(config: GPTConfig, seed: int, transformers: bool,
     return model, hf
 
 
-def cached_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor, prefix_len: int,
-                  steps: int, kind: str = "static") -> tuple[Prepare, Callable[[], torch.Tensor]]:
-    """``steps`` single-token calls of ``step`` (the model or a fast step) from a cache of
-    ``kind`` holding the prompt, cropped back to it before each run (untimed; a dynamic cache,
-    which no call changes, already holds just the prompt)."""
+def rewound(reset: Callable[[], object],
+            run: Callable[[], Any]) -> tuple[Prepare, Callable[[], Any]]:
+    """A timed path: ``prepare`` calls ``reset`` (untimed: back to the prompt) and returns
+    ``run``; the second call runs it once, for its logits."""
+    def prepare() -> Callable[[], Any]:
+        reset()
+        return run
+    return prepare, lambda: prepare()()
+
+
+def prompt_cache(model: Decoder, ids: torch.Tensor, prefix_len: int, steps: int,
+                 kind: str = "static") -> KVCache:
+    """A cache of ``kind`` holding the first ``prefix_len`` tokens of ``ids``, room for
+    ``steps`` more."""
+    return model(ids[:, :prefix_len], model.new_cache(ids.shape[0], kind,
+                                                      capacity=prefix_len + steps))[1]
+
+
+def cached_decode(step: Callable[..., Any], cache: KVCache, ids: torch.Tensor, prefix_len: int,
+                  steps: int) -> tuple[Prepare, Callable[[], torch.Tensor]]:
+    """``steps`` single-token calls of ``step`` (the model or a fast step) after ``cache``,
+    which holds the first ``prefix_len`` tokens of ``ids`` and is cropped back to them before
+    each run (untimed; a dynamic cache, which no call changes, already holds just them)."""
     P, G = prefix_len, steps
-    cache = model(ids[:, :P], model.new_cache(1, kind, capacity=P + G))[1]
 
     def run() -> torch.Tensor:
         work, out = cache, []
@@ -93,11 +244,7 @@ def cached_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor, p
             logits, work = step(ids[:, P + j:P + j + 1], work)
             out.append(logits)
         return torch.cat(out, 1)
-
-    def prepare() -> Callable[[], torch.Tensor]:
-        cache.crop(P)  # back to the prompt, untimed
-        return run
-    return prepare, lambda: prepare()()
+    return rewound(lambda: cache.crop(P), run)
 
 
 def compiled_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor,
@@ -112,7 +259,8 @@ def compiled_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor,
     dynamo compiled. A failure to compile is returned as ``error`` with no path, so that the
     benchmark says so instead of stopping.
     """
-    prepare, run = cached_decode(step, model, ids, prefix_len, steps)
+    cache = prompt_cache(model, ids, prefix_len, steps)
+    prepare, run = cached_decode(step, cache, ids, prefix_len, steps)
     from torch._dynamo.utils import counters
 
     graphs = counters["stats"]["unique_graphs"]
@@ -129,18 +277,14 @@ def compiled_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor,
 
 def lean_decode(lean: LeanStep, model: Decoder, ids: torch.Tensor, prefix_len: int,
                 steps: int) -> tuple[Prepare, Callable[[], torch.Tensor]]:
-    """``steps`` calls of a :class:`~kvdoc.measure.ablation.LeanStep` after the prompt's K/V,
+    """``steps`` calls of a :class:`~kvdoc.measure.decode_paths.LeanStep` after the prompt's K/V,
     rewound to position ``P`` before each run as :func:`cached_decode` crops its cache."""
     P, G = prefix_len, steps
-    lean.start(model(ids[:, :P], model.new_cache(1, "static", capacity=P))[1])
+    lean.start(prompt_cache(model, ids, P, 0))
 
     def run() -> torch.Tensor:
         return torch.cat([lean(ids[:, P + j:P + j + 1]) for j in range(G)], 1)
-
-    def prepare() -> Callable[[], torch.Tensor]:
-        lean.pos = P  # back to the prompt; the positions after it are written again
-        return run
-    return prepare, lambda: prepare()()
+    return rewound(lambda: lean.rewind(P), run)
 
 
 def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, steps: int,
@@ -179,10 +323,12 @@ def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, st
         for name, last_only in (("full_all", False), ("full_last", True)):
             runs[name] = full_run(last_only)
             prepare[name] = lambda run=runs[name]: run
-    prepare["dynamic"], runs["dynamic"] = cached_decode(model, model, ids, P, G, "dynamic")
-    prepare["static"], runs["static"] = cached_decode(model, model, ids, P, G)
+    for name, step, kind in (("dynamic", model, "dynamic"), ("static", model, "static"),
+                             ("fast", fast, "static")):
+        if step is not None:
+            cache = prompt_cache(model, ids, P, G, kind)
+            prepare[name], runs[name] = cached_decode(step, cache, ids, P, G)
     if fast is not None:
-        prepare["fast"], runs["fast"] = cached_decode(fast, model, ids, P, G)
         lean = LeanStep(model, capacity=P + G)
         prepare["lean"], runs["lean"] = lean_decode(lean, model, ids, P, G)
     compile_info = None
@@ -199,25 +345,23 @@ def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, st
                 out.append(hf(ids[:, P + j:P + j + 1], cache=hf_cache, use_cache=True).logits)
             return torch.cat(out, 1)
 
-        def hf_prepare() -> Callable[[], Any]:
-            # transformers' cache grows in place; crop takes the (negative) number of positions
-            # to drop
-            hf_cache.crop(P - hf_cache.get_seq_length())  # back to the prompt, untimed
-            return hf_run
-        prepare["transformers"] = hf_prepare
-        runs["transformers"] = lambda: hf_prepare()()
+        # transformers' cache grows in place; crop takes the (negative) number of positions
+        # to drop
+        prepare["transformers"], runs["transformers"] = rewound(
+            lambda: hf_cache.crop(P - hf_cache.get_seq_length()), hf_run)
     return prepare, runs, compile_info
 
 
 def ablation_paths(model: Decoder, ids: torch.Tensor, prefix_len: int,
                    steps: int) -> tuple[dict[str, Prepare], dict[str, Callable[[], torch.Tensor]]]:
-    """Per :data:`~kvdoc.measure.ablation.ABLATION` variant, the lean step with that change
-    undone, and per :data:`~kvdoc.measure.ablation.GUARANTEES` variant, the fast step with that
+    """Per :data:`~kvdoc.measure.decode_paths.ABLATION` variant, the lean step with that change
+    undone, and per :data:`~kvdoc.measure.decode_paths.GUARANTEES` variant, the fast step with that
     guarantee taken away, as in :func:`decode_paths`."""
     capacity = prefix_len + steps
     pairs = {name: lean_decode(LeanStep(model, capacity, **kw), model, ids, prefix_len, steps)
              for name, kw in ABLATION.items()}
-    pairs.update({name: cached_decode(cls(model), model, ids, prefix_len, steps)
+    pairs.update({name: cached_decode(cls(model), prompt_cache(model, ids, prefix_len, steps),
+                                      ids, prefix_len, steps)
                   for name, cls in GUARANTEES.items()})
     return {k: p for k, (p, _) in pairs.items()}, {k: r for k, (_, r) in pairs.items()}
 
@@ -229,10 +373,10 @@ def ops_per_step(model: Decoder, fast: FastDecoder, hf: Any, ids: torch.Tensor) 
     out = {"full_all": sum(count_ops(lambda: model(ids)).values())}
     for name, kind, step in (("dynamic", "dynamic", model), ("static", "static", model),
                              ("fast", "static", fast)):
-        cache = model(prompt, model.new_cache(1, kind, capacity=ids.shape[1]))[1]
+        cache = prompt_cache(model, ids, prompt.shape[1], 1, kind)
         out[name] = sum(count_ops(lambda step=step, cache=cache: step(token, cache)).values())
     lean = LeanStep(model, capacity=ids.shape[1])
-    lean.start(model(prompt, model.new_cache(1, "static", capacity=ids.shape[1]))[1])
+    lean.start(prompt_cache(model, ids, prompt.shape[1], 1))
     out["lean"] = sum(count_ops(lambda: lean(token)).values())
     if hf is not None:
         hf_cache = hf(prompt, use_cache=True).cache

@@ -3,9 +3,9 @@
 :class:`LayerWrapper` delegates everything to the layer it wraps; a subclass changes ``write``.
 :func:`wrap_layers` puts one around each layer of a cache, which keeps its class, its length
 and its own rules (in place or not, capacity, window). The copy meter
-(:mod:`kvdoc.measure.copymeter`) wraps layers to count the bytes each write moves, and some
-deliberately broken caches (:mod:`kvdoc.proofs.broken.caches`) wrap correct ones to misuse what
-they return. The real caches know nothing of either.
+(:class:`kvdoc.measure.dispatch.CopyMeter`) wraps layers to count the bytes each write moves,
+and some deliberately broken caches (:mod:`kvdoc.proofs.broken.caches`) wrap correct ones to
+misuse what they return. The real caches know nothing of either.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from kvdoc.core.model import Decoder, GPTConfig, decode_step, generate, prefill
 from kvdoc.measure.kv_bytes import kv_bytes
 
 from .comm import Comm
-from .comparison import TOLERANCE, rows_close
+from .comparison import MARK, TOLERANCE, rows_close
 from .decode import RankDecoder, check_run, greedy
 from .launch import launch
 from .tensor import head_shard
@@ -294,11 +294,10 @@ class HandoverCheck:
 
     def lines(self) -> list[str]:
         """What was compared, for a reader."""
-        mark = {True: "ok", False: "FAILED"}
         asked = f"; block ids asked {self.requests[0]:,} bytes (formula {self.requests[2]:,})" \
             if self.transfer == "pull" else ""
         return [f"{self.name} ({self.transfer}, {self.mode}): tokens equal to generate: "
-                f"{mark[self.tokens_equal]}; K/V equal to one process: {mark[self.kv_close]}",
+                f"{MARK[self.tokens_equal]}; K/V equal to one process: {MARK[self.kv_close]}",
                 f"  bytes sent {self.sent_bytes:,}, received {self.received_bytes:,}, formula "
                 f"{self.formula_bytes:,}{asked}; messages {self.messages} (formula "
                 f"{self.formula_messages}); decode-side forwards before token 1: "

@@ -98,33 +98,28 @@ def main(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in MODELS]
     if not names or unknown:
         return _error(f"unknown model(s) {unknown or names}; known: {', '.join(MODELS)}")
-    try:
+    jobs, handed, where = [], [], "--latent"
+    try:  # every job checked here, before any rank starts
         latent = _latent_jobs(args) if args.latent else []
-    except ValueError as err:
-        return _error(f"--latent: {err}")
-    jobs, handed = [], []
-    for name in names:
-        model = build_model(name)
-        total = args.prompt_len + args.new_tokens
-        if total > model.config.n_positions:  # before the prompt tensor is allocated
-            return _error(f"{name}: --prompt-len {args.prompt_len} + --new-tokens "
-                          f"{args.new_tokens} = {total} positions; the model has "
-                          f"{model.config.n_positions}")
-        prompt = torch.randint(1, model.config.vocab_size, (1, args.prompt_len),
-                               generator=torch.Generator().manual_seed(0))
-        try:
+        for name in names:
+            model, where = build_model(name), name
+            total = args.prompt_len + args.new_tokens
+            if total > model.config.n_positions:  # before the prompt tensor is allocated
+                raise ValueError(f"--prompt-len {args.prompt_len} + --new-tokens "
+                                 f"{args.new_tokens} = {total} positions; the model has "
+                                 f"{model.config.n_positions}")
+            prompt = torch.randint(1, model.config.vocab_size, (1, args.prompt_len),
+                                   generator=torch.Generator().manual_seed(0))
             check_run(model, prompt, args.new_tokens, args.tp, args.cp)
-        except ValueError as err:
-            return _error(f"{name}: {err}")
-        jobs.append(Job(name, model, prompt, args.new_tokens, args.tp, args.cp))
-        for mode in ("logits", "recompute") if args.handover else ():
-            try:
+            jobs.append(Job(name, model, prompt, args.new_tokens, args.tp, args.cp))
+            for mode in ("logits", "recompute") if args.handover else ():
+                where = f"{name}, hand-over ({mode})"
                 check_handover(model, prompt, args.new_tokens, args.tp, args.block_size, mode,
                                args.handover, args.have)
-            except ValueError as err:
-                return _error(f"{name}, hand-over ({mode}): {err}")
-            handed.append(Handover(name, model, prompt, args.new_tokens, args.block_size, mode,
-                                   transfer=args.handover, have=args.have))
+                handed.append(Handover(name, model, prompt, args.new_tokens, args.block_size,
+                                       mode, transfer=args.handover, have=args.have))
+    except ValueError as err:
+        return _error(f"{where}: {err}")
     # the tensors live on the CPU, which gloo carries and NCCL does not
     print(f"{ranks} rank(s) on torch.distributed ({choose_backend(ranks, 'gloo')}): "
           f"tp={args.tp} x cp={args.cp}; prompt {args.prompt_len} tokens, {args.new_tokens} "

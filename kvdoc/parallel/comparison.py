@@ -52,6 +52,9 @@ from .launch import launch
 TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float64: 1e-10}
 """``atol = rtol`` for logits and cached K/V, by dtype (see the module docstring)."""
 
+MARK = {True: "ok", False: "FAILED"}
+"""How a check's line reads a verdict."""
+
 MODELS: dict[str, GPTConfig] = {
     "gpt2": GPTConfig(),                              # MHA, 4 heads, learned positions
     "llama": llama_config(),                          # GQA 4 / 2, RoPE
@@ -115,19 +118,18 @@ class Comparison:
 
     def lines(self) -> list[str]:
         """What was compared, for a reader."""
-        mark = {True: "ok", False: "FAILED"}
         per_rank = ", ".join(f"{m:,}" for m, _ in self.bytes)
         steps = ", ".join(f"{n} {kind}" for kind, n in sorted(self.collectives.items())) or "none"
         return [
             f"{self.name}: tp={self.tp} cp={self.cp} on {self.tp * self.cp} rank(s)",
-            f"  tokens equal to generate: {mark[self.tokens_equal]}",
+            f"  tokens equal to generate: {MARK[self.tokens_equal]}",
             f"  logits: max |diff| {self.max_logit_diff:.2e} (tolerance {self.tolerance:g}): "
-            f"{mark[self.logits_close]}",
+            f"{MARK[self.logits_close]}",
             f"  each rank's K/V equal to its heads and positions of one process's cache: "
-            f"{mark[self.kv_close]}",
+            f"{MARK[self.kv_close]}",
             f"  cache bytes per rank: {per_rank} (formula: "
-            f"{mark[all(m == f for m, f in self.bytes)]})",
-            f"  collectives per decode step: {steps} ({mark[self.collectives_ok]})",
+            f"{MARK[all(m == f for m, f in self.bytes)]})",
+            f"  collectives per decode step: {steps} ({MARK[self.collectives_ok]})",
         ]
 
 

@@ -32,10 +32,10 @@ from kvdoc.measure.kv_bytes import measured_bytes
 from kvdoc.measure.model_caches import config_cache
 
 from .comm import Comm
-from .comparison import TOLERANCE, rows_close
+from .comparison import MARK, TOLERANCE, reference, rows_close
 from .decode import greedy
 from .launch import launch
-from .tensor import ShardedMLP
+from .tensor import ShardedMLP, head_rows
 
 MODES = ("tp", "dp")
 """``"tp"``: heads split, the latent replicated; ``"dp"``: requests split (DP-attention)."""
@@ -86,15 +86,12 @@ def _heads(full: LatentAttention, comm: Comm) -> LatentAttention:
     per_rank = c.n_head // comm.tp
     heads = range(comm.tp_rank * per_rank, (comm.tp_rank + 1) * per_rank)
     mine = LatentAttention(replace(c, n_head=per_rank))
-
-    def rows(width: int) -> list[int]:
-        return [h * width + i for h in heads for i in range(width)]
-
     state = {k: v.clone() for k, v in full.state_dict().items()}
     q = "q_proj.weight" if c.q_lora_rank is None else "q_b_proj.weight"
-    state[q] = state[q][rows(c.qk_head_dim)]
-    state["kv_b_proj.weight"] = state["kv_b_proj.weight"][rows(c.qk_nope_head_dim + c.v_head_dim)]
-    state["o_proj.weight"] = state["o_proj.weight"][:, rows(c.v_head_dim)]
+    state[q] = state[q][head_rows(heads, c.qk_head_dim)]
+    kv_rows = head_rows(heads, c.qk_nope_head_dim + c.v_head_dim)
+    state["kv_b_proj.weight"] = state["kv_b_proj.weight"][kv_rows]
+    state["o_proj.weight"] = state["o_proj.weight"][:, head_rows(heads, c.v_head_dim)]
     mine.load_state_dict(state)
     return mine
 
@@ -219,13 +216,12 @@ class LatentCheck:
 
     def lines(self) -> list[str]:
         """What was compared, for a reader."""
-        mark = {True: "ok", False: "FAILED"}
         steps = ", ".join(f"{n} {k}" for k, n in sorted(self.collectives.items())) or "none"
         return [f"{self.name}: MLA latent, {self.mode} on {self.ranks} ranks: tokens "
-                f"{mark[self.tokens_equal]}, logits {mark[self.logits_close]}, each rank's "
-                f"latent {mark[self.latent_close]}",
+                f"{MARK[self.tokens_equal]}, logits {MARK[self.logits_close]}, each rank's "
+                f"latent {MARK[self.latent_close]}",
                 f"  latent bytes per rank: {', '.join(f'{m:,}' for m, _ in self.bytes)} "
-                f"(formula: {mark[all(m == f for m, f in self.bytes)]}); collectives per "
+                f"(formula: {MARK[all(m == f for m, f in self.bytes)]}); collectives per "
                 f"decode step: {steps}"]
 
 
@@ -233,10 +229,7 @@ def compare_latent(job: LatentJob, ranks: list[LatentRank]) -> LatentCheck:
     """Each rank's tokens, logits and latent against its rows of one process's batch (every
     row under ``"tp"``; the rank's share under ``"dp"``, whatever the job's split says)."""
     want = generate(job.model, job.prompt, job.max_new_tokens)
-    with torch.no_grad():
-        _, cache = prefill(job.model, want[:, :-1], job.model.new_cache(want.shape[0]))
-        # the logits each new token was chosen from: positions P - 1 .. P + N - 2
-        full_logits = job.model(want[:, :-1]).logits[:, job.prompt.shape[1] - 1:]
+    _, full_logits, cache = reference(job.model, job.prompt, job.max_new_tokens)
     tol = TOLERANCE.get(job.model.wte.weight.dtype, 1e-5)
     tokens = logits = latent = True
     B = job.prompt.shape[0]

@@ -70,7 +70,8 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return layer
 
 
-def _rows(heads: range, head_dim: int, offset: int = 0) -> list[int]:
+def head_rows(heads: range, head_dim: int, offset: int = 0) -> list[int]:
+    """The rows of ``heads``, each ``head_dim`` wide, in a projection's output (from ``offset``)."""
     return [offset + h * head_dim + i for h in heads for i in range(head_dim)]
 
 
@@ -88,11 +89,11 @@ class ShardedAttention(CausalSelfAttention):
         self.shard, self.comm, self.context = shard, comm, context
         D, d = full.head_dim, full.c_attn.in_features
         kv_dim = full.n_kv_head * D
-        rows = (_rows(shard.q_heads, D) + _rows(shard.kv_heads, D, d)
-                + _rows(shard.kv_heads, D, d + kv_dim))
+        rows = (head_rows(shard.q_heads, D) + head_rows(shard.kv_heads, D, d)
+                + head_rows(shard.kv_heads, D, d + kv_dim))
         bias = full.c_attn.bias
         self.c_attn = _linear(full.c_attn.weight[rows], None if bias is None else bias[rows])
-        columns = _rows(self.output_heads(comm), D)
+        columns = head_rows(self.output_heads(comm), D)
         self.c_proj = _linear(full.c_proj.weight[:, columns], None)
         self.out_bias = None if full.c_proj.bias is None else full.c_proj.bias.detach().clone()
 
