@@ -16,6 +16,7 @@ from kvdoc.__main__ import main as cli
 from kvdoc.core.fast import FastDecoder
 from kvdoc.measure.bench_run import TARGETS, VARIANTS, BenchSettings, run_bench
 from kvdoc.measure.bench_tables import (
+    ABLATION_LABELS,
     ablation_table,
     compiled_table,
     counts_table,
@@ -233,8 +234,15 @@ def test_tables_and_figures(result):
     roof = roofline_table(result)
     assert "GB/s" in roof and roof.count("\n") == 1 + 6  # header rule and six decode paths
     for ablation in (result.ablation, result.roofline["ablation"]):
-        table = ablation_table(ablation)
-        assert table.count("\n") == 1 + 3 + len(VARIANTS) and "µs" in table
+        table, _, note = ablation_table(ablation).partition("\n\n")
+        assert "µs" in table and (not note or note.startswith("Not resolved"))
+        # each step a row of the table or named in the note, once
+        assert len(ablation["p50_us_per_step"]) == 3 + len(VARIANTS)
+        named = [name for name in ablation["p50_us_per_step"]
+                 if ABLATION_LABELS[name] in note.replace("\n", " ")]
+        assert table.count("\n") - 1 + len(named) == len(ablation["p50_us_per_step"])
+        assert all((table + note.replace("\n", " ")).count(ABLATION_LABELS[name]) == 1
+                   for name in ablation["p50_us_per_step"])
     import matplotlib.pyplot as plt
 
     for fig in (growth_figure(result), timings_figure(result)):
