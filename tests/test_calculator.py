@@ -126,7 +126,10 @@ PICK_EVERY_PRESET = """(() => {
   set("memory", "10");
   const full = document.querySelector("#kvc-out .kvc-error").textContent;
   set("weights", "2.5");
-  return JSON.stringify({first: first, out: out, full: full, typed: rows().at(-1)});
+  const typed = rows().at(-1);
+  set("batch", "1");  // one sequence: the batch row would repeat the sequence's
+  return JSON.stringify({first: first, out: out, full: full, typed: typed,
+                         single: rows().map(r => r[0])});
 })()""".replace("MEMORY", str(MEMORY_GIB))
 
 
@@ -174,8 +177,9 @@ def _expected(name: str) -> tuple[list[str], list[list[object]]]:
              ["batch of 3", _number(printed["bytes"][0])]]
     if "fixed" in printed:
         rows.append(["fixed state per sequence", _number(printed["fixed"][0])])
-    rows.append([f"sequences that fit in {MEMORY_GIB} GiB, after "
-                 + (f"{weights} of weights" if weights else "no weights"), fit[1]])
+    rows.append([f"sequences that fit in {MEMORY_GIB} GiB"
+                 + (f", after {weights} of weights" if weights else " (weights not counted)"),
+                 fit[1]])
     return boxes, rows, fit[3]
 
 
@@ -231,3 +235,5 @@ def test_the_page_in_a_browser_shows_what_the_memory_command_prints(tmp_path: Pa
                             "of the 10 GiB")
     fit = llama.sequences_that_fit(int(7.5 * 2**30), llama.max_positions, "float8_e4m3fn")
     assert seen["typed"] == ["sequences that fit in 10 GiB, after 2.5 GiB of weights", f"{fit:,}"]
+    assert "per sequence of 131,072" in seen["single"]
+    assert not any(label.startswith("batch") for label in seen["single"])

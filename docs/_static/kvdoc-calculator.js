@@ -178,14 +178,14 @@
           rows.push(["bytes per token past every window (T > " + Math.max.apply(null, windows).toLocaleString("en-US") + ")",
                      bytes(bytesPerToken(m, s, true))]);
         }
-        rows.push(["per sequence of " + t.toLocaleString("en-US"), bytes(perSeq)],
-                  ["batch of " + b, bytes(total)]);
+        rows.push(["per sequence of " + t.toLocaleString("en-US"), bytes(perSeq)]);
+        if (b > 1) rows.push(["batch of " + b, bytes(total)]);
         if (fixedBytes(m, s)) rows.push(["fixed state per sequence", bytes(fixedBytes(m, s))]);
-        rows.push(["sequences that fit in " + mem + " GiB, after " + (weights ? binarySize(weights) + " of weights" : "no weights"),
+        rows.push(["sequences that fit in " + mem + " GiB" + (weights ? ", after " + binarySize(weights) + " of weights" : " (weights not counted)"),
                    perSeq === 0 ? "any number" : sequencesThatFit(m, t, s, memBytes - weights).toLocaleString("en-US")]);
         var notes = [];
         if (m.context !== null && t > m.context) notes.push("Past the model's context of " + m.context.toLocaleString("en-US") + " tokens.");
-        if (m.note) notes.push(m.note + ".");
+        if (m.note) notes.push(m.note[0].toUpperCase() + m.note.slice(1) + ".");
         if (m.parameters) {
           notes.push("Weights: " + m.parameters.toLocaleString("en-US") + " parameters (counted from " +
                      "the config's sizes) in bfloat16, unless you type another size.");
