@@ -246,9 +246,9 @@ def test_cli_window(capsys: pytest.CaptureFixture[str]) -> None:
     assert "(one more position, per sequence)" in out and "window" not in out
     assert cli(["memory", "--layers", "2", "--seq-len", "100", "--kv-heads", "1", "--head-dim", "4",
                 "--dtype", "float32", "--window", "10"]) == 0
-    out = capsys.readouterr().out
-    assert f"{kv_bytes(1, 2, 100, 1, 4, 'float32'):,} bytes" in out
-    assert f"windowed   {kv_bytes(1, 2, 10, 1, 4, 'float32'):,} bytes" in out
+    out = capsys.readouterr().out  # typed sizes: the same lines as a model's
+    assert f"all full   {kv_bytes(1, 2, 100, 1, 4, 'float32'):,} bytes" in out
+    assert f"bytes      {kv_bytes(1, 2, 10, 1, 4, 'float32'):,} bytes" in out
 
 
 @pytest.mark.parametrize("granularity", ["per-tensor", "per-head"])
@@ -360,3 +360,12 @@ def test_cli_sequences_that_fit_after_the_weights(capsys: pytest.CaptureFixture[
         assert cli(["memory", "--model", "Llama-3.1-8B", *argv]) == 2
         captured = capsys.readouterr()
         assert captured.out == "" and match in captured.err
+
+
+def test_cli_typed_sizes_print_a_models_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = _printed(["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--seq-len",
+                      "4096", "--batch", "2", "--memory", "8"], capsys)
+    one = kv_bytes(1, 32, 4096, 8, 128, "float16")
+    assert "           = 2 x 2 (float16) x 32 x 2 x 8 x 128 x 4,096" in lines
+    assert f"fits       {8 * 2**30 // one:,} sequences of 4,096 positions in 8 GiB (weights " \
+        "not counted: give --weights)" in lines

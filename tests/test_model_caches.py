@@ -218,7 +218,7 @@ def test_cli_memory_counts_sequences_that_fit(capsys: pytest.CaptureFixture[str]
     for bad in (["--model", "gpt-oss-20b", "--memory", "-1"],
                 ["--model", "gpt-oss-20b", "--memory", "inf"],
                 ["--layers", "2", "--kv-heads", "1", "--head-dim", "4", "--seq-len", "8",
-                 "--memory", "1"]):
+                 "--memory", "1", "--weights", "1"]):
         rc, out, err = _run(bad, capsys)
         assert rc == 2 and out == "" and "error" in err
 

@@ -1,10 +1,11 @@
 """``python -m kvdoc memory``: K/V cache bytes from explicit sizes or a published model's config.
 
 The command prints ``2 x B x L x T x H_kv x D x s`` (:func:`~kvdoc.measure.kv_bytes.kv_bytes`)
-in exact, binary and decimal units, for sizes given on the command line; for a published model
-(any :data:`~kvdoc.measure.model_caches.MODELS` entry: plain, windowed, hybrid, MLA or
-linear-attention hybrid) or a transformers ``config.json``
-(:func:`~kvdoc.measure.config_json.read_config`) it sums the layers' own costs::
+in exact, binary and decimal units, for sizes given on the command line (L alike layers); for a
+published model (any :data:`~kvdoc.measure.model_caches.MODELS` entry: plain, windowed, hybrid,
+MLA or linear-attention hybrid) or a transformers ``config.json``
+(:func:`~kvdoc.measure.config_json.read_config`) it sums the layers' own costs, each kind of
+layer a term of the same formula line::
 
     python -m kvdoc memory --batch 1 --layers 32 --seq-len 4096 --kv-heads 8 --head-dim 128 \\
         --dtype float16
@@ -39,10 +40,8 @@ from .kv_bytes import (
     dtype_name,
     element_size,
     format_bytes,
-    fp8_scale_bytes,
-    kv_bytes,
 )
-from .model_caches import MODELS, LayerCache, ModelCache, model_cache
+from .model_caches import MODELS, LayerCache, ModelCache, attention_layer, model_cache
 
 #: The longest ``--seq-len`` (and ``--window``) the command takes: 2**31 - 1 positions. Attention
 #: kernels index a sequence's tokens with 32-bit integers (FlashAttention's ``cu_seqlens`` are
@@ -119,8 +118,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sliding window: each layer keeps only the last W positions "
                              "(with --model or --config: caps the model's own windows)")
     parser.add_argument("--memory", type=_gib_arg, metavar="GIB",
-                        help="with --model or --config: also print how many sequences of T "
-                             "fit in GIB GiB of device memory, after the weights")
+                        help="also print how many sequences of T fit in GIB GiB of device "
+                             "memory, after the weights")
     parser.add_argument("--weights", type=_gib_arg, metavar="GIB",
                         help="with --memory: GiB the weights take (default: the model's "
                              "parameter count in bfloat16 where listed, else none counted)")
@@ -268,61 +267,40 @@ def main(args: argparse.Namespace) -> int:
         return _error(f"--fp8-scales counts K/V scales; {model.name} caches an MLA latent")
     if getattr(args, "weights", None) is not None and getattr(args, "memory", None) is None:
         return _error("--weights is subtracted from --memory: give --memory too")
-    if model is not None:
+    kind = model.kind if model is not None else ""  # the release's, also under a --window
+    if model is None:  # typed sizes: a model of L alike layers, through the same lines
+        missing = [name for name, value in sizes.items() if value is None]
+        if T is None or missing:
+            missing = ", ".join(missing + ["--seq-len"] * (T is None))
+            return _error("give --model NAME, --config PATH or all of --layers, --kv-heads, "
+                          f"--head-dim, --seq-len (missing {missing})")
+        layer = attention_layer(args.kv_heads, args.head_dim, args.window)
+        model = ModelCache("typed sizes", (layer,) * args.layers, MAX_SEQ_LEN,
+                           "the command line")
+        kind = model.kind
+    elif any(value is not None for value in sizes.values()):
         given = [name for name, value in sizes.items() if value is not None]
-        if given:
-            return _error(f"--model and --config set the sizes themselves; drop "
-                          f"{', '.join(given)}")
-        kind = model.kind  # the release's, also under a --window what-if
-        if args.window is not None:  # a what-if: every layer keeps at most W
-            W = args.window
-            model = dataclasses.replace(model, layers=tuple(
-                layer._replace(window=W if layer.window is None else min(layer.window, W))
-                for layer in model.layers))
-        if T is None:
-            T = model.max_positions
-        elif T > model.max_positions:
-            # A warning, not a refusal: the cache's sizes do not change when a context is
-            # stretched (RoPE scaling, a long-context fine-tune), so the bytes are still the
-            # answer to that what-if; but past the release's context it is one.
-            print(f"python -m kvdoc memory: warning: --seq-len {T:,} is past {model.name}'s "
-                  f"context of {model.max_positions:,} tokens (the bytes below are for a "
-                  "model stretched that far)", file=sys.stderr)
-        try:
-            lines = _model_lines(model, kind, T, args.batch, dtype_name(args.dtype),
-                                 args.seq_len is None, getattr(args, "memory", None), scales,
-                                 getattr(args, "weights", None))
-        except ValueError as err:  # weights that fill the memory
-            return _error(str(err))
-        print("\n".join(lines))
-        return 0
-    if getattr(args, "memory", None) is not None:
-        return _error("--memory needs --model or --config")
+        return _error(f"--model and --config set the sizes themselves; drop {', '.join(given)}")
+    elif args.window is not None:  # a what-if: every layer keeps at most W
+        W = args.window
+        model = dataclasses.replace(model, layers=tuple(
+            layer._replace(window=W if layer.window is None else min(layer.window, W))
+            for layer in model.layers))
     if T is None:
-        return _error("--seq-len is required without --model or --config")
-    missing = [name for name, value in sizes.items() if value is None]
-    if missing:
-        return _error("give --model NAME, --config PATH or all of --layers, --kv-heads, "
-                      f"--head-dim (missing {', '.join(missing)})")
-    layers, kv_heads, head_dim, window = args.layers, args.kv_heads, args.head_dim, args.window
-    B, s = args.batch, element_size(args.dtype)
-    total = kv_bytes(B, layers, T, kv_heads, head_dim, args.dtype)
-    lines = [
-        f"formula    2 x B x L x T x H_kv x D x s = 2 x {B:,} x {layers:,} x {T:,} "
-        f"x {kv_heads:,} x {head_dim:,} x {s} ({dtype_name(args.dtype)})",
-        f"bytes      {total:,} bytes",
-        f"binary     {binary_size(total)}",
-        f"decimal    {decimal_size(total)}",
-        f"per token  {format_bytes(total // (B * T))} (per sequence)",
-    ]
-    if scales is not None:
-        lines += _scale_lines(total, fp8_scale_bytes([kv_heads] * layers, scales), scales)
-    if window is not None:
-        held = min(T, window)
-        windowed = kv_bytes(B, layers, T, kv_heads, head_dim, args.dtype, window=window)
-        lines += [f"window     each layer keeps the last {window:,} positions: "
-                  f"holds min(T, W) = {held:,}",
-                  f"windowed   {format_bytes(windowed)}"]
+        T = model.max_positions
+    elif T > model.max_positions:
+        # A warning, not a refusal: the cache's sizes do not change when a context is
+        # stretched (RoPE scaling, a long-context fine-tune), so the bytes are still the
+        # answer to that what-if; but past the release's context it is one.
+        print(f"python -m kvdoc memory: warning: --seq-len {T:,} is past {model.name}'s "
+              f"context of {model.max_positions:,} tokens (the bytes below are for a "
+              "model stretched that far)", file=sys.stderr)
+    try:
+        lines = _model_lines(model, kind, T, args.batch, dtype_name(args.dtype),
+                             args.seq_len is None, getattr(args, "memory", None), scales,
+                             getattr(args, "weights", None))
+    except ValueError as err:  # weights that fill the memory
+        return _error(str(err))
     print("\n".join(lines))
     return 0
 
