@@ -185,20 +185,20 @@ def _scale_lines(total: int, scales: int, granularity: str) -> list[str]:
 
 def _fit_line(model: ModelCache, T: int, dtype: str, memory_gib: float,
               weights_gib: float | None) -> str:
-    memory, weights = int(memory_gib * 2**30), _weight_bytes(model)
+    memory = int(memory_gib * 2**30)
+    weights = _weight_bytes(model) if weights_gib is None else int(weights_gib * 2**30)
     if weights_gib is not None:
-        weights, given = int(weights_gib * 2**30), "--weights"
+        given = "--weights"
     elif weights is not None:
         given = f"{model.parameters:,} parameters in bfloat16"
     else:
-        return (f"fits       {model.sequences_that_fit(memory, T, dtype):,} sequences of {T:,} "
-                f"positions in {memory_gib:g} GiB (weights not counted: give --weights)")
-    if weights >= memory:
+        given = "weights not counted: give --weights"
+    if weights is not None and weights >= memory:
         raise ValueError(f"the weights, {binary_size(weights)} ({given}), leave nothing of "
                          f"--memory {memory_gib:g} GiB")
-    fit = model.sequences_that_fit(memory - weights, T, dtype)
-    return (f"fits       {fit:,} sequences of {T:,} positions in {memory_gib:g} GiB, after "
-            f"{binary_size(weights)} of weights ({given})")
+    fit = model.sequences_that_fit(memory - (weights or 0), T, dtype)
+    after = f", after {binary_size(weights)} of weights" if weights is not None else ""
+    return f"fits       {fit:,} sequences of {T:,} positions in {memory_gib:g} GiB{after} ({given})"
 
 
 def _model_lines(model: ModelCache, kind: str, T: int, B: int, dtype: str, default_T: bool,
