@@ -1,10 +1,12 @@
 """The memory calculator's functions equal kvdoc's formula for every preset (evaluated with
 node); the page feeds it the package's presets; in headless Chromium, picking each preset shows
-the Python numbers."""
+what ``python -m kvdoc memory`` prints for it, field by field."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -15,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from kvdoc.__main__ import main as cli
 from kvdoc.measure.kv_bytes import ELEMENT_BYTES, binary_size, kv_bytes
-from kvdoc.measure.model_caches import MODELS, calculator_presets, model_cache
+from kvdoc.measure.memory import calculator_data
+from kvdoc.measure.model_caches import MODELS, model_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -40,19 +44,22 @@ def _evaluate(script: str, data: object) -> object:
 
 
 def test_every_preset_at_every_grid_point_equals_the_python_formula() -> None:
-    presets = calculator_presets()
+    presets = calculator_data()["presets"]
     assert len(presets) == len(MODELS) >= 20
     got = _evaluate(
         "data.presets.map(p => data.grid.map(([b, t, d]) => { const s = data.sizes[d]; "
-        "return [m.cacheBytes(p, b, t, s), m.bytesPerToken(p, s), m.fixedBytes(p, s), "
-        "m.sequencesThatFit(p, t, s, 80 * 2 ** 30), m.binarySize(m.cacheBytes(p, b, t, s))]; }))",
+        "return [m.cacheBytes(p, b, t, s), m.bytesPerToken(p, s), m.bytesPerToken(p, s, true), "
+        "m.fixedBytes(p, s), m.sequencesThatFit(p, t, s, 80 * 2 ** 30), "
+        "m.binarySize(m.cacheBytes(p, b, t, s))]; }))",
         {"presets": presets, "grid": GRID, "sizes": ELEMENT_BYTES})
     assert isinstance(got, list) and len(got) == len(presets)
     for p, rows in zip(presets, got, strict=True):
         m = model_cache(p["name"])
-        for (b, t, dtype), (total, per_token, fixed, fit, text) in zip(GRID, rows, strict=True):
+        for (b, t, dtype), (total, per_token, past, fixed, fit, text) in zip(GRID, rows,
+                                                                            strict=True):
             assert total == m.kv_bytes(t, b, dtype), (m.name, b, t, dtype)
             assert per_token == m.bytes_per_token(dtype) and fixed == m.fixed_bytes(dtype)
+            assert past == m.bytes_per_token(dtype, past_windows=True)
             assert fit == m.sequences_that_fit(80 * 2**30, t, dtype)
             assert text == binary_size(m.kv_bytes(t, b, dtype))
 
@@ -84,7 +91,7 @@ def test_bad_input_raises_a_range_error() -> None:
 
 def test_the_page_feeds_the_packages_presets() -> None:
     page = (DOCS / "reference" / "calculator.md").read_text()
-    assert "calculator_presets()" in page and "ELEMENT_BYTES" in page
+    assert "calculator_data(" in page
     assert 'id="kvdoc-calculator-data"' in page and "_static/kvdoc-calculator.js" in page
     assert 'getElementById("kvdoc-calculator-data")' in JS.read_text()
     # nothing loaded from another host
@@ -93,26 +100,90 @@ def test_the_page_feeds_the_packages_presets() -> None:
     assert "reference/cheatsheet\nreference/calculator\n" in toctree
 
 
-# What a reader sees: every preset picked in headless Chromium, the table's numbers read back.
+# What a reader sees: every preset picked in headless Chromium, every field read back. The
+# memory given is the test's; the weights are the page's (a model's own, or none).
+MEMORY_GIB = 1000
 PICK_EVERY_PRESET = """(() => {
-  const pick = document.getElementById("kvc-model"), T = document.getElementById("kvc-length");
-  const B = document.getElementById("kvc-batch"), dtype = document.getElementById("kvc-dtype");
-  const M = document.getElementById("kvc-memory");
-  const rows = () => [...document.querySelectorAll("#kvc-out tr td")].map(td => td.textContent);
+  const $ = id => document.getElementById("kvc-" + id), pick = $("model");
+  const boxes = () => ["layers", "kv-heads", "head-dim", "window", "length", "weights"].map(
+    id => $(id).value);
+  const rows = () => [...document.querySelectorAll("#kvc-out tr")].map(
+    tr => [tr.querySelector("th").textContent, tr.querySelector("td").textContent]);
+  const note = () => document.querySelector("#kvc-out p").textContent;
+  const set = (id, value) => { $(id).value = value; $(id).dispatchEvent(new Event("input")); };
   const first = pick.options[pick.selectedIndex].text;
   const out = [];
   for (let i = 1; i < pick.options.length; i++) {
     pick.value = pick.options[i].value;
     pick.dispatchEvent(new Event("change"));
-    B.value = "3"; dtype.value = "float8_e4m3fn"; M.value = "24";
-    B.dispatchEvent(new Event("input"));
-    out.push({name: pick.options[i].text, context: T.value, rows: rows()});
+    $("dtype").value = "float8_e4m3fn"; set("batch", "3"); set("memory", "MEMORY");
+    out.push({name: pick.options[i].text, boxes: boxes(), rows: rows(), note: note(),
+              greyed: document.querySelector(".kvc-custom").disabled});
   }
-  return JSON.stringify({first: first, out: out});
-})()"""
+  // Llama-3.1-8B's weights do not fit in 10 GiB; typed weights replace them
+  pick.value = [...pick.options].find(o => o.text.startsWith("Llama-3.1-8B ")).value;
+  pick.dispatchEvent(new Event("change"));
+  set("memory", "10");
+  const full = document.querySelector("#kvc-out .kvc-error").textContent;
+  set("weights", "2.5");
+  const typed = rows().at(-1);
+  set("batch", "1");  // one sequence: the batch row would repeat the sequence's
+  return JSON.stringify({first: first, out: out, full: full, typed: typed,
+                         single: rows().map(r => r[0])});
+})()""".replace("MEMORY", str(MEMORY_GIB))
 
 
-def test_the_page_in_a_browser_shows_the_python_numbers(tmp_path: Path) -> None:
+def _memory_command(name: str) -> dict[str, list[str]]:
+    """What ``python -m kvdoc memory`` prints for ``name`` at the browser test's settings,
+    as its lines' values under their labels."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli(["memory", "--model", name, "--batch", "3", "--dtype", "float8_e4m3fn",
+                    "--memory", str(MEMORY_GIB)]) == 0
+    lines: dict[str, list[str]] = {}
+    for line in out.getvalue().splitlines():
+        lines.setdefault(line[:10].strip(), []).append(line[11:])
+    return lines
+
+
+def _number(text: str) -> int:
+    return int(re.match(r"[\d,]+", text)[0].replace(",", ""))
+
+
+def _expected(name: str) -> tuple[list[str], list[list[object]]]:
+    """The boxes and table rows the page should show for ``name``, read off the command's
+    lines: sizes from its ``layers`` lines, counts from the rest."""
+    printed = _memory_command(name)
+    layers = printed["layers"]
+    heads = [re.search(r"= 2 x (\d+) x (\d+)\)", line) for line in layers]
+    heads = [h.groups() for h in heads if h] or [("", "")]
+    window = [re.search(r"the last ([\d,]*\d) positions", line) for line in layers]
+    window = [w[1].replace(",", "") for w in window if w] or [""]
+    T = re.search(r"T = ([\d,]*\d)", printed["length"][0])[1]
+    fit = re.fullmatch(r"([\d,]+) sequences .* GiB(?:, after (.+) of weights \((.+)\)|"
+                       r" \(weights not counted.*)", printed["fits"][0])
+    weights = "" if fit[2] is None else fit[2]
+    boxes = [str(sum(_number(line) for line in layers)), *heads[0], window[0],
+             T.replace(",", ""), weights]
+    rows: list[list[object]] = [["layers", line] for line in layers]
+    if "past W" in printed:
+        rows.append(["bytes per token, inside every window", _number(printed["per token"][0])])
+        past = re.search(r"T > ([\d,]*\d)", printed["past W"][0])[1]
+        rows.append([f"bytes per token past every window (T > {past})",
+                     _number(printed["past W"][0])])
+    else:
+        rows.append(["bytes per token", _number(printed["per token"][0])])
+    rows += [[f"per sequence of {T}", _number(printed["sequence"][0])],
+             ["batch of 3", _number(printed["bytes"][0])]]
+    if "fixed" in printed:
+        rows.append(["fixed state per sequence", _number(printed["fixed"][0])])
+    rows.append([f"sequences that fit in {MEMORY_GIB} GiB"
+                 + (f", after {weights} of weights" if weights else " (weights not counted)"),
+                 fit[1]])
+    return boxes, rows, fit[3]
+
+
+def test_the_page_in_a_browser_shows_what_the_memory_command_prints(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("kvdoc_browser", ROOT / "scripts" / "browser.py")
     browser = importlib.util.module_from_spec(spec)
     sys.modules["kvdoc_browser"] = browser
@@ -123,8 +194,7 @@ def test_the_page_in_a_browser_shows_the_python_numbers(tmp_path: Path) -> None:
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    data = {"presets": calculator_presets(), "element_bytes": ELEMENT_BYTES,
-            "initial": "Llama-3.1-8B"}
+    data = calculator_data()
     shutil.copy(JS, tmp_path / JS.name)
     (tmp_path / "favicon.ico").write_bytes(b"")
     (tmp_path / "index.html").write_text(
@@ -145,11 +215,25 @@ def test_the_page_in_a_browser_shows_the_python_numbers(tmp_path: Path) -> None:
     assert seen["first"].startswith("Llama-3.1-8B")
     assert len(seen["out"]) == len(MODELS)
     for shown in seen["out"]:
-        m = model_cache(shown["name"].rsplit(" (", 1)[0])
-        T, s = m.max_positions, "float8_e4m3fn"
-        assert shown["context"] == str(T)  # picking a model sets its context
-        one, total = m.kv_bytes(T, 1, s), m.kv_bytes(T, 3, s)
-        assert shown["rows"][:4] == [
-            f"{m.bytes_per_token(s):,} ({binary_size(m.bytes_per_token(s))})",
-            f"{one:,} ({binary_size(one)})", f"{total:,} ({binary_size(total)})",
-            f"{m.sequences_that_fit(24 * 2**30, T, s):,}"], m.name
+        name = shown["name"].rsplit(" (", 1)[0]
+        boxes, rows, weights_from = _expected(name)
+        assert shown["greyed"]
+        # the page shows weights as GiB to 3 places, the command as binary_size does
+        got_weights, want_weights = shown["boxes"][5], boxes[5].removesuffix(" GiB")
+        assert (got_weights == want_weights == "") or float(got_weights) == float(want_weights)
+        assert shown["boxes"][:5] == boxes[:5], name
+        got = [[th, td if th == "layers" or th.startswith("sequences") else _number(td)]
+               for th, td in shown["rows"]]
+        assert got == rows, name
+        for th, td in shown["rows"]:
+            if th != "layers" and not th.startswith("sequences"):
+                assert td == f"{_number(td):,} ({binary_size(_number(td))})"
+        if weights_from and weights_from != "--weights":
+            assert weights_from.split(" parameters")[0] in shown["note"]
+    llama = model_cache("Llama-3.1-8B")
+    assert seen["full"] == (f"the weights ({binary_size(2 * llama.parameters)}) leave nothing "
+                            "of the 10 GiB")
+    fit = llama.sequences_that_fit(int(7.5 * 2**30), llama.max_positions, "float8_e4m3fn")
+    assert seen["typed"] == ["sequences that fit in 10 GiB, after 2.5 GiB of weights", f"{fit:,}"]
+    assert "per sequence of 131,072" in seen["single"]
+    assert not any(label.startswith("batch") for label in seen["single"])

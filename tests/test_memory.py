@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import subprocess
 import sys
@@ -245,9 +246,9 @@ def test_cli_window(capsys: pytest.CaptureFixture[str]) -> None:
     assert "(one more position, per sequence)" in out and "window" not in out
     assert cli(["memory", "--layers", "2", "--seq-len", "100", "--kv-heads", "1", "--head-dim", "4",
                 "--dtype", "float32", "--window", "10"]) == 0
-    out = capsys.readouterr().out
-    assert f"{kv_bytes(1, 2, 100, 1, 4, 'float32'):,} bytes" in out
-    assert f"windowed   {kv_bytes(1, 2, 10, 1, 4, 'float32'):,} bytes" in out
+    out = capsys.readouterr().out  # typed sizes: the same lines as a model's
+    assert f"all full   {kv_bytes(1, 2, 100, 1, 4, 'float32'):,} bytes" in out
+    assert f"bytes      {kv_bytes(1, 2, 10, 1, 4, 'float32'):,} bytes" in out
 
 
 @pytest.mark.parametrize("granularity", ["per-tensor", "per-head"])
@@ -297,3 +298,74 @@ def test_cli_fp8_scales_refuses(argv: list[str], capsys: pytest.CaptureFixture[s
         rc = exc.code
     captured = capsys.readouterr()
     assert rc == 2 and captured.out == "" and "--fp8-scales" in captured.err
+
+
+def _printed(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[str]:
+    assert cli(["memory", *argv]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize("name", [m.name for m in MODELS.values()])
+def test_cli_formula_line_multiplies_out_to_the_bytes(name: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    # every factor is printed: the product of the numbers line, redone here, is the bytes line
+    for T, B, dtype in ((1, 1, "float16"), (1000, 3, "float8_e4m3fn"), (200000, 2, "float32")):
+        lines = _printed(["--model", name, "--seq-len", str(T), "--batch", str(B), "--dtype",
+                          dtype], capsys)
+        numbers = next(line for line in lines if line.startswith("           = "))
+        head, terms = numbers[13:].replace(",", "").split(f" ({dtype}) x ")
+        per_sequence = sum(math.prod(int(f) for f in term.strip("()").split(" x "))
+                           for term in terms.split(" + "))
+        total = math.prod(int(f) for f in head.split(" x ")) * per_sequence
+        assert f"bytes      {total:,} bytes" in lines
+        assert total == model_cache(name).kv_bytes(T, B, dtype)
+        values = [line[11:] for line in lines if line[11:].strip()]
+        assert len(values) == len(set(values)) or B > 1  # at batch 1 no line repeats
+        assert any(line.startswith("sequence ") for line in lines) == (B > 1)
+
+
+def test_cli_head_counts_and_past_window_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    gemma = model_cache("Gemma-3-27B")
+    lines = _printed(["--model", "Gemma-3-27B", "--dtype", "bfloat16"], capsys)
+    assert "layers     52 x attention: 4,096 elements a position (2 x H_kv x D = 2 x 16 x 128), " \
+        "the last 1,024 positions" in lines
+    past = gemma.bytes_per_token("bfloat16", past_windows=True)
+    assert past == 10 * 2 * 16 * 128 * 2  # only the 10 full layers grow past W
+    assert any(line.startswith(f"past W     {past:,} bytes") and "T > 1,024" in line
+               and "only the 10 full layers" in line for line in lines)
+    T = gemma.max_positions
+    # the two rates explain the total: 1,024 positions at the first, the rest at the second
+    assert gemma.kv_bytes(T, 1, "bfloat16") == (gemma.bytes_per_token("bfloat16") * 1024
+                                                + past * (T - 1024))
+    lines = _printed(["--model", "Mistral-7B-v0.1"], capsys)
+    assert any(line.startswith("past W     0 bytes") and "no layer grows" in line
+               for line in lines)
+
+
+def test_cli_sequences_that_fit_after_the_weights(capsys: pytest.CaptureFixture[str]) -> None:
+    llama = model_cache("Llama-3.1-8B")
+    one = llama.kv_bytes(8192, 1, "bfloat16")
+    lines = _printed(["--model", "Llama-3.1-8B", "--seq-len", "8192", "--dtype", "bfloat16",
+                      "--memory", "80"], capsys)
+    fit = (80 * 2**30 - 2 * llama.parameters) // one
+    assert (f"fits       {fit:,} sequences of 8,192 positions in 80 GiB, after "
+            f"{binary_size(2 * llama.parameters)} of weights (8,030,261,248 parameters in "
+            "bfloat16)") in lines
+    lines = _printed(["--model", "Llama-3.1-8B", "--seq-len", "8192", "--dtype", "bfloat16",
+                      "--memory", "80", "--weights", "20"], capsys)
+    assert any(line.startswith(f"fits       {60 * 2**30 // one:,} sequences") for line in lines)
+    for argv, match in ((["--memory", "10"], "leave nothing of --memory 10 GiB"),
+                        (["--memory", "80", "--weights", "80"], "leave nothing"),
+                        (["--weights", "10"], "--weights is subtracted from --memory")):
+        assert cli(["memory", "--model", "Llama-3.1-8B", *argv]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and match in captured.err
+
+
+def test_cli_typed_sizes_print_a_models_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = _printed(["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--seq-len",
+                      "4096", "--batch", "2", "--memory", "8"], capsys)
+    one = kv_bytes(1, 32, 4096, 8, 128, "float16")
+    assert "           = 2 x 2 (float16) x 32 x 2 x 8 x 128 x 4,096" in lines
+    assert f"fits       {8 * 2**30 // one:,} sequences of 4,096 positions in 8 GiB (weights " \
+        "not counted: give --weights)" in lines

@@ -30,8 +30,25 @@ def test_at_least_20_models_of_every_kind_one_lookup() -> None:
     for name in NAMES:
         m = model_cache(name.upper())
         assert m.name == name and "config.json" in m.source
-    with pytest.raises(ValueError, match=r"unknown model 'gpt-5'.*Qwen3-Next-80B-A3B"):
+    with pytest.raises(ValueError, match=r"unknown model 'gpt-5'; known models:.*Qwen3-Next"):
         model_cache("gpt-5")
+    for typed, near in (("Llama-3.1-8B-Instruct", "Llama-3.1-8B, "), ("gemma3-27b", "Gemma-3-27B"),
+                        ("Qwen/Qwen3-8B", "Qwen3-8B")):
+        with pytest.raises(ValueError, match=rf"'{typed}'; did you mean {near}") as err:
+            model_cache(typed)
+        assert "known models" not in str(err.value)
+
+
+def test_parameters_are_transformers_count_of_the_same_sizes() -> None:
+    from kvdoc.measure.batch_decode import llama_family_parameters
+
+    counted = [m for m in MODELS.values() if m.parameters is not None]
+    assert len(counted) == 8  # the Llama-family presets that record hidden, intermediate, vocab
+    for m in counted:
+        assert m.parameters == llama_family_parameters(m)[0], m.name
+    # the counts their checkpoints carry (llama.cpp GGUF files, general.parameter_count)
+    assert model_cache("Llama-2-7B").parameters == 6_738_415_616
+    assert model_cache("Mistral-7B-v0.1").parameters == 7_241_732_096
 
 
 @pytest.mark.parametrize("T", [1, 127, 128, 1000, 4096, 5000, 131072])
@@ -181,9 +198,10 @@ def test_cli_model_alone_takes_its_context(name: str, capsys: pytest.CaptureFixt
 def test_cli_config(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIGS[name]))
-    rc, out, err = _run(["--config", str(path), "--seq-len", "1000", "--batch", "2"], capsys)
-    assert rc == 0 and err == ""
-    assert f"bytes      {model_cache(name).kv_bytes(1000, 2):,} bytes" in out
+    for given in (path, tmp_path):  # the file, or the checkpoint folder holding it
+        rc, out, err = _run(["--config", str(given), "--seq-len", "1000", "--batch", "2"], capsys)
+        assert rc == 0 and err == ""
+        assert f"bytes      {model_cache(name).kv_bytes(1000, 2):,} bytes" in out
 
 
 @pytest.mark.parametrize("length", ["0", "-5", str(10**20), "1.5", "1e3", "lots"])
@@ -200,7 +218,7 @@ def test_cli_memory_counts_sequences_that_fit(capsys: pytest.CaptureFixture[str]
     for bad in (["--model", "gpt-oss-20b", "--memory", "-1"],
                 ["--model", "gpt-oss-20b", "--memory", "inf"],
                 ["--layers", "2", "--kv-heads", "1", "--head-dim", "4", "--seq-len", "8",
-                 "--memory", "1"]):
+                 "--memory", "1", "--weights", "1"]):
         rc, out, err = _run(bad, capsys)
         assert rc == 2 and out == "" and "error" in err
 
@@ -208,8 +226,10 @@ def test_cli_memory_counts_sequences_that_fit(capsys: pytest.CaptureFixture[str]
 def test_cli_config_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
+    (tmp_path / "empty").mkdir()
     for argv, match in ((["--config", str(bad)], "not JSON"),
                         (["--config", str(tmp_path / "none.json")], "cannot read"),
+                        (["--config", str(tmp_path / "empty")], "folder without a config.json"),
                         (["--config", str(bad), "--model", "Qwen3-8B"], "error")):
         rc, out, err = _run(argv, capsys)
         assert rc == 2 and out == "" and match in err

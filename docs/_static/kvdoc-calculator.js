@@ -1,7 +1,8 @@
 /* kvdoc memory calculator: K/V cache bytes of a published model or of sizes you type, per token,
  * per sequence, for a batch, and how many sequences fit in a memory. Runs in the reader's
  * browser; fetches nothing. The presets and element sizes come from the page itself (a JSON
- * block written at build time from kvdoc.measure.model_caches.calculator_presets).
+ * block written at build time from kvdoc.measure.memory.calculator_data, with the lines and
+ * sizes `python -m kvdoc memory` prints of each model).
  *
  * A model is { name, kind, context, groups }, each group [perToken, window, state, count]:
  * `count` layers that each add `perToken` elements a position, keep at most `window` positions
@@ -47,10 +48,11 @@
     return checkCount("bytes (too large to count exactly)", batch * s * sequenceElements(model, T), 0);
   }
 
-  /* Bytes one more position adds to a sequence while it is inside every window. */
-  function bytesPerToken(model, s) {
+  /* Bytes one more position adds to a sequence while it is inside every window; with
+   * `pastWindows`, once it is past them all, when only the full layers grow. */
+  function bytesPerToken(model, s, pastWindows) {
     var n = 0;
-    model.groups.forEach(function (g) { n += g[3] * g[0]; });
+    model.groups.forEach(function (g) { if (!(pastWindows && g[1] !== null)) n += g[3] * g[0]; });
     return checkCount("bytes", n * checkCount("element size", s, 1), 0);
   }
 
@@ -121,6 +123,8 @@
     var L = num("kvc-layers", "32"), H = num("kvc-kv-heads", "8"), D = num("kvc-head-dim", "128");
     var W = el("input", { type: "number", min: "1", step: "1", placeholder: "none", id: "kvc-window" });
     var B = num("kvc-batch", "1"), T = num("kvc-length", "8192"), M = num("kvc-memory", "80");
+    var G = el("input", { type: "number", min: "0", step: "any", placeholder: "not counted",
+                          id: "kvc-weights" });
     var custom = el("fieldset", { "class": "kvc-custom" }, [el("legend", { text: "sizes" }),
       field("layers L", L), field("K/V heads H_kv", H), field("head size D", D), field("window W", W)]);
     var out = el("div", { "class": "kvc-out", "aria-live": "polite", id: "kvc-out" });
@@ -137,6 +141,24 @@
       }
       return models[Number(pick.value)];
     }
+    /* A preset fills the boxes with its own sizes (greyed) and its weights, whose exact
+     * bytes stand for the shown GiB until the reader edits them. */
+    function fill(m) {
+      T.value = "" + m.context;
+      [L, H, D, W].forEach(function (box, i) { box.value = m.sizes[i] === null ? "" : "" + m.sizes[i]; });
+      H.placeholder = D.placeholder = m.sizes[1] === null ? "none: a latent" : "";
+      G.value = m.weights === null ? "" : (m.weights / Math.pow(2, 30)).toFixed(3);
+      G.dataset.shown = G.value;
+      G.dataset.bytes = m.weights === null ? "" : "" + m.weights;
+    }
+    function weightBytes() {
+      if (G.value.trim() === "") return 0;
+      if (G.value === G.dataset.shown && G.dataset.bytes) return Number(G.dataset.bytes);
+      var gib = Number(G.value);
+      if (!(gib >= 0)) throw new RangeError("weights must be a number of GiB, 0 or more");
+      return Math.floor(gib * Math.pow(2, 30));
+    }
+    function bytes(n) { return n.toLocaleString("en-US") + " (" + binarySize(n) + ")"; }
     function draw() {
       custom.disabled = pick.value !== "";
       var rows;
@@ -144,19 +166,30 @@
         var m = current(), s = data.element_bytes[dtype.value];
         var b = integer(B, "batch"), t = integer(T, "context"), mem = Number(M.value);
         if (!(mem > 0)) throw new RangeError("memory must be a positive number of GiB");
-        var memBytes = Math.floor(mem * Math.pow(2, 30));
+        var memBytes = Math.floor(mem * Math.pow(2, 30)), weights = weightBytes();
+        if (weights >= memBytes) {
+          throw new RangeError("the weights (" + binarySize(weights) + ") leave nothing of the " + mem + " GiB");
+        }
         var perSeq = cacheBytes(m, 1, t, s), total = cacheBytes(m, b, t, s);
-        rows = [
-          ["bytes per token", bytesPerToken(m, s).toLocaleString("en-US") + " (" + binarySize(bytesPerToken(m, s)) + ")"],
-          ["per sequence of " + t.toLocaleString("en-US"), perSeq.toLocaleString("en-US") + " (" + binarySize(perSeq) + ")"],
-          ["batch of " + b, total.toLocaleString("en-US") + " (" + binarySize(total) + ")"],
-          ["sequences that fit in " + mem + " GiB", perSeq === 0 ? "any number" :
-            sequencesThatFit(m, t, s, memBytes).toLocaleString("en-US")]
-        ];
-        if (fixedBytes(m, s)) rows.push(["fixed state per sequence", binarySize(fixedBytes(m, s))]);
+        var windows = m.groups.filter(function (g) { return g[1] !== null; }).map(function (g) { return g[1]; });
+        rows = (m.layers || []).map(function (line) { return ["layers", line]; });
+        rows.push([windows.length ? "bytes per token, inside every window" : "bytes per token", bytes(bytesPerToken(m, s))]);
+        if (windows.length) {
+          rows.push(["bytes per token past every window (T > " + Math.max.apply(null, windows).toLocaleString("en-US") + ")",
+                     bytes(bytesPerToken(m, s, true))]);
+        }
+        rows.push(["per sequence of " + t.toLocaleString("en-US"), bytes(perSeq)]);
+        if (b > 1) rows.push(["batch of " + b, bytes(total)]);
+        if (fixedBytes(m, s)) rows.push(["fixed state per sequence", bytes(fixedBytes(m, s))]);
+        rows.push(["sequences that fit in " + mem + " GiB" + (weights ? ", after " + binarySize(weights) + " of weights" : " (weights not counted)"),
+                   perSeq === 0 ? "any number" : sequencesThatFit(m, t, s, memBytes - weights).toLocaleString("en-US")]);
         var notes = [];
         if (m.context !== null && t > m.context) notes.push("Past the model's context of " + m.context.toLocaleString("en-US") + " tokens.");
-        if (m.note) notes.push(m.note + ".");
+        if (m.note) notes.push(m.note[0].toUpperCase() + m.note.slice(1) + ".");
+        if (m.parameters) {
+          notes.push("Weights: " + m.parameters.toLocaleString("en-US") + " parameters (counted from " +
+                     "the config's sizes) in bfloat16, unless you type another size.");
+        } else if (m.parameters === null) notes.push("Weights: not listed for this model; type their GiB.");
         if (m.source) notes.push("Source: " + m.source);
         out.replaceChildren(el("table", { "class": "kvc-table" }, rows.map(function (r) {
           return el("tr", {}, [el("th", { text: r[0] }), el("td", { text: r[1] })]);
@@ -166,17 +199,17 @@
       }
     }
     pick.addEventListener("change", function () {
-      if (pick.value !== "") T.value = "" + models[Number(pick.value)].context;
+      if (pick.value !== "") fill(models[Number(pick.value)]);
       draw();
     });
-    [dtype, L, H, D, W, B, T, M].forEach(function (x) { x.addEventListener("input", draw); });
+    [dtype, L, H, D, W, B, T, M, G].forEach(function (x) { x.addEventListener("input", draw); });
     var first = models.findIndex(function (m) { return m.name === data.initial; });
-    if (first >= 0) { pick.value = "" + first; T.value = "" + models[first].context; }
+    if (first >= 0) { pick.value = "" + first; fill(models[first]); }
     root.replaceChildren(
       el("div", { "class": "kvc-row" }, [field("model", pick), field("dtype", dtype)]),
       custom,
       el("div", { "class": "kvc-row" }, [field("batch B", B), field("context T (tokens)", T),
-                                         field("memory (GiB)", M)]),
+                                         field("memory (GiB)", M), field("weights (GiB)", G)]),
       out);
     draw();
   }

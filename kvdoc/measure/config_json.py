@@ -104,11 +104,16 @@ def cache_from_config(config: Mapping[str, Any], name: str = "config.json") -> M
 
 
 def read_config(path: str | Path) -> ModelCache:
-    """:func:`cache_from_config` of the ``config.json`` at ``path``.
+    """:func:`cache_from_config` of the ``config.json`` at ``path``, or in the folder ``path``
+    (a checkpoint folder, as transformers' ``from_pretrained`` takes it).
 
     Raises:
         ValueError: the file is missing, not JSON, or not a config kvdoc can read.
     """
+    if Path(path).is_dir():
+        if not (Path(path) / "config.json").is_file():
+            raise ValueError(f"{path} is a folder without a config.json")
+        path = Path(path) / "config.json"
     try:
         text = Path(path).read_text()
     except OSError as err:

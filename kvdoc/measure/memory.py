@@ -1,18 +1,23 @@
 """``python -m kvdoc memory``: K/V cache bytes from explicit sizes or a published model's config.
 
 The command prints ``2 x B x L x T x H_kv x D x s`` (:func:`~kvdoc.measure.kv_bytes.kv_bytes`)
-in exact, binary and decimal units, for sizes given on the command line; for a published model
-(any :data:`~kvdoc.measure.model_caches.MODELS` entry: plain, windowed, hybrid, MLA or
-linear-attention hybrid) or a transformers ``config.json``
-(:func:`~kvdoc.measure.config_json.read_config`) it sums the layers' own costs::
+in exact, binary and decimal units, for sizes given on the command line (L alike layers); for a
+published model (any :data:`~kvdoc.measure.model_caches.MODELS` entry: plain, windowed, hybrid,
+MLA or linear-attention hybrid) or a transformers ``config.json``
+(:func:`~kvdoc.measure.config_json.read_config`) it sums the layers' own costs, each kind of
+layer a term of the same formula line::
 
     python -m kvdoc memory --batch 1 --layers 32 --seq-len 4096 --kv-heads 8 --head-dim 128 \\
         --dtype float16
     python -m kvdoc memory --model Llama-3-8B --seq-len 8192
     python -m kvdoc memory --model Llama-3-8B        # T: the model's context, 8,192
     python -m kvdoc memory --config path/to/config.json --seq-len 32768 --dtype bfloat16
+    python -m kvdoc memory --config path/to/model-folder      # its config.json
+    python -m kvdoc memory --model Llama-3.1-8B --memory 80   # sequences that fit, after weights
     python -m kvdoc memory --model Llama-3-8B --dtype fp8 --fp8-scales per-head
 
+The formula line shows every factor, so its product can be redone by hand. The docs'
+calculator (:func:`calculator_data`) shows what this command prints, from the same functions.
 An FP8 cache also keeps FP32 scales (``--fp8-scales``): two a layer per tensor, or two per K/V
 head, shared by the batch (:func:`~kvdoc.measure.kv_bytes.fp8_scale_bytes`).
 
@@ -28,16 +33,15 @@ from collections.abc import Callable
 
 from .config_json import read_config
 from .kv_bytes import (
+    ELEMENT_BYTES,
     FP8_SCALE_GRANULARITIES,
     binary_size,
     decimal_size,
     dtype_name,
     element_size,
     format_bytes,
-    fp8_scale_bytes,
-    kv_bytes,
 )
-from .model_caches import MODELS, LayerCache, ModelCache, model_cache
+from .model_caches import MODELS, LayerCache, ModelCache, attention_layer, model_cache
 
 #: The longest ``--seq-len`` (and ``--window``) the command takes: 2**31 - 1 positions. Attention
 #: kernels index a sequence's tokens with 32-bit integers (FlashAttention's ``cu_seqlens`` are
@@ -114,8 +118,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sliding window: each layer keeps only the last W positions "
                              "(with --model or --config: caps the model's own windows)")
     parser.add_argument("--memory", type=_gib_arg, metavar="GIB",
-                        help="with --model or --config: also print how many sequences of T "
-                             "fit in GIB GiB of cache memory (weights not counted)")
+                        help="also print how many sequences of T fit in GIB GiB of device "
+                             "memory, after the weights")
+    parser.add_argument("--weights", type=_gib_arg, metavar="GIB",
+                        help="with --memory: GiB the weights take (default: the model's "
+                             "parameter count in bfloat16 where listed, else none counted)")
     parser.add_argument("--fp8-scales", choices=FP8_SCALE_GRANULARITIES, metavar="KIND",
                         help="with an FP8 --dtype: also count the FP32 scales kept beside the "
                              "elements, one a tensor (per-tensor) or one a K/V head (per-head), "
@@ -129,15 +136,45 @@ def _error(message: str) -> int:
     return 2
 
 
-def _describe(layer: LayerCache, count: int, mla: bool) -> str:
+def _head_dim(layer: LayerCache) -> int:
+    return layer.per_token // (2 * layer.kv_heads)
+
+
+def _describe(layer: LayerCache, count: int) -> str:
     if layer.per_token == 0:
         return (f"{count} x linear attention: nothing a position, a fixed state of "
                 f"{layer.state:,} elements" if layer.state else
                 f"{count} x linear attention: not counted")
-    what = "a latent: kv_lora_rank + qk_rope_head_dim" if mla else "2 x H_kv x D"
+    mla = not layer.kv_heads
+    what = ("a latent: kv_lora_rank + qk_rope_head_dim" if mla else
+            f"2 x H_kv x D = 2 x {layer.kv_heads} x {_head_dim(layer)}")
     reach = f"the last {layer.window:,} positions" if layer.window else "every position"
     return (f"{count} x {'MLA' if mla else 'attention'}: {layer.per_token:,} elements a "
             f"position ({what}), {reach}")
+
+
+def _formula(model: ModelCache, T: int) -> tuple[str, str]:
+    """The sum over layer kinds of what one sequence keeps, in symbols and in numbers."""
+    symbols, numbers = [], []
+    for layer, n in model.groups():
+        reach = ("T", T) if layer.window is None else ("min(T, W)", min(T, layer.window))
+        if not layer.per_token:
+            symbols.append("L x state")
+            numbers.append(f"{n} x {layer.state:,}")
+        elif layer.kv_heads:
+            symbols.append(f"L x 2 x H_kv x D x {reach[0]}")
+            numbers.append(f"{n} x 2 x {layer.kv_heads} x {_head_dim(layer)} x {reach[1]:,}")
+        else:
+            symbols.append(f"L x latent x {reach[0]}")
+            numbers.append(f"{n} x {layer.per_token} x {reach[1]:,}")
+    if len(numbers) == 1:
+        return symbols[0], numbers[0]
+    return f"({' + '.join(symbols)})", f"({' + '.join(numbers)})"
+
+
+def _weight_bytes(model: ModelCache) -> int | None:
+    """The weights' bytes in bfloat16, for a model whose parameters are known."""
+    return None if model.parameters is None else model.parameters * ELEMENT_BYTES["bfloat16"]
 
 
 def _scale_lines(total: int, scales: int, granularity: str) -> list[str]:
@@ -146,38 +183,64 @@ def _scale_lines(total: int, scales: int, granularity: str) -> list[str]:
             f"with them  {format_bytes(total + scales)}"]
 
 
+def _fit_line(model: ModelCache, T: int, dtype: str, memory_gib: float,
+              weights_gib: float | None) -> str:
+    memory = int(memory_gib * 2**30)
+    weights = _weight_bytes(model) if weights_gib is None else int(weights_gib * 2**30)
+    if weights_gib is not None:
+        given = "--weights"
+    elif weights is not None:
+        given = f"{model.parameters:,} parameters in bfloat16"
+    else:
+        given = "weights not counted: give --weights"
+    if weights is not None and weights >= memory:
+        raise ValueError(f"the weights, {binary_size(weights)} ({given}), leave nothing of "
+                         f"--memory {memory_gib:g} GiB")
+    fit = model.sequences_that_fit(memory - (weights or 0), T, dtype)
+    after = f", after {binary_size(weights)} of weights" if weights is not None else ""
+    return f"fits       {fit:,} sequences of {T:,} positions in {memory_gib:g} GiB{after} ({given})"
+
+
 def _model_lines(model: ModelCache, kind: str, T: int, B: int, dtype: str, default_T: bool,
-                 memory_gib: float | None = None, scales: str | None = None) -> list[str]:
+                 memory_gib: float | None = None, scales: str | None = None,
+                 weights_gib: float | None = None) -> list[str]:
     total = model.kv_bytes(T, B, dtype)
     lines = [f"model      {model.name} ({kind}; source: {model.source})"]
     if model.note:
         lines.append(f"note       {model.note}")
-    lines += [f"layers     {_describe(layer, n, model.kind == 'MLA')}"
-              for layer, n in model.groups()]
+    lines += [f"layers     {_describe(layer, n)}" for layer, n in model.groups()]
     if default_T:
         lines.append(f"length     T = {T:,}, the model's context (give --seq-len for another)")
-    windowed = any(layer.window is not None for layer in model.layers)
-    growth = "one more position inside every window" if windowed else "one more position"
+    windows = [layer.window for layer in model.layers if layer.window is not None]
+    growth = "one more position inside every window" if windows else "one more position"
+    symbols, numbers = _formula(model, T)
     lines += [
-        f"formula    B x s x elements = {B:,} x {element_size(dtype)} ({dtype}) x "
-        f"{model.elements(T):,} (the layers': a position's x positions held, + state)",
+        f"formula    B x s x {symbols}",
+        f"           = {B:,} x {element_size(dtype)} ({dtype}) x {numbers}",
         f"bytes      {total:,} bytes",
         f"binary     {binary_size(total)}",
         f"decimal    {decimal_size(total)}",
-        f"sequence   {format_bytes(model.kv_bytes(T, 1, dtype))}",
-        f"per token  {format_bytes(model.bytes_per_token(dtype))} ({growth}, per sequence)",
     ]
+    if B > 1:
+        lines.append(f"sequence   {format_bytes(model.kv_bytes(T, 1, dtype))}")
+    lines.append(f"per token  {format_bytes(model.bytes_per_token(dtype))} ({growth}, per "
+                 "sequence)")
+    if windows:
+        full = sum(1 for layer in model.layers if layer.window is None and layer.per_token)
+        past = model.bytes_per_token(dtype, past_windows=True)
+        grow = f"only the {full} full layers grow" if full else "no layer grows"
+        lines.append(f"past W     {format_bytes(past) if past else '0 bytes'} (one more position "
+                     f"past every window, T > {max(windows):,}: {grow})")
     if scales is not None:
         lines += _scale_lines(total, model.fp8_scale_bytes(scales), scales)
     if model.fixed_bytes(dtype):
         lines.append(f"fixed      {format_bytes(model.fixed_bytes(dtype))} per sequence, "
                      "whatever T")
-    if windowed:
+    if windows:
         lines.append(f"all full   {format_bytes(model.kv_bytes(T, B, dtype, windows=False))} "
                      "(were every layer to keep all T)")
     if memory_gib is not None:
-        fit = model.sequences_that_fit(int(memory_gib * 2**30), T, dtype)  # T >= 1
-        lines.append(f"fits       {fit:,} sequences of {T:,} positions in {memory_gib:g} GiB")
+        lines.append(_fit_line(model, T, dtype, memory_gib, weights_gib))
     return lines
 
 
@@ -202,56 +265,66 @@ def main(args: argparse.Namespace) -> int:
                       f"(fp8) or float8_e5m2, not {dtype_name(args.dtype)}")
     if scales is not None and model is not None and model.kind == "MLA":
         return _error(f"--fp8-scales counts K/V scales; {model.name} caches an MLA latent")
-    if model is not None:
+    if getattr(args, "weights", None) is not None and getattr(args, "memory", None) is None:
+        return _error("--weights is subtracted from --memory: give --memory too")
+    kind = model.kind if model is not None else ""  # the release's, also under a --window
+    if model is None:  # typed sizes: a model of L alike layers, through the same lines
+        missing = [name for name, value in sizes.items() if value is None]
+        if T is None or missing:
+            missing = ", ".join(missing + ["--seq-len"] * (T is None))
+            return _error("give --model NAME, --config PATH or all of --layers, --kv-heads, "
+                          f"--head-dim, --seq-len (missing {missing})")
+        layer = attention_layer(args.kv_heads, args.head_dim, args.window)
+        model = ModelCache("typed sizes", (layer,) * args.layers, MAX_SEQ_LEN,
+                           "the command line")
+        kind = model.kind
+    elif any(value is not None for value in sizes.values()):
         given = [name for name, value in sizes.items() if value is not None]
-        if given:
-            return _error(f"--model and --config set the sizes themselves; drop "
-                          f"{', '.join(given)}")
-        kind = model.kind  # the release's, also under a --window what-if
-        if args.window is not None:  # a what-if: every layer keeps at most W
-            W = args.window
-            model = dataclasses.replace(model, layers=tuple(
-                layer._replace(window=W if layer.window is None else min(layer.window, W))
-                for layer in model.layers))
-        if T is None:
-            T = model.max_positions
-        elif T > model.max_positions:
-            # A warning, not a refusal: the cache's sizes do not change when a context is
-            # stretched (RoPE scaling, a long-context fine-tune), so the bytes are still the
-            # answer to that what-if; but past the release's context it is one.
-            print(f"python -m kvdoc memory: warning: --seq-len {T:,} is past {model.name}'s "
-                  f"context of {model.max_positions:,} tokens (the bytes below are for a "
-                  "model stretched that far)", file=sys.stderr)
-        print("\n".join(_model_lines(model, kind, T, args.batch, dtype_name(args.dtype),
-                                     args.seq_len is None, getattr(args, "memory", None),
-                                     scales)))
-        return 0
-    if getattr(args, "memory", None) is not None:
-        return _error("--memory needs --model or --config")
+        return _error(f"--model and --config set the sizes themselves; drop {', '.join(given)}")
+    elif args.window is not None:  # a what-if: every layer keeps at most W
+        W = args.window
+        model = dataclasses.replace(model, layers=tuple(
+            layer._replace(window=W if layer.window is None else min(layer.window, W))
+            for layer in model.layers))
     if T is None:
-        return _error("--seq-len is required without --model or --config")
-    missing = [name for name, value in sizes.items() if value is None]
-    if missing:
-        return _error("give --model NAME, --config PATH or all of --layers, --kv-heads, "
-                      f"--head-dim (missing {', '.join(missing)})")
-    layers, kv_heads, head_dim, window = args.layers, args.kv_heads, args.head_dim, args.window
-    B, s = args.batch, element_size(args.dtype)
-    total = kv_bytes(B, layers, T, kv_heads, head_dim, args.dtype)
-    lines = [
-        f"formula    2 x B x L x T x H_kv x D x s = 2 x {B:,} x {layers:,} x {T:,} "
-        f"x {kv_heads:,} x {head_dim:,} x {s} ({dtype_name(args.dtype)})",
-        f"bytes      {total:,} bytes",
-        f"binary     {binary_size(total)}",
-        f"decimal    {decimal_size(total)}",
-        f"per token  {format_bytes(total // (B * T))} (per sequence)",
-    ]
-    if scales is not None:
-        lines += _scale_lines(total, fp8_scale_bytes([kv_heads] * layers, scales), scales)
-    if window is not None:
-        held = min(T, window)
-        windowed = kv_bytes(B, layers, T, kv_heads, head_dim, args.dtype, window=window)
-        lines += [f"window     each layer keeps the last {window:,} positions: "
-                  f"holds min(T, W) = {held:,}",
-                  f"windowed   {format_bytes(windowed)}"]
+        T = model.max_positions
+    elif T > model.max_positions:
+        # A warning, not a refusal: the cache's sizes do not change when a context is
+        # stretched (RoPE scaling, a long-context fine-tune), so the bytes are still the
+        # answer to that what-if; but past the release's context it is one.
+        print(f"python -m kvdoc memory: warning: --seq-len {T:,} is past {model.name}'s "
+              f"context of {model.max_positions:,} tokens (the bytes below are for a "
+              "model stretched that far)", file=sys.stderr)
+    try:
+        lines = _model_lines(model, kind, T, args.batch, dtype_name(args.dtype),
+                             args.seq_len is None, getattr(args, "memory", None), scales,
+                             getattr(args, "weights", None))
+    except ValueError as err:  # weights that fill the memory
+        return _error(str(err))
     print("\n".join(lines))
     return 0
+
+
+def calculator_data(initial: str = "Llama-3.1-8B") -> dict[str, object]:
+    """The calculator page's JSON (``docs/_static/kvdoc-calculator.js`` computes from it):
+    element sizes, and for each of :data:`MODELS` what this command prints of it: kind,
+    context, source, note, ``layers`` lines, the weights' bytes (None where the parameters are
+    not known), the boxes' ``sizes`` ``[L, H_kv, D, W]`` (None where a model has none) and the
+    layer ``groups``, each ``[per_token, window, state, count]``.
+
+    >>> data = calculator_data()
+    >>> data["initial"], data["presets"][0]["sizes"], data["presets"][0]["groups"]
+    ('Llama-3.1-8B', [12, 12, 64, None], [[1536, None, 0, 12]])
+    """
+    presets = []
+    for m in MODELS.values():
+        kv = m.kind != "MLA"  # a latent has no K/V heads
+        presets.append({
+            "name": m.name, "kind": m.kind, "context": m.max_positions, "source": m.source,
+            "note": m.note, "layers": [_describe(g, n) for g, n in m.groups()],
+            "parameters": m.parameters, "weights": _weight_bytes(m),
+            "sizes": [len(m.layers), m.kv_heads if kv else None, m.head_dim if kv else None,
+                      m.sliding_window],
+            "groups": [[g.per_token, g.window, g.state, n] for g, n in m.groups()]})
+    return {"presets": presets, "element_bytes": ELEMENT_BYTES,
+            "initial": model_cache(initial).name}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from difflib import get_close_matches
 from typing import TYPE_CHECKING, NamedTuple
 
 # torch-free: the command line imports this module, and loading torch takes seconds
@@ -166,9 +167,17 @@ class ModelCache:
         return (check_int("batch", batch) * element_size(dtype)
                 * self.elements(seq_len, windows))
 
-    def bytes_per_token(self, dtype: str | torch.dtype = "float16") -> int:
-        """Bytes one position adds while it is inside every window (batch 1)."""
-        return element_size(dtype) * sum(layer.per_token for layer in self.layers)
+    def bytes_per_token(self, dtype: str | torch.dtype = "float16",
+                        past_windows: bool = False) -> int:
+        """Bytes one position adds while it is inside every window (batch 1); with
+        ``past_windows``, once it is past them all, when only the full layers grow.
+
+        >>> g = model_cache("Gemma-3-27B")     # 62 layers grow, then only the 10 full ones
+        >>> g.bytes_per_token("bfloat16"), g.bytes_per_token("bfloat16", past_windows=True)
+        (507904, 81920)
+        """
+        return element_size(dtype) * sum(layer.per_token for layer in self.layers
+                                         if not (past_windows and layer.window))
 
     def fixed_bytes(self, dtype: str | torch.dtype = "float16") -> int:
         """Bytes a sequence holds whatever its length (linear-attention states)."""
@@ -199,6 +208,20 @@ class ModelCache:
                              "per-tensor or per-head K/V scales counted here")
         heads = [layer.kv_heads for layer in self.layers if layer.kv_heads]
         return fp8_scale_bytes(heads, granularity) if heads else 0
+
+    @property
+    def parameters(self) -> int | None:
+        """Weights of a Llama-family model (untied head, no biases) from its sizes: embedding,
+        head, final norm, and per layer Q, K, V, O, the gated MLP and two norms; else None.
+
+        >>> model_cache("Llama-3.1-8B").parameters
+        8030261248
+        """
+        if None in (self.hidden, self.intermediate, self.vocab):
+            return None
+        attention = 2 * (self.heads + self.kv_heads) * self.head_dim * self.hidden
+        layer = attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        return 2 * self.vocab * self.hidden + self.hidden + len(self.layers) * layer
 
     def groups(self) -> list[tuple[LayerCache, int]]:
         """The distinct layers and how many of each, in order of first appearance."""
@@ -309,11 +332,7 @@ MODELS: dict[str, ModelCache] = {m.name.lower(): m for m in (
             hidden=4096, intermediate=11008, vocab=32000),
     _preset("Llama-2-70B", 80, 64, 8, 128, 4096, _LLAMA2.format(70, 80, 64, 8, 8192, 28672),
             hidden=8192, intermediate=28672, vocab=32000),
-    _preset("Llama-3-8B", 32, 32, 8, 128, 8192,
-            "meta-llama/Meta-Llama-3-8B config.json (num_hidden_layers 32, "
-            "num_attention_heads 32, num_key_value_heads 8, hidden_size 4096, "
-            "intermediate_size 14336, vocab_size 128256)",
-            hidden=4096, intermediate=14336, vocab=128256),
+    _llama("Llama-3-8B", "meta-llama/Meta-Llama-3-8B", 32, 32, 4096, 14336, 128256, 8192),
     _preset("Mistral-7B-v0.1", 32, 32, 8, 128, 32768,
             "mistralai/Mistral-7B-v0.1 config.json (num_hidden_layers 32, "
             "num_attention_heads 32, num_key_value_heads 8, hidden_size 4096, "
@@ -369,19 +388,13 @@ def model_cache(name: str) -> ModelCache:
     """The :data:`MODELS` entry called ``name`` (case-insensitive), of any kind.
 
     Raises:
-        ValueError: no such model; the message lists the known names.
+        ValueError: no such model; the message names the nearest (difflib), else all.
     """
     try:
         return MODELS[name.lower()]
     except (KeyError, AttributeError):
-        known = ", ".join(m.name for m in MODELS.values())
-        raise ValueError(f"unknown model {name!r}; known models: {known}") from None
+        near = get_close_matches(str(name).lower(), MODELS, n=3)
+        known = ", ".join(MODELS[key].name for key in near or MODELS)
+        hint = f"did you mean {known}?" if near else f"known models: {known}"
+        raise ValueError(f"unknown model {name!r}; {hint}") from None
 
-
-def calculator_presets() -> list[dict[str, object]]:
-    """:data:`MODELS` as the calculator page's JSON: per model its name, kind, context, source,
-    note and layer groups ``[per_token, window, state, count]``."""
-    return [{"name": m.name, "kind": m.kind, "context": m.max_positions, "source": m.source,
-             "note": m.note,
-             "groups": [[g.per_token, g.window, g.state, n] for g, n in m.groups()]}
-            for m in MODELS.values()]
