@@ -244,7 +244,7 @@ def gpt2_shapes(model: Decoder, idx: torch.Tensor, layer: int = 0) -> list[Shape
         ShapeRow(f"{h}: V = ln_1 @ W_v", "matmul by a weight", tuple(v[f"{h}.v"].shape),
                  "B, T, H_kv·d_k"),
         ShapeRow(f"{h}: split heads of Q", "reshape (row-local)", tuple(q.shape), "B, H, T, d_k"),
-        ShapeRow(f"{h}: scores = Q K^T / sqrt(d_k)", "matmul of two activations",
+        ShapeRow(f"{h}: scores = Q K^T / sqrt(D_h)", "matmul of two activations",
                  tuple(scores.shape), "B, H, T, T"),
         ShapeRow(f"{h}: softmax(masked scores) @ V, heads merged", "matmul of two activations",
                  tuple(v[f"{h}.heads"].shape), "B, T, d_model"),
