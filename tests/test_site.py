@@ -284,12 +284,13 @@ def test_version_and_source_check_can_fail(tmp_path):
 # Each page of a path (docs/_ext/paths.json) carries the path's own previous/next
 # (docs/_ext/kvdoc_paths.py), shown by _static/kvdoc-paths.js for the path in ?path=NAME.
 _FOLLOW = """(() => {
-  const shown = [...document.querySelectorAll("nav.kvdoc-path")].filter(n => !n.hidden);
+  const visible = e => e.getClientRects().length > 0;  // laid out: not hidden by any rule
+  const shown = [...document.querySelectorAll("nav.kvdoc-path")].filter(visible);
   const next = shown.map(n => n.querySelector("a.kvdoc-path-next")).filter(a => a);
   const theme = [...document.querySelectorAll(".prev-next-area")];
   return JSON.stringify({paths: [...new Set(shown.map(n => n.dataset.path))],
                          next: next.length ? next[0].href : null,
-                         theme_shown: theme.some(e => !e.hidden)});
+                         theme_shown: theme.some(visible)});
 })()"""
 
 
