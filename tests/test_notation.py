@@ -2,7 +2,8 @@
 
 The symbol table is the glossary's "Symbols" section (docs/reference/glossary.md). For the
 quantities that papers name in several ways, ``ALIASES`` lists the names a page must not use in
-its maths (``$...$``, ``$$...$$``, also inside a cell's strings, which become Markdown tables).
+its maths (``$...$``, ``$$...$$``, also inside a cell's strings, which become Markdown tables)
+or in the shapes its code comments give.
 """
 
 from __future__ import annotations
@@ -24,15 +25,17 @@ ALIASES = {
 
 def maths(text: str) -> list[str]:
     """The maths spans of a page's source: display blocks first, then inline ``$...$`` (which
-    may run over a line break, not over a blank line).
+    may run over a line break, not over a blank line), then the shapes that code comments
+    give (``# [B, H_kv, T, D_h]``).
 
-    >>> maths("a $x_1$ b\\n$$\\nD\\n$$\\n $y\\n z$")
-    ['\\nD\\n', 'x_1', 'y\\n z']
+    >>> maths("a $x_1$ b\\n$$\\nD\\n$$\\n $y\\n z$ k  # [B, T, D]")
+    ['\\nD\\n', 'x_1', 'y\\n z', 'B, T, D']
     """
     display = re.findall(r"\$\$(.+?)\$\$", text, flags=re.S)
     rest = re.sub(r"\$\$(.+?)\$\$", " ", text, flags=re.S)
     inline = re.findall(r"(?<![\\$])\$(?!\s)((?:[^$\n]|\n(?!\s*\n))+?)(?<![\s\\])\$", rest)
-    return display + inline
+    shapes = re.findall(r"#[^\n]*?\[([\w, ]+)\]", rest)
+    return display + inline + shapes
 
 
 def uses(span: str, name: str) -> bool:
