@@ -32,16 +32,26 @@ help:  ## list the targets
 # PYTHONDONTWRITEBYTECODE is set, as on the project's machines, every kernel would compile torch
 # and transformers again at each import.
 $(STAMP): pyproject.toml constraints.txt
+	@echo "Setting up $(VENV): installing kvdoc and what its pages and tests import (first run, or"
+	@echo "after pyproject.toml or constraints.txt changed; minutes, quiet until done. Without a CPU"
+	@echo "torch already in $(VENV), pip may download several GB of CUDA libraries: see README.md)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -qq --disable-pip-version-check --no-compile -c constraints.txt -e '.[docs,test]'
+	@echo "Compiling the installed modules to bytecode"
 	$(BIN)/python -c 'import compileall, sys; compileall.compile_dir(sys.argv[1], quiet=2, workers=0)' $(VENV)/lib
 	touch $@
+	@echo "$(VENV) is ready"
+
+# The notebook pages (MyST-NB executes each in a kernel of its own).
+NOTEBOOKS = $(shell grep -rlx --include='*.md' --exclude-dir=_build 'file_format: mystnb' $(DOCS) | wc -l)
 
 venv: $(STAMP)  ## create .venv and install kvdoc with its docs and test extras
 
 # Each build writes into an empty folder: Sphinx links a static file with `?v=<checksum>` only if
 # the file is already in the output, so a rebuild in place would differ from a clean build.
 html: $(STAMP)  ## build the site into docs/_build/html (every notebook page executed)
+	@echo "Building the site: $(NOTEBOOKS) notebook pages, each executed unless the execution cache"
+	@echo "holds its outputs ($(JOBS) at a time; a line per page as it starts)"
 	rm -rf $(BUILDDIR)/html
 	$(SPHINXBUILD) -b html -E $(SPHINXOPTS) -d $(DOCTREES) $(DOCS) $(BUILDDIR)/html
 	@echo "Site: $(BUILDDIR)/html/index.html"

@@ -36,6 +36,7 @@ extensions = [
     # opens them; without it the theme prints them open. Its script and CSS ship in the wheel.
     "sphinx_togglebutton",
     "kvdoc_checks",  # docs/_ext: every image needs alt text
+    "kvdoc_paths",  # docs/_ext: each reading path's own previous/next on its pages
 ]
 
 exclude_patterns = [

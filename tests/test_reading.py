@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+import json
 from pathlib import Path
 
 import pytest
@@ -65,9 +65,26 @@ def test_minutes_round_up(tmp_path: Path):
     assert page_title(page) == "t"
 
 
-def test_the_landing_pages_paths_name_real_pages():
+def paths() -> dict[str, dict]:
+    return json.loads((DOCS / "_ext" / "paths.json").read_text(encoding="utf-8"))
+
+
+def test_the_reading_paths_name_real_pages_once():
+    found = paths()
+    assert set(found) == {"new", "generate", "serving"}
+    for name, path in found.items():
+        pages = path["pages"]
+        assert [p for p in pages if not (DOCS / f"{p}.md").is_file()] == [], name
+        assert len(set(pages)) == len(pages), name  # a page twice would have two "next"s
+
+
+def test_the_landing_page_lists_each_path_and_offers_the_tour_first():
     index = (DOCS / "index.md").read_text(encoding="utf-8")
-    block = index[index.index("PATHS = {"):index.index("glue(\"wpm\"")]
-    pages = re.findall(r'"([\w/-]+)"(?!:)', block)  # the lists' entries, not their keys
-    assert len(pages) > 20, pages
-    assert [p for p in pages if not (DOCS / f"{p}.md").is_file()] == []
+    for name in paths():
+        assert f"```{{glue}} path-{name}-pages\n```" in index, name  # a list, not a paragraph
+    assert index.index("(tour.md)") < index.index("path-new-pages")
+
+
+def test_the_tour_reads_in_under_ten_minutes():
+    tour = DOCS / "tour.md"
+    assert reading_minutes([tour]) < 10, prose_words(tour.read_text(encoding="utf-8"))

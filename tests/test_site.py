@@ -231,6 +231,7 @@ def test_every_built_page():
     assert not report.failures, "\n".join(
         f"{url}:\n  " + "\n  ".join(p) for url, p in report.failures.items())
     assert_versioned_with_sources(site, pages)
+    assert_site_paths(site, exe)
 
 
 def assert_versioned_with_sources(site: Path, pages: list[str]) -> None:
@@ -277,3 +278,82 @@ def test_version_and_source_check_can_fail(tmp_path):
     (tmp_path / "reference" / "api" / "teach.html").write_text(stamp)
     with pytest.raises(AssertionError, match=r"no \[source\] link on reference/api/teach\.html"):
         assert_versioned_with_sources(tmp_path, [*pages, "reference/api/teach.html"])
+
+
+# --- reading paths -------------------------------------------------------------------------------
+# Each page of a path (docs/_ext/paths.json) carries the path's own previous/next
+# (docs/_ext/kvdoc_paths.py), shown by _static/kvdoc-paths.js for the path in ?path=NAME.
+_FOLLOW = """(() => {
+  const visible = e => e.getClientRects().length > 0;  // laid out: not hidden by any rule
+  const shown = [...document.querySelectorAll("nav.kvdoc-path")].filter(visible);
+  const next = shown.map(n => n.querySelector("a.kvdoc-path-next")).filter(a => a);
+  const theme = [...document.querySelectorAll(".prev-next-area")];
+  return JSON.stringify({paths: [...new Set(shown.map(n => n.dataset.path))],
+                         next: next.length ? next[0].href : null,
+                         theme_shown: theme.some(visible)});
+})()"""
+
+
+def follow_path(site: Path, exe: str, name: str, first: str) -> list[dict]:
+    """Open ``first`` (a docname) with ``?path=name`` and click "next" until the path ends;
+    returns what each page showed: ``page`` (docname), ``paths`` (the path blocks shown),
+    ``theme_shown`` (whether the theme's book-order previous/next is still visible)."""
+    seen: list[dict] = []
+    with browser.serve(site) as origin:
+        chrome = browser.Chromium(exe, origin)
+        try:
+            with chrome.tab() as session:
+                url: str | None = f"{origin}/{first}.html?path={name}"
+                while url and len(seen) < 50:
+                    chrome.load(session, url)
+                    result = chrome.send("Runtime.evaluate", {"expression": _FOLLOW,
+                                                              "returnByValue": True}, session)
+                    state = json.loads(result["result"]["value"])
+                    page = url.removeprefix(origin + "/").split("?")[0].removesuffix(".html")
+                    seen.append({"page": page, "paths": state["paths"],
+                                 "theme_shown": state["theme_shown"]})
+                    url = state["next"]
+        finally:
+            chrome.close()
+    return seen
+
+
+def assert_path_followed(site: Path, exe: str, name: str, pages: list[str]) -> None:
+    seen = follow_path(site, exe, name, pages[0])
+    assert [s["page"] for s in seen] == pages
+    assert all(s["paths"] == [name] and not s["theme_shown"] for s in seen), seen
+
+
+@pytest.mark.sphinx
+def test_a_path_is_followed_by_its_own_next_links(tmp_path):
+    exe = chromium()
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(ROOT / "docs" / "conf.py", src / "conf.py")
+    for folder in ("_ext", "_static", "_templates", "_ipython"):
+        if (ROOT / "docs" / folder).is_dir():
+            shutil.copytree(ROOT / "docs" / folder, src / folder)
+    paths = {"skip": {"title": "Skips b", "pages": ["a", "c"]},
+             "back": {"title": "Backwards", "pages": ["c", "b", "a"]}}
+    (src / "_ext" / "paths.json").write_text(json.dumps(paths))
+    (src / "index.md").write_text("# Home\n\n```{toctree}\na\nb\nc\n```\n")
+    for page in "abc":
+        (src / f"{page}.md").write_text(f"# Page {page}\n\nText of {page}.\n")
+    build = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-b", "html", "-E", "-W", "-q", str(src),
+         str(tmp_path / "html")], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stdout + build.stderr
+    site = tmp_path / "html"
+    # The book goes a, b, c; each path goes its own way, and the theme's links are hidden.
+    assert_path_followed(site, exe, "skip", ["a", "c"])
+    assert_path_followed(site, exe, "back", ["c", "b", "a"])
+    # Without a path chosen, a path page shows no path block and keeps the theme's links.
+    (plain,) = follow_path(site, exe, "", "b")
+    assert plain == {"page": "b", "paths": [], "theme_shown": True}
+
+
+def assert_site_paths(site: Path, exe: str) -> None:
+    """Every reading path of the built site, followed from its first page to its last."""
+    paths = json.loads((ROOT / "docs" / "_ext" / "paths.json").read_text(encoding="utf-8"))
+    for name, path in paths.items():
+        assert_path_followed(site, exe, name, path["pages"])
