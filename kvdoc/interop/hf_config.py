@@ -218,7 +218,8 @@ def config_from_transformers(hf_config: Any) -> GPTConfig:
             "hidden_act": (c.get("hidden_act"), ("silu",)),
             "attention_bias": (c.get("attention_bias", False), (False,)),
             "use_sliding_window": (c.get("use_sliding_window", False), (False,)),  # Qwen's
-            "layer_types": (set(c.get("layer_types") or ()) - {"full_attention"}, (set(),)),
+            "layer_types": (sorted(set(c.get("layer_types") or ["full_attention"])),
+                            (["full_attention"],)),
             "mlp_bias": (c.get("mlp_bias", False), (False,)),
             "pretraining_tp": (c.get("pretraining_tp", 1) or 1, (1,)),
         }
