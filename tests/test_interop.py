@@ -240,6 +240,19 @@ def test_unsupported_qwen_and_phi3_variants_are_refused(family, field, value, sa
         config_from_transformers(hf_cfg)
 
 
+def test_paths_without_q_k_norms_refuse_a_qwen3_model():
+    """FastDecoder's fused step and a tensor-parallel shard have no q/k norms: they refuse."""
+    from kvdoc.core.fast import FastDecoder
+    from kvdoc.parallel.tensor import ShardedAttention, head_shard
+
+    model = Decoder(QWEN3).eval()
+    with pytest.raises(ValueError, match="no q/k norms"):
+        FastDecoder(model)
+    with pytest.raises(ValueError, match="no q/k norms"):
+        ShardedAttention(model.h[0].attn, head_shard(QWEN3, 1, 0), comm=None)
+    FastDecoder(Decoder(QWEN2).eval())  # Q/K/V biases: the fused step adds c_attn's bias
+
+
 def test_configs_no_family_holds_are_not_exported():
     with pytest.raises(ValueError, match="q/k norms and Q/K/V biases"):
         transformers_config(llama_config(qk_norm=True, qkv_bias=True))
