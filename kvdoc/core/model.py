@@ -58,7 +58,7 @@ class GPTConfig:
     sliding_window: int | None = None
     head_size: int | None = None  # D_h where it is not n_embd / n_head (Qwen3)
     qkv_bias: bool = False  # biases on Q, K and V alone (Qwen2)
-    qk_norm: bool = False  # RMSNorm over each head of Q and of K, before RoPE (Qwen3)
+    qk_norm: bool = False  # each head of Q and of K normed (as ln_1 is), before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -184,12 +184,12 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.window, self.qk_norm = config.sliding_window, config.qk_norm
         self.rope_theta = config.rope_theta if config.position == "rope" else None
-        # Q, K and V in one matmul (split into heads in forward); H * D_h: n_embd but in Qwen3
+        # Q, K and V in one matmul, split in forward; H * D_h is n_embd unless head_size is set
         width = config.n_head * self.head_dim
         self.c_attn = nn.Linear(config.n_embd, width + 2 * config.kv_dim,
                                 bias=config.bias or config.qkv_bias)
         self.c_proj = nn.Linear(width, config.n_embd, bias=config.bias)
-        if self.qk_norm:  # over each head's D_h features, as ln_1 is over a row's d
+        if self.qk_norm:  # over each head's D_h features
             self.q_norm, self.k_norm = norm(config, self.head_dim), norm(config, self.head_dim)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int,
