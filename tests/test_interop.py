@@ -1,4 +1,5 @@
-"""kvdoc and transformers' GPT-2 on the same random weights: equal logits, full and cached."""
+"""kvdoc and transformers (GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3) on the same random
+weights: equal logits, full and cached; configs and weights exported back."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from transformers import GPT2LMHeadModel
 from kvdoc import GPTConfig
 from kvdoc.core.feed import feed
 from kvdoc.interop.hf_config import config_from_transformers, gpt2_config
-from kvdoc.interop.hf_weights import decoder_from_gpt2, from_transformers
+from kvdoc.interop.hf_weights import decoder_from_gpt2, from_transformers, to_transformers
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,9 @@ def test_unsupported_variants_are_refused(pair):
 
 # --- Llama and Mistral (random weights, built offline from a config) ---------------------------
 
-from kvdoc.core.model import llama_config, mistral_config  # noqa: E402
+import dataclasses  # noqa: E402
+
+from kvdoc.core.model import Decoder, llama_config, mistral_config  # noqa: E402
 from kvdoc.interop.hf_config import (  # noqa: E402
     transformers_config,
     transformers_model,
@@ -104,22 +107,75 @@ from kvdoc.teach.crosscheck import match_transformers  # noqa: E402
 
 # crosses window 32 three times
 LONG = torch.randint(0, 97, (2, 96), generator=torch.Generator().manual_seed(6))
+# Qwen2, Qwen3 and Phi-3 at sizes off every default: 6 query heads over 3 K/V heads (an odd
+# group count), width 96, RoPE base 5e5; Qwen3's heads 20 wide, not 96 / 6 = 16
+QWEN2 = llama_config(n_head=6, n_kv_head=3, n_embd=96, n_inner=160, rope_theta=5e5,
+                     qkv_bias=True)
+QWEN3 = llama_config(n_head=6, n_kv_head=3, n_embd=96, n_inner=160, rope_theta=5e5,
+                     head_size=20, qk_norm=True, tie_word_embeddings=True)
+PHI3 = llama_config(n_head=6, n_kv_head=3, n_embd=96, n_inner=160, rope_theta=5e5,
+                    sliding_window=32)
+
+
+def jittered(hf):
+    """``hf`` with every bias and norm weight drawn (transformers starts them at 0 and 1, where
+    a bias dropped or a q/k norm swapped would not show)."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 1:
+                p.add_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return hf
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("family, config", [
     ("gpt2", None), ("llama", None), ("llama", llama_config(n_kv_head=1, tie_word_embeddings=True)),
-    ("llama", llama_config(n_kv_head=4)), ("mistral", None)],
-    ids=["gpt2", "llama-gqa", "llama-mqa-tied", "llama-mha", "mistral-w32"])
+    ("llama", llama_config(n_kv_head=4)), ("mistral", None), ("qwen2", QWEN2), ("qwen3", QWEN3),
+    ("phi3", PHI3)],
+    ids=["gpt2", "llama-gqa", "llama-mqa-tied", "llama-mha", "mistral-w32", "qwen2", "qwen3",
+         "phi3-w32"])
 def test_all_families_match_transformers_full_and_cached(family, config, dtype):
     tol = TOLERANCE[dtype]
-    hf = transformers_model(family, config, seed=1, dtype=dtype)
+    hf = jittered(transformers_model(family, config, seed=1, dtype=dtype))
     m = match_transformers(hf, LONG.to(hf.device), chunks=(1, 7), prefill_len=10)
     assert m.n_parameters[0] == m.n_parameters[1]
     assert m.logit_scale > 0.1  # the logits are not all near zero
     assert m.worst() <= tol and m.hf_cached <= tol
-    expected_kinds = {"dynamic", "static"} | ({"window"} if family == "mistral" else set())
+    windowed = family in ("mistral", "phi3")
+    expected_kinds = {"dynamic", "static"} | ({"window"} if windowed else set())
     assert {kind for kind, _ in m.cached} == expected_kinds
+
+
+@pytest.mark.parametrize("family, config", [("qwen2", QWEN2), ("qwen3", QWEN3), ("phi3", PHI3)])
+def test_qwen_and_phi3_export_back_bitwise(family, config):
+    """Loaded, then exported to the same family: every parameter comes back bitwise, under its
+    own name (Phi-3's stacked ones whole, Qwen's split again)."""
+    hf = jittered(transformers_model(family, config, seed=2))
+    ours = from_transformers(hf)
+    assert ours.config == config
+    back = to_transformers(ours, family)
+    assert type(back) is type(hf)
+    want, got = hf.state_dict(), back.state_dict()
+    assert want.keys() == got.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    with torch.no_grad():
+        assert torch.equal(back(LONG).logits, hf(LONG).logits)
+
+
+@pytest.mark.parametrize("family, config, off, dropped", [
+    ("qwen2", QWEN2, dict(qkv_bias=False), "c_attn.bias"),
+    ("qwen3", QWEN3, dict(qk_norm=False), "_norm."), ("phi3", PHI3, dict(sliding_window=None), "")])
+def test_what_qwen_and_phi3_add_is_used(family, config, off, dropped):
+    """Each family's feature changes the logits: the same weights without Qwen2's biases,
+    Qwen3's q/k norms or Phi-3's window compute something else."""
+    ours = from_transformers(jittered(transformers_model(family, config, seed=1)))
+    plain = Decoder(dataclasses.replace(config, **off)).eval()
+    plain.load_state_dict({k: v for k, v in ours.state_dict().items()
+                           if not dropped or dropped not in k})
+    with torch.no_grad():
+        assert not torch.allclose(plain(LONG).logits, ours(LONG).logits, atol=1e-3)
 
 
 def test_mistral_window_changes_transformers_logits_too():
@@ -136,8 +192,18 @@ def test_mistral_window_changes_transformers_logits_too():
 
 def test_config_round_trip():
     for cfg in (GPTConfig(), llama_config(), llama_config(n_kv_head=1, tie_word_embeddings=True),
-                mistral_config(8)):
+                mistral_config(8), QWEN2, QWEN3, llama_config(head_size=24)):
         assert config_from_transformers(transformers_config(cfg)) == cfg
+    for cfg in (PHI3, llama_config()):
+        hf_cfg = transformers_config(cfg, "phi3")
+        assert hf_cfg.model_type == "phi3" and config_from_transformers(hf_cfg) == cfg
+    published = {"model_type": "qwen2", "hidden_size": 896, "num_attention_heads": 14,
+                 "num_key_value_heads": 2, "intermediate_size": 4864, "num_hidden_layers": 24,
+                 "max_position_embeddings": 32768, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+                 "rope_theta": 1000000.0, "sliding_window": 32768, "use_sliding_window": False,
+                 "max_window_layers": 21, "hidden_act": "silu", "tie_word_embeddings": True}
+    cfg = config_from_transformers(published)  # Qwen2.5-0.5B's config.json: no window used
+    assert (cfg.qkv_bias, cfg.sliding_window, cfg.head_dim, cfg.n_kv_head) == (True, None, 64, 2)
 
 
 def test_unsupported_llama_variants_are_refused():
@@ -156,6 +222,46 @@ def test_unsupported_llama_variants_are_refused():
         transformers_config(GPTConfig(position="rope"))
     with pytest.raises(ValueError, match="family must be"):
         transformers_model("gpt-j")
+
+
+@pytest.mark.parametrize("family, field, value, says", [
+    ("qwen2", "use_sliding_window", True, "use_sliding_window=True"),
+    ("qwen2", "layer_types", ["full_attention", "sliding_attention"], "layer_types="),
+    ("qwen3", "attention_bias", True, "attention_bias=True"),
+    ("phi3", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4,
+                                 "short_factor": [1.0] * 8, "long_factor": [1.0] * 8},
+     "rope_type='longrope'"),
+    ("phi3", "rope_parameters", {"rope_type": "default", "rope_theta": 1e4,
+                                 "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5")])
+def test_unsupported_qwen_and_phi3_variants_are_refused(family, field, value, says):
+    hf_cfg = transformers_config({"qwen2": QWEN2, "qwen3": QWEN3, "phi3": PHI3}[family], family)
+    setattr(hf_cfg, field, value)
+    with pytest.raises(ValueError, match=says):
+        config_from_transformers(hf_cfg)
+
+
+def test_paths_without_q_k_norms_refuse_a_qwen3_model():
+    """FastDecoder's fused step and a tensor-parallel shard have no q/k norms: they refuse."""
+    from kvdoc.core.fast import FastDecoder
+    from kvdoc.parallel.tensor import ShardedAttention, head_shard
+
+    model = Decoder(QWEN3).eval()
+    with pytest.raises(ValueError, match="no q/k norms"):
+        FastDecoder(model)
+    with pytest.raises(ValueError, match="no q/k norms"):
+        ShardedAttention(model.h[0].attn, head_shard(QWEN3, 1, 0), comm=None)
+    FastDecoder(Decoder(QWEN2).eval())  # Q/K/V biases: the fused step adds c_attn's bias
+
+
+def test_configs_no_family_holds_are_not_exported():
+    with pytest.raises(ValueError, match="q/k norms and Q/K/V biases"):
+        transformers_config(llama_config(qk_norm=True, qkv_bias=True))
+    with pytest.raises(ValueError, match="without sliding windows"):
+        transformers_config(dataclasses.replace(QWEN2, sliding_window=32))
+    with pytest.raises(ValueError, match="a qwen3 model's, not phi3's"):
+        transformers_config(QWEN3, "phi3")
+    with pytest.raises(ValueError, match="head_size must be a positive integer"):
+        llama_config(head_size=0)
 
 
 def test_lifting_restores_transformers_afterwards():

@@ -89,6 +89,8 @@ class FastDecoder:
         if not isinstance(model.config, GPTConfig):  # MLA's and Gemma's blocks are others
             raise ValueError("FastDecoder runs the GPT-2 and Llama-style blocks of a GPTConfig; "
                              f"got {type(model).__name__} (config {type(model.config).__name__})")
+        if model.config.qk_norm:  # the fused step below has no place for them
+            raise ValueError("FastDecoder has no q/k norms (Qwen3); run the model itself")
         if any(p.is_inference() for p in model.parameters()):
             raise ValueError("the model's parameters were created under torch.inference_mode() and "
                              "have no version counters, so FastDecoder could not see them change; "

@@ -1,11 +1,10 @@
 """A GPT-2 (or Llama-style) decoder whose one forward serves full recompute and cached decoding.
 
-Half of the copy set (with :mod:`kvdoc.core.cache`), top to bottom: config, offset mask, RoPE,
-input checks, MLP, attention (where the cache is used), block, decoder, then ``prefill``,
-``decode_step``, ``generate``. Parameter names are GPT-2's, so a transformers checkpoint maps
-by key (:mod:`kvdoc.interop.hf_weights`). Shapes: ``B`` batch, ``C`` new tokens, ``P`` cached
-positions, ``T = P + C``, ``d`` width, ``H`` query heads, ``H_kv`` K/V heads, ``D_h`` head size,
-``V`` vocabulary; K and V are ``[B, H_kv, T, D_h]``.
+Half of the copy set (with :mod:`kvdoc.core.cache`), top to bottom: config, RoPE, input checks,
+MLP, attention (where the cache is used), block, decoder, ``prefill``, ``decode_step``,
+``generate``. Parameter names are GPT-2's (:mod:`kvdoc.interop.hf_weights` maps transformers').
+Shapes: ``B`` batch, ``C`` new tokens, ``P`` cached positions, ``T = P + C``, ``d`` width, ``H``
+query heads, ``H_kv`` K/V heads, ``D_h`` head size, ``V`` vocabulary; K, V: ``[B, H_kv, T, D_h]``.
 """
 
 from __future__ import annotations
@@ -35,9 +34,8 @@ from .cache import (
 class GPTConfig:
     """Sizes of a GPT-2-style decoder; the defaults are the sources' two-layer model (97 tokens,
     512 positions, width 64, 4 heads, an untied head: 145,280 parameters). ``position="rope"``,
-    ``norm="rmsnorm"``, ``mlp="swiglu"`` and ``bias=False`` make it Llama-style
-    (:func:`llama_config`); ``sliding_window=W``: query ``i`` reads keys ``i - W < j <= i``;
-    ``n_kv_head`` below ``n_head`` is grouped-query attention (1: MQA).
+    ``norm="rmsnorm"``, ``mlp="swiglu"``, ``bias=False``: Llama-style (:func:`llama_config`);
+    ``sliding_window=W``: query ``i`` reads keys ``i - W < j <= i``; ``n_kv_head < n_head``: GQA.
 
     >>> GPTConfig().head_dim, GPTConfig(n_kv_head=2).cache_layout[0]
     (16, LayerSpec(heads=2, widths=(16, 16), window=None))
@@ -58,6 +56,9 @@ class GPTConfig:
     bias: bool = True
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    head_size: int | None = None  # D_h where it is not n_embd / n_head (Qwen3)
+    qkv_bias: bool = False  # biases on Q, K and V alone (Qwen2)
+    qk_norm: bool = False  # each head of Q and of K normed (as ln_1 is), before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -65,6 +66,9 @@ class GPTConfig:
         for name in ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd", "n_inner",
                      "n_kv_head"):
             check_int(name, getattr(self, name))
+        for name in ("sliding_window", "head_size"):  # None: no window; n_embd / n_head
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name))
         check_positive("layer_norm_epsilon", self.layer_norm_epsilon)
         check_positive("rope_theta", self.rope_theta)
         if self.n_embd % self.n_head:
@@ -76,14 +80,11 @@ class GPTConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.position == "rope" and self.head_dim % 2:
-            raise ValueError("RoPE rotates pairs of features: "
-                             f"head_dim={self.head_dim} must be even")
-        if self.sliding_window is not None:
-            check_int("sliding_window", self.sliding_window)
+            raise ValueError(f"RoPE rotates pairs: head_dim={self.head_dim} must be even")
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_size or self.n_embd // self.n_head
 
     @property
     def kv_dim(self) -> int:  # all K (or all V) heads together
@@ -149,9 +150,9 @@ def embed_tokens(wte: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
                          f"0..{wte.num_embeddings - 1}") from None
 
 
-def norm(config: GPTConfig) -> nn.Module:  # ln_1, ln_2, ln_f: LayerNorm (GPT-2) or RMSNorm
-    kind = nn.RMSNorm if config.norm == "rmsnorm" else nn.LayerNorm
-    return kind(config.n_embd, eps=config.layer_norm_epsilon)
+def norm(config: GPTConfig, width: int | None = None) -> nn.Module:  # LayerNorm or RMSNorm
+    kind = nn.RMSNorm if config.norm == "rmsnorm" else nn.LayerNorm  # ln_1, ln_2, ln_f; q/k
+    return kind(width or config.n_embd, eps=config.layer_norm_epsilon)
 
 
 class MLP(nn.Module):
@@ -181,22 +182,27 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.head_dim = config.head_dim
-        self.window = config.sliding_window
+        self.window, self.qk_norm = config.sliding_window, config.qk_norm
         self.rope_theta = config.rope_theta if config.position == "rope" else None
-        # Q, K and V in one matmul (split into heads in forward)
-        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.kv_dim,
-                                bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        # Q, K and V in one matmul, split in forward; H * D_h is n_embd unless head_size is set
+        width = config.n_head * self.head_dim
+        self.c_attn = nn.Linear(config.n_embd, width + 2 * config.kv_dim,
+                                bias=config.bias or config.qkv_bias)
+        self.c_proj = nn.Linear(width, config.n_embd, bias=config.bias)
+        if self.qk_norm:  # over each head's D_h features
+            self.q_norm, self.k_norm = norm(config, self.head_dim), norm(config, self.head_dim)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int,
                 start: int, attn_mask: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        B, C, d = x.shape
+        B, C, _ = x.shape
         # c_attn's columns: H query heads, then H_kv key heads, then H_kv value heads
         H, H_kv = self.n_head, self.n_kv_head
         heads = self.c_attn(x).view(B, C, H + 2 * H_kv, self.head_dim).transpose(1, 2)
         # q: [B, H, C, D_h]; k, v: [B, H_kv, C, D_h]
         q, k, v = heads.split((H, H_kv, H_kv), dim=1)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:  # turn the new rows before K is cached
             at = start if positions is None else positions
             q = apply_rope(q, at, self.rope_theta)
@@ -205,7 +211,7 @@ class CausalSelfAttention(nn.Module):
             # Only the new rows were projected; old K/V come from this layer's cache.
             k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h]
         y = self.attend(q, k, v, start, attn_mask)  # [B, H, C, D_h]
-        return self.c_proj(y.transpose(1, 2).reshape(B, C, d))  # merge heads
+        return self.c_proj(y.transpose(1, 2).reshape(B, C, -1))  # merge heads
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -222,9 +228,8 @@ class CausalSelfAttention(nn.Module):
                 device: torch.device) -> torch.Tensor | None:
         """Which of the ``T`` keys each of the ``C`` queries at ``start ..`` reads: ``[C, T]``,
         ``[B, C, T]``, or None when nothing is hidden. The keys end at the last query (a window
-        layer returns only its last ``T``), so the mask keeps its last ``T`` columns;
-        ``attn_mask`` (``[B, C, P + C]``, True: may read) replaces the offset mask for a padded
-        batch or a ragged step."""
+        layer returns its last ``T``): the mask keeps its last ``T`` columns. ``attn_mask``
+        (``[B, C, P + C]``, True: may read) replaces it for a padded batch or a ragged step."""
         if attn_mask is not None:
             return last_keys(attn_mask[..., -T:], self.window)
         if C == 1 and self.window is None:
@@ -298,11 +303,10 @@ class Decoder(nn.Module):
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
                 last_only: bool = False, positions: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None) -> DecoderOutput:
-        """Logits for the ``C`` new tokens ``idx`` (``[B, C]``) after the ``P`` positions
-        ``cache`` holds (None: recompute); a ``ValueError`` comes before any write. ``last_only``
-        projects only the last position; ``positions`` (``[B, C]`` or ``[C]``) replace ``P ..
-        P + C - 1`` and ``attn_mask`` (``[B, C, P + C]``, True: may read) the offset mask, for
-        a padded batch or a ragged step."""
+        """Logits for the ``C`` new tokens ``idx`` (``[B, C]``) after the ``P`` positions ``cache``
+        holds (None: recompute); a ``ValueError`` comes before any write. ``last_only`` projects
+        the last position alone; ``positions`` (``[B, C]`` or ``[C]``) replace ``P .. P + C - 1``
+        and ``attn_mask`` (``[B, C, P + C]``, True: may read) the offset mask (padding, ragged)."""
         self.check_input(idx, cache, positions)
         B, C = idx.shape
         # given to the attention only when set: one written for one start per call still serves
@@ -338,8 +342,7 @@ class Decoder(nn.Module):
             capacity = config.n_positions if capacity is None else capacity
             return StaticCache(config, batch_size, capacity, dtype, device)
         if kind == "window" and not windowed:
-            raise ValueError("a window cache needs a model with sliding windows; this one has "
-                             "none")
+            raise ValueError("a window cache needs a model with sliding windows")
         if kind in ("window", "hybrid"):
             from .window import window_cache  # windows build on this file, not the reverse
             return window_cache(config, batch_size, dtype=dtype, device=device)

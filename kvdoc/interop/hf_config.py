@@ -1,15 +1,18 @@
 """Configurations between kvdoc and transformers: the one reader of a transformers config
-(:func:`config_fields`), a :class:`~kvdoc.core.model.GPTConfig` as transformers' GPT-2, Llama or
-Mistral config and back, and what every family's weight mapping shares.
+(:func:`config_fields`), a :class:`~kvdoc.core.model.GPTConfig` as transformers' GPT-2, Llama,
+Mistral, Qwen2 (Q/K/V biases), Qwen3 (q/k norms) or Phi-3 (fused projections) config and back,
+and what every family's weight mapping shares.
 
-A variant kvdoc does not implement (scaled RoPE, another activation, biases) is refused with a
-``ValueError`` naming the field. transformers and torch are imported only when a function needs
-them: ``python -m kvdoc memory`` reads a ``config.json`` through this module without torch.
+A variant kvdoc does not implement (scaled or partial RoPE, another activation, other biases,
+Qwen's sliding layers) is refused with a ``ValueError`` naming the field. transformers and torch
+are imported only when a function needs them: ``python -m kvdoc memory`` reads a
+``config.json`` through this module without torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch-free: the command line reads config.json files through this module
@@ -26,6 +29,8 @@ OUTER = {"model.embed_tokens.weight": "wte.weight", "model.norm.weight": "ln_f.w
 #: a Llama-style layer's norms and MLP down projection: transformers' names, and kvdoc's
 NORMS_AND_DOWN = {"input_layernorm": "ln_1", "post_attention_layernorm": "ln_2",
                   "mlp.down_proj": "mlp.c_proj"}
+#: the RoPE families :func:`config_from_transformers` reads, beside GPT-2
+ROPE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 #: GPT-2's short names, and the long ones
@@ -91,14 +96,17 @@ def attention_sizes(c: Mapping[str, Any], where: str) -> tuple[int, int, int]:
 
 
 def causal_lm_class(model_type: str) -> type:
-    """transformers' causal-LM class for ``"gpt2"``, ``"llama"`` or ``"mistral"``.
+    """transformers' causal-LM class for ``"gpt2"`` or one of :data:`ROPE_FAMILIES`.
 
-    >>> causal_lm_class("llama").__name__
-    'LlamaForCausalLM'
+    >>> causal_lm_class("qwen2").__name__
+    'Qwen2ForCausalLM'
     """
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM
+    import transformers
 
-    classes = {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM, "mistral": MistralForCausalLM}
+    names = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+             "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+    classes = {family: getattr(transformers, name) for family, name in names.items()}
     if model_type not in classes:
         raise ValueError(f"family must be one of {', '.join(classes)}, got {model_type!r}")
     return classes[model_type]
@@ -127,24 +135,36 @@ def gpt2_config(config: GPTConfig) -> Any:
         bos_token_id=None, eos_token_id=None)  # GPT-2's 50256 lies outside a small vocabulary
 
 
-# --- Llama and Mistral ------------------------------------------------------------------------
+# --- Llama, Mistral, Qwen2, Qwen3 and Phi-3 ---------------------------------------------------
 
-def transformers_config(config: GPTConfig) -> Any:
+def transformers_config(config: GPTConfig, family: str | None = None) -> Any:
     """The transformers config of the same model: GPT-2's for learned positions
-    (:func:`gpt2_config`), else Llama's, or Mistral's when it has a sliding window.
+    (:func:`gpt2_config`), else Qwen3's with q/k norms, Qwen2's with Q/K/V biases, Mistral's
+    with a sliding window, Llama's without; ``family="phi3"``: Phi-3's (the same model, its
+    projections fused).
 
     >>> from transformers import MistralForCausalLM
-    >>> from kvdoc.core.model import mistral_config
+    >>> from kvdoc.core.model import llama_config, mistral_config
     >>> hf = MistralForCausalLM(transformers_config(mistral_config()))
     >>> hf.config.sliding_window, config_from_transformers(hf.config) == mistral_config()
     (32, True)
+    >>> transformers_config(llama_config(qk_norm=True, head_size=24)).model_type
+    'qwen3'
     """
     if config.position == "learned":
         return gpt2_config(config)
-    from transformers import LlamaConfig, MistralConfig
+    import transformers
 
     if (config.norm, config.mlp, config.bias) != ("rmsnorm", "swiglu", False):
-        raise ValueError("Llama and Mistral use RMSNorm, a SwiGLU MLP and no biases with RoPE")
+        raise ValueError("Llama, Mistral, Qwen and Phi-3 use RMSNorm, a SwiGLU MLP and no "
+                         "biases but Qwen2's on Q, K and V with RoPE")
+    qwen = "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else None
+    if config.qk_norm and config.qkv_bias:  # Qwen3's attention_bias also biases o_proj
+        raise ValueError("no transformers family has q/k norms and Q/K/V biases alone")
+    if (qwen or family == "phi3") and family not in (None, qwen or "phi3"):
+        raise ValueError(f"this config is a {qwen or 'llama'} model's, not {family}'s")
+    if qwen and config.sliding_window is not None:
+        raise ValueError(f"kvdoc exports {qwen} without sliding windows")
     common = dict(
         vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.n_inner,
         num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
@@ -152,15 +172,20 @@ def transformers_config(config: GPTConfig) -> Any:
         rms_norm_eps=config.layer_norm_epsilon, hidden_act="silu",
         rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
         tie_word_embeddings=config.tie_word_embeddings, attention_dropout=0.0,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        head_dim=config.head_dim, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if qwen:
+        return getattr(transformers, qwen.title() + "Config")(use_sliding_window=False, **common)
+    if family == "phi3":
+        return transformers.Phi3Config(sliding_window=config.sliding_window, **common)
     if config.sliding_window is None:
-        return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
-    return MistralConfig(sliding_window=config.sliding_window, **common)
+        return transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+    return transformers.MistralConfig(sliding_window=config.sliding_window, **common)
 
 
 def config_from_transformers(hf_config: Any) -> GPTConfig:
-    """The :class:`GPTConfig` of a transformers GPT-2, Llama or Mistral config (an object or a
-    parsed ``config.json``); a ValueError for another model type or a variant kvdoc lacks.
+    """The :class:`GPTConfig` of a transformers GPT-2 config or one of :data:`ROPE_FAMILIES`
+    (an object or a parsed ``config.json``); a ValueError for another model type or a variant
+    kvdoc lacks.
 
     >>> from kvdoc import GPTConfig
     >>> config_from_transformers({"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64,
@@ -170,8 +195,9 @@ def config_from_transformers(hf_config: Any) -> GPTConfig:
     from kvdoc.core.model import GPTConfig  # torch: only when a model config is built
     c = config_fields(hf_config, "config")
     model_type = c.get("model_type")
-    if model_type not in ("gpt2", "llama", "mistral"):
-        raise ValueError(f"kvdoc loads gpt2, llama and mistral models, not {model_type!r}")
+    if model_type not in ("gpt2", *ROPE_FAMILIES):
+        raise ValueError(f"kvdoc loads gpt2, {', '.join(ROPE_FAMILIES)} models, "
+                         f"not {model_type!r}")
     heads, kv_heads, head_dim = attention_sizes(c, model_type)
     hidden = positive(c, "hidden_size", model_type)
     if model_type == "gpt2":
@@ -187,9 +213,13 @@ def config_from_transformers(hf_config: Any) -> GPTConfig:
         rope = dict(c.get("rope_parameters") or {})
         unsupported = {
             "rope_type": (rope.get("rope_type", "default"), ("default",)),
+            "partial_rotary_factor": (rope.get("partial_rotary_factor",
+                                               c.get("partial_rotary_factor", 1.0)), (1.0,)),
             "hidden_act": (c.get("hidden_act"), ("silu",)),
-            "head_dim": (head_dim, (hidden // heads,)),
             "attention_bias": (c.get("attention_bias", False), (False,)),
+            "use_sliding_window": (c.get("use_sliding_window", False), (False,)),  # Qwen's
+            "layer_types": (sorted(set(c.get("layer_types") or ["full_attention"])),
+                            (["full_attention"],)),
             "mlp_bias": (c.get("mlp_bias", False), (False,)),
             "pretraining_tp": (c.get("pretraining_tp", 1) or 1, (1,)),
         }
@@ -203,31 +233,37 @@ def config_from_transformers(hf_config: Any) -> GPTConfig:
     if model_type == "gpt2":
         return GPTConfig(**sizes, n_inner=c.get("n_inner") or 4 * hidden,
                          layer_norm_epsilon=c.get("layer_norm_epsilon", 1e-5))
-    window = c.get("sliding_window") if model_type == "mistral" else None
+    window = c.get("sliding_window") if model_type in ("mistral", "phi3") else None
     return GPTConfig(
         **sizes, n_inner=positive(c, "intermediate_size", model_type), n_kv_head=kv_heads,
         layer_norm_epsilon=c["rms_norm_eps"], position="rope",
         rope_theta=float(rope.get("rope_theta", 10000.0)), norm="rmsnorm", mlp="swiglu",
         bias=False, tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        sliding_window=window)
+        sliding_window=window, head_size=None if head_dim == hidden // heads else head_dim,
+        qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3")
 
 
 def transformers_model(family: str, config: GPTConfig | None = None, seed: int = 0,
                        dtype: torch.dtype | None = None) -> Any:
-    """A transformers ``family`` model (``"gpt2"``, ``"llama"`` or ``"mistral"``) with weights
-    drawn after ``torch.manual_seed(seed)``, built offline from ``config`` (default: the
+    """A transformers ``family`` model (``"gpt2"`` or one of :data:`ROPE_FAMILIES`) with
+    weights drawn after ``torch.manual_seed(seed)``, built offline from ``config`` (default: the
     family's kvdoc default), in eval mode.
 
     >>> transformers_model("llama").config.num_key_value_heads
     2
+    >>> transformers_model("qwen3").config.head_dim      # not hidden_size / heads = 16
+    24
     """
     import torch
 
     from kvdoc.core.model import GPTConfig, llama_config, mistral_config
 
     cls = causal_lm_class(family)
-    default = {"gpt2": GPTConfig, "llama": llama_config, "mistral": mistral_config}[family]
-    hf_config = transformers_config(config or default())
+    default = {"gpt2": GPTConfig, "llama": llama_config, "mistral": mistral_config,
+               "qwen2": partial(llama_config, qkv_bias=True),
+               "qwen3": partial(llama_config, qk_norm=True, head_size=24),
+               "phi3": mistral_config}[family]
+    hf_config = transformers_config(config or default(), family)
     if hf_config.model_type != family:
         raise ValueError(f"this config builds a {hf_config.model_type} model, not {family}")
     torch.manual_seed(seed)

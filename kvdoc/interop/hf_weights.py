@@ -4,8 +4,10 @@
 
 GPT-2's ``c_attn``, ``c_proj`` and ``c_fc`` are ``Conv1D`` weights, ``[in, out]``, the
 transpose of ``nn.Linear``'s; everything else maps by key once the ``transformer.`` prefix is
-dropped. Llama's and Mistral's ``q_proj``, ``k_proj`` and ``v_proj`` are stacked into
-``c_attn``, ``gate_proj`` and ``up_proj`` into ``c_fc``.
+dropped. Llama's, Mistral's and Qwen's ``q_proj``, ``k_proj`` and ``v_proj`` (weights, and
+Qwen2's biases) are stacked into ``c_attn``, ``gate_proj`` and ``up_proj`` into ``c_fc``; Phi-3
+stores them stacked already (``qkv_proj``, ``gate_up_proj``). Qwen3's ``q_norm`` and ``k_norm``
+keep their names.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .hf_config import (
     BUFFERS,
     NORMS_AND_DOWN,
     OUTER,
+    ROPE_FAMILIES,
     causal_lm_class,
     config_from_transformers,
     holding,
@@ -35,7 +38,12 @@ from .hf_gemma import from_gemma, to_gemma
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "mlp.c_proj.weight")
 """GPT-2's weights stored as ``Conv1D`` (``[in, out]``, the transpose of ``nn.Linear``'s)."""
-_LLAMA = {**NORMS_AND_DOWN, "self_attn.o_proj": "attn.c_proj"}
+_LLAMA = {**NORMS_AND_DOWN, "self_attn.o_proj": "attn.c_proj", "self_attn.q_norm": "attn.q_norm",
+          "self_attn.k_norm": "attn.k_norm"}  # the last two: Qwen3's alone
+#: kvdoc's stacked matrices: transformers' parts, and Phi-3's one name for them
+_STACKED = {"attn.c_attn": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                            "self_attn.qkv_proj"),
+            "mlp.c_fc": (("mlp.gate_proj", "mlp.up_proj"), "mlp.gate_up_proj")}
 
 
 def _decoder_holding(config: GPTConfig, mapped: Mapping[str, torch.Tensor],
@@ -90,20 +98,25 @@ def decoder_from_gpt2(model_or_state_dict: Any, config: GPTConfig | None = None)
 
 
 def _llama_state(state: Mapping[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:
-    """Llama/Mistral weights under kvdoc's GPT-2 names: Q, K, V (and gate, up) fused by rows."""
+    """Weights of a :data:`~kvdoc.interop.hf_config.ROPE_FAMILIES` model under kvdoc's GPT-2
+    names: Q, K, V (and gate, up) stacked by rows; what the model lacks stays unmapped, for
+    the caller to name."""
     mapped = outer_weights(state)
     for i in range(n_layer):
         src, dst = f"model.layers.{i}.", f"h.{i}."
-        mapped.update({dst + ours + ".weight": state[src + theirs + ".weight"]
-                       for theirs, ours in _LLAMA.items()})
-        mapped[dst + "attn.c_attn.weight"] = torch.cat([state[f"{src}self_attn.{p}_proj.weight"]
-                                                        for p in "qkv"])
-        mapped[dst + "mlp.c_fc.weight"] = torch.cat([state[src + "mlp.gate_proj.weight"],
-                                                     state[src + "mlp.up_proj.weight"]])
+        for theirs, ours in _LLAMA.items():
+            if src + theirs + ".weight" in state:
+                mapped[dst + ours + ".weight"] = state[src + theirs + ".weight"]
+        for ours, (parts, whole) in _STACKED.items():
+            for kind in (".weight", ".bias"):
+                if src + whole + kind in state:  # Phi-3: stacked already
+                    mapped[dst + ours + kind] = state[src + whole + kind]
+                elif src + parts[0] + kind in state:
+                    mapped[dst + ours + kind] = torch.cat([state[src + p + kind] for p in parts])
     return mapped
 
 
-LOADS = ("gpt2", "llama", "mistral", "gemma3_text", "deepseek_v3")
+LOADS = ("gpt2", *ROPE_FAMILIES, "gemma3_text", "deepseek_v3")
 """The transformers ``model_type`` values :func:`from_transformers` loads."""
 
 
@@ -127,7 +140,8 @@ def from_transformers(hf_model: Any) -> Decoder:
     ...     num_attention_heads=2, intermediate_size=37)))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: kvdoc loads gpt2, llama, mistral, gemma3_text, deepseek_v3 models, not 'bert'
+    ValueError: kvdoc loads gpt2, llama, mistral, qwen2, qwen3, phi3, gemma3_text, deepseek_v3
+    models, not 'bert'
     """
     model_type = getattr(hf_model.config, "model_type", None)
     if model_type == "gemma3_text":  # window and global layers: a decoder of its own
@@ -147,9 +161,10 @@ def from_transformers(hf_model: Any) -> Decoder:
     return _decoder_holding(config, mapped, model_type)
 
 
-def to_transformers(model: Decoder) -> Any:
-    """The transformers model of the same family (GPT-2, Llama, Mistral or Gemma 3) holding
-    ``model``'s weights, in its dtype, in eval mode; the global RNG is left as it was. It is how
+def to_transformers(model: Decoder, family: str | None = None) -> Any:
+    """The transformers model of the same family (GPT-2, Llama, Mistral, Qwen2, Qwen3 or Gemma
+    3; ``family="phi3"``: Phi-3, which computes what Llama or Mistral does) holding ``model``'s
+    weights, in its dtype, in eval mode; the global RNG is left as it was. It is how
     :mod:`kvdoc.proofs.references` builds an implementation that shares no code with kvdoc.
 
     >>> from kvdoc.core.model import llama_config
@@ -162,7 +177,7 @@ def to_transformers(model: Decoder) -> Any:
     if isinstance(model, Gemma3Decoder):
         return to_gemma(model)
     config, state = model.config, model.state_dict()
-    hf_config = transformers_config(config)
+    hf_config = transformers_config(config, family)
     with torch.random.fork_rng():
         hf = causal_lm_class(hf_config.model_type)(hf_config)
     if hf_config.model_type == "gpt2":
@@ -170,15 +185,20 @@ def to_transformers(model: Decoder) -> Any:
                   (value.t() if name.endswith(CONV1D_WEIGHTS) else value)
                   for name, value in state.items()}
     else:
-        d, kv = config.n_embd, config.kv_dim
+        kv = config.kv_dim
+        rows = {"attn.c_attn": (config.n_head * config.head_dim, kv, kv),
+                "mlp.c_fc": (config.n_inner, config.n_inner)}
+        phi3 = hf_config.model_type == "phi3"  # its stacked matrices stay whole
         mapped = {theirs: state[ours] for theirs, ours in OUTER.items()}
         for i in range(config.n_layer):
             src, dst = f"h.{i}.", f"model.layers.{i}."
             mapped.update({dst + theirs + ".weight": state[src + ours + ".weight"]
-                           for theirs, ours in _LLAMA.items()})
-            q, k, v = state[src + "attn.c_attn.weight"].split((d, kv, kv))
-            gate, up = state[src + "mlp.c_fc.weight"].chunk(2)
-            mapped.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
-                           dst + "self_attn.v_proj.weight": v, dst + "mlp.gate_proj.weight": gate,
-                           dst + "mlp.up_proj.weight": up})
+                           for theirs, ours in _LLAMA.items() if src + ours + ".weight" in state})
+            for ours, (parts, whole) in _STACKED.items():
+                names = (whole,) if phi3 else parts
+                sizes = (sum(rows[ours]),) if phi3 else rows[ours]
+                for kind in (".weight", ".bias"):
+                    if src + ours + kind in state:
+                        pieces = state[src + ours + kind].split(sizes)
+                        mapped.update(zip([dst + n + kind for n in names], pieces, strict=True))
     return load_exported(hf, mapped, model, hf_config.model_type)

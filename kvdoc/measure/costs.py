@@ -78,11 +78,12 @@ def step_flops(config: GPTConfig, past: int, new: int, last_only: bool = False,
     True
     """
     d, t = config.n_embd, past + new
+    q = config.n_head * config.head_dim  # all query heads: d unless head_size is set (Qwen3)
     mlp_matrices = 3 if config.mlp == "swiglu" else 2
-    per_token_linear = d * (d + 2 * config.kv_dim) + d * d + mlp_matrices * d * config.n_inner
+    per_token_linear = d * (q + 2 * config.kv_dim) + q * d + mlp_matrices * d * config.n_inner
     linear = 2.0 * config.n_layer * new * per_token_linear
     keys = new * past + new * (new + 1) // 2 if causal else new * t  # score-value pairs
-    attention = 2.0 * config.n_layer * 2 * keys * d  # H heads x D_h = d, for QK^T and for PV
+    attention = 2.0 * config.n_layer * 2 * keys * q  # H heads x D_h, for QK^T and for PV
     lm_head = 2.0 * (1 if last_only else new) * d * config.vocab_size
     return {"linear": linear, "attention": attention, "lm_head": lm_head,
             "total": linear + attention + lm_head}

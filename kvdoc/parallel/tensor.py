@@ -84,6 +84,9 @@ class ShardedAttention(CausalSelfAttention):
     def __init__(self, full: CausalSelfAttention, shard: HeadShard, comm: Comm,
                  context: object | None = None) -> None:
         nn.Module.__init__(self)
+        if full.qk_norm or full.n_head * full.head_dim != full.c_attn.in_features:
+            raise ValueError("a sharded attention has no q/k norms and needs H * D_h = n_embd; "
+                             "this one is Qwen3-style")
         self.head_dim, self.window, self.rope_theta = full.head_dim, full.window, full.rope_theta
         self.n_head, self.n_kv_head = len(shard.q_heads), len(shard.kv_heads)
         self.shard, self.comm, self.context = shard, comm, context

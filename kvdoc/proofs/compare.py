@@ -142,13 +142,16 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
     cfg = model.config
     captured: list[KV] = []
 
-    def hook(module, inputs, output):
-        B, T, _ = output.shape
-        heads = output.view(B, T, cfg.n_head + 2 * cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
-        _, k, v = heads.split((cfg.n_head, cfg.n_kv_head, cfg.n_kv_head), dim=1)
-        if cfg.position == "rope":
-            k = apply_rope(k, 0, cfg.rope_theta)
-        captured.append((k, v))
+    def c_attn_hook(attn):  # K and V off c_attn; K normalised (Qwen3) and rotated as cached
+        def hook(module, inputs, output):
+            B, T, _ = output.shape
+            heads = output.view(B, T, -1, cfg.head_dim).transpose(1, 2)
+            _, k, v = heads.split((cfg.n_head, cfg.n_kv_head, cfg.n_kv_head), dim=1)
+            k = attn.k_norm(k) if getattr(attn, "qk_norm", False) else k
+            if cfg.position == "rope":
+                k = apply_rope(k, 0, cfg.rope_theta)
+            captured.append((k, v))
+        return hook
 
     def latent_hook(attn):
         # an MLA layer's kv_a_proj_with_mqa: the latent (normalised by the layer's own norm),
@@ -179,10 +182,10 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
         attn = getattr(block, "attn", None) or block.self_attn
         if hasattr(attn, "kv_a_proj_with_mqa"):
             handles.append(attn.kv_a_proj_with_mqa.register_forward_hook(latent_hook(attn)))
+        elif hasattr(attn, "c_attn"):
+            handles.append(attn.c_attn.register_forward_hook(c_attn_hook(attn)))
         elif hasattr(attn, "k_norm"):
             handles += gemma_hooks(attn)
-        elif hasattr(attn, "c_attn"):
-            handles.append(attn.c_attn.register_forward_hook(hook))
         else:
             for handle in handles:
                 handle.remove()

@@ -11,7 +11,7 @@ of its decode step is proved not to cost correctness). Something not registered 
 
 >>> sorted(MODELS)  # doctest: +NORMALIZE_WHITESPACE
 ['deep', 'gemma3', 'gemma3-global-first', 'gqa', 'llama', 'mha', 'mistral', 'mla',
- 'mla-absorbed', 'mqa', 'split-k']
+ 'mla-absorbed', 'mqa', 'qwen2', 'qwen3', 'split-k']
 >>> sorted(CACHES), sorted(IMPLEMENTATIONS)
 (['dynamic', 'hybrid', 'paged', 'shared-prefix', 'static', 'window'], ['fast', 'model'])
 >>> MODELS["gqa"].build(0).config.n_kv_head
@@ -61,6 +61,8 @@ GRID = dict(kinds=("dynamic", "static"), impls=("model",), batches=(1, 2), scena
 # every size and switch off GPTConfig's default
 LLAMA = llama_config(vocab_size=89, n_positions=256, n_layer=1, n_head=6, n_embd=96,
                      n_kv_head=2, rope_theta=500000.0, tie_word_embeddings=True)
+QWEN2, QWEN3 = (dataclasses.replace(LLAMA, qkv_bias=True),
+                dataclasses.replace(LLAMA, qk_norm=True, head_size=20))
 # 12 layers (two-digit indices), narrow so that it stays cheap
 DEEP = llama_config(vocab_size=89, n_positions=256, n_layer=12, n_head=2, n_embd=16, n_inner=24,
                     n_kv_head=1)
@@ -144,6 +146,11 @@ MODELS: dict[str, ModelSpec] = {
     "llama": ModelSpec("Llama-style: RoPE base 5e5, RMSNorm, SwiGLU, 1 layer, width 96, "
                        "6 query heads, 2 K/V heads, tied LM head",
                        _decoder(LLAMA), transformers_reference, "transformers Llama, same weights"),
+    "qwen2": ModelSpec("Qwen2-style: llama with Q/K/V biases", _decoder(QWEN2),
+                       transformers_reference, "transformers Qwen2, same weights"),
+    "qwen3": ModelSpec("Qwen3-style: llama with q/k norms, heads 20 wide", _decoder(QWEN3),
+                       transformers_reference, "transformers Qwen3, same weights",
+                       impls=("model",)),  # FastDecoder refuses q/k norms
     "mistral": ModelSpec(f"Mistral-style: Llama with a sliding window of {WINDOW} positions",
                          _decoder(mistral_config(sliding_window=WINDOW)), transformers_reference,
                          "transformers Mistral, same weights"),
