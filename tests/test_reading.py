@@ -83,6 +83,8 @@ def test_the_landing_page_lists_each_path_and_offers_the_tour_first():
     for name in paths():
         assert f"```{{glue}} path-{name}-pages\n```" in index, name  # a list, not a paragraph
     assert index.index("(tour.md)") < index.index("path-new-pages")
+    # someone sizing a deployment starts where their own model's numbers are
+    assert paths()["serving"]["pages"][0] == "reference/calculator"
 
 
 def test_the_tour_reads_in_under_ten_minutes():
