@@ -25,14 +25,12 @@ import torch
 from kvdoc.measure.tables import markdown_table
 
 from . import (
-    batch_invariance,
     cache_invariants,
     calls,
     equivalence,
     figures,
     fp8_contract,
     grid,
-    handover_checks,
     int8_contract,
     precision,
 )
@@ -41,7 +39,7 @@ from .compare import DTYPE_NAMES, TOLERANCE
 from .variants import VARIANTS
 
 CHECK_MODULES = (equivalence, figures, calls, cache_invariants, int8_contract, fp8_contract,
-                 handover_checks, batch_invariance, precision)
+                 precision)
 """The modules whose scenarios run, in this order: the cheap ones first, as a sweep stops at a
 variant's first failure."""
 _RANK = {module.__name__: rank for rank, module in enumerate(CHECK_MODULES)}

@@ -33,7 +33,7 @@ from kvdoc.parallel.latent import (
 from kvdoc.parallel.launch import launch, together
 from kvdoc.serving.offload import TieredStore, check_offload, multi_turn
 
-from . import batch_invariance, grid
+from . import grid
 from .broken.parallel import BROKEN as PARALLEL_BROKEN
 from .broken.parallel import HANDOVER_BROKEN, LATENT_BROKEN, PULL_BROKEN
 from .broken.serving import OFFLOAD_BROKEN
@@ -243,10 +243,6 @@ def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start:
     print("  BF16 and FP16 passes: every model's weights rounded to BF16 and FP16, full and "
           "cached within the derived n u max|logit| of their FP64 value (scenario bf16, "
           "dynamic kind, in the FP32 run)")
-    print("  batch invariance: under kvdoc.batch_invariant(), logits bit for bit across chunks, "
-          "batch and cache kinds in BF16/FP16/FP32 (scenario invariance, on "
-          f"{', '.join(batch_invariance.MODELS)}; {', '.join(batch_invariance.LEAN)} in BF16/FP32 "
-          "only, all three with --thorough)")
     print(f"  scenarios: {', '.join(SCENARIOS)}")
     for axes in passes:
         dtypes = "/".join(DTYPE_NAMES[d] for d in axes["dtypes"])

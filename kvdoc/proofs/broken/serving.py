@@ -92,12 +92,6 @@ def pack_through_fp32(cache: KVCache, logits: torch.Tensor | None = None) -> byt
     return pack(DynamicCache(layers), None if logits is None else wire(logits))
 
 
-def pack_layers_by_name(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
-    """BROKEN: the layers go out in the order of their names, ``0, 1, 10, 11, 2, ..``."""
-    order = sorted(range(cache.n_layer), key=str)
-    return pack(DynamicCache([cache.layer(i) for i in order]), logits)
-
-
 # --- schedulers ----------------------------------------------------------------------------
 class SharedStartScheduler(Scheduler):
     """BROKEN: every row of a step is embedded at the step's common start, not its own length."""
