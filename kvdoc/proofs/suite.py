@@ -241,17 +241,9 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
                                 broken is not None and broken.stale_prefix,
                                 lambda pristine=pristine: copy.deepcopy(pristine),
                                 grid.IMPLEMENTATIONS[impl], shared,
-                                {} if broken is None else broken.caches,
-                                lambda other, name=name, seed=seed: _built(
-                                    specs[name], seed, other, broken))
+                                {} if broken is None else broken.caches)
                     own_scenarios = (scenarios if given_scenarios or specs[name].scenarios is None
                                      else [n for n in scenarios if n in specs[name].scenarios])
                     if _run_case(case, own_scenarios, results, stop_at_first):
                         return SuiteReport(variant, results, time.perf_counter() - start)
     return SuiteReport(variant, results, time.perf_counter() - start)
-
-
-def _built(spec: grid.ModelSpec, seed: int, dtype: torch.dtype, broken) -> torch.nn.Module:
-    """The model under test in ``dtype`` (:attr:`Case.in_dtype`): cast, then the variant built."""
-    model = copy.deepcopy(spec.build(seed)).to(dtype).eval()
-    return model if broken is None else broken.build(model)
