@@ -6,7 +6,9 @@ import io
 import pytest
 import torch
 
+from kvdoc.core.cache import DynamicCache
 from kvdoc.core.model import GPTConfig
+from kvdoc.proofs import grid
 from kvdoc.proofs.broken.serving import pack_off_by_one, pack_through_fp32, pack_zeroed_last_v
 from kvdoc.proofs.compare import default_model
 from kvdoc.proofs.handover_checks import PAYLOAD_DTYPES, check_dtypes, check_handover
@@ -113,19 +115,42 @@ def test_no_logits_no_decode(model):
 
 @pytest.fixture(scope="module")
 def grid_models():
-    from kvdoc.proofs.grid import MODELS
-    return {name: MODELS[name].build(0) for name in ("llama", "mistral", "mla", "gemma3")}
+    return {name: grid.MODELS[name].build(0) for name in ("llama", "mla")}
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "mla", "gemma3"])
-def test_every_model_hands_over(grid_models, name):
-    model = grid_models[name]
+HANDED = [name for name in grid.MODELS if name != "gemma3-global-first"]
+"""Formerly verify's ``handover`` scenario (it never varied by cache kind): every grid model but
+the global-first Gemma one, which only the checks that see a layer's type run; ``deep``, twelve
+layers, for a packer that orders them by name."""
+
+
+def _prompt(model):
     g = torch.Generator().manual_seed(3)
-    prompt = torch.randint(0, model.config.vocab_size, (2, 21), generator=g)  # past the window
-    check = check_handover(model, prompt, 4)
-    assert check.passed, check
+    return torch.randint(0, model.config.vocab_size, (2, 21), generator=g)  # past the window
+
+
+@pytest.mark.parametrize("name", HANDED)
+def test_every_model_hands_over_in_every_payload_dtype(name):
+    model, dtypes = grid.MODELS[name].build(0), (torch.float32, *PAYLOAD_DTYPES)
+    checks = check_dtypes(model, _prompt(model), 4, dtypes)
+    assert [c.dtype for c in checks] == ["FP32", "FP64", "BF16", "FP16"]
+    assert all(c.passed for c in checks), checks
     for broken in (pack_off_by_one, pack_zeroed_last_v):
-        assert not check_handover(model, prompt, 4, packer=broken).passed
+        assert not check_handover(model, _prompt(model), 4, packer=broken).passed
+
+
+def pack_layers_by_name(cache, logits=None):
+    """BROKEN (verify's former variant handover-layers-by-name): the layers go out in the order
+    of their names, ``0, 1, 10, 11, 2, ..``."""
+    order = sorted(range(cache.n_layer), key=str)
+    return pack(DynamicCache([cache.layer(i) for i in order]), logits)
+
+
+def test_layers_packed_in_the_order_of_their_names_are_caught_past_ten_layers():
+    deep = grid.MODELS["deep"].build(0)
+    assert not check_handover(deep, _prompt(deep), 4, packer=pack_layers_by_name).passed
+    llama = grid.MODELS["llama"].build(0)  # one layer: the order cannot show
+    assert check_handover(llama, _prompt(llama), 4, packer=pack_layers_by_name).passed
 
 
 def test_an_mla_payload_holds_the_latent(grid_models):
@@ -146,6 +171,7 @@ def test_every_payload_dtype_ships_bit_for_bit(model):
 
 
 def test_a_payload_through_fp32_is_caught_in_fp64_only(model):
+    # verify's former variant handover-through-fp32
     checks = check_dtypes(model, PROMPT, 4, (torch.float32, *PAYLOAD_DTYPES),
                           packer=pack_through_fp32)
     assert {c.dtype: c.passed for c in checks} == {"FP32": True, "FP64": False, "BF16": True,

@@ -17,10 +17,7 @@ from kvdoc.serving.quant import new_int8_cache
 
 FP32 = dict(dtypes=(torch.float32,))
 NEW = ["bytes", "edges", "padded", "int8"]  # the cache invariants and the int8 contract
-# later checks of what these build on: generate_padded, the function a user calls, also sees a
-# decoder that drops the pad mask on decode steps
-LATER = ("counted", "generate_padded")
-OLD = [s for s in SCENARIOS if s not in NEW and s not in LATER]
+OLD = [s for s in SCENARIOS if s not in NEW and s != "counted"]  # counted: a later check
 
 # variant -> the check made for it
 MADE_FOR = {"pool-counts-k-only": "bytes", "int8-requantise": "int8", "int8-read-v-scale": "int8",
@@ -56,10 +53,7 @@ def test_the_sweep_catches_the_new_variants():
     outcomes = sweep_variants(list(MADE_FOR), **FP32)
     assert [o.name for o in outcomes] == list(MADE_FOR)
     assert all(o.caught for o in outcomes)
-    # generate_padded runs before padded (it is cheap) and sees the decoder that drops the pad
-    # mask on decode steps first
-    first = {**MADE_FOR, "decode-without-pad-mask": "generate_padded"}
-    assert [o.first.check for o in outcomes] == list(first.values())
+    assert [o.first.check for o in outcomes] == list(MADE_FOR.values())
 
 
 def test_held_tensors_and_bytes_of_a_paged_cache():

@@ -162,15 +162,13 @@ def test_the_default_verify_catches_every_variant(name):
                           "speculative", "edges"}),
     ("rope-table-growth", {"fresh"}),            # right after a full forward over the stream
     ("fast-step-snapshot", {"weights"}),         # right until the weights change in place
-    # generate_padded picks each token from a last_only=True call too
-    ("last-only-first-row", {"last_only", "prefill_decode", "generate", "handover",
-                             "generate_padded"}),
+    # generate_padded and the hand-over (tests: test_entry_points.py, test_handover.py) too
+    ("last-only-first-row", {"last_only", "prefill_decode", "generate"}),
 ])
 def test_some_variants_escape_all_but_one_kind_of_check(name, only):
     # the policy checks that see two of these too are tests: tests/test_policies.py
     report = run_suite(name, **FP32)
-    # the bitwise invariance check may also see a variant whose bits follow the call
-    assert set(report.failed_checks()) - {"invariance"} == only, report.failures_table()
+    assert set(report.failed_checks()) == only, report.failures_table()
 
 
 def test_each_axis_is_needed():
@@ -180,9 +178,8 @@ def test_each_axis_is_needed():
     assert run_suite("gqa-tiled-cached", models=("mha", "mqa"), **FP32).passed
     assert not run_suite("gqa-tiled-cached", models=("gqa",), **FP32).passed
     assert run_suite("modulo-slots", kinds=("dynamic",), **FP32).passed
-    # invisible unless the model is FP64: in the FP32 pass only the hand-over's FP64 copy sees it
-    assert run_suite("fp32-cache", **FP32).failed_checks() == ["handover"]
-    assert run_suite("fp32-cache", **FP32, scenarios=("stream", "reference")).passed
+    # invisible unless the model is FP64
+    assert run_suite("fp32-cache", **FP32).passed
     assert not run_suite("fp32-cache", models=("mqa",), dtypes=(torch.float64,)).passed
     # a RoPE base ignored shows only on a model whose base is not the default
     assert run_suite("rope-default-base", models=("mistral",), kinds=("dynamic",), **FP32).passed
@@ -218,9 +215,7 @@ def test_the_default_verify_passes_and_says_what_it_ran(capsys, monkeypatch):
     assert all(r.passed is not False for r in report.results)
     # each skips kinds, impls or models it cannot take
     not_everywhere = ("generate", "crop", "speculative", "int8", "fp8", "edges", "padded",
-                      "handover", "invariance",
-                      "bf16", "fp16", "bf16-reference", "fp16-reference", "counted",
-                      "generate_padded")
+                      "bf16", "fp16", "bf16-reference", "fp16-reference", "counted")
     assert all(r.passed is not None for r in report.results if r.check not in not_everywhere)
     # it says what it ran: every registered model, cache kind, implementation and scenario
     lines = {line.strip().split(":")[0]: line.split(":", 1)[1].strip()
@@ -364,15 +359,13 @@ def test_a_new_implementation_plugs_in_with_one_entry(monkeypatch):
 
     monkeypatch.setitem(grid.IMPLEMENTATIONS, "wrapper", Wrapper)
     report = run_suite(impls=("wrapper",), models=("gqa",), kinds=("static",), **FP32)
-    # generate(), generate_padded, speculative decoding, the scheduler, the prefix tree and the
-    # hand-over take the model itself; int8, fp8 and the BF16/FP16 bounds run on the dynamic
-    # kind, edges' branches on a cache not written in place, invariance on
-    # batch_invariance.MODELS, counted on caches whose tensors hold exactly their positions
+    # generate() and speculative decoding take the model itself; int8, fp8 and the BF16/FP16
+    # bounds run on the dynamic kind, edges' branches on a cache not written in place, counted
+    # on caches whose tensors hold exactly their positions
     skipped = {r.check for r in report.results if r.passed is None}
-    assert report.passed and skipped == {"generate", "generate_padded", "speculative",
-                                         "handover", "int8", "fp8",
+    assert report.passed and skipped == {"generate", "speculative", "int8", "fp8",
                                          "edges", "bf16", "fp16", "bf16-reference",
-                                         "fp16-reference", "invariance", "counted"}
+                                         "fp16-reference", "counted"}
     monkeypatch.setitem(grid.IMPLEMENTATIONS, "wrapper", lambda m: Wrapper(m, skip_last_only=True))
     assert "last_only" in _fails(impls=("wrapper",), models=("gqa",), kinds=("static",))
 

@@ -1,11 +1,12 @@
-"""The ``invariance`` check: under :func:`kvdoc.batch_invariant`, one sequence's logits bit for bit.
+"""Batch invariance: under :func:`kvdoc.batch_invariant`, one sequence's logits bit for bit.
 
 Row 0 of a short stream is computed many ways: a full forward alone and in a batch, fed through
 every kind of :data:`KINDS` that serves the model in chunks, alone and batched, decode steps
 among other rows: every result ``torch.equal`` to the first, in BF16, FP16 and FP32 (an absorbed
-MLA model's cached runs against its one cached call, since it attends in latent space). It runs
-on :data:`MODELS` once per model (:data:`LEAN` in BF16 and FP32 only but with ``--thorough``);
-``chunk-split-attention`` is within every tolerance and caught only here.
+MLA model's cached runs against its one cached call, since it attends in latent space).
+tests/test_batch_invariant.py runs it on :data:`MODELS` (it never varied by cache kind), with
+:class:`~kvdoc.proofs.broken.arithmetic.ChunkSplitAttention`, within every tolerance and
+caught only here.
 
 >>> from kvdoc.proofs import grid
 >>> rows = invariance_rows(grid.MODELS["mha"].build(0), (torch.float32,))
@@ -24,16 +25,10 @@ from kvdoc.core.feed import feed
 from kvdoc.core.invariant import batch_invariant
 
 from . import grid
-from .case import scenario
 from .compare import DTYPE_NAMES
-from .traits import FAMILIES, traits
 
-CHECK = ("bitwise under kvdoc.batch_invariant(): chunks, batch, cache kinds, BF16/FP16/FP32 "
-         "(MLA, Gemma: BF16/FP32)")
 MODELS = ("mha", "split-k", "mla", "mla-absorbed", "gemma3")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-LEAN = ("mla", "mla-absorbed", "gemma3")  # three dtypes would add some 3 s to verify
-LEAN_DTYPES = (torch.bfloat16, torch.float32)
 KINDS = ("dynamic", "static", "window", "hybrid")
 LENGTH = 24
 CHUNKS = (2, 5)
@@ -82,28 +77,3 @@ def invariance_rows(model: nn.Module, dtypes=DTYPES,
                      else float("inf")) for r, w in runs)
         rows.append((DTYPE_NAMES[dt], all(equal), worst, len(runs)))
     return rows
-
-
-@scenario("invariance", {"invariance": CHECK})
-def _scenario(case, out: list) -> None:
-    if case.kind != "dynamic" or case.impl != "model" or case.dtype != torch.float32:
-        out.append(case.result("invariance", None, 0.0,
-                               "run once per model: dynamic kind, the model's call, FP32 pass"))
-        return
-    if case.model_name in grid.MODELS and case.model_name not in MODELS:
-        out.append(case.result("invariance", None, 0.0, f"run on {', '.join(MODELS)}"))
-        return
-    try:
-        family = traits(case.model.config) & set(FAMILIES)
-    except ValueError:  # a model of a config kvdoc does not know: the mode was not argued for it
-        family = set()
-    if not family:
-        out.append(case.result("invariance", None, 0.0,
-                               "a kvdoc decoder only (GPTConfig, MLA or Gemma 3)"))
-        return
-    thorough = case.ids.shape[1] > grid.STREAM_LENGTH
-    dtypes = LEAN_DTYPES if case.model_name in LEAN and not thorough else DTYPES
-    for name, ok, worst, runs in invariance_rows(case.fresh(), dtypes):
-        out.append(case.result("invariance", ok, worst,
-                               f"{name}: {runs} runs vs the full forward alone, bitwise"))
-

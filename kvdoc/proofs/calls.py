@@ -1,5 +1,5 @@
 """The calls a user makes and what comes between them, as scenarios of the grid: prefill and
-decode steps, ``generate``, speculative decoding and ``generate_padded`` against one full forward
+decode steps, ``generate`` and speculative decoding against one full forward
 (picks: its argmax, a near tie within the tolerance either way); crop, branch, a call that raises
 midway; a model no call has run on (a table built on the first call and grown wrongly shows only
 there); weights changed in place after the call was built.
@@ -15,14 +15,11 @@ from torch import nn
 
 from kvdoc.core.cache import KVCache
 from kvdoc.core.model import decode_step, generate, prefill
-from kvdoc.serving.batching import generate_padded
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
 from .case import Case, scenario
 from .compare import Snapshot, close, max_abs, run_cached
 
-PROMPTS = (7, 3, 5)
-NEW = 4
 DECODE_CUT = 20
 """Where the full batch stops in ``prefill_decode`` and ``generate`` when the stream checks made
 the same one-token calls to the end at that batch (batch 1 runs the whole stream)."""
@@ -107,29 +104,6 @@ def _speculative(case: Case, out: list) -> None:
     out.append(case.result("speculative", ok, gap,
                            f"{new} tokens, a 1-layer draft proposing {k} a round, "
                            f"{sum(run.accepted)} kept; vs argmax of one full forward"))
-
-
-@scenario("generate_padded", {
-    "generate_padded": "generate_padded's rows vs each prompt's solo generate() (tokens) and one "
-                       "full forward (logits)"})
-def _generate_padded(case: Case, out: list) -> None:
-    if case.impl != "model" or case.kind != "dynamic" or case.ids.shape[0] < 2:
-        out.append(case.result("generate_padded", None, 0.0, "generate_padded takes the model "
-                               "and makes its own cache (the dynamic kind); 2 rows or more"))
-        return
-    run = case.caches.get("generate_padded", generate_padded)
-    B = case.ids.shape[0]
-    prompts = [case.ids[b, :PROMPTS[b % len(PROMPTS)]].tolist() for b in range(B)]
-    got = run(case.model, prompts, NEW)
-    same, pairs = tuple(got.tokens.shape) == (B, NEW), []
-    for b, prompt in enumerate(prompts):
-        alone = generate(case.model, torch.tensor([prompt], device=case.ids.device), NEW)
-        same = same and torch.equal(got.tokens[b], alone[0, len(prompt):])
-        # the logits behind each choice
-        pairs.append((got.logits[b], case.full(alone[:, :-1])[0, len(prompt) - 1:]))
-    out.append(case.compared("generate_padded", pairs,
-                             f"prompts of {[len(p) for p in prompts]} tokens, {NEW} new each: "
-                             "tokens vs generate() alone, logits vs one full forward", same))
 
 
 @scenario("crop", {"crop": "crop a filled cache, continue with other tokens"})

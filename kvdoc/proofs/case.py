@@ -75,7 +75,6 @@ class Case:
     implementation: Callable[[nn.Module], Callable]
     shared: dict = field(default_factory=dict)
     caches: Mapping[str, Callable[[nn.Module, int, int], KVCache]] = field(default_factory=dict)
-    in_dtype: Callable[[torch.dtype], nn.Module] | None = None
 
     @property
     def tol(self) -> float:

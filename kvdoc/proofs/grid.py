@@ -66,8 +66,6 @@ QWEN2, QWEN3 = (dataclasses.replace(LLAMA, qkv_bias=True),
 # 12 layers (two-digit indices), narrow so that it stays cheap
 DEEP = llama_config(vocab_size=89, n_positions=256, n_layer=12, n_head=2, n_embd=16, n_inner=24,
                     n_kv_head=1)
-DEEP_SCENARIOS = ("stream", "counted", "reference", "handover")
-"""The checks that see a layer out of order; the rest see nothing a twelfth layer adds."""
 MLA = MLAConfig(vocab_size=89, n_positions=256, n_layer=1, n_head=3, n_embd=48, n_inner=96,
                 q_lora_rank=12, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=6,
                 v_head_dim=20, layer_norm_epsilon=1e-5, rope_theta=500000.0)
@@ -84,7 +82,8 @@ global one; ``head_dim`` not ``n_embd / n_head``, the softmax scale not ``head_d
 two RoPE bases, a soft cap that bends the logits."""
 GEMMA_GLOBAL_FIRST = dataclasses.replace(GEMMA, global_layers=(0,))  # no pattern gives it
 LAYOUT_SCENARIOS = ("stream", "counted", "reference")
-"""The checks that see a layer of the wrong type, which the global-first model runs."""
+"""The checks that see a layer out of order or of the wrong type, which the deep and global-first
+models run; the rest see nothing a twelfth layer or a global layer first adds."""
 
 
 def _decoder(config: GPTConfig | MLAConfig) -> Callable[[int], nn.Module]:
@@ -173,7 +172,7 @@ MODELS: dict[str, ModelSpec] = {
     # 12 layers: a loader or payload that orders layers by name ("h.10" before "h.2") shows
     "deep": ModelSpec("Llama-style, 12 layers, width 16, 2 query heads, 1 K/V head",
                       _decoder(DEEP), transformers_reference, "transformers Llama, same weights",
-                      impls=("model",), scenarios=DEEP_SCENARIOS),
+                      impls=("model",), scenarios=LAYOUT_SCENARIOS),
     # window and global layers in one model, cached in one hybrid cache (and, to compare, in a
     # dynamic or static one that keeps every position of every layer)
     "gemma3": ModelSpec(f"Gemma-3-style: 2 window layers of {WINDOW}, then 1 global; q/k norms, "

@@ -3,8 +3,8 @@
 :func:`check_handover` holds one :func:`~kvdoc.serving.handover.disaggregated_generate` run to
 ``generate`` (tokens), one full forward (logits, within the tolerance), the same calls on the
 cache never packed (``torch.equal`` in one process; across processes a matmul may sum in another
-order) and the byte formula. The ``handover`` scenario runs it in each of :data:`PAYLOAD_DTYPES`
-too, so a payload that passes through a narrower dtype shows in the dtype it loses bits in.
+order) and the byte formula; tests/test_handover.py runs it on every model of the grid in FP32
+and each of :data:`PAYLOAD_DTYPES`, where a payload that passes through a narrower dtype shows.
 
 >>> import torch
 >>> from kvdoc.proofs.broken.serving import pack_zeroed_last_v
@@ -20,7 +20,6 @@ too, so a payload that passes through a narrower dtype shows in the dtype it los
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,7 +29,6 @@ from kvdoc.core.model import Decoder, decode_step, generate, prefill
 from kvdoc.measure.model_caches import config_cache
 from kvdoc.serving.handover import disaggregated_generate, pack
 
-from .case import scenario
 from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs
 
 
@@ -105,27 +103,3 @@ def check_dtypes(model: Decoder, prompt: torch.Tensor, max_new_tokens: int,
 
 
 PAYLOAD_DTYPES = (torch.float64, torch.bfloat16, torch.float16)  # each shipped from FP32 too
-HANDOVER_PROMPT = 21  # past the window of 16: rows a window layer no longer reads ship too
-
-
-@scenario("handover", {
-    "handover": "prefill, cache packed and unpacked, decode vs generate; cached bytes vs "
-                "formula"})
-def handover_scenario(case, out: list) -> None:
-    if case.impl != "model" or case.kind != "dynamic":
-        out.append(case.result("handover", None, 0.0,
-                               "a model's own dynamic cache is what a prefill worker ships"))
-        return
-    n = HANDOVER_PROMPT
-    extra = PAYLOAD_DTYPES if case.dtype == torch.float32 else ()
-    packer = case.caches.get("packer", pack)  # a broken variant's
-    models = (case.model if dt is None else case.in_dtype(dt) for dt in (None, *extra))
-    checks = [check_handover(m, case.ids[:, :n], 4, packer=packer) for m in models]
-    for check in checks:  # each under its own dtype: a failure in FP64 is one of FP64
-        result = case.result("handover", check.passed, check.logits_error,
-                             f"prefill of {n}, packed ({check.payload_bytes} bytes), unpacked, "
-                             "4 decode steps vs generate and bit for bit vs the unshipped "
-                             f"cache; cached bytes {check.kv_bytes} == formula "
-                             f"{check.formula_bytes}")
-        out.append(dataclasses.replace(result, dtype=check.dtype))
-

@@ -25,14 +25,12 @@ import torch
 from kvdoc.measure.tables import markdown_table
 
 from . import (
-    batch_invariance,
     cache_invariants,
     calls,
     equivalence,
     figures,
     fp8_contract,
     grid,
-    handover_checks,
     int8_contract,
     precision,
 )
@@ -41,7 +39,7 @@ from .compare import DTYPE_NAMES, TOLERANCE
 from .variants import VARIANTS
 
 CHECK_MODULES = (equivalence, figures, calls, cache_invariants, int8_contract, fp8_contract,
-                 handover_checks, batch_invariance, precision)
+                 precision)
 """The modules whose scenarios run, in this order: the cheap ones first, as a sweep stops at a
 variant's first failure."""
 _RANK = {module.__name__: rank for rank, module in enumerate(CHECK_MODULES)}
@@ -243,17 +241,9 @@ def run_suite(variant: str | None = None, *, models: Sequence[str] | None = None
                                 broken is not None and broken.stale_prefix,
                                 lambda pristine=pristine: copy.deepcopy(pristine),
                                 grid.IMPLEMENTATIONS[impl], shared,
-                                {} if broken is None else broken.caches,
-                                lambda other, name=name, seed=seed: _built(
-                                    specs[name], seed, other, broken))
+                                {} if broken is None else broken.caches)
                     own_scenarios = (scenarios if given_scenarios or specs[name].scenarios is None
                                      else [n for n in scenarios if n in specs[name].scenarios])
                     if _run_case(case, own_scenarios, results, stop_at_first):
                         return SuiteReport(variant, results, time.perf_counter() - start)
     return SuiteReport(variant, results, time.perf_counter() - start)
-
-
-def _built(spec: grid.ModelSpec, seed: int, dtype: torch.dtype, broken) -> torch.nn.Module:
-    """The model under test in ``dtype`` (:attr:`Case.in_dtype`): cast, then the variant built."""
-    model = copy.deepcopy(spec.build(seed)).to(dtype).eval()
-    return model if broken is None else broken.build(model)

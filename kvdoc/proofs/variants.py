@@ -28,7 +28,6 @@ from .broken import (
     measures,
     padded,
     rotary,
-    serving,
 )
 from .traits import FAMILIES, check_traits, grid_traits, traits
 
@@ -81,7 +80,7 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "last_only and generation", "crop and branch", "shared path", "failure mid-call",
                "rotary positions", "state across calls", "configuration value", "stale weights",
                "byte accounting", "int8 contract", "window and block edges", "padded batches",
-               "fp8 contract", "reduction order", "low precision", "payload dtype",
+               "fp8 contract", "low precision", "payload dtype",
                "loader layout")
 """The kinds of mistake the variants stand for."""
 
@@ -232,10 +231,6 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   lambda m: decoders.copy_as(m, Gemma3Decoder), "window and block edges",
                   needs={"gemma", "hybrid"}, kinds=("hybrid",),
                   caches={"hybrid": cache_kinds.ringed_global_hybrid_cache}),
-    _swap("chunk-split-attention",
-          "attention reads the cached keys and the chunk's keys apart and merges them: exact in "
-          "arithmetic, but the bits follow the chunking",
-          "reduction order", {}, build=_attention(arithmetic.ChunkSplitAttention)),
     # shown on one model, the Llama-style one: one layer, the tightest bound
     _swap("fp8-reads-in-half",
           "in a BF16 or FP16 model, attention reads K and V rounded to FP8 e4m3",
@@ -253,13 +248,6 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     _swap("step-kv-per-sequence",
           "a decode step's K/V bytes at batch B are one sequence's, not the batch's",
           "byte accounting", {"step_traffic": measures.batch_as_sequence}),
-    _swap("generate-padded-unmasked-decode",
-          "generate_padded passes the pad mask on the prompt call but not on its decode steps",
-          "padded batches", {"generate_padded": padded.generate_padded_unmasked_decode}),
-    _swap("handover-through-fp32",
-          "the hand-over's packer moves K, V and the logits through FP32 and casts them back: "
-          "exact unless the model is wider than FP32",
-          "payload dtype", {"packer": serving.pack_through_fp32}),
     _swap("deepseek-export-uninverted",
           "the DeepSeek exporter moves the rotary rows with the importer's permutation, not its "
           "inverse (the same for a rotary width of 4)", "loader layout",
@@ -273,10 +261,6 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
           "global layers (the same model wherever the layout is a pattern)", "loader layout",
           {"reference": loaders.gemma_reference_pattern_only}, "hybrid", _as_is,
           needs={"gemma", "global-first"}),
-    _swap("handover-layers-by-name",
-          "the hand-over's packer ships the layers in the order of their names, 0, 1, 10, 11, "
-          "2, ..", "loader layout", {"packer": serving.pack_layers_by_name},
-          needs={"decoder", "deep"}),
     _swap("export-layers-by-name",
           "the export to transformers lays kvdoc's blocks in the order of their names, h.0, "
           "h.1, h.10, h.11, h.2, ..", "loader layout",

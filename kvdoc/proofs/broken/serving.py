@@ -1,7 +1,7 @@
 """Deliberately wrong parts of the serving layer, each a subclass of the real class changing one
 method it offers for that purpose (or a function in place of one): radix trees, hand-over
 packers, schedulers, a decoder that ignores per-row positions, and the key of an offloaded block
-(:data:`OFFLOAD_BROKEN`).
+(:func:`parentless_hash`).
 """
 
 from __future__ import annotations
@@ -92,12 +92,6 @@ def pack_through_fp32(cache: KVCache, logits: torch.Tensor | None = None) -> byt
     return pack(DynamicCache(layers), None if logits is None else wire(logits))
 
 
-def pack_layers_by_name(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
-    """BROKEN: the layers go out in the order of their names, ``0, 1, 10, 11, 2, ..``."""
-    order = sorted(range(cache.n_layer), key=str)
-    return pack(DynamicCache([cache.layer(i) for i in order]), logits)
-
-
 # --- schedulers ----------------------------------------------------------------------------
 class SharedStartScheduler(Scheduler):
     """BROKEN: every row of a step is embedded at the step's common start, not its own length."""
@@ -154,7 +148,3 @@ def parentless_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     True
     """
     return hash_block(None, tokens)
-
-
-OFFLOAD_BROKEN = {"offload-parentless-hash": parentless_hash}
-"""Name -> the broken ``hash_fn`` for :func:`kvdoc.serving.offload.serve`."""
