@@ -1,23 +1,42 @@
 """``python -m kvdoc verify``: the suite in the passes of :func:`verify_passes`, the sweep of every
-broken variant, and a verdict; the exit status is 0 only if the implementation passed and every
-variant was caught.
+broken variant, the checks across processes (:func:`process_checks`), and a verdict; the exit
+status is 0 only if the implementation passed and every variant was caught.
 
-The checks across processes (TP and CP decoding, MLA's latent, a hand-over of blocks, offloaded
-blocks) run on one model each, not over the grid: they are tests (tests/test_parallel.py,
-test_latent.py, test_blocks.py), each beside its broken variants
-(:mod:`kvdoc.proofs.broken.parallel`).
+The checks across processes run from this process (pool workers cannot start ranks): decoding
+at TP = 2 and CP = 2, MLA's latent under TP and DP-attention, a prefill's blocks handed to a
+decode rank, a multi-turn workload served from offloaded blocks; each beside its broken variants
+(:mod:`kvdoc.proofs.broken.parallel`), which must fail.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
+from kvdoc.measure.tables import markdown_table
+from kvdoc.parallel.blocks import Handover, handover_jobs
+from kvdoc.parallel.comparison import Job, build_model, check_jobs, compare_jobs, rank_jobs
+from kvdoc.parallel.latent import (
+    MODES,
+    LatentJob,
+    check_latent_job,
+    compare_latent,
+    latent_model,
+    rank_latent_jobs,
+)
+from kvdoc.parallel.launch import launch, together
+from kvdoc.serving.offload import TieredStore, check_offload, multi_turn
+
 from . import grid
+from .broken.parallel import BROKEN as PARALLEL_BROKEN
+from .broken.parallel import HANDOVER_BROKEN, LATENT_BROKEN, PULL_BROKEN
+from .broken.serving import OFFLOAD_BROKEN
 from .compare import DTYPE_NAMES
 from .suite import DTYPES, SCENARIOS, SuiteReport, run_suite
 from .sweep import sweep_passes, variants_table, worker_map
@@ -28,8 +47,6 @@ FP64_SCENARIOS = ("stream", "reference")
 FP64_CHUNKS = (2, 13)
 """Pairs (the last call a single token: the fast step) and a chunk that divides neither the
 stream, the window nor a block."""
-
-
 def verify_passes(thorough: bool = False, seed: int = 0) -> list[dict]:
     """The axes of each :func:`run_suite` of ``verify``: every scenario in FP32, then
     :data:`FP64_SCENARIOS` in FP64; ``thorough``, everything in both on the thorough grid.
@@ -66,6 +83,89 @@ def run_passes(passes: Sequence[dict], variant: str | None = None,
 def _suite_one(run: tuple[str | None, dict]) -> SuiteReport:
     variant, axes = run
     return run_suite(variant, **axes)
+
+
+PROMPT = torch.tensor([[11, 3, 57, 20, 8, 91, 42, 5, 77]])
+NEW = 5
+BLOCK = 4
+# one request a rank under DP-attention
+LATENT_PROMPTS = torch.tensor([[11, 3, 57, 20, 8, 91, 42, 5, 77],
+                               [60, 2, 33, 14, 70, 9, 25, 88, 1]])
+
+
+class ProcessCheck(NamedTuple):
+    """One run across processes: a variant (it must fail) or not, what it compared, passed."""
+
+    name: str
+    variant: bool
+    what: str
+    passed: bool
+
+    @property
+    def as_expected(self) -> bool:
+        return self.passed != self.variant
+
+
+def process_checks(variants: bool = True) -> list[ProcessCheck]:
+    """Run every check across processes (with ``variants``, the broken ones too)."""
+    llama = build_model("llama")
+    jobs = [Job("tp=2", llama, PROMPT, NEW, 2, 1), Job("cp=2", llama, PROMPT, NEW, 1, 2)]
+    mla = latent_model()
+    latent = [LatentJob(f"latent, {mode}", mla, LATENT_PROMPTS, NEW, mode) for mode in MODES]
+    if variants:
+        jobs += [Job(name, llama, PROMPT, NEW, b.tp, b.cp, b.parts)
+                 for name, b in PARALLEL_BROKEN.items()]
+        latent += [LatentJob(name, mla, LATENT_PROMPTS, NEW, b.mode, b.split, b.bytes_rule)
+                   for name, b in LATENT_BROKEN.items()]
+    for j in latent:
+        check_latent_job(j, 2)
+    decoded, latents = zip(*launch(together, check_jobs(jobs),
+                                   [(rank_jobs, (jobs,)), (rank_latent_jobs, (latent,))],
+                                   backend="gloo"),
+                           strict=True)
+    out = [ProcessCheck(c.name if c.name in PARALLEL_BROKEN else f"parallel decode, {c.name}",
+                        c.name in PARALLEL_BROKEN, "tokens, logits, each rank's K/V and bytes, "
+                        "collectives, against one process", c.ok)
+           for c in compare_jobs(jobs, list(decoded))]
+    out += [ProcessCheck(j.name, j.name in LATENT_BROKEN, "MLA tokens, logits and each rank's "
+                         "latent against one process, latent bytes against the formula",
+                         compare_latent(j, [r[i] for r in latents]).ok)
+            for i, j in enumerate(latent)]
+    handed = [Handover(f"block hand-over, {mode}", llama, PROMPT, NEW, BLOCK, mode)
+              for mode in ("logits", "recompute")]
+    handed.append(Handover("block hand-over, pulled after 1 block", llama, PROMPT, NEW, BLOCK,
+                           "recompute", transfer="pull", have=1))
+    if variants:
+        handed += [Handover(name, llama, PROMPT, NEW, BLOCK, "logits", place)
+                   for name, place in HANDOVER_BROKEN.items()]
+        handed += [Handover(name, llama, PROMPT, NEW, BLOCK, **fields)
+                   for name, fields in PULL_BROKEN.items()]
+    broken = {**HANDOVER_BROKEN, **PULL_BROKEN}
+    out += [ProcessCheck(h.name, h.name in broken, "tokens and the decode rank's K/V against "
+                         "one process, bytes and messages against the formula", h.ok)
+            for h in handover_jobs(handed)]
+    hashes = {"offloaded blocks, chained keys": None}
+    if variants:
+        hashes.update(OFFLOAD_BROKEN)
+    for name, hash_fn in hashes.items():
+        with tempfile.TemporaryDirectory() as folder:
+            store = TieredStore(device_blocks=4, host_blocks=4, folder=folder)
+            kwargs = {} if hash_fn is None else {"hash_fn": hash_fn}
+            served = multi_turn(llama, store, block_size=BLOCK, max_new_tokens=3, **kwargs)
+            check = check_offload(llama, served, 3)
+        out.append(ProcessCheck(name, hash_fn is not None, f"{check.requests} requests' tokens "
+                                "and first logits against their runs without offloading",
+                                check.ok))
+    return out
+
+
+def processes_table(checks: list[ProcessCheck]) -> str:
+    """One Markdown row per check."""
+    return markdown_table(
+        ["run", "compares", "expected", "outcome"],
+        [[c.name, c.what, "caught" if c.variant else "pass",
+          ("caught" if not c.passed else "NOT caught") if c.variant
+          else ("pass" if c.passed else "FAIL")] for c in checks])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -175,6 +275,12 @@ def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start:
     problems = ([f"{len(report.failures)} failed checks ({', '.join(report.failed_checks())})"]
                 if not report.passed else [])
     problems += [f"variants not caught: {', '.join(missed)}"] if missed else []
+    ran = time.perf_counter()
+    across = process_checks(variants=not args.no_variants)
+    print(f"\nAcross processes (torch.distributed, gloo; launched from this process), "
+          f"{time.perf_counter() - ran:.1f} s:\n\n{processes_table(across)}")
+    wrong = [c.name for c in across if not c.as_expected]
+    problems += [f"across processes, not as expected: {', '.join(wrong)}"] if wrong else []
     print(f"\nTotal: {time.perf_counter() - start:.1f} s")
     print("\nVERDICT: " + ("PASS" if not problems else "FAIL: " + "; ".join(problems)))
     return 0 if not problems else 1

@@ -1,10 +1,12 @@
 """Deliberately wrong parts of parallel decoding (:mod:`kvdoc.parallel`), each one method off:
 :data:`BROKEN` (parts of :class:`kvdoc.parallel.decode.Parts` and the layout they run on),
-:func:`swapped_destination` and :data:`PULL_BROKEN` (a hand-over of blocks), :data:`LATENT_BROKEN`
+:data:`HANDOVER_BROKEN` and :data:`PULL_BROKEN` (a hand-over of blocks), :data:`LATENT_BROKEN`
 (MLA's latent under TP and DP-attention).
 
 >>> sorted(BROKEN)
 ['parallel-dropped-max', 'parallel-reversed-heads', 'parallel-wrong-shard']
+>>> sorted(HANDOVER_BROKEN)
+['handover-swapped-heads']
 >>> stale_ids(range(1, 3))
 [0, 1]
 >>> sorted(LATENT_BROKEN)
@@ -73,6 +75,9 @@ def swapped_destination(config: GPTConfig, tp: int, tp_rank: int) -> list[int]:
     """Rank ``tp_rank``'s message written into the heads of rank ``tp - 1 - tp_rank``."""
     return destination(config, tp, tp - 1 - tp_rank)
 
+
+HANDOVER_BROKEN: dict[str, object] = {"handover-swapped-heads": swapped_destination}
+"""Name -> the broken ``place`` of a hand-over (at TP = 2, two K/V heads or more)."""
 
 
 class OtherRequests(RequestSplit):

@@ -1,7 +1,7 @@
 """Deliberately wrong parts of the serving layer, each a subclass of the real class changing one
 method it offers for that purpose (or a function in place of one): radix trees, hand-over
 packers, schedulers, a decoder that ignores per-row positions, and the key of an offloaded block
-(:func:`parentless_hash`).
+(:data:`OFFLOAD_BROKEN`).
 """
 
 from __future__ import annotations
@@ -148,3 +148,7 @@ def parentless_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     True
     """
     return hash_block(None, tokens)
+
+
+OFFLOAD_BROKEN = {"offload-parentless-hash": parentless_hash}
+"""Name -> the broken ``hash_fn`` for :func:`kvdoc.serving.offload.serve`."""
