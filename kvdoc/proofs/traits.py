@@ -30,6 +30,7 @@ TRAITS: dict[str, str] = {
     "latent": "caches MLA's latent c_KV and rotary key instead of K and V",
     "learned": "learned absolute positions (wpe), which Decoder.forward(positions=...) replaces",
     "rope": "rotary positions, turned inside the attention",
+    "fused": "a decoder the fused fast step runs (FastDecoder has no q/k norms)",
     "grouped": "1 < H_kv < H: sharing K/V heads by tiling differs from sharing them by group",
     "window": "a sliding window on every layer",
     "hybrid": "window and global layers in one model",
@@ -62,6 +63,7 @@ def traits(config: object) -> frozenset[str]:
     elif isinstance(config, GPTConfig):
         found = {"decoder", "kv", "learned" if config.position == "learned" else "rope"}
         found |= {"window"} if config.sliding_window is not None else set()
+        found |= set() if config.qk_norm else {"fused"}
     else:
         raise ValueError(f"no traits known for a {type(config).__name__}: teach "
                          "kvdoc.proofs.traits.traits it")

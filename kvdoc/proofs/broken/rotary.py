@@ -40,18 +40,21 @@ class _Rotated(CausalSelfAttention):
         B, C, _ = x.shape
         H, H_kv = self.n_head, self.n_kv_head
         heads = self.c_attn(x).view(B, C, H + 2 * H_kv, self.head_dim).transpose(1, 2)
-        return heads.split((H, H_kv, H_kv), dim=1)
+        q, k, v = heads.split((H, H_kv, H_kv), dim=1)
+        if self.qk_norm:  # as the model does, before any rotation
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
                 attn_mask: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        B, C, d = x.shape
+        B, C, _ = x.shape
         q, k, v = self.heads(x)
         q, k = self.rotate(q, k, start if positions is None else positions, x)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v, start)
         y = self.attend(q, k, v, start, attn_mask)
-        return self.c_proj(y.transpose(1, 2).reshape(B, C, d))
+        return self.c_proj(y.transpose(1, 2).reshape(B, C, -1))
 
 
 class UnrotatedKeyAttention(_Rotated):
@@ -60,7 +63,7 @@ class UnrotatedKeyAttention(_Rotated):
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
                 attn_mask: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        B, C, d = x.shape
+        B, C, _ = x.shape
         q, k, v = self.heads(x)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v, start)  # BUG: K is stored unrotated
@@ -69,7 +72,7 @@ class UnrotatedKeyAttention(_Rotated):
         new_k = apply_rope(k[:, :, -C:], at, self.rope_theta)  # cached rows are never turned
         k = torch.cat((k[:, :, :-C], new_k), dim=2)
         y = self.attend(q, k, v, start, attn_mask)
-        return self.c_proj(y.transpose(1, 2).reshape(B, C, d))
+        return self.c_proj(y.transpose(1, 2).reshape(B, C, -1))
 
 
 class RopeRestartAttention(_Rotated):
