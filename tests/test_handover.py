@@ -11,8 +11,8 @@ from kvdoc.core.model import GPTConfig
 from kvdoc.proofs import grid
 from kvdoc.proofs.broken.serving import pack_off_by_one, pack_through_fp32, pack_zeroed_last_v
 from kvdoc.proofs.compare import default_model
-from kvdoc.proofs.handover_checks import PAYLOAD_DTYPES, check_dtypes, check_handover
 from kvdoc.serving.handover import disaggregated_generate, pack, unpack
+from kvdoc.teach.handover_checks import PAYLOAD_DTYPES, check_dtypes, check_handover
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 4, 11]])
 

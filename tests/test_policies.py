@@ -1,7 +1,7 @@
 """Policies against their specification (kvdoc.teach.schedule_spec), the radix cache against an
 LRU oracle (kvdoc.teach.radix_policy) and sampling against its distribution (kvdoc.teach.sampling,
 tests/test_speculative.py); every request of the scheduler and of the radix tree against its solo
-run (kvdoc.proofs.scheduling, kvdoc.proofs.prefix_cache): on every model the verification grid
+run (kvdoc.teach.scheduling, kvdoc.teach.prefix_cache): on every model the verification grid
 serves on a paged cache, and each broken variant (beside the check in its module) caught.
 
 These were checks of ``python -m kvdoc verify`` on each such model's paged kind; they never
@@ -22,14 +22,13 @@ from kvdoc.proofs.broken.serving import (
     WholeBlockMatch,
 )
 from kvdoc.proofs.compare import default_model
-from kvdoc.proofs.prefix_cache import check_admission, check_locked_eviction, compare_workload
-from kvdoc.proofs.scheduling import check_forks, check_policies, check_preemption
 from kvdoc.proofs.variants import VARIANTS
 from kvdoc.serving.prefix_workload import few_shot_workload
 from kvdoc.serving.radix import RadixCache
 from kvdoc.serving.requests import Request
 from kvdoc.serving.scheduler import Scheduler
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
+from kvdoc.teach.prefix_cache import check_admission, check_locked_eviction, compare_workload
 from kvdoc.teach.radix_policy import (
     LastTokenFromTree,
     LRUOracle,
@@ -46,6 +45,7 @@ from kvdoc.teach.schedule_spec import (
     expected_steps,
     first_difference,
 )
+from kvdoc.teach.scheduling import check_forks, check_policies, check_preemption
 
 
 @pytest.fixture(scope="module")
@@ -230,9 +230,9 @@ def test_preempted_sampled_request_continues_its_stream(model):
 
 @pytest.mark.parametrize("budget", [5, 6, 8])
 def test_with_room_the_scheduler_schedules_as_vllm_v1s_rule(model, budget):
-    from kvdoc.proofs.scheduling import POLICY_TRACE, PREEMPTION_TRACE
     from kvdoc.serving.requests import arrival_trace
     from kvdoc.teach.schedule_spec import SCHEDULED, vllm_v1_steps
+    from kvdoc.teach.scheduling import POLICY_TRACE, PREEMPTION_TRACE
 
     for args in (POLICY_TRACE, PREEMPTION_TRACE):
         trace = arrival_trace(**args)

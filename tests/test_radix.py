@@ -11,15 +11,15 @@ from kvdoc.proofs.broken.serving import (
     WholeBlockMatch,
 )
 from kvdoc.proofs.compare import default_model
-from kvdoc.proofs.prefix_cache import (
+from kvdoc.serving.paged import BlockPool
+from kvdoc.serving.prefix_workload import Turn
+from kvdoc.serving.radix import RadixCache, serve_prompt
+from kvdoc.teach.prefix_cache import (
     check_admission,
     check_locked_eviction,
     compare_workload,
     invariant_errors,
 )
-from kvdoc.serving.paged import BlockPool
-from kvdoc.serving.prefix_workload import Turn
-from kvdoc.serving.radix import RadixCache, serve_prompt
 
 
 @pytest.fixture(scope="module")

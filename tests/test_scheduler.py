@@ -14,15 +14,15 @@ from kvdoc.proofs.broken.serving import (
     SharedStartScheduler,
 )
 from kvdoc.proofs.compare import default_model
-from kvdoc.proofs.scheduling import (
+from kvdoc.serving.requests import Request, arrival_trace
+from kvdoc.serving.scheduler import LiveRequest, Scheduler, serve
+from kvdoc.teach.scheduling import (
     PREEMPTION_TRACE,
     check_forks,
     check_policies,
     check_preemption,
     compare_trace_with_alone,
 )
-from kvdoc.serving.requests import Request, arrival_trace
-from kvdoc.serving.scheduler import LiveRequest, Scheduler, serve
 
 
 class LeakingScheduler(Scheduler):

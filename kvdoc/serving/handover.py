@@ -159,7 +159,7 @@ def disaggregated_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens:
     """Greedy generation whose prefill runs in another process (given the pickled model) and
     sends ``packer(cache, logits)`` through a pipe; this process unpacks it and decodes.
     ``in_process=True`` runs the prefill here (same payload, no process). ``packer`` is the seam
-    :mod:`kvdoc.proofs.handover_checks` uses to ship a broken payload."""
+    :mod:`kvdoc.teach.handover_checks` uses to ship a broken payload."""
     model.check_input(prompt, None)
     total = prompt.shape[1] + max_new_tokens
     if max_new_tokens < 1 or total > model.config.n_positions:

@@ -35,10 +35,10 @@ import torch
 
 from kvdoc.core.model import Decoder, generate
 from kvdoc.proofs.compare import TOLERANCE, close, max_abs
-from kvdoc.proofs.prefix_cache import invariant_errors
 from kvdoc.serving.eviction import LRU, Node
 from kvdoc.serving.paged import BlockPool
 from kvdoc.serving.radix import RadixCache, common_prefix_len, serve_prompt
+from kvdoc.teach.prefix_cache import invariant_errors
 
 
 class LRUOracle:

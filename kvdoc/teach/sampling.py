@@ -17,9 +17,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvdoc.core.model import Decoder
-from kvdoc.proofs.scheduling import PREEMPTION_TRACE, compare_trace_with_alone
 from kvdoc.serving.requests import arrival_trace, sample_generator
 from kvdoc.serving.scheduler import LiveRequest, Scheduler
+from kvdoc.teach.scheduling import PREEMPTION_TRACE, compare_trace_with_alone
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class StreamCheck:
 def check_sampled_preemption(model: Decoder, scheduler: type[Scheduler] = Scheduler,
                              num_blocks: int = 8, block_size: int = 4,
                              token_budget: int = 6) -> StreamCheck:
-    """:data:`~kvdoc.proofs.scheduling.PREEMPTION_TRACE` with request ``r`` seeded ``100 +
+    """:data:`~kvdoc.teach.scheduling.PREEMPTION_TRACE` with request ``r`` seeded ``100 +
     r``, served with preemption on ``num_blocks``: every request's tokens as drawn alone."""
     trace = [replace(r, seed=100 + r.rid) for r in
              arrival_trace(**PREEMPTION_TRACE, vocab_size=model.config.vocab_size)]

@@ -51,10 +51,10 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.core.model import Decoder
-from kvdoc.proofs.scheduling import POLICY_TRACE, PREEMPTION_TRACE
 from kvdoc.serving.requests import Request, arrival_trace
 from kvdoc.serving.runs import ServeRun
 from kvdoc.serving.scheduler import LiveRequest, Scheduler
+from kvdoc.teach.scheduling import POLICY_TRACE, PREEMPTION_TRACE
 
 
 @dataclass(frozen=True)
@@ -240,7 +240,7 @@ SCHEDULES: tuple[tuple[str, dict, dict], ...] = (
     ("preemption", PREEMPTION_TRACE, dict(num_blocks=8, preempt=True)),
 )
 """The runs :func:`check_schedule` makes: (trace name, :func:`arrival_trace` arguments,
-scheduler options); the traces are those of :mod:`kvdoc.proofs.scheduling`."""
+scheduler options); the traces are those of :mod:`kvdoc.teach.scheduling`."""
 
 
 @dataclass(frozen=True)

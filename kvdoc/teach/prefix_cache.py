@@ -21,11 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.core.model import Decoder, generate
+from kvdoc.proofs.compare import TOLERANCE, close, max_abs
 from kvdoc.serving.paged import BlockPool
 from kvdoc.serving.prefix_workload import Turn, WorkloadRun, run_workload
 from kvdoc.serving.radix import RadixCache, serve_prompt
-
-from .compare import TOLERANCE, close, max_abs
 
 
 def invariant_errors(tree: RadixCache) -> list[str]:

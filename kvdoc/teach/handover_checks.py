@@ -27,9 +27,8 @@ import torch
 
 from kvdoc.core.model import Decoder, decode_step, generate, prefill
 from kvdoc.measure.model_caches import config_cache
+from kvdoc.proofs.compare import DTYPE_NAMES, TOLERANCE, close, max_abs
 from kvdoc.serving.handover import disaggregated_generate, pack
-
-from .compare import DTYPE_NAMES, TOLERANCE, close, max_abs
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,8 @@ from torch import nn
 
 from kvdoc.core.feed import feed
 from kvdoc.core.invariant import batch_invariant
-
-from . import grid
-from .compare import DTYPE_NAMES
+from kvdoc.proofs import grid
+from kvdoc.proofs.compare import DTYPE_NAMES
 
 MODELS = ("mha", "split-k", "mla", "mla-absorbed", "gemma3")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
