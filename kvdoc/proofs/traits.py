@@ -4,11 +4,11 @@ can host.
 
 >>> from kvdoc.core.model import llama_config
 >>> sorted(traits(llama_config(n_kv_head=2)))
-['decoder', 'grouped', 'kv', 'rope']
+['decoder', 'fused', 'grouped', 'kv', 'rope']
 >>> check_traits({"rope", "shiny"})
 Traceback (most recent call last):
 ...
-ValueError: unknown trait 'shiny'; the traits are decoder, deep, gemma, global-first, ...
+ValueError: unknown trait 'shiny'; the traits are decoder, deep, fused, gemma, ...
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""kvdoc against Hugging Face transformers' GPT-2, Llama and Mistral on the same random weights.
+"""kvdoc against Hugging Face transformers on the same random weights.
 
 :func:`match_transformers` compares logits over one stream: kvdoc's full forward and cached
 runs against transformers' full forward, and transformers' own cached decode against the same.
@@ -46,12 +46,12 @@ class TransformersMatch:
 def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] = (1, 5),
                        kinds: Sequence[str] | None = None, prefill_len: int = 8,
                        lift: bool | None = None) -> TransformersMatch:
-    """Load ``hf_model`` (a transformers model ``from_transformers`` takes, FP32 or
-    FP64) into kvdoc and compare logits over ``ids`` (``[B, T]``): kvdoc's cached runs in
-    chunks of ``chunks`` for each of ``kinds`` (default dynamic, static, and window with a
-    window); transformers with its float32 islands lifted
-    (:func:`~kvdoc.interop.hf_float64.float64_islands_lifted`) if ``lift`` (default: in
-    FP64).
+    """Load ``hf_model`` (a transformers model ``from_transformers`` takes, FP32
+    or FP64) into kvdoc and compare logits over ``ids`` (``[B, T]``): kvdoc's cached
+    runs in chunks of ``chunks`` for each of ``kinds`` (default dynamic, static, and
+    window with a window); transformers with its float32 islands lifted
+    (:func:`~kvdoc.interop.hf_float64.float64_islands_lifted`) if ``lift``
+    (default: in FP64).
 
     >>> from transformers import MistralForCausalLM
     >>> from kvdoc.core.model import mistral_config
