@@ -158,15 +158,21 @@ def build_site(src: Path, build: Path) -> Path:
     return build / "html"
 
 
-@pytest.mark.sphinx
-def test_throwaway_site_holds(tmp_path):
-    exe = chromium()
+def site_sources(tmp_path: Path) -> Path:
+    """A source folder with the site's configuration, extensions and static files, no pages."""
     src = tmp_path / "src"
     src.mkdir()
     shutil.copy(ROOT / "docs" / "conf.py", src / "conf.py")
     for folder in ("_ext", "_static", "_templates", "_ipython"):
         if (ROOT / "docs" / folder).is_dir():
             shutil.copytree(ROOT / "docs" / folder, src / folder)
+    return src
+
+
+@pytest.mark.sphinx
+def test_throwaway_site_holds(tmp_path):
+    exe = chromium()
+    src = site_sources(tmp_path)
     (src / "index.md").write_text(PAGE)
     site = build_site(src, tmp_path / "build")
     # The download button offers the executed notebook, served from the site itself.
@@ -327,12 +333,7 @@ def assert_path_followed(site: Path, exe: str, name: str, pages: list[str]) -> N
 @pytest.mark.sphinx
 def test_a_path_is_followed_by_its_own_next_links(tmp_path):
     exe = chromium()
-    src = tmp_path / "src"
-    src.mkdir()
-    shutil.copy(ROOT / "docs" / "conf.py", src / "conf.py")
-    for folder in ("_ext", "_static", "_templates", "_ipython"):
-        if (ROOT / "docs" / folder).is_dir():
-            shutil.copytree(ROOT / "docs" / folder, src / folder)
+    src = site_sources(tmp_path)
     paths = {"skip": {"title": "Skips b", "pages": ["a", "c"]},
              "back": {"title": "Backwards", "pages": ["c", "b", "a"]}}
     (src / "_ext" / "paths.json").write_text(json.dumps(paths))
