@@ -241,6 +241,20 @@ def test_thorough_grid_runs():
     assert report.passed and len(report.results) == 2 * (5 * runs + 2)
 
 
+@pytest.mark.parametrize("name", sorted(grid.MODELS))
+def test_every_implementation_builds_on_what_it_serves(name):
+    """``--thorough`` runs every implementation on every model it serves (ModelSpec.impls does
+    not narrow it there): each pair the grid says it serves must build and make a cache."""
+    model = grid.MODELS[name].build(0)
+    pairs = grid.served(model.config, impls=tuple(grid.IMPLEMENTATIONS))
+    assert pairs and {impl for _, impl in pairs} <= set(grid.IMPLEMENTATIONS)
+    for kind, impl in pairs:
+        call = grid.IMPLEMENTATIONS[impl](model)
+        cache = grid.CACHES[kind].new(model, 2, 16)
+        ids = torch.zeros(2, 3, dtype=torch.long)
+        assert call(ids, cache).logits.shape[:2] == (2, 3), (kind, impl)
+
+
 # --- held-out-like bugs: patch kvdoc's own classes, as an outside test would ---------------------
 
 def _fails(**axes) -> list[str]:

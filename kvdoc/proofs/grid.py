@@ -148,8 +148,7 @@ MODELS: dict[str, ModelSpec] = {
     "qwen2": ModelSpec("Qwen2-style: llama with Q/K/V biases", _decoder(QWEN2),
                        transformers_reference, "transformers Qwen2, same weights"),
     "qwen3": ModelSpec("Qwen3-style: llama with q/k norms, heads 20 wide", _decoder(QWEN3),
-                       transformers_reference, "transformers Qwen3, same weights",
-                       impls=("model",)),  # FastDecoder refuses q/k norms
+                       transformers_reference, "transformers Qwen3, same weights"),
     "mistral": ModelSpec(f"Mistral-style: Llama with a sliding window of {WINDOW} positions",
                          _decoder(mistral_config(sliding_window=WINDOW)), transformers_reference,
                          "transformers Mistral, same weights"),
@@ -202,8 +201,10 @@ CACHES: dict[str, CacheSpec] = {
 IMPLEMENTATIONS: dict[str, Callable[[nn.Module], Callable]] = {"model": lambda m: m,
                                                               "fast": FastDecoder}
 """How a cached call is made, by name: ``model -> call``."""
-# which models an implementation serves, where not all (FastDecoder fuses K/V attention)
-IMPLEMENTATION_SERVES: dict[str, Callable[[GPTConfig | MLAConfig], bool]] = {"fast": _kv}
+# which models an implementation serves, where not all: FastDecoder fuses K/V attention and
+# has no place for q/k norms (``--thorough`` runs every implementation on what it serves)
+IMPLEMENTATION_SERVES: dict[str, Callable[[GPTConfig | MLAConfig], bool]] = {
+    "fast": lambda config: _kv(config) and not getattr(config, "qk_norm", False)}
 
 
 def served(config: GPTConfig | MLAConfig, kinds: Sequence[str] | None = None,
