@@ -80,10 +80,11 @@ class Link:
 
 
 def owned_names(root: Path = ROOT) -> list[tuple[str, str, str, str]]:
-    """``(where, repo, version, name)`` for every ``<peer> <version>'s `name``` in the site."""
+    """``(where, repo, version, name)`` for every ``<peer> [<version>]'s `name``` in the site
+    (version None: the one release the site links)."""
     peers = {p.column: p.repo for p in PEERS}
     # the name's first word: `--kv-cache-dtype fp8` names the flag
-    said = re.compile(rf"({'|'.join(peers)}) (\d[\d.]*\d)'s (?:[a-z-]+ )?{CODE[:-1]}")
+    said = re.compile(rf"({'|'.join(peers)})(?: (\d[\d.]*\d))?'s (?:[a-z-]+ )?{CODE[:-1]}")
     found = []
     for pattern in SOURCES:
         for file in sorted(root.glob(pattern)):
@@ -247,10 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             checked += 1
     for where, repo, version, name in owned_names():
-        tag = [t for r, t in trees if r == repo and (t + ".").startswith(f"v{version}.")]
+        tag = [t for r, t in trees
+               if r == repo and (version is None or (t + ".").startswith(f"v{version}."))]
         if len(tag) != 1:
-            wrong.append(f"{where}: `{name}` names {repo} {version}, which the site links at "
-                         f"{tag or 'no tag'}")
+            wrong.append(f"{where}: `{name}` names {repo} {version or ''}, which the site links "
+                         f"at {tag or 'no tag'}")
         elif missing_names([name], trees[repo, tag[0]]):
             wrong.append(f"{where}: `{name}` is not in {repo} {tag[0]}")
         else:

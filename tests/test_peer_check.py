@@ -88,8 +88,9 @@ def test_names_in_links_and_in_prose_are_read(tmp_path):
     (tmp_path / "docs" / "p.md").write_text(
         "see [`Scheduler.step`](https://github.com/vllm-project/vllm/blob/v1.0/vllm/s.py#L3)"
         " and [`s.py`](https://github.com/vllm-project/vllm/blob/v1.0/vllm/s.py), vLLM 1.0's "
-        "`--block-size 16` and SGLang 0.5's `RadixCache`.\n")
+        "`--block-size 16` and SGLang 0.5's `RadixCache`; vLLM's default `max_num_seqs`.\n")
     found = peer_check.links(tmp_path)
     assert [link.names for link in found] == [("Scheduler.step",), ()]
     assert [entry[1:] for entry in peer_check.owned_names(tmp_path)] == [
-        (VLLM.repo, "1.0", "--block-size"), (SGLANG.repo, "0.5", "RadixCache")]
+        (VLLM.repo, "1.0", "--block-size"), (SGLANG.repo, "0.5", "RadixCache"),
+        (VLLM.repo, None, "max_num_seqs")]  # no version: the release the site links
