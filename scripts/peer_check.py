@@ -81,7 +81,7 @@ class Link:
 
 def owned_names(root: Path = ROOT) -> list[tuple[str, str, str, str]]:
     """``(where, repo, version, name)`` for every ``<peer> [<version>]'s `name``` in the site
-    (version None: the one release the site links)."""
+    (version None: the release the name map links)."""
     peers = {p.column: p.repo for p in PEERS}
     # the name's first word: `--kv-cache-dtype fp8` names the flag
     said = re.compile(rf"({'|'.join(peers)})(?: (\d[\d.]*\d))?'s (?:[a-z-]+ )?{CODE[:-1]}")
@@ -247,9 +247,13 @@ def main(argv: list[str] | None = None) -> int:
             wrong.append(f"{link.where}: {problem}")
         else:
             checked += 1
+    names_page = "docs/reference/names.md"
+    named = {peer.repo: sorted({link.tag for link in found if link.repo == peer.repo
+                                and link.where.startswith(names_page)}) for peer in PEERS}
     for where, repo, version, name in owned_names():
-        tag = [t for r, t in trees
-               if r == repo and (version is None or (t + ".").startswith(f"v{version}."))]
+        # no version: the release the name map links (the site links old ones for history)
+        tag = (named[repo] if version is None else
+               [t for r, t in trees if r == repo and (t + ".").startswith(f"v{version}.")])
         if len(tag) != 1:
             wrong.append(f"{where}: `{name}` names {repo} {version or ''}, which the site links "
                          f"at {tag or 'no tag'}")
@@ -257,19 +261,16 @@ def main(argv: list[str] | None = None) -> int:
             wrong.append(f"{where}: `{name}` is not in {repo} {tag[0]}")
         else:
             checked += 1
-    names_page = "docs/reference/names.md"
     for peer in PEERS:  # the names against the release the name map itself links
-        named = sorted({link.tag for link in found
-                        if link.repo == peer.repo and link.where.startswith(names_page)})
-        if len(named) != 1:
-            wrong.append(f"{names_page} links {peer.package} at {named or 'no tag'}, not at "
-                         "one release")
+        if len(named[peer.repo]) != 1:
+            wrong.append(f"{names_page} links {peer.package} at {named[peer.repo] or 'no tag'}, "
+                         "not at one release")
             continue
         names = table_names(ROOT / names_page, peer.column)
-        absent = missing_names(names, trees[peer.repo, named[0]])
+        absent = missing_names(names, trees[peer.repo, named[peer.repo][0]])
         checked += len(names) - len(absent)
-        wrong += [f"{names_page}, {peer.column}: `{n}` is not in {peer.package} {named[0]}"
-                  for n in absent]
+        wrong += [f"{names_page}, {peer.column}: `{n}` is not in {peer.package} "
+                  f"{named[peer.repo][0]}" for n in absent]
     print(f"{checked} links and names checked, {len(wrong)} wrong, "
           f"{len(unchecked)} not checkable here")
     for line in wrong:

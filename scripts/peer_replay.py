@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from kvdoc import Decoder, GPTConfig
+from kvdoc.measure.prefix_report import prefix_report, read_prompts
 from kvdoc.serving.prefix_workload import chat_workload, few_shot_workload, run_workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -247,6 +248,24 @@ def replay(peer: type, model: Decoder, turns, block_size: int, granularity: str,
     return wrong, reused / run.prompt_tokens
 
 
+def report_check(sizes: tuple[int, ...] = (1, 4, 16)) -> tuple[list[str], int]:
+    """``python -m kvdoc prefix-report`` on the site's chat sample beside the peers: per request,
+    its vLLM hit against vLLM's pool with blocks of each size, its SGLang hit against SGLang's
+    tree with pages of each size (ample memory; each prompt held whole once served, as the
+    report assumes). What differs, and how many hits were compared."""
+    prompts = read_prompts(ROOT / "docs" / "_static" / "chat-prompts.txt")
+    wrong, compared = [], 0
+    for size in sizes:
+        report = prefix_report(prompts, block_size=size, page_size=size)
+        for rule, peer in (("vLLM", VLLMPool(size)), ("SGLang", SGLangTree(size))):
+            for i, (prompt, request) in enumerate(zip(prompts, report.requests, strict=True)):
+                found, compared = peer.serve(prompt, prompt), compared + 1
+                if found != request.hits[rule]:
+                    wrong.append(f"prefix-report, {rule} unit {size}, request {i}: kvdoc "
+                                 f"{request.hits[rule]}, {type(peer).__name__} {found}")
+    return wrong, compared
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--granularity", choices=("block", "token"), default="block",
@@ -263,7 +282,12 @@ def main(argv: list[str] | None = None) -> int:
                  # enough requests, tasks and conversations that a small pool must choose
                  "few-shot, 4 tasks": lambda seed: few_shot_workload(seed, 24, tasks=4),
                  "chat, 4 conversations": lambda seed: chat_workload(seed, 4, 4)}
-    failed, rates = 0, {}
+    wrong, compared = report_check()
+    print(f"prefix-report on docs/_static/chat-prompts.txt: {compared} per-request hits "
+          f"against SGLang's tree and vLLM's pool, {len(wrong)} differ")
+    for line in wrong[:5]:
+        print("DIFFERS:", line)
+    failed, rates = len(wrong), {}
     for peer, tag in ((SGLangTree, SGLANG), (SGLangSplitKeepsTime, SGLANG), (VLLMPool, VLLM)):
         runs, differ = {"ample": 0, "small": 0}, {"ample": 0, "small": 0}
         for name, workload in workloads.items():

@@ -93,4 +93,4 @@ def test_names_in_links_and_in_prose_are_read(tmp_path):
     assert [link.names for link in found] == [("Scheduler.step",), ()]
     assert [entry[1:] for entry in peer_check.owned_names(tmp_path)] == [
         (VLLM.repo, "1.0", "--block-size"), (SGLANG.repo, "0.5", "RadixCache"),
-        (VLLM.repo, None, "max_num_seqs")]  # no version: the release the site links
+        (VLLM.repo, None, "max_num_seqs")]  # no version: the release the name map links
