@@ -1,7 +1,7 @@
 from __future__ import annotations
 
+import ast
 import dataclasses
-import math
 import random
 import subprocess
 import sys
@@ -305,6 +305,18 @@ def _printed(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[str]:
     return capsys.readouterr().out.splitlines()
 
 
+def _arithmetic(text: str) -> int:
+    """The value of a numbers line: integers, ``+``, ``x`` and parentheses, nothing else."""
+    def value(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mult):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(f"not a sum of products: {text!r}")
+    return value(ast.parse(text.replace(" x ", " * "), mode="eval").body)
+
+
 @pytest.mark.parametrize("name", [m.name for m in MODELS.values()])
 def test_cli_formula_line_multiplies_out_to_the_bytes(name: str,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
@@ -313,10 +325,7 @@ def test_cli_formula_line_multiplies_out_to_the_bytes(name: str,
         lines = _printed(["--model", name, "--seq-len", str(T), "--batch", str(B), "--dtype",
                           dtype], capsys)
         numbers = next(line for line in lines if line.startswith("           = "))
-        head, terms = numbers[13:].replace(",", "").split(f" ({dtype}) x ")
-        per_sequence = sum(math.prod(int(f) for f in term.strip("()").split(" x "))
-                           for term in terms.split(" + "))
-        total = math.prod(int(f) for f in head.split(" x ")) * per_sequence
+        total = _arithmetic(numbers[13:].replace(",", "").replace(f" ({dtype})", ""))
         assert f"bytes      {total:,} bytes" in lines
         assert total == model_cache(name).kv_bytes(T, B, dtype)
         values = [line[11:] for line in lines if line[11:].strip()]

@@ -205,11 +205,11 @@ def _formula(model: ModelCache, T: int) -> tuple[str, str, str, str]:
 def _part_lines(model: ModelCache, T: int, B: int, dtype: str) -> list[str]:
     """Each term's bytes apart at ``T``, the all-attention model of the same size, and bytes
     per sequence against context."""
+    if model.kind == "plain":  # K/V alone: the bytes line says it
+        return []
     lines = [f"part       {name}: {format_bytes(n)}"
              + (" (constant in T)" if name.startswith("state") else "")
              for name, n in model.parts(T, B, dtype).items()]
-    if model.kind == "plain":
-        return lines
     full = model.all_attention()
     lines.append(f"all attn   {format_bytes(full.kv_bytes(T, B, dtype))} (the same "
                  f"{len(model.layers)} layers, each full attention of the model's own sizes)")
