@@ -278,11 +278,18 @@ class Mamba2Mixer(nn.Module):
         y = self.norm(y.reshape(b, C, -1), z)
         return self.out_proj(y), conv_state, ssm_state
 
+    def final_state(self, u: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The states after ``u`` ``[b, C, d]``, from zero states in one call, by name."""
+        _, conv, recurrent = self.mix(u, *self.zero_state(u))
+        return {"conv": conv, "recurrent": recurrent}
+
+    def zero_state(self, u: torch.Tensor) -> list[torch.Tensor]:  # what an empty cache holds
+        return [u.new_zeros(u.shape[0], *shape) for shape in self.config.state_shapes().values()]
+
     def forward(self, u: torch.Tensor, cache: KVCache | None, layer_idx: int,
                 start: int) -> torch.Tensor:
-        if cache is None:  # a full forward starts from zero states, as an empty cache holds
-            shapes = self.config.state_shapes().values()
-            conv, recurrent = (u.new_zeros(u.shape[0], *shape) for shape in shapes)
+        if cache is None:  # a full forward starts from zero states
+            conv, recurrent = self.zero_state(u)
         else:
             state = read_state(cache, layer_idx)
             conv, recurrent = state["conv"], state["recurrent"]
