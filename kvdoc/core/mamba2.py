@@ -233,7 +233,10 @@ class GatedRMSNorm(nn.Module):
 
 class Mamba2Mixer(nn.Module):
     """Bamba's Mamba-2 mixer: ``in_proj`` to (z, xBC, dt), the causal depthwise ``conv1d`` and
-    SiLU on xBC, the SSD over (x, B, C, dt), ``norm(y, z)``, ``out_proj``."""
+    SiLU on xBC, the SSD over (x, B, C, dt), ``norm(y, z)``, ``out_proj``. A call of one token
+    runs :attr:`step`, a longer one :attr:`scan`."""
+
+    step, scan = staticmethod(ssd_step), staticmethod(ssd_chunked)
 
     def __init__(self, config: Mamba2Config) -> None:
         super().__init__()
@@ -271,10 +274,10 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt + self.dt_bias).clamp(*c.time_step_limit)
         A = -torch.exp(self.A_log)
         if C == 1:  # a decode step: the recurrence itself
-            y, ssm_state = ssd_step(x[:, 0], dt[:, 0], A, B[:, 0], Cm[:, 0], self.D, ssm_state)
+            y, ssm_state = self.step(x[:, 0], dt[:, 0], A, B[:, 0], Cm[:, 0], self.D, ssm_state)
             y = y[:, None]
         else:
-            y, ssm_state = ssd_chunked(x, dt, A, B, Cm, self.D, ssm_state, c.chunk_size)
+            y, ssm_state = self.scan(x, dt, A, B, Cm, self.D, ssm_state, c.chunk_size)
         y = self.norm(y.reshape(b, C, -1), z)
         return self.out_proj(y), conv_state, ssm_state
 
