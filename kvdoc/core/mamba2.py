@@ -14,14 +14,9 @@ function a chunk at a time (prefill and chunks: the intra-chunk part as a masked
 attention-like product, the state carried between chunks). ``y`` is gated
 (``y * silu(z)``), RMS-normed per group, and projected out.
 
-transformers 5.24.0's ``BambaForCausalLM`` is the reference
-(:mod:`kvdoc.interop.hf_bamba`); parameter names inside a layer are its names, and its RoPE
-turns only the first half of each attention head (``partial_rotary_factor`` 0.5, set by
-``BambaConfig``). Its one-token decode steps, called as ``model(ids, cache=...)`` without
-``position_ids``, depart from its own full forward (about 1e-3 on a small random model):
-``BambaModel.forward`` (``models/bamba/modeling_bamba.py``) defaults ``position_ids`` to
-``arange(C)`` whatever the cache holds, so every step's query and key turn at position 0; Llama's
-adds the cached length. ``generate()`` passes positions and agrees. kvdoc turns at ``P .. P+C-1``.
+transformers 5.24.0's ``BambaForCausalLM`` is the reference (:mod:`kvdoc.interop.hf_bamba`,
+which also says why its own decode steps depart from its forward); parameter names inside a
+layer are its names, and its RoPE turns the first half of each attention head only.
 
 >>> _ = torch.manual_seed(0)
 >>> model = MambaDecoder(Mamba2Config()).eval()
@@ -44,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache, LayerSpec, check_int, check_positive
+from .deltanet import SwiGLU
 from .model import CausalSelfAttention, Decoder, apply_rope
 from .state import StateSpec, hybrid_cache, read_state, update_state
 
@@ -339,19 +335,6 @@ class HybridAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, C, -1))
 
 
-class SwiGLU(nn.Module):
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
-
-    def __init__(self, config: Mamba2Config) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
-        self.up_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
-        self.down_proj = nn.Linear(config.n_inner, config.n_embd, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class HybridBlock(nn.Module):
     """``x + mixer(input_layernorm(x))`` (``mamba`` or ``self_attn``), then
     ``x + mlp(pre_ff_layernorm(x))`` (Bamba's ``feed_forward``)."""
@@ -366,7 +349,7 @@ class HybridBlock(nn.Module):
         else:
             self.self_attn = HybridAttention(config)
         self.pre_ff_layernorm = nn.RMSNorm(config.n_embd, eps=eps)
-        self.mlp = SwiGLU(config)  # Bamba's ``feed_forward``
+        self.mlp = SwiGLU(config)  # Bamba's ``feed_forward``: Qwen3.5's MLP
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
                 attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:

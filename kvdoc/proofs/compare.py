@@ -149,7 +149,7 @@ def run_cached(model: Callable, ids: torch.Tensor, chunk: int | Sequence[int],
 def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, list[KV | dict]]:
     """One full forward: logits and every layer's K and V read off its projections with forward
     hooks (K rotated as a cache stores it; MLA's latent and rotary key), not from any cache code;
-    for a recurrent layer (a block's ``mamba``, whose ``final_state(u)`` folds its whole input
+    for a recurrent layer (a block's mixer with a ``final_state(u)``, which folds its whole input
     from zero states in one pass) its state after the last position, by name.
 
     >>> model = default_model()
@@ -216,8 +216,9 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
 
     handles = []
     for block in model.h:
-        if hasattr(block, "mamba"):
-            handles.append(block.mamba.register_forward_pre_hook(state_hook(block.mamba)))
+        mixer = next((m for m in block.children() if hasattr(m, "final_state")), None)
+        if mixer is not None:
+            handles.append(mixer.register_forward_pre_hook(state_hook(mixer)))
             continue
         attn = getattr(block, "attn", None) or block.self_attn
         if hasattr(attn, "kv_a_proj_with_mqa"):
