@@ -28,6 +28,7 @@ from .broken import (
     measures,
     padded,
     rotary,
+    states,
 )
 from .traits import FAMILIES, check_traits, grid_traits, traits
 
@@ -271,6 +272,17 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
           "the export to transformers hands a BF16 or FP16 model over in FP32 (exact wherever "
           "the model is FP32 or wider)", "payload dtype",
           {"reference": loaders.transformers_reference_upcast}, build=_as_is),
+    # a recurrent layer's state, kept wrong between tokens (issue 47)
+    BrokenVariant("state-not-carried",
+                  "the chunked delta rule starts every chunk from the state its call began with: "
+                  "the state is not advanced on a chunk boundary",
+                  states.with_mixer(states.UncarriedChunkState), "state across calls",
+                  needs={"deltanet", "state"}),
+    BrokenVariant("conv-window-shifted",
+                  "a DeltaNet layer keeps its conv window shifted by one: the K - 1 inputs "
+                  "before the newest, not the last K - 1",
+                  states.with_mixer(states.ShiftedConvWindow), "state across calls",
+                  needs={"deltanet", "state"}),
     _swap("split-k-pad-leak",
           "split-K attention takes one mask for every row in its first chunk of keys, so a "
           "padded row reads the pad keys there", "padded batches", {},
