@@ -173,7 +173,7 @@ def test_bad_input_is_refused_before_any_write(models, ids):
             model(ids[:1, 10:12], cache)
     assert cache.seq_len == 10
     assert all(torch.equal(read_state(cache, 2)[k], v) for k, v in before.items())
-    with pytest.raises(ValueError, match="'dynamic' or 'hybrid' cache"):
+    with pytest.raises(ValueError, match="cache is 'state'"):
         model.new_cache(2, "static")
     with pytest.raises(ValueError, match="another model"):
         model(ids[:, :3], grid.MODELS["llama"].build(0).new_cache(2))

@@ -220,13 +220,37 @@ class GatedDeltaNet(nn.Module):
                 start: int) -> torch.Tensor:
         B, C, _ = x.shape
         if cache is None:
-            window = x.new_zeros(B, self.conv1d.in_channels, self.taps - 1)
-            state = x.new_zeros(B, self.hv, self.dk, self.dv)
+            window, state = self.zero_state(x)
         else:
             window, state = read_state(cache, layer_idx).values()  # conv, recurrent
+        # one token: the recurrent form (a decode step); more: the chunked one (prefill)
+        out, window, state = self.mix(x, window, state, recurrent=C == 1)
+        if cache is not None:
+            update_state(cache, layer_idx, start, conv=window, recurrent=state)
+        z = self.in_proj_z(x).view(B, C, self.hv, self.dv)
+        out = self.norm(out.transpose(1, 2), z)  # [B, C, H_v, D_v]
+        return self.out_proj(out.reshape(B, C, -1))
+
+    def zero_state(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conv window and state before the first token: zeros."""
+        B = x.shape[0]
+        return (x.new_zeros(B, self.conv1d.in_channels, self.taps - 1),
+                x.new_zeros(B, self.hv, self.dk, self.dv))
+
+    def final_state(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conv window and state after the layer's inputs ``x`` (``[B, T, d]``) from zeros,
+        a token at a time (what a cache of this layer should hold after ``T`` positions)."""
+        return self.mix(x, *self.zero_state(x), recurrent=True)[1:]
+
+    def mix(self, x: torch.Tensor, window: torch.Tensor, state: torch.Tensor, recurrent: bool
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The delta rule's outputs ``[B, H_v, C, D_v]`` for inputs ``x`` after ``window`` and
+        ``state``, and the window and state after them."""
+        B, C, _ = x.shape
         inputs = torch.cat((window, self.in_proj_qkv(x).transpose(1, 2)), dim=2)
         mixed = F.silu(F.conv1d(inputs, self.conv1d.weight, groups=inputs.shape[1]))  # [B, ., C]
         q, k, v = mixed.transpose(1, 2).split((self.hk * self.dk,) * 2 + (self.hv * self.dv,), -1)
+
         def heads(t: torch.Tensor, n: int, width: int) -> torch.Tensor:  # -> [B, H_v, C, width]
             # each Q/K head serves H_v / H_k consecutive value heads
             return t.view(B, C, n, width).transpose(1, 2).repeat_interleave(self.hv // n, dim=1)
@@ -235,16 +259,11 @@ class GatedDeltaNet(nn.Module):
         k, v = l2norm(heads(k, self.hk, self.dk)), heads(v, self.hv, self.dv)
         beta = self.in_proj_b(x).sigmoid().transpose(1, 2)  # [B, H_v, C]
         g = (-self.A_log.exp() * F.softplus(self.in_proj_a(x) + self.dt_bias)).transpose(1, 2)
-        if C == 1:
+        if recurrent:
             out, state = recurrent_delta_rule(q, k, v, g, beta, state)
         else:
             out, state = chunked_delta_rule(q, k, v, g, beta, state, self.chunk_size)
-        if cache is not None:
-            update_state(cache, layer_idx, start, conv=inputs[:, :, -(self.taps - 1):],
-                         recurrent=state)
-        z = self.in_proj_z(x).view(B, C, self.hv, self.dv)
-        out = self.norm(out.transpose(1, 2), z)  # [B, C, H_v, D_v]
-        return self.out_proj(out.reshape(B, C, -1))
+        return out, inputs[:, :, inputs.shape[2] - (self.taps - 1):], state
 
 
 class GatedRMSNorm(nn.Module):
@@ -286,8 +305,8 @@ class GatedAttention(nn.Module):
         D = self.head_dim
         q, gate = self.q_proj(x).view(B, C, self.n_head, 2 * D).split(D, dim=-1)
         at = start if positions is None else positions
-        q = self.rope(self.q_norm(q).transpose(1, 2), at)
-        k = self.rope(self.k_norm(self.k_proj(x).view(B, C, -1, D)).transpose(1, 2), at)
+        q = self.rope(self.q_norm(q.transpose(1, 2)), at)  # [B, H, C, D_h]
+        k = self.rope(self.k_norm(self.k_proj(x).view(B, C, -1, D).transpose(1, 2)), at)
         v = self.v_proj(x).view(B, C, -1, D).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v, start)
@@ -368,10 +387,10 @@ class DeltaNetDecoder(Decoder):
 
     def new_cache(self, batch_size: int, kind: str | None = None,
                   capacity: int | None = None) -> KVCache:
-        """An empty cache: a state layer per DeltaNet layer, a growing one per attention
-        layer (``kind`` ``"hybrid"``, the default, or ``"dynamic"``: the same)."""
-        if kind not in (None, "hybrid", "dynamic"):
-            raise ValueError(f"a DeltaNet model's cache is 'hybrid' (state and K/V layers), "
+        """An empty cache (``kind`` ``"state"``, the only one): a state layer per DeltaNet
+        layer, a growing K/V layer per attention layer; ``capacity`` is not used."""
+        if kind not in (None, "state"):
+            raise ValueError(f"a DeltaNet model's cache is 'state' (state and K/V layers), "
                              f"not {kind!r}")
         w = self.wte.weight
         return hybrid_cache(self.config.cache_layout, batch_size, w.dtype, w.device)

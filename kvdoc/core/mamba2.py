@@ -277,10 +277,9 @@ class Mamba2Mixer(nn.Module):
         y = self.norm(y.reshape(b, C, -1), z)
         return self.out_proj(y), conv_state, ssm_state
 
-    def final_state(self, u: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The states after ``u`` ``[b, C, d]``, from zero states in one call, by name."""
-        _, conv, recurrent = self.mix(u, *self.zero_state(u))
-        return {"conv": conv, "recurrent": recurrent}
+    def final_state(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conv and SSD states after ``u`` ``[b, C, d]``, from zero states in one call."""
+        return self.mix(u, *self.zero_state(u))[1:]
 
     def zero_state(self, u: torch.Tensor) -> list[torch.Tensor]:  # what an empty cache holds
         return [u.new_zeros(u.shape[0], *shape) for shape in self.config.state_shapes().values()]
@@ -315,7 +314,7 @@ class HybridAttention(nn.Module):
         self.v_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=False)
 
-    def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
+    def rope(self, x: torch.Tensor, start: int) -> torch.Tensor:
         r = self.rotary_dim
         return torch.cat((apply_rope(x[..., :r], start, self.rope_theta), x[..., r:]), dim=-1)
 
@@ -326,8 +325,8 @@ class HybridAttention(nn.Module):
         def heads(proj: nn.Linear, n: int) -> torch.Tensor:  # [B, C, n D_h] -> [B, n, C, D_h]
             return proj(x).view(B, C, n, self.head_dim).transpose(1, 2)
 
-        q = self.rotate(heads(self.q_proj, self.n_head), start)
-        k = self.rotate(heads(self.k_proj, self.n_kv_head), start)
+        q = self.rope(heads(self.q_proj, self.n_head), start)
+        k = self.rope(heads(self.k_proj, self.n_kv_head), start)
         v = heads(self.v_proj, self.n_kv_head)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v, start)
@@ -389,9 +388,10 @@ class MambaDecoder(Decoder):
     def new_cache(self, batch_size: int, kind: str | None = None,
                   capacity: int | None = None) -> KVCache:
         """An empty cache: a :class:`~kvdoc.core.state.StateLayer` per Mamba layer, a growing
-        K/V layer per attention layer (``kind`` ``"dynamic"`` or ``"hybrid"``, the same cache;
-        a static or window cache has no place for a state)."""
-        if kind not in (None, "dynamic", "hybrid"):
-            raise ValueError(f"a Mamba-2 hybrid takes a 'dynamic' or 'hybrid' cache, not {kind!r}")
+        K/V layer per attention layer (``kind`` ``"state"``, the only one; a static or window
+        cache has no place for a state)."""
+        if kind not in (None, "state"):
+            raise ValueError(f"a Mamba-2 hybrid's cache is 'state' (state and K/V layers), "
+                             f"not {kind!r}")
         return hybrid_cache(self.config.cache_layout, batch_size, self.wte.weight.dtype,
                             self.wte.weight.device)

@@ -86,8 +86,8 @@ class StateLayer(CacheLayer):
         self.state = {name: torch.zeros((batch_size, *shape), dtype=dtype, device=self.device)
                       for name, shape in spec.shapes}
 
-    def read(self, seq_len: int) -> dict[str, torch.Tensor]:
-        return dict(self.state)
+    def read(self, seq_len: int) -> tuple[torch.Tensor, ...]:
+        return tuple(self.state.values())  # in the spec's order (by name: read_state)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         raise ValueError("a state layer keeps no K/V rows; a call replaces its state "
@@ -139,7 +139,7 @@ def _state_layer(cache: KVCache, idx: int) -> StateLayer:
 
 def read_state(cache: KVCache, idx: int) -> dict[str, torch.Tensor]:
     """Layer ``idx``'s state after the ``cache.seq_len`` positions it has seen, by name."""
-    return _state_layer(cache, idx).read(cache.seq_len)
+    return dict(_state_layer(cache, idx).state)
 
 
 def update_state(cache: KVCache, idx: int, start: int, **tensors: torch.Tensor) -> None:

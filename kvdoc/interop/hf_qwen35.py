@@ -17,12 +17,7 @@ True
 
 from __future__ import annotations
 
-import inspect
 import re
-import textwrap
-import types
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -146,50 +141,3 @@ def qwen35_model(config: DeltaNetConfig | None = None, seed: int = 0,
             if re.search(r"(layernorm|norm)\.weight$", name):
                 p.add_(0.1 * torch.randn_like(p))
     return hf.to(dtype).eval()
-
-
-@contextmanager
-def float64_lifted(hf_model: Any) -> Iterator[Any]:
-    """Within the block, transformers' Qwen3.5 computes in the model's dtype where it computes
-    in float32 whatever the dtype (an upcast meant for half precision): its RMSNorms, RoPE's
-    angles, the decay ``g`` (``A_log.float()``, ``a.float()``) and both delta rules (their inputs
-    ``.to(torch.float32)``). Each of those functions is transformers' own source, compiled again
-    with ``float32`` read as ``float64`` and ``.float()`` as ``.double()``: an FP64 model then
-    measures FP64 rounding (outside the block it departs from exact FP64 by about 1e-7)."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
-
-    from kvdoc.core.model import rope_angles
-
-    scope = dict(vars(m))  # the lifted functions call each other by these globals
-
-    def recompiled(fn: Any) -> Any:
-        source = textwrap.dedent(inspect.getsource(fn))
-        source = re.sub(r"^@.*\n", "", source, flags=re.M)  # decorators: kernels, kwargs
-        source = source.replace("torch.float32", "torch.float64").replace(".float()",
-                                                                          ".double()")
-        exec(compile(source, inspect.getsourcefile(fn), "exec"), scope)
-        return scope[fn.__name__]
-
-    config = hf_model.config
-    rotary_dim = int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
-    theta = float(config.rope_parameters["rope_theta"])
-
-    def rotary(self: Any, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[Any, Any]:
-        text = position_ids if position_ids.dim() == 2 else position_ids[0]  # [B, C]
-        angles = rope_angles(text, rotary_dim, theta)  # [B, C, rotary_dim]
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-
-    for rule in (m.torch_chunk_gated_delta_rule, m.torch_recurrent_gated_delta_rule):
-        recompiled(rule)  # into scope, where the lifted GatedDeltaNet.forward finds it
-    methods = {m.Qwen3_5RMSNorm: recompiled(m.Qwen3_5RMSNorm.forward),
-               m.Qwen3_5RMSNormGated: recompiled(m.Qwen3_5RMSNormGated.forward),
-               m.Qwen3_5GatedDeltaNet: recompiled(m.Qwen3_5GatedDeltaNet.forward),
-               m.Qwen3_5TextRotaryEmbedding: rotary}
-    patched = [mod for mod in hf_model.modules() if type(mod) in methods]
-    for mod in patched:
-        mod.forward = types.MethodType(methods[type(mod)], mod)
-    try:
-        yield hf_model
-    finally:
-        for mod in patched:
-            del mod.forward  # back to the class's method

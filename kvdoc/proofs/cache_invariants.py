@@ -21,12 +21,12 @@ import torch
 
 from kvdoc.core.cache import CacheLayer, KVCache, StaticCache
 from kvdoc.core.feed import feed
-from kvdoc.core.state import StateLayer
+from kvdoc.core.state import StateLayer, state_layers
 from kvdoc.serving.batching import left_pad, padded_mask, padded_positions
 from kvdoc.serving.paged import BlockPool, PagedCache
 
 from .case import Case, scenario
-from .compare import Snapshot, layer_tensors
+from .compare import Snapshot
 
 BYTES_CHUNKS = (5, 1, 13)
 """Chunks of the ``bytes`` scenario: past the Mistral window (16) and several paged blocks (4)."""
@@ -98,12 +98,12 @@ def shape_problems(cache: KVCache) -> list[str]:
         if cache.held(i) != range(0 if w is None else max(0, T - w), T):
             problems.append(f"layer {i} (window {w}) holds {cache.held(i)} after {T}")
         rows = len(cache.held(i))
-        # two tensors [B, heads, rows, width]: K and V, or a latent's c_KV and k_rope; a
-        # recurrent layer's named state tensors [B, *shape]
+        # two tensors [B, heads, rows, width]: K and V, or a latent's c_KV and k_rope; a state
+        # layer's [B, *shape], one size at every position
         wants = ([(cache.batch_size, *shape) for _, shape in layer.spec.shapes]
                  if isinstance(layer, StateLayer) else
                  [(cache.batch_size, layer.heads, rows, width) for width in layer.widths])
-        for t, want in zip(layer_tensors(cache, i), wants, strict=True):
+        for t, want in zip(cache.layer(i), wants, strict=True):
             if tuple(t.shape) != want or t.dtype != cache.dtype:
                 problems.append(f"layer {i}: {tuple(t.shape)} {t.dtype}, want {want} {cache.dtype}")
                 break
@@ -134,8 +134,7 @@ def _bytes(case: Case, out: list) -> None:
     cache, fed = case.new_cache(), sum(BYTES_CHUNKS)
     problems = byte_problems(cache)
     # a recurrent layer's state: the bytes of the empty cache's at every length
-    state_bytes = {i: la.nbytes() for i, la in enumerate(cache.layers)
-                   if isinstance(la, StateLayer)}
+    state_bytes = {i: cache.layers[i].nbytes() for i in state_layers(cache)}
 
     def check(start: int, n: int, before: KVCache, after: KVCache) -> None:
         problems.extend(f"after {start + n}: {p}" for p in byte_problems(after))
@@ -206,6 +205,21 @@ def _edges(case: Case, out: list) -> None:
 
 # --- padded batches -------------------------------------------------------------------------
 
+def _padding_refused(case: Case) -> object:
+    """A model with state layers folds every row of a call into its state, pads included: a
+    padded call (``attn_mask``, ``positions``) must be refused, its cache left as it was."""
+    cache = case.feed(case.ids[:, :5], 5).cache
+    before, refused = Snapshot.of(cache), False
+    mask = torch.ones(cache.batch_size, 1, 6, dtype=torch.bool)
+    try:
+        case.call(case.ids[:, 5:6], cache, attn_mask=mask)
+    except ValueError:
+        refused = True
+    changed = before.changed(cache) if cache.seq_len == 5 else math.inf
+    return case.result("padded", refused and changed == 0.0, changed,
+                       "state layers: a padded call refused, the cache unchanged")
+
+
 PROMPTS = (7, 3, 5)  # the padded batch's prompt lengths, cycled over its rows
 STEPS = 3  # decode steps after the padded prefill
 
@@ -216,6 +230,9 @@ def _padded(case: Case, out: list) -> None:
     B = case.ids.shape[0]
     if B < 2:
         out.append(case.result("padded", None, 0.0, "a padded batch needs 2 rows or more"))
+        return
+    if state_layers(case.new_cache(1)):
+        out.append(_padding_refused(case))
         return
     lengths = [PROMPTS[b % len(PROMPTS)] for b in range(B)]
     rows = [case.ids[b, :lengths[b] + STEPS] for b in range(B)]
