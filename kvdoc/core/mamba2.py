@@ -253,7 +253,8 @@ class Mamba2Mixer(nn.Module):
         ``conv_state`` ``[b, conv_dim, d_conv - 1]``; and the next conv state."""
         seq = torch.cat((conv_state, xBC.transpose(1, 2)), dim=2)
         out = F.conv1d(seq, self.conv1d.weight, self.conv1d.bias, groups=seq.shape[1])
-        return F.silu(out).transpose(1, 2), seq[:, :, seq.shape[2] - conv_state.shape[2]:]
+        # a copy: a view of the last inputs would keep the call's whole input alive
+        return F.silu(out).transpose(1, 2), seq[:, :, seq.shape[2] - conv_state.shape[2]:].clone()
 
     def mix(self, u: torch.Tensor, conv_state: torch.Tensor,
             ssm_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
