@@ -9,12 +9,8 @@ import pytest
 import torch
 
 from kvdoc.core.cache import DynamicLayer, KVCache, LayerSpec
-from kvdoc.core.deltanet import (
-    DeltaNetConfig,
-    DeltaNetDecoder,
-    chunked_delta_rule,
-    recurrent_delta_rule,
-)
+from kvdoc.core.delta_rule import chunked_delta_rule, recurrent_delta_rule
+from kvdoc.core.deltanet import DeltaNetConfig, DeltaNetDecoder
 from kvdoc.core.state import (
     StateSpec,
     hybrid_cache,
@@ -111,11 +107,11 @@ def test_crop_refused_and_snapshot_restores() -> None:
             torch.equal(a, b) for a, b in zip(held, cache.tensors(), strict=True))
         assert cache.crop(16) is cache  # to where it is: nothing to undo
         restore(cache, snap)
-        assert cache.seq_len == 9 and cache.held(2) == range(9)
+        assert cache.seq_len == 9 and cache.held(0) == range(9) and cache.held(2) == range(9, 9)
         target = torch.cat((ids[:, :9], alt[:, 9:]), dim=1)
         got, _ = _fed(model, target[:, 9:], [4, 1, 6], cache)
         want = model(target).logits[:, 9:]
-    assert (got - want).abs().max().item() < TOL[torch.float32]
+    assert (got - want).abs().max().item() < TOL[torch.float32] * want.abs().max().item()
     with pytest.raises(ValueError, match="cannot restore a cache of 9 positions to 16"):
         restore(cache, snap._replace(position=16))
     assert snap.nbytes() == 2 * 4 * 2 * (DELTANET.conv_dim * 2 + 6 * 6 * 10)
@@ -139,10 +135,9 @@ def test_chunked_rule_equals_recurrent(chunk: int) -> None:
 
 
 def test_config_checks() -> None:
-    assert DeltaNetConfig(n_layer=5, full_attention_interval=2).layer_types[1::2] == (
-        "full_attention",) * 2
+    assert DeltaNetConfig(n_layer=5).layer_types[1::2] == ("full_attention",) * 2
     for bad, match in (({"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim"),
-                       ({"partial_rotary_factor": 0.3}, "RoPE rotates pairs"),
+                       ({"partial_rotary_factor": 0.1}, "RoPE rotates pairs"),
                        ({"layer_types": ("linear_attention",)}, "layer_types must be"),
                        ({"n_kv_head": 3}, "n_head=4 must be a multiple")):
         with pytest.raises(ValueError, match=match):

@@ -1,7 +1,7 @@
 """A Qwen3.5-style hybrid decoder: Gated DeltaNet layers with gated full-attention layers.
 
-Each layer is of one of two types (``config.layer_types``, as transformers names them; every
-``full_attention_interval``-th is full attention unless ``layer_types`` is given):
+Each layer is of one of two types (``config.layer_types``, as transformers names them; by
+default every second layer is full attention, :func:`every_nth_full`):
 
 * ``"linear_attention"``, a Gated DeltaNet: one projection gives Q, K and V for every head,
   a causal depthwise convolution of ``K_conv`` taps (then SiLU) mixes each channel with its last
@@ -12,10 +12,10 @@ Each layer is of one of two types (``config.layer_types``, as transformers names
   ``S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T``, ``o_t = S_t^T q_t``;
 
   then a per-head RMSNorm of ``o`` gated by ``silu(z)``. What the cache keeps is the conv window
-  and ``S``: a :class:`~kvdoc.core.state.StateLayer`, of one size at every position.
-  :func:`recurrent_delta_rule` takes one token at a time (the decode step);
-  :func:`chunked_delta_rule` takes ``chunk_size`` at a time in matrix products (prefill), one
-  function of the tokens (checked equal in the tests and on the grid);
+  and ``S``: a :class:`~kvdoc.core.state.StateLayer`, of one size at every position. A decode
+  step takes the rule a token at a time, a longer call ``chunk_size`` tokens at a time
+  (:mod:`kvdoc.core.delta_rule`: one function of the tokens, checked equal in the tests and on
+  the grid);
 * ``"full_attention"``: softmax attention with q/k RMSNorms, RoPE on the first
   ``partial_rotary_factor`` of each head's features, and an output gate: ``q_proj`` gives each
   head a query and a gate, and the heads' output is multiplied by ``sigmoid(gate)``.
@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache, LayerSpec, check_int, check_positive, offset_causal_mask
+from .delta_rule import chunked_delta_rule, l2norm, recurrent_delta_rule
 from .gemma import GemmaRMSNorm
 from .model import Decoder, apply_rope
 from .state import StateSpec, hybrid_cache, read_state, update_state
@@ -55,11 +56,25 @@ LINEAR, FULL = "linear_attention", "full_attention"
 """The two layer types, as Qwen3.5's ``config.json`` names them."""
 
 
+def every_nth_full(n_layer: int, interval: int) -> tuple[str, ...]:
+    """Layer types where every ``interval``-th layer is full attention (the last of each group),
+    the others Gated DeltaNet, as transformers reads Qwen3.5's ``full_attention_interval``
+    (its default: 4).
+
+    >>> every_nth_full(4, 2)
+    ('linear_attention', 'full_attention', 'linear_attention', 'full_attention')
+    """
+    check_int("n_layer", n_layer)
+    check_int("interval", interval)
+    return tuple(LINEAR if (i + 1) % interval else FULL for i in range(n_layer))
+
+
 @dataclass(frozen=True)
 class DeltaNetConfig:
     """Sizes of a Qwen3.5-style hybrid (names as :class:`~kvdoc.core.model.GPTConfig`'s, or as
     Qwen3.5's ``config.json`` where GPT-2 has none). ``chunk_size`` is kvdoc's: the tokens
-    :func:`chunked_delta_rule` takes at once (not a property of the model).
+    :func:`~kvdoc.core.delta_rule.chunked_delta_rule` takes at once (not a property of the
+    model).
 
     >>> DeltaNetConfig(n_layer=4).layer_types[-1], DeltaNetConfig().cache_layout[0].shapes
     ('full_attention', (('conv', (64, 3)), ('recurrent', (4, 8, 8))))
@@ -74,8 +89,7 @@ class DeltaNetConfig:
     n_embd: int = 64
     n_inner: int = 128
     n_layer: int = 2
-    full_attention_interval: int = 2
-    layer_types: tuple[str, ...] | None = None  # None: every full_attention_interval-th is full
+    layer_types: tuple[str, ...] | None = None  # None: every_nth_full(n_layer, 2)
     n_head: int = 4
     n_kv_head: int = 2
     head_dim: int = 16
@@ -92,16 +106,16 @@ class DeltaNetConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_positions", "n_embd", "n_inner", "n_layer",
-                     "full_attention_interval", "n_head", "n_kv_head", "head_dim",
+                     "n_head", "n_kv_head", "head_dim",
                      "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                      "linear_value_head_dim", "chunk_size"):
             check_int(name, getattr(self, name))
         check_int("linear_conv_kernel_dim", self.linear_conv_kernel_dim, minimum=2)
         for name in ("rope_theta", "layer_norm_epsilon", "partial_rotary_factor"):
             check_positive(name, getattr(self, name))
-        types, k = self.layer_types, self.full_attention_interval
+        types = self.layer_types
         if types is None:
-            types = tuple(LINEAR if (i + 1) % k else FULL for i in range(self.n_layer))
+            types = every_nth_full(self.n_layer, 2)
             object.__setattr__(self, "layer_types", types)
         if (not isinstance(types, tuple) or len(types) != self.n_layer
                 or any(t not in (LINEAR, FULL) for t in types)):
@@ -134,66 +148,6 @@ class DeltaNetConfig:
                                           self.linear_value_head_dim))))
         kv = LayerSpec(self.n_kv_head, (self.head_dim, self.head_dim))
         return tuple(state if t == LINEAR else kv for t in self.layer_types)
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x / sqrt(sum(x^2) + eps)`` over the last dimension (FLA's and transformers' epsilon)."""
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
-
-
-def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                         beta: torch.Tensor, state: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule a token at a time: ``q``, ``k`` ``[B, H, C, D_k]``, ``v``
-    ``[B, H, C, D_v]``, ``g``, ``beta`` ``[B, H, C]``, ``state`` ``[B, H, D_k, D_v]``; returns
-    the outputs ``[B, H, C, D_v]`` and the state after the last token."""
-    out = []
-    for t in range(q.shape[2]):
-        state = state * g[:, :, t, None, None].exp()
-        remembered = (k[:, :, t, :, None] * state).sum(-2)  # S^T k: [B, H, D_v]
-        delta = (v[:, :, t] - remembered) * beta[:, :, t, None]
-        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
-        out.append((q[:, :, t, :, None] * state).sum(-2))
-    return torch.stack(out, dim=2), state
-
-
-def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                       beta: torch.Tensor, state: torch.Tensor, chunk_size: int
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`recurrent_delta_rule` ``chunk_size`` tokens at a time, in matrix products.
-
-    Within a chunk, with ``G_t`` the cumulative log-decay from its start, the state after token
-    ``t`` is ``exp(G_t) S_0 + sum_{s <= t} exp(G_t - G_s) k_s u_s^T``: the new values ``u``
-    solve a unit lower-triangular system (``u_t`` corrects what the state before ``t`` already
-    predicts), and the outputs and the next chunk's state are products with ``u``.
-
-    >>> g = torch.Generator().manual_seed(0)
-    >>> q, k = (F.normalize(torch.randn(1, 2, 7, 4, generator=g), dim=-1) for _ in range(2))
-    >>> v, s = torch.randn(1, 2, 7, 3, generator=g), torch.randn(1, 2, 4, 3, generator=g)
-    >>> decay, beta = -torch.rand(1, 2, 7, generator=g), torch.rand(1, 2, 7, generator=g)
-    >>> a, b = chunked_delta_rule(q, k, v, decay, beta, s, 3), recurrent_delta_rule(
-    ...     q, k, v, decay, beta, s)
-    >>> all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a, b))
-    True
-    """
-    outs = []
-    for at in range(0, q.shape[2], chunk_size):
-        piece = slice(at, at + chunk_size)
-        qc, kc, vc, bc = q[:, :, piece], k[:, :, piece], v[:, :, piece], beta[:, :, piece]
-        G = g[:, :, piece].cumsum(-1)  # [B, H, L]
-        L = G.shape[-1]
-        later = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)  # s > t
-        decay = (G[..., :, None] - G[..., None, :]).masked_fill(later, -torch.inf).exp()
-        kk = (kc @ kc.transpose(-1, -2)) * decay  # exp(G_t - G_s) k_t . k_s for s <= t
-        system = torch.eye(L, dtype=q.dtype, device=q.device) + (bc[..., None] * kk).tril(-1)
-        rhs = bc[..., None] * (vc - G.exp()[..., None] * (kc @ state))
-        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-        qk = (qc @ kc.transpose(-1, -2)) * decay  # s <= t, the token's own included
-        outs.append(G.exp()[..., None] * (qc @ state) + qk @ u)
-        last = G[..., -1:]  # [B, H, 1]
-        state = (last.exp()[..., None] * state
-                 + (kc * (last - G).exp()[..., None]).transpose(-1, -2) @ u)
-    return torch.cat(outs, dim=2), state
 
 
 class GatedDeltaNet(nn.Module):

@@ -94,7 +94,6 @@ global one; ``head_dim`` not ``n_embd / n_head``, the softmax scale not ``head_d
 two RoPE bases, a soft cap that bends the logits."""
 GEMMA_GLOBAL_FIRST = dataclasses.replace(GEMMA, global_layers=(0,))  # no pattern gives it
 DELTANET = DeltaNetConfig(vocab_size=89, n_positions=256, n_embd=40, n_inner=72, n_layer=3,
-                          full_attention_interval=3,
                           layer_types=("full_attention", "linear_attention", "linear_attention"),
                           n_head=3, n_kv_head=1, head_dim=12,
                           partial_rotary_factor=0.5, rope_theta=500000.0, linear_num_key_heads=3,
