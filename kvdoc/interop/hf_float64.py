@@ -1,10 +1,14 @@
 """FP64 comparisons with transformers: its float32 islands (RMSNorm and RoPE computed in
-float32 whatever the model's dtype) lifted for the length of a block
-(:func:`float64_islands_lifted`).
+float32 whatever the model's dtype; Bamba's Mamba-2 scan and Qwen3.5's decay and delta rules
+too) lifted for the length of a block (:func:`float64_islands_lifted`,
+:func:`qwen35_float64_lifted`).
 """
 
 from __future__ import annotations
 
+import inspect
+import re
+import textwrap
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,8 +19,10 @@ import torch
 
 @contextmanager
 def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
-    """Within the block, transformers' Llama, Mistral, Qwen2, Qwen3, Phi-3, DeepSeek-V3 and
-    Gemma 3 compute RMSNorm and RoPE in the model's dtype.
+    """Within the block, transformers' Llama, Mistral, Qwen2, Qwen3, Phi-3, DeepSeek-V3,
+    Gemma 3 and Bamba compute RMSNorm and RoPE in the model's dtype (Bamba: its gated RMSNorm
+    and its Mamba-2 scan too, whose ``.float()`` calls keep a float64 tensor as it is; Qwen3.5:
+    :func:`qwen35_float64_lifted`).
 
     transformers computes both in float32 whatever the model's dtype (an upcast meant for half
     precision), so an FP64 Llama differs from an exact FP64 computation by about 1e-7 there;
@@ -44,10 +50,30 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
         angles = torch.stack([rope_angles(row, config.head_dim, theta) for row in position_ids])
         return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
 
+    def gated_rms_norm(self: Any, x: torch.Tensor,
+                       gate: torch.Tensor | None = None) -> torch.Tensor:
+        x = x if gate is None else x * torch.nn.functional.silu(gate)
+        groups = x.view(*x.shape[:-1], -1, self.group_size)
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * groups.view(x.shape)
+
+    def float64_kept(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self if self.dtype == torch.float64 else to_float32(self, *args, **kwargs)
+
     config = hf_model.config
     model_type = getattr(config, "model_type", None)
+    if model_type == "qwen3_5_text":
+        with qwen35_float64_lifted(hf_model):
+            yield hf_model
+        return
     lifted: dict[str, Any] = {}
-    if model_type == "gemma3_text":
+    to_float32 = torch.Tensor.float
+    if model_type == "bamba":  # RoPE on the first half of a head; the scan's .float() calls
+        head_dim = int(config.hidden_size // config.num_attention_heads
+                       * config.rope_parameters.get("partial_rotary_factor", 1.0))
+        theta = float(config.rope_parameters["rope_theta"])
+        lifted = {"RMSNorm": rms_norm, "RMSNormGated": gated_rms_norm, "RotaryEmbedding": rotary}
+    elif model_type == "gemma3_text":
         lifted = {"RMSNorm": gemma_rms_norm, "RotaryEmbedding": gemma_rotary}
     elif model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3", "deepseek_v3"):
         split_width = config.hidden_size // config.num_attention_heads
@@ -56,10 +82,60 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
         lifted = {"RMSNorm": rms_norm, "RotaryEmbedding": rotary}
     patched = [m for m in hf_model.modules() if type(m).__name__.endswith(tuple(lifted))]
     for module in patched:
-        kind = next(k for k in lifted if type(module).__name__.endswith(k))
+        kind = max((k for k in lifted if type(module).__name__.endswith(k)), key=len)
         module.forward = types.MethodType(lifted[kind], module)
+    try:
+        if model_type == "bamba":  # its scan and state update call .float() on their inputs
+            torch.Tensor.float = float64_kept
+        yield hf_model
+    finally:
+        torch.Tensor.float = to_float32
+        for module in patched:
+            del module.forward  # back to the class's method
+
+
+@contextmanager
+def qwen35_float64_lifted(hf_model: Any) -> Iterator[Any]:
+    """Within the block, transformers' Qwen3.5 computes in the model's dtype where it computes
+    in float32 whatever the dtype (an upcast meant for half precision): its RMSNorms, RoPE's
+    angles, the decay ``g`` (``A_log.float()``, ``a.float()``) and both delta rules (their inputs
+    ``.to(torch.float32)``). Each of those functions is transformers' own source, compiled again
+    with ``float32`` read as ``float64`` and ``.float()`` as ``.double()``: an FP64 model then
+    measures FP64 rounding (outside the block it departs from exact FP64 by about 1e-7)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    from kvdoc.core.model import rope_angles
+
+    scope = dict(vars(m))  # the lifted functions call each other by these globals
+
+    def recompiled(fn: Any) -> Any:
+        source = textwrap.dedent(inspect.getsource(fn))
+        source = re.sub(r"^@.*\n", "", source, flags=re.M)  # decorators: kernels, kwargs
+        source = source.replace("torch.float32", "torch.float64").replace(".float()",
+                                                                          ".double()")
+        exec(compile(source, inspect.getsourcefile(fn), "exec"), scope)
+        return scope[fn.__name__]
+
+    config = hf_model.config
+    rotary_dim = int(config.head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
+    theta = float(config.rope_parameters["rope_theta"])
+
+    def rotary(self: Any, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[Any, Any]:
+        text = position_ids if position_ids.dim() == 2 else position_ids[0]  # [B, C]
+        angles = rope_angles(text, rotary_dim, theta)  # [B, C, rotary_dim]
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+    for rule in (m.torch_chunk_gated_delta_rule, m.torch_recurrent_gated_delta_rule):
+        recompiled(rule)  # into scope, where the lifted GatedDeltaNet.forward finds it
+    methods = {m.Qwen3_5RMSNorm: recompiled(m.Qwen3_5RMSNorm.forward),
+               m.Qwen3_5RMSNormGated: recompiled(m.Qwen3_5RMSNormGated.forward),
+               m.Qwen3_5GatedDeltaNet: recompiled(m.Qwen3_5GatedDeltaNet.forward),
+               m.Qwen3_5TextRotaryEmbedding: rotary}
+    patched = [mod for mod in hf_model.modules() if type(mod) in methods]
+    for mod in patched:
+        mod.forward = types.MethodType(methods[type(mod)], mod)
     try:
         yield hf_model
     finally:
-        for module in patched:
-            del module.forward  # back to the class's method
+        for mod in patched:
+            del mod.forward  # back to the class's method

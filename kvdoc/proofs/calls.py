@@ -15,9 +15,10 @@ from torch import nn
 
 from kvdoc.core.cache import KVCache
 from kvdoc.core.model import decode_step, generate, prefill
+from kvdoc.core.state import restore, snapshot, state_layers
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
-from .case import Case, scenario
+from .case import Case, CheckResult, scenario
 from .compare import Snapshot, close, max_abs, run_cached
 
 DECODE_CUT = 20
@@ -118,14 +119,29 @@ def _crop(case: Case, out: list) -> None:
         except ValueError:
             refused = True
         changed = before.changed(cache) if cache.seq_len == fill else math.inf
-        out.append(case.result("crop", refused and changed == 0.0, changed,
-                               f"fill {fill}, a crop to {keep} refused, the cache unchanged"))
+        result = case.result("crop", refused and changed == 0.0, changed,
+                             f"fill {fill}, a crop to {keep} refused, the cache unchanged")
+        out.append(_restored(case, keep, fill, result) if state_layers(cache) else result)
         return
     cache = cache.crop(keep)  # a shared-prefix cache's pool holds the filled one or the cropped one
     target = torch.cat((ids[:, :keep], case.alt[:, keep:]), dim=1)
     run = case.feed(target[:, keep:], 5, cache)
     out.append(case.compared("crop", [(run.logits, case.full(target)[:, keep:])],
                              f"fill {fill}, crop to {keep}, continue", run.cache.seq_len == T))
+
+
+def _restored(case: Case, keep: int, fill: int, refused: CheckResult) -> CheckResult:
+    """After a refused crop of state layers: a snapshot taken at ``keep`` restores the cache
+    filled to ``fill``, and the other tokens continue from it as from a fresh prefix."""
+    ids, T = case.ids, case.ids.shape[1]
+    cache = case.feed(ids[:, :keep], case.chunks[-1]).cache
+    snap = snapshot(cache)
+    cache = restore(case.feed(ids[:, keep:fill], 5, cache).cache, snap)
+    target = torch.cat((ids[:, :keep], case.alt[:, keep:]), dim=1)
+    run = case.feed(target[:, keep:], 5, cache)
+    return case.compared("crop", [(run.logits, case.full(target)[:, keep:])],
+                         refused.detail + f"; a snapshot at {keep} restored, continued",
+                         bool(refused.passed) and run.cache.seq_len == T, refused.error)
 
 
 @scenario("branch", {

@@ -24,6 +24,7 @@ import torch
 from kvdoc.core.cache import KV, KVCache
 from kvdoc.core.feed import chunk_lengths, feed
 from kvdoc.core.model import Decoder, GPTConfig, apply_rope
+from kvdoc.core.state import StateLayer
 
 from .broken.decoders import stale_prefix
 from .variants import VARIANTS
@@ -70,6 +71,12 @@ class Snapshot:
         ``inf`` if it no longer holds one or a layer's shape disagrees with its positions."""
         err = 0.0
         for i, (pair, was) in enumerate(zip(self.layers, self.held, strict=True)):
+            if isinstance(cache.layers[i], StateLayer):  # a fold over was.stop positions
+                if cache.seq_len != was.stop:
+                    return math.inf  # not comparable: another length, another state
+                err = max([err, *(max_abs(old, cur)
+                                  for old, cur in zip(pair, cache.layer(i), strict=True))])
+                continue
             now = cache.held(i)  # a window layer holds only its last positions
             keep = range(was.start, min(was.stop, was.stop if rows is None else rows))
             if len(keep) and (keep.start < now.start or keep.stop > now.stop):
@@ -167,8 +174,9 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
         # own base), V off v_proj, which runs after it
         found = {}
 
-        def k_hook(module, inputs, output):
-            found["k"] = apply_rope(output, 0, attn.rope_theta)
+        def k_hook(module, inputs, output):  # a partial rotary (Qwen3.5) turns its own part
+            found["k"] = (attn.rope(output, 0) if hasattr(attn, "rope")
+                          else apply_rope(output, 0, attn.rope_theta))
 
         def v_hook(module, inputs, output):
             B, T, _ = output.shape
@@ -177,20 +185,42 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
         return [attn.k_norm.register_forward_hook(k_hook),
                 attn.v_proj.register_forward_hook(v_hook)]
 
+    def rotated_hooks(attn):  # Bamba's: K off k_proj, turned on its first part by attn.rope
+        found = {}
+
+        def k_hook(module, inputs, output):
+            B, T, _ = output.shape
+            found["k"] = attn.rope(output.view(B, T, cfg.n_kv_head, -1).transpose(1, 2), 0)
+
+        def v_hook(module, inputs, output):
+            B, T, _ = output.shape
+            v = output.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
+            captured.append((found.pop("k"), v))
+        return [attn.k_proj.register_forward_hook(k_hook),
+                attn.v_proj.register_forward_hook(v_hook)]
+
     handles = []
     for block in model.h:
-        attn = getattr(block, "attn", None) or block.self_attn
+        # a recurrent mixer (DeltaNet's linear_attn, Mamba-2's mamba) states its own
+        attn = (getattr(block, "attn", None) or getattr(block, "self_attn", None)
+                or next((m for m in block.children() if hasattr(m, "final_state")), None))
         if hasattr(attn, "kv_a_proj_with_mqa"):
             handles.append(attn.kv_a_proj_with_mqa.register_forward_hook(latent_hook(attn)))
         elif hasattr(attn, "c_attn"):
             handles.append(attn.c_attn.register_forward_hook(c_attn_hook(attn)))
         elif hasattr(attn, "k_norm"):
             handles += gemma_hooks(attn)
+        elif hasattr(attn, "rope"):
+            handles += rotated_hooks(attn)
+        elif hasattr(attn, "final_state"):  # a recurrent layer: its state, token by token
+            handles.append(attn.register_forward_hook(
+                lambda module, inputs, output: captured.append(module.final_state(inputs[0]))))
         else:
             for handle in handles:
                 handle.remove()
             raise ValueError(f"no K/V probe for a {type(attn).__name__} (no c_attn, "
-                             "kv_a_proj_with_mqa or k_norm): full_forward_kv must learn it")
+                             "kv_a_proj_with_mqa, k_norm, rope or final_state): "
+                             "full_forward_kv must learn it")
     try:
         logits = model(ids).logits
     finally:

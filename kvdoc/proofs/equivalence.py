@@ -11,13 +11,24 @@ from __future__ import annotations
 
 import torch
 
+from kvdoc.core.state import StateSpec
+
 from .broken.decoders import stale_prefix
 from .case import Case, scenario
 from .compare import CachedRun, close, full_forward_kv, max_abs
 
 
-def _cached_shapes(config, batch: int, length: int) -> tuple[tuple[int, ...], ...]:
-    """What each layer caches: K and V ``[B, H_kv, T, D_h]``, or the shapes the config states."""
+def _state(config, layer: int) -> StateSpec | None:
+    spec = getattr(config, "cache_layout", ())[layer]
+    return spec if isinstance(spec, StateSpec) else None
+
+
+def _cached_shapes(config, batch: int, length: int,
+                   layer: int = 0) -> tuple[tuple[int, ...], ...]:
+    """What layer ``layer`` caches: K and V ``[B, H_kv, T, D_h]``, the shapes the config states,
+    or a state layer's ``[B, *shape]`` whatever the length."""
+    if _state(config, layer) is not None:
+        return tuple((batch, *shape) for _, shape in _state(config, layer).shapes)
     if hasattr(config, "cached_shapes"):
         return tuple(config.cached_shapes(batch, length))
     shape = (batch, config.n_kv_head, length, config.head_dim)
@@ -44,8 +55,9 @@ def _stream(case: Case, out: list) -> None:
         full_causal_ok = close(full_edited[:, :-1], full[:, :-1], case.tol)
         later, half = ids.clone(), T // 2  # later tokens replaced: earlier K/V must not move
         later[:, half:] = (ids[:, half:] + 1) % vocab
-        kept = [(a[:, :, :half], b[:, :, :half])
-                for pa, pb in zip(full_kv, full_forward_kv(case.model, later)[1], strict=True)
+        kept = [(a[:, :, :half], b[:, :, :half])  # a state folds the later tokens in
+                for i, (pa, pb) in enumerate(zip(full_kv, full_forward_kv(case.model, later)[1],
+                                                 strict=True)) if _state(cfg, i) is None
                 for a, b in zip(pa, pb, strict=True)]
         full_causal_ok = full_causal_ok and all(torch.equal(a, b) for a, b in kept)
         full_causal = max(full_causal, *(max_abs(a, b) for a, b in kept))
@@ -74,12 +86,13 @@ def _stream(case: Case, out: list) -> None:
             got = [run.cache.layer(i) for i in range(cfg.n_layer)]
             want = _cached_shapes(cfg, batch, len(held[0]))
             shapes_ok = all(tuple(tuple(t.shape) for t in pair)
-                            == _cached_shapes(cfg, batch, len(h))
-                            for pair, h in zip(got, held, strict=True))
+                            == _cached_shapes(cfg, batch, len(h), i)
+                            for i, (pair, h) in enumerate(zip(got, held, strict=True)))
             add("kv_shape", shapes_ok, 0.0 if shapes_ok else float("inf"),
                 f"each layer's two cached tensors {' and '.join(str(list(w)) for w in want)}")
-            pairs = [(g, r[:, :, h.start:h.stop])
-                     for gp, rp, h in zip(got, full_kv, held, strict=True)
+            # a state layer: its state, to the one the full forward's inputs fold to
+            pairs = [(g, r if _state(cfg, i) else r[:, :, h.start:h.stop])
+                     for i, (gp, rp, h) in enumerate(zip(got, full_kv, held, strict=True))
                      for g, r in zip(gp, rp, strict=True)]
             add("kv", all(close(g, r, case.tol) for g, r in pairs),
                 max((max_abs(g, r) for g, r in pairs), default=0.0), "each layer's K/V")

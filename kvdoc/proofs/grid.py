@@ -10,16 +10,19 @@ of its decode step is proved not to cost correctness). Something not registered 
 ``run_suite(model=...)``.
 
 >>> sorted(MODELS)  # doctest: +NORMALIZE_WHITESPACE
-['deep', 'gemma3', 'gemma3-global-first', 'gqa', 'llama', 'mha', 'mistral', 'mla',
- 'mla-absorbed', 'mqa', 'qwen2', 'qwen3', 'split-k']
->>> sorted(CACHES), sorted(IMPLEMENTATIONS)
-(['dynamic', 'hybrid', 'paged', 'shared-prefix', 'static', 'window'], ['fast', 'model'])
+['bamba', 'deep', 'deltanet', 'gemma3', 'gemma3-global-first', 'gqa', 'llama', 'mha',
+ 'mistral', 'mla', 'mla-absorbed', 'mqa', 'qwen2', 'qwen3', 'split-k']
+>>> sorted(CACHES), sorted(IMPLEMENTATIONS)  # doctest: +NORMALIZE_WHITESPACE
+(['dynamic', 'hybrid', 'paged', 'shared-prefix', 'state', 'static', 'window'],
+ ['fast', 'model'])
 >>> MODELS["gqa"].build(0).config.n_kv_head
 2
 >>> served(MODELS["mla"].build(0).config)  # FastDecoder fuses K/V attention: not MLA's
 [('dynamic', 'model'), ('static', 'model'), ('paged', 'model'), ('shared-prefix', 'model')]
 >>> served(MODELS["gemma3"].build(0).config, kinds=["paged", "window", "hybrid"])
 [('paged', 'model'), ('hybrid', 'model')]
+>>> served(MODELS["bamba"].build(0).config)  # a recurrent state: its own cache kind
+[('state', 'model')]
 """
 
 from __future__ import annotations
@@ -32,14 +35,23 @@ import torch
 from torch import nn
 
 from kvdoc.core.cache import KVCache
+from kvdoc.core.deltanet import DeltaNetConfig, DeltaNetDecoder, GatedRMSNorm
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder, GemmaRMSNorm
+from kvdoc.core.mamba2 import Mamba2Config, MambaDecoder
 from kvdoc.core.mla import MLAConfig, MLADecoder
 from kvdoc.core.model import Decoder, GPTConfig, llama_config, mistral_config
+from kvdoc.core.state import StateSpec
 from kvdoc.serving.paged import new_paged_cache, new_shared_prefix_cache
 from kvdoc.serving.splitk import split_k_decoder
 
-from .references import deepseek_reference, mha_reference, transformers_reference
+from .references import (
+    bamba_reference,
+    deepseek_reference,
+    mha_reference,
+    qwen35_reference,
+    transformers_reference,
+)
 
 STREAM_LENGTH = 67
 """Tokens in the default stream: past 32 and 64, and prime, so no chunk size above 1 divides it."""
@@ -81,6 +93,32 @@ GEMMA = Gemma3Config(vocab_size=89, n_positions=256, n_head=6, n_kv_head=3, n_em
 global one; ``head_dim`` not ``n_embd / n_head``, the softmax scale not ``head_dim ** -0.5``,
 two RoPE bases, a soft cap that bends the logits."""
 GEMMA_GLOBAL_FIRST = dataclasses.replace(GEMMA, global_layers=(0,))  # no pattern gives it
+DELTANET = DeltaNetConfig(vocab_size=89, n_positions=256, n_embd=40, n_inner=72, n_layer=3,
+                          layer_types=("full_attention", "linear_attention", "linear_attention"),
+                          n_head=3, n_kv_head=1, head_dim=12,
+                          partial_rotary_factor=0.5, rope_theta=500000.0, linear_num_key_heads=3,
+                          linear_num_value_heads=6, linear_key_head_dim=6, linear_value_head_dim=10,
+                          linear_conv_kernel_dim=3, layer_norm_epsilon=1e-5,
+                          tie_word_embeddings=True, chunk_size=6)
+"""Every value off :class:`~kvdoc.core.deltanet.DeltaNetConfig`'s default: a gated attention
+layer, then two Gated DeltaNet layers (a layout no every-k-th interval gives); 3 key heads
+serving 6 value heads of another width, a 3-tap conv, half of each attention head rotated, and a
+prefill chunk of 6 that no stream chunk matches (a 13-token call crosses two of its
+boundaries)."""
+MAMBA2 = Mamba2Config(vocab_size=89, n_positions=256, n_layer=3, attn_layers=(1,), n_embd=48,
+                      n_inner=72, n_head=6, n_kv_head=3, mamba_n_heads=12, mamba_n_groups=3,
+                      mamba_d_state=10, mamba_d_conv=3, mamba_expand=3, chunk_size=7,
+                      conv_bias=False, proj_bias=True, time_step_limit=(0.05, 1.5),
+                      layer_norm_epsilon=1e-4, rope_theta=500000.0, tie_word_embeddings=True)
+"""Every value off :class:`~kvdoc.core.mamba2.Mamba2Config`'s and ``BambaConfig``'s defaults:
+a Mamba layer, an attention layer, a Mamba layer; 3 groups of 4 heads sharing B and C, a
+convolution of 3 (a state of 2 inputs), chunks of 7 (none of the stream's chunk sizes), a
+``dt`` clamp that binds."""
+STATE_SCENARIOS = ("stream", "last_only", "reference", "prefill_decode", "crop", "branch",
+                   "failure", "bytes", "edges", "padded")
+"""The checks that see a state layer (a fork, a refused crop and a restored snapshot, a refused
+padded call, a state that does not grow); the rest (a fresh copy, weights changed in place,
+quantised K/V) see nothing a state adds to the attention models' runs."""
 LAYOUT_SCENARIOS = ("stream", "counted", "reference")
 """The checks that see a layer out of order or of the wrong type, which the deep and global-first
 models run; the rest see nothing a twelfth layer or a global layer first adds."""
@@ -89,11 +127,15 @@ models run; the rest see nothing a twelfth layer or a global layer first adds.""
 def _decoder(config: GPTConfig | MLAConfig) -> Callable[[int], nn.Module]:
     def build(seed: int) -> nn.Module:
         torch.manual_seed(seed)
-        cls = {MLAConfig: MLADecoder, Gemma3Config: Gemma3Decoder}.get(type(config), Decoder)
+        cls = {MLAConfig: MLADecoder, Gemma3Config: Gemma3Decoder, DeltaNetConfig: DeltaNetDecoder,
+               Mamba2Config: MambaDecoder}.get(type(config), Decoder)
         model = cls(config).eval()
         with torch.no_grad():  # Gemma's norms start at zero weight: norms swapped would not show
-            for norm in (m for m in model.modules() if isinstance(m, GemmaRMSNorm)):
+            for norm in (m for m in model.modules()
+                         if isinstance(m, (GemmaRMSNorm, GatedRMSNorm))):
                 norm.weight.normal_(0.0, 0.3)
+            if cls is MambaDecoder:  # off transformers' init (norms at 1, D and dt_bias at 1)
+                _spread_mamba(model)
         if getattr(config, "tie_word_embeddings", False):
             # a head tied to wte at PyTorch's N(0, 1) gives logits ~sqrt(d) wide, where FP32
             # rounding alone nears the tolerance; transformers initialise wte at N(0, 0.02)
@@ -105,6 +147,20 @@ def _decoder(config: GPTConfig | MLAConfig) -> Callable[[int], nn.Module]:
 
 def _kv(config: GPTConfig | MLAConfig) -> bool:
     return isinstance(config, GPTConfig)  # an MLA model caches a latent instead
+
+
+def _spread_mamba(model: MambaDecoder) -> None:
+    for name, p in model.named_parameters():
+        if name.endswith(("norm.weight", "layernorm.weight", "ln_f.weight")):
+            p.normal_(1.0, 0.3)
+        elif name.endswith(("dt_bias", "D")):
+            p.normal_(0.0, 1.0)
+        elif name.endswith("A_log"):
+            p.uniform_(-1.0, 1.5)  # A = -exp(A_log): decays from fast to slow
+
+
+def _rows(config: object) -> bool:  # every layer caches rows (a recurrent layer keeps a state)
+    return not any(isinstance(spec, StateSpec) for spec in config.cache_layout)
 
 
 @dataclass(frozen=True)
@@ -183,18 +239,33 @@ MODELS: dict[str, ModelSpec] = {
                                      f"layers of {WINDOW}", _decoder(GEMMA_GLOBAL_FIRST),
                                      transformers_reference, "transformers Gemma 3, same weights",
                                      impls=("model",), scenarios=LAYOUT_SCENARIOS),
+    # a fixed-size state per DeltaNet layer beside a growing K/V layer, in one cache
+    "deltanet": ModelSpec("Qwen3.5-style: 1 gated attention layer (half-rotary heads), then 2 "
+                          "Gated DeltaNet layers (conv 3 taps, 3 key / 6 value heads)",
+                          _decoder(DELTANET), qwen35_reference,
+                          "transformers Qwen3.5, same weights", scenarios=STATE_SCENARIOS),
+    # Mamba-2 layers (a conv state and an SSD state per sequence) beside an attention layer
+    "bamba": ModelSpec("Bamba-style Mamba-2 hybrid: Mamba, attention, Mamba; SSD state "
+                       "[B, 12, 12, 10], conv state of 2 inputs; RoPE on half of each head",
+                       _decoder(MAMBA2), bamba_reference, "transformers Bamba, same weights",
+                       scenarios=STATE_SCENARIOS),
 }
 CACHES: dict[str, CacheSpec] = {
-    "dynamic": CacheSpec(lambda m, b, cap: m.new_cache(b, "dynamic"), in_place=False),
-    "static": CacheSpec(lambda m, b, cap: m.new_cache(b, "static", cap), in_place=True),
+    "dynamic": CacheSpec(lambda m, b, cap: m.new_cache(b, "dynamic"), in_place=False,
+                         serves=_rows),
+    "static": CacheSpec(lambda m, b, cap: m.new_cache(b, "static", cap), in_place=True,
+                        serves=_rows),
     "window": CacheSpec(lambda m, b, cap: m.new_cache(b, "window"), in_place=False,
                         serves=lambda config: _kv(config) and config.sliding_window is not None),
     # every position of every layer in blocks of the pool's layout (K/V or an MLA latent); a
     # windowed layer's own mask limits what it reads, as over a dynamic cache
-    "paged": CacheSpec(new_paged_cache, in_place=True),
-    "shared-prefix": CacheSpec(new_shared_prefix_cache, in_place=False),
+    "paged": CacheSpec(new_paged_cache, in_place=True, serves=_rows),
+    "shared-prefix": CacheSpec(new_shared_prefix_cache, in_place=False, serves=_rows),
     "hybrid": CacheSpec(lambda m, b, cap: m.new_cache(b, "hybrid"), in_place=False,
                         serves=lambda config: hasattr(config, "layer_windows")),
+    # a state layer per recurrent layer, a growing K/V layer per attention layer
+    "state": CacheSpec(lambda m, b, cap: m.new_cache(b, "state"), in_place=False,
+                       serves=lambda config: not _rows(config)),
 }
 
 

@@ -8,7 +8,7 @@ can host.
 >>> check_traits({"rope", "shiny"})
 Traceback (most recent call last):
 ...
-ValueError: unknown trait 'shiny'; the traits are decoder, deep, fused, gemma, ...
+ValueError: unknown trait 'shiny'; the traits are decoder, deep, deltanet, fused, ...
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from functools import cache
 
+from kvdoc.core.deltanet import DeltaNetConfig
 from kvdoc.core.gemma import Gemma3Config
+from kvdoc.core.mamba2 import Mamba2Config
 from kvdoc.core.mla import MLAConfig
 from kvdoc.core.model import GPTConfig
 
@@ -36,10 +38,14 @@ TRAITS: dict[str, str] = {
     "hybrid": "window and global layers in one model",
     "global-first": "window and global layers, the first one global: a layout no every-k-th "
                     "pattern gives, so code that treats the layout as a pattern shows",
+    "deltanet": "a Qwen3.5-style hybrid: Gated DeltaNet layers beside gated full-attention layers",
+    "mamba": "a Mamba-2 hybrid (Bamba's layout): Mamba-2 mixers beside attention layers",
+    "state": "layers that cache a fixed-size state (a conv window, a recurrent matrix) folded "
+             "over every position, not rows: it cannot be cropped, only restored from a snapshot",
     "deep": "10 or more layers: layer indices of two digits, so an order by name ('10' before "
             "'2') is not the order by number",
 }
-FAMILIES = ("decoder", "gemma", "latent")
+FAMILIES = ("decoder", "gemma", "latent", "deltanet", "mamba")
 """The traits that say which code a model is: a variant subclasses one family's."""
 
 
@@ -55,7 +61,11 @@ def traits(config: object) -> frozenset[str]:
     """The traits of a model with ``config``; ``ValueError`` for a config kvdoc does not know."""
     if isinstance(config, MLAConfig):
         return frozenset({"latent", "rope"})
-    if isinstance(config, Gemma3Config):
+    if isinstance(config, DeltaNetConfig):
+        found = {"deltanet", "state", "kv", "rope"}  # K/V in its attention layers
+    elif isinstance(config, Mamba2Config):
+        found = {"mamba", "state", "rope"} | ({"kv"} if config.attn_layers else set())
+    elif isinstance(config, Gemma3Config):
         found = {"gemma", "kv", "rope"}
         windows = set(config.layer_windows)
         if None in windows and len(windows) > 1:

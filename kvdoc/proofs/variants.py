@@ -25,9 +25,11 @@ from .broken import (
     caches,
     decoders,
     loaders,
+    mamba,
     measures,
     padded,
     rotary,
+    states,
 )
 from .traits import FAMILIES, check_traits, grid_traits, traits
 
@@ -271,6 +273,25 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
           "the export to transformers hands a BF16 or FP16 model over in FP32 (exact wherever "
           "the model is FP32 or wider)", "payload dtype",
           {"reference": loaders.transformers_reference_upcast}, build=_as_is),
+    # a recurrent layer's state, kept wrong between tokens (issue 47)
+    BrokenVariant("state-not-carried",
+                  "the chunked delta rule starts every chunk from the state its call began with: "
+                  "the state is not advanced on a chunk boundary",
+                  states.with_mixer(states.UncarriedChunkState), "state across calls",
+                  needs={"deltanet", "state"}),
+    BrokenVariant("conv-window-shifted",
+                  "a DeltaNet layer keeps its conv window shifted by one: the K - 1 inputs "
+                  "before the newest, not the last K - 1",
+                  states.with_mixer(states.ShiftedConvWindow), "state across calls",
+                  needs={"deltanet", "state"}),
+    BrokenVariant("mamba-conv-state-shifted",
+                  "a Mamba-2 layer keeps as its conv state the inputs before the last one: the "
+                  "newest dropped, one too old kept", mamba.conv_state_shifted,
+                  "state across calls", needs={"mamba", "state"}),
+    BrokenVariant("ssd-undecayed-carry",
+                  "the SSD's chunked form carries the state into the next chunk without the "
+                  "decay over the chunk (full forward and long calls alike)",
+                  mamba.ssd_undecayed_carry, "shared path", needs={"mamba", "state"}),
     _swap("split-k-pad-leak",
           "split-K attention takes one mask for every row in its first chunk of keys, so a "
           "padded row reads the pad keys there", "padded batches", {},
