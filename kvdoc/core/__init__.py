@@ -6,7 +6,8 @@ continuation) and ``cache`` (a cache of per-layer storages and one length; dynam
 layers; whether a cache serves a model, decided by the config's ``cache_layout``). The rest
 builds on them: ``window`` (rings for sliding-window layers, and the hybrid cache of a model
 that also has global layers), ``mla`` (DeepSeek's latent attention, whose layout is one head of
-two widths), ``gemma`` (Gemma 3's window and global layers), ``invariant`` (reductions in a
+two widths), ``state`` (the fixed-size state of a recurrent layer, beside K/V layers, and its
+snapshots), ``gemma`` (Gemma 3's window and global layers), ``invariant`` (reductions in a
 fixed order), ``fast`` (the single-token step written the way serving engines write it) and
 ``feed`` (a stream fed in chunks).
 

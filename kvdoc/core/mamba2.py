@@ -1,0 +1,402 @@
+"""A Mamba-2 hybrid decoder (Bamba's layout): Mamba-2 mixer layers and attention layers in one
+model, each followed by a SwiGLU MLP.
+
+A mixer layer keeps no K/V. What its next token needs from the past is two fixed-size tensors
+per sequence: the last ``d_conv - 1`` inputs of its causal depthwise convolution (the *conv
+state*, ``[B, conv_dim, d_conv - 1]``) and the SSD state ``S`` (``[B, H, P, N]``: per head a
+``P x N`` matrix, a decayed sum over every earlier token). Per head ``h`` and position ``t``,
+with ``dt_t = clamp(softplus(dt_raw_t + dt_bias))`` and ``A = -exp(A_log)``::
+
+    S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T        y_t = S_t C_t + D x_t
+
+:func:`ssd_step` is that recurrence (a decode step); :func:`ssd_chunked` computes the same
+function a chunk at a time (prefill and chunks: the intra-chunk part as a masked,
+attention-like product, the state carried between chunks). ``y`` is gated
+(``y * silu(z)``), RMS-normed per group, and projected out.
+
+transformers 5.24.0's ``BambaForCausalLM`` is the reference
+(:mod:`kvdoc.interop.hf_bamba`); parameter names inside a layer are its names, and its RoPE
+turns only the first half of each attention head (``partial_rotary_factor`` 0.5, set by
+``BambaConfig``). Its one-token decode steps, called as ``model(ids, cache=...)`` without
+``position_ids``, depart from its own full forward (about 1e-3 on a small random model):
+``BambaModel.forward`` (``models/bamba/modeling_bamba.py``) defaults ``position_ids`` to
+``arange(C)`` whatever the cache holds, so every step's query and key turn at position 0; Llama's
+adds the cached length. ``generate()`` passes positions and agrees. kvdoc turns at ``P .. P+C-1``.
+
+>>> _ = torch.manual_seed(0)
+>>> model = MambaDecoder(Mamba2Config()).eval()
+>>> ids = torch.tensor([[12, 7, 31, 4, 9, 18, 3, 5]])
+>>> full = model(ids).logits
+>>> _, cache = model(ids[:, :5], model.new_cache(1))
+>>> _, cache = model(ids[:, 5:6], cache)                   # a recurrent step
+>>> torch.allclose(model(ids[:, 6:], cache).logits, full[:, 6:], atol=1e-5)
+True
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KVCache, LayerSpec, check_int, check_positive
+from .model import CausalSelfAttention, Decoder, apply_rope
+
+MAMBA, ATTENTION = "linear_attention", "full_attention"
+"""The two layer types, as transformers' ``BambaConfig.layers_block_type`` names them."""
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    """Sizes of a Mamba-2 hybrid (names as :class:`~kvdoc.core.model.GPTConfig`'s, or as
+    ``BambaConfig``'s where GPT-2 has none). ``attn_layers``: the attention layers' indices, the
+    others Mamba-2; ``mamba_n_heads`` heads of ``mamba_expand * n_embd / mamba_n_heads``
+    channels, ``mamba_n_groups`` groups sharing B and C; ``mamba_d_state``: ``N``;
+    ``chunk_size``: positions per chunk of :func:`ssd_chunked`; ``time_step_limit``: the clamp
+    of ``dt``.
+
+    >>> c = Mamba2Config()
+    >>> c.layer_types, c.mamba_head_dim, c.conv_dim, c.rotary_dim
+    (('linear_attention', 'full_attention'), 16, 160, 8)
+    >>> Mamba2Config(mamba_n_heads=5)
+    Traceback (most recent call last):
+    ...
+    ValueError: mamba_n_heads=5 must divide mamba_expand * n_embd = 128
+    """
+
+    vocab_size: int = 97
+    n_positions: int = 512
+    n_layer: int = 2
+    attn_layers: tuple[int, ...] = (1,)
+    n_embd: int = 64
+    n_inner: int = 128  # the MLP's hidden width
+    n_head: int = 4
+    n_kv_head: int = 2
+    mamba_n_heads: int = 8
+    mamba_n_groups: int = 1
+    mamba_d_state: int = 16
+    mamba_d_conv: int = 4
+    mamba_expand: int = 2
+    chunk_size: int = 16
+    conv_bias: bool = True
+    proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+    layer_norm_epsilon: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_positions", "n_layer", "n_embd", "n_inner", "n_head",
+                     "n_kv_head", "mamba_n_heads", "mamba_n_groups", "mamba_d_state",
+                     "mamba_d_conv", "mamba_expand", "chunk_size"):
+            check_int(name, getattr(self, name))
+        a = self.attn_layers
+        if (not isinstance(a, tuple) or list(a) != sorted(set(a))
+                or any(type(i) is not int or not 0 <= i < self.n_layer for i in a)):
+            raise ValueError("attn_layers must be increasing layer indices below "
+                             f"n_layer={self.n_layer}, got {a!r}")
+        check_positive("layer_norm_epsilon", self.layer_norm_epsilon)
+        check_positive("rope_theta", self.rope_theta)
+        lo, hi = self.time_step_limit
+        if not 0.0 <= lo < hi:
+            raise ValueError(f"time_step_limit must be (lo, hi) with 0 <= lo < hi, got {(lo, hi)}")
+        inner = self.mamba_expand * self.n_embd
+        for name, whole, part in (("n_head", self.n_embd, self.n_head),
+                                  ("n_kv_head", self.n_head, self.n_kv_head),
+                                  ("mamba_n_heads", inner, self.mamba_n_heads),
+                                  ("mamba_n_groups", self.mamba_n_heads, self.mamba_n_groups)):
+            if whole % part:
+                of = {"n_head": "n_embd", "n_kv_head": "n_head",
+                      "mamba_n_heads": "mamba_expand * n_embd",
+                      "mamba_n_groups": "mamba_n_heads"}[name]
+                raise ValueError(f"{name}={part} must divide {of} = {whole}")
+        if self.head_dim % 4:
+            raise ValueError(f"RoPE turns pairs of the first half of a head: head_dim="
+                             f"{self.head_dim} must be a multiple of 4")
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        return tuple(ATTENTION if i in self.attn_layers else MAMBA for i in range(self.n_layer))
+
+    @property
+    def head_dim(self) -> int:  # an attention head
+        return self.n_embd // self.n_head
+
+    @property
+    def rotary_dim(self) -> int:  # Bamba turns the first half of each head
+        return self.head_dim // 2
+
+    @property
+    def mamba_inner(self) -> int:  # I: the channels of all heads, x and the gate z each
+        return self.mamba_expand * self.n_embd
+
+    @property
+    def mamba_head_dim(self) -> int:  # P
+        return self.mamba_inner // self.mamba_n_heads
+
+    @property
+    def conv_dim(self) -> int:  # x, B and C go through the convolution together
+        return self.mamba_inner + 2 * self.mamba_n_groups * self.mamba_d_state
+
+    @cached_property
+    def cache_layout(self) -> tuple[LayerSpec, ...]:
+        """K and V of ``n_kv_head`` heads per attention layer; for a Mamba layer the spec of its
+        state (see :func:`state_shapes`)."""
+        kv = LayerSpec(self.n_kv_head, (self.head_dim, self.head_dim))
+        return tuple(kv if t == ATTENTION else state_spec(self) for t in self.layer_types)
+
+    def state_shapes(self, batch: int) -> dict[str, tuple[int, ...]]:
+        """A Mamba layer's state per sequence: the conv state and the SSD state."""
+        return {"conv": (batch, self.conv_dim, self.mamba_d_conv - 1),
+                "ssm": (batch, self.mamba_n_heads, self.mamba_head_dim, self.mamba_d_state)}
+
+
+def state_spec(config: Mamba2Config) -> LayerSpec:  # placeholder until state.py lands
+    return LayerSpec(config.mamba_n_heads, (config.mamba_head_dim, config.mamba_d_state))
+
+
+# --- the SSD recurrence, two ways ------------------------------------------------------------
+
+def ssd_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+             C: torch.Tensor, D: torch.Tensor,
+             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One position: ``x`` ``[b, H, P]``, ``dt`` ``[b, H]``, ``A``, ``D`` ``[H]``, ``B``, ``C``
+    ``[b, H, N]`` (a group's copied to its heads), ``state`` ``[b, H, P, N]`` -> ``y``
+    ``[b, H, P]`` and the next state."""
+    decay = torch.exp(dt * A)[..., None, None]  # [b, H, 1, 1]
+    state = state * decay + (dt[..., None] * x)[..., None] * B[:, :, None, :]
+    y = torch.einsum("bhpn,bhn->bhp", state, C) + D[:, None] * x
+    return y, state
+
+
+def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                C: torch.Tensor, D: torch.Tensor, state: torch.Tensor,
+                chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ssd_step` over ``T`` positions (``x`` ``[b, T, H, P]``, ``dt`` ``[b, T, H]``,
+    ``B``, ``C`` ``[b, T, H, N]``), ``chunk`` at a time: within a chunk ``y_t`` sums
+    ``exp(a_s+1 + .. + a_t) (C_t . B_s) dt_s x_s`` over ``s <= t`` (``a = dt A``) plus the
+    entering state decayed to ``t``; the state leaves decayed to the chunk's end.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> b, T, H, P, N = 2, 9, 3, 4, 5
+    >>> x, B, C = (torch.randn(b, T, H, n, generator=g, dtype=torch.float64) for n in (P, N, N))
+    >>> dt = torch.rand(b, T, H, generator=g, dtype=torch.float64)
+    >>> A, D = -torch.rand(H, dtype=torch.float64, generator=g), torch.ones(H, dtype=torch.float64)
+    >>> s0 = torch.randn(b, H, P, N, generator=g, dtype=torch.float64)
+    >>> y, s = ssd_chunked(x, dt, A, B, C, D, s0, chunk=4)
+    >>> ys, step = [], s0
+    >>> for t in range(T):
+    ...     y_t, step = ssd_step(x[:, t], dt[:, t], A, B[:, t], C[:, t], D, step)
+    ...     ys.append(y_t)
+    >>> [float((a - b).abs().max()) < 1e-12 for a, b in ((y, torch.stack(ys, 1)), (s, step))]
+    [True, True]
+    """
+    ys = []
+    for lo in range(0, x.shape[1], chunk):
+        xc, dtc, Bc, Cc = (t[:, lo:lo + chunk] for t in (x, dt, B, C))
+        L = xc.shape[1]
+        cum = torch.cumsum(dtc * A, dim=1)  # [b, L, H]: log-decay from the chunk's start
+        seg = cum[:, :, None, :] - cum[:, None, :, :]  # [b, t, s, H]: from s to t
+        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+        decay = torch.exp(seg.masked_fill(~causal[None, :, :, None], -math.inf))
+        scores = torch.einsum("bthn,bshn->btsh", Cc, Bc) * decay
+        xdt = xc * dtc[..., None]  # [b, L, H, P]
+        y = torch.einsum("btsh,bshp->bthp", scores, xdt)
+        y = y + torch.einsum("bthn,bhpn->bthp", Cc, state) * torch.exp(cum)[..., None]
+        to_end = torch.exp(cum[:, -1:] - cum)  # [b, L, H]: from s to the chunk's end
+        state = (state * torch.exp(cum[:, -1])[..., None, None]
+                 + torch.einsum("bshp,bshn->bhpn", xdt * to_end[..., None], Bc))
+        ys.append(y + D[:, None] * xc)
+    return torch.cat(ys, dim=1), state
+
+
+# --- the layers ------------------------------------------------------------------------------
+
+class GatedRMSNorm(nn.Module):
+    """``rmsnorm(y * silu(z))`` over each of ``groups`` groups of channels, times ``weight``."""
+
+    def __init__(self, width: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.groups, self.eps = groups, eps
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        y = y * F.silu(z)
+        g = y.view(*y.shape[:-1], self.groups, -1)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.view(y.shape)
+
+
+class Mamba2Mixer(nn.Module):
+    """Bamba's Mamba-2 mixer: ``in_proj`` to (z, xBC, dt), the causal depthwise ``conv1d`` and
+    SiLU on xBC, the SSD over (x, B, C, dt), ``norm(y, z)``, ``out_proj``."""
+
+    def __init__(self, config: Mamba2Config) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        H, I = c.mamba_n_heads, c.mamba_inner
+        self.in_proj = nn.Linear(c.n_embd, I + c.conv_dim + H, bias=c.proj_bias)
+        self.conv1d = nn.Conv1d(c.conv_dim, c.conv_dim, c.mamba_d_conv, groups=c.conv_dim,
+                                bias=c.conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(H))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, H + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(H))
+        self.norm = GatedRMSNorm(I, c.mamba_n_groups, c.layer_norm_epsilon)
+        self.out_proj = nn.Linear(I, c.n_embd, bias=c.proj_bias)
+
+    def conv(self, xBC: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``silu(conv1d)`` of ``xBC`` ``[b, C, conv_dim]`` after the ``d_conv - 1`` inputs of
+        ``conv_state`` ``[b, conv_dim, d_conv - 1]``; and the next conv state."""
+        seq = torch.cat((conv_state, xBC.transpose(1, 2)), dim=2)
+        out = F.conv1d(seq, self.conv1d.weight, self.conv1d.bias, groups=seq.shape[1])
+        return F.silu(out).transpose(1, 2), seq[:, :, seq.shape[2] - conv_state.shape[2]:]
+
+    def mix(self, u: torch.Tensor, conv_state: torch.Tensor,
+            ssm_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``u`` ``[b, C, d]`` after the given states -> ``[b, C, d]``, conv and SSD states."""
+        c = self.config
+        b, C, _ = u.shape
+        H, P, G, N = c.mamba_n_heads, c.mamba_head_dim, c.mamba_n_groups, c.mamba_d_state
+        z, xBC, dt = self.in_proj(u).split((c.mamba_inner, c.conv_dim, H), dim=-1)
+        xBC, conv_state = self.conv(xBC, conv_state)
+        x, B, Cm = xBC.split((c.mamba_inner, G * N, G * N), dim=-1)
+        x = x.view(b, C, H, P)
+        # head h reads group h // (H / G)'s B and C
+        B, Cm = (t.view(b, C, G, N).repeat_interleave(H // G, dim=2) for t in (B, Cm))
+        dt = F.softplus(dt + self.dt_bias).clamp(*c.time_step_limit)
+        A = -torch.exp(self.A_log)
+        if C == 1:  # a decode step: the recurrence itself
+            y, ssm_state = ssd_step(x[:, 0], dt[:, 0], A, B[:, 0], Cm[:, 0], self.D, ssm_state)
+            y = y[:, None]
+        else:
+            y, ssm_state = ssd_chunked(x, dt, A, B, Cm, self.D, ssm_state, c.chunk_size)
+        y = self.norm(y.reshape(b, C, -1), z)
+        return self.out_proj(y), conv_state, ssm_state
+
+    def forward(self, u: torch.Tensor, cache: KVCache | None, layer_idx: int,
+                start: int) -> torch.Tensor:
+        shapes = self.config.state_shapes(u.shape[0])
+        if cache is None:  # a full forward starts from zero states
+            states = [u.new_zeros(shapes[k]) for k in ("conv", "ssm")]
+        else:
+            states = read_state(cache, layer_idx, start)
+        y, *states = self.mix(u, *states)
+        if cache is not None:
+            write_state(cache, layer_idx, start, *states)
+        return y
+
+
+def read_state(cache: KVCache, layer_idx: int, start: int) -> list[torch.Tensor]:
+    raise NotImplementedError  # placeholder until state.py lands
+
+
+def write_state(cache: KVCache, layer_idx: int, start: int, *states: torch.Tensor) -> None:
+    raise NotImplementedError  # placeholder until state.py lands
+
+
+class HybridAttention(nn.Module):
+    """Bamba's attention: Q, K, V and O projections, RoPE on the first ``rotary_dim`` features of
+    each head; masks and SDPA are :class:`~kvdoc.core.model.CausalSelfAttention`'s."""
+
+    window = None  # every earlier key
+    attend, visible = CausalSelfAttention.attend, CausalSelfAttention.visible
+
+    def __init__(self, config: Mamba2Config) -> None:
+        super().__init__()
+        c = config
+        self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
+        self.rotary_dim, self.rope_theta = c.rotary_dim, c.rope_theta
+        self.q_proj = nn.Linear(c.n_embd, c.n_head * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=False)
+
+    def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        r = self.rotary_dim
+        return torch.cat((apply_rope(x[..., :r], start, self.rope_theta), x[..., r:]), dim=-1)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int,
+                start: int) -> torch.Tensor:
+        B, C, _ = x.shape
+
+        def heads(proj: nn.Linear, n: int) -> torch.Tensor:  # [B, C, n D_h] -> [B, n, C, D_h]
+            return proj(x).view(B, C, n, self.head_dim).transpose(1, 2)
+
+        q = self.rotate(heads(self.q_proj, self.n_head), start)
+        k = self.rotate(heads(self.k_proj, self.n_kv_head), start)
+        v = heads(self.v_proj, self.n_kv_head)
+        if cache is not None:
+            k, v = cache.update(layer_idx, k, v, start)
+        y = self.attend(q, k, v, start)
+        return self.o_proj(y.transpose(1, 2).reshape(B, C, -1))
+
+
+class SwiGLU(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, config: Mamba2Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
+        self.down_proj = nn.Linear(config.n_inner, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class HybridBlock(nn.Module):
+    """``x + mixer(input_layernorm(x))`` (``mamba`` or ``self_attn``), then
+    ``x + mlp(pre_ff_layernorm(x))`` (Bamba's ``feed_forward``)."""
+
+    def __init__(self, config: Mamba2Config, layer_idx: int) -> None:
+        super().__init__()
+        eps = config.layer_norm_epsilon
+        self.layer_type = config.layer_types[layer_idx]
+        self.input_layernorm = nn.RMSNorm(config.n_embd, eps=eps)
+        if self.layer_type == MAMBA:
+            self.mamba = Mamba2Mixer(config)
+        else:
+            self.self_attn = HybridAttention(config)
+        self.pre_ff_layernorm = nn.RMSNorm(config.n_embd, eps=eps)
+        self.mlp = SwiGLU(config)  # Bamba's ``feed_forward``
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:
+        mixer = self.mamba if self.layer_type == MAMBA else self.self_attn
+        x = x + mixer(self.input_layernorm(x), cache, layer_idx, start)
+        return x + self.mlp(self.pre_ff_layernorm(x))
+
+
+class MambaDecoder(Decoder):
+    """A decoder of :class:`HybridBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward, input
+    checks, ``prefill``/``decode_step``/``generate``. A padded batch (``attn_mask``) or per-row
+    ``positions`` are refused: a mixer's state would fold the padding in.
+
+    >>> Mamba2Decoder = MambaDecoder
+    >>> Mamba2Decoder(Mamba2Config()).num_parameters()
+    99466
+    """
+
+    def __init__(self, config: Mamba2Config | None = None) -> None:
+        nn.Module.__init__(self)  # not Decoder.__init__: it would build GPT-2 blocks
+        self.config = config = config or Mamba2Config()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = None  # positions come from RoPE inside the attention layers
+        self.h = nn.ModuleList(HybridBlock(config, i) for i in range(config.n_layer))
+        self.ln_f = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
+                last_only: bool = False, positions: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None):
+        if positions is not None or attn_mask is not None:
+            raise ValueError("a Mamba-2 layer folds every position into its state: padded "
+                             "batches (attn_mask) and per-row positions are not supported")
+        return super().forward(idx, cache, last_only=last_only)

@@ -1,0 +1,126 @@
+"""transformers' Bamba (a Mamba-2 hybrid) to and from :class:`kvdoc.core.mamba2.MambaDecoder`.
+
+Of the Mamba-2 hybrids transformers 5.24.0 ships (Bamba, Falcon-H1, Nemotron-H, Granite 4
+hybrid), Bamba's PyTorch path is the plainest: one dense SwiGLU MLP after every layer, no MoE
+(Granite), no per-block multipliers and muP scales (Falcon-H1), no MLP-only or MoE layer types
+(Nemotron-H). Inside a layer the weights keep transformers' names; only the prefixes move
+(``model.layers.i.`` is ``h.i.``, ``model.final_layernorm`` is ``ln_f``) and
+``feed_forward`` is ``mlp``.
+
+Refused by name: attention or MLP biases, another activation than SiLU, scaled RoPE.
+
+>>> _ = torch.manual_seed(0)
+>>> hf = bamba_model(Mamba2Config())
+>>> ours = from_bamba(hf)
+>>> ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
+>>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
+True
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kvdoc.core.mamba2 import Mamba2Config, MambaDecoder
+from kvdoc.interop.hf_config import holding, load_exported
+
+#: transformers' names of Bamba's weights around the layers, and kvdoc's
+OUTER = {"model.embed_tokens.weight": "wte.weight", "model.final_layernorm.weight": "ln_f.weight",
+         "lm_head.weight": "lm_head.weight"}
+
+
+def bamba_config(config: Mamba2Config) -> Any:
+    """The transformers ``BambaConfig`` of the same model: no dropout, no special tokens.
+
+    >>> config_from_bamba(bamba_config(Mamba2Config())) == Mamba2Config()
+    True
+    """
+    from transformers import BambaConfig
+
+    c = config
+    return BambaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.n_inner,
+        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
+        attn_layer_indices=list(c.attn_layers), max_position_embeddings=c.n_positions,
+        rms_norm_eps=c.layer_norm_epsilon, tie_word_embeddings=c.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        mamba_n_heads=c.mamba_n_heads, mamba_d_head=c.mamba_head_dim,
+        mamba_n_groups=c.mamba_n_groups, mamba_d_state=c.mamba_d_state,
+        mamba_d_conv=c.mamba_d_conv, mamba_expand=c.mamba_expand,
+        mamba_chunk_size=c.chunk_size, mamba_conv_bias=c.conv_bias,
+        mamba_proj_bias=c.proj_bias, time_step_limit=tuple(c.time_step_limit),
+        hidden_act="silu", attention_bias=False, mlp_bias=False, attention_dropout=0.0,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+def config_from_bamba(hf_config: Any) -> Mamba2Config:
+    """The :class:`Mamba2Config` of a transformers ``BambaConfig``; a ValueError for another
+    model type or a variant kvdoc lacks."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type != "bamba":
+        raise ValueError(f"expected a bamba config, got {model_type!r}")
+    rope = dict(hf_config.rope_parameters or {})
+    unsupported = {"rope_type": (rope.get("rope_type", "default"), ("default",)),
+                   "hidden_act": (hf_config.hidden_act, ("silu",)),
+                   "attention_bias": (hf_config.attention_bias, (False,)),
+                   "mlp_bias": (hf_config.mlp_bias, (False,)),
+                   "partial_rotary_factor": (rope.get("partial_rotary_factor", 0.5), (0.5,))}
+    for name, (value, allowed) in unsupported.items():
+        if value not in allowed:
+            raise ValueError(f"bamba config has {name}={value!r}; kvdoc supports {allowed}")
+    c = hf_config
+    limit = tuple(float(v) for v in (c.time_step_limit or (0.0, math.inf)))
+    return Mamba2Config(
+        vocab_size=c.vocab_size, n_positions=c.max_position_embeddings,
+        n_layer=c.num_hidden_layers, attn_layers=tuple(c.attn_layer_indices or ()),
+        n_embd=c.hidden_size, n_inner=c.intermediate_size, n_head=c.num_attention_heads,
+        n_kv_head=c.num_key_value_heads, mamba_n_heads=c.mamba_n_heads,
+        mamba_n_groups=c.mamba_n_groups, mamba_d_state=c.mamba_d_state,
+        mamba_d_conv=c.mamba_d_conv, mamba_expand=c.mamba_expand, chunk_size=c.mamba_chunk_size,
+        conv_bias=bool(c.mamba_conv_bias), proj_bias=bool(c.mamba_proj_bias),
+        time_step_limit=limit, layer_norm_epsilon=c.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        tie_word_embeddings=bool(c.tie_word_embeddings))
+
+
+def from_bamba(hf_model: Any) -> MambaDecoder:
+    """A :class:`MambaDecoder` with the weights of transformers' ``BambaForCausalLM``, in the
+    model's dtype, in eval mode."""
+    config = config_from_bamba(hf_model.config)
+    state = hf_model.state_dict()
+    mapped = {ours: state.get(theirs, state["model.embed_tokens.weight"])
+              for theirs, ours in OUTER.items()}
+    for name, value in state.items():
+        if name.startswith("model.layers."):
+            ours = "h." + name.removeprefix("model.layers.")
+            mapped[ours.replace(".feed_forward.", ".mlp.")] = value
+    return holding(MambaDecoder(config), mapped)
+
+
+def to_bamba(model: MambaDecoder) -> Any:
+    """transformers' ``BambaForCausalLM`` holding ``model``'s weights (the inverse of
+    :func:`from_bamba`), in the model's dtype, in eval mode; the global RNG is left as it was."""
+    from transformers import BambaForCausalLM
+
+    state = model.state_dict()
+    with torch.random.fork_rng():
+        hf = BambaForCausalLM(bamba_config(model.config))
+    mapped = {theirs: state[ours] for theirs, ours in OUTER.items()}
+    for name, value in state.items():
+        if name.startswith("h."):
+            theirs = "model.layers." + name.removeprefix("h.")
+            mapped[theirs.replace(".mlp.", ".feed_forward.")] = value
+    return load_exported(hf, mapped, model, "Bamba")
+
+
+def bamba_model(config: Mamba2Config | None = None, seed: int = 0,
+                dtype: torch.dtype = torch.float32) -> Any:
+    """A transformers ``BambaForCausalLM`` with random weights from ``config`` (default
+    :class:`Mamba2Config`), built offline, in eval mode."""
+    torch.manual_seed(seed)
+    from transformers import BambaForCausalLM
+
+    return BambaForCausalLM(bamba_config(config or Mamba2Config())).to(dtype).eval()
