@@ -141,35 +141,85 @@ def _head_dim(layer: LayerCache) -> int:
 
 
 def _describe(layer: LayerCache, count: int) -> str:
-    if layer.per_token == 0:
-        return (f"{count} x linear attention: nothing a position, a fixed state of "
-                f"{layer.state:,} elements" if layer.state else
-                f"{count} x linear attention: not counted")
+    if not layer.per_token:
+        if not (layer.state or layer.state32):
+            return f"{count} x state layer: not counted"
+        fp32 = f" + {layer.state32:,} in FP32" if layer.state32 else ""
+        return (f"{count} x state layer: nothing a position, a fixed state of {layer.state:,} "
+                f"elements{fp32}")
+    reach = f"the last {layer.window:,} positions" if layer.window else "every position"
+    if layer.shared_kv:
+        text = (f"{count} x K = V window: {layer.per_token:,} elements a position (one head, "
+                f"K and V alike), {reach}")
+        if layer.rate:
+            index = f" + {layer.indexer:,} indexer keys" if layer.indexer else ""
+            text += (f"; an entry of {layer.entry:,}{index} every {layer.rate} positions, "
+                     f"{layer.buffer:,} a position of the unfinished block"
+                     + (f" + {layer.overlap:,} carried" if layer.overlap else ""))
+        return text
     mla = not layer.kv_heads
     what = ("a latent: kv_lora_rank + qk_rope_head_dim" if mla else
             f"2 x H_kv x D = 2 x {layer.kv_heads} x {_head_dim(layer)}")
-    reach = f"the last {layer.window:,} positions" if layer.window else "every position"
+    index = f", and {layer.indexer:,} indexer keys" if layer.indexer else ""
     return (f"{count} x {'MLA' if mla else 'attention'}: {layer.per_token:,} elements a "
-            f"position ({what}), {reach}")
+            f"position ({what}){index}, {reach}")
 
 
-def _formula(model: ModelCache, T: int) -> tuple[str, str]:
-    """The sum over layer kinds of what one sequence keeps, in symbols and in numbers."""
-    symbols, numbers = [], []
-    for layer, n in model.groups():
-        reach = ("T", T) if layer.window is None else ("min(T, W)", min(T, layer.window))
-        if not layer.per_token:
-            symbols.append("L x state")
-            numbers.append(f"{n} x {layer.state:,}")
-        elif layer.kv_heads:
-            symbols.append(f"L x 2 x H_kv x D x {reach[0]}")
-            numbers.append(f"{n} x 2 x {layer.kv_heads} x {_head_dim(layer)} x {reach[1]:,}")
-        else:
-            symbols.append(f"L x latent x {reach[0]}")
-            numbers.append(f"{n} x {layer.per_token} x {reach[1]:,}")
-    if len(numbers) == 1:
-        return symbols[0], numbers[0]
-    return f"({' + '.join(symbols)})", f"({' + '.join(numbers)})"
+def _terms(layer: LayerCache, n: int, T: int) -> list[tuple[str, str]]:
+    """The cache-dtype terms of ``n`` layers like ``layer``, in symbols and in numbers."""
+    reach = ("T", T) if layer.window is None else ("min(T, W)", min(T, layer.window))
+    terms = []
+    if layer.kv_heads:
+        terms.append((f"L x 2 x H_kv x D x {reach[0]}",
+                      f"{n} x 2 x {layer.kv_heads} x {_head_dim(layer)} x {reach[1]:,}"))
+    elif layer.per_token and layer.indexer and not layer.rate:
+        terms.append((f"L x (latent + indexer) x {reach[0]}",
+                      f"{n} x ({layer.per_token} + {layer.indexer}) x {reach[1]:,}"))
+    elif layer.per_token:
+        name = "D" if layer.shared_kv else "latent"
+        terms.append((f"L x {name} x {reach[0]}", f"{n} x {layer.per_token} x {reach[1]:,}"))
+    if layer.rate:
+        r = layer.rate
+        terms.append(("L x (entry + indexer) x floor(T / r)",
+                      f"{n} x ({layer.entry} + {layer.indexer}) x {T // r:,}"))
+        terms.append(("L x (buffer x (T mod r) + overlap x [T >= r])",
+                      f"{n} x ({layer.buffer} x {T % r} + {layer.overlap} x {int(T >= r)})"))
+    if layer.state:
+        terms.append(("L x state", f"{n} x {layer.state:,}"))
+    return terms
+
+
+def _formula(model: ModelCache, T: int) -> tuple[str, str, str, str]:
+    """The sum over layer kinds of what one sequence keeps, in symbols and in numbers: the
+    terms in the cache's dtype, then the FP32 state's (empty where there is none)."""
+    terms = [t for layer, n in model.groups() for t in _terms(layer, n, T)]
+    fp32 = [("L x recurrent state", f"{n} x {layer.state32:,}")
+            for layer, n in model.groups() if layer.state32]
+
+    def joined(pairs: list[tuple[str, str]], i: int) -> str:
+        return pairs[0][i] if len(pairs) == 1 else f"({' + '.join(p[i] for p in pairs)})"
+    return (joined(terms, 0), joined(terms, 1), joined(fp32, 0) if fp32 else "",
+            joined(fp32, 1) if fp32 else "")
+
+
+def _part_lines(model: ModelCache, T: int, B: int, dtype: str) -> list[str]:
+    """Each term's bytes apart at ``T``, the all-attention model of the same size, and bytes
+    per sequence against context."""
+    lines = [f"part       {name}: {format_bytes(n)}"
+             + (" (constant in T)" if name.startswith("state") else "")
+             for name, n in model.parts(T, B, dtype).items()]
+    if model.kind == "plain":
+        return lines
+    full = model.all_attention()
+    lines.append(f"all attn   {format_bytes(full.kv_bytes(T, B, dtype))} (the same "
+                 f"{len(model.layers)} layers, each full attention of the model's own sizes)")
+    for t in (4096, 32768, 131072):
+        fixed = model.fixed_bytes(dtype)
+        lines.append(f"at T       {t:>7,}: {binary_size(model.kv_bytes(t, 1, dtype))} a "
+                     f"sequence (state {binary_size(fixed)}, the rest "
+                     f"{binary_size(model.kv_bytes(t, 1, dtype) - fixed)}); all attention "
+                     f"{binary_size(full.kv_bytes(t, 1, dtype))}")
+    return lines
 
 
 def _weight_bytes(model: ModelCache) -> int | None:
@@ -213,14 +263,16 @@ def _model_lines(model: ModelCache, kind: str, T: int, B: int, dtype: str, defau
         lines.append(f"length     T = {T:,}, the model's context (give --seq-len for another)")
     windows = [layer.window for layer in model.layers if layer.window is not None]
     growth = "one more position inside every window" if windows else "one more position"
-    symbols, numbers = _formula(model, T)
+    symbols, numbers, symbols32, numbers32 = _formula(model, T)
+    more = (f" + B x 4 x {symbols32}", f" + {B:,} x 4 x {numbers32}") if symbols32 else ("", "")
     lines += [
-        f"formula    B x s x {symbols}",
-        f"           = {B:,} x {element_size(dtype)} ({dtype}) x {numbers}",
+        f"formula    B x s x {symbols}{more[0]}",
+        f"           = {B:,} x {element_size(dtype)} ({dtype}) x {numbers}{more[1]}",
         f"bytes      {total:,} bytes",
         f"binary     {binary_size(total)}",
         f"decimal    {decimal_size(total)}",
     ]
+    lines += _part_lines(model, T, B, dtype)
     if B > 1:
         lines.append(f"sequence   {format_bytes(model.kv_bytes(T, 1, dtype))}")
     lines.append(f"per token  {format_bytes(model.bytes_per_token(dtype))} ({growth}, per "
@@ -229,6 +281,8 @@ def _model_lines(model: ModelCache, kind: str, T: int, B: int, dtype: str, defau
         full = sum(1 for layer in model.layers if layer.window is None and layer.per_token)
         past = model.bytes_per_token(dtype, past_windows=True)
         grow = f"only the {full} full layers grow" if full else "no layer grows"
+        if any(layer.rate for layer in model.layers):
+            grow += "; the compressed entries add one a block"
         lines.append(f"past W     {format_bytes(past) if past else '0 bytes'} (one more position "
                      f"past every window, T > {max(windows):,}: {grow})")
     if scales is not None:
@@ -263,8 +317,9 @@ def main(args: argparse.Namespace) -> int:
     if scales is not None and not dtype_name(args.dtype).startswith("float8"):
         return _error(f"--fp8-scales counts an FP8 cache's scales: give --dtype float8_e4m3fn "
                       f"(fp8) or float8_e5m2, not {dtype_name(args.dtype)}")
-    if scales is not None and model is not None and model.kind == "MLA":
-        return _error(f"--fp8-scales counts K/V scales; {model.name} caches an MLA latent")
+    if scales is not None and model is not None and model.kind in ("MLA", "compressed"):
+        return _error(f"--fp8-scales counts K/V scales; {model.name} caches no K/V heads "
+                      f"({model.kind})")
     if getattr(args, "weights", None) is not None and getattr(args, "memory", None) is None:
         return _error("--weights is subtracted from --memory: give --memory too")
     kind = model.kind if model is not None else ""  # the release's, also under a --window
@@ -310,21 +365,26 @@ def calculator_data(initial: str = "Llama-3.1-8B") -> dict[str, object]:
     element sizes, and for each of :data:`MODELS` what this command prints of it: kind,
     context, source, note, ``layers`` lines, the weights' bytes (None where the parameters are
     not known), the boxes' ``sizes`` ``[L, H_kv, D, W]`` (None where a model has none) and the
-    layer ``groups``, each ``[per_token, window, state, count]``.
+    layer ``groups``, each ``[per_token, window, state, count, state32, indexer, rate, entry,
+    buffer, overlap, what]`` (:class:`~kvdoc.measure.layer_caches.LayerCache`'s fields).
 
     >>> data = calculator_data()
     >>> data["initial"], data["presets"][0]["sizes"], data["presets"][0]["groups"]
-    ('Llama-3.1-8B', [12, 12, 64, None], [[1536, None, 0, 12]])
+    ('Llama-3.1-8B', [12, 12, 64, None], [[1536, None, 0, 12, 0, 0, 0, 0, 0, 0, 'K/V']])
     """
     presets = []
     for m in MODELS.values():
-        kv = m.kind != "MLA"  # a latent has no K/V heads
+        kv = m.kind not in ("MLA", "compressed")  # a latent or a K = V head: no K/V heads
         presets.append({
             "name": m.name, "kind": m.kind, "context": m.max_positions, "source": m.source,
             "note": m.note, "layers": [_describe(g, n) for g, n in m.groups()],
             "parameters": m.parameters, "weights": _weight_bytes(m),
             "sizes": [len(m.layers), m.kv_heads if kv else None, m.head_dim if kv else None,
                       m.sliding_window],
-            "groups": [[g.per_token, g.window, g.state, n] for g, n in m.groups()]})
+            "groups": [[g.per_token, g.window, g.state, n, g.state32, g.indexer, g.rate, g.entry,
+                        g.buffer, g.overlap, g.what] for g, n in m.groups()],
+            "all_attention": None if m.kind == "plain" else [
+                [g.per_token, None, 0, n, 0, 0, 0, 0, 0, 0, g.what]
+                for g, n in m.all_attention().groups()]})
     return {"presets": presets, "element_bytes": ELEMENT_BYTES,
             "initial": model_cache(initial).name}

@@ -2,13 +2,15 @@
 
 A full-attention layer adds ``2 x H_kv x D`` elements a position (K and V); a sliding-window
 layer as many, up to its window ``W``; an MLA layer (DeepSeek-V3) one latent of
-``kv_lora_rank + qk_rope_head_dim``, shared by K and V; a linear-attention layer (Qwen3-Next's
-Gated DeltaNet) nothing a position but a fixed-size state. :class:`LayerCache` says which, and
-one formula covers them all: per sequence,
+``kv_lora_rank + qk_rope_head_dim``, shared by K and V (DeepSeek-V3.2 adds an indexer key); a
+state layer (Gated DeltaNet, Mamba-2) nothing a position but a fixed-size state; a DeepSeek-V4
+layer a K = V window and compressed entries. :class:`~kvdoc.measure.layer_caches.LayerCache`
+says which, and one formula covers them all: per sequence,
 
-    bytes(T) = s x sum over layers of (per_token x min(T, W) + state)
+    bytes(T) = s x sum over layers of (per_token x min(T, W) + state + compressed terms)
 
-(``W`` infinite for a full layer). :data:`MODELS` holds the published models the package knows
+(``W`` infinite for a full layer; :mod:`kvdoc.measure.layer_caches` has the terms).
+:data:`MODELS` holds the published models the package knows
 (:func:`model_cache` looks them up); :func:`config_cache` reads a kvdoc model's config, and
 :mod:`kvdoc.measure.config_json` a transformers ``config.json``. Importing this module does not
 import torch.
@@ -25,58 +27,25 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from difflib import get_close_matches
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 # torch-free: the command line imports this module, and loading torch takes seconds
 from .kv_bytes import check_int, element_size, fp8_scale_bytes
+from .layer_caches import (  # noqa: F401  (gated_delta_layer: re-exported, as before)
+    LayerCache,
+    attention_layer,
+    gated_delta_layer,
+    mla_layer,
+)
+from .recent_models import RECENT
 
 if TYPE_CHECKING:
     import torch
 
-KINDS = ("plain", "windowed", "hybrid", "MLA", "linear-hybrid")
+KINDS = ("plain", "windowed", "hybrid", "MLA", "linear-hybrid", "compressed")
 """The kinds of :attr:`ModelCache.kind`: every layer full; every layer windowed; window and
-full layers mixed; MLA latents; linear-attention layers beside attention ones."""
-
-
-class LayerCache(NamedTuple):
-    """What one layer keeps per sequence, in elements."""
-
-    per_token: int
-    """Elements one more position adds (``2 x H_kv x D``; MLA: ``r + d_R``; linear: 0)."""
-    window: int | None = None
-    """``W``: the layer keeps at most the last ``W`` positions (None: all of them)."""
-    state: int = 0
-    """Elements held whatever the length (a linear-attention layer's state)."""
-    kv_heads: int = 0
-    """``H_kv`` of a K/V layer (per-head FP8 scales count it); 0 for MLA and linear layers."""
-
-
-def attention_layer(kv_heads: int, head_dim: int, window: int | None = None) -> LayerCache:
-    """A K/V layer: ``2 x H_kv x D`` elements a position, capped at ``window`` if given."""
-    return LayerCache(2 * check_int("kv_heads", kv_heads) * check_int("head_dim", head_dim),
-                      None if window is None else check_int("window", window),
-                      kv_heads=kv_heads)
-
-
-def mla_layer(kv_lora_rank: int, qk_rope_head_dim: int) -> LayerCache:
-    """An MLA layer: one latent of ``kv_lora_rank`` plus the rotary key of
-    ``qk_rope_head_dim``, a position (no separate K and V)."""
-    return LayerCache(check_int("kv_lora_rank", kv_lora_rank)
-                      + check_int("qk_rope_head_dim", qk_rope_head_dim))
-
-
-def gated_delta_layer(num_key_heads: int, num_value_heads: int, key_head_dim: int,
-                      value_head_dim: int, conv_kernel: int) -> LayerCache:
-    """A Gated DeltaNet layer (Qwen3-Next), as transformers 5.24.0's cache holds it: a
-    recurrent state ``[H_v, D_k, D_v]`` and a conv state ``[conv_dim, kernel]`` with
-    ``conv_dim = 2 x H_k x D_k + H_v x D_v``; nothing per position."""
-    for name, value in (("num_key_heads", num_key_heads), ("num_value_heads", num_value_heads),
-                        ("key_head_dim", key_head_dim), ("value_head_dim", value_head_dim),
-                        ("conv_kernel", conv_kernel)):
-        check_int(name, value)
-    conv_dim = 2 * num_key_heads * key_head_dim + num_value_heads * value_head_dim
-    recurrent = num_value_heads * key_head_dim * value_head_dim
-    return LayerCache(0, None, recurrent + conv_dim * conv_kernel)
+full layers mixed; MLA latents (with or without indexer keys); state layers (linear attention,
+Mamba-2) beside attention ones; DeepSeek-V4's K = V windows and compressed entries."""
 
 
 @dataclass(frozen=True)
@@ -108,9 +77,12 @@ class ModelCache:
     @property
     def kind(self) -> str:
         """One of :data:`KINDS`, read off the layers."""
-        if any(layer.per_token and not layer.kv_heads for layer in self.layers):
+        whats = {layer.what for layer in self.layers}
+        if "K = V" in whats:
+            return "compressed"
+        if "latent" in whats:
             return "MLA"
-        if any(not layer.per_token for layer in self.layers):
+        if "" in whats:
             return "linear-hybrid"
         full = {layer.window is None for layer in self.layers}
         return "hybrid" if len(full) == 2 else "plain" if full == {True} else "windowed"
@@ -148,9 +120,38 @@ class ModelCache:
         """Elements one sequence of ``seq_len`` positions keeps, over all layers: a window layer
         its last ``W`` rows at most; ``windows=False`` counts every layer as full (the same model
         with no window)."""
-        check_int("seq_len", seq_len, minimum=0)
-        return sum(layer.per_token * (seq_len if w is None or not windows else min(seq_len, w))
-                   + layer.state for layer, w in ((layer, layer.window) for layer in self.layers))
+        return sum(layer.elements(seq_len, windows) for layer in self.layers)
+
+    def parts(self, seq_len: int, batch: int = 1, dtype: str | torch.dtype = "float16",
+              windows: bool = True) -> dict[str, int]:
+        """Bytes of ``batch`` sequences of ``seq_len`` positions by term, apart (K/V, latent,
+        indexer keys, compressed entries, block buffer, state; the FP32 state at 4 bytes).
+
+        >>> model_cache("Qwen3-Next-80B-A3B").parts(0, dtype="bfloat16")  # T = 0: the states
+        {'state': 2359296, 'state (FP32)': 75497472}
+        """
+        b, total = check_int("batch", batch), {}
+        for layer in self.layers:
+            for name, n in layer.parts(seq_len, windows).items():
+                total[name] = total.get(name, 0) + n
+        s = element_size(dtype)
+        return {name: b * n * (4 if name == "state (FP32)" else s)
+                for name, n in total.items()}
+
+    def all_attention(self) -> ModelCache:
+        """The same count of layers, each a full-attention layer of this model's own attention
+        sizes (its first layer that keeps positions, with no window, indexer or compression):
+        what the cache would be without windows, states or compression.
+
+        >>> model_cache("Qwen3-Next-80B-A3B").all_attention().kind
+        'plain'
+        """
+        base = next((layer for layer in self.layers if layer.per_token), None)
+        if base is None:
+            raise ValueError(f"{self.name} has no layer that keeps positions")
+        full = LayerCache(base.per_token, kv_heads=base.kv_heads, shared_kv=base.shared_kv)
+        return ModelCache(f"{self.name}, all attention", (full,) * len(self.layers),
+                          self.max_positions, self.source)
 
     def kv_bytes(self, seq_len: int, batch: int = 1, dtype: str | torch.dtype = "float16",
                  windows: bool = True) -> int:
@@ -164,24 +165,25 @@ class ModelCache:
         >>> g.kv_bytes(32768, windows=False) // g.kv_bytes(32768)
         5
         """
-        return (check_int("batch", batch) * element_size(dtype)
-                * self.elements(seq_len, windows))
+        return sum(self.parts(seq_len, batch, dtype, windows).values())
 
     def bytes_per_token(self, dtype: str | torch.dtype = "float16",
                         past_windows: bool = False) -> int:
         """Bytes one position adds while it is inside every window (batch 1); with
-        ``past_windows``, once it is past them all, when only the full layers grow.
+        ``past_windows``, once it is past them all, when only the full layers grow. A
+        compressed entry, added once a block, is not in it.
 
         >>> g = model_cache("Gemma-3-27B")     # 62 layers grow, then only the 10 full ones
         >>> g.bytes_per_token("bfloat16"), g.bytes_per_token("bfloat16", past_windows=True)
         (507904, 81920)
         """
-        return element_size(dtype) * sum(layer.per_token for layer in self.layers
-                                         if not (past_windows and layer.window))
+        return element_size(dtype) * sum(
+            (layer.per_token if not (past_windows and layer.window) else 0)
+            + (0 if layer.rate else layer.indexer) for layer in self.layers)
 
     def fixed_bytes(self, dtype: str | torch.dtype = "float16") -> int:
-        """Bytes a sequence holds whatever its length (linear-attention states)."""
-        return element_size(dtype) * sum(layer.state for layer in self.layers)
+        """Bytes a sequence holds whatever its length (the states; a recurrent one in FP32)."""
+        return sum(self.parts(0, 1, dtype).values())
 
     def sequences_that_fit(self, memory: int, seq_len: int,
                            dtype: str | torch.dtype = "float16") -> int:
@@ -203,9 +205,9 @@ class ModelCache:
         >>> model_cache("Llama-3-8B").fp8_scale_bytes("per-head")   # 32 x 2 x 8 x 4
         2048
         """
-        if self.kind == "MLA":
-            raise ValueError(f"{self.name} caches an MLA latent: its FP8 scales are not the "
-                             "per-tensor or per-head K/V scales counted here")
+        if self.kind in ("MLA", "compressed"):
+            raise ValueError(f"{self.name} caches no K/V heads ({self.kind}): its FP8 scales "
+                             "are not the per-tensor or per-head K/V scales counted here")
         heads = [layer.kv_heads for layer in self.layers if layer.kv_heads]
         return fp8_scale_bytes(heads, granularity) if heads else 0
 
@@ -306,23 +308,14 @@ def _gemma(name: str, repo: str, layers: int, heads: int, kv_heads: int, head_di
                    512 if small else 1024, 6, hidden=hidden)
 
 
-def _gpt_oss(name: str, layers: int) -> ModelCache:
-    # layer_types in the published config: sliding, full, sliding, full, ...
-    return _preset(
-        name, layers, None, 8, 64, 131072,
-        f"{_HF.format('openai/' + name)} (num_hidden_layers "
-        f"{layers}, num_key_value_heads 8, head_dim 64, sliding_window 128, layer_types "
-        "alternating sliding_attention and full_attention, max_position_embeddings 131072)",
-        128, 2, "the attention sinks are one learned scalar a head, not cached per position")
-
-
 _LLAMA2 = ("meta-llama/Llama-2-{}b-hf config.json (num_hidden_layers {}, num_attention_heads "
            "{}, num_key_value_heads {}, hidden_size {}, intermediate_size {}, vocab_size "
            "32000); Touvron et al. 2023, 'Llama 2'")
 
 #: Every published model the package knows, keyed by lower-case name. Each ``source`` names the
 #: file the sizes come from; DeepSeek-V3's are :data:`kvdoc.interop.hf_deepseek.PUBLISHED`'s
-#: (tests/test_model_caches.py compares them; that module imports torch).
+#: (tests/test_model_caches.py compares them; that module imports torch); the releases whose
+#: layers keep more than K/V are :data:`~kvdoc.measure.recent_models.RECENT`.
 MODELS: dict[str, ModelCache] = {m.name.lower(): m for m in (
     _preset("GPT-2-small", 12, 12, 12, 64, 1024,
             "openai-community/gpt2 config.json (n_layer 12, n_head 12, n_embd 768); "
@@ -369,18 +362,7 @@ MODELS: dict[str, ModelCache] = {m.name.lower(): m for m in (
                _HF.format("deepseek-ai/DeepSeek-V3") + " (num_hidden_layers 61, kv_lora_rank "
                "512, qk_rope_head_dim 64, max_position_embeddings 163840)",
                "the multi-token-prediction layer (num_nextn_predict_layers 1) is left out"),
-    _gpt_oss("gpt-oss-20b", 24),
-    _gpt_oss("gpt-oss-120b", 36),
-    ModelCache(  # full_attention_interval 4: three linear-attention layers, then a full one
-        "Qwen3-Next-80B-A3B",
-        ((gated_delta_layer(16, 32, 128, 128, 4),) * 3 + (attention_layer(2, 256),)) * 12, 262144,
-        _HF.format("Qwen/Qwen3-Next-80B-A3B-Instruct") + " (num_hidden_layers 48, "
-        "full_attention_interval 4, num_key_value_heads 2, head_dim 256, "
-        "linear_num_key_heads 16, linear_num_value_heads 32, linear_key_head_dim 128, "
-        "linear_value_head_dim 128, linear_conv_kernel_dim 4, "
-        "max_position_embeddings 262144)",
-        "36 Gated DeltaNet layers keep a fixed state (counted in the same dtype, as "
-        "transformers keeps it); 12 attention layers keep K/V per position"),
+    *(ModelCache(*spec) for spec in RECENT),
 )}
 
 
