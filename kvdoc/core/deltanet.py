@@ -1,0 +1,377 @@
+"""A Qwen3.5-style hybrid decoder: Gated DeltaNet layers with gated full-attention layers.
+
+Each layer is of one of two types (``config.layer_types``, as transformers names them; every
+``full_attention_interval``-th is full attention unless ``layer_types`` is given):
+
+* ``"linear_attention"``, a Gated DeltaNet: one projection gives Q, K and V for every head,
+  a causal depthwise convolution of ``K_conv`` taps (then SiLU) mixes each channel with its last
+  ``K_conv - 1`` inputs, and a matrix-valued state ``S`` (``[H_v, D_k, D_v]``) folds every
+  earlier token by the gated delta rule: with ``q``, ``k`` L2-normed (``q`` also scaled by
+  ``D_k ** -0.5``), ``beta = sigmoid(b)`` and ``g = -exp(A_log) * softplus(a + dt_bias)``,
+
+  ``S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T``, ``o_t = S_t^T q_t``;
+
+  then a per-head RMSNorm of ``o`` gated by ``silu(z)``. What the cache keeps is the conv window
+  and ``S``: a :class:`~kvdoc.core.state.StateLayer`, of one size at every position.
+  :func:`recurrent_delta_rule` takes one token at a time (the decode step);
+  :func:`chunked_delta_rule` takes ``chunk_size`` at a time in matrix products (prefill), one
+  function of the tokens (checked equal in the tests and on the grid);
+* ``"full_attention"``: softmax attention with q/k RMSNorms, RoPE on the first
+  ``partial_rotary_factor`` of each head's features, and an output gate: ``q_proj`` gives each
+  head a query and a gate, and the heads' output is multiplied by ``sigmoid(gate)``.
+
+Every RMSNorm but the gated one scales by ``1 + weight`` (:class:`~kvdoc.core.gemma.GemmaRMSNorm`);
+the MLP is SwiGLU. Parameter names inside a layer are transformers' (``linear_attn.in_proj_qkv``,
+``self_attn.q_proj`` ..), so a checkpoint maps by key (:mod:`kvdoc.interop.hf_qwen35`).
+
+>>> _ = torch.manual_seed(0)
+>>> model = DeltaNetDecoder(DeltaNetConfig()).eval()
+>>> model.config.layer_types
+('linear_attention', 'full_attention')
+>>> ids = torch.tensor([[12, 7, 31, 4, 9, 18, 3, 5]])
+>>> full = model(ids).logits
+>>> _, cache = model(ids[:, :6], model.new_cache(1))       # a state layer, then a K/V layer
+>>> cache.held(0), cache.held(1)
+(range(6, 6), range(0, 6))
+>>> torch.allclose(model(ids[:, 6:], cache).logits, full[:, 6:], atol=1e-5)
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KVCache, LayerSpec, check_int, check_positive, offset_causal_mask
+from .gemma import GemmaRMSNorm
+from .model import Decoder, apply_rope
+from .state import StateSpec, hybrid_cache, read_state, update_state
+
+LINEAR, FULL = "linear_attention", "full_attention"
+"""The two layer types, as Qwen3.5's ``config.json`` names them."""
+
+
+@dataclass(frozen=True)
+class DeltaNetConfig:
+    """Sizes of a Qwen3.5-style hybrid (names as :class:`~kvdoc.core.model.GPTConfig`'s, or as
+    Qwen3.5's ``config.json`` where GPT-2 has none). ``chunk_size`` is kvdoc's: the tokens
+    :func:`chunked_delta_rule` takes at once (not a property of the model).
+
+    >>> DeltaNetConfig(n_layer=4).layer_types[-1], DeltaNetConfig().cache_layout[0].shapes
+    ('full_attention', (('conv', (64, 3)), ('recurrent', (4, 8, 8))))
+    >>> DeltaNetConfig(linear_num_value_heads=3)
+    Traceback (most recent call last):
+    ...
+    ValueError: linear_num_value_heads=3 must be a multiple of linear_num_key_heads=2
+    """
+
+    vocab_size: int = 97
+    n_positions: int = 512
+    n_embd: int = 64
+    n_inner: int = 128
+    n_layer: int = 2
+    full_attention_interval: int = 2
+    layer_types: tuple[str, ...] | None = None  # None: every full_attention_interval-th is full
+    n_head: int = 4
+    n_kv_head: int = 2
+    head_dim: int = 16
+    partial_rotary_factor: float = 0.25
+    rope_theta: float = 10_000.0
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 8
+    linear_value_head_dim: int = 8
+    linear_conv_kernel_dim: int = 4
+    layer_norm_epsilon: float = 1e-6
+    tie_word_embeddings: bool = False
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_positions", "n_embd", "n_inner", "n_layer",
+                     "full_attention_interval", "n_head", "n_kv_head", "head_dim",
+                     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "chunk_size"):
+            check_int(name, getattr(self, name))
+        check_int("linear_conv_kernel_dim", self.linear_conv_kernel_dim, minimum=2)
+        for name in ("rope_theta", "layer_norm_epsilon", "partial_rotary_factor"):
+            check_positive(name, getattr(self, name))
+        types, k = self.layer_types, self.full_attention_interval
+        if types is None:
+            types = tuple(LINEAR if (i + 1) % k else FULL for i in range(self.n_layer))
+            object.__setattr__(self, "layer_types", types)
+        if (not isinstance(types, tuple) or len(types) != self.n_layer
+                or any(t not in (LINEAR, FULL) for t in types)):
+            raise ValueError(f"layer_types must be a tuple of {self.n_layer} of {LINEAR!r} and "
+                             f"{FULL!r}, got {types!r}")
+        for big, small in (("n_head", "n_kv_head"),
+                           ("linear_num_value_heads", "linear_num_key_heads")):
+            if getattr(self, big) % getattr(self, small):
+                raise ValueError(f"{big}={getattr(self, big)} must be a multiple of "
+                                 f"{small}={getattr(self, small)}")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"RoPE rotates pairs: head_dim x partial_rotary_factor = "
+                             f"{self.rotary_dim} must be even and within head_dim")
+
+    @property
+    def rotary_dim(self) -> int:  # the leading features of a head RoPE turns, as transformers'
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def conv_dim(self) -> int:  # Q, K and V channels of a DeltaNet layer, convolved together
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    @cached_property
+    def cache_layout(self) -> tuple[LayerSpec | StateSpec, ...]:
+        """A :class:`~kvdoc.core.state.StateSpec` per DeltaNet layer (``conv``: the last
+        ``K_conv - 1`` inputs of each channel; ``recurrent``: ``S``), K/V per attention layer."""
+        state = StateSpec((("conv", (self.conv_dim, self.linear_conv_kernel_dim - 1)),
+                           ("recurrent", (self.linear_num_value_heads, self.linear_key_head_dim,
+                                          self.linear_value_head_dim))))
+        kv = LayerSpec(self.n_kv_head, (self.head_dim, self.head_dim))
+        return tuple(state if t == LINEAR else kv for t in self.layer_types)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dimension (FLA's and transformers' epsilon)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, state: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule a token at a time: ``q``, ``k`` ``[B, H, C, D_k]``, ``v``
+    ``[B, H, C, D_v]``, ``g``, ``beta`` ``[B, H, C]``, ``state`` ``[B, H, D_k, D_v]``; returns
+    the outputs ``[B, H, C, D_v]`` and the state after the last token."""
+    out = []
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t, None, None].exp()
+        remembered = (k[:, :, t, :, None] * state).sum(-2)  # S^T k: [B, H, D_v]
+        delta = (v[:, :, t] - remembered) * beta[:, :, t, None]
+        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
+        out.append((q[:, :, t, :, None] * state).sum(-2))
+    return torch.stack(out, dim=2), state
+
+
+def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, state: torch.Tensor, chunk_size: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`recurrent_delta_rule` ``chunk_size`` tokens at a time, in matrix products.
+
+    Within a chunk, with ``G_t`` the cumulative log-decay from its start, the state after token
+    ``t`` is ``exp(G_t) S_0 + sum_{s <= t} exp(G_t - G_s) k_s u_s^T``: the new values ``u``
+    solve a unit lower-triangular system (``u_t`` corrects what the state before ``t`` already
+    predicts), and the outputs and the next chunk's state are products with ``u``.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> q, k = (F.normalize(torch.randn(1, 2, 7, 4, generator=g), dim=-1) for _ in range(2))
+    >>> v, s = torch.randn(1, 2, 7, 3, generator=g), torch.randn(1, 2, 4, 3, generator=g)
+    >>> decay, beta = -torch.rand(1, 2, 7, generator=g), torch.rand(1, 2, 7, generator=g)
+    >>> a, b = chunked_delta_rule(q, k, v, decay, beta, s, 3), recurrent_delta_rule(
+    ...     q, k, v, decay, beta, s)
+    >>> all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a, b))
+    True
+    """
+    outs = []
+    for at in range(0, q.shape[2], chunk_size):
+        piece = slice(at, at + chunk_size)
+        qc, kc, vc, bc = q[:, :, piece], k[:, :, piece], v[:, :, piece], beta[:, :, piece]
+        G = g[:, :, piece].cumsum(-1)  # [B, H, L]
+        L = G.shape[-1]
+        later = torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1)  # s > t
+        decay = (G[..., :, None] - G[..., None, :]).masked_fill(later, -torch.inf).exp()
+        kk = (kc @ kc.transpose(-1, -2)) * decay  # exp(G_t - G_s) k_t . k_s for s <= t
+        system = torch.eye(L, dtype=q.dtype, device=q.device) + (bc[..., None] * kk).tril(-1)
+        rhs = bc[..., None] * (vc - G.exp()[..., None] * (kc @ state))
+        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        qk = (qc @ kc.transpose(-1, -2)) * decay  # s <= t, the token's own included
+        outs.append(G.exp()[..., None] * (qc @ state) + qk @ u)
+        last = G[..., -1:]  # [B, H, 1]
+        state = (last.exp()[..., None] * state
+                 + (kc * (last - G).exp()[..., None]).transpose(-1, -2) @ u)
+    return torch.cat(outs, dim=2), state
+
+
+class GatedDeltaNet(nn.Module):
+    """A Gated DeltaNet layer (transformers' ``Qwen3_5GatedDeltaNet``, its parameter names), its
+    conv window and state kept in ``cache``'s layer ``layer_idx``."""
+
+    def __init__(self, config: DeltaNetConfig) -> None:
+        super().__init__()
+        c = config
+        self.hk, self.hv = c.linear_num_key_heads, c.linear_num_value_heads
+        self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
+        self.chunk_size, self.taps = c.chunk_size, c.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(c.conv_dim, c.conv_dim, self.taps, groups=c.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.empty(self.hv).uniform_(0.01, 16).log())
+        self.norm = GatedRMSNorm(self.dv, c.layer_norm_epsilon)
+        self.out_proj = nn.Linear(self.hv * self.dv, c.n_embd, bias=False)
+        self.in_proj_qkv = nn.Linear(c.n_embd, c.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(c.n_embd, self.hv * self.dv, bias=False)
+        self.in_proj_b = nn.Linear(c.n_embd, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(c.n_embd, self.hv, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int,
+                start: int) -> torch.Tensor:
+        B, C, _ = x.shape
+        if cache is None:
+            window = x.new_zeros(B, self.conv1d.in_channels, self.taps - 1)
+            state = x.new_zeros(B, self.hv, self.dk, self.dv)
+        else:
+            window, state = read_state(cache, layer_idx).values()  # conv, recurrent
+        inputs = torch.cat((window, self.in_proj_qkv(x).transpose(1, 2)), dim=2)
+        mixed = F.silu(F.conv1d(inputs, self.conv1d.weight, groups=inputs.shape[1]))  # [B, ., C]
+        q, k, v = mixed.transpose(1, 2).split((self.hk * self.dk,) * 2 + (self.hv * self.dv,), -1)
+        def heads(t: torch.Tensor, n: int, width: int) -> torch.Tensor:  # -> [B, H_v, C, width]
+            # each Q/K head serves H_v / H_k consecutive value heads
+            return t.view(B, C, n, width).transpose(1, 2).repeat_interleave(self.hv // n, dim=1)
+
+        q = l2norm(heads(q, self.hk, self.dk)) * self.dk ** -0.5
+        k, v = l2norm(heads(k, self.hk, self.dk)), heads(v, self.hv, self.dv)
+        beta = self.in_proj_b(x).sigmoid().transpose(1, 2)  # [B, H_v, C]
+        g = (-self.A_log.exp() * F.softplus(self.in_proj_a(x) + self.dt_bias)).transpose(1, 2)
+        if C == 1:
+            out, state = recurrent_delta_rule(q, k, v, g, beta, state)
+        else:
+            out, state = chunked_delta_rule(q, k, v, g, beta, state, self.chunk_size)
+        if cache is not None:
+            update_state(cache, layer_idx, start, conv=inputs[:, :, -(self.taps - 1):],
+                         recurrent=state)
+        z = self.in_proj_z(x).view(B, C, self.hv, self.dv)
+        out = self.norm(out.transpose(1, 2), z)  # [B, C, H_v, D_v]
+        return self.out_proj(out.reshape(B, C, -1))
+
+
+class GatedRMSNorm(nn.Module):
+    """``x / rms(x) * weight * silu(gate)`` (``weight`` starts at one, as transformers'
+    ``Qwen3_5RMSNormGated``)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed * F.silu(gate)
+
+
+class GatedAttention(nn.Module):
+    """Qwen3.5's full attention: q/k norms, partial RoPE, and an output gate per feature."""
+
+    def __init__(self, config: DeltaNetConfig) -> None:
+        super().__init__()
+        c = config
+        self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
+        self.rotary_dim, self.rope_theta = c.rotary_dim, c.rope_theta
+        self.q_proj = nn.Linear(c.n_embd, 2 * c.n_head * c.head_dim, bias=False)  # query, gate
+        self.k_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=False)
+        self.q_norm = GemmaRMSNorm(c.head_dim, c.layer_norm_epsilon)
+        self.k_norm = GemmaRMSNorm(c.head_dim, c.layer_norm_epsilon)
+
+    def rope(self, x: torch.Tensor, at: int | torch.Tensor) -> torch.Tensor:
+        turned, kept = x.split((self.rotary_dim, self.head_dim - self.rotary_dim), dim=-1)
+        return torch.cat((apply_rope(turned, at, self.rope_theta), kept), dim=-1)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int,
+                start: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+        B, C, _ = x.shape
+        D = self.head_dim
+        q, gate = self.q_proj(x).view(B, C, self.n_head, 2 * D).split(D, dim=-1)
+        at = start if positions is None else positions
+        q = self.rope(self.q_norm(q).transpose(1, 2), at)
+        k = self.rope(self.k_norm(self.k_proj(x).view(B, C, -1, D)).transpose(1, 2), at)
+        v = self.v_proj(x).view(B, C, -1, D).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(layer_idx, k, v, start)
+        mask = None if C == 1 else offset_causal_mask(start, C, x.device)[:, -k.shape[2]:]
+        gqa = {"enable_gqa": True} if self.n_kv_head != self.n_head else {}
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa).transpose(1, 2)
+        return self.o_proj((y * gate.sigmoid()).reshape(B, C, -1))
+
+
+class SwiGLU(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, config: DeltaNetConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
+        self.down_proj = nn.Linear(config.n_inner, config.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DeltaNetBlock(nn.Module):
+    """``x + mixer(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``; the
+    mixer a :class:`GatedDeltaNet` (``linear_attn``) or a :class:`GatedAttention`
+    (``self_attn``)."""
+
+    def __init__(self, config: DeltaNetConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.linear = config.layer_types[layer_idx] == LINEAR
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = GatedAttention(config)
+        self.mlp = SwiGLU(config)
+        self.input_layernorm = GemmaRMSNorm(config.n_embd, config.layer_norm_epsilon)
+        self.post_attention_layernorm = GemmaRMSNorm(config.n_embd, config.layer_norm_epsilon)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.linear:
+            h = self.linear_attn(h, cache, layer_idx, start)
+        else:
+            h = self.self_attn(h, cache, layer_idx, start, **positions)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeltaNetDecoder(Decoder):
+    """A decoder of :class:`DeltaNetBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward and
+    input checks; its cache (:meth:`new_cache`) holds a state per DeltaNet layer and growing K/V
+    per attention layer. A state folds every row, so padded batches (``attn_mask``) and rows at
+    other positions (``positions``) are refused.
+
+    >>> DeltaNetDecoder(DeltaNetConfig()).num_parameters()
+    87280
+    """
+
+    def __init__(self, config: DeltaNetConfig | None = None) -> None:
+        nn.Module.__init__(self)  # not Decoder.__init__: it would build GPT-2 blocks
+        self.config = config = config or DeltaNetConfig()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = None  # positions come from RoPE inside the attention layers
+        self.h = nn.ModuleList(DeltaNetBlock(config, i) for i in range(config.n_layer))
+        self.ln_f = GemmaRMSNorm(config.n_embd, config.layer_norm_epsilon)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
+                last_only: bool = False, positions: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None) -> object:
+        if positions is not None or attn_mask is not None:
+            raise ValueError("a recurrent state folds every row of a call in order: a DeltaNet "
+                             "model takes no attn_mask or positions (no padded batches)")
+        return super().forward(idx, cache, last_only=last_only)
+
+    def new_cache(self, batch_size: int, kind: str | None = None,
+                  capacity: int | None = None) -> KVCache:
+        """An empty cache: a state layer per DeltaNet layer, a growing one per attention
+        layer (``kind`` ``"hybrid"``, the default, or ``"dynamic"``: the same)."""
+        if kind not in (None, "hybrid", "dynamic"):
+            raise ValueError(f"a DeltaNet model's cache is 'hybrid' (state and K/V layers), "
+                             f"not {kind!r}")
+        w = self.wte.weight
+        return hybrid_cache(self.config.cache_layout, batch_size, w.dtype, w.device)
