@@ -45,6 +45,7 @@ from torch import nn
 
 from .cache import KVCache, LayerSpec, check_int, check_positive
 from .model import CausalSelfAttention, Decoder, apply_rope
+from .state import StateSpec, hybrid_cache, read_state, update_state
 
 MAMBA, ATTENTION = "linear_attention", "full_attention"
 """The two layer types, as transformers' ``BambaConfig.layers_block_type`` names them."""
@@ -92,8 +93,9 @@ class Mamba2Config:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_positions", "n_layer", "n_embd", "n_inner", "n_head",
                      "n_kv_head", "mamba_n_heads", "mamba_n_groups", "mamba_d_state",
-                     "mamba_d_conv", "mamba_expand", "chunk_size"):
+                     "mamba_expand", "chunk_size"):
             check_int(name, getattr(self, name))
+        check_int("mamba_d_conv", self.mamba_d_conv, minimum=2)  # a state of d_conv - 1 inputs
         a = self.attn_layers
         if (not isinstance(a, tuple) or list(a) != sorted(set(a))
                 or any(type(i) is not int or not 0 <= i < self.n_layer for i in a)):
@@ -143,20 +145,18 @@ class Mamba2Config:
         return self.mamba_inner + 2 * self.mamba_n_groups * self.mamba_d_state
 
     @cached_property
-    def cache_layout(self) -> tuple[LayerSpec, ...]:
-        """K and V of ``n_kv_head`` heads per attention layer; for a Mamba layer the spec of its
-        state (see :func:`state_shapes`)."""
+    def cache_layout(self) -> tuple[LayerSpec | StateSpec, ...]:
+        """K and V of ``n_kv_head`` heads per attention layer, the conv and SSD state
+        (:meth:`state_shapes`) per Mamba layer."""
         kv = LayerSpec(self.n_kv_head, (self.head_dim, self.head_dim))
-        return tuple(kv if t == ATTENTION else state_spec(self) for t in self.layer_types)
+        state = StateSpec(tuple(self.state_shapes().items()))
+        return tuple(kv if t == ATTENTION else state for t in self.layer_types)
 
-    def state_shapes(self, batch: int) -> dict[str, tuple[int, ...]]:
-        """A Mamba layer's state per sequence: the conv state and the SSD state."""
-        return {"conv": (batch, self.conv_dim, self.mamba_d_conv - 1),
-                "ssm": (batch, self.mamba_n_heads, self.mamba_head_dim, self.mamba_d_state)}
-
-
-def state_spec(config: Mamba2Config) -> LayerSpec:  # placeholder until state.py lands
-    return LayerSpec(config.mamba_n_heads, (config.mamba_head_dim, config.mamba_d_state))
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A Mamba layer's state per sequence: the last ``d_conv - 1`` inputs of the convolution
+        and the SSD state ``[H, P, N]``."""
+        return {"conv": (self.conv_dim, self.mamba_d_conv - 1),
+                "recurrent": (self.mamba_n_heads, self.mamba_head_dim, self.mamba_d_state)}
 
 
 # --- the SSD recurrence, two ways ------------------------------------------------------------
@@ -239,15 +239,15 @@ class Mamba2Mixer(nn.Module):
         super().__init__()
         c = config
         self.config = c
-        H, I = c.mamba_n_heads, c.mamba_inner
-        self.in_proj = nn.Linear(c.n_embd, I + c.conv_dim + H, bias=c.proj_bias)
+        H, inner = c.mamba_n_heads, c.mamba_inner
+        self.in_proj = nn.Linear(c.n_embd, inner + c.conv_dim + H, bias=c.proj_bias)
         self.conv1d = nn.Conv1d(c.conv_dim, c.conv_dim, c.mamba_d_conv, groups=c.conv_dim,
                                 bias=c.conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(H))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, H + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(H))
-        self.norm = GatedRMSNorm(I, c.mamba_n_groups, c.layer_norm_epsilon)
-        self.out_proj = nn.Linear(I, c.n_embd, bias=c.proj_bias)
+        self.norm = GatedRMSNorm(inner, c.mamba_n_groups, c.layer_norm_epsilon)
+        self.out_proj = nn.Linear(inner, c.n_embd, bias=c.proj_bias)
 
     def conv(self, xBC: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``silu(conv1d)`` of ``xBC`` ``[b, C, conv_dim]`` after the ``d_conv - 1`` inputs of
@@ -280,23 +280,16 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, u: torch.Tensor, cache: KVCache | None, layer_idx: int,
                 start: int) -> torch.Tensor:
-        shapes = self.config.state_shapes(u.shape[0])
-        if cache is None:  # a full forward starts from zero states
-            states = [u.new_zeros(shapes[k]) for k in ("conv", "ssm")]
+        if cache is None:  # a full forward starts from zero states, as an empty cache holds
+            shapes = self.config.state_shapes().values()
+            conv, recurrent = (u.new_zeros(u.shape[0], *shape) for shape in shapes)
         else:
-            states = read_state(cache, layer_idx, start)
-        y, *states = self.mix(u, *states)
+            state = read_state(cache, layer_idx)
+            conv, recurrent = state["conv"], state["recurrent"]
+        y, conv, recurrent = self.mix(u, conv, recurrent)
         if cache is not None:
-            write_state(cache, layer_idx, start, *states)
+            update_state(cache, layer_idx, start, conv=conv, recurrent=recurrent)
         return y
-
-
-def read_state(cache: KVCache, layer_idx: int, start: int) -> list[torch.Tensor]:
-    raise NotImplementedError  # placeholder until state.py lands
-
-
-def write_state(cache: KVCache, layer_idx: int, start: int, *states: torch.Tensor) -> None:
-    raise NotImplementedError  # placeholder until state.py lands
 
 
 class HybridAttention(nn.Module):
@@ -377,9 +370,8 @@ class MambaDecoder(Decoder):
     checks, ``prefill``/``decode_step``/``generate``. A padded batch (``attn_mask``) or per-row
     ``positions`` are refused: a mixer's state would fold the padding in.
 
-    >>> Mamba2Decoder = MambaDecoder
-    >>> Mamba2Decoder(Mamba2Config()).num_parameters()
-    99466
+    >>> MambaDecoder(Mamba2Config()).num_parameters()  # 2 x (MLP 24576 + norms 128) + mixer
+    102264
     """
 
     def __init__(self, config: Mamba2Config | None = None) -> None:
@@ -400,3 +392,13 @@ class MambaDecoder(Decoder):
             raise ValueError("a Mamba-2 layer folds every position into its state: padded "
                              "batches (attn_mask) and per-row positions are not supported")
         return super().forward(idx, cache, last_only=last_only)
+
+    def new_cache(self, batch_size: int, kind: str | None = None,
+                  capacity: int | None = None) -> KVCache:
+        """An empty cache: a :class:`~kvdoc.core.state.StateLayer` per Mamba layer, a growing
+        K/V layer per attention layer (``kind`` ``"dynamic"`` or ``"hybrid"``, the same cache;
+        a static or window cache has no place for a state)."""
+        if kind not in (None, "dynamic", "hybrid"):
+            raise ValueError(f"a Mamba-2 hybrid takes a 'dynamic' or 'hybrid' cache, not {kind!r}")
+        return hybrid_cache(self.config.cache_layout, batch_size, self.wte.weight.dtype,
+                            self.wte.weight.device)

@@ -1,5 +1,5 @@
 """FP64 comparisons with transformers: its float32 islands (RMSNorm and RoPE computed in
-float32 whatever the model's dtype) lifted for the length of a block
+float32 whatever the model's dtype; Bamba's Mamba-2 scan too) lifted for the length of a block
 (:func:`float64_islands_lifted`).
 """
 
@@ -15,8 +15,9 @@ import torch
 
 @contextmanager
 def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
-    """Within the block, transformers' Llama, Mistral, Qwen2, Qwen3, Phi-3, DeepSeek-V3 and
-    Gemma 3 compute RMSNorm and RoPE in the model's dtype.
+    """Within the block, transformers' Llama, Mistral, Qwen2, Qwen3, Phi-3, DeepSeek-V3,
+    Gemma 3 and Bamba compute RMSNorm and RoPE in the model's dtype (Bamba: its gated RMSNorm
+    and its Mamba-2 scan too, whose ``.float()`` calls keep a float64 tensor as it is).
 
     transformers computes both in float32 whatever the model's dtype (an upcast meant for half
     precision), so an FP64 Llama differs from an exact FP64 computation by about 1e-7 there;
@@ -44,10 +45,26 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
         angles = torch.stack([rope_angles(row, config.head_dim, theta) for row in position_ids])
         return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
 
+    def gated_rms_norm(self: Any, x: torch.Tensor,
+                       gate: torch.Tensor | None = None) -> torch.Tensor:
+        x = x if gate is None else x * torch.nn.functional.silu(gate)
+        groups = x.view(*x.shape[:-1], -1, self.group_size)
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * groups.view(x.shape)
+
+    def float64_kept(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self if self.dtype == torch.float64 else to_float32(self, *args, **kwargs)
+
     config = hf_model.config
     model_type = getattr(config, "model_type", None)
     lifted: dict[str, Any] = {}
-    if model_type == "gemma3_text":
+    to_float32 = torch.Tensor.float
+    if model_type == "bamba":  # RoPE on the first half of a head; the scan's .float() calls
+        head_dim = int(config.hidden_size // config.num_attention_heads
+                       * config.rope_parameters.get("partial_rotary_factor", 1.0))
+        theta = float(config.rope_parameters["rope_theta"])
+        lifted = {"RMSNorm": rms_norm, "RMSNormGated": gated_rms_norm, "RotaryEmbedding": rotary}
+    elif model_type == "gemma3_text":
         lifted = {"RMSNorm": gemma_rms_norm, "RotaryEmbedding": gemma_rotary}
     elif model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3", "deepseek_v3"):
         split_width = config.hidden_size // config.num_attention_heads
@@ -56,10 +73,13 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
         lifted = {"RMSNorm": rms_norm, "RotaryEmbedding": rotary}
     patched = [m for m in hf_model.modules() if type(m).__name__.endswith(tuple(lifted))]
     for module in patched:
-        kind = next(k for k in lifted if type(module).__name__.endswith(k))
+        kind = max((k for k in lifted if type(module).__name__.endswith(k)), key=len)
         module.forward = types.MethodType(lifted[kind], module)
     try:
+        if model_type == "bamba":  # its scan and state update call .float() on their inputs
+            torch.Tensor.float = float64_kept
         yield hf_model
     finally:
+        torch.Tensor.float = to_float32
         for module in patched:
             del module.forward  # back to the class's method
