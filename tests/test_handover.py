@@ -11,6 +11,7 @@ from kvdoc.core.model import GPTConfig
 from kvdoc.proofs import grid
 from kvdoc.proofs.broken.serving import pack_off_by_one, pack_through_fp32, pack_zeroed_last_v
 from kvdoc.proofs.compare import default_model
+from kvdoc.proofs.traits import grid_traits
 from kvdoc.serving.handover import disaggregated_generate, pack, unpack
 from kvdoc.teach.handover_checks import PAYLOAD_DTYPES, check_dtypes, check_handover
 
@@ -118,10 +119,12 @@ def grid_models():
     return {name: grid.MODELS[name].build(0) for name in ("llama", "mla")}
 
 
-HANDED = [name for name in grid.MODELS if name != "gemma3-global-first"]
+HANDED = [name for name in grid.MODELS
+          if name != "gemma3-global-first" and "state" not in grid_traits(name)]
 """Formerly verify's ``handover`` scenario (it never varied by cache kind): every grid model but
-the global-first Gemma one, which only the checks that see a layer's type run; ``deep``, twelve
-layers, for a packer that orders them by name."""
+the global-first Gemma one, which only the checks that see a layer's type run, and those with a
+recurrent state, which the payload of K/V rows does not carry; ``deep``, twelve layers, for a
+packer that orders them by name."""
 
 
 def _prompt(model):

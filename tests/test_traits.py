@@ -13,8 +13,9 @@ def test_each_grid_model_has_the_traits_its_config_and_modules_say(name):
     cfg, found = model.config, grid_traits(name)
     assert found <= set(TRAITS)
     assert ("learned" in found) == (getattr(model, "wpe", None) is not None)
-    assert ("latent" in found) == hasattr(model.h[0].attn if hasattr(model.h[0], "attn")
-                                          else model.h[0].self_attn, "kv_a_proj_with_mqa")
+    attention = [getattr(b, "attn", None) or getattr(b, "self_attn", None) for b in model.h]
+    assert ("latent" in found) == any(hasattr(a, "kv_a_proj_with_mqa") for a in attention)
+    assert ("state" in found) == any(hasattr(b, "mamba") for b in model.h)
     heads = (cfg.n_kv_head, cfg.n_head) if "kv" in found else (1, 1)  # a latent: one "head"
     assert ("grouped" in found) == (1 < heads[0] < heads[1])
     assert ("window" in found) == (getattr(cfg, "sliding_window", None) is not None

@@ -14,14 +14,9 @@ function a chunk at a time (prefill and chunks: the intra-chunk part as a masked
 attention-like product, the state carried between chunks). ``y`` is gated
 (``y * silu(z)``), RMS-normed per group, and projected out.
 
-transformers 5.24.0's ``BambaForCausalLM`` is the reference
-(:mod:`kvdoc.interop.hf_bamba`); parameter names inside a layer are its names, and its RoPE
-turns only the first half of each attention head (``partial_rotary_factor`` 0.5, set by
-``BambaConfig``). Its one-token decode steps, called as ``model(ids, cache=...)`` without
-``position_ids``, depart from its own full forward (about 1e-3 on a small random model):
-``BambaModel.forward`` (``models/bamba/modeling_bamba.py``) defaults ``position_ids`` to
-``arange(C)`` whatever the cache holds, so every step's query and key turn at position 0; Llama's
-adds the cached length. ``generate()`` passes positions and agrees. kvdoc turns at ``P .. P+C-1``.
+transformers 5.24.0's ``BambaForCausalLM`` is the reference (:mod:`kvdoc.interop.hf_bamba`,
+which also says why its own decode steps depart from its forward); parameter names inside a
+layer are its names, and its RoPE turns the first half of each attention head only.
 
 >>> _ = torch.manual_seed(0)
 >>> model = MambaDecoder(Mamba2Config()).eval()
@@ -44,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache, LayerSpec, check_int, check_positive
+from .deltanet import SwiGLU
 from .model import CausalSelfAttention, Decoder, apply_rope
 from .state import StateSpec, hybrid_cache, read_state, update_state
 
@@ -233,7 +229,10 @@ class GatedRMSNorm(nn.Module):
 
 class Mamba2Mixer(nn.Module):
     """Bamba's Mamba-2 mixer: ``in_proj`` to (z, xBC, dt), the causal depthwise ``conv1d`` and
-    SiLU on xBC, the SSD over (x, B, C, dt), ``norm(y, z)``, ``out_proj``."""
+    SiLU on xBC, the SSD over (x, B, C, dt), ``norm(y, z)``, ``out_proj``. A call of one token
+    runs :attr:`step`, a longer one :attr:`scan`."""
+
+    step, scan = staticmethod(ssd_step), staticmethod(ssd_chunked)
 
     def __init__(self, config: Mamba2Config) -> None:
         super().__init__()
@@ -271,18 +270,25 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt + self.dt_bias).clamp(*c.time_step_limit)
         A = -torch.exp(self.A_log)
         if C == 1:  # a decode step: the recurrence itself
-            y, ssm_state = ssd_step(x[:, 0], dt[:, 0], A, B[:, 0], Cm[:, 0], self.D, ssm_state)
+            y, ssm_state = self.step(x[:, 0], dt[:, 0], A, B[:, 0], Cm[:, 0], self.D, ssm_state)
             y = y[:, None]
         else:
-            y, ssm_state = ssd_chunked(x, dt, A, B, Cm, self.D, ssm_state, c.chunk_size)
+            y, ssm_state = self.scan(x, dt, A, B, Cm, self.D, ssm_state, c.chunk_size)
         y = self.norm(y.reshape(b, C, -1), z)
         return self.out_proj(y), conv_state, ssm_state
 
+    def final_state(self, u: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The states after ``u`` ``[b, C, d]``, from zero states in one call, by name."""
+        _, conv, recurrent = self.mix(u, *self.zero_state(u))
+        return {"conv": conv, "recurrent": recurrent}
+
+    def zero_state(self, u: torch.Tensor) -> list[torch.Tensor]:  # what an empty cache holds
+        return [u.new_zeros(u.shape[0], *shape) for shape in self.config.state_shapes().values()]
+
     def forward(self, u: torch.Tensor, cache: KVCache | None, layer_idx: int,
                 start: int) -> torch.Tensor:
-        if cache is None:  # a full forward starts from zero states, as an empty cache holds
-            shapes = self.config.state_shapes().values()
-            conv, recurrent = (u.new_zeros(u.shape[0], *shape) for shape in shapes)
+        if cache is None:  # a full forward starts from zero states
+            conv, recurrent = self.zero_state(u)
         else:
             state = read_state(cache, layer_idx)
             conv, recurrent = state["conv"], state["recurrent"]
@@ -329,19 +335,6 @@ class HybridAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, C, -1))
 
 
-class SwiGLU(nn.Module):
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
-
-    def __init__(self, config: Mamba2Config) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
-        self.up_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
-        self.down_proj = nn.Linear(config.n_inner, config.n_embd, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class HybridBlock(nn.Module):
     """``x + mixer(input_layernorm(x))`` (``mamba`` or ``self_attn``), then
     ``x + mlp(pre_ff_layernorm(x))`` (Bamba's ``feed_forward``)."""
@@ -356,7 +349,7 @@ class HybridBlock(nn.Module):
         else:
             self.self_attn = HybridAttention(config)
         self.pre_ff_layernorm = nn.RMSNorm(config.n_embd, eps=eps)
-        self.mlp = SwiGLU(config)  # Bamba's ``feed_forward``
+        self.mlp = SwiGLU(config)  # Bamba's ``feed_forward``: Qwen3.5's MLP
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
                 attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:

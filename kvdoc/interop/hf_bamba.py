@@ -9,6 +9,20 @@ hybrid), Bamba's PyTorch path is the plainest: one dense SwiGLU MLP after every 
 
 Refused by name: attention or MLP biases, another activation than SiLU, scaled RoPE.
 
+transformers' own cached path departs from its full forward, and kvdoc's does not follow it
+(``tests/test_mamba2.py`` measures each): on a small random Bamba in FP64, its one-token steps
+called as ``model(ids, cache=cache)`` differ by about 1e-3 from the first step, while a prefill
+agrees exactly. ``BambaModel.forward`` (``transformers/models/bamba/modeling_bamba.py``, 5.24.0)
+defaults ``position_ids`` to ``torch.arange(inputs_embeds.shape[1])``, the cached length not
+added (``LlamaModel.forward`` adds ``past_seen_tokens``): each step's Q and K turn at position 0
+in the attention layers. ``generate()`` passes positions and agrees. Given positions, its steps
+differ by about 3e-8 in FP64: its float32 islands (RMSNorms, rotary angles, the ``.float()`` of
+``mamba2_chunk_scan`` and ``mamba2_selective_state_update``) round the two forms apart, and
+lifted (:func:`~kvdoc.interop.hf_float64.float64_islands_lifted`) they agree to FP64 rounding.
+Where ``time_step_limit`` binds, they differ again: ``mamba2_chunk_scan`` clamps ``dt`` to it,
+the recurrent branch of ``BambaMixer.forward`` calls ``mamba2_selective_state_update`` without
+it. kvdoc clamps in both forms and turns at ``P .. P + C - 1``.
+
 >>> _ = torch.manual_seed(0)
 >>> hf = bamba_model(Mamba2Config())
 >>> ours = from_bamba(hf)

@@ -4,7 +4,7 @@
   found in the cache object itself (:func:`held_tensors`, not ``tensors()``) and the kind's
   formula (each layer's ``expected_nbytes``); a paged pool's figures agree with its tensors;
   every layer's shapes and a kind's own lengths agree with the positions it holds (a window
-  layer its last ``W``).
+  layer its last ``W``); a recurrent layer's state holds the bytes it held empty.
 * ``edges``: a chunk of ``W + 4`` tokens on a model with a window ``W``; on a cache a call leaves
   unchanged, two live branches of one prefix, before a window of 16 fills and after, both off the
   paged block size of 4 (copy-on-write of a shared, partly filled block).
@@ -21,11 +21,12 @@ import torch
 
 from kvdoc.core.cache import CacheLayer, KVCache, StaticCache
 from kvdoc.core.feed import feed
+from kvdoc.core.state import StateLayer
 from kvdoc.serving.batching import left_pad, padded_mask, padded_positions
 from kvdoc.serving.paged import BlockPool, PagedCache
 
 from .case import Case, scenario
-from .compare import Snapshot
+from .compare import Snapshot, layer_tensors
 
 BYTES_CHUNKS = (5, 1, 13)
 """Chunks of the ``bytes`` scenario: past the Mistral window (16) and several paged blocks (4)."""
@@ -97,9 +98,12 @@ def shape_problems(cache: KVCache) -> list[str]:
         if cache.held(i) != range(0 if w is None else max(0, T - w), T):
             problems.append(f"layer {i} (window {w}) holds {cache.held(i)} after {T}")
         rows = len(cache.held(i))
-        # two tensors [B, heads, rows, width]: K and V, or a latent's c_KV and k_rope
-        wants = [(cache.batch_size, layer.heads, rows, width) for width in layer.widths]
-        for t, want in zip(cache.layer(i), wants, strict=True):
+        # two tensors [B, heads, rows, width]: K and V, or a latent's c_KV and k_rope; a
+        # recurrent layer's named state tensors [B, *shape]
+        wants = ([(cache.batch_size, *shape) for _, shape in layer.spec.shapes]
+                 if isinstance(layer, StateLayer) else
+                 [(cache.batch_size, layer.heads, rows, width) for width in layer.widths])
+        for t, want in zip(layer_tensors(cache, i), wants, strict=True):
             if tuple(t.shape) != want or t.dtype != cache.dtype:
                 problems.append(f"layer {i}: {tuple(t.shape)} {t.dtype}, want {want} {cache.dtype}")
                 break
@@ -125,13 +129,19 @@ def byte_problems(cache: KVCache) -> list[str]:
 
 @scenario("bytes", {
     "bytes": "nbytes() and a pool's figures vs the tensors held and the formula; held rows "
-             "and lengths vs the tensors' shapes"})
+             "and lengths vs the tensors' shapes; a recurrent state's bytes never grow"})
 def _bytes(case: Case, out: list) -> None:
     cache, fed = case.new_cache(), sum(BYTES_CHUNKS)
     problems = byte_problems(cache)
+    # a recurrent layer's state: the bytes of the empty cache's at every length
+    state_bytes = {i: la.nbytes() for i, la in enumerate(cache.layers)
+                   if isinstance(la, StateLayer)}
 
     def check(start: int, n: int, before: KVCache, after: KVCache) -> None:
         problems.extend(f"after {start + n}: {p}" for p in byte_problems(after))
+        problems.extend(f"after {start + n}: state layer {i} holds {after.layers[i].nbytes()} "
+                        f"bytes, {was} when empty" for i, was in state_bytes.items()
+                        if after.layers[i].nbytes() != was)
 
     cache = feed(case.call, case.ids[:, :fed], cache, BYTES_CHUNKS, hook=check).cache
     detail = problems[0] if problems else (f"empty and after {len(BYTES_CHUNKS)} calls "

@@ -15,10 +15,11 @@ from torch import nn
 
 from kvdoc.core.cache import KVCache
 from kvdoc.core.model import decode_step, generate, prefill
+from kvdoc.core.state import restore, snapshot, state_layers
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
 from .case import Case, scenario
-from .compare import Snapshot, close, max_abs, run_cached
+from .compare import Snapshot, close, layer_tensors, max_abs, run_cached
 
 DECODE_CUT = 20
 """Where the full batch stops in ``prefill_decode`` and ``generate`` when the stream checks made
@@ -106,23 +107,34 @@ def _speculative(case: Case, out: list) -> None:
                            f"{sum(run.accepted)} kept; vs argmax of one full forward"))
 
 
-@scenario("crop", {"crop": "crop a filled cache, continue with other tokens"})
+@scenario("crop", {"crop": "crop a filled cache, continue with other tokens; a cache that "
+                            "cannot go back refuses, unchanged (a state: a snapshot restores)"})
 def _crop(case: Case, out: list) -> None:
     ids, T = case.ids, case.ids.shape[1]
     fill, keep = T - T // 4, T // 2 - 5
+    target = torch.cat((ids[:, :keep], case.alt[:, keep:]), dim=1)
     cache = case.feed(ids[:, :fill], case.chunks[-1]).cache
-    if cache.held().start > 0:  # a window layer past its window: the rows a crop needs are gone
+    if cache.held().start > 0:  # a window layer past its window, or a recurrent state
         before, refused = Snapshot.of(cache), False
         try:
             cache.crop(keep)
         except ValueError:
             refused = True
         changed = before.changed(cache) if cache.seq_len == fill else math.inf
-        out.append(case.result("crop", refused and changed == 0.0, changed,
-                               f"fill {fill}, a crop to {keep} refused, the cache unchanged"))
+        result = case.result("crop", refused and changed == 0.0, changed,
+                             f"fill {fill}, a crop to {keep} refused, the cache unchanged")
+        if result.passed and state_layers(cache):  # back by a snapshot taken on the way
+            at_keep = case.feed(ids[:, :keep], case.chunks[-1]).cache
+            snap = snapshot(at_keep)
+            cache = case.feed(ids[:, keep:fill], case.chunks[-1], at_keep).cache
+            run = case.feed(target[:, keep:], 5, restore(cache, snap))
+            result = case.compared("crop", [(run.logits, case.full(target)[:, keep:])],
+                                   f"fill {fill}, a crop to {keep} refused, the cache "
+                                   f"unchanged; a snapshot at {keep} restored, continued",
+                                   run.cache.seq_len == T)
+        out.append(result)
         return
     cache = cache.crop(keep)  # a shared-prefix cache's pool holds the filled one or the cropped one
-    target = torch.cat((ids[:, :keep], case.alt[:, keep:]), dim=1)
     run = case.feed(target[:, keep:], 5, cache)
     out.append(case.compared("crop", [(run.logits, case.full(target)[:, keep:])],
                              f"fill {fill}, crop to {keep}, continue", run.cache.seq_len == T))
@@ -201,7 +213,7 @@ def _failure(case: Case, out: list) -> None:
             same_shape = cache.seq_len == P and all(
                 tuple(now.shape) == tuple(old.shape)
                 for i, pair in enumerate(before.layers)
-                for old, now in zip(pair, cache.layer(i), strict=True))
+                for old, now in zip(pair, layer_tensors(cache, i), strict=True))
             changed = before.changed(cache, P) if same_shape else float("inf")
         except Exception:  # what the code under test raised instead: a failure too
             changed = float("inf")

@@ -24,6 +24,7 @@ import torch
 from kvdoc.core.cache import KV, KVCache
 from kvdoc.core.feed import chunk_lengths, feed
 from kvdoc.core.model import Decoder, GPTConfig, apply_rope
+from kvdoc.core.state import StateLayer
 
 from .broken.decoders import stale_prefix
 from .variants import VARIANTS
@@ -53,24 +54,39 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return a.shape == b.shape and bool(torch.allclose(a, b, atol=tol, rtol=tol))
 
 
+def layer_tensors(cache: KVCache, idx: int) -> tuple[torch.Tensor, ...]:
+    """What layer ``idx`` holds: its two row tensors, or a state layer's named tensors in order."""
+    held = cache.layer(idx)
+    return tuple(held.values()) if isinstance(held, dict) else tuple(held)
+
+
 @dataclass(frozen=True)
 class Snapshot:
-    """A copy of what a cache holds: each layer's positions (``held(i)``) and tensors."""
+    """A copy of what a cache holds: each layer's positions (``held(i)``) and tensors (a state
+    layer's: its named tensors, which hold no positions)."""
 
     held: list[range]
-    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    layers: list[tuple[torch.Tensor, ...]]
 
     @classmethod
     def of(cls, cache: KVCache) -> Snapshot:
         return cls([cache.held(i) for i in range(cache.n_layer)],
-                   [tuple(t.clone() for t in cache.layer(i)) for i in range(cache.n_layer)])
+                   [tuple(t.clone() for t in layer_tensors(cache, i))
+                    for i in range(cache.n_layer)])
 
     def changed(self, cache: KVCache, rows: int | None = None) -> float:
         """Largest change in ``cache`` of the positions below ``rows`` (default all) held then;
-        ``inf`` if it no longer holds one or a layer's shape disagrees with its positions."""
+        ``inf`` if it no longer holds one or a layer's shape disagrees with its positions. A
+        state layer (no rows, a fold over them) is compared whole where ``cache`` is at the
+        position it was taken at."""
         err = 0.0
         for i, (pair, was) in enumerate(zip(self.layers, self.held, strict=True)):
             now = cache.held(i)  # a window layer holds only its last positions
+            if isinstance(cache.layers[i], StateLayer):
+                if cache.seq_len == was.stop:
+                    err = max([err, *(max_abs(a, b) for a, b in
+                                      zip(pair, layer_tensors(cache, i), strict=True))])
+                continue
             keep = range(was.start, min(was.stop, was.stop if rows is None else rows))
             if len(keep) and (keep.start < now.start or keep.stop > now.stop):
                 return math.inf
@@ -130,9 +146,11 @@ def run_cached(model: Callable, ids: torch.Tensor, chunk: int | Sequence[int],
 
 
 @torch.no_grad()
-def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
+def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, list[KV | dict]]:
     """One full forward: logits and every layer's K and V read off its projections with forward
-    hooks (K rotated as a cache stores it; MLA's latent and rotary key), not from any cache code.
+    hooks (K rotated as a cache stores it; MLA's latent and rotary key), not from any cache code;
+    for a recurrent layer (a block's mixer with a ``final_state(u)``, which folds its whole input
+    from zero states in one pass) its state after the last position, by name.
 
     >>> model = default_model()
     >>> logits, kv = full_forward_kv(model, torch.tensor([[1, 2, 3]]))
@@ -177,8 +195,31 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
         return [attn.k_norm.register_forward_hook(k_hook),
                 attn.v_proj.register_forward_hook(v_hook)]
 
+    def rotated_hooks(attn):
+        found = {}
+
+        def k_hook(module, inputs, output):
+            B, T, _ = output.shape
+            found["k"] = attn.rotate(output.view(B, T, cfg.n_kv_head, -1).transpose(1, 2), 0)
+
+        def v_hook(module, inputs, output):
+            B, T, _ = output.shape
+            v = output.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
+            captured.append((found.pop("k"), v))
+        return [attn.k_proj.register_forward_hook(k_hook),
+                attn.v_proj.register_forward_hook(v_hook)]
+
+    def state_hook(mixer):
+        def hook(module, inputs):
+            captured.append(mixer.final_state(inputs[0]))
+        return hook
+
     handles = []
     for block in model.h:
+        mixer = next((m for m in block.children() if hasattr(m, "final_state")), None)
+        if mixer is not None:
+            handles.append(mixer.register_forward_pre_hook(state_hook(mixer)))
+            continue
         attn = getattr(block, "attn", None) or block.self_attn
         if hasattr(attn, "kv_a_proj_with_mqa"):
             handles.append(attn.kv_a_proj_with_mqa.register_forward_hook(latent_hook(attn)))
@@ -186,11 +227,14 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
             handles.append(attn.c_attn.register_forward_hook(c_attn_hook(attn)))
         elif hasattr(attn, "k_norm"):
             handles += gemma_hooks(attn)
+        elif hasattr(attn, "rotary_dim"):  # Bamba's: K off k_proj, turned on its first half
+            handles += rotated_hooks(attn)
         else:
             for handle in handles:
                 handle.remove()
             raise ValueError(f"no K/V probe for a {type(attn).__name__} (no c_attn, "
-                             "kv_a_proj_with_mqa or k_norm): full_forward_kv must learn it")
+                             "kv_a_proj_with_mqa, k_norm or rotary_dim): full_forward_kv must "
+                             "learn it")
     try:
         logits = model(ids).logits
     finally:

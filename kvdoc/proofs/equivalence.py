@@ -11,13 +11,20 @@ from __future__ import annotations
 
 import torch
 
+from kvdoc.core.state import StateSpec
+
 from .broken.decoders import stale_prefix
 from .case import Case, scenario
-from .compare import CachedRun, close, full_forward_kv, max_abs
+from .compare import CachedRun, close, full_forward_kv, layer_tensors, max_abs
 
 
-def _cached_shapes(config, batch: int, length: int) -> tuple[tuple[int, ...], ...]:
-    """What each layer caches: K and V ``[B, H_kv, T, D_h]``, or the shapes the config states."""
+def _cached_shapes(config, batch: int, length: int,
+                   layer: int = 0) -> tuple[tuple[int, ...], ...]:
+    """What layer ``layer`` caches: K and V ``[B, H_kv, T, D_h]``, the shapes the config states,
+    or a recurrent layer's named state tensors ``[B, *shape]``."""
+    spec = config.cache_layout[layer]
+    if isinstance(spec, StateSpec):
+        return tuple((batch, *shape) for _, shape in spec.shapes)
     if hasattr(config, "cached_shapes"):
         return tuple(config.cached_shapes(batch, length))
     shape = (batch, config.n_kv_head, length, config.head_dim)
@@ -26,7 +33,8 @@ def _cached_shapes(config, batch: int, length: int) -> tuple[tuple[int, ...], ..
 
 @scenario("stream", {
     "logits": "cached vs full logits, every position, whole vocabulary",
-    "kv": "each layer's cached K and V vs the full forward's projections",
+    "kv": "each layer's cached K and V vs the full forward's projections (a recurrent layer's "
+          "state vs one pass's)",
     "kv_shape": "each layer's cached K and V are [B, H_kv, T, D_h] (MLA: c_KV and k_rope)",
     "causality": "earlier positions after the last token changes, both paths; earlier K/V "
                  "bitwise after later tokens change",
@@ -44,9 +52,9 @@ def _stream(case: Case, out: list) -> None:
         full_causal_ok = close(full_edited[:, :-1], full[:, :-1], case.tol)
         later, half = ids.clone(), T // 2  # later tokens replaced: earlier K/V must not move
         later[:, half:] = (ids[:, half:] + 1) % vocab
-        kept = [(a[:, :, :half], b[:, :, :half])
+        kept = [(a[:, :, :half], b[:, :, :half])  # a recurrent layer's state folds every row
                 for pa, pb in zip(full_kv, full_forward_kv(case.model, later)[1], strict=True)
-                for a, b in zip(pa, pb, strict=True)]
+                if not isinstance(pa, dict) for a, b in zip(pa, pb, strict=True)]
         full_causal_ok = full_causal_ok and all(torch.equal(a, b) for a, b in kept)
         full_causal = max(full_causal, *(max_abs(a, b) for a, b in kept))
         first, first_edited = ((stale_prefix(ids, vocab), stale_prefix(edited, vocab)) if case.stale
@@ -71,16 +79,18 @@ def _stream(case: Case, out: list) -> None:
                 max_abs(run.logits, full), f"{T} tokens in chunks of {chunk}")
             # a window cache (a hybrid cache's window layers) holds only the last positions
             held = [run.cache.held(i) for i in range(cfg.n_layer)]
-            got = [run.cache.layer(i) for i in range(cfg.n_layer)]
+            got = [layer_tensors(run.cache, i) for i in range(cfg.n_layer)]
             want = _cached_shapes(cfg, batch, len(held[0]))
             shapes_ok = all(tuple(tuple(t.shape) for t in pair)
-                            == _cached_shapes(cfg, batch, len(h))
-                            for pair, h in zip(got, held, strict=True))
+                            == _cached_shapes(cfg, batch, len(h), i)
+                            for i, (pair, h) in enumerate(zip(got, held, strict=True)))
             add("kv_shape", shapes_ok, 0.0 if shapes_ok else float("inf"),
-                f"each layer's two cached tensors {' and '.join(str(list(w)) for w in want)}")
-            pairs = [(g, r[:, :, h.start:h.stop])
+                f"each layer's cached tensors {' and '.join(str(list(w)) for w in want)}")
+            # a recurrent layer's state vs the one a full forward's single pass reaches
+            pairs = [(g, r if isinstance(rp, dict) else r[:, :, h.start:h.stop])
                      for gp, rp, h in zip(got, full_kv, held, strict=True)
-                     for g, r in zip(gp, rp, strict=True)]
+                     for g, r in zip(gp, rp.values() if isinstance(rp, dict) else rp,
+                                     strict=True)]
             add("kv", all(close(g, r, case.tol) for g, r in pairs),
                 max((max_abs(g, r) for g, r in pairs), default=0.0), "each layer's K/V")
             add("lifecycle", run.lifecycle_error == 0.0, run.lifecycle_error,

@@ -10,7 +10,7 @@ of its decode step is proved not to cost correctness). Something not registered 
 ``run_suite(model=...)``.
 
 >>> sorted(MODELS)  # doctest: +NORMALIZE_WHITESPACE
-['deep', 'gemma3', 'gemma3-global-first', 'gqa', 'llama', 'mha', 'mistral', 'mla',
+['bamba', 'deep', 'gemma3', 'gemma3-global-first', 'gqa', 'llama', 'mha', 'mistral', 'mla',
  'mla-absorbed', 'mqa', 'qwen2', 'qwen3', 'split-k']
 >>> sorted(CACHES), sorted(IMPLEMENTATIONS)
 (['dynamic', 'hybrid', 'paged', 'shared-prefix', 'static', 'window'], ['fast', 'model'])
@@ -20,6 +20,8 @@ of its decode step is proved not to cost correctness). Something not registered 
 [('dynamic', 'model'), ('static', 'model'), ('paged', 'model'), ('shared-prefix', 'model')]
 >>> served(MODELS["gemma3"].build(0).config, kinds=["paged", "window", "hybrid"])
 [('paged', 'model'), ('hybrid', 'model')]
+>>> served(MODELS["bamba"].build(0).config)  # a recurrent state: one growing cache kind
+[('dynamic', 'model')]
 """
 
 from __future__ import annotations
@@ -34,12 +36,19 @@ from torch import nn
 from kvdoc.core.cache import KVCache
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder, GemmaRMSNorm
+from kvdoc.core.mamba2 import Mamba2Config, MambaDecoder
 from kvdoc.core.mla import MLAConfig, MLADecoder
 from kvdoc.core.model import Decoder, GPTConfig, llama_config, mistral_config
+from kvdoc.core.state import StateSpec
 from kvdoc.serving.paged import new_paged_cache, new_shared_prefix_cache
 from kvdoc.serving.splitk import split_k_decoder
 
-from .references import deepseek_reference, mha_reference, transformers_reference
+from .references import (
+    bamba_reference,
+    deepseek_reference,
+    mha_reference,
+    transformers_reference,
+)
 
 STREAM_LENGTH = 67
 """Tokens in the default stream: past 32 and 64, and prime, so no chunk size above 1 divides it."""
@@ -81,19 +90,35 @@ GEMMA = Gemma3Config(vocab_size=89, n_positions=256, n_head=6, n_kv_head=3, n_em
 global one; ``head_dim`` not ``n_embd / n_head``, the softmax scale not ``head_dim ** -0.5``,
 two RoPE bases, a soft cap that bends the logits."""
 GEMMA_GLOBAL_FIRST = dataclasses.replace(GEMMA, global_layers=(0,))  # no pattern gives it
+MAMBA2 = Mamba2Config(vocab_size=89, n_positions=256, n_layer=3, attn_layers=(1,), n_embd=48,
+                      n_inner=72, n_head=6, n_kv_head=2, mamba_n_heads=12, mamba_n_groups=3,
+                      mamba_d_state=10, mamba_d_conv=3, mamba_expand=3, chunk_size=7,
+                      conv_bias=False, proj_bias=True, time_step_limit=(0.05, 1.5),
+                      layer_norm_epsilon=1e-4, rope_theta=500000.0, tie_word_embeddings=True)
+"""Every value off :class:`~kvdoc.core.mamba2.Mamba2Config`'s and ``BambaConfig``'s defaults:
+a Mamba layer, an attention layer, a Mamba layer; 3 groups of 4 heads sharing B and C, a
+convolution of 3 (a state of 2 inputs), chunks of 7 (none of the stream's chunk sizes), a
+``dt`` clamp that binds."""
 LAYOUT_SCENARIOS = ("stream", "counted", "reference")
 """The checks that see a layer out of order or of the wrong type, which the deep and global-first
 models run; the rest see nothing a twelfth layer or a global layer first adds."""
+STATE_SCENARIOS = ("stream", "last_only", "reference", "prefill_decode", "generate", "crop",
+                   "branch", "failure", "fresh", "weights", "bytes", "edges")
+"""What a model with a recurrent state runs: not a padded batch (its state would fold the pads
+in: refused), the K/V byte figures, the int8, FP8 and BF16 caches of K/V rows."""
 
 
 def _decoder(config: GPTConfig | MLAConfig) -> Callable[[int], nn.Module]:
     def build(seed: int) -> nn.Module:
         torch.manual_seed(seed)
-        cls = {MLAConfig: MLADecoder, Gemma3Config: Gemma3Decoder}.get(type(config), Decoder)
+        cls = {MLAConfig: MLADecoder, Gemma3Config: Gemma3Decoder,
+               Mamba2Config: MambaDecoder}.get(type(config), Decoder)
         model = cls(config).eval()
         with torch.no_grad():  # Gemma's norms start at zero weight: norms swapped would not show
             for norm in (m for m in model.modules() if isinstance(m, GemmaRMSNorm)):
                 norm.weight.normal_(0.0, 0.3)
+            if cls is MambaDecoder:  # off transformers' init (norms at 1, D and dt_bias at 1)
+                _spread_mamba(model)
         if getattr(config, "tie_word_embeddings", False):
             # a head tied to wte at PyTorch's N(0, 1) gives logits ~sqrt(d) wide, where FP32
             # rounding alone nears the tolerance; transformers initialise wte at N(0, 0.02)
@@ -101,6 +126,20 @@ def _decoder(config: GPTConfig | MLAConfig) -> Callable[[int], nn.Module]:
                 model.wte.weight.mul_(0.02)
         return model
     return build
+
+
+def _spread_mamba(model: MambaDecoder) -> None:
+    for name, p in model.named_parameters():
+        if name.endswith(("norm.weight", "layernorm.weight", "ln_f.weight")):
+            p.normal_(1.0, 0.3)
+        elif name.endswith(("dt_bias", "D")):
+            p.normal_(0.0, 1.0)
+        elif name.endswith("A_log"):
+            p.uniform_(-1.0, 1.5)  # A = -exp(A_log): decays from fast to slow
+
+
+def _stateful(config: object) -> bool:  # a recurrent layer's state: no rows to page or preallocate
+    return any(isinstance(spec, StateSpec) for spec in config.cache_layout)
 
 
 def _kv(config: GPTConfig | MLAConfig) -> bool:
@@ -183,16 +222,23 @@ MODELS: dict[str, ModelSpec] = {
                                      f"layers of {WINDOW}", _decoder(GEMMA_GLOBAL_FIRST),
                                      transformers_reference, "transformers Gemma 3, same weights",
                                      impls=("model",), scenarios=LAYOUT_SCENARIOS),
+    # Mamba-2 layers (a conv state and an SSD state per sequence) beside an attention layer
+    "bamba": ModelSpec("Bamba-style Mamba-2 hybrid: Mamba, attention, Mamba; SSD state "
+                       "[B, 12, 12, 10], conv state of 2 inputs; RoPE on half of each head",
+                       _decoder(MAMBA2), bamba_reference, "transformers Bamba, same weights",
+                       scenarios=STATE_SCENARIOS),
 }
 CACHES: dict[str, CacheSpec] = {
     "dynamic": CacheSpec(lambda m, b, cap: m.new_cache(b, "dynamic"), in_place=False),
-    "static": CacheSpec(lambda m, b, cap: m.new_cache(b, "static", cap), in_place=True),
+    "static": CacheSpec(lambda m, b, cap: m.new_cache(b, "static", cap), in_place=True,
+                        serves=lambda config: not _stateful(config)),
     "window": CacheSpec(lambda m, b, cap: m.new_cache(b, "window"), in_place=False,
                         serves=lambda config: _kv(config) and config.sliding_window is not None),
     # every position of every layer in blocks of the pool's layout (K/V or an MLA latent); a
     # windowed layer's own mask limits what it reads, as over a dynamic cache
-    "paged": CacheSpec(new_paged_cache, in_place=True),
-    "shared-prefix": CacheSpec(new_shared_prefix_cache, in_place=False),
+    "paged": CacheSpec(new_paged_cache, in_place=True, serves=lambda c: not _stateful(c)),
+    "shared-prefix": CacheSpec(new_shared_prefix_cache, in_place=False,
+                               serves=lambda c: not _stateful(c)),
     "hybrid": CacheSpec(lambda m, b, cap: m.new_cache(b, "hybrid"), in_place=False,
                         serves=lambda config: hasattr(config, "layer_windows")),
 }

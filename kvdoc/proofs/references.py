@@ -74,6 +74,13 @@ def deepseek_reference(model: nn.Module) -> Reference:
     return hf_reference(to_deepseek(model), model)
 
 
+def bamba_reference(model: nn.Module) -> Reference:
+    # transformers' Bamba: its own Mamba-2 scan and attention, the same weights
+    from kvdoc.interop.hf_bamba import to_bamba
+
+    return hf_reference(to_bamba(model), model)
+
+
 def hf_reference(hf: nn.Module, model: nn.Module) -> Reference:
     """``ids -> logits`` of the transformers model ``hf``; for an FP64 ``model`` its FP32 islands
     (RMSNorm, rotary angles) lifted to FP64, so the FP64 tolerance applies."""

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from functools import cache
 
 from kvdoc.core.gemma import Gemma3Config
+from kvdoc.core.mamba2 import Mamba2Config
 from kvdoc.core.mla import MLAConfig
 from kvdoc.core.model import GPTConfig
 
@@ -38,8 +39,11 @@ TRAITS: dict[str, str] = {
                     "pattern gives, so code that treats the layout as a pattern shows",
     "deep": "10 or more layers: layer indices of two digits, so an order by name ('10' before "
             "'2') is not the order by number",
+    "mamba": "a Mamba-2 hybrid decoder (Bamba's layout): Mamba-2 mixers beside attention layers",
+    "state": "a recurrent layer's fixed-size state (kvdoc.core.state) in the cache: no rows, "
+             "bytes that never grow, no crop but by a snapshot",
 }
-FAMILIES = ("decoder", "gemma", "latent")
+FAMILIES = ("decoder", "gemma", "latent", "mamba")
 """The traits that say which code a model is: a variant subclasses one family's."""
 
 
@@ -55,7 +59,9 @@ def traits(config: object) -> frozenset[str]:
     """The traits of a model with ``config``; ``ValueError`` for a config kvdoc does not know."""
     if isinstance(config, MLAConfig):
         return frozenset({"latent", "rope"})
-    if isinstance(config, Gemma3Config):
+    if isinstance(config, Mamba2Config):
+        found = {"mamba", "state", "rope"} | ({"kv"} if config.attn_layers else set())
+    elif isinstance(config, Gemma3Config):
         found = {"gemma", "kv", "rope"}
         windows = set(config.layer_windows)
         if None in windows and len(windows) > 1:

@@ -25,6 +25,7 @@ from .broken import (
     caches,
     decoders,
     loaders,
+    mamba,
     measures,
     padded,
     rotary,
@@ -81,7 +82,7 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "rotary positions", "state across calls", "configuration value", "stale weights",
                "byte accounting", "int8 contract", "window and block edges", "padded batches",
                "fp8 contract", "low precision", "payload dtype",
-               "loader layout")
+               "loader layout", "recurrent state")
 """The kinds of mistake the variants stand for."""
 
 
@@ -271,6 +272,14 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
           "the export to transformers hands a BF16 or FP16 model over in FP32 (exact wherever "
           "the model is FP32 or wider)", "payload dtype",
           {"reference": loaders.transformers_reference_upcast}, build=_as_is),
+    BrokenVariant("mamba-conv-state-shifted",
+                  "a Mamba-2 layer keeps as its conv state the inputs before the last one: the "
+                  "newest dropped, one too old kept", mamba.conv_state_shifted, "recurrent state",
+                  needs={"mamba", "state"}),
+    BrokenVariant("ssd-undecayed-carry",
+                  "the SSD's chunked form carries the state into the next chunk without the "
+                  "decay over the chunk (full forward and long calls alike)",
+                  mamba.ssd_undecayed_carry, "recurrent state", needs={"mamba", "state"}),
     _swap("split-k-pad-leak",
           "split-K attention takes one mask for every row in its first chunk of keys, so a "
           "padded row reads the pad keys there", "padded batches", {},
