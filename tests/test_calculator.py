@@ -50,18 +50,22 @@ def test_every_preset_at_every_grid_point_equals_the_python_formula() -> None:
         "data.presets.map(p => data.grid.map(([b, t, d]) => { const s = data.sizes[d]; "
         "return [m.cacheBytes(p, b, t, s), m.bytesPerToken(p, s), m.bytesPerToken(p, s, true), "
         "m.fixedBytes(p, s), m.sequencesThatFit(p, t, s, 80 * 2 ** 30), "
-        "m.binarySize(m.cacheBytes(p, b, t, s))]; }))",
+        "m.binarySize(m.cacheBytes(p, b, t, s)), m.partBytes(p, b, t, s), "
+        "m.allAttention(p) && m.cacheBytes(m.allAttention(p), b, t, s)]; }))",
         {"presets": presets, "grid": GRID, "sizes": ELEMENT_BYTES})
     assert isinstance(got, list) and len(got) == len(presets)
     for p, rows in zip(presets, got, strict=True):
         m = model_cache(p["name"])
-        for (b, t, dtype), (total, per_token, past, fixed, fit, text) in zip(GRID, rows,
-                                                                            strict=True):
+        for (b, t, dtype), (total, per_token, past, fixed, fit, text, parts,
+                            full) in zip(GRID, rows, strict=True):
             assert total == m.kv_bytes(t, b, dtype), (m.name, b, t, dtype)
             assert per_token == m.bytes_per_token(dtype) and fixed == m.fixed_bytes(dtype)
             assert past == m.bytes_per_token(dtype, past_windows=True)
             assert fit == m.sequences_that_fit(80 * 2**30, t, dtype)
             assert text == binary_size(m.kv_bytes(t, b, dtype))
+            assert parts == [list(item) for item in m.parts(t, b, dtype).items()]
+            assert full == (None if m.kind == "plain"
+                            else m.all_attention().kv_bytes(t, b, dtype))
 
 
 def test_typed_sizes_equal_kv_bytes() -> None:
@@ -175,8 +179,15 @@ def _expected(name: str) -> tuple[list[str], list[list[object]]]:
         rows.append(["bytes per token", _number(printed["per token"][0])])
     rows += [[f"per sequence of {T}", _number(printed["sequence"][0])],
              ["batch of 3", _number(printed["bytes"][0])]]
+    for line in printed.get("part", []):  # each term apart, past a plain model
+        name, value = line.split(": ", 1)
+        rows.append([f"part: {name}" + (" (constant in T)" if "constant" in value else ""),
+                     _number(value)])
+    if "all attn" in printed:
+        rows.append([f"all attention, the same {boxes[0]} layers",
+                     _number(printed["all attn"][0])])
     if "fixed" in printed:
-        rows.append(["fixed state per sequence", _number(printed["fixed"][0])])
+        rows.append(["fixed state per sequence (constant in T)", _number(printed["fixed"][0])])
     rows.append([f"sequences that fit in {MEMORY_GIB} GiB"
                  + (f", after {weights} of weights" if weights else " (weights not counted)"),
                  fit[1]])

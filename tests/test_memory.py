@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import ast
 import dataclasses
-import math
+import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch
 from kvdoc import Decoder, GPTConfig, generate
 from kvdoc.__main__ import main as cli
 from kvdoc.core.feed import feed
+from kvdoc.measure.config_json import read_config
 from kvdoc.measure.dispatch import CopyMeter
 from kvdoc.measure.kv_bytes import (
     DTYPES as DTYPE_NAMES,
@@ -305,6 +308,18 @@ def _printed(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[str]:
     return capsys.readouterr().out.splitlines()
 
 
+def _arithmetic(text: str) -> int:
+    """The value of a numbers line: integers, ``+``, ``x`` and parentheses, nothing else."""
+    def value(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mult):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(f"not a sum of products: {text!r}")
+    return value(ast.parse(text.replace(" x ", " * "), mode="eval").body)
+
+
 @pytest.mark.parametrize("name", [m.name for m in MODELS.values()])
 def test_cli_formula_line_multiplies_out_to_the_bytes(name: str,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
@@ -313,10 +328,7 @@ def test_cli_formula_line_multiplies_out_to_the_bytes(name: str,
         lines = _printed(["--model", name, "--seq-len", str(T), "--batch", str(B), "--dtype",
                           dtype], capsys)
         numbers = next(line for line in lines if line.startswith("           = "))
-        head, terms = numbers[13:].replace(",", "").split(f" ({dtype}) x ")
-        per_sequence = sum(math.prod(int(f) for f in term.strip("()").split(" x "))
-                           for term in terms.split(" + "))
-        total = math.prod(int(f) for f in head.split(" x ")) * per_sequence
+        total = _arithmetic(numbers[13:].replace(",", "").replace(f" ({dtype})", ""))
         assert f"bytes      {total:,} bytes" in lines
         assert total == model_cache(name).kv_bytes(T, B, dtype)
         values = [line[11:] for line in lines if line[11:].strip()]
@@ -369,3 +381,44 @@ def test_cli_typed_sizes_print_a_models_lines(capsys: pytest.CaptureFixture[str]
     assert "           = 2 x 2 (float16) x 32 x 2 x 8 x 128 x 4,096" in lines
     assert f"fits       {8 * 2**30 // one:,} sequences of 4,096 positions in 8 GiB (weights " \
         "not counted: give --weights)" in lines
+
+
+@pytest.mark.parametrize("name", [m.name for m in MODELS.values() if m.kind != "plain"])
+def test_cli_shows_each_term_apart_and_all_attention_beside(
+        name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    model = model_cache(name)
+    lines = _printed(["--model", name, "--seq-len", "5000", "--batch", "3", "--dtype",
+                      "bfloat16"], capsys)
+    parts = {line[11:].split(": ")[0]: int(line.split(": ")[1].split(" bytes")[0].replace(",", ""))
+             for line in lines if line.startswith("part ")}
+    assert parts == model.parts(5000, 3, "bfloat16")
+    assert sum(parts.values()) == model.kv_bytes(5000, 3, "bfloat16")
+    (full,) = [line for line in lines if line.startswith("all attn ")]
+    bytes_full = model.all_attention().kv_bytes(5000, 3, "bfloat16")
+    assert full[11:].startswith(f"{bytes_full:,} bytes")
+    if model.kind == "linear-hybrid":  # a state stands where K/V of every position would
+        assert bytes_full > model.kv_bytes(5000, 3, "bfloat16") > model.fixed_bytes() > 0
+    at = [line for line in lines if line.startswith("at T ")]
+    assert [int(line[11:].split(":")[0].replace(",", "")) for line in at] == [
+        4096, 32768, 131072]
+    for line, T in zip(at, (4096, 32768, 131072), strict=True):
+        assert f": {binary_size(model.kv_bytes(T, 1, 'bfloat16'))} a sequence" in line
+        assert f"all attention {binary_size(model.all_attention().kv_bytes(T, 1, 'bfloat16'))}" \
+            in line
+
+
+def test_cli_deepseek_v4_config_formula_multiplies_out(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A V4 config.json (compress_ratios as the release's; sizes the test's own): every T around
+    the block boundaries, the numbers line redone is the bytes line."""
+    config = {"model_type": "deepseek_v4", "num_hidden_layers": 4, "head_dim": 96,
+              "index_head_dim": 24, "sliding_window": 16, "max_position_embeddings": 4096,
+              "num_attention_heads": 8, "hidden_size": 64, "compress_ratios": [0, 4, 128, 4, 0]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = read_config(tmp_path)
+    for T in (1, 3, 4, 5, 127, 128, 129, 1000):
+        lines = _printed(["--config", str(tmp_path), "--seq-len", str(T), "--dtype",
+                          "bfloat16"], capsys)
+        numbers = next(line for line in lines if line.startswith("           = "))
+        total = _arithmetic(numbers[13:].replace(",", "").replace(" (bfloat16)", ""))
+        assert f"bytes      {total:,} bytes" in lines and total == model.kv_bytes(T, 1, "bfloat16")

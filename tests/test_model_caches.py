@@ -26,7 +26,8 @@ NAMES = ["Llama-3-70B", "Llama-3.1-8B", "Llama-3.1-70B", "Llama-3.1-405B", "Qwen
 
 def test_at_least_20_models_of_every_kind_one_lookup() -> None:
     assert len(MODELS) >= 20
-    assert {m.kind for m in MODELS.values()} == set(KINDS)
+    # DeepSeek-V4's compressed layers: read from a config.json only (no release sizes verified)
+    assert {m.kind for m in MODELS.values()} == set(KINDS) - {"compressed"}
     for name in NAMES:
         m = model_cache(name.upper())
         assert m.name == name and "config.json" in m.source
@@ -80,7 +81,8 @@ def test_linear_hybrid_counts_a_fixed_state_and_12_attention_layers() -> None:
     m = model_cache("Qwen3-Next-80B-A3B")
     grows = m.kv_bytes(2000) - m.kv_bytes(1000)
     assert grows == 1000 * 12 * 2 * 2 * 256 * 2  # 12 layers, 2 K/V heads of 256, float16
-    assert m.kv_bytes(0) == m.fixed_bytes() == 36 * 2 * (32 * 128 * 128 + 8192 * 4)
+    # the conv state in float16, the recurrent state in FP32 (transformers 5.24.0's dtypes)
+    assert m.kv_bytes(0) == m.fixed_bytes() == 36 * (4 * 32 * 128 * 128 + 2 * 8192 * 4)
 
 
 def test_gpt_oss_windows_stop_half_its_layers() -> None:

@@ -4,10 +4,15 @@
  * block written at build time from kvdoc.measure.memory.calculator_data, with the lines and
  * sizes `python -m kvdoc memory` prints of each model).
  *
- * A model is { name, kind, context, groups }, each group [perToken, window, state, count]:
- * `count` layers that each add `perToken` elements a position, keep at most `window` positions
- * (null: all) and hold `state` elements whatever the length. The pure functions at the top carry
- * no DOM code; tests/test_calculator.py evaluates them with node against
+ * A model is { name, kind, context, groups, all_attention }, each group [perToken, window,
+ * state, count, state32, indexer, rate, entry, buffer, overlap, what]: `count` layers that each
+ * add `perToken` elements a position (`what`: K/V, latent or K = V), keep at most `window`
+ * positions (null: all), hold `state` elements (and `state32` FP32 ones) whatever the length,
+ * `indexer` keys a position (or an entry), and with a `rate`, an `entry` a block of `rate`
+ * positions, `buffer` a position of the unfinished block and `overlap` once a block is done
+ * (kvdoc.measure.layer_caches.LayerCache). `all_attention` is the groups of the same layers all
+ * full attention (null for a plain model). The pure functions at the top carry no DOM code;
+ * tests/test_calculator.py evaluates them with node against
  * kvdoc.measure.model_caches.ModelCache for every preset.
  */
 (function () {
@@ -27,40 +32,74 @@
     checkCount("head size", headDim, 1);
     if (window !== null) checkCount("window", window, 1);
     return { name: "custom", kind: window === null ? "plain" : "windowed", context: null,
-             groups: [[2 * kvHeads * headDim, window, 0, layers]] };
+             groups: [[2 * kvHeads * headDim, window, 0, layers, 0, 0, 0, 0, 0, 0, "K/V"]],
+             all_attention: null };
   }
 
-  /* Elements one sequence of T positions keeps: sum of count x (perToken x min(T, W) + state). */
-  function sequenceElements(model, T) {
+  /* One layer's elements of each term after T positions, in LayerCache.parts' order. */
+  function groupParts(g, T) {
+    var held = g[1] === null ? T : Math.min(T, g[1]), rate = g[6];
+    var entries = rate ? Math.floor(T / rate) : 0;
+    return [[g[10], g[0] * held], ["indexer keys", g[5] * (rate ? entries : T)],
+            ["compressed entries", g[7] * entries],
+            ["block buffer", rate ? g[8] * (T % rate) + (T >= rate ? g[9] : 0) : 0],
+            ["state", g[2]], ["state (FP32)", g[4]]];
+  }
+
+  /* Bytes of `batch` sequences of T positions by term, [name, bytes] in order of first
+   * appearance, the nonzero ones: `s` bytes an element, 4 for the FP32 state. */
+  function partBytes(model, batch, T, s) {
     checkCount("length", T, 0);
-    var total = 0;
+    checkCount("batch", batch, 1);
+    checkCount("element size", s, 1);
+    var names = [], total = {};
     model.groups.forEach(function (g) {
-      var held = g[1] === null ? T : Math.min(T, g[1]);
-      total += g[3] * (g[0] * held + g[2]);
+      groupParts(g, T).forEach(function (p) {
+        if (!p[1]) return;
+        if (!(p[0] in total)) { names.push(p[0]); total[p[0]] = 0; }
+        total[p[0]] += g[3] * p[1];
+      });
     });
+    return names.map(function (name) {
+      return [name, checkCount("bytes (too large to count exactly)",
+                               batch * (name === "state (FP32)" ? 4 : s) * total[name], 0)];
+    });
+  }
+
+  /* Elements one sequence of T positions keeps in the cache's dtype (all but the FP32 state). */
+  function sequenceElements(model, T) {
+    var total = 0;
+    partBytes(model, 1, T, 1).forEach(function (p) { if (p[0] !== "state (FP32)") total += p[1]; });
     return checkCount("elements", total, 0);
   }
 
   /* Bytes of `batch` sequences of T positions, `s` bytes an element. */
   function cacheBytes(model, batch, T, s) {
-    checkCount("batch", batch, 1);
-    checkCount("element size", s, 1);
-    return checkCount("bytes (too large to count exactly)", batch * s * sequenceElements(model, T), 0);
+    var total = 0;
+    partBytes(model, batch, T, s).forEach(function (p) { total += p[1]; });
+    return checkCount("bytes (too large to count exactly)", total, 0);
+  }
+
+  /* The same layers, every one full attention of the model's own sizes (null: a plain model). */
+  function allAttention(model) {
+    return model.all_attention === null ? null :
+      { name: model.name + ", all attention", kind: "plain", context: model.context,
+        groups: model.all_attention, all_attention: null };
   }
 
   /* Bytes one more position adds to a sequence while it is inside every window; with
    * `pastWindows`, once it is past them all, when only the full layers grow. */
   function bytesPerToken(model, s, pastWindows) {
     var n = 0;
-    model.groups.forEach(function (g) { if (!(pastWindows && g[1] !== null)) n += g[3] * g[0]; });
+    model.groups.forEach(function (g) {
+      n += g[3] * ((pastWindows && g[1] !== null ? 0 : g[0]) + (g[6] ? 0 : g[5]));
+    });
     return checkCount("bytes", n * checkCount("element size", s, 1), 0);
   }
 
-  /* Bytes a sequence holds whatever its length (linear-attention states). */
+  /* Bytes a sequence holds whatever its length (the states; a recurrent one in FP32). */
   function fixedBytes(model, s) {
-    var n = 0;
-    model.groups.forEach(function (g) { n += g[3] * g[2]; });
-    return checkCount("bytes", n * checkCount("element size", s, 1), 0);
+    return cacheBytes(model, 1, 0, s);
   }
 
   /* How many sequences of T positions fit in `memory` bytes. */
@@ -87,6 +126,7 @@
   }
 
   var api = { customModel: customModel, sequenceElements: sequenceElements, cacheBytes: cacheBytes,
+              partBytes: partBytes, allAttention: allAttention,
               bytesPerToken: bytesPerToken, fixedBytes: fixedBytes,
               sequencesThatFit: sequencesThatFit, binarySize: binarySize };
   if (typeof module !== "undefined" && module.exports) module.exports = api;
@@ -180,7 +220,15 @@
         }
         rows.push(["per sequence of " + t.toLocaleString("en-US"), bytes(perSeq)]);
         if (b > 1) rows.push(["batch of " + b, bytes(total)]);
-        if (fixedBytes(m, s)) rows.push(["fixed state per sequence", bytes(fixedBytes(m, s))]);
+        var full = allAttention(m);
+        if (full !== null) {  /* each term apart, then the same layers all full attention */
+          partBytes(m, b, t, s).forEach(function (p) {
+            rows.push(["part: " + p[0] + (p[0].startsWith("state") ? " (constant in T)" : ""),
+                       bytes(p[1])]);
+          });
+          rows.push(["all attention, the same " + m.sizes[0] + " layers", bytes(cacheBytes(full, b, t, s))]);
+        }
+        if (fixedBytes(m, s)) rows.push(["fixed state per sequence (constant in T)", bytes(fixedBytes(m, s))]);
         rows.push(["sequences that fit in " + mem + " GiB" + (weights ? ", after " + binarySize(weights) + " of weights" : " (weights not counted)"),
                    perSeq === 0 ? "any number" : sequencesThatFit(m, t, s, memBytes - weights).toLocaleString("en-US")]);
         var notes = [];

@@ -3,9 +3,12 @@
 The command prints ``2 x B x L x T x H_kv x D x s`` (:func:`~kvdoc.measure.kv_bytes.kv_bytes`)
 in exact, binary and decimal units, for sizes given on the command line (L alike layers); for a
 published model (any :data:`~kvdoc.measure.model_caches.MODELS` entry: plain, windowed, hybrid,
-MLA or linear-attention hybrid) or a transformers ``config.json``
+MLA, or with linear-attention or Mamba-2 states) or a transformers ``config.json`` (also
+DeepSeek-V4's compressed layers)
 (:func:`~kvdoc.measure.config_json.read_config`) it sums the layers' own costs, each kind of
-layer a term of the same formula line::
+layer a term of the same formula line; past a plain model, each term's bytes apart (K/V, latent,
+indexer keys, compressed entries, block buffer, state), the same layers all full attention, and
+one sequence at 4k, 32k and 128k tokens::
 
     python -m kvdoc memory --batch 1 --layers 32 --seq-len 4096 --kv-heads 8 --head-dim 128 \\
         --dtype float16
@@ -94,14 +97,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = ("K/V cache bytes = 2 x B x L x T x H_kv x D x s, from explicit sizes; "
                           "for a published model (--model) or a transformers config.json "
                           "(--config), the sum of what each layer keeps: all T positions, a "
-                          "window of them, an MLA latent, or a linear-attention state.")
+                          "window of them, an MLA latent (and indexer keys), a linear-attention "
+                          "or Mamba-2 state, or DeepSeek-V4's compressed entries; each term "
+                          "apart, beside the same layers all full attention.")
     parser.add_argument("--model", type=_refusing(model_cache), metavar="NAME",
                         help=f"a published config, as its model card names it: one of "
                              f"{len(MODELS)}, e.g. Llama-3.1-8B, Gemma-3-27B, DeepSeek-V3, "
                              "gpt-oss-20b, Qwen3-Next-80B-A3B (--list-models shows them all)")
     parser.add_argument("--config", type=_refusing(read_config), metavar="PATH",
-                        help="a transformers config.json (GQA, MLA, sliding-window, hybrid and "
-                             "linear-attention layers)")
+                        help="a transformers config.json or its folder (GQA, MLA, "
+                             "sliding-window, Gated DeltaNet, Mamba-2 and DeepSeek-V3.2 / V4 "
+                             "layers)")
     parser.add_argument("--batch", type=_positive_arg, default=1, metavar="B",
                         help="sequences (default 1)")
     parser.add_argument("--layers", type=_positive_arg, metavar="L", help="decoder layers")
@@ -205,11 +211,11 @@ def _formula(model: ModelCache, T: int) -> tuple[str, str, str, str]:
 def _part_lines(model: ModelCache, T: int, B: int, dtype: str) -> list[str]:
     """Each term's bytes apart at ``T``, the all-attention model of the same size, and bytes
     per sequence against context."""
+    if model.kind == "plain":  # K/V alone: the bytes line says it
+        return []
     lines = [f"part       {name}: {format_bytes(n)}"
              + (" (constant in T)" if name.startswith("state") else "")
              for name, n in model.parts(T, B, dtype).items()]
-    if model.kind == "plain":
-        return lines
     full = model.all_attention()
     lines.append(f"all attn   {format_bytes(full.kv_bytes(T, B, dtype))} (the same "
                  f"{len(model.layers)} layers, each full attention of the model's own sizes)")
