@@ -3,13 +3,21 @@ shared prefix, for each place snapshots are taken; and vLLM's hybrid block size.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from kvdoc.measure.layer_caches import attention_layer, gated_delta_layer, mamba2_layer
 from kvdoc.measure.prefix_report import prefix_report, read_prompts
-from kvdoc.measure.state_prefix import WHERE, state_prefix_report, vllm_hybrid_block
+from kvdoc.measure.state_prefix import (
+    WHERE,
+    state_prefix_report,
+    vllm_hybrid_block,
+    vllm_state_bytes,
+)
 from kvdoc.serving.prefix_workload import chat_prompts
-from tests.test_prefix_report import SAMPLE
 
+SAMPLE = Path(__file__).resolve().parent.parent / "docs" / "_static" / "chat-prompts.txt"
 SYSTEM = list(range(1000, 1040))  # 40 tokens every prompt starts with
 
 
@@ -71,3 +79,15 @@ def test_vllm_block_holds_one_state_in_one_layers_kv_page():
     block = vllm_hybrid_block(1000, 3)  # 334 tokens of 3 bytes hold 1000: 336 after aligning
     assert block == 336 and (block - 16) * 3 < 1000 <= block * 3
     assert vllm_hybrid_block(16 * 3, 3) == 16 and vllm_hybrid_block(1, 3, alignment=1) == 1
+
+
+def test_vllm_state_keeps_k_minus_1_taps_in_the_models_dtype():
+    conv_dim = 2 * 16 * 128 + 32 * 128  # Qwen3-Next: Q, K and V channels
+    assert vllm_state_bytes(gated_delta_layer(16, 32, 128, 128, 4), 4) == 2 * (
+        conv_dim * 3 + 32 * 128 * 128)
+    bamba = mamba2_layer(128, 64, 1, 128, 4)  # conv_dim = H x P + 2 x G x N
+    assert vllm_state_bytes(bamba, 4, 4) == 4 * ((128 * 64 + 2 * 128) * 3 + 128 * 64 * 128)
+    with pytest.raises(ValueError, match="recurrent layer"):
+        vllm_state_bytes(attention_layer(2, 256), 4)
+    with pytest.raises(ValueError, match="3 taps"):
+        vllm_state_bytes(gated_delta_layer(16, 32, 128, 128, 4), 3)

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .kv_bytes import check_int
+from .layer_caches import LayerCache
 from .prefix_report import Prefixes
 
 WHERE = ("every", "last", "end")
@@ -118,6 +119,24 @@ def state_prefix_report(prompts: Sequence[Sequence[int]], where: str = "last",
     return StateReport(tokens, kv_hits, hits, len(saved), len(trie.nodes))
 
 
+def vllm_state_bytes(layer: LayerCache, conv_kernel: int, element_bytes: int = 2) -> int:
+    """One recurrent layer's state as vLLM 0.33 allocates it, from the memory command's
+    :class:`~kvdoc.measure.layer_caches.LayerCache` (which counts transformers' layout: a conv
+    window of ``conv_kernel`` taps, the state in FP32): a window of ``conv_kernel - 1`` taps and
+    the state, both of ``element_bytes`` (the model's dtype: its ``mamba_cache_dtype`` and
+    ``mamba_ssm_cache_dtype`` default to ``"auto"``).
+
+    >>> from kvdoc.measure.layer_caches import gated_delta_layer
+    >>> vllm_state_bytes(gated_delta_layer(16, 32, 128, 128, 4), 4)   # Qwen3-Next, BF16
+    1097728
+    """
+    check_int("conv_kernel", conv_kernel, minimum=2)
+    if layer.per_token or not layer.state32 or layer.state % conv_kernel:
+        raise ValueError(f"need a recurrent layer whose conv state has {conv_kernel} taps, "
+                         f"got {layer}")
+    return element_bytes * (layer.state // conv_kernel * (conv_kernel - 1) + layer.state32)
+
+
 def vllm_hybrid_block(state_bytes: int, kv_bytes_per_token: int,
                       alignment: int = KERNEL_ALIGNMENT) -> int:
     """The block size vLLM 0.33 gives a hybrid model: the smallest multiple of ``alignment``
@@ -125,8 +144,8 @@ def vllm_hybrid_block(state_bytes: int, kv_bytes_per_token: int,
     layer's state (``state_bytes``), so that both kinds of page have one size. In
     ``mamba_cache_mode="align"`` the snapshots are taken at multiples of it.
 
-    >>> # Qwen3-Next-80B-A3B in BF16: conv 8192 x 3 and state 32 x 128 x 128; 2 x 2 x 256 K/V
-    >>> vllm_hybrid_block((8192 * 3 + 32 * 128 * 128) * 2, 2 * 2 * 256 * 2)
+    >>> # Qwen3-Next-80B-A3B in BF16: its state beside 2 x 2 x 256 K/V elements a token
+    >>> vllm_hybrid_block(1097728, 2 * 2 * 256 * 2)
     544
     """
     check_int("state_bytes", state_bytes)
