@@ -7,9 +7,10 @@ layers; whether a cache serves a model, decided by the config's ``cache_layout``
 builds on them: ``window`` (rings for sliding-window layers, and the hybrid cache of a model
 that also has global layers), ``mla`` (DeepSeek's latent attention, whose layout is one head of
 two widths), ``state`` (the fixed-size state of a recurrent layer, beside K/V layers, and its
-snapshots), ``gemma`` (Gemma 3's window and global layers), ``invariant`` (reductions in a
-fixed order), ``fast`` (the single-token step written the way serving engines write it) and
-``feed`` (a stream fed in chunks).
+snapshots), ``gemma`` (Gemma 3's window and global layers), ``mamba2`` (Bamba's Mamba-2
+hybrid: a conv and an SSD state per mixer), ``invariant`` (reductions in a fixed order),
+``fast`` (the single-token step written the way serving engines write it) and ``feed`` (a
+stream fed in chunks).
 
 This folder imports nothing but torch and the standard library. K and V are
 ``[B, H_kv, T, D_h]``.

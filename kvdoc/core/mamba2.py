@@ -58,7 +58,7 @@ class Mamba2Config:
 
     >>> c = Mamba2Config()
     >>> c.layer_types, c.mamba_head_dim, c.conv_dim, c.rotary_dim
-    (('linear_attention', 'full_attention'), 16, 160, 8)
+    (('full_attention', 'linear_attention'), 16, 160, 8)
     >>> Mamba2Config(mamba_n_heads=5)
     Traceback (most recent call last):
     ...
@@ -68,7 +68,7 @@ class Mamba2Config:
     vocab_size: int = 97
     n_positions: int = 512
     n_layer: int = 2
-    attn_layers: tuple[int, ...] = (1,)
+    attn_layers: tuple[int, ...] = (0,)
     n_embd: int = 64
     n_inner: int = 128  # the MLP's hidden width
     n_head: int = 4

@@ -21,7 +21,9 @@ differ by about 3e-8 in FP64: its float32 islands (RMSNorms, rotary angles, the 
 lifted (:func:`~kvdoc.interop.hf_float64.float64_islands_lifted`) they agree to FP64 rounding.
 Where ``time_step_limit`` binds, they differ again: ``mamba2_chunk_scan`` clamps ``dt`` to it,
 the recurrent branch of ``BambaMixer.forward`` calls ``mamba2_selective_state_update`` without
-it. kvdoc clamps in both forms and turns at ``P .. P + C - 1``.
+it. kvdoc clamps in both forms and turns at ``P .. P + C - 1``. Its cache
+(``cache_utils.LinearAttentionLayer``) keeps ``d_conv`` inputs per conv state, of which
+``causal_conv1d_update`` never reads the oldest; kvdoc keeps ``d_conv - 1``.
 
 >>> _ = torch.manual_seed(0)
 >>> hf = bamba_model(Mamba2Config())

@@ -35,7 +35,8 @@ def _cached_shapes(config, batch: int, length: int,
     "logits": "cached vs full logits, every position, whole vocabulary",
     "kv": "each layer's cached K and V vs the full forward's projections (a recurrent layer's "
           "state vs one pass's)",
-    "kv_shape": "each layer's cached K and V are [B, H_kv, T, D_h] (MLA: c_KV and k_rope)",
+    "kv_shape": "each layer's cached K and V are [B, H_kv, T, D_h] (MLA: c_KV and k_rope; a "
+                "recurrent layer: its state's [B, *shape])",
     "causality": "earlier positions after the last token changes, both paths; earlier K/V "
                  "bitwise after later tokens change",
     "lifecycle": "what a cache held before a call, after it (bitwise)"}, raises_as="logits")

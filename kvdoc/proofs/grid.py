@@ -91,7 +91,7 @@ global one; ``head_dim`` not ``n_embd / n_head``, the softmax scale not ``head_d
 two RoPE bases, a soft cap that bends the logits."""
 GEMMA_GLOBAL_FIRST = dataclasses.replace(GEMMA, global_layers=(0,))  # no pattern gives it
 MAMBA2 = Mamba2Config(vocab_size=89, n_positions=256, n_layer=3, attn_layers=(1,), n_embd=48,
-                      n_inner=72, n_head=6, n_kv_head=2, mamba_n_heads=12, mamba_n_groups=3,
+                      n_inner=72, n_head=6, n_kv_head=3, mamba_n_heads=12, mamba_n_groups=3,
                       mamba_d_state=10, mamba_d_conv=3, mamba_expand=3, chunk_size=7,
                       conv_bias=False, proj_bias=True, time_step_limit=(0.05, 1.5),
                       layer_norm_epsilon=1e-4, rope_theta=500000.0, tie_word_embeddings=True)
