@@ -15,8 +15,13 @@ IDS = torch.tensor([[5, 9, 2, 7, 11, 3]])
 T = IDS.shape[1]
 
 
-@pytest.mark.parametrize("model", [DeltaNetDecoder(DeltaNetConfig()),
-                                   MambaDecoder(Mamba2Config())], ids=["deltanet", "mamba2"])
+# a recurrent layer (h0), then an attention layer (h1)
+DELTA = DeltaNetConfig(layer_types=("linear_attention", "full_attention"))
+MAMBA = Mamba2Config(attn_layers=(1,))
+
+
+@pytest.mark.parametrize("model", [DeltaNetDecoder(DELTA), MambaDecoder(MAMBA)],
+                         ids=["deltanet", "mamba2"])
 def test_rows_follow_their_prefix_states_the_whole_prompt(model):
     torch.manual_seed(0)
     model = model.double().eval()
@@ -33,7 +38,7 @@ def test_rows_follow_their_prefix_states_the_whole_prompt(model):
 
 def test_stored_names_each_row_and_each_state():
     torch.manual_seed(0)
-    model = DeltaNetDecoder(DeltaNetConfig()).eval()
+    model = DeltaNetDecoder(DELTA).eval()
     with torch.no_grad():
         cache = model(IDS, model.new_cache(1))[1]
     tensors = stored(cache)

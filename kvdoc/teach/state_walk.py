@@ -13,7 +13,8 @@ state forgets old tokens gradually, never entirely).
 >>> import torch
 >>> from kvdoc.core.deltanet import DeltaNetConfig, DeltaNetDecoder
 >>> _ = torch.manual_seed(0)
->>> model = DeltaNetDecoder(DeltaNetConfig()).double().eval()
+>>> config = DeltaNetConfig(layer_types=("linear_attention", "full_attention"))
+>>> model = DeltaNetDecoder(config).double().eval()
 >>> names, changed = changed_by_token(model, torch.tensor([[5, 9, 2, 7]]))
 >>> names
 ['h0 conv', 'h0 recurrent', 'h1 K/V 0', 'h1 K/V 1', 'h1 K/V 2', 'h1 K/V 3']
