@@ -36,7 +36,10 @@ def _fill(case: Case, batch: int):
 
 
 def _layer_bytes(cache) -> list[int]:
-    return [tensor_bytes(list(cache.layer(i))) for i in range(cache.n_layer)]
+    # an indexed layer (kvdoc.core.indexed) holds its indexer keys beside the latent
+    return [tensor_bytes([*cache.layer(i), *([layer.read_keys(cache.seq_len)]
+                                             if hasattr(layer, "read_keys") else [])])
+            for i, layer in enumerate(cache.layers)]
 
 
 def byte_problems(case: Case) -> list[str]:
