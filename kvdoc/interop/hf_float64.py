@@ -15,8 +15,8 @@ import torch
 
 @contextmanager
 def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
-    """Within the block, transformers' Llama, Mistral, Qwen2, Qwen3, Phi-3, DeepSeek-V3 and
-    Gemma 3 compute RMSNorm and RoPE in the model's dtype.
+    """Within the block, transformers' Llama, Mistral, Qwen2, Qwen3, Phi-3, DeepSeek-V3,
+    DeepSeek-V3.2 and Gemma 3 compute RMSNorm and RoPE in the model's dtype.
 
     transformers computes both in float32 whatever the model's dtype (an upcast meant for half
     precision), so an FP64 Llama differs from an exact FP64 computation by about 1e-7 there;
@@ -49,7 +49,8 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
     lifted: dict[str, Any] = {}
     if model_type == "gemma3_text":
         lifted = {"RMSNorm": gemma_rms_norm, "RotaryEmbedding": gemma_rotary}
-    elif model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3", "deepseek_v3"):
+    elif model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3", "deepseek_v3",
+                        "deepseek_v32"):
         split_width = config.hidden_size // config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or split_width
         theta = float(config.rope_parameters["rope_theta"])

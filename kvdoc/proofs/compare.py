@@ -53,6 +53,14 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return a.shape == b.shape and bool(torch.allclose(a, b, atol=tol, rtol=tol))
 
 
+def held_rows(cache: KVCache, i: int) -> tuple[torch.Tensor, ...]:
+    """Layer ``i``'s tensors of the positions it holds, ``[B, H, rows, width]``: K and V (or a
+    latent), and an indexed layer's indexer keys (:mod:`kvdoc.core.indexed`) after them."""
+    layer = cache.layers[i]
+    keys = (layer.read_keys(cache.seq_len),) if hasattr(layer, "read_keys") else ()
+    return (*cache.layer(i), *keys)
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """A copy of what a cache holds: each layer's positions (``held(i)``) and tensors."""
@@ -63,7 +71,7 @@ class Snapshot:
     @classmethod
     def of(cls, cache: KVCache) -> Snapshot:
         return cls([cache.held(i) for i in range(cache.n_layer)],
-                   [tuple(t.clone() for t in cache.layer(i)) for i in range(cache.n_layer)])
+                   [tuple(t.clone() for t in held_rows(cache, i)) for i in range(cache.n_layer)])
 
     def changed(self, cache: KVCache, rows: int | None = None) -> float:
         """Largest change in ``cache`` of the positions below ``rows`` (default all) held then;
@@ -74,7 +82,7 @@ class Snapshot:
             keep = range(was.start, min(was.stop, was.stop if rows is None else rows))
             if len(keep) and (keep.start < now.start or keep.stop > now.stop):
                 return math.inf
-            for old, cur in zip(pair, cache.layer(i), strict=True):
+            for old, cur in zip(pair, held_rows(cache, i), strict=True):
                 if cur.shape[2] != len(now):
                     return math.inf
                 a = old[:, :, keep.start - was.start: keep.stop - was.start]

@@ -10,8 +10,8 @@ of its decode step is proved not to cost correctness). Something not registered 
 ``run_suite(model=...)``.
 
 >>> sorted(MODELS)  # doctest: +NORMALIZE_WHITESPACE
-['deep', 'gemma3', 'gemma3-global-first', 'gqa', 'llama', 'mha', 'mistral', 'mla',
- 'mla-absorbed', 'mqa', 'qwen2', 'qwen3', 'split-k']
+['deep', 'gemma3', 'gemma3-global-first', 'gqa', 'indexed', 'llama', 'mha', 'mistral',
+ 'mla', 'mla-absorbed', 'mqa', 'qwen2', 'qwen3', 'split-k']
 >>> sorted(CACHES), sorted(IMPLEMENTATIONS)
 (['dynamic', 'hybrid', 'paged', 'shared-prefix', 'static', 'window'], ['fast', 'model'])
 >>> MODELS["gqa"].build(0).config.n_kv_head
@@ -20,6 +20,8 @@ of its decode step is proved not to cost correctness). Something not registered 
 [('dynamic', 'model'), ('static', 'model'), ('paged', 'model'), ('shared-prefix', 'model')]
 >>> served(MODELS["gemma3"].build(0).config, kinds=["paged", "window", "hybrid"])
 [('paged', 'model'), ('hybrid', 'model')]
+>>> served(MODELS["indexed"].build(0).config)  # its cache composes the indexer keys'
+[('dynamic', 'model'), ('static', 'model')]
 """
 
 from __future__ import annotations
@@ -34,12 +36,18 @@ from torch import nn
 from kvdoc.core.cache import KVCache
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder, GemmaRMSNorm
+from kvdoc.core.indexed import IndexedConfig, IndexedDecoder
 from kvdoc.core.mla import MLAConfig, MLADecoder
 from kvdoc.core.model import Decoder, GPTConfig, llama_config, mistral_config
 from kvdoc.serving.paged import new_paged_cache, new_shared_prefix_cache
 from kvdoc.serving.splitk import split_k_decoder
 
-from .references import deepseek_reference, mha_reference, transformers_reference
+from .references import (
+    deepseek_reference,
+    deepseek_v32_reference,
+    mha_reference,
+    transformers_reference,
+)
 
 STREAM_LENGTH = 67
 """Tokens in the default stream: past 32 and 64, and prime, so no chunk size above 1 divides it."""
@@ -72,6 +80,17 @@ MLA = MLAConfig(vocab_size=89, n_positions=256, n_layer=1, n_head=3, n_embd=48, 
 """Every size off :class:`~kvdoc.core.mla.MLAConfig`'s default (V's head width not the
 non-rotary key's); a rotary width of 6, the smallest at which DeepSeek's permutation differs
 from its inverse (:mod:`kvdoc.proofs.broken.loaders`)."""
+INDEXED = IndexedConfig(**dataclasses.asdict(MLA), index_n_heads=2, index_head_dim=10, index_topk=7)
+"""MLA's sizes with DeepSeek-V3.2's indexer, every indexer size off
+:class:`~kvdoc.core.indexed.IndexedConfig`'s default: 7 keys a query of the 67-token stream, so
+the selection matters from position 7 on; 2 indexer heads, so a quarter of the keys score an
+exact 0 and ties at the 7th place are common (18 of the stream's 134 rows in FP32 at seed 0):
+the grid runs on ties."""
+INDEXED_SCENARIOS = ("stream", "last_only", "reference", "counted", "crop", "branch", "failure",
+                     "bytes", "edges", "padded")
+"""What the indexed model runs: the selection's paths (chunks, steps, a pad mask, the reference)
+and its composed cache's life (bytes, crop, branches, a failed call); generation, weights and low
+precision see nothing the MLA models do not."""
 GEMMA = Gemma3Config(vocab_size=89, n_positions=256, n_head=6, n_kv_head=3, n_embd=48, n_inner=96,
                      head_dim=12, query_pre_attn_scalar=20, n_layer=3, sliding_window=WINDOW,
                      sliding_window_pattern=3, layer_norm_epsilon=1e-5,
@@ -89,7 +108,8 @@ models run; the rest see nothing a twelfth layer or a global layer first adds.""
 def _decoder(config: GPTConfig | MLAConfig) -> Callable[[int], nn.Module]:
     def build(seed: int) -> nn.Module:
         torch.manual_seed(seed)
-        cls = {MLAConfig: MLADecoder, Gemma3Config: Gemma3Decoder}.get(type(config), Decoder)
+        cls = {MLAConfig: MLADecoder, Gemma3Config: Gemma3Decoder,
+               IndexedConfig: IndexedDecoder}.get(type(config), Decoder)
         model = cls(config).eval()
         with torch.no_grad():  # Gemma's norms start at zero weight: norms swapped would not show
             for norm in (m for m in model.modules() if isinstance(m, GemmaRMSNorm)):
@@ -105,6 +125,11 @@ def _decoder(config: GPTConfig | MLAConfig) -> Callable[[int], nn.Module]:
 
 def _kv(config: GPTConfig | MLAConfig) -> bool:
     return isinstance(config, GPTConfig)  # an MLA model caches a latent instead
+
+
+def _pooled(config: GPTConfig | MLAConfig) -> bool:
+    # a pool's blocks hold the layout's two tensors a layer; an indexed layer holds four
+    return not isinstance(config, IndexedConfig)
 
 
 @dataclass(frozen=True)
@@ -168,6 +193,14 @@ MODELS: dict[str, ModelSpec] = {
     "mla-absorbed": ModelSpec("MLA, the same model, cached calls absorbed into the latent",
                               _decoder(dataclasses.replace(MLA, absorb=True)),
                               deepseek_reference, "transformers DeepSeek-V3, same weights"),
+    # DeepSeek-V3.2: each query reads the top 7 keys its indexer scores, ties to the earlier one;
+    # transformers breaks ties by topk, which depends on the row's length, so the reference is
+    # transformers with kvdoc's tie rule (kvdoc.core.indexed says why)
+    "indexed": ModelSpec("DeepSeek-V3.2-style indexed attention: MLA of mla's sizes, each query "
+                         "reads the top 7 of its indexer's 2-head scores, ties to the earlier",
+                         _decoder(INDEXED), deepseek_v32_reference,
+                         "transformers DeepSeek-V3.2, same weights, ties to the earlier position",
+                         scenarios=INDEXED_SCENARIOS),
     # 12 layers: a loader or payload that orders layers by name ("h.10" before "h.2") shows
     "deep": ModelSpec("Llama-style, 12 layers, width 16, 2 query heads, 1 K/V head",
                       _decoder(DEEP), transformers_reference, "transformers Llama, same weights",
@@ -191,8 +224,8 @@ CACHES: dict[str, CacheSpec] = {
                         serves=lambda config: _kv(config) and config.sliding_window is not None),
     # every position of every layer in blocks of the pool's layout (K/V or an MLA latent); a
     # windowed layer's own mask limits what it reads, as over a dynamic cache
-    "paged": CacheSpec(new_paged_cache, in_place=True),
-    "shared-prefix": CacheSpec(new_shared_prefix_cache, in_place=False),
+    "paged": CacheSpec(new_paged_cache, in_place=True, serves=_pooled),
+    "shared-prefix": CacheSpec(new_shared_prefix_cache, in_place=False, serves=_pooled),
     "hybrid": CacheSpec(lambda m, b, cap: m.new_cache(b, "hybrid"), in_place=False,
                         serves=lambda config: hasattr(config, "layer_windows")),
 }

@@ -74,6 +74,20 @@ def deepseek_reference(model: nn.Module) -> Reference:
     return hf_reference(to_deepseek(model), model)
 
 
+def deepseek_v32_reference(model: nn.Module) -> Reference:
+    # transformers' DeepSeek-V3.2, its indexer's ties broken as kvdoc breaks them (earlier
+    # position first): what its full forward computes where no scores tie
+    from kvdoc.interop.hf_deepseek_v32 import earliest_ties, to_v32
+
+    reference = hf_reference(to_v32(model), model)
+
+    def tied(ids: torch.Tensor) -> torch.Tensor:
+        with earliest_ties():
+            return reference(ids)
+
+    return tied
+
+
 def hf_reference(hf: nn.Module, model: nn.Module) -> Reference:
     """``ids -> logits`` of the transformers model ``hf``; for an FP64 ``model`` its FP32 islands
     (RMSNorm, rotary angles) lifted to FP64, so the FP64 tolerance applies."""

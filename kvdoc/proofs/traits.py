@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from functools import cache
 
 from kvdoc.core.gemma import Gemma3Config
+from kvdoc.core.indexed import IndexedConfig
 from kvdoc.core.mla import MLAConfig
 from kvdoc.core.model import GPTConfig
 
@@ -28,6 +29,8 @@ TRAITS: dict[str, str] = {
     "gemma": "a Gemma 3 decoder (q/k norms, two RoPE bases, soft-capped logits)",
     "kv": "caches K and V per head (not a latent)",
     "latent": "caches MLA's latent c_KV and rotary key instead of K and V",
+    "indexed": "each query reads the top k keys an indexer scores (DeepSeek-V3.2), indexer keys "
+               "cached beside the latent",
     "learned": "learned absolute positions (wpe), which Decoder.forward(positions=...) replaces",
     "rope": "rotary positions, turned inside the attention",
     "fused": "a decoder the fused fast step runs (FastDecoder has no q/k norms)",
@@ -54,7 +57,8 @@ def check_traits(names: Iterable[str]) -> frozenset[str]:
 def traits(config: object) -> frozenset[str]:
     """The traits of a model with ``config``; ``ValueError`` for a config kvdoc does not know."""
     if isinstance(config, MLAConfig):
-        return frozenset({"latent", "rope"})
+        return frozenset({"latent", "rope"} | ({"indexed"} if isinstance(config, IndexedConfig)
+                                               else set()))
     if isinstance(config, Gemma3Config):
         found = {"gemma", "kv", "rope"}
         windows = set(config.layer_windows)

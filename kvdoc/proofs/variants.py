@@ -24,6 +24,7 @@ from .broken import (
     cache_kinds,
     caches,
     decoders,
+    indexed,
     loaders,
     measures,
     padded,
@@ -81,7 +82,7 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "rotary positions", "state across calls", "configuration value", "stale weights",
                "byte accounting", "int8 contract", "window and block edges", "padded batches",
                "fp8 contract", "low precision", "payload dtype",
-               "loader layout")
+               "loader layout", "key selection")
 """The kinds of mistake the variants stand for."""
 
 
@@ -271,6 +272,17 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
           "the export to transformers hands a BF16 or FP16 model over in FP32 (exact wherever "
           "the model is FP32 or wider)", "payload dtype",
           {"reference": loaders.transformers_reference_upcast}, build=_as_is),
+    # DeepSeek-V3.2's indexed attention: which keys each query reads (kvdoc.core.indexed)
+    BrokenVariant("index-topk-new-rows",
+                  "a cached call's indexer ranks only the call's own keys: the top k are taken "
+                  "over the new rows, and the cached positions are never read",
+                  lambda m: indexed.indexed_as(m, indexed.NewRowsTopkDecoder), "key selection",
+                  needs={"latent", "indexed"}),
+    BrokenVariant("index-ties-topk",
+                  "ties among the indexer's scores are left to torch.topk over the whole row "
+                  "(transformers' rule), whose order depends on the row's length: a row's keys "
+                  "depend on how many follow it", lambda m: indexed.indexed_as(
+                      m, indexed.TopkTiesDecoder), "key selection", needs={"latent", "indexed"}),
     _swap("split-k-pad-leak",
           "split-K attention takes one mask for every row in its first chunk of keys, so a "
           "padded row reads the pad keys there", "padded batches", {},
