@@ -19,6 +19,7 @@ from functools import cache
 from kvdoc.core.gemma import Gemma3Config
 from kvdoc.core.mla import MLAConfig
 from kvdoc.core.model import GPTConfig
+from kvdoc.core.v4 import CompressedConfig
 
 from .grid import MODELS
 
@@ -28,6 +29,8 @@ TRAITS: dict[str, str] = {
     "gemma": "a Gemma 3 decoder (q/k norms, two RoPE bases, soft-capped logits)",
     "kv": "caches K and V per head (not a latent)",
     "latent": "caches MLA's latent c_KV and rotary key instead of K and V",
+    "compressed": "a DeepSeek-V4 decoder: a window of K = V rows, pooled entries of finished "
+                  "blocks and the unfinished block's rows, learned sinks",
     "learned": "learned absolute positions (wpe), which Decoder.forward(positions=...) replaces",
     "rope": "rotary positions, turned inside the attention",
     "fused": "a decoder the fused fast step runs (FastDecoder has no q/k norms)",
@@ -39,7 +42,7 @@ TRAITS: dict[str, str] = {
     "deep": "10 or more layers: layer indices of two digits, so an order by name ('10' before "
             "'2') is not the order by number",
 }
-FAMILIES = ("decoder", "gemma", "latent")
+FAMILIES = ("decoder", "gemma", "latent", "compressed")
 """The traits that say which code a model is: a variant subclasses one family's."""
 
 
@@ -55,6 +58,8 @@ def traits(config: object) -> frozenset[str]:
     """The traits of a model with ``config``; ``ValueError`` for a config kvdoc does not know."""
     if isinstance(config, MLAConfig):
         return frozenset({"latent", "rope"})
+    if isinstance(config, CompressedConfig):
+        return frozenset({"compressed", "rope"})
     if isinstance(config, Gemma3Config):
         found = {"gemma", "kv", "rope"}
         windows = set(config.layer_windows)
