@@ -124,11 +124,31 @@ class CompressedConfig:
         return (spec,) * self.n_layer
 
 
+def rotation(positions: torch.Tensor, rope_dim: int, theta: float,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` ``[C, rope_dim]`` of V4's interleaved RoPE at ``positions`` ``[C]``:
+    one angle per pair ``(x0, x1), (x2, x3), ..``, in float64 as
+    :func:`~kvdoc.core.model.rope_angles`, then cast to ``dtype``."""
+    angles = rope_angles(positions, rope_dim, theta)[..., :rope_dim // 2]
+    angles = angles.repeat_interleave(2, dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Turn the trailing ``cos.shape[-1]`` channels of ``x`` (``[..., C, width]``) in pairs; the
+    inverse turn is ``rotate(x, cos, -sin)``."""
+    rope_dim = cos.shape[-1]
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+    pairs = rope.unflatten(-1, (-1, 2))
+    turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    return torch.cat((nope, rope * cos + turned * sin), dim=-1)
+
+
 def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float,
                      sign: float = 1.0) -> torch.Tensor:
     """Turn the trailing ``rope_dim`` channels of ``x`` (``[..., C, width]``, rows at
     ``positions`` ``[C]``) in pairs ``(x0, x1), (x2, x3), ..`` (V4's layout), by ``sign`` x
-    the angle; angles in float64, as :func:`~kvdoc.core.model.rope_angles`.
+    the angle.
 
     >>> x = torch.randn(1, 3, 6)
     >>> back = rope_interleaved(rope_interleaved(x, torch.arange(3), 4, 1e4), torch.arange(3),
@@ -136,13 +156,8 @@ def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, th
     >>> torch.allclose(back, x, atol=1e-6), torch.equal(back[..., :2], x[..., :2])
     (True, True)
     """
-    angles = rope_angles(positions, rope_dim, theta)[..., :rope_dim // 2]
-    angles = angles.repeat_interleave(2, dim=-1) * sign  # one angle per pair
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
-    pairs = rope.unflatten(-1, (-1, 2))
-    turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-    return torch.cat((nope, rope * cos + turned * sin), dim=-1)
+    cos, sin = rotation(positions, rope_dim, theta, x.dtype)
+    return rotate(x, cos, sign * sin)
 
 
 def top_k_earliest(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -217,11 +232,12 @@ class Indexer(Pooler):
         self.weights_proj = nn.Linear(config.n_embd, self.heads, bias=False)
 
     def select(self, x: torch.Tensor, q_residual: torch.Tensor, keys: torch.Tensor,
-               positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """``[B, C, N]`` bool: the entries each query reads of the ``visible`` ones."""
+               turn: tuple[torch.Tensor, torch.Tensor], visible: torch.Tensor) -> torch.Tensor:
+        """``[B, C, N]`` bool: the entries each query reads of the ``visible`` ones; ``turn``:
+        the queries' rotation (:func:`rotation`)."""
         B, C, _ = x.shape
-        q = self.q_b_proj(q_residual).view(B, C, self.heads, self.width)
-        q = rope_interleaved(q.transpose(1, 2), positions, self.rope_dim, self.theta)
+        q = rotate(self.q_b_proj(q_residual).view(B, C, self.heads, self.width).transpose(1, 2),
+                   *turn)
         dots = F.relu(q @ keys.mT[:, None]) * self.width ** -0.5  # [B, H_I, C, N]
         weights = self.weights_proj(x) * self.heads ** -0.5  # [B, C, H_I]
         scores = (dots * weights.transpose(1, 2)[..., None]).sum(dim=1)  # [B, C, N]
@@ -289,12 +305,11 @@ class CompressedAttention(nn.Module):
                              "count from position 0 of every row")
         c, (B, C, _) = self.config, x.shape
         at = torch.arange(start, start + C, device=x.device)
+        turn = rotation(at, c.rope_head_dim, self.theta, x.dtype)  # for Q, K and the output
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_residual).view(B, C, c.n_head, c.head_dim).transpose(1, 2)
-        q = F.rms_norm(q, (c.head_dim,), eps=c.layer_norm_epsilon)  # no weight
-        q = rope_interleaved(q, at, c.rope_head_dim, self.theta)
-        kv = rope_interleaved(self.kv_norm(self.kv_proj(x))[:, None], at, c.rope_head_dim,
-                              self.theta)  # [B, 1, C, D]
+        q = rotate(F.rms_norm(q, (c.head_dim,), eps=c.layer_norm_epsilon), *turn)  # no weight
+        kv = rotate(self.kv_norm(self.kv_proj(x))[:, None], *turn)  # [B, 1, C, D]
         rows = None if self.compressor is None else self.compressor.all_inputs(x)
         if cache is None:
             window, entries = kv, None if rows is None else self.compressor.pool(
@@ -308,24 +323,25 @@ class CompressedAttention(nn.Module):
         mask = offset_causal_mask(start, C, x.device, window=c.sliding_window)
         keys, mask = window, mask[:, -window.shape[2]:].expand(B, C, -1)
         if entries is not None:
-            keys, mask = self.with_entries(x, q_residual, keys, mask, entries, at)
-        y = self.attend(q, keys, mask)  # [B, H, C, D]
-        y = rope_interleaved(y, at, c.rope_head_dim, self.theta, sign=-1.0)
+            keys, mask = self.with_entries(x, q_residual, keys, mask, entries, at, turn)
+        y = rotate(self.attend(q, keys, mask), turn[0], -turn[1])  # [B, H, C, D], turned back
         groups = y.transpose(1, 2).reshape(B, C, c.o_groups, -1)
         w = self.o_a_proj.weight.view(c.o_groups, c.o_lora_rank, -1)
         mixed = torch.cat([F.linear(groups[:, :, g], w[g]) for g in range(c.o_groups)], dim=-1)
         return self.o_b_proj(mixed)
 
     def with_entries(self, x: torch.Tensor, q_residual: torch.Tensor, keys: torch.Tensor,
-                     mask: torch.Tensor, entries: torch.Tensor,
-                     at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     mask: torch.Tensor, entries: torch.Tensor, at: torch.Tensor,
+                     turn: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The window's keys and mask ``[B, C, R]`` with the entries a query reads appended."""
         N, D = entries.shape[1], self.config.head_dim
         finished = (at[:, None] + 1) // self.compressor.rate  # blocks done by each query
         visible = torch.arange(N, device=x.device) < finished  # [C, N]
         visible = visible.expand(x.shape[0], -1, -1)
         if self.compressor.indexer is not None:
-            visible = self.compressor.indexer.select(x, q_residual, entries[..., D:], at, visible)
+            # a CSA layer turns at the compressors' base: the indexer's queries take Q's turn
+            visible = self.compressor.indexer.select(x, q_residual, entries[..., D:], turn,
+                                                     visible)
         keys = torch.cat((keys, entries[:, None, :, :D]), dim=2)
         return keys, torch.cat((mask, visible), dim=-1)
 

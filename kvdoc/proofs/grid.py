@@ -83,19 +83,20 @@ GEMMA = Gemma3Config(vocab_size=89, n_positions=256, n_head=6, n_kv_head=3, n_em
 global one; ``head_dim`` not ``n_embd / n_head``, the softmax scale not ``head_dim ** -0.5``,
 two RoPE bases, a soft cap that bends the logits."""
 GEMMA_GLOBAL_FIRST = dataclasses.replace(GEMMA, global_layers=(0,))  # no pattern gives it
-V4 = CompressedConfig(vocab_size=89, n_positions=256, layer_types=("hca", "csa", "sliding"),
+V4 = CompressedConfig(vocab_size=89, n_positions=256, layer_types=("hca", "csa"),
                       n_embd=40, n_head=3, head_dim=14, rope_head_dim=6, q_lora_rank=11,
                       o_groups=3, o_lora_rank=5, n_inner=56, sliding_window=7, csa_rate=3,
                       hca_rate=5, index_n_heads=5, index_head_dim=10, index_topk=3,
                       rope_theta=5000.0, compress_rope_theta=70000.0, layer_norm_epsilon=1e-5)
-"""Every size off :class:`~kvdoc.core.v4.CompressedConfig`'s default, one layer of each type:
-blocks of 3 (CSA, its indexer picking 3 entries) and 5 (HCA), which neither the stream (67) nor
-a chunk of 2 or 13 divides, and a window of 7, which the stream and the chunk of 13 cross."""
-V4_SCENARIOS = ("stream", "last_only", "prefill_decode", "generate", "crop", "branch",
-                "failure", "fresh", "weights", "bytes", "edges")
-"""What the V4 model runs: not ``padded`` (its blocks count from each row's position 0, so it
-refuses per-row positions), nor the byte figures or quantised caches, which know K/V and
-latent layers only."""
+"""Every size off :class:`~kvdoc.core.v4.CompressedConfig`'s default, an HCA layer then a CSA
+layer (a window-only layer is the window part of either, matched in tests/test_compressed.py):
+blocks of 5 and of 3 (the indexer picking 3 entries), which neither the stream (67) nor a chunk
+of 2 or 13 divides, and a window of 7, which the stream and the chunk of 13 cross."""
+V4_SCENARIOS = ("stream", "prefill_decode", "crop", "failure", "bytes", "edges")
+"""What the V4 model runs, the checks that see its caches (a call's last_only, generate, fresh
+and weights are Decoder.forward's, run on every other model): not ``padded`` (its blocks count
+from each row's position 0, so it refuses per-row positions), nor the byte figures or quantised
+caches, which know K/V and latent layers only."""
 LAYOUT_SCENARIOS = ("stream", "counted", "reference")
 """The checks that see a layer out of order or of the wrong type, which the deep and global-first
 models run; the rest see nothing a twelfth layer or a global layer first adds."""
@@ -206,7 +207,7 @@ MODELS: dict[str, ModelSpec] = {
     # DeepSeek-V4's attention with dense MLPs: matched to transformers at the layer
     # (tests/test_compressed.py), as transformers' V4 is MoE-only with hyper-connections
     "v4-compressed": ModelSpec("DeepSeek-V4-style: an HCA layer (blocks of 5), a CSA layer (blocks "
-                               "of 3, top 3), a window-only layer; window 7, K = V, sinks",
+                               "of 3, top 3); window 7, K = V, sinks",
                                _decoder(V4), scenarios=V4_SCENARIOS),
 }
 CACHES: dict[str, CacheSpec] = {
