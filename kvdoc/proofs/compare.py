@@ -24,6 +24,7 @@ import torch
 from kvdoc.core.cache import KV, KVCache
 from kvdoc.core.feed import chunk_lengths, feed
 from kvdoc.core.model import Decoder, GPTConfig, apply_rope
+from kvdoc.core.v4 import rope_interleaved
 
 from .broken.decoders import stale_prefix
 from .variants import VARIANTS
@@ -185,10 +186,20 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
         return [attn.k_norm.register_forward_hook(k_hook),
                 attn.v_proj.register_forward_hook(v_hook)]
 
+    def shared_kv_hook(attn):  # a V4 layer's K = V, off its kv_norm, turned as cached
+        def hook(module, inputs, output):
+            T = output.shape[1]
+            kv = rope_interleaved(output[:, None], torch.arange(T, device=output.device),
+                                  cfg.rope_head_dim, attn.theta)
+            captured.append((kv, kv))
+        return hook
+
     handles = []
     for block in model.h:
         attn = getattr(block, "attn", None) or block.self_attn
-        if hasattr(attn, "kv_a_proj_with_mqa"):
+        if hasattr(attn, "sinks"):
+            handles.append(attn.kv_norm.register_forward_hook(shared_kv_hook(attn)))
+        elif hasattr(attn, "kv_a_proj_with_mqa"):
             handles.append(attn.kv_a_proj_with_mqa.register_forward_hook(latent_hook(attn)))
         elif hasattr(attn, "c_attn"):
             handles.append(attn.c_attn.register_forward_hook(c_attn_hook(attn)))

@@ -11,9 +11,10 @@ of its decode step is proved not to cost correctness). Something not registered 
 
 >>> sorted(MODELS)  # doctest: +NORMALIZE_WHITESPACE
 ['deep', 'gemma3', 'gemma3-global-first', 'gqa', 'indexed', 'llama', 'mha', 'mistral',
- 'mla', 'mla-absorbed', 'mqa', 'qwen2', 'qwen3', 'split-k']
->>> sorted(CACHES), sorted(IMPLEMENTATIONS)
-(['dynamic', 'hybrid', 'paged', 'shared-prefix', 'static', 'window'], ['fast', 'model'])
+ 'mla', 'mla-absorbed', 'mqa', 'qwen2', 'qwen3', 'split-k', 'v4-compressed']
+>>> sorted(CACHES), sorted(IMPLEMENTATIONS)  # doctest: +NORMALIZE_WHITESPACE
+(['compressed', 'dynamic', 'hybrid', 'paged', 'shared-prefix', 'static', 'window'],
+ ['fast', 'model'])
 >>> MODELS["gqa"].build(0).config.n_kv_head
 2
 >>> served(MODELS["mla"].build(0).config)  # FastDecoder fuses K/V attention: not MLA's
@@ -39,6 +40,7 @@ from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder, GemmaRMSNorm
 from kvdoc.core.indexed import IndexedConfig, IndexedDecoder
 from kvdoc.core.mla import MLAConfig, MLADecoder
 from kvdoc.core.model import Decoder, GPTConfig, llama_config, mistral_config
+from kvdoc.core.v4 import CompressedConfig, CompressedDecoder
 from kvdoc.serving.paged import new_paged_cache, new_shared_prefix_cache
 from kvdoc.serving.splitk import split_k_decoder
 
@@ -100,6 +102,20 @@ GEMMA = Gemma3Config(vocab_size=89, n_positions=256, n_head=6, n_kv_head=3, n_em
 global one; ``head_dim`` not ``n_embd / n_head``, the softmax scale not ``head_dim ** -0.5``,
 two RoPE bases, a soft cap that bends the logits."""
 GEMMA_GLOBAL_FIRST = dataclasses.replace(GEMMA, global_layers=(0,))  # no pattern gives it
+V4 = CompressedConfig(vocab_size=89, n_positions=256, layer_types=("hca", "csa"),
+                      n_embd=40, n_head=3, head_dim=14, rope_head_dim=6, q_lora_rank=11,
+                      o_groups=3, o_lora_rank=5, n_inner=56, sliding_window=7, csa_rate=3,
+                      hca_rate=5, index_n_heads=5, index_head_dim=10, index_topk=3,
+                      rope_theta=5000.0, compress_rope_theta=70000.0, layer_norm_epsilon=1e-5)
+"""Every size off :class:`~kvdoc.core.v4.CompressedConfig`'s default, an HCA layer then a CSA
+layer (a window-only layer is the window part of either, matched in tests/test_compressed.py):
+blocks of 5 and of 3 (the indexer picking 3 entries), which neither the stream (67) nor a chunk
+of 2 or 13 divides, and a window of 7, which the stream and the chunk of 13 cross."""
+V4_SCENARIOS = ("stream", "prefill_decode", "crop", "failure", "bytes", "edges")
+"""What the V4 model runs, the checks that see its caches (a call's last_only, generate, fresh
+and weights are Decoder.forward's, run on every other model): not ``padded`` (its blocks count
+from each row's position 0, so it refuses per-row positions), nor the byte figures or quantised
+caches, which know K/V and latent layers only."""
 LAYOUT_SCENARIOS = ("stream", "counted", "reference")
 """The checks that see a layer out of order or of the wrong type, which the deep and global-first
 models run; the rest see nothing a twelfth layer or a global layer first adds."""
@@ -109,7 +125,8 @@ def _decoder(config: GPTConfig | MLAConfig) -> Callable[[int], nn.Module]:
     def build(seed: int) -> nn.Module:
         torch.manual_seed(seed)
         cls = {MLAConfig: MLADecoder, Gemma3Config: Gemma3Decoder,
-               IndexedConfig: IndexedDecoder}.get(type(config), Decoder)
+               IndexedConfig: IndexedDecoder,
+               CompressedConfig: CompressedDecoder}.get(type(config), Decoder)
         model = cls(config).eval()
         with torch.no_grad():  # Gemma's norms start at zero weight: norms swapped would not show
             for norm in (m for m in model.modules() if isinstance(m, GemmaRMSNorm)):
@@ -130,6 +147,10 @@ def _kv(config: GPTConfig | MLAConfig) -> bool:
 def _pooled(config: GPTConfig | MLAConfig) -> bool:
     # a pool's blocks hold the layout's two tensors a layer; an indexed layer holds four
     return not isinstance(config, IndexedConfig)
+
+
+def _rows(config: object) -> bool:  # caches of whole rows, not a V4 model's pooled blocks
+    return not isinstance(config, CompressedConfig)
 
 
 @dataclass(frozen=True)
@@ -216,18 +237,30 @@ MODELS: dict[str, ModelSpec] = {
                                      f"layers of {WINDOW}", _decoder(GEMMA_GLOBAL_FIRST),
                                      transformers_reference, "transformers Gemma 3, same weights",
                                      impls=("model",), scenarios=LAYOUT_SCENARIOS),
+    # DeepSeek-V4's attention with dense MLPs: matched to transformers at the layer
+    # (tests/test_compressed.py), as transformers' V4 is MoE-only with hyper-connections
+    "v4-compressed": ModelSpec("DeepSeek-V4-style: an HCA layer (blocks of 5), a CSA layer (blocks "
+                               "of 3, top 3); window 7, K = V, sinks",
+                               _decoder(V4), scenarios=V4_SCENARIOS),
 }
 CACHES: dict[str, CacheSpec] = {
-    "dynamic": CacheSpec(lambda m, b, cap: m.new_cache(b, "dynamic"), in_place=False),
-    "static": CacheSpec(lambda m, b, cap: m.new_cache(b, "static", cap), in_place=True),
+    "dynamic": CacheSpec(lambda m, b, cap: m.new_cache(b, "dynamic"), in_place=False,
+                         serves=_rows),
+    "static": CacheSpec(lambda m, b, cap: m.new_cache(b, "static", cap), in_place=True,
+                        serves=_rows),
     "window": CacheSpec(lambda m, b, cap: m.new_cache(b, "window"), in_place=False,
                         serves=lambda config: _kv(config) and config.sliding_window is not None),
     # every position of every layer in blocks of the pool's layout (K/V or an MLA latent); a
     # windowed layer's own mask limits what it reads, as over a dynamic cache
-    "paged": CacheSpec(new_paged_cache, in_place=True, serves=_pooled),
-    "shared-prefix": CacheSpec(new_shared_prefix_cache, in_place=False, serves=_pooled),
+    "paged": CacheSpec(new_paged_cache, in_place=True,
+                       serves=lambda config: _pooled(config) and _rows(config)),
+    "shared-prefix": CacheSpec(new_shared_prefix_cache, in_place=False,
+                               serves=lambda config: _pooled(config) and _rows(config)),
     "hybrid": CacheSpec(lambda m, b, cap: m.new_cache(b, "hybrid"), in_place=False,
                         serves=lambda config: hasattr(config, "layer_windows")),
+    # a V4 model's window, entries and block buffers (kvdoc.core.compressed)
+    "compressed": CacheSpec(lambda m, b, cap: m.new_cache(b, "compressed"), in_place=False,
+                            serves=lambda config: not _rows(config)),
 }
 
 

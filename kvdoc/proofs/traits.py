@@ -8,7 +8,7 @@ can host.
 >>> check_traits({"rope", "shiny"})
 Traceback (most recent call last):
 ...
-ValueError: unknown trait 'shiny'; the traits are decoder, deep, fused, gemma, ...
+ValueError: unknown trait 'shiny'; the traits are compressed, decoder, deep, fused, ...
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from kvdoc.core.gemma import Gemma3Config
 from kvdoc.core.indexed import IndexedConfig
 from kvdoc.core.mla import MLAConfig
 from kvdoc.core.model import GPTConfig
+from kvdoc.core.v4 import CompressedConfig
 
 from .grid import MODELS
 
@@ -31,6 +32,8 @@ TRAITS: dict[str, str] = {
     "latent": "caches MLA's latent c_KV and rotary key instead of K and V",
     "indexed": "each query reads the top k keys an indexer scores (DeepSeek-V3.2), indexer keys "
                "cached beside the latent",
+    "compressed": "a DeepSeek-V4 decoder: a window of K = V rows, pooled entries of finished "
+                  "blocks and the unfinished block's rows, learned sinks",
     "learned": "learned absolute positions (wpe), which Decoder.forward(positions=...) replaces",
     "rope": "rotary positions, turned inside the attention",
     "fused": "a decoder the fused fast step runs (FastDecoder has no q/k norms)",
@@ -42,7 +45,7 @@ TRAITS: dict[str, str] = {
     "deep": "10 or more layers: layer indices of two digits, so an order by name ('10' before "
             "'2') is not the order by number",
 }
-FAMILIES = ("decoder", "gemma", "latent")
+FAMILIES = ("decoder", "gemma", "latent", "compressed")
 """The traits that say which code a model is: a variant subclasses one family's."""
 
 
@@ -59,6 +62,8 @@ def traits(config: object) -> frozenset[str]:
     if isinstance(config, MLAConfig):
         return frozenset({"latent", "rope"} | ({"indexed"} if isinstance(config, IndexedConfig)
                                                else set()))
+    if isinstance(config, CompressedConfig):
+        return frozenset({"compressed", "rope"})
     if isinstance(config, Gemma3Config):
         found = {"gemma", "kv", "rope"}
         windows = set(config.layer_windows)
