@@ -87,6 +87,8 @@ def indexed_trace(model: torch.nn.Module, ids: torch.Tensor,
             picked, s = chosen[n * L + layer], scored[n * L + layer]  # [B, C, keys so far]
             keys = picked.shape[-1]
             reads[:, layer, start:start + C, :keys] = picked
+            if s.shape[-1] != keys:  # a variant that scores other keys than it picks from
+                continue
             causal = torch.ones(C, keys, dtype=torch.bool).tril(start)
             scores[:, layer, start:start + C, :keys] = s.double().masked_fill(~causal,
                                                                               float("-inf"))
