@@ -8,17 +8,22 @@ import dataclasses
 import pytest
 
 from kvdoc.core.gemma import Gemma3Config
+from kvdoc.core.indexed import IndexedConfig
 from kvdoc.core.mla import MLAConfig
 from kvdoc.core.model import GPTConfig
 from kvdoc.proofs import grid
 
 EXEMPT: dict[str, str] = {
     "MLAConfig.tie_word_embeddings": "the DeepSeek-V3 loader does not tie the head (V3 does not)",
+    "IndexedConfig.tie_word_embeddings": "as MLAConfig's: DeepSeek-V3.2 does not tie the head",
+    "IndexedConfig.absorb": "the absorbed path is MLA's (mla-absorbed); tests/test_indexed.py runs "
+                            "it under the selection",
 }
 """Fields that need no off-default model, each with the reason (``Class.field``)."""
 
 CONFIGS = {name: spec.build(0).config for name, spec in grid.MODELS.items()}
-FIELDS = [(cls, f) for cls in (GPTConfig, MLAConfig, Gemma3Config) for f in dataclasses.fields(cls)]
+FIELDS = [(cls, f) for cls in (GPTConfig, MLAConfig, Gemma3Config, IndexedConfig)
+          for f in dataclasses.fields(cls)]
 
 
 def at_default(config: GPTConfig, field: dataclasses.Field) -> bool:

@@ -141,6 +141,14 @@ def test_on_ties_the_cached_path_is_the_full_forward(dtype, kind):
         assert run.lifecycle_error == 0.0
 
 
+def test_the_absorbed_path_selects_the_same_keys():
+    """Cached calls attend over the latent itself (``absorb``), the full forward up-projects."""
+    m, ids = model(dataclasses.replace(TIES, absorb=True), torch.float64), stream()
+    with torch.no_grad():
+        full = m(ids).logits
+    assert close(run_cached(m, ids, CHUNKS).logits, full, TOLERANCE[torch.float64])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_on_ties_row_i_never_depends_on_later_tokens(dtype):
     m, ids = model(TIES, dtype), stream(batch=1)

@@ -283,6 +283,11 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   "(transformers' rule), whose order depends on the row's length: a row's keys "
                   "depend on how many follow it", lambda m: indexed.indexed_as(
                       m, indexed.TopkTiesDecoder), "key selection", needs={"latent", "indexed"}),
+    BrokenVariant("index-keys-unforked",
+                  "a call on a dynamic cache forks the latent's layer but not the indexer keys', "
+                  "so the cache it continues gains indexer keys beside an unchanged latent",
+                  lambda m: indexed.indexed_as(m, indexed.UnforkedKeysDecoder), "cache storage",
+                  needs={"latent", "indexed"}, kinds=("dynamic",)),
     _swap("split-k-pad-leak",
           "split-K attention takes one mask for every row in its first chunk of keys, so a "
           "padded row reads the pad keys there", "padded batches", {},

@@ -1,7 +1,8 @@
-"""Deliberately wrong indexed attention (:mod:`kvdoc.core.indexed`): the selection of keys.
+"""Deliberately wrong indexed attention (:mod:`kvdoc.core.indexed`): the selection of keys and
+the indexer keys' cache.
 
 Each is an :class:`~kvdoc.core.indexed.IndexedDecoder` whose attention changes the rule it
-selects keys by (its ``read_mask`` or ``choose``), nothing else.
+selects keys by (its ``read_mask`` or ``choose``), or whose cache layers fork wrongly.
 
 >>> import torch
 >>> from kvdoc.core.indexed import IndexedConfig, IndexedDecoder
@@ -19,9 +20,12 @@ True
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
-from kvdoc.core.indexed import IndexedAttention, IndexedDecoder, select
+from kvdoc.core.cache import KVCache
+from kvdoc.core.indexed import IndexedAttention, IndexedDecoder, IndexedLayer, select
 
 from .decoders import copy_as
 
@@ -66,3 +70,20 @@ class TopkTiesAttention(IndexedAttention):
 
 class TopkTiesDecoder(IndexedDecoder):
     attention = TopkTiesAttention
+
+
+class UnforkedKeysLayer(IndexedLayer):
+    """BROKEN: a call forks the latent's layer but not the indexer keys', so it grows the keys
+    of the cache it continues: that cache then holds more indexer keys than latent rows."""
+
+    def fork(self) -> IndexedLayer:
+        forked = copy.copy(self)
+        forked.latent = self.latent.fork()  # BUG: forked.keys is still this layer's
+        return forked
+
+
+class UnforkedKeysDecoder(IndexedDecoder):
+    def new_cache(self, batch_size: int, kind=None, capacity=None) -> KVCache:
+        cache = super().new_cache(batch_size, kind, capacity)
+        cache.layers = [UnforkedKeysLayer(layer.latent, layer.keys) for layer in cache.layers]
+        return cache
