@@ -21,7 +21,7 @@ from kvdoc.proofs.suite import run_suite
 # every size off CompressedConfig's default; blocks of 3 and 5, a window of 7
 CONFIG = dataclasses.replace(grid.V4, layer_types=("csa", "hca", "sliding"))
 T = 29  # a multiple of neither rate
-CHUNKS = [None, (T,), (4, 1, 6, 2, 1, 1, 8, 6), (1,) * T]  # None: no cache
+CHUNKS = [None, (4, 1, 6, 2, 1, 1, 8, 6), (1,) * T]  # None: no cache; then chunks split blocks
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 
 
@@ -91,7 +91,7 @@ def test_layer_matches_transformers(kind, dtype, monkeypatch):
     if kind == "csa":  # the selection mattered, and no tie decided it
         counts = [_boundary_ties(s, CONFIG.index_topk) for s in scores]
         assert sum(c[0] for c in counts) == 0
-        assert min(c[1] for c in counts) > 0
+        assert sum(c[1] for c in counts) > 0
 
 
 def test_ties_go_to_the_earlier_entry(monkeypatch):
@@ -104,6 +104,10 @@ def test_ties_go_to_the_earlier_entry(monkeypatch):
         assert sum(_boundary_ties(s, config.index_topk)[0] for s in scores) > 0
         for chunks in CHUNKS[1:]:
             assert (_ours(ours, x, chunks) - full).abs().max().item() < 1e-12
+        theirs = to_transformers(ours)  # transformers' top-k breaks the same ties its own way
+        with float64_lifted():
+            split = (run_layer(theirs, x, CHUNKS[1]) - run_layer(theirs, x)).abs().max().item()
+        print(f"transformers on ties: chunked vs its full forward {split:.3g}")
         for i in (3, 11, 20):  # row i needs nothing after i
             assert (_ours(ours, x[:, :i + 1], None)[:, i] - full[:, i]).abs().max() < 1e-12
 

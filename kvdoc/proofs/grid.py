@@ -87,7 +87,8 @@ V4 = CompressedConfig(vocab_size=89, n_positions=256, layer_types=("hca", "csa")
                       n_embd=40, n_head=3, head_dim=14, rope_head_dim=6, q_lora_rank=11,
                       o_groups=3, o_lora_rank=5, n_inner=56, sliding_window=7, csa_rate=3,
                       hca_rate=5, index_n_heads=8, index_head_dim=10, index_topk=3,
-                      rope_theta=5000.0, compress_rope_theta=70000.0, layer_norm_epsilon=1e-5)
+                      rope_theta=5000.0, compress_rope_theta=70000.0, layer_norm_epsilon=1e-5,
+                      tie_word_embeddings=True)
 """Every size off :class:`~kvdoc.core.v4.CompressedConfig`'s default, an HCA layer then a CSA
 layer (a window-only layer is the window part of either, matched in tests/test_compressed.py):
 blocks of 5 and of 3 (the indexer picking 3 entries), which neither the stream (67) nor a chunk
