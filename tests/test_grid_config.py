@@ -11,6 +11,7 @@ from kvdoc.core.gemma import Gemma3Config
 from kvdoc.core.indexed import IndexedConfig
 from kvdoc.core.mla import MLAConfig
 from kvdoc.core.model import GPTConfig
+from kvdoc.core.v4 import CompressedConfig
 from kvdoc.proofs import grid
 
 EXEMPT: dict[str, str] = {
@@ -22,7 +23,8 @@ EXEMPT: dict[str, str] = {
 """Fields that need no off-default model, each with the reason (``Class.field``)."""
 
 CONFIGS = {name: spec.build(0).config for name, spec in grid.MODELS.items()}
-FIELDS = [(cls, f) for cls in (GPTConfig, MLAConfig, Gemma3Config, IndexedConfig)
+FIELDS = [(cls, f) for cls in (GPTConfig, MLAConfig, Gemma3Config, IndexedConfig,
+                                CompressedConfig)
           for f in dataclasses.fields(cls)]
 
 

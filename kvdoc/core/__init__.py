@@ -6,7 +6,8 @@ continuation) and ``cache`` (a cache of per-layer storages and one length; dynam
 layers; whether a cache serves a model, decided by the config's ``cache_layout``). The rest
 builds on them: ``window`` (rings for sliding-window layers, and the hybrid cache of a model
 that also has global layers), ``mla`` (DeepSeek's latent attention, whose layout is one head of
-two widths), ``gemma`` (Gemma 3's window and global layers), ``invariant`` (reductions in a
+two widths), ``gemma`` (Gemma 3's window and global layers), ``v4`` and ``compressed``
+(DeepSeek-V4's attention layers and their caches of pooled blocks), ``invariant`` (reductions in a
 fixed order), ``fast`` (the single-token step written the way serving engines write it) and
 ``feed`` (a stream fed in chunks).
 

@@ -136,28 +136,18 @@ def rotation(positions: torch.Tensor, rope_dim: int, theta: float,
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Turn the trailing ``cos.shape[-1]`` channels of ``x`` (``[..., C, width]``) in pairs; the
-    inverse turn is ``rotate(x, cos, -sin)``."""
+    inverse turn is ``rotate(x, cos, -sin)``.
+
+    >>> x, (cos, sin) = torch.randn(1, 3, 6), rotation(torch.arange(3), 4, 1e4, torch.float32)
+    >>> back = rotate(rotate(x, cos, sin), cos, -sin)
+    >>> torch.allclose(back, x, atol=1e-6), torch.equal(back[..., :2], x[..., :2])
+    (True, True)
+    """
     rope_dim = cos.shape[-1]
     nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
     pairs = rope.unflatten(-1, (-1, 2))
     turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
     return torch.cat((nope, rope * cos + turned * sin), dim=-1)
-
-
-def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float,
-                     sign: float = 1.0) -> torch.Tensor:
-    """Turn the trailing ``rope_dim`` channels of ``x`` (``[..., C, width]``, rows at
-    ``positions`` ``[C]``) in pairs ``(x0, x1), (x2, x3), ..`` (V4's layout), by ``sign`` x
-    the angle.
-
-    >>> x = torch.randn(1, 3, 6)
-    >>> back = rope_interleaved(rope_interleaved(x, torch.arange(3), 4, 1e4), torch.arange(3),
-    ...                         4, 1e4, sign=-1.0)
-    >>> torch.allclose(back, x, atol=1e-6), torch.equal(back[..., :2], x[..., :2])
-    (True, True)
-    """
-    cos, sin = rotation(positions, rope_dim, theta, x.dtype)
-    return rotate(x, cos, sign * sin)
 
 
 def top_k_earliest(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -218,7 +208,7 @@ class Pooler(nn.Module):
             kv, gate = blocks[0], blocks[1] + self.position_bias
         pooled = self.kv_norm((kv * gate.softmax(dim=2)).sum(dim=2))  # [B, n, w]
         at = (first_block + torch.arange(n, device=pooled.device)) * self.rate
-        return rope_interleaved(pooled, at, self.rope_dim, self.theta)
+        return rotate(pooled, *rotation(at, self.rope_dim, self.theta, pooled.dtype))
 
 
 class Indexer(Pooler):

@@ -101,6 +101,32 @@ def run_layer(hf: Any, x: torch.Tensor, chunks: Sequence[int] | None = None) -> 
     return torch.cat(outs, dim=1)
 
 
+class _TransformersLayer(torch.nn.Module):
+    """Calls transformers' layer (one call, no cache) where kvdoc's attention was."""
+
+    def __init__(self, hf: Any) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, x: torch.Tensor, cache: Any, layer_idx: int, start: int,
+                *args: Any, **kwargs: Any) -> torch.Tensor:
+        if cache is not None or start:
+            raise ValueError("the transformers layers run full forwards only")
+        return run_layer(self.hf, x)
+
+
+def with_transformers_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of a :class:`~kvdoc.core.v4.CompressedDecoder` whose every attention is
+    transformers' ``DeepseekV4Attention`` holding its weights (embeddings, norms, MLPs and head
+    stay kvdoc's): full forwards only, the grid's reference for the V4 model."""
+    import copy
+
+    clone = copy.deepcopy(model)
+    for block in clone.h:
+        block.attn = _TransformersLayer(to_transformers(block.attn))
+    return clone
+
+
 @contextmanager
 def float64_lifted() -> Iterator[None]:
     """Within the block, transformers' V4 computes its float32 islands in the tensors' dtype:

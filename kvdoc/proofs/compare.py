@@ -24,7 +24,7 @@ import torch
 from kvdoc.core.cache import KV, KVCache
 from kvdoc.core.feed import chunk_lengths, feed
 from kvdoc.core.model import Decoder, GPTConfig, apply_rope
-from kvdoc.core.v4 import rope_interleaved
+from kvdoc.core.v4 import rotate, rotation
 
 from .broken.decoders import stale_prefix
 from .variants import VARIANTS
@@ -189,8 +189,9 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
     def shared_kv_hook(attn):  # a V4 layer's K = V, off its kv_norm, turned as cached
         def hook(module, inputs, output):
             T = output.shape[1]
-            kv = rope_interleaved(output[:, None], torch.arange(T, device=output.device),
-                                  cfg.rope_head_dim, attn.theta)
+            turn = rotation(torch.arange(T, device=output.device), cfg.rope_head_dim,
+                            attn.theta, output.dtype)
+            kv = rotate(output[:, None], *turn)
             captured.append((kv, kv))
         return hook
 

@@ -49,6 +49,7 @@ from .references import (
     deepseek_v32_reference,
     mha_reference,
     transformers_reference,
+    v4_reference,
 )
 
 STREAM_LENGTH = 67
@@ -105,13 +106,16 @@ GEMMA_GLOBAL_FIRST = dataclasses.replace(GEMMA, global_layers=(0,))  # no patter
 V4 = CompressedConfig(vocab_size=89, n_positions=256, layer_types=("hca", "csa"),
                       n_embd=40, n_head=3, head_dim=14, rope_head_dim=6, q_lora_rank=11,
                       o_groups=3, o_lora_rank=5, n_inner=56, sliding_window=7, csa_rate=3,
-                      hca_rate=5, index_n_heads=5, index_head_dim=10, index_topk=3,
-                      rope_theta=5000.0, compress_rope_theta=70000.0, layer_norm_epsilon=1e-5)
+                      hca_rate=5, index_n_heads=8, index_head_dim=10, index_topk=3,
+                      rope_theta=5000.0, compress_rope_theta=70000.0, layer_norm_epsilon=1e-5,
+                      tie_word_embeddings=True)
 """Every size off :class:`~kvdoc.core.v4.CompressedConfig`'s default, an HCA layer then a CSA
 layer (a window-only layer is the window part of either, matched in tests/test_compressed.py):
 blocks of 5 and of 3 (the indexer picking 3 entries), which neither the stream (67) nor a chunk
-of 2 or 13 divides, and a window of 7, which the stream and the chunk of 13 cross."""
-V4_SCENARIOS = ("stream", "prefill_decode", "crop", "failure", "bytes", "edges")
+of 2 or 13 divides, and a window of 7, which the stream and the chunk of 13 cross. 8 indexer
+heads: an entry every head's ReLU zeroes scores 0, a tie; with 8 heads one in 256 does, so the
+reference (whose top-k breaks ties its own way) rarely meets one."""
+V4_SCENARIOS = ("stream", "reference", "prefill_decode", "crop", "failure", "bytes", "edges")
 """What the V4 model runs, the checks that see its caches (a call's last_only, generate, fresh
 and weights are Decoder.forward's, run on every other model): not ``padded`` (its blocks count
 from each row's position 0, so it refuses per-row positions), nor the byte figures or quantised
@@ -241,7 +245,9 @@ MODELS: dict[str, ModelSpec] = {
     # (tests/test_compressed.py), as transformers' V4 is MoE-only with hyper-connections
     "v4-compressed": ModelSpec("DeepSeek-V4-style: an HCA layer (blocks of 5), a CSA layer (blocks "
                                "of 3, top 3); window 7, K = V, sinks",
-                               _decoder(V4), scenarios=V4_SCENARIOS),
+                               _decoder(V4), v4_reference,
+                               "kvdoc's decoder with transformers' DeepseekV4Attention layers",
+                               scenarios=V4_SCENARIOS),
 }
 CACHES: dict[str, CacheSpec] = {
     "dynamic": CacheSpec(lambda m, b, cap: m.new_cache(b, "dynamic"), in_place=False,

@@ -88,6 +88,21 @@ def deepseek_v32_reference(model: nn.Module) -> Reference:
     return tied
 
 
+def v4_reference(model: nn.Module) -> Reference:
+    """kvdoc's V4 decoder with transformers' ``DeepseekV4Attention`` in each block (its MoE and
+    hyper-connections leave no whole model to compare), FP32 islands lifted in FP64."""
+    from kvdoc.interop.hf_deepseek_v4 import float64_lifted, with_transformers_attention
+
+    ref = with_transformers_attention(model)
+    lift = float64_lifted if _dtype(model) == torch.float64 else contextlib.nullcontext
+
+    def reference(ids: torch.Tensor) -> torch.Tensor:
+        with lift():
+            return ref(ids).logits
+
+    return reference
+
+
 def hf_reference(hf: nn.Module, model: nn.Module) -> Reference:
     """``ids -> logits`` of the transformers model ``hf``; for an FP64 ``model`` its FP32 islands
     (RMSNorm, rotary angles) lifted to FP64, so the FP64 tolerance applies."""

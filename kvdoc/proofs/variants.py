@@ -23,6 +23,7 @@ from .broken import (
     arithmetic,
     cache_kinds,
     caches,
+    compressed,
     decoders,
     indexed,
     loaders,
@@ -288,6 +289,20 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   "so the cache it continues gains indexer keys beside an unchanged latent",
                   lambda m: indexed.indexed_as(m, indexed.UnforkedKeysDecoder), "cache storage",
                   needs={"latent", "indexed"}, kinds=("dynamic",)),
+    # DeepSeek-V4's compressed caches: block edges inside a call's end, and a shared-path sink
+    _swap("v4-entry-before-block-full",
+          "a compressed layer pools its unfinished block when a call ends (its last row repeated "
+          "to fill it): an entry emitted before its block is full", "window and block edges",
+          {"compressed": compressed.early_entry_cache}, "compressed", _as_is,
+          needs={"compressed"}),
+    _swap("v4-buffer-dropped",
+          "a compressed layer drops the unfinished block's rows at every call's end, so the "
+          "block's entry pools only the rows of later calls", "window and block edges",
+          {"compressed": compressed.dropped_buffer_cache}, "compressed", _as_is,
+          needs={"compressed"}),
+    _swap("v4-sink-twice",
+          "each head's sink logit enters the softmax twice, in full and cached calls alike",
+          "shared path", {}, "compressed", compressed.sink_twice, needs={"compressed"}),
     _swap("split-k-pad-leak",
           "split-K attention takes one mask for every row in its first chunk of keys, so a "
           "padded row reads the pad keys there", "padded batches", {},
