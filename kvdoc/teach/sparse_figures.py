@@ -77,7 +77,7 @@ def draw_compressed(reads: CompressedReads, queries: Sequence[int], title: str |
     strips = 1 if rate is None else 3
     pitch = strips + 1.1  # a query's strips and its label
     n = len(queries)
-    fig, ax = plt.subplots(figsize=(width, 0.42 * pitch * n + 1.6))
+    fig, ax = plt.subplots(figsize=(width, 0.42 * pitch * n + 1.9))
     labels, ys = [], []
     entry = _tint(OKABE_ITO[2])
     for k, t in enumerate(queries):
@@ -112,9 +112,11 @@ def draw_compressed(reads: CompressedReads, queries: Sequence[int], title: str |
     handles = [Patch(facecolor=READ, label="window row read")]
     if rate is not None:
         handles += [Patch(facecolor=entry, edgecolor="0.3", label="entry read"),
-                    Patch(facecolor=SKIPPED, edgecolor="0.3", label="entry not read"),
                     Patch(facecolor=WAITING, edgecolor="0.4", label="row in the buffer")]
+        finished = [(t, w) for t in queries for w in range((t + 1) // rate)]
+        if any(not reads.entries[0, t, w] for t, w in finished):  # a CSA indexer's choice
+            handles.insert(2, Patch(facecolor=SKIPPED, edgecolor="0.3", label="entry not read"))
     ax.legend(handles=handles, loc="upper center", ncol=2, frameon=False,
-              bbox_to_anchor=(0.5, -1.6 / (0.42 * pitch * n)))
+              bbox_to_anchor=(0.5, -0.8 / (0.42 * pitch * n)))
     fig.tight_layout()
     return fig
