@@ -115,11 +115,11 @@ blocks of 5 and of 3 (the indexer picking 3 entries), which neither the stream (
 of 2 or 13 divides, and a window of 7, which the stream and the chunk of 13 cross. 8 indexer
 heads: an entry every head's ReLU zeroes scores 0, a tie; with 8 heads one in 256 does, so the
 reference (whose top-k breaks ties its own way) rarely meets one."""
-V4_SCENARIOS = ("stream", "reference", "prefill_decode", "crop", "failure", "bytes", "edges")
-"""What the V4 model runs, the checks that see its caches (a call's last_only, generate, fresh
-and weights are Decoder.forward's, run on every other model): not ``padded`` (its blocks count
-from each row's position 0, so it refuses per-row positions), nor the byte figures or quantised
-caches, which know K/V and latent layers only."""
+V4_SCENARIOS = ("stream", "reference", "crop", "failure", "bytes", "edges")
+"""What the V4 model runs, the checks that see its caches (last_only, prefill and decode_step,
+generate, fresh and weights are Decoder's, run on every other model): not ``padded`` (its
+blocks count from each row's position 0, so it refuses per-row positions), nor the byte figures
+or quantised caches, which know K/V and latent layers only."""
 LAYOUT_SCENARIOS = ("stream", "counted", "reference")
 """The checks that see a layer out of order or of the wrong type, which the deep and global-first
 models run; the rest see nothing a twelfth layer or a global layer first adds."""
