@@ -9,18 +9,24 @@ import pytest
 
 from kvdoc.core.deltanet import DeltaNetConfig
 from kvdoc.core.gemma import Gemma3Config
+from kvdoc.core.indexed import IndexedConfig
 from kvdoc.core.mamba2 import Mamba2Config
 from kvdoc.core.mla import MLAConfig
 from kvdoc.core.model import GPTConfig
+from kvdoc.core.v4 import CompressedConfig
 from kvdoc.proofs import grid
 
 EXEMPT: dict[str, str] = {
     "MLAConfig.tie_word_embeddings": "the DeepSeek-V3 loader does not tie the head (V3 does not)",
+    "IndexedConfig.tie_word_embeddings": "as MLAConfig's: DeepSeek-V3.2 does not tie the head",
+    "IndexedConfig.absorb": "the absorbed path is MLA's (mla-absorbed); tests/test_indexed.py runs "
+                            "it under the selection",
 }
 """Fields that need no off-default model, each with the reason (``Class.field``)."""
 
 CONFIGS = {name: spec.build(0).config for name, spec in grid.MODELS.items()}
-FIELDS = [(cls, f) for cls in (GPTConfig, MLAConfig, Gemma3Config, DeltaNetConfig, Mamba2Config)
+FIELDS = [(cls, f) for cls in (GPTConfig, MLAConfig, Gemma3Config, DeltaNetConfig, Mamba2Config,
+                                IndexedConfig, CompressedConfig)
           for f in dataclasses.fields(cls)]
 
 

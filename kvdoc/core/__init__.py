@@ -9,7 +9,8 @@ that also has global layers), ``mla`` (DeepSeek's latent attention, whose layout
 two widths), ``state`` (the fixed-size state of a recurrent layer, beside K/V layers, and its
 snapshots), ``gemma`` (Gemma 3's window and global layers), ``deltanet`` (Qwen3.5's Gated
 DeltaNet and gated attention layers), ``delta_rule`` (DeltaNet's recurrence, token by token and
-in chunks), ``mamba2`` (Bamba's Mamba-2 hybrid: a conv and an SSD state per mixer),
+in chunks), ``mamba2`` (Bamba's Mamba-2 hybrid: a conv and an SSD state per mixer), ``v4`` and
+``compressed`` (DeepSeek-V4's attention layers and their caches of pooled blocks),
 ``invariant`` (reductions in a fixed order), ``fast`` (the single-token step written the way
 serving engines write it) and ``feed`` (a stream fed in chunks).
 

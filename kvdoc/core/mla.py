@@ -173,8 +173,9 @@ class LatentAttention(nn.Module):
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         c = self.config
         B, C, _ = x.shape
-        q = self.q_proj(x) if c.q_lora_rank is None else \
-            self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        # the query's own latent (RMS-normalised), which an indexed layer's indexer also reads
+        q_latent = None if c.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_proj(x) if q_latent is None else self.q_b_proj(q_latent)
         q = q.view(B, C, c.n_head, c.qk_head_dim).transpose(1, 2)  # [B, H, C, d_nope + d_R]
         q_nope, q_rope = q.split((c.qk_nope_head_dim, c.qk_rope_head_dim), dim=-1)
         at = start if positions is None else positions  # start .. start + C - 1, or per row
@@ -185,10 +186,17 @@ class LatentAttention(nn.Module):
         k_rope = apply_rope(k_rope[:, None], at, c.rope_theta)  # [B, 1, C, d_R], turned once
         if cache is not None:
             c_kv, k_rope = cache.update(layer_idx, c_kv, k_rope, start)  # [B, 1, P + C, .]
-        mask = self.mask(start, C, c_kv.shape[2], attn_mask, x.device)
+        mask = self.read_mask(x, q_latent, cache, layer_idx, start, at, c_kv.shape[2], attn_mask)
         attend = self.attend_absorbed if c.absorb and cache is not None else self.attend_plain
         y = attend(q_nope, q_rope, c_kv, k_rope, mask)  # [B, H, C, d_v]
         return self.o_proj(y.transpose(1, 2).reshape(B, C, c.n_head * c.v_head_dim))
+
+    def read_mask(self, x: torch.Tensor, q_latent: torch.Tensor | None, cache: KVCache | None,
+                  layer_idx: int, start: int, at: int | torch.Tensor, T: int,
+                  attn_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The keys each new query reads, as the mask attention takes: here every earlier one
+        (:meth:`mask`); an indexed layer (:mod:`kvdoc.core.indexed`) selects among them."""
+        return self.mask(start, x.shape[1], T, attn_mask, x.device)
 
     @staticmethod
     def mask(start: int, C: int, T: int, attn_mask: torch.Tensor | None,
@@ -246,10 +254,11 @@ def per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 class LatentBlock(nn.Module):
     """Pre-norm decoder layer with latent attention: ``x + attn(ln_1(x))``, ``x + mlp(ln_2(x))``."""
 
-    def __init__(self, config: MLAConfig) -> None:
+    def __init__(self, config: MLAConfig, attention: type[LatentAttention] = LatentAttention
+                 ) -> None:
         super().__init__()
         self.ln_1 = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.attn = LatentAttention(config)
+        self.attn = attention(config)
         self.ln_2 = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
         # Llama's SwiGLU MLP: the same class, sized by a GPTConfig of this width
         self.mlp = MLP(GPTConfig(n_embd=config.n_embd, n_head=1, n_inner=config.n_inner,
@@ -269,12 +278,14 @@ class MLADecoder(Decoder):
     95744
     """
 
+    attention: type[LatentAttention] = LatentAttention  # what each block attends with
+
     def __init__(self, config: MLAConfig | None = None) -> None:
         nn.Module.__init__(self)  # not Decoder.__init__: it would build GPT-2 blocks
         self.config = config = config or MLAConfig()
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = None  # positions come from RoPE inside the attention
-        self.h = nn.ModuleList(LatentBlock(config) for _ in range(config.n_layer))
+        self.h = nn.ModuleList(LatentBlock(config, self.attention) for _ in range(config.n_layer))
         self.ln_f = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -20,9 +20,9 @@ import torch
 @contextmanager
 def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
     """Within the block, transformers' Llama, Mistral, Qwen2, Qwen3, Phi-3, DeepSeek-V3,
-    Gemma 3 and Bamba compute RMSNorm and RoPE in the model's dtype (Bamba: its gated RMSNorm
-    and its Mamba-2 scan too, whose ``.float()`` calls keep a float64 tensor as it is; Qwen3.5:
-    :func:`qwen35_float64_lifted`).
+    DeepSeek-V3.2, Gemma 3 and Bamba compute RMSNorm and RoPE in the model's dtype (Bamba: its
+    gated RMSNorm and its Mamba-2 scan too, whose ``.float()`` calls keep a float64 tensor as it
+    is; Qwen3.5: :func:`qwen35_float64_lifted`).
 
     transformers computes both in float32 whatever the model's dtype (an upcast meant for half
     precision), so an FP64 Llama differs from an exact FP64 computation by about 1e-7 there;
@@ -75,7 +75,8 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
         lifted = {"RMSNorm": rms_norm, "RMSNormGated": gated_rms_norm, "RotaryEmbedding": rotary}
     elif model_type == "gemma3_text":
         lifted = {"RMSNorm": gemma_rms_norm, "RotaryEmbedding": gemma_rotary}
-    elif model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3", "deepseek_v3"):
+    elif model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3", "deepseek_v3",
+                        "deepseek_v32"):
         split_width = config.hidden_size // config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or split_width
         theta = float(config.rope_parameters["rope_theta"])

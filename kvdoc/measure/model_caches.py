@@ -241,12 +241,12 @@ def config_cache(config: object, windows: bool = True) -> ModelCache:
     >>> config_cache(mistral_config(sliding_window=16)).layers[0].window
     16
     """
-    if hasattr(config, "kv_lora_rank"):
-        layers = [mla_layer(config.kv_lora_rank, config.qk_rope_head_dim)] * config.n_layer
+    if hasattr(config, "kv_lora_rank"):  # and an indexed layer's indexer key (DeepSeek-V3.2)
+        per_token = config.latent_dim + getattr(config, "index_head_dim", 0)
+        layers = [LayerCache(per_token)] * config.n_layer
     else:
-        per_layer = getattr(config, "layer_windows", None)
-        if per_layer is None:
-            per_layer = [getattr(config, "sliding_window", None)] * config.n_layer
+        per_layer = (getattr(config, "layer_windows", None)
+                     or [getattr(config, "sliding_window", None)] * config.n_layer)
         layers = [attention_layer(config.n_kv_head, config.head_dim, w if windows else None)
                   for w in per_layer]
     return ModelCache(type(config).__name__, tuple(layers), config.n_positions,

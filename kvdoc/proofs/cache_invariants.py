@@ -107,6 +107,8 @@ def shape_problems(cache: KVCache) -> list[str]:
             if tuple(t.shape) != want or t.dtype != cache.dtype:
                 problems.append(f"layer {i}: {tuple(t.shape)} {t.dtype}, want {want} {cache.dtype}")
                 break
+        if hasattr(layer, "shape_problems"):  # a layer composed of parts (an indexed one)
+            problems += [f"layer {i}: {p}" for p in layer.shape_problems(T)]
     if isinstance(cache, StaticCache) and not T <= cache.capacity:
         problems.append(f"{T} positions in a capacity of {cache.capacity}")
     if isinstance(cache, PagedCache):

@@ -19,7 +19,7 @@ from kvdoc.core.state import restore, snapshot, state_layers
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
 
 from .case import Case, CheckResult, scenario
-from .compare import Snapshot, close, max_abs, run_cached
+from .compare import Snapshot, close, held_rows, max_abs, run_cached
 
 DECODE_CUT = 20
 """Where the full batch stops in ``prefill_decode`` and ``generate`` when the stream checks made
@@ -217,7 +217,7 @@ def _failure(case: Case, out: list) -> None:
             same_shape = cache.seq_len == P and all(
                 tuple(now.shape) == tuple(old.shape)
                 for i, pair in enumerate(before.layers)
-                for old, now in zip(pair, cache.layer(i), strict=True))
+                for old, now in zip(pair, held_rows(cache, i), strict=True))
             changed = before.changed(cache, P) if same_shape else float("inf")
         except Exception:  # what the code under test raised instead: a failure too
             changed = float("inf")

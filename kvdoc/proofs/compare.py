@@ -25,6 +25,7 @@ from kvdoc.core.cache import KV, KVCache
 from kvdoc.core.feed import chunk_lengths, feed
 from kvdoc.core.model import Decoder, GPTConfig, apply_rope
 from kvdoc.core.state import StateLayer
+from kvdoc.core.v4 import rotate, rotation
 
 from .broken.decoders import stale_prefix
 from .variants import VARIANTS
@@ -54,6 +55,14 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return a.shape == b.shape and bool(torch.allclose(a, b, atol=tol, rtol=tol))
 
 
+def held_rows(cache: KVCache, i: int) -> tuple[torch.Tensor, ...]:
+    """Layer ``i``'s tensors of the positions it holds, ``[B, H, rows, width]``: K and V (or a
+    latent), and an indexed layer's indexer keys (:mod:`kvdoc.core.indexed`) after them."""
+    layer = cache.layers[i]
+    keys = (layer.read_keys(cache.seq_len),) if hasattr(layer, "read_keys") else ()
+    return (*cache.layer(i), *keys)
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """A copy of what a cache holds: each layer's positions (``held(i)``) and tensors."""
@@ -64,7 +73,7 @@ class Snapshot:
     @classmethod
     def of(cls, cache: KVCache) -> Snapshot:
         return cls([cache.held(i) for i in range(cache.n_layer)],
-                   [tuple(t.clone() for t in cache.layer(i)) for i in range(cache.n_layer)])
+                   [tuple(t.clone() for t in held_rows(cache, i)) for i in range(cache.n_layer)])
 
     def changed(self, cache: KVCache, rows: int | None = None) -> float:
         """Largest change in ``cache`` of the positions below ``rows`` (default all) held then;
@@ -81,7 +90,7 @@ class Snapshot:
             keep = range(was.start, min(was.stop, was.stop if rows is None else rows))
             if len(keep) and (keep.start < now.start or keep.stop > now.stop):
                 return math.inf
-            for old, cur in zip(pair, cache.layer(i), strict=True):
+            for old, cur in zip(pair, held_rows(cache, i), strict=True):
                 if cur.shape[2] != len(now):
                     return math.inf
                 a = old[:, :, keep.start - was.start: keep.stop - was.start]
@@ -199,12 +208,23 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
         return [attn.k_proj.register_forward_hook(k_hook),
                 attn.v_proj.register_forward_hook(v_hook)]
 
+    def shared_kv_hook(attn):  # a V4 layer's K = V, off its kv_norm, turned as cached
+        def hook(module, inputs, output):
+            T = output.shape[1]
+            turn = rotation(torch.arange(T, device=output.device), cfg.rope_head_dim,
+                            attn.theta, output.dtype)
+            kv = rotate(output[:, None], *turn)
+            captured.append((kv, kv))
+        return hook
+
     handles = []
     for block in model.h:
         # a recurrent mixer (DeltaNet's linear_attn, Mamba-2's mamba) states its own
         attn = (getattr(block, "attn", None) or getattr(block, "self_attn", None)
                 or next((m for m in block.children() if hasattr(m, "final_state")), None))
-        if hasattr(attn, "kv_a_proj_with_mqa"):
+        if hasattr(attn, "kv_norm") and hasattr(attn, "sinks"):
+            handles.append(attn.kv_norm.register_forward_hook(shared_kv_hook(attn)))
+        elif hasattr(attn, "kv_a_proj_with_mqa"):
             handles.append(attn.kv_a_proj_with_mqa.register_forward_hook(latent_hook(attn)))
         elif hasattr(attn, "c_attn"):
             handles.append(attn.c_attn.register_forward_hook(c_attn_hook(attn)))

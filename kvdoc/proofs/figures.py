@@ -23,6 +23,7 @@ from kvdoc.measure.model_caches import config_cache
 
 from .cache_invariants import held_tensors, tensor_bytes
 from .case import Case, scenario
+from .compare import held_rows
 
 MEASURES = {"config_cache": config_cache, "step_traffic": step_traffic}
 # kinds whose tensors hold exactly their positions (a static cache's capacity and a pool's
@@ -36,7 +37,7 @@ def _fill(case: Case, batch: int):
 
 
 def _layer_bytes(cache) -> list[int]:
-    return [tensor_bytes(list(cache.layer(i))) for i in range(cache.n_layer)]
+    return [tensor_bytes(list(held_rows(cache, i))) for i in range(cache.n_layer)]
 
 
 def byte_problems(case: Case) -> list[str]:

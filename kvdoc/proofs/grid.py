@@ -10,10 +10,10 @@ of its decode step is proved not to cost correctness). Something not registered 
 ``run_suite(model=...)``.
 
 >>> sorted(MODELS)  # doctest: +NORMALIZE_WHITESPACE
-['bamba', 'deep', 'deltanet', 'gemma3', 'gemma3-global-first', 'gqa', 'llama', 'mha',
- 'mistral', 'mla', 'mla-absorbed', 'mqa', 'qwen2', 'qwen3', 'split-k']
+['bamba', 'deep', 'deltanet', 'gemma3', 'gemma3-global-first', 'gqa', 'indexed', 'llama',
+ 'mha', 'mistral', 'mla', 'mla-absorbed', 'mqa', 'qwen2', 'qwen3', 'split-k', 'v4-compressed']
 >>> sorted(CACHES), sorted(IMPLEMENTATIONS)  # doctest: +NORMALIZE_WHITESPACE
-(['dynamic', 'hybrid', 'paged', 'shared-prefix', 'state', 'static', 'window'],
+(['compressed', 'dynamic', 'hybrid', 'paged', 'shared-prefix', 'state', 'static', 'window'],
  ['fast', 'model'])
 >>> MODELS["gqa"].build(0).config.n_kv_head
 2
@@ -23,6 +23,8 @@ of its decode step is proved not to cost correctness). Something not registered 
 [('paged', 'model'), ('hybrid', 'model')]
 >>> served(MODELS["bamba"].build(0).config)  # a recurrent state: its own cache kind
 [('state', 'model')]
+>>> served(MODELS["indexed"].build(0).config)  # its cache composes the indexer keys'
+[('dynamic', 'model'), ('static', 'model')]
 """
 
 from __future__ import annotations
@@ -38,19 +40,23 @@ from kvdoc.core.cache import KVCache
 from kvdoc.core.deltanet import DeltaNetConfig, DeltaNetDecoder, GatedRMSNorm
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder, GemmaRMSNorm
+from kvdoc.core.indexed import IndexedConfig, IndexedDecoder
 from kvdoc.core.mamba2 import Mamba2Config, MambaDecoder
 from kvdoc.core.mla import MLAConfig, MLADecoder
 from kvdoc.core.model import Decoder, GPTConfig, llama_config, mistral_config
 from kvdoc.core.state import StateSpec
+from kvdoc.core.v4 import CompressedConfig, CompressedDecoder
 from kvdoc.serving.paged import new_paged_cache, new_shared_prefix_cache
 from kvdoc.serving.splitk import split_k_decoder
 
 from .references import (
     bamba_reference,
     deepseek_reference,
+    deepseek_v32_reference,
     mha_reference,
     qwen35_reference,
     transformers_reference,
+    v4_reference,
 )
 
 STREAM_LENGTH = 67
@@ -84,6 +90,17 @@ MLA = MLAConfig(vocab_size=89, n_positions=256, n_layer=1, n_head=3, n_embd=48, 
 """Every size off :class:`~kvdoc.core.mla.MLAConfig`'s default (V's head width not the
 non-rotary key's); a rotary width of 6, the smallest at which DeepSeek's permutation differs
 from its inverse (:mod:`kvdoc.proofs.broken.loaders`)."""
+INDEXED = IndexedConfig(**dataclasses.asdict(MLA), index_n_heads=2, index_head_dim=10, index_topk=7)
+"""MLA's sizes with DeepSeek-V3.2's indexer, every indexer size off
+:class:`~kvdoc.core.indexed.IndexedConfig`'s default: 7 keys a query of the 67-token stream, so
+the selection matters from position 7 on; 2 indexer heads, so a quarter of the keys score an
+exact 0 and ties at the 7th place are common (18 of the stream's 134 rows in FP32 at seed 0):
+the grid runs on ties."""
+INDEXED_SCENARIOS = ("stream", "last_only", "reference", "counted", "crop", "branch", "failure",
+                     "bytes", "edges", "padded")
+"""What the indexed model runs: the selection's paths (chunks, steps, a pad mask, the reference)
+and its composed cache's life (bytes, crop, branches, a failed call); generation, weights and low
+precision see nothing the MLA models do not."""
 GEMMA = Gemma3Config(vocab_size=89, n_positions=256, n_head=6, n_kv_head=3, n_embd=48, n_inner=96,
                      head_dim=12, query_pre_attn_scalar=20, n_layer=3, sliding_window=WINDOW,
                      sliding_window_pattern=3, layer_norm_epsilon=1e-5,
@@ -119,6 +136,23 @@ STATE_SCENARIOS = ("stream", "last_only", "reference", "prefill_decode", "crop",
 """The checks that see a state layer (a fork, a refused crop and a restored snapshot, a refused
 padded call, a state that does not grow); the rest (a fresh copy, weights changed in place,
 quantised K/V) see nothing a state adds to the attention models' runs."""
+V4 = CompressedConfig(vocab_size=89, n_positions=256, layer_types=("hca", "csa"),
+                      n_embd=40, n_head=3, head_dim=14, rope_head_dim=6, q_lora_rank=11,
+                      o_groups=3, o_lora_rank=5, n_inner=56, sliding_window=7, csa_rate=3,
+                      hca_rate=5, index_n_heads=8, index_head_dim=10, index_topk=3,
+                      rope_theta=5000.0, compress_rope_theta=70000.0, layer_norm_epsilon=1e-5,
+                      tie_word_embeddings=True)
+"""Every size off :class:`~kvdoc.core.v4.CompressedConfig`'s default, an HCA layer then a CSA
+layer (a window-only layer is the window part of either, matched in tests/test_compressed.py):
+blocks of 5 and of 3 (the indexer picking 3 entries), which neither the stream (67) nor a chunk
+of 2 or 13 divides, and a window of 7, which the stream and the chunk of 13 cross. 8 indexer
+heads: an entry every head's ReLU zeroes scores 0, a tie; with 8 heads one in 256 does, so the
+reference (whose top-k breaks ties its own way) rarely meets one."""
+V4_SCENARIOS = ("stream", "reference", "crop", "failure", "bytes", "edges")
+"""What the V4 model runs, the checks that see its caches (last_only, prefill and decode_step,
+generate, fresh and weights are Decoder's, run on every other model): not ``padded`` (its
+blocks count from each row's position 0, so it refuses per-row positions), nor the byte figures
+or quantised caches, which know K/V and latent layers only."""
 LAYOUT_SCENARIOS = ("stream", "counted", "reference")
 """The checks that see a layer out of order or of the wrong type, which the deep and global-first
 models run; the rest see nothing a twelfth layer or a global layer first adds."""
@@ -128,7 +162,8 @@ def _decoder(config: GPTConfig | MLAConfig) -> Callable[[int], nn.Module]:
     def build(seed: int) -> nn.Module:
         torch.manual_seed(seed)
         cls = {MLAConfig: MLADecoder, Gemma3Config: Gemma3Decoder, DeltaNetConfig: DeltaNetDecoder,
-               Mamba2Config: MambaDecoder}.get(type(config), Decoder)
+               Mamba2Config: MambaDecoder, IndexedConfig: IndexedDecoder,
+               CompressedConfig: CompressedDecoder}.get(type(config), Decoder)
         model = cls(config).eval()
         with torch.no_grad():  # Gemma's norms start at zero weight: norms swapped would not show
             for norm in (m for m in model.modules()
@@ -159,8 +194,18 @@ def _spread_mamba(model: MambaDecoder) -> None:
             p.uniform_(-1.0, 1.5)  # A = -exp(A_log): decays from fast to slow
 
 
-def _rows(config: object) -> bool:  # every layer caches rows (a recurrent layer keeps a state)
-    return not any(isinstance(spec, StateSpec) for spec in config.cache_layout)
+def _stateful(config: object) -> bool:  # a recurrent layer keeps a state, not rows
+    return any(isinstance(spec, StateSpec) for spec in config.cache_layout)
+
+
+def _pooled(config: GPTConfig | MLAConfig) -> bool:
+    # a pool's blocks hold the layout's two tensors a layer; an indexed layer holds four
+    return not isinstance(config, IndexedConfig)
+
+
+def _rows(config: object) -> bool:
+    # every layer caches whole rows: not a recurrent state, nor a V4 model's pooled blocks
+    return not _stateful(config) and not isinstance(config, CompressedConfig)
 
 
 @dataclass(frozen=True)
@@ -224,6 +269,14 @@ MODELS: dict[str, ModelSpec] = {
     "mla-absorbed": ModelSpec("MLA, the same model, cached calls absorbed into the latent",
                               _decoder(dataclasses.replace(MLA, absorb=True)),
                               deepseek_reference, "transformers DeepSeek-V3, same weights"),
+    # DeepSeek-V3.2: each query reads the top 7 keys its indexer scores, ties to the earlier one;
+    # transformers breaks ties by topk, which depends on the row's length, so the reference is
+    # transformers with kvdoc's tie rule (kvdoc.core.indexed says why)
+    "indexed": ModelSpec("DeepSeek-V3.2-style indexed attention: MLA of mla's sizes, each query "
+                         "reads the top 7 of its indexer's 2-head scores, ties to the earlier",
+                         _decoder(INDEXED), deepseek_v32_reference,
+                         "transformers DeepSeek-V3.2, same weights, ties to the earlier position",
+                         scenarios=INDEXED_SCENARIOS),
     # 12 layers: a loader or payload that orders layers by name ("h.10" before "h.2") shows
     "deep": ModelSpec("Llama-style, 12 layers, width 16, 2 query heads, 1 K/V head",
                       _decoder(DEEP), transformers_reference, "transformers Llama, same weights",
@@ -249,6 +302,13 @@ MODELS: dict[str, ModelSpec] = {
                        "[B, 12, 12, 10], conv state of 2 inputs; RoPE on half of each head",
                        _decoder(MAMBA2), bamba_reference, "transformers Bamba, same weights",
                        scenarios=STATE_SCENARIOS),
+    # DeepSeek-V4's attention with dense MLPs: matched to transformers at the layer
+    # (tests/test_compressed.py), as transformers' V4 is MoE-only with hyper-connections
+    "v4-compressed": ModelSpec("DeepSeek-V4-style: an HCA layer (blocks of 5), a CSA layer (blocks "
+                               "of 3, top 3); window 7, K = V, sinks",
+                               _decoder(V4), v4_reference,
+                               "kvdoc's decoder with transformers' DeepseekV4Attention layers",
+                               scenarios=V4_SCENARIOS),
 }
 CACHES: dict[str, CacheSpec] = {
     "dynamic": CacheSpec(lambda m, b, cap: m.new_cache(b, "dynamic"), in_place=False,
@@ -259,13 +319,18 @@ CACHES: dict[str, CacheSpec] = {
                         serves=lambda config: _kv(config) and config.sliding_window is not None),
     # every position of every layer in blocks of the pool's layout (K/V or an MLA latent); a
     # windowed layer's own mask limits what it reads, as over a dynamic cache
-    "paged": CacheSpec(new_paged_cache, in_place=True, serves=_rows),
-    "shared-prefix": CacheSpec(new_shared_prefix_cache, in_place=False, serves=_rows),
+    "paged": CacheSpec(new_paged_cache, in_place=True,
+                       serves=lambda config: _pooled(config) and _rows(config)),
+    "shared-prefix": CacheSpec(new_shared_prefix_cache, in_place=False,
+                               serves=lambda config: _pooled(config) and _rows(config)),
     "hybrid": CacheSpec(lambda m, b, cap: m.new_cache(b, "hybrid"), in_place=False,
                         serves=lambda config: hasattr(config, "layer_windows")),
     # a state layer per recurrent layer, a growing K/V layer per attention layer
     "state": CacheSpec(lambda m, b, cap: m.new_cache(b, "state"), in_place=False,
-                       serves=lambda config: not _rows(config)),
+                       serves=_stateful),
+    # a V4 model's window, entries and block buffers (kvdoc.core.compressed)
+    "compressed": CacheSpec(lambda m, b, cap: m.new_cache(b, "compressed"), in_place=False,
+                            serves=lambda config: isinstance(config, CompressedConfig)),
 }
 
 

@@ -85,6 +85,33 @@ def qwen35_reference(model: nn.Module) -> Reference:
     from kvdoc.interop.hf_qwen35 import to_qwen35
 
     return hf_reference(to_qwen35(model), model)
+def deepseek_v32_reference(model: nn.Module) -> Reference:
+    # transformers' DeepSeek-V3.2, its indexer's ties broken as kvdoc breaks them (earlier
+    # position first): what its full forward computes where no scores tie
+    from kvdoc.interop.hf_deepseek_v32 import earliest_ties, to_v32
+
+    reference = hf_reference(to_v32(model), model)
+
+    def tied(ids: torch.Tensor) -> torch.Tensor:
+        with earliest_ties():
+            return reference(ids)
+
+    return tied
+
+
+def v4_reference(model: nn.Module) -> Reference:
+    """kvdoc's V4 decoder with transformers' ``DeepseekV4Attention`` in each block (its MoE and
+    hyper-connections leave no whole model to compare), FP32 islands lifted in FP64."""
+    from kvdoc.interop.hf_deepseek_v4 import float64_lifted, with_transformers_attention
+
+    ref = with_transformers_attention(model)
+    lift = float64_lifted if _dtype(model) == torch.float64 else contextlib.nullcontext
+
+    def reference(ids: torch.Tensor) -> torch.Tensor:
+        with lift():
+            return ref(ids).logits
+
+    return reference
 
 
 def hf_reference(hf: nn.Module, model: nn.Module) -> Reference:

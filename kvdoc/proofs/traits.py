@@ -8,7 +8,7 @@ can host.
 >>> check_traits({"rope", "shiny"})
 Traceback (most recent call last):
 ...
-ValueError: unknown trait 'shiny'; the traits are decoder, deep, deltanet, fused, ...
+ValueError: unknown trait 'shiny'; the traits are compressed, decoder, deep, deltanet, ...
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from functools import cache
 
 from kvdoc.core.deltanet import DeltaNetConfig
 from kvdoc.core.gemma import Gemma3Config
+from kvdoc.core.indexed import IndexedConfig
 from kvdoc.core.mamba2 import Mamba2Config
 from kvdoc.core.mla import MLAConfig
 from kvdoc.core.model import GPTConfig
+from kvdoc.core.v4 import CompressedConfig
 
 from .grid import MODELS
 
@@ -30,6 +32,10 @@ TRAITS: dict[str, str] = {
     "gemma": "a Gemma 3 decoder (q/k norms, two RoPE bases, soft-capped logits)",
     "kv": "caches K and V per head (not a latent)",
     "latent": "caches MLA's latent c_KV and rotary key instead of K and V",
+    "indexed": "each query reads the top k keys an indexer scores (DeepSeek-V3.2), indexer keys "
+               "cached beside the latent",
+    "compressed": "a DeepSeek-V4 decoder: a window of K = V rows, pooled entries of finished "
+                  "blocks and the unfinished block's rows, learned sinks",
     "learned": "learned absolute positions (wpe), which Decoder.forward(positions=...) replaces",
     "rope": "rotary positions, turned inside the attention",
     "fused": "a decoder the fused fast step runs (FastDecoder has no q/k norms)",
@@ -45,7 +51,7 @@ TRAITS: dict[str, str] = {
     "deep": "10 or more layers: layer indices of two digits, so an order by name ('10' before "
             "'2') is not the order by number",
 }
-FAMILIES = ("decoder", "gemma", "latent", "deltanet", "mamba")
+FAMILIES = ("decoder", "gemma", "latent", "deltanet", "mamba", "compressed")
 """The traits that say which code a model is: a variant subclasses one family's."""
 
 
@@ -60,7 +66,10 @@ def check_traits(names: Iterable[str]) -> frozenset[str]:
 def traits(config: object) -> frozenset[str]:
     """The traits of a model with ``config``; ``ValueError`` for a config kvdoc does not know."""
     if isinstance(config, MLAConfig):
-        return frozenset({"latent", "rope"})
+        return frozenset({"latent", "rope"} | ({"indexed"} if isinstance(config, IndexedConfig)
+                                               else set()))
+    if isinstance(config, CompressedConfig):
+        return frozenset({"compressed", "rope"})
     if isinstance(config, DeltaNetConfig):
         found = {"deltanet", "state", "kv", "rope"}  # K/V in its attention layers
     elif isinstance(config, Mamba2Config):

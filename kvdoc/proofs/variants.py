@@ -23,7 +23,9 @@ from .broken import (
     arithmetic,
     cache_kinds,
     caches,
+    compressed,
     decoders,
+    indexed,
     loaders,
     mamba,
     measures,
@@ -83,7 +85,7 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "rotary positions", "state across calls", "configuration value", "stale weights",
                "byte accounting", "int8 contract", "window and block edges", "padded batches",
                "fp8 contract", "low precision", "payload dtype",
-               "loader layout")
+               "loader layout", "key selection")
 """The kinds of mistake the variants stand for."""
 
 
@@ -292,6 +294,36 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   "the SSD's chunked form carries the state into the next chunk without the "
                   "decay over the chunk (full forward and long calls alike)",
                   mamba.ssd_undecayed_carry, "shared path", needs={"mamba", "state"}),
+    # DeepSeek-V3.2's indexed attention: which keys each query reads (kvdoc.core.indexed)
+    BrokenVariant("index-topk-new-rows",
+                  "a cached call's indexer ranks only the call's own keys: the top k are taken "
+                  "over the new rows, and the cached positions are never read",
+                  lambda m: indexed.indexed_as(m, indexed.NewRowsTopkDecoder), "key selection",
+                  needs={"latent", "indexed"}),
+    BrokenVariant("index-ties-topk",
+                  "ties among the indexer's scores are left to torch.topk over the whole row "
+                  "(transformers' rule), whose order depends on the row's length: a row's keys "
+                  "depend on how many follow it", lambda m: indexed.indexed_as(
+                      m, indexed.TopkTiesDecoder), "key selection", needs={"latent", "indexed"}),
+    BrokenVariant("index-keys-unforked",
+                  "a call on a dynamic cache forks the latent's layer but not the indexer keys', "
+                  "so the cache it continues gains indexer keys beside an unchanged latent",
+                  lambda m: indexed.indexed_as(m, indexed.UnforkedKeysDecoder), "cache storage",
+                  needs={"latent", "indexed"}, kinds=("dynamic",)),
+    # DeepSeek-V4's compressed caches: block edges inside a call's end, and a shared-path sink
+    _swap("v4-entry-before-block-full",
+          "a compressed layer pools its unfinished block when a call ends (its last row repeated "
+          "to fill it): an entry emitted before its block is full", "window and block edges",
+          {"compressed": compressed.early_entry_cache}, "compressed", _as_is,
+          needs={"compressed"}),
+    _swap("v4-buffer-dropped",
+          "a compressed layer drops the unfinished block's rows at every call's end, so the "
+          "block's entry pools only the rows of later calls", "window and block edges",
+          {"compressed": compressed.dropped_buffer_cache}, "compressed", _as_is,
+          needs={"compressed"}),
+    _swap("v4-sink-twice",
+          "each head's sink logit enters the softmax twice, in full and cached calls alike",
+          "shared path", {}, "compressed", compressed.sink_twice, needs={"compressed"}),
     _swap("split-k-pad-leak",
           "split-K attention takes one mask for every row in its first chunk of keys, so a "
           "padded row reads the pad keys there", "padded batches", {},

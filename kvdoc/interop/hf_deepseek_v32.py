@@ -1,0 +1,183 @@
+"""transformers' DeepSeek-V3.2 (dense layers) to and from kvdoc's
+:class:`~kvdoc.core.indexed.IndexedDecoder`.
+
+The names and the RoPE convention are DeepSeek-V3's (:mod:`kvdoc.interop.hf_deepseek`): the
+attention's rotary rows move from interleaved pairs to kvdoc's half-split layout (transformers'
+``DeepseekV32Attention`` always rotates interleaved); the indexer's own rotary part is half-split
+in both, so its weights (``self_attn.indexer.*``) load as they are. Only dense models load: a
+``"sparse"`` entry in ``mlp_layer_types`` (the MoE) is refused by name.
+
+transformers breaks ties among the indexer's scores by ``torch.topk``, whose order depends on the
+length of the row it ranks (:mod:`kvdoc.core.indexed` says where and why); :func:`earliest_ties`
+runs it with kvdoc's rule instead, which is what its cached and full paths then both compute.
+
+>>> from kvdoc.core.indexed import IndexedConfig
+>>> _ = torch.manual_seed(0)
+>>> hf = v32_model(IndexedConfig(index_topk=3))
+>>> ours = from_v32(hf)
+>>> ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
+>>> with earliest_ties():
+...     torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from kvdoc.core.indexed import IndexedConfig, IndexedDecoder
+from kvdoc.interop.hf_config import NORMS_AND_DOWN, OUTER, holding, load_exported, outer_weights
+from kvdoc.interop.hf_deepseek import rope_rows
+
+_ATTENTION = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+              "kv_b_proj", "o_proj")
+_INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
+
+
+def v32_config(config: IndexedConfig) -> Any:
+    """The transformers ``DeepseekV32Config`` of the same model: every layer dense.
+
+    >>> hf_config = v32_config(IndexedConfig())
+    >>> hf_config.mlp_layer_types, config_from_v32(hf_config) == IndexedConfig()
+    (['dense', 'dense'], True)
+    """
+    from transformers import DeepseekV32Config
+
+    c = config
+    return DeepseekV32Config(
+        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.n_inner,
+        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_head,
+        q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
+        qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
+        v_head_dim=c.v_head_dim, index_n_heads=c.index_n_heads, index_head_dim=c.index_head_dim,
+        index_topk=c.index_topk, first_k_dense_replace=c.n_layer,
+        mlp_layer_types=["dense"] * c.n_layer, max_position_embeddings=c.n_positions,
+        rms_norm_eps=c.layer_norm_epsilon,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        tie_word_embeddings=c.tie_word_embeddings, attention_bias=False, attention_dropout=0.0,
+        hidden_act="silu", bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def config_from_v32(hf_config: Any) -> IndexedConfig:
+    """The :class:`IndexedConfig` of a transformers ``DeepseekV32Config``; a ValueError naming
+    the MoE layers, scaled RoPE, attention biases or another activation.
+
+    >>> from transformers import DeepseekV32Config
+    >>> config_from_v32(DeepseekV32Config(num_hidden_layers=4))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: DeepseekV32 layers [3] are mixture-of-experts ('sparse' in mlp_layer_types); ...
+    """
+    if getattr(hf_config, "model_type", None) != "deepseek_v32":
+        raise ValueError(f"expected a deepseek_v32 config, got {hf_config.model_type!r}")
+    sparse = [i for i, kind in enumerate(hf_config.mlp_layer_types) if kind != "dense"]
+    if sparse:
+        raise ValueError(f"DeepseekV32 layers {sparse} are mixture-of-experts ('sparse' in "
+                         "mlp_layer_types); kvdoc loads dense layers only")
+    rope = dict(hf_config.rope_parameters or {})
+    for name, value, allowed in (("rope_type", rope.get("rope_type", "default"), "default"),
+                                 ("attention_bias", hf_config.attention_bias, False),
+                                 ("hidden_act", hf_config.hidden_act, "silu")):
+        if value != allowed:
+            raise ValueError(f"DeepseekV32 config has {name}={value!r}; kvdoc loads default "
+                             "RoPE, no attention bias, SiLU")
+    c = hf_config
+    return IndexedConfig(
+        vocab_size=c.vocab_size, n_positions=c.max_position_embeddings,
+        n_layer=c.num_hidden_layers, n_head=c.num_attention_heads, n_embd=c.hidden_size,
+        n_inner=c.intermediate_size, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
+        qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
+        v_head_dim=c.v_head_dim, layer_norm_epsilon=c.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        tie_word_embeddings=bool(c.tie_word_embeddings), index_n_heads=c.index_n_heads,
+        index_head_dim=c.index_head_dim, index_topk=c.index_topk)
+
+
+def _move_rope(state: dict[str, torch.Tensor], config: IndexedConfig, prefix: str,
+               interleaved_to_split: bool) -> None:
+    q_rows, kv_rows = rope_rows(config, interleaved_to_split)
+    for name, rows in (("q_b_proj.weight", q_rows), ("kv_a_proj_with_mqa.weight", kv_rows)):
+        state[prefix + name] = state[prefix + name][rows]
+
+
+def from_v32(hf_model: Any) -> IndexedDecoder:
+    """An :class:`IndexedDecoder` with the weights of transformers' ``DeepseekV32ForCausalLM``
+    (dense layers only), in the model's dtype, in eval mode."""
+    config = config_from_v32(hf_model.config)
+    state = hf_model.state_dict()
+    mapped = outer_weights(state)
+    for i in range(config.n_layer):
+        src, dst = f"model.layers.{i}.", f"h.{i}."
+        mapped.update({dst + ours + ".weight": state[src + theirs + ".weight"]
+                       for theirs, ours in NORMS_AND_DOWN.items()})
+        mapped.update({f"{dst}attn.{name}.weight": state[f"{src}self_attn.{name}.weight"]
+                       for name in _ATTENTION})
+        mapped.update({f"{dst}attn.indexer.{name}": state[f"{src}self_attn.indexer.{name}"]
+                       for name in _INDEXER})
+        mapped[dst + "mlp.c_fc.weight"] = torch.cat((state[src + "mlp.gate_proj.weight"],
+                                                     state[src + "mlp.up_proj.weight"]))
+        _move_rope(mapped, config, dst + "attn.", interleaved_to_split=True)
+    return holding(IndexedDecoder(config), mapped)
+
+
+def to_v32(model: IndexedDecoder) -> Any:
+    """transformers' ``DeepseekV32ForCausalLM`` holding ``model``'s weights, in its dtype, in eval
+    mode; the global RNG is left as it was."""
+    from transformers import DeepseekV32ForCausalLM
+
+    config, state = model.config, dict(model.state_dict())
+    with torch.random.fork_rng():
+        hf = DeepseekV32ForCausalLM(v32_config(config))
+    mapped = {theirs: state[ours] for theirs, ours in OUTER.items()}
+    for i in range(config.n_layer):
+        src, dst = f"h.{i}.", f"model.layers.{i}."
+        _move_rope(state, config, src + "attn.", interleaved_to_split=False)
+        mapped.update({dst + theirs + ".weight": state[src + ours + ".weight"]
+                       for theirs, ours in NORMS_AND_DOWN.items()})
+        mapped.update({f"{dst}self_attn.{name}.weight": state[f"{src}attn.{name}.weight"]
+                       for name in _ATTENTION})
+        mapped.update({f"{dst}self_attn.indexer.{name}": state[f"{src}attn.indexer.{name}"]
+                       for name in _INDEXER})
+        gate, up = state[src + "mlp.c_fc.weight"].chunk(2)
+        mapped.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
+    return load_exported(hf, mapped, model, "DeepseekV32")
+
+
+def v32_model(config: IndexedConfig | None = None, seed: int = 0,
+              dtype: torch.dtype = torch.float32) -> Any:
+    """A transformers ``DeepseekV32ForCausalLM`` with random weights from ``config`` (default
+    :class:`IndexedConfig`), every layer dense, built offline, in eval mode."""
+    torch.manual_seed(seed)
+    from transformers import DeepseekV32ForCausalLM
+
+    return DeepseekV32ForCausalLM(v32_config(config or IndexedConfig())).to(dtype).eval()
+
+
+def earliest_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
+                  sorted: bool = True) -> Any:
+    """``torch.topk``'s result with ties to the earlier index (a stable sort), whatever the
+    length of the dimension.
+
+    >>> earliest_topk(torch.tensor([1., 0., 0., 0., 0.]), 2).indices
+    tensor([0, 1])
+    """
+    if not largest:
+        raise ValueError("earliest_topk ranks the largest values only")
+    values, indices = self.sort(dim=dim, descending=True, stable=True)
+    return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
+@contextmanager
+def earliest_ties() -> Iterator[None]:
+    """Within the block, ``Tensor.topk`` is :func:`earliest_topk`: transformers' indexer then
+    breaks ties as kvdoc does. (Its dense layers call no other ``topk``.)"""
+    original = torch.Tensor.topk
+    torch.Tensor.topk = earliest_topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = original

@@ -1,0 +1,164 @@
+"""What each query of a sparse layer reads, recorded from the running model, and drawn.
+
+Two kinds of layer read fewer rows than every earlier position: an indexed layer
+(:mod:`kvdoc.core.indexed`, DeepSeek-V3.2) reads the top ``k`` positions its indexer scores; a
+compressed layer (:mod:`kvdoc.core.v4`, DeepSeek-V4) reads a window of rows and the entries of
+finished blocks. The functions here record those reads off the layers' own methods (no second
+implementation of the rule), so that a page can show them and check what a cache must keep.
+
+>>> unfinished(9, 4), unfinished(11, 4)   # after 10 positions, rows 8 and 9 wait; after 12, none
+(range(8, 10), range(12, 12))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import torch
+
+from kvdoc.core.feed import chunk_lengths
+from kvdoc.proofs.compare import run_cached
+
+
+@contextmanager
+def _recording(objects: Sequence[object], method: str) -> Iterator[list[torch.Tensor]]:
+    """Within the block, each object's ``method`` also appends what it returns (or, for
+    ``attend``, its mask argument) to the yielded list, in call order."""
+    seen: list[torch.Tensor] = []
+    for obj in objects:
+        original = getattr(obj, method)
+
+        def spy(*args, original=original, **kwargs):
+            out = original(*args, **kwargs)
+            seen.append(args[2] if method == "attend" else out)
+            return out
+        setattr(obj, method, spy)
+    try:
+        yield seen
+    finally:
+        for obj in objects:
+            delattr(obj, method)  # the class's method shows through again
+
+
+class IndexedTrace(NamedTuple):
+    """``reads`` bool ``[B, L, T, T]``: query ``i`` of layer ``l`` reads key ``j``;
+    ``scores`` ``[B, L, T, T]``: the indexer's score of key ``j`` for query ``i`` (``-inf``
+    after the query)."""
+
+    reads: torch.Tensor
+    scores: torch.Tensor
+
+
+@torch.no_grad()
+def indexed_trace(model: torch.nn.Module, ids: torch.Tensor,
+                  chunks: int | Sequence[int] | None = None) -> IndexedTrace:
+    """The keys every query of an :class:`~kvdoc.core.indexed.IndexedDecoder` reads, and its
+    indexer's scores, in a full forward of ``ids`` ``[B, T]`` (``chunks`` None) or fed through
+    a new cache in ``chunks`` (as :func:`~kvdoc.proofs.compare.run_cached`).
+
+    >>> from kvdoc.core.indexed import IndexedConfig, IndexedDecoder
+    >>> _ = torch.manual_seed(0)
+    >>> model = IndexedDecoder(IndexedConfig(index_topk=3)).eval()
+    >>> ids = torch.tensor([[5, 1, 8, 2, 9, 4]])
+    >>> trace = indexed_trace(model, ids)
+    >>> trace.reads.sum(-1)[0, 0].tolist()          # query i reads min(i + 1, 3) keys
+    [1, 2, 3, 3, 3, 3]
+    >>> torch.equal(indexed_trace(model, ids, [4, 1, 1]).reads, trace.reads)
+    True
+    """
+    B, T = ids.shape
+    layers = [block.attn for block in model.h]
+    L = len(layers)
+    reads = torch.zeros(B, L, T, T, dtype=torch.bool)
+    scores = torch.full((B, L, T, T), float("-inf"), dtype=torch.float64)
+    indexers = [attn.indexer for attn in layers]
+    with _recording(layers, "choose") as chosen, _recording(indexers, "scores") as scored:
+        if chunks is None:
+            model(ids)
+            lengths = [T]
+        else:
+            lengths = chunk_lengths(T, chunks)
+            run_cached(model, ids, lengths)
+    starts = [sum(lengths[:n]) for n in range(len(lengths))]
+    for n, (start, C) in enumerate(zip(starts, lengths, strict=True)):
+        for layer in range(L):
+            picked, s = chosen[n * L + layer], scored[n * L + layer]  # [B, C, keys so far]
+            keys = picked.shape[-1]
+            reads[:, layer, start:start + C, :keys] = picked
+            if s.shape[-1] != keys:  # a variant that scores other keys than it picks from
+                continue
+            causal = torch.ones(C, keys, dtype=torch.bool).tril(start)
+            scores[:, layer, start:start + C, :keys] = s.double().masked_fill(~causal,
+                                                                              float("-inf"))
+    return IndexedTrace(reads, scores)
+
+
+def unfinished(t: int, rate: int) -> range:
+    """The positions of the unfinished block once query ``t`` has been read (``t + 1``
+    positions): the rows a compressed layer holds in its buffer, ``(t + 1) mod rate`` of them."""
+    return range((t + 1) // rate * rate, t + 1)
+
+
+class CompressedReads(NamedTuple):
+    """What every query of one compressed layer reads: ``window`` bool ``[B, T, T]`` (query
+    ``t`` reads the K = V row of position ``j``), ``entries`` bool ``[B, T, N]`` (query ``t``
+    reads entry ``w``, which pools positions ``w x rate .. (w + 1) x rate - 1``; None for a
+    window-only layer), and the layer's ``rate`` (None: window-only)."""
+
+    window: torch.Tensor
+    entries: torch.Tensor | None
+    rate: int | None
+
+
+@torch.no_grad()
+def compressed_reads(model: torch.nn.Module, ids: torch.Tensor) -> list[CompressedReads]:
+    """Per layer of a :class:`~kvdoc.core.v4.CompressedDecoder`, what each query of a full
+    forward of ``ids`` ``[B, T]`` reads: the mask its softmax is given, split into the window's
+    rows and the entries.
+
+    >>> from kvdoc.core.v4 import CompressedConfig, CompressedDecoder
+    >>> _ = torch.manual_seed(0)
+    >>> model = CompressedDecoder(CompressedConfig()).eval()      # csa (4), hca (8), sliding
+    >>> reads = compressed_reads(model, torch.randint(0, 97, (1, 20)))
+    >>> [r.rate for r in reads], reads[1].entries[0, 19].tolist()  # 20 rows: 2 blocks of 8
+    ([4, 8, None], [True, True])
+    >>> reads[0].entries[0].sum(-1).max().item()                    # CSA: the top 2 of 5
+    2
+    """
+    T = ids.shape[1]
+    layers = [block.attn for block in model.h]
+    with _recording(layers, "attend") as masks:
+        model(ids)
+    out = []
+    for attn, mask in zip(layers, masks, strict=True):
+        rate = None if attn.compressor is None else attn.compressor.rate
+        out.append(CompressedReads(mask[..., :T], None if rate is None else mask[..., T:], rate))
+    return out
+
+
+@torch.no_grad()
+def entries_changed(model: torch.nn.Module, ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """bool ``[T, N]``: whether entry ``w`` of layer ``layer``'s compressed cache, after a
+    prefill of ``ids`` ``[1, T]``, changes (bit for bit) when the token at position ``p`` is
+    replaced by the next id: which positions an entry depends on.
+
+    >>> from kvdoc.core.v4 import CompressedConfig, CompressedDecoder
+    >>> _ = torch.manual_seed(0)
+    >>> model = CompressedDecoder(CompressedConfig(layer_types=("hca",))).eval()
+    >>> c = entries_changed(model, torch.randint(0, 97, (1, 17)), 0)   # blocks of 8
+    >>> c[:8, 0].all().item(), c[8:16, 1].all().item(), c.sum().item()   # position 16 waits
+    (True, True, 16)
+    """
+    def entries(tokens: torch.Tensor) -> torch.Tensor:
+        _, cache = model(tokens, model.new_cache(1))
+        return cache.layers[layer].entries[0]  # [N, E]
+
+    before = entries(ids)
+    changed = []
+    for p in range(ids.shape[1]):
+        edited = ids.clone()
+        edited[0, p] = (edited[0, p] + 1) % model.config.vocab_size
+        changed.append((entries(edited) != before).any(-1))
+    return torch.stack(changed)
