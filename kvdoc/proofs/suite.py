@@ -32,6 +32,7 @@ from . import (
     fp8_contract,
     grid,
     int8_contract,
+    invariant_mode,
     precision,
 )
 from .case import REGISTRY, Case, CheckResult
@@ -39,7 +40,7 @@ from .compare import DTYPE_NAMES, TOLERANCE
 from .variants import VARIANTS
 
 CHECK_MODULES = (equivalence, figures, calls, cache_invariants, int8_contract, fp8_contract,
-                 precision)
+                 invariant_mode, precision)
 """The modules whose scenarios run, in this order: the cheap ones first, as a sweep stops at a
 variant's first failure."""
 _RANK = {module.__name__: rank for rank, module in enumerate(CHECK_MODULES)}

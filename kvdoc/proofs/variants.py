@@ -81,7 +81,8 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "rotary positions", "state across calls", "configuration value", "stale weights",
                "byte accounting", "int8 contract", "window and block edges", "padded batches",
                "fp8 contract", "low precision", "payload dtype",
-               "loader layout")
+               "loader layout", "mode vs its function", "option off the grid",
+               "state left behind")
 """The kinds of mistake the variants stand for."""
 
 
@@ -275,5 +276,17 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
           "split-K attention takes one mask for every row in its first chunk of keys, so a "
           "padded row reads the pad keys there", "padded batches", {},
           build=padded.pad_leak_split_k),
+    # issue #46: an alternative path held to the function outside it, an option's other
+    # value, the state a policy leaves
+    BrokenVariant("invariant-tiled-gqa",
+                  "under batch_invariant(), query head h reads K/V head h % H_kv, not its "
+                  "group's (the same bits on every call)",
+                  _attention(arithmetic.InvariantTiledAttention), "mode vs its function",
+                  needs={"decoder", "grouped"}, kinds=("dynamic",)),
+    BrokenVariant("invariant-fp32-in-fp64",
+                  "under batch_invariant(), an FP64 model attends in FP32 (the same bits on "
+                  "every call, within FP32's tolerance)",
+                  _attention(arithmetic.InvariantNarrowAttention), "mode vs its function",
+                  kinds=("dynamic",), dtypes=(torch.float64,)),
 )}
 """Every broken variant, by name."""
