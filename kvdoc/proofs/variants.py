@@ -28,6 +28,7 @@ from .broken import (
     measures,
     padded,
     rotary,
+    serving,
 )
 from .traits import FAMILIES, check_traits, grid_traits, traits
 
@@ -288,5 +289,9 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   "every call, within FP32's tolerance)",
                   _attention(arithmetic.InvariantNarrowAttention), "mode vs its function",
                   kinds=("dynamic",), dtypes=(torch.float64,)),
+    _swap("speculative-stale-draft-row",
+          "after a rejection the draft's cache is cropped to the right length but keeps the "
+          "first rejected proposal's K/V row (the tokens stay the target's)",
+          "state left behind", {"speculative": serving.stale_draft_speculative}),
 )}
 """Every broken variant, by name."""
