@@ -289,6 +289,10 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   "every call, within FP32's tolerance)",
                   _attention(arithmetic.InvariantNarrowAttention), "mode vs its function",
                   kinds=("dynamic",), dtypes=(torch.float64,)),
+    _swap("fp8-e5m2-saturates-at-448",
+          "the FP8 cache's write saturates at e4m3's 448 whatever the storage format: e5m2 "
+          "values past 448 scales are clipped", "option off the grid",
+          {"fp8": cache_kinds.e4m3_clamp_fp8_cache}),
     _swap("speculative-stale-draft-row",
           "after a rejection the draft's cache is cropped to the right length but keeps the "
           "first rejected proposal's K/V row (the tokens stay the target's)",
