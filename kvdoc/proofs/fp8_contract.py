@@ -4,10 +4,11 @@ The FP8 cache (:mod:`kvdoc.serving.fp8`) is lossy, so, like the int8 cache, it i
 contract in each of :data:`SETTINGS` (per-tensor scales calibrated on another stream, which the
 checked stream can exceed, so saturation is exercised; both storage formats, e4m3 and e5m2):
 held rows and, once set, scales never change (bitwise); the scales are the stated ones; every
-value read back is a number of the format times its scale, within :func:`~kvdoc.serving.fp8.element_error_bound` of what was written; every
-attention read within :func:`~kvdoc.serving.fp8.read_error_bound` of the exact read; its bytes
-as its tensors. :func:`measure_fp8` and :func:`greedy_agreement` measure what the contract does
-not say (never asserted).
+value read back is a number of the format times its scale, within
+:func:`~kvdoc.serving.fp8.element_error_bound` of what was written; every attention read within
+:func:`~kvdoc.serving.fp8.read_error_bound` of the exact read; its bytes as its tensors.
+:func:`measure_fp8` and :func:`greedy_agreement` measure what the contract does not say (never
+asserted).
 """
 
 from __future__ import annotations
@@ -107,8 +108,8 @@ def _one(case: Case, model: torch.nn.Module, call, granularity: str,
     ratio = max((r.error / r.bound for r in reads if r.bound > 0), default=0.0)
     source = "calibrated on another stream" if calibrated else "from the first prefill"
     detail = (problems[0] if problems else
-              f"{storage}, {granularity} scales {source}; {fed} positions in {len(FP8_CHUNKS)} calls "
-              f"({saturated} values saturated): held "
+              f"{storage}, {granularity} scales {source}; {fed} positions in "
+              f"{len(FP8_CHUNKS)} calls ({saturated} values saturated): held "
               f"rows changed by {changed:.1e}, scales off by {scale_off:.1e}, worst breach of an "
               f"element's bound {breach:.1e} (in scales); {len(reads)} attention reads, error at "
               f"most {ratio:.2f} of its bound, excess {excess:.1e}")
