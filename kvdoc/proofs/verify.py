@@ -106,27 +106,71 @@ class ProcessCheck(NamedTuple):
         return self.passed != self.variant
 
 
-def process_checks(variants: bool = True) -> list[ProcessCheck]:
-    """Run every check across processes (with ``variants``, the broken ones too)."""
+LAYOUTS = (("tp=2, GQA 4/2", "llama", 2, 1), ("cp=2, GQA 4/2", "llama", 1, 2),
+           ("tp=2, Q/K/V biases", "qwen2", 2, 1), ("cp=2, a window of 5", "mistral", 1, 2))
+"""The decode layouts of the default run, ``(name, model, tp, cp)`` on 2 ranks: the branches a
+configuration picks that 2 ranks reach (each rank's K/V heads, biases split with their heads,
+a window over positions spread across ranks)."""
+THOROUGH_LAYOUTS = (("tp=2, MQA: 1 K/V head on both ranks", "mqa", 2, 1),
+                    ("tp=2, GPT-2: MHA, learned positions, biases", "gpt2", 2, 1),
+                    ("tp=4, 2 K/V heads each on 2 ranks", "llama", 4, 1),
+                    ("tp=4, GPT-2: 1 K/V head a rank, biases", "gpt2", 4, 1),
+                    ("tp=2 cp=2, a window of 5", "mistral", 2, 2),
+                    ("cp=4, a window of 5", "mistral", 1, 4))
+"""What ``--thorough`` adds: replication with one and with several K/V heads (4 ranks, more than
+the model's 2 K/V heads), MHA, and TP and CP together."""
+
+
+def process_layouts(thorough: bool = False, variants: bool = True) -> list[tuple[str, str, int,
+                                                                                 int, object]]:
+    """``(name, model, tp, cp, parts)`` of each decode run across processes (``parts`` None:
+    the correct ones); a broken layout of 4 ranks runs only when ``thorough``.
+
+    >>> [(name, tp * cp) for name, _, tp, cp, _ in process_layouts(variants=False)][:2]
+    [('tp=2, GQA 4/2', 2), ('cp=2, GQA 4/2', 2)]
+    >>> len(process_layouts(True, False)) - len(process_layouts(False, False))
+    6
+    """
+    runs = [(*layout, None) for layout in LAYOUTS + (THOROUGH_LAYOUTS if thorough else ())]
+    if variants:
+        runs += [(name, b.model, b.tp, b.cp, b.parts) for name, b in PARALLEL_BROKEN.items()
+                 if thorough or b.tp * b.cp == 2]
+    return runs
+
+
+def _decode_checks(thorough: bool, variants: bool, latent: list) -> tuple[list, list]:
+    """Every decode layout, launched once per number of ranks (the latent jobs with the runs on
+    2 ranks): ``(comparisons, latent results per rank)``."""
+    models: dict = {}
+    jobs = [Job(name, models.setdefault(model, build_model(model)), PROMPT, NEW, tp, cp,
+                *(() if parts is None else (parts,)))
+            for name, model, tp, cp, parts in process_layouts(thorough, variants)]
+    compared, latents = [], []
+    for world in sorted({j.tp * j.cp for j in jobs}):
+        these = [j for j in jobs if j.tp * j.cp == world]
+        calls = [(rank_jobs, (these,))] + ([(rank_latent_jobs, (latent,))] if world == 2 else [])
+        per_rank = launch(together, check_jobs(these), calls, backend="gloo")
+        compared += compare_jobs(these, [r[0] for r in per_rank])
+        latents = [r[1] for r in per_rank] if world == 2 else latents
+    return compared, latents
+
+
+def process_checks(variants: bool = True, thorough: bool = False) -> list[ProcessCheck]:
+    """Run every check across processes (with ``variants``, the broken ones too; ``thorough``,
+    :data:`THOROUGH_LAYOUTS` and the broken layouts on 4 ranks)."""
     llama = build_model("llama")
-    jobs = [Job("tp=2", llama, PROMPT, NEW, 2, 1), Job("cp=2", llama, PROMPT, NEW, 1, 2)]
     mla = latent_model()
     latent = [LatentJob(f"latent, {mode}", mla, LATENT_PROMPTS, NEW, mode) for mode in MODES]
     if variants:
-        jobs += [Job(name, llama, PROMPT, NEW, b.tp, b.cp, b.parts)
-                 for name, b in PARALLEL_BROKEN.items()]
         latent += [LatentJob(name, mla, LATENT_PROMPTS, NEW, b.mode, b.split, b.bytes_rule)
                    for name, b in LATENT_BROKEN.items()]
     for j in latent:
         check_latent_job(j, 2)
-    decoded, latents = zip(*launch(together, check_jobs(jobs),
-                                   [(rank_jobs, (jobs,)), (rank_latent_jobs, (latent,))],
-                                   backend="gloo"),
-                           strict=True)
+    compared, latents = _decode_checks(thorough, variants, latent)
     out = [ProcessCheck(c.name if c.name in PARALLEL_BROKEN else f"parallel decode, {c.name}",
                         c.name in PARALLEL_BROKEN, "tokens, logits, each rank's K/V and bytes, "
                         "collectives, against one process", c.ok)
-           for c in compare_jobs(jobs, list(decoded))]
+           for c in compared]
     out += [ProcessCheck(j.name, j.name in LATENT_BROKEN, "MLA tokens, logits and each rank's "
                          "latent against one process, latent bytes against the formula",
                          compare_latent(j, [r[i] for r in latents]).ok)
@@ -276,7 +320,7 @@ def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start:
                 if not report.passed else [])
     problems += [f"variants not caught: {', '.join(missed)}"] if missed else []
     ran = time.perf_counter()
-    across = process_checks(variants=not args.no_variants)
+    across = process_checks(variants=not args.no_variants, thorough=args.thorough)
     print(f"\nAcross processes (torch.distributed, gloo; launched from this process), "
           f"{time.perf_counter() - ran:.1f} s:\n\n{processes_table(across)}")
     wrong = [c.name for c in across if not c.as_expected]
