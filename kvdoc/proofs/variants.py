@@ -293,6 +293,10 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
           "the FP8 cache's write saturates at e4m3's 448 whatever the storage format: e5m2 "
           "values past 448 scales are clipped", "option off the grid",
           {"fp8": cache_kinds.e4m3_clamp_fp8_cache}),
+    _swap("evict-first-block",
+          "block-mode eviction frees a leaf's first block and keeps its tail blocks under the "
+          "leaf's shortened tokens (every decision and count right)", "state left behind",
+          {"radix": serving.FirstBlockEviction}, "paged"),
     _swap("speculative-stale-draft-row",
           "after a rejection the draft's cache is cropped to the right length but keeps the "
           "first rejected proposal's K/V row (the tokens stay the target's)",

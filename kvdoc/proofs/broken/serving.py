@@ -1,7 +1,8 @@
 """Deliberately wrong parts of the serving layer, each a subclass of the real class changing one
-method it offers for that purpose (or a function in place of one): radix trees, hand-over
-packers, schedulers, a decoder that ignores per-row positions, the key of an offloaded block
-(:data:`OFFLOAD_BROKEN`), and a speculative rollback that leaves a rejected row in the draft.
+method it offers for that purpose (or a function in place of one): radix trees (one evicting the
+wrong block), hand-over packers, schedulers, a decoder that ignores per-row positions, the key of
+an offloaded block (:data:`OFFLOAD_BROKEN`), and a speculative rollback that leaves a rejected
+row in the draft.
 """
 
 from __future__ import annotations
@@ -54,6 +55,31 @@ class ShareLastBlock(RadixCache):
         length, blocks, node = self.match(prompt)
         length = min(length, len(prompt) - 1)  # BUG: not rounded down to whole blocks
         return length, blocks[:math.ceil(length / self.block_size)], node
+
+
+class FirstBlockEviction(RadixCache):
+    """BROKEN: block-mode eviction frees a leaf's first block, not its last, while the leaf's
+    tokens lose their tail as they should: every decision (which leaf, how many blocks, the
+    log) is right, but the blocks left hold the K/V of the positions after their own."""
+
+    def evict(self, blocks):
+        freed = 0
+        while freed < blocks:
+            leaves = [n for n in self.nodes() if not n.children and self.policy.may_evict(n)]
+            if not leaves:
+                break
+            leaf = min(leaves, key=self.policy.priority)
+            path = self.tokens_to(leaf)
+            n = 1 if self.unit == "block" else len(leaf.blocks)
+            self.evictions.append((path, n))
+            self.pool.release(leaf.blocks[:n])  # BUG: the head, not the tail
+            leaf.tokens, leaf.blocks = leaf.tokens[:-n * self.block_size], leaf.blocks[n:]
+            if not leaf.blocks:
+                del leaf.parent.children[path[len(path) - n * self.block_size:][:self.block_size]]
+                self.evicted_nodes += 1
+            freed += n
+        self.evicted_blocks += freed
+        return freed
 
 
 class IgnoreLocks(LRU):
