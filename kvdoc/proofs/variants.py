@@ -293,6 +293,11 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
           "the FP8 cache's write saturates at e4m3's 448 whatever the storage format: e5m2 "
           "values past 448 scales are clipped", "option off the grid",
           {"fp8": cache_kinds.e4m3_clamp_fp8_cache}),
+    _swap("import-top-level-rope-theta",
+          "from_transformers() reads RoPE's base from the config's top-level rope_theta, which "
+          "transformers 5 writes inside rope_parameters: every import turns at 10000",
+          "option off the grid", {"importer": loaders.import_top_level_rope_theta},
+          build=_as_is, needs={"decoder", "rope"}),
     _swap("evict-first-block",
           "block-mode eviction frees a leaf's first block and keeps its tail blocks under the "
           "leaf's shortened tokens (every decision and count right)", "state left behind",
