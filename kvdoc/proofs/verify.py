@@ -280,10 +280,17 @@ def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start:
     print("  approximate caches: int8 (scenario int8, on the dynamic kind; its own contract: "
           "held rows bitwise, each element within half its row's step, each attention read "
           "within its derived bound)")
-    print("  approximate caches: fp8 e4m3 (scenario fp8, on the dynamic kind; per-head scales from "
-          "the first prefill and per-tensor calibrated ones; held rows and scales bitwise, each "
-          "element within 2^-4 or its saturation, each attention read within its derived bound)")
+    print("  approximate caches: fp8 (scenario fp8, on the dynamic kind; e4m3 with per-head "
+          "scales from the first prefill and per-tensor calibrated ones, e5m2 with calibrated "
+          "ones; held rows and scales bitwise, each element within half a step or its "
+          "saturation, each attention read within its derived bound)")
     print("  padded batches: left-padded prompts with a pad mask (scenario padded)")
+    print("  alternative paths held to the function outside them: batch_invariant() full, "
+          "chunked and left-padded vs the default full forward (scenario invariant, FP32 and "
+          "FP64); from_transformers() of the exported model vs transformers (imported); a "
+          "prompt re-served from the blocks evictions left vs one full forward (evicted, paged "
+          "kind); speculative decoding's caches after its rounds vs fresh ones, and a perfect "
+          "draft accepting everything (speculative)")
     print("  BF16 and FP16 passes: every model's weights rounded to BF16 and FP16, full and "
           "cached within the derived n u max|logit| of their FP64 value (scenario bf16, "
           "dynamic kind, in the FP32 run)")
@@ -321,8 +328,10 @@ def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start:
     problems += [f"variants not caught: {', '.join(missed)}"] if missed else []
     ran = time.perf_counter()
     across = process_checks(variants=not args.no_variants, thorough=args.thorough)
+    added = ("" if args.thorough else
+             f" (--thorough adds decode at {'; '.join(n for n, *_ in THOROUGH_LAYOUTS)})")
     print(f"\nAcross processes (torch.distributed, gloo; launched from this process), "
-          f"{time.perf_counter() - ran:.1f} s:\n\n{processes_table(across)}")
+          f"{time.perf_counter() - ran:.1f} s{added}:\n\n{processes_table(across)}")
     wrong = [c.name for c in across if not c.as_expected]
     problems += [f"across processes, not as expected: {', '.join(wrong)}"] if wrong else []
     print(f"\nTotal: {time.perf_counter() - start:.1f} s")
