@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvdoc.core.mla import MLAConfig
 from kvdoc.measure.tables import markdown_table
 from kvdoc.parallel.blocks import Handover, handover_jobs
 from kvdoc.parallel.comparison import Job, build_model, check_jobs, compare_jobs, rank_jobs
@@ -121,6 +122,14 @@ THOROUGH_LAYOUTS = (("tp=2, MQA: 1 K/V head on both ranks", "mqa", 2, 1),
 the model's 2 K/V heads), MHA, and TP and CP together."""
 
 
+WIDE_LATENT = MLAConfig(vocab_size=97, n_layer=2, n_head=4, n_embd=48, n_inner=96,
+                        q_lora_rank=12, kv_lora_rank=24, qk_nope_head_dim=12,
+                        qk_rope_head_dim=6, v_head_dim=20)
+"""An MLA model whose widths all differ (V's head not the non-rotary key's, as in the grid's
+:data:`kvdoc.proofs.grid.MLA`) and whose query goes through a LoRA: the site's latent model
+has neither, so a head split that takes one width for another passes there."""
+
+
 def process_layouts(thorough: bool = False, variants: bool = True) -> list[tuple[str, str, int,
                                                                                  int, object]]:
     """``(name, model, tp, cp, parts)`` of each decode run across processes (``parts`` None:
@@ -159,8 +168,10 @@ def process_checks(variants: bool = True, thorough: bool = False) -> list[Proces
     """Run every check across processes (with ``variants``, the broken ones too; ``thorough``,
     :data:`THOROUGH_LAYOUTS` and the broken layouts on 4 ranks)."""
     llama = build_model("llama")
-    mla = latent_model()
+    mla, wide = latent_model(), latent_model(config=WIDE_LATENT)
     latent = [LatentJob(f"latent, {mode}", mla, LATENT_PROMPTS, NEW, mode) for mode in MODES]
+    latent += [LatentJob(f"latent, {mode}, widths that differ, query LoRA", wide,
+                         LATENT_PROMPTS, NEW, mode) for mode in MODES]
     if variants:
         latent += [LatentJob(name, mla, LATENT_PROMPTS, NEW, b.mode, b.split, b.bytes_rule)
                    for name, b in LATENT_BROKEN.items()]
