@@ -43,8 +43,9 @@ from .suite import DTYPES, SCENARIOS, SuiteReport, run_suite
 from .sweep import sweep_passes, variants_table, worker_map
 from .variants import VARIANTS
 
-FP64_SCENARIOS = ("stream", "reference", "invariant")
-"""Repeated in FP64 by default, where a path that rounds through FP32 shows."""
+FP64_SCENARIOS = ("stream", "reference", "invariant", "imported")
+"""Repeated in FP64 by default, where a path that rounds through FP32 shows (the mode's, an
+import's)."""
 FP64_CHUNKS = (2, 13)
 """Pairs (the last call a single token: the fast step) and a chunk that divides neither the
 stream, the window nor a block."""
@@ -53,7 +54,7 @@ def verify_passes(thorough: bool = False, seed: int = 0) -> list[dict]:
     :data:`FP64_SCENARIOS` in FP64; ``thorough``, everything in both on the thorough grid.
 
     >>> [p["dtypes"] for p in verify_passes()], verify_passes()[1]["scenarios"]
-    ([(torch.float32,), (torch.float64,)], ('stream', 'reference', 'invariant'))
+    ([(torch.float32,), (torch.float64,)], ('stream', 'reference', 'invariant', 'imported'))
     >>> len(verify_passes(thorough=True)), verify_passes(True, seed=3)[0]["seeds"]
     (1, (3, 4))
     """
