@@ -4,9 +4,11 @@ Which leaf or block eviction takes is a decision, and other checks compare decis
 oracle; what a request reads afterwards is the K/V in the blocks that survived. Here two prompts
 that share a prefix go through a :class:`~kvdoc.serving.radix.RadixCache` over a pool too small
 for both, so serving the second evicts from the first (a whole leaf, or its tail blocks one at a
-time); then the first is served again, from whatever the tree kept, and its tokens and every
-logit it computed must equal one full forward of its sequence, within the tolerance. Bookkeeping
-that keeps the right counts but the wrong rows passes every decision and fails here.
+time); then a prompt that follows the first into the middle of a block is served from
+whatever the tree kept, and its tokens and every logit it computed must equal one full forward
+of its sequence, within the tolerance; matches of any length (``"token"``, sharing and copying
+a partly matched block) and of whole blocks (``"block"``). Bookkeeping that keeps the right
+counts but the wrong rows passes every decision and fails here.
 
 It runs on the paged kind (the pool the tree's blocks live in), the model's own call.
 
@@ -14,7 +16,7 @@ It runs on the paged kind (the pool the tree's blocks live in), the model's own 
 >>> report = run_suite(models=("llama",), kinds=("paged",), impls=("model",),
 ...                    dtypes=(torch.float32,), scenarios=("evicted",))
 >>> report.passed, [r.detail.split(":")[0] for r in report.results]
-(True, ['evict=leaf', 'evict=block'])
+(True, ['evict=leaf, token matches', 'evict=block, token matches', 'evict=block, block matches'])
 """
 
 from __future__ import annotations
@@ -30,14 +32,23 @@ from .compare import close, max_abs
 BLOCK = 4
 SHARED, OWN, NEW = 8, 10, 3
 """Tokens of the prefix both prompts share, of each prompt's own part, generated after each."""
+DIVERGE = 6
+"""Where the re-served prompt leaves the first one, within its own part: position 14, inside
+the block of positions 12 to 15."""
 BLOCKS = 7
 """The pool: the first request keeps 5 blocks, the second needs 4 more than the 2 it shares."""
 
 
-def _reserved(case: Case, evict: str, tree_cls: type[RadixCache]) -> tuple[bool, float, str]:
+SETTINGS = (("leaf", "token"), ("block", "token"), ("block", "block"))
+"""``(evict, granularity)`` the scenario runs: whole leaves or tail blocks evicted, matches
+ending inside a block or at whole blocks only."""
+
+
+def _reserved(case: Case, evict: str, granularity: str,
+              tree_cls: type[RadixCache]) -> tuple[bool, float, str]:
     weight = case.model.wte.weight
     tree = tree_cls(BlockPool(case.model.config, BLOCKS, BLOCK, weight.dtype, weight.device),
-                    "token", evict=evict)
+                    granularity, evict=evict)
     row = case.ids[0].tolist()
     shared, first = row[:SHARED], row[SHARED:SHARED + OWN]
     other = case.alt[0, :OWN].tolist()
@@ -45,7 +56,9 @@ def _reserved(case: Case, evict: str, tree_cls: type[RadixCache]) -> tuple[bool,
     serve_prompt(case.model, tree, shared + other, NEW)  # makes room by evicting from the first
     if not tree.evicted_blocks:
         return False, float("inf"), f"evict={evict}: nothing was evicted, nothing checked"
-    again = serve_prompt(case.model, tree, shared + first, NEW)  # from the blocks left
+    # from the blocks left: the first prompt up to a position inside a block, then other
+    # tokens, so a token-granular match shares (and copies) a partly matched block
+    again = serve_prompt(case.model, tree, shared + first[:DIVERGE] + other[DIVERGE:], NEW)
     tokens = torch.tensor([again.tokens], device=weight.device)
     full = case.full(tokens[:, :-1])[:, again.matched:]
     want = full.argmax(dim=-1)[0].tolist()
@@ -55,8 +68,8 @@ def _reserved(case: Case, evict: str, tree_cls: type[RadixCache]) -> tuple[bool,
     ok = (close(again.logits, full, case.tol) and again.matched > 0
           and (picked == want[-NEW:] or float(gap[0, -NEW:].max()) <= 2 * case.tol))
     return ok, max_abs(again.logits, full), (
-        f"evict={evict}: {tree.evicted_blocks} blocks evicted, {again.matched} positions "
-        f"re-served from the blocks left, {full.shape[1]} computed")
+        f"evict={evict}, {granularity} matches: {tree.evicted_blocks} blocks evicted, "
+        f"{again.matched} positions re-served from the blocks left, {full.shape[1]} computed")
 
 
 @scenario("evicted", {"evicted": "after evictions (whole leaves, tail blocks), a prompt "
@@ -67,6 +80,6 @@ def _evicted(case: Case, out: list) -> None:
                                "the model's own call"))
         return
     tree_cls = case.caches.get("radix", RadixCache)  # a variant's tree
-    for evict in ("leaf", "block"):
-        ok, error, detail = _reserved(case, evict, tree_cls)
+    for evict, granularity in SETTINGS:
+        ok, error, detail = _reserved(case, evict, granularity, tree_cls)
         out.append(case.result("evicted", ok, error, detail))
