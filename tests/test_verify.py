@@ -159,7 +159,8 @@ def test_the_default_verify_catches_every_variant(name):
     ("static-last-layer-length", {"failure_after"}),  # ... after the last attention
     # in order it is right; the causality rerun of the last call is a second branch
     ("position-counter", {"causality", "crop", "branch", "failure", "failure_after",
-                          "speculative", "speculative_state", "speculative_perfect", "edges"}),
+                          "speculative", "speculative_state", "speculative_perfect", "edges",
+                          "evicted"}),
     ("rope-table-growth", {"fresh"}),            # right after a full forward over the stream
     ("fast-step-snapshot", {"weights"}),         # right until the weights change in place
     # generate_padded and the hand-over (tests: test_entry_points.py, test_handover.py) too
