@@ -3,9 +3,11 @@ broken variant, the checks across processes (:func:`process_checks`), and a verd
 status is 0 only if the implementation passed and every variant was caught.
 
 The checks across processes run from this process (pool workers cannot start ranks): decoding
-at TP = 2 and CP = 2, MLA's latent under TP and DP-attention, a prefill's blocks handed to a
-decode rank, a multi-turn workload served from offloaded blocks; each beside its broken variants
-(:mod:`kvdoc.proofs.broken.parallel`), which must fail.
+in each of :data:`LAYOUTS` (TP = 2 and CP = 2 on the models whose configuration picks a branch
+there: grouped K/V heads, biases, a window; ``--thorough`` adds :data:`THOROUGH_LAYOUTS`, on 4
+ranks too), MLA's latent under TP and DP-attention (also with widths that differ), a prefill's
+blocks handed to a decode rank, a multi-turn workload served from offloaded blocks; each beside
+its broken variants (:mod:`kvdoc.proofs.broken.parallel`), which must fail.
 """
 
 from __future__ import annotations
