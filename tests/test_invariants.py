@@ -17,7 +17,8 @@ from kvdoc.serving.quant import new_int8_cache
 
 FP32 = dict(dtypes=(torch.float32,))
 NEW = ["bytes", "edges", "padded", "int8"]  # the cache invariants and the int8 contract
-OLD = [s for s in SCENARIOS if s not in NEW and s != "counted"]  # counted: a later check
+LATER = ["counted", "invariant", "imported", "evicted"]  # checks added after these
+OLD = [s for s in SCENARIOS if s not in NEW and s not in LATER]
 
 # variant -> the check made for it
 MADE_FOR = {"pool-counts-k-only": "bytes", "int8-requantise": "int8", "int8-read-v-scale": "int8",

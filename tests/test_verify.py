@@ -159,7 +159,8 @@ def test_the_default_verify_catches_every_variant(name):
     ("static-last-layer-length", {"failure_after"}),  # ... after the last attention
     # in order it is right; the causality rerun of the last call is a second branch
     ("position-counter", {"causality", "crop", "branch", "failure", "failure_after",
-                          "speculative", "edges"}),
+                          "speculative", "speculative_state", "speculative_perfect", "edges",
+                          "evicted"}),
     ("rope-table-growth", {"fresh"}),            # right after a full forward over the stream
     ("fast-step-snapshot", {"weights"}),         # right until the weights change in place
     # generate_padded and the hand-over (tests: test_entry_points.py, test_handover.py) too
@@ -215,7 +216,8 @@ def test_the_default_verify_passes_and_says_what_it_ran(capsys, monkeypatch):
     assert all(r.passed is not False for r in report.results)
     # each skips kinds, impls or models it cannot take
     not_everywhere = ("generate", "crop", "speculative", "int8", "fp8", "edges", "padded",
-                      "bf16", "fp16", "bf16-reference", "fp16-reference", "counted")
+                      "bf16", "fp16", "bf16-reference", "fp16-reference", "counted",
+                      "invariant", "imported", "evicted")
     assert all(r.passed is not None for r in report.results if r.check not in not_everywhere)
     # it says what it ran: every registered model, cache kind, implementation and scenario
     lines = {line.strip().split(":")[0]: line.split(":", 1)[1].strip()

@@ -32,9 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 2)")
     parser.add_argument("--cp", type=_positive, default=1, metavar="M",
                         help="context-parallel ranks: positions split M ways (default 1)")
-    parser.add_argument("--models", default="gpt2,llama,mqa,mistral", metavar="NAMES",
+    parser.add_argument("--models", default="gpt2,llama,mqa,mistral,qwen2", metavar="NAMES",
                         help="comma-separated models to check (default: all of "
-                             "gpt2, llama, mqa, mistral)")
+                             "gpt2, llama, mqa, mistral, qwen2)")
     parser.add_argument("--prompt-len", type=_positive, default=7, metavar="P",
                         help="prompt tokens (default 7)")
     parser.add_argument("--new-tokens", type=_positive, default=6, metavar="N",

@@ -60,6 +60,7 @@ MODELS: dict[str, GPTConfig] = {
     "llama": llama_config(),                          # GQA 4 / 2, RoPE
     "mqa": llama_config(n_kv_head=1),                 # one K/V head: replicated under TP
     "mistral": mistral_config(sliding_window=5),      # a window shorter than the sequence
+    "qwen2": llama_config(qkv_bias=True),             # Q/K/V biases: split with their heads
 }
 """The configurations ``python -m kvdoc parallel`` checks (seeded weights, never trained)."""
 

@@ -72,12 +72,12 @@ def latent_rank_bytes(config: MLAConfig, mode: str, ranks: int, rank: int, batch
     return config_cache(config).kv_bytes(seq_len, held, dtype)
 
 
-def latent_model(seed: int = 0) -> MLADecoder:
-    """The site's small :class:`~kvdoc.core.mla.MLADecoder` (4 heads, a latent of 32 + 8),
-    weights from ``torch.manual_seed(seed)``, in eval mode."""
+def latent_model(seed: int = 0, config: MLAConfig | None = None) -> MLADecoder:
+    """The site's small :class:`~kvdoc.core.mla.MLADecoder` (4 heads, a latent of 32 + 8), or
+    one of ``config``, weights from ``torch.manual_seed(seed)``, in eval mode."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        return MLADecoder(MLAConfig()).eval()
+        return MLADecoder(config or MLAConfig()).eval()
 
 
 def _heads(full: LatentAttention, comm: Comm) -> LatentAttention:

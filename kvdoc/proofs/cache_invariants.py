@@ -226,16 +226,12 @@ PROMPTS = (7, 3, 5)  # the padded batch's prompt lengths, cycled over its rows
 STEPS = 3  # decode steps after the padded prefill
 
 
-@scenario("padded", {
-    "padded": "a left-padded batch, prefill and decode steps: each row vs its prompt alone"})
-def _padded(case: Case, out: list) -> None:
+def padded_run(case: Case) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int], bool]:
+    """A left-padded batch of the case's rows through its cached call, prefill then
+    :data:`STEPS` decode steps: each row's logits from its first real slot on, the row's own
+    tokens (prompt and continuation), the prompt lengths, and whether the cache's length is
+    the slots fed."""
     B = case.ids.shape[0]
-    if B < 2:
-        out.append(case.result("padded", None, 0.0, "a padded batch needs 2 rows or more"))
-        return
-    if state_layers(case.new_cache(1)):
-        out.append(_padding_refused(case))
-        return
     lengths = [PROMPTS[b % len(PROMPTS)] for b in range(B)]
     rows = [case.ids[b, :lengths[b] + STEPS] for b in range(B)]
     batch = left_pad([r[:n].tolist() for r, n in zip(rows, lengths, strict=True)])
@@ -250,7 +246,21 @@ def _padded(case: Case, out: list) -> None:
         got.append(logits)
         start += C
     got_all = torch.cat(got, dim=1)  # [B, L + STEPS, V]: row b's real slots from pad[b] on
+    return ([got_all[b:b + 1, int(pad[b]):] for b in range(B)], rows, lengths,
+            cache.seq_len == ids.shape[1] + STEPS)
+
+
+@scenario("padded", {
+    "padded": "a left-padded batch, prefill and decode steps: each row vs its prompt alone"})
+def _padded(case: Case, out: list) -> None:
+    if case.ids.shape[0] < 2:
+        out.append(case.result("padded", None, 0.0, "a padded batch needs 2 rows or more"))
+        return
+    if state_layers(case.new_cache(1)):
+        out.append(_padding_refused(case))
+        return
+    got, rows, lengths, length_ok = padded_run(case)
     # each row against itself alone: its prompt and continuation, no padding
-    pairs = [(got_all[b:b + 1, int(pad[b]):], case.full(r[None])) for b, r in enumerate(rows)]
+    pairs = [(g, case.full(r[None])) for g, r in zip(got, rows, strict=True)]
     out.append(case.compared("padded", pairs, f"prompts of {lengths} tokens, left-padded, then "
-                             f"{STEPS} decode steps", cache.seq_len == ids.shape[1] + STEPS))
+                             f"{STEPS} decode steps", length_ok))

@@ -86,25 +86,80 @@ def _greedy(case: Case, tokens: torch.Tensor, prompt: int) -> tuple[bool, float]
     return worst <= 2 * case.tol * (1 + float(best.abs().max().item())), worst
 
 
+def rounds_of_a_perfect_draft(new: int, k: int) -> list[int]:
+    """The proposals each round accepts when the draft always agrees with the target: ``k``,
+    or what the tokens still to produce leave room for (a round also adds the target's own).
+
+    >>> rounds_of_a_perfect_draft(10, 3), rounds_of_a_perfect_draft(1, 3)
+    ([3, 3, 1], [0])
+    """
+    accepted = []
+    while new > 0:
+        accepted.append(min(k, new - 1))
+        new -= accepted[-1] + 1
+    return accepted
+
+
+def _same_state(case: Case, cache: KVCache, model: nn.Module, kept: torch.Tensor,
+                new_cache) -> tuple[bool, float]:
+    """Whether ``cache`` holds what a fresh cache of ``model`` fed ``kept`` holds: its length,
+    and each layer's tensors within the tolerance."""
+    _, fresh = model(kept, new_cache(model, 1, kept.shape[1] + 8))
+    if cache.seq_len != fresh.seq_len:
+        return False, math.inf
+    pairs = [(a, b) for i in range(fresh.n_layer)
+             for a, b in zip(cache.layer(i), fresh.layer(i), strict=True)]
+    if any(a.shape != b.shape for a, b in pairs):
+        return False, math.inf
+    return (all(close(a, b, case.tol) for a, b in pairs),
+            max((max_abs(a, b) for a, b in pairs), default=0.0))
+
+
 @scenario("speculative", {
-    "speculative": "speculative decoding's tokens (draft, verify, crop) vs that argmax"})
+    "speculative": "speculative decoding's tokens (draft, verify, crop) vs that argmax",
+    "speculative_state": "after the rounds and their rejections, each model's cache vs a fresh "
+                         "one fed the tokens kept",
+    "speculative_perfect": "the target as its own draft: every proposal accepted"})
 def _speculative(case: Case, out: list) -> None:
     if case.impl != "model" or not case.new_cache(1).keeps_every_position:
         out.append(case.result("speculative", None, 0.0, "speculative_generate takes the model "
                                "and a cache that keeps every position (it crops)"))
         return
     new_cache = case.caches.get(case.kind, case.cache.new)
+    speculate = case.caches.get("speculative", speculative_generate)  # a variant's rollback
     prompt, k = case.ids[:1, :5], 3
     # past 32 positions (long-stream bugs), short of the stream's end: the verify call reaches
     # k positions past the last token
     new = min(40, case.ids.shape[1] - 5 - k)
-    run = speculative_generate(case.model, truncated_draft(case.model, 1), prompt, new, k=k,
-                               cache=lambda model, capacity: new_cache(model, 1, capacity))
+
+    def factory(model, capacity):
+        return new_cache(model, 1, capacity)
+
+    draft = truncated_draft(case.model, 1)
+    run = speculate(case.model, draft, prompt, new, k=k, cache=factory)
     ok, gap = _greedy(case, run.tokens, 5)
     ok = ok and run.tokens.shape[1] == 5 + new and sum(run.accepted) + run.rounds == new
     out.append(case.result("speculative", ok, gap,
                            f"{new} tokens, a 1-layer draft proposing {k} a round, "
                            f"{sum(run.accepted)} kept; vs argmax of one full forward"))
+    # what the rounds leave is what the next round reads: a rejected proposal's row kept in
+    # the draft costs only acceptance, never a token, so only the state shows it
+    kept = run.tokens[:, :-1]
+    states = [_same_state(case, c, m, kept, new_cache)
+              for c, m in ((run.target_cache, case.model), (run.draft_cache, draft))]
+    out.append(case.result("speculative_state", all(s for s, _ in states),
+                           max(e for _, e in states),
+                           f"target's and draft's caches after {run.rounds} rounds "
+                           f"({run.rounds - run.accepted.count(k)} with a rejection or a "
+                           "short last round) vs fresh caches fed the kept tokens"))
+    if case.kind != "dynamic":  # acceptance is the loop's, not a cache kind's: once a model
+        return
+    perfect = speculate(case.model, case.model, prompt, new, k=k, cache=factory)
+    want = rounds_of_a_perfect_draft(new, k)
+    out.append(case.result("speculative_perfect", perfect.accepted == want,
+                           float(sum(want) - sum(perfect.accepted)),
+                           f"accepted {sum(perfect.accepted)} of {sum(want)} proposals over "
+                           f"{perfect.rounds} rounds"))
 
 
 @scenario("crop", {"crop": "crop a filled cache, continue with other tokens"})

@@ -2,12 +2,13 @@
 
 The FP8 cache (:mod:`kvdoc.serving.fp8`) is lossy, so, like the int8 cache, it is held to a
 contract in each of :data:`SETTINGS` (per-tensor scales calibrated on another stream, which the
-checked stream can exceed, so saturation is exercised): held rows and, once set, scales never
-change (bitwise); the scales are the stated ones; every value read back is an e4m3 number times
-its scale, within :func:`~kvdoc.serving.fp8.element_error_bound` of what was written; every
-attention read within :func:`~kvdoc.serving.fp8.read_error_bound` of the exact read; its bytes
-as its tensors. :func:`measure_fp8` and :func:`greedy_agreement` measure what the contract does
-not say (never asserted).
+checked stream can exceed, so saturation is exercised; both storage formats, e4m3 and e5m2):
+held rows and, once set, scales never change (bitwise); the scales are the stated ones; every
+value read back is a number of the format times its scale, within
+:func:`~kvdoc.serving.fp8.element_error_bound` of what was written; every attention read within
+:func:`~kvdoc.serving.fp8.read_error_bound` of the exact read; its bytes as its tensors.
+:func:`measure_fp8` and :func:`greedy_agreement` measure what the contract does not say (never
+asserted).
 """
 
 from __future__ import annotations
@@ -34,10 +35,14 @@ from .compare import max_abs, run_cached
 from .int8_contract import INT8_CHUNKS, contract_run, judge, lossy_results, recorded
 
 FP8_CHUNKS = INT8_CHUNKS
-SETTINGS = (("per-head", False), ("per-tensor", True))
-"""``(granularity, calibrated)`` pairs the scenario runs: both granularities, both sources."""
-CHECK = ("fp8 cache: held rows and scales never change, values e4m3 times the stated scale within "
-         "2^-4 (or their saturation); every attention read within its derived bound")
+SETTINGS = (("per-head", False, "float8_e4m3fn"), ("per-tensor", True, "float8_e4m3fn"),
+            ("per-tensor", True, "float8_e5m2"))
+"""``(granularity, calibrated, storage)`` the scenario runs: both granularities, both sources,
+both formats (e5m2's range past e4m3's 448 shows only there, and saturates only under
+calibrated scales)."""
+CHECK = ("fp8 cache, e4m3 and e5m2: held rows and scales never change, values FP8 times the stated "
+         "scale within half a step (or their saturation); every attention read within its "
+         "derived bound")
 
 
 def row_breach(got: torch.Tensor, written: torch.Tensor, scale: torch.Tensor,
@@ -62,17 +67,19 @@ def row_breach(got: torch.Tensor, written: torch.Tensor, scale: torch.Tensor,
 
 
 def _one(case: Case, model: torch.nn.Module, call, granularity: str,
-         calibrated: bool) -> tuple[bool, float, str]:
+         calibrated: bool, storage: str) -> tuple[bool, float, str]:
     """``(passed, error, detail)`` of the contract for ``model``'s cached ``call``."""
     new = case.caches.get("fp8", new_fp8_cache)
     fed = sum(FP8_CHUNKS)
-    given = calibrate(model, case.alt[:, :fed], granularity) if calibrated else None
+    given = calibrate(model, case.alt[:, :fed], granularity, storage) if calibrated else None
     written: dict = {}
     stated: dict = {}  # layer -> the scales it states after each update: the reads' bound
     cache = recorded(new(model, case.ids.shape[0], case.ids.shape[1], granularity=granularity,
-                         scales=given), written, {}, stated)
+                         scales=given, fp8=storage), written, {}, stated)
     first: dict = {}  # layer -> its scales as first set
     fp8 = cache.layers[0].inner.fp8
+    if fp8 != getattr(torch, storage):
+        return False, math.inf, f"asked for {storage}, the cache stores {fp8}"
     scale_off, saturated = 0.0, 0
 
     def rows(start: int, n: int, after) -> float:
@@ -101,8 +108,8 @@ def _one(case: Case, model: torch.nn.Module, call, granularity: str,
     ratio = max((r.error / r.bound for r in reads if r.bound > 0), default=0.0)
     source = "calibrated on another stream" if calibrated else "from the first prefill"
     detail = (problems[0] if problems else
-              f"{granularity} scales {source}; {fed} positions in {len(FP8_CHUNKS)} calls "
-              f"({saturated} values saturated): held "
+              f"{storage}, {granularity} scales {source}; {fed} positions in "
+              f"{len(FP8_CHUNKS)} calls ({saturated} values saturated): held "
               f"rows changed by {changed:.1e}, scales off by {scale_off:.1e}, worst breach of an "
               f"element's bound {breach:.1e} (in scales); {len(reads)} attention reads, error at "
               f"most {ratio:.2f} of its bound, excess {excess:.1e}")
@@ -114,7 +121,7 @@ def _one(case: Case, model: torch.nn.Module, call, granularity: str,
 def _scenario(case: Case, out: list) -> None:
     # on a rounded model the element bound counts the model dtype's rounding
     out += lossy_results(case, "fp8", "FP8", lambda model, call, dtype: [
-        _one(case, model, call, granularity, calibrated) for granularity, calibrated in SETTINGS])
+        _one(case, model, call, *setting) for setting in SETTINGS])
 
 
 # --- measured, never asserted -------------------------------------------------------------------

@@ -9,8 +9,9 @@ message; the suite itself does not raise.
 >>> report.passed, report.combinations, report.failed_checks()  # the model itself, and FastDecoder
 (True, [('gqa', 'static', 'model', 'FP32'), ('gqa', 'static', 'fast', 'FP32')], [])
 >>> run_suite("position-counter", models=("mha",), kinds=("dynamic",), dtypes=(torch.float32,),
-...           length=40).failed_checks()
-['causality', 'speculative', 'crop', 'branch', 'failure', 'failure_after', 'edges']
+...           length=40).failed_checks()  # doctest: +NORMALIZE_WHITESPACE
+['causality', 'speculative', 'speculative_state', 'speculative_perfect', 'crop', 'branch',
+ 'failure', 'failure_after', 'edges']
 """
 
 from __future__ import annotations
@@ -31,15 +32,18 @@ from . import (
     figures,
     fp8_contract,
     grid,
+    imported,
     int8_contract,
+    invariant_mode,
+    policies,
     precision,
 )
 from .case import REGISTRY, Case, CheckResult
 from .compare import DTYPE_NAMES, TOLERANCE
 from .variants import VARIANTS
 
-CHECK_MODULES = (equivalence, figures, calls, cache_invariants, int8_contract, fp8_contract,
-                 precision)
+CHECK_MODULES = (equivalence, figures, calls, cache_invariants, policies, imported,
+                 int8_contract, fp8_contract, invariant_mode, precision)
 """The modules whose scenarios run, in this order: the cheap ones first, as a sweep stops at a
 variant's first failure."""
 _RANK = {module.__name__: rank for rank, module in enumerate(CHECK_MODULES)}

@@ -31,6 +31,7 @@ from .broken import (
     measures,
     padded,
     rotary,
+    serving,
     states,
 )
 from .traits import FAMILIES, check_traits, grid_traits, traits
@@ -85,7 +86,8 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "rotary positions", "state across calls", "configuration value", "stale weights",
                "byte accounting", "int8 contract", "window and block edges", "padded batches",
                "fp8 contract", "low precision", "payload dtype",
-               "loader layout", "key selection")
+               "loader layout", "key selection", "mode vs its function",
+               "option off the grid", "state left behind")
 """The kinds of mistake the variants stand for."""
 
 
@@ -328,5 +330,34 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
           "split-K attention takes one mask for every row in its first chunk of keys, so a "
           "padded row reads the pad keys there", "padded batches", {},
           build=padded.pad_leak_split_k),
+    # issue #46: an alternative path held to the function outside it, an option's other
+    # value, the state a policy leaves
+    BrokenVariant("invariant-tiled-gqa",
+                  "under batch_invariant(), query head h reads K/V head h % H_kv, not its "
+                  "group's (the same bits on every call)",
+                  _attention(arithmetic.InvariantTiledAttention), "mode vs its function",
+                  needs={"decoder", "grouped"}, kinds=("dynamic",)),
+    BrokenVariant("invariant-fp32-in-fp64",
+                  "under batch_invariant(), an FP64 model attends in FP32 (the same bits on "
+                  "every call, within FP32's tolerance)",
+                  _attention(arithmetic.InvariantNarrowAttention), "mode vs its function",
+                  kinds=("dynamic",), dtypes=(torch.float64,)),
+    _swap("fp8-e5m2-saturates-at-448",
+          "the FP8 cache's write saturates at e4m3's 448 whatever the storage format: e5m2 "
+          "values past 448 scales are clipped", "option off the grid",
+          {"fp8": cache_kinds.e4m3_clamp_fp8_cache}),
+    _swap("import-top-level-rope-theta",
+          "from_transformers() reads RoPE's base from the config's top-level rope_theta, which "
+          "transformers 5 writes inside rope_parameters: every import turns at 10000",
+          "option off the grid", {"importer": loaders.import_top_level_rope_theta},
+          build=_as_is, needs={"decoder", "rope"}),
+    _swap("evict-first-block",
+          "block-mode eviction frees a leaf's first block and keeps its tail blocks under the "
+          "leaf's shortened tokens (every decision and count right)", "state left behind",
+          {"radix": serving.FirstBlockEviction}, "paged"),
+    _swap("speculative-stale-draft-row",
+          "after a rejection the draft's cache is cropped to the right length but keeps the "
+          "first rejected proposal's K/V row (the tokens stay the target's)",
+          "state left behind", {"speculative": serving.stale_draft_speculative}),
 )}
 """Every broken variant, by name."""

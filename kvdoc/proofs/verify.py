@@ -3,9 +3,11 @@ broken variant, the checks across processes (:func:`process_checks`), and a verd
 status is 0 only if the implementation passed and every variant was caught.
 
 The checks across processes run from this process (pool workers cannot start ranks): decoding
-at TP = 2 and CP = 2, MLA's latent under TP and DP-attention, a prefill's blocks handed to a
-decode rank, a multi-turn workload served from offloaded blocks; each beside its broken variants
-(:mod:`kvdoc.proofs.broken.parallel`), which must fail.
+in each of :data:`LAYOUTS` (TP = 2 and CP = 2 on the models whose configuration picks a branch
+there: grouped K/V heads, biases, a window; ``--thorough`` adds :data:`THOROUGH_LAYOUTS`, on 4
+ranks too), MLA's latent under TP and DP-attention (also with widths that differ), a prefill's
+blocks handed to a decode rank, a multi-turn workload served from offloaded blocks; each beside
+its broken variants (:mod:`kvdoc.proofs.broken.parallel`), which must fail.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvdoc.core.mla import MLAConfig
 from kvdoc.measure.tables import markdown_table
 from kvdoc.parallel.blocks import Handover, handover_jobs
 from kvdoc.parallel.comparison import Job, build_model, check_jobs, compare_jobs, rank_jobs
@@ -42,8 +45,9 @@ from .suite import DTYPES, SCENARIOS, SuiteReport, run_suite
 from .sweep import sweep_passes, variants_table, worker_map
 from .variants import VARIANTS
 
-FP64_SCENARIOS = ("stream", "reference")
-"""Repeated in FP64 by default, where a path that rounds through FP32 shows."""
+FP64_SCENARIOS = ("stream", "reference", "invariant", "imported")
+"""Repeated in FP64 by default, where a path that rounds through FP32 shows (the mode's, an
+import's)."""
 FP64_CHUNKS = (2, 13)
 """Pairs (the last call a single token: the fast step) and a chunk that divides neither the
 stream, the window nor a block."""
@@ -52,7 +56,7 @@ def verify_passes(thorough: bool = False, seed: int = 0) -> list[dict]:
     :data:`FP64_SCENARIOS` in FP64; ``thorough``, everything in both on the thorough grid.
 
     >>> [p["dtypes"] for p in verify_passes()], verify_passes()[1]["scenarios"]
-    ([(torch.float32,), (torch.float64,)], ('stream', 'reference'))
+    ([(torch.float32,), (torch.float64,)], ('stream', 'reference', 'invariant', 'imported'))
     >>> len(verify_passes(thorough=True)), verify_passes(True, seed=3)[0]["seeds"]
     (1, (3, 4))
     """
@@ -106,27 +110,81 @@ class ProcessCheck(NamedTuple):
         return self.passed != self.variant
 
 
-def process_checks(variants: bool = True) -> list[ProcessCheck]:
-    """Run every check across processes (with ``variants``, the broken ones too)."""
-    llama = build_model("llama")
-    jobs = [Job("tp=2", llama, PROMPT, NEW, 2, 1), Job("cp=2", llama, PROMPT, NEW, 1, 2)]
-    mla = latent_model()
-    latent = [LatentJob(f"latent, {mode}", mla, LATENT_PROMPTS, NEW, mode) for mode in MODES]
+LAYOUTS = (("tp=2, GQA 4/2", "llama", 2, 1), ("cp=2, GQA 4/2", "llama", 1, 2),
+           ("tp=2, Q/K/V biases", "qwen2", 2, 1), ("cp=2, a window of 5", "mistral", 1, 2))
+"""The decode layouts of the default run, ``(name, model, tp, cp)`` on 2 ranks: the branches a
+configuration picks that 2 ranks reach (each rank's K/V heads, biases split with their heads,
+a window over positions spread across ranks)."""
+THOROUGH_LAYOUTS = (("tp=2, MQA: 1 K/V head on both ranks", "mqa", 2, 1),
+                    ("tp=2, GPT-2: MHA, learned positions, biases", "gpt2", 2, 1),
+                    ("tp=4, 2 K/V heads each on 2 ranks", "llama", 4, 1),
+                    ("tp=4, GPT-2: 1 K/V head a rank, biases", "gpt2", 4, 1),
+                    ("tp=2 cp=2, a window of 5", "mistral", 2, 2),
+                    ("cp=4, a window of 5", "mistral", 1, 4))
+"""What ``--thorough`` adds: replication with one and with several K/V heads (4 ranks, more than
+the model's 2 K/V heads), MHA, and TP and CP together."""
+
+
+WIDE_LATENT = MLAConfig(vocab_size=97, n_layer=2, n_head=4, n_embd=48, n_inner=96,
+                        q_lora_rank=12, kv_lora_rank=24, qk_nope_head_dim=12,
+                        qk_rope_head_dim=6, v_head_dim=20)
+"""An MLA model whose widths all differ (V's head not the non-rotary key's, as in the grid's
+:data:`kvdoc.proofs.grid.MLA`) and whose query goes through a LoRA: the site's latent model
+has neither, so a head split that takes one width for another passes there."""
+
+
+def process_layouts(thorough: bool = False, variants: bool = True) -> list[tuple[str, str, int,
+                                                                                 int, object]]:
+    """``(name, model, tp, cp, parts)`` of each decode run across processes (``parts`` None:
+    the correct ones); a broken layout of 4 ranks runs only when ``thorough``.
+
+    >>> [(name, tp * cp) for name, _, tp, cp, _ in process_layouts(variants=False)][:2]
+    [('tp=2, GQA 4/2', 2), ('cp=2, GQA 4/2', 2)]
+    >>> len(process_layouts(True, False)) - len(process_layouts(False, False))
+    6
+    """
+    runs = [(*layout, None) for layout in LAYOUTS + (THOROUGH_LAYOUTS if thorough else ())]
     if variants:
-        jobs += [Job(name, llama, PROMPT, NEW, b.tp, b.cp, b.parts)
-                 for name, b in PARALLEL_BROKEN.items()]
+        runs += [(name, b.model, b.tp, b.cp, b.parts) for name, b in PARALLEL_BROKEN.items()
+                 if thorough or b.tp * b.cp == 2]
+    return runs
+
+
+def _decode_checks(thorough: bool, variants: bool, latent: list) -> tuple[list, list]:
+    """Every decode layout, launched once per number of ranks (the latent jobs with the runs on
+    2 ranks): ``(comparisons, latent results per rank)``."""
+    models: dict = {}
+    jobs = [Job(name, models.setdefault(model, build_model(model)), PROMPT, NEW, tp, cp,
+                *(() if parts is None else (parts,)))
+            for name, model, tp, cp, parts in process_layouts(thorough, variants)]
+    compared, latents = [], []
+    for world in sorted({j.tp * j.cp for j in jobs}):
+        these = [j for j in jobs if j.tp * j.cp == world]
+        calls = [(rank_jobs, (these,))] + ([(rank_latent_jobs, (latent,))] if world == 2 else [])
+        per_rank = launch(together, check_jobs(these), calls, backend="gloo")
+        compared += compare_jobs(these, [r[0] for r in per_rank])
+        latents = [r[1] for r in per_rank] if world == 2 else latents
+    return compared, latents
+
+
+def process_checks(variants: bool = True, thorough: bool = False) -> list[ProcessCheck]:
+    """Run every check across processes (with ``variants``, the broken ones too; ``thorough``,
+    :data:`THOROUGH_LAYOUTS` and the broken layouts on 4 ranks)."""
+    llama = build_model("llama")
+    mla, wide = latent_model(), latent_model(config=WIDE_LATENT)
+    latent = [LatentJob(f"latent, {mode}", mla, LATENT_PROMPTS, NEW, mode) for mode in MODES]
+    latent += [LatentJob(f"latent, {mode}, widths that differ, query LoRA", wide,
+                         LATENT_PROMPTS, NEW, mode) for mode in MODES]
+    if variants:
         latent += [LatentJob(name, mla, LATENT_PROMPTS, NEW, b.mode, b.split, b.bytes_rule)
                    for name, b in LATENT_BROKEN.items()]
     for j in latent:
         check_latent_job(j, 2)
-    decoded, latents = zip(*launch(together, check_jobs(jobs),
-                                   [(rank_jobs, (jobs,)), (rank_latent_jobs, (latent,))],
-                                   backend="gloo"),
-                           strict=True)
+    compared, latents = _decode_checks(thorough, variants, latent)
     out = [ProcessCheck(c.name if c.name in PARALLEL_BROKEN else f"parallel decode, {c.name}",
                         c.name in PARALLEL_BROKEN, "tokens, logits, each rank's K/V and bytes, "
                         "collectives, against one process", c.ok)
-           for c in compare_jobs(jobs, list(decoded))]
+           for c in compared]
     out += [ProcessCheck(j.name, j.name in LATENT_BROKEN, "MLA tokens, logits and each rank's "
                          "latent against one process, latent bytes against the formula",
                          compare_latent(j, [r[i] for r in latents]).ok)
@@ -236,10 +294,17 @@ def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start:
     print("  approximate caches: int8 (scenario int8, on the dynamic kind; its own contract: "
           "held rows bitwise, each element within half its row's step, each attention read "
           "within its derived bound)")
-    print("  approximate caches: fp8 e4m3 (scenario fp8, on the dynamic kind; per-head scales from "
-          "the first prefill and per-tensor calibrated ones; held rows and scales bitwise, each "
-          "element within 2^-4 or its saturation, each attention read within its derived bound)")
+    print("  approximate caches: fp8 (scenario fp8, on the dynamic kind; e4m3 with per-head "
+          "scales from the first prefill and per-tensor calibrated ones, e5m2 with calibrated "
+          "ones; held rows and scales bitwise, each element within half a step or its "
+          "saturation, each attention read within its derived bound)")
     print("  padded batches: left-padded prompts with a pad mask (scenario padded)")
+    print("  alternative paths held to the function outside them: batch_invariant() full, "
+          "chunked and left-padded vs the default full forward (scenario invariant, FP32 and "
+          "FP64); from_transformers() of the exported model vs transformers (imported); a "
+          "prompt re-served from the blocks evictions left vs one full forward (evicted, paged "
+          "kind); speculative decoding's caches after its rounds vs fresh ones, and a perfect "
+          "draft accepting everything (speculative)")
     print("  BF16 and FP16 passes: every model's weights rounded to BF16 and FP16, full and "
           "cached within the derived n u max|logit| of their FP64 value (scenario bf16, "
           "dynamic kind, in the FP32 run)")
@@ -276,9 +341,11 @@ def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start:
                 if not report.passed else [])
     problems += [f"variants not caught: {', '.join(missed)}"] if missed else []
     ran = time.perf_counter()
-    across = process_checks(variants=not args.no_variants)
+    across = process_checks(variants=not args.no_variants, thorough=args.thorough)
+    added = ("" if args.thorough else
+             f" (--thorough adds decode at {'; '.join(n for n, *_ in THOROUGH_LAYOUTS)})")
     print(f"\nAcross processes (torch.distributed, gloo; launched from this process), "
-          f"{time.perf_counter() - ran:.1f} s:\n\n{processes_table(across)}")
+          f"{time.perf_counter() - ran:.1f} s{added}:\n\n{processes_table(across)}")
     wrong = [c.name for c in across if not c.as_expected]
     problems += [f"across processes, not as expected: {', '.join(wrong)}"] if wrong else []
     print(f"\nTotal: {time.perf_counter() - start:.1f} s")

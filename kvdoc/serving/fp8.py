@@ -270,11 +270,13 @@ def scale_table(cache: KVCache) -> torch.Tensor:
 
 
 def new_fp8_cache(model: torch.nn.Module, batch: int, capacity: int | None = None, *,
-                  granularity: str = "per-head", scales: torch.Tensor | None = None) -> KVCache:
-    """An empty FP8 cache for ``model`` (``capacity`` is unused: the cache grows)."""
+                  granularity: str = "per-head", scales: torch.Tensor | None = None,
+                  fp8: str | torch.dtype = torch.float8_e4m3fn) -> KVCache:
+    """An empty FP8 cache for ``model`` stored as ``fp8`` (``capacity`` is unused: the cache
+    grows)."""
     weight = model.wte.weight
     return fp8_cache(model.config, batch, weight.dtype, weight.device,
-                     granularity=granularity, scales=scales)
+                     granularity=granularity, scales=scales, fp8=fp8)
 
 
 @torch.no_grad()

@@ -31,13 +31,16 @@ from kvdoc.core.model import Decoder
 class SpeculativeRun:
     """What :func:`speculative_generate` returns: ``tokens`` ``[1, P + max_new_tokens]``, the
     prompt (``P`` tokens) and the generated ones; the proposals ``accepted`` in each round (0 to
-    ``k``); the forward calls of each model, the prompt's included."""
+    ``k``); the forward calls of each model, the prompt's included; each model's cache as the
+    last round left it (every token but the last, pending one)."""
 
     tokens: torch.Tensor
     prompt_len: int
     accepted: list[int] = field(default_factory=list)
     target_calls: int = 0
     draft_calls: int = 0
+    target_cache: KVCache | None = None
+    draft_cache: KVCache | None = None
 
     @property
     def rounds(self) -> int:
@@ -199,5 +202,5 @@ def speculative_generate(target: Decoder, draft: Decoder, prompt: torch.Tensor,
         t_cache, _ = _sync(target, t_cache, tokens)
         d_cache, calls = _sync(draft, d_cache, tokens)
         run.draft_calls += calls
-    run.tokens = tokens
+    run.tokens, run.target_cache, run.draft_cache = tokens, t_cache, d_cache
     return run

@@ -1,4 +1,5 @@
-"""Precision bugs: a reduction that depends on the chunk, and K/V read at FP8 in a half model.
+"""Precision bugs: a reduction that depends on the chunk, K/V read at FP8 in a half model, and a
+batch-invariant mode that is invariant but computes another function.
 
 Both are within every tolerance of the paths they compare: the bits of the first follow the
 chunking (only the bitwise ``invariance`` check sees it), the second is wrong the same way on
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from kvdoc.core import invariant
 from kvdoc.core.model import CausalSelfAttention
 from kvdoc.serving.splitk import merge, partial_attention
 
@@ -50,4 +52,29 @@ class FP8ReadAttention(CausalSelfAttention):
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         if q.dtype in (torch.bfloat16, torch.float16):  # BUG: 3 mantissa bits of K and V
             k, v = (t.to(torch.float8_e4m3fn).to(q.dtype) for t in (k, v))
+        return super().attend(q, k, v, start, attn_mask)
+
+
+class InvariantTiledAttention(CausalSelfAttention):
+    """BROKEN: under :func:`~kvdoc.core.invariant.batch_invariant`, query head ``h`` reads K/V
+    head ``h % H_kv`` (tiled), not its group's. One order on every call: bitwise invariant, and
+    the same function as outside the mode wherever every head has its own K/V."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if invariant.active() and k.shape[1] != q.shape[1]:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)  # BUG: h % H_kv
+        return super().attend(q, k, v, start, attn_mask)
+
+
+class InvariantNarrowAttention(CausalSelfAttention):
+    """BROKEN: under the mode, an FP64 model attends in FP32 (every call alike: bitwise
+    invariant, and within FP32's tolerance of the function)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if invariant.active() and q.dtype == torch.float64:  # BUG: rounds through FP32
+            return super().attend(q.float(), k.float(), v.float(), start,
+                                  attn_mask).to(q.dtype)
         return super().attend(q, k, v, start, attn_mask)

@@ -142,6 +142,21 @@ class RescalingFp8Layer(Fp8Layer):
                                                                      self.fp8)  # BUG: each write
 
 
+class E4m3ClampFp8Layer(Fp8Layer):
+    """BROKEN: each write saturates at 448, e4m3's largest value, whatever the storage: right
+    for e4m3; in e5m2 (largest 57344) every value past 448 scales is clipped."""
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        self.check_rows(k, v)
+        scales = self.new_scales(k, v)
+        wide = torch.promote_types(k.dtype, torch.float32)
+        new = [(x.to(wide) / s).clamp(-448.0, 448.0).to(self.fp8)  # BUG: e4m3's range
+               for x, s in zip((k, v), scales, strict=True)]
+        self.rows = tuple(torch.cat((a, b), dim=2) for a, b in zip(self.rows, new, strict=True))
+        self.scales, self.fixed = scales, True
+        return self.read(start + k.shape[2])
+
+
 def _fp8(layer_cls: type[Fp8Layer]):
     """``(model, batch, capacity, granularity=, scales=) ->`` an empty FP8 cache
     (:func:`~kvdoc.serving.fp8.new_fp8_cache`) whose layers are ``layer_cls``."""
@@ -152,6 +167,7 @@ def _fp8(layer_cls: type[Fp8Layer]):
 
 tensor_scale_fp8_cache = _fp8(TensorScaleWriteFp8Layer)
 rescaling_fp8_cache = _fp8(RescalingFp8Layer)
+e4m3_clamp_fp8_cache = _fp8(E4m3ClampFp8Layer)
 
 
 class LongChunkRingLayer(WindowLayer):

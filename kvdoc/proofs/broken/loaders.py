@@ -2,7 +2,8 @@
 the DeepSeek exporter's rotary permutation is its own inverse at a rotary width of 4, not at
 the grid's 6 (:data:`kvdoc.proofs.grid.MLA`); layers ordered by name differ from layers by
 number from 11 layers on (the trait ``deep``); a Gemma pattern one layer off, or a pattern
-exported without the list of global layers, shows only where the layout is no pattern.
+exported without the list of global layers, shows only where the layout is no pattern; an
+importer that reads RoPE's base from a key transformers 5 no longer writes.
 
 >>> from kvdoc.interop.hf_deepseek import rope_rows
 >>> from kvdoc.proofs import grid
@@ -16,6 +17,7 @@ exported without the list of global layers, shows only where the layout is no pa
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -113,3 +115,18 @@ def gemma_reference_pattern_only(model: nn.Module) -> Callable[[torch.Tensor], t
         return {"sliding_window_pattern": config.sliding_window_pattern}
 
     return _exported_with(gemma, "_layout", pattern_only, gemma.to_gemma, model)
+
+
+def import_top_level_rope_theta(hf: nn.Module) -> nn.Module:
+    """BROKEN: :func:`~kvdoc.interop.hf_weights.from_transformers` reading RoPE's base as
+    ``config.get("rope_theta", 10000.0)``, transformers 4's key: transformers 5 writes it inside
+    ``rope_parameters``, so every import turns at 10000 (right where the base is 10000)."""
+    from kvdoc.interop.hf_weights import from_transformers
+
+    model = from_transformers(hf)
+    theta = float(hf.config.to_dict().get("rope_theta", 10000.0))  # BUG: not rope_parameters
+    if getattr(model.config, "rope_theta", None) in (None, theta):
+        return model
+    broken = type(model)(dataclasses.replace(model.config, rope_theta=theta))
+    broken.load_state_dict(model.state_dict())
+    return broken.to(model.wte.weight.dtype).eval()

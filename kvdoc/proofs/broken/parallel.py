@@ -3,8 +3,9 @@
 :data:`HANDOVER_BROKEN` and :data:`PULL_BROKEN` (a hand-over of blocks), :data:`LATENT_BROKEN`
 (MLA's latent under TP and DP-attention).
 
->>> sorted(BROKEN)
-['parallel-dropped-max', 'parallel-reversed-heads', 'parallel-wrong-shard']
+>>> sorted(BROKEN)  # doctest: +NORMALIZE_WHITESPACE
+['parallel-bias-first-rows', 'parallel-cp-no-window', 'parallel-dropped-max',
+ 'parallel-replica-tiled', 'parallel-reversed-heads', 'parallel-wrong-shard']
 >>> sorted(HANDOVER_BROKEN)
 ['handover-swapped-heads']
 >>> stale_ids(range(1, 3))
@@ -54,11 +55,45 @@ class ReversedHeads(ShardedAttention):
         return range(mirror * per_rank, (mirror + 1) * per_rank)
 
 
+class NoWindowShard(ContextShard):
+    """A CP rank that attends over every earlier key of its positions, the model's window
+    dropped: right for a model without one."""
+
+    def attend(self, q, k, v, cache, layer_idx, start, window):
+        return super().attend(q, k, v, cache, layer_idx, start, None)  # BUG: no window
+
+
+class FirstRowsBiasAttention(ShardedAttention):
+    """A TP rank whose ``c_attn`` bias is the full bias's first rows, not its heads' rows: right
+    for a model without biases (and on TP rank 0 of an MHA model's query heads only)."""
+
+    def __init__(self, full, shard, comm, context=None) -> None:
+        super().__init__(full, shard, comm, context)
+        if full.c_attn.bias is not None:
+            rows = self.c_attn.weight.shape[0]
+            self.c_attn.bias = torch.nn.Parameter(full.c_attn.bias[:rows].detach().clone(),
+                                                  requires_grad=False)  # BUG: not its rows
+
+
+class TiledReplicaAttention(ShardedAttention):
+    """Past ``H_kv`` ranks, rank ``t`` computes K/V head ``t % H_kv``, not its query heads'
+    group ``t // (tp / H_kv)``: right with one K/V head (MQA), where both are head 0."""
+
+    def __init__(self, full, shard, comm, context=None) -> None:
+        if shard.replicas > 1:
+            head = comm.tp_rank % full.n_kv_head  # BUG: tiled, not by group
+            shard = shard._replace(kv_heads=range(head, head + 1))
+        super().__init__(full, shard, comm, context)
+
+
 class BrokenLayout(NamedTuple):
     parts: Parts
     tp: int
     cp: int
     breaks: str
+    model: str = "llama"
+    """The model of :data:`kvdoc.parallel.comparison.MODELS` it runs on: one whose
+    configuration reaches the broken branch."""
 
 
 BROKEN: dict[str, BrokenLayout] = {
@@ -68,6 +103,15 @@ BROKEN: dict[str, BrokenLayout] = {
                                          "the split-K merge drops each rank's max"),
     "parallel-reversed-heads": BrokenLayout(Parts(attention=ReversedHeads), 2, 1,
                                             "TP heads gathered in reversed rank order"),
+    "parallel-cp-no-window": BrokenLayout(Parts(context=NoWindowShard), 1, 2,
+                                          "CP ranks attend past the model's window", "mistral"),
+    "parallel-bias-first-rows": BrokenLayout(Parts(attention=FirstRowsBiasAttention), 2, 1,
+                                             "each TP rank takes the first rows of the Q/K/V "
+                                             "bias, not its heads'", "qwen2"),
+    # 4 ranks over 2 K/V heads: each head on 2 ranks (``--thorough``)
+    "parallel-replica-tiled": BrokenLayout(Parts(attention=TiledReplicaAttention), 4, 1,
+                                           "replicated K/V heads assigned by tiling, not by "
+                                           "group", "llama"),
 }
 
 

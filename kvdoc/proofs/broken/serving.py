@@ -1,7 +1,8 @@
 """Deliberately wrong parts of the serving layer, each a subclass of the real class changing one
-method it offers for that purpose (or a function in place of one): radix trees, hand-over
-packers, schedulers, a decoder that ignores per-row positions, and the key of an offloaded block
-(:data:`OFFLOAD_BROKEN`).
+method it offers for that purpose (or a function in place of one): radix trees (one evicting the
+wrong block), hand-over packers, schedulers, a decoder that ignores per-row positions, the key of
+an offloaded block (:data:`OFFLOAD_BROKEN`), and a speculative rollback that leaves a rejected
+row in the draft.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvdoc.core.cache import DynamicCache, KVCache
+from kvdoc.core.cache import DynamicCache, DynamicLayer, KVCache
 from kvdoc.core.model import Decoder, DecoderOutput
 from kvdoc.serving.eviction import LRU
 from kvdoc.serving.handover import pack
@@ -19,7 +20,9 @@ from kvdoc.serving.offload import hash_block
 from kvdoc.serving.radix import RadixCache
 from kvdoc.serving.ragged import RaggedStep
 from kvdoc.serving.scheduler import LiveRequest, Scheduler
+from kvdoc.serving.speculative import speculative_generate
 
+from .caches import with_layers
 from .decoders import copy_as
 
 
@@ -52,6 +55,31 @@ class ShareLastBlock(RadixCache):
         length, blocks, node = self.match(prompt)
         length = min(length, len(prompt) - 1)  # BUG: not rounded down to whole blocks
         return length, blocks[:math.ceil(length / self.block_size)], node
+
+
+class FirstBlockEviction(RadixCache):
+    """BROKEN: block-mode eviction frees a leaf's first block, not its last, while the leaf's
+    tokens lose their tail as they should: every decision (which leaf, how many blocks, the
+    log) is right, but the blocks left hold the K/V of the positions after their own."""
+
+    def evict(self, blocks):
+        freed = 0
+        while freed < blocks:
+            leaves = [n for n in self.nodes() if not n.children and self.policy.may_evict(n)]
+            if not leaves:
+                break
+            leaf = min(leaves, key=self.policy.priority)
+            path = self.tokens_to(leaf)
+            n = 1 if self.unit == "block" else len(leaf.blocks)
+            self.evictions.append((path, n))
+            self.pool.release(leaf.blocks[:n])  # BUG: the head, not the tail
+            leaf.tokens, leaf.blocks = leaf.tokens[:-n * self.block_size], leaf.blocks[n:]
+            if not leaf.blocks:
+                del leaf.parent.children[path[len(path) - n * self.block_size:][:self.block_size]]
+                self.evicted_nodes += 1
+            freed += n
+        self.evicted_blocks += freed
+        return freed
 
 
 class IgnoreLocks(LRU):
@@ -152,3 +180,24 @@ def parentless_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
 
 OFFLOAD_BROKEN = {"offload-parentless-hash": parentless_hash}
 """Name -> the broken ``hash_fn`` for :func:`kvdoc.serving.offload.serve`."""
+
+
+# --- speculative rollback -----------------------------------------------------------------------
+class StaleCropLayer(DynamicLayer):
+    """BROKEN: a crop keeps one row past the new length (the cache's count is right), so the
+    next write lands after a row that was rolled back."""
+
+    def crop(self, length: int, seq_len: int) -> DynamicLayer:
+        return StaleCropLayer(self.k[:, :, :length + 1], self.v[:, :, :length + 1])  # BUG
+
+
+def stale_draft_speculative(target: Decoder, draft: Decoder, prompt: torch.Tensor,
+                            max_new_tokens: int, k: int = 4, *, cache, **options):
+    """BROKEN: :func:`~kvdoc.serving.speculative.speculative_generate` whose draft rolls back
+    with :class:`StaleCropLayer`: after a rejection the draft reads a rejected proposal's K/V,
+    so it proposes from a wrong context. The target checks every proposal: the tokens stay the
+    target's, only acceptance drops. ``cache``: ``(model, capacity) ->`` a dynamic cache."""
+    def new(model: Decoder, capacity: int) -> KVCache:
+        made = cache(model, capacity)
+        return with_layers(made, StaleCropLayer) if model is draft else made
+    return speculative_generate(target, draft, prompt, max_new_tokens, k, cache=new, **options)
