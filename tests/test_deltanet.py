@@ -197,13 +197,33 @@ def test_float64_islands_matter_and_are_lifted() -> None:
     assert torch.equal(again, plain)  # the block restores transformers' own code
 
 
-def test_qwen3_next_refused_by_name() -> None:
-    from transformers import Qwen3NextConfig
+def test_qwen3_next_dense_loads_and_moe_is_refused_by_name() -> None:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    from kvdoc.interop.hf_qwen35 import config_from_qwen35
+    from kvdoc.interop.hf_qwen35 import config_from_qwen35, from_qwen35, qwen35_config
 
-    with pytest.raises(ValueError, match=r"qwen3_next is not loaded: .* sparse mixture of experts"):
+    with pytest.raises(ValueError, match=r"qwen3_next layers \[0, 1\] are sparse mixtures"):
         config_from_qwen35(Qwen3NextConfig(num_hidden_layers=2))
+    fields = qwen35_config(DELTANET).to_dict()
+    same = {k: fields[k] for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+        "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
+        "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+        "linear_num_key_heads", "linear_num_value_heads", "layer_types")}
+    torch.manual_seed(0)
+    hf = Qwen3NextForCausalLM(Qwen3NextConfig(**same, num_experts=0)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):  # off zero, so a misplaced norm shows
+                p.add_(0.1 * torch.randn_like(p))
+    model = from_qwen35(hf, chunk_size=DELTANET.chunk_size)
+    assert model.config == DELTANET
+    ids = _ids(2, 20)
+    with torch.no_grad():
+        want = hf(ids).logits
+        cached, _ = _fed(model, ids, [9, 4] + [1] * 7)
+    assert (cached - want).abs().max().item() < TOL[torch.float32] * want.abs().max().item()
 
 
 # --- the grid --------------------------------------------------------------------------------

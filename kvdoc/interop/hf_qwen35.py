@@ -3,9 +3,11 @@
 Inside a layer the weights keep transformers' names; only the prefixes move (``model.layers.i.``
 is ``h.i.``). The layer types come from ``layer_types``; RoPE's base and rotary fraction from
 ``rope_parameters`` (a text model's three M-RoPE sections turn the same text positions, so they
-are plain RoPE here). Qwen3-Next (``qwen3_next``) is refused by name: transformers 5.24 builds its
-Gated DeltaNet from other projections (``in_proj_qkvz``, ``in_proj_ba``, heads interleaved) and a
-sparse-MoE MLP on every layer that is not in ``mlp_only_layers``.
+are plain RoPE here). Qwen3-Next (``qwen3_next``) loads through :func:`from_qwen35` where every
+layer is dense: its layers compute what Qwen3.5's do, its Gated DeltaNet from two projections
+whose rows interleave the heads (``in_proj_qkvz``, ``in_proj_ba``: :func:`_split_next`). A
+Qwen3-Next with sparse-MoE layers (transformers 5.24's ``Qwen3NextSparseMoeBlock``: every
+published checkpoint, and the config's default) is refused by name, as kvdoc has no experts.
 
 >>> _ = torch.manual_seed(0)
 >>> hf = qwen35_model(DeltaNetConfig(chunk_size=4))
@@ -57,22 +59,25 @@ def config_from_qwen35(hf_config: Any, chunk_size: int = 64) -> DeltaNetConfig:
     lacks.
 
     >>> from transformers import Qwen3NextConfig
-    >>> config_from_qwen35(Qwen3NextConfig())
+    >>> config_from_qwen35(Qwen3NextConfig(num_hidden_layers=2))
     Traceback (most recent call last):
     ...
-    ValueError: qwen3_next is not loaded: its Gated DeltaNet projects Q, K, V, Z (in_proj_qkvz) ...
+    ValueError: qwen3_next layers [0, 1] are sparse mixtures of experts ...
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type == "qwen3_5":
         hf_config, model_type = hf_config.text_config, hf_config.text_config.model_type
     if model_type == "qwen3_next":
-        raise ValueError(
-            "qwen3_next is not loaded: its Gated DeltaNet projects Q, K, V, Z (in_proj_qkvz) and "
-            "b, a (in_proj_ba) with the heads interleaved, not Qwen3.5's four projections, and "
-            "every layer outside mlp_only_layers is a sparse mixture of experts (transformers "
-            "5.24's Qwen3NextSparseMoeBlock), which kvdoc does not implement")
-    if model_type != "qwen3_5_text":
-        raise ValueError(f"expected a qwen3_5_text config, got {model_type!r}")
+        c = hf_config  # transformers' Qwen3NextDecoderLayer's test, layer by layer
+        moe = [i for i in range(c.num_hidden_layers) if i not in c.mlp_only_layers
+               and c.num_experts > 0 and (i + 1) % c.decoder_sparse_step == 0]
+        if moe:
+            raise ValueError(
+                f"qwen3_next layers {moe} are sparse mixtures of experts (Qwen3NextSparseMoeBlock),"
+                " which kvdoc does not implement; a Qwen3-Next loads where every layer is dense "
+                "(num_experts=0, or every layer in mlp_only_layers)")
+    elif model_type != "qwen3_5_text":
+        raise ValueError(f"expected a qwen3_5_text or qwen3_next config, got {model_type!r}")
     rope = dict(hf_config.rope_parameters or {})
     unsupported = {
         "rope_type": (rope.get("rope_type", "default"), ("default",)),
@@ -104,11 +109,33 @@ def from_qwen35(hf_model: Any, chunk_size: int = 64) -> DeltaNetDecoder:
     the model's dtype, in eval mode (``chunk_size``: kvdoc's prefill chunk)."""
     state = hf_model.state_dict()
     mapped = outer_weights(state)
+    config = config_from_qwen35(hf_model.config, chunk_size)
     for name, value in state.items():
         if name.startswith("model.layers."):
             mapped["h." + name.removeprefix("model.layers.")] = value
-    config = config_from_qwen35(hf_model.config, chunk_size)
+    for key in [k for k in mapped if k.endswith(".in_proj_qkvz.weight")]:  # Qwen3-Next
+        prefix = key.removesuffix("in_proj_qkvz.weight")
+        mapped.update(_split_next(config, mapped.pop(key), mapped.pop(prefix + "in_proj_ba.weight"),
+                                  prefix))
     return holding(DeltaNetDecoder(config), mapped)
+
+
+def _split_next(config: DeltaNetConfig, qkvz: torch.Tensor, ba: torch.Tensor,
+                prefix: str) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba`` rows as Qwen3.5's four projections.
+
+    Qwen3-Next lays the rows out per key head: its query, its key, then the values and the gates
+    of the ``H_v / H_k`` value heads it serves (``fix_query_key_value_ordering``); Qwen3.5 lays
+    every query head, then every key head, then every value head, and the gates apart."""
+    c, d = config, qkvz.shape[1]
+    hk, dk, dv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    per = c.linear_num_value_heads // hk  # value heads a key head serves
+    q, k, v, z = qkvz.view(hk, -1, d).split((dk, dk, per * dv, per * dv), dim=1)
+    b, a = ba.view(hk, 2 * per, d).split((per, per), dim=1)
+    rows = [t.reshape(-1, d) for t in (q, k, v)]
+    return {prefix + "in_proj_qkv.weight": torch.cat(rows), prefix + "in_proj_z.weight":
+            z.reshape(-1, d), prefix + "in_proj_b.weight": b.reshape(-1, d),
+            prefix + "in_proj_a.weight": a.reshape(-1, d)}
 
 
 def to_qwen35(model: DeltaNetDecoder) -> Any:

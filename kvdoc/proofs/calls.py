@@ -1,6 +1,7 @@
 """The calls a user makes and what comes between them, as scenarios of the grid: prefill and
 decode steps, ``generate`` and speculative decoding against one full forward
-(picks: its argmax, a near tie within the tolerance either way); crop, branch, a call that raises
+(picks: its argmax, a near tie within the tolerance either way); crop (refused where a layer
+cannot go back, then a state layer's snapshot restored instead), branch, a call that raises
 midway; a model no call has run on (a table built on the first call and grown wrongly shows only
 there); weights changed in place after the call was built.
 """

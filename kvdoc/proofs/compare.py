@@ -148,7 +148,9 @@ def run_cached(model: Callable, ids: torch.Tensor, chunk: int | Sequence[int],
 @torch.no_grad()
 def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
     """One full forward: logits and every layer's K and V read off its projections with forward
-    hooks (K rotated as a cache stores it; MLA's latent and rotary key), not from any cache code.
+    hooks (K rotated as a cache stores it; MLA's latent and rotary key), not from any cache code;
+    a recurrent layer's state from its own ``final_state(x)`` on the inputs it was given (a token
+    at a time, where the cached calls of several tokens take it in chunks).
 
     >>> model = default_model()
     >>> logits, kv = full_forward_kv(model, torch.tensor([[1, 2, 3]]))
@@ -219,9 +221,9 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
 
     handles = []
     for block in model.h:
-        # a recurrent mixer (DeltaNet's linear_attn, Mamba-2's mamba) states its own
+        # a recurrent layer (DeltaNet's linear_attn, or any mixer) probes itself: final_state(x)
         attn = (getattr(block, "attn", None) or getattr(block, "self_attn", None)
-                or next((m for m in block.children() if hasattr(m, "final_state")), None))
+                or next((m for m in block.children() if hasattr(m, "final_state")), block))
         if hasattr(attn, "kv_norm") and hasattr(attn, "sinks"):
             handles.append(attn.kv_norm.register_forward_hook(shared_kv_hook(attn)))
         elif hasattr(attn, "kv_a_proj_with_mqa"):
