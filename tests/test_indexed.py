@@ -296,6 +296,10 @@ def test_why_transformers_cached_and_full_paths_differ():
     equal zeros, and breaking ties earlier-first (nothing else changed) brings all three paths
     together to rounding: the departure is topk's order among ties, which follows the row's
     length (the full forward ranks row i among T keys, the others among i + 1)."""
+    row = torch.zeros(41)
+    row[0], row[5] = 1.0, 0.5
+    assert row[:9].topk(4).indices.tolist() != row.topk(4).indices.tolist()  # ties by length
+
     hf, ids = v32_model(TIES, seed=1, dtype=torch.float64), stream(batch=1)
     ranked: list[torch.Tensor] = []
     original = torch.Tensor.topk
