@@ -335,3 +335,13 @@ def test_why_transformers_cached_and_full_paths_differ():
 def test_the_attention_subclass_is_what_runs():
     m = model(TIES, torch.float32)
     assert all(type(block.attn) is IndexedAttention for block in m.h)
+
+
+def test_the_grid_model_runs_on_ties():
+    """The grid's indexed model and stream tie at the k-th place (what its checks rely on)."""
+    from kvdoc.proofs.grid import MODELS, STREAM_LENGTH
+
+    m = MODELS["indexed"].build(0)
+    ids = torch.randint(0, m.config.vocab_size, (2, STREAM_LENGTH),
+                        generator=torch.Generator().manual_seed(1000))  # the suite's stream
+    assert m.config.index_topk < STREAM_LENGTH and ties_in_full_forward(m, ids) > 0
