@@ -345,3 +345,20 @@ def test_the_grid_model_runs_on_ties():
     ids = torch.randint(0, m.config.vocab_size, (2, STREAM_LENGTH),
                         generator=torch.Generator().manual_seed(1000))  # the suite's stream
     assert m.config.index_topk < STREAM_LENGTH and ties_in_full_forward(m, ids) > 0
+
+
+def test_the_grid_invariants_see_the_indexer_keys():
+    """``bytes``'s checks: a formula without the indexer keys, and indexer keys one row ahead of
+    the latent, are both reported."""
+    from kvdoc.proofs.cache_invariants import byte_problems
+
+    m, ids = model(TIES, torch.float32), stream()
+    with torch.no_grad():
+        _, cache = m(ids[:, :6], m.new_cache(2))
+    assert byte_problems(cache) == []
+    layer = cache.layers[0]
+    layer.expected_nbytes = layer.latent.expected_nbytes  # the latent's bytes alone
+    assert any("the formula gives" in p for p in byte_problems(cache))
+    del layer.expected_nbytes
+    layer.write_keys(torch.zeros(2, 1, 1, TIES.index_head_dim), 6)  # keys ahead of the latent
+    assert any("indexer keys" in p for p in byte_problems(cache))
