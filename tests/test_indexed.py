@@ -296,6 +296,10 @@ def test_why_transformers_cached_and_full_paths_differ():
     equal zeros, and breaking ties earlier-first (nothing else changed) brings all three paths
     together to rounding: the departure is topk's order among ties, which follows the row's
     length (the full forward ranks row i among T keys, the others among i + 1)."""
+    row = torch.zeros(41)
+    row[0], row[5] = 1.0, 0.5
+    assert row[:9].topk(4).indices.tolist() != row.topk(4).indices.tolist()  # ties by length
+
     hf, ids = v32_model(TIES, seed=1, dtype=torch.float64), stream(batch=1)
     ranked: list[torch.Tensor] = []
     original = torch.Tensor.topk
@@ -331,3 +335,30 @@ def test_why_transformers_cached_and_full_paths_differ():
 def test_the_attention_subclass_is_what_runs():
     m = model(TIES, torch.float32)
     assert all(type(block.attn) is IndexedAttention for block in m.h)
+
+
+def test_the_grid_model_runs_on_ties():
+    """The grid's indexed model and stream tie at the k-th place (what its checks rely on)."""
+    from kvdoc.proofs.grid import MODELS, STREAM_LENGTH
+
+    m = MODELS["indexed"].build(0)
+    ids = torch.randint(0, m.config.vocab_size, (2, STREAM_LENGTH),
+                        generator=torch.Generator().manual_seed(1000))  # the suite's stream
+    assert m.config.index_topk < STREAM_LENGTH and ties_in_full_forward(m, ids) > 0
+
+
+def test_the_grid_invariants_see_the_indexer_keys():
+    """``bytes``'s checks: a formula without the indexer keys, and indexer keys one row ahead of
+    the latent, are both reported."""
+    from kvdoc.proofs.cache_invariants import byte_problems
+
+    m, ids = model(TIES, torch.float32), stream()
+    with torch.no_grad():
+        _, cache = m(ids[:, :6], m.new_cache(2))
+    assert byte_problems(cache) == []
+    layer = cache.layers[0]
+    layer.expected_nbytes = layer.latent.expected_nbytes  # the latent's bytes alone
+    assert any("the formula gives" in p for p in byte_problems(cache))
+    del layer.expected_nbytes
+    layer.write_keys(torch.zeros(2, 1, 1, TIES.index_head_dim), 6)  # keys ahead of the latent
+    assert any("indexer keys" in p for p in byte_problems(cache))
