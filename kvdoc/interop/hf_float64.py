@@ -15,8 +15,8 @@ import torch
 
 @contextmanager
 def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
-    """Within the block, transformers' Llama, Mistral, Qwen2, Qwen3, Phi-3, DeepSeek-V3 and
-    Gemma 3 compute RMSNorm and RoPE in the model's dtype.
+    """Within the block, transformers' Llama, Mistral, Qwen2, Qwen3, Phi-3, DeepSeek-V3, Gemma 3
+    and gpt-oss compute RMSNorm and RoPE in the model's dtype.
 
     transformers computes both in float32 whatever the model's dtype (an upcast meant for half
     precision), so an FP64 Llama differs from an exact FP64 computation by about 1e-7 there;
@@ -44,11 +44,22 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
         angles = torch.stack([rope_angles(row, config.head_dim, theta) for row in position_ids])
         return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
 
+    def gptoss_rotary(self: Any, x: torch.Tensor,
+                      position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from kvdoc.core.gptoss import yarn_frequencies
+        from kvdoc.interop.hf_gptoss import config_from_gptoss
+
+        freq, scale = yarn_frequencies(config_from_gptoss(config))  # YaRN's, in float64
+        angles = position_ids.to(torch.float64)[..., None] * freq.to(position_ids.device)
+        return (angles.cos() * scale).to(x.dtype), (angles.sin() * scale).to(x.dtype)
+
     config = hf_model.config
     model_type = getattr(config, "model_type", None)
     lifted: dict[str, Any] = {}
     if model_type == "gemma3_text":
         lifted = {"RMSNorm": gemma_rms_norm, "RotaryEmbedding": gemma_rotary}
+    elif model_type == "gpt_oss":  # cos and sin of half the width, YaRN's factor in them
+        lifted = {"RMSNorm": rms_norm, "RotaryEmbedding": gptoss_rotary}
     elif model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3", "deepseek_v3"):
         split_width = config.hidden_size // config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or split_width

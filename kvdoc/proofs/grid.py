@@ -10,8 +10,8 @@ of its decode step is proved not to cost correctness). Something not registered 
 ``run_suite(model=...)``.
 
 >>> sorted(MODELS)  # doctest: +NORMALIZE_WHITESPACE
-['deep', 'gemma3', 'gemma3-global-first', 'gqa', 'llama', 'mha', 'mistral', 'mla',
- 'mla-absorbed', 'mqa', 'qwen2', 'qwen3', 'split-k']
+['deep', 'gemma3', 'gemma3-global-first', 'gpt-oss', 'gpt-oss-split-k', 'gqa', 'llama', 'mha',
+ 'mistral', 'mla', 'mla-absorbed', 'mqa', 'qwen2', 'qwen3', 'split-k']
 >>> sorted(CACHES), sorted(IMPLEMENTATIONS)
 (['dynamic', 'hybrid', 'paged', 'shared-prefix', 'static', 'window'], ['fast', 'model'])
 >>> MODELS["gqa"].build(0).config.n_kv_head
@@ -34,6 +34,7 @@ from torch import nn
 from kvdoc.core.cache import KVCache
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder, GemmaRMSNorm
+from kvdoc.core.gptoss import GptOssConfig, GptOssDecoder
 from kvdoc.core.mla import MLAConfig, MLADecoder
 from kvdoc.core.model import Decoder, GPTConfig, llama_config, mistral_config
 from kvdoc.serving.paged import new_paged_cache, new_shared_prefix_cache
@@ -81,6 +82,18 @@ GEMMA = Gemma3Config(vocab_size=89, n_positions=256, n_head=6, n_kv_head=3, n_em
 global one; ``head_dim`` not ``n_embd / n_head``, the softmax scale not ``head_dim ** -0.5``,
 two RoPE bases, a soft cap that bends the logits."""
 GEMMA_GLOBAL_FIRST = dataclasses.replace(GEMMA, global_layers=(0,))  # no pattern gives it
+SINKS = GptOssConfig(vocab_size=89, n_positions=256, n_head=6, n_kv_head=3, n_embd=42,
+                     head_dim=10, n_inner=22, n_experts=5, experts_per_token=3, n_layer=3,
+                     sliding_window=WINDOW, layer_norm_epsilon=1e-4, rope_theta=500.0,
+                     yarn_factor=4.0, yarn_original_positions=64, yarn_beta_fast=4.0,
+                     yarn_beta_slow=0.5, yarn_truncate=True, swiglu_alpha=1.5, swiglu_limit=1.5,
+                     tie_word_embeddings=True)
+"""Every value off :class:`~kvdoc.core.gptoss.GptOssConfig`'s default: a window layer, a full
+one, a window one; 3 of 5 experts a token, a clamp that bites; YaRN whose ramp has pairs inside
+it (truncated to pairs 0 .. 3 of 5), its original context 256 / 4, so transformers does not warn."""
+SINK_SCENARIOS = ("stream", "reference", "counted", "bytes", "failure")
+"""The checks split-K with sinks runs: a sink counted per split shows in the stream and against
+transformers; the cache and call checks see nothing the gpt-oss model has not shown."""
 LAYOUT_SCENARIOS = ("stream", "counted", "reference")
 """The checks that see a layer out of order or of the wrong type, which the deep and global-first
 models run; the rest see nothing a twelfth layer or a global layer first adds."""
@@ -89,7 +102,8 @@ models run; the rest see nothing a twelfth layer or a global layer first adds.""
 def _decoder(config: GPTConfig | MLAConfig) -> Callable[[int], nn.Module]:
     def build(seed: int) -> nn.Module:
         torch.manual_seed(seed)
-        cls = {MLAConfig: MLADecoder, Gemma3Config: Gemma3Decoder}.get(type(config), Decoder)
+        cls = {MLAConfig: MLADecoder, Gemma3Config: Gemma3Decoder,
+               GptOssConfig: GptOssDecoder}.get(type(config), Decoder)
         model = cls(config).eval()
         with torch.no_grad():  # Gemma's norms start at zero weight: norms swapped would not show
             for norm in (m for m in model.modules() if isinstance(m, GemmaRMSNorm)):
@@ -183,6 +197,15 @@ MODELS: dict[str, ModelSpec] = {
                                      f"layers of {WINDOW}", _decoder(GEMMA_GLOBAL_FIRST),
                                      transformers_reference, "transformers Gemma 3, same weights",
                                      impls=("model",), scenarios=LAYOUT_SCENARIOS),
+    # a sink logit per head in every softmax, window and full layers on the hybrid cache, experts
+    "gpt-oss": ModelSpec(f"gpt-oss-style: a sink per head, window layers of {WINDOW} around a "
+                         "full one, 3 of 5 experts, YaRN", _decoder(SINKS),
+                         transformers_reference, "transformers gpt-oss, same weights"),
+    "gpt-oss-split-k": ModelSpec(f"gpt-oss-style, split-K attention over chunks of {SPLIT} keys, "
+                                 "the sinks merged once",
+                                 lambda seed: split_k_decoder(_decoder(SINKS)(seed), SPLIT),
+                                 transformers_reference, "transformers gpt-oss, same weights",
+                                 impls=("model",), scenarios=SINK_SCENARIOS),
 }
 CACHES: dict[str, CacheSpec] = {
     "dynamic": CacheSpec(lambda m, b, cap: m.new_cache(b, "dynamic"), in_place=False),

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from functools import cache
 
 from kvdoc.core.gemma import Gemma3Config
+from kvdoc.core.gptoss import GptOssConfig
 from kvdoc.core.mla import MLAConfig
 from kvdoc.core.model import GPTConfig
 
@@ -26,6 +27,7 @@ TRAITS: dict[str, str] = {
     "decoder": "a kvdoc Decoder of a GPTConfig (GPT-2, Llama, Mistral): its attention, blocks and "
                "positions are the ones the variants subclass",
     "gemma": "a Gemma 3 decoder (q/k norms, two RoPE bases, soft-capped logits)",
+    "gptoss": "a gpt-oss decoder (a sink logit per head in every softmax, experts, YaRN)",
     "kv": "caches K and V per head (not a latent)",
     "latent": "caches MLA's latent c_KV and rotary key instead of K and V",
     "learned": "learned absolute positions (wpe), which Decoder.forward(positions=...) replaces",
@@ -39,7 +41,7 @@ TRAITS: dict[str, str] = {
     "deep": "10 or more layers: layer indices of two digits, so an order by name ('10' before "
             "'2') is not the order by number",
 }
-FAMILIES = ("decoder", "gemma", "latent")
+FAMILIES = ("decoder", "gemma", "gptoss", "latent")
 """The traits that say which code a model is: a variant subclasses one family's."""
 
 
@@ -55,8 +57,8 @@ def traits(config: object) -> frozenset[str]:
     """The traits of a model with ``config``; ``ValueError`` for a config kvdoc does not know."""
     if isinstance(config, MLAConfig):
         return frozenset({"latent", "rope"})
-    if isinstance(config, Gemma3Config):
-        found = {"gemma", "kv", "rope"}
+    if isinstance(config, Gemma3Config | GptOssConfig):
+        found = {"gemma" if isinstance(config, Gemma3Config) else "gptoss", "kv", "rope"}
         windows = set(config.layer_windows)
         if None in windows and len(windows) > 1:
             found |= {"hybrid"} | ({"global-first"} if config.layer_windows[0] is None else set())

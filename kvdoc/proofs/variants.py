@@ -28,6 +28,7 @@ from .broken import (
     measures,
     padded,
     rotary,
+    sinks,
 )
 from .traits import FAMILIES, check_traits, grid_traits, traits
 
@@ -81,7 +82,7 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "rotary positions", "state across calls", "configuration value", "stale weights",
                "byte accounting", "int8 contract", "window and block edges", "padded batches",
                "fp8 contract", "low precision", "payload dtype",
-               "loader layout")
+               "loader layout", "sinks")
 """The kinds of mistake the variants stand for."""
 
 
@@ -275,5 +276,13 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
           "split-K attention takes one mask for every row in its first chunk of keys, so a "
           "padded row reads the pad keys there", "padded batches", {},
           build=padded.pad_leak_split_k),
+    BrokenVariant("sink-per-split",
+                  "split-K attention folds the sink into every chunk's partial, so the merged "
+                  "denominator counts it once per split, not once",
+                  sinks.sink_per_split, "sinks", needs={"gptoss"}, one_model=True),
+    BrokenVariant("window-without-sink",
+                  "a gpt-oss model's window layers attend without their sink (the full layers "
+                  "keep it), in the full forward and the cached calls alike",
+                  sinks.window_without_sink, "sinks", needs={"gptoss", "hybrid"}, one_model=True),
 )}
 """Every broken variant, by name."""
