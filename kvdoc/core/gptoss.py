@@ -203,15 +203,15 @@ class GptOssAttention(nn.Module):
         self.v_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim)
         self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd)
         self.sinks = nn.Parameter(torch.randn(c.n_head))  # N(0, 1): a fresh model's sinks count
-        freq, self.rope_scale = yarn_frequencies(c)
-        self.register_buffer("inv_freq", freq, persistent=False)
+        # float64 whatever the model's dtype: not a buffer, which ``.to(dtype)`` would round
+        self.inv_freq, self.rope_scale = yarn_frequencies(c)
 
     def rotate(self, x: torch.Tensor, at: int | torch.Tensor) -> torch.Tensor:
         """RoPE at positions ``at ..`` (or the positions a tensor holds, ``[C]`` or ``[B, C]``),
         the angles in float64, cos and sin times YaRN's factor."""
         if isinstance(at, int):
             at = torch.arange(at, at + x.shape[2], device=x.device)
-        angles = at.to(torch.float64)[..., None] * self.inv_freq.to(torch.float64)
+        angles = at.to(torch.float64)[..., None] * self.inv_freq.to(at.device)
         angles = torch.cat((angles, angles), dim=-1)  # [C, D_h] or [B, C, D_h]
         if angles.dim() == 3:
             angles = angles[:, None]
