@@ -188,8 +188,8 @@ def test_split_k_gptoss_decoder_equals_the_model():
 @pytest.mark.parametrize("variant, caught_by", [("sink-per-split", {"logits", "reference"}),
                                                 ("window-without-sink", {"reference"})])
 def test_the_grid_catches_the_broken_sinks(variant, caught_by):
-    report = run_suite(variant, kinds=("hybrid",), dtypes=(torch.float32,),
-                       scenarios=("stream", "reference"))
+    report = run_suite(variant, kinds=("hybrid",), dtypes=(torch.float32,), length=40,
+                       chunks=(1, 7), scenarios=("stream", "reference"))
     assert not report.passed
     # a sink per split is a different function of the chunking: full and cached differ too; a
     # window without its sink is one function everywhere, which only transformers tells apart
@@ -199,7 +199,8 @@ def test_the_grid_catches_the_broken_sinks(variant, caught_by):
 
 def test_the_grid_passes_the_sink_models():
     report = run_suite(models=("gpt-oss", "gpt-oss-split-k"), kinds=("hybrid",),
-                       dtypes=(torch.float64,), scenarios=("stream", "reference"))
+                       dtypes=(torch.float64,), length=40, chunks=(1, 7),
+                       scenarios=("stream", "reference"))
     assert report.passed, report.failures_table()
 
 

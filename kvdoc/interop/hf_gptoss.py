@@ -119,13 +119,25 @@ def to_gptoss(model: GptOssDecoder) -> Any:
 def gptoss_model(config: GptOssConfig | None = None, seed: int = 0,
                  dtype: torch.dtype = torch.float32) -> Any:
     """A transformers ``GptOssForCausalLM`` with random weights from ``config`` (default
-    :class:`GptOssConfig`), built offline, in eval mode; its sinks drawn at N(0, 1) (transformers
-    draws them at N(0, 0.02), where a sink left out would change little)."""
+    :class:`GptOssConfig`), built offline, in eval mode. transformers draws every matrix and sink
+    at N(0, 0.02) and the biases at 0: the experts' clamp would never bite, attention would be
+    nearly uniform and a sink left out would change little. So the sinks are redrawn at N(0, 1),
+    each matrix at N(0, 1 / fan_in), the biases at N(0, 0.01), the norms' weights at
+    N(1, 0.04); the embedding (also the head, where tied) keeps N(0, 0.02)."""
     torch.manual_seed(seed)
     from transformers import GptOssForCausalLM
 
     hf = GptOssForCausalLM(gptoss_config(config or GptOssConfig()))
     with torch.no_grad():
-        for layer in hf.model.layers:
-            layer.self_attn.sinks.normal_(0.0, 1.0)
+        for name, p in hf.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0.0, 1.0)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            elif "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif p.dim() == 3:  # the experts' [E, in, out]
+                p.normal_(0.0, p.shape[1] ** -0.5)
+            elif "embed_tokens" not in name and "lm_head" not in name:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
     return hf.to(dtype).eval()
