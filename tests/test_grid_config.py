@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from kvdoc.core.gemma import Gemma3Config
+from kvdoc.core.gptoss import GptOssConfig
 from kvdoc.core.mla import MLAConfig
 from kvdoc.core.model import GPTConfig
 from kvdoc.proofs import grid
@@ -18,7 +19,8 @@ EXEMPT: dict[str, str] = {
 """Fields that need no off-default model, each with the reason (``Class.field``)."""
 
 CONFIGS = {name: spec.build(0).config for name, spec in grid.MODELS.items()}
-FIELDS = [(cls, f) for cls in (GPTConfig, MLAConfig, Gemma3Config) for f in dataclasses.fields(cls)]
+FIELDS = [(cls, f) for cls in (GPTConfig, MLAConfig, Gemma3Config, GptOssConfig)
+          for f in dataclasses.fields(cls)]
 
 
 def at_default(config: GPTConfig, field: dataclasses.Field) -> bool:

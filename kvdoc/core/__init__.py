@@ -6,9 +6,11 @@ continuation) and ``cache`` (a cache of per-layer storages and one length; dynam
 layers; whether a cache serves a model, decided by the config's ``cache_layout``). The rest
 builds on them: ``window`` (rings for sliding-window layers, and the hybrid cache of a model
 that also has global layers), ``mla`` (DeepSeek's latent attention, whose layout is one head of
-two widths), ``gemma`` (Gemma 3's window and global layers), ``invariant`` (reductions in a
-fixed order), ``fast`` (the single-token step written the way serving engines write it) and
-``feed`` (a stream fed in chunks).
+two widths), ``gemma`` (Gemma 3's window and global layers), ``gptoss`` (gpt-oss's sink logit
+per head, its window and full layers and experts), ``streaming`` (StreamingLLM's first tokens
+kept beside a window, a different function), ``invariant`` (reductions in a fixed order),
+``fast`` (the single-token step written the way serving engines write it) and ``feed`` (a stream
+fed in chunks).
 
 This folder imports nothing but torch and the standard library. K and V are
 ``[B, H_kv, T, D_h]``.

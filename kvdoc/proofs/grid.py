@@ -33,7 +33,7 @@ from torch import nn
 
 from kvdoc.core.cache import KVCache
 from kvdoc.core.fast import FastDecoder
-from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder, GemmaRMSNorm
+from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, GemmaRMSNorm
 from kvdoc.core.gptoss import GptOssConfig, GptOssDecoder
 from kvdoc.core.mla import MLAConfig, MLADecoder
 from kvdoc.core.model import Decoder, GPTConfig, llama_config, mistral_config
@@ -91,6 +91,8 @@ SINKS = GptOssConfig(vocab_size=89, n_positions=256, n_head=6, n_kv_head=3, n_em
 """Every value off :class:`~kvdoc.core.gptoss.GptOssConfig`'s default: a window layer, a full
 one, a window one; 3 of 5 experts a token, a clamp that bites; YaRN whose ramp has pairs inside
 it (truncated to pairs 0 .. 3 of 5), its original context 256 / 4, so transformers does not warn."""
+SINKS_FULL_FIRST = dataclasses.replace(SINKS, layer_types=(GLOBAL, SLIDING, SLIDING))
+""":data:`SINKS` with its full layer first: ``layer_types`` off its default (the split-K model)."""
 SINK_SCENARIOS = ("stream", "reference", "counted", "bytes", "failure")
 """The checks split-K with sinks runs: a sink counted per split shows in the stream and against
 transformers; the cache and call checks see nothing the gpt-oss model has not shown."""
@@ -201,9 +203,10 @@ MODELS: dict[str, ModelSpec] = {
     "gpt-oss": ModelSpec(f"gpt-oss-style: a sink per head, window layers of {WINDOW} around a "
                          "full one, 3 of 5 experts, YaRN", _decoder(SINKS),
                          transformers_reference, "transformers gpt-oss, same weights"),
-    "gpt-oss-split-k": ModelSpec(f"gpt-oss-style, split-K attention over chunks of {SPLIT} keys, "
-                                 "the sinks merged once",
-                                 lambda seed: split_k_decoder(_decoder(SINKS)(seed), SPLIT),
+    "gpt-oss-split-k": ModelSpec(f"gpt-oss-style, the full layer first, split-K attention over "
+                                 f"chunks of {SPLIT} keys, the sinks merged once",
+                                 lambda seed: split_k_decoder(_decoder(SINKS_FULL_FIRST)(seed),
+                                                              SPLIT),
                                  transformers_reference, "transformers gpt-oss, same weights",
                                  impls=("model",), scenarios=SINK_SCENARIOS),
 }
