@@ -104,9 +104,6 @@ class StreamingAttention(CausalSelfAttention):
     """:class:`~kvdoc.core.model.CausalSelfAttention` whose RoPE turns after the cache: keys at
     their index among the rows read, queries at the last ``C`` of those indices."""
 
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__(config)
-
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
                 attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:
         if cache is None or attn_mask is not None or positions.get("positions") is not None:
