@@ -120,10 +120,11 @@ def gptoss_model(config: GptOssConfig | None = None, seed: int = 0,
                  dtype: torch.dtype = torch.float32) -> Any:
     """A transformers ``GptOssForCausalLM`` with random weights from ``config`` (default
     :class:`GptOssConfig`), built offline, in eval mode. transformers draws every matrix and sink
-    at N(0, 0.02) and the biases at 0: the experts' clamp would never bite, attention would be
-    nearly uniform and a sink left out would change little. So the sinks are redrawn at N(0, 1),
-    each matrix at N(0, 1 / fan_in), the biases at N(0, 0.01), the norms' weights at
-    N(1, 0.04); the embedding (also the head, where tied) keeps N(0, 0.02)."""
+    with a standard deviation of 0.02 and the biases at 0: the experts' clamp would never bite,
+    attention would be nearly uniform and a sink left out would change little. So, as standard
+    deviations about a mean of 0: the sinks are redrawn at 1, each matrix at ``fan_in ** -0.5``,
+    the biases at 0.1, and the norms' weights at 0.2 about 1; the embedding (also the head,
+    where tied) keeps 0.02."""
     torch.manual_seed(seed)
     from transformers import GptOssForCausalLM
 
