@@ -9,6 +9,7 @@ import pytest
 
 from kvdoc.core.deltanet import DeltaNetConfig
 from kvdoc.core.gemma import Gemma3Config
+from kvdoc.core.gptoss import GptOssConfig
 from kvdoc.core.indexed import IndexedConfig
 from kvdoc.core.mamba2 import Mamba2Config
 from kvdoc.core.mla import MLAConfig
@@ -26,7 +27,7 @@ EXEMPT: dict[str, str] = {
 
 CONFIGS = {name: spec.build(0).config for name, spec in grid.MODELS.items()}
 FIELDS = [(cls, f) for cls in (GPTConfig, MLAConfig, Gemma3Config, DeltaNetConfig, Mamba2Config,
-                                IndexedConfig, CompressedConfig)
+                                IndexedConfig, CompressedConfig, GptOssConfig)
           for f in dataclasses.fields(cls)]
 
 

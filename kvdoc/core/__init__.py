@@ -10,9 +10,11 @@ two widths), ``state`` (the fixed-size state of a recurrent layer, beside K/V la
 snapshots), ``gemma`` (Gemma 3's window and global layers), ``deltanet`` (Qwen3.5's Gated
 DeltaNet and gated attention layers), ``delta_rule`` (DeltaNet's recurrence, token by token and
 in chunks), ``mamba2`` (Bamba's Mamba-2 hybrid: a conv and an SSD state per mixer), ``v4`` and
-``compressed`` (DeepSeek-V4's attention layers and their caches of pooled blocks),
-``invariant`` (reductions in a fixed order), ``fast`` (the single-token step written the way
-serving engines write it) and ``feed`` (a stream fed in chunks).
+``compressed`` (DeepSeek-V4's attention layers and their caches of pooled blocks), ``gptoss``
+(gpt-oss's sink logit per head, its window and full layers and experts), ``streaming``
+(StreamingLLM's first tokens kept beside a window, a different function), ``invariant``
+(reductions in a fixed order), ``fast`` (the single-token step written the way serving engines
+write it) and ``feed`` (a stream fed in chunks).
 
 This folder imports nothing but torch and the standard library. K and V are
 ``[B, H_kv, T, D_h]``.

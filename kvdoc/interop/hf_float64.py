@@ -20,9 +20,9 @@ import torch
 @contextmanager
 def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
     """Within the block, transformers' Llama, Mistral, Qwen2, Qwen3, Phi-3, DeepSeek-V3,
-    DeepSeek-V3.2, Gemma 3 and Bamba compute RMSNorm and RoPE in the model's dtype (Bamba: its
-    gated RMSNorm and its Mamba-2 scan too, whose ``.float()`` calls keep a float64 tensor as it
-    is; Qwen3.5: :func:`qwen35_float64_lifted`).
+    DeepSeek-V3.2, Gemma 3, gpt-oss and Bamba compute RMSNorm and RoPE in the model's dtype
+    (Bamba: its gated RMSNorm and its Mamba-2 scan too, whose ``.float()`` calls keep a float64
+    tensor as it is; Qwen3.5: :func:`qwen35_float64_lifted`).
 
     transformers computes both in float32 whatever the model's dtype (an upcast meant for half
     precision), so an FP64 Llama differs from an exact FP64 computation by about 1e-7 there;
@@ -59,6 +59,14 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
 
     def float64_kept(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self if self.dtype == torch.float64 else to_float32(self, *args, **kwargs)
+    def gptoss_rotary(self: Any, x: torch.Tensor,
+                      position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from kvdoc.core.gptoss import yarn_frequencies
+        from kvdoc.interop.hf_gptoss import config_from_gptoss
+
+        freq, scale = yarn_frequencies(config_from_gptoss(config))  # YaRN's, in float64
+        angles = position_ids.to(torch.float64)[..., None] * freq.to(position_ids.device)
+        return (angles.cos() * scale).to(x.dtype), (angles.sin() * scale).to(x.dtype)
 
     config = hf_model.config
     model_type = getattr(config, "model_type", None)
@@ -75,6 +83,8 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
         lifted = {"RMSNorm": rms_norm, "RMSNormGated": gated_rms_norm, "RotaryEmbedding": rotary}
     elif model_type == "gemma3_text":
         lifted = {"RMSNorm": gemma_rms_norm, "RotaryEmbedding": gemma_rotary}
+    elif model_type == "gpt_oss":  # cos and sin of half the width, YaRN's factor in them
+        lifted = {"RMSNorm": rms_norm, "RotaryEmbedding": gptoss_rotary}
     elif model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3", "deepseek_v3",
                         "deepseek_v32"):
         split_width = config.hidden_size // config.num_attention_heads

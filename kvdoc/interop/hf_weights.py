@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvdoc.core.gemma import Gemma3Decoder
+from kvdoc.core.gptoss import GptOssDecoder
 from kvdoc.core.model import Decoder, GPTConfig
 
 from .hf_config import (
@@ -34,6 +35,7 @@ from .hf_config import (
 )
 from .hf_deepseek import from_deepseek
 from .hf_gemma import from_gemma, to_gemma
+from .hf_gptoss import from_gptoss, to_gptoss
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "mlp.c_proj.weight")
@@ -116,7 +118,7 @@ def _llama_state(state: Mapping[str, torch.Tensor], n_layer: int) -> dict[str, t
     return mapped
 
 
-LOADS = ("gpt2", *ROPE_FAMILIES, "gemma3_text", "deepseek_v3")
+LOADS = ("gpt2", *ROPE_FAMILIES, "gemma3_text", "deepseek_v3", "gpt_oss")
 """The transformers ``model_type`` values :func:`from_transformers` loads."""
 
 
@@ -140,14 +142,16 @@ def from_transformers(hf_model: Any) -> Decoder:
     ...     num_attention_heads=2, intermediate_size=37)))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: kvdoc loads gpt2, llama, mistral, qwen2, qwen3, phi3, gemma3_text, deepseek_v3
-    models, not 'bert'
+    ValueError: kvdoc loads gpt2, llama, mistral, qwen2, qwen3, phi3, gemma3_text, deepseek_v3,
+    gpt_oss models, not 'bert'
     """
     model_type = getattr(hf_model.config, "model_type", None)
     if model_type == "gemma3_text":  # window and global layers: a decoder of its own
         return from_gemma(hf_model)
     if model_type == "deepseek_v3":  # a latent cache instead of K and V
         return from_deepseek(hf_model)
+    if model_type == "gpt_oss":  # sinks and experts: a decoder of its own
+        return from_gptoss(hf_model)
     if model_type not in LOADS:
         raise ValueError(f"kvdoc loads {', '.join(LOADS)} models, not {model_type!r}")
     config = config_from_transformers(hf_model.config)
@@ -162,9 +166,9 @@ def from_transformers(hf_model: Any) -> Decoder:
 
 
 def to_transformers(model: Decoder, family: str | None = None) -> Any:
-    """The transformers model of the same family (GPT-2, Llama, Mistral, Qwen2, Qwen3 or Gemma
-    3; ``family="phi3"``: Phi-3, which computes what Llama or Mistral does) holding ``model``'s
-    weights, in its dtype, in eval mode; the global RNG is left as it was. It is how
+    """The transformers model of the same family (GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 3
+    or gpt-oss; ``family="phi3"``: Phi-3, which computes what Llama or Mistral does) holding
+    ``model``'s weights, in its dtype, in eval mode; the global RNG is left as it was. It is how
     :mod:`kvdoc.proofs.references` builds an implementation that shares no code with kvdoc.
 
     >>> from kvdoc.core.model import llama_config
@@ -176,6 +180,8 @@ def to_transformers(model: Decoder, family: str | None = None) -> Any:
     """
     if isinstance(model, Gemma3Decoder):
         return to_gemma(model)
+    if isinstance(model, GptOssDecoder):
+        return to_gptoss(model)
     config, state = model.config, model.state_dict()
     hf_config = transformers_config(config, family)
     with torch.random.fork_rng():

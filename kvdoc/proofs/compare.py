@@ -180,20 +180,23 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
                              apply_rope(k_rope[:, None], 0, cfg.rope_theta)))
         return hook
 
-    def gemma_hooks(attn):
-        # a Gemma layer (:mod:`kvdoc.core.gemma`): K off its k_norm (then rotated at the layer's
-        # own base), V off v_proj, which runs after it
+    def k_then_v_hooks(attn, k_module, turn):
+        # a Gemma layer (:mod:`kvdoc.core.gemma`): K off its k_norm, rotated at the layer's own
+        # base; a gpt-oss one (:mod:`kvdoc.core.gptoss`): K off k_proj, turned by its own YaRN
+        # rotation; V off v_proj, which runs after it
         found = {}
 
-        def k_hook(module, inputs, output):  # a partial rotary (Qwen3.5) turns its own part
-            found["k"] = (attn.rope(output, 0) if hasattr(attn, "rope")
-                          else apply_rope(output, 0, attn.rope_theta))
+        def k_hook(module, inputs, output):
+            if output.dim() == 3:  # k_proj's [B, T, H_kv D_h]: into heads as cached
+                B, T, _ = output.shape
+                output = output.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
+            found["k"] = turn(output)
 
         def v_hook(module, inputs, output):
             B, T, _ = output.shape
             v = output.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
             captured.append((found.pop("k"), v))
-        return [attn.k_norm.register_forward_hook(k_hook),
+        return [k_module.register_forward_hook(k_hook),
                 attn.v_proj.register_forward_hook(v_hook)]
 
     def rotated_hooks(attn):  # Bamba's: K off k_proj, turned on its first part by attn.rope
@@ -231,7 +234,11 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
         elif hasattr(attn, "c_attn"):
             handles.append(attn.c_attn.register_forward_hook(c_attn_hook(attn)))
         elif hasattr(attn, "k_norm"):
-            handles += gemma_hooks(attn)
+            # a partial rotary (Qwen3.5's gated attention) turns its own part
+            handles += k_then_v_hooks(attn, attn.k_norm, lambda k, a=attn: (
+                a.rope(k, 0) if hasattr(a, "rope") else apply_rope(k, 0, a.rope_theta)))
+        elif hasattr(attn, "sinks"):
+            handles += k_then_v_hooks(attn, attn.k_proj, lambda k, a=attn: a.rotate(k, 0))
         elif hasattr(attn, "rope"):
             handles += rotated_hooks(attn)
         elif hasattr(attn, "final_state"):  # a recurrent layer: its state, token by token
@@ -241,7 +248,7 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
             for handle in handles:
                 handle.remove()
             raise ValueError(f"no K/V probe for a {type(attn).__name__} (no c_attn, "
-                             "kv_a_proj_with_mqa, k_norm, rope or final_state): "
+                             "kv_a_proj_with_mqa, k_norm, sinks, rope or final_state): "
                              "full_forward_kv must learn it")
     try:
         logits = model(ids).logits

@@ -10,8 +10,9 @@ of its decode step is proved not to cost correctness). Something not registered 
 ``run_suite(model=...)``.
 
 >>> sorted(MODELS)  # doctest: +NORMALIZE_WHITESPACE
-['bamba', 'deep', 'deltanet', 'gemma3', 'gemma3-global-first', 'gqa', 'indexed', 'llama',
- 'mha', 'mistral', 'mla', 'mla-absorbed', 'mqa', 'qwen2', 'qwen3', 'split-k', 'v4-compressed']
+['bamba', 'deep', 'deltanet', 'gemma3', 'gemma3-global-first', 'gpt-oss', 'gpt-oss-split-k',
+ 'gqa', 'indexed', 'llama', 'mha', 'mistral', 'mla', 'mla-absorbed', 'mqa', 'qwen2', 'qwen3',
+ 'split-k', 'v4-compressed']
 >>> sorted(CACHES), sorted(IMPLEMENTATIONS)  # doctest: +NORMALIZE_WHITESPACE
 (['compressed', 'dynamic', 'hybrid', 'paged', 'shared-prefix', 'state', 'static', 'window'],
  ['fast', 'model'])
@@ -39,7 +40,8 @@ from torch import nn
 from kvdoc.core.cache import KVCache
 from kvdoc.core.deltanet import DeltaNetConfig, DeltaNetDecoder, GatedRMSNorm
 from kvdoc.core.fast import FastDecoder
-from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder, GemmaRMSNorm
+from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, GemmaRMSNorm
+from kvdoc.core.gptoss import GptOssConfig, GptOssDecoder
 from kvdoc.core.indexed import IndexedConfig, IndexedDecoder
 from kvdoc.core.mamba2 import Mamba2Config, MambaDecoder
 from kvdoc.core.mla import MLAConfig, MLADecoder
@@ -153,6 +155,21 @@ V4_SCENARIOS = ("stream", "reference", "crop", "failure", "bytes", "edges")
 generate, fresh and weights are Decoder's, run on every other model): not ``padded`` (its
 blocks count from each row's position 0, so it refuses per-row positions), nor the byte figures
 or quantised caches, which know K/V and latent layers only."""
+SINKS = GptOssConfig(vocab_size=89, n_positions=256, n_head=6, n_kv_head=3, n_embd=42,
+                     head_dim=10, n_inner=22, n_experts=5, experts_per_token=3, n_layer=3,
+                     sliding_window=WINDOW, layer_norm_epsilon=1e-4, rope_theta=500.0,
+                     yarn_factor=4.0, yarn_original_positions=64, yarn_beta_fast=4.0,
+                     yarn_beta_slow=0.5, yarn_truncate=True, swiglu_alpha=1.5, swiglu_limit=1.5,
+                     tie_word_embeddings=True)
+"""Every value off :class:`~kvdoc.core.gptoss.GptOssConfig`'s default: a window layer, a full
+one, a window one; 3 of 5 experts a token, a clamp that bites; YaRN whose ramp has pairs inside
+it (truncated to pairs 0 .. 3 of 5), its original context 256 / 4, so transformers does not warn."""
+SINKS_FULL_FIRST = dataclasses.replace(SINKS, layer_types=(GLOBAL, SLIDING, SLIDING))
+""":data:`SINKS` with its full layer first: ``layer_types`` off its default (the split-K model)."""
+SINK_SCENARIOS = ("stream", "reference")
+"""The checks split-K with sinks runs: a sink counted per split shows in the stream (full and
+cached split differently) and against transformers; its caches and calls are gpt-oss's, which
+the gpt-oss model runs every check on."""
 LAYOUT_SCENARIOS = ("stream", "counted", "reference")
 """The checks that see a layer out of order or of the wrong type, which the deep and global-first
 models run; the rest see nothing a twelfth layer or a global layer first adds."""
@@ -163,7 +180,8 @@ def _decoder(config: GPTConfig | MLAConfig) -> Callable[[int], nn.Module]:
         torch.manual_seed(seed)
         cls = {MLAConfig: MLADecoder, Gemma3Config: Gemma3Decoder, DeltaNetConfig: DeltaNetDecoder,
                Mamba2Config: MambaDecoder, IndexedConfig: IndexedDecoder,
-               CompressedConfig: CompressedDecoder}.get(type(config), Decoder)
+               CompressedConfig: CompressedDecoder,
+               GptOssConfig: GptOssDecoder}.get(type(config), Decoder)
         model = cls(config).eval()
         with torch.no_grad():  # Gemma's norms start at zero weight: norms swapped would not show
             for norm in (m for m in model.modules()
@@ -309,6 +327,16 @@ MODELS: dict[str, ModelSpec] = {
                                _decoder(V4), v4_reference,
                                "kvdoc's decoder with transformers' DeepseekV4Attention layers",
                                scenarios=V4_SCENARIOS),
+    # a sink logit per head in every softmax, window and full layers on the hybrid cache, experts
+    "gpt-oss": ModelSpec(f"gpt-oss-style: a sink per head, window layers of {WINDOW} around a "
+                         "full one, 3 of 5 experts, YaRN", _decoder(SINKS),
+                         transformers_reference, "transformers gpt-oss, same weights"),
+    "gpt-oss-split-k": ModelSpec(f"gpt-oss-style, the full layer first, split-K attention over "
+                                 f"chunks of {SPLIT} keys, the sinks merged once",
+                                 lambda seed: split_k_decoder(_decoder(SINKS_FULL_FIRST)(seed),
+                                                              SPLIT),
+                                 transformers_reference, "transformers gpt-oss, same weights",
+                                 impls=("model",), scenarios=SINK_SCENARIOS),
 }
 CACHES: dict[str, CacheSpec] = {
     "dynamic": CacheSpec(lambda m, b, cap: m.new_cache(b, "dynamic"), in_place=False,

@@ -18,6 +18,7 @@ from functools import cache
 
 from kvdoc.core.deltanet import DeltaNetConfig
 from kvdoc.core.gemma import Gemma3Config
+from kvdoc.core.gptoss import GptOssConfig
 from kvdoc.core.indexed import IndexedConfig
 from kvdoc.core.mamba2 import Mamba2Config
 from kvdoc.core.mla import MLAConfig
@@ -30,6 +31,7 @@ TRAITS: dict[str, str] = {
     "decoder": "a kvdoc Decoder of a GPTConfig (GPT-2, Llama, Mistral): its attention, blocks and "
                "positions are the ones the variants subclass",
     "gemma": "a Gemma 3 decoder (q/k norms, two RoPE bases, soft-capped logits)",
+    "gptoss": "a gpt-oss decoder (a sink logit per head in every softmax, experts, YaRN)",
     "kv": "caches K and V per head (not a latent)",
     "latent": "caches MLA's latent c_KV and rotary key instead of K and V",
     "indexed": "each query reads the top k keys an indexer scores (DeepSeek-V3.2), indexer keys "
@@ -51,7 +53,7 @@ TRAITS: dict[str, str] = {
     "deep": "10 or more layers: layer indices of two digits, so an order by name ('10' before "
             "'2') is not the order by number",
 }
-FAMILIES = ("decoder", "gemma", "latent", "deltanet", "mamba", "compressed")
+FAMILIES = ("decoder", "gemma", "gptoss", "latent", "deltanet", "mamba", "compressed")
 """The traits that say which code a model is: a variant subclasses one family's."""
 
 
@@ -74,8 +76,8 @@ def traits(config: object) -> frozenset[str]:
         found = {"deltanet", "state", "kv", "rope"}  # K/V in its attention layers
     elif isinstance(config, Mamba2Config):
         found = {"mamba", "state", "rope"} | ({"kv"} if config.attn_layers else set())
-    elif isinstance(config, Gemma3Config):
-        found = {"gemma", "kv", "rope"}
+    elif isinstance(config, Gemma3Config | GptOssConfig):
+        found = {"gemma" if isinstance(config, Gemma3Config) else "gptoss", "kv", "rope"}
         windows = set(config.layer_windows)
         if None in windows and len(windows) > 1:
             found |= {"hybrid"} | ({"global-first"} if config.layer_windows[0] is None else set())

@@ -32,6 +32,7 @@ from .broken import (
     padded,
     rotary,
     serving,
+    sinks,
     states,
 )
 from .traits import FAMILIES, check_traits, grid_traits, traits
@@ -87,7 +88,7 @@ BUG_CLASSES = ("mask and positions", "cache storage", "long stream", "grouped-qu
                "byte accounting", "int8 contract", "window and block edges", "padded batches",
                "fp8 contract", "low precision", "payload dtype",
                "loader layout", "key selection", "mode vs its function",
-               "option off the grid", "state left behind")
+               "option off the grid", "state left behind", "sinks")
 """The kinds of mistake the variants stand for."""
 
 
@@ -359,5 +360,13 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
           "after a rejection the draft's cache is cropped to the right length but keeps the "
           "first rejected proposal's K/V row (the tokens stay the target's)",
           "state left behind", {"speculative": serving.stale_draft_speculative}),
+    BrokenVariant("sink-per-split",
+                  "split-K attention folds the sink into every chunk's partial, so the merged "
+                  "denominator counts it once per split, not once",
+                  sinks.sink_per_split, "sinks", needs={"gptoss"}, one_model=True),
+    BrokenVariant("window-without-sink",
+                  "a gpt-oss model's window layers attend without their sink (the full layers "
+                  "keep it), in the full forward and the cached calls alike",
+                  sinks.window_without_sink, "sinks", needs={"gptoss", "hybrid"}, one_model=True),
 )}
 """Every broken variant, by name."""

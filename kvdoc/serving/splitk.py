@@ -11,6 +11,11 @@ where ``o_c = sum_j exp(s_j - m_c) v_j`` over chunk ``c``. The merge is an ident
 arithmetic, not an approximation: the result is softmax attention over all ``T`` keys, up to
 the rounding of a different summation order. ``m + log l`` is the log-sum-exp of the scores.
 
+A sink logit ``s`` per head (gpt-oss, :mod:`kvdoc.core.gptoss`) is one more term of the
+denominator, with a value of zero: it enters the merge once, as a chunk of its own
+(``m_s = s``, ``l_s = 1``, ``o_s = 0``), never inside each chunk's partial, where it would be
+counted once per split.
+
 Shapes: ``q`` is ``[B, H, C, D_h]``, ``k`` and ``v`` are ``[B, H_kv, T, D_h]`` (``H`` a multiple
 of ``H_kv``), ``mask`` is ``[C, T]`` bool (True: may read) or ``[B, C, T]``, one a row.
 
@@ -29,6 +34,7 @@ import torch.nn.functional as F
 
 from kvdoc.core import invariant
 from kvdoc.core.cache import check_int
+from kvdoc.core.gptoss import GptOssAttention, GptOssConfig, GptOssDecoder
 from kvdoc.core.model import CausalSelfAttention, Decoder, GPTConfig
 
 
@@ -69,9 +75,11 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return Partial(out, m.reshape(B, H, C), p.sum(dim=-1).reshape(B, H, C))
 
 
-def merge(parts: list[Partial] | Partial) -> tuple[torch.Tensor, torch.Tensor]:
+def merge(parts: list[Partial] | Partial,
+          sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge partials (a list, or one :class:`Partial` with the chunks along a leading
-    dimension) into the output ``[B, H, C, D_h]`` and its log-sum-exp ``[B, H, C]``.
+    dimension) into the output ``[B, H, C, D_h]`` and its log-sum-exp ``[B, H, C]``; ``sinks``
+    (``[H]``) join the denominator once, after the chunks.
 
     >>> q, k, v = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     >>> out, _ = merge([partial_attention(q, k[:, :, :2], v[:, :, :2]),
@@ -85,10 +93,15 @@ def merge(parts: list[Partial] | Partial) -> tuple[torch.Tensor, torch.Tensor]:
             raise ValueError("merge needs at least one partial")
         parts = Partial(*(torch.stack(field) for field in zip(*parts, strict=True)))
     m = parts.m.amax(dim=0)  # [B, H, C]
+    if sinks is not None:  # a chunk of its own: max s, sum exp(s - s) = 1, no value
+        sink = sinks.to(m.dtype).view(-1, 1).expand_as(m)
+        m = torch.maximum(m, sink)
     if m.isinf().any():
         raise ValueError("a query row reads no key in any chunk; its softmax is undefined")
     w = torch.exp(parts.m - m)  # [chunks, B, H, C]; exp(-inf) = 0 for a chunk that hid everything
     l = (w * parts.l).sum(dim=0)  # noqa: E741
+    if sinks is not None:
+        l = l + torch.exp(sink - m)  # noqa: E741 (once, whatever the number of chunks)
     out = (w[..., None] * parts.out).sum(dim=0)
     return out / l[..., None], m + torch.log(l)
 
@@ -123,16 +136,23 @@ def all_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int,
 
 
 def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int,
-                      mask: torch.Tensor | None = None) -> torch.Tensor:
+                      mask: torch.Tensor | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(q k^T / sqrt(D_h) + mask) v`` over chunks of ``split`` keys (``split`` need not
     divide ``T``; shapes as in the module docstring, ``mask`` None: every key visible): equal to
-    :func:`torch.nn.functional.scaled_dot_product_attention` with the same mask up to rounding.
+    :func:`torch.nn.functional.scaled_dot_product_attention` with the same mask up to rounding;
+    with ``sinks`` (``[H]``), to :func:`kvdoc.core.gptoss.sink_attention`.
 
     >>> g = torch.Generator().manual_seed(0)
     >>> q = torch.randn(1, 4, 1, 8, generator=g)                      # one decode query, 4 heads
     >>> k, v = torch.randn(2, 1, 2, 10, 8, generator=g)               # 2 K/V heads, 10 keys
     >>> ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     >>> torch.allclose(split_k_attention(q, k, v, split=3), ref, atol=1e-6)  # 3 does not divide 10
+    True
+    >>> from kvdoc.core.gptoss import sink_attention
+    >>> sinks = torch.randn(4, generator=g)
+    >>> torch.allclose(split_k_attention(q, k, v, 3, sinks=sinks),
+    ...                sink_attention(q, k, v, sinks), atol=1e-6)
     True
     """
     check_int("split", split)
@@ -146,7 +166,9 @@ def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: 
     T = k.shape[2]
     if mask is not None and tuple(mask.shape) not in ((C, T), (B, C, T)):
         raise ValueError(f"mask must be [C, T] = [{C}, {T}] or [B, C, T], got {tuple(mask.shape)}")
-    return merge(all_partials(q, k, v, split, mask))[0]
+    if sinks is not None and tuple(sinks.shape) != (H,):
+        raise ValueError(f"sinks must be [H] = [{H}], got {tuple(sinks.shape)}")
+    return merge(all_partials(q, k, v, split, mask), sinks)[0]
 
 
 class SplitKAttention(CausalSelfAttention):
@@ -166,8 +188,23 @@ class SplitKAttention(CausalSelfAttention):
         return split_k_attention(q, k, v, self.split, mask)
 
 
+class SinkSplitKAttention(GptOssAttention):
+    """gpt-oss's attention (:class:`~kvdoc.core.gptoss.GptOssAttention`) over chunks of
+    ``split`` keys, the sinks merged once."""
+
+    def __init__(self, config: GptOssConfig, layer_idx: int, split: int) -> None:
+        super().__init__(config, layer_idx)
+        self.split = check_int("split", split)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        mask = self.visible(start, q.shape[2], k.shape[2], attn_mask, q.device)
+        return split_k_attention(q, k, v, self.split, mask, self.sinks)
+
+
 def split_k_decoder(model: Decoder, split: int) -> Decoder:
-    """A copy of ``model`` (weights, dtype, device) whose attention is :class:`SplitKAttention`.
+    """A copy of ``model`` (weights, dtype, device) whose attention is :class:`SplitKAttention`
+    (:class:`SinkSplitKAttention` for a :class:`~kvdoc.core.gptoss.GptOssDecoder`).
 
     >>> from kvdoc import GPTConfig
     >>> _ = torch.manual_seed(0)
@@ -178,8 +215,13 @@ def split_k_decoder(model: Decoder, split: int) -> Decoder:
     """
     weight = model.wte.weight
     with torch.random.fork_rng():  # the fresh weights are overwritten: leave the global RNG alone
-        clone = Decoder(model.config)
-        for block in clone.h:
-            block.attn = SplitKAttention(model.config, split)
+        if isinstance(model, GptOssDecoder):
+            clone = GptOssDecoder(model.config)
+            for i, block in enumerate(clone.h):
+                block.self_attn = SinkSplitKAttention(model.config, i, split)
+        else:
+            clone = Decoder(model.config)
+            for block in clone.h:
+                block.attn = SplitKAttention(model.config, split)
     clone.load_state_dict(model.state_dict())
     return clone.to(weight.dtype).to(weight.device).eval()
