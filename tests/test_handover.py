@@ -119,13 +119,13 @@ def grid_models():
     return {name: grid.MODELS[name].build(0) for name in ("llama", "mla")}
 
 
-HANDED = [name for name in grid.MODELS if name not in ("gemma3-global-first", "v4-compressed")
-          and "state" not in grid_traits(name)]
+HANDED = [name for name in grid.MODELS if name != "gemma3-global-first"
+          and not grid_traits(name) & {"state", "indexed", "compressed"}]
 """Formerly verify's ``handover`` scenario (it never varied by cache kind): every grid model but
-the global-first Gemma one, which only the checks that see a layer's type run, the V4 one, whose
-cache (pooled entries, a block buffer) the K/V packer does not carry, and those with a recurrent
-state, which the payload of K/V rows does not carry; ``deep``, twelve layers, for a packer that
-orders them by name."""
+the global-first Gemma one, which only the checks that see a layer's type run, and those whose
+cache holds more than the packer's two tensors a layer (a recurrent state, an indexed layer's
+indexer keys, a V4 layer's pooled entries and block buffer); ``deep``, twelve layers, for a
+packer that orders them by name."""
 
 
 def _prompt(model):

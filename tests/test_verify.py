@@ -27,6 +27,7 @@ from kvdoc.proofs.compare import (
 )
 from kvdoc.proofs.suite import CHECKS, SCENARIOS, run_suite
 from kvdoc.proofs.sweep import sweep_passes, sweep_variants, variants_table, worker_map
+from kvdoc.proofs.traits import traits
 from kvdoc.proofs.variants import BUG_CLASSES, VARIANTS
 from kvdoc.proofs.verify import run_passes, verify_passes
 from kvdoc.teach.crosscheck import match_transformers
@@ -63,7 +64,8 @@ def test_real_implementation_passes_the_equivalence_grid():
 
 @pytest.mark.parametrize("name", [  # fp32-cache shows in FP64 only: see test_each_axis_is_needed
     n for n, v in VARIANTS.items()
-    if v.bug_class in ("mask and positions", "cache storage") and n != "fp32-cache"])
+    if v.bug_class in ("mask and positions", "cache storage") and n != "fp32-cache"
+    and set(v.needs) <= traits(default_model().config)])  # the site's model hosts it
 def test_the_grid_catches_the_mask_and_storage_variants(name):
     report = equivalence_grid(name, **SMALL)
     assert not report.passed, report.failures_table()
@@ -217,7 +219,7 @@ def test_the_default_verify_passes_and_says_what_it_ran(capsys, monkeypatch):
     # each skips kinds, impls or models it cannot take
     not_everywhere = ("generate", "crop", "speculative", "int8", "fp8", "edges", "padded",
                       "bf16", "fp16", "bf16-reference", "fp16-reference", "counted",
-                      "invariant", "imported", "evicted")
+                      "invariant", "invariant_bits", "imported", "evicted")
     assert all(r.passed is not None for r in report.results if r.check not in not_everywhere)
     # it says what it ran: every registered model, cache kind, implementation and scenario
     lines = {line.strip().split(":")[0]: line.split(":", 1)[1].strip()
@@ -377,11 +379,13 @@ def test_a_new_implementation_plugs_in_with_one_entry(monkeypatch):
     report = run_suite(impls=("wrapper",), models=("gqa",), kinds=("static",), **FP32)
     # generate() and speculative decoding take the model itself; int8, fp8 and the BF16/FP16
     # bounds run on the dynamic kind, edges' branches on a cache not written in place, counted
-    # on caches whose tensors hold exactly their positions
+    # on caches whose tensors hold exactly their positions; the mode, the import and eviction
+    # once per model, on the dynamic kind and the model itself, or on the paged kind
     skipped = {r.check for r in report.results if r.passed is None}
     assert report.passed and skipped == {"generate", "speculative", "int8", "fp8",
                                          "edges", "bf16", "fp16", "bf16-reference",
-                                         "fp16-reference", "counted"}
+                                         "fp16-reference", "counted", "invariant",
+                                         "imported", "evicted"}
     monkeypatch.setitem(grid.IMPLEMENTATIONS, "wrapper", lambda m: Wrapper(m, skip_last_only=True))
     assert "last_only" in _fails(impls=("wrapper",), models=("gqa",), kinds=("static",))
 

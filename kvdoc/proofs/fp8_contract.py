@@ -59,7 +59,9 @@ def row_breach(got: torch.Tensor, written: torch.Tensor, scale: torch.Tensor,
         return 0.0
     y = got.to(torch.float64) / scale.to(torch.float64)
     # got = q * s rounded in the model's dtype: y is an FP8 number to a few units of it
-    off_grid = (y - y.to(fp8).to(torch.float64)).abs() - 4 * torch.finfo(got.dtype).eps * y.abs()
+    model = torch.finfo(got.dtype)  # its subnormals: an absolute step, not a relative one
+    off_grid = ((y - y.to(fp8).to(torch.float64)).abs() - 4 * model.eps * y.abs()
+                - model.smallest_normal * model.eps / scale.to(torch.float64))
     err = ((got.to(torch.float64) - written.to(torch.float64)).abs()
            - element_error_bound(written, scale, fp8)) / scale.to(torch.float64)
     worst = max(float(off_grid.amax()), float(err.amax()), 0.0)

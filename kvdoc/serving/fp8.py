@@ -124,7 +124,8 @@ def element_error_bound(x: torch.Tensor, scale: torch.Tensor,
     With ``y = |x| / s``: rounding to e4m3's 3 mantissa bits moves ``y`` by at most ``2^-4 y``
     (``eps / 2``; ``2^-3`` for e5m2); below the smallest normal value by at most ``2^-10`` (half
     the subnormal spacing); beyond ``fmax`` (448) it saturates, off by ``y - fmax``. Times
-    ``s``, plus ``eps`` of the model's dtype relative to ``|x|`` for its own rounding.
+    ``s``, plus ``eps`` of the model's dtype relative to ``|x|`` for its own rounding, and the
+    model dtype's subnormal spacing (FP16's ``2^-24``), where ``q s`` falls below its normals.
 
     >>> x = torch.tensor([3.3, 1000.0, 0.0])
     >>> bound = element_error_bound(x, torch.tensor(1.0))   # stored: 3.25, 448 and 0
@@ -136,7 +137,9 @@ def element_error_bound(x: torch.Tensor, scale: torch.Tensor,
     rel = info.eps / 2 + torch.finfo(x.dtype).eps
     inside = torch.maximum(rel * y, torch.full_like(y, info.smallest_normal * info.eps / 2))
     beyond = y - info.max + torch.finfo(x.dtype).eps * y
-    return torch.where(y > info.max, beyond, inside) * scale.to(torch.float64)
+    model = torch.finfo(x.dtype)
+    return (torch.where(y > info.max, beyond, inside) * scale.to(torch.float64)
+            + model.smallest_normal * model.eps)
 
 
 def read_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
