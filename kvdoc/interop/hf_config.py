@@ -277,6 +277,26 @@ def outer_weights(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {ours: state.get(theirs, wte) for theirs, ours in OUTER.items()}
 
 
+def by_our_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers state dict under kvdoc's names, for a decoder whose blocks keep
+    transformers' names below ``h.`` (Gemma 3, gpt-oss, Qwen3.5): :func:`outer_weights` and
+    ``model.layers.i.x`` as ``h.i.x``."""
+    mapped = outer_weights(state)
+    mapped.update({"h." + k.removeprefix("model.layers."): v for k, v in state.items()
+                   if k.startswith("model.layers.")})
+    return mapped
+
+
+def by_their_names(state: Mapping[str, torch.Tensor],
+                   outer: Mapping[str, str] = OUTER) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`by_our_names`: ``outer``'s weights and ``h.i.x`` as
+    ``model.layers.i.x``."""
+    mapped = {theirs: state[ours] for theirs, ours in outer.items()}
+    mapped.update({"model.layers." + k.removeprefix("h."): v for k, v in state.items()
+                   if k.startswith("h.")})
+    return mapped
+
+
 def holding(model: torch.nn.Module, mapped: Mapping[str, torch.Tensor]) -> Any:
     """``model`` holding ``mapped`` (kvdoc's names), in their dtype, on their device, in eval
     mode."""

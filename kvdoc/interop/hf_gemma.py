@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, gemma_layer_types
-from kvdoc.interop.hf_config import OUTER, holding, load_exported, outer_weights
+from kvdoc.interop.hf_config import by_our_names, by_their_names, holding, load_exported
 
 
 def gemma_config(config: Gemma3Config) -> Any:
@@ -127,10 +127,7 @@ def from_gemma(hf_model: Any) -> Gemma3Decoder:
     """A :class:`Gemma3Decoder` with the weights of transformers' ``Gemma3ForCausalLM``, in the
     model's dtype, in eval mode."""
     state = hf_model.state_dict()
-    mapped = outer_weights(state)
-    for name, value in state.items():
-        if name.startswith("model.layers."):
-            mapped["h." + name.removeprefix("model.layers.")] = value
+    mapped = by_our_names(state)
     return holding(Gemma3Decoder(config_from_gemma(hf_model.config)), mapped)
 
 
@@ -142,10 +139,7 @@ def to_gemma(model: Gemma3Decoder) -> Any:
     state = model.state_dict()
     with torch.random.fork_rng():
         hf = Gemma3ForCausalLM(gemma_config(model.config))
-    mapped = {theirs: state[ours] for theirs, ours in OUTER.items()}
-    for name, value in state.items():
-        if name.startswith("h."):
-            mapped["model.layers." + name.removeprefix("h.")] = value
+    mapped = by_their_names(state)
     return load_exported(hf, mapped, model, "Gemma3")
 
 

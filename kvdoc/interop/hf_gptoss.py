@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kvdoc.core.gptoss import GptOssConfig, GptOssDecoder
-from kvdoc.interop.hf_config import OUTER, holding, load_exported, outer_weights
+from kvdoc.interop.hf_config import by_our_names, by_their_names, holding, load_exported
 
 
 def gptoss_config(config: GptOssConfig) -> Any:
@@ -94,10 +94,7 @@ def from_gptoss(hf_model: Any) -> GptOssDecoder:
     """A :class:`GptOssDecoder` with the weights of transformers' ``GptOssForCausalLM``, in the
     model's dtype, in eval mode."""
     state = hf_model.state_dict()
-    mapped = outer_weights(state)
-    for name, value in state.items():
-        if name.startswith("model.layers."):
-            mapped["h." + name.removeprefix("model.layers.")] = value
+    mapped = by_our_names(state)
     return holding(GptOssDecoder(config_from_gptoss(hf_model.config)), mapped)
 
 
@@ -109,10 +106,7 @@ def to_gptoss(model: GptOssDecoder) -> Any:
     state = model.state_dict()
     with torch.random.fork_rng():
         hf = GptOssForCausalLM(gptoss_config(model.config))
-    mapped = {theirs: state[ours] for theirs, ours in OUTER.items()}
-    for name, value in state.items():
-        if name.startswith("h."):
-            mapped["model.layers." + name.removeprefix("h.")] = value
+    mapped = by_their_names(state)
     return load_exported(hf, mapped, model, "GptOss")
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kvdoc.core.deltanet import DeltaNetConfig, DeltaNetDecoder
-from kvdoc.interop.hf_config import OUTER, holding, load_exported, outer_weights
+from kvdoc.interop.hf_config import by_our_names, by_their_names, holding, load_exported
 
 
 def qwen35_config(config: DeltaNetConfig) -> Any:
@@ -108,11 +108,8 @@ def from_qwen35(hf_model: Any, chunk_size: int = 64) -> DeltaNetDecoder:
     """A :class:`DeltaNetDecoder` with the weights of transformers' ``Qwen3_5ForCausalLM``, in
     the model's dtype, in eval mode (``chunk_size``: kvdoc's prefill chunk)."""
     state = hf_model.state_dict()
-    mapped = outer_weights(state)
+    mapped = by_our_names(state)
     config = config_from_qwen35(hf_model.config, chunk_size)
-    for name, value in state.items():
-        if name.startswith("model.layers."):
-            mapped["h." + name.removeprefix("model.layers.")] = value
     for key in [k for k in mapped if k.endswith(".in_proj_qkvz.weight")]:  # Qwen3-Next
         prefix = key.removesuffix("in_proj_qkvz.weight")
         mapped.update(_split_next(config, mapped.pop(key), mapped.pop(prefix + "in_proj_ba.weight"),
@@ -146,10 +143,7 @@ def to_qwen35(model: DeltaNetDecoder) -> Any:
     state = model.state_dict()
     with torch.random.fork_rng():
         hf = Qwen3_5ForCausalLM(qwen35_config(replace(model.config)))
-    mapped = {theirs: state[ours] for theirs, ours in OUTER.items()}
-    for name, value in state.items():
-        if name.startswith("h."):
-            mapped["model.layers." + name.removeprefix("h.")] = value
+    mapped = by_their_names(state)
     return load_exported(hf, mapped, model, "Qwen3_5")
 
 
