@@ -113,6 +113,13 @@ def reference_rows(model: nn.Module, reference: Callable) -> list[tuple]:
 
 @scenario("bf16", CHECKS)
 def _scenario(case, out: list) -> None:
+    config = case.model.config
+    if getattr(config, "experts_per_token", 0) < getattr(config, "n_experts", 0):
+        # a router's top-k is discontinuous: one rounding can pick another expert
+        for name in CHECKS:
+            out.append(case.result(name, None, 0.0, "experts picked by a router: a rounding "
+                                   "can pick another expert, so no rounding bound holds"))
+        return
     if case.dtype != torch.float32 or case.kind != "dynamic":
         for name in CHECKS:
             out.append(case.result(name, None, 0.0, "the dynamic kind in the FP32 pass"))
