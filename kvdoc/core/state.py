@@ -71,6 +71,7 @@ class StateLayer(CacheLayer):
     """
 
     window = 0
+    at: int | None = None  # the position of a restored snapshot's state, until a call replaces it
 
     def __init__(self, batch_size: int, spec: StateSpec, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
@@ -104,12 +105,13 @@ class StateLayer(CacheLayer):
                 raise ValueError(f"state {name!r} must be {tuple(old.shape)} {old.dtype}, "
                                  f"got {got}")
         self.state = {name: tensors[name] for name in self.state}  # a new dict: forks keep theirs
+        self.at = None  # a state after a call's tokens, not a snapshot's position
 
     def held(self, seq_len: int) -> range:
         return range(seq_len, seq_len)  # no rows: a fold over all of them
 
     def crop(self, length: int, seq_len: int) -> StateLayer:
-        if length == seq_len:
+        if length in (seq_len, self.at):
             return self
         raise ValueError(f"layer {type(self).__name__}: a recurrent state folds every position "
                          f"it has seen; it cannot go back from {seq_len} to {length} without a "
@@ -122,10 +124,12 @@ class StateLayer(CacheLayer):
         size = torch.empty((), dtype=self.dtype).element_size()
         return self.batch_size * size * sum(math.prod(shape) for _, shape in self.spec.shapes)
 
-    def restored(self, state: dict[str, torch.Tensor]) -> StateLayer:
-        """A copy of this layer holding ``state`` (checked as :meth:`replace` checks)."""
+    def restored(self, state: dict[str, torch.Tensor], at: int | None = None) -> StateLayer:
+        """A copy of this layer holding ``state`` (checked as :meth:`replace` checks), the state
+        after ``at`` positions: the cache's crop to ``at`` then keeps it."""
         layer = copy.copy(self)
         layer.replace(**state)
+        layer.at = at
         return layer
 
 
@@ -183,12 +187,15 @@ def restore(cache: KVCache, snap: Snapshot) -> KVCache:
     if sorted(snap.states) != state_layers(cache):
         raise ValueError(f"the snapshot holds layers {sorted(snap.states)}, the cache's state "
                          f"layers are {state_layers(cache)}")
-    layers = [layer.restored({n: t.clone() for n, t in snap.states[i].items()})
-              if isinstance(layer, StateLayer) else layer.crop(snap.position, cache.seq_len)
-              for i, layer in enumerate(cache.layers)]  # every check before any change
-    cache.layers = layers
-    cache.finish(snap.position)
-    return cache
+    old = cache.layers
+    cache.layers = [layer.restored({n: t.clone() for n, t in snap.states[i].items()},
+                                   snap.position) if isinstance(layer, StateLayer) else layer
+                    for i, layer in enumerate(old)]  # each state checked before any change
+    try:  # the rows by the cache's own crop (a paged cache's block tables, a layer's rows)
+        return cache.crop(snap.position)
+    except ValueError:
+        cache.layers = old
+        raise
 
 
 def hybrid_cache(layout: tuple, batch_size: int, dtype: torch.dtype = torch.float32,

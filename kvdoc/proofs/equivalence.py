@@ -100,7 +100,7 @@ def _stream(case: Case, out: list) -> None:
                 "what a cache held before a call")
             causal_ok, causal, logits = full_causal_ok, full_causal, run.logits
             if chunk > 1:  # with one token per call the last token reaches no earlier call
-                if last and case.cache.in_place:  # the last call wrote into the kept cache
+                if last and run.cache is fork:  # the last call wrote into the kept cache
                     fork = run.cache.crop(last)
                 # the stream's own cache goes first: a paged pool is sized for one stream
                 run = tail = got = None

@@ -138,10 +138,11 @@ a Mamba layer, an attention layer, a Mamba layer; 3 groups of 4 heads sharing B 
 convolution of 3 (a state of 2 inputs), chunks of 7 (none of the stream's chunk sizes), a
 ``dt`` clamp that binds."""
 STATE_SCENARIOS = ("stream", "last_only", "reference", "prefill_decode", "crop", "branch",
-                   "failure", "bytes", "edges", "padded")
+                   "failure", "bytes", "edges", "padded", "evicted")
 """The checks that see a state layer (a fork, a refused crop and a restored snapshot, a refused
-padded call, a state that does not grow); the rest (a fresh copy, weights changed in place,
-quantised K/V) see nothing a state adds to the attention models' runs."""
+padded call, a state that does not grow, a radix tree resuming at saved states); the rest (a
+fresh copy, weights changed in place, quantised K/V) see nothing a state adds to the attention
+models' runs."""
 V4 = CompressedConfig(vocab_size=89, n_positions=256, layer_types=("hca", "csa"),
                       n_embd=40, n_head=3, head_dim=14, rope_head_dim=6, q_lora_rank=11,
                       o_groups=3, o_lora_rank=5, n_inner=56, sliding_window=7, csa_rate=3,
@@ -228,6 +229,11 @@ def _pooled(config: GPTConfig | MLAConfig) -> bool:
 def _rows(config: object) -> bool:
     # every layer caches whole rows: not a recurrent state, nor a V4 model's pooled blocks
     return not _stateful(config) and not isinstance(config, CompressedConfig)
+
+
+def _paged(config: object) -> bool:
+    # rows in the pool's blocks, a recurrent layer's state beside them (kvdoc.serving.paged)
+    return _rows(config) or (_stateful(config) and not isinstance(config, CompressedConfig))
 
 
 @dataclass(frozen=True)
@@ -352,9 +358,9 @@ CACHES: dict[str, CacheSpec] = {
     # every position of every layer in blocks of the pool's layout (K/V or an MLA latent); a
     # windowed layer's own mask limits what it reads, as over a dynamic cache
     "paged": CacheSpec(new_paged_cache, in_place=True,
-                       serves=lambda config: _pooled(config) and _rows(config)),
+                       serves=lambda config: _pooled(config) and _paged(config)),
     "shared-prefix": CacheSpec(new_shared_prefix_cache, in_place=False,
-                               serves=lambda config: _pooled(config) and _rows(config)),
+                               serves=lambda config: _pooled(config) and _paged(config)),
     "hybrid": CacheSpec(lambda m, b, cap: m.new_cache(b, "hybrid"), in_place=False,
                         serves=lambda config: hasattr(config, "layer_windows")),
     # a state layer per recurrent layer, a growing K/V layer per attention layer

@@ -10,7 +10,9 @@ of its sequence, within the tolerance; matches of any length (``"token"``, shari
 a partly matched block) and of whole blocks (``"block"``). Bookkeeping that keeps the right
 counts but the wrong rows passes every decision and fails here.
 
-It runs on the paged kind (the pool the tree's blocks live in), the model's own call.
+It runs on the paged kind (the pool the tree's blocks live in), the model's own call. A hybrid
+model's tree saves its recurrent states at every block boundary
+(:mod:`kvdoc.serving.snapshots`), and no saved state may outlive the rows before it.
 
 >>> from kvdoc.proofs.suite import run_suite
 >>> report = run_suite(models=("llama",), kinds=("paged",), impls=("model",),
@@ -23,8 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from kvdoc.serving.paged import BlockPool
+from kvdoc.serving.paged import BlockPool, paged_cache
 from kvdoc.serving.radix import RadixCache, serve_prompt
+from kvdoc.serving.snapshots import takes_states
 
 from .case import Case, scenario
 from .compare import close, max_abs
@@ -47,8 +50,10 @@ ending inside a block or at whole blocks only."""
 def _reserved(case: Case, evict: str, granularity: str,
               tree_cls: type[RadixCache]) -> tuple[bool, float, str]:
     weight = case.model.wte.weight
-    tree = tree_cls(BlockPool(case.model.config, BLOCKS, BLOCK, weight.dtype, weight.device),
-                    granularity, evict=evict)
+    pool = BlockPool(case.model.config, BLOCKS, BLOCK, weight.dtype, weight.device)
+    # a hybrid model resumes only where a state was saved: at every block boundary here
+    states = {"states": "every"} if takes_states(paged_cache(pool, 1)) else {}
+    tree = tree_cls(pool, granularity, evict=evict, **states)
     row = case.ids[0].tolist()
     shared, first = row[:SHARED], row[SHARED:SHARED + OWN]
     other = case.alt[0, :OWN].tolist()
@@ -65,11 +70,16 @@ def _reserved(case: Case, evict: str, granularity: str,
     picked = list(again.tokens[again.prompt_len:])
     # a pick is the full forward's argmax, or within the tolerance of it (a near tie)
     gap = full.max(dim=-1).values - full.gather(-1, tokens[:, again.matched + 1:, None])[..., 0]
-    ok = (close(again.logits, full, case.tol) and again.matched > 0
+    # a saved state is no use without the rows before it: eviction drops both
+    orphans = [] if tree.states is None else [
+        key for key in tree.states.saved if tree.match(key)[0] < len(key)]
+    ok = (close(again.logits, full, case.tol) and again.matched > 0 and not orphans
           and (picked == want[-NEW:] or float(gap[0, -NEW:].max()) <= 2 * case.tol))
     return ok, max_abs(again.logits, full), (
         f"evict={evict}, {granularity} matches: {tree.evicted_blocks} blocks evicted, "
-        f"{again.matched} positions re-served from the blocks left, {full.shape[1]} computed")
+        f"{again.matched} positions re-served from the blocks left, {full.shape[1]} computed"
+        + ("" if tree.states is None else f"; {len(tree.states.saved)} saved states, "
+           f"{len(orphans)} without their rows"))
 
 
 @scenario("evicted", {"evicted": "after evictions (whole leaves, tail blocks), a prompt "

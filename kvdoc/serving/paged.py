@@ -37,6 +37,7 @@ import torch
 
 from kvdoc.core.cache import KV, CacheLayer, HasLayout, KVCache, check_int
 from kvdoc.core.model import Decoder
+from kvdoc.core.state import StateLayer, StateSpec
 
 
 class BlockPool:
@@ -59,9 +60,11 @@ class BlockPool:
         check_int("num_blocks", num_blocks)
         check_int("block_size", block_size)
         self.layout = config.cache_layout
-        # [N, H, S, width]: K and V of H_kv heads, or c_KV and k_rope of one head
-        self.k, self.v = ([torch.zeros((num_blocks, s.heads, block_size, s.widths[i]),
-                                       dtype=dtype, device=device) for s in self.layout]
+        # [N, H, S, width]: K and V of H_kv heads, or c_KV and k_rope of one head; a recurrent
+        # layer's state is no rows (0 heads): its stores are empty, its state is the cache's
+        self.k, self.v = ([torch.zeros((num_blocks, s.heads, block_size,
+                                        s.widths[i] if s.heads else 0), dtype=dtype,
+                                       device=device) for s in self.layout]
                           for i in (0, 1))
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
         self.dtype, self.device = dtype, torch.device(device)
@@ -249,11 +252,14 @@ class PagedCache(KVCache):
     def __init__(self, pool: BlockPool, batch_size: int, shared: bool = False,
                  block_tables: type[BlockTables] = BlockTables) -> None:
         self._tables = block_tables(pool, batch_size)
-        super().__init__([PagedLayer(self._tables, i) for i in range(len(pool.layout))])
+        super().__init__([StateLayer(batch_size, spec, pool.dtype, pool.device)
+                          if isinstance(spec, StateSpec) else PagedLayer(self._tables, i)
+                          for i, spec in enumerate(pool.layout)])
         self.pool, self.block_size = pool, pool.block_size
         self.shared, self.block_tables = shared, block_tables
         self.tables = self._tables.rows
-        self._finalizer = weakref.finalize(self, _release_tables, pool, self.tables)
+        # on the tables, not the cache: a call's working copy (begin) shares them
+        self._finalizer = weakref.finalize(self._tables, _release_tables, pool, self.tables)
 
     def release(self) -> None:
         """Give every block back (the cache is then empty); also done when the cache is
@@ -271,6 +277,9 @@ class PagedCache(KVCache):
         for table, r in zip(child.tables, rows, strict=True):
             table.extend(self.tables[r])
             self.pool.share(table)
+        child.layers = [mine.restored({n: t[rows] for n, t in mine.state.items()})
+                        if isinstance(mine, StateLayer) else theirs
+                        for mine, theirs in zip(self.layers, child.layers, strict=True)]
         child._len = self._len
         return child
 
@@ -279,6 +288,9 @@ class PagedCache(KVCache):
         returns ``self``."""
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._len:
             raise ValueError(f"cannot crop a cache of {self._len} positions to {length!r}")
+        for layer in self.layers:  # a state refuses to go back: before any block is released
+            if isinstance(layer, StateLayer):
+                layer.crop(length, self._len)
         keep = math.ceil(length / self.block_size)
         for table in self.tables:
             self.pool.release(table[keep:])
@@ -298,15 +310,19 @@ class PagedCache(KVCache):
                              f"{self.pool.num_free} free of {self.pool.num_blocks}")
 
     def begin(self) -> PagedCache:
-        return self.fork() if self.shared else self
+        # rows are written in place; a state layer is replaced in a copy (KVCache.begin), so a
+        # call that fails midway leaves the caller's state as it was
+        return self.fork() if self.shared else super().begin()
 
     def blocks_held(self) -> int:
         """Distinct blocks this cache's sequences hold (a block shared between them counts once)."""
         return len({b for t in self.tables for b in t})
 
     def tensors(self) -> list[torch.Tensor]:
-        """The pool's storage, which this cache shares with every other cache of the pool."""
-        return [*self.pool.k, *self.pool.v]
+        """The pool's storage, which this cache shares with every other cache of the pool, and
+        its own recurrent states."""
+        return [*self.pool.k, *self.pool.v,
+                *(t for la in self.layers if isinstance(la, StateLayer) for t in la.tensors())]
 
 
 def paged_cache(pool: BlockPool, batch: int, shared: bool = False) -> PagedCache:

@@ -51,15 +51,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from kvdoc.core.model import Decoder
+from kvdoc.core.state import snapshot
 
 from .eviction import LRU, Node
 from .paged import BlockPool, PagedCache, paged_cache
+from .snapshots import SnapshotStore, Where, store_for
 
 
 @dataclass(eq=False)
@@ -70,6 +72,7 @@ class Admission:
     matched: int
     cache: PagedCache
     node: Node  # the deepest node locked for it (the root if nothing matched)
+    saved: list = field(default_factory=list)  # a hybrid model's snapshots, taken in its prefill
 
 
 def common_prefix_len(a: Sequence, b: Sequence) -> int:
@@ -83,10 +86,14 @@ class RadixCache:
     under; ``granularity`` and ``evict`` as in the module docstring. ``policy``: which unlocked
     leaves eviction may take, in what order (default :class:`~kvdoc.serving.eviction.LRU`); an
     object with ``may_evict(node)`` and ``priority(node)``, as SGLang's eviction strategies are.
+    ``states``: for a hybrid model's pool, where prefills save recurrent states (a rule of
+    :data:`~kvdoc.serving.snapshots.WHERE`, default ``"last"``, or a
+    :class:`~kvdoc.serving.snapshots.SnapshotStore`); a request resumes only at a saved state.
     """
 
     def __init__(self, pool: BlockPool, granularity: Literal["token", "block"] = "token",
-                 policy: LRU | None = None, evict: Literal["leaf", "block"] = "leaf") -> None:
+                 policy: LRU | None = None, evict: Literal["leaf", "block"] = "leaf",
+                 states: Where | SnapshotStore | None = None) -> None:
         if granularity not in ("token", "block"):
             raise ValueError(f"granularity must be 'token' or 'block', got {granularity!r}")
         if evict not in ("leaf", "block"):
@@ -94,6 +101,7 @@ class RadixCache:
         self.pool, self.block_size, self.granularity = pool, pool.block_size, granularity
         self.unit = evict
         self.policy = LRU() if policy is None else policy
+        self.states = store_for(pool, states)  # None: no recurrent layer, no state to save
         self.root = Node((), [], None)
         self.running: list[Admission] = []
         self.clock = 0
@@ -139,6 +147,8 @@ class RadixCache:
         length = min(length, len(prompt) - 1)
         if self.granularity == "block":  # a whole prompt found: its last block is recomputed
             length = length // self.block_size * self.block_size
+        if self.states is not None:  # a recurrent state resumes only where one was saved
+            length = self.states.deepest(prompt, length)
         return length, blocks[:math.ceil(length / self.block_size)], node
 
     # --- a request's life -----------------------------------------------------------------
@@ -179,6 +189,8 @@ class RadixCache:
         cache.tables[0].extend(blocks)
         self.pool.share(blocks)
         cache.finish(length)  # the shared blocks hold exactly these positions
+        if self.states is not None:
+            self.states.restore(cache, prompt[:length])
         request = Admission(prompt, length, cache, node)
         self.running.append(request)
         return request
@@ -199,6 +211,8 @@ class RadixCache:
                              f"with the prompt; got {len(tokens)}")
         whole = cache.seq_len // self.block_size
         gained = self.insert(tokens[:whole * self.block_size], cache.tables[0][:whole])
+        if self.states is not None:
+            self.states.keep(tokens, request.saved, whole * self.block_size)
         self._lock(request.node, -1)
         self.running.remove(request)
         cache.release()
@@ -290,6 +304,8 @@ class RadixCache:
                 self.evicted_nodes += 1
             freed += n
         self.evicted_blocks += freed
+        if self.states is not None and freed:  # a state is no use without the rows before it
+            self.states.prune(lambda ids: self.match(ids)[0])
         return freed
 
     def clear(self) -> None:
@@ -300,6 +316,8 @@ class RadixCache:
         for node in list(self.nodes()):
             self.pool.release(node.blocks)
         self.root.children.clear()
+        if self.states is not None:
+            self.states.saved.clear()
 
     def nodes(self) -> Iterator[Node]:
         """Every node but the root, depth first."""
@@ -358,14 +376,23 @@ def serve_prompt(model: Decoder, tree: RadixCache, prompt: Sequence[int],
         raise ValueError(f"max_new must be at least 1, got {max_new}")
     request = tree.admit(prompt, max_new)
     device = model.wte.weight.device
-    tokens = list(request.prompt)
-    logits, cache = model(torch.tensor([tokens[request.matched:]], device=device), request.cache)
-    steps = [logits]
+    tokens, cache, steps = list(request.prompt), request.cache, []
+    # a hybrid model's prefill stops at each position where it saves its states (a branching
+    # point: where the rows the tree holds end, short of the last token)
+    rows = min(tree.match(tokens)[0], len(tokens) - 1)
+    cuts = [] if tree.states is None else tree.states.points(len(tokens), request.matched, rows)
+    for start, end in zip([request.matched, *cuts], [*cuts, len(tokens)], strict=True):
+        if end > start:
+            logits, cache = model(torch.tensor([tokens[start:end]], device=device), cache)
+            steps.append(logits)
+        if end in cuts:
+            request.saved.append(snapshot(cache))
     while True:
         tokens.append(int(logits[0, -1].argmax()))
         if len(tokens) == len(prompt) + max_new:
             break
         logits, cache = model(torch.tensor([tokens[-1:]], device=device), cache)
         steps.append(logits)
+    request.cache = cache  # a hybrid model's call returns a copy (its states replaced)
     tree.retire(request, tokens[:-1])  # the last token was never fed: its K/V is not held
     return Served(tuple(tokens), len(prompt), request.matched, torch.cat(steps, dim=1))

@@ -60,6 +60,7 @@ import torch
 
 from kvdoc.core.cache import check_int
 from kvdoc.core.model import Decoder
+from kvdoc.core.state import StateSpec
 
 from .paged import BlockPool
 from .ragged import RaggedStep
@@ -126,6 +127,10 @@ class Scheduler:
             raise ValueError("preemption needs policy='continuous'")
         if max_batch is not None:
             check_int("max_batch", max_batch)
+        if any(isinstance(spec, StateSpec) for spec in model.config.cache_layout):
+            raise ValueError("the scheduler batches sequences' K/V rows in one pool; a hybrid "
+                             "model's recurrent states are served a request at a time "
+                             "(kvdoc.serving.radix.serve_prompt)")
         weight = model.wte.weight
         self.model, self.config = model, model.config
         self.pool = BlockPool(model.config, num_blocks, block_size, weight.dtype, weight.device)

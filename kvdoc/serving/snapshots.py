@@ -1,0 +1,131 @@
+"""Recurrent states saved at chosen positions, so that a radix tree serves a hybrid model.
+
+A hybrid model's attention layers keep K/V rows, which a :class:`~kvdoc.serving.radix.RadixCache`
+shares block by block. Its recurrent layers (Gated DeltaNet, Mamba-2) keep one state, a fold
+over every earlier token: no other sequence's rows stand for it, and it cannot be cropped back.
+A request can therefore resume only at a position ``p`` where a state was saved while an earlier
+request's prefill ran: a :class:`~kvdoc.core.state.Snapshot` of every state layer, filed under
+the ``p`` token ids before it. The tree gives a request the deepest such position inside what it
+matched (short of the last prompt token, as for every model), the blocks of the K/V rows before
+it, and a copy of the snapshot's states.
+
+Where a prefill saves states is the policy (``where``), with the rules of
+:mod:`kvdoc.measure.state_prefix`, which models the hit rates they give on a list of prompts:
+``"every"`` block boundary, the ``"last"`` one before the prompt's last token (vLLM's
+``mamba_cache_mode="align"``), or the prompt's ``"end"``; ``branch`` also saves where the
+request's match ended. The prefill is cut at those positions and the state taken after each
+piece. A snapshot is kept only if the tree keeps the K/V rows before it (whole blocks), and
+dropped when eviction takes them.
+
+>>> import torch
+>>> from kvdoc.core.deltanet import DeltaNetConfig, DeltaNetDecoder
+>>> from kvdoc.serving.paged import BlockPool
+>>> from kvdoc.serving.radix import RadixCache, serve_prompt
+>>> _ = torch.manual_seed(0)
+>>> model = DeltaNetDecoder(DeltaNetConfig()).eval()   # a DeltaNet layer, an attention layer
+>>> tree = RadixCache(BlockPool(model.config, num_blocks=16, block_size=4), states="every")
+>>> system = list(range(1, 11))                        # 10 tokens: boundaries at 4 and 8
+>>> a = serve_prompt(model, tree, system + [20, 21], max_new=2)   # saves at 4, 8, 12
+>>> b = serve_prompt(model, tree, system + [30, 31, 32], max_new=2)   # resumes at 8
+>>> a.matched, b.matched, sorted(len(key) for key in tree.states.saved)
+(0, 8, [4, 8, 12, 12])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from kvdoc.core.cache import KVCache
+from kvdoc.core.state import Snapshot, StateLayer, StateSpec, state_layers
+
+from .paged import BlockPool
+
+WHERE = ("every", "last", "end")
+"""The save rules, as in the module docstring."""
+Where = Literal["every", "last", "end"]
+
+
+def save_points(n: int, hit: int, where: str, block: int) -> list[int]:
+    """Positions where a prefill of a prompt of ``n`` tokens, resumed at ``hit``, saves states.
+
+    >>> save_points(30, 0, "every", 8), save_points(30, 0, "last", 8), save_points(30, 8, "end", 8)
+    ([8, 16, 24], [24], [30])
+    """
+    last = (n - 1) // block * block  # the last boundary before the last token
+    if where == "every":
+        return list(range((hit // block + 1) * block, n + 1, block))
+    if where == "last":
+        return [last] if last > hit else []
+    return [n]
+
+
+class SnapshotStore:
+    """The saved states of one tree, by the token ids before each: ``saved[tuple(ids)]``."""
+
+    def __init__(self, where: Where = "last", block: int = 16, branch: bool = False) -> None:
+        if where not in WHERE:
+            raise ValueError(f"where must be one of {WHERE}, got {where!r}")
+        self.where, self.block, self.branch = where, block, branch
+        self.saved: dict[tuple[int, ...], Snapshot] = {}
+
+    def points(self, n: int, hit: int, matched: int) -> list[int]:
+        """Where a prompt of ``n`` tokens resumed at ``hit``, whose K/V matched ``matched``
+        positions, saves states (``branch``: also at its match, rounded down to a block)."""
+        points = save_points(n, hit, self.where, self.block)
+        branch = matched // self.block * self.block
+        if self.branch and branch > hit and branch not in points:
+            points = sorted([*points, branch])
+        return points
+
+    def deepest(self, prompt: Sequence[int], length: int) -> int:
+        """The deepest position ``p <= length`` whose states are saved for ``prompt[:p]`` (0: the
+        states of no token, every state layer's zeros)."""
+        return max((p for p in range(length, 0, -1) if tuple(prompt[:p]) in self.saved),
+                   default=0)
+
+    def restore(self, cache: KVCache, prompt: Sequence[int]) -> None:
+        """Set ``cache``'s state layers (a cache of ``len(prompt)`` positions) to copies of the
+        states saved after ``prompt``."""
+        if not prompt:
+            return
+        snap = self.saved[tuple(prompt)]
+        cache.layers = [layer.restored({n: t.clone() for n, t in snap.states[i].items()})
+                        if isinstance(layer, StateLayer) else layer
+                        for i, layer in enumerate(cache.layers)]
+
+    def keep(self, tokens: Sequence[int], snapshots: Sequence[Snapshot], held: int) -> int:
+        """File the ``snapshots`` a request took whose rows before them the tree holds (the
+        first ``held`` positions of ``tokens``); returns how many were new."""
+        new = 0
+        for snap in snapshots:
+            key = tuple(tokens[:snap.position])
+            if snap.position <= held and key not in self.saved:
+                self.saved[key] = snap
+                new += 1
+        return new
+
+    def prune(self, holds: callable) -> None:
+        """Drop the snapshots whose rows are gone: ``holds(ids)`` is the positions of ``ids`` the
+        tree still holds."""
+        self.saved = {key: s for key, s in self.saved.items() if holds(key) >= len(key)}
+
+    def nbytes(self) -> int:
+        """Bytes of every saved state."""
+        return sum(s.nbytes() for s in self.saved.values())
+
+
+def takes_states(cache: KVCache) -> bool:
+    """Whether ``cache`` has a state layer, so resuming it needs a snapshot."""
+    return bool(state_layers(cache))
+
+
+def store_for(pool: BlockPool, states: Where | SnapshotStore | None) -> SnapshotStore | None:
+    """A radix tree's store for ``pool``: ``states`` (a rule, default ``"last"``, or a store) if
+    the pool's model has recurrent layers; None if not, where ``states`` must be None."""
+    hybrid = any(isinstance(spec, StateSpec) for spec in pool.layout)
+    if states is not None and not hybrid:
+        raise ValueError("states: only a pool with recurrent state layers saves states")
+    if not hybrid or isinstance(states, SnapshotStore):
+        return states
+    return SnapshotStore(states or "last", pool.block_size)
