@@ -10,7 +10,7 @@ query heads, ``H_kv`` K/V heads, ``D_h`` head size, ``V`` vocabulary; K, V: ``[B
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Literal, NamedTuple
 
 import torch
@@ -113,11 +113,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:  # (x1, x2) -> (-x2, x1) on th
     return torch.cat((-x2, x1), dim=-1)
 
 
+@lru_cache(maxsize=64)
+def _frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    pairs = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device)
+    return theta ** -(pairs / head_dim)  # computed once: a decode step is ~100 us
+
+
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
     """RoPE angles ``[..., D_h]`` in float64 from integer ``positions``, so a position's
     rotation does not depend on which call computes it."""
-    pairs = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
-    angles = positions.to(torch.float64)[..., None] * theta ** -(pairs / head_dim)
+    angles = positions.to(torch.float64)[..., None] * _frequencies(head_dim, theta,
+                                                                   positions.device)
     return torch.cat((angles, angles), dim=-1)  # pairs (i, i + D_h/2) turn together
 
 
@@ -203,10 +209,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = heads.split((H, H_kv, H_kv), dim=1)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_theta is not None:  # turn the new rows before K is cached
-            at = start if positions is None else positions
-            q = apply_rope(q, at, self.rope_theta)
-            k = apply_rope(k, at, self.rope_theta)
+        if self.rope_theta is not None:  # turn the new rows before K is cached; Q and K in
+            at = start if positions is None else positions  # one call share its angles
+            q, k = apply_rope(torch.cat((q, k), dim=1), at, self.rope_theta).split((H, H_kv), 1)
         if cache is not None:
             # Only the new rows were projected; old K/V come from this layer's cache.
             k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h]
