@@ -122,8 +122,7 @@ def _frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Ten
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
     """RoPE angles ``[..., D_h]`` in float64 from integer ``positions``, so a position's
     rotation does not depend on which call computes it."""
-    angles = positions.to(torch.float64)[..., None] * _frequencies(head_dim, theta,
-                                                                   positions.device)
+    angles = positions.double()[..., None] * _frequencies(head_dim, theta, positions.device)
     return torch.cat((angles, angles), dim=-1)  # pairs (i, i + D_h/2) turn together
 
 
@@ -231,10 +230,9 @@ class CausalSelfAttention(nn.Module):
 
     def visible(self, start: int, C: int, T: int, attn_mask: torch.Tensor | None,
                 device: torch.device) -> torch.Tensor | None:
-        """Which of the ``T`` keys each of the ``C`` queries at ``start ..`` reads: ``[C, T]``,
-        ``[B, C, T]``, or None when nothing is hidden. The keys end at the last query (a window
-        layer returns its last ``T``): the mask keeps its last ``T`` columns. ``attn_mask``
-        (``[B, C, P + C]``, True: may read) replaces it for a padded batch or a ragged step."""
+        """Which of the ``T`` keys (ending at the last query's) each of the ``C`` queries at
+        ``start ..`` reads: ``[C, T]``, ``[B, C, T]``, or None when nothing is hidden;
+        ``attn_mask`` (``[B, C, P + C]``) replaces it for a padded batch or a ragged step."""
         if attn_mask is not None:
             return last_keys(attn_mask[..., -T:], self.window)
         if C == 1 and self.window is None:
@@ -259,8 +257,8 @@ class Block(nn.Module):
 
 
 class DecoderOutput(NamedTuple):
-    """``logits`` ``[B, C, V]`` (``[B, 1, V]`` with ``last_only``), ``logits[:, i]`` predicting
-    the token after new token ``i``; ``cache`` holding ``P + C`` positions (None if none)."""
+    """``logits[:, i]`` (``[B, C, V]``, ``[B, 1, V]`` with ``last_only``) predicts the token after
+    new token ``i``; ``cache`` holds ``P + C`` positions (None if none)."""
 
     logits: torch.Tensor
     cache: KVCache | None
@@ -356,8 +354,8 @@ class Decoder(nn.Module):
 
 @torch.no_grad()
 def prefill(model: Decoder, idx: torch.Tensor, cache: KVCache | None = None) -> DecoderOutput:
-    """Run the prompt ``idx`` (``[B, P]``) once, filling ``cache`` (a new default one if None):
-    the last position's logits ``[B, 1, V]`` and the cache."""
+    """The prompt ``idx`` ``[B, P]`` in one call into ``cache`` (None: the model's default):
+    the last position's logits ``[B, 1, V]``, the cache."""
     cache = model.new_cache(idx.shape[0]) if cache is None else cache
     return model(idx, cache, last_only=True)
 
@@ -365,7 +363,7 @@ def prefill(model: Decoder, idx: torch.Tensor, cache: KVCache | None = None) -> 
 @torch.no_grad()
 def decode_step(model: Decoder, token: torch.Tensor, cache: KVCache) -> DecoderOutput:
     """One new token per row (``[B]`` or ``[B, 1]``) after ``cache``: logits ``[B, 1, V]``."""
-    token = token.reshape(token.shape[0], -1) if token.dim() == 1 else token
+    token = token[:, None] if token.dim() == 1 else token
     if token.dim() != 2 or token.shape[1] != 1:
         raise ValueError(f"decode_step takes one token per row, got shape {tuple(token.shape)}")
     return model(token, cache)
@@ -393,13 +391,10 @@ def generate(model: Decoder, idx: torch.Tensor, max_new_tokens: int,
     if not isinstance(cache, KVCache):
         cache = model.new_cache(idx.shape[0], cache, capacity=total)
     elif cache.seq_len:
-        raise ValueError(f"generate() fills an empty cache; this one holds {cache.seq_len} "
-                         "positions")
+        raise ValueError(f"generate() fills an empty cache; this one holds {cache.seq_len}")
     logits, kv = prefill(model, idx, cache)
-    out = [idx]
-    for step in range(max_new_tokens):
-        token = logits[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
-        out.append(token)
-        if step + 1 < max_new_tokens:
-            logits, kv = decode_step(model, token, kv)
+    out = [idx, logits[:, -1].argmax(dim=-1, keepdim=True)]  # [B, P], then [B, 1] a step
+    for _ in range(max_new_tokens - 1):
+        logits, kv = decode_step(model, out[-1], kv)
+        out.append(logits[:, -1].argmax(dim=-1, keepdim=True))
     return torch.cat(out, dim=1)
