@@ -1,15 +1,15 @@
 """A GPT-2 (or Llama-style) decoder whose one forward serves full recompute and cached decoding.
 
-Half of the copy set (with :mod:`kvdoc.core.cache`), top to bottom: config, RoPE, input checks,
-MLP, attention (where the cache is used), block, decoder, ``prefill``, ``decode_step``,
-``generate``. Parameter names are GPT-2's (:mod:`kvdoc.interop.hf_weights` maps transformers').
-Shapes: ``B`` batch, ``C`` new tokens, ``P`` cached positions, ``T = P + C``, ``d`` width, ``H``
-query heads, ``H_kv`` K/V heads, ``D_h`` head size, ``V`` vocabulary; K, V: ``[B, H_kv, T, D_h]``.
+Half of the copy set (with :mod:`kvdoc.core.cache`), top to bottom: config, RoPE, MLP,
+attention (where the cache is used), block, decoder (and its input checks), ``prefill``,
+``decode_step``, ``generate``; GPT-2's parameter names. ``B`` batch, ``C`` new tokens, ``P``
+cached positions, ``T = P + C``, ``d`` width, ``H`` query heads, ``H_kv`` K/V heads, ``D_h`` head
+size, ``V`` vocabulary.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Literal, NamedTuple
 
@@ -98,9 +98,8 @@ class GPTConfig:
 
 def llama_config(**overrides: object) -> GPTConfig:
     """A tiny Llama: RoPE, RMSNorm (eps 1e-6), SwiGLU (hidden 128), no biases, GQA 4/2."""
-    base = GPTConfig(n_inner=128, n_kv_head=2, layer_norm_epsilon=1e-6, position="rope",
-                     norm="rmsnorm", mlp="swiglu", bias=False)
-    return replace(base, **overrides)
+    return GPTConfig(**dict(n_inner=128, n_kv_head=2, layer_norm_epsilon=1e-6, position="rope",
+                            norm="rmsnorm", mlp="swiglu", bias=False) | overrides)
 
 
 def mistral_config(sliding_window: int = 32, **overrides: object) -> GPTConfig:
@@ -180,9 +179,8 @@ class MLP(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Causal self-attention (multi-head or grouped-query) over cached and new keys: new rows
-    ``x`` (``[B, C, d]``) at positions ``start ..``, K and V stored in ``cache`` at ``layer_idx``.
-    """
+    """Causal self-attention (multi-head or grouped-query) of new rows ``x`` (``[B, C, d]``) at
+    ``start ..`` over cached and new keys, K and V stored in ``cache`` at ``layer_idx``."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -308,16 +306,14 @@ class Decoder(nn.Module):
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
                 last_only: bool = False, positions: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None) -> DecoderOutput:
-        """Logits for the ``C`` new tokens ``idx`` (``[B, C]``) after the ``P`` positions ``cache``
-        holds (None: recompute); a ``ValueError`` comes before any write. ``last_only`` projects
-        the last position alone; ``positions`` (``[B, C]`` or ``[C]``) replace ``P .. P + C - 1``
-        and ``attn_mask`` (``[B, C, P + C]``, True: may read) the offset mask (padding, ragged)."""
+        """Logits for the new tokens ``idx`` after ``cache`` (None: recompute). ``last_only``
+        projects the last position alone; ``positions`` (``[B, C]`` or ``[C]``) replace ``P .. P
+        + C - 1`` and ``attn_mask`` (``[B, C, P + C]``, True: may read) the offset mask."""
         self.check_input(idx, cache, positions)
         B, C = idx.shape
         # given to the attention only when set: one written for one start per call still serves
         rotary = {} if positions is None or self.wpe is not None else {"positions": positions}
-        start = 0 if cache is None else cache.seq_len
-        work = None if cache is None else cache.begin()
+        start, work = (0, None) if cache is None else (cache.seq_len, cache.begin())
         x = embed_tokens(self.wte, idx)  # [B, C, d]
         if self.wpe is not None:  # RoPE models turn Q and K instead
             if positions is None:
@@ -396,10 +392,8 @@ def generate(model: Decoder, idx: torch.Tensor, max_new_tokens: int,
         raise ValueError(f"generate() fills an empty cache; this one holds {cache.seq_len} "
                          "positions")
     logits, kv = prefill(model, idx, cache)
-    out = [idx]
-    for step in range(max_new_tokens):
-        token = logits[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
-        out.append(token)
-        if step + 1 < max_new_tokens:
-            logits, kv = decode_step(model, token, kv)
-    return torch.cat(out, dim=1)
+    chosen = [logits[:, -1].argmax(dim=-1, keepdim=True)]  # [B, 1] each
+    while len(chosen) < max_new_tokens:
+        logits, kv = decode_step(model, chosen[-1], kv)
+        chosen.append(logits[:, -1].argmax(dim=-1, keepdim=True))
+    return torch.cat([idx, *chosen], dim=1)
