@@ -275,7 +275,8 @@ class KVCache:
         work.layers = [layer.fork() for layer in self._layers]
         return work
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+               start: int) -> KV:
         """Store ``k, v`` (``[B, H_kv, C, D_h]``) at ``start ..``; returns what the
         new queries attend over."""
         if start != self._len:

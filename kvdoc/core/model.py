@@ -1,10 +1,9 @@
 """A GPT-2 (or Llama-style) decoder whose one forward serves full recompute and cached decoding.
 
 Half of the copy set (with :mod:`kvdoc.core.cache`), top to bottom: config, RoPE, MLP,
-attention (where the cache is used), block, decoder (and its input checks), ``prefill``,
-``decode_step``, ``generate``; GPT-2's parameter names. ``B`` batch, ``C`` new tokens, ``P``
-cached positions, ``T = P + C``, ``d`` width, ``H`` query heads, ``H_kv`` K/V heads, ``D_h`` head
-size, ``V`` vocabulary.
+attention (where the cache is used), block, decoder, ``prefill``, ``decode_step``, ``generate``;
+GPT-2's parameter names. ``B`` batch, ``C`` new tokens, ``P`` cached positions, ``T = P + C``,
+``d`` width, ``H`` query heads, ``H_kv`` K/V heads, ``D_h`` head size, ``V`` vocabulary.
 """
 
 from __future__ import annotations
@@ -207,9 +206,10 @@ class CausalSelfAttention(nn.Module):
         q, k, v = heads.split((H, H_kv, H_kv), dim=1)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_theta is not None:  # turn the new rows before K is cached; Q and K in
-            at = start if positions is None else positions  # one call share its angles
-            q, k = apply_rope(torch.cat((q, k), dim=1), at, self.rope_theta).split((H, H_kv), 1)
+        if self.rope_theta is not None:  # Q and K turned in one call (one set of angles),
+            at = start if positions is None else positions  # before K is cached
+            qk = apply_rope(torch.cat((q, k), dim=1), at, self.rope_theta)
+            q, k = qk.split((H, H_kv), dim=1)
         if cache is not None:
             # Only the new rows were projected; old K/V come from this layer's cache.
             k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h]
@@ -306,9 +306,9 @@ class Decoder(nn.Module):
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
                 last_only: bool = False, positions: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None) -> DecoderOutput:
-        """Logits for the new tokens ``idx`` after ``cache`` (None: recompute). ``last_only``
-        projects the last position alone; ``positions`` (``[B, C]`` or ``[C]``) replace ``P .. P
-        + C - 1`` and ``attn_mask`` (``[B, C, P + C]``, True: may read) the offset mask."""
+        """Logits for the new tokens ``idx`` after ``cache`` (None: recompute). ``last_only``:
+        the last position's alone; ``positions`` (``[B, C]`` or ``[C]``): in place of ``P ..
+        P + C - 1``; ``attn_mask`` (``[B, C, P + C]``, True: may read): of the offset mask."""
         self.check_input(idx, cache, positions)
         B, C = idx.shape
         # given to the attention only when set: one written for one start per call still serves
