@@ -206,7 +206,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = heads.split((H, H_kv, H_kv), dim=1)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_theta is not None:  # Q and K turned in one call (one set of angles),
+        if self.rope_theta is not None:  # Q and K turned in one call (same angles)
             at = start if positions is None else positions  # before K is cached
             qk = apply_rope(torch.cat((q, k), dim=1), at, self.rope_theta)
             q, k = qk.split((H, H_kv), dim=1)
