@@ -1,11 +1,10 @@
-"""The K/V cache: which keys a query reads, what each layer keeps, and the checks of a call.
+"""The K/V cache: which keys a query reads, what each layer keeps, whether it serves a model.
 
-Half of the copy set (with :mod:`kvdoc.core.model`), torch only. A call does ``work =
-cache.begin()`` (a fork of each layer: a copy of a growing one, itself for one written in place),
-``work.update(layer, k, v, start)`` per layer, then ``work.finish(end)`` after the LM head: a
-call that fails midway leaves the cache as it was. A kind of cache is a choice of layers, checked
-against the config's ``cache_layout``; K and V are ``[B, H_kv, T, D_h]`` (an MLA latent: one
-head of two widths).
+Half of the copy set (with :mod:`kvdoc.core.model`). A call does ``work = cache.begin()`` (a fork
+of each layer: a copy of a growing one, itself for one written in place), ``work.update(layer,
+k, v, start)`` per layer, then ``work.finish(end)`` after the LM head: a call that fails midway
+leaves the cache as it was. A kind of cache is a choice of layers, checked against the config's
+``cache_layout``; K and V are ``[B, H_kv, T, D_h]`` (an MLA latent: one head of two widths).
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ KV = tuple[torch.Tensor, torch.Tensor]
 
 
 def check_int(name: str, value: object, minimum: int = 1) -> int:
-    """``value``, if it is an integer (not a bool) of at least ``minimum``; else a ``ValueError``
-    naming ``name``."""
+    """``value`` if it is an int (not a bool) of at least ``minimum``, else a ``ValueError``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         kind = {0: "a non-negative integer", 1: "a positive integer"}.get(
             minimum, f"an integer >= {minimum}")
@@ -38,10 +36,9 @@ def check_positive(name: str, value: object) -> object:
 
 def offset_causal_mask(past_len: int, new_len: int, device: torch.device | str | None = None,
                        *, window: int | None = None) -> torch.Tensor:
-    """``[C, P + C]`` bool: may new query ``i`` (at ``P + i``) read key ``j``? ``j <= P + i``.
-
-    PyTorch's ``is_causal=True`` (and ``torch.tril``) align the triangle top-left, as if
-    ``P = 0``: one new token would read key 0 only. With a window ``W``, also ``j > P + i - W``.
+    """``[C, P + C]`` bool: may new query ``i`` (at ``P + i``) read key ``j``? ``j <= P + i``,
+    and ``j > P + i - W`` with a window ``W``. PyTorch's ``is_causal=True`` (and ``torch.tril``)
+    align the triangle top-left, as if ``P = 0``: one new token would read key 0 only.
 
     >>> offset_causal_mask(2, 2).int()
     tensor([[1, 1, 1, 0],
@@ -128,8 +125,7 @@ class CacheLayer:
     def tensors(self) -> list[torch.Tensor]:  # every tensor it owns (a kind may hold more)
         return [self.k, self.v]
 
-    def nbytes(self) -> int:
-        """Bytes of :meth:`tensors`: ``sum(numel x element size)``."""
+    def nbytes(self) -> int:  # bytes of tensors(): sum(numel x element size)
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def expected_nbytes(self, seq_len: int) -> int:
@@ -137,8 +133,7 @@ class CacheLayer:
         raise NotImplementedError(f"a {type(self).__name__} states no byte formula")
 
     def row_bytes(self, positions: int) -> int:  # B x H x positions x (w_K + w_V) x s
-        size = torch.empty((), dtype=self.dtype).element_size()
-        return self.batch_size * self.heads * positions * sum(self.widths) * size
+        return self.batch_size * self.heads * positions * sum(self.widths) * self.dtype.itemsize
 
 
 class DynamicLayer(CacheLayer):
@@ -227,8 +222,7 @@ class KVCache:
         if not layers:
             raise ValueError("a cache needs at least one layer")
         first = layers[0]
-        if any((la.batch_size, la.dtype, la.device) != (first.batch_size, first.dtype,
-                                                         first.device) for la in layers):
+        if len({(la.batch_size, la.dtype, la.device) for la in layers}) > 1:
             raise ValueError("every layer must share one batch size, dtype and device")
         self.layers = layers
         self._len = check_int("seq_len", seq_len, minimum=0)
@@ -372,22 +366,18 @@ class StaticCache(KVCache):
 def check_call(config: HasLayout, weight: torch.Tensor, idx: torch.Tensor,
                cache: KVCache | None, positions: torch.Tensor | None = None) -> None:
     """Raise ``ValueError`` unless ``idx`` (``[B, C]``) can continue ``cache`` in a model of
-    ``config`` whose embedding ``weight`` sets device and dtype; every decoder calls it first.
-    """
+    ``config`` whose embedding ``weight`` sets device and dtype; every decoder calls it first."""
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
         shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
         raise ValueError(f"idx must be a [B, C] tensor of token ids, got {shape}")
     if idx.dtype not in (torch.int64, torch.int32):  # what an embedding lookup takes
-        raise ValueError("idx must hold integer token ids (int64 or int32), "
-                         f"got dtype {idx.dtype}")
+        raise ValueError(f"idx must hold integer token ids (int64 or int32), got dtype {idx.dtype}")
     B, C = idx.shape
     if C == 0 or B == 0:
-        raise ValueError(f"empty input: idx has shape {tuple(idx.shape)}; "
-                         "pass at least one token per row")
+        raise ValueError(f"empty input: idx has shape {(B, C)}; pass at least one token per row")
     if idx.device != weight.device:
         raise ValueError(f"idx is on {idx.device}, model is on {weight.device}")
-    if positions is not None and (positions.shape[-1:] != (C,) or positions.dim() > 2 or (
-            positions.dim() == 2 and positions.shape[0] not in (1, B))):
+    if positions is not None and tuple(positions.shape) not in ((C,), (1, C), (B, C)):
         raise ValueError(f"positions must be [C] or [B, C] with (B, C) = {(B, C)}, "
                          f"got {tuple(positions.shape)}")
     if cache is not None and not isinstance(cache, KVCache):

@@ -1,15 +1,14 @@
 """A GPT-2 (or Llama-style) decoder whose one forward serves full recompute and cached decoding.
 
-Half of the copy set (with :mod:`kvdoc.core.cache`), top to bottom: config, RoPE, input checks,
-MLP, attention (where the cache is used), block, decoder, ``prefill``, ``decode_step``,
-``generate``. Parameter names are GPT-2's (:mod:`kvdoc.interop.hf_weights` maps transformers').
-Shapes: ``B`` batch, ``C`` new tokens, ``P`` cached positions, ``T = P + C``, ``d`` width, ``H``
-query heads, ``H_kv`` K/V heads, ``D_h`` head size, ``V`` vocabulary; K, V: ``[B, H_kv, T, D_h]``.
+Half of the copy set (with :mod:`kvdoc.core.cache`), top to bottom: config, RoPE, MLP,
+attention (where the cache is used), block, decoder, ``prefill``, ``decode_step``, ``generate``;
+GPT-2's parameter names. ``B`` batch, ``C`` new tokens, ``P`` cached positions, ``T = P + C``,
+``d`` width, ``H`` query heads, ``H_kv`` K/V heads, ``D_h`` head size, ``V`` vocabulary.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Literal, NamedTuple
 
@@ -98,9 +97,8 @@ class GPTConfig:
 
 def llama_config(**overrides: object) -> GPTConfig:
     """A tiny Llama: RoPE, RMSNorm (eps 1e-6), SwiGLU (hidden 128), no biases, GQA 4/2."""
-    base = GPTConfig(n_inner=128, n_kv_head=2, layer_norm_epsilon=1e-6, position="rope",
-                     norm="rmsnorm", mlp="swiglu", bias=False)
-    return replace(base, **overrides)
+    return GPTConfig(**dict(n_inner=128, n_kv_head=2, layer_norm_epsilon=1e-6, position="rope",
+                            norm="rmsnorm", mlp="swiglu", bias=False) | overrides)
 
 
 def mistral_config(sliding_window: int = 32, **overrides: object) -> GPTConfig:
@@ -122,7 +120,8 @@ def _frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Ten
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
     """RoPE angles ``[..., D_h]`` in float64 from integer ``positions``, so a position's
     rotation does not depend on which call computes it."""
-    angles = positions.double()[..., None] * _frequencies(head_dim, theta, positions.device)
+    angles = positions.to(torch.float64)[..., None] * _frequencies(head_dim, theta,
+                                                                   positions.device)
     return torch.cat((angles, angles), dim=-1)  # pairs (i, i + D_h/2) turn together
 
 
@@ -179,9 +178,8 @@ class MLP(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Causal self-attention (multi-head or grouped-query) over cached and new keys: new rows
-    ``x`` (``[B, C, d]``) at positions ``start ..``, K and V stored in ``cache`` at ``layer_idx``.
-    """
+    """Causal self-attention (multi-head or grouped-query) of new rows ``x`` (``[B, C, d]``) at
+    ``start ..`` over cached and new keys, K and V stored in ``cache`` at ``layer_idx``."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -208,9 +206,10 @@ class CausalSelfAttention(nn.Module):
         q, k, v = heads.split((H, H_kv, H_kv), dim=1)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_theta is not None:  # turn the new rows before K is cached; Q and K in
-            at = start if positions is None else positions  # one call share its angles
-            q, k = apply_rope(torch.cat((q, k), dim=1), at, self.rope_theta).split((H, H_kv), 1)
+        if self.rope_theta is not None:  # Q and K turned in one call (same angles)
+            at = start if positions is None else positions  # before K is cached
+            qk = apply_rope(torch.cat((q, k), dim=1), at, self.rope_theta)
+            q, k = qk.split((H, H_kv), dim=1)
         if cache is not None:
             # Only the new rows were projected; old K/V come from this layer's cache.
             k, v = cache.update(layer_idx, k, v, start)  # [B, H_kv, P + C, D_h]
@@ -230,9 +229,10 @@ class CausalSelfAttention(nn.Module):
 
     def visible(self, start: int, C: int, T: int, attn_mask: torch.Tensor | None,
                 device: torch.device) -> torch.Tensor | None:
-        """Which of the ``T`` keys (ending at the last query's) each of the ``C`` queries at
-        ``start ..`` reads: ``[C, T]``, ``[B, C, T]``, or None when nothing is hidden;
-        ``attn_mask`` (``[B, C, P + C]``) replaces it for a padded batch or a ragged step."""
+        """Which of the ``T`` keys each of the ``C`` queries at ``start ..`` reads: ``[C, T]``,
+        ``[B, C, T]``, or None when nothing is hidden. The keys end at the last query (a window
+        layer returns its last ``T``): the mask keeps its last ``T`` columns. ``attn_mask``
+        (``[B, C, P + C]``, True: may read) replaces it for a padded batch or a ragged step."""
         if attn_mask is not None:
             return last_keys(attn_mask[..., -T:], self.window)
         if C == 1 and self.window is None:
@@ -257,8 +257,8 @@ class Block(nn.Module):
 
 
 class DecoderOutput(NamedTuple):
-    """``logits[:, i]`` (``[B, C, V]``, ``[B, 1, V]`` with ``last_only``) predicts the token after
-    new token ``i``; ``cache`` holds ``P + C`` positions (None if none)."""
+    """``logits`` ``[B, C, V]`` (``[B, 1, V]`` with ``last_only``), ``logits[:, i]`` predicting
+    the token after new token ``i``; ``cache`` holding ``P + C`` positions (None if none)."""
 
     logits: torch.Tensor
     cache: KVCache | None
@@ -306,16 +306,14 @@ class Decoder(nn.Module):
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
                 last_only: bool = False, positions: torch.Tensor | None = None,
                 attn_mask: torch.Tensor | None = None) -> DecoderOutput:
-        """Logits for the ``C`` new tokens ``idx`` (``[B, C]``) after the ``P`` positions ``cache``
-        holds (None: recompute); a ``ValueError`` comes before any write. ``last_only`` projects
-        the last position alone; ``positions`` (``[B, C]`` or ``[C]``) replace ``P .. P + C - 1``
-        and ``attn_mask`` (``[B, C, P + C]``, True: may read) the offset mask (padding, ragged)."""
+        """Logits for the new tokens ``idx`` after ``cache`` (None: recompute). ``last_only``:
+        the last position's alone; ``positions`` (``[B, C]`` or ``[C]``): in place of ``P ..
+        P + C - 1``; ``attn_mask`` (``[B, C, P + C]``, True: may read): of the offset mask."""
         self.check_input(idx, cache, positions)
         B, C = idx.shape
         # given to the attention only when set: one written for one start per call still serves
         rotary = {} if positions is None or self.wpe is not None else {"positions": positions}
-        start = 0 if cache is None else cache.seq_len
-        work = None if cache is None else cache.begin()
+        start, work = (0, None) if cache is None else (cache.seq_len, cache.begin())
         x = embed_tokens(self.wte, idx)  # [B, C, d]
         if self.wpe is not None:  # RoPE models turn Q and K instead
             if positions is None:
@@ -354,8 +352,8 @@ class Decoder(nn.Module):
 
 @torch.no_grad()
 def prefill(model: Decoder, idx: torch.Tensor, cache: KVCache | None = None) -> DecoderOutput:
-    """The prompt ``idx`` ``[B, P]`` in one call into ``cache`` (None: the model's default):
-    the last position's logits ``[B, 1, V]``, the cache."""
+    """Run the prompt ``idx`` (``[B, P]``) once, filling ``cache`` (a new default one if None):
+    the last position's logits ``[B, 1, V]`` and the cache."""
     cache = model.new_cache(idx.shape[0]) if cache is None else cache
     return model(idx, cache, last_only=True)
 
@@ -363,7 +361,7 @@ def prefill(model: Decoder, idx: torch.Tensor, cache: KVCache | None = None) -> 
 @torch.no_grad()
 def decode_step(model: Decoder, token: torch.Tensor, cache: KVCache) -> DecoderOutput:
     """One new token per row (``[B]`` or ``[B, 1]``) after ``cache``: logits ``[B, 1, V]``."""
-    token = token[:, None] if token.dim() == 1 else token
+    token = token.reshape(token.shape[0], -1) if token.dim() == 1 else token
     if token.dim() != 2 or token.shape[1] != 1:
         raise ValueError(f"decode_step takes one token per row, got shape {tuple(token.shape)}")
     return model(token, cache)
@@ -391,10 +389,11 @@ def generate(model: Decoder, idx: torch.Tensor, max_new_tokens: int,
     if not isinstance(cache, KVCache):
         cache = model.new_cache(idx.shape[0], cache, capacity=total)
     elif cache.seq_len:
-        raise ValueError(f"generate() fills an empty cache; this one holds {cache.seq_len}")
+        raise ValueError(f"generate() fills an empty cache; this one holds {cache.seq_len} "
+                         "positions")
     logits, kv = prefill(model, idx, cache)
-    out = [idx, logits[:, -1].argmax(dim=-1, keepdim=True)]  # [B, P], then [B, 1] a step
-    for _ in range(max_new_tokens - 1):
-        logits, kv = decode_step(model, out[-1], kv)
-        out.append(logits[:, -1].argmax(dim=-1, keepdim=True))
-    return torch.cat(out, dim=1)
+    chosen = [logits[:, -1].argmax(dim=-1, keepdim=True)]  # [B, 1] each
+    while len(chosen) < max_new_tokens:
+        logits, kv = decode_step(model, chosen[-1], kv)
+        chosen.append(logits[:, -1].argmax(dim=-1, keepdim=True))
+    return torch.cat([idx, *chosen], dim=1)
