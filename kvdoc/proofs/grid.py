@@ -22,8 +22,8 @@ of its decode step is proved not to cost correctness). Something not registered 
 [('dynamic', 'model'), ('static', 'model'), ('paged', 'model'), ('shared-prefix', 'model')]
 >>> served(MODELS["gemma3"].build(0).config, kinds=["paged", "window", "hybrid"])
 [('paged', 'model'), ('hybrid', 'model')]
->>> served(MODELS["bamba"].build(0).config)  # a recurrent state: its own cache kind
-[('state', 'model')]
+>>> served(MODELS["bamba"].build(0).config)  # paged: blocks for attention, states beside
+[('paged', 'model'), ('shared-prefix', 'model'), ('state', 'model')]
 >>> served(MODELS["indexed"].build(0).config)  # its cache composes the indexer keys'
 [('dynamic', 'model'), ('static', 'model')]
 """
