@@ -26,7 +26,7 @@ from kvdoc.serving.quant import new_int8_cache, read_error_bound
 
 from .cache_invariants import byte_problems
 from .case import Case, CheckResult, scenario
-from .compare import DTYPE_NAMES, Snapshot, max_abs, run_cached
+from .compare import DTYPE_NAMES, Snapshot, max_abs
 from .precision import UNIT_ROUNDOFF
 
 INT8_CHUNKS = (5, 1, 1, 9, 1)  # single tokens (the fast step) and chunks
@@ -152,22 +152,6 @@ def int8_reads(model: torch.nn.Module, exact: dict, judge=None) -> Iterator[list
                 del attn.attend
             else:
                 attn.attend = own
-
-
-@torch.no_grad()
-def check_int8_reads(model: torch.nn.Module, ids: torch.Tensor, chunk: int) -> list[Read]:
-    """Every attention read of ``ids`` fed in chunks over an int8 cache, against the exact one.
-
-    >>> from kvdoc.proofs.compare import default_model, default_stream
-    >>> reads = check_int8_reads(default_model(), default_stream(length=8), 3)
-    >>> len(reads), max(r.excess for r in reads)   # 2 layers x 3 calls; every bound holds
-    (6, 0.0)
-    """
-    exact: dict = {}
-    with int8_reads(model, exact) as reads:
-        run_cached(model, ids, chunk, cache=recorded(new_int8_cache(model, ids.shape[0]), {},
-                                                     exact))
-    return reads
 
 
 def contract_run(case: Case, model: torch.nn.Module, call, cache: KVCache, judge,
