@@ -284,6 +284,11 @@ class RadixCache:
             node.last_used = self.clock
             node = node.parent
 
+    def drop(self, leaf: Node, n: int) -> None:
+        """Free ``leaf``'s last ``n`` blocks and cut the tokens they held off its edge."""
+        self.pool.release(leaf.blocks[-n:])
+        leaf.tokens, leaf.blocks = leaf.tokens[:-n * self.block_size], leaf.blocks[:-n]
+
     def evict(self, blocks: int) -> int:
         """Evict from the leaves the policy may evict, lowest priority first, until ``blocks``
         are freed or none is left: a whole leaf at a time, or its last block; returns the blocks
@@ -297,8 +302,7 @@ class RadixCache:
             path = self.tokens_to(leaf)
             n = 1 if self.unit == "block" else len(leaf.blocks)
             self.evictions.append((path, n))
-            self.pool.release(leaf.blocks[-n:])
-            leaf.tokens, leaf.blocks = leaf.tokens[:-n * self.block_size], leaf.blocks[:-n]
+            self.drop(leaf, n)
             if not leaf.blocks:  # the key it is filed under was its first block
                 del leaf.parent.children[path[len(path) - n * self.block_size:][:self.block_size]]
                 self.evicted_nodes += 1
