@@ -28,7 +28,7 @@ from kvdoc.serving.fp8 import (
 
 from .case import Case, scenario
 from .compare import max_abs
-from .int8_contract import INT8_CHUNKS, contract_run, judge, lossy_results, recorded
+from .int8_contract import INT8_CHUNKS, contract_run, judge, lossy_results, recorded, verdict
 
 FP8_CHUNKS = INT8_CHUNKS
 SETTINGS = (("per-head", False, "float8_e4m3fn"), ("per-tensor", True, "float8_e4m3fn"),
@@ -101,18 +101,12 @@ def _one(case: Case, model: torch.nn.Module, call, granularity: str,
 
     bound = judge(lambda layer, q, K, V: read_error_bound(q, K, V, *stated[layer], fp8))
     changed, breach, excess, reads, problems = contract_run(case, model, call, cache, bound, rows)
-    ok = (changed == 0.0 and breach == 0.0 and scale_off == 0.0 and excess == 0.0 and bool(reads)
-          and not problems)
-    ratio = max((r.error / r.bound for r in reads if r.bound > 0), default=0.0)
     source = "calibrated on another stream" if calibrated else "from the first prefill"
-    detail = (problems[0] if problems else
-              f"{storage}, {granularity} scales {source}; {fed} positions in "
-              f"{len(FP8_CHUNKS)} calls ({saturated} values saturated): held "
-              f"rows changed by {changed:.1e}, scales off by {scale_off:.1e}, worst breach of an "
-              f"element's bound {breach:.1e} (in scales); {len(reads)} attention reads, error at "
-              f"most {ratio:.2f} of its bound, excess {excess:.1e}")
-    return ok, max(changed, breach, scale_off, excess,
-                   math.inf if problems or not reads else 0.0), detail
+    return verdict(reads, problems, (changed, breach, scale_off, excess),
+                   f"{storage}, {granularity} scales {source}; {fed} positions in "
+                   f"{len(FP8_CHUNKS)} calls ({saturated} values saturated): held rows changed "
+                   f"by {changed:.1e}, scales off by {scale_off:.1e}, worst breach of an "
+                   f"element's bound {breach:.1e} (in scales)")
 
 
 @scenario("fp8", {"fp8": CHECK})

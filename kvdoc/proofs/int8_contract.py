@@ -176,6 +176,18 @@ def contract_run(case: Case, model: torch.nn.Module, call, cache: KVCache, judge
     return changed, breach, max((r.excess for r in reads), default=0.0), reads, problems
 
 
+def verdict(reads: list[Read], problems: list[str], errors: tuple[float, ...],
+            say: str) -> tuple[bool, float, str]:
+    """``(passed, error, detail)`` of a contract run: passed if every one of ``errors`` (held
+    rows, elements, ..., the reads' excess last) is 0, some attention read was judged and the
+    byte figures are right; the detail is ``say`` and the reads, or the first byte problem."""
+    missing = math.inf if problems or not reads else 0.0
+    ratio = max((r.error / r.bound for r in reads if r.bound > 0), default=0.0)
+    return (all(e == 0.0 for e in errors) and missing == 0.0, max(*errors, missing),
+            problems[0] if problems else f"{say}; {len(reads)} attention reads, error at most "
+            f"{ratio:.2f} of its bound, excess {errors[-1]:.1e}")
+
+
 def lossy_results(case: Case, check: str, label: str, contract: Callable) -> list[CheckResult]:
     """``check`` of a lossy cache (``label``: int8, FP8) on the case's model and, in the FP32
     pass, on it rounded to BF16 and FP16: ``contract(model, call, dtype)`` gives a ``(passed,
@@ -211,11 +223,7 @@ def _contract(case: Case, model: torch.nn.Module, call, unit: float) -> tuple[bo
 
     changed, breach, excess, reads, problems = contract_run(case, model, call, cache,
                                                             _int8_judge(unit), rows)
-    ok = changed == 0.0 and breach == 0.0 and excess == 0.0 and bool(reads) and not problems
-    ratio = max((r.error / r.bound for r in reads if r.bound > 0), default=0.0)
-    detail = (problems[0] if problems else
-              f"{sum(INT8_CHUNKS)} positions in {len(INT8_CHUNKS)} calls: held rows changed by "
-              f"{changed:.1e}, worst breach of the {half_step(unit):.3g}-step bound {breach:.1e}; "
-              f"{len(reads)} attention reads, error at most {ratio:.2f} of its bound, excess "
-              f"{excess:.1e}")
-    return ok, max(changed, breach, excess, math.inf if problems or not reads else 0.0), detail
+    return verdict(reads, problems, (changed, breach, excess),
+                   f"{sum(INT8_CHUNKS)} positions in {len(INT8_CHUNKS)} calls: held rows changed "
+                   f"by {changed:.1e}, worst breach of the {half_step(unit):.3g}-step bound "
+                   f"{breach:.1e}")
