@@ -284,15 +284,13 @@ class RadixCache:
             node.last_used = self.clock
             node = node.parent
 
-    def drop(self, leaf: Node, n: int) -> None:
-        """Free ``leaf``'s last ``n`` blocks and cut the tokens they held off its edge."""
+    def drop(self, leaf: Node, n: int) -> None:  # free the last n blocks, cut their tokens
         self.pool.release(leaf.blocks[-n:])
         leaf.tokens, leaf.blocks = leaf.tokens[:-n * self.block_size], leaf.blocks[:-n]
 
     def evict(self, blocks: int) -> int:
-        """Evict from the leaves the policy may evict, lowest priority first, until ``blocks``
-        are freed or none is left: a whole leaf at a time, or its last block; returns the blocks
-        freed (logged in :attr:`evictions`)."""
+        """Evict the leaves the policy allows, lowest priority first, until ``blocks`` are freed
+        or none is left (a whole leaf or its last block, :meth:`drop`); returns those freed."""
         freed = 0
         while freed < blocks:
             leaves = [n for n in self.nodes() if not n.children and self.policy.may_evict(n)]
