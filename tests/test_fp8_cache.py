@@ -23,6 +23,7 @@ from kvdoc.serving.fp8 import (
     scale_table,
 )
 from kvdoc.serving.quant import new_int8_cache
+from kvdoc.teach import lossy_caches
 
 E4M3 = torch.float8_e4m3fn
 FP32 = dict(dtypes=(torch.float32,))
@@ -201,7 +202,7 @@ def test_rescaling_is_right_for_one_call_and_wrong_after():
 
 
 def test_measurements_are_observations_with_sane_ranges(model):
-    rows = fp8_contract.measure_fp8(model, default_stream(length=30), default_stream(seed=2))
+    rows = lossy_caches.measure_fp8(model, default_stream(length=30), default_stream(seed=2))
     assert [(r.granularity, r.source) for r in rows] == [
         ("per-tensor", "first prefill"), ("per-tensor", "calibrated"),
         ("per-head", "first prefill"), ("per-head", "calibrated")]
@@ -210,7 +211,7 @@ def test_measurements_are_observations_with_sane_ranges(model):
         # generous sanity bound only: K/V within 2^-4 of themselves move the logits far less
         assert r.logit_error < 0.1 * r.logit_scale
     settings = [("per-tensor", None), ("per-head", None)]
-    agreements = fp8_contract.greedy_agreement(model, torch.tensor([[1, 2, 3]]), 30, settings)
+    agreements = lossy_caches.greedy_agreement(model, torch.tensor([[1, 2, 3]]), 30, settings)
     assert len(agreements) == 2
     for a in agreements:
         assert a.steps == 30 and 0 <= a.first <= 30

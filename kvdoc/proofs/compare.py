@@ -181,15 +181,16 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
         return hook
 
     def k_then_v_hooks(attn, k_module, turn):
-        # a Gemma layer (:mod:`kvdoc.core.gemma`): K off its k_norm, rotated at the layer's own
-        # base; a gpt-oss one (:mod:`kvdoc.core.gptoss`): K off k_proj, turned by its own YaRN
-        # rotation; V off v_proj, which runs after it
+        # K off ``k_module``, turned by ``turn``; V off v_proj, which runs after it. A Gemma
+        # layer (:mod:`kvdoc.core.gemma`): K off its k_norm, rotated at the layer's own base;
+        # a gpt-oss one (:mod:`kvdoc.core.gptoss`): off k_proj, by its own YaRN rotation;
+        # Bamba's: off k_proj, turned on its first part by attn.rope
         found = {}
 
         def k_hook(module, inputs, output):
             if output.dim() == 3:  # k_proj's [B, T, H_kv D_h]: into heads as cached
                 B, T, _ = output.shape
-                output = output.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
+                output = output.view(B, T, cfg.n_kv_head, -1).transpose(1, 2)
             found["k"] = turn(output)
 
         def v_hook(module, inputs, output):
@@ -197,20 +198,6 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
             v = output.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
             captured.append((found.pop("k"), v))
         return [k_module.register_forward_hook(k_hook),
-                attn.v_proj.register_forward_hook(v_hook)]
-
-    def rotated_hooks(attn):  # Bamba's: K off k_proj, turned on its first part by attn.rope
-        found = {}
-
-        def k_hook(module, inputs, output):
-            B, T, _ = output.shape
-            found["k"] = attn.rope(output.view(B, T, cfg.n_kv_head, -1).transpose(1, 2), 0)
-
-        def v_hook(module, inputs, output):
-            B, T, _ = output.shape
-            v = output.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
-            captured.append((found.pop("k"), v))
-        return [attn.k_proj.register_forward_hook(k_hook),
                 attn.v_proj.register_forward_hook(v_hook)]
 
     def shared_kv_hook(attn):  # a V4 layer's K = V, off its kv_norm, turned as cached
@@ -240,7 +227,7 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
         elif hasattr(attn, "sinks"):
             handles += k_then_v_hooks(attn, attn.k_proj, lambda k, a=attn: a.rotate(k, 0))
         elif hasattr(attn, "rope"):
-            handles += rotated_hooks(attn)
+            handles += k_then_v_hooks(attn, attn.k_proj, lambda k, a=attn: a.rope(k, 0))
         elif hasattr(attn, "final_state"):  # a recurrent layer: its state, token by token
             handles.append(attn.register_forward_hook(
                 lambda module, inputs, output: captured.append(module.final_state(inputs[0]))))

@@ -7,20 +7,16 @@ held rows and, once set, scales never change (bitwise); the scales are the state
 value read back is a number of the format times its scale, within
 :func:`~kvdoc.serving.fp8.element_error_bound` of what was written; every attention read within
 :func:`~kvdoc.serving.fp8.read_error_bound` of the exact read; its bytes as its tensors.
-:func:`measure_fp8` and :func:`greedy_agreement` measure what the contract does not say (never
-asserted).
+What the contract does not say (logit error, greedy agreement) is measured, never asserted, in
+:mod:`kvdoc.teach.lossy_caches`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from kvdoc.core.cache import DynamicCache
-from kvdoc.measure.divergence import Divergence, divergence, greedy_with_gaps
 from kvdoc.measure.wrapper import unwrapped
 from kvdoc.serving.fp8 import (
     amax_scale,
@@ -31,8 +27,8 @@ from kvdoc.serving.fp8 import (
 )
 
 from .case import Case, scenario
-from .compare import max_abs, run_cached
-from .int8_contract import INT8_CHUNKS, contract_run, judge, lossy_results, recorded
+from .compare import max_abs
+from .int8_contract import INT8_CHUNKS, contract_run, judge, lossy_results, recorded, verdict
 
 FP8_CHUNKS = INT8_CHUNKS
 SETTINGS = (("per-head", False, "float8_e4m3fn"), ("per-tensor", True, "float8_e4m3fn"),
@@ -105,18 +101,12 @@ def _one(case: Case, model: torch.nn.Module, call, granularity: str,
 
     bound = judge(lambda layer, q, K, V: read_error_bound(q, K, V, *stated[layer], fp8))
     changed, breach, excess, reads, problems = contract_run(case, model, call, cache, bound, rows)
-    ok = (changed == 0.0 and breach == 0.0 and scale_off == 0.0 and excess == 0.0 and bool(reads)
-          and not problems)
-    ratio = max((r.error / r.bound for r in reads if r.bound > 0), default=0.0)
     source = "calibrated on another stream" if calibrated else "from the first prefill"
-    detail = (problems[0] if problems else
-              f"{storage}, {granularity} scales {source}; {fed} positions in "
-              f"{len(FP8_CHUNKS)} calls ({saturated} values saturated): held "
-              f"rows changed by {changed:.1e}, scales off by {scale_off:.1e}, worst breach of an "
-              f"element's bound {breach:.1e} (in scales); {len(reads)} attention reads, error at "
-              f"most {ratio:.2f} of its bound, excess {excess:.1e}")
-    return ok, max(changed, breach, scale_off, excess,
-                   math.inf if problems or not reads else 0.0), detail
+    return verdict(reads, problems, (changed, breach, scale_off, excess),
+                   f"{storage}, {granularity} scales {source}; {fed} positions in "
+                   f"{len(FP8_CHUNKS)} calls ({saturated} values saturated): held rows changed "
+                   f"by {changed:.1e}, scales off by {scale_off:.1e}, worst breach of an "
+                   f"element's bound {breach:.1e} (in scales)")
 
 
 @scenario("fp8", {"fp8": CHECK})
@@ -124,77 +114,3 @@ def _scenario(case: Case, out: list) -> None:
     # on a rounded model the element bound counts the model dtype's rounding
     out += lossy_results(case, "fp8", "FP8", lambda model, call, dtype: [
         _one(case, model, call, *setting) for setting in SETTINGS])
-
-
-# --- measured, never asserted -------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Fp8Row:
-    """The FP8 cache against one full forward, teacher-forced: the largest logit error and logit,
-    positions whose argmax agrees, K/V values beyond ``448 s`` of the final scales."""
-
-    granularity: str
-    source: str
-    logit_error: float
-    logit_scale: float
-    agree: int
-    positions: int
-    saturated: int
-    values: int
-
-
-@torch.no_grad()
-def measure_fp8(model: torch.nn.Module, ids: torch.Tensor, calibration: torch.Tensor,
-                chunk: int = 1, prefill: int = 8) -> list[Fp8Row]:
-    """``ids`` (``[B, T]``) through ``model`` over an FP8 cache, each granularity and scale source
-    (scales calibrated on ``calibration``, ``[B', T']``), against one full forward: a prefill
-    of ``prefill`` tokens, then chunks of ``chunk``.
-
-    >>> from kvdoc.proofs.compare import default_model, default_stream
-    >>> rows = measure_fp8(default_model(), default_stream(), default_stream(seed=2))
-    >>> [(r.granularity, r.source, r.positions) for r in rows][:2]
-    [('per-tensor', 'first prefill', 48), ('per-tensor', 'calibrated', 48)]
-    """
-    weight = model.wte.weight
-    full, exact = model(ids, DynamicCache.empty(model.config, ids.shape[0], weight.dtype,
-                                                weight.device))
-    rows = []
-    for granularity in ("per-tensor", "per-head"):
-        for source, scales in (("first prefill", None),
-                               ("calibrated", calibrate(model, calibration, granularity))):
-            cache = new_fp8_cache(model, ids.shape[0], granularity=granularity, scales=scales)
-            first, cache = model(ids[:, :prefill], cache)
-            rest = run_cached(model, ids[:, prefill:], chunk, cache=cache).logits
-            got = torch.cat((first, rest), dim=1)
-            fmax = torch.finfo(cache.layers[0].fp8).max
-            beyond = [int((x.abs() > fmax * s).sum()) for i, layer in enumerate(cache.layers)
-                      for x, s in zip(exact.layer(i), layer.scales, strict=True)]
-            rows.append(Fp8Row(granularity, source, max_abs(got, full), float(full.abs().max()),
-                               int((got.argmax(-1) == full.argmax(-1)).sum()),
-                               full.shape[0] * full.shape[1], sum(beyond),
-                               sum(t.numel() for t in exact.tensors())))
-    return rows
-
-
-@torch.no_grad()
-def greedy_agreement(model: torch.nn.Module, prompt: torch.Tensor, steps: int,
-                     settings: Sequence[tuple[str, torch.Tensor | None]] = (("per-head", None),),
-                     call=None) -> list[Divergence]:
-    """Generate ``steps`` greedy tokens after ``prompt`` (``[1, P]``) over an exact dynamic cache
-    and over an FP8 cache of each ``(granularity, scales)`` of ``settings`` (scales None: from
-    the first prefill), each path feeding its own tokens, and compare each with the exact one.
-    ``call`` makes the calls (default ``model``; a :class:`~kvdoc.core.fast.FastDecoder` of it
-    is faster and the same function).
-
-    >>> from kvdoc.proofs.compare import default_model
-    >>> [a] = greedy_agreement(default_model(), torch.tensor([[1, 2, 3]]), 20)
-    >>> a.steps, 0 <= a.first <= 20
-    (20, True)
-    """
-    call = model if call is None else call
-    weight = model.wte.weight
-    exact, gaps = greedy_with_gaps(call, prompt, steps, DynamicCache.empty(
-        model.config, 1, weight.dtype, weight.device))
-    return [divergence(exact, gaps, greedy_with_gaps(call, prompt, steps, new_fp8_cache(
-                model, 1, granularity=granularity, scales=scales))[0])
-            for granularity, scales in settings]

@@ -26,7 +26,7 @@ from kvdoc.serving.quant import new_int8_cache, read_error_bound
 
 from .cache_invariants import byte_problems
 from .case import Case, CheckResult, scenario
-from .compare import DTYPE_NAMES, Snapshot, max_abs, run_cached
+from .compare import DTYPE_NAMES, Snapshot, max_abs
 from .precision import UNIT_ROUNDOFF
 
 INT8_CHUNKS = (5, 1, 1, 9, 1)  # single tokens (the fast step) and chunks
@@ -154,22 +154,6 @@ def int8_reads(model: torch.nn.Module, exact: dict, judge=None) -> Iterator[list
                 attn.attend = own
 
 
-@torch.no_grad()
-def check_int8_reads(model: torch.nn.Module, ids: torch.Tensor, chunk: int) -> list[Read]:
-    """Every attention read of ``ids`` fed in chunks over an int8 cache, against the exact one.
-
-    >>> from kvdoc.proofs.compare import default_model, default_stream
-    >>> reads = check_int8_reads(default_model(), default_stream(length=8), 3)
-    >>> len(reads), max(r.excess for r in reads)   # 2 layers x 3 calls; every bound holds
-    (6, 0.0)
-    """
-    exact: dict = {}
-    with int8_reads(model, exact) as reads:
-        run_cached(model, ids, chunk, cache=recorded(new_int8_cache(model, ids.shape[0]), {},
-                                                     exact))
-    return reads
-
-
 def contract_run(case: Case, model: torch.nn.Module, call, cache: KVCache, judge,
                  rows: Callable) -> tuple:
     """Feed :data:`INT8_CHUNKS` of the stream through ``call`` over ``cache``, checking after each
@@ -190,6 +174,18 @@ def contract_run(case: Case, model: torch.nn.Module, call, cache: KVCache, judge
     with int8_reads(model, cache.layers[0].exact, judge) as reads:
         feed(call, case.ids[:, :sum(INT8_CHUNKS)], cache, INT8_CHUNKS, hook=check)
     return changed, breach, max((r.excess for r in reads), default=0.0), reads, problems
+
+
+def verdict(reads: list[Read], problems: list[str], errors: tuple[float, ...],
+            say: str) -> tuple[bool, float, str]:
+    """``(passed, error, detail)`` of a contract run: passed if every one of ``errors`` (held
+    rows, elements, ..., the reads' excess last) is 0, some attention read was judged and the
+    byte figures are right; the detail is ``say`` and the reads, or the first byte problem."""
+    missing = math.inf if problems or not reads else 0.0
+    ratio = max((r.error / r.bound for r in reads if r.bound > 0), default=0.0)
+    return (all(e == 0.0 for e in errors) and missing == 0.0, max(*errors, missing),
+            problems[0] if problems else f"{say}; {len(reads)} attention reads, error at most "
+            f"{ratio:.2f} of its bound, excess {errors[-1]:.1e}")
 
 
 def lossy_results(case: Case, check: str, label: str, contract: Callable) -> list[CheckResult]:
@@ -227,11 +223,7 @@ def _contract(case: Case, model: torch.nn.Module, call, unit: float) -> tuple[bo
 
     changed, breach, excess, reads, problems = contract_run(case, model, call, cache,
                                                             _int8_judge(unit), rows)
-    ok = changed == 0.0 and breach == 0.0 and excess == 0.0 and bool(reads) and not problems
-    ratio = max((r.error / r.bound for r in reads if r.bound > 0), default=0.0)
-    detail = (problems[0] if problems else
-              f"{sum(INT8_CHUNKS)} positions in {len(INT8_CHUNKS)} calls: held rows changed by "
-              f"{changed:.1e}, worst breach of the {half_step(unit):.3g}-step bound {breach:.1e}; "
-              f"{len(reads)} attention reads, error at most {ratio:.2f} of its bound, excess "
-              f"{excess:.1e}")
-    return ok, max(changed, breach, excess, math.inf if problems or not reads else 0.0), detail
+    return verdict(reads, problems, (changed, breach, excess),
+                   f"{sum(INT8_CHUNKS)} positions in {len(INT8_CHUNKS)} calls: held rows changed "
+                   f"by {changed:.1e}, worst breach of the {half_step(unit):.3g}-step bound "
+                   f"{breach:.1e}")

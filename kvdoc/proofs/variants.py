@@ -282,12 +282,12 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     BrokenVariant("state-not-carried",
                   "the chunked delta rule starts every chunk from the state its call began with: "
                   "the state is not advanced on a chunk boundary",
-                  states.with_mixer(states.UncarriedChunkState), "state across calls",
+                  states.state_not_carried, "state across calls",
                   needs={"deltanet", "state"}),
     BrokenVariant("conv-window-shifted",
                   "a DeltaNet layer keeps its conv window shifted by one: the K - 1 inputs "
                   "before the newest, not the last K - 1",
-                  states.with_mixer(states.ShiftedConvWindow), "state across calls",
+                  states.conv_window_shifted, "state across calls",
                   needs={"deltanet", "state"}),
     BrokenVariant("mamba-conv-state-shifted",
                   "a Mamba-2 layer keeps as its conv state the inputs before the last one: the "

@@ -213,10 +213,14 @@ class Fp8Layer(CacheLayer):
             return self.scales
         return amax_scale(k, self.granularity, self.fp8), amax_scale(v, self.granularity, self.fp8)
 
+    def quantize_rows(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """New rows ``x`` stored in FP8 under ``scale``."""
+        return quantize(x, scale, self.fp8)
+
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
         scales = self.new_scales(k, v)  # may refuse: nothing is assigned before
-        new = [quantize(x, s, self.fp8) for x, s in zip((k, v), scales, strict=True)]
+        new = [self.quantize_rows(x, s) for x, s in zip((k, v), scales, strict=True)]
         self.rows = tuple(torch.cat((a, b), dim=2) for a, b in zip(self.rows, new, strict=True))
         self.scales, self.fixed = scales, True
         return self.read(start + k.shape[2])

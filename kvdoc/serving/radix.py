@@ -284,10 +284,13 @@ class RadixCache:
             node.last_used = self.clock
             node = node.parent
 
+    def drop(self, leaf: Node, n: int) -> None:  # free the last n blocks, cut their tokens
+        self.pool.release(leaf.blocks[-n:])
+        leaf.tokens, leaf.blocks = leaf.tokens[:-n * self.block_size], leaf.blocks[:-n]
+
     def evict(self, blocks: int) -> int:
-        """Evict from the leaves the policy may evict, lowest priority first, until ``blocks``
-        are freed or none is left: a whole leaf at a time, or its last block; returns the blocks
-        freed (logged in :attr:`evictions`)."""
+        """Evict the leaves the policy allows, lowest priority first, until ``blocks`` are freed
+        or none is left (a whole leaf or its last block, :meth:`drop`); returns those freed."""
         freed = 0
         while freed < blocks:
             leaves = [n for n in self.nodes() if not n.children and self.policy.may_evict(n)]
@@ -297,8 +300,7 @@ class RadixCache:
             path = self.tokens_to(leaf)
             n = 1 if self.unit == "block" else len(leaf.blocks)
             self.evictions.append((path, n))
-            self.pool.release(leaf.blocks[-n:])
-            leaf.tokens, leaf.blocks = leaf.tokens[:-n * self.block_size], leaf.blocks[:-n]
+            self.drop(leaf, n)
             if not leaf.blocks:  # the key it is filed under was its first block
                 del leaf.parent.children[path[len(path) - n * self.block_size:][:self.block_size]]
                 self.evicted_nodes += 1

@@ -123,14 +123,8 @@ class TensorScaleWriteFp8Layer(Fp8Layer):
     its largest head's (a write kernel that takes a per-tensor scale): right with per-tensor
     scales or one K/V head."""
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        self.check_rows(k, v)
-        scales = self.new_scales(k, v)
-        new = [quantize(x, s.amax().expand_as(s), self.fp8)  # BUG: one scale, not the head's
-               for x, s in zip((k, v), scales, strict=True)]
-        self.rows = tuple(torch.cat((a, b), dim=2) for a, b in zip(self.rows, new, strict=True))
-        self.scales, self.fixed = scales, True
-        return self.read(start + k.shape[2])
+    def quantize_rows(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return quantize(x, scale.amax().expand_as(scale), self.fp8)  # BUG: not the head's
 
 
 class RescalingFp8Layer(Fp8Layer):
@@ -146,15 +140,9 @@ class E4m3ClampFp8Layer(Fp8Layer):
     """BROKEN: each write saturates at 448, e4m3's largest value, whatever the storage: right
     for e4m3; in e5m2 (largest 57344) every value past 448 scales is clipped."""
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        self.check_rows(k, v)
-        scales = self.new_scales(k, v)
-        wide = torch.promote_types(k.dtype, torch.float32)
-        new = [(x.to(wide) / s).clamp(-448.0, 448.0).to(self.fp8)  # BUG: e4m3's range
-               for x, s in zip((k, v), scales, strict=True)]
-        self.rows = tuple(torch.cat((a, b), dim=2) for a, b in zip(self.rows, new, strict=True))
-        self.scales, self.fixed = scales, True
-        return self.read(start + k.shape[2])
+    def quantize_rows(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        wide = torch.promote_types(x.dtype, torch.float32)
+        return (x.to(wide) / scale).clamp(-448.0, 448.0).to(self.fp8)  # BUG: e4m3's range
 
 
 def _fp8(layer_cls: type[Fp8Layer]):

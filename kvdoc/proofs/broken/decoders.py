@@ -6,17 +6,14 @@ public interface only (the ``positions=`` keyword, ``attend``, the fast step's s
 >>> from kvdoc import Decoder, GPTConfig
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(GPTConfig()).eval()
->>> broken = copy_as(model, PositionsRestartDecoder)
->>> ids = torch.tensor([[12, 7, 31, 4, 9, 18]])
->>> with torch.no_grad():
-...     _, cache = broken(ids[:, :4], broken.new_cache(1))
-...     wrong = broken(ids[:, 4:], cache).logits      # positions 0, 1 instead of 4, 5
-...     right = model(ids).logits[:, 4:]
->>> bool((wrong - right).abs().max() > 1e-2)
-True
+>>> full, split = cached_only(copy_as(model, PositionsRestartDecoder), model)
+>>> full, split > 1e-2   # the cached call numbers its tokens 0, 1 instead of 4, 5
+(0.0, True)
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -47,6 +44,31 @@ def with_attention(model: Decoder, cls: type[CausalSelfAttention]) -> Decoder:
         attn.load_state_dict(block.attn.state_dict())
         block.attn = attn
     return clone
+
+
+def with_mixer(cls: type[torch.nn.Module], attr: str) -> Callable[[Decoder], Decoder]:
+    """A build: a copy of the model whose every block's ``attr`` module (a recurrent mixer) is a
+    ``cls``, a subclass of its own that adds no parameters: the class is swapped in place."""
+    def build(model: Decoder) -> Decoder:
+        clone = copy_as(model, type(model))
+        for block in clone.h:
+            if hasattr(block, attr):
+                getattr(block, attr).__class__ = cls  # same parameters, the broken method
+        return clone
+    return build
+
+
+@torch.no_grad()
+def cached_only(broken: Decoder, model: Decoder, cut: int = 4,
+                ids: torch.Tensor | None = None) -> tuple[float, float]:
+    """``broken``'s largest logit error against ``model`` in one full forward of ``ids`` (six
+    tokens by default), and at positions ``cut`` on when the first ``cut`` went through a cache
+    first: a bug of the cached path only shows as ``(0.0, large)``."""
+    ids = torch.tensor([[12, 7, 31, 4, 9, 18]]) if ids is None else ids
+    right = model(ids).logits
+    full = (broken(ids).logits - right).abs().max().item()
+    _, cache = broken(ids[:, :cut], broken.new_cache(ids.shape[0]))
+    return full, (broken(ids[:, cut:], cache).logits - right[:, cut:]).abs().max().item()
 
 
 # --- wrong positions ---------------------------------------------------------------------------

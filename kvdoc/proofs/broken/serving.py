@@ -62,24 +62,9 @@ class FirstBlockEviction(RadixCache):
     tokens lose their tail as they should: every decision (which leaf, how many blocks, the
     log) is right, but the blocks left hold the K/V of the positions after their own."""
 
-    def evict(self, blocks):
-        freed = 0
-        while freed < blocks:
-            leaves = [n for n in self.nodes() if not n.children and self.policy.may_evict(n)]
-            if not leaves:
-                break
-            leaf = min(leaves, key=self.policy.priority)
-            path = self.tokens_to(leaf)
-            n = 1 if self.unit == "block" else len(leaf.blocks)
-            self.evictions.append((path, n))
-            self.pool.release(leaf.blocks[:n])  # BUG: the head, not the tail
-            leaf.tokens, leaf.blocks = leaf.tokens[:-n * self.block_size], leaf.blocks[n:]
-            if not leaf.blocks:
-                del leaf.parent.children[path[len(path) - n * self.block_size:][:self.block_size]]
-                self.evicted_nodes += 1
-            freed += n
-        self.evicted_blocks += freed
-        return freed
+    def drop(self, leaf, n):
+        self.pool.release(leaf.blocks[:n])  # BUG: the head, not the tail
+        leaf.tokens, leaf.blocks = leaf.tokens[:-n * self.block_size], leaf.blocks[n:]
 
 
 class IgnoreLocks(LRU):

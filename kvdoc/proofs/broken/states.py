@@ -1,33 +1,18 @@
 """Broken recurrent states: a Gated DeltaNet layer that keeps the wrong state between tokens.
 
-Wrong on purpose (:mod:`kvdoc.proofs.broken`). Each is a :class:`~kvdoc.core.deltanet.GatedDeltaNet`
-whose :meth:`mix` returns a wrong state, put into a copy of the model in place of every DeltaNet
-layer (:func:`with_mixer`); the outputs of the tokens a call computes stay right, so only what
-comes after a boundary shows the bug.
+Wrong on purpose (:mod:`kvdoc.proofs.broken`). Each is a
+:class:`~kvdoc.core.deltanet.GatedDeltaNet` whose :meth:`mix` returns a wrong state, put into a
+copy of the model in place of every DeltaNet layer; the outputs of the tokens a call computes
+stay right, so only what comes after a boundary shows the bug.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from kvdoc.core import deltanet
 from kvdoc.core.deltanet import GatedDeltaNet
 
-from .decoders import copy_as
-
-
-def with_mixer(cls: type[GatedDeltaNet]) -> Callable[[deltanet.DeltaNetDecoder],
-                                                     deltanet.DeltaNetDecoder]:
-    """A build: a copy of the model whose every DeltaNet layer is a ``cls`` with its weights."""
-    def build(model: deltanet.DeltaNetDecoder) -> deltanet.DeltaNetDecoder:
-        clone = copy_as(model, type(model))
-        for block in clone.h:
-            if getattr(block, "linear", False):
-                block.linear_attn.__class__ = cls  # same parameters, the broken mix
-        return clone
-    return build
+from .decoders import with_mixer
 
 
 class UncarriedChunkState(GatedDeltaNet):
@@ -58,3 +43,9 @@ class ShiftedConvWindow(GatedDeltaNet):
         inputs = torch.cat((window, self.in_proj_qkv(x).transpose(1, 2)), dim=2)
         keep = self.taps - 1
         return out, inputs[:, :, inputs.shape[2] - keep - 1:inputs.shape[2] - 1], state
+
+
+# the mixers add no parameters: swapped in by class (a DeltaNet block holds its own as
+# .linear_attn; the attention blocks have none)
+state_not_carried = with_mixer(UncarriedChunkState, "linear_attn")
+conv_window_shifted = with_mixer(ShiftedConvWindow, "linear_attn")
