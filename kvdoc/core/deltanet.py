@@ -49,8 +49,8 @@ from torch import nn
 from .cache import KVCache, LayerSpec, check_int, check_positive, offset_causal_mask
 from .delta_rule import chunked_delta_rule, l2norm, recurrent_delta_rule
 from .gemma import GemmaRMSNorm
-from .model import Decoder, apply_rope
-from .state import StateSpec, hybrid_cache, read_state, update_state
+from .model import apply_rope
+from .state import HybridDecoder, StateSpec, read_state, update_state
 
 LINEAR, FULL = "linear_attention", "full_attention"
 """The two layer types, as Qwen3.5's ``config.json`` names them."""
@@ -310,7 +310,7 @@ class DeltaNetBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeltaNetDecoder(Decoder):
+class DeltaNetDecoder(HybridDecoder):
     """A decoder of :class:`DeltaNetBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward and
     input checks; its cache (:meth:`new_cache`) holds a state per DeltaNet layer and growing K/V
     per attention layer. A state folds every row, so padded batches (``attn_mask``) and rows at
@@ -320,31 +320,11 @@ class DeltaNetDecoder(Decoder):
     87280
     """
 
+    rows_refused = ("a recurrent state folds every row of a call in order: a DeltaNet "
+                    "model takes no attn_mask or positions (no padded batches)")
+    cache_owner = "a DeltaNet model's"
+
     def __init__(self, config: DeltaNetConfig | None = None) -> None:
-        nn.Module.__init__(self)  # not Decoder.__init__: it would build GPT-2 blocks
-        self.config = config = config or DeltaNetConfig()
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = None  # positions come from RoPE inside the attention layers
-        self.h = nn.ModuleList(DeltaNetBlock(config, i) for i in range(config.n_layer))
-        self.ln_f = GemmaRMSNorm(config.n_embd, config.layer_norm_epsilon)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.wte.weight
-
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
-                last_only: bool = False, positions: torch.Tensor | None = None,
-                attn_mask: torch.Tensor | None = None) -> object:
-        if positions is not None or attn_mask is not None:
-            raise ValueError("a recurrent state folds every row of a call in order: a DeltaNet "
-                             "model takes no attn_mask or positions (no padded batches)")
-        return super().forward(idx, cache, last_only=last_only)
-
-    def new_cache(self, batch_size: int, kind: str | None = None,
-                  capacity: int | None = None) -> KVCache:
-        """An empty cache (``kind`` ``"state"``, the only one): a state layer per DeltaNet
-        layer, a growing K/V layer per attention layer; ``capacity`` is not used."""
-        if kind not in (None, "state"):
-            raise ValueError(f"a DeltaNet model's cache is 'state' (state and K/V layers), "
-                             f"not {kind!r}")
-        w = self.wte.weight
-        return hybrid_cache(self.config.cache_layout, batch_size, w.dtype, w.device)
+        config = config or DeltaNetConfig()
+        super().__init__(config, DeltaNetBlock,
+                         lambda: GemmaRMSNorm(config.n_embd, config.layer_norm_epsilon))

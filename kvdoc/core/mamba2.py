@@ -40,8 +40,8 @@ from torch import nn
 
 from .cache import KVCache, LayerSpec, check_int, check_positive
 from .deltanet import SwiGLU
-from .model import CausalSelfAttention, Decoder, apply_rope
-from .state import StateSpec, hybrid_cache, read_state, update_state
+from .model import CausalSelfAttention, apply_rope
+from .state import HybridDecoder, StateSpec, read_state, update_state
 
 MAMBA, ATTENTION = "linear_attention", "full_attention"
 """The two layer types, as transformers' ``BambaConfig.layers_block_type`` names them."""
@@ -358,7 +358,7 @@ class HybridBlock(nn.Module):
         return x + self.mlp(self.pre_ff_layernorm(x))
 
 
-class MambaDecoder(Decoder):
+class MambaDecoder(HybridDecoder):
     """A decoder of :class:`HybridBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward, input
     checks, ``prefill``/``decode_step``/``generate``. A padded batch (``attn_mask``) or per-row
     ``positions`` are refused: a mixer's state would fold the padding in.
@@ -367,32 +367,11 @@ class MambaDecoder(Decoder):
     102264
     """
 
+    rows_refused = ("a Mamba-2 layer folds every position into its state: padded batches "
+                    "(attn_mask) and per-row positions are not supported")
+    cache_owner = "a Mamba-2 hybrid's"
+
     def __init__(self, config: Mamba2Config | None = None) -> None:
-        nn.Module.__init__(self)  # not Decoder.__init__: it would build GPT-2 blocks
-        self.config = config = config or Mamba2Config()
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = None  # positions come from RoPE inside the attention layers
-        self.h = nn.ModuleList(HybridBlock(config, i) for i in range(config.n_layer))
-        self.ln_f = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.wte.weight
-
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
-                last_only: bool = False, positions: torch.Tensor | None = None,
-                attn_mask: torch.Tensor | None = None):
-        if positions is not None or attn_mask is not None:
-            raise ValueError("a Mamba-2 layer folds every position into its state: padded "
-                             "batches (attn_mask) and per-row positions are not supported")
-        return super().forward(idx, cache, last_only=last_only)
-
-    def new_cache(self, batch_size: int, kind: str | None = None,
-                  capacity: int | None = None) -> KVCache:
-        """An empty cache: a :class:`~kvdoc.core.state.StateLayer` per Mamba layer, a growing
-        K/V layer per attention layer (``kind`` ``"state"``, the only one; a static or window
-        cache has no place for a state)."""
-        if kind not in (None, "state"):
-            raise ValueError(f"a Mamba-2 hybrid's cache is 'state' (state and K/V layers), "
-                             f"not {kind!r}")
-        return hybrid_cache(self.config.cache_layout, batch_size, self.wte.weight.dtype,
-                            self.wte.weight.device)
+        config = config or Mamba2Config()
+        super().__init__(config, HybridBlock,
+                         lambda: nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon))

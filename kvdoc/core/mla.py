@@ -42,8 +42,10 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -252,9 +254,11 @@ def per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 class LatentBlock(nn.Module):
-    """Pre-norm decoder layer with latent attention: ``x + attn(ln_1(x))``, ``x + mlp(ln_2(x))``."""
+    """Pre-norm decoder layer with latent attention: ``x + attn(ln_1(x))``, ``x + mlp(ln_2(x))``
+    (SwiGLU); ``attention(config)`` builds the attention (DeepSeek-V4's
+    :class:`~kvdoc.core.v4.CompressedAttention` too)."""
 
-    def __init__(self, config: MLAConfig, attention: type[LatentAttention] = LatentAttention
+    def __init__(self, config: Any, attention: Callable[[Any], nn.Module] = LatentAttention
                  ) -> None:
         super().__init__()
         self.ln_1 = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)

@@ -29,7 +29,7 @@ True
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,8 @@ from torch import nn
 
 from .cache import KVCache, LayerSpec, check_int, check_positive, offset_causal_mask
 from .compressed import compressed_cache
-from .model import MLP, Decoder, GPTConfig, rope_angles
+from .mla import LatentBlock
+from .model import Decoder, rope_angles
 
 LAYER_TYPES = ("sliding", "csa", "hca")
 
@@ -345,26 +346,10 @@ class CompressedAttention(nn.Module):
         return probs[..., :-1] @ keys
 
 
-class CompressedBlock(nn.Module):
-    """Pre-norm layer: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))`` (SwiGLU)."""
-
-    def __init__(self, config: CompressedConfig, kind: str) -> None:
-        super().__init__()
-        self.ln_1 = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.attn = CompressedAttention(config, kind)
-        self.ln_2 = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.mlp = MLP(GPTConfig(n_embd=config.n_embd, n_head=1, n_inner=config.n_inner,
-                                 mlp="swiglu", bias=False))
-
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer_idx, start, attn_mask, **positions)
-        return x + self.mlp(self.ln_2(x))
-
-
 class CompressedDecoder(Decoder):
     """A :class:`~kvdoc.core.model.Decoder` (forward, checks, ``prefill``/``decode_step``/
-    ``generate``) of :class:`CompressedBlock` s, cached in a compressed cache.
+    ``generate``) of :class:`~kvdoc.core.mla.LatentBlock` s around a
+    :class:`CompressedAttention` each, cached in a compressed cache.
 
     >>> CompressedDecoder().new_cache(1, "dynamic")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -377,7 +362,8 @@ class CompressedDecoder(Decoder):
         self.config = config = config or CompressedConfig()
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = None
-        self.h = nn.ModuleList(CompressedBlock(config, kind) for kind in config.layer_types)
+        self.h = nn.ModuleList(LatentBlock(config, partial(CompressedAttention, kind=kind))
+                               for kind in config.layer_types)
         self.ln_f = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -42,7 +42,14 @@ from typing import Any
 import torch
 
 from kvdoc.core.mamba2 import Mamba2Config, MambaDecoder
-from kvdoc.interop.hf_config import holding, load_exported
+from kvdoc.interop.hf_config import (
+    by_our_names,
+    by_their_names,
+    expect_model_type,
+    holding,
+    load_exported,
+    refuse_unsupported,
+)
 
 #: transformers' names of Bamba's weights around the layers, and kvdoc's
 OUTER = {"model.embed_tokens.weight": "wte.weight", "model.final_layernorm.weight": "ln_f.weight",
@@ -76,18 +83,14 @@ def bamba_config(config: Mamba2Config) -> Any:
 def config_from_bamba(hf_config: Any) -> Mamba2Config:
     """The :class:`Mamba2Config` of a transformers ``BambaConfig``; a ValueError for another
     model type or a variant kvdoc lacks."""
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type != "bamba":
-        raise ValueError(f"expected a bamba config, got {model_type!r}")
+    expect_model_type(hf_config, "bamba")
     rope = dict(hf_config.rope_parameters or {})
-    unsupported = {"rope_type": (rope.get("rope_type", "default"), ("default",)),
-                   "hidden_act": (hf_config.hidden_act, ("silu",)),
-                   "attention_bias": (hf_config.attention_bias, (False,)),
-                   "mlp_bias": (hf_config.mlp_bias, (False,)),
-                   "partial_rotary_factor": (rope.get("partial_rotary_factor", 0.5), (0.5,))}
-    for name, (value, allowed) in unsupported.items():
-        if value not in allowed:
-            raise ValueError(f"bamba config has {name}={value!r}; kvdoc supports {allowed}")
+    refuse_unsupported("bamba", {
+        "rope_type": (rope.get("rope_type", "default"), ("default",)),
+        "hidden_act": (hf_config.hidden_act, ("silu",)),
+        "attention_bias": (hf_config.attention_bias, (False,)),
+        "mlp_bias": (hf_config.mlp_bias, (False,)),
+        "partial_rotary_factor": (rope.get("partial_rotary_factor", 0.5), (0.5,))})
     c = hf_config
     limit = tuple(float(v) for v in (c.time_step_limit or (0.0, math.inf)))
     return Mamba2Config(
@@ -106,15 +109,8 @@ def config_from_bamba(hf_config: Any) -> Mamba2Config:
 def from_bamba(hf_model: Any) -> MambaDecoder:
     """A :class:`MambaDecoder` with the weights of transformers' ``BambaForCausalLM``, in the
     model's dtype, in eval mode."""
-    config = config_from_bamba(hf_model.config)
-    state = hf_model.state_dict()
-    mapped = {ours: state.get(theirs, state["model.embed_tokens.weight"])
-              for theirs, ours in OUTER.items()}
-    for name, value in state.items():
-        if name.startswith("model.layers."):
-            ours = "h." + name.removeprefix("model.layers.")
-            mapped[ours.replace(".feed_forward.", ".mlp.")] = value
-    return holding(MambaDecoder(config), mapped)
+    return holding(MambaDecoder(config_from_bamba(hf_model.config)),
+                   by_our_names(hf_model.state_dict(), OUTER, ("feed_forward", "mlp")))
 
 
 def to_bamba(model: MambaDecoder) -> Any:
@@ -122,15 +118,8 @@ def to_bamba(model: MambaDecoder) -> Any:
     :func:`from_bamba`), in the model's dtype, in eval mode; the global RNG is left as it was."""
     from transformers import BambaForCausalLM
 
-    state = model.state_dict()
-    with torch.random.fork_rng():
-        hf = BambaForCausalLM(bamba_config(model.config))
-    mapped = {theirs: state[ours] for theirs, ours in OUTER.items()}
-    for name, value in state.items():
-        if name.startswith("h."):
-            theirs = "model.layers." + name.removeprefix("h.")
-            mapped[theirs.replace(".mlp.", ".feed_forward.")] = value
-    return load_exported(hf, mapped, model, "Bamba")
+    mapped = by_their_names(model.state_dict(), OUTER, ("feed_forward", "mlp"))
+    return load_exported(BambaForCausalLM, bamba_config(model.config), mapped, model, "Bamba")
 
 
 def bamba_model(config: Mamba2Config | None = None, seed: int = 0,

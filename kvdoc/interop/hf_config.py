@@ -223,9 +223,7 @@ def config_from_transformers(hf_config: Any) -> GPTConfig:
             "mlp_bias": (c.get("mlp_bias", False), (False,)),
             "pretraining_tp": (c.get("pretraining_tp", 1) or 1, (1,)),
         }
-    for name, (value, allowed) in unsupported.items():
-        if value not in allowed:
-            raise ValueError(f"{model_type} config has {name}={value!r}; kvdoc supports {allowed}")
+    refuse_unsupported(model_type, unsupported)
     sizes = dict(vocab_size=positive(c, "vocab_size", model_type),
                  n_positions=positive(c, "max_position_embeddings", model_type),
                  n_layer=positive(c, "num_hidden_layers", model_type), n_head=heads,
@@ -270,31 +268,55 @@ def transformers_model(family: str, config: GPTConfig | None = None, seed: int =
     return cls(hf_config).to(dtype or torch.float32).eval()
 
 
-def outer_weights(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """:data:`OUTER`'s weights of a transformers state dict, under kvdoc's names (no head:
-    tied to the embedding)."""
+def outer_weights(state: Mapping[str, torch.Tensor],
+                  outer: Mapping[str, str] = OUTER) -> dict[str, torch.Tensor]:
+    """``outer``'s weights of a transformers state dict, under kvdoc's names (no head: tied to
+    the embedding)."""
     wte = state["model.embed_tokens.weight"]
-    return {ours: state.get(theirs, wte) for theirs, ours in OUTER.items()}
+    return {ours: state.get(theirs, wte) for theirs, ours in outer.items()}
 
 
-def by_our_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def by_our_names(state: Mapping[str, torch.Tensor], outer: Mapping[str, str] = OUTER,
+                 renamed: tuple[str, str] | None = None) -> dict[str, torch.Tensor]:
     """A transformers state dict under kvdoc's names, for a decoder whose blocks keep
-    transformers' names below ``h.`` (Gemma 3, gpt-oss, Qwen3.5): :func:`outer_weights` and
-    ``model.layers.i.x`` as ``h.i.x``."""
-    mapped = outer_weights(state)
-    mapped.update({"h." + k.removeprefix("model.layers."): v for k, v in state.items()
-                   if k.startswith("model.layers.")})
+    transformers' names below ``h.`` (Gemma 3, gpt-oss, Qwen3.5, Bamba): :func:`outer_weights`
+    and ``model.layers.i.x`` as ``h.i.x``; ``renamed`` is one ``(theirs, ours)`` module name
+    inside a layer that differs (Bamba's ``feed_forward`` is kvdoc's ``mlp``)."""
+    mapped = outer_weights(state, outer)
+    mapped.update({_renamed("h." + k.removeprefix("model.layers."), renamed): v
+                   for k, v in state.items() if k.startswith("model.layers.")})
     return mapped
 
 
-def by_their_names(state: Mapping[str, torch.Tensor],
-                   outer: Mapping[str, str] = OUTER) -> dict[str, torch.Tensor]:
+def by_their_names(state: Mapping[str, torch.Tensor], outer: Mapping[str, str] = OUTER,
+                   renamed: tuple[str, str] | None = None) -> dict[str, torch.Tensor]:
     """The inverse of :func:`by_our_names`: ``outer``'s weights and ``h.i.x`` as
     ``model.layers.i.x``."""
+    back = None if renamed is None else renamed[::-1]
     mapped = {theirs: state[ours] for theirs, ours in outer.items()}
-    mapped.update({"model.layers." + k.removeprefix("h."): v for k, v in state.items()
-                   if k.startswith("h.")})
+    mapped.update({_renamed("model.layers." + k.removeprefix("h."), back): v
+                   for k, v in state.items() if k.startswith("h.")})
     return mapped
+
+
+def _renamed(name: str, renamed: tuple[str, str] | None) -> str:
+    """``name`` with the module ``renamed[0]`` inside it read as ``renamed[1]``."""
+    return name if renamed is None else name.replace(f".{renamed[0]}.", f".{renamed[1]}.")
+
+
+def expect_model_type(hf_config: Any, model_type: str) -> None:
+    """A ValueError unless ``hf_config`` is a ``model_type`` config."""
+    found = getattr(hf_config, "model_type", None)
+    if found != model_type:
+        raise ValueError(f"expected a {model_type} config, got {found!r}")
+
+
+def refuse_unsupported(model_type: str, unsupported: Mapping[str, tuple[Any, tuple]]) -> None:
+    """A ValueError naming the first field of ``unsupported`` (name: ``(value, allowed)``)
+    whose value kvdoc does not implement."""
+    for name, (value, allowed) in unsupported.items():
+        if value not in allowed:
+            raise ValueError(f"{model_type} config has {name}={value!r}; kvdoc supports {allowed}")
 
 
 def holding(model: torch.nn.Module, mapped: Mapping[str, torch.Tensor]) -> Any:
@@ -305,10 +327,15 @@ def holding(model: torch.nn.Module, mapped: Mapping[str, torch.Tensor]) -> Any:
     return model.to(wte.device).eval()
 
 
-def load_exported(hf: Any, mapped: Mapping[str, torch.Tensor], model: torch.nn.Module,
-                  family: str) -> Any:
-    """``hf`` holding ``mapped`` (its own parameter names), in ``model``'s dtype, in eval mode;
-    a ``ValueError`` names any parameter (but the causal-mask buffers) that did not map."""
+def load_exported(hf_class: type, hf_config: Any, mapped: Mapping[str, torch.Tensor],
+                  model: torch.nn.Module, family: str) -> Any:
+    """``hf_class(hf_config)`` (built without touching the global RNG: its fresh weights are
+    overwritten) holding ``mapped`` (its own parameter names), in ``model``'s dtype, in eval
+    mode; a ``ValueError`` names any parameter (but the causal-mask buffers) that did not map."""
+    import torch
+
+    with torch.random.fork_rng():
+        hf = hf_class(hf_config)
     missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in mapped.items()},
                                              strict=False)
     missing = [k for k in missing if not k.endswith(BUFFERS)]

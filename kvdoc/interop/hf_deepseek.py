@@ -24,16 +24,25 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from kvdoc.core.mla import MLAConfig, MLADecoder
-from kvdoc.interop.hf_config import NORMS_AND_DOWN, OUTER, holding, load_exported, outer_weights
+from kvdoc.interop.hf_config import (
+    NORMS_AND_DOWN,
+    OUTER,
+    expect_model_type,
+    holding,
+    load_exported,
+    outer_weights,
+)
 
-_ATTENTION = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
-              "kv_a_layernorm", "kv_b_proj", "o_proj")
+#: the attention's parameters, below ``self_attn.`` (transformers) and ``attn.`` (kvdoc)
+_ATTENTION = tuple(f"{name}.weight" for name in (
+    "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+    "kv_b_proj", "o_proj"))
 
 PUBLISHED: dict[str, dict[str, Any]] = {
     "DeepSeek-V3": dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
@@ -101,8 +110,7 @@ def deepseek_config(config: MLAConfig, rope_interleave: bool = True) -> Any:
 def config_from_deepseek(hf_config: Any) -> MLAConfig:
     """The :class:`MLAConfig` of a transformers ``DeepseekV3Config``; a ValueError for another
     model type, MoE layers, scaled RoPE, attention biases or another activation."""
-    if getattr(hf_config, "model_type", None) != "deepseek_v3":
-        raise ValueError(f"expected a deepseek_v3 config, got {hf_config.model_type!r}")
+    expect_model_type(hf_config, "deepseek_v3")
     rope = dict(hf_config.rope_parameters or {})
     unsupported = {
         "first_k_dense_replace": (hf_config.first_k_dense_replace >= hf_config.num_hidden_layers,
@@ -142,22 +150,49 @@ def _move_rope(state: dict[str, torch.Tensor], config: MLAConfig, prefix: str,
         kv_rows]
 
 
-def from_deepseek(hf_model: Any) -> MLADecoder:
-    """An :class:`MLADecoder` with the weights of transformers' ``DeepseekV3ForCausalLM``
-    (dense layers only), in the model's dtype, in eval mode."""
-    config = config_from_deepseek(hf_model.config)
-    state = hf_model.state_dict()
+def layers_by_our_names(state: Mapping[str, torch.Tensor], config: MLAConfig,
+                        attention: Iterable[str], interleaved: bool) -> dict[str, torch.Tensor]:
+    """A transformers DeepSeek state dict (dense layers) under kvdoc's names: the outer weights,
+    the norms and MLP, and each parameter of ``attention`` (names below ``self_attn.``, those
+    present) below ``attn.``; with ``interleaved``, the rotary rows moved to kvdoc's layout."""
     mapped = outer_weights(state)
     for i in range(config.n_layer):
         src, dst = f"model.layers.{i}.", f"h.{i}."
         mapped.update({dst + ours + ".weight": state[src + theirs + ".weight"]
                        for theirs, ours in NORMS_AND_DOWN.items()})
-        mapped.update({f"{dst}attn.{name}.weight": state[f"{src}self_attn.{name}.weight"]
-                       for name in _ATTENTION if f"{src}self_attn.{name}.weight" in state})
+        mapped.update({f"{dst}attn.{name}": state[f"{src}self_attn.{name}"]
+                       for name in attention if f"{src}self_attn.{name}" in state})
         mapped[dst + "mlp.c_fc.weight"] = torch.cat((state[src + "mlp.gate_proj.weight"],
                                                      state[src + "mlp.up_proj.weight"]))
-        if hf_model.config.rope_interleave:
+        if interleaved:
             _move_rope(mapped, config, dst + "attn.", interleaved_to_split=True)
+    return mapped
+
+
+def layers_by_their_names(state: dict[str, torch.Tensor], config: MLAConfig,
+                          attention: Iterable[str], interleaved: bool) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`layers_by_our_names` (``state``, kvdoc's, has its rotary rows moved
+    in place where ``interleaved``)."""
+    mapped = {theirs: state[ours] for theirs, ours in OUTER.items()}
+    for i in range(config.n_layer):
+        src, dst = f"h.{i}.", f"model.layers.{i}."
+        if interleaved:
+            _move_rope(state, config, src + "attn.", interleaved_to_split=False)
+        mapped.update({dst + theirs + ".weight": state[src + ours + ".weight"]
+                       for theirs, ours in NORMS_AND_DOWN.items()})
+        mapped.update({f"{dst}self_attn.{name}": state[f"{src}attn.{name}"]
+                       for name in attention if f"{src}attn.{name}" in state})
+        gate, up = state[src + "mlp.c_fc.weight"].chunk(2)
+        mapped.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
+    return mapped
+
+
+def from_deepseek(hf_model: Any) -> MLADecoder:
+    """An :class:`MLADecoder` with the weights of transformers' ``DeepseekV3ForCausalLM``
+    (dense layers only), in the model's dtype, in eval mode."""
+    config = config_from_deepseek(hf_model.config)
+    mapped = layers_by_our_names(hf_model.state_dict(), config, _ATTENTION,
+                                 hf_model.config.rope_interleave)
     return holding(MLADecoder(config), mapped)
 
 
@@ -166,21 +201,10 @@ def to_deepseek(model: MLADecoder, rope_interleave: bool = True) -> Any:
     mode; the global RNG is left as it was."""
     from transformers import DeepseekV3ForCausalLM
 
-    config, state = model.config, dict(model.state_dict())
-    with torch.random.fork_rng():
-        hf = DeepseekV3ForCausalLM(deepseek_config(config, rope_interleave))
-    mapped = {theirs: state[ours] for theirs, ours in OUTER.items()}
-    for i in range(config.n_layer):
-        src, dst = f"h.{i}.", f"model.layers.{i}."
-        if rope_interleave:
-            _move_rope(state, config, src + "attn.", interleaved_to_split=False)
-        mapped.update({dst + theirs + ".weight": state[src + ours + ".weight"]
-                       for theirs, ours in NORMS_AND_DOWN.items()})
-        mapped.update({f"{dst}self_attn.{name}.weight": state[f"{src}attn.{name}.weight"]
-                       for name in _ATTENTION if f"{src}attn.{name}.weight" in state})
-        gate, up = state[src + "mlp.c_fc.weight"].chunk(2)
-        mapped.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
-    return load_exported(hf, mapped, model, "DeepseekV3")
+    config = model.config
+    mapped = layers_by_their_names(dict(model.state_dict()), config, _ATTENTION, rope_interleave)
+    return load_exported(DeepseekV3ForCausalLM, deepseek_config(config, rope_interleave), mapped,
+                         model, "DeepseekV3")
 
 
 def deepseek_model(config: MLAConfig | None = None, seed: int = 0,

@@ -30,12 +30,15 @@ from typing import Any
 import torch
 
 from kvdoc.core.indexed import IndexedConfig, IndexedDecoder
-from kvdoc.interop.hf_config import NORMS_AND_DOWN, OUTER, holding, load_exported, outer_weights
-from kvdoc.interop.hf_deepseek import rope_rows
+from kvdoc.interop.hf_config import expect_model_type, holding, load_exported
+from kvdoc.interop.hf_deepseek import layers_by_our_names, layers_by_their_names
 
-_ATTENTION = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
-              "kv_b_proj", "o_proj")
-_INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
+#: the attention's parameters, below ``self_attn.`` (transformers) and ``attn.`` (kvdoc)
+_ATTENTION = (*(f"{name}.weight" for name in ("q_a_proj", "q_a_layernorm", "q_b_proj",
+                                               "kv_a_proj_with_mqa", "kv_a_layernorm",
+                                               "kv_b_proj", "o_proj")),
+              *(f"indexer.{name}" for name in ("wq_b.weight", "wk.weight", "k_norm.weight",
+                                               "k_norm.bias", "weights_proj.weight")))
 
 
 def v32_config(config: IndexedConfig) -> Any:
@@ -72,8 +75,7 @@ def config_from_v32(hf_config: Any) -> IndexedConfig:
     ...
     ValueError: DeepseekV32 layers [3] are mixture-of-experts ('sparse' in mlp_layer_types); ...
     """
-    if getattr(hf_config, "model_type", None) != "deepseek_v32":
-        raise ValueError(f"expected a deepseek_v32 config, got {hf_config.model_type!r}")
+    expect_model_type(hf_config, "deepseek_v32")
     sparse = [i for i, kind in enumerate(hf_config.mlp_layer_types) if kind != "dense"]
     if sparse:
         raise ValueError(f"DeepseekV32 layers {sparse} are mixture-of-experts ('sparse' in "
@@ -97,30 +99,11 @@ def config_from_v32(hf_config: Any) -> IndexedConfig:
         index_head_dim=c.index_head_dim, index_topk=c.index_topk)
 
 
-def _move_rope(state: dict[str, torch.Tensor], config: IndexedConfig, prefix: str,
-               interleaved_to_split: bool) -> None:
-    q_rows, kv_rows = rope_rows(config, interleaved_to_split)
-    for name, rows in (("q_b_proj.weight", q_rows), ("kv_a_proj_with_mqa.weight", kv_rows)):
-        state[prefix + name] = state[prefix + name][rows]
-
-
 def from_v32(hf_model: Any) -> IndexedDecoder:
     """An :class:`IndexedDecoder` with the weights of transformers' ``DeepseekV32ForCausalLM``
     (dense layers only), in the model's dtype, in eval mode."""
     config = config_from_v32(hf_model.config)
-    state = hf_model.state_dict()
-    mapped = outer_weights(state)
-    for i in range(config.n_layer):
-        src, dst = f"model.layers.{i}.", f"h.{i}."
-        mapped.update({dst + ours + ".weight": state[src + theirs + ".weight"]
-                       for theirs, ours in NORMS_AND_DOWN.items()})
-        mapped.update({f"{dst}attn.{name}.weight": state[f"{src}self_attn.{name}.weight"]
-                       for name in _ATTENTION})
-        mapped.update({f"{dst}attn.indexer.{name}": state[f"{src}self_attn.indexer.{name}"]
-                       for name in _INDEXER})
-        mapped[dst + "mlp.c_fc.weight"] = torch.cat((state[src + "mlp.gate_proj.weight"],
-                                                     state[src + "mlp.up_proj.weight"]))
-        _move_rope(mapped, config, dst + "attn.", interleaved_to_split=True)
+    mapped = layers_by_our_names(hf_model.state_dict(), config, _ATTENTION, interleaved=True)
     return holding(IndexedDecoder(config), mapped)
 
 
@@ -129,22 +112,9 @@ def to_v32(model: IndexedDecoder) -> Any:
     mode; the global RNG is left as it was."""
     from transformers import DeepseekV32ForCausalLM
 
-    config, state = model.config, dict(model.state_dict())
-    with torch.random.fork_rng():
-        hf = DeepseekV32ForCausalLM(v32_config(config))
-    mapped = {theirs: state[ours] for theirs, ours in OUTER.items()}
-    for i in range(config.n_layer):
-        src, dst = f"h.{i}.", f"model.layers.{i}."
-        _move_rope(state, config, src + "attn.", interleaved_to_split=False)
-        mapped.update({dst + theirs + ".weight": state[src + ours + ".weight"]
-                       for theirs, ours in NORMS_AND_DOWN.items()})
-        mapped.update({f"{dst}self_attn.{name}.weight": state[f"{src}attn.{name}.weight"]
-                       for name in _ATTENTION})
-        mapped.update({f"{dst}self_attn.indexer.{name}": state[f"{src}attn.indexer.{name}"]
-                       for name in _INDEXER})
-        gate, up = state[src + "mlp.c_fc.weight"].chunk(2)
-        mapped.update({dst + "mlp.gate_proj.weight": gate, dst + "mlp.up_proj.weight": up})
-    return load_exported(hf, mapped, model, "DeepseekV32")
+    config = model.config
+    mapped = layers_by_their_names(dict(model.state_dict()), config, _ATTENTION, interleaved=True)
+    return load_exported(DeepseekV32ForCausalLM, v32_config(config), mapped, model, "DeepseekV32")
 
 
 def v32_model(config: IndexedConfig | None = None, seed: int = 0,

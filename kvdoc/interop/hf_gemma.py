@@ -26,7 +26,14 @@ from typing import Any
 import torch
 
 from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, gemma_layer_types
-from kvdoc.interop.hf_config import by_our_names, by_their_names, holding, load_exported
+from kvdoc.interop.hf_config import (
+    by_our_names,
+    by_their_names,
+    expect_model_type,
+    holding,
+    load_exported,
+    refuse_unsupported,
+)
 
 
 def gemma_config(config: Gemma3Config) -> Any:
@@ -55,22 +62,17 @@ def gemma_config(config: Gemma3Config) -> Any:
 def config_from_gemma(hf_config: Any) -> Gemma3Config:
     """The :class:`Gemma3Config` of a transformers ``Gemma3TextConfig``; a ValueError for
     another model type or a variant kvdoc lacks."""
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type != "gemma3_text":
-        raise ValueError(f"expected a gemma3_text config, got {model_type!r}")
+    expect_model_type(hf_config, "gemma3_text")
     rope = {kind: dict((hf_config.rope_parameters or {}).get(kind) or {})
             for kind in (GLOBAL, SLIDING)}
-    unsupported = {
+    refuse_unsupported("gemma3_text", {
         "rope_type": (tuple(r.get("rope_type", "default") for r in rope.values()),
                       (("default", "default"),)),
         "hidden_activation": (hf_config.hidden_activation, ("gelu_pytorch_tanh",)),
         "attention_bias": (hf_config.attention_bias, (False,)),
         "attn_logit_softcapping": (hf_config.attn_logit_softcapping, (None,)),
         "use_bidirectional_attention": (bool(hf_config.use_bidirectional_attention), (False,)),
-    }
-    for name, (value, allowed) in unsupported.items():
-        if value not in allowed:
-            raise ValueError(f"gemma3_text config has {name}={value!r}; kvdoc supports {allowed}")
+    })
     return Gemma3Config(
         vocab_size=hf_config.vocab_size, n_positions=hf_config.max_position_embeddings,
         n_head=hf_config.num_attention_heads, n_kv_head=hf_config.num_key_value_heads,
@@ -126,9 +128,8 @@ def _layout_from(layer_types: list[str]) -> dict[str, Any]:
 def from_gemma(hf_model: Any) -> Gemma3Decoder:
     """A :class:`Gemma3Decoder` with the weights of transformers' ``Gemma3ForCausalLM``, in the
     model's dtype, in eval mode."""
-    state = hf_model.state_dict()
-    mapped = by_our_names(state)
-    return holding(Gemma3Decoder(config_from_gemma(hf_model.config)), mapped)
+    return holding(Gemma3Decoder(config_from_gemma(hf_model.config)),
+                   by_our_names(hf_model.state_dict()))
 
 
 def to_gemma(model: Gemma3Decoder) -> Any:
@@ -136,11 +137,8 @@ def to_gemma(model: Gemma3Decoder) -> Any:
     :func:`from_gemma`), in the model's dtype, in eval mode; the global RNG is left as it was."""
     from transformers import Gemma3ForCausalLM
 
-    state = model.state_dict()
-    with torch.random.fork_rng():
-        hf = Gemma3ForCausalLM(gemma_config(model.config))
-    mapped = by_their_names(state)
-    return load_exported(hf, mapped, model, "Gemma3")
+    return load_exported(Gemma3ForCausalLM, gemma_config(model.config),
+                         by_their_names(model.state_dict()), model, "Gemma3")
 
 
 def gemma_model(config: Gemma3Config | None = None, seed: int = 0,

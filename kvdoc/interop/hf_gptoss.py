@@ -26,7 +26,13 @@ from typing import Any
 import torch
 
 from kvdoc.core.gptoss import GptOssConfig, GptOssDecoder
-from kvdoc.interop.hf_config import by_our_names, by_their_names, holding, load_exported
+from kvdoc.interop.hf_config import (
+    by_our_names,
+    by_their_names,
+    expect_model_type,
+    holding,
+    load_exported,
+)
 
 
 def gptoss_config(config: GptOssConfig) -> Any:
@@ -57,9 +63,7 @@ def gptoss_config(config: GptOssConfig) -> Any:
 def config_from_gptoss(hf_config: Any) -> GptOssConfig:
     """The :class:`GptOssConfig` of a transformers ``GptOssConfig``; a ValueError for another
     model type or a variant kvdoc lacks."""
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type != "gpt_oss":
-        raise ValueError(f"expected a gpt_oss config, got {model_type!r}")
+    expect_model_type(hf_config, "gpt_oss")
     rope = dict(hf_config.rope_parameters or {})
     kind = rope.get("rope_type", "default")
     lacking = [k for k in ("attention_factor", "mscale", "mscale_all_dim")
@@ -93,9 +97,8 @@ def config_from_gptoss(hf_config: Any) -> GptOssConfig:
 def from_gptoss(hf_model: Any) -> GptOssDecoder:
     """A :class:`GptOssDecoder` with the weights of transformers' ``GptOssForCausalLM``, in the
     model's dtype, in eval mode."""
-    state = hf_model.state_dict()
-    mapped = by_our_names(state)
-    return holding(GptOssDecoder(config_from_gptoss(hf_model.config)), mapped)
+    return holding(GptOssDecoder(config_from_gptoss(hf_model.config)),
+                   by_our_names(hf_model.state_dict()))
 
 
 def to_gptoss(model: GptOssDecoder) -> Any:
@@ -103,11 +106,8 @@ def to_gptoss(model: GptOssDecoder) -> Any:
     :func:`from_gptoss`), in the model's dtype, in eval mode; the global RNG is left as it was."""
     from transformers import GptOssForCausalLM
 
-    state = model.state_dict()
-    with torch.random.fork_rng():
-        hf = GptOssForCausalLM(gptoss_config(model.config))
-    mapped = by_their_names(state)
-    return load_exported(hf, mapped, model, "GptOss")
+    return load_exported(GptOssForCausalLM, gptoss_config(model.config),
+                         by_their_names(model.state_dict()), model, "GptOss")
 
 
 def gptoss_model(config: GptOssConfig | None = None, seed: int = 0,

@@ -26,7 +26,13 @@ from typing import Any
 import torch
 
 from kvdoc.core.deltanet import DeltaNetConfig, DeltaNetDecoder
-from kvdoc.interop.hf_config import by_our_names, by_their_names, holding, load_exported
+from kvdoc.interop.hf_config import (
+    by_our_names,
+    by_their_names,
+    holding,
+    load_exported,
+    refuse_unsupported,
+)
 
 
 def qwen35_config(config: DeltaNetConfig) -> Any:
@@ -79,14 +85,11 @@ def config_from_qwen35(hf_config: Any, chunk_size: int = 64) -> DeltaNetConfig:
     elif model_type != "qwen3_5_text":
         raise ValueError(f"expected a qwen3_5_text or qwen3_next config, got {model_type!r}")
     rope = dict(hf_config.rope_parameters or {})
-    unsupported = {
+    refuse_unsupported("qwen3_5_text", {
         "rope_type": (rope.get("rope_type", "default"), ("default",)),
         "hidden_act": (hf_config.hidden_act, ("silu",)),
         "attention_bias": (hf_config.attention_bias, (False,)),
-    }
-    for name, (value, allowed) in unsupported.items():
-        if value not in allowed:
-            raise ValueError(f"qwen3_5_text config has {name}={value!r}; kvdoc supports {allowed}")
+    })
     return DeltaNetConfig(
         vocab_size=hf_config.vocab_size, n_positions=hf_config.max_position_embeddings,
         n_embd=hf_config.hidden_size, n_inner=hf_config.intermediate_size,
@@ -107,8 +110,7 @@ def config_from_qwen35(hf_config: Any, chunk_size: int = 64) -> DeltaNetConfig:
 def from_qwen35(hf_model: Any, chunk_size: int = 64) -> DeltaNetDecoder:
     """A :class:`DeltaNetDecoder` with the weights of transformers' ``Qwen3_5ForCausalLM``, in
     the model's dtype, in eval mode (``chunk_size``: kvdoc's prefill chunk)."""
-    state = hf_model.state_dict()
-    mapped = by_our_names(state)
+    mapped = by_our_names(hf_model.state_dict())
     config = config_from_qwen35(hf_model.config, chunk_size)
     for key in [k for k in mapped if k.endswith(".in_proj_qkvz.weight")]:  # Qwen3-Next
         prefix = key.removesuffix("in_proj_qkvz.weight")
@@ -140,11 +142,8 @@ def to_qwen35(model: DeltaNetDecoder) -> Any:
     :func:`from_qwen35`), in the model's dtype, in eval mode; the global RNG is left as it was."""
     from transformers import Qwen3_5ForCausalLM
 
-    state = model.state_dict()
-    with torch.random.fork_rng():
-        hf = Qwen3_5ForCausalLM(qwen35_config(replace(model.config)))
-    mapped = by_their_names(state)
-    return load_exported(hf, mapped, model, "Qwen3_5")
+    return load_exported(Qwen3_5ForCausalLM, qwen35_config(replace(model.config)),
+                         by_their_names(model.state_dict()), model, "Qwen3_5")
 
 
 def qwen35_model(config: DeltaNetConfig | None = None, seed: int = 0,

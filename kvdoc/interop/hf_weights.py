@@ -184,8 +184,6 @@ def to_transformers(model: Decoder, family: str | None = None) -> Any:
         return to_gptoss(model)
     config, state = model.config, model.state_dict()
     hf_config = transformers_config(config, family)
-    with torch.random.fork_rng():
-        hf = causal_lm_class(hf_config.model_type)(hf_config)
     if hf_config.model_type == "gpt2":
         mapped = {("" if name.startswith("lm_head.") else "transformer.") + name:
                   (value.t() if name.endswith(CONV1D_WEIGHTS) else value)
@@ -207,4 +205,5 @@ def to_transformers(model: Decoder, family: str | None = None) -> Any:
                     if src + ours + kind in state:
                         pieces = state[src + ours + kind].split(sizes)
                         mapped.update(zip([dst + n + kind for n in names], pieces, strict=True))
-    return load_exported(hf, mapped, model, hf_config.model_type)
+    return load_exported(causal_lm_class(hf_config.model_type), hf_config, mapped, model,
+                         hf_config.model_type)

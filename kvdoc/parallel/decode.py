@@ -23,7 +23,7 @@ what a rank's cache and communication must come to, from the layout alone;
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,6 +33,7 @@ from torch import nn
 from kvdoc.core.cache import DynamicLayer, KVCache, check_int
 from kvdoc.core.model import MLP, Block, CausalSelfAttention, Decoder, GPTConfig, embed_tokens
 from kvdoc.measure.kv_bytes import kv_bytes, measured_bytes
+from kvdoc.serving.requests import greedy
 
 from .comm import Comm
 from .context import ContextShard
@@ -210,21 +211,6 @@ class RankResult:
     cache_bytes: int
     collectives: list[dict[str, int]]
     """Collectives of each forward call: the prefill, then each decode step."""
-
-
-def greedy(logits: torch.Tensor, cache: KVCache, prompt: torch.Tensor, max_new_tokens: int,
-           step: Callable, choose: Callable = lambda token: token
-           ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
-    """Greedy decoding after a prefill's ``logits`` and ``cache``: ``(tokens [B, P + N],
-    logits [B, N, V] each new token was chosen from, cache)``. Each token is ``choose(argmax)``
-    (rank 0's broadcast, say) and, but the last, fed by ``step(token, cache, position)``."""
-    fed, chosen = [prompt], []
-    for i in range(max_new_tokens):
-        chosen.append(logits[:, -1])
-        fed.append(choose(logits[:, -1].argmax(dim=-1, keepdim=True)))
-        if i + 1 < max_new_tokens:
-            logits, cache = step(fed[-1], cache, prompt.shape[1] + i)
-    return torch.cat(fed, dim=1), torch.stack(chosen, dim=1), cache
 
 
 @torch.no_grad()

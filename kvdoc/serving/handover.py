@@ -27,6 +27,7 @@ import torch
 
 from kvdoc.core.cache import DynamicCache, KVCache
 from kvdoc.core.model import Decoder, decode_step, prefill
+from kvdoc.serving.requests import greedy
 
 FORMAT = "kvdoc-handover/2"
 """The payload's ``format`` field: what :func:`unpack` accepts."""
@@ -187,13 +188,7 @@ def disaggregated_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens:
         raise ValueError("payload carries no next-token logits to start decoding from")
     kv_bytes = sum(t.numel() * t.element_size() for t in cache.tensors())
     logits_bytes = logits.numel() * logits.element_size()
-    out, steps = [prompt], [logits]
     with torch.no_grad():
-        for step in range(max_new_tokens):
-            token = steps[-1][:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
-            out.append(token)
-            if step + 1 < max_new_tokens:
-                next_logits, cache = decode_step(model, token, cache)
-                steps.append(next_logits)
-    return HandoverRun(torch.cat(out, dim=1), torch.cat(steps, dim=1), len(payload), kv_bytes,
-                       logits_bytes)
+        tokens, chosen, _ = greedy(logits, cache, prompt, max_new_tokens,
+                                   lambda token, cache, _: decode_step(model, token, cache))
+    return HandoverRun(tokens, chosen, len(payload), kv_bytes, logits_bytes)

@@ -38,6 +38,7 @@ import torch
 
 from kvdoc.core.cache import DynamicCache, check_int
 from kvdoc.core.model import Decoder, decode_step, generate, prefill
+from kvdoc.serving.requests import greedy
 
 ROOT = hashlib.sha256(b"kvdoc-offload-root").digest()
 """The parent key of a sequence's first block (vLLM's ``NONE_HASH``)."""
@@ -186,12 +187,10 @@ def serve(model: Decoder, prompts: Sequence[torch.Tensor], max_new_tokens: int,
             tiers.append(found[1])
         cache = _blocks_to_cache(blocks, model)
         logits, cache = prefill(model, prompt[None, len(blocks) * block_size:], cache)
-        first, out = logits[0, -1], [prompt[None]]
-        for step in range(max_new_tokens):
-            out.append(logits[:, -1].argmax(dim=-1, keepdim=True))
-            if step + 1 < max_new_tokens:
-                logits, cache = decode_step(model, out[-1], cache)
-        tokens = torch.cat(out, dim=1)[0]
+        first = logits[0, -1]
+        tokens, _, cache = greedy(logits, cache, prompt[None], max_new_tokens,
+                                  lambda token, cache, _: decode_step(model, token, cache))
+        tokens = tokens[0]
         fed = tokens[:cache.seq_len].tolist()
         for i, key in enumerate(block_hashes(fed, block_size, hash_fn)):
             if store.tier(key) is None:

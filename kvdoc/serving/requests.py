@@ -1,12 +1,16 @@
-"""The requests a scheduler serves (:class:`Request`, a seeded :func:`arrival_trace`), and how
-each sequence picks its next token (:func:`choose`, with its sample's generator)."""
+"""The requests a scheduler serves (:class:`Request`, a seeded :func:`arrival_trace`), how
+each sequence picks its next token (:func:`choose`, with its sample's generator), and the greedy
+loop after a prefill (:func:`greedy`)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from kvdoc.core.cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -85,3 +89,20 @@ def arrival_trace(n: int = 8, prompt_lens: tuple[int, int] = (2, 16),
         prompt = torch.randint(0, vocab_size, (uniform(*prompt_lens),), generator=g).tolist()
         trace.append(Request(rid, tuple(prompt), uniform(*output_lens), step))
     return trace
+
+
+def greedy(logits: torch.Tensor, cache: KVCache, prompt: torch.Tensor, max_new_tokens: int,
+           step: Callable, choose: Callable = lambda token: token
+           ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+    """Greedy decoding after a prefill's ``logits`` and ``cache``: ``(tokens [B, P + N],
+    logits [B, N, V] each new token was chosen from, cache)``. Each token is ``choose(argmax)``
+    (rank 0's broadcast, say) and, but the last, fed by ``step(token, cache, position)``: the one
+    greedy loop of serving and parallel decoding (:func:`kvdoc.core.model.generate` has its own,
+    as the core imports no serving code)."""
+    fed, chosen = [prompt], []
+    for i in range(max_new_tokens):
+        chosen.append(logits[:, -1])
+        fed.append(choose(logits[:, -1].argmax(dim=-1, keepdim=True)))
+        if i + 1 < max_new_tokens:
+            logits, cache = step(fed[-1], cache, prompt.shape[1] + i)
+    return torch.cat(fed, dim=1), torch.stack(chosen, dim=1), cache
