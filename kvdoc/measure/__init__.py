@@ -1,5 +1,6 @@
 """Memory and time: dtype sizes, byte formulas and units (``kv_bytes``), a model's sizes layer by
-layer (``model_caches``, and from a transformers ``config.json``, ``config_json``), the ``python -m
+layer (``layer_caches``; the published ones and a transformers ``config.json``,
+``model_caches``), the ``python -m
 kvdoc memory`` command (``memory``), the bytes a cache update writes and ATen operation counts
 (``dispatch``), counted work and FLOPs (``costs``), the timing harness (``timing``), where two
 greedy generations part (``divergence``), the benchmark (``decode_paths``, ``bench_run``,
