@@ -1,4 +1,4 @@
-"""kvdoc.measure.bench_run (with costs, timing, decode_paths, bench_tables, and
+"""kvdoc.measure.bench_run (with costs, timing, decode_paths, bench, and
 the bench command) on tiny settings.
 
 No speed is asserted.
@@ -14,8 +14,7 @@ import torch
 from kvdoc import Decoder, GPTConfig
 from kvdoc.__main__ import main as cli
 from kvdoc.core.fast import FastDecoder
-from kvdoc.measure.bench_run import TARGETS, VARIANTS, BenchSettings, run_bench
-from kvdoc.measure.bench_tables import (
+from kvdoc.measure.bench import (
     ABLATION_LABELS,
     ablation_table,
     compiled_table,
@@ -26,6 +25,7 @@ from kvdoc.measure.bench_tables import (
     timings_figure,
     timings_table,
 )
+from kvdoc.measure.bench_run import TARGETS, VARIANTS, BenchSettings, run_bench
 from kvdoc.measure.costs import (
     RowCounter,
     projected_positions_full,

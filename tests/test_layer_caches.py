@@ -12,7 +12,6 @@ import pytest
 torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 
-from kvdoc.measure.config_json import read_config  # noqa: E402
 from kvdoc.measure.layer_caches import (  # noqa: E402
     LayerCache,
     attention_layer,
@@ -21,6 +20,7 @@ from kvdoc.measure.layer_caches import (  # noqa: E402
     indexed_mla_layer,
     mamba2_layer,
 )
+from kvdoc.measure.model_caches import read_config  # noqa: E402
 
 LENGTHS = (1, 2, 3, 5, 7, 11)
 

@@ -14,7 +14,6 @@ import torch
 from kvdoc import Decoder, GPTConfig, generate
 from kvdoc.__main__ import main as cli
 from kvdoc.core.feed import feed
-from kvdoc.measure.config_json import read_config
 from kvdoc.measure.dispatch import CopyMeter
 from kvdoc.measure.kv_bytes import (
     DTYPES as DTYPE_NAMES,
@@ -29,7 +28,7 @@ from kvdoc.measure.kv_bytes import (
     kv_bytes_per_layer,
     measured_bytes,
 )
-from kvdoc.measure.model_caches import MODELS, model_cache
+from kvdoc.measure.model_caches import MODELS, model_cache, read_config
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 

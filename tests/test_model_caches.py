@@ -15,9 +15,15 @@ import transformers
 from kvdoc.__main__ import main as cli
 from kvdoc.core.gemma import gemma_layer_types
 from kvdoc.interop.hf_deepseek import published_config
-from kvdoc.measure.config_json import cache_from_config, read_config
 from kvdoc.measure.kv_bytes import kv_bytes, kv_bytes_per_layer
-from kvdoc.measure.model_caches import KINDS, MODELS, config_cache, every_nth_full, model_cache
+from kvdoc.measure.layer_caches import KINDS, every_nth_full
+from kvdoc.measure.model_caches import (
+    MODELS,
+    cache_from_config,
+    config_cache,
+    model_cache,
+    read_config,
+)
 
 NAMES = ["Llama-3-70B", "Llama-3.1-8B", "Llama-3.1-70B", "Llama-3.1-405B", "Qwen3-8B",
          "Qwen3-32B", "Mistral-7B-v0.1", "Gemma-2-9B", "Gemma-3-27B", "DeepSeek-V3",

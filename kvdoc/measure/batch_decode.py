@@ -17,9 +17,9 @@ import torch
 
 from kvdoc.core.cache import check_int
 from kvdoc.core.fast import FastDecoder
-from kvdoc.core.model import Decoder, GPTConfig
+from kvdoc.core.model import Decoder
 
-from .costs import step_bytes, step_flops
+from .costs import kv_per_sequence, step_bytes, step_flops
 from .decode_paths import cached_decode
 from .kv_bytes import element_size
 from .model_caches import ModelCache
@@ -40,15 +40,6 @@ class Accelerator:
 H100_SXM = Accelerator("H100 SXM", 80 * 10**9, 3.35e12,
                        "NVIDIA H100 Tensor Core GPU datasheet: 80 GB HBM3, 3.35 TB/s")
 """The accelerator the pages use for worked figures."""
-
-
-def kv_per_sequence(config: GPTConfig, context: int, size: int) -> int:
-    """K/V bytes one sequence adds to a step that attends over ``context + 1`` positions.
-
-    >>> kv_per_sequence(GPTConfig(), 9, 4)  # 2 (K, V) x 2 layers x 10 positions x 64 x 4 bytes
-    10240
-    """
-    return 2 * config.n_layer * (context + 1) * config.kv_dim * size
 
 
 @dataclass(frozen=True)
@@ -74,6 +65,7 @@ class StepTraffic:
 def step_traffic(model: Decoder, batch: int, context: int) -> StepTraffic:
     """What a decode step of ``batch`` sequences must read and compute (the cost model).
 
+    >>> from kvdoc.core.model import GPTConfig
     >>> small = step_traffic(Decoder(GPTConfig()), 1, 15)
     >>> big = step_traffic(Decoder(GPTConfig()), 8, 15)
     >>> big.weight_bytes == small.weight_bytes, big.kv_bytes == 8 * small.kv_bytes
@@ -203,7 +195,7 @@ def batch_figure(times: dict[int, list[float]]):
     """Median milliseconds per step and per token against batch size (log-log)."""
     import matplotlib.pyplot as plt
 
-    from .bench_tables import log_log
+    from .bench import log_log
     from .timing import percentile
 
     batches = sorted(times)

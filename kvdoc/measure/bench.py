@@ -1,10 +1,11 @@
-"""``python -m kvdoc bench``: what the cache saves, timed on this machine, against its targets.
+"""``python -m kvdoc bench``: what the cache saves, timed on this machine, against its targets;
+and the tables (Markdown) and figures (matplotlib) of a
+:class:`~kvdoc.measure.bench_run.BenchResult`, for the savings page and the command.
 
-The command runs :func:`~kvdoc.measure.bench_run.run_bench`, prints the timing tables of
-:mod:`kvdoc.measure.bench_tables` and the headline ratios beside
-:data:`~kvdoc.measure.bench_run.TARGETS`, and writes every raw sample with ``--json``.
-Nothing here asserts a speed: the exit status says only whether every ratio is a positive
-number.
+The command runs :func:`~kvdoc.measure.bench_run.run_bench`, prints the timing tables and the
+headline ratios beside :data:`~kvdoc.measure.bench_run.TARGETS`, and writes every raw sample
+with ``--json``. Nothing here asserts a speed: the exit status says only whether every ratio is
+a positive number.
 """
 
 from __future__ import annotations
@@ -13,10 +14,222 @@ import argparse
 import json
 import math
 import sys
+import textwrap
+from typing import TYPE_CHECKING
 
 from .bench_run import TARGETS, BenchSettings, run_bench
-from .bench_tables import ablation_table, compiled_table, roofline_table, timings_table
+from .tables import markdown_table
+from .timing import paired_ratio, percentile, two_figures
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from .bench_run import BenchResult
+
+PATH_LABELS = {"prefill": "prefill", "full_all": "full, all positions",
+               "full_last": "full, last position", "transformers": "transformers, cached",
+               "dynamic": "kvdoc, dynamic cache", "static": "kvdoc, static cache",
+               "fast": "kvdoc, fast step", "lean": "lean step (no checks)",
+               "compiled": "torch.compile(model), static cache"}
+"""Readable names of the timed paths, for tables and figures."""
+
+ABLATION_LABELS = {
+    "reference": "reference step: the model's forward, static cache",
+    "fast": "fast step: FastDecoder, with its checks",
+    "unwatched": "fast step without its watch on the weights",
+    "unchecked": "fast step without its input checks",
+    "unguarded": "fast step without either guarantee",
+    "lean": "lean step: the fast step's arithmetic, no checks",
+    "no_pretranspose": "lean step, weights kept [out, in] (read transposed, as F.linear does)",
+    "matmul_attention": "lean step, matmul / scale / softmax / matmul instead of one SDPA call",
+}
+"""Readable names of the ablation's variants."""
+
+
+def timings_table(result: BenchResult, stat: str = "p50") -> str:
+    """One row per path (rows, so that the table stays narrow), one column per prefix P: the
+    ``stat`` ("p50" or "p95") in ms of one prefill call, or of all G steps of a decode path."""
+    if stat not in ("p50", "p95"):
+        raise ValueError(f"stat must be 'p50' or 'p95', not {stat!r}")
+    order = ("prefill", "full_all", "full_last", "dynamic", "static", "fast", "lean", "compiled",
+             "transformers")
+    paths = [p for p in order if all(p in v for v in result.timings.values())]
+    header = [f"path ({stat})"] + [f"P = {P} (ms)" for P in result.timings]
+    rows = [[PATH_LABELS[p]] + [f"{percentile(result.timings[P][p], int(stat[1:])):.3f}"
+                                 for P in result.timings] for p in paths]
+    return markdown_table(header, rows)
+
+
+def counts_table(result: BenchResult) -> str:
+    """Rows counted by hooks on layer 0's ``c_attn`` and on ``lm_head`` over the G steps, per
+    prefix and path, beside the closed form of the ``c_attn`` count."""
+    header = ["prefix P", "path", "c_attn (rows, counted)", "c_attn (rows, closed form)",
+              "lm_head (rows, counted)"]
+    rows = []
+    for P, c in result.counts.items():
+        for path, label, formula in (("full_all", "full, all positions", "formula_full"),
+                                     ("full_last", "full, last position", "formula_full"),
+                                     ("static", "cached", "formula_cached")):
+            rows.append([P, label, f"{c[f'{path}_c_attn']:,}", f"{c[formula]:,}",
+                         f"{c[f'{path}_lm_head']:,}"])
+    return markdown_table(header, rows)
+
+
+def flops_table(result: BenchResult) -> str:
+    """Modelled MFLOPs of the G steps per path, split into linear layers, attention and LM head."""
+    header = ["prefix P", "path", "linear (MFLOP)", "attention (MFLOP)", "LM head (MFLOP)",
+              "total (MFLOP)"]
+    rows = []
+    for P, f in result.flops.items():
+        for path, label in (("full_all", "full, all positions"),
+                            ("full_last", "full, last position"), ("cached", "cached")):
+            rows.append([P, label] + [f"{f[f'{path}_{part}'] / 1e6:.2f}"
+                                      for part in ("linear", "attention", "lm_head")]
+                        + [f"{f[path] / 1e6:.2f}"])
+    return markdown_table(header, rows)
+
+
+def roofline_table(result: BenchResult) -> str:
+    """Per decode path of the roofline model: ms per token, the floor, and the fraction reached."""
+    r = result.roofline
+    if r is None:
+        raise ValueError("this run has no roofline (settings.roofline was False)")
+    header = ["path", "decode p50 (ms / token)", "floor (ms / token)", "achieved bandwidth (GB/s)",
+              "fraction of measured bandwidth"]
+    rows = [[PATH_LABELS[path], f"{t:.2f}", f"{r['floor_ms_per_token']:.2f}",
+             f"{r['bytes_per_step'] / (t / 1e3) / 1e9:.2f}", two_figures(r["fraction"][path])]
+            for path, t in r["p50_ms_per_token"].items()]
+    return markdown_table(header, rows)
+
+
+def ablation_table(ablation: dict) -> str:
+    """Per variant of the decode step whose difference from the lean step this machine
+    resolved: p50 per step (µs), its time relative to the lean step
+    (:func:`~kvdoc.measure.timing.paired_ratio`) and the band of the middle rounds. The
+    variants whose band straddles 1 are named after the table, not shown as results.
+
+    >>> print(ablation_table({"p50_us_per_step": {"fast": 110.0, "lean": 100.0},
+    ...                       "samples_ms": {"fast": [1.1, 1.2, 1.0], "lean": [1.0, 1.0, 1.0]},
+    ...                       "steps": 10}))
+    | decode step | p50 (µs / step) | time relative to the lean step | middle rounds |
+    |---|---|---|---|
+    | lean step: the fast step's arithmetic, no checks | 100.0 | 1 | 1 to 1 |
+    <BLANKLINE>
+    Not resolved in this run (their middle rounds straddle 1): fast step: FastDecoder, with
+    its checks (1 to 1.2).
+    """
+    samples = ablation["samples_ms"]
+    rows, unresolved = [], []
+    for name, t in ablation["p50_us_per_step"].items():
+        ratio = paired_ratio(samples[name], samples["lean"])
+        band = f"{two_figures(ratio.low)} to {two_figures(ratio.high)}"
+        if name != "lean" and not ratio.resolved:
+            unresolved.append(f"{ABLATION_LABELS[name]} ({band})")
+        else:
+            rows.append([ABLATION_LABELS[name], f"{t:,.1f}", two_figures(ratio.median), band])
+    header = ["decode step", "p50 (µs / step)", "time relative to the lean step",
+              "middle rounds"]
+    note = ("\n\n" + textwrap.fill("Not resolved in this run (their middle rounds straddle "
+                                   f"1): {'; '.join(unresolved)}.", 88)) if unresolved else ""
+    return markdown_table(header, rows) + note
+
+
+def compiled_table(result: BenchResult) -> str:
+    """gpt-fast's fast step beside kvdoc's: per rotation (a prefix length ``P``, or the
+    roofline model), what compiling cost and the time of the ``torch.compile`` step and of the
+    fast step relative to the lean step (:func:`~kvdoc.measure.timing.paired_ratio`). A
+    rotation where compiling failed says why."""
+    if result.compiled is None:
+        raise ValueError("this run has no compiled step (settings.compiled was False)")
+    header = ["rotation", "compile (first run, s)", "graphs", "compiled / lean",
+              "fast step / lean", "compiled / fast step"]
+    rows = []
+    for where, info in result.compiled.items():
+        label = "roofline model" if where == "roofline" else f"P = {where}"
+        if "error" in info:
+            rows.append([label, f"torch.compile failed: {info['error']}", "", "", "", ""])
+            continue
+        samples = (result.roofline["samples_ms"] if where == "roofline"
+                   else result.timings[int(where)])
+
+        def rel(a: str, b: str, samples: dict[str, list[float]] = samples) -> str:
+            r = paired_ratio(samples[a], samples[b])
+            band = f"{two_figures(r.median)} ({two_figures(r.low)} to {two_figures(r.high)})"
+            return band if r.resolved else band + ", not resolved"
+        rows.append([label, f"{info['first_run_s']:.1f}", info["graphs"],
+                     rel("compiled", "lean"), rel("fast", "lean"), rel("compiled", "fast")])
+    return markdown_table(header, rows)
+
+
+def growth_figure(result: BenchResult) -> Figure:
+    """Log-log plot of per-step p50 against total length, with the fitted slopes in the legend."""
+    import matplotlib.pyplot as plt
+
+    g = result.growth
+    fig, ax = plt.subplots(figsize=(6.6, 4.4))
+    labels = {"full_all": "full recompute (all positions)", "dynamic": "cached, dynamic",
+              "static": "cached, static", "fast": "cached, fast step"}
+    for path, marker in zip(g["p50_ms"], "os^D", strict=True):
+        label = f"{labels[path]}: slope {g['slopes'][path]:.2f}"
+        if g["slopes_upper"][path] is not None:
+            label += f" (T ≥ {g['upper_from']}: {g['slopes_upper'][path]:.2f})"
+        ax.plot(g["lengths"], g["p50_ms"][path], marker=marker, label=label)
+    log_log(ax, g["lengths"], "total length T (positions)", "one step, p50 (ms)",
+            "Per-step time against length (log-log)")
+    fig.tight_layout()
+    return fig
+
+
+def log_log(ax, ticks: list[int], xlabel: str, ylabel: str, title: str) -> None:
+    """The site's log-log axes: powers of two along x labelled as plain numbers, a legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    _log_y(ax)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+
+
+def _log_y(ax) -> None:
+    """A log y axis labelled at 1, 2 and 5 of every decade: a range narrower than a decade
+    still carries several labels."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def timings_figure(result: BenchResult) -> Figure:
+    """Dot plot of the G-step p50 per path and prefix length, on a log axis (dots: a bar's
+    length on a log axis starts from an arbitrary floor, so it says nothing)."""
+    import matplotlib.pyplot as plt
+
+    prefixes = list(result.timings)
+    paths = [p for p in ("full_all", "full_last", "transformers", "dynamic", "static", "fast")
+             if all(p in result.timings[P] for P in prefixes)]
+    fig, ax = plt.subplots(figsize=(7.0, 4.8))
+    width = 0.8 / len(paths)
+    for i, (path, marker) in enumerate(zip(paths, "osD^vP", strict=False)):
+        xs = [k + (i - (len(paths) - 1) / 2) * width for k in range(len(prefixes))]
+        ax.plot(xs, [result.p50(P, path) for P in prefixes], ls="none", marker=marker, ms=7,
+                label=PATH_LABELS[path])
+    ax.set_xticks(range(len(prefixes)), [str(P) for P in prefixes])
+    _log_y(ax)
+    ax.set_xlabel("prefix length P (tokens)")
+    ax.set_ylabel(f"{result.settings.new_tokens} steps, p50 (ms)")
+    ax.set_title("Consuming G fixed tokens after the prefix")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    # below the axes: inside, it would hide the dots of the shortest prefix
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+# --- the command ------------------------------------------------------------------------------
 
 def _ints(text: str) -> tuple[int, ...]:
     try:

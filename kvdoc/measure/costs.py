@@ -102,6 +102,15 @@ def run_flops(config: GPTConfig, prefix_len: int, new_tokens: int,
             for name, parts in runs.items() for part in ("linear", "attention", "lm_head", "total")}
 
 
+def kv_per_sequence(config: GPTConfig, context: int, size: int) -> int:
+    """K/V bytes one sequence adds to a step that attends over ``context + 1`` positions.
+
+    >>> kv_per_sequence(GPTConfig(), 9, 4)  # 2 (K, V) x 2 layers x 10 positions x 64 x 4 bytes
+    10240
+    """
+    return 2 * config.n_layer * (context + 1) * config.kv_dim * size
+
+
 def step_bytes(model: Decoder, context: int) -> int:
     """Bytes one decode step must read at ``context`` cached positions: every weight but the
     embedding tables, one row of each, and K and V of every layer over ``context + 1`` positions.
@@ -118,8 +127,7 @@ def step_bytes(model: Decoder, context: int) -> int:
     if model.lm_head.weight is model.wte.weight:  # tied: the head reads the whole table
         weights += model.wte.weight.numel()
     weights += len(tables) * cfg.n_embd  # one embedding row each
-    kv = 2 * cfg.n_layer * (context + 1) * cfg.kv_dim
-    return (weights + kv) * size
+    return weights * size + kv_per_sequence(cfg, context, size)
 
 
 def attention_macs_per_key(config: MLAConfig, absorbed: bool) -> int:

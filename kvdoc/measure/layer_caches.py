@@ -1,7 +1,12 @@
-"""What one decoder layer keeps per sequence: :class:`LayerCache`, and a constructor for each
-kind of layer the memory command counts.
+"""A model's sizes, in one representation: :class:`ModelCache`, one :class:`LayerCache` a
+decoder layer, and a constructor for each kind of layer the memory command counts.
 
-Every kind is a sum of terms, each a size times how often it is held after ``T`` positions:
+A full-attention layer adds ``2 x H_kv x D`` elements a position (K and V); a sliding-window
+layer as many, up to its window ``W``; an MLA layer (DeepSeek-V3) one latent of
+``kv_lora_rank + qk_rope_head_dim``, shared by K and V (DeepSeek-V3.2 adds an indexer key); a
+state layer (Gated DeltaNet, Mamba-2) nothing a position but a fixed-size state; a DeepSeek-V4
+layer a K = V window and compressed entries. Every kind is a sum of terms, each a size times
+how often it is held after ``T`` positions:
 
 =======================  =====================================  ==============================
 term                     size (elements)                        held
@@ -16,8 +21,12 @@ state                    ``state`` (cache dtype), ``state32``   once, whatever `
 ``state32`` is counted in FP32 whatever the cache's element type: transformers 5.24.0 keeps a
 Gated DeltaNet's and a Mamba-2 layer's recurrent state in float32 beside a bfloat16 model (its
 conv state in the model's dtype); tests/test_layer_caches.py counts the tensors its cache classes
-allocate and compares them with :meth:`LayerCache.elements`. Importing this module does not
-import torch.
+allocate and compares them with :meth:`LayerCache.elements`. Per sequence,
+
+    bytes(T) = s x sum over layers of (per_token x min(T, W) + state + compressed terms)
+
+The published models, a kvdoc config and a transformers ``config.json`` become one in
+:mod:`kvdoc.measure.model_caches`. Importing this module does not import torch.
 
 >>> mla_layer(512, 64).elements(1000)           # DeepSeek-V3: a latent of 576 a position
 576000
@@ -27,9 +36,15 @@ import torch.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
-from .kv_bytes import check_int
+# torch-free: the command line imports this module, and loading torch takes seconds
+from .kv_bytes import check_int, element_size, fp8_scale_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 
 class LayerCache(NamedTuple):
@@ -58,6 +73,11 @@ class LayerCache(NamedTuple):
     """Elements carried from the last finished block into the next entry."""
     shared_kv: bool = False
     """The window's rows serve as both K and V (one copy)."""
+
+    @property
+    def head_dim(self) -> int:
+        """``D`` of a K/V layer (``per_token = 2 x H_kv x D``)."""
+        return self.per_token // (2 * self.kv_heads)
 
     @property
     def what(self) -> str:
@@ -165,3 +185,210 @@ def compressed_layer(head_dim: int, window: int, rate: int = 0,
     return layer._replace(rate=rate, entry=head_dim, indexer=index_head_dim,
                           buffer=4 * (head_dim + index_head_dim),
                           overlap=2 * rate * (head_dim + index_head_dim))
+
+def every_nth_full(layers: int, pattern: int) -> list[str]:
+    """Layer types where every ``pattern``-th layer is full and the rest windowed, as
+    :func:`kvdoc.core.gemma.gemma_layer_types` gives them (that module imports torch).
+
+    >>> every_nth_full(4, 2)
+    ['sliding_attention', 'full_attention', 'sliding_attention', 'full_attention']
+    """
+    check_int("layers", layers)
+    check_int("pattern", pattern)
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(layers)]
+
+
+KINDS = ("plain", "windowed", "hybrid", "MLA", "linear-hybrid", "compressed")
+"""The kinds of :attr:`ModelCache.kind`: every layer full; every layer windowed; window and
+full layers mixed; MLA latents (with or without indexer keys); state layers (linear attention,
+Mamba-2) beside attention ones; DeepSeek-V4's K = V windows and compressed entries."""
+
+
+@dataclass(frozen=True)
+class ModelCache:
+    """A model's sizes: its cache, one :class:`LayerCache` per decoder layer; the context
+    ``max_positions``; the ``source`` (a ``config.json`` or paper) and a ``note`` of what the
+    count leaves out. ``heads`` (query heads) and ``hidden``, ``intermediate``, ``vocab`` (for
+    the models whose weights :mod:`kvdoc.measure.batch_decode` counts) are None where not
+    recorded."""
+
+    name: str
+    layers: tuple[LayerCache, ...]
+    max_positions: int
+    source: str
+    note: str = ""
+    heads: int | None = None
+    hidden: int | None = None
+    intermediate: int | None = None
+    vocab: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError(f"{self.name}: need at least one layer")
+        check_int("max_positions", self.max_positions)
+        if self.heads is not None and self.heads % self.kv_heads:
+            raise ValueError(f"{self.name}: heads={self.heads} is not divisible by "
+                             f"kv_heads={self.kv_heads}")
+
+    @property
+    def kind(self) -> str:
+        """One of :data:`KINDS`, read off the layers."""
+        whats = {layer.what for layer in self.layers}
+        if "K = V" in whats:
+            return "compressed"
+        if "latent" in whats:
+            return "MLA"
+        if "" in whats:
+            return "linear-hybrid"
+        full = {layer.window is None for layer in self.layers}
+        return "hybrid" if len(full) == 2 else "plain" if full == {True} else "windowed"
+
+    def _kv_layer(self) -> LayerCache:
+        for layer in self.layers:
+            if layer.kv_heads:
+                return layer
+        raise ValueError(f"{self.name} has no K/V attention layer")
+
+    @property
+    def kv_heads(self) -> int:
+        """``H_kv`` of the (first) K/V layer."""
+        return self._kv_layer().kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        """``D`` of the (first) K/V layer."""
+        return self._kv_layer().head_dim
+
+    @property
+    def sliding_window(self) -> int | None:
+        """``W`` of the windowed layers (None: no layer is windowed)."""
+        return next((layer.window for layer in self.layers if layer.window), None)
+
+    @property
+    def attention(self) -> str:
+        """``"MHA"``, ``"GQA"`` or ``"MQA"`` (``H_kv == H``, between, ``1``)."""
+        if self.kv_heads == self.heads:
+            return "MHA"
+        return "MQA" if self.kv_heads == 1 else "GQA"
+
+    def parts(self, seq_len: int, batch: int = 1, dtype: str | torch.dtype = "float16",
+              windows: bool = True) -> dict[str, int]:
+        """Bytes of ``batch`` sequences of ``seq_len`` positions by term, apart (K/V, latent,
+        indexer keys, compressed entries, block buffer, state; the FP32 state at 4 bytes).
+
+        >>> from kvdoc.measure.model_caches import model_cache
+        >>> from kvdoc.measure.model_caches import model_cache
+        >>> model_cache("Qwen3-Next-80B-A3B").parts(0, dtype="bfloat16")  # T = 0: the states
+        {'state': 2359296, 'state (FP32)': 75497472}
+        """
+        b, total = check_int("batch", batch), {}
+        for layer in self.layers:
+            for name, n in layer.parts(seq_len, windows).items():
+                total[name] = total.get(name, 0) + n
+        s = element_size(dtype)
+        return {name: b * n * (4 if name == "state (FP32)" else s)
+                for name, n in total.items()}
+
+    def all_attention(self) -> ModelCache:
+        """The same count of layers, each a full-attention layer of this model's own attention
+        sizes (its first layer that keeps positions, with no window, indexer or compression):
+        what the cache would be without windows, states or compression.
+
+        >>> from kvdoc.measure.model_caches import model_cache
+        >>> from kvdoc.measure.model_caches import model_cache
+        >>> model_cache("Qwen3-Next-80B-A3B").all_attention().kind
+        'plain'
+        """
+        base = next((layer for layer in self.layers if layer.per_token), None)
+        if base is None:
+            raise ValueError(f"{self.name} has no layer that keeps positions")
+        full = LayerCache(base.per_token, kv_heads=base.kv_heads, shared_kv=base.shared_kv)
+        return ModelCache(f"{self.name}, all attention", (full,) * len(self.layers),
+                          self.max_positions, self.source)
+
+    def kv_bytes(self, seq_len: int, batch: int = 1, dtype: str | torch.dtype = "float16",
+                 windows: bool = True) -> int:
+        """Bytes of ``batch`` sequences of ``seq_len`` positions, ``s`` bytes an element
+        (``windows``: as :meth:`elements`).
+
+        >>> from kvdoc.measure.model_caches import model_cache
+        >>> from kvdoc.measure.model_caches import model_cache
+        >>> oss = model_cache("gpt-oss-20b")     # past W = 128 only its 12 full layers grow
+        >>> oss.kv_bytes(256) - oss.kv_bytes(128) == 12 * (2 * 8 * 64) * 2 * 128
+        True
+        >>> g = model_cache("Gemma-3-1B")        # 4 global layers of 26 hold all T
+        >>> g.kv_bytes(32768, windows=False) // g.kv_bytes(32768)
+        5
+        """
+        return sum(self.parts(seq_len, batch, dtype, windows).values())
+
+    def bytes_per_token(self, dtype: str | torch.dtype = "float16",
+                        past_windows: bool = False) -> int:
+        """Bytes one position adds while it is inside every window (batch 1); with
+        ``past_windows``, once it is past them all, when only the full layers grow. A
+        compressed entry, added once a block, is not in it.
+
+        >>> from kvdoc.measure.model_caches import model_cache
+        >>> from kvdoc.measure.model_caches import model_cache
+        >>> g = model_cache("Gemma-3-27B")     # 62 layers grow, then only the 10 full ones
+        >>> g.bytes_per_token("bfloat16"), g.bytes_per_token("bfloat16", past_windows=True)
+        (507904, 81920)
+        """
+        return element_size(dtype) * sum(
+            (layer.per_token if not (past_windows and layer.window) else 0)
+            + (0 if layer.rate else layer.indexer) for layer in self.layers)
+
+    def fixed_bytes(self, dtype: str | torch.dtype = "float16") -> int:
+        """Bytes a sequence holds whatever its length (the states; a recurrent one in FP32)."""
+        return sum(self.parts(0, 1, dtype).values())
+
+    def sequences_that_fit(self, memory: int, seq_len: int,
+                           dtype: str | torch.dtype = "float16") -> int:
+        """How many sequences of ``seq_len`` fit in ``memory`` bytes of cache.
+
+        >>> from kvdoc.measure.model_caches import model_cache
+        >>> from kvdoc.measure.model_caches import model_cache
+        >>> model_cache("Llama-3-8B").sequences_that_fit(2**30, 8192)  # 1 GiB, 1 GiB each
+        1
+        """
+        per_sequence = self.kv_bytes(seq_len, 1, dtype)
+        if per_sequence == 0:
+            raise ValueError("an empty cache: every count of sequences fits")
+        return check_int("memory", memory) // per_sequence
+
+    def fp8_scale_bytes(self, granularity: str) -> int:
+        """Bytes of the FP32 scales an FP8 cache of this model keeps beside its elements
+        (:func:`~kvdoc.measure.kv_bytes.fp8_scale_bytes`), whatever ``T`` and the batch; a
+        ValueError for an MLA model (engines scale a latent otherwise: not counted here).
+
+        >>> from kvdoc.measure.model_caches import model_cache
+        >>> from kvdoc.measure.model_caches import model_cache
+        >>> model_cache("Llama-3-8B").fp8_scale_bytes("per-head")   # 32 x 2 x 8 x 4
+        2048
+        """
+        if self.kind in ("MLA", "compressed"):
+            raise ValueError(f"{self.name} caches no K/V heads ({self.kind}): its FP8 scales "
+                             "are not the per-tensor or per-head K/V scales counted here")
+        heads = [layer.kv_heads for layer in self.layers if layer.kv_heads]
+        return fp8_scale_bytes(heads, granularity) if heads else 0
+
+    @property
+    def parameters(self) -> int | None:
+        """Weights of a Llama-family model (untied head, no biases) from its sizes: embedding,
+        head, final norm, and per layer Q, K, V, O, the gated MLP and two norms; else None.
+
+        >>> from kvdoc.measure.model_caches import model_cache
+        >>> from kvdoc.measure.model_caches import model_cache
+        >>> model_cache("Llama-3.1-8B").parameters
+        8030261248
+        """
+        if None in (self.hidden, self.intermediate, self.vocab):
+            return None
+        attention = 2 * (self.heads + self.kv_heads) * self.head_dim * self.hidden
+        layer = attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        return 2 * self.vocab * self.hidden + self.hidden + len(self.layers) * layer
+
+    def groups(self) -> list[tuple[LayerCache, int]]:
+        """The distinct layers and how many of each, in order of first appearance."""
+        return list(Counter(self.layers).items())

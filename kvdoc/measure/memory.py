@@ -5,7 +5,7 @@ in exact, binary and decimal units, for sizes given on the command line (L alike
 published model (any :data:`~kvdoc.measure.model_caches.MODELS` entry: plain, windowed, hybrid,
 MLA, or with linear-attention or Mamba-2 states) or a transformers ``config.json`` (also
 DeepSeek-V4's compressed layers)
-(:func:`~kvdoc.measure.config_json.read_config`) it sums the layers' own costs, each kind of
+(:func:`~kvdoc.measure.model_caches.read_config`) it sums the layers' own costs, each kind of
 layer a term of the same formula line; past a plain model, each term's bytes apart (K/V, latent,
 indexer keys, compressed entries, block buffer, state), the same layers all full attention, and
 one sequence at 4k, 32k and 128k tokens::
@@ -34,7 +34,6 @@ import dataclasses
 import sys
 from collections.abc import Callable
 
-from .config_json import read_config
 from .kv_bytes import (
     ELEMENT_BYTES,
     FP8_SCALE_GRANULARITIES,
@@ -44,7 +43,7 @@ from .kv_bytes import (
     element_size,
     format_bytes,
 )
-from .model_caches import MODELS, LayerCache, ModelCache, attention_layer, model_cache
+from .model_caches import MODELS, LayerCache, ModelCache, attention_layer, model_cache, read_config
 
 #: The longest ``--seq-len`` (and ``--window``) the command takes: 2**31 - 1 positions. Attention
 #: kernels index a sequence's tokens with 32-bit integers (FlashAttention's ``cu_seqlens`` are
@@ -142,10 +141,6 @@ def _error(message: str) -> int:
     return 2
 
 
-def _head_dim(layer: LayerCache) -> int:
-    return layer.per_token // (2 * layer.kv_heads)
-
-
 def _describe(layer: LayerCache, count: int) -> str:
     if not layer.per_token:
         if not (layer.state or layer.state32):
@@ -165,7 +160,7 @@ def _describe(layer: LayerCache, count: int) -> str:
         return text
     mla = not layer.kv_heads
     what = ("a latent: kv_lora_rank + qk_rope_head_dim" if mla else
-            f"2 x H_kv x D = 2 x {layer.kv_heads} x {_head_dim(layer)}")
+            f"2 x H_kv x D = 2 x {layer.kv_heads} x {layer.head_dim}")
     index = f", and {layer.indexer:,} indexer keys" if layer.indexer else ""
     return (f"{count} x {'MLA' if mla else 'attention'}: {layer.per_token:,} elements a "
             f"position ({what}){index}, {reach}")
@@ -177,7 +172,7 @@ def _terms(layer: LayerCache, n: int, T: int) -> list[tuple[str, str]]:
     terms = []
     if layer.kv_heads:
         terms.append((f"L x 2 x H_kv x D x {reach[0]}",
-                      f"{n} x 2 x {layer.kv_heads} x {_head_dim(layer)} x {reach[1]:,}"))
+                      f"{n} x 2 x {layer.kv_heads} x {layer.head_dim} x {reach[1]:,}"))
     elif layer.per_token and layer.indexer and not layer.rate:
         terms.append((f"L x (latent + indexer) x {reach[0]}",
                       f"{n} x ({layer.per_token} + {layer.indexer}) x {reach[1]:,}"))

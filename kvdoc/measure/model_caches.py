@@ -1,19 +1,8 @@
-"""A model's sizes, in one representation: :class:`ModelCache`, what each layer caches.
-
-A full-attention layer adds ``2 x H_kv x D`` elements a position (K and V); a sliding-window
-layer as many, up to its window ``W``; an MLA layer (DeepSeek-V3) one latent of
-``kv_lora_rank + qk_rope_head_dim``, shared by K and V (DeepSeek-V3.2 adds an indexer key); a
-state layer (Gated DeltaNet, Mamba-2) nothing a position but a fixed-size state; a DeepSeek-V4
-layer a K = V window and compressed entries. :class:`~kvdoc.measure.layer_caches.LayerCache`
-says which, and one formula covers them all: per sequence,
-
-    bytes(T) = s x sum over layers of (per_token x min(T, W) + state + compressed terms)
-
-(``W`` infinite for a full layer; :mod:`kvdoc.measure.layer_caches` has the terms).
-:data:`MODELS` holds the published models the package knows
-(:func:`model_cache` looks them up); :func:`config_cache` reads a kvdoc model's config, and
-:mod:`kvdoc.measure.config_json` a transformers ``config.json``. Importing this module does not
-import torch.
+"""The published models' sizes, each a :class:`~kvdoc.measure.layer_caches.ModelCache`: the
+table the package knows (:data:`MODELS`, looked up by :func:`model_cache`), and any transformers
+``config.json`` (:func:`read_config`, what ``python -m kvdoc memory --config`` counts). Sizes in
+a ``config.json`` are read by :mod:`kvdoc.interop.hf_config`'s rules, the ones the weight loaders
+use. Importing this module does not import torch.
 
 >>> llama = model_cache("Llama-3-8B")
 >>> llama.kind, llama.attention, len(llama.layers), llama.bytes_per_token("float16")
@@ -24,210 +13,27 @@ import torch.
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass
+import json
+from collections.abc import Mapping
 from difflib import get_close_matches
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any
 
 # torch-free: the command line imports this module, and loading torch takes seconds
-from .kv_bytes import check_int, element_size, fp8_scale_bytes
-from .layer_caches import (  # noqa: F401  (gated_delta_layer: re-exported, as before)
+from kvdoc.interop.hf_config import attention_sizes, config_fields, positive
+
+from .layer_caches import (  # noqa: F401  (KINDS: this module's name, as before)
+    KINDS,
     LayerCache,
+    ModelCache,
     attention_layer,
+    compressed_layer,
+    every_nth_full,
     gated_delta_layer,
+    indexed_mla_layer,
+    mamba2_layer,
     mla_layer,
 )
-from .recent_models import RECENT
-
-if TYPE_CHECKING:
-    import torch
-
-KINDS = ("plain", "windowed", "hybrid", "MLA", "linear-hybrid", "compressed")
-"""The kinds of :attr:`ModelCache.kind`: every layer full; every layer windowed; window and
-full layers mixed; MLA latents (with or without indexer keys); state layers (linear attention,
-Mamba-2) beside attention ones; DeepSeek-V4's K = V windows and compressed entries."""
-
-
-@dataclass(frozen=True)
-class ModelCache:
-    """A model's sizes: its cache, one :class:`LayerCache` per decoder layer; the context
-    ``max_positions``; the ``source`` (a ``config.json`` or paper) and a ``note`` of what the
-    count leaves out. ``heads`` (query heads) and ``hidden``, ``intermediate``, ``vocab`` (for
-    the models whose weights :mod:`kvdoc.measure.batch_decode` counts) are None where not
-    recorded."""
-
-    name: str
-    layers: tuple[LayerCache, ...]
-    max_positions: int
-    source: str
-    note: str = ""
-    heads: int | None = None
-    hidden: int | None = None
-    intermediate: int | None = None
-    vocab: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.layers:
-            raise ValueError(f"{self.name}: need at least one layer")
-        check_int("max_positions", self.max_positions)
-        if self.heads is not None and self.heads % self.kv_heads:
-            raise ValueError(f"{self.name}: heads={self.heads} is not divisible by "
-                             f"kv_heads={self.kv_heads}")
-
-    @property
-    def kind(self) -> str:
-        """One of :data:`KINDS`, read off the layers."""
-        whats = {layer.what for layer in self.layers}
-        if "K = V" in whats:
-            return "compressed"
-        if "latent" in whats:
-            return "MLA"
-        if "" in whats:
-            return "linear-hybrid"
-        full = {layer.window is None for layer in self.layers}
-        return "hybrid" if len(full) == 2 else "plain" if full == {True} else "windowed"
-
-    def _kv_layer(self) -> LayerCache:
-        for layer in self.layers:
-            if layer.kv_heads:
-                return layer
-        raise ValueError(f"{self.name} has no K/V attention layer")
-
-    @property
-    def kv_heads(self) -> int:
-        """``H_kv`` of the (first) K/V layer."""
-        return self._kv_layer().kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        """``D`` of the (first) K/V layer."""
-        layer = self._kv_layer()
-        return layer.per_token // (2 * layer.kv_heads)
-
-    @property
-    def sliding_window(self) -> int | None:
-        """``W`` of the windowed layers (None: no layer is windowed)."""
-        return next((layer.window for layer in self.layers if layer.window), None)
-
-    @property
-    def attention(self) -> str:
-        """``"MHA"``, ``"GQA"`` or ``"MQA"`` (``H_kv == H``, between, ``1``)."""
-        if self.kv_heads == self.heads:
-            return "MHA"
-        return "MQA" if self.kv_heads == 1 else "GQA"
-
-    def elements(self, seq_len: int, windows: bool = True) -> int:
-        """Elements one sequence of ``seq_len`` positions keeps, over all layers: a window layer
-        its last ``W`` rows at most; ``windows=False`` counts every layer as full (the same model
-        with no window)."""
-        return sum(layer.elements(seq_len, windows) for layer in self.layers)
-
-    def parts(self, seq_len: int, batch: int = 1, dtype: str | torch.dtype = "float16",
-              windows: bool = True) -> dict[str, int]:
-        """Bytes of ``batch`` sequences of ``seq_len`` positions by term, apart (K/V, latent,
-        indexer keys, compressed entries, block buffer, state; the FP32 state at 4 bytes).
-
-        >>> model_cache("Qwen3-Next-80B-A3B").parts(0, dtype="bfloat16")  # T = 0: the states
-        {'state': 2359296, 'state (FP32)': 75497472}
-        """
-        b, total = check_int("batch", batch), {}
-        for layer in self.layers:
-            for name, n in layer.parts(seq_len, windows).items():
-                total[name] = total.get(name, 0) + n
-        s = element_size(dtype)
-        return {name: b * n * (4 if name == "state (FP32)" else s)
-                for name, n in total.items()}
-
-    def all_attention(self) -> ModelCache:
-        """The same count of layers, each a full-attention layer of this model's own attention
-        sizes (its first layer that keeps positions, with no window, indexer or compression):
-        what the cache would be without windows, states or compression.
-
-        >>> model_cache("Qwen3-Next-80B-A3B").all_attention().kind
-        'plain'
-        """
-        base = next((layer for layer in self.layers if layer.per_token), None)
-        if base is None:
-            raise ValueError(f"{self.name} has no layer that keeps positions")
-        full = LayerCache(base.per_token, kv_heads=base.kv_heads, shared_kv=base.shared_kv)
-        return ModelCache(f"{self.name}, all attention", (full,) * len(self.layers),
-                          self.max_positions, self.source)
-
-    def kv_bytes(self, seq_len: int, batch: int = 1, dtype: str | torch.dtype = "float16",
-                 windows: bool = True) -> int:
-        """Bytes of ``batch`` sequences of ``seq_len`` positions, ``s`` bytes an element
-        (``windows``: as :meth:`elements`).
-
-        >>> oss = model_cache("gpt-oss-20b")     # past W = 128 only its 12 full layers grow
-        >>> oss.kv_bytes(256) - oss.kv_bytes(128) == 12 * (2 * 8 * 64) * 2 * 128
-        True
-        >>> g = model_cache("Gemma-3-1B")        # 4 global layers of 26 hold all T
-        >>> g.kv_bytes(32768, windows=False) // g.kv_bytes(32768)
-        5
-        """
-        return sum(self.parts(seq_len, batch, dtype, windows).values())
-
-    def bytes_per_token(self, dtype: str | torch.dtype = "float16",
-                        past_windows: bool = False) -> int:
-        """Bytes one position adds while it is inside every window (batch 1); with
-        ``past_windows``, once it is past them all, when only the full layers grow. A
-        compressed entry, added once a block, is not in it.
-
-        >>> g = model_cache("Gemma-3-27B")     # 62 layers grow, then only the 10 full ones
-        >>> g.bytes_per_token("bfloat16"), g.bytes_per_token("bfloat16", past_windows=True)
-        (507904, 81920)
-        """
-        return element_size(dtype) * sum(
-            (layer.per_token if not (past_windows and layer.window) else 0)
-            + (0 if layer.rate else layer.indexer) for layer in self.layers)
-
-    def fixed_bytes(self, dtype: str | torch.dtype = "float16") -> int:
-        """Bytes a sequence holds whatever its length (the states; a recurrent one in FP32)."""
-        return sum(self.parts(0, 1, dtype).values())
-
-    def sequences_that_fit(self, memory: int, seq_len: int,
-                           dtype: str | torch.dtype = "float16") -> int:
-        """How many sequences of ``seq_len`` fit in ``memory`` bytes of cache.
-
-        >>> model_cache("Llama-3-8B").sequences_that_fit(2**30, 8192)  # 1 GiB, 1 GiB each
-        1
-        """
-        per_sequence = self.kv_bytes(seq_len, 1, dtype)
-        if per_sequence == 0:
-            raise ValueError("an empty cache: every count of sequences fits")
-        return check_int("memory", memory) // per_sequence
-
-    def fp8_scale_bytes(self, granularity: str) -> int:
-        """Bytes of the FP32 scales an FP8 cache of this model keeps beside its elements
-        (:func:`~kvdoc.measure.kv_bytes.fp8_scale_bytes`), whatever ``T`` and the batch; a
-        ValueError for an MLA model (engines scale a latent otherwise: not counted here).
-
-        >>> model_cache("Llama-3-8B").fp8_scale_bytes("per-head")   # 32 x 2 x 8 x 4
-        2048
-        """
-        if self.kind in ("MLA", "compressed"):
-            raise ValueError(f"{self.name} caches no K/V heads ({self.kind}): its FP8 scales "
-                             "are not the per-tensor or per-head K/V scales counted here")
-        heads = [layer.kv_heads for layer in self.layers if layer.kv_heads]
-        return fp8_scale_bytes(heads, granularity) if heads else 0
-
-    @property
-    def parameters(self) -> int | None:
-        """Weights of a Llama-family model (untied head, no biases) from its sizes: embedding,
-        head, final norm, and per layer Q, K, V, O, the gated MLP and two norms; else None.
-
-        >>> model_cache("Llama-3.1-8B").parameters
-        8030261248
-        """
-        if None in (self.hidden, self.intermediate, self.vocab):
-            return None
-        attention = 2 * (self.heads + self.kv_heads) * self.head_dim * self.hidden
-        layer = attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
-        return 2 * self.vocab * self.hidden + self.hidden + len(self.layers) * layer
-
-    def groups(self) -> list[tuple[LayerCache, int]]:
-        """The distinct layers and how many of each, in order of first appearance."""
-        return list(Counter(self.layers).items())
 
 
 def config_cache(config: object, windows: bool = True) -> ModelCache:
@@ -252,18 +58,6 @@ def config_cache(config: object, windows: bool = True) -> ModelCache:
     return ModelCache(type(config).__name__, tuple(layers), config.n_positions,
                       "the kvdoc config")
 
-
-def every_nth_full(layers: int, pattern: int) -> list[str]:
-    """Layer types where every ``pattern``-th layer is full and the rest windowed, as
-    :func:`kvdoc.core.gemma.gemma_layer_types` gives them (that module imports torch).
-
-    >>> every_nth_full(4, 2)
-    ['sliding_attention', 'full_attention', 'sliding_attention', 'full_attention']
-    """
-    check_int("layers", layers)
-    check_int("pattern", pattern)
-    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-            for i in range(layers)]
 
 
 # --- the published models ---------------------------------------------------------------------
@@ -312,10 +106,29 @@ _LLAMA2 = ("meta-llama/Llama-2-{}b-hf config.json (num_hidden_layers {}, num_att
            "{}, num_key_value_heads {}, hidden_size {}, intermediate_size {}, vocab_size "
            "32000); Touvron et al. 2023, 'Llama 2'")
 
+_STATE = ("keep a fixed state (the conv state in the cache's dtype, the {} state in FP32, as "
+          "transformers 5.24.0 keeps them)")
+
+
+def _gpt_oss(name: str, layers: int) -> ModelCache:
+    """gpt-oss: ``layer_types`` in the published config alternate sliding and full."""
+    pair = (attention_layer(8, 64, 128), attention_layer(8, 64))
+    return ModelCache(
+        name, pair * (layers // 2), 131072,
+        f"{_HF.format('openai/' + name)} (num_hidden_layers {layers}, num_key_value_heads "
+        "8, head_dim 64, sliding_window 128, layer_types alternating sliding_attention and "
+        "full_attention, max_position_embeddings 131072)",
+        "the attention sinks are one learned scalar a head, not cached per position")
+
+
 #: Every published model the package knows, keyed by lower-case name. Each ``source`` names the
 #: file the sizes come from; DeepSeek-V3's are :data:`kvdoc.interop.hf_deepseek.PUBLISHED`'s
-#: (tests/test_model_caches.py compares them; that module imports torch); the releases whose
-#: layers keep more than K/V are :data:`~kvdoc.measure.recent_models.RECENT`.
+#: (tests/test_model_caches.py compares them; that module imports torch). A 2025-2026 release
+#: whose ``config.json`` could not be read is left out (the memory command reads it with
+#: ``--config``): Qwen3.5 (transformers 5.24.0's ``Qwen3_5TextConfig`` defaults are not
+#: Qwen/Qwen3.5-27B's sizes), Nemotron-H and Granite 4 (not read), DeepSeek-V4
+#: (``DeepseekV4Config``'s default ``layer_types`` is, by its docstring, V4-Pro's pattern, not
+#: V4-Flash's, and neither release's config.json was read).
 MODELS: dict[str, ModelCache] = {m.name.lower(): m for m in (
     _preset("GPT-2-small", 12, 12, 12, 64, 1024,
             "openai-community/gpt2 config.json (n_layer 12, n_head 12, n_embd 768); "
@@ -362,7 +175,37 @@ MODELS: dict[str, ModelCache] = {m.name.lower(): m for m in (
                _HF.format("deepseek-ai/DeepSeek-V3") + " (num_hidden_layers 61, kv_lora_rank "
                "512, qk_rope_head_dim 64, max_position_embeddings 163840)",
                "the multi-token-prediction layer (num_nextn_predict_layers 1) is left out"),
-    *(ModelCache(*spec) for spec in RECENT),
+    _gpt_oss("gpt-oss-20b", 24),
+    _gpt_oss("gpt-oss-120b", 36),
+    # full_attention_interval 4: three linear-attention layers, then a full one
+    ModelCache(
+        "Qwen3-Next-80B-A3B",
+        ((gated_delta_layer(16, 32, 128, 128, 4),) * 3 + (attention_layer(2, 256),)) * 12, 262144,
+        _HF.format("Qwen/Qwen3-Next-80B-A3B-Instruct") + " (num_hidden_layers 48, "
+        "full_attention_interval 4, num_key_value_heads 2, head_dim 256, linear_num_key_heads "
+        "16, linear_num_value_heads 32, linear_key_head_dim 128, linear_value_head_dim 128, "
+        "linear_conv_kernel_dim 4, max_position_embeddings 262144)",
+        "36 Gated DeltaNet layers " + _STATE.format("recurrent") + "; 12 attention layers keep "
+        "K/V per position"),
+    # attn_layer_indices 9, 18, 27: the other 29 layers are Mamba-2
+    ModelCache(
+        "Bamba-9B",
+        tuple(attention_layer(8, 128) if i in (9, 18, 27) else mamba2_layer(128, 64, 1, 128, 4)
+              for i in range(32)), 262144,
+        _HF.format("ibm-fms/Bamba-9B") + " (num_hidden_layers 32, attn_layer_indices [9, 18, "
+        "27], num_attention_heads 32, num_key_value_heads 8, hidden_size 4096, mamba_n_heads "
+        "128, mamba_d_head 64, mamba_n_groups 1, mamba_d_state 128, mamba_d_conv 4, mamba_expand "
+        "2; no max_position_embeddings: transformers 5.24.0's BambaConfig default, 262144)",
+        "29 Mamba-2 layers " + _STATE.format("SSM") + "; 3 attention layers keep K/V"),
+    ModelCache(
+        "DeepSeek-V3.2-Exp", (indexed_mla_layer(512, 64, 128),) * 61, 163840,
+        "transformers 5.24.0 models/deepseek_v32/configuration_deepseek_v32.py, "
+        "DeepseekV32Config defaults (its checkpoint: deepseek-ai/DeepSeek-V3.2-Exp; "
+        "num_hidden_layers 61, kv_lora_rank 512, qk_rope_head_dim 64, index_head_dim 128, "
+        "index_topk 2048, max_position_embeddings 163840); the release's config.json not read",
+        "every position keeps its latent and an indexer key (the top 2,048 a query reads "
+        "change with the query, so none is dropped); the multi-token-prediction layer is left "
+        "out"),
 )}
 
 
@@ -380,3 +223,155 @@ def model_cache(name: str) -> ModelCache:
         hint = f"did you mean {known}?" if near else f"known models: {known}"
         raise ValueError(f"unknown model {name!r}; {hint}") from None
 
+
+# --- a transformers config.json -------------------------------------------------------------
+
+#: model types whose transformers config alternates window and full layers when
+#: ``layer_types`` is absent (layer 0 windowed)
+_ALTERNATING = {"gemma2", "gpt_oss"}
+_GEMMA3 = {"gemma3", "gemma3_text"}
+_DELTA = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+          "linear_value_head_dim", "linear_conv_kernel_dim")
+_STATE_SPACE = {"mamba", "mamba2", "jamba", "falcon_h1", "zamba", "zamba2", "rwkv", "nemotron_h"}
+#: Mamba-2 hybrids whose mixer sizes are ``mamba_*`` fields (transformers 5.24.0's names)
+_MAMBA2 = {"bamba", "granitemoehybrid"}
+_V4_TYPES = {"sliding_attention": 0, "compressed_sparse_attention": 4,
+             "heavily_compressed_attention": 128}
+
+
+def _mamba2(c: Mapping[str, Any], where: str) -> LayerCache:
+    heads = positive(c, "mamba_n_heads", where)
+    inner = positive(c, "mamba_expand", where) * positive(c, "hidden_size", where)
+    head_dim = c.get("mamba_d_head", "auto")  # "auto": the inner width split over the heads
+    head_dim = inner // heads if head_dim == "auto" else positive(c, "mamba_d_head", where)
+    return mamba2_layer(heads, head_dim, positive(c, "mamba_n_groups", where),
+                        positive(c, "mamba_d_state", where), positive(c, "mamba_d_conv", where))
+
+
+def _deepseek_v4(c: Mapping[str, Any], layers: int, where: str) -> list[LayerCache]:
+    """DeepSeek-V4's layers: ``layer_types`` (or the release's ``compress_ratios``, one a layer
+    and a trailing one for the prediction layer) and ``compress_rates``, as transformers
+    5.24.0's ``DeepseekV4Config`` reads them."""
+    types = c.get("layer_types")
+    if types is None and isinstance(c.get("compress_ratios"), list):
+        by_rate = {rate: name for name, rate in _V4_TYPES.items()}
+        types = [by_rate.get(r, f"compress ratio {r!r}") for r in c["compress_ratios"][:layers]]
+    if not isinstance(types, list) or len(types) != layers or set(types) - set(_V4_TYPES):
+        raise ValueError(f"{where}: DeepSeek-V4 needs layer_types (or compress_ratios) of "
+                         f"{layers} entries among {sorted(_V4_TYPES)}, got {types!r:.80}")
+    rates = {**_V4_TYPES, **dict(c.get("compress_rates") or {})}
+    head_dim, window = positive(c, "head_dim", where), positive(c, "sliding_window", where)
+    index = positive(c, "index_head_dim", where)
+    return [compressed_layer(head_dim, window, rates[t],
+                             index if t == "compressed_sparse_attention" else 0) for t in types]
+
+
+def _layer_types(c: Mapping[str, Any], layers: int, where: str) -> list[str]:
+    types = c.get("layer_types")
+    model_type = c.get("model_type", "")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers:
+            raise ValueError(f"{where}: layer_types must list num_hidden_layers = {layers} "
+                             f"entries, got {types!r:.80}")
+        return types
+    if c.get("sliding_window_pattern") is not None or model_type in _GEMMA3:
+        pattern = {"sliding_window_pattern": c.get("sliding_window_pattern", 6)}  # Gemma 3's
+        return every_nth_full(layers, positive(pattern, "sliding_window_pattern", where))
+    if model_type in _ALTERNATING:
+        return every_nth_full(layers, 2)
+    if c.get("full_attention_interval") is not None:
+        every = positive(c, "full_attention_interval", where)
+        return ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                for i in range(layers)]
+    windowed = c.get("sliding_window") is not None and c.get("use_sliding_window") is not False
+    return ["sliding_attention" if windowed else "full_attention"] * layers
+
+
+def cache_from_config(config: Mapping[str, Any], name: str = "config.json") -> ModelCache:
+    """The :class:`~kvdoc.measure.model_caches.ModelCache` a parsed ``config.json`` describes:
+    attention, MLA (DeepSeek-V3.2's with indexer keys), sliding-window, Gated DeltaNet, Mamba-2
+    (Bamba, Granite 4) and DeepSeek-V4's compressed layers, placed by ``layer_types`` or the
+    family's own rule (a Gemma pattern, an alternation, Qwen3-Next's interval, Bamba's
+    ``attn_layer_indices``, V4's ``compress_ratios``). A
+    linear-attention layer's state is counted when the config gives its sizes; else the note
+    says it is not. State-space layers and anything malformed are a ValueError.
+
+    >>> m = cache_from_config({"num_hidden_layers": 32, "num_attention_heads": 32,
+    ...                        "num_key_value_heads": 8, "hidden_size": 4096,
+    ...                        "max_position_embeddings": 8192})
+    >>> m.kind, m.bytes_per_token("float16")
+    ('plain', 131072)
+    """
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{name}: expected a JSON object, got {type(config).__name__}")
+    c = config_fields(config, name)
+    model_type = str(c.get("model_type") or "")
+    if model_type in _STATE_SPACE or c.get("state_size") is not None:
+        raise ValueError(f"{name}: model_type {model_type!r} has state-space layers kvdoc does "
+                         "not count; it reads attention, MLA, sliding-window, Gated DeltaNet "
+                         "and Bamba / Granite 4 Mamba-2 layers")
+    layers = positive(c, "num_hidden_layers", name)
+    context = positive(c, "max_position_embeddings", name)
+    if model_type == "deepseek_v4":
+        return ModelCache(str(c.get("_name_or_path") or name), tuple(_deepseek_v4(c, layers, name)),
+                          context, name)
+    if model_type == "bamba":
+        attention = set(c.get("attn_layer_indices") or ())
+        c = {**c, "layer_types": ["full_attention" if i in attention else "linear_attention"
+                                  for i in range(layers)]}
+    types = _layer_types(c, layers, name)
+    if model_type == "deepseek_v32":  # every layer indexed
+        types = ["full_attention" if t == "indexed_attention" else t for t in types]
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention", "linear_attention"})
+    if unknown:
+        raise ValueError(f"{name}: unknown layer types {unknown}; kvdoc reads full_attention, "
+                         "sliding_attention and linear_attention")
+    note, heads = "", None
+    if c.get("kv_lora_rank") is not None and model_type == "deepseek_v32":
+        full = indexed_mla_layer(positive(c, "kv_lora_rank", name),
+                                 positive(c, "qk_rope_head_dim", name),
+                                 positive(c, "index_head_dim", name))
+        window = None
+    elif c.get("kv_lora_rank") is not None:
+        full = mla_layer(positive(c, "kv_lora_rank", name), positive(c, "qk_rope_head_dim", name))
+        window = None
+    else:
+        heads, kv_heads, head_dim = attention_sizes(c, name)
+        full = attention_layer(kv_heads, head_dim)
+        window = (positive(c, "sliding_window", name) if "sliding_attention" in types else None)
+    linear = LayerCache(0)
+    if "linear_attention" in types:
+        if model_type in _MAMBA2:
+            linear = _mamba2(c, name)
+        elif all(c.get(k) is not None for k in _DELTA):
+            linear = gated_delta_layer(*(positive(c, k, name) for k in _DELTA))
+        else:
+            note = (f"{types.count('linear_attention')} linear-attention layers: state not "
+                    "counted (the config does not give Gated DeltaNet's sizes); only the "
+                    f"{layers - types.count('linear_attention')} attention layers are")
+    per_type = {"full_attention": full, "sliding_attention": full._replace(window=window),
+                "linear_attention": linear}
+    return ModelCache(str(c.get("_name_or_path") or name), tuple(per_type[t] for t in types),
+                      context, name, note, heads)
+
+
+def read_config(path: str | Path) -> ModelCache:
+    """:func:`cache_from_config` of the ``config.json`` at ``path``, or in the folder ``path``
+    (a checkpoint folder, as transformers' ``from_pretrained`` takes it).
+
+    Raises:
+        ValueError: the file is missing, not JSON, or not a config kvdoc can read.
+    """
+    if Path(path).is_dir():
+        if not (Path(path) / "config.json").is_file():
+            raise ValueError(f"{path} is a folder without a config.json")
+        path = Path(path) / "config.json"
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror}") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not JSON: {err}") from None
+    return cache_from_config(config, str(path))
