@@ -123,9 +123,18 @@ def test_a_paged_hybrid_cache_restores_a_snapshot_and_fails_cleanly() -> None:
     assert close(logits, m(ids)[0][:, 8:], TOLERANCE[torch.float32]) and cache.seq_len == 16
 
 
-def test_the_scheduler_refuses_a_hybrid_model_by_name() -> None:
-    from kvdoc.serving.requests import Request
-    from kvdoc.serving.scheduler import serve
+@pytest.mark.parametrize("name", ["deltanet", "bamba"])
+def test_the_scheduler_serves_a_hybrid_model(name) -> None:
+    # static, continuous, chunked prefill, preemption by recompute, seeded forks: every request
+    # equals its run alone; a broken scheduler that drops or keeps a state wrongly is caught
+    from kvdoc.proofs.broken.serving import PreemptKeepsStates, StatesNotCarried
+    from kvdoc.teach.scheduling import check_forks, check_policies, check_preemption
 
-    with pytest.raises(ValueError, match="recurrent states are served a request at a time"):
-        serve(model(), [Request(0, (1, 2, 3), 2, 0)], num_blocks=8)
+    m = MODELS[name].build(0).eval()
+    with torch.no_grad():
+        assert all(c.passed for c in check_policies(m))
+        preemption = check_preemption(m)
+        assert preemption.passed and all(run.preemptions for run in preemption.tight)
+        assert check_forks(m).passed
+        assert not check_preemption(m, PreemptKeepsStates).requests_equal
+        assert not any(c.requests_equal for c in check_policies(m, scheduler=StatesNotCarried))

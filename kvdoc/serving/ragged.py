@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import torch
 
 from kvdoc.core.cache import KV, KVCache
+from kvdoc.core.state import StateLayer, StateSpec
 
 from .paged import BlockPool, PoolLayer, gather
 
@@ -94,8 +95,11 @@ class RaggedStep:
         self.blocks = self.table[self.rows, slots // S]
         self.offsets = slots % S
         self.seq_len, self.device = self.width - max(self.new), pool.device
-        self.cache = KVCache([RaggedLayer(self, i) for i in range(len(pool.layout))],
-                             seq_len=self.seq_len)
+        # a state layer (a hybrid model's) holds its rows' states beside the pool, as a
+        # paged cache's does: the scheduler sets them before a call and keeps what it returns
+        self.cache = KVCache([StateLayer(len(self.past), spec, pool.dtype, pool.device)
+                              if isinstance(spec, StateSpec) else RaggedLayer(self, i)
+                              for i, spec in enumerate(pool.layout)], seq_len=self.seq_len)
 
     def mask(self) -> torch.Tensor:
         """``[B, C, T]`` bool: a real query at position ``P_b + j`` reads keys ``0 .. P_b + j``

@@ -16,6 +16,11 @@ Three policies on one loop (``policy``, ``token_budget``):
   gets its one token first, the rest of the budget goes to prefill chunks.
 
 The rows of a step, of different lengths, run as one forward (:mod:`kvdoc.serving.ragged`).
+A hybrid model's rows (recurrent state layers beside attention layers: DeltaNet's, Mamba-2's)
+run a forward each: a state folds every token of its row in order, so a padded row would fold
+its padding in. Their attention layers' K/V share the pool's blocks as any model's do; each
+sequence carries its states from step to step (a preempted one starts again from zeros, its
+forks start from its prompt's).
 
 **Admission and preemption** (stated exactly in :mod:`kvdoc.teach.schedule_spec`). By default
 a request is admitted only if the free blocks, less what the running requests still need, cover
@@ -60,7 +65,7 @@ import torch
 
 from kvdoc.core.cache import check_int
 from kvdoc.core.model import Decoder
-from kvdoc.core.state import StateSpec
+from kvdoc.core.state import StateSpec, read_state, state_layers
 
 from .paged import BlockPool
 from .ragged import RaggedStep
@@ -85,6 +90,7 @@ class LiveRequest:
     emitted: list[int] = field(default_factory=list)  # the step of each token
     preemptions: int = 0
     forks_pending: bool = False
+    states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # a hybrid's
 
     @property
     def done(self) -> bool:
@@ -127,11 +133,8 @@ class Scheduler:
             raise ValueError("preemption needs policy='continuous'")
         if max_batch is not None:
             check_int("max_batch", max_batch)
-        if any(isinstance(spec, StateSpec) for spec in model.config.cache_layout):
-            raise ValueError("the scheduler batches sequences' K/V rows in one pool; a hybrid "
-                             "model's recurrent states are served a request at a time "
-                             "(kvdoc.serving.radix.serve_prompt)")
         weight = model.wte.weight
+        self.stateful = any(isinstance(spec, StateSpec) for spec in model.config.cache_layout)
         self.model, self.config = model, model.config
         self.pool = BlockPool(model.config, num_blocks, block_size, weight.dtype, weight.device)
         self.max_batch, self.token_budget, self.policy = max_batch, token_budget, policy
@@ -150,7 +153,7 @@ class Scheduler:
         tokens stay); returns the positions discarded."""
         discarded = live.fed
         self.retire(live)
-        live.fed = 0
+        live.fed, live.states = 0, {}
         live.preemptions += 1
         return discarded
 
@@ -244,29 +247,48 @@ class Scheduler:
     @torch.no_grad()
     def _forward(self, rows: list[tuple[LiveRequest, list[int]]], live: list[LiveRequest],
                  step: int) -> None:
-        view = RaggedStep(self.pool, [x.table for x, _ in rows], [x.fed for x, _ in rows],
-                           [len(ids) for _, ids in rows])
-        C, device = max(view.new), self.model.wte.weight.device
-        idx = torch.tensor([ids + [0] * (C - len(ids)) for _, ids in rows], device=device)
-        logits = self.model(idx, view.cache, positions=self.positions(view),
-                            attn_mask=view.mask()).logits  # [B, C, V]
+        logits = self._logits(rows)
         for b, (x, ids) in enumerate(rows):
             x.fed += len(ids)
             if x.fed < len(x.seq):
                 continue  # a chunk: more to prefill before this row chooses a token
-            row = logits[b, len(ids) - 1]
+            row = logits[b][len(ids) - 1]
             x.logits.append(row)
             x.tokens.append(choose(row, x.generator))
             x.emitted.append(step)
             if x.forks_pending:  # the prompt is in: fork its samples off its blocks
                 x.forks_pending = False
                 forks = [LiveRequest(x.req, j, g, list(x.table), x.fed, [choose(row, g)], [row],
-                                     [step]) for j in range(1, x.req.samples)
-                         for g in [sample_generator(x.req, j)]]
+                                     [step], states=x.states)  # a call replaces, never edits
+                         for j in range(1, x.req.samples) for g in [sample_generator(x.req, j)]]
                 for y in forks:
                     self.pool.share(y.table)
                 at = live.index(x) + 1
                 live[at:at] = forks
+
+    def _logits(self, rows: list[tuple[LiveRequest, list[int]]]) -> list[torch.Tensor]:
+        """Each row's logits ``[n_b, V]``: one ragged forward over every row, or a forward a
+        row for a hybrid model (whose rows' new states are kept once every row has run)."""
+        device = self.model.wte.weight.device
+        if not self.stateful:
+            view = RaggedStep(self.pool, [x.table for x, _ in rows], [x.fed for x, _ in rows],
+                              [len(ids) for _, ids in rows])
+            C = max(view.new)
+            idx = torch.tensor([ids + [0] * (C - len(ids)) for _, ids in rows], device=device)
+            logits = self.model(idx, view.cache, positions=self.positions(view),
+                                attn_mask=view.mask()).logits  # [B, C, V]
+            return [logits[b, :len(ids)] for b, (_, ids) in enumerate(rows)]
+        out, states = [], []
+        for x, ids in rows:
+            view = RaggedStep(self.pool, [x.table], [x.fed], [len(ids)])  # one row: no padding
+            for i, state in x.states.items():
+                view.cache.layers[i].replace(**state)
+            run = self.model(torch.tensor([ids], device=device), view.cache)
+            out.append(run.logits[0])
+            states.append({i: read_state(run.cache, i) for i in state_layers(run.cache)})
+        for (x, _), new in zip(rows, states, strict=True):
+            x.states = new
+        return out
 
     def _lengths_ok(self, live: list[LiveRequest]) -> bool:
         return all(len(x.table) == self.blocks_for(x.fed) and x.fed < len(x.seq)

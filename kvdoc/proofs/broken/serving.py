@@ -137,6 +137,26 @@ class ForkWithoutCopy(Scheduler):
         return True
 
 
+class PreemptKeepsStates(Scheduler):
+    """BROKEN: preemption forgets a hybrid's positions but not its states, so the recompute
+    folds the sequence into the state it had already folded."""
+
+    def preempt(self, live: LiveRequest) -> int:
+        states = live.states
+        discarded = super().preempt(live)
+        live.states = states  # BUG: a recompute starts from zeros
+        return discarded
+
+
+class StatesNotCarried(Scheduler):
+    """BROKEN: a hybrid's row starts every step from zeros, not from the states it left."""
+
+    def _logits(self, rows: list[tuple[LiveRequest, list[int]]]) -> list[torch.Tensor]:
+        for x, _ in rows:
+            x.states = {}  # BUG: what the row's last step left is dropped
+        return super()._logits(rows)
+
+
 # --- padded batches ---------------------------------------------------------------------------
 class UnshiftedPositionsDecoder(Decoder):
     """BROKEN: ignores per-row positions: a row with ``pad`` slots in front sees its prompt at
