@@ -24,9 +24,11 @@ from kvdoc.parallel.blocks import (
     senders,
 )
 from kvdoc.parallel.comparison import MODELS, build_model
+from kvdoc.proofs import grid
 from kvdoc.proofs.broken.parallel import PULL_BROKEN, stale_ids, swapped_destination
 from kvdoc.proofs.broken.serving import parentless_hash
 from kvdoc.serving.offload import (
+    ROW_LAYERS,
     Roofline,
     TieredStore,
     block_hashes,
@@ -175,6 +177,25 @@ def test_offloaded_blocks_hit_every_tier_and_change_no_token(tmp_path, name):
     files = sorted(os.listdir(tmp_path))
     assert len(files) == store.disk_writes > 0 and all(f.endswith(".pt") for f in files)
     assert served[-1].tiers[0] == "computed"  # repeated tokens at other positions: no hit
+
+
+@pytest.mark.parametrize("name", list(grid.MODELS))
+def test_offload_serves_every_grid_model_that_keeps_rows_and_refuses_the_rest(tmp_path, name):
+    # MLA's two widths travel side by side in a block; a cache holding more than rows (a
+    # recurrent state, indexer keys, compressed entries) is refused, the store and folder as
+    # they were
+    model = grid.MODELS[name].build(0).eval()
+    store, turn = TieredStore(1, 1, str(tmp_path)), torch.arange(1, 10)
+    prompts = [turn, torch.cat((turn, torch.tensor([3, 4]))), torch.cat((turn, turn))]
+    kinds = {type(layer).__name__ for layer in model.new_cache(1).layers}
+    if kinds <= set(ROW_LAYERS):
+        c = check_offload(model, serve(model, prompts, 3, store, 4), 3)
+        assert c.ok and c.blocks["computed"] > 0 and c.blocks["computed"] < sum(c.blocks.values())
+    else:
+        with pytest.raises(ValueError, match="offload reloads blocks of K/V rows; .* holds "
+                           + ", ".join(sorted(kinds - set(ROW_LAYERS)))):
+            serve(model, prompts, 3, store, 4)
+        assert not store.device and not store.host and not os.listdir(tmp_path)
 
 
 def test_a_key_that_ignores_the_parent_is_caught(tmp_path):

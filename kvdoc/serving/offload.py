@@ -5,12 +5,15 @@ its own token ids (:func:`hash_block`), so a key names the whole prefix up to th
 as vLLM V1 keys its prefix cache (``hash_block_tokens`` in ``vllm/v1/core/kv_cache_utils.py``
 at v0.33.0): K/V depend on every earlier token.
 
-:class:`TieredStore` keeps blocks (each ``[L, 2, 1, H_kv, block_size, D]``) on the "device"
+:class:`TieredStore` keeps blocks (each ``[L, 1, H_kv, block_size, D_k + D_v]``: K and V side
+by side, or MLA's c_KV and k_rope) on the "device"
 (at most ``device_blocks``, least recently used evicted to the host), the host (at most
 ``host_blocks``, evicted to the disk) and the disk (a ``torch.save`` file a block); a hit moves
 the block back to the device. :func:`serve` reloads the leading full prompt blocks found (never
 the last prompt position, whose logits the first token needs), prefills the rest, and stores
-every full block after decoding.
+every full block after decoding. It serves models whose cache keeps K/V rows per position (a
+window's too: the model masks what it does not read); a cache holding more than rows is refused
+by name (a hybrid's recurrent state: the block of rows does not carry the state after it).
 
 >>> import tempfile
 >>> from kvdoc.core.model import Decoder, GPTConfig, generate
@@ -146,12 +149,17 @@ class Served(NamedTuple):
     tiers: tuple[str, ...]
 
 
+ROW_LAYERS = ("DynamicLayer", "WindowLayer")
+"""The layers of ``model.new_cache`` a block of K/V rows restores (every other kind is refused)."""
+
+
 def _blocks_to_cache(blocks: list[torch.Tensor], model: Decoder) -> DynamicCache:
     if not blocks:
         weight = model.wte.weight
         return DynamicCache.empty(model.config, 1, weight.dtype, weight.device)
-    kv = torch.cat(blocks, dim=4)  # [L, 2, 1, H_kv, T, D]
-    return DynamicCache([(kv[i, 0].clone(), kv[i, 1].clone()) for i in range(kv.shape[0])])
+    kv = torch.cat(blocks, dim=3)  # [L, 1, H_kv, T, D_k + D_v]
+    return DynamicCache([tuple(t.clone() for t in kv[i].split(list(spec.widths), dim=-1))
+                         for i, spec in enumerate(model.config.cache_layout)])
 
 
 def _check_request(model: Decoder, prompt: torch.Tensor, max_new_tokens: int) -> None:
@@ -160,6 +168,11 @@ def _check_request(model: Decoder, prompt: torch.Tensor, max_new_tokens: int) ->
                          f"got shape {tuple(prompt.shape)}")
     check_int("max_new_tokens", max_new_tokens)
     model.check_input(prompt[None], None)
+    kinds = sorted({type(la).__name__ for la in model.new_cache(1).layers} - set(ROW_LAYERS))
+    if kinds:
+        raise ValueError(f"offload reloads blocks of K/V rows; {type(model).__name__}'s cache "
+                         f"holds {', '.join(kinds)} layers, which a block of rows cannot restore "
+                         "(a recurrent state after the block, indexer keys, compressed entries)")
     if prompt.numel() + max_new_tokens > model.config.n_positions:
         raise ValueError(f"prompt of {prompt.numel()} + {max_new_tokens} new tokens exceeds "
                          f"the model's {model.config.n_positions} positions")
@@ -194,8 +207,8 @@ def serve(model: Decoder, prompts: Sequence[torch.Tensor], max_new_tokens: int,
         fed = tokens[:cache.seq_len].tolist()
         for i, key in enumerate(block_hashes(fed, block_size, hash_fn)):
             if store.tier(key) is None:
-                part = [torch.stack(layer.read(cache.seq_len))[:, :, :, i * block_size:
-                                                              (i + 1) * block_size]
+                part = [torch.cat(layer.read(cache.seq_len), dim=-1)[:, :, i * block_size:
+                                                                     (i + 1) * block_size]
                         for layer in cache.layers]
                 store.put(key, torch.stack(part).clone())
         served.append(Served(prompt, tokens, first,
