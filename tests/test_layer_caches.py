@@ -225,3 +225,77 @@ def test_the_release_s_compress_ratios_list_reads_as_layer_types(tmp_path) -> No
     assert list(got.layers) == [compressed_layer(64, 16), compressed_layer(64, 16, 4, 32),
                                 compressed_layer(64, 16, 128)]
     assert got.kind == "compressed"
+
+
+def _sizes(**more: object) -> dict:
+    """Off every default: 3 layers, 6 query heads over 2 K/V heads of 12 (none of them 8)."""
+    return {**dict(num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+                   hidden_size=72, intermediate_size=40, vocab_size=60), **more}
+
+
+OLDER = {
+    "llama": lambda: tf.LlamaConfig(**_sizes()),
+    "mistral": lambda: tf.MistralConfig(**_sizes(sliding_window=5)),
+    "mixtral": lambda: tf.MixtralConfig(**_sizes(num_local_experts=2, sliding_window=None)),
+    "qwen2": lambda: tf.Qwen2Config(**_sizes()),
+    "qwen2-window": lambda: tf.Qwen2Config(**_sizes(use_sliding_window=True, sliding_window=5,
+                                                    max_window_layers=1)),
+    "qwen3": lambda: tf.Qwen3Config(**_sizes(head_dim=10)),
+    "qwen3_moe": lambda: tf.Qwen3MoeConfig(**_sizes(head_dim=10, num_experts=2,
+                                                    num_experts_per_tok=1,
+                                                    moe_intermediate_size=8)),
+    "gemma": lambda: tf.GemmaConfig(**_sizes(head_dim=10)),
+    "gemma2": lambda: tf.Gemma2Config(**_sizes(head_dim=10, sliding_window=5)),
+    "gemma3_text": lambda: tf.Gemma3TextConfig(**_sizes(head_dim=10, sliding_window=5,
+                                                        num_hidden_layers=7)),
+    "cohere2": lambda: tf.Cohere2Config(**_sizes(sliding_window=5, num_hidden_layers=4)),
+    "phi3": lambda: tf.Phi3Config(**_sizes(pad_token_id=0)),
+    "olmo2": lambda: tf.Olmo2Config(**_sizes()),
+    "glm4": lambda: tf.Glm4Config(**_sizes(head_dim=10, pad_token_id=0)),
+    "starcoder2": lambda: tf.Starcoder2Config(**_sizes(sliding_window=5)),
+    "deepseek_v3": lambda: tf.DeepseekV3Config(**_sizes(  # MLA: K/V heads are the query heads
+        num_key_value_heads=6, kv_lora_rank=10, q_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5,
+        n_routed_experts=2, num_experts_per_tok=1, n_group=1, topk_group=1,
+        first_k_dense_replace=3)),
+    "gpt2": lambda: tf.GPT2Config(n_layer=3, n_head=6, n_embd=72, vocab_size=60),
+    "gpt_neox": lambda: tf.GPTNeoXConfig(**{k: v for k, v in _sizes().items()
+                                            if k != "num_key_value_heads"}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(OLDER))
+def test_older_families_config_json_counts_what_transformers_holds(family: str,
+                                                                   tmp_path) -> None:
+    """The config.json transformers writes for each family, read by the memory command, counts
+    per layer and length the bytes transformers' own cache holds after a forward (BF16 and
+    FP32; a window's ``W - 1`` rows as above)."""
+    config = OLDER[family]()
+    config.save_pretrained(tmp_path)
+    got = read_config(tmp_path)
+    windows = {layer.window for layer in got.layers} - {None}
+    assert len(windows) <= 1
+    model = tf.AutoModelForCausalLM.from_config(config)
+    _check(model, list(got.layers), window_rows=min(windows) - 1 if windows else None)
+
+
+def test_falcon_s_grouped_heads_are_read_and_transformers_stores_them_repeated(
+        tmp_path) -> None:
+    """Falcon-40B's layout (``new_decoder_architecture``, ``num_kv_heads`` 2 of 6 heads): the
+    reader counts the model's 2 K/V heads (``multi_query``, true by default, is not read then);
+    transformers 5.24.0 caches K and V after repeating them to all 6 query heads
+    (``FalconAttention.forward``: ``num_kv_heads = self.num_heads if
+    self.new_decoder_architecture``), 3x the model's distinct rows."""
+    tf.FalconConfig(num_hidden_layers=2, num_attention_heads=6, num_kv_heads=2, hidden_size=72,
+                    vocab_size=60, new_decoder_architecture=True).save_pretrained(tmp_path)
+    got = read_config(tmp_path)
+    assert [layer.kv_heads for layer in got.layers] == [2, 2]
+    model = tf.AutoModelForCausalLM.from_config(tf.FalconConfig.from_pretrained(tmp_path))
+    _check(model, [layer._replace(per_token=3 * layer.per_token, kv_heads=6)
+                   for layer in got.layers])
+    old = {"model_type": "falcon", "num_hidden_layers": 2, "num_attention_heads": 6,
+           "hidden_size": 72, "max_position_embeddings": 64}
+    for extra, kv in (({"multi_query": True}, 1), ({"multi_query": False, "num_kv_heads": 6}, 6),
+                      ({"multi_query": True, "new_decoder_architecture": True,
+                        "num_kv_heads": 3}, 3)):
+        (tmp_path / "config.json").write_text(json.dumps({**old, **extra}))
+        assert read_config(tmp_path).layers[0].kv_heads == kv, extra

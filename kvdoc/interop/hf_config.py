@@ -78,7 +78,8 @@ def positive(c: Mapping[str, Any], key: str, where: str) -> int:
 
 def attention_sizes(c: Mapping[str, Any], where: str) -> tuple[int, int, int]:
     """``(H, H_kv, D)`` of :func:`config_fields`' output: ``num_key_value_heads`` (absent:
-    ``num_attention_heads``, MHA; Falcon's ``multi_query``: 1) and ``head_dim`` (absent:
+    ``num_attention_heads``, MHA; Falcon's ``num_kv_heads`` with ``new_decoder_architecture``
+    or without ``multi_query``, else 1 with it) and ``head_dim`` (absent:
     ``hidden_size / num_attention_heads``).
 
     >>> attention_sizes(config_fields({"num_attention_heads": 32, "hidden_size": 4096,
@@ -88,6 +89,9 @@ def attention_sizes(c: Mapping[str, Any], where: str) -> tuple[int, int, int]:
     heads = positive(c, "num_attention_heads", where)
     if c.get("num_key_value_heads") is not None:
         kv_heads = positive(c, "num_key_value_heads", where)
+    elif c.get("new_decoder_architecture") or c.get("multi_query") is False:
+        # Falcon-40B/180B's grouped heads (num_kv_heads); multi_query is then not read
+        kv_heads = positive({"num_kv_heads": heads, **c}, "num_kv_heads", where)
     else:
         kv_heads = 1 if c.get("multi_query") else heads
     head_dim = (positive(c, "head_dim", where) if c.get("head_dim") is not None
