@@ -254,7 +254,8 @@ OLDER = {
     "glm4": lambda: tf.Glm4Config(**_sizes(head_dim=10, pad_token_id=0)),
     "starcoder2": lambda: tf.Starcoder2Config(**_sizes(sliding_window=5)),
     "deepseek_v3": lambda: tf.DeepseekV3Config(**_sizes(  # MLA: K/V heads are the query heads
-        num_key_value_heads=6, kv_lora_rank=10, q_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5,
+        num_key_value_heads=6, kv_lora_rank=10, q_lora_rank=12, qk_rope_head_dim=4,
+        qk_nope_head_dim=6, v_head_dim=5,
         n_routed_experts=2, num_experts_per_tok=1, n_group=1, topk_group=1,
         first_k_dense_replace=3)),
     "gpt2": lambda: tf.GPT2Config(n_layer=3, n_head=6, n_embd=72, vocab_size=60),
