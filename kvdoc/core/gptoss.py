@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import invariant
 from .cache import KVCache, LayerSpec, check_int, check_positive, last_keys, offset_causal_mask
 from .gemma import GLOBAL, SLIDING, gemma_layer_types
 from .model import Decoder, rotate_half
@@ -175,6 +176,8 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     >>> [round(x, 6) for x in out[0, 0, 0].tolist()]               # 3 / (3 + 3)
     [0.5, 0.5]
     """
+    if invariant.active():  # the mode's fixed order, the sink first in each denominator
+        return invariant.attention(q, k, v, mask, scale, sinks)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
@@ -306,11 +309,17 @@ class GptOssMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [N, d]
+        # under the mode a row alone: the experts' einsums and the softmax over the picked
+        # logits reduce in library code, whose order would follow the number of rows
+        out = invariant.per_row(self.mix, rows) if invariant.active() else self.mix(rows)
+        return out.view(x.shape)
+
+    def mix(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[N, d] -> [N, d]``: each row's picked experts, weighted."""
         logits = F.linear(rows, self.router.weight, self.router.bias)  # [N, E]
         top, picked = logits.topk(self.top_k, dim=-1)
         weights = torch.zeros_like(logits).scatter(-1, picked, top.softmax(dim=-1))
-        out = torch.einsum("ne,end->nd", weights, self.experts(rows))
-        return out.view(x.shape)
+        return torch.einsum("ne,end->nd", weights, self.experts(rows))
 
 
 class GptOssBlock(nn.Module):

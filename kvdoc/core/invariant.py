@@ -7,7 +7,7 @@ take which element), so one sequence's logits change in the last bits when it is
 other chunks, shares its batch with other rows, or is read from another cache. Inside
 ``with batch_invariant():`` the decoder of :mod:`kvdoc.core.model` computes every value from
 the same operations on the same operands in the same order, whatever the call (and so do the
-MLA and Gemma 3 decoders, :mod:`kvdoc.core.mla` and :mod:`kvdoc.core.gemma`; see below):
+MLA, Gemma 3 and gpt-oss decoders; see below):
 
 * **Row-wise work** (every ``F.linear``: the projections, the MLP, the LM head; and the
   LayerNorms and RMSNorms) runs on each row alone: one library call of shape ``[1, d]`` on a
@@ -34,7 +34,7 @@ out of it; split-K attention and the fast decode step, which reduce in code of t
 Gemma's norm and soft cap (below) read :func:`active`. Outside the mode nothing changes. The
 mode costs speed, measured on :doc:`/part5/5-precision`.
 
-The other decoders are covered the same way, with three choices where their code reduces
+The other decoders are covered the same way, with four choices where their code reduces
 without one of those calls:
 
 * **MLA** (:mod:`kvdoc.core.mla`) attends through SDPA with its own ``scale``; its absorbed path
@@ -48,6 +48,9 @@ without one of those calls:
   hand, ``x.pow(2).mean(-1)``; under the mode it takes :func:`inv_rms`: a pairwise tree and then
   ``sqrt`` and a division, each exactly rounded. Not a per-row call: the q/k norms run on every
   head of every row, and the tree needs no library order at all.
+* **gpt-oss** (:mod:`kvdoc.core.gptoss`): its sink logits enter :func:`attention` first in
+  every denominator; its experts (einsums over stacked weights, a softmax over the picked
+  router logits, a sum over experts) run on each row alone (:func:`per_row`).
 * **Element-wise functions that are not exactly rounded** (``tanh``, ``rsqrt``) are the same on
   one element only if it takes the same code: a CPU kernel runs vector code on most of a
   tensor and scalar code on its tail, so where the tail falls depends on the tensor's size.
@@ -228,14 +231,17 @@ def inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
+              mask: torch.Tensor | None, scale: float | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(scale q k^T + mask) v`` with every sum in an order fixed per query and key.
 
     ``q`` is ``[B, H, C, D_h]``, ``k`` ``[B, H_kv, T, D_h]``, ``v`` ``[B, H_kv, T, D_v]`` (query
     head ``h`` reads K/V head ``h // (H / H_kv)``, as SDPA's ``enable_gqa``), ``mask`` ``[C, T]``
     or ``[B, C, T]`` bool (True: may read) or None; ``scale`` defaults to ``1 / sqrt(D_h)``, as
     SDPA's. Products and sums run in float32 (float64 for a float64 model); the result is
-    ``[B, H, C, D_v]`` in ``q``'s dtype. A query row that reads no key gives 0.
+    ``[B, H, C, D_v]`` in ``q``'s dtype. A query row that reads no key gives 0. ``sinks``
+    (``[H]``, gpt-oss's): a logit per query head in every denominator with no value, as
+    :func:`kvdoc.core.gptoss.sink_attention`; it joins the maximum and starts each sum.
 
     >>> g = torch.Generator().manual_seed(0)
     >>> q, k, v = (torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g),
@@ -261,9 +267,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         rows = mask if mask.dim() == 2 else mask[:, None, None]
         scores = scores.masked_fill(~rows, -math.inf)
     top = scores.amax(dim=-1, keepdim=True)  # exact whatever the order
+    total = torch.zeros(B, H_kv, H // H_kv, C, 1, dtype=acc, device=q.device)
+    if sinks is not None:  # [H] -> each K/V head's group of query heads
+        sink = sinks.to(acc).view(1, H_kv, H // H_kv, 1, 1)
+        top = torch.maximum(top, sink)
+        total = total + exp_fixed(sink - top).to(acc)  # first in every sum: one fixed order
     p = exp_fixed(scores - torch.where(top.isinf(), 0.0, top)).to(acc)
     out = torch.zeros(B, H_kv, H // H_kv, C, D_v, dtype=acc, device=q.device)
-    total = torch.zeros(B, H_kv, H // H_kv, C, 1, dtype=acc, device=q.device)
     for j in range(T):  # key by key from the first column: a hidden key adds an exact 0
         w = p[..., j:j + 1]
         out = out + w * vg[:, :, :, j:j + 1]

@@ -368,5 +368,10 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   "a gpt-oss model's window layers attend without their sink (the full layers "
                   "keep it), in the full forward and the cached calls alike",
                   sinks.window_without_sink, "sinks", needs={"gptoss", "hybrid"}, one_model=True),
+    BrokenVariant("invariant-sink-outside-mode",
+                  "under batch_invariant(), gpt-oss's sink attention runs the library's batched "
+                  "matmul and softmax (the right function, bits that follow the call's shape)",
+                  sinks.sink_outside_mode, "mode vs its function", needs={"gptoss"},
+                  one_model=True, kinds=("dynamic",)),
 )}
 """Every broken variant, by name."""

@@ -1,5 +1,6 @@
-"""BROKEN sinks: split-K attention that counts the sink once per split, and a gpt-oss model whose
-window layers attend without their sink.
+"""BROKEN sinks: split-K attention that counts the sink once per split, a gpt-oss model whose
+window layers attend without their sink, and one whose sink attention ignores the batch-invariant
+mode.
 
 Each is a copy of a :class:`~kvdoc.core.gptoss.GptOssDecoder` (weights, dtype, device) whose
 attention modules are swapped for a subclass that gets one thing wrong.
@@ -11,6 +12,7 @@ import math
 
 import torch
 
+from kvdoc.core import invariant
 from kvdoc.core.gptoss import GptOssAttention, GptOssDecoder, sink_attention
 from kvdoc.serving.splitk import Partial, SinkSplitKAttention, all_partials, merge
 
@@ -48,6 +50,18 @@ class WindowWithoutSinkAttention(GptOssAttention):
         return sink_attention(q, k, v, torch.full_like(self.sinks, -math.inf), mask)
 
 
+class SinkOutsideModeAttention(GptOssAttention):
+    """BROKEN: under ``batch_invariant()`` the sink attention still runs the library's batched
+    matmul and softmax (the right function; its bits follow the call's shape)."""
+
+    def attend(self, q, k, v, start, attn_mask=None):
+        before, invariant._ACTIVE = invariant._ACTIVE, False  # BUG: the mode not read here
+        try:
+            return super().attend(q, k, v, start, attn_mask)
+        finally:
+            invariant._ACTIVE = before
+
+
 def _with(model: GptOssDecoder, make) -> GptOssDecoder:
     """A copy of ``model`` whose attention of layer ``i`` is ``make(config, i)``."""
     clone = copy_as(model, GptOssDecoder)
@@ -66,3 +80,7 @@ def sink_per_split(model: GptOssDecoder) -> GptOssDecoder:
 
 def window_without_sink(model: GptOssDecoder) -> GptOssDecoder:
     return _with(model, WindowWithoutSinkAttention)
+
+
+def sink_outside_mode(model: GptOssDecoder) -> GptOssDecoder:
+    return _with(model, SinkOutsideModeAttention)
