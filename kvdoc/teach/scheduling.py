@@ -5,7 +5,8 @@ prompt alone (tokens) and one full forward (logits, within
 :data:`kvdoc.proofs.compare.TOLERANCE`); :func:`check_policies` (static, continuous, chunked
 prefill, with the block invariants), :func:`check_preemption` (a pool too small, preempting by
 recompute) and :func:`check_forks` (seeded samples of one prompt, copy-on-write) run it on every
-model the grid serves paged (``tests/test_policies.py``). The broken schedulers of
+model the grid serves paged (``tests/test_policies.py``; the hybrids DeltaNet and Bamba, whose
+states the scheduler carries, in ``tests/test_snapshots.py``). The broken schedulers of
 :mod:`kvdoc.proofs.broken.serving` are what they catch:
 
 >>> from kvdoc.proofs.broken.serving import ResumeWithoutRecompute
