@@ -268,3 +268,23 @@ def test_every_model_of_the_check_is_bitwise_in_every_dtype(name):
     rows = invariance_rows(grid.MODELS[name].build(0))
     assert [(dtype, ok) for dtype, ok, _, _ in rows] == [("BF16", True), ("FP16", True),
                                                          ("FP32", True)]
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3", "mla", "gpt-oss"])
+def test_a_scheduled_request_is_bitwise_its_run_alone(name):
+    # the scheduler's ragged steps (rows of other lengths, right-padded, per-row positions and
+    # masks, K/V gathered from blocks) under the mode: each request's logits are the bits of one
+    # full forward of its tokens alone, with continuous batching and with chunked prefill
+    from kvdoc.serving.requests import arrival_trace
+    from kvdoc.serving.scheduler import Scheduler
+    from kvdoc.teach.scheduling import POLICY_TRACE, _alone
+
+    model = grid.MODELS[name].build(0).eval()
+    trace = arrival_trace(**POLICY_TRACE, vocab_size=model.config.vocab_size)
+    with torch.no_grad(), batch_invariant():
+        alone = {r.rid: _alone(model, r)[1] for r in trace}
+        for options in ({}, {"token_budget": 6}):
+            run = Scheduler(model, 16, 4, **options).run(trace)
+            assert max(len(s.rows) for s in run.steps) > 1  # rows did share steps
+            for r in trace:
+                assert torch.equal(run.logits[r.rid], alone[r.rid]), (name, options, r.rid)
