@@ -75,7 +75,7 @@ def tensor_bytes(tensors: list[torch.Tensor]) -> int:
 
 def _pool_problems(pool: BlockPool, tables: list[list[int]]) -> list[str]:
     problems = []
-    tensors = [*pool.k, *pool.v]
+    tensors = held_tensors(pool)  # found by walking the pool, not by its own list of stores
     block = pool.block_nbytes
     if pool.nbytes() != tensor_bytes(tensors) or block * pool.num_blocks != tensor_bytes(tensors):
         problems.append(f"pool reports {pool.nbytes()} bytes ({block} a block), "

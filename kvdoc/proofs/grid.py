@@ -103,9 +103,10 @@ the selection matters from position 7 on; 2 indexer heads, so a quarter of the k
 exact 0 and ties at the 7th place are common (18 of the stream's 134 rows in FP32 at seed 0):
 the grid runs on ties."""
 INDEXED_SCENARIOS = ("stream", "last_only", "reference", "counted", "crop", "branch", "failure",
-                     "bytes", "edges", "padded")
+                     "bytes", "edges", "padded", "evicted")
 """What the indexed model runs: the selection's paths (chunks, steps, a pad mask, the reference)
-and its composed cache's life (bytes, crop, branches, a failed call); generation, weights and low
+and its composed cache's life (bytes, crop, branches, a failed call, a radix tree's evictions
+over a pool that holds the indexer keys beside the latent); generation, weights and low
 precision see nothing the MLA models do not."""
 GEMMA = Gemma3Config(vocab_size=89, n_positions=256, n_head=6, n_kv_head=3, n_embd=48, n_inner=96,
                      head_dim=12, query_pre_attn_scalar=20, n_layer=3, sliding_window=WINDOW,
@@ -219,11 +220,6 @@ def _spread_mamba(model: MambaDecoder) -> None:
 
 def _stateful(config: object) -> bool:  # a recurrent layer keeps a state, not rows
     return any(isinstance(spec, StateSpec) for spec in config.cache_layout)
-
-
-def _pooled(config: GPTConfig | MLAConfig) -> bool:
-    # a pool's blocks hold the layout's two tensors a layer; an indexed layer holds four
-    return not isinstance(config, IndexedConfig)
 
 
 def _rows(config: object) -> bool:
@@ -358,9 +354,9 @@ CACHES: dict[str, CacheSpec] = {
     # every position of every layer in blocks of the pool's layout (K/V or an MLA latent); a
     # windowed layer's own mask limits what it reads, as over a dynamic cache
     "paged": CacheSpec(new_paged_cache, in_place=True,
-                       serves=lambda config: _pooled(config) and _paged(config)),
+                       serves=_paged),
     "shared-prefix": CacheSpec(new_shared_prefix_cache, in_place=False,
-                               serves=lambda config: _pooled(config) and _paged(config)),
+                               serves=_paged),
     "hybrid": CacheSpec(lambda m, b, cap: m.new_cache(b, "hybrid"), in_place=False,
                         serves=lambda config: hasattr(config, "layer_windows")),
     # a state layer per recurrent layer, a growing K/V layer per attention layer

@@ -313,6 +313,11 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
                   "so the cache it continues gains indexer keys beside an unchanged latent",
                   lambda m: indexed.indexed_as(m, indexed.UnforkedKeysDecoder), "cache storage",
                   needs={"latent", "indexed"}, kinds=("dynamic",)),
+    _swap("index-keys-not-copied",
+          "a paged pool's copy-on-write copies a shared block's latent rows but not its "
+          "indexer keys (zeros in their place)", "cache storage",
+          {"shared-prefix": indexed.keys_not_copied_cache}, "shared-prefix", _as_is,
+          needs={"latent", "indexed"}),
     # DeepSeek-V4's compressed caches: block edges inside a call's end, and a shared-path sink
     _swap("v4-entry-before-block-full",
           "a compressed layer pools its unfinished block when a call ends (its last row repeated "

@@ -2,8 +2,9 @@
 
 The memory layout of vLLM's PagedAttention (Kwon et al., 2023), written for reading rather
 than speed. A :class:`BlockPool` owns each layer's two stores ``[num_blocks, heads, block_size,
-width]`` (K and V, or an MLA latent's two widths: ``config.cache_layout``); a block id names the
-same slot in every layer. A :class:`PagedCache` maps position ``t`` of sequence ``b`` to offset
+width]`` (K and V, or an MLA latent's two widths: ``config.cache_layout``; an indexed model's
+indexer keys in two more stores, composed with the latent by
+:class:`~kvdoc.core.indexed.IndexedLayer`); a block id names the same slot in every store. A :class:`PagedCache` maps position ``t`` of sequence ``b`` to offset
 ``t % block_size`` of block ``tables[b][t // block_size]`` and gathers the blocks back into
 ``[B, H_kv, T, D_h]`` for the model (real engines read them inside the kernel). Every position of
 every layer is kept; the model's own mask limits what a windowed layer reads.
@@ -36,6 +37,7 @@ from collections.abc import Sequence
 import torch
 
 from kvdoc.core.cache import KV, CacheLayer, HasLayout, KVCache, check_int
+from kvdoc.core.indexed import IndexedLayer
 from kvdoc.core.model import Decoder
 from kvdoc.core.state import StateLayer, StateSpec
 
@@ -66,6 +68,11 @@ class BlockPool:
                                         s.widths[i] if s.heads else 0), dtype=dtype,
                                        device=device) for s in self.layout]
                           for i in (0, 1))
+        # an indexed model's indexer keys (DeepSeek-V3.2, two parts a layer) in the same blocks
+        index = getattr(config, "index_widths", None)
+        self.index_k, self.index_v = ([] if index is None else [
+            torch.zeros((num_blocks, 1, block_size, index[i]), dtype=dtype, device=device)
+            for _ in self.layout] for i in (0, 1))
         self.config, self.num_blocks, self.block_size = config, num_blocks, block_size
         self.dtype, self.device = dtype, torch.device(device)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
@@ -83,8 +90,12 @@ class BlockPool:
 
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one block: both stores (K and V) of every layer."""
-        return sum(store[0].numel() * store.element_size() for store in (*self.k, *self.v))
+        """Bytes of one block: both stores (K and V) of every layer, indexer keys too."""
+        return sum(store[0].numel() * store.element_size() for store in self.stores())
+
+    def stores(self) -> tuple[torch.Tensor, ...]:
+        """Every store of the pool: K and V of every layer, then any indexer keys."""
+        return (*self.k, *self.v, *self.index_k, *self.index_v)
 
     def refs(self, block: int) -> int:
         """How many sequences hold ``block``."""
@@ -132,7 +143,7 @@ class BlockPool:
         """Copy-on-write: a fresh block with ``block``'s contents (every layer), held once instead
         of it."""
         (new,) = self.allocate(1)
-        for store in (*self.k, *self.v):
+        for store in self.stores():
             store[new] = store[block]
         self.release([block])
         return new
@@ -182,14 +193,19 @@ class PoolLayer(CacheLayer):
 
     in_place = True
 
-    def __init__(self, pool: BlockPool, batch_size: int, index: int) -> None:
+    def __init__(self, pool: BlockPool, batch_size: int, index: int,
+                 keys: bool = False) -> None:
         spec = pool.layout[index]
-        super().__init__(batch_size, spec.heads, spec.widths, pool.dtype, pool.device)
+        heads, widths = (1, pool.config.index_widths) if keys else (spec.heads, spec.widths)
+        super().__init__(batch_size, heads, widths, pool.dtype, pool.device)
         self.pool, self.index = pool, index
+        # ``keys``: the layer's indexer keys, not its rows
+        self.stores = ((pool.index_k[index], pool.index_v[index]) if keys
+                       else (pool.k[index], pool.v[index]))
 
     def tensors(self) -> list[torch.Tensor]:
         """This layer's storage in the pool, which every cache of the pool shares."""
-        return [self.pool.k[self.index], self.pool.v[self.index]]
+        return list(self.stores)
 
     def expected_nbytes(self, seq_len: int) -> int:
         # this layer's share of the pool, every block free or held
@@ -199,8 +215,8 @@ class PoolLayer(CacheLayer):
 class PagedLayer(PoolLayer):
     """A pool layer read and written through the sequences' block tables."""
 
-    def __init__(self, tables: BlockTables, index: int) -> None:
-        super().__init__(tables.pool, len(tables.rows), index)
+    def __init__(self, tables: BlockTables, index: int, keys: bool = False) -> None:
+        super().__init__(tables.pool, len(tables.rows), index, keys)
         self.tables = tables
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
@@ -211,14 +227,13 @@ class PagedLayer(PoolLayer):
         slots = torch.arange(start, end, device=self.device)
         blocks, offsets = self.tables.tensor(end)[:, slots // size], slots % size  # [B, C], [C]
         # Indexing [N, H_kv, S, D_h] by ([B, C], :, [C]) addresses [B, C, H_kv, D_h].
-        self.pool.k[self.index][blocks, :, offsets] = k.transpose(1, 2)
-        self.pool.v[self.index][blocks, :, offsets] = v.transpose(1, 2)
+        for store, new in zip(self.stores, (k, v), strict=True):
+            store[blocks, :, offsets] = new.transpose(1, 2)
         return self.read(end)
 
     def read(self, seq_len: int) -> KV:
         """K and V of positions ``0 .. seq_len - 1`` of every sequence, ``[B, H_kv, T, D_h]``."""
-        return gather(self.pool.k[self.index], self.pool.v[self.index],
-                      self.tables.tensor(seq_len), seq_len)
+        return gather(*self.stores, self.tables.tensor(seq_len), seq_len)
 
 
 def gather(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, length: int) -> KV:
@@ -252,14 +267,20 @@ class PagedCache(KVCache):
     def __init__(self, pool: BlockPool, batch_size: int, shared: bool = False,
                  block_tables: type[BlockTables] = BlockTables) -> None:
         self._tables = block_tables(pool, batch_size)
-        super().__init__([StateLayer(batch_size, spec, pool.dtype, pool.device)
-                          if isinstance(spec, StateSpec) else PagedLayer(self._tables, i)
-                          for i, spec in enumerate(pool.layout)])
+        super().__init__([self._new_layer(spec, i) for i, spec in enumerate(pool.layout)])
         self.pool, self.block_size = pool, pool.block_size
         self.shared, self.block_tables = shared, block_tables
         self.tables = self._tables.rows
         # on the tables, not the cache: a call's working copy (begin) shares them
         self._finalizer = weakref.finalize(self._tables, _release_tables, pool, self.tables)
+
+    def _new_layer(self, spec: object, i: int) -> CacheLayer:
+        pool, tables = self._tables.pool, self._tables
+        if isinstance(spec, StateSpec):
+            return StateLayer(len(tables.rows), spec, pool.dtype, pool.device)
+        if pool.index_k:  # the latent's rows and the indexer's keys, in the same blocks
+            return IndexedLayer(PagedLayer(tables, i), PagedLayer(tables, i, keys=True))
+        return PagedLayer(tables, i)
 
     def release(self) -> None:
         """Give every block back (the cache is then empty); also done when the cache is
@@ -321,7 +342,7 @@ class PagedCache(KVCache):
     def tensors(self) -> list[torch.Tensor]:
         """The pool's storage, which this cache shares with every other cache of the pool, and
         its own recurrent states."""
-        return [*self.pool.k, *self.pool.v,
+        return [*self.pool.stores(),
                 *(t for la in self.layers if isinstance(la, StateLayer) for t in la.tensors())]
 
 

@@ -54,13 +54,13 @@ class RaggedLayer(PoolLayer):
         self.check_rows(k, v)
         s = self.step
         # the real new rows only: [M, H_kv, D_h] into (block, :, offset) of each row's blocks
-        for store, new in ((s.pool.k[self.index], k), (s.pool.v[self.index], v)):
+        for store, new in zip(self.stores, (k, v), strict=True):
             store[s.blocks, :, s.offsets] = new[s.rows, :, s.cols]
         return self.read(start)
 
     def read(self, seq_len: int) -> KV:
         s = self.step
-        return gather(s.pool.k[self.index], s.pool.v[self.index], s.table, s.width)
+        return gather(*self.stores, s.table, s.width)
 
 
 class RaggedStep:

@@ -16,11 +16,13 @@ True
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 
 from kvdoc.core.cache import KVCache
 from kvdoc.core.indexed import IndexedAttention, IndexedDecoder, IndexedLayer, select
+from kvdoc.serving.paged import BlockPool, PagedCache, paged_cache
 
 from .decoders import cached_only, copy_as  # noqa: F401 (cached_only: the doctest)
 
@@ -82,3 +84,23 @@ class UnforkedKeysDecoder(IndexedDecoder):
         cache = super().new_cache(batch_size, kind, capacity)
         cache.layers = [UnforkedKeysLayer(layer.latent, layer.keys) for layer in cache.layers]
         return cache
+
+
+class KeysNotCopiedPool(BlockPool):
+    """BROKEN: copy-on-write copies a shared block's latent rows but not its indexer keys."""
+
+    def copy(self, block: int) -> int:
+        (new,) = self.allocate(1)
+        for store in (*self.k, *self.v):  # BUG: self.index_k and self.index_v left as zeros
+            store[new] = store[block]
+        self.release([block])
+        return new
+
+
+def keys_not_copied_cache(model: IndexedDecoder, batch: int, capacity: int,
+                          block_size: int = 4) -> PagedCache:
+    """A shared-prefix cache over a :class:`KeysNotCopiedPool` sized as the grid's."""
+    weight = model.wte.weight
+    pool = KeysNotCopiedPool(model.config, batch * (math.ceil(capacity / block_size) + 1),
+                             block_size, weight.dtype, weight.device)
+    return paged_cache(pool, batch, shared=True)
