@@ -4,9 +4,9 @@ The memory layout of vLLM's PagedAttention (Kwon et al., 2023), written for read
 than speed. A :class:`BlockPool` owns each layer's two stores ``[num_blocks, heads, block_size,
 width]`` (K and V, or an MLA latent's two widths: ``config.cache_layout``; an indexed model's
 indexer keys in two more stores, composed with the latent by
-:class:`~kvdoc.core.indexed.IndexedLayer`); a block id names the same slot in every store. A :class:`PagedCache` maps position ``t`` of sequence ``b`` to offset
-``t % block_size`` of block ``tables[b][t // block_size]`` and gathers the blocks back into
-``[B, H_kv, T, D_h]`` for the model (real engines read them inside the kernel). Every position of
+:class:`~kvdoc.core.indexed.IndexedLayer`); a block id names the same slot in every store. A
+:class:`PagedCache` maps position ``t`` of sequence ``b`` to offset ``t % block_size`` of block
+``tables[b][t // block_size]`` and gathers the blocks back into ``[B, H_kv, T, D_h]`` for the model (real engines read them inside the kernel). Every position of
 every layer is kept; the model's own mask limits what a windowed layer reads.
 
 Blocks are reference-counted: :meth:`PagedCache.fork` shares every block of existing sequences
