@@ -1,13 +1,13 @@
 """A paged K/V cache: fixed-size blocks from one pool, a block table per sequence, a free list.
 
-The memory layout of vLLM's PagedAttention (Kwon et al., 2023), written for reading rather
-than speed. A :class:`BlockPool` owns each layer's two stores ``[num_blocks, heads, block_size,
-width]`` (K and V, or an MLA latent's two widths: ``config.cache_layout``; an indexed model's
-indexer keys in two more stores, composed with the latent by
-:class:`~kvdoc.core.indexed.IndexedLayer`); a block id names the same slot in every store. A
-:class:`PagedCache` maps position ``t`` of sequence ``b`` to offset ``t % block_size`` of block
-``tables[b][t // block_size]`` and gathers the blocks back into ``[B, H_kv, T, D_h]`` for the model (real engines read them inside the kernel). Every position of
-every layer is kept; the model's own mask limits what a windowed layer reads.
+The memory layout of vLLM's PagedAttention (Kwon et al., 2023), written for reading rather than
+speed. A :class:`BlockPool` owns each layer's two stores ``[num_blocks, heads, block_size, width]``
+(K and V, or an MLA latent's two widths: ``config.cache_layout``; an indexed model's indexer keys
+in two more stores, composed with the latent by :class:`~kvdoc.core.indexed.IndexedLayer`); a block
+id names the same slot in every store. A :class:`PagedCache` maps position ``t`` of sequence ``b``
+to offset ``t % block_size`` of block ``tables[b][t // block_size]`` and gathers the blocks back
+into ``[B, H_kv, T, D_h]`` for the model (real engines read them inside the kernel). Every position
+of every layer is kept; the model's own mask limits what a windowed layer reads.
 
 Blocks are reference-counted: :meth:`PagedCache.fork` shares every block of existing sequences
 (a prompt prefix computed once), and a write into a shared block copies it first
