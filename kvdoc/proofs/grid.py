@@ -24,8 +24,8 @@ of its decode step is proved not to cost correctness). Something not registered 
 [('paged', 'model'), ('hybrid', 'model')]
 >>> served(MODELS["bamba"].build(0).config)  # paged: blocks for attention, states beside
 [('paged', 'model'), ('shared-prefix', 'model'), ('state', 'model')]
->>> served(MODELS["indexed"].build(0).config)  # its cache composes the indexer keys'
-[('dynamic', 'model'), ('static', 'model')]
+>>> served(MODELS["indexed"].build(0).config)  # indexer keys beside the latent, any kind
+[('dynamic', 'model'), ('static', 'model'), ('paged', 'model'), ('shared-prefix', 'model')]
 """
 
 from __future__ import annotations
