@@ -42,6 +42,21 @@ class TransformersMatch:
         return max(self.full, *self.cached.values())
 
 
+def hf_logits(hf_model: Any, ids: torch.Tensor,
+              prefill_len: int | None = None) -> torch.Tensor:
+    """transformers' logits of ``ids`` (``[B, T]``): one full forward, or through
+    its own cache, ``prefill_len`` tokens and then one a call."""
+    if prefill_len is None:
+        return hf_model(ids).logits
+    out = hf_model(ids[:, :prefill_len], use_cache=True)
+    logits, cache = [out.logits], out.cache
+    for t in range(prefill_len, ids.shape[1]):
+        out = hf_model(ids[:, t:t + 1], cache=cache, use_cache=True)
+        logits.append(out.logits)
+        cache = out.cache
+    return torch.cat(logits, dim=1)
+
+
 @torch.no_grad()
 def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] = (1, 5),
                        kinds: Sequence[str] | None = None, prefill_len: int = 8,
@@ -74,13 +89,7 @@ def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] =
         windowed = ours.config.sliding_window is not None
         kinds = ("dynamic", "static") + (("window",) if windowed else ())
     with float64_islands_lifted(hf_model) if lift else nullcontext():
-        expected = hf_model(ids).logits
-        out = hf_model(ids[:, :prefill_len], use_cache=True)
-        logits, cache = [out.logits], out.cache
-        for t in range(prefill_len, ids.shape[1]):
-            out = hf_model(ids[:, t:t + 1], cache=cache, use_cache=True)
-            logits.append(out.logits)
-            cache = out.cache
+        expected, hf_cached = hf_logits(hf_model, ids), hf_logits(hf_model, ids, prefill_len)
     cached = {(kind, c): max_abs(run_cached(ours, ids, c, kind).logits, expected)
               for kind in kinds for c in chunks}
     family = hf_model.config.model_type
@@ -88,6 +97,6 @@ def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] =
     return TransformersMatch(
         family, DTYPE_NAMES[dtype], (n_hf, ours.num_parameters()),
         max_abs(ours(ids).logits, expected), cached,
-        max_abs(torch.cat(logits, dim=1), expected),
+        max_abs(hf_cached, expected),
         float(expected.abs().max().item()), lift and family != "gpt2",
         prefill_len)

@@ -18,23 +18,17 @@ import torch
 
 from kvdoc.interop.hf_float64 import float64_islands_lifted
 from kvdoc.proofs.compare import max_abs
+from kvdoc.teach import crosscheck
 
 
 def hf_logits(hf: Any, ids: torch.Tensor, steps: bool = False) -> torch.Tensor:
-    """transformers' logits of ``ids`` ``[B, T]``: one full forward, or (``steps``) one token a
-    call through its own cache; an FP64 model with its float32 islands lifted
+    """:func:`kvdoc.teach.crosscheck.hf_logits` of ``ids``, full or (``steps``) one token a call,
+    an FP64 model with its float32 islands lifted
     (:func:`~kvdoc.interop.hf_float64.float64_islands_lifted`)."""
     lift = (float64_islands_lifted(hf) if hf.dtype == torch.float64
             else contextlib.nullcontext())
     with torch.no_grad(), lift:
-        if not steps:
-            return hf(ids).logits
-        out, cache = [], None
-        for t in range(ids.shape[1]):
-            step = hf(ids[:, t:t + 1], cache=cache, use_cache=True)
-            out.append(step.logits)
-            cache = step.cache
-        return torch.cat(out, dim=1)
+        return crosscheck.hf_logits(hf, ids, 1 if steps else None)
 
 
 def prefix_logits(hf: Any, ids: torch.Tensor) -> torch.Tensor:
