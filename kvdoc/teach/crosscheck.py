@@ -43,17 +43,16 @@ class TransformersMatch:
 
 
 def hf_logits(hf_model: Any, ids: torch.Tensor,
-              prefill_len: int | None = None) -> torch.Tensor:
-    """transformers' logits of ``ids`` (``[B, T]``): one full forward, or through
-    its own cache, ``prefill_len`` tokens and then one a call."""
-    if prefill_len is None:
+              chunks: Sequence[int] | None = None) -> torch.Tensor:
+    """transformers' logits of ``ids`` (``[B, T]``): one full forward, or its own
+    cache fed ``chunks`` (token counts, in order)."""
+    if chunks is None:
         return hf_model(ids).logits
-    out = hf_model(ids[:, :prefill_len], use_cache=True)
-    logits, cache = [out.logits], out.cache
-    for t in range(prefill_len, ids.shape[1]):
-        out = hf_model(ids[:, t:t + 1], cache=cache, use_cache=True)
+    logits, cache, start = [], None, 0
+    for n in chunks:
+        out = hf_model(ids[:, start:start + n], cache=cache, use_cache=True)
         logits.append(out.logits)
-        cache = out.cache
+        cache, start = out.cache, start + n
     return torch.cat(logits, dim=1)
 
 
@@ -89,7 +88,8 @@ def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] =
         windowed = ours.config.sliding_window is not None
         kinds = ("dynamic", "static") + (("window",) if windowed else ())
     with float64_islands_lifted(hf_model) if lift else nullcontext():
-        expected, hf_cached = hf_logits(hf_model, ids), hf_logits(hf_model, ids, prefill_len)
+        steps = [prefill_len] + [1] * (ids.shape[1] - prefill_len)  # a prefill, then decode
+        expected, hf_cached = hf_logits(hf_model, ids), hf_logits(hf_model, ids, steps)
     cached = {(kind, c): max_abs(run_cached(ours, ids, c, kind).logits, expected)
               for kind in kinds for c in chunks}
     family = hf_model.config.model_type

@@ -12,6 +12,7 @@ among ``i + 1``: where the k-th place is tied they can read different keys.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,14 +22,13 @@ from kvdoc.proofs.compare import max_abs
 from kvdoc.teach import crosscheck
 
 
-def hf_logits(hf: Any, ids: torch.Tensor, steps: bool = False) -> torch.Tensor:
-    """:func:`kvdoc.teach.crosscheck.hf_logits` of ``ids``, full or (``steps``) one token a call,
-    an FP64 model with its float32 islands lifted
+def hf_logits(hf: Any, ids: torch.Tensor, chunks: Sequence[int] | None = None) -> torch.Tensor:
+    """:func:`kvdoc.teach.crosscheck.hf_logits`, an FP64 model with its float32 islands lifted
     (:func:`~kvdoc.interop.hf_float64.float64_islands_lifted`)."""
     lift = (float64_islands_lifted(hf) if hf.dtype == torch.float64
             else contextlib.nullcontext())
     with torch.no_grad(), lift:
-        return crosscheck.hf_logits(hf, ids, 1 if steps else None)
+        return crosscheck.hf_logits(hf, ids, chunks)
 
 
 def prefix_logits(hf: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -49,7 +49,7 @@ def path_gaps(hf: Any, ids: torch.Tensor) -> dict[str, float]:
     (['decode', 'prefix'], True)
     """
     full = hf_logits(hf, ids)
-    return {"decode": max_abs(hf_logits(hf, ids, steps=True), full),
+    return {"decode": max_abs(hf_logits(hf, ids, [1] * ids.shape[1]), full),
             "prefix": max_abs(prefix_logits(hf, ids), full)}
 
 
