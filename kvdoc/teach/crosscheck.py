@@ -88,7 +88,7 @@ def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] =
         windowed = ours.config.sliding_window is not None
         kinds = ("dynamic", "static") + (("window",) if windowed else ())
     with float64_islands_lifted(hf_model) if lift else nullcontext():
-        steps = [prefill_len] + [1] * (ids.shape[1] - prefill_len)  # a prefill, then decode
+        steps = [prefill_len] + [1] * (ids.shape[1] - prefill_len)  # as served: prefill, decode
         expected, hf_cached = hf_logits(hf_model, ids), hf_logits(hf_model, ids, steps)
     cached = {(kind, c): max_abs(run_cached(ours, ids, c, kind).logits, expected)
               for kind in kinds for c in chunks}
