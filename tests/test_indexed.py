@@ -30,10 +30,10 @@ from kvdoc.interop.hf_deepseek_v32 import (
     v32_config,
     v32_model,
 )
-from kvdoc.interop.hf_float64 import float64_islands_lifted
 from kvdoc.proofs.broken.indexed import NewRowsTopkDecoder, TopkTiesDecoder, indexed_as
 from kvdoc.proofs.compare import TOLERANCE, Snapshot, close, max_abs, run_cached
 from kvdoc.proofs.grid import MLA
+from kvdoc.teach.topk_ties import hf_logits
 
 TIES = IndexedConfig(**{**dataclasses.asdict(MLA), "n_layer": 3}, index_n_heads=1,
                      index_head_dim=10, index_topk=7)
@@ -225,26 +225,6 @@ def test_configs_are_checked_by_name():
 
 
 # --- transformers ----------------------------------------------------------------------------
-
-def hf_logits(hf, ids: torch.Tensor, chunks: list[int] | None = None) -> torch.Tensor:
-    """transformers' logits, full (``chunks`` None) or fed through its cache in ``chunks``; FP64
-    with its float32 islands lifted."""
-    lift = float64_islands_lifted(hf) if hf.dtype == torch.float64 else contextlib_null()
-    with torch.no_grad(), lift:
-        if chunks is None:
-            return hf(ids).logits
-        out, cache, start = [], None, 0
-        for n in chunks:
-            step = hf(ids[:, start:start + n], cache=cache, use_cache=True)
-            out.append(step.logits)
-            cache, start = step.cache, start + n
-        return torch.cat(out, dim=1)
-
-
-@contextmanager
-def contextlib_null():
-    yield
-
 
 def test_configs_round_trip_and_the_moe_is_refused_by_name():
     from transformers import DeepseekV32Config

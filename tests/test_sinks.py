@@ -12,7 +12,6 @@ import torch
 from kvdoc.core.gptoss import GptOssDecoder, sink_attention
 from kvdoc.core.model import Decoder, llama_config
 from kvdoc.core.streaming import SinkWindowLayer, stream_logits, streaming_decoder
-from kvdoc.interop.hf_float64 import float64_islands_lifted
 from kvdoc.interop.hf_gptoss import (
     config_from_gptoss,
     from_gptoss,
@@ -26,6 +25,7 @@ from kvdoc.proofs.compare import TOLERANCE
 from kvdoc.proofs.grid import SINKS, WINDOW
 from kvdoc.proofs.suite import run_suite
 from kvdoc.serving.splitk import all_partials, split_k_attention, split_k_decoder
+from kvdoc.teach.topk_ties import hf_logits
 
 CHUNKS = [20, 5, 5, 5, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]  # 41 positions in all
 """A prefill, chunks, then one-token steps: past the window of 16 twice."""
@@ -45,21 +45,6 @@ def _cached(model, ids: torch.Tensor, chunks=CHUNKS, cache=None) -> torch.Tensor
     return torch.cat(out, dim=1)
 
 
-def _hf_logits(hf, ids: torch.Tensor, chunks=None) -> torch.Tensor:
-    """transformers' logits: one full forward, or its own cache fed ``chunks``."""
-    from transformers import DynamicCache
-
-    lifted = float64_islands_lifted(hf) if hf.dtype == torch.float64 else torch.no_grad()
-    with torch.no_grad(), lifted:
-        if chunks is None:
-            return hf(ids).logits
-        cache, out, pos = DynamicCache(config=hf.config), [], 0
-        for n in chunks:
-            out.append(hf(ids[:, pos:pos + n], cache=cache, use_cache=True).logits)
-            pos += n
-        return torch.cat(out, dim=1)
-
-
 def _tol(dtype: torch.dtype, reference: torch.Tensor) -> float:
     # FP64: 1e-12 of the logits' scale; FP32: the suite's 1e-5 (logits here are about 1 wide)
     scale = max(1.0, reference.abs().max().item())
@@ -71,7 +56,7 @@ def pair(request):
     """transformers' GptOssForCausalLM of the grid's sizes (all off the defaults), and kvdoc's
     model loaded from it."""
     hf = gptoss_model(SINKS, seed=3, dtype=request.param)
-    return hf, from_gptoss(hf), _hf_logits(hf, _stream())
+    return hf, from_gptoss(hf), hf_logits(hf, _stream())
 
 
 def test_the_grid_config_is_off_every_default():
@@ -100,13 +85,13 @@ def test_transformers_cached_path_matches_its_own_full_forward(pair):
     """Measured, not assumed: transformers 5.24's own cache fed the same chunks."""
     hf, _, want = pair
     ids = _stream()
-    assert (_hf_logits(hf, ids, CHUNKS) - want).abs().max().item() <= _tol(hf.dtype, want)
+    assert (hf_logits(hf, ids, CHUNKS) - want).abs().max().item() <= _tol(hf.dtype, want)
 
 
 def test_export_round_trips(pair):
     hf, ours, want = pair
     ids = _stream()
-    assert torch.equal(_hf_logits(to_gptoss(ours), ids), want)
+    assert torch.equal(hf_logits(to_gptoss(ours), ids), want)
     assert config_from_gptoss(gptoss_config(SINKS)) == SINKS
 
 

@@ -26,8 +26,10 @@ it. kvdoc clamps in both forms and turns at ``P .. P + C - 1``. transformers' ca
 (``cache_utils.LinearAttentionLayer``) keeps ``d_conv`` inputs per conv state, of which
 ``causal_conv1d_update`` never reads the oldest; kvdoc keeps ``d_conv - 1``.
 
+>>> import torch
+>>> from transformers import BambaForCausalLM
 >>> _ = torch.manual_seed(0)
->>> hf = bamba_model(Mamba2Config())
+>>> hf = BambaForCausalLM(bamba_config(Mamba2Config())).eval()
 >>> ours = from_bamba(hf)
 >>> ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
 >>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
@@ -38,8 +40,6 @@ from __future__ import annotations
 
 import math
 from typing import Any
-
-import torch
 
 from kvdoc.core.mamba2 import Mamba2Config, MambaDecoder
 from kvdoc.interop.hf_config import (
@@ -121,12 +121,3 @@ def to_bamba(model: MambaDecoder) -> Any:
     mapped = by_their_names(model.state_dict(), OUTER, ("feed_forward", "mlp"))
     return load_exported(BambaForCausalLM, bamba_config(model.config), mapped, model, "Bamba")
 
-
-def bamba_model(config: Mamba2Config | None = None, seed: int = 0,
-                dtype: torch.dtype = torch.float32) -> Any:
-    """A transformers ``BambaForCausalLM`` with random weights from ``config`` (default
-    :class:`Mamba2Config`), built offline, in eval mode."""
-    torch.manual_seed(seed)
-    from transformers import BambaForCausalLM
-
-    return BambaForCausalLM(bamba_config(config or Mamba2Config())).to(dtype).eval()

@@ -37,6 +37,7 @@ from kvdoc.interop.hf_config import (
     holding,
     load_exported,
     outer_weights,
+    refuse_unsupported,
 )
 
 #: the attention's parameters, below ``self_attn.`` (transformers) and ``attn.`` (kvdoc)
@@ -112,19 +113,13 @@ def config_from_deepseek(hf_config: Any) -> MLAConfig:
     model type, MoE layers, scaled RoPE, attention biases or another activation."""
     expect_model_type(hf_config, "deepseek_v3")
     rope = dict(hf_config.rope_parameters or {})
-    unsupported = {
-        "first_k_dense_replace": (hf_config.first_k_dense_replace >= hf_config.num_hidden_layers,
-                                  (True,)),
+    if hf_config.first_k_dense_replace < hf_config.num_hidden_layers:
+        raise ValueError("DeepseekV3 config has MoE layers (first_k_dense_replace < "
+                         "num_hidden_layers); kvdoc loads dense layers only")
+    refuse_unsupported("deepseek_v3", {
         "rope_type": (rope.get("rope_type", "default"), ("default",)),
         "attention_bias": (hf_config.attention_bias, (False,)),
-        "hidden_act": (hf_config.hidden_act, ("silu",)),
-    }
-    for name, (value, allowed) in unsupported.items():
-        if value not in allowed:
-            detail = ("MoE layers (first_k_dense_replace < num_hidden_layers)"
-                      if name == "first_k_dense_replace" else f"{name}={value!r}")
-            raise ValueError(f"DeepseekV3 config has {detail}; kvdoc loads dense layers, "
-                             "default RoPE, no attention bias, SiLU")
+        "hidden_act": (hf_config.hidden_act, ("silu",))})
     return _config({**hf_config.to_dict(), "rope_theta": rope.get("rope_theta", 10000.0)})
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from kvdoc.core.indexed import IndexedConfig, IndexedDecoder
-from kvdoc.interop.hf_config import expect_model_type, holding, load_exported
+from kvdoc.interop.hf_config import expect_model_type, holding, load_exported, refuse_unsupported
 from kvdoc.interop.hf_deepseek import layers_by_our_names, layers_by_their_names
 
 #: the attention's parameters, below ``self_attn.`` (transformers) and ``attn.`` (kvdoc)
@@ -81,12 +81,10 @@ def config_from_v32(hf_config: Any) -> IndexedConfig:
         raise ValueError(f"DeepseekV32 layers {sparse} are mixture-of-experts ('sparse' in "
                          "mlp_layer_types); kvdoc loads dense layers only")
     rope = dict(hf_config.rope_parameters or {})
-    for name, value, allowed in (("rope_type", rope.get("rope_type", "default"), "default"),
-                                 ("attention_bias", hf_config.attention_bias, False),
-                                 ("hidden_act", hf_config.hidden_act, "silu")):
-        if value != allowed:
-            raise ValueError(f"DeepseekV32 config has {name}={value!r}; kvdoc loads default "
-                             "RoPE, no attention bias, SiLU")
+    refuse_unsupported("deepseek_v32", {
+        "rope_type": (rope.get("rope_type", "default"), ("default",)),
+        "attention_bias": (hf_config.attention_bias, (False,)),
+        "hidden_act": (hf_config.hidden_act, ("silu",))})
     c = hf_config
     return IndexedConfig(
         vocab_size=c.vocab_size, n_positions=c.max_position_embeddings,

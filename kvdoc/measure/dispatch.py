@@ -104,8 +104,6 @@ class UpdateRecord:
     layer: int
     start: int
     """``P``: positions held before the update."""
-    new_rows: int
-    """``C``: positions added."""
     new_bytes: int
     """Bytes of the new K and V rows passed in."""
     written: int
@@ -177,6 +175,6 @@ class _MeteredLayer(LayerWrapper):
         with WriteCounter() as counter:
             kv = self.inner.write(k, v, start)
         new_bytes = tensor_bytes(k) + tensor_bytes(v)
-        self.meter.records.append(UpdateRecord(self.index, start, k.shape[2], new_bytes,
-                                               counter.written, counter.read, counter.allocated))
+        self.meter.records.append(UpdateRecord(self.index, start, new_bytes, counter.written,
+                                               counter.read, counter.allocated))
         return kv

@@ -186,17 +186,17 @@ def compressed_layer(head_dim: int, window: int, rate: int = 0,
                           buffer=4 * (head_dim + index_head_dim),
                           overlap=2 * rate * (head_dim + index_head_dim))
 
-def every_nth_full(layers: int, pattern: int) -> list[str]:
-    """Layer types where every ``pattern``-th layer is full and the rest windowed, as
-    :func:`kvdoc.core.gemma.gemma_layer_types` gives them (that module imports torch).
+def every_nth_full(layers: int, pattern: int, other: str = "sliding_attention") -> list[str]:
+    """Layer types where every ``pattern``-th layer is full and the rest ``other``, as
+    :func:`kvdoc.core.gemma.gemma_layer_types` and (``"linear_attention"``)
+    :func:`kvdoc.core.deltanet.every_nth_full` give them (those modules import torch).
 
     >>> every_nth_full(4, 2)
     ['sliding_attention', 'full_attention', 'sliding_attention', 'full_attention']
     """
     check_int("layers", layers)
     check_int("pattern", pattern)
-    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-            for i in range(layers)]
+    return ["full_attention" if (i + 1) % pattern == 0 else other for i in range(layers)]
 
 
 KINDS = ("plain", "windowed", "hybrid", "MLA", "linear-hybrid", "compressed")

@@ -52,7 +52,8 @@ from .model_caches import MODELS, LayerCache, ModelCache, attention_layer, model
 MAX_SEQ_LEN = 2**31 - 1
 
 
-def _positive_arg(text: str) -> int:
+def positive_arg(text: str) -> int:
+    """An argparse type: a positive integer, commas and underscores allowed (``1,024``)."""
     try:
         value = int(text.replace(",", "").replace("_", ""))
     except ValueError:
@@ -63,7 +64,7 @@ def _positive_arg(text: str) -> int:
 
 
 def _length_arg(text: str) -> int:
-    value = _positive_arg(text)
+    value = positive_arg(text)
     if value > MAX_SEQ_LEN:
         raise argparse.ArgumentTypeError(
             f"{value:,} positions is past any sequence an attention kernel indexes "
@@ -107,15 +108,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a transformers config.json or its folder (GQA, MLA, "
                              "sliding-window, Gated DeltaNet, Mamba-2 and DeepSeek-V3.2 / V4 "
                              "layers)")
-    parser.add_argument("--batch", type=_positive_arg, default=1, metavar="B",
+    parser.add_argument("--batch", type=positive_arg, default=1, metavar="B",
                         help="sequences (default 1)")
-    parser.add_argument("--layers", type=_positive_arg, metavar="L", help="decoder layers")
+    parser.add_argument("--layers", type=positive_arg, metavar="L", help="decoder layers")
     parser.add_argument("--seq-len", type=_length_arg, metavar="T",
                         help="cached positions per sequence (default with --model or --config: "
                              "the model's context; a longer one is computed, with a warning)")
-    parser.add_argument("--kv-heads", type=_positive_arg, metavar="H",
+    parser.add_argument("--kv-heads", type=positive_arg, metavar="H",
                         help="K/V heads per layer (not query heads)")
-    parser.add_argument("--head-dim", type=_positive_arg, metavar="D", help="size of one head")
+    parser.add_argument("--head-dim", type=positive_arg, metavar="D", help="size of one head")
     parser.add_argument("--dtype", type=_refusing(dtype_name), default="float16", metavar="NAME",
                         help="element type: float32, float16, bfloat16, float8_e4m3fn, ... "
                              "(default float16)")

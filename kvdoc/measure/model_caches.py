@@ -281,8 +281,7 @@ def _layer_types(c: Mapping[str, Any], layers: int, where: str) -> list[str]:
         return every_nth_full(layers, 2)
     if c.get("full_attention_interval") is not None:
         every = positive(c, "full_attention_interval", where)
-        return ["full_attention" if (i + 1) % every == 0 else "linear_attention"
-                for i in range(layers)]
+        return every_nth_full(layers, every, "linear_attention")
     windowed = c.get("sliding_window") is not None and c.get("use_sliding_window") is not False
     return ["sliding_attention" if windowed else "full_attention"] * layers
 

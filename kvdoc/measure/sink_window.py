@@ -26,16 +26,12 @@ from kvdoc.core.streaming import stream_logits, streaming_decoder
 class Divergence(NamedTuple):
     """``per_position`` ``[T]``: the largest ``|logit - full logit|`` over the batch and the
     vocabulary; ``before``, ``after``: its largest before and from ``evicts_at`` (the first
-    position whose query reads fewer keys than full attention); ``agree``: the share of
-    positions from ``evicts_at`` whose argmax equals the full forward's; ``kl``: the mean
-    ``KL(full || streaming)`` there, in nats."""
+    position whose query reads fewer keys than full attention)."""
 
     per_position: torch.Tensor
     evicts_at: int
     before: float
     after: float
-    agree: float
-    kl: float
 
 
 @torch.no_grad()
@@ -46,10 +42,5 @@ def divergence(model: Decoder, ids: torch.Tensor, sinks: int, window: int) -> Di
     streamed, _ = stream_logits(streaming_decoder(model, sinks, window), ids)
     per_position = (streamed - full).abs().amax(dim=(0, 2))
     at = min(sinks + window, ids.shape[1])
-    late_full, late = full[:, at:].log_softmax(-1), streamed[:, at:].log_softmax(-1)
-    tail = ids.shape[1] > at
-    return Divergence(
-        per_position, at, float(per_position[:at].max()),
-        float(per_position[at:].max()) if tail else 0.0,
-        float((late.argmax(-1) == late_full.argmax(-1)).float().mean()) if tail else 1.0,
-        float((late_full.exp() * (late_full - late)).sum(-1).mean()) if tail else 0.0)
+    return Divergence(per_position, at, float(per_position[:at].max()),
+                      float(per_position[at:].max()) if ids.shape[1] > at else 0.0)

@@ -38,12 +38,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvdoc.serving.snapshots import WHERE, save_points
+
 from .kv_bytes import check_int
 from .layer_caches import LayerCache
 from .prefix_report import Prefixes
 
-WHERE = ("every", "last", "end")
-"""The snapshot rules, as in the module's docstring."""
 KERNEL_ALIGNMENT = 16
 """Tokens an attention block is a multiple of in :func:`vllm_hybrid_block` (FlashAttention's
 ``MultipleOf(16)`` and vLLM's default block size)."""
@@ -82,20 +82,11 @@ def _path(trie: Prefixes, tokens: Sequence[int]) -> list[int]:
     return path
 
 
-def _saves(n: int, hit: int, where: str, block: int) -> list[int]:
-    """Positions where a prompt of ``n`` tokens, resumed at ``hit``, saves its state."""
-    last = (n - 1) // block * block  # the last boundary before the last token
-    if where == "every":
-        return list(range((hit // block + 1) * block, n + 1, block))
-    if where == "last":
-        return [last] if last > hit else []
-    return [n]
-
-
 def state_prefix_report(prompts: Sequence[Sequence[int]], where: str = "last",
                         block: int = 16, branch: bool = False) -> StateReport:
-    """Match each prompt against those before it; snapshots at positions by ``where`` (one of
-    :data:`WHERE`) and ``block``, plus each request's branching point with ``branch``."""
+    """Match each prompt against those before it; snapshots where
+    :func:`~kvdoc.serving.snapshots.save_points` puts them by ``where`` and ``block`` (the rules
+    the server runs), plus each request's branching point with ``branch``."""
     if where not in WHERE:
         raise ValueError(f"where must be one of {WHERE}, got {where!r}")
     check_int("block", block)
@@ -112,7 +103,7 @@ def state_prefix_report(prompts: Sequence[Sequence[int]], where: str = "last",
         hits.append(hit)
         trie.add(prompt, i)
         here = _path(trie, prompt)
-        points = _saves(n, hit, where, block)
+        points = save_points(n, hit, where, block)
         if branch and len(path) // block * block > hit:
             points.append(len(path) // block * block)
         saved.update(here[p - 1] for p in points if p > 0)

@@ -11,39 +11,31 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvdoc.measure.memory import positive_arg
+
 MAX_RANKS = 16
 """The most processes one run starts: each is a whole Python with torch on this machine."""
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``python -m kvdoc parallel``."""
-    parser.add_argument("--tp", type=_positive, default=2, metavar="N",
+    parser.add_argument("--tp", type=positive_arg, default=2, metavar="N",
                         help="tensor-parallel ranks: heads and MLP columns split N ways "
                              "(default 2)")
-    parser.add_argument("--cp", type=_positive, default=1, metavar="M",
+    parser.add_argument("--cp", type=positive_arg, default=1, metavar="M",
                         help="context-parallel ranks: positions split M ways (default 1)")
     parser.add_argument("--models", default="gpt2,llama,mqa,mistral,qwen2", metavar="NAMES",
                         help="comma-separated models to check (default: all of "
                              "gpt2, llama, mqa, mistral, qwen2)")
-    parser.add_argument("--prompt-len", type=_positive, default=7, metavar="P",
+    parser.add_argument("--prompt-len", type=positive_arg, default=7, metavar="P",
                         help="prompt tokens (default 7)")
-    parser.add_argument("--new-tokens", type=_positive, default=6, metavar="N",
+    parser.add_argument("--new-tokens", type=positive_arg, default=6, metavar="N",
                         help="tokens to generate (default 6)")
     parser.add_argument("--handover", choices=("push", "pull"), default=None,
                         help="also hand each prompt's K/V from a prefill at TP = --tp to one "
                              "more rank that decodes: 'push' (the prefill ranks send every "
                              "block) or 'pull' (the decode rank asks for the blocks it lacks)")
-    parser.add_argument("--block-size", type=_positive, default=4, metavar="S",
+    parser.add_argument("--block-size", type=positive_arg, default=4, metavar="S",
                         help="positions per block of the hand-over (default 4)")
     parser.add_argument("--have", type=int, default=0, metavar="K",
                         help="with --handover pull: leading blocks the decode rank already "

@@ -42,6 +42,20 @@ class TransformersMatch:
         return max(self.full, *self.cached.values())
 
 
+def hf_logits(hf_model: Any, ids: torch.Tensor,
+              chunks: Sequence[int] | None = None) -> torch.Tensor:
+    """transformers' logits of ``ids`` (``[B, T]``): one full forward, or its own
+    cache fed ``chunks`` (token counts, in order)."""
+    if chunks is None:
+        return hf_model(ids).logits
+    logits, cache, start = [], None, 0
+    for n in chunks:
+        out = hf_model(ids[:, start:start + n], cache=cache, use_cache=True)
+        logits.append(out.logits)
+        cache, start = out.cache, start + n
+    return torch.cat(logits, dim=1)
+
+
 @torch.no_grad()
 def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] = (1, 5),
                        kinds: Sequence[str] | None = None, prefill_len: int = 8,
@@ -74,13 +88,8 @@ def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] =
         windowed = ours.config.sliding_window is not None
         kinds = ("dynamic", "static") + (("window",) if windowed else ())
     with float64_islands_lifted(hf_model) if lift else nullcontext():
-        expected = hf_model(ids).logits
-        out = hf_model(ids[:, :prefill_len], use_cache=True)
-        logits, cache = [out.logits], out.cache
-        for t in range(prefill_len, ids.shape[1]):
-            out = hf_model(ids[:, t:t + 1], cache=cache, use_cache=True)
-            logits.append(out.logits)
-            cache = out.cache
+        steps = [prefill_len] + [1] * (ids.shape[1] - prefill_len)  # as served: prefill, decode
+        expected, hf_cached = hf_logits(hf_model, ids), hf_logits(hf_model, ids, steps)
     cached = {(kind, c): max_abs(run_cached(ours, ids, c, kind).logits, expected)
               for kind in kinds for c in chunks}
     family = hf_model.config.model_type
@@ -88,6 +97,6 @@ def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] =
     return TransformersMatch(
         family, DTYPE_NAMES[dtype], (n_hf, ours.num_parameters()),
         max_abs(ours(ids).logits, expected), cached,
-        max_abs(torch.cat(logits, dim=1), expected),
+        max_abs(hf_cached, expected),
         float(expected.abs().max().item()), lift and family != "gpt2",
         prefill_len)

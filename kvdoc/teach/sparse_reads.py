@@ -20,6 +20,7 @@ import torch
 
 from kvdoc.core.feed import chunk_lengths
 from kvdoc.proofs.compare import run_cached
+from kvdoc.teach.dependency_maps import token_dependency_map
 
 
 @contextmanager
@@ -142,7 +143,8 @@ def compressed_reads(model: torch.nn.Module, ids: torch.Tensor) -> list[Compress
 def entries_changed(model: torch.nn.Module, ids: torch.Tensor, layer: int) -> torch.Tensor:
     """bool ``[T, N]``: whether entry ``w`` of layer ``layer``'s compressed cache, after a
     prefill of ``ids`` ``[1, T]``, changes (bit for bit) when the token at position ``p`` is
-    replaced by the next id: which positions an entry depends on.
+    replaced by the next id (:func:`~kvdoc.teach.dependency_maps.token_dependency_map`): which
+    positions an entry depends on.
 
     >>> from kvdoc.core.v4 import CompressedConfig, CompressedDecoder
     >>> _ = torch.manual_seed(0)
@@ -155,10 +157,4 @@ def entries_changed(model: torch.nn.Module, ids: torch.Tensor, layer: int) -> to
         _, cache = model(tokens, model.new_cache(1))
         return cache.layers[layer].entries[0]  # [N, E]
 
-    before = entries(ids)
-    changed = []
-    for p in range(ids.shape[1]):
-        edited = ids.clone()
-        edited[0, p] = (edited[0, p] + 1) % model.config.vocab_size
-        changed.append((entries(edited) != before).any(-1))
-    return torch.stack(changed)
+    return token_dependency_map(entries, ids, model.config.vocab_size).depends.T

@@ -12,29 +12,23 @@ among ``i + 1``: where the k-th place is tied they can read different keys.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from kvdoc.interop.hf_float64 import float64_islands_lifted
 from kvdoc.proofs.compare import max_abs
+from kvdoc.teach import crosscheck
 
 
-def hf_logits(hf: Any, ids: torch.Tensor, steps: bool = False) -> torch.Tensor:
-    """transformers' logits of ``ids`` ``[B, T]``: one full forward, or (``steps``) one token a
-    call through its own cache; an FP64 model with its float32 islands lifted
+def hf_logits(hf: Any, ids: torch.Tensor, chunks: Sequence[int] | None = None) -> torch.Tensor:
+    """:func:`kvdoc.teach.crosscheck.hf_logits`, an FP64 model with its float32 islands lifted
     (:func:`~kvdoc.interop.hf_float64.float64_islands_lifted`)."""
     lift = (float64_islands_lifted(hf) if hf.dtype == torch.float64
             else contextlib.nullcontext())
     with torch.no_grad(), lift:
-        if not steps:
-            return hf(ids).logits
-        out, cache = [], None
-        for t in range(ids.shape[1]):
-            step = hf(ids[:, t:t + 1], cache=cache, use_cache=True)
-            out.append(step.logits)
-            cache = step.cache
-        return torch.cat(out, dim=1)
+        return crosscheck.hf_logits(hf, ids, chunks)
 
 
 def prefix_logits(hf: Any, ids: torch.Tensor) -> torch.Tensor:
@@ -55,7 +49,7 @@ def path_gaps(hf: Any, ids: torch.Tensor) -> dict[str, float]:
     (['decode', 'prefix'], True)
     """
     full = hf_logits(hf, ids)
-    return {"decode": max_abs(hf_logits(hf, ids, steps=True), full),
+    return {"decode": max_abs(hf_logits(hf, ids, [1] * ids.shape[1]), full),
             "prefix": max_abs(prefix_logits(hf, ids), full)}
 
 
