@@ -347,7 +347,7 @@ class PrefillBeforeDecode(Scheduler):
         prefilling = [x for x in live if not x.decoding]
         decoding = [x for x in live if x.decoding and not x.done]
         budget, rows = self.token_budget, []
-        for x in prefilling + decoding:  # BUG: decodes first
+        for x in prefilling + decoding:  # BUG: prefills first (the spec puts decodes first)
             if budget == 0:
                 break
             rows.append((x, x.next_ids(budget)))
