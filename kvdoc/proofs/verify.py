@@ -13,6 +13,7 @@ its broken variants (:mod:`kvdoc.proofs.broken.parallel`), which must fail.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import tempfile
 import time
@@ -33,7 +34,7 @@ from kvdoc.parallel.latent import (
     latent_model,
     rank_latent_jobs,
 )
-from kvdoc.parallel.launch import launch, together
+from kvdoc.parallel.launch import launch, stop_fork_server, together
 from kvdoc.serving.offload import TieredStore, check_offload, multi_turn
 
 from . import grid
@@ -267,6 +268,7 @@ def main(args: argparse.Namespace) -> int:
         return 1
     finally:
         torch.set_num_threads(threads)
+        stop_fork_server()
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -275,6 +277,9 @@ def _main(args: argparse.Namespace) -> int:
             print(f"{v.name:22s} {v.bug_class:26s} {v.breaks}")
         return 0
     start = time.perf_counter()
+    # what the workers and the ranks run, imported once by the fork server they are forked from
+    # (where there is one) instead of by each of them (seconds of torch and kvdoc each)
+    multiprocessing.set_forkserver_preload([__name__])
     passes = verify_passes(args.thorough, args.seed)
     with worker_map(args.workers) as map_:
         return _report(args, passes, map_, start)
