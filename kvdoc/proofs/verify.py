@@ -18,6 +18,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -333,26 +334,46 @@ def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start:
               + (f"caught by {', '.join(report.failed_checks())}" if report.failures
                  else "NOT caught"))
         return 0 if report.passed else 1
+    outcomes, swept, across, ran = _sweep_and_across(args, passes, map_)
     missed: list[str] = []
     if not args.no_variants:
-        swept = time.perf_counter()
-        # a verdict needs each variant's first failure only
-        outcomes = sweep_passes(passes, map_=map_)
         print(f"\nBroken variants (each must be caught; the slowest scenarios run last), "
-              f"{time.perf_counter() - swept:.1f} s:\n\n{variants_table(outcomes)}")
+              f"{swept:.1f} s:\n\n{variants_table(outcomes)}")
         caught = {o.name for o in outcomes if o.caught}
         missed = [name for name in VARIANTS if name not in caught]  # or never run
     problems = ([f"{len(report.failures)} failed checks ({', '.join(report.failed_checks())})"]
                 if not report.passed else [])
     problems += [f"variants not caught: {', '.join(missed)}"] if missed else []
-    ran = time.perf_counter()
-    across = process_checks(variants=not args.no_variants, thorough=args.thorough)
     added = ("" if args.thorough else
              f" (--thorough adds decode at {'; '.join(n for n, *_ in THOROUGH_LAYOUTS)})")
     print(f"\nAcross processes (torch.distributed, gloo; launched from this process), "
-          f"{time.perf_counter() - ran:.1f} s{added}:\n\n{processes_table(across)}")
+          f"{ran:.1f} s{added}:\n\n{processes_table(across)}")
     wrong = [c.name for c in across if not c.as_expected]
     problems += [f"across processes, not as expected: {', '.join(wrong)}"] if wrong else []
     print(f"\nTotal: {time.perf_counter() - start:.1f} s")
     print("\nVERDICT: " + ("PASS" if not problems else "FAIL: " + "; ".join(problems)))
     return 0 if not problems else 1
+
+
+def _sweep_and_across(args: argparse.Namespace, passes: list[dict],
+                      map_: Callable) -> tuple[list, float, list[ProcessCheck], float]:
+    """The sweep of the broken variants (none with ``--no-variants``) and
+    :func:`process_checks`, each with its seconds: at once where workers sweep, as this process
+    mostly waits on its ranks (a second of work in three of waiting)."""
+    def sweep() -> tuple[list, float]:
+        began = time.perf_counter()
+        # a verdict needs each variant's first failure only
+        outcomes = [] if args.no_variants else sweep_passes(passes, map_=map_)
+        return outcomes, time.perf_counter() - began
+
+    def across() -> tuple[list[ProcessCheck], float]:
+        began = time.perf_counter()
+        checks = process_checks(variants=not args.no_variants, thorough=args.thorough)
+        return checks, time.perf_counter() - began
+
+    if args.workers == 1:  # in this process, a thread would share the global RNG models seed
+        return *sweep(), *across()
+    with ThreadPoolExecutor(1) as background:
+        swept = background.submit(sweep)  # the thread only waits on the workers
+        checks, ran = across()
+        return *swept.result(), checks, ran
