@@ -99,7 +99,8 @@ def _entry(rank: int, world_size: int, port: int, folder: str, backend: str) -> 
 
 def together(rank: int, world_size: int, calls: list[tuple[Callable[..., Any], tuple]]) -> list:
     """``[fn(rank, world_size, *args) for fn, args in calls]``: several runs on one launch
-    (spawning the ranks costs seconds, a tiny model's run milliseconds).
+    (starting the ranks costs seconds unless a fork server has imported what they run, a tiny
+    model's run milliseconds).
 
     >>> launch(together, 1, [(_square_of_rank, ()), (_square_of_rank, ())])
     [[0, 0]]
