@@ -28,6 +28,12 @@ COMMANDS = {"verify": "kvdoc.proofs.verify", "memory": "kvdoc.measure.memory",
 """Command name -> the name of the module that implements it."""
 
 
+FORK_SERVED = ("verify",)
+"""Commands whose workers and ranks are forked from multiprocessing's fork server, which
+:func:`main` starts before it imports the command's module: the server imports the module too,
+at the same time on another core, so no process forked from it imports torch again."""
+
+
 _ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`~?([^`]+)`")
 
 
@@ -86,5 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         import sys
 
         argv = sys.argv[1:]
+    _start_fork_server(argv)
     args = build_parser(argv).parse_args(argv)
     return int(args.run(args) or 0)
+
+
+def _start_fork_server(argv: Sequence[str]) -> None:
+    if argv[:1] and argv[0] in FORK_SERVED and not {"-h", "--help", "--list"} & set(argv):
+        import multiprocessing
+        from multiprocessing import forkserver
+
+        if "forkserver" in multiprocessing.get_all_start_methods():
+            multiprocessing.set_forkserver_preload([COMMANDS[argv[0]]])
+            forkserver.ensure_running()  # returns at once; the server imports on its own

@@ -13,8 +13,8 @@ last place of its magnitude (about ``n x 6e-8`` relative, ``n`` here at most 256
 logits are of order 1, so the differences are ``1e-6`` or less, under the ``1e-5`` that
 :mod:`kvdoc.proofs.compare` grants any two FP32 orders of one computation (``1e-10`` in FP64).
 
-:func:`run_jobs` runs several models' checks in one launch of the ranks (spawning them costs
-seconds, a tiny model's decode milliseconds).
+:func:`run_jobs` runs several models' checks in one launch of the ranks (starting them costs
+seconds where nothing has imported torch for them, a tiny model's decode milliseconds).
 """
 
 from __future__ import annotations

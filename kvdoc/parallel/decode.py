@@ -274,7 +274,7 @@ def check_run(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, tp: int
 def parallel_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, tp: int = 1,
                       cp: int = 1, *, parts: Parts = STANDARD) -> ParallelRun:
     """Greedy generation on ``tp * cp`` ranks, ``tp``-way tensor parallel and ``cp``-way context
-    parallel: spawned here (gloo, CPU), or the process group this process already belongs to.
+    parallel: started here (gloo, CPU), or the process group this process already belongs to.
 
     Raises:
         ValueError: a layout or an input :func:`check_run` refuses, before any rank starts.

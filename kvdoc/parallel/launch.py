@@ -1,9 +1,10 @@
 """Start ``N`` ranks on this machine with torch.distributed and collect what each returns.
 
 :func:`launch` runs ``fn(rank, world_size, *args)`` on every rank and returns the results, rank
-order: here, for one rank and no process group; on ``N`` spawned processes that join a group at
+order: here, for one rank and no process group; on ``N`` new processes that join a group at
 a free port of ``127.0.0.1`` (no ``torchrun`` needed), each on one torch thread and handing its
-result back through a file; or, in a process group already initialized (or started by
+result back through a file (forked from multiprocessing's fork server where the platform has
+one, :data:`START_METHOD`); or, in a process group already initialized (or started by
 ``torchrun``), on this process's rank, every rank receiving every result. A rank that raises
 makes :func:`launch` raise.
 
@@ -38,6 +39,11 @@ branch makes the others fail instead of hanging."""
 
 
 BACKENDS = ("gloo", "nccl")
+START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+"""How ranks start: a fork server forks them from a process that has imported only what
+``multiprocessing.set_forkserver_preload`` named and run nothing (no OpenMP threads to hang a
+fork), so a caller that preloads torch and kvdoc starts each rank in milliseconds, not the
+seconds of importing them again; spawn where there is no fork server."""
 
 
 def choose_backend(world_size: int, requested: str | None = None) -> str:
@@ -55,6 +61,17 @@ def choose_backend(world_size: int, requested: str | None = None) -> str:
     return requested
 
 
+def stop_fork_server() -> None:
+    """Stop multiprocessing's fork server if this process started one, and wait for it: it
+    reaps what it forked (ranks, pool workers), so their CPU time then counts in this process's
+    children's (``time``, ``getrusage``), as a spawned process's does."""
+    from multiprocessing import forkserver
+
+    stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)  # no public way
+    if stop is not None:
+        stop()
+
+
 def free_port() -> int:
     """A TCP port on ``127.0.0.1`` that nothing listens on now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -66,9 +83,9 @@ def _square_of_rank(rank: int, world_size: int) -> int:
     return rank * rank
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, folder: str,
-           args: tuple, backend: str) -> None:
+def _entry(rank: int, world_size: int, port: int, folder: str, backend: str) -> None:
     torch.set_num_threads(1)  # N ranks share the machine's cores
+    fn, args = torch.load(os.path.join(folder, "call.pt"), weights_only=False)
     if backend == "nccl":
         torch.cuda.set_device(rank)  # one GPU per rank
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -82,7 +99,8 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, folder
 
 def together(rank: int, world_size: int, calls: list[tuple[Callable[..., Any], tuple]]) -> list:
     """``[fn(rank, world_size, *args) for fn, args in calls]``: several runs on one launch
-    (spawning the ranks costs seconds, a tiny model's run milliseconds).
+    (starting the ranks costs seconds unless a fork server has imported what they run, a tiny
+    model's run milliseconds).
 
     >>> launch(together, 1, [(_square_of_rank, ()), (_square_of_rank, ())])
     [[0, 0]]
@@ -115,7 +133,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any,
     if world_size == 1:
         return [fn(0, 1, *args)]
     with tempfile.TemporaryDirectory(prefix="kvdoc-ranks-") as folder:
-        mp.start_processes(_entry, args=(fn, world_size, free_port(), folder, args, backend),
-                           nprocs=world_size, join=True, start_method="spawn")
+        # through a file, not the start arguments: a fork server passes a tensor's shared memory
+        # as a file descriptor, and refuses more than a few hundred of them
+        torch.save((fn, args), os.path.join(folder, "call.pt"))
+        mp.start_processes(_entry, args=(world_size, free_port(), folder, backend),
+                           nprocs=world_size, join=True, start_method=START_METHOD)
         return [torch.load(os.path.join(folder, f"{rank}.pt"), weights_only=False)
                 for rank in range(world_size)]

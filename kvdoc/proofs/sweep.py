@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.measure.tables import markdown_table
+from kvdoc.parallel.launch import START_METHOD
 
 from . import grid
 from .case import CheckResult
@@ -67,14 +68,15 @@ def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = 
 def worker_map(workers: int) -> Iterator[Callable]:
     """A ``map`` over ``workers`` fresh processes (the built-in ``map`` for one), in order; they
     share this process's torch threads (two workers of two threads on two cores ran three times
-    slower than of one)."""
+    slower than of one). They start as the ranks of :func:`kvdoc.parallel.launch.launch` do
+    (:data:`~kvdoc.parallel.launch.START_METHOD`)."""
     if workers <= 1:
         yield map
         return
     import multiprocessing
 
-    # spawn, not fork: a forked child of a process that ran OpenMP threads can hang
-    context = multiprocessing.get_context("spawn")
+    # not a fork of this process: a forked child of a process that ran OpenMP threads can hang
+    context = multiprocessing.get_context(START_METHOD)
     threads = max(1, torch.get_num_threads() // workers)
     with context.Pool(workers, _set_threads, (threads,)) as pool:
         yield lambda fn, items: pool.map(fn, items, chunksize=1)
