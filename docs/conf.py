@@ -230,7 +230,12 @@ def _one_page_per_task(docnames, nproc, maxbatch=10):
 
 
 def _before_reading(app, env, docnames):
+    import shutil
+
     import sphinx.builders
+
+    if docnames and app._kvdoc_fresh_records is not None:
+        shutil.rmtree(app._kvdoc_fresh_records, ignore_errors=True)
 
     # Sphinx 9 names the chunking function in its builders module; another version may not.
     if hasattr(sphinx.builders, "make_chunks"):
@@ -241,7 +246,6 @@ def _before_reading(app, env, docnames):
     config = env.mystnb_config
     if config.execution_mode == "cache":
         import hashlib
-        import shutil
 
         from jupyter_cache import get_cache
 
@@ -274,13 +278,13 @@ def setup(app):
     # kernel after that (kvdoc.teach.sweep_record): kept beside the build's execution cache
     # (MyST-NB puts jupyter_execute and .jupyter_cache in the output folder's parent), so each
     # build folder (html, numeric, repro/a, repro/b) has its own and `make clean` removes it.
-    # A forced build runs every page from scratch, and so the sweep (once).
+    # A forced build runs every page from scratch, and so the sweep (once): its records go when
+    # it starts reading pages (_before_reading), not here, as a builder that reads none (make
+    # doctest reuses html's environment) must leave them for the next (make repro-check).
+    app._kvdoc_fresh_records = None
     if "KVDOC_RECORDS" not in os.environ:
         records = Path(app.outdir).parent / "records"
-        if _force:
-            import shutil
-
-            shutil.rmtree(records, ignore_errors=True)
+        app._kvdoc_fresh_records = records if _force else None
         os.environ["KVDOC_RECORDS"] = str(records)
     app.connect("doctree-read", _drop_machine_values)
     app.connect("doctree-read", _builtins_link_nowhere)

@@ -182,3 +182,38 @@ def test_figure_glued_as_text_fails_the_build(tmp_path):
         ```
         """))
     assert_fails_naming_page(result, "figure without an image")
+
+
+def test_only_a_build_that_reads_pages_clears_the_records(tmp_path):
+    """A forced build (CI) clears the broken-variant sweep's records (kvdoc.teach.sweep_record)
+    as it starts reading pages; make test's doctest build reuses html's environment and reads
+    none, so the records it finds must still be there for make repro-check to read."""
+    result = build(tmp_path, """
+        ```{code-cell} python
+        import os
+        from pathlib import Path
+
+        records = Path(os.environ["KVDOC_RECORDS"])
+        records.mkdir(parents=True, exist_ok=True)
+        (records / "record.json").write_text("{}")
+        with open(records.parent / "executed.txt", "a") as log:
+            log.write("x")
+        ```
+        """)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = tmp_path / "build" / "records"
+    executed = tmp_path / "build" / "executed.txt"
+    assert (records / "record.json").is_file() and executed.read_text() == "x"
+    again = [f"DOCS={tmp_path / 'src'}", f"BUILDDIR={tmp_path / 'build'}"]
+    env = {**os.environ, "KVDOC_CELL_TIMEOUT": "60", "CI": "true"}  # as build() ran html
+    doctest = subprocess.run([*make("doctest"), *again], capture_output=True, text=True,
+                             env=env, timeout=600)
+    assert doctest.returncode == 0, doctest.stdout + doctest.stderr
+    assert executed.read_text() == "x"  # no page read again, none executed
+    assert (records / "record.json").is_file()
+    (records / "stale.json").write_text("{}")
+    html = subprocess.run([*make("html"), *again], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert html.returncode == 0, html.stdout + html.stderr
+    assert executed.read_text() == "xx"
+    assert sorted(p.name for p in records.iterdir()) == ["record.json"]
