@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -325,7 +326,10 @@ def follow_path(site: Path, exe: str, name: str, first: str) -> list[dict]:
 
 
 def assert_path_followed(site: Path, exe: str, name: str, pages: list[str]) -> None:
-    seen = follow_path(site, exe, name, pages[0])
+    assert_followed(follow_path(site, exe, name, pages[0]), name, pages)
+
+
+def assert_followed(seen: list[dict], name: str, pages: list[str]) -> None:
     assert [s["page"] for s in seen] == pages
     assert all(s["paths"] == [name] and not s["theme_shown"] for s in seen), seen
 
@@ -356,5 +360,9 @@ def test_a_path_is_followed_by_its_own_next_links(tmp_path):
 def assert_site_paths(site: Path, exe: str) -> None:
     """Every reading path of the built site, followed from its first page to its last."""
     paths = json.loads((ROOT / "docs" / "_ext" / "paths.json").read_text(encoding="utf-8"))
+    # a browser a path, side by side (each thread mostly waits on its browser's pipe)
+    with ThreadPoolExecutor(min(os.cpu_count() or 1, 4)) as pool:
+        followed = {name: pool.submit(follow_path, site, exe, name, path["pages"][0])
+                    for name, path in paths.items()}
     for name, path in paths.items():
-        assert_path_followed(site, exe, name, path["pages"])
+        assert_followed(followed[name].result(), name, path["pages"])
