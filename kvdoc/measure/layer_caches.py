@@ -278,7 +278,6 @@ class ModelCache:
         indexer keys, compressed entries, block buffer, state; the FP32 state at 4 bytes).
 
         >>> from kvdoc.measure.model_caches import model_cache
-        >>> from kvdoc.measure.model_caches import model_cache
         >>> model_cache("Qwen3-Next-80B-A3B").parts(0, dtype="bfloat16")  # T = 0: the states
         {'state': 2359296, 'state (FP32)': 75497472}
         """
@@ -296,7 +295,6 @@ class ModelCache:
         what the cache would be without windows, states or compression.
 
         >>> from kvdoc.measure.model_caches import model_cache
-        >>> from kvdoc.measure.model_caches import model_cache
         >>> model_cache("Qwen3-Next-80B-A3B").all_attention().kind
         'plain'
         """
@@ -313,7 +311,6 @@ class ModelCache:
         (``windows``: as :meth:`elements`).
 
         >>> from kvdoc.measure.model_caches import model_cache
-        >>> from kvdoc.measure.model_caches import model_cache
         >>> oss = model_cache("gpt-oss-20b")     # past W = 128 only its 12 full layers grow
         >>> oss.kv_bytes(256) - oss.kv_bytes(128) == 12 * (2 * 8 * 64) * 2 * 128
         True
@@ -329,7 +326,6 @@ class ModelCache:
         ``past_windows``, once it is past them all, when only the full layers grow. A
         compressed entry, added once a block, is not in it.
 
-        >>> from kvdoc.measure.model_caches import model_cache
         >>> from kvdoc.measure.model_caches import model_cache
         >>> g = model_cache("Gemma-3-27B")     # 62 layers grow, then only the 10 full ones
         >>> g.bytes_per_token("bfloat16"), g.bytes_per_token("bfloat16", past_windows=True)
@@ -348,7 +344,6 @@ class ModelCache:
         """How many sequences of ``seq_len`` fit in ``memory`` bytes of cache.
 
         >>> from kvdoc.measure.model_caches import model_cache
-        >>> from kvdoc.measure.model_caches import model_cache
         >>> model_cache("Llama-3-8B").sequences_that_fit(2**30, 8192)  # 1 GiB, 1 GiB each
         1
         """
@@ -362,7 +357,6 @@ class ModelCache:
         (:func:`~kvdoc.measure.kv_bytes.fp8_scale_bytes`), whatever ``T`` and the batch; a
         ValueError for an MLA model (engines scale a latent otherwise: not counted here).
 
-        >>> from kvdoc.measure.model_caches import model_cache
         >>> from kvdoc.measure.model_caches import model_cache
         >>> model_cache("Llama-3-8B").fp8_scale_bytes("per-head")   # 32 x 2 x 8 x 4
         2048
@@ -378,7 +372,6 @@ class ModelCache:
         """Weights of a Llama-family model (untied head, no biases) from its sizes: embedding,
         head, final norm, and per layer Q, K, V, O, the gated MLP and two norms; else None.
 
-        >>> from kvdoc.measure.model_caches import model_cache
         >>> from kvdoc.measure.model_caches import model_cache
         >>> model_cache("Llama-3.1-8B").parameters
         8030261248
