@@ -142,7 +142,7 @@ def test_grouped_query_attention(kv_heads):
 
 def test_crop_is_in_place_for_every_kind(model, stream):
     """crop means one thing: forget positions from ``length`` on, in this cache, and return it."""
-    from kvdoc.core.model import mistral_config
+    from kvdoc.core.window import mistral_config
     from kvdoc.serving.paged import new_paged_cache, new_shared_prefix_cache
     from kvdoc.serving.quant import new_int8_cache
 

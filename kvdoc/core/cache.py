@@ -1,8 +1,7 @@
 """The K/V cache: which keys a query reads, what each layer keeps, whether it serves a model.
 
-Half of the copy set (with :mod:`kvdoc.core.model`). A call does ``work = cache.begin()`` (a fork
-of each layer: a copy of a growing one, itself for one written in place), ``work.update(layer,
-k, v, start)`` per layer, then ``work.finish(end)`` after the LM head: a call that fails midway
+Half of the copy set (with :mod:`kvdoc.core.model`). A call writes into ``cache.begin()`` layer
+by layer and counts its positions in ``finish`` after the LM head, so a call that fails midway
 leaves the cache as it was. A kind of cache is a choice of layers, checked against the config's
 ``cache_layout``; K and V are ``[B, H_kv, T, D_h]`` (an MLA latent: one head of two widths).
 """
@@ -64,8 +63,8 @@ def last_keys(mask: torch.Tensor, window: int | None) -> torch.Tensor:
 
 
 class LayerSpec(NamedTuple):
-    """What one layer caches: ``heads`` x two tensors of ``widths``, and the ``window`` its
-    queries read (None: every earlier key)."""
+    """One layer's ``heads`` x two tensors of ``widths``; its queries read ``window`` keys
+    (None: every earlier key)."""
 
     heads: int
     widths: tuple[int, int]
@@ -78,12 +77,10 @@ class HasLayout(Protocol):  # a model's config, as far as a cache needs it
 
 
 class CacheLayer:
-    """One layer's rows: two tensors ``[B, H, T, width]`` (K and V, or c_KV and k_rope).
-
-    A storage defines ``write(k, v, start)`` (store rows ``[B, H, C, width]`` at ``start ..``;
-    return what the new queries attend over, in position order), ``read(seq_len)`` (the rows of
-    :meth:`held`), ``tensors()``, and :meth:`fork`, :meth:`held`, :meth:`crop` if need be.
-    """
+    """One layer's rows: two tensors ``[B, H, T, width]`` (K and V, or c_KV and k_rope). A kind
+    defines ``write(k, v, start)`` (store rows ``[B, H, C, width]`` at ``start ..``, return what
+    the new queries attend over, in position order) and ``read(seq_len)`` (the rows of
+    :meth:`held`); the other methods are defaults it may override."""
 
     in_place = False  # a call writes into this layer's own tensors (then fork returns it)
     window: int | None = None  # the positions a window layer keeps (None: all it is given)
@@ -152,9 +149,7 @@ class DynamicLayer(CacheLayer):
     def empty(cls, batch_size: int, heads: int, widths: tuple[int, int],
               dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> DynamicLayer:
-        check_int("batch_size", batch_size)
-        return cls(*(torch.empty((batch_size, heads, 0, w), dtype=dtype, device=device)
-                     for w in widths))
+        return cls(*CacheLayer(batch_size, heads, widths, dtype, device)._zeros(0))
 
     def read(self, seq_len: int) -> KV:
         return self.k, self.v
@@ -173,13 +168,7 @@ class DynamicLayer(CacheLayer):
 
 class StaticLayer(CacheLayer):
     """``capacity`` preallocated positions, written in place at absolute positions; rows past
-    the cache's length do not count until a whole call has succeeded.
-
-    >>> layer = StaticLayer(batch_size=1, heads=2, widths=(4, 4), capacity=8)
-    >>> k, _ = layer.write(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), start=0)
-    >>> k.shape[2], layer.nbytes() == 2 * 2 * 8 * 4 * 4     # K, V x H x capacity x width x 4
-    (3, True)
-    """
+    the cache's length do not count until a whole call has succeeded."""
 
     in_place = True
 
@@ -216,16 +205,18 @@ class KVCache:
     >>> work.finish(3)
     >>> work.seq_len, cache.seq_len     # the caller's cache counts nothing the call wrote
     (3, 0)
+    >>> work.nbytes() == 2 * 2 * 4 * 4 * (3 + 8)     # K, V x H x width x 4 B x (grown + capacity)
+    True
     """
 
     def __init__(self, layers: Sequence[CacheLayer], seq_len: int = 0) -> None:
         if not layers:
             raise ValueError("a cache needs at least one layer")
-        first = layers[0]
         if len({(la.batch_size, la.dtype, la.device) for la in layers}) > 1:
             raise ValueError("every layer must share one batch size, dtype and device")
         self.layers = layers
         self._len = check_int("seq_len", seq_len, minimum=0)
+        first = layers[0]
         self.n_layer, self.batch_size = len(self.layers), first.batch_size
         self.n_kv_head, self.head_dim = first.heads, first.widths[0]
         self.dtype, self.device = first.dtype, first.device
@@ -240,7 +231,7 @@ class KVCache:
         # decided once, not at every call: a decode step of the site's model is ~100 us
         self._in_place = all(layer.in_place for layer in self._layers)
         bounds = [la.capacity for la in self._layers if la.capacity is not None]
-        self.capacity = min(bounds) if bounds else None
+        self.capacity = min(bounds, default=None)
 
     @property
     def seq_len(self) -> int:
@@ -362,29 +353,3 @@ class StaticCache(KVCache):
         super().__init__([StaticLayer(batch_size, s.heads, s.widths, capacity, dtype, device)
                           for s in config.cache_layout])
 
-
-def check_call(config: HasLayout, weight: torch.Tensor, idx: torch.Tensor,
-               cache: KVCache | None, positions: torch.Tensor | None = None) -> None:
-    """Raise ``ValueError`` unless ``idx`` (``[B, C]``) can continue ``cache`` in a model of
-    ``config`` whose embedding ``weight`` sets device and dtype; every decoder calls it first."""
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
-        shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
-        raise ValueError(f"idx must be a [B, C] tensor of token ids, got {shape}")
-    if idx.dtype not in (torch.int64, torch.int32):  # what an embedding lookup takes
-        raise ValueError(f"idx must hold integer token ids (int64 or int32), got dtype {idx.dtype}")
-    B, C = idx.shape
-    if C == 0 or B == 0:
-        raise ValueError(f"empty input: idx has shape {(B, C)}; pass at least one token per row")
-    if idx.device != weight.device:
-        raise ValueError(f"idx is on {idx.device}, model is on {weight.device}")
-    if positions is not None and tuple(positions.shape) not in ((C,), (1, C), (B, C)):
-        raise ValueError(f"positions must be [C] or [B, C] with (B, C) = {(B, C)}, "
-                         f"got {tuple(positions.shape)}")
-    if cache is not None and not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}")
-    past = 0 if cache is None else cache.seq_len
-    if past + C > config.n_positions:
-        raise ValueError(f"sequence too long: {past} cached + {C} new = {past + C} positions, "
-                         f"model has {config.n_positions}")
-    if cache is not None:
-        cache.check_compatible(config, B, weight.dtype, weight.device, C)

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from . import invariant
-from .cache import KVCache, check_call
+from .cache import KVCache
 from .model import Decoder, DecoderOutput, GPTConfig, apply_rope, embed_tokens
 
 _VERSION = attrgetter("_version")
@@ -177,7 +177,7 @@ class FastDecoder:
                               attn_mask=attn_mask)  # which checks the call itself
         if self._stale():  # the model's weights changed: copy them again
             self.refresh()
-        check_call(self.config, self._wte, idx, cache)  # the model's checks: the same messages
+        self.model.check_input(idx, cache)  # the model's checks: the same messages
         if torch.is_grad_enabled():  # it reads parameters: no autograd graph for its logits
             with torch.no_grad():
                 return self._step(idx, cache)

@@ -77,7 +77,6 @@ from .cache import (
     DynamicLayer,
     KVCache,
     StaticLayer,
-    check_call,
     check_int,
     offset_causal_mask,
 )
@@ -322,7 +321,7 @@ class IndexedDecoder(MLADecoder):
 
     def check_input(self, idx: torch.Tensor, cache: KVCache | None,
                     positions: torch.Tensor | None = None) -> None:
-        check_call(self.config, self.wte.weight, idx, cache, positions)
+        super().check_input(idx, cache, positions)
         if cache is not None:
             for i in range(cache.n_layer):
                 if index_layer(cache, i).keys.widths != self.config.index_widths:

@@ -1,9 +1,8 @@
 """A GPT-2 (or Llama-style) decoder whose one forward serves full recompute and cached decoding.
 
-Half of the copy set (with :mod:`kvdoc.core.cache`), top to bottom: config, RoPE, MLP,
-attention (where the cache is used), block, decoder, ``prefill``, ``decode_step``, ``generate``;
-GPT-2's parameter names. ``B`` batch, ``C`` new tokens, ``P`` cached positions, ``T = P + C``,
-``d`` width, ``H`` query heads, ``H_kv`` K/V heads, ``D_h`` head size, ``V`` vocabulary.
+Half of the copy set (with :mod:`kvdoc.core.cache`); GPT-2's parameter names. ``B`` batch,
+``C`` new tokens, ``P`` cached positions, ``T = P + C``, ``d`` width, ``H`` query heads, ``H_kv``
+K/V heads, ``D_h`` head size, ``V`` vocabulary.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from .cache import (
     KVCache,
     LayerSpec,
     StaticCache,
-    check_call,
     check_int,
     check_positive,
     last_keys,
@@ -101,11 +99,6 @@ def llama_config(**overrides: object) -> GPTConfig:
                             norm="rmsnorm", mlp="swiglu", bias=False) | overrides)
 
 
-def mistral_config(sliding_window: int = 32, **overrides: object) -> GPTConfig:
-    """:func:`llama_config` with a sliding window of ``sliding_window`` keys."""
-    return llama_config(sliding_window=sliding_window, **overrides)
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:  # (x1, x2) -> (-x2, x1) on the two halves
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -118,8 +111,7 @@ def _frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Ten
 
 
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
-    """RoPE angles ``[..., D_h]`` in float64 from integer ``positions``, so a position's
-    rotation does not depend on which call computes it."""
+    """RoPE angles ``[..., D_h]``, in float64 so that no call rounds a position differently."""
     angles = positions.to(torch.float64)[..., None] * _frequencies(head_dim, theta,
                                                                    positions.device)
     return torch.cat((angles, angles), dim=-1)  # pairs (i, i + D_h/2) turn together
@@ -134,18 +126,17 @@ def apply_rope(x: torch.Tensor, start: int | torch.Tensor, theta: float = 10000.
     >>> torch.equal(rows[0], apply_rope(x, 5)[0]), torch.equal(rows[1], apply_rope(x, 0)[1])
     (True, True)
     """
-    C, D = x.shape[2], x.shape[3]
     if isinstance(start, int):  # the decode step's path, kept lean
-        start = torch.arange(start, start + C, device=x.device)
-    angles = rope_angles(start, D, theta)  # [C, D_h] or [B, C, D_h]
+        start = torch.arange(start, start + x.shape[2], device=x.device)
+    angles = rope_angles(start, x.shape[3], theta)  # [C, D_h] or [B, C, D_h]
     if angles.dim() == 3:
         angles = angles[:, None]  # [B, 1, C, D_h]: the same for every head of a row
     return x * angles.cos().to(x.dtype) + rotate_half(x) * angles.sin().to(x.dtype)
 
 
 def embed_tokens(wte: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
-    """``wte(idx)`` (``[B, C] -> [B, C, d]``), an id outside the vocabulary refused by name; the
-    lookup finds it, so valid input costs no host sync."""
+    """``wte(idx)``; an id outside the vocabulary, which the lookup finds (no host sync), is a
+    ``ValueError``."""
     try:
         return wte(idx)
     except IndexError:
@@ -160,8 +151,7 @@ def norm(config: GPTConfig, width: int | None = None) -> nn.Module:  # LayerNorm
 
 
 class MLP(nn.Module):
-    """``c_proj(gelu_tanh(c_fc(x)))``, or SwiGLU ``c_proj(silu(gate) * up)`` with ``c_fc``'s two
-    halves; output row ``t`` needs row ``t`` only."""
+    """``c_proj(gelu_tanh(c_fc(x)))``, or SwiGLU ``c_proj(silu(gate) * up)``: row by row."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -178,8 +168,7 @@ class MLP(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Causal self-attention (multi-head or grouped-query) of new rows ``x`` (``[B, C, d]``) at
-    ``start ..`` over cached and new keys, K and V stored in ``cache`` at ``layer_idx``."""
+    """Multi-head or grouped-query attention of new rows at ``start ..`` over cached + new K/V."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -257,8 +246,8 @@ class Block(nn.Module):
 
 
 class DecoderOutput(NamedTuple):
-    """``logits`` ``[B, C, V]`` (``[B, 1, V]`` with ``last_only``), ``logits[:, i]`` predicting
-    the token after new token ``i``; ``cache`` holding ``P + C`` positions (None if none)."""
+    """``logits[:, i]`` (``[B, C, V]``) predicts the token after new token ``i``; ``cache``
+    holds ``P + C`` positions (None without a cache)."""
 
     logits: torch.Tensor
     cache: KVCache | None
@@ -300,8 +289,32 @@ class Decoder(nn.Module):
 
     def check_input(self, idx: torch.Tensor, cache: KVCache | None,
                     positions: torch.Tensor | None = None) -> None:
-        """Raise ``ValueError`` unless ``idx`` can continue ``cache`` (called before any write)."""
-        check_call(self.config, self.wte.weight, idx, cache, positions)
+        """Raise ``ValueError`` unless ``idx`` (``[B, C]``) can continue ``cache``: every call
+        starts here, before any write."""
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+            shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+            raise ValueError(f"idx must be a [B, C] tensor of token ids, got {shape}")
+        if idx.dtype not in (torch.int64, torch.int32):  # what an embedding lookup takes
+            raise ValueError("idx must hold integer token ids (int64 or int32), got dtype "
+                             f"{idx.dtype}")
+        B, C = idx.shape
+        if C == 0 or B == 0:
+            raise ValueError(f"empty input: idx has shape {(B, C)}; pass at least one token "
+                             "per row")
+        weight = self.wte.weight  # the model's device and dtype
+        if idx.device != weight.device:
+            raise ValueError(f"idx is on {idx.device}, model is on {weight.device}")
+        if positions is not None and tuple(positions.shape) not in ((C,), (1, C), (B, C)):
+            raise ValueError(f"positions must be [C] or [B, C] with (B, C) = {(B, C)}, "
+                             f"got {tuple(positions.shape)}")
+        if cache is not None and not isinstance(cache, KVCache):
+            raise ValueError(f"cache must be a KVCache, got {type(cache).__name__}")
+        past = 0 if cache is None else cache.seq_len
+        if past + C > self.config.n_positions:
+            raise ValueError(f"sequence too long: {past} cached + {C} new = {past + C} positions, "
+                             f"model has {self.config.n_positions}")
+        if cache is not None:
+            cache.check_compatible(self.config, B, weight.dtype, weight.device, C)
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
                 last_only: bool = False, positions: torch.Tensor | None = None,
@@ -310,7 +323,7 @@ class Decoder(nn.Module):
         the last position's alone; ``positions`` (``[B, C]`` or ``[C]``): in place of ``P ..
         P + C - 1``; ``attn_mask`` (``[B, C, P + C]``, True: may read): of the offset mask."""
         self.check_input(idx, cache, positions)
-        B, C = idx.shape
+        C = idx.shape[1]
         # given to the attention only when set: one written for one start per call still serves
         rotary = {} if positions is None or self.wpe is not None else {"positions": positions}
         start, work = (0, None) if cache is None else (cache.seq_len, cache.begin())
@@ -328,8 +341,7 @@ class Decoder(nn.Module):
             work.finish(start + C)
         return DecoderOutput(logits, work)
 
-    def new_cache(self, batch_size: int,
-                  kind: Literal["dynamic", "static", "window", "hybrid"] | None = None,
+    def new_cache(self, batch_size: int, kind: str | None = None,
                   capacity: int | None = None) -> KVCache:
         """An empty cache for this model's config, dtype and device: ``"dynamic"``, ``"static"``
         (``capacity`` positions, default ``n_positions``) or ``"window"`` (also ``"hybrid"``:
@@ -352,8 +364,7 @@ class Decoder(nn.Module):
 
 @torch.no_grad()
 def prefill(model: Decoder, idx: torch.Tensor, cache: KVCache | None = None) -> DecoderOutput:
-    """Run the prompt ``idx`` (``[B, P]``) once, filling ``cache`` (a new default one if None):
-    the last position's logits ``[B, 1, V]`` and the cache."""
+    """Run the prompt ``idx`` once into ``cache`` (None: a new one): logits ``[B, 1, V]``, cache."""
     cache = model.new_cache(idx.shape[0]) if cache is None else cache
     return model(idx, cache, last_only=True)
 
