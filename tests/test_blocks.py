@@ -12,11 +12,13 @@ import os
 import pytest
 import torch
 
+from kvdoc.parallel import blocks
 from kvdoc.parallel.blocks import (
     Handover,
     check_handover,
     destination,
     handover_jobs,
+    handover_runs,
     messages,
     moved_bytes,
     pulled_blocks,
@@ -24,7 +26,8 @@ from kvdoc.parallel.blocks import (
     senders,
 )
 from kvdoc.parallel.comparison import MODELS, build_model
-from kvdoc.proofs import grid
+from kvdoc.parallel.tensor import head_shard
+from kvdoc.proofs import grid, verify
 from kvdoc.proofs.broken.parallel import PULL_BROKEN, stale_ids, swapped_destination
 from kvdoc.proofs.broken.serving import parentless_hash
 from kvdoc.serving.offload import (
@@ -58,7 +61,22 @@ def handed():
                       transfer="pull", have=have) for name, mode, have in PULLED]
     jobs += [Handover(name, build_model("llama"), PROMPT[:, :9], NEW, 4, **fields)
              for name, fields in PULL_BROKEN.items()]
+    jobs += [(f"verify: {name}", build_model(model), verify.PROMPT, verify.NEW,
+              verify.BLOCK, mode) for name, model, tp, mode in VERIFIED if tp == 2]
+    jobs += [(f"grid {name}", grid.MODELS[name].build(0).eval(), PROMPT % 89, NEW, 4,
+              "logits") for name in GRID_SPLIT]
     return {c.name: c for c in handover_jobs(jobs)}
+
+
+VERIFIED = verify.HANDOVERS + verify.THOROUGH_HANDOVERS
+"""The hand-overs verify adds to llama's, by default and with ``--thorough``."""
+GRID_SPLIT = ("mha", "gqa", "mqa", "llama", "qwen2", "mistral", "deep")
+"""The grid's models of standard attention blocks: the ones a TP prefill splits."""
+GRID_REFUSED = {"qwen3": "q/k norms", "split-k": "Block of SplitKAttention",
+                "mla": "LatentAttention \\(a latent per position, not K/V heads",
+                "bamba": "HybridBlock without attention",
+                "gemma3": "GemmaBlock of GemmaAttention"}
+"""What the refusal names for some of the rest (every other: its class)."""
 
 
 PULLED = [("llama", "logits", 0), ("llama", "logits", 2), ("gpt2", "recompute", 1),
@@ -155,6 +173,75 @@ def test_bad_handovers_are_refused_before_any_rank_starts(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         check_handover(build_model("llama"), job["prompt"], 3, job["tp"], job["block_size"],
                        job["mode"], job["transfer"], job["have"])
+
+
+@pytest.mark.parametrize("name", [n for n, _, tp, _ in VERIFIED if tp == 2])
+def test_the_handovers_verify_adds_equal_one_process(handed, name):
+    c = handed[f"verify: {name}"]
+    assert c.ok, c.lines()
+
+
+def test_the_handovers_verify_adds_on_four_prefill_ranks_equal_one_process():
+    jobs = [(tp, Handover(name, build_model(model), verify.PROMPT, verify.NEW,
+                          verify.BLOCK, mode)) for name, model, tp, mode in VERIFIED
+            if tp == 4]
+    checks = handover_runs(jobs)
+    assert [c.name for c in checks] == [j.name for _, j in jobs] and len(checks) == 2
+    for c in checks:
+        assert c.ok, c.lines()
+    # 2 K/V heads over 4 ranks: the first of each replica set sends 3 blocks; logits
+    assert checks[0].messages == 2 * 3 + 1
+
+
+def test_handover_runs_launches_once_per_prefill_tp_and_keeps_the_order(monkeypatch):
+    launched = []
+
+    def fake(jobs, tp):
+        launched.append((tp, list(jobs)))
+        return [f"{j} at {tp}" for j in jobs]
+    monkeypatch.setattr(blocks, "handover_jobs", fake)
+    runs = handover_runs([(2, "a"), (4, "b"), (2, "c")])
+    assert runs == ["a at 2", "b at 4", "c at 2"]
+    assert launched == [(2, ["a", "c"]), (4, ["b"])]
+
+
+def _reaches(jobs) -> set[str]:
+    """The branches of the hand-over each ``(name, model, tp, mode)`` takes."""
+    found = set()
+    for _, name, tp, _ in jobs:
+        config, shard = MODELS[name], head_shard(MODELS[name], tp, 0)
+        if shard.replicas > 1:
+            several = ", several K/V heads" if config.n_kv_head > 1 else ""
+            found.add(f"one sender a replica set{several}")
+        if len(shard.kv_heads) > 1:
+            found.add("several K/V heads a message")
+        if config.qkv_bias or config.bias:
+            found.add("biases")
+        if (config.sliding_window or verify.PROMPT.shape[1]) < verify.PROMPT.shape[1]:
+            found.add("a window shorter than the prompt")
+    return found
+
+
+def test_verify_hands_over_every_branch_by_default_or_thorough():
+    default = {"one sender a replica set", "several K/V heads a message", "biases"}
+    assert _reaches(verify.HANDOVERS) == default
+    thorough = {"one sender a replica set, several K/V heads",
+                "a window shorter than the prompt"}
+    assert _reaches(VERIFIED) == default | thorough
+
+
+@pytest.mark.parametrize("name", GRID_SPLIT)
+def test_each_grid_model_of_standard_blocks_is_handed_over_as_one_process(handed, name):
+    c = handed[f"grid {name}"]
+    assert c.ok, c.lines()
+
+
+@pytest.mark.parametrize("name", [n for n in grid.MODELS if n not in GRID_SPLIT])
+def test_every_other_grid_model_is_refused_by_name_before_any_rank_starts(name):
+    model = grid.MODELS[name].build(0).eval()
+    fragment = GRID_REFUSED.get(name, type(model).__name__)
+    with pytest.raises(ValueError, match=f"block hand-over sends .* got .*{fragment}"):
+        check_handover(model, PROMPT % 89, NEW, 2, 4, "logits")
 
 
 def test_chained_keys_name_the_prefix():

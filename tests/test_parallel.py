@@ -106,6 +106,8 @@ def test_one_rank_runs_here_and_equals_generate():
     (Decoder(GPTConfig()), True, 1, "tp must be a positive integer"),
     (MLADecoder(MLAConfig()), 1, 2, "takes a kvdoc Decoder of standard attention blocks"),
     (split_k_decoder(Decoder(GPTConfig()), 3), 2, 1, "standard attention blocks"),
+    # before any rank starts, not in each rank's ShardedAttention
+    (Decoder(llama_config(qk_norm=True, head_size=20)), 2, 1, "q/k norms.*Qwen3-style"),
 ])
 def test_bad_layouts_are_refused_before_any_rank_starts(model, tp, cp, fragment):
     with pytest.raises(ValueError, match=fragment):

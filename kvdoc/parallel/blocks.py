@@ -28,7 +28,7 @@ ids), and gets them in that order. What moves is exactly :func:`moved_bytes`, pl
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,7 +41,7 @@ from kvdoc.measure.kv_bytes import kv_bytes
 
 from .comm import Comm
 from .comparison import MARK, TOLERANCE, rows_close
-from .decode import RankDecoder, check_run, greedy
+from .decode import RankDecoder, check_run, greedy, nonstandard
 from .launch import launch
 from .tensor import head_shard
 
@@ -253,7 +253,15 @@ def _rank(rank: int, world_size: int, jobs: list[Handover]) -> list[Handed]:
 
 def check_handover(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, tp: int,
                    block_size: int, mode: str, transfer: str = "push", have: int = 0) -> None:
-    """Raise ``ValueError`` for a hand-over that cannot run, before any rank starts."""
+    """Raise ``ValueError`` for a hand-over that cannot run, before any rank starts: a
+    model whose layers are not standard attention blocks (named by
+    :func:`~.decode.nonstandard`: MLA's latent, Gemma's, a recurrent layer, q/k norms),
+    a layout or an input."""
+    why = nonstandard(model)
+    if why is not None:
+        raise ValueError("the block hand-over sends the K/V heads of standard "
+                         "attention blocks (GPT-2 or Llama style) that a TP prefill "
+                         f"splits, got {why}")
     check_run(model, prompt, max_new_tokens, tp, 1)
     check_int("block_size", block_size)
     if sent_positions(prompt.shape[1], mode) < 1:
@@ -343,3 +351,10 @@ def handover_jobs(jobs: list[tuple], tp: int = 2) -> list[HandoverCheck]:
             (decode.sent_bytes, sum(r.received_bytes for r in ranks[:tp]), asked)))
     return checks
 
+
+def handover_runs(jobs: Sequence[tuple[int, tuple]]) -> list[HandoverCheck]:
+    """:func:`handover_jobs` of ``(tp, job)`` pairs, one launch per prefill ``tp``, the
+    checks in the order of ``jobs``."""
+    done = {tp: iter(handover_jobs([j for t, j in jobs if t == tp], tp))
+            for tp in sorted({t for t, _ in jobs})}
+    return [next(done[tp]) for tp, _ in jobs]

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from kvdoc.core.cache import DynamicLayer, KVCache, check_int
+from kvdoc.core.mla import MLADecoder
 from kvdoc.core.model import MLP, Block, CausalSelfAttention, Decoder, GPTConfig, embed_tokens
 from kvdoc.measure.kv_bytes import kv_bytes, measured_bytes
 from kvdoc.serving.requests import greedy
@@ -249,14 +250,39 @@ class ParallelRun(NamedTuple):
     ranks: list[RankResult]
 
 
+def nonstandard(model: object) -> str | None:
+    """What keeps ``model`` from being split into heads over ranks, by name; None when
+    every layer is a :class:`~kvdoc.core.model.Block` of
+    :class:`~kvdoc.core.model.CausalSelfAttention` (no q/k norms, ``H x D_h = d``) and
+    :class:`~kvdoc.core.model.MLP`.
+
+    >>> from kvdoc.core.mla import MLAConfig, MLADecoder
+    >>> nonstandard(MLADecoder(MLAConfig()))  # doctest: +ELLIPSIS
+    'MLADecoder: its layer 0 is a LatentBlock of LatentAttention (a latent per ...'
+    """
+    name = type(model).__name__
+    if not isinstance(model, Decoder):
+        return f"{name} is not a kvdoc Decoder"
+    standard = (Block, CausalSelfAttention, MLP)
+    for i, b in enumerate(model.h):
+        attn = getattr(b, "attn", None) or getattr(b, "self_attn", None)
+        if (type(b), type(attn), type(getattr(b, "mlp", None))) != standard:
+            latent = (" (a latent per position, not K/V heads: kvdoc.parallel.latent "
+                      "splits it)" if isinstance(model, MLADecoder) else "")
+            what = "without attention" if attn is None else f"of {type(attn).__name__}"
+            return f"{name}: its layer {i} is a {type(b).__name__} {what}{latent}"
+        if attn.qk_norm or attn.n_head * attn.head_dim != attn.c_attn.in_features:
+            return f"{name}: its attention has q/k norms, H x D_h != d (Qwen3-style)"
+    return None
+
+
 def check_run(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, tp: int,
               cp: int) -> None:
     """Raise ``ValueError`` for a layout or an input :func:`parallel_generate` cannot run."""
-    if not isinstance(model, Decoder) or not all(
-            type(b) is Block and type(b.attn) is CausalSelfAttention and type(b.mlp) is MLP
-            for b in model.h):
+    why = nonstandard(model)
+    if why is not None:
         raise ValueError("parallel decoding takes a kvdoc Decoder of standard attention blocks "
-                         f"(GPT-2 or Llama style), got {type(model).__name__}")
+                         f"(GPT-2 or Llama style), got {why}")
     device = model.wte.weight.device
     if device.type != "cpu":  # the ranks talk over gloo, on CPU tensors
         raise ValueError(f"parallel decoding runs on CPU (gloo); the model is on {device}")

@@ -6,8 +6,10 @@ The checks across processes run from this process (pool workers cannot start ran
 in each of :data:`LAYOUTS` (TP = 2 and CP = 2 on the models whose configuration picks a branch
 there: grouped K/V heads, biases, a window; ``--thorough`` adds :data:`THOROUGH_LAYOUTS`, on 4
 ranks too), MLA's latent under TP and DP-attention (also with widths that differ), a prefill's
-blocks handed to a decode rank, a multi-turn workload served from offloaded blocks; each beside
-its broken variants (:mod:`kvdoc.proofs.broken.parallel`), which must fail.
+blocks handed to a decode rank (GQA, MQA, MHA with biases, TP = 2;
+``--thorough`` adds :data:`THOROUGH_HANDOVERS`), a multi-turn workload served from
+offloaded blocks; each beside its broken variants
+(:mod:`kvdoc.proofs.broken.parallel`), which must fail.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from kvdoc.core.mla import MLAConfig
 from kvdoc.measure.tables import markdown_table
-from kvdoc.parallel.blocks import Handover, handover_jobs
+from kvdoc.parallel.blocks import Handover, handover_runs
 from kvdoc.parallel.comparison import Job, build_model, check_jobs, compare_jobs, rank_jobs
 from kvdoc.parallel.latent import (
     MODES,
@@ -127,6 +129,21 @@ THOROUGH_LAYOUTS = (("tp=2, MQA: 1 K/V head on both ranks", "mqa", 2, 1),
 the model's 2 K/V heads), MHA, and TP and CP together."""
 
 
+HANDOVERS = (("MQA: 1 K/V head on both prefill ranks, rank 0 sends", "mqa", 2,
+              "recompute"),
+             ("GPT-2: 2 K/V heads a message, biases", "gpt2", 2, "logits"))
+"""The hand-overs the default run adds to llama's (one K/V head a rank, both send),
+``(name, model, prefill tp, mode)``: what 2 prefill ranks reach in
+:mod:`kvdoc.parallel.blocks` (a replica set sends once; several heads remapped)."""
+THOROUGH_HANDOVERS = (("a window of 5 over a prompt of 9", "mistral", 2, "logits"),
+                      ("Q/K/V biases split with their heads", "qwen2", 2, "recompute"),
+                      ("tp=4: 2 K/V heads on 2 ranks each, 2 send", "llama", 4,
+                       "logits"),
+                      ("tp=4, GPT-2: 1 K/V head a rank", "gpt2", 4, "recompute"))
+"""What ``--thorough`` adds: a window, biases, 4 prefill ranks (replicas of several
+K/V heads; one head a rank). Models it cannot split are refused by name."""
+
+
 WIDE_LATENT = MLAConfig(vocab_size=97, n_layer=2, n_head=4, n_embd=48, n_inner=96,
                         q_lora_rank=12, kv_lora_rank=24, qk_nope_head_dim=12,
                         qk_rope_head_dim=6, v_head_dim=20)
@@ -191,19 +208,22 @@ def process_checks(variants: bool = True, thorough: bool = False) -> list[Proces
                          "latent against one process, latent bytes against the formula",
                          compare_latent(j, [r[i] for r in latents]).ok)
             for i, j in enumerate(latent)]
-    handed = [Handover(f"block hand-over, {mode}", llama, PROMPT, NEW, BLOCK, mode)
-              for mode in ("logits", "recompute")]
-    handed.append(Handover("block hand-over, pulled after 1 block", llama, PROMPT, NEW, BLOCK,
-                           "recompute", transfer="pull", have=1))
+    handed = [(2, Handover(f"block hand-over, {mode}", llama, PROMPT, NEW, BLOCK,
+                           mode)) for mode in ("logits", "recompute")]
+    handed.append((2, Handover("block hand-over, pulled after 1 block", llama, PROMPT,
+                               NEW, BLOCK, "recompute", transfer="pull", have=1)))
+    handed += [(tp, Handover(f"block hand-over, {name}", build_model(model), PROMPT,
+                             NEW, BLOCK, mode)) for name, model, tp, mode in
+               HANDOVERS + (THOROUGH_HANDOVERS if thorough else ())]
     if variants:
-        handed += [Handover(name, llama, PROMPT, NEW, BLOCK, "logits", place)
+        handed += [(2, Handover(name, llama, PROMPT, NEW, BLOCK, "logits", place))
                    for name, place in HANDOVER_BROKEN.items()]
-        handed += [Handover(name, llama, PROMPT, NEW, BLOCK, **fields)
+        handed += [(2, Handover(name, llama, PROMPT, NEW, BLOCK, **fields))
                    for name, fields in PULL_BROKEN.items()]
     broken = {**HANDOVER_BROKEN, **PULL_BROKEN}
     out += [ProcessCheck(h.name, h.name in broken, "tokens and the decode rank's K/V against "
                          "one process, bytes and messages against the formula", h.ok)
-            for h in handover_jobs(handed)]
+            for h in handover_runs(handed)]
     hashes = {"offloaded blocks, chained keys": None}
     if variants:
         hashes.update(OFFLOAD_BROKEN)
@@ -344,8 +364,9 @@ def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start:
     problems = ([f"{len(report.failures)} failed checks ({', '.join(report.failed_checks())})"]
                 if not report.passed else [])
     problems += [f"variants not caught: {', '.join(missed)}"] if missed else []
-    added = ("" if args.thorough else
-             f" (--thorough adds decode at {'; '.join(n for n, *_ in THOROUGH_LAYOUTS)})")
+    added = ("" if args.thorough else " (--thorough adds decode at "
+             f"{'; '.join(n for n, *_ in THOROUGH_LAYOUTS)}; hand-overs of "
+             f"{'; '.join(n for n, *_ in THOROUGH_HANDOVERS)})")
     print(f"\nAcross processes (torch.distributed, gloo; launched from this process), "
           f"{ran:.1f} s{added}:\n\n{processes_table(across)}")
     wrong = [c.name for c in across if not c.as_expected]
