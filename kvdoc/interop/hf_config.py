@@ -110,10 +110,9 @@ def causal_lm_class(model_type: str) -> type:
     names = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
              "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
-    classes = {family: getattr(transformers, name) for family, name in names.items()}
-    if model_type not in classes:
-        raise ValueError(f"family must be one of {', '.join(classes)}, got {model_type!r}")
-    return classes[model_type]
+    if model_type not in names:
+        raise ValueError(f"family must be one of {', '.join(names)}, got {model_type!r}")
+    return getattr(transformers, names[model_type])  # imports that family's module alone
 
 
 def gpt2_config(config: GPTConfig) -> Any:
