@@ -6,12 +6,15 @@ One launch (a module fixture) runs every job of the file: spawning ranks costs s
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kvdoc.core.model import Decoder, llama_config
 from kvdoc.interop.hf_deepseek import published_config
 from kvdoc.parallel.latent import (
+    WIDE,
     LatentJob,
     RequestSplit,
     check_latent_job,
@@ -19,7 +22,7 @@ from kvdoc.parallel.latent import (
     latent_model,
     latent_rank_bytes,
 )
-from kvdoc.proofs.broken.parallel import LATENT_BROKEN
+from kvdoc.proofs.broken.parallel import LATENT_BROKEN, query_at_lora_rank
 
 PROMPTS = torch.randint(1, 97, (4, 6), generator=torch.Generator().manual_seed(3))
 NEW = 4
@@ -27,15 +30,24 @@ NEW = 4
 
 @pytest.fixture(scope="module")
 def results():
-    model = latent_model()
+    model, wide = latent_model(), latent_model(config=WIDE)
     jobs = [LatentJob(mode, model, PROMPTS, NEW, mode) for mode in ("tp", "dp")]
     jobs.append(LatentJob("dp fp64", latent_model().double(), PROMPTS, NEW, "dp"))
-    jobs += [LatentJob(name, model, PROMPTS, NEW, b.mode, b.split, b.bytes_rule)
+    jobs += [LatentJob(f"wide {mode}", wide, PROMPTS, NEW, mode)
+             for mode in ("tp", "dp")]
+    jobs += [LatentJob(name, wide if b.widths_differ else model, PROMPTS, NEW, b.mode,
+                       b.split, b.bytes_rule, b.heads)
              for name, b in LATENT_BROKEN.items()]
+    # the mix-up where the query has no LoRA (the site's model) and where its rank
+    # equals the key's non-rotary width (as in the grid's MLA, and verify's wide model)
+    grid_like = latent_model(config=dataclasses.replace(WIDE, q_lora_rank=10))
+    jobs += [LatentJob(f"query at lora rank, {name}", m, PROMPTS, NEW, "tp",
+                       heads=query_at_lora_rank)
+             for name, m in (("site", model), ("rank = d_nope", grid_like))]
     return {c.name: c for c in latent_jobs(jobs)}
 
 
-@pytest.mark.parametrize("name", ["tp", "dp", "dp fp64"])
+@pytest.mark.parametrize("name", ["tp", "dp", "dp fp64", "wide tp", "wide dp"])
 def test_both_layouts_equal_one_process(results, name):
     c = results[name]
     assert c.tokens_equal and c.logits_close and c.latent_close, c.lines()
@@ -66,6 +78,20 @@ def test_each_broken_variant_is_caught(results, name):
         assert all(m != f for m, f in c.bytes)
     else:
         assert not c.tokens_equal and not c.latent_close
+
+
+def test_widths_that_differ_turn_a_mix_up_of_two_into_other_numbers(results):
+    c = WIDE
+    widths = [c.n_embd, c.n_inner, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim,
+              c.qk_rope_head_dim, c.v_head_dim, c.qk_head_dim, c.latent_dim,
+              c.qk_nope_head_dim + c.v_head_dim]
+    assert len(set(widths)) == len(widths)
+    # where d_nope = d_v the mix-up is the right split; where they differ it decodes
+    # without raising, and only a comparison with one process shows it
+    assert results["query at lora rank, site"].ok
+    assert results["query at lora rank, rank = d_nope"].ok
+    broken = results["latent-query-at-lora-rank"]
+    assert not broken.logits_close and all(m == f for m, f in broken.bytes)
 
 
 def test_deepseek_v3_bytes_per_rank():

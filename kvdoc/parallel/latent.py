@@ -18,6 +18,7 @@ rows, runs its ``1 / n`` of the columns and keeps its own rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -72,6 +73,17 @@ def latent_rank_bytes(config: MLAConfig, mode: str, ranks: int, rank: int, batch
     return config_cache(config).kv_bytes(seq_len, held, dtype)
 
 
+WIDE = MLAConfig(vocab_size=97, n_layer=2, n_head=4, n_embd=48, n_inner=96,
+                 q_lora_rank=8, kv_lora_rank=24, qk_nope_head_dim=10,
+                 qk_rope_head_dim=6, v_head_dim=18)
+"""An MLA model whose widths all differ, and their sums (``d_nope + d_R = 16``,
+``d_nope + d_v = 28``, ``r + d_R = 30``), its query through a LoRA: a head split that
+takes one width for another moves rows here, where the site's model (no query LoRA,
+``d_nope = d_v = 16``, ``r = d_nope + d_v``) and the grid's (``q_lora_rank = d_nope``)
+run it right. ``q_lora_rank < d_nope < d_v``: rows found at the smaller width of two
+still fit, so the mix-up changes numbers instead of raising."""
+
+
 def latent_model(seed: int = 0, config: MLAConfig | None = None) -> MLADecoder:
     """The site's small :class:`~kvdoc.core.mla.MLADecoder` (4 heads, a latent of 32 + 8), or
     one of ``config``, weights from ``torch.manual_seed(seed)``, in eval mode."""
@@ -80,8 +92,9 @@ def latent_model(seed: int = 0, config: MLAConfig | None = None) -> MLADecoder:
         return MLADecoder(config or MLAConfig()).eval()
 
 
-def _heads(full: LatentAttention, comm: Comm) -> LatentAttention:
-    """Rank ``comm.tp_rank``'s ``H / n`` heads of ``full``; the latent's projections whole."""
+def take_heads(full: LatentAttention, comm: Comm) -> LatentAttention:
+    """Rank ``comm.tp_rank``'s ``H / n`` heads of ``full``; the latent's projections
+    whole (the hook a broken variant overrides)."""
     c = full.config
     per_rank = c.n_head // comm.tp
     heads = range(comm.tp_rank * per_rank, (comm.tp_rank + 1) * per_rank)
@@ -99,9 +112,10 @@ def _heads(full: LatentAttention, comm: Comm) -> LatentAttention:
 class _TPAttention(nn.Module):
     """This rank's heads over the whole (replicated) latent; one all-reduce adds the heads."""
 
-    def __init__(self, full: LatentAttention, comm: Comm) -> None:
+    def __init__(self, full: LatentAttention, comm: Comm, heads: Callable = take_heads
+                 ) -> None:
         super().__init__()
-        self.local, self.comm = _heads(full, comm), comm
+        self.local, self.comm = heads(full, comm), comm
 
     def forward(self, x, cache, layer_idx, start, attn_mask=None, **positions):
         return self.comm.all_reduce(self.local(x, cache, layer_idx, start, attn_mask,
@@ -112,10 +126,11 @@ class _Block(nn.Module):
     """A :class:`~kvdoc.core.mla.LatentBlock` with this rank's attention and MLP columns; under
     DP-attention its rows meet every rank's rows at the MLP."""
 
-    def __init__(self, full: LatentBlock, comm: Comm, mode: str) -> None:
+    def __init__(self, full: LatentBlock, comm: Comm, mode: str,
+                 heads: Callable = take_heads) -> None:
         super().__init__()
         self.ln_1, self.ln_2, self.comm, self.mode = full.ln_1, full.ln_2, comm, mode
-        self.attn = full.attn if mode == "dp" else _TPAttention(full.attn, comm)
+        self.attn = full.attn if mode == "dp" else _TPAttention(full.attn, comm, heads)
         self.mlp = ShardedMLP(full.mlp, comm.tp, comm.tp_rank, comm)
 
     def forward(self, x, cache, layer_idx, start, attn_mask=None, **positions):
@@ -130,13 +145,15 @@ class _Block(nn.Module):
         return x + y.chunk(self.comm.tp)[self.comm.tp_rank]
 
 
-def rank_model(model: MLADecoder, comm: Comm, mode: str) -> MLADecoder:
-    """This rank's decoder: embeddings, norms and LM head whole, its share of every block."""
+def rank_model(model: MLADecoder, comm: Comm, mode: str,
+               heads: Callable = take_heads) -> MLADecoder:
+    """This rank's decoder: embeddings, norms and LM head whole, its share of every
+    block (its heads, under ``"tp"``, taken by ``heads``)."""
     mine = MLADecoder.__new__(MLADecoder)
     nn.Module.__init__(mine)
     mine.config, mine.wte, mine.wpe = model.config, model.wte, None
     mine.ln_f, mine.lm_head = model.ln_f, model.lm_head
-    mine.h = nn.ModuleList(_Block(b, comm, mode) for b in model.h)
+    mine.h = nn.ModuleList(_Block(b, comm, mode, heads) for b in model.h)
     return mine.eval()
 
 
@@ -166,6 +183,8 @@ class LatentJob(NamedTuple):
     split: type = RequestSplit
     bytes_rule: object = latent_rank_bytes
     """What a rank's bytes must equal: a broken variant brings a wrong rule."""
+    heads: Callable = take_heads
+    """How a ``"tp"`` rank takes its heads: a broken variant brings a wrong split."""
 
 
 @torch.no_grad()
@@ -174,7 +193,8 @@ def rank_latent(rank: int, world_size: int, job: LatentJob) -> LatentRank:
     comm = Comm(rank, world_size, 1)
     B = job.prompt.shape[0]
     rows = range(B) if job.mode == "tp" else job.split().requests(B, world_size, rank)
-    model, prompt = rank_model(job.model, comm, job.mode), job.prompt[list(rows)]
+    model = rank_model(job.model, comm, job.mode, job.heads)
+    prompt = job.prompt[list(rows)]
     logits, cache = prefill(model, prompt, model.new_cache(prompt.shape[0], "dynamic"))
     comm.take_counts()
     counts = [{}]

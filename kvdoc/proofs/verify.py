@@ -25,12 +25,12 @@ from typing import NamedTuple
 
 import torch
 
-from kvdoc.core.mla import MLAConfig
 from kvdoc.measure.tables import markdown_table
 from kvdoc.parallel.blocks import Handover, handover_runs
 from kvdoc.parallel.comparison import Job, build_model, check_jobs, compare_jobs, rank_jobs
 from kvdoc.parallel.latent import (
     MODES,
+    WIDE,
     LatentJob,
     check_latent_job,
     compare_latent,
@@ -144,12 +144,9 @@ THOROUGH_HANDOVERS = (("a window of 5 over a prompt of 9", "mistral", 2, "logits
 K/V heads; one head a rank). Models it cannot split are refused by name."""
 
 
-WIDE_LATENT = MLAConfig(vocab_size=97, n_layer=2, n_head=4, n_embd=48, n_inner=96,
-                        q_lora_rank=12, kv_lora_rank=24, qk_nope_head_dim=12,
-                        qk_rope_head_dim=6, v_head_dim=20)
-"""An MLA model whose widths all differ (V's head not the non-rotary key's, as in the grid's
-:data:`kvdoc.proofs.grid.MLA`) and whose query goes through a LoRA: the site's latent model
-has neither, so a head split that takes one width for another passes there."""
+WIDE_LATENT = WIDE
+"""An MLA model whose widths all differ (:data:`kvdoc.parallel.latent.WIDE`), its query
+through a LoRA: a head split that takes one width for another passes on the site's."""
 
 
 def process_layouts(thorough: bool = False, variants: bool = True) -> list[tuple[str, str, int,
@@ -195,7 +192,8 @@ def process_checks(variants: bool = True, thorough: bool = False) -> list[Proces
     latent += [LatentJob(f"latent, {mode}, widths that differ, query LoRA", wide,
                          LATENT_PROMPTS, NEW, mode) for mode in MODES]
     if variants:
-        latent += [LatentJob(name, mla, LATENT_PROMPTS, NEW, b.mode, b.split, b.bytes_rule)
+        latent += [LatentJob(name, wide if b.widths_differ else mla, LATENT_PROMPTS,
+                             NEW, b.mode, b.split, b.bytes_rule, b.heads)
                    for name, b in LATENT_BROKEN.items()]
     for j in latent:
         check_latent_job(j, 2)

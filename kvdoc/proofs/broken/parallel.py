@@ -11,7 +11,7 @@
 >>> stale_ids(range(1, 3))
 [0, 1]
 >>> sorted(LATENT_BROKEN)
-['latent-bytes-once', 'latent-other-requests']
+['latent-bytes-once', 'latent-other-requests', 'latent-query-at-lora-rank']
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from kvdoc.parallel.blocks import destination
 from kvdoc.parallel.comm import Comm
 from kvdoc.parallel.context import ContextShard
 from kvdoc.parallel.decode import Parts
-from kvdoc.parallel.latent import RequestSplit, latent_rank_bytes
+from kvdoc.parallel.latent import RequestSplit, latent_rank_bytes, take_heads
 from kvdoc.parallel.tensor import ShardedAttention
 from kvdoc.serving.splitk import Partial
 
@@ -137,11 +137,30 @@ def latent_bytes_once(config, mode: str, ranks: int, rank: int, batch: int, seq_
     return latent_rank_bytes(config, "tp", ranks, rank, batch, seq_len, dtype) // ranks
 
 
+def query_at_lora_rank(full, comm: Comm):
+    """A TP rank's heads whose query rows, under a query LoRA, start at
+    ``t x H/n x (q_lora_rank + d_R)``, not ``t x H/n x (d_nope + d_R)``: the query's
+    LoRA rank taken for its non-rotary head width. Right without a LoRA and where the
+    two are equal (12 and 12 in the grid's MLA); with ``q_lora_rank < d_nope`` the last
+    rank's rows still fit: other numbers, no error."""
+    mine, c = take_heads(full, comm), full.config
+    if c.q_lora_rank is not None:
+        per_rank = c.n_head // comm.tp
+        first = comm.tp_rank * per_rank * (c.q_lora_rank + c.qk_rope_head_dim)  # BUG
+        rows = full.q_b_proj.weight[first:first + per_rank * c.qk_head_dim]
+        mine.q_b_proj.weight.data.copy_(rows)
+    return mine
+
+
 class BrokenLatent(NamedTuple):
     mode: str
     split: type
     bytes_rule: object
     breaks: str
+    heads: object = take_heads
+    widths_differ: bool = False
+    """Run on :data:`kvdoc.parallel.latent.WIDE`, whose widths all differ, not on the
+    site's latent model."""
 
 
 LATENT_BROKEN: dict[str, BrokenLatent] = {
@@ -149,6 +168,10 @@ LATENT_BROKEN: dict[str, BrokenLatent] = {
                                           "the last DP rank attends over rank 0's requests"),
     "latent-bytes-once": BrokenLatent("tp", RequestSplit, latent_bytes_once,
                                       "the replicated latent counted once for all ranks"),
+    "latent-query-at-lora-rank": BrokenLatent(
+        "tp", RequestSplit, latent_rank_bytes, "TP ranks find their query rows at the "
+        "query LoRA's rank, not the key's non-rotary width", query_at_lora_rank,
+        widths_differ=True),
 }
 
 
