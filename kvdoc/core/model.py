@@ -60,14 +60,12 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
             object.__setattr__(self, "n_kv_head", self.n_head)
-        for name in ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd", "n_inner",
-                     "n_kv_head"):
-            check_int(name, getattr(self, name))
-        for name in ("sliding_window", "head_size"):  # None: no window; n_embd / n_head
-            if getattr(self, name) is not None:
+        sizes = ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd", "n_inner", "n_kv_head")
+        for name in (*sizes, "sliding_window", "head_size"):  # None: no window; n_embd / n_head
+            if name in sizes or getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
-        check_positive("layer_norm_epsilon", self.layer_norm_epsilon)
-        check_positive("rope_theta", self.rope_theta)
+        for name in ("layer_norm_epsilon", "rope_theta"):
+            check_positive(name, getattr(self, name))
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
@@ -234,10 +232,8 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = norm(config)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = norm(config)
-        self.mlp = MLP(config)
+        self.ln_1, self.attn = norm(config), CausalSelfAttention(config)
+        self.ln_2, self.mlp = norm(config), MLP(config)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
                 attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:
@@ -246,11 +242,10 @@ class Block(nn.Module):
 
 
 class DecoderOutput(NamedTuple):
-    """``logits[:, i]`` (``[B, C, V]``) predicts the token after new token ``i``; ``cache``
-    holds ``P + C`` positions (None without a cache)."""
+    """``logits[:, i]`` (``[B, C, V]``) predicts the token after new token ``i``."""
 
     logits: torch.Tensor
-    cache: KVCache | None
+    cache: KVCache | None  # P + C positions (None without a cache)
 
 
 class Decoder(nn.Module):
@@ -260,8 +255,7 @@ class Decoder(nn.Module):
     at ``P .. P + C - 1`` with ``P = cache.seq_len``, over cached + new K/V: one function of the
     tokens (:mod:`kvdoc.proofs.compare` checks it).
 
-    >>> _ = torch.manual_seed(0)
-    >>> model = Decoder(GPTConfig())
+    >>> model = Decoder(GPTConfig())                    # any weights
     >>> model.num_parameters()
     145280
     >>> ids = torch.tensor([[12, 7, 31, 4, 9, 18]])
@@ -299,8 +293,7 @@ class Decoder(nn.Module):
                              f"{idx.dtype}")
         B, C = idx.shape
         if C == 0 or B == 0:
-            raise ValueError(f"empty input: idx has shape {(B, C)}; pass at least one token "
-                             "per row")
+            raise ValueError(f"empty input: idx has shape {(B, C)}; every row needs a token")
         weight = self.wte.weight  # the model's device and dtype
         if idx.device != weight.device:
             raise ValueError(f"idx is on {idx.device}, model is on {weight.device}")
@@ -343,9 +336,8 @@ class Decoder(nn.Module):
 
     def new_cache(self, batch_size: int, kind: str | None = None,
                   capacity: int | None = None) -> KVCache:
-        """An empty cache for this model's config, dtype and device: ``"dynamic"``, ``"static"``
-        (``capacity`` positions, default ``n_positions``) or ``"window"`` (also ``"hybrid"``:
-        :func:`kvdoc.core.window.window_cache`, the default for a model with windows)."""
+        """An empty ``"dynamic"``, ``"static"`` (``capacity``: default ``n_positions``) or
+        ``"window"`` / ``"hybrid"`` cache (the default for a model with windows)."""
         dtype, device, config = self.wte.weight.dtype, self.wte.weight.device, self.config
         windowed = any(spec.window for spec in config.cache_layout)
         kind = kind or ("window" if windowed else "dynamic")
@@ -372,7 +364,7 @@ def prefill(model: Decoder, idx: torch.Tensor, cache: KVCache | None = None) -> 
 @torch.no_grad()
 def decode_step(model: Decoder, token: torch.Tensor, cache: KVCache) -> DecoderOutput:
     """One new token per row (``[B]`` or ``[B, 1]``) after ``cache``: logits ``[B, 1, V]``."""
-    token = token.reshape(token.shape[0], -1) if token.dim() == 1 else token
+    token = token[:, None] if token.dim() == 1 else token
     if token.dim() != 2 or token.shape[1] != 1:
         raise ValueError(f"decode_step takes one token per row, got shape {tuple(token.shape)}")
     return model(token, cache)
@@ -385,15 +377,13 @@ def generate(model: Decoder, idx: torch.Tensor, max_new_tokens: int,
     prompt followed by the chosen tokens, ``[B, P + max_new_tokens]``. ``cache`` is a kind
     ``model.new_cache`` knows (None: the model's default), or an empty cache of any kind.
 
-    >>> _ = torch.manual_seed(0)
-    >>> model, prompt = Decoder(GPTConfig()), torch.tensor([[1, 2, 3]])
+    >>> model, prompt = Decoder(GPTConfig()), torch.tensor([[1, 2, 3]])  # any weights
     >>> out = generate(model, prompt, 5)
     >>> out.shape, torch.equal(out, generate(model, prompt, 5, cache="static"))
     (torch.Size([1, 8]), True)
     """
     model.check_input(idx, None)
-    check_int("max_new_tokens", max_new_tokens)
-    total = idx.shape[1] + max_new_tokens
+    total = idx.shape[1] + check_int("max_new_tokens", max_new_tokens)
     if total > model.config.n_positions:
         raise ValueError(f"prompt of {idx.shape[1]} + {max_new_tokens} new tokens = {total} "
                          f"positions, model has {model.config.n_positions}")
