@@ -185,8 +185,8 @@ def _decode_checks(thorough: bool, variants: bool, latent: list) -> tuple[list, 
 
 
 def process_checks(variants: bool = True, thorough: bool = False) -> list[ProcessCheck]:
-    """Run every check across processes (with ``variants``, the broken ones too;
-    ``thorough``, :data:`THOROUGH_LAYOUTS`, :data:`THOROUGH_HANDOVERS`, 4-rank variants)."""
+    """Run every check across processes (``variants``: the broken ones too; ``thorough``
+    adds :data:`THOROUGH_LAYOUTS`, :data:`THOROUGH_HANDOVERS`, 4-rank variants)."""
     llama = build_model("llama")
     mla, wide = latent_model(), latent_model(config=WIDE)  # every width different
     latent = [LatentJob(f"latent, {mode}", mla, LATENT_PROMPTS, NEW, mode) for mode in MODES]
