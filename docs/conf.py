@@ -273,6 +273,25 @@ def _after_reading(app, env):
         sphinx.builders.make_chunks = app._kvdoc_make_chunks
 
 
+def _viewcode_module(app, modname, attribute):
+    """The module whose source page links documented ``modname.attribute``: viewcode's own
+    rule (None) for a class or function defined under that name, the documenting module itself
+    for anything else (an instance, an alias). viewcode follows an object to its ``__module__``,
+    which for an instance (a config, a dtype) or an alias is another module's: that module's
+    source page then links back under the anchors of whichever page reached it first (Sphinx 9
+    keeps the first), anchors that do not exist and differ between parallel builds; and a
+    source page of torch's was written for a dtype."""
+    import importlib
+
+    try:
+        value = importlib.import_module(modname)
+        for name in attribute.split("."):
+            value = getattr(value, name)
+    except Exception:  # viewcode's own rule reports what it cannot import
+        return None
+    return None if getattr(value, "__qualname__", None) == attribute else modname
+
+
 def setup(app):
     # The broken-variant sweep that several pages show runs once a build and is read by every
     # kernel after that (kvdoc.teach.sweep_record): kept beside the build's execution cache
@@ -286,6 +305,7 @@ def setup(app):
         records = Path(app.outdir).parent / "records"
         app._kvdoc_fresh_records = records if _force else None
         os.environ["KVDOC_RECORDS"] = str(records)
+    app.connect("viewcode-follow-imported", _viewcode_module)
     app.connect("doctree-read", _drop_machine_values)
     app.connect("doctree-read", _builtins_link_nowhere)
     app.connect("html-page-context", _offer_notebook, priority=500)

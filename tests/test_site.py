@@ -239,6 +239,40 @@ def test_every_built_page():
         f"{url}:\n  " + "\n  ".join(p) for url, p in report.failures.items())
     assert_versioned_with_sources(site, pages)
     assert_site_paths(site, exe)
+    assert_source_pages_link_back(site)
+
+
+def assert_source_pages_link_back(site: Path) -> None:
+    """viewcode writes a source page for kvdoc's modules only, and each of its [docs] links
+    lands on an anchor of the page it names (docs/conf.py's _viewcode_module: an instance or
+    alias followed to its class's module made that module link under another page's anchors,
+    which changed between builds)."""
+    modules = site / "_modules"
+    others = [p.name for p in modules.iterdir() if p.name not in ("index.html", "kvdoc")]
+    assert not others, f"source pages of other packages than kvdoc: {others}"
+    broken = []
+    for page in modules.rglob("*.html"):
+        for href in re.findall(r'class="viewcode-back" href="([^"#]+)#([^"]+)"',
+                               page.read_text(encoding="utf-8")):
+            target = (page.parent / href[0]).resolve()
+            if not target.is_file() or f'id="{href[1]}"' not in target.read_text("utf-8"):
+                broken.append(f"{page.relative_to(site)} -> {href[0]}#{href[1]}")
+    assert not broken, f"{len(broken)} source links land nowhere: {broken[:5]}"
+
+
+def test_source_link_check_can_fail(tmp_path):
+    (tmp_path / "_modules" / "kvdoc").mkdir(parents=True)
+    (tmp_path / "api.html").write_text('<dt id="kvdoc.core.mla.MLAConfig">')
+    source = tmp_path / "_modules" / "kvdoc" / "mla.html"
+    source.write_text('<a class="viewcode-back" href="../../api.html#kvdoc.core.mla.MLAConfig">')
+    assert_source_pages_link_back(tmp_path)
+    source.write_text('<a class="viewcode-back" href="../../api.html#kvdoc.proofs.grid.MLAConfig">')
+    with pytest.raises(AssertionError, match="1 source links land nowhere"):
+        assert_source_pages_link_back(tmp_path)
+    source.write_text("")
+    (tmp_path / "_modules" / "torch.html").write_text("")
+    with pytest.raises(AssertionError):
+        assert_source_pages_link_back(tmp_path)
 
 
 def assert_versioned_with_sources(site: Path, pages: list[str]) -> None:
