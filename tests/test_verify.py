@@ -156,7 +156,9 @@ def test_the_default_verify_catches_every_variant(name):
 def test_each_axis_is_needed():
     """Drop an axis value and a variant escapes. The broken-variants page asserts the rest from
     its sweep (GQA bugs need a GQA model, long-stream bugs a long stream, FP32 bugs FP64, and the
-    variants that fail only one kind of check); its models have the default RoPE base."""
+    variants that fail only one kind of check). Not there: a RoPE base ignored passes on a model
+    whose base is the default (Mistral's) and fails on one whose base is not (the Llama's); the
+    page's only RoPE model is the Llama."""
     assert run_suite("rope-default-base", models=("mistral",), kinds=("dynamic",), **FP32).passed
     assert not run_suite("rope-default-base", models=("llama",), kinds=("dynamic",), **FP32).passed
     # 24 positions fit 32 slots
