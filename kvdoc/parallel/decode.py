@@ -272,7 +272,8 @@ def nonstandard(model: object) -> str | None:
             what = "without attention" if attn is None else f"of {type(attn).__name__}"
             return f"{name}: its layer {i} is a {type(b).__name__} {what}{latent}"
         if attn.qk_norm or attn.n_head * attn.head_dim != attn.c_attn.in_features:
-            return f"{name}: its attention has q/k norms, H x D_h != d (Qwen3-style)"
+            what = "q/k norms" if attn.qk_norm else "H x D_h != d"
+            return f"{name}: its attention has {what} (Qwen3-style)"
     return None
 
 

@@ -81,7 +81,13 @@ WIDE = MLAConfig(vocab_size=97, n_layer=2, n_head=4, n_embd=48, n_inner=96,
 takes one width for another moves rows here, where the site's model (no query LoRA,
 ``d_nope = d_v = 16``, ``r = d_nope + d_v``) and the grid's (``q_lora_rank = d_nope``)
 run it right. ``q_lora_rank < d_nope < d_v``: rows found at the smaller width of two
-still fit, so the mix-up changes numbers instead of raising."""
+still fit, so the mix-up changes numbers instead of raising.
+
+>>> w = (WIDE.q_lora_rank, WIDE.qk_nope_head_dim, WIDE.qk_rope_head_dim, WIDE.v_head_dim,
+...      WIDE.kv_lora_rank)
+>>> len(set(w)) == len(w), WIDE.q_lora_rank < WIDE.qk_nope_head_dim < WIDE.v_head_dim
+(True, True)
+"""
 
 
 def latent_model(seed: int = 0, config: MLAConfig | None = None) -> MLADecoder:
