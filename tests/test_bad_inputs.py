@@ -33,7 +33,7 @@ def test_catalogue_is_broad():
 def test_fixture_caches_hold_the_prompt():
     fx = Fixtures.make()
     assert fx.dynamic.seq_len == fx.static.seq_len == fx.foreign.seq_len == fx.ids.shape[1] == 4
-    assert fx.foreign.n_kv_head != fx.model.config.n_kv_head
+    assert fx.foreign.layers[0].heads != fx.model.config.n_kv_head
 
 
 def test_cli_refusal_is_the_same_out_of_process():

@@ -218,7 +218,6 @@ class KVCache:
         self._len = check_int("seq_len", seq_len, minimum=0)
         first = layers[0]
         self.n_layer, self.batch_size = len(self.layers), first.batch_size
-        self.n_kv_head, self.head_dim = first.heads, first.widths[0]
         self.dtype, self.device = first.dtype, first.device
 
     @property
@@ -305,21 +304,17 @@ class KVCache:
             raise ValueError(f"cache was built for another model: {self.n_layer} layers, "
                              f"model has {len(layout)}")
         for i, (layer, spec) in enumerate(zip(self.layers, layout, strict=True)):
-            if (layer.heads, layer.widths) != (spec.heads, spec.widths):
+            if (held := (layer.heads, layer.widths)) != (wanted := (spec.heads, spec.widths)):
                 raise ValueError(f"cache was built for another model: layer {i} holds (heads, "
-                                 f"widths) = {(layer.heads, layer.widths)}, model has "
-                                 f"{(spec.heads, spec.widths)}")
+                                 f"widths) = {held}, model has {wanted}")
             if layer.window is not None and (spec.window is None or spec.window > layer.window):
                 reads = "every key" if spec.window is None else f"a window of {spec.window}"
                 raise ValueError(f"a window of {layer.window} positions cannot serve layer {i}, "
                                  f"which reads {reads}: it would drop keys the model reads")
-        if self.batch_size != batch_size:
-            raise ValueError(f"cache holds batch size {self.batch_size}, "
-                             f"input has batch size {batch_size}")
-        if self.dtype != dtype:
-            raise ValueError(f"cache dtype is {self.dtype}, model dtype is {dtype}")
-        if self.device != device:
-            raise ValueError(f"cache is on {self.device}, model is on {device}")
+        for what, held, wanted in (("batch size", self.batch_size, batch_size),
+                                   ("dtype", self.dtype, dtype), ("device", self.device, device)):
+            if held != wanted:  # the batch is the input's; dtype and device are the model's
+                raise ValueError(f"{what} {held} in the cache, {wanted} in the call")
         self.check_room(new_len)
 
     def check_room(self, new_len: int) -> None:

@@ -289,8 +289,7 @@ class Decoder(nn.Module):
             shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
             raise ValueError(f"idx must be a [B, C] tensor of token ids, got {shape}")
         if idx.dtype not in (torch.int64, torch.int32):  # what an embedding lookup takes
-            raise ValueError("idx must hold integer token ids (int64 or int32), got dtype "
-                             f"{idx.dtype}")
+            raise ValueError(f"idx must hold int64 or int32 token ids, got dtype {idx.dtype}")
         B, C = idx.shape
         if C == 0 or B == 0:
             raise ValueError(f"empty input: idx has shape {(B, C)}; every row needs a token")
