@@ -16,7 +16,9 @@ import torch
 from copyset.cache import DynamicCache, StaticCache
 from copyset.model import Decoder, GPTConfig, generate, llama_config
 
-for config in (GPTConfig(), llama_config()):
+# a window of 3 over 6 tokens: the copy set's windows, served by caches that keep every row
+# (the ring that keeps only the window, the default kind of such a model, is core/window.py)
+for config in (GPTConfig(), llama_config(), llama_config(sliding_window=3)):
     torch.manual_seed(0)
     model = Decoder(config).eval()
     ids = torch.tensor([[12, 7, 31, 4, 9, 18]])
@@ -26,7 +28,15 @@ for config in (GPTConfig(), llama_config()):
             _, cache = model(ids[:, :4], cache)
             step = model(ids[:, 4:], cache).logits
             assert torch.allclose(step, full[:, 4:], atol=1e-5), config
-    assert generate(model, ids[:, :3], 4).shape == (1, 7)
+    for kind in ("dynamic", "static"):
+        assert generate(model, ids[:, :3], 4, cache=kind).shape == (1, 7)
+windowed = Decoder(llama_config(sliding_window=3))
+try:
+    windowed.new_cache(1)
+except ImportError as e:  # what a copy without core/window.py says
+    assert "window" in str(e), e
+else:
+    raise AssertionError("the window ring came from outside the two files")
 print(sorted(name for name in sys.modules if name.startswith("kvdoc")))
 """
 

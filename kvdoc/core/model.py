@@ -336,7 +336,8 @@ class Decoder(nn.Module):
     def new_cache(self, batch_size: int, kind: str | None = None,
                   capacity: int | None = None) -> KVCache:
         """An empty ``"dynamic"``, ``"static"`` (``capacity``: default ``n_positions``) or
-        ``"window"`` / ``"hybrid"`` cache (the default for a model with windows)."""
+        ``"window"`` / ``"hybrid"`` cache (the default for a model with windows: from
+        ``core/window.py``, outside the copy set, which serves windows by the first two)."""
         dtype, device, config = self.wte.weight.dtype, self.wte.weight.device, self.config
         windowed = any(spec.window for spec in config.cache_layout)
         kind = kind or ("window" if windowed else "dynamic")
