@@ -1,10 +1,11 @@
 """The site's build is strict: each failure mode below must make the build (so `make test`) fail.
 
 Each test writes a throwaway Sphinx project with the site's own conf.py, extensions and static
-files (a landing page and one page, ``broken-page``, holding the failure) and runs it through the
-Makefile's own targets (`make html` / `make doctest` with DOCS pointing at it), so the flags
-under test are the ones `make test` uses. Each failure must name the page: a warning or error
-line of the log says ``broken-page``. A good page is built first as a control.
+files (a landing page and a page holding the failure, ``broken-page``; the failures that need no
+setting of their own are five pages of one build) and runs it through the Makefile's own targets
+(`make html` / `make doctest` with DOCS pointing at it), so the flags under test are the ones
+`make test` uses. Each failure must name its page: a warning or error line of the log says it.
+A good page is built first as a control.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ FRONT = textwrap.dedent("""\
 
     """)
 PAGE = "broken-page"  # the page that holds the failure; every failure message must name it
-INDEX = FRONT + f"```{{toctree}}\n{PAGE}\n```\n"
 
 pytestmark = pytest.mark.sphinx
 
@@ -47,30 +47,34 @@ def make(target: str) -> list[str]:
             "-o", str(venv / ".installed")]
 
 
-def build(tmp_path: Path, body: str, target: str = "html",
+def build(tmp_path: Path, body: str | dict[str, str], target: str = "html",
           timeout_s: int = 60) -> subprocess.CompletedProcess:
+    """Build ``body`` as the page :data:`PAGE`, or each ``{page: body}`` as its own page."""
+    pages = body if isinstance(body, dict) else {PAGE: body}
     src = tmp_path / "src"
     src.mkdir(parents=True)
     shutil.copy(ROOT / "docs" / "conf.py", src / "conf.py")
     for folder in ("_ext", "_static", "_templates", "_ipython"):
         if (ROOT / "docs" / folder).is_dir():
             shutil.copytree(ROOT / "docs" / folder, src / folder)
-    (src / "index.md").write_text(INDEX)
-    (src / f"{PAGE}.md").write_text(FRONT + textwrap.dedent(body))
+    (src / "index.md").write_text(FRONT + "```{toctree}\n" + "\n".join(pages) + "\n```\n")
+    for page, text in pages.items():
+        (src / f"{page}.md").write_text(FRONT + textwrap.dedent(text))
     env = {**os.environ, "KVDOC_CELL_TIMEOUT": str(timeout_s), "CI": "true"}
     return subprocess.run(
         [*make(target), f"DOCS={src}", f"BUILDDIR={tmp_path / 'build'}"],
         capture_output=True, text=True, env=env, timeout=600)
 
 
-def assert_fails_naming_page(result: subprocess.CompletedProcess, *needles: str) -> None:
+def assert_fails_naming_page(result: subprocess.CompletedProcess, *needles: str,
+                             page: str = PAGE) -> None:
     log = result.stdout + result.stderr
     assert result.returncode != 0, log
     # a Sphinx warning/error line, or the doctest builder's 'File "broken-page.md", line N'
     naming = [line for line in log.splitlines()
-              if PAGE in line
-              and ("WARNING" in line or "ERROR" in line or f'File "{PAGE}.md", line' in line)]
-    assert naming, f"no warning or error line names {PAGE}:\n{log}"
+              if page in line
+              and ("WARNING" in line or "ERROR" in line or f'File "{page}.md", line' in line)]
+    assert naming, f"no warning or error line names {page}:\n{log}"
     print(*naming, sep="\n")
     for needle in needles:
         assert needle in log, log
@@ -97,15 +101,6 @@ def test_good_page_builds(tmp_path):
     assert build(tmp_path / "again", doctest, "doctest").returncode == 0
 
 
-def test_cell_that_raises_fails_the_build(tmp_path):
-    result = build(tmp_path, """
-        ```{code-cell} python
-        raise RuntimeError("boom from a cell")
-        ```
-        """)
-    assert_fails_naming_page(result, "boom from a cell")
-
-
 def test_cell_past_the_timeout_fails_the_build(tmp_path):
     result = build(tmp_path, """
         ```{code-cell} python
@@ -117,18 +112,6 @@ def test_cell_past_the_timeout_fails_the_build(tmp_path):
     assert "timed out" in (result.stdout + result.stderr).lower()
 
 
-def test_missing_glue_key_fails_the_build(tmp_path):
-    result = build(tmp_path, """
-        ```{code-cell} python
-        from myst_nb import glue
-        glue("present", 1, display=False)
-        ```
-
-        Here is {glue:text}`absent`.
-        """)
-    assert_fails_naming_page(result, "absent")
-
-
 def test_failing_doctest_fails_the_doctest_build(tmp_path):
     result = build(tmp_path, """
         ```{doctest}
@@ -137,13 +120,6 @@ def test_failing_doctest_fails_the_doctest_build(tmp_path):
         ```
         """, target="doctest")
     assert_fails_naming_page(result, "1 failure")
-
-
-def test_any_warning_fails_the_build(tmp_path):
-    result = build(tmp_path, """
-        See {doc}`a-page-that-does-not-exist`.
-        """)
-    assert_fails_naming_page(result, "a-page-that-does-not-exist")
 
 
 FIGURE_CELL = textwrap.dedent("""
@@ -159,29 +135,36 @@ FIGURE_CELL = textwrap.dedent("""
     """)
 
 
-def test_figure_without_alt_text_fails_the_build(tmp_path):
-    result = build(tmp_path, FIGURE_CELL + textwrap.dedent("""
-        ```{glue:figure} fig-line
-        :name: fig-line
-
-        A figure a screen reader cannot describe.
-        ```
-        """))
-    assert_fails_naming_page(result, "image without alt text")
+def figure_page(alt: str, name: str, agg: bool = False) -> str:
+    cell = FIGURE_CELL.replace("fig-line", name)
+    if agg:
+        cell = cell.replace("import matplotlib.pyplot",
+                            "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot")
+    return cell + f"\n```{{glue:figure}} {name}\n{alt}:name: {name}\n\nA figure.\n```\n"
 
 
-def test_figure_glued_as_text_fails_the_build(tmp_path):
-    agg = "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot"
-    agg_cell = FIGURE_CELL.replace("import matplotlib.pyplot", agg)
-    result = build(tmp_path, agg_cell + textwrap.dedent("""
-        ```{glue:figure} fig-line
-        :alt: a line
-        :name: fig-line
+BROKEN = {
+    "cell-raises": ('```{code-cell} python\nraise RuntimeError("boom from a cell")\n```\n',
+                    "boom from a cell"),
+    "glue-missing": ("```{code-cell} python\nfrom myst_nb import glue\n"
+                     'glue("present", 1, display=False)\n```\n\nHere is {glue:text}`absent`.\n',
+                     "absent"),
+    "dead-link": ("See {doc}`a-page-that-does-not-exist`.\n", "a-page-that-does-not-exist"),
+    "figure-no-alt": (figure_page("", "fig-no-alt"), "image without alt text"),
+    # the Agg backend glues a figure as text only
+    "figure-as-text": (figure_page(":alt: a line\n", "fig-as-text", agg=True),
+                       "figure without an image"),
+}
+"""Page -> (its body, what the log must say): one failure each, built together."""
 
-        A figure that the Agg backend glued as text only.
-        ```
-        """))
-    assert_fails_naming_page(result, "figure without an image")
+
+def test_each_failure_fails_the_build_and_names_its_page(tmp_path):
+    """A cell that raises, a missing glue key, any warning (a dead link), a figure without alt
+    text, a figure glued as text: one build of five pages (``--keep-going`` builds every page),
+    each page named by a warning or error line and its failure in the log."""
+    result = build(tmp_path, {page: body for page, (body, _) in BROKEN.items()})
+    for page, (_, needle) in BROKEN.items():
+        assert_fails_naming_page(result, needle, page=page)
 
 
 def test_only_a_build_that_reads_pages_clears_the_records(tmp_path):
