@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from kvdoc import cli
 from kvdoc.cli import COMMANDS, build_parser, plain
 
 SAMPLE = str(Path(__file__).resolve().parent.parent / "docs" / "_static" / "chat-prompts.txt")
@@ -158,7 +160,29 @@ NONSENSE = [
 
 
 @pytest.mark.parametrize(("argv", "words"), NONSENSE, ids=[" ".join(a) for a, _ in NONSENSE])
-def test_nonsense_lengths_exit_2_and_say_why(argv: list[str], words: str) -> None:
+def test_nonsense_lengths_exit_2_and_say_why(argv: list[str], words: str, capsys, monkeypatch):
+    """In this process, as ``python -m kvdoc`` runs them (each command's module imported once,
+    not an interpreter a case); verify's fork server is not started here (a process-wide
+    setting), and the torch threads are put back in case a command set them before failing.
+    An exception that is not a refusal fails the test with its traceback."""
+    monkeypatch.setattr(cli, "_start_fork_server", lambda argv: None)
+    threads = torch.get_num_threads()
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as done:
+        code = done.code
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err
+    assert code == 2, (code, err[-2000:])
+    assert words in err, err[-2000:]
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_refusal_exits_2_from_its_own_process(command: str) -> None:
+    """One nonsense case a command as a process of its own: the exit status and the message
+    the shell sees, and no traceback."""
+    argv, words = next(case for case in NONSENSE if case[0][0] == command)
     result = run("-m", "kvdoc", *argv)
     assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
     assert words in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
