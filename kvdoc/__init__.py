@@ -16,7 +16,7 @@ from importlib.metadata import PackageNotFoundError, version
 # which takes seconds to load, and ``python -m kvdoc memory`` or ``--help`` need none of it.
 _LAZY = {
     "DynamicCache": "core.cache", "KVCache": "core.cache", "StaticCache": "core.cache",
-    "GPTConfig": "core.model", "llama_config": "core.model", "mistral_config": "core.window",
+    "GPTConfig": "core.model", "llama_config": "core.model", "mistral_config": "core.model",
     "offset_causal_mask": "core.model",
     "Decoder": "core.model", "DecoderOutput": "core.model", "decode_step": "core.model",
     "generate": "core.model", "prefill": "core.model",

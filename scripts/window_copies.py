@@ -15,7 +15,7 @@ import time
 import torch
 
 from kvdoc import Decoder
-from kvdoc.core.window import mistral_config
+from kvdoc.core.model import mistral_config
 from kvdoc.measure.dispatch import CopyMeter
 
 torch.manual_seed(0)

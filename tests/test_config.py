@@ -46,8 +46,7 @@ def test_invalid_configs_raise(kwargs, message):
 
 
 def test_llama_and_mistral_configs():
-    from kvdoc.core.model import llama_config
-    from kvdoc.core.window import mistral_config
+    from kvdoc.core.model import llama_config, mistral_config
 
     cfg = llama_config()
     switches = (cfg.position, cfg.norm, cfg.mlp, cfg.bias, cfg.sliding_window)

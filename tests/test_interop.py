@@ -96,8 +96,11 @@ def test_unsupported_variants_are_refused(pair):
 
 import dataclasses  # noqa: E402
 
-from kvdoc.core.model import Decoder, llama_config  # noqa: E402
-from kvdoc.core.window import mistral_config  # noqa: E402
+from kvdoc.core.model import (  # noqa: E402
+    Decoder,
+    llama_config,
+    mistral_config,
+)
 from kvdoc.interop.hf_config import (  # noqa: E402
     transformers_config,
     transformers_model,

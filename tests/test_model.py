@@ -107,7 +107,7 @@ def test_generate_fills_a_cache_it_is_given(model):
         assert torch.equal(generate(model, prompt, 6, cache=cache), want)
     with torch.no_grad():
         filled = model(prompt, model.new_cache(2)).cache
-    with pytest.raises(ValueError, match="fills an empty cache; this one holds 3"):
+    with pytest.raises(ValueError, match="fills an empty cache, not one of 3 positions"):
         generate(model, prompt, 6, cache=filled)
     with pytest.raises(ValueError, match="over capacity"):  # the model's own check, first
         generate(model, prompt, 6, cache=model.new_cache(2, "static", capacity=4))
@@ -142,7 +142,7 @@ def test_grouped_query_attention(kv_heads):
 
 def test_crop_is_in_place_for_every_kind(model, stream):
     """crop means one thing: forget positions from ``length`` on, in this cache, and return it."""
-    from kvdoc.core.window import mistral_config
+    from kvdoc.core.model import mistral_config
     from kvdoc.serving.paged import new_paged_cache, new_shared_prefix_cache
     from kvdoc.serving.quant import new_int8_cache
 

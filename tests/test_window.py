@@ -7,8 +7,8 @@ import torch
 
 from kvdoc import Decoder
 from kvdoc.core.feed import feed
-from kvdoc.core.model import apply_rope, llama_config
-from kvdoc.core.window import WindowLayer, mistral_config, window_cache
+from kvdoc.core.model import apply_rope, llama_config, mistral_config
+from kvdoc.core.window import WindowLayer, window_cache
 from kvdoc.proofs.compare import TOLERANCE, run_cached
 
 W, T = 32, 100

@@ -5,7 +5,7 @@ the input checks and one forward for full recompute and cached continuation) and
 offset causal mask; a cache of per-layer storages and one length; dynamic and static layers;
 whether a cache serves a model, decided by the config's ``cache_layout``). The rest builds on
 them: ``window`` (rings for sliding-window layers, the hybrid cache of a model that also has
-global layers, and ``mistral_config``), ``mla`` (DeepSeek's latent attention, whose layout is
+global layers), ``mla`` (DeepSeek's latent attention, whose layout is
 one head of two widths), ``state`` (the fixed-size state of a recurrent layer, beside K/V
 layers, and its snapshots), ``gemma`` (Gemma 3's window and global layers), ``deltanet``
 (Qwen3.5's Gated DeltaNet and gated attention layers), ``delta_rule`` (DeltaNet's recurrence,

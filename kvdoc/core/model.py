@@ -97,6 +97,11 @@ def llama_config(**overrides: object) -> GPTConfig:
                             norm="rmsnorm", mlp="swiglu", bias=False) | overrides)
 
 
+def mistral_config(sliding_window: int = 32, **overrides: object) -> GPTConfig:
+    """:func:`llama_config` with a sliding window of ``sliding_window`` keys."""
+    return llama_config(sliding_window=sliding_window, **overrides)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:  # (x1, x2) -> (-x2, x1) on the two halves
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -110,8 +115,8 @@ def _frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Ten
 
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
     """RoPE angles ``[..., D_h]``, in float64 so that no call rounds a position differently."""
-    angles = positions.to(torch.float64)[..., None] * _frequencies(head_dim, theta,
-                                                                   positions.device)
+    freqs = _frequencies(head_dim, theta, positions.device)  # [D_h / 2]
+    angles = positions.to(torch.float64)[..., None] * freqs
     return torch.cat((angles, angles), dim=-1)  # pairs (i, i + D_h/2) turn together
 
 
@@ -133,8 +138,7 @@ def apply_rope(x: torch.Tensor, start: int | torch.Tensor, theta: float = 10000.
 
 
 def embed_tokens(wte: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
-    """``wte(idx)``; an id outside the vocabulary, which the lookup finds (no host sync), is a
-    ``ValueError``."""
+    """``wte(idx)``; an id outside the vocabulary (the lookup finds it) is a ``ValueError``."""
     try:
         return wte(idx)
     except IndexError:
@@ -283,8 +287,7 @@ class Decoder(nn.Module):
 
     def check_input(self, idx: torch.Tensor, cache: KVCache | None,
                     positions: torch.Tensor | None = None) -> None:
-        """Raise ``ValueError`` unless ``idx`` (``[B, C]``) can continue ``cache``: every call
-        starts here, before any write."""
+        """A ``ValueError`` unless ``idx`` ``[B, C]`` can continue ``cache``; before any write."""
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
             shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
             raise ValueError(f"idx must be a [B, C] tensor of token ids, got {shape}")
@@ -336,8 +339,7 @@ class Decoder(nn.Module):
     def new_cache(self, batch_size: int, kind: str | None = None,
                   capacity: int | None = None) -> KVCache:
         """An empty ``"dynamic"``, ``"static"`` (``capacity``: default ``n_positions``) or
-        ``"window"`` / ``"hybrid"`` cache (the default for a model with windows: from
-        ``core/window.py``, outside the copy set, which serves windows by the first two)."""
+        ``"window"`` / ``"hybrid"`` cache (window.py's: a windowed model's default)."""
         dtype, device, config = self.wte.weight.dtype, self.wte.weight.device, self.config
         windowed = any(spec.window for spec in config.cache_layout)
         kind = kind or ("window" if windowed else "dynamic")
@@ -373,9 +375,8 @@ def decode_step(model: Decoder, token: torch.Tensor, cache: KVCache) -> DecoderO
 @torch.no_grad()
 def generate(model: Decoder, idx: torch.Tensor, max_new_tokens: int,
              cache: str | KVCache | None = None) -> torch.Tensor:
-    """Greedy generation: one prefill, then ``max_new_tokens - 1`` decode steps; returns the
-    prompt followed by the chosen tokens, ``[B, P + max_new_tokens]``. ``cache`` is a kind
-    ``model.new_cache`` knows (None: the model's default), or an empty cache of any kind.
+    """Greedy: a prefill, then ``max_new_tokens - 1`` decode steps; the prompt and the chosen
+    tokens, ``[B, P + max_new_tokens]``. ``cache``: a ``new_cache`` kind, or an empty cache.
 
     >>> model, prompt = Decoder(GPTConfig()), torch.tensor([[1, 2, 3]])  # any weights
     >>> out = generate(model, prompt, 5)
@@ -390,8 +391,7 @@ def generate(model: Decoder, idx: torch.Tensor, max_new_tokens: int,
     if not isinstance(cache, KVCache):
         cache = model.new_cache(idx.shape[0], cache, capacity=total)
     elif cache.seq_len:
-        raise ValueError(f"generate() fills an empty cache; this one holds {cache.seq_len} "
-                         "positions")
+        raise ValueError(f"generate() fills an empty cache, not one of {cache.seq_len} positions")
     logits, kv = prefill(model, idx, cache)
     chosen = [logits[:, -1].argmax(dim=-1, keepdim=True)]  # [B, 1] each
     while len(chosen) < max_new_tokens:

@@ -1,5 +1,4 @@
-"""Sliding-window storage: the last ``W`` positions of a layer, the cache for a model, and
-:func:`mistral_config`, a Llama with a window.
+"""Sliding-window storage: the last ``W`` positions of a layer, and the cache for a model.
 
 With a window of ``W`` keys, query ``i`` reads keys ``i - W < j <= i``
 (:func:`~kvdoc.core.cache.offset_causal_mask`): no query from position ``i`` on reads a key
@@ -25,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from .cache import KV, CacheLayer, DynamicLayer, HasLayout, KVCache, check_int
-from .model import GPTConfig, llama_config
 
 
 class WindowLayer(CacheLayer):
@@ -93,6 +91,7 @@ def window_cache(config: HasLayout, batch_size: int, window: int | None = None,
     positions (default: the layer's own window) for each window layer, a growing layer for each
     global one.
 
+    >>> from kvdoc.core.model import mistral_config
     >>> [layer.window for layer in window_cache(mistral_config(sliding_window=4), 1).layers]
     [4, 4]
     """
@@ -101,8 +100,3 @@ def window_cache(config: HasLayout, batch_size: int, window: int | None = None,
         else WindowLayer.empty(batch_size, s.heads, s.widths,
                                s.window if window is None else window, dtype, device)
         for s in config.cache_layout])
-
-
-def mistral_config(sliding_window: int = 32, **overrides: object) -> GPTConfig:
-    """:func:`~kvdoc.core.model.llama_config` with a sliding window of ``sliding_window`` keys."""
-    return llama_config(sliding_window=sliding_window, **overrides)

@@ -148,7 +148,7 @@ def transformers_config(config: GPTConfig, family: str | None = None) -> Any:
 
     >>> from transformers import MistralForCausalLM
     >>> from kvdoc.core.model import llama_config
-    >>> from kvdoc.core.window import mistral_config
+    >>> from kvdoc.core.model import mistral_config
     >>> hf = MistralForCausalLM(transformers_config(mistral_config()))
     >>> hf.config.sliding_window, config_from_transformers(hf.config) == mistral_config()
     (32, True)
@@ -258,8 +258,7 @@ def transformers_model(family: str, config: GPTConfig | None = None, seed: int =
     """
     import torch
 
-    from kvdoc.core.model import GPTConfig, llama_config
-    from kvdoc.core.window import mistral_config
+    from kvdoc.core.model import GPTConfig, llama_config, mistral_config
 
     cls = causal_lm_class(family)
     default = {"gpt2": GPTConfig, "llama": llama_config, "mistral": mistral_config,

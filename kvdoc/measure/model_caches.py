@@ -42,7 +42,7 @@ def config_cache(config: object, windows: bool = True) -> ModelCache:
     keeps every position of every layer (a dynamic cache of a windowed model).
 
     >>> from kvdoc.core.model import GPTConfig
-    >>> from kvdoc.core.window import mistral_config
+    >>> from kvdoc.core.model import mistral_config
     >>> config_cache(GPTConfig()).bytes_per_token("float32")   # 2 layers x 2 x 4 heads x 16 x 4
     1024
     >>> config_cache(mistral_config(sliding_window=16)).layers[0].window

@@ -32,9 +32,9 @@ from kvdoc.core.model import (
     decode_step,
     generate,
     llama_config,
+    mistral_config,
     prefill,
 )
-from kvdoc.core.window import mistral_config
 
 from .comm import Comm
 from .decode import (

@@ -45,10 +45,9 @@ from kvdoc.core.gptoss import GptOssConfig, GptOssDecoder
 from kvdoc.core.indexed import IndexedConfig, IndexedDecoder
 from kvdoc.core.mamba2 import Mamba2Config, MambaDecoder
 from kvdoc.core.mla import MLAConfig, MLADecoder
-from kvdoc.core.model import Decoder, GPTConfig, llama_config
+from kvdoc.core.model import Decoder, GPTConfig, llama_config, mistral_config
 from kvdoc.core.state import StateSpec
 from kvdoc.core.v4 import CompressedConfig, CompressedDecoder
-from kvdoc.core.window import mistral_config
 from kvdoc.serving.paged import new_paged_cache, new_shared_prefix_cache
 from kvdoc.serving.splitk import split_k_decoder
 

@@ -68,7 +68,7 @@ def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] =
     (default: in FP64).
 
     >>> from transformers import MistralForCausalLM
-    >>> from kvdoc.core.window import mistral_config
+    >>> from kvdoc.core.model import mistral_config
     >>> from kvdoc.interop.hf_config import transformers_config
     >>> _ = torch.manual_seed(0)
     >>> config = transformers_config(mistral_config(sliding_window=4))
