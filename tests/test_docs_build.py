@@ -97,8 +97,6 @@ def test_good_page_builds(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     html = (tmp_path / "build" / "html" / f"{PAGE}.html").read_text()
     assert 'The answer is <span class="pasted-text">42</span>' in html
-    doctest = "```{doctest}\n>>> 6 * 7\n42\n```\n"
-    assert build(tmp_path / "again", doctest, "doctest").returncode == 0
 
 
 def test_cell_past_the_timeout_fails_the_build(tmp_path):
@@ -113,13 +111,14 @@ def test_cell_past_the_timeout_fails_the_build(tmp_path):
 
 
 def test_failing_doctest_fails_the_doctest_build(tmp_path):
-    result = build(tmp_path, """
-        ```{doctest}
-        >>> 1 + 1
-        3
-        ```
-        """, target="doctest")
-    assert_fails_naming_page(result, "1 failure")
+    """A page whose doctest fails, beside one whose doctest passes (the control): both ran, one
+    failed, and only the failing page is named."""
+    result = build(tmp_path, {"good-doctest": "```{doctest}\n>>> 6 * 7\n42\n```\n",
+                              PAGE: "```{doctest}\n>>> 1 + 1\n3\n```\n"}, target="doctest")
+    assert_fails_naming_page(result, "2 tests", "1 failure in tests")
+    log = result.stdout + result.stderr
+    assert not [line for line in log.splitlines() if "good-doctest" in line
+                and ("WARNING" in line or "ERROR" in line or 'File "good-doctest.md"' in line)]
 
 
 FIGURE_CELL = textwrap.dedent("""
