@@ -27,9 +27,8 @@ it. kvdoc clamps in both forms and turns at ``P .. P + C - 1``. transformers' ca
 ``causal_conv1d_update`` never reads the oldest; kvdoc keeps ``d_conv - 1``.
 
 >>> import torch
->>> from transformers import BambaForCausalLM
->>> _ = torch.manual_seed(0)
->>> hf = BambaForCausalLM(bamba_config(Mamba2Config())).eval()
+>>> from kvdoc.interop.hf_config import random_model
+>>> hf = random_model(bamba_config(Mamba2Config()))
 >>> ours = from_bamba(hf)
 >>> ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
 >>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
@@ -116,8 +115,5 @@ def from_bamba(hf_model: Any) -> MambaDecoder:
 def to_bamba(model: MambaDecoder) -> Any:
     """transformers' ``BambaForCausalLM`` holding ``model``'s weights (the inverse of
     :func:`from_bamba`), in the model's dtype, in eval mode; the global RNG is left as it was."""
-    from transformers import BambaForCausalLM
-
     mapped = by_their_names(model.state_dict(), OUTER, ("feed_forward", "mlp"))
-    return load_exported(BambaForCausalLM, bamba_config(model.config), mapped, model, "Bamba")
-
+    return load_exported(bamba_config(model.config), mapped, model)

@@ -99,20 +99,35 @@ def attention_sizes(c: Mapping[str, Any], where: str) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
-def causal_lm_class(model_type: str) -> type:
-    """transformers' causal-LM class for ``"gpt2"`` or one of :data:`ROPE_FAMILIES`.
+#: transformers' causal-LM class of each model type kvdoc builds or exports
+CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+             "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+             "gemma3_text": "Gemma3ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+             "deepseek_v32": "DeepseekV32ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+             "qwen3_5_text": "Qwen3_5ForCausalLM", "bamba": "BambaForCausalLM"}
 
-    >>> causal_lm_class("qwen2").__name__
-    'Qwen2ForCausalLM'
-    """
+
+def _causal_lm(hf_config: Any) -> Any:
+    """``hf_config``'s causal LM with fresh weights (imports that family's module alone)."""
     import transformers
 
-    names = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
-             "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
-    if model_type not in names:
-        raise ValueError(f"family must be one of {', '.join(names)}, got {model_type!r}")
-    return getattr(transformers, names[model_type])  # imports that family's module alone
+    return getattr(transformers, CAUSAL_LM[hf_config.model_type])(hf_config)
+
+
+def random_model(hf_config: Any, seed: int = 0, dtype: torch.dtype | None = None) -> Any:
+    """transformers' causal LM of ``hf_config`` (a model type of :data:`CAUSAL_LM`) with
+    weights drawn after ``torch.manual_seed(seed)``, built offline, in eval mode.
+
+    >>> from kvdoc.core.gemma import Gemma3Config
+    >>> from kvdoc.interop.hf_gemma import gemma_config
+    >>> random_model(gemma_config(Gemma3Config())).config.layer_types
+    ['sliding_attention', 'full_attention']
+    """
+    import torch
+
+    torch.manual_seed(seed)
+    return _causal_lm(hf_config).to(dtype or torch.float32).eval()
 
 
 def gpt2_config(config: GPTConfig) -> Any:
@@ -247,30 +262,27 @@ def config_from_transformers(hf_config: Any) -> GPTConfig:
 
 def transformers_model(family: str, config: GPTConfig | None = None, seed: int = 0,
                        dtype: torch.dtype | None = None) -> Any:
-    """A transformers ``family`` model (``"gpt2"`` or one of :data:`ROPE_FAMILIES`) with
-    weights drawn after ``torch.manual_seed(seed)``, built offline from ``config`` (default: the
-    family's kvdoc default), in eval mode.
+    """:func:`random_model` of the ``family`` model (``"gpt2"`` or one of
+    :data:`ROPE_FAMILIES`) of ``config`` (default: the family's kvdoc default).
 
     >>> transformers_model("llama").config.num_key_value_heads
     2
     >>> transformers_model("qwen3").config.head_dim      # not hidden_size / heads = 16
     24
     """
-    import torch
-
     from kvdoc.core.model import GPTConfig, llama_config
     from kvdoc.core.window import mistral_config
 
-    cls = causal_lm_class(family)
-    default = {"gpt2": GPTConfig, "llama": llama_config, "mistral": mistral_config,
-               "qwen2": partial(llama_config, qkv_bias=True),
-               "qwen3": partial(llama_config, qk_norm=True, head_size=24),
-               "phi3": mistral_config}[family]
-    hf_config = transformers_config(config or default(), family)
+    defaults = {"gpt2": GPTConfig, "llama": llama_config, "mistral": mistral_config,
+                "qwen2": partial(llama_config, qkv_bias=True),
+                "qwen3": partial(llama_config, qk_norm=True, head_size=24),
+                "phi3": mistral_config}
+    if family not in defaults:
+        raise ValueError(f"family must be one of {', '.join(defaults)}, got {family!r}")
+    hf_config = transformers_config(config or defaults[family](), family)
     if hf_config.model_type != family:
         raise ValueError(f"this config builds a {hf_config.model_type} model, not {family}")
-    torch.manual_seed(seed)
-    return cls(hf_config).to(dtype or torch.float32).eval()
+    return random_model(hf_config, seed, dtype)
 
 
 def outer_weights(state: Mapping[str, torch.Tensor],
@@ -332,19 +344,20 @@ def holding(model: torch.nn.Module, mapped: Mapping[str, torch.Tensor]) -> Any:
     return model.to(wte.device).eval()
 
 
-def load_exported(hf_class: type, hf_config: Any, mapped: Mapping[str, torch.Tensor],
-                  model: torch.nn.Module, family: str) -> Any:
-    """``hf_class(hf_config)`` (built without touching the global RNG: its fresh weights are
-    overwritten) holding ``mapped`` (its own parameter names), in ``model``'s dtype, in eval
-    mode; a ``ValueError`` names any parameter (but the causal-mask buffers) that did not map."""
+def load_exported(hf_config: Any, mapped: Mapping[str, torch.Tensor],
+                  model: torch.nn.Module) -> Any:
+    """transformers' causal LM of ``hf_config`` (built without touching the global RNG: its fresh
+    weights are overwritten) holding ``mapped`` (its own parameter names), in ``model``'s dtype,
+    in eval mode; a ``ValueError`` names any parameter (but the causal-mask buffers) that did
+    not map."""
     import torch
 
     with torch.random.fork_rng():
-        hf = hf_class(hf_config)
+        hf = _causal_lm(hf_config)
     missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in mapped.items()},
                                              strict=False)
     missing = [k for k in missing if not k.endswith(BUFFERS)]
     if missing or unexpected:
-        raise ValueError(f"weights do not map onto {family}: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
+        raise ValueError(f"weights do not map onto {hf_config.model_type}: missing "
+                         f"{missing[:3]}, unexpected {unexpected[:3]}")
     return hf.to(next(model.parameters()).dtype).eval()

@@ -14,8 +14,8 @@ Only dense models load: every layer's MLP must be the dense one (``first_k_dense
 least ``num_hidden_layers``); mixture-of-experts layers are not part of kvdoc. No YaRN scaling
 (``rope_type`` "default") and no attention biases.
 
->>> _ = torch.manual_seed(0)
->>> hf = deepseek_model(MLAConfig(q_lora_rank=12))
+>>> from kvdoc.interop.hf_config import random_model
+>>> hf = random_model(deepseek_config(MLAConfig(q_lora_rank=12)))
 >>> ours = from_deepseek(hf)
 >>> ids = torch.tensor([[1, 2, 3, 4, 5]])
 >>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
@@ -194,24 +194,6 @@ def from_deepseek(hf_model: Any) -> MLADecoder:
 def to_deepseek(model: MLADecoder, rope_interleave: bool = True) -> Any:
     """transformers' ``DeepseekV3ForCausalLM`` holding ``model``'s weights, in its dtype, in eval
     mode; the global RNG is left as it was."""
-    from transformers import DeepseekV3ForCausalLM
-
     config = model.config
     mapped = layers_by_their_names(dict(model.state_dict()), config, _ATTENTION, rope_interleave)
-    return load_exported(DeepseekV3ForCausalLM, deepseek_config(config, rope_interleave), mapped,
-                         model, "DeepseekV3")
-
-
-def deepseek_model(config: MLAConfig | None = None, seed: int = 0,
-                   dtype: torch.dtype = torch.float32, rope_interleave: bool = True) -> Any:
-    """A transformers ``DeepseekV3ForCausalLM`` with random weights from ``config`` (default
-    :class:`MLAConfig`), built offline, in eval mode.
-
-    >>> deepseek_model().config.kv_lora_rank
-    32
-    """
-    torch.manual_seed(seed)
-    from transformers import DeepseekV3ForCausalLM
-
-    hf_config = deepseek_config(config or MLAConfig(), rope_interleave)
-    return DeepseekV3ForCausalLM(hf_config).to(dtype).eval()
+    return load_exported(deepseek_config(config, rope_interleave), mapped, model)

@@ -12,8 +12,8 @@ length of the row it ranks (:mod:`kvdoc.core.indexed` says where and why); :func
 runs it with kvdoc's rule instead, which is what its cached and full paths then both compute.
 
 >>> from kvdoc.core.indexed import IndexedConfig
->>> _ = torch.manual_seed(0)
->>> hf = v32_model(IndexedConfig(index_topk=3))
+>>> from kvdoc.interop.hf_config import random_model
+>>> hf = random_model(v32_config(IndexedConfig(index_topk=3)))
 >>> ours = from_v32(hf)
 >>> ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
 >>> with earliest_ties():
@@ -108,21 +108,9 @@ def from_v32(hf_model: Any) -> IndexedDecoder:
 def to_v32(model: IndexedDecoder) -> Any:
     """transformers' ``DeepseekV32ForCausalLM`` holding ``model``'s weights, in its dtype, in eval
     mode; the global RNG is left as it was."""
-    from transformers import DeepseekV32ForCausalLM
-
-    config = model.config
-    mapped = layers_by_their_names(dict(model.state_dict()), config, _ATTENTION, interleaved=True)
-    return load_exported(DeepseekV32ForCausalLM, v32_config(config), mapped, model, "DeepseekV32")
-
-
-def v32_model(config: IndexedConfig | None = None, seed: int = 0,
-              dtype: torch.dtype = torch.float32) -> Any:
-    """A transformers ``DeepseekV32ForCausalLM`` with random weights from ``config`` (default
-    :class:`IndexedConfig`), every layer dense, built offline, in eval mode."""
-    torch.manual_seed(seed)
-    from transformers import DeepseekV32ForCausalLM
-
-    return DeepseekV32ForCausalLM(v32_config(config or IndexedConfig())).to(dtype).eval()
+    mapped = layers_by_their_names(dict(model.state_dict()), model.config, _ATTENTION,
+                                   interleaved=True)
+    return load_exported(v32_config(model.config), mapped, model)
 
 
 def earliest_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True,

@@ -11,8 +11,9 @@ Not loaded: scaled RoPE (the larger Gemma 3 checkpoints scale the global base li
 attention biases, bidirectional attention, and ``attn_logit_softcapping`` (Gemma 2's; transformers'
 Gemma 3 never applies it, so a config that sets it would not mean what it says).
 
->>> _ = torch.manual_seed(0)
->>> hf = gemma_model(Gemma3Config(sliding_window=4))
+>>> import torch
+>>> from kvdoc.interop.hf_config import random_model
+>>> hf = random_model(gemma_config(Gemma3Config(sliding_window=4)))
 >>> ours = from_gemma(hf)
 >>> ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
 >>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
@@ -22,8 +23,6 @@ True
 from __future__ import annotations
 
 from typing import Any
-
-import torch
 
 from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, gemma_layer_types
 from kvdoc.interop.hf_config import (
@@ -135,22 +134,4 @@ def from_gemma(hf_model: Any) -> Gemma3Decoder:
 def to_gemma(model: Gemma3Decoder) -> Any:
     """transformers' ``Gemma3ForCausalLM`` holding ``model``'s weights (the inverse of
     :func:`from_gemma`), in the model's dtype, in eval mode; the global RNG is left as it was."""
-    from transformers import Gemma3ForCausalLM
-
-    return load_exported(Gemma3ForCausalLM, gemma_config(model.config),
-                         by_their_names(model.state_dict()), model, "Gemma3")
-
-
-def gemma_model(config: Gemma3Config | None = None, seed: int = 0,
-                dtype: torch.dtype = torch.float32) -> Any:
-    """A transformers ``Gemma3ForCausalLM`` with random weights from ``config`` (default
-    :class:`Gemma3Config`), built offline, in eval mode (RMSNorm weights at zero, as
-    transformers initialises them: each scales by ``1 + weight``).
-
-    >>> gemma_model().config.layer_types
-    ['sliding_attention', 'full_attention']
-    """
-    torch.manual_seed(seed)
-    from transformers import Gemma3ForCausalLM
-
-    return Gemma3ForCausalLM(gemma_config(config or Gemma3Config())).to(dtype).eval()
+    return load_exported(gemma_config(model.config), by_their_names(model.state_dict()), model)

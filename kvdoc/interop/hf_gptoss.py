@@ -9,8 +9,9 @@ SDPA path takes no sinks: ``GptOssPreTrainedModel._supports_sdpa = False``) and 
 Not loaded: a YaRN ``attention_factor``, ``mscale`` or ``partial_rotary_factor`` (gpt-oss's
 checkpoints set none), attention without biases.
 
->>> _ = torch.manual_seed(0)
->>> hf = gptoss_model(GptOssConfig(sliding_window=4))
+>>> import torch
+>>> from kvdoc.interop.hf_config import random_model
+>>> hf = random_model(gptoss_config(GptOssConfig(sliding_window=4)))
 >>> ours = from_gptoss(hf)
 >>> ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
 >>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
@@ -22,8 +23,6 @@ True
 from __future__ import annotations
 
 from typing import Any
-
-import torch
 
 from kvdoc.core.gptoss import GptOssConfig, GptOssDecoder
 from kvdoc.interop.hf_config import (
@@ -104,35 +103,4 @@ def from_gptoss(hf_model: Any) -> GptOssDecoder:
 def to_gptoss(model: GptOssDecoder) -> Any:
     """transformers' ``GptOssForCausalLM`` holding ``model``'s weights (the inverse of
     :func:`from_gptoss`), in the model's dtype, in eval mode; the global RNG is left as it was."""
-    from transformers import GptOssForCausalLM
-
-    return load_exported(GptOssForCausalLM, gptoss_config(model.config),
-                         by_their_names(model.state_dict()), model, "GptOss")
-
-
-def gptoss_model(config: GptOssConfig | None = None, seed: int = 0,
-                 dtype: torch.dtype = torch.float32) -> Any:
-    """A transformers ``GptOssForCausalLM`` with random weights from ``config`` (default
-    :class:`GptOssConfig`), built offline, in eval mode. transformers draws every matrix and sink
-    with a standard deviation of 0.02 and the biases at 0: the experts' clamp would never bite,
-    attention would be nearly uniform and a sink left out would change little. So, as standard
-    deviations about a mean of 0: the sinks are redrawn at 1, each matrix at ``fan_in ** -0.5``,
-    the biases at 0.1, and the norms' weights at 0.2 about 1; the embedding (also the head,
-    where tied) keeps 0.02."""
-    torch.manual_seed(seed)
-    from transformers import GptOssForCausalLM
-
-    hf = GptOssForCausalLM(gptoss_config(config or GptOssConfig()))
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("sinks"):
-                p.normal_(0.0, 1.0)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            elif "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif p.dim() == 3:  # the experts' [E, in, out]
-                p.normal_(0.0, p.shape[1] ** -0.5)
-            elif "embed_tokens" not in name and "lm_head" not in name:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    return hf.to(dtype).eval()
+    return load_exported(gptoss_config(model.config), by_their_names(model.state_dict()), model)

@@ -9,8 +9,8 @@ whose rows interleave the heads (``in_proj_qkvz``, ``in_proj_ba``: :func:`_split
 Qwen3-Next with sparse-MoE layers (transformers 5.24's ``Qwen3NextSparseMoeBlock``: every
 published checkpoint, and the config's default) is refused by name, as kvdoc has no experts.
 
->>> _ = torch.manual_seed(0)
->>> hf = qwen35_model(DeltaNetConfig(chunk_size=4))
+>>> from kvdoc.interop.hf_config import random_model
+>>> hf = random_model(qwen35_config(DeltaNetConfig(chunk_size=4)))
 >>> ours = from_qwen35(hf)
 >>> ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
 >>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
@@ -19,8 +19,6 @@ True
 
 from __future__ import annotations
 
-import re
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -140,24 +138,4 @@ def _split_next(config: DeltaNetConfig, qkvz: torch.Tensor, ba: torch.Tensor,
 def to_qwen35(model: DeltaNetDecoder) -> Any:
     """transformers' ``Qwen3_5ForCausalLM`` holding ``model``'s weights (the inverse of
     :func:`from_qwen35`), in the model's dtype, in eval mode; the global RNG is left as it was."""
-    from transformers import Qwen3_5ForCausalLM
-
-    return load_exported(Qwen3_5ForCausalLM, qwen35_config(replace(model.config)),
-                         by_their_names(model.state_dict()), model, "Qwen3_5")
-
-
-def qwen35_model(config: DeltaNetConfig | None = None, seed: int = 0,
-                 dtype: torch.dtype = torch.float32) -> Any:
-    """A transformers ``Qwen3_5ForCausalLM`` with random weights from ``config`` (default
-    :class:`DeltaNetConfig`), built offline, in eval mode. transformers starts every
-    ``1 + weight`` RMSNorm at zero; these are drawn (as small as its other weights' spread), so
-    that a q/k norm or a final norm loaded into the wrong place shows."""
-    torch.manual_seed(seed)
-    from transformers import Qwen3_5ForCausalLM
-
-    hf = Qwen3_5ForCausalLM(qwen35_config(config or DeltaNetConfig()))
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if re.search(r"(layernorm|norm)\.weight$", name):
-                p.add_(0.1 * torch.randn_like(p))
-    return hf.to(dtype).eval()
+    return load_exported(qwen35_config(model.config), by_their_names(model.state_dict()), model)
