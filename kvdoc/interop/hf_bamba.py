@@ -42,6 +42,8 @@ from typing import Any
 
 from kvdoc.core.mamba2 import Mamba2Config, MambaDecoder
 from kvdoc.interop.hf_config import (
+    as_ours,
+    as_theirs,
     by_our_names,
     by_their_names,
     expect_model_type,
@@ -55,6 +57,10 @@ OUTER = {"model.embed_tokens.weight": "wte.weight", "model.final_layernorm.weigh
          "lm_head.weight": "lm_head.weight"}
 
 
+#: the Mamba-2 mixer's sizes, named alike in both
+_MAMBA = ("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_expand")
+
+
 def bamba_config(config: Mamba2Config) -> Any:
     """The transformers ``BambaConfig`` of the same model: no dropout, no special tokens.
 
@@ -65,15 +71,9 @@ def bamba_config(config: Mamba2Config) -> Any:
 
     c = config
     return BambaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.n_inner,
-        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
-        attn_layer_indices=list(c.attn_layers), max_position_embeddings=c.n_positions,
-        rms_norm_eps=c.layer_norm_epsilon, tie_word_embeddings=c.tie_word_embeddings,
+        **as_theirs(c, *_MAMBA), attn_layer_indices=list(c.attn_layers),
         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-        mamba_n_heads=c.mamba_n_heads, mamba_d_head=c.mamba_head_dim,
-        mamba_n_groups=c.mamba_n_groups, mamba_d_state=c.mamba_d_state,
-        mamba_d_conv=c.mamba_d_conv, mamba_expand=c.mamba_expand,
-        mamba_chunk_size=c.chunk_size, mamba_conv_bias=c.conv_bias,
+        mamba_d_head=c.mamba_head_dim, mamba_chunk_size=c.chunk_size, mamba_conv_bias=c.conv_bias,
         mamba_proj_bias=c.proj_bias, time_step_limit=tuple(c.time_step_limit),
         hidden_act="silu", attention_bias=False, mlp_bias=False, attention_dropout=0.0,
         pad_token_id=None, bos_token_id=None, eos_token_id=None)
@@ -91,18 +91,12 @@ def config_from_bamba(hf_config: Any) -> Mamba2Config:
         "mlp_bias": (hf_config.mlp_bias, (False,)),
         "partial_rotary_factor": (rope.get("partial_rotary_factor", 0.5), (0.5,))})
     c = hf_config
-    limit = tuple(float(v) for v in (c.time_step_limit or (0.0, math.inf)))
-    return Mamba2Config(
-        vocab_size=c.vocab_size, n_positions=c.max_position_embeddings,
-        n_layer=c.num_hidden_layers, attn_layers=tuple(c.attn_layer_indices or ()),
-        n_embd=c.hidden_size, n_inner=c.intermediate_size, n_head=c.num_attention_heads,
-        n_kv_head=c.num_key_value_heads, mamba_n_heads=c.mamba_n_heads,
-        mamba_n_groups=c.mamba_n_groups, mamba_d_state=c.mamba_d_state,
-        mamba_d_conv=c.mamba_d_conv, mamba_expand=c.mamba_expand, chunk_size=c.mamba_chunk_size,
-        conv_bias=bool(c.mamba_conv_bias), proj_bias=bool(c.mamba_proj_bias),
-        time_step_limit=limit, layer_norm_epsilon=c.rms_norm_eps,
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        tie_word_embeddings=bool(c.tie_word_embeddings))
+    return as_ours(
+        Mamba2Config, c, *_MAMBA, attn_layers=tuple(c.attn_layer_indices or ()),
+        chunk_size=c.mamba_chunk_size, conv_bias=bool(c.mamba_conv_bias),
+        proj_bias=bool(c.mamba_proj_bias),
+        time_step_limit=tuple(float(v) for v in (c.time_step_limit or (0.0, math.inf))),
+        rope_theta=float(rope.get("rope_theta", 10000.0)))
 
 
 def from_bamba(hf_model: Any) -> MambaDecoder:

@@ -11,6 +11,7 @@ are imported only when a function needs them: ``python -m kvdoc memory`` reads a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,37 @@ NORMS_AND_DOWN = {"input_layernorm": "ln_1", "post_attention_layernorm": "ln_2",
                   "mlp.down_proj": "mlp.c_proj"}
 #: the RoPE families :func:`config_from_transformers` reads, beside GPT-2
 ROPE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+#: a decoder's sizes: kvdoc's names, and transformers'
+SIZES = {"vocab_size": "vocab_size", "n_positions": "max_position_embeddings",
+         "n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_inner": "intermediate_size",
+         "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads",
+         "layer_norm_epsilon": "rms_norm_eps", "tie_word_embeddings": "tie_word_embeddings"}
+
+
+def _names(config: Any, same: tuple[str, ...]) -> dict[str, str]:
+    """:data:`SIZES` and the fields ``same`` (named alike in both), those ``config`` (a kvdoc
+    config or its class) has: kvdoc's names, and transformers'."""
+    fields = {f.name for f in dataclasses.fields(config)}
+    return {ours: theirs for ours, theirs in {**SIZES, **{name: name for name in same}}.items()
+            if ours in fields}
+
+
+def as_theirs(config: Any, *same: str) -> dict[str, Any]:
+    """``config``'s (a kvdoc config's) :data:`SIZES` and fields ``same`` under transformers'
+    names.
+
+    >>> from kvdoc.core.mla import MLAConfig
+    >>> as_theirs(MLAConfig(), "kv_lora_rank")["num_hidden_layers"]
+    2
+    """
+    return {theirs: getattr(config, ours) for ours, theirs in _names(config, same).items()}
+
+
+def as_ours(cls: type, hf_config: Any, *same: str, **rest: Any) -> Any:
+    """The kvdoc config ``cls`` of ``hf_config``'s :data:`SIZES` and fields ``same`` (the
+    inverse of :func:`as_theirs`), and of ``rest``."""
+    return cls(**{**{ours: getattr(hf_config, theirs)
+                     for ours, theirs in _names(cls, same).items()}, **rest})
 
 
 #: GPT-2's short names, and the long ones
@@ -185,13 +217,9 @@ def transformers_config(config: GPTConfig, family: str | None = None) -> Any:
     if qwen and config.sliding_window is not None:
         raise ValueError(f"kvdoc exports {qwen} without sliding windows")
     common = dict(
-        vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.n_inner,
-        num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
-        num_key_value_heads=config.n_kv_head, max_position_embeddings=config.n_positions,
-        rms_norm_eps=config.layer_norm_epsilon, hidden_act="silu",
+        **as_theirs(config), hidden_act="silu", head_dim=config.head_dim,
         rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        tie_word_embeddings=config.tie_word_embeddings, attention_dropout=0.0,
-        head_dim=config.head_dim, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        attention_dropout=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if qwen:
         return getattr(transformers, qwen.title() + "Config")(use_sliding_window=False, **common)
     if family == "phi3":

@@ -26,6 +26,8 @@ from typing import Any
 
 from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, gemma_layer_types
 from kvdoc.interop.hf_config import (
+    as_ours,
+    as_theirs,
     by_our_names,
     by_their_names,
     expect_model_type,
@@ -45,16 +47,12 @@ def gemma_config(config: Gemma3Config) -> Any:
 
     c = config
     return Gemma3TextConfig(
-        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.n_inner,
-        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
-        head_dim=c.head_dim, hidden_activation="gelu_pytorch_tanh",
-        max_position_embeddings=c.n_positions, rms_norm_eps=c.layer_norm_epsilon,
-        tie_word_embeddings=c.tie_word_embeddings,
+        **as_theirs(c, "head_dim", "query_pre_attn_scalar", "sliding_window",
+                    "final_logit_softcapping"), **_layout(c),
+        hidden_activation="gelu_pytorch_tanh",
         rope_parameters={GLOBAL: {"rope_type": "default", "rope_theta": c.rope_theta},
                          SLIDING: {"rope_type": "default", "rope_theta": c.rope_local_base_freq}},
-        attention_bias=False, attention_dropout=0.0, query_pre_attn_scalar=c.query_pre_attn_scalar,
-        sliding_window=c.sliding_window, **_layout(c),
-        final_logit_softcapping=c.final_logit_softcapping, attn_logit_softcapping=None,
+        attention_bias=False, attention_dropout=0.0, attn_logit_softcapping=None,
         use_bidirectional_attention=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
@@ -72,18 +70,12 @@ def config_from_gemma(hf_config: Any) -> Gemma3Config:
         "attn_logit_softcapping": (hf_config.attn_logit_softcapping, (None,)),
         "use_bidirectional_attention": (bool(hf_config.use_bidirectional_attention), (False,)),
     })
-    return Gemma3Config(
-        vocab_size=hf_config.vocab_size, n_positions=hf_config.max_position_embeddings,
-        n_head=hf_config.num_attention_heads, n_kv_head=hf_config.num_key_value_heads,
-        n_embd=hf_config.hidden_size, n_inner=hf_config.intermediate_size,
-        head_dim=hf_config.head_dim, query_pre_attn_scalar=int(hf_config.query_pre_attn_scalar),
-        n_layer=hf_config.num_hidden_layers, sliding_window=hf_config.sliding_window,
+    return as_ours(
+        Gemma3Config, hf_config, "head_dim", "sliding_window", "final_logit_softcapping",
+        query_pre_attn_scalar=int(hf_config.query_pre_attn_scalar),
         **_layout_from(list(hf_config.layer_types)),
-        layer_norm_epsilon=hf_config.rms_norm_eps,
         rope_theta=float(rope[GLOBAL].get("rope_theta", 1_000_000.0)),
-        rope_local_base_freq=float(rope[SLIDING].get("rope_theta", 10_000.0)),
-        final_logit_softcapping=hf_config.final_logit_softcapping,
-        tie_word_embeddings=bool(hf_config.tie_word_embeddings))
+        rope_local_base_freq=float(rope[SLIDING].get("rope_theta", 10_000.0)))
 
 
 def _layout(config: Gemma3Config) -> dict[str, Any]:

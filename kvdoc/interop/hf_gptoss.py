@@ -26,6 +26,8 @@ from typing import Any
 
 from kvdoc.core.gptoss import GptOssConfig, GptOssDecoder
 from kvdoc.interop.hf_config import (
+    as_ours,
+    as_theirs,
     by_our_names,
     by_their_names,
     expect_model_type,
@@ -45,15 +47,10 @@ def gptoss_config(config: GptOssConfig) -> Any:
                  "beta_slow": c.yarn_beta_slow, "truncate": c.yarn_truncate,
                  "original_max_position_embeddings": c.yarn_original_positions}
     hf_config = HFConfig(
-        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.n_inner,
-        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
-        num_key_value_heads=c.n_kv_head, head_dim=c.head_dim,
+        **as_theirs(c, "head_dim", "sliding_window", "swiglu_alpha", "swiglu_limit"),
         num_local_experts=c.n_experts, num_experts_per_tok=c.experts_per_token,
-        sliding_window=c.sliding_window, layer_types=list(c.types),
-        max_position_embeddings=c.n_positions, rms_norm_eps=c.layer_norm_epsilon,
-        rope_parameters=rope, swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit,
-        tie_word_embeddings=c.tie_word_embeddings, attention_dropout=0.0, attention_bias=True,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        layer_types=list(c.types), rope_parameters=rope, attention_dropout=0.0,
+        attention_bias=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     # the classes' own code: the default grouped_mm experts need widths of 16-byte multiples
     hf_config._attn_implementation, hf_config._experts_implementation = "eager", "eager"
     return hf_config
@@ -78,19 +75,12 @@ def config_from_gptoss(hf_config: Any) -> GptOssConfig:
         yarn_original_positions=int(rope["original_max_position_embeddings"]),
         yarn_truncate=bool(rope.get("truncate", True)))  # transformers' default when absent
     types = tuple(hf_config.layer_types)
-    return GptOssConfig(
-        vocab_size=hf_config.vocab_size, n_positions=hf_config.max_position_embeddings,
-        n_head=hf_config.num_attention_heads, n_kv_head=hf_config.num_key_value_heads,
-        n_embd=hf_config.hidden_size, head_dim=hf_config.head_dim,
-        n_inner=hf_config.intermediate_size, n_experts=hf_config.num_local_experts,
-        experts_per_token=hf_config.num_experts_per_tok, n_layer=hf_config.num_hidden_layers,
-        sliding_window=hf_config.sliding_window,
+    return as_ours(
+        GptOssConfig, hf_config, "head_dim", "sliding_window", "swiglu_alpha", "swiglu_limit",
+        n_experts=hf_config.num_local_experts, experts_per_token=hf_config.num_experts_per_tok,
         layer_types=None if types == GptOssConfig(n_layer=len(types)).types else types,
-        layer_norm_epsilon=hf_config.rms_norm_eps,
         rope_theta=float(rope.get("rope_theta", 150000.0)),
-        **({"yarn_factor": None} if kind == "default" else yarn),
-        swiglu_alpha=hf_config.swiglu_alpha, swiglu_limit=hf_config.swiglu_limit,
-        tie_word_embeddings=bool(hf_config.tie_word_embeddings))
+        **({"yarn_factor": None} if kind == "default" else yarn))
 
 
 def from_gptoss(hf_model: Any) -> GptOssDecoder:

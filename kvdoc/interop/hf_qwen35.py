@@ -25,12 +25,18 @@ import torch
 
 from kvdoc.core.deltanet import DeltaNetConfig, DeltaNetDecoder
 from kvdoc.interop.hf_config import (
+    as_ours,
+    as_theirs,
     by_our_names,
     by_their_names,
     holding,
     load_exported,
     refuse_unsupported,
 )
+
+#: the Gated DeltaNet's sizes, named alike in both
+_LINEAR = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+           "linear_num_key_heads", "linear_num_value_heads")
 
 
 def qwen35_config(config: DeltaNetConfig) -> Any:
@@ -43,17 +49,10 @@ def qwen35_config(config: DeltaNetConfig) -> Any:
 
     c = config
     return Qwen3_5TextConfig(
-        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.n_inner,
-        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
-        head_dim=c.head_dim, hidden_act="silu", max_position_embeddings=c.n_positions,
-        rms_norm_eps=c.layer_norm_epsilon, tie_word_embeddings=c.tie_word_embeddings,
+        **as_theirs(c, "head_dim", *_LINEAR), hidden_act="silu", layer_types=list(c.layer_types),
         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta,
                          "partial_rotary_factor": c.partial_rotary_factor},
         attention_bias=False, attention_dropout=0.0,
-        linear_conv_kernel_dim=c.linear_conv_kernel_dim,
-        linear_key_head_dim=c.linear_key_head_dim, linear_value_head_dim=c.linear_value_head_dim,
-        linear_num_key_heads=c.linear_num_key_heads,
-        linear_num_value_heads=c.linear_num_value_heads, layer_types=list(c.layer_types),
         pad_token_id=None, bos_token_id=None, eos_token_id=None)
 
 
@@ -88,21 +87,10 @@ def config_from_qwen35(hf_config: Any, chunk_size: int = 64) -> DeltaNetConfig:
         "hidden_act": (hf_config.hidden_act, ("silu",)),
         "attention_bias": (hf_config.attention_bias, (False,)),
     })
-    return DeltaNetConfig(
-        vocab_size=hf_config.vocab_size, n_positions=hf_config.max_position_embeddings,
-        n_embd=hf_config.hidden_size, n_inner=hf_config.intermediate_size,
-        n_layer=hf_config.num_hidden_layers, layer_types=tuple(hf_config.layer_types),
-        n_head=hf_config.num_attention_heads, n_kv_head=hf_config.num_key_value_heads,
-        head_dim=hf_config.head_dim,
+    return as_ours(
+        DeltaNetConfig, hf_config, "head_dim", *_LINEAR, layer_types=tuple(hf_config.layer_types),
         partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
-        rope_theta=float(rope["rope_theta"]),
-        linear_num_key_heads=hf_config.linear_num_key_heads,
-        linear_num_value_heads=hf_config.linear_num_value_heads,
-        linear_key_head_dim=hf_config.linear_key_head_dim,
-        linear_value_head_dim=hf_config.linear_value_head_dim,
-        linear_conv_kernel_dim=hf_config.linear_conv_kernel_dim,
-        layer_norm_epsilon=hf_config.rms_norm_eps,
-        tie_word_embeddings=bool(hf_config.tie_word_embeddings), chunk_size=chunk_size)
+        rope_theta=float(rope["rope_theta"]), chunk_size=chunk_size)
 
 
 def from_qwen35(hf_model: Any, chunk_size: int = 64) -> DeltaNetDecoder:
