@@ -9,21 +9,13 @@ hybrid), Bamba's PyTorch path is the plainest: one dense SwiGLU MLP after every 
 
 Refused by name: attention or MLP biases, another activation than SiLU, scaled RoPE.
 
-transformers' own cached path departs from its full forward, and kvdoc's does not follow it
-(``tests/test_mamba2.py`` measures each): on a small random Bamba in FP64, its one-token steps
-called as ``model(ids, cache=cache)`` differ by about 1e-3 from the first step (transformers'
-initialisation; 8e-3 with the grid's weights), while a prefill agrees exactly.
-``BambaModel.forward`` (``transformers/models/bamba/modeling_bamba.py``, 5.24.0) defaults
-``position_ids`` to ``torch.arange(inputs_embeds.shape[1])``, the cached length not added
-(``LlamaModel.forward`` adds ``past_seen_tokens``): each step's Q and K turn at position 0 in
-the attention layers. ``generate()`` passes positions and agrees. Given positions, its steps
-differ by 1e-8 to 1e-7 in FP64: its float32 islands (RMSNorms, rotary angles, the ``.float()``
-of ``mamba2_chunk_scan`` and ``mamba2_selective_state_update``) round the two forms apart;
-lifted (:func:`~kvdoc.interop.hf_float64.float64_islands_lifted`) they agree to FP64 rounding.
-Where ``time_step_limit`` binds, they differ again: ``mamba2_chunk_scan`` clamps ``dt`` to it,
-the recurrent branch of ``BambaMixer.forward`` calls ``mamba2_selective_state_update`` without
-it. kvdoc clamps in both forms and turns at ``P .. P + C - 1``. transformers' cache
-(``cache_utils.LinearAttentionLayer``) keeps ``d_conv`` inputs per conv state, of which
+transformers' own cached path departs from its full forward, and kvdoc does not follow it
+(``tests/test_mamba2.py`` measures each, in FP64): ``BambaModel.forward`` turns a step's Q and K
+at position 0 unless given ``position_ids`` (``generate()`` gives them; about 1e-3 off from the
+first step); given them, its float32 islands round the two forms 1e-8 to 1e-7 apart (lifted by
+:func:`~kvdoc.interop.hf_float64.float64_islands_lifted`); and where ``time_step_limit`` binds,
+its recurrent branch (``mamba2_selective_state_update``) does not clamp ``dt`` as its chunked
+scan does (kvdoc clamps in both). Its cache keeps ``d_conv`` inputs per conv state, of which
 ``causal_conv1d_update`` never reads the oldest; kvdoc keeps ``d_conv - 1``.
 
 >>> import torch
