@@ -4,6 +4,7 @@ match with transformers' Qwen3_5ForCausalLM (kvdoc.interop.hf_qwen35)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -157,10 +158,25 @@ def test_model_refuses_padding_and_other_caches() -> None:
 
 # --- transformers ----------------------------------------------------------------------------
 
+def qwen35_model(config: DeltaNetConfig, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """transformers' ``Qwen3_5ForCausalLM`` of ``config``. transformers starts every
+    ``1 + weight`` RMSNorm at zero; these are drawn (as small as its other weights' spread), so
+    that a q/k norm or a final norm loaded into the wrong place shows."""
+    from kvdoc.interop.hf_config import random_model
+    from kvdoc.interop.hf_qwen35 import qwen35_config
+
+    hf = random_model(qwen35_config(config), seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if re.search(r"(layernorm|norm)\.weight$", name):
+                p.add_(0.1 * torch.randn_like(p))
+    return hf.to(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_matches_transformers_full_and_cached(dtype: torch.dtype) -> None:
     from kvdoc.interop.hf_float64 import float64_islands_lifted
-    from kvdoc.interop.hf_qwen35 import from_qwen35, qwen35_model, to_qwen35
+    from kvdoc.interop.hf_qwen35 import from_qwen35, to_qwen35
 
     hf = qwen35_model(DELTANET, seed=1, dtype=dtype)
     model = from_qwen35(hf, chunk_size=DELTANET.chunk_size)
@@ -182,7 +198,7 @@ def test_matches_transformers_full_and_cached(dtype: torch.dtype) -> None:
 
 def test_float64_islands_matter_and_are_lifted() -> None:
     from kvdoc.interop.hf_float64 import float64_islands_lifted
-    from kvdoc.interop.hf_qwen35 import from_qwen35, qwen35_model
+    from kvdoc.interop.hf_qwen35 import from_qwen35
 
     hf = qwen35_model(DELTANET, dtype=torch.float64)
     ids = _ids(1, 20)

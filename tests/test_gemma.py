@@ -11,8 +11,9 @@ from kvdoc import Decoder, decode_step, generate, mistral_config, prefill
 from kvdoc.core.cache import KVCache
 from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, GemmaRMSNorm
 from kvdoc.core.window import WindowLayer, window_cache
+from kvdoc.interop.hf_config import random_model
 from kvdoc.interop.hf_float64 import float64_islands_lifted
-from kvdoc.interop.hf_gemma import config_from_gemma, gemma_config, gemma_model
+from kvdoc.interop.hf_gemma import config_from_gemma, gemma_config
 from kvdoc.interop.hf_weights import from_transformers, to_transformers
 from kvdoc.measure.kv_bytes import kv_bytes_per_layer
 from kvdoc.measure.model_caches import MODELS, config_cache, model_cache
@@ -35,7 +36,7 @@ CONFIG = Gemma3Config(sliding_window=W, n_layer=4, sliding_window_pattern=2,
 def hf_model(config: Gemma3Config = CONFIG, seed: int = 1):
     """transformers' Gemma 3 with random weights, its norm weights off zero (so a norm swapped for
     another, or ``w`` for ``1 + w``, shows)."""
-    hf = gemma_model(config, seed=seed)
+    hf = random_model(gemma_config(config), seed=seed)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:

@@ -22,13 +22,13 @@ from kvdoc.core.indexed import (
     select,
 )
 from kvdoc.core.mla import MLADecoder
+from kvdoc.interop.hf_config import random_model
 from kvdoc.interop.hf_deepseek_v32 import (
     config_from_v32,
     earliest_ties,
     from_v32,
     to_v32,
     v32_config,
-    v32_model,
 )
 from kvdoc.proofs.broken.indexed import NewRowsTopkDecoder, TopkTiesDecoder, indexed_as
 from kvdoc.proofs.compare import TOLERANCE, Snapshot, close, max_abs, run_cached
@@ -257,7 +257,7 @@ def test_matches_transformers_as_it_is_where_no_scores_tie(dtype):
 def test_on_ties_matches_transformers_with_the_earlier_position_winning(dtype):
     """transformers loaded into kvdoc (``from_v32``): its full and cached forwards, ties broken
     earlier-first, against kvdoc's full and cached ones."""
-    hf = v32_model(TIES, seed=1, dtype=dtype)
+    hf = random_model(v32_config(TIES), seed=1, dtype=dtype)
     m, ids, tol = from_v32(hf), stream(), TOLERANCE[dtype]
     assert ties_in_full_forward(m, ids) >= 10
     with torch.no_grad():
@@ -280,7 +280,7 @@ def test_why_transformers_cached_and_full_paths_differ():
     row[0], row[5] = 1.0, 0.5
     assert row[:9].topk(4).indices.tolist() != row.topk(4).indices.tolist()  # ties by length
 
-    hf, ids = v32_model(TIES, seed=1, dtype=torch.float64), stream(batch=1)
+    hf, ids = random_model(v32_config(TIES), seed=1, dtype=torch.float64), stream(batch=1)
     ranked: list[torch.Tensor] = []
     original = torch.Tensor.topk
 

@@ -14,10 +14,10 @@ from kvdoc.core.mla import (
     MLAConfig,
     MLADecoder,
 )
+from kvdoc.interop.hf_config import random_model
 from kvdoc.interop.hf_deepseek import (
     config_from_deepseek,
     deepseek_config,
-    deepseek_model,
     from_deepseek,
     to_deepseek,
 )
@@ -150,7 +150,7 @@ def test_bad_caches_are_refused_and_left_as_they_were():
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matches_transformers_deepseek_v3_full_and_cached(interleave, name):
-    hf = deepseek_model(CONFIGS[name], seed=1, rope_interleave=interleave)
+    hf = random_model(deepseek_config(CONFIGS[name], interleave), seed=1)
     ids = stream()
     with torch.no_grad():
         want = hf(ids).logits
@@ -170,7 +170,7 @@ def test_matches_transformers_deepseek_v3_full_and_cached(interleave, name):
 def test_the_one_loader_takes_deepseek_too():
     from kvdoc.interop.hf_weights import from_transformers
 
-    hf = deepseek_model(MLAConfig(), seed=1)
+    hf = random_model(deepseek_config(MLAConfig()), seed=1)
     ours = from_transformers(hf)
     assert isinstance(ours, MLADecoder)
     assert torch.equal(ours(stream()).logits, from_deepseek(hf)(stream()).logits)
@@ -178,7 +178,7 @@ def test_the_one_loader_takes_deepseek_too():
 
 def test_the_rotary_rows_must_be_permuted():
     """Loading interleaved weights as if they were half-split gives another model."""
-    hf = deepseek_model(MLAConfig(), seed=1, rope_interleave=True)
+    hf = random_model(deepseek_config(MLAConfig(), True), seed=1)
     ours = from_deepseek(hf)
     hf.config.rope_interleave = False  # the same weights, read the other way (every layer)
     ids = stream()

@@ -12,11 +12,11 @@ import torch
 from kvdoc.core.gptoss import GptOssDecoder, sink_attention
 from kvdoc.core.model import Decoder, llama_config
 from kvdoc.core.streaming import SinkWindowLayer, stream_logits, streaming_decoder
+from kvdoc.interop.hf_config import random_model
 from kvdoc.interop.hf_gptoss import (
     config_from_gptoss,
     from_gptoss,
     gptoss_config,
-    gptoss_model,
     to_gptoss,
 )
 from kvdoc.measure.sink_window import divergence
@@ -49,6 +49,29 @@ def _tol(dtype: torch.dtype, reference: torch.Tensor) -> float:
     # FP64: 1e-12 of the logits' scale; FP32: the suite's 1e-5 (logits here are about 1 wide)
     scale = max(1.0, reference.abs().max().item())
     return (1e-12 if dtype == torch.float64 else TOLERANCE[torch.float32]) * scale
+
+
+def gptoss_model(config, seed: int, dtype: torch.dtype):
+    """transformers' ``GptOssForCausalLM`` of ``config`` with weights that make the sinks and
+    the experts' clamp bite. transformers draws every matrix and sink with a standard deviation
+    of 0.02 and the biases at 0: the clamp would never bite, attention would be nearly uniform
+    and a sink left out would change little. So, as standard deviations about a mean of 0: the
+    sinks are redrawn at 1, each matrix at ``fan_in ** -0.5``, the biases at 0.1, and the norms'
+    weights at 0.2 about 1; the embedding (also the head, where tied) keeps 0.02."""
+    hf = random_model(gptoss_config(config), seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0.0, 1.0)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            elif "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif p.dim() == 3:  # the experts' [E, in, out]
+                p.normal_(0.0, p.shape[1] ** -0.5)
+            elif "embed_tokens" not in name and "lm_head" not in name:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    return hf.to(dtype)
 
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.float64], ids=["FP32", "FP64"])

@@ -9,27 +9,18 @@ hybrid), Bamba's PyTorch path is the plainest: one dense SwiGLU MLP after every 
 
 Refused by name: attention or MLP biases, another activation than SiLU, scaled RoPE.
 
-transformers' own cached path departs from its full forward, and kvdoc's does not follow it
-(``tests/test_mamba2.py`` measures each): on a small random Bamba in FP64, its one-token steps
-called as ``model(ids, cache=cache)`` differ by about 1e-3 from the first step (transformers'
-initialisation; 8e-3 with the grid's weights), while a prefill agrees exactly.
-``BambaModel.forward`` (``transformers/models/bamba/modeling_bamba.py``, 5.24.0) defaults
-``position_ids`` to ``torch.arange(inputs_embeds.shape[1])``, the cached length not added
-(``LlamaModel.forward`` adds ``past_seen_tokens``): each step's Q and K turn at position 0 in
-the attention layers. ``generate()`` passes positions and agrees. Given positions, its steps
-differ by 1e-8 to 1e-7 in FP64: its float32 islands (RMSNorms, rotary angles, the ``.float()``
-of ``mamba2_chunk_scan`` and ``mamba2_selective_state_update``) round the two forms apart;
-lifted (:func:`~kvdoc.interop.hf_float64.float64_islands_lifted`) they agree to FP64 rounding.
-Where ``time_step_limit`` binds, they differ again: ``mamba2_chunk_scan`` clamps ``dt`` to it,
-the recurrent branch of ``BambaMixer.forward`` calls ``mamba2_selective_state_update`` without
-it. kvdoc clamps in both forms and turns at ``P .. P + C - 1``. transformers' cache
-(``cache_utils.LinearAttentionLayer``) keeps ``d_conv`` inputs per conv state, of which
+transformers' own cached path departs from its full forward, and kvdoc does not follow it
+(``tests/test_mamba2.py`` measures each, in FP64): ``BambaModel.forward`` turns a step's Q and K
+at position 0 unless given ``position_ids`` (``generate()`` gives them; about 1e-3 off from the
+first step); given them, its float32 islands round the two forms 1e-8 to 1e-7 apart (lifted by
+:func:`~kvdoc.interop.hf_float64.float64_islands_lifted`); and where ``time_step_limit`` binds,
+its recurrent branch (``mamba2_selective_state_update``) does not clamp ``dt`` as its chunked
+scan does (kvdoc clamps in both). Its cache keeps ``d_conv`` inputs per conv state, of which
 ``causal_conv1d_update`` never reads the oldest; kvdoc keeps ``d_conv - 1``.
 
 >>> import torch
->>> from transformers import BambaForCausalLM
->>> _ = torch.manual_seed(0)
->>> hf = BambaForCausalLM(bamba_config(Mamba2Config())).eval()
+>>> from kvdoc.interop.hf_config import random_model
+>>> hf = random_model(bamba_config(Mamba2Config()))
 >>> ours = from_bamba(hf)
 >>> ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
 >>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
@@ -43,6 +34,8 @@ from typing import Any
 
 from kvdoc.core.mamba2 import Mamba2Config, MambaDecoder
 from kvdoc.interop.hf_config import (
+    as_ours,
+    as_theirs,
     by_our_names,
     by_their_names,
     expect_model_type,
@@ -56,6 +49,10 @@ OUTER = {"model.embed_tokens.weight": "wte.weight", "model.final_layernorm.weigh
          "lm_head.weight": "lm_head.weight"}
 
 
+#: the Mamba-2 mixer's sizes, named alike in both
+_MAMBA = ("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_expand")
+
+
 def bamba_config(config: Mamba2Config) -> Any:
     """The transformers ``BambaConfig`` of the same model: no dropout, no special tokens.
 
@@ -66,15 +63,9 @@ def bamba_config(config: Mamba2Config) -> Any:
 
     c = config
     return BambaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.n_inner,
-        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
-        attn_layer_indices=list(c.attn_layers), max_position_embeddings=c.n_positions,
-        rms_norm_eps=c.layer_norm_epsilon, tie_word_embeddings=c.tie_word_embeddings,
+        **as_theirs(c, *_MAMBA), attn_layer_indices=list(c.attn_layers),
         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-        mamba_n_heads=c.mamba_n_heads, mamba_d_head=c.mamba_head_dim,
-        mamba_n_groups=c.mamba_n_groups, mamba_d_state=c.mamba_d_state,
-        mamba_d_conv=c.mamba_d_conv, mamba_expand=c.mamba_expand,
-        mamba_chunk_size=c.chunk_size, mamba_conv_bias=c.conv_bias,
+        mamba_d_head=c.mamba_head_dim, mamba_chunk_size=c.chunk_size, mamba_conv_bias=c.conv_bias,
         mamba_proj_bias=c.proj_bias, time_step_limit=tuple(c.time_step_limit),
         hidden_act="silu", attention_bias=False, mlp_bias=False, attention_dropout=0.0,
         pad_token_id=None, bos_token_id=None, eos_token_id=None)
@@ -92,18 +83,12 @@ def config_from_bamba(hf_config: Any) -> Mamba2Config:
         "mlp_bias": (hf_config.mlp_bias, (False,)),
         "partial_rotary_factor": (rope.get("partial_rotary_factor", 0.5), (0.5,))})
     c = hf_config
-    limit = tuple(float(v) for v in (c.time_step_limit or (0.0, math.inf)))
-    return Mamba2Config(
-        vocab_size=c.vocab_size, n_positions=c.max_position_embeddings,
-        n_layer=c.num_hidden_layers, attn_layers=tuple(c.attn_layer_indices or ()),
-        n_embd=c.hidden_size, n_inner=c.intermediate_size, n_head=c.num_attention_heads,
-        n_kv_head=c.num_key_value_heads, mamba_n_heads=c.mamba_n_heads,
-        mamba_n_groups=c.mamba_n_groups, mamba_d_state=c.mamba_d_state,
-        mamba_d_conv=c.mamba_d_conv, mamba_expand=c.mamba_expand, chunk_size=c.mamba_chunk_size,
-        conv_bias=bool(c.mamba_conv_bias), proj_bias=bool(c.mamba_proj_bias),
-        time_step_limit=limit, layer_norm_epsilon=c.rms_norm_eps,
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        tie_word_embeddings=bool(c.tie_word_embeddings))
+    return as_ours(
+        Mamba2Config, c, *_MAMBA, attn_layers=tuple(c.attn_layer_indices or ()),
+        chunk_size=c.mamba_chunk_size, conv_bias=bool(c.mamba_conv_bias),
+        proj_bias=bool(c.mamba_proj_bias),
+        time_step_limit=tuple(float(v) for v in (c.time_step_limit or (0.0, math.inf))),
+        rope_theta=float(rope.get("rope_theta", 10000.0)))
 
 
 def from_bamba(hf_model: Any) -> MambaDecoder:
@@ -116,8 +101,5 @@ def from_bamba(hf_model: Any) -> MambaDecoder:
 def to_bamba(model: MambaDecoder) -> Any:
     """transformers' ``BambaForCausalLM`` holding ``model``'s weights (the inverse of
     :func:`from_bamba`), in the model's dtype, in eval mode; the global RNG is left as it was."""
-    from transformers import BambaForCausalLM
-
     mapped = by_their_names(model.state_dict(), OUTER, ("feed_forward", "mlp"))
-    return load_exported(BambaForCausalLM, bamba_config(model.config), mapped, model, "Bamba")
-
+    return load_exported(bamba_config(model.config), mapped, model)

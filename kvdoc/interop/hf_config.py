@@ -11,6 +11,7 @@ are imported only when a function needs them: ``python -m kvdoc memory`` reads a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,37 @@ NORMS_AND_DOWN = {"input_layernorm": "ln_1", "post_attention_layernorm": "ln_2",
                   "mlp.down_proj": "mlp.c_proj"}
 #: the RoPE families :func:`config_from_transformers` reads, beside GPT-2
 ROPE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+#: a decoder's sizes: kvdoc's names, and transformers'
+SIZES = {"vocab_size": "vocab_size", "n_positions": "max_position_embeddings",
+         "n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_inner": "intermediate_size",
+         "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads",
+         "layer_norm_epsilon": "rms_norm_eps", "tie_word_embeddings": "tie_word_embeddings"}
+
+
+def _names(config: Any, same: tuple[str, ...]) -> dict[str, str]:
+    """:data:`SIZES` and the fields ``same`` (named alike in both), those ``config`` (a kvdoc
+    config or its class) has: kvdoc's names, and transformers'."""
+    fields = {f.name for f in dataclasses.fields(config)}
+    return {ours: theirs for ours, theirs in {**SIZES, **{name: name for name in same}}.items()
+            if ours in fields}
+
+
+def as_theirs(config: Any, *same: str) -> dict[str, Any]:
+    """``config``'s (a kvdoc config's) :data:`SIZES` and fields ``same`` under transformers'
+    names.
+
+    >>> from kvdoc.core.mla import MLAConfig
+    >>> as_theirs(MLAConfig(), "kv_lora_rank")["num_hidden_layers"]
+    2
+    """
+    return {theirs: getattr(config, ours) for ours, theirs in _names(config, same).items()}
+
+
+def as_ours(cls: type, hf_config: Any, *same: str, **rest: Any) -> Any:
+    """The kvdoc config ``cls`` of ``hf_config``'s :data:`SIZES` and fields ``same`` (the
+    inverse of :func:`as_theirs`), and of ``rest``."""
+    return cls(**{**{ours: getattr(hf_config, theirs)
+                     for ours, theirs in _names(cls, same).items()}, **rest})
 
 
 #: GPT-2's short names, and the long ones
@@ -99,20 +131,35 @@ def attention_sizes(c: Mapping[str, Any], where: str) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
-def causal_lm_class(model_type: str) -> type:
-    """transformers' causal-LM class for ``"gpt2"`` or one of :data:`ROPE_FAMILIES`.
+#: transformers' causal-LM class of each model type kvdoc builds or exports
+CAUSAL_LM = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+             "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+             "gemma3_text": "Gemma3ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+             "deepseek_v32": "DeepseekV32ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+             "qwen3_5_text": "Qwen3_5ForCausalLM", "bamba": "BambaForCausalLM"}
 
-    >>> causal_lm_class("qwen2").__name__
-    'Qwen2ForCausalLM'
-    """
+
+def _causal_lm(hf_config: Any) -> Any:
+    """``hf_config``'s causal LM with fresh weights (imports that family's module alone)."""
     import transformers
 
-    names = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
-             "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-             "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
-    if model_type not in names:
-        raise ValueError(f"family must be one of {', '.join(names)}, got {model_type!r}")
-    return getattr(transformers, names[model_type])  # imports that family's module alone
+    return getattr(transformers, CAUSAL_LM[hf_config.model_type])(hf_config)
+
+
+def random_model(hf_config: Any, seed: int = 0, dtype: torch.dtype | None = None) -> Any:
+    """transformers' causal LM of ``hf_config`` (a model type of :data:`CAUSAL_LM`) with
+    weights drawn after ``torch.manual_seed(seed)``, built offline, in eval mode.
+
+    >>> from kvdoc.core.gemma import Gemma3Config
+    >>> from kvdoc.interop.hf_gemma import gemma_config
+    >>> random_model(gemma_config(Gemma3Config())).config.layer_types
+    ['sliding_attention', 'full_attention']
+    """
+    import torch
+
+    torch.manual_seed(seed)
+    return _causal_lm(hf_config).to(dtype or torch.float32).eval()
 
 
 def gpt2_config(config: GPTConfig) -> Any:
@@ -170,13 +217,9 @@ def transformers_config(config: GPTConfig, family: str | None = None) -> Any:
     if qwen and config.sliding_window is not None:
         raise ValueError(f"kvdoc exports {qwen} without sliding windows")
     common = dict(
-        vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.n_inner,
-        num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
-        num_key_value_heads=config.n_kv_head, max_position_embeddings=config.n_positions,
-        rms_norm_eps=config.layer_norm_epsilon, hidden_act="silu",
+        **as_theirs(config), hidden_act="silu", head_dim=config.head_dim,
         rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        tie_word_embeddings=config.tie_word_embeddings, attention_dropout=0.0,
-        head_dim=config.head_dim, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        attention_dropout=0.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if qwen:
         return getattr(transformers, qwen.title() + "Config")(use_sliding_window=False, **common)
     if family == "phi3":
@@ -247,29 +290,26 @@ def config_from_transformers(hf_config: Any) -> GPTConfig:
 
 def transformers_model(family: str, config: GPTConfig | None = None, seed: int = 0,
                        dtype: torch.dtype | None = None) -> Any:
-    """A transformers ``family`` model (``"gpt2"`` or one of :data:`ROPE_FAMILIES`) with
-    weights drawn after ``torch.manual_seed(seed)``, built offline from ``config`` (default: the
-    family's kvdoc default), in eval mode.
+    """:func:`random_model` of the ``family`` model (``"gpt2"`` or one of
+    :data:`ROPE_FAMILIES`) of ``config`` (default: the family's kvdoc default).
 
     >>> transformers_model("llama").config.num_key_value_heads
     2
     >>> transformers_model("qwen3").config.head_dim      # not hidden_size / heads = 16
     24
     """
-    import torch
-
     from kvdoc.core.model import GPTConfig, llama_config, mistral_config
 
-    cls = causal_lm_class(family)
-    default = {"gpt2": GPTConfig, "llama": llama_config, "mistral": mistral_config,
-               "qwen2": partial(llama_config, qkv_bias=True),
-               "qwen3": partial(llama_config, qk_norm=True, head_size=24),
-               "phi3": mistral_config}[family]
-    hf_config = transformers_config(config or default(), family)
+    defaults = {"gpt2": GPTConfig, "llama": llama_config, "mistral": mistral_config,
+                "qwen2": partial(llama_config, qkv_bias=True),
+                "qwen3": partial(llama_config, qk_norm=True, head_size=24),
+                "phi3": mistral_config}
+    if family not in defaults:
+        raise ValueError(f"family must be one of {', '.join(defaults)}, got {family!r}")
+    hf_config = transformers_config(config or defaults[family](), family)
     if hf_config.model_type != family:
         raise ValueError(f"this config builds a {hf_config.model_type} model, not {family}")
-    torch.manual_seed(seed)
-    return cls(hf_config).to(dtype or torch.float32).eval()
+    return random_model(hf_config, seed, dtype)
 
 
 def outer_weights(state: Mapping[str, torch.Tensor],
@@ -331,19 +371,20 @@ def holding(model: torch.nn.Module, mapped: Mapping[str, torch.Tensor]) -> Any:
     return model.to(wte.device).eval()
 
 
-def load_exported(hf_class: type, hf_config: Any, mapped: Mapping[str, torch.Tensor],
-                  model: torch.nn.Module, family: str) -> Any:
-    """``hf_class(hf_config)`` (built without touching the global RNG: its fresh weights are
-    overwritten) holding ``mapped`` (its own parameter names), in ``model``'s dtype, in eval
-    mode; a ``ValueError`` names any parameter (but the causal-mask buffers) that did not map."""
+def load_exported(hf_config: Any, mapped: Mapping[str, torch.Tensor],
+                  model: torch.nn.Module) -> Any:
+    """transformers' causal LM of ``hf_config`` (built without touching the global RNG: its fresh
+    weights are overwritten) holding ``mapped`` (its own parameter names), in ``model``'s dtype,
+    in eval mode; a ``ValueError`` names any parameter (but the causal-mask buffers) that did
+    not map."""
     import torch
 
     with torch.random.fork_rng():
-        hf = hf_class(hf_config)
+        hf = _causal_lm(hf_config)
     missing, unexpected = hf.load_state_dict({k: v.contiguous() for k, v in mapped.items()},
                                              strict=False)
     missing = [k for k in missing if not k.endswith(BUFFERS)]
     if missing or unexpected:
-        raise ValueError(f"weights do not map onto {family}: missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}")
+        raise ValueError(f"weights do not map onto {hf_config.model_type}: missing "
+                         f"{missing[:3]}, unexpected {unexpected[:3]}")
     return hf.to(next(model.parameters()).dtype).eval()

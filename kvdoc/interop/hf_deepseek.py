@@ -14,8 +14,8 @@ Only dense models load: every layer's MLP must be the dense one (``first_k_dense
 least ``num_hidden_layers``); mixture-of-experts layers are not part of kvdoc. No YaRN scaling
 (``rope_type`` "default") and no attention biases.
 
->>> _ = torch.manual_seed(0)
->>> hf = deepseek_model(MLAConfig(q_lora_rank=12))
+>>> from kvdoc.interop.hf_config import random_model
+>>> hf = random_model(deepseek_config(MLAConfig(q_lora_rank=12)))
 >>> ours = from_deepseek(hf)
 >>> ids = torch.tensor([[1, 2, 3, 4, 5]])
 >>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
@@ -25,6 +25,7 @@ True
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -33,6 +34,8 @@ from kvdoc.core.mla import MLAConfig, MLADecoder
 from kvdoc.interop.hf_config import (
     NORMS_AND_DOWN,
     OUTER,
+    as_ours,
+    as_theirs,
     expect_model_type,
     holding,
     load_exported,
@@ -68,23 +71,32 @@ def published_config(name: str) -> MLAConfig:
     """
     if name not in PUBLISHED:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(PUBLISHED)}")
-    return _config(PUBLISHED[name])
+    return config_of(PUBLISHED[name])
 
 
-def _config(c: Mapping[str, Any]) -> MLAConfig:
-    return MLAConfig(
-        vocab_size=c["vocab_size"], n_positions=c["max_position_embeddings"],
-        n_layer=c["num_hidden_layers"], n_head=c["num_attention_heads"],
-        n_embd=c["hidden_size"], n_inner=c["intermediate_size"], q_lora_rank=c["q_lora_rank"],
-        kv_lora_rank=c["kv_lora_rank"], qk_nope_head_dim=c["qk_nope_head_dim"],
-        qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
-        layer_norm_epsilon=c.get("rms_norm_eps", 1e-6),
-        rope_theta=float(c.get("rope_theta", 10000.0)),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
+#: the latent attention's sizes, named alike in both
+_MLA = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def config_of(c: Mapping[str, Any], cls: type = MLAConfig, *same: str) -> Any:
+    """The ``cls`` (:class:`MLAConfig` or a subclass) of a DeepSeek ``config.json``: its sizes,
+    the latent attention's and those named ``same``."""
+    c = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0, **c}
+    return as_ours(cls, SimpleNamespace(**c), *_MLA, *same, rope_theta=float(c["rope_theta"]))
+
+
+def their_fields(c: MLAConfig, *same: str) -> dict[str, Any]:
+    """The ``DeepseekV3Config`` (and ``DeepseekV32Config``) arguments of ``c`` (and of its
+    fields ``same``): every layer dense, no dropout, no special tokens."""
+    return dict(**as_theirs(c, *_MLA, *same), num_key_value_heads=c.n_head,
+                first_k_dense_replace=c.n_layer,  # no MoE layer
+                rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+                attention_bias=False, attention_dropout=0.0, hidden_act="silu",
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
 def deepseek_config(config: MLAConfig, rope_interleave: bool = True) -> Any:
-    """The transformers ``DeepseekV3Config`` of the same model: every layer dense, no dropout.
+    """The transformers ``DeepseekV3Config`` of the same model (:func:`their_fields`).
 
     >>> hf_config = deepseek_config(MLAConfig())
     >>> hf_config.first_k_dense_replace >= hf_config.num_hidden_layers
@@ -94,18 +106,7 @@ def deepseek_config(config: MLAConfig, rope_interleave: bool = True) -> Any:
     """
     from transformers import DeepseekV3Config
 
-    c = config
-    return DeepseekV3Config(
-        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.n_inner,
-        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_head,
-        q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
-        qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
-        v_head_dim=c.v_head_dim, first_k_dense_replace=c.n_layer,  # no MoE layer
-        max_position_embeddings=c.n_positions, rms_norm_eps=c.layer_norm_epsilon,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-        rope_interleave=rope_interleave, tie_word_embeddings=c.tie_word_embeddings,
-        attention_bias=False, attention_dropout=0.0, hidden_act="silu",
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return DeepseekV3Config(**their_fields(config), rope_interleave=rope_interleave)
 
 
 def config_from_deepseek(hf_config: Any) -> MLAConfig:
@@ -120,7 +121,7 @@ def config_from_deepseek(hf_config: Any) -> MLAConfig:
         "rope_type": (rope.get("rope_type", "default"), ("default",)),
         "attention_bias": (hf_config.attention_bias, (False,)),
         "hidden_act": (hf_config.hidden_act, ("silu",))})
-    return _config({**hf_config.to_dict(), "rope_theta": rope.get("rope_theta", 10000.0)})
+    return config_of({**hf_config.to_dict(), "rope_theta": rope.get("rope_theta", 10000.0)})
 
 
 def rope_rows(config: MLAConfig, interleaved_to_split: bool) -> tuple[torch.Tensor, ...]:
@@ -194,24 +195,6 @@ def from_deepseek(hf_model: Any) -> MLADecoder:
 def to_deepseek(model: MLADecoder, rope_interleave: bool = True) -> Any:
     """transformers' ``DeepseekV3ForCausalLM`` holding ``model``'s weights, in its dtype, in eval
     mode; the global RNG is left as it was."""
-    from transformers import DeepseekV3ForCausalLM
-
     config = model.config
     mapped = layers_by_their_names(dict(model.state_dict()), config, _ATTENTION, rope_interleave)
-    return load_exported(DeepseekV3ForCausalLM, deepseek_config(config, rope_interleave), mapped,
-                         model, "DeepseekV3")
-
-
-def deepseek_model(config: MLAConfig | None = None, seed: int = 0,
-                   dtype: torch.dtype = torch.float32, rope_interleave: bool = True) -> Any:
-    """A transformers ``DeepseekV3ForCausalLM`` with random weights from ``config`` (default
-    :class:`MLAConfig`), built offline, in eval mode.
-
-    >>> deepseek_model().config.kv_lora_rank
-    32
-    """
-    torch.manual_seed(seed)
-    from transformers import DeepseekV3ForCausalLM
-
-    hf_config = deepseek_config(config or MLAConfig(), rope_interleave)
-    return DeepseekV3ForCausalLM(hf_config).to(dtype).eval()
+    return load_exported(deepseek_config(config, rope_interleave), mapped, model)

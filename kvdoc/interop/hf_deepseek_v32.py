@@ -12,8 +12,8 @@ length of the row it ranks (:mod:`kvdoc.core.indexed` says where and why); :func
 runs it with kvdoc's rule instead, which is what its cached and full paths then both compute.
 
 >>> from kvdoc.core.indexed import IndexedConfig
->>> _ = torch.manual_seed(0)
->>> hf = v32_model(IndexedConfig(index_topk=3))
+>>> from kvdoc.interop.hf_config import random_model
+>>> hf = random_model(v32_config(IndexedConfig(index_topk=3)))
 >>> ours = from_v32(hf)
 >>> ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
 >>> with earliest_ties():
@@ -30,8 +30,21 @@ from typing import Any
 import torch
 
 from kvdoc.core.indexed import IndexedConfig, IndexedDecoder
-from kvdoc.interop.hf_config import expect_model_type, holding, load_exported, refuse_unsupported
-from kvdoc.interop.hf_deepseek import layers_by_our_names, layers_by_their_names
+from kvdoc.interop.hf_config import (
+    expect_model_type,
+    holding,
+    load_exported,
+    refuse_unsupported,
+)
+from kvdoc.interop.hf_deepseek import (
+    config_of,
+    layers_by_our_names,
+    layers_by_their_names,
+    their_fields,
+)
+
+#: the indexer's sizes, named alike in both
+_INDEXER = ("index_n_heads", "index_head_dim", "index_topk")
 
 #: the attention's parameters, below ``self_attn.`` (transformers) and ``attn.`` (kvdoc)
 _ATTENTION = (*(f"{name}.weight" for name in ("q_a_proj", "q_a_layernorm", "q_b_proj",
@@ -50,19 +63,8 @@ def v32_config(config: IndexedConfig) -> Any:
     """
     from transformers import DeepseekV32Config
 
-    c = config
-    return DeepseekV32Config(
-        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.n_inner,
-        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_head,
-        q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
-        qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
-        v_head_dim=c.v_head_dim, index_n_heads=c.index_n_heads, index_head_dim=c.index_head_dim,
-        index_topk=c.index_topk, first_k_dense_replace=c.n_layer,
-        mlp_layer_types=["dense"] * c.n_layer, max_position_embeddings=c.n_positions,
-        rms_norm_eps=c.layer_norm_epsilon,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-        tie_word_embeddings=c.tie_word_embeddings, attention_bias=False, attention_dropout=0.0,
-        hidden_act="silu", bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return DeepseekV32Config(**their_fields(config, *_INDEXER),
+                             mlp_layer_types=["dense"] * config.n_layer)
 
 
 def config_from_v32(hf_config: Any) -> IndexedConfig:
@@ -85,16 +87,8 @@ def config_from_v32(hf_config: Any) -> IndexedConfig:
         "rope_type": (rope.get("rope_type", "default"), ("default",)),
         "attention_bias": (hf_config.attention_bias, (False,)),
         "hidden_act": (hf_config.hidden_act, ("silu",))})
-    c = hf_config
-    return IndexedConfig(
-        vocab_size=c.vocab_size, n_positions=c.max_position_embeddings,
-        n_layer=c.num_hidden_layers, n_head=c.num_attention_heads, n_embd=c.hidden_size,
-        n_inner=c.intermediate_size, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
-        qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
-        v_head_dim=c.v_head_dim, layer_norm_epsilon=c.rms_norm_eps,
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        tie_word_embeddings=bool(c.tie_word_embeddings), index_n_heads=c.index_n_heads,
-        index_head_dim=c.index_head_dim, index_topk=c.index_topk)
+    return config_of({**hf_config.to_dict(), "rope_theta": rope.get("rope_theta", 10000.0)},
+                   IndexedConfig, *_INDEXER)
 
 
 def from_v32(hf_model: Any) -> IndexedDecoder:
@@ -108,21 +102,9 @@ def from_v32(hf_model: Any) -> IndexedDecoder:
 def to_v32(model: IndexedDecoder) -> Any:
     """transformers' ``DeepseekV32ForCausalLM`` holding ``model``'s weights, in its dtype, in eval
     mode; the global RNG is left as it was."""
-    from transformers import DeepseekV32ForCausalLM
-
-    config = model.config
-    mapped = layers_by_their_names(dict(model.state_dict()), config, _ATTENTION, interleaved=True)
-    return load_exported(DeepseekV32ForCausalLM, v32_config(config), mapped, model, "DeepseekV32")
-
-
-def v32_model(config: IndexedConfig | None = None, seed: int = 0,
-              dtype: torch.dtype = torch.float32) -> Any:
-    """A transformers ``DeepseekV32ForCausalLM`` with random weights from ``config`` (default
-    :class:`IndexedConfig`), every layer dense, built offline, in eval mode."""
-    torch.manual_seed(seed)
-    from transformers import DeepseekV32ForCausalLM
-
-    return DeepseekV32ForCausalLM(v32_config(config or IndexedConfig())).to(dtype).eval()
+    mapped = layers_by_their_names(dict(model.state_dict()), model.config, _ATTENTION,
+                                   interleaved=True)
+    return load_exported(v32_config(model.config), mapped, model)
 
 
 def earliest_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True,

@@ -132,25 +132,19 @@ def float64_lifted() -> Iterator[None]:
     """Within the block, transformers' V4 computes its float32 islands in the tensors' dtype:
     ``DeepseekV4RMSNorm`` and the rotary angles by patched forwards, and every ``.float()`` and
     ``softmax(dtype=torch.float32)`` of a float64 tensor (the rotation, the query's unweighted
-    norm, the compressors' softmax, the indexer's scores) by patched tensor methods. Single
-    threaded use only: the tensor methods are patched for everyone until the block ends."""
+    norm, the compressors' softmax, the indexer's scores) by patched tensor methods
+    (:func:`~kvdoc.interop.hf_float64.patched`: single threaded use only)."""
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
     from kvdoc.core.model import rope_angles
+    from kvdoc.interop.hf_float64 import float64_kept, patched, rms_norm
 
-    plain_float, plain_softmax = torch.Tensor.float, torch.Tensor.softmax
-
-    def keep_float(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self if self.dtype == torch.float64 else plain_float(self, *args, **kwargs)
+    plain_softmax = torch.Tensor.softmax
 
     def keep_softmax(self: torch.Tensor, dim: int, dtype: torch.dtype | None = None,
                      **kwargs: Any) -> torch.Tensor:
         keep = self.dtype == torch.float64
         return plain_softmax(self, dim, dtype=None if keep else dtype, **kwargs)
-
-    def rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
-        mean_square = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(mean_square + self.variance_epsilon))
 
     def rotary(self: Any, x: torch.Tensor, position_ids: torch.Tensor,
                layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,18 +154,7 @@ def float64_lifted() -> Iterator[None]:
                               for row in position_ids])
         return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
 
-    patched = [(v4.DeepseekV4RMSNorm, "forward", rms_norm),
-               (v4.DeepseekV4RotaryEmbedding, "forward", rotary),
-               (torch.Tensor, "float", keep_float), (torch.Tensor, "softmax", keep_softmax)]
-    # a method the class inherits (Tensor.float is TensorBase's) is deleted again afterwards
-    saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in patched]
-    try:
-        for owner, name, fn in patched:
-            setattr(owner, name, fn)
+    with patched([(v4.DeepseekV4RMSNorm, "forward", rms_norm),
+                  (v4.DeepseekV4RotaryEmbedding, "forward", rotary),
+                  (torch.Tensor, "float", float64_kept), (torch.Tensor, "softmax", keep_softmax)]):
         yield
-    finally:
-        for owner, name, fn in saved:
-            if fn is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, fn)

@@ -16,6 +16,36 @@ from typing import Any
 
 import torch
 
+_FLOAT = torch.Tensor.float
+
+
+def rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``RMSNorm.forward`` in the input's dtype."""
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def float64_kept(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``Tensor.float`` that keeps a float64 tensor as it is."""
+    return self if self.dtype == torch.float64 else _FLOAT(self, *args, **kwargs)
+
+
+@contextmanager
+def patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Within the block, each ``(owner, name, value)`` set as ``owner.name``; afterwards each as
+    it was (deleted again where ``owner`` only inherited it: a module's ``forward``,
+    ``Tensor.float``). Single threaded use only: a class patched is patched for everyone."""
+    saved = [(owner, name, vars(owner).get(name)) for owner, name, _ in patches]
+    try:
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, value in saved:
+            if value is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
 
 @contextmanager
 def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
@@ -30,10 +60,6 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
     only by the rounding of the rotary angles (float64 here, as in :mod:`kvdoc.core.model`).
     """
     from kvdoc.core.model import rope_angles
-
-    def rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
-        mean_square = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(mean_square + self.variance_epsilon))
 
     def rotary(self: Any, x: torch.Tensor,
                position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,8 +83,6 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
         groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * groups.view(x.shape)
 
-    def float64_kept(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self if self.dtype == torch.float64 else to_float32(self, *args, **kwargs)
     def gptoss_rotary(self: Any, x: torch.Tensor,
                       position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from kvdoc.core.gptoss import yarn_frequencies
@@ -75,7 +99,6 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
             yield hf_model
         return
     lifted: dict[str, Any] = {}
-    to_float32 = torch.Tensor.float
     if model_type == "bamba":  # RoPE on the first half of a head; the scan's .float() calls
         head_dim = int(config.hidden_size // config.num_attention_heads
                        * config.rope_parameters.get("partial_rotary_factor", 1.0))
@@ -91,18 +114,16 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
         head_dim = getattr(config, "head_dim", None) or split_width
         theta = float(config.rope_parameters["rope_theta"])
         lifted = {"RMSNorm": rms_norm, "RotaryEmbedding": rotary}
-    patched = [m for m in hf_model.modules() if type(m).__name__.endswith(tuple(lifted))]
-    for module in patched:
-        kind = max((k for k in lifted if type(module).__name__.endswith(k)), key=len)
-        module.forward = types.MethodType(lifted[kind], module)
-    try:
-        if model_type == "bamba":  # its scan and state update call .float() on their inputs
-            torch.Tensor.float = float64_kept
+    patches = []
+    for module in hf_model.modules():
+        kinds = [k for k in lifted if type(module).__name__.endswith(k)]
+        if kinds:
+            patches.append((module, "forward", types.MethodType(lifted[max(kinds, key=len)],
+                                                                module)))
+    if model_type == "bamba":  # its scan and state update call .float() on their inputs
+        patches.append((torch.Tensor, "float", float64_kept))
+    with patched(patches):
         yield hf_model
-    finally:
-        torch.Tensor.float = to_float32
-        for module in patched:
-            del module.forward  # back to the class's method
 
 
 @contextmanager
@@ -142,11 +163,6 @@ def qwen35_float64_lifted(hf_model: Any) -> Iterator[Any]:
                m.Qwen3_5RMSNormGated: recompiled(m.Qwen3_5RMSNormGated.forward),
                m.Qwen3_5GatedDeltaNet: recompiled(m.Qwen3_5GatedDeltaNet.forward),
                m.Qwen3_5TextRotaryEmbedding: rotary}
-    patched = [mod for mod in hf_model.modules() if type(mod) in methods]
-    for mod in patched:
-        mod.forward = types.MethodType(methods[type(mod)], mod)
-    try:
+    with patched([(mod, "forward", types.MethodType(methods[type(mod)], mod))
+                  for mod in hf_model.modules() if type(mod) in methods]):
         yield hf_model
-    finally:
-        for mod in patched:
-            del mod.forward  # back to the class's method

@@ -11,8 +11,9 @@ Not loaded: scaled RoPE (the larger Gemma 3 checkpoints scale the global base li
 attention biases, bidirectional attention, and ``attn_logit_softcapping`` (Gemma 2's; transformers'
 Gemma 3 never applies it, so a config that sets it would not mean what it says).
 
->>> _ = torch.manual_seed(0)
->>> hf = gemma_model(Gemma3Config(sliding_window=4))
+>>> import torch
+>>> from kvdoc.interop.hf_config import random_model
+>>> hf = random_model(gemma_config(Gemma3Config(sliding_window=4)))
 >>> ours = from_gemma(hf)
 >>> ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
 >>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
@@ -23,10 +24,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, gemma_layer_types
 from kvdoc.interop.hf_config import (
+    as_ours,
+    as_theirs,
     by_our_names,
     by_their_names,
     expect_model_type,
@@ -46,16 +47,12 @@ def gemma_config(config: Gemma3Config) -> Any:
 
     c = config
     return Gemma3TextConfig(
-        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.n_inner,
-        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
-        head_dim=c.head_dim, hidden_activation="gelu_pytorch_tanh",
-        max_position_embeddings=c.n_positions, rms_norm_eps=c.layer_norm_epsilon,
-        tie_word_embeddings=c.tie_word_embeddings,
+        **as_theirs(c, "head_dim", "query_pre_attn_scalar", "sliding_window",
+                    "final_logit_softcapping"), **_layout(c),
+        hidden_activation="gelu_pytorch_tanh",
         rope_parameters={GLOBAL: {"rope_type": "default", "rope_theta": c.rope_theta},
                          SLIDING: {"rope_type": "default", "rope_theta": c.rope_local_base_freq}},
-        attention_bias=False, attention_dropout=0.0, query_pre_attn_scalar=c.query_pre_attn_scalar,
-        sliding_window=c.sliding_window, **_layout(c),
-        final_logit_softcapping=c.final_logit_softcapping, attn_logit_softcapping=None,
+        attention_bias=False, attention_dropout=0.0, attn_logit_softcapping=None,
         use_bidirectional_attention=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
@@ -73,18 +70,12 @@ def config_from_gemma(hf_config: Any) -> Gemma3Config:
         "attn_logit_softcapping": (hf_config.attn_logit_softcapping, (None,)),
         "use_bidirectional_attention": (bool(hf_config.use_bidirectional_attention), (False,)),
     })
-    return Gemma3Config(
-        vocab_size=hf_config.vocab_size, n_positions=hf_config.max_position_embeddings,
-        n_head=hf_config.num_attention_heads, n_kv_head=hf_config.num_key_value_heads,
-        n_embd=hf_config.hidden_size, n_inner=hf_config.intermediate_size,
-        head_dim=hf_config.head_dim, query_pre_attn_scalar=int(hf_config.query_pre_attn_scalar),
-        n_layer=hf_config.num_hidden_layers, sliding_window=hf_config.sliding_window,
+    return as_ours(
+        Gemma3Config, hf_config, "head_dim", "sliding_window", "final_logit_softcapping",
+        query_pre_attn_scalar=int(hf_config.query_pre_attn_scalar),
         **_layout_from(list(hf_config.layer_types)),
-        layer_norm_epsilon=hf_config.rms_norm_eps,
         rope_theta=float(rope[GLOBAL].get("rope_theta", 1_000_000.0)),
-        rope_local_base_freq=float(rope[SLIDING].get("rope_theta", 10_000.0)),
-        final_logit_softcapping=hf_config.final_logit_softcapping,
-        tie_word_embeddings=bool(hf_config.tie_word_embeddings))
+        rope_local_base_freq=float(rope[SLIDING].get("rope_theta", 10_000.0)))
 
 
 def _layout(config: Gemma3Config) -> dict[str, Any]:
@@ -135,22 +126,4 @@ def from_gemma(hf_model: Any) -> Gemma3Decoder:
 def to_gemma(model: Gemma3Decoder) -> Any:
     """transformers' ``Gemma3ForCausalLM`` holding ``model``'s weights (the inverse of
     :func:`from_gemma`), in the model's dtype, in eval mode; the global RNG is left as it was."""
-    from transformers import Gemma3ForCausalLM
-
-    return load_exported(Gemma3ForCausalLM, gemma_config(model.config),
-                         by_their_names(model.state_dict()), model, "Gemma3")
-
-
-def gemma_model(config: Gemma3Config | None = None, seed: int = 0,
-                dtype: torch.dtype = torch.float32) -> Any:
-    """A transformers ``Gemma3ForCausalLM`` with random weights from ``config`` (default
-    :class:`Gemma3Config`), built offline, in eval mode (RMSNorm weights at zero, as
-    transformers initialises them: each scales by ``1 + weight``).
-
-    >>> gemma_model().config.layer_types
-    ['sliding_attention', 'full_attention']
-    """
-    torch.manual_seed(seed)
-    from transformers import Gemma3ForCausalLM
-
-    return Gemma3ForCausalLM(gemma_config(config or Gemma3Config())).to(dtype).eval()
+    return load_exported(gemma_config(model.config), by_their_names(model.state_dict()), model)

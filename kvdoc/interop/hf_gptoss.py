@@ -9,8 +9,9 @@ SDPA path takes no sinks: ``GptOssPreTrainedModel._supports_sdpa = False``) and 
 Not loaded: a YaRN ``attention_factor``, ``mscale`` or ``partial_rotary_factor`` (gpt-oss's
 checkpoints set none), attention without biases.
 
->>> _ = torch.manual_seed(0)
->>> hf = gptoss_model(GptOssConfig(sliding_window=4))
+>>> import torch
+>>> from kvdoc.interop.hf_config import random_model
+>>> hf = random_model(gptoss_config(GptOssConfig(sliding_window=4)))
 >>> ours = from_gptoss(hf)
 >>> ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
 >>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
@@ -23,10 +24,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from kvdoc.core.gptoss import GptOssConfig, GptOssDecoder
 from kvdoc.interop.hf_config import (
+    as_ours,
+    as_theirs,
     by_our_names,
     by_their_names,
     expect_model_type,
@@ -46,15 +47,10 @@ def gptoss_config(config: GptOssConfig) -> Any:
                  "beta_slow": c.yarn_beta_slow, "truncate": c.yarn_truncate,
                  "original_max_position_embeddings": c.yarn_original_positions}
     hf_config = HFConfig(
-        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.n_inner,
-        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
-        num_key_value_heads=c.n_kv_head, head_dim=c.head_dim,
+        **as_theirs(c, "head_dim", "sliding_window", "swiglu_alpha", "swiglu_limit"),
         num_local_experts=c.n_experts, num_experts_per_tok=c.experts_per_token,
-        sliding_window=c.sliding_window, layer_types=list(c.types),
-        max_position_embeddings=c.n_positions, rms_norm_eps=c.layer_norm_epsilon,
-        rope_parameters=rope, swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit,
-        tie_word_embeddings=c.tie_word_embeddings, attention_dropout=0.0, attention_bias=True,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        layer_types=list(c.types), rope_parameters=rope, attention_dropout=0.0,
+        attention_bias=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     # the classes' own code: the default grouped_mm experts need widths of 16-byte multiples
     hf_config._attn_implementation, hf_config._experts_implementation = "eager", "eager"
     return hf_config
@@ -79,19 +75,12 @@ def config_from_gptoss(hf_config: Any) -> GptOssConfig:
         yarn_original_positions=int(rope["original_max_position_embeddings"]),
         yarn_truncate=bool(rope.get("truncate", True)))  # transformers' default when absent
     types = tuple(hf_config.layer_types)
-    return GptOssConfig(
-        vocab_size=hf_config.vocab_size, n_positions=hf_config.max_position_embeddings,
-        n_head=hf_config.num_attention_heads, n_kv_head=hf_config.num_key_value_heads,
-        n_embd=hf_config.hidden_size, head_dim=hf_config.head_dim,
-        n_inner=hf_config.intermediate_size, n_experts=hf_config.num_local_experts,
-        experts_per_token=hf_config.num_experts_per_tok, n_layer=hf_config.num_hidden_layers,
-        sliding_window=hf_config.sliding_window,
+    return as_ours(
+        GptOssConfig, hf_config, "head_dim", "sliding_window", "swiglu_alpha", "swiglu_limit",
+        n_experts=hf_config.num_local_experts, experts_per_token=hf_config.num_experts_per_tok,
         layer_types=None if types == GptOssConfig(n_layer=len(types)).types else types,
-        layer_norm_epsilon=hf_config.rms_norm_eps,
         rope_theta=float(rope.get("rope_theta", 150000.0)),
-        **({"yarn_factor": None} if kind == "default" else yarn),
-        swiglu_alpha=hf_config.swiglu_alpha, swiglu_limit=hf_config.swiglu_limit,
-        tie_word_embeddings=bool(hf_config.tie_word_embeddings))
+        **({"yarn_factor": None} if kind == "default" else yarn))
 
 
 def from_gptoss(hf_model: Any) -> GptOssDecoder:
@@ -104,35 +93,4 @@ def from_gptoss(hf_model: Any) -> GptOssDecoder:
 def to_gptoss(model: GptOssDecoder) -> Any:
     """transformers' ``GptOssForCausalLM`` holding ``model``'s weights (the inverse of
     :func:`from_gptoss`), in the model's dtype, in eval mode; the global RNG is left as it was."""
-    from transformers import GptOssForCausalLM
-
-    return load_exported(GptOssForCausalLM, gptoss_config(model.config),
-                         by_their_names(model.state_dict()), model, "GptOss")
-
-
-def gptoss_model(config: GptOssConfig | None = None, seed: int = 0,
-                 dtype: torch.dtype = torch.float32) -> Any:
-    """A transformers ``GptOssForCausalLM`` with random weights from ``config`` (default
-    :class:`GptOssConfig`), built offline, in eval mode. transformers draws every matrix and sink
-    with a standard deviation of 0.02 and the biases at 0: the experts' clamp would never bite,
-    attention would be nearly uniform and a sink left out would change little. So, as standard
-    deviations about a mean of 0: the sinks are redrawn at 1, each matrix at ``fan_in ** -0.5``,
-    the biases at 0.1, and the norms' weights at 0.2 about 1; the embedding (also the head,
-    where tied) keeps 0.02."""
-    torch.manual_seed(seed)
-    from transformers import GptOssForCausalLM
-
-    hf = GptOssForCausalLM(gptoss_config(config or GptOssConfig()))
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("sinks"):
-                p.normal_(0.0, 1.0)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            elif "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif p.dim() == 3:  # the experts' [E, in, out]
-                p.normal_(0.0, p.shape[1] ** -0.5)
-            elif "embed_tokens" not in name and "lm_head" not in name:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    return hf.to(dtype).eval()
+    return load_exported(gptoss_config(model.config), by_their_names(model.state_dict()), model)

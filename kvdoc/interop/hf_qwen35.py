@@ -9,8 +9,8 @@ whose rows interleave the heads (``in_proj_qkvz``, ``in_proj_ba``: :func:`_split
 Qwen3-Next with sparse-MoE layers (transformers 5.24's ``Qwen3NextSparseMoeBlock``: every
 published checkpoint, and the config's default) is refused by name, as kvdoc has no experts.
 
->>> _ = torch.manual_seed(0)
->>> hf = qwen35_model(DeltaNetConfig(chunk_size=4))
+>>> from kvdoc.interop.hf_config import random_model
+>>> hf = random_model(qwen35_config(DeltaNetConfig(chunk_size=4)))
 >>> ours = from_qwen35(hf)
 >>> ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
 >>> torch.allclose(ours(ids).logits, hf(ids).logits, atol=1e-5)
@@ -19,20 +19,24 @@ True
 
 from __future__ import annotations
 
-import re
-from dataclasses import replace
 from typing import Any
 
 import torch
 
 from kvdoc.core.deltanet import DeltaNetConfig, DeltaNetDecoder
 from kvdoc.interop.hf_config import (
+    as_ours,
+    as_theirs,
     by_our_names,
     by_their_names,
     holding,
     load_exported,
     refuse_unsupported,
 )
+
+#: the Gated DeltaNet's sizes, named alike in both
+_LINEAR = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+           "linear_num_key_heads", "linear_num_value_heads")
 
 
 def qwen35_config(config: DeltaNetConfig) -> Any:
@@ -45,17 +49,10 @@ def qwen35_config(config: DeltaNetConfig) -> Any:
 
     c = config
     return Qwen3_5TextConfig(
-        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.n_inner,
-        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
-        head_dim=c.head_dim, hidden_act="silu", max_position_embeddings=c.n_positions,
-        rms_norm_eps=c.layer_norm_epsilon, tie_word_embeddings=c.tie_word_embeddings,
+        **as_theirs(c, "head_dim", *_LINEAR), hidden_act="silu", layer_types=list(c.layer_types),
         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta,
                          "partial_rotary_factor": c.partial_rotary_factor},
         attention_bias=False, attention_dropout=0.0,
-        linear_conv_kernel_dim=c.linear_conv_kernel_dim,
-        linear_key_head_dim=c.linear_key_head_dim, linear_value_head_dim=c.linear_value_head_dim,
-        linear_num_key_heads=c.linear_num_key_heads,
-        linear_num_value_heads=c.linear_num_value_heads, layer_types=list(c.layer_types),
         pad_token_id=None, bos_token_id=None, eos_token_id=None)
 
 
@@ -90,21 +87,10 @@ def config_from_qwen35(hf_config: Any, chunk_size: int = 64) -> DeltaNetConfig:
         "hidden_act": (hf_config.hidden_act, ("silu",)),
         "attention_bias": (hf_config.attention_bias, (False,)),
     })
-    return DeltaNetConfig(
-        vocab_size=hf_config.vocab_size, n_positions=hf_config.max_position_embeddings,
-        n_embd=hf_config.hidden_size, n_inner=hf_config.intermediate_size,
-        n_layer=hf_config.num_hidden_layers, layer_types=tuple(hf_config.layer_types),
-        n_head=hf_config.num_attention_heads, n_kv_head=hf_config.num_key_value_heads,
-        head_dim=hf_config.head_dim,
+    return as_ours(
+        DeltaNetConfig, hf_config, "head_dim", *_LINEAR, layer_types=tuple(hf_config.layer_types),
         partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
-        rope_theta=float(rope["rope_theta"]),
-        linear_num_key_heads=hf_config.linear_num_key_heads,
-        linear_num_value_heads=hf_config.linear_num_value_heads,
-        linear_key_head_dim=hf_config.linear_key_head_dim,
-        linear_value_head_dim=hf_config.linear_value_head_dim,
-        linear_conv_kernel_dim=hf_config.linear_conv_kernel_dim,
-        layer_norm_epsilon=hf_config.rms_norm_eps,
-        tie_word_embeddings=bool(hf_config.tie_word_embeddings), chunk_size=chunk_size)
+        rope_theta=float(rope["rope_theta"]), chunk_size=chunk_size)
 
 
 def from_qwen35(hf_model: Any, chunk_size: int = 64) -> DeltaNetDecoder:
@@ -140,24 +126,4 @@ def _split_next(config: DeltaNetConfig, qkvz: torch.Tensor, ba: torch.Tensor,
 def to_qwen35(model: DeltaNetDecoder) -> Any:
     """transformers' ``Qwen3_5ForCausalLM`` holding ``model``'s weights (the inverse of
     :func:`from_qwen35`), in the model's dtype, in eval mode; the global RNG is left as it was."""
-    from transformers import Qwen3_5ForCausalLM
-
-    return load_exported(Qwen3_5ForCausalLM, qwen35_config(replace(model.config)),
-                         by_their_names(model.state_dict()), model, "Qwen3_5")
-
-
-def qwen35_model(config: DeltaNetConfig | None = None, seed: int = 0,
-                 dtype: torch.dtype = torch.float32) -> Any:
-    """A transformers ``Qwen3_5ForCausalLM`` with random weights from ``config`` (default
-    :class:`DeltaNetConfig`), built offline, in eval mode. transformers starts every
-    ``1 + weight`` RMSNorm at zero; these are drawn (as small as its other weights' spread), so
-    that a q/k norm or a final norm loaded into the wrong place shows."""
-    torch.manual_seed(seed)
-    from transformers import Qwen3_5ForCausalLM
-
-    hf = Qwen3_5ForCausalLM(qwen35_config(config or DeltaNetConfig()))
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if re.search(r"(layernorm|norm)\.weight$", name):
-                p.add_(0.1 * torch.randn_like(p))
-    return hf.to(dtype).eval()
+    return load_exported(qwen35_config(model.config), by_their_names(model.state_dict()), model)

@@ -26,7 +26,6 @@ from .hf_config import (
     NORMS_AND_DOWN,
     OUTER,
     ROPE_FAMILIES,
-    causal_lm_class,
     config_from_transformers,
     holding,
     load_exported,
@@ -205,5 +204,4 @@ def to_transformers(model: Decoder, family: str | None = None) -> Any:
                     if src + ours + kind in state:
                         pieces = state[src + ours + kind].split(sizes)
                         mapped.update(zip([dst + n + kind for n in names], pieces, strict=True))
-    return load_exported(causal_lm_class(hf_config.model_type), hf_config, mapped, model,
-                         hf_config.model_type)
+    return load_exported(hf_config, mapped, model)

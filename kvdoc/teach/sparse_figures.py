@@ -16,11 +16,6 @@ from .sparse_reads import CompressedReads, unfinished
 READ, SKIPPED, WAITING = OKABE_ITO[0], "0.85", OKABE_ITO[1]
 
 
-def _ticks(ax, n: int, axis: str, every: int = 5) -> None:
-    ticks = list(range(0, n, every))
-    (ax.set_xticks if axis == "x" else ax.set_yticks)(ticks)
-
-
 def draw_selection(reads: torch.Tensor, title: str | None = None, width: float = 6.4):
     """The keys each query reads, ``reads`` bool ``[T, T]`` (query ``i``, key ``j``): read
     cells dark, earlier keys not read light grey, later keys white.
@@ -44,8 +39,8 @@ def draw_selection(reads: torch.Tensor, title: str | None = None, width: float =
     ax.set_yticks(np.arange(-0.5, T), minor=True)
     ax.grid(which="minor", color="0.7", linewidth=0.4)
     ax.tick_params(which="minor", length=0)
-    _ticks(ax, T, "x")
-    _ticks(ax, T, "y")
+    ax.set_xticks(range(0, T, 5))
+    ax.set_yticks(range(0, T, 5))
     ax.set_xlabel("key position j")
     ax.set_ylabel("query position i")
     if title:
@@ -102,7 +97,7 @@ def draw_compressed(reads: CompressedReads, queries: Sequence[int], title: str |
     ax.set_yticks(ys, labels)
     ax.set_xlim(-0.3, T + 0.3)
     ax.set_ylim(-0.2, pitch * n)
-    _ticks(ax, T + 1, "x")
+    ax.set_xticks(range(0, T + 1, 5))
     ax.set_xlabel("position")
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)

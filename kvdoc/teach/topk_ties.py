@@ -42,8 +42,10 @@ def path_gaps(hf: Any, ids: torch.Tensor) -> dict[str, float]:
     each prefix, over ``ids`` ``[B, T]``.
 
     >>> from kvdoc.core.indexed import IndexedConfig
-    >>> from kvdoc.interop.hf_deepseek_v32 import v32_model
-    >>> hf = v32_model(IndexedConfig(index_topk=64), dtype=torch.float64)  # k >= T: no choice
+    >>> from kvdoc.interop.hf_config import random_model
+    >>> from kvdoc.interop.hf_deepseek_v32 import v32_config
+    >>> hf = random_model(v32_config(IndexedConfig(index_topk=64)),  # k >= T: no choice
+    ...                   dtype=torch.float64)
     >>> gaps = path_gaps(hf, torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]]))
     >>> sorted(gaps), max(gaps.values()) < 1e-12
     (['decode', 'prefix'], True)
