@@ -102,7 +102,7 @@ v_scale_read_int8_cache = _empty(int8_cache, VScaleReadInt8Layer)
 class NarrowInt8Layer(Int8Layer):
     """BROKEN: quantises and dequantises in the model's own dtype: right in FP32 and FP64; in
     BF16 or FP16, whose rounding of ``x / scale`` (up to 127) is a large part of a step, a value
-    can land a step off and pass :func:`kvdoc.proofs.int8_contract.half_step`."""
+    can land a step off and pass :func:`kvdoc.proofs.contracts.half_step`."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
