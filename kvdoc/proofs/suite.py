@@ -33,16 +33,14 @@ from . import (
     figures,
     grid,
     imported,
-    invariant_mode,
-    policies,
     precision,
 )
 from .case import REGISTRY, Case, CheckResult
 from .compare import DTYPE_NAMES, TOLERANCE
 from .variants import VARIANTS
 
-CHECK_MODULES = (equivalence, figures, calls, cache_invariants, policies, imported,
-                 contracts, invariant_mode, precision)
+CHECK_MODULES = (equivalence, figures, calls, cache_invariants, imported,
+                 contracts, precision)
 """The modules whose scenarios run, in this order: the cheap ones first, as a sweep stops at a
 variant's first failure."""
 _RANK = {module.__name__: rank for rank, module in enumerate(CHECK_MODULES)}
