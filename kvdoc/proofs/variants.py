@@ -28,7 +28,6 @@ from .broken import (
     recurrent,
     rotary,
     serving,
-    sinks,
     sparse,
 )
 from .traits import FAMILIES, check_traits, grid_traits, traits
@@ -364,15 +363,16 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     BrokenVariant("sink-per-split",
                   "split-K attention folds the sink into every chunk's partial, so the merged "
                   "denominator counts it once per split, not once",
-                  sinks.sink_per_split, "sinks", needs={"gptoss"}, one_model=True),
+                  arithmetic.sink_per_split, "sinks", needs={"gptoss"}, one_model=True),
     BrokenVariant("window-without-sink",
                   "a gpt-oss model's window layers attend without their sink (the full layers "
                   "keep it), in the full forward and the cached calls alike",
-                  sinks.window_without_sink, "sinks", needs={"gptoss", "hybrid"}, one_model=True),
+                  arithmetic.window_without_sink, "sinks", needs={"gptoss", "hybrid"},
+                  one_model=True),
     BrokenVariant("invariant-sink-outside-mode",
                   "under batch_invariant(), gpt-oss's sink attention runs the library's batched "
                   "matmul and softmax (the right function, bits that follow the call's shape)",
-                  sinks.sink_outside_mode, "mode vs its function", needs={"gptoss"},
+                  arithmetic.sink_outside_mode, "mode vs its function", needs={"gptoss"},
                   one_model=True, kinds=("dynamic",)),
 )}
 """Every broken variant, by name."""
