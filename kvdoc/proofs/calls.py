@@ -226,13 +226,9 @@ class InjectedFailure(RuntimeError):
     """Raised inside a forward by the ``failure`` scenario."""
 
 
-def _layers(model: nn.Module) -> Sequence[nn.Module]:
-    return getattr(model, "h", None) or getattr(model, "layers", None) or []
-
-
 def _failure_points(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
     """``(check, where, module)``: where the ``failure`` scenario raises, in forward order."""
-    layers = _layers(model)
+    layers: Sequence[nn.Module] = getattr(model, "h", None) or getattr(model, "layers", None) or []
     if len(layers) == 0:
         return []
     inside = {"the first layer": layers[0], "the last layer": layers[-1]} if len(layers) > 1 else {

@@ -264,27 +264,23 @@ def main(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: one thread is faster than several that contend
     try:
-        return _main(args)
+        if args.list:
+            for v in VARIANTS.values():
+                print(f"{v.name:22s} {v.bug_class:26s} {v.breaks}")
+            return 0
+        start = time.perf_counter()
+        # what the workers and the ranks run, imported once by the fork server they are forked
+        # from (where there is one) instead of by each of them (seconds of torch and kvdoc each)
+        multiprocessing.set_forkserver_preload([__name__])
+        passes = verify_passes(args.thorough, args.seed)
+        with worker_map(args.workers) as map_:
+            return _report(args, passes, map_, start)
     except Exception as exc:  # the verifier's own failure still ends in a verdict
         print(f"VERDICT: FAIL (the verifier stopped: {type(exc).__name__}: {exc})")
         return 1
     finally:
         torch.set_num_threads(threads)
         stop_fork_server()
-
-
-def _main(args: argparse.Namespace) -> int:
-    if args.list:
-        for v in VARIANTS.values():
-            print(f"{v.name:22s} {v.bug_class:26s} {v.breaks}")
-        return 0
-    start = time.perf_counter()
-    # what the workers and the ranks run, imported once by the fork server they are forked from
-    # (where there is one) instead of by each of them (seconds of torch and kvdoc each)
-    multiprocessing.set_forkserver_preload([__name__])
-    passes = verify_passes(args.thorough, args.seed)
-    with worker_map(args.workers) as map_:
-        return _report(args, passes, map_, start)
 
 
 def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start: float) -> int:
