@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvdoc.proofs import fp8_contract, variants
+from kvdoc.proofs import contracts, variants
 from kvdoc.proofs.calls import rounds_of_a_perfect_draft
 from kvdoc.proofs.suite import run_suite
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
@@ -61,10 +61,10 @@ def test_the_fp32_mode_in_fp64_is_within_fp32s_tolerance():
 
 def test_the_e5m2_setting_catches_what_e4m3_alone_passes(monkeypatch):
     axes = dict(dtypes=FP32, scenarios=("fp8",), length=40)
-    assert "float8_e5m2" in {storage for *_, storage in fp8_contract.SETTINGS}
+    assert "float8_e5m2" in {storage for *_, storage in contracts.FP8_SETTINGS}
     assert _caught("fp8-e5m2-saturates-at-448", **axes) == ["fp8"]
-    e4m3 = tuple(s for s in fp8_contract.SETTINGS if s[2] == "float8_e4m3fn")
-    monkeypatch.setattr(fp8_contract, "SETTINGS", e4m3)
+    e4m3 = tuple(s for s in contracts.FP8_SETTINGS if s[2] == "float8_e4m3fn")
+    monkeypatch.setattr(contracts, "FP8_SETTINGS", e4m3)
     assert _caught("fp8-e5m2-saturates-at-448", **axes) == []
 
 

@@ -9,11 +9,16 @@ import torch
 
 from kvdoc.core.model import generate
 from kvdoc.proofs import grid
-from kvdoc.proofs.broken.decoders import DecodeWithoutPadMaskDecoder, copy_as
-from kvdoc.proofs.broken.padded import generate_padded_unmasked_decode, pad_leak_split_k
+from kvdoc.proofs.broken.decoders import DecodeWithoutPadMaskDecoder, copy_as, pad_leak_split_k
 from kvdoc.proofs.compare import TOLERANCE, close, default_stream
 from kvdoc.proofs.sweep import sweep_variants
-from kvdoc.serving.batching import generate_padded
+from kvdoc.serving.batching import (
+    PaddedGeneration,
+    generate_padded,
+    left_pad,
+    padded_mask,
+    padded_positions,
+)
 
 PROMPTS, NEW = (7, 3), 4
 EVERY = [name for name, spec in grid.MODELS.items() if spec.scenarios is None]
@@ -34,6 +39,24 @@ def padded_as_alone(model, run=generate_padded) -> bool:
         ok = (ok and torch.equal(got.tokens[b], alone[0, len(prompt):])
               and close(got.logits[b], full, TOLERANCE[torch.float32]))
     return ok
+
+
+@torch.no_grad()
+def generate_padded_unmasked_decode(model, prompts, max_new_tokens) -> PaddedGeneration:
+    """BROKEN: ``generate_padded`` whose decode steps pass positions but no pad mask."""
+    batch = left_pad(prompts)
+    ids, pad = batch.ids, batch.pad
+    cache, start, chosen, logits = model.new_cache(ids.shape[0]), 0, [], []
+    for step in range(max_new_tokens):
+        C = ids.shape[1]
+        mask = padded_mask(pad, start, C) if step == 0 else None  # BUG: decode steps unmasked
+        out, cache = model(ids, cache, last_only=True, positions=padded_positions(pad, start, C),
+                           attn_mask=mask)
+        logits.append(out[:, -1])
+        ids = out[:, -1].argmax(dim=-1, keepdim=True)
+        chosen.append(ids)
+        start += C
+    return PaddedGeneration(torch.cat(chosen, dim=1), torch.stack(logits, dim=1))
 
 
 @pytest.mark.parametrize("name", EVERY)

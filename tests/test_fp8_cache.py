@@ -7,7 +7,7 @@ import torch
 
 from kvdoc import Decoder, GPTConfig
 from kvdoc.measure.kv_bytes import fp8_kv_bytes, int8_kv_bytes
-from kvdoc.proofs import fp8_contract
+from kvdoc.proofs import contracts
 from kvdoc.proofs.broken.cache_kinds import rescaling_fp8_cache, tensor_scale_fp8_cache
 from kvdoc.proofs.compare import default_model, default_stream, run_cached
 from kvdoc.proofs.suite import SCENARIOS, run_suite
@@ -162,9 +162,9 @@ def test_read_bound_holds_with_groups_and_saturation():
 def test_row_breach_sees_a_scale_applied_per_tensor():
     x = torch.stack([_randn(1, 1, 4, 8, seed=4), _randn(1, 1, 4, 8, seed=5) * 10], 1)[:, :, 0]
     s = amax_scale(x, "per-head")
-    assert fp8_contract.row_breach(dequantize(quantize(x, s), s, x.dtype), x, s) == 0.0
+    assert contracts.row_breach(dequantize(quantize(x, s), s, x.dtype), x, s) == 0.0
     wrong = dequantize(quantize(x, s.amax()), s, x.dtype)  # per-tensor write, per-head read
-    assert fp8_contract.row_breach(wrong, x, s) > 1.0
+    assert contracts.row_breach(wrong, x, s) > 1.0
 
 
 def test_the_contract_passes_and_only_it_catches_the_broken_cache():
@@ -173,7 +173,7 @@ def test_the_contract_passes_and_only_it_catches_the_broken_cache():
     assert report.passed, report.failures_table()
     ran = [r for r in report.results if r.passed is not None]
     # each model and setting in FP32, and again rounded to BF16 and FP16
-    assert len(ran) == 3 * len(fp8_contract.SETTINGS) * 3
+    assert len(ran) == 3 * len(contracts.FP8_SETTINGS) * 3
     assert {r.dtype for r in ran} == {"FP32", "BF16", "FP16"}
     others = [s for s in SCENARIOS if s != "fp8"]
     for variant in ("fp8-tensor-scale-write", "fp8-rescale-each-write"):

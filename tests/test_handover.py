@@ -9,7 +9,7 @@ import torch
 from kvdoc.core.cache import DynamicCache
 from kvdoc.core.model import GPTConfig
 from kvdoc.proofs import grid
-from kvdoc.proofs.broken.serving import pack_off_by_one, pack_through_fp32, pack_zeroed_last_v
+from kvdoc.proofs.broken.serving import pack_off_by_one, pack_zeroed_last_v
 from kvdoc.proofs.compare import default_model
 from kvdoc.proofs.traits import grid_traits
 from kvdoc.serving.handover import disaggregated_generate, pack, unpack
@@ -172,6 +172,16 @@ def test_every_payload_dtype_ships_bit_for_bit(model):
     checks = check_dtypes(model, PROMPT, 4, PAYLOAD_DTYPES)
     assert [c.dtype for c in checks] == ["FP64", "BF16", "FP16"]
     assert all(c.passed and c.same_bits for c in checks), checks
+
+
+def pack_through_fp32(cache, logits=None) -> bytes:
+    """BROKEN: K, V and the logits go through FP32 (a transfer buffer of one dtype) and back:
+    exact in FP32 and narrower, FP64's low bits lost."""
+    def wire(t: torch.Tensor) -> torch.Tensor:
+        return t.float().to(t.dtype)
+
+    layers = [tuple(map(wire, cache.layer(i))) for i in range(cache.n_layer)]
+    return pack(DynamicCache(layers), None if logits is None else wire(logits))
 
 
 def test_a_payload_through_fp32_is_caught_in_fp64_only(model):

@@ -30,7 +30,7 @@ from kvdoc.interop.hf_deepseek_v32 import (
     to_v32,
     v32_config,
 )
-from kvdoc.proofs.broken.indexed import NewRowsTopkDecoder, TopkTiesDecoder, indexed_as
+from kvdoc.proofs.broken.sparse import NewRowsTopkDecoder, TopkTiesDecoder, indexed_as
 from kvdoc.proofs.compare import TOLERANCE, Snapshot, close, max_abs, run_cached
 from kvdoc.proofs.grid import MLA
 from kvdoc.teach.topk_ties import hf_logits

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdoc.proofs import cache_invariants, int8_contract
+from kvdoc.proofs import cache_invariants, contracts
 from kvdoc.proofs.broken.cache_kinds import k_only_paged_cache, requantising_int8_cache
 from kvdoc.proofs.compare import default_model
 from kvdoc.proofs.suite import SCENARIOS, run_suite
@@ -79,8 +79,8 @@ def test_int8_rows_keep_their_own_scale_and_half_a_step():
         k = torch.randn(1, 4, 3, 16)
         cache.update(0, k, k, 2)
         got = cache.layer(0)[0][:, :, 2:]
-        assert (int8_contract._row_problems(got, k) == 0.0) is ok
-    assert int8_contract._row_problems(written, written) > 0  # values off the grid of steps
+        assert (contracts._row_problems(got, k) == 0.0) is ok
+    assert contracts._row_problems(written, written) > 0  # values off the grid of steps
 
 
 def test_held_tensors_walk_into_a_layer_defined_outside_kvdoc():

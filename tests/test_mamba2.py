@@ -14,7 +14,7 @@ from kvdoc.core.state import read_state, restore, snapshot
 from kvdoc.interop.hf_bamba import bamba_config, config_from_bamba, from_bamba, to_bamba
 from kvdoc.interop.hf_float64 import float64_islands_lifted
 from kvdoc.proofs import grid
-from kvdoc.proofs.broken.mamba import conv_state_shifted, undecayed_carry
+from kvdoc.proofs.broken.recurrent import conv_state_shifted, undecayed_carry
 from kvdoc.proofs.compare import TOLERANCE, close, max_abs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread is faster

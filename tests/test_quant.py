@@ -72,7 +72,7 @@ def test_cache_passed_in_is_unchanged_and_bad_writes_refused(model, stream):
 
 @pytest.mark.parametrize("dtype, unit", [(torch.bfloat16, 2.0 ** -8), (torch.float16, 2.0 ** -11)])
 def test_narrow_dtypes_keep_their_derived_bound(dtype, unit):
-    from kvdoc.proofs.int8_contract import half_step
+    from kvdoc.proofs.contracts import half_step
 
     x = (torch.randn(4, 4, 256, 16, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
     step = x.double().abs().amax(-1, keepdim=True) / 127

@@ -20,7 +20,7 @@ from kvdoc.interop.hf_gptoss import (
     to_gptoss,
 )
 from kvdoc.measure.sink_window import divergence
-from kvdoc.proofs.broken.sinks import merge_sink_per_split, sink_per_split, window_without_sink
+from kvdoc.proofs.broken.arithmetic import merge_sink_per_split, sink_per_split, window_without_sink
 from kvdoc.proofs.compare import TOLERANCE
 from kvdoc.proofs.grid import SINKS, WINDOW
 from kvdoc.proofs.suite import run_suite

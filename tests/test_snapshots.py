@@ -17,6 +17,7 @@ from kvdoc.proofs.compare import TOLERANCE, close
 from kvdoc.proofs.grid import MODELS
 from kvdoc.serving.paged import BlockPool, new_paged_cache
 from kvdoc.serving.radix import RadixCache, serve_prompt
+from kvdoc.serving.scheduler import Scheduler
 from kvdoc.serving.snapshots import WHERE, SnapshotStore
 
 
@@ -123,11 +124,30 @@ def test_a_paged_hybrid_cache_restores_a_snapshot_and_fails_cleanly() -> None:
     assert close(logits, m(ids)[0][:, 8:], TOLERANCE[torch.float32]) and cache.seq_len == 16
 
 
+class PreemptKeepsStates(Scheduler):
+    """BROKEN: preemption forgets a hybrid's positions but not its states, so the recompute
+    folds the sequence into the state it had already folded."""
+
+    def preempt(self, live):
+        states = live.states
+        discarded = super().preempt(live)
+        live.states = states  # BUG: a recompute starts from zeros
+        return discarded
+
+
+class StatesNotCarried(Scheduler):
+    """BROKEN: a hybrid's row starts every step from zeros, not from the states it left."""
+
+    def _logits(self, rows):
+        for x, _ in rows:
+            x.states = {}  # BUG: what the row's last step left is dropped
+        return super()._logits(rows)
+
+
 @pytest.mark.parametrize("name", ["deltanet", "bamba"])
 def test_the_scheduler_serves_a_hybrid_model(name) -> None:
     # static, continuous, chunked prefill, preemption by recompute, seeded forks: every request
     # equals its run alone; a broken scheduler that drops or keeps a state wrongly is caught
-    from kvdoc.proofs.broken.serving import PreemptKeepsStates, StatesNotCarried
     from kvdoc.teach.scheduling import check_forks, check_policies, check_preemption
 
     m = MODELS[name].build(0).eval()

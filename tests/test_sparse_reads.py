@@ -13,7 +13,7 @@ import torch
 from kvdoc.core.indexed import IndexedDecoder
 from kvdoc.core.v4 import CompressedDecoder
 from kvdoc.interop.hf_deepseek_v32 import earliest_ties, to_v32
-from kvdoc.proofs.broken.indexed import NewRowsTopkDecoder, TopkTiesDecoder, indexed_as
+from kvdoc.proofs.broken.sparse import NewRowsTopkDecoder, TopkTiesDecoder, indexed_as
 from kvdoc.proofs.grid import INDEXED, V4
 from kvdoc.teach.sparse_figures import draw_compressed, draw_selection
 from kvdoc.teach.sparse_reads import compressed_reads, entries_changed, indexed_trace, unfinished

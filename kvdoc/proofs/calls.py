@@ -179,25 +179,27 @@ def _crop(case: Case, out: list) -> None:
                              f"fill {fill}, a crop to {keep} refused, the cache unchanged")
         out.append(_restored(case, keep, fill, result) if state_layers(cache) else result)
         return
-    cache = cache.crop(keep)  # a shared-prefix cache's pool holds the filled one or the cropped one
-    target = torch.cat((ids[:, :keep], case.alt[:, keep:]), dim=1)
+    # a shared-prefix cache's pool holds the filled one or the cropped one
+    out.append(_continued(case, cache.crop(keep), keep, f"fill {fill}, crop to {keep}, continue"))
+
+
+def _continued(case: Case, cache: KVCache, keep: int, detail: str, also: bool = True,
+               error: float = 0.0) -> CheckResult:
+    """``crop``: the other tokens fed after ``cache`` (``keep`` positions) vs the full forward."""
+    target = torch.cat((case.ids[:, :keep], case.alt[:, keep:]), dim=1)
     run = case.feed(target[:, keep:], 5, cache)
-    out.append(case.compared("crop", [(run.logits, case.full(target)[:, keep:])],
-                             f"fill {fill}, crop to {keep}, continue", run.cache.seq_len == T))
+    return case.compared("crop", [(run.logits, case.full(target)[:, keep:])], detail,
+                         also and run.cache.seq_len == case.ids.shape[1], error)
 
 
 def _restored(case: Case, keep: int, fill: int, refused: CheckResult) -> CheckResult:
     """After a refused crop of state layers: a snapshot taken at ``keep`` restores the cache
     filled to ``fill``, and the other tokens continue from it as from a fresh prefix."""
-    ids, T = case.ids, case.ids.shape[1]
-    cache = case.feed(ids[:, :keep], case.chunks[-1]).cache
+    cache = case.feed(case.ids[:, :keep], case.chunks[-1]).cache
     snap = snapshot(cache)
-    cache = restore(case.feed(ids[:, keep:fill], 5, cache).cache, snap)
-    target = torch.cat((ids[:, :keep], case.alt[:, keep:]), dim=1)
-    run = case.feed(target[:, keep:], 5, cache)
-    return case.compared("crop", [(run.logits, case.full(target)[:, keep:])],
-                         refused.detail + f"; a snapshot at {keep} restored, continued",
-                         bool(refused.passed) and run.cache.seq_len == T, refused.error)
+    cache = restore(case.feed(case.ids[:, keep:fill], 5, cache).cache, snap)
+    return _continued(case, cache, keep, refused.detail + f"; a snapshot at {keep} restored, "
+                      "continued", bool(refused.passed), refused.error)
 
 
 @scenario("branch", {
@@ -224,13 +226,9 @@ class InjectedFailure(RuntimeError):
     """Raised inside a forward by the ``failure`` scenario."""
 
 
-def _layers(model: nn.Module) -> Sequence[nn.Module]:
-    return getattr(model, "h", None) or getattr(model, "layers", None) or []
-
-
 def _failure_points(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
     """``(check, where, module)``: where the ``failure`` scenario raises, in forward order."""
-    layers = _layers(model)
+    layers: Sequence[nn.Module] = getattr(model, "h", None) or getattr(model, "layers", None) or []
     if len(layers) == 0:
         return []
     inside = {"the first layer": layers[0], "the last layer": layers[-1]} if len(layers) > 1 else {

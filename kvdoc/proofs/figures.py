@@ -32,14 +32,6 @@ KINDS = ("dynamic", "window", "hybrid")
 RINGS = ("window", "hybrid")
 
 
-def _fill(case: Case, batch: int):
-    return case.feed(case.ids[:batch], case.chunks[-1]).cache
-
-
-def _layer_bytes(cache) -> list[int]:
-    return [tensor_bytes(list(held_rows(cache, i))) for i in range(cache.n_layer)]
-
-
 def byte_problems(case: Case) -> list[str]:
     """What disagrees between the byte figures and the filled caches' tensors."""
     cfg, dtype = case.model.config, case.dtype
@@ -48,9 +40,9 @@ def byte_problems(case: Case) -> list[str]:
     model = measure["config_cache"](cfg, windows=case.kind in RINGS)
     problems = []
     for batch in sorted({1, B}):
-        cache = _fill(case, batch)
+        cache = case.feed(case.ids[:batch], case.chunks[-1]).cache
         real = tensor_bytes(held_tensors(cache))
-        layers = _layer_bytes(cache)
+        layers = [tensor_bytes(list(held_rows(cache, i))) for i in range(cache.n_layer)]
         if sum(layers) != real:
             problems.append(f"batch {batch}: layers hold {sum(layers)} bytes, the cache {real}")
         s = torch.empty((), dtype=dtype).element_size()

@@ -227,9 +227,8 @@ def _rows(config: object) -> bool:
     return not _stateful(config) and not isinstance(config, CompressedConfig)
 
 
-def _paged(config: object) -> bool:
-    # rows in the pool's blocks, a recurrent layer's state beside them (kvdoc.serving.paged)
-    return _rows(config) or (_stateful(config) and not isinstance(config, CompressedConfig))
+def _paged(config: object) -> bool:  # rows in blocks, a recurrent state beside them: not V4's
+    return not isinstance(config, CompressedConfig)
 
 
 @dataclass(frozen=True)

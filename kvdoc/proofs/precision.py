@@ -1,4 +1,5 @@
-"""The ``bf16`` and ``fp16`` checks: the cached path at production precision, in a derived bound.
+"""The ``bf16`` and ``fp16`` checks: the cached path at production precision, in a derived bound;
+the batch-invariant mode against the function outside it.
 
 The model's weights rounded to BF16 (or FP16) are the function under test; its exact value is the
 same weights in FP64 (each rounded weight is exact there). Its full forward and its cached path
@@ -17,12 +18,27 @@ part: a model that amplifies fails, and then needs its gain, not a wider number.
 are within ``2 n u S`` of each other (reported, not checked). FP32's ``u = 2**-24`` gives at most
 ``2.3e-6 S`` on the grid's models, under its ``1e-5``.
 
+**The batch-invariant mode** (the ``invariant`` scenario). Under
+:func:`kvdoc.core.invariant.batch_invariant` the calls must agree bit for bit whatever the
+chunking and the batch (``invariant_bits``, the self-consistency the mode promises), and those
+bits must be the function computed outside the mode (``invariant``): the full forward, the
+cached path in chunks and a left-padded batch, each within the dtype's tolerance of the full
+forward outside the mode. A mode that computes a wrong function the same way on every path (a
+query head reading another group's K/V head, an FP64 model attended in FP32) passes the first
+and fails the second. It runs once per model and dtype (the dynamic cache, the model's own
+call): the mode changes how a call reduces, not what a cache kind stores.
+
 >>> from kvdoc.proofs import grid
 >>> m = grid.MODELS["mha"].build(0)
 >>> round(tolerance(m.config, torch.bfloat16, 1.0), 4)  # 26 roundings of 2**-8
 0.1016
 >>> [(name, ok) for name, ok, *_ in precision_rows(m, grid.CACHES["dynamic"].new)]
 [('BF16', True), ('FP16', True)]
+>>> from kvdoc.proofs.suite import run_suite
+>>> report = run_suite(models=("gqa",), kinds=("dynamic",), impls=("model",),
+...                    dtypes=(torch.float64,), scenarios=("invariant",))
+>>> report.passed, [r.check for r in report.results]
+(True, ['invariant', 'invariant_bits'])
 """
 
 from __future__ import annotations
@@ -35,9 +51,52 @@ import torch
 from torch import nn
 
 from kvdoc.core.feed import feed
+from kvdoc.core.invariant import batch_invariant
 
-from .case import scenario
+from .cache_invariants import padded_run
+from .case import Case, scenario
 from .compare import max_abs
+
+MODE_LENGTH = 24
+"""Tokens of the stream the mode runs: past the grid's window (16) and a split-K chunk (5); the
+mode's attention is a loop over keys, so a long stream only costs."""
+MODE_CHUNK = 5
+"""The cached path's chunk: divides neither the stream nor the window."""
+
+
+@scenario("invariant", {
+    "invariant": "batch_invariant(): full, cached in chunks and a left-padded batch vs the "
+                 "full forward outside the mode",
+    "invariant_bits": "batch_invariant(): row 0 alone, in the batch, cached in chunks and "
+                      "one token a call, bitwise"})
+def _invariant(case: Case, out: list) -> None:
+    if case.impl != "model" or case.kind != "dynamic":
+        out.append(case.result("invariant", None, 0.0, "run once per model: the dynamic cache, "
+                               "the model's own call"))
+        return
+    ids = case.ids[:, :MODE_LENGTH]
+    want = case.full(ids)  # outside the mode: the function
+    with batch_invariant():
+        full = case.full(ids)
+        alone = case.full(ids[:1])
+        cached = case.feed(ids, MODE_CHUNK).logits
+        stepped = case.feed(ids[:1], 1).logits  # one token a call
+        padded, rows, lengths, length_ok = (padded_run(case) if ids.shape[0] > 1
+                                            else ([], [], [], True))
+    solo = [case.full(r[None]) for r in rows]  # outside the mode again
+    pairs = [(full, want), (cached, want), *zip(padded, solo, strict=True)]
+    out.append(case.compared("invariant", pairs, f"{MODE_LENGTH} tokens, full and in chunks of "
+                             f"{MODE_CHUNK}; prompts of {lengths} tokens left-padded, then decode "
+                             "steps", length_ok))
+    # MLA's absorbed cached calls attend in latent space, another order than its full forward:
+    # there, cached runs agree with one another only
+    same = [(full[:1], alone), (cached[:1], stepped)]
+    same += [] if getattr(case.model.config, "absorb", False) else [(stepped, alone)]
+    bits = all(g.shape == w.shape and torch.equal(g, w) for g, w in same)
+    out.append(case.result("invariant_bits", bits, max(max_abs(g, w) for g, w in same),
+                           f"row 0 alone, in a batch of {ids.shape[0]}, in chunks of {MODE_CHUNK} "
+                           "and of 1"))
+
 
 ROUNDINGS_PER_LAYER = 12
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}

@@ -85,6 +85,8 @@ def qwen35_reference(model: nn.Module) -> Reference:
     from kvdoc.interop.hf_qwen35 import to_qwen35
 
     return hf_reference(to_qwen35(model), model)
+
+
 def deepseek_v32_reference(model: nn.Module) -> Reference:
     # transformers' DeepSeek-V3.2, its indexer's ties broken as kvdoc breaks them (earlier
     # position first): what its full forward computes where no scores tie

@@ -28,22 +28,19 @@ from kvdoc.measure.tables import markdown_table
 from . import (
     cache_invariants,
     calls,
+    contracts,
     equivalence,
     figures,
-    fp8_contract,
     grid,
     imported,
-    int8_contract,
-    invariant_mode,
-    policies,
     precision,
 )
 from .case import REGISTRY, Case, CheckResult
 from .compare import DTYPE_NAMES, TOLERANCE
 from .variants import VARIANTS
 
-CHECK_MODULES = (equivalence, figures, calls, cache_invariants, policies, imported,
-                 int8_contract, fp8_contract, invariant_mode, precision)
+CHECK_MODULES = (equivalence, figures, calls, cache_invariants, imported,
+                 contracts, precision)
 """The modules whose scenarios run, in this order: the cheap ones first, as a sweep stops at a
 variant's first failure."""
 _RANK = {module.__name__: rank for rank, module in enumerate(CHECK_MODULES)}

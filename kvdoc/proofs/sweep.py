@@ -43,11 +43,10 @@ class VariantOutcome:
 
 
 def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = True,
-                   workers: int = 1, map_: Callable | None = None,
-                   **axes) -> list[VariantOutcome]:
+                   map_: Callable = map, **axes) -> list[VariantOutcome]:
     """Each broken variant (default all) through :func:`run_suite` on those of ``axes`` it is
     built for (left out if none), stopping at its first failure (what a verdict needs) or not;
-    in ``workers`` processes or through ``map_``, the same outcomes in the same order."""
+    through ``map_`` (:func:`worker_map`), the same outcomes in the same order."""
     runs = []
     for name in (list(VARIANTS) if names is None else list(names)):
         v = VARIANTS[name]
@@ -58,18 +57,14 @@ def sweep_variants(names: Sequence[str] | None = None, *, stop_at_first: bool = 
         if models and kinds and dtypes:  # else nothing on these axes it can be built from
             runs.append((name, stop_at_first, {**axes, "models": models, "dtypes": dtypes,
                                                **({"kinds": kinds} if v.kinds else {})}))
-    if map_ is not None:
-        return list(map_(_sweep_one, runs))
-    with worker_map(workers if len(runs) > 1 else 1) as map_:
-        return list(map_(_sweep_one, runs))
+    return list(map_(_sweep_one, runs))
 
 
 @contextmanager
 def worker_map(workers: int) -> Iterator[Callable]:
     """A ``map`` over ``workers`` fresh processes (the built-in ``map`` for one), in order; they
     share this process's torch threads (two workers of two threads on two cores ran three times
-    slower than of one). They start as the ranks of :func:`kvdoc.parallel.launch.launch` do
-    (:data:`~kvdoc.parallel.launch.START_METHOD`)."""
+    slower than of one) and start as the ranks of :func:`kvdoc.parallel.launch.launch` do."""
     if workers <= 1:
         yield map
         return

@@ -23,17 +23,12 @@ from .broken import (
     arithmetic,
     cache_kinds,
     caches,
-    compressed,
     decoders,
-    indexed,
     loaders,
-    mamba,
-    measures,
-    padded,
+    recurrent,
     rotary,
     serving,
-    sinks,
-    states,
+    sparse,
 )
 from .traits import FAMILIES, check_traits, grid_traits, traits
 
@@ -252,10 +247,10 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     _swap("mla-bytes-without-rope-key",
           "the per-layer byte formula counts an MLA layer's latent c_KV but not the rotary key "
           "cached beside it", "byte accounting",
-          {"config_cache": measures.latent_without_rope_key}, build=_as_is, needs={"latent"}),
+          {"config_cache": cache_kinds.latent_without_rope_key}, build=_as_is, needs={"latent"}),
     _swap("step-kv-per-sequence",
           "a decode step's K/V bytes at batch B are one sequence's, not the batch's",
-          "byte accounting", {"step_traffic": measures.batch_as_sequence}),
+          "byte accounting", {"step_traffic": cache_kinds.batch_as_sequence}),
     _swap("deepseek-export-uninverted",
           "the DeepSeek exporter moves the rotary rows with the importer's permutation, not its "
           "inverse (the same for a rotary width of 4)", "loader layout",
@@ -282,60 +277,60 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     BrokenVariant("state-not-carried",
                   "the chunked delta rule starts every chunk from the state its call began with: "
                   "the state is not advanced on a chunk boundary",
-                  states.state_not_carried, "state across calls",
+                  recurrent.state_not_carried, "state across calls",
                   needs={"deltanet", "state"}),
     BrokenVariant("conv-window-shifted",
                   "a DeltaNet layer keeps its conv window shifted by one: the K - 1 inputs "
                   "before the newest, not the last K - 1",
-                  states.conv_window_shifted, "state across calls",
+                  recurrent.conv_window_shifted, "state across calls",
                   needs={"deltanet", "state"}),
     BrokenVariant("mamba-conv-state-shifted",
                   "a Mamba-2 layer keeps as its conv state the inputs before the last one: the "
-                  "newest dropped, one too old kept", mamba.conv_state_shifted,
+                  "newest dropped, one too old kept", recurrent.conv_state_shifted,
                   "state across calls", needs={"mamba", "state"}),
     BrokenVariant("ssd-undecayed-carry",
                   "the SSD's chunked form carries the state into the next chunk without the "
                   "decay over the chunk (full forward and long calls alike)",
-                  mamba.ssd_undecayed_carry, "shared path", needs={"mamba", "state"}),
+                  recurrent.ssd_undecayed_carry, "shared path", needs={"mamba", "state"}),
     # DeepSeek-V3.2's indexed attention: which keys each query reads (kvdoc.core.indexed)
     BrokenVariant("index-topk-new-rows",
                   "a cached call's indexer ranks only the call's own keys: the top k are taken "
                   "over the new rows, and the cached positions are never read",
-                  lambda m: indexed.indexed_as(m, indexed.NewRowsTopkDecoder), "key selection",
+                  lambda m: sparse.indexed_as(m, sparse.NewRowsTopkDecoder), "key selection",
                   needs={"latent", "indexed"}),
     BrokenVariant("index-ties-topk",
                   "ties among the indexer's scores are left to torch.topk over the whole row "
                   "(transformers' rule), whose order depends on the row's length: a row's keys "
-                  "depend on how many follow it", lambda m: indexed.indexed_as(
-                      m, indexed.TopkTiesDecoder), "key selection", needs={"latent", "indexed"}),
+                  "depend on how many follow it", lambda m: sparse.indexed_as(
+                      m, sparse.TopkTiesDecoder), "key selection", needs={"latent", "indexed"}),
     BrokenVariant("index-keys-unforked",
                   "a call on a dynamic cache forks the latent's layer but not the indexer keys', "
                   "so the cache it continues gains indexer keys beside an unchanged latent",
-                  lambda m: indexed.indexed_as(m, indexed.UnforkedKeysDecoder), "cache storage",
+                  lambda m: sparse.indexed_as(m, sparse.UnforkedKeysDecoder), "cache storage",
                   needs={"latent", "indexed"}, kinds=("dynamic",)),
     _swap("index-keys-not-copied",
           "a paged pool's copy-on-write copies a shared block's latent rows but not its "
           "indexer keys (zeros in their place)", "cache storage",
-          {"shared-prefix": indexed.keys_not_copied_cache}, "shared-prefix", _as_is,
+          {"shared-prefix": sparse.keys_not_copied_cache}, "shared-prefix", _as_is,
           needs={"latent", "indexed"}),
     # DeepSeek-V4's compressed caches: block edges inside a call's end, and a shared-path sink
     _swap("v4-entry-before-block-full",
           "a compressed layer pools its unfinished block when a call ends (its last row repeated "
           "to fill it): an entry emitted before its block is full", "window and block edges",
-          {"compressed": compressed.early_entry_cache}, "compressed", _as_is,
+          {"compressed": sparse.early_entry_cache}, "compressed", _as_is,
           needs={"compressed"}),
     _swap("v4-buffer-dropped",
           "a compressed layer drops the unfinished block's rows at every call's end, so the "
           "block's entry pools only the rows of later calls", "window and block edges",
-          {"compressed": compressed.dropped_buffer_cache}, "compressed", _as_is,
+          {"compressed": sparse.dropped_buffer_cache}, "compressed", _as_is,
           needs={"compressed"}),
     _swap("v4-sink-twice",
           "each head's sink logit enters the softmax twice, in full and cached calls alike",
-          "shared path", {}, "compressed", compressed.sink_twice, needs={"compressed"}),
+          "shared path", {}, "compressed", sparse.sink_twice, needs={"compressed"}),
     _swap("split-k-pad-leak",
           "split-K attention takes one mask for every row in its first chunk of keys, so a "
           "padded row reads the pad keys there", "padded batches", {},
-          build=padded.pad_leak_split_k),
+          build=decoders.pad_leak_split_k),
     # issue #46: an alternative path held to the function outside it, an option's other
     # value, the state a policy leaves
     BrokenVariant("invariant-tiled-gqa",
@@ -368,15 +363,16 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     BrokenVariant("sink-per-split",
                   "split-K attention folds the sink into every chunk's partial, so the merged "
                   "denominator counts it once per split, not once",
-                  sinks.sink_per_split, "sinks", needs={"gptoss"}, one_model=True),
+                  arithmetic.sink_per_split, "sinks", needs={"gptoss"}, one_model=True),
     BrokenVariant("window-without-sink",
                   "a gpt-oss model's window layers attend without their sink (the full layers "
                   "keep it), in the full forward and the cached calls alike",
-                  sinks.window_without_sink, "sinks", needs={"gptoss", "hybrid"}, one_model=True),
+                  arithmetic.window_without_sink, "sinks", needs={"gptoss", "hybrid"},
+                  one_model=True),
     BrokenVariant("invariant-sink-outside-mode",
                   "under batch_invariant(), gpt-oss's sink attention runs the library's batched "
                   "matmul and softmax (the right function, bits that follow the call's shape)",
-                  sinks.sink_outside_mode, "mode vs its function", needs={"gptoss"},
+                  arithmetic.sink_outside_mode, "mode vs its function", needs={"gptoss"},
                   one_model=True, kinds=("dynamic",)),
 )}
 """Every broken variant, by name."""

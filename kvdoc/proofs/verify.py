@@ -1,15 +1,8 @@
 """``python -m kvdoc verify``: the suite in the passes of :func:`verify_passes`, the sweep of every
 broken variant, the checks across processes (:func:`process_checks`), and a verdict; the exit
-status is 0 only if the implementation passed and every variant was caught.
-
-The checks across processes run from this process (pool workers cannot start ranks): decoding
-in each of :data:`LAYOUTS` (TP = 2 and CP = 2 on the models whose configuration picks a branch
-there: grouped K/V heads, biases, a window; ``--thorough`` adds :data:`THOROUGH_LAYOUTS`, on 4
-ranks too), MLA's latent under TP and DP-attention (also with widths that differ), a prefill's
-blocks handed to a decode rank (GQA, MQA, MHA with biases, TP = 2;
-``--thorough`` adds :data:`THOROUGH_HANDOVERS`), a multi-turn workload served from
-offloaded blocks; each beside its broken variants
-(:mod:`kvdoc.proofs.broken.parallel`), which must fail.
+status is 0 only if the implementation passed and every variant was caught. The checks across
+processes run from this process (pool workers cannot start ranks), each beside its broken
+variants (:mod:`kvdoc.proofs.broken.parallel`), which must fail.
 """
 
 from __future__ import annotations
@@ -50,16 +43,13 @@ from .sweep import sweep_passes, variants_table, worker_map
 from .variants import VARIANTS
 
 FP64_SCENARIOS = ("stream", "reference", "invariant", "imported")
-"""Repeated in FP64 by default, where a path that rounds through FP32 shows (the mode's, an
-import's)."""
+"""Repeated in FP64, where a path that rounds through FP32 shows (the mode's, an import's)."""
 FP64_CHUNKS = (2, 13)
 """Pairs (the last call a single token: the fast step) and a chunk that divides neither the
 stream, the window nor a block."""
 SWEEP_KINDS = ("static", *(k for k in grid.CACHES if k != "static"))
-"""The order the sweep visits cache kinds, static first: the int8, FP8, batch-invariant
-and BF16 scenarios run on the dynamic kind only, seconds a model, so a bug any kind
-shows is caught on static before them (a variant stops at its first failure); theirs
-on dynamic.
+"""Static first: the slow scenarios run on the dynamic kind only, so a bug any kind shows is
+caught on static before them (a variant stops at its first failure).
 
 >>> SWEEP_KINDS[:2], sorted(SWEEP_KINDS) == sorted(grid.CACHES)
 (('static', 'dynamic'), True)
@@ -85,9 +75,8 @@ def verify_passes(thorough: bool = False, seed: int = 0) -> list[dict]:
 
 def run_passes(passes: Sequence[dict], variant: str | None = None,
                map_: Callable = map) -> SuiteReport:
-    """:func:`run_suite` per pass, in one :class:`SuiteReport` (a variant as itself); the
-    implementation's as one run per seed and model through ``map_``, in the order one call would
-    visit them, so any ``map_`` gives the same results."""
+    """:func:`run_suite` per pass, in one :class:`SuiteReport`; the implementation's as one run
+    per seed and model through ``map_``, in the order one call would visit them."""
     start = time.perf_counter()
     if variant is None:
         runs = [{**axes, "seeds": (seed,), "models": (name,)} for axes in passes
@@ -113,7 +102,7 @@ LATENT_PROMPTS = torch.tensor([[11, 3, 57, 20, 8, 91, 42, 5, 77],
 
 
 class ProcessCheck(NamedTuple):
-    """One run across processes: a variant (it must fail) or not, what it compared, passed."""
+    """One run across processes: a variant (it must fail) or not."""
 
     name: str
     variant: bool
@@ -127,33 +116,28 @@ class ProcessCheck(NamedTuple):
 
 LAYOUTS = (("tp=2, GQA 4/2", "llama", 2, 1), ("cp=2, GQA 4/2", "llama", 1, 2),
            ("tp=2, Q/K/V biases", "qwen2", 2, 1), ("cp=2, a window of 5", "mistral", 1, 2))
-"""The decode layouts of the default run, ``(name, model, tp, cp)`` on 2 ranks: the branches a
-configuration picks that 2 ranks reach (each rank's K/V heads, biases split with their heads,
-a window over positions spread across ranks)."""
+"""The decode layouts of the default run, ``(name, model, tp, cp)``: the branches a
+configuration picks that 2 ranks reach."""
 THOROUGH_LAYOUTS = (("tp=2, MQA: 1 K/V head on both ranks", "mqa", 2, 1),
                     ("tp=2, GPT-2: MHA, learned positions, biases", "gpt2", 2, 1),
                     ("tp=4, 2 K/V heads each on 2 ranks", "llama", 4, 1),
                     ("tp=4, GPT-2: 1 K/V head a rank, biases", "gpt2", 4, 1),
                     ("tp=2 cp=2, a window of 5", "mistral", 2, 2),
                     ("cp=4, a window of 5", "mistral", 1, 4))
-"""What ``--thorough`` adds: replication with one and with several K/V heads (4 ranks, more than
-the model's 2 K/V heads), MHA, and TP and CP together."""
+"""What ``--thorough`` adds: K/V heads replicated, MHA, 4 ranks, TP and CP together."""
 HANDOVERS = (("MQA: rank 0 alone sends the 1 K/V head", "mqa", 2, "recompute"),
              ("GPT-2: 2 K/V heads a message, biases", "gpt2", 2, "logits"))
-"""The hand-overs the default run adds to llama's (one K/V head a rank, both send),
-``(name, model, prefill tp, mode)``: what 2 prefill ranks reach in
-:mod:`kvdoc.parallel.blocks` (a replica set sends once; several heads remapped)."""
+"""The hand-overs the default run adds to llama's, ``(name, model, prefill tp, mode)``: what 2
+prefill ranks reach in :mod:`kvdoc.parallel.blocks`."""
 THOROUGH_HANDOVERS = (("a window of 5 over a prompt of 9", "mistral", 2, "logits"),
                       ("Q/K/V biases split with their heads", "qwen2", 2, "recompute"),
                       ("tp=4: 2 K/V heads on 2 ranks each", "llama", 4, "logits"),
                       ("tp=4, GPT-2: 1 K/V head a rank", "gpt2", 4, "recompute"))
-"""What ``--thorough`` adds: a window, biases, 4 prefill ranks (replicas of several
-K/V heads; one head a rank). Models it cannot split are refused by name."""
+"""What ``--thorough`` adds: a window, biases, 4 prefill ranks."""
 
 
 def process_layouts(thorough: bool = False, variants: bool = True) -> list[tuple]:
-    """``(name, model, tp, cp, parts)`` of each decode run across processes (``parts`` None:
-    the correct ones); a broken layout of 4 ranks runs only when ``thorough``.
+    """``(name, model, tp, cp, parts)`` of each decode run (``parts`` None: correct ones).
 
     >>> [(name, tp * cp) for name, _, tp, cp, _ in process_layouts(variants=False)][:2]
     [('tp=2, GQA 4/2', 2), ('cp=2, GQA 4/2', 2)]
@@ -168,8 +152,7 @@ def process_layouts(thorough: bool = False, variants: bool = True) -> list[tuple
 
 
 def _decode_checks(thorough: bool, variants: bool, latent: list) -> tuple[list, list]:
-    """Every decode layout, launched once per number of ranks (the latent jobs with the runs on
-    2 ranks): ``(comparisons, latent results per rank)``."""
+    """Every decode layout, launched once per number of ranks (the latent jobs with 2 ranks)."""
     models: dict = {}
     jobs = [Job(name, models.setdefault(model, build_model(model)), PROMPT, NEW, tp, cp,
                 *(() if parts is None else (parts,)))
@@ -185,8 +168,7 @@ def _decode_checks(thorough: bool, variants: bool, latent: list) -> tuple[list, 
 
 
 def process_checks(variants: bool = True, thorough: bool = False) -> list[ProcessCheck]:
-    """Run every check across processes (``variants``: the broken ones too; ``thorough``
-    adds :data:`THOROUGH_LAYOUTS`, :data:`THOROUGH_HANDOVERS`, 4-rank variants)."""
+    """Run every check across processes (``variants``: the broken ones too)."""
     llama = build_model("llama")
     mla, wide = latent_model(), latent_model(config=WIDE)  # every width different
     latent = [LatentJob(f"latent, {mode}", mla, LATENT_PROMPTS, NEW, mode) for mode in MODES]
@@ -282,27 +264,23 @@ def main(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: one thread is faster than several that contend
     try:
-        return _main(args)
+        if args.list:
+            for v in VARIANTS.values():
+                print(f"{v.name:22s} {v.bug_class:26s} {v.breaks}")
+            return 0
+        start = time.perf_counter()
+        # what the workers and the ranks run, imported once by the fork server they are forked
+        # from (where there is one) instead of by each of them (seconds of torch and kvdoc each)
+        multiprocessing.set_forkserver_preload([__name__])
+        passes = verify_passes(args.thorough, args.seed)
+        with worker_map(args.workers) as map_:
+            return _report(args, passes, map_, start)
     except Exception as exc:  # the verifier's own failure still ends in a verdict
         print(f"VERDICT: FAIL (the verifier stopped: {type(exc).__name__}: {exc})")
         return 1
     finally:
         torch.set_num_threads(threads)
         stop_fork_server()
-
-
-def _main(args: argparse.Namespace) -> int:
-    if args.list:
-        for v in VARIANTS.values():
-            print(f"{v.name:22s} {v.bug_class:26s} {v.breaks}")
-        return 0
-    start = time.perf_counter()
-    # what the workers and the ranks run, imported once by the fork server they are forked from
-    # (where there is one) instead of by each of them (seconds of torch and kvdoc each)
-    multiprocessing.set_forkserver_preload([__name__])
-    passes = verify_passes(args.thorough, args.seed)
-    with worker_map(args.workers) as map_:
-        return _report(args, passes, map_, start)
 
 
 def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start: float) -> int:
@@ -377,9 +355,8 @@ def _report(args: argparse.Namespace, passes: list[dict], map_: Callable, start:
 
 def _sweep_and_across(args: argparse.Namespace, passes: list[dict],
                       map_: Callable) -> tuple[list, float, list[ProcessCheck], float]:
-    """The sweep of the broken variants (none with ``--no-variants``) and
-    :func:`process_checks`, each with its seconds: at once where workers sweep, as this process
-    mostly waits on its ranks (a second of work in three of waiting)."""
+    """The sweep and :func:`process_checks`, each with its seconds: at once where workers
+    sweep, as this process mostly waits on its ranks."""
     def sweep() -> tuple[list, float]:
         began = time.perf_counter()
         # a verdict needs each variant's first failure only

@@ -6,7 +6,7 @@ is stored as ``q = e4m3(clamp(x / s, -448, 448))`` and read back as ``q * s``. T
 calibrated (``scales=``, :func:`calibrate`) or taken from the first prefill (``s = max|x| /
 448``), then fixed, so a row is quantised once; a later value beyond ``448 s`` saturates, as
 engines clamp. :func:`element_error_bound` and :func:`read_error_bound` argue the error, and
-:mod:`kvdoc.proofs.fp8_contract` checks both: the cache is **not** the exact function.
+:mod:`kvdoc.proofs.contracts` checks both: the cache is **not** the exact function.
 
 Layout: K and V are ``[B, H_kv, T, D_h]`` FP8; scales ``[1, 1, 1, 1]`` (per tensor) or
 ``[1, H_kv, 1, 1]`` (per head), FP32, shared by the batch.

@@ -1,5 +1,5 @@
 """Lossy caches measured on the pages, never asserted (the grid's checks of their contracts are
-:mod:`kvdoc.proofs.int8_contract` and :mod:`kvdoc.proofs.fp8_contract`): every attention read of
+:mod:`kvdoc.proofs.contracts`): every attention read of
 an int8 cache against the exact read, and the FP8 cache's logit error and greedy agreement.
 """
 
@@ -13,7 +13,7 @@ import torch
 from kvdoc.core.cache import DynamicCache
 from kvdoc.measure.divergence import Divergence, divergence, greedy_with_gaps
 from kvdoc.proofs.compare import max_abs, run_cached
-from kvdoc.proofs.int8_contract import Read, int8_reads, recorded
+from kvdoc.proofs.contracts import Read, int8_reads, recorded
 from kvdoc.serving.fp8 import calibrate, new_fp8_cache
 from kvdoc.serving.quant import new_int8_cache
 

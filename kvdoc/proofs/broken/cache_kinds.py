@@ -1,4 +1,5 @@
-"""Deliberately wrong caches of the serving layer and the window layer, for the broken variants.
+"""Deliberately wrong caches of the serving layer and the window layer, and measure functions
+that give a wrong figure, for the broken variants.
 
 Each is a small subclass of a real cache layer, block table or pool, swapped in through a public
 hook (:func:`~kvdoc.proofs.broken.caches.with_layers`, a cache's ``block_tables``), right on
@@ -16,6 +17,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -24,6 +26,8 @@ from torch import nn
 
 from kvdoc.core.cache import KV, CacheLayer, KVCache
 from kvdoc.core.window import WindowLayer, window_cache
+from kvdoc.measure.batch_decode import StepTraffic, step_traffic
+from kvdoc.measure.model_caches import LayerCache, ModelCache, config_cache
 from kvdoc.serving.fp8 import Fp8Layer, amax_scale, new_fp8_cache, quantize
 from kvdoc.serving.paged import BlockPool, BlockTables, PagedCache
 from kvdoc.serving.quant import Int8Layer, dequantize, int8_cache
@@ -98,7 +102,7 @@ v_scale_read_int8_cache = _empty(int8_cache, VScaleReadInt8Layer)
 class NarrowInt8Layer(Int8Layer):
     """BROKEN: quantises and dequantises in the model's own dtype: right in FP32 and FP64; in
     BF16 or FP16, whose rounding of ``x / scale`` (up to 127) is a large part of a step, a value
-    can land a step off and pass :func:`kvdoc.proofs.int8_contract.half_step`."""
+    can land a step off and pass :func:`kvdoc.proofs.contracts.half_step`."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
@@ -234,3 +238,20 @@ def ringed_global_hybrid_cache(model: nn.Module, batch: int, capacity: int | Non
     return RingedGlobalCache([WindowLayer.empty(batch, s.heads, s.widths, config.sliding_window,
                                                 weight.dtype, weight.device)
                               for s in config.cache_layout])
+
+
+# --- measure functions (keys of :data:`kvdoc.proofs.figures.MEASURES`): a wrong figure a page
+# could print
+def latent_without_rope_key(config: object, windows: bool = True) -> ModelCache:
+    """BROKEN: ``config_cache``, an MLA layer counting ``c_KV`` but not its rotary key."""
+    model = config_cache(config, windows)
+    if model.kind != "MLA":
+        return model
+    # BUG: kv_lora_rank alone, without qk_rope_head_dim
+    return dataclasses.replace(model, layers=(LayerCache(config.kv_lora_rank),) * config.n_layer)
+
+
+def batch_as_sequence(model, batch: int, context: int) -> StepTraffic:
+    """BROKEN: ``step_traffic``, a step's K/V bytes one sequence's, not the batch's."""
+    traffic = step_traffic(model, batch, context)
+    return dataclasses.replace(traffic, kv_bytes=traffic.kv_bytes // batch)  # BUG: per sequence

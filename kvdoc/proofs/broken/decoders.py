@@ -1,6 +1,7 @@
 """Deliberately wrong decoders: positions, masks, grouped-query attention, generation, padded
-batches, a stale fast step. Each changes the real :class:`~kvdoc.core.model.Decoder` through its
-public interface only (the ``positions=`` keyword, ``attend``, the fast step's staleness test).
+batches (split-K reading pad keys too), a stale fast step. Each changes the real
+:class:`~kvdoc.core.model.Decoder` through its public interface only (the ``positions=``
+keyword, ``attend``, the fast step's staleness test).
 
 >>> import torch
 >>> from kvdoc import Decoder, GPTConfig
@@ -21,6 +22,7 @@ from kvdoc.core import invariant
 from kvdoc.core.cache import KVCache, check_int
 from kvdoc.core.fast import FastDecoder
 from kvdoc.core.model import CausalSelfAttention, Decoder, DecoderOutput
+from kvdoc.serving.splitk import SplitKAttention, split_k_attention
 
 from . import LONG_STREAM
 
@@ -226,6 +228,29 @@ class PaddingBlindFastDecoder(Decoder):
         if "_fast" not in self.__dict__:
             self.__dict__["_fast"] = _PaddingBlindFast(self)
         return self.__dict__["_fast"](idx, cache, last_only=last_only, **padding)
+
+
+PAD_LEAK_SPLIT = 3  # keys per chunk: a pad of 4 slots spans two chunks
+
+
+class PadLeakSplitKAttention(SplitKAttention):
+    """BROKEN: split-K attention whose first chunk of keys takes the union of the rows' masks,
+    so a padded row reads the pad keys there."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config, PAD_LEAK_SPLIT)
+
+    def attend(self, q, k, v, start, attn_mask=None):
+        mask = self.visible(start, q.shape[2], k.shape[2], attn_mask, q.device)
+        if mask is not None and mask.dim() == 3:  # a mask per row: a padded batch
+            mask = mask.clone()
+            first = mask[:, :, :self.split]
+            mask[:, :, :self.split] = first.any(dim=0)  # BUG: one chunk's mask for all rows
+        return split_k_attention(q, k, v, self.split, mask)
+
+
+def pad_leak_split_k(model: Decoder) -> Decoder:
+    return with_attention(model, PadLeakSplitKAttention)
 
 
 class SnapshotFastDecoder(FastDecoder):

@@ -95,16 +95,6 @@ def pack_zeroed_last_v(cache: KVCache, logits: torch.Tensor | None = None) -> by
     return pack(DynamicCache(layers), logits)
 
 
-def pack_through_fp32(cache: KVCache, logits: torch.Tensor | None = None) -> bytes:
-    """BROKEN: K, V and the logits go through FP32 (a transfer buffer of one dtype) and back:
-    exact in FP32 and narrower, FP64's low bits lost."""
-    def wire(t: torch.Tensor) -> torch.Tensor:
-        return t.float().to(t.dtype)
-
-    layers = [tuple(map(wire, cache.layer(i))) for i in range(cache.n_layer)]
-    return pack(DynamicCache(layers), None if logits is None else wire(logits))
-
-
 # --- schedulers ----------------------------------------------------------------------------
 class SharedStartScheduler(Scheduler):
     """BROKEN: every row of a step is embedded at the step's common start, not its own length."""
@@ -135,26 +125,6 @@ class ForkWithoutCopy(Scheduler):
             return False
         live.table.extend(self.pool.allocate(missing))  # BUG: shared blocks not copied
         return True
-
-
-class PreemptKeepsStates(Scheduler):
-    """BROKEN: preemption forgets a hybrid's positions but not its states, so the recompute
-    folds the sequence into the state it had already folded."""
-
-    def preempt(self, live: LiveRequest) -> int:
-        states = live.states
-        discarded = super().preempt(live)
-        live.states = states  # BUG: a recompute starts from zeros
-        return discarded
-
-
-class StatesNotCarried(Scheduler):
-    """BROKEN: a hybrid's row starts every step from zeros, not from the states it left."""
-
-    def _logits(self, rows: list[tuple[LiveRequest, list[int]]]) -> list[torch.Tensor]:
-        for x, _ in rows:
-            x.states = {}  # BUG: what the row's last step left is dropped
-        return super()._logits(rows)
 
 
 # --- padded batches ---------------------------------------------------------------------------

@@ -1,11 +1,17 @@
-"""The int8 cache's contract, checked on the grid as the ``int8`` scenario.
+"""The lossy caches' contracts, checked on the grid as the ``int8`` and ``fp8`` scenarios.
 
-The int8 cache (:mod:`kvdoc.serving.quant`) is lossy, so it is held to its contract, not to the
-FP32 tolerance: held rows never change after an append (bitwise); each new row's scale is its own
-``max|x| / 127`` (the largest value at 127 steps); each value within half a step of what was
-written; every attention read within :func:`~kvdoc.serving.quant.read_error_bound` of the same
-read over the exact K/V; its bytes as its formula. In the FP32 pass it runs again on the model
-rounded to BF16 and FP16 (:func:`half_step`). The FP8 contract uses this machinery too.
+The int8 cache (:mod:`kvdoc.serving.quant`) and the FP8 cache (:mod:`kvdoc.serving.fp8`) are
+lossy, so each is held to its contract, not to the FP32 tolerance: held rows (and, once set, an
+FP8 cache's scales) never change after an append (bitwise); the scales are the stated ones (an
+int8 row's its own ``max|x| / 127``); each value read back within half a step of what was
+written (int8: a whole number of steps in ``[-127, 127]``; FP8: a number of the format times
+its scale, within :func:`~kvdoc.serving.fp8.element_error_bound`, or its saturation); every
+attention read within its derived bound of the same read over the exact K/V; its bytes as its
+tensors. In the FP32 pass each runs again on the model rounded to BF16 and FP16
+(:func:`half_step`). The FP8 cache runs in each of :data:`FP8_SETTINGS` (calibrated per-tensor
+scales, which the checked stream can exceed, exercise saturation). What the contracts do not
+say (logit error, greedy agreement) is measured, never asserted, in
+:mod:`kvdoc.teach.lossy_caches`.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from kvdoc.core.cache import CacheLayer, KVCache
 from kvdoc.core.feed import feed
 from kvdoc.core.model import GPTConfig
 from kvdoc.measure.wrapper import LayerWrapper, unwrapped, wrap_layers
+from kvdoc.serving import fp8 as fp8_cache
+from kvdoc.serving.fp8 import amax_scale, calibrate, element_error_bound, new_fp8_cache
 from kvdoc.serving.quant import new_int8_cache, read_error_bound
 
 from .cache_invariants import byte_problems
@@ -29,8 +37,8 @@ from .case import Case, CheckResult, scenario
 from .compare import DTYPE_NAMES, Snapshot, max_abs
 from .precision import UNIT_ROUNDOFF
 
-INT8_CHUNKS = (5, 1, 1, 9, 1)  # single tokens (the fast step) and chunks
-CHECK = ("int8 cache: held rows never change, each row's own scale, half a step of error; "
+CHUNKS = (5, 1, 1, 9, 1)  # single tokens (the fast step) and chunks, both contracts
+INT8_CHECK = ("int8 cache: held rows never change, each row's own scale, half a step of error; "
          "every attention read within its derived bound of the exact read")
 ROW_SLACK = 1e-3
 """Slack, in steps, of the element contract: the rounding of ``x / scale`` and ``q * scale``,
@@ -156,7 +164,7 @@ def int8_reads(model: torch.nn.Module, exact: dict, judge=None) -> Iterator[list
 
 def contract_run(case: Case, model: torch.nn.Module, call, cache: KVCache, judge,
                  rows: Callable) -> tuple:
-    """Feed :data:`INT8_CHUNKS` of the stream through ``call`` over ``cache``, checking after each
+    """Feed :data:`CHUNKS` of the stream through ``call`` over ``cache``, checking after each
     call held rows (bitwise), ``rows(start, n, after)`` (the worst breach of the new rows) and
     the byte figures: ``(changed, breach, excess, reads, problems)``; ``cache`` is
     :func:`recorded`."""
@@ -172,7 +180,7 @@ def contract_run(case: Case, model: torch.nn.Module, call, cache: KVCache, judge
         held[0] = Snapshot.of(after)
 
     with int8_reads(model, cache.layers[0].exact, judge) as reads:
-        feed(call, case.ids[:, :sum(INT8_CHUNKS)], cache, INT8_CHUNKS, hook=check)
+        feed(call, case.ids[:, :sum(CHUNKS)], cache, CHUNKS, hook=check)
     return changed, breach, max((r.excess for r in reads), default=0.0), reads, problems
 
 
@@ -204,13 +212,14 @@ def lossy_results(case: Case, check: str, label: str, contract: Callable) -> lis
     return [dataclasses.replace(r, dtype=DTYPE_NAMES[dt]) if dt else r for dt, r in results]
 
 
-@scenario("int8", {"int8": CHECK})
-def _scenario(case: Case, out: list) -> None:
+@scenario("int8", {"int8": INT8_CHECK})
+def _int8(case: Case, out: list) -> None:
     out += lossy_results(case, "int8", "int8", lambda model, call, dtype: [
-        _contract(case, model, call, 0.0 if dtype is None else UNIT_ROUNDOFF[dtype])])
+        _int8_contract(case, model, call, 0.0 if dtype is None else UNIT_ROUNDOFF[dtype])])
 
 
-def _contract(case: Case, model: torch.nn.Module, call, unit: float) -> tuple[bool, float, str]:
+def _int8_contract(case: Case, model: torch.nn.Module, call,
+                   unit: float) -> tuple[bool, float, str]:
     """``(passed, error, detail)`` of the contract for ``model``'s cached ``call``."""
     new = case.caches.get("int8", new_int8_cache)
     written: dict = {}
@@ -224,6 +233,92 @@ def _contract(case: Case, model: torch.nn.Module, call, unit: float) -> tuple[bo
     changed, breach, excess, reads, problems = contract_run(case, model, call, cache,
                                                             _int8_judge(unit), rows)
     return verdict(reads, problems, (changed, breach, excess),
-                   f"{sum(INT8_CHUNKS)} positions in {len(INT8_CHUNKS)} calls: held rows changed "
+                   f"{sum(CHUNKS)} positions in {len(CHUNKS)} calls: held rows changed "
                    f"by {changed:.1e}, worst breach of the {half_step(unit):.3g}-step bound "
                    f"{breach:.1e}")
+
+
+FP8_SETTINGS = (("per-head", False, "float8_e4m3fn"), ("per-tensor", True, "float8_e4m3fn"),
+                ("per-tensor", True, "float8_e5m2"))
+"""``(granularity, calibrated, storage)`` the scenario runs: both granularities, both sources,
+both formats (e5m2's range past e4m3's 448 shows only there, and saturates only under
+calibrated scales)."""
+FP8_CHECK = ("fp8 cache, e4m3 and e5m2: held rows and scales never change, values FP8 times the "
+             "stated scale within half a step (or their saturation); every attention read within "
+             "its derived bound")
+
+
+def row_breach(got: torch.Tensor, written: torch.Tensor, scale: torch.Tensor,
+               fp8: torch.dtype = torch.float8_e4m3fn) -> float:
+    """The worst breach, in units of the scale, of: ``got / scale`` is an FP8 number, and ``got``
+    is within :func:`~kvdoc.serving.fp8.element_error_bound` of ``written`` (``inf`` for NaN).
+
+    >>> from kvdoc.serving.fp8 import dequantize, quantize
+    >>> x, s = torch.tensor([[[[0.3, -2.0, 900.0]]]]), torch.ones(1, 1, 1, 1)
+    >>> row_breach(dequantize(quantize(x, s), s, x.dtype), x, s), row_breach(x, x, s) > 0
+    (0.0, True)
+    """
+    if got.numel() == 0:
+        return 0.0
+    y = got.to(torch.float64) / scale.to(torch.float64)
+    # got = q * s rounded in the model's dtype: y is an FP8 number to a few units of it
+    model = torch.finfo(got.dtype)  # its subnormals: an absolute step, not a relative one
+    off_grid = ((y - y.to(fp8).to(torch.float64)).abs() - 4 * model.eps * y.abs()
+                - model.smallest_normal * model.eps / scale.to(torch.float64))
+    err = ((got.to(torch.float64) - written.to(torch.float64)).abs()
+           - element_error_bound(written, scale, fp8)) / scale.to(torch.float64)
+    worst = max(float(off_grid.amax()), float(err.amax()), 0.0)
+    return math.inf if math.isnan(worst) else worst
+
+
+def _fp8_contract(case: Case, model: torch.nn.Module, call, granularity: str,
+         calibrated: bool, storage: str) -> tuple[bool, float, str]:
+    """``(passed, error, detail)`` of the contract for ``model``'s cached ``call``."""
+    new = case.caches.get("fp8", new_fp8_cache)
+    fed = sum(CHUNKS)
+    given = calibrate(model, case.alt[:, :fed], granularity, storage) if calibrated else None
+    written: dict = {}
+    stated: dict = {}  # layer -> the scales it states after each update: the reads' bound
+    cache = recorded(new(model, case.ids.shape[0], case.ids.shape[1], granularity=granularity,
+                         scales=given, fp8=storage), written, {}, stated)
+    first: dict = {}  # layer -> its scales as first set
+    fp8 = cache.layers[0].inner.fp8
+    if fp8 != getattr(torch, storage):
+        return False, math.inf, f"asked for {storage}, the cache stores {fp8}"
+    scale_off, saturated = 0.0, 0
+
+    def rows(start: int, n: int, after) -> float:
+        nonlocal scale_off, saturated
+        breach = 0.0
+        for i, layer in enumerate(unwrapped(after).layers):
+            if i not in first:  # the scales the layer must keep: given, or of its first rows
+                want = (given[i].reshape(2, *layer.scales[0].shape) if calibrated else
+                        [amax_scale(x, granularity, fp8) for x in written[i]])
+                first[i] = tuple(s.clone() for s in layer.scales)
+                for s, w in zip(layer.scales, want, strict=True):
+                    off = max_abs(s / w.to(s.dtype), torch.ones_like(s))  # FP32 rounding: 1e-7
+                    scale_off = max(scale_off, off if off > 1e-6 else 0.0)
+            for s, f in zip(layer.scales, first[i], strict=True):  # bitwise, once set
+                if not torch.equal(s, f):
+                    scale_off = max(scale_off, max_abs(s, f) if s.shape == f.shape else math.inf)
+            for got, wrote, s in zip(after.layer(i), written[i], layer.scales, strict=True):
+                breach = max(breach, row_breach(got[:, :, start:start + n], wrote, s, fp8))
+                saturated += int((wrote.abs() > torch.finfo(fp8).max * s).sum())
+        return breach
+
+    bound = judge(lambda layer, q, K, V: fp8_cache.read_error_bound(q, K, V, *stated[layer],
+                                                                    fp8))
+    changed, breach, excess, reads, problems = contract_run(case, model, call, cache, bound, rows)
+    source = "calibrated on another stream" if calibrated else "from the first prefill"
+    return verdict(reads, problems, (changed, breach, scale_off, excess),
+                   f"{storage}, {granularity} scales {source}; {fed} positions in "
+                   f"{len(CHUNKS)} calls ({saturated} values saturated): held rows changed "
+                   f"by {changed:.1e}, scales off by {scale_off:.1e}, worst breach of an "
+                   f"element's bound {breach:.1e} (in scales)")
+
+
+@scenario("fp8", {"fp8": FP8_CHECK})
+def _fp8(case: Case, out: list) -> None:
+    # on a rounded model the element bound counts the model dtype's rounding
+    out += lossy_results(case, "fp8", "FP8", lambda model, call, dtype: [
+        _fp8_contract(case, model, call, *setting) for setting in FP8_SETTINGS])
