@@ -171,7 +171,12 @@ _INSPECT = r"""
                                  .replace(/\s+/g, " ").trim().slice(0, 70)}`;
   const before = openables.map(o => shown(o.body));
   openables.forEach(o => o.title && o.title.click());
-  if (openables.length) { await pause(); }
+  // the fade, then as long as a loaded machine takes to lay them out (a fixed 0.4 s once saw
+  // every hidden cell of a long page empty while other work ran): at most 10 s
+  for (let t = 0; openables.length && t < 25; t++) {
+    await pause();
+    if (openables.every(o => shown(o.body))) { break; }
+  }
   const after = openables.map(o => shown(o.body));
   openables.forEach(o => o.title && o.title.click());  // closed again, as a reader finds them
   if (openables.length) { await pause(); }
