@@ -1,14 +1,9 @@
 """``python -m kvdoc memory``: K/V cache bytes from explicit sizes or a published model's config.
 
-The command prints ``2 x B x L x T x H_kv x D x s`` (:func:`~kvdoc.measure.kv_bytes.kv_bytes`)
-in exact, binary and decimal units, for sizes given on the command line (L alike layers); for a
-published model (any :data:`~kvdoc.measure.model_caches.MODELS` entry: plain, windowed, hybrid,
-MLA, or with linear-attention or Mamba-2 states) or a transformers ``config.json`` (also
-DeepSeek-V4's compressed layers)
-(:func:`~kvdoc.measure.model_caches.read_config`) it sums the layers' own costs, each kind of
-layer a term of the same formula line; past a plain model, each term's bytes apart (K/V, latent,
-indexer keys, compressed entries, block buffer, state), the same layers all full attention, and
-one sequence at 4k, 32k and 128k tokens::
+For sizes given on the command line (L alike layers), a published model
+(:data:`~kvdoc.measure.model_caches.MODELS`) or a ``config.json``, it prints the formula with
+every factor, so its product can be redone by hand, the bytes in exact, binary and decimal
+units, and past a plain model each term apart and the same layers all full attention::
 
     python -m kvdoc memory --batch 1 --layers 32 --seq-len 4096 --kv-heads 8 --head-dim 128 \\
         --dtype float16
@@ -19,12 +14,8 @@ one sequence at 4k, 32k and 128k tokens::
     python -m kvdoc memory --model Llama-3.1-8B --memory 80   # sequences that fit, after weights
     python -m kvdoc memory --model Llama-3-8B --dtype fp8 --fp8-scales per-head
 
-The formula line shows every factor, so its product can be redone by hand. The docs'
-calculator (:func:`calculator_data`) shows what this command prints, from the same functions.
-An FP8 cache also keeps FP32 scales (``--fp8-scales``): two a layer per tensor, or two per K/V
-head, shared by the batch (:func:`~kvdoc.measure.kv_bytes.fp8_scale_bytes`).
-
-Importing this module does not import torch: the command starts in a fraction of a second.
+The docs' calculator (:func:`calculator_data`) shows what it prints, from the same functions.
+The module imports no torch: the command starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -45,10 +36,8 @@ from .kv_bytes import (
 )
 from .model_caches import MODELS, LayerCache, ModelCache, attention_layer, model_cache, read_config
 
-#: The longest ``--seq-len`` (and ``--window``) the command takes: 2**31 - 1 positions. Attention
-#: kernels index a sequence's tokens with 32-bit integers (FlashAttention's ``cu_seqlens`` are
-#: int32), so no served sequence is longer; the longest published contexts are millions of
-#: tokens, hundreds of times shorter. A length past it is a typo, not a what-if.
+#: The longest ``--seq-len`` (and ``--window``): attention kernels index a sequence's tokens
+#: with 32-bit integers (FlashAttention's ``cu_seqlens``), so a longer one is a typo.
 MAX_SEQ_LEN = 2**31 - 1
 
 
@@ -229,12 +218,6 @@ def _weight_bytes(model: ModelCache) -> int | None:
     return None if model.parameters is None else model.parameters * ELEMENT_BYTES["bfloat16"]
 
 
-def _scale_lines(total: int, scales: int, granularity: str) -> list[str]:
-    return [f"scales     {scales:,} bytes of FP32 scales ({granularity}, K and V of every "
-            "K/V layer; shared by the batch, whatever T)",
-            f"with them  {format_bytes(total + scales)}"]
-
-
 def _fit_line(model: ModelCache, T: int, dtype: str, memory_gib: float,
               weights_gib: float | None) -> str:
     memory = int(memory_gib * 2**30)
@@ -288,7 +271,10 @@ def _model_lines(model: ModelCache, kind: str, T: int, B: int, dtype: str, defau
         lines.append(f"past W     {format_bytes(past) if past else '0 bytes'} (one more position "
                      f"past every window, T > {max(windows):,}: {grow})")
     if scales is not None:
-        lines += _scale_lines(total, model.fp8_scale_bytes(scales), scales)
+        n = model.fp8_scale_bytes(scales)
+        lines += [f"scales     {n:,} bytes of FP32 scales ({scales}, K and V of every K/V "
+                  "layer; shared by the batch, whatever T)",
+                  f"with them  {format_bytes(total + n)}"]
     if model.fixed_bytes(dtype):
         lines.append(f"fixed      {format_bytes(model.fixed_bytes(dtype))} per sequence, "
                      "whatever T")
@@ -364,11 +350,9 @@ def main(args: argparse.Namespace) -> int:
 
 def calculator_data(initial: str = "Llama-3.1-8B") -> dict[str, object]:
     """The calculator page's JSON (``docs/_static/kvdoc-calculator.js`` computes from it):
-    element sizes, and for each of :data:`MODELS` what this command prints of it: kind,
-    context, source, note, ``layers`` lines, the weights' bytes (None where the parameters are
-    not known), the boxes' ``sizes`` ``[L, H_kv, D, W]`` (None where a model has none) and the
-    layer ``groups``, each ``[per_token, window, state, count, state32, indexer, rate, entry,
-    buffer, overlap, what]`` (:class:`~kvdoc.measure.layer_caches.LayerCache`'s fields).
+    element sizes, and for each of :data:`MODELS` what this command prints of it, the boxes'
+    ``sizes`` ``[L, H_kv, D, W]`` and the layer ``groups``, each ``[per_token, window, state,
+    count, state32, indexer, rate, entry, buffer, overlap, what]``.
 
     >>> data = calculator_data()
     >>> data["initial"], data["presets"][0]["sizes"], data["presets"][0]["groups"]
