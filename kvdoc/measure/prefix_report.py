@@ -59,14 +59,20 @@ class Prefixes:
             self.through[node] = name
         self.ends[node] = name
 
+    def path(self, tokens: Sequence[int]) -> list[int]:
+        """The nodes along ``tokens`` as far as they were added: ``path[i]`` holds ``i + 1``."""
+        node, path = 0, []
+        for t in tokens:
+            node = self.nodes.get((node, t))
+            if node is None:
+                break
+            path.append(node)
+        return path
+
     def longest(self, tokens: Sequence[int]) -> tuple[int, int]:
         """Length of the longest prefix of ``tokens`` that was added, and its node."""
-        node = length = 0
-        for t in tokens:
-            if (node, t) not in self.nodes:
-                break
-            node, length = self.nodes[node, t], length + 1
-        return length, node
+        path = self.path(tokens)
+        return len(path), path[-1] if path else 0
 
 
 @dataclass(frozen=True)

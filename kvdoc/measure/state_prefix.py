@@ -1,15 +1,12 @@
 """The prefix-cache hit rate of a hybrid model, whose recurrent layers resume only from a saved
 state: where the snapshots are taken decides what a request can find.
 
-An attention layer's K/V rows are a function of their own position's prefix, so a request that
-shares ``s`` tokens with a cached prompt can reuse ``s`` rows. A recurrent layer (Gated DeltaNet,
-Mamba-2) keeps one state, a fold over every earlier token; a request can resume only at a
-position where some earlier request saved that state, a *snapshot*. A hybrid model's hit is
-therefore the deepest snapshot inside the shared prefix (short of the last token, which both
-servers compute again), and its K/V rows up to there. Each prompt is matched against all those
-before it, as :func:`~kvdoc.measure.prefix_report.prefix_report` does (ample memory, each request
-finished before the next, generated tokens not counted); a prompt saves snapshots while its
-prefill runs (past its own hit), at positions given by ``where``:
+A request that shares ``s`` tokens with a cached prompt can reuse ``s`` K/V rows, but a
+recurrent layer's state (Gated DeltaNet, Mamba-2) only where an earlier request saved it, a
+*snapshot*: a hybrid model's hit is the deepest snapshot inside the shared prefix (short of the
+last token). Each prompt is matched against all before it, as
+:func:`~kvdoc.measure.prefix_report.prefix_report` does, and saves snapshots while its prefill
+runs (past its own hit), at positions given by ``where``:
 
 * ``"every"``: every multiple of ``block`` up to its end (a prefill cut into chunks of one
   block, each chunk's final state kept);
@@ -51,10 +48,8 @@ KERNEL_ALIGNMENT = 16
 
 @dataclass(frozen=True)
 class StateReport:
-    """Per request: prompt length, hit with K/V alone (every token reusable) and hit of the
-    hybrid model (the deepest snapshot); and what the cache holds after the last request:
-    ``snapshots`` saved states (each every state layer's tensors) and ``cached_tokens``, the
-    distinct prefix positions whose K/V rows an attention layer holds."""
+    """Per request: prompt length, hit with K/V alone and hit of the hybrid model; after the
+    last request, the ``snapshots`` saved and the distinct prefix positions cached."""
 
     tokens: list[int]
     kv_hits: list[int]
@@ -71,17 +66,6 @@ class StateReport:
         return sum(self.kv_hits) / sum(self.tokens)
 
 
-def _path(trie: Prefixes, tokens: Sequence[int]) -> list[int]:
-    """The trie's nodes along ``tokens`` as far as they go: ``path[i]`` holds ``i + 1`` tokens."""
-    node, path = 0, []
-    for t in tokens:
-        node = trie.nodes.get((node, t))
-        if node is None:
-            break
-        path.append(node)
-    return path
-
-
 def state_prefix_report(prompts: Sequence[Sequence[int]], where: str = "last",
                         block: int = 16, branch: bool = False) -> StateReport:
     """Match each prompt against those before it; snapshots where
@@ -96,13 +80,13 @@ def state_prefix_report(prompts: Sequence[Sequence[int]], where: str = "last",
     tokens, kv_hits, hits = [], [], []
     for i, prompt in enumerate(prompts):
         n = len(prompt)
-        path = _path(trie, prompt)[: n - 1]  # the last token is always computed
+        path = trie.path(prompt)[: n - 1]  # the last token is always computed
         hit = max((d + 1 for d, node in enumerate(path) if node in saved), default=0)
         tokens.append(n)
         kv_hits.append(len(path))
         hits.append(hit)
         trie.add(prompt, i)
-        here = _path(trie, prompt)
+        here = trie.path(prompt)
         points = save_points(n, hit, where, block)
         if branch and len(path) // block * block > hit:
             points.append(len(path) // block * block)
