@@ -23,7 +23,7 @@ from .costs import kv_per_sequence, step_bytes, step_flops
 from .decode_paths import cached_decode
 from .kv_bytes import element_size
 from .model_caches import ModelCache
-from .timing import Prepare, time_paths
+from .timing import Prepare, percentile, time_paths
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class StepTraffic:
 
 
 def step_traffic(model: Decoder, batch: int, context: int) -> StepTraffic:
-    """What a decode step of ``batch`` sequences must read and compute (the cost model).
+    """What a decode step of ``batch`` sequences must read and compute.
 
     >>> from kvdoc.core.model import GPTConfig
     >>> small = step_traffic(Decoder(GPTConfig()), 1, 15)
@@ -83,12 +83,8 @@ def step_traffic(model: Decoder, batch: int, context: int) -> StepTraffic:
 def time_batches(model: Decoder, context: int, batches: tuple[int, ...], steps: int,
                  samples: int, seed: int = 0) -> dict[int, list[float]]:
     """Milliseconds per decode step of the fast step, per batch size, at ``context`` positions
-    (each sample the mean of ``steps`` steps, batch sizes in rotating order).
-
-    The cached rows are zeros written through the cache's ``update``, not a prefill: a step
-    does the same work whatever the values, and a prefill of ``B * context`` tokens would take
-    far longer than the steps.
-    """
+    (each sample the mean of ``steps`` steps). The cached rows are zeros, not a prefill's: a
+    step does the same work whatever the values."""
     fast = FastDecoder(model)
     g = torch.Generator().manual_seed(seed)
     weight = model.wte.weight
@@ -108,11 +104,19 @@ def time_batches(model: Decoder, context: int, batches: tuple[int, ...], steps: 
 
 # --- published models on an accelerator ---------------------------------------------------------
 
-def weight_bytes(parameters: int, embedding: int, dtype: str = "bfloat16") -> tuple[int, int]:
-    """``(read per step, resident)`` weight bytes of ``parameters`` weights: a lookup reads one
-    row of the (untied) ``embedding`` table, not all of it."""
+def weight_bytes(preset: ModelCache, dtype: str = "bfloat16") -> tuple[int, int]:
+    """``(read per step, resident)`` weight bytes of a Llama-family preset
+    (:attr:`~kvdoc.measure.layer_caches.ModelCache.parameters`): a lookup reads one row of the
+    (untied) embedding table, not all of it.
+
+    >>> from kvdoc.measure.model_caches import model_cache
+    >>> weight_bytes(model_cache("Llama-3.1-8B"))      # 128,256 x 4,096 of 8.03 B not read
+    (15009849344, 16060522496)
+    """
+    if preset.parameters is None:
+        raise ValueError(f"{preset.name} does not give hidden, intermediate and vocab sizes")
     size = element_size(dtype)
-    return (parameters - embedding) * size, parameters * size
+    return (preset.parameters - preset.vocab * preset.hidden) * size, preset.parameters * size
 
 
 def largest_batch(device: Accelerator, resident_weights: int, kv_sequence: int,
@@ -173,30 +177,11 @@ def crossover_batch(weights: int, kv_sequence: int) -> int:
     return math.floor(weights / kv_sequence) + 1
 
 
-def llama_family_parameters(preset: ModelCache) -> tuple[int, int]:
-    """``(every parameter, the input embedding's)`` of a Llama-family preset, untied head,
-    counted on transformers' model built on the meta device (no memory, no download)."""
-    if None in (preset.hidden, preset.intermediate, preset.vocab):
-        raise ValueError(f"{preset.name} does not give hidden, intermediate and vocab sizes")
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
-
-    family = (MistralConfig, MistralForCausalLM) if preset.sliding_window else (
-        LlamaConfig, LlamaForCausalLM)
-    config = family[0](hidden_size=preset.hidden, intermediate_size=preset.intermediate,
-                       vocab_size=preset.vocab, num_hidden_layers=len(preset.layers),
-                       num_attention_heads=preset.heads, num_key_value_heads=preset.kv_heads,
-                       head_dim=preset.head_dim, tie_word_embeddings=False)
-    with torch.device("meta"):
-        model = family[1](config)
-    return sum(p.numel() for p in model.parameters()), model.get_input_embeddings().weight.numel()
-
-
 def batch_figure(times: dict[int, list[float]]):
     """Median milliseconds per step and per token against batch size (log-log)."""
     import matplotlib.pyplot as plt
 
     from .bench import log_log
-    from .timing import percentile
 
     batches = sorted(times)
     step = [percentile(times[b], 50) for b in batches]
