@@ -2,10 +2,7 @@
 and the tables (Markdown) and figures (matplotlib) of a
 :class:`~kvdoc.measure.bench_run.BenchResult`, for the savings page and the command.
 
-The command runs :func:`~kvdoc.measure.bench_run.run_bench`, prints the timing tables and the
-headline ratios beside :data:`~kvdoc.measure.bench_run.TARGETS`, and writes every raw sample
-with ``--json``. Nothing here asserts a speed: the exit status says only whether every ratio is
-a positive number.
+The exit status says only whether every ratio is a positive number: no speed is asserted.
 """
 
 from __future__ import annotations
@@ -103,10 +100,9 @@ def roofline_table(result: BenchResult) -> str:
 
 
 def ablation_table(ablation: dict) -> str:
-    """Per variant of the decode step whose difference from the lean step this machine
-    resolved: p50 per step (µs), its time relative to the lean step
-    (:func:`~kvdoc.measure.timing.paired_ratio`) and the band of the middle rounds. The
-    variants whose band straddles 1 are named after the table, not shown as results.
+    """Per variant of the decode step: p50 per step (µs), its time relative to the lean step
+    and the band of the middle rounds; a variant whose band straddles 1 is named after the
+    table, not shown as a result.
 
     >>> print(ablation_table({"p50_us_per_step": {"fast": 110.0, "lean": 100.0},
     ...                       "samples_ms": {"fast": [1.1, 1.2, 1.0], "lean": [1.0, 1.0, 1.0]},
@@ -135,10 +131,8 @@ def ablation_table(ablation: dict) -> str:
 
 
 def compiled_table(result: BenchResult) -> str:
-    """gpt-fast's fast step beside kvdoc's: per rotation (a prefix length ``P``, or the
-    roofline model), what compiling cost and the time of the ``torch.compile`` step and of the
-    fast step relative to the lean step (:func:`~kvdoc.measure.timing.paired_ratio`). A
-    rotation where compiling failed says why."""
+    """gpt-fast's fast step beside kvdoc's, per rotation: what compiling cost (or why it
+    failed), and each step's time relative to the lean one."""
     if result.compiled is None:
         raise ValueError("this run has no compiled step (settings.compiled was False)")
     header = ["rotation", "compile (first run, s)", "graphs", "compiled / lean",

@@ -1,15 +1,10 @@
 """The decode paths the benchmark times: one model, one token stream, each path a prepare/run pair.
 
-Per path, an untimed ``prepare`` resets its cache and returns the call to time (for
-:func:`kvdoc.measure.timing.time_paths`), and a second call returns the path's stacked logits,
-to check that every timed path computes the same function.
-
-Beside them, the lean step: :class:`LeanStep` is the fast step's arithmetic and nothing else
-(no checks, no watch on the weights, its own K/V buffers, GPT-2's architecture only): the time
-the fast step takes beyond it is what its guarantees cost. An :data:`ABLATION` variant undoes
-one of the fast step's changes, so the time it adds is what that change buys; a
-:data:`GUARANTEES` variant takes a guarantee away, so the time it saves is what that guarantee
-costs (timed only: none may serve a user).
+Per path, an untimed ``prepare`` resets its cache and returns the call to time, and a second
+call returns the path's stacked logits, to check that every timed path computes the same
+function. :class:`LeanStep` is the fast step's arithmetic and nothing else: the time the fast
+step takes beyond it is what its guarantees cost. An :data:`ABLATION` variant undoes one of the
+fast step's changes, a :data:`GUARANTEES` variant takes a guarantee away (timed only).
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> _ = torch.manual_seed(0)
@@ -164,13 +159,9 @@ def token_stream(config: GPTConfig, length: int, seed: int) -> torch.Tensor:
 
 def build_models(config: GPTConfig, seed: int, transformers: bool,
                  tie: bool = False) -> tuple[Decoder, Any]:
-    """A kvdoc decoder and, if asked, transformers' GPT-2 with the same random weights (both eval;
-    ``tie``: the LM head shares ``wte``'s weight, as in GPT-2's checkpoints).
-
-    transformers' model is built on the meta device and receives the decoder's weights: a
-    second random initialisation would cost seconds at GPT-2 small's size. A ``RuntimeError``
-    if the two models' logits disagree on a short input.
-    """
+    """A kvdoc decoder and, if asked, transformers' GPT-2 with the same random weights (``tie``:
+    the LM head shares ``wte``'s weight); a ``RuntimeError`` if their logits disagree. GPT-2 is
+    built on the meta device: a second random initialisation would cost seconds."""
     torch.manual_seed(seed)
     with torch.inference_mode(False):  # parameters with version counters, which FastDecoder watches
         model = Decoder(config).eval()
@@ -250,15 +241,9 @@ def cached_decode(step: Callable[..., Any], cache: KVCache, ids: torch.Tensor, p
 def compiled_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor,
                     prefix_len: int, steps: int
                     ) -> tuple[Prepare | None, Callable[[], torch.Tensor] | None, dict[str, Any]]:
-    """:func:`cached_decode` of ``step``, a ``torch.compile`` of the model, run once untimed
-    here so that its compilation stays out of the timed samples.
-
-    This is gpt-fast's fast step (``torch.compile`` over one forward and a static cache) over
-    kvdoc's forward, without ``fullgraph``: the model's checks raise their own ``ValueError``.
-    The first run's seconds (``first_run_s``) are the compile time; ``graphs`` counts what
-    dynamo compiled. A failure to compile is returned as ``error`` with no path, so that the
-    benchmark says so instead of stopping.
-    """
+    """:func:`cached_decode` of ``step``, a ``torch.compile`` of the model (gpt-fast's fast
+    step, without ``fullgraph``), run once untimed: ``first_run_s`` is the compile time,
+    ``graphs`` what dynamo compiled; a failure to compile is returned as ``error``, no path."""
     cache = prompt_cache(model, ids, prefix_len, steps)
     prepare, run = cached_decode(step, cache, ids, prefix_len, steps)
     from torch._dynamo.utils import counters
@@ -277,8 +262,7 @@ def compiled_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor,
 
 def lean_decode(lean: LeanStep, model: Decoder, ids: torch.Tensor, prefix_len: int,
                 steps: int) -> tuple[Prepare, Callable[[], torch.Tensor]]:
-    """``steps`` calls of a :class:`~kvdoc.measure.decode_paths.LeanStep` after the prompt's K/V,
-    rewound to position ``P`` before each run as :func:`cached_decode` crops its cache."""
+    """``steps`` calls of a :class:`LeanStep` after the prompt's K/V, rewound before each run."""
     P, G = prefix_len, steps
     lean.start(prompt_cache(model, ids, P, 0))
 
@@ -354,9 +338,7 @@ def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, st
 
 def ablation_paths(model: Decoder, ids: torch.Tensor, prefix_len: int,
                    steps: int) -> tuple[dict[str, Prepare], dict[str, Callable[[], torch.Tensor]]]:
-    """Per :data:`~kvdoc.measure.decode_paths.ABLATION` variant, the lean step with that change
-    undone, and per :data:`~kvdoc.measure.decode_paths.GUARANTEES` variant, the fast step with that
-    guarantee taken away, as in :func:`decode_paths`."""
+    """The :data:`ABLATION` and :data:`GUARANTEES` variants' paths, as :func:`decode_paths`'."""
     capacity = prefix_len + steps
     pairs = {name: lean_decode(LeanStep(model, capacity, **kw), model, ids, prefix_len, steps)
              for name, kw in ABLATION.items()}
