@@ -69,8 +69,7 @@ from kvdoc.core.state import StateSpec, read_state, state_layers
 
 from .paged import BlockPool
 from .ragged import RaggedStep
-from .requests import Request, choose, sample_generator
-from .runs import ServeRun, StepRecord
+from .requests import Request, ServeRun, StepRecord, choose, sample_generator
 
 Policy = Literal["continuous", "static"]
 
