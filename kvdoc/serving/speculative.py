@@ -30,9 +30,8 @@ from kvdoc.core.model import Decoder
 @dataclass
 class SpeculativeRun:
     """What :func:`speculative_generate` returns: ``tokens`` ``[1, P + max_new_tokens]``, the
-    prompt (``P`` tokens) and the generated ones; the proposals ``accepted`` in each round (0 to
-    ``k``); the forward calls of each model, the prompt's included; each model's cache as the
-    last round left it (every token but the last, pending one)."""
+    proposals ``accepted`` each round, each model's forward calls and its cache as the last
+    round left it (every token but the pending one)."""
 
     tokens: torch.Tensor
     prompt_len: int
@@ -54,9 +53,8 @@ the probability of keeping each proposed token, and the distribution a rejection
 
 
 def acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The acceptance rule for one proposed token ``x`` drawn from the draft's ``q`` (``[V]``):
-    kept with probability ``min(1, p(x) / q(x))``, else replaced by a draw from ``max(0, p -
-    q)``, normalised; the result is distributed as the target's ``p``:
+    """A token ``x`` drawn from the draft's ``q`` is kept with probability ``min(1, p(x) /
+    q(x))``, else replaced by a draw from ``max(0, p - q)``, normalised: distributed as ``p``.
 
     >>> p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.2, 0.6])
     >>> keep, residual = acceptance(p, q)
@@ -72,8 +70,8 @@ def acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def truncated_draft(target: Decoder, n_layer: int) -> Decoder:
-    """A draft made of the target's first ``n_layer`` layers, its final norm and its LM head: a
-    self-speculative draft (as in LayerSkip), no second model to train or load.
+    """A draft of the target's first ``n_layer`` layers, final norm and LM head (LayerSkip's
+    self-speculative draft).
 
     >>> from kvdoc import GPTConfig
     >>> draft = truncated_draft(Decoder(GPTConfig()), 1)
@@ -121,10 +119,9 @@ def speculative_generate(target: Decoder, draft: Decoder, prompt: torch.Tensor,
                          rule: Rule | None = None) -> SpeculativeRun:
     """``max_new_tokens`` tokens after ``prompt`` (``[1, P]``), the draft proposing ``k`` a round.
 
-    ``draft``: a cheaper model with the target's vocabulary. ``cache``: the kind both models use,
-    or ``(model, capacity) -> empty cache`` (any kind that crops). ``generator``: sample with
-    ``rule`` (default :func:`acceptance`), drawing from it; None: greedy, token for token
-    ``generate(target, prompt, max_new_tokens)``.
+    ``cache``: the kind both models use, or ``(model, capacity) -> empty cache`` (one that
+    crops); ``generator``: sample by ``rule`` (default :func:`acceptance`), else greedy: token
+    for token ``generate(target, prompt, max_new_tokens)``.
 
     >>> from kvdoc import GPTConfig, generate
     >>> _ = torch.manual_seed(0)
