@@ -1,11 +1,9 @@
 """Batched generation of prompts of different lengths: left padding, a pad mask, per-row positions.
 
-Padding on the left lines every prompt's last token up in the last column, so each decode step
-appends one column for every row. Two things make each row the same function as its prompt run
-alone: the token in slot ``t`` of row ``b`` is at **position** ``t - pad[b]`` (pad slots at 0),
-and the **mask** lets a real query read keys at slots ``pad[b] .. t`` only (a pad query reads
-the earlier pad slots, so no softmax row is empty; its output is never read).
-:func:`kvdoc.teach.serving_checks.compare_with_alone` checks every row against its prompt alone.
+Left padding lines every prompt's last token up in the last column. Each row is the function
+of its prompt alone (:func:`kvdoc.teach.serving_checks.compare_with_alone` checks it): slot
+``t`` of row ``b`` is at **position** ``t - pad[b]``, and the **mask** lets a real query read
+slots ``pad[b] .. t`` only (a pad query the pad slots before it, so no softmax row is empty).
 
 >>> from kvdoc import Decoder, GPTConfig, generate
 >>> _ = torch.manual_seed(0)
@@ -30,16 +28,14 @@ from kvdoc.core.model import Decoder
 
 @dataclass(frozen=True)
 class PaddedBatch:
-    """Prompts padded on the left to one length: ``ids`` ``[B, L]``, row ``b`` starting with
-    ``pad[b]`` copies of the pad id (``pad`` ``[B]`` int64)."""
+    """Prompts padded on the left: ``ids`` ``[B, L]``, row ``b`` starting with ``pad[b]`` pads."""
 
     ids: torch.Tensor
     pad: torch.Tensor
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> PaddedBatch:
-    """Pad ``prompts`` (lists of token ids, each non-empty) on the left to the longest one; the
-    mask, not the pad id's value, keeps the padding out of every real row's attention.
+    """Pad ``prompts`` (non-empty lists of token ids) on the left to the longest one.
 
     >>> left_pad([[1, 2], [3, 4, 5]], pad_id=9).ids.tolist()
     [[9, 1, 2], [3, 4, 5]]
@@ -69,8 +65,7 @@ def padded_positions(pad: torch.Tensor, start: int, new_len: int) -> torch.Tenso
 
 
 def padded_mask(pad: torch.Tensor, start: int, new_len: int) -> torch.Tensor:
-    """``[B, C, start + C]`` bool: which key slots each new query slot may read: the offset
-    causal mask, a real query reading real keys only and a pad query the pad keys before it.
+    """``[B, C, start + C]`` bool: the key slots each new query slot may read.
 
     >>> padded_mask(torch.tensor([1]), start=0, new_len=3).int()[0]
     tensor([[1, 0, 0],
@@ -87,8 +82,7 @@ def padded_mask(pad: torch.Tensor, start: int, new_len: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PaddedGeneration:
-    """What :func:`generate_padded` returns: ``tokens`` ``[B, N]`` chosen greedily for each row,
-    and ``logits`` ``[B, N, V]``, behind each choice."""
+    """``tokens`` ``[B, N]`` chosen greedily for each row, and the ``logits`` ``[B, N, V]``."""
 
     tokens: torch.Tensor
     logits: torch.Tensor
@@ -97,8 +91,7 @@ class PaddedGeneration:
 @torch.no_grad()
 def generate_padded(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                     pad_id: int = 0) -> PaddedGeneration:
-    """Greedy generation of ``max_new_tokens`` per row for prompts (token-id lists) of
-    different lengths, left-padded with ``pad_id``, one cache.
+    """Greedy generation of ``max_new_tokens`` per row for prompts of different lengths.
 
     >>> from kvdoc import Decoder, GPTConfig
     >>> _ = torch.manual_seed(0)

@@ -1,16 +1,11 @@
 """A ragged step: one forward over rows of different lengths, each row in its own blocks.
 
-Row ``b`` holds ``P_b`` cached positions and brings ``n_b`` new tokens (a prefill chunk or one
-decode token), right-padded to ``C = max n_b``; each row writes its K/V rows into its own blocks
-and reads them back, gathered to ``T = max (P_b + n_b)`` columns. Per-row positions (``P_b ..
-P_b + n_b - 1``, to ``Decoder.forward(positions=...)``) and a per-row mask (``attn_mask``: query
-``P_b + j`` reads keys ``0 .. P_b + j`` of its row; a window layer keeps the last ``W`` of them)
-make each row the function of its own sequence. Pad queries read key 0, so no softmax row is
-empty; their outputs are never read.
-
-Real engines pack the tokens instead, with variable-length kernels (the continuous-batching
-page says which); the padding here costs time, not correctness. The scheduler
-(:mod:`kvdoc.serving.scheduler`) builds one :class:`RaggedStep` per step.
+Row ``b`` holds ``P_b`` cached positions and brings ``n_b`` new tokens, right-padded to ``C =
+max n_b``; it writes its K/V rows into its own blocks and reads them back, gathered to ``T =
+max (P_b + n_b)`` columns. Per-row positions and a per-row mask (query ``P_b + j`` reads keys
+``0 .. P_b + j``; a pad query key 0) make each row the function of its own sequence. Real
+engines pack the tokens instead, with variable-length kernels: padding costs time, not
+correctness.
 
 >>> from kvdoc import Decoder
 >>> from kvdoc.core.model import llama_config
@@ -64,9 +59,8 @@ class RaggedLayer(PoolLayer):
 
 
 class RaggedStep:
-    """One ragged step: row ``b``'s blocks ``tables[b]`` (already holding room for the new
-    positions), ``past[b]`` positions held, ``new[b]`` new tokens; ``cache`` is what the model
-    writes into and reads, its :attr:`seq_len` ``T - C``.
+    """One ragged step: row ``b``'s blocks ``tables[b]`` (with room for its new positions),
+    ``past[b]`` positions held, ``new[b]`` new tokens; the model writes into ``cache``.
 
     >>> from kvdoc.core.model import GPTConfig
     >>> pool = BlockPool(GPTConfig(), num_blocks=3, block_size=4)

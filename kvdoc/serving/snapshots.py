@@ -1,21 +1,13 @@
 """Recurrent states saved at chosen positions, so that a radix tree serves a hybrid model.
 
-A hybrid model's attention layers keep K/V rows, which a :class:`~kvdoc.serving.radix.RadixCache`
-shares block by block. Its recurrent layers (Gated DeltaNet, Mamba-2) keep one state, a fold
-over every earlier token: no other sequence's rows stand for it, and it cannot be cropped back.
-A request can therefore resume only at a position ``p`` where a state was saved while an earlier
-request's prefill ran: a :class:`~kvdoc.core.state.Snapshot` of every state layer, filed under
-the ``p`` token ids before it. The tree gives a request the deepest such position inside what it
-matched (short of the last prompt token, as for every model), the blocks of the K/V rows before
-it, and a copy of the snapshot's states.
-
-Where a prefill saves states is the policy (``where``), with the rules of
-:mod:`kvdoc.measure.state_prefix`, which models the hit rates they give on a list of prompts:
-``"every"`` block boundary, the ``"last"`` one before the prompt's last token (vLLM's
-``mamba_cache_mode="align"``), or the prompt's ``"end"``; ``branch`` also saves where the
-request's match ended. The prefill is cut at those positions and the state taken after each
-piece. A snapshot is kept only if the tree keeps the K/V rows before it (whole blocks), and
-dropped when eviction takes them.
+A recurrent layer (Gated DeltaNet, Mamba-2) keeps one state, a fold over every earlier token
+that no other sequence's rows stand for and that cannot be cropped back: a request resumes only
+at a position where an earlier prefill saved a :class:`~kvdoc.core.state.Snapshot`, filed under
+the token ids before it. The tree gives it the deepest one inside its match, the K/V blocks
+before it, and a copy of its states. Prefills save at ``"every"`` block boundary, the ``"last"``
+before the prompt's last token (vLLM's ``mamba_cache_mode="align"``) or its ``"end"``
+(:mod:`kvdoc.measure.state_prefix` models the hit rates), ``branch`` also where the match ended;
+a snapshot is kept while the tree keeps the rows before it.
 
 >>> import torch
 >>> from kvdoc.core.deltanet import DeltaNetConfig, DeltaNetDecoder
@@ -70,8 +62,8 @@ class SnapshotStore:
         self.saved: dict[tuple[int, ...], Snapshot] = {}
 
     def points(self, n: int, hit: int, matched: int) -> list[int]:
-        """Where a prompt of ``n`` tokens resumed at ``hit``, whose K/V matched ``matched``
-        positions, saves states (``branch``: also at its match, rounded down to a block)."""
+        """Where a prompt of ``n`` tokens resumed at ``hit`` saves states (``branch``: also at
+        its K/V match ``matched``, rounded down to a block)."""
         points = save_points(n, hit, self.where, self.block)
         branch = matched // self.block * self.block
         if self.branch and branch > hit and branch not in points:
@@ -85,8 +77,7 @@ class SnapshotStore:
                    default=0)
 
     def restore(self, cache: KVCache, prompt: Sequence[int]) -> None:
-        """Set ``cache``'s state layers (a cache of ``len(prompt)`` positions) to copies of the
-        states saved after ``prompt``."""
+        """Set ``cache``'s state layers to copies of the states saved after ``prompt``."""
         if not prompt:
             return
         snap = self.saved[tuple(prompt)]
@@ -95,8 +86,8 @@ class SnapshotStore:
                         for i, layer in enumerate(cache.layers)]
 
     def keep(self, tokens: Sequence[int], snapshots: Sequence[Snapshot], held: int) -> int:
-        """File the ``snapshots`` a request took whose rows before them the tree holds (the
-        first ``held`` positions of ``tokens``); returns how many were new."""
+        """File the ``snapshots`` a request took within the first ``held`` positions of
+        ``tokens`` (the rows the tree holds); returns how many were new."""
         new = 0
         for snap in snapshots:
             key = tuple(tokens[:snap.position])
@@ -121,8 +112,8 @@ def takes_states(cache: KVCache) -> bool:
 
 
 def store_for(pool: BlockPool, states: Where | SnapshotStore | None) -> SnapshotStore | None:
-    """A radix tree's store for ``pool``: ``states`` (a rule, default ``"last"``, or a store) if
-    the pool's model has recurrent layers; None if not, where ``states`` must be None."""
+    """A radix tree's store for ``pool``: ``states`` (a rule, default ``"last"``, or a store),
+    or None for a pool without recurrent layers."""
     hybrid = any(isinstance(spec, StateSpec) for spec in pool.layout)
     if states is not None and not hybrid:
         raise ValueError("states: only a pool with recurrent state layers saves states")
