@@ -289,26 +289,24 @@ def _model_lines(model: ModelCache, kind: str, T: int, B: int, dtype: str, defau
 def main(args: argparse.Namespace) -> int:
     """Print the K/V bytes for the sizes in ``args``; 2 (nothing on stdout) on inconsistent
     options."""
-    if getattr(args, "list_models", False):
+    if args.list_models:
         for m in MODELS.values():
             print(f"{m.name:20} {m.kind:13} {len(m.layers):3} layers, "
                   f"{m.bytes_per_token('float16'):,} bytes a token in float16, context "
                   f"{m.max_positions:,}  [{m.source}]")
         return 0
     sizes = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
-    config = getattr(args, "config", None)
-    if args.model is not None and config is not None:
+    if args.model is not None and args.config is not None:
         return _error("give --model or --config, not both")
-    model: ModelCache | None = args.model if args.model is not None else config
-    T = args.seq_len
-    scales = getattr(args, "fp8_scales", None)
+    model: ModelCache | None = args.model if args.model is not None else args.config
+    T, scales = args.seq_len, args.fp8_scales
     if scales is not None and not dtype_name(args.dtype).startswith("float8"):
         return _error(f"--fp8-scales counts an FP8 cache's scales: give --dtype float8_e4m3fn "
                       f"(fp8) or float8_e5m2, not {dtype_name(args.dtype)}")
     if scales is not None and model is not None and model.kind in ("MLA", "compressed"):
         return _error(f"--fp8-scales counts K/V scales; {model.name} caches no K/V heads "
                       f"({model.kind})")
-    if getattr(args, "weights", None) is not None and getattr(args, "memory", None) is None:
+    if args.weights is not None and args.memory is None:
         return _error("--weights is subtracted from --memory: give --memory too")
     kind = model.kind if model is not None else ""  # the release's, also under a --window
     if model is None:  # typed sizes: a model of L alike layers, through the same lines
@@ -340,12 +338,16 @@ def main(args: argparse.Namespace) -> int:
               "model stretched that far)", file=sys.stderr)
     try:
         lines = _model_lines(model, kind, T, args.batch, dtype_name(args.dtype),
-                             args.seq_len is None, getattr(args, "memory", None), scales,
-                             getattr(args, "weights", None))
+                             args.seq_len is None, args.memory, scales, args.weights)
     except ValueError as err:  # weights that fill the memory
         return _error(str(err))
     print("\n".join(lines))
     return 0
+
+
+def _groups(model: ModelCache) -> list[list[object]]:
+    return [[g.per_token, g.window, g.state, n, g.state32, g.indexer, g.rate, g.entry, g.buffer,
+             g.overlap, g.what] for g, n in model.groups()]
 
 
 def calculator_data(initial: str = "Llama-3.1-8B") -> dict[str, object]:
@@ -367,10 +369,7 @@ def calculator_data(initial: str = "Llama-3.1-8B") -> dict[str, object]:
             "parameters": m.parameters, "weights": _weight_bytes(m),
             "sizes": [len(m.layers), m.kv_heads if kv else None, m.head_dim if kv else None,
                       m.sliding_window],
-            "groups": [[g.per_token, g.window, g.state, n, g.state32, g.indexer, g.rate, g.entry,
-                        g.buffer, g.overlap, g.what] for g, n in m.groups()],
-            "all_attention": None if m.kind == "plain" else [
-                [g.per_token, None, 0, n, 0, 0, 0, 0, 0, 0, g.what]
-                for g, n in m.all_attention().groups()]})
+            "groups": _groups(m),
+            "all_attention": None if m.kind == "plain" else _groups(m.all_attention())})
     return {"presets": presets, "element_bytes": ELEMENT_BYTES,
             "initial": model_cache(initial).name}
