@@ -1,8 +1,5 @@
-"""The cost model of a decode: positions counted on real tensors, modelled FLOPs, bytes read.
-
-Facts about the computation, not the machine: the savings page asserts them, beside the
-timings it only reports.
-"""
+"""The cost model of a decode: positions counted on real tensors, modelled FLOPs, bytes read:
+facts about the computation, not the machine (the savings page asserts them)."""
 
 from __future__ import annotations
 
@@ -57,13 +54,10 @@ class RowCounter:
 
 def step_flops(config: GPTConfig, past: int, new: int, last_only: bool = False,
                causal: bool = False) -> dict[str, float]:
-    """Multiply-add FLOPs (2 per MAC) of one forward: ``new`` tokens after ``past`` cached ones.
-
-    ``linear``: ``c_attn``, ``c_proj`` and the MLP of every layer; ``attention``: ``Q K^T`` and
-    the weighted sum with ``V``: every query against every key, masked entries included (what
-    attention with an explicit mask computes, as kvdoc's model does), or with ``causal`` only
-    the ``i + 1`` keys query ``i`` reads (what a kernel that skips masked blocks computes);
-    ``lm_head``: the vocabulary projection. Norms, GELU and softmax are left out.
+    """Multiply-add FLOPs (2 per MAC) of one forward, ``new`` tokens after ``past`` cached ones:
+    ``linear`` (every layer's projections and MLP), ``attention`` (``Q K^T`` and ``P V``, every
+    query against every key, masked ones included, as an explicit mask computes; ``causal``:
+    only the keys each query reads) and ``lm_head``; norms and softmax left out.
 
     >>> step_flops(GPTConfig(), 0, 4, causal=True)["attention"] * 2 == (
     ...     step_flops(GPTConfig(), 0, 4)["attention"] * (1 + 2 + 3 + 4) * 2 // 16)
@@ -91,9 +85,8 @@ def step_flops(config: GPTConfig, past: int, new: int, last_only: bool = False,
 
 def run_flops(config: GPTConfig, prefix_len: int, new_tokens: int,
               causal: bool = False) -> dict[str, float]:
-    """Total FLOPs of the ``G`` decode steps after a ``P``-token prompt: ``full_all``,
-    ``full_last`` (step ``j`` recomputes ``P + j`` positions) and ``cached``, and their parts
-    (``causal``: as :func:`step_flops`)."""
+    """Total FLOPs of the ``G`` decode steps after a ``P``-token prompt, and their parts:
+    ``full_all``, ``full_last`` (step ``j`` recomputes ``P + j`` positions) and ``cached``."""
     steps = range(1, new_tokens + 1)
     runs = {"full_all": [step_flops(config, 0, prefix_len + j, causal=causal) for j in steps],
             "full_last": [step_flops(config, 0, prefix_len + j, True, causal) for j in steps],
@@ -112,8 +105,8 @@ def kv_per_sequence(config: GPTConfig, context: int, size: int) -> int:
 
 
 def step_bytes(model: Decoder, context: int) -> int:
-    """Bytes one decode step must read at ``context`` cached positions: every weight but the
-    embedding tables, one row of each, and K and V of every layer over ``context + 1`` positions.
+    """Bytes one decode step reads at ``context`` cached positions: every weight (one row of
+    each embedding table) and K and V of every layer over ``context + 1`` positions.
 
     >>> from kvdoc.core.model import llama_config
     >>> step_bytes(Decoder(llama_config()), 0) > 0    # no wpe: positions turn inside attention
@@ -131,9 +124,9 @@ def step_bytes(model: Decoder, context: int) -> int:
 
 
 def attention_macs_per_key(config: MLAConfig, absorbed: bool) -> int:
-    """Multiply-adds one decode step spends per cached position and layer, all heads together:
-    plain, up-projecting the latent first; absorbed, scoring and summing over the latent itself
-    (folding ``W_UK`` and applying ``W_UV`` cost per query, not per key).
+    """Multiply-adds a decode step spends per cached position and layer, all heads: plain,
+    up-projecting the latent first; absorbed, over the latent itself (``W_UK``, ``W_UV`` cost
+    per query, not per key).
 
     >>> from kvdoc.core.mla import MLAConfig
     >>> cfg = MLAConfig()

@@ -1,22 +1,13 @@
 """``python -m kvdoc prefix-report``: the prefix-cache hit rate of a file of prompts, by vLLM's
 rule and by SGLang's, and why each request missed what it missed.
 
-Both servers define the hit rate the same way: prompt tokens found in the cache over prompt
-tokens (vLLM's ``PrefixCacheStats.hits / queries``; SGLang's cached tokens over cached plus new).
-They differ in what may be found. Each request here is matched against every prompt before it
-(on its replica), as if memory were ample and each request finished before the next came:
-
-* the match is the longest prefix the request shares with a cached prompt, short of its last
-  token (both servers compute that token again: its logits choose the next token);
-* vLLM keeps only whole blocks (``block_size``, 16 by default), so the match is rounded down to
-  a multiple of it; SGLang's radix cache matches token by token (``page_size`` 1 by default).
-
-So a miss has one of four reasons: nothing cached yet; the prompt parts from the cached ones at
-some token (token 0: a timestamp or an id in front); the whole prompt was cached (its last
-token is recomputed); or, under vLLM, the match ends inside a block. Each request's reason
-names the cached request it matched (``#k``): ``extends #k`` (a new turn after prompt ``k``),
-``repeats #k``, ``inside #k`` (a prefix of it), ``parts from #k at t`` (the latest prompt
-that went further than the match, and the token where the two part).
+Both count prompt tokens found in the cache over prompt tokens; each request here is matched
+against every prompt before it on its replica (ample memory, each request finished before the
+next): its longest shared prefix, short of its last token, which both compute again; vLLM
+rounds it down to whole blocks (``block_size``), SGLang matches token by token (``page_size``
+1). Each request's reason names the cached request ``#k`` it matched: ``extends #k`` (a new
+turn), ``repeats #k``, ``inside #k``, ``parts from #k at t`` (the latest prompt that went
+further, and the token where the two part), or ``nothing cached``.
 
 >>> a, b = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7]
 >>> report = prefix_report([a, b, b], block_size=4)
