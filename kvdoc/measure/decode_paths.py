@@ -71,10 +71,9 @@ GUARANTEES: dict[str, type[FastDecoder]] = {"unwatched": UnwatchedFast,
 
 
 class LeanStep:
-    """One token per row for a GPT-2-style decoder, with nothing around the arithmetic, up to
-    ``capacity`` positions. ``pretranspose``: weights stored ``[in, out]`` (else read through a
-    transposed view, as ``F.linear`` does); ``attention``: ``"sdpa"`` (one call, a K/V head's
-    query heads as rows) or ``"matmul"`` (matmul, scale, softmax, matmul)."""
+    """One token per row for a GPT-2-style decoder, nothing around the arithmetic, up to
+    ``capacity`` positions; ``pretranspose``: weights stored ``[in, out]`` (else read transposed,
+    as ``F.linear`` does); ``attention``: ``"sdpa"`` or ``"matmul"`` (scale, softmax, matmul)."""
 
     def __init__(self, model: Decoder, capacity: int, *, pretranspose: bool = True,
                  attention: Literal["sdpa", "matmul"] = "sdpa") -> None:
@@ -224,9 +223,8 @@ def prompt_cache(model: Decoder, ids: torch.Tensor, prefix_len: int, steps: int,
 
 def cached_decode(step: Callable[..., Any], cache: KVCache, ids: torch.Tensor, prefix_len: int,
                   steps: int) -> tuple[Prepare, Callable[[], torch.Tensor]]:
-    """``steps`` single-token calls of ``step`` (the model or a fast step) after ``cache``,
-    which holds the first ``prefix_len`` tokens of ``ids`` and is cropped back to them before
-    each run (untimed; a dynamic cache, which no call changes, already holds just them)."""
+    """``steps`` single-token calls of ``step`` after ``cache`` (the first ``prefix_len`` tokens
+    of ``ids``), cropped back to it before each run, untimed."""
     P, G = prefix_len, steps
 
     def run() -> torch.Tensor:

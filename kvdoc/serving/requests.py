@@ -96,10 +96,8 @@ def greedy(logits: torch.Tensor, cache: KVCache, prompt: torch.Tensor, max_new_t
            step: Callable, choose: Callable = lambda token: token
            ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
     """Greedy decoding after a prefill's ``logits`` and ``cache``: ``(tokens [B, P + N],
-    logits [B, N, V] each new token was chosen from, cache)``. Each token is ``choose(argmax)``
-    (rank 0's broadcast, say) and, but the last, fed by ``step(token, cache, position)``: the one
-    greedy loop of serving and parallel decoding (:func:`kvdoc.core.model.generate` has its own,
-    as the core imports no serving code)."""
+    logits [B, N, V], cache)``, each token ``choose(argmax)`` (rank 0's broadcast, say) and, but
+    the last, fed by ``step(token, cache, position)``: serving's and parallel decoding's loop."""
     fed, chosen = [prompt], []
     for i in range(max_new_tokens):
         chosen.append(logits[:, -1])
@@ -111,13 +109,11 @@ def greedy(logits: torch.Tensor, cache: KVCache, prompt: torch.Tensor, max_new_t
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One step of a run: ``rows``, ``(rid, new tokens, kind)`` per row of the forward (kind
-    ``"prefill"``, ``"recompute"`` or ``"decode"``); rids ``waiting`` (arrived, not admitted)
-    and ``holding`` (admitted, not in the forward); after the step, ``pool.num_used``, the
-    distinct blocks the live tables name and the free list; ``lengths_ok``: every live table
-    covers exactly its written positions (prompt + tokens - 1 unless preempted); ``refs_ok``:
-    every reference count is the number of live tables naming the block; ``(rid, positions
-    discarded)`` per preemption."""
+    """One step of a run: ``(rid, new tokens, kind)`` per row of the forward; rids ``waiting``
+    (arrived, not admitted) and ``holding`` (admitted, not in the forward); after the step, the
+    blocks held, named by the live tables and free; ``lengths_ok``: every live table covers
+    exactly its written positions; ``refs_ok``: every reference count is the number of live
+    tables naming the block; ``(rid, positions discarded)`` per preemption."""
 
     step: int
     rows: tuple[tuple[int, int, str], ...]

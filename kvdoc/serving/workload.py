@@ -32,9 +32,8 @@ from .paged import BlockPool, PagedCache
 
 @dataclass(frozen=True)
 class RequestMix:
-    """Requests sharing one system ``prefix`` (token ids): each its own prompt text after it
-    (``users``) and output tokens (random stand-ins for generated ones); the distributions and
-    seed in words, for the page."""
+    """Requests sharing one system ``prefix``, each with its own text (``users``) and output
+    tokens (random stand-ins), and the distributions in words."""
 
     prefix: list[int]
     users: list[list[int]]
@@ -95,10 +94,9 @@ class StrategyMemory:
 
 @dataclass(frozen=True)
 class MixMemory:
-    """What :func:`measure_mix` returns: the positions all requests hold together (the prefix
-    counted per request), the K/V bytes of one position (every layer), the three strategies
-    (contiguous, paged, paged + shared prefix) and each request's logits ``[1, user + output,
-    V]`` from the shared-prefix run."""
+    """What :func:`measure_mix` returns: the positions all requests hold (the prefix counted per
+    request), the K/V bytes of one position, the three strategies and each request's logits
+    from the shared-prefix run."""
 
     requests: int
     positions: int
