@@ -49,13 +49,12 @@ KERNEL_ALIGNMENT = 16
 @dataclass(frozen=True)
 class StateReport:
     """Per request: prompt length, hit with K/V alone and hit of the hybrid model; after the
-    last request, the ``snapshots`` saved and the distinct prefix positions cached."""
+    last request, the ``snapshots`` saved."""
 
     tokens: list[int]
     kv_hits: list[int]
     hits: list[int]
     snapshots: int
-    cached_tokens: int
 
     def hit_rate(self) -> float:
         """Hybrid hit tokens over prompt tokens."""
@@ -91,7 +90,7 @@ def state_prefix_report(prompts: Sequence[Sequence[int]], where: str = "last",
         if branch and len(path) // block * block > hit:
             points.append(len(path) // block * block)
         saved.update(here[p - 1] for p in points if p > 0)
-    return StateReport(tokens, kv_hits, hits, len(saved), len(trie.nodes))
+    return StateReport(tokens, kv_hits, hits, len(saved))
 
 
 def vllm_state_bytes(layer: LayerCache, conv_kernel: int, element_bytes: int = 2) -> int:
