@@ -7,7 +7,8 @@ next): its longest shared prefix, short of its last token, which both compute ag
 rounds it down to whole blocks (``block_size``), SGLang matches token by token (``page_size``
 1). Each request's reason names the cached request ``#k`` it matched: ``extends #k`` (a new
 turn), ``repeats #k``, ``inside #k``, ``parts from #k at t`` (the latest prompt that went
-further, and the token where the two part), or ``nothing cached``.
+further, and the token where the two part), or ``nothing cached``. A hybrid model, whose
+recurrent states resume only from a saved snapshot, has its own: :func:`state_prefix_report`.
 
 >>> a, b = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7]
 >>> report = prefix_report([a, b, b], block_size=4)
@@ -26,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .kv_bytes import check_int
+from .layer_caches import LayerCache
 from .tables import markdown_table
 
 VLLM_BLOCK = 16
@@ -211,3 +214,102 @@ def main(args: argparse.Namespace) -> int:
         return 2
     print(report.summary() if args.summary else f"{report.table()}\n\n{report.summary()}")
     return 0
+
+
+# --- a hybrid model: its recurrent states resume only from a saved snapshot ---------------
+
+KERNEL_ALIGNMENT = 16
+"""Tokens an attention block is a multiple of in :func:`vllm_hybrid_block` (FlashAttention's
+``MultipleOf(16)`` and vLLM's default block size)."""
+
+
+@dataclass(frozen=True)
+class StateReport:
+    """Per request: prompt length, hit with K/V alone and hit of the hybrid model; after the
+    last request, the ``snapshots`` saved."""
+
+    tokens: list[int]
+    kv_hits: list[int]
+    hits: list[int]
+    snapshots: int
+
+    def hit_rate(self) -> float:
+        """Hybrid hit tokens over prompt tokens."""
+        return sum(self.hits) / sum(self.tokens)
+
+    def kv_hit_rate(self) -> float:
+        """Hit tokens over prompt tokens if every layer kept K/V rows."""
+        return sum(self.kv_hits) / sum(self.tokens)
+
+
+def state_prefix_report(prompts: Sequence[Sequence[int]], where: str = "last",
+                        block: int = 16, branch: bool = False) -> StateReport:
+    """The hit rates of a hybrid model, whose recurrent layers (Gated DeltaNet, Mamba-2) resume
+    only where an earlier prefill saved their state, a *snapshot*: its hit is the deepest one
+    inside the shared prefix (short of the last token). Each prompt is matched against all
+    before it, as :func:`prefix_report` does, and saves snapshots past its own hit by the rules
+    the server runs (:class:`~kvdoc.serving.snapshots.SnapshotStore`: ``where`` and ``block``;
+    ``branch``, also where its K/V match ends).
+
+    >>> system, a, b = list(range(40)), [50] * 30, [60] * 30
+    >>> prompts = [system + a, system + b, system + [70] * 30]
+    >>> [state_prefix_report(prompts, where, 16).hits for where in ("every", "last", "end")]
+    [[0, 32, 32], [0, 0, 0], [0, 0, 0]]
+    >>> state_prefix_report(prompts, "last", 16, branch=True).hits   # #1 saves 32 for #2
+    [0, 0, 32]
+    >>> state_prefix_report(prompts, "last", 16).kv_hits             # K/V alone, token by token
+    [0, 40, 40]
+    """
+    from kvdoc.serving.snapshots import SnapshotStore  # imports torch: not when the command starts
+
+    rule = SnapshotStore(where, check_int("block", block), branch)  # refuses an unknown where
+    if not prompts or not all(prompts):
+        raise ValueError("need at least one prompt, and no empty prompt")
+    trie, saved = Prefixes(), set()  # saved: trie nodes (positions) holding a snapshot
+    tokens, kv_hits, hits = [], [], []
+    for i, prompt in enumerate(prompts):
+        n = len(prompt)
+        path = trie.path(prompt)[: n - 1]  # the last token is always computed
+        hit = max((d + 1 for d, node in enumerate(path) if node in saved), default=0)
+        tokens.append(n)
+        kv_hits.append(len(path))
+        hits.append(hit)
+        trie.add(prompt, i)
+        here = trie.path(prompt)
+        saved.update(here[p - 1] for p in rule.points(n, hit, len(path)) if p > 0)
+    return StateReport(tokens, kv_hits, hits, len(saved))
+
+
+def vllm_state_bytes(layer: LayerCache, conv_kernel: int, element_bytes: int = 2) -> int:
+    """One recurrent layer's state as vLLM 0.33 allocates it, from the memory command's
+    :class:`~kvdoc.measure.layer_caches.LayerCache` (which counts transformers' layout: a conv
+    window of ``conv_kernel`` taps, the state in FP32): a window of ``conv_kernel - 1`` taps and
+    the state, both of ``element_bytes`` (the model's dtype: its ``mamba_cache_dtype`` and
+    ``mamba_ssm_cache_dtype`` default to ``"auto"``).
+
+    >>> from kvdoc.measure.layer_caches import gated_delta_layer
+    >>> vllm_state_bytes(gated_delta_layer(16, 32, 128, 128, 4), 4)   # Qwen3-Next, BF16
+    1097728
+    """
+    check_int("conv_kernel", conv_kernel, minimum=2)
+    if layer.per_token or not layer.state32 or layer.state % conv_kernel:
+        raise ValueError(f"need a recurrent layer whose conv state has {conv_kernel} taps, "
+                         f"got {layer}")
+    return element_bytes * (layer.state // conv_kernel * (conv_kernel - 1) + layer.state32)
+
+
+def vllm_hybrid_block(state_bytes: int, kv_bytes_per_token: int,
+                      alignment: int = KERNEL_ALIGNMENT) -> int:
+    """The block size vLLM 0.33 gives a hybrid model: the smallest multiple of ``alignment``
+    whose K/V page (``block x kv_bytes_per_token``, one attention layer) holds one recurrent
+    layer's state (``state_bytes``), so that both kinds of page have one size. In
+    ``mamba_cache_mode="align"`` the snapshots are taken at multiples of it.
+
+    >>> # Qwen3-Next-80B-A3B in BF16: its state beside 2 x 2 x 256 K/V elements a token
+    >>> vllm_hybrid_block(1097728, 2 * 2 * 256 * 2)
+    544
+    """
+    check_int("state_bytes", state_bytes)
+    check_int("kv_bytes_per_token", kv_bytes_per_token)
+    check_int("alignment", alignment)
+    return alignment * -(-state_bytes // (alignment * kv_bytes_per_token))

@@ -4,10 +4,10 @@ A recurrent layer (Gated DeltaNet, Mamba-2) keeps one state, a fold over every e
 that no other sequence's rows stand for and that cannot be cropped back: a request resumes only
 at a position where an earlier prefill saved a :class:`~kvdoc.core.state.Snapshot`, filed under
 the token ids before it. The tree gives it the deepest one inside its match, the K/V blocks
-before it, and a copy of its states. Prefills save at ``"every"`` block boundary, the ``"last"``
-before the prompt's last token (vLLM's ``mamba_cache_mode="align"``) or its ``"end"``
-(:mod:`kvdoc.measure.state_prefix` models the hit rates), ``branch`` also where the match ended;
-a snapshot is kept while the tree keeps the rows before it.
+before it, and a copy of its states. Prefills save where :func:`save_points` says, ``branch``
+also where the match ended (SGLang's ``mamba_branching_seqlen``); a snapshot is kept while the
+tree keeps the rows before it. :func:`kvdoc.measure.prefix_report.state_prefix_report` models
+the hit rates these rules give.
 
 >>> import torch
 >>> from kvdoc.core.deltanet import DeltaNetConfig, DeltaNetDecoder
@@ -39,7 +39,9 @@ Where = Literal["every", "last", "end"]
 
 
 def save_points(n: int, hit: int, where: str, block: int) -> list[int]:
-    """Positions where a prefill of a prompt of ``n`` tokens, resumed at ``hit``, saves states.
+    """Positions where a prefill of a prompt of ``n`` tokens, resumed at ``hit``, saves states:
+    every multiple of ``block`` (a prefill in chunks of a block); the last before its last token
+    (vLLM 0.33's ``mamba_cache_mode="align"``); its end (SGLang 0.5.23's ``no_buffer``).
 
     >>> save_points(30, 0, "every", 8), save_points(30, 0, "last", 8), save_points(30, 8, "end", 8)
     ([8, 16, 24], [24], [30])
