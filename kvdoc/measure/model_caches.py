@@ -107,13 +107,12 @@ _STATE = ("keep a fixed state (the conv state in the cache's dtype, the {} state
 
 def _gpt_oss(name: str, layers: int) -> ModelCache:
     """gpt-oss: ``layer_types`` in the published config alternate sliding and full."""
-    pair = (attention_layer(8, 64, 128), attention_layer(8, 64))
-    return ModelCache(
-        name, pair * (layers // 2), 131072,
-        f"{_HF.format('openai/' + name)} (num_hidden_layers {layers}, num_key_value_heads "
-        "8, head_dim 64, sliding_window 128, layer_types alternating sliding_attention and "
-        "full_attention, max_position_embeddings 131072)",
-        "the attention sinks are one learned scalar a head, not cached per position")
+    return _preset(name, layers, None, 8, 64, 131072,
+                   f"{_HF.format('openai/' + name)} (num_hidden_layers {layers}, "
+                   "num_key_value_heads 8, head_dim 64, sliding_window 128, layer_types "
+                   "alternating sliding_attention and full_attention, max_position_embeddings "
+                   "131072)", 128, 2,
+                   "the attention sinks are one learned scalar a head, not cached per position")
 
 
 #: Every published model the package knows, by lower-case name, each with the file its sizes
