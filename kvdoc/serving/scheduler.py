@@ -12,9 +12,9 @@ Three policies on one loop:
 * ``"continuous"`` with ``token_budget=N``: stall-free chunked prefill (Sarathi-Serve, vLLM's
   ``max_num_batched_tokens``): each decoding request's token first, then prefill chunks.
 
-A step's rows run as one ragged forward (:mod:`kvdoc.serving.ragged`); a hybrid model's rows a
-forward each, as a recurrent state would fold a padded row's padding in, each sequence carrying
-its states from step to step.
+A step's rows run as one ragged forward (:class:`~kvdoc.serving.batching.RaggedStep`); a hybrid
+model's rows a forward each, as a recurrent state would fold a padded row's padding in, each
+sequence carrying its states from step to step.
 
 **Admission and preemption** (stated exactly in :mod:`kvdoc.teach.schedule_spec`): by default a
 request is admitted only if the free blocks, less what the running requests still need, cover
@@ -57,8 +57,8 @@ from kvdoc.core.cache import check_int
 from kvdoc.core.model import Decoder
 from kvdoc.core.state import StateSpec, read_state, state_layers
 
+from .batching import RaggedStep
 from .paged import BlockPool
-from .ragged import RaggedStep
 from .requests import Request, ServeRun, StepRecord, choose, sample_generator
 
 Policy = Literal["continuous", "static"]
