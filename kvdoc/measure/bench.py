@@ -44,8 +44,7 @@ ABLATION_LABELS = {
 
 
 def timings_table(result: BenchResult, stat: str = "p50") -> str:
-    """One row per path (rows, so that the table stays narrow), one column per prefix P: the
-    ``stat`` ("p50" or "p95") in ms of one prefill call, or of all G steps of a decode path."""
+    """A row per path, a column per prefix P: the ``stat`` (p50 or p95) in ms."""
     if stat not in ("p50", "p95"):
         raise ValueError(f"stat must be 'p50' or 'p95', not {stat!r}")
     order = ("prefill", "full_all", "full_last", "dynamic", "static", "fast", "lean", "compiled",
@@ -58,8 +57,7 @@ def timings_table(result: BenchResult, stat: str = "p50") -> str:
 
 
 def counts_table(result: BenchResult) -> str:
-    """Rows counted by hooks on layer 0's ``c_attn`` and on ``lm_head`` over the G steps, per
-    prefix and path, beside the closed form of the ``c_attn`` count."""
+    """Rows counted on ``c_attn`` and ``lm_head`` over the G steps, beside the closed form."""
     header = ["prefix P", "path", "c_attn (rows, counted)", "c_attn (rows, closed form)",
               "lm_head (rows, counted)"]
     rows = []
@@ -187,8 +185,7 @@ def log_log(ax, ticks: list[int], xlabel: str, ylabel: str, title: str) -> None:
 
 
 def _log_y(ax) -> None:
-    """A log y axis labelled at 1, 2 and 5 of every decade: a range narrower than a decade
-    still carries several labels."""
+    """A log y axis labelled at 1, 2 and 5 of every decade."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ax.set_yscale("log")

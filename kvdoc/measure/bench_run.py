@@ -250,8 +250,7 @@ ABLATION_ROWS = {"reference": "static", "fast": "fast", **{k: k for k in GUARANT
 
 def _split_ablation(samples: dict[str, list[float]], diffs: dict[str, float] | None,
                     steps: int) -> dict[str, Any]:
-    """Take the ablation's variants out of one rotation's samples (timed beside the other paths,
-    so all saw the same load); the ablation's summary."""
+    """Take the ablation's variants out of one rotation's samples; the ablation's summary."""
     rows = {row: samples[path] for row, path in ABLATION_ROWS.items()}
     for name in VARIANTS:
         del samples[name]

@@ -104,8 +104,7 @@ class LeanStep:
         self.pos = 0
 
     def start(self, cache: KVCache) -> None:
-        """Take a copy of ``cache``'s K/V (the prompt) into fresh buffers; the next token is at
-        ``cache.seq_len``."""
+        """Copy ``cache``'s K/V (the prompt) into fresh buffers."""
         cfg, P = self.config, cache.seq_len
         shape = (cache.batch_size, cfg.n_kv_head, self.capacity, cfg.head_dim)
         self.k = [self.wte.new_zeros(shape) for _ in self.layers]
@@ -205,8 +204,7 @@ def build_models(config: GPTConfig, seed: int, transformers: bool,
 
 def rewound(reset: Callable[[], object],
             run: Callable[[], Any]) -> tuple[Prepare, Callable[[], Any]]:
-    """A timed path: ``prepare`` calls ``reset`` (untimed: back to the prompt) and returns
-    ``run``; the second call runs it once, for its logits."""
+    """A timed path (``prepare``: ``reset`` untimed, returning ``run``) and one run of it."""
     def prepare() -> Callable[[], Any]:
         reset()
         return run
@@ -215,8 +213,7 @@ def rewound(reset: Callable[[], object],
 
 def prompt_cache(model: Decoder, ids: torch.Tensor, prefix_len: int, steps: int,
                  kind: str = "static") -> KVCache:
-    """A cache of ``kind`` holding the first ``prefix_len`` tokens of ``ids``, room for
-    ``steps`` more."""
+    """A cache of ``kind`` holding ``ids[:, :prefix_len]``, room for ``steps`` more."""
     return model(ids[:, :prefix_len], model.new_cache(ids.shape[0], kind,
                                                       capacity=prefix_len + steps))[1]
 

@@ -66,8 +66,7 @@ class LayerCache(NamedTuple):
         return "K/V" if self.kv_heads else "K = V" if self.shared_kv else "latent"
 
     def parts(self, seq_len: int, windows: bool = True) -> dict[str, int]:
-        """Elements of each term after ``seq_len`` positions, the nonzero ones, by name
-        (``windows=False``: the window caps nothing)."""
+        """Elements of each nonzero term after ``seq_len`` positions (``windows=False``: no cap)."""
         T = check_int("seq_len", seq_len, minimum=0)
         reach = T if self.window is None or not windows else min(T, self.window)
         entries = T // self.rate if self.rate else 0

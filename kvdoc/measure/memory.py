@@ -194,8 +194,7 @@ def _formula(model: ModelCache, T: int) -> tuple[str, str, str, str]:
 
 
 def _part_lines(model: ModelCache, T: int, B: int, dtype: str) -> list[str]:
-    """Each term's bytes apart at ``T``, the all-attention model of the same size, and bytes
-    per sequence against context."""
+    """Each term's bytes, the all-attention model's, and a sequence's at 4k, 32k, 128k."""
     if model.kind == "plain":  # K/V alone: the bytes line says it
         return []
     lines = [f"part       {name}: {format_bytes(n)}"
@@ -287,8 +286,7 @@ def _model_lines(model: ModelCache, kind: str, T: int, B: int, dtype: str, defau
 
 
 def main(args: argparse.Namespace) -> int:
-    """Print the K/V bytes for the sizes in ``args``; 2 (nothing on stdout) on inconsistent
-    options."""
+    """Print the K/V bytes for ``args``; 2 (nothing on stdout) on inconsistent options."""
     if args.list_models:
         for m in MODELS.values():
             print(f"{m.name:20} {m.kind:13} {len(m.layers):3} layers, "

@@ -86,8 +86,7 @@ def _qwen3(name: str, layers: int, heads: int, kv_heads: int = 8, note: str = ""
 
 def _gemma(name: str, repo: str, layers: int, heads: int, kv_heads: int, head_dim: int,
            hidden: int) -> ModelCache:
-    """Gemma 2 (a window of 4,096 every other layer) or Gemma 3 (five window layers of 512 or
-    1,024, then a global one)."""
+    """Gemma 2 (every other layer windowed) or Gemma 3 (five windowed layers, then one)."""
     if name.startswith("Gemma-2"):
         return _preset(name, layers, heads, kv_heads, head_dim, 8192, _HF.format(repo), 4096, 2,
                        hidden=hidden)

@@ -71,8 +71,7 @@ class Prefixes:
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt: its replica, length, shared prefix, hits under each rule, and the reason for
-    its misses."""
+    """One prompt: its replica, length, shared prefix, hits by rule, why it missed."""
 
     replica: int
     tokens: int
@@ -91,8 +90,7 @@ class Report:
         return sum(r.hits[rule] for r in self.requests) / sum(r.tokens for r in self.requests)
 
     def summary(self) -> str:
-        """A table, a column per rule: hit rate, tokens found, and the missed tokens by reason
-        (the same under both rules but the partial block's)."""
+        """A table, a column per rule: hit rate, tokens found, missed tokens by reason."""
         found = {rule: sum(r.hits[rule] for r in self.requests) for rule in self.units}
         used = sum(min(r.shared, r.tokens - 1) for r in self.requests)  # all a rule could find
         after = sum(r.tokens - r.shared for r in self.requests if r.shared < r.tokens)

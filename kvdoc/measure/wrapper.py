@@ -69,6 +69,5 @@ def wrap_layers(cache: KVCache, wrapper: Callable[[CacheLayer, int], CacheLayer]
 
 
 def unwrapped(cache: KVCache) -> KVCache:
-    """A cache of the layers inside ``cache``'s wrappers, at its length (what a check of the
-    cache's own bytes reads, without what a wrapper records)."""
+    """A cache of the layers inside ``cache``'s wrappers, at its length."""
     return KVCache([layer.inner for layer in cache.layers], cache.seq_len)

@@ -206,8 +206,7 @@ class RaggedStep:
                               for i, spec in enumerate(pool.layout)], seq_len=self.seq_len)
 
     def mask(self) -> torch.Tensor:
-        """``[B, C, T]`` bool: a real query at position ``P_b + j`` reads keys ``0 .. P_b + j``
-        of its row; a pad query reads key 0 only."""
+        """``[B, C, T]`` bool: query ``P_b + j`` reads keys ``0 .. P_b + j``, a pad query key 0."""
         C = max(self.new)
         past = torch.tensor(self.past, device=self.device)[:, None, None]
         new = torch.tensor(self.new, device=self.device)[:, None, None]

@@ -257,8 +257,7 @@ def fp8_cache(config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.flo
 
 
 def scale_table(cache: KVCache) -> torch.Tensor:
-    """Every layer's scales in an FP8 cache, ``[L, 2]`` or ``[L, 2, H_kv]``: what ``scales=``
-    takes."""
+    """Every layer's scales, ``[L, 2]`` or ``[L, 2, H_kv]``: what ``scales=`` takes."""
     table = torch.stack([torch.stack([s.flatten() for s in layer.scales])
                          for layer in cache.layers])
     return table[..., 0] if cache.layers[0].granularity == "per-tensor" else table
@@ -267,8 +266,7 @@ def scale_table(cache: KVCache) -> torch.Tensor:
 def new_fp8_cache(model: torch.nn.Module, batch: int, capacity: int | None = None, *,
                   granularity: str = "per-head", scales: torch.Tensor | None = None,
                   fp8: str | torch.dtype = torch.float8_e4m3fn) -> KVCache:
-    """An empty FP8 cache for ``model`` stored as ``fp8`` (``capacity`` is unused: the cache
-    grows)."""
+    """An empty FP8 cache for ``model`` (``capacity`` unused: the cache grows)."""
     weight = model.wte.weight
     return fp8_cache(model.config, batch, weight.dtype, weight.device,
                      granularity=granularity, scales=scales, fp8=fp8)

@@ -74,8 +74,7 @@ def block_hashes(tokens: Sequence[int], block_size: int,
 
 
 class TieredStore:
-    """Blocks by key in a device tier, a host tier and a disk folder; ``hits`` counts lookups
-    found per tier, ``misses`` those found nowhere."""
+    """Blocks by key on the device, the host and a disk folder; lookups counted per tier."""
 
     def __init__(self, device_blocks: int, host_blocks: int, folder: str) -> None:
         self.device_blocks = check_int("device_blocks", device_blocks)

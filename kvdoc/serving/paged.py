@@ -117,8 +117,7 @@ class BlockPool:
                 self._free.append(i)
 
     def to_write(self, table: list[int], start: int, end: int) -> int:
-        """Blocks to copy (shared) or allocate before ``table`` takes positions ``start ..
-        end - 1``."""
+        """Blocks to copy or allocate before ``table`` takes positions ``start .. end - 1``."""
         first, last = start // self.block_size, math.ceil(end / self.block_size)
         return max(0, last - len(table)) + sum(self._refs[b] > 1 for b in table[first:last])
 
@@ -278,8 +277,7 @@ class PagedCache(KVCache):
         self._len = 0
 
     def fork(self, rows: Sequence[int] | None = None) -> PagedCache:
-        """A new cache whose sequence ``i`` shares every block of this one's ``rows[i]`` (default:
-        every sequence once)."""
+        """A cache whose sequence ``i`` shares every block of ``rows[i]`` (default: all)."""
         rows = list(range(self.batch_size)) if rows is None else list(rows)
         if not rows or any(not 0 <= r < self.batch_size for r in rows):
             raise ValueError(f"fork rows must be indices 0..{self.batch_size - 1}, got {rows}")
@@ -328,8 +326,7 @@ class PagedCache(KVCache):
         return len({b for t in self.tables for b in t})
 
     def tensors(self) -> list[torch.Tensor]:
-        """The pool's storage, which this cache shares with every other cache of the pool, and
-        its own recurrent states."""
+        """The pool's storage, shared by every cache of the pool, and its own states."""
         return [*self.pool.stores(),
                 *(t for la in self.layers if isinstance(la, StateLayer) for t in la.tensors())]
 
@@ -353,14 +350,12 @@ def _pool_for(model: Decoder, batch: int, capacity: int, block_size: int, spare:
 
 
 def new_paged_cache(model: Decoder, batch: int, capacity: int, block_size: int = 4) -> PagedCache:
-    """An empty :class:`PagedCache` for ``batch`` sequences of up to ``capacity`` positions, in
-    a pool of exactly the blocks they need."""
+    """A :class:`PagedCache` in a pool of exactly the blocks ``batch x capacity`` needs."""
     return paged_cache(_pool_for(model, batch, capacity, block_size, spare=0), batch)
 
 
 def new_shared_prefix_cache(model: Decoder, batch: int, capacity: int,
                             block_size: int = 4) -> PagedCache:
-    """An empty shared-prefix :class:`PagedCache` for ``batch`` sequences of up to ``capacity``
-    positions, with a spare block per sequence for the copy a call's fork may make."""
+    """A shared-prefix :class:`PagedCache`, a spare block a sequence for a fork's copy."""
     return paged_cache(_pool_for(model, batch, capacity, block_size, spare=1), batch,
                        shared=True)

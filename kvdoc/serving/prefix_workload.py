@@ -77,8 +77,7 @@ def chat_workload(seed: int = 0, conversations: int = 2, turns: int = 3, vocab: 
 
 
 def prefix_workload(seed: int = 0) -> list[Turn]:
-    """The page's workload: :func:`few_shot_workload` (``seed``), then :func:`chat_workload`
-    (``seed + 1``)."""
+    """The page's: :func:`few_shot_workload`, then :func:`chat_workload` (``seed + 1``)."""
     few = few_shot_workload(seed)
     chat = [Turn(t.text, t.max_new, t.kind, None if t.after is None else t.after + len(few))
             for t in chat_workload(seed + 1)]  # another seed: its ids must not repeat few-shot's

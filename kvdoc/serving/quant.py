@@ -80,8 +80,7 @@ def read_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class Int8Layer(CacheLayer):
-    """One layer's K and V as int8 with per-row scales, ``rows`` ``(qk, k_scale, qv, v_scale)``,
-    grown by concatenation."""
+    """K and V as int8, ``rows`` ``(qk, k_scale, qv, v_scale)``, grown by concatenation."""
 
     def __init__(self, rows: tuple[torch.Tensor, ...]) -> None:
         qk, sk, qv, _ = rows

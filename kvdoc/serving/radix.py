@@ -287,8 +287,7 @@ class RadixCache:
         leaf.tokens, leaf.blocks = leaf.tokens[:-n * self.block_size], leaf.blocks[:-n]
 
     def evict(self, blocks: int) -> int:
-        """Evict the leaves the policy allows, lowest priority first, until ``blocks`` are freed
-        or none is left; returns those freed."""
+        """Evict allowed leaves, lowest priority first, till ``blocks`` are freed (or none left)."""
         freed = 0
         while freed < blocks:
             leaves = [n for n in self.nodes() if not n.children and self.policy.may_evict(n)]
@@ -368,8 +367,7 @@ class Served:
 @torch.no_grad()
 def serve_prompt(model: Decoder, tree: RadixCache, prompt: Sequence[int],
                  max_new: int) -> Served:
-    """Admit ``prompt``, prefill only what the tree lacks, decode ``max_new`` greedy tokens,
-    and leave the result in the tree."""
+    """Admit ``prompt``, prefill what the tree lacks, decode, and leave the result in it."""
     if max_new < 1:
         raise ValueError(f"max_new must be at least 1, got {max_new}")
     request = tree.admit(prompt, max_new)

@@ -137,8 +137,7 @@ class Scheduler:
         live.table.clear()
 
     def preempt(self, live: LiveRequest) -> int:
-        """Preemption by recompute: give every block back and forget every written position (its
-        tokens stay); returns the positions discarded."""
+        """Preempt by recompute: free its blocks, forget its positions (returned); tokens stay."""
         discarded = live.fed
         self.retire(live)
         live.fed, live.states = 0, {}
@@ -284,8 +283,7 @@ class Scheduler:
         return all(self.pool.refs(b) == holders[b] for b in range(self.pool.num_blocks))
 
     def run(self, trace: Sequence[Request]) -> ServeRun:
-        """Serve ``trace`` until every request has its tokens; returns what each produced and a
-        record of every step."""
+        """Serve ``trace`` until every request has its tokens, recording every step."""
         self._check(trace)
         waiting = [LiveRequest(r, 0, sample_generator(r, 0), forks_pending=r.samples > 1)
                    for r in sorted(trace, key=lambda r: (r.arrival, r.rid))]

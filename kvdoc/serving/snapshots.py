@@ -99,8 +99,7 @@ class SnapshotStore:
         return new
 
     def prune(self, holds: callable) -> None:
-        """Drop the snapshots whose rows are gone: ``holds(ids)`` is the positions of ``ids`` the
-        tree still holds."""
+        """Drop the snapshots whose rows are gone (``holds(ids)``: positions still held)."""
         self.saved = {key: s for key, s in self.saved.items() if holds(key) >= len(key)}
 
     def nbytes(self) -> int:

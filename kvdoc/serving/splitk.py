@@ -100,8 +100,7 @@ def merge(parts: list[Partial] | Partial,
 
 def all_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int,
                  mask: torch.Tensor | None = None) -> Partial:
-    """Every chunk's :func:`partial_attention` at once, chunks along a leading dimension (the
-    keys padded to whole chunks, the padding masked)."""
+    """Every chunk's :func:`partial_attention` at once, the keys padded to whole chunks."""
     B, H, C, D = q.shape
     H_kv, T = k.shape[1], k.shape[2]
     n = math.ceil(T / split)
@@ -162,8 +161,7 @@ def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: 
 
 
 class SplitKAttention(CausalSelfAttention):
-    """The decoder's attention (:class:`~kvdoc.core.model.CausalSelfAttention`) with softmax
-    over chunks of ``split`` keys, merged exactly."""
+    """The decoder's attention with softmax over chunks of ``split`` keys, merged exactly."""
 
     def __init__(self, config: GPTConfig, split: int) -> None:
         super().__init__(config)
@@ -179,8 +177,7 @@ class SplitKAttention(CausalSelfAttention):
 
 
 class SinkSplitKAttention(GptOssAttention):
-    """gpt-oss's attention (:class:`~kvdoc.core.gptoss.GptOssAttention`) over chunks of
-    ``split`` keys, the sinks merged once."""
+    """gpt-oss's attention over chunks of ``split`` keys, the sinks merged once."""
 
     def __init__(self, config: GptOssConfig, layer_idx: int, split: int) -> None:
         super().__init__(config, layer_idx)

@@ -124,8 +124,7 @@ def _filled_slots(caches: list[PagedCache]) -> int:
 
 @torch.no_grad()
 def measure_mix(model: Decoder, mix: RequestMix, block_size: int = 16) -> MixMemory:
-    """Run every request of ``mix``, all held at once, under each strategy; see the module
-    docstring."""
+    """Run every request of ``mix``, all held at once, under each strategy."""
     cfg, weight = model.config, model.wte.weight
     lengths = mix.lengths()
     if max(lengths) > cfg.n_positions:
