@@ -82,9 +82,7 @@ def step_traffic(model: Decoder, batch: int, context: int) -> StepTraffic:
 
 def time_batches(model: Decoder, context: int, batches: tuple[int, ...], steps: int,
                  samples: int, seed: int = 0) -> dict[int, list[float]]:
-    """Milliseconds per decode step of the fast step, per batch size, at ``context`` positions
-    (each sample the mean of ``steps`` steps). The cached rows are zeros, not a prefill's: a
-    step does the same work whatever the values."""
+    """Milliseconds per fast decode step, per batch size, at ``context`` zero-filled positions."""
     fast = FastDecoder(model)
     g = torch.Generator().manual_seed(seed)
     weight = model.wte.weight

@@ -129,8 +129,7 @@ def ablation_table(ablation: dict) -> str:
 
 
 def compiled_table(result: BenchResult) -> str:
-    """gpt-fast's fast step beside kvdoc's, per rotation: what compiling cost (or why it
-    failed), and each step's time relative to the lean one."""
+    """gpt-fast's step beside kvdoc's, per rotation: compile cost, times relative to lean."""
     if result.compiled is None:
         raise ValueError("this run has no compiled step (settings.compiled was False)")
     header = ["rotation", "compile (first run, s)", "graphs", "compiled / lean",
@@ -195,8 +194,7 @@ def _log_y(ax) -> None:
 
 
 def timings_figure(result: BenchResult) -> Figure:
-    """Dot plot of the G-step p50 per path and prefix length, on a log axis (dots: a bar's
-    length on a log axis starts from an arbitrary floor, so it says nothing)."""
+    """Dot plot of the G-step p50 per path and prefix length, on a log axis."""
     import matplotlib.pyplot as plt
 
     prefixes = list(result.timings)

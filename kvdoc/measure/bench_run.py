@@ -133,8 +133,7 @@ class BenchResult:
         return percentile(self.timings[prefix_len][path], 50)
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict: every field (under :data:`JSON_NAMES`), each ratio's verdict
-        against :data:`TARGETS` and each path's p50 and p95."""
+        """A JSON-ready dict: every field, each ratio's verdict, each path's p50 and p95."""
         summary = {p: {path: {"p50_ms": self.p50(p, path), "p95_ms": percentile(samples, 95)}
                        for path, samples in paths.items()} for p, paths in self.timings.items()}
         return {**{JSON_NAMES.get(k, k): v for k, v in asdict(self).items()},
@@ -191,8 +190,7 @@ def _bench_prefix(model: Decoder, fast: FastDecoder, hf: Any, settings: BenchSet
                   compiled: Callable[..., Any] | None = None
                   ) -> tuple[dict[str, list[float]], float, dict[str, float], dict[str, int],
                              dict[str, Any] | None]:
-    """One prefix length's paths in one rotation (``ablation``: with the ablation's variants);
-    the last value is what compiling ``compiled`` cost."""
+    """One prefix length's paths in one rotation, and what compiling ``compiled`` cost."""
     G = settings.new_tokens
     ids = token_stream(model.config, prefix_len + G, settings.seed + prefix_len)
     prepare, runs, compile_info = decode_paths(model, hf, ids, prefix_len, G, True, fast,

@@ -85,8 +85,7 @@ def step_flops(config: GPTConfig, past: int, new: int, last_only: bool = False,
 
 def run_flops(config: GPTConfig, prefix_len: int, new_tokens: int,
               causal: bool = False) -> dict[str, float]:
-    """Total FLOPs of the ``G`` decode steps after a ``P``-token prompt, and their parts:
-    ``full_all``, ``full_last`` (step ``j`` recomputes ``P + j`` positions) and ``cached``."""
+    """FLOPs of the ``G`` decode steps after a ``P``-token prompt, by path and part."""
     steps = range(1, new_tokens + 1)
     runs = {"full_all": [step_flops(config, 0, prefix_len + j, causal=causal) for j in steps],
             "full_last": [step_flops(config, 0, prefix_len + j, True, causal) for j in steps],

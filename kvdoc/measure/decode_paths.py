@@ -47,8 +47,7 @@ class UnwatchedFast(FastDecoder):
 
 
 class UncheckedFast(FastDecoder):
-    """The fast step without its input checks and its hand-over to the model: every call is
-    taken as one token per row after a cache, and bad input is not refused."""
+    """The fast step without its input checks and its hand-over to the model."""
 
     def __call__(self, idx: torch.Tensor, cache: KVCache, **options: object) -> DecoderOutput:
         if self._stale():
@@ -220,8 +219,7 @@ def prompt_cache(model: Decoder, ids: torch.Tensor, prefix_len: int, steps: int,
 
 def cached_decode(step: Callable[..., Any], cache: KVCache, ids: torch.Tensor, prefix_len: int,
                   steps: int) -> tuple[Prepare, Callable[[], torch.Tensor]]:
-    """``steps`` single-token calls of ``step`` after ``cache`` (the first ``prefix_len`` tokens
-    of ``ids``), cropped back to it before each run, untimed."""
+    """``steps`` single-token calls of ``step`` after ``cache``, cropped back before each run."""
     P, G = prefix_len, steps
 
     def run() -> torch.Tensor:
@@ -344,8 +342,7 @@ def ablation_paths(model: Decoder, ids: torch.Tensor, prefix_len: int,
 
 
 def ops_per_step(model: Decoder, fast: FastDecoder, hf: Any, ids: torch.Tensor) -> dict[str, int]:
-    """ATen operators of one decode step of the last token of ``ids`` ([1, P + 1]), per path
-    (``full_all``: one full recompute of all ``P + 1`` positions)."""
+    """ATen operators of one decode step of ``ids``' last token, per path."""
     prompt, token = ids[:, :-1], ids[:, -1:]
     out = {"full_all": sum(count_ops(lambda: model(ids)).values())}
     for name, kind, step in (("dynamic", "dynamic", model), ("static", "static", model),

@@ -66,8 +66,7 @@ def divergence(reference: torch.Tensor, gaps: Sequence[float],
 def precision_divergence(model: torch.nn.Module, prompts: Sequence[torch.Tensor], steps: int,
                          dtype: torch.dtype,
                          reference_dtype: torch.dtype = torch.float64) -> list[Divergence]:
-    """Per prompt, greedy generation in ``dtype`` against the same weights (rounded to
-    ``dtype`` first) computed in ``reference_dtype``, both over a dynamic cache."""
+    """Per prompt, greedy decoding in ``dtype`` against the same weights in ``reference_dtype``."""
     low = copy.deepcopy(model).to(dtype).eval()
     high = copy.deepcopy(low).to(reference_dtype)
     out = []

@@ -92,8 +92,7 @@ def attention_layer(kv_heads: int, head_dim: int, window: int | None = None) -> 
 
 
 def mla_layer(kv_lora_rank: int, qk_rope_head_dim: int) -> LayerCache:
-    """An MLA layer: one latent of ``kv_lora_rank`` plus the rotary key of
-    ``qk_rope_head_dim``, a position (no separate K and V)."""
+    """An MLA layer: a latent of ``kv_lora_rank + qk_rope_head_dim`` a position."""
     return LayerCache(check_int("kv_lora_rank", kv_lora_rank)
                       + check_int("qk_rope_head_dim", qk_rope_head_dim))
 

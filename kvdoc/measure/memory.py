@@ -181,8 +181,7 @@ def _terms(layer: LayerCache, n: int, T: int) -> list[tuple[str, str]]:
 
 
 def _formula(model: ModelCache, T: int) -> tuple[str, str, str, str]:
-    """The sum over layer kinds of what one sequence keeps, in symbols and in numbers: the
-    terms in the cache's dtype, then the FP32 state's (empty where there is none)."""
+    """What one sequence keeps, in symbols and numbers: cache-dtype terms, then FP32 ones."""
     terms = [t for layer, n in model.groups() for t in _terms(layer, n, T)]
     fp32 = [("L x recurrent state", f"{n} x {layer.state32:,}")
             for layer, n in model.groups() if layer.state32]

@@ -198,8 +198,7 @@ MODELS: dict[str, ModelCache] = {m.name.lower(): m for m in (
 
 
 def model_cache(name: str) -> ModelCache:
-    """The :data:`MODELS` entry called ``name`` (case-insensitive); a ValueError naming the
-    nearest names, else all."""
+    """The :data:`MODELS` entry called ``name`` (any case); a ValueError names the nearest."""
     try:
         return MODELS[name.lower()]
     except (KeyError, AttributeError):

@@ -223,8 +223,7 @@ KERNEL_ALIGNMENT = 16
 
 @dataclass(frozen=True)
 class StateReport:
-    """Per request: prompt length, hit with K/V alone and hit of the hybrid model; after the
-    last request, the ``snapshots`` saved."""
+    """Per request: prompt length, K/V-alone hit, hybrid hit; the ``snapshots`` saved."""
 
     tokens: list[int]
     kv_hits: list[int]

@@ -129,8 +129,7 @@ def generate_padded(model: Decoder, prompts: Sequence[Sequence[int]], max_new_to
 # --- a ragged step: each row in its own blocks ------------------------------------------------
 
 class RaggedLayer(PoolLayer):
-    """Layer ``index`` of a :class:`RaggedStep`: the real new rows go into their rows' blocks,
-    and a read gathers every row's ``T`` columns (the mask hides what a row does not hold)."""
+    """Layer ``index`` of a :class:`RaggedStep`, its real new rows in their rows' blocks."""
 
     def __init__(self, step: RaggedStep, index: int) -> None:
         super().__init__(step.pool, len(step.past), index)

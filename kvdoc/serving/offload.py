@@ -174,8 +174,7 @@ def _check_request(model: Decoder, prompt: torch.Tensor, max_new_tokens: int) ->
 @torch.no_grad()
 def serve(model: Decoder, prompts: Sequence[torch.Tensor], max_new_tokens: int,
           store: TieredStore, block_size: int, hash_fn: HashFn = hash_block) -> list[Served]:
-    """Greedy-decode each prompt (``[P]``) in turn, reusing blocks from ``store`` (all checked
-    first: a refusal leaves ``store`` unchanged)."""
+    """Greedy-decode each prompt in turn, reusing ``store``'s blocks (all checked first)."""
     check_int("block_size", block_size)
     for prompt in prompts:
         _check_request(model, prompt, max_new_tokens)
@@ -219,8 +218,7 @@ class Roofline(NamedTuple):
 
 
 class Estimate(NamedTuple):
-    """:func:`reload_or_recompute`'s answer: ``kv_bytes / link``, ``max(FLOPs / peak, bytes
-    read / HBM)``, and the link bandwidth at which both take as long."""
+    """:func:`reload_or_recompute`'s answer, and the link bandwidth where both tie."""
 
     reload_s: float
     recompute_s: float
@@ -309,8 +307,7 @@ class OffloadCheck(NamedTuple):
 @torch.no_grad()
 def check_offload(model: Decoder, served: Sequence[Served], max_new_tokens: int,
                   tolerance: float = 1e-5) -> OffloadCheck:
-    """Compare each :class:`Served` with the same prompt run in one piece, no store (``1e-5``:
-    a reloaded block's K/V came from a call of another length, summed in another order)."""
+    """Compare each :class:`Served` with its prompt run in one piece (``1e-5``: sums differ)."""
     equal, close, diff = True, True, 0.0
     for run in served:
         equal &= torch.equal(run.tokens, generate(model, run.prompt[None], max_new_tokens)[0])

@@ -122,8 +122,7 @@ class BlockPool:
         return max(0, last - len(table)) + sum(self._refs[b] > 1 for b in table[first:last])
 
     def own(self, table: list[int], start: int, end: int) -> None:
-        """Make ``table`` own every block positions ``start .. end - 1`` fall in: copy the shared
-        ones, allocate the missing ones (check :meth:`to_write` first)."""
+        """Own every block positions ``start .. end - 1`` fall in: copy shared, allocate missing."""
         first, last = start // self.block_size, math.ceil(end / self.block_size)
         for n in range(first, min(last, len(table))):
             if self._refs[table[n]] > 1:
@@ -144,8 +143,7 @@ class BlockPool:
 
 
 class BlockTables:
-    """The block table of each of ``batch_size`` sequences over ``pool``, shared by the layers
-    of one :class:`PagedCache` (a block id names the same slot in every layer)."""
+    """The block table of each of ``batch_size`` sequences, shared by a cache's layers."""
 
     def __init__(self, pool: BlockPool, batch_size: int) -> None:
         self.pool, self.block_size = pool, pool.block_size
@@ -177,8 +175,7 @@ def _release_tables(pool: BlockPool, tables: list[list[int]]) -> None:
 
 
 class PoolLayer(CacheLayer):
-    """Layer ``index`` of ``batch_size`` sequences whose rows live in ``pool``'s blocks, written
-    in place; what the sequences' blocks are is the subclass's (block tables, a ragged step)."""
+    """Layer ``index`` of sequences whose rows live in ``pool``'s blocks, written in place."""
 
     in_place = True
 

@@ -27,8 +27,7 @@ from .radix import RadixCache, Served, serve_prompt
 
 @dataclass(frozen=True)
 class Turn:
-    """One request of a workload: ``text`` after the whole sequence (prompt and generated tokens)
-    of request number ``after``, if given; ``kind`` labels it for tables."""
+    """A request: ``text`` after request ``after``'s whole sequence, if given; ``kind``, a label."""
 
     text: tuple[int, ...]
     max_new: int
@@ -157,9 +156,7 @@ def run_workload(model: Decoder, turns: Sequence[Turn], num_blocks: int, block_s
                  tree_cls: type[RadixCache] = RadixCache,
                  after: Callable[[RadixCache], None] | None = None,
                  evict: Literal["leaf", "block"] = "leaf") -> WorkloadRun:
-    """Serve ``turns`` one after another through a new tree over a pool of ``num_blocks``
-    that evicts by ``evict``, calling ``after(tree)`` after each (the proofs check invariants
-    there)."""
+    """Serve ``turns`` in turn through a new tree, calling ``after(tree)`` after each."""
     weight = model.wte.weight
     pool = BlockPool(model.config, num_blocks, block_size, weight.dtype, weight.device)
     tree = tree_cls(pool, granularity, evict=evict)

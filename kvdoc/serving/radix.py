@@ -219,8 +219,7 @@ class RadixCache:
 
     # --- the tree -------------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> int:
-        """Put ``tokens`` (whole blocks, held in ``blocks``) into the tree, referencing each block
-        it did not hold already; returns blocks gained."""
+        """Put ``tokens`` (whole blocks in ``blocks``) into the tree; returns blocks gained."""
         S = self.block_size
         if len(tokens) != len(blocks) * S:
             raise ValueError(f"{len(tokens)} tokens are not the {len(blocks)} whole blocks given")
@@ -243,8 +242,7 @@ class RadixCache:
         return 0
 
     def _cut(self, node: Node, used: int) -> Node:
-        """The node whose path holds exactly the first ``used`` blocks of ``node``'s, splitting
-        ``node`` if need be: a request locks only what it uses."""
+        """The node holding exactly ``node``'s first ``used`` blocks (splitting ``node``)."""
         start = sum(len(n.blocks) for n in self._path(node)) - len(node.blocks)
         while node is not self.root and used <= start:
             node = node.parent
@@ -355,8 +353,7 @@ class RadixCache:
 # --- using it ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Served:
-    """One request served through the tree: prompt and greedy tokens, the prompt positions
-    found in the tree, and the logits ``[1, N, V]`` of those computed."""
+    """A request served through the tree: its tokens, its positions found, computed logits."""
 
     tokens: tuple[int, ...]
     prompt_len: int

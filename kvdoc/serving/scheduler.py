@@ -66,8 +66,7 @@ Policy = Literal["continuous", "static"]
 
 @dataclass(eq=False)  # compared by identity: the scheduler finds it in its lists
 class LiveRequest:
-    """One sequence the scheduler holds (a request, or one sample of it): its blocks, positions
-    written, and what it produced."""
+    """One sequence the scheduler holds (a request or a sample): blocks, positions, output."""
 
     req: Request
     sample: int = 0
@@ -145,8 +144,7 @@ class Scheduler:
         return discarded
 
     def reserve(self, live: LiveRequest, end: int) -> bool:
-        """Own every block positions ``fed .. end - 1`` of ``live`` fall in (copy-on-write);
-        False, changing nothing, when the pool has too few free blocks."""
+        """Own every block ``live``'s next positions fall in; False, changing nothing, if short."""
         if self.pool.to_write(live.table, live.fed, end) > self.pool.num_free:
             return False
         self.pool.own(live.table, live.fed, end)
@@ -210,8 +208,7 @@ class Scheduler:
         return rows
 
     def victim(self, live: list[LiveRequest]) -> LiveRequest:
-        """The sequence preemption takes from ``live`` (in order of admission): the most
-        recently admitted, as vLLM's FCFS policy pops the last of its running list."""
+        """Preemption's victim: the most recently admitted, as vLLM's FCFS policy takes."""
         return live[-1]
 
     def _make_room(self, rows: list[tuple[LiveRequest, list[int]]], live: list[LiveRequest],

@@ -73,8 +73,7 @@ class SnapshotStore:
         return points
 
     def deepest(self, prompt: Sequence[int], length: int) -> int:
-        """The deepest position ``p <= length`` whose states are saved for ``prompt[:p]`` (0: the
-        states of no token, every state layer's zeros)."""
+        """The deepest ``p <= length`` with states saved for ``prompt[:p]`` (0: zero states)."""
         return max((p for p in range(length, 0, -1) if tuple(prompt[:p]) in self.saved),
                    default=0)
 
@@ -113,8 +112,7 @@ def takes_states(cache: KVCache) -> bool:
 
 
 def store_for(pool: BlockPool, states: Where | SnapshotStore | None) -> SnapshotStore | None:
-    """A radix tree's store for ``pool``: ``states`` (a rule, default ``"last"``, or a store),
-    or None for a pool without recurrent layers."""
+    """A radix tree's store for ``pool``, or None for a pool without recurrent layers."""
     hybrid = any(isinstance(spec, StateSpec) for spec in pool.layout)
     if states is not None and not hybrid:
         raise ValueError("states: only a pool with recurrent state layers saves states")

@@ -32,8 +32,7 @@ from .paged import BlockPool, PagedCache
 
 @dataclass(frozen=True)
 class RequestMix:
-    """Requests sharing one system ``prefix``, each with its own text (``users``) and output
-    tokens (random stand-ins), and the distributions in words."""
+    """Requests sharing one system ``prefix``, each with its own text and output tokens."""
 
     prefix: list[int]
     users: list[list[int]]
@@ -79,8 +78,7 @@ def request_mix(n: int = 48, prefix_len: int = 100, user_lens: tuple[int, int] =
 
 @dataclass(frozen=True)
 class StrategyMemory:
-    """What one allocation strategy reserves for the whole mix: the K/V bytes set aside, and of
-    them the bytes of slots that hold a position (a shared block counts once)."""
+    """The K/V bytes a strategy reserves for the mix, and those that hold a position."""
 
     name: str
     reserved_bytes: int
