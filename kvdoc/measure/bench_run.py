@@ -2,16 +2,13 @@
 
 One fixed token stream, batch 1, FP32, on the CPU, a fixed thread count, in inference mode:
 
-* **prefill**: ``P`` prompt tokens in one call, filling a cache;
-* **full recompute**, ``G`` steps: step ``j`` runs the whole prefix of ``P + j`` tokens again,
-  projecting every position to the vocabulary (``full_all``, the naive baseline) or only the
-  last (``full_last``);
-* **cached continuation**, ``G`` one-token steps from the prefix cache: ``dynamic``,
-  ``static``, the :class:`~kvdoc.core.fast.FastDecoder` (``fast``), the same arithmetic without
-  checks (``lean``, :class:`~kvdoc.measure.decode_paths.LeanStep`) and ``torch.compile`` of the
-  model's forward (``compiled``, gpt-fast's fast step, its compile time reported apart);
-* **transformers**: its ``GPT2LMHeadModel`` on the same weights, the reference a user would
-  otherwise pick.
+* **prefill**: ``P`` prompt tokens in one call;
+* **full recompute**, ``G`` steps, step ``j`` running all ``P + j`` tokens again and projecting
+  every position (``full_all``) or only the last (``full_last``);
+* **cached**, ``G`` one-token steps: ``dynamic``, ``static``, ``fast``
+  (:class:`~kvdoc.core.fast.FastDecoder`), ``lean`` (its arithmetic without checks) and
+  ``compiled`` (``torch.compile`` of the forward, gpt-fast's step);
+* **transformers**: its ``GPT2LMHeadModel`` on the same weights.
 
 :func:`run_bench` returns every raw sample and the headline ratios (:class:`BenchResult`),
 beside the ratios the fast step aims for (:data:`TARGETS`). Nothing here asserts a speed.

@@ -1,19 +1,12 @@
 """Speculative decoding: a draft model proposes ``k`` tokens, the target checks them in one call.
 
-Each round starts with a *pending* token, the last of the sequence, fed to neither model yet:
-
-1. the draft feeds it and its own proposals one at a time and proposes ``d_1 .. d_k``;
-2. the target feeds ``[pending, d_1, .., d_k]`` as one chunk, getting its own next-token logits
-   at every one of those positions at once;
-3. proposals are kept while they agree with the target (greedy: its argmax; sampling:
-   :func:`acceptance`); the first disagreement is replaced by the target's token, and if all
-   ``k`` agree the target's next token is added as a bonus;
-4. both caches are cropped back to the positions kept; the last new token is pending next.
-
-A round costs one target call and yields 1 to ``k + 1`` tokens, the target's own: token for
-token when greedy, in distribution when sampling (Leviathan et al. 2023, Chen et al. 2023).
-The caches must crop (dynamic, static, paged). Batch 1 only: rows of a batch would accept
-different numbers of tokens.
+Each round, the draft feeds the *pending* token (the last, fed to neither model yet) and
+proposes ``d_1 .. d_k``; the target feeds ``[pending, d_1, .., d_k]`` as one chunk; proposals
+are kept while they agree with the target (greedy: its argmax; sampling: :func:`acceptance`),
+the first disagreement replaced by the target's token (all agree: its next one is a bonus); both
+caches are cropped back to what was kept. A round costs one target call and yields 1 to
+``k + 1`` of the target's own tokens: token for token when greedy, in distribution when sampling
+(Leviathan et al. 2023, Chen et al. 2023). Batch 1 only; the caches must crop.
 """
 
 from __future__ import annotations

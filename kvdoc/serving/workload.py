@@ -1,12 +1,11 @@
 """A simulated request mix, and the K/V memory that three allocation strategies reserve for it.
 
-Every request is a shared system prompt, its own user text and its own output (random ids:
-memory depends only on how many), lengths drawn by a seeded generator (:func:`request_mix`).
-:func:`measure_mix` holds every request at once and measures what each strategy reserves: a
-:class:`~kvdoc.core.cache.StaticCache` of ``n_positions`` per request (the final length is
-unknown at admission); paged blocks, a table per request; paged blocks with the system prompt's
-shared (:meth:`~kvdoc.serving.paged.PagedCache.fork`), whose logits
-:func:`kvdoc.teach.serving_checks.compare_mix_with_alone` compares with each request alone.
+Every request is a shared system prompt, its own user text and output (random ids, seeded
+lengths: :func:`request_mix`). :func:`measure_mix` holds them all at once and measures what each
+strategy reserves: a :class:`~kvdoc.core.cache.StaticCache` of ``n_positions`` a request (the
+final length is unknown at admission); paged blocks; paged blocks with the system prompt's
+shared (its logits compared with each request alone by
+:func:`kvdoc.teach.serving_checks.compare_mix_with_alone`).
 
 >>> from kvdoc.core.model import GPTConfig
 >>> _ = torch.manual_seed(0)
