@@ -107,8 +107,7 @@ class BenchSettings:
 @dataclass
 class BenchResult:
     """Everything one run measured (:meth:`to_json`: what ``--json`` writes): ``timings[P][path]``
-    the raw samples in ms (all ``G`` steps of a decode path), ``ratios`` the headline figures,
-    ``compiled`` what ``torch.compile`` cost per rotation (or its ``error``)."""
+    the raw samples in ms, ``ratios`` the headline figures, ``compiled`` what compiling cost."""
 
     settings: BenchSettings
     environment: dict[str, Any]

@@ -156,9 +156,8 @@ def token_stream(config: GPTConfig, length: int, seed: int) -> torch.Tensor:
 
 def build_models(config: GPTConfig, seed: int, transformers: bool,
                  tie: bool = False) -> tuple[Decoder, Any]:
-    """A kvdoc decoder and, if asked, transformers' GPT-2 with the same random weights (``tie``:
-    the LM head shares ``wte``'s weight); a ``RuntimeError`` if their logits disagree. GPT-2 is
-    built on the meta device: a second random initialisation would cost seconds."""
+    """A kvdoc decoder and, if asked, transformers' GPT-2 (built on the meta device) with the
+    same random weights (``tie``: head and ``wte`` shared); a RuntimeError if they disagree."""
     torch.manual_seed(seed)
     with torch.inference_mode(False):  # parameters with version counters, which FastDecoder watches
         model = Decoder(config).eval()
@@ -234,9 +233,8 @@ def cached_decode(step: Callable[..., Any], cache: KVCache, ids: torch.Tensor, p
 def compiled_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor,
                     prefix_len: int, steps: int
                     ) -> tuple[Prepare | None, Callable[[], torch.Tensor] | None, dict[str, Any]]:
-    """:func:`cached_decode` of ``step``, a ``torch.compile`` of the model (gpt-fast's fast
-    step, without ``fullgraph``), run once untimed: ``first_run_s`` is the compile time,
-    ``graphs`` what dynamo compiled; a failure to compile is returned as ``error``, no path."""
+    """:func:`cached_decode` of ``step``, a ``torch.compile`` of the model, run once untimed: its
+    ``first_run_s`` and dynamo's ``graphs``, or, failing to compile, an ``error`` and no path."""
     cache = prompt_cache(model, ids, prefix_len, steps)
     prepare, run = cached_decode(step, cache, ids, prefix_len, steps)
     from torch._dynamo.utils import counters

@@ -92,9 +92,8 @@ def count_ops(call: Callable[[], Any]) -> dict[str, int]:
 
 @dataclass
 class UpdateRecord:
-    """What one ``cache.update(layer, k, v, start)`` did: ``start`` positions held before it,
-    the bytes of the new rows passed in, and the bytes its operations wrote, read and
-    allocated."""
+    """What one ``cache.update(layer, k, v, start)`` did: ``start`` positions held before it, the
+    new rows' bytes, and the bytes its operations wrote, read and allocated."""
 
     layer: int
     start: int

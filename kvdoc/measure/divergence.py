@@ -37,9 +37,8 @@ class Divergence(NamedTuple):
 
 def greedy_with_gaps(call: Callable, prompt: torch.Tensor, steps: int,
                      cache: KVCache) -> tuple[torch.Tensor, list[float]]:
-    """``steps`` greedy tokens after ``prompt`` (``[1, P]``) over ``cache``, each fed back, and
-    the gap between the two best logits at each; ``call(ids, cache, last_only=...)`` is a model
-    or a fused decoder of it."""
+    """``steps`` greedy tokens after ``prompt`` over ``cache`` and the gap between the two best
+    logits at each; ``call(ids, cache, last_only=...)``: a model or a fused decoder of it."""
     logits, cache = call(prompt, cache, last_only=True)
     tokens, gaps = [], []
     for _ in range(steps):

@@ -107,9 +107,8 @@ def indexed_mla_layer(kv_lora_rank: int, qk_rope_head_dim: int,
 
 def gated_delta_layer(num_key_heads: int, num_value_heads: int, key_head_dim: int,
                       value_head_dim: int, conv_kernel: int) -> LayerCache:
-    """A Gated DeltaNet layer (Qwen3-Next, Qwen3.5), as transformers 5.24.0's cache holds it:
-    a conv state ``[conv_dim, kernel]`` with ``conv_dim = 2 x H_k x D_k + H_v x D_v`` and a
-    recurrent state ``[H_v, D_k, D_v]`` (FP32); nothing per position."""
+    """A Gated DeltaNet layer, as transformers 5.24.0's cache holds it: a conv state ``[2 x H_k x
+    D_k + H_v x D_v, kernel]`` and a recurrent state ``[H_v, D_k, D_v]`` (FP32)."""
     for name, value in (("num_key_heads", num_key_heads), ("num_value_heads", num_value_heads),
                         ("key_head_dim", key_head_dim), ("value_head_dim", value_head_dim),
                         ("conv_kernel", conv_kernel)):

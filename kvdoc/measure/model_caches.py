@@ -233,9 +233,8 @@ def _mamba2(c: Mapping[str, Any], where: str) -> LayerCache:
 
 
 def _deepseek_v4(c: Mapping[str, Any], layers: int, where: str) -> list[LayerCache]:
-    """DeepSeek-V4's layers: ``layer_types`` (or the release's ``compress_ratios``, one a layer
-    and a trailing one for the prediction layer) and ``compress_rates``, as transformers
-    5.24.0's ``DeepseekV4Config`` reads them."""
+    """DeepSeek-V4's layers from ``layer_types`` (or the release's ``compress_ratios``) and
+    ``compress_rates``, as transformers 5.24.0's ``DeepseekV4Config`` reads them."""
     types = c.get("layer_types")
     if types is None and isinstance(c.get("compress_ratios"), list):
         by_rate = {rate: name for name, rate in _V4_TYPES.items()}

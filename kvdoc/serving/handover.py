@@ -120,9 +120,8 @@ def _shapes(tensors: list) -> list:
 
 
 class HandoverRun(NamedTuple):
-    """What :func:`disaggregated_generate` returns: ``tokens`` ``[B, P + N]``, ``logits`` ``[B,
-    N, V]`` behind each (the first shipped), the payload's length and of it the bytes of the K/V
-    tensors' and the shipped logits' elements."""
+    """What :func:`disaggregated_generate` returns: ``tokens`` ``[B, P + N]``, the ``logits``
+    behind them, the payload's length and of it the K/V's and the logits' bytes."""
 
     tokens: torch.Tensor
     logits: torch.Tensor

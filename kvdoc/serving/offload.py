@@ -132,9 +132,8 @@ class TieredStore:
 
 
 class Served(NamedTuple):
-    """One request run by :func:`serve`: its ``prompt`` ``[P]``, ``tokens`` ``[P + N]`` (the
-    prompt and the greedy tokens), the ``first_logits`` ``[V]`` the first new token was chosen
-    from, and per full prompt block the tier it was reloaded from, or ``"computed"``."""
+    """A request run by :func:`serve`: ``prompt``, ``tokens`` (prompt and greedy tokens), the
+    first token's logits, and per full prompt block the tier it came from, or ``"computed"``."""
 
     prompt: torch.Tensor
     tokens: torch.Tensor
@@ -289,9 +288,8 @@ def multi_turn(model: Decoder, store: TieredStore, *, conversations: int = 3, tu
 
 
 class OffloadCheck(NamedTuple):
-    """Every request of a workload against its run without offloading (tokens against
-    :func:`~kvdoc.core.model.generate`, first-token logits against a prefill); full prompt
-    blocks by where they came from."""
+    """Every request against its run without offloading (tokens against ``generate``, first
+    logits against a prefill); full prompt blocks by where they came from."""
 
     requests: int
     tokens_equal: bool

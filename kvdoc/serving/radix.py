@@ -54,9 +54,8 @@ from .snapshots import SnapshotStore, Where, store_for
 
 @dataclass(eq=False)
 class Node:
-    """A node of the tree: the edge from its parent (``tokens``, ``len(blocks) * block_size``
-    of them) and the blocks holding them; ``lock`` counts the running requests whose matched
-    prefix runs through it; ``last_used`` is the tree's clock at its last match."""
+    """A node: the edge from its parent (``tokens``) and the blocks holding them; ``lock``: the
+    running requests whose prefix runs through it; ``last_used``: the tree's clock then."""
 
     tokens: tuple[int, ...]
     blocks: list[int]

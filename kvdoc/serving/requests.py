@@ -16,9 +16,8 @@ from kvdoc.core.cache import KVCache
 
 @dataclass(frozen=True)
 class Request:
-    """One request of a trace: ``rid`` (its index), ``prompt`` token ids, the ``output_len``
-    tokens it generates, the step it may be admitted from; it forks into ``samples`` sequences
-    once its prompt is in, sample ``j`` drawing with seed ``seed + j`` (None: greedy)."""
+    """A request of a trace: ``rid``, ``prompt``, ``output_len``, the step it may be admitted
+    from; it forks into ``samples`` sequences, sample ``j`` seeded ``seed + j`` (None: greedy)."""
 
     rid: int
     prompt: tuple[int, ...]

@@ -103,9 +103,8 @@ class LiveRequest:
 
 
 class Scheduler:
-    """Runs a trace of :class:`~kvdoc.serving.requests.Request` s on ``model`` over one
-    :class:`~kvdoc.serving.paged.BlockPool`, under the policies of the module docstring;
-    ``max_batch``: most sequences admitted at once (a request's forks join it regardless)."""
+    """Runs a trace of :class:`~kvdoc.serving.requests.Request` s on ``model`` over one block
+    pool, by the module docstring's policies; ``max_batch``: most sequences admitted at once."""
 
     def __init__(self, model: Decoder, num_blocks: int, block_size: int = 4,
                  max_batch: int | None = None, token_budget: int | None = None,

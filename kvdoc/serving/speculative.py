@@ -22,9 +22,8 @@ from kvdoc.core.model import Decoder
 
 @dataclass
 class SpeculativeRun:
-    """What :func:`speculative_generate` returns: ``tokens`` ``[1, P + max_new_tokens]``, the
-    proposals ``accepted`` each round, each model's forward calls and its cache as the last
-    round left it (every token but the pending one)."""
+    """What :func:`speculative_generate` returns: ``tokens``, the proposals ``accepted`` each
+    round, each model's calls and its cache as the last round left it."""
 
     tokens: torch.Tensor
     prompt_len: int

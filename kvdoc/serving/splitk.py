@@ -32,9 +32,8 @@ from kvdoc.core.model import CausalSelfAttention, Decoder, GPTConfig
 
 
 class Partial(NamedTuple):
-    """One chunk's share of the attention, what a split-K kernel writes: ``out`` ``[B, H, C,
-    D_h]`` before dividing by ``l``; ``m`` ``[B, H, C]``, the largest visible score (``-inf``:
-    none visible); ``l`` ``[B, H, C]``."""
+    """One chunk's share, what a split-K kernel writes: ``out`` ``[B, H, C, D_h]`` before dividing
+    by ``l`` ``[B, H, C]``; ``m`` ``[B, H, C]``, the largest visible score (none: ``-inf``)."""
 
     out: torch.Tensor
     m: torch.Tensor

@@ -91,9 +91,8 @@ class StrategyMemory:
 
 @dataclass(frozen=True)
 class MixMemory:
-    """What :func:`measure_mix` returns: the positions all requests hold (the prefix counted per
-    request), the K/V bytes of one position, the three strategies and each request's logits
-    from the shared-prefix run."""
+    """What :func:`measure_mix` returns: the positions all requests hold, a position's K/V bytes,
+    the three strategies and each request's logits from the shared-prefix run."""
 
     requests: int
     positions: int
