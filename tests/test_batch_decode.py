@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvdoc import Decoder, GPTConfig, StaticCache
-from kvdoc.measure.batch_decode import (
+from kvdoc.measure.costs import (
     H100_SXM,
     Accelerator,
     crossover_batch,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvdoc.measure.batch_decode import StepTraffic, step_traffic
+from kvdoc.measure.costs import StepTraffic, step_traffic
 from kvdoc.measure.model_caches import LayerCache, ModelCache, config_cache
 
 
