@@ -223,12 +223,14 @@ KERNEL_ALIGNMENT = 16
 
 @dataclass(frozen=True)
 class StateReport:
-    """Per request: prompt length, K/V-alone hit, hybrid hit; the ``snapshots`` saved."""
+    """Per request: prompt length, K/V-alone hit, hybrid hit; after the last request, the
+    ``snapshots`` saved and ``cached_tokens``, the distinct prefix positions held."""
 
     tokens: list[int]
     kv_hits: list[int]
     hits: list[int]
     snapshots: int
+    cached_tokens: int
 
     def hit_rate(self) -> float:
         """Hybrid hit tokens over prompt tokens."""
@@ -274,7 +276,7 @@ def state_prefix_report(prompts: Sequence[Sequence[int]], where: str = "last",
         trie.add(prompt, i)
         here = trie.path(prompt)
         saved.update(here[p - 1] for p in rule.points(n, hit, len(path)) if p > 0)
-    return StateReport(tokens, kv_hits, hits, len(saved))
+    return StateReport(tokens, kv_hits, hits, len(saved), len(trie.nodes))
 
 
 def vllm_state_bytes(layer: LayerCache, conv_kernel: int, element_bytes: int = 2) -> int:
