@@ -56,8 +56,7 @@ class UncheckedFast(FastDecoder):
 
 
 class UnguardedFast(FastDecoder):
-    """The fast step with neither guarantee: its arithmetic, writing through the cache's
-    ``update``. What still separates it from :class:`LeanStep` is that write path."""
+    """The fast step with neither guarantee: only its write path separates it from lean."""
 
     def __call__(self, idx: torch.Tensor, cache: KVCache, **options: object) -> DecoderOutput:
         return self._step(idx, cache)

@@ -41,8 +41,7 @@ def _tensors(values: object) -> list[torch.Tensor]:
 
 
 class WriteCounter(TorchDispatchMode):
-    """Adds up the bytes every ATen op writes (outputs, or in-place targets) and reads (its
-    other tensor inputs: a copy reads its source)."""
+    """Adds up the bytes every ATen op writes (outputs, in-place targets) and reads."""
 
     def __init__(self) -> None:
         super().__init__()

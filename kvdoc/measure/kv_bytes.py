@@ -174,8 +174,7 @@ def int8_kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim
 
 def fp8_kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim: int,
                  granularity: str = "per-tensor") -> int:
-    """``2 x B x L x T x H_kv x D + 2 x L x S x 4``: FP8 values, and K's and V's FP32 scales
-    (``S = 1`` per tensor, ``H_kv`` per head, :func:`fp8_scale_bytes`)."""
+    """``2 x B x L x T x H_kv x D + 2 x L x S x 4``: FP8 values, FP32 scales (``S``: 1, H_kv)."""
     return (kv_bytes(batch, layers, seq_len, kv_heads, head_dim, "float8_e4m3fn")
             + fp8_scale_bytes([kv_heads] * layers, granularity))
 

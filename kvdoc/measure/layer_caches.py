@@ -99,8 +99,7 @@ def mla_layer(kv_lora_rank: int, qk_rope_head_dim: int) -> LayerCache:
 
 def indexed_mla_layer(kv_lora_rank: int, qk_rope_head_dim: int,
                       index_head_dim: int) -> LayerCache:
-    """A DeepSeek-V3.2 layer: MLA's latent and one indexer key of ``index_head_dim`` a
-    position, every position kept (the top-k a query reads changes with the query)."""
+    """A DeepSeek-V3.2 layer: MLA's latent and an indexer key of ``index_head_dim`` a position."""
     return mla_layer(kv_lora_rank, qk_rope_head_dim)._replace(
         indexer=check_int("index_head_dim", index_head_dim))
 

@@ -169,8 +169,7 @@ def read_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class Fp8Layer(CacheLayer):
-    """One layer's FP8 K and V ``rows`` under FP32 ``scales``, grown by concatenation; unless
-    ``fixed``, the first :meth:`write` takes the scales from its rows."""
+    """FP8 K and V ``rows`` under FP32 ``scales`` (unless ``fixed``: the first write's)."""
 
     def __init__(self, rows: KV, scales: KV, fixed: bool, granularity: str,
                  dtype: torch.dtype) -> None:

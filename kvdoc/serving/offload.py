@@ -208,8 +208,7 @@ def serve(model: Decoder, prompts: Sequence[torch.Tensor], max_new_tokens: int,
 
 
 class Roofline(NamedTuple):
-    """A reload-or-recompute estimate's figures, passed in (none measured): dense peak FLOP/s,
-    memory bandwidth, and the bandwidth a reloaded block crosses (host link, or the disk)."""
+    """A reload-or-recompute estimate's figures (passed in): peak FLOP/s, HBM and link B/s."""
 
     peak_flops: float
     hbm_bytes_per_s: float

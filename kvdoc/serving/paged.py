@@ -223,8 +223,7 @@ class PagedLayer(PoolLayer):
 
 
 def gather(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, length: int) -> KV:
-    """The first ``length`` positions of each row's blocks ``table`` (``[B, n]``) from the stores
-    ``k``, ``v`` (``[N, H, S, width]``, each its own width), as ``[B, H, length, width]``."""
+    """The first ``length`` positions of each row's blocks ``table`` from stores ``k``, ``v``."""
     B, n = table.shape
     out = []
     for store in (k, v):

@@ -46,8 +46,7 @@ def _ids(g: torch.Generator, n: int | tuple[int, int], vocab: int,
 def few_shot_workload(seed: int = 0, requests: int = 6, vocab: int = 97, tasks: int = 2,
                       instruction: int = 10, examples: int = 3, example_len: int = 7,
                       question: tuple[int, int] = (3, 6), max_new: int = 3) -> list[Turn]:
-    """Few-shot prompts: ``tasks`` tasks, each a shared instruction and ``examples`` examples,
-    then a question of ``question`` tokens (least, most); the task is drawn per request."""
+    """Few-shot prompts: a task's instruction and examples, then a question, per request."""
     g = torch.Generator().manual_seed(seed)
     prefixes = [_ids(g, instruction, vocab) + sum((_ids(g, example_len, vocab)
                                                    for _ in range(examples)), ())
@@ -62,8 +61,7 @@ def few_shot_workload(seed: int = 0, requests: int = 6, vocab: int = 97, tasks: 
 def chat_workload(seed: int = 0, conversations: int = 2, turns: int = 3, vocab: int = 97,
                   system: int = 9, message: tuple[int, int] = (3, 6),
                   max_new: int = 4) -> list[Turn]:
-    """Multi-turn chat: conversations sharing a system prompt; each turn is a user message of
-    ``message`` tokens (least, most) after the whole previous turn; conversations take turns."""
+    """Multi-turn chat sharing a system prompt: each turn a message after the whole last turn."""
     g = torch.Generator().manual_seed(seed)
     shared, out, last = _ids(g, system, vocab), [], [None] * conversations
     for _ in range(turns):

@@ -26,8 +26,7 @@ from kvdoc.core.model import Decoder, GPTConfig
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
-    """FP32 for BF16 and FP16, whose own rounding of ``x / scale`` (2**-8 of up to 127 in BF16)
-    would move a value past its nearest step; the dtype itself otherwise."""
+    """FP32 for BF16 and FP16, whose rounding of ``x / scale`` could pass a step; else the dtype."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 

@@ -197,8 +197,7 @@ class RadixCache:
         return request
 
     def retire(self, request: Admission, tokens: Sequence[int]) -> int:
-        """Put a finished request's whole blocks (of ``tokens``, the ids its cache holds) into the
-        tree, unlock its path, release its cache; returns the blocks the tree gained."""
+        """Keep a finished request's whole blocks, unlock its path, release its cache."""
         tokens = tuple(int(t) for t in tokens)
         cache = request.cache
         if request not in self.running:

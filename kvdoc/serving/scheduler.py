@@ -95,8 +95,7 @@ class LiveRequest:
         return bool(self.tokens) and self.fed == len(self.req.prompt) + len(self.tokens) - 1
 
     def next_ids(self, budget: int | None) -> list[int]:
-        """What it feeds next: (a chunk of) what it has not written yet, which is its last token
-        when decoding, its prompt (and, after a preemption, its tokens) otherwise."""
+        """What it feeds next: (a chunk of) what it has not written yet."""
         seq = self.seq
         end = len(seq) if budget is None else min(len(seq), self.fed + budget)
         return seq[self.fed:end]

@@ -64,8 +64,7 @@ class SnapshotStore:
         self.saved: dict[tuple[int, ...], Snapshot] = {}
 
     def points(self, n: int, hit: int, matched: int) -> list[int]:
-        """Where a prompt of ``n`` tokens resumed at ``hit`` saves states (``branch``: also at
-        its K/V match ``matched``, rounded down to a block)."""
+        """Where a prompt of ``n`` tokens resumed at ``hit`` saves (``branch``: also its match)."""
         points = save_points(n, hit, self.where, self.block)
         branch = matched // self.block * self.block
         if self.branch and branch > hit and branch not in points:
@@ -87,8 +86,7 @@ class SnapshotStore:
                         for i, layer in enumerate(cache.layers)]
 
     def keep(self, tokens: Sequence[int], snapshots: Sequence[Snapshot], held: int) -> int:
-        """File the ``snapshots`` a request took within the first ``held`` positions of
-        ``tokens`` (the rows the tree holds); returns how many were new."""
+        """File the ``snapshots`` within the first ``held`` positions; returns how many were new."""
         new = 0
         for snap in snapshots:
             key = tuple(tokens[:snap.position])
