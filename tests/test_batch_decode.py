@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from kvdoc import Decoder, GPTConfig, StaticCache
-from kvdoc.measure.batch_decode import (
+from kvdoc.measure.costs import (
     H100_SXM,
     Accelerator,
     crossover_batch,
     kv_heads_per_device,
     kv_per_sequence,
     largest_batch,
-    llama_family_parameters,
     preset_kv_per_sequence,
     step_traffic,
     time_batches,
@@ -21,20 +20,10 @@ from kvdoc.measure.batch_decode import (
 )
 from kvdoc.measure.model_caches import MODELS
 
-LLAMA_FAMILY = [p for p in MODELS.values() if p.vocab is not None]
-
-
-@pytest.mark.parametrize("preset", LLAMA_FAMILY, ids=lambda p: p.name)
-def test_meta_count_equals_the_closed_form(preset):
-    d, ff, V, L = preset.hidden, preset.intermediate, preset.vocab, len(preset.layers)
-    kv = preset.kv_heads * preset.head_dim
-    per_layer = d * preset.heads * preset.head_dim * 2 + 2 * d * kv + 3 * d * ff + 2 * d
-    assert llama_family_parameters(preset) == (2 * V * d + d + L * per_layer, V * d)
-
 
 def test_presets_without_sizes_are_refused():
     with pytest.raises(ValueError, match="does not give hidden"):
-        llama_family_parameters(MODELS["falcon-7b"])
+        weight_bytes(MODELS["falcon-7b"])
 
 
 @pytest.mark.parametrize("config", [GPTConfig(), GPTConfig(n_kv_head=1)])
@@ -63,7 +52,7 @@ def test_crossover_is_where_the_caches_outweigh_the_weights():
 
 def test_largest_batch_fits_and_one_more_does_not():
     llama = MODELS["llama-3-8b"]
-    _, resident = weight_bytes(*llama_family_parameters(llama))
+    _, resident = weight_bytes(llama)
     per_seq = preset_kv_per_sequence(llama, 8192)
     b = largest_batch(H100_SXM, resident, per_seq)
     budget = int(H100_SXM.memory_bytes * 0.9)

@@ -16,7 +16,7 @@ from kvdoc.__main__ import main as cli
 from kvdoc.core.gemma import gemma_layer_types
 from kvdoc.interop.hf_deepseek import published_config
 from kvdoc.measure.kv_bytes import kv_bytes, kv_bytes_per_layer
-from kvdoc.measure.layer_caches import KINDS, every_nth_full
+from kvdoc.measure.layer_caches import KINDS, ModelCache, every_nth_full
 from kvdoc.measure.model_caches import (
     MODELS,
     cache_from_config,
@@ -46,9 +46,32 @@ def test_at_least_20_models_of_every_kind_one_lookup() -> None:
         assert "known models" not in str(err.value)
 
 
-def test_parameters_are_transformers_count_of_the_same_sizes() -> None:
-    from kvdoc.measure.batch_decode import llama_family_parameters
+def llama_family_parameters(preset: ModelCache) -> tuple[int, int]:
+    """``(every parameter, the input embedding's)`` of a Llama-family preset, untied head,
+    counted on transformers' model built on the meta device (no memory, no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
+    family = (MistralConfig, MistralForCausalLM) if preset.sliding_window else (
+        LlamaConfig, LlamaForCausalLM)
+    config = family[0](hidden_size=preset.hidden, intermediate_size=preset.intermediate,
+                       vocab_size=preset.vocab, num_hidden_layers=len(preset.layers),
+                       num_attention_heads=preset.heads, num_key_value_heads=preset.kv_heads,
+                       head_dim=preset.head_dim, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = family[1](config)
+    return sum(p.numel() for p in model.parameters()), model.get_input_embeddings().weight.numel()
+
+
+@pytest.mark.parametrize("preset", [p for p in MODELS.values() if p.vocab is not None],
+                         ids=lambda p: p.name)
+def test_meta_count_equals_the_closed_form(preset: ModelCache) -> None:
+    d, ff, V, L = preset.hidden, preset.intermediate, preset.vocab, len(preset.layers)
+    kv = preset.kv_heads * preset.head_dim
+    per_layer = d * preset.heads * preset.head_dim * 2 + 2 * d * kv + 3 * d * ff + 2 * d
+    assert llama_family_parameters(preset) == (2 * V * d + d + L * per_layer, V * d)
+
+
+def test_parameters_are_transformers_count_of_the_same_sizes() -> None:
     counted = [m for m in MODELS.values() if m.parameters is not None]
     assert len(counted) == 8  # the Llama-family presets that record hidden, intermediate, vocab
     for m in counted:

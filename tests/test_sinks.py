@@ -19,7 +19,7 @@ from kvdoc.interop.hf_gptoss import (
     gptoss_config,
     to_gptoss,
 )
-from kvdoc.measure.sink_window import divergence
+from kvdoc.measure.divergence import stream_divergence
 from kvdoc.proofs.broken.arithmetic import merge_sink_per_split, sink_per_split, window_without_sink
 from kvdoc.proofs.compare import TOLERANCE
 from kvdoc.proofs.grid import SINKS, WINDOW
@@ -222,7 +222,7 @@ def llama():
 
 def test_streaming_equals_full_attention_until_it_evicts(llama):
     ids = _stream(length=30)
-    d = divergence(llama, ids, sinks=3, window=8)
+    d = stream_divergence(llama, ids, sinks=3, window=8)
     assert d.evicts_at == 11
     assert d.before <= 1e-12  # every key still where it was
     assert d.after > 1e-3     # a different function from then on

@@ -1,5 +1,5 @@
 """A radix tree serving a hybrid model (``kvdoc.serving.snapshots``): the hits its saved states
-give equal the placement model's (``kvdoc.measure.state_prefix``), every request equals its run
+give equal the placement model's (``state_prefix_report``), every request equals its run
 alone, and a state never outlives the rows before it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from kvdoc.core.deltanet import DeltaNetConfig, DeltaNetDecoder
 from kvdoc.core.state import StateSpec, read_state, restore, snapshot
-from kvdoc.measure.state_prefix import state_prefix_report
+from kvdoc.measure.prefix_report import state_prefix_report
 from kvdoc.proofs.compare import TOLERANCE, close
 from kvdoc.proofs.grid import MODELS
 from kvdoc.serving.paged import BlockPool, new_paged_cache

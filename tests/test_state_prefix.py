@@ -8,14 +8,15 @@ from pathlib import Path
 import pytest
 
 from kvdoc.measure.layer_caches import attention_layer, gated_delta_layer, mamba2_layer
-from kvdoc.measure.prefix_report import prefix_report, read_prompts
-from kvdoc.measure.state_prefix import (
-    WHERE,
+from kvdoc.measure.prefix_report import (
+    prefix_report,
+    read_prompts,
     state_prefix_report,
     vllm_hybrid_block,
     vllm_state_bytes,
 )
 from kvdoc.serving.prefix_workload import chat_prompts
+from kvdoc.serving.snapshots import WHERE
 
 SAMPLE = Path(__file__).resolve().parent.parent / "docs" / "_static" / "chat-prompts.txt"
 SYSTEM = list(range(1000, 1040))  # 40 tokens every prompt starts with

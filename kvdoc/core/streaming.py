@@ -9,8 +9,9 @@ it will take, so the distances a query sees never exceed ``sinks + window``.
 **This is a different function from the model's.** Once the stream passes
 ``sinks + window`` tokens, a query reads fewer keys than full attention does and at other
 relative positions, so its logits are not the full forward's; nothing here is checked equal to
-it past that point. It is *measured* against it (:func:`kvdoc.measure.sink_window.divergence`);
-before the first eviction every position is where it was, and there the two agree to rounding.
+it past that point. It is *measured* against it
+(:func:`kvdoc.measure.divergence.stream_divergence`); before the first eviction every
+position is where it was, and there the two agree to rounding.
 It is not gpt-oss's sink (:mod:`kvdoc.core.gptoss`), a learned logit in the denominator with no
 token behind it.
 

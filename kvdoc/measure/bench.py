@@ -2,10 +2,7 @@
 and the tables (Markdown) and figures (matplotlib) of a
 :class:`~kvdoc.measure.bench_run.BenchResult`, for the savings page and the command.
 
-The command runs :func:`~kvdoc.measure.bench_run.run_bench`, prints the timing tables and the
-headline ratios beside :data:`~kvdoc.measure.bench_run.TARGETS`, and writes every raw sample
-with ``--json``. Nothing here asserts a speed: the exit status says only whether every ratio is
-a positive number.
+The exit status says only whether every ratio is a positive number: no speed is asserted.
 """
 
 from __future__ import annotations
@@ -47,8 +44,7 @@ ABLATION_LABELS = {
 
 
 def timings_table(result: BenchResult, stat: str = "p50") -> str:
-    """One row per path (rows, so that the table stays narrow), one column per prefix P: the
-    ``stat`` ("p50" or "p95") in ms of one prefill call, or of all G steps of a decode path."""
+    """A row per path, a column per prefix P: the ``stat`` (p50 or p95) in ms."""
     if stat not in ("p50", "p95"):
         raise ValueError(f"stat must be 'p50' or 'p95', not {stat!r}")
     order = ("prefill", "full_all", "full_last", "dynamic", "static", "fast", "lean", "compiled",
@@ -61,8 +57,7 @@ def timings_table(result: BenchResult, stat: str = "p50") -> str:
 
 
 def counts_table(result: BenchResult) -> str:
-    """Rows counted by hooks on layer 0's ``c_attn`` and on ``lm_head`` over the G steps, per
-    prefix and path, beside the closed form of the ``c_attn`` count."""
+    """Rows counted on ``c_attn`` and ``lm_head`` over the G steps, beside the closed form."""
     header = ["prefix P", "path", "c_attn (rows, counted)", "c_attn (rows, closed form)",
               "lm_head (rows, counted)"]
     rows = []
@@ -103,10 +98,9 @@ def roofline_table(result: BenchResult) -> str:
 
 
 def ablation_table(ablation: dict) -> str:
-    """Per variant of the decode step whose difference from the lean step this machine
-    resolved: p50 per step (µs), its time relative to the lean step
-    (:func:`~kvdoc.measure.timing.paired_ratio`) and the band of the middle rounds. The
-    variants whose band straddles 1 are named after the table, not shown as results.
+    """Per variant of the decode step: p50 per step (µs), its time relative to the lean step
+    and the band of the middle rounds; a variant whose band straddles 1 is named after the
+    table, not shown as a result.
 
     >>> print(ablation_table({"p50_us_per_step": {"fast": 110.0, "lean": 100.0},
     ...                       "samples_ms": {"fast": [1.1, 1.2, 1.0], "lean": [1.0, 1.0, 1.0]},
@@ -135,10 +129,7 @@ def ablation_table(ablation: dict) -> str:
 
 
 def compiled_table(result: BenchResult) -> str:
-    """gpt-fast's fast step beside kvdoc's: per rotation (a prefix length ``P``, or the
-    roofline model), what compiling cost and the time of the ``torch.compile`` step and of the
-    fast step relative to the lean step (:func:`~kvdoc.measure.timing.paired_ratio`). A
-    rotation where compiling failed says why."""
+    """gpt-fast's step beside kvdoc's, per rotation: compile cost, times relative to lean."""
     if result.compiled is None:
         raise ValueError("this run has no compiled step (settings.compiled was False)")
     header = ["rotation", "compile (first run, s)", "graphs", "compiled / lean",
@@ -193,8 +184,7 @@ def log_log(ax, ticks: list[int], xlabel: str, ylabel: str, title: str) -> None:
 
 
 def _log_y(ax) -> None:
-    """A log y axis labelled at 1, 2 and 5 of every decade: a range narrower than a decade
-    still carries several labels."""
+    """A log y axis labelled at 1, 2 and 5 of every decade."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ax.set_yscale("log")
@@ -204,8 +194,7 @@ def _log_y(ax) -> None:
 
 
 def timings_figure(result: BenchResult) -> Figure:
-    """Dot plot of the G-step p50 per path and prefix length, on a log axis (dots: a bar's
-    length on a log axis starts from an arbitrary floor, so it says nothing)."""
+    """Dot plot of the G-step p50 per path and prefix length, on a log axis."""
     import matplotlib.pyplot as plt
 
     prefixes = list(result.timings)

@@ -1,22 +1,17 @@
 """What the cache saves, measured: decode paths timed side by side, growth, the bandwidth estimate.
 
-One fixed token stream, batch 1, FP32, on the CPU, a fixed thread count, the model in ``eval()``
-under ``torch.inference_mode()``:
+One fixed token stream, batch 1, FP32, on the CPU, a fixed thread count, in inference mode:
 
-* **prefill**: ``P`` prompt tokens in one call, filling a cache;
-* **full recompute**, ``G`` steps: step ``j`` runs the whole prefix of ``P + j`` tokens again,
-  projecting every position to the vocabulary (``full_all``, the naive baseline) or only the
-  last (``full_last``);
-* **cached continuation**, ``G`` one-token steps from the prefix cache: ``dynamic``,
-  ``static``, the :class:`~kvdoc.core.fast.FastDecoder` (``fast``), the same arithmetic without
-  checks (``lean``, :class:`~kvdoc.measure.decode_paths.LeanStep`) and ``torch.compile`` of the
-  model's forward (``compiled``, gpt-fast's fast step, its compile time reported apart);
-* **transformers**: its ``GPT2LMHeadModel`` on the same weights, the reference a user would
-  otherwise pick.
+* **prefill**: ``P`` prompt tokens in one call;
+* **full recompute**, ``G`` steps, step ``j`` running all ``P + j`` tokens again and projecting
+  every position (``full_all``) or only the last (``full_last``);
+* **cached**, ``G`` one-token steps: ``dynamic``, ``static``, ``fast``
+  (:class:`~kvdoc.core.fast.FastDecoder`), ``lean`` (its arithmetic without checks) and
+  ``compiled`` (``torch.compile`` of the forward, gpt-fast's step);
+* **transformers**: its ``GPT2LMHeadModel`` on the same weights.
 
-:func:`run_bench` returns every raw sample with the settings, the environment, a timestamp and
-the headline ratios (:class:`BenchResult`, asked by :class:`BenchSettings`), beside the ratios
-the fast step aims for (:data:`TARGETS`). Nothing here asserts a speed: timings are measurements.
+:func:`run_bench` returns every raw sample and the headline ratios (:class:`BenchResult`),
+beside the ratios the fast step aims for (:data:`TARGETS`). Nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -50,9 +45,8 @@ from .timing import environment, percentile, time_paths
 TARGETS = {"fast_vs_transformers": 4.5, "fast_vs_full_all_positions": 17.0,
            "bandwidth_fraction_fast": 0.6, "fast_vs_transformers_124m": 1.3,
            "fast_vs_lean": 1 / 1.15}
-"""Ratios the fast step aims for (at least), on a quiet machine; ``--json`` records each verdict.
-``fast_vs_lean`` at least 1 / 1.15: the fast step's checks cost at most 15% of the lean step's
-time."""
+"""Ratios the fast step aims for (at least), on a quiet machine (``fast_vs_lean``: its checks
+cost at most 15% of the lean step's time); ``--json`` records each verdict."""
 
 
 GPT2_SMALL = GPTConfig(vocab_size=50257, n_positions=1024, n_layer=12, n_head=12, n_embd=768,
@@ -62,21 +56,13 @@ GPT2_SMALL = GPTConfig(vocab_size=50257, n_positions=1024, n_layer=12, n_head=12
 
 @dataclass(frozen=True)
 class BenchSettings:
-    """What to measure. The defaults are the CLI's; pages and tests pass smaller ones.
-
-    Each prompt length ``P`` in ``prefix_lens`` is followed by ``new_tokens`` (``G``) fixed
-    tokens; every path is timed ``samples`` times after ``warmup`` untimed runs, on ``threads``
-    torch threads (restored afterwards), on ``model`` (default: the 145,280-parameter one) with
-    weights and tokens seeded by ``seed``. ``transformers`` adds transformers' GPT-2;
-    ``growth_lengths`` are the total lengths ``T`` at which one step of each path is timed
-    ``growth_samples`` times. ``roofline`` adds the memory-bandwidth estimate on ``roofline_model``
-    (GPT-2 small's shape, tied head): ``roofline_steps`` decode steps after ``roofline_context``
-    positions, ``roofline_samples`` times, beside a reduction over ``bandwidth_mib`` MiB.
-    ``ablation`` also times the lean step with each of the fast step's changes undone (in the
-    largest prefix's rotation and the roofline's); ``compiled`` times ``torch.compile`` of the
-    model's forward over a static cache (gpt-fast's fast step) in every rotation, its compile
-    time reported apart (:attr:`BenchResult.compiled`).
-    """
+    """What to measure (the defaults are the CLI's). Each prompt length ``P`` in ``prefix_lens``
+    is followed by ``new_tokens`` (``G``) fixed tokens; every path is timed ``samples`` times
+    after ``warmup`` runs. ``growth_lengths``: the total lengths at which one step of each path
+    is timed; ``roofline``: the bandwidth estimate on ``roofline_model``, ``roofline_steps``
+    steps after ``roofline_context`` positions, beside a reduction over ``bandwidth_mib`` MiB;
+    ``ablation``: the lean step with each of the fast step's changes undone; ``compiled``:
+    ``torch.compile`` of the model's forward (gpt-fast's fast step)."""
 
     prefix_lens: tuple[int, ...] = (16, 64, 128, 256)
     new_tokens: int = 16
@@ -120,14 +106,8 @@ class BenchSettings:
 
 @dataclass
 class BenchResult:
-    """Everything one run measured; :meth:`to_json` is what ``--json`` writes.
-
-    ``timings[P][path]`` holds the raw samples in milliseconds (a whole ``G``-step run for the
-    decode paths, one call for prefill); ``ratios`` holds the headline figures (higher is better).
-    ``compiled`` says what ``torch.compile`` cost per rotation (a prefix length, or
-    ``"roofline"``): ``first_run_s`` and ``graphs``, or ``error`` where it failed (None: not
-    asked for).
-    """
+    """Everything one run measured (:meth:`to_json`: what ``--json`` writes): ``timings[P][path]``
+    the raw samples in ms, ``ratios`` the headline figures, ``compiled`` what compiling cost."""
 
     settings: BenchSettings
     environment: dict[str, Any]
@@ -149,8 +129,7 @@ class BenchResult:
         return percentile(self.timings[prefix_len][path], 50)
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict: every field (under :data:`JSON_NAMES`), each ratio's verdict
-        against :data:`TARGETS` and each path's p50 and p95."""
+        """A JSON-ready dict: every field, each ratio's verdict, each path's p50 and p95."""
         summary = {p: {path: {"p50_ms": self.p50(p, path), "p95_ms": percentile(samples, 95)}
                        for path, samples in paths.items()} for p, paths in self.timings.items()}
         return {**{JSON_NAMES.get(k, k): v for k, v in asdict(self).items()},
@@ -167,17 +146,9 @@ integer prefix lengths become strings, as JSON keys)."""
 
 
 def ratios(result: BenchResult) -> dict[str, float]:
-    """Headline figures at the largest prefix length, each a speed-up or fraction (higher is
-    better).
-
-    ``cached_vs_*``: the other path's p50 over the faster of kvdoc's two caches' p50 for the
-    ``G`` steps; ``fast_vs_*``: the same over the fast step's p50 (``fast_vs_lean``, below 1, is
-    the share of the lean step's speed the fast step keeps with its checks);
-    ``compiled_vs_*``: the same over the ``torch.compile`` step's p50, where it compiled;
-    ``bandwidth_fraction*``: the bandwidth estimate over a path's decode time per token on the
-    roofline model (1 would read weights and K/V at the measured bandwidth); ``*_124m``: on
-    the roofline model.
-    """
+    """Headline figures at the largest prefix length (higher is better): ``X_vs_Y`` is Y's p50
+    over X's (``cached``: the faster of kvdoc's two caches); ``bandwidth_fraction*``: the
+    bandwidth floor over a path's time per token; ``*_124m``: on the roofline model."""
     P = max(result.timings)
     p50 = {path: result.p50(P, path) for path in result.timings[P]}
     best = min(p50["dynamic"], p50["static"])
@@ -210,14 +181,12 @@ def ratios(result: BenchResult) -> dict[str, float]:
     return {k: float(v) for k, v in out.items()}
 
 
-
 def _bench_prefix(model: Decoder, fast: FastDecoder, hf: Any, settings: BenchSettings,
                   prefix_len: int, tick: Callable[[], None], ablation: bool = False,
                   compiled: Callable[..., Any] | None = None
                   ) -> tuple[dict[str, list[float]], float, dict[str, float], dict[str, int],
                              dict[str, Any] | None]:
-    """One prefix length's paths in one rotation (``ablation``: with the ablation's variants);
-    the last value is what compiling ``compiled`` cost."""
+    """One prefix length's paths in one rotation, and what compiling ``compiled`` cost."""
     G = settings.new_tokens
     ids = token_stream(model.config, prefix_len + G, settings.seed + prefix_len)
     prepare, runs, compile_info = decode_paths(model, hf, ids, prefix_len, G, True, fast,
@@ -275,8 +244,7 @@ ABLATION_ROWS = {"reference": "static", "fast": "fast", **{k: k for k in GUARANT
 
 def _split_ablation(samples: dict[str, list[float]], diffs: dict[str, float] | None,
                     steps: int) -> dict[str, Any]:
-    """Take the ablation's variants out of one rotation's samples (timed beside the other paths,
-    so all saw the same load); the ablation's summary."""
+    """Take the ablation's variants out of one rotation's samples; the ablation's summary."""
     rows = {row: samples[path] for row, path in ABLATION_ROWS.items()}
     for name in VARIANTS:
         del samples[name]

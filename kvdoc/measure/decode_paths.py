@@ -1,15 +1,10 @@
 """The decode paths the benchmark times: one model, one token stream, each path a prepare/run pair.
 
-Per path, an untimed ``prepare`` resets its cache and returns the call to time (for
-:func:`kvdoc.measure.timing.time_paths`), and a second call returns the path's stacked logits,
-to check that every timed path computes the same function.
-
-Beside them, the lean step: :class:`LeanStep` is the fast step's arithmetic and nothing else
-(no checks, no watch on the weights, its own K/V buffers, GPT-2's architecture only): the time
-the fast step takes beyond it is what its guarantees cost. An :data:`ABLATION` variant undoes
-one of the fast step's changes, so the time it adds is what that change buys; a
-:data:`GUARANTEES` variant takes a guarantee away, so the time it saves is what that guarantee
-costs (timed only: none may serve a user).
+Per path, an untimed ``prepare`` resets its cache and returns the call to time, and a second
+call returns the path's stacked logits, to check that every timed path computes the same
+function. :class:`LeanStep` is the fast step's arithmetic and nothing else: the time the fast
+step takes beyond it is what its guarantees cost. An :data:`ABLATION` variant undoes one of the
+fast step's changes, a :data:`GUARANTEES` variant takes a guarantee away (timed only).
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> _ = torch.manual_seed(0)
@@ -52,8 +47,7 @@ class UnwatchedFast(FastDecoder):
 
 
 class UncheckedFast(FastDecoder):
-    """The fast step without its input checks and its hand-over to the model: every call is
-    taken as one token per row after a cache, and bad input is not refused."""
+    """The fast step without its input checks and its hand-over to the model."""
 
     def __call__(self, idx: torch.Tensor, cache: KVCache, **options: object) -> DecoderOutput:
         if self._stale():
@@ -62,8 +56,7 @@ class UncheckedFast(FastDecoder):
 
 
 class UnguardedFast(FastDecoder):
-    """The fast step with neither guarantee: its arithmetic, writing through the cache's
-    ``update``. What still separates it from :class:`LeanStep` is that write path."""
+    """The fast step with neither guarantee: only its write path separates it from lean."""
 
     def __call__(self, idx: torch.Tensor, cache: KVCache, **options: object) -> DecoderOutput:
         return self._step(idx, cache)
@@ -76,10 +69,9 @@ GUARANTEES: dict[str, type[FastDecoder]] = {"unwatched": UnwatchedFast,
 
 
 class LeanStep:
-    """One token per row for a GPT-2-style decoder, with nothing around the arithmetic, up to
-    ``capacity`` positions. ``pretranspose``: weights stored ``[in, out]`` (else read through a
-    transposed view, as ``F.linear`` does); ``attention``: ``"sdpa"`` (one call, a K/V head's
-    query heads as rows) or ``"matmul"`` (matmul, scale, softmax, matmul)."""
+    """One token per row for a GPT-2-style decoder, nothing around the arithmetic, up to
+    ``capacity`` positions; ``pretranspose``: weights stored ``[in, out]`` (else read transposed,
+    as ``F.linear`` does); ``attention``: ``"sdpa"`` or ``"matmul"`` (scale, softmax, matmul)."""
 
     def __init__(self, model: Decoder, capacity: int, *, pretranspose: bool = True,
                  attention: Literal["sdpa", "matmul"] = "sdpa") -> None:
@@ -110,8 +102,7 @@ class LeanStep:
         self.pos = 0
 
     def start(self, cache: KVCache) -> None:
-        """Take a copy of ``cache``'s K/V (the prompt) into fresh buffers; the next token is at
-        ``cache.seq_len``."""
+        """Copy ``cache``'s K/V (the prompt) into fresh buffers."""
         cfg, P = self.config, cache.seq_len
         shape = (cache.batch_size, cfg.n_kv_head, self.capacity, cfg.head_dim)
         self.k = [self.wte.new_zeros(shape) for _ in self.layers]
@@ -164,13 +155,8 @@ def token_stream(config: GPTConfig, length: int, seed: int) -> torch.Tensor:
 
 def build_models(config: GPTConfig, seed: int, transformers: bool,
                  tie: bool = False) -> tuple[Decoder, Any]:
-    """A kvdoc decoder and, if asked, transformers' GPT-2 with the same random weights (both eval;
-    ``tie``: the LM head shares ``wte``'s weight, as in GPT-2's checkpoints).
-
-    transformers' model is built on the meta device and receives the decoder's weights: a
-    second random initialisation would cost seconds at GPT-2 small's size. A ``RuntimeError``
-    if the two models' logits disagree on a short input.
-    """
+    """A kvdoc decoder and, if asked, transformers' GPT-2 (built on the meta device) with the
+    same random weights (``tie``: head and ``wte`` shared); a RuntimeError if they disagree."""
     torch.manual_seed(seed)
     with torch.inference_mode(False):  # parameters with version counters, which FastDecoder watches
         model = Decoder(config).eval()
@@ -215,8 +201,7 @@ def build_models(config: GPTConfig, seed: int, transformers: bool,
 
 def rewound(reset: Callable[[], object],
             run: Callable[[], Any]) -> tuple[Prepare, Callable[[], Any]]:
-    """A timed path: ``prepare`` calls ``reset`` (untimed: back to the prompt) and returns
-    ``run``; the second call runs it once, for its logits."""
+    """A timed path (``prepare``: ``reset`` untimed, returning ``run``) and one run of it."""
     def prepare() -> Callable[[], Any]:
         reset()
         return run
@@ -225,17 +210,14 @@ def rewound(reset: Callable[[], object],
 
 def prompt_cache(model: Decoder, ids: torch.Tensor, prefix_len: int, steps: int,
                  kind: str = "static") -> KVCache:
-    """A cache of ``kind`` holding the first ``prefix_len`` tokens of ``ids``, room for
-    ``steps`` more."""
+    """A cache of ``kind`` holding ``ids[:, :prefix_len]``, room for ``steps`` more."""
     return model(ids[:, :prefix_len], model.new_cache(ids.shape[0], kind,
                                                       capacity=prefix_len + steps))[1]
 
 
 def cached_decode(step: Callable[..., Any], cache: KVCache, ids: torch.Tensor, prefix_len: int,
                   steps: int) -> tuple[Prepare, Callable[[], torch.Tensor]]:
-    """``steps`` single-token calls of ``step`` (the model or a fast step) after ``cache``,
-    which holds the first ``prefix_len`` tokens of ``ids`` and is cropped back to them before
-    each run (untimed; a dynamic cache, which no call changes, already holds just them)."""
+    """``steps`` single-token calls of ``step`` after ``cache``, cropped back before each run."""
     P, G = prefix_len, steps
 
     def run() -> torch.Tensor:
@@ -250,15 +232,8 @@ def cached_decode(step: Callable[..., Any], cache: KVCache, ids: torch.Tensor, p
 def compiled_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor,
                     prefix_len: int, steps: int
                     ) -> tuple[Prepare | None, Callable[[], torch.Tensor] | None, dict[str, Any]]:
-    """:func:`cached_decode` of ``step``, a ``torch.compile`` of the model, run once untimed
-    here so that its compilation stays out of the timed samples.
-
-    This is gpt-fast's fast step (``torch.compile`` over one forward and a static cache) over
-    kvdoc's forward, without ``fullgraph``: the model's checks raise their own ``ValueError``.
-    The first run's seconds (``first_run_s``) are the compile time; ``graphs`` counts what
-    dynamo compiled. A failure to compile is returned as ``error`` with no path, so that the
-    benchmark says so instead of stopping.
-    """
+    """:func:`cached_decode` of ``step``, a ``torch.compile`` of the model, run once untimed: its
+    ``first_run_s`` and dynamo's ``graphs``, or, failing to compile, an ``error`` and no path."""
     cache = prompt_cache(model, ids, prefix_len, steps)
     prepare, run = cached_decode(step, cache, ids, prefix_len, steps)
     from torch._dynamo.utils import counters
@@ -277,8 +252,7 @@ def compiled_decode(step: Callable[..., Any], model: Decoder, ids: torch.Tensor,
 
 def lean_decode(lean: LeanStep, model: Decoder, ids: torch.Tensor, prefix_len: int,
                 steps: int) -> tuple[Prepare, Callable[[], torch.Tensor]]:
-    """``steps`` calls of a :class:`~kvdoc.measure.decode_paths.LeanStep` after the prompt's K/V,
-    rewound to position ``P`` before each run as :func:`cached_decode` crops its cache."""
+    """``steps`` calls of a :class:`LeanStep` after the prompt's K/V, rewound before each run."""
     P, G = prefix_len, steps
     lean.start(prompt_cache(model, ids, P, 0))
 
@@ -354,9 +328,7 @@ def decode_paths(model: Decoder, hf: Any, ids: torch.Tensor, prefix_len: int, st
 
 def ablation_paths(model: Decoder, ids: torch.Tensor, prefix_len: int,
                    steps: int) -> tuple[dict[str, Prepare], dict[str, Callable[[], torch.Tensor]]]:
-    """Per :data:`~kvdoc.measure.decode_paths.ABLATION` variant, the lean step with that change
-    undone, and per :data:`~kvdoc.measure.decode_paths.GUARANTEES` variant, the fast step with that
-    guarantee taken away, as in :func:`decode_paths`."""
+    """The :data:`ABLATION` and :data:`GUARANTEES` variants' paths, as :func:`decode_paths`'."""
     capacity = prefix_len + steps
     pairs = {name: lean_decode(LeanStep(model, capacity, **kw), model, ids, prefix_len, steps)
              for name, kw in ABLATION.items()}
@@ -367,8 +339,7 @@ def ablation_paths(model: Decoder, ids: torch.Tensor, prefix_len: int,
 
 
 def ops_per_step(model: Decoder, fast: FastDecoder, hf: Any, ids: torch.Tensor) -> dict[str, int]:
-    """ATen operators of one decode step of the last token of ``ids`` ([1, P + 1]), per path
-    (``full_all``: one full recompute of all ``P + 1`` positions)."""
+    """ATen operators of one decode step of ``ids``' last token, per path."""
     prompt, token = ids[:, :-1], ids[:, -1:]
     out = {"full_all": sum(count_ops(lambda: model(ids)).values())}
     for name, kind, step in (("dynamic", "dynamic", model), ("static", "static", model),

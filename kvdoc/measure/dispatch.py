@@ -1,14 +1,8 @@
 """Counting what ATen operations do, through torch's dispatch mode: the bytes each writes and
-reads (:class:`WriteCounter`; :class:`CopyMeter` per cache update) and how many run.
-
-A cache update is counted by what it actually does: ``torch.cat`` in a
-:class:`~kvdoc.core.cache.DynamicCache`, the slice copy in a
-:class:`~kvdoc.core.cache.StaticCache`. Bytes written beyond the new rows are old content copied
-again, and a copy reads every byte it writes, so memory traffic is the sum of the two.
-
-``TorchDispatchMode`` and an operator's ``_schema`` are private PyTorch APIs: kvdoc uses them
-for measurements only and keeps every use in this one module, so a PyTorch release that moves
-them breaks one file.
+reads (:class:`WriteCounter`; :class:`CopyMeter` per cache update) and how many run. A cache
+update is counted by what it does (a dynamic cache's ``torch.cat``, a static one's slice copy):
+bytes written beyond the new rows are old content copied again. ``TorchDispatchMode`` and
+``_schema`` are private PyTorch APIs, used for measurements only and in this module only.
 
 >>> import torch
 >>> a, b = torch.zeros(2, 3), torch.zeros(1, 3)
@@ -47,9 +41,7 @@ def _tensors(values: object) -> list[torch.Tensor]:
 
 
 class WriteCounter(TorchDispatchMode):
-    """Adds up the bytes every ATen op writes (outputs of functional ops, targets of in-place
-    ops) and reads (its tensor inputs other than a target it overwrites: a copy reads its
-    source as it writes its destination)."""
+    """Adds up the bytes every ATen op writes (outputs, in-place targets) and reads."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -99,19 +91,15 @@ def count_ops(call: Callable[[], Any]) -> dict[str, int]:
 
 @dataclass
 class UpdateRecord:
-    """What one ``cache.update(layer, k, v, start)`` wrote, measured by :class:`CopyMeter`."""
+    """What one ``cache.update(layer, k, v, start)`` did: ``start`` positions held before it, the
+    new rows' bytes, and the bytes its operations wrote, read and allocated."""
 
     layer: int
     start: int
-    """``P``: positions held before the update."""
     new_bytes: int
-    """Bytes of the new K and V rows passed in."""
     written: int
-    """Bytes every tensor operation inside the update wrote."""
     read: int
-    """Bytes of the tensors those operations read (a copy's source, ``cat``'s inputs)."""
     allocated: int
-    """Bytes of tensors the update created."""
 
     @property
     def old_bytes_copied(self) -> int:
@@ -140,8 +128,7 @@ class CopyMeter:
     records: list[UpdateRecord] = field(default_factory=list)
 
     def watch(self, cache: KVCache) -> KVCache:
-        """``cache`` itself, its layers wrapped so that their writes are measured into this
-        meter; a static layer is still written in place."""
+        """``cache`` itself, its layers wrapped so that their writes are measured here."""
         return wrap_layers(cache, lambda layer, i: _MeteredLayer(layer, i, self))
 
     def old_bytes_copied(self, start: int | None = None) -> int:

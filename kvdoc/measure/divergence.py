@@ -1,10 +1,7 @@
-"""Where two greedy generations part: the step of the first different token, and how close the
-reference's two best logits were there.
-
-Two paths that compute the same function up to rounding (BF16 against FP64, an FP8 cache
-against an exact one) may part only where two logits nearly tie; after that each feeds its own
-tokens. What is measured here is an observation about particular prompts and weights, not a
-bound.
+"""Where two computations part, measured (observations on particular prompts and weights, not
+bounds): the first step two greedy generations choose differently, and how close the
+reference's two best logits were there (:func:`precision_divergence`); how far StreamingLLM's
+logits fall from full attention's once it evicts (:func:`stream_divergence`).
 
 >>> import torch
 >>> from kvdoc import Decoder, GPTConfig
@@ -24,6 +21,8 @@ from typing import NamedTuple
 import torch
 
 from kvdoc.core.cache import KVCache
+from kvdoc.core.model import Decoder
+from kvdoc.core.streaming import stream_logits, streaming_decoder
 
 
 class Divergence(NamedTuple):
@@ -38,9 +37,8 @@ class Divergence(NamedTuple):
 
 def greedy_with_gaps(call: Callable, prompt: torch.Tensor, steps: int,
                      cache: KVCache) -> tuple[torch.Tensor, list[float]]:
-    """``steps`` greedy tokens after ``prompt`` (``[1, P]``) over ``cache``, each fed back, and
-    the gap between the two best logits at each; ``call(ids, cache, last_only=...)`` is a model
-    or a fused decoder of it."""
+    """``steps`` greedy tokens after ``prompt`` over ``cache`` and the gap between the two best
+    logits at each; ``call(ids, cache, last_only=...)``: a model or a fused decoder of it."""
     logits, cache = call(prompt, cache, last_only=True)
     tokens, gaps = [], []
     for _ in range(steps):
@@ -67,8 +65,7 @@ def divergence(reference: torch.Tensor, gaps: Sequence[float],
 def precision_divergence(model: torch.nn.Module, prompts: Sequence[torch.Tensor], steps: int,
                          dtype: torch.dtype,
                          reference_dtype: torch.dtype = torch.float64) -> list[Divergence]:
-    """Per prompt, greedy generation in ``dtype`` against the same weights (rounded to
-    ``dtype`` first) computed in ``reference_dtype``, both over a dynamic cache."""
+    """Per prompt, greedy decoding in ``dtype`` against the same weights in ``reference_dtype``."""
     low = copy.deepcopy(model).to(dtype).eval()
     high = copy.deepcopy(low).to(reference_dtype)
     out = []
@@ -77,3 +74,36 @@ def precision_divergence(model: torch.nn.Module, prompts: Sequence[torch.Tensor]
         got, _ = greedy_with_gaps(low, prompt, steps, low.new_cache(1))
         out.append(divergence(want, gaps, got))
     return out
+
+
+class StreamDivergence(NamedTuple):
+    """``per_position`` ``[T]``: the largest ``|logit - full logit|`` over the batch and the
+    vocabulary; ``before``, ``after``: its largest before and from ``evicts_at`` (the first
+    position whose query reads fewer keys than full attention)."""
+
+    per_position: torch.Tensor
+    evicts_at: int
+    before: float
+    after: float
+
+
+@torch.no_grad()
+def stream_divergence(model: Decoder, ids: torch.Tensor, sinks: int,
+                      window: int) -> StreamDivergence:
+    """StreamingLLM with ``sinks`` and ``window`` on ``ids`` (``[B, T]``), fed a token a call,
+    against ``model``'s full forward.
+
+    >>> from kvdoc.core.model import llama_config
+    >>> _ = torch.manual_seed(0)
+    >>> model = Decoder(llama_config()).eval()
+    >>> ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(0))
+    >>> d = stream_divergence(model, ids, sinks=2, window=8)
+    >>> d.evicts_at, d.before < 1e-5, d.after > 1e-3
+    (10, True, True)
+    """
+    full = model(ids).logits
+    streamed, _ = stream_logits(streaming_decoder(model, sinks, window), ids)
+    per_position = (streamed - full).abs().amax(dim=(0, 2))
+    at = min(sinks + window, ids.shape[1])
+    return StreamDivergence(per_position, at, float(per_position[:at].max()),
+                            float(per_position[at:].max()) if ids.shape[1] > at else 0.0)

@@ -1,13 +1,7 @@
-"""Bytes: element sizes by dtype name, the K/V byte formula, the same count taken on real
-caches, and byte counts in binary and decimal units, all known without importing torch.
-
-A conventional cache keeps, for every decoder layer, one K and one V tensor of shape
-``[B, H_kv, T, D]``, so its payload is ``bytes = 2 x B x L x T x H_kv x D x s`` with ``s`` bytes
-per element (:func:`kv_bytes`; :func:`measured_bytes` counts real tensors the same way). The
-quantised caches' closed forms (tests/test_fp8_cache.py compares them with real caches): int8
-(:mod:`kvdoc.serving.quant`) keeps a byte a value and one scale a row in the model's dtype; FP8
-(:mod:`kvdoc.serving.fp8`) a byte a value and FP32 scales per tensor or per head, shared by the
-batch.
+"""Bytes, without importing torch: element sizes by dtype name, ``bytes = 2 x B x L x T x H_kv
+x D x s`` (:func:`kv_bytes`; :func:`measured_bytes` counts real tensors), the int8 and FP8
+caches' closed forms (tests/test_fp8_cache.py compares them with real caches), and byte counts
+in binary and decimal units.
 
 >>> int8_kv_bytes(1, 32, 8192, 8, 128, scale_bytes=2)     # Llama-3-8B, BF16 scales
 545259520
@@ -30,7 +24,7 @@ if TYPE_CHECKING:
 
 def check_int(name: str, value: object, minimum: int = 1) -> int:
     """``value``, if it is an integer (not a bool) of at least ``minimum``; else a ValueError
-    (:func:`kvdoc.core.cache.check_int` without torch, for ``python -m kvdoc memory``).
+    (:func:`kvdoc.core.cache.check_int` without torch).
 
     >>> check_int("layers", 0)
     Traceback (most recent call last):
@@ -91,18 +85,6 @@ def element_size(dtype: str | torch.dtype) -> int:
     return ELEMENT_BYTES[dtype_name(dtype)]
 
 
-def rows_bytes(batch: int, heads: int, positions: int, widths: Sequence[int],
-               dtype: str | torch.dtype) -> int:
-    """Bytes of ``positions`` rows of one layer's stored tensors: the one byte formula the
-    others build on (K and V: widths ``(D, D)``; an MLA latent: one head of ``(r, d_R)``).
-
-    >>> rows_bytes(1, 2, 10, (4, 4), "float32") == kv_bytes_per_layer(1, 10, 2, 4, "float32",
-    ...                                                                [None])[0]
-    True
-    """
-    return batch * heads * positions * sum(widths) * element_size(dtype)
-
-
 def kv_bytes_per_layer(batch: int, seq_len: int, kv_heads: int, head_dim: int,
                        dtype: str | torch.dtype, windows: Sequence[int | None]) -> list[int]:
     """Bytes of each layer's K and V together: layer ``l`` holds ``min(T, windows[l])``
@@ -117,7 +99,7 @@ def kv_bytes_per_layer(batch: int, seq_len: int, kv_heads: int, head_dim: int,
     if not windows:
         raise ValueError("need at least one layer")
     held = [seq_len if w is None else min(seq_len, check_int("window", w)) for w in windows]
-    return [rows_bytes(batch, kv_heads, t, (head_dim, head_dim), dtype) for t in held]
+    return [2 * batch * kv_heads * t * head_dim * element_size(dtype) for t in held]
 
 
 def kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim: int,
@@ -160,11 +142,7 @@ def measured_bytes(cache: KVCache | Iterable[torch.Tensor]) -> int:
 
 
 FP8_SCALE_GRANULARITIES = ("per-tensor", "per-head")
-"""How many FP32 scales K (and V) of one FP8 layer has: one, or one per K/V head (the
-granularities of :data:`kvdoc.serving.fp8.GRANULARITIES`, kept here so that the command line
-need not import torch)."""
-FP8_SCALE_BYTES = 4
-"""Bytes of one scale: FP32, whatever the model's dtype, as engines keep them."""
+"""One FP32 scale for K (and V) of an FP8 layer, or one per K/V head (torch-free here)."""
 
 
 def fp8_scale_bytes(kv_heads: Sequence[int], granularity: str) -> int:
@@ -183,7 +161,7 @@ def fp8_scale_bytes(kv_heads: Sequence[int], granularity: str) -> int:
     if not kv_heads:
         raise ValueError("need at least one layer")
     per_layer = [check_int("kv_heads", h) if granularity == "per-head" else 1 for h in kv_heads]
-    return 2 * FP8_SCALE_BYTES * sum(per_layer)
+    return 2 * 4 * sum(per_layer)  # FP32 scales, whatever the model's dtype
 
 
 def int8_kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim: int,
@@ -196,17 +174,12 @@ def int8_kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim
 
 def fp8_kv_bytes(batch: int, layers: int, seq_len: int, kv_heads: int, head_dim: int,
                  granularity: str = "per-tensor") -> int:
-    """``2 x B x L x T x H_kv x D + 2 x L x S x 4``: FP8 values, and K's and V's FP32 scales
-    (``S = 1`` per tensor, ``H_kv`` per head, :func:`fp8_scale_bytes`)."""
+    """``2 x B x L x T x H_kv x D + 2 x L x S x 4``: FP8 values, FP32 scales (``S``: 1, H_kv)."""
     return (kv_bytes(batch, layers, seq_len, kv_heads, head_dim, "float8_e4m3fn")
             + fp8_scale_bytes([kv_heads] * layers, granularity))
 
 
 # --- byte counts for people--------------------------------------------------------------------
-
-BINARY_UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB")  # powers of 1024
-DECIMAL_UNITS = ("bytes", "kB", "MB", "GB", "TB", "PB")  # powers of 1000
-
 
 def _scaled(n: int, base: int, units: tuple[str, ...], digits: int) -> str:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -226,7 +199,7 @@ def binary_size(n: int, digits: int = 3) -> str:
     >>> binary_size(536870912), binary_size(278528), binary_size(1536)
     ('512 MiB', '272 KiB', '1.5 KiB')
     """
-    return _scaled(n, 1024, BINARY_UNITS, digits)
+    return _scaled(n, 1024, ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"), digits)
 
 
 def decimal_size(n: int, digits: int = 3) -> str:
@@ -235,7 +208,7 @@ def decimal_size(n: int, digits: int = 3) -> str:
     >>> decimal_size(536870912), decimal_size(278528)
     ('536.871 MB', '278.528 kB')
     """
-    return _scaled(n, 1000, DECIMAL_UNITS, digits)
+    return _scaled(n, 1000, ("bytes", "kB", "MB", "GB", "TB", "PB"), digits)
 
 
 def format_bytes(n: int) -> str:

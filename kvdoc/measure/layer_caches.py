@@ -1,12 +1,6 @@
 """A model's sizes, in one representation: :class:`ModelCache`, one :class:`LayerCache` a
-decoder layer, and a constructor for each kind of layer the memory command counts.
-
-A full-attention layer adds ``2 x H_kv x D`` elements a position (K and V); a sliding-window
-layer as many, up to its window ``W``; an MLA layer (DeepSeek-V3) one latent of
-``kv_lora_rank + qk_rope_head_dim``, shared by K and V (DeepSeek-V3.2 adds an indexer key); a
-state layer (Gated DeltaNet, Mamba-2) nothing a position but a fixed-size state; a DeepSeek-V4
-layer a K = V window and compressed entries. Every kind is a sum of terms, each a size times
-how often it is held after ``T`` positions:
+decoder layer, and a constructor for each kind of layer. Every kind is a sum of terms, each a
+size times how often it is held after ``T`` positions:
 
 =======================  =====================================  ==============================
 term                     size (elements)                        held
@@ -18,15 +12,10 @@ unfinished block         ``buffer``, and ``overlap`` once       ``T mod rate``; 
 state                    ``state`` (cache dtype), ``state32``   once, whatever ``T``
 =======================  =====================================  ==============================
 
-``state32`` is counted in FP32 whatever the cache's element type: transformers 5.24.0 keeps a
-Gated DeltaNet's and a Mamba-2 layer's recurrent state in float32 beside a bfloat16 model (its
-conv state in the model's dtype); tests/test_layer_caches.py counts the tensors its cache classes
-allocate and compares them with :meth:`LayerCache.elements`. Per sequence,
-
-    bytes(T) = s x sum over layers of (per_token x min(T, W) + state + compressed terms)
-
-The published models, a kvdoc config and a transformers ``config.json`` become one in
-:mod:`kvdoc.measure.model_caches`. Importing this module does not import torch.
+``state32`` is in FP32 whatever the cache's dtype, as transformers 5.24.0 keeps a Gated
+DeltaNet's and a Mamba-2 layer's recurrent state (tests/test_layer_caches.py counts the tensors
+its caches allocate). The published models and a ``config.json`` become one in
+:mod:`kvdoc.measure.model_caches`.
 
 >>> mla_layer(512, 64).elements(1000)           # DeepSeek-V3: a latent of 576 a position
 576000
@@ -40,7 +29,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-# torch-free: the command line imports this module, and loading torch takes seconds
 from .kv_bytes import check_int, element_size, fp8_scale_bytes
 
 if TYPE_CHECKING:
@@ -48,31 +36,22 @@ if TYPE_CHECKING:
 
 
 class LayerCache(NamedTuple):
-    """What one layer keeps per sequence, in elements (the module's table)."""
+    """What one layer keeps per sequence, in elements (the module's table): ``per_token``
+    (``2 x H_kv x D``; MLA ``r + d_R``; K = V ``D``; a state layer 0) up to ``window``
+    positions (None: all); ``kv_heads``, 0 but for a K/V layer; ``shared_kv``: the window's rows
+    serve as both K and V; ``indexer`` keys a position (``rate`` 0) or a compressed entry."""
 
     per_token: int
-    """Elements one more position adds (``2 x H_kv x D``; MLA: ``r + d_R``; K = V: ``D``;
-    a state layer: 0)."""
     window: int | None = None
-    """``W``: the layer keeps at most the last ``W`` positions (None: all of them)."""
     state: int = 0
-    """Elements held whatever the length, in the cache's dtype (a conv state)."""
     kv_heads: int = 0
-    """``H_kv`` of a K/V layer (per-head FP8 scales count it); 0 for the other kinds."""
     state32: int = 0
-    """Elements held whatever the length, in FP32 (a recurrent state)."""
     indexer: int = 0
-    """Indexer-key elements of every position (``rate`` 0) or of every compressed entry."""
     rate: int = 0
-    """Positions a compressed entry stands for (0: no compression)."""
     entry: int = 0
-    """Elements of one compressed entry."""
     buffer: int = 0
-    """Elements each position of the unfinished block keeps until its entry is written."""
     overlap: int = 0
-    """Elements carried from the last finished block into the next entry."""
     shared_kv: bool = False
-    """The window's rows serve as both K and V (one copy)."""
 
     @property
     def head_dim(self) -> int:
@@ -87,8 +66,7 @@ class LayerCache(NamedTuple):
         return "K/V" if self.kv_heads else "K = V" if self.shared_kv else "latent"
 
     def parts(self, seq_len: int, windows: bool = True) -> dict[str, int]:
-        """Elements of each term after ``seq_len`` positions, the nonzero ones, by name
-        (``windows=False``: the window caps nothing)."""
+        """Elements of each nonzero term after ``seq_len`` positions (``windows=False``: no cap)."""
         T = check_int("seq_len", seq_len, minimum=0)
         reach = T if self.window is None or not windows else min(T, self.window)
         entries = T // self.rate if self.rate else 0
@@ -101,8 +79,7 @@ class LayerCache(NamedTuple):
         return {name: n for name, n in parts.items() if n}
 
     def elements(self, seq_len: int, windows: bool = True) -> int:
-        """Elements in the cache's dtype after ``seq_len`` positions (all terms but
-        ``state32``)."""
+        """Elements in the cache's dtype after ``seq_len`` positions (all but ``state32``)."""
         return sum(n for name, n in self.parts(seq_len, windows).items()
                    if name != "state (FP32)")
 
@@ -115,25 +92,22 @@ def attention_layer(kv_heads: int, head_dim: int, window: int | None = None) -> 
 
 
 def mla_layer(kv_lora_rank: int, qk_rope_head_dim: int) -> LayerCache:
-    """An MLA layer: one latent of ``kv_lora_rank`` plus the rotary key of
-    ``qk_rope_head_dim``, a position (no separate K and V)."""
+    """An MLA layer: a latent of ``kv_lora_rank + qk_rope_head_dim`` a position."""
     return LayerCache(check_int("kv_lora_rank", kv_lora_rank)
                       + check_int("qk_rope_head_dim", qk_rope_head_dim))
 
 
 def indexed_mla_layer(kv_lora_rank: int, qk_rope_head_dim: int,
                       index_head_dim: int) -> LayerCache:
-    """A DeepSeek-V3.2 layer: MLA's latent and one indexer key of ``index_head_dim`` a
-    position, every position kept (the top-k a query reads changes with the query)."""
+    """A DeepSeek-V3.2 layer: MLA's latent and an indexer key of ``index_head_dim`` a position."""
     return mla_layer(kv_lora_rank, qk_rope_head_dim)._replace(
         indexer=check_int("index_head_dim", index_head_dim))
 
 
 def gated_delta_layer(num_key_heads: int, num_value_heads: int, key_head_dim: int,
                       value_head_dim: int, conv_kernel: int) -> LayerCache:
-    """A Gated DeltaNet layer (Qwen3-Next, Qwen3.5), as transformers 5.24.0's cache holds it:
-    a conv state ``[conv_dim, kernel]`` with ``conv_dim = 2 x H_k x D_k + H_v x D_v`` and a
-    recurrent state ``[H_v, D_k, D_v]`` (FP32); nothing per position."""
+    """A Gated DeltaNet layer, as transformers 5.24.0's cache holds it: a conv state ``[2 x H_k x
+    D_k + H_v x D_v, kernel]`` and a recurrent state ``[H_v, D_k, D_v]`` (FP32)."""
     for name, value in (("num_key_heads", num_key_heads), ("num_value_heads", num_value_heads),
                         ("key_head_dim", key_head_dim), ("value_head_dim", value_head_dim),
                         ("conv_kernel", conv_kernel)):
@@ -187,9 +161,7 @@ def compressed_layer(head_dim: int, window: int, rate: int = 0,
                           overlap=2 * rate * (head_dim + index_head_dim))
 
 def every_nth_full(layers: int, pattern: int, other: str = "sliding_attention") -> list[str]:
-    """Layer types where every ``pattern``-th layer is full and the rest ``other``, as
-    :func:`kvdoc.core.gemma.gemma_layer_types` and (``"linear_attention"``)
-    :func:`kvdoc.core.deltanet.every_nth_full` give them (those modules import torch).
+    """Layer types where every ``pattern``-th layer is full and the rest ``other``.
 
     >>> every_nth_full(4, 2)
     ['sliding_attention', 'full_attention', 'sliding_attention', 'full_attention']
@@ -200,18 +172,15 @@ def every_nth_full(layers: int, pattern: int, other: str = "sliding_attention") 
 
 
 KINDS = ("plain", "windowed", "hybrid", "MLA", "linear-hybrid", "compressed")
-"""The kinds of :attr:`ModelCache.kind`: every layer full; every layer windowed; window and
-full layers mixed; MLA latents (with or without indexer keys); state layers (linear attention,
-Mamba-2) beside attention ones; DeepSeek-V4's K = V windows and compressed entries."""
+"""The kinds of :attr:`ModelCache.kind` (hybrid: window and full layers; linear-hybrid: state
+layers beside attention ones; compressed: DeepSeek-V4's)."""
 
 
 @dataclass(frozen=True)
 class ModelCache:
-    """A model's sizes: its cache, one :class:`LayerCache` per decoder layer; the context
-    ``max_positions``; the ``source`` (a ``config.json`` or paper) and a ``note`` of what the
-    count leaves out. ``heads`` (query heads) and ``hidden``, ``intermediate``, ``vocab`` (for
-    the models whose weights :mod:`kvdoc.measure.batch_decode` counts) are None where not
-    recorded."""
+    """A model's sizes: one :class:`LayerCache` per decoder layer, the context, the ``source``
+    and a ``note`` of what the count leaves out; ``heads`` (query heads), ``hidden``,
+    ``intermediate`` and ``vocab`` are None where not recorded."""
 
     name: str
     layers: tuple[LayerCache, ...]
@@ -274,8 +243,7 @@ class ModelCache:
 
     def parts(self, seq_len: int, batch: int = 1, dtype: str | torch.dtype = "float16",
               windows: bool = True) -> dict[str, int]:
-        """Bytes of ``batch`` sequences of ``seq_len`` positions by term, apart (K/V, latent,
-        indexer keys, compressed entries, block buffer, state; the FP32 state at 4 bytes).
+        """Bytes of ``batch`` sequences of ``seq_len`` positions by term (FP32 state: 4 bytes).
 
         >>> from kvdoc.measure.model_caches import model_cache
         >>> model_cache("Qwen3-Next-80B-A3B").parts(0, dtype="bfloat16")  # T = 0: the states
@@ -290,9 +258,8 @@ class ModelCache:
                 for name, n in total.items()}
 
     def all_attention(self) -> ModelCache:
-        """The same count of layers, each a full-attention layer of this model's own attention
-        sizes (its first layer that keeps positions, with no window, indexer or compression):
-        what the cache would be without windows, states or compression.
+        """As many layers, each full attention of the sizes of the first layer that keeps
+        positions: the cache without windows, states, indexers or compression.
 
         >>> from kvdoc.measure.model_caches import model_cache
         >>> model_cache("Qwen3-Next-80B-A3B").all_attention().kind
@@ -307,8 +274,7 @@ class ModelCache:
 
     def kv_bytes(self, seq_len: int, batch: int = 1, dtype: str | torch.dtype = "float16",
                  windows: bool = True) -> int:
-        """Bytes of ``batch`` sequences of ``seq_len`` positions, ``s`` bytes an element
-        (``windows``: as :meth:`elements`).
+        """Bytes of ``batch`` sequences of ``seq_len`` positions (``windows=False``: no cap).
 
         >>> from kvdoc.measure.model_caches import model_cache
         >>> oss = model_cache("gpt-oss-20b")     # past W = 128 only its 12 full layers grow
@@ -353,9 +319,8 @@ class ModelCache:
         return check_int("memory", memory) // per_sequence
 
     def fp8_scale_bytes(self, granularity: str) -> int:
-        """Bytes of the FP32 scales an FP8 cache of this model keeps beside its elements
-        (:func:`~kvdoc.measure.kv_bytes.fp8_scale_bytes`), whatever ``T`` and the batch; a
-        ValueError for an MLA model (engines scale a latent otherwise: not counted here).
+        """Bytes of an FP8 cache's FP32 scales (:func:`~kvdoc.measure.kv_bytes.fp8_scale_bytes`),
+        whatever ``T`` and the batch; a ValueError for a latent (scaled otherwise by engines).
 
         >>> from kvdoc.measure.model_caches import model_cache
         >>> model_cache("Llama-3-8B").fp8_scale_bytes("per-head")   # 32 x 2 x 8 x 4

@@ -1,14 +1,9 @@
 """``python -m kvdoc memory``: K/V cache bytes from explicit sizes or a published model's config.
 
-The command prints ``2 x B x L x T x H_kv x D x s`` (:func:`~kvdoc.measure.kv_bytes.kv_bytes`)
-in exact, binary and decimal units, for sizes given on the command line (L alike layers); for a
-published model (any :data:`~kvdoc.measure.model_caches.MODELS` entry: plain, windowed, hybrid,
-MLA, or with linear-attention or Mamba-2 states) or a transformers ``config.json`` (also
-DeepSeek-V4's compressed layers)
-(:func:`~kvdoc.measure.model_caches.read_config`) it sums the layers' own costs, each kind of
-layer a term of the same formula line; past a plain model, each term's bytes apart (K/V, latent,
-indexer keys, compressed entries, block buffer, state), the same layers all full attention, and
-one sequence at 4k, 32k and 128k tokens::
+For sizes given on the command line (L alike layers), a published model
+(:data:`~kvdoc.measure.model_caches.MODELS`) or a ``config.json``, it prints the formula with
+every factor, so its product can be redone by hand, the bytes in exact, binary and decimal
+units, and past a plain model each term apart and the same layers all full attention::
 
     python -m kvdoc memory --batch 1 --layers 32 --seq-len 4096 --kv-heads 8 --head-dim 128 \\
         --dtype float16
@@ -19,12 +14,8 @@ one sequence at 4k, 32k and 128k tokens::
     python -m kvdoc memory --model Llama-3.1-8B --memory 80   # sequences that fit, after weights
     python -m kvdoc memory --model Llama-3-8B --dtype fp8 --fp8-scales per-head
 
-The formula line shows every factor, so its product can be redone by hand. The docs'
-calculator (:func:`calculator_data`) shows what this command prints, from the same functions.
-An FP8 cache also keeps FP32 scales (``--fp8-scales``): two a layer per tensor, or two per K/V
-head, shared by the batch (:func:`~kvdoc.measure.kv_bytes.fp8_scale_bytes`).
-
-Importing this module does not import torch: the command starts in a fraction of a second.
+The docs' calculator (:func:`calculator_data`) shows what it prints, from the same functions.
+The module imports no torch: the command starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -45,10 +36,8 @@ from .kv_bytes import (
 )
 from .model_caches import MODELS, LayerCache, ModelCache, attention_layer, model_cache, read_config
 
-#: The longest ``--seq-len`` (and ``--window``) the command takes: 2**31 - 1 positions. Attention
-#: kernels index a sequence's tokens with 32-bit integers (FlashAttention's ``cu_seqlens`` are
-#: int32), so no served sequence is longer; the longest published contexts are millions of
-#: tokens, hundreds of times shorter. A length past it is a typo, not a what-if.
+#: The longest ``--seq-len`` (and ``--window``): attention kernels index a sequence's tokens
+#: with 32-bit integers (FlashAttention's ``cu_seqlens``), so a longer one is a typo.
 MAX_SEQ_LEN = 2**31 - 1
 
 
@@ -192,8 +181,7 @@ def _terms(layer: LayerCache, n: int, T: int) -> list[tuple[str, str]]:
 
 
 def _formula(model: ModelCache, T: int) -> tuple[str, str, str, str]:
-    """The sum over layer kinds of what one sequence keeps, in symbols and in numbers: the
-    terms in the cache's dtype, then the FP32 state's (empty where there is none)."""
+    """What one sequence keeps, in symbols and numbers: cache-dtype terms, then FP32 ones."""
     terms = [t for layer, n in model.groups() for t in _terms(layer, n, T)]
     fp32 = [("L x recurrent state", f"{n} x {layer.state32:,}")
             for layer, n in model.groups() if layer.state32]
@@ -205,8 +193,7 @@ def _formula(model: ModelCache, T: int) -> tuple[str, str, str, str]:
 
 
 def _part_lines(model: ModelCache, T: int, B: int, dtype: str) -> list[str]:
-    """Each term's bytes apart at ``T``, the all-attention model of the same size, and bytes
-    per sequence against context."""
+    """Each term's bytes, the all-attention model's, and a sequence's at 4k, 32k, 128k."""
     if model.kind == "plain":  # K/V alone: the bytes line says it
         return []
     lines = [f"part       {name}: {format_bytes(n)}"
@@ -227,12 +214,6 @@ def _part_lines(model: ModelCache, T: int, B: int, dtype: str) -> list[str]:
 def _weight_bytes(model: ModelCache) -> int | None:
     """The weights' bytes in bfloat16, for a model whose parameters are known."""
     return None if model.parameters is None else model.parameters * ELEMENT_BYTES["bfloat16"]
-
-
-def _scale_lines(total: int, scales: int, granularity: str) -> list[str]:
-    return [f"scales     {scales:,} bytes of FP32 scales ({granularity}, K and V of every "
-            "K/V layer; shared by the batch, whatever T)",
-            f"with them  {format_bytes(total + scales)}"]
 
 
 def _fit_line(model: ModelCache, T: int, dtype: str, memory_gib: float,
@@ -288,7 +269,10 @@ def _model_lines(model: ModelCache, kind: str, T: int, B: int, dtype: str, defau
         lines.append(f"past W     {format_bytes(past) if past else '0 bytes'} (one more position "
                      f"past every window, T > {max(windows):,}: {grow})")
     if scales is not None:
-        lines += _scale_lines(total, model.fp8_scale_bytes(scales), scales)
+        n = model.fp8_scale_bytes(scales)
+        lines += [f"scales     {n:,} bytes of FP32 scales ({scales}, K and V of every K/V "
+                  "layer; shared by the batch, whatever T)",
+                  f"with them  {format_bytes(total + n)}"]
     if model.fixed_bytes(dtype):
         lines.append(f"fixed      {format_bytes(model.fixed_bytes(dtype))} per sequence, "
                      "whatever T")
@@ -301,28 +285,25 @@ def _model_lines(model: ModelCache, kind: str, T: int, B: int, dtype: str, defau
 
 
 def main(args: argparse.Namespace) -> int:
-    """Print the K/V bytes for the sizes in ``args``; 2 (nothing on stdout) on inconsistent
-    options."""
-    if getattr(args, "list_models", False):
+    """Print the K/V bytes for ``args``; 2 (nothing on stdout) on inconsistent options."""
+    if args.list_models:
         for m in MODELS.values():
             print(f"{m.name:20} {m.kind:13} {len(m.layers):3} layers, "
                   f"{m.bytes_per_token('float16'):,} bytes a token in float16, context "
                   f"{m.max_positions:,}  [{m.source}]")
         return 0
     sizes = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
-    config = getattr(args, "config", None)
-    if args.model is not None and config is not None:
+    if args.model is not None and args.config is not None:
         return _error("give --model or --config, not both")
-    model: ModelCache | None = args.model if args.model is not None else config
-    T = args.seq_len
-    scales = getattr(args, "fp8_scales", None)
+    model: ModelCache | None = args.model if args.model is not None else args.config
+    T, scales = args.seq_len, args.fp8_scales
     if scales is not None and not dtype_name(args.dtype).startswith("float8"):
         return _error(f"--fp8-scales counts an FP8 cache's scales: give --dtype float8_e4m3fn "
                       f"(fp8) or float8_e5m2, not {dtype_name(args.dtype)}")
     if scales is not None and model is not None and model.kind in ("MLA", "compressed"):
         return _error(f"--fp8-scales counts K/V scales; {model.name} caches no K/V heads "
                       f"({model.kind})")
-    if getattr(args, "weights", None) is not None and getattr(args, "memory", None) is None:
+    if args.weights is not None and args.memory is None:
         return _error("--weights is subtracted from --memory: give --memory too")
     kind = model.kind if model is not None else ""  # the release's, also under a --window
     if model is None:  # typed sizes: a model of L alike layers, through the same lines
@@ -354,21 +335,23 @@ def main(args: argparse.Namespace) -> int:
               "model stretched that far)", file=sys.stderr)
     try:
         lines = _model_lines(model, kind, T, args.batch, dtype_name(args.dtype),
-                             args.seq_len is None, getattr(args, "memory", None), scales,
-                             getattr(args, "weights", None))
+                             args.seq_len is None, args.memory, scales, args.weights)
     except ValueError as err:  # weights that fill the memory
         return _error(str(err))
     print("\n".join(lines))
     return 0
 
 
+def _groups(model: ModelCache) -> list[list[object]]:
+    return [[g.per_token, g.window, g.state, n, g.state32, g.indexer, g.rate, g.entry, g.buffer,
+             g.overlap, g.what] for g, n in model.groups()]
+
+
 def calculator_data(initial: str = "Llama-3.1-8B") -> dict[str, object]:
     """The calculator page's JSON (``docs/_static/kvdoc-calculator.js`` computes from it):
-    element sizes, and for each of :data:`MODELS` what this command prints of it: kind,
-    context, source, note, ``layers`` lines, the weights' bytes (None where the parameters are
-    not known), the boxes' ``sizes`` ``[L, H_kv, D, W]`` (None where a model has none) and the
-    layer ``groups``, each ``[per_token, window, state, count, state32, indexer, rate, entry,
-    buffer, overlap, what]`` (:class:`~kvdoc.measure.layer_caches.LayerCache`'s fields).
+    element sizes, and for each of :data:`MODELS` what this command prints of it, the boxes'
+    ``sizes`` ``[L, H_kv, D, W]`` and the layer ``groups``, each ``[per_token, window, state,
+    count, state32, indexer, rate, entry, buffer, overlap, what]``.
 
     >>> data = calculator_data()
     >>> data["initial"], data["presets"][0]["sizes"], data["presets"][0]["groups"]
@@ -383,10 +366,7 @@ def calculator_data(initial: str = "Llama-3.1-8B") -> dict[str, object]:
             "parameters": m.parameters, "weights": _weight_bytes(m),
             "sizes": [len(m.layers), m.kv_heads if kv else None, m.head_dim if kv else None,
                       m.sliding_window],
-            "groups": [[g.per_token, g.window, g.state, n, g.state32, g.indexer, g.rate, g.entry,
-                        g.buffer, g.overlap, g.what] for g, n in m.groups()],
-            "all_attention": None if m.kind == "plain" else [
-                [g.per_token, None, 0, n, 0, 0, 0, 0, 0, 0, g.what]
-                for g, n in m.all_attention().groups()]})
+            "groups": _groups(m),
+            "all_attention": None if m.kind == "plain" else _groups(m.all_attention())})
     return {"presets": presets, "element_bytes": ELEMENT_BYTES,
             "initial": model_cache(initial).name}

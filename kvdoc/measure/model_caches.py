@@ -1,8 +1,6 @@
-"""The published models' sizes, each a :class:`~kvdoc.measure.layer_caches.ModelCache`: the
-table the package knows (:data:`MODELS`, looked up by :func:`model_cache`), and any transformers
-``config.json`` (:func:`read_config`, what ``python -m kvdoc memory --config`` counts). Sizes in
-a ``config.json`` are read by :mod:`kvdoc.interop.hf_config`'s rules, the ones the weight loaders
-use. Importing this module does not import torch.
+"""Models' sizes as :class:`~kvdoc.measure.layer_caches.ModelCache` s: the published ones
+(:data:`MODELS`, :func:`model_cache`), a kvdoc config (:func:`config_cache`) and a transformers
+``config.json`` (:func:`read_config`, read by :mod:`kvdoc.interop.hf_config`'s rules).
 
 >>> llama = model_cache("Llama-3-8B")
 >>> llama.kind, llama.attention, len(llama.layers), llama.bytes_per_token("float16")
@@ -19,7 +17,6 @@ from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
 
-# torch-free: the command line imports this module, and loading torch takes seconds
 from kvdoc.interop.hf_config import attention_sizes, config_fields, positive
 
 from .layer_caches import (  # noqa: F401  (KINDS: this module's name, as before)
@@ -37,9 +34,8 @@ from .layer_caches import (  # noqa: F401  (KINDS: this module's name, as before
 
 
 def config_cache(config: object, windows: bool = True) -> ModelCache:
-    """A kvdoc model configuration's cache as per-layer costs, the formula the verification
-    counts real caches against (:mod:`kvdoc.proofs.figures`). ``windows=False``: a cache that
-    keeps every position of every layer (a dynamic cache of a windowed model).
+    """A kvdoc config's cache, the formula the verification counts real caches against;
+    ``windows=False``: every layer keeps every position (a windowed model's dynamic cache).
 
     >>> from kvdoc.core.model import GPTConfig
     >>> from kvdoc.core.model import mistral_config
@@ -60,14 +56,12 @@ def config_cache(config: object, windows: bool = True) -> ModelCache:
                       "the kvdoc config")
 
 
-
 # --- the published models ---------------------------------------------------------------------
 
 def _preset(name: str, layers: int, heads: int | None, kv_heads: int, head_dim: int,
             context: int, source: str, window: int | None = None, every: int = 0,
             note: str = "", **sizes: int) -> ModelCache:
-    """K/V layers all alike (``window``: all windowed), or with ``every``, each ``every``-th
-    layer full and the rest windowed."""
+    """K/V layers all alike (``window``: all windowed), or every ``every``-th one full."""
     full, windowed = attention_layer(kv_heads, head_dim), attention_layer(kv_heads, head_dim,
                                                                           window)
     types = every_nth_full(layers, every) if every else ["sliding_attention"] * layers
@@ -92,8 +86,7 @@ def _qwen3(name: str, layers: int, heads: int, kv_heads: int = 8, note: str = ""
 
 def _gemma(name: str, repo: str, layers: int, heads: int, kv_heads: int, head_dim: int,
            hidden: int) -> ModelCache:
-    """Gemma 2 (a window of 4,096 every other layer) or Gemma 3 (five window layers of 512 or
-    1,024, then a global one)."""
+    """Gemma 2 (every other layer windowed) or Gemma 3 (five windowed layers, then one)."""
     if name.startswith("Gemma-2"):
         return _preset(name, layers, heads, kv_heads, head_dim, 8192, _HF.format(repo), 4096, 2,
                        hidden=hidden)
@@ -113,23 +106,17 @@ _STATE = ("keep a fixed state (the conv state in the cache's dtype, the {} state
 
 def _gpt_oss(name: str, layers: int) -> ModelCache:
     """gpt-oss: ``layer_types`` in the published config alternate sliding and full."""
-    pair = (attention_layer(8, 64, 128), attention_layer(8, 64))
-    return ModelCache(
-        name, pair * (layers // 2), 131072,
-        f"{_HF.format('openai/' + name)} (num_hidden_layers {layers}, num_key_value_heads "
-        "8, head_dim 64, sliding_window 128, layer_types alternating sliding_attention and "
-        "full_attention, max_position_embeddings 131072)",
-        "the attention sinks are one learned scalar a head, not cached per position")
+    return _preset(name, layers, None, 8, 64, 131072,
+                   f"{_HF.format('openai/' + name)} (num_hidden_layers {layers}, "
+                   "num_key_value_heads 8, head_dim 64, sliding_window 128, layer_types "
+                   "alternating sliding_attention and full_attention, max_position_embeddings "
+                   "131072)", 128, 2,
+                   "the attention sinks are one learned scalar a head, not cached per position")
 
 
-#: Every published model the package knows, keyed by lower-case name. Each ``source`` names the
-#: file the sizes come from; DeepSeek-V3's are :data:`kvdoc.interop.hf_deepseek.PUBLISHED`'s
-#: (tests/test_model_caches.py compares them; that module imports torch). A 2025-2026 release
-#: whose ``config.json`` could not be read is left out (the memory command reads it with
-#: ``--config``): Qwen3.5 (transformers 5.24.0's ``Qwen3_5TextConfig`` defaults are not
-#: Qwen/Qwen3.5-27B's sizes), Nemotron-H and Granite 4 (not read), DeepSeek-V4
-#: (``DeepseekV4Config``'s default ``layer_types`` is, by its docstring, V4-Pro's pattern, not
-#: V4-Flash's, and neither release's config.json was read).
+#: Every published model the package knows, by lower-case name, each with the file its sizes
+#: come from. Left out, as no release's config.json was read (``--config`` reads one): Qwen3.5,
+#: Nemotron-H, Granite 4, DeepSeek-V4 (``DeepseekV4Config``'s defaults are V4-Pro's pattern).
 MODELS: dict[str, ModelCache] = {m.name.lower(): m for m in (
     _preset("GPT-2-small", 12, 12, 12, 64, 1024,
             "openai-community/gpt2 config.json (n_layer 12, n_head 12, n_embd 768); "
@@ -211,11 +198,7 @@ MODELS: dict[str, ModelCache] = {m.name.lower(): m for m in (
 
 
 def model_cache(name: str) -> ModelCache:
-    """The :data:`MODELS` entry called ``name`` (case-insensitive), of any kind.
-
-    Raises:
-        ValueError: no such model; the message names the nearest (difflib), else all.
-    """
+    """The :data:`MODELS` entry called ``name`` (any case); a ValueError names the nearest."""
     try:
         return MODELS[name.lower()]
     except (KeyError, AttributeError):
@@ -250,9 +233,8 @@ def _mamba2(c: Mapping[str, Any], where: str) -> LayerCache:
 
 
 def _deepseek_v4(c: Mapping[str, Any], layers: int, where: str) -> list[LayerCache]:
-    """DeepSeek-V4's layers: ``layer_types`` (or the release's ``compress_ratios``, one a layer
-    and a trailing one for the prediction layer) and ``compress_rates``, as transformers
-    5.24.0's ``DeepseekV4Config`` reads them."""
+    """DeepSeek-V4's layers from ``layer_types`` (or the release's ``compress_ratios``) and
+    ``compress_rates``, as transformers 5.24.0's ``DeepseekV4Config`` reads them."""
     types = c.get("layer_types")
     if types is None and isinstance(c.get("compress_ratios"), list):
         by_rate = {rate: name for name, rate in _V4_TYPES.items()}
@@ -288,13 +270,9 @@ def _layer_types(c: Mapping[str, Any], layers: int, where: str) -> list[str]:
 
 
 def cache_from_config(config: Mapping[str, Any], name: str = "config.json") -> ModelCache:
-    """The :class:`~kvdoc.measure.model_caches.ModelCache` a parsed ``config.json`` describes:
-    attention, MLA (DeepSeek-V3.2's with indexer keys), sliding-window, Gated DeltaNet, Mamba-2
-    (Bamba, Granite 4) and DeepSeek-V4's compressed layers, placed by ``layer_types`` or the
-    family's own rule (a Gemma pattern, an alternation, Qwen3-Next's interval, Bamba's
-    ``attn_layer_indices``, V4's ``compress_ratios``). A
-    linear-attention layer's state is counted when the config gives its sizes; else the note
-    says it is not. State-space layers and anything malformed are a ValueError.
+    """The :class:`ModelCache` a parsed ``config.json`` describes, its layers placed by
+    ``layer_types`` or the family's own rule; a linear-attention layer without its sizes is
+    not counted (the note says so); state-space layers and anything malformed: a ValueError.
 
     >>> m = cache_from_config({"num_hidden_layers": 32, "num_attention_heads": 32,
     ...                        "num_key_value_heads": 8, "hidden_size": 4096,
@@ -327,14 +305,11 @@ def cache_from_config(config: Mapping[str, Any], name: str = "config.json") -> M
         raise ValueError(f"{name}: unknown layer types {unknown}; kvdoc reads full_attention, "
                          "sliding_attention and linear_attention")
     note, heads = "", None
-    if c.get("kv_lora_rank") is not None and model_type == "deepseek_v32":
-        full = indexed_mla_layer(positive(c, "kv_lora_rank", name),
-                                 positive(c, "qk_rope_head_dim", name),
-                                 positive(c, "index_head_dim", name))
-        window = None
-    elif c.get("kv_lora_rank") is not None:
-        full = mla_layer(positive(c, "kv_lora_rank", name), positive(c, "qk_rope_head_dim", name))
-        window = None
+    if c.get("kv_lora_rank") is not None:
+        full, window = mla_layer(positive(c, "kv_lora_rank", name),
+                                 positive(c, "qk_rope_head_dim", name)), None
+        if model_type == "deepseek_v32":  # and an indexer key a position
+            full = full._replace(indexer=positive(c, "index_head_dim", name))
     else:
         heads, kv_heads, head_dim = attention_sizes(c, name)
         full = attention_layer(kv_heads, head_dim)
@@ -356,12 +331,8 @@ def cache_from_config(config: Mapping[str, Any], name: str = "config.json") -> M
 
 
 def read_config(path: str | Path) -> ModelCache:
-    """:func:`cache_from_config` of the ``config.json`` at ``path``, or in the folder ``path``
-    (a checkpoint folder, as transformers' ``from_pretrained`` takes it).
-
-    Raises:
-        ValueError: the file is missing, not JSON, or not a config kvdoc can read.
-    """
+    """:func:`cache_from_config` of the ``config.json`` at ``path`` or in the folder ``path``;
+    a ValueError if it is missing, not JSON, or not a config kvdoc can read."""
     if Path(path).is_dir():
         if not (Path(path) / "config.json").is_file():
             raise ValueError(f"{path} is a folder without a config.json")

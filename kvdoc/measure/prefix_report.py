@@ -1,22 +1,14 @@
 """``python -m kvdoc prefix-report``: the prefix-cache hit rate of a file of prompts, by vLLM's
 rule and by SGLang's, and why each request missed what it missed.
 
-Both servers define the hit rate the same way: prompt tokens found in the cache over prompt
-tokens (vLLM's ``PrefixCacheStats.hits / queries``; SGLang's cached tokens over cached plus new).
-They differ in what may be found. Each request here is matched against every prompt before it
-(on its replica), as if memory were ample and each request finished before the next came:
-
-* the match is the longest prefix the request shares with a cached prompt, short of its last
-  token (both servers compute that token again: its logits choose the next token);
-* vLLM keeps only whole blocks (``block_size``, 16 by default), so the match is rounded down to
-  a multiple of it; SGLang's radix cache matches token by token (``page_size`` 1 by default).
-
-So a miss has one of four reasons: nothing cached yet; the prompt parts from the cached ones at
-some token (token 0: a timestamp or an id in front); the whole prompt was cached (its last
-token is recomputed); or, under vLLM, the match ends inside a block. Each request's reason
-names the cached request it matched (``#k``): ``extends #k`` (a new turn after prompt ``k``),
-``repeats #k``, ``inside #k`` (a prefix of it), ``parts from #k at t`` (the latest prompt
-that went further than the match, and the token where the two part).
+Both count prompt tokens found in the cache over prompt tokens; each request here is matched
+against every prompt before it on its replica (ample memory, each request finished before the
+next): its longest shared prefix, short of its last token, which both compute again; vLLM
+rounds it down to whole blocks (``block_size``), SGLang matches token by token (``page_size``
+1). Each request's reason names the cached request ``#k`` it matched: ``extends #k`` (a new
+turn), ``repeats #k``, ``inside #k``, ``parts from #k at t`` (the latest prompt that went
+further, and the token where the two part), or ``nothing cached``. A hybrid model, whose
+recurrent states resume only from a saved snapshot, has its own: :func:`state_prefix_report`.
 
 >>> a, b = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 7]
 >>> report = prefix_report([a, b, b], block_size=4)
@@ -35,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .kv_bytes import check_int
+from .layer_caches import LayerCache
 from .tables import markdown_table
 
 VLLM_BLOCK = 16
@@ -59,20 +53,25 @@ class Prefixes:
             self.through[node] = name
         self.ends[node] = name
 
+    def path(self, tokens: Sequence[int]) -> list[int]:
+        """The nodes along ``tokens`` as far as they were added: ``path[i]`` holds ``i + 1``."""
+        node, path = 0, []
+        for t in tokens:
+            node = self.nodes.get((node, t))
+            if node is None:
+                break
+            path.append(node)
+        return path
+
     def longest(self, tokens: Sequence[int]) -> tuple[int, int]:
         """Length of the longest prefix of ``tokens`` that was added, and its node."""
-        node = length = 0
-        for t in tokens:
-            if (node, t) not in self.nodes:
-                break
-            node, length = self.nodes[node, t], length + 1
-        return length, node
+        path = self.path(tokens)
+        return len(path), path[-1] if path else 0
 
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt: its replica, length, shared prefix, hits under each rule, and the reason for
-    its misses."""
+    """One prompt: its replica, length, shared prefix, hits by rule, why it missed."""
 
     replica: int
     tokens: int
@@ -91,8 +90,7 @@ class Report:
         return sum(r.hits[rule] for r in self.requests) / sum(r.tokens for r in self.requests)
 
     def summary(self) -> str:
-        """A table, a column per rule: hit rate, tokens found, and the missed tokens by reason
-        (the same under both rules but the partial block's)."""
+        """A table, a column per rule: hit rate, tokens found, missed tokens by reason."""
         found = {rule: sum(r.hits[rule] for r in self.requests) for rule in self.units}
         used = sum(min(r.shared, r.tokens - 1) for r in self.requests)  # all a rule could find
         after = sum(r.tokens - r.shared for r in self.requests if r.shared < r.tokens)
@@ -214,3 +212,103 @@ def main(args: argparse.Namespace) -> int:
         return 2
     print(report.summary() if args.summary else f"{report.table()}\n\n{report.summary()}")
     return 0
+
+
+# --- a hybrid model: its recurrent states resume only from a saved snapshot ---------------
+
+KERNEL_ALIGNMENT = 16
+"""Tokens an attention block is a multiple of in :func:`vllm_hybrid_block` (FlashAttention's
+``MultipleOf(16)`` and vLLM's default block size)."""
+
+
+@dataclass(frozen=True)
+class StateReport:
+    """Per request: prompt length, K/V-alone hit, hybrid hit; after the last request, the
+    ``snapshots`` saved and ``cached_tokens``, the distinct prefix positions held."""
+
+    tokens: list[int]
+    kv_hits: list[int]
+    hits: list[int]
+    snapshots: int
+    cached_tokens: int
+
+    def hit_rate(self) -> float:
+        """Hybrid hit tokens over prompt tokens."""
+        return sum(self.hits) / sum(self.tokens)
+
+    def kv_hit_rate(self) -> float:
+        """Hit tokens over prompt tokens if every layer kept K/V rows."""
+        return sum(self.kv_hits) / sum(self.tokens)
+
+
+def state_prefix_report(prompts: Sequence[Sequence[int]], where: str = "last",
+                        block: int = 16, branch: bool = False) -> StateReport:
+    """The hit rates of a hybrid model, whose recurrent layers (Gated DeltaNet, Mamba-2) resume
+    only where an earlier prefill saved their state, a *snapshot*: its hit is the deepest one
+    inside the shared prefix (short of the last token). Each prompt is matched against all
+    before it, as :func:`prefix_report` does, and saves snapshots past its own hit by the rules
+    the server runs (:class:`~kvdoc.serving.snapshots.SnapshotStore`: ``where`` and ``block``;
+    ``branch``, also where its K/V match ends).
+
+    >>> system, a, b = list(range(40)), [50] * 30, [60] * 30
+    >>> prompts = [system + a, system + b, system + [70] * 30]
+    >>> [state_prefix_report(prompts, where, 16).hits for where in ("every", "last", "end")]
+    [[0, 32, 32], [0, 0, 0], [0, 0, 0]]
+    >>> state_prefix_report(prompts, "last", 16, branch=True).hits   # #1 saves 32 for #2
+    [0, 0, 32]
+    >>> state_prefix_report(prompts, "last", 16).kv_hits             # K/V alone, token by token
+    [0, 40, 40]
+    """
+    from kvdoc.serving.snapshots import SnapshotStore  # imports torch: not when the command starts
+
+    rule = SnapshotStore(where, check_int("block", block), branch)  # refuses an unknown where
+    if not prompts or not all(prompts):
+        raise ValueError("need at least one prompt, and no empty prompt")
+    trie, saved = Prefixes(), set()  # saved: trie nodes (positions) holding a snapshot
+    tokens, kv_hits, hits = [], [], []
+    for i, prompt in enumerate(prompts):
+        n = len(prompt)
+        path = trie.path(prompt)[: n - 1]  # the last token is always computed
+        hit = max((d + 1 for d, node in enumerate(path) if node in saved), default=0)
+        tokens.append(n)
+        kv_hits.append(len(path))
+        hits.append(hit)
+        trie.add(prompt, i)
+        here = trie.path(prompt)
+        saved.update(here[p - 1] for p in rule.points(n, hit, len(path)) if p > 0)
+    return StateReport(tokens, kv_hits, hits, len(saved), len(trie.nodes))
+
+
+def vllm_state_bytes(layer: LayerCache, conv_kernel: int, element_bytes: int = 2) -> int:
+    """One recurrent layer's state as vLLM 0.33 allocates it, from the memory command's
+    :class:`~kvdoc.measure.layer_caches.LayerCache` (which counts transformers' layout: a conv
+    window of ``conv_kernel`` taps, the state in FP32): a window of ``conv_kernel - 1`` taps and
+    the state, both of ``element_bytes`` (the model's dtype: its ``mamba_cache_dtype`` and
+    ``mamba_ssm_cache_dtype`` default to ``"auto"``).
+
+    >>> from kvdoc.measure.layer_caches import gated_delta_layer
+    >>> vllm_state_bytes(gated_delta_layer(16, 32, 128, 128, 4), 4)   # Qwen3-Next, BF16
+    1097728
+    """
+    check_int("conv_kernel", conv_kernel, minimum=2)
+    if layer.per_token or not layer.state32 or layer.state % conv_kernel:
+        raise ValueError(f"need a recurrent layer whose conv state has {conv_kernel} taps, "
+                         f"got {layer}")
+    return element_bytes * (layer.state // conv_kernel * (conv_kernel - 1) + layer.state32)
+
+
+def vllm_hybrid_block(state_bytes: int, kv_bytes_per_token: int,
+                      alignment: int = KERNEL_ALIGNMENT) -> int:
+    """The block size vLLM 0.33 gives a hybrid model: the smallest multiple of ``alignment``
+    whose K/V page (``block x kv_bytes_per_token``, one attention layer) holds one recurrent
+    layer's state (``state_bytes``), so that both kinds of page have one size. In
+    ``mamba_cache_mode="align"`` the snapshots are taken at multiples of it.
+
+    >>> # Qwen3-Next-80B-A3B in BF16: its state beside 2 x 2 x 256 K/V elements a token
+    >>> vllm_hybrid_block(1097728, 2 * 2 * 256 * 2)
+    544
+    """
+    check_int("state_bytes", state_bytes)
+    check_int("kv_bytes_per_token", kv_bytes_per_token)
+    check_int("alignment", alignment)
+    return alignment * -(-state_bytes // (alignment * kv_bytes_per_token))

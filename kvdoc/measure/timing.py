@@ -43,11 +43,9 @@ def two_figures(x: float) -> str:
 
 @dataclass(frozen=True)
 class Ratio:
-    """How many times as long one path took as another, from rounds that timed both.
-
-    ``low`` and ``high`` bound the middle 80% of the per-round ratios (all of them under ten
-    rounds). The difference is *resolved* only if that band lies on one side of 1; otherwise a
-    page must say so rather than print the median as a result.
+    """How many times as long one path took as another, from rounds that timed both: ``low``
+    and ``high`` bound the middle 80% of the per-round ratios (all under ten rounds); the
+    difference is *resolved* only if that band lies on one side of 1.
 
     >>> str(Ratio(2.04, 1.9, 2.2, 31))
     '2 (1.9 to 2.2 over 31 rounds)'
@@ -89,8 +87,7 @@ class Ratio:
 
 
 def paired_ratio(slow: Sequence[float], fast: Sequence[float], scale: float = 1.0) -> Ratio:
-    """``scale * slow / fast`` round by round: sample ``i`` of each path comes from the same
-    rotation of :func:`time_paths`, so one round's load drift hits both.
+    """``scale * slow / fast`` round by round (one rotation of :func:`time_paths`: the same drift).
 
     >>> r = paired_ratio([2.0, 4.2, 6.0, 8.0], [1.0, 2.0, 3.0, 4.1])
     >>> round(r.median, 3), r.low, r.high, r.resolved

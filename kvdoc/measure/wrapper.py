@@ -1,11 +1,6 @@
-"""A cache layer that wraps another: the way to add behaviour around a cache without editing it.
-
-:class:`LayerWrapper` delegates everything to the layer it wraps; a subclass changes ``write``.
-:func:`wrap_layers` puts one around each layer of a cache, which keeps its class, its length
-and its own rules (in place or not, capacity, window). The copy meter
-(:class:`kvdoc.measure.dispatch.CopyMeter`) wraps layers to count the bytes each write moves,
-and some deliberately broken caches (:mod:`kvdoc.proofs.broken.caches`) wrap correct ones to
-misuse what they return. The real caches know nothing of either.
+"""A cache layer that wraps another, to add behaviour around a cache without editing it: the copy
+meter (:class:`kvdoc.measure.dispatch.CopyMeter`) counts what each write moves, and broken
+caches (:mod:`kvdoc.proofs.broken.caches`) misuse what correct ones return.
 """
 
 from __future__ import annotations
@@ -19,10 +14,8 @@ from kvdoc.core.cache import KV, CacheLayer, KVCache
 
 
 class LayerWrapper(CacheLayer):
-    """Layer ``index`` of a cache, delegating to ``inner``; subclasses change :meth:`write`.
-
-    A call's :meth:`fork` wraps the inner layer's fork, so a wrapped dynamic layer is still never
-    modified by a call and a wrapped static layer is still written in place.
+    """Layer ``index`` of a cache, delegating to ``inner`` (its :meth:`fork` too, so a wrapped
+    layer keeps its rules); subclasses change :meth:`write`.
 
     >>> from kvdoc import GPTConfig, StaticCache
     >>> cache = wrap_layers(StaticCache(GPTConfig(), batch_size=1, capacity=4), LayerWrapper)
@@ -76,6 +69,5 @@ def wrap_layers(cache: KVCache, wrapper: Callable[[CacheLayer, int], CacheLayer]
 
 
 def unwrapped(cache: KVCache) -> KVCache:
-    """A cache of the layers inside ``cache``'s wrappers, at its length (what a check of the
-    cache's own bytes reads, without what a wrapper records)."""
+    """A cache of the layers inside ``cache``'s wrappers, at its length."""
     return KVCache([layer.inner for layer in cache.layers], cache.seq_len)

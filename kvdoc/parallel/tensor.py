@@ -2,7 +2,7 @@
 
 Rank ``t`` of ``tp`` computes its ``H / tp`` query heads and caches only the K/V heads they read:
 ``H_kv / tp`` of them, or past ``H_kv`` one head that ``tp / H_kv`` ranks hold alike
-(:func:`kvdoc.measure.batch_decode.kv_heads_per_device`). The projections split the Megatron
+(:func:`kvdoc.measure.costs.kv_heads_per_device`). The projections split the Megatron
 way: ``c_attn`` and ``c_fc`` are column parallel (each rank computes its own outputs), the two
 ``c_proj`` row parallel (partial sums added by one all-reduce, the bias once after it), so a
 layer costs two all-reduces per forward call.
@@ -24,7 +24,7 @@ from torch import nn
 
 from kvdoc.core.cache import check_int
 from kvdoc.core.model import MLP, CausalSelfAttention, GPTConfig, apply_rope
-from kvdoc.measure.batch_decode import kv_heads_per_device
+from kvdoc.measure.costs import kv_heads_per_device
 
 from .comm import Comm
 

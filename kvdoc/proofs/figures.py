@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from kvdoc.core.model import Decoder, GPTConfig
-from kvdoc.measure.batch_decode import kv_per_sequence, step_traffic
-from kvdoc.measure.costs import step_flops
+from kvdoc.measure.costs import kv_per_sequence, step_flops, step_traffic
 from kvdoc.measure.kv_bytes import kv_bytes_for_config
 from kvdoc.measure.model_caches import config_cache
 

@@ -1,15 +1,11 @@
 """An FP8 K/V cache: e4m3 values under per-tensor or per-head scales, as serving engines store it.
 
-Each layer stores K and V as ``torch.float8_e4m3fn`` (largest finite value 448) under FP32
-scales, one for the whole tensor (``"per-tensor"``) or one per K/V head (``"per-head"``): ``x``
-is stored as ``q = e4m3(clamp(x / s, -448, 448))`` and read back as ``q * s``. The scales are
-calibrated (``scales=``, :func:`calibrate`) or taken from the first prefill (``s = max|x| /
-448``), then fixed, so a row is quantised once; a later value beyond ``448 s`` saturates, as
-engines clamp. :func:`element_error_bound` and :func:`read_error_bound` argue the error, and
-:mod:`kvdoc.proofs.contracts` checks both: the cache is **not** the exact function.
-
-Layout: K and V are ``[B, H_kv, T, D_h]`` FP8; scales ``[1, 1, 1, 1]`` (per tensor) or
-``[1, H_kv, 1, 1]`` (per head), FP32, shared by the batch.
+``x`` is stored as ``q = e4m3(clamp(x / s, -448, 448))`` (``[B, H_kv, T, D_h]``) and read back
+as ``q * s``, under FP32 scales ``s`` shared by the batch, one a tensor (``"per-tensor"``) or a
+K/V head (``"per-head"``): calibrated (:func:`calibrate`) or taken from the first prefill, then
+fixed, so a later value beyond ``448 s`` saturates, as engines clamp. The cache is **not** the
+exact function: :func:`element_error_bound` and :func:`read_error_bound` argue its error, and
+:mod:`kvdoc.proofs.contracts` checks both.
 
 >>> from kvdoc.core.model import Decoder
 >>> _ = torch.manual_seed(0)
@@ -40,10 +36,7 @@ SCALE_DTYPE = torch.float32
 
 
 def fp8_dtype(storage: str | torch.dtype) -> torch.dtype:
-    """The torch FP8 dtype for ``storage`` (a name or a dtype).
-
-    Raises:
-        ValueError: torch has no such dtype, or it is not one of :data:`FP8_DTYPES`.
+    """The torch FP8 dtype for ``storage`` (a name or a dtype), one of :data:`FP8_DTYPES`.
 
     >>> fp8_dtype("float8_e4m3fn")
     torch.float8_e4m3fn
@@ -68,8 +61,7 @@ def scale_shape(granularity: str, heads: int) -> tuple[int, int, int, int]:
 
 
 def check_scale(scale: torch.Tensor, shape: tuple[int, ...], what: str = "scale") -> None:
-    """Raise ``ValueError`` unless ``scale`` is a floating tensor of ``shape``, positive and
-    finite everywhere."""
+    """A ValueError unless ``scale`` is a floating tensor of ``shape``, positive and finite."""
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
         raise ValueError(f"{what} must be a floating-point tensor, got {scale!r}")
     if tuple(scale.shape) != tuple(shape):
@@ -80,9 +72,8 @@ def check_scale(scale: torch.Tensor, shape: tuple[int, ...], what: str = "scale"
 
 def amax_scale(x: torch.Tensor, granularity: str,
                fp8: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
-    """``max|x| / fmax`` over all of ``x`` ``[B, H, T, D]`` or per head: the scale that maps the
-    largest value to FP8's largest (448 for e4m3). A part of zeros gets scale 1; a value that
-    is not finite is refused.
+    """``max|x| / fmax`` over all of ``x`` ``[B, H, T, D]`` or per head (a part of zeros: 1; a
+    value that is not finite is refused).
 
     >>> x = torch.tensor([[[[1.0, -896.0]], [[0.0, 0.0]]]])      # [1, 2, 1, 2]
     >>> amax_scale(x, "per-head").flatten().tolist(), amax_scale(x, "per-tensor").item()
@@ -178,9 +169,7 @@ def read_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class Fp8Layer(CacheLayer):
-    """One layer's K and V (``rows``, FP8 ``[B, H_kv, T, D_h]``) under FP32 ``scales`` of
-    :func:`scale_shape`, grown by concatenation; unless ``fixed``, the first :meth:`write` takes
-    the scales from its rows. ``dtype`` is the model's: what :meth:`read` returns."""
+    """FP8 K and V ``rows`` under FP32 ``scales`` (unless ``fixed``: the first write's)."""
 
     def __init__(self, rows: KV, scales: KV, fixed: bool, granularity: str,
                  dtype: torch.dtype) -> None:
@@ -243,10 +232,8 @@ def fp8_cache(config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.flo
               device: torch.device | str = "cpu", *, granularity: str = "per-head",
               scales: torch.Tensor | None = None,
               fp8: str | torch.dtype = torch.float8_e4m3fn) -> KVCache:
-    """An empty cache of :class:`Fp8Layer` s for a model with ``config`` computing in ``dtype``
-    (a float of 16 bits or more); like a dynamic cache, a forward call works on a copy.
-    ``scales``: calibrated, ``[L, 2]`` (per tensor) or ``[L, 2, H_kv]`` (per head), positive and
-    finite; None: each layer takes its own from the first rows written to it.
+    """An empty cache of :class:`Fp8Layer` s for a model computing in ``dtype`` (16 bits or
+    more); ``scales``: calibrated, ``[L, 2]`` or ``[L, 2, H_kv]`` (None: each layer's first rows').
 
     >>> fp8_cache(GPTConfig(), 1, scales=torch.ones(2, 2))
     Traceback (most recent call last):
@@ -269,8 +256,7 @@ def fp8_cache(config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.flo
 
 
 def scale_table(cache: KVCache) -> torch.Tensor:
-    """Every layer's scales in an FP8 cache, ``[L, 2]`` or ``[L, 2, H_kv]``: what ``scales=``
-    takes."""
+    """Every layer's scales, ``[L, 2]`` or ``[L, 2, H_kv]``: what ``scales=`` takes."""
     table = torch.stack([torch.stack([s.flatten() for s in layer.scales])
                          for layer in cache.layers])
     return table[..., 0] if cache.layers[0].granularity == "per-tensor" else table
@@ -279,8 +265,7 @@ def scale_table(cache: KVCache) -> torch.Tensor:
 def new_fp8_cache(model: torch.nn.Module, batch: int, capacity: int | None = None, *,
                   granularity: str = "per-head", scales: torch.Tensor | None = None,
                   fp8: str | torch.dtype = torch.float8_e4m3fn) -> KVCache:
-    """An empty FP8 cache for ``model`` stored as ``fp8`` (``capacity`` is unused: the cache
-    grows)."""
+    """An empty FP8 cache for ``model`` (``capacity`` unused: the cache grows)."""
     weight = model.wte.weight
     return fp8_cache(model.config, batch, weight.dtype, weight.device,
                      granularity=granularity, scales=scales, fp8=fp8)
@@ -289,9 +274,7 @@ def new_fp8_cache(model: torch.nn.Module, batch: int, capacity: int | None = Non
 @torch.no_grad()
 def calibrate(model: torch.nn.Module, ids: torch.Tensor, granularity: str = "per-head",
               fp8: str | torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
-    """Scales from the exact K/V of ``ids`` (``[B, T]``, calibration text): per layer ``max|K|
-    / fmax`` and ``max|V| / fmax``, over everything (``[L, 2]``) or per head (``[L, 2, H_kv]``),
-    FP32: what :func:`fp8_cache` takes as ``scales``.
+    """Scales from the exact K/V of ``ids`` (calibration text), what :func:`fp8_cache` takes.
 
     >>> from kvdoc.proofs.compare import default_model, default_stream
     >>> tuple(calibrate(default_model(), default_stream()).shape)

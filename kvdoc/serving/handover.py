@@ -1,9 +1,8 @@
 """Prefill/decode hand-over (disaggregation): prefill in one process, decode in another.
 
-A prefill worker runs the prompt once and sends every layer's two cached tensors (K and V, or
-an MLA latent) for every position, and the first new token's logits; the decode worker rebuilds
-a :class:`~kvdoc.core.cache.DynamicCache` from them and carries on. :func:`pack` and
-:func:`unpack` carry them as one self-describing ``bytes`` payload (``torch.save`` of a dict).
+The prefill worker sends every layer's two cached tensors and the first new token's logits as
+one self-describing payload (:func:`pack`: ``torch.save`` of a dict); the decode worker rebuilds
+a :class:`~kvdoc.core.cache.DynamicCache` from them (:func:`unpack`) and carries on.
 
 >>> from kvdoc.core.model import Decoder, GPTConfig, generate
 >>> _ = torch.manual_seed(0)
@@ -121,10 +120,8 @@ def _shapes(tensors: list) -> list:
 
 
 class HandoverRun(NamedTuple):
-    """What :func:`disaggregated_generate` returns: ``tokens`` ``[B, P + max_new_tokens]``, the
-    prompt and the chosen tokens; ``logits`` ``[B, max_new_tokens, V]`` behind each (the first
-    shipped); the length of the payload moved from the prefill process to the decode one, and
-    of it the bytes of the K/V tensors' and of the shipped logits' elements, as unpacked."""
+    """What :func:`disaggregated_generate` returns: ``tokens`` ``[B, P + N]``, the ``logits``
+    behind them, the payload's length and of it the K/V's and the logits' bytes."""
 
     tokens: torch.Tensor
     logits: torch.Tensor
@@ -157,10 +154,9 @@ def _prefill_worker(conn, *args) -> None:
 def disaggregated_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, *,
                            in_process: bool = False,
                            packer: Callable[..., bytes] = pack) -> HandoverRun:
-    """Greedy generation whose prefill runs in another process (given the pickled model) and
-    sends ``packer(cache, logits)`` through a pipe; this process unpacks it and decodes.
-    ``in_process=True`` runs the prefill here (same payload, no process). ``packer`` is the seam
-    :mod:`kvdoc.teach.handover_checks` uses to ship a broken payload."""
+    """Greedy generation whose prefill runs in another process (``in_process``: here) and sends
+    ``packer(cache, logits)`` through a pipe; this process unpacks it and decodes (``packer``:
+    the seam :mod:`kvdoc.teach.handover_checks` uses to ship a broken payload)."""
     model.check_input(prompt, None)
     total = prompt.shape[1] + max_new_tokens
     if max_new_tokens < 1 or total > model.config.n_positions:

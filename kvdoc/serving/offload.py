@@ -1,19 +1,13 @@
 """Offloaded blocks: a small "device" pool of K/V blocks backed by a host tier and a disk tier.
 
-A full block is named by a *chained* hash: block ``i``'s key hashes block ``i - 1``'s key with
-its own token ids (:func:`hash_block`), so a key names the whole prefix up to the block's end,
-as vLLM V1 keys its prefix cache (``hash_block_tokens`` in ``vllm/v1/core/kv_cache_utils.py``
-at v0.33.0): K/V depend on every earlier token.
-
-:class:`TieredStore` keeps blocks (each ``[L, 1, H_kv, block_size, D_k + D_v]``: K and V side
-by side, or MLA's c_KV and k_rope) on the "device"
-(at most ``device_blocks``, least recently used evicted to the host), the host (at most
-``host_blocks``, evicted to the disk) and the disk (a ``torch.save`` file a block); a hit moves
-the block back to the device. :func:`serve` reloads the leading full prompt blocks found (never
-the last prompt position, whose logits the first token needs), prefills the rest, and stores
-every full block after decoding. It serves models whose cache keeps K/V rows per position (a
-window's too: the model masks what it does not read); a cache holding more than rows is refused
-by name (a hybrid's recurrent state: the block of rows does not carry the state after it).
+A full block is named by a *chained* hash of the previous block's key and its own token ids
+(:func:`hash_block`), so a key names the whole prefix, as vLLM V1 keys its prefix cache
+(``hash_block_tokens``, v0.33.0): K/V depend on every earlier token. :class:`TieredStore`
+keeps blocks (``[L, 1, H_kv, block_size, D_k + D_v]``) on the "device", least recently used
+evicted to the host, then to the disk; a hit moves the block back to the device. :func:`serve`
+reloads the leading full prompt blocks found (never the last prompt position), prefills the
+rest, and stores every full block after decoding; a cache holding more than K/V rows (a
+recurrent state) is refused.
 
 >>> import tempfile
 >>> from kvdoc.core.model import Decoder, GPTConfig, generate
@@ -80,8 +74,7 @@ def block_hashes(tokens: Sequence[int], block_size: int,
 
 
 class TieredStore:
-    """Blocks by key in a device tier, a host tier and a disk folder (see the module docstring);
-    ``hits`` counts lookups found per tier, ``misses`` those found nowhere."""
+    """Blocks by key on the device, the host and a disk folder; lookups counted per tier."""
 
     def __init__(self, device_blocks: int, host_blocks: int, folder: str) -> None:
         self.device_blocks = check_int("device_blocks", device_blocks)
@@ -139,9 +132,8 @@ class TieredStore:
 
 
 class Served(NamedTuple):
-    """One request run by :func:`serve`: its ``prompt`` ``[P]``, ``tokens`` ``[P + N]`` (the
-    prompt and the greedy tokens), the ``first_logits`` ``[V]`` the first new token was chosen
-    from, and per full prompt block the tier it was reloaded from, or ``"computed"``."""
+    """A request run by :func:`serve`: ``prompt``, ``tokens`` (prompt and greedy tokens), the
+    first token's logits, and per full prompt block the tier it came from, or ``"computed"``."""
 
     prompt: torch.Tensor
     tokens: torch.Tensor
@@ -181,8 +173,7 @@ def _check_request(model: Decoder, prompt: torch.Tensor, max_new_tokens: int) ->
 @torch.no_grad()
 def serve(model: Decoder, prompts: Sequence[torch.Tensor], max_new_tokens: int,
           store: TieredStore, block_size: int, hash_fn: HashFn = hash_block) -> list[Served]:
-    """Greedy-decode each prompt (``[P]``, batch 1) in turn, reusing blocks from ``store``;
-    every prompt is checked before any runs, so a refusal leaves ``store`` unchanged."""
+    """Greedy-decode each prompt in turn, reusing ``store``'s blocks (all checked first)."""
     check_int("block_size", block_size)
     for prompt in prompts:
         _check_request(model, prompt, max_new_tokens)
@@ -217,9 +208,7 @@ def serve(model: Decoder, prompts: Sequence[torch.Tensor], max_new_tokens: int,
 
 
 class Roofline(NamedTuple):
-    """The figures a reload-or-recompute estimate needs, all passed in (none measured): the
-    accelerator's dense peak FLOP/s, its memory bandwidth (reading the weights once per recompute
-    pass) and the bandwidth a reloaded block crosses (host-to-device link, or the disk)."""
+    """A reload-or-recompute estimate's figures (passed in): peak FLOP/s, HBM and link B/s."""
 
     peak_flops: float
     hbm_bytes_per_s: float
@@ -227,9 +216,7 @@ class Roofline(NamedTuple):
 
 
 class Estimate(NamedTuple):
-    """:func:`reload_or_recompute`'s answer for ``tokens`` positions at one context offset:
-    ``kv_bytes / link``; the roofline of one forward pass, ``max(FLOPs / peak, bytes read /
-    HBM)``; and the link bandwidth at which both take as long (above it reloading wins)."""
+    """:func:`reload_or_recompute`'s answer, and the link bandwidth where both tie."""
 
     reload_s: float
     recompute_s: float
@@ -274,11 +261,10 @@ def multi_turn(model: Decoder, store: TieredStore, *, conversations: int = 3, tu
                system_len: int = 8, user_len: int = 5, max_new_tokens: int = 3,
                block_size: int = 4, seed: int = 0,
                hash_fn: HashFn = hash_block) -> list[Served]:
-    """A multi-turn workload, turns interleaved across conversations, served from ``store``:
-    each conversation starts with one shared system prompt, and each turn is the previous turn's
-    tokens and ``user_len`` new ones. A last request repeats conversation 0's first prompt from
-    its second block on: the same tokens after another prefix, which a chained key keeps apart.
-    """
+    """A multi-turn workload served from ``store``: conversations sharing a system prompt,
+    turns interleaved, each the previous turn's tokens and ``user_len`` new ones; a last request
+    repeats conversation 0's first prompt from its second block on, which a chained key keeps
+    apart from the first."""
     for name, value in (("conversations", conversations), ("turns", turns),
                         ("system_len", system_len), ("user_len", user_len)):
         check_int(name, value)
@@ -301,10 +287,8 @@ def multi_turn(model: Decoder, store: TieredStore, *, conversations: int = 3, tu
 
 
 class OffloadCheck(NamedTuple):
-    """Every request of a workload against its run without offloading: its tokens against
-    :func:`~kvdoc.core.model.generate` on its prompt, its first-token logits against a full
-    prefill (within ``atol = rtol = tolerance``); full prompt blocks by where they came from
-    (each tier, or ``"computed"``)."""
+    """Every request against its run without offloading (tokens against ``generate``, first
+    logits against a prefill); full prompt blocks by where they came from."""
 
     requests: int
     tokens_equal: bool
@@ -320,9 +304,7 @@ class OffloadCheck(NamedTuple):
 @torch.no_grad()
 def check_offload(model: Decoder, served: Sequence[Served], max_new_tokens: int,
                   tolerance: float = 1e-5) -> OffloadCheck:
-    """Compare each :class:`Served` with the same prompt run in one piece, no store (``1e-5``,
-    FP32: a reloaded block's K/V came from a call of another length, summed in another order).
-    """
+    """Compare each :class:`Served` with its prompt run in one piece (``1e-5``: sums differ)."""
     equal, close, diff = True, True, 0.0
     for run in served:
         equal &= torch.equal(run.tokens, generate(model, run.prompt[None], max_new_tokens)[0])

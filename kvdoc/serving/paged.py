@@ -1,19 +1,13 @@
 """A paged K/V cache: fixed-size blocks from one pool, a block table per sequence, a free list.
 
-The memory layout of vLLM's PagedAttention (Kwon et al., 2023), written for reading rather than
-speed. A :class:`BlockPool` owns each layer's two stores ``[num_blocks, heads, block_size, width]``
-(K and V, or an MLA latent's two widths: ``config.cache_layout``; an indexed model's indexer keys
-in two more stores, composed with the latent by :class:`~kvdoc.core.indexed.IndexedLayer`); a block
-id names the same slot in every store. A :class:`PagedCache` maps position ``t`` of sequence ``b``
-to offset ``t % block_size`` of block ``tables[b][t // block_size]`` and gathers the blocks back
-into ``[B, H_kv, T, D_h]`` for the model (real engines read them inside the kernel). Every position
-of every layer is kept; the model's own mask limits what a windowed layer reads.
-
-Blocks are reference-counted: :meth:`PagedCache.fork` shares every block of existing sequences
-(a prompt prefix computed once), and a write into a shared block copies it first
-(copy-on-write). With ``shared=True`` a cache forks itself at every call, so the cache passed in
-stays as it was. A block nobody holds goes back on the free list; a cache releases its blocks
-when collected or on :meth:`PagedCache.release`.
+vLLM's PagedAttention layout (Kwon et al., 2023), written for reading: a :class:`BlockPool`
+owns each layer's two stores ``[num_blocks, heads, block_size, width]`` (a block id names the
+same slot in every store), and a :class:`PagedCache` keeps position ``t`` of sequence ``b`` at
+offset ``t % block_size`` of block ``tables[b][t // block_size]``, gathering the blocks back into
+``[B, H_kv, T, D_h]`` for the model. Every position is kept; the model's mask limits what a
+windowed layer reads. Blocks are reference-counted: :meth:`PagedCache.fork` shares them, a write
+into a shared block copies it first (copy-on-write), and a block nobody holds goes back on the
+free list (a cache releases its blocks when collected or on :meth:`PagedCache.release`).
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> _ = torch.manual_seed(0)
@@ -44,8 +38,7 @@ from kvdoc.core.state import StateLayer, StateSpec
 
 class BlockPool:
     """K/V storage cut into ``num_blocks`` blocks of ``block_size`` positions, with a free list:
-    ``k[l]`` and ``v[l]`` are layer ``l``'s two stores, ``[num_blocks, heads, block_size,
-    width]`` as ``config.cache_layout[l]`` says, in the model's ``dtype`` and on its ``device``.
+    ``k[l]`` and ``v[l]`` are layer ``l``'s two stores, as ``config.cache_layout[l]`` says.
 
     >>> from kvdoc import GPTConfig
     >>> pool = BlockPool(GPTConfig(), num_blocks=3, block_size=4)
@@ -102,7 +95,7 @@ class BlockPool:
         return self._refs[block]
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` blocks off the free list (each then held once); nothing changes if too few."""
+        """Take ``n`` blocks off the free list, each held once (a ValueError if too few)."""
         if n > len(self._free):
             raise ValueError(f"out of blocks: {n} needed, "
                              f"{len(self._free)} free of {self.num_blocks}")
@@ -117,22 +110,19 @@ class BlockPool:
             self._refs[i] += 1
 
     def release(self, ids: Sequence[int]) -> None:
-        """One holder fewer for each block of ``ids``; a block nobody holds goes back on the free
-        list."""
+        """One holder fewer for each block of ``ids`` (none: back on the free list)."""
         for i in ids:
             self._refs[i] -= 1
             if self._refs[i] == 0:
                 self._free.append(i)
 
     def to_write(self, table: list[int], start: int, end: int) -> int:
-        """Blocks to copy (shared) or allocate before ``table`` takes positions ``start ..
-        end - 1``."""
+        """Blocks to copy or allocate before ``table`` takes positions ``start .. end - 1``."""
         first, last = start // self.block_size, math.ceil(end / self.block_size)
         return max(0, last - len(table)) + sum(self._refs[b] > 1 for b in table[first:last])
 
     def own(self, table: list[int], start: int, end: int) -> None:
-        """Make ``table`` own every block positions ``start .. end - 1`` fall in: copy the shared
-        ones (copy-on-write), allocate the missing ones. Check :meth:`to_write` first."""
+        """Own every block positions ``start .. end - 1`` fall in: copy shared, allocate missing."""
         first, last = start // self.block_size, math.ceil(end / self.block_size)
         for n in range(first, min(last, len(table))):
             if self._refs[table[n]] > 1:
@@ -140,8 +130,7 @@ class BlockPool:
         table.extend(self.allocate(max(0, last - len(table))))
 
     def copy(self, block: int) -> int:
-        """Copy-on-write: a fresh block with ``block``'s contents (every layer), held once instead
-        of it."""
+        """Copy-on-write: a fresh block with ``block``'s contents, held instead of it."""
         (new,) = self.allocate(1)
         for store in self.stores():
             store[new] = store[block]
@@ -154,8 +143,7 @@ class BlockPool:
 
 
 class BlockTables:
-    """The block table of each of ``batch_size`` sequences over ``pool``, shared by the layers
-    of one :class:`PagedCache` (a block id names the same slot in every layer)."""
+    """The block table of each of ``batch_size`` sequences, shared by a cache's layers."""
 
     def __init__(self, pool: BlockPool, batch_size: int) -> None:
         self.pool, self.block_size = pool, pool.block_size
@@ -166,8 +154,7 @@ class BlockTables:
         return sum(self.pool.to_write(table, start, end) for table in self.rows)
 
     def reserve(self, start: int, end: int) -> None:
-        """Own every block that positions ``start .. end - 1`` fall in: copy shared ones, add new
-        ones (nothing to do for every layer after the first of a call)."""
+        """Own every block positions ``start .. end - 1`` fall in (done by a call's first layer)."""
         needed = self.needed(start, end)
         if needed > self.pool.num_free:  # check first: a refused write changes nothing
             raise ValueError(f"out of blocks: positions {start}..{end - 1} need {needed} more "
@@ -188,8 +175,7 @@ def _release_tables(pool: BlockPool, tables: list[list[int]]) -> None:
 
 
 class PoolLayer(CacheLayer):
-    """Layer ``index`` of ``batch_size`` sequences whose rows live in ``pool``'s blocks, written
-    in place; what the sequences' blocks are is the subclass's (block tables, a ragged step)."""
+    """Layer ``index`` of sequences whose rows live in ``pool``'s blocks, written in place."""
 
     in_place = True
 
@@ -237,8 +223,7 @@ class PagedLayer(PoolLayer):
 
 
 def gather(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, length: int) -> KV:
-    """The first ``length`` positions of each row's blocks ``table`` (``[B, n]``) from the stores
-    ``k``, ``v`` (``[N, H, S, width]``, each its own width), as ``[B, H, length, width]``."""
+    """The first ``length`` positions of each row's blocks ``table`` from stores ``k``, ``v``."""
     B, n = table.shape
     out = []
     for store in (k, v):
@@ -251,7 +236,7 @@ def gather(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, length: int) -
 class PagedCache(KVCache):
     """``batch_size`` sequences whose K/V live in blocks of a shared :class:`BlockPool`, written
     in place; with ``shared``, every call forks the cache first, so a prefix can be continued
-    several ways (the first block a call writes into is copied).
+    several ways.
 
     >>> from kvdoc import Decoder, GPTConfig
     >>> _ = torch.manual_seed(0)
@@ -283,14 +268,12 @@ class PagedCache(KVCache):
         return PagedLayer(tables, i)
 
     def release(self) -> None:
-        """Give every block back (the cache is then empty); also done when the cache is
-        collected."""
+        """Give every block back (the cache is then empty)."""
         self._finalizer()
         self._len = 0
 
     def fork(self, rows: Sequence[int] | None = None) -> PagedCache:
-        """A new cache whose sequence ``i`` shares every block of this cache's sequence ``rows[i]``
-        (default: every sequence once); a shared block is copied at its first write."""
+        """A cache whose sequence ``i`` shares every block of ``rows[i]`` (default: all)."""
         rows = list(range(self.batch_size)) if rows is None else list(rows)
         if not rows or any(not 0 <= r < self.batch_size for r in rows):
             raise ValueError(f"fork rows must be indices 0..{self.batch_size - 1}, got {rows}")
@@ -305,8 +288,7 @@ class PagedCache(KVCache):
         return child
 
     def crop(self, length: int) -> PagedCache:
-        """Forget every position from ``length`` on, in place, giving back the blocks past it;
-        returns ``self``."""
+        """Forget every position from ``length`` on, in place, giving back the blocks past it."""
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self._len:
             raise ValueError(f"cannot crop a cache of {self._len} positions to {length!r}")
         for layer in self.layers:  # a state refuses to go back: before any block is released
@@ -340,8 +322,7 @@ class PagedCache(KVCache):
         return len({b for t in self.tables for b in t})
 
     def tensors(self) -> list[torch.Tensor]:
-        """The pool's storage, which this cache shares with every other cache of the pool, and
-        its own recurrent states."""
+        """The pool's storage, shared by every cache of the pool, and its own states."""
         return [*self.pool.stores(),
                 *(t for la in self.layers if isinstance(la, StateLayer) for t in la.tensors())]
 
@@ -365,14 +346,12 @@ def _pool_for(model: Decoder, batch: int, capacity: int, block_size: int, spare:
 
 
 def new_paged_cache(model: Decoder, batch: int, capacity: int, block_size: int = 4) -> PagedCache:
-    """An empty :class:`PagedCache` for ``batch`` sequences of up to ``capacity`` positions, in
-    a pool of exactly the blocks they need: the grid's ``(model, batch, capacity)`` factory."""
+    """A :class:`PagedCache` in a pool of exactly the blocks ``batch x capacity`` needs."""
     return paged_cache(_pool_for(model, batch, capacity, block_size, spare=0), batch)
 
 
 def new_shared_prefix_cache(model: Decoder, batch: int, capacity: int,
                             block_size: int = 4) -> PagedCache:
-    """An empty shared-prefix :class:`PagedCache` for ``batch`` sequences of up to ``capacity``
-    positions, with a spare block per sequence for the copy a call's fork may make."""
+    """A shared-prefix :class:`PagedCache`, a spare block a sequence for a fork's copy."""
     return paged_cache(_pool_for(model, batch, capacity, block_size, spare=1), batch,
                        shared=True)

@@ -27,8 +27,7 @@ from .radix import RadixCache, Served, serve_prompt
 
 @dataclass(frozen=True)
 class Turn:
-    """One request of a workload: ``text`` after the whole sequence (prompt and generated tokens)
-    of request number ``after``, if given; ``kind`` labels it for tables."""
+    """A request: ``text`` after request ``after``'s whole sequence, if given; ``kind``, a label."""
 
     text: tuple[int, ...]
     max_new: int
@@ -36,40 +35,38 @@ class Turn:
     after: int | None = None
 
 
+def _ids(g: torch.Generator, n: int | tuple[int, int], vocab: int,
+         low: int = 0) -> tuple[int, ...]:
+    """``n`` token ids (or a count drawn from ``(least, most)``) uniform on ``low .. vocab - 1``."""
+    if isinstance(n, tuple):
+        n = int(torch.randint(n[0], n[1] + 1, (), generator=g))
+    return tuple(torch.randint(low, vocab, (n,), generator=g).tolist())
+
+
 def few_shot_workload(seed: int = 0, requests: int = 6, vocab: int = 97, tasks: int = 2,
                       instruction: int = 10, examples: int = 3, example_len: int = 7,
                       question: tuple[int, int] = (3, 6), max_new: int = 3) -> list[Turn]:
-    """Few-shot prompts: ``tasks`` tasks, each a shared instruction and ``examples`` examples,
-    then a question of ``question`` tokens (least, most); the task is drawn per request."""
+    """Few-shot prompts: a task's instruction and examples, then a question, per request."""
     g = torch.Generator().manual_seed(seed)
-
-    def ids(n: int) -> tuple[int, ...]:
-        return tuple(torch.randint(0, vocab, (n,), generator=g).tolist())
-
-    prefixes = [ids(instruction) + sum((ids(example_len) for _ in range(examples)), ())
+    prefixes = [_ids(g, instruction, vocab) + sum((_ids(g, example_len, vocab)
+                                                   for _ in range(examples)), ())
                 for _ in range(tasks)]
     out = []
     for _ in range(requests):
         task = prefixes[int(torch.randint(0, tasks, (), generator=g))]
-        n = int(torch.randint(question[0], question[1] + 1, (), generator=g))
-        out.append(Turn(task + ids(n), max_new, "few-shot"))
+        out.append(Turn(task + _ids(g, question, vocab), max_new, "few-shot"))
     return out
 
 
 def chat_workload(seed: int = 0, conversations: int = 2, turns: int = 3, vocab: int = 97,
                   system: int = 9, message: tuple[int, int] = (3, 6),
                   max_new: int = 4) -> list[Turn]:
-    """Multi-turn chat: conversations sharing a system prompt; each turn is a user message of
-    ``message`` tokens (least, most) after the whole previous turn; conversations take turns."""
+    """Multi-turn chat sharing a system prompt: each turn a message after the whole last turn."""
     g = torch.Generator().manual_seed(seed)
-
-    def ids(n: int) -> tuple[int, ...]:
-        return tuple(torch.randint(0, vocab, (n,), generator=g).tolist())
-
-    shared, out, last = ids(system), [], [None] * conversations
+    shared, out, last = _ids(g, system, vocab), [], [None] * conversations
     for _ in range(turns):
         for c in range(conversations):
-            user = ids(int(torch.randint(message[0], message[1] + 1, (), generator=g)))
+            user = _ids(g, message, vocab)
             out.append(Turn(user if last[c] is not None else shared + user, max_new, "chat",
                             last[c]))
             last[c] = len(out) - 1
@@ -77,8 +74,7 @@ def chat_workload(seed: int = 0, conversations: int = 2, turns: int = 3, vocab: 
 
 
 def prefix_workload(seed: int = 0) -> list[Turn]:
-    """The page's workload: :func:`few_shot_workload` (``seed``), then :func:`chat_workload`
-    (``seed + 1``)."""
+    """The page's: :func:`few_shot_workload`, then :func:`chat_workload` (``seed + 1``)."""
     few = few_shot_workload(seed)
     chat = [Turn(t.text, t.max_new, t.kind, None if t.after is None else t.after + len(few))
             for t in chat_workload(seed + 1)]  # another seed: its ids must not repeat few-shot's
@@ -106,9 +102,7 @@ def chat_prompts(seed: int = 0, conversations: int = 6, turns: int = 4, system: 
     g = torch.Generator().manual_seed(seed)
 
     def ids(n: int | tuple[int, int]) -> tuple[int, ...]:
-        if isinstance(n, tuple):
-            n = int(torch.randint(n[0], n[1] + 1, (), generator=g))
-        return tuple(torch.randint(10, vocab, (n,), generator=g).tolist())
+        return _ids(g, n, vocab, low=10)
 
     head = (SYSTEM, *ids(system), END)
     talks = [[(ids(user), ids(reply), ids(drift)) for _ in range(turns)]
@@ -160,9 +154,7 @@ def run_workload(model: Decoder, turns: Sequence[Turn], num_blocks: int, block_s
                  tree_cls: type[RadixCache] = RadixCache,
                  after: Callable[[RadixCache], None] | None = None,
                  evict: Literal["leaf", "block"] = "leaf") -> WorkloadRun:
-    """Serve ``turns`` one after another through a new tree over a pool of ``num_blocks``
-    that evicts by ``evict``, calling ``after(tree)`` after each (the proofs check invariants
-    there)."""
+    """Serve ``turns`` in turn through a new tree, calling ``after(tree)`` after each."""
     weight = model.wte.weight
     pool = BlockPool(model.config, num_blocks, block_size, weight.dtype, weight.device)
     tree = tree_cls(pool, granularity, evict=evict)

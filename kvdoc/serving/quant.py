@@ -1,14 +1,9 @@
-"""An int8 K/V cache: an approximation that stores a quarter of FP32's bytes, with its error
-measured.
+"""An int8 K/V cache: a quarter of FP32's bytes, and **not** the same function (its error is
+measured by :func:`kvdoc.teach.serving_checks.measure_int8`).
 
-Each new row of K and V (one position of one head) is stored as ``D_h`` int8 values and one
-scale in the model's dtype: ``scale = max|x| / 127``, ``q = round(x / scale)``, read back as
-``q * scale`` within ``scale / 2`` (in BF16, up to another half step for its own rounding).
-Scales are per token and per head, so a row is quantised once, when it is written.
-The logits differ from the exact cache's by what
-:func:`kvdoc.teach.serving_checks.measure_int8` measures: the cache is **not** the same function.
-
-Layout: K and V are ``[B, H_kv, T, D_h]`` int8, scales ``[B, H_kv, T, 1]``.
+Each new row of K and V (one position of one head) is stored once, as ``D_h`` int8 values
+``q = round(x / scale)`` (``[B, H_kv, T, D_h]``) and ``scale = max|x| / 127`` in the model's
+dtype (``[B, H_kv, T, 1]``), read back as ``q * scale``.
 
 >>> from kvdoc.core.model import Decoder
 >>> _ = torch.manual_seed(0)
@@ -31,8 +26,7 @@ from kvdoc.core.model import Decoder, GPTConfig
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
-    """FP32 for BF16 and FP16, whose own rounding of ``x / scale`` (2**-8 of up to 127 in BF16)
-    would move a value past its nearest step; the dtype itself otherwise."""
+    """FP32 for BF16 and FP16, whose rounding of ``x / scale`` could pass a step; else the dtype."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
@@ -85,9 +79,7 @@ def read_error_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class Int8Layer(CacheLayer):
-    """One layer's K and V as int8 with per-token, per-head scales, grown by concatenation:
-    ``rows`` is ``(qk, k_scale, qv, v_scale)``, int8 ``[B, H_kv, T, D_h]`` and scales ``[B,
-    H_kv, T, 1]`` in the model's dtype."""
+    """K and V as int8, ``rows`` ``(qk, k_scale, qv, v_scale)``, grown by concatenation."""
 
     def __init__(self, rows: tuple[torch.Tensor, ...]) -> None:
         qk, sk, qv, _ = rows
@@ -127,8 +119,7 @@ class Int8Layer(CacheLayer):
 
 def int8_cache(config: GPTConfig, batch_size: int, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> KVCache:
-    """An empty cache of :class:`Int8Layer` s for a model with ``config`` computing in ``dtype``:
-    like a dynamic cache, a forward call works on a copy."""
+    """An empty cache of :class:`Int8Layer` s for a model computing in ``dtype``."""
     check_int("batch_size", batch_size)
     return KVCache([Int8Layer.empty(batch_size, config.n_kv_head, config.head_dim, dtype, device)
                     for _ in range(config.n_layer)])

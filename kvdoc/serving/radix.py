@@ -1,34 +1,23 @@
 """A radix-tree prefix cache over token ids whose nodes own blocks of a paged pool.
 
-This is the idea of SGLang's RadixAttention (Zheng et al., NeurIPS 2024; arXiv 2312.07104),
-written for reading rather than speed. A finished request leaves its K/V behind in a
-:class:`RadixCache`: a tree whose edges are runs of token ids and whose nodes own the
-:class:`~kvdoc.serving.paged.BlockPool` blocks that hold those tokens' K/V. A new request first
-looks up the longest prefix of its prompt in the tree; its
-:class:`~kvdoc.serving.paged.PagedCache` starts from those blocks, shared, and only the rest of
-the prompt is prefilled.
+SGLang's RadixAttention (Zheng et al., 2024), written for reading: a finished request leaves
+its K/V in a :class:`RadixCache`, a tree whose edges are runs of token ids and whose nodes own
+the :class:`~kvdoc.serving.paged.BlockPool` blocks holding them; a new request's
+:class:`~kvdoc.serving.paged.PagedCache` starts from the blocks of its longest prefix found,
+shared, and only the rest of its prompt is prefilled. Rules:
 
-Rules this module keeps:
-
-* **Whole blocks in the tree.** A node's edge is a whole number of blocks, so every block
-  belongs to exactly one node; a finished request's partly filled last block is not kept.
-* **Matching at token granularity** (the default): the match may end inside a block. The request
-  then shares that block too and holds ``matched`` positions of it; its first write, at position
-  ``matched``, copies the block first (the paged cache's copy-on-write), so the positions past
-  the match, which belong to another sequence, are overwritten in the copy and the tree's block
-  never changes. ``granularity="block"`` keeps only whole matched blocks, as vLLM's automatic
-  prefix caching does; it recomputes up to ``block_size - 1`` tokens more per request (a whole
-  block when the prompt is found whole and ends on a block boundary) and copies nothing.
-* **At least one token to compute.** A prompt found whole in the tree still has its last token
-  prefilled, since its logits are what the next token is chosen from.
-* **Reference counts.** Every holder of a block, tree node or running request, holds one
-  reference in the pool. A running request also locks its path from the root, so eviction never
-  takes a node in use (and the lock is taken before :meth:`RadixCache.admit` makes room).
-* **LRU eviction** of unlocked leaves, oldest use first, when the pool lacks the blocks a
-  request needs: the pool is the budget. A leaf goes whole (``evict="leaf"``, SGLang's radix
-  cache) or one block at a time, its last block first (``evict="block"``, the order of vLLM
-  V1's free queue, which takes a finished request's blocks tail first); the order is the
-  policy's (:mod:`kvdoc.serving.eviction`).
+* **Whole blocks in the tree**: every block belongs to one node; a partly filled last block is
+  not kept.
+* **Token granularity** (the default): a match may end inside a block, which the request then
+  shares; its first write copies it (copy-on-write), so the tree's block never changes.
+  ``granularity="block"`` keeps whole matched blocks only, as vLLM's prefix caching does.
+* **At least one token to compute**: a prompt found whole still prefills its last token, whose
+  logits choose the next one.
+* **Reference counts**: every holder of a block, node or running request, holds a reference; a
+  running request locks its path from the root (before :meth:`RadixCache.admit` makes room).
+* **Eviction** of unlocked leaves in the policy's order (:class:`LRU`) when the pool lacks
+  blocks: a leaf whole (``evict="leaf"``, SGLang's) or its last block first (``evict="block"``,
+  the order of vLLM V1's free queue).
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> _ = torch.manual_seed(0)
@@ -59,9 +48,37 @@ import torch
 from kvdoc.core.model import Decoder
 from kvdoc.core.state import snapshot
 
-from .eviction import LRU, Node
 from .paged import BlockPool, PagedCache, paged_cache
 from .snapshots import SnapshotStore, Where, store_for
+
+
+@dataclass(eq=False)
+class Node:
+    """A node: the edge from its parent (``tokens``) and the blocks holding them; ``lock``: the
+    running requests whose prefix runs through it; ``last_used``: the tree's clock then."""
+
+    tokens: tuple[int, ...]
+    blocks: list[int]
+    parent: Node | None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)  # by first block's ids
+    lock: int = 0
+    last_used: int = 0
+
+
+class LRU:
+    """The eviction policy, as SGLang's strategies say it: which leaves may go (``may_evict``)
+    and in what order (``priority``, lowest first): unlocked, the one used longest ago first.
+
+    >>> old, new = Node((1, 2), [0], None, last_used=3), Node((3, 4), [1], None, last_used=7)
+    >>> min([new, old], key=LRU().priority) is old, LRU().may_evict(Node((), [], None, lock=1))
+    (True, False)
+    """
+
+    def may_evict(self, node: Node) -> bool:
+        return node.lock == 0
+
+    def priority(self, node: Node) -> int:
+        return node.last_used
 
 
 @dataclass(eq=False)
@@ -82,14 +99,11 @@ def common_prefix_len(a: Sequence, b: Sequence) -> int:
 
 
 class RadixCache:
-    """A radix tree over token ids whose nodes own blocks of ``pool``, the budget eviction works
-    under; ``granularity`` and ``evict`` as in the module docstring. ``policy``: which unlocked
-    leaves eviction may take, in what order (default :class:`~kvdoc.serving.eviction.LRU`); an
-    object with ``may_evict(node)`` and ``priority(node)``, as SGLang's eviction strategies are.
-    ``states``: for a hybrid model's pool, where prefills save recurrent states (a rule of
-    :data:`~kvdoc.serving.snapshots.WHERE`, default ``"last"``, or a
-    :class:`~kvdoc.serving.snapshots.SnapshotStore`); a request resumes only at a saved state.
-    """
+    """A radix tree over token ids whose nodes own blocks of ``pool``; ``granularity`` and
+    ``evict`` as in the module docstring; ``policy``: an object with ``may_evict(node)`` and
+    ``priority(node)`` (default :class:`LRU`); ``states``: for a hybrid model, where prefills
+    save recurrent states (:data:`~kvdoc.serving.snapshots.WHERE`, or a
+    :class:`~kvdoc.serving.snapshots.SnapshotStore`)."""
 
     def __init__(self, pool: BlockPool, granularity: Literal["token", "block"] = "token",
                  policy: LRU | None = None, evict: Literal["leaf", "block"] = "leaf",
@@ -112,11 +126,8 @@ class RadixCache:
 
     # --- looking up -----------------------------------------------------------------------
     def match(self, tokens: Sequence[int]) -> tuple[int, list[int], Node]:
-        """The longest prefix of ``tokens`` held: ``(length, blocks, deepest node)``.
-
-        ``blocks`` covers positions ``0 .. length - 1`` (``ceil(length / block_size)`` blocks;
-        the last may hold positions past ``length`` that belong to another sequence).
-        """
+        """The longest prefix of ``tokens`` held: ``(length, blocks, deepest node)``, ``blocks``
+        covering positions ``0 .. length - 1`` (the last may hold another sequence's after)."""
         S, node, pos, blocks = self.block_size, self.root, 0, []
         while True:
             child = node.children.get(tuple(tokens[pos:pos + S]))
@@ -140,9 +151,8 @@ class RadixCache:
         return pos, blocks, node
 
     def reusable(self, prompt: Sequence[int]) -> tuple[int, list[int], Node]:
-        """What a request for ``prompt`` takes from the tree: :meth:`match`, short of the last
-        prompt token (whose logits choose the next token, so it is always computed), and in
-        block mode rounded down to whole blocks."""
+        """What a request for ``prompt`` takes: :meth:`match`, short of the last prompt token,
+        in block mode rounded down to whole blocks, for a hybrid model to a saved state."""
         length, blocks, node = self.match(prompt)
         length = min(length, len(prompt) - 1)
         if self.granularity == "block":  # a whole prompt found: its last block is recomputed
@@ -153,19 +163,10 @@ class RadixCache:
 
     # --- a request's life -----------------------------------------------------------------
     def admit(self, prompt: Sequence[int], max_new: int = 0) -> Admission:
-        """Match ``prompt``, lock its path, make room for it, and give it a cache.
-
-        The cache holds the matched positions (shared blocks) and is to be continued with
-        ``prompt[request.matched:]``. Eviction makes the free list cover the blocks the request
-        will write into, counted for this request alone: ``len(prompt) + max_new - 1``
-        positions, since the last generated token is never fed back (``len(prompt)`` when
-        ``max_new`` is 0).
-
-        Raises:
-            ValueError: an empty prompt, or too few blocks even after evicting every unlocked
-                node (the tree then holds what it held; an edge may have been cut in two at the
-                match).
-        """
+        """Match ``prompt``, lock its path, evict until the free list covers what it will write
+        (``len(prompt) + max_new - 1`` positions), and give it a cache holding the matched
+        positions. A ValueError, the tree as it was (but an edge cut at the match), if even
+        evicting every unlocked node leaves too few blocks."""
         prompt = tuple(int(t) for t in prompt)
         if not prompt or max_new < 0:
             raise ValueError(f"need a non-empty prompt and max_new >= 0, got {len(prompt)} tokens "
@@ -196,11 +197,7 @@ class RadixCache:
         return request
 
     def retire(self, request: Admission, tokens: Sequence[int]) -> int:
-        """Keep the K/V of a finished request, unlock its path, release its cache.
-
-        ``tokens`` are the ids whose K/V its cache holds (prompt, then every generated token
-        fed back). Its whole blocks go into the tree; returns how many blocks the tree gained.
-        """
+        """Keep a finished request's whole blocks, unlock its path, release its cache."""
         tokens = tuple(int(t) for t in tokens)
         cache = request.cache
         if request not in self.running:
@@ -220,8 +217,7 @@ class RadixCache:
 
     # --- the tree -------------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> int:
-        """Put ``tokens`` (whole blocks, held in ``blocks``) into the tree; the tree takes a
-        reference to each block it did not hold a copy of already. Returns blocks gained."""
+        """Put ``tokens`` (whole blocks in ``blocks``) into the tree; returns blocks gained."""
         S = self.block_size
         if len(tokens) != len(blocks) * S:
             raise ValueError(f"{len(tokens)} tokens are not the {len(blocks)} whole blocks given")
@@ -244,9 +240,7 @@ class RadixCache:
         return 0
 
     def _cut(self, node: Node, used: int) -> Node:
-        """The node whose path from the root holds exactly the first ``used`` blocks of
-        ``node``'s path, splitting ``node`` if they end inside its edge: a request locks only what
-        it uses, and eviction can still take the rest."""
+        """The node holding exactly ``node``'s first ``used`` blocks (splitting ``node``)."""
         start = sum(len(n.blocks) for n in self._path(node)) - len(node.blocks)
         while node is not self.root and used <= start:
             node = node.parent
@@ -289,8 +283,7 @@ class RadixCache:
         leaf.tokens, leaf.blocks = leaf.tokens[:-n * self.block_size], leaf.blocks[:-n]
 
     def evict(self, blocks: int) -> int:
-        """Evict the leaves the policy allows, lowest priority first, until ``blocks`` are freed
-        or none is left (a whole leaf or its last block, :meth:`drop`); returns those freed."""
+        """Evict allowed leaves, lowest priority first, till ``blocks`` are freed (or none left)."""
         freed = 0
         while freed < blocks:
             leaves = [n for n in self.nodes() if not n.children and self.policy.may_evict(n)]
@@ -311,8 +304,7 @@ class RadixCache:
         return freed
 
     def clear(self) -> None:
-        """Give back every block the tree holds (not counted as evictions); only when no request
-        is running."""
+        """Give back every block the tree holds (no request may be running)."""
         if self.running:
             raise ValueError(f"{len(self.running)} requests are still running")
         for node in list(self.nodes()):
@@ -359,9 +351,7 @@ class RadixCache:
 # --- using it ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Served:
-    """One request served through the tree: its prompt then the greedy tokens, the prompt
-    positions found in the tree (not computed), and the logits ``[1, N, V]`` of the positions
-    computed, ``matched .. len(tokens) - 2``."""
+    """A request served through the tree: its tokens, its positions found, computed logits."""
 
     tokens: tuple[int, ...]
     prompt_len: int
@@ -372,8 +362,7 @@ class Served:
 @torch.no_grad()
 def serve_prompt(model: Decoder, tree: RadixCache, prompt: Sequence[int],
                  max_new: int) -> Served:
-    """Admit ``prompt``, prefill only what the tree lacks, decode ``max_new`` greedy tokens,
-    and leave the result in the tree."""
+    """Admit ``prompt``, prefill what the tree lacks, decode, and leave the result in it."""
     if max_new < 1:
         raise ValueError(f"max_new must be at least 1, got {max_new}")
     request = tree.admit(prompt, max_new)

@@ -1,39 +1,29 @@
 """Continuous batching and chunked prefill over a paged cache, against static batching.
 
-Requests arrive over time (:func:`~kvdoc.serving.requests.arrival_trace`). A :class:`Scheduler`
-recomposes the batch at every step: it admits arrived requests while the pool has blocks for
-them, runs one forward for every row of the step, then retires the finished requests: Orca's
-iteration-level scheduling (Yu et al., OSDI 2022) over vLLM's block tables (Kwon et al., 2023).
+A :class:`Scheduler` recomposes the batch at every step: it admits arrived requests while the
+pool has blocks for them, runs one forward for every row, then retires the finished ones: Orca's
+iteration-level scheduling (Yu et al., 2022) over vLLM's block tables (Kwon et al., 2023).
+Three policies on one loop:
 
-Three policies on one loop (``policy``, ``token_budget``):
+* ``"static"``: a batch runs until its longest request finishes (finished rows keep their
+  blocks, as a padded batch's do), then the next;
+* ``"continuous"``: prefill first, as vLLM did before chunked prefill: a step with newly
+  admitted requests runs their whole prompts and nothing else;
+* ``"continuous"`` with ``token_budget=N``: stall-free chunked prefill (Sarathi-Serve, vLLM's
+  ``max_num_batched_tokens``): each decoding request's token first, then prefill chunks.
 
-* ``"static"``: a batch is formed from the requests waiting, runs until its longest request
-  finishes (finished rows keep their blocks, as the rows of a padded batch do), then the next.
-* ``"continuous"`` without a budget: prefill first, as vLLM did before chunked prefill: a step
-  with newly admitted requests runs their whole prompts and nothing else.
-* ``"continuous"`` with ``token_budget=N``: stall-free chunked prefill, as in Sarathi-Serve
-  (Agrawal et al., OSDI 2024) and vLLM's ``max_num_batched_tokens``: every decoding request
-  gets its one token first, the rest of the budget goes to prefill chunks.
+A step's rows run as one ragged forward (:class:`~kvdoc.serving.batching.RaggedStep`); a hybrid
+model's rows a forward each, as a recurrent state would fold a padded row's padding in, each
+sequence carrying its states from step to step.
 
-The rows of a step, of different lengths, run as one forward (:mod:`kvdoc.serving.ragged`).
-A hybrid model's rows (recurrent state layers beside attention layers: DeltaNet's, Mamba-2's)
-run a forward each: a state folds every token of its row in order, so a padded row would fold
-its padding in. Their attention layers' K/V share the pool's blocks as any model's do; each
-sequence carries its states from step to step (a preempted one starts again from zeros, its
-forks start from its prompt's).
+**Admission and preemption** (stated exactly in :mod:`kvdoc.teach.schedule_spec`): by default a
+request is admitted only if the free blocks, less what the running requests still need, cover
+its whole final length, so none is ever preempted. With ``preempt=True``, when they cover what
+it and the running requests write next, as vLLM admits; a row that then cannot get a block
+preempts the most recently admitted request by recompute.
 
-**Admission and preemption** (stated exactly in :mod:`kvdoc.teach.schedule_spec`). By default
-a request is admitted only if the free blocks, less what the running requests still need, cover
-its whole final length, so none is ever preempted. With ``preempt=True`` it is admitted when
-they cover what it and the running requests write next, as vLLM admits; a row that then cannot
-get a block preempts the most recently admitted request by recompute (its blocks given back, to
-the front of the queue with its prompt and chosen tokens). Blocks are taken as positions are
-written.
-
-**Forks.** A request with ``samples=n`` (and a ``seed``) prefills its prompt once, then forks
-into ``n`` sequences sharing the prompt's blocks, each drawing with its own generator; a fork's
-first write into a shared block copies it (copy-on-write), as vLLM's block manager did for
-parallel sampling.
+**Forks**: a request with ``samples=n`` (and a ``seed``) prefills its prompt once, then forks
+into ``n`` sequences sharing its blocks (copy-on-write), each drawing with its own generator.
 
 >>> from kvdoc import Decoder, GPTConfig
 >>> from kvdoc.serving.requests import arrival_trace
@@ -67,18 +57,16 @@ from kvdoc.core.cache import check_int
 from kvdoc.core.model import Decoder
 from kvdoc.core.state import StateSpec, read_state, state_layers
 
+from .batching import RaggedStep
 from .paged import BlockPool
-from .ragged import RaggedStep
-from .requests import Request, choose, sample_generator
-from .runs import ServeRun, StepRecord
+from .requests import Request, ServeRun, StepRecord, choose, sample_generator
 
 Policy = Literal["continuous", "static"]
 
 
 @dataclass(eq=False)  # compared by identity: the scheduler finds it in its lists
 class LiveRequest:
-    """One sequence the scheduler holds (a request, or one sample of it): its blocks, positions
-    written, and what it produced."""
+    """One sequence the scheduler holds (a request or a sample): blocks, positions, output."""
 
     req: Request
     sample: int = 0
@@ -107,18 +95,15 @@ class LiveRequest:
         return bool(self.tokens) and self.fed == len(self.req.prompt) + len(self.tokens) - 1
 
     def next_ids(self, budget: int | None) -> list[int]:
-        """What it feeds next: (a chunk of) what it has not written yet, which is its last token
-        when decoding, its prompt (and, after a preemption, its tokens) otherwise."""
+        """What it feeds next: (a chunk of) what it has not written yet."""
         seq = self.seq
         end = len(seq) if budget is None else min(len(seq), self.fed + budget)
         return seq[self.fed:end]
 
 
 class Scheduler:
-    """Runs a trace of :class:`~kvdoc.serving.requests.Request` s on ``model`` over one
-    :class:`~kvdoc.serving.paged.BlockPool` of ``num_blocks``, one forward a step, under the
-    policies of the module docstring. ``max_batch``: most sequences admitted at once (default:
-    as many as the blocks allow; a request's forks join it regardless)."""
+    """Runs a trace of :class:`~kvdoc.serving.requests.Request` s on ``model`` over one block
+    pool, by the module docstring's policies; ``max_batch``: most sequences admitted at once."""
 
     def __init__(self, model: Decoder, num_blocks: int, block_size: int = 4,
                  max_batch: int | None = None, token_budget: int | None = None,
@@ -149,8 +134,7 @@ class Scheduler:
         live.table.clear()
 
     def preempt(self, live: LiveRequest) -> int:
-        """Preemption by recompute: give every block back and forget every written position (its
-        tokens stay); returns the positions discarded."""
+        """Preempt by recompute: free its blocks, forget its positions (returned); tokens stay."""
         discarded = live.fed
         self.retire(live)
         live.fed, live.states = 0, {}
@@ -158,9 +142,7 @@ class Scheduler:
         return discarded
 
     def reserve(self, live: LiveRequest, end: int) -> bool:
-        """Own every block positions ``fed .. end - 1`` of ``live`` fall in: a block it shares is
-        copied first (copy-on-write), missing ones are allocated. False, changing nothing, when
-        the pool has too few free blocks."""
+        """Own every block ``live``'s next positions fall in; False, changing nothing, if short."""
         if self.pool.to_write(live.table, live.fed, end) > self.pool.num_free:
             return False
         self.pool.own(live.table, live.fed, end)
@@ -209,8 +191,7 @@ class Scheduler:
             promised += need
 
     def compose(self, live: list[LiveRequest]) -> list[tuple[LiveRequest, list[int]]]:
-        """Which requests feed what this step (``live`` in order of admission): the policy of
-        the module docstring, without a budget prefills first, with one decodes first."""
+        """Which requests feed what this step (``live`` in order of admission)."""
         prefilling = [x for x in live if not x.decoding]
         decoding = [x for x in live if x.decoding and not x.done]
         if self.token_budget is None:
@@ -225,15 +206,13 @@ class Scheduler:
         return rows
 
     def victim(self, live: list[LiveRequest]) -> LiveRequest:
-        """The sequence preemption takes from ``live`` (in order of admission): the most
-        recently admitted, as vLLM's FCFS policy pops the last of its running list."""
+        """Preemption's victim: the most recently admitted, as vLLM's FCFS policy takes."""
         return live[-1]
 
     def _make_room(self, rows: list[tuple[LiveRequest, list[int]]], live: list[LiveRequest],
                    waiting: list[LiveRequest]) -> list[tuple[int, int]]:
-        """Reserve every row's blocks, oldest admitted first; while one cannot get them, preempt
-        the most recently admitted sequence (vLLM's policy), which may be that row itself. A
-        preempted row leaves ``rows``; returns ``(rid, positions discarded)`` per preemption."""
+        """Reserve every row's blocks, oldest admitted first, preempting the :meth:`victim` while
+        one cannot get them (a preempted row leaves ``rows``); ``(rid, discarded)`` for each."""
         preempted = []
         for x, ids in sorted(rows, key=lambda row: live.index(row[0])):
             while x in live and not self.reserve(x, x.fed + len(ids)):
@@ -299,8 +278,7 @@ class Scheduler:
         return all(self.pool.refs(b) == holders[b] for b in range(self.pool.num_blocks))
 
     def run(self, trace: Sequence[Request]) -> ServeRun:
-        """Serve ``trace`` until every request has its tokens; returns what each produced and a
-        record of every step."""
+        """Serve ``trace`` until every request has its tokens, recording every step."""
         self._check(trace)
         waiting = [LiveRequest(r, 0, sample_generator(r, 0), forks_pending=r.samples > 1)
                    for r in sorted(trace, key=lambda r: (r.arrival, r.rid))]

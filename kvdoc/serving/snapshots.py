@@ -1,21 +1,13 @@
 """Recurrent states saved at chosen positions, so that a radix tree serves a hybrid model.
 
-A hybrid model's attention layers keep K/V rows, which a :class:`~kvdoc.serving.radix.RadixCache`
-shares block by block. Its recurrent layers (Gated DeltaNet, Mamba-2) keep one state, a fold
-over every earlier token: no other sequence's rows stand for it, and it cannot be cropped back.
-A request can therefore resume only at a position ``p`` where a state was saved while an earlier
-request's prefill ran: a :class:`~kvdoc.core.state.Snapshot` of every state layer, filed under
-the ``p`` token ids before it. The tree gives a request the deepest such position inside what it
-matched (short of the last prompt token, as for every model), the blocks of the K/V rows before
-it, and a copy of the snapshot's states.
-
-Where a prefill saves states is the policy (``where``), with the rules of
-:mod:`kvdoc.measure.state_prefix`, which models the hit rates they give on a list of prompts:
-``"every"`` block boundary, the ``"last"`` one before the prompt's last token (vLLM's
-``mamba_cache_mode="align"``), or the prompt's ``"end"``; ``branch`` also saves where the
-request's match ended. The prefill is cut at those positions and the state taken after each
-piece. A snapshot is kept only if the tree keeps the K/V rows before it (whole blocks), and
-dropped when eviction takes them.
+A recurrent layer (Gated DeltaNet, Mamba-2) keeps one state, a fold over every earlier token
+that no other sequence's rows stand for and that cannot be cropped back: a request resumes only
+at a position where an earlier prefill saved a :class:`~kvdoc.core.state.Snapshot`, filed under
+the token ids before it. The tree gives it the deepest one inside its match, the K/V blocks
+before it, and a copy of its states. Prefills save where :func:`save_points` says, ``branch``
+also where the match ended (SGLang's ``mamba_branching_seqlen``); a snapshot is kept while the
+tree keeps the rows before it. :func:`kvdoc.measure.prefix_report.state_prefix_report` models
+the hit rates these rules give.
 
 >>> import torch
 >>> from kvdoc.core.deltanet import DeltaNetConfig, DeltaNetDecoder
@@ -47,7 +39,9 @@ Where = Literal["every", "last", "end"]
 
 
 def save_points(n: int, hit: int, where: str, block: int) -> list[int]:
-    """Positions where a prefill of a prompt of ``n`` tokens, resumed at ``hit``, saves states.
+    """Positions where a prefill of a prompt of ``n`` tokens, resumed at ``hit``, saves states:
+    every multiple of ``block`` (a prefill in chunks of a block); the last before its last token
+    (vLLM 0.33's ``mamba_cache_mode="align"``); its end (SGLang 0.5.23's ``no_buffer``).
 
     >>> save_points(30, 0, "every", 8), save_points(30, 0, "last", 8), save_points(30, 8, "end", 8)
     ([8, 16, 24], [24], [30])
@@ -70,8 +64,7 @@ class SnapshotStore:
         self.saved: dict[tuple[int, ...], Snapshot] = {}
 
     def points(self, n: int, hit: int, matched: int) -> list[int]:
-        """Where a prompt of ``n`` tokens resumed at ``hit``, whose K/V matched ``matched``
-        positions, saves states (``branch``: also at its match, rounded down to a block)."""
+        """Where a prompt of ``n`` tokens resumed at ``hit`` saves (``branch``: also its match)."""
         points = save_points(n, hit, self.where, self.block)
         branch = matched // self.block * self.block
         if self.branch and branch > hit and branch not in points:
@@ -79,14 +72,12 @@ class SnapshotStore:
         return points
 
     def deepest(self, prompt: Sequence[int], length: int) -> int:
-        """The deepest position ``p <= length`` whose states are saved for ``prompt[:p]`` (0: the
-        states of no token, every state layer's zeros)."""
+        """The deepest ``p <= length`` with states saved for ``prompt[:p]`` (0: zero states)."""
         return max((p for p in range(length, 0, -1) if tuple(prompt[:p]) in self.saved),
                    default=0)
 
     def restore(self, cache: KVCache, prompt: Sequence[int]) -> None:
-        """Set ``cache``'s state layers (a cache of ``len(prompt)`` positions) to copies of the
-        states saved after ``prompt``."""
+        """Set ``cache``'s state layers to copies of the states saved after ``prompt``."""
         if not prompt:
             return
         snap = self.saved[tuple(prompt)]
@@ -95,8 +86,7 @@ class SnapshotStore:
                         for i, layer in enumerate(cache.layers)]
 
     def keep(self, tokens: Sequence[int], snapshots: Sequence[Snapshot], held: int) -> int:
-        """File the ``snapshots`` a request took whose rows before them the tree holds (the
-        first ``held`` positions of ``tokens``); returns how many were new."""
+        """File the ``snapshots`` within the first ``held`` positions; returns how many were new."""
         new = 0
         for snap in snapshots:
             key = tuple(tokens[:snap.position])
@@ -106,8 +96,7 @@ class SnapshotStore:
         return new
 
     def prune(self, holds: callable) -> None:
-        """Drop the snapshots whose rows are gone: ``holds(ids)`` is the positions of ``ids`` the
-        tree still holds."""
+        """Drop the snapshots whose rows are gone (``holds(ids)``: positions still held)."""
         self.saved = {key: s for key, s in self.saved.items() if holds(key) >= len(key)}
 
     def nbytes(self) -> int:
@@ -121,8 +110,7 @@ def takes_states(cache: KVCache) -> bool:
 
 
 def store_for(pool: BlockPool, states: Where | SnapshotStore | None) -> SnapshotStore | None:
-    """A radix tree's store for ``pool``: ``states`` (a rule, default ``"last"``, or a store) if
-    the pool's model has recurrent layers; None if not, where ``states`` must be None."""
+    """A radix tree's store for ``pool``, or None for a pool without recurrent layers."""
     hybrid = any(isinstance(spec, StateSpec) for spec in pool.layout)
     if states is not None and not hybrid:
         raise ValueError("states: only a pool with recurrent state layers saves states")

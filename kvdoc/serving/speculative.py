@@ -1,19 +1,12 @@
 """Speculative decoding: a draft model proposes ``k`` tokens, the target checks them in one call.
 
-Each round starts with a *pending* token, the last of the sequence, fed to neither model yet:
-
-1. the draft feeds it and its own proposals one at a time and proposes ``d_1 .. d_k``;
-2. the target feeds ``[pending, d_1, .., d_k]`` as one chunk, getting its own next-token logits
-   at every one of those positions at once;
-3. proposals are kept while they agree with the target (greedy: its argmax; sampling:
-   :func:`acceptance`); the first disagreement is replaced by the target's token, and if all
-   ``k`` agree the target's next token is added as a bonus;
-4. both caches are cropped back to the positions kept; the last new token is pending next.
-
-A round costs one target call and yields 1 to ``k + 1`` tokens, the target's own: token for
-token when greedy, in distribution when sampling (Leviathan et al. 2023, Chen et al. 2023).
-The caches must crop (dynamic, static, paged). Batch 1 only: rows of a batch would accept
-different numbers of tokens.
+Each round, the draft feeds the *pending* token (the last, fed to neither model yet) and
+proposes ``d_1 .. d_k``; the target feeds ``[pending, d_1, .., d_k]`` as one chunk; proposals
+are kept while they agree with the target (greedy: its argmax; sampling: :func:`acceptance`),
+the first disagreement replaced by the target's token (all agree: its next one is a bonus); both
+caches are cropped back to what was kept. A round costs one target call and yields 1 to
+``k + 1`` of the target's own tokens: token for token when greedy, in distribution when sampling
+(Leviathan et al. 2023, Chen et al. 2023). Batch 1 only; the caches must crop.
 """
 
 from __future__ import annotations
@@ -29,10 +22,8 @@ from kvdoc.core.model import Decoder
 
 @dataclass
 class SpeculativeRun:
-    """What :func:`speculative_generate` returns: ``tokens`` ``[1, P + max_new_tokens]``, the
-    prompt (``P`` tokens) and the generated ones; the proposals ``accepted`` in each round (0 to
-    ``k``); the forward calls of each model, the prompt's included; each model's cache as the
-    last round left it (every token but the last, pending one)."""
+    """What :func:`speculative_generate` returns: ``tokens``, the proposals ``accepted`` each
+    round, each model's calls and its cache as the last round left it."""
 
     tokens: torch.Tensor
     prompt_len: int
@@ -54,9 +45,8 @@ the probability of keeping each proposed token, and the distribution a rejection
 
 
 def acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The acceptance rule for one proposed token ``x`` drawn from the draft's ``q`` (``[V]``):
-    kept with probability ``min(1, p(x) / q(x))``, else replaced by a draw from ``max(0, p -
-    q)``, normalised; the result is distributed as the target's ``p``:
+    """A token ``x`` drawn from the draft's ``q`` is kept with probability ``min(1, p(x) /
+    q(x))``, else replaced by a draw from ``max(0, p - q)``, normalised: distributed as ``p``.
 
     >>> p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.2, 0.6])
     >>> keep, residual = acceptance(p, q)
@@ -72,8 +62,8 @@ def acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def truncated_draft(target: Decoder, n_layer: int) -> Decoder:
-    """A draft made of the target's first ``n_layer`` layers, its final norm and its LM head: a
-    self-speculative draft (as in LayerSkip), no second model to train or load.
+    """A draft of the target's first ``n_layer`` layers, final norm and LM head (LayerSkip's
+    self-speculative draft).
 
     >>> from kvdoc import GPTConfig
     >>> draft = truncated_draft(Decoder(GPTConfig()), 1)
@@ -121,10 +111,9 @@ def speculative_generate(target: Decoder, draft: Decoder, prompt: torch.Tensor,
                          rule: Rule | None = None) -> SpeculativeRun:
     """``max_new_tokens`` tokens after ``prompt`` (``[1, P]``), the draft proposing ``k`` a round.
 
-    ``draft``: a cheaper model with the target's vocabulary. ``cache``: the kind both models use,
-    or ``(model, capacity) -> empty cache`` (any kind that crops). ``generator``: sample with
-    ``rule`` (default :func:`acceptance`), drawing from it; None: greedy, token for token
-    ``generate(target, prompt, max_new_tokens)``.
+    ``cache``: the kind both models use, or ``(model, capacity) -> empty cache`` (one that
+    crops); ``generator``: sample by ``rule`` (default :func:`acceptance`), else greedy: token
+    for token ``generate(target, prompt, max_new_tokens)``.
 
     >>> from kvdoc import GPTConfig, generate
     >>> _ = torch.manual_seed(0)

@@ -1,27 +1,20 @@
 """Split-K attention (Flash-Decoding): keys in chunks, a partial softmax per chunk, merged exactly.
 
-A decode step has one query row per head: ``B * H`` pieces of work, too few to fill a GPU when
-``B`` is small and the context long. Splitting the ``T`` cached keys into chunks of ``S`` gives
-``B * H * ceil(T / S)`` pieces; each returns its unnormalised output with the largest score
-``m`` and the sum ``l`` of ``exp(score - m)``, which merge exactly:
+A decode step's ``B * H`` query rows are too few to fill a GPU; splitting the ``T`` cached keys
+into chunks of ``S`` gives ``B * H * ceil(T / S)`` pieces, each returning its unnormalised
+output, its largest score ``m`` and the sum ``l`` of ``exp(score - m)``, which merge exactly:
 
     m = max_c m_c,   l = sum_c l_c exp(m_c - m),   out = sum_c o_c exp(m_c - m) / l
 
-where ``o_c = sum_j exp(s_j - m_c) v_j`` over chunk ``c``. The merge is an identity of
-arithmetic, not an approximation: the result is softmax attention over all ``T`` keys, up to
-the rounding of a different summation order. ``m + log l`` is the log-sum-exp of the scores.
+where ``o_c = sum_j exp(s_j - m_c) v_j`` over chunk ``c``: an identity, not an approximation,
+up to the rounding of another summation order. A sink logit per head (gpt-oss) enters the merge
+once, as a chunk of its own (``m_s = s``, ``l_s = 1``, ``o_s = 0``), never inside each chunk's.
 
-A sink logit ``s`` per head (gpt-oss, :mod:`kvdoc.core.gptoss`) is one more term of the
-denominator, with a value of zero: it enters the merge once, as a chunk of its own
-(``m_s = s``, ``l_s = 1``, ``o_s = 0``), never inside each chunk's partial, where it would be
-counted once per split.
-
-Shapes: ``q`` is ``[B, H, C, D_h]``, ``k`` and ``v`` are ``[B, H_kv, T, D_h]`` (``H`` a multiple
-of ``H_kv``), ``mask`` is ``[C, T]`` bool (True: may read) or ``[B, C, T]``, one a row.
-
-:func:`split_k_decoder` builds a copy of a model that attends that way, for the verification
-grid. Under :func:`kvdoc.batch_invariant` it attends as :func:`kvdoc.core.invariant.attention`
-does, key by key: a split count chosen for the chip must not change the bits.
+Shapes: ``q`` ``[B, H, C, D_h]``, ``k`` and ``v`` ``[B, H_kv, T, D_h]``, ``mask`` ``[C, T]`` bool
+(True: may read) or ``[B, C, T]``. :func:`split_k_decoder` builds a copy of a model that attends
+that way; under :func:`kvdoc.batch_invariant` it attends key by key, as
+:func:`kvdoc.core.invariant.attention` does: a split count chosen for the chip must not change
+the bits.
 """
 
 from __future__ import annotations
@@ -39,10 +32,8 @@ from kvdoc.core.model import CausalSelfAttention, Decoder, GPTConfig
 
 
 class Partial(NamedTuple):
-    """One chunk's share of the attention, for every query row: what a split-K kernel writes.
-    ``out`` ``[B, H, C, D_h]`` is ``sum_j exp(s_j - m) v_j`` over the chunk, before dividing by
-    ``l``; ``m`` ``[B, H, C]`` the chunk's largest visible score (``-inf`` if the chunk hides
-    every key); ``l`` ``[B, H, C]`` is ``sum_j exp(s_j - m)`` over its visible keys."""
+    """One chunk's share, what a split-K kernel writes: ``out`` ``[B, H, C, D_h]`` before dividing
+    by ``l`` ``[B, H, C]``; ``m`` ``[B, H, C]``, the largest visible score (none: ``-inf``)."""
 
     out: torch.Tensor
     m: torch.Tensor
@@ -108,8 +99,7 @@ def merge(parts: list[Partial] | Partial,
 
 def all_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int,
                  mask: torch.Tensor | None = None) -> Partial:
-    """Every chunk's :func:`partial_attention` at once, chunks along a leading dimension: the
-    keys padded to whole chunks (the padding hidden by the mask), one batched computation."""
+    """Every chunk's :func:`partial_attention` at once, the keys padded to whole chunks."""
     B, H, C, D = q.shape
     H_kv, T = k.shape[1], k.shape[2]
     n = math.ceil(T / split)
@@ -138,10 +128,8 @@ def all_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int,
 def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int,
                       mask: torch.Tensor | None = None,
                       sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """``softmax(q k^T / sqrt(D_h) + mask) v`` over chunks of ``split`` keys (``split`` need not
-    divide ``T``; shapes as in the module docstring, ``mask`` None: every key visible): equal to
-    :func:`torch.nn.functional.scaled_dot_product_attention` with the same mask up to rounding;
-    with ``sinks`` (``[H]``), to :func:`kvdoc.core.gptoss.sink_attention`.
+    """``softmax(q k^T / sqrt(D_h) + mask) v`` over chunks of ``split`` keys (which need not
+    divide ``T``); with ``sinks`` (``[H]``), :func:`kvdoc.core.gptoss.sink_attention`'s.
 
     >>> g = torch.Generator().manual_seed(0)
     >>> q = torch.randn(1, 4, 1, 8, generator=g)                      # one decode query, 4 heads
@@ -172,8 +160,7 @@ def split_k_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: 
 
 
 class SplitKAttention(CausalSelfAttention):
-    """The decoder's attention (:class:`~kvdoc.core.model.CausalSelfAttention`) with softmax
-    over chunks of ``split`` keys, merged exactly."""
+    """The decoder's attention with softmax over chunks of ``split`` keys, merged exactly."""
 
     def __init__(self, config: GPTConfig, split: int) -> None:
         super().__init__(config)
@@ -189,8 +176,7 @@ class SplitKAttention(CausalSelfAttention):
 
 
 class SinkSplitKAttention(GptOssAttention):
-    """gpt-oss's attention (:class:`~kvdoc.core.gptoss.GptOssAttention`) over chunks of
-    ``split`` keys, the sinks merged once."""
+    """gpt-oss's attention over chunks of ``split`` keys, the sinks merged once."""
 
     def __init__(self, config: GptOssConfig, layer_idx: int, split: int) -> None:
         super().__init__(config, layer_idx)

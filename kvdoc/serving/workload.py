@@ -1,12 +1,11 @@
 """A simulated request mix, and the K/V memory that three allocation strategies reserve for it.
 
-Every request is a shared system prompt, its own user text and its own output (random ids:
-memory depends only on how many), lengths drawn by a seeded generator (:func:`request_mix`).
-:func:`measure_mix` holds every request at once and measures what each strategy reserves: a
-:class:`~kvdoc.core.cache.StaticCache` of ``n_positions`` per request (the final length is
-unknown at admission); paged blocks, a table per request; paged blocks with the system prompt's
-shared (:meth:`~kvdoc.serving.paged.PagedCache.fork`), whose logits
-:func:`kvdoc.teach.serving_checks.compare_mix_with_alone` compares with each request alone.
+Every request is a shared system prompt, its own user text and output (random ids, seeded
+lengths: :func:`request_mix`). :func:`measure_mix` holds them all at once and measures what each
+strategy reserves: a :class:`~kvdoc.core.cache.StaticCache` of ``n_positions`` a request (the
+final length is unknown at admission); paged blocks; paged blocks with the system prompt's
+shared (its logits compared with each request alone by
+:func:`kvdoc.teach.serving_checks.compare_mix_with_alone`).
 
 >>> from kvdoc.core.model import GPTConfig
 >>> _ = torch.manual_seed(0)
@@ -32,9 +31,7 @@ from .paged import BlockPool, PagedCache
 
 @dataclass(frozen=True)
 class RequestMix:
-    """Requests sharing one system ``prefix`` (token ids): each its own prompt text after it
-    (``users``) and output tokens (random stand-ins for generated ones); the distributions and
-    seed in words, for the page."""
+    """Requests sharing one system ``prefix``, each with its own text and output tokens."""
 
     prefix: list[int]
     users: list[list[int]]
@@ -80,8 +77,7 @@ def request_mix(n: int = 48, prefix_len: int = 100, user_lens: tuple[int, int] =
 
 @dataclass(frozen=True)
 class StrategyMemory:
-    """What one allocation strategy reserves for the whole mix: the K/V bytes set aside, and of
-    them the bytes of slots that hold a position (a shared block counts once)."""
+    """The K/V bytes a strategy reserves for the mix, and those that hold a position."""
 
     name: str
     reserved_bytes: int
@@ -95,10 +91,8 @@ class StrategyMemory:
 
 @dataclass(frozen=True)
 class MixMemory:
-    """What :func:`measure_mix` returns: the positions all requests hold together (the prefix
-    counted per request), the K/V bytes of one position (every layer), the three strategies
-    (contiguous, paged, paged + shared prefix) and each request's logits ``[1, user + output,
-    V]`` from the shared-prefix run."""
+    """What :func:`measure_mix` returns: the positions all requests hold, a position's K/V bytes,
+    the three strategies and each request's logits from the shared-prefix run."""
 
     requests: int
     positions: int
@@ -126,8 +120,7 @@ def _filled_slots(caches: list[PagedCache]) -> int:
 
 @torch.no_grad()
 def measure_mix(model: Decoder, mix: RequestMix, block_size: int = 16) -> MixMemory:
-    """Run every request of ``mix``, all held at once, under each strategy; see the module
-    docstring."""
+    """Run every request of ``mix``, all held at once, under each strategy."""
     cfg, weight = model.config, model.wte.weight
     lengths = mix.lengths()
     if max(lengths) > cfg.n_positions:

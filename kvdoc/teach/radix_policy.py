@@ -35,9 +35,8 @@ import torch
 
 from kvdoc.core.model import Decoder, generate
 from kvdoc.proofs.compare import TOLERANCE, close, max_abs
-from kvdoc.serving.eviction import LRU, Node
 from kvdoc.serving.paged import BlockPool
-from kvdoc.serving.radix import RadixCache, common_prefix_len, serve_prompt
+from kvdoc.serving.radix import LRU, Node, RadixCache, common_prefix_len, serve_prompt
 from kvdoc.teach.prefix_cache import invariant_errors
 
 

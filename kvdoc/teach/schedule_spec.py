@@ -51,15 +51,14 @@ from dataclasses import dataclass
 import torch
 
 from kvdoc.core.model import Decoder
-from kvdoc.serving.requests import Request, arrival_trace
-from kvdoc.serving.runs import ServeRun
+from kvdoc.serving.requests import Request, ServeRun, arrival_trace
 from kvdoc.serving.scheduler import LiveRequest, Scheduler
 from kvdoc.teach.scheduling import POLICY_TRACE, PREEMPTION_TRACE
 
 
 @dataclass(frozen=True)
 class SpecStep:
-    """One step as the specification has it, in :class:`~kvdoc.serving.runs.StepRecord`'s
+    """One step as the specification has it, in :class:`~kvdoc.serving.requests.StepRecord`'s
     terms: rows ``(rid, new tokens, kind)``, arrived requests not admitted, admitted ones not in
     the step, ``(rid, positions discarded)`` per preemption, blocks held after the step."""
 

@@ -25,8 +25,7 @@ import torch
 
 from kvdoc.core.model import Decoder, decode_step, generate, prefill
 from kvdoc.proofs.compare import TOLERANCE, close, max_abs
-from kvdoc.serving.requests import Request, arrival_trace, choose, sample_generator
-from kvdoc.serving.runs import ServeRun
+from kvdoc.serving.requests import Request, ServeRun, arrival_trace, choose, sample_generator
 from kvdoc.serving.scheduler import Scheduler
 
 

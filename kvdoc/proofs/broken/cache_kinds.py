@@ -26,7 +26,7 @@ from torch import nn
 
 from kvdoc.core.cache import KV, CacheLayer, KVCache
 from kvdoc.core.window import WindowLayer, window_cache
-from kvdoc.measure.batch_decode import StepTraffic, step_traffic
+from kvdoc.measure.costs import StepTraffic, step_traffic
 from kvdoc.measure.model_caches import LayerCache, ModelCache, config_cache
 from kvdoc.serving.fp8 import Fp8Layer, amax_scale, new_fp8_cache, quantize
 from kvdoc.serving.paged import BlockPool, BlockTables, PagedCache

@@ -14,11 +14,10 @@ import torch
 
 from kvdoc.core.cache import DynamicCache, DynamicLayer, KVCache
 from kvdoc.core.model import Decoder, DecoderOutput
-from kvdoc.serving.eviction import LRU
+from kvdoc.serving.batching import RaggedStep
 from kvdoc.serving.handover import pack
 from kvdoc.serving.offload import hash_block
-from kvdoc.serving.radix import RadixCache
-from kvdoc.serving.ragged import RaggedStep
+from kvdoc.serving.radix import LRU, RadixCache
 from kvdoc.serving.scheduler import LiveRequest, Scheduler
 from kvdoc.serving.speculative import speculative_generate
 
