@@ -46,9 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache, LayerSpec, check_int, check_positive, offset_causal_mask
+from .cache import KVCache, LayerSpec, check_int, check_positive
 from .delta_rule import chunked_delta_rule, l2norm, recurrent_delta_rule
-from .gemma import GemmaRMSNorm
+from .gemma import GemmaRMSNorm, HeadsAttention
 from .model import apply_rope
 from .state import HybridDecoder, StateSpec, read_state, update_state
 
@@ -234,18 +234,12 @@ class GatedRMSNorm(nn.Module):
         return self.weight * normed * F.silu(gate)
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(HeadsAttention):
     """Qwen3.5's full attention: q/k norms, partial RoPE, and an output gate per feature."""
 
     def __init__(self, config: DeltaNetConfig) -> None:
-        super().__init__()
-        c = config
-        self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
+        super().__init__(c := config, q_per_head=2)  # each head's query and gate
         self.rotary_dim, self.rope_theta = c.rotary_dim, c.rope_theta
-        self.q_proj = nn.Linear(c.n_embd, 2 * c.n_head * c.head_dim, bias=False)  # query, gate
-        self.k_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=False)
         self.q_norm = GemmaRMSNorm(c.head_dim, c.layer_norm_epsilon)
         self.k_norm = GemmaRMSNorm(c.head_dim, c.layer_norm_epsilon)
 
@@ -260,13 +254,11 @@ class GatedAttention(nn.Module):
         q, gate = self.q_proj(x).view(B, C, self.n_head, 2 * D).split(D, dim=-1)
         at = start if positions is None else positions
         q = self.rope(self.q_norm(q.transpose(1, 2)), at)  # [B, H, C, D_h]
-        k = self.rope(self.k_norm(self.k_proj(x).view(B, C, -1, D).transpose(1, 2)), at)
-        v = self.v_proj(x).view(B, C, -1, D).transpose(1, 2)
+        k = self.rope(self.k_norm(self.heads(self.k_proj, x)), at)
+        v = self.heads(self.v_proj, x)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v, start)
-        mask = None if C == 1 else offset_causal_mask(start, C, x.device)[:, -k.shape[2]:]
-        gqa = {"enable_gqa": True} if self.n_kv_head != self.n_head else {}
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa).transpose(1, 2)
+        y = self.attend(q, k, v, start).transpose(1, 2)
         return self.o_proj((y * gate.sigmoid()).reshape(B, C, -1))
 
 
@@ -325,6 +317,4 @@ class DeltaNetDecoder(HybridDecoder):
     cache_owner = "a DeltaNet model's"
 
     def __init__(self, config: DeltaNetConfig | None = None) -> None:
-        config = config or DeltaNetConfig()
-        super().__init__(config, DeltaNetBlock,
-                         lambda: GemmaRMSNorm(config.n_embd, config.layer_norm_epsilon))
+        super().__init__(config or DeltaNetConfig(), DeltaNetBlock, GemmaRMSNorm)

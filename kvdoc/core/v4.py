@@ -38,7 +38,8 @@ from torch import nn
 from .cache import KVCache, LayerSpec, check_int, check_positive, offset_causal_mask
 from .compressed import compressed_cache
 from .mla import LatentBlock
-from .model import Decoder, rope_angles
+from .model import rope_angles
+from .state import BlocksDecoder
 
 LAYER_TYPES = ("sliding", "csa", "hca")
 
@@ -346,7 +347,7 @@ class CompressedAttention(nn.Module):
         return probs[..., :-1] @ keys
 
 
-class CompressedDecoder(Decoder):
+class CompressedDecoder(BlocksDecoder):
     """A :class:`~kvdoc.core.model.Decoder` (forward, checks, ``prefill``/``decode_step``/
     ``generate``) of :class:`~kvdoc.core.mla.LatentBlock` s around a
     :class:`CompressedAttention` each, cached in a compressed cache.
@@ -358,16 +359,8 @@ class CompressedDecoder(Decoder):
     """
 
     def __init__(self, config: CompressedConfig | None = None) -> None:
-        nn.Module.__init__(self)  # not Decoder.__init__: it would build GPT-2 blocks
-        self.config = config = config or CompressedConfig()
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = None
-        self.h = nn.ModuleList(LatentBlock(config, partial(CompressedAttention, kind=kind))
-                               for kind in config.layer_types)
-        self.ln_f = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.wte.weight
+        super().__init__(config or CompressedConfig(), lambda c, i: LatentBlock(
+            c, partial(CompressedAttention, kind=c.layer_types[i])))
 
     def new_cache(self, batch_size: int, kind: str | None = None,
                   capacity: int | None = None) -> KVCache:
