@@ -48,7 +48,7 @@ from torch import nn
 
 from .cache import KVCache, LayerSpec, check_int, check_positive
 from .delta_rule import chunked_delta_rule, l2norm, recurrent_delta_rule
-from .gemma import GemmaRMSNorm, HeadsAttention
+from .gemma import GatedMLP, GemmaRMSNorm, HeadsAttention
 from .model import apply_rope
 from .state import HybridDecoder, StateSpec, read_state, update_state
 
@@ -262,19 +262,6 @@ class GatedAttention(HeadsAttention):
         return self.o_proj((y * gate.sigmoid()).reshape(B, C, -1))
 
 
-class SwiGLU(nn.Module):
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
-
-    def __init__(self, config: DeltaNetConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
-        self.up_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
-        self.down_proj = nn.Linear(config.n_inner, config.n_embd, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DeltaNetBlock(nn.Module):
     """``x + mixer(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``; the
     mixer a :class:`GatedDeltaNet` (``linear_attn``) or a :class:`GatedAttention`
@@ -287,7 +274,7 @@ class DeltaNetBlock(nn.Module):
             self.linear_attn = GatedDeltaNet(config)
         else:
             self.self_attn = GatedAttention(config)
-        self.mlp = SwiGLU(config)
+        self.mlp = GatedMLP(config)
         self.input_layernorm = GemmaRMSNorm(config.n_embd, config.layer_norm_epsilon)
         self.post_attention_layernorm = GemmaRMSNorm(config.n_embd, config.layer_norm_epsilon)
 

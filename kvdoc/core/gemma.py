@@ -41,8 +41,9 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 import torch
@@ -284,17 +285,19 @@ class GemmaAttention(HeadsAttention):
         return q, k, self.heads(self.v_proj, x)
 
 
-class GemmaMLP(nn.Module):
-    """GeGLU: ``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))``."""
+class GatedMLP(nn.Module):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``: SwiGLU (``act`` SiLU: Qwen3.5's, Bamba's) or
+    GeGLU (GELU's tanh form: Gemma's)."""
 
-    def __init__(self, config: Gemma3Config) -> None:
+    def __init__(self, config: Any, act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> None:
         super().__init__()
+        self.act = act
         self.gate_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
         self.up_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
         self.down_proj = nn.Linear(config.n_inner, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class GemmaBlock(nn.Module):
@@ -308,7 +311,7 @@ class GemmaBlock(nn.Module):
         self.self_attn = GemmaAttention(config, layer_idx)
         self.post_attention_layernorm = GemmaRMSNorm(d, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(d, eps)
-        self.mlp = GemmaMLP(config)
+        self.mlp = GatedMLP(config, partial(F.gelu, approximate="tanh"))
         self.post_feedforward_layernorm = GemmaRMSNorm(d, eps)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,

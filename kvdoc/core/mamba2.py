@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache, LayerSpec, check_int, check_positive
-from .deltanet import GatedAttention, SwiGLU
-from .gemma import HeadsAttention
+from .deltanet import GatedAttention
+from .gemma import GatedMLP, HeadsAttention
 from .state import HybridDecoder, StateSpec, read_state, update_state
 
 MAMBA, ATTENTION = "linear_attention", "full_attention"
@@ -327,7 +327,7 @@ class HybridBlock(nn.Module):
         else:
             self.self_attn = HybridAttention(config)
         self.pre_ff_layernorm = nn.RMSNorm(config.n_embd, eps=eps)
-        self.mlp = SwiGLU(config)  # Bamba's ``feed_forward``: Qwen3.5's MLP
+        self.mlp = GatedMLP(config)  # Bamba's ``feed_forward``: Qwen3.5's MLP
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
                 attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:

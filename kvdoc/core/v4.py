@@ -37,6 +37,7 @@ from torch import nn
 
 from .cache import KVCache, LayerSpec, check_int, check_positive, offset_causal_mask
 from .compressed import compressed_cache
+from .gptoss import sink_attention
 from .mla import LatentBlock
 from .model import rope_angles
 from .state import BlocksDecoder
@@ -338,13 +339,9 @@ class CompressedAttention(nn.Module):
         return keys, torch.cat((mask, visible), dim=-1)
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Softmax over the readable keys and one sink logit per head (which reads no value)."""
-        B, H, C, _ = q.shape
-        logits = (q @ keys.mT) * self.config.head_dim ** -0.5  # [B, H, C, R]
-        logits = logits.masked_fill(~mask[:, None], float("-inf"))
-        sink = self.sinks.view(1, H, 1, 1).expand(B, H, C, 1).to(logits.dtype)
-        probs = torch.cat((logits, sink), dim=-1).softmax(dim=-1)
-        return probs[..., :-1] @ keys
+        """Softmax over the readable keys (each both key and value) and one sink logit per
+        head, which reads no value (gpt-oss's :func:`~kvdoc.core.gptoss.sink_attention`)."""
+        return sink_attention(q, keys, keys, self.sinks, mask)
 
 
 class CompressedDecoder(BlocksDecoder):
