@@ -38,6 +38,7 @@ from torch import nn
 from .cache import KVCache, LayerSpec, check_int, check_positive, offset_causal_mask
 from .compressed import compressed_cache
 from .gptoss import sink_attention
+from .indexed import select
 from .mla import LatentBlock
 from .model import rope_angles
 from .state import BlocksDecoder
@@ -153,16 +154,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((nope, rope * cos + turned * sin), dim=-1)
 
 
-def top_k_earliest(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """``[..., N]`` bool: the ``k`` highest ``scores`` of each row, ties to the earlier column.
-
-    >>> top_k_earliest(torch.tensor([[0.0, 2.0, 0.0, 0.0]]), 2).int()
-    tensor([[1, 1, 0, 0]], dtype=torch.int32)
-    """
-    order = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, True)
-
-
 class Pooler(nn.Module):
     """Pools each finished block of ``rate`` rows into one entry ``width`` wide (V4's
     compressor; ``overlap``: CSA's, whose entry ``w`` pools half of block ``w - 1`` too)."""
@@ -234,8 +225,7 @@ class Indexer(Pooler):
         dots = F.relu(q @ keys.mT[:, None]) * self.width ** -0.5  # [B, H_I, C, N]
         weights = self.weights_proj(x) * self.heads ** -0.5  # [B, C, H_I]
         scores = (dots * weights.transpose(1, 2)[..., None]).sum(dim=1)  # [B, C, N]
-        picked = top_k_earliest(scores.masked_fill(~visible, float("-inf")), self.topk)
-        return picked & visible
+        return select(scores, visible, self.topk)  # indexed.select: ties to the earlier entry
 
 
 class Compressor(Pooler):
