@@ -1,7 +1,7 @@
 """A Qwen3.5-style hybrid decoder: Gated DeltaNet layers with gated full-attention layers.
 
 Each layer is of one of two types (``config.layer_types``, as transformers names them; by
-default every second layer is full attention, :func:`every_nth_full`):
+default every second layer is full attention, :func:`~kvdoc.core.gemma.every_nth_full`):
 
 * ``"linear_attention"``, a Gated DeltaNet: one projection gives Q, K and V for every head,
   a causal depthwise convolution of ``K_conv`` taps (then SiLU) mixes each channel with its last
@@ -48,25 +48,12 @@ from torch import nn
 
 from .cache import KVCache, LayerSpec, check_int, check_positive
 from .delta_rule import chunked_delta_rule, l2norm, recurrent_delta_rule
-from .gemma import GatedMLP, GemmaRMSNorm, HeadsAttention
+from .gemma import GatedMLP, GemmaRMSNorm, HeadsAttention, every_nth_full
 from .model import apply_rope
 from .state import HybridDecoder, StateSpec, read_state, update_state
 
 LINEAR, FULL = "linear_attention", "full_attention"
 """The two layer types, as Qwen3.5's ``config.json`` names them."""
-
-
-def every_nth_full(n_layer: int, interval: int) -> tuple[str, ...]:
-    """Layer types where every ``interval``-th layer is full attention (the last of each group),
-    the others Gated DeltaNet, as transformers reads Qwen3.5's ``full_attention_interval``
-    (its default: 4).
-
-    >>> every_nth_full(4, 2)
-    ('linear_attention', 'full_attention', 'linear_attention', 'full_attention')
-    """
-    check_int("n_layer", n_layer)
-    check_int("interval", interval)
-    return tuple(LINEAR if (i + 1) % interval else FULL for i in range(n_layer))
 
 
 @dataclass(frozen=True)
@@ -89,7 +76,7 @@ class DeltaNetConfig:
     n_embd: int = 64
     n_inner: int = 128
     n_layer: int = 2
-    layer_types: tuple[str, ...] | None = None  # None: every_nth_full(n_layer, 2)
+    layer_types: tuple[str, ...] | None = None  # None: every_nth_full(n_layer, 2, LINEAR)
     n_head: int = 4
     n_kv_head: int = 2
     head_dim: int = 16
@@ -115,7 +102,7 @@ class DeltaNetConfig:
             check_positive(name, getattr(self, name))
         types = self.layer_types
         if types is None:
-            types = every_nth_full(self.n_layer, 2)
+            types = every_nth_full(self.n_layer, 2, LINEAR)
             object.__setattr__(self, "layer_types", types)
         if (not isinstance(types, tuple) or len(types) != self.n_layer
                 or any(t not in (LINEAR, FULL) for t in types)):

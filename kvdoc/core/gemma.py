@@ -59,16 +59,18 @@ SLIDING, GLOBAL = "sliding_attention", "full_attention"
 """The two layer types, as Gemma 3's ``config.json`` names them."""
 
 
-def gemma_layer_types(n_layer: int, pattern: int = 6) -> tuple[str, ...]:
-    """Layer types of ``n_layer`` layers where every ``pattern``-th is global (the last of each
-    group; Gemma 3: 6, Gemma 2: 2), as transformers reads ``sliding_window_pattern``.
+def every_nth_full(n_layer: int, interval: int, other: str = SLIDING) -> tuple[str, ...]:
+    """Layer types where every ``interval``-th layer is ``"full_attention"`` (the last of each
+    group) and the others ``other``, as transformers reads Gemma's ``sliding_window_pattern``
+    (Gemma 3: 6, Gemma 2: 2) and Qwen3.5's ``full_attention_interval`` (its default: 4; ``other``
+    ``"linear_attention"``).
 
-    >>> gemma_layer_types(4, pattern=2)
+    >>> every_nth_full(4, 2)
     ('sliding_attention', 'full_attention', 'sliding_attention', 'full_attention')
     """
     check_int("n_layer", n_layer)
-    check_int("pattern", pattern)
-    return tuple(SLIDING if (i + 1) % pattern else GLOBAL for i in range(n_layer))
+    check_int("interval", interval)
+    return tuple(other if (i + 1) % interval else GLOBAL for i in range(n_layer))
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,7 @@ class Gemma3Config:
     def layer_types(self) -> tuple[str, ...]:
         """Each layer's type, ``"sliding_attention"`` or ``"full_attention"``."""
         if self.global_layers is None:
-            return gemma_layer_types(self.n_layer, self.sliding_window_pattern)
+            return every_nth_full(self.n_layer, self.sliding_window_pattern)
         return tuple(GLOBAL if i in self.global_layers else SLIDING for i in range(self.n_layer))
 
     @property

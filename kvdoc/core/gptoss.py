@@ -45,7 +45,7 @@ from torch import nn
 
 from . import invariant
 from .cache import KVCache, LayerSpec, check_int, check_positive
-from .gemma import GLOBAL, SLIDING, HeadsAttention, gemma_layer_types
+from .gemma import GLOBAL, SLIDING, HeadsAttention, every_nth_full
 from .model import rotate_half
 from .state import BlocksDecoder
 
@@ -119,7 +119,7 @@ class GptOssConfig:
     @property
     def types(self) -> tuple[str, ...]:
         """Each layer's type, ``"sliding_attention"`` or ``"full_attention"``."""
-        return self.layer_types or gemma_layer_types(self.n_layer, 2)
+        return self.layer_types or every_nth_full(self.n_layer, 2)
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
