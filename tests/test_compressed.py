@@ -51,13 +51,13 @@ def _ours(attn: CompressedAttention, x: torch.Tensor, chunks) -> torch.Tensor:
 def _scores(monkeypatch) -> list[torch.Tensor]:
     """Every score matrix kvdoc's indexer ranks (``-inf``: not yet finished)."""
     seen = []
-    real = v4.top_k_earliest
+    real = v4.select
 
-    def record(scores: torch.Tensor, k: int) -> torch.Tensor:
-        seen.append(scores)
-        return real(scores, k)
+    def record(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
+        seen.append(scores.masked_fill(~allowed, float("-inf")))
+        return real(scores, allowed, k)
 
-    monkeypatch.setattr(v4, "top_k_earliest", record)
+    monkeypatch.setattr(v4, "select", record)
     return seen
 
 

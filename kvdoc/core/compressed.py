@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 
 from .cache import CacheLayer, HasLayout, KVCache, check_int
+from .window import slide
 
 
 class Pending(NamedTuple):
@@ -99,11 +100,7 @@ class CompressedLayer(CacheLayer):
         if k.dim() != 4 or tuple(k.shape) != (B, 1, C, self.widths[0]) or k.dtype != self.dtype:
             raise ValueError(f"new rows must be {self.dtype} [B, 1, C, D] with (B, D) = "
                              f"{(B, self.widths[0])}, got {k.dtype} {tuple(k.shape)}")
-        past = self.k.narrow(2, max(0, self.k.shape[2] - self.window + 1),
-                             min(self.k.shape[2], self.window - 1))
-        full = torch.cat((past, k), dim=2)  # what the new queries read
-        kept = full[:, :, -self.window:]
-        self.k = kept.clone() if full.shape[2] > 2 * self.window else kept
+        full, self.k = slide(self.k, k, self.window)  # what the new queries read, what it keeps
         if self.rate is None:
             return Pending(full, None, None, 0)
         if tuple(v.shape) != (B, 1, C, self.features) or v.dtype != self.dtype:

@@ -1,7 +1,7 @@
 """A Qwen3.5-style hybrid decoder: Gated DeltaNet layers with gated full-attention layers.
 
 Each layer is of one of two types (``config.layer_types``, as transformers names them; by
-default every second layer is full attention, :func:`every_nth_full`):
+default every second layer is full attention, :func:`~kvdoc.core.gemma.every_nth_full`):
 
 * ``"linear_attention"``, a Gated DeltaNet: one projection gives Q, K and V for every head,
   a causal depthwise convolution of ``K_conv`` taps (then SiLU) mixes each channel with its last
@@ -46,27 +46,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache, LayerSpec, check_int, check_positive, offset_causal_mask
+from .cache import KVCache, LayerSpec, check_int, check_positive
 from .delta_rule import chunked_delta_rule, l2norm, recurrent_delta_rule
-from .gemma import GemmaRMSNorm
+from .gemma import GatedMLP, GemmaRMSNorm, HeadsAttention, every_nth_full
 from .model import apply_rope
 from .state import HybridDecoder, StateSpec, read_state, update_state
 
 LINEAR, FULL = "linear_attention", "full_attention"
 """The two layer types, as Qwen3.5's ``config.json`` names them."""
-
-
-def every_nth_full(n_layer: int, interval: int) -> tuple[str, ...]:
-    """Layer types where every ``interval``-th layer is full attention (the last of each group),
-    the others Gated DeltaNet, as transformers reads Qwen3.5's ``full_attention_interval``
-    (its default: 4).
-
-    >>> every_nth_full(4, 2)
-    ('linear_attention', 'full_attention', 'linear_attention', 'full_attention')
-    """
-    check_int("n_layer", n_layer)
-    check_int("interval", interval)
-    return tuple(LINEAR if (i + 1) % interval else FULL for i in range(n_layer))
 
 
 @dataclass(frozen=True)
@@ -89,7 +76,7 @@ class DeltaNetConfig:
     n_embd: int = 64
     n_inner: int = 128
     n_layer: int = 2
-    layer_types: tuple[str, ...] | None = None  # None: every_nth_full(n_layer, 2)
+    layer_types: tuple[str, ...] | None = None  # None: every_nth_full(n_layer, 2, LINEAR)
     n_head: int = 4
     n_kv_head: int = 2
     head_dim: int = 16
@@ -115,7 +102,7 @@ class DeltaNetConfig:
             check_positive(name, getattr(self, name))
         types = self.layer_types
         if types is None:
-            types = every_nth_full(self.n_layer, 2)
+            types = every_nth_full(self.n_layer, 2, LINEAR)
             object.__setattr__(self, "layer_types", types)
         if (not isinstance(types, tuple) or len(types) != self.n_layer
                 or any(t not in (LINEAR, FULL) for t in types)):
@@ -234,18 +221,12 @@ class GatedRMSNorm(nn.Module):
         return self.weight * normed * F.silu(gate)
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(HeadsAttention):
     """Qwen3.5's full attention: q/k norms, partial RoPE, and an output gate per feature."""
 
     def __init__(self, config: DeltaNetConfig) -> None:
-        super().__init__()
-        c = config
-        self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
+        super().__init__(c := config, q_per_head=2)  # each head's query and gate
         self.rotary_dim, self.rope_theta = c.rotary_dim, c.rope_theta
-        self.q_proj = nn.Linear(c.n_embd, 2 * c.n_head * c.head_dim, bias=False)  # query, gate
-        self.k_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=False)
         self.q_norm = GemmaRMSNorm(c.head_dim, c.layer_norm_epsilon)
         self.k_norm = GemmaRMSNorm(c.head_dim, c.layer_norm_epsilon)
 
@@ -260,27 +241,12 @@ class GatedAttention(nn.Module):
         q, gate = self.q_proj(x).view(B, C, self.n_head, 2 * D).split(D, dim=-1)
         at = start if positions is None else positions
         q = self.rope(self.q_norm(q.transpose(1, 2)), at)  # [B, H, C, D_h]
-        k = self.rope(self.k_norm(self.k_proj(x).view(B, C, -1, D).transpose(1, 2)), at)
-        v = self.v_proj(x).view(B, C, -1, D).transpose(1, 2)
+        k = self.rope(self.k_norm(self.heads(self.k_proj, x)), at)
+        v = self.heads(self.v_proj, x)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v, start)
-        mask = None if C == 1 else offset_causal_mask(start, C, x.device)[:, -k.shape[2]:]
-        gqa = {"enable_gqa": True} if self.n_kv_head != self.n_head else {}
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa).transpose(1, 2)
+        y = self.attend(q, k, v, start).transpose(1, 2)
         return self.o_proj((y * gate.sigmoid()).reshape(B, C, -1))
-
-
-class SwiGLU(nn.Module):
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
-
-    def __init__(self, config: DeltaNetConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
-        self.up_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
-        self.down_proj = nn.Linear(config.n_inner, config.n_embd, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DeltaNetBlock(nn.Module):
@@ -295,7 +261,7 @@ class DeltaNetBlock(nn.Module):
             self.linear_attn = GatedDeltaNet(config)
         else:
             self.self_attn = GatedAttention(config)
-        self.mlp = SwiGLU(config)
+        self.mlp = GatedMLP(config)
         self.input_layernorm = GemmaRMSNorm(config.n_embd, config.layer_norm_epsilon)
         self.post_attention_layernorm = GemmaRMSNorm(config.n_embd, config.layer_norm_epsilon)
 
@@ -325,6 +291,4 @@ class DeltaNetDecoder(HybridDecoder):
     cache_owner = "a DeltaNet model's"
 
     def __init__(self, config: DeltaNetConfig | None = None) -> None:
-        config = config or DeltaNetConfig()
-        super().__init__(config, DeltaNetBlock,
-                         lambda: GemmaRMSNorm(config.n_embd, config.layer_norm_epsilon))
+        super().__init__(config or DeltaNetConfig(), DeltaNetBlock, GemmaRMSNorm)

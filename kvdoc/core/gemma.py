@@ -41,31 +41,36 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import invariant
-from .cache import KVCache, LayerSpec, check_int, check_positive, last_keys, offset_causal_mask
-from .model import Decoder, apply_rope
+from .cache import KVCache, LayerSpec, check_int, check_positive
+from .model import CausalSelfAttention, apply_rope
+from .state import BlocksDecoder
 
 SLIDING, GLOBAL = "sliding_attention", "full_attention"
 """The two layer types, as Gemma 3's ``config.json`` names them."""
 
 
-def gemma_layer_types(n_layer: int, pattern: int = 6) -> tuple[str, ...]:
-    """Layer types of ``n_layer`` layers where every ``pattern``-th is global (the last of each
-    group; Gemma 3: 6, Gemma 2: 2), as transformers reads ``sliding_window_pattern``.
+def every_nth_full(n_layer: int, interval: int, other: str = SLIDING) -> tuple[str, ...]:
+    """Layer types where every ``interval``-th layer is ``"full_attention"`` (the last of each
+    group) and the others ``other``, as transformers reads Gemma's ``sliding_window_pattern``
+    (Gemma 3: 6, Gemma 2: 2) and Qwen3.5's ``full_attention_interval`` (its default: 4; ``other``
+    ``"linear_attention"``).
 
-    >>> gemma_layer_types(4, pattern=2)
+    >>> every_nth_full(4, 2)
     ('sliding_attention', 'full_attention', 'sliding_attention', 'full_attention')
     """
     check_int("n_layer", n_layer)
-    check_int("pattern", pattern)
-    return tuple(SLIDING if (i + 1) % pattern else GLOBAL for i in range(n_layer))
+    check_int("interval", interval)
+    return tuple(other if (i + 1) % interval else GLOBAL for i in range(n_layer))
 
 
 @dataclass(frozen=True)
@@ -150,7 +155,7 @@ class Gemma3Config:
     def layer_types(self) -> tuple[str, ...]:
         """Each layer's type, ``"sliding_attention"`` or ``"full_attention"``."""
         if self.global_layers is None:
-            return gemma_layer_types(self.n_layer, self.sliding_window_pattern)
+            return every_nth_full(self.n_layer, self.sliding_window_pattern)
         return tuple(GLOBAL if i in self.global_layers else SLIDING for i in range(self.n_layer))
 
     @property
@@ -218,7 +223,48 @@ class SoftCappedHead(nn.Linear):
         return torch.tanh(logits / self.cap) * self.cap
 
 
-class GemmaAttention(nn.Module):
+class HeadsAttention(nn.Module):
+    """Attention through transformers' ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` (each with
+    ``bias`` or none) of ``n_head`` query and ``n_kv_head`` K/V heads of ``head_dim``: :meth:`qkv`
+    gives the turned heads, the cache takes K and V, :meth:`attend` reads them with
+    :class:`~kvdoc.core.model.CausalSelfAttention`'s masks (SDPA at ``scale``)."""
+
+    window: int | None = None
+    scale: float | None = None  # None: 1 / sqrt(head_dim)
+    visible = CausalSelfAttention.visible
+
+    def __init__(self, c: Any, bias: bool = False, q_per_head: int = 1) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
+        self.q_proj = nn.Linear(c.n_embd, q_per_head * c.n_head * c.head_dim, bias=bias)
+        self.k_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=bias)
+        self.v_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=bias)
+        self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=bias)
+
+    def heads(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """``proj(x)`` as heads: ``[B, C, n D_h] -> [B, n, C, D_h]``."""
+        return proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        # positions start .. start + C - 1, or per row
+        q, k, v = self.qkv(x, start if positions is None else positions)
+        if cache is not None:
+            k, v = cache.update(layer_idx, k, v, start)  # a window layer returns its last rows
+        y = self.attend(q, k, v, start, attn_mask)
+        return self.o_proj(y.transpose(1, 2).flatten(2))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        mask = self.visible(start, q.shape[2], k.shape[2], attn_mask, q.device)
+        if mask is not None and mask.dim() == 3:
+            mask = mask[:, None]  # [B, 1, C, T]: the same for every head
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **gqa)
+
+
+class GemmaAttention(HeadsAttention):
     """Gemma 3's attention of layer ``layer_idx``: its window (or none) and its RoPE base.
 
     >>> attn = GemmaAttention(Gemma3Config(), layer_idx=0)
@@ -227,56 +273,33 @@ class GemmaAttention(nn.Module):
     """
 
     def __init__(self, config: Gemma3Config, layer_idx: int) -> None:
-        super().__init__()
-        c = config
+        super().__init__(c := config)
         sliding = c.layer_types[layer_idx] == SLIDING
-        self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
         self.window = c.sliding_window if sliding else None
         self.rope_theta = c.rope_local_base_freq if sliding else c.rope_theta
         self.scale = c.query_pre_attn_scalar ** -0.5
-        self.q_proj = nn.Linear(c.n_embd, c.n_head * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=False)
         self.q_norm = GemmaRMSNorm(c.head_dim, eps=c.layer_norm_epsilon)
         self.k_norm = GemmaRMSNorm(c.head_dim, eps=c.layer_norm_epsilon)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None, *,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        B, C, _ = x.shape
-
-        def heads(proj: nn.Linear, n: int) -> torch.Tensor:  # [B, C, n D_h] -> [B, n, C, D_h]
-            return proj(x).view(B, C, n, self.head_dim).transpose(1, 2)
-
-        at = start if positions is None else positions  # start .. start + C - 1, or per row
-        q = apply_rope(self.q_norm(heads(self.q_proj, self.n_head)), at, self.rope_theta)
-        k = apply_rope(self.k_norm(heads(self.k_proj, self.n_kv_head)), at, self.rope_theta)
-        v = heads(self.v_proj, self.n_kv_head)
-        if cache is not None:
-            k, v = cache.update(layer_idx, k, v, start)  # a ring returns the keys in order
-        T = k.shape[2]
-        if attn_mask is not None:  # a padded batch or a ragged step: its rows, in the window
-            mask = last_keys(attn_mask[:, None, :, -T:], self.window)
-        else:
-            mask = (None if C == 1 and self.window is None else
-                    offset_causal_mask(start, C, x.device, window=self.window)[:, -T:])
-        gqa = {"enable_gqa": True} if self.n_kv_head != self.n_head else {}
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **gqa)
-        return self.o_proj(y.transpose(1, 2).reshape(B, C, self.n_head * self.head_dim))
+    def qkv(self, x: torch.Tensor, at: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q = apply_rope(self.q_norm(self.heads(self.q_proj, x)), at, self.rope_theta)
+        k = apply_rope(self.k_norm(self.heads(self.k_proj, x)), at, self.rope_theta)
+        return q, k, self.heads(self.v_proj, x)
 
 
-class GemmaMLP(nn.Module):
-    """GeGLU: ``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))``."""
+class GatedMLP(nn.Module):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``: SwiGLU (``act`` SiLU: Qwen3.5's, Bamba's) or
+    GeGLU (GELU's tanh form: Gemma's)."""
 
-    def __init__(self, config: Gemma3Config) -> None:
+    def __init__(self, config: Any, act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> None:
         super().__init__()
+        self.act = act
         self.gate_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
         self.up_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
         self.down_proj = nn.Linear(config.n_inner, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class GemmaBlock(nn.Module):
@@ -290,7 +313,7 @@ class GemmaBlock(nn.Module):
         self.self_attn = GemmaAttention(config, layer_idx)
         self.post_attention_layernorm = GemmaRMSNorm(d, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(d, eps)
-        self.mlp = GemmaMLP(config)
+        self.mlp = GatedMLP(config, partial(F.gelu, approximate="tanh"))
         self.post_feedforward_layernorm = GemmaRMSNorm(d, eps)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
@@ -301,7 +324,7 @@ class GemmaBlock(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3Decoder(Decoder):
+class Gemma3Decoder(BlocksDecoder):
     """A decoder of :class:`GemmaBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward (embed,
     blocks, final norm, LM head), input checks and caches (a hybrid one by default).
 
@@ -310,13 +333,6 @@ class Gemma3Decoder(Decoder):
     """
 
     def __init__(self, config: Gemma3Config | None = None) -> None:
-        nn.Module.__init__(self)  # not Decoder.__init__: it would build GPT-2 blocks
-        self.config = config = config or Gemma3Config()
-        self.wte = ScaledEmbedding(config.vocab_size, config.n_embd)
-        self.wpe = None  # positions come from RoPE inside the attention
-        self.h = nn.ModuleList(GemmaBlock(config, i) for i in range(config.n_layer))
-        self.ln_f = GemmaRMSNorm(config.n_embd, config.layer_norm_epsilon)
-        self.lm_head = SoftCappedHead(config.n_embd, config.vocab_size,
-                                      config.final_logit_softcapping)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.wte.weight
+        c = config or Gemma3Config()
+        super().__init__(c, GemmaBlock, GemmaRMSNorm, ScaledEmbedding, lambda: SoftCappedHead(
+            c.n_embd, c.vocab_size, c.final_logit_softcapping))

@@ -44,9 +44,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import invariant
-from .cache import KVCache, LayerSpec, check_int, check_positive, last_keys, offset_causal_mask
-from .gemma import GLOBAL, SLIDING, gemma_layer_types
-from .model import Decoder, rotate_half
+from .cache import KVCache, LayerSpec, check_int, check_positive
+from .gemma import GLOBAL, SLIDING, HeadsAttention, every_nth_full
+from .model import rotate_half
+from .state import BlocksDecoder
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class GptOssConfig:
     @property
     def types(self) -> tuple[str, ...]:
         """Each layer's type, ``"sliding_attention"`` or ``"full_attention"``."""
-        return self.layer_types or gemma_layer_types(self.n_layer, 2)
+        return self.layer_types or every_nth_full(self.n_layer, 2)
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -188,7 +189,7 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     return weights @ v
 
 
-class GptOssAttention(nn.Module):
+class GptOssAttention(HeadsAttention):
     """gpt-oss's attention of layer ``layer_idx``: its window (or none), a sink per query head.
 
     >>> attn = GptOssAttention(GptOssConfig(), layer_idx=0)
@@ -197,14 +198,8 @@ class GptOssAttention(nn.Module):
     """
 
     def __init__(self, config: GptOssConfig, layer_idx: int) -> None:
-        super().__init__()
-        c = config
-        self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
+        super().__init__(c := config, bias=True)
         self.window = c.layer_windows[layer_idx]
-        self.q_proj = nn.Linear(c.n_embd, c.n_head * c.head_dim)
-        self.k_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim)
-        self.v_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim)
-        self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd)
         self.sinks = nn.Parameter(torch.randn(c.n_head))  # N(0, 1): a fresh model's sinks count
         # float64 whatever the model's dtype: not a buffer, which ``.to(dtype)`` would round
         self.inv_freq, self.rope_scale = yarn_frequencies(c)
@@ -221,32 +216,9 @@ class GptOssAttention(nn.Module):
         cos, sin = (f(angles) * self.rope_scale for f in (torch.cos, torch.sin))
         return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None, *,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        B, C, _ = x.shape
-
-        def heads(proj: nn.Linear, n: int) -> torch.Tensor:  # [B, C, n D_h] -> [B, n, C, D_h]
-            return proj(x).view(B, C, n, self.head_dim).transpose(1, 2)
-
-        at = start if positions is None else positions
-        q = self.rotate(heads(self.q_proj, self.n_head), at)
-        k = self.rotate(heads(self.k_proj, self.n_kv_head), at)
-        v = heads(self.v_proj, self.n_kv_head)
-        if cache is not None:
-            k, v = cache.update(layer_idx, k, v, start)  # a window layer returns its last rows
-        y = self.attend(q, k, v, start, attn_mask)
-        return self.o_proj(y.transpose(1, 2).reshape(B, C, self.n_head * self.head_dim))
-
-    def visible(self, start: int, C: int, T: int, attn_mask: torch.Tensor | None,
-                device: torch.device) -> torch.Tensor | None:
-        """Which of the ``T`` keys (ending at the last query) each query reads, as
-        :meth:`kvdoc.core.model.CausalSelfAttention.visible`."""
-        if attn_mask is not None:
-            return last_keys(attn_mask[..., -T:], self.window)
-        if C == 1 and self.window is None:
-            return None
-        return offset_causal_mask(start, C, device, window=self.window)[:, -T:]
+    def qkv(self, x: torch.Tensor, at: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k = (self.rotate(self.heads(p, x), at) for p in (self.q_proj, self.k_proj))
+        return q, k, self.heads(self.v_proj, x)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -340,7 +312,7 @@ class GptOssBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class GptOssDecoder(Decoder):
+class GptOssDecoder(BlocksDecoder):
     """A decoder of :class:`GptOssBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward, input
     checks and caches (a hybrid one by default).
 
@@ -349,12 +321,4 @@ class GptOssDecoder(Decoder):
     """
 
     def __init__(self, config: GptOssConfig | None = None) -> None:
-        nn.Module.__init__(self)  # not Decoder.__init__: it would build GPT-2 blocks
-        self.config = config = config or GptOssConfig()
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = None  # RoPE inside the attention
-        self.h = nn.ModuleList(GptOssBlock(config, i) for i in range(config.n_layer))
-        self.ln_f = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.wte.weight
+        super().__init__(config or GptOssConfig(), GptOssBlock)

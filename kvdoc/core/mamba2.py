@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache, LayerSpec, check_int, check_positive
-from .deltanet import SwiGLU
-from .model import CausalSelfAttention, apply_rope
+from .deltanet import GatedAttention
+from .gemma import GatedMLP, HeadsAttention
 from .state import HybridDecoder, StateSpec, read_state, update_state
 
 MAMBA, ATTENTION = "linear_attention", "full_attention"
@@ -298,41 +298,19 @@ class Mamba2Mixer(nn.Module):
         return y
 
 
-class HybridAttention(nn.Module):
-    """Bamba's attention: Q, K, V and O projections, RoPE on the first ``rotary_dim`` features of
-    each head; masks and SDPA are :class:`~kvdoc.core.model.CausalSelfAttention`'s."""
+class HybridAttention(HeadsAttention):
+    """Bamba's attention: RoPE on the first ``rotary_dim`` features of each head (as Qwen3.5's),
+    no q/k norms, no gate."""
 
-    window = None  # every earlier key
-    attend, visible = CausalSelfAttention.attend, CausalSelfAttention.visible
+    rope = GatedAttention.rope
 
     def __init__(self, config: Mamba2Config) -> None:
-        super().__init__()
-        c = config
-        self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
+        super().__init__(c := config)
         self.rotary_dim, self.rope_theta = c.rotary_dim, c.rope_theta
-        self.q_proj = nn.Linear(c.n_embd, c.n_head * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=False)
 
-    def rope(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        r = self.rotary_dim
-        return torch.cat((apply_rope(x[..., :r], start, self.rope_theta), x[..., r:]), dim=-1)
-
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int,
-                start: int) -> torch.Tensor:
-        B, C, _ = x.shape
-
-        def heads(proj: nn.Linear, n: int) -> torch.Tensor:  # [B, C, n D_h] -> [B, n, C, D_h]
-            return proj(x).view(B, C, n, self.head_dim).transpose(1, 2)
-
-        q = self.rope(heads(self.q_proj, self.n_head), start)
-        k = self.rope(heads(self.k_proj, self.n_kv_head), start)
-        v = heads(self.v_proj, self.n_kv_head)
-        if cache is not None:
-            k, v = cache.update(layer_idx, k, v, start)
-        y = self.attend(q, k, v, start)
-        return self.o_proj(y.transpose(1, 2).reshape(B, C, -1))
+    def qkv(self, x: torch.Tensor, at: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k = (self.rope(self.heads(p, x), at) for p in (self.q_proj, self.k_proj))
+        return q, k, self.heads(self.v_proj, x)
 
 
 class HybridBlock(nn.Module):
@@ -349,7 +327,7 @@ class HybridBlock(nn.Module):
         else:
             self.self_attn = HybridAttention(config)
         self.pre_ff_layernorm = nn.RMSNorm(config.n_embd, eps=eps)
-        self.mlp = SwiGLU(config)  # Bamba's ``feed_forward``: Qwen3.5's MLP
+        self.mlp = GatedMLP(config)  # Bamba's ``feed_forward``: Qwen3.5's MLP
 
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
                 attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:
@@ -372,6 +350,4 @@ class MambaDecoder(HybridDecoder):
     cache_owner = "a Mamba-2 hybrid's"
 
     def __init__(self, config: Mamba2Config | None = None) -> None:
-        config = config or Mamba2Config()
-        super().__init__(config, HybridBlock,
-                         lambda: nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon))
+        super().__init__(config or Mamba2Config(), HybridBlock)

@@ -52,7 +52,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache, LayerSpec, check_int, check_positive, offset_causal_mask
-from .model import MLP, Decoder, GPTConfig, apply_rope
+from .model import MLP, GPTConfig, apply_rope
+from .state import BlocksDecoder
 
 LATENT_NORM_EPS = 1e-6
 """Epsilon of the RMSNorms on the latents (transformers' DeepseekV3RMSNorm default there)."""
@@ -274,7 +275,7 @@ class LatentBlock(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class MLADecoder(Decoder):
+class MLADecoder(BlocksDecoder):
     """A decoder of :class:`LatentBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward (embed,
     blocks, final RMSNorm, LM head), input checks and caches, over latent blocks.
 
@@ -285,12 +286,4 @@ class MLADecoder(Decoder):
     attention: type[LatentAttention] = LatentAttention  # what each block attends with
 
     def __init__(self, config: MLAConfig | None = None) -> None:
-        nn.Module.__init__(self)  # not Decoder.__init__: it would build GPT-2 blocks
-        self.config = config = config or MLAConfig()
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = None  # positions come from RoPE inside the attention
-        self.h = nn.ModuleList(LatentBlock(config, self.attention) for _ in range(config.n_layer))
-        self.ln_f = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.wte.weight
+        super().__init__(config or MLAConfig(), lambda c, _: LatentBlock(c, self.attention))

@@ -216,29 +216,37 @@ def hybrid_cache(layout: tuple, batch_size: int, dtype: torch.dtype = torch.floa
                     for s in layout])
 
 
-class HybridDecoder(Decoder):
-    """A decoder of state layers beside attention layers (DeltaNet's, Mamba-2's):
-    :class:`~kvdoc.core.model.Decoder`'s forward and input checks, RoPE inside the attention
-    layers (no ``wpe``), and a cache (:meth:`new_cache`) of a state per state layer and growing
-    K/V per attention layer. A state folds every row of a call in order, so padded batches
-    (``attn_mask``) and per-row ``positions`` are refused with :attr:`rows_refused`."""
+class BlocksDecoder(Decoder):
+    """A :class:`~kvdoc.core.model.Decoder` (its forward, input checks and caches) of
+    ``block(config, i)`` per layer ``i``, not GPT-2's: ``wte`` an ``embedding``, no ``wpe`` (RoPE
+    inside the attention), ``ln_f`` a ``norm(n_embd, eps=layer_norm_epsilon)``, ``lm_head`` from
+    ``head`` (a bias-free linear when None), tied to ``wte`` by ``tie_word_embeddings``."""
+
+    def __init__(self, config: Any, block: Callable[[Any, int], nn.Module],
+                 norm: Callable[..., nn.Module] = nn.RMSNorm,
+                 embedding: type[nn.Embedding] = nn.Embedding,
+                 head: Callable[[], nn.Module] | None = None) -> None:
+        nn.Module.__init__(self)  # not Decoder.__init__: it would build GPT-2 blocks
+        self.config = config
+        self.wte = embedding(config.vocab_size, config.n_embd)
+        self.wpe = None
+        self.h = nn.ModuleList(block(config, i) for i in range(config.n_layer))
+        self.ln_f = norm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.lm_head = head() if head else nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+
+class HybridDecoder(BlocksDecoder):
+    """A decoder of state layers beside attention layers (DeltaNet's, Mamba-2's) whose cache
+    (:meth:`new_cache`) holds a state per state layer and growing K/V per attention layer. A
+    state folds every row of a call in order, so padded batches (``attn_mask``) and per-row
+    ``positions`` are refused with :attr:`rows_refused`."""
 
     rows_refused: str
     """The ValueError's message for an ``attn_mask`` or ``positions``."""
     cache_owner: str
     """Whose cache :meth:`new_cache` names in its refusal of another kind."""
-
-    def __init__(self, config: Any, block: Callable[[Any, int], nn.Module],
-                 final_norm: Callable[[], nn.Module]) -> None:
-        nn.Module.__init__(self)  # not Decoder.__init__: it would build GPT-2 blocks
-        self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = None  # positions come from RoPE inside the attention layers
-        self.h = nn.ModuleList(block(config, i) for i in range(config.n_layer))
-        self.ln_f = final_norm()
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.wte.weight
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
                 last_only: bool = False, positions: torch.Tensor | None = None,

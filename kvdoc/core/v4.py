@@ -37,8 +37,11 @@ from torch import nn
 
 from .cache import KVCache, LayerSpec, check_int, check_positive, offset_causal_mask
 from .compressed import compressed_cache
+from .gptoss import sink_attention
+from .indexed import select
 from .mla import LatentBlock
-from .model import Decoder, rope_angles
+from .model import rope_angles
+from .state import BlocksDecoder
 
 LAYER_TYPES = ("sliding", "csa", "hca")
 
@@ -151,16 +154,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((nope, rope * cos + turned * sin), dim=-1)
 
 
-def top_k_earliest(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """``[..., N]`` bool: the ``k`` highest ``scores`` of each row, ties to the earlier column.
-
-    >>> top_k_earliest(torch.tensor([[0.0, 2.0, 0.0, 0.0]]), 2).int()
-    tensor([[1, 1, 0, 0]], dtype=torch.int32)
-    """
-    order = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, True)
-
-
 class Pooler(nn.Module):
     """Pools each finished block of ``rate`` rows into one entry ``width`` wide (V4's
     compressor; ``overlap``: CSA's, whose entry ``w`` pools half of block ``w - 1`` too)."""
@@ -232,8 +225,7 @@ class Indexer(Pooler):
         dots = F.relu(q @ keys.mT[:, None]) * self.width ** -0.5  # [B, H_I, C, N]
         weights = self.weights_proj(x) * self.heads ** -0.5  # [B, C, H_I]
         scores = (dots * weights.transpose(1, 2)[..., None]).sum(dim=1)  # [B, C, N]
-        picked = top_k_earliest(scores.masked_fill(~visible, float("-inf")), self.topk)
-        return picked & visible
+        return select(scores, visible, self.topk)  # indexed.select: ties to the earlier entry
 
 
 class Compressor(Pooler):
@@ -337,16 +329,12 @@ class CompressedAttention(nn.Module):
         return keys, torch.cat((mask, visible), dim=-1)
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Softmax over the readable keys and one sink logit per head (which reads no value)."""
-        B, H, C, _ = q.shape
-        logits = (q @ keys.mT) * self.config.head_dim ** -0.5  # [B, H, C, R]
-        logits = logits.masked_fill(~mask[:, None], float("-inf"))
-        sink = self.sinks.view(1, H, 1, 1).expand(B, H, C, 1).to(logits.dtype)
-        probs = torch.cat((logits, sink), dim=-1).softmax(dim=-1)
-        return probs[..., :-1] @ keys
+        """Softmax over the readable keys (each both key and value) and one sink logit per
+        head, which reads no value (gpt-oss's :func:`~kvdoc.core.gptoss.sink_attention`)."""
+        return sink_attention(q, keys, keys, self.sinks, mask)
 
 
-class CompressedDecoder(Decoder):
+class CompressedDecoder(BlocksDecoder):
     """A :class:`~kvdoc.core.model.Decoder` (forward, checks, ``prefill``/``decode_step``/
     ``generate``) of :class:`~kvdoc.core.mla.LatentBlock` s around a
     :class:`CompressedAttention` each, cached in a compressed cache.
@@ -358,16 +346,8 @@ class CompressedDecoder(Decoder):
     """
 
     def __init__(self, config: CompressedConfig | None = None) -> None:
-        nn.Module.__init__(self)  # not Decoder.__init__: it would build GPT-2 blocks
-        self.config = config = config or CompressedConfig()
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = None
-        self.h = nn.ModuleList(LatentBlock(config, partial(CompressedAttention, kind=kind))
-                               for kind in config.layer_types)
-        self.ln_f = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.wte.weight
+        super().__init__(config or CompressedConfig(), lambda c, i: LatentBlock(
+            c, partial(CompressedAttention, kind=c.layer_types[i])))
 
     def new_cache(self, batch_size: int, kind: str | None = None,
                   capacity: int | None = None) -> KVCache:

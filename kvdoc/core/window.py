@@ -26,6 +26,16 @@ import torch
 from .cache import KV, CacheLayer, DynamicLayer, HasLayout, KVCache, check_int
 
 
+def slide(old: torch.Tensor, new: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows the ``new`` queries read (``old``'s last ``window - 1``, then ``new``) and the
+    last ``window`` of them, to keep (dimension 2: the positions)."""
+    past = old.narrow(2, max(0, old.shape[2] - window + 1), min(old.shape[2], window - 1))
+    full = torch.cat((past, new), dim=2)  # the one copy of the call
+    kept = full[:, :, -window:]
+    # a view keeps the whole concatenation alive: past 2W rows (a long chunk), copy it out
+    return full, kept.clone() if full.shape[2] > 2 * window else kept
+
+
 class WindowLayer(CacheLayer):
     """The last ``window`` positions, in order, ``[B, H, min(T, W), width]``.
 
@@ -60,18 +70,10 @@ class WindowLayer(CacheLayer):
     def read(self, seq_len: int) -> KV:
         return self.k, self.v
 
-    def _slide(self, old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        past = old.narrow(2, max(0, old.shape[2] - self.window + 1),
-                          min(old.shape[2], self.window - 1))
-        full = torch.cat((past, new), dim=2)  # the one copy of the call
-        kept = full[:, :, -self.window:]
-        # a view keeps the whole concatenation alive: past 2W rows (a long chunk), copy it out
-        return full, kept.clone() if full.shape[2] > 2 * self.window else kept
-
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
-        full_k, self.k = self._slide(self.k, k)
-        full_v, self.v = self._slide(self.v, v)
+        full_k, self.k = slide(self.k, k, self.window)
+        full_v, self.v = slide(self.v, v, self.window)
         return full_k, full_v
 
     def crop(self, length: int, seq_len: int) -> WindowLayer:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, gemma_layer_types
+from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, every_nth_full
 from kvdoc.interop.hf_config import (
     as_ours,
     as_theirs,
@@ -111,7 +111,7 @@ def _layout_from(layer_types: list[str]) -> dict[str, Any]:
             raise ValueError(f"layer_types holds {kind!r}; kvdoc knows {SLIDING} and {GLOBAL}")
     n = len(layer_types)
     pattern = layer_types.index(GLOBAL) + 1 if GLOBAL in layer_types else n + 1
-    if list(gemma_layer_types(n, pattern)) == layer_types:
+    if list(every_nth_full(n, pattern)) == layer_types:
         return {"sliding_window_pattern": pattern}
     return {"global_layers": tuple(i for i, kind in enumerate(layer_types) if kind == GLOBAL)}
 

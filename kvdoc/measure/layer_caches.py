@@ -161,7 +161,8 @@ def compressed_layer(head_dim: int, window: int, rate: int = 0,
                           overlap=2 * rate * (head_dim + index_head_dim))
 
 def every_nth_full(layers: int, pattern: int, other: str = "sliding_attention") -> list[str]:
-    """Layer types where every ``pattern``-th layer is full and the rest ``other``.
+    """Layer types where every ``pattern``-th layer is full and the rest ``other``, as
+    :func:`kvdoc.core.gemma.every_nth_full` gives them (that module imports torch).
 
     >>> every_nth_full(4, 2)
     ['sliding_attention', 'full_attention', 'sliding_attention', 'full_attention']

@@ -53,12 +53,14 @@ class Comm:
             self.counts["all_reduce"] += 1
         return x
 
-    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """``x`` of every rank of this rank's context-parallel group, in CP-rank order."""
-        if self.cp == 1:
+    def all_gather(self, x: torch.Tensor, tp: bool = False) -> list[torch.Tensor]:
+        """``x`` of every rank of this rank's context-parallel group (tensor-parallel with
+        ``tp``), in rank order."""
+        n, group = (self.tp, self.tp_group) if tp else (self.cp, self.cp_group)
+        if n == 1:
             return [x]
-        parts = [torch.empty_like(x) for _ in range(self.cp)]
-        dist.all_gather(parts, x.contiguous(), group=self.cp_group)
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x.contiguous(), group=group)
         self.counts["all_gather"] += 1
         return parts
 

@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from kvdoc.core.cache import KVCache, check_int
@@ -142,13 +141,10 @@ class _Block(nn.Module):
     def forward(self, x, cache, layer_idx, start, attn_mask=None, **positions):
         x = x + self.attn(self.ln_1(x), cache, layer_idx, start, attn_mask, **positions)
         h = self.ln_2(x)
-        if self.mode == "tp" or self.comm.tp == 1:
+        if self.mode == "tp":
             return x + self.mlp(h)
-        rows = [torch.empty_like(h) for _ in range(self.comm.tp)]
-        dist.all_gather(rows, h.contiguous(), group=self.comm.tp_group)
-        self.comm.counts["all_gather"] += 1
-        y = self.mlp(torch.cat(rows))  # every rank's requests, this rank's columns
-        return x + y.chunk(self.comm.tp)[self.comm.tp_rank]
+        y = self.mlp(torch.cat(self.comm.all_gather(h, tp=True)))  # every rank's requests
+        return x + y.chunk(self.comm.tp)[self.comm.tp_rank]  # its own rows, summed over columns
 
 
 def rank_model(model: MLADecoder, comm: Comm, mode: str,
