@@ -15,7 +15,7 @@ import textwrap
 from typing import TYPE_CHECKING
 
 from .bench_run import TARGETS, BenchSettings, run_bench
-from .tables import markdown_table
+from .tables import log_log, log_y, markdown_table
 from .timing import paired_ratio, percentile, two_figures
 
 if TYPE_CHECKING:
@@ -171,28 +171,6 @@ def growth_figure(result: BenchResult) -> Figure:
     return fig
 
 
-def log_log(ax, ticks: list[int], xlabel: str, ylabel: str, title: str) -> None:
-    """The site's log-log axes: powers of two along x labelled as plain numbers, a legend."""
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ticks, [str(t) for t in ticks])
-    _log_y(ax)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-
-
-def _log_y(ax) -> None:
-    """A log y axis labelled at 1, 2 and 5 of every decade."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
-    ax.set_yscale("log")
-    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
-
-
 def timings_figure(result: BenchResult) -> Figure:
     """Dot plot of the G-step p50 per path and prefix length, on a log axis."""
     import matplotlib.pyplot as plt
@@ -207,7 +185,7 @@ def timings_figure(result: BenchResult) -> Figure:
         ax.plot(xs, [result.p50(P, path) for P in prefixes], ls="none", marker=marker, ms=7,
                 label=PATH_LABELS[path])
     ax.set_xticks(range(len(prefixes)), [str(P) for P in prefixes])
-    _log_y(ax)
+    log_y(ax)
     ax.set_xlabel("prefix length P (tokens)")
     ax.set_ylabel(f"{result.settings.new_tokens} steps, p50 (ms)")
     ax.set_title("Consuming G fixed tokens after the prefix")

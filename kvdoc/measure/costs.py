@@ -308,7 +308,7 @@ def batch_figure(times: dict[int, list[float]]):
     """Median milliseconds per step and per token against batch size (log-log)."""
     import matplotlib.pyplot as plt
 
-    from .bench import log_log
+    from .tables import log_log
 
     batches = sorted(times)
     step = [percentile(times[b], 50) for b in batches]
