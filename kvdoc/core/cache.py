@@ -122,7 +122,7 @@ class CacheLayer:
     def tensors(self) -> list[torch.Tensor]:  # every tensor it owns (a kind may hold more)
         return [self.k, self.v]
 
-    def nbytes(self) -> int:  # bytes of tensors(): sum(numel x element size)
+    def nbytes(self) -> int:  # bytes of tensors()
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def expected_nbytes(self, seq_len: int) -> int:
@@ -210,15 +210,13 @@ class KVCache:
     """
 
     def __init__(self, layers: Sequence[CacheLayer], seq_len: int = 0) -> None:
-        if not layers:
-            raise ValueError("a cache needs at least one layer")
-        if len({(la.batch_size, la.dtype, la.device) for la in layers}) > 1:
-            raise ValueError("every layer must share one batch size, dtype and device")
-        self.layers = layers
+        shared = {(la.batch_size, la.dtype, la.device) for la in layers}
+        if len(shared) != 1:
+            raise ValueError("every layer must share one batch size, dtype and device" if shared
+                             else "a cache needs at least one layer")
+        self.layers, self.n_layer = layers, len(layers)
         self._len = check_int("seq_len", seq_len, minimum=0)
-        first = layers[0]
-        self.n_layer, self.batch_size = len(self.layers), first.batch_size
-        self.dtype, self.device = first.dtype, first.device
+        ((self.batch_size, self.dtype, self.device),) = shared
 
     @property
     def layers(self) -> list[CacheLayer]:
@@ -233,8 +231,7 @@ class KVCache:
         self.capacity = min(bounds, default=None)
 
     @property
-    def seq_len(self) -> int:
-        """``T``: positions seen, which is also the absolute position of the next token."""
+    def seq_len(self) -> int:  # T: positions seen, also the absolute position of the next token
         return self._len
 
     def _layer(self, idx: int) -> CacheLayer:
@@ -265,16 +262,15 @@ class KVCache:
         work.layers = [layer.fork() for layer in self._layers]
         return work
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
-               start: int) -> KV:
-        """Store ``k, v`` (``[B, H_kv, C, D_h]``) at ``start ..``; returns what the
-        new queries attend over."""
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
+        """Store ``k, v`` (``[B, H_kv, C, D_h]``) at ``start ..``; return what the new queries
+        attend over."""
         if start != self._len:
             raise ValueError(f"layer {layer_idx}: the cache holds {self._len} "
                              f"positions, write starts at {start}")
         return self._layer(layer_idx).write(k, v, start)
 
-    def finish(self, end: int) -> None:  # positions 0 .. end - 1 held, every layer updated
+    def finish(self, end: int) -> None:  # every layer updated: positions 0 .. end - 1 count
         self._len = end
 
     def crop(self, length: int) -> KVCache:
@@ -288,11 +284,10 @@ class KVCache:
     def tensors(self) -> list[torch.Tensor]:
         return [t for layer in self.layers for t in layer.tensors()]
 
-    def nbytes(self) -> int:  # bytes of the tensors it owns: sum(numel * element_size)
+    def nbytes(self) -> int:  # bytes of the tensors it owns
         return sum(layer.nbytes() for layer in self.layers)
 
-    def expected_nbytes(self) -> int:
-        """What :meth:`nbytes` should be, from each layer's sizes and its own formula."""
+    def expected_nbytes(self) -> int:  # nbytes() by each layer's own formula
         return sum(layer.expected_nbytes(self.seq_len) for layer in self.layers)
 
     def check_compatible(self, config: HasLayout, batch_size: int, dtype: torch.dtype,

@@ -64,8 +64,8 @@ class GPTConfig:
         for name in (*sizes, "sliding_window", "head_size"):  # None: no window; n_embd / n_head
             if name in sizes or getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
-        for name in ("layer_norm_epsilon", "rope_theta"):
-            check_positive(name, getattr(self, name))
+        check_positive("layer_norm_epsilon", self.layer_norm_epsilon)
+        check_positive("rope_theta", self.rope_theta)
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
@@ -157,9 +157,8 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.swiglu = config.mlp == "swiglu"
-        width = 2 * config.n_inner if self.swiglu else config.n_inner
-        self.c_fc = nn.Linear(config.n_embd, width, bias=config.bias)
+        self.swiglu = config.mlp == "swiglu"  # then c_fc makes gate and up in one matmul
+        self.c_fc = nn.Linear(config.n_embd, (1 + self.swiglu) * config.n_inner, bias=config.bias)
         self.c_proj = nn.Linear(config.n_inner, config.n_embd, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, d] -> [B, C, d]
@@ -189,9 +188,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int,
                 start: int, attn_mask: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        B, C, _ = x.shape
+        (B, C, _), H, H_kv = x.shape, self.n_head, self.n_kv_head
         # c_attn's columns: H query heads, then H_kv key heads, then H_kv value heads
-        H, H_kv = self.n_head, self.n_kv_head
         heads = self.c_attn(x).view(B, C, H + 2 * H_kv, self.head_dim).transpose(1, 2)
         # q: [B, H, C, D_h]; k, v: [B, H_kv, C, D_h]
         q, k, v = heads.split((H, H_kv, H_kv), dim=1)
