@@ -33,7 +33,7 @@ from kvdoc.interop.hf_deepseek_v32 import (
 from kvdoc.proofs.broken.sparse import NewRowsTopkDecoder, TopkTiesDecoder, indexed_as
 from kvdoc.proofs.compare import TOLERANCE, Snapshot, close, max_abs, run_cached
 from kvdoc.proofs.grid import MLA
-from kvdoc.teach.topk_ties import hf_logits
+from kvdoc.teach.crosscheck import lifted_logits
 
 TIES = IndexedConfig(**{**dataclasses.asdict(MLA), "n_layer": 3}, index_n_heads=1,
                      index_head_dim=10, index_topk=7)
@@ -245,8 +245,8 @@ def test_matches_transformers_as_it_is_where_no_scores_tie(dtype):
     with torch.no_grad():
         full = m(ids).logits
     tol = TOLERANCE[dtype]
-    assert close(hf_logits(hf, ids), full, tol), max_abs(hf_logits(hf, ids), full)
-    assert close(hf_logits(hf, ids, CHUNKS), full, tol)
+    assert close(lifted_logits(hf, ids), full, tol), max_abs(lifted_logits(hf, ids), full)
+    assert close(lifted_logits(hf, ids, CHUNKS), full, tol)
     assert close(run_cached(m, ids, CHUNKS).logits, full, tol)
     back = from_v32(hf)
     assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(),
@@ -263,9 +263,9 @@ def test_on_ties_matches_transformers_with_the_earlier_position_winning(dtype):
     with torch.no_grad():
         full = m(ids).logits
     with earliest_ties():
-        assert close(hf_logits(hf, ids), full, tol), max_abs(hf_logits(hf, ids), full)
-        assert close(hf_logits(hf, ids, CHUNKS), full, tol)
-        assert close(hf_logits(hf, ids, [1] * LENGTH), full, tol)
+        assert close(lifted_logits(hf, ids), full, tol), max_abs(lifted_logits(hf, ids), full)
+        assert close(lifted_logits(hf, ids, CHUNKS), full, tol)
+        assert close(lifted_logits(hf, ids, [1] * LENGTH), full, tol)
     assert close(run_cached(m, ids, CHUNKS).logits, full, tol)
 
 
@@ -290,11 +290,11 @@ def test_why_transformers_cached_and_full_paths_differ():
 
     torch.Tensor.topk = spy
     try:
-        full = hf_logits(hf, ids)
+        full = lifted_logits(hf, ids)
     finally:
         torch.Tensor.topk = original
-    decoded = hf_logits(hf, ids, [1] * LENGTH)
-    alone = torch.cat([hf_logits(hf, ids[:, :i + 1])[:, -1:] for i in range(LENGTH)], dim=1)
+    decoded = lifted_logits(hf, ids, [1] * LENGTH)
+    alone = torch.cat([lifted_logits(hf, ids[:, :i + 1])[:, -1:] for i in range(LENGTH)], dim=1)
     assert max_abs(decoded, full) > 1e-2 and max_abs(alone, full) > 1e-2
 
     future = ~torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril()
@@ -304,9 +304,9 @@ def test_why_transformers_cached_and_full_paths_differ():
     assert sum(tied_rows(r, TIES.index_topk) for r in ranked) > 0  # exact ties at the k-th
 
     with earliest_ties():
-        fixed = hf_logits(hf, ids)
-        fixed_decoded = hf_logits(hf, ids, [1] * LENGTH)
-        fixed_alone = torch.cat([hf_logits(hf, ids[:, :i + 1])[:, -1:] for i in range(LENGTH)],
+        fixed = lifted_logits(hf, ids)
+        fixed_decoded = lifted_logits(hf, ids, [1] * LENGTH)
+        fixed_alone = torch.cat([lifted_logits(hf, ids[:, :i + 1])[:, -1:] for i in range(LENGTH)],
                                 dim=1)
     tol = TOLERANCE[torch.float64]
     assert close(fixed_decoded, fixed, tol) and close(fixed_alone, fixed, tol)

@@ -1,5 +1,5 @@
 """Policies against their specification (kvdoc.teach.schedule_spec), the radix cache against an
-LRU oracle (kvdoc.teach.radix_policy) and sampling against its distribution (kvdoc.teach.sampling,
+LRU oracle (kvdoc.teach.prefix_cache) and sampling against its distribution (kvdoc.teach.scheduling,
 tests/test_speculative.py); every request of the scheduler and of the radix tree against its solo
 run (kvdoc.teach.scheduling, kvdoc.teach.prefix_cache): on every model the verification grid
 serves on a paged cache, and each broken variant (beside the check in its module) caught.
@@ -28,15 +28,16 @@ from kvdoc.serving.radix import RadixCache
 from kvdoc.serving.requests import Request
 from kvdoc.serving.scheduler import Scheduler
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
-from kvdoc.teach.prefix_cache import check_admission, check_locked_eviction, compare_workload
-from kvdoc.teach.radix_policy import (
+from kvdoc.teach.prefix_cache import (
     LastTokenFromTree,
     LRUOracle,
+    check_admission,
     check_eviction,
     check_full_match,
+    check_locked_eviction,
+    compare_workload,
     most_recent_first,
 )
-from kvdoc.teach.sampling import RestartStream, check_sampled_preemption
 from kvdoc.teach.schedule_spec import (
     BudgetPlusOne,
     PreemptOldest,
@@ -45,7 +46,13 @@ from kvdoc.teach.schedule_spec import (
     expected_steps,
     first_difference,
 )
-from kvdoc.teach.scheduling import check_forks, check_policies, check_preemption
+from kvdoc.teach.scheduling import (
+    RestartStream,
+    check_forks,
+    check_policies,
+    check_preemption,
+    check_sampled_preemption,
+)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from kvdoc.proofs.compare import TOLERANCE
 from kvdoc.proofs.grid import SINKS, WINDOW
 from kvdoc.proofs.suite import run_suite
 from kvdoc.serving.splitk import all_partials, split_k_attention, split_k_decoder
-from kvdoc.teach.topk_ties import hf_logits
+from kvdoc.teach.crosscheck import lifted_logits
 
 CHUNKS = [20, 5, 5, 5, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]  # 41 positions in all
 """A prefill, chunks, then one-token steps: past the window of 16 twice."""
@@ -79,7 +79,7 @@ def pair(request):
     """transformers' GptOssForCausalLM of the grid's sizes (all off the defaults), and kvdoc's
     model loaded from it."""
     hf = gptoss_model(SINKS, seed=3, dtype=request.param)
-    return hf, from_gptoss(hf), hf_logits(hf, _stream())
+    return hf, from_gptoss(hf), lifted_logits(hf, _stream())
 
 
 def test_the_grid_config_is_off_every_default():
@@ -108,13 +108,13 @@ def test_transformers_cached_path_matches_its_own_full_forward(pair):
     """Measured, not assumed: transformers 5.24's own cache fed the same chunks."""
     hf, _, want = pair
     ids = _stream()
-    assert (hf_logits(hf, ids, CHUNKS) - want).abs().max().item() <= _tol(hf.dtype, want)
+    assert (lifted_logits(hf, ids, CHUNKS) - want).abs().max().item() <= _tol(hf.dtype, want)
 
 
 def test_export_round_trips(pair):
     hf, ours, want = pair
     ids = _stream()
-    assert torch.equal(hf_logits(to_gptoss(ours), ids), want)
+    assert torch.equal(lifted_logits(to_gptoss(ours), ids), want)
     assert config_from_gptoss(gptoss_config(SINKS)) == SINKS
 
 

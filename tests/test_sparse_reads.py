@@ -1,5 +1,5 @@
 """What each query of a sparse layer reads (kvdoc.teach.sparse_reads), the figures of it, and
-transformers' DeepSeek-V3.2 paths (kvdoc.teach.topk_ties), as the page on sparse layers uses
+transformers' DeepSeek-V3.2 paths (kvdoc.teach.crosscheck), as the page on sparse layers uses
 them."""
 
 from __future__ import annotations
@@ -15,9 +15,16 @@ from kvdoc.core.v4 import CompressedDecoder
 from kvdoc.interop.hf_deepseek_v32 import earliest_ties, to_v32
 from kvdoc.proofs.broken.sparse import NewRowsTopkDecoder, TopkTiesDecoder, indexed_as
 from kvdoc.proofs.grid import INDEXED, V4
-from kvdoc.teach.sparse_figures import draw_compressed, draw_selection
-from kvdoc.teach.sparse_reads import compressed_reads, entries_changed, indexed_trace, unfinished
-from kvdoc.teach.topk_ties import path_gaps, ties_at_k
+from kvdoc.teach.crosscheck import path_gaps
+from kvdoc.teach.sparse_reads import (
+    compressed_reads,
+    draw_compressed,
+    draw_selection,
+    entries_changed,
+    indexed_trace,
+    ties_at_k,
+    unfinished,
+)
 
 matplotlib.use("Agg")
 TWO = dataclasses.replace(INDEXED, n_layer=2)

@@ -9,7 +9,7 @@ import torch
 
 from kvdoc.core.deltanet import DeltaNetConfig, DeltaNetDecoder
 from kvdoc.core.mamba2 import Mamba2Config, MambaDecoder
-from kvdoc.teach.state_walk import changed_by_token, stored
+from kvdoc.teach.dependency_maps import changed_by_token, stored
 
 IDS = torch.tensor([[5, 9, 2, 7, 11, 3]])
 T = IDS.shape[1]

@@ -3,6 +3,14 @@
 :func:`match_transformers` compares logits over one stream: kvdoc's full forward and cached
 runs against transformers' full forward, and transformers' own cached decode against the same.
 The verification suite's ``reference`` check runs the same comparison.
+
+Whether transformers' DeepSeek-V3.2 computes one function on its cached and full paths
+(:func:`path_gaps`): its ``DeepseekV32Indexer.forward`` (transformers 5.24.0) picks each query's
+keys with ``index_scores.topk(...)``, and ``torch.topk`` orders exactly tied scores by an order
+that depends on the length of the row it ranks (:mod:`kvdoc.core.indexed` cites the lines). The
+full forward ranks row ``i`` among ``T`` keys, a one-token decode step and a forward of the first
+``i + 1`` tokens among ``i + 1``: where the k-th place is tied they can read different keys.
+:func:`kvdoc.interop.hf_deepseek_v32.earliest_ties` breaks ties as kvdoc does.
 """
 
 from __future__ import annotations
@@ -100,3 +108,33 @@ def match_transformers(hf_model: Any, ids: torch.Tensor, chunks: Sequence[int] =
         max_abs(hf_cached, expected),
         float(expected.abs().max().item()), lift and family != "gpt2",
         prefill_len)
+
+
+def lifted_logits(hf: Any, ids: torch.Tensor, chunks: Sequence[int] | None = None
+                  ) -> torch.Tensor:
+    """:func:`hf_logits` without autograd, an FP64 model with its float32 islands lifted
+    (:func:`~kvdoc.interop.hf_float64.float64_islands_lifted`)."""
+    lift = float64_islands_lifted(hf) if hf.dtype == torch.float64 else nullcontext()
+    with torch.no_grad(), lift:
+        return hf_logits(hf, ids, chunks)
+
+
+def path_gaps(hf: Any, ids: torch.Tensor) -> dict[str, float]:
+    """``max |path - full forward|`` of transformers' one-token decode and of its forwards of
+    each prefix alone (row ``i`` of a forward of the first ``i + 1`` tokens: what the full
+    forward's row ``i`` equals if no row depends on a later token), over ``ids`` ``[B, T]``.
+
+    >>> from kvdoc.core.indexed import IndexedConfig
+    >>> from kvdoc.interop.hf_config import random_model
+    >>> from kvdoc.interop.hf_deepseek_v32 import v32_config
+    >>> hf = random_model(v32_config(IndexedConfig(index_topk=64)),  # k >= T: no choice
+    ...                   dtype=torch.float64)
+    >>> gaps = path_gaps(hf, torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]]))
+    >>> sorted(gaps), max(gaps.values()) < 1e-12
+    (['decode', 'prefix'], True)
+    """
+    full = lifted_logits(hf, ids)
+    prefixes = torch.cat([lifted_logits(hf, ids[:, :i + 1])[:, -1:] for i in range(ids.shape[1])],
+                         dim=1)
+    return {"decode": max_abs(lifted_logits(hf, ids, [1] * ids.shape[1]), full),
+            "prefix": max_abs(prefixes, full)}

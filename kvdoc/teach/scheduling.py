@@ -6,8 +6,10 @@ prompt alone (tokens) and one full forward (logits, within
 prefill, with the block invariants), :func:`check_preemption` (a pool too small, preempting by
 recompute) and :func:`check_forks` (seeded samples of one prompt, copy-on-write) run it on every
 model the grid serves paged (``tests/test_policies.py``; the hybrids DeltaNet and Bamba, whose
-states the scheduler carries, in ``tests/test_snapshots.py``). The broken schedulers of
-:mod:`kvdoc.proofs.broken.serving` are what they catch:
+states the scheduler carries, in ``tests/test_snapshots.py``); :func:`check_sampled_preemption`
+holds seeded requests preempted mid-stream to their uninterrupted runs, which
+:class:`RestartStream` fails. The broken schedulers of :mod:`kvdoc.proofs.broken.serving` are
+what they catch:
 
 >>> from kvdoc.proofs.broken.serving import ResumeWithoutRecompute
 >>> from kvdoc.proofs.compare import default_model
@@ -19,14 +21,14 @@ states the scheduler carries, in ``tests/test_snapshots.py``). The broken schedu
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvdoc.core.model import Decoder, decode_step, generate, prefill
 from kvdoc.proofs.compare import TOLERANCE, close, max_abs
 from kvdoc.serving.requests import Request, ServeRun, arrival_trace, choose, sample_generator
-from kvdoc.serving.scheduler import Scheduler
+from kvdoc.serving.scheduler import LiveRequest, Scheduler
 
 
 @dataclass(frozen=True)
@@ -195,3 +197,52 @@ def check_forks(model: Decoder, scheduler: type[Scheduler] = Scheduler, samples:
                      forked.invariants_hold and alone.invariants_hold,
                      max(c.logit_error for c in rows))
 
+
+
+@dataclass(frozen=True)
+class StreamCheck:
+    """Seeded requests on a pool that preempts them: each against its uninterrupted run."""
+
+    requests_equal: bool
+    preemptions: int
+    interrupted: int
+    """Preemptions of a request that had already drawn tokens (whose stream must continue)."""
+    logit_error: float
+
+    @property
+    def passed(self) -> bool:
+        return self.requests_equal and self.interrupted > 0
+
+
+@torch.no_grad()
+def check_sampled_preemption(model: Decoder, scheduler: type[Scheduler] = Scheduler,
+                             num_blocks: int = 8, block_size: int = 4,
+                             token_budget: int = 6) -> StreamCheck:
+    """:data:`PREEMPTION_TRACE` with request ``r`` seeded ``100 + r``, served with preemption on
+    ``num_blocks``: every request's tokens as drawn alone.
+
+    >>> from kvdoc.proofs.compare import default_model
+    >>> model = default_model()
+    >>> check_sampled_preemption(model).passed
+    True
+    >>> check_sampled_preemption(model, RestartStream).passed
+    False
+    """
+    trace = [replace(r, seed=100 + r.rid) for r in
+             arrival_trace(**PREEMPTION_TRACE, vocab_size=model.config.vocab_size)]
+    prompts = {r.rid: len(r.prompt) for r in trace}
+    run = scheduler(model, num_blocks, block_size, token_budget=token_budget,
+                    preempt=True).run(trace)
+    rows = compare_trace_with_alone(model, trace, run)
+    interrupted = sum(n > prompts[rid] for s in run.steps for rid, n in s.preempted)
+    return StreamCheck(all(c.passed for c in rows), run.preemptions, interrupted,
+                       max(c.logit_error for c in rows))
+
+
+class RestartStream(Scheduler):
+    """BROKEN: a preempted request gets a new generator of its seed, so after its recompute it
+    draws the random numbers its first tokens already used."""
+
+    def preempt(self, live: LiveRequest) -> int:
+        live.generator = sample_generator(live.req, live.sample)  # BUG: the stream restarts
+        return super().preempt(live)

@@ -4,7 +4,9 @@ Two kinds of layer read fewer rows than every earlier position: an indexed layer
 (:mod:`kvdoc.core.indexed`, DeepSeek-V3.2) reads the top ``k`` positions its indexer scores; a
 compressed layer (:mod:`kvdoc.core.v4`, DeepSeek-V4) reads a window of rows and the entries of
 finished blocks. The functions here record those reads off the layers' own methods (no second
-implementation of the rule), so that a page can show them and check what a cache must keep.
+implementation of the rule), so that a page can show them and check what a cache must keep; the
+figures colour them with :data:`~kvdoc.teach.display.OKABE_ITO`, text at the site's base size
+(``docs/_ext/matplotlibrc``), so at most 7.5 in wide.
 
 >>> unfinished(9, 4), unfinished(11, 4)   # after 10 positions, rows 8 and 9 wait; after 12, none
 (range(8, 10), range(12, 12))
@@ -21,6 +23,7 @@ import torch
 from kvdoc.core.feed import chunk_lengths
 from kvdoc.proofs.compare import run_cached
 from kvdoc.teach.dependency_maps import token_dependency_map
+from kvdoc.teach.display import OKABE_ITO, _tint
 
 
 @contextmanager
@@ -158,3 +161,122 @@ def entries_changed(model: torch.nn.Module, ids: torch.Tensor, layer: int) -> to
         return cache.layers[layer].entries[0]  # [N, E]
 
     return token_dependency_map(entries, ids, model.config.vocab_size).depends.T
+
+
+def ties_at_k(scores: torch.Tensor, k: int) -> int:
+    """Rows of ``scores`` (``[..., T]``, ``-inf`` where a key may not be read) whose k-th and
+    (k+1)-th best scores are equal and finite: the rows where a tie rule decides what is read
+    (:func:`kvdoc.teach.crosscheck.path_gaps` measures what that does in transformers).
+
+    >>> ties_at_k(torch.tensor([[3., 0., 0., -float('inf')], [3., 2., 1., 0.]]), 2)
+    1
+    """
+    if scores.shape[-1] <= k:
+        return 0
+    ranked = scores.sort(dim=-1, descending=True).values
+    return int(((ranked[..., k - 1] == ranked[..., k]) & ranked[..., k].isfinite()).sum())
+
+
+# --- figures -----------------------------------------------------------------------------------
+
+READ, SKIPPED, WAITING = OKABE_ITO[0], "0.85", OKABE_ITO[1]
+
+
+def draw_selection(reads: torch.Tensor, title: str | None = None, width: float = 6.4):
+    """The keys each query reads, ``reads`` bool ``[T, T]`` (query ``i``, key ``j``): read
+    cells dark, earlier keys not read light grey, later keys white.
+
+    >>> fig = draw_selection(torch.ones(4, 4, dtype=torch.bool).tril())
+    >>> fig.axes[0].get_xlabel(), len(fig.axes[0].get_legend().get_texts())
+    ('key position j', 2)
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    T = reads.shape[-1]
+    earlier = np.tril(np.ones((T, T), dtype=bool))
+    cells = np.where(reads.cpu().numpy(), 2, np.where(earlier, 1, 0))
+    fig, ax = plt.subplots(figsize=(width, width * 0.95))
+    ax.imshow(cells, cmap=ListedColormap(["white", SKIPPED, READ]), vmin=0, vmax=2,
+              interpolation="nearest")
+    ax.set_xticks(np.arange(-0.5, T), minor=True)
+    ax.set_yticks(np.arange(-0.5, T), minor=True)
+    ax.grid(which="minor", color="0.7", linewidth=0.4)
+    ax.tick_params(which="minor", length=0)
+    ax.set_xticks(range(0, T, 5))
+    ax.set_yticks(range(0, T, 5))
+    ax.set_xlabel("key position j")
+    ax.set_ylabel("query position i")
+    if title:
+        ax.set_title(title)
+    ax.legend(handles=[Patch(facecolor=READ, label="read"),
+                       Patch(facecolor=SKIPPED, edgecolor="0.5", label="earlier, not read")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def draw_compressed(reads: CompressedReads, queries: Sequence[int], title: str | None = None,
+                    width: float = 7.4):
+    """For each query ``t`` of ``queries``, strips over positions ``0 .. T - 1``: the rows it
+    reads from the window (dark); the unfinished block's positions, whose rows wait in the
+    buffer (orange); one box per finished block, green if the query reads its entry, grey if not
+    (a CSA indexer's choice). Batch row 0 of ``reads``.
+
+    >>> window = torch.ones(1, 6, 6, dtype=torch.bool).tril()
+    >>> fig = draw_compressed(CompressedReads(window, window[..., :3], 2), [4])
+    >>> [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    ['entries', 'buffer', 'window']
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    T, rate = reads.window.shape[-1], reads.rate
+    strips = 1 if rate is None else 3
+    pitch = strips + 1.1  # a query's strips and its label
+    n = len(queries)
+    fig, ax = plt.subplots(figsize=(width, 0.42 * pitch * n + 1.9))
+    labels, ys = [], []
+    entry = _tint(OKABE_ITO[2])
+    for k, t in enumerate(queries):
+        base = pitch * (n - 1 - k)  # the first query at the top
+        top = base + strips - 1  # the window's strip
+        for j in range(t + 1):
+            ax.add_patch(Rectangle((j, top), 1, 0.85, lw=0.5, edgecolor="0.4",
+                                   facecolor=READ if reads.window[0, t, j] else "white"))
+        if rate is not None:
+            for j in unfinished(t, rate):
+                ax.add_patch(Rectangle((j, base + 1), 1, 0.85, lw=0.5, edgecolor="0.4",
+                                       facecolor=WAITING))
+            for w in range((t + 1) // rate):
+                ax.add_patch(Rectangle((w * rate + 0.08, base), rate - 0.16, 0.85, lw=0.8,
+                                       edgecolor="0.3",
+                                       facecolor=entry if reads.entries[0, t, w] else SKIPPED))
+            labels += ["entries", "buffer"]
+            ys += [base + 0.42, base + 1.42]
+        labels.append("window")
+        ys.append(top + 0.42)
+        ax.text(0, top + 0.95, f"query at position {t}", va="bottom")
+    ax.set_yticks(ys, labels)
+    ax.set_xlim(-0.3, T + 0.3)
+    ax.set_ylim(-0.2, pitch * n)
+    ax.set_xticks(range(0, T + 1, 5))
+    ax.set_xlabel("position")
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    ax.tick_params(axis="y", length=0)
+    if title:
+        ax.set_title(title)
+    handles = [Patch(facecolor=READ, label="window row read")]
+    if rate is not None:
+        handles += [Patch(facecolor=entry, edgecolor="0.3", label="entry read"),
+                    Patch(facecolor=WAITING, edgecolor="0.4", label="row in the buffer")]
+        finished = [(t, w) for t in queries for w in range((t + 1) // rate)]
+        if any(not reads.entries[0, t, w] for t, w in finished):  # a CSA indexer's choice
+            handles.insert(2, Patch(facecolor=SKIPPED, edgecolor="0.3", label="entry not read"))
+    ax.legend(handles=handles, loc="upper center", ncol=2, frameon=False,
+              bbox_to_anchor=(0.5, -0.8 / (0.42 * pitch * n)))
+    fig.tight_layout()
+    return fig

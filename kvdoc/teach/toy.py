@@ -117,34 +117,15 @@ class ForwardResult:
 
 
 def full_forward(tokens: Sequence[str], weights: ToyWeights | None = None) -> ForwardResult:
-    """Recompute every layer at every position: per layer ``T`` K/V pairs and ``T (T + 1) / 2``
-    dot products.
+    """Recompute every layer at every position, from an empty cache: per layer ``T`` K/V pairs
+    and ``T (T + 1) / 2`` dot products.
 
     >>> r = full_forward("ABC")
     >>> r.counts.kv_pairs, r.counts.dot_products
     (6, 12)
     """
-    w = weights or ToyWeights()
-    if len(tokens) < 1:
-        raise ValueError("need at least one token")
-    h = [w.embed(t, p) for p, t in enumerate(tokens)]
-    cache = ToyCache.empty(w.n_layer)
-    cache.tokens = list(tokens)
-    per_layer = []
-    for layer, (w_q, w_k, w_v) in enumerate(w.layers):
-        c = Counts()
-        Q = [_matvec(x, w_q) for x in h]
-        K, V = [], []
-        for x in h:
-            K.append(_matvec(x, w_k))
-            V.append(_matvec(x, w_v))
-            c.kv_pairs += 1
-        cache.keys[layer], cache.values[layer] = K, V
-        att = [_attend(Q[i], K[: i + 1], V[: i + 1], c) for i in range(len(h))]  # causal: keys 0..i
-        h = [(x[0] + a[0], x[1] + a[1]) for x, a in zip(h, att, strict=True)]  # residual
-        per_layer.append(c)
-    total = sum(per_layer, Counts())
-    return ForwardResult(h, cache, total, per_layer)
+    lab = ToyLab(weights)
+    return lab.extend(ToyCache.empty(lab.weights.n_layer), tokens)
 
 
 class ToyLab:
@@ -236,12 +217,10 @@ def check_against_full(cached: ForwardResult, weights: ToyWeights | None = None,
     out = max(abs(a - b) for a, b in zip(cached.outputs[-1], full.outputs[-1], strict=True))
     if full.cache.seq_len != cached.cache.seq_len:
         raise ValueError("caches hold different lengths")
-    kv = 0.0
-    for which in ("keys", "values"):
-        for lc, lf in zip(getattr(cached.cache, which), getattr(full.cache, which),
-                          strict=True):
-            for vc, vf in zip(lc, lf, strict=True):
-                kv = max(kv, abs(vc[0] - vf[0]), abs(vc[1] - vf[1]))
+    kv = max(abs(a - b) for which in ("keys", "values")
+             for lc, lf in zip(getattr(cached.cache, which), getattr(full.cache, which),
+                               strict=True)
+             for vc, vf in zip(lc, lf, strict=True) for a, b in zip(vc, vf, strict=True))
     return CheckResult(out, kv, full.cache.seq_len, tol)
 
 
