@@ -41,10 +41,8 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,25 +50,16 @@ from torch import nn
 
 from . import invariant
 from .cache import KVCache, LayerSpec, check_int, check_positive
-from .model import CausalSelfAttention, apply_rope
-from .state import BlocksDecoder
-
-SLIDING, GLOBAL = "sliding_attention", "full_attention"
-"""The two layer types, as Gemma 3's ``config.json`` names them."""
-
-
-def every_nth_full(n_layer: int, interval: int, other: str = SLIDING) -> tuple[str, ...]:
-    """Layer types where every ``interval``-th layer is ``"full_attention"`` (the last of each
-    group) and the others ``other``, as transformers reads Gemma's ``sliding_window_pattern``
-    (Gemma 3: 6, Gemma 2: 2) and Qwen3.5's ``full_attention_interval`` (its default: 4; ``other``
-    ``"linear_attention"``).
-
-    >>> every_nth_full(4, 2)
-    ('sliding_attention', 'full_attention', 'sliding_attention', 'full_attention')
-    """
-    check_int("n_layer", n_layer)
-    check_int("interval", interval)
-    return tuple(other if (i + 1) % interval else GLOBAL for i in range(n_layer))
+from .frame import (
+    GLOBAL,
+    SLIDING,
+    BlocksDecoder,
+    GatedMLP,
+    HeadsAttention,
+    check_layer_indices,
+    check_multiples,
+    every_nth_full,
+)
 
 
 @dataclass(frozen=True)
@@ -135,14 +124,9 @@ class Gemma3Config:
                      "head_dim", "query_pre_attn_scalar", "n_layer", "sliding_window",
                      "sliding_window_pattern"):
             check_int(name, getattr(self, name))
-        g = self.global_layers
-        if g is not None and (not isinstance(g, tuple) or list(g) != sorted(set(g))
-                              or any(type(i) is not int or not 0 <= i < self.n_layer for i in g)):
-            raise ValueError("global_layers must be increasing layer indices below "
-                             f"n_layer={self.n_layer}, got {g!r}")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} must be a multiple of "
-                             f"n_kv_head={self.n_kv_head}")
+        if self.global_layers is not None:
+            check_layer_indices("global_layers", self.global_layers, self.n_layer)
+        check_multiples(self, ("n_head", "n_kv_head"))
         if self.head_dim % 2:
             raise ValueError(f"RoPE rotates pairs of features: head_dim={self.head_dim} "
                              "must be even")
@@ -223,47 +207,6 @@ class SoftCappedHead(nn.Linear):
         return torch.tanh(logits / self.cap) * self.cap
 
 
-class HeadsAttention(nn.Module):
-    """Attention through transformers' ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` (each with
-    ``bias`` or none) of ``n_head`` query and ``n_kv_head`` K/V heads of ``head_dim``: :meth:`qkv`
-    gives the turned heads, the cache takes K and V, :meth:`attend` reads them with
-    :class:`~kvdoc.core.model.CausalSelfAttention`'s masks (SDPA at ``scale``)."""
-
-    window: int | None = None
-    scale: float | None = None  # None: 1 / sqrt(head_dim)
-    visible = CausalSelfAttention.visible
-
-    def __init__(self, c: Any, bias: bool = False, q_per_head: int = 1) -> None:
-        super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
-        self.q_proj = nn.Linear(c.n_embd, q_per_head * c.n_head * c.head_dim, bias=bias)
-        self.k_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=bias)
-        self.v_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=bias)
-        self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=bias)
-
-    def heads(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """``proj(x)`` as heads: ``[B, C, n D_h] -> [B, n, C, D_h]``."""
-        return proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None, *,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        # positions start .. start + C - 1, or per row
-        q, k, v = self.qkv(x, start if positions is None else positions)
-        if cache is not None:
-            k, v = cache.update(layer_idx, k, v, start)  # a window layer returns its last rows
-        y = self.attend(q, k, v, start, attn_mask)
-        return self.o_proj(y.transpose(1, 2).flatten(2))
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        mask = self.visible(start, q.shape[2], k.shape[2], attn_mask, q.device)
-        if mask is not None and mask.dim() == 3:
-            mask = mask[:, None]  # [B, 1, C, T]: the same for every head
-        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **gqa)
-
-
 class GemmaAttention(HeadsAttention):
     """Gemma 3's attention of layer ``layer_idx``: its window (or none) and its RoPE base.
 
@@ -280,26 +223,6 @@ class GemmaAttention(HeadsAttention):
         self.scale = c.query_pre_attn_scalar ** -0.5
         self.q_norm = GemmaRMSNorm(c.head_dim, eps=c.layer_norm_epsilon)
         self.k_norm = GemmaRMSNorm(c.head_dim, eps=c.layer_norm_epsilon)
-
-    def qkv(self, x: torch.Tensor, at: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
-        q = apply_rope(self.q_norm(self.heads(self.q_proj, x)), at, self.rope_theta)
-        k = apply_rope(self.k_norm(self.heads(self.k_proj, x)), at, self.rope_theta)
-        return q, k, self.heads(self.v_proj, x)
-
-
-class GatedMLP(nn.Module):
-    """``down_proj(act(gate_proj(x)) * up_proj(x))``: SwiGLU (``act`` SiLU: Qwen3.5's, Bamba's) or
-    GeGLU (GELU's tanh form: Gemma's)."""
-
-    def __init__(self, config: Any, act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> None:
-        super().__init__()
-        self.act = act
-        self.gate_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
-        self.up_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
-        self.down_proj = nn.Linear(config.n_inner, config.n_embd, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class GemmaBlock(nn.Module):

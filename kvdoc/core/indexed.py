@@ -80,8 +80,8 @@ from .cache import (
     check_int,
     offset_causal_mask,
 )
+from .frame import partial_rope
 from .mla import LatentAttention, MLAConfig, MLADecoder
-from .model import apply_rope
 
 INDEX_NORM_EPS = 1e-6
 """Epsilon of the indexer key's LayerNorm (transformers' ``DeepseekV32Indexer.k_norm``)."""
@@ -174,8 +174,7 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(c.n_embd, c.index_n_heads, bias=False)
 
     def _rotate(self, x: torch.Tensor, at: int | torch.Tensor) -> torch.Tensor:
-        rot, plain = x.split(self.config.index_widths, dim=-1)  # the rotary part comes first
-        return torch.cat((apply_rope(rot, at, self.config.rope_theta), plain), dim=-1)
+        return partial_rope(x, at, self.config.rope_theta, self.config.qk_rope_head_dim)
 
     def keys(self, x: torch.Tensor, at: int | torch.Tensor) -> torch.Tensor:
         """The new rows' indexer keys ``[B, 1, C, index_head_dim]``, turned as cached."""

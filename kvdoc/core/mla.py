@@ -52,8 +52,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache, LayerSpec, check_int, check_positive, offset_causal_mask
+from .frame import BlocksDecoder, PreNormBlock
 from .model import MLP, GPTConfig, apply_rope
-from .state import BlocksDecoder
 
 LATENT_NORM_EPS = 1e-6
 """Epsilon of the RMSNorms on the latents (transformers' DeepseekV3RMSNorm default there)."""
@@ -254,25 +254,19 @@ def per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.stack([F.linear(x[:, h], w[h]) for h in range(x.shape[1])], dim=1)
 
 
-class LatentBlock(nn.Module):
+class LatentBlock(PreNormBlock):
     """Pre-norm decoder layer with latent attention: ``x + attn(ln_1(x))``, ``x + mlp(ln_2(x))``
     (SwiGLU); ``attention(config)`` builds the attention (DeepSeek-V4's
     :class:`~kvdoc.core.v4.CompressedAttention` too)."""
 
     def __init__(self, config: Any, attention: Callable[[Any], nn.Module] = LatentAttention
                  ) -> None:
-        super().__init__()
-        self.ln_1 = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.attn = attention(config)
-        self.ln_2 = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        # Llama's SwiGLU MLP: the same class, sized by a GPTConfig of this width
-        self.mlp = MLP(GPTConfig(n_embd=config.n_embd, n_head=1, n_inner=config.n_inner,
-                                 mlp="swiglu", bias=False))
-
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer_idx, start, attn_mask, **positions)
-        return x + self.mlp(self.ln_2(x))
+        d, eps = config.n_embd, config.layer_norm_epsilon
+        super().__init__(
+            ("ln_1", "attn", "ln_2", "mlp"), ln_1=nn.RMSNorm(d, eps=eps), attn=attention(config),
+            ln_2=nn.RMSNorm(d, eps=eps),  # Llama's SwiGLU MLP, sized by a GPTConfig of this width
+            mlp=MLP(GPTConfig(n_embd=d, n_head=1, n_inner=config.n_inner, mlp="swiglu",
+                              bias=False)))
 
 
 class MLADecoder(BlocksDecoder):

@@ -37,11 +37,11 @@ from torch import nn
 
 from .cache import KVCache, LayerSpec, check_int, check_positive, offset_causal_mask
 from .compressed import compressed_cache
+from .frame import BlocksDecoder
 from .gptoss import sink_attention
 from .indexed import select
 from .mla import LatentBlock
 from .model import rope_angles
-from .state import BlocksDecoder
 
 LAYER_TYPES = ("sliding", "csa", "hca")
 
