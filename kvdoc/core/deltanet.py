@@ -1,28 +1,21 @@
 """A Qwen3.5-style hybrid decoder: Gated DeltaNet layers with gated full-attention layers.
 
 Each layer is of one of two types (``config.layer_types``, as transformers names them; by
-default every second layer is full attention, :func:`~kvdoc.core.frame.every_nth_full`):
+default every second layer is full attention):
 
-* ``"linear_attention"``, a Gated DeltaNet: one projection gives Q, K and V for every head,
-  a causal depthwise convolution of ``K_conv`` taps (then SiLU) mixes each channel with its last
-  ``K_conv - 1`` inputs, and a matrix-valued state ``S`` (``[H_v, D_k, D_v]``) folds every
-  earlier token by the gated delta rule: with ``q``, ``k`` L2-normed (``q`` also scaled by
-  ``D_k ** -0.5``), ``beta = sigmoid(b)`` and ``g = -exp(A_log) * softplus(a + dt_bias)``,
-
-  ``S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T``, ``o_t = S_t^T q_t``;
-
-  then a per-head RMSNorm of ``o`` gated by ``silu(z)``. What the cache keeps is the conv window
-  and ``S``: a :class:`~kvdoc.core.state.StateLayer`, of one size at every position. A decode
-  step takes the rule a token at a time, a longer call ``chunk_size`` tokens at a time
-  (:mod:`kvdoc.core.delta_rule`: one function of the tokens, checked equal in the tests and on
-  the grid);
+* ``"linear_attention"``, a Gated DeltaNet: one projection gives Q, K and V for every head, a
+  causal depthwise convolution of ``K_conv`` taps (then SiLU) mixes each channel with its last
+  ``K_conv - 1`` inputs, and a state ``S`` (``[H_v, D_k, D_v]``) folds every earlier token by
+  the gated delta rule (:mod:`kvdoc.core.delta_rule`: a token at a time in a decode step,
+  ``chunk_size`` at a time in a longer call), then a per-head RMSNorm gated by ``silu(z)``. The
+  cache keeps the conv window and ``S``: a :class:`~kvdoc.core.state.StateLayer`;
 * ``"full_attention"``: softmax attention with q/k RMSNorms, RoPE on the first
-  ``partial_rotary_factor`` of each head's features, and an output gate: ``q_proj`` gives each
-  head a query and a gate, and the heads' output is multiplied by ``sigmoid(gate)``.
+  ``partial_rotary_factor`` of each head's features, and the heads' output times
+  ``sigmoid(gate)``, a gate per head from ``q_proj``.
 
-Every RMSNorm but the gated one scales by ``1 + weight`` (:class:`~kvdoc.core.gemma.GemmaRMSNorm`);
-the MLP is SwiGLU. Parameter names inside a layer are transformers' (``linear_attn.in_proj_qkv``,
-``self_attn.q_proj`` ..), so a checkpoint maps by key (:mod:`kvdoc.interop.hf_qwen35`).
+Every other RMSNorm scales by ``1 + weight`` (:class:`~kvdoc.core.gemma.GemmaRMSNorm`); the MLP
+is SwiGLU. Parameter names inside a layer are transformers', so a checkpoint maps by key
+(:mod:`kvdoc.interop.hf_qwen35`).
 
 >>> _ = torch.manual_seed(0)
 >>> model = DeltaNetDecoder(DeltaNetConfig()).eval()

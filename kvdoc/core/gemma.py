@@ -1,32 +1,15 @@
 """A Gemma-3-style decoder: sliding-window and global attention layers in one model.
 
-Each layer is of one of two types (``config.layer_types``, as transformers names them; every
-``sliding_window_pattern``-th layer is global, the others slide, as in Gemma 3's ``config.json``,
-unless ``global_layers`` lists the global ones):
-
-* ``"sliding_attention"``: query ``i`` reads keys ``i - W < j <= i`` only (``W`` =
-  ``sliding_window``, :mod:`kvdoc.core.model`'s convention, which is transformers'), and RoPE turns
-  at the local base ``rope_local_base_freq``;
-* ``"full_attention"``: query ``i`` reads every key ``j <= i``, RoPE at the global base
-  ``rope_theta``.
-
-The rest is Gemma 3's, as transformers computes it: token embeddings scaled by ``sqrt(n_embd)``
-(the constant in float32, then cast to the model's dtype), RMSNorms that scale by ``1 + weight``
-(weights start at zero), four of them per layer (before and after the attention, before and
-after the MLP: ``x + post(attn(input(x)))``, then ``x + post_ff(mlp(pre_ff(x)))``), RMSNorms of
-each query and key head (``q_norm``, ``k_norm``, before RoPE), a GeGLU MLP
-(``down(gelu_tanh(gate(x)) * up(x))``), the softmax scale ``query_pre_attn_scalar ** -0.5`` in
-place of ``1 / sqrt(head_dim)``, a head width ``head_dim`` set apart from ``n_embd / n_head``,
-and the final logits soft-capped to ``cap * tanh(logits / cap)`` when
-``final_logit_softcapping`` is set. Parameter names inside a layer are transformers'
-(``self_attn.q_proj``, ``input_layernorm``, ``mlp.gate_proj`` ..), so a checkpoint maps by key
-(:mod:`kvdoc.interop.hf_gemma`).
-
-:class:`Gemma3Decoder` is a :class:`~kvdoc.core.model.Decoder` (the same forward, input checks,
-``prefill``/``decode_step``/``generate``, caches); its default cache
-(:func:`~kvdoc.core.window.window_cache`) is hybrid: a ring of ``W`` slots for each window layer,
-a growing layer for each global one. A dynamic or static cache (every layer keeps every
-position) serves it too, which is what the hybrid one is checked against.
+Each layer slides (``"sliding_attention"``: query ``i`` reads keys ``i - W < j <= i``, RoPE at
+the local base ``rope_local_base_freq``) or is global (``"full_attention"``: every key
+``j <= i``, RoPE at ``rope_theta``); :attr:`Gemma3Config.layer_types` says which. The rest is
+Gemma 3's as transformers computes it: embeddings scaled by ``sqrt(n_embd)``, RMSNorms that
+scale by ``1 + weight``, four per layer (:class:`GemmaBlock`) and one per query and key head,
+a GeGLU MLP, the softmax scale ``query_pre_attn_scalar ** -0.5`` and soft-capped logits.
+Parameter names inside a layer are transformers', so a checkpoint maps by key
+(:mod:`kvdoc.interop.hf_gemma`). The default cache (:func:`~kvdoc.core.window.window_cache`) is
+hybrid: a ring of ``W`` slots per window layer, a growing layer per global one; a dynamic or
+static cache serves the model too, which is what the hybrid one is checked against.
 
 >>> _ = torch.manual_seed(0)
 >>> model = Gemma3Decoder(Gemma3Config(sliding_window=4)).eval()
@@ -65,26 +48,10 @@ from .frame import (
 @dataclass(frozen=True)
 class Gemma3Config:
     """Sizes of a Gemma-3-style decoder (names as :class:`~kvdoc.core.model.GPTConfig`'s, or as
-    Gemma 3's ``config.json`` where GPT-2 has none).
-
-    Args:
-        vocab_size, n_positions, n_head, n_embd: as in :class:`~kvdoc.core.model.GPTConfig`.
-        n_kv_head: ``H_kv``, K/V heads (``n_head`` a multiple of it).
-        n_inner: hidden width of the GeGLU MLP (``intermediate_size``).
-        head_dim: ``D_h``, the width of every query, key and value head.
-        query_pre_attn_scalar: the softmax scale is ``query_pre_attn_scalar ** -0.5``.
-        n_layer: decoder layers.
-        sliding_window: ``W``, the keys a window layer's query reads, its own included.
-        sliding_window_pattern: every ``sliding_window_pattern``-th layer (the last of each
-            group) is global, the others are window layers (:attr:`layer_types`); Gemma 3 has 6,
-            Gemma 2 2; 1 makes every layer global.
-        global_layers: the indices of the global layers, for a layout no pattern gives (a
-            global layer first: ``(0,)``); None: every ``sliding_window_pattern``-th.
-        layer_norm_epsilon: the epsilon of every RMSNorm (``rms_norm_eps``).
-        rope_theta: the RoPE base of the global layers.
-        rope_local_base_freq: the RoPE base of the window layers.
-        final_logit_softcapping: ``cap`` of ``cap * tanh(logits / cap)``, or None for none.
-        tie_word_embeddings: the LM head reuses ``wte``'s weight (Gemma's checkpoints do).
+    Gemma 3's ``config.json`` where GPT-2 has none): ``n_inner`` the GeGLU's hidden width,
+    ``head_dim`` apart from ``n_embd / n_head``; every ``sliding_window_pattern``-th layer (the
+    last of each group) is global (Gemma 3: 6, Gemma 2: 2; 1: every layer), unless
+    ``global_layers`` lists them; ``final_logit_softcapping`` None: no cap.
 
     >>> cfg = Gemma3Config()
     >>> cfg.layer_types, cfg.layer_windows

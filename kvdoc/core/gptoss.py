@@ -8,19 +8,12 @@ parameter, not a cached row: a cache holds K and V as for any attention, and a w
 its last ``W`` rows (:func:`~kvdoc.core.window.window_cache`, the hybrid cache Gemma's decoder
 uses), while the sink stays in the denominator of every query, however many keys it reads.
 
-The rest is gpt-oss's, as transformers 5.24's ``GptOssForCausalLM`` computes it
-(``models/gpt_oss/modeling_gpt_oss.py``): window and full layers alternating, the window layers
-first (``layer_types``; query ``i`` of a window layer reads keys ``i - W < j <= i``); biases on
-Q, K, V and the output projection; RoPE, by default YaRN-scaled (:func:`yarn_frequencies`), its
-cos and sin multiplied by YaRN's attention factor; RMSNorms before the attention and before the
-MLP; a mixture of experts for the MLP: a router (``x W^T + b``) picks the top ``k`` of
-``n_experts``, whose logits a softmax turns into weights, and each picked expert applies a
-clamped SwiGLU (:meth:`GptOssExperts.swiglu`). Parameter names inside a layer are transformers'
-(``self_attn.sinks``, ``mlp.router.weight``, ``mlp.experts.gate_up_proj`` ..), so a checkpoint
-maps by key (:mod:`kvdoc.interop.hf_gptoss`).
-
-:class:`GptOssDecoder` is a :class:`~kvdoc.core.model.Decoder` (the same forward, input checks,
-``prefill``/``decode_step``/``generate``, caches); its default cache is hybrid.
+The rest is gpt-oss's, as transformers 5.24's ``GptOssForCausalLM`` computes it: window and
+full layers alternating, the window layers first; biases on Q, K, V and the output; RoPE, by
+default YaRN-scaled (:func:`yarn_frequencies`); RMSNorms before the attention and the MLP; and
+for the MLP a mixture of experts (:class:`GptOssMLP`). Parameter names inside a layer are
+transformers', so a checkpoint maps by key (:mod:`kvdoc.interop.hf_gptoss`); the default cache
+is hybrid.
 
 >>> _ = torch.manual_seed(0)
 >>> model = GptOssDecoder(GptOssConfig(sliding_window=4)).eval()

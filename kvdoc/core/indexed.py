@@ -17,32 +17,13 @@ earlier position wins* (a stable sort of the scores, :func:`select`), so which k
 reads depends on rows ``0 .. i`` only: the cached path (prefill, chunks, one-token steps) is the
 full forward's function, and row ``i`` never depends on a later token.
 
-**transformers 5.24.0 departs there.** ``DeepseekV32Indexer.forward``
-(``models/deepseek_v32/modeling_deepseek_v32.py``) masks the future causally (line 237,
-``masked_fill(~attention_mask, -inf)``: the selection *is* causal in which keys it may pick),
-then ends with ``index_scores.topk(topk, dim=-1)`` (lines 241-242) over the whole ``[B, S, T]``
-row; ``DeepseekV32Attention.forward`` scatters those indices into the mask (lines 449-458).
-``torch.topk`` returns tied values in an order that depends on the row's length: the full
-forward ranks row ``i`` among ``T`` columns (``i + 1`` of them finite), a one-token step and a
-forward of the first ``i + 1`` tokens among ``i + 1``, so where exactly tied scores straddle the
-k-th place each picks other keys. On CPU, the top 4 of a row of zeros but 1 at index 0 and
-0.5 at index 5 are indices 0, 5, 6, 4 in a row of 9 and 0, 5, 27, 29 in a row of 41.
-Measured (tests/test_indexed.py's model: every size off the defaults, 3 dense layers, one
-indexer head, ``index_topk=7``, 30 tokens, FP64, logits up to 0.49): transformers' one-token
-decode departs from its full forward by 0.18, its forward of each prefix from its full forward's
-row by 0.18; the ranked rows are -inf past the query and the tied scores are bitwise-equal zeros.
-With ``topk`` breaking ties earlier-first and nothing else changed
-(:func:`kvdoc.interop.hf_deepseek_v32.earliest_ties`) both fall to 3e-16 and kvdoc matches it to
-2e-16 (FP32: 1e-7); with ``index_topk`` at least the context they are 3e-16 as they are. So the
-cause is neither the causal mask (applied before ``topk``) nor rounding (the tied scores are
-equal bit for bit), but ``topk``'s order among ties. A second, smaller departure: the indexer
-scores in float32 (``q.float()``, line 228) in an FP64 model too, so an FP64 selection can
-differ from kvdoc's where two scores lie within float32 rounding of each other.
-
-A near-tie is the one thing no rule fixes: the cached and full paths compute each score by
-matmuls of different shapes, equal to rounding, so two scores within rounding of each other at
-the k-th place can swap. On continuous random weights that is a rounding-sized chance; an exact
-tie (the ReLU's zeros) is a positive-probability event, and that is what the rule settles.
+**transformers 5.24.0 departs there**: ``DeepseekV32Indexer.forward`` ranks each row with
+``torch.topk``, whose order among tied values depends on the row's length, so its cached and
+full paths pick other keys where tied scores straddle the k-th place
+(:doc:`/part6/2-sparse` measures it; :func:`kvdoc.interop.hf_deepseek_v32.earliest_ties` runs it
+with kvdoc's rule). It also scores in float32 in an FP64 model. A near-tie (two scores within
+rounding of each other, from matmuls of other shapes on the two paths) is the one thing no rule
+fixes; on continuous weights it is a rounding-sized chance, where an exact tie is not.
 
 **Cache.** A layer's cache is an :class:`IndexedLayer`: the latent's layer (``c_KV``,
 ``k_rope``, as MLA's) composed with a layer of the same kind holding the indexer keys, stored
