@@ -155,17 +155,8 @@ class FastDecoder:
     def __call__(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False,
                  positions: torch.Tensor | None = None,
                  attn_mask: torch.Tensor | None = None) -> DecoderOutput:
-        """The model's ``forward``; the fast step when ``idx`` is ``[B, 1]`` after a cache.
-
-        ``positions`` and ``attn_mask`` (per-row positions and a mask, for padded batches) send
-        the call to the model, as does any call that is not one token per row after a cache.
-
-        Returns:
-            ``DecoderOutput(logits, cache)`` exactly as :meth:`Decoder.forward` does.
-
-        Raises:
-            ValueError: whatever the model refuses, with the same message, before any write.
-        """
+        """The model's ``forward`` (its output, its refusals); the fast step when ``idx`` is
+        ``[B, 1]`` after a cache with neither ``positions`` nor ``attn_mask``."""
         if (cache is None or positions is not None or attn_mask is not None
                 or not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[1] != 1
                 or invariant.active()):  # the batch-invariant mode is the model's own path

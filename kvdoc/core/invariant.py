@@ -117,10 +117,8 @@ def active() -> bool:
 
 
 def per_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``fn`` on each row ``[1, d]`` of ``x`` (``[..., d]``) alone, the rows stacked back.
-
-    Each call has the same shape and a fresh, equally aligned input, so each row goes through
-    the same kernel in the same order however many rows ``x`` holds.
+    """``fn`` on each row ``[1, d]`` of ``x`` (``[..., d]``) alone, a fresh copy each, the rows
+    stacked back: the same kernel and order however many rows ``x`` holds.
 
     >>> lin = torch.nn.Linear(4, 3)
     >>> x = torch.randn(2, 5, 4)
@@ -180,11 +178,8 @@ def inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """``1 / sqrt(mean(x^2) + eps)`` over the last dimension (kept, size 1), in ``x``'s dtype: for
     a norm that reduces by hand (Gemma's RMSNorm), which no library call the mode reroutes.
 
-    The squares and their pairwise tree (:func:`tree_sum`, an order fixed by the row's length)
-    run in float32 (float64 for float64), then one ``sqrt`` and one division: every step exactly
-    rounded. A library's ``rsqrt`` is not: in BF16 its vector code (through float32) and its
-    scalar code for a tensor's tail round differently, and which rows fall in the tail depends
-    on how many rows the call holds.
+    The squares and their pairwise tree (:func:`tree_sum`) run in float32 (float64 for
+    float64), then one ``sqrt`` and one division: every step exactly rounded, as ``rsqrt`` is not.
 
     >>> x = torch.tensor([[3., -3.], [1., 7.]])
     >>> torch.allclose(inv_rms(x, 1e-6), torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))

@@ -113,15 +113,22 @@ def config_from_deepseek(hf_config: Any) -> MLAConfig:
     """The :class:`MLAConfig` of a transformers ``DeepseekV3Config``; a ValueError for another
     model type, MoE layers, scaled RoPE, attention biases or another activation."""
     expect_model_type(hf_config, "deepseek_v3")
-    rope = dict(hf_config.rope_parameters or {})
     if hf_config.first_k_dense_replace < hf_config.num_hidden_layers:
         raise ValueError("DeepseekV3 config has MoE layers (first_k_dense_replace < "
                          "num_hidden_layers); kvdoc loads dense layers only")
-    refuse_unsupported("deepseek_v3", {
+    return dense_config(hf_config)
+
+
+def dense_config(hf_config: Any, cls: type = MLAConfig, *same: str) -> Any:
+    """The ``cls`` of a DeepSeek config whose layers are dense (:func:`config_of`); a ValueError
+    for scaled RoPE, attention biases or another activation."""
+    rope = dict(hf_config.rope_parameters or {})
+    refuse_unsupported(hf_config.model_type, {
         "rope_type": (rope.get("rope_type", "default"), ("default",)),
         "attention_bias": (hf_config.attention_bias, (False,)),
         "hidden_act": (hf_config.hidden_act, ("silu",))})
-    return config_of({**hf_config.to_dict(), "rope_theta": rope.get("rope_theta", 10000.0)})
+    return config_of({**hf_config.to_dict(), "rope_theta": rope.get("rope_theta", 10000.0)},
+                     cls, *same)
 
 
 def rope_rows(config: MLAConfig, interleaved_to_split: bool) -> tuple[torch.Tensor, ...]:

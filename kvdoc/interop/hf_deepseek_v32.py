@@ -30,18 +30,14 @@ from typing import Any
 import torch
 
 from kvdoc.core.indexed import IndexedConfig, IndexedDecoder
-from kvdoc.interop.hf_config import (
-    expect_model_type,
-    holding,
-    load_exported,
-    refuse_unsupported,
-)
+from kvdoc.interop.hf_config import expect_model_type, holding, load_exported
 from kvdoc.interop.hf_deepseek import (
-    config_of,
+    dense_config,
     layers_by_our_names,
     layers_by_their_names,
     their_fields,
 )
+from kvdoc.interop.hf_float64 import patched
 
 #: the indexer's sizes, named alike in both
 _INDEXER = ("index_n_heads", "index_head_dim", "index_topk")
@@ -82,13 +78,7 @@ def config_from_v32(hf_config: Any) -> IndexedConfig:
     if sparse:
         raise ValueError(f"DeepseekV32 layers {sparse} are mixture-of-experts ('sparse' in "
                          "mlp_layer_types); kvdoc loads dense layers only")
-    rope = dict(hf_config.rope_parameters or {})
-    refuse_unsupported("deepseek_v32", {
-        "rope_type": (rope.get("rope_type", "default"), ("default",)),
-        "attention_bias": (hf_config.attention_bias, (False,)),
-        "hidden_act": (hf_config.hidden_act, ("silu",))})
-    return config_of({**hf_config.to_dict(), "rope_theta": rope.get("rope_theta", 10000.0)},
-                   IndexedConfig, *_INDEXER)
+    return dense_config(hf_config, IndexedConfig, *_INDEXER)
 
 
 def from_v32(hf_model: Any) -> IndexedDecoder:
@@ -125,9 +115,5 @@ def earliest_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = Tru
 def earliest_ties() -> Iterator[None]:
     """Within the block, ``Tensor.topk`` is :func:`earliest_topk`: transformers' indexer then
     breaks ties as kvdoc does. (Its dense layers call no other ``topk``.)"""
-    original = torch.Tensor.topk
-    torch.Tensor.topk = earliest_topk
-    try:
+    with patched([(torch.Tensor, "topk", earliest_topk)]):
         yield
-    finally:
-        torch.Tensor.topk = original
