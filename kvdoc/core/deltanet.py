@@ -253,10 +253,7 @@ class DeltaNetBlock(PreNormBlock):
 
 
 class DeltaNetDecoder(HybridDecoder):
-    """A decoder of :class:`DeltaNetBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward and
-    input checks; its cache (:meth:`new_cache`) holds a state per DeltaNet layer and growing K/V
-    per attention layer. A state folds every row, so padded batches (``attn_mask``) and rows at
-    other positions (``positions``) are refused.
+    """A :class:`~kvdoc.core.frame.HybridDecoder` of :class:`DeltaNetBlock` s.
 
     >>> DeltaNetDecoder(DeltaNetConfig()).num_parameters()
     87280

@@ -215,8 +215,7 @@ class GemmaBlock(nn.Module):
 
 
 class Gemma3Decoder(BlocksDecoder):
-    """A decoder of :class:`GemmaBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward (embed,
-    blocks, final norm, LM head), input checks and caches (a hybrid one by default).
+    """A :class:`~kvdoc.core.frame.BlocksDecoder` of :class:`GemmaBlock` s (a hybrid cache).
 
     >>> Gemma3Decoder(Gemma3Config()).num_parameters()   # the head tied to wte
     80576

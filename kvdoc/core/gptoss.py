@@ -302,8 +302,7 @@ class GptOssBlock(PreNormBlock):
 
 
 class GptOssDecoder(BlocksDecoder):
-    """A decoder of :class:`GptOssBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward, input
-    checks and caches (a hybrid one by default).
+    """A :class:`~kvdoc.core.frame.BlocksDecoder` of :class:`GptOssBlock` s (a hybrid cache).
 
     >>> GptOssDecoder(GptOssConfig()).num_parameters()   # 4 experts of 32 in each layer
     88400

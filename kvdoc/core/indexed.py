@@ -135,6 +135,16 @@ def select(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
     return chosen & allowed  # where fewer than k are allowed, k - (allowed) picks were -inf
 
 
+def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_h w_h H_I**-0.5 relu(q_h . k / sqrt(D_I))`` of queries ``q`` ``[B, H_I, C, D_I]``,
+    ``keys`` ``[B, 1, T, D_I]`` and head weights ``[B, C, H_I]``: ``[B, C, T]`` (V3.2's indexer
+    over positions, V4's over entries)."""
+    per_head = F.relu(q @ keys.mT * q.shape[-1] ** -0.5)  # [B, H_I, C, T]
+    weights = weights * weights.shape[-1] ** -0.5
+    # + 0.0 turns a -0.0 (a negative weight times a zero) into the 0.0 it ties with
+    return (weights.transpose(1, 2)[..., None] * per_head).sum(dim=1) + 0.0
+
+
 class Indexer(nn.Module):
     """The lightning indexer of one layer (weights named as transformers' ``DeepseekV32Indexer``):
     ``wq_b`` (query latent -> ``H_I`` heads), ``wk`` and ``k_norm`` (the one key), and
@@ -168,11 +178,7 @@ class Indexer(nn.Module):
         c = self.config
         B, C, _ = x.shape
         q = self.wq_b(q_latent).view(B, C, c.index_n_heads, c.index_head_dim).transpose(1, 2)
-        q = self._rotate(q, at)  # [B, H_I, C, D_I]
-        per_head = F.relu(q @ keys.mT * c.index_head_dim ** -0.5)  # [B, H_I, C, T]
-        weights = self.weights_proj(x) * c.index_n_heads ** -0.5  # [B, C, H_I]
-        # + 0.0 turns a -0.0 (a negative weight times a zero) into the 0.0 it ties with
-        return (weights.transpose(1, 2)[..., None] * per_head).sum(dim=1) + 0.0
+        return index_scores(self._rotate(q, at), keys, self.weights_proj(x))
 
 
 class IndexedAttention(LatentAttention):

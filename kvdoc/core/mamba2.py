@@ -314,9 +314,7 @@ class HybridBlock(PreNormBlock):
 
 
 class MambaDecoder(HybridDecoder):
-    """A decoder of :class:`HybridBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward, input
-    checks, ``prefill``/``decode_step``/``generate``. A padded batch (``attn_mask``) or per-row
-    ``positions`` are refused: a mixer's state would fold the padding in.
+    """A :class:`~kvdoc.core.frame.HybridDecoder` of :class:`HybridBlock` s.
 
     >>> MambaDecoder(Mamba2Config()).num_parameters()  # 2 x (MLP 24576 + norms 128) + mixer
     102264

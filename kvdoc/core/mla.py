@@ -246,8 +246,7 @@ class LatentBlock(PreNormBlock):
 
 
 class MLADecoder(BlocksDecoder):
-    """A decoder of :class:`LatentBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward (embed,
-    blocks, final RMSNorm, LM head), input checks and caches, over latent blocks.
+    """A :class:`~kvdoc.core.frame.BlocksDecoder` of :class:`LatentBlock` s.
 
     >>> MLADecoder(MLAConfig()).num_parameters()
     95744

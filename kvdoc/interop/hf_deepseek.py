@@ -43,8 +43,9 @@ from kvdoc.interop.hf_config import (
     refuse_unsupported,
 )
 
-#: the attention's parameters, below ``self_attn.`` (transformers) and ``attn.`` (kvdoc)
-_ATTENTION = tuple(f"{name}.weight" for name in (
+#: the attention's parameters, below ``self_attn.`` (transformers) and ``attn.`` (kvdoc); a
+#: model maps those it has
+ATTENTION = tuple(f"{name}.weight" for name in (
     "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
     "kv_b_proj", "o_proj"))
 
@@ -194,7 +195,7 @@ def from_deepseek(hf_model: Any) -> MLADecoder:
     """An :class:`MLADecoder` with the weights of transformers' ``DeepseekV3ForCausalLM``
     (dense layers only), in the model's dtype, in eval mode."""
     config = config_from_deepseek(hf_model.config)
-    mapped = layers_by_our_names(hf_model.state_dict(), config, _ATTENTION,
+    mapped = layers_by_our_names(hf_model.state_dict(), config, ATTENTION,
                                  hf_model.config.rope_interleave)
     return holding(MLADecoder(config), mapped)
 
@@ -203,5 +204,5 @@ def to_deepseek(model: MLADecoder, rope_interleave: bool = True) -> Any:
     """transformers' ``DeepseekV3ForCausalLM`` holding ``model``'s weights, in its dtype, in eval
     mode; the global RNG is left as it was."""
     config = model.config
-    mapped = layers_by_their_names(dict(model.state_dict()), config, _ATTENTION, rope_interleave)
+    mapped = layers_by_their_names(dict(model.state_dict()), config, ATTENTION, rope_interleave)
     return load_exported(deepseek_config(config, rope_interleave), mapped, model)

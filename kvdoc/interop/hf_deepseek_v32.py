@@ -32,6 +32,7 @@ import torch
 from kvdoc.core.indexed import IndexedConfig, IndexedDecoder
 from kvdoc.interop.hf_config import expect_model_type, holding, load_exported
 from kvdoc.interop.hf_deepseek import (
+    ATTENTION,
     dense_config,
     layers_by_our_names,
     layers_by_their_names,
@@ -42,12 +43,9 @@ from kvdoc.interop.hf_float64 import patched
 #: the indexer's sizes, named alike in both
 _INDEXER = ("index_n_heads", "index_head_dim", "index_topk")
 
-#: the attention's parameters, below ``self_attn.`` (transformers) and ``attn.`` (kvdoc)
-_ATTENTION = (*(f"{name}.weight" for name in ("q_a_proj", "q_a_layernorm", "q_b_proj",
-                                               "kv_a_proj_with_mqa", "kv_a_layernorm",
-                                               "kv_b_proj", "o_proj")),
-              *(f"indexer.{name}" for name in ("wq_b.weight", "wk.weight", "k_norm.weight",
-                                               "k_norm.bias", "weights_proj.weight")))
+#: the attention's parameters (V3's and the indexer's), below ``self_attn.`` and ``attn.``
+_ATTENTION = (*ATTENTION, *(f"indexer.{name}" for name in (
+    "wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")))
 
 
 def v32_config(config: IndexedConfig) -> Any:
