@@ -88,7 +88,7 @@ class HeadsAttention(nn.Module):
 
     window: int | None = None
     scale: float | None = None  # None: 1 / sqrt(head_dim)
-    rope_theta: float = 10000.0
+    rope_theta: float  # each layer's RoPE base
     rotary_dim: int | None = None  # None: RoPE turns every feature of a head
     visible = CausalSelfAttention.visible
 
