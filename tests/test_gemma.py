@@ -9,7 +9,8 @@ import torch
 
 from kvdoc import Decoder, decode_step, generate, mistral_config, prefill
 from kvdoc.core.cache import KVCache
-from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, GemmaRMSNorm
+from kvdoc.core.frame import GLOBAL, SLIDING
+from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder, GemmaRMSNorm
 from kvdoc.core.window import WindowLayer, window_cache
 from kvdoc.interop.hf_config import random_model
 from kvdoc.interop.hf_float64 import float64_islands_lifted

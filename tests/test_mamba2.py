@@ -182,7 +182,7 @@ def test_bad_input_is_refused_before_any_write(models, ids):
 def test_config_and_loader_refusals():
     with pytest.raises(ValueError, match="attn_layers must be increasing"):
         Mamba2Config(attn_layers=(2,))
-    with pytest.raises(ValueError, match="mamba_n_groups=3 must divide mamba_n_heads = 8"):
+    with pytest.raises(ValueError, match="mamba_n_heads=8 must be a multiple of mamba_n_groups=3"):
         Mamba2Config(mamba_n_groups=3)
     with pytest.raises(ValueError, match="mamba_d_conv must be an integer >= 2"):
         Mamba2Config(mamba_d_conv=1)

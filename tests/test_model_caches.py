@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from kvdoc.__main__ import main as cli
-from kvdoc.core import gemma
+from kvdoc.core import frame
 from kvdoc.interop.hf_deepseek import published_config
 from kvdoc.measure.kv_bytes import kv_bytes, kv_bytes_per_layer
 from kvdoc.measure.layer_caches import KINDS, ModelCache, every_nth_full
@@ -94,7 +94,7 @@ def test_plain_and_hybrid_presets_match_the_kv_formula(T: int) -> None:
                 1, T, m.kv_heads, m.head_dim, "bfloat16", windows))
             pattern = windows.index(None) + 1  # every pattern-th layer global, as Gemma's
             assert every_nth_full(len(windows), pattern) == list(
-                gemma.every_nth_full(len(windows), pattern))
+                frame.every_nth_full(len(windows), pattern))
 
 
 def test_mla_preset_is_the_interop_config() -> None:

@@ -5,11 +5,10 @@ the input checks and one forward for full recompute and cached continuation) and
 offset causal mask; a cache of per-layer storages and one length; dynamic and static layers;
 whether a cache serves a model, decided by the config's ``cache_layout``). The rest builds on
 them: ``window`` (rings for sliding-window layers, the hybrid cache of a model that also has
-global layers), ``mla`` (DeepSeek's latent attention, whose layout is
+global layers), ``frame`` (the decoder, block, attention and gated MLP every model below
+builds on, and their layer types), ``mla`` (DeepSeek's latent attention, whose layout is
 one head of two widths), ``state`` (the fixed-size state of a recurrent layer, beside K/V
-layers, and its snapshots; the frame of every decoder below whose blocks are not GPT-2's),
-``gemma`` (Gemma 3's window and global layers; the attention and gated MLP that Qwen3.5's,
-Bamba's and gpt-oss's layers share with it), ``deltanet``
+layers, and its snapshots), ``gemma`` (Gemma 3's window and global layers), ``deltanet``
 (Qwen3.5's Gated DeltaNet and gated attention layers), ``delta_rule`` (DeltaNet's recurrence,
 token by token and in chunks), ``mamba2`` (Bamba's Mamba-2 hybrid: a conv and an SSD state per
 mixer), ``v4`` and ``compressed`` (DeepSeek-V4's attention layers and their caches of pooled

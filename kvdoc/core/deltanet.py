@@ -1,28 +1,21 @@
 """A Qwen3.5-style hybrid decoder: Gated DeltaNet layers with gated full-attention layers.
 
 Each layer is of one of two types (``config.layer_types``, as transformers names them; by
-default every second layer is full attention, :func:`~kvdoc.core.gemma.every_nth_full`):
+default every second layer is full attention):
 
-* ``"linear_attention"``, a Gated DeltaNet: one projection gives Q, K and V for every head,
-  a causal depthwise convolution of ``K_conv`` taps (then SiLU) mixes each channel with its last
-  ``K_conv - 1`` inputs, and a matrix-valued state ``S`` (``[H_v, D_k, D_v]``) folds every
-  earlier token by the gated delta rule: with ``q``, ``k`` L2-normed (``q`` also scaled by
-  ``D_k ** -0.5``), ``beta = sigmoid(b)`` and ``g = -exp(A_log) * softplus(a + dt_bias)``,
-
-  ``S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T``, ``o_t = S_t^T q_t``;
-
-  then a per-head RMSNorm of ``o`` gated by ``silu(z)``. What the cache keeps is the conv window
-  and ``S``: a :class:`~kvdoc.core.state.StateLayer`, of one size at every position. A decode
-  step takes the rule a token at a time, a longer call ``chunk_size`` tokens at a time
-  (:mod:`kvdoc.core.delta_rule`: one function of the tokens, checked equal in the tests and on
-  the grid);
+* ``"linear_attention"``, a Gated DeltaNet: one projection gives Q, K and V for every head, a
+  causal depthwise convolution of ``K_conv`` taps (then SiLU) mixes each channel with its last
+  ``K_conv - 1`` inputs, and a state ``S`` (``[H_v, D_k, D_v]``) folds every earlier token by
+  the gated delta rule (:mod:`kvdoc.core.delta_rule`: a token at a time in a decode step,
+  ``chunk_size`` at a time in a longer call), then a per-head RMSNorm gated by ``silu(z)``. The
+  cache keeps the conv window and ``S``: a :class:`~kvdoc.core.state.StateLayer`;
 * ``"full_attention"``: softmax attention with q/k RMSNorms, RoPE on the first
-  ``partial_rotary_factor`` of each head's features, and an output gate: ``q_proj`` gives each
-  head a query and a gate, and the heads' output is multiplied by ``sigmoid(gate)``.
+  ``partial_rotary_factor`` of each head's features, and the heads' output times
+  ``sigmoid(gate)``, a gate per head from ``q_proj``.
 
-Every RMSNorm but the gated one scales by ``1 + weight`` (:class:`~kvdoc.core.gemma.GemmaRMSNorm`);
-the MLP is SwiGLU. Parameter names inside a layer are transformers' (``linear_attn.in_proj_qkv``,
-``self_attn.q_proj`` ..), so a checkpoint maps by key (:mod:`kvdoc.interop.hf_qwen35`).
+Every other RMSNorm scales by ``1 + weight`` (:class:`~kvdoc.core.gemma.GemmaRMSNorm`); the MLP
+is SwiGLU. Parameter names inside a layer are transformers', so a checkpoint maps by key
+(:mod:`kvdoc.interop.hf_qwen35`).
 
 >>> _ = torch.manual_seed(0)
 >>> model = DeltaNetDecoder(DeltaNetConfig()).eval()
@@ -48,12 +41,19 @@ from torch import nn
 
 from .cache import KVCache, LayerSpec, check_int, check_positive
 from .delta_rule import chunked_delta_rule, l2norm, recurrent_delta_rule
-from .gemma import GatedMLP, GemmaRMSNorm, HeadsAttention, every_nth_full
-from .model import apply_rope
-from .state import HybridDecoder, StateSpec, read_state, update_state
-
-LINEAR, FULL = "linear_attention", "full_attention"
-"""The two layer types, as Qwen3.5's ``config.json`` names them."""
+from .frame import (
+    GLOBAL,
+    LINEAR,
+    GatedMLP,
+    HeadsAttention,
+    HybridDecoder,
+    PreNormBlock,
+    check_layer_types,
+    check_multiples,
+    every_nth_full,
+)
+from .gemma import GemmaRMSNorm
+from .state import StateSpec, read_state, update_state
 
 
 @dataclass(frozen=True)
@@ -100,19 +100,11 @@ class DeltaNetConfig:
         check_int("linear_conv_kernel_dim", self.linear_conv_kernel_dim, minimum=2)
         for name in ("rope_theta", "layer_norm_epsilon", "partial_rotary_factor"):
             check_positive(name, getattr(self, name))
-        types = self.layer_types
-        if types is None:
-            types = every_nth_full(self.n_layer, 2, LINEAR)
-            object.__setattr__(self, "layer_types", types)
-        if (not isinstance(types, tuple) or len(types) != self.n_layer
-                or any(t not in (LINEAR, FULL) for t in types)):
-            raise ValueError(f"layer_types must be a tuple of {self.n_layer} of {LINEAR!r} and "
-                             f"{FULL!r}, got {types!r}")
-        for big, small in (("n_head", "n_kv_head"),
-                           ("linear_num_value_heads", "linear_num_key_heads")):
-            if getattr(self, big) % getattr(self, small):
-                raise ValueError(f"{big}={getattr(self, big)} must be a multiple of "
-                                 f"{small}={getattr(self, small)}")
+        if self.layer_types is None:
+            object.__setattr__(self, "layer_types", every_nth_full(self.n_layer, 2, LINEAR))
+        check_layer_types(self.layer_types, self.n_layer, (LINEAR, GLOBAL))
+        check_multiples(self, ("n_head", "n_kv_head"),
+                        ("linear_num_value_heads", "linear_num_key_heads"))
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(f"RoPE rotates pairs: head_dim x partial_rotary_factor = "
                              f"{self.rotary_dim} must be even and within head_dim")
@@ -157,8 +149,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(c.n_embd, self.hv, bias=False)
         self.in_proj_a = nn.Linear(c.n_embd, self.hv, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int,
-                start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:  # HybridDecoder: None
         B, C, _ = x.shape
         if cache is None:
             window, state = self.zero_state(x)
@@ -230,12 +222,9 @@ class GatedAttention(HeadsAttention):
         self.q_norm = GemmaRMSNorm(c.head_dim, c.layer_norm_epsilon)
         self.k_norm = GemmaRMSNorm(c.head_dim, c.layer_norm_epsilon)
 
-    def rope(self, x: torch.Tensor, at: int | torch.Tensor) -> torch.Tensor:
-        turned, kept = x.split((self.rotary_dim, self.head_dim - self.rotary_dim), dim=-1)
-        return torch.cat((apply_rope(turned, at, self.rope_theta), kept), dim=-1)
-
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int,
-                start: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         B, C, _ = x.shape
         D = self.head_dim
         q, gate = self.q_proj(x).view(B, C, self.n_head, 2 * D).split(D, dim=-1)
@@ -245,42 +234,26 @@ class GatedAttention(HeadsAttention):
         v = self.heads(self.v_proj, x)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v, start)
-        y = self.attend(q, k, v, start).transpose(1, 2)
+        y = self.attend(q, k, v, start, attn_mask).transpose(1, 2)
         return self.o_proj((y * gate.sigmoid()).reshape(B, C, -1))
 
 
-class DeltaNetBlock(nn.Module):
+class DeltaNetBlock(PreNormBlock):
     """``x + mixer(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``; the
     mixer a :class:`GatedDeltaNet` (``linear_attn``) or a :class:`GatedAttention`
     (``self_attn``)."""
 
     def __init__(self, config: DeltaNetConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.linear = config.layer_types[layer_idx] == LINEAR
-        if self.linear:
-            self.linear_attn = GatedDeltaNet(config)
-        else:
-            self.self_attn = GatedAttention(config)
-        self.mlp = GatedMLP(config)
-        self.input_layernorm = GemmaRMSNorm(config.n_embd, config.layer_norm_epsilon)
-        self.post_attention_layernorm = GemmaRMSNorm(config.n_embd, config.layer_norm_epsilon)
-
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        if self.linear:
-            h = self.linear_attn(h, cache, layer_idx, start)
-        else:
-            h = self.self_attn(h, cache, layer_idx, start, **positions)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        c, mixer = config, "linear_attn" if config.layer_types[layer_idx] == LINEAR else "self_attn"
+        super().__init__(
+            ("input_layernorm", mixer, "post_attention_layernorm", "mlp"),
+            **{mixer: GatedDeltaNet(c) if mixer == "linear_attn" else GatedAttention(c)},
+            mlp=GatedMLP(c), input_layernorm=GemmaRMSNorm(c.n_embd, c.layer_norm_epsilon),
+            post_attention_layernorm=GemmaRMSNorm(c.n_embd, c.layer_norm_epsilon))
 
 
 class DeltaNetDecoder(HybridDecoder):
-    """A decoder of :class:`DeltaNetBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward and
-    input checks; its cache (:meth:`new_cache`) holds a state per DeltaNet layer and growing K/V
-    per attention layer. A state folds every row, so padded batches (``attn_mask``) and rows at
-    other positions (``positions``) are refused.
+    """A :class:`~kvdoc.core.frame.HybridDecoder` of :class:`DeltaNetBlock` s.
 
     >>> DeltaNetDecoder(DeltaNetConfig()).num_parameters()
     87280

@@ -22,13 +22,12 @@ It serves every configuration the model does: GPT-2 (learned positions, LayerNor
 Llama-style (RoPE at position ``P``, RMSNorm, SwiGLU, no biases, a sliding window).
 
 It is for inference: its logits carry no autograd graph (the model's own calls, which it
-delegates to, do). Its copies cost a second set of weight matrices in memory. Because it copies
-them, it checks on every call that the model's modules and parameters are the ones it took (same
-objects) and that each copied matrix keeps its storage and version counter, and copies them
-again if not, so it never serves stale weights. Only the matrices are copied: norms, biases and
-embeddings are read from the parameters themselves. An in-place edit of a matrix through
-``param.data`` (``p.data.mul_(2)``) bypasses version counters and cannot be seen; call
-:meth:`FastDecoder.refresh` after one.
+delegates to, do). Its copies cost a second set of weight matrices in memory. On every call it
+checks that the model's modules and parameters are the objects it took (``model.lm_head.weight =
+model.wte.weight`` replaces one) and that each copied matrix keeps its storage (``.to(dtype)``)
+and version counter (an optimizer step, ``load_state_dict``), and copies them again if not; norms,
+biases and embeddings are read from the parameters themselves. An in-place edit through
+``param.data`` (``p.data.mul_(2)``) bypasses version counters: call :meth:`FastDecoder.refresh`.
 
 :mod:`kvdoc.proofs.compare` and ``tests/test_fast.py`` prove it computes the model's function.
 """
@@ -102,11 +101,8 @@ class FastDecoder:
     def refresh(self) -> None:
         """Copy the model's weight matrices again (done automatically when they change)."""
         m, cfg = self.model, self.model.config
-        # What _stale compares: every module and parameter slot must still hold the object
-        # taken from it (``model.lm_head.weight = model.wte.weight`` replaces one), and every
-        # copied matrix's parameter must keep its storage (``.to(dtype)``, ``param.data = ...``)
-        # and version counter (in-place edits: optimizer steps, load_state_dict). Norms, biases
-        # and embeddings are read from the parameters themselves, so they need no watch.
+        # what _stale compares (the module docstring says why): every module and parameter
+        # slot's object, and each copied matrix's storage and version counter
         mods = list(m.modules())
         slots = [(mod._parameters, n) for mod in mods for n in mod._parameters]
         slots += [(mod._modules, n) for mod in mods for n in mod._modules]
@@ -159,17 +155,8 @@ class FastDecoder:
     def __call__(self, idx: torch.Tensor, cache: KVCache | None = None, *, last_only: bool = False,
                  positions: torch.Tensor | None = None,
                  attn_mask: torch.Tensor | None = None) -> DecoderOutput:
-        """The model's ``forward``; the fast step when ``idx`` is ``[B, 1]`` after a cache.
-
-        ``positions`` and ``attn_mask`` (per-row positions and a mask, for padded batches) send
-        the call to the model, as does any call that is not one token per row after a cache.
-
-        Returns:
-            ``DecoderOutput(logits, cache)`` exactly as :meth:`Decoder.forward` does.
-
-        Raises:
-            ValueError: whatever the model refuses, with the same message, before any write.
-        """
+        """The model's ``forward`` (its output, its refusals); the fast step when ``idx`` is
+        ``[B, 1]`` after a cache with neither ``positions`` nor ``attn_mask``."""
         if (cache is None or positions is not None or attn_mask is not None
                 or not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[1] != 1
                 or invariant.active()):  # the batch-invariant mode is the model's own path

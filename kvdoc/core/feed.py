@@ -65,15 +65,9 @@ class Fed(NamedTuple):
 @torch.no_grad()
 def feed(call: Callable, ids: torch.Tensor, cache: KVCache, chunk: int | Sequence[int], *,
          hook: Hook | None = None) -> Fed:
-    """Feed ``ids`` (``[B, T]``) through ``call`` chunk by chunk, continuing ``cache``.
-
-    Args:
-        call: a :class:`~kvdoc.core.model.Decoder`, or any ``(idx, cache) -> (logits, cache)``.
-        ids: token ids ``[B, T]``, the tokens after what ``cache`` holds.
-        cache: the cache to continue (``model.new_cache(B)`` for a new prompt).
-        chunk: chunk size (the last chunk may be short) or the list of chunk lengths.
-        hook: called after each call (see :data:`Hook`).
-    """
+    """Feed ``ids`` (``[B, T]``, the tokens after what ``cache`` holds) through ``call`` (a
+    :class:`~kvdoc.core.model.Decoder`, or any ``(idx, cache) -> (logits, cache)``) in chunks
+    (:func:`chunk_lengths`), continuing ``cache``; ``hook`` after each call (:data:`Hook`)."""
     if ids.dim() != 2:
         raise ValueError(f"ids must be [B, T], got {tuple(ids.shape)}")
     out, fed = [], 0

@@ -1,32 +1,15 @@
 """A Gemma-3-style decoder: sliding-window and global attention layers in one model.
 
-Each layer is of one of two types (``config.layer_types``, as transformers names them; every
-``sliding_window_pattern``-th layer is global, the others slide, as in Gemma 3's ``config.json``,
-unless ``global_layers`` lists the global ones):
-
-* ``"sliding_attention"``: query ``i`` reads keys ``i - W < j <= i`` only (``W`` =
-  ``sliding_window``, :mod:`kvdoc.core.model`'s convention, which is transformers'), and RoPE turns
-  at the local base ``rope_local_base_freq``;
-* ``"full_attention"``: query ``i`` reads every key ``j <= i``, RoPE at the global base
-  ``rope_theta``.
-
-The rest is Gemma 3's, as transformers computes it: token embeddings scaled by ``sqrt(n_embd)``
-(the constant in float32, then cast to the model's dtype), RMSNorms that scale by ``1 + weight``
-(weights start at zero), four of them per layer (before and after the attention, before and
-after the MLP: ``x + post(attn(input(x)))``, then ``x + post_ff(mlp(pre_ff(x)))``), RMSNorms of
-each query and key head (``q_norm``, ``k_norm``, before RoPE), a GeGLU MLP
-(``down(gelu_tanh(gate(x)) * up(x))``), the softmax scale ``query_pre_attn_scalar ** -0.5`` in
-place of ``1 / sqrt(head_dim)``, a head width ``head_dim`` set apart from ``n_embd / n_head``,
-and the final logits soft-capped to ``cap * tanh(logits / cap)`` when
-``final_logit_softcapping`` is set. Parameter names inside a layer are transformers'
-(``self_attn.q_proj``, ``input_layernorm``, ``mlp.gate_proj`` ..), so a checkpoint maps by key
-(:mod:`kvdoc.interop.hf_gemma`).
-
-:class:`Gemma3Decoder` is a :class:`~kvdoc.core.model.Decoder` (the same forward, input checks,
-``prefill``/``decode_step``/``generate``, caches); its default cache
-(:func:`~kvdoc.core.window.window_cache`) is hybrid: a ring of ``W`` slots for each window layer,
-a growing layer for each global one. A dynamic or static cache (every layer keeps every
-position) serves it too, which is what the hybrid one is checked against.
+Each layer slides (``"sliding_attention"``: query ``i`` reads keys ``i - W < j <= i``, RoPE at
+the local base ``rope_local_base_freq``) or is global (``"full_attention"``: every key
+``j <= i``, RoPE at ``rope_theta``); :attr:`Gemma3Config.layer_types` says which. The rest is
+Gemma 3's as transformers computes it: embeddings scaled by ``sqrt(n_embd)``, RMSNorms that
+scale by ``1 + weight``, four per layer (:class:`GemmaBlock`) and one per query and key head,
+a GeGLU MLP, the softmax scale ``query_pre_attn_scalar ** -0.5`` and soft-capped logits.
+Parameter names inside a layer are transformers', so a checkpoint maps by key
+(:mod:`kvdoc.interop.hf_gemma`). The default cache (:func:`~kvdoc.core.window.window_cache`) is
+hybrid: a ring of ``W`` slots per window layer, a growing layer per global one; a dynamic or
+static cache serves the model too, which is what the hybrid one is checked against.
 
 >>> _ = torch.manual_seed(0)
 >>> model = Gemma3Decoder(Gemma3Config(sliding_window=4)).eval()
@@ -41,10 +24,8 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,50 +33,25 @@ from torch import nn
 
 from . import invariant
 from .cache import KVCache, LayerSpec, check_int, check_positive
-from .model import CausalSelfAttention, apply_rope
-from .state import BlocksDecoder
-
-SLIDING, GLOBAL = "sliding_attention", "full_attention"
-"""The two layer types, as Gemma 3's ``config.json`` names them."""
-
-
-def every_nth_full(n_layer: int, interval: int, other: str = SLIDING) -> tuple[str, ...]:
-    """Layer types where every ``interval``-th layer is ``"full_attention"`` (the last of each
-    group) and the others ``other``, as transformers reads Gemma's ``sliding_window_pattern``
-    (Gemma 3: 6, Gemma 2: 2) and Qwen3.5's ``full_attention_interval`` (its default: 4; ``other``
-    ``"linear_attention"``).
-
-    >>> every_nth_full(4, 2)
-    ('sliding_attention', 'full_attention', 'sliding_attention', 'full_attention')
-    """
-    check_int("n_layer", n_layer)
-    check_int("interval", interval)
-    return tuple(other if (i + 1) % interval else GLOBAL for i in range(n_layer))
+from .frame import (
+    GLOBAL,
+    SLIDING,
+    BlocksDecoder,
+    GatedMLP,
+    HeadsAttention,
+    check_layer_indices,
+    check_multiples,
+    every_nth_full,
+)
 
 
 @dataclass(frozen=True)
 class Gemma3Config:
     """Sizes of a Gemma-3-style decoder (names as :class:`~kvdoc.core.model.GPTConfig`'s, or as
-    Gemma 3's ``config.json`` where GPT-2 has none).
-
-    Args:
-        vocab_size, n_positions, n_head, n_embd: as in :class:`~kvdoc.core.model.GPTConfig`.
-        n_kv_head: ``H_kv``, K/V heads (``n_head`` a multiple of it).
-        n_inner: hidden width of the GeGLU MLP (``intermediate_size``).
-        head_dim: ``D_h``, the width of every query, key and value head.
-        query_pre_attn_scalar: the softmax scale is ``query_pre_attn_scalar ** -0.5``.
-        n_layer: decoder layers.
-        sliding_window: ``W``, the keys a window layer's query reads, its own included.
-        sliding_window_pattern: every ``sliding_window_pattern``-th layer (the last of each
-            group) is global, the others are window layers (:attr:`layer_types`); Gemma 3 has 6,
-            Gemma 2 2; 1 makes every layer global.
-        global_layers: the indices of the global layers, for a layout no pattern gives (a
-            global layer first: ``(0,)``); None: every ``sliding_window_pattern``-th.
-        layer_norm_epsilon: the epsilon of every RMSNorm (``rms_norm_eps``).
-        rope_theta: the RoPE base of the global layers.
-        rope_local_base_freq: the RoPE base of the window layers.
-        final_logit_softcapping: ``cap`` of ``cap * tanh(logits / cap)``, or None for none.
-        tie_word_embeddings: the LM head reuses ``wte``'s weight (Gemma's checkpoints do).
+    Gemma 3's ``config.json`` where GPT-2 has none): ``n_inner`` the GeGLU's hidden width,
+    ``head_dim`` apart from ``n_embd / n_head``; every ``sliding_window_pattern``-th layer (the
+    last of each group) is global (Gemma 3: 6, Gemma 2: 2; 1: every layer), unless
+    ``global_layers`` lists them; ``final_logit_softcapping`` None: no cap.
 
     >>> cfg = Gemma3Config()
     >>> cfg.layer_types, cfg.layer_windows
@@ -135,14 +91,9 @@ class Gemma3Config:
                      "head_dim", "query_pre_attn_scalar", "n_layer", "sliding_window",
                      "sliding_window_pattern"):
             check_int(name, getattr(self, name))
-        g = self.global_layers
-        if g is not None and (not isinstance(g, tuple) or list(g) != sorted(set(g))
-                              or any(type(i) is not int or not 0 <= i < self.n_layer for i in g)):
-            raise ValueError("global_layers must be increasing layer indices below "
-                             f"n_layer={self.n_layer}, got {g!r}")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} must be a multiple of "
-                             f"n_kv_head={self.n_kv_head}")
+        if self.global_layers is not None:
+            check_layer_indices("global_layers", self.global_layers, self.n_layer)
+        check_multiples(self, ("n_head", "n_kv_head"))
         if self.head_dim % 2:
             raise ValueError(f"RoPE rotates pairs of features: head_dim={self.head_dim} "
                              "must be even")
@@ -223,47 +174,6 @@ class SoftCappedHead(nn.Linear):
         return torch.tanh(logits / self.cap) * self.cap
 
 
-class HeadsAttention(nn.Module):
-    """Attention through transformers' ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` (each with
-    ``bias`` or none) of ``n_head`` query and ``n_kv_head`` K/V heads of ``head_dim``: :meth:`qkv`
-    gives the turned heads, the cache takes K and V, :meth:`attend` reads them with
-    :class:`~kvdoc.core.model.CausalSelfAttention`'s masks (SDPA at ``scale``)."""
-
-    window: int | None = None
-    scale: float | None = None  # None: 1 / sqrt(head_dim)
-    visible = CausalSelfAttention.visible
-
-    def __init__(self, c: Any, bias: bool = False, q_per_head: int = 1) -> None:
-        super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
-        self.q_proj = nn.Linear(c.n_embd, q_per_head * c.n_head * c.head_dim, bias=bias)
-        self.k_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=bias)
-        self.v_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=bias)
-        self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=bias)
-
-    def heads(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """``proj(x)`` as heads: ``[B, C, n D_h] -> [B, n, C, D_h]``."""
-        return proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None, *,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        # positions start .. start + C - 1, or per row
-        q, k, v = self.qkv(x, start if positions is None else positions)
-        if cache is not None:
-            k, v = cache.update(layer_idx, k, v, start)  # a window layer returns its last rows
-        y = self.attend(q, k, v, start, attn_mask)
-        return self.o_proj(y.transpose(1, 2).flatten(2))
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        mask = self.visible(start, q.shape[2], k.shape[2], attn_mask, q.device)
-        if mask is not None and mask.dim() == 3:
-            mask = mask[:, None]  # [B, 1, C, T]: the same for every head
-        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, **gqa)
-
-
 class GemmaAttention(HeadsAttention):
     """Gemma 3's attention of layer ``layer_idx``: its window (or none) and its RoPE base.
 
@@ -280,26 +190,6 @@ class GemmaAttention(HeadsAttention):
         self.scale = c.query_pre_attn_scalar ** -0.5
         self.q_norm = GemmaRMSNorm(c.head_dim, eps=c.layer_norm_epsilon)
         self.k_norm = GemmaRMSNorm(c.head_dim, eps=c.layer_norm_epsilon)
-
-    def qkv(self, x: torch.Tensor, at: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
-        q = apply_rope(self.q_norm(self.heads(self.q_proj, x)), at, self.rope_theta)
-        k = apply_rope(self.k_norm(self.heads(self.k_proj, x)), at, self.rope_theta)
-        return q, k, self.heads(self.v_proj, x)
-
-
-class GatedMLP(nn.Module):
-    """``down_proj(act(gate_proj(x)) * up_proj(x))``: SwiGLU (``act`` SiLU: Qwen3.5's, Bamba's) or
-    GeGLU (GELU's tanh form: Gemma's)."""
-
-    def __init__(self, config: Any, act: Callable[[torch.Tensor], torch.Tensor] = F.silu) -> None:
-        super().__init__()
-        self.act = act
-        self.gate_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
-        self.up_proj = nn.Linear(config.n_embd, config.n_inner, bias=False)
-        self.down_proj = nn.Linear(config.n_inner, config.n_embd, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class GemmaBlock(nn.Module):
@@ -325,8 +215,7 @@ class GemmaBlock(nn.Module):
 
 
 class Gemma3Decoder(BlocksDecoder):
-    """A decoder of :class:`GemmaBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward (embed,
-    blocks, final norm, LM head), input checks and caches (a hybrid one by default).
+    """A :class:`~kvdoc.core.frame.BlocksDecoder` of :class:`GemmaBlock` s (a hybrid cache).
 
     >>> Gemma3Decoder(Gemma3Config()).num_parameters()   # the head tied to wte
     80576

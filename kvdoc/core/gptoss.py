@@ -8,19 +8,12 @@ parameter, not a cached row: a cache holds K and V as for any attention, and a w
 its last ``W`` rows (:func:`~kvdoc.core.window.window_cache`, the hybrid cache Gemma's decoder
 uses), while the sink stays in the denominator of every query, however many keys it reads.
 
-The rest is gpt-oss's, as transformers 5.24's ``GptOssForCausalLM`` computes it
-(``models/gpt_oss/modeling_gpt_oss.py``): window and full layers alternating, the window layers
-first (``layer_types``; query ``i`` of a window layer reads keys ``i - W < j <= i``); biases on
-Q, K, V and the output projection; RoPE, by default YaRN-scaled (:func:`yarn_frequencies`), its
-cos and sin multiplied by YaRN's attention factor; RMSNorms before the attention and before the
-MLP; a mixture of experts for the MLP: a router (``x W^T + b``) picks the top ``k`` of
-``n_experts``, whose logits a softmax turns into weights, and each picked expert applies a
-clamped SwiGLU (:meth:`GptOssExperts.swiglu`). Parameter names inside a layer are transformers'
-(``self_attn.sinks``, ``mlp.router.weight``, ``mlp.experts.gate_up_proj`` ..), so a checkpoint
-maps by key (:mod:`kvdoc.interop.hf_gptoss`).
-
-:class:`GptOssDecoder` is a :class:`~kvdoc.core.model.Decoder` (the same forward, input checks,
-``prefill``/``decode_step``/``generate``, caches); its default cache is hybrid.
+The rest is gpt-oss's, as transformers 5.24's ``GptOssForCausalLM`` computes it: window and
+full layers alternating, the window layers first; biases on Q, K, V and the output; RoPE, by
+default YaRN-scaled (:func:`yarn_frequencies`); RMSNorms before the attention and the MLP; and
+for the MLP a mixture of experts (:class:`GptOssMLP`). Parameter names inside a layer are
+transformers', so a checkpoint maps by key (:mod:`kvdoc.interop.hf_gptoss`); the default cache
+is hybrid.
 
 >>> _ = torch.manual_seed(0)
 >>> model = GptOssDecoder(GptOssConfig(sliding_window=4)).eval()
@@ -44,10 +37,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import invariant
-from .cache import KVCache, LayerSpec, check_int, check_positive
-from .gemma import GLOBAL, SLIDING, HeadsAttention, every_nth_full
+from .cache import LayerSpec, check_int, check_positive
+from .frame import (
+    GLOBAL,
+    SLIDING,
+    BlocksDecoder,
+    HeadsAttention,
+    PreNormBlock,
+    check_layer_types,
+    check_multiples,
+    every_nth_full,
+)
 from .model import rotate_half
-from .state import BlocksDecoder
 
 
 @dataclass(frozen=True)
@@ -105,16 +106,11 @@ class GptOssConfig:
         if self.experts_per_token > self.n_experts:
             raise ValueError(f"experts_per_token={self.experts_per_token} must be at most "
                              f"n_experts={self.n_experts}")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} must be a multiple of "
-                             f"n_kv_head={self.n_kv_head}")
+        check_multiples(self, ("n_head", "n_kv_head"))
         if self.head_dim % 2:
             raise ValueError(f"RoPE rotates pairs: head_dim={self.head_dim} must be even")
-        types = self.layer_types
-        if types is not None and (not isinstance(types, tuple) or len(types) != self.n_layer
-                                  or any(t not in (SLIDING, GLOBAL) for t in types)):
-            raise ValueError(f"layer_types must be a tuple of {self.n_layer} of {SLIDING!r} and "
-                             f"{GLOBAL!r}, got {types!r}")
+        if self.layer_types is not None:
+            check_layer_types(self.layer_types, self.n_layer, (SLIDING, GLOBAL))
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -294,27 +290,19 @@ class GptOssMLP(nn.Module):
         return torch.einsum("ne,end->nd", weights, self.experts(rows))
 
 
-class GptOssBlock(nn.Module):
-    """``x + attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``."""
+class GptOssBlock(PreNormBlock):
+    """``x + self_attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``."""
 
     def __init__(self, config: GptOssConfig, layer_idx: int) -> None:
-        super().__init__()
         d, eps = config.n_embd, config.layer_norm_epsilon
-        self.input_layernorm = nn.RMSNorm(d, eps=eps)
-        self.self_attn = GptOssAttention(config, layer_idx)
-        self.post_attention_layernorm = nn.RMSNorm(d, eps=eps)
-        self.mlp = GptOssMLP(config)
-
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cache, layer_idx, start, attn_mask,
-                               **positions)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        super().__init__(("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"),
+                         input_layernorm=nn.RMSNorm(d, eps=eps),
+                         self_attn=GptOssAttention(config, layer_idx),
+                         post_attention_layernorm=nn.RMSNorm(d, eps=eps), mlp=GptOssMLP(config))
 
 
 class GptOssDecoder(BlocksDecoder):
-    """A decoder of :class:`GptOssBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward, input
-    checks and caches (a hybrid one by default).
+    """A :class:`~kvdoc.core.frame.BlocksDecoder` of :class:`GptOssBlock` s (a hybrid cache).
 
     >>> GptOssDecoder(GptOssConfig()).num_parameters()   # 4 experts of 32 in each layer
     88400

@@ -17,32 +17,13 @@ earlier position wins* (a stable sort of the scores, :func:`select`), so which k
 reads depends on rows ``0 .. i`` only: the cached path (prefill, chunks, one-token steps) is the
 full forward's function, and row ``i`` never depends on a later token.
 
-**transformers 5.24.0 departs there.** ``DeepseekV32Indexer.forward``
-(``models/deepseek_v32/modeling_deepseek_v32.py``) masks the future causally (line 237,
-``masked_fill(~attention_mask, -inf)``: the selection *is* causal in which keys it may pick),
-then ends with ``index_scores.topk(topk, dim=-1)`` (lines 241-242) over the whole ``[B, S, T]``
-row; ``DeepseekV32Attention.forward`` scatters those indices into the mask (lines 449-458).
-``torch.topk`` returns tied values in an order that depends on the row's length: the full
-forward ranks row ``i`` among ``T`` columns (``i + 1`` of them finite), a one-token step and a
-forward of the first ``i + 1`` tokens among ``i + 1``, so where exactly tied scores straddle the
-k-th place each picks other keys. On CPU, the top 4 of a row of zeros but 1 at index 0 and
-0.5 at index 5 are indices 0, 5, 6, 4 in a row of 9 and 0, 5, 27, 29 in a row of 41.
-Measured (tests/test_indexed.py's model: every size off the defaults, 3 dense layers, one
-indexer head, ``index_topk=7``, 30 tokens, FP64, logits up to 0.49): transformers' one-token
-decode departs from its full forward by 0.18, its forward of each prefix from its full forward's
-row by 0.18; the ranked rows are -inf past the query and the tied scores are bitwise-equal zeros.
-With ``topk`` breaking ties earlier-first and nothing else changed
-(:func:`kvdoc.interop.hf_deepseek_v32.earliest_ties`) both fall to 3e-16 and kvdoc matches it to
-2e-16 (FP32: 1e-7); with ``index_topk`` at least the context they are 3e-16 as they are. So the
-cause is neither the causal mask (applied before ``topk``) nor rounding (the tied scores are
-equal bit for bit), but ``topk``'s order among ties. A second, smaller departure: the indexer
-scores in float32 (``q.float()``, line 228) in an FP64 model too, so an FP64 selection can
-differ from kvdoc's where two scores lie within float32 rounding of each other.
-
-A near-tie is the one thing no rule fixes: the cached and full paths compute each score by
-matmuls of different shapes, equal to rounding, so two scores within rounding of each other at
-the k-th place can swap. On continuous random weights that is a rounding-sized chance; an exact
-tie (the ReLU's zeros) is a positive-probability event, and that is what the rule settles.
+**transformers 5.24.0 departs there**: ``DeepseekV32Indexer.forward`` ranks each row with
+``torch.topk``, whose order among tied values depends on the row's length, so its cached and
+full paths pick other keys where tied scores straddle the k-th place
+(:doc:`/part6/2-sparse` measures it; :func:`kvdoc.interop.hf_deepseek_v32.earliest_ties` runs it
+with kvdoc's rule). It also scores in float32 in an FP64 model. A near-tie (two scores within
+rounding of each other, from matmuls of other shapes on the two paths) is the one thing no rule
+fixes; on continuous weights it is a rounding-sized chance, where an exact tie is not.
 
 **Cache.** A layer's cache is an :class:`IndexedLayer`: the latent's layer (``c_KV``,
 ``k_rope``, as MLA's) composed with a layer of the same kind holding the indexer keys, stored
@@ -80,8 +61,8 @@ from .cache import (
     check_int,
     offset_causal_mask,
 )
+from .frame import partial_rope
 from .mla import LatentAttention, MLAConfig, MLADecoder
-from .model import apply_rope
 
 INDEX_NORM_EPS = 1e-6
 """Epsilon of the indexer key's LayerNorm (transformers' ``DeepseekV32Indexer.k_norm``)."""
@@ -154,6 +135,16 @@ def select(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
     return chosen & allowed  # where fewer than k are allowed, k - (allowed) picks were -inf
 
 
+def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_h w_h H_I**-0.5 relu(q_h . k / sqrt(D_I))`` of queries ``q`` ``[B, H_I, C, D_I]``,
+    ``keys`` ``[B, 1, T, D_I]`` and head weights ``[B, C, H_I]``: ``[B, C, T]`` (V3.2's indexer
+    over positions, V4's over entries)."""
+    per_head = F.relu(q @ keys.mT * q.shape[-1] ** -0.5)  # [B, H_I, C, T]
+    weights = weights * weights.shape[-1] ** -0.5
+    # + 0.0 turns a -0.0 (a negative weight times a zero) into the 0.0 it ties with
+    return (weights.transpose(1, 2)[..., None] * per_head).sum(dim=1) + 0.0
+
+
 class Indexer(nn.Module):
     """The lightning indexer of one layer (weights named as transformers' ``DeepseekV32Indexer``):
     ``wq_b`` (query latent -> ``H_I`` heads), ``wk`` and ``k_norm`` (the one key), and
@@ -174,8 +165,7 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(c.n_embd, c.index_n_heads, bias=False)
 
     def _rotate(self, x: torch.Tensor, at: int | torch.Tensor) -> torch.Tensor:
-        rot, plain = x.split(self.config.index_widths, dim=-1)  # the rotary part comes first
-        return torch.cat((apply_rope(rot, at, self.config.rope_theta), plain), dim=-1)
+        return partial_rope(x, at, self.config.rope_theta, self.config.qk_rope_head_dim)
 
     def keys(self, x: torch.Tensor, at: int | torch.Tensor) -> torch.Tensor:
         """The new rows' indexer keys ``[B, 1, C, index_head_dim]``, turned as cached."""
@@ -188,11 +178,7 @@ class Indexer(nn.Module):
         c = self.config
         B, C, _ = x.shape
         q = self.wq_b(q_latent).view(B, C, c.index_n_heads, c.index_head_dim).transpose(1, 2)
-        q = self._rotate(q, at)  # [B, H_I, C, D_I]
-        per_head = F.relu(q @ keys.mT * c.index_head_dim ** -0.5)  # [B, H_I, C, T]
-        weights = self.weights_proj(x) * c.index_n_heads ** -0.5  # [B, C, H_I]
-        # + 0.0 turns a -0.0 (a negative weight times a zero) into the 0.0 it ties with
-        return (weights.transpose(1, 2)[..., None] * per_head).sum(dim=1) + 0.0
+        return index_scores(self._rotate(q, at), keys, self.weights_proj(x))
 
 
 class IndexedAttention(LatentAttention):

@@ -1,62 +1,28 @@
 """Batch-invariant mode: every reduction in the decoder in an order fixed by positions and sizes.
 
-A matmul, a norm or an attention read sums many products, and floating-point addition is not
-associative: the same sum taken in another order rounds differently. Libraries choose the order
-from the shapes of the call (how many rows, how many keys, how many threads, which vector lanes
-take which element), so one sequence's logits change in the last bits when it is prefilled in
-other chunks, shares its batch with other rows, or is read from another cache. Inside
-``with batch_invariant():`` the decoder of :mod:`kvdoc.core.model` computes every value from
-the same operations on the same operands in the same order, whatever the call (and so do the
-MLA, Gemma 3 and gpt-oss decoders; see below):
+Floating-point addition is not associative, and libraries choose a reduction's order from the
+call's shapes (rows, keys, threads, vector lanes), so a sequence's logits change in the last bits
+when it is prefilled in other chunks, batched with other rows or read from another cache. Inside
+``with batch_invariant():`` every value is computed from the same operations on the same
+operands in the same order, whatever the call (:doc:`/part5/5-precision` shows it and its cost):
 
-* **Row-wise work** (every ``F.linear``: the projections, the MLP, the LM head; and the
-  LayerNorms and RMSNorms) runs on each row alone: one library call of shape ``[1, d]`` on a
-  fresh copy of the row (:func:`per_row`). The kernel and its reduction order are then those of
-  that one shape, whatever the batch or the chunk. This relies on one property of the libraries:
-  a call with the same shapes, strides, alignment and thread count gives the same bits (cuBLAS
-  documents it; a fresh copy is aligned as every other one). Element-wise work (GELU, SiLU,
-  RoPE's rotation) reduces nothing and is left alone.
-* **Attention** (:func:`attention`) uses no library reduction at all, only IEEE operations
-  applied element by element (each exactly rounded, so the same on every lane, thread and
-  device): the score ``q . k`` of one query and one key is a pairwise tree over ``D_h`` fixed by
-  ``D_h`` alone; the softmax's maximum is exact in any order; ``exp`` is a polynomial in float64
-  built from additions and multiplications (:func:`exp_fixed`); and the weighted sum over keys
-  runs key by key from the first column, in float32. A key a query may not read adds an exact
-  zero, so keys after it (a longer chunk), padding before it (a left-padded batch) or keys a
-  window cache dropped leave every bit as it was. Split-K attention
-  (:mod:`kvdoc.serving.splitk`) under the mode is this same computation: a split count chosen
-  for occupancy is exactly the knob that must not change the bits.
+* **Row-wise work** (every ``F.linear``, ``F.layer_norm`` and ``F.rms_norm``) runs on each row
+  alone (:func:`per_row`): one library call of shape ``[1, d]`` on a fresh copy, whose kernel and
+  order are then those of that one shape (a call with the same shapes, strides, alignment and
+  thread count gives the same bits, as cuBLAS documents). Element-wise work is left alone.
+* **Attention** (:func:`attention`, for ``F.scaled_dot_product_attention``) uses only IEEE
+  operations applied element by element, each exactly rounded, so a key a query may not read
+  adds an exact zero: a longer chunk, left padding or a window cache's dropped keys leave every
+  bit as it was (split-K attention, :mod:`kvdoc.serving.splitk`, under the mode is this same
+  computation).
 
-The mode is a :class:`torch.overrides.TorchFunctionMode` that reroutes those library calls
-(``F.linear``, ``F.layer_norm``, ``F.rms_norm``, ``F.scaled_dot_product_attention``, whose
-``scale`` and ``enable_gqa`` it takes as SDPA does), so the decoder's code reads the same in and
-out of it; split-K attention and the fast decode step, which reduce in code of their own, and
-Gemma's norm and soft cap (below) read :func:`active`. Outside the mode nothing changes. The
-mode costs speed, measured on :doc:`/part5/5-precision`.
-
-The other decoders are covered the same way, with four choices where their code reduces
-without one of those calls:
-
-* **MLA** (:mod:`kvdoc.core.mla`) attends through SDPA with its own ``scale``; its absorbed path
-  (a wider query over one shared latent head: ``enable_gqa``, and a value narrower than the key)
-  folds ``W_UK`` into the query and applies ``W_UV`` after attention. Those two products are
-  written as one ``F.linear`` per head (:func:`kvdoc.core.mla.per_head`), not an einsum: the
-  mode then runs them row by row like every projection. Rerouting ``torch.einsum`` and
-  ``torch.matmul`` would mean parsing equations and telling a weight from a batch of rows for
-  every caller; one per-head linear is the smallest change that is the same function.
-* **Gemma 3**'s RMSNorm (:class:`kvdoc.core.gemma.GemmaRMSNorm`, also its q/k norms) reduces by
-  hand, ``x.pow(2).mean(-1)``; under the mode it takes :func:`inv_rms`: a pairwise tree and then
-  ``sqrt`` and a division, each exactly rounded. Not a per-row call: the q/k norms run on every
-  head of every row, and the tree needs no library order at all.
-* **gpt-oss** (:mod:`kvdoc.core.gptoss`): its sink logits enter :func:`attention` first in
-  every denominator; its experts (einsums over stacked weights, a softmax over the picked
-  router logits, a sum over experts) run on each row alone (:func:`per_row`).
-* **Element-wise functions that are not exactly rounded** (``tanh``, ``rsqrt``) are the same on
-  one element only if it takes the same code: a CPU kernel runs vector code on most of a
-  tensor and scalar code on its tail, so where the tail falls depends on the tensor's size.
-  Where the size is a multiple of the vector width whatever the batch (the MLP's hidden width)
-  nothing changes; Gemma's soft cap over a vocabulary of any size runs per row
-  (:func:`per_row`), and its norm's ``rsqrt`` is :func:`inv_rms`'s exact steps.
+The mode is a :class:`torch.overrides.TorchFunctionMode` that reroutes those calls, so the
+decoder's code reads the same in and out of it; code that reduces by hand reads :func:`active`:
+MLA's absorbed products are one ``F.linear`` per head (:func:`kvdoc.core.mla.per_head`), Gemma's
+RMSNorm takes :func:`inv_rms` and its soft cap runs :func:`per_row` (``tanh`` and ``rsqrt`` are
+not exactly rounded, and a CPU kernel's vector body and scalar tail differ), gpt-oss's sinks
+enter :func:`attention` first in every denominator and its experts run :func:`per_row`, and
+split-K attention and the fast decode step read it too.
 
 >>> import torch
 >>> from kvdoc import Decoder, GPTConfig
@@ -151,10 +117,8 @@ def active() -> bool:
 
 
 def per_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``fn`` on each row ``[1, d]`` of ``x`` (``[..., d]``) alone, the rows stacked back.
-
-    Each call has the same shape and a fresh, equally aligned input, so each row goes through
-    the same kernel in the same order however many rows ``x`` holds.
+    """``fn`` on each row ``[1, d]`` of ``x`` (``[..., d]``) alone, a fresh copy each, the rows
+    stacked back: the same kernel and order however many rows ``x`` holds.
 
     >>> lin = torch.nn.Linear(4, 3)
     >>> x = torch.randn(2, 5, 4)
@@ -214,11 +178,8 @@ def inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """``1 / sqrt(mean(x^2) + eps)`` over the last dimension (kept, size 1), in ``x``'s dtype: for
     a norm that reduces by hand (Gemma's RMSNorm), which no library call the mode reroutes.
 
-    The squares and their pairwise tree (:func:`tree_sum`, an order fixed by the row's length)
-    run in float32 (float64 for float64), then one ``sqrt`` and one division: every step exactly
-    rounded. A library's ``rsqrt`` is not: in BF16 its vector code (through float32) and its
-    scalar code for a tensor's tail round differently, and which rows fall in the tail depends
-    on how many rows the call holds.
+    The squares and their pairwise tree (:func:`tree_sum`) run in float32 (float64 for
+    float64), then one ``sqrt`` and one division: every step exactly rounded, as ``rsqrt`` is not.
 
     >>> x = torch.tensor([[3., -3.], [1., 7.]])
     >>> torch.allclose(inv_rms(x, 1e-6), torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))

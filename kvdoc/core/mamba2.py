@@ -39,12 +39,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache, LayerSpec, check_int, check_positive
-from .deltanet import GatedAttention
-from .gemma import GatedMLP, HeadsAttention
-from .state import HybridDecoder, StateSpec, read_state, update_state
-
-MAMBA, ATTENTION = "linear_attention", "full_attention"
-"""The two layer types, as transformers' ``BambaConfig.layers_block_type`` names them."""
+from .frame import (
+    GLOBAL,
+    LINEAR,
+    GatedMLP,
+    HeadsAttention,
+    HybridDecoder,
+    PreNormBlock,
+    check_layer_indices,
+    check_multiples,
+)
+from .state import StateSpec, read_state, update_state
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,7 @@ class Mamba2Config:
     >>> Mamba2Config(mamba_n_heads=5)
     Traceback (most recent call last):
     ...
-    ValueError: mamba_n_heads=5 must divide mamba_expand * n_embd = 128
+    ValueError: mamba_inner=128 must be a multiple of mamba_n_heads=5
     """
 
     vocab_size: int = 97
@@ -92,33 +97,21 @@ class Mamba2Config:
                      "mamba_expand", "chunk_size"):
             check_int(name, getattr(self, name))
         check_int("mamba_d_conv", self.mamba_d_conv, minimum=2)  # a state of d_conv - 1 inputs
-        a = self.attn_layers
-        if (not isinstance(a, tuple) or list(a) != sorted(set(a))
-                or any(type(i) is not int or not 0 <= i < self.n_layer for i in a)):
-            raise ValueError("attn_layers must be increasing layer indices below "
-                             f"n_layer={self.n_layer}, got {a!r}")
+        check_layer_indices("attn_layers", self.attn_layers, self.n_layer)
         check_positive("layer_norm_epsilon", self.layer_norm_epsilon)
         check_positive("rope_theta", self.rope_theta)
         lo, hi = self.time_step_limit
         if not 0.0 <= lo < hi:
             raise ValueError(f"time_step_limit must be (lo, hi) with 0 <= lo < hi, got {(lo, hi)}")
-        inner = self.mamba_expand * self.n_embd
-        for name, whole, part in (("n_head", self.n_embd, self.n_head),
-                                  ("n_kv_head", self.n_head, self.n_kv_head),
-                                  ("mamba_n_heads", inner, self.mamba_n_heads),
-                                  ("mamba_n_groups", self.mamba_n_heads, self.mamba_n_groups)):
-            if whole % part:
-                of = {"n_head": "n_embd", "n_kv_head": "n_head",
-                      "mamba_n_heads": "mamba_expand * n_embd",
-                      "mamba_n_groups": "mamba_n_heads"}[name]
-                raise ValueError(f"{name}={part} must divide {of} = {whole}")
+        check_multiples(self, ("n_embd", "n_head"), ("n_head", "n_kv_head"),
+                        ("mamba_inner", "mamba_n_heads"), ("mamba_n_heads", "mamba_n_groups"))
         if self.head_dim % 4:
             raise ValueError(f"RoPE turns pairs of the first half of a head: head_dim="
                              f"{self.head_dim} must be a multiple of 4")
 
     @property
     def layer_types(self) -> tuple[str, ...]:
-        return tuple(ATTENTION if i in self.attn_layers else MAMBA for i in range(self.n_layer))
+        return tuple(GLOBAL if i in self.attn_layers else LINEAR for i in range(self.n_layer))
 
     @property
     def head_dim(self) -> int:  # an attention head
@@ -146,7 +139,7 @@ class Mamba2Config:
         (:meth:`state_shapes`) per Mamba layer."""
         kv = LayerSpec(self.n_kv_head, (self.head_dim, self.head_dim))
         state = StateSpec(tuple(self.state_shapes().items()))
-        return tuple(kv if t == ATTENTION else state for t in self.layer_types)
+        return tuple(kv if t == GLOBAL else state for t in self.layer_types)
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """A Mamba layer's state per sequence: the last ``d_conv - 1`` inputs of the convolution
@@ -285,8 +278,8 @@ class Mamba2Mixer(nn.Module):
     def zero_state(self, u: torch.Tensor) -> list[torch.Tensor]:  # what an empty cache holds
         return [u.new_zeros(u.shape[0], *shape) for shape in self.config.state_shapes().values()]
 
-    def forward(self, u: torch.Tensor, cache: KVCache | None, layer_idx: int,
-                start: int) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:  # HybridDecoder: None
         if cache is None:  # a full forward starts from zero states
             conv, recurrent = self.zero_state(u)
         else:
@@ -302,44 +295,26 @@ class HybridAttention(HeadsAttention):
     """Bamba's attention: RoPE on the first ``rotary_dim`` features of each head (as Qwen3.5's),
     no q/k norms, no gate."""
 
-    rope = GatedAttention.rope
-
     def __init__(self, config: Mamba2Config) -> None:
         super().__init__(c := config)
         self.rotary_dim, self.rope_theta = c.rotary_dim, c.rope_theta
 
-    def qkv(self, x: torch.Tensor, at: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
-        q, k = (self.rope(self.heads(p, x), at) for p in (self.q_proj, self.k_proj))
-        return q, k, self.heads(self.v_proj, x)
 
-
-class HybridBlock(nn.Module):
+class HybridBlock(PreNormBlock):
     """``x + mixer(input_layernorm(x))`` (``mamba`` or ``self_attn``), then
-    ``x + mlp(pre_ff_layernorm(x))`` (Bamba's ``feed_forward``)."""
+    ``x + mlp(pre_ff_layernorm(x))`` (Bamba's ``feed_forward``: Qwen3.5's MLP)."""
 
     def __init__(self, config: Mamba2Config, layer_idx: int) -> None:
-        super().__init__()
-        eps = config.layer_norm_epsilon
-        self.layer_type = config.layer_types[layer_idx]
-        self.input_layernorm = nn.RMSNorm(config.n_embd, eps=eps)
-        if self.layer_type == MAMBA:
-            self.mamba = Mamba2Mixer(config)
-        else:
-            self.self_attn = HybridAttention(config)
-        self.pre_ff_layernorm = nn.RMSNorm(config.n_embd, eps=eps)
-        self.mlp = GatedMLP(config)  # Bamba's ``feed_forward``: Qwen3.5's MLP
-
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:
-        mixer = self.mamba if self.layer_type == MAMBA else self.self_attn
-        x = x + mixer(self.input_layernorm(x), cache, layer_idx, start)
-        return x + self.mlp(self.pre_ff_layernorm(x))
+        c, mixer = config, "mamba" if config.layer_types[layer_idx] == LINEAR else "self_attn"
+        super().__init__(
+            ("input_layernorm", mixer, "pre_ff_layernorm", "mlp"),
+            input_layernorm=nn.RMSNorm(c.n_embd, eps=c.layer_norm_epsilon),
+            **{mixer: Mamba2Mixer(c) if mixer == "mamba" else HybridAttention(c)},
+            pre_ff_layernorm=nn.RMSNorm(c.n_embd, eps=c.layer_norm_epsilon), mlp=GatedMLP(c))
 
 
 class MambaDecoder(HybridDecoder):
-    """A decoder of :class:`HybridBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward, input
-    checks, ``prefill``/``decode_step``/``generate``. A padded batch (``attn_mask``) or per-row
-    ``positions`` are refused: a mixer's state would fold the padding in.
+    """A :class:`~kvdoc.core.frame.HybridDecoder` of :class:`HybridBlock` s.
 
     >>> MambaDecoder(Mamba2Config()).num_parameters()  # 2 x (MLP 24576 + norms 128) + mixer
     102264

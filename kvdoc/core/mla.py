@@ -16,18 +16,10 @@ A cached call attends one of two ways, which compute the same function:
   itself: multi-query attention with one K head ``[c_KV, k_rope]`` and one V head ``c_KV``.
 
 A full forward (no cache) always up-projects, so the grid's cached-versus-full comparison
-checks the absorbed path against the plain one.
-
-The absorbed path's per-head products with ``W_UK`` and ``W_UV`` are one ``F.linear`` per head
-(:func:`per_head`), not an einsum, so that :func:`kvdoc.batch_invariant` runs them row by row as
-it does every projection (see :mod:`kvdoc.core.invariant`).
-
-:class:`MLADecoder` is a :class:`~kvdoc.core.model.Decoder` (same forward, input checks and
-``prefill``/``decode_step``/``generate``) whose blocks attend this way, with Llama's RMSNorm and
-SwiGLU MLP. Its caches are the model's own kinds (``model.new_cache``): the config's
-:attr:`~MLAConfig.cache_layout` says each layer holds ``c_KV`` ``[B, 1, T, kv_lora_rank]`` and
-``k_rope`` ``[B, 1, T, qk_rope_head_dim]``: one shared "head" of two widths, the
-``[B, H_kv, T, D_h]`` layout with ``H_kv = 1`` (as transformers' DeepseekV3 stores it).
+checks the absorbed path against the plain one. :class:`MLADecoder`'s blocks attend this way,
+with Llama's RMSNorm and SwiGLU MLP; each cache layer holds ``c_KV`` ``[B, 1, T, kv_lora_rank]``
+and ``k_rope`` ``[B, 1, T, qk_rope_head_dim]``: the ``[B, H_kv, T, D_h]`` layout with one shared
+"head" of two widths (as transformers' DeepseekV3 stores it).
 
 >>> _ = torch.manual_seed(0)
 >>> model = MLADecoder(MLAConfig()).eval()
@@ -51,9 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache, LayerSpec, check_int, check_positive, offset_causal_mask
-from .model import MLP, GPTConfig, apply_rope
-from .state import BlocksDecoder
+from .cache import KVCache, LayerSpec, check_int, check_positive
+from .frame import BlocksDecoder, PreNormBlock
+from .model import MLP, CausalSelfAttention, GPTConfig, apply_rope
 
 LATENT_NORM_EPS = 1e-6
 """Epsilon of the RMSNorms on the latents (transformers' DeepseekV3RMSNorm default there)."""
@@ -61,22 +53,10 @@ LATENT_NORM_EPS = 1e-6
 
 @dataclass(frozen=True)
 class MLAConfig:
-    """Sizes of an MLA decoder (DeepSeek-V3's dense layers; names as in its ``config.json``).
-
-    Args:
-        vocab_size, n_positions, n_layer, n_embd: as in :class:`~kvdoc.core.model.GPTConfig`.
-        n_head: ``H``, attention heads (each has its own up-projected K and V).
-        n_inner: hidden width of the SwiGLU MLP.
-        q_lora_rank: width of the query's own low-rank bottleneck (RMS-normalised), or None for
-            one projection ``d -> H x (qk_nope_head_dim + qk_rope_head_dim)``.
-        kv_lora_rank: ``r``, width of the cached latent ``c_KV``.
-        qk_nope_head_dim: per-head width of the key (and query) part without position.
-        qk_rope_head_dim: width of the rotary part; the rotary key is one for all heads.
-        v_head_dim: per-head width of V.
-        layer_norm_epsilon: the epsilon of the block norms and the final norm.
-        rope_theta: the RoPE base.
-        tie_word_embeddings: the LM head reuses ``wte``'s weight.
-        absorb: cached calls attend in latent space (see the module docstring).
+    """Sizes of an MLA decoder (DeepSeek-V3's dense layers; names as in its ``config.json``, or
+    as :class:`~kvdoc.core.model.GPTConfig`'s): ``q_lora_rank`` None projects the query in one
+    matrix, not through a normed low-rank bottleneck; ``absorb``: cached calls attend in latent
+    space (see the module docstring).
 
     >>> cfg = MLAConfig()
     >>> cfg.qk_head_dim, cfg.latent_dim, round(cfg.softmax_scale, 4)
@@ -94,9 +74,9 @@ class MLAConfig:
     n_embd: int = 64
     n_inner: int = 128
     q_lora_rank: int | None = None
-    kv_lora_rank: int = 32
-    qk_nope_head_dim: int = 16
-    qk_rope_head_dim: int = 8
+    kv_lora_rank: int = 32  # r: the width of the cached latent c_KV
+    qk_nope_head_dim: int = 16  # a head's query and key part without position
+    qk_rope_head_dim: int = 8  # the rotary part: one rotary key for every head
     v_head_dim: int = 16
     layer_norm_epsilon: float = 1e-6
     rope_theta: float = 10000.0
@@ -155,6 +135,9 @@ class LatentAttention(nn.Module):
     torch.Size([2, 3, 64])
     """
 
+    window = None  # every earlier key: for visible
+    visible = CausalSelfAttention.visible
+
     def __init__(self, config: MLAConfig) -> None:
         super().__init__()
         self.config = c = config
@@ -197,18 +180,11 @@ class LatentAttention(nn.Module):
     def read_mask(self, x: torch.Tensor, q_latent: torch.Tensor | None, cache: KVCache | None,
                   layer_idx: int, start: int, at: int | torch.Tensor, T: int,
                   attn_mask: torch.Tensor | None) -> torch.Tensor | None:
-        """The keys each new query reads, as the mask attention takes: here every earlier one
-        (:meth:`mask`); an indexed layer (:mod:`kvdoc.core.indexed`) selects among them."""
-        return self.mask(start, x.shape[1], T, attn_mask, x.device)
-
-    @staticmethod
-    def mask(start: int, C: int, T: int, attn_mask: torch.Tensor | None,
-             device: torch.device) -> torch.Tensor | None:
-        """The offset causal mask ``[C, T]`` (None for one query, which reads every key), or
-        ``attn_mask`` (``[B, C, T]``, True: may read) as ``[B, 1, C, T]``."""
-        if attn_mask is not None:
-            return attn_mask[:, None, :, -T:]
-        return None if C == 1 else offset_causal_mask(start, C, device)
+        """The keys each new query reads, as the mask attention takes (``[C, T]``, None, or
+        ``[B, 1, C, T]``): here every earlier one (:class:`~kvdoc.core.model.CausalSelfAttention`'s
+        mask); an indexed layer (:mod:`kvdoc.core.indexed`) selects among them."""
+        mask = self.visible(start, x.shape[1], T, attn_mask, x.device)
+        return mask[:, None] if mask is not None and mask.dim() == 3 else mask
 
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_UK`` ``[H, d_nope, r]`` and ``W_UV`` ``[H, d_v, r]``: views of ``kv_b_proj``."""
@@ -254,30 +230,23 @@ def per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.stack([F.linear(x[:, h], w[h]) for h in range(x.shape[1])], dim=1)
 
 
-class LatentBlock(nn.Module):
+class LatentBlock(PreNormBlock):
     """Pre-norm decoder layer with latent attention: ``x + attn(ln_1(x))``, ``x + mlp(ln_2(x))``
     (SwiGLU); ``attention(config)`` builds the attention (DeepSeek-V4's
     :class:`~kvdoc.core.v4.CompressedAttention` too)."""
 
     def __init__(self, config: Any, attention: Callable[[Any], nn.Module] = LatentAttention
                  ) -> None:
-        super().__init__()
-        self.ln_1 = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.attn = attention(config)
-        self.ln_2 = nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        # Llama's SwiGLU MLP: the same class, sized by a GPTConfig of this width
-        self.mlp = MLP(GPTConfig(n_embd=config.n_embd, n_head=1, n_inner=config.n_inner,
-                                 mlp="swiglu", bias=False))
-
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None, **positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer_idx, start, attn_mask, **positions)
-        return x + self.mlp(self.ln_2(x))
+        d, eps = config.n_embd, config.layer_norm_epsilon
+        super().__init__(
+            ("ln_1", "attn", "ln_2", "mlp"), ln_1=nn.RMSNorm(d, eps=eps), attn=attention(config),
+            ln_2=nn.RMSNorm(d, eps=eps),  # Llama's SwiGLU MLP, sized by a GPTConfig of this width
+            mlp=MLP(GPTConfig(n_embd=d, n_head=1, n_inner=config.n_inner, mlp="swiglu",
+                              bias=False)))
 
 
 class MLADecoder(BlocksDecoder):
-    """A decoder of :class:`LatentBlock` s: :class:`~kvdoc.core.model.Decoder`'s forward (embed,
-    blocks, final RMSNorm, LM head), input checks and caches, over latent blocks.
+    """A :class:`~kvdoc.core.frame.BlocksDecoder` of :class:`LatentBlock` s.
 
     >>> MLADecoder(MLAConfig()).num_parameters()
     95744

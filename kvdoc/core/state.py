@@ -40,14 +40,11 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from .cache import CacheLayer, DynamicLayer, KVCache, check_int
-from .model import Decoder
 
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
 
@@ -214,54 +211,3 @@ def hybrid_cache(layout: tuple, batch_size: int, dtype: torch.dtype = torch.floa
     return KVCache([StateLayer(batch_size, s, dtype, device) if isinstance(s, StateSpec)
                     else DynamicLayer.empty(batch_size, s.heads, s.widths, dtype, device)
                     for s in layout])
-
-
-class BlocksDecoder(Decoder):
-    """A :class:`~kvdoc.core.model.Decoder` (its forward, input checks and caches) of
-    ``block(config, i)`` per layer ``i``, not GPT-2's: ``wte`` an ``embedding``, no ``wpe`` (RoPE
-    inside the attention), ``ln_f`` a ``norm(n_embd, eps=layer_norm_epsilon)``, ``lm_head`` from
-    ``head`` (a bias-free linear when None), tied to ``wte`` by ``tie_word_embeddings``."""
-
-    def __init__(self, config: Any, block: Callable[[Any, int], nn.Module],
-                 norm: Callable[..., nn.Module] = nn.RMSNorm,
-                 embedding: type[nn.Embedding] = nn.Embedding,
-                 head: Callable[[], nn.Module] | None = None) -> None:
-        nn.Module.__init__(self)  # not Decoder.__init__: it would build GPT-2 blocks
-        self.config = config
-        self.wte = embedding(config.vocab_size, config.n_embd)
-        self.wpe = None
-        self.h = nn.ModuleList(block(config, i) for i in range(config.n_layer))
-        self.ln_f = norm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.lm_head = head() if head else nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.wte.weight
-
-
-class HybridDecoder(BlocksDecoder):
-    """A decoder of state layers beside attention layers (DeltaNet's, Mamba-2's) whose cache
-    (:meth:`new_cache`) holds a state per state layer and growing K/V per attention layer. A
-    state folds every row of a call in order, so padded batches (``attn_mask``) and per-row
-    ``positions`` are refused with :attr:`rows_refused`."""
-
-    rows_refused: str
-    """The ValueError's message for an ``attn_mask`` or ``positions``."""
-    cache_owner: str
-    """Whose cache :meth:`new_cache` names in its refusal of another kind."""
-
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
-                last_only: bool = False, positions: torch.Tensor | None = None,
-                attn_mask: torch.Tensor | None = None) -> object:
-        if positions is not None or attn_mask is not None:
-            raise ValueError(self.rows_refused)
-        return super().forward(idx, cache, last_only=last_only)
-
-    def new_cache(self, batch_size: int, kind: str | None = None,
-                  capacity: int | None = None) -> KVCache:
-        """An empty cache (``kind`` ``"state"``, the only one: a static or window cache has no
-        place for a state): :func:`hybrid_cache` of the config's layout; ``capacity`` is not
-        used."""
-        if kind not in (None, "state"):
-            raise ValueError(f"{self.cache_owner} cache is 'state' (state and K/V layers), "
-                             f"not {kind!r}")
-        w = self.wte.weight
-        return hybrid_cache(self.config.cache_layout, batch_size, w.dtype, w.device)

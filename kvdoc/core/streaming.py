@@ -15,9 +15,8 @@ position is where it was, and there the two agree to rounding.
 It is not gpt-oss's sink (:mod:`kvdoc.core.gptoss`), a learned logit in the denominator with no
 token behind it.
 
-A call of ``C`` tokens reads the held rows and all ``C`` new ones, causally; the layer then keeps
-the first ``sinks`` and the last ``window``. Fed one token at a time (as :func:`stream_logits`
-does), every query reads ``min(t + 1, sinks + window)`` keys.
+Fed one token at a time (:func:`stream_logits`), query ``t`` reads ``min(t + 1, sinks + window)``
+keys.
 
 >>> from kvdoc.core.model import llama_config
 >>> _ = torch.manual_seed(0)

@@ -37,11 +37,11 @@ from torch import nn
 
 from .cache import KVCache, LayerSpec, check_int, check_positive, offset_causal_mask
 from .compressed import compressed_cache
+from .frame import BlocksDecoder
 from .gptoss import sink_attention
-from .indexed import select
+from .indexed import index_scores, select
 from .mla import LatentBlock
 from .model import rope_angles
-from .state import BlocksDecoder
 
 LAYER_TYPES = ("sliding", "csa", "hca")
 
@@ -222,9 +222,7 @@ class Indexer(Pooler):
         B, C, _ = x.shape
         q = rotate(self.q_b_proj(q_residual).view(B, C, self.heads, self.width).transpose(1, 2),
                    *turn)
-        dots = F.relu(q @ keys.mT[:, None]) * self.width ** -0.5  # [B, H_I, C, N]
-        weights = self.weights_proj(x) * self.heads ** -0.5  # [B, C, H_I]
-        scores = (dots * weights.transpose(1, 2)[..., None]).sum(dim=1)  # [B, C, N]
+        scores = index_scores(q, keys[:, None], self.weights_proj(x))  # [B, C, N]
         return select(scores, visible, self.topk)  # indexed.select: ties to the earlier entry
 
 
@@ -335,9 +333,8 @@ class CompressedAttention(nn.Module):
 
 
 class CompressedDecoder(BlocksDecoder):
-    """A :class:`~kvdoc.core.model.Decoder` (forward, checks, ``prefill``/``decode_step``/
-    ``generate``) of :class:`~kvdoc.core.mla.LatentBlock` s around a
-    :class:`CompressedAttention` each, cached in a compressed cache.
+    """A :class:`~kvdoc.core.frame.BlocksDecoder` of :class:`~kvdoc.core.mla.LatentBlock` s
+    around a :class:`CompressedAttention` each, cached in a compressed cache.
 
     >>> CompressedDecoder().new_cache(1, "dynamic")  # doctest: +ELLIPSIS
     Traceback (most recent call last):

@@ -43,8 +43,9 @@ from kvdoc.interop.hf_config import (
     refuse_unsupported,
 )
 
-#: the attention's parameters, below ``self_attn.`` (transformers) and ``attn.`` (kvdoc)
-_ATTENTION = tuple(f"{name}.weight" for name in (
+#: the attention's parameters, below ``self_attn.`` (transformers) and ``attn.`` (kvdoc); a
+#: model maps those it has
+ATTENTION = tuple(f"{name}.weight" for name in (
     "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
     "kv_b_proj", "o_proj"))
 
@@ -113,15 +114,22 @@ def config_from_deepseek(hf_config: Any) -> MLAConfig:
     """The :class:`MLAConfig` of a transformers ``DeepseekV3Config``; a ValueError for another
     model type, MoE layers, scaled RoPE, attention biases or another activation."""
     expect_model_type(hf_config, "deepseek_v3")
-    rope = dict(hf_config.rope_parameters or {})
     if hf_config.first_k_dense_replace < hf_config.num_hidden_layers:
         raise ValueError("DeepseekV3 config has MoE layers (first_k_dense_replace < "
                          "num_hidden_layers); kvdoc loads dense layers only")
-    refuse_unsupported("deepseek_v3", {
+    return dense_config(hf_config)
+
+
+def dense_config(hf_config: Any, cls: type = MLAConfig, *same: str) -> Any:
+    """The ``cls`` of a DeepSeek config whose layers are dense (:func:`config_of`); a ValueError
+    for scaled RoPE, attention biases or another activation."""
+    rope = dict(hf_config.rope_parameters or {})
+    refuse_unsupported(hf_config.model_type, {
         "rope_type": (rope.get("rope_type", "default"), ("default",)),
         "attention_bias": (hf_config.attention_bias, (False,)),
         "hidden_act": (hf_config.hidden_act, ("silu",))})
-    return config_of({**hf_config.to_dict(), "rope_theta": rope.get("rope_theta", 10000.0)})
+    return config_of({**hf_config.to_dict(), "rope_theta": rope.get("rope_theta", 10000.0)},
+                     cls, *same)
 
 
 def rope_rows(config: MLAConfig, interleaved_to_split: bool) -> tuple[torch.Tensor, ...]:
@@ -187,7 +195,7 @@ def from_deepseek(hf_model: Any) -> MLADecoder:
     """An :class:`MLADecoder` with the weights of transformers' ``DeepseekV3ForCausalLM``
     (dense layers only), in the model's dtype, in eval mode."""
     config = config_from_deepseek(hf_model.config)
-    mapped = layers_by_our_names(hf_model.state_dict(), config, _ATTENTION,
+    mapped = layers_by_our_names(hf_model.state_dict(), config, ATTENTION,
                                  hf_model.config.rope_interleave)
     return holding(MLADecoder(config), mapped)
 
@@ -196,5 +204,5 @@ def to_deepseek(model: MLADecoder, rope_interleave: bool = True) -> Any:
     """transformers' ``DeepseekV3ForCausalLM`` holding ``model``'s weights, in its dtype, in eval
     mode; the global RNG is left as it was."""
     config = model.config
-    mapped = layers_by_their_names(dict(model.state_dict()), config, _ATTENTION, rope_interleave)
+    mapped = layers_by_their_names(dict(model.state_dict()), config, ATTENTION, rope_interleave)
     return load_exported(deepseek_config(config, rope_interleave), mapped, model)

@@ -30,28 +30,22 @@ from typing import Any
 import torch
 
 from kvdoc.core.indexed import IndexedConfig, IndexedDecoder
-from kvdoc.interop.hf_config import (
-    expect_model_type,
-    holding,
-    load_exported,
-    refuse_unsupported,
-)
+from kvdoc.interop.hf_config import expect_model_type, holding, load_exported
 from kvdoc.interop.hf_deepseek import (
-    config_of,
+    ATTENTION,
+    dense_config,
     layers_by_our_names,
     layers_by_their_names,
     their_fields,
 )
+from kvdoc.interop.hf_float64 import patched
 
 #: the indexer's sizes, named alike in both
 _INDEXER = ("index_n_heads", "index_head_dim", "index_topk")
 
-#: the attention's parameters, below ``self_attn.`` (transformers) and ``attn.`` (kvdoc)
-_ATTENTION = (*(f"{name}.weight" for name in ("q_a_proj", "q_a_layernorm", "q_b_proj",
-                                               "kv_a_proj_with_mqa", "kv_a_layernorm",
-                                               "kv_b_proj", "o_proj")),
-              *(f"indexer.{name}" for name in ("wq_b.weight", "wk.weight", "k_norm.weight",
-                                               "k_norm.bias", "weights_proj.weight")))
+#: the attention's parameters (V3's and the indexer's), below ``self_attn.`` and ``attn.``
+_ATTENTION = (*ATTENTION, *(f"indexer.{name}" for name in (
+    "wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")))
 
 
 def v32_config(config: IndexedConfig) -> Any:
@@ -82,13 +76,7 @@ def config_from_v32(hf_config: Any) -> IndexedConfig:
     if sparse:
         raise ValueError(f"DeepseekV32 layers {sparse} are mixture-of-experts ('sparse' in "
                          "mlp_layer_types); kvdoc loads dense layers only")
-    rope = dict(hf_config.rope_parameters or {})
-    refuse_unsupported("deepseek_v32", {
-        "rope_type": (rope.get("rope_type", "default"), ("default",)),
-        "attention_bias": (hf_config.attention_bias, (False,)),
-        "hidden_act": (hf_config.hidden_act, ("silu",))})
-    return config_of({**hf_config.to_dict(), "rope_theta": rope.get("rope_theta", 10000.0)},
-                   IndexedConfig, *_INDEXER)
+    return dense_config(hf_config, IndexedConfig, *_INDEXER)
 
 
 def from_v32(hf_model: Any) -> IndexedDecoder:
@@ -125,9 +113,5 @@ def earliest_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = Tru
 def earliest_ties() -> Iterator[None]:
     """Within the block, ``Tensor.topk`` is :func:`earliest_topk`: transformers' indexer then
     breaks ties as kvdoc does. (Its dense layers call no other ``topk``.)"""
-    original = torch.Tensor.topk
-    torch.Tensor.topk = earliest_topk
-    try:
+    with patched([(torch.Tensor, "topk", earliest_topk)]):
         yield
-    finally:
-        torch.Tensor.topk = original

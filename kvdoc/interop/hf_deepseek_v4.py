@@ -136,8 +136,7 @@ def float64_lifted() -> Iterator[None]:
     (:func:`~kvdoc.interop.hf_float64.patched`: single threaded use only)."""
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
-    from kvdoc.core.model import rope_angles
-    from kvdoc.interop.hf_float64 import float64_kept, patched, rms_norm
+    from kvdoc.interop.hf_float64 import cos_sin, float64_kept, patched, rms_norm
 
     plain_softmax = torch.Tensor.softmax
 
@@ -150,9 +149,8 @@ def float64_lifted() -> Iterator[None]:
                layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         theta = float(self.config.rope_parameters[layer_type]["rope_theta"])
         dim = self.config.qk_rope_head_dim
-        angles = torch.stack([rope_angles(row, dim, theta)[..., :dim // 2]
-                              for row in position_ids])
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = cos_sin(position_ids, dim, theta, x.dtype)
+        return cos[..., :dim // 2], sin[..., :dim // 2]
 
     with patched([(v4.DeepseekV4RMSNorm, "forward", rms_norm),
                   (v4.DeepseekV4RotaryEmbedding, "forward", rotary),

@@ -29,6 +29,15 @@ def float64_kept(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return self if self.dtype == torch.float64 else _FLOAT(self, *args, **kwargs)
 
 
+def cos_sin(positions: torch.Tensor, dim: int, theta: float,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of kvdoc's RoPE angles (float64) at ``positions`` ``[B, C]``, in ``dtype``."""
+    from kvdoc.core.model import rope_angles
+
+    angles = rope_angles(positions, dim, theta)  # [B, C, dim]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 @contextmanager
 def patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
     """Within the block, each ``(owner, name, value)`` set as ``owner.name``; afterwards each as
@@ -59,13 +68,9 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
     inside the block an FP64 comparison measures FP64 rounding. GPT-2 and FP32 models change
     only by the rounding of the rotary angles (float64 here, as in :mod:`kvdoc.core.model`).
     """
-    from kvdoc.core.model import rope_angles
-
     def rotary(self: Any, x: torch.Tensor,
                position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = torch.stack([rope_angles(row, head_dim, theta)
-                              for row in position_ids])  # [B, C, D_h]
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        return cos_sin(position_ids, head_dim, theta, x.dtype)
 
     def gemma_rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
@@ -73,8 +78,7 @@ def float64_islands_lifted(hf_model: Any) -> Iterator[Any]:
     def gemma_rotary(self: Any, x: torch.Tensor, position_ids: torch.Tensor,
                      layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
         theta = float(config.rope_parameters[layer_type]["rope_theta"])  # a base per layer type
-        angles = torch.stack([rope_angles(row, config.head_dim, theta) for row in position_ids])
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        return cos_sin(position_ids, config.head_dim, theta, x.dtype)
 
     def gated_rms_norm(self: Any, x: torch.Tensor,
                        gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,8 +140,6 @@ def qwen35_float64_lifted(hf_model: Any) -> Iterator[Any]:
     measures FP64 rounding (outside the block it departs from exact FP64 by about 1e-7)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
-    from kvdoc.core.model import rope_angles
-
     scope = dict(vars(m))  # the lifted functions call each other by these globals
 
     def recompiled(fn: Any) -> Any:
@@ -154,8 +156,7 @@ def qwen35_float64_lifted(hf_model: Any) -> Iterator[Any]:
 
     def rotary(self: Any, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[Any, Any]:
         text = position_ids if position_ids.dim() == 2 else position_ids[0]  # [B, C]
-        angles = rope_angles(text, rotary_dim, theta)  # [B, C, rotary_dim]
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        return cos_sin(text, rotary_dim, theta, x.dtype)
 
     for rule in (m.torch_chunk_gated_delta_rule, m.torch_recurrent_gated_delta_rule):
         recompiled(rule)  # into scope, where the lifted GatedDeltaNet.forward finds it

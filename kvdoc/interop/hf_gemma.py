@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, every_nth_full
+from kvdoc.core.frame import GLOBAL, SLIDING, every_nth_full
+from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder
 from kvdoc.interop.hf_config import (
     as_ours,
     as_theirs,

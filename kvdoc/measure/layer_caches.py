@@ -162,7 +162,7 @@ def compressed_layer(head_dim: int, window: int, rate: int = 0,
 
 def every_nth_full(layers: int, pattern: int, other: str = "sliding_attention") -> list[str]:
     """Layer types where every ``pattern``-th layer is full and the rest ``other``, as
-    :func:`kvdoc.core.gemma.every_nth_full` gives them (that module imports torch).
+    :func:`kvdoc.core.frame.every_nth_full` gives them (that module imports torch).
 
     >>> every_nth_full(4, 2)
     ['sliding_attention', 'full_attention', 'sliding_attention', 'full_attention']

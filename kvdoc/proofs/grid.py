@@ -40,7 +40,8 @@ from torch import nn
 from kvdoc.core.cache import KVCache
 from kvdoc.core.deltanet import DeltaNetConfig, DeltaNetDecoder, GatedRMSNorm
 from kvdoc.core.fast import FastDecoder
-from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder, GemmaRMSNorm
+from kvdoc.core.frame import GLOBAL, SLIDING
+from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder, GemmaRMSNorm
 from kvdoc.core.gptoss import GptOssConfig, GptOssDecoder
 from kvdoc.core.indexed import IndexedConfig, IndexedDecoder
 from kvdoc.core.mamba2 import Mamba2Config, MambaDecoder

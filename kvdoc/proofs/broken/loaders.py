@@ -23,7 +23,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvdoc.core.gemma import GLOBAL, SLIDING, Gemma3Config, Gemma3Decoder
+from kvdoc.core.frame import GLOBAL, SLIDING
+from kvdoc.core.gemma import Gemma3Config, Gemma3Decoder
 from kvdoc.interop import hf_deepseek as deepseek
 from kvdoc.interop import hf_gemma as gemma
 
