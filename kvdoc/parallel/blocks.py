@@ -147,9 +147,6 @@ class Handed:
     """Forward calls the decode rank made before its first token (0 or 1)."""
 
 
-Place = Callable[[GPTConfig, int, int], list[int]]
-
-
 class Handover(NamedTuple):
     """One hand-over job of :func:`handover_jobs`."""
 
@@ -159,7 +156,7 @@ class Handover(NamedTuple):
     max_new_tokens: int
     block_size: int
     mode: str
-    place: Place = destination
+    place: Callable[[GPTConfig, int, int], list[int]] = destination
     transfer: str = "push"
     have: int = 0
     """Leading blocks the decode rank holds before pulling (``"pull"`` only)."""

@@ -145,14 +145,11 @@ def measure_mix(model: Decoder, mix: RequestMix, block_size: int = 16) -> MixMem
 
     shared_prefix = PagedCache(pool, 1)
     model(prefix, shared_prefix)
-    shared, logits = [shared_prefix], []
-    for u, o in zip(mix.users, mix.outputs, strict=True):
-        cache, out = run(shared_prefix, u, o)
-        shared.append(cache)
-        logits.append(out)
+    runs = [run(shared_prefix, u, o) for u, o in zip(mix.users, mix.outputs, strict=True)]
+    shared = [shared_prefix, *(cache for cache, _ in runs)]
     shared_mem = StrategyMemory("paged blocks, shared prefix", pool.num_used * pool.block_nbytes,
                                 _filled_slots(shared) * position_bytes)
     contiguous_mem = StrategyMemory("contiguous, max length", contiguous,
                                     sum(lengths) * position_bytes)
     return MixMemory(len(lengths), sum(lengths), position_bytes, block_size,
-                     (contiguous_mem, paged_mem, shared_mem), tuple(logits))
+                     (contiguous_mem, paged_mem, shared_mem), tuple(out for _, out in runs))
