@@ -147,9 +147,6 @@ class Handed:
     """Forward calls the decode rank made before its first token (0 or 1)."""
 
 
-Place = Callable[[GPTConfig, int, int], list[int]]
-
-
 class Handover(NamedTuple):
     """One hand-over job of :func:`handover_jobs`."""
 
@@ -159,7 +156,7 @@ class Handover(NamedTuple):
     max_new_tokens: int
     block_size: int
     mode: str
-    place: Place = destination
+    place: Callable[[GPTConfig, int, int], list[int]] = destination
     transfer: str = "push"
     have: int = 0
     """Leading blocks the decode rank holds before pulling (``"pull"`` only)."""
@@ -333,16 +330,15 @@ def handover_jobs(jobs: list[tuple], tp: int = 2) -> list[HandoverCheck]:
         with torch.no_grad():
             _, cache = prefill(model, prompt[:, :T], model.new_cache(prompt.shape[0], "dynamic"))
             want_logits = prefill(model, prompt).logits
-        tol = TOLERANCE.get(model.wte.weight.dtype, 1e-5)
-        kv_close = rows_close(decode.kv, cache, tol)
-        first = decode.logits[:, 0]
-        logits_close = torch.allclose(first, want_logits[:, -1], atol=tol, rtol=tol)
-        dtype, pull = model.wte.weight.dtype, j.transfer == "pull"
+        dtype = model.wte.weight.dtype
+        tol = TOLERANCE.get(dtype, 1e-5)
+        logits_close = torch.allclose(decode.logits[:, 0], want_logits[:, -1], atol=tol, rtol=tol)
         asked = request_bytes(model.config, tp, prompt.shape[1], j.block_size, mode,
-                              j.have) if pull else 0
+                              j.have) if j.transfer == "pull" else 0
         checks.append(HandoverCheck(
-            j.name, mode, torch.equal(decode.tokens, generate(model, prompt, new)), kv_close,
-            bool(logits_close), sum(r.sent_bytes for r in ranks[:tp]), decode.received_bytes,
+            j.name, mode, torch.equal(decode.tokens, generate(model, prompt, new)),
+            rows_close(decode.kv, cache, tol), bool(logits_close),
+            sum(r.sent_bytes for r in ranks[:tp]), decode.received_bytes,
             moved_bytes(model.config, prompt.shape[0], prompt.shape[1], mode, dtype,
                         held=j.have * j.block_size),
             decode.messages, messages(model.config, tp, prompt.shape[1], j.block_size, mode,

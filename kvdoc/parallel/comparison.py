@@ -85,8 +85,7 @@ def rows_close(mine: list, cache: KVCache, tol: float,
 
 @torch.no_grad()
 def reference(model: Decoder, prompt: torch.Tensor, max_new_tokens: int):
-    """One process: ``(tokens, logits [B, N, V], cache)`` of greedy decoding, the cache holding
-    every position that was fed."""
+    """One process's greedy decoding: ``(tokens, logits [B, N, V], cache of every position)``."""
     logits, cache = prefill(model, prompt, model.new_cache(prompt.shape[0], "dynamic"))
     return greedy(logits, cache, prompt, max_new_tokens,
                   lambda token, cache, _: decode_step(model, token, cache))
@@ -172,14 +171,13 @@ class Job(NamedTuple):
 
 
 def rank_jobs(rank: int, world_size: int, jobs: list[Job]) -> list:
-    """This rank's :func:`~kvdoc.parallel.decode.rank_generate` of every job, in order."""
+    """This rank's :func:`~kvdoc.parallel.decode.rank_generate` of every job."""
     return [rank_generate(j.model, j.prompt, j.max_new_tokens, Comm(rank, j.tp, j.cp), j.parts)
             for j in jobs]
 
 
 def check_jobs(jobs: list[Job]) -> int:
-    """The one world size of ``jobs`` (a ValueError if they differ), after
-    :func:`~kvdoc.parallel.decode.check_run` of each."""
+    """The one world size of ``jobs`` (a ValueError if they differ), each checked."""
     worlds = {j.tp * j.cp for j in jobs}
     if len(worlds) != 1:
         raise ValueError(f"one launch runs one number of ranks, the jobs need {sorted(worlds)}")
@@ -197,8 +195,7 @@ def compare_jobs(jobs: list[Job], per_rank: list[list]) -> list[Comparison]:
 
 
 def run_jobs(jobs: list[Job]) -> list[Comparison]:
-    """Every job on one launch of ``tp * cp`` ranks (the same for all, :func:`check_jobs`), each
-    compared."""
+    """Every job on one launch of ranks (:func:`check_jobs`), each compared."""
     if not jobs:
         return []
     return compare_jobs(jobs, launch(rank_jobs, check_jobs(jobs), jobs, backend="gloo"))

@@ -9,8 +9,7 @@ what a rank's cache and communication must come to, from the layout alone;
 :func:`who_holds` and :func:`holders_figure` say which rank caches which K/V row.
 
 >>> import torch
->>> from kvdoc.core.model import llama_config
->>> from kvdoc.core.model import Decoder, generate
+>>> from kvdoc.core.model import Decoder, generate, llama_config
 >>> _ = torch.manual_seed(0)
 >>> model = Decoder(llama_config()).eval()
 >>> prompt = torch.tensor([[5, 6, 7, 8]])
@@ -50,7 +49,6 @@ class Parts(NamedTuple):
 
 
 STANDARD = Parts()
-"""The correct parts."""
 
 
 def rank_kv_bytes(config: GPTConfig, tp: int, cp: int, rank: int, batch: int, seq_len: int,
@@ -69,9 +67,8 @@ def rank_kv_bytes(config: GPTConfig, tp: int, cp: int, rank: int, batch: int, se
 
 
 def collectives_per_call(config: GPTConfig, tp: int, cp: int, decode: bool) -> dict[str, int]:
-    """The collectives one forward call makes on each rank: two all-reduces per layer under
-    TP (attention and MLP outputs), one all-gather per layer under CP (the partial softmaxes),
-    and, for a decode step, the broadcast of the token it feeds."""
+    """One forward call's collectives on each rank: per layer two all-reduces under TP
+    (attention, MLP), one all-gather under CP (partial softmaxes); a decode step's broadcast."""
     counts = {"all_reduce": 2 * config.n_layer if tp > 1 else 0,
               "all_gather": config.n_layer if cp > 1 else 0,
               "broadcast": 1 if decode and tp * cp > 1 else 0}
@@ -144,8 +141,7 @@ def holders_figure(config: GPTConfig, layouts: Sequence[tuple[int, int]], seq_le
 
 
 class ShardedBlock(Block):
-    """A :class:`~kvdoc.core.model.Block` (its ``forward``, its norms) with one rank's
-    attention and MLP."""
+    """A :class:`~kvdoc.core.model.Block` (forward, norms) with one rank's attention and MLP."""
 
     def __init__(self, full: Block, attn: nn.Module, mlp: nn.Module) -> None:
         nn.Module.__init__(self)
@@ -241,20 +237,17 @@ def _rank(rank: int, world_size: int, model: Decoder, prompt: torch.Tensor, max_
 
 
 class ParallelRun(NamedTuple):
-    """What :func:`parallel_generate` returns."""
+    """What :func:`parallel_generate` returns: ``tokens`` ``[B, P + N]`` (as ``generate``),
+    the ``logits`` ``[B, N, V]`` they were chosen from, and every rank's result."""
 
     tokens: torch.Tensor
-    """``[B, P + N]``, as :func:`kvdoc.core.model.generate` returns."""
     logits: torch.Tensor
-    """``[B, N, V]``: the logits new token ``i`` was chosen from."""
     ranks: list[RankResult]
 
 
 def nonstandard(model: object) -> str | None:
-    """What keeps ``model`` from being split into heads over ranks, by name; None when
-    every layer is a :class:`~kvdoc.core.model.Block` of
-    :class:`~kvdoc.core.model.CausalSelfAttention` (no q/k norms, ``H x D_h = d``) and
-    :class:`~kvdoc.core.model.MLP`.
+    """What keeps ``model`` from being split into heads over ranks; None when every layer is a
+    ``Block`` of ``CausalSelfAttention`` (no q/k norms, ``H x D_h = d``) and ``MLP``.
 
     >>> from kvdoc.core.mla import MLAConfig, MLADecoder
     >>> nonstandard(MLADecoder(MLAConfig()))  # doctest: +ELLIPSIS
@@ -301,11 +294,8 @@ def check_run(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, tp: int
 def parallel_generate(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, tp: int = 1,
                       cp: int = 1, *, parts: Parts = STANDARD) -> ParallelRun:
     """Greedy generation on ``tp * cp`` ranks, ``tp``-way tensor parallel and ``cp``-way context
-    parallel: started here (gloo, CPU), or the process group this process already belongs to.
-
-    Raises:
-        ValueError: a layout or an input :func:`check_run` refuses, before any rank starts.
-    """
+    parallel: started here (gloo, CPU), or in the process group this process belongs to; a
+    ValueError, before any rank starts, for what :func:`check_run` refuses."""
     check_run(model, prompt, max_new_tokens, tp, cp)
     ranks = launch(_rank, tp * cp, model, prompt, max_new_tokens, tp, cp, parts,
                    backend="gloo")  # CPU tensors: NCCL carries CUDA tensors only

@@ -75,12 +75,11 @@ def latent_rank_bytes(config: MLAConfig, mode: str, ranks: int, rank: int, batch
 WIDE = MLAConfig(vocab_size=97, n_layer=2, n_head=4, n_embd=48, n_inner=96,
                  q_lora_rank=8, kv_lora_rank=24, qk_nope_head_dim=10,
                  qk_rope_head_dim=6, v_head_dim=18)
-"""An MLA model whose widths all differ, and their sums (``d_nope + d_R = 16``,
-``d_nope + d_v = 28``, ``r + d_R = 30``), its query through a LoRA: a head split that
-takes one width for another moves rows here, where the site's model (no query LoRA,
-``d_nope = d_v = 16``, ``r = d_nope + d_v``) and the grid's (``q_lora_rank = d_nope``)
-run it right. ``q_lora_rank < d_nope < d_v``: rows found at the smaller width of two
-still fit, so the mix-up changes numbers instead of raising.
+"""An MLA model whose widths all differ, and their sums (``d_nope + d_R = 16``, ``d_nope +
+d_v = 28``, ``r + d_R = 30``), its query through a LoRA: a head split that takes one width for
+another moves rows here, where the site's model (no query LoRA, ``d_nope = d_v = r / 2``) and
+the grid's (``q_lora_rank = d_nope``) run it right. ``q_lora_rank < d_nope < d_v``: rows found
+at the smaller width still fit, so the mix-up changes numbers instead of raising.
 
 >>> w = (WIDE.q_lora_rank, WIDE.qk_nope_head_dim, WIDE.qk_rope_head_dim, WIDE.v_head_dim,
 ...      WIDE.kv_lora_rank)
@@ -149,8 +148,7 @@ class _Block(nn.Module):
 
 def rank_model(model: MLADecoder, comm: Comm, mode: str,
                heads: Callable = take_heads) -> MLADecoder:
-    """This rank's decoder: embeddings, norms and LM head whole, its share of every
-    block (its heads, under ``"tp"``, taken by ``heads``)."""
+    """This rank's decoder: embeddings, norms and LM head whole, its share of every block."""
     mine = MLADecoder.__new__(MLADecoder)
     nn.Module.__init__(mine)
     mine.config, mine.wte, mine.wpe = model.config, model.wte, None

@@ -40,10 +40,9 @@ branch makes the others fail instead of hanging."""
 
 BACKENDS = ("gloo", "nccl")
 START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-"""How ranks start: a fork server forks them from a process that has imported only what
-``multiprocessing.set_forkserver_preload`` named and run nothing (no OpenMP threads to hang a
-fork), so a caller that preloads torch and kvdoc starts each rank in milliseconds, not the
-seconds of importing them again; spawn where there is no fork server."""
+"""How ranks start: forked by a fork server that has imported only what
+``multiprocessing.set_forkserver_preload`` named (no OpenMP threads to hang a fork), so with
+torch and kvdoc preloaded a rank starts in milliseconds, not seconds; else spawned."""
 
 
 def choose_backend(world_size: int, requested: str | None = None) -> str:
@@ -98,9 +97,7 @@ def _entry(rank: int, world_size: int, port: int, folder: str, backend: str) -> 
 
 
 def together(rank: int, world_size: int, calls: list[tuple[Callable[..., Any], tuple]]) -> list:
-    """``[fn(rank, world_size, *args) for fn, args in calls]``: several runs on one launch
-    (starting the ranks costs seconds unless a fork server has imported what they run, a tiny
-    model's run milliseconds).
+    """``[fn(rank, world_size, *args) for fn, args in calls]``: several runs on one launch.
 
     >>> launch(together, 1, [(_square_of_rank, ()), (_square_of_rank, ())])
     [[0, 0]]
@@ -111,12 +108,8 @@ def together(rank: int, world_size: int, calls: list[tuple[Callable[..., Any], t
 def launch(fn: Callable[..., Any], world_size: int, *args: Any,
            backend: str | None = None) -> list[Any]:
     """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each on its own rank,
-    on :func:`choose_backend` ``(world_size, backend)``; ``fn`` and ``args`` must pickle.
-
-    Raises:
-        ValueError: a ``world_size`` other than the size of the process group this process
-            already belongs to, or one :func:`choose_backend` refuses.
-    """
+    on :func:`choose_backend` ``(world_size, backend)``; ``fn`` and ``args`` must pickle. A
+    ValueError for a ``world_size`` other than this process's group's, or a refused backend."""
     backend = choose_backend(world_size, backend)
     if not dist.is_initialized() and "TORCHELASTIC_RUN_ID" in os.environ:
         if backend == "nccl":

@@ -204,19 +204,19 @@ class RaggedStep:
                               if isinstance(spec, StateSpec) else RaggedLayer(self, i)
                               for i, spec in enumerate(pool.layout)], seq_len=self.seq_len)
 
+    def _grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, C]``: whether column ``j`` is a real new token, and its position ``P_b + j``."""
+        past, new = (torch.tensor(x, device=self.device)[:, None] for x in (self.past, self.new))
+        j = torch.arange(max(self.new), device=self.device)[None, :]
+        return j < new, past + j
+
     def mask(self) -> torch.Tensor:
         """``[B, C, T]`` bool: query ``P_b + j`` reads keys ``0 .. P_b + j``, a pad query key 0."""
-        C = max(self.new)
-        past = torch.tensor(self.past, device=self.device)[:, None, None]
-        new = torch.tensor(self.new, device=self.device)[:, None, None]
-        j = torch.arange(C, device=self.device)[None, :, None]
-        key = torch.arange(self.width, device=self.device)[None, None, :]
-        return torch.where(j < new, key <= past + j, key == 0)
+        real, position = self._grid()
+        key = torch.arange(self.width, device=self.device)
+        return torch.where(real[..., None], key <= position[..., None], key == 0)
 
     def positions(self) -> torch.Tensor:
         """``[B, C]``: ``P_b + j`` for the real new tokens, 0 for the padding."""
-        C = max(self.new)
-        past = torch.tensor(self.past, device=self.device)[:, None]
-        new = torch.tensor(self.new, device=self.device)[:, None]
-        j = torch.arange(C, device=self.device)[None, :]
-        return torch.where(j < new, past + j, 0)
+        real, position = self._grid()
+        return torch.where(real, position, 0)

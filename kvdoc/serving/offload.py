@@ -194,15 +194,13 @@ def serve(model: Decoder, prompts: Sequence[torch.Tensor], max_new_tokens: int,
         first = logits[0, -1]
         tokens, _, cache = greedy(logits, cache, prompt[None], max_new_tokens,
                                   lambda token, cache, _: decode_step(model, token, cache))
-        tokens = tokens[0]
-        fed = tokens[:cache.seq_len].tolist()
-        for i, key in enumerate(block_hashes(fed, block_size, hash_fn)):
+        rows = torch.stack([torch.cat(layer.read(cache.seq_len), dim=-1)
+                            for layer in cache.layers])  # [L, 1, H_kv, T, D_k + D_v]
+        for i, key in enumerate(block_hashes(tokens[0, :cache.seq_len].tolist(), block_size,
+                                             hash_fn)):
             if store.tier(key) is None:
-                part = [torch.cat(layer.read(cache.seq_len), dim=-1)[:, :, i * block_size:
-                                                                     (i + 1) * block_size]
-                        for layer in cache.layers]
-                store.put(key, torch.stack(part).clone())
-        served.append(Served(prompt, tokens, first,
+                store.put(key, rows[:, :, :, i * block_size:(i + 1) * block_size].clone())
+        served.append(Served(prompt, tokens[0], first,
                              tuple(tiers) + ("computed",) * (len(keys) - len(blocks))))
     return served
 

@@ -23,6 +23,7 @@ from kvdoc.core.model import Decoder
 
 from .paged import BlockPool
 from .radix import RadixCache, Served, serve_prompt
+from .requests import random_ids
 
 
 @dataclass(frozen=True)
@@ -35,26 +36,18 @@ class Turn:
     after: int | None = None
 
 
-def _ids(g: torch.Generator, n: int | tuple[int, int], vocab: int,
-         low: int = 0) -> tuple[int, ...]:
-    """``n`` token ids (or a count drawn from ``(least, most)``) uniform on ``low .. vocab - 1``."""
-    if isinstance(n, tuple):
-        n = int(torch.randint(n[0], n[1] + 1, (), generator=g))
-    return tuple(torch.randint(low, vocab, (n,), generator=g).tolist())
-
-
 def few_shot_workload(seed: int = 0, requests: int = 6, vocab: int = 97, tasks: int = 2,
                       instruction: int = 10, examples: int = 3, example_len: int = 7,
                       question: tuple[int, int] = (3, 6), max_new: int = 3) -> list[Turn]:
     """Few-shot prompts: a task's instruction and examples, then a question, per request."""
     g = torch.Generator().manual_seed(seed)
-    prefixes = [_ids(g, instruction, vocab) + sum((_ids(g, example_len, vocab)
-                                                   for _ in range(examples)), ())
+    prefixes = [random_ids(g, instruction, vocab)
+                + sum((random_ids(g, example_len, vocab) for _ in range(examples)), ())
                 for _ in range(tasks)]
     out = []
     for _ in range(requests):
         task = prefixes[int(torch.randint(0, tasks, (), generator=g))]
-        out.append(Turn(task + _ids(g, question, vocab), max_new, "few-shot"))
+        out.append(Turn(task + random_ids(g, question, vocab), max_new, "few-shot"))
     return out
 
 
@@ -63,10 +56,10 @@ def chat_workload(seed: int = 0, conversations: int = 2, turns: int = 3, vocab: 
                   max_new: int = 4) -> list[Turn]:
     """Multi-turn chat sharing a system prompt: each turn a message after the whole last turn."""
     g = torch.Generator().manual_seed(seed)
-    shared, out, last = _ids(g, system, vocab), [], [None] * conversations
+    shared, out, last = random_ids(g, system, vocab), [], [None] * conversations
     for _ in range(turns):
         for c in range(conversations):
-            user = _ids(g, message, vocab)
+            user = random_ids(g, message, vocab)
             out.append(Turn(user if last[c] is not None else shared + user, max_new, "chat",
                             last[c]))
             last[c] = len(out) - 1
@@ -102,7 +95,7 @@ def chat_prompts(seed: int = 0, conversations: int = 6, turns: int = 4, system: 
     g = torch.Generator().manual_seed(seed)
 
     def ids(n: int | tuple[int, int]) -> tuple[int, ...]:
-        return _ids(g, n, vocab, low=10)
+        return random_ids(g, n, vocab, low=10)
 
     head = (SYSTEM, *ids(system), END)
     talks = [[(ids(user), ids(reply), ids(drift)) for _ in range(turns)]

@@ -64,6 +64,14 @@ def choose(logits: torch.Tensor, generator: torch.Generator | None) -> int:
     return int((logits.detach().double().cpu() - torch.log(-torch.log(u))).argmax())
 
 
+def random_ids(g: torch.Generator, n: int | tuple[int, int], vocab: int,
+               low: int = 0) -> tuple[int, ...]:
+    """``n`` token ids (or a count drawn from ``(least, most)``) uniform on ``low .. vocab - 1``."""
+    if isinstance(n, tuple):
+        n = int(torch.randint(n[0], n[1] + 1, (), generator=g))
+    return tuple(torch.randint(low, vocab, (n,), generator=g).tolist())
+
+
 def arrival_trace(n: int = 8, prompt_lens: tuple[int, int] = (2, 16),
                   output_lens: tuple[int, int] = (1, 12), max_gap: int = 3,
                   vocab_size: int = 97, seed: int = 0) -> list[Request]:
@@ -86,8 +94,8 @@ def arrival_trace(n: int = 8, prompt_lens: tuple[int, int] = (2, 16),
     trace, step = [], 0
     for rid in range(n):
         step += uniform(0, max_gap) if rid else 0
-        prompt = torch.randint(0, vocab_size, (uniform(*prompt_lens),), generator=g).tolist()
-        trace.append(Request(rid, tuple(prompt), uniform(*output_lens), step))
+        prompt = random_ids(g, prompt_lens, vocab_size)
+        trace.append(Request(rid, prompt, uniform(*output_lens), step))
     return trace
 
 

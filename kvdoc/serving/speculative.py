@@ -94,13 +94,11 @@ def _checked(cache: KVCache) -> KVCache:
 def _sync(model: Decoder, cache: KVCache, tokens: torch.Tensor) -> tuple[KVCache, int]:
     """Crop ``cache`` to the kept positions and feed what it lacks, all but the pending token."""
     keep = tokens.shape[1] - 1
-    calls = 0
     if cache.seq_len > keep:
         cache = cache.crop(keep)
-    if cache.seq_len < keep:  # the draft never fed its own last proposal
-        _, cache = model(tokens[:, cache.seq_len:keep], cache)
-        calls = 1
-    return cache, calls
+    if cache.seq_len == keep:
+        return cache, 0
+    return model(tokens[:, cache.seq_len:keep], cache)[1], 1  # the draft's own last proposal
 
 
 @torch.no_grad()
@@ -138,12 +136,9 @@ def speculative_generate(target: Decoder, draft: Decoder, prompt: torch.Tensor,
         if total + k > model.config.n_positions:
             raise ValueError(f"prompt of {prompt.shape[1]} + {max_new_tokens} new tokens + {k} "
                              f"proposals exceed the {who}'s {model.config.n_positions} positions")
-    capacity = total + k
-    def new(model: Decoder) -> KVCache:
-        if callable(cache):
-            return _checked(cache(model, capacity))
-        return _checked(model.new_cache(1, cache, capacity=capacity))
-    t_cache, d_cache = new(target), new(draft)
+    make = cache if callable(cache) else (
+        lambda model, capacity: model.new_cache(1, cache, capacity=capacity))
+    t_cache, d_cache = (_checked(make(model, total + k)) for model in (target, draft))
     run = SpeculativeRun(prompt, prompt.shape[1])
 
     def pick(logits: torch.Tensor) -> torch.Tensor:  # [1, V] -> [1, 1]

@@ -42,28 +42,15 @@ class Partial(NamedTuple):
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None = None) -> Partial:
-    """Attention of ``q`` over one chunk of keys, unnormalised, with its max and sum.
+    """Attention of ``q`` over one chunk of keys, unnormalised, with its max and sum (the keys
+    as :func:`all_partials`' one chunk).
 
     >>> q, k, v = torch.ones(1, 1, 1, 2), torch.zeros(1, 1, 3, 2), torch.ones(1, 1, 3, 2)
     >>> part = partial_attention(q, k, v)   # three equal scores of 0
     >>> part.m.item(), part.l.item(), part.out.flatten().tolist()
     (0.0, 3.0, [3.0, 3.0])
     """
-    B, H, C, D = q.shape
-    H_kv = k.shape[1]
-    group = H // H_kv
-    # a K/V head's query heads side by side: [B, H_kv, group * C, D_h], no copy of K or V
-    qg = q.reshape(B, H_kv, group * C, D)
-    scores = (qg @ k.transpose(-1, -2)).mul_(1.0 / math.sqrt(D))  # [B, H_kv, group * C, T_c]
-    scores = scores.view(B, H_kv, group, C, -1)
-    if mask is not None:  # [C, T_c], or [B, C, T_c] per row: the same for every head
-        rows = mask if mask.dim() == 2 else mask[:, None, None]
-        scores = scores.masked_fill(~rows, -math.inf)
-    m = scores.amax(dim=-1)  # [B, H_kv, group, C]
-    # a chunk that hides every key from a row has m = -inf; shift by 0 there so exp gives 0, not NaN
-    p = torch.exp(scores - torch.where(m.isinf(), 0.0, m)[..., None])
-    out = (p.view(B, H_kv, group * C, -1) @ v).view(B, H, C, D)
-    return Partial(out, m.reshape(B, H, C), p.sum(dim=-1).reshape(B, H, C))
+    return Partial(*(x[0] for x in all_partials(q, k, v, k.shape[2], mask)))
 
 
 def merge(parts: list[Partial] | Partial,
@@ -99,7 +86,8 @@ def merge(parts: list[Partial] | Partial,
 
 def all_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int,
                  mask: torch.Tensor | None = None) -> Partial:
-    """Every chunk's :func:`partial_attention` at once, the keys padded to whole chunks."""
+    """Every chunk's share at once (chunks first), the keys padded to whole chunks; ``mask``
+    ``[C, T]``, or ``[B, C, T]`` per row."""
     B, H, C, D = q.shape
     H_kv, T = k.shape[1], k.shape[2]
     n = math.ceil(T / split)
@@ -116,6 +104,7 @@ def all_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: int,
     scores = (qg @ k.transpose(-1, -2)).mul_(1.0 / math.sqrt(D))  # [B, H_kv, n, g C, S]
     scores = scores.view(B, H_kv, n, H // H_kv, C, split).masked_fill(~rows, -math.inf)
     m = scores.amax(dim=-1)  # [B, H_kv, n, g, C]
+    # a chunk that hides every key from a row has m = -inf; shift by 0 there: exp gives 0, not NaN
     p = torch.exp(scores - torch.where(m.isinf(), 0.0, m)[..., None])
     out = p.view(B, H_kv, n, -1, split) @ v  # [B, H_kv, n, g C, D]
 

@@ -27,6 +27,7 @@ from kvdoc.core.cache import StaticCache
 from kvdoc.core.model import Decoder
 
 from .paged import BlockPool, PagedCache
+from .requests import random_ids
 
 
 @dataclass(frozen=True)
@@ -58,16 +59,10 @@ def request_mix(n: int = 48, prefix_len: int = 100, user_lens: tuple[int, int] =
             or not 1 <= output_lens[0] <= output_lens[1]):
         raise ValueError("need n >= 1, prefix_len >= 0 and ranges (lo, hi) with 1 <= lo <= hi")
     g = torch.Generator().manual_seed(seed)
-
-    def tokens(lo: int, hi: int) -> list[int]:
-        length = int(torch.randint(lo, hi + 1, (1,), generator=g))
-        return torch.randint(0, vocab_size, (length,), generator=g).tolist()
-
-    prefix = torch.randint(0, vocab_size, (prefix_len,), generator=g).tolist()
-    users, outputs = [], []
+    prefix, users, outputs = list(random_ids(g, prefix_len, vocab_size)), [], []
     for _ in range(n):
-        users.append(tokens(*user_lens))
-        outputs.append(tokens(*output_lens))
+        users.append(list(random_ids(g, user_lens, vocab_size)))
+        outputs.append(list(random_ids(g, output_lens, vocab_size)))
     text = (f"{n} requests; a shared system prompt of {prefix_len} tokens; user text uniform on "
             f"{user_lens[0]}..{user_lens[1]} tokens; "
             f"output uniform on {output_lens[0]}..{output_lens[1]} tokens; "
@@ -150,14 +145,11 @@ def measure_mix(model: Decoder, mix: RequestMix, block_size: int = 16) -> MixMem
 
     shared_prefix = PagedCache(pool, 1)
     model(prefix, shared_prefix)
-    shared, logits = [shared_prefix], []
-    for u, o in zip(mix.users, mix.outputs, strict=True):
-        cache, out = run(shared_prefix, u, o)
-        shared.append(cache)
-        logits.append(out)
+    runs = [run(shared_prefix, u, o) for u, o in zip(mix.users, mix.outputs, strict=True)]
+    shared = [shared_prefix, *(cache for cache, _ in runs)]
     shared_mem = StrategyMemory("paged blocks, shared prefix", pool.num_used * pool.block_nbytes,
                                 _filled_slots(shared) * position_bytes)
     contiguous_mem = StrategyMemory("contiguous, max length", contiguous,
                                     sum(lengths) * position_bytes)
     return MixMemory(len(lengths), sum(lengths), position_bytes, block_size,
-                     (contiguous_mem, paged_mem, shared_mem), tuple(logits))
+                     (contiguous_mem, paged_mem, shared_mem), tuple(out for _, out in runs))
