@@ -262,9 +262,10 @@ class KVCache:
         work.layers = [layer.fork() for layer in self._layers]
         return work
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
-        """Store ``k, v`` (``[B, H_kv, C, D_h]``) at ``start ..``; return what the new queries
-        attend over."""
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+               start: int) -> KV:
+        """Store ``k, v`` (``[B, H_kv, C, D_h]``) at ``start ..``; returns what the
+        new queries attend over."""
         if start != self._len:
             raise ValueError(f"layer {layer_idx}: the cache holds {self._len} "
                              f"positions, write starts at {start}")

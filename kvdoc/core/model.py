@@ -188,8 +188,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int,
                 start: int, attn_mask: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        (B, C, _), H, H_kv = x.shape, self.n_head, self.n_kv_head
+        B, C, _ = x.shape
         # c_attn's columns: H query heads, then H_kv key heads, then H_kv value heads
+        H, H_kv = self.n_head, self.n_kv_head
         heads = self.c_attn(x).view(B, C, H + 2 * H_kv, self.head_dim).transpose(1, 2)
         # q: [B, H, C, D_h]; k, v: [B, H_kv, C, D_h]
         q, k, v = heads.split((H, H_kv, H_kv), dim=1)
