@@ -7,9 +7,9 @@ prefill, with the block invariants), :func:`check_preemption` (a pool too small,
 recompute) and :func:`check_forks` (seeded samples of one prompt, copy-on-write) run it on every
 model the grid serves paged (``tests/test_policies.py``; the hybrids DeltaNet and Bamba, whose
 states the scheduler carries, in ``tests/test_snapshots.py``). The broken schedulers of
-:mod:`kvdoc.proofs.broken.serving` are what they catch:
+:mod:`kvdoc.teach.broken_shown` are what they catch:
 
->>> from kvdoc.proofs.broken.serving import ResumeWithoutRecompute
+>>> from kvdoc.teach.broken_shown import ResumeWithoutRecompute
 >>> from kvdoc.proofs.compare import default_model
 >>> check_preemption(default_model()).passed, check_preemption(default_model(),
 ...                                                            ResumeWithoutRecompute).passed
