@@ -19,13 +19,13 @@ from kvdoc.core.feed import feed
 from kvdoc.core.gemma import GemmaRMSNorm
 from kvdoc.core.invariant import attention, exp_fixed, inv_rms, tree_sum
 from kvdoc.proofs import grid
-from kvdoc.proofs.broken.arithmetic import ChunkSplitAttention
 from kvdoc.proofs.broken.decoders import with_attention
 from kvdoc.proofs.suite import run_suite
 from kvdoc.serving.batching import generate_padded
 from kvdoc.serving.splitk import split_k_decoder
 from kvdoc.teach import batch_invariance
 from kvdoc.teach.batch_invariance import invariance_rows
+from kvdoc.teach.broken_shown import ChunkSplitAttention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

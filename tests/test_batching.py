@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from kvdoc import Decoder, GPTConfig
-from kvdoc.proofs.broken.serving import unshifted_positions
 from kvdoc.proofs.compare import TOLERANCE
 from kvdoc.serving.batching import generate_padded, left_pad, padded_mask, padded_positions
+from kvdoc.teach.broken_shown import unshifted_positions
 from kvdoc.teach.serving_checks import compare_with_alone
 
 

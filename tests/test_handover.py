@@ -9,10 +9,10 @@ import torch
 from kvdoc.core.cache import DynamicCache
 from kvdoc.core.model import GPTConfig
 from kvdoc.proofs import grid
-from kvdoc.proofs.broken.serving import pack_off_by_one, pack_zeroed_last_v
 from kvdoc.proofs.compare import default_model
 from kvdoc.proofs.traits import grid_traits
 from kvdoc.serving.handover import disaggregated_generate, pack, unpack
+from kvdoc.teach.broken_shown import pack_off_by_one, pack_zeroed_last_v
 from kvdoc.teach.handover_checks import PAYLOAD_DTYPES, check_dtypes, check_handover
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 4, 11]])

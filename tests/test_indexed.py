@@ -30,7 +30,8 @@ from kvdoc.interop.hf_deepseek_v32 import (
     to_v32,
     v32_config,
 )
-from kvdoc.proofs.broken.sparse import NewRowsTopkDecoder, TopkTiesDecoder, indexed_as
+from kvdoc.proofs.broken.decoders import copy_as
+from kvdoc.proofs.broken.sparse import NewRowsTopkDecoder, TopkTiesDecoder
 from kvdoc.proofs.compare import TOLERANCE, Snapshot, close, max_abs, run_cached
 from kvdoc.proofs.grid import MLA
 from kvdoc.teach.crosscheck import lifted_logits
@@ -163,14 +164,14 @@ def test_the_same_checks_catch_ties_broken_by_topk_and_top_k_over_new_rows():
     with torch.no_grad():
         full = m(ids).logits
     for cls in (TopkTiesDecoder, NewRowsTopkDecoder):
-        broken = indexed_as(m, cls)
+        broken = copy_as(m, cls)
         with torch.no_grad():
             own_full = broken(ids).logits
         cached = run_cached(broken, ids, CHUNKS).logits
         # the cached path departs from its own full forward, and from the right model's
         assert max_abs(cached, own_full) > 1e-3 and max_abs(cached, full) > 1e-3, cls.__name__
     with torch.no_grad():  # ties by topk: a row's keys depend on how many tokens follow it
-        broken = indexed_as(m, TopkTiesDecoder)
+        broken = copy_as(m, TopkTiesDecoder)
         own_full = broken(ids[:1]).logits[0]
         alone = torch.stack([broken(ids[:1, :i + 1]).logits[0, -1] for i in range(LENGTH)])
     assert max_abs(alone, own_full) > 1e-3

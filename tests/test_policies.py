@@ -13,14 +13,6 @@ import torch
 from test_speculative import speculative_sampling_exact
 
 from kvdoc.proofs import grid
-from kvdoc.proofs.broken.serving import (
-    EvictLocked,
-    ForkWithoutCopy,
-    ReserveFinalToken,
-    ResumeWithoutRecompute,
-    ShareLastBlock,
-    WholeBlockMatch,
-)
 from kvdoc.proofs.compare import default_model
 from kvdoc.proofs.variants import VARIANTS
 from kvdoc.serving.prefix_workload import few_shot_workload
@@ -28,6 +20,14 @@ from kvdoc.serving.radix import RadixCache
 from kvdoc.serving.requests import Request
 from kvdoc.serving.scheduler import Scheduler
 from kvdoc.serving.speculative import speculative_generate, truncated_draft
+from kvdoc.teach.broken_shown import (
+    EvictLocked,
+    ForkWithoutCopy,
+    ReserveFinalToken,
+    ResumeWithoutRecompute,
+    ShareLastBlock,
+    WholeBlockMatch,
+)
 from kvdoc.teach.prefix_cache import (
     LastTokenFromTree,
     LRUOracle,

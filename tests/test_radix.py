@@ -4,16 +4,16 @@ eviction, bookkeeping, and each request against itself alone."""
 import pytest
 import torch
 
-from kvdoc.proofs.broken.serving import (
+from kvdoc.proofs.compare import default_model
+from kvdoc.serving.paged import BlockPool
+from kvdoc.serving.prefix_workload import Turn
+from kvdoc.serving.radix import RadixCache, serve_prompt
+from kvdoc.teach.broken_shown import (
     EvictLocked,
     ReserveFinalToken,
     ShareLastBlock,
     WholeBlockMatch,
 )
-from kvdoc.proofs.compare import default_model
-from kvdoc.serving.paged import BlockPool
-from kvdoc.serving.prefix_workload import Turn
-from kvdoc.serving.radix import RadixCache, serve_prompt
 from kvdoc.teach.prefix_cache import (
     check_admission,
     check_locked_eviction,

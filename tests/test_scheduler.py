@@ -8,14 +8,14 @@ import torch
 
 from kvdoc.core import model as core_model
 from kvdoc.core.model import Decoder, generate, llama_config
-from kvdoc.proofs.broken.serving import (
+from kvdoc.proofs.compare import default_model
+from kvdoc.serving.requests import Request, arrival_trace
+from kvdoc.serving.scheduler import LiveRequest, Scheduler, serve
+from kvdoc.teach.broken_shown import (
     ForkWithoutCopy,
     ResumeWithoutRecompute,
     SharedStartScheduler,
 )
-from kvdoc.proofs.compare import default_model
-from kvdoc.serving.requests import Request, arrival_trace
-from kvdoc.serving.scheduler import LiveRequest, Scheduler, serve
 from kvdoc.teach.scheduling import (
     PREEMPTION_TRACE,
     check_forks,

@@ -13,7 +13,8 @@ import torch
 from kvdoc.core.indexed import IndexedDecoder
 from kvdoc.core.v4 import CompressedDecoder
 from kvdoc.interop.hf_deepseek_v32 import earliest_ties, to_v32
-from kvdoc.proofs.broken.sparse import NewRowsTopkDecoder, TopkTiesDecoder, indexed_as
+from kvdoc.proofs.broken.decoders import copy_as
+from kvdoc.proofs.broken.sparse import NewRowsTopkDecoder, TopkTiesDecoder
 from kvdoc.proofs.grid import INDEXED, V4
 from kvdoc.teach.crosscheck import path_gaps
 from kvdoc.teach.sparse_reads import (
@@ -61,7 +62,7 @@ def test_each_query_reads_k_earlier_keys_the_same_on_every_path(indexed):
 def test_broken_selections_read_other_keys_on_the_cached_path(indexed):
     ids = stream(TWO.vocab_size)
     for cls in (NewRowsTopkDecoder, TopkTiesDecoder):
-        broken = indexed_as(indexed, cls)
+        broken = copy_as(indexed, cls)
         assert not torch.equal(indexed_trace(broken, ids, [1] * T).reads,
                                indexed_trace(broken, ids).reads), cls.__name__
 

@@ -23,7 +23,6 @@ from kvdoc.proofs.compare import (
     default_stream,
     max_abs,
     run_cached,
-    split_error,
 )
 from kvdoc.proofs.suite import CHECKS, SCENARIOS, run_suite
 from kvdoc.proofs.sweep import sweep_passes, sweep_variants, variants_table, worker_map
@@ -31,6 +30,7 @@ from kvdoc.proofs.traits import traits
 from kvdoc.proofs.variants import BUG_CLASSES, VARIANTS
 from kvdoc.proofs.verify import run_passes, verify_passes
 from kvdoc.teach.crosscheck import match_transformers
+from kvdoc.teach.split_calls import split_error
 
 SMALL = dict(batches=(2,), chunks=(1, 2), dtypes=(torch.float32,))
 FP32 = dict(dtypes=(torch.float32,))

@@ -9,8 +9,6 @@ projects.
 ((1, 6, 97), 6, 0.0)
 >>> close(run.logits, model(ids).logits, TOLERANCE[torch.float32])
 True
->>> split_error(model, ids, 4, "positions-restart") > 1e-2   # a broken variant, 4 + 2 tokens
-True
 """
 
 from __future__ import annotations
@@ -26,9 +24,6 @@ from kvdoc.core.feed import chunk_lengths, feed
 from kvdoc.core.model import Decoder, GPTConfig, apply_rope
 from kvdoc.core.state import StateLayer
 from kvdoc.core.v4 import rotate, rotation
-
-from .broken.decoders import stale_prefix
-from .variants import VARIANTS
 
 TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-5, torch.float64: 1e-10}
 
@@ -257,17 +252,3 @@ def default_stream(seed: int = 1, batch: int = 2, length: int = 24,
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (batch, length), generator=g)
 
-
-@torch.no_grad()
-def split_error(model: Decoder, ids: torch.Tensor, cached: int, variant: str | None = None,
-                kind: str = "dynamic") -> float:
-    """Max logit error of the new positions when ``ids`` ``[B, T]`` is fed as ``cached`` tokens,
-    then the rest (the source's 4 + 2 experiment), by the model or a broken ``variant``."""
-    if not 0 < cached < ids.shape[1]:
-        raise ValueError(f"cached must be between 1 and {ids.shape[1] - 1}, got {cached}")
-    broken = None if variant is None else VARIANTS[variant]
-    under_test = model if broken is None else broken.build(model)
-    stale = broken is not None and broken.stale_prefix
-    first = stale_prefix(ids, model.config.vocab_size) if stale else None
-    run = run_cached(under_test, ids, [cached, ids.shape[1] - cached], kind, first_chunk_ids=first)
-    return max_abs(run.logits[:, cached:], model(ids).logits[:, cached:])

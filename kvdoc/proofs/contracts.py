@@ -38,8 +38,6 @@ from .compare import DTYPE_NAMES, Snapshot, max_abs
 from .precision import UNIT_ROUNDOFF
 
 CHUNKS = (5, 1, 1, 9, 1)  # single tokens (the fast step) and chunks, both contracts
-INT8_CHECK = ("int8 cache: held rows never change, each row's own scale, half a step of error; "
-         "every attention read within its derived bound of the exact read")
 ROW_SLACK = 1e-3
 """Slack, in steps, of the element contract: the rounding of ``x / scale`` and ``q * scale``,
 a few units in the last place of 127, is far below it."""
@@ -212,7 +210,9 @@ def lossy_results(case: Case, check: str, label: str, contract: Callable) -> lis
     return [dataclasses.replace(r, dtype=DTYPE_NAMES[dt]) if dt else r for dt, r in results]
 
 
-@scenario("int8", {"int8": INT8_CHECK})
+@scenario("int8", {"int8": "int8 cache: held rows never change, each row's own scale, half a "
+                           "step of error; every attention read within its derived bound of the "
+                           "exact read"})
 def _int8(case: Case, out: list) -> None:
     out += lossy_results(case, "int8", "int8", lambda model, call, dtype: [
         _int8_contract(case, model, call, 0.0 if dtype is None else UNIT_ROUNDOFF[dtype])])
@@ -243,9 +243,6 @@ FP8_SETTINGS = (("per-head", False, "float8_e4m3fn"), ("per-tensor", True, "floa
 """``(granularity, calibrated, storage)`` the scenario runs: both granularities, both sources,
 both formats (e5m2's range past e4m3's 448 shows only there, and saturates only under
 calibrated scales)."""
-FP8_CHECK = ("fp8 cache, e4m3 and e5m2: held rows and scales never change, values FP8 times the "
-             "stated scale within half a step (or their saturation); every attention read within "
-             "its derived bound")
 
 
 def row_breach(got: torch.Tensor, written: torch.Tensor, scale: torch.Tensor,
@@ -317,7 +314,9 @@ def _fp8_contract(case: Case, model: torch.nn.Module, call, granularity: str,
                    f"element's bound {breach:.1e} (in scales)")
 
 
-@scenario("fp8", {"fp8": FP8_CHECK})
+@scenario("fp8", {"fp8": "fp8 cache, e4m3 and e5m2: held rows and scales never change, values "
+                         "FP8 times the stated scale within half a step (or their saturation); "
+                         "every attention read within its derived bound"})
 def _fp8(case: Case, out: list) -> None:
     # on a rounded model the element bound counts the model dtype's rounding
     out += lossy_results(case, "fp8", "FP8", lambda model, call, dtype: [

@@ -104,11 +104,9 @@ def flop_problems(case: Case) -> list[str]:
     return problems
 
 
-CHECK = ("byte figures (per layer incl. MLA's latent and rotary key, per token, sequence, "
-         "batch B) vs a filled cache's tensors; step_flops vs counted operations")
-
-
-@scenario("counted", {"counted": CHECK})
+@scenario("counted", {"counted": "byte figures (per layer incl. MLA's latent and rotary key, per "
+                                 "token, sequence, batch B) vs a filled cache's tensors; "
+                                 "step_flops vs counted operations"})
 def _scenario(case: Case, out: list) -> None:
     if case.impl != "model" or case.kind not in KINDS:
         out.append(case.result("counted", None, 0.0, "counted on the model's dynamic, window "

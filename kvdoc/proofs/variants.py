@@ -296,17 +296,17 @@ VARIANTS: dict[str, BrokenVariant] = {v.name: v for v in (
     BrokenVariant("index-topk-new-rows",
                   "a cached call's indexer ranks only the call's own keys: the top k are taken "
                   "over the new rows, and the cached positions are never read",
-                  lambda m: sparse.indexed_as(m, sparse.NewRowsTopkDecoder), "key selection",
+                  _copy(sparse.NewRowsTopkDecoder), "key selection",
                   needs={"latent", "indexed"}),
     BrokenVariant("index-ties-topk",
                   "ties among the indexer's scores are left to torch.topk over the whole row "
                   "(transformers' rule), whose order depends on the row's length: a row's keys "
-                  "depend on how many follow it", lambda m: sparse.indexed_as(
-                      m, sparse.TopkTiesDecoder), "key selection", needs={"latent", "indexed"}),
+                  "depend on how many follow it", _copy(sparse.TopkTiesDecoder),
+                  "key selection", needs={"latent", "indexed"}),
     BrokenVariant("index-keys-unforked",
                   "a call on a dynamic cache forks the latent's layer but not the indexer keys', "
                   "so the cache it continues gains indexer keys beside an unchanged latent",
-                  lambda m: sparse.indexed_as(m, sparse.UnforkedKeysDecoder), "cache storage",
+                  _copy(sparse.UnforkedKeysDecoder), "cache storage",
                   needs={"latent", "indexed"}, kinds=("dynamic",)),
     _swap("index-keys-not-copied",
           "a paged pool's copy-on-write copies a shared block's latent rows but not its "

@@ -5,7 +5,7 @@ every kind of :data:`KINDS` that serves the model in chunks, alone and batched, 
 among other rows: every result ``torch.equal`` to the first, in BF16, FP16 and FP32 (an absorbed
 MLA model's cached runs against its one cached call, since it attends in latent space).
 tests/test_batch_invariant.py runs it on :data:`MODELS` (it never varied by cache kind), with
-:class:`~kvdoc.proofs.broken.arithmetic.ChunkSplitAttention`, within every tolerance and
+:class:`~kvdoc.teach.broken_shown.ChunkSplitAttention`, within every tolerance and
 caught only here.
 
 >>> from kvdoc.proofs import grid

@@ -7,7 +7,7 @@ order) and the byte formula; tests/test_handover.py runs it on every model of th
 and each of :data:`PAYLOAD_DTYPES`, where a payload that passes through a narrower dtype shows.
 
 >>> import torch
->>> from kvdoc.proofs.broken.serving import pack_zeroed_last_v
+>>> from kvdoc.teach.broken_shown import pack_zeroed_last_v
 >>> from kvdoc.proofs.compare import default_model
 >>> model, prompt = default_model(), torch.tensor([[5, 6, 7, 8]])
 >>> [(c.dtype, c.passed) for c in check_dtypes(model, prompt, 4, PAYLOAD_DTYPES)]

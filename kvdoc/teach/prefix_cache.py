@@ -4,9 +4,9 @@
 within the tolerance, greedy tokens equal ``generate``'s), with :func:`invariant_errors` after
 each and every block free once the tree is cleared; :func:`check_locked_eviction` and
 :func:`check_admission` hold the admission contracts at their edges. The broken trees of
-:mod:`kvdoc.proofs.broken.serving` are what each must catch (``tests/test_radix.py``):
+:mod:`kvdoc.teach.broken_shown` are what each must catch (``tests/test_radix.py``):
 
->>> from kvdoc.proofs.broken.serving import EvictLocked
+>>> from kvdoc.teach.broken_shown import EvictLocked
 >>> from kvdoc.proofs.compare import default_model
 >>> model = default_model()
 >>> check_locked_eviction(model).passed, check_locked_eviction(model, EvictLocked).passed

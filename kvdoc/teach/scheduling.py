@@ -8,10 +8,10 @@ recompute) and :func:`check_forks` (seeded samples of one prompt, copy-on-write)
 model the grid serves paged (``tests/test_policies.py``; the hybrids DeltaNet and Bamba, whose
 states the scheduler carries, in ``tests/test_snapshots.py``); :func:`check_sampled_preemption`
 holds seeded requests preempted mid-stream to their uninterrupted runs, which
-:class:`RestartStream` fails. The broken schedulers of :mod:`kvdoc.proofs.broken.serving` are
+:class:`RestartStream` fails. The broken schedulers of :mod:`kvdoc.teach.broken_shown` are
 what they catch:
 
->>> from kvdoc.proofs.broken.serving import ResumeWithoutRecompute
+>>> from kvdoc.teach.broken_shown import ResumeWithoutRecompute
 >>> from kvdoc.proofs.compare import default_model
 >>> check_preemption(default_model()).passed, check_preemption(default_model(),
 ...                                                            ResumeWithoutRecompute).passed

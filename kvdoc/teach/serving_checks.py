@@ -1,13 +1,13 @@
 """The serving features of :mod:`kvdoc.serving` against recompute, for the pages: a left-padded
 batch and a shared-prefix run against each request alone (the broken
-:class:`~kvdoc.proofs.broken.serving.UnshiftedPositionsDecoder` must fail the first), and how far
+:class:`~kvdoc.teach.broken_shown.UnshiftedPositionsDecoder` must fail the first), and how far
 the int8 cache moves the logits and K/V (an approximation: measured, nothing claimed).
 
 >>> from kvdoc.proofs.compare import default_model
 >>> model = default_model()
 >>> [(r.pad, r.passed) for r in compare_with_alone(model, [[5, 6, 7], [8]], max_new_tokens=4)]
 [(0, True), (2, True)]
->>> from kvdoc.proofs.broken.serving import unshifted_positions
+>>> from kvdoc.teach.broken_shown import unshifted_positions
 >>> broken = unshifted_positions(model)
 >>> [(r.pad, r.passed) for r in compare_with_alone(model, [[5, 6, 7], [8]], 4, under_test=broken)]
 [(0, True), (2, False)]

@@ -67,8 +67,7 @@ def _empty(cache_cls, layer_cls: type[CacheLayer]):
 
 
 class RequantisingInt8Layer(Int8Layer):
-    """BROKEN: on every append, every row held is dequantised and quantised again with the new
-    rows, under one scale for the whole tensor (K and V apart)."""
+    """BROKEN: on every append, every row held is quantised again, one scale a tensor."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
@@ -87,8 +86,7 @@ requantising_int8_cache = _empty(int8_cache, RequantisingInt8Layer)
 
 
 class VScaleReadInt8Layer(Int8Layer):
-    """BROKEN: what ``write`` returns to the attention is K dequantised with the V rows' scales;
-    the rows stored, and what ``read`` (the cache's ``layer()``) returns, are right."""
+    """BROKEN: ``write`` returns K dequantised with V's scales (what it stores is right)."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         super().write(k, v, start)
@@ -100,9 +98,8 @@ v_scale_read_int8_cache = _empty(int8_cache, VScaleReadInt8Layer)
 
 
 class NarrowInt8Layer(Int8Layer):
-    """BROKEN: quantises and dequantises in the model's own dtype: right in FP32 and FP64; in
-    BF16 or FP16, whose rounding of ``x / scale`` (up to 127) is a large part of a step, a value
-    can land a step off and pass :func:`kvdoc.proofs.contracts.half_step`."""
+    """BROKEN: quantises and dequantises in the model's own dtype: in BF16 or FP16 a value can
+    land a step off, past :func:`kvdoc.proofs.contracts.half_step`."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
@@ -124,16 +121,14 @@ narrow_int8_cache = _empty(int8_cache, NarrowInt8Layer)
 
 class TensorScaleWriteFp8Layer(Fp8Layer):
     """BROKEN: states per-head scales and dequantises with them, but quantises each write under
-    its largest head's (a write kernel that takes a per-tensor scale): right with per-tensor
-    scales or one K/V head."""
+    its largest head's."""
 
     def quantize_rows(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return quantize(x, scale.amax().expand_as(scale), self.fp8)  # BUG: not the head's
 
 
 class RescalingFp8Layer(Fp8Layer):
-    """BROKEN: every write, a decode step included, takes new scales from its own rows: the rows
-    held are read under scales they were not stored with (right for a single call)."""
+    """BROKEN: every write, a decode step included, takes new scales from its own rows."""
 
     def new_scales(self, k: torch.Tensor, v: torch.Tensor) -> KV:
         return amax_scale(k, self.granularity, self.fp8), amax_scale(v, self.granularity,
@@ -141,8 +136,7 @@ class RescalingFp8Layer(Fp8Layer):
 
 
 class E4m3ClampFp8Layer(Fp8Layer):
-    """BROKEN: each write saturates at 448, e4m3's largest value, whatever the storage: right
-    for e4m3; in e5m2 (largest 57344) every value past 448 scales is clipped."""
+    """BROKEN: each write saturates at 448, e4m3's largest value, whatever the storage."""
 
     def quantize_rows(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         wide = torch.promote_types(x.dtype, torch.float32)
@@ -163,8 +157,7 @@ e4m3_clamp_fp8_cache = _fp8(E4m3ClampFp8Layer)
 
 
 class LongChunkRingLayer(WindowLayer):
-    """BROKEN: of a chunk longer than the window, the first ``W`` rows are kept, not the last
-    ``W``. Right for every chunk of at most ``W`` tokens."""
+    """BROKEN: of a chunk longer than the window, the first ``W`` rows are kept."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         full_k, full_v = super().write(k, v, start)
@@ -174,10 +167,8 @@ class LongChunkRingLayer(WindowLayer):
 
 
 class LazyRingLayer(WindowLayer):
-    """BROKEN: to spare the concatenation, the layer writes new rows in place into ``W`` slots
-    while the window has room, and a call shares the slots with the cache it continues. The
-    cache passed in keeps its rows, but two continuations of one cache before the window has
-    filled write into the same slots."""
+    """BROKEN: while the window has room, new rows are written in place into ``W`` slots that
+    a call shares with the cache it continues (so do two continuations of one cache)."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         end = start + k.shape[2]
@@ -198,9 +189,8 @@ lazy_ring_cache = _empty(window_cache, LazyRingLayer)
 
 
 class LateCopyBlockTables(BlockTables):
-    """BROKEN: copy-on-write starts at the first block a write *starts*: the shared block a
-    prefix left partly filled is written in place, a second continuation overwriting the first's
-    rows there."""
+    """BROKEN: copy-on-write starts at the first block a write *starts*: a shared block a
+    prefix left partly filled is written in place."""
 
     def needed(self, start: int, end: int) -> int:
         return super().needed(self._first(start), end)
@@ -222,8 +212,7 @@ def late_copy_shared_prefix_cache(model: nn.Module, batch: int, capacity: int) -
 
 class RingedGlobalCache(KVCache):
     """BROKEN: every layer, global ones included, keeps only ``W`` rows, and its layout check
-    states that window for every layer, so it passes: a global layer loses every key older
-    than ``W - 1`` positions."""
+    states that window for every layer, so it passes."""
 
     def check_compatible(self, config: object, *args: object) -> None:
         window = self.layers[0].window  # BUG: the model's global layers read every key

@@ -43,8 +43,7 @@ from .decoders import copy_as
 
 
 class CrossLayerLayer(LayerWrapper):
-    """BROKEN: stores each layer's K/V correctly (a check of K/V alone passes), but every layer
-    attends over layer 0's K/V."""
+    """BROKEN: stores each layer's K/V correctly, but every layer attends over layer 0's."""
 
     def __init__(self, inner: CacheLayer, index: int, first: dict) -> None:
         super().__init__(inner, index)
@@ -59,8 +58,7 @@ class CrossLayerLayer(LayerWrapper):
 
 
 class NewBeforeOldLayer(DynamicLayer):
-    """BROKEN: concatenates the new K/V before the cached ones, ``cat((new, old))``, and stores
-    that order."""
+    """BROKEN: stores the new K/V before the cached ones, ``cat((new, old))``."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         self.check_rows(k, v)
@@ -70,8 +68,7 @@ class NewBeforeOldLayer(DynamicLayer):
 
 
 class NewBeforeOldStaticLayer(StaticLayer):
-    """BROKEN: :class:`NewBeforeOldLayer` in place: rows ``0 .. P + C - 1`` rewritten
-    new-then-old, so the rows below the write position change too."""
+    """BROKEN: :class:`NewBeforeOldLayer` in place: rows below the write position change."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         end = start + k.shape[2]
@@ -126,8 +123,7 @@ def decoder_with(**broken: type) -> Callable[[Decoder], Decoder]:
 
 
 class FP32Layer(DynamicLayer):
-    """BROKEN: rounds every K/V it stores to FP32 (a cache allocated in the default dtype):
-    invisible in FP32; in FP64 the cached path is only FP32-accurate."""
+    """BROKEN: rounds every K/V it stores to FP32 (a cache allocated in the default dtype)."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         k, v = k.float().to(k.dtype), v.float().to(v.dtype)  # BUG: precision lost on the way in
@@ -145,8 +141,7 @@ class CrossLayerDecoder(Decoder):
 
 
 class ModuloStaticLayer(StaticLayer):
-    """BROKEN: writes position ``t`` into slot ``t % 32`` but reads slots as linear: right for
-    streams of at most 32 positions."""
+    """BROKEN: writes position ``t`` into slot ``t % 32`` but reads slots as linear."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> KV:
         end = start + k.shape[2]
@@ -182,16 +177,14 @@ class EarlyLengthStaticCache(StaticCache):
 
 
 class InPlaceDynamicCache(DynamicCache):
-    """BROKEN: a call writes into the dynamic cache passed in (``begin`` returns ``self``): one
-    that fails after layer 0 leaves layer 0 a chunk longer than the others."""
+    """BROKEN: a call writes into the dynamic cache passed in (``begin`` returns ``self``)."""
 
     def begin(self) -> InPlaceDynamicCache:
         return self  # BUG: no copy
 
 
 class LastLayerLengthStaticCache(StaticCache):
-    """BROKEN: advances its length in the last layer's update, not in ``finish``: right unless a
-    call fails after the last attention (its MLP, the final norm, the LM head)."""
+    """BROKEN: advances its length in the last layer's update, not in ``finish``."""
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
                start: int) -> KV:

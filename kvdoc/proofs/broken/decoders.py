@@ -75,8 +75,7 @@ def cached_only(broken: Decoder, model: Decoder, cut: int = 4,
 
 # --- wrong positions ---------------------------------------------------------------------------
 class _CountedDecoder(Decoder):
-    """Numbers a call's new tokens by :meth:`count` (each variant's own rule); a padded batch's
-    own positions pass through, as they are not these bugs."""
+    """Numbers a call's new tokens by :meth:`count`; a padded batch's own positions pass."""
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
                 **options: object) -> DecoderOutput:
@@ -87,16 +86,14 @@ class _CountedDecoder(Decoder):
 
 
 class PositionsRestartDecoder(_CountedDecoder):
-    """BROKEN: each call numbers its new tokens ``0 .. C - 1``, as if it began the sequence: a
-    full forward is right, every continuation of a cache wrong."""
+    """BROKEN: each call numbers its new tokens ``0 .. C - 1``, as if it began the sequence."""
 
     def count(self, start: int, n: int, device) -> torch.Tensor:
         return torch.arange(n, device=device)  # BUG: not start .. start + n - 1
 
 
 class ClampedPositionsDecoder(_CountedDecoder):
-    """BROKEN, in code both paths share: positions past 31 are clamped to 31, in every forward.
-    Cached and full compute the same wrong function: only an independent reference sees it."""
+    """BROKEN, in code both paths share: positions past 31 are clamped to 31."""
 
     def count(self, start: int, n: int, device) -> torch.Tensor:
         return torch.arange(start, start + n, device=device).clamp(max=LONG_STREAM - 1)  # BUG
@@ -104,8 +101,7 @@ class ClampedPositionsDecoder(_CountedDecoder):
 
 class PositionCounterDecoder(_CountedDecoder):
     """BROKEN: numbers new tokens from a counter on the model (reset by a call from position 0),
-    not from the cache's length: right for one stream fed in order; wrong after a crop, for a
-    second branch of one prefix, and after a call that failed."""
+    not from the cache's length: right only for one stream fed in order."""
 
     def count(self, start: int, n: int, device) -> torch.Tensor:
         first = 0 if start == 0 else getattr(self, "_counter", 0)  # BUG: ignores start
@@ -130,8 +126,7 @@ def top_left_causal_mask(past_len: int, new_len: int,
 
 
 class _MaskAttention(CausalSelfAttention):
-    """Attention that hands the real ``attend`` the mask :meth:`mask` makes (``[C, T]``, every
-    batch row alike) in place of the right one."""
+    """Attention whose ``attend`` gets the mask :meth:`mask` makes (``[C, T]``, every row)."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -164,8 +159,7 @@ class OffByOneMaskAttention(_MaskAttention):
 
 # --- grouped-query attention ----------------------------------------------------------------
 class TiledGQAAttention(CausalSelfAttention):
-    """BROKEN: on cached calls query head ``h`` reads K/V head ``h % H_kv`` (tiling), not
-    ``h // (H / H_kv)`` (its group); with one K/V head (MQA) both rules agree."""
+    """BROKEN: on cached calls query head ``h`` reads K/V head ``h % H_kv``, not its group's."""
 
     shared = False  # True: the same bug in the full forward too
 
@@ -201,8 +195,7 @@ class LastOnlyFirstRowDecoder(Decoder):
 
 
 class DecodeWithoutPadMaskDecoder(Decoder):
-    """BROKEN: the pad mask is dropped on one-token decode steps, so a left-padded row's decode
-    steps read its pad slots."""
+    """BROKEN: the pad mask is dropped on one-token decode steps."""
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
                 **options: object) -> DecoderOutput:
@@ -218,8 +211,7 @@ class _PaddingBlindFast(FastDecoder):
 
 
 class PaddingBlindFastDecoder(Decoder):
-    """BROKEN: one-token calls after a cache go through a fast step that ignores ``positions`` and
-    ``attn_mask`` (right for every unpadded call)."""
+    """BROKEN: one-token calls after a cache go through a fast step that ignores the padding."""
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *,
                 last_only: bool = False, **padding: object) -> DecoderOutput:
@@ -234,8 +226,7 @@ PAD_LEAK_SPLIT = 3  # keys per chunk: a pad of 4 slots spans two chunks
 
 
 class PadLeakSplitKAttention(SplitKAttention):
-    """BROKEN: split-K attention whose first chunk of keys takes the union of the rows' masks,
-    so a padded row reads the pad keys there."""
+    """BROKEN: split-K attention whose first chunk of keys takes the union of the rows' masks."""
 
     def __init__(self, config) -> None:
         super().__init__(config, PAD_LEAK_SPLIT)
@@ -254,16 +245,14 @@ def pad_leak_split_k(model: Decoder) -> Decoder:
 
 
 class SnapshotFastDecoder(FastDecoder):
-    """BROKEN: the weights copied at construction are used for good; a change made in place
-    afterwards (an optimiser step, ``load_state_dict``) is never seen."""
+    """BROKEN: the weights copied at construction are used for good."""
 
     def _stale(self) -> bool:
         return False  # BUG: never compares the model's weights with the copies
 
 
 class SnapshotFastStepDecoder(Decoder):
-    """A decoder whose one-token cached calls run :class:`SnapshotFastDecoder`'s step, made on the
-    first such call (every other call: the model itself)."""
+    """One-token cached calls run :class:`SnapshotFastDecoder`'s step, made on the first."""
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None,
                 **options: object) -> DecoderOutput:

@@ -119,9 +119,8 @@ def gemma_reference_pattern_only(model: nn.Module) -> Callable[[torch.Tensor], t
 
 
 def import_top_level_rope_theta(hf: nn.Module) -> nn.Module:
-    """BROKEN: :func:`~kvdoc.interop.hf_weights.from_transformers` reading RoPE's base as
-    ``config.get("rope_theta", 10000.0)``, transformers 4's key: transformers 5 writes it inside
-    ``rope_parameters``, so every import turns at 10000 (right where the base is 10000)."""
+    """BROKEN: :func:`~kvdoc.interop.hf_weights.from_transformers` reading RoPE's base from
+    transformers 4's top-level ``rope_theta`` (default 10000), not ``rope_parameters``."""
     from kvdoc.interop.hf_weights import from_transformers
 
     model = from_transformers(hf)

@@ -56,16 +56,14 @@ class ReversedHeads(ShardedAttention):
 
 
 class NoWindowShard(ContextShard):
-    """A CP rank that attends over every earlier key of its positions, the model's window
-    dropped: right for a model without one."""
+    """A CP rank that attends over every earlier key of its positions, the window dropped."""
 
     def attend(self, q, k, v, cache, layer_idx, start, window):
         return super().attend(q, k, v, cache, layer_idx, start, None)  # BUG: no window
 
 
 class FirstRowsBiasAttention(ShardedAttention):
-    """A TP rank whose ``c_attn`` bias is the full bias's first rows, not its heads' rows: right
-    for a model without biases (and on TP rank 0 of an MHA model's query heads only)."""
+    """A TP rank whose ``c_attn`` bias is the full bias's first rows, not its heads' rows."""
 
     def __init__(self, full, shard, comm, context=None) -> None:
         super().__init__(full, shard, comm, context)
@@ -76,8 +74,7 @@ class FirstRowsBiasAttention(ShardedAttention):
 
 
 class TiledReplicaAttention(ShardedAttention):
-    """Past ``H_kv`` ranks, rank ``t`` computes K/V head ``t % H_kv``, not its query heads'
-    group ``t // (tp / H_kv)``: right with one K/V head (MQA), where both are head 0."""
+    """Past ``H_kv`` ranks, rank ``t`` computes K/V head ``t % H_kv``, not its group's."""
 
     def __init__(self, full, shard, comm, context=None) -> None:
         if shard.replicas > 1:
@@ -139,10 +136,7 @@ def latent_bytes_once(config, mode: str, ranks: int, rank: int, batch: int, seq_
 
 def query_at_lora_rank(full, comm: Comm):
     """A TP rank's heads whose query rows, under a query LoRA, start at
-    ``t x H/n x (q_lora_rank + d_R)``, not ``t x H/n x (d_nope + d_R)``: the query's
-    LoRA rank taken for its non-rotary head width. Right without a LoRA and where the
-    two are equal (12 and 12 in the grid's MLA); with ``q_lora_rank < d_nope`` the last
-    rank's rows still fit: other numbers, no error."""
+    ``t x H/n x (q_lora_rank + d_R)``, not ``t x H/n x (d_nope + d_R)``."""
     mine, c = take_heads(full, comm), full.config
     if c.q_lora_rank is not None:
         per_rank = c.n_head // comm.tp

@@ -25,9 +25,7 @@ from .decoders import cached_only, with_mixer  # noqa: F401 (cached_only: the do
 
 
 class UncarriedChunkState(GatedDeltaNet):
-    """The chunked delta rule starts every chunk of ``chunk_size`` tokens from the state the
-    call began with: the state is not advanced on a chunk boundary (a call of one chunk, and
-    every decode step, is right)."""
+    """BROKEN: the chunked delta rule starts every chunk from the state the call began with."""
 
     def mix(self, x: torch.Tensor, window: torch.Tensor, state: torch.Tensor, recurrent: bool
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -43,8 +41,7 @@ class UncarriedChunkState(GatedDeltaNet):
 
 
 class ShiftedConvWindow(GatedDeltaNet):
-    """The conv window a call keeps is shifted by one: its last ``K - 1`` inputs but the
-    newest, and one older (the next call convolves a stale channel history)."""
+    """BROKEN: the conv window a call keeps is shifted by one, the newest input left out."""
 
     def mix(self, x: torch.Tensor, window: torch.Tensor, state: torch.Tensor, recurrent: bool
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -55,8 +52,7 @@ class ShiftedConvWindow(GatedDeltaNet):
 
 
 class ShiftedConvStateMixer(Mamba2Mixer):
-    """Keeps as its conv state the ``d_conv - 1`` inputs before the last one: the newest input
-    is dropped, one too old kept."""
+    """BROKEN: keeps as its conv state the ``d_conv - 1`` inputs before the last one."""
 
     def conv(self, xBC: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out, _ = super().conv(xBC, conv_state)
@@ -68,8 +64,8 @@ class ShiftedConvStateMixer(Mamba2Mixer):
 def undecayed_carry(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                     C: torch.Tensor, D: torch.Tensor, state: torch.Tensor,
                     chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~kvdoc.core.mamba2.ssd_chunked` chunk by chunk, the state carried into the next
-    chunk without the decay over this one (``exp(dt A)`` summed over its positions)."""
+    """BROKEN: :func:`~kvdoc.core.mamba2.ssd_chunked` chunk by chunk, the state carried into
+    the next chunk without the decay over this one."""
     ys = []
     for lo in range(0, x.shape[1], chunk):
         part = [t[:, lo:lo + chunk] for t in (x, dt)] + [A] + [t[:, lo:lo + chunk] for t in (B, C)]

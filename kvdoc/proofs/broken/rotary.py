@@ -27,8 +27,7 @@ from .decoders import cached_only, copy_as, with_attention  # noqa: F401 (the do
 
 
 class _Rotated(CausalSelfAttention):
-    """Attention whose Q and K are turned by :meth:`rotate` (each variant's own rule) before K is
-    cached."""
+    """Attention whose Q and K are turned by :meth:`rotate` before K is cached."""
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         B, C, _ = x.shape
@@ -78,8 +77,7 @@ class RopeRestartAttention(_Rotated):
 
 class GrowingTableAttention(_Rotated):
     """BROKEN: RoPE's cos and sin come from a table built on the first call and grown when a
-    later call needs more, the grown rows from position 0: right while the first call was the
-    longest, as a full forward over the whole stream is."""
+    later call needs more, the grown rows from position 0."""
 
     def _table(self, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         have = 0 if getattr(self, "_cos", None) is None else self._cos.shape[0]

@@ -8,7 +8,7 @@ call: only an independent reference sees it).
 >>> from kvdoc.core.v4 import CompressedConfig
 >>> _ = torch.manual_seed(0)
 >>> model = IndexedDecoder(IndexedConfig(index_topk=2)).eval()
->>> _, split = cached_only(indexed_as(model, NewRowsTopkDecoder), model)
+>>> _, split = cached_only(copy_as(model, NewRowsTopkDecoder), model)
 >>> split > 1e-3   # the cached call ranks keys 4 and 5 only
 True
 >>> model = CompressedDecoder(CompressedConfig()).eval()
@@ -32,17 +32,11 @@ from kvdoc.core.indexed import IndexedAttention, IndexedDecoder, IndexedLayer, s
 from kvdoc.core.v4 import CompressedAttention, CompressedDecoder
 from kvdoc.serving.paged import BlockPool, PagedCache, paged_cache
 
-from .decoders import cached_only, copy_as  # noqa: F401 (cached_only: the doctest)
-
-
-def indexed_as(model: IndexedDecoder, cls: type[IndexedDecoder]) -> IndexedDecoder:
-    """A ``cls`` holding ``model``'s weights (its attention is the only change)."""
-    return copy_as(model, cls)
+from .decoders import cached_only, copy_as  # noqa: F401 (the doctest)
 
 
 class NewRowsTopkAttention(IndexedAttention):
-    """BROKEN: the top k are taken over the call's new rows only: the cached keys are never
-    ranked, so never read. A full forward (every key new) is right; a cached call is not."""
+    """BROKEN: the top k are taken over the call's new rows only: cached keys are never read."""
 
     def read_mask(self, x, q_latent, cache, layer_idx, start, at, T, attn_mask):
         mask = super().read_mask(x, q_latent, cache, layer_idx, start, at, T, attn_mask)
@@ -62,9 +56,7 @@ class NewRowsTopkDecoder(IndexedDecoder):
 
 class TopkTiesAttention(IndexedAttention):
     """BROKEN: ties are left to ``torch.topk`` over the whole row of ``T`` keys (transformers'
-    rule, :mod:`kvdoc.core.indexed`): which of several tied keys it returns depends on ``T``,
-    the keys after the query included, so a row's choice is not causal and the cached path,
-    whose rows are shorter, chooses otherwise."""
+    rule, :mod:`kvdoc.core.indexed`), whose choice among tied keys depends on ``T``."""
 
     def choose(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         ranked = scores.masked_fill(~allowed, float("-inf"))
@@ -78,8 +70,7 @@ class TopkTiesDecoder(IndexedDecoder):
 
 
 class UnforkedKeysLayer(IndexedLayer):
-    """BROKEN: a call forks the latent's layer but not the indexer keys', so it grows the keys
-    of the cache it continues: that cache then holds more indexer keys than latent rows."""
+    """BROKEN: a call forks the latent's layer but not the indexer keys'."""
 
     def fork(self) -> IndexedLayer:
         forked = copy.copy(self)
@@ -115,8 +106,7 @@ def keys_not_copied_cache(model: IndexedDecoder, batch: int, capacity: int,
 
 
 class EarlyEntryLayer(CompressedLayer):
-    """Pools the unfinished block at the end of every call, its last row repeated to fill it:
-    an entry emitted before its block is full, and the rest of the block lost."""
+    """BROKEN: pools the unfinished block at the end of every call, its last row repeated."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> Pending:
         done = super().write(k, v, start)
@@ -129,8 +119,7 @@ class EarlyEntryLayer(CompressedLayer):
 
 
 class DroppedBufferLayer(CompressedLayer):
-    """Drops the unfinished block's rows when a call ends: the next block pools only the rows
-    of the calls after it."""
+    """BROKEN: drops the unfinished block's rows when a call ends."""
 
     def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> Pending:
         done = super().write(k, v, start)
@@ -152,7 +141,7 @@ dropped_buffer_cache = _cache(DroppedBufferLayer)
 
 
 class SinkTwiceAttention(CompressedAttention):
-    """Adds each head's sink logit to the softmax twice, in every call, full or cached."""
+    """BROKEN: adds each head's sink logit to the softmax twice, in every call."""
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         B, H, C, _ = q.shape
