@@ -339,19 +339,21 @@ def paged_cache(pool: BlockPool, batch: int, shared: bool = False) -> PagedCache
     return PagedCache(pool, batch, shared)
 
 
-def _pool_for(model: Decoder, batch: int, capacity: int, block_size: int, spare: int) -> BlockPool:
+def pool_for(model: Decoder, batch: int, capacity: int, block_size: int, spare: int,
+             pool_cls: type[BlockPool] = BlockPool) -> BlockPool:
+    """A pool of ``batch`` sequences' blocks of ``capacity`` positions, ``spare`` more each."""
     weight = model.wte.weight
     blocks = batch * (math.ceil(capacity / block_size) + spare)
-    return BlockPool(model.config, blocks, block_size, weight.dtype, weight.device)
+    return pool_cls(model.config, blocks, block_size, weight.dtype, weight.device)
 
 
 def new_paged_cache(model: Decoder, batch: int, capacity: int, block_size: int = 4) -> PagedCache:
     """A :class:`PagedCache` in a pool of exactly the blocks ``batch x capacity`` needs."""
-    return paged_cache(_pool_for(model, batch, capacity, block_size, spare=0), batch)
+    return paged_cache(pool_for(model, batch, capacity, block_size, spare=0), batch)
 
 
 def new_shared_prefix_cache(model: Decoder, batch: int, capacity: int,
                             block_size: int = 4) -> PagedCache:
     """A shared-prefix :class:`PagedCache`, a spare block a sequence for a fork's copy."""
-    return paged_cache(_pool_for(model, batch, capacity, block_size, spare=1), batch,
+    return paged_cache(pool_for(model, batch, capacity, block_size, spare=1), batch,
                        shared=True)

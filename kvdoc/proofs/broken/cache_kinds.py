@@ -29,20 +29,13 @@ from kvdoc.core.window import WindowLayer, window_cache
 from kvdoc.measure.costs import StepTraffic, step_traffic
 from kvdoc.measure.model_caches import LayerCache, ModelCache, config_cache
 from kvdoc.serving.fp8 import Fp8Layer, amax_scale, new_fp8_cache, quantize
-from kvdoc.serving.paged import BlockPool, BlockTables, PagedCache
+from kvdoc.serving.paged import BlockPool, BlockTables, PagedCache, pool_for
 from kvdoc.serving.quant import Int8Layer, dequantize, int8_cache
 
 from .caches import with_layers
 
 BLOCK = 4
 """Positions per block of the grid's paged caches (:func:`kvdoc.serving.paged.new_paged_cache`)."""
-
-
-def _pool(pool_cls: type[BlockPool], model: nn.Module, batch: int, capacity: int,
-          spare: int) -> BlockPool:
-    weight = model.wte.weight
-    blocks = batch * (math.ceil(capacity / BLOCK) + spare)
-    return pool_cls(model.config, blocks, BLOCK, weight.dtype, weight.device)
 
 
 class KOnlyBlockPool(BlockPool):
@@ -54,7 +47,7 @@ class KOnlyBlockPool(BlockPool):
 
 
 def k_only_paged_cache(model: nn.Module, batch: int, capacity: int) -> PagedCache:
-    return PagedCache(_pool(KOnlyBlockPool, model, batch, capacity, spare=0), batch)
+    return PagedCache(pool_for(model, batch, capacity, BLOCK, 0, KOnlyBlockPool), batch)
 
 
 def _empty(cache_cls, layer_cls: type[CacheLayer]):
@@ -206,7 +199,7 @@ class LateCopyBlockTables(BlockTables):
 def late_copy_shared_prefix_cache(model: nn.Module, batch: int, capacity: int) -> PagedCache:
     """An empty shared-prefix cache of :class:`LateCopyBlockTables` (a spare block per sequence,
     as the real one)."""
-    return PagedCache(_pool(BlockPool, model, batch, capacity, spare=1), batch, shared=True,
+    return PagedCache(pool_for(model, batch, capacity, BLOCK, 1), batch, shared=True,
                       block_tables=LateCopyBlockTables)
 
 
