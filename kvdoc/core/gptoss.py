@@ -200,7 +200,7 @@ class GptOssAttention(HeadsAttention):
         # float64 whatever the model's dtype: not a buffer, which ``.to(dtype)`` would round
         self.inv_freq, self.rope_scale = yarn_frequencies(c)
 
-    def rotate(self, x: torch.Tensor, at: int | torch.Tensor) -> torch.Tensor:
+    def rope(self, x: torch.Tensor, at: int | torch.Tensor) -> torch.Tensor:
         """RoPE at positions ``at ..`` (or the positions a tensor holds, ``[C]`` or ``[B, C]``),
         the angles in float64, cos and sin times YaRN's factor."""
         if isinstance(at, int):
@@ -211,10 +211,6 @@ class GptOssAttention(HeadsAttention):
             angles = angles[:, None]
         cos, sin = (f(angles) * self.rope_scale for f in (torch.cos, torch.sin))
         return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
-
-    def qkv(self, x: torch.Tensor, at: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
-        q, k = (self.rotate(self.heads(p, x), at) for p in (self.q_proj, self.k_proj))
-        return q, k, self.heads(self.v_proj, x)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
