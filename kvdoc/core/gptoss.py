@@ -30,20 +30,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import invariant
-from .cache import LayerSpec, check_int, check_positive
+from .cache import check_int, check_positive
 from .frame import (
     GLOBAL,
     SLIDING,
     BlocksDecoder,
     HeadsAttention,
     PreNormBlock,
+    WindowLayers,
     check_layer_types,
     check_multiples,
     every_nth_full,
@@ -52,7 +52,7 @@ from .model import rotate_half
 
 
 @dataclass(frozen=True)
-class GptOssConfig:
+class GptOssConfig(WindowLayers):
     """Sizes of a gpt-oss-style decoder (names as :class:`~kvdoc.core.model.GPTConfig`'s, or as
     gpt-oss's ``config.json`` where GPT-2 has none).
 
@@ -114,18 +114,8 @@ class GptOssConfig:
 
     @property
     def types(self) -> tuple[str, ...]:
-        """Each layer's type, ``"sliding_attention"`` or ``"full_attention"``."""
+        """``layer_types``, or where it is None gpt-oss's alternation, a window layer first."""
         return self.layer_types or every_nth_full(self.n_layer, 2)
-
-    @property
-    def layer_windows(self) -> tuple[int | None, ...]:
-        """Per layer ``sliding_window`` for a window layer, None for a full one."""
-        return tuple(self.sliding_window if t == SLIDING else None for t in self.types)
-
-    @cached_property
-    def cache_layout(self) -> tuple[LayerSpec, ...]:
-        widths = (self.head_dim, self.head_dim)
-        return tuple(LayerSpec(self.n_kv_head, widths, w) for w in self.layer_windows)
 
 
 def yarn_frequencies(config: GptOssConfig) -> tuple[torch.Tensor, float]:
