@@ -53,7 +53,7 @@ from .frame import (
     every_nth_full,
 )
 from .gemma import GemmaRMSNorm
-from .state import StateSpec, read_state, update_state
+from .state import RecurrentMixer, StateSpec
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class DeltaNetConfig:
         return tuple(state if t == LINEAR else kv for t in self.layer_types)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentMixer):
     """A Gated DeltaNet layer (transformers' ``Qwen3_5GatedDeltaNet``, its parameter names), its
     conv window and state kept in ``cache``'s layer ``layer_idx``."""
 
@@ -149,21 +149,6 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(c.n_embd, self.hv, bias=False)
         self.in_proj_a = nn.Linear(c.n_embd, self.hv, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:  # HybridDecoder: None
-        B, C, _ = x.shape
-        if cache is None:
-            window, state = self.zero_state(x)
-        else:
-            window, state = read_state(cache, layer_idx).values()  # conv, recurrent
-        # one token: the recurrent form (a decode step); more: the chunked one (prefill)
-        out, window, state = self.mix(x, window, state, recurrent=C == 1)
-        if cache is not None:
-            update_state(cache, layer_idx, start, conv=window, recurrent=state)
-        z = self.in_proj_z(x).view(B, C, self.hv, self.dv)
-        out = self.norm(out.transpose(1, 2), z)  # [B, C, H_v, D_v]
-        return self.out_proj(out.reshape(B, C, -1))
-
     def zero_state(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The conv window and state before the first token: zeros."""
         B = x.shape[0]
@@ -175,14 +160,14 @@ class GatedDeltaNet(nn.Module):
         a token at a time (what a cache of this layer should hold after ``T`` positions)."""
         return self.mix(x, *self.zero_state(x), recurrent=True)[1:]
 
-    def mix(self, x: torch.Tensor, window: torch.Tensor, state: torch.Tensor, recurrent: bool
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The delta rule's outputs ``[B, H_v, C, D_v]`` for inputs ``x`` after ``window`` and
-        ``state``, and the window and state after them."""
+    def mix(self, x: torch.Tensor, window: torch.Tensor, state: torch.Tensor,
+            recurrent: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's outputs ``[B, C, d]`` for inputs ``x`` after ``window`` and ``state``, and
+        the window and state after them; the delta rule in its recurrent form (a token at a
+        time) or its chunked one, by default the recurrent one for one token (a decode step)."""
         B, C, _ = x.shape
-        inputs = torch.cat((window, self.in_proj_qkv(x).transpose(1, 2)), dim=2)
-        mixed = F.silu(F.conv1d(inputs, self.conv1d.weight, groups=inputs.shape[1]))  # [B, ., C]
-        q, k, v = mixed.transpose(1, 2).split((self.hk * self.dk,) * 2 + (self.hv * self.dv,), -1)
+        mixed, window = self.conv(self.in_proj_qkv(x), window)
+        q, k, v = mixed.split((self.hk * self.dk,) * 2 + (self.hv * self.dv,), -1)
 
         def heads(t: torch.Tensor, n: int, width: int) -> torch.Tensor:  # -> [B, H_v, C, width]
             # each Q/K head serves H_v / H_k consecutive value heads
@@ -192,11 +177,13 @@ class GatedDeltaNet(nn.Module):
         k, v = l2norm(heads(k, self.hk, self.dk)), heads(v, self.hv, self.dv)
         beta = self.in_proj_b(x).sigmoid().transpose(1, 2)  # [B, H_v, C]
         g = (-self.A_log.exp() * F.softplus(self.in_proj_a(x) + self.dt_bias)).transpose(1, 2)
-        if recurrent:
+        if (C == 1) if recurrent is None else recurrent:
             out, state = recurrent_delta_rule(q, k, v, g, beta, state)
         else:
             out, state = chunked_delta_rule(q, k, v, g, beta, state, self.chunk_size)
-        return out, inputs[:, :, inputs.shape[2] - (self.taps - 1):], state
+        z = self.in_proj_z(x).view(B, C, self.hv, self.dv)
+        out = self.norm(out.transpose(1, 2), z)  # [B, C, H_v, D_v]
+        return self.out_proj(out.reshape(B, C, -1)), window, state
 
 
 class GatedRMSNorm(nn.Module):

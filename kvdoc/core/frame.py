@@ -5,20 +5,22 @@ Bamba's Mamba-2) build on these: :class:`BlocksDecoder` (a
 :class:`~kvdoc.core.model.Decoder` of other blocks) and :class:`HybridDecoder` (one whose cache
 holds recurrent states too), :class:`PreNormBlock` (``x + mixer(norm(x))``, then
 ``x + mlp(norm(x))``), :class:`HeadsAttention` (transformers' ``q_proj`` .. ``o_proj``, read
-through :class:`~kvdoc.core.model.CausalSelfAttention`'s masks), :class:`GatedMLP` and the
-checks of a layout of layer types.
+through :class:`~kvdoc.core.model.CausalSelfAttention`'s masks), :class:`GatedMLP`, the
+checks of a layout of layer types, and :class:`WindowLayers` (each layer's window and K/V layout
+for a config of window and full attention layers).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cached_property
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache, check_int
+from .cache import KVCache, LayerSpec, check_int
 from .model import CausalSelfAttention, Decoder, apply_rope
 from .state import hybrid_cache
 
@@ -38,6 +40,29 @@ def every_nth_full(n_layer: int, interval: int, other: str = SLIDING) -> tuple[s
     check_int("n_layer", n_layer)
     check_int("interval", interval)
     return tuple(other if (i + 1) % interval else GLOBAL for i in range(n_layer))
+
+
+class WindowLayers:
+    """Each layer's window and K/V cache layout for the config (a frozen dataclass with
+    ``sliding_window``, ``n_kv_head`` and ``head_dim``) of a decoder of window and full attention
+    layers: Gemma 3's, gpt-oss's."""
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        """Each layer's type, ``"sliding_attention"`` or ``"full_attention"``: ``layer_types``
+        (a config where that field may be None resolves it here)."""
+        return self.layer_types
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer ``sliding_window`` for a window layer, None for a full one."""
+        return tuple(self.sliding_window if t == SLIDING else None for t in self.types)
+
+    @cached_property
+    def cache_layout(self) -> tuple[LayerSpec, ...]:
+        """K and V of ``n_kv_head`` heads of ``head_dim`` per layer, with the layer's window."""
+        widths = (self.head_dim, self.head_dim)
+        return tuple(LayerSpec(self.n_kv_head, widths, w) for w in self.layer_windows)
 
 
 def check_layer_types(types: Any, n_layer: int, allowed: tuple[str, ...]) -> None:

@@ -25,20 +25,21 @@ True
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import invariant
-from .cache import KVCache, LayerSpec, check_int, check_positive
+from .cache import KVCache, check_int, check_positive
 from .frame import (
     GLOBAL,
     SLIDING,
     BlocksDecoder,
     GatedMLP,
     HeadsAttention,
+    WindowLayers,
     check_layer_indices,
     check_multiples,
     every_nth_full,
@@ -46,7 +47,7 @@ from .frame import (
 
 
 @dataclass(frozen=True)
-class Gemma3Config:
+class Gemma3Config(WindowLayers):
     """Sizes of a Gemma-3-style decoder (names as :class:`~kvdoc.core.model.GPTConfig`'s, or as
     Gemma 3's ``config.json`` where GPT-2 has none): ``n_inner`` the GeGLU's hidden width,
     ``head_dim`` apart from ``n_embd / n_head``; every ``sliding_window_pattern``-th layer (the
@@ -108,17 +109,6 @@ class Gemma3Config:
         if self.global_layers is None:
             return every_nth_full(self.n_layer, self.sliding_window_pattern)
         return tuple(GLOBAL if i in self.global_layers else SLIDING for i in range(self.n_layer))
-
-    @property
-    def layer_windows(self) -> tuple[int | None, ...]:
-        """Per layer ``sliding_window`` for a window layer, None for a global one."""
-        return tuple(self.sliding_window if t == SLIDING else None for t in self.layer_types)
-
-    @cached_property
-    def cache_layout(self) -> tuple[LayerSpec, ...]:
-        """K and V of ``n_kv_head`` heads of ``head_dim`` per layer, with the layer's window."""
-        widths = (self.head_dim, self.head_dim)
-        return tuple(LayerSpec(self.n_kv_head, widths, w) for w in self.layer_windows)
 
 
 class GemmaRMSNorm(nn.Module):

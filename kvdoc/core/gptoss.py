@@ -30,20 +30,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import invariant
-from .cache import LayerSpec, check_int, check_positive
+from .cache import check_int, check_positive
 from .frame import (
     GLOBAL,
     SLIDING,
     BlocksDecoder,
     HeadsAttention,
     PreNormBlock,
+    WindowLayers,
     check_layer_types,
     check_multiples,
     every_nth_full,
@@ -52,7 +52,7 @@ from .model import rotate_half
 
 
 @dataclass(frozen=True)
-class GptOssConfig:
+class GptOssConfig(WindowLayers):
     """Sizes of a gpt-oss-style decoder (names as :class:`~kvdoc.core.model.GPTConfig`'s, or as
     gpt-oss's ``config.json`` where GPT-2 has none).
 
@@ -114,18 +114,8 @@ class GptOssConfig:
 
     @property
     def types(self) -> tuple[str, ...]:
-        """Each layer's type, ``"sliding_attention"`` or ``"full_attention"``."""
+        """``layer_types``, or where it is None gpt-oss's alternation, a window layer first."""
         return self.layer_types or every_nth_full(self.n_layer, 2)
-
-    @property
-    def layer_windows(self) -> tuple[int | None, ...]:
-        """Per layer ``sliding_window`` for a window layer, None for a full one."""
-        return tuple(self.sliding_window if t == SLIDING else None for t in self.types)
-
-    @cached_property
-    def cache_layout(self) -> tuple[LayerSpec, ...]:
-        widths = (self.head_dim, self.head_dim)
-        return tuple(LayerSpec(self.n_kv_head, widths, w) for w in self.layer_windows)
 
 
 def yarn_frequencies(config: GptOssConfig) -> tuple[torch.Tensor, float]:
@@ -200,7 +190,7 @@ class GptOssAttention(HeadsAttention):
         # float64 whatever the model's dtype: not a buffer, which ``.to(dtype)`` would round
         self.inv_freq, self.rope_scale = yarn_frequencies(c)
 
-    def rotate(self, x: torch.Tensor, at: int | torch.Tensor) -> torch.Tensor:
+    def rope(self, x: torch.Tensor, at: int | torch.Tensor) -> torch.Tensor:
         """RoPE at positions ``at ..`` (or the positions a tensor holds, ``[C]`` or ``[B, C]``),
         the angles in float64, cos and sin times YaRN's factor."""
         if isinstance(at, int):
@@ -211,10 +201,6 @@ class GptOssAttention(HeadsAttention):
             angles = angles[:, None]
         cos, sin = (f(angles) * self.rope_scale for f in (torch.cos, torch.sin))
         return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
-
-    def qkv(self, x: torch.Tensor, at: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
-        q, k = (self.rotate(self.heads(p, x), at) for p in (self.q_proj, self.k_proj))
-        return q, k, self.heads(self.v_proj, x)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import KVCache, LayerSpec, check_int, check_positive
+from .cache import LayerSpec, check_int, check_positive
 from .frame import (
     GLOBAL,
     LINEAR,
@@ -49,7 +49,7 @@ from .frame import (
     check_layer_indices,
     check_multiples,
 )
-from .state import StateSpec, read_state, update_state
+from .state import RecurrentMixer, StateSpec
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ class GatedRMSNorm(nn.Module):
         return self.weight * g.view(y.shape)
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(RecurrentMixer):
     """Bamba's Mamba-2 mixer: ``in_proj`` to (z, xBC, dt), the causal depthwise ``conv1d`` and
     SiLU on xBC, the SSD over (x, B, C, dt), ``norm(y, z)``, ``out_proj``. A call of one token
     runs :attr:`step`, a longer one :attr:`scan`."""
@@ -240,14 +240,6 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(H))
         self.norm = GatedRMSNorm(inner, c.mamba_n_groups, c.layer_norm_epsilon)
         self.out_proj = nn.Linear(inner, c.n_embd, bias=c.proj_bias)
-
-    def conv(self, xBC: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``silu(conv1d)`` of ``xBC`` ``[b, C, conv_dim]`` after the ``d_conv - 1`` inputs of
-        ``conv_state`` ``[b, conv_dim, d_conv - 1]``; and the next conv state."""
-        seq = torch.cat((conv_state, xBC.transpose(1, 2)), dim=2)
-        out = F.conv1d(seq, self.conv1d.weight, self.conv1d.bias, groups=seq.shape[1])
-        # a copy: a view of the last inputs would keep the call's whole input alive
-        return F.silu(out).transpose(1, 2), seq[:, :, seq.shape[2] - conv_state.shape[2]:].clone()
 
     def mix(self, u: torch.Tensor, conv_state: torch.Tensor,
             ssm_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -277,18 +269,6 @@ class Mamba2Mixer(nn.Module):
 
     def zero_state(self, u: torch.Tensor) -> list[torch.Tensor]:  # what an empty cache holds
         return [u.new_zeros(u.shape[0], *shape) for shape in self.config.state_shapes().values()]
-
-    def forward(self, u: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:  # HybridDecoder: None
-        if cache is None:  # a full forward starts from zero states
-            conv, recurrent = self.zero_state(u)
-        else:
-            state = read_state(cache, layer_idx)
-            conv, recurrent = state["conv"], state["recurrent"]
-        y, conv, recurrent = self.mix(u, conv, recurrent)
-        if cache is not None:
-            update_state(cache, layer_idx, start, conv=conv, recurrent=recurrent)
-        return y
 
 
 class HybridAttention(HeadsAttention):

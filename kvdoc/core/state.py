@@ -13,9 +13,10 @@ layers). The cache's checks serve it unchanged, because of how its :class:`State
 
 A call reads the state with :func:`read_state` and replaces it with :func:`update_state` in the
 fork ``cache.begin()`` gives (a shallow copy: the caller's layer keeps its tensors, so a call
-that fails midway leaves it as it was). Going back is :func:`restore` of a :func:`snapshot`
-taken at that position (prefix caching resumes from a block boundary this way): the K/V layers
-are cropped to it, the states set to the snapshot's.
+that fails midway leaves it as it was); a :class:`RecurrentMixer`'s forward does both around
+its mix. Going back is :func:`restore` of a :func:`snapshot` taken at that position (prefix
+caching resumes from a block boundary this way): the K/V layers are cropped to it, the states
+set to the snapshot's.
 
 >>> spec = StateSpec((("conv", (6, 3)), ("recurrent", (2, 4, 5))))   # per sequence
 >>> cache = KVCache([StateLayer(1, spec), DynamicLayer.empty(1, 2, (4, 4))])
@@ -43,6 +44,8 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from .cache import CacheLayer, DynamicLayer, KVCache, check_int
 
@@ -154,6 +157,35 @@ def update_state(cache: KVCache, idx: int, start: int, **tensors: torch.Tensor) 
         raise ValueError(f"layer {idx}: the cache holds {cache.seq_len} positions, "
                          f"write starts at {start}")
     layer.replace(**tensors)
+
+
+class RecurrentMixer(nn.Module):
+    """A recurrent layer (Gated DeltaNet's, Mamba-2's) whose cache layer holds ``conv``, the last
+    ``K - 1`` inputs of its causal depthwise ``conv1d``, and ``recurrent``, its state: a call
+    reads them (zeros without a cache: ``zero_state(x)``), ``mix(x, conv, recurrent)`` gives its
+    outputs and the two after it, and the cache takes those."""
+
+    conv1d: nn.Conv1d
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, start: int,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:  # HybridDecoder: None
+        if cache is None:  # a full forward starts from zero states
+            conv, recurrent = self.zero_state(x)
+        else:
+            state = read_state(cache, layer_idx)
+            conv, recurrent = state["conv"], state["recurrent"]
+        y, conv, recurrent = self.mix(x, conv, recurrent)
+        if cache is not None:
+            update_state(cache, layer_idx, start, conv=conv, recurrent=recurrent)
+        return y
+
+    def conv(self, x: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``silu(conv1d)`` of ``x`` ``[B, C, channels]`` after the ``K - 1`` inputs of
+        ``window`` ``[B, channels, K - 1]``; and the window after ``x``."""
+        seq = torch.cat((window, x.transpose(1, 2)), dim=2)
+        out = F.conv1d(seq, self.conv1d.weight, self.conv1d.bias, groups=seq.shape[1])
+        # a copy: a view of the last inputs would keep the call's whole input alive
+        return F.silu(out).transpose(1, 2), seq[:, :, seq.shape[2] - window.shape[2]:].clone()
 
 
 class Snapshot(NamedTuple):

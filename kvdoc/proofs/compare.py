@@ -175,24 +175,23 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
                              apply_rope(k_rope[:, None], 0, cfg.rope_theta)))
         return hook
 
-    def k_then_v_hooks(attn, k_module, turn):
-        # K off ``k_module``, turned by ``turn``; V off v_proj, which runs after it. A Gemma
-        # layer (:mod:`kvdoc.core.gemma`): K off its k_norm, rotated at the layer's own base;
-        # a gpt-oss one (:mod:`kvdoc.core.gptoss`): off k_proj, by its own YaRN rotation;
-        # Bamba's: off k_proj, turned on its first part by attn.rope
+    def k_then_v_hooks(attn):
+        # a HeadsAttention's K off its k_norm (Gemma's, Qwen3.5's) or else k_proj, turned by
+        # its own rope (a layer's base, gpt-oss's YaRN, a partial rotary); V off v_proj, which
+        # runs after it
         found = {}
 
         def k_hook(module, inputs, output):
             if output.dim() == 3:  # k_proj's [B, T, H_kv D_h]: into heads as cached
                 B, T, _ = output.shape
                 output = output.view(B, T, cfg.n_kv_head, -1).transpose(1, 2)
-            found["k"] = turn(output)
+            found["k"] = attn.rope(output, 0)
 
         def v_hook(module, inputs, output):
             B, T, _ = output.shape
             v = output.view(B, T, cfg.n_kv_head, cfg.head_dim).transpose(1, 2)
             captured.append((found.pop("k"), v))
-        return [k_module.register_forward_hook(k_hook),
+        return [getattr(attn, "k_norm", attn.k_proj).register_forward_hook(k_hook),
                 attn.v_proj.register_forward_hook(v_hook)]
 
     def shared_kv_hook(attn):  # a V4 layer's K = V, off its kv_norm, turned as cached
@@ -215,14 +214,8 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
             handles.append(attn.kv_a_proj_with_mqa.register_forward_hook(latent_hook(attn)))
         elif hasattr(attn, "c_attn"):
             handles.append(attn.c_attn.register_forward_hook(c_attn_hook(attn)))
-        elif hasattr(attn, "k_norm"):
-            # a partial rotary (Qwen3.5's gated attention) turns its own part
-            handles += k_then_v_hooks(attn, attn.k_norm, lambda k, a=attn: (
-                a.rope(k, 0) if hasattr(a, "rope") else apply_rope(k, 0, a.rope_theta)))
-        elif hasattr(attn, "sinks"):
-            handles += k_then_v_hooks(attn, attn.k_proj, lambda k, a=attn: a.rotate(k, 0))
         elif hasattr(attn, "rope"):
-            handles += k_then_v_hooks(attn, attn.k_proj, lambda k, a=attn: a.rope(k, 0))
+            handles += k_then_v_hooks(attn)
         elif hasattr(attn, "final_state"):  # a recurrent layer: its state, token by token
             handles.append(attn.register_forward_hook(
                 lambda module, inputs, output: captured.append(module.final_state(inputs[0]))))
@@ -230,7 +223,7 @@ def full_forward_kv(model: Decoder, ids: torch.Tensor) -> tuple[torch.Tensor, li
             for handle in handles:
                 handle.remove()
             raise ValueError(f"no K/V probe for a {type(attn).__name__} (no c_attn, "
-                             "kv_a_proj_with_mqa, k_norm, sinks, rope or final_state): "
+                             "kv_a_proj_with_mqa, rope or final_state): "
                              "full_forward_kv must learn it")
     try:
         logits = model(ids).logits

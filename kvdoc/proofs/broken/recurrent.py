@@ -20,6 +20,7 @@ import torch
 
 from kvdoc.core.deltanet import GatedDeltaNet
 from kvdoc.core.mamba2 import Mamba2Mixer, ssd_chunked
+from kvdoc.core.state import RecurrentMixer
 
 from .decoders import cached_only, with_mixer  # noqa: F401 (cached_only: the doctest)
 
@@ -27,8 +28,8 @@ from .decoders import cached_only, with_mixer  # noqa: F401 (cached_only: the do
 class UncarriedChunkState(GatedDeltaNet):
     """BROKEN: the chunked delta rule starts every chunk from the state the call began with."""
 
-    def mix(self, x: torch.Tensor, window: torch.Tensor, state: torch.Tensor, recurrent: bool
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def mix(self, x: torch.Tensor, window: torch.Tensor, state: torch.Tensor,
+            recurrent: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if recurrent or x.shape[1] <= self.chunk_size:
             return super().mix(x, window, state, recurrent)
         outs, first = [], (window, state)
@@ -37,28 +38,26 @@ class UncarriedChunkState(GatedDeltaNet):
             # the conv window is carried (the bug is the state's): it is the real one here
             out, window, state = super().mix(piece, window, first[1], recurrent=False)
             outs.append(out)
-        return torch.cat(outs, dim=2), window, state
+        return torch.cat(outs, dim=1), window, state
 
 
-class ShiftedConvWindow(GatedDeltaNet):
-    """BROKEN: the conv window a call keeps is shifted by one, the newest input left out."""
+class ShiftedConv(RecurrentMixer):
+    """BROKEN: the conv window a call keeps is shifted by one: the ``K - 1`` inputs before the
+    newest, which is left out."""
 
-    def mix(self, x: torch.Tensor, window: torch.Tensor, state: torch.Tensor, recurrent: bool
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out, _, state = super().mix(x, window, state, recurrent)
-        inputs = torch.cat((window, self.in_proj_qkv(x).transpose(1, 2)), dim=2)
-        keep = self.taps - 1
-        return out, inputs[:, :, inputs.shape[2] - keep - 1:inputs.shape[2] - 1], state
-
-
-class ShiftedConvStateMixer(Mamba2Mixer):
-    """BROKEN: keeps as its conv state the ``d_conv - 1`` inputs before the last one."""
-
-    def conv(self, xBC: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out, _ = super().conv(xBC, conv_state)
-        seq = torch.cat((conv_state, xBC.transpose(1, 2)), dim=2)
-        keep = conv_state.shape[2]
+    def conv(self, x: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, _ = super().conv(x, window)
+        seq = torch.cat((window, x.transpose(1, 2)), dim=2)
+        keep = window.shape[2]
         return out, seq[:, :, seq.shape[2] - keep - 1:-1]
+
+
+class ShiftedConvWindow(ShiftedConv, GatedDeltaNet):
+    """:class:`ShiftedConv`'s window in a Gated DeltaNet layer."""
+
+
+class ShiftedConvStateMixer(ShiftedConv, Mamba2Mixer):
+    """:class:`ShiftedConv`'s window in a Mamba-2 mixer (its conv state)."""
 
 
 def undecayed_carry(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
