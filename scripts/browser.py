@@ -350,22 +350,29 @@ class Chromium:
         finally:
             self.send("Target.closeTarget", {"targetId": target})
 
-    def load(self, session: str, url: str, forbidden: tuple[str, ...] = ()) -> PageReport:
+    def load(self, session: str, url: str, forbidden: tuple[str, ...] = (),
+             inspect: bool = True) -> PageReport:
         """Navigate, wait for the load event, MathJax and every image; report what happened.
 
         ``forbidden``: strings the page must not contain anywhere in its HTML (a build path).
+        ``inspect=False``: requests, console errors and the phone's width only (no MathJax,
+        images or openables: a page seen again, as a reading path shows it).
         """
         self.events.clear()
         self.blocked.clear()
         self.send("Page.navigate", {"url": url}, session)
         if not self.pump(self.timeout_s, until="Page.loadEventFired", session=session):
             raise TimeoutError(f"{url} did not finish loading within {self.timeout_s} s")
-        expression = _INSPECT.replace("__FORBIDDEN__", json.dumps(list(forbidden)))
-        result = self.send("Runtime.evaluate", {"expression": expression, "awaitPromise": True,
-                                                "returnByValue": True}, session)
-        if "exceptionDetails" in result:
-            raise RuntimeError(f"inspecting {url} failed: {result['exceptionDetails']}")
-        seen = json.loads(result["result"]["value"])
+        seen = dict(mathjax=False, maths=0, unrendered=0, errors=0, images=[], openables=0,
+                    shown_closed=[], not_opening=[], forbidden=[])
+        if inspect:
+            expression = _INSPECT.replace("__FORBIDDEN__", json.dumps(list(forbidden)))
+            result = self.send("Runtime.evaluate", {"expression": expression,
+                                                    "awaitPromise": True,
+                                                    "returnByValue": True}, session)
+            if "exceptionDetails" in result:
+                raise RuntimeError(f"inspecting {url} failed: {result['exceptionDetails']}")
+            seen = json.loads(result["result"]["value"])
         seen.update(self._phone(session))
         self.pump(0.3)  # late requests (fonts, lazy scripts)
         return self._report(url, session, seen)

@@ -338,7 +338,9 @@ _FOLLOW = """(() => {
 def follow_path(site: Path, exe: str, name: str, first: str) -> list[dict]:
     """Open ``first`` (a docname) with ``?path=name`` and click "next" until the path ends;
     returns what each page showed: ``page`` (docname), ``paths`` (the path blocks shown),
-    ``theme_shown`` (whether the theme's book-order previous/next is still visible)."""
+    ``theme_shown`` (whether the theme's book-order previous/next is still visible),
+    ``problems`` (requests, console errors, a phone's width, with the path block shown; the
+    rest of each page is checked once, without a path, by the site check)."""
     seen: list[dict] = []
     with browser.serve(site) as origin:
         chrome = browser.Chromium(exe, origin)
@@ -346,13 +348,14 @@ def follow_path(site: Path, exe: str, name: str, first: str) -> list[dict]:
             with chrome.tab() as session:
                 url: str | None = f"{origin}/{first}.html?path={name}"
                 while url and len(seen) < 50:
-                    chrome.load(session, url)
+                    report = chrome.load(session, url, inspect=False)
                     result = chrome.send("Runtime.evaluate", {"expression": _FOLLOW,
                                                               "returnByValue": True}, session)
                     state = json.loads(result["result"]["value"])
                     page = url.removeprefix(origin + "/").split("?")[0].removesuffix(".html")
                     seen.append({"page": page, "paths": state["paths"],
-                                 "theme_shown": state["theme_shown"]})
+                                 "theme_shown": state["theme_shown"],
+                                 "problems": report.problems()})
                     url = state["next"]
         finally:
             chrome.close()
@@ -366,6 +369,7 @@ def assert_path_followed(site: Path, exe: str, name: str, pages: list[str]) -> N
 def assert_followed(seen: list[dict], name: str, pages: list[str]) -> None:
     assert [s["page"] for s in seen] == pages
     assert all(s["paths"] == [name] and not s["theme_shown"] for s in seen), seen
+    assert not any(s["problems"] for s in seen), [s for s in seen if s["problems"]]
 
 
 @pytest.mark.sphinx
@@ -388,7 +392,7 @@ def test_a_path_is_followed_by_its_own_next_links(tmp_path):
     assert_path_followed(site, exe, "back", ["c", "b", "a"])
     # Without a path chosen, a path page shows no path block and keeps the theme's links.
     (plain,) = follow_path(site, exe, "", "b")
-    assert plain == {"page": "b", "paths": [], "theme_shown": True}
+    assert plain == {"page": "b", "paths": [], "theme_shown": True, "problems": []}
 
 
 def assert_site_paths(site: Path, exe: str) -> None:
