@@ -379,9 +379,10 @@ def test_a_path_is_followed_by_its_own_next_links(tmp_path):
     paths = {"skip": {"title": "Skips b", "pages": ["a", "c"]},
              "back": {"title": "Backwards", "pages": ["c", "b", "a"]}}
     (src / "_ext" / "paths.json").write_text(json.dumps(paths))
-    (src / "index.md").write_text("# Home\n\n```{toctree}\na\nb\nc\n```\n")
+    (src / "index.md").write_text("# Home\n\n```{toctree}\na\nb\nc\nd\n```\n")
     for page in "abc":
         (src / f"{page}.md").write_text(f"# Page {page}\n\nText of {page}.\n")
+    (src / "d.md").write_text('# Page d\n\n<script>console.error("broken d")</script>\n')
     build = subprocess.run(
         [sys.executable, "-m", "sphinx", "-b", "html", "-E", "-W", "-q", str(src),
          str(tmp_path / "html")], capture_output=True, text=True, timeout=300)
@@ -393,6 +394,9 @@ def test_a_path_is_followed_by_its_own_next_links(tmp_path):
     # Without a path chosen, a path page shows no path block and keeps the theme's links.
     (plain,) = follow_path(site, exe, "", "b")
     assert plain == {"page": "b", "paths": [], "theme_shown": True, "problems": []}
+    # What a page on a path shows is checked too: here a console error.
+    (broken,) = follow_path(site, exe, "", "d")
+    assert broken["problems"] == ["console error: broken d"], broken
 
 
 def assert_site_paths(site: Path, exe: str) -> None:
