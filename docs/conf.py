@@ -150,6 +150,9 @@ html_theme = "sphinx_book_theme"
 html_title = "kvdoc: the KV cache, derived and checked"
 html_theme_options = {
     "show_toc_level": 2,
+    # The sidebar's tree is two levels deep (sections, their pages). The theme resolves it to
+    # depth 4 by default for every page written: the same HTML, a fifth longer a cached build.
+    "max_navbar_depth": 2,
     "use_download_button": True,  # .ipynb (see _offer_notebook), .md source, print to PDF
     "use_fullscreen_button": False,
     "extra_footer": f'<p class="kvdoc-version">kvdoc {release}</p>',

@@ -225,8 +225,11 @@ def test_every_built_page():
         pytest.skip(message)
     exe = chromium()
     pages = browser.pages_of(site)
+    # a page's source (.md) and its notebook (.ipynb): the book theme sets Sphinx's
+    # html_sourcelink_suffix (default .txt) to none
     sources = sorted(p.relative_to(site / "_sources").as_posix().removesuffix(".txt")
-                     for p in (site / "_sources").rglob("*.txt"))
+                     for p in (site / "_sources").rglob("*") if p.is_file())
+    assert sources, f"no page sources in {site / '_sources'}"
     missing = [s for s in sources
                if s.removesuffix(".md").removesuffix(".ipynb") + ".html" not in pages]
     assert not missing, f"pages with a source but no HTML: {missing}"
@@ -240,6 +243,26 @@ def test_every_built_page():
     assert_versioned_with_sources(site, pages)
     assert_site_paths(site, exe)
     assert_source_pages_link_back(site)
+    assert_sidebar_lists_every_page(site, [s for s in sources if not s.startswith("index.")])
+
+
+def assert_sidebar_lists_every_page(site: Path, sources: list[str]) -> None:
+    """The home page's sidebar links every page with a source (docs/conf.py resolves the tree
+    to ``max_navbar_depth`` levels: a page one level deeper would drop out of it)."""
+    home = (site / "index.html").read_text(encoding="utf-8")
+    nav = home[home.index("bd-docs-nav"):]
+    links = set(re.findall(r'href="([^"#]+)', nav[:nav.index("</nav>")]))
+    missing = [s for s in sources
+               if s.removesuffix(".md").removesuffix(".ipynb") + ".html" not in links]
+    assert not missing, f"pages not in the sidebar: {missing}"
+
+
+def test_sidebar_check_can_fail(tmp_path):
+    nav = '<nav class="bd-docs-nav"><a href="part1/a.html">A</a></nav>'
+    (tmp_path / "index.html").write_text(nav)
+    assert_sidebar_lists_every_page(tmp_path, ["part1/a.md"])
+    with pytest.raises(AssertionError, match=r"not in the sidebar: \['part1/deep/b.md'\]"):
+        assert_sidebar_lists_every_page(tmp_path, ["part1/a.md", "part1/deep/b.md"])
 
 
 def assert_source_pages_link_back(site: Path) -> None:
