@@ -233,15 +233,18 @@ def test_every_built_page():
     missing = [s for s in sources
                if s.removesuffix(".md").removesuffix(".ipynb") + ".html" not in pages]
     assert not missing, f"pages with a source but no HTML: {missing}"
-    # The site was built from this checkout: its path (or the environment's) on any page is
-    # this machine's, not the reader's.
-    report = browser.check_site(site, exe, pages, forbidden=browser.build_paths())
+    # The reading paths beside the pages: their browsers mostly wait (loads, the theme's fades).
+    with ThreadPoolExecutor(1) as background:
+        paths = background.submit(assert_site_paths, site, exe)
+        # The site was built from this checkout: its path (or the environment's) on any page
+        # is this machine's, not the reader's.
+        report = browser.check_site(site, exe, pages, forbidden=browser.build_paths())
     print("\n" + report.summary())
     assert len(report.pages) == len(pages)
     assert not report.failures, "\n".join(
         f"{url}:\n  " + "\n  ".join(p) for url, p in report.failures.items())
+    paths.result()
     assert_versioned_with_sources(site, pages)
-    assert_site_paths(site, exe)
     assert_source_pages_link_back(site)
     assert_sidebar_lists_every_page(site, [s for s in sources if not s.startswith("index.")])
 
