@@ -177,7 +177,8 @@ class GatedDeltaNet(RecurrentMixer):
         k, v = l2norm(heads(k, self.hk, self.dk)), heads(v, self.hv, self.dv)
         beta = self.in_proj_b(x).sigmoid().transpose(1, 2)  # [B, H_v, C]
         g = (-self.A_log.exp() * F.softplus(self.in_proj_a(x) + self.dt_bias)).transpose(1, 2)
-        if (C == 1) if recurrent is None else recurrent:
+        recurrent = C == 1 if recurrent is None else recurrent
+        if recurrent:
             out, state = recurrent_delta_rule(q, k, v, g, beta, state)
         else:
             out, state = chunked_delta_rule(q, k, v, g, beta, state, self.chunk_size)
